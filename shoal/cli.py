@@ -1,0 +1,73 @@
+"""The ``shoal`` command line.
+
+Each subcommand lives beside the code it drives, in a module that defines
+``register(subparsers)`` (adds its parser and sets ``func`` to a callable taking the
+parsed arguments and returning an exit code). This file only collects them, so the
+sub-packages can grow their commands without touching each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from shoal import __version__
+from shoal.errors import ShoalError
+
+# Modules that contribute subcommands, in the order `shoal --help` lists them.
+COMMAND_MODULES = (
+    "shoal.demo.cli",
+    "shoal.train.cli",
+    "shoal.plan.cli",
+    "shoal.sim.cli",
+    "shoal.runtime.cli",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shoal",
+        description=(
+            "Train transformer language models on a shoal of heterogeneous, unreliable devices: "
+            "plan, simulate and run pipeline-parallel training with stage servers and task pools."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"shoal {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            # A sub-package that has no commands yet; any other missing module is a bug.
+            if exc.name != name:
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``shoal`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except ShoalError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # `shoal ... | head` closed the pipe: not an error worth a traceback.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

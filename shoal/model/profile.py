@@ -1,0 +1,142 @@
+"""Analytic per-layer profile of the model: parameters, FLOPs, activations, memory.
+
+The planner and the simulator reason with these numbers, so they are exact for
+:mod:`shoal.model.transformer` (the tests compare them with the real modules):
+
+* parameters: embedding ``V*d``; block ``4*d^2 + 3*d*f + 2*d``; head ``d*V + d``.
+* forward FLOPs per token (a multiply-add is 2 FLOPs; element-wise work is ignored):
+  block ``2*(4*d^2 + 3*d*f) + 4*T*d`` -- the last term is attention's ``QK^T`` and ``AV``
+  over the full sequence of ``T`` tokens; head ``2*d*V``; embedding 0 (a lookup).
+  Backward costs twice the forward (input and weight gradients); the embedding's is 0.
+* output activation of a layer for one micro-batch of ``B`` sequences: ``B*T*d``
+  elements (the head outputs a scalar loss; its input gradient is ``B*T*d`` again).
+* activations saved for backward, per micro-batch, in elements: block
+  ``B*T*(12*d + 4*f + H + 2)``, head ``B*T*(2*V + 3*d + 4)``, embedding ``B*T`` int64 ids.
+  These match what autograd keeps for our implementation (measured with
+  ``torch.autograd.graph.saved_tensors_hooks`` in ``tests/test_profile.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shoal.errors import ShoalError
+from shoal.model.config import ModelConfig
+from shoal.model.transformer import layer_kind
+
+ADAMW_STATE_BYTES_PER_PARAM = 8  # two fp32 moments per parameter
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """Costs of one layer for one micro-batch of ``B`` sequences of ``T`` tokens."""
+
+    index: int  # global layer index (0 = embedding, n_layers + 1 = head)
+    kind: str  # "embedding", "block" or "head"
+    params: int  # number of parameters
+    param_bytes: int  # bytes of the parameters in the compute dtype
+    fwd_flops_per_token: int  # forward FLOPs per token
+    bwd_flops_per_token: int  # backward FLOPs per token
+    out_act_bytes: int  # bytes of the output activation (and of its gradient) per micro-batch
+    saved_act_bytes: int  # bytes autograd keeps for backward, per micro-batch
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Per-layer profile of a model at a given sequence length and micro-batch size."""
+
+    cfg: ModelConfig  # the model
+    seq_len: int  # tokens per sequence (T)
+    micro_batch_size: int  # sequences per micro-batch (B)
+    dtype_bytes: int  # bytes per element of weights and activations in compute
+    layers: tuple[LayerProfile, ...]  # one entry per layer, in order
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.seq_len * self.micro_batch_size
+
+    def _range(self, first: int, last: int) -> tuple[LayerProfile, ...]:
+        if not 0 <= first < last <= len(self.layers):
+            raise ShoalError(f"stage [{first}, {last}) is outside [0, {len(self.layers)})")
+        return self.layers[first:last]
+
+    def params(self, first: int, last: int) -> int:
+        """Parameters of stage ``[first, last)``."""
+        return sum(layer.params for layer in self._range(first, last))
+
+    def param_bytes(self, first: int, last: int) -> int:
+        """Bytes of the stage's parameters in the compute dtype (one weight pull)."""
+        return sum(layer.param_bytes for layer in self._range(first, last))
+
+    def fwd_flops(self, first: int, last: int) -> float:
+        """Forward FLOPs of the stage for one micro-batch."""
+        tokens = self.tokens_per_micro_batch
+        return float(sum(layer.fwd_flops_per_token for layer in self._range(first, last)) * tokens)
+
+    def bwd_flops(self, first: int, last: int) -> float:
+        """Backward FLOPs of the stage for one micro-batch."""
+        tokens = self.tokens_per_micro_batch
+        return float(sum(layer.bwd_flops_per_token for layer in self._range(first, last)) * tokens)
+
+    def out_act_bytes(self, first: int, last: int) -> int:
+        """Bytes the stage sends forward per micro-batch (0 if it ends with the head)."""
+        last_layer = self._range(first, last)[-1]
+        return 0 if last_layer.kind == "head" else last_layer.out_act_bytes
+
+    def in_act_bytes(self, first: int, last: int) -> int:
+        """Bytes the stage receives per micro-batch: token ids for stage 0, else hidden states."""
+        self._range(first, last)
+        if first == 0:
+            return self.tokens_per_micro_batch * 8
+        return self.layers[first - 1].out_act_bytes
+
+    def worker_memory(self, first: int, last: int) -> int:
+        """Bytes a worker needs: weights, their gradients, saved activations of one micro-batch."""
+        layers = self._range(first, last)
+        return sum(2 * layer.param_bytes + layer.saved_act_bytes for layer in layers)
+
+    def server_memory(self, first: int, last: int) -> int:
+        """Bytes a stage server needs: fp32 master weights, summed gradients, AdamW state."""
+        p = self.params(first, last)
+        return p * (4 + 4 + ADAMW_STATE_BYTES_PER_PARAM)
+
+
+def profile_model(
+    cfg: ModelConfig, seq_len: int | None = None, micro_batch_size: int = 1, dtype_bytes: int = 4
+) -> ModelProfile:
+    """Profile every layer of ``cfg`` for micro-batches of ``micro_batch_size`` x ``seq_len``."""
+    t = cfg.max_seq_len if seq_len is None else seq_len
+    if t <= 0 or t > cfg.max_seq_len:
+        raise ShoalError(f"sequence length {t} must be in [1, {cfg.max_seq_len}] for model {cfg.name}")
+    if micro_batch_size <= 0:
+        raise ShoalError(f"micro-batch size must be positive, got {micro_batch_size}")
+    if dtype_bytes not in (2, 4):
+        raise ShoalError(f"dtype_bytes must be 2 (fp16/bf16) or 4 (fp32), got {dtype_bytes}")
+    d, f, v, h, b = cfg.d_model, cfg.ffn_hidden, cfg.vocab_size, cfg.n_heads, micro_batch_size
+    bt = b * t
+    layers = []
+    for i in range(cfg.n_total_layers):
+        kind = layer_kind(cfg, i)
+        if kind == "embedding":
+            params, fwd, saved = v * d, 0, bt * 8
+        elif kind == "block":
+            params = 4 * d * d + 3 * d * f + 2 * d
+            fwd = 2 * (4 * d * d + 3 * d * f) + 4 * t * d
+            saved = bt * (12 * d + 4 * f + h + 2) * dtype_bytes
+        else:
+            params, fwd = d * v + d, 2 * d * v
+            saved = bt * (2 * v + 3 * d + 4) * dtype_bytes
+        bwd = 0 if kind == "embedding" else 2 * fwd
+        layers.append(
+            LayerProfile(
+                index=i,
+                kind=kind,
+                params=params,
+                param_bytes=params * dtype_bytes,
+                fwd_flops_per_token=fwd,
+                bwd_flops_per_token=bwd,
+                out_act_bytes=bt * d * dtype_bytes,
+                saved_act_bytes=saved,
+            )
+        )
+    return ModelProfile(cfg, t, b, dtype_bytes, tuple(layers))

@@ -1,0 +1,202 @@
+"""The two types every part of shoal speaks: :class:`Scenario` and :class:`Plan`.
+
+Units inside the code are SI base units: seconds, bytes, bytes per second, FLOP/s.
+Scenario files use human units (ms, Mbit/s, TFLOP/s, GB); :mod:`shoal.plan.scenario`
+converts them on load and is the one place that validates user input.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from shoal.errors import ShoalError
+
+
+@dataclass(frozen=True)
+class Device:
+    """One compute participant, or a reliable host that can run stage servers."""
+
+    id: str  # unique name
+    kind: str  # hardware label, e.g. "rtx3090", "v100", "server"
+    flops: float  # effective training throughput in FLOP/s (0 for a host that only serves)
+    memory: float  # accelerator memory in bytes usable for training
+    region: str  # network region; links are looked up by region pair
+    up: float  # uplink capacity in bytes/s
+    down: float  # downlink capacity in bytes/s
+    can_host_server: bool = False  # reliable enough to run a stage server
+    mean_session_s: float | None = None  # mean time online before leaving (None: never leaves)
+    host_memory: float = 64e9  # host RAM in bytes, for stage servers (master weights + AdamW)
+
+
+@dataclass(frozen=True)
+class Link:
+    """A one-way network path: latency plus bandwidth."""
+
+    latency: float  # one-way latency in seconds
+    bandwidth: float  # bytes/s available to one flow on this path
+
+    def transfer_time(self, nbytes: float) -> float:
+        """Seconds to move ``nbytes`` over this path alone."""
+        return self.latency + nbytes / self.bandwidth
+
+
+@dataclass
+class Network:
+    """Latency and bandwidth between regions, with optional per-device-pair overrides."""
+
+    intra: dict[str, Link]  # region -> link between two devices of that region
+    inter: dict[tuple[str, str], Link]  # sorted (region_a, region_b) -> link between the regions
+    overrides: dict[tuple[str, str], Link] = field(default_factory=dict)  # sorted device-id pair -> link
+    loopback: Link = Link(latency=0.0, bandwidth=1e12)  # a device talking to itself
+
+    def link(self, a: Device, b: Device) -> Link:
+        """The path between devices ``a`` and ``b`` (symmetric)."""
+        if a.id == b.id:
+            return self.loopback
+        pair = (a.id, b.id) if a.id < b.id else (b.id, a.id)
+        if pair in self.overrides:
+            return self.overrides[pair]
+        if a.region == b.region:
+            return self.intra[a.region]
+        regions = (a.region, b.region) if a.region < b.region else (b.region, a.region)
+        return self.inter[regions]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained: model, batch shape, precision."""
+
+    model: str  # model preset name (see shoal.model.config.PRESETS)
+    seq_len: int  # tokens per sequence
+    global_batch: int  # sequences per optimizer step
+    micro_batch_size: int  # sequences per micro-batch (task)
+    dtype_bytes: int = 2  # bytes per element of weights/activations on devices (2 = fp16/bf16)
+    optimizer: str = "adamw"  # optimizer on the stage servers
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per step (M)."""
+        return self.global_batch // self.micro_batch_size
+
+
+@dataclass(frozen=True)
+class ChurnModel:
+    """How devices come and go."""
+
+    enabled: bool = False  # whether devices leave and rejoin at all
+    mean_offline_s: float = 600.0  # mean time a device that left stays away
+    trace: tuple[tuple[float, str, str], ...] = ()  # explicit (time_s, device_id, "leave"|"join")
+
+
+@dataclass
+class Scenario:
+    """A set of devices, the network between them, the workload and the churn model."""
+
+    name: str  # scenario name
+    devices: list[Device]  # every participant, workers and server hosts
+    network: Network  # latency and bandwidth between them
+    workload: Workload  # what is trained
+    churn: ChurnModel = field(default_factory=ChurnModel)  # how devices come and go
+    description: str = ""  # one paragraph: what this scenario models
+    source: str = ""  # where its figures come from
+
+    def device(self, device_id: str) -> Device:
+        """The device called ``device_id``."""
+        for d in self.devices:
+            if d.id == device_id:
+                return d
+        raise ShoalError(f"scenario {self.name}: no device {device_id!r}")
+
+    @property
+    def workers(self) -> list[Device]:
+        """Devices that can compute (flops > 0)."""
+        return [d for d in self.devices if d.flops > 0]
+
+    @property
+    def server_hosts(self) -> list[Device]:
+        """Devices allowed to run stage servers."""
+        return [d for d in self.devices if d.can_host_server]
+
+
+@dataclass
+class StagePlan:
+    """One pipeline stage: its layers, its server host and its workers."""
+
+    layers: tuple[int, int]  # [first, last) global layer indices
+    server: str  # id of the device that runs this stage's server
+    workers: list[str]  # ids of the devices that lease this stage's tasks
+
+
+@dataclass
+class SyncPolicy:
+    """How each worker's parameters are synchronised with its stage server."""
+
+    mode: str = "sync"  # "sync" (exact), "async" (bounded staleness) or "local" (DiLoCo-style)
+    grad_compression: float = 1.0  # bytes on the wire / raw bytes for gradient push & weight pull
+    act_compression: float = 1.0  # bytes on the wire / raw bytes for activations and their grads
+    sync_every: int = 1  # steps between parameter syncs ("local" mode: H)
+
+
+@dataclass
+class Plan:
+    """An allocation of a model over a scenario's devices."""
+
+    scenario: str  # name of the scenario planned for
+    model: str  # model preset
+    method: str  # planner that made it: shoal, dtfm, swarm, dapple, random, exhaustive
+    stages: list[StagePlan]  # pipeline stages, in order
+    micro_batch_size: int  # sequences per micro-batch
+    micro_batches: int  # micro-batches per step (M)
+    sync: SyncPolicy = field(default_factory=SyncPolicy)  # parameter sync policy
+    predicted: dict[str, float] = field(default_factory=dict)  # cost-model times in seconds
+    planning_time_s: float = 0.0  # wall time the planner took
+
+    @property
+    def predicted_step_time_s(self) -> float | None:
+        return self.predicted.get("step_time_s")
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stages)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["predicted_step_time_s"] = self.predicted_step_time_s
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Plan:
+        try:
+            stages = [
+                StagePlan(layers=tuple(s["layers"]), server=s["server"], workers=list(s["workers"]))
+                for s in d["stages"]
+            ]
+            return cls(
+                scenario=d["scenario"],
+                model=d["model"],
+                method=d.get("method", "file"),
+                stages=stages,
+                micro_batch_size=int(d["micro_batch_size"]),
+                micro_batches=int(d["micro_batches"]),
+                sync=SyncPolicy(**d.get("sync", {})),
+                predicted=dict(d.get("predicted", {})),
+                planning_time_s=float(d.get("planning_time_s", 0.0)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ShoalError(f"malformed plan: {exc!r}; expected the JSON written by `shoal plan --json`") from exc
+
+    def to_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> Plan:
+        p = Path(path)
+        if not p.is_file():
+            raise ShoalError(f"plan file {p} does not exist; write one with `shoal plan --json {p}`")
+        try:
+            data = json.loads(p.read_text())
+        except json.JSONDecodeError as exc:
+            raise ShoalError(f"plan file {p} is not valid JSON: {exc}") from exc
+        return cls.from_dict(data)
