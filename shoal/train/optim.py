@@ -1,0 +1,102 @@
+"""The optimizer step shared by the local trainer and the stage servers.
+
+Both run exactly this, so distributed training reproduces local training:
+
+1. every micro-batch's loss is divided by M and back-propagated; the gradients of the M
+   micro-batches are summed (in any order), giving the gradient of the mean loss;
+2. the global gradient norm is the 2-norm over *all* parameters of the model (the stage
+   servers add up the squared norms of their stages, see :func:`clip_coefficient`);
+3. gradients are scaled by ``min(1, grad_clip / (norm + 1e-6))``;
+4. one AdamW update at the learning rate :func:`lr_at` gives for the step; weight
+   decay applies to matrices (ndim >= 2) only, not to norm gains.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from shoal.errors import ShoalError
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warm-up, cosine decay and global gradient-norm clipping."""
+
+    lr: float = 3e-3  # peak learning rate
+    min_lr: float = 3e-4  # learning rate at the end of the cosine decay
+    warmup_steps: int = 10  # steps of linear warm-up from 0 to lr
+    weight_decay: float = 0.1  # AdamW decoupled weight decay (matrices only)
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.95  # AdamW second-moment decay
+    eps: float = 1e-8  # AdamW epsilon
+    grad_clip: float = 1.0  # max global gradient 2-norm (0 disables clipping)
+
+    def validate(self) -> None:
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ShoalError(f"learning rates must satisfy 0 <= min_lr <= lr and lr > 0 (lr={self.lr}, min_lr={self.min_lr})")
+        if self.warmup_steps < 0:
+            raise ShoalError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.grad_clip < 0:
+            raise ShoalError(f"grad_clip must be >= 0, got {self.grad_clip}")
+
+
+def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
+    """Learning rate of optimizer step ``step`` (0-based) in a run of ``total_steps`` steps."""
+    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    decay_steps = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def make_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over ``named_params`` with decay on matrices only.
+
+    The update of each parameter depends only on that parameter, its gradient and the
+    step's learning rate, so a stage server holding a subset of the parameters performs
+    the same update as a single process holding them all.
+    """
+    decay, no_decay = [], []
+    for _, p in sorted(named_params, key=lambda kv: kv[0]):
+        (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False, fused=False
+    )
+
+
+def grad_sq_norm(params: Iterable[torch.nn.Parameter]) -> float:
+    """Sum of squared gradient entries (fp64) of ``params``; stages add theirs up."""
+    total = 0.0
+    for p in params:
+        if p.grad is not None:
+            total += float(p.grad.detach().double().pow(2).sum())
+    return total
+
+
+def clip_coefficient(total_sq_norm: float, grad_clip: float) -> float:
+    """Factor to scale gradients by, given the squared global norm over all stages."""
+    if grad_clip <= 0:
+        return 1.0
+    if not math.isfinite(total_sq_norm):
+        raise ShoalError("gradient norm is not finite; lower the learning rate or check the data")
+    return min(1.0, grad_clip / (math.sqrt(total_sq_norm) + 1e-6))
+
+
+def apply_update(optimizer: torch.optim.Optimizer, lr: float, coef: float) -> None:
+    """Scale gradients by ``coef``, run one AdamW step at ``lr``, clear the gradients."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+        if coef != 1.0:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
