@@ -1,0 +1,199 @@
+"""Byte-level BPE tokenizer and token ids, trained and encoded once, cached on disk.
+
+The cache key is the SHA-256 of the corpus text, the vocabulary size and
+:data:`RECIPE_VERSION` (bumped whenever the tokenizer recipe or the encoding changes).
+Each entry is a folder ``<cache>/data/<hash16>-v<vocab>-r<recipe>/`` holding
+``tokenizer.json`` (HF ``tokenizers``) and ``ids.npy`` (the whole corpus encoded, uint16
+or int32). Files are written to a temporary name and renamed, so processes that load the
+same data at the same time never see a half-written file; at worst both compute it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from shoal.data.text import corpus_hash, read_corpus
+from shoal.errors import ShoalError
+
+# Bump when the tokenizer training or the encoding changes: old cache entries are ignored.
+RECIPE_VERSION = 1
+# Marks document boundaries; id 0 in every tokenizer we train.
+EOT_TOKEN = "<|endoftext|>"
+# Lines per chunk fed to the trainer/encoder: big enough to batch, small enough to parallelise.
+_LINES_PER_CHUNK = 256
+# Smallest vocabulary: the 256 byte symbols plus the end-of-text token.
+MIN_VOCAB_SIZE = 257
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the training text comes from and how it is split."""
+
+    paths: tuple[str, ...] = ()  # text files, folders or globs; empty = bundled Shakespeare corpus
+    val_fraction: float = 0.05  # fraction of the tokens (the last ones) held out for validation
+    cache_dir: str | None = None  # tokenizer/token cache; None = $SHOAL_CACHE_DIR or ~/.cache/shoal
+
+    def validate(self) -> None:
+        """Raise :class:`ShoalError` if a field is out of range."""
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ShoalError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+
+
+@dataclass
+class TokenData:
+    """The tokenized corpus split into training and validation token streams."""
+
+    train: torch.Tensor  # 1-D int64 token ids, the first (1 - val_fraction) of the corpus
+    val: torch.Tensor  # 1-D int64 token ids, the rest
+    tokenizer: Tokenizer  # the byte-level BPE tokenizer that produced the ids
+    vocab_size: int  # the model's vocabulary size (every id is below it)
+    corpus_hash: str = ""  # SHA-256 of the corpus text
+    cache_path: str = ""  # folder of the cache entry
+    extra: dict = field(default_factory=dict)  # free-form facts for logs (tokens, source count)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``."""
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of token ids."""
+        return self.tokenizer.decode(list(ids))
+
+
+def resolve_cache_dir(cache_dir: str | None) -> Path:
+    """The cache root: the explicit setting, else ``$SHOAL_CACHE_DIR``, else ``~/.cache/shoal``."""
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("SHOAL_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "shoal"
+
+
+def _chunks(text: str) -> list[str]:
+    # Chunks end on line boundaries, so decoding them one after another gives back the text.
+    lines = text.splitlines(keepends=True)
+    return ["".join(lines[i : i + _LINES_PER_CHUNK]) for i in range(0, len(lines), _LINES_PER_CHUNK)]
+
+
+def train_tokenizer(text: str, vocab_size: int) -> Tokenizer:
+    """Train a byte-level BPE tokenizer with at most ``vocab_size`` tokens on ``text``.
+
+    Deterministic for a given text and size. A small corpus may yield fewer tokens than
+    asked; the ids are then still below ``vocab_size``.
+    """
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ShoalError(f"vocab_size must be at least {MIN_VOCAB_SIZE} for a byte-level tokenizer, got {vocab_size}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[EOT_TOKEN],
+        show_progress=False,
+    )
+    chunks = _chunks(text)
+    tok.train_from_iterator(chunks, trainer, length=len(chunks))
+    return tok
+
+
+def encode_corpus(tok: Tokenizer, text: str) -> np.ndarray:
+    """All token ids of ``text`` as a 1-D int64 array."""
+    encs = tok.encode_batch(_chunks(text))
+    total = sum(len(e.ids) for e in encs)
+    out = np.empty(total, dtype=np.int64)
+    pos = 0
+    for e in encs:
+        out[pos : pos + len(e.ids)] = e.ids
+        pos += len(e.ids)
+    return out
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _atomic_save_npy(path: Path, arr: np.ndarray) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, arr, allow_pickle=False)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _storage_dtype(vocab_size: int) -> type:
+    return np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
+
+
+def load_tokens(text: str, vocab_size: int, cache_dir: str | None) -> tuple[Tokenizer, np.ndarray, Path]:
+    """Tokenizer and token ids of ``text``, from the cache or computed and cached."""
+    key = f"{corpus_hash(text)[:16]}-v{vocab_size}-r{RECIPE_VERSION}"
+    entry = resolve_cache_dir(cache_dir) / "data" / key
+    tok_path, ids_path = entry / "tokenizer.json", entry / "ids.npy"
+    if tok_path.exists() and ids_path.exists():
+        try:
+            tok = Tokenizer.from_file(str(tok_path))
+            ids = np.load(ids_path, allow_pickle=False).astype(np.int64)
+            return tok, ids, entry
+        except (OSError, ValueError, Exception):  # noqa: BLE001 -- a corrupt entry is rebuilt
+            pass
+    tok = train_tokenizer(text, vocab_size)
+    ids = encode_corpus(tok, text)
+    try:
+        entry.mkdir(parents=True, exist_ok=True)
+        _atomic_write_bytes(tok_path, tok.to_str().encode("utf-8"))
+        _atomic_save_npy(ids_path, ids.astype(_storage_dtype(vocab_size)))
+        _atomic_write_bytes(
+            entry / "meta.json",
+            json.dumps({"vocab_size": vocab_size, "tokens": int(ids.size), "recipe": RECIPE_VERSION}).encode(),
+        )
+    except OSError as exc:
+        raise ShoalError(f"cannot write the data cache at {str(entry)!r} ({exc}); set SHOAL_CACHE_DIR to a writable folder") from None
+    return tok, ids, entry
+
+
+def split_ids(ids: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """Split token ids into (train, val): the last ``val_fraction`` of the tokens is val."""
+    n = int(ids.size)
+    n_val = max(2, int(round(n * val_fraction)))
+    if n - n_val < 2:
+        raise ShoalError(f"the corpus has only {n} tokens: too few to split into training and validation; add text")
+    return ids[: n - n_val], ids[n - n_val :]
+
+
+def load_data(cfg: DataConfig, vocab_size: int) -> TokenData:
+    """Read, tokenize (cached) and split the corpus of ``cfg`` for a model of ``vocab_size``."""
+    cfg.validate()
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ShoalError(f"vocab_size must be at least {MIN_VOCAB_SIZE} for a byte-level tokenizer, got {vocab_size}")
+    text = read_corpus(cfg.paths)
+    tok, ids, entry = load_tokens(text, vocab_size, cfg.cache_dir)
+    train, val = split_ids(ids, cfg.val_fraction)
+    return TokenData(
+        train=torch.from_numpy(np.ascontiguousarray(train)),
+        val=torch.from_numpy(np.ascontiguousarray(val)),
+        tokenizer=tok,
+        vocab_size=vocab_size,
+        corpus_hash=corpus_hash(text),
+        cache_path=str(entry),
+        extra={"tokens": int(ids.size), "chars": len(text)},
+    )
