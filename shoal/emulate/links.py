@@ -1,0 +1,325 @@
+"""Link emulation: an in-process TCP relay with latency, jitter and token buckets.
+
+A process that wants to behave like a scenario device starts one :class:`LinkShaper`
+(a background thread running an asyncio loop) and routes every outbound connection
+through :meth:`LinkShaper.proxy_for`, which returns a ``127.0.0.1:port`` address that
+relays bytes to the real target. The relay is a pure byte pipe, so gRPC/HTTP2 (or any
+TCP protocol) runs through it unchanged. Each direction of each connection is a
+two-stage pipeline:
+
+1. *transmit*: a chunk read from the sender is charged to the token buckets of that
+   direction -- the device's uplink (bytes it sends) or downlink (bytes it receives),
+   shared by all its connections, plus an optional per-path bucket (the scenario
+   link's per-flow bandwidth). The chunk's transmission ends at the latest completion
+   time of those buckets; the relay does not read more from that socket until then,
+   so TCP back-pressure reaches the sender as on a real bottleneck.
+2. *propagate*: the chunk is delivered ``latency + jitter`` after its transmission
+   ends, never before an earlier chunk of the same direction (byte order is kept).
+
+So a message of ``n`` bytes over an idle link arrives ``n / rate + latency`` after it
+was sent, and a bulk transfer runs at ``rate``: the two figures the cost model uses.
+
+:class:`ScenarioDial` turns a scenario, this process's device id and a map from peer
+address to peer device into a ``dial(address) -> address`` hook for the runtime:
+latency and per-flow bandwidth come from ``scenario.network.link(me, peer)``, and the
+device's ``up``/``down`` capacities set the shared buckets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+CHUNK = 16 * 1024  # bytes read per relay step; smaller = finer pacing, more overhead
+BURST_S = 0.005  # idle credit of a bucket, in seconds of its rate; absorbs sleep overshoot
+
+
+class TokenBucket:
+    """A byte-rate limiter in virtual time (a serial link of ``rate`` bytes/s).
+
+    :meth:`reserve` books ``n`` bytes and returns when their transmission ends. A link
+    that was idle may start up to ``burst_s`` in the past, which absorbs the scheduler's
+    sleep overshoot without letting a long transfer exceed ``rate`` by more than
+    ``burst_s * rate`` bytes. Not thread-safe: used from one event loop.
+    """
+
+    def __init__(self, rate: float | None, burst_s: float = BURST_S):
+        if rate is not None and not rate > 0:
+            raise ValueError(f"bucket rate must be positive bytes/s or None, got {rate!r}")
+        self.rate = rate  # bytes per second; None = unlimited
+        self.burst_s = burst_s  # idle credit in seconds
+        self._tat = 0.0  # theoretical time at which everything booked so far is sent
+
+    def reserve(self, n: int, now: float) -> float:
+        """Book ``n`` bytes at time ``now``; the time their transmission ends."""
+        if self.rate is None:
+            return now
+        start = max(self._tat, now - self.burst_s)
+        self._tat = start + n / self.rate
+        return self._tat
+
+
+@dataclass
+class DirectionStats:
+    """Counters of one relay direction."""
+
+    bytes: int = 0  # payload bytes relayed
+    chunks: int = 0  # relay steps
+
+
+class _Proxy:
+    """One listening relay towards one target, with its per-path buckets."""
+
+    def __init__(self, shaper: LinkShaper, target: tuple[str, int], latency_s: float,
+                 jitter_s: float, path_up: float | None, path_down: float | None):
+        self.shaper = shaper
+        self.target = target
+        self.latency_s = latency_s
+        self.jitter_s = jitter_s
+        self.path_up = TokenBucket(path_up)
+        self.path_down = TokenBucket(path_down)
+        self.up = DirectionStats()
+        self.down = DirectionStats()
+        self.server: asyncio.base_events.Server | None = None
+        self.address = ""
+        self.connections = 0
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        self.address = f"127.0.0.1:{port}"
+        return self.address
+
+    async def _handle(self, c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
+        try:
+            t_reader, t_writer = await asyncio.open_connection(*self.target)
+        except OSError:
+            c_writer.close()  # the target is down: the dialer sees a closed connection
+            return
+        self.connections += 1
+        sh = self.shaper
+        up = asyncio.create_task(_pump(
+            c_reader, t_writer, (sh.up_bucket, self.path_up), self, self.up, sh.up_stats))
+        down = asyncio.create_task(_pump(
+            t_reader, c_writer, (sh.down_bucket, self.path_down), self, self.down, sh.down_stats))
+        sh._tasks.update((up, down))
+        try:
+            await asyncio.gather(up, down, return_exceptions=True)
+        finally:
+            sh._tasks.difference_update((up, down))
+            for w in (c_writer, t_writer):
+                w.close()
+
+    def delay(self) -> float:
+        if self.jitter_s <= 0:
+            return self.latency_s
+        return max(0.0, self.shaper._rng.gauss(self.latency_s, self.jitter_s))
+
+
+async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                buckets: tuple[TokenBucket, ...], proxy: _Proxy,
+                stats: DirectionStats, total: DirectionStats) -> None:
+    """Relay one direction: transmit through ``buckets``, then delay, keeping order."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
+
+    async def deliver() -> None:
+        while True:
+            item = await queue.get()
+            if item is None:
+                if writer.can_write_eof():
+                    with contextlib.suppress(OSError):
+                        writer.write_eof()
+                return
+            at, data = item
+            wait = at - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            writer.write(data)
+            await writer.drain()
+
+    sender = asyncio.create_task(deliver())
+    last = 0.0
+    try:
+        while True:
+            data = await reader.read(CHUNK)
+            if not data:
+                break
+            now = loop.time()
+            sent = max([now] + [b.reserve(len(data), now) for b in buckets])
+            # A chunk never arrives before now + latency, even on burst credit.
+            last = max(last, max(sent, now) + proxy.delay())
+            queue.put_nowait((last, data))
+            stats.bytes += len(data)
+            stats.chunks += 1
+            total.bytes += len(data)
+            total.chunks += 1
+            if sent > now:
+                await asyncio.sleep(sent - now)  # back-pressure: read on when transmitted
+    except (ConnectionError, OSError):
+        pass
+    finally:
+        queue.put_nowait(None)
+    with contextlib.suppress(ConnectionError, OSError):
+        await sender
+
+
+def _parse_address(address: str) -> tuple[str, int]:
+    """``host:port`` (also ``[v6]:port`` and gRPC's ``ipv4:``/``dns:///`` prefixes)."""
+    a = address
+    for prefix in ("ipv4:", "ipv6:", "dns:///", "dns:"):
+        if a.startswith(prefix):
+            a = a[len(prefix):]
+    host, sep, port = a.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address {address!r} is not host:port")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+class LinkShaper:
+    """The emulated network interface of one device: shared up/down buckets and relays.
+
+    ``up`` and ``down`` are the device's capacities in bytes/s (None = unlimited). All
+    relays made by :meth:`proxy_for` share them, as the flows of one home connection
+    share its uplink. Runs its own event loop in a daemon thread, so it works beside
+    any other loop (grpc.aio) in the process. Call :meth:`close` when done.
+    """
+
+    def __init__(self, up: float | None = None, down: float | None = None, seed: int = 0):
+        self.up_bucket = TokenBucket(up)
+        self.down_bucket = TokenBucket(down)
+        self.up_stats = DirectionStats()  # bytes this device sent through its relays
+        self.down_stats = DirectionStats()  # bytes this device received through its relays
+        self._rng = random.Random(seed)
+        self._proxies: list[_Proxy] = []
+        self._tasks: set[asyncio.Task] = set()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="shoal-link-shaper", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    def proxy_for(self, target_address: str, latency_s: float = 0.0, jitter_s: float = 0.0,
+                  path_up: float | None = None, path_down: float | None = None) -> str:
+        """Start a relay to ``target_address``; returns its ``127.0.0.1:port``.
+
+        ``latency_s`` is the one-way delay added in each direction (so a round trip
+        gains twice that), ``jitter_s`` the standard deviation of a normal variation of
+        each chunk's delay (order is kept, so jitter only ever delays), and
+        ``path_up``/``path_down`` optional per-path rates in bytes/s on top of the
+        device's shared buckets. Thread-safe; may be called from any thread.
+        """
+        if self._closed:
+            raise RuntimeError("LinkShaper is closed")
+        if latency_s < 0 or jitter_s < 0:
+            raise ValueError("latency and jitter must be >= 0")
+        proxy = _Proxy(self, _parse_address(target_address), latency_s, jitter_s, path_up, path_down)
+        fut = asyncio.run_coroutine_threadsafe(proxy.start(), self._loop)
+        address = fut.result(timeout=10)
+        self._proxies.append(proxy)
+        return address
+
+    def stats(self) -> dict:
+        """Bytes relayed: totals per direction and per relay target."""
+        return {
+            "up_bytes": self.up_stats.bytes,
+            "down_bytes": self.down_stats.bytes,
+            "proxies": [
+                {"target": f"{p.target[0]}:{p.target[1]}", "address": p.address,
+                 "latency_s": p.latency_s, "up_bytes": p.up.bytes, "down_bytes": p.down.bytes,
+                 "connections": p.connections}
+                for p in self._proxies
+            ],
+        }
+
+    def close(self) -> None:
+        """Stop every relay and the loop thread (open relayed connections are dropped)."""
+        if self._closed:
+            return
+        self._closed = True
+
+        async def shutdown() -> None:
+            for p in self._proxies:
+                if p.server is not None:
+                    p.server.close()
+            for t in list(self._tasks):
+                t.cancel()
+            await asyncio.sleep(0)
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    def __enter__(self) -> LinkShaper:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ScenarioDial:
+    """A ``dial(address) -> address`` hook that makes this process a scenario device.
+
+    ``peers`` maps each peer's address (as the runtime dials it) to the peer's device
+    id. Dialling a known peer returns a relay with the one-way latency and per-flow
+    bandwidth of ``scenario.network.link(me, peer)``, scaled by ``latency_scale`` and
+    ``bandwidth_scale``; all relays share this device's up/down buckets
+    (``device.up``/``device.down`` times ``bandwidth_scale``). Unknown addresses are
+    returned unchanged (not shaped). One relay per address is made and reused.
+    """
+
+    def __init__(self, scenario, device_id: str, peers: Mapping[str, str] | None = None, *,
+                 latency_scale: float = 1.0, bandwidth_scale: float = 1.0,
+                 jitter_s: float = 0.0, per_flow: bool = True, seed: int = 0):
+        self.scenario = scenario  # shoal.plan.types.Scenario
+        self.device = scenario.device(device_id)  # this process's device
+        self.peers: dict[str, str] = dict(peers or {})  # address -> peer device id
+        self.latency_scale = latency_scale  # multiplies every scenario latency
+        self.bandwidth_scale = bandwidth_scale  # multiplies every scenario bandwidth
+        self.jitter_s = jitter_s  # std-dev of per-chunk delay variation, seconds
+        self.per_flow = per_flow  # also cap each path at its scenario link bandwidth
+        self.shaper = LinkShaper(up=self.device.up * bandwidth_scale,
+                                 down=self.device.down * bandwidth_scale, seed=seed)
+        self._relays: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def set_peer(self, address: str, device_id: str) -> None:
+        """Add or change the device behind ``address`` (e.g. after a re-plan)."""
+        with self._lock:
+            self.peers[address] = device_id
+            self._relays.pop(address, None)
+
+    def link_for(self, address: str):
+        """The scenario :class:`~shoal.plan.types.Link` towards ``address`` (None: unknown)."""
+        peer_id = self.peers.get(address)
+        if peer_id is None:
+            return None
+        return self.scenario.network.link(self.device, self.scenario.device(peer_id))
+
+    def __call__(self, address: str) -> str:
+        with self._lock:
+            if address in self._relays:
+                return self._relays[address]
+            link = self.link_for(address)
+            if link is None:
+                return address
+            rate = link.bandwidth * self.bandwidth_scale if self.per_flow else None
+            relay = self.shaper.proxy_for(
+                address, latency_s=link.latency * self.latency_scale, jitter_s=self.jitter_s,
+                path_up=rate, path_down=rate)
+            self._relays[address] = relay
+            return relay
+
+    def close(self) -> None:
+        """Stop the relays."""
+        self.shaper.close()

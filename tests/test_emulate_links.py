@@ -1,0 +1,176 @@
+"""Link emulation over loopback: latency, throughput, shared buckets, gRPC transparency."""
+
+import socket
+import statistics
+import threading
+import time
+
+import pytest
+
+from shoal.emulate.links import LinkShaper, ScenarioDial, TokenBucket
+from shoal.emulate.measure import _Echo, _Sink, connect, measure_latency, measure_throughput
+from shoal.emulate.measure import serve as _serve
+from shoal.plan.types import Device, Link, Network, Scenario, Workload
+
+LATENCY = 0.050  # one-way seconds
+RATE = 2e6  # bytes/s
+
+
+def test_token_bucket_books_serial_time():
+    b = TokenBucket(1000.0, burst_s=0.0)
+    assert b.reserve(500, now=10.0) == pytest.approx(10.5)
+    assert b.reserve(500, now=10.1) == pytest.approx(11.0)  # queued behind the first
+    assert b.reserve(100, now=20.0) == pytest.approx(20.1)  # idle link: starts now
+    credit = TokenBucket(1000.0, burst_s=0.01)
+    assert credit.reserve(100, now=5.0) == pytest.approx(5.09)  # may start 10 ms back
+    assert TokenBucket(None).reserve(10**9, now=1.0) == 1.0
+    with pytest.raises(ValueError):
+        TokenBucket(0.0)
+
+
+def test_latency_within_15_percent():
+    one_way = measure_latency(LATENCY, pings=11, rate=RATE)
+    assert abs(one_way - LATENCY) <= 0.15 * LATENCY, one_way
+
+
+def test_echo_counts_bytes_both_ways():
+    srv, addr = _serve(_Echo)
+    with LinkShaper() as sh:
+        s = connect(sh.proxy_for(addr, latency_s=0.002))
+        for _ in range(3):
+            s.sendall(b"q" * 64)
+            got = 0
+            while got < 64:
+                got += len(s.recv(1024))
+        s.close()
+        st = sh.stats()
+        assert st["up_bytes"] == st["down_bytes"] == 3 * 64
+        assert st["proxies"][0]["connections"] == 1
+    srv.shutdown()
+
+
+@pytest.mark.parametrize("direction", ["up", "down"])
+def test_throughput_within_15_percent(direction):
+    nbytes = int(3e6)
+    rate, received = measure_throughput(RATE, nbytes, direction)
+    assert received == nbytes
+    assert abs(rate - RATE) <= 0.15 * RATE, rate
+
+
+def test_uplink_is_shared_by_all_relays():
+    nbytes = int(1.5e6)
+    srv, addr = _serve(_Sink, marks=[])
+    with LinkShaper(up=RATE) as sh:
+        relays = [sh.proxy_for(addr), sh.proxy_for(addr)]
+        socks = [connect(r) for r in relays]
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=s.sendall, args=(b"z" * nbytes,)) for s in socks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for s in socks:
+            s.shutdown(socket.SHUT_WR)
+            s.recv(1)
+            s.close()
+        deadline = time.monotonic() + 10
+        while len(srv.marks) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        end = max(m[-1][0] for m in srv.marks)
+        # two flows of 1.5 MB over one 2 MB/s uplink: together they take ~1.5 s, not ~0.75 s
+        aggregate = 2 * nbytes / (end - t0)
+        assert aggregate <= 1.15 * RATE, aggregate
+        assert sum(m[-1][1] for m in srv.marks) == 2 * nbytes
+    srv.shutdown()
+
+
+def test_byte_order_kept_with_jitter():
+    srv, addr = _serve(_Echo)
+    with LinkShaper() as sh:
+        relay = sh.proxy_for(addr, latency_s=0.005, jitter_s=0.005)
+        s = connect(relay)
+        payload = bytes(range(256)) * 2000
+        sender = threading.Thread(target=s.sendall, args=(payload,))
+        sender.start()
+        got = bytearray()
+        while len(got) < len(payload):
+            got += s.recv(65536)
+        sender.join()
+        s.close()
+        assert bytes(got) == payload
+    srv.shutdown()
+
+
+def test_dead_target_closes_connection():
+    with LinkShaper() as sh:
+        probe = socket.socket()
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+        probe.close()  # nothing listens here now
+        relay = sh.proxy_for(f"127.0.0.1:{port}", latency_s=0.01)
+        s = connect(relay)
+        assert s.recv(10) == b""
+        s.close()
+
+
+def _scenario():
+    mk = lambda i, region: Device(id=f"d{i}", kind="rtx3090", flops=1e12, memory=24e9,  # noqa: E731
+                                  region=region, up=1e6, down=4e6)
+    net = Network(
+        intra={"eu": Link(0.005, 1e9), "us": Link(0.005, 1e9)},
+        inter={("eu", "us"): Link(0.040, 3e6)},
+    )
+    return Scenario(name="t", devices=[mk(0, "eu"), mk(1, "eu"), mk(2, "us")], network=net,
+                    workload=Workload(model="tiny", seq_len=32, global_batch=8, micro_batch_size=2))
+
+
+def test_scenario_dial_uses_region_latency():
+    srv, addr = _serve(_Echo)
+    other = "127.0.0.1:1"
+    dial = ScenarioDial(_scenario(), "d0", {addr: "d2", other: "d1"})
+    try:
+        assert dial("127.0.0.1:9") == "127.0.0.1:9"  # unknown: unshaped
+        assert dial.link_for(addr).latency == 0.040
+        assert dial.link_for(other).latency == 0.005
+        relay = dial(addr)
+        assert relay != addr and dial(addr) == relay  # one relay per address
+        assert dial.shaper.up_bucket.rate == 1e6 and dial.shaper.down_bucket.rate == 4e6
+        s = connect(relay)
+        rtts = []
+        for _ in range(5):
+            t0 = time.monotonic()
+            s.sendall(b"p")
+            assert s.recv(1) == b"p"
+            rtts.append(time.monotonic() - t0)
+        s.close()
+        assert abs(statistics.median(rtts) / 2 - 0.040) <= 0.15 * 0.040
+    finally:
+        dial.close()
+        srv.shutdown()
+
+
+def test_grpc_runs_through_the_relay():
+    grpc = pytest.importorskip("grpc")
+    from concurrent import futures
+
+    def echo(request, context):
+        return request[::-1]
+
+    handler = grpc.method_handlers_generic_handler(
+        "shoal.test.Echo", {"Rev": grpc.unary_unary_rpc_method_handler(echo)})
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with LinkShaper(up=RATE, down=RATE) as sh:
+            relay = sh.proxy_for(f"127.0.0.1:{port}", latency_s=0.01)
+            with grpc.insecure_channel(relay) as ch:
+                rev = ch.unary_unary("/shoal.test.Echo/Rev")
+                big = bytes(range(256)) * 1000
+                assert rev(b"hello", timeout=10) == b"olleh"
+                assert rev(big, timeout=10) == big[::-1]
+            st = sh.stats()
+            assert st["up_bytes"] > len(big) and st["down_bytes"] > len(big)
+    finally:
+        server.stop(0)
