@@ -1,0 +1,108 @@
+"""``shoal train --local`` (the reference trainer) and ``shoal generate`` (sample a run)."""
+
+from __future__ import annotations
+
+import argparse
+
+from shoal.errors import ShoalError
+
+# Flags that map one to one onto TrainConfig fields (argparse dest == field name).
+_TRAIN_FIELDS = (
+    "model", "steps", "micro_batches", "micro_batch_size", "seq_len", "seed", "lr", "min_lr", "warmup",
+    "weight_decay", "grad_clip", "eval_every", "eval_batches", "checkpoint_every", "data",
+    "val_fraction", "cache_dir", "out", "stop_after", "log_every",
+)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``train`` and ``generate`` subcommands."""
+    from shoal.train.local import TrainConfig
+
+    d = TrainConfig()
+    p = subparsers.add_parser(
+        "train",
+        help="train a model in this process (--local): the reference for distributed runs",
+        description=(
+            "Train a model on one machine with the exact step semantics of distributed shoal runs: "
+            "M micro-batches per step, summed gradients, global-norm clipping, AdamW."
+        ),
+    )
+    p.add_argument("--local", action="store_true", help="train in this process (required)")
+    p.add_argument("--model", help=f"model preset (default {d.model})")
+    p.add_argument("--steps", type=int, help=f"optimizer steps; sets the LR schedule (default {d.steps})")
+    p.add_argument("--micro-batches", type=int, help=f"M, micro-batches per step (default {d.micro_batches})")
+    p.add_argument("--micro-batch-size", type=int, help=f"B, sequences per micro-batch (default {d.micro_batch_size})")
+    p.add_argument("--seq-len", type=int, help=f"T, tokens per sequence (default {d.seq_len})")
+    p.add_argument("--seed", type=int, help=f"seed of weights and data order (default {d.seed})")
+    p.add_argument("--lr", type=float, help=f"peak learning rate (default {d.lr})")
+    p.add_argument("--min-lr", type=float, help="final learning rate of the cosine decay (default lr/10)")
+    p.add_argument("--warmup", type=int, help=f"linear warm-up steps (default {d.warmup})")
+    p.add_argument("--weight-decay", type=float, help=f"AdamW weight decay (default {d.weight_decay})")
+    p.add_argument("--grad-clip", type=float, help=f"global gradient-norm clip, 0 = off (default {d.grad_clip})")
+    p.add_argument("--eval-every", type=int, help=f"validation every K steps, 0 = at the end (default {d.eval_every})")
+    p.add_argument("--eval-batches", type=int, help=f"validation micro-batches (default {d.eval_batches})")
+    p.add_argument("--checkpoint-every", type=int, help="checkpoint every K steps, 0 = at the end (default 0)")
+    p.add_argument("--data", nargs="+", metavar="PATH", help="text files, folders or globs (default: bundled Shakespeare)")
+    p.add_argument("--val-fraction", type=float, help=f"last fraction of tokens for validation (default {d.val_fraction})")
+    p.add_argument("--cache-dir", help="tokenizer cache (default $SHOAL_CACHE_DIR or ~/.cache/shoal)")
+    p.add_argument("--out", help=f"run folder (default {d.out})")
+    p.add_argument("--resume", metavar="DIR", help="continue the run checkpointed in DIR")
+    p.add_argument("--stop-after", type=int, help="stop (and checkpoint) after this many steps, as if interrupted")
+    p.add_argument("--log-every", type=int, help=f"without a terminal, print every N steps (default {d.log_every})")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.set_defaults(func=run_train)
+
+    g = subparsers.add_parser("generate", help="sample text from a trained run's checkpoint",
+                              description="Print a prompt and its sampled continuation from a run folder.")
+    g.add_argument("--from", dest="run_dir", required=True, metavar="DIR", help="run folder (the --out of shoal train)")
+    g.add_argument("--prompt", default="", help="text to continue (default: empty)")
+    g.add_argument("--tokens", type=int, default=200, help="tokens to sample (default 200)")
+    g.add_argument("--temperature", type=float, default=0.8, help="softmax temperature, 0 = greedy (default 0.8)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens, 0 = all (default 0)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    g.set_defaults(func=run_generate)
+
+
+def _given(args: argparse.Namespace) -> dict:
+    out = {}
+    for name in _TRAIN_FIELDS:
+        v = getattr(args, name, None)
+        if v is not None:
+            out[name] = tuple(v) if name == "data" else v
+    return out
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Entry of ``shoal train``."""
+    from shoal.train.local import TrainConfig, resume_config, train_local
+
+    if not args.local:
+        raise ShoalError("shoal train runs in this process only with --local; distributed runs use the runtime commands (see shoal --help)")
+    given = _given(args)
+    if args.resume:
+        if "out" in given and given.pop("out") != args.resume:
+            raise ShoalError("--out and --resume name different folders; --resume DIR continues the run in DIR")
+        cfg = resume_config(args.resume, **given)
+        if args.stop_after is not None:
+            from dataclasses import replace
+
+            cfg = replace(cfg, stop_after=args.stop_after)
+    else:
+        cfg = TrainConfig(**given)
+    res = train_local(cfg, resume=bool(args.resume), quiet=args.quiet)
+    if not args.quiet and res.records:
+        last = res.records[-1]
+        vals = [r for r in res.records if "val_loss" in r]
+        val = f", val loss {vals[-1]['val_loss']:.4f}" if vals else ""
+        print(f"done: {res.steps_done}/{cfg.steps} steps, loss {last['loss']:.4f}{val}; run folder {res.out}")
+    return 0
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Entry of ``shoal generate``."""
+    from shoal.train.generate import generate_text
+    from shoal.train.local import set_torch_threads
+
+    set_torch_threads()
+    print(generate_text(args.run_dir, args.prompt, args.tokens, args.temperature, args.top_k, args.seed))
+    return 0

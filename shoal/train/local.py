@@ -1,0 +1,320 @@
+"""The reference trainer: the whole model in one process, with the exact step semantics
+that the distributed runtime reproduces.
+
+One optimizer step ``t`` (0-based) of a run with ``M`` micro-batches of ``B`` x ``T``:
+
+1. for ``mb`` in ``0..M-1``: ``x, y = get_micro_batch(data, "train", seed, t, mb, B, T)``;
+   ``loss_mb = model(x, y)``; ``(loss_mb / M).backward()`` (gradients add up);
+2. logged loss = mean of the ``M`` values ``loss_mb``;
+3. ``sq = grad_sq_norm(params)``, ``grad_norm = sqrt(sq)``, ``coef = clip_coefficient(sq, clip)``;
+4. ``apply_update(optimizer, lr_at(t, steps, optim), coef)``.
+
+After step ``t`` commits, if ``(t + 1) % eval_every == 0`` or ``t`` is the last step, the
+validation loss of the updated weights is the mean loss over the fixed micro-batches
+``get_micro_batch(data, "val", seed, 0, i, B, T)`` for ``i < eval_batches``
+(see :func:`val_micro_batches`), recorded as ``val_loss`` in step ``t``'s record.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shoal.data import DataConfig, TokenData, check_batch_shape, get_micro_batch, load_data
+from shoal.errors import ShoalError
+from shoal.model.config import ModelConfig, get_preset
+from shoal.model.transformer import Stage, build_stage
+from shoal.train.checkpoint import (
+    load_checkpoint,
+    load_optimizer_state_by_name,
+    optimizer_state_by_name,
+    save_checkpoint,
+)
+from shoal.train.metrics import JsonlWriter, step_record
+from shoal.train.optim import (
+    OptimConfig,
+    apply_update,
+    clip_coefficient,
+    grad_sq_norm,
+    lr_at,
+    make_optimizer,
+)
+
+CHECKPOINT_DIR = "checkpoint"
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+DEFAULT_SEQ_LEN = 128
+
+
+def set_torch_threads(default: int | None = None) -> int:
+    """Set torch's intra-op threads from ``$SHOAL_TORCH_THREADS`` (default: up to 4 cores)."""
+    if default is None:
+        default = max(1, min(4, os.cpu_count() or 1))
+    raw = os.environ.get("SHOAL_TORCH_THREADS", str(default))
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ShoalError(f"SHOAL_TORCH_THREADS must be a positive integer, got {raw!r}") from None
+    if n <= 0:
+        raise ShoalError(f"SHOAL_TORCH_THREADS must be a positive integer, got {raw!r}")
+    torch.set_num_threads(n)
+    return n
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that defines a local training run (validated in one place)."""
+
+    model: str = "tiny"  # model preset name (shoal.model.config.PRESETS)
+    steps: int = 200  # optimizer steps in the run (sets the learning-rate schedule)
+    micro_batches: int = 4  # M: micro-batches per step
+    micro_batch_size: int = 8  # B: sequences per micro-batch
+    seq_len: int = DEFAULT_SEQ_LEN  # T: tokens per sequence
+    seed: int = 0  # seeds the weights (per layer) and the data order (per micro-batch)
+    lr: float = 3e-3  # peak learning rate
+    min_lr: float | None = None  # final learning rate of the cosine decay; None = lr / 10
+    warmup: int = 10  # linear warm-up steps
+    weight_decay: float = 0.1  # AdamW weight decay on matrices
+    grad_clip: float = 1.0  # global gradient-norm clip (0 = off)
+    eval_every: int = 50  # validation every K steps (and after the last step); 0 = only at the end
+    eval_batches: int = 8  # fixed validation micro-batches per evaluation
+    checkpoint_every: int = 0  # checkpoint every K steps; 0 = only at the end
+    data: tuple[str, ...] = ()  # text files, folders or globs; empty = bundled Shakespeare
+    val_fraction: float = 0.05  # last fraction of the tokens kept for validation
+    cache_dir: str | None = None  # tokenizer cache; None = $SHOAL_CACHE_DIR or ~/.cache/shoal
+    out: str = "runs/local"  # run folder (metrics.jsonl, tokenizer.json, checkpoint/)
+    stop_after: int | None = None  # stop (and checkpoint) after this many steps, as if interrupted
+    log_every: int = 10  # without a terminal, print a progress line every this many steps
+
+    def model_config(self) -> ModelConfig:
+        """The model preset (raises for an unknown name)."""
+        return get_preset(self.model)
+
+    def optim_config(self) -> OptimConfig:
+        """The shared optimizer configuration of this run."""
+        min_lr = self.lr / 10 if self.min_lr is None else self.min_lr
+        return OptimConfig(lr=self.lr, min_lr=min_lr, warmup_steps=self.warmup,
+                           weight_decay=self.weight_decay, grad_clip=self.grad_clip)
+
+    def data_config(self) -> DataConfig:
+        """The data configuration of this run."""
+        return DataConfig(paths=tuple(self.data), val_fraction=self.val_fraction, cache_dir=self.cache_dir)
+
+    def validate(self) -> None:
+        """Raise :class:`ShoalError` with a one-line message for any bad field."""
+        cfg = self.model_config()
+        for name in ("steps", "micro_batches", "micro_batch_size", "seq_len", "eval_batches", "log_every"):
+            if getattr(self, name) <= 0:
+                flag = "--" + name.replace("_", "-")
+                raise ShoalError(f"{flag} must be positive, got {getattr(self, name)}")
+        for name in ("eval_every", "checkpoint_every", "warmup"):
+            if getattr(self, name) < 0:
+                raise ShoalError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.seq_len > cfg.max_seq_len:
+            raise ShoalError(f"--seq-len {self.seq_len} exceeds the {cfg.name} model's max_seq_len {cfg.max_seq_len}")
+        if self.stop_after is not None and not 0 < self.stop_after <= self.steps:
+            raise ShoalError(f"--stop-after must be in [1, --steps={self.steps}], got {self.stop_after}")
+        if not math.isfinite(self.lr) or self.lr <= 0:
+            raise ShoalError(f"--lr must be positive, got {self.lr}")
+        self.optim_config().validate()
+        self.data_config().validate()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["data"] = list(self.data)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in known}
+        if "data" in kw:
+            kw["data"] = tuple(kw["data"])
+        return cls(**kw)
+
+
+@dataclass
+class TrainResult:
+    """Outcome of :func:`train_local`."""
+
+    model: Stage  # the trained model (all layers)
+    records: list[dict[str, Any]]  # metrics.jsonl records of every step so far
+    steps_done: int  # optimizer steps completed (including those before a resume)
+    out: Path  # run folder
+
+
+def val_micro_batches(
+    data: TokenData, seed: int, n_batches: int, micro_batch_size: int, seq_len: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The fixed validation micro-batches of a run: step 0, micro-batches ``0..n-1`` of "val"."""
+    return [get_micro_batch(data, "val", seed, 0, i, micro_batch_size, seq_len) for i in range(n_batches)]
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Mean loss of a full model (a stage from embedding to head) over ``batches``."""
+    was_training = model.training
+    model.eval()
+    try:
+        losses = [float(model(x, y)) for x, y in batches]
+    finally:
+        model.train(was_training)
+    return sum(losses) / len(losses)
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: TokenData,
+    cfg: TrainConfig,
+    optim: OptimConfig,
+    step: int,
+) -> tuple[float, float, float]:
+    """Run optimizer step ``step``; return (mean micro-batch loss, global grad norm, lr)."""
+    m = cfg.micro_batches
+    losses = []
+    for mb in range(m):
+        x, y = get_micro_batch(data, "train", cfg.seed, step, mb, cfg.micro_batch_size, cfg.seq_len)
+        loss = model(x, y)
+        (loss / m).backward()
+        losses.append(float(loss.detach()))
+    sq = grad_sq_norm(model.parameters())
+    coef = clip_coefficient(sq, optim.grad_clip)
+    lr = lr_at(step, cfg.steps, optim)
+    apply_update(optimizer, lr, coef)
+    return sum(losses) / m, math.sqrt(sq), lr
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _write_checkpoint(out: Path, model: Stage, optimizer, cfg: TrainConfig, step: int, records: list) -> None:
+    named = list(model.named_parameters())
+    save_checkpoint(
+        out / CHECKPOINT_DIR,
+        model.state_dict(),
+        optimizer_state_by_name(optimizer, named),
+        {"step": step, "config": cfg.to_dict(), "model_config": model.cfg.to_dict(), "metrics": records},
+    )
+
+
+class _Progress:
+    """A rich progress bar on a terminal, a plain line every few steps otherwise."""
+
+    def __init__(self, total: int, start: int, log_every: int, quiet: bool):
+        self.log_every, self.quiet, self.total = log_every, quiet, total
+        self.bar = None
+        if not quiet and sys.stdout.isatty():
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(
+                TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+                TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
+            )
+            self.task = self.bar.add_task("train", total=total, completed=start, info="")
+            self.bar.start()
+
+    def update(self, rec: dict[str, Any]) -> None:
+        info = f"loss {rec['loss']:.4f}  {rec['tokens_per_s']:.0f} tok/s"
+        if "val_loss" in rec:
+            info += f"  val {rec['val_loss']:.4f}"
+        step = rec["step"] + 1
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step, info=info)
+        elif not self.quiet and (step % self.log_every == 0 or step == self.total or "val_loss" in rec):
+            print(f"step {step}/{self.total}  {info}  lr {rec['lr']:.2e}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def train_local(cfg: TrainConfig, resume: bool = False, quiet: bool = False) -> TrainResult:
+    """Train (or with ``resume`` continue) a run in ``cfg.out``; see the module docstring."""
+    cfg.validate()
+    set_torch_threads()
+    out = Path(cfg.out)
+    ckpt_path = out / CHECKPOINT_DIR
+    model_cfg = cfg.model_config()
+    if not resume and (ckpt_path.exists() or (out / METRICS_FILE).exists()):
+        raise ShoalError(f"{str(out)!r} already holds a run; continue it with --resume {out} or pick another --out")
+    data = load_data(cfg.data_config(), model_cfg.vocab_size)
+    check_batch_shape(data, "train", cfg.micro_batch_size, cfg.seq_len)
+    check_batch_shape(data, "val", cfg.micro_batch_size, cfg.seq_len)
+    optim = cfg.optim_config()
+
+    model = build_stage(model_cfg, 0, model_cfg.n_total_layers, cfg.seed)
+    model.train()
+    optimizer = make_optimizer(model.named_parameters(), optim)
+    start, records = 0, []
+    if resume:
+        ck = load_checkpoint(ckpt_path)
+        try:
+            model.load_state_dict(ck.model_state, strict=True)
+        except RuntimeError as exc:
+            raise ShoalError(f"checkpoint in {str(out)!r} does not fit model {cfg.model}: {str(exc).splitlines()[0]}") from None
+        load_optimizer_state_by_name(optimizer, model.named_parameters(), ck.optimizer_state)
+        start, records = int(ck.state["step"]), list(ck.state.get("metrics", []))
+        # Steps logged after the checkpoint (a crash) are redone, so drop their records.
+        records = [r for r in records if r["step"] < start]
+    out.mkdir(parents=True, exist_ok=True)
+    _atomic_write_text(out / TOKENIZER_FILE, data.tokenizer.to_str())
+    _atomic_write_text(out / CONFIG_FILE, json.dumps(
+        {"config": cfg.to_dict(), "model_config": model_cfg.to_dict()}, indent=1, sort_keys=True))
+    _atomic_write_text(out / METRICS_FILE, "".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+
+    end = cfg.steps if cfg.stop_after is None else max(start, cfg.stop_after)
+    val_batches = val_micro_batches(data, cfg.seed, cfg.eval_batches, cfg.micro_batch_size, cfg.seq_len)
+    tokens_per_step = cfg.micro_batches * cfg.micro_batch_size * cfg.seq_len
+    t0 = time.time() - (records[-1]["time_s"] if records else 0.0)
+    progress = _Progress(cfg.steps, start, cfg.log_every, quiet)
+    try:
+        with JsonlWriter(out / METRICS_FILE, t0=t0) as writer:
+            for step in range(start, end):
+                ts = time.perf_counter()
+                loss, grad_norm, lr = train_step(model, optimizer, data, cfg, optim, step)
+                step_time = time.perf_counter() - ts
+                val = None
+                last = step == cfg.steps - 1
+                if last or (cfg.eval_every and (step + 1) % cfg.eval_every == 0):
+                    val = evaluate(model, val_batches)
+                rec = step_record(step, loss, lr, grad_norm, tokens_per_step, step_time, time.time() - t0, val)
+                records.append(rec)
+                writer.write(rec)
+                progress.update(rec)
+                done = step + 1
+                if done == end or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
+                    _write_checkpoint(out, model, optimizer, cfg, done, records)
+    finally:
+        progress.close()
+    return TrainResult(model=model, records=records, steps_done=max(start, end), out=out)
+
+
+def resume_config(out: str | Path, **overrides: Any) -> TrainConfig:
+    """The config of the run checkpointed in ``out``, with some fields replaced.
+
+    Only fields that do not change the math of the steps already taken can be replaced
+    (``steps`` changes the schedule from here on, which is allowed to extend a run).
+    """
+    ck_state = load_checkpoint(Path(out) / CHECKPOINT_DIR).state
+    cfg = TrainConfig.from_dict(ck_state["config"])
+    allowed = {"steps", "stop_after", "eval_every", "checkpoint_every", "log_every", "cache_dir"}
+    bad = sorted(k for k in overrides if k not in allowed)
+    if bad:
+        raise ShoalError(f"--{bad[0].replace('_', '-')} cannot be changed when resuming; it is fixed by the checkpoint")
+    cfg = replace(cfg, **{"out": str(out), "stop_after": None, **overrides})
+    if cfg.steps < int(ck_state["step"]):
+        raise ShoalError(f"--steps {cfg.steps} is fewer than the {ck_state['step']} steps already done")
+    return cfg
