@@ -1,0 +1,366 @@
+"""shoal's allocator: cluster on the network graph, cut into stages, split layers, place servers,
+refine by local search, over several stage counts ``S``. See ``docs/planner.md``.
+
+Outline for one ``S``:
+
+1. *Cluster and order.* Regions are the graph's natural dense clusters (every pair of devices in
+   a region shares one link). Regions are clustered hierarchically (average linkage, distance =
+   latency + reference stage bytes / bandwidth) and laid out in the dendrogram's optimal leaf
+   order, so neighbouring regions in the order are close. Devices are listed region by region.
+2. *Cut.* The list is cut into ``S`` contiguous groups of balanced capacity, snapping a cut to a
+   region boundary when one is near; each group becomes a stage, so a stage's parameter sync
+   stays inside a region (or a pair of neighbouring regions) and only activations cross between
+   neighbouring groups.
+3. *Servers.* Each group's server goes on the allowed host where its slowest worker syncs fastest.
+4. *Layers and device selection.* A DP over layer boundaries minimises the largest per-stage
+   estimate ``(M-1)/X_s + sync_s``; for every candidate range it also picks the prefix of the
+   stage's workers (ordered by sync cost) that minimises the estimate, which drops devices whose
+   sync would dominate.
+5. *Local search* on the full cost model: shift boundaries, move / swap / add / drop devices,
+   move servers.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+
+import numpy as np
+from scipy.cluster.hierarchy import leaves_list, linkage
+from scipy.spatial.distance import squareform
+
+from shoal.errors import ShoalError
+from shoal.model.profile import ModelProfile
+from shoal.plan.common import build_plan, place_servers, step_of
+from shoal.plan.cost import CostOptions, scenario_profile
+from shoal.plan.types import Device, Plan, Scenario, StagePlan, SyncPolicy
+
+
+def region_order(scenario: Scenario, ref_bytes: float) -> list[str]:
+    """Regions of the workers in a path order where neighbours are close (hierarchical clustering)."""
+    regions = sorted({d.region for d in scenario.workers})
+    if len(regions) <= 2:
+        return regions
+    rep = {}
+    for d in scenario.workers:
+        rep.setdefault(d.region, d)
+    n = len(regions)
+    dist = np.zeros((n, n))
+    for i in range(n):
+        for j in range(i + 1, n):
+            link = scenario.network.link(rep[regions[i]], rep[regions[j]])
+            dist[i, j] = dist[j, i] = link.latency + ref_bytes / link.bandwidth
+    z = linkage(squareform(dist, checks=False), method="average", optimal_ordering=True)
+    return [regions[i] for i in leaves_list(z)]
+
+
+def _device_rate(d: Device, prof: ModelProfile, n_stages: int) -> float:
+    """Rough micro-batches/s of ``d`` on a 1/S share of the model: compute plus activations over
+    its own access links (capacity used to balance the cut)."""
+    n_layers = len(prof.layers)
+    flops = (prof.fwd_flops(0, n_layers) + prof.bwd_flops(0, n_layers)) / n_stages
+    act = prof.layers[0].out_act_bytes
+    t = flops / d.flops + 2 * act / d.up + 2 * act / d.down
+    return 1.0 / t
+
+
+def cut_groups(ordered: list[Device], rates: list[float], n_stages: int, snap: float) -> list[list[Device]]:
+    """Cut the ordered device list into ``n_stages`` contiguous groups of about equal total rate,
+    moving a cut to a region boundary within ``snap`` x (one group's rate)."""
+    total = sum(rates)
+    target = total / n_stages
+    cum = np.cumsum(rates)
+    cuts = [0]
+    boundaries = [i for i in range(1, len(ordered)) if ordered[i].region != ordered[i - 1].region]
+    for k in range(1, n_stages):
+        pos = int(np.searchsorted(cum, k * target)) + 1
+        lo = cuts[-1] + 1
+        hi = len(ordered) - (n_stages - k)
+        pos = min(max(pos, lo), hi)
+        if snap > 0:
+            near = [b for b in boundaries if lo <= b <= hi and abs(cum[b - 1] - k * target) <= snap * target]
+            if near:
+                pos = min(near, key=lambda b: abs(cum[b - 1] - k * target))
+        cuts.append(pos)
+    cuts.append(len(ordered))
+    return [ordered[cuts[i]:cuts[i + 1]] for i in range(n_stages)]
+
+
+class _StageTable:
+    """Vectorised per-stage estimates for every layer range ``[a, b)`` of one device group."""
+
+    def __init__(self, group: list[Device], host: Device, share: int, scenario: Scenario, prof: ModelProfile,
+                 sync: SyncPolicy, m: int, overlap: bool, pairs: np.ndarray, pair_flops: np.ndarray,
+                 pair_pbytes: np.ndarray, pair_mem: np.ndarray, n_layers: int):
+        net = scenario.network
+        flops = np.array([d.flops for d in group])
+        mem = np.array([d.memory for d in group])
+        hidden = prof.layers[0].out_act_bytes * sync.act_compression
+        tokens = prof.tokens_per_micro_batch * 8
+        t_up = np.zeros(len(group))
+        t_down = np.zeros(len(group))
+        lat = np.zeros(len(group))
+        spb = np.zeros(len(group))  # sync seconds per parameter byte
+        for j, d in enumerate(group):
+            if d.id == host.id:
+                continue
+            link = net.link(d, host)
+            up = min(link.bandwidth, d.up, host.down / share)
+            down = min(link.bandwidth, host.up / share, d.down)
+            t_up[j], t_down[j], lat[j] = 1.0 / up, 1.0 / down, link.latency
+            spb[j] = sync.grad_compression * (1.0 / up + 1.0 / down) / max(1, sync.sync_every)
+        a, b = pairs[:, 0], pairs[:, 1]
+        first = (a == 0)[:, None]
+        last = (b == n_layers)[:, None]
+        # bytes in / out per micro-batch (see cost.stage_costs)
+        in_b = np.where(first, tokens, hidden) + np.where(last, tokens, 0.0)
+        down_b = in_b + np.where(last, 0.0, hidden)
+        up_b = np.where(last, 0.0, hidden) + np.where(first, 0.0, hidden)
+        n_msgs = 1 + np.where(last, 0, 2) + np.where(first, 0, 1)
+        tau = (pair_flops[:, None] / flops[None, :] + down_b * t_down[None, :] + up_b * t_up[None, :]
+               + n_msgs * lat[None, :])
+        tau = np.where(mem[None, :] >= pair_mem[:, None], tau, np.inf)
+        sync_t = (2 * lat[None, :] + pair_pbytes[:, None] * spb[None, :]) / max(1, sync.sync_every)
+        sync_t = np.where(spb[None, :] > 0, sync_t, 0.0)
+        # Prefixes in order of sync cost; a worker that cannot fit is skipped (rate 0).
+        order = np.argsort(spb, kind="stable")
+        with np.errstate(divide="ignore"):
+            inv = np.where(np.isfinite(tau[:, order]), 1.0 / tau[:, order], 0.0)
+        x = np.cumsum(inv, axis=1)
+        s_run = np.maximum.accumulate(np.where(inv > 0, sync_t[:, order], 0.0), axis=1)
+        with np.errstate(divide="ignore"):
+            pipe = np.where(x > 0, (m - 1) / x, np.inf)
+        est = np.maximum(pipe, s_run) if overlap else pipe + s_run
+        k = np.argmin(est, axis=1)
+        self.est = est[np.arange(len(pairs)), k]
+        self.keep = k + 1
+        self.order = order
+        self.group = group
+
+
+def _pairs(n_layers: int) -> np.ndarray:
+    return np.array([(a, b) for a in range(n_layers) for b in range(a + 1, n_layers + 1)])
+
+
+def _dp(tables: list[_StageTable], n_layers: int, pair_index: dict) -> tuple[float, list[tuple[int, int]]]:
+    """Boundaries minimising the largest per-stage estimate."""
+    s_count = len(tables)
+    inf = math.inf
+    best = [[inf] * (n_layers + 1) for _ in range(s_count + 1)]
+    arg = [[0] * (n_layers + 1) for _ in range(s_count + 1)]
+    best[0][0] = 0.0
+    for s in range(1, s_count + 1):
+        est = tables[s - 1].est
+        for b in range(s, n_layers - (s_count - s) + 1):
+            row_best, row_arg = inf, 0
+            for a in range(s - 1, b):
+                prev = best[s - 1][a]
+                if prev == inf:
+                    continue
+                v = est[pair_index[(a, b)]]
+                v = prev if prev > v else v
+                if v < row_best:
+                    row_best, row_arg = v, a
+            best[s][b], arg[s][b] = row_best, row_arg
+    if best[s_count][n_layers] == inf:
+        return inf, []
+    out, b = [], n_layers
+    for s in range(s_count, 0, -1):
+        a = arg[s][b]
+        out.append((a, b))
+        b = a
+    return best[s_count][n_layers], out[::-1]
+
+
+def construct(scenario: Scenario, n_stages: int, sync: SyncPolicy, options: CostOptions,
+              snap: float = 0.35) -> Plan | None:
+    """Steps 1-4 for one stage count; None if no feasible plan was found."""
+    prof = scenario_profile(scenario)
+    n_layers = len(prof.layers)
+    workers = scenario.workers
+    if n_stages > min(n_layers, len(workers)):
+        return None
+    ref_bytes = prof.param_bytes(0, n_layers) / n_stages
+    order = region_order(scenario, ref_bytes)
+    rank = {r: i for i, r in enumerate(order)}
+    rates = {d.id: _device_rate(d, prof, n_stages) for d in workers}
+    ordered = sorted(workers, key=lambda d: (rank[d.region], -rates[d.id], d.id))
+    groups = cut_groups(ordered, [rates[d.id] for d in ordered], n_stages, snap)
+    if any(not g for g in groups):
+        return None
+    even = [(round(i * n_layers / n_stages), round((i + 1) * n_layers / n_stages)) for i in range(n_stages)]
+    hosts = place_servers(scenario, groups, [prof.param_bytes(*r) for r in even],
+                          [prof.server_memory(*r) for r in even])
+    share: dict[str, int] = {}
+    for g, h in zip(groups, hosts, strict=True):
+        share[h] = share.get(h, 0) + len(g)
+    pairs = _pairs(n_layers)
+    pair_index = {(int(a), int(b)): i for i, (a, b) in enumerate(pairs)}
+    pf = np.array([prof.fwd_flops(a, b) + prof.bwd_flops(a, b) + (prof.fwd_flops(a, b) if options.recompute and b < n_layers else 0)
+                   for a, b in pairs])
+    pp = np.array([prof.param_bytes(a, b) for a, b in pairs], dtype=float)
+    pm = np.array([prof.worker_memory(a, b) for a, b in pairs], dtype=float)
+    m = scenario.workload.micro_batches
+    dev = {d.id: d for d in scenario.devices}
+    tables = [_StageTable(g, dev[h], share[h], scenario, prof, sync, m, options.overlap_sync, pairs, pf, pp, pm, n_layers)
+              for g, h in zip(groups, hosts, strict=True)]
+    value, bounds = _dp(tables, n_layers, pair_index)
+    if not bounds:
+        return None
+    stages = []
+    for t, h, (a, b) in zip(tables, hosts, bounds, strict=True):
+        k = int(t.keep[pair_index[(a, b)]])
+        need = prof.worker_memory(a, b)
+        chosen = [t.group[j] for j in t.order[:k] if t.group[j].memory >= need]
+        if not chosen:
+            return None
+        stages.append(StagePlan(layers=(a, b), server=h, workers=[d.id for d in chosen]))
+    # Re-place servers for the final layer ranges and worker sets.
+    groups2 = [[dev[w] for w in st.workers] for st in stages]
+    hosts2 = place_servers(scenario, groups2, [prof.param_bytes(*st.layers) for st in stages],
+                           [prof.server_memory(*st.layers) for st in stages])
+    plan = build_plan(scenario, "shoal", stages, sync)
+    alt = build_plan(scenario, "shoal", [StagePlan(st.layers, h, list(st.workers)) for st, h in zip(stages, hosts2, strict=True)], sync)
+    return alt if step_of(alt, scenario, options) < step_of(plan, scenario, options) else plan
+
+
+# --------------------------------------------------------------------------- local search
+
+
+def _copy(plan: Plan) -> Plan:
+    return Plan(plan.scenario, plan.model, plan.method,
+                [StagePlan(tuple(s.layers), s.server, list(s.workers)) for s in plan.stages],
+                plan.micro_batch_size, plan.micro_batches, plan.sync, dict(plan.predicted), plan.planning_time_s)
+
+
+def _feasible(plan: Plan, scenario: Scenario, prof: ModelProfile, dev: dict[str, Device]) -> bool:
+    host_need: dict[str, float] = {}
+    for st in plan.stages:
+        if not st.workers or st.layers[1] <= st.layers[0]:
+            return False
+        need = prof.worker_memory(*st.layers)
+        if any(dev[w].memory < need for w in st.workers):
+            return False
+        host_need[st.server] = host_need.get(st.server, 0.0) + prof.server_memory(*st.layers)
+    return all(dev[h].host_memory >= n for h, n in host_need.items())
+
+
+def _neighbours(plan: Plan, scenario: Scenario, rng: random.Random, unused: list[str], dev: dict[str, Device],
+                host_ids: list[str]):
+    """Candidate modifications of ``plan`` (generator of new plans)."""
+    n = len(plan.stages)
+    pred = plan.predicted
+    b = int(pred.get("bottleneck_stage", 0))
+    # 1. shift boundaries by one layer
+    for i in range(n - 1):
+        for delta in (-1, 1):
+            p = _copy(plan)
+            a0, b0 = p.stages[i].layers
+            a1, b1 = p.stages[i + 1].layers
+            nb = b0 + delta
+            if a0 < nb < b1:
+                p.stages[i].layers = (a0, nb)
+                p.stages[i + 1].layers = (nb, b1)
+                yield p
+    # 2. add an unused device to the bottleneck stage (or any stage)
+    for w in rng.sample(unused, min(len(unused), 6)):
+        for s in {b, rng.randrange(n)}:
+            p = _copy(plan)
+            p.stages[s].workers.append(w)
+            yield p
+    # 3. move a device into the bottleneck stage from a neighbour / swap with it
+    for s in {max(0, b - 1), min(n - 1, b + 1), rng.randrange(n)} - {b}:
+        src = plan.stages[s].workers
+        if len(src) > 1:
+            for w in rng.sample(src, min(len(src), 4)):
+                p = _copy(plan)
+                p.stages[s].workers.remove(w)
+                p.stages[b].workers.append(w)
+                yield p
+        if src and plan.stages[b].workers:
+            w1 = rng.choice(src)
+            w2 = min(plan.stages[b].workers, key=lambda x: dev[x].flops)
+            p = _copy(plan)
+            p.stages[s].workers[p.stages[s].workers.index(w1)] = w2
+            p.stages[b].workers[p.stages[b].workers.index(w2)] = w1
+            yield p
+    # 4. drop the device with the slowest sync / compute from a stage
+    for s in {b, rng.randrange(n)}:
+        ws = plan.stages[s].workers
+        if len(ws) > 1:
+            for w in {min(ws, key=lambda x: dev[x].up), min(ws, key=lambda x: dev[x].flops)}:
+                p = _copy(plan)
+                p.stages[s].workers.remove(w)
+                yield p
+    # 5. move a server
+    for s in {b, rng.randrange(n)}:
+        for h in rng.sample(host_ids, min(len(host_ids), 4)):
+            if h != plan.stages[s].server:
+                p = _copy(plan)
+                p.stages[s].server = h
+                yield p
+
+
+def local_search(plan: Plan, scenario: Scenario, options: CostOptions, budget_s: float, seed: int = 0,
+                 max_rounds: int = 200) -> Plan:
+    """First-improvement local search on the full cost model until no move helps or time runs out."""
+    prof = scenario_profile(scenario)
+    dev = {d.id: d for d in scenario.devices}
+    host_ids = [h.id for h in scenario.server_hosts]
+    rng = random.Random(seed)
+    best = _copy(plan)
+    best_t = step_of(best, scenario, options)
+    deadline = time.perf_counter() + budget_s
+    for _ in range(max_rounds):
+        used = {w for st in best.stages for w in st.workers}
+        unused = [d.id for d in scenario.workers if d.id not in used]
+        improved = False
+        for cand in _neighbours(best, scenario, rng, unused, dev, host_ids):
+            if time.perf_counter() > deadline:
+                return best
+            if not _feasible(cand, scenario, prof, dev):
+                continue
+            t = step_of(cand, scenario, options)
+            if t < best_t * (1 - 1e-9):
+                best, best_t, improved = cand, t, True
+                break
+        if not improved:
+            break
+    step_of(best, scenario, options)
+    return best
+
+
+def stage_counts(n_layers: int, n_workers: int) -> list[int]:
+    """Stage counts worth trying: every S up to ``min(n_layers, n_workers)``."""
+    return list(range(1, min(n_layers, n_workers) + 1))
+
+
+def plan_shoal(scenario: Scenario, seed: int = 0, stages: int | None = None, sync: SyncPolicy | None = None,
+               options: CostOptions | None = None, budget_s: float | None = None) -> Plan:
+    """shoal's allocator (see the module docstring)."""
+    sync = sync or SyncPolicy()
+    options = options or CostOptions()
+    prof = scenario_profile(scenario)
+    n_layers = len(prof.layers)
+    counts = [stages] if stages else stage_counts(n_layers, len(scenario.workers))
+    candidates = []
+    for s in counts:
+        for snap in (0.35, 0.0):
+            p = construct(scenario, s, sync, options, snap)
+            if p is not None:
+                candidates.append((step_of(p, scenario, options), s, p))
+    if not candidates:
+        raise ShoalError(f"no feasible plan for scenario {scenario.name} with {stages or 'any number of'} stages; "
+                         "the stages do not fit the devices' memory")
+    candidates.sort(key=lambda c: c[0])
+    if budget_s is None:
+        budget_s = 0.25 + 0.004 * len(scenario.workers)
+    top = candidates[:3]
+    best = None
+    for i, (_, _, p) in enumerate(top):
+        refined = local_search(p, scenario, options, budget_s / len(top), seed=seed + i)
+        if best is None or step_of(refined, scenario, options) < step_of(best, scenario, options):
+            best = refined
+    step_of(best, scenario, options)
+    return best

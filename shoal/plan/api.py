@@ -1,0 +1,33 @@
+"""The planner's front door: ``METHODS`` and :func:`make_plan`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from shoal.errors import ShoalError
+from shoal.plan.allocator import plan_shoal
+from shoal.plan.cost import CostOptions, predict
+from shoal.plan.types import Plan, Scenario, SyncPolicy
+from shoal.plan.validate import validate_plan
+
+# name -> planner(scenario, seed=..., stages=..., sync=..., options=...) -> Plan.
+# Everything except "shoal" is a baseline, judged by the same cost model.
+METHODS: dict[str, Callable[..., Plan]] = {"shoal": plan_shoal}
+
+
+def make_plan(scenario: Scenario, method: str = "shoal", seed: int = 0, stages: int | None = None,
+              sync: SyncPolicy | None = None, options: CostOptions | None = None) -> Plan:
+    """Plan ``scenario`` with ``method``; ``stages=S`` forces S stages. The plan is validated and
+    carries ``planning_time_s`` and ``predicted`` (see :func:`shoal.plan.cost.predict`)."""
+    if method not in METHODS:
+        raise ShoalError(f"unknown planning method {method!r}; choose one of: {', '.join(METHODS)}")
+    if stages is not None and stages <= 0:
+        raise ShoalError(f"--stages must be positive, got {stages}")
+    t0 = time.perf_counter()
+    plan = METHODS[method](scenario, seed=seed, stages=stages, sync=sync, options=options)
+    plan.planning_time_s = time.perf_counter() - t0
+    plan.method = method
+    validate_plan(plan, scenario)
+    predict(plan, scenario, options)
+    return plan

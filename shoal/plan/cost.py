@@ -1,0 +1,259 @@
+"""The planner's time-cost model: small pure functions and one entry point, :func:`predict`.
+
+Notation (see ``docs/planner.md``): stage ``s`` holds layers ``[a_s, b_s)``, its server runs on
+host ``h_s`` and its workers are ``W_s``; ``M`` micro-batches per step. All times in seconds,
+sizes in bytes, rates in bytes/s and FLOP/s.
+
+* per-task compute of worker ``d`` on stage ``s``: ``c = (F_s + G_s) / flops_d`` (forward and
+  backward FLOPs of one micro-batch; ``+F_s`` again when backward recomputes the forward).
+* a transfer of ``n`` bytes: ``latency + n / bw`` with ``bw = min(path, up_src / k_src, down_dst / k_dst)``
+  where ``k`` is the number of workers sharing the server's link (1 for the worker's own link).
+* per-micro-batch time of ``d``: ``tau_d = c + sum of its four activation transfers`` (input
+  from ``h_s``, output to ``h_{s+1}``, output-gradient from ``h_s``, input-gradient to ``h_{s-1}``).
+* stage throughput ``X_s = sum over the min(M, |W_s|) fastest workers of 1 / tau_d``.
+* pipeline: ``P = (M - 1) / min_s X_s + sum_s min_{d in W_s} tau_d`` -- the bottleneck stage sets
+  the rate, and one micro-batch must go forward through every stage and backward through every
+  stage before the step can close (fill and drain).
+* sync: every worker pushes its gradient and pulls the new weights of its stage,
+  ``2 * latency + g / bw_push + g / bw_pull`` with ``g = param_bytes_s * grad_compression``, divided
+  by ``sync_every``; the step waits for the slowest worker.
+* step: ``P + sync`` or, with ``overlap_sync``, ``max(P, sync)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from shoal.model.config import get_preset
+from shoal.model.profile import ModelProfile, profile_model
+from shoal.plan.types import Device, Plan, Scenario, SyncPolicy
+
+
+@dataclass(frozen=True)
+class CostOptions:
+    """Modelling choices of the cost model."""
+
+    overlap_sync: bool = False  # parameter sync overlaps the next step's pipeline: step = max(P, sync)
+    recompute: bool = False  # a backward task recomputes the forward (workers keep no activations)
+
+
+@lru_cache(maxsize=64)
+def _profile(model: str, seq_len: int, micro_batch_size: int, dtype_bytes: int) -> ModelProfile:
+    return profile_model(get_preset(model), seq_len, micro_batch_size, dtype_bytes)
+
+
+def scenario_profile(scenario: Scenario, micro_batch_size: int | None = None) -> ModelProfile:
+    """The model profile of ``scenario``'s workload (cached)."""
+    w = scenario.workload
+    return _profile(w.model, w.seq_len, micro_batch_size or w.micro_batch_size, w.dtype_bytes)
+
+
+# --------------------------------------------------------------------------- pure formulas
+
+
+def compute_time(flops: float, device_flops: float) -> float:
+    """Seconds for ``flops`` of work on a device sustaining ``device_flops`` FLOP/s."""
+    if flops <= 0:
+        return 0.0
+    if device_flops <= 0:
+        return math.inf
+    return flops / device_flops
+
+
+def flow_bandwidth(path_bw: float, src_up: float, dst_down: float, src_share: int = 1, dst_share: int = 1) -> float:
+    """Bytes/s of one flow: the path, the sender's uplink and the receiver's downlink, each
+    divided among the flows sharing it."""
+    return min(path_bw, src_up / max(1, src_share), dst_down / max(1, dst_share))
+
+
+def transfer_time(nbytes: float, latency: float, bandwidth: float) -> float:
+    """Seconds to move ``nbytes``: one latency plus serialisation (0 if nothing to send)."""
+    if nbytes <= 0:
+        return 0.0
+    return latency + nbytes / bandwidth
+
+
+def stage_throughput(task_times: list[float], micro_batches: int) -> float:
+    """Micro-batches per second of a stage's task pool: the ``min(M, n)`` fastest workers each
+    complete ``1 / tau`` micro-batches per second (a worker beyond ``M`` gets no task)."""
+    times = sorted(t for t in task_times if t < math.inf)[:micro_batches]
+    return sum(1.0 / t for t in times if t > 0) if times else 0.0
+
+
+def pipeline_time(micro_batches: int, throughputs: list[float], latencies: list[float]) -> float:
+    """``(M - 1) / min X + sum of per-stage latencies`` (fill and drain, forward and backward)."""
+    x = min(throughputs)
+    if x <= 0:
+        return math.inf
+    return (micro_batches - 1) / x + sum(latencies)
+
+
+def sync_time(param_bytes: float, compression: float, latency: float, push_bw: float, pull_bw: float,
+              sync_every: int = 1) -> float:
+    """Per-step seconds for one worker to push its gradient and pull the new weights."""
+    g = param_bytes * compression
+    if g <= 0:
+        return 0.0
+    return (2 * latency + g / push_bw + g / pull_bw) / max(1, sync_every)
+
+
+def step_time(pipeline: float, sync: float, overlap_sync: bool = False) -> float:
+    """Seconds per optimizer step."""
+    return max(pipeline, sync) if overlap_sync else pipeline + sync
+
+
+# --------------------------------------------------------------------------- the plan's cost
+
+
+@dataclass
+class StageCost:
+    """Cost-model figures of one stage."""
+
+    throughput: float  # micro-batches per second of the task pool (X_s)
+    latency: float  # per-micro-batch time of the fastest worker (fill/drain share)
+    compute_fraction: float  # throughput-weighted share of compute in tau
+    sync: float  # slowest worker's per-step sync seconds
+    task_times: dict[str, float]  # worker id -> tau_d
+    memory_headroom: float  # min over workers of (memory - need) / memory
+
+
+def _share_counts(plan: Plan, scenario: Scenario) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """Per host: workers downloading from it, uploading to it, and syncing with it (loopback excluded)."""
+    downloaders: dict[str, set] = {}
+    uploaders: dict[str, set] = {}
+    syncers: dict[str, int] = {}
+    n = len(plan.stages)
+    for i, st in enumerate(plan.stages):
+        h = st.server
+        for w in st.workers:
+            if w != h:
+                downloaders.setdefault(h, set()).add(w)
+                uploaders.setdefault(h, set()).add(w)
+                syncers[h] = syncers.get(h, 0) + 1
+            if i + 1 < n and w != plan.stages[i + 1].server:
+                uploaders.setdefault(plan.stages[i + 1].server, set()).add(w)
+            if i > 0 and w != plan.stages[i - 1].server:
+                uploaders.setdefault(plan.stages[i - 1].server, set()).add(w)
+    return ({h: len(v) for h, v in downloaders.items()}, {h: len(v) for h, v in uploaders.items()}, syncers)
+
+
+def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = None) -> list[StageCost]:
+    """Per-stage throughput, latency, sync and memory of ``plan`` on ``scenario``."""
+    options = options or CostOptions()
+    prof = scenario_profile(scenario, plan.micro_batch_size)
+    net = scenario.network
+    dev = {d.id: d for d in scenario.devices}
+    sync: SyncPolicy = plan.sync
+    n_dl, n_ul, n_sync = _share_counts(plan, scenario)
+    tokens = prof.tokens_per_micro_batch * 8  # int64 ids (inputs of stage 0, targets of the last)
+    out = []
+    n = len(plan.stages)
+
+    def move(src: Device, dst: Device, nbytes: float, src_share: int, dst_share: int) -> float:
+        if src.id == dst.id or nbytes <= 0:
+            return 0.0
+        link = net.link(src, dst)
+        return transfer_time(nbytes, link.latency, flow_bandwidth(link.bandwidth, src.up, dst.down, src_share, dst_share))
+
+    for i, st in enumerate(plan.stages):
+        a, b = st.layers
+        first, last = i == 0, i == n - 1
+        fwd, bwd = prof.fwd_flops(a, b), prof.bwd_flops(a, b)
+        if options.recompute and not last:
+            bwd += fwd
+        hidden = prof.layers[0].out_act_bytes * sync.act_compression
+        in_bytes = tokens if first else hidden
+        if last:
+            in_bytes += tokens
+        out_bytes = 0.0 if last else hidden
+        in_grad_bytes = 0.0 if first else hidden
+        pbytes = prof.param_bytes(a, b)
+        need = prof.worker_memory(a, b)
+        host = dev[st.server]
+        nxt = dev[plan.stages[i + 1].server] if not last else None
+        prv = dev[plan.stages[i - 1].server] if not first else None
+        times: dict[str, float] = {}
+        comp: dict[str, float] = {}
+        worst_sync = 0.0
+        headroom = math.inf
+        for wid in st.workers:
+            d = dev[wid]
+            c = compute_time(fwd + bwd, d.flops)
+            t = c
+            t += move(host, d, in_bytes, n_dl.get(host.id, 1), 1)
+            if nxt is not None:
+                t += move(d, nxt, out_bytes, 1, n_ul.get(nxt.id, 1))
+                t += move(host, d, out_bytes, n_dl.get(host.id, 1), 1)
+            if prv is not None:
+                t += move(d, prv, in_grad_bytes, 1, n_ul.get(prv.id, 1))
+            times[wid] = t
+            comp[wid] = c
+            if wid != host.id:
+                link = net.link(d, host)
+                k = n_sync.get(host.id, 1)
+                s = sync_time(pbytes, sync.grad_compression, link.latency,
+                              flow_bandwidth(link.bandwidth, d.up, host.down, 1, k),
+                              flow_bandwidth(link.bandwidth, host.up, d.down, k, 1), sync.sync_every)
+                worst_sync = max(worst_sync, s)
+            headroom = min(headroom, (d.memory - need) / d.memory if d.memory > 0 else -math.inf)
+        x = stage_throughput(list(times.values()), plan.micro_batches)
+        used = sorted(times, key=times.get)[: plan.micro_batches]
+        finite = [w for w in used if times[w] < math.inf and times[w] > 0]
+        if finite:
+            total = sum(1.0 / times[w] for w in finite)
+            frac = sum(comp[w] / times[w] / times[w] for w in finite) / total
+            lat = times[finite[0]]
+        else:
+            frac, lat = 1.0, math.inf
+        out.append(StageCost(throughput=x, latency=lat, compute_fraction=frac, sync=worst_sync,
+                             task_times=times, memory_headroom=headroom))
+    return out
+
+
+def server_memory_headroom(plan: Plan, scenario: Scenario) -> float:
+    """Min over server hosts of (host memory - servers' memory) / host memory."""
+    prof = scenario_profile(scenario, plan.micro_batch_size)
+    need: dict[str, float] = {}
+    for st in plan.stages:
+        need[st.server] = need.get(st.server, 0.0) + prof.server_memory(*st.layers)
+    headroom = math.inf
+    for h, n in need.items():
+        hm = scenario.device(h).host_memory
+        headroom = min(headroom, (hm - n) / hm if hm > 0 else -math.inf)
+    return headroom
+
+
+def predict(plan: Plan, scenario: Scenario, options: CostOptions | None = None) -> dict[str, float]:
+    """Cost-model prediction of one training step of ``plan``; also stored in ``plan.predicted``.
+
+    Keys: ``compute_s`` and ``transfer_s`` (the pipeline time attributed to compute and to
+    activation transfers at the bottleneck stage), ``sync_s``, ``pipeline_s``, ``step_time_s``,
+    ``bottleneck_stage``, ``memory_headroom`` (min fraction of memory left over workers and
+    server hosts; negative means it does not fit), ``throughput_mb_s`` (bottleneck micro-batches/s),
+    ``fill_drain_s``.
+    """
+    options = options or CostOptions()
+    costs = stage_costs(plan, scenario, options)
+    m = plan.micro_batches
+    xs = [c.throughput for c in costs]
+    b = min(range(len(costs)), key=lambda i: xs[i])
+    fill = sum(c.latency for c in costs)
+    pipe = pipeline_time(m, xs, [c.latency for c in costs])
+    sync = max(c.sync for c in costs)
+    frac = costs[b].compute_fraction
+    headroom = min(min(c.memory_headroom for c in costs), server_memory_headroom(plan, scenario))
+    result = {
+        "compute_s": pipe * frac,
+        "transfer_s": pipe * (1.0 - frac),
+        "sync_s": sync,
+        "pipeline_s": pipe,
+        "fill_drain_s": fill,
+        "step_time_s": step_time(pipe, sync, options.overlap_sync),
+        "bottleneck_stage": float(b),
+        "throughput_mb_s": xs[b],
+        "memory_headroom": headroom,
+    }
+    plan.predicted = result
+    return result
