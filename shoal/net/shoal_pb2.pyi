@@ -1,0 +1,350 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Direction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FWD: _ClassVar[Direction]
+    BWD: _ClassVar[Direction]
+    FWDBWD: _ClassVar[Direction]
+FWD: Direction
+BWD: Direction
+FWDBWD: Direction
+
+class Tensor(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "data", "codec", "meta")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    META_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    codec: str
+    meta: bytes
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., codec: _Optional[str] = ..., meta: _Optional[bytes] = ...) -> None: ...
+
+class RunSpec(_message.Message):
+    __slots__ = ("version", "model", "stages", "steps", "micro_batches", "micro_batch_size", "seq_len", "seed", "lr", "min_lr", "warmup", "weight_decay", "grad_clip", "ckpt_every", "dead_after_s", "min_lease_s", "max_message_bytes", "data")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    MIN_LR_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    GRAD_CLIP_FIELD_NUMBER: _ClassVar[int]
+    CKPT_EVERY_FIELD_NUMBER: _ClassVar[int]
+    DEAD_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    MIN_LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    model: str
+    stages: int
+    steps: int
+    micro_batches: int
+    micro_batch_size: int
+    seq_len: int
+    seed: int
+    lr: float
+    min_lr: float
+    warmup: int
+    weight_decay: float
+    grad_clip: float
+    ckpt_every: int
+    dead_after_s: float
+    min_lease_s: float
+    max_message_bytes: int
+    data: str
+    def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., stages: _Optional[int] = ..., steps: _Optional[int] = ..., micro_batches: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., seed: _Optional[int] = ..., lr: _Optional[float] = ..., min_lr: _Optional[float] = ..., warmup: _Optional[int] = ..., weight_decay: _Optional[float] = ..., grad_clip: _Optional[float] = ..., ckpt_every: _Optional[int] = ..., dead_after_s: _Optional[float] = ..., min_lease_s: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., data: _Optional[str] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("role", "address", "flops", "name", "ckpt_version", "ckpt_stage", "schema")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    FLOPS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CKPT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CKPT_STAGE_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    address: str
+    flops: float
+    name: str
+    ckpt_version: int
+    ckpt_stage: int
+    schema: int
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., flops: _Optional[float] = ..., name: _Optional[str] = ..., ckpt_version: _Optional[int] = ..., ckpt_stage: _Optional[int] = ..., schema: _Optional[int] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("member_id", "spec")
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    member_id: str
+    spec: RunSpec
+    def __init__(self, member_id: _Optional[str] = ..., spec: _Optional[_Union[RunSpec, _Mapping]] = ...) -> None: ...
+
+class MemberRequest(_message.Message):
+    __slots__ = ("member_id", "version", "ckpt_version", "epoch")
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CKPT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    member_id: str
+    version: int
+    ckpt_version: int
+    epoch: int
+    def __init__(self, member_id: _Optional[str] = ..., version: _Optional[int] = ..., ckpt_version: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class Assignment(_message.Message):
+    __slots__ = ("known", "stage", "first", "last", "servers", "ready", "epoch", "restart_version", "done")
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    SERVERS_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RESTART_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    stage: int
+    first: int
+    last: int
+    servers: _containers.RepeatedScalarFieldContainer[str]
+    ready: bool
+    epoch: int
+    restart_version: int
+    done: bool
+    def __init__(self, known: _Optional[bool] = ..., stage: _Optional[int] = ..., first: _Optional[int] = ..., last: _Optional[int] = ..., servers: _Optional[_Iterable[str]] = ..., ready: _Optional[bool] = ..., epoch: _Optional[int] = ..., restart_version: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...
+
+class StepReport(_message.Message):
+    __slots__ = ("member_id", "stage", "step", "epoch", "sq_norm", "losses", "tasks_per_worker", "requeues")
+    class TasksPerWorkerEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SQ_NORM_FIELD_NUMBER: _ClassVar[int]
+    LOSSES_FIELD_NUMBER: _ClassVar[int]
+    TASKS_PER_WORKER_FIELD_NUMBER: _ClassVar[int]
+    REQUEUES_FIELD_NUMBER: _ClassVar[int]
+    member_id: str
+    stage: int
+    step: int
+    epoch: int
+    sq_norm: float
+    losses: _containers.RepeatedScalarFieldContainer[float]
+    tasks_per_worker: _containers.ScalarMap[str, int]
+    requeues: int
+    def __init__(self, member_id: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., epoch: _Optional[int] = ..., sq_norm: _Optional[float] = ..., losses: _Optional[_Iterable[float]] = ..., tasks_per_worker: _Optional[_Mapping[str, int]] = ..., requeues: _Optional[int] = ...) -> None: ...
+
+class StepDecision(_message.Message):
+    __slots__ = ("ready", "coef", "lr", "stale")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    COEF_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
+    ready: bool
+    coef: float
+    lr: float
+    stale: bool
+    def __init__(self, ready: _Optional[bool] = ..., coef: _Optional[float] = ..., lr: _Optional[float] = ..., stale: _Optional[bool] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("json",)
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    def __init__(self, json: _Optional[str] = ...) -> None: ...
+
+class Empty(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Task(_message.Message):
+    __slots__ = ("step", "mb", "stage", "direction", "epoch", "lease_id", "input", "out_grad", "deadline_s")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MB_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    OUT_GRAD_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    mb: int
+    stage: int
+    direction: Direction
+    epoch: int
+    lease_id: int
+    input: Tensor
+    out_grad: Tensor
+    deadline_s: float
+    def __init__(self, step: _Optional[int] = ..., mb: _Optional[int] = ..., stage: _Optional[int] = ..., direction: _Optional[_Union[Direction, str]] = ..., epoch: _Optional[int] = ..., lease_id: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., out_grad: _Optional[_Union[Tensor, _Mapping]] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+
+class LeaseRequest(_message.Message):
+    __slots__ = ("worker", "wait_s")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    wait_s: float
+    def __init__(self, worker: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class LeaseReply(_message.Message):
+    __slots__ = ("has_task", "task", "version", "gen", "flush", "epoch", "step", "wrong_stage")
+    HAS_TASK_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    GEN_FIELD_NUMBER: _ClassVar[int]
+    FLUSH_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WRONG_STAGE_FIELD_NUMBER: _ClassVar[int]
+    has_task: bool
+    task: Task
+    version: int
+    gen: int
+    flush: bool
+    epoch: int
+    step: int
+    wrong_stage: bool
+    def __init__(self, has_task: _Optional[bool] = ..., task: _Optional[_Union[Task, _Mapping]] = ..., version: _Optional[int] = ..., gen: _Optional[int] = ..., flush: _Optional[bool] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., wrong_stage: _Optional[bool] = ...) -> None: ...
+
+class TaskResult(_message.Message):
+    __slots__ = ("worker", "step", "mb", "direction", "epoch", "lease_id", "output", "loss", "compute_s")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MB_FIELD_NUMBER: _ClassVar[int]
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    step: int
+    mb: int
+    direction: Direction
+    epoch: int
+    lease_id: int
+    output: Tensor
+    loss: float
+    compute_s: float
+    def __init__(self, worker: _Optional[str] = ..., step: _Optional[int] = ..., mb: _Optional[int] = ..., direction: _Optional[_Union[Direction, str]] = ..., epoch: _Optional[int] = ..., lease_id: _Optional[int] = ..., output: _Optional[_Union[Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., compute_s: _Optional[float] = ...) -> None: ...
+
+class CompleteReply(_message.Message):
+    __slots__ = ("accepted", "reason", "gen")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    GEN_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    gen: int
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., gen: _Optional[int] = ...) -> None: ...
+
+class GradPush(_message.Message):
+    __slots__ = ("worker", "step", "epoch", "gen", "mbs", "grads")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    GEN_FIELD_NUMBER: _ClassVar[int]
+    MBS_FIELD_NUMBER: _ClassVar[int]
+    GRADS_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    step: int
+    epoch: int
+    gen: int
+    mbs: _containers.RepeatedScalarFieldContainer[int]
+    grads: _containers.RepeatedCompositeFieldContainer[Tensor]
+    def __init__(self, worker: _Optional[str] = ..., step: _Optional[int] = ..., epoch: _Optional[int] = ..., gen: _Optional[int] = ..., mbs: _Optional[_Iterable[int]] = ..., grads: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+
+class PushReply(_message.Message):
+    __slots__ = ("accepted", "reason", "gen")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    GEN_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    gen: int
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., gen: _Optional[int] = ...) -> None: ...
+
+class RenewRequest(_message.Message):
+    __slots__ = ("worker", "lease_ids")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker: _Optional[str] = ..., lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RenewReply(_message.Message):
+    __slots__ = ("version", "epoch")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    epoch: int
+    def __init__(self, version: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class WeightsRequest(_message.Message):
+    __slots__ = ("worker",)
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    def __init__(self, worker: _Optional[str] = ...) -> None: ...
+
+class WeightsReply(_message.Message):
+    __slots__ = ("version", "epoch", "first", "last", "params")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    epoch: int
+    first: int
+    last: int
+    params: _containers.RepeatedCompositeFieldContainer[Tensor]
+    def __init__(self, version: _Optional[int] = ..., epoch: _Optional[int] = ..., first: _Optional[int] = ..., last: _Optional[int] = ..., params: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+
+class Relay(_message.Message):
+    __slots__ = ("step", "mb", "epoch", "direction", "tensor")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MB_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    mb: int
+    epoch: int
+    direction: Direction
+    tensor: Tensor
+    def __init__(self, step: _Optional[int] = ..., mb: _Optional[int] = ..., epoch: _Optional[int] = ..., direction: _Optional[_Union[Direction, str]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class RelayReply(_message.Message):
+    __slots__ = ("accepted", "reason", "retry")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    RETRY_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    retry: bool
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., retry: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,113 @@
+"""Tensor frames: a tensor on the wire is (name, dtype, shape, codec, payload).
+
+Nothing received is ever unpickled: a ``raw`` payload is read with
+``numpy.frombuffer`` after its length has been checked against dtype x shape, and the
+receiver states the shape and dtype it expects (from its stage spec) so a peer cannot
+make it allocate or accept anything else. Gradients must also be finite.
+Lossy codecs (``fp16``, ``int8``) are delegated to :mod:`shoal.net.compress`; their
+side data travels as a small JSON object in ``meta``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from shoal.net import shoal_pb2 as pb
+
+# dtype name -> (torch dtype, numpy dtype used to view the little-endian payload)
+_DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
+    "float32": (torch.float32, np.dtype("<f4")),
+    "float16": (torch.float16, np.dtype("<f2")),
+    "bfloat16": (torch.bfloat16, np.dtype("<u2")),  # viewed as raw 16-bit words
+    "int64": (torch.int64, np.dtype("<i8")),
+    "int32": (torch.int32, np.dtype("<i4")),
+}
+_NAMES = {v[0]: k for k, v in _DTYPES.items()}
+
+
+class WireError(ValueError):
+    """A frame is malformed or does not match what the receiver expects."""
+
+
+def encode_tensor(name: str, tensor: torch.Tensor, codec: str = "raw") -> pb.Tensor:
+    """Frame ``tensor`` (any supported dtype) as a :class:`pb.Tensor`."""
+    t = tensor.detach().contiguous().cpu()
+    if t.dtype not in _NAMES:
+        raise WireError(f"tensor {name}: dtype {t.dtype} cannot be sent")
+    dtype = _NAMES[t.dtype]
+    if codec == "raw":
+        if t.dtype == torch.bfloat16:
+            data = t.view(torch.int16).numpy().astype("<i2").tobytes()
+        else:
+            data = t.numpy().astype(_DTYPES[dtype][1], copy=False).tobytes()
+        return pb.Tensor(name=name, dtype=dtype, shape=list(t.shape), data=data, codec="raw")
+    from shoal.net import compress  # lossy codecs live beside us, written separately
+
+    data, meta = compress.encode(t, codec)
+    return pb.Tensor(name=name, dtype=dtype, shape=list(t.shape), data=bytes(data), codec=codec,
+                     meta=json.dumps(meta, sort_keys=True).encode())
+
+
+def decode_tensor(
+    frame: pb.Tensor,
+    *,
+    shape: Sequence[int] | None = None,
+    dtype: str | None = None,
+    finite: bool = False,
+    max_elements: int = 1 << 28,
+) -> torch.Tensor:
+    """Check ``frame`` against the expected ``shape``/``dtype`` and return a tensor.
+
+    Raises :class:`WireError` on an unknown dtype or codec, a shape or dtype other than
+    the expected one, a payload of the wrong length, or (``finite=True``) inf/NaN.
+    """
+    if frame.dtype not in _DTYPES:
+        raise WireError(f"tensor {frame.name!r}: unknown dtype {frame.dtype!r}")
+    got_shape = tuple(int(d) for d in frame.shape)
+    if any(d < 0 for d in got_shape):
+        raise WireError(f"tensor {frame.name!r}: negative dimension in {got_shape}")
+    if shape is not None and got_shape != tuple(shape):
+        raise WireError(f"tensor {frame.name!r}: shape {got_shape}, expected {tuple(shape)}")
+    if dtype is not None and frame.dtype != dtype:
+        raise WireError(f"tensor {frame.name!r}: dtype {frame.dtype}, expected {dtype}")
+    numel = math.prod(got_shape)
+    if numel > max_elements:
+        raise WireError(f"tensor {frame.name!r}: {numel} elements exceed the limit {max_elements}")
+    tdtype, npdtype = _DTYPES[frame.dtype]
+    codec = frame.codec or "raw"
+    if codec == "raw":
+        if len(frame.data) != numel * npdtype.itemsize:
+            raise WireError(
+                f"tensor {frame.name!r}: payload of {len(frame.data)} bytes, expected "
+                f"{numel * npdtype.itemsize} for {frame.dtype}{list(got_shape)}"
+            )
+        arr = np.frombuffer(frame.data, dtype=npdtype).copy()
+        t = torch.from_numpy(arr)
+        t = t.view(torch.bfloat16) if frame.dtype == "bfloat16" else t
+        t = t.reshape(got_shape)
+    else:
+        from shoal.net import compress
+
+        if codec not in compress.CODECS:
+            raise WireError(f"tensor {frame.name!r}: unknown codec {codec!r}")
+        try:
+            meta = json.loads(frame.meta.decode() or "{}")
+            if not isinstance(meta, dict):
+                raise ValueError("meta is not an object")
+            t = compress.decode(frame.data, meta, shape=got_shape, dtype=frame.dtype)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise WireError(f"tensor {frame.name!r}: bad {codec} payload: {exc}") from exc
+        t = t.to(tdtype).reshape(got_shape)
+    if finite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise WireError(f"tensor {frame.name!r}: holds inf or NaN")
+    return t
+
+
+def frame_nbytes(frame: pb.Tensor) -> int:
+    """Bytes of payload carried by a frame (for traffic accounting)."""
+    return len(frame.data) + len(frame.meta)

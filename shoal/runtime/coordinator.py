@@ -1,0 +1,342 @@
+"""The coordinator: membership, planning, step commit, run records.
+
+* Members join (servers with their address, workers with their measured FLOP/s) and
+  heartbeat; one silent for ``dead_after_s`` is dead. A dead worker is removed and the
+  worker->stage assignment repaired; a dead server leaves its stage vacant until a
+  replacement joins, which restores the stage's newest checkpoint. Then every server
+  rolls back to the newest version all stages can restore (a new *epoch*), and the run
+  replays deterministically from there.
+* Stages: layer ranges from the planner when it is installed (``shoal.plan``), else an
+  even split; workers are assigned to stages in proportion to capacity.
+* Step commit: each server reports its squared gradient norm (the last stage also its M
+  losses); when all S stages have reported step t, the coordinator computes the global
+  clip coefficient and the step's learning rate, answers them all, and writes the
+  metrics record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from shoal.net import shoal_pb2 as pb
+from shoal.net import shoal_pb2_grpc as pbg
+from shoal.net.channel import ChannelFactory, make_server
+from shoal.net.wire import decode_tensor
+from shoal.runtime.common import assign_workers, even_split, model_config, optim_config
+from shoal.train.metrics import JsonlWriter, step_record
+from shoal.train.optim import clip_coefficient, lr_at
+
+log = logging.getLogger("shoal.coordinator")
+
+
+@dataclass
+class Member:
+    member_id: str
+    role: str
+    name: str
+    address: str = ""
+    flops: float = 0.0
+    last_seen: float = field(default_factory=time.monotonic)
+    version: int = -1
+    ckpt_version: int = -1
+    epoch: int = 0
+
+
+def plan_stages(n_total_layers: int, stages: int) -> list[tuple[int, int]]:
+    """Layer ranges of the stages (even split by layer count)."""
+    return even_split(n_total_layers, stages)
+
+
+class Coordinator(pbg.CoordinatorServicer):
+    """Run state and RPC handlers of the coordinator."""
+
+    def __init__(self, spec: pb.RunSpec, token: str, *, min_workers: int = 1, out: str | None = None):
+        self.spec, self.token, self.min_workers = spec, token, max(min_workers, 1)
+        self.cfg = model_config(spec)
+        self.layers = plan_stages(self.cfg.n_total_layers, spec.stages)
+        self.costs = [float(b - a) for a, b in self.layers]
+        self.members: dict[str, Member] = {}
+        self.stage_server: list[str] = [""] * spec.stages  # member id per stage
+        self.assign: dict[str, int] = {}
+        self.ids = itertools.count()
+        self.ready = False
+        self.epoch = 0
+        self.restart_version = 0
+        self.pending_restore = False
+        self.committed = 0  # steps committed
+        self.reports: dict[tuple[int, int], dict[int, pb.StepReport]] = {}
+        self.decisions: dict[tuple[int, int], pb.StepDecision] = {}
+        self.cond = asyncio.Condition()
+        self.done = False
+        self.finished = asyncio.Event()
+        self.out = Path(out) if out else None
+        self.t0 = time.time()
+        self.last_commit_t = time.time()
+        self.metrics = JsonlWriter(self.out / "metrics.jsonl", self.t0) if self.out else None
+        self.events = JsonlWriter(self.out / "events.jsonl", self.t0) if self.out else None
+        self.written_steps: set[int] = set()
+        self.history: list[dict] = []
+        self.total_requeues = 0
+        self.tasks_per_worker: dict[str, int] = {}
+
+    def event(self, name: str, **fields) -> None:
+        log.info("event %s %s", name, fields)
+        if self.events:
+            self.events.event(name, **fields)
+
+    # ------------------------------------------------------------------ membership
+    async def Join(self, request, context):
+        if request.schema and request.schema != 1:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"schema version {request.schema} not supported (want 1)")
+        if request.role not in ("server", "worker"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "role must be server or worker")
+        mid = f"{request.role[0]}{next(self.ids)}-{request.name or request.role}"
+        m = Member(mid, request.role, request.name or mid, address=request.address,
+                   flops=max(request.flops, 1.0))
+        self.members[mid] = m
+        if m.role == "server":
+            vacant = [s for s, sid in enumerate(self.stage_server) if not sid]
+            if vacant:
+                s = vacant[0]
+                replacing = self.ready or self.committed > 0 or self.epoch > 0
+                self.stage_server[s] = mid
+                self.event("join", device=m.name, role="server", stage=s)
+                if replacing:
+                    self.pending_restore = True
+                    self.event("server_restart", device=m.name, stage=s)
+        else:
+            self.event("join", device=m.name, role="worker", flops=m.flops)
+            if self.ready:
+                self._replan("join")
+        self._check_ready()
+        return pb.JoinReply(member_id=mid, spec=self.spec)
+
+    def _check_ready(self) -> None:
+        workers = [m for m in self.members.values() if m.role == "worker"]
+        if not self.ready and all(self.stage_server) and len(workers) >= max(self.min_workers, self.spec.stages):
+            self.ready = True
+            self._replan("start")
+
+    def _replan(self, why: str) -> None:
+        flops = {mid: m.flops for mid, m in self.members.items() if m.role == "worker"}
+        new = assign_workers(flops, self.costs, self.assign)
+        moved = {w: s for w, s in new.items() if self.assign.get(w) != s}
+        self.assign = new
+        if moved:
+            self.event("replan", why=why, assignment={self.members[w].name: s for w, s in new.items()})
+
+    def _stage_of(self, m: Member) -> int:
+        if m.role == "server":
+            return self.stage_server.index(m.member_id) if m.member_id in self.stage_server else -1
+        return self.assign.get(m.member_id, -1) if self.ready else -1
+
+    def _servers(self) -> list[str]:
+        return [self.members[sid].address if sid in self.members else "" for sid in self.stage_server]
+
+    async def Heartbeat(self, request, context):
+        m = self.members.get(request.member_id)
+        if m is None:
+            return pb.Assignment(known=False, done=self.done)
+        m.last_seen = time.monotonic()
+        if m.role == "server":
+            m.version, m.ckpt_version, m.epoch = request.version, request.ckpt_version, request.epoch
+            self._maybe_restore()
+        stage = self._stage_of(m)
+        a = pb.Assignment(known=True, stage=stage, servers=self._servers(),
+                          ready=self.ready and not self.pending_restore, epoch=self.epoch,
+                          restart_version=self.restart_version, done=self.done)
+        if stage >= 0:
+            a.first, a.last = self.layers[stage]
+        return a
+
+    def _maybe_restore(self) -> None:
+        """Once every stage has a server that reported its checkpoints, roll back."""
+        if not self.pending_restore or not all(self.stage_server):
+            return
+        servers = [self.members[sid] for sid in self.stage_server]
+        if any(s.ckpt_version < 0 for s in servers):
+            return
+        target = min(s.ckpt_version for s in servers)
+        self.epoch += 1
+        self.restart_version = target
+        self.pending_restore = False
+        self.reports.clear()
+        self.event("rollback", epoch=self.epoch, version=target, committed=self.committed)
+        self.committed = target
+        self.last_commit_t = time.time()
+
+    async def Leave(self, request, context):
+        m = self.members.pop(request.member_id, None)
+        if m:
+            self._drop(m, "leave")
+        return pb.Empty()
+
+    def _drop(self, m: Member, why: str) -> None:
+        self.event("leave", device=m.name, role=m.role, why=why, stage=self._stage_of_dropped(m))
+        if m.role == "server":
+            for s, sid in enumerate(self.stage_server):
+                if sid == m.member_id:
+                    self.stage_server[s] = ""
+        else:
+            self.assign.pop(m.member_id, None)
+            if self.ready:
+                self._replan(why)
+
+    def _stage_of_dropped(self, m: Member) -> int:
+        if m.role == "server":
+            return self.stage_server.index(m.member_id) if m.member_id in self.stage_server else -1
+        return self.assign.get(m.member_id, -1)
+
+    async def reap(self) -> None:
+        """Declare members dead after ``dead_after_s`` of silence."""
+        while not self.finished.is_set():
+            await asyncio.sleep(0.1)
+            now = time.monotonic()
+            for mid, m in list(self.members.items()):
+                if now - m.last_seen > self.spec.dead_after_s:
+                    del self.members[mid]
+                    self._drop(m, "missed heartbeats")
+
+    # ------------------------------------------------------------------ steps
+    async def ReportStep(self, request, context):
+        r = request
+        if r.epoch != self.epoch:
+            return pb.StepDecision(stale=True)
+        key = (r.epoch, r.step)
+        if key in self.decisions:
+            return self.decisions[key]
+        self.reports.setdefault(key, {})[r.stage] = r
+        if len(self.reports[key]) == self.spec.stages:
+            self._decide(key)
+            async with self.cond:
+                self.cond.notify_all()
+        else:
+            async with self.cond:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.cond.wait_for(lambda: key in self.decisions or self.epoch != key[0]), 5.0)
+        if self.epoch != r.epoch:
+            return pb.StepDecision(stale=True)
+        return self.decisions.get(key, pb.StepDecision(ready=False))
+
+    def _decide(self, key: tuple[int, int]) -> None:
+        reps = self.reports.pop(key)
+        step = key[1]
+        total = sum(r.sq_norm for r in reps.values())
+        ocfg = optim_config(self.spec)
+        coef = clip_coefficient(total, ocfg.grad_clip) if math.isfinite(total) else 0.0
+        lr = lr_at(step, self.spec.steps, ocfg)
+        self.decisions[key] = pb.StepDecision(ready=True, coef=coef, lr=lr)
+        last = reps[self.spec.stages - 1]
+        loss = sum(last.losses) / max(len(last.losses), 1)
+        tpw: dict[str, int] = {}
+        for r in reps.values():
+            for w, n in r.tasks_per_worker.items():
+                name = self.members[w].name if w in self.members else w
+                tpw[name] = tpw.get(name, 0) + n
+        requeues = sum(r.requeues for r in reps.values())
+        now = time.time()
+        tokens = self.spec.micro_batches * self.spec.micro_batch_size * self.spec.seq_len
+        rec = step_record(step, loss, lr, math.sqrt(total), tokens, now - self.last_commit_t, now - self.t0)
+        rec["tasks_per_worker"] = tpw
+        rec["requeues"] = requeues
+        rec["epoch"] = key[0]
+        self.last_commit_t = now
+        self.committed = step + 1
+        if step not in self.written_steps:
+            self.written_steps.add(step)
+            self.history.append(rec)
+            self.total_requeues += requeues
+            for w, n in tpw.items():
+                self.tasks_per_worker[w] = self.tasks_per_worker.get(w, 0) + n
+            if self.metrics:
+                self.metrics.write(rec)
+        log.info("step %d loss %.5f", step, loss)
+        if self.committed >= self.spec.steps:
+            self._spawn_finish()
+
+    def _spawn_finish(self) -> None:
+        if not getattr(self, "_finishing", False):
+            self._finishing = True
+            asyncio.get_running_loop().create_task(self._finish())
+
+    async def _finish(self) -> None:
+        """Collect the final weights from every server, write them, then say done."""
+        channels = ChannelFactory(self.token)
+        weights = {}
+        for _ in range(600):
+            try:
+                weights = {}
+                for s in range(self.spec.stages):
+                    stub = pbg.StageServerStub(channels.open(self._servers()[s]))
+                    while True:
+                        rep = await stub.GetWeights(pb.WeightsRequest(worker="coordinator"), timeout=30)
+                        if rep.version >= self.spec.steps:
+                            break
+                        await asyncio.sleep(0.05)
+                    for f in rep.params:
+                        weights[f.name] = decode_tensor(f, dtype="float32")
+                break
+            except (grpc.aio.AioRpcError, IndexError, ValueError):
+                await asyncio.sleep(0.1)
+        if self.out:
+            from shoal.runtime.artifacts import write_final
+
+            write_final(self.out, weights, self.cfg, self.spec, self.summary())
+        self.final_weights = weights
+        self.done = True
+        self.event("done", steps=self.committed)
+        await asyncio.sleep(max(1.0, 3 * 0.2))  # let members see done in a heartbeat
+        self.finished.set()
+
+    def summary(self) -> dict:
+        losses = [r["loss"] for r in sorted(self.history, key=lambda r: r["step"])]
+        times = [r["step_time_s"] for r in self.history]
+        tokens = sum(r["tokens"] for r in self.history)
+        return {
+            "steps": self.committed, "losses": losses, "final_loss": losses[-1] if losses else None,
+            "stages": self.spec.stages, "layers": self.layers, "epochs": self.epoch + 1,
+            "requeues": self.total_requeues, "tasks_per_worker": self.tasks_per_worker,
+            "tokens": tokens, "train_time_s": sum(times),
+            "tokens_per_s": tokens / sum(times) if times and sum(times) > 0 else 0.0,
+            "wall_time_s": time.time() - self.t0,
+        }
+
+    async def Status(self, request, context):
+        st = {
+            "ready": self.ready, "committed": self.committed, "epoch": self.epoch, "done": self.done,
+            "servers": self._servers(),
+            "workers": {m.name: self.assign.get(mid, -1) for mid, m in self.members.items() if m.role == "worker"},
+        }
+        return pb.StatusReply(json=json.dumps(st))
+
+
+async def run_coordinator(spec: pb.RunSpec, token: str, listen: str, *, min_workers: int = 1,
+                          out: str | None = None, address_file: str | None = None) -> dict:
+    """Serve until the run is done; returns the run summary."""
+    coord = Coordinator(spec, token, min_workers=min_workers, out=out)
+    server = make_server(token)
+    pbg.add_CoordinatorServicer_to_server(coord, server)
+    port = server.add_insecure_port(listen)
+    address = f"{listen.rsplit(':', 1)[0]}:{port}"
+    await server.start()
+    if address_file:
+        tmp = Path(address_file + ".tmp")
+        tmp.write_text(address)
+        tmp.replace(address_file)
+    log.info("coordinator listening on %s", address)
+    reaper = asyncio.create_task(coord.reap())
+    await coord.finished.wait()
+    reaper.cancel()
+    await server.stop(0.5)
+    return coord.summary()

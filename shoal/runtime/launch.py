@@ -1,0 +1,222 @@
+"""``shoal launch``: a whole swarm (coordinator, S servers, W workers) as local processes.
+
+:class:`Swarm` starts the processes on 127.0.0.1 and gives the hooks that tests and
+the demo need: extra arguments per worker, ``kill_worker(i)`` (SIGKILL) and
+``start_worker(...)`` mid-run, ``kill_server(stage)`` / ``start_server()``, and an
+``on_event`` callback fed from the coordinator's ``events.jsonl`` and
+``metrics.jsonl`` while the run goes. :func:`launch` runs one to completion.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shoal.errors import ShoalError
+from shoal.train.metrics import read_jsonl
+
+
+@dataclass
+class LaunchConfig:
+    """A local swarm run; model, batch and seed flags mean what they mean for ``shoal train``."""
+
+    out: str  # run folder (metrics.jsonl, events.jsonl, checkpoint/, summary.json, logs/)
+    model: str = "tiny"  # model preset
+    stages: int = 2  # pipeline stages S (one server each)
+    workers: int = 2  # workers started at launch
+    steps: int = 20  # optimizer steps
+    micro_batches: int = 4  # M micro-batches per step
+    micro_batch_size: int = 4  # sequences per micro-batch
+    seq_len: int = 64  # tokens per sequence
+    seed: int = 0  # weights and data seed
+    lr: float = 3e-3  # peak learning rate
+    min_lr: float | None = None  # final learning rate (None: lr / 10, as shoal train)
+    warmup: int = 10  # warm-up steps
+    weight_decay: float = 0.1  # AdamW weight decay
+    grad_clip: float = 1.0  # global grad-norm clip
+    ckpt_every: int = 1  # servers checkpoint every K committed steps
+    dead_after_s: float = 3.0  # a member silent this long is dead
+    min_lease_s: float = 2.0  # shortest lease without renewal
+    data: str = "corpus"  # "corpus" (shoal.data, like shoal train) or "synthetic"
+    min_workers: int | None = None  # workers needed before step 0 (None: all launched)
+    worker_args: list[list[str]] = field(default_factory=list)  # extra CLI args per worker index
+    token: str | None = None  # join token (None: SHOAL_TOKEN or a random one)
+    timeout_s: float = 600.0  # give up after this long
+    scenario: str | None = None  # scenario name/file: worker count and speeds from its devices
+
+    def validate(self) -> None:
+        if self.stages < 1 or self.workers < 1 or self.steps < 1:
+            raise ShoalError("--stages, --workers and --steps must be positive")
+        if self.workers < self.stages and (self.min_workers or self.workers) < self.stages:
+            raise ShoalError(f"--workers {self.workers} < --stages {self.stages}: every stage needs a worker")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["SHOAL_TORCH_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+class Swarm:
+    """The processes of one local run."""
+
+    def __init__(self, cfg: LaunchConfig, on_event: Callable[[dict], None] | None = None):
+        cfg.validate()
+        self.cfg, self.on_event = cfg, on_event
+        self.out = Path(cfg.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "logs").mkdir(exist_ok=True)
+        self.token = cfg.token or os.environ.get("SHOAL_TOKEN") or secrets.token_hex(16)
+        self.env = _env()
+        self.env["SHOAL_TOKEN"] = self.token
+        self.coord: subprocess.Popen | None = None
+        self.servers: list[subprocess.Popen] = []
+        self.workers: list[subprocess.Popen | None] = []
+        self.address = ""
+        self._seen = {"events.jsonl": 0, "metrics.jsonl": 0}
+        self._n_server = 0
+
+    def _spawn(self, args: list[str], log_name: str, env: dict | None = None) -> subprocess.Popen:
+        # The child keeps its own copy of the descriptor; ours can close at once.
+        with open(self.out / "logs" / f"{log_name}.log", "ab") as log:
+            return subprocess.Popen([sys.executable, "-m", "shoal.runtime.cli", *args], stdout=log,
+                                    stderr=subprocess.STDOUT, env=env or self.env, start_new_session=True)
+
+    def start(self) -> None:
+        """Start the coordinator, S servers and the workers; return once the address is known."""
+        c = self.cfg
+        addr_file = self.out / "logs" / "coordinator.address"
+        addr_file.unlink(missing_ok=True)
+        min_lr = c.lr / 10 if c.min_lr is None else c.min_lr
+        self.coord = self._spawn([
+            "coordinator", "--listen", "127.0.0.1:0", "--model", c.model, "--stages", str(c.stages),
+            "--min-workers", str(c.min_workers or c.workers), "--steps", str(c.steps),
+            "--micro-batches", str(c.micro_batches), "--micro-batch-size", str(c.micro_batch_size),
+            "--seq-len", str(c.seq_len), "--seed", str(c.seed), "--lr", repr(c.lr), "--min-lr", repr(min_lr),
+            "--warmup", str(c.warmup), "--weight-decay", repr(c.weight_decay), "--grad-clip", repr(c.grad_clip),
+            "--ckpt-every", str(c.ckpt_every), "--dead-after", repr(c.dead_after_s),
+            "--min-lease", repr(c.min_lease_s), "--data", c.data, "--out", str(self.out),
+            "--address-file", str(addr_file)], "coordinator")
+        deadline = time.time() + 60
+        while not addr_file.exists():
+            if self.coord.poll() is not None:
+                raise ShoalError(f"the coordinator exited at start; see {self.out / 'logs' / 'coordinator.log'}")
+            if time.time() > deadline:
+                raise ShoalError("the coordinator did not start within 60 s")
+            time.sleep(0.05)
+        self.address = addr_file.read_text().strip()
+        for _ in range(c.stages):
+            self.start_server()
+        for i in range(c.workers):
+            self.start_worker(i)
+
+    def start_server(self) -> int:
+        """Start a stage server (it takes the first vacant stage); returns its index."""
+        i = self._n_server
+        self._n_server += 1
+        self.servers.append(self._spawn(["server", "--join", self.address, "--listen", "127.0.0.1:0",
+                                         "--ckpt-dir", str(self.out / "server_ckpt"), "--name", f"s{i}"],
+                                        f"server{i}"))
+        return i
+
+    def start_worker(self, i: int | None = None, extra: list[str] | None = None) -> int:
+        """Start worker ``i`` (default: a new index) with its configured and ``extra`` args."""
+        if i is None:
+            i = len(self.workers)
+        args = list(self.cfg.worker_args[i]) if i < len(self.cfg.worker_args) else []
+        args += extra or []
+        p = self._spawn(["worker", "--join", self.address, "--name", f"w{i}", *args], f"worker{i}")
+        while len(self.workers) <= i:
+            self.workers.append(None)
+        self.workers[i] = p
+        return i
+
+    def kill_worker(self, i: int) -> None:
+        """kill -9 worker ``i``."""
+        p = self.workers[i]
+        if p is not None and p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait()
+        self._event({"event": "kill", "device": f"w{i}"})
+
+    def kill_server(self, i: int) -> None:
+        """kill -9 server process ``i`` (index in start order)."""
+        p = self.servers[i]
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait()
+        self._event({"event": "kill", "device": f"s{i}"})
+
+    def _event(self, rec: dict) -> None:
+        if self.on_event:
+            self.on_event(rec)
+
+    def poll_records(self) -> list[dict]:
+        """New events and metrics records since the last call (also sent to ``on_event``)."""
+        new = []
+        for fname in ("events.jsonl", "metrics.jsonl"):
+            recs = read_jsonl(self.out / fname)
+            for r in recs[self._seen[fname]:]:
+                r = dict(r)
+                r.setdefault("event", "step")
+                new.append(r)
+                self._event(r)
+            self._seen[fname] = len(recs)
+        return new
+
+    def committed_steps(self) -> int:
+        return len(read_jsonl(self.out / "metrics.jsonl"))
+
+    def wait(self, timeout_s: float | None = None) -> dict:
+        """Wait for the coordinator to finish; return the run summary."""
+        deadline = time.time() + (timeout_s or self.cfg.timeout_s)
+        while self.coord.poll() is None:
+            if time.time() > deadline:
+                self.stop()
+                raise ShoalError(f"run did not finish within {timeout_s or self.cfg.timeout_s:.0f} s; "
+                                 f"see the logs in {self.out / 'logs'}")
+            self.poll_records()
+            time.sleep(0.1)
+        self.poll_records()
+        summary_path = self.out / "summary.json"
+        if self.coord.returncode != 0 or not summary_path.exists():
+            self.stop()
+            raise ShoalError(f"the coordinator failed (exit {self.coord.returncode}); "
+                             f"see {self.out / 'logs' / 'coordinator.log'}")
+        # Members exit by themselves once they see "done"; give them a moment.
+        end = time.time() + 5
+        for p in [*self.servers, *[w for w in self.workers if w]]:
+            while p.poll() is None and time.time() < end:
+                time.sleep(0.05)
+        self.stop()
+        return json.loads(summary_path.read_text())
+
+    def stop(self) -> None:
+        """Kill every process still running."""
+        for p in [*[w for w in self.workers if w], *self.servers, *([self.coord] if self.coord else [])]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    def __enter__(self) -> Swarm:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def launch(cfg: LaunchConfig, on_event: Callable[[dict], None] | None = None) -> dict:
+    """Run a local swarm to completion and return the run summary."""
+    with Swarm(cfg, on_event) as swarm:
+        swarm.start()
+        return swarm.wait()

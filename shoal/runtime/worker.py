@@ -1,0 +1,249 @@
+"""The worker: leases tasks of its stage, computes them, pushes gradients.
+
+Loop: lease a task (long-poll), make sure its weights are the task's version (pull them
+from the server if not), compute in a thread so that the asyncio loop keeps renewing the
+leases, return the result. Parameter gradients of accepted backward tasks are summed
+locally and pushed, with the micro-batch ids they cover, when the server says the step's
+backward pool is complete (``flush``). The server's *generation* number for this worker
+tells it when its un-pushed gradients were voided (it was thought dead), so it never
+mixes them into a later push.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from shoal.model.transformer import build_stage
+from shoal.net import shoal_pb2 as pb
+from shoal.net import shoal_pb2_grpc as pbg
+from shoal.net.channel import ChannelFactory
+from shoal.net.wire import decode_tensor, encode_tensor
+from shoal.runtime.common import (
+    SCHEMA_VERSION,
+    approx_task_flops,
+    measure_flops,
+    micro_batch,
+    model_config,
+    set_threads,
+)
+
+log = logging.getLogger("shoal.worker")
+
+
+@dataclass
+class WorkerOptions:
+    """Knobs of one worker process."""
+
+    name: str = "worker"  # label in events and metrics
+    flops: float | None = None  # FLOP/s to report (None: measure at start)
+    heartbeat_s: float = 0.2  # lease renewal / coordinator heartbeat period
+    lease_wait_s: float = 0.5  # long-poll time of one lease request
+    inject: str = ""  # test faults, once each: "nan_grad", "bad_shape" (comma-separated)
+    codec: str = "raw"  # tensor codec for results and pushes
+
+
+class Worker:
+    """One worker process's state."""
+
+    def __init__(self, coord: str, token: str, opts: WorkerOptions, *, dial=None, pacer=None):
+        self.coord_addr, self.opts, self.pacer = coord, opts, pacer
+        self.channels = ChannelFactory(token, dial=dial)
+        self.inject = {f for f in opts.inject.split(",") if f}
+        self.stage = -1
+        self.server_addr = ""
+        self.done = False
+        self.held: set[int] = set()
+        self.version = -1
+        self.weights_epoch = -1
+        # accumulated gradient: (epoch, step, gen) it belongs to, sum, micro-batches
+        self.acc_key: tuple[int, int, int] | None = None
+        self.acc: dict[str, torch.Tensor] = {}
+        self.acc_mbs: list[int] = []
+        self.tasks_done = 0
+
+    async def run(self) -> None:
+        set_threads()
+        flops = self.opts.flops or measure_flops()
+        self.coord = pbg.CoordinatorStub(self.channels.open(self.coord_addr))
+        from shoal.runtime.server import _retry
+
+        reply = await _retry(lambda: self.coord.Join(pb.JoinRequest(
+            role="worker", flops=flops, name=self.opts.name, schema=SCHEMA_VERSION)))
+        self.member_id, self.spec = reply.member_id, reply.spec
+        self.cfg = model_config(self.spec)
+        log.info("%s joined as %s (%.2g FLOP/s)", self.opts.name, self.member_id, flops)
+        hb = asyncio.create_task(self._heartbeats())
+        try:
+            while not self.done:
+                if self.stage < 0 or not self.server_addr:
+                    await asyncio.sleep(0.05)
+                    continue
+                try:
+                    await self._one()
+                except grpc.aio.AioRpcError as exc:
+                    log.info("%s: server call failed (%s); retrying", self.opts.name, exc.code())
+                    await asyncio.sleep(0.2)
+        finally:
+            hb.cancel()
+
+    async def _heartbeats(self) -> None:
+        while not self.done:
+            try:
+                a = await self.coord.Heartbeat(pb.MemberRequest(member_id=self.member_id), timeout=5)
+                if a.done:
+                    self.done = True
+                    return
+                if a.known and a.ready and a.stage >= 0 and a.servers[a.stage]:
+                    if a.stage != self.stage:
+                        self._switch(a.stage, a.first, a.last)
+                    self.server_addr = a.servers[a.stage]
+                    self.server = self.channels_stub(self.server_addr)
+            except grpc.aio.AioRpcError:
+                pass
+            if self.held and self.server_addr:
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await self.server.Renew(pb.RenewRequest(worker=self.member_id,
+                                                            lease_ids=list(self.held)), timeout=5)
+            await asyncio.sleep(self.opts.heartbeat_s)
+
+    _stubs: dict
+
+    def channels_stub(self, addr: str) -> pbg.StageServerStub:
+        if not hasattr(self, "_stubs_by_addr"):
+            self._stubs_by_addr = {}
+        if addr not in self._stubs_by_addr:
+            self._stubs_by_addr[addr] = pbg.StageServerStub(self.channels.open(addr))
+        return self._stubs_by_addr[addr]
+
+    def _switch(self, stage: int, first: int, last: int) -> None:
+        log.info("%s works on stage %d [%d,%d)", self.opts.name, stage, first, last)
+        self.stage, self.first, self.last = stage, first, last
+        self.module = build_stage(self.cfg, first, last, seed=self.spec.seed, init=False)
+        self.params = dict(self.module.named_parameters())
+        self.n_params = sum(p.numel() for p in self.params.values())
+        self.version = -1
+        self._drop_acc()
+
+    def _drop_acc(self) -> None:
+        self.acc_key, self.acc, self.acc_mbs = None, {}, []
+
+    async def _pull(self) -> None:
+        rep = await self.server.GetWeights(pb.WeightsRequest(worker=self.member_id), timeout=30)
+        with torch.no_grad():
+            for frame in rep.params:
+                p = self.params[frame.name]
+                p.copy_(decode_tensor(frame, shape=tuple(p.shape), dtype="float32"))
+        self.version, self.weights_epoch = rep.version, rep.epoch
+
+    async def _push(self) -> None:
+        epoch, step, gen = self.acc_key
+        msg = pb.GradPush(worker=self.member_id, step=step, epoch=epoch, gen=gen, mbs=self.acc_mbs)
+        for name, g in self.acc.items():
+            if "nan_grad" in self.inject:
+                self.inject.discard("nan_grad")
+                g = g.clone()
+                g.view(-1)[0] = float("nan")
+            msg.grads.append(encode_tensor(name, g, self.opts.codec))
+        rep = await self.server.PushGrads(msg, timeout=60)
+        if not rep.accepted:
+            log.info("%s: push refused: %s", self.opts.name, rep.reason)
+        self._drop_acc()
+
+    async def _one(self) -> None:
+        server = self.server
+        rep = await server.Lease(pb.LeaseRequest(worker=self.member_id, wait_s=self.opts.lease_wait_s),
+                                 timeout=10)
+        if self.acc_key is not None and self.acc_key != (rep.epoch, rep.step, rep.gen):
+            self._drop_acc()  # voided by the server, or a roll-back
+        if rep.flush and self.acc_key is not None:
+            await self._push()
+        if not rep.has_task:
+            return
+        task = rep.task
+        self.held.add(task.lease_id)
+        try:
+            if self.version != task.step or self.weights_epoch != task.epoch:
+                await self._pull()
+            if self.version != task.step:
+                return  # the server moved on; the lease will be dropped
+            t0 = time.perf_counter()
+            loop = asyncio.get_running_loop()
+            out, loss, grads = await loop.run_in_executor(None, self._compute, task)
+            elapsed = time.perf_counter() - t0
+            if self.pacer is not None:
+                flops = approx_task_flops(self.n_params, self.spec.micro_batch_size * self.spec.seq_len,
+                                          task.direction)
+                await loop.run_in_executor(None, self.pacer.pad, flops, elapsed)
+            result = pb.TaskResult(worker=self.member_id, step=task.step, mb=task.mb,
+                                   direction=task.direction, epoch=task.epoch, lease_id=task.lease_id,
+                                   loss=loss, compute_s=time.perf_counter() - t0)
+            if out is not None:
+                if "bad_shape" in self.inject:
+                    self.inject.discard("bad_shape")
+                    out = out[..., :-1]
+                result.output.CopyFrom(encode_tensor("out", out, self.opts.codec))
+            done = await server.Complete(result, timeout=60)
+        finally:
+            self.held.discard(task.lease_id)
+        if not done.accepted:
+            log.info("%s: result refused: %s", self.opts.name, done.reason)
+            return
+        self.tasks_done += 1
+        if grads is not None:
+            key = (task.epoch, task.step, done.gen)
+            if self.acc_key != key:
+                self._drop_acc()
+                self.acc_key = key
+            for name, g in grads.items():
+                if name in self.acc:
+                    self.acc[name].add_(g)
+                else:
+                    self.acc[name] = g
+            self.acc_mbs.append(task.mb)
+
+    def _compute(self, task: pb.Task):
+        """Run one task; returns (output tensor or None, loss, parameter grads or None)."""
+        spec = self.spec
+        first_stage = self.first == 0
+        if first_stage:
+            x, targets = micro_batch(spec, task.step, task.mb)
+        else:
+            x = decode_tensor(task.input, shape=(spec.micro_batch_size, spec.seq_len, self.cfg.d_model),
+                              dtype="float32", finite=True)
+            targets = micro_batch(spec, task.step, task.mb)[1] if task.direction == pb.FWDBWD else None
+        if task.direction == pb.FWD:
+            with torch.no_grad():
+                return self.module(x).contiguous(), 0.0, None
+        for p in self.params.values():
+            p.grad = None
+        if not first_stage:
+            x = x.requires_grad_(True)
+        if task.direction == pb.FWDBWD:
+            loss = self.module(x, targets)
+            (loss / spec.micro_batches).backward()
+            loss_v = float(loss.detach())
+        else:
+            g = decode_tensor(task.out_grad, shape=(spec.micro_batch_size, spec.seq_len, self.cfg.d_model),
+                              dtype="float32", finite=True)
+            out = self.module(x)
+            out.backward(g)
+            loss_v = 0.0
+        grads = {n: p.grad for n, p in self.params.items()}
+        for p in self.params.values():
+            p.grad = None
+        return (None if first_stage else x.grad.contiguous()), loss_v, grads
+
+
+def work(coord: str, token: str, opts: WorkerOptions) -> None:
+    """Run a worker process until the run is done."""
+    set_threads()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    asyncio.run(Worker(coord, token, opts).run())
