@@ -1,0 +1,116 @@
+"""The cost model against hand-computed small cases."""
+
+
+import pytest
+
+from shoal.plan import predict, scenario_from_dict
+from shoal.plan.cost import (
+    CostOptions,
+    flow_bandwidth,
+    pipeline_time,
+    stage_costs,
+    stage_throughput,
+    step_time,
+    sync_time,
+    transfer_time,
+)
+from shoal.plan.types import Plan, StagePlan, SyncPolicy
+
+# tiny model, T=64, B=2 (128 tokens): forward FLOPs per token = 4 blocks x (2(4d^2 + 3df) + 4Td)
+# + head 2dV = 4 x 434176 + 524288 = 2260992; forward + backward = 3x; x 128 tokens.
+TINY_FLOPS_PER_MB = 3 * 2260992 * 128
+TINY_PARAMS = 2048 * 128 + 4 * (4 * 128**2 + 3 * 128 * 352 + 2 * 128) + (128 * 2048 + 128)
+HIDDEN = 2 * 64 * 128 * 4  # B*T*d fp32
+TOKENS = 2 * 64 * 8  # int64 ids
+
+
+def scenario(n_workers=1):
+    devices = [{"id": f"w{i}", "tflops": 1, "memory_gb": 8, "region": "a", "up_mbps": 20, "down_mbps": 200}
+               for i in range(n_workers)]
+    devices.append({"id": "h", "tflops": 0, "memory_gb": 0, "region": "a", "up_gbps": 10, "down_gbps": 10,
+                    "can_host_server": True})
+    return scenario_from_dict({
+        "name": "hand",
+        "workload": {"model": "tiny", "seq_len": 64, "global_batch": 8, "micro_batch_size": 2, "dtype": "fp32"},
+        "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}},
+        "devices": devices,
+    })
+
+
+def plan(stages, m=4):
+    return Plan("hand", "tiny", "test", stages, micro_batch_size=2, micro_batches=m)
+
+
+def test_pure_formulas():
+    assert transfer_time(0, 0.1, 1e6) == 0.0
+    assert transfer_time(1e6, 0.1, 1e6) == pytest.approx(1.1)
+    assert flow_bandwidth(100.0, 50.0, 400.0, 1, 4) == 50.0
+    assert flow_bandwidth(100.0, 500.0, 400.0, 1, 8) == 50.0
+    assert stage_throughput([1.0, 2.0, 4.0], 8) == pytest.approx(1.75)
+    assert stage_throughput([1.0, 2.0, 4.0], 2) == pytest.approx(1.5)  # only M workers get tasks
+    assert pipeline_time(5, [2.0, 1.0], [0.5, 0.25]) == pytest.approx(4 + 0.75)
+    assert sync_time(100.0, 0.5, 0.01, 10.0, 50.0) == pytest.approx(0.02 + 5 + 1)
+    assert sync_time(100.0, 1.0, 0.0, 10.0, 10.0, sync_every=4) == pytest.approx(5.0)
+    assert step_time(3.0, 2.0) == 5.0 and step_time(3.0, 2.0, overlap_sync=True) == 3.0
+
+
+def test_one_stage_one_worker_by_hand():
+    s = scenario(1)
+    p = plan([StagePlan((0, 6), "h", ["w0"])])
+    r = predict(p, s)
+    compute = TINY_FLOPS_PER_MB / 1e12
+    # stage 0 is also the last: token ids and targets come from the server over the worker's
+    # 200 Mbit/s downlink (25e6 B/s), one 5 ms latency.
+    tau = compute + 0.005 + 2 * TOKENS / 25e6
+    assert r["pipeline_s"] == pytest.approx(3 * tau + tau)
+    pbytes = TINY_PARAMS * 4
+    sync = 0.010 + pbytes / 2.5e6 + pbytes / 25e6  # push over 20 Mbit/s up, pull over 200 down
+    assert r["sync_s"] == pytest.approx(sync)
+    assert r["step_time_s"] == pytest.approx(4 * tau + sync)
+    assert p.predicted["step_time_s"] == r["step_time_s"]
+    assert r["compute_s"] + r["transfer_s"] == pytest.approx(r["pipeline_s"])
+    assert r["compute_s"] == pytest.approx(4 * tau * compute / tau)
+    assert r["bottleneck_stage"] == 0
+    need = 2 * pbytes + 0  # weights + grads; saved activations added below
+    assert 0 < r["memory_headroom"] < 1 - need / 8e9
+    over = predict(p, s, CostOptions(overlap_sync=True))
+    assert over["step_time_s"] == pytest.approx(max(4 * tau, sync))
+
+
+def test_two_stages_share_the_server_link_by_hand():
+    s = scenario(3)
+    p = plan([StagePlan((0, 3), "h", ["w0", "w1"]), StagePlan((3, 6), "h", ["w2"])])
+    costs = stage_costs(p, s)
+    # Stage 0 worker: tokens in, hidden out to stage 1's server, output-gradient in; 3 transfers.
+    # The host's 10 Gbit/s is shared by 3 workers but their own 20/200 Mbit/s links are tighter.
+    from shoal.model.config import get_preset
+    from shoal.model.profile import profile_model
+    prof = profile_model(get_preset("tiny"), 64, 2, 4)
+    c0 = (prof.fwd_flops(0, 3) + prof.bwd_flops(0, 3)) / 1e12
+    tau0 = c0 + (0.005 + TOKENS / 25e6) + (0.005 + HIDDEN / 2.5e6) + (0.005 + HIDDEN / 25e6)
+    assert costs[0].task_times["w0"] == pytest.approx(tau0)
+    assert costs[0].throughput == pytest.approx(2 / tau0)
+    c1 = (prof.fwd_flops(3, 6) + prof.bwd_flops(3, 6)) / 1e12
+    tau1 = c1 + (0.005 + (HIDDEN + TOKENS) / 25e6) + (0.005 + HIDDEN / 2.5e6)
+    assert costs[1].task_times["w2"] == pytest.approx(tau1)
+    r = predict(p, s)
+    assert r["pipeline_s"] == pytest.approx(3 / min(2 / tau0, 1 / tau1) + tau0 + tau1)
+    b0, b1 = prof.param_bytes(0, 3), prof.param_bytes(3, 6)
+    assert r["sync_s"] == pytest.approx(max(0.01 + b0 / 2.5e6 + b0 / 25e6, 0.01 + b1 / 2.5e6 + b1 / 25e6))
+
+
+def test_compression_and_local_mode_shrink_sync():
+    s = scenario(1)
+    base = predict(plan([StagePlan((0, 6), "h", ["w0"])]), s)["sync_s"]
+    p = plan([StagePlan((0, 6), "h", ["w0"])])
+    p.sync = SyncPolicy(mode="local", grad_compression=0.25, sync_every=4)
+    assert predict(p, s)["sync_s"] == pytest.approx((base - 0.01) / 16 + 0.01 / 4)
+
+
+def test_worker_on_its_own_server_host_pays_no_transfer():
+    s = scenario(1)
+    from dataclasses import replace
+    s.devices[0] = replace(s.devices[0], can_host_server=True)
+    r = predict(plan([StagePlan((0, 6), "w0", ["w0"])]), s)
+    assert r["sync_s"] == 0.0
+    assert r["step_time_s"] == pytest.approx(4 * TINY_FLOPS_PER_MB / 1e12)
