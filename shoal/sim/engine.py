@@ -1,0 +1,906 @@
+"""Discrete-event replay of the task-pool protocol (a hand-written heap loop).
+
+One event heap holds tuples ``(time, seq, kind, a, b)``; ``seq`` breaks ties in the order
+events were scheduled, which makes a run a pure function of (plan, scenario, seed).
+Per step (synchronous mode, see DESIGN.md):
+
+1. Stage 0's pool receives the step's M forward tasks.
+2. A worker sends a lease request to its stage server (one-way latency). The server hands
+   it the best task -- its own backward tasks first (it holds their saved activations),
+   then orphaned backward tasks, then forward tasks -- or parks the request (long poll)
+   until a task arrives. The task's input then flows server -> worker.
+3. The worker computes (FLOPs / device FLOP/s, times a straggler factor), then sends its
+   output to the next stage's server (forward) or the previous one (backward), where it
+   becomes a task. The last stage runs forward and backward at once. A backward task on
+   a worker that did not run the forward receives the stage input too and recomputes it.
+   When the output has left, the worker asks for its next lease.
+4. When all M backward tasks of a stage are in, its server asks each contributing worker
+   to push its gradient (parameter bytes x ``sync.grad_compression``), applies the update
+   when every micro-batch's gradient has arrived, and every worker of the stage pulls the
+   new weights. The step closes when every stage has done so.
+
+Churn: a leaving device drops its flows and its compute; its servers notice after
+``lease_timeout_s`` and re-queue its lease, hand its backward tasks to others (who pay the
+recompute) and re-run the backward of micro-batches whose gradients it still held. A
+joining device is placed by the planner's ``repair`` and pulls the weights first.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+import time
+from collections import deque
+
+from shoal.errors import ShoalError
+from shoal.model.config import get_preset
+from shoal.model.profile import profile_model
+from shoal.plan.types import Plan, Scenario, StagePlan
+from shoal.sim.config import ServerFailure, SimConfig, Straggler
+from shoal.sim.net import FLOW_DONE, FlowNet, Resource
+from shoal.sim.result import SimResult
+
+# event kinds (FLOW_DONE = 0 comes from net)
+ARRIVE = 1  # a message reaches its destination: a = message kind, b = payload
+COMPUTE = 2  # a worker finishes computing: a = worker, b = (epoch, task)
+LEAVE = 3  # churn: a = device id
+JOIN = 4  # churn: a = device id
+DETECT = 5  # a server notices a vanished worker: a = worker, b = epoch of the incarnation
+SRV_DOWN = 6  # a = host id, b = recovery seconds
+SRV_UP = 7  # a = host id
+RESEND = 8  # retry a message deferred by a down server: b = (src, dst, nbytes, kind, payload, worker)
+APPLY = 9  # a stage server finished its optimizer step: a = stage
+
+# message kinds
+M_LEASE = 0  # worker -> server: give me a task (payload: worker, epoch)
+M_INPUT = 1  # server -> worker: a task and its input (worker, epoch, task)
+M_RESULT = 2  # worker -> neighbouring server: a task's output (worker, task)
+M_DONE = 3  # worker -> own server: a task without output is done, next lease please (worker, task)
+M_PUSHREQ = 4  # server -> worker: push your gradient (worker, epoch, stage)
+M_PUSH = 5  # worker -> server: gradient of micro-batches (worker, stage, step, mbs)
+M_PULL = 6  # server -> worker: new weights (worker, epoch, stage)
+M_JOINPULL = 7  # server -> joining worker: current weights (worker, epoch, stage)
+
+
+class Task:
+    """A micro-batch task of one stage and direction."""
+
+    __slots__ = ("step", "stage", "m", "bwd", "grad_only", "recompute")
+
+    def __init__(self, step: int, stage: int, m: int, bwd: bool, grad_only: bool = False):
+        self.step = step
+        self.stage = stage
+        self.m = m  # micro-batch id
+        self.bwd = bwd  # backward (True) or forward
+        self.grad_only = grad_only  # a re-run for lost gradients: its output was already delivered
+        self.recompute = False  # set when leased to a worker without the saved activations
+
+
+class Worker:
+    """A device's worker process (one incarnation per session; ``epoch`` tells them apart)."""
+
+    __slots__ = ("id", "dev", "stage", "alive", "epoch", "saved", "lease", "flows", "busy",
+                 "compute_t0", "slow", "joined_at")
+
+    def __init__(self, dev):
+        self.id = dev.id
+        self.dev = dev
+        self.stage: int | None = None  # stage it serves (None: unassigned)
+        self.alive = True
+        self.epoch = 0  # bumped when it leaves or is moved: stale events are dropped
+        self.saved: set[tuple[int, int]] = set()  # (step, m) whose activations it keeps
+        self.lease: Task | None = None  # task it holds (at most one)
+        self.flows: dict[int, object] = {}  # flows it sends or receives
+        self.busy = 0.0  # seconds spent computing
+        self.compute_t0 = -1.0  # start of the current computation (-1: none)
+        self.slow: list[tuple[float, float, float]] = []  # straggler windows (t0, t1, factor)
+        self.joined_at = 0.0
+
+
+class Stage:
+    """A stage server's state: task pool, leases, gradient bookkeeping."""
+
+    def __init__(self, idx: int, sp: StagePlan, host):
+        self.idx = idx
+        self.first, self.last = sp.layers
+        self.host = host
+        self.members: dict[str, Worker] = {}  # workers the server believes alive
+        self.waiting: dict[str, Worker] = {}  # parked lease requests, oldest first
+        self.fwd_pool: deque[Task] = deque()
+        self.orphans: deque[Task] = deque()  # backward tasks anyone may take (with recompute)
+        self.own: dict[str, deque[Task]] = {}  # backward tasks kept for the worker that ran the forward
+        self.reset(-1)
+
+    def reset(self, step: int) -> None:
+        self.step = step
+        self.fwd_done: set[int] = set()
+        self.bwd_done: set[int] = set()
+        self.fwd_owner: dict[int, str] = {}
+        self.contrib: dict[str, set[int]] = {}  # accepted backward results whose gradients a worker holds
+        self.asked: set[str] = set()  # workers asked to push this round
+        self.grads_in: set[int] = set()
+        self.grad_count: dict[int, int] = {}
+        self.fwd_count: dict[int, int] = {}
+        self.phase = 0  # 0 computing, 1 applying, 2 pulling, 3 closed
+        self.pending_pulls: set[str] = set()
+        self.fwd_pool.clear()
+        self.orphans.clear()
+        self.own.clear()
+
+
+def _as_straggler(s) -> Straggler:
+    return s if isinstance(s, Straggler) else Straggler(*s)
+
+
+def _as_failure(s) -> ServerFailure:
+    return s if isinstance(s, ServerFailure) else ServerFailure(*s)
+
+
+def check_plan(plan: Plan, scenario: Scenario) -> None:
+    """Raise :class:`ShoalError` if ``plan`` cannot run on ``scenario``."""
+    if not plan.stages:
+        raise ShoalError("plan has no stages; make one with `shoal plan`")
+    cfg = get_preset(plan.model)
+    if plan.model != scenario.workload.model:
+        raise ShoalError(f"plan is for model {plan.model} but scenario {scenario.name} trains "
+                         f"{scenario.workload.model}; plan for this scenario")
+    n = cfg.n_total_layers
+    expect = 0
+    for i, sp in enumerate(plan.stages):
+        a, b = sp.layers
+        if a != expect or b <= a:
+            raise ShoalError(f"plan stage {i} has layers [{a}, {b}) but must start at {expect} and be non-empty")
+        expect = b
+    if expect != n:
+        raise ShoalError(f"plan stages cover layers [0, {expect}) but model {plan.model} has {n} layers")
+    if plan.micro_batches <= 0 or plan.micro_batch_size <= 0:
+        raise ShoalError("plan needs a positive micro-batch size and count")
+    ids = {d.id: d for d in scenario.devices}
+    prof = profile_model(cfg, scenario.workload.seq_len, plan.micro_batch_size, scenario.workload.dtype_bytes)
+    seen: dict[str, int] = {}
+    for i, sp in enumerate(plan.stages):
+        if sp.server not in ids:
+            raise ShoalError(f"plan stage {i}: server host {sp.server!r} is not a device of scenario {scenario.name}")
+        if not ids[sp.server].can_host_server:
+            raise ShoalError(f"plan stage {i}: device {sp.server!r} may not host a stage server (can_host_server is false)")
+        if not sp.workers:
+            raise ShoalError(f"plan stage {i} has no workers")
+        need = prof.worker_memory(*sp.layers)
+        for w in sp.workers:
+            if w not in ids:
+                raise ShoalError(f"plan stage {i}: worker {w!r} is not a device of scenario {scenario.name}")
+            if w in seen:
+                raise ShoalError(f"plan: device {w!r} works for stages {seen[w]} and {i}; a device serves one stage")
+            seen[w] = i
+            d = ids[w]
+            if d.flops <= 0:
+                raise ShoalError(f"plan stage {i}: device {w!r} cannot compute (flops is 0)")
+            if need > d.memory:
+                raise ShoalError(f"plan stage {i}: device {w!r} has {d.memory / 1e9:.1f} GB but the stage needs "
+                                 f"{need / 1e9:.1f} GB; use more stages or a smaller micro-batch")
+
+
+def _fallback_repair(plan: Plan, original: dict[str, int], left=(), joined=()) -> Plan:
+    """Minimal repair used when the planner's is not available: rejoin the original stage."""
+    stages = [StagePlan(sp.layers, sp.server, [w for w in sp.workers if w not in left]) for sp in plan.stages]
+    for d in joined:
+        s = original.get(d)
+        if s is not None and d not in stages[s].workers:
+            stages[s].workers.append(d)
+    return Plan(plan.scenario, plan.model, plan.method, stages, plan.micro_batch_size,
+                plan.micro_batches, plan.sync, dict(plan.predicted), plan.planning_time_s)
+
+
+def _planner_repair():
+    try:
+        from shoal.plan import repair  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return repair
+
+
+class Simulator:
+    """One simulation of ``plan`` on ``scenario``; call :meth:`run` once."""
+
+    def __init__(self, plan: Plan, scenario: Scenario, *, churn: bool = False, seed: int = 0,
+                 record_timeline: bool = False, stragglers=(), server_failures=(),
+                 config: SimConfig | None = None):
+        check_plan(plan, scenario)
+        self.plan = plan
+        self.scn = scenario
+        self.cfg = config or SimConfig()
+        self.churn = churn
+        self.seed = seed
+        self.S = plan.n_stages
+        self.M = plan.micro_batches
+        wl = scenario.workload
+        self.prof = profile_model(get_preset(plan.model), wl.seq_len, plan.micro_batch_size, wl.dtype_bytes)
+        self.heap: list = []
+        self._seq = itertools.count()
+        self.seq = self._seq.__next__
+        self.net = FlowNet(self.heap, self.seq)
+        self.now = 0.0
+        self.devices = {d.id: d for d in scenario.devices}
+        self.up: dict[str, Resource] = {d.id: Resource(d.up) for d in scenario.devices}
+        self.down: dict[str, Resource] = {d.id: Resource(d.down) for d in scenario.devices}
+        self._links: dict[tuple[str, str], tuple[float, float]] = {}
+        ac, gc = plan.sync.act_compression, plan.sync.grad_compression
+        self.stages = [Stage(i, sp, self.devices[sp.server]) for i, sp in enumerate(plan.stages)]
+        for st in self.stages:
+            a, b = st.first, st.last
+            st.in_bytes = self.prof.in_act_bytes(a, b) * (1.0 if a == 0 else ac)  # stage input
+            st.out_bytes = self.prof.out_act_bytes(a, b) * ac  # output activation / its gradient
+            st.ingrad_bytes = 0.0 if a == 0 else self.prof.in_act_bytes(a, b) * ac  # gradient sent back
+            st.fwd_flops = self.prof.fwd_flops(a, b)
+            st.bwd_flops = self.prof.bwd_flops(a, b)
+            st.param_wire = self.prof.param_bytes(a, b) * gc
+            st.last_stage = st.idx == self.S - 1
+        self.workers: dict[str, Worker] = {}
+        self.original_stage: dict[str, int] = {}
+        for i, sp in enumerate(plan.stages):
+            for wid in sp.workers:
+                w = Worker(self.devices[wid])
+                w.stage = i
+                self.workers[wid] = w
+                self.original_stage[wid] = i
+                self.stages[i].members[wid] = w
+        self.plan_now = plan
+        self.repair_fn = _planner_repair()
+        for s in stragglers:
+            s = _as_straggler(s)
+            if s.device not in self.workers:
+                raise ShoalError(f"straggler {s.device!r} is not a worker of the plan")
+            if s.factor <= 0:
+                raise ShoalError(f"straggler factor must be positive, got {s.factor}")
+            self.workers[s.device].slow.append((s.start_s, s.start_s + s.duration_s, s.factor))
+        self.failures = [_as_failure(f) for f in server_failures]
+        for f in self.failures:
+            if not 0 <= f.stage < self.S:
+                raise ShoalError(f"server failure names stage {f.stage}; the plan has {self.S} stages")
+        self.down_until: dict[str, float] = {}
+        self.timeline: list[tuple[str, float, float, str]] | None = (
+            [] if record_timeline and len(self.workers) <= self.cfg.timeline_max_devices else None)
+        # statistics
+        self.events = 0
+        self.requeued = 0
+        self.recomputes = 0
+        self.duplicates = 0
+        self.leaves = 0
+        self.joins = 0
+        self.repairs = 0
+        self.moves = 0
+        self.server_failures_seen = 0
+        self.link_bytes: dict[tuple[str, str], float] = {}
+        self.step_times: list[float] = []
+        self.step = -1
+        self.step_start = 0.0
+        self.closed = 0
+        self.passes: list[dict] = []  # per step: conservation counts
+        self.detect_at: dict[str, float] = {}  # device -> time its last leave is noticed
+        self.rngs: dict[str, random.Random] = {}
+
+    # ---------------------------------------------------------------- helpers
+    def _push(self, t: float, kind: int, a, b=None) -> None:
+        heapq.heappush(self.heap, (t, self.seq(), kind, a, b))
+
+    def _link(self, a: str, b: str) -> tuple[float, float]:
+        key = (a, b)
+        v = self._links.get(key)
+        if v is None:
+            ln = self.scn.network.link(self.devices[a], self.devices[b])
+            v = self._links[key] = (ln.latency, ln.bandwidth)
+        return v
+
+    def _send(self, src: str, dst: str, nbytes: float, kind: int, payload, worker: Worker | None) -> None:
+        """Send a message; ``worker`` is the worker end (its flows die with it)."""
+        now = self.now
+        if self.down_until:
+            t = max(self.down_until.get(src, 0.0), self.down_until.get(dst, 0.0))
+            if t > now:
+                self._push(t, RESEND, None, (src, dst, nbytes, kind, payload, worker))
+                return
+        lat, bw = self._link(src, dst)
+        if nbytes <= 0:
+            self._push(now + lat, ARRIVE, kind, payload)
+            return
+        if src == dst:
+            f = self.net.start(src, dst, None, None, bw, lat, nbytes, now, (kind, payload, worker))
+        else:
+            f = self.net.start(src, dst, self.up[src], self.down[dst], bw, lat, nbytes, now,
+                               (kind, payload, worker))
+        if worker is not None:
+            worker.flows[f.fid] = f
+
+    def _factor(self, w: Worker) -> float:
+        for t0, t1, fac in w.slow:
+            if t0 <= self.now < t1:
+                return fac
+        return 1.0
+
+    # ---------------------------------------------------------------- task pool
+    def _assign(self, st: Stage, w: Worker, task: Task) -> None:
+        w.lease = task
+        if task.bwd:
+            has = (task.step, task.m) in w.saved
+            task.recompute = not has
+            if has:
+                nbytes = st.out_bytes
+            elif task.grad_only and st.last_stage:
+                nbytes = st.in_bytes
+            else:
+                nbytes = st.in_bytes + st.out_bytes
+        else:
+            nbytes = st.in_bytes
+        if not w.alive:
+            return  # handed to a vanished worker: recovered when the server notices
+        self._send(st.host.id, w.id, nbytes, M_INPUT, (w, w.epoch, task), w)
+
+    def _next_task(self, st: Stage, w: Worker) -> Task | None:
+        q = st.own.get(w.id)
+        if q:
+            return q.popleft()
+        if st.orphans:
+            return st.orphans.popleft()
+        if st.fwd_pool:
+            return st.fwd_pool.popleft()
+        if self.cfg.steal_backward:
+            for q in st.own.values():
+                if q:
+                    return q.pop()
+        return None
+
+    def _lease(self, st: Stage, w: Worker) -> None:
+        task = self._next_task(st, w)
+        if task is None:
+            st.waiting[w.id] = w
+        else:
+            self._assign(st, w, task)
+
+    def _offer(self, st: Stage, task: Task) -> None:
+        """A new task at ``st``: give it to a parked worker or queue it."""
+        if task.bwd and not task.grad_only:
+            owner = st.fwd_owner.get(task.m)
+            if owner is not None and owner in st.members:
+                if owner in st.waiting:
+                    del st.waiting[owner]
+                    self._assign(st, st.members[owner], task)
+                    return
+                st.own.setdefault(owner, deque()).append(task)
+                if self.cfg.steal_backward and st.waiting:
+                    wid = next(iter(st.waiting))
+                    w = st.waiting.pop(wid)
+                    self._assign(st, w, st.own[owner].pop())
+                return
+        if st.waiting:
+            wid = next(iter(st.waiting))
+            w = st.waiting.pop(wid)
+            self._assign(st, w, task)
+        elif task.bwd:
+            st.orphans.append(task)
+        else:
+            st.fwd_pool.append(task)
+
+    def _requeue(self, st: Stage, task: Task) -> None:
+        self.requeued += 1
+        if task.bwd:
+            if st.waiting:
+                self._offer_orphan(st, task)
+            else:
+                st.orphans.append(task)
+        else:
+            if st.waiting:
+                self._offer(st, task)
+            else:
+                st.fwd_pool.appendleft(task)
+
+    def _offer_orphan(self, st: Stage, task: Task) -> None:
+        wid = next(iter(st.waiting))
+        w = st.waiting.pop(wid)
+        self._assign(st, w, task)
+
+    # ---------------------------------------------------------------- steps
+    def _start_step(self) -> None:
+        self.step += 1
+        self.step_start = self.now
+        self.closed = 0
+        for st in self.stages:
+            st.reset(self.step)
+        st0 = self.stages[0]
+        for m in range(self.M):
+            self._offer(st0, Task(self.step, 0, m, False))
+
+    def _accept_fwd(self, st: Stage, w: Worker, task: Task) -> bool:
+        if task.step != self.step or task.m in st.fwd_done:
+            self.duplicates += 1
+            return False
+        st.fwd_done.add(task.m)
+        st.fwd_count[task.m] = st.fwd_count.get(task.m, 0) + 1
+        st.fwd_owner[task.m] = w.id
+        return True
+
+    def _accept_bwd(self, st: Stage, w: Worker, task: Task) -> bool:
+        if task.step != self.step or task.m in st.bwd_done:
+            self.duplicates += 1
+            return False
+        st.bwd_done.add(task.m)
+        c = st.contrib.get(w.id)
+        if c is None:
+            c = st.contrib[w.id] = set()
+        c.add(task.m)
+        if len(st.bwd_done) == self.M:
+            self._begin_sync(st)
+        return True
+
+    def _sync_step(self) -> bool:
+        k = max(1, self.plan.sync.sync_every)
+        return (self.step + 1) % k == 0
+
+    def _begin_sync(self, st: Stage) -> None:
+        if st.phase != 0:
+            return
+        if not self._sync_step():
+            # local steps: gradients stay on the workers (counted as applied there)
+            for mbs in st.contrib.values():
+                for m in mbs:
+                    st.grad_count[m] = st.grad_count.get(m, 0) + 1
+                st.grads_in |= mbs
+            st.contrib = {}
+            self._maybe_apply(st)
+            return
+        for wid, mbs in st.contrib.items():
+            if mbs and wid not in st.asked:
+                w = self.workers[wid]
+                st.asked.add(wid)
+                self._send(st.host.id, wid, 0, M_PUSHREQ, (w, w.epoch, st.idx), None)
+        self._maybe_apply(st)
+
+    def _maybe_apply(self, st: Stage) -> None:
+        if st.phase == 0 and len(st.grads_in) == self.M and len(st.bwd_done) == self.M:
+            st.phase = 1
+            if self.cfg.server_update_s > 0:
+                self._push(self.now + self.cfg.server_update_s, APPLY, st.idx)
+            else:
+                self._applied(st)
+
+    def _applied(self, st: Stage) -> None:
+        st.phase = 2
+        if self._sync_step():
+            for w in st.members.values():
+                if w.alive:
+                    st.pending_pulls.add(w.id)
+                    self._send(st.host.id, w.id, st.param_wire, M_PULL, (w, w.epoch, st.idx), w)
+        self._maybe_close(st)
+
+    def _maybe_close(self, st: Stage) -> None:
+        if st.phase == 2 and not st.pending_pulls:
+            st.phase = 3
+            self.closed += 1
+            if self.closed == self.S:
+                self._close_step()
+
+    def _close_step(self) -> None:
+        self.step_times.append(self.now - self.step_start)
+        self.passes.append({
+            "fwd": [dict(st.fwd_count) for st in self.stages],
+            "grad": [dict(st.grad_count) for st in self.stages],
+        })
+        if len(self.step_times) < self.target_steps:
+            self._start_step()
+
+    # ---------------------------------------------------------------- messages
+    def _on_message(self, kind: int, p) -> None:
+        if kind == M_RESULT:
+            w, task = p
+            st = self.stages[task.stage]
+            if w.lease is task:
+                w.lease = None
+            if task.bwd:
+                if self._accept_bwd(st, w, task):
+                    self._offer(self.stages[task.stage - 1], Task(task.step, task.stage - 1, task.m, True))
+            elif st.last_stage:
+                # the last stage ran forward and backward; its output is the input gradient
+                if self._accept_fwd(st, w, task) and self._accept_bwd(st, w, task):
+                    self._offer(self.stages[task.stage - 1], Task(task.step, task.stage - 1, task.m, True))
+            elif self._accept_fwd(st, w, task):
+                self._offer(self.stages[task.stage + 1], Task(task.step, task.stage + 1, task.m, False))
+        elif kind == M_LEASE:
+            w, epoch = p
+            if w.epoch != epoch or w.stage is None:
+                return
+            st = self.stages[w.stage]
+            if w.id in st.members and w.id not in st.waiting:
+                self._lease(st, w)
+        elif kind == M_INPUT:
+            w, epoch, task = p
+            if w.epoch != epoch:
+                return
+            st = self.stages[task.stage]
+            if task.bwd:
+                flops = st.bwd_flops
+                if task.recompute:
+                    flops += st.fwd_flops
+                    self.recomputes += 1
+            else:
+                flops = st.fwd_flops + (st.bwd_flops if st.last_stage else 0.0)
+            dt = flops / w.dev.flops
+            if w.slow:
+                dt *= self._factor(w)
+            w.compute_t0 = self.now
+            self._push(self.now + dt, COMPUTE, w, (epoch, task))
+        elif kind == M_DONE:
+            w, epoch, task = p
+            st = self.stages[task.stage]
+            if w.lease is task:
+                w.lease = None
+            if task.bwd:
+                self._accept_bwd(st, w, task)
+            elif self._accept_fwd(st, w, task):
+                self._accept_bwd(st, w, task)  # single-stage plan: fwd + bwd in one task
+            if w.epoch == epoch and w.alive and w.stage == task.stage:
+                # the done report doubles as the next lease request
+                self._on_message(M_LEASE, (w, epoch))
+        elif kind == M_PUSHREQ:
+            w, epoch, s = p
+            if w.epoch != epoch or not w.alive:
+                return
+            st = self.stages[s]
+            mbs = frozenset(st.contrib.get(w.id, ()))
+            if mbs:
+                self._send(w.id, st.host.id, st.param_wire, M_PUSH, (w, s, self.step, mbs), w)
+        elif kind == M_PUSH:
+            w, s, step, mbs = p
+            st = self.stages[s]
+            if step != self.step:
+                return
+            c = st.contrib.get(w.id)
+            mbs = mbs & c if c else frozenset()
+            for m in mbs:
+                st.grad_count[m] = st.grad_count.get(m, 0) + 1
+            if c:
+                c -= mbs
+            st.grads_in |= mbs
+            st.asked.discard(w.id)
+            if c:
+                # it finished more backward tasks after the request: ask again
+                self._begin_sync(st)
+            self._maybe_apply(st)
+        elif kind == M_PULL:
+            w, epoch, s = p
+            st = self.stages[s]
+            st.pending_pulls.discard(w.id)
+            self._maybe_close(st)
+        elif kind == M_JOINPULL:
+            w, epoch, s = p
+            if w.epoch == epoch and w.alive and w.stage == s:
+                self._send(w.id, self.stages[s].host.id, 0, M_LEASE, (w, epoch), None)
+
+    def _on_compute(self, w: Worker, epoch: int, task: Task) -> None:
+        if w.epoch != epoch:
+            return
+        dt = self.now - w.compute_t0
+        w.busy += dt
+        if self.timeline is not None:
+            self.timeline.append((w.id, w.compute_t0, self.now, "compute"))
+        w.compute_t0 = -1.0
+        st = self.stages[task.stage]
+        s = task.stage
+        if task.bwd:
+            w.saved.discard((task.step, task.m))
+            if s == 0 or task.grad_only:
+                self._send(w.id, st.host.id, 0, M_DONE, (w, w.epoch, task), None)
+            else:
+                self._send(w.id, self.stages[s - 1].host.id, st.ingrad_bytes, M_RESULT, (w, task), w)
+        elif st.last_stage:
+            if s == 0 or task.grad_only:
+                self._send(w.id, st.host.id, 0, M_DONE, (w, w.epoch, task), None)
+            else:
+                self._send(w.id, self.stages[s - 1].host.id, st.ingrad_bytes, M_RESULT, (w, task), w)
+        else:
+            w.saved.add((task.step, task.m))
+            self._send(w.id, self.stages[s + 1].host.id, st.out_bytes, M_RESULT, (w, task), w)
+
+    def _on_flow_done(self, f) -> None:
+        now = self.now
+        self.net.finish(f, now)
+        kind, payload, w = f.msg
+        key = (f.a, f.b)
+        self.link_bytes[key] = self.link_bytes.get(key, 0.0) + f.nbytes
+        if w is not None:
+            w.flows.pop(f.fid, None)
+            if self.timeline is not None:
+                self.timeline.append((w.id, f.t0, now, "send" if f.a == w.id else "recv"))
+        self._push(now + f.lat, ARRIVE, kind, payload)
+        if kind == M_RESULT and w.alive and w.stage is not None:
+            # the output has left: ask for the next lease (travels while the output lands)
+            self._send(w.id, self.stages[w.stage].host.id, 0, M_LEASE, (w, w.epoch), None)
+
+    # ---------------------------------------------------------------- churn and faults
+    def _rng(self, dev: str) -> random.Random:
+        r = self.rngs.get(dev)
+        if r is None:
+            r = self.rngs[dev] = random.Random(f"shoal-sim:{self.seed}:{dev}")
+        return r
+
+    def _schedule_churn(self) -> None:
+        trace = self.scn.churn.trace
+        if trace:
+            for t, dev, what in trace:
+                if dev not in self.devices:
+                    raise ShoalError(f"churn trace names unknown device {dev!r}")
+                if what not in ("leave", "join"):
+                    raise ShoalError(f"churn trace event must be 'leave' or 'join', got {what!r}")
+                self._push(float(t), LEAVE if what == "leave" else JOIN, dev, "trace")
+            return
+        for wid, w in self.workers.items():
+            if w.dev.mean_session_s:
+                self._push(self._rng(wid).expovariate(1.0 / w.dev.mean_session_s), LEAVE, wid, "model")
+
+    def _abort_flows(self, w: Worker) -> None:
+        for f in list(w.flows.values()):
+            if f.active:
+                moved = self.net.progress(f, self.now)
+                key = (f.a, f.b)
+                self.link_bytes[key] = self.link_bytes.get(key, 0.0) + moved
+                self.net.finish(f, self.now)
+                kind, payload, _ = f.msg
+                if kind == M_PULL:
+                    st = self.stages[payload[2]]
+                    st.pending_pulls.discard(w.id)
+                    self._maybe_close(st)
+        w.flows.clear()
+
+    def _leave(self, dev: str, source: str) -> None:
+        w = self.workers.get(dev)
+        if w is None or not w.alive:
+            return
+        self.leaves += 1
+        w.alive = False
+        w.epoch += 1
+        if w.compute_t0 >= 0:
+            w.busy += self.now - w.compute_t0
+            if self.timeline is not None:
+                self.timeline.append((w.id, w.compute_t0, self.now, "compute"))
+            w.compute_t0 = -1.0
+        self._abort_flows(w)
+        t = self.now + self.cfg.lease_timeout_s
+        self.detect_at[dev] = t
+        self._push(t, DETECT, w, (w.epoch, w.stage))
+        if source == "model":
+            self._push(self.now + self._rng(dev).expovariate(1.0 / self.scn.churn.mean_offline_s), JOIN, dev, "model")
+
+    def _forget(self, w: Worker, s: int | None) -> None:
+        """Stage ``s``'s server writes off worker ``w``: re-queue and re-assign its work."""
+        if s is None:
+            return
+        st = self.stages[s]
+        st.members.pop(w.id, None)
+        st.waiting.pop(w.id, None)
+        if w.lease is not None and w.lease.stage == s:
+            task, w.lease = w.lease, None
+            if task.step == self.step:
+                self._requeue(st, task)
+        q = st.own.pop(w.id, None)
+        if q:
+            for task in q:
+                self._requeue(st, task)
+        lost = st.contrib.pop(w.id, None)
+        st.asked.discard(w.id)
+        if lost:
+            st.bwd_done -= lost
+            for m in sorted(lost):
+                self._requeue(st, Task(self.step, s, m, True, grad_only=True))
+        st.pending_pulls.discard(w.id)
+        self._maybe_close(st)
+
+    def _detect(self, w: Worker, epoch: int, s: int | None) -> None:
+        if w.alive or w.epoch != epoch:
+            return
+        self._forget(w, s)
+        w.stage = None
+        w.saved.clear()
+        self._replan(left=(w.id,))
+
+    def _join(self, dev: str, source: str) -> None:
+        w = self.workers.get(dev)
+        if w is None:
+            if dev not in self.devices or self.devices[dev].flops <= 0:
+                return
+            w = self.workers[dev] = Worker(self.devices[dev])
+            w.alive = False
+        if w.alive:
+            return
+        t = self.detect_at.get(dev, 0.0)
+        if t >= self.now and w.stage is not None:
+            # the servers have not written off the previous session yet
+            self._push(t, JOIN, dev, source)
+            return
+        self.joins += 1
+        w.alive = True
+        w.epoch += 1
+        w.joined_at = self.now
+        w.stage = None
+        self._replan(joined=(dev,))
+        if source == "model" and w.dev.mean_session_s:
+            self._push(self.now + self._rng(dev).expovariate(1.0 / w.dev.mean_session_s), LEAVE, dev, "model")
+
+    def _replan(self, left=(), joined=()) -> None:
+        """Ask the planner's online repair for the new membership and apply it."""
+        self.repairs += 1
+        new = None
+        if self.repair_fn is not None:
+            try:
+                new = self.repair_fn(self.plan_now, self.scn, left=tuple(left), joined=tuple(joined))
+            except ShoalError:
+                new = None
+        if new is None or len(new.stages) != self.S or any(
+                tuple(a.layers) != tuple(b.layers) for a, b in zip(new.stages, self.plan.stages, strict=True)):
+            new = _fallback_repair(self.plan_now, self.original_stage, left, joined)
+        self.plan_now = new
+        target: dict[str, int] = {}
+        for i, sp in enumerate(new.stages):
+            for wid in sp.workers:
+                target[wid] = i
+        for wid in joined:
+            w = self.workers[wid]
+            s = target.get(wid)
+            if s is not None and w.alive:
+                self._enlist(w, s)
+        # the repair may also move live workers (e.g. to refill an emptied stage)
+        for wid, s in target.items():
+            w = self.workers.get(wid)
+            if w is None or not w.alive or wid in joined or w.stage == s:
+                continue
+            self.moves += 1
+            old = w.stage
+            w.epoch += 1
+            w.compute_t0 = -1.0
+            self._abort_flows(w)
+            self._forget(w, old)
+            w.saved.clear()
+            self._enlist(w, s)
+
+    def _enlist(self, w: Worker, s: int) -> None:
+        w.stage = s
+        st = self.stages[s]
+        st.members[w.id] = w
+        self._send(st.host.id, w.id, st.param_wire, M_JOINPULL, (w, w.epoch, s), w)
+
+    def _server_down(self, host: str, recovery: float) -> None:
+        self.server_failures_seen += 1
+        until = self.now + recovery
+        self.down_until[host] = max(self.down_until.get(host, 0.0), until)
+        # transfers to and from the host are cut; they are retried once the standby is up
+        for w in self.workers.values():
+            for f in list(w.flows.values()):
+                if f.active and (f.a == host or f.b == host):
+                    self.net.finish(f, self.now)
+                    del w.flows[f.fid]
+                    kind, payload, ww = f.msg
+                    self._push(until, RESEND, None, (f.a, f.b, f.nbytes, kind, payload, ww))
+        self._push(until, SRV_UP, host)
+
+    # ---------------------------------------------------------------- main loop
+    def run(self, steps: int) -> SimResult:
+        if steps <= 0:
+            raise ShoalError(f"steps must be positive, got {steps}")
+        self.target_steps = steps
+        wall0 = time.perf_counter()
+        if self.churn:
+            self._schedule_churn()
+        for f in self.failures:
+            self._push(f.time_s, SRV_DOWN, self.stages[f.stage].host.id, f.recovery_s)
+        self._start_step()
+        # initial lease requests (workers start with the weights: time 0 is after set-up)
+        for w in self.workers.values():
+            if w.stage is not None:
+                self._send(w.id, self.stages[w.stage].host.id, 0, M_LEASE, (w, w.epoch), None)
+        heap = self.heap
+        pop = heapq.heappop
+        max_t = self.cfg.max_sim_time_s
+        max_ev = self.cfg.max_events
+        events = 0
+        stalled = False
+        while len(self.step_times) < steps:
+            if not heap:
+                stalled = True
+                break
+            t, _, kind, a, b = pop(heap)
+            if kind == FLOW_DONE:
+                if b != a.ver or not a.active:
+                    continue
+                self.now = t
+                self._on_flow_done(a)
+            elif kind == ARRIVE:
+                self.now = t
+                self._on_message(a, b)
+            elif kind == COMPUTE:
+                self.now = t
+                self._on_compute(a, b[0], b[1])
+            elif kind == LEAVE:
+                self.now = t
+                self._leave(a, b)
+            elif kind == JOIN:
+                self.now = t
+                self._join(a, b)
+            elif kind == DETECT:
+                self.now = t
+                self._detect(a, b[0], b[1])
+            elif kind == RESEND:
+                self.now = t
+                src, dst, nbytes, mk, payload, w = b
+                if w is not None and not w.alive:
+                    continue
+                self._send(src, dst, nbytes, mk, payload, w)
+            elif kind == SRV_DOWN:
+                self.now = t
+                self._server_down(a, b)
+            elif kind == SRV_UP:
+                self.now = t
+            elif kind == APPLY:
+                self.now = t
+                self._applied(self.stages[a])
+            events += 1
+            if events >= max_ev or self.now > max_t:
+                stalled = True
+                break
+        self.events = events
+        wall = time.perf_counter() - wall0
+        return self._result(wall, stalled)
+
+    def _result(self, wall: float, stalled: bool) -> SimResult:
+        total = sum(self.step_times)
+        span = self.now if self.now > 0 else 1.0
+        tokens = self.M * self.plan.micro_batch_size * self.scn.workload.seq_len
+        lost = 0
+        for rec in self.passes:
+            for m in range(self.M):
+                if any(rec["grad"][s].get(m, 0) != 1 for s in range(self.S)):
+                    lost += 1
+        util = {wid: w.busy / span for wid, w in sorted(self.workers.items())}
+        predicted = self.plan.predicted.get("step_time_s")
+        mean = total / len(self.step_times) if self.step_times else math.nan
+        return SimResult(
+            scenario=self.scn.name,
+            method=self.plan.method,
+            steps=len(self.step_times),
+            step_times_s=list(self.step_times),
+            mean_step_time_s=mean,
+            tokens_per_s=tokens * len(self.step_times) / total if total > 0 else 0.0,
+            utilisation=util,
+            link_bytes={f"{a}->{b}": v for (a, b), v in sorted(self.link_bytes.items())},
+            requeued_tasks=self.requeued,
+            lost_micro_batches=lost,
+            events=self.events,
+            wall_time_s=wall,
+            sim_time_s=self.now,
+            predicted_step_time_s=predicted,
+            recomputes=self.recomputes,
+            duplicates_dropped=self.duplicates,
+            leaves=self.leaves,
+            joins=self.joins,
+            repairs=self.repairs,
+            moves=self.moves,
+            churn=self.churn,
+            stalled=stalled,
+            passes=self.passes,
+            timeline=self.timeline,
+            flow_reschedules=self.net.rate_updates,
+        )
+
+
+def simulate(plan: Plan, scenario: Scenario, *, steps: int = 3, churn: bool = False, seed: int = 0,
+             record_timeline: bool = False, stragglers=(), server_failures=(),
+             config: SimConfig | None = None) -> SimResult:
+    """Replay ``steps`` training steps of ``plan`` on ``scenario`` event by event.
+
+    ``churn`` turns on device sessions (``Device.mean_session_s`` / ``ChurnModel``) or the
+    scenario's churn trace; ``stragglers`` is a sequence of :class:`Straggler` (or tuples
+    ``(device, start_s, duration_s, factor)``); ``server_failures`` of :class:`ServerFailure`
+    (or ``(time_s, stage, recovery_s)``). Raises :class:`ShoalError` if the plan does not
+    fit the scenario.
+    """
+    sim = Simulator(plan, scenario, churn=churn, seed=seed, record_timeline=record_timeline,
+                    stragglers=stragglers, server_failures=server_failures, config=config)
+    return sim.run(steps)

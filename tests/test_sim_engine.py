@@ -1,0 +1,287 @@
+"""Simulator: analytic cases against closed-form times, conservation, determinism, refusal."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+import pytest
+
+from shoal.errors import ShoalError
+from shoal.model.config import get_preset
+from shoal.model.profile import profile_model
+from shoal.plan.types import (
+    ChurnModel,
+    Device,
+    Link,
+    Network,
+    Plan,
+    Scenario,
+    StagePlan,
+    SyncPolicy,
+    Workload,
+)
+from shoal.sim import ServerFailure, SimConfig, Straggler, simulate
+from shoal.sim.net import FLOW_DONE, FlowNet, Resource
+
+T, B, DT = 32, 1, 4  # sequence length, micro-batch size, dtype bytes of the test workload
+PROF = profile_model(get_preset("tiny"), T, B, DT)
+
+
+def server(i: int, up: float = 1e8, down: float = 1e8) -> Device:
+    return Device(f"srv{i}", "server", 0.0, 0.0, "r", up, down, can_host_server=True)
+
+
+def gpu(i: int, flops: float = 1e12, up: float = 1e7, down: float = 1e7, session: float | None = None) -> Device:
+    return Device(f"w{i}", "gpu", flops, 8e9, "r", up, down, mean_session_s=session)
+
+
+def scenario(devices, latency=0.01, path_bw=1e9, churn=None, global_batch=16) -> Scenario:
+    net = Network(intra={"r": Link(latency, path_bw)}, inter={})
+    return Scenario("hand", devices, net, Workload("tiny", T, global_batch, B, DT), churn or ChurnModel())
+
+
+def plan(stages, m, sync=None) -> Plan:
+    return Plan("hand", "tiny", "hand", [StagePlan(tuple(ly), s, list(w)) for ly, s, w in stages], B, m,
+                sync or SyncPolicy())
+
+
+# ------------------------------------------------------------------ the flow network alone
+def _drain(net: FlowNet, heap: list) -> dict[int, float]:
+    done = {}
+    while heap:
+        t, _, kind, f, ver = heapq.heappop(heap)
+        assert kind == FLOW_DONE
+        if ver != f.ver or not f.active:
+            continue
+        net.finish(f, t)
+        done[f.fid] = t
+    return done
+
+
+def test_flownet_equal_share_processor_sharing():
+    # A (10 MB) starts alone on a 1 MB/s uplink, B (2 MB) joins at t=4: both run at 0.5 MB/s
+    # until B ends at 4 + 2/0.5 = 8; A has 10 - 4 - 2 = 4 MB left, alone again: ends at 12.
+    heap: list = []
+    seq = itertools.count().__next__
+    net = FlowNet(heap, seq)
+    up = Resource(1e6)
+    fa = net.start("a", "x", up, Resource(1e9), 1e9, 0.0, 10e6, 0.0, None)
+    t, *_ = heap[0]
+    assert t == pytest.approx(10.0)
+    fb = net.start("a", "y", up, Resource(1e9), 1e9, 0.0, 2e6, 4.0, None)
+    done = _drain(net, heap)
+    assert done[fb.fid] == pytest.approx(8.0)
+    assert done[fa.fid] == pytest.approx(12.0)
+
+
+def test_flownet_path_and_receiver_limits():
+    # the receiver's downlink (2 MB/s) is shared by two senders whose own uplinks are not limits;
+    # a third flow is capped by its path (0.5 MB/s) and does not slow the others below 1 MB/s... of 2/3
+    heap: list = []
+    net = FlowNet(heap, itertools.count().__next__)
+    down = Resource(2e6)
+    f1 = net.start("a", "r", Resource(1e9), down, 1e9, 0.0, 3e6, 0.0, None)
+    f2 = net.start("b", "r", Resource(1e9), down, 1e9, 0.0, 3e6, 0.0, None)
+    assert f1.rate == pytest.approx(1e6) and f2.rate == pytest.approx(1e6)
+    f3 = net.start("c", "r", Resource(1e9), down, 0.5e6, 0.0, 1e6, 0.0, None)
+    # equal share: every flow gets at most 2/3 MB/s; the third is held to its path's 0.5 MB/s
+    assert f1.rate == pytest.approx(2e6 / 3) and f3.rate == pytest.approx(0.5e6)
+    done = _drain(net, heap)
+    assert done[f3.fid] == pytest.approx(2.0)
+    # after t=2 the two big flows have 3 - 4/3 MB left each at 1 MB/s
+    assert done[f1.fid] == pytest.approx(2.0 + (3e6 - 2 * 2e6 / 3) / 1e6)
+
+
+# ------------------------------------------------------------------ analytic protocol cases
+def test_one_device_one_stage_matches_closed_form():
+    lat, bw, flops, m = 0.01, 1e7, 1e12, 4
+    scn = scenario([server(0), gpu(0, flops=flops, up=bw, down=bw)], latency=lat, global_batch=m)
+    p = plan([((0, 6), "srv0", ["w0"])], m)
+    r = simulate(p, scn, steps=2)
+    n = get_preset("tiny").n_total_layers
+    inp = PROF.in_act_bytes(0, n)
+    c = (PROF.fwd_flops(0, n) + PROF.bwd_flops(0, n)) / flops
+    par = PROF.param_bytes(0, n)
+    # per task: done report / lease request (lat), input (lat + bytes/bw), compute
+    task = 2 * lat + inp / bw + c
+    # sync: push request (lat), push (lat + P/bw), pull (lat + P/bw)
+    sync = 3 * lat + 2 * par / bw
+    # step 1 also pays the very first lease request; step 2's lease is already parked
+    assert r.step_times_s[0] == pytest.approx(lat + m * task + sync, rel=1e-9)
+    assert r.step_times_s[1] == pytest.approx(m * task + sync, rel=1e-9)
+    assert r.lost_micro_batches == 0 and r.requeued_tasks == 0
+    assert r.utilisation["w0"] == pytest.approx(2 * m * c / sum(r.step_times_s), rel=1e-9)
+    assert r.link_bytes["w0->srv0"] == pytest.approx(2 * par)
+    assert r.link_bytes["srv0->w0"] == pytest.approx(2 * (m * inp + par))
+
+
+def test_two_stages_known_compute_and_links():
+    lat, bw, flops = 0.02, 5e6, 2e11
+    scn = scenario([server(0), server(1), gpu(0, flops, bw, bw), gpu(1, flops, bw, bw)],
+                   latency=lat, global_batch=1)
+    p = plan([((0, 3), "srv0", ["w0"]), ((3, 6), "srv1", ["w1"])], 1)
+    r = simulate(p, scn, steps=1)
+    tok = PROF.in_act_bytes(0, 3)
+    act = PROF.out_act_bytes(0, 3)
+    c0f, c0b = PROF.fwd_flops(0, 3) / flops, PROF.bwd_flops(0, 3) / flops
+    c1 = (PROF.fwd_flops(3, 6) + PROF.bwd_flops(3, 6)) / flops
+    p0, p1 = PROF.param_bytes(0, 3), PROF.param_bytes(3, 6)
+    xfer = lat + act / bw
+    t = lat + (lat + tok / bw) + c0f  # lease, token ids, forward of stage 0
+    t += xfer  # activation to stage 1's server (w1 is parked there)
+    t += xfer + c1  # activation to w1, forward + backward of the last stage
+    t_s1 = t + xfer  # input gradient reaches stage 0's server: stage 1's backward is accepted
+    stage1_close = t_s1 + 3 * lat + 2 * p1 / bw
+    t = t_s1 + xfer + c0b + lat  # gradient to w0 (it kept the activations), backward, done report
+    stage0_close = t + 3 * lat + 2 * p0 / bw
+    assert r.step_times_s[0] == pytest.approx(max(stage0_close, stage1_close), rel=1e-9)
+    assert r.recomputes == 0
+
+
+def test_shared_server_uplink_with_two_workers():
+    lat, cap, flops = 0.005, 2e6, 1e12
+    srv = server(0, up=cap, down=cap)
+    w = [gpu(i, flops, up=1e9, down=1e9) for i in range(2)]
+    scn = scenario([srv, *w], latency=lat, path_bw=1e9, global_batch=2)
+    p = plan([((0, 6), "srv0", ["w0", "w1"])], 2)
+    r = simulate(p, scn, steps=1)
+    n = 6
+    inp, par = PROF.in_act_bytes(0, n), PROF.param_bytes(0, n)
+    c = (PROF.fwd_flops(0, n) + PROF.bwd_flops(0, n)) / flops
+    # both inputs leave the server together at half its uplink each; same for the
+    # two gradient pushes into its downlink and the two weight pulls out of its uplink
+    t = lat + (lat + inp / (cap / 2)) + c + lat
+    t += lat + (lat + par / (cap / 2)) + (lat + par / (cap / 2))
+    assert r.step_times_s[0] == pytest.approx(t, rel=1e-9)
+    assert r.utilisation["w0"] == pytest.approx(r.utilisation["w1"])
+
+
+# ------------------------------------------------------------------ conservation
+def _three_stage(churny: bool, n_per_stage=3, session=40.0):
+    devs = [server(i) for i in range(3)]
+    ws = []
+    for i in range(3 * n_per_stage):
+        flops = 1e12 if i % 2 else 4e11  # heterogeneous inside each stage
+        ws.append(gpu(i, flops, session=session if churny else None))
+    scn = scenario(devs + ws, churn=ChurnModel(enabled=churny, mean_offline_s=15.0), global_batch=24)
+    ids = [d.id for d in ws]
+    stages = [((0, 2), "srv0", ids[0:n_per_stage]), ((2, 4), "srv1", ids[n_per_stage:2 * n_per_stage]),
+              ((4, 6), "srv2", ids[2 * n_per_stage:])]
+    return plan(stages, 24), scn
+
+
+def _assert_conserved(r, S, M):
+    assert r.lost_micro_batches == 0
+    assert not r.stalled
+    for rec in r.passes:
+        for s in range(S):
+            assert sorted(rec["fwd"][s]) == list(range(M)), "every micro-batch forward through every stage"
+            assert set(rec["fwd"][s].values()) == {1}, "exactly once"
+            assert sorted(rec["grad"][s]) == list(range(M))
+            assert set(rec["grad"][s].values()) == {1}, "each gradient applied exactly once"
+
+
+def test_conservation_without_churn():
+    p, scn = _three_stage(False)
+    r = simulate(p, scn, steps=3)
+    assert r.steps == 3
+    _assert_conserved(r, 3, 24)
+    assert r.requeued_tasks == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_conservation_with_churn(seed):
+    # short sessions and a short lease timeout: devices leave mid-task, mid-push, mid-pull
+    p, scn = _three_stage(True, session=1.5)
+    r = simulate(p, scn, steps=12, churn=True, seed=seed, config=SimConfig(lease_timeout_s=0.3))
+    assert r.steps == 12
+    assert r.leaves > 0 and r.joins > 0
+    _assert_conserved(r, 3, 24)
+
+
+def test_churn_requeues_and_recomputes():
+    p, scn = _three_stage(True, session=1.5)
+    total = {"requeued": 0, "recomputes": 0}
+    for seed in range(4):
+        r = simulate(p, scn, steps=12, churn=True, seed=seed, config=SimConfig(lease_timeout_s=0.3))
+        total["requeued"] += r.requeued_tasks
+        total["recomputes"] += r.recomputes
+    assert total["requeued"] > 0 and total["recomputes"] > 0
+
+
+def test_churn_trace_leave_and_rejoin_costs_time():
+    p, scn0 = _three_stage(False)
+    base = simulate(p, scn0, steps=3)
+    t_mid = base.step_times_s[0] * 0.5
+    trace = ((t_mid, "w3", "leave"), (t_mid + 0.5, "w3", "join"))
+    scn = Scenario(scn0.name, scn0.devices, scn0.network, scn0.workload, ChurnModel(True, 10.0, trace))
+    r = simulate(p, scn, steps=3, churn=True, config=SimConfig(lease_timeout_s=0.2))
+    assert r.leaves == 1 and r.joins == 1
+    _assert_conserved(r, 3, 24)
+    assert sum(r.step_times_s) > sum(base.step_times_s)
+
+
+def test_same_seed_same_result():
+    p, scn = _three_stage(True, session=2.0)
+    a = simulate(p, scn, steps=6, churn=True, seed=7, config=SimConfig(lease_timeout_s=0.3))
+    b = simulate(p, scn, steps=6, churn=True, seed=7, config=SimConfig(lease_timeout_s=0.3))
+    c = simulate(p, scn, steps=6, churn=True, seed=8, config=SimConfig(lease_timeout_s=0.3))
+    da, db = a.to_dict(), b.to_dict()
+    for d in (da, db):
+        d.pop("wall_time_s")
+        d.pop("events_per_s")
+    assert da == db
+    assert a.step_times_s != c.step_times_s
+
+
+def test_straggler_slows_the_step():
+    p, scn = _three_stage(False)
+    base = simulate(p, scn, steps=2)
+    slow = simulate(p, scn, steps=2, stragglers=[Straggler("w4", 0.0, 1e9, 10.0)])
+    assert slow.mean_step_time_s > base.mean_step_time_s
+    # the task pool shifts work away from the straggler
+    assert slow.utilisation["w4"] > 0
+    _assert_conserved(slow, 3, 24)
+
+
+def test_server_failure_recovers():
+    p, scn = _three_stage(False)
+    base = simulate(p, scn, steps=2)
+    r = simulate(p, scn, steps=2, server_failures=[ServerFailure(base.step_times_s[0] * 0.3, 1, 2.0)])
+    _assert_conserved(r, 3, 24)
+    assert r.step_times_s[0] > base.step_times_s[0] + 1.0
+    assert r.step_times_s[1] == pytest.approx(base.step_times_s[1], rel=1e-6)
+
+
+def test_compression_shrinks_sync_time():
+    p, scn = _three_stage(False)
+    full = simulate(p, scn, steps=2)
+    p.sync = SyncPolicy(grad_compression=0.25)
+    comp = simulate(p, scn, steps=2)
+    assert comp.mean_step_time_s < full.mean_step_time_s
+    assert sum(comp.link_bytes.values()) < sum(full.link_bytes.values())
+
+
+# ------------------------------------------------------------------ refusal
+@pytest.mark.parametrize("mutate, msg", [
+    (lambda p: p.stages[0].workers.append("nobody"), "not a device"),
+    (lambda p: p.stages[1].workers.append("w0"), "one stage"),
+    (lambda p: setattr(p.stages[0], "layers", (0, 1)), "must start at"),
+    (lambda p: setattr(p.stages[0], "server", "w0"), "may not host"),
+    (lambda p: setattr(p.stages[2], "workers", []), "no workers"),
+    (lambda p: setattr(p, "model", "small"), "model"),
+])
+def test_plan_that_does_not_fit_is_refused(mutate, msg):
+    p, scn = _three_stage(False)
+    mutate(p)
+    with pytest.raises(ShoalError, match=msg):
+        simulate(p, scn, steps=1)
+
+
+def test_memory_that_does_not_fit_is_refused():
+    p, scn = _three_stage(False)
+    small = Device("w0", "gpu", 1e12, 1e3, "r", 1e7, 1e7)
+    scn.devices = [small if d.id == "w0" else d for d in scn.devices]
+    with pytest.raises(ShoalError, match="GB"):
+        simulate(p, scn, steps=1)
