@@ -100,7 +100,7 @@ def test_one_device_one_stage_matches_closed_form():
     p = plan([((0, 6), "srv0", ["w0"])], m)
     r = simulate(p, scn, steps=2)
     n = get_preset("tiny").n_total_layers
-    inp = PROF.in_act_bytes(0, n)
+    inp = 2 * PROF.in_act_bytes(0, n)  # token ids and targets
     c = (PROF.fwd_flops(0, n) + PROF.bwd_flops(0, n)) / flops
     par = PROF.param_bytes(0, n)
     # per task: done report / lease request (lat), input (lat + bytes/bw), compute
@@ -130,7 +130,7 @@ def test_two_stages_known_compute_and_links():
     xfer = lat + act / bw
     t = lat + (lat + tok / bw) + c0f  # lease, token ids, forward of stage 0
     t += xfer  # activation to stage 1's server (w1 is parked there)
-    t += xfer + c1  # activation to w1, forward + backward of the last stage
+    t += xfer + tok / bw + c1  # activation and targets to w1, forward + backward of the last stage
     t_s1 = t + xfer  # input gradient reaches stage 0's server: stage 1's backward is accepted
     stage1_close = t_s1 + 3 * lat + 2 * p1 / bw
     t = t_s1 + xfer + c0b + lat  # gradient to w0 (it kept the activations), backward, done report
@@ -147,7 +147,7 @@ def test_shared_server_uplink_with_two_workers():
     p = plan([((0, 6), "srv0", ["w0", "w1"])], 2)
     r = simulate(p, scn, steps=1)
     n = 6
-    inp, par = PROF.in_act_bytes(0, n), PROF.param_bytes(0, n)
+    inp, par = 2 * PROF.in_act_bytes(0, n), PROF.param_bytes(0, n)
     c = (PROF.fwd_flops(0, n) + PROF.bwd_flops(0, n)) / flops
     # both inputs leave the server together at half its uplink each; same for the
     # two gradient pushes into its downlink and the two weight pulls out of its uplink

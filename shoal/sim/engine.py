@@ -38,6 +38,7 @@ from shoal.errors import ShoalError
 from shoal.model.config import get_preset
 from shoal.model.profile import profile_model
 from shoal.plan.types import Plan, Scenario, StagePlan
+from shoal.plan.validate import validate_plan
 from shoal.sim.config import ServerFailure, SimConfig, Straggler
 from shoal.sim.net import FLOW_DONE, FlowNet, Resource
 from shoal.sim.result import SimResult
@@ -180,6 +181,8 @@ def check_plan(plan: Plan, scenario: Scenario) -> None:
             if need > d.memory:
                 raise ShoalError(f"plan stage {i}: device {w!r} has {d.memory / 1e9:.1f} GB but the stage needs "
                                  f"{need / 1e9:.1f} GB; use more stages or a smaller micro-batch")
+    # the planner's own checks too (global batch, server host memory)
+    validate_plan(plan, scenario)
 
 
 def _fallback_repair(plan: Plan, original: dict[str, int], left=(), joined=()) -> Plan:
@@ -231,6 +234,9 @@ class Simulator:
         for st in self.stages:
             a, b = st.first, st.last
             st.in_bytes = self.prof.in_act_bytes(a, b) * (1.0 if a == 0 else ac)  # stage input
+            if b == self.prof.cfg.n_total_layers:
+                # the loss needs the targets: token ids, never compressed
+                st.in_bytes += self.prof.tokens_per_micro_batch * 8
             st.out_bytes = self.prof.out_act_bytes(a, b) * ac  # output activation / its gradient
             st.ingrad_bytes = 0.0 if a == 0 else self.prof.in_act_bytes(a, b) * ac  # gradient sent back
             st.fwd_flops = self.prof.fwd_flops(a, b)
