@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import random
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 CHUNK = 16 * 1024  # bytes read per relay step; smaller = finer pacing, more overhead
@@ -276,11 +276,16 @@ class ScenarioDial:
     ``bandwidth_scale``; all relays share this device's up/down buckets
     (``device.up``/``device.down`` times ``bandwidth_scale``). Unknown addresses are
     returned unchanged (not shaped). One relay per address is made and reused.
+
+    Peers that are only known at run time (servers on ephemeral ports) are found by
+    ``resolve(address) -> device id | None``, asked when ``peers`` has no entry; or add
+    them with :meth:`set_peer` before dialling.
     """
 
     def __init__(self, scenario, device_id: str, peers: Mapping[str, str] | None = None, *,
                  latency_scale: float = 1.0, bandwidth_scale: float = 1.0,
-                 jitter_s: float = 0.0, per_flow: bool = True, seed: int = 0):
+                 jitter_s: float = 0.0, per_flow: bool = True, seed: int = 0,
+                 resolve: Callable[[str], str | None] | None = None):
         self.scenario = scenario  # shoal.plan.types.Scenario
         self.device = scenario.device(device_id)  # this process's device
         self.peers: dict[str, str] = dict(peers or {})  # address -> peer device id
@@ -288,6 +293,7 @@ class ScenarioDial:
         self.bandwidth_scale = bandwidth_scale  # multiplies every scenario bandwidth
         self.jitter_s = jitter_s  # std-dev of per-chunk delay variation, seconds
         self.per_flow = per_flow  # also cap each path at its scenario link bandwidth
+        self.resolve = resolve  # address -> peer device id for addresses not in peers
         self.shaper = LinkShaper(up=self.device.up * bandwidth_scale,
                                  down=self.device.down * bandwidth_scale, seed=seed)
         self._relays: dict[str, str] = {}
@@ -302,6 +308,8 @@ class ScenarioDial:
     def link_for(self, address: str):
         """The scenario :class:`~shoal.plan.types.Link` towards ``address`` (None: unknown)."""
         peer_id = self.peers.get(address)
+        if peer_id is None and self.resolve is not None:
+            peer_id = self.resolve(address)
         if peer_id is None:
             return None
         return self.scenario.network.link(self.device, self.scenario.device(peer_id))
