@@ -31,3 +31,18 @@ def make_plan(scenario: Scenario, method: str = "shoal", seed: int = 0, stages: 
     validate_plan(plan, scenario)
     predict(plan, scenario, options)
     return plan
+
+
+def _register_baselines() -> None:
+    from shoal.plan import baselines
+
+    METHODS.update({
+        "dtfm": baselines.plan_dtfm,
+        "swarm": baselines.plan_swarm,
+        "dapple": baselines.plan_dapple,
+        "random": baselines.plan_random,
+        "exhaustive": baselines.plan_exhaustive,
+    })
+
+
+_register_baselines()
