@@ -1,0 +1,172 @@
+"""Online repair: adjust a running plan after devices leave or join, without solving from scratch.
+
+Order of operations (each step judged by the cost model):
+
+1. drop the devices that left from their stages;
+2. move the server of every stage whose host left to the live allowed host where its workers
+   sync fastest (host memory permitting);
+3. a stage left without workers first gets joined devices, else either steals one device from
+   the stage with the most spare throughput or is merged into a neighbouring stage -- whichever
+   predicts the shorter step;
+4. each joined device goes to the stage where it shortens the step most (or stays idle);
+5. a short local search (boundary shifts, moves, swaps, server moves) polishes the result.
+
+Only if no repair is feasible (e.g. nothing fits the memory) does it fall back to a full plan.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+
+from shoal.errors import ShoalError
+from shoal.plan.allocator import _copy, _feasible, local_search, plan_shoal
+from shoal.plan.common import host_sync_cost, step_of
+from shoal.plan.cost import CostOptions, predict, scenario_profile
+from shoal.plan.types import Plan, Scenario
+from shoal.plan.validate import validate_plan
+
+
+def live_scenario(scenario: Scenario, gone: Iterable[str]) -> Scenario:
+    """``scenario`` without the devices in ``gone``."""
+    gone = set(gone)
+    return Scenario(name=scenario.name, devices=[d for d in scenario.devices if d.id not in gone],
+                    network=scenario.network, workload=scenario.workload, churn=scenario.churn,
+                    description=scenario.description, source=scenario.source)
+
+
+def _best_host(plan: Plan, i: int, scenario: Scenario) -> str | None:
+    prof = scenario_profile(scenario)
+    dev = {d.id: d for d in scenario.devices}
+    load: dict[str, int] = {}
+    mem: dict[str, float] = {}
+    for j, st in enumerate(plan.stages):
+        if j != i and st.server in dev:
+            load[st.server] = load.get(st.server, 0) + len(st.workers)
+            mem[st.server] = mem.get(st.server, 0.0) + prof.server_memory(*st.layers)
+    st = plan.stages[i]
+    need = prof.server_memory(*st.layers)
+    workers = [dev[w] for w in st.workers]
+    pbytes = prof.param_bytes(*st.layers)
+    best, best_c = None, math.inf
+    for h in scenario.server_hosts:
+        if h.host_memory - mem.get(h.id, 0.0) < need:
+            continue
+        c = pbytes * host_sync_cost(h, workers, scenario, load.get(h.id, 0) + len(workers)) + 1e-9 * load.get(h.id, 0)
+        if c < best_c:
+            best, best_c = h.id, c
+    return best
+
+
+def _fill_empty(plan: Plan, i: int, scenario: Scenario, options: CostOptions) -> Plan | None:
+    """Best of: steal one device for stage ``i`` from another stage, or merge ``i`` into a neighbour."""
+    prof = scenario_profile(scenario)
+    dev = {d.id: d for d in scenario.devices}
+    need = prof.worker_memory(*plan.stages[i].layers)
+    options_out = []
+    # steal: from the stages with the most workers, the device that fits and is fastest
+    donors = sorted((j for j, st in enumerate(plan.stages) if j != i and len(st.workers) > 1),
+                    key=lambda j: -len(plan.stages[j].workers))[:3]
+    for j in donors:
+        fit = [w for w in plan.stages[j].workers if dev[w].memory >= need]
+        for w in sorted(fit, key=lambda w: -dev[w].flops)[:2]:
+            p = _copy(plan)
+            p.stages[j].workers.remove(w)
+            p.stages[i].workers.append(w)
+            options_out.append(p)
+    # merge into the previous or next stage
+    for j in (i - 1, i + 1):
+        if 0 <= j < len(plan.stages):
+            p = _copy(plan)
+            a = min(p.stages[i].layers[0], p.stages[j].layers[0])
+            b = max(p.stages[i].layers[1], p.stages[j].layers[1])
+            p.stages[j].layers = (a, b)
+            del p.stages[i]
+            options_out.append(p)
+    best, best_t = None, math.inf
+    for p in options_out:
+        if not all(st.workers for st in p.stages) or not _feasible(p, scenario, prof, dev):
+            continue
+        t = step_of(p, scenario, options)
+        if t < best_t:
+            best, best_t = p, t
+    return best
+
+
+def repair(plan: Plan, scenario: Scenario, left: Iterable[str] = (), joined: Iterable[str] = (),
+           options: CostOptions | None = None, budget_s: float | None = None, seed: int = 0) -> Plan:
+    """A valid plan for ``scenario`` minus ``left`` (plus ``joined``, which must be devices of
+    ``scenario``), derived from ``plan`` incrementally; ``planning_time_s`` is the repair time."""
+    t0 = time.perf_counter()
+    options = options or CostOptions()
+    left, joined = set(left), [j for j in joined if j not in set(left)]
+    known = {d.id for d in scenario.devices}
+    for d in [*left, *joined]:
+        if d not in known:
+            raise ShoalError(f"repair: device {d!r} is not in scenario {scenario.name}")
+    live = live_scenario(scenario, left)
+    if not live.workers or not live.server_hosts:
+        raise ShoalError(f"repair: scenario {scenario.name} has no live worker or server host left")
+    dev = {d.id: d for d in live.devices}
+    p = _copy(plan)
+    for st in p.stages:
+        st.workers = [w for w in st.workers if w in dev]
+    for i, st in enumerate(p.stages):
+        if st.server not in dev:
+            host = _best_host(p, i, live)
+            if host is None:
+                return _fallback(live, plan, t0, seed, options)
+            st.server = host
+    prof = scenario_profile(live)
+    pending = [j for j in joined if dev[j].flops > 0 and all(j not in st.workers for st in p.stages)]
+    # empty stages: joined devices first, then steal or merge
+    for st in p.stages:
+        if not st.workers:
+            need = prof.worker_memory(*st.layers)
+            fit = [j for j in pending if dev[j].memory >= need]
+            if fit:
+                w = max(fit, key=lambda j: dev[j].flops)
+                st.workers.append(w)
+                pending.remove(w)
+    while any(not st.workers for st in p.stages):
+        i = next(i for i, st in enumerate(p.stages) if not st.workers)
+        q = _fill_empty(p, i, live, options)
+        if q is None:
+            return _fallback(live, plan, t0, seed, options)
+        p = q
+    # joined devices: where they help most
+    for j in pending:
+        best, best_t = None, step_of(p, live, options)
+        for s in range(len(p.stages)):
+            if dev[j].memory < prof.worker_memory(*p.stages[s].layers):
+                continue
+            q = _copy(p)
+            q.stages[s].workers.append(j)
+            t = step_of(q, live, options)
+            if t < best_t:
+                best, best_t = q, t
+        if best is not None:
+            p = best
+    if not _feasible(p, live, prof, dev):
+        return _fallback(live, plan, t0, seed, options)
+    if budget_s is None:
+        budget_s = 0.05 + 0.0001 * len(live.workers)
+    p = local_search(p, live, options, budget_s, seed=seed, max_rounds=20)
+    validate_plan(p, live)
+    predict(p, live, options)
+    p.planning_time_s = time.perf_counter() - t0
+    return p
+
+
+def _fallback(live: Scenario, plan: Plan, t0: float, seed: int, options: CostOptions) -> Plan:
+    """Plan from scratch (the repair could not keep the plan's shape)."""
+    p = plan_shoal(live, seed=seed, sync=plan.sync, options=options)
+    p.method = plan.method
+    validate_plan(p, live)
+    predict(p, live, options)
+    p.planning_time_s = time.perf_counter() - t0
+    return p
+
+
+__all__ = ["live_scenario", "repair"]
