@@ -125,6 +125,8 @@ class Stage:
         self.grad_count: dict[int, int] = {}
         self.fwd_count: dict[int, int] = {}
         self.phase = 0  # 0 computing, 1 applying, 2 pulling, 3 closed
+        self.t_drained = 0.0  # seconds into the step when all M backward tasks were in
+        self.t_closed = 0.0  # seconds into the step when the stage closed
         self.pending_pulls: set[str] = set()
         self.fwd_pool.clear()
         self.orphans.clear()
@@ -198,7 +200,7 @@ def _fallback_repair(plan: Plan, original: dict[str, int], left=(), joined=()) -
 
 def _planner_repair():
     try:
-        from shoal.plan import repair  # type: ignore[attr-defined]
+        from shoal.plan.repair import repair
     except ImportError:
         return None
     return repair
@@ -284,6 +286,7 @@ class Simulator:
         self.step_start = 0.0
         self.closed = 0
         self.passes: list[dict] = []  # per step: conservation counts
+        self.phases: list[list[tuple[float, float]]] = []  # per step, per stage: (backward done, closed)
         self.detect_at: dict[str, float] = {}  # device -> time its last leave is noticed
         self.rngs: dict[str, random.Random] = {}
 
@@ -446,6 +449,7 @@ class Simulator:
     def _begin_sync(self, st: Stage) -> None:
         if st.phase != 0:
             return
+        st.t_drained = self.now - self.step_start
         if not self._sync_step():
             # local steps: gradients stay on the workers (counted as applied there)
             for mbs in st.contrib.values():
@@ -482,6 +486,7 @@ class Simulator:
     def _maybe_close(self, st: Stage) -> None:
         if st.phase == 2 and not st.pending_pulls:
             st.phase = 3
+            st.t_closed = self.now - self.step_start
             self.closed += 1
             if self.closed == self.S:
                 self._close_step()
@@ -492,6 +497,7 @@ class Simulator:
             "fwd": [dict(st.fwd_count) for st in self.stages],
             "grad": [dict(st.grad_count) for st in self.stages],
         })
+        self.phases.append([(st.t_drained, st.t_closed) for st in self.stages])
         if len(self.step_times) < self.target_steps:
             self._start_step()
 
@@ -736,8 +742,12 @@ class Simulator:
         self.repairs += 1
         new = None
         if self.repair_fn is not None:
+            # the repair sees every device that is away, not only this one
+            gone = tuple(sorted(wid for wid, w in self.workers.items() if not w.alive))
             try:
-                new = self.repair_fn(self.plan_now, self.scn, left=tuple(left), joined=tuple(joined))
+                # no local-search budget: the simulator keeps the stage boundaries fixed
+                new = self.repair_fn(self.plan_now, self.scn, left=gone, joined=tuple(joined), budget_s=0.0,
+                                     seed=self.seed)
             except ShoalError:
                 new = None
         if new is None or len(new.stages) != self.S or any(
@@ -756,6 +766,12 @@ class Simulator:
         # the repair may also move live workers (e.g. to refill an emptied stage)
         for wid, s in target.items():
             w = self.workers.get(wid)
+            if w is None and wid in self.devices:
+                # a device the original plan left idle is brought in
+                w = self.workers[wid] = Worker(self.devices[wid])
+                w.stage = None
+                self._enlist(w, s)
+                continue
             if w is None or not w.alive or wid in joined or w.stage == s:
                 continue
             self.moves += 1
@@ -893,6 +909,7 @@ class Simulator:
             passes=self.passes,
             timeline=self.timeline,
             flow_reschedules=self.net.rate_updates,
+            stage_phases=self.phases,
         )
 
 

@@ -37,6 +37,14 @@ class SimResult:
     passes: list[dict] = field(default_factory=list)  # per step: {"fwd": [per stage {m: n}], "grad": [...]}
     timeline: list[tuple[str, float, float, str]] | None = None  # (device, t0, t1, compute|send|recv)
     flow_reschedules: int = 0  # network rate recomputations that moved a flow's completion
+    stage_phases: list[list[tuple[float, float]]] = field(default_factory=list)  # per step, per stage: (s into the step when its backward drained, when it closed)
+
+    @property
+    def mean_pipeline_s(self) -> float:
+        """Mean over steps of the time until the last stage's backward drained."""
+        if not self.stage_phases:
+            return math.nan
+        return sum(max(d for d, _ in st) for st in self.stage_phases) / len(self.stage_phases)
 
     @property
     def events_per_s(self) -> float:
@@ -81,6 +89,8 @@ class SimResult:
             "events_per_s": self.events_per_s,
             "sim_time_s": self.sim_time_s,
             "flow_reschedules": self.flow_reschedules,
+            "mean_pipeline_s": self.mean_pipeline_s,
+            "stage_phases": self.stage_phases,
         }
         if include_passes:
             d["passes"] = [
@@ -135,7 +145,7 @@ def plot_timeline(result: SimResult, path: str | Path) -> None:
     ax.set_title(f"{result.scenario} / {result.method}: {result.steps} steps, "
                  f"mean {result.mean_step_time_s:.3g} s per step")
     ax.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()] + [Patch(color="white", label="idle")],
-              loc="upper right", fontsize=7)
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

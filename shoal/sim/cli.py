@@ -1,0 +1,100 @@
+"""``shoal simulate``: replay a plan on a scenario and compare it with the cost model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from shoal.errors import ShoalError
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "simulate",
+        help="replay a plan event by event on a scenario (step time, tokens/s, utilisation, churn)",
+        description="Simulate training steps of a plan on a scenario with the discrete-event simulator "
+                    "and compare the simulated step time with the cost model's prediction.",
+    )
+    p.add_argument("--scenario", required=True, help="built-in scenario name or scenario JSON file")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--method", default="shoal", help="planner to make the plan with (default: shoal)")
+    src.add_argument("--plan", help="plan JSON file (from `shoal plan --json`) instead of planning")
+    p.add_argument("--steps", type=int, default=3, help="training steps to simulate (default 3)")
+    p.add_argument("--churn", choices=("on", "off"), default="off",
+                   help="devices leave and rejoin per the scenario's sessions or trace (default off)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the planner and of the churn (default 0)")
+    p.add_argument("--lease-timeout", type=float, default=None,
+                   help="seconds before a vanished worker's tasks are re-queued (default 10)")
+    p.add_argument("--json", metavar="OUT", help="write the full result as JSON to OUT")
+    p.add_argument("--timeline", metavar="OUT.png", help="draw a per-device timeline (small plans only)")
+    p.set_defaults(func=run)
+
+
+def _load(args):
+    from shoal.plan import load_scenario, make_plan
+    from shoal.plan.types import Plan
+
+    scenario = load_scenario(args.scenario)
+    if args.plan:
+        plan = Plan.from_json(args.plan)
+        if plan.scenario != scenario.name:
+            raise ShoalError(f"plan {args.plan} was made for scenario {plan.scenario}, not {scenario.name}; "
+                             "pass the matching --scenario")
+    else:
+        plan = make_plan(scenario, method=args.method, seed=args.seed)
+    return scenario, plan
+
+
+def summary_lines(result, predicted: float | None) -> list[str]:
+    """Human-readable summary of a :class:`SimResult` (one fact per line)."""
+    lines = [
+        f"scenario {result.scenario}, method {result.method}, {result.steps} steps"
+        + (", churn on" if result.churn else ""),
+        f"simulated step time   {result.mean_step_time_s:10.3f} s  (per step: "
+        + ", ".join(f"{t:.3f}" for t in result.step_times_s[:8]) + (" ..." if result.steps > 8 else "") + ")",
+    ]
+    if predicted:
+        lines.append(f"cost-model prediction {predicted:10.3f} s  (predicted / simulated = "
+                     f"{predicted / result.mean_step_time_s:.3f})")
+    lines += [
+        f"tokens/s              {result.tokens_per_s:10.1f}",
+        f"mean utilisation      {result.mean_utilisation():10.3f}  (fraction of time computing)",
+        f"re-queued tasks       {result.requeued_tasks:10d}  (recomputes {result.recomputes}, "
+        f"leaves {result.leaves}, joins {result.joins})",
+        f"lost micro-batches    {result.lost_micro_batches:10d}",
+        f"events                {result.events:10d}  in {result.wall_time_s:.2f} s wall "
+        f"({result.events_per_s:,.0f} events/s)",
+    ]
+    if result.stalled:
+        lines.append("WARNING: the run stalled before finishing its steps (a stage without workers?)")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    from shoal.plan.cost import predict
+    from shoal.sim import SimConfig, plot_timeline, simulate
+
+    if args.steps <= 0:
+        raise ShoalError(f"--steps must be positive, got {args.steps}")
+    scenario, plan = _load(args)
+    predicted = predict(plan, scenario)["step_time_s"]
+    cfg = SimConfig() if args.lease_timeout is None else SimConfig(lease_timeout_s=args.lease_timeout)
+    result = simulate(plan, scenario, steps=args.steps, churn=args.churn == "on", seed=args.seed,
+                      record_timeline=bool(args.timeline), config=cfg)
+    result.predicted_step_time_s = predicted
+    for line in summary_lines(result, predicted):
+        print(line)
+    if args.json:
+        d = result.to_dict()
+        d["plan"] = plan.to_dict()
+        with open(args.json, "w") as f:
+            json.dump(d, f, indent=2)
+            f.write("\n")
+        print(f"wrote {args.json}")
+    if args.timeline:
+        if result.timeline is None:
+            raise ShoalError(f"--timeline is only drawn for plans with at most {cfg.timeline_max_devices} workers; "
+                             f"this one has {sum(len(s.workers) for s in plan.stages)}")
+        plot_timeline(result, args.timeline)
+        print(f"wrote {args.timeline}")
+    return 1 if result.stalled or result.lost_micro_batches else 0
