@@ -8,7 +8,14 @@ import time
 import pytest
 
 from shoal.emulate.links import LinkShaper, ScenarioDial, TokenBucket
-from shoal.emulate.measure import _Echo, _Sink, connect, measure_latency, measure_throughput
+from shoal.emulate.measure import (
+    _Echo,
+    _Sink,
+    connect,
+    measure_latency,
+    measure_message,
+    measure_throughput,
+)
 from shoal.emulate.measure import serve as _serve
 from shoal.plan.types import Device, Link, Network, Scenario, Workload
 
@@ -17,12 +24,10 @@ RATE = 2e6  # bytes/s
 
 
 def test_token_bucket_books_serial_time():
-    b = TokenBucket(1000.0, burst_s=0.0)
+    b = TokenBucket(1000.0)
     assert b.reserve(500, now=10.0) == pytest.approx(10.5)
     assert b.reserve(500, now=10.1) == pytest.approx(11.0)  # queued behind the first
-    assert b.reserve(100, now=20.0) == pytest.approx(20.1)  # idle link: starts now
-    credit = TokenBucket(1000.0, burst_s=0.01)
-    assert credit.reserve(100, now=5.0) == pytest.approx(5.09)  # may start 10 ms back
+    assert b.reserve(100, now=20.0) == pytest.approx(20.1)  # idle link: starts now, no credit
     assert TokenBucket(None).reserve(10**9, now=1.0) == 1.0
     with pytest.raises(ValueError):
         TokenBucket(0.0)
@@ -31,6 +36,14 @@ def test_token_bucket_books_serial_time():
 def test_latency_within_15_percent():
     one_way = measure_latency(LATENCY, pings=11, rate=RATE)
     assert abs(one_way - LATENCY) <= 0.15 * LATENCY, one_way
+
+
+def test_message_time_is_latency_plus_serialisation():
+    # the cost model's transfer time: a 128 kB activation, then a 1-byte answer back
+    nbytes, lat, rate = 131072, 0.045, 2.5e6
+    want = 2 * lat + nbytes / rate
+    got = measure_message(nbytes, lat, rate, repeats=3)
+    assert abs(got - want) <= 0.15 * want, (got, want)
 
 
 def test_echo_counts_bytes_both_ways():

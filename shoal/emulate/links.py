@@ -35,31 +35,30 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 CHUNK = 16 * 1024  # bytes read per relay step; smaller = finer pacing, more overhead
-BURST_S = 0.005  # idle credit of a bucket, in seconds of its rate; absorbs sleep overshoot
+FRESH_S = 0.001  # a read that returns this fast found data already buffered
+MAX_LAG_S = 0.05  # at most this much scheduler lag is made up by back-dating a chunk
 
 
 class TokenBucket:
-    """A byte-rate limiter in virtual time (a serial link of ``rate`` bytes/s).
+    """A byte-rate limiter in virtual time: a serial link of ``rate`` bytes/s.
 
-    :meth:`reserve` books ``n`` bytes and returns when their transmission ends. A link
-    that was idle may start up to ``burst_s`` in the past, which absorbs the scheduler's
-    sleep overshoot without letting a long transfer exceed ``rate`` by more than
-    ``burst_s * rate`` bytes. Not thread-safe: used from one event loop.
+    :meth:`reserve` books ``n`` bytes that are ready at time ``now`` and returns when
+    their transmission ends: ``max(now, end of the previous booking) + n / rate``.
+    No idle credit: a lone message after a quiet spell pays its full ``n / rate``, as
+    on a real link. Not thread-safe: used from one event loop.
     """
 
-    def __init__(self, rate: float | None, burst_s: float = BURST_S):
+    def __init__(self, rate: float | None):
         if rate is not None and not rate > 0:
             raise ValueError(f"bucket rate must be positive bytes/s or None, got {rate!r}")
         self.rate = rate  # bytes per second; None = unlimited
-        self.burst_s = burst_s  # idle credit in seconds
-        self._tat = 0.0  # theoretical time at which everything booked so far is sent
+        self._tat = 0.0  # time at which everything booked so far is sent
 
     def reserve(self, n: int, now: float) -> float:
-        """Book ``n`` bytes at time ``now``; the time their transmission ends."""
+        """Book ``n`` bytes ready at ``now``; the time their transmission ends."""
         if self.rate is None:
             return now
-        start = max(self._tat, now - self.burst_s)
-        self._tat = start + n / self.rate
+        self._tat = max(self._tat, now) + n / self.rate
         return self._tat
 
 
@@ -143,15 +142,24 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
             await writer.drain()
 
     sender = asyncio.create_task(deliver())
-    last = 0.0
+    last = 0.0  # delivery time of the previous chunk (order is kept)
+    prev_sent: float | None = None  # transmission end of the previous chunk
+    woke = loop.time()
     try:
         while True:
             data = await reader.read(CHUNK)
             if not data:
                 break
             now = loop.time()
-            sent = max([now] + [b.reserve(len(data), now) for b in buckets])
-            # A chunk never arrives before now + latency, even on burst credit.
+            ready = now
+            if prev_sent is not None and now - woke < FRESH_S:
+                # The data was already waiting: on a real link it would have followed
+                # the previous chunk back-to-back. Back-date it to then, so the time
+                # this pump slept too long (scheduler lag) costs no throughput.
+                ready = max(min(now, prev_sent), now - MAX_LAG_S)
+            sent = max([ready] + [b.reserve(len(data), ready) for b in buckets])
+            prev_sent = sent
+            # A chunk never arrives before it was read plus the latency.
             last = max(last, max(sent, now) + proxy.delay())
             queue.put_nowait((last, data))
             stats.bytes += len(data)
@@ -160,6 +168,7 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
             total.chunks += 1
             if sent > now:
                 await asyncio.sleep(sent - now)  # back-pressure: read on when transmitted
+            woke = loop.time()
     except (ConnectionError, OSError):
         pass
     finally:

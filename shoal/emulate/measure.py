@@ -85,6 +85,61 @@ def measure_latency(latency_s: float, pings: int = 11, size: int = 64,
         srv.server_close()
 
 
+class _Ack(socketserver.BaseRequestHandler):
+    """Reads messages of ``server.size`` bytes and answers each with one byte."""
+
+    def handle(self) -> None:
+        self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        size = self.server.size  # type: ignore[attr-defined]
+        got = 0
+        while data := self.request.recv(65536):
+            got += len(data)
+            while got >= size:
+                got -= size
+                self.request.sendall(b"!")
+
+
+def measure_message(nbytes: int, latency_s: float, rate: float, repeats: int = 5) -> float:
+    """Median time to send ``nbytes`` and get a 1-byte answer through a shaped relay.
+
+    The cost model's figure for this is ``2 * latency + nbytes / rate`` (the message
+    crosses the uplink bucket, then the answer comes back after one more latency).
+    """
+    srv, addr = serve(_Ack, size=nbytes)
+    try:
+        with LinkShaper(up=rate, down=rate) as sh:
+            s = connect(sh.proxy_for(addr, latency_s=latency_s))
+            times = []
+            msg = b"m" * nbytes
+            for _ in range(repeats):
+                time.sleep(0.05)  # let the buckets go idle, as between tasks
+                t0 = time.monotonic()
+                s.sendall(msg)
+                if s.recv(1) != b"!":
+                    raise ConnectionError("relay closed during a message")
+                times.append(time.monotonic() - t0)
+            s.close()
+        return statistics.median(times)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def measure_pacing(target_s: float, compute_s: float, repeats: int = 5) -> float:
+    """Median wall time of a task of ``compute_s`` real work padded to ``target_s``."""
+    from shoal.emulate.pacing import ComputePacer
+
+    pacer = ComputePacer(device_flops=1.0)
+    out = []
+    for _ in range(repeats):
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < compute_s:  # busy "compute"
+            pass
+        pacer.pad(target_s, time.monotonic() - t0)
+        out.append(time.monotonic() - t0)
+    return statistics.median(out)
+
+
 def _rate(marks: list[tuple[float, int]]) -> float:
     """Bytes/s between the first and the last recv: excludes the latency before the first."""
     (t0, b0), (t1, b1) = marks[0], marks[-1]
@@ -147,6 +202,15 @@ def main(argv: list[str] | None = None) -> int:
             r, _ = measure_throughput(mbs * 1e6, int(mbs * 1e6 * a.seconds), direction)
             print(f"| {direction}link rate | {mbs:g} MB/s | {r / 1e6:.3f} MB/s | "
                   f"{100 * (r / 1e6 - mbs) / mbs:+.1f} % |")
+    for nbytes, ms, mbs in ((131072, 45, 2.5), (524288, 110, 5.0), (4096, 10, 1.25)):
+        want = 2 * ms / 1e3 + nbytes / (mbs * 1e6)
+        got = measure_message(nbytes, ms / 1e3, mbs * 1e6)
+        print(f"| message {nbytes // 1024} kB + 1 B answer, {ms} ms, {mbs:g} MB/s | {want * 1e3:.1f} ms "
+              f"| {got * 1e3:.1f} ms | {100 * (got - want) / want:+.1f} % |")
+    for target, compute in ((0.020, 0.005), (0.200, 0.050)):
+        got = measure_pacing(target, compute)
+        print(f"| paced task, {compute * 1e3:.0f} ms compute | {target * 1e3:.0f} ms | {got * 1e3:.1f} ms "
+              f"| {100 * (got - target) / target:+.1f} % |")
     return 0
 
 
