@@ -85,6 +85,7 @@ class Coordinator(pbg.CoordinatorServicer):
         self.metrics = JsonlWriter(self.out / "metrics.jsonl", self.t0) if self.out else None
         self.events = JsonlWriter(self.out / "events.jsonl", self.t0) if self.out else None
         self.written_steps: set[int] = set()
+        self.names: dict[str, str] = {}  # member id -> name, kept after members leave
         self.history: list[dict] = []
         self.total_requeues = 0
         self.tasks_per_worker: dict[str, int] = {}
@@ -105,6 +106,7 @@ class Coordinator(pbg.CoordinatorServicer):
         m = Member(mid, request.role, request.name or mid, address=request.address,
                    flops=max(request.flops, 1.0))
         self.members[mid] = m
+        self.names[mid] = m.name
         if m.role == "server":
             vacant = [s for s, sid in enumerate(self.stage_server) if not sid]
             if vacant:
@@ -204,7 +206,9 @@ class Coordinator(pbg.CoordinatorServicer):
             await asyncio.sleep(0.1)
             now = time.monotonic()
             for mid, m in list(self.members.items()):
-                if now - m.last_seen > self.spec.dead_after_s:
+                # A false server death costs a roll-back, so servers get twice the grace.
+                limit = self.spec.dead_after_s * (2 if m.role == "server" else 1)
+                if now - m.last_seen > limit:
                     del self.members[mid]
                     self._drop(m, "missed heartbeats")
 
@@ -242,7 +246,7 @@ class Coordinator(pbg.CoordinatorServicer):
         tpw: dict[str, int] = {}
         for r in reps.values():
             for w, n in r.tasks_per_worker.items():
-                name = self.members[w].name if w in self.members else w
+                name = self.names.get(w, w)
                 tpw[name] = tpw.get(name, 0) + n
         requeues = sum(r.requeues for r in reps.values())
         now = time.time()

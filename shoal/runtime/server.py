@@ -102,6 +102,7 @@ class StageServer(pbg.StageServerServicer):
         self.leases: dict[int, Lease] = {}
         self.workers: dict[str, WorkerInfo] = {}
         self.next_lease = 1
+        self.loading = False
         self.ready = False
         self.done = False
         self.committing = False
@@ -121,16 +122,29 @@ class StageServer(pbg.StageServerServicer):
     def is_first(self) -> bool:
         return self.first == 0
 
-    def _build(self, version: int) -> None:
-        """(Re)build the stage at weight ``version``: init from seed or load a checkpoint."""
+    def _make(self, stage: int, first: int, last: int, version: int):
+        """Build stage weights + optimizer at ``version`` (CPU work, run off the event loop)."""
         spec = self.spec
-        self.cfg = model_config(spec)
-        torch.manual_seed(0)
-        self.module = build_stage(self.cfg, self.first, self.last, seed=spec.seed)
-        self.params = dict(self.module.named_parameters())
-        self.opt = make_optimizer(self.module.named_parameters(), optim_config(spec))
+        cfg = model_config(spec)
+        module = build_stage(cfg, first, last, seed=spec.seed)
+        opt = make_optimizer(module.named_parameters(), optim_config(spec))
         if version > 0:
-            load_stage_ckpt(self.ckpt_root, self.stage, version, self.module, self.opt)
+            load_stage_ckpt(self.ckpt_root, stage, version, module, opt)
+        return cfg, module, opt
+
+    async def _load(self, stage: int, first: int, last: int, version: int, epoch: int) -> None:
+        """(Re)load the stage at ``version`` for ``epoch``, keeping heartbeats going meanwhile."""
+        self.version = -1
+        self.loading = True
+        try:
+            cfg, module, opt = await asyncio.get_running_loop().run_in_executor(
+                None, self._make, stage, first, last, version)
+        finally:
+            self.loading = False
+        if (stage, epoch) != (self.stage, self.epoch):
+            return  # superseded while loading
+        self.cfg, self.module, self.opt = cfg, module, opt
+        self.params = dict(module.named_parameters())
         self.version = version
         self.step = version
         self.steps = {}
@@ -138,8 +152,12 @@ class StageServer(pbg.StageServerServicer):
         self.leases.clear()
         for w in self.workers.values():
             w.gen += 1
-        self.act_shape = (spec.micro_batch_size, spec.seq_len, self.cfg.d_model)
+        self.act_shape = (self.spec.micro_batch_size, self.spec.seq_len, cfg.d_model)
         self._open_step(self.step)
+        log.info("%s serves stage %d [%d,%d) from version %d (epoch %d)", self.name, stage, first, last,
+                 version, epoch)
+        async with self.cond:
+            self.cond.notify_all()
 
     def _open_step(self, step: int) -> None:
         mbs = self.steps.setdefault(step, {})
@@ -197,21 +215,23 @@ class StageServer(pbg.StageServerServicer):
             self.done = True
             return
         if not a.known:
+            # Declared dead (e.g. starved of CPU): join again as a fresh server.
+            log.warning("%s: the coordinator forgot us; joining again", self.name)
+            self.stage, self.version, self.ready = -1, -1, False
+            reply = await self.coord.Join(pb.JoinRequest(
+                role="server", address=self.address, name=self.name, schema=SCHEMA_VERSION))
+            self.member_id = reply.member_id
             return
         self.servers = list(a.servers)
         if a.stage < 0:
             return
-        if self.stage != a.stage or self.version < 0:
+        if self.stage != a.stage or a.epoch != self.epoch:
             self.stage, self.first, self.last = a.stage, a.first, a.last
             self.epoch = a.epoch
-            self._build(a.restart_version if a.epoch > 0 else 0)
-            log.info("%s serves stage %d [%d,%d) from version %d", self.name, self.stage,
-                     self.first, self.last, self.version)
-        elif a.epoch != self.epoch:
-            log.info("%s rolls back to version %d (epoch %d)", self.name, a.restart_version, a.epoch)
-            self.epoch = a.epoch
-            self._build(a.restart_version)
-        if a.ready and not self.ready:
+            self.ready = False
+            self._spawn(self._load(a.stage, a.first, a.last, a.restart_version, a.epoch))
+            return
+        if a.ready and not self.ready and self.version >= 0:
             self.ready = True
         async with self.cond:
             self.cond.notify_all()
@@ -567,4 +587,11 @@ async def _retry(fn, tries: int = 200, delay: float = 0.1):
 def serve(coord: str, listen: str, token: str, ckpt_root: str, name: str = "server") -> None:
     """Run a stage server process until the run is done."""
     set_threads()
-    asyncio.run(StageServer(coord, listen, token, ckpt_root, name=name).run())
+    try:
+        asyncio.run(StageServer(coord, listen, token, ckpt_root, name=name).run())
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+            from shoal.errors import ShoalError
+
+            raise ShoalError(f"the coordinator at {coord} refused to let us join: {exc.details()}") from None
+        raise

@@ -14,13 +14,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from dataclasses import dataclass
 
 import grpc
 import torch
 
+from shoal.errors import ShoalError
 from shoal.model.transformer import build_stage
 from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
@@ -71,7 +71,7 @@ class Worker:
 
     async def run(self) -> None:
         set_threads()
-        flops = self.opts.flops or measure_flops()
+        flops = self.flops = self.opts.flops or measure_flops()
         self.coord = pbg.CoordinatorStub(self.channels.open(self.coord_addr))
         from shoal.runtime.server import _retry
 
@@ -101,6 +101,14 @@ class Worker:
                 if a.done:
                     self.done = True
                     return
+                if not a.known:
+                    # Declared dead (e.g. starved of CPU): join again as a new member.
+                    reply = await self.coord.Join(pb.JoinRequest(
+                        role="worker", flops=self.flops, name=self.opts.name, schema=SCHEMA_VERSION))
+                    self.member_id = reply.member_id
+                    self.stage, self.server_addr = -1, ""
+                    self._drop_acc()
+                    continue
                 if a.known and a.ready and a.stage >= 0 and a.servers[a.stage]:
                     if a.stage != self.stage:
                         self._switch(a.stage, a.first, a.last)
@@ -245,5 +253,9 @@ class Worker:
 def work(coord: str, token: str, opts: WorkerOptions) -> None:
     """Run a worker process until the run is done."""
     set_threads()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    asyncio.run(Worker(coord, token, opts).run())
+    try:
+        asyncio.run(Worker(coord, token, opts).run())
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+            raise ShoalError(f"the coordinator at {coord} refused to let us join: {exc.details()}") from None
+        raise

@@ -1,0 +1,134 @@
+"""Wire safety: tensor frames, the join-token interceptor, and the runtime's pure decisions."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from shoal.net import shoal_pb2 as pb
+from shoal.net import shoal_pb2_grpc as pbg
+from shoal.net.channel import load_token, make_server, open_channel
+from shoal.net.wire import WireError, decode_tensor, encode_tensor
+from shoal.runtime.common import assign_workers, even_split, lease_seconds
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32])
+def test_frame_roundtrip_exact(dtype):
+    t = (torch.randn(3, 5) * 100).to(dtype)
+    frame = encode_tensor("x", t)
+    back = decode_tensor(pb.Tensor.FromString(frame.SerializeToString()), shape=(3, 5))
+    assert back.dtype == dtype and torch.equal(back, t)
+
+
+def test_frame_checks_shape_dtype_length_and_finite():
+    frame = encode_tensor("g", torch.ones(2, 3))
+    with pytest.raises(WireError, match="shape"):
+        decode_tensor(frame, shape=(3, 2))
+    with pytest.raises(WireError, match="dtype"):
+        decode_tensor(frame, dtype="float16")
+    bad = pb.Tensor(name="g", dtype="float32", shape=[2, 3], data=b"\0" * 23, codec="raw")
+    with pytest.raises(WireError, match="payload"):
+        decode_tensor(bad)
+    with pytest.raises(WireError, match="unknown dtype"):
+        decode_tensor(pb.Tensor(name="g", dtype="object", shape=[1], data=b"\0" * 8))
+    with pytest.raises(WireError, match="limit"):
+        decode_tensor(pb.Tensor(name="g", dtype="float32", shape=[1 << 20, 1 << 20], data=b""))
+    nan = torch.ones(4)
+    nan[2] = float("nan")
+    assert torch.isnan(decode_tensor(encode_tensor("g", nan))).any()  # allowed unless asked
+    with pytest.raises(WireError, match="inf or NaN"):
+        decode_tensor(encode_tensor("g", nan), finite=True)
+
+
+def test_frame_lossy_codec_goes_through_compress():
+    t = torch.randn(4, 64)
+    frame = encode_tensor("a", t, codec="fp16")
+    assert frame.codec == "fp16" and len(frame.data) < t.numel() * 4
+    back = decode_tensor(frame, shape=(4, 64), dtype="float32")
+    assert torch.allclose(back, t, atol=1e-2)
+    with pytest.raises(WireError, match="codec"):
+        decode_tensor(pb.Tensor(name="a", dtype="float32", shape=[1], data=b"\0" * 4, codec="zip"))
+
+
+class _Coord(pbg.CoordinatorServicer):
+    def __init__(self):
+        self.joins = 0
+
+    async def Join(self, request, context):
+        self.joins += 1
+        return pb.JoinReply(member_id="m1")
+
+
+def test_wrong_token_is_refused_before_the_handler():
+    async def main():
+        svc = _Coord()
+        server = make_server("right-token")
+        pbg.add_CoordinatorServicer_to_server(svc, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            for token in ("wrong-token", ""):
+                async with open_channel(f"127.0.0.1:{port}", token) as ch:
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await pbg.CoordinatorStub(ch).Join(pb.JoinRequest(role="worker"), timeout=5)
+                    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                    assert "token" in err.value.details()
+            assert svc.joins == 0
+            async with open_channel(f"127.0.0.1:{port}", "right-token") as ch:
+                rep = await pbg.CoordinatorStub(ch).Join(pb.JoinRequest(role="worker"), timeout=5)
+            assert rep.member_id == "m1" and svc.joins == 1
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())
+
+
+def test_dial_hook_reroutes_the_channel():
+    seen = []
+
+    def dial(addr):
+        seen.append(addr)
+        return addr
+
+    async def main():
+        ch = open_channel("127.0.0.1:9", "t", dial=dial)
+        await ch.close()
+
+    asyncio.run(main())
+    assert seen == ["127.0.0.1:9"]
+
+
+def test_load_token(tmp_path, monkeypatch):
+    monkeypatch.delenv("SHOAL_TOKEN", raising=False)
+    from shoal.errors import ShoalError
+
+    with pytest.raises(ShoalError, match="SHOAL_TOKEN"):
+        load_token()
+    f = tmp_path / "tok"
+    f.write_text("abc\n")
+    assert load_token(token_file=str(f)) == "abc"
+    monkeypatch.setenv("SHOAL_TOKEN", "env")
+    assert load_token() == "env"
+
+
+def test_even_split_and_assignment():
+    assert even_split(6, 2) == [(0, 3), (3, 6)]
+    assert even_split(6, 4) == [(0, 2), (2, 4), (4, 5), (5, 6)]
+    flops = {"a": 4.0, "b": 1.0, "c": 1.0, "d": 1.0}
+    a = assign_workers(flops, [1.0, 1.0])
+    assert a["a"] != a["b"] and sorted(a.values()).count(a["a"]) == 1  # the fast one alone
+    # keep assignments; an emptied stage takes a worker from a stage that has two or more
+    a2 = assign_workers({"b": 1.0, "c": 1.0, "d": 1.0}, [1.0, 1.0], {"b": 1, "c": 1, "d": 1})
+    assert set(a2.values()) == {0, 1}
+    # a late joiner goes to the stage with the least capacity per unit of work
+    a3 = assign_workers({"x": 1.0, "y": 1.0, "z": 1.0}, [1.0, 3.0], {"x": 0, "y": 1})
+    assert a3["z"] == 1
+
+
+def test_lease_seconds():
+    assert lease_seconds(None, 2.0) == 2.0
+    assert lease_seconds(0.1, 2.0) == 2.0
+    assert lease_seconds(1.0, 2.0) == 4.0
