@@ -216,7 +216,7 @@ def test_stage_checkpoints_together_form_the_full_model(tmp_path):
     ("seq_len", 10_000, "exceeds"),
     ("model", "gpt-9", "unknown model preset"),
     ("stop_after", 99, "--stop-after"),
-    ("val_fraction", 1.5, "val_fraction"),
+    ("val_fraction", 1.5, "--val-fraction"),
     ("lr", -1.0, "--lr"),
 ])
 def test_config_validation(tmp_path, field, value, message):
@@ -253,3 +253,13 @@ def test_cli_bad_input_is_one_line_error(tmp_path, case):
     assert "Traceback" not in res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], res.stderr
+
+
+def test_resume_refuses_changed_corpus(tmp_path):
+    text = _small_text(tmp_path)
+    cfg = _cfg(tmp_path, str(tmp_path / "c"), data=(str(text),), steps=2, stop_after=1, seq_len=8,
+               micro_batch_size=1, micro_batches=1, eval_batches=1)
+    train_local(cfg, quiet=True)
+    text.write_text(text.read_text() + "a new line\n")
+    with pytest.raises(ShoalError, match="training text changed"):
+        train_local(resume_config(cfg.out), resume=True, quiet=True)

@@ -144,9 +144,12 @@ def _storage_dtype(vocab_size: int) -> type:
     return np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
 
 
-def load_tokens(text: str, vocab_size: int, cache_dir: str | None) -> tuple[Tokenizer, np.ndarray, Path]:
+def load_tokens(
+    text: str, vocab_size: int, cache_dir: str | None, text_hash: str | None = None
+) -> tuple[Tokenizer, np.ndarray, Path]:
     """Tokenizer and token ids of ``text``, from the cache or computed and cached."""
-    key = f"{corpus_hash(text)[:16]}-v{vocab_size}-r{RECIPE_VERSION}"
+    text_hash = text_hash or corpus_hash(text)
+    key = f"{text_hash[:16]}-v{vocab_size}-r{RECIPE_VERSION}"
     entry = resolve_cache_dir(cache_dir) / "data" / key
     tok_path, ids_path = entry / "tokenizer.json", entry / "ids.npy"
     if tok_path.exists() and ids_path.exists():
@@ -154,7 +157,7 @@ def load_tokens(text: str, vocab_size: int, cache_dir: str | None) -> tuple[Toke
             tok = Tokenizer.from_file(str(tok_path))
             ids = np.load(ids_path, allow_pickle=False).astype(np.int64)
             return tok, ids, entry
-        except (OSError, ValueError, Exception):  # noqa: BLE001 -- a corrupt entry is rebuilt
+        except Exception:  # noqa: BLE001 -- a corrupt or truncated entry is rebuilt below
             pass
     tok = train_tokenizer(text, vocab_size)
     ids = encode_corpus(tok, text)
@@ -186,14 +189,15 @@ def load_data(cfg: DataConfig, vocab_size: int) -> TokenData:
     if vocab_size < MIN_VOCAB_SIZE:
         raise ShoalError(f"vocab_size must be at least {MIN_VOCAB_SIZE} for a byte-level tokenizer, got {vocab_size}")
     text = read_corpus(cfg.paths)
-    tok, ids, entry = load_tokens(text, vocab_size, cfg.cache_dir)
+    text_hash = corpus_hash(text)
+    tok, ids, entry = load_tokens(text, vocab_size, cfg.cache_dir, text_hash)
     train, val = split_ids(ids, cfg.val_fraction)
     return TokenData(
         train=torch.from_numpy(np.ascontiguousarray(train)),
         val=torch.from_numpy(np.ascontiguousarray(val)),
         tokenizer=tok,
         vocab_size=vocab_size,
-        corpus_hash=corpus_hash(text),
+        corpus_hash=text_hash,
         cache_path=str(entry),
         extra={"tokens": int(ids.size), "chars": len(text)},
     )

@@ -16,7 +16,7 @@ _TRAIN_FIELDS = (
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``train`` and ``generate`` subcommands."""
-    from shoal.train.local import TrainConfig
+    from shoal.train.config import TrainConfig
 
     d = TrainConfig()
     p = subparsers.add_parser(
@@ -74,7 +74,8 @@ def _given(args: argparse.Namespace) -> dict:
 
 def run_train(args: argparse.Namespace) -> int:
     """Entry of ``shoal train``."""
-    from shoal.train.local import TrainConfig, resume_config, train_local
+    from shoal.train.config import TrainConfig
+    from shoal.train.local import resume_config, train_local
 
     if not args.local:
         raise ShoalError("shoal train runs in this process only with --local; distributed runs use the runtime commands (see shoal --help)")

@@ -22,15 +22,14 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from shoal.data import DataConfig, TokenData, check_batch_shape, get_micro_batch, load_data
+from shoal.data import TokenData, check_batch_shape, get_micro_batch, load_data
 from shoal.errors import ShoalError
-from shoal.model.config import ModelConfig, get_preset
 from shoal.model.transformer import Stage, build_stage
 from shoal.train.checkpoint import (
     load_checkpoint,
@@ -38,6 +37,7 @@ from shoal.train.checkpoint import (
     optimizer_state_by_name,
     save_checkpoint,
 )
+from shoal.train.config import TrainConfig
 from shoal.train.metrics import JsonlWriter, step_record
 from shoal.train.optim import (
     OptimConfig,
@@ -52,7 +52,6 @@ CHECKPOINT_DIR = "checkpoint"
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
-DEFAULT_SEQ_LEN = 128
 
 
 def set_torch_threads(default: int | None = None) -> int:
@@ -68,78 +67,6 @@ def set_torch_threads(default: int | None = None) -> int:
         raise ShoalError(f"SHOAL_TORCH_THREADS must be a positive integer, got {raw!r}")
     torch.set_num_threads(n)
     return n
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Everything that defines a local training run (validated in one place)."""
-
-    model: str = "tiny"  # model preset name (shoal.model.config.PRESETS)
-    steps: int = 200  # optimizer steps in the run (sets the learning-rate schedule)
-    micro_batches: int = 4  # M: micro-batches per step
-    micro_batch_size: int = 8  # B: sequences per micro-batch
-    seq_len: int = DEFAULT_SEQ_LEN  # T: tokens per sequence
-    seed: int = 0  # seeds the weights (per layer) and the data order (per micro-batch)
-    lr: float = 3e-3  # peak learning rate
-    min_lr: float | None = None  # final learning rate of the cosine decay; None = lr / 10
-    warmup: int = 10  # linear warm-up steps
-    weight_decay: float = 0.1  # AdamW weight decay on matrices
-    grad_clip: float = 1.0  # global gradient-norm clip (0 = off)
-    eval_every: int = 50  # validation every K steps (and after the last step); 0 = only at the end
-    eval_batches: int = 8  # fixed validation micro-batches per evaluation
-    checkpoint_every: int = 0  # checkpoint every K steps; 0 = only at the end
-    data: tuple[str, ...] = ()  # text files, folders or globs; empty = bundled Shakespeare
-    val_fraction: float = 0.05  # last fraction of the tokens kept for validation
-    cache_dir: str | None = None  # tokenizer cache; None = $SHOAL_CACHE_DIR or ~/.cache/shoal
-    out: str = "runs/local"  # run folder (metrics.jsonl, tokenizer.json, checkpoint/)
-    stop_after: int | None = None  # stop (and checkpoint) after this many steps, as if interrupted
-    log_every: int = 10  # without a terminal, print a progress line every this many steps
-
-    def model_config(self) -> ModelConfig:
-        """The model preset (raises for an unknown name)."""
-        return get_preset(self.model)
-
-    def optim_config(self) -> OptimConfig:
-        """The shared optimizer configuration of this run."""
-        min_lr = self.lr / 10 if self.min_lr is None else self.min_lr
-        return OptimConfig(lr=self.lr, min_lr=min_lr, warmup_steps=self.warmup,
-                           weight_decay=self.weight_decay, grad_clip=self.grad_clip)
-
-    def data_config(self) -> DataConfig:
-        """The data configuration of this run."""
-        return DataConfig(paths=tuple(self.data), val_fraction=self.val_fraction, cache_dir=self.cache_dir)
-
-    def validate(self) -> None:
-        """Raise :class:`ShoalError` with a one-line message for any bad field."""
-        cfg = self.model_config()
-        for name in ("steps", "micro_batches", "micro_batch_size", "seq_len", "eval_batches", "log_every"):
-            if getattr(self, name) <= 0:
-                flag = "--" + name.replace("_", "-")
-                raise ShoalError(f"{flag} must be positive, got {getattr(self, name)}")
-        for name in ("eval_every", "checkpoint_every", "warmup"):
-            if getattr(self, name) < 0:
-                raise ShoalError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        if self.seq_len > cfg.max_seq_len:
-            raise ShoalError(f"--seq-len {self.seq_len} exceeds the {cfg.name} model's max_seq_len {cfg.max_seq_len}")
-        if self.stop_after is not None and not 0 < self.stop_after <= self.steps:
-            raise ShoalError(f"--stop-after must be in [1, --steps={self.steps}], got {self.stop_after}")
-        if not math.isfinite(self.lr) or self.lr <= 0:
-            raise ShoalError(f"--lr must be positive, got {self.lr}")
-        self.optim_config().validate()
-        self.data_config().validate()
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["data"] = list(self.data)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in fields(cls)}
-        kw = {k: v for k, v in d.items() if k in known}
-        if "data" in kw:
-            kw["data"] = tuple(kw["data"])
-        return cls(**kw)
 
 
 @dataclass
@@ -200,14 +127,13 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _write_checkpoint(out: Path, model: Stage, optimizer, cfg: TrainConfig, step: int, records: list) -> None:
+def _write_checkpoint(
+    out: Path, model: Stage, optimizer, cfg: TrainConfig, step: int, records: list, text_hash: str
+) -> None:
     named = list(model.named_parameters())
-    save_checkpoint(
-        out / CHECKPOINT_DIR,
-        model.state_dict(),
-        optimizer_state_by_name(optimizer, named),
-        {"step": step, "config": cfg.to_dict(), "model_config": model.cfg.to_dict(), "metrics": records},
-    )
+    state = {"step": step, "config": cfg.to_dict(), "model_config": model.cfg.to_dict(),
+             "corpus_hash": text_hash, "metrics": records}
+    save_checkpoint(out / CHECKPOINT_DIR, model.state_dict(), optimizer_state_by_name(optimizer, named), state)
 
 
 class _Progress:
@@ -267,6 +193,9 @@ def train_local(cfg: TrainConfig, resume: bool = False, quiet: bool = False) -> 
             raise ShoalError(f"checkpoint in {str(out)!r} does not fit model {cfg.model}: {str(exc).splitlines()[0]}") from None
         load_optimizer_state_by_name(optimizer, model.named_parameters(), ck.optimizer_state)
         start, records = int(ck.state["step"]), list(ck.state.get("metrics", []))
+        saved_hash = ck.state.get("corpus_hash")
+        if saved_hash and saved_hash != data.corpus_hash:
+            raise ShoalError(f"the training text changed since the checkpoint in {str(out)!r}; resume with the same --data files")
         # Steps logged after the checkpoint (a crash) are redone, so drop their records.
         records = [r for r in records if r["step"] < start]
     out.mkdir(parents=True, exist_ok=True)
@@ -296,7 +225,7 @@ def train_local(cfg: TrainConfig, resume: bool = False, quiet: bool = False) -> 
                 progress.update(rec)
                 done = step + 1
                 if done == end or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
-                    _write_checkpoint(out, model, optimizer, cfg, done, records)
+                    _write_checkpoint(out, model, optimizer, cfg, done, records, data.corpus_hash)
     finally:
         progress.close()
     return TrainResult(model=model, records=records, steps_done=max(start, end), out=out)

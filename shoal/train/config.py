@@ -1,0 +1,97 @@
+"""Configuration of a local training run, importable without torch (the CLI reads its
+defaults to build ``--help``); the heavy modules are imported only when used."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+from shoal.errors import ShoalError
+
+if TYPE_CHECKING:
+    from shoal.data import DataConfig
+    from shoal.model.config import ModelConfig
+    from shoal.train.optim import OptimConfig
+
+# Default tokens per sequence (the tiny model's max_seq_len is 256).
+DEFAULT_SEQ_LEN = 128
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that defines a local training run (validated in one place)."""
+
+    model: str = "tiny"  # model preset name (shoal.model.config.PRESETS)
+    steps: int = 200  # optimizer steps in the run (sets the learning-rate schedule)
+    micro_batches: int = 4  # M: micro-batches per step
+    micro_batch_size: int = 8  # B: sequences per micro-batch
+    seq_len: int = DEFAULT_SEQ_LEN  # T: tokens per sequence
+    seed: int = 0  # seeds the weights (per layer) and the data order (per micro-batch)
+    lr: float = 3e-3  # peak learning rate
+    min_lr: float | None = None  # final learning rate of the cosine decay; None = lr / 10
+    warmup: int = 10  # linear warm-up steps
+    weight_decay: float = 0.1  # AdamW weight decay on matrices
+    grad_clip: float = 1.0  # global gradient-norm clip (0 = off)
+    eval_every: int = 50  # validation every K steps (and after the last step); 0 = only at the end
+    eval_batches: int = 8  # fixed validation micro-batches per evaluation
+    checkpoint_every: int = 0  # checkpoint every K steps; 0 = only at the end
+    data: tuple[str, ...] = ()  # text files, folders or globs; empty = bundled Shakespeare
+    val_fraction: float = 0.05  # last fraction of the tokens kept for validation
+    cache_dir: str | None = None  # tokenizer cache; None = $SHOAL_CACHE_DIR or ~/.cache/shoal
+    out: str = "runs/local"  # run folder (metrics.jsonl, tokenizer.json, checkpoint/)
+    stop_after: int | None = None  # stop (and checkpoint) after this many steps, as if interrupted
+    log_every: int = 10  # without a terminal, print a progress line every this many steps
+
+    def model_config(self) -> ModelConfig:
+        """The model preset (raises for an unknown name)."""
+        from shoal.model.config import get_preset
+
+        return get_preset(self.model)
+
+    def optim_config(self) -> OptimConfig:
+        """The shared optimizer configuration of this run."""
+        from shoal.train.optim import OptimConfig
+
+        min_lr = self.lr / 10 if self.min_lr is None else self.min_lr
+        return OptimConfig(lr=self.lr, min_lr=min_lr, warmup_steps=self.warmup,
+                           weight_decay=self.weight_decay, grad_clip=self.grad_clip)
+
+    def data_config(self) -> DataConfig:
+        """The data configuration of this run."""
+        from shoal.data import DataConfig
+
+        return DataConfig(paths=tuple(self.data), val_fraction=self.val_fraction, cache_dir=self.cache_dir)
+
+    def validate(self) -> None:
+        """Raise :class:`ShoalError` with a one-line message for any bad field."""
+        cfg = self.model_config()
+        for name in ("steps", "micro_batches", "micro_batch_size", "seq_len", "eval_batches", "log_every"):
+            if getattr(self, name) <= 0:
+                flag = "--" + name.replace("_", "-")
+                raise ShoalError(f"{flag} must be positive, got {getattr(self, name)}")
+        for name in ("eval_every", "checkpoint_every", "warmup"):
+            if getattr(self, name) < 0:
+                raise ShoalError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.seq_len > cfg.max_seq_len:
+            raise ShoalError(f"--seq-len {self.seq_len} exceeds the {cfg.name} model's max_seq_len {cfg.max_seq_len}")
+        if self.stop_after is not None and not 0 < self.stop_after <= self.steps:
+            raise ShoalError(f"--stop-after must be in [1, --steps={self.steps}], got {self.stop_after}")
+        if not math.isfinite(self.lr) or self.lr <= 0:
+            raise ShoalError(f"--lr must be positive, got {self.lr}")
+        self.optim_config().validate()
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ShoalError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["data"] = list(self.data)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in known}
+        if "data" in kw:
+            kw["data"] = tuple(kw["data"])
+        return cls(**kw)
