@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import replace
@@ -263,3 +264,42 @@ def test_resume_refuses_changed_corpus(tmp_path):
     text.write_text(text.read_text() + "a new line\n")
     with pytest.raises(ShoalError, match="training text changed"):
         train_local(resume_config(cfg.out), resume=True, quiet=True)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_sigint_finishes_the_step_checkpoints_and_resumes(tmp_path, cache_dir):
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "shoal.cli", "train", "--local", "--steps", "100000", "--micro-batches", "1",
+            "--micro-batch-size", "1", "--seq-len", "8", "--eval-every", "0", "--eval-batches", "1",
+            "--log-every", "1", "--cache-dir", cache_dir, "--out", str(out)]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        for line in proc.stdout:
+            if line.startswith("step 3/"):
+                break
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and "interrupted after step" in stdout
+    done = load_checkpoint(out / "checkpoint").state["step"]
+    assert 3 <= done < 100000
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == list(range(done))
+    res = _cli("train", "--local", "--resume", str(out), "--stop-after", str(done + 2), "--quiet")
+    assert res.returncode == 0, res.stderr
+    assert load_checkpoint(out / "checkpoint").state["step"] == done + 2
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == list(range(done + 2))
+
+
+def test_cli_needs_local_and_fixed_flags_on_resume(short_run, capsys):
+    from shoal.cli import main
+
+    assert main(["train", "--steps", "2"]) == 2
+    assert "--local" in capsys.readouterr().err
+    cfg, _ = short_run
+    assert main(["train", "--local", "--resume", cfg.out, "--lr", "0.1"]) == 2
+    assert "--lr cannot be changed when resuming" in capsys.readouterr().err
+    assert main(["train", "--local", "--resume", cfg.out, "--out", "/elsewhere"]) == 2
+    assert "different folders" in capsys.readouterr().err

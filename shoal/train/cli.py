@@ -91,6 +91,10 @@ def run_train(args: argparse.Namespace) -> int:
     else:
         cfg = TrainConfig(**given)
     res = train_local(cfg, resume=bool(args.resume), quiet=args.quiet)
+    if res.interrupted:
+        print(f"interrupted after step {res.steps_done}/{cfg.steps}; checkpoint saved, continue with: "
+              f"shoal train --local --resume {res.out}", flush=True)
+        return 130
     if not args.quiet and res.records:
         last = res.records[-1]
         vals = [r for r in res.records if "val_loss" in r]

@@ -20,7 +20,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -77,6 +79,37 @@ class TrainResult:
     records: list[dict[str, Any]]  # metrics.jsonl records of every step so far
     steps_done: int  # optimizer steps completed (including those before a resume)
     out: Path  # run folder
+    interrupted: bool = False  # stopped early by SIGINT/SIGTERM (a checkpoint was written)
+
+
+class _StopRequest:
+    """Turns the first SIGINT/SIGTERM into a request to stop after the current step.
+
+    A step interrupted half-way (gradients partly summed, AdamW half applied) could not be
+    checkpointed exactly, so the loop finishes the step, checkpoints and returns. A second
+    Ctrl-C interrupts at once, as usual.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._old: dict = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self) -> _StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
 
 
 def val_micro_batches(
@@ -209,8 +242,9 @@ def train_local(cfg: TrainConfig, resume: bool = False, quiet: bool = False) -> 
     tokens_per_step = cfg.micro_batches * cfg.micro_batch_size * cfg.seq_len
     t0 = time.time() - (records[-1]["time_s"] if records else 0.0)
     progress = _Progress(cfg.steps, start, cfg.log_every, quiet)
+    done = start
     try:
-        with JsonlWriter(out / METRICS_FILE, t0=t0) as writer:
+        with JsonlWriter(out / METRICS_FILE, t0=t0) as writer, _StopRequest() as stop:
             for step in range(start, end):
                 ts = time.perf_counter()
                 loss, grad_norm, lr = train_step(model, optimizer, data, cfg, optim, step)
@@ -224,11 +258,15 @@ def train_local(cfg: TrainConfig, resume: bool = False, quiet: bool = False) -> 
                 writer.write(rec)
                 progress.update(rec)
                 done = step + 1
-                if done == end or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
+                every = cfg.checkpoint_every and done % cfg.checkpoint_every == 0
+                if done == end or every or stop.requested:
                     _write_checkpoint(out, model, optimizer, cfg, done, records, data.corpus_hash)
+                if stop.requested:
+                    break
+            interrupted = stop.requested and done < end
     finally:
         progress.close()
-    return TrainResult(model=model, records=records, steps_done=max(start, end), out=out)
+    return TrainResult(model=model, records=records, steps_done=done, out=out, interrupted=interrupted)
 
 
 def resume_config(out: str | Path, **overrides: Any) -> TrainConfig:
