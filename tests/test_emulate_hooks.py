@@ -32,7 +32,8 @@ def _parser():
 
 def test_flags_round_trip():
     cfg = EmulationConfig("demo", "eu-0", speedup=1e-3, latency_scale=2.0, bandwidth_scale=0.5,
-                          jitter_s=0.002, peers={"127.0.0.1:5000": "host-us"}, seed=4)
+                          jitter_s=0.002, peers={"127.0.0.1:5000": "host-us"}, seed=4,
+                          stage_servers=["host-eu", "host-us"], default_peer="host-eu")
     assert config_from_args(_parser().parse_args(cfg.to_args())) == cfg
     assert config_from_args(_parser().parse_args([])) is None
 
@@ -88,3 +89,25 @@ def test_builtin_demo_scenario_devices_can_be_emulated():
         assert emu.device.id == dev and emu.pacer is not None
     finally:
         emu.close()
+
+
+def test_stage_servers_and_default_peer():
+    sc = _scenario()
+    args = _parser().parse_args(EmulationConfig("h", "eu-0", stage_servers=["host-us", "eu-0"],
+                                                default_peer="eu-0").to_args())
+    emu = hooks_from_args(args, scenario=sc)
+    try:
+        d = emu.dial
+        assert d.link_for("127.0.0.1:9").latency == 0.0  # default peer is this device: loopback
+        d.set_stage_address(0, "127.0.0.1:9")
+        assert d.link_for("127.0.0.1:9").latency == 0.045  # now known as stage 0's server host
+        d.set_stage_address(5, "127.0.0.1:10")  # unknown stage: ignored
+        assert "127.0.0.1:10" not in d.peers
+        first = d("127.0.0.1:9")
+        d.set_peer("127.0.0.1:9", "host-us")  # unchanged: the relay is kept
+        assert d("127.0.0.1:9") == first
+    finally:
+        emu.close()
+    with pytest.raises(ShoalError, match="no device"):
+        hooks_from_args(_parser().parse_args(EmulationConfig("h", "eu-0", stage_servers=["x"]).to_args()),
+                        scenario=sc)

@@ -9,9 +9,11 @@ flags with :meth:`EmulationConfig.to_args`. The returned :class:`Emulation` hold
 * ``pacer`` -- a :class:`~shoal.emulate.pacing.ComputePacer` for the worker's
   ``pacer`` hook (None for a device without compute, e.g. a server host).
 
-Peers on ephemeral ports: pass ``resolve(address) -> device id | None`` (e.g. from the
-coordinator's server list, where a server's name is its device id) or call
-``emulation.dial.set_peer(address, device)`` when the address becomes known.
+Peers on ephemeral ports: with ``--emulate-stage-servers host-a,host-b`` the runtime
+calls ``emulation.dial.set_stage_address(stage, address)`` when it learns where stage
+``stage``'s server listens (one line); or pass ``resolve(address) -> device id | None``;
+``--emulate-default-peer`` shapes every other address (coordinator included) as a link
+to that device.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class EmulationConfig:
     jitter_s: float = 0.0  # std-dev of per-chunk delay variation, seconds
     peers: dict[str, str] = field(default_factory=dict)  # known peer address -> device id
     seed: int = 0  # jitter random seed
+    stage_servers: list[str] = field(default_factory=list)  # stage index -> server host device id
+    default_peer: str | None = None  # device behind any other address (None: leave unshaped)
 
     def validate(self) -> None:
         """Raise :class:`ShoalError` for a non-positive scale or negative jitter."""
@@ -57,6 +61,10 @@ class EmulationConfig:
                 "--emulate-jitter", repr(self.jitter_s), "--emulate-seed", str(self.seed)]
         if self.peers:
             args += ["--emulate-peers", json.dumps(self.peers, sort_keys=True)]
+        if self.stage_servers:
+            args += ["--emulate-stage-servers", ",".join(self.stage_servers)]
+        if self.default_peer:
+            args += ["--emulate-default-peer", self.default_peer]
         return args
 
 
@@ -73,6 +81,10 @@ def add_emulation_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--emulate-seed", type=int, default=0, help="jitter seed")
     g.add_argument("--emulate-peers", default=None,
                    help='JSON object {"host:port": "device id"} of known peers')
+    g.add_argument("--emulate-stage-servers", default="",
+                   help="comma-separated device ids of the server host of stage 0, 1, ...")
+    g.add_argument("--emulate-default-peer", default=None,
+                   help="device id assumed behind any other address (default: leave it unshaped)")
 
 
 def config_from_args(args: argparse.Namespace) -> EmulationConfig | None:
@@ -91,7 +103,9 @@ def config_from_args(args: argparse.Namespace) -> EmulationConfig | None:
             raise ShoalError('--emulate-peers must be a JSON object {"host:port": "device id"}')
     cfg = EmulationConfig(args.emulate_scenario, args.emulate_device, args.emulate_speedup,
                           args.emulate_latency_scale, args.emulate_bandwidth_scale,
-                          args.emulate_jitter, peers, args.emulate_seed)
+                          args.emulate_jitter, peers, args.emulate_seed,
+                          [d for d in getattr(args, "emulate_stage_servers", "").split(",") if d],
+                          getattr(args, "emulate_default_peer", None))
     cfg.validate()
     return cfg
 
@@ -111,7 +125,8 @@ class Emulation:
         self.device = scenario.device(cfg.device)  # raises ShoalError for an unknown id
         self.dial = ScenarioDial(scenario, cfg.device, cfg.peers, latency_scale=cfg.latency_scale,
                                  bandwidth_scale=cfg.bandwidth_scale, jitter_s=cfg.jitter_s,
-                                 seed=cfg.seed, resolve=resolve)  # channel dial hook
+                                 seed=cfg.seed, resolve=resolve, default_peer=cfg.default_peer,
+                                 stage_servers=cfg.stage_servers)  # channel dial hook
         self.pacer = (ComputePacer(self.device.flops, cfg.speedup)
                       if self.device.flops > 0 else None)  # worker pacer hook
 

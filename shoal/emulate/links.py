@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import random
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 CHUNK = 16 * 1024  # bytes read per relay step; smaller = finer pacing, more overhead
@@ -286,15 +286,18 @@ class ScenarioDial:
     (``device.up``/``device.down`` times ``bandwidth_scale``). Unknown addresses are
     returned unchanged (not shaped). One relay per address is made and reused.
 
-    Peers that are only known at run time (servers on ephemeral ports) are found by
-    ``resolve(address) -> device id | None``, asked when ``peers`` has no entry; or add
-    them with :meth:`set_peer` before dialling.
+    Peers that are only known at run time (servers on ephemeral ports) are found, in
+    this order, by ``peers`` (add entries with :meth:`set_peer`, or
+    :meth:`set_stage_address` once the address of stage ``s``'s server is known, when
+    ``stage_servers[s]`` names its device), by ``resolve(address) -> device id | None``,
+    and finally by ``default_peer`` (e.g. the host of the coordinator and servers).
     """
 
     def __init__(self, scenario, device_id: str, peers: Mapping[str, str] | None = None, *,
                  latency_scale: float = 1.0, bandwidth_scale: float = 1.0,
                  jitter_s: float = 0.0, per_flow: bool = True, seed: int = 0,
-                 resolve: Callable[[str], str | None] | None = None):
+                 resolve: Callable[[str], str | None] | None = None,
+                 default_peer: str | None = None, stage_servers: Sequence[str] = ()):
         self.scenario = scenario  # shoal.plan.types.Scenario
         self.device = scenario.device(device_id)  # this process's device
         self.peers: dict[str, str] = dict(peers or {})  # address -> peer device id
@@ -303,6 +306,10 @@ class ScenarioDial:
         self.jitter_s = jitter_s  # std-dev of per-chunk delay variation, seconds
         self.per_flow = per_flow  # also cap each path at its scenario link bandwidth
         self.resolve = resolve  # address -> peer device id for addresses not in peers
+        self.default_peer = default_peer  # device behind any other address (None: unshaped)
+        self.stage_servers = list(stage_servers)  # stage index -> device id of its server host
+        for dev in [*self.peers.values(), *self.stage_servers, *([default_peer] if default_peer else [])]:
+            scenario.device(dev)  # fail now, with a clear message, on an unknown id
         self.shaper = LinkShaper(up=self.device.up * bandwidth_scale,
                                  down=self.device.down * bandwidth_scale, seed=seed)
         self._relays: dict[str, str] = {}
@@ -310,15 +317,24 @@ class ScenarioDial:
 
     def set_peer(self, address: str, device_id: str) -> None:
         """Add or change the device behind ``address`` (e.g. after a re-plan)."""
+        self.scenario.device(device_id)
         with self._lock:
-            self.peers[address] = device_id
-            self._relays.pop(address, None)
+            if self.peers.get(address) != device_id:
+                self.peers[address] = device_id
+                self._relays.pop(address, None)  # the next dial makes a relay for the new link
+
+    def set_stage_address(self, stage: int, address: str) -> None:
+        """Record that stage ``stage``'s server listens at ``address`` (needs ``stage_servers``)."""
+        if 0 <= stage < len(self.stage_servers):
+            self.set_peer(address, self.stage_servers[stage])
 
     def link_for(self, address: str):
         """The scenario :class:`~shoal.plan.types.Link` towards ``address`` (None: unknown)."""
         peer_id = self.peers.get(address)
         if peer_id is None and self.resolve is not None:
             peer_id = self.resolve(address)
+        if peer_id is None:
+            peer_id = self.default_peer
         if peer_id is None:
             return None
         return self.scenario.network.link(self.device, self.scenario.device(peer_id))
