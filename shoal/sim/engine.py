@@ -278,6 +278,7 @@ class Simulator:
         self.leaves = 0
         self.joins = 0
         self.repairs = 0
+        self.repair_wall = 0.0  # wall seconds spent in the planner's repair (part of wall_time_s)
         self.moves = 0
         self.server_failures_seen = 0
         self.link_bytes: dict[tuple[str, str], float] = {}
@@ -740,6 +741,7 @@ class Simulator:
     def _replan(self, left=(), joined=()) -> None:
         """Ask the planner's online repair for the new membership and apply it."""
         self.repairs += 1
+        t0 = time.perf_counter()
         new = None
         if self.repair_fn is not None:
             # the repair sees every device that is away, not only this one
@@ -754,6 +756,7 @@ class Simulator:
                 tuple(a.layers) != tuple(b.layers) for a, b in zip(new.stages, self.plan.stages, strict=True)):
             new = _fallback_repair(self.plan_now, self.original_stage, left, joined)
         self.plan_now = new
+        self.repair_wall += time.perf_counter() - t0
         target: dict[str, int] = {}
         for i, sp in enumerate(new.stages):
             for wid in sp.workers:
@@ -903,6 +906,7 @@ class Simulator:
             leaves=self.leaves,
             joins=self.joins,
             repairs=self.repairs,
+            repair_wall_s=self.repair_wall,
             moves=self.moves,
             churn=self.churn,
             stalled=stalled,

@@ -32,6 +32,7 @@ class SimResult:
     joins: int = 0  # devices that (re)joined
     repairs: int = 0  # calls to the online repair
     moves: int = 0  # live workers the repair moved to another stage
+    repair_wall_s: float = 0.0  # wall seconds of wall_time_s spent inside the planner's repair
     churn: bool = False  # whether churn was on
     stalled: bool = False  # the run stopped before finishing its steps (no progress possible / limits hit)
     passes: list[dict] = field(default_factory=list)  # per step: {"fwd": [per stage {m: n}], "grad": [...]}
@@ -81,6 +82,7 @@ class SimResult:
             "leaves": self.leaves,
             "joins": self.joins,
             "repairs": self.repairs,
+            "repair_wall_s": self.repair_wall_s,
             "moves": self.moves,
             "churn": self.churn,
             "stalled": self.stalled,
