@@ -32,7 +32,7 @@ from scipy.spatial.distance import squareform
 
 from shoal.errors import ShoalError
 from shoal.model.profile import ModelProfile
-from shoal.plan.common import build_plan, place_servers, step_of
+from shoal.plan.common import SyncTable, build_plan, place_servers, step_of
 from shoal.plan.cost import CostOptions, scenario_profile
 from shoal.plan.types import Device, Plan, Scenario, StagePlan, SyncPolicy
 
@@ -143,6 +143,24 @@ def _pairs(n_layers: int) -> np.ndarray:
     return np.array([(a, b) for a in range(n_layers) for b in range(a + 1, n_layers + 1)])
 
 
+_PAIR_CACHE: dict[tuple, tuple] = {}
+
+
+def _pair_arrays(prof: ModelProfile, recompute: bool) -> tuple:
+    """Every layer range [a, b) with its FLOPs per micro-batch, parameter bytes and worker memory."""
+    key = (prof.cfg, prof.seq_len, prof.micro_batch_size, prof.dtype_bytes, recompute)
+    if key not in _PAIR_CACHE:
+        n_layers = len(prof.layers)
+        pairs = _pairs(n_layers)
+        pair_index = {(int(a), int(b)): i for i, (a, b) in enumerate(pairs)}
+        pf = np.array([prof.fwd_flops(a, b) + prof.bwd_flops(a, b)
+                       + (prof.fwd_flops(a, b) if recompute and b < n_layers else 0) for a, b in pairs])
+        pp = np.array([prof.param_bytes(a, b) for a, b in pairs], dtype=float)
+        pm = np.array([prof.worker_memory(a, b) for a, b in pairs], dtype=float)
+        _PAIR_CACHE[key] = (pairs, pair_index, pf, pp, pm)
+    return _PAIR_CACHE[key]
+
+
 def _dp(tables: list[_StageTable], n_layers: int, pair_index: dict) -> tuple[float, list[tuple[int, int]]]:
     """Boundaries minimising the largest per-stage estimate."""
     s_count = len(tables)
@@ -174,7 +192,7 @@ def _dp(tables: list[_StageTable], n_layers: int, pair_index: dict) -> tuple[flo
 
 
 def construct(scenario: Scenario, n_stages: int, sync: SyncPolicy, options: CostOptions,
-              snap: float = 0.35) -> Plan | None:
+              snap: float = 0.35, table: SyncTable | None = None) -> Plan | None:
     """Steps 1-4 for one stage count; None if no feasible plan was found."""
     prof = scenario_profile(scenario)
     n_layers = len(prof.layers)
@@ -190,17 +208,13 @@ def construct(scenario: Scenario, n_stages: int, sync: SyncPolicy, options: Cost
     if any(not g for g in groups):
         return None
     even = [(round(i * n_layers / n_stages), round((i + 1) * n_layers / n_stages)) for i in range(n_stages)]
+    table = table or SyncTable(scenario)
     hosts = place_servers(scenario, groups, [prof.param_bytes(*r) for r in even],
-                          [prof.server_memory(*r) for r in even])
+                          [prof.server_memory(*r) for r in even], table)
     share: dict[str, int] = {}
     for g, h in zip(groups, hosts, strict=True):
         share[h] = share.get(h, 0) + len(g)
-    pairs = _pairs(n_layers)
-    pair_index = {(int(a), int(b)): i for i, (a, b) in enumerate(pairs)}
-    pf = np.array([prof.fwd_flops(a, b) + prof.bwd_flops(a, b) + (prof.fwd_flops(a, b) if options.recompute and b < n_layers else 0)
-                   for a, b in pairs])
-    pp = np.array([prof.param_bytes(a, b) for a, b in pairs], dtype=float)
-    pm = np.array([prof.worker_memory(a, b) for a, b in pairs], dtype=float)
+    pairs, pair_index, pf, pp, pm = _pair_arrays(prof, options.recompute)
     m = scenario.workload.micro_batches
     dev = {d.id: d for d in scenario.devices}
     tables = [_StageTable(g, dev[h], share[h], scenario, prof, sync, m, options.overlap_sync, pairs, pf, pp, pm, n_layers)
@@ -219,7 +233,7 @@ def construct(scenario: Scenario, n_stages: int, sync: SyncPolicy, options: Cost
     # Re-place servers for the final layer ranges and worker sets.
     groups2 = [[dev[w] for w in st.workers] for st in stages]
     hosts2 = place_servers(scenario, groups2, [prof.param_bytes(*st.layers) for st in stages],
-                           [prof.server_memory(*st.layers) for st in stages])
+                           [prof.server_memory(*st.layers) for st in stages], table)
     plan = build_plan(scenario, "shoal", stages, sync)
     alt = build_plan(scenario, "shoal", [StagePlan(st.layers, h, list(st.workers)) for st, h in zip(stages, hosts2, strict=True)], sync)
     return alt if step_of(alt, scenario, options) < step_of(plan, scenario, options) else plan
@@ -345,9 +359,10 @@ def plan_shoal(scenario: Scenario, seed: int = 0, stages: int | None = None, syn
     n_layers = len(prof.layers)
     counts = [stages] if stages else stage_counts(n_layers, len(scenario.workers))
     candidates = []
+    table = SyncTable(scenario)
     for s in counts:
         for snap in (0.35, 0.0):
-            p = construct(scenario, s, sync, options, snap)
+            p = construct(scenario, s, sync, options, snap, table)
             if p is not None:
                 candidates.append((step_of(p, scenario, options), s, p))
     if not candidates:
@@ -355,7 +370,7 @@ def plan_shoal(scenario: Scenario, seed: int = 0, stages: int | None = None, syn
                          "the stages do not fit the devices' memory")
     candidates.sort(key=lambda c: c[0])
     if budget_s is None:
-        budget_s = 0.25 + 0.004 * len(scenario.workers)
+        budget_s = 0.15 + 0.003 * len(scenario.workers)
     top = candidates[:3]
     best = None
     for i, (_, _, p) in enumerate(top):

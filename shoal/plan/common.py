@@ -84,32 +84,68 @@ def host_sync_cost(host: Device, workers: list[Device], scenario: Scenario, shar
     return worst
 
 
+class SyncTable:
+    """Vectorised sync cost (seconds per byte pushed and pulled) between server hosts and
+    devices, from region-level paths (per-pair overrides fall back to exact lookups)."""
+
+    def __init__(self, scenario: Scenario):
+        self.scenario = scenario
+        self.hosts = scenario.server_hosts
+        net = scenario.network
+        regions = sorted({d.region for d in scenario.devices})
+        self.rid = {r: i for i, r in enumerate(regions)}
+        self.path = np.zeros((len(self.hosts), len(regions)))
+        for i, h in enumerate(self.hosts):
+            for r, j in self.rid.items():
+                if r == h.region:
+                    self.path[i, j] = net.intra[r].bandwidth
+                else:
+                    self.path[i, j] = net.inter[tuple(sorted((r, h.region)))].bandwidth
+        self.h_up = np.array([h.up for h in self.hosts])
+        self.h_down = np.array([h.down for h in self.hosts])
+        self.h_mem = np.array([h.host_memory for h in self.hosts])
+        self.h_index = {h.id: i for i, h in enumerate(self.hosts)}
+        self.exact = bool(net.overrides)
+
+    def cost(self, group: list[Device], share: np.ndarray) -> np.ndarray:
+        """Per host: the slowest worker of ``group``'s push + pull seconds per byte, when the
+        host's links are shared by ``share[h]`` workers."""
+        if self.exact:
+            return np.array([host_sync_cost(h, group, self.scenario, int(k)) for h, k in zip(self.hosts, share, strict=True)])
+        rid = np.array([self.rid[d.region] for d in group])
+        up = np.array([d.up for d in group])
+        down = np.array([d.down for d in group])
+        path = self.path[:, rid]
+        k = np.maximum(share, 1)[:, None]
+        push = np.minimum(np.minimum(path, up[None, :]), self.h_down[:, None] / k)
+        pull = np.minimum(np.minimum(path, self.h_up[:, None] / k), down[None, :])
+        c = 1.0 / push + 1.0 / pull
+        for j, d in enumerate(group):
+            i = self.h_index.get(d.id)
+            if i is not None:
+                c[i, j] = 0.0  # a worker on its own server host syncs over loopback
+        return c.max(axis=1) if len(group) else np.zeros(len(self.hosts))
+
+
 def place_servers(scenario: Scenario, groups: list[list[Device]], param_bytes: list[float],
-                  memory_need: list[float], candidates: list[Device] | None = None) -> list[str]:
+                  memory_need: list[float], table: SyncTable | None = None) -> list[str]:
     """Greedy server placement: biggest traffic first, each on the allowed host where its slowest
     worker's sync is cheapest given the workers already served by that host (host memory permitting)."""
-    hosts = candidates or scenario.server_hosts
-    load: dict[str, int] = {}
-    mem_left = {h.id: h.host_memory for h in hosts}
-    out: list[str | None] = [None] * len(groups)
+    table = table or SyncTable(scenario)
+    n_h = len(table.hosts)
+    load = np.zeros(n_h)
+    mem_left = table.h_mem.astype(float).copy()
+    out: list[str] = [""] * len(groups)
     order = sorted(range(len(groups)), key=lambda i: -param_bytes[i] * max(1, len(groups[i])))
     for i in order:
-        best, best_cost = None, math.inf
-        for h in hosts:
-            if mem_left[h.id] < memory_need[i]:
-                continue
-            k = load.get(h.id, 0) + len(groups[i])
-            c = param_bytes[i] * host_sync_cost(h, groups[i], scenario, k)
-            # Tie-break towards idle hosts so servers spread when links are equal.
-            c += 1e-9 * load.get(h.id, 0)
-            if c < best_cost:
-                best, best_cost = h, c
-        if best is None:  # nothing has memory left: take the host with the most
-            best = max(hosts, key=lambda h: mem_left[h.id])
-        out[i] = best.id
-        load[best.id] = load.get(best.id, 0) + len(groups[i])
-        mem_left[best.id] -= memory_need[i]
-    return out  # type: ignore[return-value]
+        c = param_bytes[i] * table.cost(groups[i], load + len(groups[i]))
+        c = c + 1e-9 * load  # tie-break towards idle hosts so servers spread when links are equal
+        c = np.where(mem_left >= memory_need[i], c, np.inf)
+        j = int(np.argmin(c)) if np.isfinite(c).any() else int(np.argmax(mem_left))
+        out[i] = table.hosts[j].id
+        load[j] += len(groups[i])
+        mem_left[j] -= memory_need[i]
+    return out
 
 
 def profile_of(scenario: Scenario) -> ModelProfile:

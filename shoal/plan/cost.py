@@ -151,10 +151,24 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
     out = []
     n = len(plan.stages)
 
-    def move(src: Device, dst: Device, nbytes: float, src_share: int, dst_share: int) -> float:
+    memo: dict[tuple[str, str], object] = {}
+    exact = bool(net.overrides)
+
+    def path(d: Device, host: Device):
+        # Without per-pair overrides a path depends only on the worker's region.
+        if exact:
+            return net.link(d, host)
+        key = (d.region, host.id)
+        link = memo.get(key)
+        if link is None:
+            link = memo[key] = net.link(d, host)
+        return link
+
+    def move(src: Device, dst: Device, nbytes: float, src_share: int, dst_share: int, worker: Device,
+             server: Device) -> float:
         if src.id == dst.id or nbytes <= 0:
             return 0.0
-        link = net.link(src, dst)
+        link = path(worker, server)
         return transfer_time(nbytes, link.latency, flow_bandwidth(link.bandwidth, src.up, dst.down, src_share, dst_share))
 
     for i, st in enumerate(plan.stages):
@@ -182,16 +196,16 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
             d = dev[wid]
             c = compute_time(fwd + bwd, d.flops)
             t = c
-            t += move(host, d, in_bytes, n_dl.get(host.id, 1), 1)
+            t += move(host, d, in_bytes, n_dl.get(host.id, 1), 1, d, host)
             if nxt is not None:
-                t += move(d, nxt, out_bytes, 1, n_ul.get(nxt.id, 1))
-                t += move(host, d, out_bytes, n_dl.get(host.id, 1), 1)
+                t += move(d, nxt, out_bytes, 1, n_ul.get(nxt.id, 1), d, nxt)
+                t += move(host, d, out_bytes, n_dl.get(host.id, 1), 1, d, host)
             if prv is not None:
-                t += move(d, prv, in_grad_bytes, 1, n_ul.get(prv.id, 1))
+                t += move(d, prv, in_grad_bytes, 1, n_ul.get(prv.id, 1), d, prv)
             times[wid] = t
             comp[wid] = c
             if wid != host.id:
-                link = net.link(d, host)
+                link = path(d, host)
                 k = n_sync.get(host.id, 1)
                 s = sync_time(pbytes, sync.grad_compression, link.latency,
                               flow_bandwidth(link.bandwidth, d.up, host.down, 1, k),

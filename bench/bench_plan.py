@@ -1,0 +1,114 @@
+"""Planner benchmark: every built-in scenario through every method, judged by shoal's cost model.
+
+Prints (and with ``--json`` writes) a table of predicted step time, ratio to shoal and planning
+wall time; then shoal vs exhaustive on tiny instances, and repair time at scale.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_plan.py [--skip NAME ...] [--json OUT]
+
+Targets (docs/planner.md): shoal <= 0.75 x best baseline on gaming and ablation scenarios,
+<= 1.0 x on dtfm-0..4; within 5 % of exhaustive; planning <= 1 s at 64 devices and <= 30 s at
+1024; repair <= 0.5 s at 1024.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from shoal.errors import ShoalError  # noqa: E402
+from shoal.plan import BUILTIN_SCENARIOS, load_scenario, make_plan, repair, scenario_from_dict  # noqa: E402
+
+BASELINES = ("dtfm", "swarm", "dapple", "random")
+
+
+def tiny(seed: int):
+    """A random instance small enough for exhaustive search."""
+    rng = random.Random(seed)
+    devices = []
+    for i in range(rng.randint(3, 4)):
+        devices.append({"id": f"d{i}", "tflops": rng.choice([0.02, 0.1, 0.3]), "memory_gb": 4,
+                        "region": rng.choice("ab"), "up_mbps": rng.choice([5, 50, 500]), "down_mbps": 500})
+    devices.append({"id": "h0", "tflops": 0, "memory_gb": 0, "region": "a", "up_gbps": 1, "down_gbps": 1,
+                    "can_host_server": True})
+    return scenario_from_dict({
+        "name": f"tiny-{seed}",
+        "workload": {"model": "tiny", "seq_len": 128, "global_batch": 32, "micro_batch_size": 4, "dtype": "fp32"},
+        "network": {"intra": {r: {"latency_ms": 2, "bandwidth_gbps": 1} for r in "ab"},
+                    "inter": [{"regions": ["a", "b"], "latency_ms": 60, "bandwidth_mbps": rng.choice([20, 100, 1000])}]},
+        "devices": devices,
+    })
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--skip", nargs="*", default=[], help="scenarios to skip")
+    ap.add_argument("--json", default=None, help="write results here")
+    ap.add_argument("--tiny", type=int, default=8, help="number of tiny exhaustive instances")
+    args = ap.parse_args()
+    rows = []
+    print(f"{'scenario':15s} {'devs':>5s} {'shoal s':>9s} {'S':>3s} {'plan s':>7s} | "
+          + " | ".join(f"{m:>6s} x shoal  plan s" for m in BASELINES) + " | best-baseline/shoal")
+    for name in BUILTIN_SCENARIOS:
+        if name in args.skip:
+            continue
+        s = load_scenario(name)
+        row = {"scenario": name, "devices": len(s.workers), "methods": {}}
+        for method in ("shoal", *BASELINES):
+            try:
+                p = make_plan(s, method=method)
+            except ShoalError as exc:
+                row["methods"][method] = {"error": str(exc)}
+                continue
+            row["methods"][method] = {"step_time_s": p.predicted_step_time_s, "stages": p.n_stages,
+                                      "planning_time_s": p.planning_time_s,
+                                      "devices_used": sum(len(st.workers) for st in p.stages)}
+        sh = row["methods"]["shoal"]
+        best = min(row["methods"][m]["step_time_s"] for m in BASELINES if "step_time_s" in row["methods"][m])
+        row["shoal_over_best_baseline"] = sh["step_time_s"] / best
+        cells = []
+        for m in BASELINES:
+            r = row["methods"][m]
+            cells.append(f"{r['step_time_s'] / sh['step_time_s']:6.2f} x      {r['planning_time_s']:6.2f}"
+                         if "step_time_s" in r else f"{'n/a':>22s}")
+        print(f"{name:15s} {len(s.workers):5d} {sh['step_time_s']:9.2f} {sh['stages']:3d} {sh['planning_time_s']:7.2f} | "
+              + " | ".join(cells) + f" | {best / sh['step_time_s']:.2f}", flush=True)
+        rows.append(row)
+    # shoal vs exhaustive
+    gaps = []
+    for seed in range(args.tiny):
+        s = tiny(seed)
+        ex = make_plan(s, method="exhaustive")
+        sh = make_plan(s, method="shoal")
+        gaps.append(sh.predicted_step_time_s / ex.predicted_step_time_s - 1)
+        print(f"tiny-{seed}: {len(s.workers)} devices  exhaustive {ex.predicted_step_time_s:.4f} s "
+              f"({ex.planning_time_s:.2f} s to plan)  shoal {sh.predicted_step_time_s:.4f} s  gap {gaps[-1]:+.2%}")
+    # repair at scale
+    repairs = {}
+    for name in ("scale-64", "scale-1024"):
+        if name in args.skip:
+            continue
+        s = load_scenario(name)
+        p = make_plan(s)
+        rng = random.Random(0)
+        times = []
+        for _ in range(5):
+            used = [w for st in p.stages for w in st.workers]
+            unused = [d.id for d in s.workers if d.id not in set(used)]
+            left = rng.sample(used, 2) + [p.stages[rng.randrange(p.n_stages)].server]
+            q = repair(p, s, left=left, joined=rng.sample(unused, min(2, len(unused))))
+            times.append(q.planning_time_s)
+        repairs[name] = max(times)
+        print(f"repair on {name}: max {max(times):.3f} s over {len(times)} repairs (2 workers + 1 server left, 2 joined)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"scenarios": rows, "exhaustive_gaps": gaps, "repair_max_s": repairs}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
