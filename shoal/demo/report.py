@@ -2,7 +2,8 @@
 
 Input is a run directory as the runtime writes it:
 
-* ``metrics.jsonl`` and ``events.jsonl`` (format: :mod:`shoal.train.metrics`);
+* ``metrics.jsonl`` and ``events.jsonl`` (format: :mod:`shoal.train.metrics`), and
+  optionally ``churn.jsonl`` (the demo's churn driver, same format);
 * ``summary.json`` -- the runtime's summary plus what the demo adds. Keys read here
   (all optional):
 
@@ -12,7 +13,8 @@ Input is a run directory as the runtime writes it:
   ``bytes`` -- ``{link_class: {"raw": fp32-equivalent bytes, "wire": bytes sent}}``
   (e.g. :meth:`shoal.net.compress.WireCounter.as_dict`); ``failures_survived``,
   ``tasks_requeued`` (or the runtime's ``requeues``), ``workers_joined`` (else counted
-  from events); ``sample_text``; ``codecs`` (``{traffic kind: codec}``); ``churn``.
+  from events); ``sample_text``; ``codecs`` (``{traffic kind: codec}``); ``churn``;
+  ``t0_unix`` (run start, to align ``churn.jsonl``).
 
 :func:`write_report` writes ``report/`` inside the run directory (or elsewhere):
 ``loss.png``, ``throughput.png``, ``report.md`` and ``report.json`` (the numbers of
@@ -279,11 +281,24 @@ def plot_throughput(metrics: list[dict], events: list[dict], path: str | Path) -
 
 
 def load_run(run_dir: str | Path) -> tuple[list[dict], list[dict], dict]:
-    """``(metrics, events, summary)`` of a run directory (missing files read as empty)."""
+    """``(metrics, events, summary)`` of a run directory (missing files read as empty).
+
+    Events are ``events.jsonl`` plus ``churn.jsonl`` (the churn driver's kills and
+    joins, see :mod:`shoal.demo.emulated`), sorted by time. A churn record with
+    ``unix_time`` is re-timed to the coordinator's clock when ``summary.json`` has
+    ``t0_unix`` (the run's start as a Unix time).
+    """
     d = Path(run_dir)
     summary_path = d / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    return read_jsonl(d / "metrics.jsonl"), read_jsonl(d / "events.jsonl"), summary
+    events = read_jsonl(d / "events.jsonl")
+    t0 = summary.get("t0_unix")
+    for rec in read_jsonl(d / "churn.jsonl"):
+        if t0 is not None and "unix_time" in rec:
+            rec = {**rec, "time_s": round(rec["unix_time"] - t0, 4)}
+        events.append(rec)
+    events.sort(key=lambda e: e.get("time_s", 0.0))
+    return read_jsonl(d / "metrics.jsonl"), events, summary
 
 
 def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
