@@ -197,3 +197,30 @@ def test_seq_len_longer_than_small_corpus(small_corpus, tmp_path):
     get_micro_batch(data, "val", 0, 0, 0, 1, n_val - 1)
     with pytest.raises(ShoalError, match="too long"):
         get_micro_batch(data, "val", 0, 0, 0, 1, n_val)
+
+
+def test_cached_ids_equal_encoding_the_whole_text(shakespeare):
+    # The corpus is encoded in pieces for speed; that must not change a single id.
+    from shoal.data.tokens import _chunks, encode_corpus
+
+    text = gzip.decompress((REPO / "shoal/data/corpus/shakespeare.txt.gz").read_bytes()).decode()
+    sample = text[:300_000] + "tail  \n\n  \n x\n" * 300 + text[-50_000:]
+    assert len(_chunks(sample)) > 10 and "".join(_chunks(sample)) == sample
+    assert encode_corpus(shakespeare.tokenizer, sample).tolist() == shakespeare.tokenizer.encode(sample).ids
+    n = shakespeare.train.numel()
+    assert shakespeare.train[:3000].tolist() == shakespeare.tokenizer.encode(text[:20_000]).ids[:3000]
+    assert n > 1_000_000
+
+
+def test_tokenizer_training_is_deterministic_across_processes(tmp_path):
+    from shoal.data import train_tokenizer
+
+    code = (
+        "import sys\nfrom shoal.data import train_tokenizer\n"
+        "print(train_tokenizer(open(sys.argv[1]).read(), 400).to_str())\n"
+    )
+    p = tmp_path / "t.txt"
+    p.write_text(SMALL_TEXT)
+    out = subprocess.run([sys.executable, "-c", code, str(p)], capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=60, check=True)
+    assert out.stdout.strip() == train_tokenizer(SMALL_TEXT, 400).to_str()

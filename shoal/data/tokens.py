@@ -24,7 +24,7 @@ from shoal.data.text import corpus_hash, read_corpus
 from shoal.errors import ShoalError
 
 # Bump when the tokenizer training or the encoding changes: old cache entries are ignored.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 # Marks document boundaries; id 0 in every tokenizer we train.
 EOT_TOKEN = "<|endoftext|>"
 # Lines per chunk fed to the trainer/encoder: big enough to batch, small enough to parallelise.
@@ -78,10 +78,32 @@ def resolve_cache_dir(cache_dir: str | None) -> Path:
     return Path.home() / ".cache" / "shoal"
 
 
+def _cuttable(before: str, after: str) -> bool:
+    return before.endswith("\n") and not before[-2:-1].isspace() and len(before) > 1 and not after[:1].isspace()
+
+
 def _chunks(text: str) -> list[str]:
-    # Chunks end on line boundaries, so decoding them one after another gives back the text.
+    """Split ``text`` into pieces of about ``_LINES_PER_CHUNK`` lines for batched work.
+
+    A piece ends with a lone newline between two non-space characters. The byte-level
+    pre-tokenizer makes that newline a piece of its own in any case, so encoding the pieces
+    one by one gives exactly the ids of encoding the whole text (a longer whitespace run
+    would be split differently at the end of a piece), and the pieces concatenate back.
+    """
     lines = text.splitlines(keepends=True)
-    return ["".join(lines[i : i + _LINES_PER_CHUNK]) for i in range(0, len(lines), _LINES_PER_CHUNK)]
+    chunks, start = [], 0
+    for i in range(_LINES_PER_CHUNK, len(lines), _LINES_PER_CHUNK):
+        if i <= start:
+            continue
+        # Move the cut forward to "<non-space>\n<non-space>".
+        j = i
+        while j < len(lines) and not _cuttable(lines[j - 1], lines[j]):
+            j += 1
+        if j < len(lines):
+            chunks.append("".join(lines[start:j]))
+            start = j
+    chunks.append("".join(lines[start:]))
+    return [c for c in chunks if c]
 
 
 def train_tokenizer(text: str, vocab_size: int) -> Tokenizer:
