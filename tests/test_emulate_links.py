@@ -187,3 +187,21 @@ def test_grpc_runs_through_the_relay():
             assert st["up_bytes"] > len(big) and st["down_bytes"] > len(big)
     finally:
         server.stop(0)
+
+
+def test_close_drops_open_connections():
+    srv, addr = _serve(_Echo)
+    sh = LinkShaper()
+    s = connect(sh.proxy_for(addr, latency_s=0.001))
+    s.sendall(b"x")
+    assert s.recv(1) == b"x"
+    sh.close()
+    try:
+        got = s.recv(1)
+    except ConnectionResetError:
+        got = b""
+    assert got == b""  # the relay closed its side
+    s.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        sh.proxy_for(addr)
+    srv.shutdown()

@@ -94,6 +94,16 @@ class _Proxy:
         return self.address
 
     async def _handle(self, c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
+        sh = self.shaper
+        me = asyncio.current_task()
+        if me is not None:
+            sh._tasks.add(me)  # so that close() can cancel and await it
+        try:
+            await self._relay(c_reader, c_writer)
+        finally:
+            sh._tasks.discard(me)
+
+    async def _relay(self, c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
         try:
             t_reader, t_writer = await asyncio.open_connection(*self.target)
         except OSError:
@@ -258,9 +268,10 @@ class LinkShaper:
             for p in self._proxies:
                 if p.server is not None:
                     p.server.close()
-            for t in list(self._tasks):
+            tasks = list(self._tasks)
+            for t in tasks:
                 t.cancel()
-            await asyncio.sleep(0)
+            await asyncio.gather(*tasks, return_exceptions=True)
 
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=5)
