@@ -99,12 +99,17 @@ def test_folders_and_globs(tmp_path):
     (folder / "b.txt").write_text("bee\n")
     (folder / "sub" / "a.md").write_text("ay\n")
     (folder / "image.png").write_bytes(b"\x89PNG")
+    (folder / ".git").mkdir()
+    (folder / ".git" / "notes.txt").write_text("hidden\n")
+    (folder / "odd[1].txt").write_text("odd\n")
     files = resolve_sources((str(folder),))
-    assert [f.name for f in files] == ["b.txt", "a.md"]
+    assert [f.name for f in files] == ["b.txt", "odd[1].txt", "a.md"]
+    # A name with glob characters that exists is that file, not a pattern.
+    assert resolve_sources((str(folder / "odd[1].txt"),)) == [folder / "odd[1].txt"]
     assert [f.name for f in resolve_sources((str(folder / "**" / "*.md"),))] == ["a.md"]
     # The same file through two routes is read once.
-    assert len(resolve_sources((str(folder), str(folder / "b.txt")))) == 2
-    assert read_corpus((str(folder),)) == "bee\n\n\nay\n"
+    assert len(resolve_sources((str(folder), str(folder / "b.txt")))) == 3
+    assert read_corpus((str(folder),)) == "bee\n\n\nodd\n\n\nay\n"
 
 
 @pytest.mark.parametrize(

@@ -34,8 +34,13 @@ def _is_text_name(path: Path) -> bool:
     return any(name.endswith(s) for s in TEXT_SUFFIXES)
 
 
+def _hidden(path: Path, root: Path) -> bool:
+    # Skip .git, .venv, .cache and the like inside a folder the user names.
+    return any(part.startswith(".") for part in path.relative_to(root).parts)
+
+
 def resolve_sources(paths: tuple[str, ...] | list[str]) -> list[Path]:
-    """Expand files, folders (recursively) and glob patterns into a list of text files.
+    """Expand files, folders (recursively, skipping hidden entries) and globs into text files.
 
     An empty ``paths`` means the bundled corpus. Raises :class:`ShoalError` for a path
     that does not exist, a folder without text files, or a glob that matches nothing.
@@ -45,14 +50,8 @@ def resolve_sources(paths: tuple[str, ...] | list[str]) -> list[Path]:
     files: list[Path] = []
     for raw in paths:
         p = Path(raw).expanduser()
-        if any(ch in raw for ch in "*?["):
-            matches = sorted(Path(m) for m in glob.glob(str(p), recursive=True))
-            found = [m for m in matches if m.is_file() and _is_text_name(m)]
-            if not found:
-                raise ShoalError(f"data pattern {raw!r} matches no text files ({', '.join(TEXT_SUFFIXES)})")
-            files.extend(found)
-        elif p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file() and _is_text_name(f))
+        if p.is_dir():
+            found = sorted(f for f in p.rglob("*") if f.is_file() and _is_text_name(f) and not _hidden(f, p))
             if not found:
                 raise ShoalError(
                     f"data folder {raw!r} holds no text files ({', '.join(TEXT_SUFFIXES)}); "
@@ -61,6 +60,12 @@ def resolve_sources(paths: tuple[str, ...] | list[str]) -> list[Path]:
             files.extend(found)
         elif p.is_file():
             files.append(p)
+        elif any(ch in raw for ch in "*?["):
+            matches = sorted(Path(m) for m in glob.glob(str(p), recursive=True))
+            found = [m for m in matches if m.is_file() and _is_text_name(m)]
+            if not found:
+                raise ShoalError(f"data pattern {raw!r} matches no text files ({', '.join(TEXT_SUFFIXES)})")
+            files.extend(found)
         else:
             raise ShoalError(f"data path {raw!r} does not exist; pass a text file, a folder or a glob")
     # The same file named twice (e.g. by a folder and a glob) is read once.
