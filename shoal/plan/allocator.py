@@ -192,7 +192,7 @@ def _dp(tables: list[_StageTable], n_layers: int, pair_index: dict) -> tuple[flo
 
 
 def construct(scenario: Scenario, n_stages: int, sync: SyncPolicy, options: CostOptions,
-              snap: float = 0.35, table: SyncTable | None = None) -> Plan | None:
+              snap: float = 0.35, table: SyncTable | None = None, order: list[str] | None = None) -> Plan | None:
     """Steps 1-4 for one stage count; None if no feasible plan was found."""
     prof = scenario_profile(scenario)
     n_layers = len(prof.layers)
@@ -200,7 +200,7 @@ def construct(scenario: Scenario, n_stages: int, sync: SyncPolicy, options: Cost
     if n_stages > min(n_layers, len(workers)):
         return None
     ref_bytes = prof.param_bytes(0, n_layers) / n_stages
-    order = region_order(scenario, ref_bytes)
+    order = order or region_order(scenario, ref_bytes)
     rank = {r: i for i, r in enumerate(order)}
     rates = {d.id: _device_rate(d, prof, n_stages) for d in workers}
     ordered = sorted(workers, key=lambda d: (rank[d.region], -rates[d.id], d.id))
@@ -317,8 +317,9 @@ def _neighbours(plan: Plan, scenario: Scenario, rng: random.Random, unused: list
 
 
 def local_search(plan: Plan, scenario: Scenario, options: CostOptions, budget_s: float, seed: int = 0,
-                 max_rounds: int = 200) -> Plan:
-    """First-improvement local search on the full cost model until no move helps or time runs out."""
+                 max_rounds: int = 200, max_evals: int = 400) -> Plan:
+    """First-improvement local search on the full cost model until no move helps, ``max_evals``
+    candidates were evaluated (deterministic budget) or ``budget_s`` passed (safety net)."""
     prof = scenario_profile(scenario)
     dev = {d.id: d for d in scenario.devices}
     host_ids = [h.id for h in scenario.server_hosts]
@@ -326,15 +327,17 @@ def local_search(plan: Plan, scenario: Scenario, options: CostOptions, budget_s:
     best = _copy(plan)
     best_t = step_of(best, scenario, options)
     deadline = time.perf_counter() + budget_s
+    evals = 0
     for _ in range(max_rounds):
         used = {w for st in best.stages for w in st.workers}
         unused = [d.id for d in scenario.workers if d.id not in used]
         improved = False
         for cand in _neighbours(best, scenario, rng, unused, dev, host_ids):
-            if time.perf_counter() > deadline:
+            if time.perf_counter() > deadline or evals >= max_evals:
                 return best
             if not _feasible(cand, scenario, prof, dev):
                 continue
+            evals += 1
             t = step_of(cand, scenario, options)
             if t < best_t * (1 - 1e-9):
                 best, best_t, improved = cand, t, True
@@ -351,8 +354,9 @@ def stage_counts(n_layers: int, n_workers: int) -> list[int]:
 
 
 def plan_shoal(scenario: Scenario, seed: int = 0, stages: int | None = None, sync: SyncPolicy | None = None,
-               options: CostOptions | None = None, budget_s: float | None = None) -> Plan:
-    """shoal's allocator (see the module docstring)."""
+               options: CostOptions | None = None, budget_s: float | None = None, max_evals: int = 150) -> Plan:
+    """shoal's allocator (see the module docstring); ``max_evals`` cost-model evaluations of local
+    search per refined candidate."""
     sync = sync or SyncPolicy()
     options = options or CostOptions()
     prof = scenario_profile(scenario)
@@ -361,8 +365,9 @@ def plan_shoal(scenario: Scenario, seed: int = 0, stages: int | None = None, syn
     candidates = []
     table = SyncTable(scenario)
     for s in counts:
+        order = region_order(scenario, prof.param_bytes(0, n_layers) / s)
         for snap in (0.35, 0.0):
-            p = construct(scenario, s, sync, options, snap, table)
+            p = construct(scenario, s, sync, options, snap, table, order)
             if p is not None:
                 candidates.append((step_of(p, scenario, options), s, p))
     if not candidates:
@@ -370,11 +375,11 @@ def plan_shoal(scenario: Scenario, seed: int = 0, stages: int | None = None, syn
                          "the stages do not fit the devices' memory")
     candidates.sort(key=lambda c: c[0])
     if budget_s is None:
-        budget_s = 0.15 + 0.003 * len(scenario.workers)
+        budget_s = 5.0 + 0.01 * len(scenario.workers)  # safety net only; evaluations bound the search
     top = candidates[:3]
     best = None
     for i, (_, _, p) in enumerate(top):
-        refined = local_search(p, scenario, options, budget_s / len(top), seed=seed + i)
+        refined = local_search(p, scenario, options, budget_s / len(top), seed=seed + i, max_evals=max_evals)
         if best is None or step_of(refined, scenario, options) < step_of(best, scenario, options):
             best = refined
     step_of(best, scenario, options)

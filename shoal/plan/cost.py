@@ -164,13 +164,6 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
             link = memo[key] = net.link(d, host)
         return link
 
-    def move(src: Device, dst: Device, nbytes: float, src_share: int, dst_share: int, worker: Device,
-             server: Device) -> float:
-        if src.id == dst.id or nbytes <= 0:
-            return 0.0
-        link = path(worker, server)
-        return transfer_time(nbytes, link.latency, flow_bandwidth(link.bandwidth, src.up, dst.down, src_share, dst_share))
-
     for i, st in enumerate(plan.stages):
         a, b = st.layers
         first, last = i == 0, i == n - 1
@@ -192,25 +185,39 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
         comp: dict[str, float] = {}
         worst_sync = 0.0
         headroom = math.inf
+        # Inlined transfer_time / flow_bandwidth / sync_time (this loop is the planner's hot path).
+        h_up_dl = host.up / max(1, n_dl.get(host.id, 1))
+        k_sync = max(1, n_sync.get(host.id, 1))
+        h_up_sync, h_down_sync = host.up / k_sync, host.down / k_sync
+        nxt_down = nxt.down / max(1, n_ul.get(nxt.id, 1)) if nxt is not None else 0.0
+        prv_down = prv.down / max(1, n_ul.get(prv.id, 1)) if prv is not None else 0.0
+        flops = fwd + bwd
+        g = pbytes * sync.grad_compression
+        every = max(1, sync.sync_every)
         for wid in st.workers:
             d = dev[wid]
-            c = compute_time(fwd + bwd, d.flops)
+            c = compute_time(flops, d.flops)
             t = c
-            t += move(host, d, in_bytes, n_dl.get(host.id, 1), 1, d, host)
-            if nxt is not None:
-                t += move(d, nxt, out_bytes, 1, n_ul.get(nxt.id, 1), d, nxt)
-                t += move(host, d, out_bytes, n_dl.get(host.id, 1), 1, d, host)
-            if prv is not None:
-                t += move(d, prv, in_grad_bytes, 1, n_ul.get(prv.id, 1), d, prv)
-            times[wid] = t
-            comp[wid] = c
             if wid != host.id:
                 link = path(d, host)
-                k = n_sync.get(host.id, 1)
-                s = sync_time(pbytes, sync.grad_compression, link.latency,
-                              flow_bandwidth(link.bandwidth, d.up, host.down, 1, k),
-                              flow_bandwidth(link.bandwidth, host.up, d.down, k, 1), sync.sync_every)
-                worst_sync = max(worst_sync, s)
+                bw = min(link.bandwidth, h_up_dl, d.down)
+                t += link.latency + in_bytes / bw
+                if nxt is not None:
+                    t += link.latency + out_bytes / bw
+                if g > 0:
+                    push = min(link.bandwidth, d.up, h_down_sync)
+                    pull = min(link.bandwidth, h_up_sync, d.down)
+                    s_d = (2 * link.latency + g / push + g / pull) / every
+                    if s_d > worst_sync:
+                        worst_sync = s_d
+            if nxt is not None and wid != nxt.id:
+                link = path(d, nxt)
+                t += link.latency + out_bytes / min(link.bandwidth, d.up, nxt_down)
+            if prv is not None and wid != prv.id:
+                link = path(d, prv)
+                t += link.latency + in_grad_bytes / min(link.bandwidth, d.up, prv_down)
+            times[wid] = t
+            comp[wid] = c
             headroom = min(headroom, (d.memory - need) / d.memory if d.memory > 0 else -math.inf)
         x = stage_throughput(list(times.values()), plan.micro_batches)
         used = sorted(times, key=times.get)[: plan.micro_batches]

@@ -152,7 +152,7 @@ def repair(plan: Plan, scenario: Scenario, left: Iterable[str] = (), joined: Ite
         return _fallback(live, plan, t0, seed, options)
     if budget_s is None:
         budget_s = 0.05 + 0.0001 * len(live.workers)
-    p = local_search(p, live, options, budget_s, seed=seed, max_rounds=20)
+    p = local_search(p, live, options, budget_s, seed=seed, max_rounds=20, max_evals=40)
     validate_plan(p, live)
     predict(p, live, options)
     p.planning_time_s = time.perf_counter() - t0
