@@ -123,11 +123,50 @@ class FlowNet:
                 f.dst.max_rate = new
 
     def _pass(self, res: Resource, now: float, skip: Flow | None = None) -> None:
-        """Recompute every flow on ``res`` and tighten its ``max_rate``."""
+        """Recompute every flow on ``res`` and tighten its ``max_rate``.
+
+        The hot loop of big runs: :meth:`_rate` and :meth:`_reschedule` inlined, and the
+        share of ``res`` (the same for every flow here) computed once.
+        """
         m = 0.0
+        share = res.cap / len(res.flows)
+        heap, seq, push = self.heap, self.seq, heapq.heappush
         for g in res.flows.values():
             if g is not skip:
-                self._reschedule(g, now)
+                src, dst = g.src, g.dst
+                r = g.path
+                lim_s = lim_d = False
+                xs = share if src is res else src.cap / len(src.flows)
+                if xs <= r:
+                    r = xs
+                    lim_s = True
+                if dst is not None:
+                    xd = share if dst is res else dst.cap / len(dst.flows)
+                    if xd < r:
+                        r = xd
+                        lim_s = False
+                        lim_d = True
+                    elif xd == r:
+                        lim_d = True
+                if lim_s != g.lim_s:
+                    src.n_lim += 1 if lim_s else -1
+                    g.lim_s = lim_s
+                if lim_d != g.lim_d:
+                    dst.n_lim += 1 if lim_d else -1
+                    g.lim_d = lim_d
+                if r != g.rate:
+                    if g.rate > 0.0:
+                        rem = g.rem - g.rate * (now - g.t)
+                        g.rem = rem if rem > 0.0 else 0.0
+                    g.t = now
+                    g.rate = r
+                    g.ver += 1
+                    self.rate_updates += 1
+                    push(heap, (now + g.rem / r, seq(), FLOW_DONE, g, g.ver))
+                    if r > src.max_rate:
+                        src.max_rate = r
+                    if r > dst.max_rate:
+                        dst.max_rate = r
             if g.rate > m:
                 m = g.rate
         res.max_rate = m
