@@ -286,3 +286,25 @@ def test_memory_that_does_not_fit_is_refused():
     scn.devices = [small if d.id == "w0" else d for d in scn.devices]
     with pytest.raises(ShoalError, match="GB"):
         simulate(p, scn, steps=1)
+
+
+def test_local_mode_syncs_every_h_steps():
+    p, scn = _three_stage(False)
+    p.sync = SyncPolicy(mode="local", sync_every=2)
+    r = simulate(p, scn, steps=4)
+    _assert_conserved(r, 3, 24)
+    # odd steps (1, 3) skip the push/pull, even ones pay it
+    assert r.step_times_s[0] < r.step_times_s[1] and r.step_times_s[2] < r.step_times_s[3]
+    host = p.stages[0].server
+    w = p.stages[0].workers[0]
+    par = PROF.param_bytes(0, 2)
+    assert r.link_bytes[f"{w}->{host}"] == pytest.approx(2 * par)  # two pushes in four steps
+
+
+@pytest.mark.parametrize("steal", [False, True])
+def test_backward_stealing_conserves_work(steal):
+    p, scn = _three_stage(True, session=1.5)
+    r = simulate(p, scn, steps=8, churn=True, seed=5,
+                 config=SimConfig(lease_timeout_s=0.3, steal_backward=steal),
+                 stragglers=[Straggler("w1", 0.0, 5.0, 20.0)])
+    _assert_conserved(r, 3, 24)
