@@ -32,6 +32,9 @@ def _run_args(p: argparse.ArgumentParser, launch: bool = False) -> None:
     p.add_argument("--ckpt-every", type=int, default=1, help="servers checkpoint every K steps")
     p.add_argument("--dead-after", type=float, default=3.0, help="seconds of silence before a member is dead")
     p.add_argument("--min-lease", type=float, default=2.0, help="shortest task lease in seconds")
+    p.add_argument("--unordered-grads", action="store_true",
+                   help="workers push one summed gradient per step (less traffic; parity only up to "
+                        "float summation order) instead of one per micro-batch")
     p.add_argument("--data", choices=("corpus", "synthetic"), default="corpus",
                    help="micro-batches from the corpus (like shoal train) or synthetic tokens")
 
@@ -61,6 +64,7 @@ def register(subparsers) -> None:
     p.add_argument("--flops", type=float, default=None, help="FLOP/s to report (default: measure)")
     p.add_argument("--inject", default="", help="test faults, once each: nan_grad,bad_shape")
     p.add_argument("--codec", default="raw", help="tensor codec: raw, fp16, int8")
+    p.add_argument("--slow", type=float, default=0.0, help="extra seconds per task (tests, demos)")
     _common(p)
     p.set_defaults(func=run_worker_cmd)
 
@@ -105,7 +109,7 @@ def _spec(args):
         micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, seed=args.seed, lr=args.lr,
         min_lr=min_lr, warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
         ckpt_every=args.ckpt_every, dead_after_s=args.dead_after, min_lease_s=args.min_lease,
-        max_message_bytes=256 * 1024 * 1024, data=args.data)
+        max_message_bytes=256 * 1024 * 1024, data=args.data, ordered_grads=not args.unordered_grads)
 
 
 def run_coordinator_cmd(args) -> int:
@@ -134,7 +138,7 @@ def run_worker_cmd(args) -> int:
 
     _logging(args.log_level)
     work(args.join, _token(args), WorkerOptions(name=args.name, flops=args.flops, inject=args.inject,
-                                                codec=args.codec))
+                                                codec=args.codec, slow_s=args.slow))
     return 0
 
 
@@ -146,7 +150,8 @@ def run_launch_cmd(args) -> int:
         micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size, seq_len=args.seq_len,
         seed=args.seed, lr=args.lr, min_lr=args.min_lr, warmup=args.warmup, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, ckpt_every=args.ckpt_every, dead_after_s=args.dead_after,
-        min_lease_s=args.min_lease, data=args.data, timeout_s=args.timeout, scenario=args.scenario)
+        min_lease_s=args.min_lease, data=args.data, timeout_s=args.timeout, scenario=args.scenario,
+        ordered_grads=not args.unordered_grads)
     summary = launch(cfg, on_event=lambda r: print(_fmt(r), flush=True))
     print(json.dumps({k: summary.get(k) for k in ("steps", "final_loss", "requeues", "tokens_per_s",
                                                   "wall_time_s")}))

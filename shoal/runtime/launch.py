@@ -46,6 +46,7 @@ class LaunchConfig:
     dead_after_s: float = 3.0  # a member silent this long is dead
     min_lease_s: float = 2.0  # shortest lease without renewal
     data: str = "corpus"  # "corpus" (shoal.data, like shoal train) or "synthetic"
+    ordered_grads: bool = True  # one gradient push per micro-batch, summed in order (bitwise parity)
     min_workers: int | None = None  # workers needed before step 0 (None: all launched)
     worker_args: list[list[str]] = field(default_factory=list)  # extra CLI args per worker index
     token: str | None = None  # join token (None: SHOAL_TOKEN or a random one)
@@ -106,7 +107,8 @@ class Swarm:
             "--warmup", str(c.warmup), "--weight-decay", repr(c.weight_decay), "--grad-clip", repr(c.grad_clip),
             "--ckpt-every", str(c.ckpt_every), "--dead-after", repr(c.dead_after_s),
             "--min-lease", repr(c.min_lease_s), "--data", c.data, "--out", str(self.out),
-            "--address-file", str(addr_file)], "coordinator")
+            "--address-file", str(addr_file), *([] if c.ordered_grads else ["--unordered-grads"])],
+            "coordinator")
         deadline = time.time() + 60
         while not addr_file.exists():
             if self.coord.poll() is not None:

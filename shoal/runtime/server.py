@@ -99,6 +99,7 @@ class StageServer(pbg.StageServerServicer):
         self.version = -1  # weights hold this many committed steps (-1: not loaded)
         self.step = 0  # step being worked on (== version once loaded)
         self.steps: dict[int, dict[int, MbState]] = {}
+        self.pushes: list[tuple[int, dict[str, torch.Tensor]]] = []  # accepted pushes of the step
         self.leases: dict[int, Lease] = {}
         self.workers: dict[str, WorkerInfo] = {}
         self.next_lease = 1
@@ -148,6 +149,7 @@ class StageServer(pbg.StageServerServicer):
         self.version = version
         self.step = version
         self.steps = {}
+        self.pushes = []
         self.committing = False
         self.leases.clear()
         for w in self.workers.values():
@@ -433,12 +435,9 @@ class StageServer(pbg.StageServerServicer):
             async with self.cond:
                 self.cond.notify_all()
             return pb.PushReply(accepted=False, reason=f"rejected: {exc}", gen=info.gen)
-        for name, g in grads.items():
-            p = self.params[name]
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad.add_(g)
+        # Summed at commit, ordered by micro-batch id: with one micro-batch per push this is
+        # exactly the local trainer's sequential sum.
+        self.pushes.append((min(ids), grads))
         for mb in ids:
             mbs[mb].grad = "counted"
         if all(st.grad == "counted" for st in mbs.values()) and not self.committing:
@@ -539,6 +538,15 @@ class StageServer(pbg.StageServerServicer):
     async def _commit(self, step: int, epoch: int) -> None:
         try:
             mbs = self.steps[step]
+            for p in self.params.values():
+                p.grad = None
+            for _, grads in sorted(self.pushes, key=lambda x: x[0]):
+                for name, g in grads.items():
+                    p = self.params[name]
+                    if p.grad is None:
+                        p.grad = g.clone()
+                    else:
+                        p.grad.add_(g)
             report = pb.StepReport(member_id=self.member_id, stage=self.stage, step=step, epoch=epoch,
                                    sq_norm=grad_sq_norm(self.params.values()), requeues=self.requeues)
             if self.is_last:
@@ -562,6 +570,7 @@ class StageServer(pbg.StageServerServicer):
             if self.spec.ckpt_every > 0 and self.version % self.spec.ckpt_every == 0:
                 save_stage_ckpt(self.ckpt_root, self.stage, self.version, self.module, self.opt)
             self.steps.pop(step, None)
+            self.pushes = []
             self.step = step + 1
             if self.step < self.spec.steps:
                 self._open_step(self.step)

@@ -48,6 +48,7 @@ class WorkerOptions:
     lease_wait_s: float = 0.5  # long-poll time of one lease request
     inject: str = ""  # test faults, once each: "nan_grad", "bad_shape" (comma-separated)
     codec: str = "raw"  # tensor codec for results and pushes
+    slow_s: float = 0.0  # extra seconds per task (a crude stand-in for a slow device in tests)
 
 
 class Worker:
@@ -67,6 +68,7 @@ class Worker:
         self.acc_key: tuple[int, int, int] | None = None
         self.acc: dict[str, torch.Tensor] = {}
         self.acc_mbs: list[int] = []
+        self.acc_per_mb: dict[int, dict[str, torch.Tensor]] = {}  # ordered_grads: kept apart
         self.tasks_done = 0
 
     async def run(self) -> None:
@@ -141,7 +143,7 @@ class Worker:
         self._drop_acc()
 
     def _drop_acc(self) -> None:
-        self.acc_key, self.acc, self.acc_mbs = None, {}, []
+        self.acc_key, self.acc, self.acc_mbs, self.acc_per_mb = None, {}, [], {}
 
     async def _pull(self) -> None:
         rep = await self.server.GetWeights(pb.WeightsRequest(worker=self.member_id), timeout=30)
@@ -152,18 +154,27 @@ class Worker:
         self.version, self.weights_epoch = rep.version, rep.epoch
 
     async def _push(self) -> None:
+        """Push the accumulated gradients: one sum, or one push per micro-batch (ordered)."""
         epoch, step, gen = self.acc_key
-        msg = pb.GradPush(worker=self.member_id, step=step, epoch=epoch, gen=gen, mbs=self.acc_mbs)
-        for name, g in self.acc.items():
-            if "nan_grad" in self.inject:
-                self.inject.discard("nan_grad")
-                g = g.clone()
-                g.view(-1)[0] = float("nan")
-            msg.grads.append(encode_tensor(name, g, self.opts.codec))
-        rep = await self.server.PushGrads(msg, timeout=60)
-        if not rep.accepted:
-            log.info("%s: push refused: %s", self.opts.name, rep.reason)
-        self._drop_acc()
+        if self.spec.ordered_grads:
+            groups = [([mb], self.acc_per_mb[mb]) for mb in self.acc_mbs]
+        else:
+            groups = [(self.acc_mbs, self.acc)]
+        try:
+            for mbs, grads in groups:
+                msg = pb.GradPush(worker=self.member_id, step=step, epoch=epoch, gen=gen, mbs=mbs)
+                for name, g in grads.items():
+                    if "nan_grad" in self.inject:
+                        self.inject.discard("nan_grad")
+                        g = g.clone()
+                        g.view(-1)[0] = float("nan")
+                    msg.grads.append(encode_tensor(name, g, self.opts.codec))
+                rep = await self.server.PushGrads(msg, timeout=60)
+                if not rep.accepted:
+                    log.info("%s: push refused: %s", self.opts.name, rep.reason)
+                    break
+        finally:
+            self._drop_acc()
 
     async def _one(self) -> None:
         server = self.server
@@ -186,6 +197,8 @@ class Worker:
             loop = asyncio.get_running_loop()
             out, loss, grads = await loop.run_in_executor(None, self._compute, task)
             elapsed = time.perf_counter() - t0
+            if self.opts.slow_s > 0:
+                await asyncio.sleep(self.opts.slow_s)
             if self.pacer is not None:
                 flops = approx_task_flops(self.n_params, self.spec.micro_batch_size * self.spec.seq_len,
                                           task.direction)
@@ -210,11 +223,14 @@ class Worker:
             if self.acc_key != key:
                 self._drop_acc()
                 self.acc_key = key
-            for name, g in grads.items():
-                if name in self.acc:
-                    self.acc[name].add_(g)
-                else:
-                    self.acc[name] = g
+            if self.spec.ordered_grads:
+                self.acc_per_mb[task.mb] = grads
+            else:
+                for name, g in grads.items():
+                    if name in self.acc:
+                        self.acc[name].add_(g)
+                    else:
+                        self.acc[name] = g
             self.acc_mbs.append(task.mb)
 
     def _compute(self, task: pb.Task):
