@@ -627,7 +627,11 @@ class Simulator:
         self._push(now + f.lat, ARRIVE, kind, payload)
         if kind == M_RESULT and w.alive and w.stage is not None:
             # the output has left: ask for the next lease (travels while the output lands)
-            self._send(w.id, self.stages[w.stage].host.id, 0, M_LEASE, (w, w.epoch), None)
+            host = self.stages[w.stage].host.id
+            if self.cfg.blocking_sends:
+                self._push(now + f.lat, RESEND, None, (w.id, host, 0, M_LEASE, (w, w.epoch), None))
+            else:
+                self._send(w.id, host, 0, M_LEASE, (w, w.epoch), None)
 
     # ---------------------------------------------------------------- churn and faults
     def _rng(self, dev: str) -> random.Random:
