@@ -27,14 +27,17 @@ BASELINES = ("dtfm", "swarm", "dapple", "random")
 
 
 def tiny(seed: int):
-    """A random instance small enough for exhaustive search."""
+    """A random instance small enough for exhaustive search: 3-5 devices of mixed speed, uplink
+    and memory in two regions, one or two server hosts."""
     rng = random.Random(seed)
+    n = rng.randint(3, 5)
     devices = []
-    for i in range(rng.randint(3, 4)):
-        devices.append({"id": f"d{i}", "tflops": rng.choice([0.02, 0.1, 0.3]), "memory_gb": 4,
+    for i in range(n):
+        devices.append({"id": f"d{i}", "tflops": rng.choice([0.02, 0.1, 0.3]), "memory_gb": rng.choice([0.03, 0.06, 4]),
                         "region": rng.choice("ab"), "up_mbps": rng.choice([5, 50, 500]), "down_mbps": 500})
-    devices.append({"id": "h0", "tflops": 0, "memory_gb": 0, "region": "a", "up_gbps": 1, "down_gbps": 1,
-                    "can_host_server": True})
+    for h in range(1 if n == 5 else 2):
+        devices.append({"id": f"h{h}", "tflops": 0, "memory_gb": 0, "region": "ab"[h], "up_gbps": 1, "down_gbps": 1,
+                        "can_host_server": True})
     return scenario_from_dict({
         "name": f"tiny-{seed}",
         "workload": {"model": "tiny", "seq_len": 128, "global_batch": 32, "micro_batch_size": 4, "dtype": "fp32"},

@@ -240,8 +240,9 @@ def server_memory_headroom(plan: Plan, scenario: Scenario) -> float:
     for st in plan.stages:
         need[st.server] = need.get(st.server, 0.0) + prof.server_memory(*st.layers)
     headroom = math.inf
+    dev = {d.id: d for d in scenario.devices if d.id in need}
     for h, n in need.items():
-        hm = scenario.device(h).host_memory
+        hm = dev[h].host_memory
         headroom = min(headroom, (hm - n) / hm if hm > 0 else -math.inf)
     return headroom
 

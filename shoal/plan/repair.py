@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from shoal.errors import ShoalError
 from shoal.plan.allocator import _copy, _feasible, local_search, plan_shoal
 from shoal.plan.common import host_sync_cost, step_of
-from shoal.plan.cost import CostOptions, predict, scenario_profile
+from shoal.plan.cost import CostOptions, predict, scenario_profile, stage_costs
 from shoal.plan.types import Plan, Scenario
 from shoal.plan.validate import validate_plan
 
@@ -135,10 +135,15 @@ def repair(plan: Plan, scenario: Scenario, left: Iterable[str] = (), joined: Ite
         if q is None:
             return _fallback(live, plan, t0, seed, options)
         p = q
-    # joined devices: where they help most
+    # joined devices: where they help most -- among the slowest stages and the stages served
+    # from the device's own region (a full scan would cost S predictions per device)
     for j in pending:
-        best, best_t = None, step_of(p, live, options)
-        for s in range(len(p.stages)):
+        base = step_of(p, live, options)
+        xs = stage_costs(p, live, options)
+        slow = sorted(range(len(p.stages)), key=lambda s: xs[s].throughput)[:3]
+        near = [s for s, st in enumerate(p.stages) if dev[st.server].region == dev[j].region][:2]
+        best, best_t = None, base
+        for s in dict.fromkeys(slow + near):
             if dev[j].memory < prof.worker_memory(*p.stages[s].layers):
                 continue
             q = _copy(p)
