@@ -108,21 +108,32 @@ class Coordinator(pbg.CoordinatorServicer):
         self.members[mid] = m
         self.names[mid] = m.name
         if m.role == "server":
-            vacant = [s for s, sid in enumerate(self.stage_server) if not sid]
-            if vacant:
-                s = vacant[0]
-                replacing = self.ready or self.committed > 0 or self.epoch > 0
-                self.stage_server[s] = mid
-                self.event("join", device=m.name, role="server", stage=s)
-                if replacing:
-                    self.pending_restore = True
-                    self.event("server_restart", device=m.name, stage=s)
+            self.event("join", device=m.name, role="server")
+            self._fill_vacancies()
         else:
             self.event("join", device=m.name, role="worker", flops=m.flops)
             if self.ready:
                 self._replan("join")
         self._check_ready()
         return pb.JoinReply(member_id=mid, spec=self.spec)
+
+    def _fill_vacancies(self) -> None:
+        """Give each vacant stage a standby server (one without a stage), oldest first.
+
+        A server taking over a stage after the run started restores that stage's newest
+        checkpoint, and the whole run rolls back to a version every stage can restore.
+        """
+        standby = [mid for mid, m in self.members.items()
+                   if m.role == "server" and mid not in self.stage_server]
+        for s, sid in enumerate(self.stage_server):
+            if sid or not standby:
+                continue
+            mid = standby.pop(0)
+            self.stage_server[s] = mid
+            self.event("assign", device=self.members[mid].name, role="server", stage=s)
+            if self.ready or self.committed > 0 or self.epoch > 0:
+                self.pending_restore = True
+                self.event("server_restart", device=self.members[mid].name, stage=s)
 
     def _check_ready(self) -> None:
         workers = [m for m in self.members.values() if m.role == "worker"]
@@ -190,6 +201,7 @@ class Coordinator(pbg.CoordinatorServicer):
             for s, sid in enumerate(self.stage_server):
                 if sid == m.member_id:
                     self.stage_server[s] = ""
+            self._fill_vacancies()
         else:
             self.assign.pop(m.member_id, None)
             if self.ready:
