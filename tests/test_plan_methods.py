@@ -159,3 +159,14 @@ def test_cli_plan_writes_json_and_compare(tmp_path, capsys):
     assert main(["plan", "--list"]) == 0
     assert "gaming-eu" in capsys.readouterr().out
     assert main(["plan", "--scenario", "no-such-scenario"]) == 2
+
+
+def test_tuning_the_micro_batch_keeps_the_global_batch_and_never_hurts():
+    s = load_scenario("demo")
+    plain = make_plan(s)
+    tuned = make_plan(s, tune_micro_batch=True)
+    validate_plan(tuned, s)
+    assert tuned.micro_batches * tuned.micro_batch_size == s.workload.global_batch
+    assert tuned.predicted["step_time_s"] <= plain.predicted["step_time_s"] * (1 + 1e-9)
+    with pytest.raises(ShoalError):
+        make_plan(s, method="dapple", tune_micro_batch=True)

@@ -384,3 +384,34 @@ def plan_shoal(scenario: Scenario, seed: int = 0, stages: int | None = None, syn
             best = refined
     step_of(best, scenario, options)
     return best
+
+
+def micro_batch_candidates(scenario: Scenario) -> list[int]:
+    """Micro-batch sizes worth trying: the workload's, halved and doubled up to 8x, dividing the
+    global batch."""
+    w = scenario.workload
+    sizes = {w.micro_batch_size * f for f in (1, 2, 4, 8)} | {max(1, w.micro_batch_size // 2)}
+    return sorted(b for b in sizes if w.global_batch % b == 0 and b <= w.global_batch)
+
+
+def plan_shoal_tuned(scenario: Scenario, seed: int = 0, stages: int | None = None, sync: SyncPolicy | None = None,
+                     options: CostOptions | None = None) -> Plan:
+    """shoal's allocator with the micro-batch size as one more decision variable (DESIGN.md lists
+    it): plan each candidate size and keep the fastest. Opt-in, because it changes the batch shape
+    the workload asked for (the global batch, hence the training semantics, stays the same)."""
+    best, best_t = None, math.inf
+    for b in micro_batch_candidates(scenario):
+        w = scenario.workload
+        variant = Scenario(scenario.name, scenario.devices, scenario.network,
+                           type(w)(w.model, w.seq_len, w.global_batch, b, w.dtype_bytes, w.optimizer),
+                           scenario.churn, scenario.description, scenario.source)
+        try:
+            p = plan_shoal(variant, seed=seed, stages=stages, sync=sync, options=options)
+        except ShoalError:
+            continue  # this size does not fit the memory
+        t = step_of(p, scenario, options)
+        if t < best_t:
+            best, best_t = p, t
+    if best is None:
+        raise ShoalError(f"no feasible plan for scenario {scenario.name} at any micro-batch size")
+    return best

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 
 from shoal.errors import ShoalError
-from shoal.plan.allocator import plan_shoal
+from shoal.plan.allocator import plan_shoal, plan_shoal_tuned
 from shoal.plan.cost import CostOptions, predict
 from shoal.plan.types import Plan, Scenario, SyncPolicy
 from shoal.plan.validate import validate_plan
@@ -17,15 +17,21 @@ METHODS: dict[str, Callable[..., Plan]] = {"shoal": plan_shoal}
 
 
 def make_plan(scenario: Scenario, method: str = "shoal", seed: int = 0, stages: int | None = None,
-              sync: SyncPolicy | None = None, options: CostOptions | None = None) -> Plan:
+              sync: SyncPolicy | None = None, options: CostOptions | None = None,
+              tune_micro_batch: bool = False) -> Plan:
     """Plan ``scenario`` with ``method``; ``stages=S`` forces S stages. The plan is validated and
-    carries ``planning_time_s`` and ``predicted`` (see :func:`shoal.plan.cost.predict`)."""
+    carries ``planning_time_s`` and ``predicted`` (see :func:`shoal.plan.cost.predict`).
+    ``tune_micro_batch`` (shoal only) also chooses the micro-batch size; otherwise every method
+    keeps the workload's."""
     if method not in METHODS:
         raise ShoalError(f"unknown planning method {method!r}; choose one of: {', '.join(METHODS)}")
     if stages is not None and stages <= 0:
         raise ShoalError(f"--stages must be positive, got {stages}")
     t0 = time.perf_counter()
-    plan = METHODS[method](scenario, seed=seed, stages=stages, sync=sync, options=options)
+    if tune_micro_batch and method != "shoal":
+        raise ShoalError("--tune-micro-batch is only implemented for method shoal")
+    planner = plan_shoal_tuned if tune_micro_batch else METHODS[method]
+    plan = planner(scenario, seed=seed, stages=stages, sync=sync, options=options)
     plan.planning_time_s = time.perf_counter() - t0
     plan.method = method
     validate_plan(plan, scenario)

@@ -32,6 +32,8 @@ def register(subparsers) -> None:
     p.add_argument("--stages", type=int, default=None, help="force this many pipeline stages")
     p.add_argument("--seed", type=int, default=0, help="random seed of the planner")
     p.add_argument("--json", dest="json_out", default=None, help="write the plan (or comparison) as JSON here")
+    p.add_argument("--tune-micro-batch", action="store_true",
+                   help="shoal only: also choose the micro-batch size (the global batch stays fixed)")
     p.add_argument("--compare", action="store_true", help="run every method and compare predicted step times")
     p.add_argument("--list", action="store_true", help="list built-in scenarios")
     p.set_defaults(func=run)
@@ -46,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     scenario = load_scenario(args.scenario)
     if args.compare:
         return _compare(console, scenario, args)
-    plan = make_plan(scenario, method=args.method, seed=args.seed, stages=args.stages)
+    plan = make_plan(scenario, method=args.method, seed=args.seed, stages=args.stages,
+                     tune_micro_batch=args.tune_micro_batch)
     print_plan(console, plan, scenario)
     if args.json_out:
         plan.to_json(args.json_out)
