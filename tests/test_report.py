@@ -75,13 +75,16 @@ def test_count_events_does_not_double_count_kill_and_leave():
           {"time_s": 2.0, "event": "kill", "device": "a"},
           {"time_s": 2.1, "event": "leave", "device": "a", "role": "worker"},
           {"time_s": 2.2, "event": "kill", "device": "s0", "role": "server"},
+          {"time_s": 2.3, "event": "kill", "device": "s1"},  # the launcher's server kill: no role
           {"time_s": 3.0, "event": "join", "device": "a", "role": "worker"}]
     c = count_events(ev, ms)
-    assert c == {"workers_lost": 1, "servers_lost": 1, "failures": 2, "workers_joined": 1,
+    assert c == {"workers_lost": 1, "servers_lost": 2, "failures": 3, "workers_joined": 1,
                  "tasks_requeued": 0}
     # without kill events (the churn driver did not log), leaves count
     c2 = count_events([e for e in ev if e["event"] != "kill"], ms)
     assert c2["workers_lost"] == 1 and c2["failures"] == 1
+    # no role: a worker unless named like a server
+    assert count_events([{"time_s": 5.0, "event": "kill", "device": "w3"}], ms)["workers_lost"] == 1
 
 
 def test_write_report_produces_every_file_with_matching_numbers(tmp_path):
@@ -157,3 +160,14 @@ def test_compare_runs_measures_loss_gap_and_wire_reduction(tmp_path):
     assert c["loss_gap"] == pytest.approx((4.2 - 4.15) / 4.15)
     # activations shrink 3.9x, grad push is the same in both runs
     assert c["wire_reduction_vs_baseline"] == pytest.approx((4e6 + 4e6) / (1_025_641 + 4e6))
+
+
+def test_requeues_from_step_records(tmp_path):
+    run = _make_run(tmp_path / "run")
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    recs = [json.loads(x) for x in lines]
+    for r in recs:
+        r["requeues"] = 2 if r["step"] == 3 else 0
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    rep = build_report(*load_run(run))
+    assert rep["tasks_requeued"] == 2 + 4  # per-step requeues + requeue events

@@ -25,6 +25,7 @@ functions (:func:`build_report`), so it is testable without a run.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,6 @@ EVENT_STYLE = {  # event name -> (colour, label) for the throughput plot
     "leave": ("tab:orange", "worker left"),
     "join": ("tab:green", "worker joined"),
 }
-WORKER_ROLES = (None, "worker")  # events without a role are about workers
 
 
 def achieved_step_time(metrics: list[dict]) -> float | None:
@@ -52,7 +52,16 @@ def achieved_step_time(metrics: list[dict]) -> float | None:
 
 
 def _is_worker(e: dict) -> bool:
-    return e.get("role") in WORKER_ROLES
+    """Whether an event is about a worker: role "worker", or no role and not a server's
+    name (the launcher names servers ``s0``, ``s1``, ... and logs their kills without a role)."""
+    role = e.get("role")
+    if role is None:
+        return not re.fullmatch(r"s\d+", str(e.get("device", "")))
+    return role == "worker"
+
+
+def _is_server(e: dict) -> bool:
+    return e.get("role") == "server" or (e.get("role") is None and not _is_worker(e))
 
 
 def run_start(metrics: list[dict]) -> float:
@@ -71,12 +80,13 @@ def count_events(events: list[dict], metrics: list[dict]) -> dict[str, int]:
     killed worker, so counting both would count one failure twice. Servers lost: kill
     events with ``role == "server"``. Joined: worker ``join`` events after the first
     step started (the joins at start-up are not churn). Re-queued: the sum of ``count``
-    (default 1) of ``requeue`` events. Events without a ``role`` count as workers'.
+    (default 1) of ``requeue`` events (per-step ``requeues`` in metrics are added by
+  :func:`build_report`). Events without a ``role`` count as workers'.
     """
     start = run_start(metrics)
     kills = sum(1 for e in events if e.get("event") == "kill" and _is_worker(e))
     leaves = sum(1 for e in events if e.get("event") == "leave" and _is_worker(e))
-    servers = sum(1 for e in events if e.get("event") == "kill" and e.get("role") == "server")
+    servers = sum(1 for e in events if e.get("event") == "kill" and _is_server(e))
     joins = sum(1 for e in events if e.get("event") == "join" and _is_worker(e)
                 and e.get("time_s", 0.0) > start)
     requeued = sum(int(e.get("count", 1)) for e in events if e.get("event") == "requeue")
@@ -119,6 +129,8 @@ def build_report(metrics: list[dict], events: list[dict], summary: dict[str, Any
     ms = sorted(metrics, key=lambda m: m["step"])
     tps = [m["tokens_per_s"] for m in ms if "tokens_per_s" in m]
     requeued = summary.get("tasks_requeued", summary.get("requeues"))
+    if requeued is None and any("requeues" in m for m in ms):
+        requeued = sum(int(m.get("requeues", 0)) for m in ms) + counted["tasks_requeued"]
     return {
         "scenario": summary.get("scenario"),
         "model": summary.get("model"),
