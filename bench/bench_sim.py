@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     methods = args.methods or (["shoal", "swarm"] if args.quick else list(METHODS))
     t_start = time.perf_counter()
     agreement, speed, comparison = [], [], []
-    total_events, total_wall = 0, 0.0
+    total_events, total_wall, total_cpu = 0, 0.0, 0.0
 
     for name in names:
         scn = load_scenario(name)
@@ -235,8 +235,10 @@ def main(argv: list[str] | None = None) -> int:
             for res in (r, rc):
                 total_events += res.events
                 total_wall += res.wall_time_s
+                total_cpu += res.cpu_time_s
                 speed.append([name, method, "on" if res.churn else "off", str(res.steps), str(res.events),
-                              _fmt(res.wall_time_s), f"{res.events_per_s:,.0f}"])
+                              _fmt(res.wall_time_s), f"{res.events_per_s:,.0f}", _fmt(res.cpu_time_s),
+                              f"{res.events_per_cpu_s:,.0f}", _fmt(res.repair_wall_s)])
             sims[method] = (r.mean_step_time_s, rc.mean_step_time_s)
             if method == "shoal":
                 pr = plan.predicted
@@ -263,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         scn = load_scenario("scale-1024")
         plan = make_plan(scn, "shoal", seed=args.seed)
         r = simulate(plan, scn, steps=1)
-        scale_row = [str(r.events), _fmt(r.wall_time_s), f"{r.events_per_s:,.0f}"]
+        scale_row = [str(r.events), _fmt(r.wall_time_s), f"{r.events_per_s:,.0f}", _fmt(r.cpu_time_s),
+                     f"{r.events_per_cpu_s:,.0f}", f"{os.getloadavg()[0]:.1f}"]
 
     parts = [
         "### Agreement: cost model vs simulator (shoal's plans, no churn)\n",
@@ -271,16 +274,20 @@ def main(argv: list[str] | None = None) -> int:
                 "pipeline pred", "pipeline sim", "sync pred", "sync sim", "within 10 %",
                 "proposed model / sim"], agreement),
         "\n### Speed\n",
-        f"All runs: {total_events:,} events in {total_wall:.1f} s = "
-        f"{total_events / total_wall if total_wall else 0:,.0f} events/s.\n",
+        f"All runs: {total_events:,} events in {total_wall:.1f} s wall = "
+        f"{total_events / total_wall if total_wall else 0:,.0f} events/s; {total_cpu:.1f} CPU s = "
+        f"{total_events / total_cpu if total_cpu else 0:,.0f} events per CPU second "
+        f"(load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores).\n",
     ]
     if scale_row:
-        parts.append(_table(["scale-1024, one step: events", "wall s", "events/s"], [scale_row]))
+        parts.append(_table(["scale-1024, one step: events", "wall s", "events/s", "CPU s", "events/CPU s",
+                             "load avg"], [scale_row]))
     parts += [
         "\n### Comparison: simulated step time (s) per method, without and with churn\n",
         _table(["scenario", "method", "step s", "step s (churn)", "/ shoal", "/ shoal (churn)"], comparison),
         "\n<details><summary>per-run speed</summary>\n",
-        _table(["scenario", "method", "churn", "steps", "events", "wall s", "events/s"], speed),
+        _table(["scenario", "method", "churn", "steps", "events", "wall s", "events/s", "CPU s", "events/CPU s",
+                "repair wall s"], speed),
         "\n</details>\n",
         f"\nbench wall time {time.perf_counter() - t_start:.0f} s; steps {args.steps} (churn {args.churn_steps}), "
         f"seed {args.seed}.",

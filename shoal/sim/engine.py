@@ -816,6 +816,7 @@ class Simulator:
             raise ShoalError(f"steps must be positive, got {steps}")
         self.target_steps = steps
         wall0 = time.perf_counter()
+        cpu0 = time.process_time()
         if self.churn:
             self._schedule_churn()
         for f in self.failures:
@@ -876,6 +877,7 @@ class Simulator:
                 break
         self.events = events
         wall = time.perf_counter() - wall0
+        self.cpu = time.process_time() - cpu0
         return self._result(wall, stalled)
 
     def _result(self, wall: float, stalled: bool) -> SimResult:
@@ -903,6 +905,7 @@ class Simulator:
             lost_micro_batches=lost,
             events=self.events,
             wall_time_s=wall,
+            cpu_time_s=self.cpu,
             sim_time_s=self.now,
             predicted_step_time_s=predicted,
             recomputes=self.recomputes,

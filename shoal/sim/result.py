@@ -25,6 +25,7 @@ class SimResult:
     events: int  # events processed
     wall_time_s: float  # wall-clock seconds the simulation took
     sim_time_s: float = 0.0  # simulated seconds at the end
+    cpu_time_s: float = 0.0  # CPU seconds of this process during the run (robust to a busy machine)
     predicted_step_time_s: float | None = None  # the plan's cost-model step time, if it has one
     recomputes: int = 0  # backward tasks run on a worker without the saved activations
     duplicates_dropped: int = 0  # late or repeated results the servers dropped
@@ -50,6 +51,10 @@ class SimResult:
     @property
     def events_per_s(self) -> float:
         return self.events / self.wall_time_s if self.wall_time_s > 0 else math.inf
+
+    @property
+    def events_per_cpu_s(self) -> float:
+        return self.events / self.cpu_time_s if self.cpu_time_s > 0 else math.inf
 
     @property
     def ratio_to_prediction(self) -> float | None:
@@ -89,6 +94,8 @@ class SimResult:
             "events": self.events,
             "wall_time_s": self.wall_time_s,
             "events_per_s": self.events_per_s,
+            "cpu_time_s": self.cpu_time_s,
+            "events_per_cpu_s": self.events_per_cpu_s,
             "sim_time_s": self.sim_time_s,
             "flow_reschedules": self.flow_reschedules,
             "mean_pipeline_s": self.mean_pipeline_s,
