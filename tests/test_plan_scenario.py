@@ -56,6 +56,11 @@ def test_units_are_converted_to_si_and_groups_expand():
         (lambda d: d["workload"].update(model="llama-7b", seq_len=2048), "needs"),
         (lambda d: d["workload"].update(global_batch=7), "not a multiple"),
         (lambda d: d["network"]["intra"].pop("b"), "no link for region"),
+        (lambda d: d["network"]["inter"][0].update(latency_ms=-1), "latency_ms must be >= 0"),
+        (lambda d: d["devices"][0].update(tflops=-3), "tflops must be >= 0"),
+        (lambda d: d.update(churn={"trace": [[5.0, "ghost", "leave"]]}), "unknown device"),
+        (lambda d: d.update(churn={"trace": [[5.0, "g1", "explode"]]}), "'leave' or 'join'"),
+        (lambda d: d.update(devices={}), "must be a JSON array"),
     ],
 )
 def test_each_bad_value_is_a_one_line_error(mutate, message):

@@ -146,9 +146,11 @@ def scenario_from_dict(d: dict) -> Scenario:
     if not isinstance(d, dict):
         raise ShoalError("scenario must be a JSON object")
     name = str(d.get("name", "unnamed"))
-    for key in ("workload", "network", "devices"):
+    for key, kind in (("workload", dict), ("network", dict), ("devices", list)):
         if key not in d:
             raise ShoalError(f"scenario {name}: missing section {key!r}")
+        if not isinstance(d[key], kind):
+            raise ShoalError(f"scenario {name}: section {key!r} must be a JSON {'object' if kind is dict else 'array'}")
     w = d["workload"]
     for key in ("model", "seq_len", "global_batch", "micro_batch_size"):
         if key not in w:
@@ -198,7 +200,10 @@ def scenario_from_dict(d: dict) -> Scenario:
                     )
                 inter[(a, b)] = default
     c = d.get("churn", {})
-    trace = tuple((float(t), str(dev), str(ev)) for t, dev, ev in c.get("trace", []))
+    try:
+        trace = tuple((float(t), str(dev), str(ev)) for t, dev, ev in c.get("trace", []))
+    except (TypeError, ValueError) as exc:
+        raise ShoalError(f"scenario {name}: churn.trace must be a list of [time_s, device_id, \"leave\"|\"join\"]") from exc
     churn = ChurnModel(enabled=bool(c.get("enabled", False)),
                        mean_offline_s=float(c.get("mean_offline_min", 10.0)) * 60.0, trace=trace)
     scenario = Scenario(name=name, devices=devices, network=Network(intra=intra, inter=inter, overrides=overrides),
@@ -250,10 +255,11 @@ def validate_scenario(s: Scenario) -> None:
         raise ShoalError(f"scenario {s.name}: no device has tflops > 0, so nothing can compute")
     if not s.server_hosts:
         raise ShoalError(f"scenario {s.name}: no device can host a stage server; set can_host_server on at least one")
-    for kind, dev_id, _ev in s.churn.trace:
+    for _t, dev_id, event in s.churn.trace:
         if dev_id not in seen:
             raise ShoalError(f"scenario {s.name}: churn trace names unknown device {dev_id!r}")
-        del kind
+        if event not in ("leave", "join"):
+            raise ShoalError(f"scenario {s.name}: churn trace event must be 'leave' or 'join', got {event!r}")
     w = s.workload
     cfg = get_preset(w.model)
     if w.seq_len > cfg.max_seq_len:
