@@ -68,6 +68,9 @@ class Coordinator(pbg.CoordinatorServicer):
         self.members: dict[str, Member] = {}
         self.stage_server: list[str] = [""] * spec.stages  # member id per stage
         self.assign: dict[str, int] = {}
+        self.devices: dict = {}  # member id -> scenario Device, every member ever planned
+        self.plan = None  # the planner's plan (None: even split)
+        self.planned: set[str] = set()  # devices the plan has seen
         self.ids = itertools.count()
         self.ready = False
         self.epoch = 0
@@ -138,18 +141,85 @@ class Coordinator(pbg.CoordinatorServicer):
     def _check_ready(self) -> None:
         workers = [m for m in self.members.values() if m.role == "worker"]
         if not self.ready and all(self.stage_server) and len(workers) >= max(self.min_workers, self.spec.stages):
+            self._initial_plan()
             self.ready = True
-            self._replan("start")
+            self.last_commit_t = time.time()  # step 0's time starts when the swarm is complete
 
-    def _replan(self, why: str) -> None:
-        flops = {mid: m.flops for mid, m in self.members.items() if m.role == "worker"}
+    def _device(self, m: Member):
+        """The scenario device a member stands for (loopback links, measured FLOP/s)."""
+        from shoal.plan.types import Device
+
+        if m.role == "server":
+            return Device(id=m.member_id, kind="server", flops=0.0, memory=0.0, region="local",
+                          up=1e9, down=1e9, can_host_server=True)
+        return Device(id=m.member_id, kind="worker", flops=m.flops, memory=64e9, region="local",
+                      up=1e9, down=1e9)
+
+    def _scenario(self):
+        from shoal.plan.types import Link, Network, Scenario, Workload
+
+        return Scenario(
+            name="live", devices=list(self.devices.values()),
+            network=Network(intra={"local": Link(latency=1e-4, bandwidth=1e9)}, inter={}),
+            workload=Workload(model=self.spec.model, seq_len=self.spec.seq_len,
+                              global_batch=self.spec.micro_batches * self.spec.micro_batch_size,
+                              micro_batch_size=self.spec.micro_batch_size, dtype_bytes=4))
+
+    def _initial_plan(self) -> None:
+        """Plan the devices that actually joined: layer ranges, stage servers, workers."""
+        for m in self.members.values():
+            self.devices[m.member_id] = self._device(m)
+        try:
+            from shoal.plan import make_plan
+
+            plan = make_plan(self._scenario(), method="shoal", seed=int(self.spec.seed),
+                             stages=self.spec.stages)
+            self.layers = [tuple(st.layers) for st in plan.stages]
+            self.stage_server = [st.server for st in plan.stages]
+            self.assign = {w: i for i, st in enumerate(plan.stages) for w in st.workers}
+            self.plan, self.planned = plan, set(self.devices)
+            method = "shoal"
+        except Exception as exc:  # the even split always works; say why the planner did not
+            log.warning("planner failed (%s); using an even split", exc)
+            self.plan, method = None, f"even split ({exc})"
+        self.costs = [float(b - a) for a, b in self.layers]
+        self._replan("start", method=method)
+
+    def _replan(self, why: str, method: str | None = None) -> None:
+        """Repair the worker->stage assignment after a join or leave (layers stay fixed)."""
+        live = {mid for mid, m in self.members.items() if m.role == "worker"}
+        if method is None and self.plan is not None:
+            for mid in live:
+                self.devices.setdefault(mid, self._device(self.members[mid]))
+            try:
+                from shoal.plan.repair import repair
+
+                servers = {mid for mid, m in self.members.items() if m.role == "server"}
+                gone = [d for d in self.planned if d not in live and d not in servers]
+                joined = [d for d in live if d not in self.planned]
+                plan = repair(self.plan, self._scenario(), left=gone, joined=joined,
+                              seed=int(self.spec.seed))
+                self.plan, self.planned = plan, set(self.planned) | set(joined)
+                self.assign = {w: i for i, st in enumerate(plan.stages) for w in st.workers
+                               if w in live}
+                method = "repair"
+            except Exception as exc:
+                log.warning("plan repair failed (%s); balancing by capacity", exc)
+                method = f"balance ({exc})"
+        flops = {mid: self.members[mid].flops for mid in live}
+        # Workers the plan left out still help: in a task pool an extra worker only takes
+        # tasks when it is free, so it is placed where capacity per unit of work is lowest.
         new = assign_workers(flops, self.costs, self.assign)
-        moved = {w: s for w, s in new.items() if self.assign.get(w) != s}
+        changed = new != self.assign or why == "start"
         self.assign = new
-        if moved:
-            self.event("replan", why=why, assignment={self.members[w].name: s for w, s in new.items()})
+        if changed:
+            self.event("replan", why=why, method=method or "balance",
+                       layers=[list(x) for x in self.layers],
+                       assignment={self.members[w].name: s for w, s in new.items()})
 
     def _stage_of(self, m: Member) -> int:
+        if not self.ready:
+            return -1  # stages are fixed by the plan made when the run starts
         if m.role == "server":
             return self.stage_server.index(m.member_id) if m.member_id in self.stage_server else -1
         return self.assign.get(m.member_id, -1) if self.ready else -1

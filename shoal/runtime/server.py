@@ -179,14 +179,19 @@ class StageServer(pbg.StageServerServicer):
         v = list_ckpts(self.ckpt_root, self.stage)
         return v[-1] if v else 0
 
-    async def run(self) -> None:
-        """Serve until the coordinator says the run is done."""
+    async def start_rpc(self) -> grpc.aio.Server:
+        """Start listening (sets ``self.address``); the caller stops the returned server."""
         server = make_server(self.token)
         pbg.add_StageServerServicer_to_server(self, server)
         port = server.add_insecure_port(self.listen)
         host = self.listen.rsplit(":", 1)[0]
         self.address = f"{host}:{port}"
         await server.start()
+        return server
+
+    async def run(self) -> None:
+        """Serve until the coordinator says the run is done."""
+        server = await self.start_rpc()
         coord = pbg.CoordinatorStub(self.channels.open(self.coord_addr))
         self.coord = coord
         reply = await _retry(lambda: coord.Join(pb.JoinRequest(

@@ -1,0 +1,179 @@
+"""Runtime benchmark: framework overhead, stage-server throughput, swarm vs local tokens/s.
+
+    .venv/bin/python bench/bench_runtime.py [--steps 6] [--out /tmp/bench_runtime]
+
+Prints one table; every number is a ratio or rate measured in this one run on this
+machine (loopback, one torch thread per process), so compare rows, not machines.
+
+1. *Per-task overhead*: ``shoal launch`` with 1 stage and 1 worker runs exactly the local
+   trainer's compute (one forward+backward task per micro-batch), so
+   ``(runtime step time - local step time) / M`` is the framework's time per task beyond
+   compute (lease, weight pull, result, gradient push, step commit), on loopback.
+2. *Stage-server throughput*: a client process keeps 8 relays in flight to a real stage
+   server (activation frames of the given shape are decoded, validated and stored), and
+   pulls the stage's weights repeatedly: messages/s and MB/s.
+3. *Swarm tokens/s*: ``shoal launch`` with S = 2, 3, 4 stages (one worker per stage)
+   against ``shoal train --local`` on the same model and batch (steps after the first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("SHOAL_TORCH_THREADS", "1")
+
+RUN = dict(model="tiny", micro_batches=4, micro_batch_size=4, seq_len=64, seed=0, warmup=2)
+
+
+def _steady(recs: list[dict]) -> tuple[float, float]:
+    """Median step time and tokens/s over the steps after the first."""
+    rest = [r for r in recs if r["step"] >= 1] or recs
+    t = statistics.median(r["step_time_s"] for r in rest)
+    return t, rest[0]["tokens"] / t
+
+
+def local_run(out: Path, steps: int) -> tuple[float, float]:
+    from shoal.train.local import TrainConfig, train_local
+
+    res = train_local(TrainConfig(**RUN, steps=steps, out=str(out), eval_every=0, eval_batches=1), quiet=True)
+    return _steady(res.records)
+
+
+def swarm_run(out: Path, steps: int, stages: int, workers: int) -> tuple[float, float]:
+    from shoal.runtime.launch import LaunchConfig, launch
+    from shoal.train.metrics import read_jsonl
+
+    launch(LaunchConfig(out=str(out), stages=stages, workers=workers, steps=steps, timeout_s=600, **RUN))
+    return _steady(read_jsonl(out / "metrics.jsonl"))
+
+
+def _server_proc(q, token: str, ckpt: str, shape: tuple[int, int, int]) -> None:
+    from shoal.net import shoal_pb2 as pb
+    from shoal.runtime.common import set_threads
+    from shoal.runtime.server import StageServer
+
+    set_threads()
+
+    async def main():
+        srv = StageServer("unused:0", "127.0.0.1:0", token, ckpt, name="bench")
+        srv.spec = pb.RunSpec(model="tiny", stages=2, steps=10**6, micro_batches=64,
+                              micro_batch_size=shape[0], seq_len=shape[1], seed=0, lr=1e-3,
+                              min_lr=1e-4, warmup=1, weight_decay=0.1, grad_clip=1.0,
+                              dead_after_s=60, min_lease_s=5, data="synthetic", ordered_grads=True)
+        server = await srv.start_rpc()
+        srv.stage, srv.first, srv.last, srv.epoch = 1, 3, 6, 0
+        await srv._load(1, 3, 6, 0, 0)
+        srv.ready = True
+        q.put(srv.address)
+        await asyncio.sleep(3600)
+        await server.stop(0)
+
+    asyncio.run(main())
+
+
+async def _blast(address: str, token: str, shape, seconds: float) -> tuple[float, float, float]:
+    import torch
+
+    from shoal.net import shoal_pb2 as pb
+    from shoal.net import shoal_pb2_grpc as pbg
+    from shoal.net.channel import open_channel
+    from shoal.net.wire import encode_tensor
+
+    ch = open_channel(address, token)
+    stub = pbg.StageServerStub(ch)
+    frame = encode_tensor("act", torch.randn(*shape))
+    n, mb = 0, 0
+    stop = time.perf_counter() + seconds
+
+    async def one_lane(lane: int):
+        nonlocal n
+        i = lane
+        while time.perf_counter() < stop:
+            # every relay is decoded and checked; the first of each micro-batch id is stored
+            rep = await stub.SubmitRelay(pb.Relay(step=0, mb=i % 64, epoch=0, direction=pb.FWD,
+                                                  tensor=frame))
+            assert rep.accepted, rep.reason
+            n += 1
+            i += 8
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one_lane(k) for k in range(8)))
+    dt = time.perf_counter() - t0
+    msgs = n / dt
+    mbps = msgs * len(frame.data) / 1e6
+    # weight pulls: big messages
+    t0, pulled, k = time.perf_counter(), 0, 0
+    while time.perf_counter() - t0 < seconds / 2:
+        rep = await stub.GetWeights(pb.WeightsRequest(worker="bench"))
+        pulled += sum(len(f.data) for f in rep.params)
+        k += 1
+    pull_mbps = pulled / (time.perf_counter() - t0) / 1e6
+    await ch.close()
+    _ = mb
+    return msgs, mbps, pull_mbps
+
+
+def server_throughput(shape, seconds: float) -> tuple[float, float, float]:
+    token = "bench-token"
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as ckpt:
+        p = ctx.Process(target=_server_proc, args=(q, token, ckpt, shape), daemon=True)
+        p.start()
+        try:
+            address = q.get(timeout=120)
+            return asyncio.run(_blast(address, token, shape, seconds))
+        finally:
+            p.kill()
+            p.join()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=6, help="steps per training run")
+    ap.add_argument("--out", default=None, help="folder for the runs (default: a temp folder)")
+    ap.add_argument("--seconds", type=float, default=4.0, help="length of each throughput test")
+    args = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    root = Path(args.out or tempfile.mkdtemp(prefix="bench_runtime_"))
+    rows = []
+    lt, ltok = local_run(root / "local", args.steps)
+    rows.append(("shoal train --local", f"{lt * 1000:.0f} ms/step", f"{ltok:.0f} tok/s", "1.00x"))
+    st, stok = swarm_run(root / "s1w1", args.steps, 1, 1)
+    per_task = (st - lt) / RUN["micro_batches"]
+    rows.append(("launch S=1 W=1", f"{st * 1000:.0f} ms/step", f"{stok:.0f} tok/s", f"{stok / ltok:.2f}x"))
+    for s in (2, 3, 4):
+        t, tok = swarm_run(root / f"s{s}", args.steps, s, s)
+        rows.append((f"launch S={s} W={s}", f"{t * 1000:.0f} ms/step", f"{tok:.0f} tok/s", f"{tok / ltok:.2f}x"))
+    small = (RUN["micro_batch_size"], RUN["seq_len"], 128)
+    big = (8, 256, 128)
+    m_small, mb_small, pull = server_throughput(small, args.seconds)
+    m_big, mb_big, _ = server_throughput(big, args.seconds)
+
+    print(f"\nruntime benchmark (tiny model, M={RUN['micro_batches']} B={RUN['micro_batch_size']} "
+          f"T={RUN['seq_len']}, {args.steps} steps, loopback, {os.cpu_count()} cores)\n")
+    print(f"{'run':<22}{'step time':>14}{'tokens/s':>14}{'vs local':>10}")
+    for r in rows:
+        print(f"{r[0]:<22}{r[1]:>14}{r[2]:>14}{r[3]:>10}")
+    print(f"\nper-task framework overhead (S=1 W=1 vs local, per micro-batch): {per_task * 1000:.1f} ms")
+    print(f"stage server relay, {small} fp32 ({small[0] * small[1] * small[2] * 4 / 1e3:.0f} kB): "
+          f"{m_small:.0f} msg/s, {mb_small:.1f} MB/s")
+    print(f"stage server relay, {big} fp32 ({big[0] * big[1] * big[2] * 4 / 1e6:.2f} MB): "
+          f"{m_big:.0f} msg/s, {mb_big:.1f} MB/s")
+    print(f"stage server weight pull (stage [3,6) of tiny): {pull:.1f} MB/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
