@@ -303,3 +303,14 @@ def test_cli_needs_local_and_fixed_flags_on_resume(short_run, capsys):
     assert "--lr cannot be changed when resuming" in capsys.readouterr().err
     assert main(["train", "--local", "--resume", cfg.out, "--out", "/elsewhere"]) == 2
     assert "different folders" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_cli_generate_prints_prompt_and_sample(short_run):
+    cfg, _ = short_run
+    res = _cli("generate", "--from", cfg.out, "--prompt", "KING:", "--tokens", "8", "--seed", "3")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("KING:") and len(res.stdout.strip()) > len("KING:")
+    # The same sample as in this process: seeded, and independent of the process.
+    assert res.stdout.strip() == generate_text(cfg.out, "KING:", tokens=8, seed=3).strip()
