@@ -166,6 +166,8 @@ def _digest(data) -> str:
     return h.hexdigest()
 
 
+@pytest.mark.integration
+@pytest.mark.timeout(120)
 def test_micro_batches_equal_across_processes(shakespeare, cache_dir):
     code = (
         "import sys, hashlib\n"
@@ -217,6 +219,8 @@ def test_cached_ids_equal_encoding_the_whole_text(shakespeare):
     assert n > 1_000_000
 
 
+@pytest.mark.integration
+@pytest.mark.timeout(60)
 def test_tokenizer_training_is_deterministic_across_processes(tmp_path):
     from shoal.data import train_tokenizer
 
