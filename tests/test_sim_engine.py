@@ -310,3 +310,15 @@ def test_backward_stealing_conserves_work(steal):
                  config=SimConfig(lease_timeout_s=0.3, steal_backward=steal),
                  stragglers=[Straggler("w1", 0.0, 5.0, 20.0)])
     _assert_conserved(r, 3, 24)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_conservation_when_servers_give_up_before_outputs_land(seed):
+    # lease timeout far below the latency: outputs of written-off workers arrive afterwards
+    devs = [server(i) for i in range(3)] + [gpu(i, 1e12 if i % 2 else 4e11, session=1.0) for i in range(9)]
+    scn = scenario(devs, latency=0.05, churn=ChurnModel(enabled=True, mean_offline_s=2.0), global_batch=24)
+    ids = [d.id for d in devs[3:]]
+    p = plan([((0, 2), "srv0", ids[0:3]), ((2, 4), "srv1", ids[3:6]), ((4, 6), "srv2", ids[6:])], 24)
+    r = simulate(p, scn, steps=10, churn=True, seed=seed, config=SimConfig(lease_timeout_s=0.01))
+    assert r.leaves > 0
+    _assert_conserved(r, 3, 24)

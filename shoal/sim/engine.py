@@ -434,6 +434,11 @@ class Simulator:
         if task.step != self.step or task.m in st.bwd_done:
             self.duplicates += 1
             return False
+        if not w.alive and w.id not in st.members:
+            # the sender was written off before its output landed: the output counts (it is
+            # forwarded once), but the parameter gradient it held is gone -- re-run it
+            self._requeue(st, Task(self.step, st.idx, task.m, True, grad_only=True))
+            return True
         st.bwd_done.add(task.m)
         c = st.contrib.get(w.id)
         if c is None:
