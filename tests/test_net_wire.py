@@ -132,3 +132,16 @@ def test_lease_seconds():
     assert lease_seconds(None, 2.0) == 2.0
     assert lease_seconds(0.1, 2.0) == 2.0
     assert lease_seconds(1.0, 2.0) == 4.0
+
+
+def test_ordered_groups_presum_only_the_prefix_bitwise():
+    from shoal.runtime.worker import ordered_groups
+
+    g = {mb: {"w": torch.randn(50) * 10 ** (mb % 3)} for mb in range(6)}
+    groups = ordered_groups({mb: g[mb] for mb in (0, 1, 2, 4)})
+    assert [ids for ids, _ in groups] == [[0, 1, 2], [4]]
+    seq = g[0]["w"].clone()
+    for mb in (1, 2):
+        seq += g[mb]["w"]
+    assert torch.equal(groups[0][1]["w"], seq)
+    assert [ids for ids, _ in ordered_groups({mb: g[mb] for mb in (1, 2, 5)})] == [[1], [2], [5]]

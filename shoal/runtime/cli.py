@@ -56,6 +56,7 @@ def register(subparsers) -> None:
     p.add_argument("--ckpt-dir", default="shoal_ckpt", help="checkpoint root (one folder per stage)")
     p.add_argument("--name", default="server", help="label in events")
     _common(p)
+    _emulation_args(p)
     p.set_defaults(func=run_server_cmd)
 
     p = subparsers.add_parser("worker", help="run a worker that joins a coordinator")
@@ -66,15 +67,45 @@ def register(subparsers) -> None:
     p.add_argument("--codec", default="raw", help="tensor codec: raw, fp16, int8")
     p.add_argument("--slow", type=float, default=0.0, help="extra seconds per task (tests, demos)")
     _common(p)
+    _emulation_args(p)
     p.set_defaults(func=run_worker_cmd)
 
     p = subparsers.add_parser("launch", help="run a whole swarm as local processes")
     p.add_argument("--scenario", default=None, help="scenario name or file (worker count and speeds)")
-    p.add_argument("--workers", type=int, default=2, help="workers to start")
+    p.add_argument("--workers", type=int, default=None,
+                   help="workers to start (default 2, or every worker device of --scenario)")
+    p.add_argument("--emulate-speedup", type=float, default=1.0,
+                   help="with --scenario: compute time scale of the emulated devices")
     p.add_argument("--out", required=True, help="run folder")
     p.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds")
     _run_args(p, launch=True)
     p.set_defaults(func=run_launch_cmd)
+
+
+def _emulation_args(p: argparse.ArgumentParser) -> None:
+    try:
+        from shoal.emulate.hooks import add_emulation_args
+    except ImportError:  # emulation is optional
+        return
+    add_emulation_args(p)
+
+
+def _emulation(args):
+    """(dial, pacer, on_servers) hooks from --emulate-* flags, or Nones."""
+    try:
+        from shoal.emulate.hooks import hooks_from_args
+    except ImportError:
+        return None, None, None
+    em = hooks_from_args(args)
+    if em is None:
+        return None, None, None
+
+    def on_servers(addresses: list[str]) -> None:
+        for stage, addr in enumerate(addresses):
+            if addr:
+                em.dial.set_stage_address(stage, addr)
+
+    return em.dial, em.pacer, on_servers
 
 
 def _logging(level: str) -> None:
@@ -129,7 +160,9 @@ def run_server_cmd(args) -> int:
     from shoal.runtime.server import serve
 
     _logging(args.log_level)
-    serve(args.join, args.listen, _token(args), args.ckpt_dir, name=args.name)
+    dial, _, on_servers = _emulation(args)
+    serve(args.join, args.listen, _token(args), args.ckpt_dir, name=args.name, dial=dial,
+          on_servers=on_servers)
     return 0
 
 
@@ -137,8 +170,10 @@ def run_worker_cmd(args) -> int:
     from shoal.runtime.worker import WorkerOptions, work
 
     _logging(args.log_level)
+    dial, pacer, on_servers = _emulation(args)
     work(args.join, _token(args), WorkerOptions(name=args.name, flops=args.flops, inject=args.inject,
-                                                codec=args.codec, slow_s=args.slow))
+                                                codec=args.codec, slow_s=args.slow),
+         dial=dial, pacer=pacer, on_servers=on_servers)
     return 0
 
 
@@ -151,7 +186,7 @@ def run_launch_cmd(args) -> int:
         seed=args.seed, lr=args.lr, min_lr=args.min_lr, warmup=args.warmup, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, ckpt_every=args.ckpt_every, dead_after_s=args.dead_after,
         min_lease_s=args.min_lease, data=args.data, timeout_s=args.timeout, scenario=args.scenario,
-        ordered_grads=not args.unordered_grads)
+        ordered_grads=not args.unordered_grads, emulate_speedup=args.emulate_speedup)
     summary = launch(cfg, on_event=lambda r: print(_fmt(r), flush=True))
     print(json.dumps({k: summary.get(k) for k in ("steps", "final_loss", "requeues", "tokens_per_s",
                                                   "wall_time_s")}))

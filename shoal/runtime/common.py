@@ -189,12 +189,6 @@ def load_stage_ckpt(root: str | Path, stage: int, version: int, module: torch.nn
                 }
 
 
-def approx_task_flops(n_params: int, tokens: int, direction: int) -> float:
-    """FLOPs of one task: 2 per parameter per token forward, x3 with backward (+1 recompute)."""
-    mult = {pb.FWD: 1.0, pb.BWD: 4.0, pb.FWDBWD: 3.0}[direction]
-    return 2.0 * n_params * tokens * mult
-
-
 def measure_flops(seconds: float = 0.2) -> float:
     """This process's matmul throughput in FLOP/s (fp32, one thread), measured briefly."""
     import time

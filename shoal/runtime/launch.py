@@ -31,7 +31,7 @@ class LaunchConfig:
     out: str  # run folder (metrics.jsonl, events.jsonl, checkpoint/, summary.json, logs/)
     model: str = "tiny"  # model preset
     stages: int = 2  # pipeline stages S (one server each)
-    workers: int = 2  # workers started at launch
+    workers: int | None = None  # workers started at launch (None: 2, or every scenario worker)
     steps: int = 20  # optimizer steps
     micro_batches: int = 4  # M micro-batches per step
     micro_batch_size: int = 4  # sequences per micro-batch
@@ -51,9 +51,14 @@ class LaunchConfig:
     worker_args: list[list[str]] = field(default_factory=list)  # extra CLI args per worker index
     token: str | None = None  # join token (None: SHOAL_TOKEN or a random one)
     timeout_s: float = 600.0  # give up after this long
-    scenario: str | None = None  # scenario name/file: worker count and speeds from its devices
+    scenario: str | None = None  # scenario name/file: each process emulates one of its devices
+    emulate_speedup: float = 1.0  # scenario compute time scale (see shoal.emulate.pacing)
+    latency_scale: float = 1.0  # scenario latencies are multiplied by this
+    bandwidth_scale: float = 1.0  # scenario bandwidths are multiplied by this
 
     def validate(self) -> None:
+        if self.workers is None:
+            self.workers = 2
         if self.stages < 1 or self.workers < 1 or self.steps < 1:
             raise ShoalError("--stages, --workers and --steps must be positive")
         if self.workers < self.stages and (self.min_workers or self.workers) < self.stages:
@@ -72,6 +77,15 @@ class Swarm:
     """The processes of one local run."""
 
     def __init__(self, cfg: LaunchConfig, on_event: Callable[[dict], None] | None = None):
+        self.scenario = None
+        if cfg.scenario:
+            from shoal.plan.scenario import load_scenario
+
+            self.scenario = load_scenario(cfg.scenario)
+            if not self.scenario.workers or not self.scenario.server_hosts:
+                raise ShoalError(f"scenario {cfg.scenario} needs worker devices and a server host")
+            if cfg.workers is None:
+                cfg.workers = len(self.scenario.workers)
         cfg.validate()
         self.cfg, self.on_event = cfg, on_event
         self.out = Path(cfg.out)
@@ -86,6 +100,8 @@ class Swarm:
         self.address = ""
         self._seen = {"events.jsonl": 0, "metrics.jsonl": 0}
         self._n_server = 0
+        self.server_ports: list[int] = []
+        self.peers: dict[str, str] = {}  # server address -> scenario host id (emulation)
 
     def _spawn(self, args: list[str], log_name: str, env: dict | None = None) -> subprocess.Popen:
         # The child keeps its own copy of the descriptor; ours can close at once.
@@ -117,6 +133,12 @@ class Swarm:
                 raise ShoalError("the coordinator did not start within 60 s")
             time.sleep(0.05)
         self.address = addr_file.read_text().strip()
+        if self.scenario is not None:
+            # Servers listen on ports fixed now, so every process knows which scenario
+            # host is behind which address (its links are shaped accordingly).
+            hosts = self.scenario.server_hosts
+            self.server_ports = [_free_port() for _ in range(c.stages)]
+            self.peers = {f"127.0.0.1:{p}": hosts[i % len(hosts)].id for i, p in enumerate(self.server_ports)}
         for _ in range(c.stages):
             self.start_server()
         for i in range(c.workers):
@@ -126,16 +148,35 @@ class Swarm:
         """Start a stage server (it takes the first vacant stage); returns its index."""
         i = self._n_server
         self._n_server += 1
-        self.servers.append(self._spawn(["server", "--join", self.address, "--listen", "127.0.0.1:0",
-                                         "--ckpt-dir", str(self.out / "server_ckpt"), "--name", f"s{i}"],
-                                        f"server{i}"))
+        listen, emu = "127.0.0.1:0", []
+        if self.scenario is not None:
+            hosts = self.scenario.server_hosts
+            port = self.server_ports[i] if i < len(self.server_ports) else _free_port()
+            listen = f"127.0.0.1:{port}"
+            self.peers[listen] = hosts[i % len(hosts)].id
+            emu = self._emulation(hosts[i % len(hosts)].id)
+        self.servers.append(self._spawn(["server", "--join", self.address, "--listen", listen,
+                                         "--ckpt-dir", str(self.out / "server_ckpt"), "--name", f"s{i}",
+                                         *emu], f"server{i}"))
         return i
+
+    def _emulation(self, device: str) -> list[str]:
+        from shoal.emulate.hooks import EmulationConfig
+
+        c = self.cfg
+        return EmulationConfig(
+            scenario=c.scenario, device=device, speedup=c.emulate_speedup, latency_scale=c.latency_scale,
+            bandwidth_scale=c.bandwidth_scale, peers=dict(self.peers), seed=c.seed,
+            default_peer=self.scenario.server_hosts[0].id).to_args()
 
     def start_worker(self, i: int | None = None, extra: list[str] | None = None) -> int:
         """Start worker ``i`` (default: a new index) with its configured and ``extra`` args."""
         if i is None:
             i = len(self.workers)
         args = list(self.cfg.worker_args[i]) if i < len(self.cfg.worker_args) else []
+        if self.scenario is not None:
+            dev = self.scenario.workers[i % len(self.scenario.workers)]
+            args += [*self._emulation(dev.id), "--flops", repr(dev.flops * self.cfg.emulate_speedup)]
         args += extra or []
         p = self._spawn(["worker", "--join", self.address, "--name", f"w{i}", *args], f"worker{i}")
         while len(self.workers) <= i:
@@ -215,6 +256,14 @@ class Swarm:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def launch(cfg: LaunchConfig, on_event: Callable[[dict], None] | None = None) -> dict:

@@ -112,6 +112,7 @@ class StageServer(pbg.StageServerServicer):
         self.requeues = 0
         self.stats = {"messages": 0, "bytes_in": 0}
         self._bg: set[asyncio.Task] = set()
+        self.on_servers = None  # callback(list of stage server addresses), e.g. emulation
         self._stubs: dict[str, pbg.StageServerStub] = {}
 
     # ------------------------------------------------------------------ setup
@@ -230,6 +231,8 @@ class StageServer(pbg.StageServerServicer):
             self.member_id = reply.member_id
             return
         self.servers = list(a.servers)
+        if self.on_servers is not None:
+            self.on_servers(self.servers)
         if a.stage < 0:
             return
         if self.stage != a.stage or a.epoch != self.epoch:
@@ -598,11 +601,14 @@ async def _retry(fn, tries: int = 200, delay: float = 0.1):
     raise RuntimeError("unreachable")
 
 
-def serve(coord: str, listen: str, token: str, ckpt_root: str, name: str = "server") -> None:
+def serve(coord: str, listen: str, token: str, ckpt_root: str, name: str = "server", *, dial=None,
+          on_servers=None) -> None:
     """Run a stage server process until the run is done."""
     set_threads()
+    srv = StageServer(coord, listen, token, ckpt_root, name=name, dial=dial)
+    srv.on_servers = on_servers
     try:
-        asyncio.run(StageServer(coord, listen, token, ckpt_root, name=name).run())
+        asyncio.run(srv.run())
     except grpc.aio.AioRpcError as exc:
         if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
             from shoal.errors import ShoalError

@@ -28,7 +28,6 @@ from shoal.net.channel import ChannelFactory
 from shoal.net.wire import decode_tensor, encode_tensor
 from shoal.runtime.common import (
     SCHEMA_VERSION,
-    approx_task_flops,
     measure_flops,
     micro_batch,
     model_config,
@@ -51,6 +50,32 @@ class WorkerOptions:
     slow_s: float = 0.0  # extra seconds per task (a crude stand-in for a slow device in tests)
 
 
+def ordered_groups(per_mb: dict[int, dict[str, torch.Tensor]]) -> list[tuple[list[int], dict]]:
+    """Pushes for per-micro-batch gradients that the server can sum in micro-batch order.
+
+    The server computes ``((g_0 + g_1) + g_2) + ...``. A run of micro-batches starting
+    at 0 can be pre-summed here in that same order (it is the beginning of the server's
+    sum, bitwise), so a worker holding 0..k sends one push for them; every other
+    micro-batch goes alone.
+    """
+    mbs = sorted(per_mb)
+    k = 0
+    while k < len(mbs) and mbs[k] == k:
+        k += 1
+    groups: list[tuple[list[int], dict]] = []
+    if k > 1:
+        total = {n: g.clone() for n, g in per_mb[0].items()}
+        for mb in range(1, k):
+            for n, g in per_mb[mb].items():
+                total[n].add_(g)
+        groups.append((list(range(k)), total))
+        rest = mbs[k:]
+    else:
+        rest = mbs
+    groups += [([mb], per_mb[mb]) for mb in rest]
+    return groups
+
+
 class Worker:
     """One worker process's state."""
 
@@ -70,6 +95,7 @@ class Worker:
         self.acc_mbs: list[int] = []
         self.acc_per_mb: dict[int, dict[str, torch.Tensor]] = {}  # ordered_grads: kept apart
         self.tasks_done = 0
+        self.on_servers = None  # callback(list of stage server addresses), e.g. emulation
 
     async def run(self) -> None:
         set_threads()
@@ -111,6 +137,8 @@ class Worker:
                     self.stage, self.server_addr = -1, ""
                     self._drop_acc()
                     continue
+                if self.on_servers is not None and a.known:
+                    self.on_servers(list(a.servers))
                 if a.known and a.ready and a.stage >= 0 and a.servers[a.stage]:
                     if a.stage != self.stage:
                         self._switch(a.stage, a.first, a.last)
@@ -157,7 +185,7 @@ class Worker:
         """Push the accumulated gradients: one sum, or one push per micro-batch (ordered)."""
         epoch, step, gen = self.acc_key
         if self.spec.ordered_grads:
-            groups = [([mb], self.acc_per_mb[mb]) for mb in self.acc_mbs]
+            groups = ordered_groups(self.acc_per_mb)
         else:
             groups = [(self.acc_mbs, self.acc)]
         try:
@@ -200,9 +228,7 @@ class Worker:
             if self.opts.slow_s > 0:
                 await asyncio.sleep(self.opts.slow_s)
             if self.pacer is not None:
-                flops = approx_task_flops(self.n_params, self.spec.micro_batch_size * self.spec.seq_len,
-                                          task.direction)
-                await loop.run_in_executor(None, self.pacer.pad, flops, elapsed)
+                await loop.run_in_executor(None, self.pacer.pad, self._task_flops(task.direction), elapsed)
             result = pb.TaskResult(worker=self.member_id, step=task.step, mb=task.mb,
                                    direction=task.direction, epoch=task.epoch, lease_id=task.lease_id,
                                    loss=loss, compute_s=time.perf_counter() - t0)
@@ -232,6 +258,17 @@ class Worker:
                     else:
                         self.acc[name] = g
             self.acc_mbs.append(task.mb)
+
+    def _task_flops(self, direction: int) -> float:
+        """FLOPs of one task from the analytic profile (forward, +backward, +recompute)."""
+        from shoal.model.profile import profile_model
+
+        if getattr(self, "_flops_for", None) != (self.first, self.last):
+            prof = profile_model(self.cfg, self.spec.seq_len, self.spec.micro_batch_size, 4)
+            self._flops = prof.fwd_flops(self.first, self.last), prof.bwd_flops(self.first, self.last)
+            self._flops_for = (self.first, self.last)
+        fwd, bwd = self._flops
+        return {pb.FWD: fwd, pb.FWDBWD: fwd + bwd, pb.BWD: 2 * fwd + bwd}[direction]
 
     def _compute(self, task: pb.Task):
         """Run one task; returns (output tensor or None, loss, parameter grads or None)."""
@@ -266,11 +303,13 @@ class Worker:
         return (None if first_stage else x.grad.contiguous()), loss_v, grads
 
 
-def work(coord: str, token: str, opts: WorkerOptions) -> None:
-    """Run a worker process until the run is done."""
+def work(coord: str, token: str, opts: WorkerOptions, *, dial=None, pacer=None, on_servers=None) -> None:
+    """Run a worker process until the run is done (hooks: see :class:`Worker`)."""
     set_threads()
+    w = Worker(coord, token, opts, dial=dial, pacer=pacer)
+    w.on_servers = on_servers
     try:
-        asyncio.run(Worker(coord, token, opts).run())
+        asyncio.run(w.run())
     except grpc.aio.AioRpcError as exc:
         if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
             raise ShoalError(f"the coordinator at {coord} refused to let us join: {exc.details()}") from None
