@@ -84,10 +84,6 @@ def run_train(args: argparse.Namespace) -> int:
         if "out" in given and given.pop("out") != args.resume:
             raise ShoalError("--out and --resume name different folders; --resume DIR continues the run in DIR")
         cfg = resume_config(args.resume, **given)
-        if args.stop_after is not None:
-            from dataclasses import replace
-
-            cfg = replace(cfg, stop_after=args.stop_after)
     else:
         cfg = TrainConfig(**given)
     res = train_local(cfg, resume=bool(args.resume), quiet=args.quiet)
