@@ -37,20 +37,31 @@ from shoal.plan.cost import CostOptions, scenario_profile
 from shoal.plan.types import Device, Plan, Scenario, StagePlan, SyncPolicy
 
 
-def region_order(scenario: Scenario, ref_bytes: float) -> list[str]:
-    """Regions of the workers in a path order where neighbours are close (hierarchical clustering)."""
+def region_matrices(scenario: Scenario) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """Regions of the workers with the latency and bandwidth between every pair of them."""
     regions = sorted({d.region for d in scenario.workers})
-    if len(regions) <= 2:
-        return regions
     rep = {}
     for d in scenario.workers:
         rep.setdefault(d.region, d)
     n = len(regions)
-    dist = np.zeros((n, n))
+    lat = np.zeros((n, n))
+    bw = np.full((n, n), np.inf)
     for i in range(n):
         for j in range(i + 1, n):
             link = scenario.network.link(rep[regions[i]], rep[regions[j]])
-            dist[i, j] = dist[j, i] = link.latency + ref_bytes / link.bandwidth
+            lat[i, j] = lat[j, i] = link.latency
+            bw[i, j] = bw[j, i] = link.bandwidth
+    return regions, lat, bw
+
+
+def region_order(scenario: Scenario, ref_bytes: float, matrices: tuple | None = None) -> list[str]:
+    """Regions of the workers in a path order where neighbours are close: average-linkage
+    clustering on ``latency + ref_bytes / bandwidth``, leaves in optimal order."""
+    regions, lat, bw = matrices or region_matrices(scenario)
+    if len(regions) <= 2:
+        return regions
+    dist = lat + ref_bytes / bw
+    np.fill_diagonal(dist, 0.0)
     z = linkage(squareform(dist, checks=False), method="average", optimal_ordering=True)
     return [regions[i] for i in leaves_list(z)]
 
@@ -92,24 +103,32 @@ class _StageTable:
 
     def __init__(self, group: list[Device], host: Device, share: int, scenario: Scenario, prof: ModelProfile,
                  sync: SyncPolicy, m: int, overlap: bool, pairs: np.ndarray, pair_flops: np.ndarray,
-                 pair_pbytes: np.ndarray, pair_mem: np.ndarray, n_layers: int):
+                 pair_pbytes: np.ndarray, pair_mem: np.ndarray, n_layers: int, table: SyncTable | None = None):
         net = scenario.network
         flops = np.array([d.flops for d in group])
         mem = np.array([d.memory for d in group])
         hidden = prof.layers[0].out_act_bytes * sync.act_compression
         tokens = prof.tokens_per_micro_batch * 8
-        t_up = np.zeros(len(group))
-        t_down = np.zeros(len(group))
-        lat = np.zeros(len(group))
-        spb = np.zeros(len(group))  # sync seconds per parameter byte
-        for j, d in enumerate(group):
-            if d.id == host.id:
-                continue
-            link = net.link(d, host)
-            up = min(link.bandwidth, d.up, host.down / share)
-            down = min(link.bandwidth, host.up / share, d.down)
-            t_up[j], t_down[j], lat[j] = 1.0 / up, 1.0 / down, link.latency
-            spb[j] = sync.grad_compression * (1.0 / up + 1.0 / down) / max(1, sync.sync_every)
+        n = len(group)
+        if table is not None and not table.exact:
+            hi = table.h_index[host.id]
+            rid = np.array([table.rid[d.region] for d in group])
+            path, lat = table.path[hi, rid], table.lat[hi, rid].copy()
+            up = np.minimum(np.minimum(path, np.array([d.up for d in group])), host.down / share)
+            down = np.minimum(np.minimum(path, host.up / share), np.array([d.down for d in group]))
+            t_up, t_down = 1.0 / up, 1.0 / down
+            own = np.array([d.id == host.id for d in group], dtype=bool)
+            t_up[own] = t_down[own] = lat[own] = 0.0  # loopback
+        else:
+            t_up, t_down, lat = np.zeros(n), np.zeros(n), np.zeros(n)
+            for j, d in enumerate(group):
+                if d.id == host.id:
+                    continue
+                link = net.link(d, host)
+                t_up[j] = 1.0 / min(link.bandwidth, d.up, host.down / share)
+                t_down[j] = 1.0 / min(link.bandwidth, host.up / share, d.down)
+                lat[j] = link.latency
+        spb = sync.grad_compression * (t_up + t_down) / max(1, sync.sync_every)  # sync seconds per parameter byte
         a, b = pairs[:, 0], pairs[:, 1]
         first = (a == 0)[:, None]
         last = (b == n_layers)[:, None]
@@ -121,7 +140,7 @@ class _StageTable:
         tau = (pair_flops[:, None] / flops[None, :] + down_b * t_down[None, :] + up_b * t_up[None, :]
                + n_msgs * lat[None, :])
         tau = np.where(mem[None, :] >= pair_mem[:, None], tau, np.inf)
-        sync_t = (2 * lat[None, :] + pair_pbytes[:, None] * spb[None, :]) / max(1, sync.sync_every)
+        sync_t = 2 * lat[None, :] / max(1, sync.sync_every) + pair_pbytes[:, None] * spb[None, :]
         sync_t = np.where(spb[None, :] > 0, sync_t, 0.0)
         # Prefixes in order of sync cost; a worker that cannot fit is skipped (rate 0).
         order = np.argsort(spb, kind="stable")
@@ -217,7 +236,8 @@ def construct(scenario: Scenario, n_stages: int, sync: SyncPolicy, options: Cost
     pairs, pair_index, pf, pp, pm = _pair_arrays(prof, options.recompute)
     m = scenario.workload.micro_batches
     dev = {d.id: d for d in scenario.devices}
-    tables = [_StageTable(g, dev[h], share[h], scenario, prof, sync, m, options.overlap_sync, pairs, pf, pp, pm, n_layers)
+    tables = [_StageTable(g, dev[h], share[h], scenario, prof, sync, m, options.overlap_sync, pairs, pf, pp, pm, n_layers,
+                          table)
               for g, h in zip(groups, hosts, strict=True)]
     value, bounds = _dp(tables, n_layers, pair_index)
     if not bounds:
@@ -364,8 +384,9 @@ def plan_shoal(scenario: Scenario, seed: int = 0, stages: int | None = None, syn
     counts = [stages] if stages else stage_counts(n_layers, len(scenario.workers))
     candidates = []
     table = SyncTable(scenario)
+    matrices = region_matrices(scenario)
     for s in counts:
-        order = region_order(scenario, prof.param_bytes(0, n_layers) / s)
+        order = region_order(scenario, prof.param_bytes(0, n_layers) / s, matrices)
         for snap in (0.35, 0.0):
             p = construct(scenario, s, sync, options, snap, table, order)
             if p is not None:

@@ -94,13 +94,12 @@ class SyncTable:
         net = scenario.network
         regions = sorted({d.region for d in scenario.devices})
         self.rid = {r: i for i, r in enumerate(regions)}
-        self.path = np.zeros((len(self.hosts), len(regions)))
+        self.path = np.zeros((len(self.hosts), len(regions)))  # bytes/s host <-> region
+        self.lat = np.zeros((len(self.hosts), len(regions)))  # seconds host <-> region
         for i, h in enumerate(self.hosts):
             for r, j in self.rid.items():
-                if r == h.region:
-                    self.path[i, j] = net.intra[r].bandwidth
-                else:
-                    self.path[i, j] = net.inter[tuple(sorted((r, h.region)))].bandwidth
+                link = net.intra[r] if r == h.region else net.inter[tuple(sorted((r, h.region)))]
+                self.path[i, j], self.lat[i, j] = link.bandwidth, link.latency
         self.h_up = np.array([h.up for h in self.hosts])
         self.h_down = np.array([h.down for h in self.hosts])
         self.h_mem = np.array([h.host_memory for h in self.hosts])
