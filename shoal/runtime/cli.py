@@ -66,6 +66,8 @@ def register(subparsers) -> None:
     p.add_argument("--inject", default="", help="test faults, once each: nan_grad,bad_shape")
     p.add_argument("--codec", default="raw", help="tensor codec: raw, fp16, int8")
     p.add_argument("--slow", type=float, default=0.0, help="extra seconds per task (tests, demos)")
+    p.add_argument("--no-graph-cache", action="store_true",
+                   help="always recompute the forward in backward tasks (saves activation memory)")
     _common(p)
     _emulation_args(p)
     p.set_defaults(func=run_worker_cmd)
@@ -172,7 +174,8 @@ def run_worker_cmd(args) -> int:
     _logging(args.log_level)
     dial, pacer, on_servers = _emulation(args)
     work(args.join, _token(args), WorkerOptions(name=args.name, flops=args.flops, inject=args.inject,
-                                                codec=args.codec, slow_s=args.slow),
+                                                codec=args.codec, slow_s=args.slow,
+                                                graph_cache=not args.no_graph_cache),
          dial=dial, pacer=pacer, on_servers=on_servers)
     return 0
 

@@ -89,6 +89,7 @@ class StageServer(pbg.StageServerServicer):
                  name: str = "server", dial=None, heartbeat_s: float = 0.2):
         self.coord_addr, self.listen, self.token = coord, listen, token
         self.ckpt_root, self.name, self.heartbeat_s = ckpt_root, name, heartbeat_s
+        self.orphan_after_s = 120.0  # exit when the coordinator is unreachable this long
         self.channels = ChannelFactory(token, dial=dial)
         self.member_id = ""
         self.spec: pb.RunSpec | None = None
@@ -201,9 +202,14 @@ class StageServer(pbg.StageServerServicer):
         self.member_id, self.spec = reply.member_id, reply.spec
         log.info("%s joined as %s at %s", self.name, self.member_id, self.address)
         reaper = asyncio.create_task(self._reaper())
+        self.last_coord_ok = time.monotonic()
         try:
             while not self.done:
                 await self._heartbeat()
+                if time.monotonic() - self.last_coord_ok > self.orphan_after_s:
+                    log.warning("%s: coordinator unreachable for %.0f s; exiting", self.name,
+                                self.orphan_after_s)
+                    break
                 await asyncio.sleep(self.heartbeat_s)
         finally:
             reaper.cancel()
@@ -219,6 +225,7 @@ class StageServer(pbg.StageServerServicer):
         except grpc.aio.AioRpcError as exc:
             log.warning("heartbeat failed: %s", exc.code())
             return
+        self.last_coord_ok = time.monotonic()
         if a.done:
             self.done = True
             return

@@ -47,6 +47,8 @@ class WorkerOptions:
     lease_wait_s: float = 0.5  # long-poll time of one lease request
     inject: str = ""  # test faults, once each: "nan_grad", "bad_shape" (comma-separated)
     codec: str = "raw"  # tensor codec for results and pushes
+    graph_cache: bool = True  # keep forward graphs to skip the recompute in own backward tasks
+    orphan_after_s: float = 120.0  # exit when the coordinator is unreachable this long
     slow_s: float = 0.0  # extra seconds per task (a crude stand-in for a slow device in tests)
 
 
@@ -95,6 +97,8 @@ class Worker:
         self.acc_mbs: list[int] = []
         self.acc_per_mb: dict[int, dict[str, torch.Tensor]] = {}  # ordered_grads: kept apart
         self.tasks_done = 0
+        self.graphs: dict[tuple[int, int, int], tuple] = {}  # (epoch, step, mb) -> (input, output)
+        self.graph_hits = 0  # backward tasks that reused this worker's forward graph
         self.on_servers = None  # callback(list of stage server addresses), e.g. emulation
 
     async def run(self) -> None:
@@ -123,9 +127,16 @@ class Worker:
             hb.cancel()
 
     async def _heartbeats(self) -> None:
+        last_ok = time.monotonic()
         while not self.done:
+            if time.monotonic() - last_ok > self.opts.orphan_after_s:
+                log.warning("%s: coordinator unreachable for %.0f s; exiting", self.opts.name,
+                            self.opts.orphan_after_s)
+                self.done = True
+                return
             try:
                 a = await self.coord.Heartbeat(pb.MemberRequest(member_id=self.member_id), timeout=5)
+                last_ok = time.monotonic()
                 if a.done:
                     self.done = True
                     return
@@ -180,6 +191,7 @@ class Worker:
                 p = self.params[frame.name]
                 p.copy_(decode_tensor(frame, shape=tuple(p.shape), dtype="float32"))
         self.version, self.weights_epoch = rep.version, rep.epoch
+        self.graphs.clear()  # graphs of older weights must not be back-propagated
 
     async def _push(self) -> None:
         """Push the accumulated gradients: one sum, or one push per micro-batch (ordered)."""
@@ -280,12 +292,26 @@ class Worker:
             x = decode_tensor(task.input, shape=(spec.micro_batch_size, spec.seq_len, self.cfg.d_model),
                               dtype="float32", finite=True)
             targets = micro_batch(spec, task.step, task.mb)[1] if task.direction == pb.FWDBWD else None
+        key = (task.epoch, task.step, task.mb)
         if task.direction == pb.FWD:
-            with torch.no_grad():
-                return self.module(x).contiguous(), 0.0, None
+            if not self.opts.graph_cache:
+                with torch.no_grad():
+                    return self.module(x).contiguous(), 0.0, None
+            # Keep the graph: if this worker also gets the micro-batch's backward, it skips
+            # the recomputation. Dropping an entry is always safe (BWD recomputes).
+            if not first_stage:
+                x = x.requires_grad_(True)
+            out = self.module(x)
+            self.graphs[key] = (x, out)
+            while len(self.graphs) > 2 * spec.micro_batches:
+                self.graphs.pop(next(iter(self.graphs)))
+            return out.detach().contiguous(), 0.0, None
         for p in self.params.values():
             p.grad = None
-        if not first_stage:
+        cached = self.graphs.pop(key, None) if task.direction == pb.BWD else None
+        if cached is not None:
+            x = cached[0]
+        elif not first_stage:
             x = x.requires_grad_(True)
         if task.direction == pb.FWDBWD:
             loss = self.module(x, targets)
@@ -294,7 +320,8 @@ class Worker:
         else:
             g = decode_tensor(task.out_grad, shape=(spec.micro_batch_size, spec.seq_len, self.cfg.d_model),
                               dtype="float32", finite=True)
-            out = self.module(x)
+            out = cached[1] if cached is not None else self.module(x)
+            self.graph_hits += cached is not None
             out.backward(g)
             loss_v = 0.0
         grads = {n: p.grad for n, p in self.params.items()}
