@@ -100,14 +100,13 @@ def test_saved_activation_bytes_head_measured(name):
     assert _saved_bytes(half, _input(cfg, head, torch.bfloat16), _targets(cfg)) == head_saved_bytes(cfg, B, T, 2)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "profile.py counts the head as B*T*(2V+3d+4)*dtype_bytes; autograd keeps one fp32 "
-    "log-softmax (4V bytes/token), see head_saved_bytes -- reported to the model owner"))
-def test_saved_activation_bytes_head_profile():
+@pytest.mark.parametrize("dtype, nbytes", [(torch.float32, 4), (torch.bfloat16, 2)])
+def test_saved_activation_bytes_head_profile(dtype, nbytes):
     cfg = get_preset("tiny")
     head = cfg.n_layers + 1
-    measured = _saved_bytes(build_stage(cfg, head, head + 1), _input(cfg, head), _targets(cfg))
-    assert measured == profile_model(cfg, T, B, 4).layers[head].saved_act_bytes
+    stage = build_stage(cfg, head, head + 1).to(dtype)
+    measured = _saved_bytes(stage, _input(cfg, head, dtype), _targets(cfg))
+    assert measured == profile_model(cfg, T, B, nbytes).layers[head].saved_act_bytes
 
 
 @pytest.mark.parametrize("name", ["tiny", "small"])

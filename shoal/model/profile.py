@@ -10,8 +10,10 @@ The planner and the simulator reason with these numbers, so they are exact for
   Backward costs twice the forward (input and weight gradients); the embedding's is 0.
 * output activation of a layer for one micro-batch of ``B`` sequences: ``B*T*d``
   elements (the head outputs a scalar loss; its input gradient is ``B*T*d`` again).
-* activations saved for backward, per micro-batch, in elements: block
-  ``B*T*(12*d + 4*f + H + 2)``, head ``B*T*(2*V + 3*d + 4)``, embedding ``B*T`` int64 ids.
+* activations saved for backward, per micro-batch, in bytes with ``b`` bytes per element:
+  block ``B*T*(b*(12*d + 4*f + 2) + 4*H)`` (attention keeps an fp32 log-sum-exp per
+  head), head ``B*T*(b*(3*d + 1) + 4*V + 8) + 4`` (one fp32 log-softmax shared by the
+  loss, int64 targets, the scalar loss), embedding ``8*B*T`` (int64 ids).
   These match what autograd keeps for our implementation (measured with
   ``torch.autograd.graph.saved_tensors_hooks`` in ``tests/test_profile.py``).
 """
@@ -122,10 +124,10 @@ def profile_model(
         elif kind == "block":
             params = 4 * d * d + 3 * d * f + 2 * d
             fwd = 2 * (4 * d * d + 3 * d * f) + 4 * t * d
-            saved = bt * (12 * d + 4 * f + h + 2) * dtype_bytes
+            saved = bt * (dtype_bytes * (12 * d + 4 * f + 2) + 4 * h)
         else:
             params, fwd = d * v + d, 2 * d * v
-            saved = bt * (2 * v + 3 * d + 4) * dtype_bytes
+            saved = bt * (dtype_bytes * (3 * d + 1) + 4 * v + 8) + 4
         bwd = 0 if kind == "embedding" else 2 * fwd
         layers.append(
             LayerProfile(
