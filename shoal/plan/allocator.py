@@ -211,7 +211,8 @@ def _dp(tables: list[_StageTable], n_layers: int, pair_index: dict) -> tuple[flo
 
 
 def construct(scenario: Scenario, n_stages: int, sync: SyncPolicy, options: CostOptions,
-              snap: float = 0.35, table: SyncTable | None = None, order: list[str] | None = None) -> Plan | None:
+              snap: float = 0.35, table: SyncTable | None = None, order: list[str] | None = None,
+              act_aware: bool = False) -> Plan | None:
     """Steps 1-4 for one stage count; None if no feasible plan was found."""
     prof = scenario_profile(scenario)
     n_layers = len(prof.layers)
@@ -228,8 +229,10 @@ def construct(scenario: Scenario, n_stages: int, sync: SyncPolicy, options: Cost
         return None
     even = [(round(i * n_layers / n_stages), round((i + 1) * n_layers / n_stages)) for i in range(n_stages)]
     table = table or SyncTable(scenario)
+    act = prof.layers[0].out_act_bytes * sync.act_compression
+    m = scenario.workload.micro_batches
     hosts = place_servers(scenario, groups, [prof.param_bytes(*r) for r in even],
-                          [prof.server_memory(*r) for r in even], table)
+                          [prof.server_memory(*r) for r in even], table, act if act_aware else 0.0, m)
     share: dict[str, int] = {}
     for g, h in zip(groups, hosts, strict=True):
         share[h] = share.get(h, 0) + len(g)
@@ -250,13 +253,20 @@ def construct(scenario: Scenario, n_stages: int, sync: SyncPolicy, options: Cost
         if not chosen:
             return None
         stages.append(StagePlan(layers=(a, b), server=h, workers=[d.id for d in chosen]))
-    # Re-place servers for the final layer ranges and worker sets.
+    # Re-place servers for the final layer ranges and worker sets, by sync alone and by sync plus
+    # activation traffic; keep whichever of the three placements predicts the shortest step.
     groups2 = [[dev[w] for w in st.workers] for st in stages]
-    hosts2 = place_servers(scenario, groups2, [prof.param_bytes(*st.layers) for st in stages],
-                           [prof.server_memory(*st.layers) for st in stages], table)
-    plan = build_plan(scenario, "shoal", stages, sync)
-    alt = build_plan(scenario, "shoal", [StagePlan(st.layers, h, list(st.workers)) for st, h in zip(stages, hosts2, strict=True)], sync)
-    return alt if step_of(alt, scenario, options) < step_of(plan, scenario, options) else plan
+    pb = [prof.param_bytes(*st.layers) for st in stages]
+    mem = [prof.server_memory(*st.layers) for st in stages]
+    best = build_plan(scenario, "shoal", stages, sync)
+    best_t = step_of(best, scenario, options)
+    for a in (0.0, act):
+        hs = place_servers(scenario, groups2, pb, mem, table, a, m)
+        alt = build_plan(scenario, "shoal", [StagePlan(st.layers, h, list(st.workers)) for st, h in zip(stages, hs, strict=True)], sync)
+        t = step_of(alt, scenario, options)
+        if t < best_t:
+            best, best_t = alt, t
+    return best
 
 
 # --------------------------------------------------------------------------- local search
@@ -336,6 +346,18 @@ def _neighbours(plan: Plan, scenario: Scenario, rng: random.Random, unused: list
                 yield p
 
 
+TIE_BREAK = 1e-3  # weight of the mean stage time in local search: lets non-bottleneck stages improve
+TOP_K = 3  # best constructed candidates refined by local search
+TOP_K_OTHER = 2  # plus the best candidate of this many other stage counts
+
+
+def _objective(plan: Plan, scenario: Scenario, options: CostOptions) -> float:
+    """Step time, plus a small pull towards faster non-bottleneck stages (breaks plateaus where
+    only the bottleneck counts)."""
+    t = step_of(plan, scenario, options)
+    return t + TIE_BREAK * plan.predicted.get("mean_stage_time_s", 0.0) if math.isfinite(t) else t
+
+
 def local_search(plan: Plan, scenario: Scenario, options: CostOptions, budget_s: float, seed: int = 0,
                  max_rounds: int = 200, max_evals: int = 400) -> Plan:
     """First-improvement local search on the full cost model until no move helps, ``max_evals``
@@ -345,7 +367,7 @@ def local_search(plan: Plan, scenario: Scenario, options: CostOptions, budget_s:
     host_ids = [h.id for h in scenario.server_hosts]
     rng = random.Random(seed)
     best = _copy(plan)
-    best_t = step_of(best, scenario, options)
+    best_t = _objective(best, scenario, options)
     deadline = time.perf_counter() + budget_s
     evals = 0
     for _ in range(max_rounds):
@@ -358,7 +380,7 @@ def local_search(plan: Plan, scenario: Scenario, options: CostOptions, budget_s:
             if not _feasible(cand, scenario, prof, dev):
                 continue
             evals += 1
-            t = step_of(cand, scenario, options)
+            t = _objective(cand, scenario, options)
             if t < best_t * (1 - 1e-9):
                 best, best_t, improved = cand, t, True
                 break
@@ -374,7 +396,7 @@ def stage_counts(n_layers: int, n_workers: int) -> list[int]:
 
 
 def plan_shoal(scenario: Scenario, seed: int = 0, stages: int | None = None, sync: SyncPolicy | None = None,
-               options: CostOptions | None = None, budget_s: float | None = None, max_evals: int = 150) -> Plan:
+               options: CostOptions | None = None, budget_s: float | None = None, max_evals: int = 100) -> Plan:
     """shoal's allocator (see the module docstring); ``max_evals`` cost-model evaluations of local
     search per refined candidate."""
     sync = sync or SyncPolicy()
@@ -397,7 +419,16 @@ def plan_shoal(scenario: Scenario, seed: int = 0, stages: int | None = None, syn
     candidates.sort(key=lambda c: c[0])
     if budget_s is None:
         budget_s = 5.0 + 0.01 * len(scenario.workers)  # safety net only; evaluations bound the search
-    top = candidates[:3]
+    # Refine the TOP_K best candidates plus the best of TOP_K_OTHER further stage counts
+    # (diverse starting points: local search is greedy and path-dependent).
+    top = candidates[:TOP_K]
+    seen_s = {c[1] for c in top}
+    for c in candidates[TOP_K:]:
+        if len(top) >= TOP_K + TOP_K_OTHER:
+            break
+        if c[1] not in seen_s:
+            seen_s.add(c[1])
+            top.append(c)
     best = None
     for i, (_, _, p) in enumerate(top):
         refined = local_search(p, scenario, options, budget_s / len(top), seed=seed + i, max_evals=max_evals)

@@ -125,11 +125,39 @@ class SyncTable:
                 c[i, j] = 0.0  # a worker on its own server host syncs over loopback
         return c.max(axis=1) if len(group) else np.zeros(len(self.hosts))
 
+    def stage_cost(self, group: list[Device], share: np.ndarray, param_bytes: float, act_bytes: float,
+                   micro_batches: int) -> np.ndarray:
+        """Per host: the slowest worker's per-step sync seconds plus the average worker's per-step
+        activation seconds (``M / |group|`` tasks of two uploads and two downloads, each paying
+        the path latency) if the group's server ran there."""
+        if not group:
+            return np.zeros(len(self.hosts))
+        if self.exact:
+            return param_bytes * self.cost(group, share)
+        rid = np.array([self.rid[d.region] for d in group])
+        up = np.array([d.up for d in group])
+        down = np.array([d.down for d in group])
+        path = self.path[:, rid]
+        lat = self.lat[:, rid].copy()
+        k = np.maximum(share, 1)[:, None]
+        push = np.minimum(np.minimum(path, up[None, :]), self.h_down[:, None] / k)
+        pull = np.minimum(np.minimum(path, self.h_up[:, None] / k), down[None, :])
+        c = 1.0 / push + 1.0 / pull
+        for j, d in enumerate(group):
+            i = self.h_index.get(d.id)
+            if i is not None:
+                c[i, j] = lat[i, j] = 0.0  # loopback
+        sync = (param_bytes * c + 2 * lat).max(axis=1)
+        act = (micro_batches / len(group)) * (4 * lat + 2 * act_bytes * c).mean(axis=1)
+        return sync + act
+
 
 def place_servers(scenario: Scenario, groups: list[list[Device]], param_bytes: list[float],
-                  memory_need: list[float], table: SyncTable | None = None) -> list[str]:
-    """Greedy server placement: biggest traffic first, each on the allowed host where its slowest
-    worker's sync is cheapest given the workers already served by that host (host memory permitting)."""
+                  memory_need: list[float], table: SyncTable | None = None, act_bytes: float = 0.0,
+                  micro_batches: int = 0) -> list[str]:
+    """Greedy server placement: biggest traffic first, each on the allowed host where its
+    slowest worker's sync (plus, if ``act_bytes`` is given, its workers' activation traffic) is
+    cheapest given the workers already served by that host (host memory permitting)."""
     table = table or SyncTable(scenario)
     n_h = len(table.hosts)
     load = np.zeros(n_h)
@@ -137,7 +165,10 @@ def place_servers(scenario: Scenario, groups: list[list[Device]], param_bytes: l
     out: list[str] = [""] * len(groups)
     order = sorted(range(len(groups)), key=lambda i: -param_bytes[i] * max(1, len(groups[i])))
     for i in order:
-        c = param_bytes[i] * table.cost(groups[i], load + len(groups[i]))
+        if act_bytes > 0:
+            c = table.stage_cost(groups[i], load + len(groups[i]), param_bytes[i], act_bytes, micro_batches)
+        else:
+            c = param_bytes[i] * table.cost(groups[i], load + len(groups[i]))
         c = c + 1e-9 * load  # tie-break towards idle hosts so servers spread when links are equal
         c = np.where(mem_left >= memory_need[i], c, np.inf)
         j = int(np.argmin(c)) if np.isfinite(c).any() else int(np.argmax(mem_left))

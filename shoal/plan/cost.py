@@ -252,7 +252,7 @@ def predict(plan: Plan, scenario: Scenario, options: CostOptions | None = None) 
 
     Keys: ``compute_s`` and ``transfer_s`` (the pipeline time attributed to compute and to
     activation transfers at the bottleneck stage), ``sync_s``, ``pipeline_s``, ``step_time_s``,
-    ``bottleneck_stage``, ``memory_headroom`` (min fraction of memory left over workers and
+    ``mean_stage_time_s`` (mean over stages of ``(M - 1) / X_s``), ``bottleneck_stage``, ``memory_headroom`` (min fraction of memory left over workers and
     server hosts; negative means it does not fit), ``throughput_mb_s`` (bottleneck micro-batches/s),
     ``fill_drain_s``.
     """
@@ -275,6 +275,7 @@ def predict(plan: Plan, scenario: Scenario, options: CostOptions | None = None) 
         "step_time_s": step_time(pipe, sync, options.overlap_sync),
         "bottleneck_stage": float(b),
         "throughput_mb_s": xs[b],
+        "mean_stage_time_s": sum((m - 1) / x if x > 0 else math.inf for x in xs) / len(xs),
         "memory_headroom": headroom,
     }
     plan.predicted = result
