@@ -123,16 +123,20 @@ def test_bad_peers_and_late_joiner(tmp_path, reference):
 def test_stage_server_kill9_and_restart(tmp_path, reference):
     """kill -9 a stage server mid-run, start another: it restores the checkpoint, the run
     rolls back and replays, and the final weights equal the uninterrupted run's."""
-    with Swarm(_cfg(tmp_path, stages=2, workers=2)) as sw:
+    # Checkpoints every 2 steps and a kill after 3: the replacement restores version 2,
+    # so committed step 2 is replayed. --slow keeps step 3 running while we kill.
+    slow = [["--slow", "0.3"]] * 2
+    with Swarm(_cfg(tmp_path, stages=2, workers=2, ckpt_every=2, worker_args=slow)) as sw:
         sw.start()
-        while sw.committed_steps() < 2:
-            time.sleep(0.05)
+        while sw.committed_steps() < 3:
+            time.sleep(0.02)
         sw.kill_server(1)
         sw.start_server()
         summary = sw.wait()
     events = read_jsonl(tmp_path / "run" / "events.jsonl")
     assert any(e["event"] == "server_restart" for e in events)
-    assert any(e["event"] == "rollback" for e in events)
+    rollbacks = [e for e in events if e["event"] == "rollback"]
+    assert rollbacks and rollbacks[0]["version"] == 2 and rollbacks[0]["committed"] >= 3
     assert summary["epochs"] >= 2
     _assert_parity(tmp_path / "run", reference)
 
