@@ -1,0 +1,126 @@
+"""The stage server's task pool, driven in-process through its RPC handlers (no sockets):
+leases, late duplicates, malformed results, gradient pushes, voiding a silent worker."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+
+from shoal.net import shoal_pb2 as pb
+from shoal.net.wire import encode_tensor
+from shoal.runtime.server import StageServer
+
+M, B, T = 3, 2, 16
+
+
+def _server(tmp_path) -> StageServer:
+    srv = StageServer("unused:0", "127.0.0.1:0", "tok", str(tmp_path), name="t")
+    srv.spec = pb.RunSpec(model="tiny", stages=1, steps=5, micro_batches=M, micro_batch_size=B, seq_len=T,
+                          seed=0, lr=1e-3, min_lr=1e-4, warmup=1, weight_decay=0.1, grad_clip=1.0,
+                          dead_after_s=0.3, min_lease_s=0.2, data="synthetic", ordered_grads=True)
+    srv.stage, srv.first, srv.last, srv.epoch = 0, 0, 6, 0
+    return srv
+
+
+def _grads(srv, value=0.0):
+    return [encode_tensor(n, torch.full_like(p, value)) for n, p in srv.params.items()]
+
+
+def _result(task, worker, loss=1.0):
+    return pb.TaskResult(worker=worker, step=task.step, mb=task.mb, direction=task.direction,
+                         epoch=task.epoch, lease_id=task.lease_id, loss=loss, compute_s=0.01)
+
+
+def test_pool_leases_duplicates_pushes_and_voiding(tmp_path):
+    async def main():
+        srv = _server(tmp_path)
+        await srv._load(0, 0, 6, 0, 0)
+        srv.ready = True
+        reaper = asyncio.create_task(srv._reaper())
+        try:
+            a = await srv.Lease(pb.LeaseRequest(worker="A", wait_s=0), None)
+            assert a.has_task and a.task.direction == pb.FWDBWD and a.task.mb == 0
+            assert not a.task.HasField("input")  # stage 0: tokens are rebuilt by the worker
+            # a non-finite loss is refused and the task goes back to the pool
+            bad = await srv.Complete(_result(a.task, "A", loss=float("nan")), None)
+            assert not bad.accepted and "not finite" in bad.reason
+            a = await srv.Lease(pb.LeaseRequest(worker="A", wait_s=0), None)
+            assert a.task.mb == 0
+            ok = await srv.Complete(_result(a.task, "A"), None)
+            assert ok.accepted
+            dup = await srv.Complete(_result(a.task, "A"), None)  # late duplicate
+            assert not dup.accepted and "lease" in dup.reason
+            b = await srv.Lease(pb.LeaseRequest(worker="B", wait_s=0), None)
+            assert b.task.mb == 1
+            # B pushes a micro-batch it does not hold: refused, and B's work is voided
+            rep = await srv.PushGrads(pb.GradPush(worker="B", step=0, epoch=0, gen=b.gen, mbs=[0],
+                                                  grads=_grads(srv)), None)
+            assert not rep.accepted
+            assert srv.steps[0][1].grad == "todo" and srv.steps[0][0].grad == "computed"
+            # A pushes a NaN gradient: refused, mb 0 goes back to the pool, A's generation moves
+            g = _grads(srv)
+            g[0] = encode_tensor(g[0].name, torch.full(tuple(g[0].shape), float("nan")))
+            rep = await srv.PushGrads(pb.GradPush(worker="A", step=0, epoch=0, gen=ok.gen, mbs=[0], grads=g),
+                                      None)
+            assert not rep.accepted and "NaN" in rep.reason
+            assert srv.steps[0][0].grad == "todo" and rep.gen == ok.gen + 1
+            # a wrong-shaped gradient is refused too
+            a = await srv.Lease(pb.LeaseRequest(worker="A", wait_s=0), None)
+            ok = await srv.Complete(_result(a.task, "A"), None)
+            g = _grads(srv)
+            g[1] = encode_tensor(g[1].name, torch.zeros(3))
+            rep = await srv.PushGrads(pb.GradPush(worker="A", step=0, epoch=0, gen=ok.gen, mbs=[a.task.mb],
+                                                  grads=g), None)
+            assert not rep.accepted and "shape" in rep.reason
+            # a silent worker loses its lease (and computed gradients) after dead_after_s
+            c = await srv.Lease(pb.LeaseRequest(worker="C", wait_s=0), None)
+            assert c.has_task
+            held = c.task.mb
+            t0 = time.monotonic()
+            while "C" in srv.workers and time.monotonic() - t0 < 5:
+                await srv.Renew(pb.RenewRequest(worker="A"), None)  # A stays alive
+                await asyncio.sleep(0.05)
+            assert srv.steps[0][held].grad == "todo" and "C" not in srv.workers
+            late = await srv.Complete(_result(c.task, "C"), None)
+            assert not late.accepted
+            # a good push is counted exactly once
+            a = await srv.Lease(pb.LeaseRequest(worker="A", wait_s=0), None)
+            ok = await srv.Complete(_result(a.task, "A"), None)
+            rep = await srv.PushGrads(pb.GradPush(worker="A", step=0, epoch=0, gen=ok.gen, mbs=[a.task.mb],
+                                                  grads=_grads(srv, 1.0)), None)
+            assert rep.accepted and srv.steps[0][a.task.mb].grad == "counted"
+            again = await srv.PushGrads(pb.GradPush(worker="A", step=0, epoch=0, gen=ok.gen, mbs=[a.task.mb],
+                                                    grads=_grads(srv, 1.0)), None)
+            assert not again.accepted and srv.steps[0][a.task.mb].grad == "counted"
+            assert len(srv.pushes) == 1
+        finally:
+            reaper.cancel()
+
+    asyncio.run(main())
+
+
+def test_relay_is_checked_and_idempotent(tmp_path):
+    async def main():
+        srv = _server(tmp_path)
+        srv.first, srv.last, srv.stage = 3, 6, 1
+        await srv._load(1, 3, 6, 0, 0)
+        srv.ready = True
+        act = torch.randn(B, T, 128)
+        bad = await srv.SubmitRelay(pb.Relay(step=0, mb=0, epoch=0, direction=pb.FWD,
+                                             tensor=encode_tensor("act", act[:, :-1])), None)
+        assert not bad.accepted and "shape" in bad.reason
+        assert srv.steps[0][0].grad == "wait"
+        for _ in range(2):
+            rep = await srv.SubmitRelay(pb.Relay(step=0, mb=0, epoch=0, direction=pb.FWD,
+                                                 tensor=encode_tensor("act", act)), None)
+            assert rep.accepted
+        assert srv.steps[0][0].grad == "todo" and torch.equal(srv.steps[0][0].input, act)
+        future = await srv.SubmitRelay(pb.Relay(step=0, mb=1, epoch=3, direction=pb.FWD,
+                                                tensor=encode_tensor("act", act)), None)
+        assert not future.accepted and future.retry  # a later epoch than ours: ask again
+        lease = await srv.Lease(pb.LeaseRequest(worker="A", wait_s=0), None)
+        assert lease.task.direction == pb.FWDBWD and lease.task.HasField("input")
+
+    asyncio.run(main())
