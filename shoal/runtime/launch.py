@@ -100,6 +100,7 @@ class Swarm:
         self.address = ""
         self._seen = {"events.jsonl": 0, "metrics.jsonl": 0}
         self._n_server = 0
+        self.t0 = time.time()
         self.server_ports: list[int] = []
         self.peers: dict[str, str] = {}  # server address -> scenario host id (emulation)
 
@@ -115,6 +116,7 @@ class Swarm:
         addr_file = self.out / "logs" / "coordinator.address"
         addr_file.unlink(missing_ok=True)
         min_lr = c.lr / 10 if c.min_lr is None else c.min_lr
+        self.t0 = time.time()
         self.coord = self._spawn([
             "coordinator", "--listen", "127.0.0.1:0", "--model", c.model, "--stages", str(c.stages),
             "--min-workers", str(c.min_workers or c.workers), "--steps", str(c.steps),
@@ -190,7 +192,7 @@ class Swarm:
         if p is not None and p.poll() is None:
             os.kill(p.pid, signal.SIGKILL)
             p.wait()
-        self._event({"event": "kill", "device": f"w{i}"})
+            self._log_kill(f"w{i}")
 
     def kill_server(self, i: int) -> None:
         """kill -9 server process ``i`` (index in start order)."""
@@ -198,11 +200,18 @@ class Swarm:
         if p.poll() is None:
             os.kill(p.pid, signal.SIGKILL)
             p.wait()
-        self._event({"event": "kill", "device": f"s{i}"})
+            self._log_kill(f"s{i}")
 
     def _event(self, rec: dict) -> None:
         if self.on_event:
             self.on_event(rec)
+
+    def _log_kill(self, device: str) -> None:
+        """Record a kill in events.jsonl (appended as one line beside the coordinator's)."""
+        from shoal.train.metrics import JsonlWriter
+
+        with JsonlWriter(self.out / "events.jsonl", t0=self.t0) as w:
+            w.event("kill", device=device, signal="SIGKILL")
 
     def poll_records(self) -> list[dict]:
         """New events and metrics records since the last call (also sent to ``on_event``)."""

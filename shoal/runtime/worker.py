@@ -86,6 +86,8 @@ class Worker:
         self.channels = ChannelFactory(token, dial=dial)
         self.inject = {f for f in opts.inject.split(",") if f}
         self.stage = -1
+        self.first = self.last = 0
+        self.want: tuple[int, int, int, str] | None = None  # assignment from the last heartbeat
         self.server_addr = ""
         self.done = False
         self.held: set[int] = set()
@@ -115,6 +117,9 @@ class Worker:
         hb = asyncio.create_task(self._heartbeats())
         try:
             while not self.done:
+                if self.want is not None and self.want != (self.stage, self.first, self.last,
+                                                           self.server_addr):
+                    await self._apply_assignment(*self.want)
                 if self.stage < 0 or not self.server_addr:
                     await asyncio.sleep(0.05)
                     continue
@@ -145,16 +150,15 @@ class Worker:
                     reply = await self.coord.Join(pb.JoinRequest(
                         role="worker", flops=self.flops, name=self.opts.name, schema=SCHEMA_VERSION))
                     self.member_id = reply.member_id
+                    self.want = None
                     self.stage, self.server_addr = -1, ""
                     self._drop_acc()
                     continue
                 if self.on_servers is not None and a.known:
                     self.on_servers(list(a.servers))
                 if a.known and a.ready and a.stage >= 0 and a.servers[a.stage]:
-                    if a.stage != self.stage:
-                        self._switch(a.stage, a.first, a.last)
-                    self.server_addr = a.servers[a.stage]
-                    self.server = self.channels_stub(self.server_addr)
+                    # Applied by the task loop between tasks, never under a running task.
+                    self.want = (a.stage, a.first, a.last, a.servers[a.stage])
             except grpc.aio.AioRpcError:
                 pass
             if self.held and self.server_addr:
@@ -163,7 +167,15 @@ class Worker:
                                                             lease_ids=list(self.held)), timeout=5)
             await asyncio.sleep(self.opts.heartbeat_s)
 
-    _stubs: dict
+    async def _apply_assignment(self, stage: int, first: int, last: int, addr: str) -> None:
+        if stage != self.stage:
+            if self.server_addr and self.stage >= 0:
+                # Tell the old server at once, so our tasks there are redone now.
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await self.server.Leave(pb.MemberRequest(member_id=self.member_id), timeout=2)
+            self._switch(stage, first, last)
+        self.server_addr = addr
+        self.server = self.channels_stub(addr)
 
     def channels_stub(self, addr: str) -> pbg.StageServerStub:
         if not hasattr(self, "_stubs_by_addr"):
