@@ -4,6 +4,7 @@ token, a malformed result and a NaN gradient."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -59,7 +60,20 @@ def _assert_parity(out, reference):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("stages,workers", [(2, 5), (3, 4)])
 def test_parity_with_local_trainer(tmp_path, reference, stages, workers):
-    summary = launch(_cfg(tmp_path, stages=stages, workers=workers))
+    if stages == 2:
+        # the command line path: `shoal launch ...`
+        out = tmp_path / "run"
+        cmd = [sys.executable, "-m", "shoal.cli", "launch", "--stages", str(stages), "--workers", str(workers),
+               "--out", str(out), "--dead-after", "3", "--min-lease", "1.5", "--timeout", "150"]
+        for k, v in RUN.items():
+            cmd += [f"--{k.replace('_', '-')}", str(v)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "step 3" in proc.stdout
+        summary = json.loads((out / "summary.json").read_text())
+    else:
+        summary = launch(_cfg(tmp_path, stages=stages, workers=workers))
     recs = _assert_parity(tmp_path / "run", reference)
     assert summary["steps"] == STEPS and summary["stages"] == stages
     # every worker that took part is in the tasks table, and tasks add up
@@ -88,6 +102,10 @@ def test_kill9_workers_at_random_moments(tmp_path, reference):
             time.sleep(0.05)
         summary = sw.wait()
     assert summary["steps"] == STEPS
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    assert sum(e["event"] == "kill" for e in events) == 3
+    # the coordinator noticed the dead by their missed heartbeats and re-planned
+    assert any(e["event"] == "leave" and e["why"] == "missed heartbeats" for e in events)
     _assert_parity(tmp_path / "run", reference)
 
 
