@@ -199,6 +199,8 @@ class Coordinator(pbg.CoordinatorServicer):
                 joined = [d for d in live if d not in self.planned]
                 plan = repair(self.plan, self._scenario(), left=gone, joined=joined,
                               seed=int(self.spec.seed))
+                if len(plan.stages) != self.spec.stages:
+                    raise ValueError(f"repair changed the stage count to {len(plan.stages)}")
                 self.plan, self.planned = plan, set(self.planned) | set(joined)
                 self.assign = {w: i for i, st in enumerate(plan.stages) for w in st.workers
                                if w in live}
