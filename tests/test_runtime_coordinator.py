@@ -1,0 +1,71 @@
+"""The coordinator's decisions, driven in-process through its RPC handlers: readiness and
+planning on the joined devices, the step commit, and the roll-back after a server dies."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+from shoal.net import shoal_pb2 as pb
+from shoal.runtime.coordinator import Coordinator
+from shoal.train.metrics import read_jsonl
+from shoal.train.optim import OptimConfig, clip_coefficient, lr_at
+
+SPEC = pb.RunSpec(model="tiny", stages=2, steps=3, micro_batches=2, micro_batch_size=2, seq_len=16, seed=0,
+                  lr=3e-3, min_lr=3e-4, warmup=1, weight_decay=0.1, grad_clip=1.0, dead_after_s=0.3,
+                  min_lease_s=1.0, data="synthetic", ordered_grads=True)
+
+
+def test_ready_plan_commit_and_rollback(tmp_path):
+    async def main():
+        c = Coordinator(SPEC, "tok", min_workers=2, out=str(tmp_path))
+        s0 = (await c.Join(pb.JoinRequest(role="server", address="127.0.0.1:1", name="s0"), None)).member_id
+        s1 = (await c.Join(pb.JoinRequest(role="server", address="127.0.0.1:2", name="s1"), None)).member_id
+        w0 = (await c.Join(pb.JoinRequest(role="worker", flops=1e9, name="w0"), None)).member_id
+        a = await c.Heartbeat(pb.MemberRequest(member_id=w0), None)
+        assert not a.ready and a.stage == -1  # waits for --min-workers
+        w1 = (await c.Join(pb.JoinRequest(role="worker", flops=1e9, name="w1"), None)).member_id
+        hb = {m: await c.Heartbeat(pb.MemberRequest(member_id=m, ckpt_version=0), None) for m in (s0, s1, w0, w1)}
+        assert all(h.ready for h in hb.values())
+        assert sorted(hb[m].stage for m in (s0, s1)) == [0, 1]
+        assert sorted(hb[m].stage for m in (w0, w1)) == [0, 1]  # every stage has a worker
+        layers = [(hb[m].first, hb[m].last) for m in sorted((s0, s1), key=lambda m: hb[m].stage)]
+        assert layers[0][0] == 0 and layers[0][1] == layers[1][0] and layers[1][1] == 6
+        by_stage = {hb[m].stage: m for m in (s0, s1)}
+
+        # step 0: both stages report; the decision is the shared optimizer's
+        r0 = pb.StepReport(member_id=by_stage[0], stage=0, step=0, epoch=0, sq_norm=3.0)
+        r1 = pb.StepReport(member_id=by_stage[1], stage=1, step=0, epoch=0, sq_norm=1.0, losses=[2.0, 4.0])
+        r1.tasks_per_worker[w1] = 2
+        d0, d1 = await asyncio.gather(c.ReportStep(r0, None), c.ReportStep(r1, None))
+        assert d0 == d1 and d0.ready
+        ocfg = OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=1, weight_decay=0.1, grad_clip=1.0)
+        assert math.isclose(d0.coef, clip_coefficient(4.0, 1.0)) and math.isclose(d0.lr, lr_at(0, 3, ocfg))
+        rec = read_jsonl(tmp_path / "metrics.jsonl")[0]
+        assert rec["step"] == 0 and rec["loss"] == 3.0 and math.isclose(rec["grad_norm"], 2.0)
+        assert rec["tasks_per_worker"] == {"w1": 2}
+        # a repeated report gets the same decision (idempotent)
+        assert await c.ReportStep(r0, None) == d0
+
+        # the stage 1 server dies; a standby joins and restores; everyone rolls back
+        await asyncio.sleep(0.7)  # > 2 x dead_after_s: all members silent
+        alive = by_stage[0]
+        for m in (alive, w0, w1):
+            await c.Heartbeat(pb.MemberRequest(member_id=m, ckpt_version=1), None)
+        reaper = asyncio.create_task(c.reap())
+        await asyncio.sleep(0.2)
+        reaper.cancel()
+        assert by_stage[1] not in c.members and c.stage_server[1] == ""
+        s2 = (await c.Join(pb.JoinRequest(role="server", address="127.0.0.1:3", name="s2"), None)).member_id
+        assert c.stage_server[1] == s2 and c.pending_restore
+        a = await c.Heartbeat(pb.MemberRequest(member_id=alive, ckpt_version=1), None)
+        assert not a.ready  # the new server has not said what it can restore
+        a = await c.Heartbeat(pb.MemberRequest(member_id=s2, ckpt_version=0), None)
+        assert a.epoch == 1 and a.restart_version == 0 and a.stage == 1
+        # reports from the old epoch are stale now
+        stale = await c.ReportStep(pb.StepReport(member_id=alive, stage=0, step=1, epoch=0), None)
+        assert stale.stale
+        events = [e["event"] for e in read_jsonl(tmp_path / "events.jsonl")]
+        assert "server_restart" in events and "rollback" in events
+
+    asyncio.run(main())
