@@ -122,11 +122,13 @@ class FlowNet:
             if f.dst is not None and new > f.dst.max_rate:
                 f.dst.max_rate = new
 
-    def _pass(self, res: Resource, now: float, skip: Flow | None = None) -> None:
-        """Recompute every flow on ``res`` and tighten its ``max_rate``.
+    def _pass(self, res: Resource, now: float, skip: Flow | None = None, rose: bool = False) -> None:
+        """Recompute the flows on ``res`` that its new share can change; tighten its ``max_rate``.
 
         The hot loop of big runs: :meth:`_rate` and :meth:`_reschedule` inlined, and the
-        share of ``res`` (the same for every flow here) computed once.
+        share of ``res`` (the same for every flow here) computed once. When the share
+        dropped, a flow already at or below it keeps its rate; when it ``rose``, only the
+        flows ``res`` was limiting can speed up.
         """
         m = 0.0
         share = res.cap / len(res.flows)
@@ -134,6 +136,15 @@ class FlowNet:
         for g in res.flows.values():
             if g is not skip:
                 src, dst = g.src, g.dst
+                if rose:
+                    if not (g.lim_s if src is res else g.lim_d):
+                        if g.rate > m:
+                            m = g.rate
+                        continue
+                elif g.rate <= share:
+                    if g.rate > m:
+                        m = g.rate
+                    continue
                 r = g.path
                 lim_s = lim_d = False
                 xs = share if src is res else src.cap / len(src.flows)
@@ -204,7 +215,7 @@ class FlowNet:
                 res.n_lim = 0
             elif res.n_lim > 0:
                 # its share rose: the flows it limited can go faster
-                self._pass(res, now)
+                self._pass(res, now, rose=True)
         f.lim_s = f.lim_d = False
 
     def progress(self, f: Flow, now: float) -> float:
