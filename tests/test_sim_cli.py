@@ -110,3 +110,26 @@ def test_builtin_scenarios_conserve_work_with_churn(name):
     for rec in r.passes:
         for per in rec["grad"]:
             assert sorted(per) == list(range(plan.micro_batches)) and set(per.values()) == {1}
+
+
+def test_fault_flags_parse_and_slow_the_run(capsys):
+    from shoal.sim.cli import parse_server_failure, parse_straggler
+
+    st = parse_straggler("host:a:0:5:10")
+    assert (st.device, st.start_s, st.duration_s, st.factor) == ("host:a", 0.0, 5.0, 10.0)
+    sf = parse_server_failure("1:30:20")
+    assert (sf.stage, sf.time_s, sf.recovery_s) == (1, 30.0, 20.0)
+    for bad in ("x", "d:1:2", "d:-1:2:3"):
+        with pytest.raises(ShoalError, match="--straggler"):
+            parse_straggler(bad)
+    with pytest.raises(ShoalError, match="--server-failure"):
+        parse_server_failure("1:2")
+    assert main(["simulate", "--scenario", "demo", "--steps", "1"]) == 0
+    base = capsys.readouterr().out
+    assert main(["simulate", "--scenario", "demo", "--steps", "1", "--server-failure", "0:0.05:2"]) == 0
+    failed = capsys.readouterr().out
+
+    def step(text):
+        return float(text.split("simulated step time")[1].split()[0])
+
+    assert step(failed) > step(base) + 1.0

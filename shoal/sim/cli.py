@@ -25,9 +25,41 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the planner and of the churn (default 0)")
     p.add_argument("--lease-timeout", type=float, default=None,
                    help="seconds before a vanished worker's tasks are re-queued (default 10)")
+    p.add_argument("--straggler", action="append", default=[], metavar="DEVICE:START:DURATION:FACTOR",
+                   help="slow DEVICE down FACTOR times from START for DURATION simulated seconds (repeatable)")
+    p.add_argument("--server-failure", action="append", default=[], metavar="STAGE:TIME:RECOVERY",
+                   help="stage STAGE's server host dies at TIME and is back RECOVERY seconds later (repeatable)")
     p.add_argument("--json", metavar="OUT", help="write the full result as JSON to OUT")
     p.add_argument("--timeline", metavar="OUT.png", help="draw a per-device timeline (small plans only)")
     p.set_defaults(func=run)
+
+
+def parse_straggler(text: str):
+    """``DEVICE:START:DURATION:FACTOR`` -> :class:`Straggler` (the device id may contain colons)."""
+    from shoal.sim import Straggler
+
+    parts = text.rsplit(":", 3)
+    try:
+        dev, start, dur, fac = parts[0], float(parts[1]), float(parts[2]), float(parts[3])
+    except (IndexError, ValueError):
+        raise ShoalError(f"--straggler {text!r}: expected DEVICE:START:DURATION:FACTOR, e.g. eu-0:0:60:10") from None
+    if start < 0 or dur <= 0 or fac <= 0:
+        raise ShoalError(f"--straggler {text!r}: START must be >= 0, DURATION and FACTOR positive")
+    return Straggler(dev, start, dur, fac)
+
+
+def parse_server_failure(text: str):
+    """``STAGE:TIME:RECOVERY`` -> :class:`ServerFailure`."""
+    from shoal.sim import ServerFailure
+
+    try:
+        stage, t, rec = text.split(":")
+        out = ServerFailure(float(t), int(stage), float(rec))
+    except ValueError:
+        raise ShoalError(f"--server-failure {text!r}: expected STAGE:TIME:RECOVERY, e.g. 1:30:20") from None
+    if out.time_s < 0 or out.recovery_s <= 0:
+        raise ShoalError(f"--server-failure {text!r}: TIME must be >= 0 and RECOVERY positive")
+    return out
 
 
 def _load(args):
@@ -79,8 +111,11 @@ def run(args: argparse.Namespace) -> int:
     scenario, plan = _load(args)
     predicted = predict(plan, scenario)["step_time_s"]
     cfg = SimConfig() if args.lease_timeout is None else SimConfig(lease_timeout_s=args.lease_timeout)
+    stragglers = [parse_straggler(t) for t in args.straggler]
+    failures = [parse_server_failure(t) for t in args.server_failure]
     result = simulate(plan, scenario, steps=args.steps, churn=args.churn == "on", seed=args.seed,
-                      record_timeline=bool(args.timeline), config=cfg)
+                      record_timeline=bool(args.timeline), stragglers=stragglers,
+                      server_failures=failures, config=cfg)
     result.predicted_step_time_s = predicted
     for line in summary_lines(result, predicted):
         print(line)
