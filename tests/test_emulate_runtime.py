@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from shoal.demo.emulated import EmulationSpec, swarm_churn
+from shoal.demo.report import write_report
 from shoal.emulate.hooks import Emulation, EmulationConfig
 from shoal.plan.types import Device, Link, Network, Scenario, Workload
 from shoal.runtime.launch import LaunchConfig, Swarm
@@ -57,7 +59,10 @@ def test_emulated_worker_with_a_kill_matches_local_losses(tmp_path):
         deadline = time.time() + 150
         while not read_jsonl(tmp_path / "run" / "metrics.jsonl") and time.time() < deadline:
             time.sleep(0.1)
-        sw.kill_worker(0)  # kill -9 a process worker once the first step committed
+        # kill -9 process worker 0 once the first step committed, through the churn driver
+        spec = EmulationSpec(_scenario(), _scenario(), 1.0, 1.0, 1.0, ["p0", "p1"], [[], []])
+        driver = swarm_churn(swarm=sw, spec=spec, schedule=[(0.0, "p0", "leave")], out=tmp_path / "run")
+        driver.start().join(timeout=30)
         sw.wait()
         t.join(timeout=30)
     try:
@@ -66,6 +71,13 @@ def test_emulated_worker_with_a_kill_matches_local_losses(tmp_path):
         assert [r["step"] for r in recs] == list(range(RUN["steps"]))
         for r, want in zip(recs, ref_losses, strict=True):
             assert abs(r["loss"] - want) <= 1e-5, (r["loss"], want)
+        assert driver.done and driver.done[0][3]  # the kill was replayed without error
+        # the report is built from the runtime's real run directory
+        folder = write_report(tmp_path / "run")
+        for name in ("loss.png", "throughput.png", "report.md", "report.json"):
+            assert (folder / name).stat().st_size > 0
+        md = (folder / "report.md").read_text()
+        assert "steps: 4" in md and "- failures survived: 1 (workers lost: 1)" in md
         st = emu.stats()
         # the emulated worker's traffic went through its shaped relays, and it was paced
         assert st["links"]["up_bytes"] > 0 and st["links"]["down_bytes"] > 0

@@ -171,3 +171,20 @@ def test_requeues_from_step_records(tmp_path):
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
     rep = build_report(*load_run(run))
     assert rep["tasks_requeued"] == 2 + 4  # per-step requeues + requeue events
+
+
+def test_plan_from_the_coordinators_replan_event(tmp_path):
+    run = tmp_path / "rt"
+    run.mkdir()
+    with JsonlWriter(run / "metrics.jsonl") as mw:
+        mw.write(step_record(0, 4.0, 1e-3, 1.0, 100, 0.5, 1.5))
+    with JsonlWriter(run / "events.jsonl") as ew:
+        ew.write({"time_s": 0.5, "event": "assign", "device": "s0", "role": "server", "stage": 0})
+        ew.write({"time_s": 0.6, "event": "assign", "device": "s1", "role": "server", "stage": 1})
+        ew.write({"time_s": 0.7, "event": "replan", "why": "start", "method": "shoal",
+                  "layers": [[0, 3], [3, 6]], "assignment": {"w0": 0, "w2": 0, "w1": 1}})
+        ew.write({"time_s": 2.0, "event": "replan", "why": "leave", "method": "repair",
+                  "layers": [[0, 3], [3, 6]], "assignment": {"w0": 0, "w1": 1}})
+    md = (write_report(run) / "report.md").read_text()
+    assert "| 0 | [0, 3) | s0 | 2 | w0, w2 |" in md and "| 1 | [3, 6) | s1 | 1 | w1 |" in md
+    assert "method: shoal" in md

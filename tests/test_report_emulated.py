@@ -68,3 +68,14 @@ def test_swarm_churn_maps_devices_to_workers_and_logs(tmp_path):
     assert all(e["time_s"] >= 10.0 for e in events)  # re-timed onto the run's clock
     rep = build_report(metrics, events, summary)
     assert rep["workers_lost"] == 2 and rep["workers_joined"] == 1
+
+
+def test_churn_file_is_ignored_when_the_launcher_logged_its_kills(tmp_path):
+    with JsonlWriter(tmp_path / "events.jsonl") as ew:
+        ew.write({"time_s": 5.0, "event": "kill", "device": "w0", "signal": "SIGKILL"})
+        ew.write({"time_s": 6.0, "event": "leave", "device": "w0", "role": "worker"})
+    (tmp_path / "churn.jsonl").write_text(json.dumps(
+        {"time_s": 0.1, "event": "kill", "device": "eu-0", "role": "worker"}) + "\n")
+    _, events, _ = load_run(tmp_path)
+    assert [e["device"] for e in events] == ["w0", "w0"]
+    assert build_report([], events, {})["workers_lost"] == 1

@@ -115,10 +115,11 @@ def swarm_churn(swarm, spec: EmulationSpec, schedule: list[Event], out: str | Pa
 
     ``swarm`` is a ``shoal.runtime.launch.Swarm`` (``kill_worker(i)``,
     ``start_worker(i)``; worker ``i`` plays ``spec.workers[i]`` and is restarted with
-    its ``spec.worker_args[i]``). Each replayed event is appended to
-    ``out/churn.jsonl`` (times since ``t0_unix``, default now) and passed to
-    ``on_record``. Events for devices that are not workers are ignored. Call
-    ``.start()`` on the result.
+    its ``spec.worker_args[i]``). Each replayed event is passed to ``on_record`` and,
+    with ``out``, appended to ``out/churn.jsonl`` (times since ``t0_unix``, default
+    now) -- only needed with a launcher that does not log its kills in events.jsonl
+    (the report reads it only then). Events for devices that are not workers are
+    ignored. Call ``.start()`` on the result.
     """
     t0 = time.time() if t0_unix is None else t0_unix
     path = Path(out) / "churn.jsonl" if out is not None else None

@@ -95,6 +95,25 @@ def count_events(events: list[dict], metrics: list[dict]) -> dict[str, int]:
             "workers_joined": joins, "tasks_requeued": requeued}
 
 
+def plan_from_events(events: list[dict]) -> dict:
+    """The run's initial plan as the coordinator logged it (first ``replan`` event).
+
+    A fallback for runs whose summary holds no ``plan``: stages with their layers, the
+    workers the coordinator assigned and the server ``assign`` events. Empty if the
+    events hold no replan with layers.
+    """
+    first = next((e for e in events if e.get("event") == "replan" and e.get("layers")), None)
+    if first is None:
+        return {}
+    servers = {int(e["stage"]): e.get("device", "?") for e in events
+               if e.get("event") == "assign" and e.get("role") == "server" and e.get("stage") is not None}
+    assignment = first.get("assignment") or {}
+    stages = [{"layers": list(lay), "server": servers.get(i, "?"),
+               "workers": sorted(w for w, s in assignment.items() if int(s) == i)}
+              for i, lay in enumerate(first["layers"])]
+    return {"method": first.get("method", "n/a"), "stages": stages}
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
@@ -116,7 +135,7 @@ def build_report(metrics: list[dict], events: list[dict], summary: dict[str, Any
     if achieved is None:
         achieved = achieved_step_time(metrics)
     predicted = summary.get("predicted_step_time_s")
-    plan = summary.get("plan") or {}
+    plan = summary.get("plan") or plan_from_events(events)
     if predicted is None:
         predicted = (plan.get("predicted") or {}).get("step_time_s")
     simulated = summary.get("simulated_step_time_s")
@@ -295,8 +314,9 @@ def plot_throughput(metrics: list[dict], events: list[dict], path: str | Path) -
 def load_run(run_dir: str | Path) -> tuple[list[dict], list[dict], dict]:
     """``(metrics, events, summary)`` of a run directory (missing files read as empty).
 
-    Events are ``events.jsonl`` plus ``churn.jsonl`` (the churn driver's kills and
-    joins, see :mod:`shoal.demo.emulated`), sorted by time. A churn record with
+    Events are ``events.jsonl`` plus, when that file holds no ``kill`` events (a
+    launcher that does not log its kills), ``churn.jsonl`` (the churn driver's kills
+    and joins, see :mod:`shoal.demo.emulated`), sorted by time. A churn record with
     ``unix_time`` is re-timed to the coordinator's clock when ``summary.json`` has
     ``t0_unix`` (the run's start as a Unix time).
     """
@@ -305,7 +325,10 @@ def load_run(run_dir: str | Path) -> tuple[list[dict], list[dict], dict]:
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     events = read_jsonl(d / "events.jsonl")
     t0 = summary.get("t0_unix")
-    for rec in read_jsonl(d / "churn.jsonl"):
+    # The launcher logs its SIGKILLs in events.jsonl itself; then churn.jsonl repeats
+    # them (and the coordinator logs the joins), so it is only read as a fallback.
+    logged_kills = any(e.get("event") == "kill" for e in events)
+    for rec in [] if logged_kills else read_jsonl(d / "churn.jsonl"):
         if t0 is not None and "unix_time" in rec:
             rec = {**rec, "time_s": round(rec["unix_time"] - t0, 4)}
         events.append(rec)
