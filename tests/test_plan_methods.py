@@ -170,3 +170,11 @@ def test_tuning_the_micro_batch_keeps_the_global_batch_and_never_hurts():
     assert tuned.predicted["step_time_s"] <= plain.predicted["step_time_s"] * (1 + 1e-9)
     with pytest.raises(ShoalError):
         make_plan(s, method="dapple", tune_micro_batch=True)
+
+
+def test_impossible_stage_counts_are_user_errors():
+    s = load_scenario("demo")
+    for bad in (0, 7):
+        with pytest.raises(ShoalError, match="--stages must be in"):
+            make_plan(s, stages=bad)
+    assert main(["plan", "--scenario", "demo", "--stages", "99"]) == 2

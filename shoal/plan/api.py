@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from shoal.errors import ShoalError
 from shoal.plan.allocator import plan_shoal, plan_shoal_tuned
-from shoal.plan.cost import CostOptions, predict
+from shoal.plan.cost import CostOptions, predict, scenario_profile
 from shoal.plan.types import Plan, Scenario, SyncPolicy
 from shoal.plan.validate import validate_plan
 
@@ -25,8 +25,14 @@ def make_plan(scenario: Scenario, method: str = "shoal", seed: int = 0, stages: 
     keeps the workload's."""
     if method not in METHODS:
         raise ShoalError(f"unknown planning method {method!r}; choose one of: {', '.join(METHODS)}")
-    if stages is not None and stages <= 0:
-        raise ShoalError(f"--stages must be positive, got {stages}")
+    if stages is not None:
+        n_layers = len(scenario_profile(scenario).layers)
+        limit = min(n_layers, len(scenario.workers))
+        if not 1 <= stages <= limit:
+            raise ShoalError(
+                f"--stages must be in [1, {limit}] for scenario {scenario.name} "
+                f"({n_layers} model layers, {len(scenario.workers)} workers), got {stages}"
+            )
     t0 = time.perf_counter()
     if tune_micro_batch and method != "shoal":
         raise ShoalError("--tune-micro-batch is only implemented for method shoal")
