@@ -178,3 +178,30 @@ def test_impossible_stage_counts_are_user_errors():
         with pytest.raises(ShoalError, match="--stages must be in"):
             make_plan(s, stages=bad)
     assert main(["plan", "--scenario", "demo", "--stages", "99"]) == 2
+
+
+def test_a_chain_of_repairs_under_random_churn_stays_valid():
+    import random
+
+    from shoal.plan.repair import live_scenario
+    s = load_scenario("demo")
+    rng = random.Random(5)
+    plan = make_plan(s, stages=3)
+    gone: set[str] = set()
+    for _ in range(25):
+        online = [d.id for d in s.devices if d.id not in gone]
+        live_workers = [d for d in s.workers if d.id not in gone]
+        live_hosts = [d for d in s.server_hosts if d.id not in gone]
+        can_leave = [d for d in online if not (
+            (d in {w.id for w in live_workers} and len(live_workers) <= 2)
+            or (d in {h.id for h in live_hosts} and len(live_hosts) <= 1))]
+        if gone and (rng.random() < 0.4 or not can_leave):
+            back = rng.choice(sorted(gone))
+            gone.discard(back)
+            plan = repair(plan, s, left=sorted(gone), joined=[back])
+        else:
+            leaving = rng.choice(can_leave)
+            gone.add(leaving)
+            plan = repair(plan, s, left=sorted(gone))
+        validate_plan(plan, live_scenario(s, gone))
+        assert plan.predicted["step_time_s"] > 0
