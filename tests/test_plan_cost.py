@@ -9,6 +9,7 @@ from shoal.plan.cost import (
     flow_bandwidth,
     pipeline_time,
     stage_costs,
+    stage_sync_time,
     stage_throughput,
     step_time,
     sync_time,
@@ -49,7 +50,9 @@ def test_pure_formulas():
     assert stage_throughput([1.0, 2.0, 4.0], 8) == pytest.approx(1.75)
     assert stage_throughput([1.0, 2.0, 4.0], 2) == pytest.approx(1.5)  # only M workers get tasks
     assert pipeline_time(5, [2.0, 1.0], [0.5, 0.25]) == pytest.approx(4 + 0.75)
-    assert sync_time(100.0, 0.5, 0.01, 10.0, 50.0) == pytest.approx(0.02 + 5 + 1)
+    assert sync_time(100.0, 0.5, 0.01, 10.0, 50.0) == pytest.approx(0.03 + 5 + 1)
+    assert stage_sync_time(0.01, 4.0, 2.0) == pytest.approx(6.03)
+    assert stage_sync_time(0.01, 4.0, 2.0, sync_every=3) == pytest.approx(2.01)
     assert sync_time(100.0, 1.0, 0.0, 10.0, 10.0, sync_every=4) == pytest.approx(5.0)
     assert step_time(3.0, 2.0) == 5.0 and step_time(3.0, 2.0, overlap_sync=True) == 3.0
 
@@ -59,12 +62,12 @@ def test_one_stage_one_worker_by_hand():
     p = plan([StagePlan((0, 6), "h", ["w0"])])
     r = predict(p, s)
     compute = TINY_FLOPS_PER_MB / 1e12
-    # stage 0 is also the last: token ids and targets come from the server over the worker's
-    # 200 Mbit/s downlink (25e6 B/s), one 5 ms latency.
-    tau = compute + 0.005 + 2 * TOKENS / 25e6
+    # stage 0 is also the last: one task per micro-batch whose lease round trip costs 2 x 5 ms;
+    # token ids and targets come from the server over the worker's 200 Mbit/s downlink (25e6 B/s).
+    tau = compute + 0.010 + 2 * TOKENS / 25e6
     assert r["pipeline_s"] == pytest.approx(3 * tau + tau)
     pbytes = TINY_PARAMS * 4
-    sync = 0.010 + pbytes / 2.5e6 + pbytes / 25e6  # push over 20 Mbit/s up, pull over 200 down
+    sync = 0.015 + pbytes / 2.5e6 + pbytes / 25e6  # push over 20 Mbit/s up, pull over 200 down, 3 latencies
     assert r["sync_s"] == pytest.approx(sync)
     assert r["step_time_s"] == pytest.approx(4 * tau + sync)
     assert p.predicted["step_time_s"] == r["step_time_s"]
@@ -87,16 +90,21 @@ def test_two_stages_share_the_server_link_by_hand():
     from shoal.model.profile import profile_model
     prof = profile_model(get_preset("tiny"), 64, 2, 4)
     c0 = (prof.fwd_flops(0, 3) + prof.bwd_flops(0, 3)) / 1e12
-    tau0 = c0 + (0.005 + TOKENS / 25e6) + (0.005 + HIDDEN / 2.5e6) + (0.005 + HIDDEN / 25e6)
+    # Stage 0 worker: 2 tasks per micro-batch (2 lease round trips of 2 x 5 ms), tokens and the
+    # output gradient down at 25e6 B/s, hidden state up at 2.5e6 B/s (fire and forget: no latency).
+    tau0 = c0 + 4 * 0.005 + TOKENS / 25e6 + HIDDEN / 25e6 + HIDDEN / 2.5e6
     assert costs[0].task_times["w0"] == pytest.approx(tau0)
     assert costs[0].throughput == pytest.approx(2 / tau0)
     c1 = (prof.fwd_flops(3, 6) + prof.bwd_flops(3, 6)) / 1e12
-    tau1 = c1 + (0.005 + (HIDDEN + TOKENS) / 25e6) + (0.005 + HIDDEN / 2.5e6)
+    # Last stage: one task (forward and backward at once), input + targets down, input-gradient up.
+    tau1 = c1 + 2 * 0.005 + (HIDDEN + TOKENS) / 25e6 + HIDDEN / 2.5e6
     assert costs[1].task_times["w2"] == pytest.approx(tau1)
     r = predict(p, s)
-    assert r["pipeline_s"] == pytest.approx(3 / min(2 / tau0, 1 / tau1) + tau0 + tau1)
+    # fill/drain: each stage's fastest worker plus the latency of its upload to the other server
+    assert r["fill_drain_s"] == pytest.approx(tau0 + 0.005 + tau1 + 0.005)
+    assert r["pipeline_s"] == pytest.approx(3 / min(2 / tau0, 1 / tau1) + tau0 + tau1 + 0.010)
     b0, b1 = prof.param_bytes(0, 3), prof.param_bytes(3, 6)
-    assert r["sync_s"] == pytest.approx(max(0.01 + b0 / 2.5e6 + b0 / 25e6, 0.01 + b1 / 2.5e6 + b1 / 25e6))
+    assert r["sync_s"] == pytest.approx(max(0.015 + b0 / 2.5e6 + b0 / 25e6, 0.015 + b1 / 2.5e6 + b1 / 25e6))
 
 
 def test_compression_and_local_mode_shrink_sync():
@@ -104,7 +112,7 @@ def test_compression_and_local_mode_shrink_sync():
     base = predict(plan([StagePlan((0, 6), "h", ["w0"])]), s)["sync_s"]
     p = plan([StagePlan((0, 6), "h", ["w0"])])
     p.sync = SyncPolicy(mode="local", grad_compression=0.25, sync_every=4)
-    assert predict(p, s)["sync_s"] == pytest.approx((base - 0.01) / 16 + 0.01 / 4)
+    assert predict(p, s)["sync_s"] == pytest.approx((base - 0.015) / 16 + 0.015 / 4)
 
 
 def test_worker_on_its_own_server_host_pays_no_transfer():

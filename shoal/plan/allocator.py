@@ -136,11 +136,11 @@ class _StageTable:
         in_b = np.where(first, tokens, hidden) + np.where(last, tokens, 0.0)
         down_b = in_b + np.where(last, 0.0, hidden)
         up_b = np.where(last, 0.0, hidden) + np.where(first, 0.0, hidden)
-        n_msgs = 1 + np.where(last, 0, 2) + np.where(first, 0, 1)
+        n_msgs = np.where(last, 2, 4)  # lease round trips to the own server: 2 per task, 2 tasks (1 on the last stage)
         tau = (pair_flops[:, None] / flops[None, :] + down_b * t_down[None, :] + up_b * t_up[None, :]
                + n_msgs * lat[None, :])
         tau = np.where(mem[None, :] >= pair_mem[:, None], tau, np.inf)
-        sync_t = 2 * lat[None, :] / max(1, sync.sync_every) + pair_pbytes[:, None] * spb[None, :]
+        sync_t = 3 * lat[None, :] / max(1, sync.sync_every) + pair_pbytes[:, None] * spb[None, :]
         sync_t = np.where(spb[None, :] > 0, sync_t, 0.0)
         # Prefixes in order of sync cost; a worker that cannot fit is skipped (rate 0).
         order = np.argsort(spb, kind="stable")
@@ -242,30 +242,38 @@ def construct(scenario: Scenario, n_stages: int, sync: SyncPolicy, options: Cost
     tables = [_StageTable(g, dev[h], share[h], scenario, prof, sync, m, options.overlap_sync, pairs, pf, pp, pm, n_layers,
                           table)
               for g, h in zip(groups, hosts, strict=True)]
-    value, bounds = _dp(tables, n_layers, pair_index)
-    if not bounds:
-        return None
-    stages = []
-    for t, h, (a, b) in zip(tables, hosts, bounds, strict=True):
-        k = int(t.keep[pair_index[(a, b)]])
-        need = prof.worker_memory(a, b)
-        chosen = [t.group[j] for j in t.order[:k] if t.group[j].memory >= need]
-        if not chosen:
-            return None
-        stages.append(StagePlan(layers=(a, b), server=h, workers=[d.id for d in chosen]))
-    # Re-place servers for the final layer ranges and worker sets, by sync alone and by sync plus
-    # activation traffic; keep whichever of the three placements predicts the shortest step.
-    groups2 = [[dev[w] for w in st.workers] for st in stages]
-    pb = [prof.param_bytes(*st.layers) for st in stages]
-    mem = [prof.server_memory(*st.layers) for st in stages]
-    best = build_plan(scenario, "shoal", stages, sync)
-    best_t = step_of(best, scenario, options)
-    for a in (0.0, act):
-        hs = place_servers(scenario, groups2, pb, mem, table, a, m)
-        alt = build_plan(scenario, "shoal", [StagePlan(st.layers, h, list(st.workers)) for st, h in zip(stages, hs, strict=True)], sync)
-        t = step_of(alt, scenario, options)
-        if t < best_t:
-            best, best_t = alt, t
+    _, dp_bounds = _dp(tables, n_layers, pair_index)
+    # The DP minimises the largest per-stage (pipeline + sync) estimate, while the step adds the
+    # largest pipeline term to the largest sync term; the even split is kept as a second
+    # candidate because it is often the better compromise when stages are alike.
+    best, best_t = None, math.inf
+    for bounds in (dp_bounds, even):
+        if not bounds:
+            continue
+        stages = []
+        for t, h, (a, b) in zip(tables, hosts, bounds, strict=True):
+            k = int(t.keep[pair_index[(a, b)]])
+            need = prof.worker_memory(a, b)
+            chosen = [t.group[j] for j in t.order[:k] if t.group[j].memory >= need]
+            if not chosen:
+                break
+            stages.append(StagePlan(layers=(a, b), server=h, workers=[d.id for d in chosen]))
+        if len(stages) < n_stages:
+            continue
+        # Re-place servers for the final layer ranges and worker sets, by sync alone and by sync
+        # plus activation traffic; keep whichever placement predicts the shortest step.
+        groups2 = [[dev[w] for w in st.workers] for st in stages]
+        pb = [prof.param_bytes(*st.layers) for st in stages]
+        mem = [prof.server_memory(*st.layers) for st in stages]
+        plans = [build_plan(scenario, "shoal", stages, sync)]
+        for a_bytes in (0.0, act):
+            hs = place_servers(scenario, groups2, pb, mem, table, a_bytes, m)
+            plans.append(build_plan(scenario, "shoal", [StagePlan(st.layers, h, list(st.workers))
+                                                        for st, h in zip(stages, hs, strict=True)], sync))
+        for cand in plans:
+            t = step_of(cand, scenario, options)
+            if t < best_t:
+                best, best_t = cand, t
     return best
 
 

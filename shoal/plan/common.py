@@ -147,7 +147,7 @@ class SyncTable:
             i = self.h_index.get(d.id)
             if i is not None:
                 c[i, j] = lat[i, j] = 0.0  # loopback
-        sync = (param_bytes * c + 2 * lat).max(axis=1)
+        sync = (param_bytes * c + 3 * lat).max(axis=1)
         act = (micro_batches / len(group)) * (4 * lat + 2 * act_bytes * c).mean(axis=1)
         return sync + act
 

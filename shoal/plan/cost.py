@@ -6,17 +6,22 @@ sizes in bytes, rates in bytes/s and FLOP/s.
 
 * per-task compute of worker ``d`` on stage ``s``: ``c = (F_s + G_s) / flops_d`` (forward and
   backward FLOPs of one micro-batch; ``+F_s`` again when backward recomputes the forward).
-* a transfer of ``n`` bytes: ``latency + n / bw`` with ``bw = min(path, up_src / k_src, down_dst / k_dst)``
-  where ``k`` is the number of workers sharing the server's link (1 for the worker's own link).
-* per-micro-batch time of ``d``: ``tau_d = c + sum of its four activation transfers`` (input
-  from ``h_s``, output to ``h_{s+1}``, output-gradient from ``h_s``, input-gradient to ``h_{s-1}``).
+* a transfer of ``n`` bytes moves at ``bw = min(path, up_src / k_src, down_dst / k_dst)`` where
+  ``k`` is the number of workers sharing the server's link (1 for the worker's own link).
+* per-micro-batch time of ``d``: ``tau_d = c + (bytes of its activation transfers) / bw +
+  n_tasks * 2 * L(d, h_s)``: input (and output-gradient) downloads from ``h_s``, output upload to
+  ``h_{s+1}``, input-gradient upload to ``h_{s-1}``; each of its ``n_tasks`` tasks per micro-batch
+  (2, or 1 on the last stage, which runs forward and backward at once) costs a lease round trip
+  to its own server. Uploads are fire-and-forget: their latency delays the micro-batch, not the
+  worker, so it only enters the fill/drain term.
 * stage throughput ``X_s = sum over the min(M, |W_s|) fastest workers of 1 / tau_d``.
-* pipeline: ``P = (M - 1) / min_s X_s + sum_s min_{d in W_s} tau_d`` -- the bottleneck stage sets
-  the rate, and one micro-batch must go forward through every stage and backward through every
-  stage before the step can close (fill and drain).
-* sync: every worker pushes its gradient and pulls the new weights of its stage,
-  ``2 * latency + g / bw_push + g / bw_pull`` with ``g = param_bytes_s * grad_compression``, divided
-  by ``sync_every``; the step waits for the slowest worker.
+* pipeline: ``P = (M - 1) / min_s X_s + sum_s (tau_s* + L(d*, h_{s+1}) + L(d*, h_{s-1}))`` with
+  ``d*`` the stage's fastest worker -- the bottleneck stage sets the rate, and one micro-batch
+  must go forward through every stage and backward through every stage before the step can
+  close (fill and drain).
+* sync: every worker pushes its gradient, the server applies the update once all are in, then
+  every worker pulls: ``(3 L_max + max_d g / bw_push,d + max_d g / bw_pull,d) / sync_every`` per
+  stage with ``g = param_bytes_s * grad_compression``; the step waits for the slowest stage.
 * step: ``P + sync`` or, with ``overlap_sync``, ``max(P, sync)``.
 """
 
@@ -92,11 +97,20 @@ def pipeline_time(micro_batches: int, throughputs: list[float], latencies: list[
 
 def sync_time(param_bytes: float, compression: float, latency: float, push_bw: float, pull_bw: float,
               sync_every: int = 1) -> float:
-    """Per-step seconds for one worker to push its gradient and pull the new weights."""
+    """Per-step seconds of a stage's sync with one worker: push request and push, the update,
+    then pull request and pull (``3 latency``); see :func:`stage_sync_time` for many workers."""
     g = param_bytes * compression
     if g <= 0:
         return 0.0
-    return (2 * latency + g / push_bw + g / pull_bw) / max(1, sync_every)
+    return stage_sync_time(latency, g / push_bw, g / pull_bw, sync_every)
+
+
+def stage_sync_time(max_latency: float, max_push_s: float, max_pull_s: float, sync_every: int = 1) -> float:
+    """Per-step sync seconds of a stage: the update waits for the slowest push, then every worker
+    pulls, so the slowest push and the slowest pull add up (they may be different workers)."""
+    if max_push_s <= 0 and max_pull_s <= 0:
+        return 0.0
+    return (3 * max_latency + max_push_s + max_pull_s) / max(1, sync_every)
 
 
 def step_time(pipeline: float, sync: float, overlap_sync: bool = False) -> float:
@@ -112,9 +126,9 @@ class StageCost:
     """Cost-model figures of one stage."""
 
     throughput: float  # micro-batches per second of the task pool (X_s)
-    latency: float  # per-micro-batch time of the fastest worker (fill/drain share)
+    latency: float  # fastest worker's per-micro-batch time plus its uploads' latency (fill/drain share)
     compute_fraction: float  # throughput-weighted share of compute in tau
-    sync: float  # slowest worker's per-step sync seconds
+    sync: float  # per-step sync seconds of the stage (slowest push + slowest pull + 3 latencies)
     task_times: dict[str, float]  # worker id -> tau_d
     memory_headroom: float  # min over workers of (memory - need) / memory
 
@@ -183,9 +197,10 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
         prv = dev[plan.stages[i - 1].server] if not first else None
         times: dict[str, float] = {}
         comp: dict[str, float] = {}
-        worst_sync = 0.0
+        outbound: dict[str, float] = {}  # latency of the uploads (fill/drain only)
+        max_lat = max_push = max_pull = 0.0
         headroom = math.inf
-        # Inlined transfer_time / flow_bandwidth / sync_time (this loop is the planner's hot path).
+        # Inlined formulas (this loop is the planner's hot path); see the module docstring.
         h_up_dl = host.up / max(1, n_dl.get(host.id, 1))
         k_sync = max(1, n_sync.get(host.id, 1))
         h_up_sync, h_down_sync = host.up / k_sync, host.down / k_sync
@@ -193,39 +208,42 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
         prv_down = prv.down / max(1, n_ul.get(prv.id, 1)) if prv is not None else 0.0
         flops = fwd + bwd
         g = pbytes * sync.grad_compression
-        every = max(1, sync.sync_every)
+        n_tasks = 1 if last else 2
         for wid in st.workers:
             d = dev[wid]
             c = compute_time(flops, d.flops)
             t = c
+            out_lat = 0.0
             if wid != host.id:
                 link = path(d, host)
                 bw = min(link.bandwidth, h_up_dl, d.down)
-                t += link.latency + in_bytes / bw
+                t += n_tasks * 2 * link.latency + in_bytes / bw
                 if nxt is not None:
-                    t += link.latency + out_bytes / bw
+                    t += out_bytes / bw
                 if g > 0:
-                    push = min(link.bandwidth, d.up, h_down_sync)
-                    pull = min(link.bandwidth, h_up_sync, d.down)
-                    s_d = (2 * link.latency + g / push + g / pull) / every
-                    if s_d > worst_sync:
-                        worst_sync = s_d
+                    max_lat = max(max_lat, link.latency)
+                    max_push = max(max_push, g / min(link.bandwidth, d.up, h_down_sync))
+                    max_pull = max(max_pull, g / min(link.bandwidth, h_up_sync, d.down))
             if nxt is not None and wid != nxt.id:
                 link = path(d, nxt)
-                t += link.latency + out_bytes / min(link.bandwidth, d.up, nxt_down)
+                t += out_bytes / min(link.bandwidth, d.up, nxt_down)
+                out_lat += link.latency
             if prv is not None and wid != prv.id:
                 link = path(d, prv)
-                t += link.latency + in_grad_bytes / min(link.bandwidth, d.up, prv_down)
+                t += in_grad_bytes / min(link.bandwidth, d.up, prv_down)
+                out_lat += link.latency
             times[wid] = t
             comp[wid] = c
+            outbound[wid] = out_lat
             headroom = min(headroom, (d.memory - need) / d.memory if d.memory > 0 else -math.inf)
+        worst_sync = stage_sync_time(max_lat, max_push, max_pull, sync.sync_every)
         x = stage_throughput(list(times.values()), plan.micro_batches)
         used = sorted(times, key=times.get)[: plan.micro_batches]
         finite = [w for w in used if times[w] < math.inf and times[w] > 0]
         if finite:
             total = sum(1.0 / times[w] for w in finite)
             frac = sum(comp[w] / times[w] / times[w] for w in finite) / total
-            lat = times[finite[0]]
+            lat = times[finite[0]] + outbound[finite[0]]
         else:
             frac, lat = 1.0, math.inf
         out.append(StageCost(throughput=x, latency=lat, compute_fraction=frac, sync=worst_sync,
