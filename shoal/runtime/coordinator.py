@@ -218,6 +218,10 @@ class Coordinator(pbg.CoordinatorServicer):
             self.event("replan", why=why, method=method or "balance",
                        layers=[list(x) for x in self.layers],
                        assignment={self.members[w].name: s for w, s in new.items()})
+        empty = [s for s in range(self.spec.stages) if s not in new.values()]
+        if empty:
+            # Nothing to take a worker from (every other stage has one): wait for a join.
+            self.event("waiting", stages_without_workers=empty, workers=len(live))
 
     def _stage_of(self, m: Member) -> int:
         if not self.ready:
