@@ -35,11 +35,13 @@ def test_every_method_plans_every_builtin_validly(name):
         assert p.predicted["memory_headroom"] >= 0
 
 
-def tiny_instance(kinds, hosts=1, up_slow=False):
+def tiny_instance(kinds, hosts=1, up_slow=False, inter_mbps=100):
     devices = []
-    for i, (tflops, region) in enumerate(kinds):
-        devices.append({"id": f"d{i}", "tflops": tflops, "memory_gb": 4, "region": region,
-                        "up_mbps": 5 if (up_slow and i == 0) else 200, "down_mbps": 500})
+    for i, kind in enumerate(kinds):
+        tflops, region, mem, up = (*kind, 4, None)[:4] if len(kind) < 4 else kind
+        up = up or (5 if (up_slow and i == 0) else 200)
+        devices.append({"id": f"d{i}", "tflops": tflops, "memory_gb": mem, "region": region,
+                        "up_mbps": up, "down_mbps": 500})
     for h in range(hosts):
         devices.append({"id": f"h{h}", "tflops": 0, "memory_gb": 0, "region": "a" if h == 0 else "b",
                         "up_gbps": 1, "down_gbps": 1, "can_host_server": True})
@@ -47,7 +49,7 @@ def tiny_instance(kinds, hosts=1, up_slow=False):
         "name": "tiny-instance",
         "workload": {"model": "tiny", "seq_len": 128, "global_batch": 32, "micro_batch_size": 4, "dtype": "fp32"},
         "network": {"intra": {"a": {"latency_ms": 2, "bandwidth_gbps": 1}, "b": {"latency_ms": 2, "bandwidth_gbps": 1}},
-                    "inter": [{"regions": ["a", "b"], "latency_ms": 60, "bandwidth_mbps": 100}]},
+                    "inter": [{"regions": ["a", "b"], "latency_ms": 60, "bandwidth_mbps": inter_mbps}]},
         "devices": devices,
     })
 
@@ -56,6 +58,9 @@ def tiny_instance(kinds, hosts=1, up_slow=False):
     lambda: tiny_instance([(0.5, "a"), (0.5, "a"), (0.1, "b"), (0.1, "b")]),
     lambda: tiny_instance([(0.2, "a"), (0.05, "a"), (0.2, "b")], hosts=2),
     lambda: tiny_instance([(0.3, "a"), (0.3, "a"), (0.3, "b"), (0.02, "b")], up_slow=True),
+    # needs a compound move (drop a device and move its stage's server) to reach the optimum
+    lambda: tiny_instance([(0.02, "a", 0.06, 5), (0.3, "b", 0.03, 500), (0.02, "a", 4, 5), (0.02, "b", 0.06, 5)],
+                          hosts=2, inter_mbps=20),
 ])
 def test_shoal_is_within_five_percent_of_exhaustive(instance):
     s = instance()

@@ -345,6 +345,12 @@ def _neighbours(plan: Plan, scenario: Scenario, rng: random.Random, unused: list
                 p = _copy(plan)
                 p.stages[s].workers.remove(w)
                 yield p
+                # compound move: dropping a device can make another server host the better one
+                for h in rng.sample(host_ids, min(len(host_ids), 3)):
+                    if h != p.stages[s].server:
+                        q = _copy(p)
+                        q.stages[s].server = h
+                        yield q
     # 5. move a server
     for s in {b, rng.randrange(n)}:
         for h in rng.sample(host_ids, min(len(host_ids), 4)):
