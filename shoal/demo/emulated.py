@@ -100,6 +100,10 @@ def emulation_spec(scenario: Scenario, scenario_ref: str, *, model_task_s: float
                          speedup, latency_scale, bandwidth_scale, [d.id for d in workers], args)
 
 
+class ChurnSkipped(Exception):
+    """A churn event that was not applied (see :func:`swarm_churn`)."""
+
+
 def churn_record(action: str, device: str, index: int | None, ok: bool, t0_unix: float) -> dict[str, Any]:
     """The ``churn.jsonl`` record of one replayed event (``kill`` for a leave)."""
     now = time.time()
@@ -110,7 +114,7 @@ def churn_record(action: str, device: str, index: int | None, ok: bool, t0_unix:
 
 def swarm_churn(swarm, spec: EmulationSpec, schedule: list[Event], out: str | Path | None = None,
                 time_scale: float = 1.0, t0_unix: float | None = None,
-                on_record=None) -> ChurnDriver:
+                on_record=None, min_live: int = 0) -> ChurnDriver:
     """A churn driver that kills (SIGKILL) and restarts ``swarm``'s worker processes.
 
     ``swarm`` is a ``shoal.runtime.launch.Swarm`` (``kill_worker(i)``,
@@ -119,19 +123,38 @@ def swarm_churn(swarm, spec: EmulationSpec, schedule: list[Event], out: str | Pa
     with ``out``, appended to ``out/churn.jsonl`` (times since ``t0_unix``, default
     now) -- only needed with a launcher that does not log its kills in events.jsonl
     (the report reads it only then). Events for devices that are not workers are
-    ignored. Call ``.start()`` on the result.
+    ignored. ``min_live``: a leave that would leave fewer live worker processes is
+    skipped (and so is the device's later join); a join of a worker that is still
+    running is skipped too (a second process for one index would escape the swarm's
+    process table). Skipped events are replayed as failed (``ok`` False). Call
+    ``.start()`` on the result.
     """
     t0 = time.time() if t0_unix is None else t0_unix
     path = Path(out) / "churn.jsonl" if out is not None else None
 
+    def running(i: int) -> bool:
+        procs = getattr(swarm, "workers", None)
+        if procs is None:  # a stand-in without a process table
+            return True
+        return i < len(procs) and procs[i] is not None and procs[i].poll() is None
+
+    def live_count() -> int:
+        procs = getattr(swarm, "workers", None)
+        return len(spec.workers) if procs is None else sum(1 for p in procs if p is not None and p.poll() is None)
+
     def kill(dev: str) -> None:
         i = spec.index_of(dev)
         if i is not None:
+            if not running(i) or live_count() <= min_live:
+                raise ChurnSkipped(f"leave of {dev} skipped (not running, or only {live_count()} workers live)")
             swarm.kill_worker(i)
 
     def start(dev: str) -> None:
         i = spec.index_of(dev)
         if i is not None:
+            procs = getattr(swarm, "workers", None)
+            if procs is not None and running(i):
+                raise ChurnSkipped(f"join of {dev} skipped (still running)")
             swarm.start_worker(i)
 
     def on_event(_t: float, dev: str, action: str, ok: bool) -> None:

@@ -1,0 +1,516 @@
+"""``shoal demo``: an emulated internet swarm on this machine, trained end to end, with a report.
+
+What it does, in order:
+
+1. loads the scenario (built-in ``demo`` by default) and picks the devices to run: every
+   worker device (or ``--workers N`` of them, spread over the regions) plus the server
+   hosts; the workload is the scenario's if its model is small enough for a CPU,
+   otherwise the ``tiny`` model with a short sequence (:func:`demo_workload`);
+2. writes that scenario to ``<out>/scenario.json`` (every process loads it from there)
+   and derives the emulation (:func:`shoal.demo.emulated.emulation_spec`): the common
+   compute time scale, so the slowest device's whole-model task takes ``model_task_s``;
+3. plans the emulated scenario with shoal's planner (shown before the run);
+4. launches the swarm (:class:`shoal.runtime.launch.Swarm`): coordinator, one stage
+   server per stage, one worker process per device, each shaping its links and pacing
+   its compute as its device; the churn model's leave/join events SIGKILL and restart
+   workers once step 0 has committed;
+5. shows a live display (rich; one line per step when stdout is not a terminal);
+6. afterwards predicts the step time of the plan the runtime actually ran with the cost
+   model and the simulator on the same emulated scenario (with the churn that happened
+   replayed as a trace), samples text from the final checkpoint, adds all that to
+   ``summary.json`` and writes ``<out>/report/``.
+
+Every child process is killed on every exit path (normal end, error, Ctrl-C, SIGTERM);
+the run folder keeps the logs and whatever was written so far, and a partial report is
+written when the run fails midway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from shoal.errors import ShoalError
+
+# Models a 2-core CPU can train in a few minutes; other scenarios' models are replaced.
+CPU_MODELS = ("tiny", "small")
+CODECS = {"none": "raw", "fp16": "fp16", "int8": "int8"}  # --compression -> worker wire codec
+
+
+@dataclass
+class DemoConfig:
+    """One ``shoal demo`` run."""
+
+    scenario: str = "demo"  # built-in scenario name or scenario file
+    steps: int = 40  # optimizer steps
+    workers: int | None = None  # worker processes (None: every worker device, at most max_workers)
+    churn: bool = True  # replay the scenario's churn (SIGKILL + restart of workers)
+    compression: str = "none"  # wire codec of worker uploads: none, fp16, int8
+    out: str | None = None  # run folder (None: runs/demo-YYYYmmdd-HHMMSS)
+    seed: int = 0  # weights, data, churn and sampling seed
+    quiet: bool = False  # no live display (the summary is still printed)
+    stages: int = 2  # pipeline stages
+    model_task_s: float = 1.2  # seconds the slowest device takes for a whole-model fwd+bwd task
+    max_workers: int = 12  # default cap on worker processes for big scenarios (2-core host)
+    sample_tokens: int = 120  # tokens of the generated sample
+    timeout_s: float = 1200.0  # give up on the run after this long
+    churn_after_step: int = 0  # churn starts once this step has committed (start-up joins are not churn)
+
+    def validate(self) -> None:
+        """Raise :class:`ShoalError` on a bad value."""
+        if self.steps < 1:
+            raise ShoalError(f"--steps must be at least 1, got {self.steps}")
+        if self.workers is not None and self.workers < 1:
+            raise ShoalError(f"--workers must be at least 1, got {self.workers}")
+        if self.compression not in CODECS:
+            raise ShoalError(f"--compression must be one of {', '.join(CODECS)}, got {self.compression!r}")
+        if self.stages < 1:
+            raise ShoalError(f"--stages must be at least 1, got {self.stages}")
+        if not self.model_task_s > 0:
+            raise ShoalError(f"--task-time must be positive, got {self.model_task_s}")
+
+
+# --------------------------------------------------------------------------- pure decisions
+
+
+def demo_workload(workload):
+    """The workload the demo trains: the scenario's, or ``tiny`` when its model is too big.
+
+    A scenario written for a 1.3B model keeps its devices, network and churn, but the
+    processes train the tiny model (sequence <= 128, micro-batch <= 4, M <= 8) -- the
+    pacer pads every task to the time the scenario device takes for *that* model's
+    FLOPs, and the planner and simulator see the same workload, so the comparison stays
+    like for like. Returns ``(workload, substituted)``.
+    """
+    from shoal.model.config import get_preset
+
+    if workload.model in CPU_MODELS:
+        return replace(workload, dtype_bytes=4), False
+    cfg = get_preset("tiny")
+    mbs = min(workload.micro_batch_size * 4, 4)
+    m = max(2, min(workload.micro_batches, 8))
+    return replace(workload, model="tiny", seq_len=min(workload.seq_len, 128, cfg.max_seq_len),
+                   micro_batch_size=mbs, global_batch=mbs * m, dtype_bytes=4), True
+
+
+def pick_workers(devices: list, n: int) -> list:
+    """``n`` worker devices spread over the regions: round-robin over regions, in scenario order."""
+    by_region: dict[str, list] = {}
+    for d in devices:
+        by_region.setdefault(d.region, []).append(d)
+    picked, queues = [], [list(v) for v in by_region.values()]
+    while len(picked) < n and any(queues):
+        for q in queues:
+            if q and len(picked) < n:
+                picked.append(q.pop(0))
+    chosen = {d.id for d in picked}
+    return [d for d in devices if d.id in chosen]  # scenario order, so worker i is stable
+
+
+def demo_scenario(scenario, n_workers: int | None, max_workers: int):
+    """The scenario the processes emulate: the chosen workers, every server host, the demo workload.
+
+    Returns ``(scenario, notes)``; notes say what was changed from the scenario as written.
+    """
+    notes = []
+    workers = scenario.workers
+    if not workers or not scenario.server_hosts:
+        raise ShoalError(f"scenario {scenario.name} needs worker devices (flops > 0) and a server host "
+                         "(can_host_server) to run as a demo")
+    if n_workers is None:
+        n = min(len(workers), max_workers)
+        if n < len(workers):
+            notes.append(f"{n} of the scenario's {len(workers)} workers run (spread over regions); "
+                         "pass --workers to change")
+    else:
+        if n_workers > len(workers):
+            raise ShoalError(f"--workers {n_workers}: scenario {scenario.name} has only {len(workers)} "
+                             "worker devices")
+        n = n_workers
+    chosen = pick_workers(workers, n)
+    keep = {d.id for d in chosen} | {d.id for d in scenario.server_hosts}
+    workload, substituted = demo_workload(scenario.workload)
+    if substituted:
+        notes.append(f"model {scenario.workload.model} replaced by tiny (seq {workload.seq_len}, "
+                     f"micro-batch {workload.micro_batch_size}, M={workload.micro_batches}) to fit this CPU")
+    trace = tuple(e for e in scenario.churn.trace if e[1] in keep)
+    return replace(scenario, devices=[d for d in scenario.devices if d.id in keep], workload=workload,
+                   churn=replace(scenario.churn, trace=trace)), notes
+
+
+def runtime_plan(events: list[dict], workers: list[str], hosts: list[str], model: str, scenario: str,
+                 micro_batch_size: int, micro_batches: int):
+    """The plan the runtime ran (the coordinator's first ``replan``), in scenario device ids.
+
+    Worker process ``w{i}`` plays ``workers[i]``; server process ``s{i}`` plays
+    ``hosts[i % len(hosts)]`` (as :class:`shoal.runtime.launch.Swarm` starts them).
+    None if no replan with layers was logged.
+    """
+    from shoal.plan.types import Plan, StagePlan
+
+    first = next((e for e in events if e.get("event") == "replan" and e.get("layers")), None)
+    if first is None:
+        return None
+
+    def dev(name: str) -> str:
+        if name.startswith("w") and name[1:].isdigit() and int(name[1:]) < len(workers):
+            return workers[int(name[1:])]
+        return name
+
+    servers = {}
+    for e in events:
+        name = str(e.get("device", ""))
+        if e.get("event") == "assign" and e.get("role") == "server" and e.get("stage") is not None \
+                and name[1:].isdigit() and int(e["stage"]) not in servers:
+            servers[int(e["stage"])] = hosts[int(name[1:]) % len(hosts)]
+    assignment = first.get("assignment") or {}
+    stages = []
+    for i, (a, b) in enumerate(first["layers"]):
+        ws = [dev(w) for w, s in sorted(assignment.items(), key=lambda kv: _worker_index(kv[0])) if int(s) == i]
+        stages.append(StagePlan((int(a), int(b)), servers.get(i, hosts[i % len(hosts)]), ws))
+    return Plan(scenario=scenario, model=model, method="runtime (" + str(first.get("method", "?")) + ")",
+                stages=stages, micro_batch_size=micro_batch_size, micro_batches=micro_batches)
+
+
+def _worker_index(name: str) -> int:
+    return int(name[1:]) if name[1:].isdigit() else 1 << 30
+
+
+def churn_trace(done: list[tuple[float, str, str, bool]], offset_s: float) -> tuple:
+    """The churn that happened, as a scenario trace: driver times shifted by ``offset_s``.
+
+    Only events that took effect (``ok``) are kept; per device they alternate.
+    """
+    return tuple((round(t + offset_s, 3), dev, action) for t, dev, action, ok in done if ok)
+
+
+def traffic_bytes(metrics: list[dict], plan, tokens_per_mb: int, d_model: int, stage_params: list[int],
+                  codec: str, block: int = 128) -> dict[str, dict[str, int]]:
+    """Bytes sent by the workers, per traffic class: fp32-equivalent ("raw") and on the wire.
+
+    Computed from the run's committed steps, not counted on sockets (the runtime has no
+    byte counters yet): every committed micro-batch sends one activation and one
+    activation gradient across each of the S - 1 stage boundaries (worker -> server,
+    encoded with ``codec``); each worker that took tasks in a step pulls its stage's
+    weights once (server -> worker, raw fp32 in the runtime) and pushes one gradient of
+    its stage (``--unordered-grads``: one push per worker per step, ``codec``).
+    Re-sent results of re-queued tasks are not included, so this is a lower bound.
+    """
+    from shoal.net.compress import encoded_nbytes
+
+    n_stages = len(plan.stages) if plan is not None else 1
+    stage_of = {}
+    if plan is not None:
+        for s, sp in enumerate(plan.stages):
+            for w in sp.workers:
+                stage_of[w] = s
+    out = {k: {"raw": 0, "wire": 0} for k in ("activations", "activation_grads", "grad_push", "weight_pull")}
+
+    def add(kind: str, numel: int, c: str) -> None:
+        out[kind]["raw"] += 4 * numel
+        out[kind]["wire"] += 4 * numel if c == "raw" else encoded_nbytes(c, numel, block)
+
+    act_numel = tokens_per_mb * d_model
+    for m in metrics:
+        mbs = int(m.get("tokens", 0)) // max(1, tokens_per_mb)
+        for _ in range(n_stages - 1):
+            for _ in range(mbs):
+                add("activations", act_numel, codec)
+                add("activation_grads", act_numel, codec)
+        for w, n in (m.get("tasks_per_worker") or {}).items():
+            s = stage_of.get(w)
+            if n and s is not None and s < len(stage_params):
+                add("weight_pull", stage_params[s], "raw")
+                add("grad_push", stage_params[s], codec)
+    return out
+
+
+def default_out(now: float | None = None) -> str:
+    """``runs/demo-YYYYmmdd-HHMMSS`` (a fresh folder per run)."""
+    return time.strftime("runs/demo-%Y%m%d-%H%M%S", time.localtime(now))
+
+
+def fidelity(achieved: float | None, reference: float | None) -> float | None:
+    """``achieved / reference`` (None if either is missing)."""
+    return achieved / reference if achieved is not None and reference else None
+
+
+# --------------------------------------------------------------------------- the run
+
+
+class _Terminate(Exception):
+    """SIGTERM/SIGHUP received: unwind like Ctrl-C so every child is killed."""
+
+
+def _raise_terminate(signum, _frame):
+    raise _Terminate(f"signal {signum}")
+
+
+def _stage_params(model: str, layers: list[tuple[int, int]]) -> list[int]:
+    from shoal.model.config import get_preset
+    from shoal.model.profile import profile_model
+
+    prof = profile_model(get_preset(model), 8, 1, 4)
+    return [int(prof.param_bytes(a, b) // 4) for a, b in layers]
+
+
+class _Display:
+    """The live display: rich Live on a terminal, a line per step otherwise, nothing when quiet."""
+
+    def __init__(self, state, console, quiet: bool):
+        self.state, self.console, self.quiet = state, console, quiet
+        self.tty = console.is_terminal and not quiet
+        self.live = None
+
+    def __enter__(self):
+        if self.tty:
+            from rich.live import Live
+
+            self.live = Live(get_renderable=self.state.table, console=self.console, refresh_per_second=4,
+                             transient=False)
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.live is not None:
+            self.live.__exit__(*exc)
+            self.live = None
+
+    def record(self, rec: dict) -> None:
+        self.state.update(rec)
+        if self.tty or self.quiet:
+            return
+        st, ev = self.state, rec.get("event", "step")
+        if ev == "step" and "step" in rec:
+            per = " ".join(f"s{i}:{n}" for i, n in enumerate(st.workers_per_stage()))
+            self.console.print(
+                f"step {rec['step'] + 1}/{st.total_steps}  loss {rec.get('loss', float('nan')):.4f}  "
+                f"{rec.get('tokens_per_s', 0):.0f} tok/s  workers {per}  re-queued {st.requeued}  "
+                f"lost {st.workers_lost}  joined {st.workers_joined}", highlight=False, soft_wrap=True)
+        elif ev in ("kill", "join", "leave") and st.step is not None:
+            self.console.print(f"  {ev} {rec.get('device')}", highlight=False)
+
+
+def run_demo(cfg: DemoConfig, console=None) -> Path:
+    """Run the demo; return the report folder. See the module docstring."""
+    import resource
+
+    from rich.console import Console
+
+    from shoal.demo.emulated import emulation_spec, swarm_churn
+    from shoal.demo.live import LiveState
+    from shoal.demo.report import build_report, load_run, print_summary, write_report
+    from shoal.emulate.churn import churn_schedule
+    from shoal.plan.api import make_plan
+    from shoal.plan.scenario import load_scenario, save_scenario
+    from shoal.runtime.launch import LaunchConfig, Swarm
+
+    cfg.validate()
+    console = console or Console()
+    written = load_scenario(cfg.scenario)
+    sc, notes = demo_scenario(written, cfg.workers, cfg.max_workers)
+    stages = min(cfg.stages, len(sc.workers))
+    out = Path(cfg.out or default_out())
+    if out.exists() and any(out.iterdir()):
+        raise ShoalError(f"run folder {out} exists and is not empty; pass another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    scen_path = out / "scenario.json"
+    save_scenario(sc, scen_path)
+    spec = emulation_spec(sc, str(scen_path), model_task_s=cfg.model_task_s, bandwidth_scale=BANDWIDTH_SCALE,
+                          seed=cfg.seed)
+    plan = make_plan(spec.emulated, stages=stages, seed=cfg.seed)
+    w = sc.workload
+    codec = CODECS[cfg.compression]
+    if not cfg.quiet:
+        console.print(f"[bold]shoal demo[/bold]: scenario {written.name} -- {len(sc.workers)} workers in "
+                      f"{len({d.region for d in sc.workers})} regions, {len(sc.server_hosts)} server hosts; "
+                      f"model {w.model}, {stages} stages, {cfg.steps} steps, churn {'on' if cfg.churn else 'off'}, "
+                      f"compression {cfg.compression}; run folder {out}", highlight=False)
+        for n in notes:
+            console.print(f"  note: {n}", highlight=False)
+        console.print(f"  planner: {_plan_line(plan)}; predicted step {plan.predicted_step_time_s:.2f} s "
+                      f"(time scale: devices x{spec.speedup:.2e}, bandwidth x{BANDWIDTH_SCALE:g})", highlight=False)
+    lc = LaunchConfig(
+        out=str(out), model=w.model, stages=stages, workers=len(sc.workers), steps=cfg.steps,
+        micro_batches=w.micro_batches, micro_batch_size=w.micro_batch_size, seq_len=w.seq_len, seed=cfg.seed,
+        warmup=max(1, min(10, cfg.steps // 5)), data="corpus", ordered_grads=False,
+        worker_args=[["--codec", codec]] * len(sc.workers), timeout_s=cfg.timeout_s, scenario=str(scen_path),
+        emulate_speedup=spec.speedup, bandwidth_scale=BANDWIDTH_SCALE)
+    state = LiveState(total_steps=cfg.steps)
+    display = _Display(state, console, cfg.quiet)
+    schedule = churn_schedule(sc, 3600.0, seed=cfg.seed) if cfg.churn else []
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    old = {s: signal.signal(s, _raise_terminate) for s in (signal.SIGTERM, signal.SIGHUP)}
+    driver, t_churn, failed = None, None, None
+    t_start = time.time()
+    try:
+        with Swarm(lc, on_event=display.record) as swarm, display:
+            try:
+                swarm.start()
+                deadline = time.time() + cfg.timeout_s
+                while swarm.coord.poll() is None:
+                    if time.time() > deadline:
+                        raise ShoalError(f"the run did not finish within {cfg.timeout_s:.0f} s; see {out / 'logs'}")
+                    swarm.poll_records()
+                    if driver is None and schedule and state.step is not None \
+                            and state.step >= cfg.churn_after_step:
+                        t_churn = time.time()
+                        driver = swarm_churn(swarm, spec, schedule, out, t0_unix=swarm.t0,
+                                             min_live=stages).start()
+                    time.sleep(0.2)
+            finally:
+                if driver is not None:
+                    driver.stop()  # before the processes go: no restart after the kill-all
+            swarm.wait(timeout_s=60)
+    except (KeyboardInterrupt, _Terminate) as exc:
+        failed = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"terminated ({exc})"
+    except ShoalError as exc:
+        failed = str(exc)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    host_cpu = (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
+    metrics, events, _ = load_run(out)
+    extra = _analyse(cfg, sc, spec, plan, metrics, events, driver, t_churn, codec)
+    extra.update(host_cpu_s=host_cpu, demo_wall_s=time.time() - t_start,
+                 notes=notes, failed=failed)
+    if failed is None:
+        try:
+            from shoal.train.generate import generate_text
+
+            extra["sample_text"] = generate_text(out, "", cfg.sample_tokens, 0.8, 0, cfg.seed)
+        except Exception as exc:  # noqa: BLE001 -- a missing sample must not lose the report
+            extra["sample_text"] = f"(no sample: {exc})"
+    _merge_summary(out / "summary.json", extra)
+    folder = write_report(out)
+    rep = build_report(*load_run(out))
+    print_summary(rep, folder, console=console)
+    if failed is not None:
+        raise ShoalError(f"the demo stopped early ({failed}); what ran is in {out} (logs in {out / 'logs'}), "
+                         f"partial report in {folder}")
+    return folder
+
+
+BANDWIDTH_SCALE = 4.0  # every scenario bandwidth x4: weight sync of the tiny model over home uplinks in ~1 s
+
+
+def _plan_line(plan) -> str:
+    return "; ".join(f"stage {i} layers [{s.layers[0]},{s.layers[1]}) server {s.server} {len(s.workers)} workers"
+                     for i, s in enumerate(plan.stages))
+
+
+def _merge_summary(path: Path, extra: dict[str, Any]) -> None:
+    summary = json.loads(path.read_text()) if path.exists() else {}
+    summary.update({k: v for k, v in extra.items() if v is not None or k not in summary})
+    path.write_text(json.dumps(summary, indent=1, sort_keys=True, default=str) + "\n")
+
+
+def _analyse(cfg: DemoConfig, sc, spec, demo_plan, metrics, events, driver, t_churn, codec) -> dict[str, Any]:
+    """Predictions for the plan that ran (cost model, simulator without and with the churn that happened)."""
+    from dataclasses import replace as dc_replace
+
+    from shoal.demo.report import achieved_step_time
+    from shoal.plan.cost import predict
+    from shoal.sim.config import SimConfig
+    from shoal.sim.engine import simulate
+
+    w = sc.workload
+    hosts = [d.id for d in sc.server_hosts]
+    plan = runtime_plan(events, spec.workers, hosts, w.model, sc.name, w.micro_batch_size, w.micro_batches) \
+        or demo_plan
+    res: dict[str, Any] = {"scenario": sc.name, "model": w.model, "codecs": {}, "compression": cfg.compression,
+                           "demo_plan": demo_plan.to_dict(), "speedup": spec.speedup,
+                           "bandwidth_scale": BANDWIDTH_SCALE, "model_task_s": cfg.model_task_s}
+    try:
+        predict(plan, spec.emulated)
+    except Exception as exc:  # noqa: BLE001 -- the report shows n/a
+        res["predict_error"] = repr(exc)
+    res["plan"] = plan.to_dict()
+    res["predicted_step_time_s"] = plan.predicted_step_time_s
+    n = max(2, len(metrics) or cfg.steps)
+    simcfg = SimConfig(lease_timeout_s=3.0)
+    try:
+        base = simulate(plan, spec.emulated, steps=n, seed=cfg.seed, config=simcfg)
+        sim_plain = _sim_step(base.step_times_s)
+        res["simulated_no_churn_step_time_s"] = sim_plain
+        res["simulated_step_time_s"] = sim_plain
+        done = [e for e in (driver.done if driver is not None else []) if e[3]]
+        res["churn"] = {"replayed": len(done), "kills": sum(1 for e in done if e[2] == "leave"),
+                        "joins": sum(1 for e in done if e[2] == "join")} if cfg.churn else "off"
+        if done:
+            # Driver time 0 = step 0 committed (observed), which is the simulator's step-0 end.
+            trace = churn_trace(driver.done, base.step_times_s[0])
+            churned = dc_replace(spec.emulated, churn=dc_replace(spec.emulated.churn, enabled=True, trace=trace))
+            with_churn = simulate(plan, churned, steps=n, churn=True, seed=cfg.seed, config=simcfg)
+            res["simulated_step_time_s"] = _sim_step(with_churn.step_times_s)
+    except Exception as exc:  # noqa: BLE001
+        res["simulate_error"] = repr(exc)
+    achieved = achieved_step_time(metrics)
+    res["achieved_step_time_s"] = achieved
+    res["fidelity"] = {"achieved_over_simulated": fidelity(achieved, res.get("simulated_step_time_s")),
+                       "achieved_over_predicted": fidelity(achieved, res.get("predicted_step_time_s"))}
+    if plan is not None and metrics:
+        from shoal.model.config import get_preset
+
+        layers = [tuple(s.layers) for s in plan.stages]
+        traffic = traffic_bytes(metrics, plan, w.micro_batch_size * w.seq_len, get_preset(w.model).d_model,
+                                _stage_params(w.model, layers), codec)
+        res["bytes"] = traffic
+        res["bytes_method"] = "computed from committed steps and task counts (lower bound), exact codec sizes"
+        res["codecs"] = {"activations": codec, "activation_grads": codec, "grad_push": codec,
+                         "weight_pull": "raw"}
+    return res
+
+
+def _sim_step(times: list[float]) -> float | None:
+    """Mean simulated step time with step 0 left out, as the achieved time is measured."""
+    body = times[1:] if len(times) > 1 else times
+    return statistics.fmean(body) if body else None
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def register(subparsers) -> None:
+    """Add ``shoal demo``."""
+    d = DemoConfig()
+    p = subparsers.add_parser(
+        "demo", help="train on an emulated internet swarm on this machine and write a report",
+        description="Run a built-in (or given) scenario of home GPUs as local processes that emulate their "
+                    "links and speeds, with churn; show live progress; write a report folder.")
+    p.add_argument("--scenario", default=d.scenario, metavar="NAME_OR_FILE",
+                   help=f"built-in scenario or scenario file (default {d.scenario})")
+    p.add_argument("--steps", type=int, default=d.steps, metavar="N", help=f"optimizer steps (default {d.steps})")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help=f"worker processes (default: every worker device, at most {d.max_workers})")
+    p.add_argument("--no-churn", action="store_true", help="no worker kills/restarts")
+    p.add_argument("--compression", choices=tuple(CODECS), default=d.compression,
+                   help="wire codec of the workers' uploads (activations, their gradients, gradient pushes)")
+    p.add_argument("--out", default=None, metavar="DIR", help="run folder (default runs/demo-YYYYmmdd-HHMMSS)")
+    p.add_argument("--seed", type=int, default=d.seed, metavar="N", help=f"seed (default {d.seed})")
+    p.add_argument("--quiet", action="store_true", help="no live display; print only the summary")
+    p.add_argument("--stages", type=int, default=d.stages, metavar="S", help=f"pipeline stages (default {d.stages})")
+    p.add_argument("--task-time", type=float, default=d.model_task_s, metavar="S",
+                   help="emulated seconds the slowest device takes for a whole-model forward+backward "
+                        f"of one micro-batch (default {d.model_task_s}); sets the time scale")
+    p.set_defaults(func=run_demo_cmd)
+
+
+def run_demo_cmd(args: argparse.Namespace) -> int:
+    """Entry of ``shoal demo``."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    cfg = DemoConfig(scenario=args.scenario, steps=args.steps, workers=args.workers, churn=not args.no_churn,
+                     compression=args.compression, out=args.out, seed=args.seed, quiet=args.quiet,
+                     stages=args.stages, model_task_s=args.task_time)
+    run_demo(cfg)
+    sys.stdout.flush()
+    return 0
