@@ -122,6 +122,8 @@ def test_bad_peers_and_late_joiner(tmp_path, reference):
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         while sw.committed_steps() < 1:
             time.sleep(0.05)
+        status = sw.status()
+        assert status["ready"] and status["committed"] >= 1 and len(status["workers"]) == 2
         late = sw.start_worker()
         _, err = intruder.communicate(timeout=60)
         summary = sw.wait()

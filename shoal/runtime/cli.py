@@ -72,6 +72,11 @@ def register(subparsers) -> None:
     _emulation_args(p)
     p.set_defaults(func=run_worker_cmd)
 
+    p = subparsers.add_parser("status", help="print a running swarm's status (JSON)")
+    p.add_argument("--join", required=True, help="coordinator HOST:PORT")
+    _common(p)
+    p.set_defaults(func=run_status_cmd)
+
     p = subparsers.add_parser("launch", help="run a whole swarm as local processes")
     p.add_argument("--scenario", default=None, help="scenario name or file (worker count and speeds)")
     p.add_argument("--workers", type=int, default=None,
@@ -177,6 +182,13 @@ def run_worker_cmd(args) -> int:
                                                 codec=args.codec, slow_s=args.slow,
                                                 graph_cache=not args.no_graph_cache),
          dial=dial, pacer=pacer, on_servers=on_servers)
+    return 0
+
+
+def run_status_cmd(args) -> int:
+    from shoal.runtime.launch import swarm_status
+
+    print(json.dumps(swarm_status(args.join, _token(args)), indent=1, sort_keys=True))
     return 0
 
 

@@ -226,6 +226,10 @@ class Swarm:
             self._seen[fname] = len(recs)
         return new
 
+    def status(self) -> dict:
+        """The coordinator's live status (see :func:`swarm_status`)."""
+        return swarm_status(self.address, self.token)
+
     def committed_steps(self) -> int:
         return len(read_jsonl(self.out / "metrics.jsonl"))
 
@@ -265,6 +269,27 @@ class Swarm:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def swarm_status(address: str, token: str, timeout_s: float = 5.0) -> dict:
+    """The coordinator's status (ready, committed steps, epoch, servers, workers by stage)."""
+    import asyncio
+
+    import grpc
+
+    from shoal.net import shoal_pb2 as pb
+    from shoal.net import shoal_pb2_grpc as pbg
+    from shoal.net.channel import open_channel
+
+    async def ask() -> dict:
+        async with open_channel(address, token) as ch:
+            rep = await pbg.CoordinatorStub(ch).Status(pb.Empty(), timeout=timeout_s)
+        return json.loads(rep.json)
+
+    try:
+        return asyncio.run(ask())
+    except grpc.aio.AioRpcError as exc:
+        raise ShoalError(f"no status from the coordinator at {address}: {exc.details()}") from None
 
 
 def _free_port() -> int:
