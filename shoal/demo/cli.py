@@ -393,7 +393,9 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
     _merge_summary(out / "summary.json", extra)
     folder = write_report(out)
     rep = build_report(*load_run(out))
-    print_summary(rep, folder, console=console)
+    print_summary(rep, None, console=console)
+    # The path on a line of its own, never wrapped or cut, so it can be copied (and parsed).
+    print(f"report: {folder}", flush=True)
     if failed is not None:
         raise ShoalError(f"the demo stopped early ({failed}); what ran is in {out} (logs in {out / 'logs'}), "
                          f"partial report in {folder}")
