@@ -63,6 +63,7 @@ class DemoConfig:
     sample_tokens: int = 120  # tokens of the generated sample
     timeout_s: float = 1200.0  # give up on the run after this long
     churn_after_step: int = 0  # churn starts once this step has committed (start-up joins are not churn)
+    schedule: list | None = None  # explicit [(s after churn start, device, "leave"|"join")] (benchmarks)
 
     def validate(self) -> None:
         """Raise :class:`ShoalError` on a bad value."""
@@ -296,7 +297,7 @@ class _Display:
                 f"{rec.get('tokens_per_s', 0):.0f} tok/s  workers {per}  re-queued {st.requeued}  "
                 f"lost {st.workers_lost}  joined {st.workers_joined}", highlight=False, soft_wrap=True)
         elif ev in ("kill", "join", "leave") and st.step is not None:
-            self.console.print(f"  {ev} {rec.get('device')}", highlight=False)
+            self.console.print(f"  {ev} {rec.get('device')}", highlight=False, soft_wrap=True)
 
 
 def run_demo(cfg: DemoConfig, console=None) -> Path:
@@ -346,7 +347,12 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
         emulate_speedup=spec.speedup, bandwidth_scale=BANDWIDTH_SCALE)
     state = LiveState(total_steps=cfg.steps)
     display = _Display(state, console, cfg.quiet)
-    schedule = churn_schedule(sc, 3600.0, seed=cfg.seed) if cfg.churn else []
+    if not cfg.churn:
+        schedule = []
+    elif cfg.schedule is not None:
+        schedule = list(cfg.schedule)
+    else:
+        schedule = churn_schedule(sc, 3600.0, seed=cfg.seed)
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     old = {s: signal.signal(s, _raise_terminate) for s in (signal.SIGTERM, signal.SIGHUP)}
     driver, t_churn, failed = None, None, None

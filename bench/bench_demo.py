@@ -1,0 +1,136 @@
+"""Benchmark of ``shoal demo``'s three targets, one emulated run each, ratios within this run.
+
+Runs (all on the demo scenario, same seed and number of steps):
+
+* ``base``   -- no churn, no compression: the reference;
+* ``churn``  -- the scenario's churn model (SIGKILL + restart of workers);
+* ``int8``   -- no churn, 8-bit blockwise wire codec on the workers' uploads;
+* ``kill25`` -- no churn model, but a quarter of the workers SIGKILLed at once,
+  ``--kill-at`` seconds after step 0 committed (not restarted).
+
+Targets (issue #6):
+
+* fidelity: achieved mean step time / simulator's prediction for the same emulated
+  scenario and the plan that ran, within 15 % without churn (``base``) and 25 % with
+  churn (``churn``; the simulator replays the churn that happened as a trace);
+* compression: activation wire bytes cut >= 3.5x, final loss within 2 % of ``base``;
+* churn: tokens/s of ``kill25`` over the steps after the kill >= 75 % of ``base`` over the
+  same steps, and no micro-batch lost (every committed step has M x B x T tokens, and
+  its loss matches ``base``'s step within float noise: training is synchronous).
+
+    .venv/bin/python bench/bench_demo.py --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from shoal.demo.cli import DemoConfig, demo_scenario, run_demo
+from shoal.emulate.churn import kill_fraction_schedule
+from shoal.plan.scenario import load_scenario
+
+
+def _load(run: Path) -> tuple[dict, dict, list[dict]]:
+    rep = json.loads((run / "report" / "report.json").read_text())
+    summary = json.loads((run / "summary.json").read_text())
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return rep, summary, sorted(metrics, key=lambda m: m["step"])
+
+
+def _tps(metrics: list[dict], first: int) -> float:
+    body = [m for m in metrics if m["step"] >= first]
+    return sum(m["tokens"] for m in body) / sum(m["step_time_s"] for m in body)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kill-at", type=float, default=8.0, help="seconds after step 0 for the quarter kill")
+    ap.add_argument("--out", default=None, help="folder for the four run folders (default: a temp dir)")
+    ap.add_argument("--runs", default="base,churn,int8,kill25")
+    args = ap.parse_args(argv)
+    root = Path(args.out or tempfile.mkdtemp(prefix="shoal-bench-demo-"))
+    root.mkdir(parents=True, exist_ok=True)
+    console = Console(stderr=True)
+    sc, _ = demo_scenario(load_scenario("demo"), None, 12)
+    workers = [d.id for d in sc.workers]
+    runs = {
+        "base": DemoConfig(steps=args.steps, churn=False, seed=args.seed, quiet=True),
+        "churn": DemoConfig(steps=args.steps, churn=True, seed=args.seed, quiet=True),
+        "int8": DemoConfig(steps=args.steps, churn=False, compression="int8", seed=args.seed, quiet=True),
+        "kill25": DemoConfig(steps=args.steps, churn=True, seed=args.seed, quiet=True,
+                             schedule=kill_fraction_schedule(workers, 0.25, args.kill_at, seed=args.seed)),
+    }
+    done = {}
+    for name in args.runs.split(","):
+        cfg = runs[name]
+        cfg.out = str(root / name)
+        t0 = time.time()
+        console.print(f"run {name} -> {cfg.out}")
+        run_demo(cfg, console=console)
+        done[name] = _load(root / name)
+        console.print(f"run {name}: {time.time() - t0:.0f} s")
+
+    rows = []
+    for name, (rep, summary, _m) in done.items():
+        st = rep["step_time"]
+        rows.append((name, st["predicted_s"], summary.get("simulated_no_churn_step_time_s"), st["simulated_s"],
+                     st["achieved_s"], st["achieved_over_simulated"], rep["final_loss"],
+                     rep["bytes"].get("activations", {}).get("ratio"), rep["workers_lost"], rep["tasks_requeued"],
+                     summary.get("host_cpu_s"), summary.get("demo_wall_s")))
+    print(f"\nshoal demo benchmark (scenario demo, {args.steps} steps, seed {args.seed}; runs in {root})\n")
+    print(f"{'run':8} {'cost s':>7} {'sim s':>7} {'sim+churn':>9} {'achieved':>9} {'ach/sim':>8} {'final loss':>10} "
+          f"{'act fp32/wire':>13} {'lost':>5} {'requeued':>8} {'host cpu s':>10} {'wall s':>7}")
+    for r in rows:
+        f = [("n/a" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)) for v in r]
+        print(f"{f[0]:8} {f[1]:>7} {f[2]:>7} {f[3]:>9} {f[4]:>9} {f[5]:>8} {f[6]:>10} {f[7]:>13} {f[8]:>5} "
+              f"{f[9]:>8} {f[10]:>10} {f[11]:>7}")
+    print()
+    if "base" in done:
+        base_rep, _, base_m = done["base"]
+        r = base_rep["step_time"]["achieved_over_simulated"]
+        print(f"fidelity without churn: achieved / simulated = {r:.3f} (target within 15 %: "
+              f"{'met' if r and abs(r - 1) <= 0.15 else 'MISSED'})")
+    if "churn" in done:
+        r = done["churn"][0]["step_time"]["achieved_over_simulated"]
+        print(f"fidelity with churn:    achieved / simulated = {r:.3f} (target within 25 %: "
+              f"{'met' if r and abs(r - 1) <= 0.25 else 'MISSED'})")
+    if "base" in done and "int8" in done:
+        q = done["int8"][0]
+        ratio = q["bytes"]["activations"]["ratio"]
+        gap = (q["final_loss"] - base_rep["final_loss"]) / base_rep["final_loss"]
+        print(f"compression int8: activation bytes fp32/wire = {ratio:.2f}x, all uploads "
+              f"{q['bytes_total']['ratio']:.2f}x; final loss {q['final_loss']:.4f} vs {base_rep['final_loss']:.4f} "
+              f"({gap:+.2%}) (targets >= 3.5x and within 2 %: "
+              f"{'met' if ratio >= 3.5 and abs(gap) <= 0.02 else 'MISSED'})")
+    if "base" in done and "kill25" in done:
+        krep, ksum, km = done["kill25"]
+        kills = [e for e in (root / "kill25" / "events.jsonl").read_text().splitlines() if '"kill"' in e]
+        kill_t = min((json.loads(e)["time_s"] for e in kills), default=None)
+        first = next((m["step"] for m in km if kill_t is not None and m["time_s"] >= kill_t), len(km))
+        ratio = _tps(km, first) / _tps(base_m, first) if first < len(km) else None
+        tokens_ok = len({m["tokens"] for m in km + base_m}) == 1 and len(km) == len(base_m)
+        diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(km, base_m, strict=False)]
+        print(f"churn: {len(kills)} of {len(workers)} workers killed at t={kill_t}s (step {first}); tokens/s after "
+              f"the kill {_tps(km, first) if first < len(km) else float('nan'):.1f} vs "
+              f"{_tps(base_m, first) if first < len(base_m) else float('nan'):.1f} without: ratio "
+              f"{'n/a' if ratio is None else f'{ratio:.3f}'} (target >= 0.75: "
+              f"{'met' if ratio and ratio >= 0.75 else 'MISSED'}); every step full: {tokens_ok}; "
+              f"max |loss - base loss| per step {max(diffs) if diffs else float('nan'):.2e}; "
+              f"tasks re-queued {krep['tasks_requeued']}")
+        print(f"  median step time: base {statistics.median(m['step_time_s'] for m in base_m):.3f} s, "
+              f"kill25 {statistics.median(m['step_time_s'] for m in km):.3f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
