@@ -113,6 +113,20 @@ def stage_sync_time(max_latency: float, max_push_s: float, max_pull_s: float, sy
     return (3 * max_latency + max_push_s + max_pull_s) / max(1, sync_every)
 
 
+def link_share(expected_flows: float, users: int) -> float:
+    """Flows a transfer expects to share a server link with, itself included.
+
+    ``N`` = expected number of transfers in flight on the link (sum over its ``k`` users of the
+    fraction of time each spends on it); a transfer that starts sees, on average, the others'
+    share of that: ``k_eff = 1 + N (k - 1) / k`` (Schweitzer's approximation of mean-value
+    analysis), clipped to ``[1, k]``. ``N = k`` (everyone always transferring) gives the worst
+    case ``k``; compute-bound workers (``N`` near 0) get the whole link.
+    """
+    if users <= 1:
+        return 1.0
+    return min(float(users), max(1.0, 1.0 + expected_flows * (users - 1) / users))
+
+
 def step_time(pipeline: float, sync: float, overlap_sync: bool = False) -> float:
     """Seconds per optimizer step."""
     return max(pipeline, sync) if overlap_sync else pipeline + sync
@@ -153,8 +167,20 @@ def _share_counts(plan: Plan, scenario: Scenario) -> tuple[dict[str, int], dict[
     return ({h: len(v) for h, v in downloaders.items()}, {h: len(v) for h, v in uploaders.items()}, syncers)
 
 
+SHARE_ITERATIONS = 4  # fixed-point passes of the link-sharing estimate (damped; see stage_costs)
+
+
 def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = None) -> list[StageCost]:
-    """Per-stage throughput, latency, sync and memory of ``plan`` on ``scenario``."""
+    """Per-stage throughput, latency, sync and memory of ``plan`` on ``scenario``.
+
+    A server link is shared by the activation transfers *in flight* on it, not by every worker
+    that uses it: ``k_eff = link_share(N, k)`` with ``N`` the expected number of transfers in
+    flight (each worker's serialisation seconds on that link per micro-batch times the
+    micro-batches it completes per second, ``X / X_s / tau_d`` at the pipeline rate ``X``).
+    ``tau`` depends on ``k_eff`` and ``k_eff`` on ``tau``: the estimate starts from the worst
+    case (``k_eff = k``) and takes ``SHARE_ITERATIONS`` damped passes (the average of the old
+    and the new ``k_eff``). Sync bursts are simultaneous, so sync shares by ``k``.
+    """
     options = options or CostOptions()
     prof = scenario_profile(scenario, plan.micro_batch_size)
     net = scenario.network
@@ -162,7 +188,6 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
     sync: SyncPolicy = plan.sync
     n_dl, n_ul, n_sync = _share_counts(plan, scenario)
     tokens = prof.tokens_per_micro_batch * 8  # int64 ids (inputs of stage 0, targets of the last)
-    out = []
     n = len(plan.stages)
 
     memo: dict[tuple[str, str], object] = {}
@@ -178,6 +203,13 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
             link = memo[key] = net.link(d, host)
         return link
 
+    # Pass-independent per-worker figures: fixed seconds (compute + lease round trips), bytes and
+    # the bandwidth bound of each transfer apart from the server link's share.
+    # row = (wid, fixed, dl_bytes, dl_bw, dl_host, ul_bytes_n, ul_bw_n, ul_bytes_p, ul_bw_p, comp, out_lat)
+    rows: list[list[tuple]] = []
+    syncs: list[float] = []
+    heads: list[float] = []
+    hosts: list[tuple] = []  # (host, next host, previous host) ids or None
     for i, st in enumerate(plan.stages):
         a, b = st.layers
         first, last = i == 0, i == n - 1
@@ -188,6 +220,7 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
         in_bytes = tokens if first else hidden
         if last:
             in_bytes += tokens
+        dl_bytes = in_bytes + (0.0 if last else hidden)  # input, and the output gradient
         out_bytes = 0.0 if last else hidden
         in_grad_bytes = 0.0 if first else hidden
         pbytes = prof.param_bytes(a, b)
@@ -195,50 +228,99 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
         host = dev[st.server]
         nxt = dev[plan.stages[i + 1].server] if not last else None
         prv = dev[plan.stages[i - 1].server] if not first else None
-        times: dict[str, float] = {}
-        comp: dict[str, float] = {}
-        outbound: dict[str, float] = {}  # latency of the uploads (fill/drain only)
+        hosts.append((host.id, nxt.id if nxt is not None else None, prv.id if prv is not None else None))
         max_lat = max_push = max_pull = 0.0
         headroom = math.inf
-        # Inlined formulas (this loop is the planner's hot path); see the module docstring.
-        h_up_dl = host.up / max(1, n_dl.get(host.id, 1))
         k_sync = max(1, n_sync.get(host.id, 1))
         h_up_sync, h_down_sync = host.up / k_sync, host.down / k_sync
-        nxt_down = nxt.down / max(1, n_ul.get(nxt.id, 1)) if nxt is not None else 0.0
-        prv_down = prv.down / max(1, n_ul.get(prv.id, 1)) if prv is not None else 0.0
         flops = fwd + bwd
         g = pbytes * sync.grad_compression
         n_tasks = 1 if last else 2
+        stage_rows = []
         for wid in st.workers:
             d = dev[wid]
             c = compute_time(flops, d.flops)
-            t = c
+            fixed, dlb, dlbw = c, 0.0, math.inf
+            ulb_n = ulb_p = 0.0
+            ulbw_n = ulbw_p = math.inf
             out_lat = 0.0
             if wid != host.id:
                 link = path(d, host)
-                bw = min(link.bandwidth, h_up_dl, d.down)
-                t += n_tasks * 2 * link.latency + in_bytes / bw
-                if nxt is not None:
-                    t += out_bytes / bw
+                fixed += n_tasks * 2 * link.latency
+                dlb, dlbw = dl_bytes, min(link.bandwidth, d.down)
                 if g > 0:
                     max_lat = max(max_lat, link.latency)
                     max_push = max(max_push, g / min(link.bandwidth, d.up, h_down_sync))
                     max_pull = max(max_pull, g / min(link.bandwidth, h_up_sync, d.down))
             if nxt is not None and wid != nxt.id:
                 link = path(d, nxt)
-                t += out_bytes / min(link.bandwidth, d.up, nxt_down)
+                ulb_n, ulbw_n = out_bytes, min(link.bandwidth, d.up)
                 out_lat += link.latency
             if prv is not None and wid != prv.id:
                 link = path(d, prv)
-                t += in_grad_bytes / min(link.bandwidth, d.up, prv_down)
+                ulb_p, ulbw_p = in_grad_bytes, min(link.bandwidth, d.up)
                 out_lat += link.latency
-            times[wid] = t
-            comp[wid] = c
-            outbound[wid] = out_lat
+            stage_rows.append((wid, fixed, dlb, dlbw, ulb_n, ulbw_n, ulb_p, ulbw_p, c, out_lat))
             headroom = min(headroom, (d.memory - need) / d.memory if d.memory > 0 else -math.inf)
-        worst_sync = stage_sync_time(max_lat, max_push, max_pull, sync.sync_every)
-        x = stage_throughput(list(times.values()), plan.micro_batches)
-        used = sorted(times, key=times.get)[: plan.micro_batches]
+        rows.append(stage_rows)
+        syncs.append(stage_sync_time(max_lat, max_push, max_pull, sync.sync_every))
+        heads.append(headroom)
+
+    # Fixed point of the link sharing, from the worst case k_eff = k.
+    k_up = {h: float(max(1, k)) for h, k in n_dl.items()}
+    k_down = {h: float(max(1, k)) for h, k in n_ul.items()}
+    m = plan.micro_batches
+    for it in range(SHARE_ITERATIONS + 1):
+        all_times: list[dict[str, float]] = []
+        busy: list[dict[str, tuple[float, float, float]]] = []  # wid -> seconds on (h up, nxt down, prv down)
+        for i, stage_rows in enumerate(rows):
+            h, hn, hp = hosts[i]
+            up = dev[h].up / k_up.get(h, 1.0)
+            dn = dev[hn].down / k_down.get(hn, 1.0) if hn is not None else math.inf
+            dp = dev[hp].down / k_down.get(hp, 1.0) if hp is not None else math.inf
+            times: dict[str, float] = {}
+            bz: dict[str, tuple[float, float, float]] = {}
+            for wid, fixed, dlb, dlbw, ulb_n, ulbw_n, ulb_p, ulbw_p, _c, _o in stage_rows:
+                s_dl = dlb / min(dlbw, up) if dlb > 0 else 0.0
+                s_n = ulb_n / min(ulbw_n, dn) if ulb_n > 0 else 0.0
+                s_p = ulb_p / min(ulbw_p, dp) if ulb_p > 0 else 0.0
+                times[wid] = fixed + s_dl + s_n + s_p
+                bz[wid] = (s_dl, s_n, s_p)
+            all_times.append(times)
+            busy.append(bz)
+        if it == SHARE_ITERATIONS or (not n_dl and not n_ul):
+            break
+        xs = [stage_throughput(list(t.values()), m) for t in all_times]
+        x = min(xs)
+        load_up: dict[str, float] = {}
+        load_down: dict[str, float] = {}
+        for i, times in enumerate(all_times):
+            if xs[i] <= 0 or x <= 0:
+                continue
+            h, hn, hp = hosts[i]
+            util = min(1.0, x / xs[i])  # a non-bottleneck stage's workers wait part of the time
+            for wid in sorted(times, key=times.get)[:m]:
+                t = times[wid]
+                if not 0 < t < math.inf:
+                    continue
+                s_dl, s_n, s_p = busy[i][wid]
+                r = util / t
+                if s_dl:
+                    load_up[h] = load_up.get(h, 0.0) + s_dl * r
+                if s_n:
+                    load_down[hn] = load_down.get(hn, 0.0) + s_n * r
+                if s_p:
+                    load_down[hp] = load_down.get(hp, 0.0) + s_p * r
+        k_up = {h: 0.5 * (k + link_share(load_up.get(h, 0.0), n_dl[h])) for h, k in k_up.items()}
+        k_down = {h: 0.5 * (k + link_share(load_down.get(h, 0.0), n_ul[h])) for h, k in k_down.items()}
+
+    out = []
+    for i, stage_rows in enumerate(rows):
+        times = all_times[i]
+        comp = {r[0]: r[8] for r in stage_rows}
+        outbound = {r[0]: r[9] for r in stage_rows}
+        x = stage_throughput(list(times.values()), m)
+        used = sorted(times, key=times.get)[:m]
         finite = [w for w in used if times[w] < math.inf and times[w] > 0]
         if finite:
             total = sum(1.0 / times[w] for w in finite)
@@ -246,8 +328,8 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
             lat = times[finite[0]] + outbound[finite[0]]
         else:
             frac, lat = 1.0, math.inf
-        out.append(StageCost(throughput=x, latency=lat, compute_fraction=frac, sync=worst_sync,
-                             task_times=times, memory_headroom=headroom))
+        out.append(StageCost(throughput=x, latency=lat, compute_fraction=frac, sync=syncs[i],
+                             task_times=times, memory_headroom=heads[i]))
     return out
 
 
