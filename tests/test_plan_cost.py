@@ -122,3 +122,47 @@ def test_worker_on_its_own_server_host_pays_no_transfer():
     r = predict(plan([StagePlan((0, 6), "w0", ["w0"])]), s)
     assert r["sync_s"] == 0.0
     assert r["step_time_s"] == pytest.approx(4 * TINY_FLOPS_PER_MB / 1e12)
+
+
+def test_link_share_by_hand():
+    from shoal.plan.cost import link_share
+    assert link_share(0.0, 1) == 1.0
+    assert link_share(0.0, 8) == 1.0  # nobody else in flight: the whole link
+    assert link_share(8.0, 8) == 8.0  # everyone always transferring: the worst case
+    assert link_share(2.0, 5) == pytest.approx(1 + 2.0 * 4 / 5)  # arrival sees (k-1)/k of the load
+    assert link_share(50.0, 5) == 5.0  # clipped to the number of users
+
+
+def _shared_host_scenario(n_workers, tflops):
+    # workers on 1 Gbit/s links, host uplink 1 Gbit/s: the host's link is the only shared bound
+    devices = [{"id": f"w{i}", "tflops": tflops, "memory_gb": 8, "region": "a", "up_gbps": 1, "down_gbps": 1}
+               for i in range(n_workers)]
+    devices.append({"id": "h", "tflops": 0, "memory_gb": 0, "region": "a", "up_gbps": 1, "down_gbps": 1,
+                    "can_host_server": True})
+    return scenario_from_dict({
+        "name": "share",
+        "workload": {"model": "tiny", "seq_len": 64, "global_batch": 64, "micro_batch_size": 2, "dtype": "fp32"},
+        "network": {"intra": {"a": {"latency_ms": 0, "bandwidth_gbps": 10}}},
+        "devices": devices,
+    })
+
+
+def test_server_link_shared_by_transfers_in_flight():
+    # One stage, k identical workers, zero latency: tau = c + s * k_eff with s = the download's
+    # seconds over the whole link. The fixed point of k_eff = 1 + (k - 1) s k_eff / tau (each
+    # worker is on the link s k_eff / tau of its time) solves by hand to
+    # k_eff = tau / (tau - (k - 1) s), i.e. tau^2 - (c + k s) tau + c (k - 1) s = 0.
+    import math as _m
+    k = 4
+    p = Plan("share", "tiny", "test", [StagePlan((0, 6), "h", [f"w{i}" for i in range(k)])],
+             micro_batch_size=2, micro_batches=32)
+    s_bytes = 2 * TOKENS  # tokens and targets
+    s = s_bytes / 125e6
+    for tflops in (4000.0, 40.0):  # transfer-bound (c << s), then c comparable to s
+        scn = _shared_host_scenario(k, tflops)
+        c = TINY_FLOPS_PER_MB / (tflops * 1e12)
+        b = c + k * s
+        tau = (b + _m.sqrt(b * b - 4 * c * (k - 1) * s)) / 2
+        got = stage_costs(p, scn)[0].task_times["w0"]
+        assert got == pytest.approx(tau, rel=0.02)
+        assert c + s <= got <= c + k * s  # between the lone transfer and the worst case
