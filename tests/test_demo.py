@@ -91,6 +91,14 @@ def test_traffic_bytes_counts_boundaries_and_codec_sizes():
     assert q["weight_pull"] == raw["weight_pull"]  # the runtime pulls weights raw
 
 
+def test_sync_policy_follows_the_codec():
+    from shoal.demo.cli import sync_policy
+
+    assert sync_policy("raw").act_compression == 1.0
+    q = sync_policy("int8")
+    assert q.act_compression == pytest.approx((1 + 4 / 128) / 4) and q.grad_compression == 1.0  # pulls are raw
+
+
 def test_default_out_is_a_timestamped_runs_folder():
     assert default_out(0).startswith("runs/demo-") and len(default_out(0)) == len("runs/demo-YYYYmmdd-HHMMSS")
 
@@ -170,7 +178,8 @@ def test_demo_command_end_to_end(tmp_path):
     assert rep["steps"] == 3 and rep["final_loss"] < rep["first_loss"] + 0.5
     st = rep["step_time"]
     assert st["predicted_s"] > 0 and st["simulated_s"] > 0 and st["achieved_s"] > 0
-    assert len(rep["plan"]["stages"]) == 2 and rep["bytes_total"]["raw"] > 0
+    assert len(rep["plan"]["stages"]) == 2
+    assert all(rep["bytes"][k]["raw"] > 0 for k in ("activations", "activation_grads", "grad_push", "weight_pull"))
     assert rep["sample_text"] and not rep["sample_text"].startswith("(no sample")
     md = (out / "report" / "report.md").read_text()
     assert "## Plan" in md and "## Bytes on the wire" in md and "failures survived" in md

@@ -161,11 +161,6 @@ def runtime_plan(events: list[dict], workers: list[str], hosts: list[str], model
     if first is None:
         return None
 
-    def dev(name: str) -> str:
-        if name.startswith("w") and name[1:].isdigit() and int(name[1:]) < len(workers):
-            return workers[int(name[1:])]
-        return name
-
     servers = {}
     for e in events:
         name = str(e.get("device", ""))
@@ -175,10 +170,16 @@ def runtime_plan(events: list[dict], workers: list[str], hosts: list[str], model
     assignment = first.get("assignment") or {}
     stages = []
     for i, (a, b) in enumerate(first["layers"]):
-        ws = [dev(w) for w, s in sorted(assignment.items(), key=lambda kv: _worker_index(kv[0])) if int(s) == i]
+        ws = [_device_of(w, workers) for w, s in sorted(assignment.items(), key=lambda kv: _worker_index(kv[0])) if int(s) == i]
         stages.append(StagePlan((int(a), int(b)), servers.get(i, hosts[i % len(hosts)]), ws))
     return Plan(scenario=scenario, model=model, method="runtime (" + str(first.get("method", "?")) + ")",
                 stages=stages, micro_batch_size=micro_batch_size, micro_batches=micro_batches)
+
+
+def _device_of(name: str, workers: list[str]) -> str:
+    """Scenario device played by worker process ``name`` (``w{i}`` -> ``workers[i]``)."""
+    i = _worker_index(name)
+    return workers[i] if i < len(workers) else name
 
 
 def _worker_index(name: str) -> int:
@@ -232,6 +233,19 @@ def traffic_bytes(metrics: list[dict], plan, tokens_per_mb: int, d_model: int, s
                 add("weight_pull", stage_params[s], "raw")
                 add("grad_push", stage_params[s], codec)
     return out
+
+
+def sync_policy(codec: str):
+    """The planner's view of the demo's wire codec: workers encode what they upload
+    (activations, their gradients, gradient pushes); weights are pulled raw, so the
+    parameter traffic factor is the larger of the two (fp32), as
+    :meth:`shoal.net.compress.CompressionConfig.sync_fractions` defines it."""
+    from shoal.net.compress import CompressionConfig
+    from shoal.plan.types import SyncPolicy
+
+    act, grad = CompressionConfig(activations=codec, act_grads=codec, grad_push=codec,
+                                  weight_pull="raw").sync_fractions()
+    return SyncPolicy(act_compression=act, grad_compression=grad)
 
 
 def default_out(now: float | None = None) -> str:
@@ -327,9 +341,9 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
     save_scenario(sc, scen_path)
     spec = emulation_spec(sc, str(scen_path), model_task_s=cfg.model_task_s, bandwidth_scale=BANDWIDTH_SCALE,
                           seed=cfg.seed)
-    plan = make_plan(spec.emulated, stages=stages, seed=cfg.seed)
     w = sc.workload
     codec = CODECS[cfg.compression]
+    plan = make_plan(spec.emulated, stages=stages, seed=cfg.seed, sync=sync_policy(codec))
     if not cfg.quiet:
         console.print(f"[bold]shoal demo[/bold]: scenario {written.name} -- {len(sc.workers)} workers in "
                       f"{len({d.region for d in sc.workers})} regions, {len(sc.server_hosts)} server hosts; "
@@ -342,7 +356,8 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
     lc = LaunchConfig(
         out=str(out), model=w.model, stages=stages, workers=len(sc.workers), steps=cfg.steps,
         micro_batches=w.micro_batches, micro_batch_size=w.micro_batch_size, seq_len=w.seq_len, seed=cfg.seed,
-        warmup=max(1, min(10, cfg.steps // 5)), data="corpus", ordered_grads=False,
+        warmup=max(1, min(10, cfg.steps // 5)), data="corpus", ordered_grads=False, ckpt_every=CKPT_EVERY,
+        dead_after_s=DEAD_AFTER_S,
         worker_args=[["--codec", codec]] * len(sc.workers), timeout_s=cfg.timeout_s, scenario=str(scen_path),
         emulate_speedup=spec.speedup, bandwidth_scale=BANDWIDTH_SCALE)
     state = LiveState(total_steps=cfg.steps)
@@ -408,6 +423,8 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
     return folder
 
 
+DEAD_AFTER_S = 3.0  # LaunchConfig.dead_after_s (the runtime's default): a killed worker's tasks return after this
+CKPT_EVERY = 5  # stage servers checkpoint every 5 steps (the demo kills workers, not servers)
 BANDWIDTH_SCALE = 4.0  # every scenario bandwidth x4: weight sync of the tiny model over home uplinks in ~1 s
 
 
@@ -435,6 +452,7 @@ def _analyse(cfg: DemoConfig, sc, spec, demo_plan, metrics, events, driver, t_ch
     hosts = [d.id for d in sc.server_hosts]
     plan = runtime_plan(events, spec.workers, hosts, w.model, sc.name, w.micro_batch_size, w.micro_batches) \
         or demo_plan
+    plan.sync = sync_policy(codec)
     res: dict[str, Any] = {"scenario": sc.name, "model": w.model, "codecs": {}, "compression": cfg.compression,
                            "demo_plan": demo_plan.to_dict(), "speedup": spec.speedup,
                            "bandwidth_scale": BANDWIDTH_SCALE, "model_task_s": cfg.model_task_s}
@@ -445,7 +463,9 @@ def _analyse(cfg: DemoConfig, sc, spec, demo_plan, metrics, events, driver, t_ch
     res["plan"] = plan.to_dict()
     res["predicted_step_time_s"] = plan.predicted_step_time_s
     n = max(2, len(metrics) or cfg.steps)
-    simcfg = SimConfig(lease_timeout_s=3.0)
+    # As the runtime behaves: a worker awaits the server's reply to each result before it
+    # leases again (blocking sends), and a silent worker's tasks go back after dead_after_s.
+    simcfg = SimConfig(lease_timeout_s=DEAD_AFTER_S, blocking_sends=True)
     try:
         base = simulate(plan, spec.emulated, steps=n, seed=cfg.seed, config=simcfg)
         sim_plain = _sim_step(base.step_times_s)
@@ -470,7 +490,11 @@ def _analyse(cfg: DemoConfig, sc, spec, demo_plan, metrics, events, driver, t_ch
         from shoal.model.config import get_preset
 
         layers = [tuple(s.layers) for s in plan.stages]
-        traffic = traffic_bytes(metrics, plan, w.micro_batch_size * w.seq_len, get_preset(w.model).d_model,
+        # metrics name workers by process (w3); the plan by the device that process plays
+        named = [{**m, "tasks_per_worker": {_device_of(k, spec.workers): v
+                                            for k, v in (m.get("tasks_per_worker") or {}).items()}}
+                 for m in metrics]
+        traffic = traffic_bytes(named, plan, w.micro_batch_size * w.seq_len, get_preset(w.model).d_model,
                                 _stage_params(w.model, layers), codec)
         res["bytes"] = traffic
         res["bytes_method"] = "computed from committed steps and task counts (lower bound), exact codec sizes"

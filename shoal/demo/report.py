@@ -167,7 +167,10 @@ def build_report(metrics: list[dict], events: list[dict], summary: dict[str, Any
             "achieved_over_predicted": _ratio(achieved, predicted),
             "achieved_over_simulated": _ratio(achieved, simulated),
             "simulated_over_predicted": _ratio(simulated, predicted),
+            "simulated_no_churn_s": summary.get("simulated_no_churn_step_time_s"),
+            "achieved_over_simulated_no_churn": _ratio(achieved, summary.get("simulated_no_churn_step_time_s")),
         },
+        "bytes_method": summary.get("bytes_method"),
         "plan": plan,
         "bytes": traffic,
         "bytes_total": {"raw": tot_raw, "wire": tot_wire, "ratio": tot_raw / tot_wire if tot_wire else None},
@@ -231,6 +234,9 @@ def render_markdown(rep: dict[str, Any]) -> str:
         "| source | step time | achieved / source |", "|---|---|---|",
         f"| cost model (predicted) | {_fmt_s(st['predicted_s'])} | {_fmt_r(st['achieved_over_predicted'])} |",
         f"| simulator | {_fmt_s(st['simulated_s'])} | {_fmt_r(st['achieved_over_simulated'])} |",
+        *([f"| simulator, without the churn | {_fmt_s(st['simulated_no_churn_s'])} | "
+           f"{_fmt_r(st['achieved_over_simulated_no_churn'])} |"]
+          if st.get("simulated_no_churn_s") is not None and st["simulated_no_churn_s"] != st["simulated_s"] else []),
         f"| achieved (mean, step 0 excluded) | {_fmt_s(st['achieved_s'])} | 1.00 |",
         "", f"simulated / predicted: {_fmt_r(st['simulated_over_predicted'])}",
         "", "## Bytes on the wire", "",
@@ -243,6 +249,8 @@ def render_markdown(rep: dict[str, Any]) -> str:
                        f"{_fmt_r(b['ratio'])} |")
         t = rep["bytes_total"]
         out.append(f"| total | | {_fmt_b(t['raw'])} | {_fmt_b(t['wire'])} | {_fmt_r(t['ratio'])} |")
+        if rep.get("bytes_method"):
+            out += ["", f"({rep['bytes_method']})"]
     else:
         out.append("not measured")
     out += [
