@@ -5,6 +5,7 @@ Run from the repository root (one process, one thread):
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_sim.py            # everything but scale-4096
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_sim.py --quick    # small scenarios, shoal + swarm
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_sim.py --big      # add scale-4096
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_sim.py --agreement [--big]  # table 1 only
 
 Prints three markdown tables (also written to ``--out``):
 
@@ -44,96 +45,6 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     out += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(out)
-
-
-def corrected_step_time(plan, scenario) -> float:
-    """The cost model with the three changes docs/simulator.md proposes -- a sketch for the
-    planner, kept here so the bench can show what they buy:
-
-    1. a worker is charged its lease round trip to its own server, ``2 L(d, h_s)`` per task
-       (two tasks per micro-batch, one on the last stage), and only the serialisation of its
-       outbound transfers (their latency delays the micro-batch, not the worker);
-    2. a server link is shared by the transfers *expected to be in flight* on it, ``k`` workers
-       times the fraction of their time they spend on it, not by all ``k`` at once;
-    3. sync is a barrier: ``3 L + max push + max pull`` (push request, push, pull).
-    """
-    from shoal.plan.cost import flow_bandwidth, scenario_profile, stage_throughput
-
-    prof = scenario_profile(scenario, plan.micro_batch_size)
-    dev = {d.id: d for d in scenario.devices}
-    net = scenario.network
-    sync = plan.sync
-    n = len(plan.stages)
-    tokens = prof.tokens_per_micro_batch * 8
-    hidden = prof.layers[0].out_act_bytes * sync.act_compression
-
-    def ser(src, dst, nbytes, k_src=1.0, k_dst=1.0):
-        if src.id == dst.id or nbytes <= 0:
-            return 0.0
-        return nbytes / flow_bandwidth(net.link(src, dst).bandwidth, src.up / k_src, dst.down / k_dst)
-
-    # busy seconds per micro-batch each server link serves, to estimate concurrency
-    def taus(load_up, load_down, times):
-        out = []
-        for i, st in enumerate(plan.stages):
-            a, b = st.layers
-            first, last = i == 0, i == n - 1
-            host = dev[st.server]
-            nxt = dev[plan.stages[i + 1].server] if not last else None
-            prv = dev[plan.stages[i - 1].server] if not first else None
-            c_flops = prof.fwd_flops(a, b) + prof.bwd_flops(a, b)
-            t = {}
-            for wid in st.workers:
-                d = dev[wid]
-                lat = net.link(d, host).latency if d.id != host.id else 0.0
-                k_up = max(1.0, load_up.get(host.id, 0.0))
-                x = c_flops / d.flops + (1 if last else 2) * 2 * lat
-                x += ser(host, d, (tokens if first else hidden) + (tokens if last else 0), k_src=k_up)
-                if nxt is not None:
-                    x += ser(d, nxt, hidden, k_dst=max(1.0, load_down.get(nxt.id, 0.0)))
-                    x += ser(host, d, hidden, k_src=k_up)
-                if prv is not None:
-                    x += ser(d, prv, hidden, k_dst=max(1.0, load_down.get(prv.id, 0.0)))
-                t[wid] = x
-            out.append(t)
-        return out
-
-    t0 = taus({}, {}, None)
-    # expected concurrent transfers on each server link: sum over its users of busy fraction
-    load_up: dict[str, float] = {}
-    load_down: dict[str, float] = {}
-    for i, st in enumerate(plan.stages):
-        host = dev[st.server]
-        for wid in st.workers:
-            d = dev[wid]
-            tau = t0[i][wid]
-            if d.id == host.id:
-                continue
-            inb = ser(host, d, hidden * 2)
-            load_up[host.id] = load_up.get(host.id, 0.0) + inb / tau
-            for j in (i - 1, i + 1):
-                if 0 <= j < n:
-                    h2 = dev[plan.stages[j].server]
-                    load_down[h2.id] = load_down.get(h2.id, 0.0) + ser(d, h2, hidden) / tau
-    t1 = taus(load_up, load_down, t0)
-    xs = [stage_throughput(list(t.values()), plan.micro_batches) for t in t1]
-    fill = sum(min(t.values()) for t in t1)
-    pipe = (plan.micro_batches - 1) / min(xs) + fill
-    worst = 0.0
-    for st in plan.stages:
-        host = dev[st.server]
-        g = prof.param_bytes(*st.layers) * sync.grad_compression
-        k = sum(1 for w in st.workers if w != host.id)
-        push = pull = lat = 0.0
-        for wid in st.workers:
-            d = dev[wid]
-            if d.id == host.id:
-                continue
-            lat = max(lat, net.link(d, host).latency)
-            push = max(push, ser(d, host, g, k_dst=k))
-            pull = max(pull, ser(host, d, g, k_src=k))
-        worst = max(worst, (3 * lat + push + pull) / max(1, sync.sync_every))
-    return pipe + worst
 
 
 def engine_micro(workers: int = 256, tasks: int = 100_000) -> list[list[str]]:
@@ -202,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--churn-steps", type=int, default=6, help="steps per run with churn (default 6)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="also write the tables (markdown) to this file")
+    ap.add_argument("--agreement", action="store_true",
+                    help="only the agreement table: shoal's plans, no churn (every built-in; --big adds scale-4096)")
     ap.add_argument("--engine-micro", action="store_true",
                     help="only compare SimPy with a bare heap loop on the worker loop (needs simpy importable)")
     args = ap.parse_args(argv)
@@ -216,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         names = [n for n in BUILTIN_SCENARIOS if args.big or n != "scale-4096"]
     methods = args.methods or (["shoal", "swarm"] if args.quick else list(METHODS))
+    if args.agreement:
+        methods = ["shoal"]
     t_start = time.perf_counter()
     agreement, speed, comparison = [], [], []
     total_events, total_wall, total_cpu = 0, 0.0, 0.0
@@ -231,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                 sims[method] = (None, None)
                 continue
             r = simulate(plan, scn, steps=args.steps, seed=args.seed)
-            rc = simulate(plan, scn, steps=args.churn_steps, churn=True, seed=args.seed)
-            for res in (r, rc):
+            rc = r if args.agreement else simulate(plan, scn, steps=args.churn_steps, churn=True, seed=args.seed)
+            for res in ((r,) if args.agreement else (r, rc)):
                 total_events += res.events
                 total_wall += res.wall_time_s
                 total_cpu += res.cpu_time_s
@@ -248,7 +163,6 @@ def main(argv: list[str] | None = None) -> int:
                     _fmt(pr["step_time_s"]), _fmt(r.mean_step_time_s), _fmt(pr["step_time_s"] / r.mean_step_time_s, 3),
                     _fmt(pr["pipeline_s"]), _fmt(sim_pipe), _fmt(pr["sync_s"]), _fmt(r.mean_step_time_s - sim_pipe),
                     "yes" if abs(pr["step_time_s"] / r.mean_step_time_s - 1) <= 0.10 else "NO",
-                    _fmt(corrected_step_time(plan, scn) / r.mean_step_time_s, 3),
                 ])
             print(f"# {name}/{method}: sim {_fmt(r.mean_step_time_s)} s, churn {_fmt(rc.mean_step_time_s)} s "
                   f"(leaves {rc.leaves}, requeued {rc.requeued_tasks}, lost {r.lost_micro_batches + rc.lost_micro_batches}), "
@@ -261,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # one step of scale-1024 on its own (the speed target)
     scale_row = None
-    if not args.quick and not args.scenarios:
+    if not args.quick and not args.scenarios and not args.agreement:
         scn = load_scenario("scale-1024")
         plan = make_plan(scn, "shoal", seed=args.seed)
         r = simulate(plan, scn, steps=1)
@@ -271,24 +185,27 @@ def main(argv: list[str] | None = None) -> int:
     parts = [
         "### Agreement: cost model vs simulator (shoal's plans, no churn)\n",
         _table(["scenario", "S", "workers", "M", "predicted s", "simulated s", "pred/sim",
-                "pipeline pred", "pipeline sim", "sync pred", "sync sim", "within 10 %",
-                "proposed model / sim"], agreement),
+                "pipeline pred", "pipeline sim", "sync pred", "sync sim", "within 10 %"], agreement),
         "\n### Speed\n",
         f"All runs: {total_events:,} events in {total_wall:.1f} s wall = "
         f"{total_events / total_wall if total_wall else 0:,.0f} events/s; {total_cpu:.1f} CPU s = "
         f"{total_events / total_cpu if total_cpu else 0:,.0f} events per CPU second "
         f"(load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores).\n",
     ]
-    if scale_row:
+    if args.agreement:
+        parts = parts[:2]
+    elif scale_row:
         parts.append(_table(["scale-1024, one step: events", "wall s", "events/s", "CPU s", "events/CPU s",
                              "load avg"], [scale_row]))
-    parts += [
+    parts += [] if args.agreement else [
         "\n### Comparison: simulated step time (s) per method, without and with churn\n",
         _table(["scenario", "method", "step s", "step s (churn)", "/ shoal", "/ shoal (churn)"], comparison),
         "\n<details><summary>per-run speed</summary>\n",
         _table(["scenario", "method", "churn", "steps", "events", "wall s", "events/s", "CPU s", "events/CPU s",
                 "repair wall s"], speed),
         "\n</details>\n",
+    ]
+    parts += [
         f"\nbench wall time {time.perf_counter() - t_start:.0f} s; steps {args.steps} (churn {args.churn_steps}), "
         f"seed {args.seed}.",
     ]

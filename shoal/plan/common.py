@@ -63,9 +63,9 @@ def build_plan(scenario: Scenario, method: str, stages: list[StagePlan], sync: S
 
 
 def step_of(plan: Plan, scenario: Scenario, options: CostOptions | None = None) -> float:
-    """Predicted step time (inf if the plan cannot run)."""
+    """Predicted step time, the expected one under the scenario's churn (inf if the plan cannot run)."""
     try:
-        t = predict(plan, scenario, options)["step_time_s"]
+        t = predict(plan, scenario, options)["expected_step_time_s"]  # = step_time_s without churn
     except (KeyError, ZeroDivisionError):
         return math.inf
     return t if math.isfinite(t) else math.inf

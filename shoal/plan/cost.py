@@ -42,6 +42,8 @@ class CostOptions:
 
     overlap_sync: bool = False  # parameter sync overlaps the next step's pipeline: step = max(P, sync)
     recompute: bool = False  # a backward task recomputes the forward (workers keep no activations)
+    churn: bool = True  # add the expected cost of churn when the scenario's churn is enabled
+    lease_timeout_s: float = 10.0  # seconds before a server notices a vanished worker (SimConfig's default)
 
 
 @lru_cache(maxsize=64)
@@ -127,6 +129,50 @@ def link_share(expected_flows: float, users: int) -> float:
     return min(float(users), max(1.0, 1.0 + expected_flows * (users - 1) / users))
 
 
+def availability(mean_session_s: float | None, mean_offline_s: float) -> float:
+    """Long-run fraction of time a device is online: ``a = S / (S + O)`` for mean session ``S``
+    and mean time away ``O`` (alternating renewal process); 1 for a device that never leaves."""
+    if mean_session_s is None:
+        return 1.0
+    return mean_session_s / (mean_session_s + max(0.0, mean_offline_s))
+
+
+def late_task_delay(delay_s: float, pipeline_s: float) -> float:
+    """Expected delay of the step's end when a task that leaves at a uniform time ``u`` in
+    ``[0, P]`` comes back ``D`` later and then runs to the end: ``E[max(0, u + D - P)]`` =
+    ``D^2 / (2P)`` if ``D <= P``, else ``D - P / 2``."""
+    if delay_s <= 0:
+        return 0.0
+    if pipeline_s <= 0:
+        return delay_s
+    if delay_s <= pipeline_s:
+        return delay_s * delay_s / (2 * pipeline_s)
+    return delay_s - pipeline_s / 2
+
+
+def leave_cost(tau: float, stage_rate: float, micro_batches: int, pipeline_s: float, fill_s: float,
+               lease_timeout_s: float, pull_s: float) -> float:
+    """Expected seconds a step loses when one worker (per-micro-batch time ``tau``) of a stage
+    with throughput ``X_s = stage_rate`` leaves at a uniform time in the pipeline ``P``:
+
+    * its leased task comes back after the lease timeout and must still run through the
+      pipeline: ``late_task_delay(timeout + tau + fill, P)``;
+    * the gradients it held (half of its share ``M_d = M / (tau X_s)`` on average) are re-run
+      by the stage's other workers: ``(M_d / 2) / (X_s - 1 / tau)``;
+    * if it was the stage's only worker, a replacement must first be found (the timeout) and
+      pull the stage's weights (``pull_s``), then re-run at the same speed: ``(M / 2) tau``.
+    """
+    if not 0 < tau < math.inf or stage_rate <= 0:
+        return 0.0
+    own = 1.0 / tau
+    share = micro_batches * own / stage_rate
+    rest = stage_rate - own
+    late = late_task_delay(lease_timeout_s + tau + fill_s, pipeline_s)
+    if rest > 1e-12 * stage_rate:
+        return late + 0.5 * share / rest
+    return late + lease_timeout_s + pull_s + 0.5 * share * tau
+
+
 def step_time(pipeline: float, sync: float, overlap_sync: bool = False) -> float:
     """Seconds per optimizer step."""
     return max(pipeline, sync) if overlap_sync else pipeline + sync
@@ -145,6 +191,7 @@ class StageCost:
     sync: float  # per-step sync seconds of the stage (slowest push + slowest pull + 3 latencies)
     task_times: dict[str, float]  # worker id -> tau_d
     memory_headroom: float  # min over workers of (memory - need) / memory
+    pull: float = 0.0  # seconds for the slowest worker to pull the stage's weights (a replacement's start-up)
 
 
 def _share_counts(plan: Plan, scenario: Scenario) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
@@ -210,6 +257,7 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
     # row = (wid, fixed, dl_bytes, dl_bw, dl_host, ul_bytes_n, ul_bw_n, ul_bytes_p, ul_bw_p, comp, out_lat)
     rows: list[list[tuple]] = []
     syncs: list[float] = []
+    pulls: list[float] = []
     heads: list[float] = []
     hosts: list[tuple] = []  # (host, next host, previous host) ids or None
     for i, st in enumerate(plan.stages):
@@ -266,6 +314,7 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
             headroom = min(headroom, (d.memory - need) / d.memory if d.memory > 0 else -math.inf)
         rows.append(stage_rows)
         syncs.append(stage_sync_time(max_lat, max_push, max_pull, sync.sync_every))
+        pulls.append(max_lat + max_pull)
         heads.append(headroom)
 
     # Fixed point of the link sharing, from the worst case k_eff = k.
@@ -335,7 +384,7 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
         else:
             frac, lat = 1.0, math.inf
         out.append(StageCost(throughput=x, latency=lat, compute_fraction=frac, sync=syncs[i],
-                             task_times=times, memory_headroom=heads[i]))
+                             task_times=times, memory_headroom=heads[i], pull=pulls[i]))
     return out
 
 
@@ -353,6 +402,37 @@ def server_memory_headroom(plan: Plan, scenario: Scenario) -> float:
     return headroom
 
 
+def churn_step_time(plan: Plan, scenario: Scenario, costs: list[StageCost], pipe: float, fill: float,
+                    sync: float, step: float, options: CostOptions) -> tuple[float, float]:
+    """``(expected step, churn seconds)`` of a plan under the scenario's churn.
+
+    Long run, worker ``d`` is online ``a_d = availability(S_d, O)`` of the time, so stage ``s``
+    runs at ``X_s^a = sum_d a_d / tau_d`` (the M fastest); pipeline ``P^a = (M - 1) / min X^a +
+    fill``. Each step, ``d`` leaves with probability ``T / S_d`` (``T`` = churn-free step) and
+    then costs ``leave_cost(...)``: ``churn = sum_d (T / S_d) leave_cost_d``. Expected step =
+    ``step_time(P^a, sync) + churn``.
+    """
+    dev = {d.id: d for d in scenario.devices}
+    off = scenario.churn.mean_offline_s
+    m = plan.micro_batches
+    xs_a = []
+    churn = 0.0
+    for c in costs:
+        used = sorted(c.task_times, key=c.task_times.get)[:m]
+        xa = 0.0
+        for w in used:
+            t = c.task_times[w]
+            if not 0 < t < math.inf:
+                continue
+            sess = dev[w].mean_session_s
+            xa += availability(sess, off) / t
+            if sess:
+                churn += step / sess * leave_cost(t, c.throughput, m, pipe, fill, options.lease_timeout_s, c.pull)
+        xs_a.append(xa)
+    pipe_a = (m - 1) / min(xs_a) + fill if min(xs_a) > 0 else math.inf
+    return step_time(pipe_a, sync, options.overlap_sync) + churn, churn
+
+
 def predict(plan: Plan, scenario: Scenario, options: CostOptions | None = None) -> dict[str, float]:
     """Cost-model prediction of one training step of ``plan``; also stored in ``plan.predicted``.
 
@@ -360,7 +440,10 @@ def predict(plan: Plan, scenario: Scenario, options: CostOptions | None = None) 
     activation transfers at the bottleneck stage), ``sync_s``, ``pipeline_s``, ``step_time_s``,
     ``mean_stage_time_s`` (mean over stages of ``(M - 1) / X_s``), ``bottleneck_stage``, ``memory_headroom`` (min fraction of memory left over workers and
     server hosts; negative means it does not fit), ``throughput_mb_s`` (bottleneck micro-batches/s),
-    ``fill_drain_s``.
+    ``fill_drain_s``; with churn (``scenario.churn.enabled``, ``options.churn``): ``churn_s``
+    (expected seconds per step lost to leaves) and ``expected_step_time_s`` (the long-run step:
+    availability-weighted pipeline + sync + ``churn_s``; equal to ``step_time_s`` without churn).
+    ``step_time_s`` is always the churn-free steady state (what a churn-free simulation measures).
     """
     options = options or CostOptions()
     costs = stage_costs(plan, scenario, options)
@@ -372,13 +455,19 @@ def predict(plan: Plan, scenario: Scenario, options: CostOptions | None = None) 
     sync = max(c.sync for c in costs)
     frac = costs[b].compute_fraction
     headroom = min(min(c.memory_headroom for c in costs), server_memory_headroom(plan, scenario))
+    step = step_time(pipe, sync, options.overlap_sync)
+    expected, churn_s = step, 0.0
+    if options.churn and scenario.churn.enabled:
+        expected, churn_s = churn_step_time(plan, scenario, costs, pipe, fill, sync, step, options)
     result = {
         "compute_s": pipe * frac,
         "transfer_s": pipe * (1.0 - frac),
         "sync_s": sync,
         "pipeline_s": pipe,
         "fill_drain_s": fill,
-        "step_time_s": step_time(pipe, sync, options.overlap_sync),
+        "step_time_s": step,
+        "churn_s": churn_s,
+        "expected_step_time_s": expected,
         "bottleneck_stage": float(b),
         "throughput_mb_s": xs[b],
         "mean_stage_time_s": sum((m - 1) / x if x > 0 else math.inf for x in xs) / len(xs),
