@@ -55,7 +55,7 @@ def main() -> int:
     args = ap.parse_args()
     rows = []
     print(f"{'scenario':15s} {'devs':>5s} {'shoal s':>9s} {'S':>3s} {'plan s':>7s} | "
-          + " | ".join(f"{m:>6s} x shoal  plan s" for m in BASELINES) + " | best-baseline/shoal")
+          + " | ".join(f"{m:>6s} x shoal  plan s" for m in BASELINES) + " | best-baseline/shoal | same, expected with churn")
     for name in BUILTIN_SCENARIOS:
         if name in args.skip:
             continue
@@ -68,18 +68,22 @@ def main() -> int:
                 row["methods"][method] = {"error": str(exc)}
                 continue
             row["methods"][method] = {"step_time_s": p.predicted_step_time_s, "stages": p.n_stages,
+                                      "expected_step_time_s": p.predicted.get("expected_step_time_s"),
                                       "planning_time_s": p.planning_time_s,
                                       "devices_used": sum(len(st.workers) for st in p.stages)}
         sh = row["methods"]["shoal"]
         best = min(row["methods"][m]["step_time_s"] for m in BASELINES if "step_time_s" in row["methods"][m])
         row["shoal_over_best_baseline"] = sh["step_time_s"] / best
+        best_e = min(row["methods"][m]["expected_step_time_s"] for m in BASELINES if "step_time_s" in row["methods"][m])
+        row["shoal_over_best_baseline_expected"] = sh["expected_step_time_s"] / best_e
+        churn_cell = f"{best_e / sh['expected_step_time_s']:.2f}" if s.churn.enabled else "-"
         cells = []
         for m in BASELINES:
             r = row["methods"][m]
             cells.append(f"{r['step_time_s'] / sh['step_time_s']:6.2f} x      {r['planning_time_s']:6.2f}"
                          if "step_time_s" in r else f"{'n/a':>22s}")
         print(f"{name:15s} {len(s.workers):5d} {sh['step_time_s']:9.2f} {sh['stages']:3d} {sh['planning_time_s']:7.2f} | "
-              + " | ".join(cells) + f" | {best / sh['step_time_s']:.2f}", flush=True)
+              + " | ".join(cells) + f" | {best / sh['step_time_s']:.2f} | {churn_cell}", flush=True)
         rows.append(row)
     # shoal vs exhaustive
     gaps = []

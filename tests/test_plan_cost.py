@@ -166,3 +166,53 @@ def test_server_link_shared_by_transfers_in_flight():
         got = stage_costs(p, scn)[0].task_times["w0"]
         assert got == pytest.approx(tau, rel=0.02)
         assert c + s <= got <= c + k * s  # between the lone transfer and the worst case
+
+
+def test_churn_formulas_by_hand():
+    from shoal.plan.cost import availability, late_task_delay, leave_cost
+    assert availability(None, 600.0) == 1.0
+    assert availability(3600.0, 1800.0) == pytest.approx(2 / 3)
+    assert late_task_delay(0.0, 10.0) == 0.0
+    assert late_task_delay(2.0, 10.0) == pytest.approx(4 / 20)  # D^2 / 2P
+    assert late_task_delay(30.0, 10.0) == pytest.approx(25.0)  # D - P/2
+    # 4 workers of tau = 0.5 s (X = 8/s), M = 16, P = 10 s, fill 1 s, timeout 10 s:
+    # late task D = 11.5 > P -> 6.5 s; held gradients: share 4, half of it re-run at 6/s -> 1/3 s.
+    assert leave_cost(0.5, 8.0, 16, 10.0, 1.0, 10.0, 3.0) == pytest.approx(6.5 + 2 / 6)
+    # the only worker: a replacement needs the timeout and the 3 s pull, then re-runs M/2 at 0.5 s
+    assert leave_cost(0.5, 2.0, 16, 10.0, 1.0, 10.0, 3.0) == pytest.approx(6.5 + 10 + 3 + 8 * 0.5)
+
+
+def _churn_scenario(enabled):
+    devices = [{"id": f"w{i}", "tflops": 1, "memory_gb": 8, "region": "a", "up_mbps": 20, "down_mbps": 200,
+                "mean_session_h": 0.5 if i == 0 else 4} for i in range(3)]
+    devices.append({"id": "h", "tflops": 0, "memory_gb": 0, "region": "a", "up_gbps": 10, "down_gbps": 10,
+                    "can_host_server": True})
+    return scenario_from_dict({
+        "name": "churny",
+        "workload": {"model": "tiny", "seq_len": 64, "global_batch": 8, "micro_batch_size": 2, "dtype": "fp32"},
+        "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}},
+        "devices": devices, "churn": {"enabled": enabled, "mean_offline_min": 30},
+    })
+
+
+def test_churn_term_in_predict():
+    from shoal.plan.cost import availability, churn_step_time, stage_costs
+    p = plan([StagePlan((0, 6), "h", ["w0", "w1"])])
+    off = predict(p, _churn_scenario(False))
+    assert off["churn_s"] == 0.0 and off["expected_step_time_s"] == off["step_time_s"]
+    s = _churn_scenario(True)
+    on = predict(p, s)
+    assert on["step_time_s"] == pytest.approx(off["step_time_s"])  # the steady state ignores churn
+    costs = stage_costs(p, s)
+    tau = costs[0].task_times["w0"]
+    x_a = availability(1800.0, 1800.0) / tau + availability(14400.0, 1800.0) / tau
+    pipe_a = 3 / x_a + on["fill_drain_s"]
+    assert on["expected_step_time_s"] == pytest.approx(pipe_a + on["sync_s"] + on["churn_s"])
+    assert on["churn_s"] > 0
+    assert churn_step_time(p, s, costs, on["pipeline_s"], on["fill_drain_s"], on["sync_s"], on["step_time_s"],
+                           CostOptions())[1] == pytest.approx(on["churn_s"])
+    # the reliable device alone beats the flaky one alone, though they are equally fast
+    flaky = predict(plan([StagePlan((0, 6), "h", ["w0"])]), s)
+    steady = predict(plan([StagePlan((0, 6), "h", ["w1"])]), s)
+    assert flaky["step_time_s"] == pytest.approx(steady["step_time_s"])
+    assert flaky["expected_step_time_s"] > steady["expected_step_time_s"]
