@@ -188,3 +188,18 @@ def test_plan_from_the_coordinators_replan_event(tmp_path):
     md = (write_report(run) / "report.md").read_text()
     assert "| 0 | [0, 3) | s0 | 2 | w0, w2 |" in md and "| 1 | [3, 6) | s1 | 1 | w1 |" in md
     assert "method: shoal" in md
+
+
+def test_report_shows_the_no_churn_simulation_and_the_bytes_method():
+    from shoal.demo.report import render_markdown
+
+    summary = {"simulated_step_time_s": 3.0, "simulated_no_churn_step_time_s": 2.0,
+               "achieved_step_time_s": 2.5, "bytes_method": "computed from task counts",
+               "bytes": {"activations": {"raw": 400, "wire": 103}}}
+    rep = build_report([], [], summary)
+    assert rep["step_time"]["achieved_over_simulated_no_churn"] == pytest.approx(1.25)
+    md = render_markdown(rep)
+    assert "| simulator, without the churn | 2.000 s | 1.25 |" in md
+    assert "(computed from task counts)" in md
+    # without a separate no-churn figure there is no extra row
+    assert "without the churn" not in render_markdown(build_report([], [], {"simulated_step_time_s": 3.0}))
