@@ -94,6 +94,9 @@ def print_plan(console: Console, plan: Plan, scenario: Scenario) -> None:
         f"memory headroom {pred.get('memory_headroom', 0):.0%}; {used}/{len(scenario.workers)} devices used; "
         f"planned in {plan.planning_time_s:.2f} s   (* = bottleneck stage)"
     )
+    if pred.get("churn_s"):
+        console.print(f"with churn (long run): expected step {_fmt(pred.get('expected_step_time_s'))} s, of which "
+                      f"{_fmt(pred.get('churn_s'))} s per step lost to leaves (the rest: devices away)")
 
 
 def _simulator():
