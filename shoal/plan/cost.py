@@ -6,8 +6,10 @@ sizes in bytes, rates in bytes/s and FLOP/s.
 
 * per-task compute of worker ``d`` on stage ``s``: ``c = (F_s + G_s) / flops_d`` (forward and
   backward FLOPs of one micro-batch; ``+F_s`` again when backward recomputes the forward).
-* a transfer of ``n`` bytes moves at ``bw = min(path, up_src / k_src, down_dst / k_dst)`` where
-  ``k`` is the number of workers sharing the server's link (1 for the worker's own link).
+* a transfer of ``n`` bytes moves at ``bw = min(path, own link, server link / k_eff)`` where
+  ``k_eff = link_share(N, k)`` counts the transfers expected in flight on the server's link
+  (``N``; ``k`` = the workers that use it), found by a short fixed point in :func:`stage_costs`;
+  sync bursts are simultaneous and share by ``k``.
 * per-micro-batch time of ``d``: ``tau_d = c + (bytes of its activation transfers) / bw +
   n_tasks * 2 * L(d, h_s)``: input (and output-gradient) downloads from ``h_s``, output upload to
   ``h_{s+1}``, input-gradient upload to ``h_{s-1}``; each of its ``n_tasks`` tasks per micro-batch
@@ -23,6 +25,9 @@ sizes in bytes, rates in bytes/s and FLOP/s.
   every worker pulls: ``(3 L_max + max_d g / bw_push,d + max_d g / bw_pull,d) / sync_every`` per
   stage with ``g = param_bytes_s * grad_compression``; the step waits for the slowest stage.
 * step: ``P + sync`` or, with ``overlap_sync``, ``max(P, sync)``.
+* churn (scenario churn enabled): availability ``a_d = S_d / (S_d + O)`` weights the stage
+  throughput, and each step pays ``sum_d (T / S_d) leave_cost_d``; the result is
+  ``expected_step_time_s`` (``step_time_s`` stays churn-free). See :func:`churn_step_time`.
 """
 
 from __future__ import annotations
