@@ -348,11 +348,12 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
         console.print(f"[bold]shoal demo[/bold]: scenario {written.name} -- {len(sc.workers)} workers in "
                       f"{len({d.region for d in sc.workers})} regions, {len(sc.server_hosts)} server hosts; "
                       f"model {w.model}, {stages} stages, {cfg.steps} steps, churn {'on' if cfg.churn else 'off'}, "
-                      f"compression {cfg.compression}; run folder {out}", highlight=False)
+                      f"compression {cfg.compression}; run folder {out}", highlight=False, soft_wrap=True)
         for n in notes:
-            console.print(f"  note: {n}", highlight=False)
+            console.print(f"  note: {n}", highlight=False, soft_wrap=True)
         console.print(f"  planner: {_plan_line(plan)}; predicted step {plan.predicted_step_time_s:.2f} s "
-                      f"(time scale: devices x{spec.speedup:.2e}, bandwidth x{BANDWIDTH_SCALE:g})", highlight=False)
+                      f"(time scale: devices x{spec.speedup:.2e}, bandwidth x{BANDWIDTH_SCALE:g})", highlight=False,
+                      soft_wrap=True)
     lc = LaunchConfig(
         out=str(out), model=w.model, stages=stages, workers=len(sc.workers), steps=cfg.steps,
         micro_batches=w.micro_batches, micro_batch_size=w.micro_batch_size, seq_len=w.seq_len, seed=cfg.seed,
