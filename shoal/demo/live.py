@@ -77,8 +77,10 @@ class LiveState:
     def workers_per_stage(self) -> list[int]:
         """Live workers assigned to each stage."""
         counts = [0] * self.n_stages
-        for w in self.live:
-            s = self.stage_of.get(w)
+        # Copies (atomic under the GIL): rich's refresh thread renders while records arrive.
+        stage_of = dict(self.stage_of)
+        for w in list(self.live):
+            s = stage_of.get(w)
             if s is not None and 0 <= s < len(counts):
                 counts[s] += 1
         return counts
