@@ -78,6 +78,20 @@ def ordered_groups(per_mb: dict[int, dict[str, torch.Tensor]]) -> list[tuple[lis
     return groups
 
 
+def task_flops(direction: int, fwd: float, bwd: float, recomputed: bool) -> float:
+    """FLOPs a task costs on a device: what the pacer pads it to.
+
+    ``FWD`` is the stage forward, ``FWDBWD`` forward + backward; a ``BWD`` task adds the
+    forward only when it was really recomputed (its worker had no cached graph of its own
+    forward), which is what the simulator charges.
+    """
+    if direction == pb.FWD:
+        return fwd
+    if direction == pb.FWDBWD:
+        return fwd + bwd
+    return (2 * fwd + bwd) if recomputed else (fwd + bwd)
+
+
 class Worker:
     """One worker process's state."""
 
@@ -247,12 +261,13 @@ class Worker:
                 return  # the server moved on; the lease will be dropped
             t0 = time.perf_counter()
             loop = asyncio.get_running_loop()
-            out, loss, grads = await loop.run_in_executor(None, self._compute, task)
+            out, loss, grads, recomputed = await loop.run_in_executor(None, self._compute, task)
             elapsed = time.perf_counter() - t0
             if self.opts.slow_s > 0:
                 await asyncio.sleep(self.opts.slow_s)
             if self.pacer is not None:
-                await loop.run_in_executor(None, self.pacer.pad, self._task_flops(task.direction), elapsed)
+                await loop.run_in_executor(None, self.pacer.pad,
+                                           self._task_flops(task.direction, recomputed), elapsed)
             result = pb.TaskResult(worker=self.member_id, step=task.step, mb=task.mb,
                                    direction=task.direction, epoch=task.epoch, lease_id=task.lease_id,
                                    loss=loss, compute_s=time.perf_counter() - t0)
@@ -283,8 +298,8 @@ class Worker:
                         self.acc[name] = g
             self.acc_mbs.append(task.mb)
 
-    def _task_flops(self, direction: int) -> float:
-        """FLOPs of one task from the analytic profile (forward, +backward, +recompute)."""
+    def _task_flops(self, direction: int, recomputed: bool) -> float:
+        """FLOPs of one task from the analytic profile (see :func:`task_flops`)."""
         from shoal.model.profile import profile_model
 
         if getattr(self, "_flops_for", None) != (self.first, self.last):
@@ -292,10 +307,14 @@ class Worker:
             self._flops = prof.fwd_flops(self.first, self.last), prof.bwd_flops(self.first, self.last)
             self._flops_for = (self.first, self.last)
         fwd, bwd = self._flops
-        return {pb.FWD: fwd, pb.FWDBWD: fwd + bwd, pb.BWD: 2 * fwd + bwd}[direction]
+        return task_flops(direction, fwd, bwd, recomputed)
 
     def _compute(self, task: pb.Task):
-        """Run one task; returns (output tensor or None, loss, parameter grads or None)."""
+        """Run one task; returns (output or None, loss, parameter grads or None, recomputed).
+
+        ``recomputed`` says whether a ``BWD`` task ran the stage forward again (no cached
+        graph of this worker's own forward), so the pacer charges that forward only then.
+        """
         spec = self.spec
         first_stage = self.first == 0
         if first_stage:
@@ -308,7 +327,7 @@ class Worker:
         if task.direction == pb.FWD:
             if not self.opts.graph_cache:
                 with torch.no_grad():
-                    return self.module(x).contiguous(), 0.0, None
+                    return self.module(x).contiguous(), 0.0, None, False
             # Keep the graph: if this worker also gets the micro-batch's backward, it skips
             # the recomputation. Dropping an entry is always safe (BWD recomputes).
             if not first_stage:
@@ -317,7 +336,7 @@ class Worker:
             self.graphs[key] = (x, out)
             while len(self.graphs) > 2 * spec.micro_batches:
                 self.graphs.pop(next(iter(self.graphs)))
-            return out.detach().contiguous(), 0.0, None
+            return out.detach().contiguous(), 0.0, None, False
         for p in self.params.values():
             p.grad = None
         cached = self.graphs.pop(key, None) if task.direction == pb.BWD else None
@@ -339,7 +358,8 @@ class Worker:
         grads = {n: p.grad for n, p in self.params.items()}
         for p in self.params.values():
             p.grad = None
-        return (None if first_stage else x.grad.contiguous()), loss_v, grads
+        recomputed = task.direction == pb.BWD and cached is None
+        return (None if first_stage else x.grad.contiguous()), loss_v, grads, recomputed
 
 
 def work(coord: str, token: str, opts: WorkerOptions, *, dial=None, pacer=None, on_servers=None) -> None:

@@ -1,0 +1,55 @@
+"""The worker's task computation and pacing charge, driven in-process (no sockets)."""
+
+from __future__ import annotations
+
+import torch
+
+from shoal.model.transformer import build_stage
+from shoal.net import shoal_pb2 as pb
+from shoal.net.wire import encode_tensor
+from shoal.runtime.common import model_config
+from shoal.runtime.worker import Worker, WorkerOptions, task_flops
+
+M, B, T = 2, 2, 16
+
+
+def test_task_flops_charges_recompute_only_when_it_happened():
+    assert task_flops(pb.FWD, 3.0, 6.0, False) == 3.0
+    assert task_flops(pb.FWDBWD, 3.0, 6.0, False) == 9.0
+    assert task_flops(pb.BWD, 3.0, 6.0, False) == 9.0
+    assert task_flops(pb.BWD, 3.0, 6.0, True) == 12.0
+
+
+def _worker(graph_cache: bool) -> Worker:
+    w = Worker("unused:0", "tok", WorkerOptions(graph_cache=graph_cache))
+    w.spec = pb.RunSpec(model="tiny", stages=2, steps=2, micro_batches=M, micro_batch_size=B, seq_len=T,
+                        seed=0, data="synthetic")
+    w.cfg = model_config(w.spec)
+    w._switch(1, 1, 2)  # a middle stage (one block): takes an input, returns one
+    init = build_stage(w.cfg, 1, 2, seed=0)
+    with torch.no_grad():
+        for n, p in init.named_parameters():
+            w.params[n].copy_(p)
+    return w
+
+
+def test_backward_reports_whether_it_recomputed():
+    torch.manual_seed(0)
+    x = torch.randn(B, T, model_config(pb.RunSpec(model="tiny")).d_model)
+    g = torch.randn_like(x)
+    res = {}
+    for cache in (True, False):
+        w = _worker(cache)
+        fwd = pb.Task(step=0, mb=1, direction=pb.FWD, epoch=0, input=encode_tensor("x", x))
+        _, _, grads, recomputed = w._compute(fwd)
+        assert grads is None and not recomputed
+        bwd = pb.Task(step=0, mb=1, direction=pb.BWD, epoch=0, input=encode_tensor("x", x),
+                      out_grad=encode_tensor("g", g))
+        in_grad, _, grads, recomputed = w._compute(bwd)
+        assert recomputed is (not cache)
+        assert w.graph_hits == (1 if cache else 0)
+        res[cache] = (in_grad, grads)
+    # The cached graph gives the same gradients as the recompute.
+    assert torch.equal(res[True][0], res[False][0])
+    for n in res[True][1]:
+        assert torch.equal(res[True][1][n], res[False][1][n])
