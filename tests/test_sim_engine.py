@@ -271,7 +271,7 @@ def test_compression_shrinks_sync_time():
     (lambda p: p.stages[0].workers.append("nobody"), "not a device"),
     (lambda p: p.stages[1].workers.append("w0"), "one stage"),
     (lambda p: setattr(p.stages[0], "layers", (0, 1)), "must start at"),
-    (lambda p: setattr(p.stages[0], "server", "w0"), "may not host"),
+    (lambda p: setattr(p.stages[0], "server", "w0"), "not allowed to host"),
     (lambda p: setattr(p.stages[2], "workers", []), "no workers"),
     (lambda p: setattr(p, "model", "small"), "model"),
 ])

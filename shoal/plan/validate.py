@@ -60,7 +60,7 @@ def validate_plan(plan: Plan, scenario: Scenario) -> None:
                 raise ShoalError(f"stage {i}'s worker {wid} cannot compute (flops 0)")
             if d.memory < need:
                 raise ShoalError(
-                    f"device {wid} has {d.memory / 1e9:.2f} GB but stage {i} (layers {st.layers[0]}-{st.layers[1]}) needs {need / 1e9:.2f} GB"
+                    f"device {wid} has {d.memory / 1e9:.2f} GB but stage {i} (layers {st.layers[0]}-{st.layers[1]}) needs {need / 1e9:.2f} GB; use more stages or a smaller micro-batch"
                 )
     for h, need in server_need.items():
         if devices[h].host_memory < need:
