@@ -91,6 +91,19 @@ def test_traffic_bytes_counts_boundaries_and_codec_sizes():
     assert q["weight_pull"] == raw["weight_pull"]  # the runtime pulls weights raw
 
 
+def test_measured_bytes_win_over_the_computed_estimate():
+    from shoal.demo.cli import prefer_measured_bytes
+
+    extra = {"bytes": {"activations": {"raw": 1, "wire": 1}}, "bytes_method": "computed ...",
+             "codecs": {"activations": "raw"}, "x": 1}
+    assert prefer_measured_bytes({}, extra) == extra  # an older runtime: keep the estimate
+    measured = {"bytes": {"activations": {"raw": 5, "wire": 5}}, "bytes_method": "counted: ..."}
+    got = prefer_measured_bytes(measured, extra)
+    assert "bytes" not in got and "bytes_method" not in got  # the runtime's keys stay in summary.json
+    assert got["bytes_computed"] == extra["bytes"] and got["bytes_computed_method"] == "computed ..."
+    assert got["x"] == 1 and got["codecs"]["control"] == "raw"
+
+
 def test_sync_policy_follows_the_codec():
     from shoal.demo.cli import sync_policy
 
@@ -180,6 +193,8 @@ def test_demo_command_end_to_end(tmp_path):
     assert st["predicted_s"] > 0 and st["simulated_s"] > 0 and st["achieved_s"] > 0
     assert len(rep["plan"]["stages"]) == 2
     assert all(rep["bytes"][k]["raw"] > 0 for k in ("activations", "activation_grads", "grad_push", "weight_pull"))
+    assert rep["bytes_method"].startswith("counted")  # measured by the runtime, not computed
+    assert "control" in rep["bytes"]
     assert rep["sample_text"] and not rep["sample_text"].startswith("(no sample")
     md = (out / "report" / "report.md").read_text()
     assert "## Plan" in md and "## Bytes on the wire" in md and "failures survived" in md

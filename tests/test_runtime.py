@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from shoal.model.config import get_preset
 from shoal.runtime.artifacts import load_final_weights
 from shoal.runtime.launch import LaunchConfig, Swarm, launch
 from shoal.train.local import TrainConfig, train_local
@@ -83,6 +84,16 @@ def test_parity_with_local_trainer(tmp_path, reference, stages, workers):
     assert all("tasks_per_worker" in r and "requeues" in r for r in recs)
     assert (tmp_path / "run" / "tokenizer.json").exists()
     assert (tmp_path / "run" / "summary.json").exists()
+    # measured bytes: every kind counted; raw fp32 frames are as big raw as on the wire
+    b = summary["bytes"]
+    assert set(b) == {"activations", "activation_grads", "grad_push", "weight_pull", "control"}
+    assert all(v["wire"] > 0 and v["raw"] == v["wire"] for v in b.values())
+    d_model = get_preset(RUN["model"]).d_model
+    act = 4 * RUN["micro_batch_size"] * RUN["seq_len"] * d_model * RUN["micro_batches"] * (stages - 1)
+    # each activation crosses 3 times (worker -> server, relay, lease to the next worker)
+    assert b["activations"]["wire"] >= 3 * act * (STEPS // 2)
+    assert set(summary["bytes_by_role"]) == {"worker", "server"}
+    assert summary["bytes_method"].startswith("counted")
 
 
 @pytest.mark.timeout(180)
@@ -96,14 +107,22 @@ def test_kill9_workers_at_random_moments(tmp_path, reference):
             if sw.committed_steps() >= min(len(kills), STEPS - 1) and sw.coord.poll() is None:
                 time.sleep(rng.uniform(0.0, 0.6))
                 i = rng.randrange(4)
+                before = time.time()
                 sw.kill_worker(i)
-                kills.append(i)
+                kills.append((i, before, time.time()))
                 sw.start_worker(i)
             time.sleep(0.05)
         summary = sw.wait()
     assert summary["steps"] == STEPS
     events = read_jsonl(tmp_path / "run" / "events.jsonl")
-    assert sum(e["event"] == "kill" for e in events) == 3
+    kills_logged = [e for e in events if e["event"] == "kill"]
+    assert [e["device"] for e in kills_logged] == [f"w{i}" for i, _, _ in kills]
+    assert all(e["role"] == "worker" for e in kills_logged)
+    # stamped on the coordinator's clock (its t0), like its own events
+    t0 = sw.run_t0
+    assert t0 is not None
+    for e, (_, before, after) in zip(kills_logged, kills, strict=True):
+        assert before - t0 - 1e-3 <= e["time_s"] <= after - t0 + 1e-3
     _assert_parity(tmp_path / "run", reference)
 
 

@@ -412,6 +412,8 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
             extra["sample_text"] = generate_text(out, "", cfg.sample_tokens, 0.8, 0, cfg.seed)
         except Exception as exc:  # noqa: BLE001 -- a missing sample must not lose the report
             extra["sample_text"] = f"(no sample: {exc})"
+    runtime_summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+    extra = prefer_measured_bytes(runtime_summary, extra)
     _merge_summary(out / "summary.json", extra)
     folder = write_report(out)
     rep = build_report(*load_run(out))
@@ -432,6 +434,25 @@ BANDWIDTH_SCALE = 4.0  # every scenario bandwidth x4: weight sync of the tiny mo
 def _plan_line(plan) -> str:
     return "; ".join(f"stage {i} layers [{s.layers[0]},{s.layers[1]}) server {s.server} {len(s.workers)} workers"
                      for i, s in enumerate(plan.stages))
+
+
+def prefer_measured_bytes(runtime_summary: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """Keep the runtime's counted bytes in ``bytes`` when it has them (pure).
+
+    The runtime counts every RPC's serialized bytes (``bytes_method`` starting with
+    "counted"); the demo's computed estimate then moves to ``bytes_computed`` (with its
+    method in ``bytes_computed_method``) instead of overwriting the measurement.
+    """
+    if not str(runtime_summary.get("bytes_method", "")).startswith("counted") or not runtime_summary.get("bytes"):
+        return extra
+    out = dict(extra)
+    if "bytes" in out:
+        out["bytes_computed"] = out.pop("bytes")
+        out["bytes_computed_method"] = out.pop("bytes_method", None)
+    out.pop("bytes_method", None)
+    if isinstance(out.get("codecs"), dict):
+        out["codecs"] = {**out["codecs"], "control": "raw"}
+    return out
 
 
 def _merge_summary(path: Path, extra: dict[str, Any]) -> None:

@@ -66,6 +66,20 @@ class _AddToken(aio.UnaryUnaryClientInterceptor):
         return await continuation(details, request)
 
 
+class _Count(aio.UnaryUnaryClientInterceptor):
+    """Counts every request and reply of the channel's calls in a ``Traffic``."""
+
+    def __init__(self, traffic):
+        self._traffic = traffic
+
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        self._traffic.count(request)
+        call = await continuation(client_call_details, request)
+        reply = await call
+        self._traffic.count(reply)
+        return reply
+
+
 @dataclass
 class ChannelFactory:
     """Opens channels with one token, size limit and optional ``dial`` reroute hook."""
@@ -73,9 +87,11 @@ class ChannelFactory:
     token: str  # join token sent with every call
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # wire message size limit
     dial: Callable[[str], str] | None = None  # address -> address to connect to (emulation proxy)
+    traffic: object | None = None  # shoal.net.traffic.Traffic counting every call (None: no counting)
 
     def open(self, address: str) -> aio.Channel:
-        return open_channel(address, self.token, dial=self.dial, max_message_bytes=self.max_message_bytes)
+        return open_channel(address, self.token, dial=self.dial, max_message_bytes=self.max_message_bytes,
+                            traffic=self.traffic)
 
 
 def open_channel(
@@ -84,14 +100,16 @@ def open_channel(
     *,
     dial: Callable[[str], str] | None = None,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    traffic=None,
 ) -> aio.Channel:
     """An asyncio gRPC channel to ``address`` that sends ``token`` with every call.
 
-    ``dial`` may rewrite the address (e.g. to a local proxy that shapes the link).
+    ``dial`` may rewrite the address (e.g. to a local proxy that shapes the link);
+    ``traffic`` (a :class:`shoal.net.traffic.Traffic`) counts each request and reply.
     """
     target = dial(address) if dial else address
-    return aio.insecure_channel(target, options=grpc_options(max_message_bytes),
-                                interceptors=[_AddToken(token)])
+    interceptors = [_AddToken(token)] + ([_Count(traffic)] if traffic is not None else [])
+    return aio.insecure_channel(target, options=grpc_options(max_message_bytes), interceptors=interceptors)
 
 
 class TokenInterceptor(aio.ServerInterceptor):

@@ -313,6 +313,14 @@ class WireCounter:
             c[1] += wire_bytes
             c[2] += 1
 
+    def add_bytes(self, link_class: str, raw_bytes: int, wire_bytes: int) -> None:
+        """Record one message of ``raw_bytes`` (fp32-equivalent) sent as ``wire_bytes``."""
+        with self._lock:
+            c = self._counts.setdefault(link_class, [0, 0, 0])
+            c[0] += raw_bytes
+            c[1] += wire_bytes
+            c[2] += 1
+
     def as_dict(self) -> dict[str, dict[str, float]]:
         """``{link_class: {"raw": bytes, "wire": bytes, "messages": n, "ratio": raw/wire}}``."""
         with self._lock:

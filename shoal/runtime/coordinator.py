@@ -31,6 +31,7 @@ import grpc
 from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
 from shoal.net.channel import ChannelFactory, make_server
+from shoal.net.traffic import BYTES_METHOD, merge_traffic
 from shoal.net.wire import decode_tensor
 from shoal.runtime.common import assign_workers, even_split, model_config, optim_config
 from shoal.train.metrics import JsonlWriter, step_record
@@ -92,6 +93,7 @@ class Coordinator(pbg.CoordinatorServicer):
         self.history: list[dict] = []
         self.total_requeues = 0
         self.tasks_per_worker: dict[str, int] = {}
+        self.traffic: dict[str, tuple[str, list]] = {}  # process counter id -> (role, newest counts)
 
     def event(self, name: str, **fields) -> None:
         log.info("event %s %s", name, fields)
@@ -234,6 +236,10 @@ class Coordinator(pbg.CoordinatorServicer):
         return [self.members[sid].address if sid in self.members else "" for sid in self.stage_server]
 
     async def Heartbeat(self, request, context):
+        if request.counter_id:
+            # Cumulative per process: the newest snapshot replaces the older one, and one
+            # that outlives its member (killed, or re-joined under a new id) still counts.
+            self.traffic[request.counter_id] = (request.role or "?", list(request.traffic))
         m = self.members.get(request.member_id)
         if m is None:
             return pb.Assignment(known=False, done=self.done)
@@ -389,6 +395,14 @@ class Coordinator(pbg.CoordinatorServicer):
         self.done = True
         self.event("done", steps=self.committed)
         await asyncio.sleep(max(1.0, 3 * 0.2))  # let members see done in a heartbeat
+        if self.out and (self.out / "summary.json").exists():
+            # The members' heartbeats since the commit carried their last byte counts.
+            path = self.out / "summary.json"
+            summary = json.loads(path.read_text())
+            summary.update(merge_traffic(self.traffic))
+            tmp = path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(summary, indent=1, sort_keys=True))
+            tmp.replace(path)
         self.finished.set()
 
     def summary(self) -> dict:
@@ -402,6 +416,8 @@ class Coordinator(pbg.CoordinatorServicer):
             "tokens": tokens, "train_time_s": sum(times),
             "tokens_per_s": tokens / sum(times) if times and sum(times) > 0 else 0.0,
             "wall_time_s": time.time() - self.t0,
+            **merge_traffic(self.traffic),
+            "bytes_method": BYTES_METHOD,
         }
 
     async def Status(self, request, context):
@@ -423,6 +439,9 @@ async def run_coordinator(spec: pb.RunSpec, token: str, listen: str, *, min_work
     address = f"{listen.rsplit(':', 1)[0]}:{port}"
     await server.start()
     if address_file:
+        # The run's clock (events' and metrics' time_s) for the launcher's kill events;
+        # written before the address, so it exists once the address does.
+        Path(address_file + ".t0").write_text(repr(coord.t0))
         tmp = Path(address_file + ".tmp")
         tmp.write_text(address)
         tmp.replace(address_file)

@@ -101,6 +101,7 @@ class Swarm:
         self._seen = {"events.jsonl": 0, "metrics.jsonl": 0}
         self._n_server = 0
         self.t0 = time.time()
+        self.run_t0: float | None = None  # the coordinator's t0 (the run's clock), once it has started
         self.server_ports: list[int] = []
         self.peers: dict[str, str] = {}  # server address -> scenario host id (emulation)
 
@@ -135,6 +136,9 @@ class Swarm:
                 raise ShoalError("the coordinator did not start within 60 s")
             time.sleep(0.05)
         self.address = addr_file.read_text().strip()
+        t0_file = Path(str(addr_file) + ".t0")
+        if t0_file.exists():
+            self.run_t0 = float(t0_file.read_text())
         if self.scenario is not None:
             # Servers listen on ports fixed now, so every process knows which scenario
             # host is behind which address (its links are shaped accordingly).
@@ -192,7 +196,7 @@ class Swarm:
         if p is not None and p.poll() is None:
             os.kill(p.pid, signal.SIGKILL)
             p.wait()
-            self._log_kill(f"w{i}")
+            self._log_kill(f"w{i}", "worker")
 
     def kill_server(self, i: int) -> None:
         """kill -9 server process ``i`` (index in start order)."""
@@ -200,18 +204,21 @@ class Swarm:
         if p.poll() is None:
             os.kill(p.pid, signal.SIGKILL)
             p.wait()
-            self._log_kill(f"s{i}")
+            self._log_kill(f"s{i}", "server")
 
     def _event(self, rec: dict) -> None:
         if self.on_event:
             self.on_event(rec)
 
-    def _log_kill(self, device: str) -> None:
-        """Record a kill in events.jsonl (appended as one line beside the coordinator's)."""
+    def _log_kill(self, device: str, role: str) -> None:
+        """Record a kill in events.jsonl (appended as one line beside the coordinator's).
+
+        Stamped on the coordinator's clock (its ``t0``), like its own events and metrics.
+        """
         from shoal.train.metrics import JsonlWriter
 
-        with JsonlWriter(self.out / "events.jsonl", t0=self.t0) as w:
-            w.event("kill", device=device, signal="SIGKILL")
+        with JsonlWriter(self.out / "events.jsonl", t0=self.run_t0 or self.t0) as w:
+            w.event("kill", device=device, role=role, signal="SIGKILL")
 
     def poll_records(self) -> list[dict]:
         """New events and metrics records since the last call (also sent to ``on_event``)."""

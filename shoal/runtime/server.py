@@ -34,6 +34,7 @@ from shoal.model.transformer import build_stage
 from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
 from shoal.net.channel import ChannelFactory, make_server
+from shoal.net.traffic import Traffic
 from shoal.net.wire import WireError, decode_tensor, encode_tensor
 from shoal.runtime.common import (
     SCHEMA_VERSION,
@@ -90,7 +91,8 @@ class StageServer(pbg.StageServerServicer):
         self.coord_addr, self.listen, self.token = coord, listen, token
         self.ckpt_root, self.name, self.heartbeat_s = ckpt_root, name, heartbeat_s
         self.orphan_after_s = 120.0  # exit when the coordinator is unreachable this long
-        self.channels = ChannelFactory(token, dial=dial)
+        self.traffic = Traffic()  # bytes of every call this server makes (relays, coordinator)
+        self.channels = ChannelFactory(token, dial=dial, traffic=self.traffic)
         self.member_id = ""
         self.spec: pb.RunSpec | None = None
         self.stage = -1
@@ -221,7 +223,8 @@ class StageServer(pbg.StageServerServicer):
         try:
             a = await self.coord.Heartbeat(pb.MemberRequest(
                 member_id=self.member_id, version=self.version, ckpt_version=self._ckpt_version(),
-                epoch=self.epoch), timeout=5)
+                epoch=self.epoch, counter_id=self.traffic.id, role="server",
+                traffic=self.traffic.snapshot()), timeout=5)
         except grpc.aio.AioRpcError as exc:
             log.warning("heartbeat failed: %s", exc.code())
             return

@@ -25,6 +25,7 @@ from shoal.model.transformer import build_stage
 from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
 from shoal.net.channel import ChannelFactory
+from shoal.net.traffic import Traffic
 from shoal.net.wire import decode_tensor, encode_tensor
 from shoal.runtime.common import (
     SCHEMA_VERSION,
@@ -97,7 +98,8 @@ class Worker:
 
     def __init__(self, coord: str, token: str, opts: WorkerOptions, *, dial=None, pacer=None):
         self.coord_addr, self.opts, self.pacer = coord, opts, pacer
-        self.channels = ChannelFactory(token, dial=dial)
+        self.traffic = Traffic()  # bytes of every call this worker makes
+        self.channels = ChannelFactory(token, dial=dial, traffic=self.traffic)
         self.inject = {f for f in opts.inject.split(",") if f}
         self.stage = -1
         self.first = self.last = 0
@@ -154,7 +156,9 @@ class Worker:
                 self.done = True
                 return
             try:
-                a = await self.coord.Heartbeat(pb.MemberRequest(member_id=self.member_id), timeout=5)
+                a = await self.coord.Heartbeat(pb.MemberRequest(
+                    member_id=self.member_id, counter_id=self.traffic.id, role="worker",
+                    traffic=self.traffic.snapshot()), timeout=5)
                 last_ok = time.monotonic()
                 if a.done:
                     self.done = True
