@@ -50,6 +50,21 @@ def _tps(metrics: list[dict], first: int) -> float:
     return sum(m["tokens"] for m in body) / sum(m["step_time_s"] for m in body)
 
 
+def _upload_ratio(rep: dict, summary: dict, kind: str) -> float | None:
+    """fp32 / wire bytes of what the workers' codec sent for ``kind``.
+
+    Measured (``bytes_by_codec``, counted by the runtime): the frames of the lossy codec,
+    i.e. the workers' uploads (servers send raw fp32); 1.0 when everything was raw. Falls
+    back to the report's ``bytes`` (computed uploads only) for older runs.
+    """
+    by_codec = (summary.get("bytes_by_codec") or {}).get(kind)
+    if by_codec:
+        lossy = [c for name, c in by_codec.items() if name != "raw"]
+        raw, wire = sum(c["raw"] for c in lossy), sum(c["wire"] for c in lossy)
+        return raw / wire if lossy and wire else 1.0
+    return rep["bytes"].get(kind, {}).get("ratio")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=20)
@@ -85,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         st = rep["step_time"]
         rows.append((name, st["predicted_s"], summary.get("simulated_no_churn_step_time_s"), st["simulated_s"],
                      st["achieved_s"], st["achieved_over_simulated"], rep["final_loss"],
-                     rep["bytes"].get("activations", {}).get("ratio"), rep["workers_lost"], rep["tasks_requeued"],
+                     _upload_ratio(rep, summary, "activations"), rep["workers_lost"], rep["tasks_requeued"],
                      summary.get("host_cpu_s"), summary.get("demo_wall_s")))
     print(f"\nshoal demo benchmark (scenario demo, {args.steps} steps, seed {args.seed}; runs in {root})\n")
     print(f"{'run':8} {'cost s':>7} {'sim s':>7} {'sim+churn':>9} {'achieved':>9} {'ach/sim':>8} {'final loss':>10} "
@@ -105,11 +120,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fidelity with churn:    achieved / simulated = {r:.3f} (target within 25 %: "
               f"{'met' if r and abs(r - 1) <= 0.25 else 'MISSED'})")
     if "base" in done and "int8" in done:
-        q = done["int8"][0]
-        ratio = q["bytes"]["activations"]["ratio"]
+        q, qsum, _ = done["int8"]
+        ratio = _upload_ratio(q, qsum, "activations")
+        push = _upload_ratio(q, qsum, "grad_push")
         gap = (q["final_loss"] - base_rep["final_loss"]) / base_rep["final_loss"]
-        print(f"compression int8: activation bytes fp32/wire = {ratio:.2f}x, all uploads "
-              f"{q['bytes_total']['ratio']:.2f}x; final loss {q['final_loss']:.4f} vs {base_rep['final_loss']:.4f} "
+        print(f"compression int8: activation uploads fp32/wire = {ratio:.2f}x, gradient pushes {push:.2f}x, "
+              f"all traffic {q['bytes_total']['ratio']:.2f}x ({q.get('bytes_method') or 'n/a'}); "
+              f"wire bytes {q['bytes_total']['wire'] / 1e6:.1f} MB vs base "
+              f"{base_rep['bytes_total']['wire'] / 1e6:.1f} MB; final loss {q['final_loss']:.4f} vs {base_rep['final_loss']:.4f} "
               f"({gap:+.2%}) (targets >= 3.5x and within 2 %: "
               f"{'met' if ratio >= 3.5 and abs(gap) <= 0.02 else 'MISSED'})")
     if "base" in done and "kill25" in done:

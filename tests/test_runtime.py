@@ -182,3 +182,21 @@ def test_weights_file_loads_like_a_local_run(tmp_path, reference):
     """Cheap structural check on the reference itself (guards the fixture)."""
     losses, weights = reference
     assert len(losses) == STEPS and all(torch.isfinite(w).all() for w in weights.values())
+
+
+@pytest.mark.timeout(120)
+def test_int8_uploads_with_error_feedback_train_and_are_counted(tmp_path, reference):
+    """int8 results and gradient pushes (error feedback on): the run trains like the
+    local trainer within 2 % per step, and the counted bytes show the codec's savings."""
+    codec = ["--codec", "int8"]
+    summary = launch(_cfg(tmp_path, stages=2, workers=3, ordered_grads=False, worker_args=[codec] * 3))
+    ref_losses, _ = reference
+    recs = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in recs] == list(range(STEPS))
+    for r, ref in zip(recs, ref_losses, strict=True):
+        assert abs(r["loss"] - ref) <= 0.02 * ref, (r["loss"], ref)
+    by_codec = summary["bytes_by_codec"]
+    for kind in ("grad_push", "activations", "activation_grads"):
+        c = by_codec[kind]["int8"]  # the workers' uploads
+        assert c["raw"] / c["wire"] >= 3.5, (kind, c)
+    assert set(by_codec["weight_pull"]) == {"raw"}  # servers send raw fp32

@@ -53,3 +53,22 @@ def test_backward_reports_whether_it_recomputed():
     assert torch.equal(res[True][0], res[False][0])
     for n in res[True][1]:
         assert torch.equal(res[True][1][n], res[False][1][n])
+
+
+def test_lossy_gradient_pushes_use_error_feedback():
+    from shoal.net.wire import decode_tensor
+
+    assert Worker("unused:0", "tok", WorkerOptions()).ef is None  # raw: unchanged
+    assert Worker("unused:0", "tok", WorkerOptions(codec="int8", error_feedback=False)).ef is None
+    w = Worker("unused:0", "tok", WorkerOptions(codec="int8"))
+    assert w.ef is not None and w.ef.codec == "int8"
+    torch.manual_seed(0)
+    g = torch.randn(4, 300)
+    sent = torch.zeros_like(g)
+    for _ in range(20):  # the same gradient pushed 20 times: sums track 20 g closely
+        sent += decode_tensor(encode_tensor("p", g, "int8", ef=w.ef), dtype="float32")
+    plain = 20 * decode_tensor(encode_tensor("p", g, "int8"), dtype="float32")
+    err_ef = float((sent - 20 * g).abs().max())
+    err_plain = float((plain - 20 * g).abs().max())
+    assert err_ef < err_plain / 5, (err_ef, err_plain)
+    assert float(w.ef.residual("p").abs().max()) > 0

@@ -34,8 +34,12 @@ class WireError(ValueError):
     """A frame is malformed or does not match what the receiver expects."""
 
 
-def encode_tensor(name: str, tensor: torch.Tensor, codec: str = "raw") -> pb.Tensor:
-    """Frame ``tensor`` (any supported dtype) as a :class:`pb.Tensor`."""
+def encode_tensor(name: str, tensor: torch.Tensor, codec: str = "raw", ef=None) -> pb.Tensor:
+    """Frame ``tensor`` (any supported dtype) as a :class:`pb.Tensor`.
+
+    ``ef`` (a :class:`shoal.net.compress.ErrorFeedback` of the same lossy codec) adds the
+    residual it keeps for ``name`` before encoding and keeps the new one.
+    """
     t = tensor.detach().contiguous().cpu()
     if t.dtype not in _NAMES:
         raise WireError(f"tensor {name}: dtype {t.dtype} cannot be sent")
@@ -48,7 +52,12 @@ def encode_tensor(name: str, tensor: torch.Tensor, codec: str = "raw") -> pb.Ten
         return pb.Tensor(name=name, dtype=dtype, shape=list(t.shape), data=data, codec="raw")
     from shoal.net import compress  # lossy codecs live beside us, written separately
 
-    data, meta = compress.encode(t, codec)
+    if ef is not None:
+        if ef.codec != codec:
+            raise WireError(f"tensor {name}: error feedback is for {ef.codec}, not {codec}")
+        data, meta = ef.encode(name, t)
+    else:
+        data, meta = compress.encode(t, codec)
     return pb.Tensor(name=name, dtype=dtype, shape=list(t.shape), data=bytes(data), codec=codec,
                      meta=json.dumps(meta, sort_keys=True).encode())
 

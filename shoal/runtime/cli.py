@@ -66,6 +66,8 @@ def register(subparsers) -> None:
     p.add_argument("--inject", default="", help="test faults, once each: nan_grad,bad_shape")
     p.add_argument("--codec", default="raw", help="tensor codec: raw, fp16, int8")
     p.add_argument("--slow", type=float, default=0.0, help="extra seconds per task (tests, demos)")
+    p.add_argument("--no-error-feedback", action="store_true",
+                   help="lossy --codec: do not carry each gradient push's quantisation error into the next")
     p.add_argument("--no-graph-cache", action="store_true",
                    help="always recompute the forward in backward tasks (saves activation memory)")
     _common(p)
@@ -180,7 +182,8 @@ def run_worker_cmd(args) -> int:
     dial, pacer, on_servers = _emulation(args)
     work(args.join, _token(args), WorkerOptions(name=args.name, flops=args.flops, inject=args.inject,
                                                 codec=args.codec, slow_s=args.slow,
-                                                graph_cache=not args.no_graph_cache),
+                                                graph_cache=not args.no_graph_cache,
+                                                error_feedback=not args.no_error_feedback),
          dial=dial, pacer=pacer, on_servers=on_servers)
     return 0
 

@@ -25,6 +25,7 @@ from shoal.model.transformer import build_stage
 from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
 from shoal.net.channel import ChannelFactory
+from shoal.net.compress import ErrorFeedback
 from shoal.net.traffic import Traffic
 from shoal.net.wire import decode_tensor, encode_tensor
 from shoal.runtime.common import (
@@ -51,6 +52,7 @@ class WorkerOptions:
     graph_cache: bool = True  # keep forward graphs to skip the recompute in own backward tasks
     orphan_after_s: float = 120.0  # exit when the coordinator is unreachable this long
     slow_s: float = 0.0  # extra seconds per task (a crude stand-in for a slow device in tests)
+    error_feedback: bool = True  # lossy codec: carry each gradient push's quantisation error into the next
 
 
 def ordered_groups(per_mb: dict[int, dict[str, torch.Tensor]]) -> list[tuple[list[int], dict]]:
@@ -118,6 +120,8 @@ class Worker:
         self.graphs: dict[tuple[int, int, int], tuple] = {}  # (epoch, step, mb) -> (input, output)
         self.graph_hits = 0  # backward tasks that reused this worker's forward graph
         self.on_servers = None  # callback(list of stage server addresses), e.g. emulation
+        # Gradient pushes with a lossy codec: one residual per parameter name (None: raw or off).
+        self.ef = ErrorFeedback(opts.codec) if opts.codec != "raw" and opts.error_feedback else None
 
     async def run(self) -> None:
         set_threads()
@@ -210,6 +214,8 @@ class Worker:
         self.n_params = sum(p.numel() for p in self.params.values())
         self.version = -1
         self._drop_acc()
+        if self.ef is not None:
+            self.ef.reset()  # residuals of the old stage's parameters
 
     def _drop_acc(self) -> None:
         self.acc_key, self.acc, self.acc_mbs, self.acc_per_mb = None, {}, [], {}
@@ -238,10 +244,13 @@ class Worker:
                         self.inject.discard("nan_grad")
                         g = g.clone()
                         g.view(-1)[0] = float("nan")
-                    msg.grads.append(encode_tensor(name, g, self.opts.codec))
+                    msg.grads.append(encode_tensor(name, g, self.opts.codec, ef=self.ef))
                 rep = await self.server.PushGrads(msg, timeout=60)
                 if not rep.accepted:
                     log.info("%s: push refused: %s", self.opts.name, rep.reason)
+                    if self.ef is not None:
+                        # The residual now holds part of a voided gradient: never send it.
+                        self.ef.reset()
                     break
         finally:
             self._drop_acc()
