@@ -111,29 +111,13 @@ class SyncTable:
         host's links are shared by ``share[h]`` workers."""
         if self.exact:
             return np.array([host_sync_cost(h, group, self.scenario, int(k)) for h, k in zip(self.hosts, share, strict=True)])
-        rid = np.array([self.rid[d.region] for d in group])
-        up = np.array([d.up for d in group])
-        down = np.array([d.down for d in group])
-        path = self.path[:, rid]
-        k = np.maximum(share, 1)[:, None]
-        push = np.minimum(np.minimum(path, up[None, :]), self.h_down[:, None] / k)
-        pull = np.minimum(np.minimum(path, self.h_up[:, None] / k), down[None, :])
-        c = 1.0 / push + 1.0 / pull
-        for j, d in enumerate(group):
-            i = self.h_index.get(d.id)
-            if i is not None:
-                c[i, j] = 0.0  # a worker on its own server host syncs over loopback
-        return c.max(axis=1) if len(group) else np.zeros(len(self.hosts))
-
-    def stage_cost(self, group: list[Device], share: np.ndarray, param_bytes: float, act_bytes: float,
-                   micro_batches: int) -> np.ndarray:
-        """Per host: the slowest worker's per-step sync seconds plus the average worker's per-step
-        activation seconds (``M / |group|`` tasks of two uploads and two downloads, each paying
-        the path latency) if the group's server ran there."""
         if not group:
             return np.zeros(len(self.hosts))
-        if self.exact:
-            return param_bytes * self.cost(group, share)
+        return self._per_byte(group, share)[0].max(axis=1)
+
+    def _per_byte(self, group: list[Device], share: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(host x worker) push + pull seconds per byte and one-way latency, with each host's
+        links shared by ``share[h]`` workers; a worker on its own server host uses loopback."""
         rid = np.array([self.rid[d.region] for d in group])
         up = np.array([d.up for d in group])
         down = np.array([d.down for d in group])
@@ -146,7 +130,19 @@ class SyncTable:
         for j, d in enumerate(group):
             i = self.h_index.get(d.id)
             if i is not None:
-                c[i, j] = lat[i, j] = 0.0  # loopback
+                c[i, j] = lat[i, j] = 0.0
+        return c, lat
+
+    def stage_cost(self, group: list[Device], share: np.ndarray, param_bytes: float, act_bytes: float,
+                   micro_batches: int) -> np.ndarray:
+        """Per host: the slowest worker's per-step sync seconds plus the average worker's per-step
+        activation seconds (``M / |group|`` tasks of two uploads and two downloads, each paying
+        the path latency) if the group's server ran there."""
+        if not group:
+            return np.zeros(len(self.hosts))
+        if self.exact:
+            return param_bytes * self.cost(group, share)
+        c, lat = self._per_byte(group, share)
         sync = (param_bytes * c + 3 * lat).max(axis=1)
         act = (micro_batches / len(group)) * (4 * lat + 2 * act_bytes * c).mean(axis=1)
         return sync + act
