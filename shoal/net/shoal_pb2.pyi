@@ -75,7 +75,7 @@ class RunSpec(_message.Message):
     def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., stages: _Optional[int] = ..., steps: _Optional[int] = ..., micro_batches: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., seed: _Optional[int] = ..., lr: _Optional[float] = ..., min_lr: _Optional[float] = ..., warmup: _Optional[int] = ..., weight_decay: _Optional[float] = ..., grad_clip: _Optional[float] = ..., ckpt_every: _Optional[int] = ..., dead_after_s: _Optional[float] = ..., min_lease_s: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., data: _Optional[str] = ..., ordered_grads: _Optional[bool] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("role", "address", "flops", "name", "ckpt_version", "ckpt_stage", "schema")
+    __slots__ = ("role", "address", "flops", "name", "ckpt_version", "ckpt_stage", "schema", "device")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FLOPS_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class JoinRequest(_message.Message):
     CKPT_VERSION_FIELD_NUMBER: _ClassVar[int]
     CKPT_STAGE_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     role: str
     address: str
     flops: float
@@ -90,7 +91,8 @@ class JoinRequest(_message.Message):
     ckpt_version: int
     ckpt_stage: int
     schema: int
-    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., flops: _Optional[float] = ..., name: _Optional[str] = ..., ckpt_version: _Optional[int] = ..., ckpt_stage: _Optional[int] = ..., schema: _Optional[int] = ...) -> None: ...
+    device: str
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., flops: _Optional[float] = ..., name: _Optional[str] = ..., ckpt_version: _Optional[int] = ..., ckpt_stage: _Optional[int] = ..., schema: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("member_id", "spec")

@@ -46,6 +46,11 @@ def register(subparsers) -> None:
     p.add_argument("--min-workers", type=int, default=1, help="workers needed before step 0")
     p.add_argument("--out", default=None, help="run folder for metrics, events and final weights")
     p.add_argument("--address-file", default=None, help="write the listening address here")
+    g = p.add_argument_group("emulated runs (plan on the scenario the processes emulate)")
+    g.add_argument("--emulate-scenario", default=None, help="scenario name or file the processes emulate")
+    g.add_argument("--emulate-speedup", type=float, default=1.0, help="the processes' compute time scale")
+    g.add_argument("--emulate-latency-scale", type=float, default=1.0, help="the processes' latency scale")
+    g.add_argument("--emulate-bandwidth-scale", type=float, default=1.0, help="the processes' bandwidth scale")
     _run_args(p)
     _common(p)
     p.set_defaults(func=run_coordinator_cmd)
@@ -160,9 +165,29 @@ def run_coordinator_cmd(args) -> int:
     set_threads()
     spec = _spec(args)
     summary = asyncio.run(run_coordinator(spec, _token(args), args.listen, min_workers=args.min_workers,
-                                          out=args.out, address_file=args.address_file))
+                                          out=args.out, address_file=args.address_file,
+                                          emulated=_emulated_scenario(args)))
     print(json.dumps({k: summary[k] for k in ("steps", "final_loss", "requeues", "tokens_per_s")}))
     return 0
+
+
+def _emulated_scenario(args):
+    """The coordinator's ``--emulate-*`` scenario, scaled as the processes run it (or None)."""
+    if not args.emulate_scenario:
+        return None
+    from shoal.emulate.pacing import emulated_scenario
+    from shoal.plan.scenario import load_scenario
+
+    for name in ("speedup", "latency_scale", "bandwidth_scale"):
+        if not getattr(args, f"emulate_{name}") > 0:
+            raise ShoalError(f"--emulate-{name.replace('_', '-')} must be positive")
+    return emulated_scenario(load_scenario(args.emulate_scenario), args.emulate_speedup,
+                             args.emulate_latency_scale, args.emulate_bandwidth_scale)
+
+
+def _played_device(args) -> str:
+    """The scenario device a server or worker plays (its ``--emulate-device``), or ""."""
+    return (getattr(args, "emulate_device", None) or "") if getattr(args, "emulate_scenario", None) else ""
 
 
 def run_server_cmd(args) -> int:
@@ -171,7 +196,7 @@ def run_server_cmd(args) -> int:
     _logging(args.log_level)
     dial, _, on_servers = _emulation(args)
     serve(args.join, args.listen, _token(args), args.ckpt_dir, name=args.name, dial=dial,
-          on_servers=on_servers)
+          on_servers=on_servers, device=_played_device(args))
     return 0
 
 
@@ -183,7 +208,8 @@ def run_worker_cmd(args) -> int:
     work(args.join, _token(args), WorkerOptions(name=args.name, flops=args.flops, inject=args.inject,
                                                 codec=args.codec, slow_s=args.slow,
                                                 graph_cache=not args.no_graph_cache,
-                                                error_feedback=not args.no_error_feedback),
+                                                error_feedback=not args.no_error_feedback,
+                                                device=_played_device(args)),
          dial=dial, pacer=pacer, on_servers=on_servers)
     return 0
 

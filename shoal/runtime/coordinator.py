@@ -7,7 +7,9 @@
   rolls back to the newest version all stages can restore (a new *epoch*), and the run
   replays deterministically from there.
 * Stages: layer ranges from the planner when it is installed (``shoal.plan``), else an
-  even split; workers are assigned to stages in proportion to capacity.
+  even split; workers are assigned to stages in proportion to capacity. The planner
+  sees loopback links and measured FLOP/s, or, when the processes emulate a scenario,
+  that scenario's devices and network (see :mod:`shoal.runtime.planning`).
 * Step commit: each server reports its squared gradient norm (the last stage also its M
   losses); when all S stages have reported step t, the coordinator computes the global
   clip coefficient and the step's learning rate, answers them all, and writes the
@@ -34,6 +36,7 @@ from shoal.net.channel import ChannelFactory, make_server
 from shoal.net.traffic import BYTES_METHOD, merge_traffic
 from shoal.net.wire import decode_tensor
 from shoal.runtime.common import assign_workers, even_split, model_config, optim_config
+from shoal.runtime.planning import loopback_device, planning_scenario, played_device
 from shoal.train.metrics import JsonlWriter, step_record
 from shoal.train.optim import clip_coefficient, lr_at
 
@@ -47,6 +50,7 @@ class Member:
     name: str
     address: str = ""
     flops: float = 0.0
+    device: str = ""  # emulated runs: the scenario device this member plays
     last_seen: float = field(default_factory=time.monotonic)
     version: int = -1
     ckpt_version: int = -1
@@ -61,8 +65,10 @@ def plan_stages(n_total_layers: int, stages: int) -> list[tuple[int, int]]:
 class Coordinator(pbg.CoordinatorServicer):
     """Run state and RPC handlers of the coordinator."""
 
-    def __init__(self, spec: pb.RunSpec, token: str, *, min_workers: int = 1, out: str | None = None):
+    def __init__(self, spec: pb.RunSpec, token: str, *, min_workers: int = 1, out: str | None = None,
+                 emulated=None):
         self.spec, self.token, self.min_workers = spec, token, max(min_workers, 1)
+        self.emulated = emulated  # the scaled scenario the processes emulate (None: plain run)
         self.cfg = model_config(spec)
         self.layers = plan_stages(self.cfg.n_total_layers, spec.stages)
         self.costs = [float(b - a) for a, b in self.layers]
@@ -70,6 +76,7 @@ class Coordinator(pbg.CoordinatorServicer):
         self.stage_server: list[str] = [""] * spec.stages  # member id per stage
         self.assign: dict[str, int] = {}
         self.devices: dict = {}  # member id -> scenario Device, every member ever planned
+        self.plays: dict[str, str] = {}  # member id -> emulated device id, every member ever
         self.plan = None  # the planner's plan (None: even split)
         self.planned: set[str] = set()  # devices the plan has seen
         self.ids = itertools.count()
@@ -107,9 +114,15 @@ class Coordinator(pbg.CoordinatorServicer):
                                 f"schema version {request.schema} not supported (want 1)")
         if request.role not in ("server", "worker"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "role must be server or worker")
+        if self.emulated is not None and request.device not in {d.id for d in self.emulated.devices}:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"this run emulates scenario {self.emulated.name}: join with "
+                                f"--emulate-device set to one of its devices (got {request.device!r})")
         mid = f"{request.role[0]}{next(self.ids)}-{request.name or request.role}"
         m = Member(mid, request.role, request.name or mid, address=request.address,
-                   flops=max(request.flops, 1.0))
+                   flops=max(request.flops, 1.0), device=request.device)
+        if self.emulated is not None:
+            self.plays[mid] = m.device
         self.members[mid] = m
         self.names[mid] = m.name
         if m.role == "server":
@@ -148,24 +161,19 @@ class Coordinator(pbg.CoordinatorServicer):
             self.last_commit_t = time.time()  # step 0's time starts when the swarm is complete
 
     def _device(self, m: Member):
-        """The scenario device a member stands for (loopback links, measured FLOP/s)."""
-        from shoal.plan.types import Device
-
-        if m.role == "server":
-            return Device(id=m.member_id, kind="server", flops=0.0, memory=0.0, region="local",
-                          up=1e9, down=1e9, can_host_server=True)
-        return Device(id=m.member_id, kind="worker", flops=m.flops, memory=64e9, region="local",
-                      up=1e9, down=1e9)
+        """The planner device of a member: the scenario device it plays, else loopback."""
+        if self.emulated is not None:
+            return played_device(self.emulated, m.member_id, m.role, m.device)
+        return loopback_device(m.member_id, m.role, m.flops)
 
     def _scenario(self):
-        from shoal.plan.types import Link, Network, Scenario, Workload
+        """Every member ever planned, on the emulated network (or loopback), training the spec."""
+        from shoal.plan.types import Workload
 
-        return Scenario(
-            name="live", devices=list(self.devices.values()),
-            network=Network(intra={"local": Link(latency=1e-4, bandwidth=1e9)}, inter={}),
-            workload=Workload(model=self.spec.model, seq_len=self.spec.seq_len,
-                              global_batch=self.spec.micro_batches * self.spec.micro_batch_size,
-                              micro_batch_size=self.spec.micro_batch_size, dtype_bytes=4))
+        workload = Workload(model=self.spec.model, seq_len=self.spec.seq_len,
+                            global_batch=self.spec.micro_batches * self.spec.micro_batch_size,
+                            micro_batch_size=self.spec.micro_batch_size, dtype_bytes=4)
+        return planning_scenario(self.devices, workload, self.emulated, self.plays)
 
     def _initial_plan(self) -> None:
         """Plan the devices that actually joined: layer ranges, stage servers, workers."""
@@ -430,9 +438,13 @@ class Coordinator(pbg.CoordinatorServicer):
 
 
 async def run_coordinator(spec: pb.RunSpec, token: str, listen: str, *, min_workers: int = 1,
-                          out: str | None = None, address_file: str | None = None) -> dict:
-    """Serve until the run is done; returns the run summary."""
-    coord = Coordinator(spec, token, min_workers=min_workers, out=out)
+                          out: str | None = None, address_file: str | None = None,
+                          emulated=None) -> dict:
+    """Serve until the run is done; returns the run summary.
+
+    ``emulated``: the scaled scenario the processes emulate, planned on instead of loopback.
+    """
+    coord = Coordinator(spec, token, min_workers=min_workers, out=out, emulated=emulated)
     server = make_server(token)
     pbg.add_CoordinatorServicer_to_server(coord, server)
     port = server.add_insecure_port(listen)

@@ -126,8 +126,8 @@ class Swarm:
             "--warmup", str(c.warmup), "--weight-decay", repr(c.weight_decay), "--grad-clip", repr(c.grad_clip),
             "--ckpt-every", str(c.ckpt_every), "--dead-after", repr(c.dead_after_s),
             "--min-lease", repr(c.min_lease_s), "--data", c.data, "--out", str(self.out),
-            "--address-file", str(addr_file), *([] if c.ordered_grads else ["--unordered-grads"])],
-            "coordinator")
+            "--address-file", str(addr_file), *([] if c.ordered_grads else ["--unordered-grads"]),
+            *self._coordinator_emulation()], "coordinator")
         deadline = time.time() + 60
         while not addr_file.exists():
             if self.coord.poll() is not None:
@@ -165,6 +165,15 @@ class Swarm:
                                          "--ckpt-dir", str(self.out / "server_ckpt"), "--name", f"s{i}",
                                          *emu], f"server{i}"))
         return i
+
+    def _coordinator_emulation(self) -> list[str]:
+        """Flags telling the coordinator which scaled scenario to plan on (none: loopback)."""
+        c = self.cfg
+        if self.scenario is None:
+            return []
+        return ["--emulate-scenario", c.scenario, "--emulate-speedup", repr(c.emulate_speedup),
+                "--emulate-latency-scale", repr(c.latency_scale),
+                "--emulate-bandwidth-scale", repr(c.bandwidth_scale)]
 
     def _emulation(self, device: str) -> list[str]:
         from shoal.emulate.hooks import EmulationConfig

@@ -87,9 +87,10 @@ class StageServer(pbg.StageServerServicer):
     """State and RPC handlers of one stage server."""
 
     def __init__(self, coord: str, listen: str, token: str, ckpt_root: str, *,
-                 name: str = "server", dial=None, heartbeat_s: float = 0.2):
+                 name: str = "server", dial=None, heartbeat_s: float = 0.2, device: str = ""):
         self.coord_addr, self.listen, self.token = coord, listen, token
         self.ckpt_root, self.name, self.heartbeat_s = ckpt_root, name, heartbeat_s
+        self.device = device  # emulated runs: the scenario host this server plays
         self.orphan_after_s = 120.0  # exit when the coordinator is unreachable this long
         self.traffic = Traffic()  # bytes of every call this server makes (relays, coordinator)
         self.channels = ChannelFactory(token, dial=dial, traffic=self.traffic)
@@ -200,7 +201,7 @@ class StageServer(pbg.StageServerServicer):
         self.coord = coord
         reply = await _retry(lambda: coord.Join(pb.JoinRequest(
             role="server", address=self.address, name=self.name, schema=SCHEMA_VERSION,
-            ckpt_version=-1, ckpt_stage=-1)))
+            ckpt_version=-1, ckpt_stage=-1, device=self.device)))
         self.member_id, self.spec = reply.member_id, reply.spec
         log.info("%s joined as %s at %s", self.name, self.member_id, self.address)
         reaper = asyncio.create_task(self._reaper())
@@ -237,7 +238,8 @@ class StageServer(pbg.StageServerServicer):
             log.warning("%s: the coordinator forgot us; joining again", self.name)
             self.stage, self.version, self.ready = -1, -1, False
             reply = await self.coord.Join(pb.JoinRequest(
-                role="server", address=self.address, name=self.name, schema=SCHEMA_VERSION))
+                role="server", address=self.address, name=self.name, schema=SCHEMA_VERSION,
+                device=self.device))
             self.member_id = reply.member_id
             return
         self.servers = list(a.servers)
@@ -612,10 +614,10 @@ async def _retry(fn, tries: int = 200, delay: float = 0.1):
 
 
 def serve(coord: str, listen: str, token: str, ckpt_root: str, name: str = "server", *, dial=None,
-          on_servers=None) -> None:
-    """Run a stage server process until the run is done."""
+          on_servers=None, device: str = "") -> None:
+    """Run a stage server process until the run is done (``device``: scenario host it plays)."""
     set_threads()
-    srv = StageServer(coord, listen, token, ckpt_root, name=name, dial=dial)
+    srv = StageServer(coord, listen, token, ckpt_root, name=name, dial=dial, device=device)
     srv.on_servers = on_servers
     try:
         asyncio.run(srv.run())

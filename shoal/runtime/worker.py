@@ -53,6 +53,7 @@ class WorkerOptions:
     orphan_after_s: float = 120.0  # exit when the coordinator is unreachable this long
     slow_s: float = 0.0  # extra seconds per task (a crude stand-in for a slow device in tests)
     error_feedback: bool = True  # lossy codec: carry each gradient push's quantisation error into the next
+    device: str = ""  # emulated runs: the scenario device this worker plays (the coordinator plans on it)
 
 
 def ordered_groups(per_mb: dict[int, dict[str, torch.Tensor]]) -> list[tuple[list[int], dict]]:
@@ -130,7 +131,8 @@ class Worker:
         from shoal.runtime.server import _retry
 
         reply = await _retry(lambda: self.coord.Join(pb.JoinRequest(
-            role="worker", flops=flops, name=self.opts.name, schema=SCHEMA_VERSION)))
+            role="worker", flops=flops, name=self.opts.name, schema=SCHEMA_VERSION,
+            device=self.opts.device)))
         self.member_id, self.spec = reply.member_id, reply.spec
         self.cfg = model_config(self.spec)
         log.info("%s joined as %s (%.2g FLOP/s)", self.opts.name, self.member_id, flops)
@@ -170,7 +172,8 @@ class Worker:
                 if not a.known:
                     # Declared dead (e.g. starved of CPU): join again as a new member.
                     reply = await self.coord.Join(pb.JoinRequest(
-                        role="worker", flops=self.flops, name=self.opts.name, schema=SCHEMA_VERSION))
+                        role="worker", flops=self.flops, name=self.opts.name, schema=SCHEMA_VERSION,
+                        device=self.opts.device))
                     self.member_id = reply.member_id
                     self.want = None
                     self.stage, self.server_addr = -1, ""
