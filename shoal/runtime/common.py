@@ -6,13 +6,17 @@ deadlines) so they can be unit-tested without processes.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import re
+from collections.abc import Coroutine
 from pathlib import Path
 
+import grpc
 import torch
 
+from shoal.errors import ShoalError
 from shoal.model.config import ModelConfig, get_preset
 from shoal.net import shoal_pb2 as pb
 from shoal.train.optim import OptimConfig
@@ -204,3 +208,13 @@ def measure_flops(seconds: float = 0.2) -> float:
 
 def finite(x: float) -> bool:
     return math.isfinite(x)
+
+
+def run_member(main: Coroutine, coord: str) -> None:
+    """Run a server's or worker's main loop; a refused join becomes a one-line error."""
+    try:
+        asyncio.run(main)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+            raise ShoalError(f"the coordinator at {coord} refused to let us join: {exc.details()}") from None
+        raise

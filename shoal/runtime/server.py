@@ -44,6 +44,7 @@ from shoal.runtime.common import (
     load_stage_ckpt,
     model_config,
     optim_config,
+    run_member,
     save_stage_ckpt,
     set_threads,
 )
@@ -619,11 +620,4 @@ def serve(coord: str, listen: str, token: str, ckpt_root: str, name: str = "serv
     set_threads()
     srv = StageServer(coord, listen, token, ckpt_root, name=name, dial=dial, device=device)
     srv.on_servers = on_servers
-    try:
-        asyncio.run(srv.run())
-    except grpc.aio.AioRpcError as exc:
-        if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
-            from shoal.errors import ShoalError
-
-            raise ShoalError(f"the coordinator at {coord} refused to let us join: {exc.details()}") from None
-        raise
+    run_member(srv.run(), coord)

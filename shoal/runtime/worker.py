@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from shoal.errors import ShoalError
 from shoal.model.transformer import build_stage
 from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
@@ -33,6 +32,7 @@ from shoal.runtime.common import (
     measure_flops,
     micro_batch,
     model_config,
+    run_member,
     set_threads,
 )
 
@@ -383,9 +383,4 @@ def work(coord: str, token: str, opts: WorkerOptions, *, dial=None, pacer=None, 
     set_threads()
     w = Worker(coord, token, opts, dial=dial, pacer=pacer)
     w.on_servers = on_servers
-    try:
-        asyncio.run(w.run())
-    except grpc.aio.AioRpcError as exc:
-        if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
-            raise ShoalError(f"the coordinator at {coord} refused to let us join: {exc.details()}") from None
-        raise
+    run_member(w.run(), coord)
