@@ -64,6 +64,7 @@ class DemoConfig:
     timeout_s: float = 1200.0  # give up on the run after this long
     churn_after_step: int = 0  # churn starts once this step has committed (start-up joins are not churn)
     schedule: list | None = None  # explicit [(s after churn start, device, "leave"|"join")] (benchmarks)
+    workload: dict | None = None  # shared workload flags given (shoal.train.flags); the rest: the scenario's
 
     def validate(self) -> None:
         """Raise :class:`ShoalError` on a bad value."""
@@ -116,12 +117,25 @@ def pick_workers(devices: list, n: int) -> list:
     return [d for d in devices if d.id in chosen]  # scenario order, so worker i is stable
 
 
-def demo_scenario(scenario, n_workers: int | None, max_workers: int):
+def demo_scenario(scenario, n_workers: int | None, max_workers: int, overrides: dict | None = None):
     """The scenario the processes emulate: the chosen workers, every server host, the demo workload.
 
-    Returns ``(scenario, notes)``; notes say what was changed from the scenario as written.
+    ``overrides`` are the shared workload flags the user gave (model, micro_batches,
+    micro_batch_size, seq_len); they replace the scenario's workload as written, before
+    the CPU substitution of :func:`demo_workload`. Returns ``(scenario, notes)``; notes say
+    what was changed from the scenario as written.
     """
     notes = []
+    ov = {k: v for k, v in (overrides or {}).items()
+          if k in ("model", "micro_batches", "micro_batch_size", "seq_len")}
+    if ov:
+        wl = scenario.workload
+        mbs = ov.get("micro_batch_size", wl.micro_batch_size)
+        m = ov.get("micro_batches", wl.micro_batches)
+        scenario = replace(scenario, workload=replace(
+            wl, model=ov.get("model", wl.model), seq_len=ov.get("seq_len", wl.seq_len), micro_batch_size=mbs,
+            global_batch=mbs * m))
+        notes.append("workload from the command line: " + ", ".join(f"{k}={v}" for k, v in sorted(ov.items())))
     workers = scenario.workers
     if not workers or not scenario.server_hosts:
         raise ShoalError(f"scenario {scenario.name} needs worker devices (flops > 0) and a server host "
@@ -314,6 +328,11 @@ class _Display:
             self.console.print(f"  {ev} {rec.get('device')}", highlight=False, soft_wrap=True)
 
 
+def _optim_overrides(given: dict | None) -> dict:
+    """The optimizer flags the user gave (shared workload flags), as LaunchConfig fields."""
+    return {k: v for k, v in (given or {}).items() if k in ("lr", "min_lr", "warmup", "weight_decay", "grad_clip")}
+
+
 def run_demo(cfg: DemoConfig, console=None) -> Path:
     """Run the demo; return the report folder. See the module docstring."""
     import resource
@@ -331,7 +350,7 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
     cfg.validate()
     console = console or Console()
     written = load_scenario(cfg.scenario)
-    sc, notes = demo_scenario(written, cfg.workers, cfg.max_workers)
+    sc, notes = demo_scenario(written, cfg.workers, cfg.max_workers, cfg.workload)
     stages = min(cfg.stages, len(sc.workers))
     out = Path(cfg.out or default_out())
     if out.exists() and any(out.iterdir()):
@@ -357,7 +376,7 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
     lc = LaunchConfig(
         out=str(out), model=w.model, stages=stages, workers=len(sc.workers), steps=cfg.steps,
         micro_batches=w.micro_batches, micro_batch_size=w.micro_batch_size, seq_len=w.seq_len, seed=cfg.seed,
-        warmup=max(1, min(10, cfg.steps // 5)), data="corpus", ordered_grads=False, ckpt_every=CKPT_EVERY,
+        **{"warmup": max(1, min(10, cfg.steps // 5)), **_optim_overrides(cfg.workload)}, data="corpus", ordered_grads=False, ckpt_every=CKPT_EVERY,
         dead_after_s=DEAD_AFTER_S,
         worker_args=[["--codec", codec]] * len(sc.workers), timeout_s=cfg.timeout_s, scenario=str(scen_path),
         emulate_speedup=spec.speedup, bandwidth_scale=BANDWIDTH_SCALE)
@@ -536,6 +555,9 @@ def _sim_step(times: list[float]) -> float | None:
 
 def register(subparsers) -> None:
     """Add ``shoal demo``."""
+    from shoal.train.flags import Workload as FlagWorkload
+    from shoal.train.flags import add_workload_args
+
     d = DemoConfig()
     p = subparsers.add_parser(
         "demo", help="train on an emulated internet swarm on this machine and write a report",
@@ -543,14 +565,16 @@ def register(subparsers) -> None:
                     "links and speeds, with churn; show live progress; write a report folder.")
     p.add_argument("--scenario", default=d.scenario, metavar="NAME_OR_FILE",
                    help=f"built-in scenario or scenario file (default {d.scenario})")
-    p.add_argument("--steps", type=int, default=d.steps, metavar="N", help=f"optimizer steps (default {d.steps})")
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help=f"worker processes (default: every worker device, at most {d.max_workers})")
     p.add_argument("--no-churn", action="store_true", help="no worker kills/restarts")
     p.add_argument("--compression", choices=tuple(CODECS), default=d.compression,
                    help="wire codec of the workers' uploads (activations, their gradients, gradient pushes)")
     p.add_argument("--out", default=None, metavar="DIR", help="run folder (default runs/demo-YYYYmmdd-HHMMSS)")
-    p.add_argument("--seed", type=int, default=d.seed, metavar="N", help=f"seed (default {d.seed})")
+    scen = "the scenario's workload"
+    add_workload_args(p, defaults=FlagWorkload(steps=d.steps), shown={
+        "model": scen, "micro_batches": scen, "micro_batch_size": scen, "seq_len": scen,
+        "warmup": "steps/5, at most 10"})
     p.add_argument("--quiet", action="store_true", help="no live display; print only the summary")
     p.add_argument("--stages", type=int, default=d.stages, metavar="S", help=f"pipeline stages (default {d.stages})")
     p.add_argument("--task-time", type=float, default=d.model_task_s, metavar="S",
@@ -562,9 +586,14 @@ def register(subparsers) -> None:
 def run_demo_cmd(args: argparse.Namespace) -> int:
     """Entry of ``shoal demo``."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    cfg = DemoConfig(scenario=args.scenario, steps=args.steps, workers=args.workers, churn=not args.no_churn,
-                     compression=args.compression, out=args.out, seed=args.seed, quiet=args.quiet,
-                     stages=args.stages, model_task_s=args.task_time)
+    from shoal.train.flags import given_workload
+
+    given = given_workload(args)
+    d = DemoConfig()
+    cfg = DemoConfig(scenario=args.scenario, steps=given.pop("steps", d.steps), workers=args.workers,
+                     churn=not args.no_churn, compression=args.compression, out=args.out,
+                     seed=given.pop("seed", d.seed), quiet=args.quiet, stages=args.stages,
+                     model_task_s=args.task_time, workload=given or None)
     run_demo(cfg)
     sys.stdout.flush()
     return 0

@@ -17,18 +17,10 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _run_args(p: argparse.ArgumentParser, launch: bool = False) -> None:
-    p.add_argument("--model", default="tiny", help="model preset")
+    from shoal.train.flags import add_workload_args
+
+    add_workload_args(p)
     p.add_argument("--stages", type=int, default=2, help="pipeline stages S")
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
-    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step M")
-    p.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch")
-    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
-    p.add_argument("--seed", type=int, default=0, help="weights and data seed")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    p.add_argument("--min-lr", type=float, default=None, help="final learning rate (default lr/10)")
-    p.add_argument("--warmup", type=int, default=10, help="warm-up steps")
-    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
-    p.add_argument("--grad-clip", type=float, default=1.0, help="global grad-norm clip (0: off)")
     p.add_argument("--ckpt-every", type=int, default=1, help="servers checkpoint every K steps")
     p.add_argument("--dead-after", type=float, default=3.0, help="seconds of silence before a member is dead")
     p.add_argument("--min-lease", type=float, default=2.0, help="shortest task lease in seconds")
@@ -136,23 +128,27 @@ def _token(args) -> str:
 def _spec(args):
     from shoal.model.config import get_preset
     from shoal.net import shoal_pb2 as pb
+    from shoal.train.flags import workload_from_args
     from shoal.train.optim import OptimConfig
 
-    cfg = get_preset(args.model)
-    for name in ("stages", "steps", "micro_batches", "micro_batch_size", "seq_len"):
-        if getattr(args, name) <= 0:
-            raise ShoalError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    w = workload_from_args(args)
+    cfg = get_preset(w.model)
+    for name in ("steps", "micro_batches", "micro_batch_size", "seq_len"):
+        if getattr(w, name) <= 0:
+            raise ShoalError(f"--{name.replace('_', '-')} must be positive, got {getattr(w, name)}")
+    if args.stages <= 0:
+        raise ShoalError(f"--stages must be positive, got {args.stages}")
     if args.stages > cfg.n_total_layers:
         raise ShoalError(f"--stages {args.stages} exceeds the {cfg.n_total_layers} layers of {cfg.name}")
-    if args.seq_len > cfg.max_seq_len:
-        raise ShoalError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
-    min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
-    OptimConfig(lr=args.lr, min_lr=min_lr, warmup_steps=args.warmup, weight_decay=args.weight_decay,
-                grad_clip=args.grad_clip).validate()
+    if w.seq_len > cfg.max_seq_len:
+        raise ShoalError(f"--seq-len {w.seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
+    min_lr = w.lr / 10 if w.min_lr is None else w.min_lr
+    OptimConfig(lr=w.lr, min_lr=min_lr, warmup_steps=w.warmup, weight_decay=w.weight_decay,
+                grad_clip=w.grad_clip).validate()
     return pb.RunSpec(
-        version=1, model=args.model, stages=args.stages, steps=args.steps, micro_batches=args.micro_batches,
-        micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, seed=args.seed, lr=args.lr,
-        min_lr=min_lr, warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+        version=1, model=w.model, stages=args.stages, steps=w.steps, micro_batches=w.micro_batches,
+        micro_batch_size=w.micro_batch_size, seq_len=w.seq_len, seed=w.seed, lr=w.lr,
+        min_lr=min_lr, warmup=w.warmup, weight_decay=w.weight_decay, grad_clip=w.grad_clip,
         ckpt_every=args.ckpt_every, dead_after_s=args.dead_after, min_lease_s=args.min_lease,
         max_message_bytes=256 * 1024 * 1024, data=args.data, ordered_grads=not args.unordered_grads)
 
@@ -223,12 +219,14 @@ def run_status_cmd(args) -> int:
 
 def run_launch_cmd(args) -> int:
     from shoal.runtime.launch import LaunchConfig, launch
+    from shoal.train.flags import workload_from_args
 
+    w = workload_from_args(args)
     cfg = LaunchConfig(
-        out=args.out, model=args.model, stages=args.stages, workers=args.workers, steps=args.steps,
-        micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size, seq_len=args.seq_len,
-        seed=args.seed, lr=args.lr, min_lr=args.min_lr, warmup=args.warmup, weight_decay=args.weight_decay,
-        grad_clip=args.grad_clip, ckpt_every=args.ckpt_every, dead_after_s=args.dead_after,
+        out=args.out, model=w.model, stages=args.stages, workers=args.workers, steps=w.steps,
+        micro_batches=w.micro_batches, micro_batch_size=w.micro_batch_size, seq_len=w.seq_len,
+        seed=w.seed, lr=w.lr, min_lr=w.min_lr, warmup=w.warmup, weight_decay=w.weight_decay,
+        grad_clip=w.grad_clip, ckpt_every=args.ckpt_every, dead_after_s=args.dead_after,
         min_lease_s=args.min_lease, data=args.data, timeout_s=args.timeout, scenario=args.scenario,
         ordered_grads=not args.unordered_grads, emulate_speedup=args.emulate_speedup)
     summary = launch(cfg, on_event=lambda r: print(_fmt(r), flush=True))

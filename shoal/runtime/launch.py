@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shoal.errors import ShoalError
+from shoal.train.flags import DEFAULTS as W
 from shoal.train.metrics import read_jsonl
 
 
@@ -29,19 +30,20 @@ class LaunchConfig:
     """A local swarm run; model, batch and seed flags mean what they mean for ``shoal train``."""
 
     out: str  # run folder (metrics.jsonl, events.jsonl, checkpoint/, summary.json, logs/)
-    model: str = "tiny"  # model preset
+    # Workload defaults are shoal.train.flags.Workload's, the same as shoal train --local's.
+    model: str = W.model  # model preset
     stages: int = 2  # pipeline stages S (one server each)
     workers: int | None = None  # workers started at launch (None: 2, or every scenario worker)
-    steps: int = 20  # optimizer steps
-    micro_batches: int = 4  # M micro-batches per step
-    micro_batch_size: int = 4  # sequences per micro-batch
-    seq_len: int = 64  # tokens per sequence
-    seed: int = 0  # weights and data seed
-    lr: float = 3e-3  # peak learning rate
-    min_lr: float | None = None  # final learning rate (None: lr / 10, as shoal train)
-    warmup: int = 10  # warm-up steps
-    weight_decay: float = 0.1  # AdamW weight decay
-    grad_clip: float = 1.0  # global grad-norm clip
+    steps: int = W.steps  # optimizer steps
+    micro_batches: int = W.micro_batches  # M micro-batches per step
+    micro_batch_size: int = W.micro_batch_size  # sequences per micro-batch
+    seq_len: int = W.seq_len  # tokens per sequence
+    seed: int = W.seed  # weights and data seed
+    lr: float = W.lr  # peak learning rate
+    min_lr: float | None = W.min_lr  # final learning rate (None: lr / 10, as shoal train)
+    warmup: int = W.warmup  # warm-up steps
+    weight_decay: float = W.weight_decay  # AdamW weight decay
+    grad_clip: float = W.grad_clip  # global grad-norm clip
     ckpt_every: int = 1  # servers checkpoint every K committed steps
     dead_after_s: float = 3.0  # a member silent this long is dead
     min_lease_s: float = 2.0  # shortest lease without renewal

@@ -17,6 +17,7 @@ _TRAIN_FIELDS = (
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``train`` and ``generate`` subcommands."""
     from shoal.train.config import TrainConfig
+    from shoal.train.flags import add_workload_args
 
     d = TrainConfig()
     p = subparsers.add_parser(
@@ -28,17 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("--local", action="store_true", help="train in this process (required)")
-    p.add_argument("--model", metavar="PRESET", help=f"model preset (default {d.model})")
-    p.add_argument("--steps", type=int, metavar="N", help=f"optimizer steps; sets the LR schedule (default {d.steps})")
-    p.add_argument("--micro-batches", type=int, metavar="N", help=f"M, micro-batches per step (default {d.micro_batches})")
-    p.add_argument("--micro-batch-size", type=int, metavar="N", help=f"B, sequences per micro-batch (default {d.micro_batch_size})")
-    p.add_argument("--seq-len", type=int, metavar="N", help=f"T, tokens per sequence (default {d.seq_len})")
-    p.add_argument("--seed", type=int, metavar="N", help=f"seed of weights and data order (default {d.seed})")
-    p.add_argument("--lr", type=float, metavar="X", help=f"peak learning rate (default {d.lr})")
-    p.add_argument("--min-lr", type=float, metavar="X", help="final learning rate of the cosine decay (default lr/10)")
-    p.add_argument("--warmup", type=int, metavar="N", help=f"linear warm-up steps (default {d.warmup})")
-    p.add_argument("--weight-decay", type=float, metavar="X", help=f"AdamW weight decay (default {d.weight_decay})")
-    p.add_argument("--grad-clip", type=float, metavar="X", help=f"global gradient-norm clip, 0 = off (default {d.grad_clip})")
+    add_workload_args(p)
     p.add_argument("--eval-every", type=int, metavar="N", help=f"validation every K steps, 0 = at the end (default {d.eval_every})")
     p.add_argument("--eval-batches", type=int, metavar="N", help=f"validation micro-batches (default {d.eval_batches})")
     p.add_argument("--checkpoint-every", type=int, metavar="N", help="checkpoint every K steps, 0 = at the end (default 0)")

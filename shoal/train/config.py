@@ -8,31 +8,33 @@ from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from shoal.errors import ShoalError
+from shoal.train.flags import DEFAULTS as W
 
 if TYPE_CHECKING:
     from shoal.data import DataConfig
     from shoal.model.config import ModelConfig
     from shoal.train.optim import OptimConfig
 
-# Default tokens per sequence (the tiny model's max_seq_len is 256).
-DEFAULT_SEQ_LEN = 128
+# Default tokens per sequence (the tiny model's max_seq_len is 256); shared by every command.
+DEFAULT_SEQ_LEN = W.seq_len
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything that defines a local training run (validated in one place)."""
 
-    model: str = "tiny"  # model preset name (shoal.model.config.PRESETS)
-    steps: int = 200  # optimizer steps in the run (sets the learning-rate schedule)
-    micro_batches: int = 4  # M: micro-batches per step
-    micro_batch_size: int = 8  # B: sequences per micro-batch
-    seq_len: int = DEFAULT_SEQ_LEN  # T: tokens per sequence
-    seed: int = 0  # seeds the weights (per layer) and the data order (per micro-batch)
-    lr: float = 3e-3  # peak learning rate
-    min_lr: float | None = None  # final learning rate of the cosine decay; None = lr / 10
-    warmup: int = 10  # linear warm-up steps
-    weight_decay: float = 0.1  # AdamW weight decay on matrices
-    grad_clip: float = 1.0  # global gradient-norm clip (0 = off)
+    # The workload fields and their defaults are shoal.train.flags.Workload's (one definition).
+    model: str = W.model  # model preset name (shoal.model.config.PRESETS)
+    steps: int = W.steps  # optimizer steps in the run (sets the learning-rate schedule)
+    micro_batches: int = W.micro_batches  # M: micro-batches per step
+    micro_batch_size: int = W.micro_batch_size  # B: sequences per micro-batch
+    seq_len: int = W.seq_len  # T: tokens per sequence
+    seed: int = W.seed  # seeds the weights (per layer) and the data order (per micro-batch)
+    lr: float = W.lr  # peak learning rate
+    min_lr: float | None = W.min_lr  # final learning rate of the cosine decay; None = lr / 10
+    warmup: int = W.warmup  # linear warm-up steps
+    weight_decay: float = W.weight_decay  # AdamW weight decay on matrices
+    grad_clip: float = W.grad_clip  # global gradient-norm clip (0 = off)
     eval_every: int = 50  # validation every K steps (and after the last step); 0 = only at the end
     eval_batches: int = 8  # fixed validation micro-batches per evaluation
     checkpoint_every: int = 0  # checkpoint every K steps; 0 = only at the end
