@@ -37,19 +37,38 @@ def _strip_code(text: str) -> str:
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
 
+def _anchors(md: Path) -> set[str]:
+    """GitHub's heading anchors of a markdown file (lower case, punctuation dropped, spaces -> -)."""
+    out = set()
+    text = re.sub(r"^```.*?^```", "", md.read_text(), flags=re.S | re.M)
+    for m in re.finditer(r"^#{1,6} +(.+?) *$", text, flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+        out.add(slug)
+    return out
+
+
 def test_relative_links_resolve():
     bad = []
     checked = 0
     for f in _doc_files():
         for target in LINK.findall(_strip_code(f.read_text())):
-            if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
-                continue  # http(s), mailto, in-page anchors
-            path = target.split("#", 1)[0]
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target):
+                continue  # http(s), mailto
+            path, _, anchor = target.partition("#")
+            dest = f if not path else f.parent / path
             checked += 1
-            if not (f.parent / path).exists():
+            if not dest.exists():
                 bad.append(f"{f.relative_to(ROOT)}: {target}")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                bad.append(f"{f.relative_to(ROOT)}: {target} (no such heading)")
     assert checked > 10, "the link pattern found almost nothing; is it broken?"
     assert not bad, "broken relative links:\n" + "\n".join(bad)
+
+
+def test_anchor_slugs_follow_github():
+    md = ROOT / "docs" / "cli.md"
+    assert "shoal-plan" in _anchors(md)
+    assert "cli-reference" in _anchors(md)
 
 
 def test_link_checker_catches_a_broken_link(tmp_path):
