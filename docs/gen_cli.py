@@ -11,6 +11,7 @@ The output does not depend on the terminal width or on the machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -50,10 +51,8 @@ def _help_text(action: argparse.Action) -> str:
         params = {k: v for k, v in vars(action).items() if v is not argparse.SUPPRESS}
         if params.get("choices") is not None:
             params["choices"] = ", ".join(map(str, params["choices"]))
-        try:
+        with contextlib.suppress(KeyError, TypeError, ValueError):  # a literal % stays as written
             text = text % params
-        except (KeyError, TypeError, ValueError):
-            pass
     return " ".join(text.split()).replace("|", "\\|")
 
 
