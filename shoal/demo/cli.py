@@ -64,6 +64,7 @@ class DemoConfig:
     timeout_s: float = 1200.0  # give up on the run after this long
     churn_after_step: int = 0  # churn starts once this step has committed (start-up joins are not churn)
     schedule: list | None = None  # explicit [(s after churn start, device, "leave"|"join")] (benchmarks)
+    dashboard: str | None = "127.0.0.1:0"  # HOST:PORT of the live web dashboard (None: none)
 
     def validate(self) -> None:
         """Raise :class:`ShoalError` on a bad value."""
@@ -77,6 +78,10 @@ class DemoConfig:
             raise ShoalError(f"--stages must be at least 1, got {self.stages}")
         if not self.model_task_s > 0:
             raise ShoalError(f"--task-time must be positive, got {self.model_task_s}")
+        if self.dashboard:
+            from shoal.runtime.dashboard import parse_bind
+
+            parse_bind(self.dashboard)
 
 
 # --------------------------------------------------------------------------- pure decisions
@@ -360,7 +365,7 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
         warmup=max(1, min(10, cfg.steps // 5)), data="corpus", ordered_grads=False, ckpt_every=CKPT_EVERY,
         dead_after_s=DEAD_AFTER_S,
         worker_args=[["--codec", codec]] * len(sc.workers), timeout_s=cfg.timeout_s, scenario=str(scen_path),
-        emulate_speedup=spec.speedup, bandwidth_scale=BANDWIDTH_SCALE)
+        emulate_speedup=spec.speedup, bandwidth_scale=BANDWIDTH_SCALE, dashboard=cfg.dashboard)
     state = LiveState(total_steps=cfg.steps)
     display = _Display(state, console, cfg.quiet)
     if not cfg.churn:
@@ -377,6 +382,8 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
         with Swarm(lc, on_event=display.record) as swarm, display:
             try:
                 swarm.start()
+                if swarm.dashboard_url:
+                    console.print(f"  dashboard: {swarm.dashboard_url}", highlight=False, soft_wrap=True)
                 deadline = time.time() + cfg.timeout_s
                 while swarm.coord.poll() is None:
                     if time.time() > deadline:
@@ -552,6 +559,9 @@ def register(subparsers) -> None:
     p.add_argument("--out", default=None, metavar="DIR", help="run folder (default runs/demo-YYYYmmdd-HHMMSS)")
     p.add_argument("--seed", type=int, default=d.seed, metavar="N", help=f"seed (default {d.seed})")
     p.add_argument("--quiet", action="store_true", help="no live display; print only the summary")
+    p.add_argument("--dashboard", default=d.dashboard, metavar="HOST:PORT",
+                   help="where the coordinator serves the live web dashboard (default: loopback, any free port)")
+    p.add_argument("--no-dashboard", action="store_true", help="no web dashboard")
     p.add_argument("--stages", type=int, default=d.stages, metavar="S", help=f"pipeline stages (default {d.stages})")
     p.add_argument("--task-time", type=float, default=d.model_task_s, metavar="S",
                    help="emulated seconds the slowest device takes for a whole-model forward+backward "
@@ -564,7 +574,8 @@ def run_demo_cmd(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     cfg = DemoConfig(scenario=args.scenario, steps=args.steps, workers=args.workers, churn=not args.no_churn,
                      compression=args.compression, out=args.out, seed=args.seed, quiet=args.quiet,
-                     stages=args.stages, model_task_s=args.task_time)
+                     stages=args.stages, model_task_s=args.task_time,
+                     dashboard=None if args.no_dashboard else args.dashboard)
     run_demo(cfg)
     sys.stdout.flush()
     return 0
