@@ -193,6 +193,47 @@ def test_server_needs_the_token_and_is_read_only():
     assert "w<0>" in text and "active" in text and "stages" in text and "waiting for members" in text
 
 
+@pytest.mark.timeout(60)
+def test_snapshot_of_an_emulated_run_shows_links_rejoins_and_the_plan(tmp_path):
+    """Links from the emulated scenario, a worker that left shown gone then live again,
+    the planner's predicted step time, the event log read from events.jsonl."""
+    from shoal.emulate.pacing import emulated_scenario
+    from shoal.plan.types import Device, Link, Network, Scenario, Workload
+    from shoal.runtime.coordinator import Coordinator
+    from shoal.runtime.dashboard import snapshot
+
+    wl = Workload(model="tiny", seq_len=8, global_batch=2, micro_batch_size=1, dtype_bytes=4)
+    devs = [Device("h", "server", 0.0, 0.0, "eu", 1e9, 1e9, can_host_server=True),
+            Device("a", "gpu", 1e12, 24e9, "eu", 1e8, 2e8), Device("b", "gpu", 5e11, 24e9, "us", 1e7, 1e7)]
+    net = Network(intra={"eu": Link(0.001, 1e8), "us": Link(0.001, 1e8)}, inter={("eu", "us"): Link(0.05, 1e6)})
+    em = emulated_scenario(Scenario(name="two", devices=devs, network=net, workload=wl), speedup=1e-3)
+
+    async def main():
+        c = Coordinator(_spec(), "tok", min_workers=2, out=str(tmp_path), emulated=em)
+        for i in range(2):
+            await c.Join(pb.JoinRequest(role="server", address=f"127.0.0.1:{i + 1}", name=f"s{i}", device="h"), None)
+        ws = [(await c.Join(pb.JoinRequest(role="worker", flops=1.0, name=f"w{i}", device=d), None)).member_id
+              for i, d in enumerate("ab")]
+        assert c.ready
+        before = snapshot(c)
+        await c.Leave(pb.MemberRequest(member_id=ws[1]), None)
+        gone = snapshot(c)
+        await c.Join(pb.JoinRequest(role="worker", flops=1.0, name="w1", device="b"), None)
+        return before, gone, snapshot(c)
+
+    before, gone, back = asyncio.run(main())
+    w = {x["name"]: x for x in before["workers"]}
+    assert w["w0"]["device"] == "a" and w["w0"]["link"]["region"] == "eu"
+    assert w["w0"]["link"]["down_Bps"] == 2e8 and w["w0"]["link"]["server"] == "h"
+    assert w["w1"]["link"]["latency_s"] == pytest.approx(0.05)  # us worker -> eu server host
+    assert before["run"]["scenario"] == "two" and before["run"]["plan_method"]
+    assert before["step_time"]["predicted_s"] > 0
+    assert {x["name"]: x["state"] for x in gone["workers"]} == {"w0": "active", "w1": "gone"}
+    assert [x["name"] for x in back["workers"]] == ["w0", "w1"] and back["workers"][1]["state"] == "active"
+    events = [e["event"] for e in back["events"]]
+    assert events.count("join") == 5 and "leave" in events and "replan" in events
+
+
 # --------------------------------------------------------------------------- a real launch
 
 DEAD_AFTER = 2.0
@@ -222,7 +263,7 @@ def swarm(tmp_path_factory):
     out = tmp_path_factory.mktemp("dash") / "run"
     cfg = LaunchConfig(out=str(out), model="tiny", stages=2, workers=3, steps=2000, micro_batches=4,
                        micro_batch_size=2, seq_len=32, warmup=2, dead_after_s=DEAD_AFTER, min_lease_s=1.5,
-                       data="synthetic", dashboard="127.0.0.1:0", timeout_s=600)
+                       dashboard="127.0.0.1:0", timeout_s=600)
     with Swarm(cfg) as sw:
         sw.start()
         assert sw.dashboard_url.startswith("http://127.0.0.1:"), sw.dashboard_url

@@ -24,10 +24,10 @@ def _bytes(b: float | None) -> str:
 def _flops(f: float | None) -> str:
     if not f:
         return "-"
-    for v, u in ((1e12, "TFLOP/s"), (1e9, "GFLOP/s"), (1e6, "MFLOP/s")):
+    for v, u in ((1e12, "TF/s"), (1e9, "GF/s"), (1e6, "MF/s")):
         if f >= v:
             return f"{f / v:.1f} {u}"
-    return f"{f:.0f} FLOP/s"
+    return f"{f:.0f} F/s"
 
 
 def _link(link: dict | None) -> str:
@@ -42,8 +42,8 @@ def _link(link: dict | None) -> str:
 def _split(sp: dict | None) -> str:
     if not sp:
         return "-"
-    return " / ".join(_secs(sp[k]) for k in ("compute_s", "transfer_s", "sync_s", "waiting_s")) + \
-        f" (of {_secs(sp['total_s'])})"
+    return "+".join(f"{sp[k]:.2f}" for k in ("compute_s", "transfer_s", "sync_s", "waiting_s")) + \
+        f"={sp['total_s']:.2f} s"
 
 
 def summary_line(snap: dict[str, Any]) -> str:
@@ -61,6 +61,7 @@ def summary_line(snap: dict[str, Any]) -> str:
 
 def status_tables(status: dict[str, Any], events: int = 12):
     """A rich renderable of a coordinator's status (the ``dashboard`` part of its Status reply)."""
+    from rich import box
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -72,27 +73,34 @@ def status_tables(status: dict[str, Any], events: int = 12):
             t.add_row(k, str(v))
         return t
     # Folded, never cut: piped into a file the console is 80 columns wide.
-    stages = Table(title="stages (last step: compute / transfer / sync / waiting)")
+    stages = Table(title="stages (* bottleneck; last step = compute+transfer+sync+waiting)", box=box.SIMPLE)
     for col in ("stage", "layers", "server", "workers", "step", "pool", "wait", "leases", "last step"):
         stages.add_column(col, overflow="fold",
                           justify="right" if col in ("step", "pool", "wait", "leases") else "left")
     for s in snap["stages"]:
-        stages.add_row(str(s["stage"]) + (" [bold red]bottleneck[/]" if s["bottleneck"] else ""),
+        stages.add_row(str(s["stage"]) + (" [bold red]*[/]" if s["bottleneck"] else ""),
                        f"[{s['layers'][0]}, {s['layers'][1]})" if s["layers"] else "?",
                        s["server"] or "(vacant)", ", ".join(s["workers"]) or "-",
                        *("-" if s[k] is None else str(s[k]) for k in ("step", "pool_todo", "pool_waiting", "leases")),
                        _split(s["split"]))
-    workers = Table(title="workers")
-    for col in ("worker", "state", "device", "stage", "speed", "tasks", "mean task", "last seen", "sent", "link"):
+    # Device and link columns only when some worker plays a scenario device (emulated runs).
+    emulated = any(w.get("link") or w["device"] != "loopback" for w in snap["workers"])
+    cols = ["worker", "state", *(["device"] if emulated else []), "stage", "speed", "tasks", "mean task",
+            "seen", "sent", *(["link"] if emulated else [])]
+    workers = Table(title="workers", box=box.SIMPLE)
+    for col in cols:
         workers.add_column(col, overflow="fold",
-                           justify="right" if col in ("stage", "tasks", "mean task", "last seen", "sent") else "left")
+                           justify="right" if col in ("stage", "tasks", "mean task", "seen", "sent") else "left")
     colour = {"active": "green", "silent": "yellow", "gone": "red"}
     for w in snap["workers"]:
         state = f"[{colour.get(w['state'], 'white')}]{w['state']}[/]" + (f" ({w['why']})" if w["why"] else "")
-        workers.add_row(w["name"], state, w["device"], str(w["stage"]) if w["stage"] >= 0 else "-",
-                        _flops(w.get("flops")), str(w.get("tasks_done", 0)), _secs(w.get("mean_task_s")),
-                        f"{_secs(w['last_seen_s'])} ago", _bytes(w["bytes"]["wire"]), _link(w.get("link")))
-    ev = Table(title=f"last {events} events", show_header=False)
+        cells = {"worker": w["name"], "state": state, "device": w["device"],
+                 "stage": str(w["stage"]) if w["stage"] >= 0 else "-", "speed": _flops(w.get("flops")),
+                 "tasks": str(w.get("tasks_done", 0)), "mean task": _secs(w.get("mean_task_s")),
+                 "seen": f"{_secs(w['last_seen_s'])} ago", "sent": _bytes(w["bytes"]["wire"]),
+                 "link": _link(w.get("link"))}
+        workers.add_row(*(cells[c] for c in cols))
+    ev = Table(title=f"last {events} events", show_header=False, box=box.SIMPLE)
     ev.add_column(justify="right", no_wrap=True)
     ev.add_column(no_wrap=True)
     ev.add_column(overflow="fold")
