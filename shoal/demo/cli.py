@@ -65,6 +65,7 @@ class DemoConfig:
     churn_after_step: int = 0  # churn starts once this step has committed (start-up joins are not churn)
     schedule: list | None = None  # explicit [(s after churn start, device, "leave"|"join")] (benchmarks)
     workload: dict | None = None  # shared workload flags given (shoal.train.flags); the rest: the scenario's
+    dashboard: str | None = "127.0.0.1:0"  # HOST:PORT of the live web dashboard (None: none)
 
     def validate(self) -> None:
         """Raise :class:`ShoalError` on a bad value."""
@@ -78,6 +79,10 @@ class DemoConfig:
             raise ShoalError(f"--stages must be at least 1, got {self.stages}")
         if not self.model_task_s > 0:
             raise ShoalError(f"--task-time must be positive, got {self.model_task_s}")
+        if self.dashboard:
+            from shoal.runtime.dashboard import parse_bind
+
+            parse_bind(self.dashboard)
 
 
 # --------------------------------------------------------------------------- pure decisions
@@ -379,7 +384,7 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
         **{"warmup": max(1, min(10, cfg.steps // 5)), **_optim_overrides(cfg.workload)}, data="corpus", ordered_grads=False, ckpt_every=CKPT_EVERY,
         dead_after_s=DEAD_AFTER_S,
         worker_args=[["--codec", codec]] * len(sc.workers), timeout_s=cfg.timeout_s, scenario=str(scen_path),
-        emulate_speedup=spec.speedup, bandwidth_scale=BANDWIDTH_SCALE)
+        emulate_speedup=spec.speedup, bandwidth_scale=BANDWIDTH_SCALE, dashboard=cfg.dashboard)
     state = LiveState(total_steps=cfg.steps)
     display = _Display(state, console, cfg.quiet)
     if not cfg.churn:
@@ -396,6 +401,8 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
         with Swarm(lc, on_event=display.record) as swarm, display:
             try:
                 swarm.start()
+                if swarm.dashboard_url:
+                    console.print(f"  dashboard: {swarm.dashboard_url}", highlight=False, soft_wrap=True)
                 deadline = time.time() + cfg.timeout_s
                 while swarm.coord.poll() is None:
                     if time.time() > deadline:
@@ -576,6 +583,9 @@ def register(subparsers) -> None:
         "model": scen, "micro_batches": scen, "micro_batch_size": scen, "seq_len": scen,
         "warmup": "steps/5, at most 10"})
     p.add_argument("--quiet", action="store_true", help="no live display; print only the summary")
+    p.add_argument("--dashboard", default=d.dashboard, metavar="HOST:PORT",
+                   help="where the coordinator serves the live web dashboard (default: loopback, any free port)")
+    p.add_argument("--no-dashboard", action="store_true", help="no web dashboard")
     p.add_argument("--stages", type=int, default=d.stages, metavar="S", help=f"pipeline stages (default {d.stages})")
     p.add_argument("--task-time", type=float, default=d.model_task_s, metavar="S",
                    help="emulated seconds the slowest device takes for a whole-model forward+backward "
@@ -593,7 +603,8 @@ def run_demo_cmd(args: argparse.Namespace) -> int:
     cfg = DemoConfig(scenario=args.scenario, steps=given.pop("steps", d.steps), workers=args.workers,
                      churn=not args.no_churn, compression=args.compression, out=args.out,
                      seed=given.pop("seed", d.seed), quiet=args.quiet, stages=args.stages,
-                     model_task_s=args.task_time, workload=given or None)
+                     model_task_s=args.task_time, workload=given or None,
+                     dashboard=None if args.no_dashboard else args.dashboard)
     run_demo(cfg)
     sys.stdout.flush()
     return 0

@@ -103,7 +103,7 @@ class JoinReply(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., spec: _Optional[_Union[RunSpec, _Mapping]] = ...) -> None: ...
 
 class MemberRequest(_message.Message):
-    __slots__ = ("member_id", "version", "ckpt_version", "epoch", "counter_id", "traffic", "role")
+    __slots__ = ("member_id", "version", "ckpt_version", "epoch", "counter_id", "traffic", "role", "stats")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CKPT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,7 @@ class MemberRequest(_message.Message):
     COUNTER_ID_FIELD_NUMBER: _ClassVar[int]
     TRAFFIC_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     version: int
     ckpt_version: int
@@ -118,7 +119,46 @@ class MemberRequest(_message.Message):
     counter_id: str
     traffic: _containers.RepeatedCompositeFieldContainer[ByteCount]
     role: str
-    def __init__(self, member_id: _Optional[str] = ..., version: _Optional[int] = ..., ckpt_version: _Optional[int] = ..., epoch: _Optional[int] = ..., counter_id: _Optional[str] = ..., traffic: _Optional[_Iterable[_Union[ByteCount, _Mapping]]] = ..., role: _Optional[str] = ...) -> None: ...
+    stats: MemberStats
+    def __init__(self, member_id: _Optional[str] = ..., version: _Optional[int] = ..., ckpt_version: _Optional[int] = ..., epoch: _Optional[int] = ..., counter_id: _Optional[str] = ..., traffic: _Optional[_Iterable[_Union[ByteCount, _Mapping]]] = ..., role: _Optional[str] = ..., stats: _Optional[_Union[MemberStats, _Mapping]] = ...) -> None: ...
+
+class MemberStats(_message.Message):
+    __slots__ = ("stage", "tasks_done", "compute_s", "step", "pool_todo", "pool_waiting", "leases", "workers", "last_step")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    TASKS_DONE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    POOL_TODO_FIELD_NUMBER: _ClassVar[int]
+    POOL_WAITING_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    tasks_done: int
+    compute_s: float
+    step: int
+    pool_todo: int
+    pool_waiting: int
+    leases: int
+    workers: int
+    last_step: StepSplit
+    def __init__(self, stage: _Optional[int] = ..., tasks_done: _Optional[int] = ..., compute_s: _Optional[float] = ..., step: _Optional[int] = ..., pool_todo: _Optional[int] = ..., pool_waiting: _Optional[int] = ..., leases: _Optional[int] = ..., workers: _Optional[int] = ..., last_step: _Optional[_Union[StepSplit, _Mapping]] = ...) -> None: ...
+
+class StepSplit(_message.Message):
+    __slots__ = ("step", "total_s", "compute_s", "transfer_s", "sync_s", "waiting_s")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    SYNC_S_FIELD_NUMBER: _ClassVar[int]
+    WAITING_S_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    total_s: float
+    compute_s: float
+    transfer_s: float
+    sync_s: float
+    waiting_s: float
+    def __init__(self, step: _Optional[int] = ..., total_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., sync_s: _Optional[float] = ..., waiting_s: _Optional[float] = ...) -> None: ...
 
 class ByteCount(_message.Message):
     __slots__ = ("kind", "codec", "raw", "wire", "messages")

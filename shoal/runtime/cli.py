@@ -38,6 +38,9 @@ def register(subparsers) -> None:
     p.add_argument("--min-workers", type=int, default=1, help="workers needed before step 0")
     p.add_argument("--out", default=None, help="run folder for metrics, events and final weights")
     p.add_argument("--address-file", default=None, help="write the listening address here")
+    p.add_argument("--dashboard", default=None, metavar="HOST:PORT",
+                   help="serve the live web dashboard here (port 0: any free; a non-loopback host "
+                        "needs the run token in the URL: ?token=...)")
     g = p.add_argument_group("emulated runs (plan on the scenario the processes emulate)")
     g.add_argument("--emulate-scenario", default=None, help="scenario name or file the processes emulate")
     g.add_argument("--emulate-speedup", type=float, default=1.0, help="the processes' compute time scale")
@@ -71,8 +74,9 @@ def register(subparsers) -> None:
     _emulation_args(p)
     p.set_defaults(func=run_worker_cmd)
 
-    p = subparsers.add_parser("status", help="print a running swarm's status (JSON)")
+    p = subparsers.add_parser("status", help="print a running swarm's status as tables")
     p.add_argument("--join", required=True, help="coordinator HOST:PORT")
+    p.add_argument("--json", action="store_true", help="print the status as JSON instead")
     _common(p)
     p.set_defaults(func=run_status_cmd)
 
@@ -84,6 +88,9 @@ def register(subparsers) -> None:
                    help="with --scenario: compute time scale of the emulated devices")
     p.add_argument("--out", required=True, help="run folder")
     p.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds")
+    p.add_argument("--dashboard", default="127.0.0.1:0", metavar="HOST:PORT",
+                   help="where the coordinator serves the live dashboard (default: loopback, any free port)")
+    p.add_argument("--no-dashboard", action="store_true", help="no web dashboard")
     _run_args(p, launch=True)
     p.set_defaults(func=run_launch_cmd)
 
@@ -162,9 +169,19 @@ def run_coordinator_cmd(args) -> int:
     spec = _spec(args)
     summary = asyncio.run(run_coordinator(spec, _token(args), args.listen, min_workers=args.min_workers,
                                           out=args.out, address_file=args.address_file,
-                                          emulated=_emulated_scenario(args)))
+                                          emulated=_emulated_scenario(args), dashboard=_dashboard(args)))
     print(json.dumps({k: summary[k] for k in ("steps", "final_loss", "requeues", "tokens_per_s")}))
     return 0
+
+
+def _dashboard(args) -> str | None:
+    """The coordinator's ``--dashboard`` bind address, checked (None: no dashboard)."""
+    if not args.dashboard:
+        return None
+    from shoal.runtime.dashboard import parse_bind
+
+    parse_bind(args.dashboard)
+    return args.dashboard
 
 
 def _emulated_scenario(args):
@@ -213,7 +230,15 @@ def run_worker_cmd(args) -> int:
 def run_status_cmd(args) -> int:
     from shoal.runtime.launch import swarm_status
 
-    print(json.dumps(swarm_status(args.join, _token(args)), indent=1, sort_keys=True))
+    status = swarm_status(args.join, _token(args))
+    if args.json:
+        print(json.dumps(status, indent=1, sort_keys=True))
+        return 0
+    from rich.console import Console
+
+    from shoal.runtime.status_table import status_tables
+
+    Console().print(status_tables(status))
     return 0
 
 
@@ -228,8 +253,18 @@ def run_launch_cmd(args) -> int:
         seed=w.seed, lr=w.lr, min_lr=w.min_lr, warmup=w.warmup, weight_decay=w.weight_decay,
         grad_clip=w.grad_clip, ckpt_every=args.ckpt_every, dead_after_s=args.dead_after,
         min_lease_s=args.min_lease, data=args.data, timeout_s=args.timeout, scenario=args.scenario,
-        ordered_grads=not args.unordered_grads, emulate_speedup=args.emulate_speedup)
-    summary = launch(cfg, on_event=lambda r: print(_fmt(r), flush=True))
+        ordered_grads=not args.unordered_grads, emulate_speedup=args.emulate_speedup,
+        dashboard=None if args.no_dashboard else args.dashboard)
+    if cfg.dashboard:
+        from shoal.runtime.dashboard import parse_bind
+
+        parse_bind(cfg.dashboard)
+
+    def started(swarm) -> None:
+        if swarm.dashboard_url:
+            print(f"dashboard: {swarm.dashboard_url}", flush=True)
+
+    summary = launch(cfg, on_event=lambda r: print(_fmt(r), flush=True), on_start=started)
     print(json.dumps({k: summary.get(k) for k in ("steps", "final_loss", "requeues", "tokens_per_s",
                                                   "wall_time_s")}))
     return 0

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import json
@@ -55,6 +56,9 @@ class Member:
     version: int = -1
     ckpt_version: int = -1
     epoch: int = 0
+    stats: pb.MemberStats | None = None  # the newest figures from its heartbeats (dashboard)
+    counter_id: str = ""  # id of its process's byte counters (dashboard: bytes per member)
+    joined_s: float = field(default_factory=time.time)  # wall clock of the join
 
 
 def plan_stages(n_total_layers: int, stages: int) -> list[tuple[int, int]]:
@@ -101,9 +105,12 @@ class Coordinator(pbg.CoordinatorServicer):
         self.total_requeues = 0
         self.tasks_per_worker: dict[str, int] = {}
         self.traffic: dict[str, tuple[str, list]] = {}  # process counter id -> (role, newest counts)
+        self.gone: dict[str, tuple[Member, str, float]] = {}  # member id -> (member, why, wall time) once dropped
+        self.recent: collections.deque = collections.deque(maxlen=500)  # newest events (dashboard)
 
     def event(self, name: str, **fields) -> None:
         log.info("event %s %s", name, fields)
+        self.recent.append({"event": name, "time_s": round(time.time() - self.t0, 3), **fields})
         if self.events:
             self.events.event(name, **fields)
 
@@ -252,6 +259,10 @@ class Coordinator(pbg.CoordinatorServicer):
         if m is None:
             return pb.Assignment(known=False, done=self.done)
         m.last_seen = time.monotonic()
+        m.counter_id = request.counter_id or m.counter_id
+        if request.HasField("stats"):
+            m.stats = pb.MemberStats()
+            m.stats.CopyFrom(request.stats)
         if m.role == "server":
             m.version, m.ckpt_version, m.epoch = request.version, request.ckpt_version, request.epoch
             self._maybe_restore()
@@ -286,6 +297,7 @@ class Coordinator(pbg.CoordinatorServicer):
         return pb.Empty()
 
     def _drop(self, m: Member, why: str) -> None:
+        self.gone[m.member_id] = (m, why, time.time())
         self.event("leave", device=m.name, role=m.role, why=why, stage=self._stage_of_dropped(m))
         if m.role == "server":
             for s, sid in enumerate(self.stage_server):
@@ -434,15 +446,20 @@ class Coordinator(pbg.CoordinatorServicer):
             "servers": self._servers(),
             "workers": {m.name: self.assign.get(mid, -1) for mid, m in self.members.items() if m.role == "worker"},
         }
+        from shoal.runtime.dashboard import snapshot
+
+        st["dashboard"] = snapshot(self)
         return pb.StatusReply(json=json.dumps(st))
 
 
 async def run_coordinator(spec: pb.RunSpec, token: str, listen: str, *, min_workers: int = 1,
                           out: str | None = None, address_file: str | None = None,
-                          emulated=None) -> dict:
+                          emulated=None, dashboard: str | None = None) -> dict:
     """Serve until the run is done; returns the run summary.
 
     ``emulated``: the scaled scenario the processes emulate, planned on instead of loopback.
+    ``dashboard``: HOST:PORT for the live web dashboard (None: none), see
+    :mod:`shoal.runtime.dashboard`; its URL goes to ``address_file + ".dashboard"``.
     """
     coord = Coordinator(spec, token, min_workers=min_workers, out=out, emulated=emulated)
     server = make_server(token)
@@ -450,6 +467,15 @@ async def run_coordinator(spec: pb.RunSpec, token: str, listen: str, *, min_work
     port = server.add_insecure_port(listen)
     address = f"{listen.rsplit(':', 1)[0]}:{port}"
     await server.start()
+    web = None
+    if dashboard:
+        from shoal.runtime.dashboard import Dashboard
+
+        web = Dashboard(coord, dashboard, token)
+        await web.start()
+        log.info("dashboard at %s", web.url)
+        if address_file:
+            Path(address_file + ".dashboard").write_text(web.url)
     if address_file:
         # The run's clock (events' and metrics' time_s) for the launcher's kill events;
         # written before the address, so it exists once the address does.
@@ -461,5 +487,7 @@ async def run_coordinator(spec: pb.RunSpec, token: str, listen: str, *, min_work
     reaper = asyncio.create_task(coord.reap())
     await coord.finished.wait()
     reaper.cancel()
+    if web is not None:
+        await web.stop()
     await server.stop(0.5)
     return coord.summary()

@@ -57,6 +57,7 @@ class LaunchConfig:
     emulate_speedup: float = 1.0  # scenario compute time scale (see shoal.emulate.pacing)
     latency_scale: float = 1.0  # scenario latencies are multiplied by this
     bandwidth_scale: float = 1.0  # scenario bandwidths are multiplied by this
+    dashboard: str | None = None  # HOST:PORT of the coordinator's web dashboard (None: none)
 
     def validate(self) -> None:
         if self.workers is None:
@@ -106,6 +107,7 @@ class Swarm:
         self.run_t0: float | None = None  # the coordinator's t0 (the run's clock), once it has started
         self.server_ports: list[int] = []
         self.peers: dict[str, str] = {}  # server address -> scenario host id (emulation)
+        self.dashboard_url = ""  # the coordinator's dashboard, once started with cfg.dashboard
 
     def _spawn(self, args: list[str], log_name: str, env: dict | None = None) -> subprocess.Popen:
         # The child keeps its own copy of the descriptor; ours can close at once.
@@ -118,6 +120,7 @@ class Swarm:
         c = self.cfg
         addr_file = self.out / "logs" / "coordinator.address"
         addr_file.unlink(missing_ok=True)
+        Path(str(addr_file) + ".dashboard").unlink(missing_ok=True)
         min_lr = c.lr / 10 if c.min_lr is None else c.min_lr
         self.t0 = time.time()
         self.coord = self._spawn([
@@ -129,6 +132,7 @@ class Swarm:
             "--ckpt-every", str(c.ckpt_every), "--dead-after", repr(c.dead_after_s),
             "--min-lease", repr(c.min_lease_s), "--data", c.data, "--out", str(self.out),
             "--address-file", str(addr_file), *([] if c.ordered_grads else ["--unordered-grads"]),
+            *(["--dashboard", c.dashboard] if c.dashboard else []),
             *self._coordinator_emulation()], "coordinator")
         deadline = time.time() + 60
         while not addr_file.exists():
@@ -141,6 +145,9 @@ class Swarm:
         t0_file = Path(str(addr_file) + ".t0")
         if t0_file.exists():
             self.run_t0 = float(t0_file.read_text())
+        web_file = Path(str(addr_file) + ".dashboard")
+        if c.dashboard and web_file.exists():  # written before the address
+            self.dashboard_url = web_file.read_text().strip()
         if self.scenario is not None:
             # Servers listen on ports fixed now, so every process knows which scenario
             # host is behind which address (its links are shaped accordingly).
@@ -318,8 +325,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(cfg: LaunchConfig, on_event: Callable[[dict], None] | None = None) -> dict:
-    """Run a local swarm to completion and return the run summary."""
+def launch(cfg: LaunchConfig, on_event: Callable[[dict], None] | None = None,
+           on_start: Callable[[Swarm], None] | None = None) -> dict:
+    """Run a local swarm to completion and return the run summary.
+
+    ``on_start(swarm)`` runs once every process is started (e.g. to print the dashboard URL).
+    """
     with Swarm(cfg, on_event) as swarm:
         swarm.start()
+        if on_start is not None:
+            on_start(swarm)
         return swarm.wait()

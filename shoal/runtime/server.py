@@ -48,6 +48,7 @@ from shoal.runtime.common import (
     save_stage_ckpt,
     set_threads,
 )
+from shoal.runtime.stats import StepTiming
 from shoal.train.optim import apply_update, grad_sq_norm, make_optimizer
 
 log = logging.getLogger("shoal.server")
@@ -119,6 +120,8 @@ class StageServer(pbg.StageServerServicer):
         self._bg: set[asyncio.Task] = set()
         self.on_servers = None  # callback(list of stage server addresses), e.g. emulation
         self._stubs: dict[str, pbg.StageServerStub] = {}
+        self.timing = StepTiming()  # where the current step's time goes (dashboard only)
+        self.last_split: dict | None = None  # that split for the last committed step
 
     # ------------------------------------------------------------------ setup
     @property
@@ -178,6 +181,7 @@ class StageServer(pbg.StageServerServicer):
                     st.fwd = "todo"
         self.tasks_per_worker = {}
         self.requeues = 0
+        self.timing = StepTiming(step, time.monotonic())
 
     def _ckpt_version(self) -> int:
         if self.stage < 0:
@@ -226,7 +230,7 @@ class StageServer(pbg.StageServerServicer):
             a = await self.coord.Heartbeat(pb.MemberRequest(
                 member_id=self.member_id, version=self.version, ckpt_version=self._ckpt_version(),
                 epoch=self.epoch, counter_id=self.traffic.id, role="server",
-                traffic=self.traffic.snapshot()), timeout=5)
+                traffic=self.traffic.snapshot(), stats=self.stats_snapshot()), timeout=5)
         except grpc.aio.AioRpcError as exc:
             log.warning("heartbeat failed: %s", exc.code())
             return
@@ -258,6 +262,20 @@ class StageServer(pbg.StageServerServicer):
             self.ready = True
         async with self.cond:
             self.cond.notify_all()
+
+    def stats_snapshot(self) -> pb.MemberStats:
+        """What this server reports for the dashboard: pool, leases, the last step's split."""
+        mbs = self.steps.get(self.step, {}) if self.version >= 0 else {}
+        todo = sum((st.fwd == "todo") + (st.grad == "todo") for st in mbs.values())
+        waiting = sum(st.grad == "wait" or (not self.is_last and st.fwd == "wait") for st in mbs.values())
+        live = self.spec.dead_after_s if self.spec else 3.0
+        now = time.monotonic()
+        s = pb.MemberStats(stage=self.stage, step=self.step, pool_todo=todo, pool_waiting=waiting,
+                           leases=len(self.leases),
+                           workers=sum(now - w.last_seen <= live for w in self.workers.values()))
+        if self.last_split is not None:
+            s.last_step.CopyFrom(pb.StepSplit(**self.last_split))
+        return s
 
     # ------------------------------------------------------------------ pool
     def _worker(self, wid: str) -> WorkerInfo:
@@ -406,6 +424,7 @@ class StageServer(pbg.StageServerServicer):
             return pb.CompleteReply(accepted=False, reason=f"rejected: {exc}", gen=info.gen)
         del self.leases[r.lease_id]
         info.ewma_s = ewma(info.ewma_s, max(r.compute_s, time.monotonic() - lease.started))
+        self.timing.task(r.worker, r.compute_s, time.monotonic() - lease.started)
         self.tasks_per_worker[r.worker] = self.tasks_per_worker.get(r.worker, 0) + 1
         if r.direction == pb.FWD:
             st.fwd = "done"
@@ -421,6 +440,9 @@ class StageServer(pbg.StageServerServicer):
                 self._spawn(self._relay(self.stage - 1, pb.Relay(
                     step=r.step, mb=r.mb, epoch=self.epoch, direction=pb.BWD,
                     tensor=encode_tensor("grad", out))))
+            if self.timing.all_computed is None and all(
+                    m.grad in ("computed", "counted") for m in self.steps[r.step].values()):
+                self.timing.all_computed = time.monotonic()
         async with self.cond:
             self.cond.notify_all()
         return pb.CompleteReply(accepted=True, gen=info.gen)
@@ -463,6 +485,7 @@ class StageServer(pbg.StageServerServicer):
             mbs[mb].grad = "counted"
         if all(st.grad == "counted" for st in mbs.values()) and not self.committing:
             self.committing = True
+            self.timing.all_counted = time.monotonic()
             self._spawn(self._commit(self.step, self.epoch))
         async with self.cond:
             self.cond.notify_all()
@@ -586,7 +609,9 @@ class StageServer(pbg.StageServerServicer):
                     return
                 if d.ready:
                     break
+            self.timing.decided = time.monotonic()
             apply_update(self.opt, d.lr, d.coef)
+            self.last_split = self.timing.split(time.monotonic())
             self.version = step + 1
             if self.spec.ckpt_every > 0 and self.version % self.spec.ckpt_every == 0:
                 save_stage_ckpt(self.ckpt_root, self.stage, self.version, self.module, self.opt)

@@ -118,6 +118,7 @@ class Worker:
         self.acc_mbs: list[int] = []
         self.acc_per_mb: dict[int, dict[str, torch.Tensor]] = {}  # ordered_grads: kept apart
         self.tasks_done = 0
+        self.compute_s = 0.0  # compute seconds of the accepted tasks (dashboard)
         self.graphs: dict[tuple[int, int, int], tuple] = {}  # (epoch, step, mb) -> (input, output)
         self.graph_hits = 0  # backward tasks that reused this worker's forward graph
         self.on_servers = None  # callback(list of stage server addresses), e.g. emulation
@@ -164,7 +165,7 @@ class Worker:
             try:
                 a = await self.coord.Heartbeat(pb.MemberRequest(
                     member_id=self.member_id, counter_id=self.traffic.id, role="worker",
-                    traffic=self.traffic.snapshot()), timeout=5)
+                    traffic=self.traffic.snapshot(), stats=self.stats_snapshot()), timeout=5)
                 last_ok = time.monotonic()
                 if a.done:
                     self.done = True
@@ -191,6 +192,10 @@ class Worker:
                     await self.server.Renew(pb.RenewRequest(worker=self.member_id,
                                                             lease_ids=list(self.held)), timeout=5)
             await asyncio.sleep(self.opts.heartbeat_s)
+
+    def stats_snapshot(self) -> pb.MemberStats:
+        """What this worker reports for the dashboard: its stage and the work it got accepted."""
+        return pb.MemberStats(stage=self.stage, tasks_done=self.tasks_done, compute_s=self.compute_s)
 
     async def _apply_assignment(self, stage: int, first: int, last: int, addr: str) -> None:
         if stage != self.stage:
@@ -299,6 +304,7 @@ class Worker:
             log.info("%s: result refused: %s", self.opts.name, done.reason)
             return
         self.tasks_done += 1
+        self.compute_s += result.compute_s
         if grads is not None:
             key = (task.epoch, task.step, done.gen)
             if self.acc_key != key:
