@@ -46,6 +46,7 @@ from shoal.runtime.planning import (
     REMEASURE_AFTER_S,
     MemberFigures,
     PathFigures,
+    distinct_servers,
     drifted,
     loopback_device,
     measured_scenario,
@@ -335,9 +336,16 @@ class Coordinator(pbg.CoordinatorServicer):
             scenario = self._scenario()
             plan = make_plan(scenario, method="shoal", seed=int(self.spec.seed),
                              stages=self.spec.stages)
+            servers = sorted((mid for mid, m in self.members.items() if m.role == "server"),
+                             key=lambda mid: (-self._server_rate(scenario, mid), mid))
+            stage_server = distinct_servers([st.server for st in plan.stages], servers)
+            if len(set(stage_server)) < len(stage_server):
+                raise ValueError("the plan puts two stages on one server process and no standby is free")
+            for st, sid in zip(plan.stages, stage_server, strict=True):
+                st.server = sid
             self._planned(scenario)
             self.layers = [tuple(st.layers) for st in plan.stages]
-            self.stage_server = [st.server for st in plan.stages]
+            self.stage_server = stage_server
             self.assign = {w: i for i, st in enumerate(plan.stages) for w in st.workers}
             self.plan, self.planned = plan, set(self.devices)
             method = "shoal"
@@ -346,6 +354,12 @@ class Coordinator(pbg.CoordinatorServicer):
             self.plan, method = None, f"even split ({exc})"
         self.costs = [float(b - a) for a, b in self.layers]
         self._replan("start", method=method)
+
+    @staticmethod
+    def _server_rate(scenario, mid: str) -> float:
+        """The slower of a server's up/down rates in ``scenario`` (standbys are picked fastest first)."""
+        d = next((d for d in scenario.devices if d.id == mid), None)
+        return min(d.up, d.down) if d is not None else 0.0
 
     def _replan(self, why: str, method: str | None = None, remeasured: str | None = None) -> None:
         """Repair the worker->stage assignment after a join, leave or re-measurement (layers stay fixed).

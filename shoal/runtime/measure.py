@@ -169,7 +169,7 @@ def probe_reply(request: pb.ProbeRequest) -> pb.ProbeReply:
 
 
 def rate_from(nbytes: int, seconds: float, rtt_s: float) -> float:
-    """Bytes/s of a timed transfer: its time less one round trip (the request/reply turn).
+    """Bytes/s of one timed transfer: its time less one round trip (the request/reply turn).
 
     The transfer is never credited with less than a tenth of its time, so a timing
     smaller than the round trip (clock noise) does not give an absurd rate.
@@ -177,29 +177,42 @@ def rate_from(nbytes: int, seconds: float, rtt_s: float) -> float:
     return nbytes / max(seconds - rtt_s, 0.1 * seconds, 1e-9)
 
 
+def slope_rate(small: int, t_small: float, large: int, t_large: float, rtt_s: float) -> float:
+    """Bytes/s from two timed transfers of different sizes: the extra bytes over the extra time.
+
+    Every cost a call pays whatever its size (the round trip, call set-up, scheduling)
+    cancels out; what is left is the per-byte cost, i.e. the path's rate. When the
+    timings are too noisy for that (the larger one not slower), :func:`rate_from` of the
+    larger transfer is used.
+    """
+    if large > small and t_large > t_small:
+        return (large - small) / (t_large - t_small)
+    return rate_from(large, t_large, rtt_s)
+
+
+async def _timed(call) -> float:
+    t0 = time.perf_counter()
+    await call
+    return time.perf_counter() - t0
+
+
 async def probe_link(stub, target: str, probe_bytes: int = DEFAULT_PROBE_BYTES,
                      rtt_repeats: int = RTT_REPEATS, timeout_s: float = 60.0) -> LinkFigures:
     """Measure the path to ``target`` through ``stub`` (any stub with a ``Probe`` method).
 
     A first echo opens the connection (not timed); then the best of ``rtt_repeats``
-    empty echoes is the round-trip time; an upload of ``probe_bytes`` and a download of
-    as many give the rates each way.
+    empty echoes is the round-trip time. Each way, a transfer of a quarter of
+    ``probe_bytes`` and one of ``probe_bytes`` give the rate (:func:`slope_rate`).
     """
     await stub.Probe(pb.ProbeRequest(), timeout=timeout_s)
-    rtts = []
-    for _ in range(max(1, rtt_repeats)):
-        t0 = time.perf_counter()
-        await stub.Probe(pb.ProbeRequest(), timeout=timeout_s)
-        rtts.append(time.perf_counter() - t0)
-    rtt = min(rtts)
-    payload = bytes(probe_bytes)
-    t0 = time.perf_counter()
-    await stub.Probe(pb.ProbeRequest(payload=payload), timeout=timeout_s)
-    up = rate_from(probe_bytes, time.perf_counter() - t0, rtt)
-    t0 = time.perf_counter()
-    await stub.Probe(pb.ProbeRequest(reply_bytes=probe_bytes), timeout=timeout_s)
-    down = rate_from(probe_bytes, time.perf_counter() - t0, rtt)
-    return LinkFigures(target=target, rtt_s=rtt, up_bps=up, down_bps=down)
+    rtt = min([await _timed(stub.Probe(pb.ProbeRequest(), timeout=timeout_s)) for _ in range(max(1, rtt_repeats))])
+    small = max(1, probe_bytes // 4)
+    t_up = [await _timed(stub.Probe(pb.ProbeRequest(payload=bytes(n)), timeout=timeout_s))
+            for n in (small, probe_bytes)]
+    t_down = [await _timed(stub.Probe(pb.ProbeRequest(reply_bytes=n), timeout=timeout_s))
+              for n in (small, probe_bytes)]
+    return LinkFigures(target=target, rtt_s=rtt, up_bps=slope_rate(small, t_up[0], probe_bytes, t_up[1], rtt),
+                       down_bps=slope_rate(small, t_down[0], probe_bytes, t_down[1], rtt))
 
 
 async def probe_links(open_stub, targets: list[str], probe_bytes: int = DEFAULT_PROBE_BYTES) -> list[LinkFigures]:

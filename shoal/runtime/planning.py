@@ -183,11 +183,16 @@ def _median(xs: list[float]) -> float:
 
 
 def measured_device(f: MemberFigures, region: str) -> Device:
-    """The planner device of a measured member: declared figures win over measured ones."""
+    """The planner device of a measured member: declared figures win over measured ones.
+
+    Its up/down capacities are the median of the rates it measured on its paths: a
+    member's own access link bounds every one of them, and the median is not thrown
+    by one noisy or far-end-limited path.
+    """
     ups = [p.up for p in f.paths if p.up > 0]
     downs = [p.down for p in f.paths if p.down > 0]
-    up = f.up or (max(ups) if ups else UNMEASURED_BPS)
-    down = f.down or (max(downs) if downs else UNMEASURED_BPS)
+    up = f.up or (_median(ups) if ups else UNMEASURED_BPS)
+    down = f.down or (_median(downs) if downs else UNMEASURED_BPS)
     if f.role == "server":
         return Device(id=f.member_id, kind=f.kind, flops=0.0, memory=0.0, region=region, up=up, down=down,
                       can_host_server=True, host_memory=f.memory or 64e9)
@@ -254,3 +259,22 @@ def measured_scenario(members: dict[str, MemberFigures], workload: Workload, *, 
     return Scenario(name=name, devices=devices, network=network, workload=workload,
                     description=description or f"measured by the members of a live run ({len(members)} members)",
                     source="shoal runtime measurement: device memory, FLOP/s of the run's layers, probe RPCs")
+
+
+def distinct_servers(stage_servers: list[str], servers: list[str]) -> list[str]:
+    """One server member per stage: a stage whose planned server already serves an
+    earlier stage gets an unused server member (in ``servers`` order) instead.
+
+    The planner may put several stages on one host; a stage server process serves one
+    stage, so each extra stage moves to a standby process. Stages with no unused server
+    left keep their planned one (the caller falls back to an even split).
+    """
+    used: set[str] = set()
+    free = [s for s in servers if s not in stage_servers]
+    out = []
+    for s in stage_servers:
+        if s in used and free:
+            s = free.pop(0)
+        used.add(s)
+        out.append(s)
+    return out
