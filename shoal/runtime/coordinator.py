@@ -247,7 +247,7 @@ class Coordinator(pbg.CoordinatorServicer):
             m.pending_join = False
             self._replan("join")
         elif again and m.role == "worker" and m.member_id in self.planned:
-            self._replan("remeasure", remeasured=m.member_id)
+            self._replan("remeasure")
 
     def _check_drift(self, m: Member, r) -> None:
         """Ask worker ``m`` to measure again when its observed figures left the planned ones."""
@@ -361,10 +361,11 @@ class Coordinator(pbg.CoordinatorServicer):
         d = next((d for d in scenario.devices if d.id == mid), None)
         return min(d.up, d.down) if d is not None else 0.0
 
-    def _replan(self, why: str, method: str | None = None, remeasured: str | None = None) -> None:
+    def _replan(self, why: str, method: str | None = None) -> None:
         """Repair the worker->stage assignment after a join, leave or re-measurement (layers stay fixed).
 
-        A re-measured worker is taken out of the plan and joined again with its new figures.
+        After a re-measurement the repair's local search runs on the scenario with the
+        worker's new figures.
         """
         live = {mid for mid, m in self.members.items() if m.role == "worker" and not m.pending_join}
         if method is None and self.plan is not None:
@@ -373,15 +374,11 @@ class Coordinator(pbg.CoordinatorServicer):
             try:
                 from shoal.plan.repair import repair
 
-                scenario = self._scenario()
-                base = self.plan
-                if remeasured is not None:
-                    base = repair(base, scenario, left=[remeasured], seed=int(self.spec.seed))
-                    self.planned = set(self.planned) - {remeasured}
+                scenario = self._scenario()  # a re-measured worker: its new figures
                 servers = {mid for mid, m in self.members.items() if m.role == "server"}
                 gone = [d for d in self.planned if d not in live and d not in servers]
                 joined = [d for d in live if d not in self.planned]
-                plan = repair(base, scenario, left=gone, joined=joined,
+                plan = repair(self.plan, scenario, left=gone, joined=joined,
                               seed=int(self.spec.seed))
                 if len(plan.stages) != self.spec.stages:
                     raise ValueError(f"repair changed the stage count to {len(plan.stages)}")
