@@ -270,3 +270,14 @@ def test_a_member_that_never_reports_is_planned_as_it_joined(tmp_path, monkeypat
         assert sum(e["event"] == "measure_timeout" for e in ev) == 4
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("flags,says", [(["--up-mbps", "-1"], "--up-mbps must be >= 0"),
+                                        (["--probe-mb", "100"], "--probe-mb must be in (0, 64]")])
+def test_bad_measurement_flags_are_one_line_errors(flags, says, capsys, monkeypatch):
+    from shoal.runtime.cli import main
+
+    monkeypatch.setenv("SHOAL_TOKEN", "tok")
+    assert main(["worker", "--join", "127.0.0.1:1", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and says in err and "\n" not in err

@@ -231,7 +231,8 @@ def run_worker_cmd(args) -> int:
                                                 codec=args.codec, slow_s=args.slow,
                                                 graph_cache=not args.no_graph_cache,
                                                 error_feedback=not args.no_error_feedback,
-                                                device=_played_device(args), **_measure_opts(args)),
+                                                device=_played_device(args), **_measure_opts(args),
+                                                compute_device=getattr(args, "device", None) or "cpu"),
          dial=dial, pacer=pacer, on_servers=on_servers)
     return 0
 

@@ -53,7 +53,12 @@ class LinkFigures:
 
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:
-    """A torch device from a name ("cpu", "cuda", "cuda:1"); None or "" means CPU."""
+    """A torch device from a name ("cpu", "cuda", "cuda:1", "auto"); None or "" means CPU.
+
+    ``auto`` is the first CUDA device when there is one, else the CPU.
+    """
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device or "cpu")
 
 
