@@ -238,3 +238,30 @@ async def probe_links(open_stub, targets: list[str], probe_bytes: int = DEFAULT_
         except grpc.aio.AioRpcError:
             continue
     return out
+
+
+async def probe_peers(channels, coordinator: str, servers: list[str],
+                      probe_bytes: int = DEFAULT_PROBE_BYTES) -> list[LinkFigures]:
+    """Probe the coordinator (reported as target ``"coordinator"``) and each server address.
+
+    ``channels`` is the member's :class:`~shoal.net.channel.ChannelFactory`; the probes
+    use channels of their own through the same ``dial`` hook (so an emulated link is
+    measured as the run sees it) but without its byte counters, so the run's traffic
+    figures hold only training traffic. The channels are closed afterwards.
+    """
+    from shoal.net import shoal_pb2_grpc as pbg
+    from shoal.net.channel import ChannelFactory
+
+    plain = ChannelFactory(channels.token, max_message_bytes=channels.max_message_bytes, dial=channels.dial)
+    opened = []
+
+    def stub(address: str):
+        ch = plain.open(coordinator if address == "coordinator" else address)
+        opened.append(ch)
+        return pbg.CoordinatorStub(ch) if address == "coordinator" else pbg.StageServerStub(ch)
+
+    try:
+        return await probe_links(stub, ["coordinator", *servers], probe_bytes)
+    finally:
+        for ch in opened:
+            await ch.close()

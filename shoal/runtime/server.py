@@ -233,15 +233,12 @@ class StageServer(pbg.StageServerServicer):
 
     async def _measure(self, request: int) -> None:
         """Measure host memory and the links to the coordinator and the other stage servers."""
-        from shoal.runtime.measure import available_ram, device_name, probe_links
+        from shoal.runtime.measure import available_ram, device_name, probe_peers
 
         t0 = time.perf_counter()
         try:
-            def stub(address: str):
-                return self.coord if address == "coordinator" else self._stub(address)
-
             others = [s for s in self.servers if s and s != self.address]
-            links = await probe_links(stub, ["coordinator", *others], self.probe_bytes)
+            links = await probe_peers(self.channels, self.coord_addr, others, self.probe_bytes)
             await self.coord.Measured(pb.MeasureReport(
                 member_id=self.member_id, request=request, device_name=device_name("cpu"),
                 memory=available_ram(), links=[lf.to_pb() for lf in links],

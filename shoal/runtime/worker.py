@@ -152,7 +152,7 @@ class Worker:
             device_memory,
             device_name,
             measure_stage_flops,
-            probe_links,
+            probe_peers,
         )
 
         want = self.measure_want
@@ -163,13 +163,7 @@ class Worker:
                 None, lambda: measure_stage_flops(self.cfg, self.spec.seq_len, self.spec.micro_batch_size,
                                                   device=self.opts.compute_device, seed=int(self.spec.seed)))
         self.flops = flops
-
-        def stub(address: str):
-            if address == "coordinator":
-                return self.coord
-            return self.channels_stub(address)
-
-        links = await probe_links(stub, ["coordinator", *self.servers_seen], self.opts.probe_bytes)
+        links = await probe_peers(self.channels, self.coord_addr, self.servers_seen, self.opts.probe_bytes)
         await self.coord.Measured(pb.MeasureReport(
             member_id=self.member_id, request=want, device_name=device_name(self.opts.compute_device),
             memory=device_memory(self.opts.compute_device), flops=flops,
