@@ -21,8 +21,8 @@ def _measure_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--region", default="", help="network region of this host (default: clustered by latency)")
     g.add_argument("--up-mbps", type=float, default=0.0, help="uplink capacity in Mbit/s (default: measured)")
     g.add_argument("--down-mbps", type=float, default=0.0, help="downlink capacity in Mbit/s (default: measured)")
-    g.add_argument("--probe-mb", type=float, default=4.0,
-                   help="MB of each timed link transfer when measuring (each way, per peer)")
+    g.add_argument("--probe-mb", type=float, default=2.0,
+                   help="MB of the larger timed link transfer when measuring (each way, per peer)")
 
 
 def _measure_opts(args) -> dict:

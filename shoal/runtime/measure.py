@@ -9,8 +9,8 @@ to measure, and answers with a ``MeasureReport``:
   run's micro-batch size and sequence length, the time converted with the model
   profile's FLOPs of those blocks (what the planner charges a task), bounded in time;
 * its links: towards the coordinator and each stage server it may be given, the
-  round-trip time of an empty echo and a short timed transfer each way (``Probe`` RPC,
-  ``probe_bytes`` each way).
+  round-trip time of an empty echo and short timed transfers each way (``Probe`` RPC,
+  :func:`probe_link`).
 
 Everything here is a plain function; the worker and server call them from their join
 and heartbeat paths, and the coordinator builds the planning scenario from the reports
@@ -19,6 +19,7 @@ and heartbeat paths, and the coordinator builds the planning scenario from the r
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import time
@@ -29,9 +30,10 @@ import torch
 from shoal.errors import ShoalError
 from shoal.net import shoal_pb2 as pb
 
-DEFAULT_PROBE_BYTES = 4 * 1024 * 1024  # bytes of each timed transfer ("a few MB")
+DEFAULT_PROBE_BYTES = 2 * 1024 * 1024  # bytes of the larger timed transfer each way ("a few MB")
 MAX_PROBE_BYTES = 64 * 1024 * 1024  # largest download a Probe call may ask for
 RTT_REPEATS = 3  # empty echoes per link; the fastest is the round-trip time
+TRANSFER_REPEATS = 2  # timed transfers of each size and direction; the fastest counts
 FLOPS_BUDGET_S = 0.5  # seconds of timed layer runs (after one warm-up run)
 MEASURE_BLOCKS = 1  # transformer blocks run by the compute measurement
 
@@ -202,22 +204,30 @@ async def _timed(call) -> float:
 
 
 async def probe_link(stub, target: str, probe_bytes: int = DEFAULT_PROBE_BYTES,
-                     rtt_repeats: int = RTT_REPEATS, timeout_s: float = 60.0) -> LinkFigures:
+                     rtt_repeats: int = RTT_REPEATS, transfer_repeats: int = TRANSFER_REPEATS,
+                     timeout_s: float = 60.0) -> LinkFigures:
     """Measure the path to ``target`` through ``stub`` (any stub with a ``Probe`` method).
 
     A first echo opens the connection (not timed); then the best of ``rtt_repeats``
-    empty echoes is the round-trip time. Each way, a transfer of a quarter of
-    ``probe_bytes`` and one of ``probe_bytes`` give the rate (:func:`slope_rate`).
+    empty echoes is the round-trip time. Each way, transfers of a quarter of
+    ``probe_bytes`` and of all of it, ``transfer_repeats`` times each, give the rate
+    (:func:`slope_rate` of the fastest time of each size: scheduling delays only ever
+    add time, so the fastest is the one least disturbed).
     """
     await stub.Probe(pb.ProbeRequest(), timeout=timeout_s)
     rtt = min([await _timed(stub.Probe(pb.ProbeRequest(), timeout=timeout_s)) for _ in range(max(1, rtt_repeats))])
     small = max(1, probe_bytes // 4)
-    t_up = [await _timed(stub.Probe(pb.ProbeRequest(payload=bytes(n)), timeout=timeout_s))
-            for n in (small, probe_bytes)]
-    t_down = [await _timed(stub.Probe(pb.ProbeRequest(reply_bytes=n), timeout=timeout_s))
-              for n in (small, probe_bytes)]
-    return LinkFigures(target=target, rtt_s=rtt, up_bps=slope_rate(small, t_up[0], probe_bytes, t_up[1], rtt),
-                       down_bps=slope_rate(small, t_down[0], probe_bytes, t_down[1], rtt))
+    sizes = (small, probe_bytes)
+    t_up = {n: math.inf for n in sizes}
+    t_down = {n: math.inf for n in sizes}
+    for _ in range(max(1, transfer_repeats)):
+        for n in sizes:
+            t_up[n] = min(t_up[n], await _timed(stub.Probe(pb.ProbeRequest(payload=bytes(n)), timeout=timeout_s)))
+        for n in sizes:
+            t_down[n] = min(t_down[n], await _timed(stub.Probe(pb.ProbeRequest(reply_bytes=n), timeout=timeout_s)))
+    return LinkFigures(target=target, rtt_s=rtt,
+                       up_bps=slope_rate(small, t_up[small], probe_bytes, t_up[probe_bytes], rtt),
+                       down_bps=slope_rate(small, t_down[small], probe_bytes, t_down[probe_bytes], rtt))
 
 
 async def probe_links(open_stub, targets: list[str], probe_bytes: int = DEFAULT_PROBE_BYTES) -> list[LinkFigures]:

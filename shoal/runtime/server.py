@@ -90,7 +90,7 @@ class StageServer(pbg.StageServerServicer):
     def __init__(self, coord: str, listen: str, token: str, ckpt_root: str, *,
                  name: str = "server", dial=None, heartbeat_s: float = 0.2, device: str = "",
                  region: str = "", up_bps: float = 0.0, down_bps: float = 0.0,
-                 probe_bytes: int = 4 * 1024 * 1024):
+                 probe_bytes: int = 2 * 1024 * 1024):
         self.coord_addr, self.listen, self.token = coord, listen, token
         self.ckpt_root, self.name, self.heartbeat_s = ckpt_root, name, heartbeat_s
         self.device = device  # emulated runs: the scenario host this server plays
@@ -651,7 +651,7 @@ async def _retry(fn, tries: int = 200, delay: float = 0.1):
 
 def serve(coord: str, listen: str, token: str, ckpt_root: str, name: str = "server", *, dial=None,
           on_servers=None, device: str = "", region: str = "", up_bps: float = 0.0, down_bps: float = 0.0,
-          probe_bytes: int = 4 * 1024 * 1024) -> None:
+          probe_bytes: int = 2 * 1024 * 1024) -> None:
     """Run a stage server process until the run is done (``device``: scenario host it plays;
     ``region``/``up_bps``/``down_bps``: declared figures that win over measured ones)."""
     set_threads()
