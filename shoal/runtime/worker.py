@@ -57,7 +57,7 @@ class WorkerOptions:
     region: str = ""  # declared network region ("": the coordinator clusters by latency)
     up_bps: float = 0.0  # declared uplink bytes/s (0: measured)
     down_bps: float = 0.0  # declared downlink bytes/s (0: measured)
-    probe_bytes: int = 2 * 1024 * 1024  # bytes of each timed link transfer when measuring
+    probe_bytes: int = 2 * 1024 * 1024  # bytes of the larger timed link transfer each way when measuring
     compute_device: str = "cpu"  # torch device the worker computes on (what it measures)
 
 
