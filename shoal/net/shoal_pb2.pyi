@@ -75,7 +75,7 @@ class RunSpec(_message.Message):
     def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., stages: _Optional[int] = ..., steps: _Optional[int] = ..., micro_batches: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., seed: _Optional[int] = ..., lr: _Optional[float] = ..., min_lr: _Optional[float] = ..., warmup: _Optional[int] = ..., weight_decay: _Optional[float] = ..., grad_clip: _Optional[float] = ..., ckpt_every: _Optional[int] = ..., dead_after_s: _Optional[float] = ..., min_lease_s: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., data: _Optional[str] = ..., ordered_grads: _Optional[bool] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("role", "address", "flops", "name", "ckpt_version", "ckpt_stage", "schema", "device")
+    __slots__ = ("role", "address", "flops", "name", "ckpt_version", "ckpt_stage", "schema", "device", "will_measure", "region", "up_bps", "down_bps")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FLOPS_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,10 @@ class JoinRequest(_message.Message):
     CKPT_STAGE_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    WILL_MEASURE_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    UP_BPS_FIELD_NUMBER: _ClassVar[int]
+    DOWN_BPS_FIELD_NUMBER: _ClassVar[int]
     role: str
     address: str
     flops: float
@@ -92,7 +96,11 @@ class JoinRequest(_message.Message):
     ckpt_stage: int
     schema: int
     device: str
-    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., flops: _Optional[float] = ..., name: _Optional[str] = ..., ckpt_version: _Optional[int] = ..., ckpt_stage: _Optional[int] = ..., schema: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    will_measure: bool
+    region: str
+    up_bps: float
+    down_bps: float
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., flops: _Optional[float] = ..., name: _Optional[str] = ..., ckpt_version: _Optional[int] = ..., ckpt_stage: _Optional[int] = ..., schema: _Optional[int] = ..., device: _Optional[str] = ..., will_measure: _Optional[bool] = ..., region: _Optional[str] = ..., up_bps: _Optional[float] = ..., down_bps: _Optional[float] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("member_id", "spec")
@@ -103,7 +111,7 @@ class JoinReply(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., spec: _Optional[_Union[RunSpec, _Mapping]] = ...) -> None: ...
 
 class MemberRequest(_message.Message):
-    __slots__ = ("member_id", "version", "ckpt_version", "epoch", "counter_id", "traffic", "role", "stats")
+    __slots__ = ("member_id", "version", "ckpt_version", "epoch", "counter_id", "traffic", "role", "observed_flops", "observed_tasks", "observed_pull_s", "observed_pull_bytes", "observed_pulls", "stats")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CKPT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +119,11 @@ class MemberRequest(_message.Message):
     COUNTER_ID_FIELD_NUMBER: _ClassVar[int]
     TRAFFIC_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_FLOPS_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_TASKS_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_PULL_S_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_PULL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_PULLS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     version: int
@@ -119,8 +132,13 @@ class MemberRequest(_message.Message):
     counter_id: str
     traffic: _containers.RepeatedCompositeFieldContainer[ByteCount]
     role: str
+    observed_flops: float
+    observed_tasks: int
+    observed_pull_s: float
+    observed_pull_bytes: int
+    observed_pulls: int
     stats: MemberStats
-    def __init__(self, member_id: _Optional[str] = ..., version: _Optional[int] = ..., ckpt_version: _Optional[int] = ..., epoch: _Optional[int] = ..., counter_id: _Optional[str] = ..., traffic: _Optional[_Iterable[_Union[ByteCount, _Mapping]]] = ..., role: _Optional[str] = ..., stats: _Optional[_Union[MemberStats, _Mapping]] = ...) -> None: ...
+    def __init__(self, member_id: _Optional[str] = ..., version: _Optional[int] = ..., ckpt_version: _Optional[int] = ..., epoch: _Optional[int] = ..., counter_id: _Optional[str] = ..., traffic: _Optional[_Iterable[_Union[ByteCount, _Mapping]]] = ..., role: _Optional[str] = ..., observed_flops: _Optional[float] = ..., observed_tasks: _Optional[int] = ..., observed_pull_s: _Optional[float] = ..., observed_pull_bytes: _Optional[int] = ..., observed_pulls: _Optional[int] = ..., stats: _Optional[_Union[MemberStats, _Mapping]] = ...) -> None: ...
 
 class MemberStats(_message.Message):
     __slots__ = ("stage", "tasks_done", "compute_s", "step", "pool_todo", "pool_waiting", "leases", "workers", "last_step")
@@ -160,6 +178,52 @@ class StepSplit(_message.Message):
     waiting_s: float
     def __init__(self, step: _Optional[int] = ..., total_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., sync_s: _Optional[float] = ..., waiting_s: _Optional[float] = ...) -> None: ...
 
+class LinkProbe(_message.Message):
+    __slots__ = ("target", "rtt_s", "up_bps", "down_bps")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    RTT_S_FIELD_NUMBER: _ClassVar[int]
+    UP_BPS_FIELD_NUMBER: _ClassVar[int]
+    DOWN_BPS_FIELD_NUMBER: _ClassVar[int]
+    target: str
+    rtt_s: float
+    up_bps: float
+    down_bps: float
+    def __init__(self, target: _Optional[str] = ..., rtt_s: _Optional[float] = ..., up_bps: _Optional[float] = ..., down_bps: _Optional[float] = ...) -> None: ...
+
+class MeasureReport(_message.Message):
+    __slots__ = ("member_id", "request", "device_name", "memory", "flops", "links", "measure_s", "address")
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    FLOPS_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    MEASURE_S_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    member_id: str
+    request: int
+    device_name: str
+    memory: float
+    flops: float
+    links: _containers.RepeatedCompositeFieldContainer[LinkProbe]
+    measure_s: float
+    address: str
+    def __init__(self, member_id: _Optional[str] = ..., request: _Optional[int] = ..., device_name: _Optional[str] = ..., memory: _Optional[float] = ..., flops: _Optional[float] = ..., links: _Optional[_Iterable[_Union[LinkProbe, _Mapping]]] = ..., measure_s: _Optional[float] = ..., address: _Optional[str] = ...) -> None: ...
+
+class ProbeRequest(_message.Message):
+    __slots__ = ("payload", "reply_bytes")
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    REPLY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    reply_bytes: int
+    def __init__(self, payload: _Optional[bytes] = ..., reply_bytes: _Optional[int] = ...) -> None: ...
+
+class ProbeReply(_message.Message):
+    __slots__ = ("payload",)
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+
 class ByteCount(_message.Message):
     __slots__ = ("kind", "codec", "raw", "wire", "messages")
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -175,7 +239,7 @@ class ByteCount(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., codec: _Optional[str] = ..., raw: _Optional[int] = ..., wire: _Optional[int] = ..., messages: _Optional[int] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("known", "stage", "first", "last", "servers", "ready", "epoch", "restart_version", "done")
+    __slots__ = ("known", "stage", "first", "last", "servers", "ready", "epoch", "restart_version", "done", "measure")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     FIRST_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +249,7 @@ class Assignment(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RESTART_VERSION_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    MEASURE_FIELD_NUMBER: _ClassVar[int]
     known: bool
     stage: int
     first: int
@@ -194,7 +259,8 @@ class Assignment(_message.Message):
     epoch: int
     restart_version: int
     done: bool
-    def __init__(self, known: _Optional[bool] = ..., stage: _Optional[int] = ..., first: _Optional[int] = ..., last: _Optional[int] = ..., servers: _Optional[_Iterable[str]] = ..., ready: _Optional[bool] = ..., epoch: _Optional[int] = ..., restart_version: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...
+    measure: int
+    def __init__(self, known: _Optional[bool] = ..., stage: _Optional[int] = ..., first: _Optional[int] = ..., last: _Optional[int] = ..., servers: _Optional[_Iterable[str]] = ..., ready: _Optional[bool] = ..., epoch: _Optional[int] = ..., restart_version: _Optional[int] = ..., done: _Optional[bool] = ..., measure: _Optional[int] = ...) -> None: ...
 
 class StepReport(_message.Message):
     __slots__ = ("member_id", "stage", "step", "epoch", "sq_norm", "losses", "tasks_per_worker", "requeues")

@@ -59,6 +59,16 @@ class CoordinatorStub:
                 request_serializer=shoal__pb2.Empty.SerializeToString,
                 response_deserializer=shoal__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.Measured = channel.unary_unary(
+                '/shoal.v1.Coordinator/Measured',
+                request_serializer=shoal__pb2.MeasureReport.SerializeToString,
+                response_deserializer=shoal__pb2.Empty.FromString,
+                _registered_method=True)
+        self.Probe = channel.unary_unary(
+                '/shoal.v1.Coordinator/Probe',
+                request_serializer=shoal__pb2.ProbeRequest.SerializeToString,
+                response_deserializer=shoal__pb2.ProbeReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -94,6 +104,18 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Measured(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Probe(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +143,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=shoal__pb2.Empty.FromString,
                     response_serializer=shoal__pb2.StatusReply.SerializeToString,
+            ),
+            'Measured': grpc.unary_unary_rpc_method_handler(
+                    servicer.Measured,
+                    request_deserializer=shoal__pb2.MeasureReport.FromString,
+                    response_serializer=shoal__pb2.Empty.SerializeToString,
+            ),
+            'Probe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Probe,
+                    request_deserializer=shoal__pb2.ProbeRequest.FromString,
+                    response_serializer=shoal__pb2.ProbeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -268,6 +300,60 @@ class Coordinator:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Measured(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.v1.Coordinator/Measured',
+            shoal__pb2.MeasureReport.SerializeToString,
+            shoal__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Probe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.v1.Coordinator/Probe',
+            shoal__pb2.ProbeRequest.SerializeToString,
+            shoal__pb2.ProbeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class StageServerStub:
     """Missing associated documentation comment in .proto file."""
@@ -312,6 +398,11 @@ class StageServerStub:
                 '/shoal.v1.StageServer/Leave',
                 request_serializer=shoal__pb2.MemberRequest.SerializeToString,
                 response_deserializer=shoal__pb2.Empty.FromString,
+                _registered_method=True)
+        self.Probe = channel.unary_unary(
+                '/shoal.v1.StageServer/Probe',
+                request_serializer=shoal__pb2.ProbeRequest.SerializeToString,
+                response_deserializer=shoal__pb2.ProbeReply.FromString,
                 _registered_method=True)
 
 
@@ -360,6 +451,12 @@ class StageServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Probe(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -397,6 +494,11 @@ def add_StageServerServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=shoal__pb2.MemberRequest.FromString,
                     response_serializer=shoal__pb2.Empty.SerializeToString,
+            ),
+            'Probe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Probe,
+                    request_deserializer=shoal__pb2.ProbeRequest.FromString,
+                    response_serializer=shoal__pb2.ProbeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -588,6 +690,33 @@ class StageServer:
             '/shoal.v1.StageServer/Leave',
             shoal__pb2.MemberRequest.SerializeToString,
             shoal__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Probe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.v1.StageServer/Probe',
+            shoal__pb2.ProbeRequest.SerializeToString,
+            shoal__pb2.ProbeReply.FromString,
             options,
             channel_credentials,
             insecure,

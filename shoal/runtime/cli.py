@@ -16,6 +16,26 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO", help="logging level (INFO, DEBUG, WARNING)")
 
 
+def _measure_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("measurement (real runs plan on what members measure; these override it)")
+    g.add_argument("--region", default="", help="network region of this host (default: clustered by latency)")
+    g.add_argument("--up-mbps", type=float, default=0.0, help="uplink capacity in Mbit/s (default: measured)")
+    g.add_argument("--down-mbps", type=float, default=0.0, help="downlink capacity in Mbit/s (default: measured)")
+    g.add_argument("--probe-mb", type=float, default=2.0,
+                   help="MB of the larger timed link transfer when measuring (each way, per peer)")
+
+
+def _measure_opts(args) -> dict:
+    """Declared region and capacities (bytes/s) and the probe size from the measurement flags."""
+    for name in ("up_mbps", "down_mbps"):
+        if getattr(args, name) < 0:
+            raise ShoalError(f"--{name.replace('_', '-')} must be >= 0 (0: measure it), got {getattr(args, name)}")
+    if not 0 < args.probe_mb <= 64:
+        raise ShoalError(f"--probe-mb must be in (0, 64], got {args.probe_mb}")
+    return {"region": args.region, "up_bps": args.up_mbps * 1e6 / 8, "down_bps": args.down_mbps * 1e6 / 8,
+            "probe_bytes": int(args.probe_mb * 1024 * 1024)}
+
+
 def _run_args(p: argparse.ArgumentParser, launch: bool = False) -> None:
     from shoal.train.flags import add_workload_args
 
@@ -55,6 +75,7 @@ def register(subparsers) -> None:
     p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to listen on (port 0: any)")
     p.add_argument("--ckpt-dir", default="shoal_ckpt", help="checkpoint root (one folder per stage)")
     p.add_argument("--name", default="server", help="label in events")
+    _measure_args(p)
     _common(p)
     _emulation_args(p)
     p.set_defaults(func=run_server_cmd)
@@ -70,6 +91,7 @@ def register(subparsers) -> None:
                    help="lossy --codec: do not carry each gradient push's quantisation error into the next")
     p.add_argument("--no-graph-cache", action="store_true",
                    help="always recompute the forward in backward tasks (saves activation memory)")
+    _measure_args(p)
     _common(p)
     _emulation_args(p)
     p.set_defaults(func=run_worker_cmd)
@@ -209,7 +231,7 @@ def run_server_cmd(args) -> int:
     _logging(args.log_level)
     dial, _, on_servers = _emulation(args)
     serve(args.join, args.listen, _token(args), args.ckpt_dir, name=args.name, dial=dial,
-          on_servers=on_servers, device=_played_device(args))
+          on_servers=on_servers, device=_played_device(args), **_measure_opts(args))
     return 0
 
 
@@ -222,7 +244,8 @@ def run_worker_cmd(args) -> int:
                                                 codec=args.codec, slow_s=args.slow,
                                                 graph_cache=not args.no_graph_cache,
                                                 error_feedback=not args.no_error_feedback,
-                                                device=_played_device(args)),
+                                                device=_played_device(args), **_measure_opts(args),
+                                                compute_device=getattr(args, "device", None) or "cpu"),
          dial=dial, pacer=pacer, on_servers=on_servers)
     return 0
 

@@ -193,19 +193,6 @@ def load_stage_ckpt(root: str | Path, stage: int, version: int, module: torch.nn
                 }
 
 
-def measure_flops(seconds: float = 0.2) -> float:
-    """This process's matmul throughput in FLOP/s (fp32, one thread), measured briefly."""
-    import time
-
-    n = 256
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    reps, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        a @ b
-        reps += 1
-    return 2 * n**3 * reps / max(time.perf_counter() - t0, 1e-9)
-
-
 def finite(x: float) -> bool:
     return math.isfinite(x)
 

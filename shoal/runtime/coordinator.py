@@ -7,9 +7,13 @@
   rolls back to the newest version all stages can restore (a new *epoch*), and the run
   replays deterministically from there.
 * Stages: layer ranges from the planner when it is installed (``shoal.plan``), else an
-  even split; workers are assigned to stages in proportion to capacity. The planner
-  sees loopback links and measured FLOP/s, or, when the processes emulate a scenario,
-  that scenario's devices and network (see :mod:`shoal.runtime.planning`).
+  even split; workers are assigned to stages in proportion to capacity. In a real run
+  the planner sees what the members measured (the coordinator asks each member to
+  measure once every stage has a server, waits for the reports before planning, and
+  asks a worker again when its observed task or pull times drift from the planned
+  ones; see :mod:`shoal.runtime.measure`); when the processes emulate a scenario, it
+  sees that scenario's devices and network (see :mod:`shoal.runtime.planning`). The
+  scenario planned on is in ``shoal status`` and the run folder's ``scenario.json``.
 * Step commit: each server reports its squared gradient norm (the last stage also its M
   losses); when all S stages have reported step t, the coordinator computes the global
   clip coefficient and the step's learning rate, answers them all, and writes the
@@ -37,11 +41,25 @@ from shoal.net.channel import ChannelFactory, make_server
 from shoal.net.traffic import BYTES_METHOD, merge_traffic
 from shoal.net.wire import decode_tensor
 from shoal.runtime.common import assign_workers, even_split, model_config, optim_config
-from shoal.runtime.planning import loopback_device, planning_scenario, played_device
+from shoal.runtime.measure import probe_reply
+from shoal.runtime.planning import (
+    COORDINATOR_NODE,
+    REMEASURE_AFTER_S,
+    MemberFigures,
+    PathFigures,
+    distinct_servers,
+    drifted,
+    loopback_device,
+    measured_scenario,
+    planning_scenario,
+    played_device,
+)
 from shoal.train.metrics import JsonlWriter, step_record
 from shoal.train.optim import clip_coefficient, lr_at
 
 log = logging.getLogger("shoal.coordinator")
+
+MEASURE_TIMEOUT_S = 60.0  # a member asked to measure that has not answered by then is planned as it joined
 
 
 @dataclass
@@ -53,6 +71,12 @@ class Member:
     flops: float = 0.0
     device: str = ""  # emulated runs: the scenario device this member plays
     last_seen: float = field(default_factory=time.monotonic)
+    will_measure: bool = False  # it answers measurement requests (real runs plan on its report)
+    measure_req: int = 0  # newest measurement request sent to it (0: none yet)
+    measure_done: int = 0  # newest request it answered
+    asked_at: float = 0.0  # monotonic time of the newest request
+    measured_at: float | None = None  # monotonic time of its newest report
+    pending_join: bool = False  # joined after the start; planned in once measured
     version: int = -1
     ckpt_version: int = -1
     epoch: int = 0
@@ -107,6 +131,8 @@ class Coordinator(pbg.CoordinatorServicer):
         self.traffic: dict[str, tuple[str, list]] = {}  # process counter id -> (role, newest counts)
         self.gone: dict[str, tuple[Member, str, float]] = {}  # member id -> (member, why, wall time) once dropped
         self.recent: collections.deque = collections.deque(maxlen=500)  # newest events (dashboard)
+        self.figures: dict[str, MemberFigures] = {}  # measured runs: member id -> what it measured
+        self.planned_on = None  # the scenario of the newest plan or repair
 
     def event(self, name: str, **fields) -> None:
         log.info("event %s %s", name, fields)
@@ -130,6 +156,11 @@ class Coordinator(pbg.CoordinatorServicer):
                    flops=max(request.flops, 1.0), device=request.device)
         if self.emulated is not None:
             self.plays[mid] = m.device
+        elif request.will_measure:
+            m.will_measure = True
+            self.figures[mid] = MemberFigures(mid, request.role, flops=max(request.flops, 0.0),
+                                              region=request.region, up=max(request.up_bps, 0.0),
+                                              down=max(request.down_bps, 0.0))
         self.members[mid] = m
         self.names[mid] = m.name
         if m.role == "server":
@@ -137,8 +168,12 @@ class Coordinator(pbg.CoordinatorServicer):
             self._fill_vacancies()
         else:
             self.event("join", device=m.name, role="worker", flops=m.flops)
-            if self.ready:
+        self._ask_measure()
+        if m.role == "worker" and self.ready:
+            if self._settled(m):
                 self._replan("join")
+            else:
+                m.pending_join = True  # planned in once its measurement arrives
         self._check_ready()
         return pb.JoinReply(member_id=mid, spec=self.spec)
 
@@ -160,8 +195,105 @@ class Coordinator(pbg.CoordinatorServicer):
                 self.pending_restore = True
                 self.event("server_restart", device=self.members[mid].name, stage=s)
 
+    # ------------------------------------------------------------------ measurement
+    def _settled(self, m: Member) -> bool:
+        """Whether member ``m`` can be planned: measured, not measuring, or given up on."""
+        if not m.will_measure or m.measured_at is not None:
+            return True
+        return m.measure_req > 0 and time.monotonic() - m.asked_at > MEASURE_TIMEOUT_S
+
+    def _ask_measure(self) -> None:
+        """Ask members that never measured to do so, once every stage has a server to probe."""
+        if self.emulated is not None or not all(self.stage_server):
+            return
+        for m in self.members.values():
+            if m.will_measure and m.measure_req == 0:
+                m.measure_req, m.asked_at = 1, time.monotonic()
+
+    def _path_target(self, target: str) -> str | None:
+        """The node a probe went to: the coordinator, or the server member at that address."""
+        if target == COORDINATOR_NODE:
+            return COORDINATOR_NODE
+        for mid, m in self.members.items():
+            if m.role == "server" and m.address == target:
+                return mid
+        return None
+
+    async def Measured(self, request, context):
+        m = self.members.get(request.member_id)
+        f = self.figures.get(request.member_id)
+        if m is None or f is None:
+            return pb.Empty()
+        f.kind = request.device_name or f.kind
+        f.memory = request.memory if request.memory > 0 else f.memory
+        if request.flops > 0:
+            f.flops = request.flops
+            m.flops = request.flops
+        paths = []
+        for link in request.links:
+            dst = self._path_target(link.target)
+            if dst is not None and dst != m.member_id:
+                paths.append(PathFigures(m.member_id, dst, link.rtt_s, link.up_bps, link.down_bps))
+        f.paths = paths
+        again = m.measured_at is not None
+        m.measured_at, m.measure_done = time.monotonic(), max(m.measure_done, request.request)
+        self.event("measured", device=m.name, role=m.role, kind=f.kind, flops=f.flops, memory=f.memory,
+                   seconds=round(request.measure_s, 3),
+                   links={(self.names.get(p.dst, p.dst)): {"rtt_ms": round(p.rtt_s * 1e3, 3),
+                                                           "up_mbps": round(p.up * 8 / 1e6, 2),
+                                                           "down_mbps": round(p.down * 8 / 1e6, 2)}
+                          for p in paths})
+        self._after_measure(m, again)
+        return pb.Empty()
+
+    def _after_measure(self, m: Member, again: bool) -> None:
+        """Plan a member in once it is settled: the start, a late join, or a re-measurement."""
+        if not self.ready:
+            self._check_ready()
+        elif m.pending_join:
+            m.pending_join = False
+            self._replan("join")
+        elif again and m.role == "worker" and m.member_id in self.planned:
+            self._replan("remeasure")
+
+    def _check_drift(self, m: Member, r) -> None:
+        """Ask worker ``m`` to measure again when its observed figures left the planned ones."""
+        if (not self.ready or m.role != "worker" or not m.will_measure or m.measured_at is None
+                or m.measure_req > m.measure_done
+                or time.monotonic() - m.measured_at < REMEASURE_AFTER_S):
+            return
+        f = self.figures.get(m.member_id)
+        why = None
+        if f is not None and drifted(f.flops, r.observed_flops, r.observed_tasks):
+            why = f"task FLOP/s {r.observed_flops:.3g} vs {f.flops:.3g} planned"
+        elif r.observed_pulls and self.planned_on is not None:
+            planned = self._planned_pull_s(m.member_id, r.observed_pull_bytes)
+            if planned is not None and drifted(planned, r.observed_pull_s, r.observed_pulls):
+                why = f"weight pull {r.observed_pull_s:.3g} s vs {planned:.3g} s planned"
+        if why is not None:
+            m.measure_req += 1
+            m.asked_at = time.monotonic()
+            self.event("remeasure", device=m.name, why=why)
+
+    def _planned_pull_s(self, mid: str, nbytes: int) -> float | None:
+        """Seconds the plan expects a weight pull of ``nbytes`` by ``mid`` to take."""
+        stage = self.assign.get(mid, -1)
+        if stage < 0 or not self.stage_server[stage]:
+            return None
+        devs = {d.id: d for d in self.planned_on.devices}
+        w, h = devs.get(mid), devs.get(self.stage_server[stage])
+        if w is None or h is None:
+            return None
+        link = self.planned_on.network.link(w, h)
+        return link.latency + nbytes / min(link.bandwidth, w.down, h.up)
+
+    async def Probe(self, request, context):
+        return probe_reply(request)
+
     def _check_ready(self) -> None:
         workers = [m for m in self.members.values() if m.role == "worker"]
+        if not all(self._settled(m) for m in self.members.values()):
+            return  # plan on what every member measured
         if not self.ready and all(self.stage_server) and len(workers) >= max(self.min_workers, self.spec.stages):
             self._initial_plan()
             self.ready = True
@@ -180,7 +312,26 @@ class Coordinator(pbg.CoordinatorServicer):
         workload = Workload(model=self.spec.model, seq_len=self.spec.seq_len,
                             global_batch=self.spec.micro_batches * self.spec.micro_batch_size,
                             micro_batch_size=self.spec.micro_batch_size, dtype_bytes=4)
+        if self.emulated is None and self.figures:
+            figs = {}
+            for mid, d in self.devices.items():
+                figs[mid] = self.figures.get(mid) or MemberFigures(
+                    mid, "server" if d.can_host_server else "worker", kind="unmeasured", flops=d.flops)
+            return measured_scenario(figs, workload)
         return planning_scenario(self.devices, workload, self.emulated, self.plays)
+
+    def _planned(self, scenario) -> None:
+        """Keep the scenario a plan was made on and write it to the run folder (scenario.json)."""
+        self.planned_on = scenario
+        if self.out:
+            from shoal.plan.scenario import scenario_to_dict
+
+            try:
+                tmp = self.out / "scenario.json.tmp"
+                tmp.write_text(json.dumps(scenario_to_dict(scenario), indent=2) + "\n")
+                tmp.replace(self.out / "scenario.json")
+            except (OSError, KeyError, ValueError) as exc:
+                log.warning("could not write scenario.json: %s", exc)
 
     def _initial_plan(self) -> None:
         """Plan the devices that actually joined: layer ranges, stage servers, workers."""
@@ -189,10 +340,19 @@ class Coordinator(pbg.CoordinatorServicer):
         try:
             from shoal.plan import make_plan
 
-            plan = make_plan(self._scenario(), method="shoal", seed=int(self.spec.seed),
+            scenario = self._scenario()
+            plan = make_plan(scenario, method="shoal", seed=int(self.spec.seed),
                              stages=self.spec.stages)
+            servers = sorted((mid for mid, m in self.members.items() if m.role == "server"),
+                             key=lambda mid: (-self._server_rate(scenario, mid), mid))
+            stage_server = distinct_servers([st.server for st in plan.stages], servers)
+            if len(set(stage_server)) < len(stage_server):
+                raise ValueError("the plan puts two stages on one server process and no standby is free")
+            for st, sid in zip(plan.stages, stage_server, strict=True):
+                st.server = sid
+            self._planned(scenario)
             self.layers = [tuple(st.layers) for st in plan.stages]
-            self.stage_server = [st.server for st in plan.stages]
+            self.stage_server = stage_server
             self.assign = {w: i for i, st in enumerate(plan.stages) for w in st.workers}
             self.plan, self.planned = plan, set(self.devices)
             method = "shoal"
@@ -202,23 +362,35 @@ class Coordinator(pbg.CoordinatorServicer):
         self.costs = [float(b - a) for a, b in self.layers]
         self._replan("start", method=method)
 
+    @staticmethod
+    def _server_rate(scenario, mid: str) -> float:
+        """The slower of a server's up/down rates in ``scenario`` (standbys are picked fastest first)."""
+        d = next((d for d in scenario.devices if d.id == mid), None)
+        return min(d.up, d.down) if d is not None else 0.0
+
     def _replan(self, why: str, method: str | None = None) -> None:
-        """Repair the worker->stage assignment after a join or leave (layers stay fixed)."""
-        live = {mid for mid, m in self.members.items() if m.role == "worker"}
+        """Repair the worker->stage assignment after a join, leave or re-measurement (layers stay fixed).
+
+        After a re-measurement the repair's local search runs on the scenario with the
+        worker's new figures.
+        """
+        live = {mid for mid, m in self.members.items() if m.role == "worker" and not m.pending_join}
         if method is None and self.plan is not None:
             for mid in live:
                 self.devices.setdefault(mid, self._device(self.members[mid]))
             try:
                 from shoal.plan.repair import repair
 
+                scenario = self._scenario()  # a re-measured worker: its new figures
                 servers = {mid for mid, m in self.members.items() if m.role == "server"}
                 gone = [d for d in self.planned if d not in live and d not in servers]
                 joined = [d for d in live if d not in self.planned]
-                plan = repair(self.plan, self._scenario(), left=gone, joined=joined,
+                plan = repair(self.plan, scenario, left=gone, joined=joined,
                               seed=int(self.spec.seed))
                 if len(plan.stages) != self.spec.stages:
                     raise ValueError(f"repair changed the stage count to {len(plan.stages)}")
                 self.plan, self.planned = plan, set(self.planned) | set(joined)
+                self._planned(scenario)
                 self.assign = {w: i for i, st in enumerate(plan.stages) for w in st.workers
                                if w in live}
                 method = "repair"
@@ -267,9 +439,10 @@ class Coordinator(pbg.CoordinatorServicer):
             m.version, m.ckpt_version, m.epoch = request.version, request.ckpt_version, request.epoch
             self._maybe_restore()
         stage = self._stage_of(m)
+        self._check_drift(m, request)
         a = pb.Assignment(known=True, stage=stage, servers=self._servers(),
                           ready=self.ready and not self.pending_restore, epoch=self.epoch,
-                          restart_version=self.restart_version, done=self.done)
+                          restart_version=self.restart_version, done=self.done, measure=m.measure_req)
         if stage >= 0:
             a.first, a.last = self.layers[stage]
         return a
@@ -325,6 +498,12 @@ class Coordinator(pbg.CoordinatorServicer):
                 if now - m.last_seen > limit:
                     del self.members[mid]
                     self._drop(m, "missed heartbeats")
+            self._ask_measure()
+            for m in list(self.members.values()):
+                if m.will_measure and m.measured_at is None and m.measure_req and self._settled(m):
+                    m.measured_at = now  # gave up waiting: planned on what it declared
+                    self.event("measure_timeout", device=m.name, role=m.role)
+                    self._after_measure(m, again=False)
 
     # ------------------------------------------------------------------ steps
     async def ReportStep(self, request, context):
@@ -445,11 +624,25 @@ class Coordinator(pbg.CoordinatorServicer):
             "ready": self.ready, "committed": self.committed, "epoch": self.epoch, "done": self.done,
             "servers": self._servers(),
             "workers": {m.name: self.assign.get(mid, -1) for mid, m in self.members.items() if m.role == "worker"},
+            "plans_on": ("emulated" if self.emulated is not None else "measured" if self.figures else "loopback"),
+            "scenario": self._scenario_view(),
         }
         from shoal.runtime.dashboard import snapshot
 
         st["dashboard"] = snapshot(self)
         return pb.StatusReply(json=json.dumps(st))
+
+
+    def _scenario_view(self) -> dict | None:
+        """The scenario of the newest plan in file form, device ids shown with member names."""
+        if self.planned_on is None:
+            return None
+        from shoal.plan.scenario import scenario_to_dict
+
+        d = scenario_to_dict(self.planned_on)
+        for dev in d["devices"]:
+            dev["name"] = self.names.get(dev["id"], dev["id"])
+        return d
 
 
 async def run_coordinator(spec: pb.RunSpec, token: str, listen: str, *, min_workers: int = 1,

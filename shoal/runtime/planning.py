@@ -4,7 +4,10 @@ Planner devices are keyed by *member id* (a worker that is killed and rejoins is
 member: the repair sees one device leave and another join). What a member's device
 looks like depends on the run:
 
-* plain run: a loopback device with the FLOP/s the worker measured (:func:`loopback_device`);
+* plain run: the device each member measured and reported (:class:`MemberFigures`,
+  :func:`measured_scenario`: regions by latency clustering, links from probes, declared
+  figures winning); a member that reports nothing is a loopback device with the FLOP/s
+  it joined with (:func:`loopback_device`);
 * emulated run (the processes play devices of a scenario, see ``shoal.emulate``): a copy
   of the scenario device the member plays, in the scenario as the processes experience
   it (``shoal.emulate.pacing.emulated_scenario``: FLOP/s and links scaled), so the
@@ -14,7 +17,8 @@ looks like depends on the run:
 
 from __future__ import annotations
 
-from dataclasses import replace
+import math
+from dataclasses import dataclass, field, replace
 
 from shoal.plan.types import Device, Link, Network, Scenario, Workload
 
@@ -74,3 +78,203 @@ def planning_scenario(devices: dict[str, Device], workload: Workload, emulated: 
         return Scenario(name="live", devices=list(devices.values()), network=network, workload=workload)
     return Scenario(name=emulated.name, devices=list(devices.values()),
                     network=member_network(emulated, plays or {}), workload=workload)
+
+
+# ---------------------------------------------------------------------------- measured runs
+
+COORDINATOR_NODE = "coordinator"  # node name of the coordinator in latency clustering
+REGION_RTT_S = 0.02  # members whose round trip is at most this share a region (single linkage)
+UNMEASURED_BPS = 1e9  # up/down of a member that reported no usable measurement (bytes/s)
+DRIFT_FACTOR = 3.0  # observed vs planned figure ratio (either way) that counts as drift
+DRIFT_MIN_SAMPLES = 4  # observations needed before drift is judged
+REMEASURE_AFTER_S = 30.0  # shortest time between two measurements of one member
+
+
+@dataclass(frozen=True)
+class PathFigures:
+    """One measured path from member ``src`` to node ``dst`` (a member id or the coordinator)."""
+
+    src: str  # member that measured
+    dst: str  # member id or COORDINATOR_NODE
+    rtt_s: float  # round-trip time in seconds
+    up: float  # bytes/s src -> dst
+    down: float  # bytes/s dst -> src
+
+
+@dataclass
+class MemberFigures:
+    """What the coordinator knows about one member of a measured run."""
+
+    member_id: str  # member id (the planner device id)
+    role: str  # "worker" or "server"
+    kind: str = "unmeasured"  # device label the member reported
+    flops: float = 0.0  # measured (or --flops) FLOP/s; 0 for a server
+    memory: float = 0.0  # bytes: accelerator memory or available RAM
+    region: str = ""  # declared region ("": clustered)
+    up: float = 0.0  # declared uplink bytes/s (0: measured)
+    down: float = 0.0  # declared downlink bytes/s (0: measured)
+    paths: list[PathFigures] = field(default_factory=list)  # paths this member measured
+
+
+def cluster_regions(nodes: list[str], rtts: dict[tuple[str, str], float], declared: dict[str, str],
+                    threshold_s: float = REGION_RTT_S) -> dict[str, str]:
+    """Region of every node: declared ones keep theirs, the rest are clustered by latency.
+
+    Single linkage: two nodes whose measured round trip (``rtts``, either key order) is
+    at most ``threshold_s`` are in one cluster. An undeclared node takes the declared
+    region of the nearest declared node of its cluster (measured round trip, then name);
+    clusters with no declared node are named ``auto-0``, ``auto-1``, ... in the order of
+    their smallest node name. Pure and deterministic.
+    """
+    parent = {n: n for n in nodes}
+
+    def find(n: str) -> str:
+        while parent[n] != n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    def rtt(a: str, b: str) -> float | None:
+        return rtts.get((a, b), rtts.get((b, a)))
+
+    for (a, b), r in sorted(rtts.items()):
+        if a in parent and b in parent and r <= threshold_s:
+            ra, rb = find(a), find(b)
+            if ra != rb:
+                parent[max(ra, rb)] = min(ra, rb)
+    clusters: dict[str, list[str]] = {}
+    for n in sorted(nodes):
+        clusters.setdefault(find(n), []).append(n)
+    out: dict[str, str] = {}
+    auto = 0
+    for root in sorted(clusters, key=lambda r: min(clusters[r])):
+        members = clusters[root]
+        named = [n for n in members if declared.get(n)]
+        if not named:
+            for n in members:
+                out[n] = f"auto-{auto}"
+            auto += 1
+            continue
+        for n in members:
+            if declared.get(n):
+                out[n] = declared[n]
+            else:
+                near = min(named, key=lambda d: (rtt(n, d) if rtt(n, d) is not None else math.inf, d))
+                out[n] = declared[near]
+    return out
+
+
+def drifted(planned: float, observed: float, samples: int, factor: float = DRIFT_FACTOR,
+            min_samples: int = DRIFT_MIN_SAMPLES) -> bool:
+    """Whether an observed figure (a task's FLOP/s, a transfer's seconds) left the planned one.
+
+    Drift: at least ``min_samples`` observations, both figures positive, and one more
+    than ``factor`` times the other (slower or faster). Anything unknown is no drift.
+    """
+    if samples < min_samples or not planned > 0 or not observed > 0:
+        return False
+    return max(planned / observed, observed / planned) > factor
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
+def measured_device(f: MemberFigures, region: str) -> Device:
+    """The planner device of a measured member: declared figures win over measured ones.
+
+    Its up/down capacities are the median of the rates it measured on its paths: a
+    member's own access link bounds every one of them, and the median is not thrown
+    by one noisy or far-end-limited path.
+    """
+    ups = [p.up for p in f.paths if p.up > 0]
+    downs = [p.down for p in f.paths if p.down > 0]
+    up = f.up or (_median(ups) if ups else UNMEASURED_BPS)
+    down = f.down or (_median(downs) if downs else UNMEASURED_BPS)
+    if f.role == "server":
+        return Device(id=f.member_id, kind=f.kind, flops=0.0, memory=0.0, region=region, up=up, down=down,
+                      can_host_server=True, host_memory=f.memory or 64e9)
+    return Device(id=f.member_id, kind=f.kind, flops=max(f.flops, 1.0), memory=f.memory or 64e9,
+                  region=region, up=up, down=down)
+
+
+def measured_scenario(members: dict[str, MemberFigures], workload: Workload, *, name: str = "measured",
+                      threshold_s: float = REGION_RTT_S, description: str = "") -> Scenario:
+    """The scenario of a real run, built from what its members measured.
+
+    * devices: one per member (:func:`measured_device`), regions declared or clustered
+      (:func:`cluster_regions`, the coordinator is a node too);
+    * a measured member-to-member path becomes a per-pair link: one-way latency half
+      the best round trip, bandwidth the faster direction (each device's up/down then
+      bounds its own direction in the cost model);
+    * region links: median one-way latency and median path rate of the measured pairs
+      in (or between) the regions, pairs through the coordinator (sum of the two round
+      trips) standing in for regions with no direct measurement; loopback figures when
+      nothing was measured.
+    """
+    paths = [p for f in members.values() for p in f.paths]
+    rtts: dict[tuple[str, str], float] = {}
+    rates: dict[tuple[str, str], float] = {}
+    for p in paths:
+        key = (p.src, p.dst) if p.src < p.dst else (p.dst, p.src)
+        rtts[key] = min(rtts.get(key, math.inf), p.rtt_s)
+        rates[key] = max(rates.get(key, 0.0), p.up, p.down)
+    nodes = sorted(set(members) | {n for k in rtts for n in k})
+    declared = {m: f.region for m, f in members.items() if f.region}
+    region = cluster_regions(nodes, rtts, declared, threshold_s)
+    devices = [measured_device(f, region[m]) for m, f in sorted(members.items())]
+
+    overrides = {k: Link(latency=rtts[k] / 2, bandwidth=rates[k]) for k in rtts
+                 if k[0] in members and k[1] in members and rates[k] > 0}
+    # Round trips through the coordinator bound the ones never measured directly.
+    via: dict[tuple[str, str], float] = dict(rtts)
+    to_coord = {n: r for (a, b), r in rtts.items() for n in (a, b)
+                if COORDINATOR_NODE in (a, b) and n != COORDINATOR_NODE}
+    for a in to_coord:
+        for b in to_coord:
+            if a < b and (a, b) not in via:
+                via[(a, b)] = to_coord[a] + to_coord[b]
+    pair_lat: dict[tuple[str, str], list[float]] = {}
+    pair_bw: dict[tuple[str, str], list[float]] = {}
+    for (a, b), r in via.items():
+        ra, rb = region.get(a), region.get(b)
+        if ra is None or rb is None:
+            continue
+        key = (ra, rb) if ra <= rb else (rb, ra)
+        pair_lat.setdefault(key, []).append(r / 2)
+        if (a, b) in rates and rates[(a, b)] > 0:
+            pair_bw.setdefault(key, []).append(rates[(a, b)])
+    regions = sorted({d.region for d in devices})
+
+    def region_link(key: tuple[str, str]) -> Link:
+        lat = _median(pair_lat[key]) if key in pair_lat else LOOPBACK_LINK.latency
+        bw = _median(pair_bw[key]) if key in pair_bw else LOOPBACK_LINK.bandwidth
+        return Link(latency=lat, bandwidth=bw)
+
+    intra = {r: region_link((r, r)) for r in regions}
+    inter = {(a, b): region_link((a, b)) for i, a in enumerate(regions) for b in regions[i + 1:]}
+    network = Network(intra=intra, inter=inter, overrides=overrides)
+    return Scenario(name=name, devices=devices, network=network, workload=workload,
+                    description=description or f"measured by the members of a live run ({len(members)} members)",
+                    source="shoal runtime measurement: device memory, FLOP/s of the run's layers, probe RPCs")
+
+
+def distinct_servers(stage_servers: list[str], servers: list[str]) -> list[str]:
+    """One server member per stage: a stage whose planned server already serves an
+    earlier stage gets an unused server member (in ``servers`` order) instead.
+
+    The planner may put several stages on one host; a stage server process serves one
+    stage, so each extra stage moves to a standby process. Stages with no unused server
+    left keep their planned one (the caller falls back to an even split).
+    """
+    used: set[str] = set()
+    free = [s for s in servers if s not in stage_servers]
+    out = []
+    for s in stage_servers:
+        if s in used and free:
+            s = free.pop(0)
+        used.add(s)
+        out.append(s)
+    return out

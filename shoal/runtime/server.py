@@ -89,10 +89,17 @@ class StageServer(pbg.StageServerServicer):
     """State and RPC handlers of one stage server."""
 
     def __init__(self, coord: str, listen: str, token: str, ckpt_root: str, *,
-                 name: str = "server", dial=None, heartbeat_s: float = 0.2, device: str = ""):
+                 name: str = "server", dial=None, heartbeat_s: float = 0.2, device: str = "",
+                 region: str = "", up_bps: float = 0.0, down_bps: float = 0.0,
+                 probe_bytes: int = 2 * 1024 * 1024):
         self.coord_addr, self.listen, self.token = coord, listen, token
         self.ckpt_root, self.name, self.heartbeat_s = ckpt_root, name, heartbeat_s
         self.device = device  # emulated runs: the scenario host this server plays
+        self.region = region  # declared network region ("": clustered by latency)
+        self.up_bps, self.down_bps = up_bps, down_bps  # declared link capacities, bytes/s (0: measured)
+        self.probe_bytes = probe_bytes  # bytes of each timed link transfer when measuring
+        self.measure_done = 0  # newest measurement request answered
+        self.measuring = False  # a measurement is under way
         self.orphan_after_s = 120.0  # exit when the coordinator is unreachable this long
         self.traffic = Traffic()  # bytes of every call this server makes (relays, coordinator)
         self.channels = ChannelFactory(token, dial=dial, traffic=self.traffic)
@@ -204,9 +211,7 @@ class StageServer(pbg.StageServerServicer):
         server = await self.start_rpc()
         coord = pbg.CoordinatorStub(self.channels.open(self.coord_addr))
         self.coord = coord
-        reply = await _retry(lambda: coord.Join(pb.JoinRequest(
-            role="server", address=self.address, name=self.name, schema=SCHEMA_VERSION,
-            ckpt_version=-1, ckpt_stage=-1, device=self.device)))
+        reply = await _retry(lambda: coord.Join(self._join_request()))
         self.member_id, self.spec = reply.member_id, reply.spec
         log.info("%s joined as %s at %s", self.name, self.member_id, self.address)
         reaper = asyncio.create_task(self._reaper())
@@ -225,6 +230,34 @@ class StageServer(pbg.StageServerServicer):
                 t.cancel()
             await server.stop(0.5)
 
+    def _join_request(self) -> pb.JoinRequest:
+        return pb.JoinRequest(role="server", address=self.address, name=self.name, schema=SCHEMA_VERSION,
+                              ckpt_version=-1, ckpt_stage=-1, device=self.device, will_measure=True,
+                              region=self.region, up_bps=self.up_bps, down_bps=self.down_bps)
+
+    async def _measure(self, request: int) -> None:
+        """Measure host memory and the links to the coordinator and the other stage servers."""
+        from shoal.runtime.measure import available_ram, device_name, probe_peers
+
+        t0 = time.perf_counter()
+        try:
+            others = [s for s in self.servers if s and s != self.address]
+            links = await probe_peers(self.channels, self.coord_addr, others, self.probe_bytes)
+            await self.coord.Measured(pb.MeasureReport(
+                member_id=self.member_id, request=request, device_name=device_name("cpu"),
+                memory=available_ram(), links=[lf.to_pb() for lf in links],
+                measure_s=time.perf_counter() - t0, address=self.address), timeout=30)
+            self.measure_done = request
+        except grpc.aio.AioRpcError as exc:
+            log.warning("%s: measurement failed (%s); the next heartbeat asks again", self.name, exc.code())
+        finally:
+            self.measuring = False
+
+    async def Probe(self, request, context):
+        from shoal.runtime.measure import probe_reply
+
+        return probe_reply(request)
+
     async def _heartbeat(self) -> None:
         try:
             a = await self.coord.Heartbeat(pb.MemberRequest(
@@ -242,14 +275,16 @@ class StageServer(pbg.StageServerServicer):
             # Declared dead (e.g. starved of CPU): join again as a fresh server.
             log.warning("%s: the coordinator forgot us; joining again", self.name)
             self.stage, self.version, self.ready = -1, -1, False
-            reply = await self.coord.Join(pb.JoinRequest(
-                role="server", address=self.address, name=self.name, schema=SCHEMA_VERSION,
-                device=self.device))
+            reply = await self.coord.Join(self._join_request())
             self.member_id = reply.member_id
+            self.measure_done = 0
             return
         self.servers = list(a.servers)
         if self.on_servers is not None:
             self.on_servers(self.servers)
+        if a.measure > self.measure_done and not self.measuring:
+            self.measuring = True
+            self._spawn(self._measure(a.measure))
         if a.stage < 0:
             return
         if self.stage != a.stage or a.epoch != self.epoch:
@@ -640,9 +675,12 @@ async def _retry(fn, tries: int = 200, delay: float = 0.1):
 
 
 def serve(coord: str, listen: str, token: str, ckpt_root: str, name: str = "server", *, dial=None,
-          on_servers=None, device: str = "") -> None:
-    """Run a stage server process until the run is done (``device``: scenario host it plays)."""
+          on_servers=None, device: str = "", region: str = "", up_bps: float = 0.0, down_bps: float = 0.0,
+          probe_bytes: int = 2 * 1024 * 1024) -> None:
+    """Run a stage server process until the run is done (``device``: scenario host it plays;
+    ``region``/``up_bps``/``down_bps``: declared figures that win over measured ones)."""
     set_threads()
-    srv = StageServer(coord, listen, token, ckpt_root, name=name, dial=dial, device=device)
+    srv = StageServer(coord, listen, token, ckpt_root, name=name, dial=dial, device=device, region=region,
+                      up_bps=up_bps, down_bps=down_bps, probe_bytes=probe_bytes)
     srv.on_servers = on_servers
     run_member(srv.run(), coord)

@@ -29,7 +29,7 @@ from shoal.net.traffic import Traffic
 from shoal.net.wire import decode_tensor, encode_tensor
 from shoal.runtime.common import (
     SCHEMA_VERSION,
-    measure_flops,
+    ewma,
     micro_batch,
     model_config,
     run_member,
@@ -54,6 +54,11 @@ class WorkerOptions:
     slow_s: float = 0.0  # extra seconds per task (a crude stand-in for a slow device in tests)
     error_feedback: bool = True  # lossy codec: carry each gradient push's quantisation error into the next
     device: str = ""  # emulated runs: the scenario device this worker plays (the coordinator plans on it)
+    region: str = ""  # declared network region ("": the coordinator clusters by latency)
+    up_bps: float = 0.0  # declared uplink bytes/s (0: measured)
+    down_bps: float = 0.0  # declared downlink bytes/s (0: measured)
+    probe_bytes: int = 2 * 1024 * 1024  # bytes of the larger timed link transfer each way when measuring
+    compute_device: str = "cpu"  # torch device the worker computes on (what it measures)
 
 
 def ordered_groups(per_mb: dict[int, dict[str, torch.Tensor]]) -> list[tuple[list[int], dict]]:
@@ -124,22 +129,72 @@ class Worker:
         self.on_servers = None  # callback(list of stage server addresses), e.g. emulation
         # Gradient pushes with a lossy codec: one residual per parameter name (None: raw or off).
         self.ef = ErrorFeedback(opts.codec) if opts.codec != "raw" and opts.error_feedback else None
+        self.measure_want = 0  # newest measurement request from the coordinator
+        self.measure_done = 0  # newest request answered
+        self.servers_seen: list[str] = []  # stage server addresses from the newest heartbeat
+        self._reset_observed()
+
+    def _reset_observed(self) -> None:
+        """Start new observations (after a measurement): what the coordinator checks for drift."""
+        self.obs_flops: float | None = None  # EWMA of task FLOPs / task seconds
+        self.obs_tasks = 0
+        self.obs_pull_s: float | None = None  # EWMA of weight-pull seconds
+        self.obs_pull_bytes = 0  # bytes of the newest pull
+        self.obs_pulls = 0
+
+    def _join_request(self) -> pb.JoinRequest:
+        return pb.JoinRequest(role="worker", flops=self.opts.flops or 0.0, name=self.opts.name,
+                              schema=SCHEMA_VERSION, device=self.opts.device, will_measure=True,
+                              region=self.opts.region, up_bps=self.opts.up_bps, down_bps=self.opts.down_bps)
+
+    async def _measure(self) -> None:
+        """Measure compute (unless --flops was given) and links; report to the coordinator."""
+        from shoal.runtime.measure import (
+            device_memory,
+            device_name,
+            measure_stage_flops,
+            probe_peers,
+        )
+
+        want = self.measure_want
+        t0 = time.perf_counter()
+        flops = self.opts.flops or 0.0
+        if not flops:
+            flops = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: measure_stage_flops(self.cfg, self.spec.seq_len, self.spec.micro_batch_size,
+                                                  device=self.opts.compute_device, seed=int(self.spec.seed)))
+        self.flops = flops
+        links = await probe_peers(self.channels, self.coord_addr, self.servers_seen, self.opts.probe_bytes)
+        await self.coord.Measured(pb.MeasureReport(
+            member_id=self.member_id, request=want, device_name=device_name(self.opts.compute_device),
+            memory=device_memory(self.opts.compute_device), flops=flops,
+            links=[lf.to_pb() for lf in links], measure_s=time.perf_counter() - t0), timeout=30)
+        self.measure_done = want
+        self._reset_observed()
+        log.info("%s measured: %.3g FLOP/s, %s", self.opts.name, flops,
+                 ", ".join(f"{lf.target} rtt {lf.rtt_s * 1e3:.1f} ms up {lf.up_bps / 1e6:.2f} MB/s "
+                           f"down {lf.down_bps / 1e6:.2f} MB/s" for lf in links))
 
     async def run(self) -> None:
         set_threads()
-        flops = self.flops = self.opts.flops or measure_flops()
+        self.flops = self.opts.flops or 0.0
         self.coord = pbg.CoordinatorStub(self.channels.open(self.coord_addr))
         from shoal.runtime.server import _retry
 
-        reply = await _retry(lambda: self.coord.Join(pb.JoinRequest(
-            role="worker", flops=flops, name=self.opts.name, schema=SCHEMA_VERSION,
-            device=self.opts.device)))
+        reply = await _retry(lambda: self.coord.Join(self._join_request()))
         self.member_id, self.spec = reply.member_id, reply.spec
         self.cfg = model_config(self.spec)
-        log.info("%s joined as %s (%.2g FLOP/s)", self.opts.name, self.member_id, flops)
+        log.info("%s joined as %s", self.opts.name, self.member_id)
         hb = asyncio.create_task(self._heartbeats())
         try:
             while not self.done:
+                if self.measure_want > self.measure_done:
+                    try:
+                        await self._measure()  # between tasks: nothing else competes for the device
+                    except grpc.aio.AioRpcError as exc:
+                        log.info("%s: measurement failed (%s); retrying", self.opts.name, exc.code())
+                        await asyncio.sleep(0.5)
+                    continue
                 if self.want is not None and self.want != (self.stage, self.first, self.last,
                                                            self.server_addr):
                     await self._apply_assignment(*self.want)
@@ -165,23 +220,28 @@ class Worker:
             try:
                 a = await self.coord.Heartbeat(pb.MemberRequest(
                     member_id=self.member_id, counter_id=self.traffic.id, role="worker",
-                    traffic=self.traffic.snapshot(), stats=self.stats_snapshot()), timeout=5)
+                    traffic=self.traffic.snapshot(), observed_flops=self.obs_flops or 0.0,
+                    observed_tasks=self.obs_tasks, observed_pull_s=self.obs_pull_s or 0.0,
+                    observed_pull_bytes=self.obs_pull_bytes, observed_pulls=self.obs_pulls,
+                    stats=self.stats_snapshot()), timeout=5)
                 last_ok = time.monotonic()
                 if a.done:
                     self.done = True
                     return
                 if not a.known:
                     # Declared dead (e.g. starved of CPU): join again as a new member.
-                    reply = await self.coord.Join(pb.JoinRequest(
-                        role="worker", flops=self.flops, name=self.opts.name, schema=SCHEMA_VERSION,
-                        device=self.opts.device))
+                    reply = await self.coord.Join(self._join_request())
                     self.member_id = reply.member_id
+                    self.measure_want = self.measure_done = 0
                     self.want = None
                     self.stage, self.server_addr = -1, ""
                     self._drop_acc()
                     continue
                 if self.on_servers is not None and a.known:
                     self.on_servers(list(a.servers))
+                self.servers_seen = list(a.servers)
+                if a.measure > self.measure_done:
+                    self.measure_want = a.measure  # the task loop measures between tasks
                 if a.known and a.ready and a.stage >= 0 and a.servers[a.stage]:
                     # Applied by the task loop between tasks, never under a running task.
                     self.want = (a.stage, a.first, a.last, a.servers[a.stage])
@@ -229,7 +289,11 @@ class Worker:
         self.acc_key, self.acc, self.acc_mbs, self.acc_per_mb = None, {}, [], {}
 
     async def _pull(self) -> None:
+        t0 = time.perf_counter()
         rep = await self.server.GetWeights(pb.WeightsRequest(worker=self.member_id), timeout=30)
+        self.obs_pull_s = ewma(self.obs_pull_s, time.perf_counter() - t0)
+        self.obs_pull_bytes = rep.ByteSize()
+        self.obs_pulls += 1
         with torch.no_grad():
             for frame in rep.params:
                 p = self.params[frame.name]
@@ -289,9 +353,13 @@ class Worker:
             if self.pacer is not None:
                 await loop.run_in_executor(None, self.pacer.pad,
                                            self._task_flops(task.direction, recomputed), elapsed)
+            task_s = time.perf_counter() - t0
+            if task_s > 0:
+                self.obs_flops = ewma(self.obs_flops, self._task_flops(task.direction, recomputed) / task_s)
+                self.obs_tasks += 1
             result = pb.TaskResult(worker=self.member_id, step=task.step, mb=task.mb,
                                    direction=task.direction, epoch=task.epoch, lease_id=task.lease_id,
-                                   loss=loss, compute_s=time.perf_counter() - t0)
+                                   loss=loss, compute_s=task_s)
             if out is not None:
                 if "bad_shape" in self.inject:
                     self.inject.discard("bad_shape")

@@ -1,0 +1,283 @@
+"""Members measure themselves and the coordinator plans real runs on it: the pure rules
+(latency clustering, drift, rates, the measured scenario), the probes through a real
+shaped link, and the coordinator's measure -> plan -> re-measure cycle in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+
+import pytest
+
+from shoal.emulate.links import LinkShaper
+from shoal.errors import ShoalError
+from shoal.model.config import get_preset
+from shoal.net import shoal_pb2 as pb
+from shoal.net import shoal_pb2_grpc as pbg
+from shoal.net.channel import make_server, open_channel
+from shoal.plan.scenario import load_scenario, scenario_from_dict, scenario_to_dict
+from shoal.plan.types import Workload
+from shoal.runtime import coordinator as coordinator_mod
+from shoal.runtime.coordinator import Coordinator
+from shoal.runtime.measure import (
+    measure_blocks,
+    measure_stage_flops,
+    probe_link,
+    probe_reply,
+    rate_from,
+    slope_rate,
+)
+from shoal.runtime.planning import (
+    COORDINATOR_NODE,
+    MemberFigures,
+    PathFigures,
+    cluster_regions,
+    distinct_servers,
+    drifted,
+    measured_scenario,
+)
+from shoal.train.metrics import read_jsonl
+
+WL = Workload(model="tiny", seq_len=16, global_batch=4, micro_batch_size=2, dtype_bytes=4)
+MS = 1e-3
+
+
+# ---------------------------------------------------------------------------- pure rules
+
+
+def test_latency_clusters_become_regions():
+    nodes = ["a", "b", "c", "d", "e"]
+    rtts = {("a", "b"): 5 * MS, ("c", "d"): 4 * MS, ("a", "c"): 80 * MS, ("d", "b"): 90 * MS}
+    assert cluster_regions(nodes, rtts, {}) == {"a": "auto-0", "b": "auto-0", "c": "auto-1", "d": "auto-1",
+                                                "e": "auto-2"}  # e measured nothing: alone
+    # a declared member names its cluster; the other cluster stays automatic
+    got = cluster_regions(nodes, rtts, {"c": "us"})
+    assert got["c"] == got["d"] == "us" and got["a"] == got["b"] == "auto-0"
+    # single linkage: a chain of near pairs is one region even if its ends are far apart
+    chain = {("a", "b"): 15 * MS, ("b", "c"): 15 * MS, ("a", "c"): 30 * MS}
+    assert len(set(cluster_regions(["a", "b", "c"], chain, {}).values())) == 1
+    assert len(set(cluster_regions(["a", "b", "c"], chain, {}, threshold_s=10 * MS).values())) == 3
+    # two declared regions in one cluster: an undeclared member joins the nearer one
+    near = {("a", "b"): 3 * MS, ("b", "c"): 15 * MS}
+    assert cluster_regions(["a", "b", "c"], near, {"a": "eu", "c": "us"}) == {"a": "eu", "b": "eu", "c": "us"}
+
+
+def test_drift_rule():
+    assert not drifted(1e9, 1e9, 10)
+    assert not drifted(1e9, 0.5e9, 10)  # within the factor
+    assert drifted(1e9, 0.2e9, 10) and drifted(1.0, 5.0, 10)  # slower or faster by > 3x
+    assert not drifted(1e9, 0.2e9, 3)  # too few observations yet
+    assert not drifted(0.0, 1e9, 10) and not drifted(1e9, 0.0, 10)  # unknown figures never drift
+    assert drifted(1e9, 0.45e9, 10, factor=2.0) and not drifted(1e9, 0.45e9, 10, factor=2.5)
+
+
+def test_rates_from_timings():
+    assert rate_from(1_000_000, 1.1, 0.1) == pytest.approx(1e6)
+    assert rate_from(1_000_000, 0.05, 0.1) == pytest.approx(1e6 / 0.005)  # noise: a tenth of the time
+    # per-call costs cancel: 0.3 s fixed + 1 MB/s
+    assert slope_rate(250_000, 0.3 + 0.25, 1_000_000, 0.3 + 1.0, 0.01) == pytest.approx(1e6)
+    assert slope_rate(250_000, 0.6, 1_000_000, 0.5, 0.1) == rate_from(1_000_000, 0.5, 0.1)  # noise
+
+
+def test_one_server_process_per_stage():
+    assert distinct_servers(["s1", "s1", "s2"], ["s3", "s1", "s2"]) == ["s1", "s3", "s2"]
+    assert distinct_servers(["s1", "s2"], ["s1", "s2"]) == ["s1", "s2"]
+    assert distinct_servers(["s1", "s1"], ["s1"]) == ["s1", "s1"]  # nothing free: the caller refuses
+
+
+def _figures() -> dict[str, MemberFigures]:
+    """Two workers and two servers in one place, a third worker far away (seen via the coordinator)."""
+    C = COORDINATOR_NODE
+    f = {
+        "s0": MemberFigures("s0", "server", kind="cpu", memory=32e9, paths=[
+            PathFigures("s0", C, 2 * MS, 100e6, 100e6), PathFigures("s0", "s1", 1 * MS, 90e6, 80e6)]),
+        "s1": MemberFigures("s1", "server", kind="cpu", memory=32e9, paths=[
+            PathFigures("s1", C, 2 * MS, 100e6, 100e6), PathFigures("s1", "s0", 1.2 * MS, 70e6, 95e6)]),
+        "w0": MemberFigures("w0", "worker", kind="gpu", flops=5e12, memory=8e9, paths=[
+            PathFigures("w0", C, 4 * MS, 2e6, 10e6), PathFigures("w0", "s0", 4 * MS, 2.2e6, 9e6),
+            PathFigures("w0", "s1", 5 * MS, 1.8e6, 11e6)]),
+        "w1": MemberFigures("w1", "worker", kind="gpu", flops=1e12, memory=8e9, up=50e6, paths=[
+            PathFigures("w1", C, 3 * MS, 8e6, 20e6), PathFigures("w1", "s0", 3 * MS, 8e6, 20e6)]),
+        "w2": MemberFigures("w2", "worker", kind="gpu", flops=2e12, memory=8e9, paths=[
+            PathFigures("w2", C, 120 * MS, 5e6, 5e6)]),
+    }
+    return f
+
+
+def test_measured_scenario_devices_links_and_regions():
+    sc = measured_scenario(_figures(), WL)
+    dev = {d.id: d for d in sc.devices}
+    assert dev["w0"].up == pytest.approx(2e6) and dev["w0"].down == pytest.approx(10e6)  # medians of 3 paths
+    assert dev["w1"].up == 50e6  # --up-mbps wins over the measured 8e6
+    assert dev["s0"].can_host_server and dev["s0"].flops == 0 and dev["s0"].host_memory == 32e9
+    assert dev["w0"].flops == 5e12 and dev["w0"].memory == 8e9 and dev["w0"].kind == "gpu"
+    # regions: everything near the coordinator is one, w2 (120 ms away) another
+    assert {dev[m].region for m in ("s0", "s1", "w0", "w1")} == {"auto-0"} and dev["w2"].region == "auto-1"
+    # a measured pair: half the best round trip, the faster direction
+    link = sc.network.link(dev["w0"], dev["s0"])
+    assert link.latency == pytest.approx(2 * MS) and link.bandwidth == pytest.approx(9e6)
+    assert sc.network.link(dev["s0"], dev["s1"]).latency == pytest.approx(0.5 * MS)
+    # w2 was only measured to the coordinator: its region link goes through it (2 + 120 ms round trips)
+    far = sc.network.link(dev["w2"], dev["s0"])
+    assert far.latency == pytest.approx((2 + 120) * MS / 2)
+
+
+def test_scenario_json_round_trip(tmp_path):
+    sc = measured_scenario(_figures(), WL)
+    path = tmp_path / "scenario.json"
+    path.write_text(json.dumps(scenario_to_dict(sc)))
+    back = load_scenario(str(path))
+    assert [d.id for d in back.devices] == [d.id for d in sc.devices]
+    for a, b in zip(back.devices, sc.devices, strict=True):
+        for key in ("flops", "memory", "up", "down", "host_memory"):
+            assert math.isclose(getattr(a, key), getattr(b, key), rel_tol=1e-12), (a.id, key)
+        assert (a.region, a.kind, a.can_host_server) == (b.region, b.kind, b.can_host_server)
+    for x in sc.devices:
+        for y in sc.devices:
+            la, lb = back.network.link(x, y), sc.network.link(x, y)
+            assert math.isclose(la.latency, lb.latency, rel_tol=1e-12, abs_tol=1e-15)
+            assert math.isclose(la.bandwidth, lb.bandwidth, rel_tol=1e-12)
+    assert scenario_to_dict(scenario_from_dict(scenario_to_dict(back))) == scenario_to_dict(back)
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+def test_compute_measurement_runs_the_models_blocks_briefly():
+    cfg = get_preset("tiny")
+    assert measure_blocks(cfg.n_total_layers) == (1, 2)  # the first block after the embedding
+    assert measure_blocks(3, blocks=5) == (1, 2)
+    t0 = time.perf_counter()
+    flops = measure_stage_flops(cfg, 32, 2, budget_s=0.1)
+    assert 1e6 < flops < 1e13
+    assert time.perf_counter() - t0 < 30  # one warm-up run + ~0.1 s (a loaded box is slow)
+
+
+def test_probe_reply_is_bounded():
+    assert len(probe_reply(pb.ProbeRequest(reply_bytes=1000)).payload) == 1000
+    with pytest.raises(ShoalError, match="at most"):
+        probe_reply(pb.ProbeRequest(reply_bytes=10**12))
+
+
+class _Echo(pbg.CoordinatorServicer):
+    async def Probe(self, request, context):
+        return probe_reply(request)
+
+
+@pytest.mark.timeout(60)
+def test_probes_through_a_shaped_link_measure_its_rates():
+    up, down = 0.5e6, 1.5e6  # bytes/s of the shaped access link (slow: one busy process does it all)
+
+    async def main():
+        server = make_server("tok")
+        pbg.add_CoordinatorServicer_to_server(_Echo(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        with LinkShaper(up=up, down=down) as shaper:
+            relay = shaper.proxy_for(f"127.0.0.1:{port}", latency_s=0.005)
+            async with open_channel(relay, "tok") as ch:
+                figs = await probe_link(pbg.CoordinatorStub(ch), "coordinator", probe_bytes=1 << 19)
+        await server.stop(0)
+        return figs
+
+    figs = asyncio.run(main())
+    print(figs)
+    assert abs(figs.up_bps - up) <= 0.25 * up and abs(figs.down_bps - down) <= 0.25 * down
+    assert 0.009 <= figs.rtt_s < 0.5  # two 5 ms one-way delays
+
+
+# ---------------------------------------------------------------------------- the coordinator
+
+SPEC = pb.RunSpec(model="tiny", stages=2, steps=3, micro_batches=2, micro_batch_size=2, seq_len=16, seed=0,
+                  lr=3e-3, min_lr=3e-4, warmup=1, weight_decay=0.1, grad_clip=1.0, dead_after_s=30.0,
+                  min_lease_s=1.0, data="synthetic", ordered_grads=True)
+
+
+def _report(mid: str, request: int, flops: float, links: dict[str, tuple[float, float, float]],
+            memory: float = 16e9) -> pb.MeasureReport:
+    return pb.MeasureReport(member_id=mid, request=request, device_name="cpu: test", memory=memory, flops=flops,
+                            links=[pb.LinkProbe(target=t, rtt_s=r, up_bps=u, down_bps=d)
+                                   for t, (r, u, d) in links.items()])
+
+
+def test_coordinator_measures_plans_and_remeasures(tmp_path, monkeypatch):
+    monkeypatch.setattr(coordinator_mod, "REMEASURE_AFTER_S", 0.0)
+
+    async def main():
+        c = Coordinator(SPEC, "tok", min_workers=2, out=str(tmp_path))
+        join = [pb.JoinRequest(role="worker", name="w0", will_measure=True),
+                pb.JoinRequest(role="worker", name="w1", will_measure=True, region="home", up_bps=1e6),
+                pb.JoinRequest(role="server", name="s0", address="127.0.0.1:1", will_measure=True)]
+        w0, w1, s0 = [(await c.Join(r, None)).member_id for r in join]
+        a = await c.Heartbeat(pb.MemberRequest(member_id=w0), None)
+        assert a.measure == 0  # nothing to probe yet: stage 1 has no server
+        s1 = (await c.Join(pb.JoinRequest(role="server", name="s1", address="127.0.0.1:2", will_measure=True),
+                           None)).member_id
+        hb = {m: await c.Heartbeat(pb.MemberRequest(member_id=m), None) for m in (w0, w1, s0, s1)}
+        assert all(h.measure == 1 and not h.ready for h in hb.values())  # asked; waits for the reports
+        near = {"coordinator": (1e-3, 50e6, 50e6), "127.0.0.1:1": (1e-3, 40e6, 60e6),
+                "127.0.0.1:2": (1e-3, 40e6, 60e6)}
+        await c.Measured(_report(s0, 1, 0.0, {"coordinator": near["coordinator"], "127.0.0.1:2": near["127.0.0.1:2"]}), None)
+        await c.Measured(_report(s1, 1, 0.0, {"coordinator": near["coordinator"], "127.0.0.1:1": near["127.0.0.1:1"]}), None)
+        await c.Measured(_report(w0, 1, 4e9, near), None)
+        assert not c.ready  # w1 has not reported
+        await c.Measured(_report(w1, 1, 1e9, near), None)
+        assert c.ready and c.plan is not None
+        st = json.loads((await c.Status(pb.Empty(), None)).json)
+        assert st["plans_on"] == "measured"
+        shown = {d["name"]: d for d in st["scenario"]["devices"]}
+        assert shown["w0"]["tflops"] == pytest.approx(4e-3)
+        assert shown["w0"]["region"] == "home"  # w0 is near w1, which declared its region
+        assert shown["w1"]["region"] == "home" and shown["w1"]["up_mbps"] == pytest.approx(8.0)  # declared
+        assert shown["s0"]["can_host_server"] and shown["s0"]["host_memory_gb"] == pytest.approx(16.0)
+        on_disk = load_scenario(str(tmp_path / "scenario.json"))
+        assert sorted(d.id for d in on_disk.devices) == sorted((w0, w1, s0, s1))
+        assert len({c.stage_server[0], c.stage_server[1]}) == 2  # one server process per stage
+
+        # w0's tasks run at a tenth of what it measured: asked to measure again, then repaired
+        slow = pb.MemberRequest(member_id=w0, observed_flops=4e8, observed_tasks=6)
+        assert (await c.Heartbeat(slow, None)).measure == 2
+        assert (await c.Heartbeat(slow, None)).measure == 2  # asked once until it answers
+        ok = pb.MemberRequest(member_id=w1, observed_flops=0.9e9, observed_tasks=6)
+        assert (await c.Heartbeat(ok, None)).measure == 1  # w1 runs as planned
+        await c.Measured(_report(w0, 2, 4e8, near), None)
+        assert c.planned_on.device(w0).flops == 4e8  # the repair ran on the new figures
+        assert load_scenario(str(tmp_path / "scenario.json")).device(w0).flops == pytest.approx(4e8)
+        ev = read_jsonl(tmp_path / "events.jsonl")
+        assert [e["why"] for e in ev if e["event"] == "remeasure"] == ["task FLOP/s 4e+08 vs 4e+09 planned"]
+
+    asyncio.run(main())
+
+
+def test_a_member_that_never_reports_is_planned_as_it_joined(tmp_path, monkeypatch):
+    monkeypatch.setattr(coordinator_mod, "MEASURE_TIMEOUT_S", 0.05)
+
+    async def main():
+        c = Coordinator(SPEC, "tok", min_workers=2, out=str(tmp_path))
+        for i in range(2):
+            await c.Join(pb.JoinRequest(role="server", name=f"s{i}", address=f"127.0.0.1:{i + 1}",
+                                        will_measure=True), None)
+        for i in range(2):
+            await c.Join(pb.JoinRequest(role="worker", name=f"w{i}", will_measure=True, flops=1e9), None)
+        assert not c.ready
+        reaper = asyncio.create_task(c.reap())
+        await asyncio.sleep(0.5)
+        reaper.cancel()
+        assert c.ready and c.plan is not None
+        ev = read_jsonl(tmp_path / "events.jsonl")
+        assert sum(e["event"] == "measure_timeout" for e in ev) == 4
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("flags,says", [(["--up-mbps", "-1"], "--up-mbps must be >= 0"),
+                                        (["--probe-mb", "100"], "--probe-mb must be in (0, 64]")])
+def test_bad_measurement_flags_are_one_line_errors(flags, says, capsys, monkeypatch):
+    from shoal.runtime.cli import main
+
+    monkeypatch.setenv("SHOAL_TOKEN", "tok")
+    assert main(["worker", "--join", "127.0.0.1:1", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and says in err and "\n" not in err
