@@ -52,6 +52,7 @@ def register(subparsers) -> None:
     p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to listen on (port 0: any)")
     p.add_argument("--ckpt-dir", default="shoal_ckpt", help="checkpoint root (one folder per stage)")
     p.add_argument("--name", default="server", help="label in events")
+    _dial_map_arg(p)
     _common(p)
     _emulation_args(p)
     p.set_defaults(func=run_server_cmd)
@@ -60,13 +61,15 @@ def register(subparsers) -> None:
     p.add_argument("--join", required=True, help="coordinator HOST:PORT")
     p.add_argument("--name", default="worker", help="label in events and metrics")
     p.add_argument("--flops", type=float, default=None, help="FLOP/s to report (default: measure)")
-    p.add_argument("--inject", default="", help="test faults, once each: nan_grad,bad_shape")
+    p.add_argument("--inject", default="", help="test faults, once each: nan_grad,bad_shape,push_fail (first push attempt lost), "
+                        "push_lost (first push's reply lost), push_abandon (first push never lands)")
     p.add_argument("--codec", default="raw", help="tensor codec: raw, fp16, int8")
     p.add_argument("--slow", type=float, default=0.0, help="extra seconds per task (tests, demos)")
     p.add_argument("--no-error-feedback", action="store_true",
                    help="lossy --codec: do not carry each gradient push's quantisation error into the next")
     p.add_argument("--no-graph-cache", action="store_true",
                    help="always recompute the forward in backward tasks (saves activation memory)")
+    _dial_map_arg(p)
     _common(p)
     _emulation_args(p)
     p.set_defaults(func=run_worker_cmd)
@@ -86,6 +89,36 @@ def register(subparsers) -> None:
     p.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds")
     _run_args(p, launch=True)
     p.set_defaults(func=run_launch_cmd)
+
+
+def _dial_map_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dial-map", action="append", default=[], metavar="ADDR=VIA",
+                   help="connect to VIA whenever a peer's address is ADDR (port forwards, tunnels, "
+                        "test proxies); repeatable")
+
+
+def dial_map(pairs: list[str]) -> dict[str, str]:
+    """``["ADDR=VIA", ...]`` -> {ADDR: VIA}; a malformed pair is a one-line error."""
+    out = {}
+    for pair in pairs:
+        addr, sep, via = pair.partition("=")
+        if not sep or ":" not in addr or ":" not in via:
+            raise ShoalError(f"--dial-map {pair!r}: want HOST:PORT=HOST:PORT")
+        out[addr] = via
+    return out
+
+
+def _with_dial_map(args, dial):
+    """The emulation ``dial`` hook (or none) behind the ``--dial-map`` rewrites."""
+    mapping = dial_map(getattr(args, "dial_map", []) or [])
+    if not mapping:
+        return dial
+
+    def rewrite(address: str) -> str:
+        address = mapping.get(address, address)
+        return dial(address) if dial else address
+
+    return rewrite
 
 
 def _emulation_args(p: argparse.ArgumentParser) -> None:
@@ -191,6 +224,7 @@ def run_server_cmd(args) -> int:
 
     _logging(args.log_level)
     dial, _, on_servers = _emulation(args)
+    dial = _with_dial_map(args, dial)
     serve(args.join, args.listen, _token(args), args.ckpt_dir, name=args.name, dial=dial,
           on_servers=on_servers, device=_played_device(args))
     return 0
@@ -201,6 +235,7 @@ def run_worker_cmd(args) -> int:
 
     _logging(args.log_level)
     dial, pacer, on_servers = _emulation(args)
+    dial = _with_dial_map(args, dial)
     work(args.join, _token(args), WorkerOptions(name=args.name, flops=args.flops, inject=args.inject,
                                                 codec=args.codec, slow_s=args.slow,
                                                 graph_cache=not args.no_graph_cache,

@@ -96,6 +96,38 @@ def ewma(prev: float | None, x: float, alpha: float = 0.3) -> float:
     return x if prev is None else (1 - alpha) * prev + alpha * x
 
 
+class Signal:
+    """Wakes every waiter on ``notify_all``; a wait has a timeout and is safe to cancel.
+
+    Used where handlers long-poll for a state change. An ``asyncio.Condition`` wait that
+    times out can be cancelled while it re-acquires its lock, which leaves the lock
+    released under the waiter ("Lock is not acquired" on a loaded machine); everything
+    here runs on one event loop, so no lock is needed: check, then wait for the next
+    change. ``async with`` is accepted (a no-op) so notifiers read like a condition's.
+    """
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    async def __aenter__(self) -> Signal:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        return None
+
+    def notify_all(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait(self, timeout: float) -> bool:
+        """Wait for the next ``notify_all`` up to ``timeout`` seconds; True if it came."""
+        try:
+            await asyncio.wait_for(self._event.wait(), max(timeout, 0.0))
+            return True
+        except TimeoutError:
+            return False
+
+
 # ---------------------------------------------------------------------------- batches
 
 _DATA_CACHE: dict[tuple, object] = {}

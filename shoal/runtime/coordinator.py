@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import logging
@@ -35,7 +34,7 @@ from shoal.net import shoal_pb2_grpc as pbg
 from shoal.net.channel import ChannelFactory, make_server
 from shoal.net.traffic import BYTES_METHOD, merge_traffic
 from shoal.net.wire import decode_tensor
-from shoal.runtime.common import assign_workers, even_split, model_config, optim_config
+from shoal.runtime.common import Signal, assign_workers, even_split, model_config, optim_config
 from shoal.runtime.planning import loopback_device, planning_scenario, played_device
 from shoal.train.metrics import JsonlWriter, step_record
 from shoal.train.optim import clip_coefficient, lr_at
@@ -87,7 +86,7 @@ class Coordinator(pbg.CoordinatorServicer):
         self.committed = 0  # steps committed
         self.reports: dict[tuple[int, int], dict[int, pb.StepReport]] = {}
         self.decisions: dict[tuple[int, int], pb.StepDecision] = {}
-        self.cond = asyncio.Condition()
+        self.cond = Signal()  # notified when a step is decided
         self.done = False
         self.finished = asyncio.Event()
         self.out = Path(out) if out else None
@@ -328,9 +327,9 @@ class Coordinator(pbg.CoordinatorServicer):
             async with self.cond:
                 self.cond.notify_all()
         else:
-            async with self.cond:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.cond.wait_for(lambda: key in self.decisions or self.epoch != key[0]), 5.0)
+            deadline = time.monotonic() + 5.0
+            while key not in self.decisions and self.epoch == key[0] and time.monotonic() < deadline:
+                await self.cond.wait(deadline - time.monotonic())
         if self.epoch != r.epoch:
             return pb.StepDecision(stale=True)
         return self.decisions.get(key, pb.StepDecision(ready=False))

@@ -12,6 +12,11 @@ the output gradient (relayed by the next server) and the state of two tasks:
 A lease not renewed before its deadline puts its task back to ``todo``; a worker silent
 for ``dead_after_s`` loses its un-pushed gradients (its ``computed`` micro-batches go back
 to ``todo``, and its *generation* is bumped so anything it still sends is refused).
+Gradient pushes are idempotent: a retried push (same worker, step, epoch, generation and
+micro-batches) that already landed is acknowledged again and not counted twice. A worker
+that cannot push releases its micro-batches with an empty push; one that neither pushes
+nor releases within ``flush_grace_s`` of the step's backward pool completing is voided.
+So a computed gradient is never both dropped by its worker and awaited here.
 When all M micro-batches are ``counted``, the server reports its squared gradient norm
 to the coordinator, receives the global clip coefficient, applies the shared AdamW step
 and starts the next step. Everything the server does happens on one asyncio loop, so
@@ -21,7 +26,6 @@ each handler is atomic with respect to the others.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -38,6 +42,7 @@ from shoal.net.traffic import Traffic
 from shoal.net.wire import WireError, decode_tensor, encode_tensor
 from shoal.runtime.common import (
     SCHEMA_VERSION,
+    Signal,
     ewma,
     lease_seconds,
     list_ckpts,
@@ -112,13 +117,19 @@ class StageServer(pbg.StageServerServicer):
         self.ready = False
         self.done = False
         self.committing = False
-        self.cond = asyncio.Condition()
+        self.cond = Signal()  # notified on every change of the task pool
         self.tasks_per_worker: dict[str, int] = {}
         self.requeues = 0
         self.stats = {"messages": 0, "bytes_in": 0}
         self._bg: set[asyncio.Task] = set()
         self.on_servers = None  # callback(list of stage server addresses), e.g. emulation
         self._stubs: dict[str, pbg.StageServerStub] = {}
+        # Identities (worker, epoch, step, gen, mbs) of pushes counted, for idempotent retries.
+        self.pushed: set[tuple] = set()
+        self.flush_since: float | None = None  # when the step's backward pool became complete
+        self.progress_t = time.monotonic()  # last commit (or load): the stall watchdog's clock
+        self.stall_warned = False
+        self.fatal = ""  # a one-line reason this server cannot go on (sent to the coordinator)
 
     # ------------------------------------------------------------------ setup
     @property
@@ -178,6 +189,52 @@ class StageServer(pbg.StageServerServicer):
                     st.fwd = "todo"
         self.tasks_per_worker = {}
         self.requeues = 0
+        self.flush_since = None
+        self.progress_t = time.monotonic()
+        self.stall_warned = False
+        self.pushed = {k for k in self.pushed if k[2] >= step - 1}
+
+    @property
+    def flush_grace_s(self) -> float:
+        """How long the server waits for a computed gradient once every micro-batch is computed."""
+        return max(10.0, 4 * self.spec.dead_after_s) if self.spec else 10.0
+
+    @property
+    def stall_s(self) -> float:
+        """No commit for this long: log what the step waits for (once per stall)."""
+        return max(30.0, 10 * self.spec.dead_after_s) if self.spec else 30.0
+
+    def _flush_repair(self, now: float) -> bool:
+        """Void workers that hold computed gradients long after the pool completed."""
+        mbs = self.steps.get(self.step, {})
+        if not mbs or self.committing or not all(st.grad in ("computed", "counted") for st in mbs.values()):
+            self.flush_since = None
+            return False
+        if self.flush_since is None:
+            self.flush_since = now
+            return False
+        if now - self.flush_since < self.flush_grace_s:
+            return False
+        holders = sorted({st.holder for st in mbs.values() if st.grad == "computed"})
+        for wid in holders:
+            self._void_worker(wid, f"held computed gradients {self.flush_grace_s:.0f} s without pushing")
+        self.flush_since = None
+        return bool(holders)
+
+    def describe_wait(self) -> str:
+        """One line: what the current step is waiting for (for stall reports)."""
+        mbs = self.steps.get(self.step, {})
+        counts: dict[str, int] = {}
+        for st in mbs.values():
+            counts[f"grad:{st.grad}"] = counts.get(f"grad:{st.grad}", 0) + 1
+            if not self.is_last:
+                counts[f"fwd:{st.fwd}"] = counts.get(f"fwd:{st.fwd}", 0) + 1
+        holders = sorted({st.holder for st in mbs.values() if st.grad in ("leased", "computed")})
+        state = "loading" if self.loading else ("not ready" if not self.ready else
+                                                 ("committing" if self.committing else "working"))
+        return (f"stage {self.stage} step {self.step} ({state}): "
+                f"{', '.join(f'{k}={v}' for k, v in sorted(counts.items())) or 'no micro-batches'}; "
+                f"{len(self.leases)} leases, workers holding work: {', '.join(holders) or 'none'}")
 
     def _ckpt_version(self) -> int:
         if self.stage < 0:
@@ -309,6 +366,12 @@ class StageServer(pbg.StageServerServicer):
                     self._void_worker(wid, "silent")
                     del self.workers[wid]
                     changed = True
+            if self.version >= 0 and self.spec is not None:
+                changed |= self._flush_repair(now)
+                if now - self.progress_t > self.stall_s and not self.stall_warned and not self.done:
+                    self.stall_warned = True
+                    log.warning("%s: no progress for %.0f s; %s", self.name, now - self.progress_t,
+                                self.describe_wait())
             if changed:
                 async with self.cond:
                     self.cond.notify_all()
@@ -360,14 +423,12 @@ class StageServer(pbg.StageServerServicer):
     async def Lease(self, request, context):
         info = self._worker(request.worker)
         deadline = time.monotonic() + min(max(request.wait_s, 0.0), 2.0)
-        async with self.cond:
-            while True:
-                task = self._pick(request.worker)
-                flush = self._should_flush(request.worker)
-                if task is not None or flush or time.monotonic() >= deadline or self.done:
-                    break
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self.cond.wait(), deadline - time.monotonic())
+        while True:
+            task = self._pick(request.worker)
+            flush = self._should_flush(request.worker)
+            if task is not None or flush or time.monotonic() >= deadline or self.done:
+                break
+            await self.cond.wait(deadline - time.monotonic())
         reply = pb.LeaseReply(has_task=task is not None, version=self.version, gen=info.gen,
                               flush=flush, epoch=self.epoch, step=self.step)
         if task is not None:
@@ -431,9 +492,19 @@ class StageServer(pbg.StageServerServicer):
         self.stats["messages"] += 1
         self.stats["bytes_in"] += sum(len(g.data) for g in r.grads)
         mbs = self.steps.get(r.step, {})
+        ids = list(r.mbs)
+        identity = (r.worker, r.epoch, r.step, r.gen, tuple(ids))
+        if ids and identity in self.pushed:
+            # A retry of a push that landed (its reply was lost): counted once already.
+            return pb.PushReply(accepted=True, reason="duplicate of a counted push", gen=info.gen)
         if r.epoch != self.epoch or r.step != self.step or r.gen != info.gen:
             return pb.PushReply(accepted=False, reason="stale push (step, epoch or generation)", gen=info.gen)
-        ids = list(r.mbs)
+        if not ids:
+            # An empty push releases the worker's un-pushed gradients: it could not push them.
+            self._void_worker(r.worker, "released its gradients (its push could not land)")
+            async with self.cond:
+                self.cond.notify_all()
+            return pb.PushReply(accepted=True, reason="released", gen=info.gen)
         ok = len(ids) == len(set(ids)) and ids and all(
             mb in mbs and mbs[mb].grad == "computed" and mbs[mb].holder == r.worker for mb in ids)
         if not ok:
@@ -459,6 +530,7 @@ class StageServer(pbg.StageServerServicer):
         # Summed at commit, ordered by micro-batch id: with one micro-batch per push this is
         # exactly the local trainer's sequential sum.
         self.pushes.append((min(ids), grads))
+        self.pushed.add(identity)
         for mb in ids:
             mbs[mb].grad = "counted"
         if all(st.grad == "counted" for st in mbs.values()) and not self.committing:
