@@ -11,6 +11,7 @@ import asyncio
 
 import pytest
 import torch
+from swarm_reference import RUN, assert_equal_weights, failure_free_weights, launch_config
 
 from shoal.net import shoal_pb2 as pb
 from shoal.net.wire import encode_tensor
@@ -90,36 +91,9 @@ def test_unpushed_gradients_are_voided_after_the_flush_grace(tmp_path):
 
 # ---------------------------------------------------------------------------- real processes
 
-RUN = dict(model="tiny", steps=6, micro_batches=4, micro_batch_size=2, seq_len=32, seed=3, lr=3e-3,
-           warmup=2, data="synthetic")
-
-
-def _cfg(out, **kw):
-    from shoal.runtime.launch import LaunchConfig
-
-    base = dict(RUN, out=str(out), stages=2, workers=2, dead_after_s=3.0, min_lease_s=1.5, timeout_s=400)
-    base.update(kw)
-    return LaunchConfig(**base)
-
-
-@pytest.fixture(scope="module")
+@pytest.fixture
 def failure_free(tmp_path_factory):
-    """Final weights of the same run without faults (2 stages, 2 workers)."""
-    from shoal.runtime.artifacts import load_final_weights
-    from shoal.runtime.launch import launch
-
-    out = tmp_path_factory.mktemp("clean") / "run"
-    launch(_cfg(out))
-    return load_final_weights(out)
-
-
-def _assert_equal_weights(out, reference):
-    from shoal.runtime.artifacts import load_final_weights
-
-    weights = load_final_weights(out)
-    assert set(weights) == set(reference)
-    diff = [k for k in reference if not torch.equal(weights[k], reference[k])]
-    assert not diff, f"{len(diff)} tensors differ, e.g. {diff[0]}"
+    return failure_free_weights(tmp_path_factory)
 
 
 @pytest.mark.integration
@@ -132,7 +106,7 @@ def test_failed_pushes_are_retried_or_released(tmp_path, failure_free):
 
     out = tmp_path / "run"
     args = [["--inject", "push_fail"], ["--inject", "push_lost"], ["--inject", "push_abandon"]]
-    summary = launch(_cfg(out, workers=3, worker_args=args))
+    summary = launch(launch_config(out, workers=3, worker_args=args))
     assert summary["steps"] == RUN["steps"]
     logs = {p.name: p.read_text() for p in (out / "logs").glob("*.log")}
     assert "attempt 1 of 5" in logs["worker0.log"]
@@ -140,7 +114,7 @@ def test_failed_pushes_are_retried_or_released(tmp_path, failure_free):
     assert "releasing them to be redone" in logs["worker2.log"]
     servers = "".join(v for k, v in logs.items() if k.startswith("server"))
     assert "released its gradients" in servers
-    _assert_equal_weights(out, failure_free)
+    assert_equal_weights(out, failure_free)
 
 
 @pytest.mark.integration
@@ -154,7 +128,7 @@ def test_flapping_links_to_the_servers(tmp_path, failure_free):
     from shoal.runtime.launch import Swarm
 
     out = tmp_path / "run"
-    cfg = _cfg(out, min_workers=2)
+    cfg = launch_config(out, min_workers=2)
     proxies = []
     with Swarm(cfg) as sw:
         sw.cfg.workers = 0  # started below, once the servers' addresses are known
@@ -173,4 +147,4 @@ def test_flapping_links_to_the_servers(tmp_path, failure_free):
         p.close()
     assert summary["steps"] == RUN["steps"]
     assert sum(p.resets for p in proxies) > 0
-    _assert_equal_weights(out, failure_free)
+    assert_equal_weights(out, failure_free)

@@ -38,6 +38,8 @@ def register(subparsers) -> None:
     p.add_argument("--min-workers", type=int, default=1, help="workers needed before step 0")
     p.add_argument("--out", default=None, help="run folder for metrics, events and final weights")
     p.add_argument("--address-file", default=None, help="write the listening address here")
+    p.add_argument("--stall-timeout", type=float, default=900.0,
+                   help="fail the run after this many seconds without a committed step (0: never)")
     g = p.add_argument_group("emulated runs (plan on the scenario the processes emulate)")
     g.add_argument("--emulate-scenario", default=None, help="scenario name or file the processes emulate")
     g.add_argument("--emulate-speedup", type=float, default=1.0, help="the processes' compute time scale")
@@ -195,7 +197,8 @@ def run_coordinator_cmd(args) -> int:
     spec = _spec(args)
     summary = asyncio.run(run_coordinator(spec, _token(args), args.listen, min_workers=args.min_workers,
                                           out=args.out, address_file=args.address_file,
-                                          emulated=_emulated_scenario(args)))
+                                          emulated=_emulated_scenario(args),
+                                          stall_fail_s=args.stall_timeout))
     print(json.dumps({k: summary[k] for k in ("steps", "final_loss", "requeues", "tokens_per_s")}))
     return 0
 
@@ -253,7 +256,7 @@ def run_status_cmd(args) -> int:
 
 
 def run_launch_cmd(args) -> int:
-    from shoal.runtime.launch import LaunchConfig, launch
+    from shoal.runtime.launch import LaunchConfig, launch, stop_on_signals
     from shoal.train.flags import workload_from_args
 
     w = workload_from_args(args)
@@ -264,7 +267,13 @@ def run_launch_cmd(args) -> int:
         grad_clip=w.grad_clip, ckpt_every=args.ckpt_every, dead_after_s=args.dead_after,
         min_lease_s=args.min_lease, data=args.data, timeout_s=args.timeout, scenario=args.scenario,
         ordered_grads=not args.unordered_grads, emulate_speedup=args.emulate_speedup)
-    summary = launch(cfg, on_event=lambda r: print(_fmt(r), flush=True))
+    stop_on_signals()
+
+    def started(swarm) -> None:
+        print(f"coordinator at {swarm.address}; join token in {swarm.token_file} (mode 0600): "
+              f"add members with --join {swarm.address} --token-file {swarm.token_file}", flush=True)
+
+    summary = launch(cfg, on_event=lambda r: print(_fmt(r), flush=True), on_start=started)
     print(json.dumps({k: summary.get(k) for k in ("steps", "final_loss", "requeues", "tokens_per_s",
                                                   "wall_time_s")}))
     return 0

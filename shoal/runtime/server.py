@@ -26,14 +26,17 @@ each handler is atomic with respect to the others.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
 import grpc
 import torch
 
+from shoal.errors import ShoalError
 from shoal.model.transformer import build_stage
 from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
@@ -43,12 +46,15 @@ from shoal.net.wire import WireError, decode_tensor, encode_tensor
 from shoal.runtime.common import (
     SCHEMA_VERSION,
     Signal,
+    ckpt_dir,
+    clean_stray_temps,
     ewma,
     lease_seconds,
     list_ckpts,
     load_stage_ckpt,
     model_config,
     optim_config,
+    read_stage_ckpt,
     run_member,
     save_stage_ckpt,
     set_threads,
@@ -130,6 +136,7 @@ class StageServer(pbg.StageServerServicer):
         self.progress_t = time.monotonic()  # last commit (or load): the stall watchdog's clock
         self.stall_warned = False
         self.fatal = ""  # a one-line reason this server cannot go on (sent to the coordinator)
+        self.ckpt_ok: set[tuple] = set()  # (stage, version, size, mtime) of checkpoints known good
 
     # ------------------------------------------------------------------ setup
     @property
@@ -147,7 +154,8 @@ class StageServer(pbg.StageServerServicer):
         module = build_stage(cfg, first, last, seed=spec.seed)
         opt = make_optimizer(module.named_parameters(), optim_config(spec))
         if version > 0:
-            load_stage_ckpt(self.ckpt_root, stage, version, module, opt)
+            load_stage_ckpt(self.ckpt_root, stage, version, module, opt, run_id=spec.run_id,
+                            layers=(first, last))
         return cfg, module, opt
 
     async def _load(self, stage: int, first: int, last: int, version: int, epoch: int) -> None:
@@ -155,8 +163,17 @@ class StageServer(pbg.StageServerServicer):
         self.version = -1
         self.loading = True
         try:
+            if clean_stray_temps(self.ckpt_root, stage, self.spec.run_id):
+                log.info("%s removed half-written checkpoint files of stage %d", self.name, stage)
             cfg, module, opt = await asyncio.get_running_loop().run_in_executor(
                 None, self._make, stage, first, last, version)
+        except ShoalError as exc:
+            # A checkpoint that fails its checks at load: set it aside, so the next
+            # heartbeat reports an older one and the coordinator rolls back to that.
+            log.error("%s cannot restore stage %d v%d: %s; falling back to the previous checkpoint",
+                      self.name, stage, version, exc)
+            self._set_aside(stage, version)
+            return
         finally:
             self.loading = False
         if (stage, epoch) != (self.stage, self.epoch):
@@ -237,10 +254,38 @@ class StageServer(pbg.StageServerServicer):
                 f"{len(self.leases)} leases, workers holding work: {', '.join(holders) or 'none'}")
 
     def _ckpt_version(self) -> int:
-        if self.stage < 0:
+        """Newest checkpoint of our stage that passes its checks (0: none, -1: no stage).
+
+        A file is checked once (this server's own writes are known good); one that fails
+        is reported in the log and set aside, and the previous one is used.
+        """
+        if self.stage < 0 or self.loading:
             return -1
-        v = list_ckpts(self.ckpt_root, self.stage)
-        return v[-1] if v else 0
+        d = ckpt_dir(self.ckpt_root, self.stage, self.spec.run_id)
+        for v in reversed(list_ckpts(self.ckpt_root, self.stage, self.spec.run_id)):
+            path = d / f"v{v}.safetensors"
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            key = (self.stage, v, st.st_size, st.st_mtime_ns)
+            if key not in self.ckpt_ok:
+                try:
+                    read_stage_ckpt(self.ckpt_root, self.stage, v, run_id=self.spec.run_id,
+                                    layers=(self.first, self.last))
+                except ShoalError as exc:
+                    log.error("%s: %s; using the previous checkpoint", self.name, exc)
+                    self._set_aside(self.stage, v)
+                    continue
+                self.ckpt_ok.add(key)
+            return v
+        return 0
+
+    def _set_aside(self, stage: int, version: int) -> None:
+        """Rename a bad checkpoint to ``v<N>.safetensors.bad`` (kept for inspection, never loaded)."""
+        path = ckpt_dir(self.ckpt_root, stage, self.spec.run_id) / f"v{version}.safetensors"
+        with contextlib.suppress(OSError):
+            os.replace(path, path.with_name(path.name + ".bad"))
 
     async def start_rpc(self) -> grpc.aio.Server:
         """Start listening (sets ``self.address``); the caller stops the returned server."""
@@ -283,7 +328,7 @@ class StageServer(pbg.StageServerServicer):
             a = await self.coord.Heartbeat(pb.MemberRequest(
                 member_id=self.member_id, version=self.version, ckpt_version=self._ckpt_version(),
                 epoch=self.epoch, counter_id=self.traffic.id, role="server",
-                traffic=self.traffic.snapshot()), timeout=5)
+                traffic=self.traffic.snapshot(), fatal=self.fatal), timeout=5)
         except grpc.aio.AioRpcError as exc:
             log.warning("heartbeat failed: %s", exc.code())
             return
@@ -605,7 +650,23 @@ class StageServer(pbg.StageServerServicer):
     def _spawn(self, coro) -> None:
         t = asyncio.create_task(coro)
         self._bg.add(t)
-        t.add_done_callback(self._bg.discard)
+        t.add_done_callback(self._bg_done)
+
+    def _bg_done(self, t: asyncio.Task) -> None:
+        """No background task fails unseen: log it and fail the run through the coordinator."""
+        self._bg.discard(t)
+        if t.cancelled() or t.exception() is None:
+            return
+        exc = t.exception()
+        if isinstance(exc, ShoalError):
+            log.error("%s: %s", self.name, exc)
+            why = str(exc)
+        else:
+            log.error("%s: background task %s failed", self.name, t.get_coro().__qualname__,
+                      exc_info=(type(exc), exc, exc.__traceback__))
+            why = f"{type(exc).__name__}: {exc}"
+        if not self.fatal:
+            self.fatal = f"server {self.name} (stage {self.stage}): {why}".splitlines()[0]
 
     def _stub(self, addr: str) -> pbg.StageServerStub:
         if addr not in self._stubs:
@@ -661,7 +722,10 @@ class StageServer(pbg.StageServerServicer):
             apply_update(self.opt, d.lr, d.coef)
             self.version = step + 1
             if self.spec.ckpt_every > 0 and self.version % self.spec.ckpt_every == 0:
-                save_stage_ckpt(self.ckpt_root, self.stage, self.version, self.module, self.opt)
+                path = save_stage_ckpt(self.ckpt_root, self.stage, self.version, self.module, self.opt,
+                                       run_id=self.spec.run_id, layers=(self.first, self.last))
+                st = path.stat()
+                self.ckpt_ok.add((self.stage, self.version, st.st_size, st.st_mtime_ns))
             self.steps.pop(step, None)
             self.pushes = []
             self.step = step + 1
