@@ -738,16 +738,16 @@ class StageServer(pbg.StageServerServicer):
                 self.cond.notify_all()
 
 
-async def _retry(fn, tries: int = 200, delay: float = 0.1):
-    """Call ``fn`` until it succeeds (the peer may still be starting)."""
-    for i in range(tries):
+async def _retry(fn, budget_s: float = 30.0, delay: float = 0.1):
+    """Call ``fn`` until it succeeds (the peer may still be starting), for ``budget_s`` at most."""
+    end = time.monotonic() + budget_s
+    while True:
         try:
             return await fn()
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAUTHENTICATED or i == tries - 1:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > end:
                 raise
             await asyncio.sleep(delay)
-    raise RuntimeError("unreachable")
 
 
 def serve(coord: str, listen: str, token: str, ckpt_root: str, name: str = "server", *, dial=None,
