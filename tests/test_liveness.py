@@ -138,7 +138,7 @@ def test_flapping_links_to_the_servers(tmp_path, failure_free):
             assert time.time() < deadline, "servers did not join"
             time.sleep(0.1)
         servers = sw.status()["servers"]
-        proxies = [FlapProxy(addr, period_s=0.6, down_s=0.1, for_s=60).start() for addr in servers]
+        proxies = [FlapProxy(addr, period_s=0.6, down_s=0.1, for_s=20).start() for addr in servers]
         dial = [a for addr, p in zip(servers, proxies, strict=True) for a in ("--dial-map", f"{addr}={p.address}")]
         for i in range(2):
             sw.start_worker(i, extra=dial)
