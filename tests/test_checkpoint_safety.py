@@ -28,6 +28,7 @@ from shoal.runtime.common import (
     read_stage_ckpt,
     save_stage_ckpt,
 )
+from shoal.train.metrics import read_jsonl
 from shoal.train.optim import OptimConfig, make_optimizer
 
 LAYERS = (0, 3)
@@ -174,12 +175,14 @@ def test_reused_folder_and_damaged_latest_checkpoints(tmp_path, tmp_path_factory
     assert first_run and all(k.startswith(run1) for k in first_run)
 
     slow = [["--slow", "0.3"]] * 2  # keeps step 3 running while we kill
+    before = len(read_jsonl(out / "metrics.jsonl"))  # run 1's records (the file is appended to)
     with Swarm(launch_config(out, worker_args=slow)) as sw:
         sw.start()
-        while sw.status()["committed"] < 3:
+        while sw.committed_steps() - before < 3:
             time.sleep(0.05)
         sw.kill_server(1)
-        run2 = f"run-{sw.status()['run_id']}"
+        runs = [e["run_id"] for e in read_jsonl(out / "events.jsonl") if e["event"] == "run"]
+        run2 = f"run-{runs[-1]}"
         assert run2 != run1
         newest = {s: max(list_ckpts(ckpts, s, run2[4:])) for s in (0, 1)}
         _corrupt(ckpts / run2 / "stage1" / f"v{newest[1]}.safetensors")
