@@ -19,7 +19,8 @@ def _server(tmp_path) -> StageServer:
     srv = StageServer("unused:0", "127.0.0.1:0", "tok", str(tmp_path), name="t")
     srv.spec = pb.RunSpec(model="tiny", stages=1, steps=5, micro_batches=M, micro_batch_size=B, seq_len=T,
                           seed=0, lr=1e-3, min_lr=1e-4, warmup=1, weight_decay=0.1, grad_clip=1.0,
-                          dead_after_s=0.3, min_lease_s=0.2, data="synthetic", ordered_grads=True)
+                          dead_after_s=0.3, min_lease_s=0.2, data="synthetic", ordered_grads=True,
+                          run_id="pool-test")
     srv.stage, srv.first, srv.last, srv.epoch = 0, 0, 6, 0
     return srv
 
