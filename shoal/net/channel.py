@@ -34,7 +34,10 @@ def load_token(token: str | None = None, token_file: str | None = None) -> str:
         p = Path(token_file)
         if not p.is_file():
             raise ShoalError(f"token file {p} does not exist; create it or set SHOAL_TOKEN")
-        return p.read_text().strip()
+        token = p.read_text().strip()
+        if not token:
+            raise ShoalError(f"token file {p} is empty; put the swarm's join token in it")
+        return token
     env = os.environ.get("SHOAL_TOKEN", "")
     if env:
         return env

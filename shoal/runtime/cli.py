@@ -61,6 +61,8 @@ def register(subparsers) -> None:
     p.add_argument("--dashboard", default=None, metavar="HOST:PORT",
                    help="serve the live web dashboard here (port 0: any free; a non-loopback host "
                         "needs the run token in the URL: ?token=...)")
+    p.add_argument("--stall-timeout", type=float, default=900.0,
+                   help="fail the run after this many seconds without a committed step (0: never)")
     g = p.add_argument_group("emulated runs (plan on the scenario the processes emulate)")
     g.add_argument("--emulate-scenario", default=None, help="scenario name or file the processes emulate")
     g.add_argument("--emulate-speedup", type=float, default=1.0, help="the processes' compute time scale")
@@ -76,6 +78,7 @@ def register(subparsers) -> None:
     p.add_argument("--ckpt-dir", default="shoal_ckpt", help="checkpoint root (one folder per stage)")
     p.add_argument("--name", default="server", help="label in events")
     _measure_args(p)
+    _dial_map_arg(p)
     _common(p)
     _emulation_args(p)
     p.set_defaults(func=run_server_cmd)
@@ -84,7 +87,8 @@ def register(subparsers) -> None:
     p.add_argument("--join", required=True, help="coordinator HOST:PORT")
     p.add_argument("--name", default="worker", help="label in events and metrics")
     p.add_argument("--flops", type=float, default=None, help="FLOP/s to report (default: measure)")
-    p.add_argument("--inject", default="", help="test faults, once each: nan_grad,bad_shape")
+    p.add_argument("--inject", default="", help="test faults, once each: nan_grad,bad_shape,push_fail (first push attempt lost), "
+                        "push_lost (first push's reply lost), push_abandon (first push never lands)")
     p.add_argument("--codec", default="raw", help="tensor codec: raw, fp16, int8")
     p.add_argument("--slow", type=float, default=0.0, help="extra seconds per task (tests, demos)")
     p.add_argument("--no-error-feedback", action="store_true",
@@ -92,6 +96,7 @@ def register(subparsers) -> None:
     p.add_argument("--no-graph-cache", action="store_true",
                    help="always recompute the forward in backward tasks (saves activation memory)")
     _measure_args(p)
+    _dial_map_arg(p)
     _common(p)
     _emulation_args(p)
     p.set_defaults(func=run_worker_cmd)
@@ -115,6 +120,36 @@ def register(subparsers) -> None:
     p.add_argument("--no-dashboard", action="store_true", help="no web dashboard")
     _run_args(p, launch=True)
     p.set_defaults(func=run_launch_cmd)
+
+
+def _dial_map_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dial-map", action="append", default=[], metavar="ADDR=VIA",
+                   help="connect to VIA whenever a peer's address is ADDR (port forwards, tunnels, "
+                        "test proxies); repeatable")
+
+
+def dial_map(pairs: list[str]) -> dict[str, str]:
+    """``["ADDR=VIA", ...]`` -> {ADDR: VIA}; a malformed pair is a one-line error."""
+    out = {}
+    for pair in pairs:
+        addr, sep, via = pair.partition("=")
+        if not sep or ":" not in addr or ":" not in via:
+            raise ShoalError(f"--dial-map {pair!r}: want HOST:PORT=HOST:PORT")
+        out[addr] = via
+    return out
+
+
+def _with_dial_map(args, dial):
+    """The emulation ``dial`` hook (or none) behind the ``--dial-map`` rewrites."""
+    mapping = dial_map(getattr(args, "dial_map", []) or [])
+    if not mapping:
+        return dial
+
+    def rewrite(address: str) -> str:
+        address = mapping.get(address, address)
+        return dial(address) if dial else address
+
+    return rewrite
 
 
 def _emulation_args(p: argparse.ArgumentParser) -> None:
@@ -191,7 +226,8 @@ def run_coordinator_cmd(args) -> int:
     spec = _spec(args)
     summary = asyncio.run(run_coordinator(spec, _token(args), args.listen, min_workers=args.min_workers,
                                           out=args.out, address_file=args.address_file,
-                                          emulated=_emulated_scenario(args), dashboard=_dashboard(args)))
+                                          emulated=_emulated_scenario(args), dashboard=_dashboard(args),
+                                          stall_fail_s=args.stall_timeout))
     print(json.dumps({k: summary[k] for k in ("steps", "final_loss", "requeues", "tokens_per_s")}))
     return 0
 
@@ -230,6 +266,7 @@ def run_server_cmd(args) -> int:
 
     _logging(args.log_level)
     dial, _, on_servers = _emulation(args)
+    dial = _with_dial_map(args, dial)
     serve(args.join, args.listen, _token(args), args.ckpt_dir, name=args.name, dial=dial,
           on_servers=on_servers, device=_played_device(args), **_measure_opts(args))
     return 0
@@ -240,6 +277,7 @@ def run_worker_cmd(args) -> int:
 
     _logging(args.log_level)
     dial, pacer, on_servers = _emulation(args)
+    dial = _with_dial_map(args, dial)
     work(args.join, _token(args), WorkerOptions(name=args.name, flops=args.flops, inject=args.inject,
                                                 codec=args.codec, slow_s=args.slow,
                                                 graph_cache=not args.no_graph_cache,
@@ -266,7 +304,7 @@ def run_status_cmd(args) -> int:
 
 
 def run_launch_cmd(args) -> int:
-    from shoal.runtime.launch import LaunchConfig, launch
+    from shoal.runtime.launch import LaunchConfig, launch, stop_on_signals
     from shoal.train.flags import workload_from_args
 
     w = workload_from_args(args)
@@ -283,7 +321,11 @@ def run_launch_cmd(args) -> int:
 
         parse_bind(cfg.dashboard)
 
+    stop_on_signals()
+
     def started(swarm) -> None:
+        print(f"coordinator at {swarm.address}; join token in {swarm.token_file} (mode 0600): "
+              f"add members with --join {swarm.address} --token-file {swarm.token_file}", flush=True)
         if swarm.dashboard_url:
             print(f"dashboard: {swarm.dashboard_url}", flush=True)
 

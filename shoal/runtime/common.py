@@ -7,6 +7,7 @@ deadlines) so they can be unit-tested without processes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import re
@@ -96,6 +97,38 @@ def ewma(prev: float | None, x: float, alpha: float = 0.3) -> float:
     return x if prev is None else (1 - alpha) * prev + alpha * x
 
 
+class Signal:
+    """Wakes every waiter on ``notify_all``; a wait has a timeout and is safe to cancel.
+
+    Used where handlers long-poll for a state change. An ``asyncio.Condition`` wait that
+    times out can be cancelled while it re-acquires its lock, which leaves the lock
+    released under the waiter ("Lock is not acquired" on a loaded machine); everything
+    here runs on one event loop, so no lock is needed: check, then wait for the next
+    change. ``async with`` is accepted (a no-op) so notifiers read like a condition's.
+    """
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    async def __aenter__(self) -> Signal:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        return None
+
+    def notify_all(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait(self, timeout: float) -> bool:
+        """Wait for the next ``notify_all`` up to ``timeout`` seconds; True if it came."""
+        try:
+            await asyncio.wait_for(self._event.wait(), max(timeout, 0.0))
+            return True
+        except TimeoutError:
+            return False
+
+
 # ---------------------------------------------------------------------------- batches
 
 _DATA_CACHE: dict[tuple, object] = {}
@@ -135,27 +168,73 @@ def micro_batch(spec: pb.RunSpec, step: int, mb: int) -> tuple[torch.Tensor, tor
 # ---------------------------------------------------------------------------- checkpoints
 
 _CKPT_RE = re.compile(r"^v(\d+)\.safetensors$")
+_RUN_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
-def ckpt_dir(root: str | Path, stage: int) -> Path:
-    return Path(root) / f"stage{stage}"
+def new_run_id() -> str:
+    """A fresh run id: UTC time plus random bits (sortable, unique across reused folders)."""
+    import secrets
+    import time
+
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
 
 
-def list_ckpts(root: str | Path, stage: int) -> list[int]:
-    """Versions checkpointed for ``stage`` under ``root``, ascending."""
-    d = ckpt_dir(root, stage)
+def ckpt_dir(root: str | Path, stage: int, run_id: str) -> Path:
+    """The checkpoint folder of ``stage`` of run ``run_id``: ``root/run-<id>/stage<s>``.
+
+    Every run writes, prunes and restores only under its own ``run-<id>`` folder, so a
+    reused ``--ckpt-dir`` (or ``--out``) never mixes runs.
+    """
+    if not _RUN_ID_RE.match(run_id or ""):
+        raise ShoalError(f"run id {run_id!r} is not a plain name; the coordinator gives every run one")
+    return Path(root) / f"run-{run_id}" / f"stage{stage}"
+
+
+def list_ckpts(root: str | Path, stage: int, run_id: str) -> list[int]:
+    """Versions checkpointed for ``stage`` of run ``run_id`` under ``root``, ascending."""
+    d = ckpt_dir(root, stage, run_id)
     if not d.is_dir():
         return []
     return sorted(int(m.group(1)) for p in d.iterdir() if (m := _CKPT_RE.match(p.name)))
 
 
+def clean_stray_temps(root: str | Path, stage: int, run_id: str) -> int:
+    """Remove half-written checkpoint files (``.v<N>.tmp``) a crash left; returns how many."""
+    d = ckpt_dir(root, stage, run_id)
+    n = 0
+    if d.is_dir():
+        for p in d.glob(".v*.tmp"):
+            p.unlink(missing_ok=True)
+            n += 1
+    return n
+
+
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over names, dtypes, shapes and bytes of ``tensors`` in name order."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
 def save_stage_ckpt(root: str | Path, stage: int, version: int, module: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer, keep: int = 4) -> Path:
-    """Write weights + AdamW state of a stage at ``version`` (atomic rename), keep the last few."""
+                    optimizer: torch.optim.Optimizer, *, run_id: str, layers: tuple[int, int],
+                    keep: int = 4) -> Path:
+    """Write weights + AdamW state of a stage at ``version``, keep this run's last few.
+
+    The file carries the run id, stage, layer range, version and a sha256 of its tensors
+    (checked by :func:`load_stage_ckpt`); it is written to a temporary name, synced and
+    renamed, so ``v<N>.safetensors`` exists only once complete. A disk that is full or
+    read-only is a one-line :class:`ShoalError`; the checkpoints already written stay.
+    """
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    d = ckpt_dir(root, stage)
-    d.mkdir(parents=True, exist_ok=True)
+    d = ckpt_dir(root, stage, run_id)
     tensors: dict[str, torch.Tensor] = {}
     for name, p in module.named_parameters():
         tensors[f"param/{name}"] = p.detach().contiguous().clone()
@@ -165,22 +244,68 @@ def save_stage_ckpt(root: str | Path, stage: int, version: int, module: torch.nn
                 v = st[k]
                 tensors[f"{k}/{name}"] = (v if torch.is_tensor(v) else torch.tensor(float(v))).detach().clone().reshape(
                     v.shape if torch.is_tensor(v) else ())
+    meta = {"version": str(version), "stage": str(stage), "run_id": run_id, "first": str(layers[0]),
+            "last": str(layers[1]), "sha256": tensors_digest(tensors)}
     tmp = d / f".v{version}.tmp"
-    save_file(tensors, str(tmp), metadata={"version": str(version), "stage": str(stage)})
     path = d / f"v{version}.safetensors"
-    os.replace(tmp, path)
-    for old in list_ckpts(root, stage)[:-keep]:
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(tmp), metadata=meta)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except (OSError, SafetensorError) as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise ShoalError(f"cannot write the stage {stage} checkpoint in {d}: {_os_reason(exc)}; "
+                         f"free space or give a writable --ckpt-dir") from None
+    for old in list_ckpts(root, stage, run_id)[:-keep]:
         (d / f"v{old}.safetensors").unlink(missing_ok=True)
     return path
 
 
-def load_stage_ckpt(root: str | Path, stage: int, version: int, module: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer) -> None:
-    """Restore weights + AdamW state written by :func:`save_stage_ckpt`."""
-    from safetensors.torch import load_file
+def _os_reason(exc: Exception) -> str:
+    """The OS's words for a failed write (safetensors wraps them in its own error text)."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    m = re.search(r'message: "([^"]+)"', str(exc))
+    return m.group(1) if m else str(exc).splitlines()[0]
 
-    tensors = load_file(str(ckpt_dir(root, stage) / f"v{version}.safetensors"))
+
+def read_stage_ckpt(root: str | Path, stage: int, version: int, *, run_id: str,
+                    layers: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """The tensors of a stage checkpoint after checking it; a bad one is a one-line ShoalError.
+
+    Checked: readable (not truncated), run id, stage, layer range and version as
+    expected, and the sha256 of the tensors.
+    """
+    from safetensors import safe_open
+
+    path = ckpt_dir(root, stage, run_id) / f"v{version}.safetensors"
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no iterator)
+    except Exception as exc:  # safetensors raises its own error types for damaged files
+        raise ShoalError(f"checkpoint {path} is unreadable (truncated or damaged): {exc}") from None
+    want = {"run_id": run_id, "stage": str(stage), "version": str(version), "first": str(layers[0]),
+            "last": str(layers[1])}
+    for key, value in want.items():
+        if meta.get(key) != value:
+            raise ShoalError(f"checkpoint {path} has {key}={meta.get(key)!r}, expected {value!r}")
+    if meta.get("sha256") != tensors_digest(tensors):
+        raise ShoalError(f"checkpoint {path} fails its checksum (corrupted)")
+    return tensors
+
+
+def load_stage_ckpt(root: str | Path, stage: int, version: int, module: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer, *, run_id: str, layers: tuple[int, int]) -> None:
+    """Restore weights + AdamW state written by :func:`save_stage_ckpt` (checked first)."""
+    tensors = read_stage_ckpt(root, stage, version, run_id=run_id, layers=layers)
     params = dict(module.named_parameters())
+    missing = [n for n in params if f"param/{n}" not in tensors]
+    if missing:
+        raise ShoalError(f"checkpoint of stage {stage} v{version} lacks parameter {missing[0]!r}")
     optimizer.state.clear()
     with torch.no_grad():
         for name, p in params.items():
@@ -202,6 +327,10 @@ def run_member(main: Coroutine, coord: str) -> None:
     try:
         asyncio.run(main)
     except grpc.aio.AioRpcError as exc:
-        if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+        if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION,
+                          grpc.StatusCode.INVALID_ARGUMENT):
             raise ShoalError(f"the coordinator at {coord} refused to let us join: {exc.details()}") from None
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            raise ShoalError(f"cannot reach the coordinator at {coord} ({exc.code().name}): is the run "
+                             f"still going and the address right?") from None
         raise

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import itertools
 import json
 import logging
@@ -35,12 +34,20 @@ from pathlib import Path
 
 import grpc
 
+from shoal.errors import ShoalError
 from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
 from shoal.net.channel import ChannelFactory, make_server
 from shoal.net.traffic import BYTES_METHOD, merge_traffic
 from shoal.net.wire import decode_tensor
-from shoal.runtime.common import assign_workers, even_split, model_config, optim_config
+from shoal.runtime.common import (
+    Signal,
+    assign_workers,
+    even_split,
+    model_config,
+    new_run_id,
+    optim_config,
+)
 from shoal.runtime.measure import probe_reply
 from shoal.runtime.planning import (
     COORDINATOR_NODE,
@@ -94,8 +101,13 @@ class Coordinator(pbg.CoordinatorServicer):
     """Run state and RPC handlers of the coordinator."""
 
     def __init__(self, spec: pb.RunSpec, token: str, *, min_workers: int = 1, out: str | None = None,
-                 emulated=None):
+                 emulated=None, stall_fail_s: float = 900.0):
+        if not spec.run_id:
+            spec.run_id = new_run_id()  # names the servers' checkpoint folders
         self.spec, self.token, self.min_workers = spec, token, max(min_workers, 1)
+        self.stall_fail_s = stall_fail_s  # fail the run after this long without a commit (0: never)
+        self.stall_reported = False
+        self.error = ""  # one line: why the run failed ("" while it has not)
         self.emulated = emulated  # the scaled scenario the processes emulate (None: plain run)
         self.cfg = model_config(spec)
         self.layers = plan_stages(self.cfg.n_total_layers, spec.stages)
@@ -115,7 +127,7 @@ class Coordinator(pbg.CoordinatorServicer):
         self.committed = 0  # steps committed
         self.reports: dict[tuple[int, int], dict[int, pb.StepReport]] = {}
         self.decisions: dict[tuple[int, int], pb.StepDecision] = {}
-        self.cond = asyncio.Condition()
+        self.cond = Signal()  # notified when a step is decided
         self.done = False
         self.finished = asyncio.Event()
         self.out = Path(out) if out else None
@@ -151,8 +163,16 @@ class Coordinator(pbg.CoordinatorServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"this run emulates scenario {self.emulated.name}: join with "
                                 f"--emulate-device set to one of its devices (got {request.device!r})")
-        mid = f"{request.role[0]}{next(self.ids)}-{request.name or request.role}"
-        m = Member(mid, request.role, request.name or mid, address=request.address,
+        if self.done:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"this run is {'failed' if self.error else 'finished'} "
+                                f"({self.committed} of {self.spec.steps} steps committed); start a new run")
+        name = unique_name(request.name or request.role,
+                           {m.name for m in self.members.values()})
+        if name != (request.name or request.role):
+            log.warning("a second member named %r joined; it is called %r", request.name, name)
+        mid = f"{request.role[0]}{next(self.ids)}-{name}"
+        m = Member(mid, request.role, name, address=request.address,
                    flops=max(request.flops, 1.0), device=request.device)
         if self.emulated is not None:
             self.plays[mid] = m.device
@@ -435,8 +455,17 @@ class Coordinator(pbg.CoordinatorServicer):
         if request.HasField("stats"):
             m.stats = pb.MemberStats()
             m.stats.CopyFrom(request.stats)
+        if request.fatal:
+            self.fail(request.fatal)
         if m.role == "server":
             m.version, m.ckpt_version, m.epoch = request.version, request.ckpt_version, request.epoch
+            if (not self.pending_restore and m.epoch == self.epoch and m.version < 0
+                    and 0 <= m.ckpt_version < self.restart_version and m.member_id in self.stage_server):
+                # It cannot restore the roll-back target (a checkpoint failed its checks):
+                # roll back again, to a version every stage can restore.
+                self.event("checkpoint_fallback", device=m.name, stage=self.stage_server.index(m.member_id),
+                           wanted=self.restart_version, has=m.ckpt_version)
+                self.pending_restore = True
             self._maybe_restore()
         stage = self._stage_of(m)
         self._check_drift(m, request)
@@ -487,10 +516,63 @@ class Coordinator(pbg.CoordinatorServicer):
             return self.stage_server.index(m.member_id) if m.member_id in self.stage_server else -1
         return self.assign.get(m.member_id, -1)
 
+    def fail(self, why: str) -> None:
+        """Fail the run with a one-line reason: members see ``done`` and exit."""
+        if self.error or self.done:
+            return
+        self.error = why.splitlines()[0] if why else "unknown failure"
+        log.error("the run failed: %s", self.error)
+        self.event("failed", why=self.error, committed=self.committed)
+        self.done = True
+        # Long enough for the members' heartbeats to see "done".
+        asyncio.get_running_loop().call_later(max(1.0, 3 * 0.2), self.finished.set)
+
+    def waiting_for(self) -> list[str]:
+        """What keeps the run from making progress now (empty: nothing)."""
+        why = []
+        vacant = [s for s, sid in enumerate(self.stage_server) if not sid or sid not in self.members]
+        if vacant:
+            why.append(f"stage(s) {vacant} have no server: start `shoal server --join`")
+        workers = sum(1 for m in self.members.values() if m.role == "worker")
+        need = max(self.min_workers, self.spec.stages)
+        if not self.ready:
+            if workers < need:
+                why.append(f"{workers} of {need} workers joined")
+        else:
+            empty = [s for s in range(self.spec.stages) if s not in self.assign.values()]
+            if empty:
+                why.append(f"stage(s) {empty} have no worker: start `shoal worker --join`")
+        if self.pending_restore and not vacant:
+            why.append("servers are reporting their checkpoints for a roll-back")
+        return why
+
+    def _watch(self) -> None:
+        """Report a stall once (log, event, status); fail the run when it lasts too long."""
+        if not self.ready or self.done:
+            return
+        idle = time.time() - self.last_commit_t
+        limit = max(30.0, 10 * self.spec.dead_after_s)
+        if idle < limit:
+            self.stall_reported = False
+            return
+        why = "; ".join(self.waiting_for()) or self._missing_reports()
+        if not self.stall_reported:
+            self.stall_reported = True
+            log.warning("no step committed for %.0f s: %s", idle, why)
+            self.event("stall", idle_s=round(idle, 1), step=self.committed, why=why)
+        if self.stall_fail_s > 0 and idle > self.stall_fail_s:
+            self.fail(f"no step committed for {idle:.0f} s (step {self.committed}): {why}")
+
+    def _missing_reports(self) -> str:
+        got = self.reports.get((self.epoch, self.committed), {})
+        missing = [s for s in range(self.spec.stages) if s not in got]
+        return f"stage(s) {missing} have not finished step {self.committed} (see their server logs)"
+
     async def reap(self) -> None:
-        """Declare members dead after ``dead_after_s`` of silence."""
+        """Declare members dead after ``dead_after_s`` of silence; watch for stalls."""
         while not self.finished.is_set():
             await asyncio.sleep(0.1)
+            self._watch()
             now = time.monotonic()
             for mid, m in list(self.members.items()):
                 # A false server death costs a roll-back, so servers get twice the grace.
@@ -519,9 +601,9 @@ class Coordinator(pbg.CoordinatorServicer):
             async with self.cond:
                 self.cond.notify_all()
         else:
-            async with self.cond:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.cond.wait_for(lambda: key in self.decisions or self.epoch != key[0]), 5.0)
+            deadline = time.monotonic() + 5.0
+            while key not in self.decisions and self.epoch == key[0] and time.monotonic() < deadline:
+                await self.cond.wait(deadline - time.monotonic())
         if self.epoch != r.epoch:
             return pb.StepDecision(stale=True)
         return self.decisions.get(key, pb.StepDecision(ready=False))
@@ -611,6 +693,7 @@ class Coordinator(pbg.CoordinatorServicer):
         return {
             "steps": self.committed, "losses": losses, "final_loss": losses[-1] if losses else None,
             "stages": self.spec.stages, "layers": self.layers, "epochs": self.epoch + 1,
+            "run_id": self.spec.run_id,
             "requeues": self.total_requeues, "tasks_per_worker": self.tasks_per_worker,
             "tokens": tokens, "train_time_s": sum(times),
             "tokens_per_s": tokens / sum(times) if times and sum(times) > 0 else 0.0,
@@ -620,8 +703,12 @@ class Coordinator(pbg.CoordinatorServicer):
         }
 
     async def Status(self, request, context):
+        waiting = self.waiting_for()
+        state = ("failed" if self.error else "done") if self.done else ("waiting" if waiting else "running")
         st = {
-            "ready": self.ready, "committed": self.committed, "epoch": self.epoch, "done": self.done,
+            "ready": self.ready and state == "running", "state": state, "waiting_for": waiting,
+            "error": self.error, "run_id": self.spec.run_id,
+            "committed": self.committed, "epoch": self.epoch, "done": self.done,
             "servers": self._servers(),
             "workers": {m.name: self.assign.get(mid, -1) for mid, m in self.members.items() if m.role == "worker"},
             "plans_on": ("emulated" if self.emulated is not None else "measured" if self.figures else "loopback"),
@@ -647,14 +734,15 @@ class Coordinator(pbg.CoordinatorServicer):
 
 async def run_coordinator(spec: pb.RunSpec, token: str, listen: str, *, min_workers: int = 1,
                           out: str | None = None, address_file: str | None = None,
-                          emulated=None, dashboard: str | None = None) -> dict:
-    """Serve until the run is done; returns the run summary.
+                          emulated=None, dashboard: str | None = None, stall_fail_s: float = 900.0) -> dict:
+    """Serve until the run is done; returns the run summary (a failed run: ShoalError).
 
     ``emulated``: the scaled scenario the processes emulate, planned on instead of loopback.
     ``dashboard``: HOST:PORT for the live web dashboard (None: none), see
     :mod:`shoal.runtime.dashboard`; its URL goes to ``address_file + ".dashboard"``.
     """
-    coord = Coordinator(spec, token, min_workers=min_workers, out=out, emulated=emulated)
+    coord = Coordinator(spec, token, min_workers=min_workers, out=out, emulated=emulated,
+                        stall_fail_s=stall_fail_s)
     server = make_server(token)
     pbg.add_CoordinatorServicer_to_server(coord, server)
     port = server.add_insecure_port(listen)
@@ -676,11 +764,24 @@ async def run_coordinator(spec: pb.RunSpec, token: str, listen: str, *, min_work
         tmp = Path(address_file + ".tmp")
         tmp.write_text(address)
         tmp.replace(address_file)
-    log.info("coordinator listening on %s", address)
+    log.info("coordinator listening on %s (run %s)", address, spec.run_id)
+    coord.event("run", run_id=spec.run_id, steps=spec.steps, stages=spec.stages)
     reaper = asyncio.create_task(coord.reap())
     await coord.finished.wait()
     reaper.cancel()
     if web is not None:
         await web.stop()
     await server.stop(0.5)
+    if coord.error:
+        raise ShoalError(f"the run failed: {coord.error}")
     return coord.summary()
+
+
+def unique_name(name: str, taken: set[str]) -> str:
+    """``name``, or ``name-2``, ``name-3``... when a live member already uses it."""
+    if name not in taken:
+        return name
+    k = 2
+    while f"{name}-{k}" in taken:
+        k += 1
+    return f"{name}-{k}"

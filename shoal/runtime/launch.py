@@ -92,9 +92,22 @@ class Swarm:
         cfg.validate()
         self.cfg, self.on_event = cfg, on_event
         self.out = Path(cfg.out)
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "logs").mkdir(exist_ok=True)
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "logs").mkdir(exist_ok=True)
+            probe = self.out / "logs" / ".writable"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as exc:
+            raise ShoalError(f"run folder {self.out} is not writable ({exc.strerror or exc}); "
+                             f"give a writable --out") from None
         self.token = cfg.token or os.environ.get("SHOAL_TOKEN") or secrets.token_hex(16)
+        # Owner-only, so a person can add members (`--token-file RUN/token`) and nobody else reads it.
+        self.token_file = self.out / "token"
+        fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o600)
+            f.write(self.token + "\n")
         self.env = _env()
         self.env["SHOAL_TOKEN"] = self.token
         self.coord: subprocess.Popen | None = None
@@ -272,7 +285,8 @@ class Swarm:
         summary_path = self.out / "summary.json"
         if self.coord.returncode != 0 or not summary_path.exists():
             self.stop()
-            raise ShoalError(f"the coordinator failed (exit {self.coord.returncode}); "
+            why = self.coordinator_error()
+            raise ShoalError(f"{why or f'the coordinator failed (exit {self.coord.returncode})'}; "
                              f"see {self.out / 'logs' / 'coordinator.log'}")
         # Members exit by themselves once they see "done"; give them a moment.
         end = time.time() + 5
@@ -281,6 +295,13 @@ class Swarm:
                 time.sleep(0.05)
         self.stop()
         return json.loads(summary_path.read_text())
+
+    def coordinator_error(self) -> str:
+        """The coordinator's one-line ``error: ...`` (a failed run), or ""."""
+        log = self.out / "logs" / "coordinator.log"
+        lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+        errors = [ln[len("error: "):] for ln in lines if ln.startswith("error: ")]
+        return errors[-1] if errors else ""
 
     def stop(self) -> None:
         """Kill every process still running."""
@@ -329,10 +350,28 @@ def launch(cfg: LaunchConfig, on_event: Callable[[dict], None] | None = None,
            on_start: Callable[[Swarm], None] | None = None) -> dict:
     """Run a local swarm to completion and return the run summary.
 
-    ``on_start(swarm)`` runs once every process is started (e.g. to print the dashboard URL).
+    ``on_start(swarm)`` runs once every process is started (e.g. to print the coordinator's
+    address and the dashboard URL).
     """
     with Swarm(cfg, on_event) as swarm:
         swarm.start()
         if on_start is not None:
             on_start(swarm)
         return swarm.wait()
+
+
+class Stopped(ShoalError):
+    """``shoal launch`` got SIGTERM or SIGHUP (its members were stopped)."""
+
+
+def stop_on_signals() -> None:
+    """SIGTERM/SIGHUP end ``launch`` like Ctrl-C: the swarm's ``__exit__`` kills every member.
+
+    Members run in their own sessions (a terminal's signals do not reach them), so the
+    launcher must stop them itself. Call from the main thread only.
+    """
+    def handler(signum, frame):
+        raise Stopped(f"stopped by {signal.Signals(signum).name}; every member was stopped")
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, handler)

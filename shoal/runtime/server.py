@@ -12,6 +12,11 @@ the output gradient (relayed by the next server) and the state of two tasks:
 A lease not renewed before its deadline puts its task back to ``todo``; a worker silent
 for ``dead_after_s`` loses its un-pushed gradients (its ``computed`` micro-batches go back
 to ``todo``, and its *generation* is bumped so anything it still sends is refused).
+Gradient pushes are idempotent: a retried push (same worker, step, epoch, generation and
+micro-batches) that already landed is acknowledged again and not counted twice. A worker
+that cannot push releases its micro-batches with an empty push; one that neither pushes
+nor releases within ``flush_grace_s`` of the step's backward pool completing is voided.
+So a computed gradient is never both dropped by its worker and awaited here.
 When all M micro-batches are ``counted``, the server reports its squared gradient norm
 to the coordinator, receives the global clip coefficient, applies the shared AdamW step
 and starts the next step. Everything the server does happens on one asyncio loop, so
@@ -24,12 +29,14 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
 import grpc
 import torch
 
+from shoal.errors import ShoalError
 from shoal.model.transformer import build_stage
 from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
@@ -38,12 +45,16 @@ from shoal.net.traffic import Traffic
 from shoal.net.wire import WireError, decode_tensor, encode_tensor
 from shoal.runtime.common import (
     SCHEMA_VERSION,
+    Signal,
+    ckpt_dir,
+    clean_stray_temps,
     ewma,
     lease_seconds,
     list_ckpts,
     load_stage_ckpt,
     model_config,
     optim_config,
+    read_stage_ckpt,
     run_member,
     save_stage_ckpt,
     set_threads,
@@ -120,7 +131,7 @@ class StageServer(pbg.StageServerServicer):
         self.ready = False
         self.done = False
         self.committing = False
-        self.cond = asyncio.Condition()
+        self.cond = Signal()  # notified on every change of the task pool
         self.tasks_per_worker: dict[str, int] = {}
         self.requeues = 0
         self.stats = {"messages": 0, "bytes_in": 0}
@@ -129,6 +140,13 @@ class StageServer(pbg.StageServerServicer):
         self._stubs: dict[str, pbg.StageServerStub] = {}
         self.timing = StepTiming()  # where the current step's time goes (dashboard only)
         self.last_split: dict | None = None  # that split for the last committed step
+        # Identities (worker, epoch, step, gen, mbs) of pushes counted, for idempotent retries.
+        self.pushed: set[tuple] = set()
+        self.flush_since: float | None = None  # when the step's backward pool became complete
+        self.progress_t = time.monotonic()  # last commit (or load): the stall watchdog's clock
+        self.stall_warned = False
+        self.fatal = ""  # a one-line reason this server cannot go on (sent to the coordinator)
+        self.ckpt_ok: set[tuple] = set()  # (stage, version, size, mtime) of checkpoints known good
 
     # ------------------------------------------------------------------ setup
     @property
@@ -146,7 +164,8 @@ class StageServer(pbg.StageServerServicer):
         module = build_stage(cfg, first, last, seed=spec.seed)
         opt = make_optimizer(module.named_parameters(), optim_config(spec))
         if version > 0:
-            load_stage_ckpt(self.ckpt_root, stage, version, module, opt)
+            load_stage_ckpt(self.ckpt_root, stage, version, module, opt, run_id=spec.run_id,
+                            layers=(first, last))
         return cfg, module, opt
 
     async def _load(self, stage: int, first: int, last: int, version: int, epoch: int) -> None:
@@ -154,8 +173,17 @@ class StageServer(pbg.StageServerServicer):
         self.version = -1
         self.loading = True
         try:
+            if clean_stray_temps(self.ckpt_root, stage, self.spec.run_id):
+                log.info("%s removed half-written checkpoint files of stage %d", self.name, stage)
             cfg, module, opt = await asyncio.get_running_loop().run_in_executor(
                 None, self._make, stage, first, last, version)
+        except ShoalError as exc:
+            # A checkpoint that fails its checks at load: set it aside, so the next
+            # heartbeat reports an older one and the coordinator rolls back to that.
+            log.error("%s cannot restore stage %d v%d: %s; falling back to the previous checkpoint",
+                      self.name, stage, version, exc)
+            self._set_aside(stage, version)
+            return
         finally:
             self.loading = False
         if (stage, epoch) != (self.stage, self.epoch):
@@ -189,12 +217,86 @@ class StageServer(pbg.StageServerServicer):
         self.tasks_per_worker = {}
         self.requeues = 0
         self.timing = StepTiming(step, time.monotonic())
+        self.flush_since = None
+        self.progress_t = time.monotonic()
+        self.stall_warned = False
+        self.pushed = {k for k in self.pushed if k[2] >= step - 1}
+
+    @property
+    def flush_grace_s(self) -> float:
+        """How long the server waits for a computed gradient once every micro-batch is computed."""
+        return max(10.0, 4 * self.spec.dead_after_s) if self.spec else 10.0
+
+    @property
+    def stall_s(self) -> float:
+        """No commit for this long: log what the step waits for (once per stall)."""
+        return max(30.0, 10 * self.spec.dead_after_s) if self.spec else 30.0
+
+    def _flush_repair(self, now: float) -> bool:
+        """Void workers that hold computed gradients long after the pool completed."""
+        mbs = self.steps.get(self.step, {})
+        if not mbs or self.committing or not all(st.grad in ("computed", "counted") for st in mbs.values()):
+            self.flush_since = None
+            return False
+        if self.flush_since is None:
+            self.flush_since = now
+            return False
+        if now - self.flush_since < self.flush_grace_s:
+            return False
+        holders = sorted({st.holder for st in mbs.values() if st.grad == "computed"})
+        for wid in holders:
+            self._void_worker(wid, f"held computed gradients {self.flush_grace_s:.0f} s without pushing")
+        self.flush_since = None
+        return bool(holders)
+
+    def describe_wait(self) -> str:
+        """One line: what the current step is waiting for (for stall reports)."""
+        mbs = self.steps.get(self.step, {})
+        counts: dict[str, int] = {}
+        for st in mbs.values():
+            counts[f"grad:{st.grad}"] = counts.get(f"grad:{st.grad}", 0) + 1
+            if not self.is_last:
+                counts[f"fwd:{st.fwd}"] = counts.get(f"fwd:{st.fwd}", 0) + 1
+        holders = sorted({st.holder for st in mbs.values() if st.grad in ("leased", "computed")})
+        state = "loading" if self.loading else ("not ready" if not self.ready else
+                                                 ("committing" if self.committing else "working"))
+        return (f"stage {self.stage} step {self.step} ({state}): "
+                f"{', '.join(f'{k}={v}' for k, v in sorted(counts.items())) or 'no micro-batches'}; "
+                f"{len(self.leases)} leases, workers holding work: {', '.join(holders) or 'none'}")
 
     def _ckpt_version(self) -> int:
-        if self.stage < 0:
+        """Newest checkpoint of our stage that passes its checks (0: none, -1: no stage).
+
+        A file is checked once (this server's own writes are known good); one that fails
+        is reported in the log and set aside, and the previous one is used.
+        """
+        if self.stage < 0 or self.loading:
             return -1
-        v = list_ckpts(self.ckpt_root, self.stage)
-        return v[-1] if v else 0
+        d = ckpt_dir(self.ckpt_root, self.stage, self.spec.run_id)
+        for v in reversed(list_ckpts(self.ckpt_root, self.stage, self.spec.run_id)):
+            path = d / f"v{v}.safetensors"
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            key = (self.stage, v, st.st_size, st.st_mtime_ns)
+            if key not in self.ckpt_ok:
+                try:
+                    read_stage_ckpt(self.ckpt_root, self.stage, v, run_id=self.spec.run_id,
+                                    layers=(self.first, self.last))
+                except ShoalError as exc:
+                    log.error("%s: %s; using the previous checkpoint", self.name, exc)
+                    self._set_aside(self.stage, v)
+                    continue
+                self.ckpt_ok.add(key)
+            return v
+        return 0
+
+    def _set_aside(self, stage: int, version: int) -> None:
+        """Rename a bad checkpoint to ``v<N>.safetensors.bad`` (kept for inspection, never loaded)."""
+        path = ckpt_dir(self.ckpt_root, stage, self.spec.run_id) / f"v{version}.safetensors"
+        with contextlib.suppress(OSError):
+            os.replace(path, path.with_name(path.name + ".bad"))
 
     async def start_rpc(self) -> grpc.aio.Server:
         """Start listening (sets ``self.address``); the caller stops the returned server."""
@@ -263,7 +365,7 @@ class StageServer(pbg.StageServerServicer):
             a = await self.coord.Heartbeat(pb.MemberRequest(
                 member_id=self.member_id, version=self.version, ckpt_version=self._ckpt_version(),
                 epoch=self.epoch, counter_id=self.traffic.id, role="server",
-                traffic=self.traffic.snapshot(), stats=self.stats_snapshot()), timeout=5)
+                traffic=self.traffic.snapshot(), stats=self.stats_snapshot(), fatal=self.fatal), timeout=5)
         except grpc.aio.AioRpcError as exc:
             log.warning("heartbeat failed: %s", exc.code())
             return
@@ -362,6 +464,12 @@ class StageServer(pbg.StageServerServicer):
                     self._void_worker(wid, "silent")
                     del self.workers[wid]
                     changed = True
+            if self.version >= 0 and self.spec is not None:
+                changed |= self._flush_repair(now)
+                if now - self.progress_t > self.stall_s and not self.stall_warned and not self.done:
+                    self.stall_warned = True
+                    log.warning("%s: no progress for %.0f s; %s", self.name, now - self.progress_t,
+                                self.describe_wait())
             if changed:
                 async with self.cond:
                     self.cond.notify_all()
@@ -413,14 +521,12 @@ class StageServer(pbg.StageServerServicer):
     async def Lease(self, request, context):
         info = self._worker(request.worker)
         deadline = time.monotonic() + min(max(request.wait_s, 0.0), 2.0)
-        async with self.cond:
-            while True:
-                task = self._pick(request.worker)
-                flush = self._should_flush(request.worker)
-                if task is not None or flush or time.monotonic() >= deadline or self.done:
-                    break
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self.cond.wait(), deadline - time.monotonic())
+        while True:
+            task = self._pick(request.worker)
+            flush = self._should_flush(request.worker)
+            if task is not None or flush or time.monotonic() >= deadline or self.done:
+                break
+            await self.cond.wait(deadline - time.monotonic())
         reply = pb.LeaseReply(has_task=task is not None, version=self.version, gen=info.gen,
                               flush=flush, epoch=self.epoch, step=self.step)
         if task is not None:
@@ -488,9 +594,19 @@ class StageServer(pbg.StageServerServicer):
         self.stats["messages"] += 1
         self.stats["bytes_in"] += sum(len(g.data) for g in r.grads)
         mbs = self.steps.get(r.step, {})
+        ids = list(r.mbs)
+        identity = (r.worker, r.epoch, r.step, r.gen, tuple(ids))
+        if ids and identity in self.pushed:
+            # A retry of a push that landed (its reply was lost): counted once already.
+            return pb.PushReply(accepted=True, reason="duplicate of a counted push", gen=info.gen)
         if r.epoch != self.epoch or r.step != self.step or r.gen != info.gen:
             return pb.PushReply(accepted=False, reason="stale push (step, epoch or generation)", gen=info.gen)
-        ids = list(r.mbs)
+        if not ids:
+            # An empty push releases the worker's un-pushed gradients: it could not push them.
+            self._void_worker(r.worker, "released its gradients (its push could not land)")
+            async with self.cond:
+                self.cond.notify_all()
+            return pb.PushReply(accepted=True, reason="released", gen=info.gen)
         ok = len(ids) == len(set(ids)) and ids and all(
             mb in mbs and mbs[mb].grad == "computed" and mbs[mb].holder == r.worker for mb in ids)
         if not ok:
@@ -516,6 +632,7 @@ class StageServer(pbg.StageServerServicer):
         # Summed at commit, ordered by micro-batch id: with one micro-batch per push this is
         # exactly the local trainer's sequential sum.
         self.pushes.append((min(ids), grads))
+        self.pushed.add(identity)
         for mb in ids:
             mbs[mb].grad = "counted"
         if all(st.grad == "counted" for st in mbs.values()) and not self.committing:
@@ -591,7 +708,23 @@ class StageServer(pbg.StageServerServicer):
     def _spawn(self, coro) -> None:
         t = asyncio.create_task(coro)
         self._bg.add(t)
-        t.add_done_callback(self._bg.discard)
+        t.add_done_callback(self._bg_done)
+
+    def _bg_done(self, t: asyncio.Task) -> None:
+        """No background task fails unseen: log it and fail the run through the coordinator."""
+        self._bg.discard(t)
+        if t.cancelled() or t.exception() is None:
+            return
+        exc = t.exception()
+        if isinstance(exc, ShoalError):
+            log.error("%s: %s", self.name, exc)
+            why = str(exc)
+        else:
+            log.error("%s: background task %s failed", self.name, t.get_coro().__qualname__,
+                      exc_info=(type(exc), exc, exc.__traceback__))
+            why = f"{type(exc).__name__}: {exc}"
+        if not self.fatal:
+            self.fatal = f"server {self.name} (stage {self.stage}): {why}".splitlines()[0]
 
     def _stub(self, addr: str) -> pbg.StageServerStub:
         if addr not in self._stubs:
@@ -649,7 +782,10 @@ class StageServer(pbg.StageServerServicer):
             self.last_split = self.timing.split(time.monotonic())
             self.version = step + 1
             if self.spec.ckpt_every > 0 and self.version % self.spec.ckpt_every == 0:
-                save_stage_ckpt(self.ckpt_root, self.stage, self.version, self.module, self.opt)
+                path = save_stage_ckpt(self.ckpt_root, self.stage, self.version, self.module, self.opt,
+                                       run_id=self.spec.run_id, layers=(self.first, self.last))
+                st = path.stat()
+                self.ckpt_ok.add((self.stage, self.version, st.st_size, st.st_mtime_ns))
             self.steps.pop(step, None)
             self.pushes = []
             self.step = step + 1
@@ -662,16 +798,16 @@ class StageServer(pbg.StageServerServicer):
                 self.cond.notify_all()
 
 
-async def _retry(fn, tries: int = 200, delay: float = 0.1):
-    """Call ``fn`` until it succeeds (the peer may still be starting)."""
-    for i in range(tries):
+async def _retry(fn, budget_s: float = 30.0, delay: float = 0.1):
+    """Call ``fn`` until it succeeds (the peer may still be starting), for ``budget_s`` at most."""
+    end = time.monotonic() + budget_s
+    while True:
         try:
             return await fn()
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAUTHENTICATED or i == tries - 1:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > end:
                 raise
             await asyncio.sleep(delay)
-    raise RuntimeError("unreachable")
 
 
 def serve(coord: str, listen: str, token: str, ckpt_root: str, name: str = "server", *, dial=None,

@@ -47,7 +47,7 @@ class WorkerOptions:
     flops: float | None = None  # FLOP/s to report (None: measure at start)
     heartbeat_s: float = 0.2  # lease renewal / coordinator heartbeat period
     lease_wait_s: float = 0.5  # long-poll time of one lease request
-    inject: str = ""  # test faults, once each: "nan_grad", "bad_shape" (comma-separated)
+    inject: str = ""  # test faults, once each: nan_grad, bad_shape, push_fail, push_lost, push_abandon
     codec: str = "raw"  # tensor codec for results and pushes
     graph_cache: bool = True  # keep forward graphs to skip the recompute in own backward tasks
     orphan_after_s: float = 120.0  # exit when the coordinator is unreachable this long
@@ -59,6 +59,8 @@ class WorkerOptions:
     down_bps: float = 0.0  # declared downlink bytes/s (0: measured)
     probe_bytes: int = 2 * 1024 * 1024  # bytes of the larger timed link transfer each way when measuring
     compute_device: str = "cpu"  # torch device the worker computes on (what it measures)
+    push_attempts: int = 5  # tries of one gradient push before its micro-batches are released
+    push_timeout_s: float = 60.0  # deadline of one push attempt
 
 
 def ordered_groups(per_mb: dict[int, dict[str, torch.Tensor]]) -> list[tuple[list[int], dict]]:
@@ -302,7 +304,12 @@ class Worker:
         self.graphs.clear()  # graphs of older weights must not be back-propagated
 
     async def _push(self) -> None:
-        """Push the accumulated gradients: one sum, or one push per micro-batch (ordered)."""
+        """Push the accumulated gradients: one sum, or one push per micro-batch (ordered).
+
+        Each push is retried (:meth:`_send_push`) with the same identity, which the server
+        recognises when an earlier attempt landed. A push that cannot land is released
+        (:meth:`_release`) so the server redoes its micro-batches instead of waiting.
+        """
         epoch, step, gen = self.acc_key
         if self.spec.ordered_grads:
             groups = ordered_groups(self.acc_per_mb)
@@ -317,7 +324,10 @@ class Worker:
                         g = g.clone()
                         g.view(-1)[0] = float("nan")
                     msg.grads.append(encode_tensor(name, g, self.opts.codec, ef=self.ef))
-                rep = await self.server.PushGrads(msg, timeout=60)
+                rep = await self._send_push(msg)
+                if rep is None:
+                    await self._release(epoch, step, gen)
+                    break
                 if not rep.accepted:
                     log.info("%s: push refused: %s", self.opts.name, rep.reason)
                     if self.ef is not None:
@@ -327,6 +337,45 @@ class Worker:
         finally:
             self._drop_acc()
 
+    async def _send_push(self, msg: pb.GradPush) -> pb.PushReply | None:
+        """Send one push, retrying transport failures; None when every attempt failed."""
+        delay = 0.1
+        for attempt in range(1, self.opts.push_attempts + 1):
+            try:
+                if "push_abandon" in self.inject:
+                    raise _injected("push_abandon: this push never leaves the worker")
+                if "push_fail" in self.inject:
+                    self.inject.discard("push_fail")
+                    raise _injected("push_fail: the first attempt is lost before it is sent")
+                rep = await self.server.PushGrads(msg, timeout=self.opts.push_timeout_s)
+                if "push_lost" in self.inject:
+                    self.inject.discard("push_lost")
+                    raise _injected("push_lost: the push landed but its reply is lost")
+                return rep
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in _FINAL_CODES:
+                    raise
+                log.info("%s: push of step %d mbs %s failed (%s, attempt %d of %d)", self.opts.name,
+                         msg.step, list(msg.mbs), exc.code().name, attempt, self.opts.push_attempts)
+                if attempt < self.opts.push_attempts:
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, 2.0)
+        self.inject.discard("push_abandon")
+        return None
+
+    async def _release(self, epoch: int, step: int, gen: int) -> None:
+        """Tell the server we no longer hold our un-pushed gradients of ``step``.
+
+        An empty push means "release": the server puts the micro-batches back to ``todo``.
+        If even this cannot land, the server asks again: its next ``Lease`` reply says
+        ``flush`` while we hold nothing, and :meth:`_one` releases then.
+        """
+        log.warning("%s: could not push the gradients of step %d; releasing them to be redone",
+                    self.opts.name, step)
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self.server.PushGrads(pb.GradPush(worker=self.member_id, step=step, epoch=epoch, gen=gen),
+                                        timeout=10)
+
     async def _one(self) -> None:
         server = self.server
         rep = await server.Lease(pb.LeaseRequest(worker=self.member_id, wait_s=self.opts.lease_wait_s),
@@ -335,6 +384,10 @@ class Worker:
             self._drop_acc()  # voided by the server, or a roll-back
         if rep.flush and self.acc_key is not None:
             await self._push()
+        elif rep.flush:
+            # The server awaits gradients we do not hold (a push or a result reply was
+            # lost): release them so they are redone rather than awaited forever.
+            await self._release(rep.epoch, rep.step, rep.gen)
         if not rep.has_task:
             return
         task = rep.task
@@ -450,6 +503,17 @@ class Worker:
             p.grad = None
         recomputed = task.direction == pb.BWD and cached is None
         return (None if first_stage else x.grad.contiguous()), loss_v, grads, recomputed
+
+
+# Refusals that a retry cannot change (wrong token, malformed message).
+_FINAL_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                grpc.StatusCode.INVALID_ARGUMENT)
+
+
+def _injected(details: str) -> grpc.aio.AioRpcError:
+    """A transport failure made by a test fault (``--inject push_*``)."""
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                details=f"injected fault {details}")
 
 
 def work(coord: str, token: str, opts: WorkerOptions, *, dial=None, pacer=None, on_servers=None) -> None:
