@@ -32,7 +32,8 @@ import grpc
 
 from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
-from shoal.net.channel import ChannelFactory, make_server
+from shoal.net.channel import ChannelFactory, advertised_address, make_server
+from shoal.net.stream import CONTROL_SLACK, fetch
 from shoal.net.traffic import BYTES_METHOD, merge_traffic
 from shoal.net.wire import decode_tensor
 from shoal.runtime.common import assign_workers, even_split, model_config, optim_config
@@ -378,7 +379,12 @@ class Coordinator(pbg.CoordinatorServicer):
 
     async def _finish(self) -> None:
         """Collect the final weights from every server, write them, then say done."""
+        from shoal.model.profile import profile_model
+
         channels = ChannelFactory(self.token)
+        prof = profile_model(self.cfg, self.spec.seq_len, self.spec.micro_batch_size, 4)
+        # No stage holds more than the whole model: the most bytes a final pull may take.
+        cap = 4 * prof.params(0, self.cfg.n_total_layers) + 512 * 4096 + CONTROL_SLACK
         weights = {}
         for _ in range(600):
             try:
@@ -386,14 +392,15 @@ class Coordinator(pbg.CoordinatorServicer):
                 for s in range(self.spec.stages):
                     stub = pbg.StageServerStub(channels.open(self._servers()[s]))
                     while True:
-                        rep = await stub.GetWeights(pb.WeightsRequest(worker="coordinator"), timeout=30)
+                        rep = await fetch(stub.GetWeightsStream, pb.WeightsRequest(worker="coordinator"),
+                                          pb.WeightsReply, cap)
                         if rep.version >= self.spec.steps:
                             break
                         await asyncio.sleep(0.05)
                     for f in rep.params:
                         weights[f.name] = decode_tensor(f, dtype="float32")
                 break
-            except (grpc.aio.AioRpcError, IndexError, ValueError):
+            except (grpc.aio.AioRpcError, IndexError, ValueError):  # WireError is a ValueError
                 await asyncio.sleep(0.1)
         if self.out:
             from shoal.runtime.artifacts import write_final
@@ -439,16 +446,17 @@ class Coordinator(pbg.CoordinatorServicer):
 
 async def run_coordinator(spec: pb.RunSpec, token: str, listen: str, *, min_workers: int = 1,
                           out: str | None = None, address_file: str | None = None,
-                          emulated=None) -> dict:
+                          emulated=None, advertise: str | None = None) -> dict:
     """Serve until the run is done; returns the run summary.
 
-    ``emulated``: the scaled scenario the processes emulate, planned on instead of loopback.
+    ``emulated``: the scaled scenario the processes emulate, planned on instead of loopback;
+    ``advertise``: the address members dial (written to ``address_file``; default: listen).
     """
     coord = Coordinator(spec, token, min_workers=min_workers, out=out, emulated=emulated)
     server = make_server(token)
     pbg.add_CoordinatorServicer_to_server(coord, server)
     port = server.add_insecure_port(listen)
-    address = f"{listen.rsplit(':', 1)[0]}:{port}"
+    address = advertised_address(listen, advertise, port)
     await server.start()
     if address_file:
         # The run's clock (events' and metrics' time_s) for the launcher's kill events;

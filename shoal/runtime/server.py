@@ -33,7 +33,8 @@ import torch
 from shoal.model.transformer import build_stage
 from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
-from shoal.net.channel import ChannelFactory, make_server
+from shoal.net.channel import ChannelFactory, advertised_address, make_server
+from shoal.net.stream import CONTROL_SLACK, DEFAULT_CHUNK_BYTES, chunks_of, receive, send, split
 from shoal.net.traffic import Traffic
 from shoal.net.wire import WireError, decode_tensor, encode_tensor
 from shoal.runtime.common import (
@@ -88,8 +89,12 @@ class StageServer(pbg.StageServerServicer):
     """State and RPC handlers of one stage server."""
 
     def __init__(self, coord: str, listen: str, token: str, ckpt_root: str, *,
-                 name: str = "server", dial=None, heartbeat_s: float = 0.2, device: str = ""):
+                 name: str = "server", dial=None, heartbeat_s: float = 0.2, device: str = "",
+                 advertise: str | None = None, chunk_bytes: int = 0):
         self.coord_addr, self.listen, self.token = coord, listen, token
+        self.advertise = advertise  # address peers dial (None: the listen address)
+        self.chunk_bytes_opt = chunk_bytes  # bytes per streamed chunk (0: the run's setting)
+        self._wcache: tuple[tuple[int, int, int], bytes] | None = None  # (version, epoch, stage) -> bytes
         self.ckpt_root, self.name, self.heartbeat_s = ckpt_root, name, heartbeat_s
         self.device = device  # emulated runs: the scenario host this server plays
         self.orphan_after_s = 120.0  # exit when the coordinator is unreachable this long
@@ -190,8 +195,7 @@ class StageServer(pbg.StageServerServicer):
         server = make_server(self.token)
         pbg.add_StageServerServicer_to_server(self, server)
         port = server.add_insecure_port(self.listen)
-        host = self.listen.rsplit(":", 1)[0]
-        self.address = f"{host}:{port}"
+        self.address = advertised_address(self.listen, self.advertise, port)
         await server.start()
         return server
 
@@ -488,6 +492,73 @@ class StageServer(pbg.StageServerServicer):
             reply.params.append(encode_tensor(name, p.detach()))
         return reply
 
+    # ------------------------------------------------------------------ streamed RPCs
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes per chunk this server sends: its own setting, else the run's, else the default."""
+        spec_chunk = self.spec.chunk_bytes if self.spec is not None else 0
+        return self.chunk_bytes_opt or spec_chunk or DEFAULT_CHUNK_BYTES
+
+    def max_bytes(self, what: str) -> int:
+        """Most bytes a streamed message of kind ``what`` ("act" or "grads") may have here."""
+        if self.spec is None:
+            return CONTROL_SLACK
+        if what == "grads":
+            if self.version < 0:
+                return CONTROL_SLACK
+            numel = sum(p.numel() for p in self.params.values())
+            return 4 * numel + 512 * len(self.params) + CONTROL_SLACK
+        cfg = model_config(self.spec)
+        return 4 * self.spec.micro_batch_size * self.spec.seq_len * cfg.d_model + CONTROL_SLACK
+
+    async def LeaseStream(self, request, context):
+        reply = await self.Lease(request, context)
+        for chunk in chunks_of(reply, self.chunk_bytes):
+            yield chunk
+
+    async def CompleteStream(self, request_iterator, context):
+        try:
+            msg = await receive(request_iterator, pb.TaskResult, self.max_bytes("act"))
+        except WireError as exc:
+            log.warning("%s refused a streamed result: %s", self.name, exc)
+            return pb.CompleteReply(accepted=False, reason=f"rejected: {exc}")
+        return await self.Complete(msg, context)
+
+    async def PushGradsStream(self, request_iterator, context):
+        try:
+            msg = await receive(request_iterator, pb.GradPush, self.max_bytes("grads"))
+        except WireError as exc:
+            log.warning("%s refused a streamed gradient push: %s", self.name, exc)
+            return pb.PushReply(accepted=False, reason=f"rejected: {exc}")
+        return await self.PushGrads(msg, context)
+
+    async def SubmitRelayStream(self, request_iterator, context):
+        try:
+            msg = await receive(request_iterator, pb.Relay, self.max_bytes("act"))
+        except WireError as exc:
+            return pb.RelayReply(accepted=False, reason=f"rejected: {exc}")
+        return await self.SubmitRelay(msg, context)
+
+    def _weights_bytes(self) -> bytes:
+        """The serialised WeightsReply of the current version, made once and shared by all pullers."""
+        key = (self.version, self.epoch, self.stage)
+        if self._wcache is None or self._wcache[0] != key:
+            self._wcache = None  # drop the old bytes before making the new
+            reply = pb.WeightsReply(version=self.version, epoch=self.epoch, first=self.first, last=self.last)
+            for name, p in self.params.items():
+                reply.params.append(encode_tensor(name, p.detach()))
+            self._wcache = (key, reply.SerializeToString())
+        return self._wcache[1]
+
+    async def GetWeightsStream(self, request, context):
+        if request.worker != "coordinator":
+            self._worker(request.worker)
+        if self.version < 0:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "stage not loaded yet")
+        # Every chunk is a slice of the one shared serialisation; a puller holds a chunk at a time.
+        for chunk in split("WeightsReply", self._weights_bytes(), self.chunk_bytes):
+            yield chunk
+
     async def Leave(self, request, context):
         self._void_worker(request.member_id, "left")
         self.workers.pop(request.member_id, None)
@@ -546,7 +617,8 @@ class StageServer(pbg.StageServerServicer):
             addr = self.servers[stage] if stage < len(self.servers) else ""
             if addr:
                 try:
-                    rep = await self._stub(addr).SubmitRelay(msg, timeout=10)
+                    rep = await send(self._stub(addr).SubmitRelayStream, msg, self.chunk_bytes,
+                                     traffic=self.traffic)
                     if rep.accepted or not rep.retry:
                         if not rep.accepted:
                             log.warning("relay refused: %s", rep.reason)
@@ -587,6 +659,7 @@ class StageServer(pbg.StageServerServicer):
                 if d.ready:
                     break
             apply_update(self.opt, d.lr, d.coef)
+            self._wcache = None  # the serialised weights of the old version
             self.version = step + 1
             if self.spec.ckpt_every > 0 and self.version % self.spec.ckpt_every == 0:
                 save_stage_ckpt(self.ckpt_root, self.stage, self.version, self.module, self.opt)
@@ -615,9 +688,14 @@ async def _retry(fn, tries: int = 200, delay: float = 0.1):
 
 
 def serve(coord: str, listen: str, token: str, ckpt_root: str, name: str = "server", *, dial=None,
-          on_servers=None, device: str = "") -> None:
-    """Run a stage server process until the run is done (``device``: scenario host it plays)."""
+          on_servers=None, device: str = "", advertise: str | None = None, chunk_bytes: int = 0) -> None:
+    """Run a stage server process until the run is done.
+
+    ``device``: scenario host it plays; ``advertise``: the address peers dial (default:
+    the listen address); ``chunk_bytes``: bytes per streamed chunk (0: the run's setting).
+    """
     set_threads()
-    srv = StageServer(coord, listen, token, ckpt_root, name=name, dial=dial, device=device)
+    srv = StageServer(coord, listen, token, ckpt_root, name=name, dial=dial, device=device,
+                      advertise=advertise, chunk_bytes=chunk_bytes)
     srv.on_servers = on_servers
     run_member(srv.run(), coord)

@@ -25,8 +25,9 @@ from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
 from shoal.net.channel import ChannelFactory
 from shoal.net.compress import ErrorFeedback
+from shoal.net.stream import CONTROL_SLACK, DEFAULT_CHUNK_BYTES, fetch, send
 from shoal.net.traffic import Traffic
-from shoal.net.wire import decode_tensor, encode_tensor
+from shoal.net.wire import WireError, decode_tensor, encode_tensor
 from shoal.runtime.common import (
     SCHEMA_VERSION,
     measure_flops,
@@ -54,6 +55,8 @@ class WorkerOptions:
     slow_s: float = 0.0  # extra seconds per task (a crude stand-in for a slow device in tests)
     error_feedback: bool = True  # lossy codec: carry each gradient push's quantisation error into the next
     device: str = ""  # emulated runs: the scenario device this worker plays (the coordinator plans on it)
+    chunk_bytes: int = 0  # bytes per chunk of streamed uploads (0: the run's setting)
+    push_tries: int = 3  # attempts of a gradient push whose call broke before it gives them up
 
 
 def ordered_groups(per_mb: dict[int, dict[str, torch.Tensor]]) -> list[tuple[list[int], dict]]:
@@ -150,6 +153,11 @@ class Worker:
                 except grpc.aio.AioRpcError as exc:
                     log.info("%s: server call failed (%s); retrying", self.opts.name, exc.code())
                     await asyncio.sleep(0.2)
+                except WireError as exc:
+                    # A transfer that came short or did not check out: nothing of it was
+                    # applied; a task we hold meanwhile runs out its lease and is redone.
+                    log.warning("%s: bad transfer from the server (%s); retrying", self.opts.name, exc)
+                    await asyncio.sleep(0.2)
         finally:
             hb.cancel()
 
@@ -223,12 +231,31 @@ class Worker:
     def _drop_acc(self) -> None:
         self.acc_key, self.acc, self.acc_mbs, self.acc_per_mb = None, {}, [], {}
 
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes per chunk of this worker's uploads: its own setting, else the run's."""
+        return self.opts.chunk_bytes or self.spec.chunk_bytes or DEFAULT_CHUNK_BYTES
+
+    def _act_bytes(self) -> int:
+        return 4 * self.spec.micro_batch_size * self.spec.seq_len * self.cfg.d_model
+
     async def _pull(self) -> None:
-        rep = await self.server.GetWeights(pb.WeightsRequest(worker=self.member_id), timeout=30)
+        """Fetch the server's weights in chunks; apply them only when all arrived and check out."""
+        numel = sum(p.numel() for p in self.params.values())
+        cap = 4 * numel + 512 * len(self.params) + CONTROL_SLACK
+        rep = await fetch(self.server.GetWeightsStream, pb.WeightsRequest(worker=self.member_id),
+                          pb.WeightsReply, cap, traffic=self.traffic)
+        new = {}
+        for frame in rep.params:
+            p = self.params.get(frame.name)
+            if p is None or frame.name in new:
+                raise WireError(f"weights of stage [{rep.first},{rep.last}): unexpected tensor {frame.name!r}")
+            new[frame.name] = decode_tensor(frame, shape=tuple(p.shape), dtype="float32", finite=True)
+        if len(new) != len(self.params):
+            raise WireError(f"weights hold {len(new)} of the stage's {len(self.params)} tensors")
         with torch.no_grad():
-            for frame in rep.params:
-                p = self.params[frame.name]
-                p.copy_(decode_tensor(frame, shape=tuple(p.shape), dtype="float32"))
+            for name, t in new.items():
+                self.params[name].copy_(t)
         self.version, self.weights_epoch = rep.version, rep.epoch
         self.graphs.clear()  # graphs of older weights must not be back-propagated
 
@@ -248,7 +275,9 @@ class Worker:
                         g = g.clone()
                         g.view(-1)[0] = float("nan")
                     msg.grads.append(encode_tensor(name, g, self.opts.codec, ef=self.ef))
-                rep = await self.server.PushGrads(msg, timeout=60)
+                rep = await self._send_push(msg)
+                if rep is None:
+                    break
                 if not rep.accepted:
                     log.info("%s: push refused: %s", self.opts.name, rep.reason)
                     if self.ef is not None:
@@ -258,10 +287,31 @@ class Worker:
         finally:
             self._drop_acc()
 
+    async def _send_push(self, msg: pb.GradPush) -> pb.PushReply | None:
+        """Stream one push, again if its call breaks; None when every try broke.
+
+        Then the server is told we left it, so the micro-batches we hold are redone
+        instead of waiting for a push that will not come.
+        """
+        for i in range(self.opts.push_tries):
+            try:
+                return await send(self.server.PushGradsStream, msg, self.chunk_bytes, traffic=self.traffic)
+            except grpc.aio.AioRpcError as exc:
+                log.info("%s: push broke (%s), try %d of %d", self.opts.name, exc.code(), i + 1,
+                         self.opts.push_tries)
+                await asyncio.sleep(0.2)
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self.server.Leave(pb.MemberRequest(member_id=self.member_id), timeout=5)
+        if self.ef is not None:
+            self.ef.reset()
+        return None
+
     async def _one(self) -> None:
         server = self.server
-        rep = await server.Lease(pb.LeaseRequest(worker=self.member_id, wait_s=self.opts.lease_wait_s),
-                                 timeout=10)
+        rep = await fetch(server.LeaseStream,
+                          pb.LeaseRequest(worker=self.member_id, wait_s=self.opts.lease_wait_s),
+                          pb.LeaseReply, 2 * self._act_bytes() + CONTROL_SLACK, timeout=10,
+                          traffic=self.traffic)
         if self.acc_key is not None and self.acc_key != (rep.epoch, rep.step, rep.gen):
             self._drop_acc()  # voided by the server, or a roll-back
         if rep.flush and self.acc_key is not None:
@@ -292,7 +342,7 @@ class Worker:
                     self.inject.discard("bad_shape")
                     out = out[..., :-1]
                 result.output.CopyFrom(encode_tensor("out", out, self.opts.codec))
-            done = await server.Complete(result, timeout=60)
+            done = await send(server.CompleteStream, result, self.chunk_bytes, traffic=self.traffic)
         finally:
             self.held.discard(task.lease_id)
         if not done.accepted:
