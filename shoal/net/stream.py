@@ -128,7 +128,7 @@ def tensor_bytes(numel: int, itemsize: int = 4) -> int:
     return numel * itemsize
 
 
-def transfer_timeout(nbytes: int, base_s: float = 30.0, min_bytes_per_s: float = 1e6) -> float:
+def transfer_timeout(nbytes: int, base_s: float = 60.0, min_bytes_per_s: float = 1e6) -> float:
     """Deadline of one streamed call: ``base_s`` plus ``nbytes`` at a slow 1 MB/s link."""
     return base_s + nbytes / min_bytes_per_s
 
