@@ -226,15 +226,15 @@ def test_weights_are_serialised_once_and_served_to_every_puller(tmp_path):
     async def main():
         srv, rpc, addr = await _start(tmp_path)
         try:
-            first = srv._weights_bytes()
-            assert srv._weights_bytes() is first  # no new copy for the next puller
+            first = await srv._weights_bytes()
+            assert (await srv._weights_bytes()) is first  # no new copy for the next puller
             numel = sum(p.numel() for p in srv.params.values())
             async with open_channel(addr, TOKEN) as ch:
                 stub = pbg.StageServerStub(ch)
                 reps = await asyncio.gather(*[
                     fetch(stub.GetWeightsStream, pb.WeightsRequest(worker=f"w{i}"), pb.WeightsReply,
                           4 * numel + 100_000) for i in range(3)])
-            assert srv._weights_bytes() is first
+            assert (await srv._weights_bytes()) is first
             for rep in reps:
                 assert rep.SerializeToString() == first
                 assert [f.name for f in rep.params] == list(srv.params)
@@ -243,7 +243,7 @@ def test_weights_are_serialised_once_and_served_to_every_puller(tmp_path):
                 next(iter(srv.params.values())).add_(1.0)
             srv.version = srv.step = 1
             srv._wcache = None
-            assert srv._weights_bytes() != first
+            assert (await srv._weights_bytes()) != first
         finally:
             await rpc.stop(0)
 

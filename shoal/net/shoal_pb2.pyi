@@ -376,13 +376,15 @@ class RelayReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., retry: _Optional[bool] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("kind", "total", "offset", "data")
+    __slots__ = ("kind", "total", "offset", "data", "sender")
     KIND_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
     kind: str
     total: int
     offset: int
     data: bytes
-    def __init__(self, kind: _Optional[str] = ..., total: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    sender: str
+    def __init__(self, kind: _Optional[str] = ..., total: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., sender: _Optional[str] = ...) -> None: ...

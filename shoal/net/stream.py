@@ -20,6 +20,7 @@ pulls cost one chunk each, not a copy of the weights each.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterable, Iterator
 
 from shoal.net import shoal_pb2 as pb
@@ -41,18 +42,19 @@ def chunk_bytes_from_mb(mb: float | None, default: int = DEFAULT_CHUNK_BYTES) ->
     return max(MIN_CHUNK_BYTES, int(mb * 1024 * 1024))
 
 
-def split(kind: str, data: bytes, chunk_bytes: int) -> Iterator[pb.Chunk]:
+def split(kind: str, data: bytes, chunk_bytes: int, sender: str = "") -> Iterator[pb.Chunk]:
     """The chunks of the serialised message ``data`` (one empty chunk for an empty message)."""
     total = len(data)
     if chunk_bytes <= 0:
         raise ValueError("chunk_bytes must be positive")
     if total == 0:
-        yield pb.Chunk(kind=kind, total=0, offset=0)
+        yield pb.Chunk(kind=kind, total=0, offset=0, sender=sender)
         return
     view = memoryview(data)
     for off in range(0, total, chunk_bytes):
         # bytes() copies one chunk: the only per-transfer copy the sender makes.
-        yield pb.Chunk(kind=kind, total=total, offset=off, data=bytes(view[off:off + chunk_bytes]))
+        yield pb.Chunk(kind=kind, total=total, offset=off, data=bytes(view[off:off + chunk_bytes]),
+                       sender=sender)
 
 
 def chunks_of(msg, chunk_bytes: int) -> Iterator[pb.Chunk]:
@@ -111,15 +113,23 @@ def assemble(chunks: Iterable[pb.Chunk], msg_cls, max_bytes: int):
     return asm.finish(msg_cls)
 
 
-async def receive(chunks: AsyncIterator[pb.Chunk], msg_cls, max_bytes: int):
+PARSE_OFF_LOOP_BYTES = 1 << 20  # larger messages are parsed in a thread, off the event loop
+
+
+async def receive(chunks: AsyncIterator[pb.Chunk], msg_cls, max_bytes: int, on_chunk=None):
     """Assemble a message from an async stream of chunks (a gRPC request or reply stream).
 
     A broken call raises its gRPC error while iterating; a stream that ends short raises
     :class:`WireError`. Either way the caller gets no message and applies nothing.
+    ``on_chunk(chunk)`` runs for every chunk (e.g. to keep its sender counted as alive).
     """
     asm = Assembler(msg_cls.__name__, max_bytes)
     async for c in chunks:
         asm.add(c)
+        if on_chunk is not None:
+            on_chunk(c)
+    if asm.total > PARSE_OFF_LOOP_BYTES:
+        return await asyncio.get_running_loop().run_in_executor(None, asm.finish, msg_cls)
     return asm.finish(msg_cls)
 
 
@@ -133,18 +143,21 @@ def transfer_timeout(nbytes: int, base_s: float = 60.0, min_bytes_per_s: float =
     return base_s + nbytes / min_bytes_per_s
 
 
-async def send(method, msg, chunk_bytes: int, *, timeout: float | None = None, traffic=None):
+async def send(method, msg, chunk_bytes: int, *, timeout: float | None = None, traffic=None,
+               data: bytes | None = None, sender: str = ""):
     """Call the client-streaming ``method`` with ``msg`` in chunks; returns its reply.
 
+    ``data``: ``msg`` already serialised (e.g. in a thread, for a large message);
     ``traffic`` (a :class:`shoal.net.traffic.Traffic`) counts the whole message and the
-    reply, as the unary interceptor counts a unary call.
+    reply, as the unary interceptor counts a unary call; ``sender`` goes in every chunk.
     """
-    data = msg.SerializeToString()
+    if data is None:
+        data = msg.SerializeToString()
     if traffic is not None:
         traffic.count(msg)
     if timeout is None:
         timeout = transfer_timeout(len(data))
-    reply = await method(split(type(msg).__name__, data, chunk_bytes), timeout=timeout)
+    reply = await method(split(type(msg).__name__, data, chunk_bytes, sender), timeout=timeout)
     if traffic is not None:
         traffic.count(reply)
     return reply

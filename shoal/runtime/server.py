@@ -95,6 +95,7 @@ class StageServer(pbg.StageServerServicer):
         self.advertise = advertise  # address peers dial (None: the listen address)
         self.chunk_bytes_opt = chunk_bytes  # bytes per streamed chunk (0: the run's setting)
         self._wcache: tuple[tuple[int, int, int], bytes] | None = None  # (version, epoch, stage) -> bytes
+        self._wlock = asyncio.Lock()  # weights are not updated while they are being serialised
         self.ckpt_root, self.name, self.heartbeat_s = ckpt_root, name, heartbeat_s
         self.device = device  # emulated runs: the scenario host this server plays
         self.orphan_after_s = 120.0  # exit when the coordinator is unreachable this long
@@ -446,20 +447,20 @@ class StageServer(pbg.StageServerServicer):
                 self.cond.notify_all()
             return pb.PushReply(accepted=False, reason="push covers micro-batches not held", gen=info.gen)
         try:
-            grads = {}
-            for g in r.grads:
-                if g.name not in self.params or g.name in grads:
-                    raise WireError(f"unexpected gradient {g.name!r}")
-                grads[g.name] = decode_tensor(g, shape=tuple(self.params[g.name].shape),
-                                              dtype="float32", finite=True)
-            if len(grads) != len(self.params):
-                raise WireError(f"push has {len(grads)} of {len(self.params)} gradients")
+            # Checked in a thread: a stage's gradients can be hundreds of MB, and the loop
+            # must keep answering leases and heartbeats meanwhile.
+            grads = await asyncio.get_running_loop().run_in_executor(None, _decode_grads, r, self.params)
         except WireError as exc:
             log.warning("%s rejected a gradient push of %s: %s", self.name, r.worker, exc)
             self._void_worker(r.worker, f"bad push: {exc}")
             async with self.cond:
                 self.cond.notify_all()
             return pb.PushReply(accepted=False, reason=f"rejected: {exc}", gen=info.gen)
+        mbs = self.steps.get(r.step, {})
+        if (r.epoch != self.epoch or r.step != self.step or r.gen != info.gen
+                or not all(mb in mbs and mbs[mb].grad == "computed" and mbs[mb].holder == r.worker for mb in ids)):
+            return pb.PushReply(accepted=False, reason="stale push (the step moved on while it was checked)",
+                                gen=info.gen)
         # Summed at commit, ordered by micro-batch id: with one micro-batch per push this is
         # exactly the local trainer's sequential sum.
         self.pushes.append((min(ids), grads))
@@ -516,9 +517,15 @@ class StageServer(pbg.StageServerServicer):
         for chunk in chunks_of(reply, self.chunk_bytes):
             yield chunk
 
+    def _alive(self, chunk: pb.Chunk) -> None:
+        """A chunk from a known worker shows it alive (a long upload is not silence)."""
+        info = self.workers.get(chunk.sender)
+        if info is not None:
+            info.last_seen = time.monotonic()
+
     async def CompleteStream(self, request_iterator, context):
         try:
-            msg = await receive(request_iterator, pb.TaskResult, self.max_bytes("act"))
+            msg = await receive(request_iterator, pb.TaskResult, self.max_bytes("act"), self._alive)
         except WireError as exc:
             log.warning("%s refused a streamed result: %s", self.name, exc)
             return pb.CompleteReply(accepted=False, reason=f"rejected: {exc}")
@@ -526,7 +533,7 @@ class StageServer(pbg.StageServerServicer):
 
     async def PushGradsStream(self, request_iterator, context):
         try:
-            msg = await receive(request_iterator, pb.GradPush, self.max_bytes("grads"))
+            msg = await receive(request_iterator, pb.GradPush, self.max_bytes("grads"), self._alive)
         except WireError as exc:
             log.warning("%s refused a streamed gradient push: %s", self.name, exc)
             return pb.PushReply(accepted=False, reason=f"rejected: {exc}")
@@ -539,16 +546,21 @@ class StageServer(pbg.StageServerServicer):
             return pb.RelayReply(accepted=False, reason=f"rejected: {exc}")
         return await self.SubmitRelay(msg, context)
 
-    def _weights_bytes(self) -> bytes:
-        """The serialised WeightsReply of the current version, made once and shared by all pullers."""
-        key = (self.version, self.epoch, self.stage)
-        if self._wcache is None or self._wcache[0] != key:
-            self._wcache = None  # drop the old bytes before making the new
-            reply = pb.WeightsReply(version=self.version, epoch=self.epoch, first=self.first, last=self.last)
-            for name, p in self.params.items():
-                reply.params.append(encode_tensor(name, p.detach()))
-            self._wcache = (key, reply.SerializeToString())
-        return self._wcache[1]
+    async def _weights_bytes(self) -> bytes:
+        """The serialised WeightsReply of the current version, made once and shared by all pullers.
+
+        Made in a thread (the loop keeps serving); the commit waits for it (``_wlock``), so
+        the bytes are exactly the weights of the version they are labelled with.
+        """
+        async with self._wlock:
+            key = (self.version, self.epoch, self.stage)
+            if self._wcache is None or self._wcache[0] != key:
+                self._wcache = None  # drop the old bytes before making the new
+                head = pb.WeightsReply(version=self.version, epoch=self.epoch, first=self.first, last=self.last)
+                data = await asyncio.get_running_loop().run_in_executor(
+                    None, _serialise_weights, head, dict(self.params))
+                self._wcache = (key, data)
+            return self._wcache[1]
 
     async def GetWeightsStream(self, request, context):
         if request.worker != "coordinator":
@@ -556,7 +568,11 @@ class StageServer(pbg.StageServerServicer):
         if self.version < 0:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "stage not loaded yet")
         # Every chunk is a slice of the one shared serialisation; a puller holds a chunk at a time.
-        for chunk in split("WeightsReply", self._weights_bytes(), self.chunk_bytes):
+        data = await self._weights_bytes()
+        for chunk in split("WeightsReply", data, self.chunk_bytes):
+            info = self.workers.get(request.worker)
+            if info is not None:
+                info.last_seen = time.monotonic()  # a long download is not silence
             yield chunk
 
     async def Leave(self, request, context):
@@ -658,9 +674,10 @@ class StageServer(pbg.StageServerServicer):
                     return
                 if d.ready:
                     break
-            apply_update(self.opt, d.lr, d.coef)
-            self._wcache = None  # the serialised weights of the old version
-            self.version = step + 1
+            async with self._wlock:
+                apply_update(self.opt, d.lr, d.coef)
+                self._wcache = None  # the serialised weights of the old version
+                self.version = step + 1
             if self.spec.ckpt_every > 0 and self.version % self.spec.ckpt_every == 0:
                 save_stage_ckpt(self.ckpt_root, self.stage, self.version, self.module, self.opt)
             self.steps.pop(step, None)
@@ -673,6 +690,25 @@ class StageServer(pbg.StageServerServicer):
                 self.committing = False
             async with self.cond:
                 self.cond.notify_all()
+
+
+def _serialise_weights(head: pb.WeightsReply, params: dict[str, torch.Tensor]) -> bytes:
+    """``head`` with every parameter framed, serialised (runs in a thread)."""
+    for name, p in params.items():
+        head.params.append(encode_tensor(name, p.detach()))
+    return head.SerializeToString()
+
+
+def _decode_grads(r: pb.GradPush, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every gradient of a push, checked against its parameter (shape, dtype, finite); all or nothing."""
+    grads = {}
+    for g in r.grads:
+        if g.name not in params or g.name in grads:
+            raise WireError(f"unexpected gradient {g.name!r}")
+        grads[g.name] = decode_tensor(g, shape=tuple(params[g.name].shape), dtype="float32", finite=True)
+    if len(grads) != len(params):
+        raise WireError(f"push has {len(grads)} of {len(params)} gradients")
+    return grads
 
 
 async def _retry(fn, tries: int = 200, delay: float = 0.1):

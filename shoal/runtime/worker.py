@@ -245,6 +245,13 @@ class Worker:
         cap = 4 * numel + 512 * len(self.params) + CONTROL_SLACK
         rep = await fetch(self.server.GetWeightsStream, pb.WeightsRequest(worker=self.member_id),
                           pb.WeightsReply, cap, traffic=self.traffic)
+        # Checked and copied in a thread: the loop keeps heartbeating meanwhile.
+        await asyncio.get_running_loop().run_in_executor(None, self._apply_weights, rep)
+        self.version, self.weights_epoch = rep.version, rep.epoch
+        self.graphs.clear()  # graphs of older weights must not be back-propagated
+
+    def _apply_weights(self, rep: pb.WeightsReply) -> None:
+        """Check every frame of a weight pull, then copy them in: all of them or none."""
         new = {}
         for frame in rep.params:
             p = self.params.get(frame.name)
@@ -256,8 +263,18 @@ class Worker:
         with torch.no_grad():
             for name, t in new.items():
                 self.params[name].copy_(t)
-        self.version, self.weights_epoch = rep.version, rep.epoch
-        self.graphs.clear()  # graphs of older weights must not be back-propagated
+
+    def _push_message(self, epoch: int, step: int, gen: int, mbs: list[int],
+                      grads: dict[str, torch.Tensor]) -> tuple[pb.GradPush, bytes]:
+        """One push, framed and serialised (runs in a thread: it can be hundreds of MB)."""
+        msg = pb.GradPush(worker=self.member_id, step=step, epoch=epoch, gen=gen, mbs=mbs)
+        for name, g in grads.items():
+            if "nan_grad" in self.inject:
+                self.inject.discard("nan_grad")
+                g = g.clone()
+                g.view(-1)[0] = float("nan")
+            msg.grads.append(encode_tensor(name, g, self.opts.codec, ef=self.ef))
+        return msg, msg.SerializeToString()
 
     async def _push(self) -> None:
         """Push the accumulated gradients: one sum, or one push per micro-batch (ordered)."""
@@ -267,15 +284,10 @@ class Worker:
         else:
             groups = [(self.acc_mbs, self.acc)]
         try:
+            loop = asyncio.get_running_loop()
             for mbs, grads in groups:
-                msg = pb.GradPush(worker=self.member_id, step=step, epoch=epoch, gen=gen, mbs=mbs)
-                for name, g in grads.items():
-                    if "nan_grad" in self.inject:
-                        self.inject.discard("nan_grad")
-                        g = g.clone()
-                        g.view(-1)[0] = float("nan")
-                    msg.grads.append(encode_tensor(name, g, self.opts.codec, ef=self.ef))
-                rep = await self._send_push(msg)
+                msg, data = await loop.run_in_executor(None, self._push_message, epoch, step, gen, mbs, grads)
+                rep = await self._send_push(msg, data)
                 if rep is None:
                     break
                 if not rep.accepted:
@@ -287,7 +299,7 @@ class Worker:
         finally:
             self._drop_acc()
 
-    async def _send_push(self, msg: pb.GradPush) -> pb.PushReply | None:
+    async def _send_push(self, msg: pb.GradPush, data: bytes) -> pb.PushReply | None:
         """Stream one push, again if its call breaks; None when every try broke.
 
         Then the server is told we left it, so the micro-batches we hold are redone
@@ -295,7 +307,8 @@ class Worker:
         """
         for i in range(self.opts.push_tries):
             try:
-                return await send(self.server.PushGradsStream, msg, self.chunk_bytes, traffic=self.traffic)
+                return await send(self.server.PushGradsStream, msg, self.chunk_bytes, traffic=self.traffic,
+                                  data=data, sender=self.member_id)
             except grpc.aio.AioRpcError as exc:
                 log.info("%s: push broke (%s), try %d of %d", self.opts.name, exc.code(), i + 1,
                          self.opts.push_tries)
@@ -342,7 +355,8 @@ class Worker:
                     self.inject.discard("bad_shape")
                     out = out[..., :-1]
                 result.output.CopyFrom(encode_tensor("out", out, self.opts.codec))
-            done = await send(server.CompleteStream, result, self.chunk_bytes, traffic=self.traffic)
+            done = await send(server.CompleteStream, result, self.chunk_bytes, traffic=self.traffic,
+                              sender=self.member_id)
         finally:
             self.held.discard(task.lease_id)
         if not done.accepted:
