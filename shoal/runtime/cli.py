@@ -174,12 +174,13 @@ def _spec(args):
 
 def run_coordinator_cmd(args) -> int:
     from shoal.net.channel import check_listen
+
+    check_listen(args.listen, args.advertise)  # before the heavy imports: a refusal is instant
     from shoal.runtime.common import set_threads
     from shoal.runtime.coordinator import run_coordinator
 
     _logging(args.log_level)
     set_threads()
-    check_listen(args.listen, args.advertise)
     spec = _spec(args)
     summary = asyncio.run(run_coordinator(spec, _token(args), args.listen, min_workers=args.min_workers,
                                           out=args.out, address_file=args.address_file,
@@ -210,12 +211,13 @@ def _played_device(args) -> str:
 def run_server_cmd(args) -> int:
     from shoal.net.channel import check_listen, split_address
     from shoal.net.stream import chunk_bytes_from_mb
+
+    check_listen(args.listen, args.advertise)  # before the heavy imports: a refusal is instant
+    split_address(args.join)
+    chunk = chunk_bytes_from_mb(args.chunk_mb, default=0)
     from shoal.runtime.server import serve
 
     _logging(args.log_level)
-    check_listen(args.listen, args.advertise)
-    split_address(args.join)
-    chunk = chunk_bytes_from_mb(args.chunk_mb, default=0)
     dial, _, on_servers = _emulation(args)
     serve(args.join, args.listen, _token(args), args.ckpt_dir, name=args.name, dial=dial,
           on_servers=on_servers, device=_played_device(args), advertise=args.advertise, chunk_bytes=chunk)
