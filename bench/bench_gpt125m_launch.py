@@ -70,7 +70,7 @@ def main() -> None:
     cmd = [sys.executable, "-m", "shoal.runtime.cli", "launch", "--model", "gpt-125m", "--stages", "2",
            "--workers", "2", "--steps", str(args.steps), "--micro-batches", "2", "--micro-batch-size", "1",
            "--seq-len", "64", "--chunk-mb", str(args.chunk_mb), "--out", str(out), "--timeout", "3000",
-           "--dead-after", "30", "--min-lease", "60"]
+           "--dead-after", "120", "--min-lease", "120"]
     env = dict(os.environ, OMP_NUM_THREADS="1", SHOAL_TORCH_THREADS="1")
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)

@@ -18,6 +18,8 @@ from shoal.train.metrics import read_jsonl
 
 pytestmark = pytest.mark.integration
 
+# Generous liveness limits: a 2-core box shared with other jobs can stall a process for
+# tens of seconds while it frames a 400 MB push; no member is killed in this test.
 FLAGS = dict(model="gpt-125m", steps=2, micro_batches=2, micro_batch_size=1, seq_len=64)
 TOL = 1e-5
 
@@ -26,7 +28,7 @@ TOL = 1e-5
 def test_gpt125m_launch_equals_local_training(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "shoal.runtime.cli", "launch", "--stages", "2", "--workers", "2",
-           "--chunk-mb", "1", "--out", str(out), "--timeout", "1100", "--dead-after", "30", "--min-lease", "60"]
+           "--chunk-mb", "1", "--out", str(out), "--timeout", "1100", "--dead-after", "120", "--min-lease", "120"]
     for k, v in FLAGS.items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1150,

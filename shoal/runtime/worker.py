@@ -194,7 +194,9 @@ class Worker:
                     self.want = (a.stage, a.first, a.last, a.servers[a.stage])
             except grpc.aio.AioRpcError:
                 pass
-            if self.held and self.server_addr:
+            if self.server_addr and self.stage >= 0:
+                # Also with no lease held: while a large push is framed, the server must
+                # not take this worker's silence for death and void its gradients.
                 with contextlib.suppress(grpc.aio.AioRpcError):
                     await self.server.Renew(pb.RenewRequest(worker=self.member_id,
                                                             lease_ids=list(self.held)), timeout=5)
