@@ -24,14 +24,14 @@ FLAGS = dict(model="gpt-125m", steps=2, micro_batches=2, micro_batch_size=1, seq
 TOL = 1e-5
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(1800)  # about 21 min measured at load 30 on 2 cores; far less on an idle box
 def test_gpt125m_launch_equals_local_training(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "shoal.runtime.cli", "launch", "--stages", "2", "--workers", "2",
-           "--chunk-mb", "1", "--out", str(out), "--timeout", "1100", "--dead-after", "120", "--min-lease", "120"]
+           "--chunk-mb", "1", "--out", str(out), "--timeout", "1600", "--dead-after", "120", "--min-lease", "120"]
     for k, v in FLAGS.items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1150,
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1700,
                           env=dict(os.environ, OMP_NUM_THREADS="1", SHOAL_TORCH_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
