@@ -69,6 +69,36 @@ class _AddToken(aio.UnaryUnaryClientInterceptor):
         return await continuation(details, request)
 
 
+def _with_token(details, md_item):
+    md = list(details.metadata or [])
+    md.append(md_item)
+    if hasattr(details, "_replace"):
+        return details._replace(metadata=md)
+    return aio.ClientCallDetails(details.method, details.timeout, md, details.credentials,
+                                 details.wait_for_ready)
+
+
+# grpc files an interceptor under the first call shape it implements, so one class per shape.
+class _AddTokenUnaryStream(aio.UnaryStreamClientInterceptor):
+    """The join token on server-streaming calls (chunked downloads)."""
+
+    def __init__(self, token: str):
+        self._md = (TOKEN_HEADER, token)
+
+    async def intercept_unary_stream(self, continuation, client_call_details, request):
+        return await continuation(_with_token(client_call_details, self._md), request)
+
+
+class _AddTokenStreamUnary(aio.StreamUnaryClientInterceptor):
+    """The join token on client-streaming calls (chunked uploads)."""
+
+    def __init__(self, token: str):
+        self._md = (TOKEN_HEADER, token)
+
+    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return await continuation(_with_token(client_call_details, self._md), request_iterator)
+
+
 class _Count(aio.UnaryUnaryClientInterceptor):
     """Counts every request and reply of the channel's calls in a ``Traffic``."""
 
@@ -111,7 +141,9 @@ def open_channel(
     ``traffic`` (a :class:`shoal.net.traffic.Traffic`) counts each request and reply.
     """
     target = dial(address) if dial else address
-    interceptors = [_AddToken(token)] + ([_Count(traffic)] if traffic is not None else [])
+    # Streamed (chunked) calls are counted by shoal.net.stream's callers, per whole message.
+    interceptors = [_AddToken(token), _AddTokenUnaryStream(token), _AddTokenStreamUnary(token)] + (
+        [_Count(traffic)] if traffic is not None else [])
     return aio.insecure_channel(target, options=grpc_options(max_message_bytes), interceptors=interceptors)
 
 
@@ -125,7 +157,17 @@ class TokenInterceptor(aio.ServerInterceptor):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "missing or wrong join token: set SHOAL_TOKEN to the swarm's token")
 
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        async def deny_stream(request, context):
+            await deny(request, context)
+            yield  # pragma: no cover  (abort raises first)
+
+        # One refusal per call shape: a streamed method needs a streamed handler.
+        self._deny = {
+            (False, False): grpc.unary_unary_rpc_method_handler(deny),
+            (True, False): grpc.stream_unary_rpc_method_handler(deny),
+            (False, True): grpc.unary_stream_rpc_method_handler(deny_stream),
+            (True, True): grpc.stream_stream_rpc_method_handler(deny_stream),
+        }
 
     async def intercept_service(self, continuation, handler_call_details):
         got = ""
@@ -135,10 +177,63 @@ class TokenInterceptor(aio.ServerInterceptor):
         if isinstance(got, str):
             got = got.encode()
         if not hmac.compare_digest(got, self._token):
-            return self._deny
+            handler = await continuation(handler_call_details)
+            if handler is None:
+                return None
+            return self._deny[(bool(handler.request_streaming), bool(handler.response_streaming))]
         return await continuation(handler_call_details)
 
 
 def make_server(token: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> aio.Server:
     """An asyncio gRPC server that checks the join token on every call."""
     return aio.server(interceptors=[TokenInterceptor(token)], options=grpc_options(max_message_bytes))
+
+
+_ANY_HOSTS = {"0.0.0.0", "::", "[::]", "", "*"}
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) -> (host, port); raises ShoalError when malformed."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ShoalError(f"address {address!r} is not HOST:PORT (e.g. 10.0.0.5:7070)")
+    return host, int(port)
+
+
+def _split_advertise(advertise: str) -> tuple[str, int | None]:
+    """``HOST``, ``HOST:PORT``, ``[V6]`` or ``[V6]:PORT`` -> (host, port or None)."""
+    tail = advertise.split("]")[-1] if advertise.startswith("[") else advertise
+    if ":" not in tail:
+        return advertise, None
+    host, _, port = advertise.rpartition(":")
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ShoalError(f"--advertise {advertise!r} is not HOST or HOST:PORT (e.g. 203.0.113.7:7070)")
+    return host, int(port)
+
+
+def check_listen(listen: str, advertise: str | None, flag: str = "--listen") -> None:
+    """Refuse a wildcard ``listen`` without ``advertise``: peers cannot dial ``0.0.0.0``."""
+    host, port = split_address(listen)
+    if advertise:
+        ahost, _ = _split_advertise(advertise)
+        if ahost in _ANY_HOSTS:
+            raise ShoalError(f"--advertise {advertise!r} must name this machine as others reach it "
+                             "(e.g. --advertise 203.0.113.7:7070)")
+        return
+    if host in _ANY_HOSTS:
+        raise ShoalError(f"{flag} {listen} listens on every interface, but peers cannot dial {host or '*'}: "
+                         f"also pass --advertise HOST:{port or 'PORT'} with the address other machines "
+                         "reach this one at")
+
+
+def advertised_address(listen: str, advertise: str | None, bound_port: int) -> str:
+    """The address peers are told to dial (pure).
+
+    ``advertise`` as given (``HOST``, or ``HOST:0``, takes the bound port), else the
+    listen host with the port the server really bound (``listen`` port 0: any free port).
+    """
+    if advertise:
+        host, port = _split_advertise(advertise)
+        return f"{host}:{port or bound_port}"
+    host, _ = split_address(listen)
+    return f"{host}:{bound_port}"

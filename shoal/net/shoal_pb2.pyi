@@ -33,7 +33,7 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., codec: _Optional[str] = ..., meta: _Optional[bytes] = ...) -> None: ...
 
 class RunSpec(_message.Message):
-    __slots__ = ("version", "model", "stages", "steps", "micro_batches", "micro_batch_size", "seq_len", "seed", "lr", "min_lr", "warmup", "weight_decay", "grad_clip", "ckpt_every", "dead_after_s", "min_lease_s", "max_message_bytes", "data", "ordered_grads", "run_id")
+    __slots__ = ("version", "model", "stages", "steps", "micro_batches", "micro_batch_size", "seq_len", "seed", "lr", "min_lr", "warmup", "weight_decay", "grad_clip", "ckpt_every", "dead_after_s", "min_lease_s", "max_message_bytes", "data", "ordered_grads", "chunk_bytes", "run_id")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class RunSpec(_message.Message):
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     ORDERED_GRADS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     version: int
     model: str
@@ -73,8 +74,9 @@ class RunSpec(_message.Message):
     max_message_bytes: int
     data: str
     ordered_grads: bool
+    chunk_bytes: int
     run_id: str
-    def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., stages: _Optional[int] = ..., steps: _Optional[int] = ..., micro_batches: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., seed: _Optional[int] = ..., lr: _Optional[float] = ..., min_lr: _Optional[float] = ..., warmup: _Optional[int] = ..., weight_decay: _Optional[float] = ..., grad_clip: _Optional[float] = ..., ckpt_every: _Optional[int] = ..., dead_after_s: _Optional[float] = ..., min_lease_s: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., data: _Optional[str] = ..., ordered_grads: _Optional[bool] = ..., run_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., stages: _Optional[int] = ..., steps: _Optional[int] = ..., micro_batches: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., seed: _Optional[int] = ..., lr: _Optional[float] = ..., min_lr: _Optional[float] = ..., warmup: _Optional[int] = ..., weight_decay: _Optional[float] = ..., grad_clip: _Optional[float] = ..., ckpt_every: _Optional[int] = ..., dead_after_s: _Optional[float] = ..., min_lease_s: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., data: _Optional[str] = ..., ordered_grads: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("role", "address", "flops", "name", "ckpt_version", "ckpt_stage", "schema", "device", "will_measure", "region", "up_bps", "down_bps")
@@ -482,3 +484,17 @@ class RelayReply(_message.Message):
     reason: str
     retry: bool
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., retry: _Optional[bool] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("kind", "total", "offset", "data", "sender")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    total: int
+    offset: int
+    data: bytes
+    sender: str
+    def __init__(self, kind: _Optional[str] = ..., total: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., sender: _Optional[str] = ...) -> None: ...

@@ -364,6 +364,31 @@ class StageServerStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.LeaseStream = channel.unary_stream(
+                '/shoal.v1.StageServer/LeaseStream',
+                request_serializer=shoal__pb2.LeaseRequest.SerializeToString,
+                response_deserializer=shoal__pb2.Chunk.FromString,
+                _registered_method=True)
+        self.CompleteStream = channel.stream_unary(
+                '/shoal.v1.StageServer/CompleteStream',
+                request_serializer=shoal__pb2.Chunk.SerializeToString,
+                response_deserializer=shoal__pb2.CompleteReply.FromString,
+                _registered_method=True)
+        self.PushGradsStream = channel.stream_unary(
+                '/shoal.v1.StageServer/PushGradsStream',
+                request_serializer=shoal__pb2.Chunk.SerializeToString,
+                response_deserializer=shoal__pb2.PushReply.FromString,
+                _registered_method=True)
+        self.GetWeightsStream = channel.unary_stream(
+                '/shoal.v1.StageServer/GetWeightsStream',
+                request_serializer=shoal__pb2.WeightsRequest.SerializeToString,
+                response_deserializer=shoal__pb2.Chunk.FromString,
+                _registered_method=True)
+        self.SubmitRelayStream = channel.stream_unary(
+                '/shoal.v1.StageServer/SubmitRelayStream',
+                request_serializer=shoal__pb2.Chunk.SerializeToString,
+                response_deserializer=shoal__pb2.RelayReply.FromString,
+                _registered_method=True)
         self.Lease = channel.unary_unary(
                 '/shoal.v1.StageServer/Lease',
                 request_serializer=shoal__pb2.LeaseRequest.SerializeToString,
@@ -409,8 +434,45 @@ class StageServerStub:
 class StageServerServicer:
     """Missing associated documentation comment in .proto file."""
 
+    def LeaseStream(self, request, context):
+        """Streamed versions of the calls that carry tensors: no gRPC message limit applies.
+        a LeaseReply
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CompleteStream(self, request_iterator, context):
+        """a TaskResult
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushGradsStream(self, request_iterator, context):
+        """a GradPush
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetWeightsStream(self, request, context):
+        """a WeightsReply
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SubmitRelayStream(self, request_iterator, context):
+        """a Relay
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Lease(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Unary forms (a whole message under the gRPC size limit).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -460,6 +522,31 @@ class StageServerServicer:
 
 def add_StageServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'LeaseStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.LeaseStream,
+                    request_deserializer=shoal__pb2.LeaseRequest.FromString,
+                    response_serializer=shoal__pb2.Chunk.SerializeToString,
+            ),
+            'CompleteStream': grpc.stream_unary_rpc_method_handler(
+                    servicer.CompleteStream,
+                    request_deserializer=shoal__pb2.Chunk.FromString,
+                    response_serializer=shoal__pb2.CompleteReply.SerializeToString,
+            ),
+            'PushGradsStream': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushGradsStream,
+                    request_deserializer=shoal__pb2.Chunk.FromString,
+                    response_serializer=shoal__pb2.PushReply.SerializeToString,
+            ),
+            'GetWeightsStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetWeightsStream,
+                    request_deserializer=shoal__pb2.WeightsRequest.FromString,
+                    response_serializer=shoal__pb2.Chunk.SerializeToString,
+            ),
+            'SubmitRelayStream': grpc.stream_unary_rpc_method_handler(
+                    servicer.SubmitRelayStream,
+                    request_deserializer=shoal__pb2.Chunk.FromString,
+                    response_serializer=shoal__pb2.RelayReply.SerializeToString,
+            ),
             'Lease': grpc.unary_unary_rpc_method_handler(
                     servicer.Lease,
                     request_deserializer=shoal__pb2.LeaseRequest.FromString,
@@ -510,6 +597,141 @@ def add_StageServerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class StageServer:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def LeaseStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/shoal.v1.StageServer/LeaseStream',
+            shoal__pb2.LeaseRequest.SerializeToString,
+            shoal__pb2.Chunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CompleteStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/shoal.v1.StageServer/CompleteStream',
+            shoal__pb2.Chunk.SerializeToString,
+            shoal__pb2.CompleteReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushGradsStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/shoal.v1.StageServer/PushGradsStream',
+            shoal__pb2.Chunk.SerializeToString,
+            shoal__pb2.PushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetWeightsStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/shoal.v1.StageServer/GetWeightsStream',
+            shoal__pb2.WeightsRequest.SerializeToString,
+            shoal__pb2.Chunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitRelayStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/shoal.v1.StageServer/SubmitRelayStream',
+            shoal__pb2.Chunk.SerializeToString,
+            shoal__pb2.RelayReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Lease(request,

@@ -49,6 +49,13 @@ def _run_args(p: argparse.ArgumentParser, launch: bool = False) -> None:
                         "float summation order) instead of one per micro-batch")
     p.add_argument("--data", choices=("corpus", "synthetic"), default="corpus",
                    help="micro-batches from the corpus (like shoal train) or synthetic tokens")
+    p.add_argument("--chunk-mb", type=float, default=None,
+                   help="MB per chunk of streamed weight pulls, gradient pushes, results and relays "
+                        "(default 4; members may override it)")
+
+
+_ADVERTISE_HELP = ("HOST:PORT other machines dial to reach this process (needed with --listen 0.0.0.0:PORT "
+                   "or [::]:PORT; HOST alone or port 0 takes the bound port)")
 
 
 def register(subparsers) -> None:
@@ -57,12 +64,13 @@ def register(subparsers) -> None:
     p.add_argument("--listen", default="127.0.0.1:7070", help="HOST:PORT to listen on (port 0: any)")
     p.add_argument("--min-workers", type=int, default=1, help="workers needed before step 0")
     p.add_argument("--out", default=None, help="run folder for metrics, events and final weights")
-    p.add_argument("--address-file", default=None, help="write the listening address here")
+    p.add_argument("--address-file", default=None, help="write the advertised address here")
     p.add_argument("--dashboard", default=None, metavar="HOST:PORT",
                    help="serve the live web dashboard here (port 0: any free; a non-loopback host "
                         "needs the run token in the URL: ?token=...)")
     p.add_argument("--stall-timeout", type=float, default=900.0,
                    help="fail the run after this many seconds without a committed step (0: never)")
+    p.add_argument("--advertise", default=None, help=_ADVERTISE_HELP)
     g = p.add_argument_group("emulated runs (plan on the scenario the processes emulate)")
     g.add_argument("--emulate-scenario", default=None, help="scenario name or file the processes emulate")
     g.add_argument("--emulate-speedup", type=float, default=1.0, help="the processes' compute time scale")
@@ -75,10 +83,13 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("server", help="run a stage server that joins a coordinator")
     p.add_argument("--join", required=True, help="coordinator HOST:PORT")
     p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to listen on (port 0: any)")
+    p.add_argument("--advertise", default=None, help=_ADVERTISE_HELP)
     p.add_argument("--ckpt-dir", default="shoal_ckpt", help="checkpoint root (one folder per stage)")
     p.add_argument("--name", default="server", help="label in events")
     _measure_args(p)
     _dial_map_arg(p)
+    p.add_argument("--chunk-mb", type=float, default=None,
+                   help="MB per chunk of the weights and relays this server sends (default: the run's)")
     _common(p)
     _emulation_args(p)
     p.set_defaults(func=run_server_cmd)
@@ -90,6 +101,8 @@ def register(subparsers) -> None:
     p.add_argument("--inject", default="", help="test faults, once each: nan_grad,bad_shape,push_fail (first push attempt lost), "
                         "push_lost (first push's reply lost), push_abandon (first push never lands)")
     p.add_argument("--codec", default="raw", help="tensor codec: raw, fp16, int8")
+    p.add_argument("--chunk-mb", type=float, default=None,
+                   help="MB per chunk of the results and gradient pushes this worker sends (default: the run's)")
     p.add_argument("--slow", type=float, default=0.0, help="extra seconds per task (tests, demos)")
     p.add_argument("--no-error-feedback", action="store_true",
                    help="lossy --codec: do not carry each gradient push's quantisation error into the next")
@@ -193,6 +206,7 @@ def _spec(args):
     from shoal.model.config import get_preset
     from shoal.net import shoal_pb2 as pb
     from shoal.train.flags import workload_from_args
+    from shoal.net.stream import chunk_bytes_from_mb
     from shoal.train.optim import OptimConfig
 
     w = workload_from_args(args)
@@ -214,10 +228,14 @@ def _spec(args):
         micro_batch_size=w.micro_batch_size, seq_len=w.seq_len, seed=w.seed, lr=w.lr,
         min_lr=min_lr, warmup=w.warmup, weight_decay=w.weight_decay, grad_clip=w.grad_clip,
         ckpt_every=args.ckpt_every, dead_after_s=args.dead_after, min_lease_s=args.min_lease,
-        max_message_bytes=256 * 1024 * 1024, data=args.data, ordered_grads=not args.unordered_grads)
+        max_message_bytes=256 * 1024 * 1024, data=args.data, ordered_grads=not args.unordered_grads,
+        chunk_bytes=chunk_bytes_from_mb(args.chunk_mb))
 
 
 def run_coordinator_cmd(args) -> int:
+    from shoal.net.channel import check_listen
+
+    check_listen(args.listen, args.advertise)  # before the heavy imports: a refusal is instant
     from shoal.runtime.common import set_threads
     from shoal.runtime.coordinator import run_coordinator
 
@@ -227,7 +245,8 @@ def run_coordinator_cmd(args) -> int:
     summary = asyncio.run(run_coordinator(spec, _token(args), args.listen, min_workers=args.min_workers,
                                           out=args.out, address_file=args.address_file,
                                           emulated=_emulated_scenario(args), dashboard=_dashboard(args),
-                                          stall_fail_s=args.stall_timeout))
+                                          stall_fail_s=args.stall_timeout,
+                                          advertise=args.advertise))
     print(json.dumps({k: summary[k] for k in ("steps", "final_loss", "requeues", "tokens_per_s")}))
     return 0
 
@@ -262,20 +281,31 @@ def _played_device(args) -> str:
 
 
 def run_server_cmd(args) -> int:
+    from shoal.net.channel import check_listen, split_address
+    from shoal.net.stream import chunk_bytes_from_mb
+
+    check_listen(args.listen, args.advertise)  # before the heavy imports: a refusal is instant
+    split_address(args.join)
+    chunk = chunk_bytes_from_mb(args.chunk_mb, default=0)
     from shoal.runtime.server import serve
 
     _logging(args.log_level)
     dial, _, on_servers = _emulation(args)
     dial = _with_dial_map(args, dial)
     serve(args.join, args.listen, _token(args), args.ckpt_dir, name=args.name, dial=dial,
-          on_servers=on_servers, device=_played_device(args), **_measure_opts(args))
+          on_servers=on_servers, device=_played_device(args), **_measure_opts(args),
+          advertise=args.advertise, chunk_bytes=chunk)
     return 0
 
 
 def run_worker_cmd(args) -> int:
+    from shoal.net.channel import split_address
+    from shoal.net.stream import chunk_bytes_from_mb
     from shoal.runtime.worker import WorkerOptions, work
 
     _logging(args.log_level)
+    split_address(args.join)
+    chunk = chunk_bytes_from_mb(args.chunk_mb, default=0)
     dial, pacer, on_servers = _emulation(args)
     dial = _with_dial_map(args, dial)
     work(args.join, _token(args), WorkerOptions(name=args.name, flops=args.flops, inject=args.inject,
@@ -283,7 +313,8 @@ def run_worker_cmd(args) -> int:
                                                 graph_cache=not args.no_graph_cache,
                                                 error_feedback=not args.no_error_feedback,
                                                 device=_played_device(args), **_measure_opts(args),
-                                                compute_device=getattr(args, "device", None) or "cpu"),
+                                                compute_device=getattr(args, "device", None) or "cpu",
+                                                chunk_bytes=chunk),
          dial=dial, pacer=pacer, on_servers=on_servers)
     return 0
 
@@ -315,7 +346,7 @@ def run_launch_cmd(args) -> int:
         grad_clip=w.grad_clip, ckpt_every=args.ckpt_every, dead_after_s=args.dead_after,
         min_lease_s=args.min_lease, data=args.data, timeout_s=args.timeout, scenario=args.scenario,
         ordered_grads=not args.unordered_grads, emulate_speedup=args.emulate_speedup,
-        dashboard=None if args.no_dashboard else args.dashboard)
+        dashboard=None if args.no_dashboard else args.dashboard, chunk_mb=args.chunk_mb)
     if cfg.dashboard:
         from shoal.runtime.dashboard import parse_bind
 

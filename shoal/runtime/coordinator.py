@@ -37,7 +37,8 @@ import grpc
 from shoal.errors import ShoalError
 from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
-from shoal.net.channel import ChannelFactory, make_server
+from shoal.net.channel import ChannelFactory, advertised_address, make_server
+from shoal.net.stream import CONTROL_SLACK, fetch
 from shoal.net.traffic import BYTES_METHOD, merge_traffic
 from shoal.net.wire import decode_tensor
 from shoal.runtime.common import (
@@ -651,7 +652,12 @@ class Coordinator(pbg.CoordinatorServicer):
 
     async def _finish(self) -> None:
         """Collect the final weights from every server, write them, then say done."""
+        from shoal.model.profile import profile_model
+
         channels = ChannelFactory(self.token)
+        prof = profile_model(self.cfg, self.spec.seq_len, self.spec.micro_batch_size, 4)
+        # No stage holds more than the whole model: the most bytes a final pull may take.
+        cap = 4 * prof.params(0, self.cfg.n_total_layers) + 512 * 4096 + CONTROL_SLACK
         weights = {}
         for _ in range(600):
             try:
@@ -659,14 +665,15 @@ class Coordinator(pbg.CoordinatorServicer):
                 for s in range(self.spec.stages):
                     stub = pbg.StageServerStub(channels.open(self._servers()[s]))
                     while True:
-                        rep = await stub.GetWeights(pb.WeightsRequest(worker="coordinator"), timeout=30)
+                        rep = await fetch(stub.GetWeightsStream, pb.WeightsRequest(worker="coordinator"),
+                                          pb.WeightsReply, cap)
                         if rep.version >= self.spec.steps:
                             break
                         await asyncio.sleep(0.05)
                     for f in rep.params:
                         weights[f.name] = decode_tensor(f, dtype="float32")
                 break
-            except (grpc.aio.AioRpcError, IndexError, ValueError):
+            except (grpc.aio.AioRpcError, IndexError, ValueError):  # WireError is a ValueError
                 await asyncio.sleep(0.1)
         if self.out:
             from shoal.runtime.artifacts import write_final
@@ -734,10 +741,12 @@ class Coordinator(pbg.CoordinatorServicer):
 
 async def run_coordinator(spec: pb.RunSpec, token: str, listen: str, *, min_workers: int = 1,
                           out: str | None = None, address_file: str | None = None,
-                          emulated=None, dashboard: str | None = None, stall_fail_s: float = 900.0) -> dict:
+                          emulated=None, dashboard: str | None = None, stall_fail_s: float = 900.0,
+                          advertise: str | None = None) -> dict:
     """Serve until the run is done; returns the run summary (a failed run: ShoalError).
 
-    ``emulated``: the scaled scenario the processes emulate, planned on instead of loopback.
+    ``emulated``: the scaled scenario the processes emulate, planned on instead of loopback;
+    ``advertise``: the address members dial (written to ``address_file``; default: listen).
     ``dashboard``: HOST:PORT for the live web dashboard (None: none), see
     :mod:`shoal.runtime.dashboard`; its URL goes to ``address_file + ".dashboard"``.
     """
@@ -746,7 +755,7 @@ async def run_coordinator(spec: pb.RunSpec, token: str, listen: str, *, min_work
     server = make_server(token)
     pbg.add_CoordinatorServicer_to_server(coord, server)
     port = server.add_insecure_port(listen)
-    address = f"{listen.rsplit(':', 1)[0]}:{port}"
+    address = advertised_address(listen, advertise, port)
     await server.start()
     web = None
     if dashboard:

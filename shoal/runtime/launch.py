@@ -49,6 +49,7 @@ class LaunchConfig:
     min_lease_s: float = 2.0  # shortest lease without renewal
     data: str = "corpus"  # "corpus" (shoal.data, like shoal train) or "synthetic"
     ordered_grads: bool = True  # one gradient push per micro-batch, summed in order (bitwise parity)
+    chunk_mb: float | None = None  # MB per chunk of streamed transfers (None: shoal.net.stream's default)
     min_workers: int | None = None  # workers needed before step 0 (None: all launched)
     worker_args: list[list[str]] = field(default_factory=list)  # extra CLI args per worker index
     token: str | None = None  # join token (None: SHOAL_TOKEN or a random one)
@@ -146,6 +147,7 @@ class Swarm:
             "--min-lease", repr(c.min_lease_s), "--data", c.data, "--out", str(self.out),
             "--address-file", str(addr_file), *([] if c.ordered_grads else ["--unordered-grads"]),
             *(["--dashboard", c.dashboard] if c.dashboard else []),
+            *([] if c.chunk_mb is None else ["--chunk-mb", repr(c.chunk_mb)]),
             *self._coordinator_emulation()], "coordinator")
         deadline = time.time() + 60
         while not addr_file.exists():

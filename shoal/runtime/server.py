@@ -40,7 +40,8 @@ from shoal.errors import ShoalError
 from shoal.model.transformer import build_stage
 from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
-from shoal.net.channel import ChannelFactory, make_server
+from shoal.net.channel import ChannelFactory, advertised_address, make_server
+from shoal.net.stream import CONTROL_SLACK, DEFAULT_CHUNK_BYTES, chunks_of, receive, send, split
 from shoal.net.traffic import Traffic
 from shoal.net.wire import WireError, decode_tensor, encode_tensor
 from shoal.runtime.common import (
@@ -102,8 +103,13 @@ class StageServer(pbg.StageServerServicer):
     def __init__(self, coord: str, listen: str, token: str, ckpt_root: str, *,
                  name: str = "server", dial=None, heartbeat_s: float = 0.2, device: str = "",
                  region: str = "", up_bps: float = 0.0, down_bps: float = 0.0,
-                 probe_bytes: int = 2 * 1024 * 1024):
+                 probe_bytes: int = 2 * 1024 * 1024, advertise: str | None = None,
+                 chunk_bytes: int = 0):
         self.coord_addr, self.listen, self.token = coord, listen, token
+        self.advertise = advertise  # address peers dial (None: the listen address)
+        self.chunk_bytes_opt = chunk_bytes  # bytes per streamed chunk (0: the run's setting)
+        self._wcache: tuple[tuple[int, int, int], bytes] | None = None  # (version, epoch, stage) -> bytes
+        self._wlock = asyncio.Lock()  # weights are not updated while they are being serialised
         self.ckpt_root, self.name, self.heartbeat_s = ckpt_root, name, heartbeat_s
         self.device = device  # emulated runs: the scenario host this server plays
         self.region = region  # declared network region ("": clustered by latency)
@@ -303,8 +309,7 @@ class StageServer(pbg.StageServerServicer):
         server = make_server(self.token)
         pbg.add_StageServerServicer_to_server(self, server)
         port = server.add_insecure_port(self.listen)
-        host = self.listen.rsplit(":", 1)[0]
-        self.address = f"{host}:{port}"
+        self.address = advertised_address(self.listen, self.advertise, port)
         await server.start()
         return server
 
@@ -615,20 +620,20 @@ class StageServer(pbg.StageServerServicer):
                 self.cond.notify_all()
             return pb.PushReply(accepted=False, reason="push covers micro-batches not held", gen=info.gen)
         try:
-            grads = {}
-            for g in r.grads:
-                if g.name not in self.params or g.name in grads:
-                    raise WireError(f"unexpected gradient {g.name!r}")
-                grads[g.name] = decode_tensor(g, shape=tuple(self.params[g.name].shape),
-                                              dtype="float32", finite=True)
-            if len(grads) != len(self.params):
-                raise WireError(f"push has {len(grads)} of {len(self.params)} gradients")
+            # Checked in a thread: a stage's gradients can be hundreds of MB, and the loop
+            # must keep answering leases and heartbeats meanwhile.
+            grads = await asyncio.get_running_loop().run_in_executor(None, _decode_grads, r, self.params)
         except WireError as exc:
             log.warning("%s rejected a gradient push of %s: %s", self.name, r.worker, exc)
             self._void_worker(r.worker, f"bad push: {exc}")
             async with self.cond:
                 self.cond.notify_all()
             return pb.PushReply(accepted=False, reason=f"rejected: {exc}", gen=info.gen)
+        mbs = self.steps.get(r.step, {})
+        if (r.epoch != self.epoch or r.step != self.step or r.gen != info.gen
+                or not all(mb in mbs and mbs[mb].grad == "computed" and mbs[mb].holder == r.worker for mb in ids)):
+            return pb.PushReply(accepted=False, reason="stale push (the step moved on while it was checked)",
+                                gen=info.gen)
         # Summed at commit, ordered by micro-batch id: with one micro-batch per push this is
         # exactly the local trainer's sequential sum.
         self.pushes.append((min(ids), grads))
@@ -662,6 +667,88 @@ class StageServer(pbg.StageServerServicer):
         for name, p in self.params.items():
             reply.params.append(encode_tensor(name, p.detach()))
         return reply
+
+    # ------------------------------------------------------------------ streamed RPCs
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes per chunk this server sends: its own setting, else the run's, else the default."""
+        spec_chunk = self.spec.chunk_bytes if self.spec is not None else 0
+        return self.chunk_bytes_opt or spec_chunk or DEFAULT_CHUNK_BYTES
+
+    def max_bytes(self, what: str) -> int:
+        """Most bytes a streamed message of kind ``what`` ("act" or "grads") may have here."""
+        if self.spec is None:
+            return CONTROL_SLACK
+        if what == "grads":
+            if self.version < 0:
+                return CONTROL_SLACK
+            numel = sum(p.numel() for p in self.params.values())
+            return 4 * numel + 512 * len(self.params) + CONTROL_SLACK
+        cfg = model_config(self.spec)
+        return 4 * self.spec.micro_batch_size * self.spec.seq_len * cfg.d_model + CONTROL_SLACK
+
+    async def LeaseStream(self, request, context):
+        reply = await self.Lease(request, context)
+        for chunk in chunks_of(reply, self.chunk_bytes):
+            yield chunk
+
+    def _alive(self, chunk: pb.Chunk) -> None:
+        """A chunk from a known worker shows it alive (a long upload is not silence)."""
+        info = self.workers.get(chunk.sender)
+        if info is not None:
+            info.last_seen = time.monotonic()
+
+    async def CompleteStream(self, request_iterator, context):
+        try:
+            msg = await receive(request_iterator, pb.TaskResult, self.max_bytes("act"), self._alive)
+        except WireError as exc:
+            log.warning("%s refused a streamed result: %s", self.name, exc)
+            return pb.CompleteReply(accepted=False, reason=f"rejected: {exc}")
+        return await self.Complete(msg, context)
+
+    async def PushGradsStream(self, request_iterator, context):
+        try:
+            msg = await receive(request_iterator, pb.GradPush, self.max_bytes("grads"), self._alive)
+        except WireError as exc:
+            log.warning("%s refused a streamed gradient push: %s", self.name, exc)
+            return pb.PushReply(accepted=False, reason=f"rejected: {exc}")
+        return await self.PushGrads(msg, context)
+
+    async def SubmitRelayStream(self, request_iterator, context):
+        try:
+            msg = await receive(request_iterator, pb.Relay, self.max_bytes("act"))
+        except WireError as exc:
+            return pb.RelayReply(accepted=False, reason=f"rejected: {exc}")
+        return await self.SubmitRelay(msg, context)
+
+    async def _weights_bytes(self) -> bytes:
+        """The serialised WeightsReply of the current version, made once and shared by all pullers.
+
+        Made in a thread (the loop keeps serving); the commit waits for it (``_wlock``), so
+        the bytes are exactly the weights of the version they are labelled with.
+        """
+        async with self._wlock:
+            key = (self.version, self.epoch, self.stage)
+            if self._wcache is None or self._wcache[0] != key:
+                self._wcache = None  # drop the old bytes before making the new
+                head = pb.WeightsReply(version=self.version, epoch=self.epoch, first=self.first, last=self.last)
+                data = await asyncio.get_running_loop().run_in_executor(
+                    None, _serialise_weights, head, dict(self.params))
+                self._wcache = (key, data)
+            return self._wcache[1]
+
+    async def GetWeightsStream(self, request, context):
+        if request.worker != "coordinator":
+            self._worker(request.worker)
+        if self.version < 0:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "stage not loaded yet")
+        # Every chunk is a slice of the one shared serialisation; a puller holds a chunk at a time.
+        data = await self._weights_bytes()
+        for chunk in split("WeightsReply", data, self.chunk_bytes):
+            info = self.workers.get(request.worker)
+            if info is not None:
+                info.last_seen = time.monotonic()  # a long download is not silence
+            yield chunk
 
     async def Leave(self, request, context):
         self._void_worker(request.member_id, "left")
@@ -737,7 +824,8 @@ class StageServer(pbg.StageServerServicer):
             addr = self.servers[stage] if stage < len(self.servers) else ""
             if addr:
                 try:
-                    rep = await self._stub(addr).SubmitRelay(msg, timeout=10)
+                    rep = await send(self._stub(addr).SubmitRelayStream, msg, self.chunk_bytes,
+                                     traffic=self.traffic)
                     if rep.accepted or not rep.retry:
                         if not rep.accepted:
                             log.warning("relay refused: %s", rep.reason)
@@ -778,9 +866,11 @@ class StageServer(pbg.StageServerServicer):
                 if d.ready:
                     break
             self.timing.decided = time.monotonic()
-            apply_update(self.opt, d.lr, d.coef)
+            async with self._wlock:
+                apply_update(self.opt, d.lr, d.coef)
+                self._wcache = None  # the serialised weights of the old version
+                self.version = step + 1
             self.last_split = self.timing.split(time.monotonic())
-            self.version = step + 1
             if self.spec.ckpt_every > 0 and self.version % self.spec.ckpt_every == 0:
                 path = save_stage_ckpt(self.ckpt_root, self.stage, self.version, self.module, self.opt,
                                        run_id=self.spec.run_id, layers=(self.first, self.last))
@@ -798,6 +888,25 @@ class StageServer(pbg.StageServerServicer):
                 self.cond.notify_all()
 
 
+def _serialise_weights(head: pb.WeightsReply, params: dict[str, torch.Tensor]) -> bytes:
+    """``head`` with every parameter framed, serialised (runs in a thread)."""
+    for name, p in params.items():
+        head.params.append(encode_tensor(name, p.detach()))
+    return head.SerializeToString()
+
+
+def _decode_grads(r: pb.GradPush, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every gradient of a push, checked against its parameter (shape, dtype, finite); all or nothing."""
+    grads = {}
+    for g in r.grads:
+        if g.name not in params or g.name in grads:
+            raise WireError(f"unexpected gradient {g.name!r}")
+        grads[g.name] = decode_tensor(g, shape=tuple(params[g.name].shape), dtype="float32", finite=True)
+    if len(grads) != len(params):
+        raise WireError(f"push has {len(grads)} of {len(params)} gradients")
+    return grads
+
+
 async def _retry(fn, budget_s: float = 30.0, delay: float = 0.1):
     """Call ``fn`` until it succeeds (the peer may still be starting), for ``budget_s`` at most."""
     end = time.monotonic() + budget_s
@@ -812,11 +921,16 @@ async def _retry(fn, budget_s: float = 30.0, delay: float = 0.1):
 
 def serve(coord: str, listen: str, token: str, ckpt_root: str, name: str = "server", *, dial=None,
           on_servers=None, device: str = "", region: str = "", up_bps: float = 0.0, down_bps: float = 0.0,
-          probe_bytes: int = 2 * 1024 * 1024) -> None:
-    """Run a stage server process until the run is done (``device``: scenario host it plays;
-    ``region``/``up_bps``/``down_bps``: declared figures that win over measured ones)."""
+          probe_bytes: int = 2 * 1024 * 1024, advertise: str | None = None, chunk_bytes: int = 0) -> None:
+    """Run a stage server process until the run is done.
+
+    ``device``: scenario host it plays; ``region``/``up_bps``/``down_bps``: declared
+    figures that win over measured ones; ``advertise``: the address peers dial (default:
+    the listen address); ``chunk_bytes``: bytes per streamed chunk (0: the run's setting).
+    """
     set_threads()
     srv = StageServer(coord, listen, token, ckpt_root, name=name, dial=dial, device=device, region=region,
-                      up_bps=up_bps, down_bps=down_bps, probe_bytes=probe_bytes)
+                      up_bps=up_bps, down_bps=down_bps, probe_bytes=probe_bytes, advertise=advertise,
+                      chunk_bytes=chunk_bytes)
     srv.on_servers = on_servers
     run_member(srv.run(), coord)

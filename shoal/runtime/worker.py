@@ -25,8 +25,9 @@ from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
 from shoal.net.channel import ChannelFactory
 from shoal.net.compress import ErrorFeedback
+from shoal.net.stream import CONTROL_SLACK, DEFAULT_CHUNK_BYTES, fetch, send
 from shoal.net.traffic import Traffic
-from shoal.net.wire import decode_tensor, encode_tensor
+from shoal.net.wire import WireError, decode_tensor, encode_tensor
 from shoal.runtime.common import (
     SCHEMA_VERSION,
     ewma,
@@ -61,6 +62,7 @@ class WorkerOptions:
     compute_device: str = "cpu"  # torch device the worker computes on (what it measures)
     push_attempts: int = 5  # tries of one gradient push before its micro-batches are released
     push_timeout_s: float = 60.0  # deadline of one push attempt
+    chunk_bytes: int = 0  # bytes per chunk of streamed uploads (0: the run's setting)
 
 
 def ordered_groups(per_mb: dict[int, dict[str, torch.Tensor]]) -> list[tuple[list[int], dict]]:
@@ -208,6 +210,11 @@ class Worker:
                 except grpc.aio.AioRpcError as exc:
                     log.info("%s: server call failed (%s); retrying", self.opts.name, exc.code())
                     await asyncio.sleep(0.2)
+                except WireError as exc:
+                    # A transfer that came short or did not check out: nothing of it was
+                    # applied; a task we hold meanwhile runs out its lease and is redone.
+                    log.warning("%s: bad transfer from the server (%s); retrying", self.opts.name, exc)
+                    await asyncio.sleep(0.2)
         finally:
             hb.cancel()
 
@@ -249,7 +256,9 @@ class Worker:
                     self.want = (a.stage, a.first, a.last, a.servers[a.stage])
             except grpc.aio.AioRpcError:
                 pass
-            if self.held and self.server_addr:
+            if self.server_addr and self.stage >= 0:
+                # Also with no lease held: while a large push is framed, the server must
+                # not take this worker's silence for death and void its gradients.
                 with contextlib.suppress(grpc.aio.AioRpcError):
                     await self.server.Renew(pb.RenewRequest(worker=self.member_id,
                                                             lease_ids=list(self.held)), timeout=5)
@@ -290,18 +299,54 @@ class Worker:
     def _drop_acc(self) -> None:
         self.acc_key, self.acc, self.acc_mbs, self.acc_per_mb = None, {}, [], {}
 
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes per chunk of this worker's uploads: its own setting, else the run's."""
+        return self.opts.chunk_bytes or self.spec.chunk_bytes or DEFAULT_CHUNK_BYTES
+
+    def _act_bytes(self) -> int:
+        return 4 * self.spec.micro_batch_size * self.spec.seq_len * self.cfg.d_model
+
     async def _pull(self) -> None:
+        """Fetch the server's weights in chunks; apply them only when all arrived and check out."""
+        numel = sum(p.numel() for p in self.params.values())
+        cap = 4 * numel + 512 * len(self.params) + CONTROL_SLACK
         t0 = time.perf_counter()
-        rep = await self.server.GetWeights(pb.WeightsRequest(worker=self.member_id), timeout=30)
+        rep = await fetch(self.server.GetWeightsStream, pb.WeightsRequest(worker=self.member_id),
+                          pb.WeightsReply, cap, traffic=self.traffic)
         self.obs_pull_s = ewma(self.obs_pull_s, time.perf_counter() - t0)
         self.obs_pull_bytes = rep.ByteSize()
         self.obs_pulls += 1
-        with torch.no_grad():
-            for frame in rep.params:
-                p = self.params[frame.name]
-                p.copy_(decode_tensor(frame, shape=tuple(p.shape), dtype="float32"))
+        # Checked and copied in a thread: the loop keeps heartbeating meanwhile.
+        await asyncio.get_running_loop().run_in_executor(None, self._apply_weights, rep)
         self.version, self.weights_epoch = rep.version, rep.epoch
         self.graphs.clear()  # graphs of older weights must not be back-propagated
+
+    def _apply_weights(self, rep: pb.WeightsReply) -> None:
+        """Check every frame of a weight pull, then copy them in: all of them or none."""
+        new = {}
+        for frame in rep.params:
+            p = self.params.get(frame.name)
+            if p is None or frame.name in new:
+                raise WireError(f"weights of stage [{rep.first},{rep.last}): unexpected tensor {frame.name!r}")
+            new[frame.name] = decode_tensor(frame, shape=tuple(p.shape), dtype="float32", finite=True)
+        if len(new) != len(self.params):
+            raise WireError(f"weights hold {len(new)} of the stage's {len(self.params)} tensors")
+        with torch.no_grad():
+            for name, t in new.items():
+                self.params[name].copy_(t)
+
+    def _push_message(self, epoch: int, step: int, gen: int, mbs: list[int],
+                      grads: dict[str, torch.Tensor]) -> tuple[pb.GradPush, bytes]:
+        """One push, framed and serialised (runs in a thread: it can be hundreds of MB)."""
+        msg = pb.GradPush(worker=self.member_id, step=step, epoch=epoch, gen=gen, mbs=mbs)
+        for name, g in grads.items():
+            if "nan_grad" in self.inject:
+                self.inject.discard("nan_grad")
+                g = g.clone()
+                g.view(-1)[0] = float("nan")
+            msg.grads.append(encode_tensor(name, g, self.opts.codec, ef=self.ef))
+        return msg, msg.SerializeToString()
 
     async def _push(self) -> None:
         """Push the accumulated gradients: one sum, or one push per micro-batch (ordered).
@@ -316,15 +361,10 @@ class Worker:
         else:
             groups = [(self.acc_mbs, self.acc)]
         try:
+            loop = asyncio.get_running_loop()
             for mbs, grads in groups:
-                msg = pb.GradPush(worker=self.member_id, step=step, epoch=epoch, gen=gen, mbs=mbs)
-                for name, g in grads.items():
-                    if "nan_grad" in self.inject:
-                        self.inject.discard("nan_grad")
-                        g = g.clone()
-                        g.view(-1)[0] = float("nan")
-                    msg.grads.append(encode_tensor(name, g, self.opts.codec, ef=self.ef))
-                rep = await self._send_push(msg)
+                msg, data = await loop.run_in_executor(None, self._push_message, epoch, step, gen, mbs, grads)
+                rep = await self._send_push(msg, data)
                 if rep is None:
                     await self._release(epoch, step, gen)
                     break
@@ -337,8 +377,9 @@ class Worker:
         finally:
             self._drop_acc()
 
-    async def _send_push(self, msg: pb.GradPush) -> pb.PushReply | None:
-        """Send one push, retrying transport failures; None when every attempt failed."""
+    async def _send_push(self, msg: pb.GradPush, data: bytes) -> pb.PushReply | None:
+        """Stream one push (``data``: it serialised), retrying transport failures; None when
+        every attempt failed."""
         delay = 0.1
         for attempt in range(1, self.opts.push_attempts + 1):
             try:
@@ -347,7 +388,8 @@ class Worker:
                 if "push_fail" in self.inject:
                     self.inject.discard("push_fail")
                     raise _injected("push_fail: the first attempt is lost before it is sent")
-                rep = await self.server.PushGrads(msg, timeout=self.opts.push_timeout_s)
+                rep = await send(self.server.PushGradsStream, msg, self.chunk_bytes, traffic=self.traffic,
+                                 data=data, sender=self.member_id, timeout=self.opts.push_timeout_s)
                 if "push_lost" in self.inject:
                     self.inject.discard("push_lost")
                     raise _injected("push_lost: the push landed but its reply is lost")
@@ -372,14 +414,18 @@ class Worker:
         """
         log.warning("%s: could not push the gradients of step %d; releasing them to be redone",
                     self.opts.name, step)
+        if self.ef is not None:
+            self.ef.reset()  # the residual of a push that never landed must not be carried on
         with contextlib.suppress(grpc.aio.AioRpcError):
             await self.server.PushGrads(pb.GradPush(worker=self.member_id, step=step, epoch=epoch, gen=gen),
                                         timeout=10)
 
     async def _one(self) -> None:
         server = self.server
-        rep = await server.Lease(pb.LeaseRequest(worker=self.member_id, wait_s=self.opts.lease_wait_s),
-                                 timeout=10)
+        rep = await fetch(server.LeaseStream,
+                          pb.LeaseRequest(worker=self.member_id, wait_s=self.opts.lease_wait_s),
+                          pb.LeaseReply, 2 * self._act_bytes() + CONTROL_SLACK, timeout=10,
+                          traffic=self.traffic)
         if self.acc_key is not None and self.acc_key != (rep.epoch, rep.step, rep.gen):
             self._drop_acc()  # voided by the server, or a roll-back
         if rep.flush and self.acc_key is not None:
@@ -418,7 +464,8 @@ class Worker:
                     self.inject.discard("bad_shape")
                     out = out[..., :-1]
                 result.output.CopyFrom(encode_tensor("out", out, self.opts.codec))
-            done = await server.Complete(result, timeout=60)
+            done = await send(server.CompleteStream, result, self.chunk_bytes, traffic=self.traffic,
+                              sender=self.member_id)
         finally:
             self.held.discard(task.lease_id)
         if not done.accepted:

@@ -1,0 +1,178 @@
+"""Streamed transfers: one protobuf message sent as a stream of :class:`pb.Chunk`.
+
+A weight pull, gradient push, task result, relay or lease reply can be larger than any
+gRPC message limit (a ``gpt-1.3b`` embedding alone is 412 MB), so the runtime sends the
+serialised message in chunks of ``chunk_bytes`` (a few MB) and the receiver puts them
+together:
+
+* the receiver states the message type and the most bytes it accepts (from its stage
+  spec: parameter and activation sizes), so a peer cannot make it allocate more;
+* chunks must arrive in order and add up to exactly the announced ``total``;
+* only a complete message is parsed and handed on, where the tensor frames are then
+  checked as usual (dtype, shape, codec, finiteness; nothing is ever unpickled). A
+  stream cut mid-way raises (:class:`~shoal.net.wire.WireError` for a short stream, or
+  the gRPC error of the broken call) and nothing of it is applied.
+
+The sender serialises a message once and slices it: a stage server keeps the serialised
+bytes of its current weight version and serves every puller from them, so concurrent
+pulls cost one chunk each, not a copy of the weights each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterable, Iterator
+
+from shoal.net import shoal_pb2 as pb
+from shoal.net.wire import WireError
+
+DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024  # a few MB: well under any message limit, few calls
+MIN_CHUNK_BYTES = 4 * 1024  # smaller chunks only add per-message overhead
+CONTROL_SLACK = 64 * 1024  # bytes of a message besides its tensor payloads (ids, names, shapes)
+
+
+def chunk_bytes_from_mb(mb: float | None, default: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Chunk size in bytes from a ``--chunk-mb`` value (None or 0: ``default``)."""
+    if mb is None or mb == 0:
+        return default
+    if not mb > 0:
+        from shoal.errors import ShoalError
+
+        raise ShoalError(f"--chunk-mb must be positive, got {mb}")
+    return max(MIN_CHUNK_BYTES, int(mb * 1024 * 1024))
+
+
+def split(kind: str, data: bytes, chunk_bytes: int, sender: str = "") -> Iterator[pb.Chunk]:
+    """The chunks of the serialised message ``data`` (one empty chunk for an empty message)."""
+    total = len(data)
+    if chunk_bytes <= 0:
+        raise ValueError("chunk_bytes must be positive")
+    if total == 0:
+        yield pb.Chunk(kind=kind, total=0, offset=0, sender=sender)
+        return
+    view = memoryview(data)
+    for off in range(0, total, chunk_bytes):
+        # bytes() copies one chunk: the only per-transfer copy the sender makes.
+        yield pb.Chunk(kind=kind, total=total, offset=off, data=bytes(view[off:off + chunk_bytes]),
+                       sender=sender)
+
+
+def chunks_of(msg, chunk_bytes: int) -> Iterator[pb.Chunk]:
+    """Serialise ``msg`` once and yield its chunks (kind: the message's type name)."""
+    return split(type(msg).__name__, msg.SerializeToString(), chunk_bytes)
+
+
+class Assembler:
+    """Puts the chunks of one message together, checking each against what is expected."""
+
+    def __init__(self, kind: str, max_bytes: int):
+        self.kind, self.max_bytes = kind, int(max_bytes)
+        self.total = -1
+        self.got = 0
+        self.buf: bytearray | None = None
+
+    def add(self, chunk: pb.Chunk) -> None:
+        """Take the next chunk; raises :class:`WireError` if it does not fit the message."""
+        if chunk.kind != self.kind:
+            raise WireError(f"chunk of a {chunk.kind!r}, expected a {self.kind!r}")
+        if self.total < 0:
+            if not 0 <= chunk.total <= self.max_bytes:
+                raise WireError(f"{self.kind} of {chunk.total} bytes, more than the {self.max_bytes} "
+                                "this stage can expect")
+            self.total = chunk.total
+            self.buf = bytearray(self.total)
+        if chunk.total != self.total:
+            raise WireError(f"{self.kind}: chunk says {chunk.total} bytes in all, first said {self.total}")
+        n = len(chunk.data)
+        if chunk.offset != self.got:
+            raise WireError(f"{self.kind}: chunk at byte {chunk.offset}, expected byte {self.got}")
+        if self.got + n > self.total:
+            raise WireError(f"{self.kind}: chunks run past the announced {self.total} bytes")
+        self.buf[self.got:self.got + n] = chunk.data
+        self.got += n
+
+    def finish(self, msg_cls):
+        """The whole message, parsed; raises :class:`WireError` if any byte is missing."""
+        if self.total < 0:
+            raise WireError(f"{self.kind}: the stream ended before its first chunk")
+        if self.got != self.total:
+            raise WireError(f"{self.kind}: transfer cut after {self.got} of {self.total} bytes")
+        try:
+            msg = msg_cls.FromString(self.buf)
+        except Exception as exc:  # protobuf's DecodeError; never anything but parsing
+            raise WireError(f"{self.kind}: the assembled bytes do not parse: {exc}") from None
+        self.buf = None
+        return msg
+
+
+def assemble(chunks: Iterable[pb.Chunk], msg_cls, max_bytes: int):
+    """Assemble a message of type ``msg_cls`` from an iterable of chunks (see :class:`Assembler`)."""
+    asm = Assembler(msg_cls.__name__, max_bytes)
+    for c in chunks:
+        asm.add(c)
+    return asm.finish(msg_cls)
+
+
+PARSE_OFF_LOOP_BYTES = 1 << 20  # larger messages are parsed in a thread, off the event loop
+
+
+async def receive(chunks: AsyncIterator[pb.Chunk], msg_cls, max_bytes: int, on_chunk=None):
+    """Assemble a message from an async stream of chunks (a gRPC request or reply stream).
+
+    A broken call raises its gRPC error while iterating; a stream that ends short raises
+    :class:`WireError`. Either way the caller gets no message and applies nothing.
+    ``on_chunk(chunk)`` runs for every chunk (e.g. to keep its sender counted as alive).
+    """
+    asm = Assembler(msg_cls.__name__, max_bytes)
+    async for c in chunks:
+        asm.add(c)
+        if on_chunk is not None:
+            on_chunk(c)
+    if asm.total > PARSE_OFF_LOOP_BYTES:
+        return await asyncio.get_running_loop().run_in_executor(None, asm.finish, msg_cls)
+    return asm.finish(msg_cls)
+
+
+def tensor_bytes(numel: int, itemsize: int = 4) -> int:
+    """Most payload bytes a frame of ``numel`` elements carries (fp32 raw is the largest codec)."""
+    return numel * itemsize
+
+
+def transfer_timeout(nbytes: int, base_s: float = 60.0, min_bytes_per_s: float = 1e6) -> float:
+    """Deadline of one streamed call: ``base_s`` plus ``nbytes`` at a slow 1 MB/s link."""
+    return base_s + nbytes / min_bytes_per_s
+
+
+async def send(method, msg, chunk_bytes: int, *, timeout: float | None = None, traffic=None,
+               data: bytes | None = None, sender: str = ""):
+    """Call the client-streaming ``method`` with ``msg`` in chunks; returns its reply.
+
+    ``data``: ``msg`` already serialised (e.g. in a thread, for a large message);
+    ``traffic`` (a :class:`shoal.net.traffic.Traffic`) counts the whole message and the
+    reply, as the unary interceptor counts a unary call; ``sender`` goes in every chunk.
+    """
+    if data is None:
+        data = msg.SerializeToString()
+    if traffic is not None:
+        traffic.count(msg)
+    if timeout is None:
+        timeout = transfer_timeout(len(data))
+    reply = await method(split(type(msg).__name__, data, chunk_bytes, sender), timeout=timeout)
+    if traffic is not None:
+        traffic.count(reply)
+    return reply
+
+
+async def fetch(method, request, msg_cls, max_bytes: int, *, timeout: float | None = None, traffic=None):
+    """Call the server-streaming ``method`` and assemble its ``msg_cls`` reply (checked)."""
+    if traffic is not None:
+        traffic.count(request)
+    call = method(request, timeout=transfer_timeout(max_bytes) if timeout is None else timeout)
+    try:
+        msg = await receive(call, msg_cls, max_bytes)
+    except BaseException:
+        call.cancel()  # stop the sender; nothing received is used
+        raise
+    if traffic is not None:
+        traffic.count(msg)
+    return msg

@@ -1,0 +1,271 @@
+"""Streamed (chunked) transfers: assembly checks, and a transfer cut mid-way is never applied.
+
+The RPC tests run a real stage server (``StageServer`` handlers on a real gRPC port) in
+this process and talk to it over loopback with real chunk streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from shoal.net import shoal_pb2 as pb
+from shoal.net import shoal_pb2_grpc as pbg
+from shoal.net.channel import open_channel
+from shoal.net.stream import Assembler, assemble, chunk_bytes_from_mb, chunks_of, fetch, send, split
+from shoal.net.wire import WireError, encode_tensor
+from shoal.runtime.common import model_config
+from shoal.runtime.server import StageServer
+from shoal.runtime.worker import Worker, WorkerOptions
+
+TOKEN = "chunk-test-token"
+CHUNK = 4096
+
+
+def _spec() -> pb.RunSpec:
+    return pb.RunSpec(version=1, model="tiny", stages=2, steps=3, micro_batches=2, micro_batch_size=1,
+                      seq_len=16, seed=0, lr=1e-3, min_lr=1e-4, warmup=1, weight_decay=0.1, grad_clip=1.0,
+                      ckpt_every=0, dead_after_s=30.0, min_lease_s=5.0, data="synthetic", ordered_grads=True,
+                      chunk_bytes=CHUNK)
+
+
+# ---------------------------------------------------------------------------- pure assembly
+def _msg() -> pb.GradPush:
+    g = torch.arange(3000, dtype=torch.float32).reshape(30, 100)
+    return pb.GradPush(worker="w", step=1, mbs=[0, 1], grads=[encode_tensor("a", g), encode_tensor("b", -g)])
+
+
+@pytest.mark.parametrize("chunk", [1000, 4096, 12_000, 1 << 20])
+def test_split_and_assemble_round_trip(chunk):
+    msg = _msg()
+    chunks = list(chunks_of(msg, chunk))
+    total = msg.ByteSize()
+    assert len(chunks) == -(-total // chunk)
+    assert all(c.total == total and c.kind == "GradPush" for c in chunks)
+    assert max(len(c.data) for c in chunks) <= chunk
+    assert assemble(chunks, pb.GradPush, total) == msg
+    assert assemble(list(chunks_of(pb.GradPush(), chunk)), pb.GradPush, 10) == pb.GradPush()
+
+
+def test_assembler_refuses_what_does_not_fit():
+    msg = _msg()
+    chunks = list(chunks_of(msg, 1000))
+    total = msg.ByteSize()
+    with pytest.raises(WireError, match="cut after"):
+        assemble(chunks[:-1], pb.GradPush, total)  # the last chunk never came
+    with pytest.raises(WireError, match="before its first chunk"):
+        assemble([], pb.GradPush, total)
+    with pytest.raises(WireError, match="more than"):
+        assemble(chunks, pb.GradPush, total - 1)  # bigger than this stage can expect
+    with pytest.raises(WireError, match="expected a 'Relay'"):
+        assemble(chunks, pb.Relay, total)
+    with pytest.raises(WireError, match="expected byte"):
+        assemble([chunks[0], chunks[2]], pb.GradPush, total)  # a gap
+    with pytest.raises(WireError, match="expected byte"):
+        assemble([chunks[0], chunks[0]], pb.GradPush, total)  # a repeat
+    bad = pb.Chunk(kind="GradPush", total=total, offset=0, data=b"x" * (total + 1))
+    with pytest.raises(WireError, match="run past"):
+        assemble([bad], pb.GradPush, total)
+    changed = pb.Chunk(kind="GradPush", total=total + 5, offset=len(chunks[0].data), data=chunks[1].data)
+    with pytest.raises(WireError, match="first said"):
+        assemble([chunks[0], changed], pb.GradPush, total + 5)
+    junk = list(split("GradPush", b"\xff" * 50, 16))
+    with pytest.raises(WireError, match="do not parse"):
+        assemble(junk, pb.GradPush, 100)
+    asm = Assembler("GradPush", total)
+    asm.add(chunks[0])
+    assert asm.got == len(chunks[0].data)
+
+
+def test_chunk_mb_flag_values():
+    assert chunk_bytes_from_mb(None) == 4 * 1024 * 1024
+    assert chunk_bytes_from_mb(1) == 1024 * 1024
+    assert chunk_bytes_from_mb(0, default=0) == 0
+    from shoal.errors import ShoalError
+
+    with pytest.raises(ShoalError, match="--chunk-mb"):
+        chunk_bytes_from_mb(-1)
+
+
+# ---------------------------------------------------------------------------- real server
+class _Server(StageServer):
+    """A real stage server whose weight stream can be made to stop after ``cut_after`` chunks."""
+
+    cut_after: int | None = None
+    cut_abort = False
+
+    async def GetWeightsStream(self, request, context):
+        n = 0
+        async for chunk in super().GetWeightsStream(request, context):
+            if self.cut_after is not None and n >= self.cut_after:
+                if self.cut_abort:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "link dropped")
+                return
+            n += 1
+            yield chunk
+
+
+async def _start(tmp_path) -> tuple[_Server, grpc.aio.Server, str]:
+    """Stage 0 [0, 3) of tiny at version 0, serving on a loopback port (no coordinator)."""
+    srv = _Server("127.0.0.1:9", "127.0.0.1:0", TOKEN, str(tmp_path), name="s-test")
+    srv.spec = _spec()
+    srv.stage, srv.epoch = 0, 0
+    await srv._load(0, 0, 3, 0, 0)
+    srv.ready = True
+    rpc = await srv.start_rpc()
+    return srv, rpc, srv.address
+
+
+def _push_msg(srv: StageServer, mb: int, nan: bool = False) -> pb.GradPush:
+    gen = torch.Generator().manual_seed(mb)
+    msg = pb.GradPush(worker="w", step=0, epoch=0, gen=srv._worker("w").gen, mbs=[mb])
+    for name, p in srv.params.items():
+        g = torch.randn(p.shape, generator=gen)
+        if nan:
+            g.view(-1)[0] = float("nan")
+        msg.grads.append(encode_tensor(name, g))
+    return msg
+
+
+@pytest.mark.timeout(60)
+def test_a_push_cut_mid_way_is_not_applied(tmp_path):
+    async def main():
+        srv, rpc, addr = await _start(tmp_path)
+        try:
+            for mb in (0, 1):
+                st = srv.steps[0][mb]
+                st.grad, st.holder = "computed", "w"
+            msg = _push_msg(srv, 0)
+            chunks = list(chunks_of(msg, CHUNK))
+            assert len(chunks) > 10
+            async with open_channel(addr, TOKEN) as ch:
+                stub = pbg.StageServerStub(ch)
+                # 1. The stream ends early (the sender stopped): refused, nothing applied.
+                rep = await stub.PushGradsStream(iter(chunks[: len(chunks) // 2]), timeout=10)
+                assert not rep.accepted and "cut after" in rep.reason
+                assert srv.pushes == [] and srv.steps[0][0].grad == "computed"
+
+                # 2. The call breaks mid-way (the sender's side cancels it after half the chunks).
+                sent = asyncio.Event()
+
+                async def half_then_hang():
+                    for c in chunks[: len(chunks) // 2]:
+                        yield c
+                    sent.set()
+                    await asyncio.sleep(30)
+
+                call = stub.PushGradsStream(half_then_hang(), timeout=20)
+                await asyncio.wait_for(sent.wait(), 10)
+                await asyncio.sleep(0.3)
+                call.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+                await asyncio.sleep(0.3)
+                assert srv.pushes == [] and srv.steps[0][0].grad == "computed"
+
+                # 3. A whole stream with a NaN gradient: assembled, then refused by the frame checks.
+                bad = _push_msg(srv, 1, nan=True)
+                rep = await send(stub.PushGradsStream, bad, CHUNK)
+                assert not rep.accepted and "inf or NaN" in rep.reason
+                assert srv.pushes == []
+
+                # 4. A whole stream: accepted and applied once (the NaN push voided the worker,
+                # so its micro-batches are held again under its new generation).
+                for mb in (0, 1):
+                    st = srv.steps[0][mb]
+                    st.grad, st.holder = "computed", "w"
+                msg = _push_msg(srv, 0)
+                rep = await send(stub.PushGradsStream, msg, CHUNK)
+                assert rep.accepted, rep.reason
+                assert len(srv.pushes) == 1 and srv.steps[0][0].grad == "counted"
+                name = next(iter(srv.params))
+                assert torch.equal(srv.pushes[0][1][name], torch.randn(
+                    srv.params[name].shape, generator=torch.Generator().manual_seed(0)))
+        finally:
+            await rpc.stop(0)
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_weight_pull_cut_mid_way_leaves_the_worker_weights_alone(tmp_path):
+    async def main():
+        srv, rpc, addr = await _start(tmp_path)
+        try:
+            w = Worker("127.0.0.1:9", TOKEN, WorkerOptions(name="w"))
+            w.spec, w.member_id = _spec(), "w"
+            w.cfg = model_config(w.spec)
+            w._switch(0, 0, 3)
+            with torch.no_grad():
+                for p in w.params.values():
+                    p.zero_()
+            async with open_channel(addr, TOKEN) as ch:
+                w.server = pbg.StageServerStub(ch)
+                for abort in (False, True):
+                    srv.cut_after, srv.cut_abort = 5, abort
+                    with pytest.raises(WireError if not abort else grpc.aio.AioRpcError):
+                        await w._pull()
+                    assert w.version == -1
+                    assert all(float(p.detach().abs().max()) == 0.0 for p in w.params.values())
+                srv.cut_after = None
+                await w._pull()
+                assert w.version == 0
+                for name, p in srv.params.items():
+                    assert torch.equal(w.params[name], p.detach())
+        finally:
+            await rpc.stop(0)
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_weights_are_serialised_once_and_served_to_every_puller(tmp_path):
+    async def main():
+        srv, rpc, addr = await _start(tmp_path)
+        try:
+            first = await srv._weights_bytes()
+            assert (await srv._weights_bytes()) is first  # no new copy for the next puller
+            numel = sum(p.numel() for p in srv.params.values())
+            async with open_channel(addr, TOKEN) as ch:
+                stub = pbg.StageServerStub(ch)
+                reps = await asyncio.gather(*[
+                    fetch(stub.GetWeightsStream, pb.WeightsRequest(worker=f"w{i}"), pb.WeightsReply,
+                          4 * numel + 100_000) for i in range(3)])
+            assert (await srv._weights_bytes()) is first
+            for rep in reps:
+                assert rep.SerializeToString() == first
+                assert [f.name for f in rep.params] == list(srv.params)
+            # A new version is serialised anew (the old bytes are dropped).
+            with torch.no_grad():
+                next(iter(srv.params.values())).add_(1.0)
+            srv.version = srv.step = 1
+            srv._wcache = None
+            assert (await srv._weights_bytes()) != first
+        finally:
+            await rpc.stop(0)
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_streamed_calls_need_the_token(tmp_path):
+    async def main():
+        srv, rpc, addr = await _start(tmp_path)
+        try:
+            async with open_channel(addr, "wrong-token") as ch:
+                stub = pbg.StageServerStub(ch)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await fetch(stub.GetWeightsStream, pb.WeightsRequest(worker="x"), pb.WeightsReply, 1 << 30)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                srv.steps[0][0].grad, srv.steps[0][0].holder = "computed", "w"
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await send(stub.PushGradsStream, _push_msg(srv, 0), CHUNK)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert srv.pushes == [] and "x" not in srv.workers
+        finally:
+            await rpc.stop(0)
+
+    asyncio.run(main())
