@@ -26,7 +26,7 @@ CHUNK = 4096
 
 
 def _spec() -> pb.RunSpec:
-    return pb.RunSpec(version=1, model="tiny", stages=2, steps=3, micro_batches=2, micro_batch_size=1,
+    return pb.RunSpec(version=1, run_id="chunk-test", model="tiny", stages=2, steps=3, micro_batches=2, micro_batch_size=1,
                       seq_len=16, seed=0, lr=1e-3, min_lr=1e-4, warmup=1, weight_decay=0.1, grad_clip=1.0,
                       ckpt_every=0, dead_after_s=30.0, min_lease_s=5.0, data="synthetic", ordered_grads=True,
                       chunk_bytes=CHUNK)

@@ -205,8 +205,8 @@ def _token(args) -> str:
 def _spec(args):
     from shoal.model.config import get_preset
     from shoal.net import shoal_pb2 as pb
-    from shoal.train.flags import workload_from_args
     from shoal.net.stream import chunk_bytes_from_mb
+    from shoal.train.flags import workload_from_args
     from shoal.train.optim import OptimConfig
 
     w = workload_from_args(args)
