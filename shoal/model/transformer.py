@@ -44,7 +44,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        # Statistics in fp32 even when the residual stream is bf16/fp16: the backward of
+        # rsqrt of a small mean square overflows fp16. A no-op for fp32 inputs.
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
 @lru_cache(maxsize=8)

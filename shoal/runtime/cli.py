@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import sys
 
 from shoal.errors import ShoalError
@@ -17,9 +18,10 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _run_args(p: argparse.ArgumentParser, launch: bool = False) -> None:
-    from shoal.train.flags import add_workload_args
+    from shoal.train.flags import add_device_args, add_workload_args
 
     add_workload_args(p)
+    add_device_args(p, device=launch)
     p.add_argument("--stages", type=int, default=2, help="pipeline stages S")
     p.add_argument("--ckpt-every", type=int, default=1, help="servers checkpoint every K steps")
     p.add_argument("--dead-after", type=float, default=3.0, help="seconds of silence before a member is dead")
@@ -67,6 +69,10 @@ def register(subparsers) -> None:
                    help="lossy --codec: do not carry each gradient push's quantisation error into the next")
     p.add_argument("--no-graph-cache", action="store_true",
                    help="always recompute the forward in backward tasks (saves activation memory)")
+    from shoal.train.flags import add_device_args
+
+    add_device_args(p, loss_scale=False, precision_help="refuse to join a run of another precision "
+                                                        "(default: compute in the run's precision)")
     _common(p)
     _emulation_args(p)
     p.set_defaults(func=run_worker_cmd)
@@ -143,6 +149,9 @@ def _spec(args):
     if w.seq_len > cfg.max_seq_len:
         raise ShoalError(f"--seq-len {w.seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
     min_lr = w.lr / 10 if w.min_lr is None else w.min_lr
+    loss_scale = args.loss_scale or 0.0
+    if args.loss_scale is not None and not (math.isfinite(args.loss_scale) and args.loss_scale >= 1):
+        raise ShoalError(f"--loss-scale must be a finite number >= 1, got {args.loss_scale}")
     OptimConfig(lr=w.lr, min_lr=min_lr, warmup_steps=w.warmup, weight_decay=w.weight_decay,
                 grad_clip=w.grad_clip).validate()
     return pb.RunSpec(
@@ -150,7 +159,8 @@ def _spec(args):
         micro_batch_size=w.micro_batch_size, seq_len=w.seq_len, seed=w.seed, lr=w.lr,
         min_lr=min_lr, warmup=w.warmup, weight_decay=w.weight_decay, grad_clip=w.grad_clip,
         ckpt_every=args.ckpt_every, dead_after_s=args.dead_after, min_lease_s=args.min_lease,
-        max_message_bytes=256 * 1024 * 1024, data=args.data, ordered_grads=not args.unordered_grads)
+        max_message_bytes=256 * 1024 * 1024, data=args.data, ordered_grads=not args.unordered_grads,
+        precision=args.precision or "fp32", loss_scale_init=loss_scale)
 
 
 def run_coordinator_cmd(args) -> int:
@@ -198,14 +208,18 @@ def run_server_cmd(args) -> int:
 
 def run_worker_cmd(args) -> int:
     from shoal.runtime.worker import WorkerOptions, work
+    from shoal.train.precision import resolve_device
 
+    resolve_device(args.device)  # a bad --device is an error before anything else
     _logging(args.log_level)
     dial, pacer, on_servers = _emulation(args)
     work(args.join, _token(args), WorkerOptions(name=args.name, flops=args.flops, inject=args.inject,
                                                 codec=args.codec, slow_s=args.slow,
                                                 graph_cache=not args.no_graph_cache,
                                                 error_feedback=not args.no_error_feedback,
-                                                device=_played_device(args)),
+                                                device=_played_device(args),
+                                                torch_device=args.device or "auto",
+                                                precision=args.precision),
          dial=dial, pacer=pacer, on_servers=on_servers)
     return 0
 
@@ -228,7 +242,8 @@ def run_launch_cmd(args) -> int:
         seed=w.seed, lr=w.lr, min_lr=w.min_lr, warmup=w.warmup, weight_decay=w.weight_decay,
         grad_clip=w.grad_clip, ckpt_every=args.ckpt_every, dead_after_s=args.dead_after,
         min_lease_s=args.min_lease, data=args.data, timeout_s=args.timeout, scenario=args.scenario,
-        ordered_grads=not args.unordered_grads, emulate_speedup=args.emulate_speedup)
+        ordered_grads=not args.unordered_grads, emulate_speedup=args.emulate_speedup,
+        device=args.device or "auto", precision=args.precision or "fp32", loss_scale=args.loss_scale)
     summary = launch(cfg, on_event=lambda r: print(_fmt(r), flush=True))
     print(json.dumps({k: summary.get(k) for k in ("steps", "final_loss", "requeues", "tokens_per_s",
                                                   "wall_time_s")}))

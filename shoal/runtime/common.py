@@ -42,6 +42,27 @@ def optim_config(spec: pb.RunSpec) -> OptimConfig:
                        weight_decay=spec.weight_decay, grad_clip=spec.grad_clip)
 
 
+def run_precision(spec: pb.RunSpec) -> str:
+    """The compute precision of a run ("fp32" when the spec leaves it empty)."""
+    return spec.precision or "fp32"
+
+
+def loss_scaling(spec: pb.RunSpec):
+    """The fp16 dynamic loss-scaling rule of a run (:class:`LossScaleConfig`)."""
+    from shoal.train.precision import LossScaleConfig
+
+    if spec.loss_scale_init > 0:
+        return LossScaleConfig(init_scale=spec.loss_scale_init)
+    return LossScaleConfig()
+
+
+def initial_scale(spec: pb.RunSpec) -> float:
+    """Loss scale of step 0 of a run (1 unless the run is fp16)."""
+    from shoal.train.precision import initial_loss_scale
+
+    return initial_loss_scale(run_precision(spec), loss_scaling(spec))
+
+
 def even_split(n_layers: int, stages: int) -> list[tuple[int, int]]:
     """Cut ``n_layers`` layers into ``stages`` contiguous ranges differing by at most one."""
     if not 1 <= stages <= n_layers:
@@ -150,7 +171,7 @@ def list_ckpts(root: str | Path, stage: int) -> list[int]:
 
 
 def save_stage_ckpt(root: str | Path, stage: int, version: int, module: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer, keep: int = 4) -> Path:
+                    optimizer: torch.optim.Optimizer, keep: int = 4, loss_scale: float = 1.0) -> Path:
     """Write weights + AdamW state of a stage at ``version`` (atomic rename), keep the last few."""
     from safetensors.torch import save_file
 
@@ -166,7 +187,8 @@ def save_stage_ckpt(root: str | Path, stage: int, version: int, module: torch.nn
                 tensors[f"{k}/{name}"] = (v if torch.is_tensor(v) else torch.tensor(float(v))).detach().clone().reshape(
                     v.shape if torch.is_tensor(v) else ())
     tmp = d / f".v{version}.tmp"
-    save_file(tensors, str(tmp), metadata={"version": str(version), "stage": str(stage)})
+    save_file(tensors, str(tmp), metadata={"version": str(version), "stage": str(stage),
+                                           "loss_scale": repr(float(loss_scale))})
     path = d / f"v{version}.safetensors"
     os.replace(tmp, path)
     for old in list_ckpts(root, stage)[:-keep]:
@@ -191,6 +213,18 @@ def load_stage_ckpt(root: str | Path, stage: int, version: int, module: torch.nn
                     "exp_avg": tensors[f"exp_avg/{name}"].clone(),
                     "exp_avg_sq": tensors[f"exp_avg_sq/{name}"].clone(),
                 }
+
+
+def stage_ckpt_loss_scale(root: str | Path, stage: int, version: int, default: float) -> float:
+    """The loss scale of the step after ``version`` saved with that checkpoint (fp16 runs)."""
+    from safetensors import safe_open
+
+    with safe_open(str(ckpt_dir(root, stage) / f"v{version}.safetensors"), framework="pt") as f:
+        meta = f.metadata() or {}
+    try:
+        return float(meta.get("loss_scale", default))
+    except ValueError:
+        return default
 
 
 def measure_flops(seconds: float = 0.2) -> float:

@@ -39,16 +39,20 @@ from shoal.net.wire import WireError, decode_tensor, encode_tensor
 from shoal.runtime.common import (
     SCHEMA_VERSION,
     ewma,
+    initial_scale,
     lease_seconds,
     list_ckpts,
     load_stage_ckpt,
     model_config,
     optim_config,
     run_member,
+    run_precision,
     save_stage_ckpt,
     set_threads,
+    stage_ckpt_loss_scale,
 )
 from shoal.train.optim import apply_update, grad_sq_norm, make_optimizer
+from shoal.train.precision import unscale_grads, wire_dtype
 
 log = logging.getLogger("shoal.server")
 
@@ -135,22 +139,25 @@ class StageServer(pbg.StageServerServicer):
         cfg = model_config(spec)
         module = build_stage(cfg, first, last, seed=spec.seed)
         opt = make_optimizer(module.named_parameters(), optim_config(spec))
+        scale = initial_scale(spec)
         if version > 0:
             load_stage_ckpt(self.ckpt_root, stage, version, module, opt)
-        return cfg, module, opt
+            scale = stage_ckpt_loss_scale(self.ckpt_root, stage, version, scale)
+        return cfg, module, opt, scale
 
     async def _load(self, stage: int, first: int, last: int, version: int, epoch: int) -> None:
         """(Re)load the stage at ``version`` for ``epoch``, keeping heartbeats going meanwhile."""
         self.version = -1
         self.loading = True
         try:
-            cfg, module, opt = await asyncio.get_running_loop().run_in_executor(
+            cfg, module, opt, scale = await asyncio.get_running_loop().run_in_executor(
                 None, self._make, stage, first, last, version)
         finally:
             self.loading = False
         if (stage, epoch) != (self.stage, self.epoch):
             return  # superseded while loading
         self.cfg, self.module, self.opt = cfg, module, opt
+        self.loss_scale = scale  # fp16: the scale of the step being worked on (1 otherwise)
         self.params = dict(module.named_parameters())
         self.version = version
         self.step = version
@@ -161,6 +168,11 @@ class StageServer(pbg.StageServerServicer):
         for w in self.workers.values():
             w.gen += 1
         self.act_shape = (self.spec.micro_batch_size, self.spec.seq_len, cfg.d_model)
+        # Activations and their gradients travel in the compute dtype. In fp16 a gradient
+        # may overflow: that is not a fault but a skipped step (the coordinator sees the
+        # non-finite norm), so backward tensors are then accepted with inf/NaN.
+        self.act_dtype = wire_dtype(run_precision(self.spec))
+        self.grads_finite = run_precision(self.spec) != "fp16"
         self._open_step(self.step)
         log.info("%s serves stage %d [%d,%d) from version %d (epoch %d)", self.name, stage, first, last,
                  version, epoch)
@@ -343,7 +355,7 @@ class StageServer(pbg.StageServerServicer):
         else:
             st.grad, st.holder = "leased", wid
         task = pb.Task(step=self.step, mb=mb, stage=self.stage, direction=direction,
-                       epoch=self.epoch, lease_id=lid, deadline_s=secs)
+                       epoch=self.epoch, lease_id=lid, deadline_s=secs, loss_scale=self.loss_scale)
         if st.input is not None:
             task.input.CopyFrom(encode_tensor("input", st.input))
         if direction == pb.BWD:
@@ -394,7 +406,8 @@ class StageServer(pbg.StageServerServicer):
         try:
             out = None
             if r.direction == pb.FWD or not self.is_first:
-                out = decode_tensor(r.output, shape=self.act_shape, dtype="float32", finite=True)
+                out = decode_tensor(r.output, shape=self.act_shape, dtype=self.act_dtype,
+                                    finite=r.direction == pb.FWD or self.grads_finite)
             if r.direction == pb.FWDBWD and not math.isfinite(r.loss):
                 raise WireError(f"loss {r.loss} is not finite")
         except WireError as exc:
@@ -447,7 +460,7 @@ class StageServer(pbg.StageServerServicer):
                 if g.name not in self.params or g.name in grads:
                     raise WireError(f"unexpected gradient {g.name!r}")
                 grads[g.name] = decode_tensor(g, shape=tuple(self.params[g.name].shape),
-                                              dtype="float32", finite=True)
+                                              dtype="float32", finite=self.grads_finite)
             if len(grads) != len(self.params):
                 raise WireError(f"push has {len(grads)} of {len(self.params)} gradients")
         except WireError as exc:
@@ -507,7 +520,8 @@ class StageServer(pbg.StageServerServicer):
         if r.step > self.step + 1:
             return pb.RelayReply(accepted=False, retry=True, reason="too far ahead")
         try:
-            t = decode_tensor(r.tensor, shape=self.act_shape, dtype="float32", finite=True)
+            t = decode_tensor(r.tensor, shape=self.act_shape, dtype=self.act_dtype,
+                              finite=r.direction == pb.FWD or self.grads_finite)
         except WireError as exc:
             return pb.RelayReply(accepted=False, reason=f"rejected: {exc}")
         mbs = self.steps.setdefault(r.step, {})
@@ -568,6 +582,8 @@ class StageServer(pbg.StageServerServicer):
                         p.grad = g.clone()
                     else:
                         p.grad.add_(g)
+            # fp16: the pushes hold gradients of the loss times the step's scale.
+            unscale_grads(self.params.values(), self.loss_scale)
             report = pb.StepReport(member_id=self.member_id, stage=self.stage, step=step, epoch=epoch,
                                    sq_norm=grad_sq_norm(self.params.values()), requeues=self.requeues)
             if self.is_last:
@@ -586,10 +602,17 @@ class StageServer(pbg.StageServerServicer):
                     return
                 if d.ready:
                     break
-            apply_update(self.opt, d.lr, d.coef)
+            if d.skip:
+                # fp16 overflow at some stage: every stage skips the update of this step.
+                self.opt.zero_grad(set_to_none=True)
+            else:
+                apply_update(self.opt, d.lr, d.coef)
+            if d.next_loss_scale > 0:
+                self.loss_scale = d.next_loss_scale
             self.version = step + 1
             if self.spec.ckpt_every > 0 and self.version % self.spec.ckpt_every == 0:
-                save_stage_ckpt(self.ckpt_root, self.stage, self.version, self.module, self.opt)
+                save_stage_ckpt(self.ckpt_root, self.stage, self.version, self.module, self.opt,
+                                loss_scale=self.loss_scale)
             self.steps.pop(step, None)
             self.pushes = []
             self.step = step + 1
