@@ -158,7 +158,6 @@ class Worker:
             device=self.opts.device)))
         self.member_id, self.spec = reply.member_id, reply.spec
         self.cfg = model_config(self.spec)
-        self.precision = run_precision(self.spec)
         try:
             if self.opts.precision and self.opts.precision != self.precision:
                 raise ShoalError(f"--precision {self.opts.precision}: the run at {self.coord_addr} computes in "
@@ -168,10 +167,6 @@ class Worker:
             with contextlib.suppress(grpc.aio.AioRpcError):
                 await self.coord.Leave(pb.MemberRequest(member_id=self.member_id), timeout=2)
             raise
-        # Activations and their gradients travel in the compute dtype; fp16 gradients may
-        # overflow, which the coordinator turns into a skipped step (see shoal.train.precision).
-        self.act_dtype = wire_dtype(self.precision)
-        self.grads_finite = self.precision != "fp16"
         log.info("%s joined as %s (%.2g FLOP/s)", self.opts.name, self.member_id, flops)
         hb = asyncio.create_task(self._heartbeats())
         try:
@@ -189,6 +184,21 @@ class Worker:
                     await asyncio.sleep(0.2)
         finally:
             hb.cancel()
+
+    @property
+    def precision(self) -> str:
+        """The run's compute precision (from the run spec)."""
+        return run_precision(self.spec)
+
+    @property
+    def act_dtype(self) -> str:
+        """Wire dtype of activations and their gradients: the compute dtype."""
+        return wire_dtype(self.precision)
+
+    @property
+    def grads_finite(self) -> bool:
+        """Whether received gradients must be finite (fp16: an overflow skips the step instead)."""
+        return self.precision != "fp16"
 
     async def _heartbeats(self) -> None:
         last_ok = time.monotonic()
