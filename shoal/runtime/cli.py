@@ -62,7 +62,7 @@ def register(subparsers) -> None:
     p.add_argument("--join", required=True, help="coordinator HOST:PORT")
     p.add_argument("--name", default="worker", help="label in events and metrics")
     p.add_argument("--flops", type=float, default=None, help="FLOP/s to report (default: measure)")
-    p.add_argument("--inject", default="", help="test faults, once each: nan_grad,bad_shape")
+    p.add_argument("--inject", default="", help="test faults, once each: nan_grad,bad_shape,oom")
     p.add_argument("--codec", default="raw", help="tensor codec: raw, fp16, int8")
     p.add_argument("--slow", type=float, default=0.0, help="extra seconds per task (tests, demos)")
     p.add_argument("--no-error-feedback", action="store_true",
