@@ -129,7 +129,7 @@ def stage_table(args, device) -> list[str]:
                 tokens = args.micro_batch_size * args.seq_len / secs
                 peak, _ = peaks[prec]
                 mem_s = f"{mem / 2**30:.2f}" if mem is not None else "n/a (CPU)"
-                rows.append(f"| {name} | {s} | [{first}, {last}) | {prec} | {tokens:,.0f} | {flops / secs / 1e12:.3f} | "
+                rows.append(f"| {name} | {s} | [{first}, {last}) | {prec} | {tokens:,.0f} | {flops / secs / 1e12:.3g} | "
                             f"{flops / secs / peak:.1%} | {mem_s} | {prof.worker_memory(first, last) / 2**30:.2f} |")
                 print(rows[-1], flush=True)
     rows.append("")
