@@ -13,7 +13,9 @@ The planner and the simulator reason with these numbers, so they are exact for
 * activations saved for backward, per micro-batch, in bytes with ``b`` bytes per element:
   block ``B*T*(b*(12*d + 4*f + 2) + 4*H)`` (attention keeps an fp32 log-sum-exp per
   head), head ``B*T*(b*(3*d + 1) + 4*V + 8) + 4`` (one fp32 log-softmax shared by the
-  loss, int64 targets, the scalar loss), embedding ``8*B*T`` (int64 ids).
+  loss, int64 targets, the scalar loss), embedding ``8*B*T`` (int64 ids). Below fp32
+  (``b < 4``) each RMSNorm also keeps its fp32 input copy and fp32 statistic:
+  ``(4-b)*(d+1)`` more bytes per token and norm (two norms per block, one in the head).
   These match what autograd keeps for our implementation (measured with
   ``torch.autograd.graph.saved_tensors_hooks`` in ``tests/test_profile.py``).
 """
@@ -116,6 +118,7 @@ def profile_model(
         raise ShoalError(f"dtype_bytes must be 2 (fp16/bf16) or 4 (fp32), got {dtype_bytes}")
     d, f, v, h, b = cfg.d_model, cfg.ffn_hidden, cfg.vocab_size, cfg.n_heads, micro_batch_size
     bt = b * t
+    norm_fp32 = (4 - dtype_bytes) * (d + 1)  # per token and RMSNorm: its fp32 copy and statistic
     layers = []
     for i in range(cfg.n_total_layers):
         kind = layer_kind(cfg, i)
@@ -124,10 +127,10 @@ def profile_model(
         elif kind == "block":
             params = 4 * d * d + 3 * d * f + 2 * d
             fwd = 2 * (4 * d * d + 3 * d * f) + 4 * t * d
-            saved = bt * (dtype_bytes * (12 * d + 4 * f + 2) + 4 * h)
+            saved = bt * (dtype_bytes * (12 * d + 4 * f + 2) + 4 * h + 2 * norm_fp32)
         else:
             params, fwd = d * v + d, 2 * d * v
-            saved = bt * (dtype_bytes * (3 * d + 1) + 4 * v + 8) + 4
+            saved = bt * (dtype_bytes * (3 * d + 1) + 4 * v + 8 + norm_fp32) + 4
         bwd = 0 if kind == "embedding" else 2 * fwd
         layers.append(
             LayerProfile(

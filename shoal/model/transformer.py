@@ -44,15 +44,34 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        # Statistics in fp32 even when the residual stream is bf16/fp16: the backward of
+        # rsqrt of a small mean square overflows fp16. A no-op for fp32 inputs.
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
 @lru_cache(maxsize=8)
 def _rope_tables(head_dim: int, max_seq_len: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+    # Always on the CPU (even under a ``torch.device("meta")`` context): real values, cached.
+    cpu = torch.device("cpu")
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=cpu) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64, device=cpu), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().float(), angles.sin().float()
+
+
+_ROPE_ON_DEVICE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def rope_tables(head_dim: int, max_seq_len: int, base: float,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) rotary tables on ``device``: computed once on the CPU in float64 (the same
+    values on every device), copied to each device the first time it asks."""
+    key = (head_dim, max_seq_len, base, device)
+    if key not in _ROPE_ON_DEVICE:
+        cos, sin = _rope_tables(head_dim, max_seq_len, base)
+        _ROPE_ON_DEVICE[key] = (cos.to(device), sin.to(device)) if device.type != "cpu" else (cos, sin)
+    return _ROPE_ON_DEVICE[key]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -73,7 +92,7 @@ class Attention(nn.Module):
         b, t, d = x.shape
         qkv = self.wqkv(x).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv[0], qkv[1], qkv[2]
-        cos, sin = _rope_tables(*self.rope)
+        cos, sin = rope_tables(*self.rope, x.device)
         cos, sin = cos[:t].to(x.dtype), sin[:t].to(x.dtype)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
@@ -98,7 +117,13 @@ class Embedding(nn.Module):
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.tok(ids)
+        h = self.tok(ids)
+        # Under autocast the residual stream runs in the compute dtype (the lookup itself
+        # is not autocast), so activations between stages are bf16/fp16 and the same in a
+        # pipeline as in one process.
+        if h.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(h.device.type):
+            h = h.to(torch.get_autocast_dtype(h.device.type))
+        return h
 
 
 class Block(nn.Module):

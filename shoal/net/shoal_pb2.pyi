@@ -33,7 +33,7 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., codec: _Optional[str] = ..., meta: _Optional[bytes] = ...) -> None: ...
 
 class RunSpec(_message.Message):
-    __slots__ = ("version", "model", "stages", "steps", "micro_batches", "micro_batch_size", "seq_len", "seed", "lr", "min_lr", "warmup", "weight_decay", "grad_clip", "ckpt_every", "dead_after_s", "min_lease_s", "max_message_bytes", "data", "ordered_grads", "chunk_bytes", "run_id")
+    __slots__ = ("version", "model", "stages", "steps", "micro_batches", "micro_batch_size", "seq_len", "seed", "lr", "min_lr", "warmup", "weight_decay", "grad_clip", "ckpt_every", "dead_after_s", "min_lease_s", "max_message_bytes", "data", "ordered_grads", "chunk_bytes", "run_id", "precision", "loss_scale_init")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,8 @@ class RunSpec(_message.Message):
     ORDERED_GRADS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALE_INIT_FIELD_NUMBER: _ClassVar[int]
     version: int
     model: str
     stages: int
@@ -76,7 +78,9 @@ class RunSpec(_message.Message):
     ordered_grads: bool
     chunk_bytes: int
     run_id: str
-    def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., stages: _Optional[int] = ..., steps: _Optional[int] = ..., micro_batches: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., seed: _Optional[int] = ..., lr: _Optional[float] = ..., min_lr: _Optional[float] = ..., warmup: _Optional[int] = ..., weight_decay: _Optional[float] = ..., grad_clip: _Optional[float] = ..., ckpt_every: _Optional[int] = ..., dead_after_s: _Optional[float] = ..., min_lease_s: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., data: _Optional[str] = ..., ordered_grads: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
+    precision: str
+    loss_scale_init: float
+    def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., stages: _Optional[int] = ..., steps: _Optional[int] = ..., micro_batches: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., seed: _Optional[int] = ..., lr: _Optional[float] = ..., min_lr: _Optional[float] = ..., warmup: _Optional[int] = ..., weight_decay: _Optional[float] = ..., grad_clip: _Optional[float] = ..., ckpt_every: _Optional[int] = ..., dead_after_s: _Optional[float] = ..., min_lease_s: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., data: _Optional[str] = ..., ordered_grads: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ..., run_id: _Optional[str] = ..., precision: _Optional[str] = ..., loss_scale_init: _Optional[float] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("role", "address", "flops", "name", "ckpt_version", "ckpt_stage", "schema", "device", "will_measure", "region", "up_bps", "down_bps")
@@ -296,16 +300,20 @@ class StepReport(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., epoch: _Optional[int] = ..., sq_norm: _Optional[float] = ..., losses: _Optional[_Iterable[float]] = ..., tasks_per_worker: _Optional[_Mapping[str, int]] = ..., requeues: _Optional[int] = ...) -> None: ...
 
 class StepDecision(_message.Message):
-    __slots__ = ("ready", "coef", "lr", "stale")
+    __slots__ = ("ready", "coef", "lr", "stale", "skip", "next_loss_scale")
     READY_FIELD_NUMBER: _ClassVar[int]
     COEF_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
     STALE_FIELD_NUMBER: _ClassVar[int]
+    SKIP_FIELD_NUMBER: _ClassVar[int]
+    NEXT_LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     coef: float
     lr: float
     stale: bool
-    def __init__(self, ready: _Optional[bool] = ..., coef: _Optional[float] = ..., lr: _Optional[float] = ..., stale: _Optional[bool] = ...) -> None: ...
+    skip: bool
+    next_loss_scale: float
+    def __init__(self, ready: _Optional[bool] = ..., coef: _Optional[float] = ..., lr: _Optional[float] = ..., stale: _Optional[bool] = ..., skip: _Optional[bool] = ..., next_loss_scale: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("json",)
@@ -318,7 +326,7 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("step", "mb", "stage", "direction", "epoch", "lease_id", "input", "out_grad", "deadline_s")
+    __slots__ = ("step", "mb", "stage", "direction", "epoch", "lease_id", "input", "out_grad", "deadline_s", "loss_scale")
     STEP_FIELD_NUMBER: _ClassVar[int]
     MB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +336,7 @@ class Task(_message.Message):
     INPUT_FIELD_NUMBER: _ClassVar[int]
     OUT_GRAD_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
     step: int
     mb: int
     stage: int
@@ -337,7 +346,8 @@ class Task(_message.Message):
     input: Tensor
     out_grad: Tensor
     deadline_s: float
-    def __init__(self, step: _Optional[int] = ..., mb: _Optional[int] = ..., stage: _Optional[int] = ..., direction: _Optional[_Union[Direction, str]] = ..., epoch: _Optional[int] = ..., lease_id: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., out_grad: _Optional[_Union[Tensor, _Mapping]] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+    loss_scale: float
+    def __init__(self, step: _Optional[int] = ..., mb: _Optional[int] = ..., stage: _Optional[int] = ..., direction: _Optional[_Union[Direction, str]] = ..., epoch: _Optional[int] = ..., lease_id: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., out_grad: _Optional[_Union[Tensor, _Mapping]] = ..., deadline_s: _Optional[float] = ..., loss_scale: _Optional[float] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
     __slots__ = ("worker", "wait_s")

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import sys
 
 from shoal.errors import ShoalError
@@ -37,9 +38,10 @@ def _measure_opts(args) -> dict:
 
 
 def _run_args(p: argparse.ArgumentParser, launch: bool = False) -> None:
-    from shoal.train.flags import add_workload_args
+    from shoal.train.flags import add_device_args, add_workload_args
 
     add_workload_args(p)
+    add_device_args(p, device=launch)
     p.add_argument("--stages", type=int, default=2, help="pipeline stages S")
     p.add_argument("--ckpt-every", type=int, default=1, help="servers checkpoint every K steps")
     p.add_argument("--dead-after", type=float, default=3.0, help="seconds of silence before a member is dead")
@@ -99,7 +101,7 @@ def register(subparsers) -> None:
     p.add_argument("--name", default="worker", help="label in events and metrics")
     p.add_argument("--flops", type=float, default=None, help="FLOP/s to report (default: measure)")
     p.add_argument("--inject", default="", help="test faults, once each: nan_grad,bad_shape,push_fail (first push attempt lost), "
-                        "push_lost (first push's reply lost), push_abandon (first push never lands)")
+                        "push_lost (first push's reply lost), push_abandon (first push never lands), oom")
     p.add_argument("--codec", default="raw", help="tensor codec: raw, fp16, int8")
     p.add_argument("--chunk-mb", type=float, default=None,
                    help="MB per chunk of the results and gradient pushes this worker sends (default: the run's)")
@@ -110,6 +112,10 @@ def register(subparsers) -> None:
                    help="always recompute the forward in backward tasks (saves activation memory)")
     _measure_args(p)
     _dial_map_arg(p)
+    from shoal.train.flags import add_device_args
+
+    add_device_args(p, loss_scale=False, precision_help="refuse to join a run of another precision "
+                                                        "(default: compute in the run's precision)")
     _common(p)
     _emulation_args(p)
     p.set_defaults(func=run_worker_cmd)
@@ -221,6 +227,9 @@ def _spec(args):
     if w.seq_len > cfg.max_seq_len:
         raise ShoalError(f"--seq-len {w.seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
     min_lr = w.lr / 10 if w.min_lr is None else w.min_lr
+    loss_scale = args.loss_scale or 0.0
+    if args.loss_scale is not None and not (math.isfinite(args.loss_scale) and args.loss_scale >= 1):
+        raise ShoalError(f"--loss-scale must be a finite number >= 1, got {args.loss_scale}")
     OptimConfig(lr=w.lr, min_lr=min_lr, warmup_steps=w.warmup, weight_decay=w.weight_decay,
                 grad_clip=w.grad_clip).validate()
     return pb.RunSpec(
@@ -229,7 +238,8 @@ def _spec(args):
         min_lr=min_lr, warmup=w.warmup, weight_decay=w.weight_decay, grad_clip=w.grad_clip,
         ckpt_every=args.ckpt_every, dead_after_s=args.dead_after, min_lease_s=args.min_lease,
         max_message_bytes=256 * 1024 * 1024, data=args.data, ordered_grads=not args.unordered_grads,
-        chunk_bytes=chunk_bytes_from_mb(args.chunk_mb))
+        chunk_bytes=chunk_bytes_from_mb(args.chunk_mb),
+        precision=args.precision or "fp32", loss_scale_init=loss_scale)
 
 
 def run_coordinator_cmd(args) -> int:
@@ -302,7 +312,9 @@ def run_worker_cmd(args) -> int:
     from shoal.net.channel import split_address
     from shoal.net.stream import chunk_bytes_from_mb
     from shoal.runtime.worker import WorkerOptions, work
+    from shoal.train.precision import resolve_device
 
+    resolve_device(args.device)  # a bad --device is an error before anything else
     _logging(args.log_level)
     split_address(args.join)
     chunk = chunk_bytes_from_mb(args.chunk_mb, default=0)
@@ -313,7 +325,9 @@ def run_worker_cmd(args) -> int:
                                                 graph_cache=not args.no_graph_cache,
                                                 error_feedback=not args.no_error_feedback,
                                                 device=_played_device(args), **_measure_opts(args),
-                                                compute_device=getattr(args, "device", None) or "cpu",
+                                                compute_device=args.device or "auto",
+                                                torch_device=args.device or "auto",
+                                                precision=args.precision,
                                                 chunk_bytes=chunk),
          dial=dial, pacer=pacer, on_servers=on_servers)
     return 0
@@ -346,7 +360,8 @@ def run_launch_cmd(args) -> int:
         grad_clip=w.grad_clip, ckpt_every=args.ckpt_every, dead_after_s=args.dead_after,
         min_lease_s=args.min_lease, data=args.data, timeout_s=args.timeout, scenario=args.scenario,
         ordered_grads=not args.unordered_grads, emulate_speedup=args.emulate_speedup,
-        dashboard=None if args.no_dashboard else args.dashboard, chunk_mb=args.chunk_mb)
+        dashboard=None if args.no_dashboard else args.dashboard, chunk_mb=args.chunk_mb,
+        device=args.device or "auto", precision=args.precision or "fp32", loss_scale=args.loss_scale)
     if cfg.dashboard:
         from shoal.runtime.dashboard import parse_bind
 

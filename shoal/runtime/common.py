@@ -43,6 +43,27 @@ def optim_config(spec: pb.RunSpec) -> OptimConfig:
                        weight_decay=spec.weight_decay, grad_clip=spec.grad_clip)
 
 
+def run_precision(spec: pb.RunSpec) -> str:
+    """The compute precision of a run ("fp32" when the spec leaves it empty)."""
+    return spec.precision or "fp32"
+
+
+def loss_scaling(spec: pb.RunSpec):
+    """The fp16 dynamic loss-scaling rule of a run (:class:`LossScaleConfig`)."""
+    from shoal.train.precision import LossScaleConfig
+
+    if spec.loss_scale_init > 0:
+        return LossScaleConfig(init_scale=spec.loss_scale_init)
+    return LossScaleConfig()
+
+
+def initial_scale(spec: pb.RunSpec) -> float:
+    """Loss scale of step 0 of a run (1 unless the run is fp16)."""
+    from shoal.train.precision import initial_loss_scale
+
+    return initial_loss_scale(run_precision(spec), loss_scaling(spec))
+
+
 def even_split(n_layers: int, stages: int) -> list[tuple[int, int]]:
     """Cut ``n_layers`` layers into ``stages`` contiguous ranges differing by at most one."""
     if not 1 <= stages <= n_layers:
@@ -223,7 +244,7 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
 
 def save_stage_ckpt(root: str | Path, stage: int, version: int, module: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, *, run_id: str, layers: tuple[int, int],
-                    keep: int = 4) -> Path:
+                    keep: int = 4, loss_scale: float = 1.0) -> Path:
     """Write weights + AdamW state of a stage at ``version``, keep this run's last few.
 
     The file carries the run id, stage, layer range, version and a sha256 of its tensors
@@ -245,7 +266,7 @@ def save_stage_ckpt(root: str | Path, stage: int, version: int, module: torch.nn
                 tensors[f"{k}/{name}"] = (v if torch.is_tensor(v) else torch.tensor(float(v))).detach().clone().reshape(
                     v.shape if torch.is_tensor(v) else ())
     meta = {"version": str(version), "stage": str(stage), "run_id": run_id, "first": str(layers[0]),
-            "last": str(layers[1]), "sha256": tensors_digest(tensors)}
+            "last": str(layers[1]), "sha256": tensors_digest(tensors), "loss_scale": repr(float(loss_scale))}
     tmp = d / f".v{version}.tmp"
     path = d / f"v{version}.safetensors"
     try:
@@ -316,6 +337,18 @@ def load_stage_ckpt(root: str | Path, stage: int, version: int, module: torch.nn
                     "exp_avg": tensors[f"exp_avg/{name}"].clone(),
                     "exp_avg_sq": tensors[f"exp_avg_sq/{name}"].clone(),
                 }
+
+
+def stage_ckpt_loss_scale(root: str | Path, stage: int, version: int, default: float, *, run_id: str) -> float:
+    """The loss scale of the step after ``version`` saved with that checkpoint (fp16 runs)."""
+    from safetensors import safe_open
+
+    with safe_open(str(ckpt_dir(root, stage, run_id) / f"v{version}.safetensors"), framework="pt") as f:
+        meta = f.metadata() or {}
+    try:
+        return float(meta.get("loss_scale", default))
+    except ValueError:
+        return default
 
 
 def finite(x: float) -> bool:

@@ -45,9 +45,12 @@ from shoal.runtime.common import (
     Signal,
     assign_workers,
     even_split,
+    initial_scale,
+    loss_scaling,
     model_config,
     new_run_id,
     optim_config,
+    run_precision,
 )
 from shoal.runtime.measure import probe_reply
 from shoal.runtime.planning import (
@@ -64,6 +67,7 @@ from shoal.runtime.planning import (
 )
 from shoal.train.metrics import JsonlWriter, step_record
 from shoal.train.optim import clip_coefficient, lr_at
+from shoal.train.precision import next_loss_scale, overflowed
 
 log = logging.getLogger("shoal.coordinator")
 
@@ -128,6 +132,9 @@ class Coordinator(pbg.CoordinatorServicer):
         self.committed = 0  # steps committed
         self.reports: dict[tuple[int, int], dict[int, pb.StepReport]] = {}
         self.decisions: dict[tuple[int, int], pb.StepDecision] = {}
+        # fp16: (loss scale, consecutive good steps) at the start of each step; decided here
+        # once per step and sent to every stage with the step's decision.
+        self.scale_at: dict[int, tuple[float, int]] = {0: (initial_scale(spec), 0)}
         self.cond = Signal()  # notified when a step is decided
         self.done = False
         self.finished = asyncio.Event()
@@ -616,7 +623,13 @@ class Coordinator(pbg.CoordinatorServicer):
         ocfg = optim_config(self.spec)
         coef = clip_coefficient(total, ocfg.grad_clip) if math.isfinite(total) else 0.0
         lr = lr_at(step, self.spec.steps, ocfg)
-        self.decisions[key] = pb.StepDecision(ready=True, coef=coef, lr=lr)
+        fp16 = run_precision(self.spec) == "fp16"
+        skip = fp16 and overflowed(total)
+        scale, good = self.scale_at.get(step, (initial_scale(self.spec), 0))
+        if fp16:
+            self.scale_at[step + 1] = next_loss_scale(scale, good, skip, loss_scaling(self.spec))
+        self.decisions[key] = pb.StepDecision(ready=True, coef=coef, lr=lr, skip=skip,
+                                              next_loss_scale=self.scale_at[step + 1][0] if fp16 else 0.0)
         last = reps[self.spec.stages - 1]
         loss = sum(last.losses) / max(len(last.losses), 1)
         tpw: dict[str, int] = {}
@@ -627,7 +640,10 @@ class Coordinator(pbg.CoordinatorServicer):
         requeues = sum(r.requeues for r in reps.values())
         now = time.time()
         tokens = self.spec.micro_batches * self.spec.micro_batch_size * self.spec.seq_len
-        rec = step_record(step, loss, lr, math.sqrt(total), tokens, now - self.last_commit_t, now - self.t0)
+        rec = step_record(step, loss, lr, None if skip else math.sqrt(total), tokens, now - self.last_commit_t,
+                          now - self.t0)
+        if fp16:
+            rec["loss_scale"], rec["skipped"] = scale, skip
         rec["tasks_per_worker"] = tpw
         rec["requeues"] = requeues
         rec["epoch"] = key[0]

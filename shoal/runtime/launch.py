@@ -59,6 +59,9 @@ class LaunchConfig:
     latency_scale: float = 1.0  # scenario latencies are multiplied by this
     bandwidth_scale: float = 1.0  # scenario bandwidths are multiplied by this
     dashboard: str | None = None  # HOST:PORT of the coordinator's web dashboard (None: none)
+    device: str = "auto"  # --device of every worker (auto: the first CUDA device, else the CPU)
+    precision: str = "fp32"  # compute precision of the run: fp32, bf16 or fp16
+    loss_scale: float | None = None  # fp16: initial dynamic loss scale (None: the default)
 
     def validate(self) -> None:
         if self.workers is None:
@@ -67,6 +70,10 @@ class LaunchConfig:
             raise ShoalError("--stages, --workers and --steps must be positive")
         if self.workers < self.stages and (self.min_workers or self.workers) < self.stages:
             raise ShoalError(f"--workers {self.workers} < --stages {self.stages}: every stage needs a worker")
+        from shoal.train.precision import check_device_precision, check_precision, resolve_device
+
+        # Checked here, once, so a bad --device is one line before any process starts.
+        check_device_precision(resolve_device(self.device), check_precision(self.precision))
 
 
 def _env() -> dict[str, str]:
@@ -148,6 +155,7 @@ class Swarm:
             "--address-file", str(addr_file), *([] if c.ordered_grads else ["--unordered-grads"]),
             *(["--dashboard", c.dashboard] if c.dashboard else []),
             *([] if c.chunk_mb is None else ["--chunk-mb", repr(c.chunk_mb)]),
+            "--precision", c.precision, *([] if c.loss_scale is None else ["--loss-scale", repr(c.loss_scale)]),
             *self._coordinator_emulation()], "coordinator")
         deadline = time.time() + 60
         while not addr_file.exists():
@@ -217,7 +225,8 @@ class Swarm:
             dev = self.scenario.workers[i % len(self.scenario.workers)]
             args += [*self._emulation(dev.id), "--flops", repr(dev.flops * self.cfg.emulate_speedup)]
         args += extra or []
-        p = self._spawn(["worker", "--join", self.address, "--name", f"w{i}", *args], f"worker{i}")
+        p = self._spawn(["worker", "--join", self.address, "--name", f"w{i}", "--device", self.cfg.device, *args],
+                        f"worker{i}")
         while len(self.workers) <= i:
             self.workers.append(None)
         self.workers[i] = p

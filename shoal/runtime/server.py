@@ -50,6 +50,7 @@ from shoal.runtime.common import (
     ckpt_dir,
     clean_stray_temps,
     ewma,
+    initial_scale,
     lease_seconds,
     list_ckpts,
     load_stage_ckpt,
@@ -57,11 +58,14 @@ from shoal.runtime.common import (
     optim_config,
     read_stage_ckpt,
     run_member,
+    run_precision,
     save_stage_ckpt,
     set_threads,
+    stage_ckpt_loss_scale,
 )
 from shoal.runtime.stats import StepTiming
 from shoal.train.optim import apply_update, grad_sq_norm, make_optimizer
+from shoal.train.precision import unscale_grads, wire_dtype
 
 log = logging.getLogger("shoal.server")
 
@@ -169,10 +173,12 @@ class StageServer(pbg.StageServerServicer):
         cfg = model_config(spec)
         module = build_stage(cfg, first, last, seed=spec.seed)
         opt = make_optimizer(module.named_parameters(), optim_config(spec))
+        scale = initial_scale(spec)
         if version > 0:
             load_stage_ckpt(self.ckpt_root, stage, version, module, opt, run_id=spec.run_id,
                             layers=(first, last))
-        return cfg, module, opt
+            scale = stage_ckpt_loss_scale(self.ckpt_root, stage, version, scale, run_id=spec.run_id)
+        return cfg, module, opt, scale
 
     async def _load(self, stage: int, first: int, last: int, version: int, epoch: int) -> None:
         """(Re)load the stage at ``version`` for ``epoch``, keeping heartbeats going meanwhile."""
@@ -181,7 +187,7 @@ class StageServer(pbg.StageServerServicer):
         try:
             if clean_stray_temps(self.ckpt_root, stage, self.spec.run_id):
                 log.info("%s removed half-written checkpoint files of stage %d", self.name, stage)
-            cfg, module, opt = await asyncio.get_running_loop().run_in_executor(
+            cfg, module, opt, scale = await asyncio.get_running_loop().run_in_executor(
                 None, self._make, stage, first, last, version)
         except ShoalError as exc:
             # A checkpoint that fails its checks at load: set it aside, so the next
@@ -195,6 +201,7 @@ class StageServer(pbg.StageServerServicer):
         if (stage, epoch) != (self.stage, self.epoch):
             return  # superseded while loading
         self.cfg, self.module, self.opt = cfg, module, opt
+        self.loss_scale = scale  # fp16: the scale of the step being worked on (1 otherwise)
         self.params = dict(module.named_parameters())
         self.version = version
         self.step = version
@@ -205,6 +212,11 @@ class StageServer(pbg.StageServerServicer):
         for w in self.workers.values():
             w.gen += 1
         self.act_shape = (self.spec.micro_batch_size, self.spec.seq_len, cfg.d_model)
+        # Activations and their gradients travel in the compute dtype. In fp16 a gradient
+        # may overflow: that is not a fault but a skipped step (the coordinator sees the
+        # non-finite norm), so backward tensors are then accepted with inf/NaN.
+        self.act_dtype = wire_dtype(run_precision(self.spec))
+        self.grads_finite = run_precision(self.spec) != "fp16"
         self._open_step(self.step)
         log.info("%s serves stage %d [%d,%d) from version %d (epoch %d)", self.name, stage, first, last,
                  version, epoch)
@@ -509,7 +521,7 @@ class StageServer(pbg.StageServerServicer):
         else:
             st.grad, st.holder = "leased", wid
         task = pb.Task(step=self.step, mb=mb, stage=self.stage, direction=direction,
-                       epoch=self.epoch, lease_id=lid, deadline_s=secs)
+                       epoch=self.epoch, lease_id=lid, deadline_s=secs, loss_scale=self.loss_scale)
         if st.input is not None:
             task.input.CopyFrom(encode_tensor("input", st.input))
         if direction == pb.BWD:
@@ -558,7 +570,8 @@ class StageServer(pbg.StageServerServicer):
         try:
             out = None
             if r.direction == pb.FWD or not self.is_first:
-                out = decode_tensor(r.output, shape=self.act_shape, dtype="float32", finite=True)
+                out = decode_tensor(r.output, shape=self.act_shape, dtype=self.act_dtype,
+                                    finite=r.direction == pb.FWD or self.grads_finite)
             if r.direction == pb.FWDBWD and not math.isfinite(r.loss):
                 raise WireError(f"loss {r.loss} is not finite")
         except WireError as exc:
@@ -622,7 +635,8 @@ class StageServer(pbg.StageServerServicer):
         try:
             # Checked in a thread: a stage's gradients can be hundreds of MB, and the loop
             # must keep answering leases and heartbeats meanwhile.
-            grads = await asyncio.get_running_loop().run_in_executor(None, _decode_grads, r, self.params)
+            grads = await asyncio.get_running_loop().run_in_executor(None, _decode_grads, r, self.params,
+                                                                self.grads_finite)
         except WireError as exc:
             log.warning("%s rejected a gradient push of %s: %s", self.name, r.worker, exc)
             self._void_worker(r.worker, f"bad push: {exc}")
@@ -769,7 +783,8 @@ class StageServer(pbg.StageServerServicer):
         if r.step > self.step + 1:
             return pb.RelayReply(accepted=False, retry=True, reason="too far ahead")
         try:
-            t = decode_tensor(r.tensor, shape=self.act_shape, dtype="float32", finite=True)
+            t = decode_tensor(r.tensor, shape=self.act_shape, dtype=self.act_dtype,
+                              finite=r.direction == pb.FWD or self.grads_finite)
         except WireError as exc:
             return pb.RelayReply(accepted=False, reason=f"rejected: {exc}")
         mbs = self.steps.setdefault(r.step, {})
@@ -847,6 +862,8 @@ class StageServer(pbg.StageServerServicer):
                         p.grad = g.clone()
                     else:
                         p.grad.add_(g)
+            # fp16: the pushes hold gradients of the loss times the step's scale.
+            unscale_grads(self.params.values(), self.loss_scale)
             report = pb.StepReport(member_id=self.member_id, stage=self.stage, step=step, epoch=epoch,
                                    sq_norm=grad_sq_norm(self.params.values()), requeues=self.requeues)
             if self.is_last:
@@ -867,13 +884,20 @@ class StageServer(pbg.StageServerServicer):
                     break
             self.timing.decided = time.monotonic()
             async with self._wlock:
-                apply_update(self.opt, d.lr, d.coef)
+                if d.skip:
+                    # fp16 overflow at some stage: every stage skips the update of this step.
+                    self.opt.zero_grad(set_to_none=True)
+                else:
+                    apply_update(self.opt, d.lr, d.coef)
+                if d.next_loss_scale > 0:
+                    self.loss_scale = d.next_loss_scale
                 self._wcache = None  # the serialised weights of the old version
                 self.version = step + 1
             self.last_split = self.timing.split(time.monotonic())
             if self.spec.ckpt_every > 0 and self.version % self.spec.ckpt_every == 0:
                 path = save_stage_ckpt(self.ckpt_root, self.stage, self.version, self.module, self.opt,
-                                       run_id=self.spec.run_id, layers=(self.first, self.last))
+                                       run_id=self.spec.run_id, layers=(self.first, self.last),
+                                       loss_scale=self.loss_scale)
                 st = path.stat()
                 self.ckpt_ok.add((self.stage, self.version, st.st_size, st.st_mtime_ns))
             self.steps.pop(step, None)
@@ -895,13 +919,14 @@ def _serialise_weights(head: pb.WeightsReply, params: dict[str, torch.Tensor]) -
     return head.SerializeToString()
 
 
-def _decode_grads(r: pb.GradPush, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every gradient of a push, checked against its parameter (shape, dtype, finite); all or nothing."""
+def _decode_grads(r: pb.GradPush, params: dict[str, torch.Tensor], finite: bool = True) -> dict[str, torch.Tensor]:
+    """Every gradient of a push, checked against its parameter (shape, dtype and, unless an fp16
+    run may overflow, finiteness); all or nothing."""
     grads = {}
     for g in r.grads:
         if g.name not in params or g.name in grads:
             raise WireError(f"unexpected gradient {g.name!r}")
-        grads[g.name] = decode_tensor(g, shape=tuple(params[g.name].shape), dtype="float32", finite=True)
+        grads[g.name] = decode_tensor(g, shape=tuple(params[g.name].shape), dtype="float32", finite=finite)
     if len(grads) != len(params):
         raise WireError(f"push has {len(grads)} of {len(params)} gradients")
     return grads

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from shoal.errors import ShoalError
 from shoal.model.transformer import build_stage
 from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
@@ -34,7 +35,17 @@ from shoal.runtime.common import (
     micro_batch,
     model_config,
     run_member,
+    run_precision,
     set_threads,
+)
+from shoal.train.precision import (
+    autocast,
+    backward_loss,
+    check_device_precision,
+    resolve_device,
+    to_device,
+    to_host,
+    wire_dtype,
 )
 
 log = logging.getLogger("shoal.worker")
@@ -48,7 +59,7 @@ class WorkerOptions:
     flops: float | None = None  # FLOP/s to report (None: measure at start)
     heartbeat_s: float = 0.2  # lease renewal / coordinator heartbeat period
     lease_wait_s: float = 0.5  # long-poll time of one lease request
-    inject: str = ""  # test faults, once each: nan_grad, bad_shape, push_fail, push_lost, push_abandon
+    inject: str = ""  # test faults, once each: nan_grad, bad_shape, oom, push_fail, push_lost, push_abandon
     codec: str = "raw"  # tensor codec for results and pushes
     graph_cache: bool = True  # keep forward graphs to skip the recompute in own backward tasks
     orphan_after_s: float = 120.0  # exit when the coordinator is unreachable this long
@@ -63,6 +74,8 @@ class WorkerOptions:
     push_attempts: int = 5  # tries of one gradient push before its micro-batches are released
     push_timeout_s: float = 60.0  # deadline of one push attempt
     chunk_bytes: int = 0  # bytes per chunk of streamed uploads (0: the run's setting)
+    torch_device: str = "auto"  # --device: where this worker computes (auto, cpu, cuda, cuda:N)
+    precision: str | None = None  # --precision: refuse to work in a run of another precision (None: any)
 
 
 def ordered_groups(per_mb: dict[int, dict[str, torch.Tensor]]) -> list[tuple[list[int], dict]]:
@@ -91,6 +104,14 @@ def ordered_groups(per_mb: dict[int, dict[str, torch.Tensor]]) -> list[tuple[lis
     return groups
 
 
+def oom_message(stage: int, first: int, last: int, micro_batch_size: int, seq_len: int, device: str,
+                precision: str) -> str:
+    """The one-line error of a worker whose device ran out of memory on its stage."""
+    return (f"out of memory on {device} computing stage {stage} (layers [{first}, {last})) at micro-batch size "
+            f"{micro_batch_size} x {seq_len} tokens in {precision}; this worker left the run and its tasks were "
+            f"re-queued; use a device with more memory, more --stages or a smaller --micro-batch-size")
+
+
 def task_flops(direction: int, fwd: float, bwd: float, recomputed: bool) -> float:
     """FLOPs a task costs on a device: what the pacer pads it to.
 
@@ -110,6 +131,8 @@ class Worker:
 
     def __init__(self, coord: str, token: str, opts: WorkerOptions, *, dial=None, pacer=None):
         self.coord_addr, self.opts, self.pacer = coord, opts, pacer
+        self.torch_device = resolve_device(opts.torch_device)  # a bad --device fails before joining
+        self.fatal = ""  # set when the worker must leave the run with an error (out of memory)
         self.traffic = Traffic()  # bytes of every call this worker makes
         self.channels = ChannelFactory(token, dial=dial, traffic=self.traffic)
         self.inject = {f for f in opts.inject.split(",") if f}
@@ -188,6 +211,15 @@ class Worker:
         reply = await _retry(lambda: self.coord.Join(self._join_request()))
         self.member_id, self.spec = reply.member_id, reply.spec
         self.cfg = model_config(self.spec)
+        try:
+            if self.opts.precision and self.opts.precision != self.precision:
+                raise ShoalError(f"--precision {self.opts.precision}: the run at {self.coord_addr} computes in "
+                                 f"{self.precision}; drop --precision or join another run")
+            check_device_precision(self.torch_device, self.precision)
+        except ShoalError:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await self.coord.Leave(pb.MemberRequest(member_id=self.member_id), timeout=2)
+            raise
         log.info("%s joined as %s", self.opts.name, self.member_id)
         hb = asyncio.create_task(self._heartbeats())
         try:
@@ -217,6 +249,21 @@ class Worker:
                     await asyncio.sleep(0.2)
         finally:
             hb.cancel()
+
+    @property
+    def precision(self) -> str:
+        """The run's compute precision (from the run spec)."""
+        return run_precision(self.spec)
+
+    @property
+    def act_dtype(self) -> str:
+        """Wire dtype of activations and their gradients: the compute dtype."""
+        return wire_dtype(self.precision)
+
+    @property
+    def grads_finite(self) -> bool:
+        """Whether received gradients must be finite (fp16: an overflow skips the step instead)."""
+        return self.precision != "fp16"
 
     async def _heartbeats(self) -> None:
         last_ok = time.monotonic()
@@ -288,7 +335,8 @@ class Worker:
     def _switch(self, stage: int, first: int, last: int) -> None:
         log.info("%s works on stage %d [%d,%d)", self.opts.name, stage, first, last)
         self.stage, self.first, self.last = stage, first, last
-        self.module = build_stage(self.cfg, first, last, seed=self.spec.seed, init=False)
+        with torch.device(self.torch_device):  # allocated where it computes; weights come from the server
+            self.module = build_stage(self.cfg, first, last, seed=self.spec.seed, init=False)
         self.params = dict(self.module.named_parameters())
         self.n_params = sum(p.numel() for p in self.params.values())
         self.version = -1
@@ -334,7 +382,7 @@ class Worker:
             raise WireError(f"weights hold {len(new)} of the stage's {len(self.params)} tensors")
         with torch.no_grad():
             for name, t in new.items():
-                self.params[name].copy_(t)
+                self.params[name].copy_(to_device(t, self.torch_device))
 
     def _push_message(self, epoch: int, step: int, gen: int, mbs: list[int],
                       grads: dict[str, torch.Tensor]) -> tuple[pb.GradPush, bytes]:
@@ -345,7 +393,7 @@ class Worker:
                 self.inject.discard("nan_grad")
                 g = g.clone()
                 g.view(-1)[0] = float("nan")
-            msg.grads.append(encode_tensor(name, g, self.opts.codec, ef=self.ef))
+            msg.grads.append(encode_tensor(name, to_host(g), self.opts.codec, ef=self.ef))
         return msg, msg.SerializeToString()
 
     async def _push(self) -> None:
@@ -445,7 +493,11 @@ class Worker:
                 return  # the server moved on; the lease will be dropped
             t0 = time.perf_counter()
             loop = asyncio.get_running_loop()
-            out, loss, grads, recomputed = await loop.run_in_executor(None, self._compute, task)
+            try:
+                out, loss, grads, recomputed = await loop.run_in_executor(None, self._compute, task)
+            except torch.OutOfMemoryError:
+                await self._out_of_memory()
+                return
             elapsed = time.perf_counter() - t0
             if self.opts.slow_s > 0:
                 await asyncio.sleep(self.opts.slow_s)
@@ -488,6 +540,21 @@ class Worker:
                         self.acc[name] = g
             self.acc_mbs.append(task.mb)
 
+    async def _out_of_memory(self) -> None:
+        """Leave the run with a one-line error: the server re-queues our tasks at once."""
+        self.fatal = oom_message(self.stage, self.first, self.last, self.spec.micro_batch_size, self.spec.seq_len,
+                                 str(self.torch_device), self.precision)
+        log.error("%s: %s", self.opts.name, self.fatal)
+        self.graphs.clear()
+        self._drop_acc()
+        if self.torch_device.type == "cuda":
+            torch.cuda.empty_cache()
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self.server.Leave(pb.MemberRequest(member_id=self.member_id), timeout=2)
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self.coord.Leave(pb.MemberRequest(member_id=self.member_id), timeout=2)
+        self.done = True
+
     def _task_flops(self, direction: int, recomputed: bool) -> float:
         """FLOPs of one task from the analytic profile (see :func:`task_flops`)."""
         from shoal.model.profile import profile_model
@@ -506,27 +573,34 @@ class Worker:
         graph of this worker's own forward), so the pacer charges that forward only then.
         """
         spec = self.spec
+        dev, prec = self.torch_device, self.precision
+        if "oom" in self.inject:
+            self.inject.discard("oom")
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (injected by --inject oom)")
         first_stage = self.first == 0
+        shape = (spec.micro_batch_size, spec.seq_len, self.cfg.d_model)
         if first_stage:
             x, targets = micro_batch(spec, task.step, task.mb)
         else:
-            x = decode_tensor(task.input, shape=(spec.micro_batch_size, spec.seq_len, self.cfg.d_model),
-                              dtype="float32", finite=True)
+            x = decode_tensor(task.input, shape=shape, dtype=self.act_dtype, finite=True)
             targets = micro_batch(spec, task.step, task.mb)[1] if task.direction == pb.FWDBWD else None
+        x = to_device(x, dev)
+        targets = None if targets is None else to_device(targets, dev)
         key = (task.epoch, task.step, task.mb)
         if task.direction == pb.FWD:
             if not self.opts.graph_cache:
-                with torch.no_grad():
-                    return self.module(x).contiguous(), 0.0, None, False
+                with torch.no_grad(), autocast(dev, prec):
+                    return to_host(self.module(x).contiguous()), 0.0, None, False
             # Keep the graph: if this worker also gets the micro-batch's backward, it skips
             # the recomputation. Dropping an entry is always safe (BWD recomputes).
             if not first_stage:
                 x = x.requires_grad_(True)
-            out = self.module(x)
+            with autocast(dev, prec):
+                out = self.module(x)
             self.graphs[key] = (x, out)
             while len(self.graphs) > 2 * spec.micro_batches:
                 self.graphs.pop(next(iter(self.graphs)))
-            return out.detach().contiguous(), 0.0, None, False
+            return to_host(out.detach().contiguous()), 0.0, None, False
         for p in self.params.values():
             p.grad = None
         cached = self.graphs.pop(key, None) if task.direction == pb.BWD else None
@@ -535,21 +609,25 @@ class Worker:
         elif not first_stage:
             x = x.requires_grad_(True)
         if task.direction == pb.FWDBWD:
-            loss = self.module(x, targets)
-            (loss / spec.micro_batches).backward()
+            with autocast(dev, prec):
+                loss = self.module(x, targets)
+            backward_loss(loss, spec.micro_batches, task.loss_scale or 1.0)
             loss_v = float(loss.detach())
         else:
-            g = decode_tensor(task.out_grad, shape=(spec.micro_batch_size, spec.seq_len, self.cfg.d_model),
-                              dtype="float32", finite=True)
-            out = cached[1] if cached is not None else self.module(x)
+            g = decode_tensor(task.out_grad, shape=shape, dtype=self.act_dtype, finite=self.grads_finite)
+            if cached is not None:
+                out = cached[1]
+            else:
+                with autocast(dev, prec):
+                    out = self.module(x)
             self.graph_hits += cached is not None
-            out.backward(g)
+            out.backward(to_device(g, dev))
             loss_v = 0.0
         grads = {n: p.grad for n, p in self.params.items()}
         for p in self.params.values():
             p.grad = None
         recomputed = task.direction == pb.BWD and cached is None
-        return (None if first_stage else x.grad.contiguous()), loss_v, grads, recomputed
+        return (None if first_stage else to_host(x.grad.contiguous())), loss_v, grads, recomputed
 
 
 # Refusals that a retry cannot change (wrong token, malformed message).
@@ -569,3 +647,5 @@ def work(coord: str, token: str, opts: WorkerOptions, *, dial=None, pacer=None, 
     w = Worker(coord, token, opts, dial=dial, pacer=pacer)
     w.on_servers = on_servers
     run_member(w.run(), coord)
+    if w.fatal:
+        raise ShoalError(w.fatal)

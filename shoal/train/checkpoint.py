@@ -86,8 +86,8 @@ def load_optimizer_state_by_name(
             raise ShoalError(f"optimizer state of {name!r} has shape {tuple(exp_avg.shape)}, parameter has {tuple(p.shape)}")
         optimizer.state[p] = {
             "step": tensors[f"{name}.step"].clone().to(torch.float32),
-            "exp_avg": exp_avg.clone().to(p.dtype),
-            "exp_avg_sq": exp_avg_sq.clone().to(p.dtype),
+            "exp_avg": exp_avg.clone().to(device=p.device, dtype=p.dtype),
+            "exp_avg_sq": exp_avg_sq.clone().to(device=p.device, dtype=p.dtype),
         }
 
 

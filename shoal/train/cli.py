@@ -10,14 +10,14 @@ from shoal.errors import ShoalError
 _TRAIN_FIELDS = (
     "model", "steps", "micro_batches", "micro_batch_size", "seq_len", "seed", "lr", "min_lr", "warmup",
     "weight_decay", "grad_clip", "eval_every", "eval_batches", "checkpoint_every", "data",
-    "val_fraction", "cache_dir", "out", "stop_after", "log_every",
+    "val_fraction", "cache_dir", "out", "stop_after", "log_every", "device", "precision", "loss_scale",
 )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``train`` and ``generate`` subcommands."""
     from shoal.train.config import TrainConfig
-    from shoal.train.flags import add_workload_args
+    from shoal.train.flags import add_device_args, add_workload_args
 
     d = TrainConfig()
     p = subparsers.add_parser(
@@ -30,6 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--local", action="store_true", help="train in this process (required)")
     add_workload_args(p)
+    add_device_args(p)
     p.add_argument("--eval-every", type=int, metavar="N", help=f"validation every K steps, 0 = at the end (default {d.eval_every})")
     p.add_argument("--eval-batches", type=int, metavar="N", help=f"validation micro-batches (default {d.eval_batches})")
     p.add_argument("--checkpoint-every", type=int, metavar="N", help="checkpoint every K steps, 0 = at the end (default 0)")

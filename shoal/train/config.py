@@ -44,6 +44,9 @@ class TrainConfig:
     out: str = "runs/local"  # run folder (metrics.jsonl, tokenizer.json, checkpoint/)
     stop_after: int | None = None  # stop (and checkpoint) after this many steps, as if interrupted
     log_every: int = 10  # without a terminal, print a progress line every this many steps
+    device: str = "auto"  # auto, cpu, cuda or cuda:N (auto: the first CUDA device, else the CPU)
+    precision: str = "fp32"  # fp32, or bf16/fp16 under autocast with fp32 weights and AdamW state
+    loss_scale: float | None = None  # fp16: initial dynamic loss scale (None: LossScaleConfig's)
 
     def model_config(self) -> ModelConfig:
         """The model preset (raises for an unknown name)."""
@@ -65,6 +68,12 @@ class TrainConfig:
 
         return DataConfig(paths=tuple(self.data), val_fraction=self.val_fraction, cache_dir=self.cache_dir)
 
+    def loss_scale_config(self):
+        """The fp16 dynamic loss scaling of this run (see :mod:`shoal.train.precision`)."""
+        from shoal.train.precision import LossScaleConfig
+
+        return LossScaleConfig() if self.loss_scale is None else LossScaleConfig(init_scale=self.loss_scale)
+
     def validate(self) -> None:
         """Raise :class:`ShoalError` with a one-line message for any bad field."""
         cfg = self.model_config()
@@ -82,6 +91,11 @@ class TrainConfig:
         if not math.isfinite(self.lr) or self.lr <= 0:
             raise ShoalError(f"--lr must be positive, got {self.lr}")
         self.optim_config().validate()
+        from shoal.train.precision import check_precision
+
+        check_precision(self.precision)
+        if self.loss_scale is not None and not (math.isfinite(self.loss_scale) and self.loss_scale >= 1):
+            raise ShoalError(f"--loss-scale must be a finite number >= 1, got {self.loss_scale}")
         if not 0.0 < self.val_fraction < 1.0:
             raise ShoalError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
 

@@ -82,3 +82,25 @@ def given_workload(args: argparse.Namespace) -> dict:
 def workload_from_args(args: argparse.Namespace, base: Workload = DEFAULTS) -> Workload:
     """``base`` with every workload flag the user passed applied."""
     return replace(base, **given_workload(args))
+
+
+def add_device_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, device: bool = True,
+                    precision: bool = True, loss_scale: bool = True, precision_help: str | None = None) -> None:
+    """Add ``--device``, ``--precision`` and ``--loss-scale`` (see :mod:`shoal.train.precision`).
+
+    ``--device`` is where a process computes; ``--precision`` and ``--loss-scale`` belong to
+    the run (``shoal train --local``, ``shoal launch``, ``shoal coordinator``). Every flag
+    defaults to None so a command can tell "given" from "not given".
+    """
+    from shoal.train.precision import PRECISIONS, LossScaleConfig
+
+    if device:
+        p.add_argument("--device", default=None, metavar="DEV",
+                       help="auto, cpu, cuda or cuda:N; auto = the first CUDA device, else the CPU (default auto)")
+    if precision:
+        p.add_argument("--precision", default=None, choices=PRECISIONS,
+                       help=precision_help or "compute precision: fp32, or bf16/fp16 under autocast with fp32 "
+                                              "master weights (default fp32)")
+    if loss_scale:
+        p.add_argument("--loss-scale", type=float, default=None, metavar="X",
+                       help=f"fp16: initial dynamic loss scale (default {LossScaleConfig().init_scale:g})")

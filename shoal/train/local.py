@@ -49,6 +49,18 @@ from shoal.train.optim import (
     lr_at,
     make_optimizer,
 )
+from shoal.train.precision import (
+    LossScaleConfig,
+    autocast,
+    backward_loss,
+    check_device_precision,
+    initial_loss_scale,
+    next_loss_scale,
+    overflowed,
+    resolve_device,
+    to_device,
+    unscale_grads,
+)
 
 CHECKPOINT_DIR = "checkpoint"
 TOKENIZER_FILE = "tokenizer.json"
@@ -119,13 +131,42 @@ def val_micro_batches(
     return [get_micro_batch(data, "val", seed, 0, i, micro_batch_size, seq_len) for i in range(n_batches)]
 
 
+@dataclass
+class Precision:
+    """Where and in which precision a local run computes, and its fp16 loss-scale state."""
+
+    device: torch.device  # where the model and the micro-batches live
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (see shoal.train.precision)
+    scale: float = 1.0  # loss scale of the next step (1: no scaling)
+    good_steps: int = 0  # consecutive steps without overflow (fp16 scale growth)
+    scaling: LossScaleConfig = LossScaleConfig()  # fp16 dynamic loss scaling rule
+
+
+CPU_FP32 = Precision(torch.device("cpu"))
+
+
+@dataclass
+class StepOutcome:
+    """What one optimizer step did."""
+
+    loss: float  # mean micro-batch loss
+    grad_norm: float | None  # global gradient norm before clipping (None: overflowed)
+    lr: float  # learning rate of the step
+    skipped: bool = False  # fp16: the gradients overflowed, no update was applied
+    loss_scale: float = 1.0  # loss scale the step used
+
+
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+def evaluate(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
+             prec: Precision = CPU_FP32) -> float:
     """Mean loss of a full model (a stage from embedding to head) over ``batches``."""
     was_training = model.training
     model.eval()
     try:
-        losses = [float(model(x, y)) for x, y in batches]
+        losses = []
+        for x, y in batches:
+            with autocast(prec.device, prec.precision):
+                losses.append(float(model(to_device(x, prec.device), to_device(y, prec.device))))
     finally:
         model.train(was_training)
     return sum(losses) / len(losses)
@@ -138,20 +179,29 @@ def train_step(
     cfg: TrainConfig,
     optim: OptimConfig,
     step: int,
-) -> tuple[float, float, float]:
-    """Run optimizer step ``step``; return (mean micro-batch loss, global grad norm, lr)."""
+    prec: Precision = CPU_FP32,
+) -> StepOutcome:
+    """Run optimizer step ``step`` (updates ``prec``'s loss-scale state in fp16 runs)."""
     m = cfg.micro_batches
+    scale = prec.scale
     losses = []
     for mb in range(m):
         x, y = get_micro_batch(data, "train", cfg.seed, step, mb, cfg.micro_batch_size, cfg.seq_len)
-        loss = model(x, y)
-        (loss / m).backward()
+        with autocast(prec.device, prec.precision):
+            loss = model(to_device(x, prec.device), to_device(y, prec.device))
+        backward_loss(loss, m, scale)
         losses.append(float(loss.detach()))
+    unscale_grads(model.parameters(), scale)
     sq = grad_sq_norm(model.parameters())
-    coef = clip_coefficient(sq, optim.grad_clip)
     lr = lr_at(step, cfg.steps, optim)
-    apply_update(optimizer, lr, coef)
-    return sum(losses) / m, math.sqrt(sq), lr
+    skipped = prec.precision == "fp16" and overflowed(sq)
+    if skipped:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        apply_update(optimizer, lr, clip_coefficient(sq, optim.grad_clip))
+    if prec.precision == "fp16":
+        prec.scale, prec.good_steps = next_loss_scale(scale, prec.good_steps, skipped, prec.scaling)
+    return StepOutcome(sum(losses) / m, None if skipped else math.sqrt(sq), lr, skipped, scale)
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -161,11 +211,13 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 
 def _write_checkpoint(
-    out: Path, model: Stage, optimizer, cfg: TrainConfig, step: int, records: list, text_hash: str
+    out: Path, model: Stage, optimizer, cfg: TrainConfig, step: int, records: list, text_hash: str,
+    prec: Precision = CPU_FP32,
 ) -> None:
     named = list(model.named_parameters())
     state = {"step": step, "config": cfg.to_dict(), "model_config": model.cfg.to_dict(),
-             "corpus_hash": text_hash, "metrics": records}
+             "corpus_hash": text_hash, "metrics": records,
+             "loss_scale": prec.scale, "good_steps": prec.good_steps}
     save_checkpoint(out / CHECKPOINT_DIR, model.state_dict(), optimizer_state_by_name(optimizer, named), state)
 
 
@@ -213,8 +265,13 @@ def train_local(cfg: TrainConfig, resume: bool = False, quiet: bool = False) -> 
     check_batch_shape(data, "train", cfg.micro_batch_size, cfg.seq_len)
     check_batch_shape(data, "val", cfg.micro_batch_size, cfg.seq_len)
     optim = cfg.optim_config()
+    device = resolve_device(cfg.device)
+    check_device_precision(device, cfg.precision)
+    scaling = cfg.loss_scale_config()
+    prec = Precision(device, cfg.precision, initial_loss_scale(cfg.precision, scaling), 0, scaling)
 
-    model = build_stage(model_cfg, 0, model_cfg.n_total_layers, cfg.seed)
+    # Built (and initialised) on the CPU, so the weights are the same on every device.
+    model = build_stage(model_cfg, 0, model_cfg.n_total_layers, cfg.seed).to(device)
     model.train()
     optimizer = make_optimizer(model.named_parameters(), optim)
     start, records = 0, []
@@ -226,6 +283,8 @@ def train_local(cfg: TrainConfig, resume: bool = False, quiet: bool = False) -> 
             raise ShoalError(f"checkpoint in {str(out)!r} does not fit model {cfg.model}: {str(exc).splitlines()[0]}") from None
         load_optimizer_state_by_name(optimizer, model.named_parameters(), ck.optimizer_state)
         start, records = int(ck.state["step"]), list(ck.state.get("metrics", []))
+        prec.scale = float(ck.state.get("loss_scale", prec.scale))
+        prec.good_steps = int(ck.state.get("good_steps", 0))
         saved_hash = ck.state.get("corpus_hash")
         if saved_hash and saved_hash != data.corpus_hash:
             raise ShoalError(f"the training text changed since the checkpoint in {str(out)!r}; resume with the same --data files")
@@ -247,20 +306,23 @@ def train_local(cfg: TrainConfig, resume: bool = False, quiet: bool = False) -> 
         with JsonlWriter(out / METRICS_FILE, t0=t0) as writer, _StopRequest() as stop:
             for step in range(start, end):
                 ts = time.perf_counter()
-                loss, grad_norm, lr = train_step(model, optimizer, data, cfg, optim, step)
+                res = train_step(model, optimizer, data, cfg, optim, step, prec)
                 step_time = time.perf_counter() - ts
                 val = None
                 last = step == cfg.steps - 1
                 if last or (cfg.eval_every and (step + 1) % cfg.eval_every == 0):
-                    val = evaluate(model, val_batches)
-                rec = step_record(step, loss, lr, grad_norm, tokens_per_step, step_time, time.time() - t0, val)
+                    val = evaluate(model, val_batches, prec)
+                rec = step_record(step, res.loss, res.lr, res.grad_norm, tokens_per_step, step_time,
+                                  time.time() - t0, val)
+                if cfg.precision == "fp16":
+                    rec["loss_scale"], rec["skipped"] = res.loss_scale, res.skipped
                 records.append(rec)
                 writer.write(rec)
                 progress.update(rec)
                 done = step + 1
                 every = cfg.checkpoint_every and done % cfg.checkpoint_every == 0
                 if done == end or every or stop.requested:
-                    _write_checkpoint(out, model, optimizer, cfg, done, records, data.corpus_hash)
+                    _write_checkpoint(out, model, optimizer, cfg, done, records, data.corpus_hash, prec)
                 if stop.requested:
                     break
             interrupted = stop.requested and done < end
@@ -277,7 +339,7 @@ def resume_config(out: str | Path, **overrides: Any) -> TrainConfig:
     """
     ck_state = load_checkpoint(Path(out) / CHECKPOINT_DIR).state
     cfg = TrainConfig.from_dict(ck_state["config"])
-    allowed = {"steps", "stop_after", "eval_every", "checkpoint_every", "log_every", "cache_dir"}
+    allowed = {"steps", "stop_after", "eval_every", "checkpoint_every", "log_every", "cache_dir", "device"}
     bad = sorted(k for k in overrides if k not in allowed)
     if bad:
         raise ShoalError(f"--{bad[0].replace('_', '-')} cannot be changed when resuming; it is fixed by the checkpoint")

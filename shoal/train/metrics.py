@@ -68,7 +68,7 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 
 
 def step_record(
-    step: int, loss: float, lr: float, grad_norm: float, tokens: int, step_time_s: float, time_s: float,
+    step: int, loss: float, lr: float, grad_norm: float | None, tokens: int, step_time_s: float, time_s: float,
     val_loss: float | None = None,
 ) -> dict[str, Any]:
     """The metrics.jsonl record of one committed step."""
