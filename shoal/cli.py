@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "shoal.demo.cli",
     "shoal.train.cli",
     "shoal.data.cli",
+    "shoal.hf.cli",
     "shoal.plan.cli",
     "shoal.sim.cli",
     "shoal.runtime.cli",

@@ -68,6 +68,40 @@ class PrepareConfig:
             raise ShoalError(f"--sample-mb must be positive, got {self.sample_bytes / 2**20}")
 
 
+def is_prepared(path: str | Path) -> bool:
+    """Whether ``path`` is a complete prepared data folder."""
+    p = Path(path).expanduser()
+    return p.is_dir() and (p / MANIFEST_FILE).is_file()
+
+
+# --data values of the runtime that are not paths: the bundled corpus, random tokens.
+RUNTIME_DATA_KEYWORDS = ("corpus", "synthetic")
+
+
+def resolve_run_data(values: list[str] | tuple[str, ...] | str | None, run_dir: str | Path | None,
+                     vocab_size: int, quiet: bool = False) -> str:
+    """The data source of a run as one string: ``"corpus"``, ``"synthetic"`` or the absolute
+    path of a prepared folder. Raw text inputs are prepared into ``RUN_DIR/data`` first (a
+    re-run continues or reuses that folder)."""
+    if isinstance(values, str):
+        values = [values]
+    values = list(values or ["corpus"])
+    if len(values) == 1 and values[0] in RUNTIME_DATA_KEYWORDS:
+        return values[0]
+    if any(v in RUNTIME_DATA_KEYWORDS for v in values):
+        raise ShoalError("--data corpus and --data synthetic stand alone; do not mix them with paths")
+    if len(values) == 1 and is_prepared(values[0]):
+        return str(Path(values[0]).expanduser().resolve())
+    if run_dir is None:
+        raise ShoalError("--data with raw text needs a run folder (--out) to prepare it in; "
+                         "or prepare it once with: shoal data prepare INPUT... --out DIR, then --data DIR")
+    target = Path(run_dir).expanduser() / "data"
+    if not quiet:
+        print(f"preparing {' '.join(values)} into {target}", file=sys.stderr, flush=True)
+    prepare(PrepareConfig(inputs=tuple(values), out=str(target), vocab_size=vocab_size, quiet=quiet))
+    return str(target.resolve())
+
+
 def storage_dtype(vocab_size: int) -> np.dtype:
     """uint16 when every id fits, else uint32 (little-endian, as written to the shards)."""
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
@@ -288,9 +322,9 @@ def prepare(cfg: PrepareConfig) -> dict:
     try:
         for si in range(int(state["source"]), len(sources)):
             src = sources[si]
-            cursor = state["cursor"] if si == state["source"] else {}
-            before = _bytes_done(src, cursor, sizes[si])
-            for pieces, cursor in read_chunks(src, cursor, cfg.field):
+            start = state["cursor"] if si == state["source"] else {}
+            before = _bytes_done(src, start, sizes[si])
+            for pieces, cursor in read_chunks(src, start, cfg.field):
                 ids = encode_pieces(tok, pieces, eot)
                 docs += sum(1 for p in pieces if p is None)
                 if writer.add(ids):

@@ -14,14 +14,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shoal.data.prepare import INDEX_FILE, MANIFEST_FILE, TOKENIZER_FILE
+from shoal.data.prepare import INDEX_FILE, MANIFEST_FILE, TOKENIZER_FILE, is_prepared
 from shoal.errors import ShoalError
 
-
-def is_prepared(path: str | Path) -> bool:
-    """Whether ``path`` is a complete prepared data folder."""
-    p = Path(path).expanduser()
-    return p.is_dir() and (p / MANIFEST_FILE).is_file()
+__all__ = ["TokenStream", "is_prepared", "load_prepared"]
 
 
 class TokenStream:

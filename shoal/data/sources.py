@@ -115,7 +115,7 @@ def file_sha256(path: Path) -> str:
 
 
 def _open_binary(path: Path, pos: int) -> io.BufferedIOBase:
-    f = gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
+    f = gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")  # noqa: SIM115 -- returned open
     if pos:
         f.seek(pos)  # gzip: decompresses up to pos (only when resuming)
     return f

@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import sys
+from pathlib import Path
 
 from shoal.errors import ShoalError
 
@@ -17,7 +18,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _run_args(p: argparse.ArgumentParser, launch: bool = False) -> None:
-    from shoal.train.flags import add_workload_args
+    from shoal.train.flags import add_data_args, add_workload_args
 
     add_workload_args(p)
     p.add_argument("--stages", type=int, default=2, help="pipeline stages S")
@@ -27,8 +28,7 @@ def _run_args(p: argparse.ArgumentParser, launch: bool = False) -> None:
     p.add_argument("--unordered-grads", action="store_true",
                    help="workers push one summed gradient per step (less traffic; parity only up to "
                         "float summation order) instead of one per micro-batch")
-    p.add_argument("--data", choices=("corpus", "synthetic"), default="corpus",
-                   help="micro-batches from the corpus (like shoal train) or synthetic tokens")
+    add_data_args(p, runtime=True)
 
 
 def register(subparsers) -> None:
@@ -132,7 +132,16 @@ def _spec(args):
     from shoal.train.optim import OptimConfig
 
     w = workload_from_args(args)
-    cfg = get_preset(w.model)
+    init_from = getattr(args, "init_from", None)
+    if init_from:
+        from shoal.hf.convert import read_hf_model_config
+
+        if getattr(args, "model", None) is not None:
+            raise ShoalError("--init-from sets the model shape from its config.json; drop --model")
+        init_from = str(Path(init_from).expanduser().resolve())
+        cfg = read_hf_model_config(init_from)
+    else:
+        cfg = get_preset(w.model)
     for name in ("steps", "micro_batches", "micro_batch_size", "seq_len"):
         if getattr(w, name) <= 0:
             raise ShoalError(f"--{name.replace('_', '-')} must be positive, got {getattr(w, name)}")
@@ -145,12 +154,16 @@ def _spec(args):
     min_lr = w.lr / 10 if w.min_lr is None else w.min_lr
     OptimConfig(lr=w.lr, min_lr=min_lr, warmup_steps=w.warmup, weight_decay=w.weight_decay,
                 grad_clip=w.grad_clip).validate()
+    from shoal.data.prepare import resolve_run_data
+
+    data = resolve_run_data(args.data, getattr(args, "out", None), cfg.vocab_size)
     return pb.RunSpec(
-        version=1, model=w.model, stages=args.stages, steps=w.steps, micro_batches=w.micro_batches,
+        version=1, model=cfg.name if init_from else w.model, stages=args.stages, steps=w.steps, micro_batches=w.micro_batches,
         micro_batch_size=w.micro_batch_size, seq_len=w.seq_len, seed=w.seed, lr=w.lr,
         min_lr=min_lr, warmup=w.warmup, weight_decay=w.weight_decay, grad_clip=w.grad_clip,
         ckpt_every=args.ckpt_every, dead_after_s=args.dead_after, min_lease_s=args.min_lease,
-        max_message_bytes=256 * 1024 * 1024, data=args.data, ordered_grads=not args.unordered_grads)
+        max_message_bytes=256 * 1024 * 1024, data=data, ordered_grads=not args.unordered_grads,
+        init_from=init_from or "", model_config_json=json.dumps(cfg.to_dict()) if init_from else "")
 
 
 def run_coordinator_cmd(args) -> int:
@@ -222,12 +235,14 @@ def run_launch_cmd(args) -> int:
     from shoal.train.flags import workload_from_args
 
     w = workload_from_args(args)
+    if args.init_from and args.model is not None:
+        raise ShoalError("--init-from sets the model shape from its config.json; drop --model")
     cfg = LaunchConfig(
         out=args.out, model=w.model, stages=args.stages, workers=args.workers, steps=w.steps,
         micro_batches=w.micro_batches, micro_batch_size=w.micro_batch_size, seq_len=w.seq_len,
         seed=w.seed, lr=w.lr, min_lr=w.min_lr, warmup=w.warmup, weight_decay=w.weight_decay,
         grad_clip=w.grad_clip, ckpt_every=args.ckpt_every, dead_after_s=args.dead_after,
-        min_lease_s=args.min_lease, data=args.data, timeout_s=args.timeout, scenario=args.scenario,
+        min_lease_s=args.min_lease, data=tuple(args.data or ("corpus",)), init_from=args.init_from, timeout_s=args.timeout, scenario=args.scenario,
         ordered_grads=not args.unordered_grads, emulate_speedup=args.emulate_speedup)
     summary = launch(cfg, on_event=lambda r: print(_fmt(r), flush=True))
     print(json.dumps({k: summary.get(k) for k in ("steps", "final_loss", "requeues", "tokens_per_s",

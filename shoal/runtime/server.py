@@ -137,6 +137,11 @@ class StageServer(pbg.StageServerServicer):
         opt = make_optimizer(module.named_parameters(), optim_config(spec))
         if version > 0:
             load_stage_ckpt(self.ckpt_root, stage, version, module, opt)
+        elif spec.init_from:
+            from shoal.hf.convert import load_hf_dir
+
+            _, state = load_hf_dir(spec.init_from, names={n for n, _ in module.named_parameters()})
+            module.load_state_dict(state, strict=True)
         return cfg, module, opt
 
     async def _load(self, stage: int, first: int, last: int, version: int, epoch: int) -> None:

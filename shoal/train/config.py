@@ -38,7 +38,8 @@ class TrainConfig:
     eval_every: int = 50  # validation every K steps (and after the last step); 0 = only at the end
     eval_batches: int = 8  # fixed validation micro-batches per evaluation
     checkpoint_every: int = 0  # checkpoint every K steps; 0 = only at the end
-    data: tuple[str, ...] = ()  # text files, folders or globs; empty = bundled Shakespeare
+    data: tuple[str, ...] = ()  # a prepared data folder, or text files/folders/globs; empty = bundled corpus
+    init_from: str | None = None  # Hugging Face Llama folder to start from (sets the model shape)
     val_fraction: float = 0.05  # last fraction of the tokens kept for validation
     cache_dir: str | None = None  # tokenizer cache; None = $SHOAL_CACHE_DIR or ~/.cache/shoal
     out: str = "runs/local"  # run folder (metrics.jsonl, tokenizer.json, checkpoint/)
@@ -46,9 +47,13 @@ class TrainConfig:
     log_every: int = 10  # without a terminal, print a progress line every this many steps
 
     def model_config(self) -> ModelConfig:
-        """The model preset (raises for an unknown name)."""
+        """The model preset, or the shape of the ``init_from`` model (raises for an unknown name)."""
         from shoal.model.config import get_preset
 
+        if self.init_from:
+            from shoal.hf.convert import read_hf_model_config
+
+            return read_hf_model_config(self.init_from)
         return get_preset(self.model)
 
     def optim_config(self) -> OptimConfig:
@@ -63,7 +68,8 @@ class TrainConfig:
         """The data configuration of this run."""
         from shoal.data import DataConfig
 
-        return DataConfig(paths=tuple(self.data), val_fraction=self.val_fraction, cache_dir=self.cache_dir)
+        paths = () if tuple(self.data) == ("corpus",) else tuple(self.data)  # "corpus": the runtime's name
+        return DataConfig(paths=paths, val_fraction=self.val_fraction, cache_dir=self.cache_dir)
 
     def validate(self) -> None:
         """Raise :class:`ShoalError` with a one-line message for any bad field."""

@@ -82,3 +82,23 @@ def given_workload(args: argparse.Namespace) -> dict:
 def workload_from_args(args: argparse.Namespace, base: Workload = DEFAULTS) -> Workload:
     """``base`` with every workload flag the user passed applied."""
     return replace(base, **given_workload(args))
+
+
+def add_data_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, runtime: bool,
+                  init_from: bool = True) -> None:
+    """Add ``--data`` (and ``--init-from``): what every training command trains on and starts from.
+
+    ``--data`` takes a prepared folder (``shoal data prepare``) or raw text files, folders
+    and globs; the runtime commands also take ``corpus`` (bundled Shakespeare, the default)
+    or ``synthetic`` (random tokens).
+    """
+    if runtime:
+        text = ("DATA_DIR from shoal data prepare, raw text files/folders/globs (prepared into the run folder), "
+                "'corpus' (bundled Shakespeare) or 'synthetic' (default corpus)")
+    else:
+        text = "DATA_DIR from shoal data prepare, or text files, folders or globs (default: bundled Shakespeare)"
+    p.add_argument("--data", nargs="+", metavar="DATA", default=None, help=text)
+    if init_from:
+        p.add_argument("--init-from", metavar="HF_DIR", default=None,
+                       help="start from this Hugging Face Llama model folder (e.g. from shoal export); "
+                            "its config.json sets the model shape, so --model is not given")

@@ -215,6 +215,11 @@ def train_local(cfg: TrainConfig, resume: bool = False, quiet: bool = False) -> 
     optim = cfg.optim_config()
 
     model = build_stage(model_cfg, 0, model_cfg.n_total_layers, cfg.seed)
+    if cfg.init_from and not resume:
+        from shoal.hf.convert import load_hf_dir
+
+        _, state = load_hf_dir(cfg.init_from)
+        model.load_state_dict(state, strict=True)
     model.train()
     optimizer = make_optimizer(model.named_parameters(), optim)
     start, records = 0, []
