@@ -302,11 +302,14 @@ def prepare(cfg: PrepareConfig) -> dict:
             raise ShoalError(f"{str(out)!r} holds an unfinished preparation of other inputs or settings; "
                              "delete it or re-run with the same inputs")
         state = saved
-    elif out.exists() and any(out.iterdir()) and not (out / TOKENIZER_FILE).exists():
+    elif out.exists() and any(p.name != TOKENIZER_FILE and not p.name.startswith(".") for p in out.iterdir()):
         raise ShoalError(f"--out {str(out)!r} is not empty; pick a new folder")
     out.mkdir(parents=True, exist_ok=True)
 
     tok = _load_or_train_tokenizer(cfg, sources, out)
+    if not progress_path.exists():
+        # From here on a re-run must find the same inputs and settings (the tokenizer is kept).
+        _atomic_json(progress_path, state)
     vocab = tok.get_vocab_size()
     dtype = storage_dtype(vocab)
     eot = tokenizer_eot_id(tok)
