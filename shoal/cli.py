@@ -20,6 +20,8 @@ from shoal.errors import ShoalError
 COMMAND_MODULES = (
     "shoal.demo.cli",
     "shoal.train.cli",
+    "shoal.data.cli",
+    "shoal.hf.cli",
     "shoal.plan.cli",
     "shoal.sim.cli",
     "shoal.runtime.cli",

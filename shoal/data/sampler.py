@@ -1,6 +1,8 @@
 """Deterministic micro-batch sampling: a pure function of (seed, split, step, micro-batch).
 
-Every process -- the local trainer, any stage-0 server, a re-run after a crash -- gets
+The token stream is an in-memory tensor or a :class:`shoal.data.shards.TokenStream` over
+memory-mapped shards; both give the same batch for the same tokens (the offsets are drawn
+the same way, only the gather differs). Every process -- the local trainer, any stage-0 server, a re-run after a crash -- gets
 the same token ids for the same task, because the random offsets come from a private
 generator seeded by those four values, never from the global RNG.
 """
@@ -26,7 +28,9 @@ def _split_tokens(data, split: str) -> torch.Tensor:
     if split not in SPLITS:
         raise ShoalError(f"unknown data split {split!r}; use 'train' or 'val'")
     tokens = data.train if split == "train" else data.val
-    return tokens if isinstance(tokens, torch.Tensor) else torch.as_tensor(tokens, dtype=torch.int64)
+    if isinstance(tokens, torch.Tensor) or hasattr(tokens, "windows"):
+        return tokens  # a tensor, or a shoal.data.shards.TokenStream read on demand
+    return torch.as_tensor(tokens, dtype=torch.int64)
 
 
 def check_batch_shape(data, split: str, micro_batch_size: int, seq_len: int) -> None:
@@ -58,6 +62,8 @@ def get_micro_batch(
     n_starts = int(tokens.numel()) - seq_len  # valid starts: 0 .. n - T - 1
     gen = torch.Generator().manual_seed(batch_seed(seed, split, step, micro_batch))
     starts = torch.randint(0, n_starts, (micro_batch_size,), generator=gen)
-    idx = starts[:, None] + torch.arange(seq_len + 1)[None, :]
-    window = tokens[idx].to(torch.int64)
+    if isinstance(tokens, torch.Tensor):
+        window = tokens[starts[:, None] + torch.arange(seq_len + 1)[None, :]].to(torch.int64)
+    else:  # memory-mapped shards: read only the B windows
+        window = tokens.windows(starts, seq_len + 1)
     return window[:, :-1].contiguous(), window[:, 1:].contiguous()

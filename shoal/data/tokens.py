@@ -37,7 +37,7 @@ MIN_VOCAB_SIZE = 257
 class DataConfig:
     """Where the training text comes from and how it is split."""
 
-    paths: tuple[str, ...] = ()  # text files, folders or globs; empty = bundled Shakespeare corpus
+    paths: tuple[str, ...] = ()  # a prepared data folder, or text files/folders/globs; empty = bundled corpus
     val_fraction: float = 0.05  # fraction of the tokens (the last ones) held out for validation
     cache_dir: str | None = None  # tokenizer/token cache; None = $SHOAL_CACHE_DIR or ~/.cache/shoal
 
@@ -51,8 +51,8 @@ class DataConfig:
 class TokenData:
     """The tokenized corpus split into training and validation token streams."""
 
-    train: torch.Tensor  # 1-D int64 token ids, the first (1 - val_fraction) of the corpus
-    val: torch.Tensor  # 1-D int64 token ids, the rest
+    train: torch.Tensor  # 1-D int64 ids, the first (1 - val_fraction) (or a shards.TokenStream)
+    val: torch.Tensor  # 1-D int64 token ids, the rest (or a shards.TokenStream)
     tokenizer: Tokenizer  # the byte-level BPE tokenizer that produced the ids
     vocab_size: int  # the model's vocabulary size (every id is below it)
     corpus_hash: str = ""  # SHA-256 of the corpus text
@@ -206,10 +206,18 @@ def split_ids(ids: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndar
 
 
 def load_data(cfg: DataConfig, vocab_size: int) -> TokenData:
-    """Read, tokenize (cached) and split the corpus of ``cfg`` for a model of ``vocab_size``."""
+    """Read, tokenize (cached) and split the corpus of ``cfg`` for a model of ``vocab_size``.
+
+    A single path that is a prepared data folder (``shoal data prepare``) is read from its
+    memory-mapped shards instead; raw text is read and tokenized in memory.
+    """
     cfg.validate()
     if vocab_size < MIN_VOCAB_SIZE:
         raise ShoalError(f"vocab_size must be at least {MIN_VOCAB_SIZE} for a byte-level tokenizer, got {vocab_size}")
+    from shoal.data.shards import is_prepared, load_prepared
+
+    if len(cfg.paths) == 1 and is_prepared(cfg.paths[0]):
+        return load_prepared(cfg.paths[0], vocab_size, cfg.val_fraction)
     text = read_corpus(cfg.paths)
     text_hash = corpus_hash(text)
     tok, ids, entry = load_tokens(text, vocab_size, cfg.cache_dir, text_hash)

@@ -64,6 +64,7 @@ class DemoConfig:
     timeout_s: float = 1200.0  # give up on the run after this long
     churn_after_step: int = 0  # churn starts once this step has committed (start-up joins are not churn)
     schedule: list | None = None  # explicit [(s after churn start, device, "leave"|"join")] (benchmarks)
+    data: tuple[str, ...] = ("corpus",)  # --data: "corpus", "synthetic", a prepared folder or raw text
     workload: dict | None = None  # shared workload flags given (shoal.train.flags); the rest: the scenario's
     dashboard: str | None = "127.0.0.1:0"  # HOST:PORT of the live web dashboard (None: none)
 
@@ -381,7 +382,7 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
     lc = LaunchConfig(
         out=str(out), model=w.model, stages=stages, workers=len(sc.workers), steps=cfg.steps,
         micro_batches=w.micro_batches, micro_batch_size=w.micro_batch_size, seq_len=w.seq_len, seed=cfg.seed,
-        **{"warmup": max(1, min(10, cfg.steps // 5)), **_optim_overrides(cfg.workload)}, data="corpus", ordered_grads=False, ckpt_every=CKPT_EVERY,
+        **{"warmup": max(1, min(10, cfg.steps // 5)), **_optim_overrides(cfg.workload)}, data=tuple(cfg.data), ordered_grads=False, ckpt_every=CKPT_EVERY,
         dead_after_s=DEAD_AFTER_S,
         worker_args=[["--codec", codec]] * len(sc.workers), timeout_s=cfg.timeout_s, scenario=str(scen_path),
         emulate_speedup=spec.speedup, bandwidth_scale=BANDWIDTH_SCALE, dashboard=cfg.dashboard)
@@ -563,7 +564,7 @@ def _sim_step(times: list[float]) -> float | None:
 def register(subparsers) -> None:
     """Add ``shoal demo``."""
     from shoal.train.flags import Workload as FlagWorkload
-    from shoal.train.flags import add_workload_args
+    from shoal.train.flags import add_data_args, add_workload_args
 
     d = DemoConfig()
     p = subparsers.add_parser(
@@ -582,6 +583,7 @@ def register(subparsers) -> None:
     add_workload_args(p, defaults=FlagWorkload(steps=d.steps), shown={
         "model": scen, "micro_batches": scen, "micro_batch_size": scen, "seq_len": scen,
         "warmup": "steps/5, at most 10"})
+    add_data_args(p, runtime=True, init_from=False)
     p.add_argument("--quiet", action="store_true", help="no live display; print only the summary")
     p.add_argument("--dashboard", default=d.dashboard, metavar="HOST:PORT",
                    help="where the coordinator serves the live web dashboard (default: loopback, any free port)")
@@ -604,7 +606,8 @@ def run_demo_cmd(args: argparse.Namespace) -> int:
                      churn=not args.no_churn, compression=args.compression, out=args.out,
                      seed=given.pop("seed", d.seed), quiet=args.quiet, stages=args.stages,
                      model_task_s=args.task_time, workload=given or None,
-                     dashboard=None if args.no_dashboard else args.dashboard)
+                     dashboard=None if args.no_dashboard else args.dashboard,
+                     data=tuple(args.data or ("corpus",)))
     run_demo(cfg)
     sys.stdout.flush()
     return 0

@@ -33,7 +33,7 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., codec: _Optional[str] = ..., meta: _Optional[bytes] = ...) -> None: ...
 
 class RunSpec(_message.Message):
-    __slots__ = ("version", "model", "stages", "steps", "micro_batches", "micro_batch_size", "seq_len", "seed", "lr", "min_lr", "warmup", "weight_decay", "grad_clip", "ckpt_every", "dead_after_s", "min_lease_s", "max_message_bytes", "data", "ordered_grads", "chunk_bytes", "run_id", "precision", "loss_scale_init")
+    __slots__ = ("version", "model", "stages", "steps", "micro_batches", "micro_batch_size", "seq_len", "seed", "lr", "min_lr", "warmup", "weight_decay", "grad_clip", "ckpt_every", "dead_after_s", "min_lease_s", "max_message_bytes", "data", "ordered_grads", "chunk_bytes", "run_id", "precision", "loss_scale_init", "init_from", "model_config_json")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,8 @@ class RunSpec(_message.Message):
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PRECISION_FIELD_NUMBER: _ClassVar[int]
     LOSS_SCALE_INIT_FIELD_NUMBER: _ClassVar[int]
+    INIT_FROM_FIELD_NUMBER: _ClassVar[int]
+    MODEL_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     version: int
     model: str
     stages: int
@@ -80,7 +82,9 @@ class RunSpec(_message.Message):
     run_id: str
     precision: str
     loss_scale_init: float
-    def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., stages: _Optional[int] = ..., steps: _Optional[int] = ..., micro_batches: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., seed: _Optional[int] = ..., lr: _Optional[float] = ..., min_lr: _Optional[float] = ..., warmup: _Optional[int] = ..., weight_decay: _Optional[float] = ..., grad_clip: _Optional[float] = ..., ckpt_every: _Optional[int] = ..., dead_after_s: _Optional[float] = ..., min_lease_s: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., data: _Optional[str] = ..., ordered_grads: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ..., run_id: _Optional[str] = ..., precision: _Optional[str] = ..., loss_scale_init: _Optional[float] = ...) -> None: ...
+    init_from: str
+    model_config_json: str
+    def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., stages: _Optional[int] = ..., steps: _Optional[int] = ..., micro_batches: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., seed: _Optional[int] = ..., lr: _Optional[float] = ..., min_lr: _Optional[float] = ..., warmup: _Optional[int] = ..., weight_decay: _Optional[float] = ..., grad_clip: _Optional[float] = ..., ckpt_every: _Optional[int] = ..., dead_after_s: _Optional[float] = ..., min_lease_s: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., data: _Optional[str] = ..., ordered_grads: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ..., run_id: _Optional[str] = ..., precision: _Optional[str] = ..., loss_scale_init: _Optional[float] = ..., init_from: _Optional[str] = ..., model_config_json: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("role", "address", "flops", "name", "ckpt_version", "ckpt_stage", "schema", "device", "will_measure", "region", "up_bps", "down_bps")

@@ -26,7 +26,9 @@ def spec_to_train_config(spec: pb.RunSpec, out: Path) -> dict:
         "model": spec.model, "steps": int(spec.steps), "micro_batches": spec.micro_batches,
         "micro_batch_size": spec.micro_batch_size, "seq_len": spec.seq_len, "seed": int(spec.seed),
         "lr": spec.lr, "min_lr": spec.min_lr, "warmup": spec.warmup, "weight_decay": spec.weight_decay,
-        "grad_clip": spec.grad_clip, "out": str(out), "data": [],
+        "grad_clip": spec.grad_clip, "out": str(out),
+        "data": [] if spec.data in ("corpus", "synthetic") else [spec.data],
+        "init_from": spec.init_from or None,
     }
 
 
@@ -52,7 +54,7 @@ def write_final(out: Path, weights: dict[str, torch.Tensor], cfg: ModelConfig, s
         try:
             from shoal.data import DataConfig, load_data
 
-            data = load_data(DataConfig(), cfg.vocab_size)
+            data = load_data(DataConfig(paths=() if spec.data == "corpus" else (spec.data,)), cfg.vocab_size)
             _atomic_text(out / "tokenizer.json", data.tokenizer.to_str())
         except Exception as exc:  # the weights matter more than the tokenizer copy
             summary["tokenizer_error"] = repr(exc)

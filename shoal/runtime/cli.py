@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import sys
+from pathlib import Path
 
 from shoal.errors import ShoalError
 
@@ -38,7 +39,7 @@ def _measure_opts(args) -> dict:
 
 
 def _run_args(p: argparse.ArgumentParser, launch: bool = False) -> None:
-    from shoal.train.flags import add_device_args, add_workload_args
+    from shoal.train.flags import add_data_args, add_device_args, add_workload_args
 
     add_workload_args(p)
     add_device_args(p, device=launch)
@@ -49,8 +50,7 @@ def _run_args(p: argparse.ArgumentParser, launch: bool = False) -> None:
     p.add_argument("--unordered-grads", action="store_true",
                    help="workers push one summed gradient per step (less traffic; parity only up to "
                         "float summation order) instead of one per micro-batch")
-    p.add_argument("--data", choices=("corpus", "synthetic"), default="corpus",
-                   help="micro-batches from the corpus (like shoal train) or synthetic tokens")
+    add_data_args(p, runtime=True)
     p.add_argument("--chunk-mb", type=float, default=None,
                    help="MB per chunk of streamed weight pulls, gradient pushes, results and relays "
                         "(default 4; members may override it)")
@@ -216,7 +216,16 @@ def _spec(args):
     from shoal.train.optim import OptimConfig
 
     w = workload_from_args(args)
-    cfg = get_preset(w.model)
+    init_from = getattr(args, "init_from", None)
+    if init_from:
+        from shoal.hf.convert import read_hf_model_config
+
+        if getattr(args, "model", None) is not None:
+            raise ShoalError("--init-from sets the model shape from its config.json; drop --model")
+        init_from = str(Path(init_from).expanduser().resolve())
+        cfg = read_hf_model_config(init_from)
+    else:
+        cfg = get_preset(w.model)
     for name in ("steps", "micro_batches", "micro_batch_size", "seq_len"):
         if getattr(w, name) <= 0:
             raise ShoalError(f"--{name.replace('_', '-')} must be positive, got {getattr(w, name)}")
@@ -232,14 +241,18 @@ def _spec(args):
         raise ShoalError(f"--loss-scale must be a finite number >= 1, got {args.loss_scale}")
     OptimConfig(lr=w.lr, min_lr=min_lr, warmup_steps=w.warmup, weight_decay=w.weight_decay,
                 grad_clip=w.grad_clip).validate()
+    from shoal.data.prepare import resolve_run_data
+
+    data = resolve_run_data(args.data, getattr(args, "out", None), cfg.vocab_size)
     return pb.RunSpec(
-        version=1, model=w.model, stages=args.stages, steps=w.steps, micro_batches=w.micro_batches,
+        version=1, model=cfg.name if init_from else w.model, stages=args.stages, steps=w.steps, micro_batches=w.micro_batches,
         micro_batch_size=w.micro_batch_size, seq_len=w.seq_len, seed=w.seed, lr=w.lr,
         min_lr=min_lr, warmup=w.warmup, weight_decay=w.weight_decay, grad_clip=w.grad_clip,
         ckpt_every=args.ckpt_every, dead_after_s=args.dead_after, min_lease_s=args.min_lease,
-        max_message_bytes=256 * 1024 * 1024, data=args.data, ordered_grads=not args.unordered_grads,
+        max_message_bytes=256 * 1024 * 1024, data=data, ordered_grads=not args.unordered_grads,
         chunk_bytes=chunk_bytes_from_mb(args.chunk_mb),
-        precision=args.precision or "fp32", loss_scale_init=loss_scale)
+        precision=args.precision or "fp32", loss_scale_init=loss_scale,
+        init_from=init_from or "", model_config_json=json.dumps(cfg.to_dict()) if init_from else "")
 
 
 def run_coordinator_cmd(args) -> int:
@@ -353,12 +366,15 @@ def run_launch_cmd(args) -> int:
     from shoal.train.flags import workload_from_args
 
     w = workload_from_args(args)
+    if args.init_from and args.model is not None:
+        raise ShoalError("--init-from sets the model shape from its config.json; drop --model")
     cfg = LaunchConfig(
         out=args.out, model=w.model, stages=args.stages, workers=args.workers, steps=w.steps,
         micro_batches=w.micro_batches, micro_batch_size=w.micro_batch_size, seq_len=w.seq_len,
         seed=w.seed, lr=w.lr, min_lr=w.min_lr, warmup=w.warmup, weight_decay=w.weight_decay,
         grad_clip=w.grad_clip, ckpt_every=args.ckpt_every, dead_after_s=args.dead_after,
-        min_lease_s=args.min_lease, data=args.data, timeout_s=args.timeout, scenario=args.scenario,
+        min_lease_s=args.min_lease, data=tuple(args.data or ("corpus",)), init_from=args.init_from,
+        timeout_s=args.timeout, scenario=args.scenario,
         ordered_grads=not args.unordered_grads, emulate_speedup=args.emulate_speedup,
         dashboard=None if args.no_dashboard else args.dashboard, chunk_mb=args.chunk_mb,
         device=args.device or "auto", precision=args.precision or "fp32", loss_scale=args.loss_scale)

@@ -32,9 +32,12 @@ def set_threads() -> None:
 
 
 def model_config(spec: pb.RunSpec) -> ModelConfig:
-    """The model of a run, with max_seq_len raised if the run's sequences are longer."""
-    cfg = get_preset(spec.model)
-    return cfg
+    """The model of a run: its preset, or the shape it carries (a model started from a HF folder)."""
+    if spec.model_config_json:
+        import json
+
+        return ModelConfig.from_dict(json.loads(spec.model_config_json))
+    return get_preset(spec.model)
 
 
 def optim_config(spec: pb.RunSpec) -> OptimConfig:
@@ -179,9 +182,11 @@ def micro_batch(spec: pb.RunSpec, step: int, mb: int) -> tuple[torch.Tensor, tor
         return synthetic_micro_batch(spec.seed, step, mb, spec.micro_batch_size, spec.seq_len, vocab)
     from shoal.data import DataConfig, get_micro_batch, load_data
 
-    key = ("corpus", vocab)
+    key = (spec.data, vocab)
     if key not in _DATA_CACHE:
-        _DATA_CACHE[key] = load_data(DataConfig(), vocab)
+        # "corpus": the bundled text; otherwise a prepared folder, read from its memory-mapped
+        # shards (only the B windows of each micro-batch are read).
+        _DATA_CACHE[key] = load_data(DataConfig(paths=() if spec.data == "corpus" else (spec.data,)), vocab)
     return get_micro_batch(_DATA_CACHE[key], "train", spec.seed, step, mb, spec.micro_batch_size,
                            spec.seq_len)
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shoal.data.prepare import resolve_run_data
 from shoal.errors import ShoalError
 from shoal.train.flags import DEFAULTS as W
 from shoal.train.metrics import read_jsonl
@@ -47,7 +48,8 @@ class LaunchConfig:
     ckpt_every: int = 1  # servers checkpoint every K committed steps
     dead_after_s: float = 3.0  # a member silent this long is dead
     min_lease_s: float = 2.0  # shortest lease without renewal
-    data: str = "corpus"  # "corpus" (shoal.data, like shoal train) or "synthetic"
+    data: str | tuple[str, ...] = "corpus"  # "corpus", "synthetic", a prepared folder or raw text paths
+    init_from: str | None = None  # Hugging Face Llama folder the run starts from (sets the model shape)
     ordered_grads: bool = True  # one gradient push per micro-batch, summed in order (bitwise parity)
     chunk_mb: float | None = None  # MB per chunk of streamed transfers (None: shoal.net.stream's default)
     min_workers: int | None = None  # workers needed before step 0 (None: all launched)
@@ -136,6 +138,15 @@ class Swarm:
             return subprocess.Popen([sys.executable, "-m", "shoal.runtime.cli", *args], stdout=log,
                                     stderr=subprocess.STDOUT, env=env or self.env, start_new_session=True)
 
+    def _vocab(self) -> int:
+        if self.cfg.init_from:
+            from shoal.hf.convert import read_hf_model_config
+
+            return read_hf_model_config(self.cfg.init_from).vocab_size
+        from shoal.model.config import get_preset
+
+        return get_preset(self.cfg.model).vocab_size
+
     def start(self) -> None:
         """Start the coordinator, S servers and the workers; return once the address is known."""
         c = self.cfg
@@ -143,15 +154,18 @@ class Swarm:
         addr_file.unlink(missing_ok=True)
         Path(str(addr_file) + ".dashboard").unlink(missing_ok=True)
         min_lr = c.lr / 10 if c.min_lr is None else c.min_lr
+        # Raw text is prepared once here, into the run folder; the processes get the folder.
+        data = resolve_run_data(c.data, self.out, self._vocab())
+        model_args = ["--init-from", str(Path(c.init_from).resolve())] if c.init_from else ["--model", c.model]
         self.t0 = time.time()
         self.coord = self._spawn([
-            "coordinator", "--listen", "127.0.0.1:0", "--model", c.model, "--stages", str(c.stages),
+            "coordinator", "--listen", "127.0.0.1:0", *model_args, "--stages", str(c.stages),
             "--min-workers", str(c.min_workers or c.workers), "--steps", str(c.steps),
             "--micro-batches", str(c.micro_batches), "--micro-batch-size", str(c.micro_batch_size),
             "--seq-len", str(c.seq_len), "--seed", str(c.seed), "--lr", repr(c.lr), "--min-lr", repr(min_lr),
             "--warmup", str(c.warmup), "--weight-decay", repr(c.weight_decay), "--grad-clip", repr(c.grad_clip),
             "--ckpt-every", str(c.ckpt_every), "--dead-after", repr(c.dead_after_s),
-            "--min-lease", repr(c.min_lease_s), "--data", c.data, "--out", str(self.out),
+            "--min-lease", repr(c.min_lease_s), "--data", data, "--out", str(self.out),
             "--address-file", str(addr_file), *([] if c.ordered_grads else ["--unordered-grads"]),
             *(["--dashboard", c.dashboard] if c.dashboard else []),
             *([] if c.chunk_mb is None else ["--chunk-mb", repr(c.chunk_mb)]),

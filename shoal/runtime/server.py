@@ -178,6 +178,11 @@ class StageServer(pbg.StageServerServicer):
             load_stage_ckpt(self.ckpt_root, stage, version, module, opt, run_id=spec.run_id,
                             layers=(first, last))
             scale = stage_ckpt_loss_scale(self.ckpt_root, stage, version, scale, run_id=spec.run_id)
+        elif spec.init_from:
+            from shoal.hf.convert import load_hf_dir
+
+            _, state = load_hf_dir(spec.init_from, names={n for n, _ in module.named_parameters()})
+            module.load_state_dict(state, strict=True)
         return cfg, module, opt, scale
 
     async def _load(self, stage: int, first: int, last: int, version: int, epoch: int) -> None:

@@ -9,7 +9,7 @@ from shoal.errors import ShoalError
 # Flags that map one to one onto TrainConfig fields (argparse dest == field name).
 _TRAIN_FIELDS = (
     "model", "steps", "micro_batches", "micro_batch_size", "seq_len", "seed", "lr", "min_lr", "warmup",
-    "weight_decay", "grad_clip", "eval_every", "eval_batches", "checkpoint_every", "data",
+    "weight_decay", "grad_clip", "eval_every", "eval_batches", "checkpoint_every", "data", "init_from",
     "val_fraction", "cache_dir", "out", "stop_after", "log_every", "device", "precision", "loss_scale",
 )
 
@@ -17,7 +17,7 @@ _TRAIN_FIELDS = (
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``train`` and ``generate`` subcommands."""
     from shoal.train.config import TrainConfig
-    from shoal.train.flags import add_device_args, add_workload_args
+    from shoal.train.flags import add_data_args, add_device_args, add_workload_args
 
     d = TrainConfig()
     p = subparsers.add_parser(
@@ -34,7 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-every", type=int, metavar="N", help=f"validation every K steps, 0 = at the end (default {d.eval_every})")
     p.add_argument("--eval-batches", type=int, metavar="N", help=f"validation micro-batches (default {d.eval_batches})")
     p.add_argument("--checkpoint-every", type=int, metavar="N", help="checkpoint every K steps, 0 = at the end (default 0)")
-    p.add_argument("--data", nargs="+", metavar="PATH", help="text files, folders or globs (default: bundled Shakespeare)")
+    add_data_args(p, runtime=False)
     p.add_argument("--val-fraction", type=float, metavar="X", help=f"last fraction of tokens for validation (default {d.val_fraction})")
     p.add_argument("--cache-dir", metavar="DIR", help="tokenizer cache (default $SHOAL_CACHE_DIR or ~/.cache/shoal)")
     p.add_argument("--out", metavar="DIR", help=f"run folder (default {d.out})")
@@ -72,6 +72,8 @@ def run_train(args: argparse.Namespace) -> int:
     if not args.local:
         raise ShoalError("shoal train runs in this process only with --local; distributed runs use the runtime commands (see shoal --help)")
     given = _given(args)
+    if "init_from" in given and "model" in given:
+        raise ShoalError("--init-from sets the model shape from its config.json; drop --model")
     if args.resume:
         if "out" in given and given.pop("out") != args.resume:
             raise ShoalError("--out and --resume name different folders; --resume DIR continues the run in DIR")

@@ -38,7 +38,8 @@ class TrainConfig:
     eval_every: int = 50  # validation every K steps (and after the last step); 0 = only at the end
     eval_batches: int = 8  # fixed validation micro-batches per evaluation
     checkpoint_every: int = 0  # checkpoint every K steps; 0 = only at the end
-    data: tuple[str, ...] = ()  # text files, folders or globs; empty = bundled Shakespeare
+    data: tuple[str, ...] = ()  # a prepared data folder, or text files/folders/globs; empty = bundled corpus
+    init_from: str | None = None  # Hugging Face Llama folder to start from (sets the model shape)
     val_fraction: float = 0.05  # last fraction of the tokens kept for validation
     cache_dir: str | None = None  # tokenizer cache; None = $SHOAL_CACHE_DIR or ~/.cache/shoal
     out: str = "runs/local"  # run folder (metrics.jsonl, tokenizer.json, checkpoint/)
@@ -49,9 +50,13 @@ class TrainConfig:
     loss_scale: float | None = None  # fp16: initial dynamic loss scale (None: LossScaleConfig's)
 
     def model_config(self) -> ModelConfig:
-        """The model preset (raises for an unknown name)."""
+        """The model preset, or the shape of the ``init_from`` model (raises for an unknown name)."""
         from shoal.model.config import get_preset
 
+        if self.init_from:
+            from shoal.hf.convert import read_hf_model_config
+
+            return read_hf_model_config(self.init_from)
         return get_preset(self.model)
 
     def optim_config(self) -> OptimConfig:
@@ -66,7 +71,8 @@ class TrainConfig:
         """The data configuration of this run."""
         from shoal.data import DataConfig
 
-        return DataConfig(paths=tuple(self.data), val_fraction=self.val_fraction, cache_dir=self.cache_dir)
+        paths = () if tuple(self.data) == ("corpus",) else tuple(self.data)  # "corpus": the runtime's name
+        return DataConfig(paths=paths, val_fraction=self.val_fraction, cache_dir=self.cache_dir)
 
     def loss_scale_config(self):
         """The fp16 dynamic loss scaling of this run (see :mod:`shoal.train.precision`)."""

@@ -104,3 +104,23 @@ def add_device_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, dev
     if loss_scale:
         p.add_argument("--loss-scale", type=float, default=None, metavar="X",
                        help=f"fp16: initial dynamic loss scale (default {LossScaleConfig().init_scale:g})")
+
+
+def add_data_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, runtime: bool,
+                  init_from: bool = True) -> None:
+    """Add ``--data`` (and ``--init-from``): what every training command trains on and starts from.
+
+    ``--data`` takes a prepared folder (``shoal data prepare``) or raw text files, folders
+    and globs; the runtime commands also take ``corpus`` (bundled Shakespeare, the default)
+    or ``synthetic`` (random tokens).
+    """
+    if runtime:
+        text = ("DATA_DIR from shoal data prepare, raw text files/folders/globs (prepared into the run folder), "
+                "'corpus' (bundled Shakespeare) or 'synthetic' (default corpus)")
+    else:
+        text = "DATA_DIR from shoal data prepare, or text files, folders or globs (default: bundled Shakespeare)"
+    p.add_argument("--data", nargs="+", metavar="DATA", default=None, help=text)
+    if init_from:
+        p.add_argument("--init-from", metavar="HF_DIR", default=None,
+                       help="start from this Hugging Face Llama model folder (e.g. from shoal export); "
+                            "its config.json sets the model shape, so --model is not given")

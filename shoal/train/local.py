@@ -271,7 +271,13 @@ def train_local(cfg: TrainConfig, resume: bool = False, quiet: bool = False) -> 
     prec = Precision(device, cfg.precision, initial_loss_scale(cfg.precision, scaling), 0, scaling)
 
     # Built (and initialised) on the CPU, so the weights are the same on every device.
-    model = build_stage(model_cfg, 0, model_cfg.n_total_layers, cfg.seed).to(device)
+    model = build_stage(model_cfg, 0, model_cfg.n_total_layers, cfg.seed)
+    if cfg.init_from and not resume:
+        from shoal.hf.convert import load_hf_dir
+
+        _, state = load_hf_dir(cfg.init_from)
+        model.load_state_dict(state, strict=True)
+    model = model.to(device)
     model.train()
     optimizer = make_optimizer(model.named_parameters(), optim)
     start, records = 0, []
