@@ -68,6 +68,26 @@ def _toy_params(seed: int, scale: float) -> list[torch.nn.Parameter]:
     return ps
 
 
+def test_defaults_are_the_documented_ones():
+    """The defaults the local trainer and the servers inherit (betas, eps are not flags)."""
+    d = OptimConfig()
+    assert (d.lr, d.min_lr, d.warmup_steps, d.weight_decay) == (3e-3, 3e-4, 10, 0.1)
+    assert (d.beta1, d.beta2, d.eps, d.grad_clip) == (0.9, 0.95, 1e-8, 1.0)
+
+
+def test_config_validation():
+    from shoal.errors import ShoalError
+
+    OptimConfig(lr=1e-3, min_lr=1e-3, warmup_steps=0, grad_clip=0.0).validate()  # edges are fine
+    for bad in (dict(lr=0.0), dict(min_lr=-1e-9), dict(lr=1e-3, min_lr=2e-3), dict(warmup_steps=-1),
+                dict(grad_clip=-0.5)):
+        with pytest.raises(ShoalError):
+            OptimConfig(**bad).validate()
+    with pytest.raises(ShoalError, match="not finite"):
+        clip_coefficient(math.inf, 1.0)
+    assert clip_coefficient(math.inf, 0.0) == 1.0  # clipping off: the norm is not looked at
+
+
 def test_clip_coefficient_hand_values():
     assert clip_coefficient(25.0, 1.0) == pytest.approx(1.0 / (5.0 + 1e-6), rel=1e-12)
     assert clip_coefficient(0.25, 1.0) == 1.0  # norm 0.5 under the clip
@@ -183,7 +203,11 @@ def test_train_local_matches_plain_pytorch_training(tmp_path):
     model = build_stage(mc, 0, mc.n_total_layers, 0)
     model.train()
     named = list(model.named_parameters())
-    opt = _ref_adamw(named, OptimConfig(lr=3e-3, weight_decay=0.1))
+    # betas and eps written out: the reference must not inherit OptimConfig's defaults
+    no_decay = [p for n, p in named if "norm" in n]
+    decay = [p for n, p in named if "norm" not in n]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
     losses, norms = [], []
     for step in range(RUN["steps"]):
         step_losses = []

@@ -68,7 +68,7 @@ def register(subparsers) -> None:
     p.add_argument("--join", required=True, help="coordinator HOST:PORT")
     p.add_argument("--name", default="worker", help="label in events and metrics")
     p.add_argument("--flops", type=float, default=None, help="FLOP/s to report (default: measure)")
-    p.add_argument("--inject", default="", help="test faults, once each: nan_grad,bad_shape")
+    p.add_argument("--inject", default="", help="test faults: nan_grad,bad_shape (once each), hang_fwd|hang_bwd|hang_before_push|hang_mid_push[:step=N][:mark=PATH]")
     p.add_argument("--codec", default="raw", help="tensor codec: raw, fp16, int8")
     p.add_argument("--slow", type=float, default=0.0, help="extra seconds per task (tests, demos)")
     p.add_argument("--no-error-feedback", action="store_true",
@@ -125,6 +125,14 @@ def _emulation(args):
 def _logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+
+
+def check_address(flag: str, value: str) -> str:
+    """``value`` if it is ``HOST:PORT`` (port 1-65535), else a one-line error naming ``flag``."""
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ShoalError(f"{flag} must be HOST:PORT (e.g. 127.0.0.1:7000), got {value!r}")
+    return value
 
 
 def _token(args) -> str:
@@ -193,6 +201,7 @@ def _played_device(args) -> str:
 def run_server_cmd(args) -> int:
     from shoal.runtime.server import serve
 
+    check_address("--join", args.join)
     _logging(args.log_level)
     dial, _, on_servers = _emulation(args)
     serve(args.join, args.listen, _token(args), args.ckpt_dir, name=args.name, dial=dial,
@@ -201,8 +210,12 @@ def run_server_cmd(args) -> int:
 
 
 def run_worker_cmd(args) -> int:
+    from shoal.net.compress import CODECS
     from shoal.runtime.worker import WorkerOptions, work
 
+    check_address("--join", args.join)
+    if args.codec not in CODECS:
+        raise ShoalError(f"--codec must be one of {', '.join(CODECS)}, got {args.codec!r}")
     _logging(args.log_level)
     dial, pacer, on_servers = _emulation(args)
     work(args.join, _token(args), WorkerOptions(name=args.name, flops=args.flops, inject=args.inject,
@@ -217,6 +230,7 @@ def run_worker_cmd(args) -> int:
 def run_status_cmd(args) -> int:
     from shoal.runtime.launch import swarm_status
 
+    check_address("--join", args.join)
     print(json.dumps(swarm_status(args.join, _token(args)), indent=1, sort_keys=True))
     return 0
 

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 
 import grpc
 import torch
 
+from shoal.errors import ShoalError
 from shoal.model.transformer import build_stage
 from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
@@ -47,13 +50,38 @@ class WorkerOptions:
     flops: float | None = None  # FLOP/s to report (None: measure at start)
     heartbeat_s: float = 0.2  # lease renewal / coordinator heartbeat period
     lease_wait_s: float = 0.5  # long-poll time of one lease request
-    inject: str = ""  # test faults, once each: "nan_grad", "bad_shape" (comma-separated)
+    inject: str = ""  # test faults, comma-separated: "nan_grad", "bad_shape" (once each), hang_* (see parse_hangs)
     codec: str = "raw"  # tensor codec for results and pushes
     graph_cache: bool = True  # keep forward graphs to skip the recompute in own backward tasks
     orphan_after_s: float = 120.0  # exit when the coordinator is unreachable this long
     slow_s: float = 0.0  # extra seconds per task (a crude stand-in for a slow device in tests)
     error_feedback: bool = True  # lossy codec: carry each gradient push's quantisation error into the next
     device: str = ""  # emulated runs: the scenario device this worker plays (the coordinator plans on it)
+
+
+HANG_KINDS = ("hang_fwd", "hang_bwd", "hang_before_push", "hang_mid_push")
+
+
+def parse_hangs(spec: str) -> dict[str, dict[str, str]]:
+    """Test-only faults of ``--inject``: ``hang_<state>[:step=N][:only=FILE][:mark=PATH]`` -> {kind: options}.
+
+    A worker reaching the state (in step ``N`` or later; only if its name is a line of
+    ``FILE``, when given) writes a JSON report to ``PATH`` (the first worker to get there
+    claims it; others carry on) and then stops
+    working while its heartbeats go on, so a test can kill -9 it in exactly that state:
+    ``hang_fwd`` / ``hang_bwd`` inside a leased forward / backward task, ``hang_before_push``
+    holding accepted gradients it has not pushed, ``hang_mid_push`` after the first of its
+    pushes for the step was answered.
+    """
+    out: dict[str, dict[str, str]] = {}
+    for item in spec.split(","):
+        kind, *opts = item.split(":")
+        if not kind.startswith("hang_"):
+            continue
+        if kind not in HANG_KINDS or not all("=" in o for o in opts):
+            raise ShoalError(f"bad --inject item {item!r}; use {'|'.join(HANG_KINDS)}[:step=N][:only=FILE][:mark=PATH]")
+        out[kind] = dict(o.split("=", 1) for o in opts)
+    return out
 
 
 def ordered_groups(per_mb: dict[int, dict[str, torch.Tensor]]) -> list[tuple[list[int], dict]]:
@@ -103,7 +131,8 @@ class Worker:
         self.coord_addr, self.opts, self.pacer = coord, opts, pacer
         self.traffic = Traffic()  # bytes of every call this worker makes
         self.channels = ChannelFactory(token, dial=dial, traffic=self.traffic)
-        self.inject = {f for f in opts.inject.split(",") if f}
+        self.inject = {f for f in opts.inject.split(",") if f and not f.startswith("hang_")}
+        self.hangs = parse_hangs(opts.inject)  # test faults: stop in a given state (tests kill -9)
         self.stage = -1
         self.first = self.last = 0
         self.want: tuple[int, int, int, str] | None = None  # assignment from the last heartbeat
@@ -249,6 +278,11 @@ class Worker:
                         g.view(-1)[0] = float("nan")
                     msg.grads.append(encode_tensor(name, g, self.opts.codec, ef=self.ef))
                 rep = await self.server.PushGrads(msg, timeout=60)
+                if self.hangs and rep.accepted and self._claim_hang(
+                        "hang_mid_push", step, pushed=list(mbs),
+                        unpushed=sorted(set(self.acc_mbs) - set(mbs))):
+                    while True:
+                        await asyncio.sleep(3600)
                 if not rep.accepted:
                     log.info("%s: push refused: %s", self.opts.name, rep.reason)
                     if self.ef is not None:
@@ -265,6 +299,9 @@ class Worker:
         if self.acc_key is not None and self.acc_key != (rep.epoch, rep.step, rep.gen):
             self._drop_acc()  # voided by the server, or a roll-back
         if rep.flush and self.acc_key is not None:
+            if self.hangs and self._claim_hang("hang_before_push", rep.step, held=sorted(self.acc_mbs)):
+                while True:
+                    await asyncio.sleep(3600)
             await self._push()
         if not rep.has_task:
             return
@@ -314,6 +351,33 @@ class Worker:
                         self.acc[name] = g
             self.acc_mbs.append(task.mb)
 
+    def _claim_hang(self, kind: str, step: int, **info) -> bool:
+        """True if this worker should hang now in state ``kind`` (test faults; reports first)."""
+        opts = self.hangs.get(kind)
+        if opts is None or step < int(opts.get("step", 0)):
+            return False
+        if "only" in opts:
+            try:
+                with open(opts["only"]) as f:
+                    if self.opts.name not in f.read().split():
+                        return False
+            except FileNotFoundError:
+                return False
+        del self.hangs[kind]
+        mark = opts.get("mark")
+        if mark:
+            try:
+                os.close(os.open(mark + ".claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return False  # another worker got there first
+            report = {"kind": kind, "step": step, "worker": self.opts.name, "member_id": self.member_id,
+                      "stage": self.stage, **info}
+            with open(mark + ".tmp", "w") as f:
+                f.write(json.dumps(report))
+            os.replace(mark + ".tmp", mark)
+        log.warning("%s: injected %s at step %d %s: hanging", self.opts.name, kind, step, info)
+        return True
+
     def _task_flops(self, direction: int, recomputed: bool) -> float:
         """FLOPs of one task from the analytic profile (see :func:`task_flops`)."""
         from shoal.model.profile import profile_model
@@ -340,6 +404,10 @@ class Worker:
                               dtype="float32", finite=True)
             targets = micro_batch(spec, task.step, task.mb)[1] if task.direction == pb.FWDBWD else None
         key = (task.epoch, task.step, task.mb)
+        if self.hangs and self._claim_hang("hang_fwd" if task.direction == pb.FWD else "hang_bwd", task.step,
+                                           mb=task.mb, direction=pb.Direction.Name(task.direction)):
+            while True:
+                time.sleep(3600)
         if task.direction == pb.FWD:
             if not self.opts.graph_cache:
                 with torch.no_grad():
