@@ -50,24 +50,25 @@ class Planted:
 
 
 RUNTIME_KILLS = "tests/test_runtime_faults.py"
+OPTIM_UNIT = ("tests/test_optim_reference.py", "-k", "not train_local")  # the fast half of the reference
 
 PLANTED: list[Planted] = [
     Planted("apply_update ignores the clip coefficient", "shoal/train/optim.py",
             "        if coef != 1.0:\n", "        if False:\n",
-            ("tests/test_optim_reference.py",)),
+            OPTIM_UNIT),
     Planted("the cosine schedule loses its min_lr floor", "shoal/train/optim.py",
             "    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))",
             "    return 0.5 * cfg.lr * (1.0 + math.cos(math.pi * progress))",
-            ("tests/test_optim_reference.py",)),
+            OPTIM_UNIT),
     Planted("weight decay also applied to norm gains", "shoal/train/optim.py",
             "(decay if p.ndim >= 2 else no_decay)", "(decay if p.ndim >= 1 else no_decay)",
-            ("tests/test_optim_reference.py",)),
+            OPTIM_UNIT),
     Planted("warm-up is one step late", "shoal/train/optim.py",
             "return cfg.lr * (step + 1) / cfg.warmup_steps", "return cfg.lr * step / cfg.warmup_steps",
-            ("tests/test_optim_reference.py",)),
+            OPTIM_UNIT),
     Planted("clip uses the squared norm", "shoal/train/optim.py",
             "grad_clip / (math.sqrt(total_sq_norm) + 1e-6)", "grad_clip / (total_sq_norm + 1e-6)",
-            ("tests/test_optim_reference.py",)),
+            OPTIM_UNIT),
     Planted("a worker's lossy push skips error feedback", "shoal/runtime/worker.py",
             "encode_tensor(name, g, self.opts.codec, ef=self.ef)", "encode_tensor(name, g, self.opts.codec, ef=None)",
             ("tests/test_runtime_worker.py",)),
@@ -101,7 +102,7 @@ PLANTED: list[Planted] = [
 # The plain-PyTorch training comparison (slow) is left out: the unit tests cover the same code.
 GENERATED_TARGETS: dict[str, tuple[str, ...]] = {
     "shoal/train/optim.py": ("tests/test_optim_reference.py", "-k", "not train_local"),
-    "shoal/plan/cost.py": ("tests/test_plan_cost.py",),
+    "shoal/plan/cost.py": ("tests/test_plan_cost.py", "tests/test_cost_reference.py"),
 }
 
 
@@ -118,13 +119,16 @@ def _pytest_cmd(args: tuple[str, ...]) -> list[str]:
     return [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header", *args]
 
 
-def run_planted(only: str | None, timeout_s: float) -> int:
+def run_planted(only: str | None, timeout_s: float, fast: bool = False) -> int:
     """Run every planted bug; print a Markdown table; return the number that survived."""
     survivors = 0
     print("| planted bug | file | tests | result | s |")
     print("|---|---|---|---|---|")
     for bug in PLANTED:
         if only and only not in bug.name:
+            continue
+        if fast and any(t.startswith("tests/test_runtime.py") or t == RUNTIME_KILLS for t in bug.tests):
+            print(f"| {bug.name} | {bug.path} | {' '.join(bug.tests)} | not run (--fast) | - |")
             continue
         with tempfile.TemporaryDirectory(prefix="shoal-mutate-") as tmp:
             tree = copy_tree(Path(tmp))
@@ -300,7 +304,12 @@ def run_generated(files: list[str], sample: int | None, seed: int, timeout_s: fl
     """Run generated mutants of ``files``; print survivors and the kill rate; return it."""
     os.environ.update(PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1", SHOAL_TORCH_THREADS="1")
     sys.dont_write_bytecode = True
-    import pytest  # noqa: F401  (imported once in the parent, shared by the forked children)
+    # Imported once in the parent, shared by the forked children (the checkout's shoal is not).
+    import networkx  # noqa: F401
+    import numpy  # noqa: F401
+    import pytest  # noqa: F401
+    import scipy.optimize  # noqa: F401
+    import tokenizers  # noqa: F401
     import torch
 
     torch.set_num_threads(1)
@@ -349,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="mode", required=True)
     p = sub.add_parser("planted", help="run the fixed list of planted bugs")
     p.add_argument("--only", help="run only bugs whose name contains this text")
-    p.add_argument("--timeout", type=float, default=400, help="seconds per bug (a hang counts as caught)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per bug (a hang counts as caught)")
+    p.add_argument("--fast", action="store_true", help="skip the bugs whose tests start swarms")
     g = sub.add_parser("generated", help="AST mutants of optim.py and cost.py")
     g.add_argument("--file", choices=["optim", "cost", "both"], default="both")
     g.add_argument("--sample", type=int, help="run a random sample of this many mutants per file")
@@ -359,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     files = list(GENERATED_TARGETS)
     if a.mode == "planted":
-        return 1 if run_planted(a.only, a.timeout) else 0
+        return 1 if run_planted(a.only, a.timeout, a.fast) else 0
     if a.mode == "list":
         for f in files:
             for m in generate(f):
