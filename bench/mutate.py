@@ -50,6 +50,7 @@ class Planted:
 
 
 RUNTIME_KILLS = "tests/test_runtime_faults.py"
+LONE_KILL = (RUNTIME_KILLS, "-k", "lone_worker")  # one swarm: a lone worker dies mid-task
 OPTIM_UNIT = ("tests/test_optim_reference.py", "-k", "not train_local")  # the fast half of the reference
 
 PLANTED: list[Planted] = [
@@ -75,16 +76,16 @@ PLANTED: list[Planted] = [
     Planted("no re-plan after a dead worker is dropped", "shoal/runtime/coordinator.py",
             "            if self.ready:\n                self._replan(why)",
             "            if False:\n                self._replan(why)",
-            (RUNTIME_KILLS,)),
+            LONE_KILL),
     Planted("an expired lease deleted instead of re-queued", "shoal/runtime/server.py",
             "                    del self.leases[lid]\n                    self._requeue(lease.step, lease.mb, lease.direction)\n"
             "                    changed = True",
             "                    del self.leases[lid]\n                    changed = True",
-            (RUNTIME_KILLS,)),
+            LONE_KILL),
     Planted("a voided worker's computed gradients are kept", "shoal/runtime/server.py",
             "                if st.grad == \"computed\" and st.holder == wid:",
             "                if False:",
-            (RUNTIME_KILLS,)),
+            (RUNTIME_KILLS, "-k", "unpushed")),
     Planted("the server adds the last gradient push twice", "shoal/runtime/server.py",
             "for _, grads in sorted(self.pushes, key=lambda x: x[0]):",
             "for _, grads in sorted(self.pushes, key=lambda x: x[0]) + self.pushes[-1:]:",
