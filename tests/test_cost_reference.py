@@ -79,6 +79,8 @@ def test_link_share_and_availability_edges():
 def test_late_task_and_leave_cost_edges():
     assert late_task_delay(-1.0, 10.0) == 0.0
     assert late_task_delay(3.0, 0.0) == 3.0  # no pipeline to hide in
+    assert late_task_delay(0.25, 0.5) == pytest.approx(0.0625)  # short pipelines too: D^2 / 2P
+    assert late_task_delay(2.0, 0.5) == pytest.approx(1.75)
     assert late_task_delay(10.0, 10.0) == pytest.approx(5.0)  # both branches agree at D = P
     assert leave_cost(0.0, 1.0, 4, 10.0, 1.0, 10.0, 1.0) == 0.0
     assert leave_cost(math.inf, 1.0, 4, 10.0, 1.0, 10.0, 1.0) == 0.0

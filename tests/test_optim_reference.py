@@ -73,12 +73,17 @@ def test_defaults_are_the_documented_ones():
     d = OptimConfig()
     assert (d.lr, d.min_lr, d.warmup_steps, d.weight_decay) == (3e-3, 3e-4, 10, 0.1)
     assert (d.beta1, d.beta2, d.eps, d.grad_clip) == (0.9, 0.95, 1e-8, 1.0)
+    import dataclasses
+
+    with pytest.raises(dataclasses.FrozenInstanceError):  # one config shared by every stage
+        d.lr = 1.0
 
 
 def test_config_validation():
     from shoal.errors import ShoalError
 
     OptimConfig(lr=1e-3, min_lr=1e-3, warmup_steps=0, grad_clip=0.0).validate()  # edges are fine
+    OptimConfig(lr=1e-3, min_lr=0.0).validate()  # decay to zero is allowed
     for bad in (dict(lr=0.0), dict(min_lr=-1e-9), dict(lr=1e-3, min_lr=2e-3), dict(warmup_steps=-1),
                 dict(grad_clip=-0.5)):
         with pytest.raises(ShoalError):
