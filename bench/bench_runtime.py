@@ -13,7 +13,13 @@ machine (loopback, one torch thread per process), so compare rows, not machines.
    server (activation frames of the given shape are decoded, validated and stored), and
    pulls the stage's weights repeatedly: messages/s and MB/s.
 3. *Swarm tokens/s*: ``shoal launch`` with S = 2, 3, 4 stages (one worker per stage)
-   against ``shoal train --local`` on the same model and batch (steps after the first).
+   against ``shoal train --local`` on the same model and batch, at equal compute-thread
+   budgets: a swarm of W one-thread workers is compared with the local trainer given W
+   torch threads (the setup of each row is printed).
+
+Step times are the *mean* over all steps after the first (warm-up: weights pulled, graphs
+built), with the median beside it; tokens/s is tokens over the summed time of those steps,
+so a slow step counts in full.
 """
 
 from __future__ import annotations
@@ -34,21 +40,31 @@ os.environ.setdefault("SHOAL_TORCH_THREADS", "1")
 RUN = dict(model="tiny", micro_batches=4, micro_batch_size=4, seq_len=64, seed=0, warmup=2)
 
 
-def _steady(recs: list[dict]) -> tuple[float, float]:
-    """Median step time and tokens/s over the steps after the first."""
+def _steady(recs: list[dict]) -> tuple[float, float, float]:
+    """(mean step time, median step time, tokens/s) over every step after the first."""
     rest = [r for r in recs if r["step"] >= 1] or recs
-    t = statistics.median(r["step_time_s"] for r in rest)
-    return t, rest[0]["tokens"] / t
+    times = [r["step_time_s"] for r in rest]
+    return statistics.fmean(times), statistics.median(times), sum(r["tokens"] for r in rest) / sum(times)
 
 
-def local_run(out: Path, steps: int) -> tuple[float, float]:
+def local_run(out: Path, steps: int, threads: int = 1) -> tuple[float, float, float]:
+    """The local trainer with ``threads`` torch threads (the swarm's compute-thread budget)."""
     from shoal.train.local import TrainConfig, train_local
 
-    res = train_local(TrainConfig(**RUN, steps=steps, out=str(out), eval_every=0, eval_batches=1), quiet=True)
+    old = os.environ.get("SHOAL_TORCH_THREADS")
+    os.environ["SHOAL_TORCH_THREADS"] = str(threads)
+    try:
+        res = train_local(TrainConfig(**RUN, steps=steps, out=str(out), eval_every=0, eval_batches=1),
+                          quiet=True)
+    finally:
+        os.environ["SHOAL_TORCH_THREADS"] = old or "1"
+        import torch
+
+        torch.set_num_threads(1)
     return _steady(res.records)
 
 
-def swarm_run(out: Path, steps: int, stages: int, workers: int) -> tuple[float, float]:
+def swarm_run(out: Path, steps: int, stages: int, workers: int) -> tuple[float, float, float]:
     from shoal.runtime.launch import LaunchConfig, launch
     from shoal.train.metrics import read_jsonl
 
@@ -148,14 +164,20 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     root = Path(args.out or tempfile.mkdtemp(prefix="bench_runtime_"))
     rows = []
-    lt, ltok = local_run(root / "local", args.steps)
-    rows.append(("shoal train --local", f"{lt * 1000:.0f} ms/step", f"{ltok:.0f} tok/s", "1.00x"))
-    st, stok = swarm_run(root / "s1w1", args.steps, 1, 1)
-    per_task = (st - lt) / RUN["micro_batches"]
-    rows.append(("launch S=1 W=1", f"{st * 1000:.0f} ms/step", f"{stok:.0f} tok/s", f"{stok / ltok:.2f}x"))
+
+    def row(name: str, setup: str, r: tuple[float, float, float], local_tok: float) -> None:
+        rows.append((name, setup, f"{r[0] * 1000:.0f} ms", f"{r[1] * 1000:.0f} ms", f"{r[2]:.0f}",
+                     f"{r[2] / local_tok:.2f}x"))
+
+    local = {n: local_run(root / f"local{n}", args.steps, n) for n in (1, 2, 3, 4)}
+    for n, r in local.items():
+        row(f"train --local T={n}", f"1 process, {n} torch threads", r, local[n][2])
+    s1 = swarm_run(root / "s1w1", args.steps, 1, 1)
+    per_task = (s1[0] - local[1][0]) / RUN["micro_batches"]
+    row("launch S=1 W=1", "1 worker x 1 thread (+1 server, coordinator)", s1, local[1][2])
     for s in (2, 3, 4):
-        t, tok = swarm_run(root / f"s{s}", args.steps, s, s)
-        rows.append((f"launch S={s} W={s}", f"{t * 1000:.0f} ms/step", f"{tok:.0f} tok/s", f"{tok / ltok:.2f}x"))
+        row(f"launch S={s} W={s}", f"{s} workers x 1 thread (+{s} servers, coordinator); vs local T={s}",
+            swarm_run(root / f"s{s}", args.steps, s, s), local[s][2])
     small = (RUN["micro_batch_size"], RUN["seq_len"], 128)
     big = (8, 256, 128)
     m_small, mb_small, pull = server_throughput(small, args.seconds)
@@ -163,10 +185,12 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\nruntime benchmark (tiny model, M={RUN['micro_batches']} B={RUN['micro_batch_size']} "
           f"T={RUN['seq_len']}, {args.steps} steps, loopback, {os.cpu_count()} cores)\n")
-    print(f"{'run':<22}{'step time':>14}{'tokens/s':>14}{'vs local':>10}")
+    print("| run | setup | mean step | median step | tokens/s | vs local, same threads |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"{r[0]:<22}{r[1]:>14}{r[2]:>14}{r[3]:>10}")
-    print(f"\nper-task framework overhead (S=1 W=1 vs local, per micro-batch): {per_task * 1000:.1f} ms")
+        print("| " + " | ".join(r) + " |")
+    print(f"\nper-task framework overhead (S=1 W=1 vs local T=1, mean step, per micro-batch): "
+          f"{per_task * 1000:.1f} ms")
     print(f"stage server relay, {small} fp32 ({small[0] * small[1] * small[2] * 4 / 1e3:.0f} kB): "
           f"{m_small:.0f} msg/s, {mb_small:.1f} MB/s")
     print(f"stage server relay, {big} fp32 ({big[0] * big[1] * big[2] * 4 / 1e6:.2f} MB): "

@@ -25,7 +25,6 @@ pytestmark = pytest.mark.integration
 STEPS = 4
 RUN = dict(model="tiny", steps=STEPS, micro_batches=4, micro_batch_size=2, seq_len=32, seed=0, lr=3e-3,
            warmup=2)
-TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -45,16 +44,17 @@ def _cfg(tmp_path, **kw) -> LaunchConfig:
 
 
 def _assert_parity(out, reference):
+    """The run's losses and final weights are bitwise the local trainer's (docs/runtime.md
+    claims bitwise equality with ordered gradient pushes, the default)."""
     ref_losses, ref_weights = reference
     recs = read_jsonl(os.path.join(out, "metrics.jsonl"))
     assert [r["step"] for r in recs] == list(range(STEPS))
-    for r, ref in zip(recs, ref_losses, strict=True):
-        assert abs(r["loss"] - ref) <= TOL, (r["loss"], ref)
+    assert [r["loss"] for r in recs] == ref_losses
     weights = load_final_weights(out)
     assert set(weights) == set(ref_weights)
+    differ = sorted(k for k in ref_weights if not torch.equal(weights[k], ref_weights[k]))
     worst = max(float((weights[k] - ref_weights[k]).abs().max()) for k in ref_weights)
-    assert worst <= TOL, worst
-    print(f"max |w - w_local| = {worst:.3g}")
+    assert not differ, (differ[:3], worst)
     return recs
 
 

@@ -7,7 +7,7 @@
 * :mod:`shoal.emulate.churn` -- leave/join schedules from session lengths or a trace,
   and a driver that replays them by killing (SIGKILL) and starting workers.
 * :mod:`shoal.emulate.hooks` -- ``--emulate-*`` flags -> the runtime's dial and pacer hooks.
-* Measurements: ``python -m shoal.emulate.measure`` (link and pacing accuracy),
-  ``python -m shoal.emulate.compress_bench`` (codecs: bytes and loss),
-  ``python -m shoal.emulate.churn_bench`` (throughput under churn); see docs/emulation.md.
+* Measurements: ``python -m shoal.emulate.measure`` (link and pacing accuracy);
+  ``bench/bench_compress.py`` (codecs: bytes and loss) and ``bench/bench_churn.py``
+  (throughput under churn) live beside the other benchmarks; see docs/emulation.md.
 """

@@ -100,8 +100,10 @@ def register(subparsers) -> None:
     p.add_argument("--join", required=True, help="coordinator HOST:PORT")
     p.add_argument("--name", default="worker", help="label in events and metrics")
     p.add_argument("--flops", type=float, default=None, help="FLOP/s to report (default: measure)")
-    p.add_argument("--inject", default="", help="test faults, once each: nan_grad,bad_shape,push_fail (first push attempt lost), "
-                        "push_lost (first push's reply lost), push_abandon (first push never lands), oom")
+    p.add_argument("--inject", default="",
+                   help="test faults: nan_grad,bad_shape,oom (once each), push_fail (first push attempt lost), "
+                        "push_lost (first push's reply lost), push_abandon (first push never lands), "
+                        "hang_fwd|hang_bwd|hang_before_push|hang_mid_push[:step=N][:mark=PATH]")
     p.add_argument("--codec", default="raw", help="tensor codec: raw, fp16, int8")
     p.add_argument("--chunk-mb", type=float, default=None,
                    help="MB per chunk of the results and gradient pushes this worker sends (default: the run's)")
@@ -200,6 +202,14 @@ def _emulation(args):
 def _logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+
+
+def check_address(flag: str, value: str) -> str:
+    """``value`` if it is ``HOST:PORT`` (port 1-65535), else a one-line error naming ``flag``."""
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ShoalError(f"{flag} must be HOST:PORT (e.g. 127.0.0.1:7000), got {value!r}")
+    return value
 
 
 def _token(args) -> str:
@@ -312,6 +322,7 @@ def run_server_cmd(args) -> int:
     chunk = chunk_bytes_from_mb(args.chunk_mb, default=0)
     from shoal.runtime.server import serve
 
+    check_address("--join", args.join)
     _logging(args.log_level)
     dial, _, on_servers = _emulation(args)
     dial = _with_dial_map(args, dial)
@@ -323,11 +334,15 @@ def run_server_cmd(args) -> int:
 
 def run_worker_cmd(args) -> int:
     from shoal.net.channel import split_address
+    from shoal.net.compress import CODECS
     from shoal.net.stream import chunk_bytes_from_mb
     from shoal.runtime.worker import WorkerOptions, work
     from shoal.train.precision import resolve_device
 
     resolve_device(args.device)  # a bad --device is an error before anything else
+    check_address("--join", args.join)
+    if args.codec not in CODECS:
+        raise ShoalError(f"--codec must be one of {', '.join(CODECS)}, got {args.codec!r}")
     _logging(args.log_level)
     split_address(args.join)
     chunk = chunk_bytes_from_mb(args.chunk_mb, default=0)
@@ -349,6 +364,7 @@ def run_worker_cmd(args) -> int:
 def run_status_cmd(args) -> int:
     from shoal.runtime.launch import swarm_status
 
+    check_address("--join", args.join)
     status = swarm_status(args.join, _token(args))
     if args.json:
         print(json.dumps(status, indent=1, sort_keys=True))

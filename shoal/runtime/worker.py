@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -59,7 +61,7 @@ class WorkerOptions:
     flops: float | None = None  # FLOP/s to report (None: measure at start)
     heartbeat_s: float = 0.2  # lease renewal / coordinator heartbeat period
     lease_wait_s: float = 0.5  # long-poll time of one lease request
-    inject: str = ""  # test faults, once each: nan_grad, bad_shape, oom, push_fail, push_lost, push_abandon
+    inject: str = ""  # test faults, comma-separated: nan_grad, bad_shape, oom, push_fail, push_lost, push_abandon (once each), hang_* (see parse_hangs)
     codec: str = "raw"  # tensor codec for results and pushes
     graph_cache: bool = True  # keep forward graphs to skip the recompute in own backward tasks
     orphan_after_s: float = 120.0  # exit when the coordinator is unreachable this long
@@ -76,6 +78,31 @@ class WorkerOptions:
     chunk_bytes: int = 0  # bytes per chunk of streamed uploads (0: the run's setting)
     torch_device: str = "auto"  # --device: where this worker computes (auto, cpu, cuda, cuda:N)
     precision: str | None = None  # --precision: refuse to work in a run of another precision (None: any)
+
+
+HANG_KINDS = ("hang_fwd", "hang_bwd", "hang_before_push", "hang_mid_push")
+
+
+def parse_hangs(spec: str) -> dict[str, dict[str, str]]:
+    """Test-only faults of ``--inject``: ``hang_<state>[:step=N][:only=FILE][:mark=PATH]`` -> {kind: options}.
+
+    A worker reaching the state (in step ``N`` or later; only if its name is a line of
+    ``FILE``, when given) writes a JSON report to ``PATH`` (the first worker to get there
+    claims it; others carry on) and then stops
+    working while its heartbeats go on, so a test can kill -9 it in exactly that state:
+    ``hang_fwd`` / ``hang_bwd`` inside a leased forward / backward task, ``hang_before_push``
+    holding accepted gradients it has not pushed, ``hang_mid_push`` after the first of its
+    pushes for the step was answered.
+    """
+    out: dict[str, dict[str, str]] = {}
+    for item in spec.split(","):
+        kind, *opts = item.split(":")
+        if not kind.startswith("hang_"):
+            continue
+        if kind not in HANG_KINDS or not all("=" in o for o in opts):
+            raise ShoalError(f"bad --inject item {item!r}; use {'|'.join(HANG_KINDS)}[:step=N][:only=FILE][:mark=PATH]")
+        out[kind] = dict(o.split("=", 1) for o in opts)
+    return out
 
 
 def ordered_groups(per_mb: dict[int, dict[str, torch.Tensor]]) -> list[tuple[list[int], dict]]:
@@ -135,7 +162,8 @@ class Worker:
         self.fatal = ""  # set when the worker must leave the run with an error (out of memory)
         self.traffic = Traffic()  # bytes of every call this worker makes
         self.channels = ChannelFactory(token, dial=dial, traffic=self.traffic)
-        self.inject = {f for f in opts.inject.split(",") if f}
+        self.inject = {f for f in opts.inject.split(",") if f and not f.startswith("hang_")}
+        self.hangs = parse_hangs(opts.inject)  # test faults: stop in a given state (tests kill -9)
         self.stage = -1
         self.first = self.last = 0
         self.want: tuple[int, int, int, str] | None = None  # assignment from the last heartbeat
@@ -413,6 +441,11 @@ class Worker:
             for mbs, grads in groups:
                 msg, data = await loop.run_in_executor(None, self._push_message, epoch, step, gen, mbs, grads)
                 rep = await self._send_push(msg, data)
+                if self.hangs and rep is not None and rep.accepted and self._claim_hang(
+                        "hang_mid_push", step, pushed=list(mbs),
+                        unpushed=sorted(set(self.acc_mbs) - set(mbs))):
+                    while True:
+                        await asyncio.sleep(3600)
                 if rep is None:
                     await self._release(epoch, step, gen)
                     break
@@ -477,6 +510,9 @@ class Worker:
         if self.acc_key is not None and self.acc_key != (rep.epoch, rep.step, rep.gen):
             self._drop_acc()  # voided by the server, or a roll-back
         if rep.flush and self.acc_key is not None:
+            if self.hangs and self._claim_hang("hang_before_push", rep.step, held=sorted(self.acc_mbs)):
+                while True:
+                    await asyncio.sleep(3600)
             await self._push()
         elif rep.flush:
             # The server awaits gradients we do not hold (a push or a result reply was
@@ -555,6 +591,33 @@ class Worker:
             await self.coord.Leave(pb.MemberRequest(member_id=self.member_id), timeout=2)
         self.done = True
 
+    def _claim_hang(self, kind: str, step: int, **info) -> bool:
+        """True if this worker should hang now in state ``kind`` (test faults; reports first)."""
+        opts = self.hangs.get(kind)
+        if opts is None or step < int(opts.get("step", 0)):
+            return False
+        if "only" in opts:
+            try:
+                with open(opts["only"]) as f:
+                    if self.opts.name not in f.read().split():
+                        return False
+            except FileNotFoundError:
+                return False
+        del self.hangs[kind]
+        mark = opts.get("mark")
+        if mark:
+            try:
+                os.close(os.open(mark + ".claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return False  # another worker got there first
+            report = {"kind": kind, "step": step, "worker": self.opts.name, "member_id": self.member_id,
+                      "stage": self.stage, **info}
+            with open(mark + ".tmp", "w") as f:
+                f.write(json.dumps(report))
+            os.replace(mark + ".tmp", mark)
+        log.warning("%s: injected %s at step %d %s: hanging", self.opts.name, kind, step, info)
+        return True
+
     def _task_flops(self, direction: int, recomputed: bool) -> float:
         """FLOPs of one task from the analytic profile (see :func:`task_flops`)."""
         from shoal.model.profile import profile_model
@@ -587,6 +650,10 @@ class Worker:
         x = to_device(x, dev)
         targets = None if targets is None else to_device(targets, dev)
         key = (task.epoch, task.step, task.mb)
+        if self.hangs and self._claim_hang("hang_fwd" if task.direction == pb.FWD else "hang_bwd", task.step,
+                                           mb=task.mb, direction=pb.Direction.Name(task.direction)):
+            while True:
+                time.sleep(3600)
         if task.direction == pb.FWD:
             if not self.opts.graph_cache:
                 with torch.no_grad(), autocast(dev, prec):

@@ -1,6 +1,7 @@
-"""Compression measurement: wire bytes and final loss of codecs vs an uncompressed run.
+"""Compression measurement helper: wire bytes and final loss of codecs vs an uncompressed run.
 
-``python -m shoal.emulate.compress_bench --steps 150`` trains the tiny model as a
+Shared by ``tests/test_compress_bench.py`` and ``bench/bench_compress.py`` (which prints the
+table). :func:`run` trains the tiny model as a
 two-stage pipeline in one process, exactly as the runtime moves tensors between roles,
 and passes every tensor that would cross the network through its codec:
 
@@ -22,7 +23,6 @@ of workers (one per stage here) differs.
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from dataclasses import dataclass
@@ -127,37 +127,5 @@ def run(cfg: BenchConfig, comp: CompressionConfig, data=None) -> dict:
         for i in range(cfg.eval_batches):
             x, y = get_micro_batch(data, "val", cfg.seed, 0, i, cfg.micro_batch_size, cfg.seq_len)
             vals.append(float(masters[1](masters[0](x), y)))
-    return {"val_loss": sum(vals) / len(vals), "train_loss_last10": sum(losses[-10:]) / len(losses[-10:]),
+    return {"val_loss": sum(vals) / len(vals), "train_loss_last10": sum(losses[-10:]) / len(losses[-10:]) if losses else math.nan,
             "bytes": counter.as_dict(), "seconds": time.monotonic() - t0}
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run every configuration and print the comparison table (Markdown)."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
-    ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args(argv)
-    torch.set_num_threads(1)
-    cfg = BenchConfig(steps=a.steps, seed=a.seed)
-    data = load_data(DataConfig(), get_preset(cfg.model).vocab_size)
-    results = {name: run(cfg, CONFIGS[name], data) for name in a.configs.split(",")}
-    base = results.get("raw")
-    print(f"tiny model, 2 stages [0,{cfg.split}) [{cfg.split},{get_preset(cfg.model).n_total_layers}), "
-          f"{cfg.steps} steps, M={cfg.micro_batches}, B={cfg.micro_batch_size}, T={cfg.seq_len}, seed {cfg.seed}")
-    print("| config | act fp32/wire | act-grad fp32/wire | grad-push fp32/wire | weight-pull fp32/wire "
-          "| total fp32/wire | final val loss | vs raw | s |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name, r in results.items():
-        b = r["bytes"]
-        raw = sum(v["raw"] for v in b.values())
-        wire = sum(v["wire"] for v in b.values())
-        gap = (r["val_loss"] - base["val_loss"]) / base["val_loss"] if base else math.nan
-        print(f"| {name} | " + " | ".join(f"{b[k]['ratio']:.2f}x" for k in
-                                            ("activations", "act_grads", "grad_push", "weight_pull"))
-              + f" | {raw / wire:.2f}x | {r['val_loss']:.4f} | {100 * gap:+.2f} % | {r['seconds']:.0f} |")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """Churn benchmark: throughput with a quarter of the workers SIGKILLed vs without churn.
 
-``python -m shoal.emulate.churn_bench`` runs the same local swarm twice (tiny model,
+``python bench/bench_churn.py`` runs the same local swarm twice (tiny model,
 2 stages, 8 workers each padded by ``--slow`` seconds per task so that task time, not
 the shared CPU, sets the pace): once without churn and once with
 ``kill_fraction_schedule(workers, 0.25)`` replayed by a :class:`ChurnDriver` once step

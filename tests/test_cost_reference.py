@@ -1,0 +1,92 @@
+"""Edge cases of the cost model's pure formulas, by hand (the boundaries mutation testing
+showed untested: zero work, zero speed, unshared links, the documented defaults)."""
+
+import math
+
+import pytest
+
+from shoal.plan.cost import (
+    CostOptions,
+    availability,
+    compute_time,
+    flow_bandwidth,
+    late_task_delay,
+    leave_cost,
+    link_share,
+    pipeline_time,
+    stage_sync_time,
+    stage_throughput,
+    step_time,
+    sync_time,
+    transfer_time,
+)
+
+
+def test_defaults():
+    o = CostOptions()
+    assert (o.overlap_sync, o.recompute, o.churn, o.lease_timeout_s) == (False, False, True, 10.0)
+
+
+def test_compute_time_edges():
+    assert compute_time(0.0, 0.0) == 0.0  # no work costs nothing, even on a device with no speed
+    assert compute_time(-1.0, 5.0) == 0.0
+    assert compute_time(1e9, 0.0) == math.inf  # work on a device with no speed never ends
+    assert compute_time(6e9, 2e9) == 3.0
+
+
+def test_flow_bandwidth_unshared_and_shared():
+    assert flow_bandwidth(100.0, 50.0, 400.0) == 50.0
+    assert flow_bandwidth(100.0, 50.0, 400.0, 1, 1) == 50.0
+    assert flow_bandwidth(100.0, 500.0, 400.0, 0, 0) == 100.0  # shares below 1 count as 1
+    assert flow_bandwidth(1000.0, 500.0, 400.0, 2, 1) == 250.0
+    assert flow_bandwidth(1000.0, 500.0, 400.0, 1, 2) == 200.0
+
+
+def test_transfer_and_throughput_edges():
+    assert transfer_time(-5.0, 1.0, 1.0) == 0.0
+    assert transfer_time(1.0, 0.0, 4.0) == 0.25
+    assert stage_throughput([], 4) == 0.0
+    assert stage_throughput([math.inf, math.inf], 4) == 0.0
+    assert stage_throughput([2.0, math.inf, 4.0], 1) == 0.5
+    assert stage_throughput([0.0, 2.0], 4) == 0.5  # a zero time is ignored, not infinite
+
+
+def test_pipeline_time_edges():
+    assert pipeline_time(4, [0.0, 1.0], [0.1, 0.1]) == math.inf  # a stage with no throughput
+    assert pipeline_time(1, [2.0], [0.3]) == pytest.approx(0.3)  # one micro-batch: only fill/drain
+    assert pipeline_time(3, [4.0, 1.0, 2.0], [0.0, 0.0, 0.0]) == pytest.approx(2.0)
+
+
+def test_sync_edges():
+    assert sync_time(0.0, 1.0, 0.1, 1.0, 1.0) == 0.0
+    assert sync_time(100.0, 0.0, 0.1, 1.0, 1.0) == 0.0
+    assert stage_sync_time(0.5, 0.0, 0.0) == 0.0  # nothing to send: the latencies are not paid
+    assert stage_sync_time(0.5, 1.0, 0.0) == pytest.approx(2.5)
+    assert stage_sync_time(0.5, 0.0, 1.0) == pytest.approx(2.5)
+    assert stage_sync_time(0.0, 2.0, 2.0, sync_every=0) == pytest.approx(4.0)  # 0 counts as 1
+    assert step_time(2.0, 3.0, overlap_sync=True) == 3.0
+
+
+def test_link_share_and_availability_edges():
+    assert link_share(5.0, 0) == 1.0
+    assert link_share(5.0, 1) == 1.0
+    assert link_share(1.0, 2) == pytest.approx(1.5)
+    assert availability(100.0, -50.0) == 1.0  # negative time away counts as none
+    assert availability(100.0, 0.0) == 1.0
+    assert availability(100.0, 300.0) == pytest.approx(0.25)
+
+
+def test_late_task_and_leave_cost_edges():
+    assert late_task_delay(-1.0, 10.0) == 0.0
+    assert late_task_delay(3.0, 0.0) == 3.0  # no pipeline to hide in
+    assert late_task_delay(0.25, 0.5) == pytest.approx(0.0625)  # short pipelines too: D^2 / 2P
+    assert late_task_delay(2.0, 0.5) == pytest.approx(1.75)
+    assert late_task_delay(10.0, 10.0) == pytest.approx(5.0)  # both branches agree at D = P
+    assert leave_cost(0.0, 1.0, 4, 10.0, 1.0, 10.0, 1.0) == 0.0
+    assert leave_cost(math.inf, 1.0, 4, 10.0, 1.0, 10.0, 1.0) == 0.0
+    assert leave_cost(1.0, 0.0, 4, 10.0, 1.0, 10.0, 1.0) == 0.0
+    # two workers of tau 1 (X = 2): share M/(tau X) = 2, half re-run at the other's 1/s -> 1 s;
+    # late task D = 10 + 1 + 1 = 12 > P = 20? no: D^2 / 2P = 144 / 40
+    assert leave_cost(1.0, 2.0, 4, 20.0, 1.0, 10.0, 5.0) == pytest.approx(144 / 40 + 1.0)
+    # alone (X = 1/tau): timeout + pull + M/2 tau on top of the late task
+    assert leave_cost(1.0, 1.0, 4, 20.0, 1.0, 10.0, 5.0) == pytest.approx(144 / 40 + 10 + 5 + 2)

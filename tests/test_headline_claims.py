@@ -1,0 +1,50 @@
+"""The docs' headline claims at small size: the cost model predicts the simulated step
+time within 10 % on small built-in scenarios (docs/simulator.md), and ``shoal simulate``
+exits non-zero when the run stalls (a stage loses its only worker for good)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shoal.plan import load_scenario, make_plan
+from shoal.sim import simulate
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["gaming-eu", "hetero-compute"])
+def test_cost_model_within_ten_percent_of_simulator(name):
+    s = load_scenario(name)
+    plan = make_plan(s, method="shoal", seed=0)
+    sim = simulate(plan, s, steps=2, seed=0)
+    ratio = plan.predicted_step_time_s / sim.mean_step_time_s
+    assert 0.9 <= ratio <= 1.1, (name, plan.predicted_step_time_s, sim.mean_step_time_s)
+
+
+def _lonely_scenario(tmp_path, leave_at_s):
+    devices = [{"id": "w0", "tflops": 1, "memory_gb": 8, "region": "a", "up_mbps": 100, "down_mbps": 100},
+               {"id": "h", "tflops": 0, "memory_gb": 0, "region": "a", "up_gbps": 1, "down_gbps": 1,
+                "can_host_server": True}]
+    churn = {"enabled": True, "mean_offline_min": 10, "trace": [[leave_at_s, "w0", "leave"]]}
+    path = tmp_path / "lonely.json"
+    path.write_text(json.dumps({
+        "name": "lonely",
+        "workload": {"model": "tiny", "seq_len": 64, "global_batch": 8, "micro_batch_size": 2, "dtype": "fp32"},
+        "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}},
+        "devices": devices, "churn": churn}))
+    return path
+
+
+@pytest.mark.timeout(120)
+def test_simulate_exit_status_on_stall(tmp_path, capsys):
+    from shoal.cli import main
+
+    # the only worker leaves for good early in step 0: the run cannot finish
+    stall = _lonely_scenario(tmp_path, 0.001)
+    assert main(["simulate", "--scenario", str(stall), "--churn", "on", "--steps", "2"]) == 1
+    assert "stalled" in capsys.readouterr().out
+    # the same scenario with the leave long after the run: exit 0
+    ok = _lonely_scenario(tmp_path, 1e9)
+    assert main(["simulate", "--scenario", str(ok), "--churn", "on", "--steps", "2"]) == 0
+    assert "stalled" not in capsys.readouterr().out
