@@ -27,8 +27,6 @@ import random
 import time
 
 import numpy as np
-from scipy.cluster.hierarchy import leaves_list, linkage
-from scipy.spatial.distance import squareform
 
 from shoal.errors import ShoalError
 from shoal.model.profile import ModelProfile
@@ -60,6 +58,10 @@ def region_order(scenario: Scenario, ref_bytes: float, matrices: tuple | None = 
     regions, lat, bw = matrices or region_matrices(scenario)
     if len(regions) <= 2:
         return regions
+    # scipy is imported here, not at module import: it costs ~0.3 s and most plans need it once
+    from scipy.cluster.hierarchy import leaves_list, linkage
+    from scipy.spatial.distance import squareform
+
     dist = lat + ref_bytes / bw
     np.fill_diagonal(dist, 0.0)
     z = linkage(squareform(dist, checks=False), method="average", optimal_ordering=True)
