@@ -220,6 +220,37 @@ def local_round_time(max_latency: float, max_push_s: float, max_pull_s: float) -
     return 3 * max_latency + max_push_s + max_pull_s
 
 
+def local_round_wait(links: list[tuple[float, float, float, float]], latency: float, sync_every: int,
+                     pipeline_s: float, overlap: bool = True) -> tuple[float, float]:
+    """``(round seconds at full rate, seconds the steps wait for it per round)`` of one stage.
+
+    ``links`` holds, per worker, ``(push_s, pull_s, up_busy_s, down_busy_s)``: its push and pull
+    at its links' full rate, and the seconds per step its uplink and downlink carry activations.
+    Sync traffic only uses idle link time (activations go first), so with overlap worker ``d``
+    pushes at a fraction ``f_up = 1 - up_busy / P`` of its rate: the round takes
+    ``R_eff = 3 L + max_d push_d / f_up,d + max_d pull_d / f_down,d`` of pipeline time. The ``H``
+    steps of the next round hide ``H P`` of it; what is left, ``1 - H P / R_eff`` of the work,
+    runs at full rate while the steps wait: ``wait = max(0, 1 - H P / R_eff) R`` with
+    ``R = 3 L + max push + max pull``. Without overlap the steps wait for all of ``R``."""
+    if not links:
+        return 0.0, 0.0
+    full = local_round_time(latency, max(x[0] for x in links), max(x[1] for x in links))
+    if not overlap:
+        return full, full
+    if pipeline_s <= 0 or not math.isfinite(pipeline_s):
+        return full, full
+    floor = 1e-3  # fill and drain leave every link some idle time
+
+    def idle(busy: float) -> float:
+        return max(floor, 1.0 - busy / pipeline_s)
+
+    eff = 3 * latency + max(x[0] / idle(x[2]) for x in links) + max(x[1] / idle(x[3]) for x in links)
+    h = max(1, sync_every)
+    if eff <= h * pipeline_s:
+        return full, 0.0
+    return full, (1.0 - h * pipeline_s / eff) * full
+
+
 def local_sync_per_step(round_s: float, sync_every: int, pipeline_s: float, overlap: bool = True) -> float:
     """Amortised sync seconds per step in local mode: a round of ``round_s`` every ``H`` steps.
     Without overlap the pipeline waits for it: ``R / H``. With overlap (delayed application) round
@@ -248,6 +279,8 @@ class StageCost:
     memory_headroom: float  # min over workers of (memory - need) / memory
     pull: float = 0.0  # seconds for the slowest worker to pull the stage's weights (a replacement's start-up)
     compute_per_step: float = 0.0  # seconds its workers compute per step, summed over workers (M tasks' worth)
+    round_links: tuple = ()  # local mode, per worker: (push s, pull s, uplink busy s/step, downlink busy s/step)
+    round_latency: float = 0.0  # local mode: the largest one-way latency worker <-> server
 
 
 def _share_counts(plan: Plan, scenario: Scenario) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
@@ -316,6 +349,11 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
     pulls: list[float] = []
     heads: list[float] = []
     hosts: list[tuple] = []  # (host, next host, previous host) ids or None
+    # local mode: wid -> (push seconds, pull seconds) of one round at its links' full rate
+    background: dict[str, tuple[float, float]] = {}
+    lats: list[float] = []
+    st_ids = [st.workers for st in plan.stages]
+    spread = sync.local
     for i, st in enumerate(plan.stages):
         a, b = st.layers
         first, last = i == 0, i == n - 1
@@ -358,8 +396,12 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
                 dlb, dlbw = dl_bytes, min(link.bandwidth, d.down)
                 if g_push > 0 or g_pull > 0:
                     max_lat = max(max_lat, link.latency)
-                    max_push = max(max_push, g_push / min(link.bandwidth, d.up, h_down_sync))
-                    max_pull = max(max_pull, g_pull / min(link.bandwidth, h_up_sync, d.down))
+                    push_s = g_push / min(link.bandwidth, d.up, h_down_sync)
+                    pull_s = g_pull / min(link.bandwidth, h_up_sync, d.down)
+                    max_push = max(max_push, push_s)
+                    max_pull = max(max_pull, pull_s)
+                    if spread:
+                        background[wid] = (push_s, pull_s)
             if nxt is not None and wid != nxt.id:
                 link = path(d, nxt)
                 ulb_n, ulbw_n = out_bytes, min(link.bandwidth, d.up)
@@ -371,6 +413,7 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
             stage_rows.append((wid, fixed, dlb, dlbw, ulb_n, ulbw_n, ulb_p, ulbw_p, c, out_lat))
             headroom = min(headroom, (d.memory - need) / d.memory if d.memory > 0 else -math.inf)
         rows.append(stage_rows)
+        lats.append(max_lat)
         if sync.local:
             syncs.append(local_round_time(max_lat, max_push, max_pull))
         else:
@@ -435,6 +478,7 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
             all(abs(new_down[h] - k) <= 0.01 * k for h, k in k_down.items())
         k_up, k_down = new_up, new_down
 
+    busy_s = busy  # per stage: wid -> (download, upload next, upload previous) seconds per micro-batch
     out = []
     for i, stage_rows in enumerate(rows):
         times = all_times[i]
@@ -450,10 +494,19 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
             # each worker runs a 1 / (tau_d X_s) share of the M micro-batches
             busy = m * sum(comp[w] / times[w] for w in finite) / total
         else:
-            frac, lat, busy = 1.0, math.inf, 0.0
+            frac, lat, busy, total = 1.0, math.inf, 0.0, 0.0
+        links = []
+        if spread:
+            for wid in st_ids[i]:
+                if wid not in background:
+                    continue
+                t = times.get(wid, math.inf)
+                n_d = m / (t * total) if total > 0 and 0 < t < math.inf else 0.0  # its micro-batches per step
+                s_dl, s_n, s_p = busy_s[i].get(wid, (0.0, 0.0, 0.0))
+                links.append((*background[wid], n_d * (s_n + s_p), n_d * s_dl))
         out.append(StageCost(throughput=x, latency=lat, compute_fraction=frac, sync=syncs[i],
                              task_times=times, memory_headroom=heads[i], pull=pulls[i],
-                             compute_per_step=busy))
+                             compute_per_step=busy, round_links=tuple(links), round_latency=lats[i]))
     return out
 
 
@@ -528,8 +581,11 @@ def predict(plan: Plan, scenario: Scenario, options: CostOptions | None = None) 
     round_s = 0.0
     if plan.sync.local:
         # per-stage rounds run in parallel; the slowest one is what the steps may wait for
-        round_s = max(c.sync for c in costs)
-        sync = local_sync_per_step(round_s, plan.sync.sync_every, pipe, plan.sync.overlap)
+        # per-stage rounds run in parallel; the step waits for the slowest one
+        waits = [local_round_wait(list(c.round_links), c.round_latency, plan.sync.sync_every, pipe,
+                                  plan.sync.overlap) for c in costs]
+        round_s = max(w[0] for w in waits)
+        sync = max(w[1] for w in waits) / max(1, plan.sync.sync_every)
         overlap = False  # already folded into the amortised sync
     else:
         sync = max(c.sync for c in costs)
