@@ -10,7 +10,8 @@ Prints two markdown tables (also written to ``--out``):
 
 1. targets -- gaming-world, scale-1024 and scale-4096 planned and simulated (no churn) under
    exact sync and under ``--sync local --sync-every 32 --compression int8`` (overlapped rounds,
-   overlapped worker I/O): step time, compute utilisation, devices used, tokens/s;
+   overlapped uploads; and with ``--overlap-io prefetch``): step time, compute utilisation,
+   devices used, tokens/s;
 2. agreement -- on every built-in scenario, shoal's local-mode plan (H = 8, int8): the cost
    model's step time against the simulated one over one round (H steps).
 
@@ -34,11 +35,12 @@ from shoal.sim import simulate  # noqa: E402
 TARGETS = ("gaming-world", "scale-1024", "scale-4096")
 
 
-def local_policy(h: int, spec: str = "int8") -> SyncPolicy:
-    """``--sync local --sync-every h --compression spec`` with the CLI's defaults."""
+def local_policy(h: int, spec: str = "int8", prefetch: bool = False) -> SyncPolicy:
+    """``--sync local --sync-every h --compression spec`` with the CLI's defaults (overlapped
+    rounds, overlapped uploads); ``prefetch`` as ``--overlap-io prefetch``."""
     c = parse_compression(spec)
     return SyncPolicy(mode="local", sync_every=h, act_codec=c["act"], grad_codec=c["grad"], push_codec=c["push"],
-                      pull_codec=c["pull"], overlap=True, overlap_uploads=True, prefetch=True)
+                      pull_codec=c["pull"], overlap=True, overlap_uploads=True, prefetch=prefetch)
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -65,7 +67,8 @@ def run_one(name: str, policy: SyncPolicy, steps: int) -> dict:
 def targets(h: int = 32) -> str:
     rows = []
     for name in TARGETS:
-        for label, pol, steps in (("exact", SyncPolicy(), 2), (f"local H={h} int8", local_policy(h), h)):
+        for label, pol, steps in (("exact", SyncPolicy(), 2), (f"local H={h} int8", local_policy(h), h),
+                                  (f"local H={h} int8 prefetch", local_policy(h, prefetch=True), h)):
             r = run_one(name, pol, steps)
             rows.append([name, label, str(r["stages"]), f"{r['used']}/{r['devices']}", f"{r['pred']:.2f}",
                          f"{r['sim']:.2f}", f"{r['pred'] / r['sim']:.3f}", f"{r['pred_util']:.1%}",

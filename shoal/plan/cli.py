@@ -55,8 +55,9 @@ def add_sync_arguments(p) -> None:
                         "act=..,grad=..,push=..,pull=.. (push/pull also topk-int8[:DENSITY])")
     p.add_argument("--no-overlap", action="store_true",
                    help="local mode: steps wait for each sync round instead of overlapping it with the next round")
-    p.add_argument("--overlap-io", choices=("auto", "on", "off"), default="auto",
-                   help="workers upload while computing and prefetch their next task (auto: on in local mode)")
+    p.add_argument("--overlap-io", choices=("auto", "off", "uploads", "prefetch"), default="auto",
+                   help="worker I/O overlap: uploads (upload an output while leasing and computing the next task), "
+                        "prefetch (also fetch the next task during compute); auto: uploads in local mode, off in exact")
 
 
 DEFAULT_SYNC_EVERY = 32  # local mode's H when --sync-every is not given
@@ -74,12 +75,13 @@ def policy_from_args(args: argparse.Namespace) -> SyncPolicy:
     if mode == "exact" and every not in (None, 1):
         raise ShoalError("--sync-every only applies to --sync local (exact sync syncs every step)")
     io = getattr(args, "overlap_io", "auto") or "auto"
-    overlap_io = io == "on" or (io == "auto" and mode == "local")
+    if io == "auto":
+        io = "uploads" if mode == "local" else "off"
     return SyncPolicy(mode="local" if mode == "local" else "sync",
                       sync_every=(every or DEFAULT_SYNC_EVERY) if mode == "local" else 1,
                       act_codec=codecs["act"], grad_codec=codecs["grad"], push_codec=codecs["push"],
                       pull_codec=codecs["pull"], overlap=not getattr(args, "no_overlap", False),
-                      overlap_uploads=overlap_io, prefetch=overlap_io)
+                      overlap_uploads=io in ("uploads", "prefetch"), prefetch=io == "prefetch")
 
 
 def run(args: argparse.Namespace) -> int:
