@@ -609,7 +609,7 @@ class Simulator:
             if w.epoch != epoch:
                 return
             w.asking = False
-            if w.compute_t0 >= 0:
+            if self.prefetch and w.compute_t0 >= 0:
                 w.ready.append(task)  # a prefetched input landed while the worker computes
                 return
             self._start_compute(w, epoch, task)
