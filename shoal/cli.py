@@ -4,6 +4,10 @@ Each subcommand lives beside the code it drives, in a module that defines
 ``register(subparsers)`` (adds its parser and sets ``func`` to a callable taking the
 parsed arguments and returning an exit code). This file only collects them, so the
 sub-packages can grow their commands without touching each other.
+
+The parser is built lazily: when the first argument names a known command, only the module
+that defines it is imported (``shoal plan`` never imports torch); ``shoal --help``, an unknown
+command or a command missing from ``COMMAND_OWNERS`` builds the full parser.
 """
 
 from __future__ import annotations
@@ -27,8 +31,30 @@ COMMAND_MODULES = (
     "shoal.runtime.cli",
 )
 
+# command name -> the module that registers it (lets `shoal CMD` import only that module).
+COMMAND_OWNERS = {
+    "demo": "shoal.demo.cli",
+    "train": "shoal.train.cli",
+    "generate": "shoal.train.cli",
+    "plan": "shoal.plan.cli",
+    "simulate": "shoal.sim.cli",
+    "coordinator": "shoal.runtime.cli",
+    "server": "shoal.runtime.cli",
+    "worker": "shoal.runtime.cli",
+    "status": "shoal.runtime.cli",
+    "launch": "shoal.runtime.cli",
+}
 
-def build_parser() -> argparse.ArgumentParser:
+
+def modules_for(argv: list[str] | None) -> tuple[str, ...]:
+    """The command modules to import for ``argv``: the owner of its command when known, else all."""
+    first = argv[0] if argv else None
+    owner = COMMAND_OWNERS.get(first) if first else None
+    return (owner,) if owner else COMMAND_MODULES
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The ``shoal`` parser; with ``argv`` only the module of its command is imported (see above)."""
     parser = argparse.ArgumentParser(
         prog="shoal",
         description=(
@@ -38,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"shoal {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    for name in (modules_for(argv) if argv is not None else COMMAND_MODULES):
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
@@ -52,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``shoal`` console script."""
-    parser = build_parser()
+    if argv is None:
+        argv = sys.argv[1:]
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

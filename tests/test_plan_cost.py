@@ -111,7 +111,7 @@ def test_compression_and_local_mode_shrink_sync():
     s = scenario(1)
     base = predict(plan([StagePlan((0, 6), "h", ["w0"])]), s)["sync_s"]
     p = plan([StagePlan((0, 6), "h", ["w0"])])
-    p.sync = SyncPolicy(mode="local", grad_compression=0.25, sync_every=4)
+    p.sync = SyncPolicy(mode="local", grad_compression=0.25, sync_every=4, overlap=False)
     assert predict(p, s)["sync_s"] == pytest.approx((base - 0.015) / 16 + 0.015 / 4)
 
 

@@ -292,7 +292,7 @@ def test_memory_that_does_not_fit_is_refused():
 
 def test_local_mode_syncs_every_h_steps():
     p, scn = _three_stage(False)
-    p.sync = SyncPolicy(mode="local", sync_every=2)
+    p.sync = SyncPolicy(mode="local", sync_every=2, overlap=False)  # rounds not overlapped
     r = simulate(p, scn, steps=4)
     _assert_conserved(r, 3, 24)
     # odd steps (1, 3) skip the push/pull, even ones pay it

@@ -1,8 +1,11 @@
-"""The stage-splittable transformer, its presets and its analytic profile."""
+"""The stage-splittable transformer, its presets and its analytic profile.
 
-from shoal.model.config import PRESETS, ModelConfig, get_preset
+``Stage`` and ``build_stage`` need torch and are imported on first use, so the planner (which
+only needs the presets and the profile) never imports torch.
+"""
+
+from shoal.model.config import PRESETS, ModelConfig, get_preset, layer_kind
 from shoal.model.profile import LayerProfile, ModelProfile, profile_model
-from shoal.model.transformer import Stage, build_stage, layer_kind
 
 __all__ = [
     "PRESETS",
@@ -15,3 +18,11 @@ __all__ = [
     "layer_kind",
     "profile_model",
 ]
+
+
+def __getattr__(name: str):
+    if name in ("Stage", "build_stage"):
+        from shoal.model import transformer
+
+        return getattr(transformer, name)
+    raise AttributeError(f"module 'shoal.model' has no attribute {name!r}")

@@ -90,3 +90,14 @@ def get_preset(name: str, **overrides) -> ModelConfig:
     cfg = replace(PRESETS[name], **overrides) if overrides else PRESETS[name]
     cfg.validate()
     return cfg
+
+
+def layer_kind(cfg: ModelConfig, index: int) -> str:
+    """Return ``"embedding"``, ``"block"`` or ``"head"`` for a global layer index."""
+    if index == 0:
+        return "embedding"
+    if index == cfg.n_layers + 1:
+        return "head"
+    if 0 < index <= cfg.n_layers:
+        return "block"
+    raise ShoalError(f"layer index {index} out of range [0, {cfg.n_total_layers})")

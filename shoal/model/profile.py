@@ -25,8 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shoal.errors import ShoalError
-from shoal.model.config import ModelConfig
-from shoal.model.transformer import layer_kind
+from shoal.model.config import ModelConfig, layer_kind
 
 ADAMW_STATE_BYTES_PER_PARAM = 8  # two fp32 moments per parameter
 

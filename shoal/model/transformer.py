@@ -18,18 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.errors import ShoalError
-from shoal.model.config import ModelConfig
-
-
-def layer_kind(cfg: ModelConfig, index: int) -> str:
-    """Return ``"embedding"``, ``"block"`` or ``"head"`` for a global layer index."""
-    if index == 0:
-        return "embedding"
-    if index == cfg.n_layers + 1:
-        return "head"
-    if 0 < index <= cfg.n_layers:
-        return "block"
-    raise ShoalError(f"layer index {index} out of range [0, {cfg.n_total_layers})")
+from shoal.model.config import ModelConfig, layer_kind
 
 
 def layer_seed(seed: int, index: int) -> int:

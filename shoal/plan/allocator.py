@@ -27,13 +27,11 @@ import random
 import time
 
 import numpy as np
-from scipy.cluster.hierarchy import leaves_list, linkage
-from scipy.spatial.distance import squareform
 
 from shoal.errors import ShoalError
 from shoal.model.profile import ModelProfile
 from shoal.plan.common import SyncTable, build_plan, place_servers, step_of
-from shoal.plan.cost import CostOptions, scenario_profile
+from shoal.plan.cost import CostOptions, scenario_profile, stage_worker_memory
 from shoal.plan.types import Device, Plan, Scenario, StagePlan, SyncPolicy
 
 
@@ -60,6 +58,10 @@ def region_order(scenario: Scenario, ref_bytes: float, matrices: tuple | None = 
     regions, lat, bw = matrices or region_matrices(scenario)
     if len(regions) <= 2:
         return regions
+    # scipy is imported here, not at module import: it costs ~0.3 s and most plans need it once
+    from scipy.cluster.hierarchy import leaves_list, linkage
+    from scipy.spatial.distance import squareform
+
     dist = lat + ref_bytes / bw
     np.fill_diagonal(dist, 0.0)
     z = linkage(squareform(dist, checks=False), method="average", optimal_ordering=True)
@@ -107,7 +109,8 @@ class _StageTable:
         net = scenario.network
         flops = np.array([d.flops for d in group])
         mem = np.array([d.memory for d in group])
-        hidden = prof.layers[0].out_act_bytes * sync.act_compression
+        hidden = prof.layers[0].out_act_bytes * sync.ratio("act", prof.dtype_bytes)
+        hidden_grad = prof.layers[0].out_act_bytes * sync.ratio("grad", prof.dtype_bytes)
         tokens = prof.tokens_per_micro_batch * 8
         n = len(group)
         if table is not None and not table.exact:
@@ -128,17 +131,28 @@ class _StageTable:
                 t_up[j] = 1.0 / min(link.bandwidth, d.up, host.down / share)
                 t_down[j] = 1.0 / min(link.bandwidth, host.up / share, d.down)
                 lat[j] = link.latency
-        spb = sync.grad_compression * (t_up + t_down) / max(1, sync.sync_every)  # sync seconds per parameter byte
+        # sync seconds per parameter byte, per step (a round every H steps)
+        spb = (sync.ratio("push", prof.dtype_bytes) * t_up + sync.ratio("pull", prof.dtype_bytes) * t_down) \
+            / max(1, sync.sync_every)
         a, b = pairs[:, 0], pairs[:, 1]
         first = (a == 0)[:, None]
         last = (b == n_layers)[:, None]
         # bytes in / out per micro-batch (see cost.stage_costs)
         in_b = np.where(first, tokens, hidden) + np.where(last, tokens, 0.0)
-        down_b = in_b + np.where(last, 0.0, hidden)
-        up_b = np.where(last, 0.0, hidden) + np.where(first, 0.0, hidden)
+        down_b = in_b + np.where(last, 0.0, hidden_grad)
+        up_b = np.where(last, 0.0, hidden) + np.where(first, 0.0, hidden_grad)
         n_msgs = np.where(last, 2, 4)  # lease round trips to the own server: 2 per task, 2 tasks (1 on the last stage)
-        tau = (pair_flops[:, None] / flops[None, :] + down_b * t_down[None, :] + up_b * t_up[None, :]
-               + n_msgs * lat[None, :])
+        comp = pair_flops[:, None] / flops[None, :]
+        fetch = down_b * t_down[None, :] + n_msgs * lat[None, :]
+        upload = up_b * t_up[None, :]
+        if sync.prefetch and sync.overlap_uploads:  # see cost.task_period
+            tau = np.maximum(np.maximum(comp, fetch), upload)
+        elif sync.prefetch:
+            tau = np.maximum(comp + upload, fetch)
+        elif sync.overlap_uploads:
+            tau = np.maximum(comp + fetch, upload)
+        else:
+            tau = comp + fetch + upload
         tau = np.where(mem[None, :] >= pair_mem[:, None], tau, np.inf)
         sync_t = 3 * lat[None, :] / max(1, sync.sync_every) + pair_pbytes[:, None] * spb[None, :]
         sync_t = np.where(spb[None, :] > 0, sync_t, 0.0)
@@ -165,9 +179,10 @@ def _pairs(n_layers: int) -> np.ndarray:
 _PAIR_CACHE: dict[tuple, tuple] = {}
 
 
-def _pair_arrays(prof: ModelProfile, recompute: bool) -> tuple:
+def _pair_arrays(prof: ModelProfile, recompute: bool, sync: SyncPolicy | None = None) -> tuple:
     """Every layer range [a, b) with its FLOPs per micro-batch, parameter bytes and worker memory."""
-    key = (prof.cfg, prof.seq_len, prof.micro_batch_size, prof.dtype_bytes, recompute)
+    local = sync is not None and sync.local
+    key = (prof.cfg, prof.seq_len, prof.micro_batch_size, prof.dtype_bytes, recompute, local)
     if key not in _PAIR_CACHE:
         n_layers = len(prof.layers)
         pairs = _pairs(n_layers)
@@ -175,7 +190,7 @@ def _pair_arrays(prof: ModelProfile, recompute: bool) -> tuple:
         pf = np.array([prof.fwd_flops(a, b) + prof.bwd_flops(a, b)
                        + (prof.fwd_flops(a, b) if recompute and b < n_layers else 0) for a, b in pairs])
         pp = np.array([prof.param_bytes(a, b) for a, b in pairs], dtype=float)
-        pm = np.array([prof.worker_memory(a, b) for a, b in pairs], dtype=float)
+        pm = np.array([stage_worker_memory(prof, a, b, sync) for a, b in pairs], dtype=float)
         _PAIR_CACHE[key] = (pairs, pair_index, pf, pp, pm)
     return _PAIR_CACHE[key]
 
@@ -236,10 +251,12 @@ def construct(scenario: Scenario, n_stages: int, sync: SyncPolicy, options: Cost
     share: dict[str, int] = {}
     for g, h in zip(groups, hosts, strict=True):
         share[h] = share.get(h, 0) + len(g)
-    pairs, pair_index, pf, pp, pm = _pair_arrays(prof, options.recompute)
+    pairs, pair_index, pf, pp, pm = _pair_arrays(prof, options.recompute, sync)
     m = scenario.workload.micro_batches
     dev = {d.id: d for d in scenario.devices}
-    tables = [_StageTable(g, dev[h], share[h], scenario, prof, sync, m, options.overlap_sync, pairs, pf, pp, pm, n_layers,
+    # local mode with delayed application: a step costs max(P, R / H), the same shape as overlap_sync
+    overlap = options.overlap_sync or (sync.local and sync.overlap)
+    tables = [_StageTable(g, dev[h], share[h], scenario, prof, sync, m, overlap, pairs, pf, pp, pm, n_layers,
                           table)
               for g, h in zip(groups, hosts, strict=True)]
     _, dp_bounds = _dp(tables, n_layers, pair_index)
@@ -253,7 +270,7 @@ def construct(scenario: Scenario, n_stages: int, sync: SyncPolicy, options: Cost
         stages = []
         for t, h, (a, b) in zip(tables, hosts, bounds, strict=True):
             k = int(t.keep[pair_index[(a, b)]])
-            need = prof.worker_memory(a, b)
+            need = stage_worker_memory(prof, a, b, sync)
             chosen = [t.group[j] for j in t.order[:k] if t.group[j].memory >= need]
             if not chosen:
                 break
@@ -291,7 +308,7 @@ def _feasible(plan: Plan, scenario: Scenario, prof: ModelProfile, dev: dict[str,
     for st in plan.stages:
         if not st.workers or st.layers[1] <= st.layers[0]:
             return False
-        need = prof.worker_memory(*st.layers)
+        need = stage_worker_memory(prof, *st.layers, plan.sync)
         if any(dev[w].memory < need for w in st.workers):
             return False
         host_need[st.server] = host_need.get(st.server, 0.0) + prof.server_memory(*st.layers)

@@ -26,7 +26,6 @@ import random
 import time
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 from shoal.errors import ShoalError
 from shoal.model.profile import ModelProfile
@@ -193,6 +192,8 @@ class _DtfmModel:
         """Activation exchange between consecutive groups: each of the D pipelines carries M/D
         micro-batches forward and backward; devices are matched one to one (min-sum assignment,
         then the slowest pair counts -- DT-FM's bottleneck matching)."""
+        from scipy.optimize import linear_sum_assignment  # lazy: keeps `import shoal.plan` light
+
         per = self.m / max(1, len(g1))
         cost = 2 * per * (self.lat[np.ix_(g1, g2)] + self.act / self.bw[np.ix_(g1, g2)])
         r, c = linear_sum_assignment(cost)

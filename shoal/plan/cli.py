@@ -15,7 +15,7 @@ from shoal.errors import ShoalError
 from shoal.plan.api import METHODS, make_plan
 from shoal.plan.cost import stage_costs
 from shoal.plan.scenario import BUILTIN_SCENARIOS, builtin_description, load_scenario
-from shoal.plan.types import Plan, Scenario
+from shoal.plan.types import Plan, Scenario, SyncPolicy
 
 # exhaustive search only runs where the instance is tiny; --compare skips it otherwise
 COMPARE_METHODS = ("shoal", "dtfm", "swarm", "dapple", "random", "exhaustive")
@@ -34,9 +34,54 @@ def register(subparsers) -> None:
     p.add_argument("--json", dest="json_out", default=None, help="write the plan (or comparison) as JSON here")
     p.add_argument("--tune-micro-batch", action="store_true",
                    help="shoal only: also choose the micro-batch size (the global batch stays fixed)")
-    p.add_argument("--compare", action="store_true", help="run every method and compare predicted step times")
+    p.add_argument("--compare", action="store_true",
+                   help="run every method and compare step time and compute utilisation (exact sync and, "
+                        "with --sync local, the allowed policy)")
     p.add_argument("--list", action="store_true", help="list built-in scenarios")
+    add_sync_arguments(p)
     p.set_defaults(func=run)
+
+
+def add_sync_arguments(p) -> None:
+    """``--sync``, ``--sync-every``, ``--compression``, ``--no-overlap``, ``--overlap-io`` (shared
+    by ``shoal plan`` and ``shoal simulate``)."""
+    p.add_argument("--sync", choices=("exact", "local"), default="exact",
+                   help="parameter sync: exact (every step) or local (DiLoCo-style rounds every --sync-every "
+                        "steps; see docs/sync-policies.md)")
+    p.add_argument("--sync-every", type=int, default=None, metavar="H",
+                   help="local mode: steps between sync rounds (default 32)")
+    p.add_argument("--compression", default="", metavar="SPEC",
+                   help="codec per traffic kind: one codec for all (none, fp16, int8) or "
+                        "act=..,grad=..,push=..,pull=.. (push/pull also topk-int8[:DENSITY])")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="local mode: steps wait for each sync round instead of overlapping it with the next round")
+    p.add_argument("--overlap-io", choices=("auto", "off", "uploads", "prefetch"), default="auto",
+                   help="worker I/O overlap: uploads (upload an output while leasing and computing the next task), "
+                        "prefetch (also fetch the next task during compute); auto: uploads in local mode, off in exact")
+
+
+DEFAULT_SYNC_EVERY = 32  # local mode's H when --sync-every is not given
+
+
+def policy_from_args(args: argparse.Namespace) -> SyncPolicy:
+    """The :class:`SyncPolicy` the sync flags describe (``SyncPolicy()`` for the defaults)."""
+    from shoal.plan.compression import parse_compression
+
+    codecs = parse_compression(getattr(args, "compression", "") or "")
+    mode = getattr(args, "sync", "exact") or "exact"
+    every = getattr(args, "sync_every", None)
+    if every is not None and every < 1:
+        raise ShoalError(f"--sync-every must be a positive number of steps, got {every}")
+    if mode == "exact" and every not in (None, 1):
+        raise ShoalError("--sync-every only applies to --sync local (exact sync syncs every step)")
+    io = getattr(args, "overlap_io", "auto") or "auto"
+    if io == "auto":
+        io = "uploads" if mode == "local" else "off"
+    return SyncPolicy(mode="local" if mode == "local" else "sync",
+                      sync_every=(every or DEFAULT_SYNC_EVERY) if mode == "local" else 1,
+                      act_codec=codecs["act"], grad_codec=codecs["grad"], push_codec=codecs["push"],
+                      pull_codec=codecs["pull"], overlap=not getattr(args, "no_overlap", False),
+                      overlap_uploads=io in ("uploads", "prefetch"), prefetch=io == "prefetch")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,10 +91,11 @@ def run(args: argparse.Namespace) -> int:
     if not args.scenario:
         raise ShoalError("give --scenario NAME_OR_FILE (see `shoal plan --list`)")
     scenario = load_scenario(args.scenario)
+    policy = policy_from_args(args)
     if args.compare:
-        return _compare(console, scenario, args)
+        return _compare(console, scenario, args, policy)
     plan = make_plan(scenario, method=args.method, seed=args.seed, stages=args.stages,
-                     tune_micro_batch=args.tune_micro_batch)
+                     tune_micro_batch=args.tune_micro_batch, sync=policy)
     print_plan(console, plan, scenario)
     if args.json_out:
         plan.to_json(args.json_out)
@@ -87,10 +133,19 @@ def print_plan(console: Console, plan: Plan, scenario: Scenario) -> None:
                       f"{c.throughput:.3g}", _fmt(c.sync), f"{c.memory_headroom:.0%}")
     console.print(table)
     used = sum(len(st.workers) for st in plan.stages)
+    pol = plan.sync
+    if pol.local:
+        console.print(f"sync: local, a round every {pol.sync_every} steps ({_fmt(pred.get('sync_round_s'))} s at full "
+                      f"link rate, {'overlapped with the next round' if pol.overlap else 'not overlapped'}); codecs "
+                      f"act={pol.act_codec} grad={pol.grad_codec} push={pol.push_codec} pull={pol.pull_codec}")
+    elif any(c != "none" for c in (pol.act_codec, pol.grad_codec, pol.push_codec, pol.pull_codec)):
+        console.print(f"sync: exact; codecs act={pol.act_codec} grad={pol.grad_codec} push={pol.push_codec} "
+                      f"pull={pol.pull_codec}")
     console.print(
         f"predicted step {_fmt(pred.get('step_time_s'))} s = pipeline {_fmt(pred.get('pipeline_s'))} s "
         f"(compute {_fmt(pred.get('compute_s'))} s + transfer {_fmt(pred.get('transfer_s'))} s, fill/drain "
         f"{_fmt(pred.get('fill_drain_s'))} s) + sync {_fmt(pred.get('sync_s'))} s; "
+        f"compute utilisation {pred.get('utilisation', 0):.0%}; "
         f"memory headroom {pred.get('memory_headroom', 0):.0%}; {used}/{len(scenario.workers)} devices used; "
         f"planned in {plan.planning_time_s:.2f} s   (* = bottleneck stage)"
     )
@@ -111,40 +166,83 @@ def _simulator():
     return simulate
 
 
-def _compare(console: Console, scenario: Scenario, args: argparse.Namespace) -> int:
+def _compare_row(method: str, scenario: Scenario, args: argparse.Namespace, policy: SyncPolicy,
+                 simulate, label: str) -> dict | None:
+    """One method under one policy: plan (baselines keep their placement rule and are judged under
+    ``policy``; shoal plans for it), predict, and simulate when the simulator is there."""
+    t0 = time.perf_counter()
+    try:
+        if method == "shoal" or not policy.local:
+            plan = make_plan(scenario, method=method, seed=args.seed, stages=args.stages, sync=policy)
+        else:
+            # a baseline does not know local mode: its exact-sync placement, run under the policy
+            plan = make_plan(scenario, method=method, seed=args.seed, stages=args.stages)
+            plan.sync = policy
+            from shoal.plan.cost import predict
+            from shoal.plan.validate import validate_plan
+
+            validate_plan(plan, scenario)
+            predict(plan, scenario)
+    except ShoalError as exc:
+        if method == "exhaustive":
+            return None  # too big for exhaustive search
+        return {"method": method, "policy": label, "error": str(exc)}
+    row = {"method": method, "policy": label, "baseline": method != "shoal", "stages": plan.n_stages,
+           "devices_used": sum(len(s.workers) for s in plan.stages),
+           "predicted_step_time_s": plan.predicted_step_time_s,
+           "predicted_utilisation": plan.predicted.get("utilisation"),
+           "planning_time_s": time.perf_counter() - t0, "plan": plan.to_dict()}
+    if simulate is not None:
+        steps = policy.sync_every if policy.local else 2
+        try:
+            res = simulate(plan, scenario, steps=steps, churn=False, seed=0)
+            row["simulated_step_time_s"] = res.mean_step_time_s
+            row["simulated_utilisation"] = res.mean_utilisation()
+        except Exception as exc:  # the simulator is someone else's; report, don't die
+            row["simulated_step_time_s"] = None
+            row["simulator_error"] = repr(exc)
+    return row
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None or not math.isfinite(x) else f"{x:.0%}"
+
+
+def _compare(console: Console, scenario: Scenario, args: argparse.Namespace, policy: SyncPolicy | None = None) -> int:
     simulate = _simulator()
+    policy = policy or SyncPolicy()
+    policies = [("exact", SyncPolicy())]
+    if policy != SyncPolicy():
+        label = f"local H={policy.sync_every}" if policy.local else "exact+codecs"
+        policies.append((label, policy))
     rows = []
     for method in COMPARE_METHODS:
-        t0 = time.perf_counter()
-        try:
-            plan = make_plan(scenario, method=method, seed=args.seed, stages=args.stages)
-        except ShoalError as exc:
-            if method == "exhaustive":
-                continue  # too big for exhaustive search
-            raise ShoalError(f"{method}: {exc}") from exc
-        row = {"method": method, "baseline": method != "shoal", "stages": plan.n_stages,
-               "devices_used": sum(len(s.workers) for s in plan.stages),
-               "predicted_step_time_s": plan.predicted_step_time_s,
-               "planning_time_s": time.perf_counter() - t0, "plan": plan.to_dict()}
-        if simulate is not None:
-            try:
-                row["simulated_step_time_s"] = simulate(plan, scenario, steps=2, churn=False, seed=0).mean_step_time_s
-            except Exception as exc:  # the simulator is someone else's; report, don't die
-                row["simulated_step_time_s"] = None
-                row["simulator_error"] = repr(exc)
-        rows.append(row)
-    shoal_t = next(r["predicted_step_time_s"] for r in rows if r["method"] == "shoal")
-    table = Table(title=f"planners on {scenario.name} (judged by shoal's cost model; all but shoal are baselines)")
-    for col in ("method", "stages", "devices", "predicted step s", "ratio to shoal", "planning s"):
-        table.add_column(col, justify="right" if col != "method" else "left")
+        for label, pol in policies:
+            row = _compare_row(method, scenario, args, pol, simulate, label)
+            if row is not None:
+                rows.append(row)
+    ok = [r for r in rows if "error" not in r]
+    shoal_t = next((r["predicted_step_time_s"] for r in ok if r["method"] == "shoal" and r["policy"] == "exact"), None)
+    if shoal_t is None:
+        raise ShoalError(f"shoal found no plan for scenario {scenario.name}")
+    codecs = f"act={policy.act_codec} grad={policy.grad_codec} push={policy.push_codec} pull={policy.pull_codec}"
+    table = Table(title=f"planners on {scenario.name} (judged by shoal's cost model; all but shoal are baselines)"
+                  + ("" if len(policies) == 1 else f"; second policy: {policies[1][0]}, {codecs}"))
+    for col in ("method", "sync", "stages", "devices", "predicted step s", "ratio to shoal exact", "pred. util",
+                "planning s"):
+        table.add_column(col, justify="right" if col not in ("method", "sync") else "left")
     if simulate is not None:
         table.add_column("simulated step s", justify="right")
+        table.add_column("sim. util", justify="right")
     for r in rows:
+        if "error" in r:
+            table.add_row(r["method"], r["policy"], *(["-"] * (len(table.columns) - 3)), "does not fit: " + r["error"][:40])
+            continue
         r["ratio_to_shoal"] = r["predicted_step_time_s"] / shoal_t if shoal_t else None
-        cells = [r["method"], str(r["stages"]), str(r["devices_used"]), _fmt(r["predicted_step_time_s"]),
-                 f"{r['ratio_to_shoal']:.2f}", f"{r['planning_time_s']:.2f}"]
+        cells = [r["method"], r["policy"], str(r["stages"]), str(r["devices_used"]), _fmt(r["predicted_step_time_s"]),
+                 f"{r['ratio_to_shoal']:.2f}", _pct(r.get("predicted_utilisation")), f"{r['planning_time_s']:.2f}"]
         if simulate is not None:
-            cells.append(_fmt(r.get("simulated_step_time_s")))
+            cells += [_fmt(r.get("simulated_step_time_s")), _pct(r.get("simulated_utilisation"))]
         table.add_row(*cells)
     console.print(table)
     if args.json_out:

@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from shoal.model.profile import ModelProfile
-from shoal.plan.cost import CostOptions, predict, scenario_profile
+from shoal.plan.cost import CostOptions, predict, scenario_profile, stage_worker_memory
 from shoal.plan.types import Device, Plan, Scenario, StagePlan, SyncPolicy
 
 
@@ -49,9 +49,9 @@ def layer_weights(prof: ModelProfile) -> list[float]:
     return [prof.fwd_flops(i, i + 1) + prof.bwd_flops(i, i + 1) for i in range(len(prof.layers))]
 
 
-def fits(prof: ModelProfile, layers: tuple[int, int], device: Device) -> bool:
-    """Whether ``device`` can hold a worker of stage ``layers``."""
-    return device.flops > 0 and device.memory >= prof.worker_memory(*layers)
+def fits(prof: ModelProfile, layers: tuple[int, int], device: Device, sync: SyncPolicy | None = None) -> bool:
+    """Whether ``device`` can hold a worker of stage ``layers`` (under ``sync``'s memory needs)."""
+    return device.flops > 0 and device.memory >= stage_worker_memory(prof, *layers, sync)
 
 
 def build_plan(scenario: Scenario, method: str, stages: list[StagePlan], sync: SyncPolicy | None = None) -> Plan:

@@ -183,6 +183,87 @@ def step_time(pipeline: float, sync: float, overlap_sync: bool = False) -> float
     return max(pipeline, sync) if overlap_sync else pipeline + sync
 
 
+# Local mode: a worker's inner AdamW keeps two fp32 moments per parameter on the device.
+LOCAL_OPTIMIZER_BYTES_PER_PARAM = 8
+
+
+def stage_worker_memory(prof: ModelProfile, first: int, last: int, sync: SyncPolicy | None = None) -> float:
+    """Bytes a worker of stage ``[first, last)`` needs: the profile's (weights, gradients, saved
+    activations) plus, in local mode, its inner optimizer's state."""
+    need = prof.worker_memory(first, last)
+    if sync is not None and sync.local:
+        need += LOCAL_OPTIMIZER_BYTES_PER_PARAM * prof.params(first, last)
+    return need
+
+
+def task_period(compute_s: float, fetch_s: float, upload_s: float, overlap_uploads: bool = False,
+                prefetch: bool = False) -> float:
+    """Seconds per micro-batch of one worker from its compute, its fetches (lease round trips and
+    input downloads) and its uploads (outputs' serialisation on its uplink). Without overlap they
+    follow one another; ``overlap_uploads`` runs the uploads while the next task is fetched and
+    computed; ``prefetch`` fetches the next task while this one computes (and uploads); with both
+    the slowest of the three resources sets the pace."""
+    if prefetch and overlap_uploads:
+        return max(compute_s, fetch_s, upload_s)
+    if prefetch:
+        return max(compute_s + upload_s, fetch_s)
+    if overlap_uploads:
+        return max(compute_s + fetch_s, upload_s)
+    return compute_s + fetch_s + upload_s
+
+
+def local_round_time(max_latency: float, max_push_s: float, max_pull_s: float) -> float:
+    """Seconds of one local-mode sync round of a stage: push request, the slowest pseudo-gradient
+    push, the merge, then the slowest pull of the merged weights (``3 L + push + pull``)."""
+    if max_push_s <= 0 and max_pull_s <= 0:
+        return 0.0
+    return 3 * max_latency + max_push_s + max_pull_s
+
+
+def local_round_wait(links: list[tuple[float, float, float, float]], latency: float, sync_every: int,
+                     pipeline_s: float, overlap: bool = True) -> tuple[float, float]:
+    """``(round seconds at full rate, seconds the steps wait for it per round)`` of one stage.
+
+    ``links`` holds, per worker, ``(push_s, pull_s, up_busy_s, down_busy_s)``: its push and pull
+    at its links' full rate, and the seconds per step its uplink and downlink carry activations.
+    Sync traffic only uses idle link time (activations go first), so with overlap worker ``d``
+    pushes at a fraction ``f_up = 1 - up_busy / P`` of its rate: the round takes
+    ``R_eff = 3 L + max_d push_d / f_up,d + max_d pull_d / f_down,d`` of pipeline time. The ``H``
+    steps of the next round hide ``H P`` of it; what is left, ``1 - H P / R_eff`` of the work,
+    runs at full rate while the steps wait: ``wait = max(0, 1 - H P / R_eff) R`` with
+    ``R = 3 L + max push + max pull``. Without overlap the steps wait for all of ``R``."""
+    if not links:
+        return 0.0, 0.0
+    full = local_round_time(latency, max(x[0] for x in links), max(x[1] for x in links))
+    if not overlap:
+        return full, full
+    if pipeline_s <= 0 or not math.isfinite(pipeline_s):
+        return full, full
+    floor = 1e-3  # fill and drain leave every link some idle time
+
+    def idle(busy: float) -> float:
+        return max(floor, 1.0 - busy / pipeline_s)
+
+    eff = 3 * latency + max(x[0] / idle(x[2]) for x in links) + max(x[1] / idle(x[3]) for x in links)
+    h = max(1, sync_every)
+    if eff <= h * pipeline_s:
+        return full, 0.0
+    return full, (1.0 - h * pipeline_s / eff) * full
+
+
+def local_sync_per_step(round_s: float, sync_every: int, pipeline_s: float, overlap: bool = True) -> float:
+    """Amortised sync seconds per step in local mode: a round of ``round_s`` every ``H`` steps.
+    Without overlap the pipeline waits for it: ``R / H``. With overlap (delayed application) round
+    ``r`` runs during the ``H`` steps of round ``r + 1`` and only the part that does not fit in
+    them is waited for: ``max(0, R - H P) / H``."""
+    h = max(1, sync_every)
+    if round_s <= 0:
+        return 0.0
+    if not overlap:
+        return round_s / h
+    return max(0.0, round_s - h * pipeline_s) / h
+
+
 # --------------------------------------------------------------------------- the plan's cost
 
 
@@ -193,10 +274,13 @@ class StageCost:
     throughput: float  # micro-batches per second of the task pool (X_s)
     latency: float  # fastest worker's per-micro-batch time plus its uploads' latency (fill/drain share)
     compute_fraction: float  # throughput-weighted share of compute in tau
-    sync: float  # per-step sync seconds of the stage (slowest push + slowest pull + 3 latencies)
+    sync: float  # per-step sync seconds of the stage (slowest push + slowest pull + 3 latencies; local mode: per round)
     task_times: dict[str, float]  # worker id -> tau_d
     memory_headroom: float  # min over workers of (memory - need) / memory
     pull: float = 0.0  # seconds for the slowest worker to pull the stage's weights (a replacement's start-up)
+    compute_per_step: float = 0.0  # seconds its workers compute per step, summed over workers (M tasks' worth)
+    round_links: tuple = ()  # local mode, per worker: (push s, pull s, uplink busy s/step, downlink busy s/step)
+    round_latency: float = 0.0  # local mode: the largest one-way latency worker <-> server
 
 
 def _share_counts(plan: Plan, scenario: Scenario) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
@@ -265,21 +349,27 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
     pulls: list[float] = []
     heads: list[float] = []
     hosts: list[tuple] = []  # (host, next host, previous host) ids or None
+    # local mode: wid -> (push seconds, pull seconds) of one round at its links' full rate
+    background: dict[str, tuple[float, float]] = {}
+    lats: list[float] = []
+    st_ids = [st.workers for st in plan.stages]
+    spread = sync.local
     for i, st in enumerate(plan.stages):
         a, b = st.layers
         first, last = i == 0, i == n - 1
         fwd, bwd = prof.fwd_flops(a, b), prof.bwd_flops(a, b)
         if options.recompute and not last:
             bwd += fwd
-        hidden = prof.layers[0].out_act_bytes * sync.act_compression
+        hidden = prof.layers[0].out_act_bytes * sync.ratio("act", prof.dtype_bytes)
+        hidden_grad = prof.layers[0].out_act_bytes * sync.ratio("grad", prof.dtype_bytes)
         in_bytes = tokens if first else hidden
         if last:
             in_bytes += tokens
-        dl_bytes = in_bytes + (0.0 if last else hidden)  # input, and the output gradient
+        dl_bytes = in_bytes + (0.0 if last else hidden_grad)  # input, and the output gradient
         out_bytes = 0.0 if last else hidden
-        in_grad_bytes = 0.0 if first else hidden
+        in_grad_bytes = 0.0 if first else hidden_grad
         pbytes = prof.param_bytes(a, b)
-        need = prof.worker_memory(a, b)
+        need = stage_worker_memory(prof, a, b, sync)
         host = dev[st.server]
         nxt = dev[plan.stages[i + 1].server] if not last else None
         prv = dev[plan.stages[i - 1].server] if not first else None
@@ -289,7 +379,8 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
         k_sync = max(1, n_sync.get(host.id, 1))
         h_up_sync, h_down_sync = host.up / k_sync, host.down / k_sync
         flops = fwd + bwd
-        g = pbytes * sync.grad_compression
+        g_push = pbytes * sync.ratio("push", prof.dtype_bytes)
+        g_pull = pbytes * sync.ratio("pull", prof.dtype_bytes)
         n_tasks = 1 if last else 2
         stage_rows = []
         for wid in st.workers:
@@ -303,10 +394,14 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
                 link = path(d, host)
                 fixed += n_tasks * 2 * link.latency
                 dlb, dlbw = dl_bytes, min(link.bandwidth, d.down)
-                if g > 0:
+                if g_push > 0 or g_pull > 0:
                     max_lat = max(max_lat, link.latency)
-                    max_push = max(max_push, g / min(link.bandwidth, d.up, h_down_sync))
-                    max_pull = max(max_pull, g / min(link.bandwidth, h_up_sync, d.down))
+                    push_s = g_push / min(link.bandwidth, d.up, h_down_sync)
+                    pull_s = g_pull / min(link.bandwidth, h_up_sync, d.down)
+                    max_push = max(max_push, push_s)
+                    max_pull = max(max_pull, pull_s)
+                    if spread:
+                        background[wid] = (push_s, pull_s)
             if nxt is not None and wid != nxt.id:
                 link = path(d, nxt)
                 ulb_n, ulbw_n = out_bytes, min(link.bandwidth, d.up)
@@ -318,7 +413,11 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
             stage_rows.append((wid, fixed, dlb, dlbw, ulb_n, ulbw_n, ulb_p, ulbw_p, c, out_lat))
             headroom = min(headroom, (d.memory - need) / d.memory if d.memory > 0 else -math.inf)
         rows.append(stage_rows)
-        syncs.append(stage_sync_time(max_lat, max_push, max_pull, sync.sync_every))
+        lats.append(max_lat)
+        if sync.local:
+            syncs.append(local_round_time(max_lat, max_push, max_pull))
+        else:
+            syncs.append(stage_sync_time(max_lat, max_push, max_pull, sync.sync_every))
         pulls.append(max_lat + max_pull)
         heads.append(headroom)
 
@@ -326,6 +425,8 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
     k_up = {h: float(max(1, k)) for h, k in n_dl.items()}
     k_down = {h: float(max(1, k)) for h, k in n_ul.items()}
     m = plan.micro_batches
+    overlap_up, prefetch = sync.overlap_uploads, sync.prefetch
+    plain = not (overlap_up or prefetch)  # the exact-sync protocol: keep its arithmetic bit for bit
     settled = not n_dl and not n_ul
     for it in range(SHARE_ITERATIONS + 1):
         all_times: list[dict[str, float]] = []
@@ -337,11 +438,14 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
             dp = dev[hp].down / k_down.get(hp, 1.0) if hp is not None else math.inf
             times: dict[str, float] = {}
             bz: dict[str, tuple[float, float, float]] = {}
-            for wid, fixed, dlb, dlbw, ulb_n, ulbw_n, ulb_p, ulbw_p, _c, _o in stage_rows:
+            for wid, fixed, dlb, dlbw, ulb_n, ulbw_n, ulb_p, ulbw_p, c_w, _o in stage_rows:
                 s_dl = dlb / min(dlbw, up) if dlb > 0 else 0.0
                 s_n = ulb_n / min(ulbw_n, dn) if ulb_n > 0 else 0.0
                 s_p = ulb_p / min(ulbw_p, dp) if ulb_p > 0 else 0.0
-                times[wid] = fixed + s_dl + s_n + s_p
+                if plain:
+                    times[wid] = fixed + s_dl + s_n + s_p
+                else:
+                    times[wid] = task_period(c_w, fixed - c_w + s_dl, s_n + s_p, overlap_up, prefetch)
                 bz[wid] = (s_dl, s_n, s_p)
             all_times.append(times)
             busy.append(bz)
@@ -374,6 +478,7 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
             all(abs(new_down[h] - k) <= 0.01 * k for h, k in k_down.items())
         k_up, k_down = new_up, new_down
 
+    busy_s = busy  # per stage: wid -> (download, upload next, upload previous) seconds per micro-batch
     out = []
     for i, stage_rows in enumerate(rows):
         times = all_times[i]
@@ -386,10 +491,22 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
             total = sum(1.0 / times[w] for w in finite)
             frac = sum(comp[w] / times[w] / times[w] for w in finite) / total
             lat = times[finite[0]] + outbound[finite[0]]
+            # each worker runs a 1 / (tau_d X_s) share of the M micro-batches
+            busy = m * sum(comp[w] / times[w] for w in finite) / total
         else:
-            frac, lat = 1.0, math.inf
+            frac, lat, busy, total = 1.0, math.inf, 0.0, 0.0
+        links = []
+        if spread:
+            for wid in st_ids[i]:
+                if wid not in background:
+                    continue
+                t = times.get(wid, math.inf)
+                n_d = m / (t * total) if total > 0 and 0 < t < math.inf else 0.0  # its micro-batches per step
+                s_dl, s_n, s_p = busy_s[i].get(wid, (0.0, 0.0, 0.0))
+                links.append((*background[wid], n_d * (s_n + s_p), n_d * s_dl))
         out.append(StageCost(throughput=x, latency=lat, compute_fraction=frac, sync=syncs[i],
-                             task_times=times, memory_headroom=heads[i], pull=pulls[i]))
+                             task_times=times, memory_headroom=heads[i], pull=pulls[i],
+                             compute_per_step=busy, round_links=tuple(links), round_latency=lats[i]))
     return out
 
 
@@ -445,7 +562,9 @@ def predict(plan: Plan, scenario: Scenario, options: CostOptions | None = None) 
     activation transfers at the bottleneck stage), ``sync_s``, ``pipeline_s``, ``step_time_s``,
     ``mean_stage_time_s`` (mean over stages of ``(M - 1) / X_s``), ``bottleneck_stage``, ``memory_headroom`` (min fraction of memory left over workers and
     server hosts; negative means it does not fit), ``throughput_mb_s`` (bottleneck micro-batches/s),
-    ``fill_drain_s``; with churn (``scenario.churn.enabled``, ``options.churn``): ``churn_s``
+    ``fill_drain_s``, ``utilisation`` (mean over the plan's workers of the fraction of a step
+    spent computing), ``sync_round_s`` (local mode: seconds of one sync round, whose amortised
+    share per step is ``sync_s``, see :func:`local_sync_per_step`); with churn (``scenario.churn.enabled``, ``options.churn``): ``churn_s``
     (expected seconds per step lost to leaves) and ``expected_step_time_s`` (the long-run step:
     availability-weighted pipeline + sync + ``churn_s``; equal to ``step_time_s`` without churn).
     ``step_time_s`` is always the churn-free steady state (what a churn-free simulation measures).
@@ -457,13 +576,29 @@ def predict(plan: Plan, scenario: Scenario, options: CostOptions | None = None) 
     b = min(range(len(costs)), key=lambda i: xs[i])
     fill = sum(c.latency for c in costs)
     pipe = pipeline_time(m, xs, [c.latency for c in costs])
-    sync = max(c.sync for c in costs)
     frac = costs[b].compute_fraction
     headroom = min(min(c.memory_headroom for c in costs), server_memory_headroom(plan, scenario))
-    step = step_time(pipe, sync, options.overlap_sync)
+    round_s = 0.0
+    if plan.sync.local:
+        # per-stage rounds run in parallel; the slowest one is what the steps may wait for
+        # per-stage rounds run in parallel; the step waits for the slowest one
+        waits = [local_round_wait(list(c.round_links), c.round_latency, plan.sync.sync_every, pipe,
+                                  plan.sync.overlap) for c in costs]
+        round_s = max(w[0] for w in waits)
+        sync = max(w[1] for w in waits) / max(1, plan.sync.sync_every)
+        overlap = False  # already folded into the amortised sync
+    else:
+        sync = max(c.sync for c in costs)
+        overlap = options.overlap_sync
+    step = step_time(pipe, sync, overlap)
     expected, churn_s = step, 0.0
     if options.churn and scenario.churn.enabled:
-        expected, churn_s = churn_step_time(plan, scenario, costs, pipe, fill, sync, step, options)
+        expected, churn_s = churn_step_time(plan, scenario, costs, pipe, fill, sync, step,
+                                            CostOptions(overlap, options.recompute, options.churn,
+                                                        options.lease_timeout_s))
+    n_workers = sum(len(st.workers) for st in plan.stages)
+    busy = sum(c.compute_per_step for c in costs)
+    util = busy / (n_workers * step) if n_workers and step > 0 and math.isfinite(step) else 0.0
     result = {
         "compute_s": pipe * frac,
         "transfer_s": pipe * (1.0 - frac),
@@ -477,6 +612,8 @@ def predict(plan: Plan, scenario: Scenario, options: CostOptions | None = None) 
         "throughput_mb_s": xs[b],
         "mean_stage_time_s": sum((m - 1) / x if x > 0 else math.inf for x in xs) / len(xs),
         "memory_headroom": headroom,
+        "sync_round_s": round_s,
+        "utilisation": util,
     }
     plan.predicted = result
     return result

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from shoal.errors import ShoalError
 from shoal.plan.allocator import _copy, _feasible, local_search, plan_shoal
 from shoal.plan.common import host_sync_cost, step_of
-from shoal.plan.cost import CostOptions, predict, scenario_profile, stage_costs
+from shoal.plan.cost import CostOptions, predict, scenario_profile, stage_costs, stage_worker_memory
 from shoal.plan.types import Plan, Scenario
 from shoal.plan.validate import validate_plan
 
@@ -63,7 +63,7 @@ def _fill_empty(plan: Plan, i: int, scenario: Scenario, options: CostOptions) ->
     """Best of: steal one device for stage ``i`` from another stage, or merge ``i`` into a neighbour."""
     prof = scenario_profile(scenario)
     dev = {d.id: d for d in scenario.devices}
-    need = prof.worker_memory(*plan.stages[i].layers)
+    need = stage_worker_memory(prof, *plan.stages[i].layers, plan.sync)
     options_out = []
     # steal: from the stages with the most workers, the device that fits and is fastest
     donors = sorted((j for j, st in enumerate(plan.stages) if j != i and len(st.workers) > 1),
@@ -123,7 +123,7 @@ def repair(plan: Plan, scenario: Scenario, left: Iterable[str] = (), joined: Ite
     # empty stages: joined devices first, then steal or merge
     for st in p.stages:
         if not st.workers:
-            need = prof.worker_memory(*st.layers)
+            need = stage_worker_memory(prof, *st.layers, p.sync)
             fit = [j for j in pending if dev[j].memory >= need]
             if fit:
                 w = max(fit, key=lambda j: dev[j].flops)
@@ -144,7 +144,7 @@ def repair(plan: Plan, scenario: Scenario, left: Iterable[str] = (), joined: Ite
         near = [s for s, st in enumerate(p.stages) if dev[st.server].region == dev[j].region][:2]
         best, best_t = None, base
         for s in dict.fromkeys(slow + near):
-            if dev[j].memory < prof.worker_memory(*p.stages[s].layers):
+            if dev[j].memory < stage_worker_memory(prof, *p.stages[s].layers, p.sync):
                 continue
             q = _copy(p)
             q.stages[s].workers.append(j)

@@ -131,12 +131,38 @@ class StagePlan:
 
 @dataclass
 class SyncPolicy:
-    """How each worker's parameters are synchronised with its stage server."""
+    """How each worker's parameters are synchronised with its stage server, and what is compressed.
+
+    ``mode="sync"`` is exact synchronous training. ``mode="local"`` is DiLoCo inside each stage:
+    every worker applies its own gradient each step (inner AdamW) and every ``sync_every`` steps
+    pushes a pseudo-gradient and pulls the server's merged weights. See ``docs/sync-policies.md``.
+    """
 
     mode: str = "sync"  # "sync" (exact), "async" (bounded staleness) or "local" (DiLoCo-style)
-    grad_compression: float = 1.0  # bytes on the wire / raw bytes for gradient push & weight pull
-    act_compression: float = 1.0  # bytes on the wire / raw bytes for activations and their grads
+    grad_compression: float = 1.0  # extra factor on push & pull bytes (on top of push_codec/pull_codec)
+    act_compression: float = 1.0  # extra factor on activation and activation-gradient bytes (on top of the codecs)
     sync_every: int = 1  # steps between parameter syncs ("local" mode: H)
+    act_codec: str = "none"  # codec of activations sent forward (see shoal.plan.compression)
+    grad_codec: str = "none"  # codec of activation gradients sent backward
+    push_codec: str = "none"  # codec of gradient / pseudo-gradient pushes
+    pull_codec: str = "none"  # codec of weight pulls (local mode: deltas against the worker's version)
+    overlap: bool = True  # local mode: round r's sync runs while round r+1 computes (delayed application)
+    overlap_uploads: bool = False  # a worker leases and computes its next task while its output uploads
+    prefetch: bool = False  # a worker asks for its next task when it starts computing (lease + input during compute)
+
+    @property
+    def local(self) -> bool:
+        """Whether workers train local replicas between syncs."""
+        return self.mode == "local"
+
+    def ratio(self, kind: str, dtype_bytes: int) -> float:
+        """Wire bytes / raw bytes of traffic ``kind`` (act, grad, push, pull) under this policy."""
+        from shoal.plan.compression import wire_ratio
+
+        codec = {"act": self.act_codec, "grad": self.grad_codec, "push": self.push_codec,
+                 "pull": self.pull_codec}[kind]
+        extra = self.act_compression if kind in ("act", "grad") else self.grad_compression
+        return wire_ratio(codec, dtype_bytes) * extra
 
 
 @dataclass

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from shoal.errors import ShoalError
-from shoal.plan.cost import scenario_profile
+from shoal.plan.cost import scenario_profile, stage_worker_memory
 from shoal.plan.types import Plan, Scenario
 
 
@@ -48,7 +48,7 @@ def validate_plan(plan: Plan, scenario: Scenario) -> None:
         if not host.can_host_server:
             raise ShoalError(f"stage {i}'s server host {st.server} is not allowed to host servers (can_host_server is false)")
         server_need[st.server] = server_need.get(st.server, 0.0) + prof.server_memory(*st.layers)
-        need = prof.worker_memory(*st.layers)
+        need = stage_worker_memory(prof, *st.layers, plan.sync)
         for wid in st.workers:
             if wid not in devices:
                 raise ShoalError(f"stage {i}'s worker {wid!r} is not a device of scenario {scenario.name}")

@@ -19,7 +19,8 @@ def register(subparsers) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--method", default="shoal", help="planner to make the plan with (default: shoal)")
     src.add_argument("--plan", help="plan JSON file (from `shoal plan --json`) instead of planning")
-    p.add_argument("--steps", type=int, default=3, help="training steps to simulate (default 3)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="training steps to simulate (default 3; local mode: --sync-every, one round)")
     p.add_argument("--churn", choices=("on", "off"), default="off",
                    help="devices leave and rejoin per the scenario's sessions or trace (default off)")
     p.add_argument("--seed", type=int, default=0, help="seed of the planner and of the churn (default 0)")
@@ -30,6 +31,9 @@ def register(subparsers) -> None:
     p.add_argument("--server-failure", action="append", default=[], metavar="STAGE:TIME:RECOVERY",
                    help="stage STAGE's server host dies at TIME and is back RECOVERY seconds later (repeatable)")
     p.add_argument("--json", metavar="OUT", help="write the full result as JSON to OUT")
+    from shoal.plan.cli import add_sync_arguments
+
+    add_sync_arguments(p)
     p.add_argument("--timeline", metavar="OUT.png", help="draw a per-device timeline (small plans only)")
     p.set_defaults(func=run)
 
@@ -64,16 +68,20 @@ def parse_server_failure(text: str):
 
 def _load(args):
     from shoal.plan import load_scenario, make_plan
-    from shoal.plan.types import Plan
+    from shoal.plan.cli import policy_from_args
+    from shoal.plan.types import Plan, SyncPolicy
 
     scenario = load_scenario(args.scenario)
+    policy = policy_from_args(args)
     if args.plan:
         plan = Plan.from_json(args.plan)
         if plan.scenario != scenario.name:
             raise ShoalError(f"plan {args.plan} was made for scenario {plan.scenario}, not {scenario.name}; "
                              "pass the matching --scenario")
+        if policy != SyncPolicy():
+            plan.sync = policy  # the flags override the plan file's policy
     else:
-        plan = make_plan(scenario, method=args.method, seed=args.seed)
+        plan = make_plan(scenario, method=args.method, seed=args.seed, sync=policy)
     return scenario, plan
 
 
@@ -106,10 +114,13 @@ def run(args: argparse.Namespace) -> int:
     from shoal.plan.cost import predict
     from shoal.sim import SimConfig, plot_timeline, simulate
 
-    if args.steps <= 0:
+    if args.steps is not None and args.steps <= 0:
         raise ShoalError(f"--steps must be positive, got {args.steps}")
     scenario, plan = _load(args)
-    predicted = predict(plan, scenario)["step_time_s"]
+    if args.steps is None:
+        args.steps = plan.sync.sync_every if plan.sync.local else 3
+    pred = predict(plan, scenario)
+    predicted = pred["step_time_s"]
     cfg = SimConfig() if args.lease_timeout is None else SimConfig(lease_timeout_s=args.lease_timeout)
     stragglers = [parse_straggler(t) for t in args.straggler]
     failures = [parse_server_failure(t) for t in args.server_failure]
@@ -119,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
     result.predicted_step_time_s = predicted
     for line in summary_lines(result, predicted):
         print(line)
+    print(f"cost-model utilisation {pred.get('utilisation', 0.0):9.3f}  (sync: "
+          + (f"local, a round every {plan.sync.sync_every} steps" if plan.sync.local else "exact") + ")")
     if args.json:
         d = result.to_dict()
         d["plan"] = plan.to_dict()

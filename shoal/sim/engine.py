@@ -37,6 +37,7 @@ from collections import deque
 from shoal.errors import ShoalError
 from shoal.model.config import get_preset
 from shoal.model.profile import profile_model
+from shoal.plan.compression import wire_ratio
 from shoal.plan.types import Plan, Scenario, StagePlan
 from shoal.plan.validate import validate_plan
 from shoal.sim.config import ServerFailure, SimConfig, Straggler
@@ -54,6 +55,9 @@ SRV_UP = 7  # a = host id
 RESEND = 8  # retry a message deferred by a down server: b = (src, dst, nbytes, kind, payload, worker)
 APPLY = 9  # a stage server finished its optimizer step: a = stage
 
+BG_CHUNK_S = 0.05  # local-mode sync chunks last this long at the link's full rate
+BG_CHUNK_MIN = 1 << 18  # bytes: no sync chunk is smaller (unless it is the rest)
+
 # message kinds
 M_LEASE = 0  # worker -> server: give me a task (payload: worker, epoch)
 M_INPUT = 1  # server -> worker: a task and its input (worker, epoch, task)
@@ -63,6 +67,8 @@ M_PUSHREQ = 4  # server -> worker: push your gradient (worker, epoch, stage)
 M_PUSH = 5  # worker -> server: gradient of micro-batches (worker, stage, step, mbs)
 M_PULL = 6  # server -> worker: new weights (worker, epoch, stage)
 M_JOINPULL = 7  # server -> joining worker: current weights (worker, epoch, stage)
+M_LPUSH = 8  # local mode: worker -> server, pseudo-gradient of a sync round (worker, stage, round)
+M_LPULL = 9  # local mode: server -> worker, merged weights of a sync round (worker, stage, round)
 
 
 class Task:
@@ -83,7 +89,8 @@ class Worker:
     """A device's worker process (one incarnation per session; ``epoch`` tells them apart)."""
 
     __slots__ = ("id", "dev", "stage", "alive", "epoch", "saved", "lease", "flows", "busy",
-                 "compute_t0", "slow", "joined_at")
+                 "compute_t0", "slow", "joined_at", "held", "ready", "asking", "bg_push", "bg_pull",
+                 "bg_up", "bg_down", "bg_round")
 
     def __init__(self, dev):
         self.id = dev.id
@@ -98,6 +105,16 @@ class Worker:
         self.compute_t0 = -1.0  # start of the current computation (-1: none)
         self.slow: list[tuple[float, float, float]] = []  # straggler windows (t0, t1, factor)
         self.joined_at = 0.0
+        # overlapped I/O (SyncPolicy.overlap_uploads / prefetch): several tasks in hand at once
+        self.held: list[Task] = []  # tasks leased and not yet delivered (requeued if it is written off)
+        self.ready: deque[Task] = deque()  # prefetched tasks whose input has arrived
+        self.asking = False  # a prefetch lease request (or its input) is on its way
+        # local-mode sync traffic, sent in chunks when the link is otherwise idle
+        self.bg_push = 0.0  # bytes of this round's pseudo-gradient not yet sent
+        self.bg_pull = 0.0  # bytes of this round's merged weights not yet received
+        self.bg_up = False  # a push chunk is in flight
+        self.bg_down = False  # a pull chunk is in flight
+        self.bg_round = (-1, 0)  # (stage, round id) the background bytes belong to
 
 
 class Stage:
@@ -112,6 +129,11 @@ class Stage:
         self.fwd_pool: deque[Task] = deque()
         self.orphans: deque[Task] = deque()  # backward tasks anyone may take (with recompute)
         self.own: dict[str, deque[Task]] = {}  # backward tasks kept for the worker that ran the forward
+        # local-mode sync round in flight: 0 none, 1 pushing pseudo-gradients, 2 pulling merged weights
+        self.round_phase = 0
+        self.round_id = 0
+        self.round_push: set[str] = set()  # workers whose push of the current round is awaited
+        self.round_pull: set[str] = set()  # workers whose pull of the current round is in flight
         self.reset(-1)
 
     def reset(self, step: int) -> None:
@@ -128,6 +150,8 @@ class Stage:
         self.t_drained = 0.0  # seconds into the step when all M backward tasks were in
         self.t_closed = 0.0  # seconds into the step when the stage closed
         self.pending_pulls: set[str] = set()
+        self.blocked = False  # local mode: the stage may not close until a sync round is done
+        self.launch_after = False  # local mode: start this step's round once the previous one is done
         self.fwd_pool.clear()
         self.orphans.clear()
         self.own.clear()
@@ -194,7 +218,16 @@ class Simulator:
         self.up: dict[str, Resource] = {d.id: Resource(d.up) for d in scenario.devices}
         self.down: dict[str, Resource] = {d.id: Resource(d.down) for d in scenario.devices}
         self._links: dict[tuple[str, str], tuple[float, float]] = {}
-        ac, gc = plan.sync.act_compression, plan.sync.grad_compression
+        pol = plan.sync
+        db = wl.dtype_bytes
+        ac, gc = pol.ratio("act", db), pol.ratio("grad", db)
+        push_r, pull_r = pol.ratio("push", db), pol.ratio("pull", db)
+        # a joiner pulls whole weights, not a sparse delta: top-k pulls cost int8 there
+        join_r = pull_r if not pol.pull_codec.startswith("topk") else wire_ratio("int8", db) * pol.grad_compression
+        self.local = pol.local  # DiLoCo-style rounds every sync_every steps (see _applied)
+        self.overlap = pol.local and pol.overlap  # round r runs during round r + 1
+        self.overlap_up = pol.overlap_uploads  # lease the next task while the output uploads
+        self.prefetch = pol.prefetch  # ask for the next task when computing starts
         self.stages = [Stage(i, sp, self.devices[sp.server]) for i, sp in enumerate(plan.stages)]
         for st in self.stages:
             a, b = st.first, st.last
@@ -202,11 +235,15 @@ class Simulator:
             if b == self.prof.cfg.n_total_layers:
                 # the loss needs the targets: token ids, never compressed
                 st.in_bytes += self.prof.tokens_per_micro_batch * 8
-            st.out_bytes = self.prof.out_act_bytes(a, b) * ac  # output activation / its gradient
-            st.ingrad_bytes = 0.0 if a == 0 else self.prof.in_act_bytes(a, b) * ac  # gradient sent back
+            st.out_bytes = self.prof.out_act_bytes(a, b) * ac  # output activation
+            st.outgrad_bytes = self.prof.out_act_bytes(a, b) * gc  # its gradient (a backward task's input)
+            st.ingrad_bytes = 0.0 if a == 0 else self.prof.in_act_bytes(a, b) * gc  # gradient sent back
             st.fwd_flops = self.prof.fwd_flops(a, b)
             st.bwd_flops = self.prof.bwd_flops(a, b)
-            st.param_wire = self.prof.param_bytes(a, b) * gc
+            pb = self.prof.param_bytes(a, b)
+            st.push_wire = pb * push_r  # a gradient / pseudo-gradient push
+            st.pull_wire = pb * pull_r  # a weight pull (local mode: a delta against the worker's version)
+            st.param_wire = pb * join_r  # a joiner's first pull
             st.last_stage = st.idx == self.S - 1
         self.workers: dict[str, Worker] = {}
         self.original_stage: dict[str, int] = {}
@@ -295,15 +332,16 @@ class Simulator:
     # ---------------------------------------------------------------- task pool
     def _assign(self, st: Stage, w: Worker, task: Task) -> None:
         w.lease = task
+        w.held.append(task)
         if task.bwd:
             has = (task.step, task.m) in w.saved
             task.recompute = not has
             if has:
-                nbytes = st.out_bytes
+                nbytes = st.outgrad_bytes
             elif task.grad_only and st.last_stage:
                 nbytes = st.in_bytes
             else:
-                nbytes = st.in_bytes + st.out_bytes
+                nbytes = st.in_bytes + st.outgrad_bytes
         else:
             nbytes = st.in_bytes
         if not w.alive:
@@ -419,7 +457,7 @@ class Simulator:
         if st.phase != 0:
             return
         st.t_drained = self.now - self.step_start
-        if not self._sync_step():
+        if self.local or not self._sync_step():
             # local steps: gradients stay on the workers (counted as applied there)
             for mbs in st.contrib.values():
                 for m in mbs:
@@ -438,14 +476,22 @@ class Simulator:
     def _maybe_apply(self, st: Stage) -> None:
         if st.phase == 0 and len(st.grads_in) == self.M and len(st.bwd_done) == self.M:
             st.phase = 1
-            if self.cfg.server_update_s > 0:
+            if self.cfg.server_update_s > 0 and not self.local:
                 self._push(self.now + self.cfg.server_update_s, APPLY, st.idx)
             else:
                 self._applied(st)
 
     def _applied(self, st: Stage) -> None:
         st.phase = 2
-        if self._sync_step():
+        if self.local:
+            if self._sync_step():
+                if st.round_phase:
+                    # delayed application: the previous round must land before this one starts
+                    st.blocked = st.launch_after = True
+                else:
+                    self._launch_round(st)
+                    st.blocked = not self.overlap
+        elif self._sync_step():
             for w in st.members.values():
                 if w.alive:
                     st.pending_pulls.add(w.id)
@@ -453,12 +499,75 @@ class Simulator:
         self._maybe_close(st)
 
     def _maybe_close(self, st: Stage) -> None:
-        if st.phase == 2 and not st.pending_pulls:
+        if st.phase == 2 and not st.pending_pulls and not st.blocked:
             st.phase = 3
             st.t_closed = self.now - self.step_start
             self.closed += 1
             if self.closed == self.S:
                 self._close_step()
+
+    # ---------------------------------------------------------------- local-mode sync rounds
+    def _launch_round(self, st: Stage) -> None:
+        """Every live member pushes its pseudo-gradient; the server merges once all are in
+        (outer step), then every pusher pulls the merged weights (see docs/sync-policies.md)."""
+        st.round_id += 1
+        st.round_phase = 1
+        st.round_push = set()
+        for w in st.members.values():
+            if w.alive:
+                st.round_push.add(w.id)
+                w.bg_round = (st.idx, st.round_id)
+                w.bg_push = st.push_wire
+                self._bg_kick(w)
+        self._round_progress(st)
+
+    def _round_progress(self, st: Stage) -> None:
+        if st.round_phase == 1 and not st.round_push:
+            st.round_phase = 2
+            st.round_pull = set()
+            for w in st.members.values():
+                if w.alive:
+                    st.round_pull.add(w.id)
+                    w.bg_round = (st.idx, st.round_id)
+                    w.bg_pull = st.pull_wire
+                    self._bg_kick(w)
+        if st.round_phase == 2 and not st.round_pull:
+            st.round_phase = 0
+            if st.launch_after:
+                st.launch_after = False
+                self._launch_round(st)
+                st.blocked = not self.overlap
+            else:
+                st.blocked = False
+            self._maybe_close(st)
+
+    def _bg_kick(self, w: Worker) -> None:
+        """Send the next chunk of ``w``'s sync traffic on each of its links that is idle: sync
+        bytes only use time the activations leave free (a chunk lasts ~BG_CHUNK_S at full rate,
+        so an activation that starts meanwhile shares the link only briefly)."""
+        s, rid = w.bg_round
+        if s < 0 or not w.alive:
+            return
+        host = self.stages[s].host.id
+        if w.bg_push > 0 and not w.bg_up and (w.id == host or not self.up[w.id].flows):
+            lat, bw = self._link(w.id, host)
+            n = w.bg_push if w.id == host else min(w.bg_push, max(BG_CHUNK_MIN, BG_CHUNK_S * min(bw, w.dev.up)))
+            w.bg_push -= n
+            w.bg_up = True
+            self._send(w.id, host, n, M_LPUSH, (w, s, rid, w.bg_push <= 0), w)
+        if w.bg_pull > 0 and not w.bg_down and (w.id == host or not self.down[w.id].flows):
+            lat, bw = self._link(host, w.id)
+            n = w.bg_pull if w.id == host else min(w.bg_pull, max(BG_CHUNK_MIN, BG_CHUNK_S * min(bw, w.dev.down)))
+            w.bg_pull -= n
+            w.bg_down = True
+            self._send(host, w.id, n, M_LPULL, (w, s, rid, w.bg_pull <= 0), w)
+
+    def _round_drop(self, st: Stage, wid: str) -> None:
+        """Worker ``wid`` is gone: the round stops waiting for it."""
+        if st.round_phase and (wid in st.round_push or wid in st.round_pull):
+            st.round_push.discard(wid)
+            st.round_pull.discard(wid)
+            self._round_progress(st)
 
     def _close_step(self) -> None:
         self.step_times.append(self.now - self.step_start)
@@ -477,6 +586,8 @@ class Simulator:
             st = self.stages[task.stage]
             if w.lease is task:
                 w.lease = None
+            if task in w.held:
+                w.held.remove(task)
             if task.bwd:
                 if self._accept_bwd(st, w, task):
                     self._offer(self.stages[task.stage - 1], Task(task.step, task.stage - 1, task.m, True))
@@ -497,32 +608,27 @@ class Simulator:
             w, epoch, task = p
             if w.epoch != epoch:
                 return
-            st = self.stages[task.stage]
-            if task.bwd:
-                flops = st.bwd_flops
-                if task.recompute:
-                    flops += st.fwd_flops
-                    self.recomputes += 1
-            else:
-                flops = st.fwd_flops + (st.bwd_flops if st.last_stage else 0.0)
-            dt = flops / w.dev.flops
-            if w.slow:
-                dt *= self._factor(w)
-            w.compute_t0 = self.now
-            self._push(self.now + dt, COMPUTE, w, (epoch, task))
+            w.asking = False
+            if self.prefetch and w.compute_t0 >= 0:
+                w.ready.append(task)  # a prefetched input landed while the worker computes
+                return
+            self._start_compute(w, epoch, task)
         elif kind == M_DONE:
-            w, epoch, task = p
+            w, epoch, task, want = p
             st = self.stages[task.stage]
             if w.lease is task:
                 w.lease = None
+            if task in w.held:
+                w.held.remove(task)
             if task.bwd:
                 self._accept_bwd(st, w, task)
             elif self._accept_fwd(st, w, task):
                 self._accept_bwd(st, w, task)  # single-stage plan: fwd + bwd in one task
-            if w.epoch == epoch and w.alive and w.stage == task.stage:
+            if want and w.epoch == epoch and w.alive and w.stage == task.stage:
                 # the done report doubles as the next lease request
                 self._on_message(M_LEASE, (w, epoch))
         elif kind == M_PUSHREQ:
+
             w, epoch, s = p
             if w.epoch != epoch or not w.alive:
                 return
@@ -556,6 +662,46 @@ class Simulator:
             w, epoch, s = p
             if w.epoch == epoch and w.alive and w.stage == s:
                 self._send(w.id, self.stages[s].host.id, 0, M_LEASE, (w, epoch), None)
+        elif kind == M_LPUSH:
+            w, s, rid, last = p
+            st = self.stages[s]
+            if last and st.round_phase == 1 and rid == st.round_id and w.id in st.round_push:
+                st.round_push.discard(w.id)
+                self._round_progress(st)
+        elif kind == M_LPULL:
+            w, s, rid, last = p
+            st = self.stages[s]
+            if last and st.round_phase == 2 and rid == st.round_id and w.id in st.round_pull:
+                st.round_pull.discard(w.id)
+                self._round_progress(st)
+
+    def _start_compute(self, w: Worker, epoch: int, task: Task) -> None:
+        st = self.stages[task.stage]
+        if task.bwd:
+            flops = st.bwd_flops
+            if task.recompute:
+                flops += st.fwd_flops
+                self.recomputes += 1
+        else:
+            flops = st.fwd_flops + (st.bwd_flops if st.last_stage else 0.0)
+        dt = flops / w.dev.flops
+        if w.slow:
+            dt *= self._factor(w)
+        w.compute_t0 = self.now
+        self._push(self.now + dt, COMPUTE, w, (epoch, task))
+        if self.prefetch and not w.asking and not w.ready and w.alive and w.stage is not None:
+            # ask for the next task now: its lease and input travel while this one computes
+            w.asking = True
+            self._send(w.id, self.stages[w.stage].host.id, 0, M_LEASE, (w, epoch), None)
+
+    def _after_compute(self, w: Worker) -> None:
+        """Overlapped I/O: start a prefetched task, or ask for the next one right away (the
+        output uploads meanwhile)."""
+        if w.ready:
+            self._start_compute(w, w.epoch, w.ready.popleft())
+        elif not w.asking and w.alive and w.stage is not None:
+            w.asking = self.prefetch
+            self._send(w.id, self.stages[w.stage].host.id, 0, M_LEASE, (w, w.epoch), None)
 
     def _on_compute(self, w: Worker, epoch: int, task: Task) -> None:
         if w.epoch != epoch:
@@ -567,20 +713,30 @@ class Simulator:
         w.compute_t0 = -1.0
         st = self.stages[task.stage]
         s = task.stage
+        io = self.overlap_up or self.prefetch
+        # with overlapped I/O the worker itself decides when to ask for more (see _after_compute)
+        done = (w, w.epoch, task, not io)
         if task.bwd:
             w.saved.discard((task.step, task.m))
             if s == 0 or task.grad_only:
-                self._send(w.id, st.host.id, 0, M_DONE, (w, w.epoch, task), None)
+                self._send(w.id, st.host.id, 0, M_DONE, done, None)
+                sent = False
             else:
                 self._send(w.id, self.stages[s - 1].host.id, st.ingrad_bytes, M_RESULT, (w, task), w)
+                sent = True
         elif st.last_stage:
             if s == 0 or task.grad_only:
-                self._send(w.id, st.host.id, 0, M_DONE, (w, w.epoch, task), None)
+                self._send(w.id, st.host.id, 0, M_DONE, done, None)
+                sent = False
             else:
                 self._send(w.id, self.stages[s - 1].host.id, st.ingrad_bytes, M_RESULT, (w, task), w)
+                sent = True
         else:
             w.saved.add((task.step, task.m))
             self._send(w.id, self.stages[s + 1].host.id, st.out_bytes, M_RESULT, (w, task), w)
+            sent = True
+        if io and (self.overlap_up or not sent):
+            self._after_compute(w)
 
     def _on_flow_done(self, f) -> None:
         now = self.now
@@ -593,13 +749,24 @@ class Simulator:
             if self.timeline is not None:
                 self.timeline.append((w.id, f.t0, now, "send" if f.a == w.id else "recv"))
         self._push(now + f.lat, ARRIVE, kind, payload)
+        if kind == M_LPUSH:
+            w.bg_up = False
+        elif kind == M_LPULL:
+            w.bg_down = False
+        if w is not None and (w.bg_push > 0 or w.bg_pull > 0):
+            self._bg_kick(w)  # a link of w may have gone idle
         if kind == M_RESULT and w.alive and w.stage is not None:
+            if self.overlap_up:
+                pass  # the worker asked for its next task when the upload started
+            elif self.prefetch:
+                if w.compute_t0 < 0:
+                    self._after_compute(w)  # the output has left: start the prefetched task
             # the output has left: ask for the next lease (travels while the output lands)
-            host = self.stages[w.stage].host.id
-            if self.cfg.blocking_sends:
-                self._push(now + f.lat, RESEND, None, (w.id, host, 0, M_LEASE, (w, w.epoch), None))
+            elif self.cfg.blocking_sends:
+                self._push(now + f.lat, RESEND, None, (w.id, self.stages[w.stage].host.id, 0, M_LEASE,
+                                                       (w, w.epoch), None))
             else:
-                self._send(w.id, host, 0, M_LEASE, (w, w.epoch), None)
+                self._send(w.id, self.stages[w.stage].host.id, 0, M_LEASE, (w, w.epoch), None)
 
     # ---------------------------------------------------------------- churn and faults
     def _rng(self, dev: str) -> random.Random:
@@ -634,6 +801,8 @@ class Simulator:
                     st = self.stages[payload[2]]
                     st.pending_pulls.discard(w.id)
                     self._maybe_close(st)
+                elif kind in (M_LPUSH, M_LPULL):
+                    self._round_drop(self.stages[payload[1]], w.id)
         w.flows.clear()
 
     def _leave(self, dev: str, source: str) -> None:
@@ -643,6 +812,10 @@ class Simulator:
         self.leaves += 1
         w.alive = False
         w.epoch += 1
+        w.ready.clear()
+        w.asking = False
+        w.bg_push = w.bg_pull = 0.0
+        w.bg_up = w.bg_down = False
         if w.compute_t0 >= 0:
             w.busy += self.now - w.compute_t0
             if self.timeline is not None:
@@ -662,10 +835,21 @@ class Simulator:
         st = self.stages[s]
         st.members.pop(w.id, None)
         st.waiting.pop(w.id, None)
-        if w.lease is not None and w.lease.stage == s:
+        if self.overlap_up or self.prefetch:
+            # every task it holds and has not delivered: with overlapped I/O it may hold several
+            for task in [t for t in w.held if t.stage == s]:
+                w.held.remove(task)
+                if task.step == self.step:
+                    self._requeue(st, task)
+            w.lease = None
+        elif w.lease is not None and w.lease.stage == s:
             task, w.lease = w.lease, None
             if task.step == self.step:
                 self._requeue(st, task)
+        w.held.clear()
+        w.ready.clear()
+        w.asking = False
+        self._round_drop(st, w.id)
         q = st.own.pop(w.id, None)
         if q:
             for task in q:
@@ -704,6 +888,10 @@ class Simulator:
         self.joins += 1
         w.alive = True
         w.epoch += 1
+        w.ready.clear()
+        w.asking = False
+        w.bg_push = w.bg_pull = 0.0
+        w.bg_up = w.bg_down = False
         w.joined_at = self.now
         w.stage = None
         self._replan(joined=(dev,))
@@ -752,6 +940,10 @@ class Simulator:
             self.moves += 1
             old = w.stage
             w.epoch += 1
+            w.ready.clear()
+            w.asking = False
+            w.bg_push = w.bg_pull = 0.0
+            w.bg_up = w.bg_down = False
             w.compute_t0 = -1.0
             self._abort_flows(w)
             self._forget(w, old)
@@ -790,6 +982,11 @@ class Simulator:
         for f in self.failures:
             self._push(f.time_s, SRV_DOWN, self.stages[f.stage].host.id, f.recovery_s)
         self._start_step()
+        if self.overlap:
+            # steady state of delayed application: the previous round's sync is in flight at t=0,
+            # so a run of H steps pays what every round pays (simulate a multiple of H steps)
+            for st in self.stages:
+                self._launch_round(st)
         # initial lease requests (workers start with the weights: time 0 is after set-up)
         for w in self.workers.values():
             if w.stage is not None:

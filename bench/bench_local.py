@@ -1,0 +1,116 @@
+"""Local-update sync benchmark: what the planner and simulator predict for DiLoCo-style sync.
+
+Run from the repository root (one process, one thread):
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_local.py                # targets + agreement
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_local.py --targets      # table 1 only
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_local.py --agreement    # table 2 only
+
+Prints two markdown tables (also written to ``--out``):
+
+1. targets -- gaming-world, scale-1024 and scale-4096 planned and simulated (no churn) under
+   exact sync and under ``--sync local --sync-every 32 --compression int8`` (overlapped rounds,
+   overlapped uploads; and with ``--overlap-io prefetch``): step time, compute utilisation,
+   devices used, tokens/s;
+2. agreement -- on every built-in scenario, shoal's local-mode plan (H = 8, int8): the cost
+   model's step time against the simulated one over one round (H steps).
+
+Ratios within one run only: no timing is asserted anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from shoal.plan import BUILTIN_SCENARIOS, load_scenario, make_plan  # noqa: E402
+from shoal.plan.compression import parse_compression  # noqa: E402
+from shoal.plan.types import SyncPolicy  # noqa: E402
+from shoal.sim import simulate  # noqa: E402
+
+TARGETS = ("gaming-world", "scale-1024", "scale-4096")
+
+
+def local_policy(h: int, spec: str = "int8", prefetch: bool = False) -> SyncPolicy:
+    """``--sync local --sync-every h --compression spec`` with the CLI's defaults (overlapped
+    rounds, overlapped uploads); ``prefetch`` as ``--overlap-io prefetch``."""
+    c = parse_compression(spec)
+    return SyncPolicy(mode="local", sync_every=h, act_codec=c["act"], grad_codec=c["grad"], push_codec=c["push"],
+                      pull_codec=c["pull"], overlap=True, overlap_uploads=True, prefetch=prefetch)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def run_one(name: str, policy: SyncPolicy, steps: int) -> dict:
+    """Plan ``name`` for ``policy`` and simulate ``steps`` steps without churn."""
+    scn = load_scenario(name)
+    t0 = time.perf_counter()
+    plan = make_plan(scn, sync=policy)
+    t_plan = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    res = simulate(plan, scn, steps=steps, churn=False, seed=0)
+    return {"scenario": name, "stages": plan.n_stages, "used": sum(len(s.workers) for s in plan.stages),
+            "devices": len(scn.workers), "pred": plan.predicted["step_time_s"], "sim": res.mean_step_time_s,
+            "pred_util": plan.predicted["utilisation"], "sim_util": res.mean_utilisation(),
+            "tokens_s": res.tokens_per_s, "round_s": plan.predicted.get("sync_round_s", 0.0),
+            "plan_s": t_plan, "sim_wall_s": time.perf_counter() - t0, "stalled": res.stalled}
+
+
+def targets(h: int = 32) -> str:
+    rows = []
+    for name in TARGETS:
+        for label, pol, steps in (("exact", SyncPolicy(), 2), (f"local H={h} int8", local_policy(h), h),
+                                  (f"local H={h} int8 prefetch", local_policy(h, prefetch=True), h)):
+            r = run_one(name, pol, steps)
+            rows.append([name, label, str(r["stages"]), f"{r['used']}/{r['devices']}", f"{r['pred']:.2f}",
+                         f"{r['sim']:.2f}", f"{r['pred'] / r['sim']:.3f}", f"{r['pred_util']:.1%}",
+                         f"{r['sim_util']:.1%}", f"{r['tokens_s']:,.0f}", f"{r['round_s']:.0f}",
+                         f"{r['plan_s']:.1f}", f"{r['sim_wall_s']:.1f}" + (" STALLED" if r["stalled"] else "")])
+            print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
+    return _table(["scenario", "sync", "S", "devices used", "pred step s", "sim step s", "pred/sim", "pred util",
+                   "sim util", "sim tokens/s", "round s", "plan s", "sim wall s"], rows)
+
+
+def agreement(h: int = 8, names=BUILTIN_SCENARIOS) -> str:
+    rows = []
+    for name in names:
+        r = run_one(name, local_policy(h), h)
+        rows.append([name, str(r["stages"]), f"{r['used']}/{r['devices']}", f"{r['pred']:.3f}", f"{r['sim']:.3f}",
+                     f"{r['pred'] / r['sim']:.3f}", f"{r['pred_util']:.1%}", f"{r['sim_util']:.1%}",
+                     f"{r['sim_wall_s']:.1f}"])
+        print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
+    return _table(["scenario", "S", "devices used", "pred step s", "sim step s", "pred/sim", "pred util", "sim util",
+                   "sim wall s"], rows)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--targets", action="store_true", help="table 1 only")
+    ap.add_argument("--agreement", action="store_true", help="table 2 only")
+    ap.add_argument("--out", default=None, help="also write the tables to this markdown file")
+    args = ap.parse_args()
+    both = not (args.targets or args.agreement)
+    parts = []
+    if args.targets or both:
+        parts.append("## 1. Targets: exact vs local sync (H = 32, int8), simulated without churn\n\n" + targets())
+    if args.agreement or both:
+        parts.append("## 2. Cost model vs simulator, local mode (H = 8, int8, one round), shoal's plans\n\n"
+                     + agreement())
+    text = "\n\n".join(parts) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

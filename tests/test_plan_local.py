@@ -1,0 +1,231 @@
+"""Local-update sync and compression in the cost model, the planner, the simulator and the CLI."""
+
+import subprocess
+import sys
+
+import pytest
+
+from shoal.cli import main
+from shoal.errors import ShoalError
+from shoal.plan import load_scenario, make_plan, predict, scenario_from_dict
+from shoal.plan.compression import bytes_per_element, parse_compression, wire_ratio
+from shoal.plan.cost import (
+    LOCAL_OPTIMIZER_BYTES_PER_PARAM,
+    local_round_time,
+    local_round_wait,
+    local_sync_per_step,
+    scenario_profile,
+    stage_worker_memory,
+    task_period,
+)
+from shoal.plan.types import Plan, StagePlan, SyncPolicy
+from shoal.sim import simulate
+
+# the hand scenario of test_plan_cost: one tiny-model worker (fp32), 20 Mbit/s up, 200 down, 5 ms
+TINY_PARAMS = 2048 * 128 + 4 * (4 * 128**2 + 3 * 128 * 352 + 2 * 128) + (128 * 2048 + 128)
+
+
+def hand(n_workers=1):
+    devices = [{"id": f"w{i}", "tflops": 1, "memory_gb": 8, "region": "a", "up_mbps": 20, "down_mbps": 200}
+               for i in range(n_workers)]
+    devices.append({"id": "h", "tflops": 0, "memory_gb": 0, "region": "a", "up_gbps": 10, "down_gbps": 10,
+                    "can_host_server": True})
+    return scenario_from_dict({
+        "name": "hand",
+        "workload": {"model": "tiny", "seq_len": 64, "global_batch": 8, "micro_batch_size": 2, "dtype": "fp32"},
+        "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}},
+        "devices": devices,
+    })
+
+
+def one_stage(sync):
+    return Plan("hand", "tiny", "test", [StagePlan((0, 6), "h", ["w0"])], micro_batch_size=2, micro_batches=4,
+                sync=sync)
+
+
+def local(h, spec="", **kw):
+    c = parse_compression(spec)
+    return SyncPolicy(mode="local", sync_every=h, act_codec=c["act"], grad_codec=c["grad"], push_codec=c["push"],
+                      pull_codec=c["pull"], **kw)
+
+
+# --------------------------------------------------------------------------- pure formulas
+
+
+def test_codec_sizes_by_hand():
+    assert bytes_per_element("none", 2) == 2 and bytes_per_element("none", 4) == 4
+    assert bytes_per_element("fp16", 4) == 2
+    assert bytes_per_element("int8", 2) == pytest.approx(1 + 4 / 128)
+    assert bytes_per_element("topk-int8", 4) == pytest.approx(0.1 * (5 + 4 / 128))
+    assert bytes_per_element("topk-int8:0.01", 4) == pytest.approx(0.01 * (5 + 4 / 128))
+    assert wire_ratio("int8", 4) == pytest.approx((1 + 4 / 128) / 4)  # 3.88x smaller than fp32
+    assert wire_ratio("fp16", 2) == 1.0
+
+
+def test_compression_spec_parsing_and_errors():
+    assert parse_compression("") == dict.fromkeys(("act", "grad", "push", "pull"), "none")
+    assert parse_compression("int8") == dict.fromkeys(("act", "grad", "push", "pull"), "int8")
+    assert parse_compression("act=fp16,grad=int8,push=topk-int8,pull=int8") == {
+        "act": "fp16", "grad": "int8", "push": "topk-int8", "pull": "int8"}
+    assert parse_compression("push=topk-int8:0.05")["push"] == "topk-int8:0.05"
+    for bad in ("zstd", "act=topk-int8", "topk-int8", "act=int8,foo=int8", "push=topk-int8:2", "int8:3", "act"):
+        with pytest.raises(ShoalError):
+            parse_compression(bad)
+
+
+def test_task_period_by_hand():
+    # compute 1, fetch 0.5, upload 2
+    assert task_period(1.0, 0.5, 2.0) == 3.5
+    assert task_period(1.0, 0.5, 2.0, overlap_uploads=True) == 2.0
+    assert task_period(1.0, 0.5, 0.2, overlap_uploads=True) == 1.5
+    assert task_period(1.0, 0.5, 0.2, prefetch=True) == pytest.approx(1.2)
+    assert task_period(1.0, 1.5, 0.2, prefetch=True) == 1.5
+    assert task_period(1.0, 0.5, 0.2, overlap_uploads=True, prefetch=True) == 1.0
+
+
+def test_local_round_formulas_by_hand():
+    assert local_round_time(0.01, 4.0, 2.0) == pytest.approx(6.03)
+    assert local_sync_per_step(6.0, 3, 1.0, overlap=False) == 2.0
+    assert local_sync_per_step(6.0, 3, 1.0) == 1.0  # 6 s round, 3 s of steps hide half of it
+    assert local_sync_per_step(6.0, 3, 2.0) == 0.0
+    # idle links (no activations): R_eff = R; hidden when R <= H P
+    assert local_round_wait([(4.0, 2.0, 0.0, 0.0)], 0.0, 3, 2.0) == (6.0, 0.0)
+    assert local_round_wait([(4.0, 2.0, 0.0, 0.0)], 0.0, 3, 1.0) == (6.0, 3.0)
+    # the uplink carries activations half of each step: the push runs at half rate, R_eff = 8 + 2
+    full, wait = local_round_wait([(4.0, 2.0, 0.5, 0.0)], 0.0, 4, 1.0)
+    assert full == 6.0 and wait == pytest.approx((1 - 4 / 10) * 6)
+    assert local_round_wait([(4.0, 2.0, 0.5, 0.0)], 0.0, 4, 1.0, overlap=False) == (6.0, 6.0)
+    assert local_round_wait([], 0.01, 4, 1.0) == (0.0, 0.0)
+
+
+# --------------------------------------------------------------------------- cost model
+
+
+def test_exact_policy_with_explicit_none_codecs_is_the_default():
+    s = hand(1)
+    base = predict(one_stage(SyncPolicy()), s)
+    same = predict(one_stage(SyncPolicy(act_codec="none", grad_codec="none", push_codec="none",
+                                        pull_codec="none")), s)
+    assert same == base
+
+
+def test_local_h1_without_overlap_costs_what_exact_sync_costs():
+    s = hand(1)
+    exact = predict(one_stage(SyncPolicy()), s)
+    loc = predict(one_stage(local(1, overlap=False)), s)
+    assert loc["sync_s"] == pytest.approx(exact["sync_s"])
+    assert loc["step_time_s"] == pytest.approx(exact["step_time_s"])
+
+
+def test_local_round_by_hand_and_its_amortisation():
+    s = hand(1)
+    g = TINY_PARAMS * 4  # fp32 weights
+    push, pull = g / 2.5e6, g / 25e6  # 20 Mbit/s up, 200 Mbit/s down
+    r = predict(one_stage(local(4, overlap=False)), s)
+    assert r["sync_round_s"] == pytest.approx(0.015 + push + pull)
+    assert r["sync_s"] == pytest.approx((0.015 + push + pull) / 4)
+    # int8 pushes and fp16 pulls shrink the round by their wire ratios
+    r8 = predict(one_stage(local(4, "push=int8,pull=fp16", overlap=False)), s)
+    assert r8["sync_round_s"] == pytest.approx(0.015 + push * (1 + 4 / 128) / 4 + pull / 2)
+    # overlapped: one worker, no hidden-state traffic (only token ids come down, a sliver of its
+    # downlink) -> H pipelines hide that much of the round
+    ro = predict(one_stage(local(4)), s)
+    hidden = max(0.0, ro["sync_round_s"] - 4 * ro["pipeline_s"]) / 4
+    assert ro["sync_s"] == pytest.approx(hidden, rel=1e-3)
+
+
+def test_local_mode_counts_the_inner_optimizer_memory():
+    prof = scenario_profile(hand(1))
+    exact = stage_worker_memory(prof, 0, 6, SyncPolicy())
+    assert exact == prof.worker_memory(0, 6)
+    assert stage_worker_memory(prof, 0, 6, local(4)) == exact + LOCAL_OPTIMIZER_BYTES_PER_PARAM * prof.params(0, 6)
+
+
+def test_planner_uses_more_devices_when_sync_is_amortised():
+    s = load_scenario("gaming-eu")
+    exact = make_plan(s, stages=2)
+    loc = make_plan(s, stages=2, sync=local(32, "int8", overlap_uploads=True, prefetch=True))
+    used = [sum(len(st.workers) for st in p.stages) for p in (exact, loc)]
+    assert used[1] > used[0]
+    assert loc.predicted["step_time_s"] < exact.predicted["step_time_s"]
+
+
+# --------------------------------------------------------------------------- simulator
+
+
+def test_simulated_bytes_follow_the_codecs():
+    s = load_scenario("hetero-compute")
+    p = make_plan(s, stages=2)
+    raw = simulate(p, s, steps=1)
+    p.sync = SyncPolicy(act_codec="int8", grad_codec="int8", push_codec="int8", pull_codec="int8")
+    small = simulate(p, s, steps=1)
+    ratio = sum(small.link_bytes.values()) / sum(raw.link_bytes.values())
+    # everything but the token ids is int8 + scales instead of the workload's dtype
+    expect = wire_ratio("int8", s.workload.dtype_bytes)
+    assert expect * 0.99 < ratio < expect * 1.05
+    assert small.lost_micro_batches == 0 and not small.stalled
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["hetero-compute", "hetero-network"])
+def test_cost_model_matches_simulator_in_local_mode(name):
+    s = load_scenario(name)
+    p = make_plan(s, sync=local(8, "int8", overlap_uploads=True))
+    res = simulate(p, s, steps=8)
+    assert not res.stalled and res.lost_micro_batches == 0
+    assert p.predicted["step_time_s"] / res.mean_step_time_s == pytest.approx(1.0, abs=0.10)
+    assert p.predicted["utilisation"] == pytest.approx(res.mean_utilisation(), abs=0.1)
+
+
+def test_local_mode_round_waits_without_overlap_and_not_with_it():
+    s = load_scenario("hetero-compute")
+    plain = make_plan(s, stages=1, sync=local(4, "int8", overlap=False))
+    a = simulate(plain, s, steps=4)
+    # without overlap only the 4th step pays the round
+    assert max(a.step_times_s[:3]) < a.step_times_s[3]
+    over = Plan(plain.scenario, plain.model, plain.method, plain.stages, plain.micro_batch_size,
+                plain.micro_batches, local(4, "int8"))
+    b = simulate(over, s, steps=4)
+    assert b.mean_step_time_s < a.mean_step_time_s
+
+
+@pytest.mark.timeout(120)
+def test_local_mode_with_churn_loses_no_micro_batch():
+    from dataclasses import replace
+
+    s = load_scenario("hetero-compute")
+    p = make_plan(s, stages=2, sync=local(4, "int8", overlap_uploads=True, prefetch=True))
+    # kill -9 one worker of each stage mid-step, mid-round; one comes back
+    a, b = p.stages[0].workers[0], p.stages[1].workers[0]
+    s.churn = replace(s.churn, enabled=True, trace=((0.7, a, "leave"), (2.2, b, "leave"), (4.0, a, "join")))
+    res = simulate(p, s, steps=4, churn=True, seed=1)
+    assert res.leaves == 2 and res.joins == 1
+    assert not res.stalled and res.lost_micro_batches == 0
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def test_cli_plan_and_simulate_local(capsys):
+    assert main(["plan", "--scenario", "demo", "--sync", "local", "--sync-every", "4", "--compression",
+                 "act=fp16,grad=int8,push=topk-int8,pull=int8"]) == 0
+    out = capsys.readouterr().out
+    assert "local, a round every 4 steps" in out and "push=topk-int8" in out
+    assert main(["simulate", "--scenario", "demo", "--sync", "local", "--sync-every", "2", "--compression",
+                 "int8"]) == 0
+    assert "2 steps" in capsys.readouterr().out
+
+
+def test_cli_rejects_bad_sync_flags(capsys):
+    assert main(["plan", "--scenario", "demo", "--compression", "act=zstd"]) == 2
+    assert "error: unknown codec" in capsys.readouterr().err
+    assert main(["plan", "--scenario", "demo", "--sync-every", "4"]) == 2
+    assert "--sync local" in capsys.readouterr().err
+
+
+def test_plan_command_imports_neither_torch_nor_scipy_at_startup():
+    code = ("import sys; from shoal.cli import build_parser; build_parser(['plan']); import shoal.plan; "
+            "import shoal.sim.cli; bad = [m for m in ('torch', 'scipy') if m in sys.modules]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
