@@ -155,6 +155,27 @@ def test_compute_measurement_runs_the_models_blocks_briefly():
     assert time.perf_counter() - t0 < 30  # one warm-up run + ~0.1 s (a loaded box is slow)
 
 
+def test_compute_measurement_runs_in_the_runs_precision(monkeypatch):
+    """bf16 is measured under autocast with bf16 activations, as the worker computes."""
+    import torch
+
+    import shoal.model.transformer as tr
+
+    seen = []
+    real = tr.build_stage
+
+    def spy(*a, **kw):
+        module = real(*a, **kw)
+        module.register_forward_hook(
+            lambda m, i, o: seen.append((i[0].dtype, torch.is_autocast_enabled("cpu"))))
+        return module
+
+    monkeypatch.setattr(tr, "build_stage", spy)
+    flops = measure_stage_flops(get_preset("tiny"), 16, 1, budget_s=0.05, precision="bf16")
+    assert 1e6 < flops < 1e13
+    assert seen and set(seen) == {(torch.bfloat16, True)}
+
+
 def test_probe_reply_is_bounded():
     assert len(probe_reply(pb.ProbeRequest(reply_bytes=1000)).payload) == 1000
     with pytest.raises(ShoalError, match="at most"):

@@ -127,8 +127,9 @@ def measure_blocks(n_total_layers: int, blocks: int = MEASURE_BLOCKS) -> tuple[i
 
 def measure_stage_flops(cfg, seq_len: int, micro_batch_size: int, *, device: str | torch.device | None = None,
                         budget_s: float = FLOPS_BUDGET_S, blocks: int = MEASURE_BLOCKS,
-                        seed: int = 0) -> float:
-    """FLOP/s of ``blocks`` transformer blocks of ``cfg``, forward + backward, at the run's shapes.
+                        seed: int = 0, precision: str = "fp32") -> float:
+    """FLOP/s of ``blocks`` transformer blocks of ``cfg``, forward + backward, at the run's shapes
+    and precision (bf16/fp16: under autocast, activations in the compute dtype, as workers run).
 
     One warm-up run, then timed runs until ``budget_s`` has passed (at least one). The
     time is converted with the model profile's forward + backward FLOPs of those layers
@@ -137,6 +138,7 @@ def measure_stage_flops(cfg, seq_len: int, micro_batch_size: int, *, device: str
     """
     from shoal.model.profile import profile_model
     from shoal.model.transformer import build_stage
+    from shoal.train.precision import autocast, compute_dtype
 
     dev = resolve_device(device)
     first, last = measure_blocks(cfg.n_total_layers, blocks)
@@ -144,11 +146,12 @@ def measure_stage_flops(cfg, seq_len: int, micro_batch_size: int, *, device: str
     flops = prof.fwd_flops(first, last) + prof.bwd_flops(first, last)
     module = build_stage(cfg, first, last, seed=seed).to(dev)
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(micro_batch_size, seq_len, cfg.d_model, generator=gen).to(dev)
+    x = torch.randn(micro_batch_size, seq_len, cfg.d_model, generator=gen).to(dev, compute_dtype(precision))
 
     def once() -> None:
         inp = x.detach().requires_grad_(True)
-        out = module(inp)
+        with autocast(dev, precision):
+            out = module(inp)
         out.float().sum().backward()
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)

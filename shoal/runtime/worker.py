@@ -217,7 +217,8 @@ class Worker:
         if not flops:
             flops = await asyncio.get_running_loop().run_in_executor(
                 None, lambda: measure_stage_flops(self.cfg, self.spec.seq_len, self.spec.micro_batch_size,
-                                                  device=self.opts.compute_device, seed=int(self.spec.seed)))
+                                                  device=self.opts.compute_device, seed=int(self.spec.seed),
+                                                  precision=self.precision))
         self.flops = flops
         links = await probe_peers(self.channels, self.coord_addr, self.servers_seen, self.opts.probe_bytes)
         await self.coord.Measured(pb.MeasureReport(
