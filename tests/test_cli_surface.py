@@ -16,7 +16,7 @@ def _commands() -> list[str]:
 
 def test_every_command_is_listed():
     assert set(_commands()) >= {"demo", "train", "generate", "plan", "simulate", "coordinator", "server",
-                                "worker", "status", "launch"}
+                                "worker", "status", "launch", "data", "export"}
 
 
 @pytest.mark.parametrize("argv", [["--help"], *([c, "--help"] for c in _commands())])
@@ -45,6 +45,8 @@ BAD = {  # command -> (arguments, text the error must contain); nothing here rea
     "worker": (["--join", "127.0.0.1:1", "--codec", "zip"], "--codec"),
     "status": (["--join", "no-port-here"], "HOST:PORT"),
     "launch": (["--stages", "0"], "must be positive"),
+    "data": (["prepare", "{tmp}/no-such-text", "--out", "{tmp}/prepared"], "does not exist"),
+    "export": (["{tmp}/no-such-run", "--format", "hf", "--out", "{tmp}/hf"], "does not exist"),
 }
 
 

@@ -44,8 +44,11 @@ def reference(tmp_path_factory):
     return [r["loss"] for r in res.records], {k: v.detach().clone() for k, v in res.model.state_dict().items()}
 
 
-def _start_assignment(events: list[dict]) -> dict[str, int]:
-    return next(e["assignment"] for e in events if e["event"] == "replan" and e["why"] == "start")
+def _latest_assignment(events: list[dict]) -> dict[str, int] | None:
+    """The newest plan's worker -> stage (the start plan, or a repair after a join or a
+    re-measurement), or None before the first plan."""
+    plans = [e["assignment"] for e in events if e["event"] == "replan"]
+    return plans[-1] if plans else None
 
 
 def _run_with_hangs(tmp_path, hangs: list[list[str]], workers: int, restart: bool, lone: bool = False):
@@ -67,16 +70,18 @@ def _run_with_hangs(tmp_path, hangs: list[list[str]], workers: int, restart: boo
         pending = list(marks)
         deadline = time.time() + 330
         while pending and time.time() < deadline and sw.coord.poll() is None:
-            if lone and not only.exists() and (out / "events.jsonl").exists():
-                try:
-                    assign = _start_assignment(read_jsonl(out / "events.jsonl"))
-                except StopIteration:
-                    assign = None
+            if lone and not marks[0].exists() and (out / "events.jsonl").exists():
+                # Follow the newest plan until the hang is claimed: a repair (a join, a
+                # re-measurement) can move workers, and only a lone worker may hang.
+                assign = _latest_assignment(read_jsonl(out / "events.jsonl"))
                 if assign is not None:
                     per_stage = [[w for w, s in assign.items() if s == st] for st in (0, 1)]
                     loners = [ws[0] for ws in per_stage if len(ws) == 1]
                     assert loners, assign  # 3 workers on 2 stages: one stage has one
-                    only.write_text(loners[0] + "\n")
+                    if not only.exists() or only.read_text() != loners[0] + "\n":
+                        tmp = only.with_suffix(".tmp")
+                        tmp.write_text(loners[0] + "\n")
+                        tmp.replace(only)
             if pending[0].exists():
                 rep = json.loads(pending.pop(0).read_text())
                 i = int(rep["worker"][1:])

@@ -80,14 +80,16 @@ def test_worker_push_path_carries_error_feedback():
     feedback, so the push path really hands its residuals to the codec."""
     import asyncio
 
+    from shoal.net.stream import assemble
     from shoal.net.wire import decode_tensor
 
     class Recorder:
         def __init__(self):
             self.pushes = []
 
-        async def PushGrads(self, msg, timeout=None):
-            self.pushes.append(msg)
+        async def PushGradsStream(self, chunks, timeout=None):
+            # The worker streams its pushes in chunks: reassemble them as a server does.
+            self.pushes.append(assemble(chunks, pb.GradPush, 1 << 24))
             return pb.PushReply(accepted=True, gen=0)
 
     torch.manual_seed(0)

@@ -439,12 +439,16 @@ class Worker:
             groups = [(self.acc_mbs, self.acc)]
         try:
             loop = asyncio.get_running_loop()
+            done: set[int] = set()
             for mbs, grads in groups:
+                done.update(mbs)
                 msg, data = await loop.run_in_executor(None, self._push_message, epoch, step, gen, mbs, grads)
                 rep = await self._send_push(msg, data)
-                if self.hangs and rep is not None and rep.accepted and self._claim_hang(
-                        "hang_mid_push", step, pushed=list(mbs),
-                        unpushed=sorted(set(self.acc_mbs) - set(mbs))):
+                unpushed = sorted(set(self.acc_mbs) - done)
+                # "Mid push" needs a push still to come: a worker whose step's gradients
+                # go in one push (a run 0..k pre-summed) is not in that state.
+                if self.hangs and rep is not None and rep.accepted and unpushed and self._claim_hang(
+                        "hang_mid_push", step, pushed=sorted(done), unpushed=unpushed):
                     while True:
                         await asyncio.sleep(3600)
                 if rep is None:
