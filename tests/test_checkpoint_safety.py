@@ -180,7 +180,13 @@ def test_reused_folder_and_damaged_latest_checkpoints(tmp_path, tmp_path_factory
         sw.start()
         while sw.committed_steps() - before < 3:
             time.sleep(0.05)
-        sw.kill_server(1)
+        # Kill the server of stage 1 (servers take stages in the order they join, which is
+        # not their start order), so no process writes stage 1's files while we damage them.
+        events = read_jsonl(out / "events.jsonl")
+        start = max(i for i, e in enumerate(events) if e["event"] == "run")  # run 2's events
+        serving = [e["device"] for e in events[start:] if e["event"] == "assign" and e.get("stage") == 1]
+        sw.kill_server(int(serving[-1][1:]))
+        time.sleep(1.0)  # stage 0's server finishes writing the checkpoint of the committed step
         runs = [e["run_id"] for e in read_jsonl(out / "events.jsonl") if e["event"] == "run"]
         run2 = f"run-{runs[-1]}"
         assert run2 != run1

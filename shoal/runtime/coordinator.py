@@ -403,6 +403,7 @@ class Coordinator(pbg.CoordinatorServicer):
         worker's new figures.
         """
         live = {mid for mid, m in self.members.items() if m.role == "worker" and not m.pending_join}
+        before = dict(self.assign)  # what the workers run now: the event reports a change to it
         if method is None and self.plan is not None:
             for mid in live:
                 self.devices.setdefault(mid, self._device(self.members[mid]))
@@ -429,7 +430,7 @@ class Coordinator(pbg.CoordinatorServicer):
         # Workers the plan left out still help: in a task pool an extra worker only takes
         # tasks when it is free, so it is placed where capacity per unit of work is lowest.
         new = assign_workers(flops, self.costs, self.assign)
-        changed = new != self.assign or why == "start"
+        changed = new != before or why == "start"
         self.assign = new
         if changed:
             self.event("replan", why=why, method=method or "balance",
