@@ -9,7 +9,6 @@ size of the input.
 
 from __future__ import annotations
 
-import glob
 import gzip
 import hashlib
 import io
@@ -18,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from shoal.data.text import TEXT_SUFFIXES, _hidden
+from shoal.data.text import TEXT_SUFFIXES, expand_paths
 from shoal.errors import ShoalError
 
 # Text per chunk: large enough to batch the encoder, small enough to bound memory.
@@ -77,31 +76,13 @@ def resolve_inputs(paths: list[str] | tuple[str, ...]) -> list[Source]:
     if not paths:
         raise ShoalError("no input given; pass text files, folders, globs, .jsonl or .parquet files")
     kinds = ", ".join(TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES)
-    files: list[Path] = []
-    for raw in paths:
-        p = Path(raw).expanduser()
-        if p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file() and _wanted(f) and not _hidden(f, p))
-            if not found:
-                raise ShoalError(f"data folder {raw!r} holds no input files ({kinds})")
-            files.extend(found)
-        elif p.is_file():
-            files.append(p)
-        elif any(ch in raw for ch in "*?["):
-            found = [m for m in sorted(Path(m) for m in glob.glob(str(p), recursive=True)) if m.is_file() and _wanted(m)]
-            if not found:
-                raise ShoalError(f"data pattern {raw!r} matches no input files ({kinds})")
-            files.extend(found)
-        else:
-            raise ShoalError(f"data path {raw!r} does not exist; pass a file, a folder or a glob")
-    seen: set[Path] = set()
+    files = expand_paths(paths, _wanted, f"input files ({kinds})",
+                         "pass text, .jsonl or .parquet files")
     out = []
     for f in files:
-        if f.resolve() not in seen:
-            seen.add(f.resolve())
-            src = Source(f, _kind(f))
-            _check_not_binary(src)
-            out.append(src)
+        src = Source(f, _kind(f))
+        _check_not_binary(src)
+        out.append(src)
     return out
 
 

@@ -39,36 +39,33 @@ def _hidden(path: Path, root: Path) -> bool:
     return any(part.startswith(".") for part in path.relative_to(root).parts)
 
 
-def resolve_sources(paths: tuple[str, ...] | list[str]) -> list[Path]:
-    """Expand files, folders (recursively, skipping hidden entries) and globs into text files.
+def expand_paths(paths, wanted, kinds: str, hint: str) -> list[Path]:
+    """Expand files, folders (recursively, skipping hidden entries) and globs into files.
 
-    An empty ``paths`` means the bundled corpus. Raises :class:`ShoalError` for a path
-    that does not exist, a folder without text files, or a glob that matches nothing.
+    Folders and globs keep the files for which ``wanted(path)`` is true, in sorted order; a
+    file named explicitly is always kept. The same file named twice (by a folder and a
+    glob, say) is kept once. ``kinds`` names the wanted files and ``hint`` says what to
+    pass instead, both for the one-line :class:`ShoalError` on a path that does not exist,
+    a folder without such files, or a glob that matches nothing.
     """
-    if not paths:
-        return [default_corpus_path()]
     files: list[Path] = []
     for raw in paths:
         p = Path(raw).expanduser()
         if p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file() and _is_text_name(f) and not _hidden(f, p))
+            found = sorted(f for f in p.rglob("*") if f.is_file() and wanted(f) and not _hidden(f, p))
             if not found:
-                raise ShoalError(
-                    f"data folder {raw!r} holds no text files ({', '.join(TEXT_SUFFIXES)}); "
-                    "pass the files themselves or a folder with .txt files"
-                )
+                raise ShoalError(f"data folder {raw!r} holds no {kinds}; {hint}")
             files.extend(found)
         elif p.is_file():
             files.append(p)
         elif any(ch in raw for ch in "*?["):
             matches = sorted(Path(m) for m in glob.glob(str(p), recursive=True))
-            found = [m for m in matches if m.is_file() and _is_text_name(m)]
+            found = [m for m in matches if m.is_file() and wanted(m)]
             if not found:
-                raise ShoalError(f"data pattern {raw!r} matches no text files ({', '.join(TEXT_SUFFIXES)})")
+                raise ShoalError(f"data pattern {raw!r} matches no {kinds}; {hint}")
             files.extend(found)
         else:
-            raise ShoalError(f"data path {raw!r} does not exist; pass a text file, a folder or a glob")
-    # The same file named twice (e.g. by a folder and a glob) is read once.
+            raise ShoalError(f"data path {raw!r} does not exist; pass a file, a folder or a glob")
     seen: set[Path] = set()
     unique = []
     for f in files:
@@ -77,6 +74,18 @@ def resolve_sources(paths: tuple[str, ...] | list[str]) -> list[Path]:
             seen.add(key)
             unique.append(f)
     return unique
+
+
+def resolve_sources(paths: tuple[str, ...] | list[str]) -> list[Path]:
+    """Expand files, folders (recursively, skipping hidden entries) and globs into text files.
+
+    An empty ``paths`` means the bundled corpus. Raises :class:`ShoalError` for a path
+    that does not exist, a folder without text files, or a glob that matches nothing.
+    """
+    if not paths:
+        return [default_corpus_path()]
+    return expand_paths(paths, _is_text_name, f"text files ({', '.join(TEXT_SUFFIXES)})",
+                        "pass the files themselves or a folder with .txt files")
 
 
 def read_text(path: Path) -> str:
