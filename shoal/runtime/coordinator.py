@@ -18,6 +18,10 @@
   losses); when all S stages have reported step t, the coordinator computes the global
   clip coefficient and the step's learning rate, answers them all, and writes the
   metrics record.
+* Journal: the run spec, plan, epochs and committed steps go to the run's
+  ``journal.jsonl`` (see :mod:`shoal.runtime.journal`); a coordinator started with a
+  journal's state (``--resume``) takes the run over: a new epoch, the same layer ranges,
+  and a roll-back to the newest version every stage can restore.
 """
 
 from __future__ import annotations

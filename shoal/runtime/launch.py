@@ -4,7 +4,9 @@
 the demo need: extra arguments per worker, ``kill_worker(i)`` (SIGKILL) and
 ``start_worker(...)`` mid-run, ``kill_server(stage)`` / ``start_server()``, and an
 ``on_event`` callback fed from the coordinator's ``events.jsonl`` and
-``metrics.jsonl`` while the run goes. :func:`launch` runs one to completion.
+``metrics.jsonl`` while the run goes. A coordinator that dies is restarted with
+``--resume`` on the same address (``kill_coordinator()`` for tests). :func:`launch`
+runs one to completion; ``LaunchConfig.resume`` continues a stopped run.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from shoal.train.metrics import read_jsonl
 class LaunchConfig:
     """A local swarm run; model, batch and seed flags mean what they mean for ``shoal train``."""
 
-    out: str  # run folder (metrics.jsonl, events.jsonl, checkpoint/, summary.json, logs/)
+    out: str  # run folder (runs/<run id>/ and links to the newest run's files, logs/, server_ckpt/)
     # Workload defaults are shoal.train.flags.Workload's, the same as shoal train --local's.
     model: str = W.model  # model preset
     stages: int = 2  # pipeline stages S (one server each)
