@@ -568,6 +568,9 @@ class Coordinator(pbg.CoordinatorServicer):
         self.event("rollback", epoch=self.epoch, version=target, committed=self.committed)
         self.committed = target
         self.last_commit_t = time.time()
+        if self.committed >= self.spec.steps:
+            # A coordinator resumed after the last commit: only the final weights are left.
+            self._spawn_finish()
 
     async def Leave(self, request, context):
         m = self.members.pop(request.member_id, None)
