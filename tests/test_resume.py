@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -128,14 +126,23 @@ def test_pick_standby_gives_a_server_its_old_stage_back():
     assert pick_standby(0, [("a", 1)], {0}) == "a"  # stage 1 has its server: a can take 0
 
 
-def test_cli_refuses_bad_resume_in_one_line(tmp_path):
-    for cmd in (["coordinator", "--resume", str(tmp_path / "nope")],
-                ["launch", "--resume", str(tmp_path)],
-                ["coordinator", "--run-id", "x"]):
-        r = subprocess.run([sys.executable, "-m", "shoal.runtime.cli", *cmd], capture_output=True, text=True,
-                           timeout=120)
-        assert r.returncode == 2, r.stderr
-        assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
+def test_cli_refuses_bad_resume_in_one_line(tmp_path, capsys):
+    from shoal.runtime.cli import main
+
+    _fake_run(tmp_path / "done", "20260102-000000-bbbbbb", done=True)
+    for cmd, why in ((["coordinator", "--resume", str(tmp_path / "nope")], "no such folder"),
+                     (["coordinator", "--resume", str(tmp_path / "done")], "is finished"),
+                     (["coordinator", "--run-id", "x"], "use it with --resume")):
+        assert main(cmd) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and why in err and err.count("\n") == 1, err
+    # `shoal launch --resume` reads the journal in Swarm(), before any process starts
+    # (main() turns the ShoalError into the same one line).
+    from shoal.runtime.launch import Swarm
+
+    with pytest.raises(ShoalError, match="no run journal"):
+        Swarm(launch_config(tmp_path, resume=True))
+    assert not (tmp_path / "logs").exists()
 
 
 # ---------------------------------------------------------------------- real processes
