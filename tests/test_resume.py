@@ -205,3 +205,58 @@ def test_coordinator_killed_mid_run_is_restarted_and_the_run_stays_exact(tmp_pat
     assert_equal_weights(out, ref_weights)
     events = [e["event"] for e in read_jsonl(out / "events.jsonl")]
     assert "coordinator_restart" in events and "resume" in events
+
+
+def test_resumed_coordinator_keeps_layers_and_gives_servers_their_stages(tmp_path):
+    """In process: a coordinator commits 2 steps and is dropped; one resumed from its
+    journal keeps the layer ranges and records, gives each re-joining server the stage it
+    asks for, rolls back to the newest version both stages have, in a newer epoch."""
+    import asyncio
+
+    from shoal.net import shoal_pb2 as pb
+    from shoal.runtime.coordinator import Coordinator
+
+    spec = pb.RunSpec(model="tiny", stages=2, steps=4, micro_batches=2, micro_batch_size=2, seq_len=16,
+                      seed=0, lr=3e-3, min_lr=3e-4, warmup=1, weight_decay=0.1, grad_clip=1.0,
+                      dead_after_s=5.0, min_lease_s=1.0, data="synthetic", ordered_grads=True)
+
+    async def first():
+        c = Coordinator(spec, "tok", min_workers=2, out=str(tmp_path), options={"min_workers": 2})
+        s = [(await c.Join(pb.JoinRequest(role="server", address=f"127.0.0.1:{i + 1}", name=f"s{i}"),
+                           None)).member_id for i in range(2)]
+        for i in range(2):
+            await c.Join(pb.JoinRequest(role="worker", flops=1e9, name=f"w{i}"), None)
+        for step in range(2):
+            reps = [pb.StepReport(member_id=s[k], stage=k, step=step, epoch=0, sq_norm=1.0,
+                                  losses=[2.0 + step] * 2 if k else []) for k in range(2)]
+            await asyncio.gather(*(c.ReportStep(r, None) for r in reps))
+        return c.spec.run_id, list(c.layers)
+
+    run_id, layers = asyncio.run(first())
+    _, rid, st = load_resume(tmp_path)
+    assert rid == run_id and st.committed == 2 and st.layers == layers
+
+    async def second():
+        from google.protobuf import json_format
+
+        c = Coordinator(json_format.ParseDict(st.spec, pb.RunSpec()), "tok", min_workers=2, out=str(tmp_path),
+                        resume=st)
+        assert c.epoch == 1 and c.committed == 2 and [r["loss"] for r in c.history] == [2.0, 3.0]
+        # the servers re-join, stage 1's first, each asking for the stage it served
+        new = {}
+        for k in (1, 0):
+            new[k] = (await c.Join(pb.JoinRequest(role="server", address=f"127.0.0.1:{9 + k}", name=f"s{k}",
+                                                  ckpt_stage=k), None)).member_id
+        assert c.stage_server == [new[0], new[1]] and c.pending_restore
+        for i in range(2):
+            await c.Join(pb.JoinRequest(role="worker", flops=1e9, name=f"w{i}", will_measure=True), None)
+        assert not any(m.will_measure for m in c.members.values())  # nothing is re-planned
+        a = [await c.Heartbeat(pb.MemberRequest(member_id=new[k], ckpt_version=2 - k), None) for k in range(2)]
+        assert c.layers == layers and (a[0].first, a[0].last) == layers[0]
+        assert a[1].epoch == 2 and a[1].restart_version == 1 and c.committed == 1  # stage 1 has only v1
+        stale = await c.ReportStep(pb.StepReport(member_id=new[0], stage=0, step=1, epoch=0), None)
+        assert stale.stale  # the old coordinator's epoch is fenced off
+
+    asyncio.run(second())
+    kinds = [r["kind"] for r in read_journal(run_dir(tmp_path, run_id) / "journal.jsonl")]
+    assert kinds[0] == "run" and kinds.count("commit") == 2 and "resume" in kinds and kinds[-1] == "epoch"

@@ -270,8 +270,8 @@ class Coordinator(pbg.CoordinatorServicer):
         """
         standby = [mid for mid, m in self.members.items()
                    if m.role == "server" and mid not in self.stage_server]
-        for s, sid in enumerate(self.stage_server):
-            if sid or not standby:
+        for s in self._vacancy_order():
+            if self.stage_server[s] or not standby:
                 continue
             mid = pick_standby(s, [(mid, self.members[mid].ckpt_stage) for mid in standby],
                                {k for k, v in enumerate(self.stage_server) if not v})
@@ -283,6 +283,11 @@ class Coordinator(pbg.CoordinatorServicer):
             if self.ready or self.committed > 0 or self.epoch > 0:
                 self.pending_restore = True
                 self.event("server_restart", device=self.members[mid].name, stage=s)
+
+    def _vacancy_order(self) -> list[int]:
+        """Stages in the order vacancies are filled: twice over, so a standby that waited for
+        its old stage (filled meanwhile by another) still gets a stage left before it."""
+        return [*range(self.spec.stages), *range(self.spec.stages)]
 
     # ------------------------------------------------------------------ measurement
     def _settled(self, m: Member) -> bool:
