@@ -159,17 +159,26 @@ class Coordinator(pbg.CoordinatorServicer):
             self._take_over(resume)
         # Run-scoped files: OUT/runs/<run id>/..., linked from OUT (see shoal.runtime.journal).
         self.run_dir = run_dir(self.out, spec.run_id) if self.out else None
-        self.metrics = JsonlWriter(self.run_dir / "metrics.jsonl", self.t0) if self.out else None
-        self.events = JsonlWriter(self.run_dir / "events.jsonl", self.t0) if self.out else None
-        self.journal = Journal(self.run_dir / JOURNAL) if self.out else None
+        try:
+            self.metrics = JsonlWriter(self.run_dir / "metrics.jsonl", self.t0) if self.out else None
+            self.events = JsonlWriter(self.run_dir / "events.jsonl", self.t0) if self.out else None
+        except OSError as exc:
+            raise ShoalError(f"cannot write the run folder {self.out}: {exc.strerror or exc}; "
+                             f"give a writable --out") from None
+        self.journal = None
         if self.out:
-            for name in LINKED:
-                point_link(self.out, name, spec.run_id)
-            if resume is None:
-                self.journal.write("run", spec=json_format.MessageToDict(spec, preserving_proto_field_name=True),
-                                   options=options or {}, t0=self.t0)
-            else:
-                self.journal.write("resume", epoch=self.epoch, committed=self.committed, options=options or {})
+            try:
+                self.journal = Journal(self.run_dir / JOURNAL)
+                for name in LINKED:
+                    point_link(self.out, name, spec.run_id)
+                if resume is None:
+                    self.journal.write("run", spec=json_format.MessageToDict(spec, preserving_proto_field_name=True),
+                                       options=options or {}, t0=self.t0)
+                else:
+                    self.journal.write("resume", epoch=self.epoch, committed=self.committed, options=options or {})
+            except OSError as exc:
+                raise ShoalError(f"cannot write the run folder {self.out}: {exc.strerror or exc}; "
+                                 f"give a writable --out") from None
         self.traffic: dict[str, tuple[str, list]] = {}  # process counter id -> (role, newest counts)
         self.gone: dict[str, tuple[Member, str, float]] = {}  # member id -> (member, why, wall time) once dropped
         self.recent: collections.deque = collections.deque(maxlen=500)  # newest events (dashboard)
