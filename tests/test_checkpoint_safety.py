@@ -172,13 +172,14 @@ def test_reused_folder_and_damaged_latest_checkpoints(tmp_path, tmp_path_factory
     ckpts = out / "server_ckpt"
     first_run = _hashes(ckpts)
     (run1,) = [p.name for p in ckpts.iterdir()]
+    run1_files = _hashes(out / "runs" / run1[4:])  # its journal, events, metrics, summary, weights
+    assert {"journal.jsonl", "metrics.jsonl", "summary.json"} <= set(run1_files)
     assert first_run and all(k.startswith(run1) for k in first_run)
 
     slow = [["--slow", "0.3"]] * 2  # keeps step 3 running while we kill
-    before = len(read_jsonl(out / "metrics.jsonl"))  # run 1's records (the file is appended to)
     with Swarm(launch_config(out, worker_args=slow)) as sw:
-        sw.start()
-        while sw.committed_steps() - before < 3:
+        sw.start()  # out/metrics.jsonl now links to run 2's own file
+        while sw.committed_steps() < 3:
             time.sleep(0.05)
         # Kill the server of stage 1 (servers take stages in the order they join, which is
         # not their start order), so no process writes stage 1's files while we damage them.
@@ -200,5 +201,6 @@ def test_reused_folder_and_damaged_latest_checkpoints(tmp_path, tmp_path_factory
     assert "fails its checksum" in logs and "unreadable" in logs
     assert "using the previous checkpoint" in logs
     assert {k: v for k, v in _hashes(ckpts).items() if k.startswith(run1)} == first_run
+    assert _hashes(out / "runs" / run1[4:]) == run1_files
     assert run1 not in logs
     assert_equal_weights(out, reference)

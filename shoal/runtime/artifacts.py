@@ -3,8 +3,10 @@
 ``DIR/checkpoint/`` (the full model's weights under global parameter names, written by
 :func:`shoal.train.checkpoint.save_checkpoint`), ``DIR/tokenizer.json``,
 ``DIR/config.json`` and ``DIR/summary.json``; ``metrics.jsonl`` and ``events.jsonl``
-are appended by the coordinator while the run goes. ``shoal generate --from DIR``
-therefore works on a runtime run exactly as on a local one.
+are appended by the coordinator while the run goes. The coordinator writes them into
+the run's own folder ``OUT/runs/<run id>/`` and links ``OUT/<name>`` to them (see
+:mod:`shoal.runtime.journal`), so ``shoal generate --from OUT`` works on a runtime run
+exactly as on a local one.
 """
 
 from __future__ import annotations

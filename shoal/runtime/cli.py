@@ -63,7 +63,13 @@ _ADVERTISE_HELP = ("HOST:PORT other machines dial to reach this process (needed 
 def register(subparsers) -> None:
     """Add the runtime subcommands."""
     p = subparsers.add_parser("coordinator", help="run the coordinator of a swarm")
-    p.add_argument("--listen", default="127.0.0.1:7070", help="HOST:PORT to listen on (port 0: any)")
+    p.add_argument("--listen", default=None,
+                   help="HOST:PORT to listen on (port 0: any; default 127.0.0.1:7070, with --resume the "
+                        "address the run's coordinator was bound to, so its members find it again)")
+    p.add_argument("--resume", default=None, metavar="RUN_DIR",
+                   help="take over the run in this --out folder (its newest, or --run-id): same settings, "
+                        "continues from the last step every stage committed; run flags are ignored")
+    p.add_argument("--run-id", default=None, help="with --resume: the run to take over (default: the newest)")
     p.add_argument("--min-workers", type=int, default=1, help="workers needed before step 0")
     p.add_argument("--out", default=None, help="run folder for metrics, events and final weights")
     p.add_argument("--address-file", default=None, help="write the advertised address here")
@@ -134,7 +140,11 @@ def register(subparsers) -> None:
                    help="workers to start (default 2, or every worker device of --scenario)")
     p.add_argument("--emulate-speedup", type=float, default=1.0,
                    help="with --scenario: compute time scale of the emulated devices")
-    p.add_argument("--out", required=True, help="run folder")
+    p.add_argument("--out", default=None, help="run folder (required unless --resume)")
+    p.add_argument("--resume", default=None, metavar="RUN_DIR",
+                   help="continue the newest run in this folder (or --run-id) from its journal, with its "
+                        "settings, from the last step every stage committed; run flags are ignored")
+    p.add_argument("--run-id", default=None, help="with --resume: the run to continue (default: the newest)")
     p.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds")
     p.add_argument("--dashboard", default="127.0.0.1:0", metavar="HOST:PORT",
                    help="where the coordinator serves the live dashboard (default: loopback, any free port)")
@@ -265,21 +275,55 @@ def _spec(args):
         init_from=init_from or "", model_config_json=json.dumps(cfg.to_dict()) if init_from else "")
 
 
+# Coordinator options a run's journal keeps, with their flag defaults: `--resume` takes
+# the journal's value for each one left at its default.
+_KEPT_OPTIONS = {"min_workers": 1, "stall_timeout": 900.0, "advertise": None, "emulate_scenario": None,
+                 "emulate_speedup": 1.0, "emulate_latency_scale": 1.0, "emulate_bandwidth_scale": 1.0}
+
+
+def _resume_args(args):
+    """``--resume``: the run's journal state, with ``args`` completed from it (out, listen, options)."""
+    from shoal.runtime.journal import load_resume
+
+    out, _, state = load_resume(args.resume, args.run_id)
+    if args.out and Path(args.out).resolve() != out.resolve():
+        raise ShoalError(f"--out {args.out} and --resume {args.resume} name different run folders; drop --out")
+    args.out = str(out)
+    for k, default in _KEPT_OPTIONS.items():
+        if getattr(args, k) == default and k in state.options:
+            setattr(args, k, state.options[k])
+    if args.listen is None:
+        args.listen = state.options.get("bound") or "127.0.0.1:7070"
+    return state
+
+
 def run_coordinator_cmd(args) -> int:
     from shoal.net.channel import check_listen
 
+    if args.run_id and not args.resume:
+        raise ShoalError("--run-id names the run to take over: use it with --resume RUN_DIR")
+    state = _resume_args(args) if args.resume else None
+    args.listen = args.listen or "127.0.0.1:7070"
     check_listen(args.listen, args.advertise)  # before the heavy imports: a refusal is instant
     from shoal.runtime.common import set_threads
     from shoal.runtime.coordinator import run_coordinator
 
     _logging(args.log_level)
     set_threads()
-    spec = _spec(args)
+    if state is not None:
+        from google.protobuf import json_format
+
+        from shoal.net import shoal_pb2 as pb
+
+        spec = json_format.ParseDict(state.spec, pb.RunSpec())
+    else:
+        spec = _spec(args)
+    options = {k: getattr(args, k) for k in _KEPT_OPTIONS}
     summary = asyncio.run(run_coordinator(spec, _token(args), args.listen, min_workers=args.min_workers,
                                           out=args.out, address_file=args.address_file,
                                           emulated=_emulated_scenario(args), dashboard=_dashboard(args),
                                           stall_fail_s=args.stall_timeout,
-                                          advertise=args.advertise))
+                                          advertise=args.advertise, resume=state, options=options))
     print(json.dumps({k: summary[k] for k in ("steps", "final_loss", "requeues", "tokens_per_s")}))
     return 0
 
@@ -384,8 +428,14 @@ def run_launch_cmd(args) -> int:
     w = workload_from_args(args)
     if args.init_from and args.model is not None:
         raise ShoalError("--init-from sets the model shape from its config.json; drop --model")
+    if args.run_id and not args.resume:
+        raise ShoalError("--run-id names the run to continue: use it with --resume RUN_DIR")
+    if not args.out and not args.resume:
+        raise ShoalError("give the run folder: --out DIR (or --resume DIR to continue a run)")
+    if args.out and args.resume and Path(args.out).resolve() != Path(args.resume).resolve():
+        raise ShoalError(f"--out {args.out} and --resume {args.resume} name different run folders; drop --out")
     cfg = LaunchConfig(
-        out=args.out, model=w.model, stages=args.stages, workers=args.workers, steps=w.steps,
+        out=args.resume or args.out, resume=bool(args.resume), run_id=args.run_id, model=w.model, stages=args.stages, workers=args.workers, steps=w.steps,
         micro_batches=w.micro_batches, micro_batch_size=w.micro_batch_size, seq_len=w.seq_len,
         seed=w.seed, lr=w.lr, min_lr=w.min_lr, warmup=w.warmup, weight_decay=w.weight_decay,
         grad_clip=w.grad_clip, ckpt_every=args.ckpt_every, dead_after_s=args.dead_after,

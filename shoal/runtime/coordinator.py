@@ -18,6 +18,10 @@
   losses); when all S stages have reported step t, the coordinator computes the global
   clip coefficient and the step's learning rate, answers them all, and writes the
   metrics record.
+* Journal: the run spec, plan, epochs and committed steps go to the run's
+  ``journal.jsonl`` (see :mod:`shoal.runtime.journal`); a coordinator started with a
+  journal's state (``--resume``) takes the run over: a new epoch, the same layer ranges,
+  and a roll-back to the newest version every stage can restore.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from google.protobuf import json_format
 
 from shoal.errors import ShoalError
 from shoal.net import shoal_pb2 as pb
@@ -52,6 +57,7 @@ from shoal.runtime.common import (
     optim_config,
     run_precision,
 )
+from shoal.runtime.journal import FINAL, JOURNAL, LINKED, Journal, point_link, run_dir
 from shoal.runtime.measure import probe_reply
 from shoal.runtime.planning import (
     COORDINATOR_NODE,
@@ -95,6 +101,7 @@ class Member:
     stats: pb.MemberStats | None = None  # the newest figures from its heartbeats (dashboard)
     counter_id: str = ""  # id of its process's byte counters (dashboard: bytes per member)
     joined_s: float = field(default_factory=time.time)  # wall clock of the join
+    ckpt_stage: int = -1  # server: the stage it served before re-joining (its disk holds that stage)
 
 
 def plan_stages(n_total_layers: int, stages: int) -> list[tuple[int, int]]:
@@ -106,7 +113,7 @@ class Coordinator(pbg.CoordinatorServicer):
     """Run state and RPC handlers of the coordinator."""
 
     def __init__(self, spec: pb.RunSpec, token: str, *, min_workers: int = 1, out: str | None = None,
-                 emulated=None, stall_fail_s: float = 900.0):
+                 emulated=None, stall_fail_s: float = 900.0, resume=None, options: dict | None = None):
         if not spec.run_id:
             spec.run_id = new_run_id()  # names the servers' checkpoint folders
         self.spec, self.token, self.min_workers = spec, token, max(min_workers, 1)
@@ -139,20 +146,79 @@ class Coordinator(pbg.CoordinatorServicer):
         self.done = False
         self.finished = asyncio.Event()
         self.out = Path(out) if out else None
-        self.t0 = time.time()
+        self.t0 = resume.t0 if resume is not None and resume.t0 else time.time()
         self.last_commit_t = time.time()
-        self.metrics = JsonlWriter(self.out / "metrics.jsonl", self.t0) if self.out else None
-        self.events = JsonlWriter(self.out / "events.jsonl", self.t0) if self.out else None
         self.written_steps: set[int] = set()
         self.names: dict[str, str] = {}  # member id -> name, kept after members leave
         self.history: list[dict] = []
         self.total_requeues = 0
         self.tasks_per_worker: dict[str, int] = {}
+        self.fixed_layers = False  # a resumed run keeps its layer ranges (its checkpoints hold them)
+        self.resumed = False  # this coordinator took the run over from a journal
+        if resume is not None:
+            self._take_over(resume)
+        # Run-scoped files: OUT/runs/<run id>/..., linked from OUT (see shoal.runtime.journal).
+        self.run_dir = run_dir(self.out, spec.run_id) if self.out else None
+        try:
+            self.metrics = JsonlWriter(self.run_dir / "metrics.jsonl", self.t0) if self.out else None
+            self.events = JsonlWriter(self.run_dir / "events.jsonl", self.t0) if self.out else None
+        except OSError as exc:
+            raise ShoalError(f"cannot write the run folder {self.out}: {exc.strerror or exc}; "
+                             f"give a writable --out") from None
+        self.journal = None
+        if self.out:
+            try:
+                self.journal = Journal(self.run_dir / JOURNAL)
+                for name in LINKED:
+                    point_link(self.out, name, spec.run_id)
+                if resume is None:
+                    self.journal.write("run", spec=json_format.MessageToDict(spec, preserving_proto_field_name=True),
+                                       options=options or {}, t0=self.t0)
+                else:
+                    self.journal.write("resume", epoch=self.epoch, committed=self.committed, options=options or {})
+            except OSError as exc:
+                raise ShoalError(f"cannot write the run folder {self.out}: {exc.strerror or exc}; "
+                                 f"give a writable --out") from None
         self.traffic: dict[str, tuple[str, list]] = {}  # process counter id -> (role, newest counts)
         self.gone: dict[str, tuple[Member, str, float]] = {}  # member id -> (member, why, wall time) once dropped
         self.recent: collections.deque = collections.deque(maxlen=500)  # newest events (dashboard)
         self.figures: dict[str, MemberFigures] = {}  # measured runs: member id -> what it measured
         self.planned_on = None  # the scenario of the newest plan or repair
+
+    def _take_over(self, st) -> None:
+        """Continue the run a journal describes (``st``: a :class:`~shoal.runtime.journal.ResumeState`).
+
+        The committed steps' records are kept; a new epoch fences off anything members
+        still send for the old coordinator's epochs; once every stage has a server that
+        reported its checkpoints, the run rolls back to the newest version all stages can
+        restore (the usual roll-back), and the steps after it are run again.
+        """
+        if st.layers is not None:
+            self.layers = list(st.layers)
+            self.costs = [float(b - a) for a, b in self.layers]
+            self.fixed_layers = True
+        self.epoch = st.epoch + 1
+        self.committed = st.committed
+        self.scale_at.update(st.scale_at)
+        for rec in st.records:
+            self.written_steps.add(int(rec["step"]))
+            self.history.append(rec)
+            self.total_requeues += int(rec.get("requeues", 0))
+            for w, n in rec.get("tasks_per_worker", {}).items():
+                self.tasks_per_worker[w] = self.tasks_per_worker.get(w, 0) + n
+        self.resumed = True
+        log.info("resuming run %s: %d steps committed, epoch %d", self.spec.run_id, self.committed, self.epoch)
+
+    def _journal(self, kind: str, **fields) -> None:
+        """Append to the journal (no run folder: nothing); a write failure fails the run."""
+        if self.journal is None:
+            return
+        try:
+            self.journal.write(kind, **fields)
+        except OSError as exc:
+            if kind not in ("failed", "done"):
+                self.fail(f"cannot write the coordinator journal {self.journal.path}: "
+                          f"{exc.strerror or exc}; free space or give a writable --out")
 
     def event(self, name: str, **fields) -> None:
         log.info("event %s %s", name, fields)
@@ -181,10 +247,10 @@ class Coordinator(pbg.CoordinatorServicer):
             log.warning("a second member named %r joined; it is called %r", request.name, name)
         mid = f"{request.role[0]}{next(self.ids)}-{name}"
         m = Member(mid, request.role, name, address=request.address,
-                   flops=max(request.flops, 1.0), device=request.device)
+                   flops=max(request.flops, 1.0), device=request.device, ckpt_stage=request.ckpt_stage)
         if self.emulated is not None:
             self.plays[mid] = m.device
-        elif request.will_measure:
+        elif request.will_measure and not self.fixed_layers:  # a resumed run's layers are fixed
             m.will_measure = True
             self.figures[mid] = MemberFigures(mid, request.role, flops=max(request.flops, 0.0),
                                               region=request.region, up=max(request.up_bps, 0.0),
@@ -213,15 +279,24 @@ class Coordinator(pbg.CoordinatorServicer):
         """
         standby = [mid for mid, m in self.members.items()
                    if m.role == "server" and mid not in self.stage_server]
-        for s, sid in enumerate(self.stage_server):
-            if sid or not standby:
+        for s in self._vacancy_order():
+            if self.stage_server[s] or not standby:
                 continue
-            mid = standby.pop(0)
+            mid = pick_standby(s, [(mid, self.members[mid].ckpt_stage) for mid in standby],
+                               {k for k, v in enumerate(self.stage_server) if not v})
+            if mid is None:
+                continue
+            standby.remove(mid)
             self.stage_server[s] = mid
             self.event("assign", device=self.members[mid].name, role="server", stage=s)
             if self.ready or self.committed > 0 or self.epoch > 0:
                 self.pending_restore = True
                 self.event("server_restart", device=self.members[mid].name, stage=s)
+
+    def _vacancy_order(self) -> list[int]:
+        """Stages in the order vacancies are filled: twice over, so a standby that waited for
+        its old stage (filled meanwhile by another) still gets a stage left before it."""
+        return [*range(self.spec.stages), *range(self.spec.stages)]
 
     # ------------------------------------------------------------------ measurement
     def _settled(self, m: Member) -> bool:
@@ -365,6 +440,11 @@ class Coordinator(pbg.CoordinatorServicer):
         """Plan the devices that actually joined: layer ranges, stage servers, workers."""
         for m in self.members.values():
             self.devices[m.member_id] = self._device(m)
+        if self.fixed_layers:
+            # A resumed run: the checkpoints hold these layer ranges, so only workers move.
+            self.plan = None
+            self._replan("resume", method="journal layers")
+            return
         try:
             from shoal.plan import make_plan
 
@@ -388,6 +468,7 @@ class Coordinator(pbg.CoordinatorServicer):
             log.warning("planner failed (%s); using an even split", exc)
             self.plan, method = None, f"even split ({exc})"
         self.costs = [float(b - a) for a, b in self.layers]
+        self._journal("plan", layers=[list(x) for x in self.layers], method=method, epoch=self.epoch)
         self._replan("start", method=method)
 
     @staticmethod
@@ -497,9 +578,13 @@ class Coordinator(pbg.CoordinatorServicer):
         self.restart_version = target
         self.pending_restore = False
         self.reports.clear()
+        self._journal("epoch", epoch=self.epoch, version=target)
         self.event("rollback", epoch=self.epoch, version=target, committed=self.committed)
         self.committed = target
         self.last_commit_t = time.time()
+        if self.committed >= self.spec.steps:
+            # A coordinator resumed after the last commit: only the final weights are left.
+            self._spawn_finish()
 
     async def Leave(self, request, context):
         m = self.members.pop(request.member_id, None)
@@ -532,6 +617,7 @@ class Coordinator(pbg.CoordinatorServicer):
         self.error = why.splitlines()[0] if why else "unknown failure"
         log.error("the run failed: %s", self.error)
         self.event("failed", why=self.error, committed=self.committed)
+        self._journal("failed", why=self.error, epoch=self.epoch)
         self.done = True
         # Long enough for the members' heartbeats to see "done".
         asyncio.get_running_loop().call_later(max(1.0, 3 * 0.2), self.finished.set)
@@ -649,6 +735,9 @@ class Coordinator(pbg.CoordinatorServicer):
         rec["requeues"] = requeues
         rec["epoch"] = key[0]
         self.last_commit_t = now
+        # Durable before any stage hears the decision (and checkpoints the step).
+        self._journal("commit", step=step, epoch=key[0], record=rec,
+                      scale=list(self.scale_at[step + 1]) if fp16 else None)
         self.committed = step + 1
         if step not in self.written_steps:
             self.written_steps.add(step)
@@ -695,14 +784,18 @@ class Coordinator(pbg.CoordinatorServicer):
         if self.out:
             from shoal.runtime.artifacts import write_final
 
-            write_final(self.out, weights, self.cfg, self.spec, self.summary())
+            write_final(self.run_dir, weights, self.cfg, self.spec, self.summary())
+            for name in FINAL:
+                if (self.run_dir / name).exists():
+                    point_link(self.out, name, self.spec.run_id)
         self.final_weights = weights
         self.done = True
+        self._journal("done", epoch=self.epoch)
         self.event("done", steps=self.committed)
         await asyncio.sleep(max(1.0, 3 * 0.2))  # let members see done in a heartbeat
-        if self.out and (self.out / "summary.json").exists():
+        if self.out and (self.run_dir / "summary.json").exists():
             # The members' heartbeats since the commit carried their last byte counts.
-            path = self.out / "summary.json"
+            path = self.run_dir / "summary.json"
             summary = json.loads(path.read_text())
             summary.update(merge_traffic(self.traffic))
             tmp = path.with_suffix(".json.tmp")
@@ -759,16 +852,19 @@ class Coordinator(pbg.CoordinatorServicer):
 async def run_coordinator(spec: pb.RunSpec, token: str, listen: str, *, min_workers: int = 1,
                           out: str | None = None, address_file: str | None = None,
                           emulated=None, dashboard: str | None = None, stall_fail_s: float = 900.0,
-                          advertise: str | None = None) -> dict:
+                          advertise: str | None = None, resume=None, options: dict | None = None) -> dict:
     """Serve until the run is done; returns the run summary (a failed run: ShoalError).
 
     ``emulated``: the scaled scenario the processes emulate, planned on instead of loopback;
     ``advertise``: the address members dial (written to ``address_file``; default: listen).
     ``dashboard``: HOST:PORT for the live web dashboard (None: none), see
     :mod:`shoal.runtime.dashboard`; its URL goes to ``address_file + ".dashboard"``.
+    ``resume``: the :class:`~shoal.runtime.journal.ResumeState` of the run to take over
+    (``spec`` is then that run's); ``options``: the settings the journal keeps for a
+    later ``--resume`` (see :func:`shoal.runtime.cli.run_coordinator_cmd`).
     """
     coord = Coordinator(spec, token, min_workers=min_workers, out=out, emulated=emulated,
-                        stall_fail_s=stall_fail_s)
+                        stall_fail_s=stall_fail_s, resume=resume, options=options)
     server = make_server(token)
     pbg.add_CoordinatorServicer_to_server(coord, server)
     port = server.add_insecure_port(listen)
@@ -783,15 +879,21 @@ async def run_coordinator(spec: pb.RunSpec, token: str, listen: str, *, min_work
         log.info("dashboard at %s", web.url)
         if address_file:
             Path(address_file + ".dashboard").write_text(web.url)
+    coord._journal("listen", address=address, listen=f"{listen.rpartition(':')[0]}:{port}", epoch=coord.epoch)  # where members will look for it
     if address_file:
-        # The run's clock (events' and metrics' time_s) for the launcher's kill events;
-        # written before the address, so it exists once the address does.
+        # The run's clock (events' and metrics' time_s) for the launcher's kill events and
+        # its id (to restart this coordinator with --resume); written before the address,
+        # so they exist once the address does.
         Path(address_file + ".t0").write_text(repr(coord.t0))
+        Path(address_file + ".run_id").write_text(spec.run_id)
         tmp = Path(address_file + ".tmp")
         tmp.write_text(address)
         tmp.replace(address_file)
     log.info("coordinator listening on %s (run %s)", address, spec.run_id)
-    coord.event("run", run_id=spec.run_id, steps=spec.steps, stages=spec.stages)
+    if coord.resumed:
+        coord.event("resume", run_id=spec.run_id, committed=coord.committed, epoch=coord.epoch)
+    else:
+        coord.event("run", run_id=spec.run_id, steps=spec.steps, stages=spec.stages)
     reaper = asyncio.create_task(coord.reap())
     await coord.finished.wait()
     reaper.cancel()
@@ -811,3 +913,18 @@ def unique_name(name: str, taken: set[str]) -> str:
     while f"{name}-{k}" in taken:
         k += 1
     return f"{name}-{k}"
+
+
+def pick_standby(stage: int, standby: list[tuple[str, int]], vacant: set[int]) -> str | None:
+    """The standby server (``(member id, stage it served before)``, oldest first) for ``stage``.
+
+    A server re-joining a restarted coordinator gets its old stage back (its checkpoint
+    folder holds that stage); one that served another still-vacant stage waits for it.
+    """
+    for mid, had in standby:
+        if had == stage:
+            return mid
+    for mid, had in standby:
+        if had < 0 or had not in vacant:
+            return mid
+    return None

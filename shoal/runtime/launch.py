@@ -4,7 +4,9 @@
 the demo need: extra arguments per worker, ``kill_worker(i)`` (SIGKILL) and
 ``start_worker(...)`` mid-run, ``kill_server(stage)`` / ``start_server()``, and an
 ``on_event`` callback fed from the coordinator's ``events.jsonl`` and
-``metrics.jsonl`` while the run goes. :func:`launch` runs one to completion.
+``metrics.jsonl`` while the run goes. A coordinator that dies is restarted with
+``--resume`` on the same address (``kill_coordinator()`` for tests). :func:`launch`
+runs one to completion; ``LaunchConfig.resume`` continues a stopped run.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from shoal.train.metrics import read_jsonl
 class LaunchConfig:
     """A local swarm run; model, batch and seed flags mean what they mean for ``shoal train``."""
 
-    out: str  # run folder (metrics.jsonl, events.jsonl, checkpoint/, summary.json, logs/)
+    out: str  # run folder (runs/<run id>/ and links to the newest run's files, logs/, server_ckpt/)
     # Workload defaults are shoal.train.flags.Workload's, the same as shoal train --local's.
     model: str = W.model  # model preset
     stages: int = 2  # pipeline stages S (one server each)
@@ -64,6 +66,9 @@ class LaunchConfig:
     device: str = "auto"  # --device of every worker (auto: the first CUDA device, else the CPU)
     precision: str = "fp32"  # compute precision of the run: fp32, bf16 or fp16
     loss_scale: float | None = None  # fp16: initial dynamic loss scale (None: the default)
+    resume: bool = False  # continue the newest run in `out` (or `run_id`) from its journal; run settings ignored
+    run_id: str | None = None  # with resume: the run to continue (None: the newest)
+    coordinator_restarts: int = 3  # a coordinator that dies (not a failed run) is restarted with --resume this often
 
     def validate(self) -> None:
         if self.workers is None:
@@ -99,6 +104,9 @@ class Swarm:
                 raise ShoalError(f"scenario {cfg.scenario} needs worker devices and a server host")
             if cfg.workers is None:
                 cfg.workers = len(self.scenario.workers)
+        self.run_id = ""  # the run's id, once its coordinator has started
+        if cfg.resume:
+            self._from_journal(cfg)
         cfg.validate()
         self.cfg, self.on_event = cfg, on_event
         self.out = Path(cfg.out)
@@ -131,6 +139,17 @@ class Swarm:
         self.server_ports: list[int] = []
         self.peers: dict[str, str] = {}  # server address -> scenario host id (emulation)
         self.dashboard_url = ""  # the coordinator's dashboard, once started with cfg.dashboard
+        self.restarts_left = cfg.coordinator_restarts
+
+    def _from_journal(self, cfg: LaunchConfig) -> None:
+        """``resume``: the stage, step and worker counts of the run being continued."""
+        from shoal.runtime.journal import load_resume
+
+        out, self.run_id, state = load_resume(cfg.out, cfg.run_id)
+        cfg.out = str(out)  # RUN_DIR may name the run's own folder, OUT/runs/<id>
+        cfg.stages, cfg.steps = int(state.spec["stages"]), int(state.spec["steps"])
+        cfg.min_workers = int(state.options.get("min_workers") or cfg.stages)
+        cfg.workers = cfg.workers or cfg.min_workers
 
     def _spawn(self, args: list[str], log_name: str, env: dict | None = None) -> subprocess.Popen:
         # The child keeps its own copy of the descriptor; ours can close at once.
@@ -150,41 +169,13 @@ class Swarm:
     def start(self) -> None:
         """Start the coordinator, S servers and the workers; return once the address is known."""
         c = self.cfg
-        addr_file = self.out / "logs" / "coordinator.address"
-        addr_file.unlink(missing_ok=True)
-        Path(str(addr_file) + ".dashboard").unlink(missing_ok=True)
-        min_lr = c.lr / 10 if c.min_lr is None else c.min_lr
-        # Raw text is prepared once here, into the run folder; the processes get the folder.
-        data = resolve_run_data(c.data, self.out, self._vocab())
-        model_args = ["--init-from", str(Path(c.init_from).resolve())] if c.init_from else ["--model", c.model]
         self.t0 = time.time()
-        self.coord = self._spawn([
-            "coordinator", "--listen", "127.0.0.1:0", *model_args, "--stages", str(c.stages),
-            "--min-workers", str(c.min_workers or c.workers), "--steps", str(c.steps),
-            "--micro-batches", str(c.micro_batches), "--micro-batch-size", str(c.micro_batch_size),
-            "--seq-len", str(c.seq_len), "--seed", str(c.seed), "--lr", repr(c.lr), "--min-lr", repr(min_lr),
-            "--warmup", str(c.warmup), "--weight-decay", repr(c.weight_decay), "--grad-clip", repr(c.grad_clip),
-            "--ckpt-every", str(c.ckpt_every), "--dead-after", repr(c.dead_after_s),
-            "--min-lease", repr(c.min_lease_s), "--data", data, "--out", str(self.out),
-            "--address-file", str(addr_file), *([] if c.ordered_grads else ["--unordered-grads"]),
-            *(["--dashboard", c.dashboard] if c.dashboard else []),
-            *([] if c.chunk_mb is None else ["--chunk-mb", repr(c.chunk_mb)]),
-            "--precision", c.precision, *([] if c.loss_scale is None else ["--loss-scale", repr(c.loss_scale)]),
-            *self._coordinator_emulation()], "coordinator")
-        deadline = time.time() + 60
-        while not addr_file.exists():
-            if self.coord.poll() is not None:
-                raise ShoalError(f"the coordinator exited at start; see {self.out / 'logs' / 'coordinator.log'}")
-            if time.time() > deadline:
-                raise ShoalError("the coordinator did not start within 60 s")
-            time.sleep(0.05)
-        self.address = addr_file.read_text().strip()
-        t0_file = Path(str(addr_file) + ".t0")
-        if t0_file.exists():
-            self.run_t0 = float(t0_file.read_text())
-        web_file = Path(str(addr_file) + ".dashboard")
-        if c.dashboard and web_file.exists():  # written before the address
-            self.dashboard_url = web_file.read_text().strip()
+        if c.resume:
+            # The run's settings come from its journal; a new port (every member is new).
+            self._start_coordinator(["--resume", str(self.out), "--run-id", self.run_id,
+                                     "--listen", "127.0.0.1:0"])
+        else:
+            self._start_coordinator(self._run_flags())
         if self.scenario is not None:
             # Servers listen on ports fixed now, so every process knows which scenario
             # host is behind which address (its links are shaped accordingly).
@@ -195,6 +186,82 @@ class Swarm:
             self.start_server()
         for i in range(c.workers):
             self.start_worker(i)
+
+    def _run_flags(self) -> list[str]:
+        """The coordinator flags of a new run (``shoal coordinator``)."""
+        c = self.cfg
+        min_lr = c.lr / 10 if c.min_lr is None else c.min_lr
+        # Raw text is prepared once here, into the run folder; the processes get the folder.
+        data = resolve_run_data(c.data, self.out, self._vocab())
+        model_args = ["--init-from", str(Path(c.init_from).resolve())] if c.init_from else ["--model", c.model]
+        return [
+            "--listen", "127.0.0.1:0", *model_args, "--stages", str(c.stages),
+            "--min-workers", str(c.min_workers or c.workers), "--steps", str(c.steps),
+            "--micro-batches", str(c.micro_batches), "--micro-batch-size", str(c.micro_batch_size),
+            "--seq-len", str(c.seq_len), "--seed", str(c.seed), "--lr", repr(c.lr), "--min-lr", repr(min_lr),
+            "--warmup", str(c.warmup), "--weight-decay", repr(c.weight_decay), "--grad-clip", repr(c.grad_clip),
+            "--ckpt-every", str(c.ckpt_every), "--dead-after", repr(c.dead_after_s),
+            "--min-lease", repr(c.min_lease_s), "--data", data, "--out", str(self.out),
+            *([] if c.ordered_grads else ["--unordered-grads"]),
+            *([] if c.chunk_mb is None else ["--chunk-mb", repr(c.chunk_mb)]),
+            "--precision", c.precision, *([] if c.loss_scale is None else ["--loss-scale", repr(c.loss_scale)]),
+            *self._coordinator_emulation()]
+
+    def _start_coordinator(self, args: list[str]) -> None:
+        """Start the coordinator with ``args`` (plus the address file and dashboard); wait for its address."""
+        c = self.cfg
+        addr_file = self.out / "logs" / "coordinator.address"
+        for suffix in ("", ".dashboard", ".t0", ".run_id"):
+            Path(str(addr_file) + suffix).unlink(missing_ok=True)
+        self.coord = self._spawn(["coordinator", *args, "--address-file", str(addr_file),
+                                  *(["--dashboard", c.dashboard] if c.dashboard else [])], "coordinator")
+        deadline = time.time() + 60
+        while not addr_file.exists():
+            if self.coord.poll() is not None:
+                why = self.coordinator_error()
+                raise ShoalError(f"the coordinator exited at start{f' ({why})' if why else ''}; "
+                                 f"see {self.out / 'logs' / 'coordinator.log'}")
+            if time.time() > deadline:
+                raise ShoalError("the coordinator did not start within 60 s")
+            time.sleep(0.05)
+        self.address = addr_file.read_text().strip()
+        t0_file = Path(str(addr_file) + ".t0")
+        if t0_file.exists():
+            self.run_t0 = float(t0_file.read_text())
+        web_file = Path(str(addr_file) + ".dashboard")
+        if c.dashboard and web_file.exists():  # written before the address
+            self.dashboard_url = web_file.read_text().strip()
+        id_file = Path(str(addr_file) + ".run_id")
+        if id_file.exists():
+            self.run_id = id_file.read_text().strip()
+
+    def kill_coordinator(self) -> None:
+        """kill -9 the coordinator (:meth:`wait` restarts it with ``--resume``)."""
+        if self.coord is not None and self.coord.poll() is None:
+            os.kill(self.coord.pid, signal.SIGKILL)
+            self.coord.wait()
+            self._log_kill("coordinator", "coordinator")
+
+    def restart_coordinator(self) -> None:
+        """Start the run's coordinator again with ``--resume`` on the same address.
+
+        The members keep running: they ride out the outage (heartbeats and joins are
+        retried for ``orphan_after_s``), join the new coordinator, and the run rolls back
+        to the newest step every stage checkpointed.
+        """
+        self.restarts_left -= 1
+        rc = self.coord.returncode if self.coord is not None else None
+        self._start_coordinator(["--resume", str(self.out), "--run-id", self.run_id, "--listen", self.address])
+        from shoal.train.metrics import JsonlWriter
+
+        with JsonlWriter(self.out / "events.jsonl", t0=self.run_t0 or self.t0) as w:
+            w.event("coordinator_restart", exit=rc, address=self.address)
+
+    def _should_restart(self) -> bool:
+        """Whether a coordinator that exited died (restart it) rather than ended the run."""
+        rc = self.coord.returncode
+        # 0: done; 2: a one-line error (a failed run, bad input): both are the run's end.
+        return rc not in (0, 2) and self.restarts_left > 0 and bool(self.run_id)
 
     def start_server(self) -> int:
         """Start a stage server (it takes the first vacant stage); returns its index."""
@@ -299,7 +366,10 @@ class Swarm:
     def wait(self, timeout_s: float | None = None) -> dict:
         """Wait for the coordinator to finish; return the run summary."""
         deadline = time.time() + (timeout_s or self.cfg.timeout_s)
-        while self.coord.poll() is None:
+        while self.coord.poll() is None or self._should_restart():
+            if self.coord.poll() is not None:
+                self.restart_coordinator()
+                continue
             if time.time() > deadline:
                 self.stop()
                 raise ShoalError(f"run did not finish within {timeout_s or self.cfg.timeout_s:.0f} s; "

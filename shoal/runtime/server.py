@@ -397,9 +397,19 @@ class StageServer(pbg.StageServerServicer):
             return
         if not a.known:
             # Declared dead (e.g. starved of CPU): join again as a fresh server.
+            # (Or it was restarted with --resume.) Ask for our stage back: our checkpoint
+            # folder holds it.
             log.warning("%s: the coordinator forgot us; joining again", self.name)
+            had = self.stage
             self.stage, self.version, self.ready = -1, -1, False
-            reply = await self.coord.Join(self._join_request())
+            join = self._join_request()
+            join.ckpt_stage = had
+            try:
+                reply = await self.coord.Join(join, timeout=10)
+            except grpc.aio.AioRpcError as exc:
+                log.warning("%s: joining again failed (%s); retrying", self.name, exc.code())
+                self.stage = had  # still ours to ask for on the next try
+                return
             self.member_id = reply.member_id
             self.measure_done = 0
             return
