@@ -64,6 +64,10 @@ class LaunchConfig:
     device: str = "auto"  # --device of every worker (auto: the first CUDA device, else the CPU)
     precision: str = "fp32"  # compute precision of the run: fp32, bf16 or fp16
     loss_scale: float | None = None  # fp16: initial dynamic loss scale (None: the default)
+    sync: str = "exact"  # sync policy: exact, or local (DiLoCo inside each stage; shoal.train.outer)
+    sync_every: int = 32  # local: steps between merges H
+    outer_lr: float = 0.7  # local: outer Nesterov learning rate
+    outer_momentum: float = 0.9  # local: outer Nesterov momentum
 
     def validate(self) -> None:
         if self.workers is None:
@@ -72,6 +76,9 @@ class LaunchConfig:
             raise ShoalError("--stages, --workers and --steps must be positive")
         if self.workers < self.stages and (self.min_workers or self.workers) < self.stages:
             raise ShoalError(f"--workers {self.workers} < --stages {self.stages}: every stage needs a worker")
+        from shoal.train.outer import SyncConfig
+
+        SyncConfig(self.sync, self.sync_every, self.outer_lr, self.outer_momentum).validate(self.precision)
         from shoal.train.precision import check_device_precision, check_precision, resolve_device
 
         # Checked here, once, so a bad --device is one line before any process starts.
@@ -170,6 +177,8 @@ class Swarm:
             *(["--dashboard", c.dashboard] if c.dashboard else []),
             *([] if c.chunk_mb is None else ["--chunk-mb", repr(c.chunk_mb)]),
             "--precision", c.precision, *([] if c.loss_scale is None else ["--loss-scale", repr(c.loss_scale)]),
+            "--sync", c.sync, "--sync-every", str(c.sync_every), "--outer-lr", repr(c.outer_lr),
+            "--outer-momentum", repr(c.outer_momentum),
             *self._coordinator_emulation()], "coordinator")
         deadline = time.time() + 60
         while not addr_file.exists():
