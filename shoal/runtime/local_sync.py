@@ -339,7 +339,10 @@ class LocalWorkerMixin:
             msg, data = await asyncio.get_running_loop().run_in_executor(
                 None, self._pseudo_message, rep.epoch, rep.step, rep.gen, round_v)
             res = await self._send_push(msg, data)
-            if res is None or not res.accepted:
+            if res is not None and res.accepted:
+                log.info("%s sent its pseudo-gradient for v%d covering %d micro-batches", self.opts.name, round_v,
+                         self.local_round_mbs)
+            else:
                 log.info("%s: pseudo-gradient for v%d not taken (%s); resyncing", self.opts.name, round_v,
                          "lost" if res is None else res.reason)
                 self.version = -1
