@@ -102,6 +102,24 @@ def test_launch_cli_bad_sync_is_one_line(tmp_path, capsys):
     assert err == ["error: --sync-every must be at least 1, got 0"]
 
 
+def test_demo_checks_sync_flags():
+    from shoal.demo.cli import DemoConfig
+
+    with pytest.raises(ShoalError, match="--outer-momentum must be in"):
+        DemoConfig(sync="local", outer_momentum=-0.1, dashboard=None).validate()
+    DemoConfig(sync="local", sync_every=4, dashboard=None).validate()
+
+
+def test_cli_registration_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = ("import argparse, sys; import shoal.runtime.cli as c; p = argparse.ArgumentParser(); "
+            "c.register(p.add_subparsers()); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr[-500:]
+
+
 # ---------------------------------------------------------------------------- swarms
 
 RUN = dict(model="tiny", micro_batches=4, micro_batch_size=2, seq_len=32, seed=0, lr=3e-3, warmup=2)

@@ -13,10 +13,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from shoal.errors import ShoalError
+
+if TYPE_CHECKING:  # the CLI registers --sync flags from here: no torch at import
+    import torch
 
 SYNC_MODES = ("exact", "local")
 
@@ -97,6 +99,8 @@ def outer_nesterov_step(params: Mapping[str, torch.Tensor], delta: Mapping[str, 
     ``momentum`` starts empty (zeros) and is updated in place. With ``mu = 0`` and
     ``lr = 1`` this is ``p -= d``: the merged weights are the replicas' weighted mean.
     """
+    import torch
+
     with torch.no_grad():
         for name, p in params.items():
             d = delta[name]
