@@ -67,6 +67,10 @@ class DemoConfig:
     data: tuple[str, ...] = ("corpus",)  # --data: "corpus", "synthetic", a prepared folder or raw text
     workload: dict | None = None  # shared workload flags given (shoal.train.flags); the rest: the scenario's
     dashboard: str | None = "127.0.0.1:0"  # HOST:PORT of the live web dashboard (None: none)
+    sync: str = "exact"  # --sync: exact, or local (DiLoCo inside each stage; shoal.train.outer)
+    sync_every: int = 32  # --sync-every: local mode's steps between merges H
+    outer_lr: float = 0.7  # --outer-lr: local mode's outer Nesterov learning rate
+    outer_momentum: float = 0.9  # --outer-momentum: local mode's outer Nesterov momentum
 
     def validate(self) -> None:
         """Raise :class:`ShoalError` on a bad value."""
@@ -80,6 +84,9 @@ class DemoConfig:
             raise ShoalError(f"--stages must be at least 1, got {self.stages}")
         if not self.model_task_s > 0:
             raise ShoalError(f"--task-time must be positive, got {self.model_task_s}")
+        from shoal.train.outer import SyncConfig
+
+        SyncConfig(self.sync, self.sync_every, self.outer_lr, self.outer_momentum).validate()
         if self.dashboard:
             from shoal.runtime.dashboard import parse_bind
 
@@ -385,7 +392,8 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
         **{"warmup": max(1, min(10, cfg.steps // 5)), **_optim_overrides(cfg.workload)}, data=tuple(cfg.data), ordered_grads=False, ckpt_every=CKPT_EVERY,
         dead_after_s=DEAD_AFTER_S,
         worker_args=[["--codec", codec]] * len(sc.workers), timeout_s=cfg.timeout_s, scenario=str(scen_path),
-        emulate_speedup=spec.speedup, bandwidth_scale=BANDWIDTH_SCALE, dashboard=cfg.dashboard)
+        emulate_speedup=spec.speedup, bandwidth_scale=BANDWIDTH_SCALE, dashboard=cfg.dashboard,
+        sync=cfg.sync, sync_every=cfg.sync_every, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum)
     state = LiveState(total_steps=cfg.steps)
     display = _Display(state, console, cfg.quiet)
     if not cfg.churn:
@@ -592,6 +600,9 @@ def register(subparsers) -> None:
     p.add_argument("--task-time", type=float, default=d.model_task_s, metavar="S",
                    help="emulated seconds the slowest device takes for a whole-model forward+backward "
                         f"of one micro-batch (default {d.model_task_s}); sets the time scale")
+    from shoal.train.outer import add_sync_args
+
+    add_sync_args(p)
     p.set_defaults(func=run_demo_cmd)
 
 
@@ -607,7 +618,8 @@ def run_demo_cmd(args: argparse.Namespace) -> int:
                      seed=given.pop("seed", d.seed), quiet=args.quiet, stages=args.stages,
                      model_task_s=args.task_time, workload=given or None,
                      dashboard=None if args.no_dashboard else args.dashboard,
-                     data=tuple(args.data or ("corpus",)))
+                     data=tuple(args.data or ("corpus",)), sync=args.sync, sync_every=args.sync_every,
+                     outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
     run_demo(cfg)
     sys.stdout.flush()
     return 0

@@ -33,7 +33,7 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., codec: _Optional[str] = ..., meta: _Optional[bytes] = ...) -> None: ...
 
 class RunSpec(_message.Message):
-    __slots__ = ("version", "model", "stages", "steps", "micro_batches", "micro_batch_size", "seq_len", "seed", "lr", "min_lr", "warmup", "weight_decay", "grad_clip", "ckpt_every", "dead_after_s", "min_lease_s", "max_message_bytes", "data", "ordered_grads", "chunk_bytes", "run_id", "precision", "loss_scale_init", "init_from", "model_config_json")
+    __slots__ = ("version", "model", "stages", "steps", "micro_batches", "micro_batch_size", "seq_len", "seed", "lr", "min_lr", "warmup", "weight_decay", "grad_clip", "ckpt_every", "dead_after_s", "min_lease_s", "max_message_bytes", "data", "ordered_grads", "chunk_bytes", "run_id", "precision", "loss_scale_init", "init_from", "model_config_json", "sync_mode", "sync_every", "outer_lr", "outer_momentum")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,10 @@ class RunSpec(_message.Message):
     LOSS_SCALE_INIT_FIELD_NUMBER: _ClassVar[int]
     INIT_FROM_FIELD_NUMBER: _ClassVar[int]
     MODEL_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    SYNC_MODE_FIELD_NUMBER: _ClassVar[int]
+    SYNC_EVERY_FIELD_NUMBER: _ClassVar[int]
+    OUTER_LR_FIELD_NUMBER: _ClassVar[int]
+    OUTER_MOMENTUM_FIELD_NUMBER: _ClassVar[int]
     version: int
     model: str
     stages: int
@@ -84,7 +88,11 @@ class RunSpec(_message.Message):
     loss_scale_init: float
     init_from: str
     model_config_json: str
-    def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., stages: _Optional[int] = ..., steps: _Optional[int] = ..., micro_batches: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., seed: _Optional[int] = ..., lr: _Optional[float] = ..., min_lr: _Optional[float] = ..., warmup: _Optional[int] = ..., weight_decay: _Optional[float] = ..., grad_clip: _Optional[float] = ..., ckpt_every: _Optional[int] = ..., dead_after_s: _Optional[float] = ..., min_lease_s: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., data: _Optional[str] = ..., ordered_grads: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ..., run_id: _Optional[str] = ..., precision: _Optional[str] = ..., loss_scale_init: _Optional[float] = ..., init_from: _Optional[str] = ..., model_config_json: _Optional[str] = ...) -> None: ...
+    sync_mode: str
+    sync_every: int
+    outer_lr: float
+    outer_momentum: float
+    def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., stages: _Optional[int] = ..., steps: _Optional[int] = ..., micro_batches: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., seed: _Optional[int] = ..., lr: _Optional[float] = ..., min_lr: _Optional[float] = ..., warmup: _Optional[int] = ..., weight_decay: _Optional[float] = ..., grad_clip: _Optional[float] = ..., ckpt_every: _Optional[int] = ..., dead_after_s: _Optional[float] = ..., min_lease_s: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., data: _Optional[str] = ..., ordered_grads: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ..., run_id: _Optional[str] = ..., precision: _Optional[str] = ..., loss_scale_init: _Optional[float] = ..., init_from: _Optional[str] = ..., model_config_json: _Optional[str] = ..., sync_mode: _Optional[str] = ..., sync_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("role", "address", "flops", "name", "ckpt_version", "ckpt_stage", "schema", "device", "will_measure", "region", "up_bps", "down_bps")
@@ -362,7 +370,7 @@ class LeaseRequest(_message.Message):
     def __init__(self, worker: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class LeaseReply(_message.Message):
-    __slots__ = ("has_task", "task", "version", "gen", "flush", "epoch", "step", "wrong_stage")
+    __slots__ = ("has_task", "task", "version", "gen", "flush", "epoch", "step", "wrong_stage", "local_step", "local_lr", "local_coef", "local_skip", "local_sync", "local_merged")
     HAS_TASK_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -371,6 +379,12 @@ class LeaseReply(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     WRONG_STAGE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_LR_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_COEF_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_SKIP_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_SYNC_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_MERGED_FIELD_NUMBER: _ClassVar[int]
     has_task: bool
     task: Task
     version: int
@@ -379,7 +393,13 @@ class LeaseReply(_message.Message):
     epoch: int
     step: int
     wrong_stage: bool
-    def __init__(self, has_task: _Optional[bool] = ..., task: _Optional[_Union[Task, _Mapping]] = ..., version: _Optional[int] = ..., gen: _Optional[int] = ..., flush: _Optional[bool] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., wrong_stage: _Optional[bool] = ...) -> None: ...
+    local_step: int
+    local_lr: float
+    local_coef: float
+    local_skip: bool
+    local_sync: bool
+    local_merged: int
+    def __init__(self, has_task: _Optional[bool] = ..., task: _Optional[_Union[Task, _Mapping]] = ..., version: _Optional[int] = ..., gen: _Optional[int] = ..., flush: _Optional[bool] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., wrong_stage: _Optional[bool] = ..., local_step: _Optional[int] = ..., local_lr: _Optional[float] = ..., local_coef: _Optional[float] = ..., local_skip: _Optional[bool] = ..., local_sync: _Optional[bool] = ..., local_merged: _Optional[int] = ...) -> None: ...
 
 class TaskResult(_message.Message):
     __slots__ = ("worker", "step", "mb", "direction", "epoch", "lease_id", "output", "loss", "compute_s")
@@ -414,20 +434,28 @@ class CompleteReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., gen: _Optional[int] = ...) -> None: ...
 
 class GradPush(_message.Message):
-    __slots__ = ("worker", "step", "epoch", "gen", "mbs", "grads")
+    __slots__ = ("worker", "step", "epoch", "gen", "mbs", "grads", "local_done", "local_sq_norm", "local_round", "local_mbs")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     GEN_FIELD_NUMBER: _ClassVar[int]
     MBS_FIELD_NUMBER: _ClassVar[int]
     GRADS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_DONE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_SQ_NORM_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_ROUND_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_MBS_FIELD_NUMBER: _ClassVar[int]
     worker: str
     step: int
     epoch: int
     gen: int
     mbs: _containers.RepeatedScalarFieldContainer[int]
     grads: _containers.RepeatedCompositeFieldContainer[Tensor]
-    def __init__(self, worker: _Optional[str] = ..., step: _Optional[int] = ..., epoch: _Optional[int] = ..., gen: _Optional[int] = ..., mbs: _Optional[_Iterable[int]] = ..., grads: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+    local_done: bool
+    local_sq_norm: float
+    local_round: int
+    local_mbs: int
+    def __init__(self, worker: _Optional[str] = ..., step: _Optional[int] = ..., epoch: _Optional[int] = ..., gen: _Optional[int] = ..., mbs: _Optional[_Iterable[int]] = ..., grads: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., local_done: _Optional[bool] = ..., local_sq_norm: _Optional[float] = ..., local_round: _Optional[int] = ..., local_mbs: _Optional[int] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("accepted", "reason", "gen")

@@ -51,6 +51,9 @@ def _run_args(p: argparse.ArgumentParser, launch: bool = False) -> None:
                    help="workers push one summed gradient per step (less traffic; parity only up to "
                         "float summation order) instead of one per micro-batch")
     add_data_args(p, runtime=True)
+    from shoal.train.outer import add_sync_args
+
+    add_sync_args(p)
     p.add_argument("--chunk-mb", type=float, default=None,
                    help="MB per chunk of streamed weight pulls, gradient pushes, results and relays "
                         "(default 4; members may override it)")
@@ -264,6 +267,9 @@ def _spec(args):
     from shoal.data.prepare import resolve_run_data
 
     data = resolve_run_data(args.data, getattr(args, "out", None), cfg.vocab_size)
+    from shoal.train.outer import sync_from_args
+
+    sync = sync_from_args(args, args.precision or "fp32")
     return pb.RunSpec(
         version=1, model=cfg.name if init_from else w.model, stages=args.stages, steps=w.steps, micro_batches=w.micro_batches,
         micro_batch_size=w.micro_batch_size, seq_len=w.seq_len, seed=w.seed, lr=w.lr,
@@ -272,7 +278,8 @@ def _spec(args):
         max_message_bytes=256 * 1024 * 1024, data=data, ordered_grads=not args.unordered_grads,
         chunk_bytes=chunk_bytes_from_mb(args.chunk_mb),
         precision=args.precision or "fp32", loss_scale_init=loss_scale,
-        init_from=init_from or "", model_config_json=json.dumps(cfg.to_dict()) if init_from else "")
+        init_from=init_from or "", model_config_json=json.dumps(cfg.to_dict()) if init_from else "",
+        sync_mode=sync.mode, sync_every=sync.sync_every, outer_lr=sync.outer_lr, outer_momentum=sync.outer_momentum)
 
 
 # Coordinator options a run's journal keeps, with their flag defaults: `--resume` takes
@@ -443,7 +450,8 @@ def run_launch_cmd(args) -> int:
         timeout_s=args.timeout, scenario=args.scenario,
         ordered_grads=not args.unordered_grads, emulate_speedup=args.emulate_speedup,
         dashboard=None if args.no_dashboard else args.dashboard, chunk_mb=args.chunk_mb,
-        device=args.device or "auto", precision=args.precision or "fp32", loss_scale=args.loss_scale)
+        device=args.device or "auto", precision=args.precision or "fp32", loss_scale=args.loss_scale,
+        sync=args.sync, sync_every=args.sync_every, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
     if cfg.dashboard:
         from shoal.runtime.dashboard import parse_bind
 

@@ -69,6 +69,10 @@ class LaunchConfig:
     resume: bool = False  # continue the newest run in `out` (or `run_id`) from its journal; run settings ignored
     run_id: str | None = None  # with resume: the run to continue (None: the newest)
     coordinator_restarts: int = 3  # a coordinator that dies (not a failed run) is restarted with --resume this often
+    sync: str = "exact"  # sync policy: exact, or local (DiLoCo inside each stage; shoal.train.outer)
+    sync_every: int = 32  # local: steps between merges H
+    outer_lr: float = 0.7  # local: outer Nesterov learning rate
+    outer_momentum: float = 0.9  # local: outer Nesterov momentum
 
     def validate(self) -> None:
         if self.workers is None:
@@ -77,6 +81,9 @@ class LaunchConfig:
             raise ShoalError("--stages, --workers and --steps must be positive")
         if self.workers < self.stages and (self.min_workers or self.workers) < self.stages:
             raise ShoalError(f"--workers {self.workers} < --stages {self.stages}: every stage needs a worker")
+        from shoal.train.outer import SyncConfig
+
+        SyncConfig(self.sync, self.sync_every, self.outer_lr, self.outer_momentum).validate(self.precision)
         from shoal.train.precision import check_device_precision, check_precision, resolve_device
 
         # Checked here, once, so a bad --device is one line before any process starts.
@@ -205,6 +212,8 @@ class Swarm:
             *([] if c.ordered_grads else ["--unordered-grads"]),
             *([] if c.chunk_mb is None else ["--chunk-mb", repr(c.chunk_mb)]),
             "--precision", c.precision, *([] if c.loss_scale is None else ["--loss-scale", repr(c.loss_scale)]),
+            "--sync", c.sync, "--sync-every", str(c.sync_every), "--outer-lr", repr(c.outer_lr),
+            "--outer-momentum", repr(c.outer_momentum),
             *self._coordinator_emulation()]
 
     def _start_coordinator(self, args: list[str]) -> None:

@@ -63,6 +63,7 @@ from shoal.runtime.common import (
     set_threads,
     stage_ckpt_loss_scale,
 )
+from shoal.runtime.local_sync import LocalServerMixin
 from shoal.runtime.stats import StepTiming
 from shoal.train.optim import apply_update, grad_sq_norm, make_optimizer
 from shoal.train.precision import unscale_grads, wire_dtype
@@ -81,6 +82,8 @@ class MbState:
     holder: str = ""  # worker holding the grad lease or the computed gradient
     loss: float | None = None  # last stage: the micro-batch loss
     relayed_back: bool = False  # the input gradient went to the previous stage
+    fwd_by: str = ""  # local mode: the worker whose replica ran the forward (gets the backward)
+    fwd_gen: int = 0  # that worker's generation then
 
 
 @dataclass
@@ -101,7 +104,7 @@ class WorkerInfo:
     ewma_s: float | None = None  # task time estimate for lease deadlines
 
 
-class StageServer(pbg.StageServerServicer):
+class StageServer(LocalServerMixin, pbg.StageServerServicer):
     """State and RPC handlers of one stage server."""
 
     def __init__(self, coord: str, listen: str, token: str, ckpt_root: str, *,
@@ -210,6 +213,7 @@ class StageServer(pbg.StageServerServicer):
         self.params = dict(module.named_parameters())
         self.version = version
         self.step = version
+        self._local_reset(version)
         self.steps = {}
         self.pushes = []
         self.committing = False
@@ -479,6 +483,7 @@ class StageServer(pbg.StageServerServicer):
             for mb, st in mbs.items():
                 if st.grad == "computed" and st.holder == wid:
                     self._requeue(step, mb, pb.BWD)
+        self._local_forget(wid)
         log.info("%s voided worker %s (%s)", self.name, wid, why)
 
     async def _reaper(self) -> None:
@@ -513,7 +518,7 @@ class StageServer(pbg.StageServerServicer):
         mbs = self.steps.get(self.step, {})
         choice = None
         for mb in sorted(mbs):
-            if mbs[mb].grad == "todo":
+            if mbs[mb].grad == "todo" and self._local_bwd_ok(mbs[mb], wid):
                 choice = (mb, pb.FWDBWD if self.is_last else pb.BWD)
                 break
         if choice is None:
@@ -556,13 +561,15 @@ class StageServer(pbg.StageServerServicer):
         while True:
             task = self._pick(request.worker)
             flush = self._should_flush(request.worker)
-            if task is not None or flush or time.monotonic() >= deadline or self.done:
+            if task is not None or flush or time.monotonic() >= deadline or self.done or self._local_wants(
+                    request.worker):
                 break
             await self.cond.wait(deadline - time.monotonic())
         reply = pb.LeaseReply(has_task=task is not None, version=self.version, gen=info.gen,
                               flush=flush, epoch=self.epoch, step=self.step)
         if task is not None:
             reply.task.CopyFrom(task)
+        self._local_fill(reply, request.worker)
         return reply
 
     def _check_lease(self, r) -> tuple[Lease | None, str]:
@@ -602,6 +609,7 @@ class StageServer(pbg.StageServerServicer):
         self.tasks_per_worker[r.worker] = self.tasks_per_worker.get(r.worker, 0) + 1
         if r.direction == pb.FWD:
             st.fwd = "done"
+            st.fwd_by, st.fwd_gen = r.worker, info.gen
             self._spawn(self._relay(self.stage + 1, pb.Relay(
                 step=r.step, mb=r.mb, epoch=self.epoch, direction=pb.FWD,
                 tensor=encode_tensor("act", out))))
@@ -626,6 +634,8 @@ class StageServer(pbg.StageServerServicer):
         info = self._worker(r.worker)
         self.stats["messages"] += 1
         self.stats["bytes_in"] += sum(len(g.data) for g in r.grads)
+        if r.local_done or r.local_round:
+            return await self._local_push(r, info)
         mbs = self.steps.get(r.step, {})
         ids = list(r.mbs)
         identity = (r.worker, r.epoch, r.step, r.gen, tuple(ids))
@@ -692,7 +702,8 @@ class StageServer(pbg.StageServerServicer):
             self._worker(request.worker)
         if self.version < 0:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "stage not loaded yet")
-        reply = pb.WeightsReply(version=self.version, epoch=self.epoch, first=self.first, last=self.last)
+        reply = pb.WeightsReply(version=self.published_version(), epoch=self.epoch, first=self.first,
+                                last=self.last)
         for name, p in self.params.items():
             reply.params.append(encode_tensor(name, p.detach()))
         return reply
@@ -757,10 +768,10 @@ class StageServer(pbg.StageServerServicer):
         the bytes are exactly the weights of the version they are labelled with.
         """
         async with self._wlock:
-            key = (self.version, self.epoch, self.stage)
+            key = (self.published_version(), self.epoch, self.stage)
             if self._wcache is None or self._wcache[0] != key:
                 self._wcache = None  # drop the old bytes before making the new
-                head = pb.WeightsReply(version=self.version, epoch=self.epoch, first=self.first, last=self.last)
+                head = pb.WeightsReply(version=key[0], epoch=self.epoch, first=self.first, last=self.last)
                 data = await asyncio.get_running_loop().run_in_executor(
                     None, _serialise_weights, head, dict(self.params))
                 self._wcache = (key, data)
@@ -880,7 +891,8 @@ class StageServer(pbg.StageServerServicer):
             # fp16: the pushes hold gradients of the loss times the step's scale.
             unscale_grads(self.params.values(), self.loss_scale)
             report = pb.StepReport(member_id=self.member_id, stage=self.stage, step=step, epoch=epoch,
-                                   sq_norm=grad_sq_norm(self.params.values()), requeues=self.requeues)
+                                   sq_norm=self._local_sq_norm() if self.local else grad_sq_norm(self.params.values()),
+                                   requeues=self.requeues)
             if self.is_last:
                 report.losses.extend(mbs[mb].loss for mb in sorted(mbs))
             for w, n in self.tasks_per_worker.items():
@@ -898,8 +910,16 @@ class StageServer(pbg.StageServerServicer):
                 if d.ready:
                     break
             self.timing.decided = time.monotonic()
+            merged = False
+            if self.local:
+                # Workers apply the decision to their replicas; the weights here change only by merges.
+                merged = await self._local_commit(step, epoch, d)
+                if merged is None:
+                    return
             async with self._wlock:
-                if d.skip:
+                if self.local:
+                    pass
+                elif d.skip:
                     # fp16 overflow at some stage: every stage skips the update of this step.
                     self.opt.zero_grad(set_to_none=True)
                 else:
@@ -909,7 +929,8 @@ class StageServer(pbg.StageServerServicer):
                 self._wcache = None  # the serialised weights of the old version
                 self.version = step + 1
             self.last_split = self.timing.split(time.monotonic())
-            if self.spec.ckpt_every > 0 and self.version % self.spec.ckpt_every == 0:
+            if (self._local_ckpt_due(merged) if self.local else
+                    self.spec.ckpt_every > 0 and self.version % self.spec.ckpt_every == 0):
                 path = save_stage_ckpt(self.ckpt_root, self.stage, self.version, self.module, self.opt,
                                        run_id=self.spec.run_id, layers=(self.first, self.last),
                                        loss_scale=self.loss_scale)

@@ -40,6 +40,7 @@ from shoal.runtime.common import (
     run_precision,
     set_threads,
 )
+from shoal.runtime.local_sync import LocalWorkerMixin
 from shoal.train.precision import (
     autocast,
     backward_loss,
@@ -153,7 +154,7 @@ def task_flops(direction: int, fwd: float, bwd: float, recomputed: bool) -> floa
     return (2 * fwd + bwd) if recomputed else (fwd + bwd)
 
 
-class Worker:
+class Worker(LocalWorkerMixin):
     """One worker process's state."""
 
     def __init__(self, coord: str, token: str, opts: WorkerOptions, *, dial=None, pacer=None):
@@ -370,6 +371,7 @@ class Worker:
         self.n_params = sum(p.numel() for p in self.params.values())
         self.version = -1
         self._drop_acc()
+        self._local_reset()
         if self.ef is not None:
             self.ef.reset()  # residuals of the old stage's parameters
 
@@ -514,23 +516,32 @@ class Worker:
                           traffic=self.traffic)
         if self.acc_key is not None and self.acc_key != (rep.epoch, rep.step, rep.gen):
             self._drop_acc()  # voided by the server, or a roll-back
+        if self.local:
+            self._local_check_gen(rep)
         if rep.flush and self.acc_key is not None:
             if self.hangs and self._claim_hang("hang_before_push", rep.step, held=sorted(self.acc_mbs)):
                 while True:
                     await asyncio.sleep(3600)
-            await self._push()
+            await (self._local_done() if self.local else self._push())
         elif rep.flush:
             # The server awaits gradients we do not hold (a push or a result reply was
             # lost): release them so they are redone rather than awaited forever.
             await self._release(rep.epoch, rep.step, rep.gen)
+        if self.local:
+            await self._local_tick(rep)
         if not rep.has_task:
             return
         task = rep.task
         self.held.add(task.lease_id)
         try:
-            if self.version != task.step or self.weights_epoch != task.epoch:
+            if self.local:
+                if self._local_needs_pull(rep, task):
+                    await self._local_pull()
+                if self._local_needs_pull(rep, task):
+                    return  # a newer merge came meanwhile; the lease will be dropped
+            elif self.version != task.step or self.weights_epoch != task.epoch:
                 await self._pull()
-            if self.version != task.step:
+            if not self.local and self.version != task.step:
                 return  # the server moved on; the lease will be dropped
             t0 = time.perf_counter()
             loop = asyncio.get_running_loop()

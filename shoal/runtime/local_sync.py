@@ -1,0 +1,357 @@
+"""Local-update mode (``--sync local``) in the runtime: the stage server's and the worker's parts.
+
+The task pool, relays, leases and the coordinator's per-step decision (learning rate and
+global clip coefficient) are those of exact mode. What changes:
+
+* a worker keeps its own replica of its stage and an inner AdamW (shoal.train.optim).
+  When the server says ``flush`` it does not push its gradient: it reports the
+  micro-batches it covered and the squared norm of its gradient (``local_done``), and
+  once the server relays the step's decision (``LeaseReply.local_*``) it takes one inner
+  AdamW step with it. A worker that covered no micro-batch of a step takes no step;
+* the server counts micro-batches per worker for the round; at the commit of every
+  H-th step (and the last) it asks each worker that covered micro-batches in the round
+  for its pseudo-gradient (weights at the last merge minus its weights now), merges
+  them weighted by micro-batches and applies an outer Nesterov step
+  (shoal.train.outer) to its weights, which become the next published version;
+* a backward task goes to the worker that ran the micro-batch's forward (its replica
+  made that activation); only when that worker is gone does another recompute it.
+
+The pure decisions are small functions here and in shoal.train.outer; the classes are
+mixins of :class:`shoal.runtime.server.StageServer` and :class:`shoal.runtime.worker.Worker`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+
+import torch
+
+from shoal.net import shoal_pb2 as pb
+from shoal.net.wire import WireError, encode_tensor
+from shoal.runtime.common import optim_config, tensors_digest
+from shoal.train.optim import apply_update, make_optimizer
+from shoal.train.outer import is_sync_step, merge_pseudo_grads, outer_nesterov_step, sync_of_spec
+
+log = logging.getLogger("shoal.local")
+
+
+def replica_sq_norm(counts_sq: dict[str, tuple[int, float]], micro_batches: int) -> float:
+    """The squared gradient norm a stage reports in local mode: each replica's squared norm
+    weighted by its share of the step's micro-batches (one replica: exactly its own)."""
+    return sum((n / micro_batches) * sq for n, sq in counts_sq.values())
+
+
+def mean_scale(micro_batches: int, covered: int) -> float:
+    """Factor turning a replica's summed gradient (each micro-batch's loss divided by M) into
+    the gradient of the mean loss over the micro-batches it covered."""
+    return micro_batches / covered
+
+
+def bwd_owner_free(owner_known: bool, owner_gen_same: bool, owner_alive: bool) -> bool:
+    """Whether a backward task may go to a worker other than the one that ran its forward:
+    only when that worker is gone (unknown, voided since, or silent)."""
+    return not (owner_known and owner_gen_same and owner_alive)
+
+
+class LocalServerMixin:
+    """Stage-server state and handlers of local mode (no effect in exact mode)."""
+
+    local_merged = -1  # until the first load (see _local_reset)
+    local_decision = None
+    local_expect = None
+
+    @property
+    def local(self) -> bool:
+        return self.spec is not None and sync_of_spec(self.spec).local
+
+    def _local_reset(self, version: int) -> None:
+        """A (re)load at ``version``: the weights are the merged weights of that version."""
+        self.local_merged = version  # version of the merged weights served
+        self.local_round_mbs: dict[str, int] = {}  # micro-batches counted per worker this round
+        self.local_sq: dict[str, tuple[int, float]] = {}  # worker -> (mbs, squared norm) this step
+        self.local_decision: tuple[int, float, float, bool] | None = None  # (step, lr, coef, skip)
+        self.local_expect: set[str] | None = None  # workers whose pseudo-gradient the merge awaits
+        self.local_got: dict[str, dict[str, torch.Tensor]] = {}  # pseudo-gradients received
+        self.outer_m: dict[str, torch.Tensor] = {}  # outer Nesterov momentum (not checkpointed)
+        self.local_ckpt_last = version
+
+    def published_version(self) -> int:
+        """Version label of the weights this server serves (local: the last merge)."""
+        return self.local_merged if self.local else self.version
+
+    def _local_bwd_ok(self, st, wid: str) -> bool:
+        """Local mode: a backward task waits for the worker that ran its forward, while it lives."""
+        if not self.local or self.is_last or not st.fwd_by or st.fwd_by == wid:
+            return True
+        owner = self.workers.get(st.fwd_by)
+        alive = owner is not None and time.monotonic() - owner.last_seen <= self.spec.dead_after_s
+        return bwd_owner_free(owner is not None, owner is not None and owner.gen == st.fwd_gen, alive)
+
+    def _local_forget(self, wid: str) -> None:
+        """A voided worker loses its un-merged progress: it drops out of the round."""
+        if not self.local or not hasattr(self, "local_round_mbs"):
+            return
+        self.local_round_mbs.pop(wid, None)
+        self.local_sq.pop(wid, None)
+        if self.local_expect is not None and wid not in self.local_got:
+            self.local_expect.discard(wid)
+
+    def _local_wants(self, wid: str) -> bool:
+        """Whether the merge awaits ``wid``'s pseudo-gradient (wakes its long-poll)."""
+        return (self.local and self.local_expect is not None and wid in self.local_expect
+                and wid not in self.local_got)
+
+    def _local_fill(self, reply: pb.LeaseReply, wid: str) -> None:
+        """The local-mode fields of a lease reply: the newest decision, sync request, merged version."""
+        if not self.local:
+            return
+        reply.local_merged = self.local_merged
+        reply.local_step = -1
+        if self.local_decision is not None:
+            reply.local_step, reply.local_lr, reply.local_coef, reply.local_skip = self.local_decision
+        reply.local_sync = self._local_wants(wid)
+
+    def _local_sq_norm(self) -> float:
+        return replica_sq_norm(self.local_sq, self.spec.micro_batches)
+
+    async def _local_push(self, r: pb.GradPush, info) -> pb.PushReply:
+        """A ``local_done`` report or a pseudo-gradient (``local_round``) from a worker."""
+        if r.local_round:
+            return await self._local_pseudo(r, info)
+        mbs = self.steps.get(r.step, {})
+        ids = list(r.mbs)
+        identity = (r.worker, r.epoch, r.step, r.gen, tuple(ids))
+        if ids and identity in self.pushed:
+            return pb.PushReply(accepted=True, reason="duplicate of a counted report", gen=info.gen)
+        if r.epoch != self.epoch or r.step != self.step or r.gen != info.gen:
+            return pb.PushReply(accepted=False, reason="stale report (step, epoch or generation)", gen=info.gen)
+        ok = (ids and len(ids) == len(set(ids)) and math.isfinite(r.local_sq_norm) and r.local_sq_norm >= 0
+              and all(mb in mbs and mbs[mb].grad == "computed" and mbs[mb].holder == r.worker for mb in ids))
+        if not ok:
+            self._void_worker(r.worker, "bad local report (micro-batches not held or bad norm)")
+            async with self.cond:
+                self.cond.notify_all()
+            return pb.PushReply(accepted=False, reason="report covers micro-batches not held", gen=info.gen)
+        self.pushed.add(identity)
+        n_before = self.local_sq.get(r.worker, (0, 0.0))[0]
+        # The worker's norm covers everything it holds of the step (a second report adds mbs).
+        self.local_sq[r.worker] = (n_before + len(ids), float(r.local_sq_norm))
+        self.local_round_mbs[r.worker] = self.local_round_mbs.get(r.worker, 0) + len(ids)
+        for mb in ids:
+            mbs[mb].grad = "counted"
+        if all(st.grad == "counted" for st in mbs.values()) and not self.committing:
+            self.committing = True
+            self.timing.all_counted = time.monotonic()
+            self._spawn(self._commit(self.step, self.epoch))
+        async with self.cond:
+            self.cond.notify_all()
+        return pb.PushReply(accepted=True, gen=info.gen)
+
+    async def _local_pseudo(self, r: pb.GradPush, info) -> pb.PushReply:
+        round_v = self.step + 1
+        if r.epoch == self.epoch and r.local_round == round_v and r.worker in self.local_got:
+            return pb.PushReply(accepted=True, reason="duplicate pseudo-gradient", gen=info.gen)
+        if r.epoch != self.epoch or r.local_round != round_v or not self._local_wants(r.worker):
+            return pb.PushReply(accepted=False, reason="no merge awaits this pseudo-gradient; pull the "
+                                                       "merged weights", gen=info.gen)
+        from shoal.runtime.server import _decode_grads
+
+        try:
+            deltas = await asyncio.get_running_loop().run_in_executor(None, _decode_grads, r, self.params, True)
+        except WireError as exc:
+            log.warning("%s rejected a pseudo-gradient of %s: %s", self.name, r.worker, exc)
+            self._void_worker(r.worker, f"bad pseudo-gradient: {exc}")
+            async with self.cond:
+                self.cond.notify_all()
+            return pb.PushReply(accepted=False, reason=f"rejected: {exc}", gen=info.gen)
+        if r.epoch != self.epoch or r.local_round != self.step + 1 or not self._local_wants(r.worker):
+            return pb.PushReply(accepted=False, reason="the merge moved on while it was checked", gen=info.gen)
+        self.local_got[r.worker] = deltas
+        async with self.cond:
+            self.cond.notify_all()
+        return pb.PushReply(accepted=True, gen=info.gen)
+
+    async def _local_commit(self, step: int, epoch: int, d: pb.StepDecision) -> bool | None:
+        """After the coordinator's decision: publish it to the workers and, at the end of a
+        round, collect the pseudo-gradients and merge. True: merged; False: no merge this
+        step; None: the epoch moved on."""
+        self.local_decision = (step, d.lr, d.coef, bool(d.skip))
+        self.local_sq = {}
+        if not is_sync_step(step, self.spec.sync_every, self.spec.steps):
+            return False
+        self.local_expect = {w for w, n in self.local_round_mbs.items() if n > 0}
+        self.local_got = {}
+        async with self.cond:
+            self.cond.notify_all()
+        since = time.monotonic()
+        while self.local_expect - set(self.local_got):
+            if self.epoch != epoch:
+                return None
+            if time.monotonic() - since > self.flush_grace_s:
+                for wid in sorted(self.local_expect - set(self.local_got)):
+                    self._void_worker(wid, f"sent no pseudo-gradient {self.flush_grace_s:.0f} s into the merge")
+                break
+            await self.cond.wait(0.5)
+        if self.epoch != epoch:
+            return None
+        counts = {w: self.local_round_mbs.get(w, 0) for w in self.local_got}
+        async with self._wlock:
+            digest = await asyncio.get_running_loop().run_in_executor(None, self._local_merge, counts)
+            self._wcache = None
+            self.local_merged = step + 1
+        log.info("%s local merge %s", self.name, json.dumps({
+            "stage": self.stage, "version": step + 1, "epoch": epoch, "contributors": counts,
+            "digest": digest}, sort_keys=True))
+        self.local_round_mbs = {}
+        self.local_expect = None
+        self.local_got = {}
+        return True
+
+    def _local_merge(self, counts: dict[str, int]) -> str:
+        """Merge the received pseudo-gradients into the weights (in a thread); their digest."""
+        delta = merge_pseudo_grads(self.local_got, counts)
+        if delta is not None:
+            outer_nesterov_step({n: p.data for n, p in self.params.items()}, delta, self.outer_m,
+                                self.spec.outer_lr, self.spec.outer_momentum)
+        return tensors_digest({n: p.detach() for n, p in self.params.items()})
+
+    def _local_ckpt_due(self, merged: bool) -> bool:
+        """Local mode checkpoints merged weights only, at the first merge past each K steps."""
+        k = self.spec.ckpt_every
+        if not merged or k <= 0 or self.version // k <= self.local_ckpt_last // k:
+            return False
+        self.local_ckpt_last = self.version
+        return True
+
+
+class LocalWorkerMixin:
+    """Worker state and steps of local mode (no effect in exact mode)."""
+
+    @property
+    def local(self) -> bool:
+        return sync_of_spec(self.spec).local
+
+    def _local_reset(self) -> None:
+        """A new stage: a fresh inner AdamW over the replica; nothing pending."""
+        self.inner_opt = make_optimizer(self.module.named_parameters(), optim_config(self.spec)) if self.local else None
+        self.anchor: dict[str, torch.Tensor] = {}  # the merged weights the replica started the round from
+        self.local_round_mbs = 0  # micro-batches applied to the replica since the anchor
+        self.pending: tuple[int, int, dict[str, torch.Tensor], int] | None = None  # (epoch, step, sum, mbs)
+        self.local_gen: int | None = None  # server generation the replica belongs to
+        self.local_sent: tuple[int, int] | None = None  # (epoch, round) of the last pseudo-gradient sent
+
+    def _local_check_gen(self, rep: pb.LeaseReply) -> None:
+        """Voided by the server (or a roll-back): the replica's un-merged progress is dropped."""
+        if self.local_gen is not None and rep.gen != self.local_gen:
+            log.info("%s: voided by the server; dropping the replica's un-merged progress", self.opts.name)
+            self.version = -1
+            self.pending = None
+        self.local_gen = rep.gen
+
+    def _local_needs_pull(self, rep: pb.LeaseReply, task: pb.Task) -> bool:
+        return self.version < 0 or self.version != rep.local_merged or self.weights_epoch != task.epoch
+
+    async def _local_pull(self) -> None:
+        """Pull the merged weights; they become the anchor of the replica's round."""
+        await self._pull()
+        self.anchor = {n: p.detach().clone() for n, p in self.params.items()}
+        self.local_round_mbs = 0
+        self.pending = None
+        log.info("%s pulled merged weights v%d digest %s", self.opts.name, self.version,
+                 tensors_digest({n: t.cpu() for n, t in self.anchor.items()}))
+
+    def _local_sum(self) -> tuple[dict[str, torch.Tensor], int]:
+        """The accumulated gradient of the step in micro-batch order (plus any earlier report)."""
+        if self.spec.ordered_grads:
+            total: dict[str, torch.Tensor] = {}
+            for mb in sorted(self.acc_per_mb):
+                for n, g in self.acc_per_mb[mb].items():
+                    if n in total:
+                        total[n].add_(g)
+                    else:
+                        total[n] = g.clone()
+        else:
+            total = self.acc
+        n = len(self.acc_mbs)
+        epoch, step, _ = self.acc_key
+        if self.pending is not None and self.pending[:2] == (epoch, step):
+            for name, g in self.pending[2].items():
+                total[name].add_(g)
+            n += self.pending[3]
+        return total, n
+
+    def _local_report(self) -> tuple[dict[str, torch.Tensor], int, float]:
+        total, n = self._local_sum()
+        scale = mean_scale(self.spec.micro_batches, n)
+        sq = sum(float((g * scale if scale != 1.0 else g).detach().double().pow(2).sum()) for g in total.values())
+        return total, n, sq
+
+    async def _local_done(self) -> None:
+        """Report the step's micro-batches (no tensors); keep the gradient for the inner step."""
+        epoch, step, gen = self.acc_key
+        mbs = sorted(self.acc_mbs)
+        try:
+            total, n, sq = await asyncio.get_running_loop().run_in_executor(None, self._local_report)
+            msg = pb.GradPush(worker=self.member_id, step=step, epoch=epoch, gen=gen, mbs=mbs, local_done=True,
+                              local_sq_norm=sq)
+            rep = await self._send_push(msg, msg.SerializeToString())
+            if rep is None:
+                await self._release(epoch, step, gen)
+            elif rep.accepted:
+                self.pending = (epoch, step, total, n)
+            else:
+                log.info("%s: local report refused: %s", self.opts.name, rep.reason)
+        finally:
+            self._drop_acc()
+
+    def _inner_step(self, total: dict[str, torch.Tensor], n: int, lr: float, coef: float, skip: bool) -> None:
+        """One inner AdamW step on the replica with the mean gradient of its micro-batches."""
+        scale = mean_scale(self.spec.micro_batches, n)
+        for name, p in self.params.items():
+            g = total[name]
+            p.grad = g.mul_(scale) if scale != 1.0 else g
+        if skip:
+            self.inner_opt.zero_grad(set_to_none=True)
+        else:
+            apply_update(self.inner_opt, lr, coef)
+
+    async def _local_tick(self, rep: pb.LeaseReply) -> None:
+        """Apply a pending inner step once its decision arrives; send the pseudo-gradient when asked."""
+        if self.pending is not None:
+            pe, ps, total, n = self.pending
+            if rep.epoch != pe or rep.local_step > ps or rep.step > ps + 1:
+                log.info("%s: missed the decision of step %d; its gradient is dropped", self.opts.name, ps)
+                self.pending = None
+            elif rep.local_step == ps:
+                self.pending = None
+                await asyncio.get_running_loop().run_in_executor(
+                    None, self._inner_step, total, n, rep.local_lr, rep.local_coef, rep.local_skip)
+                self.local_round_mbs += n
+                self.graphs.clear()  # graphs of the old replica weights
+        round_v = rep.local_step + 1
+        if (rep.local_sync and self.pending is None and self.local_sent != (rep.epoch, round_v)
+                and self.version >= 0 and self.weights_epoch == rep.epoch and self.anchor):
+            self.local_sent = (rep.epoch, round_v)
+            msg, data = await asyncio.get_running_loop().run_in_executor(
+                None, self._pseudo_message, rep.epoch, rep.step, rep.gen, round_v)
+            res = await self._send_push(msg, data)
+            if res is not None and res.accepted:
+                log.info("%s sent its pseudo-gradient for v%d covering %d micro-batches", self.opts.name, round_v,
+                         self.local_round_mbs)
+            else:
+                log.info("%s: pseudo-gradient for v%d not taken (%s); resyncing", self.opts.name, round_v,
+                         "lost" if res is None else res.reason)
+                self.version = -1
+
+    def _pseudo_message(self, epoch: int, step: int, gen: int, round_v: int) -> tuple[pb.GradPush, bytes]:
+        """The replica's pseudo-gradient (anchor minus weights now), framed raw fp32."""
+        msg = pb.GradPush(worker=self.member_id, step=step, epoch=epoch, gen=gen, local_round=round_v,
+                          local_mbs=self.local_round_mbs)
+        for name, p in self.params.items():
+            delta = self.anchor[name] - p.detach()
+            msg.grads.append(encode_tensor(name, delta.cpu()))
+        return msg, msg.SerializeToString()

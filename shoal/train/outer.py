@@ -1,0 +1,142 @@
+"""Local-update mode (DiLoCo inside each stage): settings and the outer step's pure math.
+
+Each worker trains its own replica of its stage with an inner AdamW; every ``sync_every``
+steps it sends its *pseudo-gradient* (weights at the last sync minus its weights now) with
+the number of micro-batches it covered. The stage server averages the pseudo-gradients,
+weighted by those counts (:func:`merge_weights`, :func:`merge_pseudo_grads`), and applies
+one outer Nesterov-momentum step to the last merged weights (:func:`outer_nesterov_step`).
+These functions hold no state of their own so they can be tested by hand.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from shoal.errors import ShoalError
+
+if TYPE_CHECKING:  # the CLI registers --sync flags from here: no torch at import
+    import torch
+
+SYNC_MODES = ("exact", "local")
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    """How the runtime keeps the workers of a stage in step (``--sync`` and friends)."""
+
+    mode: str = "exact"  # "exact": one shared AdamW step per step; "local": DiLoCo inside each stage
+    sync_every: int = 32  # local mode: steps between merges (H); the last step always merges
+    outer_lr: float = 0.7  # local mode: learning rate of the outer Nesterov step
+    outer_momentum: float = 0.9  # local mode: momentum of the outer Nesterov step (0: plain averaging)
+
+    @property
+    def local(self) -> bool:
+        """Whether workers train local replicas between merges."""
+        return self.mode == "local"
+
+    def validate(self, precision: str = "fp32") -> SyncConfig:
+        """Raise a one-line :class:`ShoalError` on a bad value; returns ``self``."""
+        if self.mode not in SYNC_MODES:
+            raise ShoalError(f"--sync must be one of {', '.join(SYNC_MODES)}, got {self.mode!r}")
+        if self.sync_every < 1:
+            raise ShoalError(f"--sync-every must be at least 1, got {self.sync_every}")
+        if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
+            raise ShoalError(f"--outer-lr must be a finite number > 0, got {self.outer_lr}")
+        if not (math.isfinite(self.outer_momentum) and 0 <= self.outer_momentum < 1):
+            raise ShoalError(f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.local and precision == "fp16":
+            raise ShoalError("--sync local does not support --precision fp16 (no per-replica loss scaling); "
+                             "use bf16 or fp32")
+        return self
+
+
+def is_sync_step(step: int, sync_every: int, total_steps: int) -> bool:
+    """Whether the commit of ``step`` (0-based) ends a round: every H steps and at the last step."""
+    return (step + 1) % sync_every == 0 or step + 1 >= total_steps
+
+
+def merge_weights(counts: Mapping[str, int]) -> dict[str, float]:
+    """Weight of each contributor: its micro-batches over all of them (contributors with 0 drop out).
+
+    A lone contributor gets exactly 1.0, so the merge of one pseudo-gradient is that
+    pseudo-gradient bit for bit.
+    """
+    total = sum(n for n in counts.values() if n > 0)
+    if total <= 0:
+        return {}
+    return {k: n / total for k, n in sorted(counts.items()) if n > 0}
+
+
+def merge_pseudo_grads(deltas: Mapping[str, Mapping[str, torch.Tensor]],
+                       counts: Mapping[str, int]) -> dict[str, torch.Tensor] | None:
+    """Micro-batch-weighted mean of pseudo-gradients, per parameter (None: no contributor).
+
+    ``deltas[worker][param]`` is that worker's anchor minus its weights now; ``counts``
+    the micro-batches it covered in the round. Contributors are added in name order so
+    every server computes the same bits.
+    """
+    weights = merge_weights({k: counts.get(k, 0) for k in deltas})
+    if not weights:
+        return None
+    out: dict[str, torch.Tensor] = {}
+    for wid, w in weights.items():
+        for name, d in deltas[wid].items():
+            term = d * w if w != 1.0 else d.clone()
+            if name in out:
+                out[name].add_(term)
+            else:
+                out[name] = term
+    return out
+
+
+def outer_nesterov_step(params: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor],
+                        momentum: dict[str, torch.Tensor], lr: float, mu: float) -> None:
+    """One outer Nesterov step in place: ``m = mu m + d``; ``p -= lr (d + mu m)``.
+
+    ``momentum`` starts empty (zeros) and is updated in place. With ``mu = 0`` and
+    ``lr = 1`` this is ``p -= d``: the merged weights are the replicas' weighted mean.
+    """
+    import torch
+
+    with torch.no_grad():
+        for name, p in params.items():
+            d = delta[name]
+            if mu > 0:
+                m = momentum.get(name)
+                if m is None:
+                    m = momentum[name] = torch.zeros_like(d)
+                m.mul_(mu).add_(d)
+                update = d + mu * m
+            else:
+                update = d
+            if lr == 1.0:
+                p.sub_(update)
+            else:
+                p.sub_(update, alpha=lr)
+
+
+def add_sync_args(p) -> None:
+    """The ``--sync`` flags of ``shoal launch`` and ``shoal coordinator`` (argparse)."""
+    d = SyncConfig()
+    g = p.add_argument_group("sync policy (docs/sync-policies.md)")
+    g.add_argument("--sync", default=d.mode, help="exact (one shared AdamW step per step) or local "
+                                                  "(each worker trains its own replica; merges every --sync-every steps)")
+    g.add_argument("--sync-every", type=int, default=d.sync_every, help="local: steps between merges H")
+    g.add_argument("--outer-lr", type=float, default=d.outer_lr, help="local: outer Nesterov learning rate")
+    g.add_argument("--outer-momentum", type=float, default=d.outer_momentum,
+                   help="local: outer Nesterov momentum (0: plain weighted averaging)")
+
+
+def sync_from_args(args, precision: str = "fp32") -> SyncConfig:
+    """The checked :class:`SyncConfig` of parsed ``--sync`` flags."""
+    return SyncConfig(mode=args.sync, sync_every=args.sync_every, outer_lr=args.outer_lr,
+                      outer_momentum=args.outer_momentum).validate(precision)
+
+
+def sync_of_spec(spec) -> SyncConfig:
+    """The :class:`SyncConfig` a run spec carries (an empty mode is exact)."""
+    return SyncConfig(mode=spec.sync_mode or "exact", sync_every=spec.sync_every or 1,
+                      outer_lr=spec.outer_lr or 1.0, outer_momentum=spec.outer_momentum)

@@ -1,0 +1,232 @@
+"""Local-update mode (``--sync local``): the outer step's pure math by hand, the flags'
+checks, and real swarms: H=1 with one worker per stage reproduces exact training; a
+worker killed mid-round drops out of the merge without changing the others'
+contributions; a joiner starts from the last merged weights."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from shoal.errors import ShoalError
+from shoal.runtime.local_sync import bwd_owner_free, mean_scale, replica_sq_norm
+from shoal.train.outer import (
+    SyncConfig,
+    is_sync_step,
+    merge_pseudo_grads,
+    merge_weights,
+    outer_nesterov_step,
+)
+
+# ---------------------------------------------------------------------------- pure math
+
+
+def test_merge_weights_uneven_shares():
+    # 5, 2 and 1 micro-batches of 8; a worker with none drops out
+    w = merge_weights({"a": 5, "b": 2, "c": 1, "d": 0})
+    assert w == {"a": 5 / 8, "b": 2 / 8, "c": 1 / 8}
+    assert merge_weights({"a": 0}) == {}
+    assert merge_weights({"solo": 7}) == {"solo": 1.0}
+
+
+def test_merge_pseudo_grads_hand_computed():
+    deltas = {"a": {"x": torch.tensor([8.0, -8.0])}, "b": {"x": torch.tensor([0.0, 4.0])},
+              "c": {"x": torch.tensor([16.0, 0.0])}}
+    merged = merge_pseudo_grads(deltas, {"a": 3, "b": 4, "c": 1})
+    # (3*8 + 4*0 + 1*16) / 8 = 5 ; (3*-8 + 4*4 + 0) / 8 = -1
+    assert torch.equal(merged["x"], torch.tensor([5.0, -1.0]))
+    # a contributor that died is simply absent: the others keep their deltas, renormalised
+    merged = merge_pseudo_grads({k: deltas[k] for k in ("a", "b")}, {"a": 3, "b": 4, "c": 1})
+    assert torch.allclose(merged["x"], torch.tensor([24 / 7, -8 / 7]))
+    assert torch.equal(deltas["a"]["x"], torch.tensor([8.0, -8.0]))  # inputs untouched
+    assert merge_pseudo_grads({}, {}) is None
+    # one contributor: its pseudo-gradient bit for bit
+    d = torch.randn(100)
+    assert torch.equal(merge_pseudo_grads({"a": {"x": d}}, {"a": 3})["x"], d)
+
+
+def test_outer_nesterov_step_by_hand():
+    p = {"x": torch.tensor([1.0, 2.0])}
+    m: dict = {}
+    d = {"x": torch.tensor([0.5, -1.0])}
+    outer_nesterov_step(p, d, m, lr=0.5, mu=0.5)
+    # m = 0.5*0 + d = [0.5, -1]; update = d + 0.5 m = [0.75, -1.5]; p -= 0.5 update
+    assert torch.allclose(p["x"], torch.tensor([0.625, 2.75]))
+    assert torch.allclose(m["x"], torch.tensor([0.5, -1.0]))
+    outer_nesterov_step(p, d, m, lr=0.5, mu=0.5)
+    # m = 0.25 + 0.5 = 0.75 / -0.5 - 1 = -1.5; update = d + 0.5 m = [0.875, -1.75]
+    assert torch.allclose(m["x"], torch.tensor([0.75, -1.5]))
+    assert torch.allclose(p["x"], torch.tensor([0.625 - 0.4375, 2.75 + 0.875]))
+    # lr 1, no momentum: the plain update p - d
+    q = {"x": torch.tensor([1.0, 2.0])}
+    outer_nesterov_step(q, d, {}, lr=1.0, mu=0.0)
+    assert torch.equal(q["x"], torch.tensor([0.5, 3.0]))
+
+
+def test_small_decisions():
+    assert [s for s in range(10) if is_sync_step(s, 4, 10)] == [3, 7, 9]
+    assert [s for s in range(3) if is_sync_step(s, 1, 3)] == [0, 1, 2]
+    # replica norms weighted by share: one replica with all M micro-batches reports its own
+    assert replica_sq_norm({"a": (4, 2.5)}, 4) == 2.5
+    assert replica_sq_norm({"a": (3, 2.0), "b": (1, 6.0)}, 4) == pytest.approx(0.75 * 2.0 + 0.25 * 6.0)
+    assert mean_scale(4, 4) == 1.0 and mean_scale(8, 2) == 4.0
+    assert not bwd_owner_free(owner_known=True, owner_gen_same=True, owner_alive=True)
+    assert bwd_owner_free(False, False, False) and bwd_owner_free(True, False, True)
+    assert bwd_owner_free(True, True, False)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(mode="dilo"), "--sync must be one of"), (dict(mode="local", sync_every=0), "--sync-every"),
+    (dict(mode="local", outer_lr=0.0), "--outer-lr"), (dict(mode="local", outer_lr=math.nan), "--outer-lr"),
+    (dict(mode="local", outer_momentum=1.0), "--outer-momentum"),
+])
+def test_sync_config_refuses_bad_values(kw, msg):
+    with pytest.raises(ShoalError, match=msg):
+        SyncConfig(**kw).validate()
+    with pytest.raises(ShoalError, match="fp16"):
+        SyncConfig(mode="local").validate("fp16")
+    assert SyncConfig().validate() == SyncConfig(mode="exact", sync_every=32, outer_lr=0.7, outer_momentum=0.9)
+
+
+def test_launch_cli_bad_sync_is_one_line(tmp_path, capsys):
+    from shoal.runtime.cli import main
+
+    assert main(["launch", "--out", str(tmp_path / "r"), "--sync", "local", "--sync-every", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --sync-every must be at least 1, got 0"]
+
+
+def test_demo_checks_sync_flags():
+    from shoal.demo.cli import DemoConfig
+
+    with pytest.raises(ShoalError, match="--outer-momentum must be in"):
+        DemoConfig(sync="local", outer_momentum=-0.1, dashboard=None).validate()
+    DemoConfig(sync="local", sync_every=4, dashboard=None).validate()
+
+
+def test_cli_registration_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = ("import argparse, sys; import shoal.runtime.cli as c; p = argparse.ArgumentParser(); "
+            "c.register(p.add_subparsers()); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr[-500:]
+
+
+# ---------------------------------------------------------------------------- swarms
+
+RUN = dict(model="tiny", micro_batches=4, micro_batch_size=2, seq_len=32, seed=0, lr=3e-3, warmup=2)
+
+
+def _merges(out: Path) -> list[dict]:
+    """Every ``local merge`` the stage servers logged."""
+    recs = []
+    for p in sorted((out / "logs").glob("server*.log")):
+        for m in re.finditer(r"^(\S+ \S+) .*local merge (\{.*\})$", p.read_text(), re.M):
+            recs.append({**json.loads(m.group(2)), "at": _stamp(m.group(1))})
+    return recs
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+def test_h1_one_worker_per_stage_equals_exact(tmp_path):
+    """H=1, outer lr 1, momentum 0, one worker per stage: the replica's inner AdamW step is the
+    exact step, and the merge is ``p - (p - p')``. Losses match the local trainer (which exact
+    runs reproduce bitwise, tests/test_runtime.py); weights within 1e-5: ``p - (p - p')`` can
+    differ from ``p'`` in the last bit where the subtraction is not exact (Sterbenz), and those
+    ulps carry into the next steps' AdamW updates."""
+    from shoal.runtime.artifacts import load_final_weights
+    from shoal.runtime.launch import LaunchConfig, launch
+    from shoal.train.local import TrainConfig, train_local
+    from shoal.train.metrics import read_jsonl
+
+    steps = 4
+    ref = train_local(TrainConfig(**RUN, steps=steps, out=str(tmp_path / "ref"), eval_every=0, eval_batches=1),
+                      quiet=True)
+    out = tmp_path / "run"
+    launch(LaunchConfig(out=str(out), **RUN, steps=steps, stages=2, workers=2, dead_after_s=3.0, min_lease_s=1.5,
+                        timeout_s=200, sync="local", sync_every=1, outer_lr=1.0, outer_momentum=0.0))
+    losses = [r["loss"] for r in read_jsonl(out / "metrics.jsonl")]
+    ref_losses = [r["loss"] for r in ref.records]
+    assert losses == pytest.approx(ref_losses, rel=1e-6, abs=0)
+    weights = load_final_weights(out)
+    ref_w = {k: v.detach() for k, v in ref.model.state_dict().items()}
+    worst = max(float((weights[k] - ref_w[k]).abs().max()) for k in ref_w)
+    assert worst < 1e-5
+    merges = _merges(out)
+    assert sorted((m["stage"], m["version"]) for m in merges) == [(s, v) for s in (0, 1) for v in range(1, 5)]
+    assert all(list(m["contributors"].values()) == [4] for m in merges)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_kill9_mid_round_and_joiner(tmp_path):
+    """S=2, three workers, H=3: kill -9 one of the two workers of a stage in the first round,
+    then start a joiner. The killed worker is in no merge; the survivor's contribution is the
+    micro-batch count it applied itself; the joiner's first weights are a merge's, bit for bit."""
+    from shoal.runtime.launch import LaunchConfig, Swarm
+
+    steps, h = 12, 3
+    cfg = LaunchConfig(out=str(tmp_path / "run"), **RUN, steps=steps, stages=2, workers=3, dead_after_s=3.0,
+                       min_lease_s=1.5, timeout_s=280, sync="local", sync_every=h, outer_lr=0.7,
+                       outer_momentum=0.9, worker_args=[["--slow", "0.2"]] * 4)
+    with Swarm(cfg) as sw:
+        sw.start()
+        while sw.committed_steps() < 1:
+            time.sleep(0.05)
+        by_stage: dict[int, list[str]] = {}
+        for name, stage in sw.status()["workers"].items():
+            by_stage.setdefault(stage, []).append(name)
+        pair = next(sorted(ws) for ws in by_stage.values() if len(ws) == 2)
+        victim, survivor = pair
+        assert sw.committed_steps() < h, "the run reached the first merge before the kill; slow it down"
+        sw.kill_worker(int(victim[1:]))
+        joiner = f"w{sw.start_worker()}"
+        summary = sw.wait()
+    out = tmp_path / "run"
+    assert summary["steps"] == steps and all(math.isfinite(x) for x in summary["losses"])
+    merges = _merges(out)
+    assert sorted((m["stage"], m["version"]) for m in merges) == [(s, v) for s in (0, 1) for v in (3, 6, 9, 12)]
+    contributors = [mid for m in merges for mid in m["contributors"]]
+    assert not any(mid.endswith(f"-{victim}") for mid in contributors)
+    # the survivor's weight in the first merge is the count it applied itself, not changed by the kill
+    sent = re.findall(r"sent its pseudo-gradient for v3 covering (\d+) micro-batches",
+                      (out / "logs" / f"worker{survivor[1:]}.log").read_text())
+    first = [m for m in merges if m["version"] == 3]
+    got = {mid.rsplit("-", 1)[1]: n for m in first for mid, n in m["contributors"].items()}
+    assert sent and got[survivor] == int(sent[0])
+    # every counted micro-batch of the unaffected stage is in its merge: 3 steps x 4
+    for m in first:
+        if not any(mid.endswith(f"-{survivor}") for mid in m["contributors"]):
+            assert sum(m["contributors"].values()) == h * RUN["micro_batches"]
+    # the joiner started from the newest merged weights of its stage when it pulled, bit for bit
+    jlog = (out / "logs" / f"worker{joiner[1:]}.log").read_text()
+    pulled = re.search(r"^(\S+ \S+) .*pulled merged weights v(\d+) digest ([0-9a-f]+)", jlog, re.M)
+    assert pulled, jlog[-2000:]
+    # the stage it pulled for: the last assignment before the pull (the coordinator may move it)
+    stage = int(re.findall(r"works on stage (\d+)", jlog[:pulled.start()])[-1])
+    at, version, digest = _stamp(pulled.group(1)), int(pulled.group(2)), pulled.group(3)
+    before = [m for m in merges if m["stage"] == stage and m["at"] <= at]
+    if before:
+        newest = max(before, key=lambda m: m["version"])
+        assert (version, digest) == (newest["version"], newest["digest"])
+    else:  # joined before the first merge: the initial weights, as the first workers got them
+        assert version == 0
+        firsts = {m.group(1) for p in (out / "logs").glob("worker*.log")
+                  for m in re.finditer(r"pulled merged weights v0 digest ([0-9a-f]+)", p.read_text())}
+        assert digest in firsts
+    assert summary["tasks_per_worker"].get(joiner, 0) > 0
+
+
+def _stamp(text: str) -> float:
+    """Seconds of a log line's timestamp (``2026-11-30 16:29:52,921``; all processes share the clock)."""
+    import datetime
+
+    return datetime.datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
