@@ -28,22 +28,25 @@ from dataclasses import dataclass
 class GuardConfig:
     """Thresholds of the push screen and the ban rule (why each value: see the comments)."""
 
-    # Honest per-micro-batch gradient norms of one stage differ by well under 3x within a
-    # few steps (measured: tiny/small presets, fp32, max/min ratio < 2 over 8 steps); a
-    # flag only costs one recomputation, so a tight ratio is cheap and catches scale attacks.
-    norm_ratio: float = 3.0
+    # Honest per-micro-batch gradient norms of a stage spread widely: up to 9.2x above and
+    # 20x below the median of the recent pushes (bench/bench_screen.py, tiny, 20 steps; see
+    # bench/results/screen.md). A flag costs one recomputation, never a ban by itself, so
+    # the ratio trades server compute for sensitivity: 10 flags a -20x push of a typical
+    # micro-batch and few honest ones.
+    norm_ratio: float = 10.0
     # Recent honest per-push norms the centre is the median of: enough to ride out one odd
     # micro-batch, few enough to follow the norm as training lowers it.
     history: int = 32
-    # Cosine to the sum of the step's other honest pushes below this flags a push: honest
-    # micro-batches of one step agree in direction (cosine > 0 in practice); a sign flip
-    # lands well below. Again only a suspicion.
-    min_cosine: float = -0.3
-    # Relative L2 error a recomputation may differ by in fp32: the worker and the server may
-    # run different kernels (GPU vs CPU, reuse of a cached forward), which differ by ~1e-6
-    # relative; a lossy codec (fp16: ~1e-3, int8: ~1e-2) stays under it too. Any poisoning
-    # that matters is orders of magnitude larger.
-    rel_tol: float = 5e-2
+    # Cosine to the last committed gradient of the stage below this flags a push. Measured
+    # honest micro-batches sit near 0 (lowest -0.24, bench/results/screen.md): a plain sign
+    # flip is not visible this way on small models, only pushes aimed against the last step.
+    # Again only a suspicion (a recomputation decides).
+    min_cosine: float = -0.5
+    # Relative L2 error a recomputation may differ by. Only fp32 pushes in raw frames are
+    # recomputed; a worker's kernels may still differ from the server's (GPU vs CPU, a
+    # cached forward), by ~1e-6 relative; measured honest CPU runs: 0 (bench/results/screen.md).
+    # 1e-3 leaves a wide margin and still catches any scaling by more than 0.1 %.
+    rel_tol: float = 1e-3
     # Without an exact recomputation (bf16/fp16 runs), a worker is banned once this many of
     # its pushes were flagged by the screen: one odd micro-batch never bans.
     strikes_to_ban: int = 3

@@ -742,6 +742,8 @@ class StageServer(pbg.StageServerServicer):
         if needs_verify(flag, first, spot, exact, GUARD) and r.step == self.step and self.version == r.step:
             self.guard_checks += 1
             err = await loop.run_in_executor(None, self._guard_recompute, r.step, ids, grads)
+            log.info("%s: recomputed the push of %s (step %d mbs %s%s): relative error %.3g", self.name,
+                     r.worker, r.step, ids, ", its first" if first else ", flagged" if flag else ", spot check", err)
         if flag:
             self.guard_strikes[r.worker] = self.guard_strikes.get(r.worker, 0) + 1
             log.warning("%s: push of %s (step %d mbs %s) flagged: %s; %s", self.name, r.worker, r.step, ids, flag,
