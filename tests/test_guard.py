@@ -102,7 +102,7 @@ def test_ban_rule():
     assert "differs" in ban_reason("", math.nan, 0, cfg)
     # Without a recomputation: the third flagged push bans.
     assert ban_reason("norm 20x", None, 2, cfg) == ""
-    assert "3 pushes flagged" in ban_reason("norm 20x", None, 3, cfg)
+    assert "3 pushes in a row flagged" in ban_reason("norm 20x", None, 3, cfg)
     assert ban_reason("", None, 7, cfg) == ""
     assert rel_error(0.0, 4.0) == 0.0 and rel_error(1.0, 4.0) == 0.5
 

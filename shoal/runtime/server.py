@@ -172,9 +172,10 @@ class StageServer(pbg.StageServerServicer):
         self.guard_bans: list[pb.GuardBan] = []  # reported to the coordinator with every heartbeat
         self.guard_norms: list[float] = []  # norms of recent honest pushes (the robust centre)
         self.guard_seen: set[str] = set()  # workers whose first push here was screened
-        self.guard_strikes: dict[str, int] = {}  # worker -> flagged pushes so far
+        self.guard_strikes: dict[str, int] = {}  # worker -> consecutive flagged pushes
         self.guard_ref: dict[str, torch.Tensor] | None = None  # the last committed gradient (direction)
         self.guard_checks = 0  # pushes recomputed here
+        self.guard_cfg = GUARD  # the screen's thresholds (shoal.runtime.guard.GuardConfig)
 
     # ------------------------------------------------------------------ setup
     @property
@@ -731,31 +732,34 @@ class StageServer(pbg.StageServerServicer):
         Exact runs (fp32, raw frames) recompute a flagged push, a worker's first push here
         and a seeded ``guard_spot_check`` fraction; only a mismatch bans there.
         """
+        if not self.guard_cfg.enabled:
+            return ""
         loop = asyncio.get_running_loop()
         norm, cosine = await loop.run_in_executor(None, self._guard_measure, grads, self.guard_ref)
-        flag = screen(norm, cosine, robust_centre(self.guard_norms), GUARD)
+        flag = screen(norm, cosine, robust_centre(self.guard_norms), self.guard_cfg)
         exact = run_precision(self.spec) == "fp32" and all(g.codec in ("", "raw") for g in r.grads)
         first = r.worker not in self.guard_seen
         spot = any(spot_pick(self.spec.seed, self.spec.run_id, self.stage, r.step, mb, self.spec.guard_spot_check)
                    for mb in ids)
         err = None
-        if needs_verify(flag, first, spot, exact, GUARD) and r.step == self.step and self.version == r.step:
+        if needs_verify(flag, first, spot, exact, self.guard_cfg) and r.step == self.step and self.version == r.step:
             self.guard_checks += 1
             err = await loop.run_in_executor(None, self._guard_recompute, r.step, ids, grads)
             log.info("%s: recomputed the push of %s (step %d mbs %s%s): relative error %.3g", self.name,
                      r.worker, r.step, ids, ", its first" if first else ", flagged" if flag else ", spot check", err)
+        # Consecutive flagged pushes (an unflagged one clears them): one odd micro-batch never adds up.
+        self.guard_strikes[r.worker] = self.guard_strikes.get(r.worker, 0) + 1 if flag else 0
         if flag:
-            self.guard_strikes[r.worker] = self.guard_strikes.get(r.worker, 0) + 1
             log.warning("%s: push of %s (step %d mbs %s) flagged: %s; %s", self.name, r.worker, r.step, ids, flag,
                         f"recomputed: relative error {err:.3g}" if err is not None else "not recomputed")
-        reason = ban_reason(flag, err, self.guard_strikes.get(r.worker, 0), GUARD)
+        reason = ban_reason(flag, err, self.guard_strikes.get(r.worker, 0), self.guard_cfg)
         if reason:
             self._guard_ban(r.worker, r.step, reason)
             return reason
         self.guard_seen.add(r.worker)
         if not flag or err is not None:
             # Honest (or cleared by its recomputation): part of the stage's robust centre.
-            self.guard_norms = (self.guard_norms + [norm])[-GUARD.history:]
+            self.guard_norms = (self.guard_norms + [norm])[-self.guard_cfg.history:]
         return ""
 
     def _guard_ban(self, wid: str, step: int, reason: str) -> None:
