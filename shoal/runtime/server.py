@@ -713,15 +713,18 @@ class StageServer(pbg.StageServerServicer):
         ref_norm = math.sqrt(sq_norm(ref))
         return norm, (dot(grads, ref) / (norm * ref_norm) if ref_norm > 0 else None)
 
-    def _guard_recompute(self, step: int, ids: list[int], grads: dict[str, torch.Tensor]) -> float:
-        """Relative error of a push against this server's recomputation (runs in a thread)."""
+    def _guard_recompute(self, step: int, inputs: list[tuple[int, torch.Tensor | None, torch.Tensor | None]],
+                         grads: dict[str, torch.Tensor]) -> float:
+        """Relative error of a push against this server's recomputation (runs in a thread).
+
+        ``inputs``: (micro-batch, stage input, output gradient) of each micro-batch of the push.
+        """
         from shoal.runtime.verify import recompute_grads, sq_diff, sq_norm
 
         mine: dict[str, torch.Tensor] = {}
-        for mb in sorted(ids):
-            st = self.steps[step][mb]
+        for mb, inp, out_grad in inputs:
             g = recompute_grads(self.module, self.spec, step, mb, first=self.is_first, last=self.is_last,
-                                inp=st.input, out_grad=st.out_grad, loss_scale=self.loss_scale)
+                                inp=inp, out_grad=out_grad, loss_scale=self.loss_scale)
             for n, t in g.items():
                 mine[n] = t if n not in mine else mine[n] + t
         return rel_error(sq_diff(grads, mine), sq_norm(mine))
@@ -744,7 +747,13 @@ class StageServer(pbg.StageServerServicer):
         err = None
         if needs_verify(flag, first, spot, exact, self.guard_cfg) and r.step == self.step and self.version == r.step:
             self.guard_checks += 1
-            err = await loop.run_in_executor(None, self._guard_recompute, r.step, ids, grads)
+            mbs = self.steps[r.step]
+            inputs = [(mb, mbs[mb].input, mbs[mb].out_grad) for mb in sorted(ids)]
+            # Under the weights lock: no commit changes the weights while they are used.
+            async with self._wlock:
+                if self.version == r.step:
+                    err = await loop.run_in_executor(None, self._guard_recompute, r.step, inputs, grads)
+        if err is not None:
             log.info("%s: recomputed the push of %s (step %d mbs %s%s): relative error %.3g", self.name,
                      r.worker, r.step, ids, ", its first" if first else ", flagged" if flag else ", spot check", err)
         # Consecutive flagged pushes (an unflagged one clears them): one odd micro-batch never adds up.
@@ -752,11 +761,13 @@ class StageServer(pbg.StageServerServicer):
         if flag:
             log.warning("%s: push of %s (step %d mbs %s) flagged: %s; %s", self.name, r.worker, r.step, ids, flag,
                         f"recomputed: relative error {err:.3g}" if err is not None else "not recomputed")
-        reason = ban_reason(flag, err, self.guard_strikes.get(r.worker, 0), self.guard_cfg)
+        # Exact runs ban only on a failed recomputation, never on flags alone.
+        reason = ban_reason(flag, err, 0 if exact else self.guard_strikes.get(r.worker, 0), self.guard_cfg)
         if reason:
             self._guard_ban(r.worker, r.step, reason)
             return reason
-        self.guard_seen.add(r.worker)
+        if err is not None or not exact:
+            self.guard_seen.add(r.worker)  # else its first push is still to be recomputed
         if not flag or err is not None:
             # Honest (or cleared by its recomputation): part of the stage's robust centre.
             self.guard_norms = (self.guard_norms + [norm])[-self.guard_cfg.history:]
