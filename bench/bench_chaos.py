@@ -44,8 +44,9 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="run folder (default: a temporary one)")
     ap.add_argument("--timeout", type=float, default=3600.0)
     args = ap.parse_args()
+    # The bundled corpus (the default data of shoal launch and train_local alike).
     run = dict(model="tiny", steps=args.steps, micro_batches=6, micro_batch_size=2, seq_len=32, seed=3, lr=3e-3,
-               warmup=2, data="synthetic")
+               warmup=2)
     out = Path(args.out or tempfile.mkdtemp(prefix="shoal-chaos-")) / "run"
     poisoned, flapping = f"w{args.workers - 1}", f"w{args.workers - 2}"
     cfg = LaunchConfig(**run, out=str(out), stages=args.stages, workers=args.workers, dead_after_s=3.0,
