@@ -63,12 +63,18 @@ def test_poisoned_worker_is_banned_and_a_corrupt_checkpoint_falls_back(tmp_path,
 
 @pytest.mark.integration
 @pytest.mark.timeout(600)
-def test_flapping_worker(tmp_path, failure_free):
+def test_flapping_worker_and_a_killed_worker(tmp_path, failure_free):
     """w1 reaches both stage servers through links that reset every connection for 0.1 s
-    every 0.6 s: the run completes with the failure-free weights."""
+    every 0.6 s, and w2 is killed with SIGKILL once 2 steps are committed: the run
+    completes with the failure-free weights."""
     from shoal.runtime.launch import launch
 
     out = tmp_path / "run"
-    summary = launch(launch_config(out, faults=["flap:w1:period=0.6:down=0.1:for=12"]))
+    summary = launch(launch_config(out, workers=3, faults=["flap:w1:period=0.6:down=0.1:for=12",
+                                                           "kill:worker:w2:step=2"]))
     assert summary["steps"] == RUN["steps"]
+    events = read_jsonl(out / "events.jsonl")
+    fault = next(e for e in events if e["event"] == "fault")
+    assert fault["kind"] == "kill" and fault["target"] == "w2" and fault["step"] >= 2, fault
+    assert any(e["event"] == "kill" and e["device"] == "w2" for e in events)
     assert_equal_weights(out, failure_free)
