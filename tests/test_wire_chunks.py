@@ -18,6 +18,7 @@ from shoal.net.channel import open_channel
 from shoal.net.stream import Assembler, assemble, chunk_bytes_from_mb, chunks_of, fetch, send, split
 from shoal.net.wire import WireError, encode_tensor
 from shoal.runtime.common import model_config
+from shoal.runtime.guard import GuardConfig
 from shoal.runtime.server import StageServer
 from shoal.runtime.worker import Worker, WorkerOptions
 
@@ -113,6 +114,7 @@ async def _start(tmp_path) -> tuple[_Server, grpc.aio.Server, str]:
     srv = _Server("127.0.0.1:9", "127.0.0.1:0", TOKEN, str(tmp_path), name="s-test")
     srv.spec = _spec()
     srv.stage, srv.epoch = 0, 0
+    srv.guard_cfg = GuardConfig(enabled=False)  # the pushes here are made up
     await srv._load(0, 0, 3, 0, 0)
     srv.ready = True
     rpc = await srv.start_rpc()

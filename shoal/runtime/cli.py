@@ -57,6 +57,9 @@ def _run_args(p: argparse.ArgumentParser, launch: bool = False) -> None:
     p.add_argument("--chunk-mb", type=float, default=None,
                    help="MB per chunk of streamed weight pulls, gradient pushes, results and relays "
                         "(default 4; members may override it)")
+    p.add_argument("--spot-check", type=float, default=0.05, metavar="F",
+                   help="fraction of gradient pushes a stage server recomputes to catch poisoned work "
+                        "(exact fp32 runs; a seeded draw; 0: only flagged and first pushes)")
 
 
 _ADVERTISE_HELP = ("HOST:PORT other machines dial to reach this process (needed with --listen 0.0.0.0:PORT "
@@ -117,6 +120,10 @@ def register(subparsers) -> None:
     p.add_argument("--chunk-mb", type=float, default=None,
                    help="MB per chunk of the results and gradient pushes this worker sends (default: the run's)")
     p.add_argument("--slow", type=float, default=0.0, help="extra seconds per task (tests, demos)")
+    p.add_argument("--fault-poison", type=float, default=1.0, metavar="SCALE",
+                   help="fault injection: push the true gradients times SCALE (a dishonest worker; 1: honest)")
+    p.add_argument("--fault-slow", type=float, default=1.0, metavar="FACTOR",
+                   help="fault injection: take FACTOR times the compute time of every task")
     p.add_argument("--no-error-feedback", action="store_true",
                    help="lossy --codec: do not carry each gradient push's quantisation error into the next")
     p.add_argument("--no-graph-cache", action="store_true",
@@ -152,6 +159,10 @@ def register(subparsers) -> None:
     p.add_argument("--dashboard", default="127.0.0.1:0", metavar="HOST:PORT",
                    help="where the coordinator serves the live dashboard (default: loopback, any free port)")
     p.add_argument("--no-dashboard", action="store_true", help="no web dashboard")
+    p.add_argument("--fault", action="append", default=[], metavar="SPEC",
+                   help="inject a fault (repeatable): kill:worker|server[:NAME]:step=N, poison:wN:scale=F, "
+                        "slow:wN:factor=F, flap:wN:period=S:down=S:for=S, corrupt-ckpt:STAGE[:step=N] "
+                        "(see docs/faults.md)")
     _run_args(p, launch=True)
     p.set_defaults(func=run_launch_cmd)
 
@@ -279,7 +290,8 @@ def _spec(args):
         chunk_bytes=chunk_bytes_from_mb(args.chunk_mb),
         precision=args.precision or "fp32", loss_scale_init=loss_scale,
         init_from=init_from or "", model_config_json=json.dumps(cfg.to_dict()) if init_from else "",
-        sync_mode=sync.mode, sync_every=sync.sync_every, outer_lr=sync.outer_lr, outer_momentum=sync.outer_momentum)
+        sync_mode=sync.mode, sync_every=sync.sync_every, outer_lr=sync.outer_lr, outer_momentum=sync.outer_momentum,
+        guard_spot_check=_spot_check(args.spot_check))
 
 
 # Coordinator options a run's journal keeps, with their flag defaults: `--resume` takes
@@ -302,6 +314,13 @@ def _resume_args(args):
     if args.listen is None:
         args.listen = state.options.get("bound") or "127.0.0.1:7070"
     return state
+
+
+def _spot_check(f: float) -> float:
+    """``--spot-check`` checked: a fraction in [0, 1]."""
+    if not (math.isfinite(f) and 0.0 <= f <= 1.0):
+        raise ShoalError(f"--spot-check must be a fraction between 0 and 1, got {f}")
+    return f
 
 
 def run_coordinator_cmd(args) -> int:
@@ -401,6 +420,7 @@ def run_worker_cmd(args) -> int:
     dial = _with_dial_map(args, dial)
     work(args.join, _token(args), WorkerOptions(name=args.name, flops=args.flops, inject=args.inject,
                                                 codec=args.codec, slow_s=args.slow,
+                                                fault_poison=args.fault_poison, fault_slow=args.fault_slow,
                                                 graph_cache=not args.no_graph_cache,
                                                 error_feedback=not args.no_error_feedback,
                                                 device=_played_device(args), **_measure_opts(args),
@@ -451,7 +471,8 @@ def run_launch_cmd(args) -> int:
         ordered_grads=not args.unordered_grads, emulate_speedup=args.emulate_speedup,
         dashboard=None if args.no_dashboard else args.dashboard, chunk_mb=args.chunk_mb,
         device=args.device or "auto", precision=args.precision or "fp32", loss_scale=args.loss_scale,
-        sync=args.sync, sync_every=args.sync_every, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
+        sync=args.sync, sync_every=args.sync_every, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+        faults=list(args.fault), spot_check=args.spot_check)
     if cfg.dashboard:
         from shoal.runtime.dashboard import parse_bind
 

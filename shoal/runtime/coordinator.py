@@ -184,6 +184,7 @@ class Coordinator(pbg.CoordinatorServicer):
         self.recent: collections.deque = collections.deque(maxlen=500)  # newest events (dashboard)
         self.figures: dict[str, MemberFigures] = {}  # measured runs: member id -> what it measured
         self.planned_on = None  # the scenario of the newest plan or repair
+        self.guard_banned: dict[str, str] = {}  # member id -> why a stage server banned it (for the run)
 
     def _take_over(self, st) -> None:
         """Continue the run a journal describes (``st``: a :class:`~shoal.runtime.journal.ResumeState`).
@@ -241,6 +242,10 @@ class Coordinator(pbg.CoordinatorServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"this run is {'failed' if self.error else 'finished'} "
                                 f"({self.committed} of {self.spec.steps} steps committed); start a new run")
+        banned = {self.names.get(mid, ""): why for mid, why in self.guard_banned.items()}
+        if request.role == "worker" and (request.name or "worker") in banned:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"worker {request.name!r} is banned from this run: {banned[request.name or 'worker']}")
         name = unique_name(request.name or request.role,
                            {m.name for m in self.members.values()})
         if name != (request.name or request.role):
@@ -537,6 +542,9 @@ class Coordinator(pbg.CoordinatorServicer):
             # Cumulative per process: the newest snapshot replaces the older one, and one
             # that outlives its member (killed, or re-joined under a new id) still counts.
             self.traffic[request.counter_id] = (request.role or "?", list(request.traffic))
+        if request.member_id in self.guard_banned:
+            # Not "unknown" (that would make it join again): told it is banned, it exits.
+            return pb.Assignment(known=True, done=True, guard_banned=self.guard_banned[request.member_id])
         m = self.members.get(request.member_id)
         if m is None:
             return pb.Assignment(known=False, done=self.done)
@@ -547,6 +555,8 @@ class Coordinator(pbg.CoordinatorServicer):
             m.stats.CopyFrom(request.stats)
         if request.fatal:
             self.fail(request.fatal)
+        for ban in request.guard_bans:
+            self._guard_ban(ban, m)
         if m.role == "server":
             m.version, m.ckpt_version, m.epoch = request.version, request.ckpt_version, request.epoch
             if (not self.pending_restore and m.epoch == self.epoch and m.version < 0
@@ -565,6 +575,20 @@ class Coordinator(pbg.CoordinatorServicer):
         if stage >= 0:
             a.first, a.last = self.layers[stage]
         return a
+
+    def _guard_ban(self, ban: pb.GuardBan, server: Member) -> None:
+        """A stage server banned a worker: drop it for the run, refuse it, re-plan without it."""
+        if ban.worker in self.guard_banned:
+            return
+        self.guard_banned[ban.worker] = ban.reason
+        name = self.names.get(ban.worker, ban.worker)
+        log.error("worker %s banned by %s (stage %d, step %d): %s", name, server.name, ban.stage, ban.step,
+                  ban.reason)
+        self.event("ban", device=name, role="worker", stage=ban.stage, step=ban.step, by=server.name,
+                   why=ban.reason)
+        m = self.members.pop(ban.worker, None)
+        if m is not None:
+            self._drop(m, "banned")
 
     def _maybe_restore(self) -> None:
         """Once every stage has a server that reported its checkpoints, roll back."""
@@ -826,6 +850,7 @@ class Coordinator(pbg.CoordinatorServicer):
             "ready": self.ready and state == "running", "state": state, "waiting_for": waiting,
             "error": self.error, "run_id": self.spec.run_id,
             "committed": self.committed, "epoch": self.epoch, "done": self.done,
+            "banned": {self.names.get(mid, mid): why for mid, why in self.guard_banned.items()},
             "servers": self._servers(),
             "workers": {m.name: self.assign.get(mid, -1) for mid, m in self.members.items() if m.role == "worker"},
             "plans_on": ("emulated" if self.emulated is not None else "measured" if self.figures else "loopback"),

@@ -7,6 +7,9 @@ the demo need: extra arguments per worker, ``kill_worker(i)`` (SIGKILL) and
 ``metrics.jsonl`` while the run goes. A coordinator that dies is restarted with
 ``--resume`` on the same address (``kill_coordinator()`` for tests). :func:`launch`
 runs one to completion; ``LaunchConfig.resume`` continues a stopped run.
+``metrics.jsonl`` while the run goes. :func:`launch` runs one to completion.
+``LaunchConfig.faults`` (``--fault SPEC``) injects faults on run state (see
+:mod:`shoal.runtime.faults`).
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ class LaunchConfig:
     sync_every: int = 32  # local: steps between merges H
     outer_lr: float = 0.7  # local: outer Nesterov learning rate
     outer_momentum: float = 0.9  # local: outer Nesterov momentum
+    faults: list[str] = field(default_factory=list)  # --fault SPECs (shoal.runtime.faults grammar)
+    spot_check: float = 0.05  # fraction of gradient pushes the stage servers recompute (exact runs)
 
     def validate(self) -> None:
         if self.workers is None:
@@ -88,6 +93,8 @@ class LaunchConfig:
 
         # Checked here, once, so a bad --device is one line before any process starts.
         check_device_precision(resolve_device(self.device), check_precision(self.precision))
+        if not 0.0 <= self.spot_check <= 1.0:
+            raise ShoalError(f"--spot-check must be a fraction between 0 and 1, got {self.spot_check}")
 
 
 def _env() -> dict[str, str]:
@@ -115,6 +122,12 @@ class Swarm:
         if cfg.resume:
             self._from_journal(cfg)
         cfg.validate()
+        from shoal.runtime.faults import check_faults, parse_fault
+
+        self.faults = [parse_fault(f) for f in cfg.faults]
+        check_faults(self.faults, workers=cfg.workers, stages=cfg.stages, steps=cfg.steps)
+        self._pending_faults = [f for f in self.faults if hasattr(f, "step")]  # fired on run state
+        self.proxies: dict[str, list] = {}  # worker name -> its FlapProxy per stage server (flap faults)
         self.cfg, self.on_event = cfg, on_event
         self.out = Path(cfg.out)
         try:
@@ -189,6 +202,9 @@ class Swarm:
             hosts = self.scenario.server_hosts
             self.server_ports = [_free_port() for _ in range(c.stages)]
             self.peers = {f"127.0.0.1:{p}": hosts[i % len(hosts)].id for i, p in enumerate(self.server_ports)}
+        elif self._flaps():
+            # Fixed ports, so a flapping worker's proxies know their targets before the servers start.
+            self.server_ports = [_free_port() for _ in range(c.stages)]
         for _ in range(c.stages):
             self.start_server()
         for i in range(c.workers):
@@ -213,7 +229,7 @@ class Swarm:
             *([] if c.chunk_mb is None else ["--chunk-mb", repr(c.chunk_mb)]),
             "--precision", c.precision, *([] if c.loss_scale is None else ["--loss-scale", repr(c.loss_scale)]),
             "--sync", c.sync, "--sync-every", str(c.sync_every), "--outer-lr", repr(c.outer_lr),
-            "--outer-momentum", repr(c.outer_momentum),
+            "--outer-momentum", repr(c.outer_momentum), "--spot-check", repr(c.spot_check),
             *self._coordinator_emulation()]
 
     def _start_coordinator(self, args: list[str]) -> None:
@@ -283,6 +299,8 @@ class Swarm:
             listen = f"127.0.0.1:{port}"
             self.peers[listen] = hosts[i % len(hosts)].id
             emu = self._emulation(hosts[i % len(hosts)].id)
+        elif i < len(self.server_ports):
+            listen = f"127.0.0.1:{self.server_ports[i]}"
         self.servers.append(self._spawn(["server", "--join", self.address, "--listen", listen,
                                          "--ckpt-dir", str(self.out / "server_ckpt"), "--name", f"s{i}",
                                          *emu], f"server{i}"))
@@ -314,6 +332,7 @@ class Swarm:
         if self.scenario is not None:
             dev = self.scenario.workers[i % len(self.scenario.workers)]
             args += [*self._emulation(dev.id), "--flops", repr(dev.flops * self.cfg.emulate_speedup)]
+        args += self._fault_args(f"w{i}")
         args += extra or []
         p = self._spawn(["worker", "--join", self.address, "--name", f"w{i}", "--device", self.cfg.device, *args],
                         f"worker{i}")
@@ -337,6 +356,81 @@ class Swarm:
             os.kill(p.pid, signal.SIGKILL)
             p.wait()
             self._log_kill(f"s{i}", "server")
+
+    # ------------------------------------------------------------------ fault injection
+    def _flaps(self) -> list:
+        from shoal.runtime.faults import FlapFault
+
+        return [f for f in self.faults if isinstance(f, FlapFault)]
+
+    def _fault_args(self, worker: str) -> list[str]:
+        """Worker flags of its faults; a flapping worker dials the servers through its proxies."""
+        from shoal.emulate.flap import FlapProxy
+        from shoal.runtime.faults import worker_fault_args
+
+        args = worker_fault_args(self.faults, worker)
+        for f in self._flaps():
+            if f.worker != worker or not self.server_ports:
+                continue
+            for p in self.proxies.pop(worker, []):
+                p.close()
+            targets = [f"127.0.0.1:{port}" for port in self.server_ports]
+            self.proxies[worker] = [FlapProxy(t, f.period_s, f.down_s, f.for_s).start() for t in targets]
+            for t, p in zip(targets, self.proxies[worker], strict=True):
+                args += ["--dial-map", f"{t}={p.address}"]
+        return args
+
+    def _fault_event(self, **fields) -> None:
+        from shoal.train.metrics import JsonlWriter
+
+        with JsonlWriter(self.out / "events.jsonl", t0=self.run_t0 or self.t0) as w:
+            w.event("fault", **fields)
+
+    def _stage_server_index(self, stage: int) -> int | None:
+        """Start-order index of the server the newest plan gave ``stage`` (None: none yet)."""
+        names = [e["device"] for e in read_jsonl(self.out / "events.jsonl")
+                 if e.get("event") == "assign" and e.get("role") == "server" and e.get("stage") == stage]
+        return int(names[-1][1:]) if names else None
+
+    def _run_id(self) -> str:
+        runs = [e for e in read_jsonl(self.out / "events.jsonl") if e.get("event") == "run" and e.get("run_id")]
+        return runs[-1]["run_id"] if runs else ""
+
+    def fault_tick(self) -> None:
+        """Fire the faults whose step has been committed (called while waiting for the run)."""
+        if not self._pending_faults:
+            return
+        committed = self.committed_steps()
+        for f in [f for f in self._pending_faults if committed >= f.step]:
+            self._pending_faults.remove(f)
+            self._fire(f, committed)
+
+    def _fire(self, f, committed: int) -> None:
+        from shoal.runtime.common import ckpt_dir
+        from shoal.runtime.faults import CorruptCkptFault, KillFault, corrupt_file, newest_ckpt
+
+        if isinstance(f, KillFault) and f.role == "worker":
+            live = [i for i, p in enumerate(self.workers) if p is not None and p.poll() is None]
+            i = int(f.name[1:]) if f.name else (live[-1] if live else None)
+            self._fault_event(kind="kill", target=f"w{i}", step=committed)
+            if i is not None:
+                self.kill_worker(i)
+        elif isinstance(f, KillFault):
+            i = int(f.name[1:]) if f.name else self._stage_server_index(self.cfg.stages - 1)
+            self._fault_event(kind="kill", target=f"s{i}", step=committed)
+            if i is not None:
+                self.kill_server(i)
+                self.start_server()  # a replacement on the same checkpoint folder
+        elif isinstance(f, CorruptCkptFault):
+            i = self._stage_server_index(f.stage)
+            if i is not None:
+                self.kill_server(i)  # first, so it writes no newer checkpoint
+            path = newest_ckpt(ckpt_dir(self.out / "server_ckpt", f.stage, self._run_id()))
+            if path is not None:
+                corrupt_file(path)
+            self._fault_event(kind="corrupt-ckpt", stage=f.stage, step=committed,
+                              path=str(path) if path else "", target=f"s{i}" if i is not None else "")
+            self.start_server()
 
     def _event(self, rec: dict) -> None:
         if self.on_event:
@@ -384,6 +478,7 @@ class Swarm:
                 raise ShoalError(f"run did not finish within {timeout_s or self.cfg.timeout_s:.0f} s; "
                                  f"see the logs in {self.out / 'logs'}")
             self.poll_records()
+            self.fault_tick()
             time.sleep(0.1)
         self.poll_records()
         summary_path = self.out / "summary.json"
@@ -408,7 +503,10 @@ class Swarm:
         return errors[-1] if errors else ""
 
     def stop(self) -> None:
-        """Kill every process still running."""
+        """Kill every process still running (and close the flap proxies)."""
+        for ps in self.proxies.values():
+            for p in ps:
+                p.close()
         for p in [*[w for w in self.workers if w], *self.servers, *([self.coord] if self.coord else [])]:
             if p.poll() is None:
                 p.kill()

@@ -63,6 +63,15 @@ from shoal.runtime.common import (
     set_threads,
     stage_ckpt_loss_scale,
 )
+from shoal.runtime.guard import DEFAULT as GUARD
+from shoal.runtime.guard import (
+    ban_reason,
+    needs_verify,
+    rel_error,
+    robust_centre,
+    screen,
+    spot_pick,
+)
 from shoal.runtime.local_sync import LocalServerMixin
 from shoal.runtime.stats import StepTiming
 from shoal.train.optim import apply_update, grad_sq_norm, make_optimizer
@@ -136,7 +145,8 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
         self.version = -1  # weights hold this many committed steps (-1: not loaded)
         self.step = 0  # step being worked on (== version once loaded)
         self.steps: dict[int, dict[int, MbState]] = {}
-        self.pushes: list[tuple[int, dict[str, torch.Tensor]]] = []  # accepted pushes of the step
+        # accepted pushes of the step: (first micro-batch, gradients, worker, micro-batches)
+        self.pushes: list[tuple[int, dict[str, torch.Tensor], str, tuple[int, ...]]] = []
         self.leases: dict[int, Lease] = {}
         self.workers: dict[str, WorkerInfo] = {}
         self.next_lease = 1
@@ -160,6 +170,15 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
         self.stall_warned = False
         self.fatal = ""  # a one-line reason this server cannot go on (sent to the coordinator)
         self.ckpt_ok: set[tuple] = set()  # (stage, version, size, mtime) of checkpoints known good
+        # Push screening (shoal.runtime.guard): banned workers, and what the screen keeps.
+        self.guard_banned: dict[str, str] = {}  # worker member id -> why it was banned
+        self.guard_bans: list[pb.GuardBan] = []  # reported to the coordinator with every heartbeat
+        self.guard_norms: list[float] = []  # norms of recent honest pushes (the robust centre)
+        self.guard_seen: set[str] = set()  # workers whose first push here was screened
+        self.guard_strikes: dict[str, int] = {}  # worker -> consecutive flagged pushes
+        self.guard_ref: dict[str, torch.Tensor] | None = None  # the last committed gradient (direction)
+        self.guard_checks = 0  # pushes recomputed here
+        self.guard_cfg = GUARD  # the screen's thresholds (shoal.runtime.guard.GuardConfig)
 
     # ------------------------------------------------------------------ setup
     @property
@@ -391,7 +410,8 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
             a = await self.coord.Heartbeat(pb.MemberRequest(
                 member_id=self.member_id, version=self.version, ckpt_version=self._ckpt_version(),
                 epoch=self.epoch, counter_id=self.traffic.id, role="server",
-                traffic=self.traffic.snapshot(), stats=self.stats_snapshot(), fatal=self.fatal), timeout=5)
+                traffic=self.traffic.snapshot(), stats=self.stats_snapshot(), fatal=self.fatal,
+                guard_bans=self.guard_bans), timeout=5)
         except grpc.aio.AioRpcError as exc:
             log.warning("heartbeat failed: %s", exc.code())
             return
@@ -557,6 +577,9 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
     # ------------------------------------------------------------------ RPCs from workers
     async def Lease(self, request, context):
         info = self._worker(request.worker)
+        if request.worker in self.guard_banned:
+            return pb.LeaseReply(has_task=False, version=self.version, gen=info.gen, epoch=self.epoch,
+                                 step=self.step)
         deadline = time.monotonic() + min(max(request.wait_s, 0.0), 2.0)
         while True:
             task = self._pick(request.worker)
@@ -586,6 +609,8 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
         self.stats["messages"] += 1
         self.stats["bytes_in"] += len(r.output.data)
         lease, why = self._check_lease(r)
+        if r.worker in self.guard_banned:
+            lease, why = None, "banned from this run"
         if lease is None:
             return pb.CompleteReply(accepted=False, reason=why, gen=info.gen)
         st = self.steps[r.step][r.mb]
@@ -642,6 +667,8 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
         if ids and identity in self.pushed:
             # A retry of a push that landed (its reply was lost): counted once already.
             return pb.PushReply(accepted=True, reason="duplicate of a counted push", gen=info.gen)
+        if r.worker in self.guard_banned:
+            return pb.PushReply(accepted=False, reason=f"banned: {self.guard_banned[r.worker]}", gen=info.gen)
         if r.epoch != self.epoch or r.step != self.step or r.gen != info.gen:
             return pb.PushReply(accepted=False, reason="stale push (step, epoch or generation)", gen=info.gen)
         if not ids:
@@ -673,9 +700,17 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
                 or not all(mb in mbs and mbs[mb].grad == "computed" and mbs[mb].holder == r.worker for mb in ids)):
             return pb.PushReply(accepted=False, reason="stale push (the step moved on while it was checked)",
                                 gen=info.gen)
+        banned = await self._guard_push(r, ids, grads)
+        if banned:
+            return pb.PushReply(accepted=False, reason=f"banned: {banned}", gen=info.gen)
+        mbs = self.steps.get(r.step, {})
+        if (r.epoch != self.epoch or r.step != self.step or r.gen != info.gen
+                or not all(mb in mbs and mbs[mb].grad == "computed" and mbs[mb].holder == r.worker for mb in ids)):
+            return pb.PushReply(accepted=False, reason="stale push (the step moved on while it was screened)",
+                                gen=info.gen)
         # Summed at commit, ordered by micro-batch id: with one micro-batch per push this is
         # exactly the local trainer's sequential sum.
-        self.pushes.append((min(ids), grads))
+        self.pushes.append((min(ids), grads, r.worker, tuple(ids)))
         self.pushed.add(identity)
         for mb in ids:
             mbs[mb].grad = "counted"
@@ -686,6 +721,93 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
         async with self.cond:
             self.cond.notify_all()
         return pb.PushReply(accepted=True, gen=info.gen)
+
+    def _guard_measure(self, grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor] | None
+                       ) -> tuple[float, float | None]:
+        """A push's norm and its cosine to the last committed gradient (runs in a thread)."""
+        from shoal.runtime.verify import dot, sq_norm
+
+        norm = math.sqrt(sq_norm(grads))
+        if not ref or norm == 0:
+            return norm, None
+        ref_norm = math.sqrt(sq_norm(ref))
+        return norm, (dot(grads, ref) / (norm * ref_norm) if ref_norm > 0 else None)
+
+    def _guard_recompute(self, step: int, inputs: list[tuple[int, torch.Tensor | None, torch.Tensor | None]],
+                         grads: dict[str, torch.Tensor]) -> float:
+        """Relative error of a push against this server's recomputation (runs in a thread).
+
+        ``inputs``: (micro-batch, stage input, output gradient) of each micro-batch of the push.
+        """
+        from shoal.runtime.verify import recompute_grads, sq_diff, sq_norm
+
+        mine: dict[str, torch.Tensor] = {}
+        for mb, inp, out_grad in inputs:
+            g = recompute_grads(self.module, self.spec, step, mb, first=self.is_first, last=self.is_last,
+                                inp=inp, out_grad=out_grad, loss_scale=self.loss_scale)
+            for n, t in g.items():
+                mine[n] = t if n not in mine else mine[n] + t
+        return rel_error(sq_diff(grads, mine), sq_norm(mine))
+
+    async def _guard_push(self, r, ids: list[int], grads: dict[str, torch.Tensor]) -> str:
+        """Screen one push (see :mod:`shoal.runtime.guard`); bans its worker and returns why, or "".
+
+        Exact runs (fp32, raw frames) recompute a flagged push, a worker's first push here
+        and a seeded ``guard_spot_check`` fraction; only a mismatch bans there.
+        """
+        if not self.guard_cfg.enabled:
+            return ""
+        loop = asyncio.get_running_loop()
+        norm, cosine = await loop.run_in_executor(None, self._guard_measure, grads, self.guard_ref)
+        flag = screen(norm, cosine, robust_centre(self.guard_norms), self.guard_cfg)
+        exact = run_precision(self.spec) == "fp32" and all(g.codec in ("", "raw") for g in r.grads)
+        first = r.worker not in self.guard_seen
+        spot = any(spot_pick(self.spec.seed, self.spec.run_id, self.stage, r.step, mb, self.spec.guard_spot_check)
+                   for mb in ids)
+        err = None
+        if needs_verify(flag, first, spot, exact, self.guard_cfg) and r.step == self.step and self.version == r.step:
+            self.guard_checks += 1
+            mbs = self.steps[r.step]
+            inputs = [(mb, mbs[mb].input, mbs[mb].out_grad) for mb in sorted(ids)]
+            # Under the weights lock: no commit changes the weights while they are used.
+            async with self._wlock:
+                if self.version == r.step:
+                    err = await loop.run_in_executor(None, self._guard_recompute, r.step, inputs, grads)
+        if err is not None:
+            log.info("%s: recomputed the push of %s (step %d mbs %s%s): relative error %.3g", self.name,
+                     r.worker, r.step, ids, ", its first" if first else ", flagged" if flag else ", spot check", err)
+        # Consecutive flagged pushes (an unflagged one clears them): one odd micro-batch never adds up.
+        self.guard_strikes[r.worker] = self.guard_strikes.get(r.worker, 0) + 1 if flag else 0
+        if flag:
+            log.warning("%s: push of %s (step %d mbs %s) flagged: %s; %s", self.name, r.worker, r.step, ids, flag,
+                        f"recomputed: relative error {err:.3g}" if err is not None else "not recomputed")
+        # Exact runs ban only on a failed recomputation, never on flags alone.
+        reason = ban_reason(flag, err, 0 if exact else self.guard_strikes.get(r.worker, 0), self.guard_cfg)
+        if reason:
+            self._guard_ban(r.worker, r.step, reason)
+            return reason
+        if err is not None or not exact:
+            self.guard_seen.add(r.worker)  # else its first push is still to be recomputed
+        if not flag or err is not None:
+            # Honest (or cleared by its recomputation): part of the stage's robust centre.
+            self.guard_norms = (self.guard_norms + [norm])[-self.guard_cfg.history:]
+        return ""
+
+    def _guard_ban(self, wid: str, step: int, reason: str) -> None:
+        """Ban ``wid`` for the run: drop its uncounted and counted work of the step (redone by others)."""
+        self.guard_banned[wid] = reason
+        log.error("%s banned worker %s at stage %d step %d: %s", self.name, wid, self.stage, step, reason)
+        mbs = self.steps.get(self.step, {})
+        dropped = [mb for p in self.pushes if p[2] == wid for mb in p[3]]
+        self.pushes = [p for p in self.pushes if p[2] != wid]
+        for mb in dropped:
+            if mb in mbs and mbs[mb].grad == "counted":
+                mbs[mb].grad, mbs[mb].holder = "todo", ""
+                self.requeues += 1
+        self.pushed = {k for k in self.pushed if k[0] != wid}
+        self._void_worker(wid, f"banned: {reason}")
+        self.guard_bans.append(pb.GuardBan(worker=wid, reason=reason, stage=self.stage, step=step))
+        self.cond.notify_all()
 
     async def Renew(self, request, context):
         info = self._worker(request.worker)
@@ -881,13 +1003,15 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
             mbs = self.steps[step]
             for p in self.params.values():
                 p.grad = None
-            for _, grads in sorted(self.pushes, key=lambda x: x[0]):
+            for _, grads, *_ in sorted(self.pushes, key=lambda x: x[0]):
                 for name, g in grads.items():
                     p = self.params[name]
                     if p.grad is None:
                         p.grad = g.clone()
                     else:
                         p.grad.add_(g)
+            # The direction the screen compares the next step's pushes with (honest work only).
+            self.guard_ref = {n: p.grad for n, p in self.params.items() if p.grad is not None}
             # fp16: the pushes hold gradients of the loss times the step's scale.
             unscale_grads(self.params.values(), self.loss_scale)
             report = pb.StepReport(member_id=self.member_id, stage=self.stage, step=step, epoch=epoch,

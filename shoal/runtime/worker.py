@@ -79,6 +79,8 @@ class WorkerOptions:
     chunk_bytes: int = 0  # bytes per chunk of streamed uploads (0: the run's setting)
     torch_device: str = "auto"  # --device: where this worker computes (auto, cpu, cuda, cuda:N)
     precision: str | None = None  # --precision: refuse to work in a run of another precision (None: any)
+    fault_poison: float = 1.0  # fault injection: push the true gradients times this (1: honest)
+    fault_slow: float = 1.0  # fault injection: every task takes this many times its compute time
 
 
 HANG_KINDS = ("hang_fwd", "hang_bwd", "hang_before_push", "hang_mid_push")
@@ -311,6 +313,11 @@ class Worker(LocalWorkerMixin):
                     observed_pull_bytes=self.obs_pull_bytes, observed_pulls=self.obs_pulls,
                     stats=self.stats_snapshot()), timeout=5)
                 last_ok = time.monotonic()
+                if a.guard_banned:
+                    self.fatal = f"{self.opts.name} is banned from the run: {a.guard_banned}"
+                    log.error("%s", self.fatal)
+                    self.done = True
+                    return
                 if a.done:
                     self.done = True
                     return
@@ -420,6 +427,8 @@ class Worker(LocalWorkerMixin):
         """One push, framed and serialised (runs in a thread: it can be hundreds of MB)."""
         msg = pb.GradPush(worker=self.member_id, step=step, epoch=epoch, gen=gen, mbs=mbs)
         for name, g in grads.items():
+            if self.opts.fault_poison != 1.0:
+                g = g * self.opts.fault_poison  # fault injection: a dishonest worker
             if "nan_grad" in self.inject:
                 self.inject.discard("nan_grad")
                 g = g.clone()
@@ -551,6 +560,8 @@ class Worker(LocalWorkerMixin):
                 await self._out_of_memory()
                 return
             elapsed = time.perf_counter() - t0
+            if self.opts.fault_slow > 1.0:
+                await asyncio.sleep((self.opts.fault_slow - 1.0) * elapsed)  # fault injection: a slow device
             if self.opts.slow_s > 0:
                 await asyncio.sleep(self.opts.slow_s)
             if self.pacer is not None:

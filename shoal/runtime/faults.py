@@ -1,0 +1,213 @@
+"""Fault injection for ``shoal launch --fault SPEC`` (repeatable).
+
+Grammar (one fault per ``--fault``; workers are named ``w0``, ``w1``, ... and servers
+``s0``, ``s1``, ... in start order, as in ``events.jsonl``):
+
+* ``kill:worker[:wN]:step=N`` -- kill -9 the worker once N steps are committed (default:
+  the last worker started).
+* ``kill:server[:sN]:step=N`` -- kill -9 the server once N steps are committed and start
+  a replacement on the same checkpoint folder (default: the server of the last stage).
+* ``poison:wN:scale=F`` -- that worker pushes its true gradients times F.
+* ``slow:wN:factor=F`` -- that worker takes F times its compute time for every task.
+* ``flap:wN:period=S:down=S:for=S`` -- that worker reaches the stage servers through a
+  link that resets every connection for ``down`` seconds every ``period`` seconds, for
+  ``for`` seconds from its start (:class:`shoal.emulate.flap.FlapProxy`).
+* ``corrupt-ckpt:K[:step=N]`` -- once N (default 2) steps are committed, kill -9 the
+  server of stage K, corrupt the newest checkpoint of stage K and start a replacement:
+  it finds the checksum mismatch, sets the file aside and the run rolls back to the
+  previous checkpoint.
+
+Triggers are on run state (steps committed, read from the run's ``metrics.jsonl``), not
+on wall-clock guesses. :func:`parse_fault` is the one parser; :func:`check_faults`
+checks a list of faults against the swarm's size.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from shoal.errors import ShoalError
+
+GRAMMAR = ("kill:worker|server[:NAME]:step=N, poison:wN:scale=F, slow:wN:factor=F, "
+           "flap:wN:period=S:down=S:for=S, corrupt-ckpt:STAGE[:step=N]")
+
+
+@dataclass(frozen=True)
+class KillFault:
+    """kill -9 a member once ``step`` steps are committed."""
+
+    role: str  # "worker" or "server"
+    name: str | None  # "w1" / "s0" (None: the last worker started / the last stage's server)
+    step: int  # steps committed when it is killed
+
+
+@dataclass(frozen=True)
+class PoisonFault:
+    """A dishonest worker: pushes its true gradients times ``scale``."""
+
+    worker: str  # "wN"
+    scale: float  # gradient multiplier (1: honest)
+
+
+@dataclass(frozen=True)
+class SlowFault:
+    """A slow worker: every task takes ``factor`` times its compute time."""
+
+    worker: str  # "wN"
+    factor: float  # >= 1
+
+
+@dataclass(frozen=True)
+class FlapFault:
+    """A worker whose links to the stage servers reset periodically."""
+
+    worker: str  # "wN"
+    period_s: float  # a flap every this many seconds
+    down_s: float  # connections are reset and refused this long per flap
+    for_s: float  # flapping stops after this long (from the worker's start)
+
+
+@dataclass(frozen=True)
+class CorruptCkptFault:
+    """Corrupt the newest checkpoint of a stage under a replacement server."""
+
+    stage: int  # stage whose checkpoint is corrupted
+    step: int  # steps committed when it happens
+
+
+Fault = KillFault | PoisonFault | SlowFault | FlapFault | CorruptCkptFault
+
+_WORKER = re.compile(r"w\d+")
+_SERVER = re.compile(r"s\d+")
+
+
+def _options(spec: str, parts: list[str], allowed: dict[str, type]) -> dict:
+    """``key=value`` items of a spec, converted; one line on anything else."""
+    out: dict = {}
+    for item in parts:
+        key, eq, value = item.partition("=")
+        if not eq or key not in allowed:
+            raise ShoalError(f"--fault {spec!r}: unexpected {item!r}; expected "
+                             f"{', '.join(k + '=' for k in allowed)} (grammar: {GRAMMAR})")
+        if key in out:
+            raise ShoalError(f"--fault {spec!r}: {key}= given twice")
+        try:
+            v = allowed[key](value)
+        except ValueError:
+            raise ShoalError(f"--fault {spec!r}: {key}={value!r} is not a{'n integer' if allowed[key] is int else ' number'}"
+                             ) from None
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ShoalError(f"--fault {spec!r}: {key}={value} is not finite")
+        out[key] = v
+    return out
+
+
+def _need(spec: str, opts: dict, *keys: str) -> None:
+    missing = [k for k in keys if k not in opts]
+    if missing:
+        raise ShoalError(f"--fault {spec!r}: missing {', '.join(k + '=' for k in missing)} (grammar: {GRAMMAR})")
+
+
+def _worker(spec: str, parts: list[str]) -> str:
+    if not parts or not _WORKER.fullmatch(parts[0]):
+        raise ShoalError(f"--fault {spec!r}: name the worker as wN (w0, w1, ...) after the kind")
+    return parts[0]
+
+
+def parse_fault(spec: str) -> Fault:
+    """One ``--fault SPEC`` as a typed fault; a one-line :class:`ShoalError` when malformed."""
+    parts = spec.strip().split(":")
+    kind, rest = parts[0], parts[1:]
+    if kind == "kill":
+        if not rest or rest[0] not in ("worker", "server", "coordinator"):
+            raise ShoalError(f"--fault {spec!r}: kill needs a role: kill:worker|server[:NAME]:step=N")
+        role, rest = rest[0], rest[1:]
+        if role == "coordinator":
+            raise ShoalError(f"--fault {spec!r}: a run does not survive its coordinator yet; "
+                             "kill a worker or a server")
+        name = None
+        if rest and "=" not in rest[0]:
+            name, rest = rest[0], rest[1:]
+            if not (_WORKER if role == "worker" else _SERVER).fullmatch(name):
+                raise ShoalError(f"--fault {spec!r}: name the {role} as {'wN' if role == 'worker' else 'sN'}")
+        opts = _options(spec, rest, {"step": int})
+        _need(spec, opts, "step")
+        if opts["step"] < 0:
+            raise ShoalError(f"--fault {spec!r}: step= must be >= 0")
+        return KillFault(role, name, opts["step"])
+    if kind in ("poison", "slow"):
+        worker = _worker(spec, rest)
+        key = "scale" if kind == "poison" else "factor"
+        opts = _options(spec, rest[1:], {key: float})
+        _need(spec, opts, key)
+        if kind == "poison":
+            return PoisonFault(worker, opts["scale"])
+        if opts["factor"] < 1:
+            raise ShoalError(f"--fault {spec!r}: factor= must be >= 1 (how many times slower)")
+        return SlowFault(worker, opts["factor"])
+    if kind == "flap":
+        worker = _worker(spec, rest)
+        opts = _options(spec, rest[1:], {"period": float, "down": float, "for": float})
+        _need(spec, opts, "period", "down", "for")
+        if not 0 < opts["down"] < opts["period"] or opts["for"] <= 0:
+            raise ShoalError(f"--fault {spec!r}: need 0 < down < period and for > 0 (seconds)")
+        return FlapFault(worker, opts["period"], opts["down"], opts["for"])
+    if kind == "corrupt-ckpt":
+        if not rest or not rest[0].isdigit():
+            raise ShoalError(f"--fault {spec!r}: corrupt-ckpt needs a stage number: corrupt-ckpt:STAGE[:step=N]")
+        opts = _options(spec, rest[1:], {"step": int})
+        step = opts.get("step", 2)
+        if step < 1:
+            raise ShoalError(f"--fault {spec!r}: step= must be >= 1 (a checkpoint must exist)")
+        return CorruptCkptFault(int(rest[0]), step)
+    raise ShoalError(f"--fault {spec!r}: unknown kind {kind!r}; use {GRAMMAR}")
+
+
+def check_faults(faults: list[Fault], *, workers: int, stages: int, steps: int) -> None:
+    """One-line errors for faults that name members or stages the swarm does not have."""
+    for f in faults:
+        worker = getattr(f, "worker", None) or (f.name if isinstance(f, KillFault) and f.role == "worker" else None)
+        if worker is not None and int(worker[1:]) >= workers:
+            raise ShoalError(f"--fault names {worker}, but the swarm starts w0..w{workers - 1}")
+        if isinstance(f, KillFault) and f.role == "server" and f.name and int(f.name[1:]) >= stages:
+            raise ShoalError(f"--fault names {f.name}, but the swarm starts s0..s{stages - 1}")
+        if isinstance(f, CorruptCkptFault) and f.stage >= stages:
+            raise ShoalError(f"--fault corrupt-ckpt:{f.stage}: the run has stages 0..{stages - 1}")
+        step = getattr(f, "step", None)
+        if step is not None and step >= steps:
+            raise ShoalError(f"--fault at step={step} never fires: the run has {steps} steps")
+
+
+def worker_fault_args(faults: list[Fault], worker: str) -> list[str]:
+    """The ``shoal worker`` flags that make worker ``worker`` misbehave as ``faults`` say."""
+    args: list[str] = []
+    for f in faults:
+        if isinstance(f, PoisonFault) and f.worker == worker:
+            args += ["--fault-poison", repr(f.scale)]
+        elif isinstance(f, SlowFault) and f.worker == worker:
+            args += ["--fault-slow", repr(f.factor)]
+    return args
+
+
+def corrupt_file(path: Path) -> None:
+    """Flip bytes in the middle of a safetensors file's tensor data (its header stays readable)."""
+    data = bytearray(path.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    mid = header + (len(data) - header) // 2
+    for i in range(mid, min(mid + 16, len(data))):
+        data[i] ^= 0xFF
+    with open(path, "r+b") as f:
+        f.write(data)
+
+
+def newest_ckpt(folder: Path) -> Path | None:
+    """The newest ``v<N>.safetensors`` in a stage's checkpoint folder (None: none)."""
+    found = []
+    for p in folder.glob("v*.safetensors"):
+        m = re.fullmatch(r"v(\d+)\.safetensors", p.name)
+        if m:
+            found.append((int(m.group(1)), p))
+    return max(found)[1] if found else None

@@ -1,0 +1,125 @@
+"""Screening gradient pushes for poisoned or broken work, and the ban rule.
+
+A stage server screens every gradient push before it counts it:
+
+* **screen** (every push, cheap): the push's norm against the stage's robust centre
+  (the median norm of recent honest pushes) and its direction against the sum of the
+  step's other honest pushes. A flag is only a suspicion: with two workers per stage there
+  is no honest majority to vote with, so a flag never bans by itself in an exact run.
+* **verify** (exact fp32 runs): a flagged push, a worker's first push at this stage, and
+  a seeded random fraction (``--spot-check``) are recomputed by the stage server itself,
+  which holds the step's weights, inputs and output gradients, and compared within a
+  tolerance. A mismatch bans the worker; a match clears it. The server is the arbiter
+  because a second worker's opinion cannot break a tie between two workers.
+
+Everything here that decides is a small pure function, tested directly
+(``tests/test_guard.py``); the server calls them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import statistics
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """Thresholds of the push screen and the ban rule (why each value: see the comments)."""
+
+    # Honest per-micro-batch gradient norms of a stage spread widely: up to 9.2x above and
+    # 20x below the median of the recent pushes (bench/bench_screen.py, tiny, 20 steps; see
+    # bench/results/screen.md). A flag costs one recomputation, never a ban by itself, so
+    # the ratio trades server compute for sensitivity: 10 flags a -20x push of a typical
+    # micro-batch and few honest ones.
+    norm_ratio: float = 10.0
+    # Recent honest per-push norms the centre is the median of: enough to ride out one odd
+    # micro-batch, few enough to follow the norm as training lowers it.
+    history: int = 32
+    # Cosine to the last committed gradient of the stage below this flags a push. Measured
+    # honest micro-batches sit near 0 (lowest -0.24, bench/results/screen.md): a plain sign
+    # flip is not visible this way on small models, only pushes aimed against the last step.
+    # Again only a suspicion (a recomputation decides).
+    min_cosine: float = -0.5
+    # Relative L2 error a recomputation may differ by. Only fp32 pushes in raw frames are
+    # recomputed; a worker's kernels may still differ from the server's (GPU vs CPU, a
+    # cached forward), by ~1e-6 relative; measured honest CPU runs: 0 (bench/results/screen.md).
+    # 1e-3 leaves a wide margin and still catches any scaling by more than 0.1 %.
+    rel_tol: float = 1e-3
+    # Without an exact recomputation (bf16/fp16 runs, lossy codecs), a worker is banned once
+    # this many of its pushes in a row were flagged: a scaled-up liar's pushes nearly all
+    # flag, honest ones seldom (a judgement from the fp32 figures; not measured in bf16).
+    strikes_to_ban: int = 3
+    # Recompute every worker's first push at a stage: catches a worker that lies from the
+    # start, before any history exists (step 0 has no centre yet).
+    verify_first: bool = True
+    # Off only where pushes are made up on purpose (unit tests of the task pool and the wire).
+    enabled: bool = True
+
+
+DEFAULT = GuardConfig()
+
+
+def robust_centre(history: list[float]) -> float | None:
+    """The median of recent honest per-push norms (None: no history yet)."""
+    good = [n for n in history if math.isfinite(n) and n > 0]
+    return statistics.median(good) if good else None
+
+
+def screen(norm: float, cosine: float | None, centre: float | None, cfg: GuardConfig = DEFAULT) -> str:
+    """Why a push of gradient norm ``norm`` looks wrong ("" when it does not).
+
+    ``cosine``: its cosine to the sum of the step's other honest pushes (None: none yet);
+    ``centre``: :func:`robust_centre` of the stage (None: no history yet).
+    """
+    if not math.isfinite(norm):
+        return f"norm {norm} is not finite"
+    if centre is not None and centre > 0:
+        if norm > cfg.norm_ratio * centre:
+            return f"norm {norm:.4g} is {norm / centre:.1f}x the stage's median {centre:.4g}"
+        if norm < centre / cfg.norm_ratio:
+            return f"norm {norm:.4g} is {centre / max(norm, 1e-30):.1f}x below the stage's median {centre:.4g}"
+    if cosine is not None and cosine < cfg.min_cosine:
+        return f"direction: cosine {cosine:.2f} to the step's other pushes"
+    return ""
+
+
+def spot_pick(seed: int, salt: str, stage: int, step: int, mb: int, fraction: float) -> bool:
+    """Whether micro-batch ``mb`` of ``step`` at ``stage`` is spot-checked (a seeded draw)."""
+    if fraction <= 0:
+        return False
+    if fraction >= 1:
+        return True
+    h = hashlib.sha256(f"{seed}/{salt}/{stage}/{step}/{mb}".encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2 ** 64 < fraction
+
+
+def needs_verify(flag: str, first_push: bool, spot: bool, exact: bool, cfg: GuardConfig = DEFAULT) -> bool:
+    """Whether the server recomputes a push: only in exact runs, when flagged, first or drawn."""
+    return exact and (bool(flag) or (first_push and cfg.verify_first) or spot)
+
+
+def rel_error(sq_diff: float, sq_ref: float) -> float:
+    """Relative L2 error ||push - recomputed|| / ||recomputed|| from squared sums."""
+    if sq_ref <= 0:
+        return 0.0 if sq_diff <= 0 else math.inf
+    return math.sqrt(sq_diff / sq_ref)
+
+
+def ban_reason(flag: str, verified_error: float | None, strikes: int, cfg: GuardConfig = DEFAULT) -> str:
+    """The ban rule: why a worker is banned for the run after one push ("" : not banned).
+
+    ``verified_error``: relative error of the push against the server's recomputation
+    (None: not recomputed); ``strikes``: its consecutive flagged pushes, this one included.
+    A recomputation decides when there is one (exact runs): a flag alone never bans there.
+    Otherwise ``strikes_to_ban`` flags ban.
+    """
+    if verified_error is not None:
+        if verified_error > cfg.rel_tol or not math.isfinite(verified_error):
+            return (f"its gradient differs from the recomputed one by {verified_error:.3g} "
+                    f"(relative L2, tolerance {cfg.rel_tol:g})" + (f"; screen: {flag}" if flag else ""))
+        return ""
+    if flag and strikes >= cfg.strikes_to_ban:
+        return f"{strikes} pushes in a row flagged by the screen, the last: {flag}"
+    return ""

@@ -1,0 +1,52 @@
+"""The tensor side of push screening (see :mod:`shoal.runtime.guard` for the decisions).
+
+The stage server recomputes a micro-batch's parameter gradient itself, from the weights
+of the step, the micro-batch's input (tokens at stage 0, the relayed activation
+otherwise) and its output gradient (or the loss at the last stage), with the formula
+the workers use, and compares a push with it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shoal.runtime.common import micro_batch
+
+
+def sq_norm(grads: dict[str, torch.Tensor]) -> float:
+    """Squared L2 norm over every tensor of a push (fp64 sum)."""
+    return float(sum(float(g.double().pow(2).sum()) for g in grads.values()))
+
+
+def dot(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Inner product of two pushes over their common tensors (fp64 sum)."""
+    return float(sum(float((a[k].double() * b[k].double()).sum()) for k in a if k in b))
+
+
+def sq_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Squared L2 norm of a - b (fp64 sum)."""
+    return float(sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in a))
+
+
+def recompute_grads(module: torch.nn.Module, spec, step: int, mb: int, *, first: bool, last: bool,
+                    inp: torch.Tensor | None, out_grad: torch.Tensor | None,
+                    loss_scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """Parameter gradients of micro-batch ``mb`` of ``step`` at one stage, fp32 on the CPU.
+
+    Uses ``torch.autograd.grad`` so the module's ``.grad`` fields (the commit's) are not
+    touched. The same formula as a worker's ``BWD``/``FWDBWD`` task.
+    """
+    names = [n for n, _ in module.named_parameters()]
+    params = [p for _, p in module.named_parameters()]
+    tokens, targets = micro_batch(spec, step, mb)
+    x = tokens if first else inp.detach()
+    with torch.enable_grad():
+        if last:
+            loss = module(x, targets) / spec.micro_batches
+            if loss_scale != 1.0:
+                loss = loss * loss_scale
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+        else:
+            out = module(x)
+            grads = torch.autograd.grad(out, params, grad_outputs=out_grad, allow_unused=True)
+    return {n: (torch.zeros_like(p) if g is None else g) for n, p, g in zip(names, params, grads, strict=True)}

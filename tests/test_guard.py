@@ -1,0 +1,183 @@
+"""Push screening and the ban rule (shoal.runtime.guard), the --fault grammar
+(shoal.runtime.faults), and a stage server's recomputation catching a poisoned push."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from shoal.errors import ShoalError
+from shoal.runtime.faults import (
+    CorruptCkptFault,
+    FlapFault,
+    KillFault,
+    PoisonFault,
+    SlowFault,
+    check_faults,
+    parse_fault,
+    worker_fault_args,
+)
+from shoal.runtime.guard import (
+    GuardConfig,
+    ban_reason,
+    needs_verify,
+    rel_error,
+    robust_centre,
+    screen,
+    spot_pick,
+)
+
+
+def test_parse_fault_grammar():
+    assert parse_fault("kill:worker:w1:step=3") == KillFault("worker", "w1", 3)
+    assert parse_fault("kill:server:step=2") == KillFault("server", None, 2)
+    assert parse_fault("poison:w1:scale=-20") == PoisonFault("w1", -20.0)
+    assert parse_fault("slow:w0:factor=2.5") == SlowFault("w0", 2.5)
+    assert parse_fault("flap:w1:period=0.6:down=0.1:for=20") == FlapFault("w1", 0.6, 0.1, 20.0)
+    assert parse_fault("corrupt-ckpt:1") == CorruptCkptFault(1, 2)
+    assert parse_fault("corrupt-ckpt:0:step=3") == CorruptCkptFault(0, 3)
+    assert worker_fault_args([PoisonFault("w1", -20.0), SlowFault("w0", 2.0)], "w1") == ["--fault-poison", "-20.0"]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("explode:w1", "unknown kind 'explode'"),
+    ("kill:worker:w1", "missing step="),
+    ("kill:worker:w1:step=x", "step='x' is not an integer"),
+    ("kill:gpu:step=1", "kill needs a role"),
+    ("kill:coordinator:step=1", "does not survive its coordinator"),
+    ("kill:server:w0:step=1", "name the server as sN"),
+    ("poison:worker1:scale=2", "name the worker as wN"),
+    ("poison:w1", "missing scale="),
+    ("poison:w1:scale=nan", "is not finite"),
+    ("poison:w1:factor=2", "unexpected 'factor=2'"),
+    ("slow:w1:factor=0.5", "factor= must be >= 1"),
+    ("flap:w1:period=0.6:down=0.7:for=5", "0 < down < period"),
+    ("flap:w1:period=0.6:down=0.1", "missing for="),
+    ("flap:w1:period=0.6:period=1:down=0.1:for=2", "period= given twice"),
+    ("corrupt-ckpt:one", "needs a stage number"),
+    ("corrupt-ckpt:1:step=0", "step= must be >= 1"),
+])
+def test_parse_fault_errors_are_one_line(spec, message):
+    with pytest.raises(ShoalError, match=message) as exc:
+        parse_fault(spec)
+    assert "\n" not in str(exc.value)
+
+
+def test_check_faults_against_the_swarm():
+    check_faults([PoisonFault("w2", 2.0), CorruptCkptFault(1, 2)], workers=3, stages=2, steps=6)
+    with pytest.raises(ShoalError, match="starts w0..w1"):
+        check_faults([PoisonFault("w2", 2.0)], workers=2, stages=2, steps=6)
+    with pytest.raises(ShoalError, match="stages 0..1"):
+        check_faults([CorruptCkptFault(2, 2)], workers=2, stages=2, steps=6)
+    with pytest.raises(ShoalError, match="never fires"):
+        check_faults([KillFault("worker", "w0", 6)], workers=2, stages=2, steps=6)
+
+
+def test_launch_cli_refuses_a_bad_fault(tmp_path):
+    from shoal.cli import main
+
+    assert main(["launch", "--out", str(tmp_path / "r"), "--fault", "poison:w9:scale=2", "--steps", "2"]) == 2
+
+
+def test_screen_flags_norm_and_direction():
+    cfg = GuardConfig()
+    assert screen(1.0, None, None, cfg) == ""  # no history, no direction: nothing to compare with
+    assert screen(1.2, 0.4, 1.0, cfg) == ""
+    assert "20.0x the stage's median" in screen(20.0, 0.4, 1.0, cfg)
+    assert "below the stage's median" in screen(0.01, 0.4, 1.0, cfg)
+    assert "cosine -0.90" in screen(1.0, -0.9, 1.0, cfg)
+    assert "not finite" in screen(math.inf, None, None, cfg)
+    assert robust_centre([]) is None
+    assert robust_centre([1.0, 2.0, 100.0]) == 2.0  # one outlier does not move the centre
+
+
+def test_ban_rule():
+    cfg = GuardConfig(rel_tol=1e-3, strikes_to_ban=3)
+    # Exact runs: only the recomputation decides; a flag alone (even many) never bans.
+    assert ban_reason("norm 20x", 0.0, 5, cfg) == ""
+    assert "differs from the recomputed one by 21" in ban_reason("norm 20x", 21.0, 1, cfg)
+    assert "differs" in ban_reason("", math.nan, 0, cfg)
+    # Without a recomputation: the third flagged push bans.
+    assert ban_reason("norm 20x", None, 2, cfg) == ""
+    assert "3 pushes in a row flagged" in ban_reason("norm 20x", None, 3, cfg)
+    assert ban_reason("", None, 7, cfg) == ""
+    assert rel_error(0.0, 4.0) == 0.0 and rel_error(1.0, 4.0) == 0.5
+
+
+def test_verify_and_spot_check_draws():
+    assert needs_verify("", True, False, exact=True)  # first push of a worker
+    assert needs_verify("norm", False, False, exact=True)
+    assert not needs_verify("", False, False, exact=True)
+    assert not needs_verify("norm", True, True, exact=False)
+    draws = [spot_pick(3, "run", 1, step, mb, 0.25) for step in range(100) for mb in range(8)]
+    assert draws == [spot_pick(3, "run", 1, step, mb, 0.25) for step in range(100) for mb in range(8)]  # seeded
+    assert 0.18 < sum(draws) / len(draws) < 0.32
+    assert not any(spot_pick(3, "run", 0, s, 0, 0.0) for s in range(50))
+    assert all(spot_pick(3, "run", 0, s, 0, 1.0) for s in range(50))
+
+
+# ---------------------------------------------------------------------------- a real stage server
+
+def _grad_push(srv, step, mb, worker, gen, grads):
+    from shoal.net import shoal_pb2 as pb
+    from shoal.net.wire import encode_tensor
+
+    return pb.GradPush(worker=worker, step=step, epoch=0, gen=gen, mbs=[mb],
+                       grads=[encode_tensor(n, g) for n, g in grads.items()])
+
+
+def test_server_bans_a_poisoned_push_and_redoes_its_work(tmp_path):
+    """A one-stage server: A's and B's honest pushes count (each a first push: recomputed);
+    B's next push, times -20, is flagged by its norm, recomputed and banned: both of B's
+    micro-batches go back to todo (its counted push is dropped) and A redoes them."""
+    from shoal.net import shoal_pb2 as pb
+    from shoal.runtime.server import StageServer
+    from shoal.runtime.verify import recompute_grads
+
+    async def main():
+        srv = StageServer("unused:0", "127.0.0.1:0", "tok", str(tmp_path), name="t")
+        srv.spec = pb.RunSpec(model="tiny", stages=1, steps=3, micro_batches=3, micro_batch_size=2, seq_len=16,
+                              seed=0, lr=1e-3, min_lr=1e-4, warmup=1, weight_decay=0.1, grad_clip=1.0,
+                              dead_after_s=30, min_lease_s=30, data="synthetic", ordered_grads=True,
+                              run_id="guard-test", guard_spot_check=0.0)
+        srv.stage, srv.first, srv.last, srv.epoch = 0, 0, 6, 0
+        await srv._load(0, 0, 6, 0, 0)
+        srv.ready = True
+
+        async def compute(worker):
+            a = await srv.Lease(pb.LeaseRequest(worker=worker, wait_s=0), None)
+            t = a.task
+            ok = await srv.Complete(pb.TaskResult(worker=worker, step=t.step, mb=t.mb, direction=t.direction,
+                                                  epoch=t.epoch, lease_id=t.lease_id, loss=1.0), None)
+            assert ok.accepted
+            true = recompute_grads(srv.module, srv.spec, 0, t.mb, first=True, last=True, inp=None, out_grad=None)
+            return t.mb, ok.gen, true
+
+        mb_a, gen_a, g_a = await compute("A")
+        rep = await srv.PushGrads(_grad_push(srv, 0, mb_a, "A", gen_a, g_a), None)
+        assert rep.accepted
+        mb_b1, gen_b, g_b1 = await compute("B")
+        assert (await srv.PushGrads(_grad_push(srv, 0, mb_b1, "B", gen_b, g_b1), None)).accepted
+        assert srv.guard_checks == 2  # both first pushes were recomputed
+        mb_b, gen_b, g_b = await compute("B")
+        rep = await srv.PushGrads(_grad_push(srv, 0, mb_b, "B", gen_b, {n: -20 * g for n, g in g_b.items()}), None)
+        assert not rep.accepted and "differs from the recomputed one" in rep.reason and "the stage's median" in rep.reason
+        assert "B" in srv.guard_banned and [b.worker for b in srv.guard_bans] == ["B"]
+        assert srv.steps[0][mb_a].grad == "counted"
+        assert srv.steps[0][mb_b].grad == "todo" and srv.steps[0][mb_b1].grad == "todo"
+        assert [p[2] for p in srv.pushes] == ["A"]
+        # B gets no more work; A redoes B's micro-batches
+        assert not (await srv.Lease(pb.LeaseRequest(worker="B", wait_s=0), None)).has_task
+        redone = []
+        for _ in range(2):
+            mb, gen, g = await compute("A")
+            redone.append(mb)
+            assert (await srv.PushGrads(_grad_push(srv, 0, mb, "A", gen, g), None)).accepted
+        assert sorted(redone) == sorted([mb_b1, mb_b])
+        assert all(st.grad == "counted" for st in srv.steps[0].values()) or srv.step == 1
+
+    asyncio.run(main())
+    torch.set_grad_enabled(True)
