@@ -34,6 +34,7 @@ from shoal.runtime.guard import (
 def test_parse_fault_grammar():
     assert parse_fault("kill:worker:w1:step=3") == KillFault("worker", "w1", 3)
     assert parse_fault("kill:server:step=2") == KillFault("server", None, 2)
+    assert parse_fault("kill:coordinator:step=3") == KillFault("coordinator", None, 3)
     assert parse_fault("poison:w1:scale=-20") == PoisonFault("w1", -20.0)
     assert parse_fault("slow:w0:factor=2.5") == SlowFault("w0", 2.5)
     assert parse_fault("flap:w1:period=0.6:down=0.1:for=20") == FlapFault("w1", 0.6, 0.1, 20.0)
@@ -47,7 +48,7 @@ def test_parse_fault_grammar():
     ("kill:worker:w1", "missing step="),
     ("kill:worker:w1:step=x", "step='x' is not an integer"),
     ("kill:gpu:step=1", "kill needs a role"),
-    ("kill:coordinator:step=1", "does not survive its coordinator"),
+    ("kill:coordinator:c0:step=1", "unexpected 'c0'"),
     ("kill:server:w0:step=1", "name the server as sN"),
     ("poison:worker1:scale=2", "name the worker as wN"),
     ("poison:w1", "missing scale="),

@@ -31,7 +31,8 @@ from pathlib import Path
 
 from shoal.errors import ShoalError
 
-GRAMMAR = ("kill:worker|server[:NAME]:step=N, poison:wN:scale=F, slow:wN:factor=F, "
+GRAMMAR = ("kill:worker|server[:NAME]:step=N, kill:coordinator:step=N, poison:wN:scale=F, "
+           "slow:wN:factor=F, "
            "flap:wN:period=S:down=S:for=S, corrupt-ckpt:STAGE[:step=N]")
 
 
@@ -123,13 +124,11 @@ def parse_fault(spec: str) -> Fault:
     kind, rest = parts[0], parts[1:]
     if kind == "kill":
         if not rest or rest[0] not in ("worker", "server", "coordinator"):
-            raise ShoalError(f"--fault {spec!r}: kill needs a role: kill:worker|server[:NAME]:step=N")
+            raise ShoalError(f"--fault {spec!r}: kill needs a role: "
+                             "kill:worker|server[:NAME]:step=N or kill:coordinator:step=N")
         role, rest = rest[0], rest[1:]
-        if role == "coordinator":
-            raise ShoalError(f"--fault {spec!r}: a run does not survive its coordinator yet; "
-                             "kill a worker or a server")
         name = None
-        if rest and "=" not in rest[0]:
+        if rest and "=" not in rest[0] and role != "coordinator":
             name, rest = rest[0], rest[1:]
             if not (_WORKER if role == "worker" else _SERVER).fullmatch(name):
                 raise ShoalError(f"--fault {spec!r}: name the {role} as {'wN' if role == 'worker' else 'sN'}")

@@ -415,6 +415,9 @@ class Swarm:
             self._fault_event(kind="kill", target=f"w{i}", step=committed)
             if i is not None:
                 self.kill_worker(i)
+        elif isinstance(f, KillFault) and f.role == "coordinator":
+            self._fault_event(kind="kill", target="coordinator", step=committed)
+            self.kill_coordinator()  # wait() restarts it with --resume on the same address
         elif isinstance(f, KillFault):
             i = int(f.name[1:]) if f.name else self._stage_server_index(self.cfg.stages - 1)
             self._fault_event(kind="kill", target=f"s{i}", step=committed)
