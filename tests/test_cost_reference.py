@@ -90,3 +90,24 @@ def test_late_task_and_leave_cost_edges():
     assert leave_cost(1.0, 2.0, 4, 20.0, 1.0, 10.0, 5.0) == pytest.approx(144 / 40 + 1.0)
     # alone (X = 1/tau): timeout + pull + M/2 tau on top of the late task
     assert leave_cost(1.0, 1.0, 4, 20.0, 1.0, 10.0, 5.0) == pytest.approx(144 / 40 + 10 + 5 + 2)
+
+
+def test_receiver_downlink_alone_can_bound_a_flow():
+    # the receiver's unshared downlink is the narrowest of the three
+    assert flow_bandwidth(1000.0, 500.0, 400.0) == 400.0
+    assert flow_bandwidth(1000.0, 500.0, 400.0, 3, 1) == pytest.approx(500.0 / 3)
+
+
+def test_local_mode_worker_holds_two_fp32_moments_per_parameter():
+    """A local-mode worker runs its own AdamW: 2 fp32 moments (8 bytes) per parameter of its
+    stage on top of what an exact-sync worker needs."""
+    from shoal.model.config import get_preset
+    from shoal.model.profile import profile_model
+    from shoal.plan.cost import stage_worker_memory
+    from shoal.plan.types import SyncPolicy
+
+    prof = profile_model(get_preset("tiny"), 64, 2, 4)
+    exact = stage_worker_memory(prof, 0, 3, SyncPolicy())
+    local = stage_worker_memory(prof, 0, 3, SyncPolicy(mode="local"))
+    assert exact == stage_worker_memory(prof, 0, 3) == prof.worker_memory(0, 3)
+    assert local - exact == 2 * 4 * prof.params(0, 3)

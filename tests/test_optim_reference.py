@@ -84,8 +84,8 @@ def test_config_validation():
 
     OptimConfig(lr=1e-3, min_lr=1e-3, warmup_steps=0, grad_clip=0.0).validate()  # edges are fine
     OptimConfig(lr=1e-3, min_lr=0.0).validate()  # decay to zero is allowed
-    for bad in (dict(lr=0.0), dict(min_lr=-1e-9), dict(lr=1e-3, min_lr=2e-3), dict(warmup_steps=-1),
-                dict(grad_clip=-0.5)):
+    for bad in (dict(lr=0.0), dict(lr=0.0, min_lr=0.0), dict(min_lr=-1e-9), dict(lr=1e-3, min_lr=2e-3),
+                dict(warmup_steps=-1), dict(grad_clip=-0.5)):
         with pytest.raises(ShoalError):
             OptimConfig(**bad).validate()
     with pytest.raises(ShoalError, match="not finite"):

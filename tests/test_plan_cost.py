@@ -216,3 +216,26 @@ def test_churn_term_in_predict():
     steady = predict(plan([StagePlan((0, 6), "h", ["w1"])]), s)
     assert flaky["step_time_s"] == pytest.approx(steady["step_time_s"])
     assert flaky["expected_step_time_s"] > steady["expected_step_time_s"]
+
+
+def test_sync_bursts_share_a_narrow_server_link_by_the_workers_that_sync():
+    """When the server host's own link is the narrowest, one syncing worker gets all of it and
+    k simultaneous syncs get 1/k each (pushes share its downlink, pulls its uplink)."""
+    def narrow_host(n):
+        devices = [{"id": f"w{i}", "tflops": 1, "memory_gb": 8, "region": "a", "up_mbps": 20, "down_mbps": 200}
+                   for i in range(n)]
+        devices.append({"id": "h", "tflops": 0, "memory_gb": 0, "region": "a", "up_mbps": 8, "down_mbps": 4,
+                        "can_host_server": True})
+        return scenario_from_dict({
+            "name": "narrow",
+            "workload": {"model": "tiny", "seq_len": 64, "global_batch": 8, "micro_batch_size": 2, "dtype": "fp32"},
+            "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}},
+            "devices": devices,
+        })
+
+    pbytes = TINY_PARAMS * 4
+    one = predict(plan([StagePlan((0, 6), "h", ["w0"])]), narrow_host(1))
+    # push over the host's 4 Mbit/s downlink (0.5e6 B/s), pull over its 8 Mbit/s uplink (1e6 B/s)
+    assert one["sync_s"] == pytest.approx(0.015 + pbytes / 0.5e6 + pbytes / 1e6)
+    two = predict(plan([StagePlan((0, 6), "h", ["w0", "w1"])]), narrow_host(2))
+    assert two["sync_s"] == pytest.approx(0.015 + 2 * pbytes / 0.5e6 + 2 * pbytes / 1e6)
