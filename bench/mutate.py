@@ -110,7 +110,13 @@ PLANTED: list[Planted] = [
 # The plain-PyTorch training comparison (slow) is left out: the unit tests cover the same code.
 GENERATED_TARGETS: dict[str, tuple[str, ...]] = {
     "shoal/train/optim.py": ("tests/test_optim_reference.py", "-k", "not train_local"),
-    "shoal/plan/cost.py": ("tests/test_plan_cost.py", "tests/test_cost_reference.py"),
+    "shoal/plan/cost.py": ("tests/test_plan_cost.py", "tests/test_cost_reference.py",
+                           *(f"tests/test_plan_local.py::{t}" for t in (
+                               "test_task_period_by_hand", "test_local_round_formulas_by_hand",
+                               "test_exact_policy_with_explicit_none_codecs_is_the_default",
+                               "test_local_h1_without_overlap_costs_what_exact_sync_costs",
+                               "test_local_round_by_hand_and_its_amortisation",
+                               "test_local_mode_counts_the_inner_optimizer_memory"))),
 }
 
 
@@ -312,7 +318,8 @@ def _run_forked(tree: Path, args: tuple[str, ...], timeout_s: float) -> str:
 
 def _run_direct(tree: Path, files: tuple[str, ...], timeout_s: float) -> str:
     """Like :func:`_run_forked`, but the child imports the test files itself and calls every
-    ``test_*`` function in file order (for plain test files: no fixtures, no parametrize).
+    ``test_*`` function in file order, or the ones named ``file::name`` (for plain test
+    functions: no fixtures, no parametrize).
     Skipping pytest's start-up, collection and assertion rewriting makes a mutant several
     times cheaper; pass/fail is the same (a failed assert or any exception kills)."""
     pid = os.fork()
@@ -326,12 +333,19 @@ def _run_direct(tree: Path, files: tuple[str, ...], timeout_s: float) -> str:
             os.dup2(devnull, 1)
             os.dup2(devnull, 2)
             ran = 0
-            for i, f in enumerate(files):
+            wanted: dict[str, list[str] | None] = {}  # file -> test names (None: all of them)
+            for t in files:
+                f, _, name = t.partition("::")
+                if not name:
+                    wanted[f] = None
+                elif wanted.get(f, []) is not None:
+                    wanted.setdefault(f, []).append(name)
+            for i, (f, names) in enumerate(wanted.items()):
                 spec = importlib.util.spec_from_file_location(f"_mutant_test_{i}", tree / f)
                 mod = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(mod)
                 for name, fn in list(vars(mod).items()):
-                    if name.startswith("test_") and callable(fn):
+                    if name.startswith("test_") and callable(fn) and (names is None or name in names):
                         fn()
                         ran += 1
             os._exit(0 if ran else 5)
@@ -352,7 +366,7 @@ def _run_direct(tree: Path, files: tuple[str, ...], timeout_s: float) -> str:
 
 def _run_targets(tree: Path, targets: tuple[str, ...], timeout_s: float) -> str:
     """The targeted tests of a mutant: plain test files run directly, anything else by pytest."""
-    if all(t.endswith(".py") for t in targets):
+    if all(t.partition("::")[0].endswith(".py") for t in targets):
         return _run_direct(tree, targets, timeout_s)
     return _run_forked(tree, targets, timeout_s)
 

@@ -111,3 +111,37 @@ def test_local_mode_worker_holds_two_fp32_moments_per_parameter():
     local = stage_worker_memory(prof, 0, 3, SyncPolicy(mode="local"))
     assert exact == stage_worker_memory(prof, 0, 3) == prof.worker_memory(0, 3)
     assert local - exact == 2 * 4 * prof.params(0, 3)
+
+
+def test_small_work_and_slow_devices_are_not_rounded_away():
+    # the guards are for "no work" and "no speed" only, not for small figures
+    assert compute_time(0.5, 1.0) == 0.5
+    assert compute_time(2.0, 0.5) == 4.0
+    assert sync_time(1.0, 1.0, 0.0, 4.0, 4.0) == 0.5
+    # nothing to send over a link that has no bandwidth costs nothing (and does not divide by 0)
+    assert sync_time(0.0, 1.0, 0.1, 0.0, 0.0) == 0.0
+
+
+def test_local_round_with_nothing_to_send_costs_nothing():
+    from shoal.plan.cost import local_round_time, local_round_wait
+
+    assert local_round_time(0.5, 0.0, 0.0) == 0.0  # no latencies paid for an empty round
+    assert local_round_time(0.5, 1.0, 0.0) == pytest.approx(2.5)
+    assert local_round_wait([(0.0, 0.0, 0.0, 0.0)], 0.5, 2, 1.0) == (0.0, 0.0)
+
+
+def test_cost_options_are_immutable_and_profiles_follow_the_micro_batch():
+    import dataclasses
+
+    from shoal.plan import scenario_from_dict
+    from shoal.plan.cost import scenario_profile
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        CostOptions().churn = False  # shared defaults cannot be changed by one caller
+    s = scenario_from_dict({
+        "name": "p", "workload": {"model": "tiny", "seq_len": 64, "global_batch": 8, "micro_batch_size": 2},
+        "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}},
+        "devices": [{"id": "h", "tflops": 1, "memory_gb": 8, "region": "a", "up_mbps": 20, "down_mbps": 200,
+                     "can_host_server": True}]})
+    assert scenario_profile(s).tokens_per_micro_batch == 2 * 64
+    assert scenario_profile(s, 4).tokens_per_micro_batch == 4 * 64  # the plan's micro-batch wins

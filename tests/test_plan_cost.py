@@ -74,6 +74,8 @@ def test_one_stage_one_worker_by_hand():
     assert r["compute_s"] + r["transfer_s"] == pytest.approx(r["pipeline_s"])
     assert r["compute_s"] == pytest.approx(4 * tau * compute / tau)
     assert r["bottleneck_stage"] == 0
+    # the one worker computes 4 micro-batches per step
+    assert r["utilisation"] == pytest.approx(4 * compute / r["step_time_s"])
     need = 2 * pbytes + 0  # weights + grads; saved activations added below
     assert 0 < r["memory_headroom"] < 1 - need / 8e9
     over = predict(p, s, CostOptions(overlap_sync=True))
@@ -209,6 +211,13 @@ def test_churn_term_in_predict():
     pipe_a = 3 / x_a + on["fill_drain_s"]
     assert on["expected_step_time_s"] == pytest.approx(pipe_a + on["sync_s"] + on["churn_s"])
     assert on["churn_s"] > 0
+    # churn = sum_d (T / S_d) leave_cost_d, each worker's leave costed by hand-checked leave_cost
+    from shoal.plan.cost import leave_cost
+    hand_churn = sum(on["step_time_s"] / sess * leave_cost(tau, costs[0].throughput, 4, on["pipeline_s"],
+                                                           on["fill_drain_s"], 10.0, costs[0].pull)
+                     for sess in (1800.0, 14400.0))
+    assert on["churn_s"] == pytest.approx(hand_churn)
+    assert off["sync_round_s"] == 0.0  # exact sync has no rounds
     assert churn_step_time(p, s, costs, on["pipeline_s"], on["fill_drain_s"], on["sync_s"], on["step_time_s"],
                            CostOptions())[1] == pytest.approx(on["churn_s"])
     # the reliable device alone beats the flaky one alone, though they are equally fast
@@ -239,3 +248,81 @@ def test_sync_bursts_share_a_narrow_server_link_by_the_workers_that_sync():
     assert one["sync_s"] == pytest.approx(0.015 + pbytes / 0.5e6 + pbytes / 1e6)
     two = predict(plan([StagePlan((0, 6), "h", ["w0", "w1"])]), narrow_host(2))
     assert two["sync_s"] == pytest.approx(0.015 + 2 * pbytes / 0.5e6 + 2 * pbytes / 1e6)
+
+
+def test_overlapped_uploads_by_hand():
+    """With ``overlap_uploads`` a stage-0 worker's hidden-state upload runs while it fetches and
+    computes the next task: tau = max(compute + fetches, upload) instead of their sum."""
+    s = scenario(2)
+    p = plan([StagePlan((0, 3), "h", ["w0"]), StagePlan((3, 6), "h", ["w1"])])
+    p.sync = SyncPolicy(overlap_uploads=True)
+    from shoal.model.config import get_preset
+    from shoal.model.profile import profile_model
+    prof = profile_model(get_preset("tiny"), 64, 2, 4)
+    c0 = (prof.fwd_flops(0, 3) + prof.bwd_flops(0, 3)) / 1e12
+    fetch0 = 4 * 0.005 + TOKENS / 25e6 + HIDDEN / 25e6
+    up0 = HIDDEN / 2.5e6
+    assert up0 > c0 + fetch0  # the upload is the bottleneck resource here
+    costs = stage_costs(p, s)
+    assert costs[0].task_times["w0"] == pytest.approx(max(c0 + fetch0, up0))
+    plain = stage_costs(plan([StagePlan((0, 3), "h", ["w0"]), StagePlan((3, 6), "h", ["w1"])]), s)
+    assert plain[0].task_times["w0"] == pytest.approx(c0 + fetch0 + up0)
+
+
+def test_compressed_activations_and_gradients_shrink_the_transfers_by_hand():
+    """int8 activations and fp16 activation gradients: each crossing moves raw bytes x the
+    codec's wire ratio (the ratios themselves are checked in tests/test_plan_local.py)."""
+    s = scenario(2)
+    pol = SyncPolicy(act_codec="int8", grad_codec="fp16")
+    ra, rg = pol.ratio("act", 4), pol.ratio("grad", 4)
+    assert ra < rg < 1
+    p = plan([StagePlan((0, 3), "h", ["w0"]), StagePlan((3, 6), "h", ["w1"])])
+    p.sync = pol
+    from shoal.model.config import get_preset
+    from shoal.model.profile import profile_model
+    prof = profile_model(get_preset("tiny"), 64, 2, 4)
+    c0 = (prof.fwd_flops(0, 3) + prof.bwd_flops(0, 3)) / 1e12
+    c1 = (prof.fwd_flops(3, 6) + prof.bwd_flops(3, 6)) / 1e12
+    costs = stage_costs(p, s)
+    # stage 0: tokens and the (fp16) output gradient down, the (int8) hidden state up
+    assert costs[0].task_times["w0"] == pytest.approx(
+        c0 + 4 * 0.005 + TOKENS / 25e6 + HIDDEN * rg / 25e6 + HIDDEN * ra / 2.5e6)
+    # last stage: the (int8) input and the targets down, the (fp16) input gradient up
+    assert costs[1].task_times["w1"] == pytest.approx(
+        c1 + 2 * 0.005 + (HIDDEN * ra + TOKENS) / 25e6 + HIDDEN * rg / 2.5e6)
+
+
+def test_self_hosted_stages_share_a_downlink_by_transfers_in_flight():
+    """Three stages, each worker hosting its own stage's server: nobody downloads from a
+    server, but the middle host receives uploads from both neighbours. Compute-heavy
+    neighbours are rarely uploading at once, so the fixed point must give each upload more
+    than the worst-case half of that host's narrow downlink (and less than all of it)."""
+    devices = [{"id": f"d{i}", "tflops": 0.05, "memory_gb": 8, "region": "a", "up_mbps": 100,
+                "down_mbps": 10 if i == 1 else 100, "can_host_server": True} for i in range(3)]
+    s = scenario_from_dict({
+        "name": "self-hosted",
+        "workload": {"model": "tiny", "seq_len": 64, "global_batch": 8, "micro_batch_size": 2, "dtype": "fp32"},
+        "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}},
+        "devices": devices,
+    })
+    p = plan([StagePlan((0, 2), "d0", ["d0"]), StagePlan((2, 4), "d1", ["d1"]), StagePlan((4, 6), "d2", ["d2"])])
+    tau = stage_costs(p, s)[0].task_times["d0"]
+    from shoal.model.config import get_preset
+    from shoal.model.profile import profile_model
+    prof = profile_model(get_preset("tiny"), 64, 2, 4)
+    c0 = (prof.fwd_flops(0, 2) + prof.bwd_flops(0, 2)) / 1e12
+    down1 = 10e6 / 8
+    whole, half = c0 + HIDDEN / down1, c0 + HIDDEN / (down1 / 2)
+    assert whole < tau < half, (whole, tau, half)
+
+
+def test_two_servers_on_one_host_add_up_their_memory():
+    from shoal.model.config import get_preset
+    from shoal.model.profile import profile_model
+    from shoal.plan.cost import server_memory_headroom
+    s = scenario(2)
+    prof = profile_model(get_preset("tiny"), 64, 2, 4)
+    p = plan([StagePlan((0, 3), "h", ["w0"]), StagePlan((3, 6), "h", ["w1"])])
+    hm = 64e9  # the scenario's default host memory
+    need = prof.server_memory(0, 3) + prof.server_memory(3, 6)
+    assert server_memory_headroom(p, s) == pytest.approx((hm - need) / hm, rel=1e-12)
