@@ -105,6 +105,8 @@ def test_two_stages_share_the_server_link_by_hand():
     # fill/drain: each stage's fastest worker plus the latency of its upload to the other server
     assert r["fill_drain_s"] == pytest.approx(tau0 + 0.005 + tau1 + 0.005)
     assert r["pipeline_s"] == pytest.approx(3 / min(2 / tau0, 1 / tau1) + tau0 + tau1 + 0.010)
+    assert r["mean_stage_time_s"] == pytest.approx((3 / (2 / tau0) + 3 / (1 / tau1)) / 2)
+    assert r["throughput_mb_s"] == pytest.approx(min(2 / tau0, 1 / tau1))
     b0, b1 = prof.param_bytes(0, 3), prof.param_bytes(3, 6)
     assert r["sync_s"] == pytest.approx(max(0.015 + b0 / 2.5e6 + b0 / 25e6, 0.015 + b1 / 2.5e6 + b1 / 25e6))
 
@@ -326,3 +328,108 @@ def test_two_servers_on_one_host_add_up_their_memory():
     hm = 64e9  # the scenario's default host memory
     need = prof.server_memory(0, 3) + prof.server_memory(3, 6)
     assert server_memory_headroom(p, s) == pytest.approx((hm - need) / hm, rel=1e-12)
+
+
+def test_share_counts_by_hand():
+    """Who loads which server link: a stage's remote workers download from and upload to its
+    host and sync with it; they also upload activations to the next stage's host and input
+    gradients to the previous one's, unless they are that host."""
+    from shoal.plan.cost import _share_counts
+    devices = [{"id": d, "tflops": 1, "memory_gb": 8, "region": "a", "up_mbps": 20, "down_mbps": 200,
+                "can_host_server": True} for d in ("h0", "h1", "h2", "a", "b", "c")]
+    s = scenario_from_dict({
+        "name": "counts",
+        "workload": {"model": "tiny", "seq_len": 64, "global_batch": 8, "micro_batch_size": 2, "dtype": "fp32"},
+        "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}},
+        "devices": devices,
+    })
+    # stage 0 on h0: a and h1 (h1 hosts stage 1); stage 1 on h1: b; stage 2 on h2: c and h2 itself
+    p = plan([StagePlan((0, 2), "h0", ["a", "h1"]), StagePlan((2, 4), "h1", ["b"]),
+              StagePlan((4, 6), "h2", ["c", "h2"])])
+    dl, ul, sy = _share_counts(p, s)
+    assert dl == {"h0": 2, "h1": 1, "h2": 1}
+    assert sy == {"h0": 2, "h1": 1, "h2": 1}
+    # h0: a, h1 (own stage) and b (input gradients); h1: a (activations; h1 itself does not
+    # count), b; h2: b (activations) and c; h1 <- c, h2 (input gradients)
+    assert ul == {"h0": 3, "h1": 4, "h2": 2}
+
+
+def test_two_stage_link_sharing_fixed_point_by_hand():
+    """Two stages on hosts h0 and h1 with narrow links, two remote workers each (one fast, one
+    slow). The fixed point of the link shares is recomputed here step by step from the model
+    in docs/planner.md: worst-case shares first, then k_eff = link_share(N, k) from each worker's
+    serialisation seconds on a link times the micro-batches it completes per second (scaled by
+    its stage's utilisation x / X_s), until no share moves by more than 1 % or 4 passes."""
+    # capped at 4 passes; then one whose fourth pass settles after a third that moved a share
+    # by 1.2 %
+    _fixed_point_case({"a": 0.02, "b": 0.005, "c": 0.02, "d": 0.01}, {"h0": (6, 8), "h1": (5, 7)})
+    _fixed_point_case({"a": 0.002, "b": 0.001, "c": 0.02, "d": 0.01}, {"h0": (6, 30), "h1": (10, 20)})
+    # and one that settles after 3 passes, before the cap
+    _fixed_point_case({"a": 0.002, "b": 0.001, "c": 0.02, "d": 0.01}, {"h0": (3, 30), "h1": (3, 20)})
+
+
+def _fixed_point_case(tf, links):
+    from shoal.model.config import get_preset
+    from shoal.model.profile import profile_model
+    from shoal.plan.cost import link_share
+
+    devices = [{"id": w, "tflops": t, "memory_gb": 8, "region": "a", "up_mbps": 100, "down_mbps": 100}
+               for w, t in tf.items()]
+    devices += [{"id": h, "tflops": 0, "memory_gb": 0, "region": "a", "up_mbps": up, "down_mbps": down,
+                 "can_host_server": True} for h, (up, down) in links.items()]
+    scn = scenario_from_dict({
+        "name": "fixed-point",
+        "workload": {"model": "tiny", "seq_len": 64, "global_batch": 8, "micro_batch_size": 2, "dtype": "fp32"},
+        "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}},
+        "devices": devices,
+    })
+    p = plan([StagePlan((0, 3), "h0", ["a", "b"]), StagePlan((3, 6), "h1", ["c", "d"])])
+    prof = profile_model(get_preset("tiny"), 64, 2, 4)
+    mbps = 1e6 / 8
+    up = {h: u * mbps for h, (u, _) in links.items()}
+    down = {h: d * mbps for h, (_, d) in links.items()}
+    wl = 100 * mbps  # every worker's up and down
+    comp = {w: (prof.fwd_flops(*((0, 3) if w in "ab" else (3, 6))) + prof.bwd_flops(*((0, 3) if w in "ab" else (3, 6))))
+            / (tf[w] * 1e12) for w in tf}
+    # per worker: fixed seconds, then (bytes, own-link bound, host link, direction) per transfer
+    fixed = {w: comp[w] + (4 if w in "ab" else 2) * 0.005 for w in tf}
+    xfers = {w: [(TOKENS + HIDDEN, "h0", "up"), (HIDDEN, "h1", "down")] for w in "ab"}  # in: tokens, out-grad
+    xfers.update({w: [(HIDDEN + TOKENS, "h1", "up"), (HIDDEN, "h0", "down")] for w in "cd"})
+    n_dl = {"h0": 2, "h1": 2}
+    n_ul = {"h0": 4, "h1": 4}  # own stage (sync) + the other stage's activations or gradients
+    k = {("h0", "up"): 2.0, ("h1", "up"): 2.0, ("h0", "down"): 4.0, ("h1", "down"): 4.0}
+
+    def times(k):
+        out, secs = {}, {}
+        for w in tf:
+            ss = []
+            for nbytes, h, way in xfers[w]:
+                host = (up if way == "up" else down)[h] / k[(h, way)]
+                ss.append((nbytes / min(wl, host), h, way))
+            out[w] = fixed[w] + sum(x[0] for x in ss)
+            secs[w] = ss
+        return out, secs
+
+    for it in range(5):
+        tau, secs = times(k)
+        if it == 4:
+            break
+        xs = {"ab": 1 / tau["a"] + 1 / tau["b"], "cd": 1 / tau["c"] + 1 / tau["d"]}
+        x = min(xs.values())
+        load = dict.fromkeys(k, 0.0)
+        for st, ws in (("ab", "ab"), ("cd", "cd")):
+            for w in ws:
+                for s_, h, way in secs[w]:
+                    load[(h, way)] += s_ * min(1.0, x / xs[st]) / tau[w]
+        new = {key: link_share(load[key], (n_dl if key[1] == "up" else n_ul)[key[0]]) for key in k}
+        settled = all(abs(new[key] - k[key]) <= 0.01 * k[key] for key in k)
+        k = new
+        if settled:
+            tau, _ = times(k)
+            break
+    assert 1.0 < k[("h0", "up")] < 2.0 and 1.0 < k[("h1", "down")] < 4.0  # shares strictly between
+    assert it >= 2  # the fixed point did move
+    costs = stage_costs(p, scn)
+    got = {**costs[0].task_times, **costs[1].task_times}
+    for w in tf:
+        assert got[w] == pytest.approx(tau[w], rel=1e-9), (w, got[w], tau[w])
