@@ -232,7 +232,7 @@ def _sites(tree: ast.Module) -> list[tuple[ast.AST, str, str, object]]:
             new = ast.Or if isinstance(node.op, ast.And) else ast.And
             out.append((node, "boolop", f"{type(node.op).__name__}->{new.__name__}", new))
         elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
-            out.append((node, "unary", "not x->x", None))
+            out.append((node, "unary", "not_x->x", None))
         elif (isinstance(node, ast.Constant) and type(node.value) in (int, float)
               and not _is_docstring(node, parents)):
             v = node.value
