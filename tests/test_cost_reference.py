@@ -145,3 +145,31 @@ def test_cost_options_are_immutable_and_profiles_follow_the_micro_batch():
                      "can_host_server": True}]})
     assert scenario_profile(s).tokens_per_micro_batch == 2 * 64
     assert scenario_profile(s, 4).tokens_per_micro_batch == 4 * 64  # the plan's micro-batch wins
+
+
+def test_local_round_wait_by_hand():
+    """``R_eff = 3 L + max push / idle_up + max pull / idle_down`` with ``idle = max(1e-3, 1 -
+    busy / P)``; the steps wait ``(1 - H P / R_eff) R`` when the round does not fit in H steps."""
+    from shoal.plan.cost import local_round_time, local_round_wait, local_sync_per_step
+
+    assert local_round_time(0.5, 0.0, 0.5) == pytest.approx(2.0)  # a pull alone pays the latencies
+    links = [(4.0, 2.0, 0.0, 0.0)]
+    # no pipeline time to hide it in, or an unbounded one: the whole round is waited for
+    assert local_round_wait(links, 0.0, 3, 0.0) == (6.0, 6.0)
+    assert local_round_wait(links, 0.0, 3, math.inf) == (6.0, 6.0)
+    # latencies count three times: R = R_eff = 6.3; H P = 3
+    full, wait = local_round_wait(links, 0.1, 3, 1.0)
+    assert full == pytest.approx(6.3) and wait == pytest.approx((1 - 3 / 6.3) * 6.3)
+    # H = 1
+    assert local_round_wait(links, 0.0, 1, 1.0)[1] == pytest.approx((1 - 1 / 6) * 6)
+    # the uplink busy a quarter of a 2 s step: the push runs at 3/4 rate, R_eff = 16/3 + 2
+    assert local_round_wait([(4.0, 2.0, 0.5, 0.0)], 0.0, 2, 2.0)[1] == pytest.approx((1 - 4 / (16 / 3 + 2)) * 6)
+    # the downlink busy half of each step: the pull runs at half rate, R_eff = 4 + 4
+    assert local_round_wait([(4.0, 2.0, 0.0, 0.5)], 0.0, 4, 1.0)[1] == pytest.approx((1 - 4 / 8) * 6)
+    # a link busy the whole step still gets the 1e-3 idle floor: R_eff = 4 / 1e-3 + 2
+    assert local_round_wait([(4.0, 2.0, 1.0, 0.0)], 0.0, 4, 1.0)[1] == pytest.approx((1 - 4 / 4002) * 6)
+    # amortised per step
+    assert local_sync_per_step(6.0, 1, 1.0, overlap=False) == 6.0
+    assert local_sync_per_step(0.5, 1, 0.1) == pytest.approx(0.4)  # a short round, partly hidden
+    assert local_sync_per_step(0.0, 2, 1.0) == 0.0
+    assert local_sync_per_step(0.0, 2, 1.0, overlap=False) == 0.0

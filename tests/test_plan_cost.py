@@ -433,3 +433,25 @@ def _fixed_point_case(tf, links):
     got = {**costs[0].task_times, **costs[1].task_times}
     for w in tf:
         assert got[w] == pytest.approx(tau[w], rel=1e-9), (w, got[w], tau[w])
+
+
+def test_recompute_charges_the_forward_again_except_on_the_last_stage():
+    from shoal.model.config import get_preset
+    from shoal.model.profile import profile_model
+    s = scenario(2)
+    p = plan([StagePlan((0, 3), "h", ["w0"]), StagePlan((3, 6), "h", ["w1"])])
+    prof = profile_model(get_preset("tiny"), 64, 2, 4)
+    plain = stage_costs(p, s)
+    rec = stage_costs(p, s, CostOptions(recompute=True))
+    assert rec[0].task_times["w0"] - plain[0].task_times["w0"] == pytest.approx(prof.fwd_flops(0, 3) / 1e12)
+    assert rec[1].task_times["w1"] == pytest.approx(plain[1].task_times["w1"])  # runs fwd+bwd at once
+
+
+def test_pull_time_and_an_unrunnable_plan():
+    s = scenario(1)
+    c = stage_costs(plan([StagePlan((0, 6), "h", ["w0"])]), s)[0]
+    # a replacement's start-up: one latency and the stage's weights over the worker's downlink
+    assert c.pull == pytest.approx(0.005 + TINY_PARAMS * 4 / 25e6)
+    # a worker with no compute: the plan never finishes a step, and nobody is utilised
+    r = predict(plan([StagePlan((0, 6), "h", ["h"])]), s)
+    assert r["step_time_s"] == float("inf") and r["utilisation"] == 0.0
