@@ -455,3 +455,52 @@ def test_pull_time_and_an_unrunnable_plan():
     # a worker with no compute: the plan never finishes a step, and nobody is utilised
     r = predict(plan([StagePlan((0, 6), "h", ["h"])]), s)
     assert r["step_time_s"] == float("inf") and r["utilisation"] == 0.0
+
+
+def _slow_link_scenario(latency_ms):
+    devices = [{"id": f"w{i}", "tflops": 1, "memory_gb": 8, "region": "a", "up_mbps": 20, "down_mbps": 200}
+               for i in range(2)]
+    devices.append({"id": "h", "tflops": 0, "memory_gb": 0, "region": "a", "up_gbps": 10, "down_gbps": 10,
+                    "can_host_server": True})
+    return scenario_from_dict({
+        "name": "lat",
+        "workload": {"model": "tiny", "seq_len": 64, "global_batch": 8, "micro_batch_size": 2, "dtype": "fp32"},
+        "network": {"intra": {"a": {"latency_ms": latency_ms, "bandwidth_gbps": 1}}},
+        "devices": devices,
+    })
+
+
+def test_prefetch_by_hand():
+    """With ``prefetch`` a worker fetches its next task (lease round trips and input download)
+    while it computes and uploads: tau = max(compute + uploads, fetches)."""
+    from shoal.model.config import get_preset
+    from shoal.model.profile import profile_model
+    prof = profile_model(get_preset("tiny"), 64, 2, 4)
+    c0 = (prof.fwd_flops(0, 3) + prof.bwd_flops(0, 3)) / 1e12
+    c1 = (prof.fwd_flops(3, 6) + prof.bwd_flops(3, 6)) / 1e12
+    for lat in (0.05, 0.001):  # fetch-bound, then upload-bound
+        s = _slow_link_scenario(lat * 1000)
+        p = plan([StagePlan((0, 3), "h", ["w0"]), StagePlan((3, 6), "h", ["w1"])])
+        p.sync = SyncPolicy(prefetch=True)
+        costs = stage_costs(p, s)
+        fetch0 = 4 * lat + (TOKENS + HIDDEN) / 25e6
+        fetch1 = 2 * lat + (HIDDEN + TOKENS) / 25e6
+        assert costs[0].task_times["w0"] == pytest.approx(max(c0 + HIDDEN / 2.5e6, fetch0))
+        assert costs[1].task_times["w1"] == pytest.approx(max(c1 + HIDDEN / 2.5e6, fetch1))
+
+
+def test_local_mode_round_links_by_hand():
+    """Local mode records, per worker, its push and pull at full rate and the seconds per step
+    its links carry activations (its M micro-batches' transfers), which the round shares."""
+    s = scenario(2)
+    p = plan([StagePlan((0, 3), "h", ["w0"]), StagePlan((3, 6), "h", ["w1"])])
+    p.sync = SyncPolicy(mode="local", sync_every=4)
+    from shoal.model.config import get_preset
+    from shoal.model.profile import profile_model
+    prof = profile_model(get_preset("tiny"), 64, 2, 4)
+    costs = stage_costs(p, s)
+    for i, (a, b), up_s, down_s in ((0, (0, 3), HIDDEN / 2.5e6, (TOKENS + HIDDEN) / 25e6),
+                                    (1, (3, 6), HIDDEN / 2.5e6, (HIDDEN + TOKENS) / 25e6)):
+        g = prof.param_bytes(a, b)
+        (link,) = costs[i].round_links
+        assert link == pytest.approx((g / 2.5e6, g / 25e6, 4 * up_s, 4 * down_s))
