@@ -126,6 +126,7 @@ def test_worker_on_its_own_server_host_pays_no_transfer():
     r = predict(plan([StagePlan((0, 6), "w0", ["w0"])]), s)
     assert r["sync_s"] == 0.0
     assert r["step_time_s"] == pytest.approx(4 * TINY_FLOPS_PER_MB / 1e12)
+    assert r["utilisation"] == pytest.approx(1.0)  # it computes the whole (sub-second) step
 
 
 def test_link_share_by_hand():
@@ -343,15 +344,17 @@ def test_share_counts_by_hand():
         "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}},
         "devices": devices,
     })
-    # stage 0 on h0: a and h1 (h1 hosts stage 1); stage 1 on h1: b; stage 2 on h2: c and h2 itself
-    p = plan([StagePlan((0, 2), "h0", ["a", "h1"]), StagePlan((2, 4), "h1", ["b"]),
+    # stage 0 on h0: a and h1 (h1 hosts stage 1); stage 1 on h1: b and h0 (h0 hosts stage 0);
+    # stage 2 on h2: c and h2 itself
+    p = plan([StagePlan((0, 2), "h0", ["a", "h1"]), StagePlan((2, 4), "h1", ["b", "h0"]),
               StagePlan((4, 6), "h2", ["c", "h2"])])
     dl, ul, sy = _share_counts(p, s)
-    assert dl == {"h0": 2, "h1": 1, "h2": 1}
-    assert sy == {"h0": 2, "h1": 1, "h2": 1}
-    # h0: a, h1 (own stage) and b (input gradients); h1: a (activations; h1 itself does not
-    # count), b; h2: b (activations) and c; h1 <- c, h2 (input gradients)
-    assert ul == {"h0": 3, "h1": 4, "h2": 2}
+    assert dl == {"h0": 2, "h1": 2, "h2": 1}
+    assert sy == {"h0": 2, "h1": 2, "h2": 1}
+    # h0 <- a, h1 (own stage), b (input gradients; h0 itself does not count);
+    # h1 <- a (activations; h1 itself does not count), b, h0 (own stage), c, h2 (input gradients);
+    # h2 <- b, h0 (activations), c (own stage)
+    assert ul == {"h0": 3, "h1": 5, "h2": 3}
 
 
 def test_two_stage_link_sharing_fixed_point_by_hand():
@@ -366,6 +369,8 @@ def test_two_stage_link_sharing_fixed_point_by_hand():
     _fixed_point_case({"a": 0.002, "b": 0.001, "c": 0.02, "d": 0.01}, {"h0": (6, 30), "h1": (10, 20)})
     # and one that settles after 3 passes, before the cap
     _fixed_point_case({"a": 0.002, "b": 0.001, "c": 0.02, "d": 0.01}, {"h0": (3, 30), "h1": (3, 20)})
+    # and stages slower than one micro-batch per second (the loads still count)
+    _fixed_point_case({"a": 0.0003, "b": 0.0002, "c": 0.0004, "d": 0.0003}, {"h0": (0.5, 1), "h1": (0.5, 0.8)})
 
 
 def _fixed_point_case(tf, links):
@@ -433,6 +438,8 @@ def _fixed_point_case(tf, links):
     got = {**costs[0].task_times, **costs[1].task_times}
     for w in tf:
         assert got[w] == pytest.approx(tau[w], rel=1e-9), (w, got[w], tau[w])
+    xs = [1 / tau["a"] + 1 / tau["b"], 1 / tau["c"] + 1 / tau["d"]]
+    assert predict(p, scn)["mean_stage_time_s"] == pytest.approx((3 / xs[0] + 3 / xs[1]) / 2, rel=1e-9)
 
 
 def test_recompute_charges_the_forward_again_except_on_the_last_stage():
