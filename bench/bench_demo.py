@@ -15,9 +15,11 @@ Targets (issue #6):
   churn (``churn``; the simulator replays the churn that happened as a trace);
 * compression: activation wire bytes cut >= 3.5x, final loss within 2 % of ``base``;
 * churn: tokens/s of ``kill25`` over the steps after the kill >= 75 % of ``base`` over the
-  same steps, and no micro-batch lost: every committed step of ``kill25`` counted at least
-  as many accepted tasks as the same step of ``base`` (a full step, counted by the stage
-  servers), and its loss matches ``base``'s step within float noise (training is synchronous).
+  same steps, and no micro-batch lost: in every committed step of ``kill25`` the stage
+  servers counted at least ``M (2S - 1)`` accepted tasks (every micro-batch's forward and
+  backward on each stage; ``M`` and ``S`` from the plan that ran) and at least as many as
+  the same step of ``base``, and its loss matches ``base``'s step within float noise
+  (training is synchronous).
 
 Bytes ratios are fp32 bytes / wire bytes over *everything* that crossed the network for
 that traffic kind (every crossing of an activation: upload, relay, lease), with the ratio
@@ -79,6 +81,14 @@ def _wire_ratio(summary: dict, kind: str) -> float | None:
 def _tasks(m: dict) -> int:
     """Tasks the stage servers accepted in one step (counted, duplicates excluded)."""
     return sum((m.get("tasks_per_worker") or {}).values())
+
+
+def _full_tasks(rep: dict) -> int | None:
+    """Tasks a step needs when nothing is lost: ``M (2S - 1)`` (forward and backward of each
+    micro-batch on the first ``S - 1`` stages, one forward+backward on the last)."""
+    plan = rep.get("plan") or {}
+    m, s = plan.get("micro_batches"), len(plan.get("stages") or [])
+    return m * (2 * s - 1) if m and s else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,13 +164,17 @@ def main(argv: list[str] | None = None) -> int:
         kill_t = min((json.loads(e)["time_s"] for e in kills), default=None)
         first = next((m["step"] for m in km if kill_t is not None and m["time_s"] >= kill_t), len(km))
         ratio = _tps(km, first) / _tps(base_m, first) if first < len(km) else None
-        tokens_ok = len(km) == len(base_m) and all(_tasks(a) >= _tasks(b) > 0 for a, b in zip(km, base_m, strict=True))
+        full = _full_tasks(krep)
+        counted = [_tasks(m) for m in km]
+        tokens_ok = (full is not None and len(km) == len(base_m) and all(c >= full for c in counted)
+                     and all(_tasks(a) >= _tasks(b) > 0 for a, b in zip(km, base_m, strict=True)))
         diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(km, base_m, strict=False)]
         print(f"churn: {len(kills)} of {len(workers)} workers killed at t={kill_t}s (step {first}); tokens/s after "
               f"the kill {_tps(km, first) if first < len(km) else float('nan'):.1f} vs "
               f"{_tps(base_m, first) if first < len(base_m) else float('nan'):.1f} without: ratio "
               f"{'n/a' if ratio is None else f'{ratio:.3f}'} (target >= 0.75: "
-              f"{'met' if ratio and ratio >= 0.75 else 'MISSED'}); every step full (counted tasks >= base's): {tokens_ok}; "
+              f"{'met' if ratio and ratio >= 0.75 else 'MISSED'}); every step full (server-counted tasks per step, min {min(counted, default=0)}, >= {full} needed and "
+              f">= base's): {tokens_ok}; "
               f"max |loss - base loss| per step {max(diffs) if diffs else float('nan'):.2e}; "
               f"tasks re-queued {krep['tasks_requeued']}")
         print(f"  mean step time: base {statistics.fmean(m['step_time_s'] for m in base_m):.3f} s, "

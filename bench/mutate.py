@@ -50,8 +50,14 @@ class Planted:
 
 
 RUNTIME_KILLS = "tests/test_runtime_faults.py"
-LONE_KILL = (RUNTIME_KILLS, "-k", "lone_worker")  # one swarm: a lone worker dies mid-task
+LONE_KILL = (f"{RUNTIME_KILLS}::test_kill9_lone_worker_mid_task_forces_a_replan",)  # one swarm: a lone worker dies mid-task
+UNPUSHED_KILL = f"{RUNTIME_KILLS}::test_kill9_holding_unpushed_gradients_then_between_pushes"
+PARITY_3_4 = "tests/test_runtime.py::test_parity_with_local_trainer[3-4]"  # one swarm, bitwise parity
 OPTIM_UNIT = ("tests/test_optim_reference.py", "-k", "not train_local")  # the fast half of the reference
+# The runtime bugs are first checked by in-process unit tests of the server's pool and the
+# coordinator (seconds); the swarm test after them runs only when the unit test misses the
+# bug (``-x`` stops at the first failure).
+POOL = "tests/test_runtime_pool.py"
 
 PLANTED: list[Planted] = [
     Planted("apply_update ignores the clip coefficient", "shoal/train/optim.py",
@@ -71,29 +77,30 @@ PLANTED: list[Planted] = [
             "grad_clip / (math.sqrt(total_sq_norm) + 1e-6)", "grad_clip / (total_sq_norm + 1e-6)",
             OPTIM_UNIT),
     Planted("a worker's lossy push skips error feedback", "shoal/runtime/worker.py",
-            "encode_tensor(name, g, self.opts.codec, ef=self.ef)", "encode_tensor(name, g, self.opts.codec, ef=None)",
+            "encode_tensor(name, to_host(g), self.opts.codec, ef=self.ef)",
+            "encode_tensor(name, to_host(g), self.opts.codec, ef=None)",
             ("tests/test_runtime_worker.py",)),
     Planted("no re-plan after a dead worker is dropped", "shoal/runtime/coordinator.py",
             "            if self.ready:\n                self._replan(why)",
             "            if False:\n                self._replan(why)",
-            LONE_KILL),
+            ("tests/test_runtime_coordinator.py::test_dead_lone_worker_forces_a_replan", *LONE_KILL)),
     Planted("an expired lease deleted instead of re-queued", "shoal/runtime/server.py",
             "                    del self.leases[lid]\n                    self._requeue(lease.step, lease.mb, lease.direction)\n"
             "                    changed = True",
             "                    del self.leases[lid]\n                    changed = True",
-            LONE_KILL),
+            (f"{POOL}::test_expired_lease_goes_back_to_the_pool", *LONE_KILL)),
     Planted("a voided worker's computed gradients are kept", "shoal/runtime/server.py",
             "                if st.grad == \"computed\" and st.holder == wid:",
             "                if False:",
-            (RUNTIME_KILLS, "-k", "unpushed")),
+            (f"{POOL}::test_voided_worker_gives_back_its_computed_gradients", UNPUSHED_KILL)),
     Planted("the server adds the last gradient push twice", "shoal/runtime/server.py",
             "for _, grads in sorted(self.pushes, key=lambda x: x[0]):",
             "for _, grads in sorted(self.pushes, key=lambda x: x[0]) + self.pushes[-1:]:",
-            ("tests/test_runtime.py", "-k", "parity and 3-4")),
+            (f"{POOL}::test_commit_sums_each_push_once_in_micro_batch_order", PARITY_3_4)),
     Planted("the server sums pushes in arrival order", "shoal/runtime/server.py",
             "for _, grads in sorted(self.pushes, key=lambda x: x[0]):",
             "for _, grads in self.pushes:",
-            ("tests/test_runtime.py", "-k", "parity and 3-4")),
+            (f"{POOL}::test_commit_sums_each_push_once_in_micro_batch_order", PARITY_3_4)),
     Planted("the compression check accepts an untrained model (lr 1e-12)", "tests/test_compress_bench.py",
             "cfg = BenchConfig(steps=8, lr=3e-3,", "cfg = BenchConfig(steps=8, lr=1e-12,",
             ("tests/test_compress_bench.py",)),
@@ -103,7 +110,13 @@ PLANTED: list[Planted] = [
 # The plain-PyTorch training comparison (slow) is left out: the unit tests cover the same code.
 GENERATED_TARGETS: dict[str, tuple[str, ...]] = {
     "shoal/train/optim.py": ("tests/test_optim_reference.py", "-k", "not train_local"),
-    "shoal/plan/cost.py": ("tests/test_plan_cost.py", "tests/test_cost_reference.py"),
+    "shoal/plan/cost.py": ("tests/test_plan_cost.py", "tests/test_cost_reference.py",
+                           *(f"tests/test_plan_local.py::{t}" for t in (
+                               "test_task_period_by_hand", "test_local_round_formulas_by_hand",
+                               "test_exact_policy_with_explicit_none_codecs_is_the_default",
+                               "test_local_h1_without_overlap_costs_what_exact_sync_costs",
+                               "test_local_round_by_hand_and_its_amortisation",
+                               "test_local_mode_counts_the_inner_optimizer_memory"))),
 }
 
 
@@ -128,7 +141,7 @@ def run_planted(only: str | None, timeout_s: float, fast: bool = False) -> int:
     for bug in PLANTED:
         if only and only not in bug.name:
             continue
-        if fast and any(t.startswith("tests/test_runtime.py") or t == RUNTIME_KILLS for t in bug.tests):
+        if fast and any(t.startswith(("tests/test_runtime.py", RUNTIME_KILLS)) for t in bug.tests):
             print(f"| {bug.name} | {bug.path} | {' '.join(bug.tests)} | not run (--fast) | - |")
             continue
         with tempfile.TemporaryDirectory(prefix="shoal-mutate-") as tmp:
@@ -147,7 +160,9 @@ def run_planted(only: str | None, timeout_s: float, fast: bool = False) -> int:
                 proc = subprocess.run(_pytest_cmd(bug.tests), cwd=tree, env=env, capture_output=True,
                                       text=True, timeout=timeout_s)
                 killed = proc.returncode not in (0, 5)
-                result = "caught" if killed else ("NO TESTS RAN" if proc.returncode == 5 else "SURVIVED")
+                failed = [ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
+                result = (f"caught by {failed[0].split('::', 1)[-1]}" if killed and failed else "caught" if killed
+                          else ("NO TESTS RAN" if proc.returncode == 5 else "SURVIVED"))
                 if proc.returncode == 5:
                     killed = False
             except subprocess.TimeoutExpired:
@@ -217,7 +232,7 @@ def _sites(tree: ast.Module) -> list[tuple[ast.AST, str, str, object]]:
             new = ast.Or if isinstance(node.op, ast.And) else ast.And
             out.append((node, "boolop", f"{type(node.op).__name__}->{new.__name__}", new))
         elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
-            out.append((node, "unary", "not x->x", None))
+            out.append((node, "unary", "not_x->x", None))
         elif (isinstance(node, ast.Constant) and type(node.value) in (int, float)
               and not _is_docstring(node, parents)):
             v = node.value
@@ -301,7 +316,63 @@ def _run_forked(tree: Path, args: tuple[str, ...], timeout_s: float) -> str:
         time.sleep(0.05)
 
 
-def run_generated(files: list[str], sample: int | None, seed: int, timeout_s: float) -> float:
+def _run_direct(tree: Path, files: tuple[str, ...], timeout_s: float) -> str:
+    """Like :func:`_run_forked`, but the child imports the test files itself and calls every
+    ``test_*`` function in file order, or the ones named ``file::name`` (for plain test
+    functions: no fixtures, no parametrize).
+    Skipping pytest's start-up, collection and assertion rewriting makes a mutant several
+    times cheaper; pass/fail is the same (a failed assert or any exception kills)."""
+    pid = os.fork()
+    if pid == 0:  # child
+        try:
+            import importlib.util
+
+            os.chdir(tree)
+            sys.path.insert(0, str(tree))
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            ran = 0
+            wanted: dict[str, list[str] | None] = {}  # file -> test names (None: all of them)
+            for t in files:
+                f, _, name = t.partition("::")
+                if not name:
+                    wanted[f] = None
+                elif wanted.get(f, []) is not None:
+                    wanted.setdefault(f, []).append(name)
+            for i, (f, names) in enumerate(wanted.items()):
+                spec = importlib.util.spec_from_file_location(f"_mutant_test_{i}", tree / f)
+                mod = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(mod)
+                for name, fn in list(vars(mod).items()):
+                    if name.startswith("test_") and callable(fn) and (names is None or name in names):
+                        fn()
+                        ran += 1
+            os._exit(0 if ran else 5)
+        except BaseException:
+            os._exit(1)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            rc = os.waitstatus_to_exitcode(status)
+            return "no tests" if rc == 5 else "survived" if rc == 0 else "killed"
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return "timeout"
+        time.sleep(0.02)
+
+
+def _run_targets(tree: Path, targets: tuple[str, ...], timeout_s: float) -> str:
+    """The targeted tests of a mutant: plain test files run directly, anything else by pytest."""
+    if all(t.partition("::")[0].endswith(".py") for t in targets):
+        return _run_direct(tree, targets, timeout_s)
+    return _run_forked(tree, targets, timeout_s)
+
+
+def run_generated(files: list[str], sample: int | None, seed: int, timeout_s: float,
+                  keys: set[str] | None = None) -> float:
     """Run generated mutants of ``files``; print survivors and the kill rate; return it."""
     os.environ.update(PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1", SHOAL_TORCH_THREADS="1")
     sys.dont_write_bytecode = True
@@ -318,22 +389,26 @@ def run_generated(files: list[str], sample: int | None, seed: int, timeout_s: fl
     total_killed = total_run = 0
     with tempfile.TemporaryDirectory(prefix="shoal-mutgen-") as tmp:
         tree = copy_tree(Path(tmp))
+        # The model's profile (imported by cost.py, never mutated here) loads once, from the copy.
+        sys.path.insert(0, str(tree))
+        import shoal.model.profile  # noqa: F401
+
         for path in files:
             targets = GENERATED_TARGETS[path]
             original = (tree / path).read_text()
-            if _run_forked(tree, targets, timeout_s) != "survived":
+            if _run_targets(tree, targets, timeout_s) != "survived":
                 print(f"{path}: the unmutated tree fails {' '.join(targets)}; fix that first")
                 return 0.0
             mutants = generate(path)
             excluded = [m for m in mutants if m.key in equivalent]
-            pool = [m for m in mutants if m.key not in equivalent]
+            pool = [m for m in mutants if m.key not in equivalent and (keys is None or m.key in keys)]
             if sample is not None and sample < len(pool):
                 pool = sorted(random.Random(seed).sample(pool, sample), key=lambda m: m.index)
             killed, survived = 0, []
             t0 = time.monotonic()
             for m in pool:
                 (tree / path).write_text(mutated_source(original, m.index))
-                verdict = _run_forked(tree, targets, timeout_s)
+                verdict = _run_targets(tree, targets, timeout_s)
                 if verdict in ("killed", "timeout"):
                     killed += 1
                 else:
@@ -366,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--sample", type=int, help="run a random sample of this many mutants per file")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--timeout", type=float, default=120, help="seconds per mutant (a hang counts as killed)")
+    g.add_argument("--keys", help="run only the mutants whose keys this file lists (one a line, e.g. survivors)")
     sub.add_parser("list", help="print the generated mutants' keys")
     a = ap.parse_args(argv)
     files = list(GENERATED_TARGETS)
@@ -378,7 +454,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.file != "both":
         files = [f for f in files if a.file in f]
-    rate = run_generated(files, a.sample, a.seed, a.timeout)
+    keys = None
+    if a.keys:
+        keys = {ln.split()[-1] if ln.strip().startswith("SURVIVED") else ln.strip()
+                for ln in Path(a.keys).read_text().splitlines() if ln.strip()}
+    rate = run_generated(files, a.sample, a.seed, a.timeout, keys)
     return 0 if rate >= 0.9 else 1
 
 

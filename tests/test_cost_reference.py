@@ -90,3 +90,86 @@ def test_late_task_and_leave_cost_edges():
     assert leave_cost(1.0, 2.0, 4, 20.0, 1.0, 10.0, 5.0) == pytest.approx(144 / 40 + 1.0)
     # alone (X = 1/tau): timeout + pull + M/2 tau on top of the late task
     assert leave_cost(1.0, 1.0, 4, 20.0, 1.0, 10.0, 5.0) == pytest.approx(144 / 40 + 10 + 5 + 2)
+
+
+def test_receiver_downlink_alone_can_bound_a_flow():
+    # the receiver's unshared downlink is the narrowest of the three
+    assert flow_bandwidth(1000.0, 500.0, 400.0) == 400.0
+    assert flow_bandwidth(1000.0, 500.0, 400.0, 3, 1) == pytest.approx(500.0 / 3)
+
+
+def test_local_mode_worker_holds_two_fp32_moments_per_parameter():
+    """A local-mode worker runs its own AdamW: 2 fp32 moments (8 bytes) per parameter of its
+    stage on top of what an exact-sync worker needs."""
+    from shoal.model.config import get_preset
+    from shoal.model.profile import profile_model
+    from shoal.plan.cost import stage_worker_memory
+    from shoal.plan.types import SyncPolicy
+
+    prof = profile_model(get_preset("tiny"), 64, 2, 4)
+    exact = stage_worker_memory(prof, 0, 3, SyncPolicy())
+    local = stage_worker_memory(prof, 0, 3, SyncPolicy(mode="local"))
+    assert exact == stage_worker_memory(prof, 0, 3) == prof.worker_memory(0, 3)
+    assert local - exact == 2 * 4 * prof.params(0, 3)
+
+
+def test_small_work_and_slow_devices_are_not_rounded_away():
+    # the guards are for "no work" and "no speed" only, not for small figures
+    assert compute_time(0.5, 1.0) == 0.5
+    assert compute_time(2.0, 0.5) == 4.0
+    assert sync_time(1.0, 1.0, 0.0, 4.0, 4.0) == 0.5
+    # nothing to send over a link that has no bandwidth costs nothing (and does not divide by 0)
+    assert sync_time(0.0, 1.0, 0.1, 0.0, 0.0) == 0.0
+
+
+def test_local_round_with_nothing_to_send_costs_nothing():
+    from shoal.plan.cost import local_round_time, local_round_wait
+
+    assert local_round_time(0.5, 0.0, 0.0) == 0.0  # no latencies paid for an empty round
+    assert local_round_time(0.5, 1.0, 0.0) == pytest.approx(2.5)
+    assert local_round_wait([(0.0, 0.0, 0.0, 0.0)], 0.5, 2, 1.0) == (0.0, 0.0)
+
+
+def test_cost_options_are_immutable_and_profiles_follow_the_micro_batch():
+    import dataclasses
+
+    from shoal.plan import scenario_from_dict
+    from shoal.plan.cost import scenario_profile
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        CostOptions().churn = False  # shared defaults cannot be changed by one caller
+    s = scenario_from_dict({
+        "name": "p", "workload": {"model": "tiny", "seq_len": 64, "global_batch": 8, "micro_batch_size": 2},
+        "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}},
+        "devices": [{"id": "h", "tflops": 1, "memory_gb": 8, "region": "a", "up_mbps": 20, "down_mbps": 200,
+                     "can_host_server": True}]})
+    assert scenario_profile(s).tokens_per_micro_batch == 2 * 64
+    assert scenario_profile(s, 4).tokens_per_micro_batch == 4 * 64  # the plan's micro-batch wins
+
+
+def test_local_round_wait_by_hand():
+    """``R_eff = 3 L + max push / idle_up + max pull / idle_down`` with ``idle = max(1e-3, 1 -
+    busy / P)``; the steps wait ``(1 - H P / R_eff) R`` when the round does not fit in H steps."""
+    from shoal.plan.cost import local_round_time, local_round_wait, local_sync_per_step
+
+    assert local_round_time(0.5, 0.0, 0.5) == pytest.approx(2.0)  # a pull alone pays the latencies
+    links = [(4.0, 2.0, 0.0, 0.0)]
+    # no pipeline time to hide it in, or an unbounded one: the whole round is waited for
+    assert local_round_wait(links, 0.0, 3, 0.0) == (6.0, 6.0)
+    assert local_round_wait(links, 0.0, 3, math.inf) == (6.0, 6.0)
+    # latencies count three times: R = R_eff = 6.3; H P = 3
+    full, wait = local_round_wait(links, 0.1, 3, 1.0)
+    assert full == pytest.approx(6.3) and wait == pytest.approx((1 - 3 / 6.3) * 6.3)
+    # H = 1
+    assert local_round_wait(links, 0.0, 1, 1.0)[1] == pytest.approx((1 - 1 / 6) * 6)
+    # the uplink busy a quarter of a 2 s step: the push runs at 3/4 rate, R_eff = 16/3 + 2
+    assert local_round_wait([(4.0, 2.0, 0.5, 0.0)], 0.0, 2, 2.0)[1] == pytest.approx((1 - 4 / (16 / 3 + 2)) * 6)
+    # the downlink busy half of each step: the pull runs at half rate, R_eff = 4 + 4
+    assert local_round_wait([(4.0, 2.0, 0.0, 0.5)], 0.0, 4, 1.0)[1] == pytest.approx((1 - 4 / 8) * 6)
+    # a link busy the whole step still gets the 1e-3 idle floor: R_eff = 4 / 1e-3 + 2
+    assert local_round_wait([(4.0, 2.0, 1.0, 0.0)], 0.0, 4, 1.0)[1] == pytest.approx((1 - 4 / 4002) * 6)
+    # amortised per step
+    assert local_sync_per_step(6.0, 1, 1.0, overlap=False) == 6.0
+    assert local_sync_per_step(0.5, 1, 0.1) == pytest.approx(0.4)  # a short round, partly hidden
+    assert local_sync_per_step(0.0, 2, 1.0) == 0.0
+    assert local_sync_per_step(0.0, 2, 1.0, overlap=False) == 0.0

@@ -56,6 +56,14 @@ def test_lr_schedule_without_warmup_and_floor_is_reached_not_zero():
     assert min(lr_at(s, 10, cfg) for s in range(20)) == pytest.approx(5e-4, rel=1e-12)
 
 
+def test_lr_schedule_with_one_warmup_step():
+    # one warm-up step: step 0 already runs at the peak, then the cosine starts from it
+    cfg = OptimConfig(lr=2e-3, min_lr=5e-4, warmup_steps=1)
+    assert lr_at(0, 11, cfg) == pytest.approx(2e-3, rel=1e-12)
+    assert lr_at(1, 11, cfg) == pytest.approx(2e-3, rel=1e-12)
+    assert lr_at(6, 11, cfg) == pytest.approx(1.25e-3, rel=1e-12)
+
+
 # ---------------------------------------------------------------- clipping
 
 
@@ -84,8 +92,8 @@ def test_config_validation():
 
     OptimConfig(lr=1e-3, min_lr=1e-3, warmup_steps=0, grad_clip=0.0).validate()  # edges are fine
     OptimConfig(lr=1e-3, min_lr=0.0).validate()  # decay to zero is allowed
-    for bad in (dict(lr=0.0), dict(min_lr=-1e-9), dict(lr=1e-3, min_lr=2e-3), dict(warmup_steps=-1),
-                dict(grad_clip=-0.5)):
+    for bad in (dict(lr=0.0), dict(lr=0.0, min_lr=0.0), dict(min_lr=-1e-9), dict(lr=1e-3, min_lr=2e-3),
+                dict(warmup_steps=-1), dict(grad_clip=-0.5)):
         with pytest.raises(ShoalError):
             OptimConfig(**bad).validate()
     with pytest.raises(ShoalError, match="not finite"):
@@ -251,3 +259,25 @@ def test_train_local_matches_plain_pytorch_training(tmp_path):
     for n, p in named:
         for key in ("exp_avg", "exp_avg_sq"):
             _assert_close_scaled(ck[f"{n}.{key}"], opt.state[p][key], 1e-3, f"{n}.{key}")
+
+
+def test_updates_are_bitwise_torch_adamw_per_tensor_loop():
+    """Five steps of make_optimizer + apply_update equal torch's single-tensor AdamW loop bit
+    for bit (the runtime's exact mode relies on every process doing exactly this update; the
+    fused kernel, for one, rounds differently)."""
+    torch.manual_seed(0)
+    init = {"w": torch.randn(64, 33), "g": torch.randn(33)}
+    cfg = OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=0, weight_decay=0.1)
+    ours = {k: torch.nn.Parameter(v.clone()) for k, v in init.items()}
+    ref = {k: torch.nn.Parameter(v.clone()) for k, v in init.items()}
+    opt = make_optimizer(ours.items(), cfg)
+    ref_opt = torch.optim.AdamW([{"params": [ref["w"]], "weight_decay": 0.1}, {"params": [ref["g"]], "weight_decay": 0.0}],
+                                lr=3e-3, betas=(0.9, 0.95), eps=1e-8, foreach=False, fused=False)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        for k in init:
+            ours[k].grad = torch.randn(init[k].shape, generator=gen)
+            ref[k].grad = ours[k].grad.clone()
+        apply_update(opt, 3e-3, 1.0)
+        ref_opt.step()
+        assert all(torch.equal(ours[k], ref[k]) for k in init)

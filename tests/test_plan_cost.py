@@ -74,6 +74,8 @@ def test_one_stage_one_worker_by_hand():
     assert r["compute_s"] + r["transfer_s"] == pytest.approx(r["pipeline_s"])
     assert r["compute_s"] == pytest.approx(4 * tau * compute / tau)
     assert r["bottleneck_stage"] == 0
+    # the one worker computes 4 micro-batches per step
+    assert r["utilisation"] == pytest.approx(4 * compute / r["step_time_s"])
     need = 2 * pbytes + 0  # weights + grads; saved activations added below
     assert 0 < r["memory_headroom"] < 1 - need / 8e9
     over = predict(p, s, CostOptions(overlap_sync=True))
@@ -103,6 +105,8 @@ def test_two_stages_share_the_server_link_by_hand():
     # fill/drain: each stage's fastest worker plus the latency of its upload to the other server
     assert r["fill_drain_s"] == pytest.approx(tau0 + 0.005 + tau1 + 0.005)
     assert r["pipeline_s"] == pytest.approx(3 / min(2 / tau0, 1 / tau1) + tau0 + tau1 + 0.010)
+    assert r["mean_stage_time_s"] == pytest.approx((3 / (2 / tau0) + 3 / (1 / tau1)) / 2)
+    assert r["throughput_mb_s"] == pytest.approx(min(2 / tau0, 1 / tau1))
     b0, b1 = prof.param_bytes(0, 3), prof.param_bytes(3, 6)
     assert r["sync_s"] == pytest.approx(max(0.015 + b0 / 2.5e6 + b0 / 25e6, 0.015 + b1 / 2.5e6 + b1 / 25e6))
 
@@ -122,6 +126,7 @@ def test_worker_on_its_own_server_host_pays_no_transfer():
     r = predict(plan([StagePlan((0, 6), "w0", ["w0"])]), s)
     assert r["sync_s"] == 0.0
     assert r["step_time_s"] == pytest.approx(4 * TINY_FLOPS_PER_MB / 1e12)
+    assert r["utilisation"] == pytest.approx(1.0)  # it computes the whole (sub-second) step
 
 
 def test_link_share_by_hand():
@@ -209,6 +214,13 @@ def test_churn_term_in_predict():
     pipe_a = 3 / x_a + on["fill_drain_s"]
     assert on["expected_step_time_s"] == pytest.approx(pipe_a + on["sync_s"] + on["churn_s"])
     assert on["churn_s"] > 0
+    # churn = sum_d (T / S_d) leave_cost_d, each worker's leave costed by hand-checked leave_cost
+    from shoal.plan.cost import leave_cost
+    hand_churn = sum(on["step_time_s"] / sess * leave_cost(tau, costs[0].throughput, 4, on["pipeline_s"],
+                                                           on["fill_drain_s"], 10.0, costs[0].pull)
+                     for sess in (1800.0, 14400.0))
+    assert on["churn_s"] == pytest.approx(hand_churn)
+    assert off["sync_round_s"] == 0.0  # exact sync has no rounds
     assert churn_step_time(p, s, costs, on["pipeline_s"], on["fill_drain_s"], on["sync_s"], on["step_time_s"],
                            CostOptions())[1] == pytest.approx(on["churn_s"])
     # the reliable device alone beats the flaky one alone, though they are equally fast
@@ -216,3 +228,286 @@ def test_churn_term_in_predict():
     steady = predict(plan([StagePlan((0, 6), "h", ["w1"])]), s)
     assert flaky["step_time_s"] == pytest.approx(steady["step_time_s"])
     assert flaky["expected_step_time_s"] > steady["expected_step_time_s"]
+
+
+def test_sync_bursts_share_a_narrow_server_link_by_the_workers_that_sync():
+    """When the server host's own link is the narrowest, one syncing worker gets all of it and
+    k simultaneous syncs get 1/k each (pushes share its downlink, pulls its uplink)."""
+    def narrow_host(n):
+        devices = [{"id": f"w{i}", "tflops": 1, "memory_gb": 8, "region": "a", "up_mbps": 20, "down_mbps": 200}
+                   for i in range(n)]
+        devices.append({"id": "h", "tflops": 0, "memory_gb": 0, "region": "a", "up_mbps": 8, "down_mbps": 4,
+                        "can_host_server": True})
+        return scenario_from_dict({
+            "name": "narrow",
+            "workload": {"model": "tiny", "seq_len": 64, "global_batch": 8, "micro_batch_size": 2, "dtype": "fp32"},
+            "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}},
+            "devices": devices,
+        })
+
+    pbytes = TINY_PARAMS * 4
+    one = predict(plan([StagePlan((0, 6), "h", ["w0"])]), narrow_host(1))
+    # push over the host's 4 Mbit/s downlink (0.5e6 B/s), pull over its 8 Mbit/s uplink (1e6 B/s)
+    assert one["sync_s"] == pytest.approx(0.015 + pbytes / 0.5e6 + pbytes / 1e6)
+    two = predict(plan([StagePlan((0, 6), "h", ["w0", "w1"])]), narrow_host(2))
+    assert two["sync_s"] == pytest.approx(0.015 + 2 * pbytes / 0.5e6 + 2 * pbytes / 1e6)
+
+
+def test_overlapped_uploads_by_hand():
+    """With ``overlap_uploads`` a stage-0 worker's hidden-state upload runs while it fetches and
+    computes the next task: tau = max(compute + fetches, upload) instead of their sum."""
+    s = scenario(2)
+    p = plan([StagePlan((0, 3), "h", ["w0"]), StagePlan((3, 6), "h", ["w1"])])
+    p.sync = SyncPolicy(overlap_uploads=True)
+    from shoal.model.config import get_preset
+    from shoal.model.profile import profile_model
+    prof = profile_model(get_preset("tiny"), 64, 2, 4)
+    c0 = (prof.fwd_flops(0, 3) + prof.bwd_flops(0, 3)) / 1e12
+    fetch0 = 4 * 0.005 + TOKENS / 25e6 + HIDDEN / 25e6
+    up0 = HIDDEN / 2.5e6
+    assert up0 > c0 + fetch0  # the upload is the bottleneck resource here
+    costs = stage_costs(p, s)
+    assert costs[0].task_times["w0"] == pytest.approx(max(c0 + fetch0, up0))
+    plain = stage_costs(plan([StagePlan((0, 3), "h", ["w0"]), StagePlan((3, 6), "h", ["w1"])]), s)
+    assert plain[0].task_times["w0"] == pytest.approx(c0 + fetch0 + up0)
+
+
+def test_compressed_activations_and_gradients_shrink_the_transfers_by_hand():
+    """int8 activations and fp16 activation gradients: each crossing moves raw bytes x the
+    codec's wire ratio (the ratios themselves are checked in tests/test_plan_local.py)."""
+    s = scenario(2)
+    pol = SyncPolicy(act_codec="int8", grad_codec="fp16")
+    ra, rg = pol.ratio("act", 4), pol.ratio("grad", 4)
+    assert ra < rg < 1
+    p = plan([StagePlan((0, 3), "h", ["w0"]), StagePlan((3, 6), "h", ["w1"])])
+    p.sync = pol
+    from shoal.model.config import get_preset
+    from shoal.model.profile import profile_model
+    prof = profile_model(get_preset("tiny"), 64, 2, 4)
+    c0 = (prof.fwd_flops(0, 3) + prof.bwd_flops(0, 3)) / 1e12
+    c1 = (prof.fwd_flops(3, 6) + prof.bwd_flops(3, 6)) / 1e12
+    costs = stage_costs(p, s)
+    # stage 0: tokens and the (fp16) output gradient down, the (int8) hidden state up
+    assert costs[0].task_times["w0"] == pytest.approx(
+        c0 + 4 * 0.005 + TOKENS / 25e6 + HIDDEN * rg / 25e6 + HIDDEN * ra / 2.5e6)
+    # last stage: the (int8) input and the targets down, the (fp16) input gradient up
+    assert costs[1].task_times["w1"] == pytest.approx(
+        c1 + 2 * 0.005 + (HIDDEN * ra + TOKENS) / 25e6 + HIDDEN * rg / 2.5e6)
+
+
+def test_self_hosted_stages_share_a_downlink_by_transfers_in_flight():
+    """Three stages, each worker hosting its own stage's server: nobody downloads from a
+    server, but the middle host receives uploads from both neighbours. Compute-heavy
+    neighbours are rarely uploading at once, so the fixed point must give each upload more
+    than the worst-case half of that host's narrow downlink (and less than all of it)."""
+    devices = [{"id": f"d{i}", "tflops": 0.05, "memory_gb": 8, "region": "a", "up_mbps": 100,
+                "down_mbps": 10 if i == 1 else 100, "can_host_server": True} for i in range(3)]
+    s = scenario_from_dict({
+        "name": "self-hosted",
+        "workload": {"model": "tiny", "seq_len": 64, "global_batch": 8, "micro_batch_size": 2, "dtype": "fp32"},
+        "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}},
+        "devices": devices,
+    })
+    p = plan([StagePlan((0, 2), "d0", ["d0"]), StagePlan((2, 4), "d1", ["d1"]), StagePlan((4, 6), "d2", ["d2"])])
+    tau = stage_costs(p, s)[0].task_times["d0"]
+    from shoal.model.config import get_preset
+    from shoal.model.profile import profile_model
+    prof = profile_model(get_preset("tiny"), 64, 2, 4)
+    c0 = (prof.fwd_flops(0, 2) + prof.bwd_flops(0, 2)) / 1e12
+    down1 = 10e6 / 8
+    whole, half = c0 + HIDDEN / down1, c0 + HIDDEN / (down1 / 2)
+    assert whole < tau < half, (whole, tau, half)
+
+
+def test_two_servers_on_one_host_add_up_their_memory():
+    from shoal.model.config import get_preset
+    from shoal.model.profile import profile_model
+    from shoal.plan.cost import server_memory_headroom
+    s = scenario(2)
+    prof = profile_model(get_preset("tiny"), 64, 2, 4)
+    p = plan([StagePlan((0, 3), "h", ["w0"]), StagePlan((3, 6), "h", ["w1"])])
+    hm = 64e9  # the scenario's default host memory
+    need = prof.server_memory(0, 3) + prof.server_memory(3, 6)
+    assert server_memory_headroom(p, s) == pytest.approx((hm - need) / hm, rel=1e-12)
+
+
+def test_share_counts_by_hand():
+    """Who loads which server link: a stage's remote workers download from and upload to its
+    host and sync with it; they also upload activations to the next stage's host and input
+    gradients to the previous one's, unless they are that host."""
+    from shoal.plan.cost import _share_counts
+    devices = [{"id": d, "tflops": 1, "memory_gb": 8, "region": "a", "up_mbps": 20, "down_mbps": 200,
+                "can_host_server": True} for d in ("h0", "h1", "h2", "a", "b", "c")]
+    s = scenario_from_dict({
+        "name": "counts",
+        "workload": {"model": "tiny", "seq_len": 64, "global_batch": 8, "micro_batch_size": 2, "dtype": "fp32"},
+        "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}},
+        "devices": devices,
+    })
+    # stage 0 on h0: a and h1 (h1 hosts stage 1); stage 1 on h1: b and h0 (h0 hosts stage 0);
+    # stage 2 on h2: c and h2 itself
+    p = plan([StagePlan((0, 2), "h0", ["a", "h1"]), StagePlan((2, 4), "h1", ["b", "h0"]),
+              StagePlan((4, 6), "h2", ["c", "h2"])])
+    dl, ul, sy = _share_counts(p, s)
+    assert dl == {"h0": 2, "h1": 2, "h2": 1}
+    assert sy == {"h0": 2, "h1": 2, "h2": 1}
+    # h0 <- a, h1 (own stage), b (input gradients; h0 itself does not count);
+    # h1 <- a (activations; h1 itself does not count), b, h0 (own stage), c, h2 (input gradients);
+    # h2 <- b, h0 (activations), c (own stage)
+    assert ul == {"h0": 3, "h1": 5, "h2": 3}
+
+
+def test_two_stage_link_sharing_fixed_point_by_hand():
+    """Two stages on hosts h0 and h1 with narrow links, two remote workers each (one fast, one
+    slow). The fixed point of the link shares is recomputed here step by step from the model
+    in docs/planner.md: worst-case shares first, then k_eff = link_share(N, k) from each worker's
+    serialisation seconds on a link times the micro-batches it completes per second (scaled by
+    its stage's utilisation x / X_s), until no share moves by more than 1 % or 4 passes."""
+    # capped at 4 passes; then one whose fourth pass settles after a third that moved a share
+    # by 1.2 %
+    _fixed_point_case({"a": 0.02, "b": 0.005, "c": 0.02, "d": 0.01}, {"h0": (6, 8), "h1": (5, 7)})
+    _fixed_point_case({"a": 0.002, "b": 0.001, "c": 0.02, "d": 0.01}, {"h0": (6, 30), "h1": (10, 20)})
+    # and one that settles after 3 passes, before the cap
+    _fixed_point_case({"a": 0.002, "b": 0.001, "c": 0.02, "d": 0.01}, {"h0": (3, 30), "h1": (3, 20)})
+    # and stages slower than one micro-batch per second (the loads still count)
+    _fixed_point_case({"a": 0.0003, "b": 0.0002, "c": 0.0004, "d": 0.0003}, {"h0": (0.5, 1), "h1": (0.5, 0.8)})
+
+
+def _fixed_point_case(tf, links):
+    from shoal.model.config import get_preset
+    from shoal.model.profile import profile_model
+    from shoal.plan.cost import link_share
+
+    devices = [{"id": w, "tflops": t, "memory_gb": 8, "region": "a", "up_mbps": 100, "down_mbps": 100}
+               for w, t in tf.items()]
+    devices += [{"id": h, "tflops": 0, "memory_gb": 0, "region": "a", "up_mbps": up, "down_mbps": down,
+                 "can_host_server": True} for h, (up, down) in links.items()]
+    scn = scenario_from_dict({
+        "name": "fixed-point",
+        "workload": {"model": "tiny", "seq_len": 64, "global_batch": 8, "micro_batch_size": 2, "dtype": "fp32"},
+        "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}},
+        "devices": devices,
+    })
+    p = plan([StagePlan((0, 3), "h0", ["a", "b"]), StagePlan((3, 6), "h1", ["c", "d"])])
+    prof = profile_model(get_preset("tiny"), 64, 2, 4)
+    mbps = 1e6 / 8
+    up = {h: u * mbps for h, (u, _) in links.items()}
+    down = {h: d * mbps for h, (_, d) in links.items()}
+    wl = 100 * mbps  # every worker's up and down
+    comp = {w: (prof.fwd_flops(*((0, 3) if w in "ab" else (3, 6))) + prof.bwd_flops(*((0, 3) if w in "ab" else (3, 6))))
+            / (tf[w] * 1e12) for w in tf}
+    # per worker: fixed seconds, then (bytes, own-link bound, host link, direction) per transfer
+    fixed = {w: comp[w] + (4 if w in "ab" else 2) * 0.005 for w in tf}
+    xfers = {w: [(TOKENS + HIDDEN, "h0", "up"), (HIDDEN, "h1", "down")] for w in "ab"}  # in: tokens, out-grad
+    xfers.update({w: [(HIDDEN + TOKENS, "h1", "up"), (HIDDEN, "h0", "down")] for w in "cd"})
+    n_dl = {"h0": 2, "h1": 2}
+    n_ul = {"h0": 4, "h1": 4}  # own stage (sync) + the other stage's activations or gradients
+    k = {("h0", "up"): 2.0, ("h1", "up"): 2.0, ("h0", "down"): 4.0, ("h1", "down"): 4.0}
+
+    def times(k):
+        out, secs = {}, {}
+        for w in tf:
+            ss = []
+            for nbytes, h, way in xfers[w]:
+                host = (up if way == "up" else down)[h] / k[(h, way)]
+                ss.append((nbytes / min(wl, host), h, way))
+            out[w] = fixed[w] + sum(x[0] for x in ss)
+            secs[w] = ss
+        return out, secs
+
+    for it in range(5):
+        tau, secs = times(k)
+        if it == 4:
+            break
+        xs = {"ab": 1 / tau["a"] + 1 / tau["b"], "cd": 1 / tau["c"] + 1 / tau["d"]}
+        x = min(xs.values())
+        load = dict.fromkeys(k, 0.0)
+        for st, ws in (("ab", "ab"), ("cd", "cd")):
+            for w in ws:
+                for s_, h, way in secs[w]:
+                    load[(h, way)] += s_ * min(1.0, x / xs[st]) / tau[w]
+        new = {key: link_share(load[key], (n_dl if key[1] == "up" else n_ul)[key[0]]) for key in k}
+        settled = all(abs(new[key] - k[key]) <= 0.01 * k[key] for key in k)
+        k = new
+        if settled:
+            tau, _ = times(k)
+            break
+    assert 1.0 < k[("h0", "up")] < 2.0 and 1.0 < k[("h1", "down")] < 4.0  # shares strictly between
+    assert it >= 2  # the fixed point did move
+    costs = stage_costs(p, scn)
+    got = {**costs[0].task_times, **costs[1].task_times}
+    for w in tf:
+        assert got[w] == pytest.approx(tau[w], rel=1e-9), (w, got[w], tau[w])
+    xs = [1 / tau["a"] + 1 / tau["b"], 1 / tau["c"] + 1 / tau["d"]]
+    assert predict(p, scn)["mean_stage_time_s"] == pytest.approx((3 / xs[0] + 3 / xs[1]) / 2, rel=1e-9)
+
+
+def test_recompute_charges_the_forward_again_except_on_the_last_stage():
+    from shoal.model.config import get_preset
+    from shoal.model.profile import profile_model
+    s = scenario(2)
+    p = plan([StagePlan((0, 3), "h", ["w0"]), StagePlan((3, 6), "h", ["w1"])])
+    prof = profile_model(get_preset("tiny"), 64, 2, 4)
+    plain = stage_costs(p, s)
+    rec = stage_costs(p, s, CostOptions(recompute=True))
+    assert rec[0].task_times["w0"] - plain[0].task_times["w0"] == pytest.approx(prof.fwd_flops(0, 3) / 1e12)
+    assert rec[1].task_times["w1"] == pytest.approx(plain[1].task_times["w1"])  # runs fwd+bwd at once
+
+
+def test_pull_time_and_an_unrunnable_plan():
+    s = scenario(1)
+    c = stage_costs(plan([StagePlan((0, 6), "h", ["w0"])]), s)[0]
+    # a replacement's start-up: one latency and the stage's weights over the worker's downlink
+    assert c.pull == pytest.approx(0.005 + TINY_PARAMS * 4 / 25e6)
+    # a worker with no compute: the plan never finishes a step, and nobody is utilised
+    r = predict(plan([StagePlan((0, 6), "h", ["h"])]), s)
+    assert r["step_time_s"] == float("inf") and r["utilisation"] == 0.0
+
+
+def _slow_link_scenario(latency_ms):
+    devices = [{"id": f"w{i}", "tflops": 1, "memory_gb": 8, "region": "a", "up_mbps": 20, "down_mbps": 200}
+               for i in range(2)]
+    devices.append({"id": "h", "tflops": 0, "memory_gb": 0, "region": "a", "up_gbps": 10, "down_gbps": 10,
+                    "can_host_server": True})
+    return scenario_from_dict({
+        "name": "lat",
+        "workload": {"model": "tiny", "seq_len": 64, "global_batch": 8, "micro_batch_size": 2, "dtype": "fp32"},
+        "network": {"intra": {"a": {"latency_ms": latency_ms, "bandwidth_gbps": 1}}},
+        "devices": devices,
+    })
+
+
+def test_prefetch_by_hand():
+    """With ``prefetch`` a worker fetches its next task (lease round trips and input download)
+    while it computes and uploads: tau = max(compute + uploads, fetches)."""
+    from shoal.model.config import get_preset
+    from shoal.model.profile import profile_model
+    prof = profile_model(get_preset("tiny"), 64, 2, 4)
+    c0 = (prof.fwd_flops(0, 3) + prof.bwd_flops(0, 3)) / 1e12
+    c1 = (prof.fwd_flops(3, 6) + prof.bwd_flops(3, 6)) / 1e12
+    for lat in (0.05, 0.001):  # fetch-bound, then upload-bound
+        s = _slow_link_scenario(lat * 1000)
+        p = plan([StagePlan((0, 3), "h", ["w0"]), StagePlan((3, 6), "h", ["w1"])])
+        p.sync = SyncPolicy(prefetch=True)
+        costs = stage_costs(p, s)
+        fetch0 = 4 * lat + (TOKENS + HIDDEN) / 25e6
+        fetch1 = 2 * lat + (HIDDEN + TOKENS) / 25e6
+        assert costs[0].task_times["w0"] == pytest.approx(max(c0 + HIDDEN / 2.5e6, fetch0))
+        assert costs[1].task_times["w1"] == pytest.approx(max(c1 + HIDDEN / 2.5e6, fetch1))
+
+
+def test_local_mode_round_links_by_hand():
+    """Local mode records, per worker, its push and pull at full rate and the seconds per step
+    its links carry activations (its M micro-batches' transfers), which the round shares."""
+    s = scenario(2)
+    p = plan([StagePlan((0, 3), "h", ["w0"]), StagePlan((3, 6), "h", ["w1"])])
+    p.sync = SyncPolicy(mode="local", sync_every=4)
+    from shoal.model.config import get_preset
+    from shoal.model.profile import profile_model
+    prof = profile_model(get_preset("tiny"), 64, 2, 4)
+    costs = stage_costs(p, s)
+    for i, (a, b), up_s, down_s in ((0, (0, 3), HIDDEN / 2.5e6, (TOKENS + HIDDEN) / 25e6),
+                                    (1, (3, 6), HIDDEN / 2.5e6, (HIDDEN + TOKENS) / 25e6)):
+        g = prof.param_bytes(a, b)
+        (link,) = costs[i].round_links
+        assert link == pytest.approx((g / 2.5e6, g / 25e6, 4 * up_s, 4 * down_s))

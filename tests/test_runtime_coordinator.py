@@ -69,3 +69,42 @@ def test_ready_plan_commit_and_rollback(tmp_path):
         assert "server_restart" in events and "rollback" in events
 
     asyncio.run(main())
+
+
+def test_dead_lone_worker_forces_a_replan(tmp_path):
+    """3 workers on 2 stages: the only worker of one stage stops heartbeating. The reaper
+    drops it and the coordinator must re-plan, moving a worker into the emptied stage (or
+    that stage's tasks would never be leased again)."""
+    async def main():
+        c = Coordinator(SPEC, "tok", min_workers=3, out=str(tmp_path))
+        servers = [(await c.Join(pb.JoinRequest(role="server", address=f"127.0.0.1:{i + 1}", name=f"s{i}"),
+                                 None)).member_id for i in range(2)]
+        workers = [(await c.Join(pb.JoinRequest(role="worker", flops=1e9, name=f"w{i}"), None)).member_id
+                   for i in range(3)]
+        hb = {m: await c.Heartbeat(pb.MemberRequest(member_id=m, ckpt_version=0), None)
+              for m in servers + workers}
+        assert all(h.ready for h in hb.values())
+        per_stage = {s: [w for w in workers if hb[w].stage == s] for s in (0, 1)}
+        lone_stage = next(s for s, ws in per_stage.items() if len(ws) == 1)
+        (lone,) = per_stage[lone_stage]
+        reaper = asyncio.create_task(c.reap())
+        try:
+            t0 = asyncio.get_running_loop().time()
+            while lone in c.members and asyncio.get_running_loop().time() - t0 < 5:
+                for m in servers + workers:
+                    if m != lone:
+                        await c.Heartbeat(pb.MemberRequest(member_id=m, ckpt_version=0), None)
+                await asyncio.sleep(0.05)
+        finally:
+            reaper.cancel()
+        assert lone not in c.members
+        assert sorted(set(c.assign.values())) == [0, 1], c.assign  # no stage left empty
+        assert lone not in c.assign
+        moved = [w for w in workers if w != lone and c.assign.get(w) == lone_stage]
+        assert moved
+        a = await c.Heartbeat(pb.MemberRequest(member_id=moved[0], ckpt_version=0), None)
+        assert a.stage == lone_stage  # the moved worker is told its new stage
+        events = read_jsonl(tmp_path / "events.jsonl")
+        assert any(e["event"] == "replan" and e["why"] == "missed heartbeats" for e in events), events
+
+    asyncio.run(main())

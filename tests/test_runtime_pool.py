@@ -4,8 +4,10 @@ leases, late duplicates, malformed results, gradient pushes, voiding a silent wo
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
+import pytest
 import torch
 
 from shoal.net import shoal_pb2 as pb
@@ -129,3 +131,103 @@ def test_relay_is_checked_and_idempotent(tmp_path):
         assert lease.task.direction == pb.FWDBWD and lease.task.HasField("input")
 
     asyncio.run(main())
+
+
+def test_expired_lease_goes_back_to_the_pool(tmp_path):
+    """A live worker (it keeps renewing, but not its lease) lets its lease run out: the task
+    is re-queued, counted as a re-queue, and another worker gets it."""
+    async def main():
+        srv = _server(tmp_path)
+        await srv._load(0, 0, 6, 0, 0)
+        srv.ready = True
+        reaper = asyncio.create_task(srv._reaper())
+        try:
+            d = await srv.Lease(pb.LeaseRequest(worker="D", wait_s=0), None)
+            held = d.task.mb
+            t0 = time.monotonic()
+            while srv.leases and time.monotonic() - t0 < 5:
+                await srv.Renew(pb.RenewRequest(worker="D"), None)  # alive, lease not renewed
+                await asyncio.sleep(0.05)
+            assert "D" in srv.workers  # not voided: only the lease expired
+            assert srv.steps[0][held].grad == "todo" and srv.requeues == 1
+            e = await srv.Lease(pb.LeaseRequest(worker="E", wait_s=0), None)
+            assert e.has_task and e.task.mb == held
+        finally:
+            reaper.cancel()
+
+    asyncio.run(main())
+
+
+def test_voided_worker_gives_back_its_computed_gradients(tmp_path):
+    """A worker that computed a micro-batch's gradients and then went silent before pushing:
+    voiding it puts that micro-batch back in the pool (its gradients will never arrive)."""
+    async def main():
+        srv = _server(tmp_path)
+        await srv._load(0, 0, 6, 0, 0)
+        srv.ready = True
+        reaper = asyncio.create_task(srv._reaper())
+        try:
+            c = await srv.Lease(pb.LeaseRequest(worker="C", wait_s=0), None)
+            assert (await srv.Complete(_result(c.task, "C"), None)).accepted
+            held = c.task.mb
+            assert srv.steps[0][held].grad == "computed" and srv.steps[0][held].holder == "C"
+            t0 = time.monotonic()
+            while "C" in srv.workers and time.monotonic() - t0 < 5:
+                await srv.Renew(pb.RenewRequest(worker="A"), None)  # A stays alive
+                await asyncio.sleep(0.05)
+            assert "C" not in srv.workers
+            assert srv.steps[0][held].grad == "todo" and srv.steps[0][held].holder == ""
+            a = await srv.Lease(pb.LeaseRequest(worker="A", wait_s=0), None)
+            assert a.has_task and a.task.mb == held
+        finally:
+            reaper.cancel()
+
+    asyncio.run(main())
+
+
+def test_commit_sums_each_push_once_in_micro_batch_order(tmp_path):
+    """Three pushes arrive in reverse micro-batch order with values whose fp32 sum depends on
+    the order (5 + 1e8 rounds to 1e8 + 8). The committed gradient, whose squared norm the server
+    reports to a real in-process coordinator, is the sum in micro-batch order, each push once:
+    what the local trainer's sequential backward passes accumulate."""
+    from shoal.runtime.coordinator import Coordinator
+    from shoal.train.metrics import read_jsonl
+
+    values = [5.0, 1e8, -1e8]  # push of micro-batch i holds values[i] everywhere
+
+    async def main():
+        srv = _server(tmp_path)
+        await srv._load(0, 0, 6, 0, 0)
+        srv.ready = True
+        spec = pb.RunSpec()
+        spec.CopyFrom(srv.spec)
+        coord = Coordinator(spec, "tok", out=str(tmp_path / "coord"))
+
+        class _InProcess:  # the server's coordinator stub, answered by the real coordinator
+            async def ReportStep(self, request, timeout=None):
+                return await coord.ReportStep(request, None)
+
+        srv.coord = _InProcess()
+        leases = {}
+        for w in ("A", "B", "C"):
+            r = await srv.Lease(pb.LeaseRequest(worker=w, wait_s=0), None)
+            ok = await srv.Complete(_result(r.task, w), None)
+            assert ok.accepted
+            leases[r.task.mb] = (w, ok.gen)
+        for mb in (2, 1, 0):  # arrival order: the reverse of micro-batch order
+            w, gen = leases[mb]
+            rep = await srv.PushGrads(pb.GradPush(worker=w, step=0, epoch=0, gen=gen, mbs=[mb],
+                                                  grads=_grads(srv, values[mb])), None)
+            assert rep.accepted
+        t0 = time.monotonic()
+        while srv.version < 1 and time.monotonic() - t0 < 10:
+            await asyncio.sleep(0.02)
+        assert srv.version == 1
+        return sum(p.numel() for p in srv.params.values())
+
+    numel = asyncio.run(main())
+    ordered = (torch.tensor(values[0]) + torch.tensor(values[1])) + torch.tensor(values[2])
+    arrival = (torch.tensor(values[2]) + torch.tensor(values[1])) + torch.tensor(values[0])
+    assert float(ordered) == 8.0 and float(arrival) == 5.0  # the order is visible in fp32
+    rec = read_jsonl(tmp_path / "coord" / "metrics.jsonl")[0]
+    assert rec["grad_norm"] == pytest.approx(math.sqrt(numel * float(ordered) ** 2), rel=1e-9)
