@@ -40,7 +40,8 @@ from shoal.errors import ShoalError
 from shoal.model.transformer import build_stage
 from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
-from shoal.net.channel import ChannelFactory, advertised_address, make_server
+from shoal.net.auth import check_caller
+from shoal.net.channel import ChannelFactory, advertised_address, bind, make_server
 from shoal.net.stream import CONTROL_SLACK, DEFAULT_CHUNK_BYTES, chunks_of, receive, send, split
 from shoal.net.traffic import Traffic
 from shoal.net.wire import WireError, decode_tensor, encode_tensor
@@ -108,8 +109,9 @@ class StageServer(pbg.StageServerServicer):
                  name: str = "server", dial=None, heartbeat_s: float = 0.2, device: str = "",
                  region: str = "", up_bps: float = 0.0, down_bps: float = 0.0,
                  probe_bytes: int = 2 * 1024 * 1024, advertise: str | None = None,
-                 chunk_bytes: int = 0):
+                 chunk_bytes: int = 0, tls=None):
         self.coord_addr, self.listen, self.token = coord, listen, token
+        self.tls = tls  # run certificates (shoal.net.tls.TlsConfig; None: plain text on loopback)
         self.advertise = advertise  # address peers dial (None: the listen address)
         self.chunk_bytes_opt = chunk_bytes  # bytes per streamed chunk (0: the run's setting)
         self._wcache: tuple[tuple[int, int, int], bytes] | None = None  # (version, epoch, stage) -> bytes
@@ -123,7 +125,7 @@ class StageServer(pbg.StageServerServicer):
         self.measuring = False  # a measurement is under way
         self.orphan_after_s = 120.0  # exit when the coordinator is unreachable this long
         self.traffic = Traffic()  # bytes of every call this server makes (relays, coordinator)
-        self.channels = ChannelFactory(token, dial=dial, traffic=self.traffic)
+        self.channels = ChannelFactory(token, dial=dial, traffic=self.traffic, tls=tls)
         self.member_id = ""
         self.spec: pb.RunSpec | None = None
         self.stage = -1
@@ -323,9 +325,10 @@ class StageServer(pbg.StageServerServicer):
 
     async def start_rpc(self) -> grpc.aio.Server:
         """Start listening (sets ``self.address``); the caller stops the returned server."""
-        server = make_server(self.token)
+        # Credentials are checked with the run secret this server learns when it joins.
+        server = make_server(self.token, secret=lambda: self.channels.identity.secret)
         pbg.add_StageServerServicer_to_server(self, server)
-        port = server.add_insecure_port(self.listen)
+        port = bind(server, self.listen, self.tls)
         self.address = advertised_address(self.listen, self.advertise, port)
         await server.start()
         return server
@@ -541,6 +544,7 @@ class StageServer(pbg.StageServerServicer):
 
     # ------------------------------------------------------------------ RPCs from workers
     async def Lease(self, request, context):
+        await check_caller(context, request.worker)
         info = self._worker(request.worker)
         deadline = time.monotonic() + min(max(request.wait_s, 0.0), 2.0)
         while True:
@@ -565,6 +569,7 @@ class StageServer(pbg.StageServerServicer):
 
     async def Complete(self, request, context):
         r = request
+        await check_caller(context, r.worker)
         info = self._worker(r.worker)
         self.stats["messages"] += 1
         self.stats["bytes_in"] += len(r.output.data)
@@ -613,6 +618,7 @@ class StageServer(pbg.StageServerServicer):
 
     async def PushGrads(self, request, context):
         r = request
+        await check_caller(context, r.worker)
         info = self._worker(r.worker)
         self.stats["messages"] += 1
         self.stats["bytes_in"] += sum(len(g.data) for g in r.grads)
@@ -668,6 +674,7 @@ class StageServer(pbg.StageServerServicer):
         return pb.PushReply(accepted=True, gen=info.gen)
 
     async def Renew(self, request, context):
+        await check_caller(context, request.worker)
         info = self._worker(request.worker)
         now = time.monotonic()
         secs = lease_seconds(info.ewma_s, self.spec.min_lease_s) if self.spec else 1.0
@@ -678,6 +685,7 @@ class StageServer(pbg.StageServerServicer):
         return pb.RenewReply(version=self.version, epoch=self.epoch)
 
     async def GetWeights(self, request, context):
+        await check_caller(context, request.worker)
         if request.worker != "coordinator":
             self._worker(request.worker)
         if self.version < 0:
@@ -757,6 +765,7 @@ class StageServer(pbg.StageServerServicer):
             return self._wcache[1]
 
     async def GetWeightsStream(self, request, context):
+        await check_caller(context, request.worker)
         if request.worker != "coordinator":
             self._worker(request.worker)
         if self.version < 0:
@@ -770,6 +779,7 @@ class StageServer(pbg.StageServerServicer):
             yield chunk
 
     async def Leave(self, request, context):
+        await check_caller(context, request.member_id)
         self._void_worker(request.member_id, "left")
         self.workers.pop(request.member_id, None)
         async with self.cond:
@@ -951,7 +961,8 @@ async def _retry(fn, budget_s: float = 30.0, delay: float = 0.1):
 
 def serve(coord: str, listen: str, token: str, ckpt_root: str, name: str = "server", *, dial=None,
           on_servers=None, device: str = "", region: str = "", up_bps: float = 0.0, down_bps: float = 0.0,
-          probe_bytes: int = 2 * 1024 * 1024, advertise: str | None = None, chunk_bytes: int = 0) -> None:
+          probe_bytes: int = 2 * 1024 * 1024, advertise: str | None = None, chunk_bytes: int = 0,
+          tls=None) -> None:
     """Run a stage server process until the run is done.
 
     ``device``: scenario host it plays; ``region``/``up_bps``/``down_bps``: declared
@@ -961,6 +972,6 @@ def serve(coord: str, listen: str, token: str, ckpt_root: str, name: str = "serv
     set_threads()
     srv = StageServer(coord, listen, token, ckpt_root, name=name, dial=dial, device=device, region=region,
                       up_bps=up_bps, down_bps=down_bps, probe_bytes=probe_bytes, advertise=advertise,
-                      chunk_bytes=chunk_bytes)
+                      chunk_bytes=chunk_bytes, tls=tls)
     srv.on_servers = on_servers
     run_member(srv.run(), coord)
