@@ -183,6 +183,25 @@ def make_server(token: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     return aio.server(interceptors=[interceptor], options=options)
 
 
+def _check_port_free(listen: str) -> None:
+    """One-line error when another process holds ``listen``'s port (gRPC would log a
+    multi-line failure first); port 0 is always free."""
+    import socket
+
+    host, port = split_address(listen)
+    if port == 0:
+        return
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+            probe.bind(addr)
+    except OSError as exc:
+        raise ShoalError(f"cannot listen on {listen}: {exc.strerror or exc}; another process may hold it "
+                         "(pick another port; port 0: any free one)") from None
+
+
 def bind(server: aio.Server, listen: str, tls: TlsConfig | None) -> int:
     """Bind ``listen`` (TLS, or plain text on loopback only); returns the port.
 
@@ -190,6 +209,7 @@ def bind(server: aio.Server, listen: str, tls: TlsConfig | None) -> int:
     """
     if tls is None:
         check_plaintext(listen, "--listen")
+    _check_port_free(listen)
     try:
         port = (server.add_insecure_port(listen) if tls is None
                 else server.add_secure_port(listen, tls.server_credentials()))
