@@ -783,7 +783,11 @@ async def run_coordinator(spec: pb.RunSpec, token: str, listen: str, *, min_work
     """
     coord = Coordinator(spec, token, min_workers=min_workers, out=out, emulated=emulated,
                         stall_fail_s=stall_fail_s, tls=tls)
-    server = make_server(token, secret=lambda: coord.secret)
+    # Only control messages and link probes reach the coordinator: a much smaller limit than
+    # a stage server's (the largest is a probe upload, at most MAX_PROBE_BYTES).
+    from shoal.runtime.measure import MAX_PROBE_BYTES
+
+    server = make_server(token, max_message_bytes=MAX_PROBE_BYTES + (1 << 20), secret=lambda: coord.secret)
     pbg.add_CoordinatorServicer_to_server(coord, server)
     port = bind(server, listen, tls)
     address = advertised_address(listen, advertise, port)
