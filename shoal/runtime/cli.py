@@ -450,8 +450,9 @@ def run_launch_cmd(args) -> int:
     stop_on_signals()
 
     def started(swarm) -> None:
+        keys = f" --tls-dir {swarm.tls_dir}" if swarm.tls_dir else " --insecure"
         print(f"coordinator at {swarm.address}; join token in {swarm.token_file} (mode 0600): "
-              f"add members with --join {swarm.address} --token-file {swarm.token_file}", flush=True)
+              f"add members with --join {swarm.address} --token-file {swarm.token_file}{keys}", flush=True)
         if swarm.dashboard_url:
             print(f"dashboard: {swarm.dashboard_url}", flush=True)
 
