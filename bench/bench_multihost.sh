@@ -95,6 +95,9 @@ export SHOAL_TOKEN
 SHOAL_TOKEN=$("$PY" -c 'import secrets; print(secrets.token_hex(16))')
 RUN=$WORK/run
 A=${IP[A]}; B=${IP[B]}
+# Every member uses the run's certificates (mutual TLS); one folder serves all three hosts here.
+export SHOAL_TLS_DIR=$WORK/keys
+"$PY" -m shoal.cli keys --out "$SHOAL_TLS_DIR" --hosts "$A,$B" >/dev/null
 echo
 echo "== run: coordinator + server on A, server on B, 2 workers on C ($MODEL, $STEPS steps, chunks of $CHUNK_MB MB)"
 t0=$(date +%s.%N)

@@ -72,6 +72,9 @@ def swarm_run(out: Path, steps: int, stages: int, workers: int) -> tuple[float, 
     return _steady(read_jsonl(out / "metrics.jsonl"))
 
 
+BENCH_SECRET = b"bench-run-secret"  # run secret of the benchmark's stand-alone server
+
+
 def _server_proc(q, token: str, ckpt: str, shape: tuple[int, int, int]) -> None:
     from shoal.net import shoal_pb2 as pb
     from shoal.runtime.common import set_threads
@@ -85,6 +88,7 @@ def _server_proc(q, token: str, ckpt: str, shape: tuple[int, int, int]) -> None:
                               micro_batch_size=shape[0], seq_len=shape[1], seed=0, lr=1e-3,
                               min_lr=1e-4, warmup=1, weight_decay=0.1, grad_clip=1.0,
                               dead_after_s=60, min_lease_s=5, data="synthetic", ordered_grads=True)
+        srv.channels.identity.secret = BENCH_SECRET  # as if it had joined a run
         server = await srv.start_rpc()
         srv.stage, srv.first, srv.last, srv.epoch = 1, 3, 6, 0
         await srv._load(1, 3, 6, 0, 0)
@@ -101,10 +105,12 @@ async def _blast(address: str, token: str, shape, seconds: float) -> tuple[float
 
     from shoal.net import shoal_pb2 as pb
     from shoal.net import shoal_pb2_grpc as pbg
+    from shoal.net.auth import Identity
     from shoal.net.channel import open_channel
     from shoal.net.wire import encode_tensor
 
-    ch = open_channel(address, token)
+    # The blaster relays as a stage server of the run would (plain text on loopback).
+    ch = open_channel(address, token, identity=Identity.joined(token, BENCH_SECRET, "s-bench", "server"))
     stub = pbg.StageServerStub(ch)
     frame = encode_tensor("act", torch.randn(*shape))
     n, mb = 0, 0

@@ -43,6 +43,7 @@ COMMAND_OWNERS = {
     "worker": "shoal.runtime.cli",
     "status": "shoal.runtime.cli",
     "launch": "shoal.runtime.cli",
+    "keys": "shoal.runtime.cli",
 }
 
 

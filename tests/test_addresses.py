@@ -12,6 +12,7 @@ import pytest
 
 from shoal.errors import ShoalError
 from shoal.net.channel import advertised_address, check_listen, split_address
+from shoal.net.tls import make_keys
 
 
 def test_check_listen_refuses_a_wildcard_without_advertise():
@@ -75,10 +76,12 @@ def test_a_run_with_wildcard_listen_and_advertise_completes(tmp_path):
     run = ["--model", "tiny", "--stages", "2", "--steps", "2", "--micro-batches", "2", "--micro-batch-size",
            "1", "--seq-len", "16", "--data", "synthetic", "--warmup", "1", "--chunk-mb", "0.01"]
     procs: list[subprocess.Popen] = []
+    # Listening on every interface is not loopback: plain text is refused there, so TLS.
+    env = dict(_env(), SHOAL_TLS_DIR=str(make_keys(tmp_path / "keys")))
 
     def start(args: list[str], name: str) -> subprocess.Popen:
         log = open(tmp_path / f"{name}.log", "wb")  # noqa: SIM115  (the child keeps it)
-        p = subprocess.Popen(_cli(*args), stdout=log, stderr=subprocess.STDOUT, env=_env(),
+        p = subprocess.Popen(_cli(*args), stdout=log, stderr=subprocess.STDOUT, env=env,
                              start_new_session=True)
         log.close()
         procs.append(p)

@@ -45,6 +45,7 @@ BAD = {  # command -> (arguments, text the error must contain); nothing here rea
     "worker": (["--join", "127.0.0.1:1", "--codec", "zip"], "--codec"),
     "status": (["--join", "no-port-here"], "HOST:PORT"),
     "launch": (["--stages", "0"], "must be positive"),
+    "keys": (["--out", "{tmp}/run", "--hosts", "not a host"], "--hosts"),
     "data": (["prepare", "{tmp}/no-such-text", "--out", "{tmp}/prepared"], "does not exist"),
     "export": (["{tmp}/no-such-run", "--format", "hf", "--out", "{tmp}/hf"], "does not exist"),
 }

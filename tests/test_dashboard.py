@@ -342,7 +342,7 @@ def test_api_during_launch(swarm):
     assert sum(w["tasks_done"] for w in st2["workers"]) > sum(w["tasks_done"] for w in st["workers"])
     assert all(w["bytes"]["wire"] > 0 for w in st2["workers"])
 
-    env = dict(os.environ, SHOAL_TOKEN=swarm.token)
+    env = dict(os.environ, SHOAL_TOKEN=swarm.token, SHOAL_TLS_DIR=str(swarm.tls_dir))
     res = subprocess.run([sys.executable, "-m", "shoal.cli", "status", "--join", swarm.address],
                          capture_output=True, text=True, timeout=120, env=env)
     assert res.returncode == 0, res.stderr

@@ -45,7 +45,7 @@ def test_emulated_worker_with_a_kill_matches_local_losses(tmp_path):
     with Swarm(cfg) as sw:
         sw.start()
         worker = Worker(sw.address, sw.token, WorkerOptions(name="emulated", flops=1e10),
-                        dial=emu.dial, pacer=emu.pacer)
+                        dial=emu.dial, pacer=emu.pacer, tls=sw.tls)
         errors: list[BaseException] = []
 
         def run_worker():

@@ -9,6 +9,7 @@ import torch
 
 from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
+from shoal.net.auth import Identity
 from shoal.net.channel import ChannelFactory, make_server
 from shoal.net.traffic import Traffic, frame_raw_bytes, frames_of, merge_traffic
 from shoal.net.wire import encode_tensor
@@ -52,6 +53,9 @@ def test_count_splits_frames_and_control_and_merge_sums_processes():
     assert m["bytes_by_role"]["server"]["grad_push"]["wire"] == 10
 
 
+SECRET = b"traffic-test-secret"
+
+
 class _Echo(pbg.StageServerServicer):
     async def GetWeights(self, request, context):
         return pb.WeightsReply(version=1, params=[encode_tensor("w", torch.ones(1000))])
@@ -59,13 +63,13 @@ class _Echo(pbg.StageServerServicer):
 
 def test_interceptor_counts_request_and_reply_of_a_real_call():
     async def main():
-        server = make_server("tok")
+        server = make_server("tok", secret=lambda: SECRET)
         pbg.add_StageServerServicer_to_server(_Echo(), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:
             tr = Traffic()
-            stub = pbg.StageServerStub(ChannelFactory("tok", traffic=tr).open(f"127.0.0.1:{port}"))
+            stub = pbg.StageServerStub(ChannelFactory("tok", traffic=tr, identity=Identity.joined("tok", SECRET, "w7", "worker")).open(f"127.0.0.1:{port}"))
             req = pb.WeightsRequest(worker="w7")
             rep = await stub.GetWeights(req, timeout=10)
             assert rep.version == 1
@@ -85,15 +89,15 @@ def test_a_failed_call_still_raises_the_grpc_error():
     import pytest
 
     async def main():
-        server = make_server("tok")
+        server = make_server("tok", secret=lambda: SECRET)
         pbg.add_StageServerServicer_to_server(_Echo(), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:
             tr = Traffic()
-            stub = pbg.StageServerStub(ChannelFactory("tok", traffic=tr).open(f"127.0.0.1:{port}"))
+            stub = pbg.StageServerStub(ChannelFactory("tok", traffic=tr, identity=Identity.joined("tok", SECRET, "w7", "worker")).open(f"127.0.0.1:{port}"))
             with pytest.raises(grpc.aio.AioRpcError) as exc:
-                await stub.Lease(pb.LeaseRequest(worker="w"), timeout=10)
+                await stub.Lease(pb.LeaseRequest(worker="w7"), timeout=10)
             assert exc.value.code() == grpc.StatusCode.UNIMPLEMENTED
             bad = pbg.StageServerStub(ChannelFactory("wrong", traffic=tr).open(f"127.0.0.1:{port}"))
             with pytest.raises(grpc.aio.AioRpcError) as exc:

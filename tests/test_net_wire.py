@@ -8,6 +8,7 @@ import grpc
 import pytest
 import torch
 
+from shoal.errors import ShoalError
 from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
 from shoal.net.channel import load_token, make_server, open_channel
@@ -70,12 +71,18 @@ def test_wrong_token_is_refused_before_the_handler():
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:
-            for token in ("wrong-token", ""):
-                async with open_channel(f"127.0.0.1:{port}", token) as ch:
-                    with pytest.raises(grpc.aio.AioRpcError) as err:
-                        await pbg.CoordinatorStub(ch).Join(pb.JoinRequest(role="worker"), timeout=5)
-                    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-                    assert "token" in err.value.details()
+            async with open_channel(f"127.0.0.1:{port}", "wrong-token") as ch:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await pbg.CoordinatorStub(ch).Join(pb.JoinRequest(role="worker"), timeout=5)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "token" in err.value.details()
+            # No token at all (a plain channel): refused the same way; shoal refuses to send an empty one.
+            with pytest.raises(ShoalError, match="empty join token"):
+                open_channel(f"127.0.0.1:{port}", "")
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await pbg.CoordinatorStub(ch).Join(pb.JoinRequest(role="worker"), timeout=5)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert svc.joins == 0
             async with open_channel(f"127.0.0.1:{port}", "right-token") as ch:
                 rep = await pbg.CoordinatorStub(ch).Join(pb.JoinRequest(role="worker"), timeout=5)

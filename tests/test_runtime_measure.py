@@ -16,6 +16,7 @@ from shoal.errors import ShoalError
 from shoal.model.config import get_preset
 from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
+from shoal.net.auth import Identity
 from shoal.net.channel import make_server, open_channel
 from shoal.plan.scenario import load_scenario, scenario_from_dict, scenario_to_dict
 from shoal.plan.types import Workload
@@ -192,13 +193,13 @@ def test_probes_through_a_shaped_link_measure_its_rates():
     up, down = 0.5e6, 1.5e6  # bytes/s of the shaped access link (slow: one busy process does it all)
 
     async def main():
-        server = make_server("tok")
+        server = make_server("tok", secret=lambda: b"s")
         pbg.add_CoordinatorServicer_to_server(_Echo(), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         with LinkShaper(up=up, down=down) as shaper:
             relay = shaper.proxy_for(f"127.0.0.1:{port}", latency_s=0.005)
-            async with open_channel(relay, "tok") as ch:
+            async with open_channel(relay, "tok", identity=Identity.joined("tok", b"s", "w1", "worker")) as ch:
                 figs = await probe_link(pbg.CoordinatorStub(ch), "coordinator", probe_bytes=1 << 19)
         await server.stop(0)
         return figs

@@ -14,6 +14,7 @@ import torch
 
 from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
+from shoal.net.auth import Identity
 from shoal.net.channel import open_channel
 from shoal.net.stream import Assembler, assemble, chunk_bytes_from_mb, chunks_of, fetch, send, split
 from shoal.net.wire import WireError, encode_tensor
@@ -23,6 +24,8 @@ from shoal.runtime.server import StageServer
 from shoal.runtime.worker import Worker, WorkerOptions
 
 TOKEN = "chunk-test-token"
+SECRET = b"chunk-test-secret"
+W_ID = Identity.joined(TOKEN, SECRET, "w", "worker")  # the credential worker "w" gets at join
 CHUNK = 4096
 
 
@@ -117,6 +120,7 @@ async def _start(tmp_path) -> tuple[_Server, grpc.aio.Server, str]:
     srv.guard_cfg = GuardConfig(enabled=False)  # the pushes here are made up
     await srv._load(0, 0, 3, 0, 0)
     srv.ready = True
+    srv.channels.identity.secret = SECRET  # what joining would have given it
     rpc = await srv.start_rpc()
     return srv, rpc, srv.address
 
@@ -143,7 +147,7 @@ def test_a_push_cut_mid_way_is_not_applied(tmp_path):
             msg = _push_msg(srv, 0)
             chunks = list(chunks_of(msg, CHUNK))
             assert len(chunks) > 10
-            async with open_channel(addr, TOKEN) as ch:
+            async with open_channel(addr, TOKEN, identity=W_ID) as ch:
                 stub = pbg.StageServerStub(ch)
                 # 1. The stream ends early (the sender stopped): refused, nothing applied.
                 rep = await stub.PushGradsStream(iter(chunks[: len(chunks) // 2]), timeout=10)
@@ -204,7 +208,7 @@ def test_a_weight_pull_cut_mid_way_leaves_the_worker_weights_alone(tmp_path):
             with torch.no_grad():
                 for p in w.params.values():
                     p.zero_()
-            async with open_channel(addr, TOKEN) as ch:
+            async with open_channel(addr, TOKEN, identity=W_ID) as ch:
                 w.server = pbg.StageServerStub(ch)
                 for abort in (False, True):
                     srv.cut_after, srv.cut_abort = 5, abort
@@ -231,10 +235,10 @@ def test_weights_are_serialised_once_and_served_to_every_puller(tmp_path):
             first = await srv._weights_bytes()
             assert (await srv._weights_bytes()) is first  # no new copy for the next puller
             numel = sum(p.numel() for p in srv.params.values())
-            async with open_channel(addr, TOKEN) as ch:
+            async with open_channel(addr, TOKEN, identity=W_ID) as ch:
                 stub = pbg.StageServerStub(ch)
                 reps = await asyncio.gather(*[
-                    fetch(stub.GetWeightsStream, pb.WeightsRequest(worker=f"w{i}"), pb.WeightsReply,
+                    fetch(stub.GetWeightsStream, pb.WeightsRequest(worker="w"), pb.WeightsReply,
                           4 * numel + 100_000) for i in range(3)])
             assert (await srv._weights_bytes()) is first
             for rep in reps:

@@ -3,26 +3,28 @@
 * :func:`open_channel` is the one place an outbound channel is created, so link
   emulation can reroute a connection through a local shaping proxy with the ``dial``
   hook (``dial(address) -> address``) without touching the runtime.
-* The join token rides in the ``x-shoal-token`` metadata of every call (a client
-  interceptor adds it); servers install :class:`TokenInterceptor`, which refuses a
-  call without the right token with ``UNAUTHENTICATED`` before any handler runs, so an
-  unauthenticated peer changes nothing.
+* The join token, and after ``Join`` the member's credential, ride in the metadata of
+  every call (client interceptors add them); servers install
+  :class:`shoal.net.auth.AuthInterceptor`, which refuses a call without a valid token or
+  credential, or from the wrong role, before its request is read.
+* Channels and servers use mutual TLS with the run's certificates
+  (:mod:`shoal.net.tls`); plain text only on loopback.
 """
 
 from __future__ import annotations
 
-import hmac
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 from grpc import aio
 
 from shoal.errors import ShoalError
+from shoal.net.auth import TOKEN_HEADER, AuthInterceptor, Identity
+from shoal.net.tls import TlsConfig, check_plaintext
 
-TOKEN_HEADER = "x-shoal-token"
+__all__ = ["TOKEN_HEADER", "ChannelFactory", "bind", "load_token", "make_server", "open_channel"]
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # a gpt-125m stage of fp32 weights fits
 
 
@@ -55,48 +57,53 @@ def grpc_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tup
     ]
 
 
-class _AddToken(aio.UnaryUnaryClientInterceptor):
-    def __init__(self, token: str):
-        self._md = (TOKEN_HEADER, token)
-
-    async def intercept_unary_unary(self, continuation, client_call_details, request):
-        md = list(client_call_details.metadata or [])
-        md.append(self._md)
-        details = client_call_details._replace(metadata=md) if hasattr(
-            client_call_details, "_replace") else aio.ClientCallDetails(
-            client_call_details.method, client_call_details.timeout, md,
-            client_call_details.credentials, client_call_details.wait_for_ready)
-        return await continuation(details, request)
-
-
-def _with_token(details, md_item):
+def _with_metadata(details, items):
     md = list(details.metadata or [])
-    md.append(md_item)
+    md.extend(items)
     if hasattr(details, "_replace"):
         return details._replace(metadata=md)
     return aio.ClientCallDetails(details.method, details.timeout, md, details.credentials,
                                  details.wait_for_ready)
 
 
-# grpc files an interceptor under the first call shape it implements, so one class per shape.
-class _AddTokenUnaryStream(aio.UnaryStreamClientInterceptor):
-    """The join token on server-streaming calls (chunked downloads)."""
+_JOIN = "/shoal.v1.Coordinator/Join"
 
-    def __init__(self, token: str):
-        self._md = (TOKEN_HEADER, token)
+
+class _AddIdentity(aio.UnaryUnaryClientInterceptor):
+    """Join token and member credential on every unary call; learns the credential from Join."""
+
+    def __init__(self, identity):
+        self._id = identity
+
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        call = await continuation(_with_metadata(client_call_details, self._id.metadata()), request)
+        method = client_call_details.method
+        if (method.decode() if isinstance(method, bytes) else method) != _JOIN:
+            return call
+        reply = await call
+        self._id.learn(reply)
+        return reply
+
+
+# grpc files an interceptor under the first call shape it implements, so one class per shape.
+class _AddIdentityUnaryStream(aio.UnaryStreamClientInterceptor):
+    """Token and credential on server-streaming calls (chunked downloads)."""
+
+    def __init__(self, identity):
+        self._id = identity
 
     async def intercept_unary_stream(self, continuation, client_call_details, request):
-        return await continuation(_with_token(client_call_details, self._md), request)
+        return await continuation(_with_metadata(client_call_details, self._id.metadata()), request)
 
 
-class _AddTokenStreamUnary(aio.StreamUnaryClientInterceptor):
-    """The join token on client-streaming calls (chunked uploads)."""
+class _AddIdentityStreamUnary(aio.StreamUnaryClientInterceptor):
+    """Token and credential on client-streaming calls (chunked uploads)."""
 
-    def __init__(self, token: str):
-        self._md = (TOKEN_HEADER, token)
+    def __init__(self, identity):
+        self._id = identity
 
     async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
-        return await continuation(_with_token(client_call_details, self._md), request_iterator)
+        return await continuation(_with_metadata(client_call_details, self._id.metadata()), request_iterator)
 
 
 class _Count(aio.UnaryUnaryClientInterceptor):
@@ -115,16 +122,22 @@ class _Count(aio.UnaryUnaryClientInterceptor):
 
 @dataclass
 class ChannelFactory:
-    """Opens channels with one token, size limit and optional ``dial`` reroute hook."""
+    """Opens channels with one identity, TLS setting, size limit and optional ``dial`` hook."""
 
     token: str  # join token sent with every call
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # wire message size limit
     dial: Callable[[str], str] | None = None  # address -> address to connect to (emulation proxy)
     traffic: object | None = None  # shoal.net.traffic.Traffic counting every call (None: no counting)
+    tls: TlsConfig | None = None  # run CA and member certificate (None: plain text, loopback only)
+    identity: Identity | None = None  # member credential, shared by every channel (None: token only)
+
+    def __post_init__(self):
+        if self.identity is None:
+            self.identity = Identity(self.token)
 
     def open(self, address: str) -> aio.Channel:
         return open_channel(address, self.token, dial=self.dial, max_message_bytes=self.max_message_bytes,
-                            traffic=self.traffic)
+                            traffic=self.traffic, tls=self.tls, identity=self.identity)
 
 
 def open_channel(
@@ -134,59 +147,78 @@ def open_channel(
     dial: Callable[[str], str] | None = None,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     traffic=None,
+    tls: TlsConfig | None = None,
+    identity: Identity | None = None,
 ) -> aio.Channel:
-    """An asyncio gRPC channel to ``address`` that sends ``token`` with every call.
+    """An asyncio gRPC channel to ``address`` that sends ``token`` (and the member's
+    credential, once ``identity`` has joined) with every call.
 
-    ``dial`` may rewrite the address (e.g. to a local proxy that shapes the link);
-    ``traffic`` (a :class:`shoal.net.traffic.Traffic`) counts each request and reply.
+    ``tls``: mutual TLS with the run's certificates; None is plain text, refused unless
+    ``address`` is loopback. ``dial`` may rewrite the address (e.g. to a local proxy that
+    shapes the link); ``traffic`` (a :class:`shoal.net.traffic.Traffic`) counts each
+    request and reply.
     """
+    if not token:
+        raise ShoalError("empty join token: give every member the same non-empty token")
+    if tls is None:
+        check_plaintext(address, "peer")
+    identity = identity or Identity(token)
     target = dial(address) if dial else address
     # Streamed (chunked) calls are counted by shoal.net.stream's callers, per whole message.
-    interceptors = [_AddToken(token), _AddTokenUnaryStream(token), _AddTokenStreamUnary(token)] + (
-        [_Count(traffic)] if traffic is not None else [])
-    return aio.insecure_channel(target, options=grpc_options(max_message_bytes), interceptors=interceptors)
+    interceptors = [_AddIdentity(identity), _AddIdentityUnaryStream(identity),
+                    _AddIdentityStreamUnary(identity)] + ([_Count(traffic)] if traffic is not None else [])
+    if tls is None:
+        return aio.insecure_channel(target, options=grpc_options(max_message_bytes), interceptors=interceptors)
+    return aio.secure_channel(target, tls.channel_credentials(), options=grpc_options(max_message_bytes),
+                              interceptors=interceptors)
 
 
-class TokenInterceptor(aio.ServerInterceptor):
-    """Refuses every call whose ``x-shoal-token`` metadata is not the join token."""
-
-    def __init__(self, token: str):
-        self._token = token.encode()
-
-        async def deny(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "missing or wrong join token: set SHOAL_TOKEN to the swarm's token")
-
-        async def deny_stream(request, context):
-            await deny(request, context)
-            yield  # pragma: no cover  (abort raises first)
-
-        # One refusal per call shape: a streamed method needs a streamed handler.
-        self._deny = {
-            (False, False): grpc.unary_unary_rpc_method_handler(deny),
-            (True, False): grpc.stream_unary_rpc_method_handler(deny),
-            (False, True): grpc.unary_stream_rpc_method_handler(deny_stream),
-            (True, True): grpc.stream_stream_rpc_method_handler(deny_stream),
-        }
-
-    async def intercept_service(self, continuation, handler_call_details):
-        got = ""
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == TOKEN_HEADER:
-                got = value
-        if isinstance(got, str):
-            got = got.encode()
-        if not hmac.compare_digest(got, self._token):
-            handler = await continuation(handler_call_details)
-            if handler is None:
-                return None
-            return self._deny[(bool(handler.request_streaming), bool(handler.response_streaming))]
-        return await continuation(handler_call_details)
+def make_server(token: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                secret: Callable[[], bytes] | None = None) -> aio.Server:
+    """An asyncio gRPC server that checks token or member credential (and role) of every
+    call before reading it (:class:`shoal.net.auth.AuthInterceptor`); ``secret`` returns
+    the run secret (None: only token methods pass). Ports are bound exclusively."""
+    interceptor = AuthInterceptor(token, secret or (lambda: b""))
+    options = grpc_options(max_message_bytes) + [("grpc.so_reuseport", 0)]
+    return aio.server(interceptors=[interceptor], options=options)
 
 
-def make_server(token: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> aio.Server:
-    """An asyncio gRPC server that checks the join token on every call."""
-    return aio.server(interceptors=[TokenInterceptor(token)], options=grpc_options(max_message_bytes))
+def _check_port_free(listen: str) -> None:
+    """One-line error when another process holds ``listen``'s port (gRPC would log a
+    multi-line failure first); port 0 is always free."""
+    import socket
+
+    host, port = split_address(listen)
+    if port == 0:
+        return
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+            probe.bind(addr)
+    except OSError as exc:
+        raise ShoalError(f"cannot listen on {listen}: {exc.strerror or exc}; another process may hold it "
+                         "(pick another port; port 0: any free one)") from None
+
+
+def bind(server: aio.Server, listen: str, tls: TlsConfig | None) -> int:
+    """Bind ``listen`` (TLS, or plain text on loopback only); returns the port.
+
+    A port another process holds is a one-line error (the server sets no SO_REUSEPORT).
+    """
+    if tls is None:
+        check_plaintext(listen, "--listen")
+    _check_port_free(listen)
+    try:
+        port = (server.add_insecure_port(listen) if tls is None
+                else server.add_secure_port(listen, tls.server_credentials()))
+    except RuntimeError:
+        port = 0
+    if not port:
+        raise ShoalError(f"cannot listen on {listen}: the address is in use or not this machine's; "
+                         "pick another port (port 0: any free one)")
+    return port
 
 
 _ANY_HOSTS = {"0.0.0.0", "::", "[::]", "", "*"}

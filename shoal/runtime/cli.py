@@ -16,6 +16,40 @@ from shoal.errors import ShoalError
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", help="file holding the join token (default: env SHOAL_TOKEN)")
     p.add_argument("--log-level", default="INFO", help="logging level (INFO, DEBUG, WARNING)")
+    _tls_args(p)
+
+
+def _tls_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("encryption (mutual TLS with the run's certificates; see `shoal keys`)")
+    g.add_argument("--tls-dir", default=None,
+                   help="folder with ca.pem, member.pem and member.key (made by `shoal keys`; "
+                        "default: env SHOAL_TLS_DIR)")
+    g.add_argument("--tls-ca", default=None, help="CA certificate (PEM) every peer's certificate chains to")
+    g.add_argument("--tls-cert", default=None, help="this member's certificate (PEM)")
+    g.add_argument("--tls-key", default=None, help="this member's private key (PEM)")
+    g.add_argument("--insecure", action="store_true",
+                   help="plain text instead of TLS (refused unless every address is loopback)")
+
+
+def _tls(args, *addresses: str | None):
+    """The run's TLS config from the flags, or None for ``--insecure`` (loopback only)."""
+    import os
+
+    from shoal.net.tls import check_plaintext, load_tls
+
+    tls_dir = args.tls_dir or (None if (args.tls_ca or args.tls_cert or args.tls_key)
+                               else os.environ.get("SHOAL_TLS_DIR") or None)
+    tls = load_tls(tls_dir, args.tls_ca, args.tls_cert, args.tls_key)
+    if tls is not None and args.insecure:
+        raise ShoalError("--insecure with TLS files: pass one or the other")
+    if tls is None and not args.insecure:
+        raise ShoalError("no TLS keys: pass --tls-dir DIR (made by `shoal keys --out DIR`), or --insecure "
+                         "for plain text on loopback")
+    if tls is None:
+        for address in addresses:
+            if address:
+                check_plaintext(address, "--insecure:")
+    return tls
 
 
 def _measure_args(p: argparse.ArgumentParser) -> None:
@@ -144,6 +178,12 @@ def register(subparsers) -> None:
     _common(p)
     p.set_defaults(func=run_status_cmd)
 
+    p = subparsers.add_parser("keys", help="make a run CA and member certificate for TLS")
+    p.add_argument("--out", required=True, help="folder to write ca.pem, ca.key, member.pem, member.key into")
+    p.add_argument("--hosts", default="",
+                   help="comma-separated host names and IPs members are dialled at (loopback is always in)")
+    p.set_defaults(func=run_keys_cmd)
+
     p = subparsers.add_parser("launch", help="run a whole swarm as local processes")
     p.add_argument("--scenario", default=None, help="scenario name or file (worker count and speeds)")
     p.add_argument("--workers", type=int, default=None,
@@ -163,6 +203,8 @@ def register(subparsers) -> None:
                    help="inject a fault (repeatable): kill:worker|server[:NAME]:step=N, poison:wN:scale=F, "
                         "slow:wN:factor=F, flap:wN:period=S:down=S:for=S, corrupt-ckpt:STAGE[:step=N] "
                         "(see docs/faults.md)")
+    p.add_argument("--insecure", action="store_true",
+                   help="plain text between the members (default: TLS with keys made in RUN/tls)")
     _run_args(p, launch=True)
     p.set_defaults(func=run_launch_cmd)
 
@@ -345,11 +387,12 @@ def run_coordinator_cmd(args) -> int:
     else:
         spec = _spec(args)
     options = {k: getattr(args, k) for k in _KEPT_OPTIONS}
+    tls = _tls(args, args.listen, args.advertise)
     summary = asyncio.run(run_coordinator(spec, _token(args), args.listen, min_workers=args.min_workers,
                                           out=args.out, address_file=args.address_file,
                                           emulated=_emulated_scenario(args), dashboard=_dashboard(args),
                                           stall_fail_s=args.stall_timeout,
-                                          advertise=args.advertise, resume=state, options=options))
+                                          advertise=args.advertise, resume=state, options=options, tls=tls))
     print(json.dumps({k: summary[k] for k in ("steps", "final_loss", "requeues", "tokens_per_s")}))
     return 0
 
@@ -393,12 +436,14 @@ def run_server_cmd(args) -> int:
     from shoal.runtime.server import serve
 
     check_address("--join", args.join)
+    _measure_opts(args)  # its one-line errors come before any about keys
+    tls = _tls(args, args.join, args.listen, args.advertise)
     _logging(args.log_level)
     dial, _, on_servers = _emulation(args)
     dial = _with_dial_map(args, dial)
     serve(args.join, args.listen, _token(args), args.ckpt_dir, name=args.name, dial=dial,
           on_servers=on_servers, device=_played_device(args), **_measure_opts(args),
-          advertise=args.advertise, chunk_bytes=chunk)
+          advertise=args.advertise, chunk_bytes=chunk, tls=tls)
     return 0
 
 
@@ -413,6 +458,8 @@ def run_worker_cmd(args) -> int:
     check_address("--join", args.join)
     if args.codec not in CODECS:
         raise ShoalError(f"--codec must be one of {', '.join(CODECS)}, got {args.codec!r}")
+    _measure_opts(args)  # its one-line errors come before any about keys
+    tls = _tls(args, args.join)
     _logging(args.log_level)
     split_address(args.join)
     chunk = chunk_bytes_from_mb(args.chunk_mb, default=0)
@@ -428,7 +475,7 @@ def run_worker_cmd(args) -> int:
                                                 torch_device=args.device or "auto",
                                                 precision=args.precision,
                                                 chunk_bytes=chunk),
-         dial=dial, pacer=pacer, on_servers=on_servers)
+         dial=dial, pacer=pacer, on_servers=on_servers, tls=tls)
     return 0
 
 
@@ -436,7 +483,7 @@ def run_status_cmd(args) -> int:
     from shoal.runtime.launch import swarm_status
 
     check_address("--join", args.join)
-    status = swarm_status(args.join, _token(args))
+    status = swarm_status(args.join, _token(args), tls=_tls(args, args.join))
     if args.json:
         print(json.dumps(status, indent=1, sort_keys=True))
         return 0
@@ -472,7 +519,7 @@ def run_launch_cmd(args) -> int:
         dashboard=None if args.no_dashboard else args.dashboard, chunk_mb=args.chunk_mb,
         device=args.device or "auto", precision=args.precision or "fp32", loss_scale=args.loss_scale,
         sync=args.sync, sync_every=args.sync_every, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
-        faults=list(args.fault), spot_check=args.spot_check)
+        faults=list(args.fault), spot_check=args.spot_check, tls=not args.insecure)
     if cfg.dashboard:
         from shoal.runtime.dashboard import parse_bind
 
@@ -481,14 +528,26 @@ def run_launch_cmd(args) -> int:
     stop_on_signals()
 
     def started(swarm) -> None:
+        keys = f" --tls-dir {swarm.tls_dir}" if swarm.tls_dir else " --insecure"
         print(f"coordinator at {swarm.address}; join token in {swarm.token_file} (mode 0600): "
-              f"add members with --join {swarm.address} --token-file {swarm.token_file}", flush=True)
+              f"add members with --join {swarm.address} --token-file {swarm.token_file}{keys}", flush=True)
         if swarm.dashboard_url:
             print(f"dashboard: {swarm.dashboard_url}", flush=True)
 
     summary = launch(cfg, on_event=lambda r: print(_fmt(r), flush=True), on_start=started)
     print(json.dumps({k: summary.get(k) for k in ("steps", "final_loss", "requeues", "tokens_per_s",
                                                   "wall_time_s")}))
+    return 0
+
+
+def run_keys_cmd(args) -> int:
+    """``shoal keys``: write a fresh run CA and member certificate."""
+    from shoal.net.tls import make_keys
+
+    hosts = tuple(h.strip() for h in args.hosts.split(",") if h.strip())
+    out = make_keys(args.out, hosts)
+    print(f"keys in {out}: give every member --tls-dir {out} (copy it to each machine; "
+          f"ca.key is only needed to sign more certificates)")
     return 0
 
 

@@ -370,5 +370,5 @@ def run_member(main: Coroutine, coord: str) -> None:
             raise ShoalError(f"the coordinator at {coord} refused to let us join: {exc.details()}") from None
         if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             raise ShoalError(f"cannot reach the coordinator at {coord} ({exc.code().name}): is the run "
-                             f"still going and the address right?") from None
+                             f"still going, the address right and the TLS keys the run's?") from None
         raise

@@ -32,6 +32,8 @@ import itertools
 import json
 import logging
 import math
+import os
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +44,8 @@ from google.protobuf import json_format
 from shoal.errors import ShoalError
 from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
-from shoal.net.channel import ChannelFactory, advertised_address, make_server
+from shoal.net.auth import check_caller, coordinator_identity, member_credential
+from shoal.net.channel import ChannelFactory, advertised_address, bind, make_server
 from shoal.net.stream import CONTROL_SLACK, fetch
 from shoal.net.traffic import BYTES_METHOD, merge_traffic
 from shoal.net.wire import decode_tensor
@@ -109,14 +112,30 @@ def plan_stages(n_total_layers: int, stages: int) -> list[tuple[int, int]]:
     return even_split(n_total_layers, stages)
 
 
+def keep_secret(path: Path, fresh: bytes, resumed: bool) -> bytes:
+    """The run secret kept in ``path`` (mode 0600) so that a coordinator restarted with
+    ``--resume`` checks the credentials its members already hold; ``fresh`` for a new run."""
+    if resumed and path.exists():
+        kept = path.read_bytes()
+        if len(kept) == len(fresh):
+            return kept
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(fresh)
+    return fresh
+
+
 class Coordinator(pbg.CoordinatorServicer):
     """Run state and RPC handlers of the coordinator."""
 
     def __init__(self, spec: pb.RunSpec, token: str, *, min_workers: int = 1, out: str | None = None,
-                 emulated=None, stall_fail_s: float = 900.0, resume=None, options: dict | None = None):
+                 emulated=None, stall_fail_s: float = 900.0, resume=None, options: dict | None = None,
+                 tls=None):
         if not spec.run_id:
             spec.run_id = new_run_id()  # names the servers' checkpoint folders
         self.spec, self.token, self.min_workers = spec, token, max(min_workers, 1)
+        self.tls = tls  # run certificates (shoal.net.tls.TlsConfig; None: plain text on loopback)
+        self.secret = secrets.token_bytes(32)  # keys the members' credentials (shoal.net.auth)
         self.stall_fail_s = stall_fail_s  # fail the run after this long without a commit (0: never)
         self.stall_reported = False
         self.error = ""  # one line: why the run failed ("" while it has not)
@@ -168,6 +187,7 @@ class Coordinator(pbg.CoordinatorServicer):
         self.journal = None
         if self.out:
             try:
+                self.secret = keep_secret(self.run_dir / "secret", self.secret, resume is not None)
                 self.journal = Journal(self.run_dir / JOURNAL)
                 for name in LINKED:
                     point_link(self.out, name, spec.run_id)
@@ -274,7 +294,9 @@ class Coordinator(pbg.CoordinatorServicer):
             else:
                 m.pending_join = True  # planned in once its measurement arrives
         self._check_ready()
-        return pb.JoinReply(member_id=mid, spec=self.spec)
+        return pb.JoinReply(member_id=mid, spec=self.spec, role=m.role,
+                            credential=member_credential(self.secret, mid, m.role),
+                            run_secret=self.secret if m.role == "server" else b"")
 
     def _fill_vacancies(self) -> None:
         """Give each vacant stage a standby server (one without a stage), oldest first.
@@ -328,6 +350,7 @@ class Coordinator(pbg.CoordinatorServicer):
         return None
 
     async def Measured(self, request, context):
+        await check_caller(context, request.member_id)
         m = self.members.get(request.member_id)
         f = self.figures.get(request.member_id)
         if m is None or f is None:
@@ -538,6 +561,7 @@ class Coordinator(pbg.CoordinatorServicer):
         return [self.members[sid].address if sid in self.members else "" for sid in self.stage_server]
 
     async def Heartbeat(self, request, context):
+        await check_caller(context, request.member_id)
         if request.counter_id:
             # Cumulative per process: the newest snapshot replaces the older one, and one
             # that outlives its member (killed, or re-joined under a new id) still counts.
@@ -611,6 +635,7 @@ class Coordinator(pbg.CoordinatorServicer):
             self._spawn_finish()
 
     async def Leave(self, request, context):
+        await check_caller(context, request.member_id)
         m = self.members.pop(request.member_id, None)
         if m:
             self._drop(m, "leave")
@@ -709,8 +734,13 @@ class Coordinator(pbg.CoordinatorServicer):
     # ------------------------------------------------------------------ steps
     async def ReportStep(self, request, context):
         r = request
+        await check_caller(context, r.member_id)
         if r.epoch != self.epoch:
             return pb.StepDecision(stale=True)
+        if not 0 <= r.stage < self.spec.stages or self.stage_server[r.stage] != r.member_id:
+            # Only the server the coordinator assigned to a stage speaks for it.
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"{r.member_id} does not serve stage {r.stage}")
         key = (r.epoch, r.step)
         if key in self.decisions:
             return self.decisions[key]
@@ -784,7 +814,7 @@ class Coordinator(pbg.CoordinatorServicer):
         """Collect the final weights from every server, write them, then say done."""
         from shoal.model.profile import profile_model
 
-        channels = ChannelFactory(self.token)
+        channels = ChannelFactory(self.token, tls=self.tls, identity=coordinator_identity(self.token, self.secret))
         prof = profile_model(self.cfg, self.spec.seq_len, self.spec.micro_batch_size, 4)
         # No stage holds more than the whole model: the most bytes a final pull may take.
         cap = 4 * prof.params(0, self.cfg.n_total_layers) + 512 * 4096 + CONTROL_SLACK
@@ -877,7 +907,8 @@ class Coordinator(pbg.CoordinatorServicer):
 async def run_coordinator(spec: pb.RunSpec, token: str, listen: str, *, min_workers: int = 1,
                           out: str | None = None, address_file: str | None = None,
                           emulated=None, dashboard: str | None = None, stall_fail_s: float = 900.0,
-                          advertise: str | None = None, resume=None, options: dict | None = None) -> dict:
+                          advertise: str | None = None, resume=None, options: dict | None = None,
+                          tls=None) -> dict:
     """Serve until the run is done; returns the run summary (a failed run: ShoalError).
 
     ``emulated``: the scaled scenario the processes emulate, planned on instead of loopback;
@@ -889,10 +920,14 @@ async def run_coordinator(spec: pb.RunSpec, token: str, listen: str, *, min_work
     later ``--resume`` (see :func:`shoal.runtime.cli.run_coordinator_cmd`).
     """
     coord = Coordinator(spec, token, min_workers=min_workers, out=out, emulated=emulated,
-                        stall_fail_s=stall_fail_s, resume=resume, options=options)
-    server = make_server(token)
+                        stall_fail_s=stall_fail_s, resume=resume, options=options, tls=tls)
+    # Only control messages and link probes reach the coordinator: a much smaller limit than
+    # a stage server's (the largest is a probe upload, at most MAX_PROBE_BYTES).
+    from shoal.runtime.measure import MAX_PROBE_BYTES
+
+    server = make_server(token, max_message_bytes=MAX_PROBE_BYTES + (1 << 20), secret=lambda: coord.secret)
     pbg.add_CoordinatorServicer_to_server(coord, server)
-    port = server.add_insecure_port(listen)
+    port = bind(server, listen, tls)
     address = advertised_address(listen, advertise, port)
     await server.start()
     web = None

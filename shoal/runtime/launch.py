@@ -78,6 +78,7 @@ class LaunchConfig:
     outer_momentum: float = 0.9  # local: outer Nesterov momentum
     faults: list[str] = field(default_factory=list)  # --fault SPECs (shoal.runtime.faults grammar)
     spot_check: float = 0.05  # fraction of gradient pushes the stage servers recompute (exact runs)
+    tls: bool = True  # mutual TLS with keys made in RUN/tls (False: plain text on loopback)
 
     def validate(self) -> None:
         if self.workers is None:
@@ -148,6 +149,14 @@ class Swarm:
             f.write(self.token + "\n")
         self.env = _env()
         self.env["SHOAL_TOKEN"] = self.token
+        self.tls = None  # the run's certificates (None: plain text, --insecure)
+        self.tls_dir: Path | None = None
+        if cfg.tls:
+            self.tls_dir, self.tls = run_keys(self.out / "tls")
+            # Members read SHOAL_TLS_DIR, so members a person adds by hand with this env find the keys too.
+            self.env["SHOAL_TLS_DIR"] = str(self.tls_dir)
+        else:
+            self.env.pop("SHOAL_TLS_DIR", None)
         self.coord: subprocess.Popen | None = None
         self.servers: list[subprocess.Popen] = []
         self.workers: list[subprocess.Popen | None] = []
@@ -174,7 +183,9 @@ class Swarm:
     def _spawn(self, args: list[str], log_name: str, env: dict | None = None) -> subprocess.Popen:
         # The child keeps its own copy of the descriptor; ours can close at once.
         with open(self.out / "logs" / f"{log_name}.log", "ab") as log:
-            return subprocess.Popen([sys.executable, "-m", "shoal.runtime.cli", *args], stdout=log,
+            security = [] if self.tls is not None else ["--insecure"]
+            return subprocess.Popen([sys.executable, "-m", "shoal.runtime.cli", args[0], *security, *args[1:]],
+                                    stdout=log,
                                     stderr=subprocess.STDOUT, env=env or self.env, start_new_session=True)
 
     def _vocab(self) -> int:
@@ -464,7 +475,7 @@ class Swarm:
 
     def status(self) -> dict:
         """The coordinator's live status (see :func:`swarm_status`)."""
-        return swarm_status(self.address, self.token)
+        return swarm_status(self.address, self.token, tls=self.tls)
 
     def committed_steps(self) -> int:
         return len(read_jsonl(self.out / "metrics.jsonl"))
@@ -522,7 +533,16 @@ class Swarm:
         self.stop()
 
 
-def swarm_status(address: str, token: str, timeout_s: float = 5.0) -> dict:
+def run_keys(folder: Path):
+    """(folder, TlsConfig) of the run's keys in ``folder``: made there unless already complete."""
+    from shoal.net.tls import CA_FILE, CERT_FILE, KEY_FILE, load_tls, make_keys
+
+    if not all((folder / f).is_file() for f in (CA_FILE, CERT_FILE, KEY_FILE)):
+        make_keys(folder)
+    return folder, load_tls(str(folder))
+
+
+def swarm_status(address: str, token: str, timeout_s: float = 5.0, tls=None) -> dict:
     """The coordinator's status (ready, committed steps, epoch, servers, workers by stage)."""
     import asyncio
 
@@ -533,7 +553,7 @@ def swarm_status(address: str, token: str, timeout_s: float = 5.0) -> dict:
     from shoal.net.channel import open_channel
 
     async def ask() -> dict:
-        async with open_channel(address, token) as ch:
+        async with open_channel(address, token, tls=tls) as ch:
             rep = await pbg.CoordinatorStub(ch).Status(pb.Empty(), timeout=timeout_s)
         return json.loads(rep.json)
 

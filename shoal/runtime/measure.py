@@ -265,7 +265,8 @@ async def probe_peers(channels, coordinator: str, servers: list[str],
     from shoal.net import shoal_pb2_grpc as pbg
     from shoal.net.channel import ChannelFactory
 
-    plain = ChannelFactory(channels.token, max_message_bytes=channels.max_message_bytes, dial=channels.dial)
+    plain = ChannelFactory(channels.token, max_message_bytes=channels.max_message_bytes, dial=channels.dial,
+                           tls=channels.tls, identity=channels.identity)
     opened = []
 
     def stub(address: str):

@@ -40,7 +40,8 @@ from shoal.errors import ShoalError
 from shoal.model.transformer import build_stage
 from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
-from shoal.net.channel import ChannelFactory, advertised_address, make_server
+from shoal.net.auth import check_caller
+from shoal.net.channel import ChannelFactory, advertised_address, bind, make_server
 from shoal.net.stream import CONTROL_SLACK, DEFAULT_CHUNK_BYTES, chunks_of, receive, send, split
 from shoal.net.traffic import Traffic
 from shoal.net.wire import WireError, decode_tensor, encode_tensor
@@ -120,8 +121,9 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
                  name: str = "server", dial=None, heartbeat_s: float = 0.2, device: str = "",
                  region: str = "", up_bps: float = 0.0, down_bps: float = 0.0,
                  probe_bytes: int = 2 * 1024 * 1024, advertise: str | None = None,
-                 chunk_bytes: int = 0):
+                 chunk_bytes: int = 0, tls=None):
         self.coord_addr, self.listen, self.token = coord, listen, token
+        self.tls = tls  # run certificates (shoal.net.tls.TlsConfig; None: plain text on loopback)
         self.advertise = advertise  # address peers dial (None: the listen address)
         self.chunk_bytes_opt = chunk_bytes  # bytes per streamed chunk (0: the run's setting)
         self._wcache: tuple[tuple[int, int, int], bytes] | None = None  # (version, epoch, stage) -> bytes
@@ -135,7 +137,7 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
         self.measuring = False  # a measurement is under way
         self.orphan_after_s = 120.0  # exit when the coordinator is unreachable this long
         self.traffic = Traffic()  # bytes of every call this server makes (relays, coordinator)
-        self.channels = ChannelFactory(token, dial=dial, traffic=self.traffic)
+        self.channels = ChannelFactory(token, dial=dial, traffic=self.traffic, tls=tls)
         self.member_id = ""
         self.spec: pb.RunSpec | None = None
         self.stage = -1
@@ -346,9 +348,10 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
 
     async def start_rpc(self) -> grpc.aio.Server:
         """Start listening (sets ``self.address``); the caller stops the returned server."""
-        server = make_server(self.token)
+        # Credentials are checked with the run secret this server learns when it joins.
+        server = make_server(self.token, secret=lambda: self.channels.identity.secret)
         pbg.add_StageServerServicer_to_server(self, server)
-        port = server.add_insecure_port(self.listen)
+        port = bind(server, self.listen, self.tls)
         self.address = advertised_address(self.listen, self.advertise, port)
         await server.start()
         return server
@@ -576,6 +579,7 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
 
     # ------------------------------------------------------------------ RPCs from workers
     async def Lease(self, request, context):
+        await check_caller(context, request.worker)
         info = self._worker(request.worker)
         if request.worker in self.guard_banned:
             return pb.LeaseReply(has_task=False, version=self.version, gen=info.gen, epoch=self.epoch,
@@ -605,6 +609,7 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
 
     async def Complete(self, request, context):
         r = request
+        await check_caller(context, r.worker)
         info = self._worker(r.worker)
         self.stats["messages"] += 1
         self.stats["bytes_in"] += len(r.output.data)
@@ -656,6 +661,7 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
 
     async def PushGrads(self, request, context):
         r = request
+        await check_caller(context, r.worker)
         info = self._worker(r.worker)
         self.stats["messages"] += 1
         self.stats["bytes_in"] += sum(len(g.data) for g in r.grads)
@@ -810,6 +816,7 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
         self.cond.notify_all()
 
     async def Renew(self, request, context):
+        await check_caller(context, request.worker)
         info = self._worker(request.worker)
         now = time.monotonic()
         secs = lease_seconds(info.ewma_s, self.spec.min_lease_s) if self.spec else 1.0
@@ -820,6 +827,7 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
         return pb.RenewReply(version=self.version, epoch=self.epoch)
 
     async def GetWeights(self, request, context):
+        await check_caller(context, request.worker)
         if request.worker != "coordinator":
             self._worker(request.worker)
         if self.version < 0:
@@ -900,6 +908,7 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
             return self._wcache[1]
 
     async def GetWeightsStream(self, request, context):
+        await check_caller(context, request.worker)
         if request.worker != "coordinator":
             self._worker(request.worker)
         if self.version < 0:
@@ -913,6 +922,7 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
             yield chunk
 
     async def Leave(self, request, context):
+        await check_caller(context, request.member_id)
         self._void_worker(request.member_id, "left")
         self.workers.pop(request.member_id, None)
         async with self.cond:
@@ -1106,7 +1116,8 @@ async def _retry(fn, budget_s: float = 30.0, delay: float = 0.1):
 
 def serve(coord: str, listen: str, token: str, ckpt_root: str, name: str = "server", *, dial=None,
           on_servers=None, device: str = "", region: str = "", up_bps: float = 0.0, down_bps: float = 0.0,
-          probe_bytes: int = 2 * 1024 * 1024, advertise: str | None = None, chunk_bytes: int = 0) -> None:
+          probe_bytes: int = 2 * 1024 * 1024, advertise: str | None = None, chunk_bytes: int = 0,
+          tls=None) -> None:
     """Run a stage server process until the run is done.
 
     ``device``: scenario host it plays; ``region``/``up_bps``/``down_bps``: declared
@@ -1116,6 +1127,6 @@ def serve(coord: str, listen: str, token: str, ckpt_root: str, name: str = "serv
     set_threads()
     srv = StageServer(coord, listen, token, ckpt_root, name=name, dial=dial, device=device, region=region,
                       up_bps=up_bps, down_bps=down_bps, probe_bytes=probe_bytes, advertise=advertise,
-                      chunk_bytes=chunk_bytes)
+                      chunk_bytes=chunk_bytes, tls=tls)
     srv.on_servers = on_servers
     run_member(srv.run(), coord)

@@ -159,12 +159,12 @@ def task_flops(direction: int, fwd: float, bwd: float, recomputed: bool) -> floa
 class Worker(LocalWorkerMixin):
     """One worker process's state."""
 
-    def __init__(self, coord: str, token: str, opts: WorkerOptions, *, dial=None, pacer=None):
+    def __init__(self, coord: str, token: str, opts: WorkerOptions, *, dial=None, pacer=None, tls=None):
         self.coord_addr, self.opts, self.pacer = coord, opts, pacer
         self.torch_device = resolve_device(opts.torch_device)  # a bad --device fails before joining
         self.fatal = ""  # set when the worker must leave the run with an error (out of memory)
         self.traffic = Traffic()  # bytes of every call this worker makes
-        self.channels = ChannelFactory(token, dial=dial, traffic=self.traffic)
+        self.channels = ChannelFactory(token, dial=dial, traffic=self.traffic, tls=tls)
         self.inject = {f for f in opts.inject.split(",") if f and not f.startswith("hang_")}
         self.hangs = parse_hangs(opts.inject)  # test faults: stop in a given state (tests kill -9)
         self.stage = -1
@@ -735,10 +735,12 @@ def _injected(details: str) -> grpc.aio.AioRpcError:
                                 details=f"injected fault {details}")
 
 
-def work(coord: str, token: str, opts: WorkerOptions, *, dial=None, pacer=None, on_servers=None) -> None:
-    """Run a worker process until the run is done (hooks: see :class:`Worker`)."""
+def work(coord: str, token: str, opts: WorkerOptions, *, dial=None, pacer=None, on_servers=None,
+         tls=None) -> None:
+    """Run a worker process until the run is done (hooks: see :class:`Worker`; ``tls``: the
+    run's certificates, None for plain text on loopback)."""
     set_threads()
-    w = Worker(coord, token, opts, dial=dial, pacer=pacer)
+    w = Worker(coord, token, opts, dial=dial, pacer=pacer, tls=tls)
     w.on_servers = on_servers
     run_member(w.run(), coord)
     if w.fatal:
