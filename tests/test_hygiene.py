@@ -182,7 +182,7 @@ def test_worker_without_a_coordinator_says_so_in_one_line(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     r = subprocess.run([sys.executable, "-m", "shoal.runtime.cli", "worker", "--join", f"127.0.0.1:{port}",
-                        "--flops", "1e9"], capture_output=True, text=True, timeout=200,
+                        "--flops", "1e9", "--join-timeout", "2"], capture_output=True, text=True, timeout=200,
                        env=dict(os.environ, SHOAL_TOKEN="t", OMP_NUM_THREADS="1"))
     assert r.returncode == 2
     assert r.stderr.startswith("error: cannot reach the coordinator") and "Traceback" not in r.stderr

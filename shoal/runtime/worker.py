@@ -78,6 +78,7 @@ class WorkerOptions:
     chunk_bytes: int = 0  # bytes per chunk of streamed uploads (0: the run's setting)
     torch_device: str = "auto"  # --device: where this worker computes (auto, cpu, cuda, cuda:N)
     precision: str | None = None  # --precision: refuse to work in a run of another precision (None: any)
+    join_timeout_s: float = 30.0  # --join-timeout: seconds to keep retrying an unreachable coordinator at start
 
 
 HANG_KINDS = ("hang_fwd", "hang_bwd", "hang_before_push", "hang_mid_push")
@@ -237,7 +238,7 @@ class Worker:
         self.coord = pbg.CoordinatorStub(self.channels.open(self.coord_addr))
         from shoal.runtime.server import _retry
 
-        reply = await _retry(lambda: self.coord.Join(self._join_request()))
+        reply = await _retry(lambda: self.coord.Join(self._join_request()), budget_s=self.opts.join_timeout_s)
         self.member_id, self.spec = reply.member_id, reply.spec
         self.cfg = model_config(self.spec)
         try:
