@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -25,29 +26,37 @@ RUN_CHECK = ("import sys; from shoal.cli import main; rc = main(['plan', '--scen
              "sys.exit(3 if 'torch' in sys.modules else rc)")
 
 
-def _wall(argv: list[str], repeats: int) -> list[float]:
-    """Wall seconds of ``argv`` run ``repeats`` times (output discarded; a failure raises)."""
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _wall(argv: list[str], repeats: int) -> tuple[list[float], list[float]]:
+    """Wall and CPU seconds of ``argv`` run ``repeats`` times (output discarded; a failure raises).
+    CPU seconds (user + system of the child) are what a busy machine inflates least."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = []
+    wall, cpu = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        c0, t0 = _children_cpu(), time.perf_counter()
         subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-        out.append(time.perf_counter() - t0)
-    return out
+        wall.append(time.perf_counter() - t0)
+        cpu.append(_children_cpu() - c0)
+    return wall, cpu
 
 
-def _planner_s(scenario: str, repeats: int) -> list[float]:
-    """In-process seconds of ``make_plan`` alone (imports and scenario loading excluded)."""
+def _planner_s(scenario: str, repeats: int) -> tuple[list[float], list[float]]:
+    """In-process wall and CPU seconds of ``make_plan`` alone (imports and scenario loading excluded)."""
     from shoal.plan import load_scenario, make_plan
 
     sc = load_scenario(scenario)
     make_plan(sc)  # warm-up: lazy imports inside the planner
-    out = []
+    wall, cpu = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         make_plan(sc)
-        out.append(time.perf_counter() - t0)
-    return out
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return wall, cpu
 
 
 def main() -> int:
@@ -67,12 +76,14 @@ def main() -> int:
                                 env=dict(os.environ, OMP_NUM_THREADS="1")).returncode
     load = os.getloadavg()[0]
     print(f"repeats {args.repeats}, load average at end {load:.2f}, {os.cpu_count()} CPUs")
-    print(f"{'what':44s} {'mean s':>8s} {'median s':>9s} {'min s':>7s}")
-    for name, xs in rows:
-        print(f"{name:44s} {statistics.mean(xs):8.3f} {statistics.median(xs):9.3f} {min(xs):7.3f}")
+    print(f"{'what':44s} {'wall mean s':>11s} {'wall min s':>10s} {'CPU mean s':>10s} {'CPU min s':>9s}")
+    for name, (wall, cpu) in rows:
+        print(f"{name:44s} {statistics.mean(wall):11.3f} {min(wall):10.3f} {statistics.mean(cpu):10.3f} "
+              f"{min(cpu):9.3f}")
     print(f"torch imported by the command: {'yes' if torch_free == 3 else 'no' if torch_free == 0 else 'FAILED'}")
-    cmd_mean = statistics.mean(rows[2][1])
-    print(f"target: command <= 1.0 s -> {'met' if cmd_mean <= 1.0 else 'NOT met'} ({cmd_mean:.2f} s mean)")
+    cmd_mean = statistics.mean(rows[2][1][0])
+    print(f"target: command <= 1.0 s wall on an idle machine -> {'met' if cmd_mean <= 1.0 else 'NOT met'} "
+          f"({cmd_mean:.2f} s mean at this load)")
     return 0 if torch_free == 0 else 1
 
 
