@@ -1,6 +1,9 @@
-"""Shared test set-up: one torch thread per process (CI has 2 cores)."""
+"""Shared test set-up: one torch thread per process (CI has 2 cores), and one tokenizer cache
+per pytest session."""
 
 import os
+
+import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("SHOAL_TORCH_THREADS", "1")
@@ -8,3 +11,22 @@ os.environ.setdefault("SHOAL_TORCH_THREADS", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_tokenizer_cache(tmp_path_factory):
+    """Every test and every process it starts shares one tokenizer cache, the folder that
+    ``tests/test_data.py`` and ``tests/test_train.py`` use: the default corpus is tokenized
+    once per session (about 15 CPU-s a vocabulary), not once there and again in
+    ``~/.cache/shoal``; and no test depends on what a developer's cache holds. An explicit
+    ``$SHOAL_CACHE_DIR`` wins."""
+    if os.environ.get("SHOAL_CACHE_DIR"):
+        yield
+        return
+    d = tmp_path_factory.getbasetemp() / "shoal-cache"
+    d.mkdir(exist_ok=True)
+    os.environ["SHOAL_CACHE_DIR"] = str(d)
+    try:
+        yield
+    finally:
+        os.environ.pop("SHOAL_CACHE_DIR", None)

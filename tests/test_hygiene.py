@@ -167,7 +167,10 @@ def test_sigterm_to_launch_stops_every_member(tmp_path):
     assert proc.returncode == 2
     assert stderr.strip().splitlines() == ["error: stopped by SIGTERM; every member was stopped"], stderr
     assert f"--token-file {out / 'token'}" in stdout
-    time.sleep(3)
+    # launch has stopped them; allow the kernel up to 3 s to reap (a wait on state, not a fixed sleep)
+    deadline = time.time() + 3
+    while any(_alive(p) for p in members) and time.time() < deadline:
+        time.sleep(0.05)
     left = [p for p in members if _alive(p)]
     assert not left, f"members still alive: {left}"
 
@@ -182,7 +185,17 @@ def test_worker_without_a_coordinator_says_so_in_one_line(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     r = subprocess.run([sys.executable, "-m", "shoal.runtime.cli", "worker", "--join", f"127.0.0.1:{port}",
-                        "--flops", "1e9", "--insecure"], capture_output=True, text=True, timeout=200,
+                        "--flops", "1e9", "--insecure", "--join-timeout", "2"], capture_output=True, text=True,
+                       timeout=200,
                        env=dict(os.environ, SHOAL_TOKEN="t", OMP_NUM_THREADS="1"))
     assert r.returncode == 2
     assert r.stderr.startswith("error: cannot reach the coordinator") and "Traceback" not in r.stderr
+
+
+def test_bad_join_timeout_is_a_one_line_error(capsys, monkeypatch):
+    from shoal.cli import main
+
+    monkeypatch.setenv("SHOAL_TOKEN", "t")
+    assert main(["worker", "--join", "127.0.0.1:1", "--flops", "1e9", "--join-timeout", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --join-timeout must be a positive"), err

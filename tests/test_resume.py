@@ -222,10 +222,11 @@ def test_resumed_coordinator_keeps_layers_and_gives_servers_their_stages(tmp_pat
 
     async def first():
         c = Coordinator(spec, "tok", min_workers=2, out=str(tmp_path), options={"min_workers": 2})
-        s = [(await c.Join(pb.JoinRequest(role="server", address=f"127.0.0.1:{i + 1}", name=f"s{i}"),
-                           None)).member_id for i in range(2)]
+        for i in range(2):
+            await c.Join(pb.JoinRequest(role="server", address=f"127.0.0.1:{i + 1}", name=f"s{i}"), None)
         for i in range(2):
             await c.Join(pb.JoinRequest(role="worker", flops=1e9, name=f"w{i}"), None)
+        s = list(c.stage_server)  # the plan may swap the servers' stages when workers join
         for step in range(2):
             reps = [pb.StepReport(member_id=s[k], stage=k, step=step, epoch=0, sq_norm=1.0,
                                   losses=[2.0 + step] * 2 if k else []) for k in range(2)]

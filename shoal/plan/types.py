@@ -7,11 +7,19 @@ converts them on load and is the one place that validates user input.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from shoal.errors import ShoalError
+from shoal.plan.compression import wire_ratio
+
+
+@functools.lru_cache(maxsize=256)
+def _codec_ratio(codec: str, dtype_bytes: int) -> float:
+    """``wire_ratio`` memoised: a pure function of a handful of (codec, dtype size) pairs."""
+    return wire_ratio(codec, dtype_bytes)
 
 
 @dataclass(frozen=True)
@@ -157,12 +165,17 @@ class SyncPolicy:
 
     def ratio(self, kind: str, dtype_bytes: int) -> float:
         """Wire bytes / raw bytes of traffic ``kind`` (act, grad, push, pull) under this policy."""
-        from shoal.plan.compression import wire_ratio
-
-        codec = {"act": self.act_codec, "grad": self.grad_codec, "push": self.push_codec,
-                 "pull": self.pull_codec}[kind]
-        extra = self.act_compression if kind in ("act", "grad") else self.grad_compression
-        return wire_ratio(codec, dtype_bytes) * extra
+        # The cost model asks this several times per stage of every candidate plan: no dict
+        # built per call, and the codec's ratio memoised (see _codec_ratio).
+        if kind == "act":
+            return _codec_ratio(self.act_codec, dtype_bytes) * self.act_compression
+        if kind == "grad":
+            return _codec_ratio(self.grad_codec, dtype_bytes) * self.act_compression
+        if kind == "push":
+            return _codec_ratio(self.push_codec, dtype_bytes) * self.grad_compression
+        if kind == "pull":
+            return _codec_ratio(self.pull_codec, dtype_bytes) * self.grad_compression
+        raise KeyError(kind)
 
 
 @dataclass

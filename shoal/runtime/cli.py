@@ -162,6 +162,9 @@ def register(subparsers) -> None:
                    help="lossy --codec: do not carry each gradient push's quantisation error into the next")
     p.add_argument("--no-graph-cache", action="store_true",
                    help="always recompute the forward in backward tasks (saves activation memory)")
+    p.add_argument("--join-timeout", type=float, default=30.0,
+                   help="seconds to keep retrying a coordinator that does not answer yet before giving up "
+                        "(default: 30)")
     _measure_args(p)
     _dial_map_arg(p)
     from shoal.train.flags import add_device_args
@@ -456,6 +459,8 @@ def run_worker_cmd(args) -> int:
 
     resolve_device(args.device)  # a bad --device is an error before anything else
     check_address("--join", args.join)
+    if not args.join_timeout > 0:
+        raise ShoalError(f"--join-timeout must be a positive number of seconds, got {args.join_timeout}")
     if args.codec not in CODECS:
         raise ShoalError(f"--codec must be one of {', '.join(CODECS)}, got {args.codec!r}")
     _measure_opts(args)  # its one-line errors come before any about keys
@@ -474,6 +479,7 @@ def run_worker_cmd(args) -> int:
                                                 compute_device=args.device or "auto",
                                                 torch_device=args.device or "auto",
                                                 precision=args.precision,
+                                                join_timeout_s=args.join_timeout,
                                                 chunk_bytes=chunk),
          dial=dial, pacer=pacer, on_servers=on_servers, tls=tls)
     return 0

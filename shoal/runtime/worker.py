@@ -81,6 +81,7 @@ class WorkerOptions:
     precision: str | None = None  # --precision: refuse to work in a run of another precision (None: any)
     fault_poison: float = 1.0  # fault injection: push the true gradients times this (1: honest)
     fault_slow: float = 1.0  # fault injection: every task takes this many times its compute time
+    join_timeout_s: float = 30.0  # --join-timeout: seconds to keep retrying an unreachable coordinator at start
 
 
 HANG_KINDS = ("hang_fwd", "hang_bwd", "hang_before_push", "hang_mid_push")
@@ -240,7 +241,7 @@ class Worker(LocalWorkerMixin):
         self.coord = pbg.CoordinatorStub(self.channels.open(self.coord_addr))
         from shoal.runtime.server import _retry
 
-        reply = await _retry(lambda: self.coord.Join(self._join_request()))
+        reply = await _retry(lambda: self.coord.Join(self._join_request()), budget_s=self.opts.join_timeout_s)
         self.member_id, self.spec = reply.member_id, reply.spec
         self.cfg = model_config(self.spec)
         try:
