@@ -4,7 +4,8 @@
 other reaches the servers through a flapping link). Every ``--kill-every`` committed
 steps a random honest worker is killed with SIGKILL and restarted; every
 ``--server-kill-every`` steps the server of a random stage is killed and replaced (it
-restores the stage's newest checkpoint and the run rolls back). At the end the final
+restores the stage's newest checkpoint and the run rolls back); every ``--coordinator-kill-every`` steps the
+coordinator is killed and restarted with ``--resume`` on the same address. At the end the final
 weights are compared with ``train_local`` of the same workload (exact fp32: they must be
 equal once the poisoned worker's pushes are kept out).
 
@@ -39,6 +40,8 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=7, help="workers, the last one poisoned")
     ap.add_argument("--kill-every", type=int, default=5, help="kill a random honest worker every N steps")
     ap.add_argument("--server-kill-every", type=int, default=25, help="kill a random stage's server every N steps (0: never)")
+    ap.add_argument("--coordinator-kill-every", type=int, default=40,
+                    help="kill the coordinator every N steps; launch restarts it with --resume (0: never)")
     ap.add_argument("--flap-for", type=float, default=60.0, help="seconds the flapping worker's links flap")
     ap.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
     ap.add_argument("--out", default=None, help="run folder (default: a temporary one)")
@@ -59,8 +62,12 @@ def main() -> None:
     with Swarm(cfg) as sw:
         sw.start()
         next_kill, next_server_kill = args.kill_every, args.server_kill_every or args.steps + 1
+        next_coord_kill = args.coordinator_kill_every or args.steps + 1
         deadline = time.time() + args.timeout
-        while sw.coord.poll() is None:
+        while sw.coord.poll() is None or sw._should_restart():
+            if sw.coord.poll() is not None:
+                sw.restart_coordinator()  # what Swarm.wait() does for a dead coordinator
+                continue
             if time.time() > deadline:
                 raise SystemExit(f"the chaos run did not finish within {args.timeout:.0f} s; see {out / 'logs'}")
             sw.poll_records()
@@ -85,6 +92,10 @@ def main() -> None:
                     sw.kill_server(i)
                     kills.append((now, f"s{i} (stage {stage})"))
                     sw.start_server()
+            if done >= next_coord_kill and done < args.steps - 1:
+                next_coord_kill += args.coordinator_kill_every
+                sw.kill_coordinator()
+                kills.append((now, "coordinator"))
             time.sleep(0.1)
         summary = sw.wait()
     wall = time.time() - t_start
@@ -113,7 +124,8 @@ def main() -> None:
     print(f"{'committed steps':<34} {summary['steps']}")
     print(f"{'wall time':<34} {wall:.0f} s (median step {normal:.2f} s)")
     print(f"{'kills survived':<34} {len(kills)} ({sum(k[1].startswith('w') for k in kills)} workers, "
-          f"{sum(k[1].startswith('s') for k in kills)} servers)")
+          f"{sum(k[1].startswith('s') for k in kills)} servers, "
+          f"{sum(k[1] == 'coordinator' for k in kills)} coordinators)")
     print(f"{'steps redone (roll-backs)':<34} {redone} in {len(rollbacks)} roll-backs")
     print(f"{'tasks re-queued':<34} {summary['requeues']}")
     print(f"{'time lost per kill':<34} median {statistics.median(lost) if lost else 0:.2f} s, "
