@@ -48,6 +48,7 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
     "/shoal.v1.StageServer/GetWeights": frozenset({"worker", COORDINATOR_ID}),
     "/shoal.v1.StageServer/SubmitRelayStream": frozenset({"server"}),
     "/shoal.v1.StageServer/SubmitRelay": frozenset({"server"}),
+    "/shoal.v1.StageServer/StandbyCkptStream": frozenset({"server"}),
     "/shoal.v1.StageServer/Probe": frozenset({ANY}),
 }
 

@@ -97,7 +97,7 @@ class RunSpec(_message.Message):
     def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., stages: _Optional[int] = ..., steps: _Optional[int] = ..., micro_batches: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., seed: _Optional[int] = ..., lr: _Optional[float] = ..., min_lr: _Optional[float] = ..., warmup: _Optional[int] = ..., weight_decay: _Optional[float] = ..., grad_clip: _Optional[float] = ..., ckpt_every: _Optional[int] = ..., dead_after_s: _Optional[float] = ..., min_lease_s: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., data: _Optional[str] = ..., ordered_grads: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ..., run_id: _Optional[str] = ..., precision: _Optional[str] = ..., loss_scale_init: _Optional[float] = ..., init_from: _Optional[str] = ..., model_config_json: _Optional[str] = ..., sync_mode: _Optional[str] = ..., sync_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., guard_spot_check: _Optional[float] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("role", "address", "flops", "name", "ckpt_version", "ckpt_stage", "schema", "device", "will_measure", "region", "up_bps", "down_bps")
+    __slots__ = ("role", "address", "flops", "name", "ckpt_version", "ckpt_stage", "schema", "device", "will_measure", "region", "up_bps", "down_bps", "standby")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FLOPS_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,7 @@ class JoinRequest(_message.Message):
     REGION_FIELD_NUMBER: _ClassVar[int]
     UP_BPS_FIELD_NUMBER: _ClassVar[int]
     DOWN_BPS_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_FIELD_NUMBER: _ClassVar[int]
     role: str
     address: str
     flops: float
@@ -122,7 +123,8 @@ class JoinRequest(_message.Message):
     region: str
     up_bps: float
     down_bps: float
-    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., flops: _Optional[float] = ..., name: _Optional[str] = ..., ckpt_version: _Optional[int] = ..., ckpt_stage: _Optional[int] = ..., schema: _Optional[int] = ..., device: _Optional[str] = ..., will_measure: _Optional[bool] = ..., region: _Optional[str] = ..., up_bps: _Optional[float] = ..., down_bps: _Optional[float] = ...) -> None: ...
+    standby: bool
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., flops: _Optional[float] = ..., name: _Optional[str] = ..., ckpt_version: _Optional[int] = ..., ckpt_stage: _Optional[int] = ..., schema: _Optional[int] = ..., device: _Optional[str] = ..., will_measure: _Optional[bool] = ..., region: _Optional[str] = ..., up_bps: _Optional[float] = ..., down_bps: _Optional[float] = ..., standby: _Optional[bool] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("member_id", "spec", "credential", "run_secret", "role")
@@ -283,7 +285,7 @@ class ByteCount(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., codec: _Optional[str] = ..., raw: _Optional[int] = ..., wire: _Optional[int] = ..., messages: _Optional[int] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("known", "stage", "first", "last", "servers", "ready", "epoch", "restart_version", "done", "measure", "guard_banned")
+    __slots__ = ("known", "stage", "first", "last", "servers", "ready", "epoch", "restart_version", "done", "measure", "guard_banned", "standby_for", "standby_first", "standby_last")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     FIRST_FIELD_NUMBER: _ClassVar[int]
@@ -295,6 +297,9 @@ class Assignment(_message.Message):
     DONE_FIELD_NUMBER: _ClassVar[int]
     MEASURE_FIELD_NUMBER: _ClassVar[int]
     GUARD_BANNED_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_FOR_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_FIRST_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_LAST_FIELD_NUMBER: _ClassVar[int]
     known: bool
     stage: int
     first: int
@@ -306,7 +311,28 @@ class Assignment(_message.Message):
     done: bool
     measure: int
     guard_banned: str
-    def __init__(self, known: _Optional[bool] = ..., stage: _Optional[int] = ..., first: _Optional[int] = ..., last: _Optional[int] = ..., servers: _Optional[_Iterable[str]] = ..., ready: _Optional[bool] = ..., epoch: _Optional[int] = ..., restart_version: _Optional[int] = ..., done: _Optional[bool] = ..., measure: _Optional[int] = ..., guard_banned: _Optional[str] = ...) -> None: ...
+    standby_for: int
+    standby_first: int
+    standby_last: int
+    def __init__(self, known: _Optional[bool] = ..., stage: _Optional[int] = ..., first: _Optional[int] = ..., last: _Optional[int] = ..., servers: _Optional[_Iterable[str]] = ..., ready: _Optional[bool] = ..., epoch: _Optional[int] = ..., restart_version: _Optional[int] = ..., done: _Optional[bool] = ..., measure: _Optional[int] = ..., guard_banned: _Optional[str] = ..., standby_for: _Optional[int] = ..., standby_first: _Optional[int] = ..., standby_last: _Optional[int] = ...) -> None: ...
+
+class StandbyCkptRequest(_message.Message):
+    __slots__ = ("member_id", "stage", "have")
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    HAVE_FIELD_NUMBER: _ClassVar[int]
+    member_id: str
+    stage: int
+    have: int
+    def __init__(self, member_id: _Optional[str] = ..., stage: _Optional[int] = ..., have: _Optional[int] = ...) -> None: ...
+
+class StandbyCkpt(_message.Message):
+    __slots__ = ("version", "data")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    data: bytes
+    def __init__(self, version: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class StepReport(_message.Message):
     __slots__ = ("member_id", "stage", "step", "epoch", "sq_norm", "losses", "tasks_per_worker", "requeues")

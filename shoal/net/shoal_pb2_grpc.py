@@ -389,6 +389,11 @@ class StageServerStub:
                 request_serializer=shoal__pb2.Chunk.SerializeToString,
                 response_deserializer=shoal__pb2.RelayReply.FromString,
                 _registered_method=True)
+        self.StandbyCkptStream = channel.unary_stream(
+                '/shoal.v1.StageServer/StandbyCkptStream',
+                request_serializer=shoal__pb2.StandbyCkptRequest.SerializeToString,
+                response_deserializer=shoal__pb2.Chunk.FromString,
+                _registered_method=True)
         self.Lease = channel.unary_unary(
                 '/shoal.v1.StageServer/Lease',
                 request_serializer=shoal__pb2.LeaseRequest.SerializeToString,
@@ -470,6 +475,13 @@ class StageServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StandbyCkptStream(self, request, context):
+        """a StandbyCkpt (hot standbys)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Lease(self, request, context):
         """Unary forms (a whole message under the gRPC size limit).
         """
@@ -546,6 +558,11 @@ def add_StageServerServicer_to_server(servicer, server):
                     servicer.SubmitRelayStream,
                     request_deserializer=shoal__pb2.Chunk.FromString,
                     response_serializer=shoal__pb2.RelayReply.SerializeToString,
+            ),
+            'StandbyCkptStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.StandbyCkptStream,
+                    request_deserializer=shoal__pb2.StandbyCkptRequest.FromString,
+                    response_serializer=shoal__pb2.Chunk.SerializeToString,
             ),
             'Lease': grpc.unary_unary_rpc_method_handler(
                     servicer.Lease,
@@ -723,6 +740,33 @@ class StageServer:
             '/shoal.v1.StageServer/SubmitRelayStream',
             shoal__pb2.Chunk.SerializeToString,
             shoal__pb2.RelayReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StandbyCkptStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/shoal.v1.StageServer/StandbyCkptStream',
+            shoal__pb2.StandbyCkptRequest.SerializeToString,
+            shoal__pb2.Chunk.FromString,
             options,
             channel_credentials,
             insecure,

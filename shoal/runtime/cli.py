@@ -138,6 +138,9 @@ def register(subparsers) -> None:
     _dial_map_arg(p)
     p.add_argument("--chunk-mb", type=float, default=None,
                    help="MB per chunk of the weights and relays this server sends (default: the run's)")
+    p.add_argument("--standby", action="store_true",
+                   help="join as a hot standby: copy a stage's checkpoints after every commit and take "
+                        "the stage over when its server dies (no shared disk needed)")
     _common(p)
     _emulation_args(p)
     p.set_defaults(func=run_server_cmd)
@@ -191,6 +194,8 @@ def register(subparsers) -> None:
     p.add_argument("--scenario", default=None, help="scenario name or file (worker count and speeds)")
     p.add_argument("--workers", type=int, default=None,
                    help="workers to start (default 2, or every worker device of --scenario)")
+    p.add_argument("--standbys", type=int, default=0,
+                   help="hot standby servers to start, each on its own checkpoint folder (stage k mod S)")
     p.add_argument("--emulate-speedup", type=float, default=1.0,
                    help="with --scenario: compute time scale of the emulated devices")
     p.add_argument("--out", default=None, help="run folder (required unless --resume)")
@@ -446,7 +451,7 @@ def run_server_cmd(args) -> int:
     dial = _with_dial_map(args, dial)
     serve(args.join, args.listen, _token(args), args.ckpt_dir, name=args.name, dial=dial,
           on_servers=on_servers, device=_played_device(args), **_measure_opts(args),
-          advertise=args.advertise, chunk_bytes=chunk, tls=tls)
+          advertise=args.advertise, chunk_bytes=chunk, tls=tls, standby=args.standby)
     return 0
 
 
@@ -525,7 +530,7 @@ def run_launch_cmd(args) -> int:
         dashboard=None if args.no_dashboard else args.dashboard, chunk_mb=args.chunk_mb,
         device=args.device or "auto", precision=args.precision or "fp32", loss_scale=args.loss_scale,
         sync=args.sync, sync_every=args.sync_every, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
-        faults=list(args.fault), spot_check=args.spot_check, tls=not args.insecure)
+        faults=list(args.fault), spot_check=args.spot_check, standbys=args.standbys, tls=not args.insecure)
     if cfg.dashboard:
         from shoal.runtime.dashboard import parse_bind
 

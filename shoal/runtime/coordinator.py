@@ -105,6 +105,7 @@ class Member:
     counter_id: str = ""  # id of its process's byte counters (dashboard: bytes per member)
     joined_s: float = field(default_factory=time.time)  # wall clock of the join
     ckpt_stage: int = -1  # server: the stage it served before re-joining (its disk holds that stage)
+    standby: bool = False  # server: a hot standby (copies a stage's checkpoints until promoted)
 
 
 def plan_stages(n_total_layers: int, stages: int) -> list[tuple[int, int]]:
@@ -272,7 +273,8 @@ class Coordinator(pbg.CoordinatorServicer):
             log.warning("a second member named %r joined; it is called %r", request.name, name)
         mid = f"{request.role[0]}{next(self.ids)}-{name}"
         m = Member(mid, request.role, name, address=request.address,
-                   flops=max(request.flops, 1.0), device=request.device, ckpt_stage=request.ckpt_stage)
+                   flops=max(request.flops, 1.0), device=request.device, ckpt_stage=request.ckpt_stage,
+                   standby=request.role == "server" and request.standby)
         if self.emulated is not None:
             self.plays[mid] = m.device
         elif request.will_measure and not self.fixed_layers:  # a resumed run's layers are fixed
@@ -304,13 +306,18 @@ class Coordinator(pbg.CoordinatorServicer):
         A server taking over a stage after the run started restores that stage's newest
         checkpoint, and the whole run rolls back to a version every stage can restore.
         """
+        started = self.ready or self.committed > 0 or self.epoch > 0
+        # Hot standbys take a stage only once the run started (before, plain servers do).
         standby = [mid for mid, m in self.members.items()
-                   if m.role == "server" and mid not in self.stage_server]
+                   if m.role == "server" and mid not in self.stage_server and (started or not m.standby)]
+        hot = self._hot_standbys()
         for s in self._vacancy_order():
             if self.stage_server[s] or not standby:
                 continue
-            mid = pick_standby(s, [(mid, self.members[mid].ckpt_stage) for mid in standby],
-                               {k for k, v in enumerate(self.stage_server) if not v})
+            # A hot standby that copied this stage's checkpoints goes first (no deep roll-back).
+            mid = next((h for h, hs in hot.items() if hs == s and h in standby), None) or pick_standby(
+                s, [(mid, self.members[mid].ckpt_stage) for mid in standby],
+                {k for k, v in enumerate(self.stage_server) if not v})
             if mid is None:
                 continue
             standby.remove(mid)
@@ -319,6 +326,12 @@ class Coordinator(pbg.CoordinatorServicer):
             if self.ready or self.committed > 0 or self.epoch > 0:
                 self.pending_restore = True
                 self.event("server_restart", device=self.members[mid].name, stage=s)
+
+    def _hot_standbys(self) -> dict[str, int]:
+        """Hot standbys without a stage -> the stage whose checkpoints each copies."""
+        mids = [mid for mid, m in self.members.items()
+                if m.role == "server" and m.standby and mid not in self.stage_server]
+        return standby_stages(mids, self.spec.stages)
 
     def _vacancy_order(self) -> list[int]:
         """Stages in the order vacancies are filled: twice over, so a standby that waited for
@@ -479,15 +492,21 @@ class Coordinator(pbg.CoordinatorServicer):
             scenario = self._scenario()
             plan = make_plan(scenario, method="shoal", seed=int(self.spec.seed),
                              stages=self.spec.stages)
-            servers = sorted((mid for mid, m in self.members.items() if m.role == "server"),
+            # Hot standbys stay out of the first assignment: they copy a stage until promoted.
+            servers = sorted((mid for mid, m in self.members.items() if m.role == "server" and not m.standby),
                              key=lambda mid: (-self._server_rate(scenario, mid), mid))
-            stage_server = distinct_servers([st.server for st in plan.stages], servers)
+            # A stage planned on a hot standby moves to a free plain server (as a repeat does).
+            stage_server = distinct_servers([st.server if st.server in servers or not servers else servers[0]
+                                             for st in plan.stages], servers)
             if len(set(stage_server)) < len(stage_server):
                 raise ValueError("the plan puts two stages on one server process and no standby is free")
             for st, sid in zip(plan.stages, stage_server, strict=True):
                 st.server = sid
             self._planned(scenario)
             self.layers = [tuple(st.layers) for st in plan.stages]
+            for k, (was, now) in enumerate(zip(self.stage_server, stage_server, strict=True)):
+                if was != now:  # the plan moved a stage to another server: say so, like a join does
+                    self.event("assign", device=self.members[now].name, role="server", stage=k)
             self.stage_server = stage_server
             self.assign = {w: i for i, st in enumerate(plan.stages) for w in st.workers}
             self.plan, self.planned = plan, set(self.devices)
@@ -598,6 +617,11 @@ class Coordinator(pbg.CoordinatorServicer):
                           restart_version=self.restart_version, done=self.done, measure=m.measure_req)
         if stage >= 0:
             a.first, a.last = self.layers[stage]
+        elif m.role == "server" and m.standby and self.layers:
+            shadow = self._hot_standbys().get(m.member_id, -1)
+            if shadow >= 0 and self.stage_server[shadow]:
+                a.standby_for = shadow + 1
+                a.standby_first, a.standby_last = self.layers[shadow]
         return a
 
     def _guard_ban(self, ban: pb.GuardBan, server: Member) -> None:
@@ -988,3 +1012,8 @@ def pick_standby(stage: int, standby: list[tuple[str, int]], vacant: set[int]) -
         if had < 0 or had not in vacant:
             return mid
     return None
+
+
+def standby_stages(standbys: list[str], stages: int) -> dict[str, int]:
+    """The stage each hot standby (member ids, oldest first) copies: round robin over the stages."""
+    return {mid: k % stages for k, mid in enumerate(standbys)} if stages > 0 else {}

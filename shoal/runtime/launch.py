@@ -78,6 +78,7 @@ class LaunchConfig:
     outer_momentum: float = 0.9  # local: outer Nesterov momentum
     faults: list[str] = field(default_factory=list)  # --fault SPECs (shoal.runtime.faults grammar)
     spot_check: float = 0.05  # fraction of gradient pushes the stage servers recompute (exact runs)
+    standbys: int = 0  # hot standby servers, each with its own empty checkpoint folder (stage k mod S)
     tls: bool = True  # mutual TLS with keys made in RUN/tls (False: plain text on loopback)
 
     def validate(self) -> None:
@@ -218,6 +219,8 @@ class Swarm:
             self.server_ports = [_free_port() for _ in range(c.stages)]
         for _ in range(c.stages):
             self.start_server()
+        for _ in range(c.standbys):
+            self.start_server(standby=True)
         for i in range(c.workers):
             self.start_worker(i)
 
@@ -299,8 +302,11 @@ class Swarm:
         # 0: done; 2: a one-line error (a failed run, bad input): both are the run's end.
         return rc not in (0, 2) and self.restarts_left > 0 and bool(self.run_id)
 
-    def start_server(self) -> int:
-        """Start a stage server (it takes the first vacant stage); returns its index."""
+    def start_server(self, standby: bool = False) -> int:
+        """Start a stage server (it takes the first vacant stage); returns its index.
+
+        ``standby``: a hot standby on its own checkpoint folder (``standby_ckpt/s<i>``).
+        """
         i = self._n_server
         self._n_server += 1
         listen, emu = "127.0.0.1:0", []
@@ -312,9 +318,10 @@ class Swarm:
             emu = self._emulation(hosts[i % len(hosts)].id)
         elif i < len(self.server_ports):
             listen = f"127.0.0.1:{self.server_ports[i]}"
+        ckpt = self.out / "standby_ckpt" / f"s{i}" if standby else self.out / "server_ckpt"
         self.servers.append(self._spawn(["server", "--join", self.address, "--listen", listen,
-                                         "--ckpt-dir", str(self.out / "server_ckpt"), "--name", f"s{i}",
-                                         *emu], f"server{i}"))
+                                         "--ckpt-dir", str(ckpt), "--name", f"s{i}",
+                                         *(["--standby"] if standby else []), *emu], f"server{i}"))
         return i
 
     def _coordinator_emulation(self) -> list[str]:

@@ -42,7 +42,15 @@ from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
 from shoal.net.auth import check_caller
 from shoal.net.channel import ChannelFactory, advertised_address, bind, make_server
-from shoal.net.stream import CONTROL_SLACK, DEFAULT_CHUNK_BYTES, chunks_of, receive, send, split
+from shoal.net.stream import (
+    CONTROL_SLACK,
+    DEFAULT_CHUNK_BYTES,
+    chunks_of,
+    fetch,
+    receive,
+    send,
+    split,
+)
 from shoal.net.traffic import Traffic
 from shoal.net.wire import WireError, decode_tensor, encode_tensor
 from shoal.runtime.common import (
@@ -181,6 +189,8 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
         self.guard_ref: dict[str, torch.Tensor] | None = None  # the last committed gradient (direction)
         self.guard_checks = 0  # pushes recomputed here
         self.guard_cfg = GUARD  # the screen's thresholds (shoal.runtime.guard.GuardConfig)
+        self.standby = False  # a hot standby: copies a stage's checkpoints until promoted
+        self.standby_copying = False  # a checkpoint copy is under way
 
     # ------------------------------------------------------------------ setup
     @property
@@ -383,7 +393,8 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
     def _join_request(self) -> pb.JoinRequest:
         return pb.JoinRequest(role="server", address=self.address, name=self.name, schema=SCHEMA_VERSION,
                               ckpt_version=-1, ckpt_stage=-1, device=self.device, will_measure=True,
-                              region=self.region, up_bps=self.up_bps, down_bps=self.down_bps)
+                              region=self.region, up_bps=self.up_bps, down_bps=self.down_bps,
+                              standby=self.standby)
 
     async def _measure(self, request: int) -> None:
         """Measure host memory and the links to the coordinator and the other stage servers."""
@@ -447,6 +458,10 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
             self.measuring = True
             self._spawn(self._measure(a.measure))
         if a.stage < 0:
+            if a.standby_for > 0 and not self.standby_copying:
+                self.standby_copying = True
+                self._spawn(self._standby_copy(a.standby_for - 1, a.standby_first, a.standby_last,
+                                               a.servers[a.standby_for - 1]))
             return
         if self.stage != a.stage or a.epoch != self.epoch:
             self.stage, self.first, self.last = a.stage, a.first, a.last
@@ -921,6 +936,60 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
                 info.last_seen = time.monotonic()  # a long download is not silence
             yield chunk
 
+    async def StandbyCkptStream(self, request, context):
+        """Send a hot standby this stage's newest checkpoint file if newer than it holds."""
+        await check_caller(context, request.member_id)
+        data, version = b"", 0
+        if request.stage == self.stage and self.spec is not None:
+            vs = list_ckpts(self.ckpt_root, self.stage, self.spec.run_id)
+            if vs and vs[-1] > request.have:
+                version = vs[-1]
+                path = ckpt_dir(self.ckpt_root, self.stage, self.spec.run_id) / f"v{version}.safetensors"
+                try:
+                    data = await asyncio.get_running_loop().run_in_executor(None, path.read_bytes)
+                except OSError:
+                    data, version = b"", 0  # pruned meanwhile: the standby asks again
+        reply = pb.StandbyCkpt(version=version, data=data).SerializeToString()
+        for chunk in split("StandbyCkpt", reply, self.chunk_bytes):
+            yield chunk
+
+    async def _standby_copy(self, stage: int, first: int, last: int, source: str) -> None:
+        """Copy the active server's newest checkpoint of ``stage`` into our own folder.
+
+        Written under a temporary name and renamed, then verified like any checkpoint
+        (run id, stage, layers, checksum): a bad copy is removed and fetched again later.
+        Promotion restores from these files, so it needs no shared disk.
+        """
+        try:
+            if not source or self.spec is None:
+                return
+            have = max(list_ckpts(self.ckpt_root, stage, self.spec.run_id), default=0)
+            msg = await fetch(self._stub(source).StandbyCkptStream,
+                              pb.StandbyCkptRequest(member_id=self.member_id, stage=stage, have=have),
+                              pb.StandbyCkpt, STANDBY_MAX_BYTES, timeout=300, traffic=self.traffic)
+            if msg.version <= have or self.stage >= 0:
+                return
+            d = ckpt_dir(self.ckpt_root, stage, self.spec.run_id)
+            d.mkdir(parents=True, exist_ok=True)
+            tmp, path = d / f".v{msg.version}.tmp", d / f"v{msg.version}.safetensors"
+            tmp.write_bytes(msg.data)
+            os.replace(tmp, path)
+            try:
+                read_stage_ckpt(self.ckpt_root, stage, msg.version, run_id=self.spec.run_id,
+                                layers=(first, last))
+            except ShoalError as exc:
+                log.error("%s: copied checkpoint of stage %d failed its checks (%s); fetching again",
+                          self.name, stage, exc)
+                path.unlink(missing_ok=True)
+                return
+            for v in list_ckpts(self.ckpt_root, stage, self.spec.run_id)[:-4]:
+                (d / f"v{v}.safetensors").unlink(missing_ok=True)  # keep the last few, like the active
+            log.info("%s (standby) holds stage %d v%d", self.name, stage, msg.version)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("%s (standby): copying stage %d failed (%s); retrying", self.name, stage, exc.code())
+        finally:
+            self.standby_copying = False
+
     async def Leave(self, request, context):
         await check_caller(context, request.member_id)
         self._void_worker(request.member_id, "left")
@@ -1082,6 +1151,10 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
                 self.cond.notify_all()
 
 
+# Largest checkpoint a hot standby accepts from its stage's active server (weights + AdamW state).
+STANDBY_MAX_BYTES = 16 * 1024**3
+
+
 def _serialise_weights(head: pb.WeightsReply, params: dict[str, torch.Tensor]) -> bytes:
     """``head`` with every parameter framed, serialised (runs in a thread)."""
     for name, p in params.items():
@@ -1117,8 +1190,8 @@ async def _retry(fn, budget_s: float = 30.0, delay: float = 0.1):
 def serve(coord: str, listen: str, token: str, ckpt_root: str, name: str = "server", *, dial=None,
           on_servers=None, device: str = "", region: str = "", up_bps: float = 0.0, down_bps: float = 0.0,
           probe_bytes: int = 2 * 1024 * 1024, advertise: str | None = None, chunk_bytes: int = 0,
-          tls=None) -> None:
-    """Run a stage server process until the run is done.
+          tls=None, standby: bool = False) -> None:
+    """Run a stage server process until the run is done (``standby``: as a hot standby).
 
     ``device``: scenario host it plays; ``region``/``up_bps``/``down_bps``: declared
     figures that win over measured ones; ``advertise``: the address peers dial (default:
@@ -1129,4 +1202,5 @@ def serve(coord: str, listen: str, token: str, ckpt_root: str, name: str = "serv
                       up_bps=up_bps, down_bps=down_bps, probe_bytes=probe_bytes, advertise=advertise,
                       chunk_bytes=chunk_bytes, tls=tls)
     srv.on_servers = on_servers
+    srv.standby = standby
     run_member(srv.run(), coord)
