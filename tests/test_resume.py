@@ -240,7 +240,9 @@ def test_resumed_coordinator_keeps_layers_and_gives_servers_their_stages(tmp_pat
     async def second():
         from google.protobuf import json_format
 
-        c = Coordinator(json_format.ParseDict(st.spec, pb.RunSpec()), "tok", min_workers=2, out=str(tmp_path),
+        # --min-workers gates a run's start only: a resumed run whose workers died or were
+        # banned since then must not wait for them (7 here; two workers come back).
+        c = Coordinator(json_format.ParseDict(st.spec, pb.RunSpec()), "tok", min_workers=7, out=str(tmp_path),
                         resume=st)
         assert c.epoch == 1 and c.committed == 2 and [r["loss"] for r in c.history] == [2.0, 3.0]
         # the servers re-join, stage 1's first, each asking for the stage it served

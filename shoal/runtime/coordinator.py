@@ -438,10 +438,18 @@ class Coordinator(pbg.CoordinatorServicer):
         workers = [m for m in self.members.values() if m.role == "worker"]
         if not all(self._settled(m) for m in self.members.values()):
             return  # plan on what every member measured
-        if not self.ready and all(self.stage_server) and len(workers) >= max(self.min_workers, self.spec.stages):
+        if not self.ready and all(self.stage_server) and len(workers) >= self._worker_gate():
             self._initial_plan()
             self.ready = True
             self.last_commit_t = time.time()  # step 0's time starts when the swarm is complete
+
+    def _worker_gate(self) -> int:
+        """Workers to wait for before the first plan: ``--min-workers`` at a run's start; one
+        per stage for a resumed run, whose workers may have died or been banned since the
+        start (the rest join later and are planned in by repair)."""
+        if self.resumed:
+            return self.spec.stages
+        return max(self.min_workers, self.spec.stages)
 
     def _device(self, m: Member):
         """The planner device of a member: the scenario device it plays, else loopback."""
@@ -702,7 +710,7 @@ class Coordinator(pbg.CoordinatorServicer):
         if vacant:
             why.append(f"stage(s) {vacant} have no server: start `shoal server --join`")
         workers = sum(1 for m in self.members.values() if m.role == "worker")
-        need = max(self.min_workers, self.spec.stages)
+        need = self._worker_gate()
         if not self.ready:
             if workers < need:
                 why.append(f"{workers} of {need} workers joined")
