@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--server-kill-every", type=int, default=25, help="kill a random stage's server every N steps (0: never)")
     ap.add_argument("--coordinator-kill-every", type=int, default=40,
                     help="kill the coordinator every N steps; launch restarts it with --resume (0: never)")
+    ap.add_argument("--standbys", type=int, default=3, help="hot standby servers (one per stage up to N)")
     ap.add_argument("--flap-for", type=float, default=60.0, help="seconds the flapping worker's links flap")
     ap.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
     ap.add_argument("--out", default=None, help="run folder (default: a temporary one)")
@@ -53,7 +54,7 @@ def main() -> None:
     out = Path(args.out or tempfile.mkdtemp(prefix="shoal-chaos-")) / "run"
     poisoned, flapping = f"w{args.workers - 1}", f"w{args.workers - 2}"
     cfg = LaunchConfig(**run, out=str(out), stages=args.stages, workers=args.workers, dead_after_s=3.0,
-                       min_lease_s=1.5, timeout_s=args.timeout,
+                       min_lease_s=1.5, timeout_s=args.timeout, standbys=args.standbys,
                        faults=[f"poison:{poisoned}:scale=-20",
                                f"flap:{flapping}:period=0.6:down=0.1:for={args.flap_for}"])
     rng = random.Random(args.seed)
@@ -119,7 +120,7 @@ def main() -> None:
     ref_w = {k: v.detach() for k, v in ref.model.state_dict().items()}
     diff = max(float((weights[k].float() - ref_w[k].float()).abs().max()) for k in ref_w)
     equal = all(torch.equal(weights[k], ref_w[k]) for k in ref_w)
-    print(f"chaos run: {args.steps} steps, {args.stages} stages, {args.workers} workers "
+    print(f"chaos run: {args.steps} steps, {args.stages} stages, {args.standbys} standbys, {args.workers} workers "
           f"({poisoned} poisoned x -20, {flapping} on a flapping link for {args.flap_for:.0f} s), seed {args.seed}")
     print(f"{'committed steps':<34} {summary['steps']}")
     print(f"{'wall time':<34} {wall:.0f} s (median step {normal:.2f} s)")
