@@ -141,15 +141,7 @@ class LocalServerMixin:
         # The worker's norm covers everything it holds of the step (a second report adds mbs).
         self.local_sq[r.worker] = (n_before + len(ids), float(r.local_sq_norm))
         self.local_round_mbs[r.worker] = self.local_round_mbs.get(r.worker, 0) + len(ids)
-        for mb in ids:
-            mbs[mb].grad = "counted"
-        if all(st.grad == "counted" for st in mbs.values()) and not self.committing:
-            self.committing = True
-            self.timing.all_counted = time.monotonic()
-            self._spawn(self._commit(self.step, self.epoch))
-        async with self.cond:
-            self.cond.notify_all()
-        return pb.PushReply(accepted=True, gen=info.gen)
+        return await self._count(mbs, ids, info)
 
     async def _local_pseudo(self, r: pb.GradPush, info) -> pb.PushReply:
         round_v = self.step + 1

@@ -716,23 +716,23 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
             async with self.cond:
                 self.cond.notify_all()
             return pb.PushReply(accepted=False, reason=f"rejected: {exc}", gen=info.gen)
-        mbs = self.steps.get(r.step, {})
-        if (r.epoch != self.epoch or r.step != self.step or r.gen != info.gen
-                or not all(mb in mbs and mbs[mb].grad == "computed" and mbs[mb].holder == r.worker for mb in ids)):
+        if not self._still_held(r, ids, info):
             return pb.PushReply(accepted=False, reason="stale push (the step moved on while it was checked)",
                                 gen=info.gen)
         banned = await self._guard_push(r, ids, grads)
         if banned:
             return pb.PushReply(accepted=False, reason=f"banned: {banned}", gen=info.gen)
-        mbs = self.steps.get(r.step, {})
-        if (r.epoch != self.epoch or r.step != self.step or r.gen != info.gen
-                or not all(mb in mbs and mbs[mb].grad == "computed" and mbs[mb].holder == r.worker for mb in ids)):
+        if not self._still_held(r, ids, info):
             return pb.PushReply(accepted=False, reason="stale push (the step moved on while it was screened)",
                                 gen=info.gen)
         # Summed at commit, ordered by micro-batch id: with one micro-batch per push this is
         # exactly the local trainer's sequential sum.
         self.pushes.append((min(ids), grads, r.worker, tuple(ids)))
         self.pushed.add(identity)
+        return await self._count(self.steps[r.step], ids, info)
+
+    async def _count(self, mbs: dict, ids, info) -> pb.PushReply:
+        """Mark ``ids`` counted; once the whole step is counted, start its commit."""
         for mb in ids:
             mbs[mb].grad = "counted"
         if all(st.grad == "counted" for st in mbs.values()) and not self.committing:
@@ -742,6 +742,12 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
         async with self.cond:
             self.cond.notify_all()
         return pb.PushReply(accepted=True, gen=info.gen)
+
+    def _still_held(self, r: pb.GradPush, ids, info) -> bool:
+        """Whether the push's micro-batches are still computed by its worker in this step."""
+        mbs = self.steps.get(r.step, {})
+        return (r.epoch == self.epoch and r.step == self.step and r.gen == info.gen
+                and all(mb in mbs and mbs[mb].grad == "computed" and mbs[mb].holder == r.worker for mb in ids))
 
     def _guard_measure(self, grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor] | None
                        ) -> tuple[float, float | None]:
