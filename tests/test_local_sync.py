@@ -205,9 +205,8 @@ def test_kill9_mid_round_and_joiner(tmp_path):
     # every contributor of a first merge weighs exactly what it applied itself. (Which workers
     # contribute depends on the re-plan after the kill: a worker the coordinator moves to the
     # victim's stage loses its un-merged progress, so a stage's first merge may cover fewer
-    # than 3 x 4 micro-batches.)
+    # than 3 x 4 micro-batches, or none when every worker of that stage moved or died.)
     for m in first:
-        assert m["contributors"]
         for mid, n in m["contributors"].items():
             w = mid.rsplit("-", 1)[1]
             own = re.findall(r"sent its pseudo-gradient for v3 covering (\d+) micro-batches",
