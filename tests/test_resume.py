@@ -231,9 +231,9 @@ def test_resumed_coordinator_keeps_layers_and_gives_servers_their_stages(tmp_pat
             reps = [pb.StepReport(member_id=s[k], stage=k, step=step, epoch=0, sq_norm=1.0,
                                   losses=[2.0 + step] * 2 if k else []) for k in range(2)]
             await asyncio.gather(*(c.ReportStep(r, None) for r in reps))
-        return c.spec.run_id, list(c.layers)
+        return c.spec.run_id, list(c.layers), [c.members[m].name for m in s]
 
-    run_id, layers = asyncio.run(first())
+    run_id, layers, served = asyncio.run(first())
     _, rid, st = load_resume(tmp_path)
     assert rid == run_id and st.committed == 2 and st.layers == layers
 
@@ -248,7 +248,7 @@ def test_resumed_coordinator_keeps_layers_and_gives_servers_their_stages(tmp_pat
         # the servers re-join, stage 1's first, each asking for the stage it served
         new = {}
         for k in (1, 0):
-            new[k] = (await c.Join(pb.JoinRequest(role="server", address=f"127.0.0.1:{9 + k}", name=f"s{k}",
+            new[k] = (await c.Join(pb.JoinRequest(role="server", address=f"127.0.0.1:{9 + k}", name=served[k],
                                                   ckpt_stage=k), None)).member_id
         assert c.stage_server == [new[0], new[1]] and c.pending_restore
         for i in range(2):

@@ -5,6 +5,7 @@ failure-free run's weights (shared reference run: swarm_reference)."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -55,3 +56,144 @@ def test_standby_takes_over_a_killed_stage_server(tmp_path, tmp_path_factory):
     # No roll-back beyond the step in flight: every stage restarts at the newest committed step.
     assert rollbacks[0]["version"] == rollbacks[0]["committed"] >= committed, rollbacks[0]
     assert_equal_weights(out, reference)
+
+
+def test_standbys_keep_the_stage_they_hold_copies_of():
+    # b holds copies of stage 1 (it copied them before a coordinator restart): it keeps it.
+    assert standby_stages(["a", "b", "c"], 2, {"b": {1: 7}}) == {"a": 0, "b": 1, "c": 0}
+    assert standby_stages(["a", "b"], 3, {"a": {2: 5, 0: 3}}) == {"a": 2, "b": 0}
+
+
+def test_pick_holder_prefers_the_newest_checkpoint_then_the_copier():
+    from shoal.runtime.coordinator import pick_holder
+
+    cands = [("spare", {0: 40, 1: 25}), ("sb", {1: 40}), ("empty", {})]
+    assert pick_holder(1, cands, copier=None) == "sb"
+    assert pick_holder(0, cands, copier="sb") == "spare"
+    assert pick_holder(2, cands, copier="sb") is None
+    assert pick_holder(1, [("spare", {1: 40}), ("sb", {1: 40})], copier="sb") == "sb"
+
+
+def test_prune_never_deletes_the_file_just_written():
+    from shoal.runtime.common import abandoned_ckpts, ckpts_to_prune
+
+    # A stage rolled back to 0 in a folder holding v22..v25: writing v1 keeps v1.
+    assert ckpts_to_prune([1, 22, 23, 24, 25], 1, 4) == []
+    assert ckpts_to_prune([1, 2, 3, 4, 5, 30], 5, 4) == [1]
+    assert abandoned_ckpts([3, 4, 5, 6], 4) == [5, 6]
+
+
+class _Refused(Exception):
+    pass
+
+
+class _Context:
+    """Stands in for a gRPC servicer context: ``abort`` raises."""
+
+    async def abort(self, code, details):
+        raise _Refused(f"{code.name}: {details}")
+
+
+def test_resumed_coordinator_rebinds_stages_to_their_holders_and_keeps_bans(tmp_path):
+    """In process: stage 1's server dies and the hot standby takes it over, a worker is
+    banned, then the coordinator is replaced by one resumed from the journal. A spare
+    server that joins first gets no stage; each stage goes back to the server that served
+    it (stage 1: the promoted standby), and the banned worker cannot join again."""
+    import asyncio
+
+    from google.protobuf import json_format
+
+    from shoal.net import shoal_pb2 as pb
+    from shoal.runtime.coordinator import Coordinator
+    from shoal.runtime.journal import load_resume
+
+    spec = pb.RunSpec(model="tiny", stages=2, steps=8, micro_batches=2, micro_batch_size=2, seq_len=16,
+                      seed=0, lr=3e-3, min_lr=3e-4, warmup=1, weight_decay=0.1, grad_clip=1.0,
+                      dead_after_s=5.0, min_lease_s=1.0, data="synthetic", ordered_grads=True)
+
+    async def first():
+        c = Coordinator(spec, "tok", min_workers=2, out=str(tmp_path), options={"min_workers": 2})
+        ids = {}
+        for name in ("s0", "s1"):
+            ids[name] = (await c.Join(pb.JoinRequest(role="server", address=f"h:{name}", name=name), None)).member_id
+        ids["sb"] = (await c.Join(pb.JoinRequest(role="server", address="h:sb", name="sb", standby=True),
+                                  None)).member_id
+        for name in ("w0", "w1", "w2"):
+            ids[name] = (await c.Join(pb.JoinRequest(role="worker", flops=1e9, name=name), None)).member_id
+        assert c.ready and ids["sb"] not in c.stage_server
+        names = {v: k for k, v in ids.items()}
+        s1 = names[c.stage_server[1]]
+        await c.Leave(pb.MemberRequest(member_id=ids[s1]), None)  # stage 1's server dies
+        assert c.stage_server[1] == ids["sb"]  # the hot standby is promoted
+        await c.Heartbeat(pb.MemberRequest(member_id=c.stage_server[0], role="server", guard_bans=[
+            pb.GuardBan(worker=ids["w1"], reason="poisoned", stage=0, step=0)]), None)
+        spare = (await c.Join(pb.JoinRequest(role="server", address="h:s9", name="s9"), None)).member_id
+        assert spare not in c.stage_server
+        return [names[m] for m in c.stage_server]
+
+    before = asyncio.run(first())
+    assert before[1] == "sb"
+    _, _, st = load_resume(tmp_path)
+    assert st.stage_servers == before and set(st.bans) == {"w1"}
+
+    async def second():
+        c = Coordinator(json_format.ParseDict(st.spec, pb.RunSpec()), "tok", min_workers=2, out=str(tmp_path),
+                        resume=st)
+        # The spare (on the shared folder: it holds old checkpoints of both stages) joins first.
+        spare = (await c.Join(pb.JoinRequest(role="server", address="h:s9", name="s9"), None)).member_id
+        await c.Heartbeat(pb.MemberRequest(member_id=spare, role="server", standby_held=[
+            pb.StandbyHeld(stage=0, version=1), pb.StandbyHeld(stage=1, version=1)]), None)
+        assert c.stage_server == ["", ""]
+        assert any("wait up to" in w for w in c.waiting_for())
+        got = {}
+        for name in (before[1], before[0]):
+            got[name] = (await c.Join(pb.JoinRequest(role="server", address=f"h:{name}", name=name,
+                                                     standby=name == "sb"), None)).member_id
+        assert c.stage_server == [got[before[0]], got[before[1]]]
+        with pytest.raises(_Refused, match="PERMISSION_DENIED.*w1.*banned"):
+            await c.Join(pb.JoinRequest(role="worker", flops=1e9, name="w1"), _Context())
+        assert "w1" in json.loads((await c.Status(pb.Empty(), None)).json)["banned"]
+        # Once the reservations end, a vacant stage goes to the server holding its newest copy.
+        await c.Leave(pb.MemberRequest(member_id=got["sb"]), None)
+        assert c.stage_server[1] == spare
+
+    asyncio.run(second())
+
+
+def test_reservation_ends_and_the_best_holder_takes_the_stage(tmp_path):
+    """A resumed run whose stage-0 server never comes back: after the grace the stage goes
+    to the joined server holding its newest checkpoint, not to the one that joined first."""
+    import asyncio
+
+    from google.protobuf import json_format
+
+    from shoal.net import shoal_pb2 as pb
+    from shoal.runtime.coordinator import Coordinator
+    from shoal.runtime.journal import Journal, read_journal, resume_state, run_dir
+
+    spec = {"run_id": "20260101-000000-abcdef", "model": "tiny", "stages": 2, "steps": "8", "micro_batches": 2,
+            "micro_batch_size": 2, "seq_len": 16, "seed": "0", "lr": 3e-3, "dead_after_s": 5.0,
+            "data": "synthetic", "ordered_grads": True}
+    j = Journal(run_dir(tmp_path, spec["run_id"]) / "journal.jsonl")
+    j.write("run", spec=spec, options={"min_workers": 2}, t0=1.0)
+    j.write("plan", layers=[[0, 2], [2, 4]], epoch=0)
+    j.write("servers", names=["gone", "s1"], epoch=0)
+    for step in range(3):
+        j.write("commit", step=step, epoch=0, record={"step": step, "loss": 1.0}, scale=None)
+    j.close()
+    st = resume_state(read_journal(run_dir(tmp_path, spec["run_id"]) / "journal.jsonl"))
+
+    async def main():
+        c = Coordinator(json_format.ParseDict(st.spec, pb.RunSpec()), "tok", out=str(tmp_path), resume=st)
+        ids = {}
+        for name in ("a", "b", "s1"):
+            ids[name] = (await c.Join(pb.JoinRequest(role="server", address=f"h:{name}", name=name), None)).member_id
+        await c.Heartbeat(pb.MemberRequest(member_id=ids["b"], role="server",
+                                           standby_held=[pb.StandbyHeld(stage=0, version=3)]), None)
+        assert c.stage_server == ["", ids["s1"]]  # stage 0 waits for "gone"
+        c.reserve_until = 0.0  # the grace is over
+        c._fill_vacancies()
+        assert c.stage_server == [ids["b"], ids["s1"]]
+
+    asyncio.run(main())
+

@@ -141,7 +141,7 @@ class JoinReply(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., spec: _Optional[_Union[RunSpec, _Mapping]] = ..., credential: _Optional[str] = ..., run_secret: _Optional[bytes] = ..., role: _Optional[str] = ...) -> None: ...
 
 class MemberRequest(_message.Message):
-    __slots__ = ("member_id", "version", "ckpt_version", "epoch", "counter_id", "traffic", "role", "observed_flops", "observed_tasks", "observed_pull_s", "observed_pull_bytes", "observed_pulls", "stats", "fatal", "guard_bans")
+    __slots__ = ("member_id", "version", "ckpt_version", "epoch", "counter_id", "traffic", "role", "observed_flops", "observed_tasks", "observed_pull_s", "observed_pull_bytes", "observed_pulls", "stats", "fatal", "guard_bans", "standby_held")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CKPT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,7 @@ class MemberRequest(_message.Message):
     STATS_FIELD_NUMBER: _ClassVar[int]
     FATAL_FIELD_NUMBER: _ClassVar[int]
     GUARD_BANS_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_HELD_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     version: int
     ckpt_version: int
@@ -172,7 +173,16 @@ class MemberRequest(_message.Message):
     stats: MemberStats
     fatal: str
     guard_bans: _containers.RepeatedCompositeFieldContainer[GuardBan]
-    def __init__(self, member_id: _Optional[str] = ..., version: _Optional[int] = ..., ckpt_version: _Optional[int] = ..., epoch: _Optional[int] = ..., counter_id: _Optional[str] = ..., traffic: _Optional[_Iterable[_Union[ByteCount, _Mapping]]] = ..., role: _Optional[str] = ..., observed_flops: _Optional[float] = ..., observed_tasks: _Optional[int] = ..., observed_pull_s: _Optional[float] = ..., observed_pull_bytes: _Optional[int] = ..., observed_pulls: _Optional[int] = ..., stats: _Optional[_Union[MemberStats, _Mapping]] = ..., fatal: _Optional[str] = ..., guard_bans: _Optional[_Iterable[_Union[GuardBan, _Mapping]]] = ...) -> None: ...
+    standby_held: _containers.RepeatedCompositeFieldContainer[StandbyHeld]
+    def __init__(self, member_id: _Optional[str] = ..., version: _Optional[int] = ..., ckpt_version: _Optional[int] = ..., epoch: _Optional[int] = ..., counter_id: _Optional[str] = ..., traffic: _Optional[_Iterable[_Union[ByteCount, _Mapping]]] = ..., role: _Optional[str] = ..., observed_flops: _Optional[float] = ..., observed_tasks: _Optional[int] = ..., observed_pull_s: _Optional[float] = ..., observed_pull_bytes: _Optional[int] = ..., observed_pulls: _Optional[int] = ..., stats: _Optional[_Union[MemberStats, _Mapping]] = ..., fatal: _Optional[str] = ..., guard_bans: _Optional[_Iterable[_Union[GuardBan, _Mapping]]] = ..., standby_held: _Optional[_Iterable[_Union[StandbyHeld, _Mapping]]] = ...) -> None: ...
+
+class StandbyHeld(_message.Message):
+    __slots__ = ("stage", "version")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    version: int
+    def __init__(self, stage: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class GuardBan(_message.Message):
     __slots__ = ("worker", "reason", "stage", "step")

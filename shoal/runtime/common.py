@@ -285,9 +285,33 @@ def save_stage_ckpt(root: str | Path, stage: int, version: int, module: torch.nn
             tmp.unlink(missing_ok=True)
         raise ShoalError(f"cannot write the stage {stage} checkpoint in {d}: {_os_reason(exc)}; "
                          f"free space or give a writable --ckpt-dir") from None
-    for old in list_ckpts(root, stage, run_id)[:-keep]:
+    for old in ckpts_to_prune(list_ckpts(root, stage, run_id), version, keep):
         (d / f"v{old}.safetensors").unlink(missing_ok=True)
     return path
+
+
+def ckpts_to_prune(versions: list[int], written: int, keep: int) -> list[int]:
+    """Versions to delete after writing ``written``: those older than the ``keep`` newest
+    up to ``written``. Never ``written`` itself nor a newer file: a stage that rolled back
+    (or a shared folder another server wrote further ahead) must not lose the file it has
+    just written (:func:`abandoned_ckpts` removes the newer ones at the roll-back)."""
+    upto = sorted(v for v in versions if v <= written)
+    return upto[:-keep] if keep > 0 else upto[:-1]
+
+
+def abandoned_ckpts(versions: list[int], restart: int) -> list[int]:
+    """Checkpoints newer than the version a stage restarts from: written in a history the
+    run rolled back from, so never to be restored or copied to a standby."""
+    return [v for v in versions if v > restart]
+
+
+def remove_abandoned_ckpts(root: str | Path, stage: int, run_id: str, restart: int) -> list[int]:
+    """Delete ``stage``'s checkpoints newer than ``restart`` (see :func:`abandoned_ckpts`)."""
+    gone = abandoned_ckpts(list_ckpts(root, stage, run_id), restart)
+    d = ckpt_dir(root, stage, run_id)
+    for v in gone:
+        (d / f"v{v}.safetensors").unlink(missing_ok=True)
+    return gone
 
 
 def _os_reason(exc: Exception) -> str:

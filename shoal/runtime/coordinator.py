@@ -106,6 +106,7 @@ class Member:
     joined_s: float = field(default_factory=time.time)  # wall clock of the join
     ckpt_stage: int = -1  # server: the stage it served before re-joining (its disk holds that stage)
     standby: bool = False  # server: a hot standby (copies a stage's checkpoints until promoted)
+    held: dict[int, int] = field(default_factory=dict)  # server without a stage: stage -> newest checkpoint it holds
 
 
 def plan_stages(n_total_layers: int, stages: int) -> list[tuple[int, int]]:
@@ -175,6 +176,12 @@ class Coordinator(pbg.CoordinatorServicer):
         self.tasks_per_worker: dict[str, int] = {}
         self.fixed_layers = False  # a resumed run keeps its layer ranges (its checkpoints hold them)
         self.resumed = False  # this coordinator took the run over from a journal
+        self.banned_names: dict[str, str] = {}  # banned worker name -> why (journaled: kept across restarts)
+        # A resumed run: stage -> name of the server that served it last (journal), kept for
+        # that server until reserve_until, so a spare that joins first cannot take the stage.
+        self.reserved: dict[int, str] = {}
+        self.reserve_until = 0.0  # monotonic deadline of the reservations
+        self.journaled_servers: list[str] = [""] * spec.stages  # newest `servers` journal record
         if resume is not None:
             self._take_over(resume)
         # Run-scoped files: OUT/runs/<run id>/..., linked from OUT (see shoal.runtime.journal).
@@ -221,6 +228,11 @@ class Coordinator(pbg.CoordinatorServicer):
             self.fixed_layers = True
         self.epoch = st.epoch + 1
         self.committed = st.committed
+        self.banned_names = dict(st.bans)
+        if len(st.stage_servers) == self.spec.stages:
+            self.journaled_servers = list(st.stage_servers)
+            self.reserved = {k: n for k, n in enumerate(st.stage_servers) if n}
+            self.reserve_until = time.monotonic() + resume_grace_s(self.spec.dead_after_s)
         self.scale_at.update(st.scale_at)
         for rec in st.records:
             self.written_steps.add(int(rec["step"]))
@@ -263,7 +275,7 @@ class Coordinator(pbg.CoordinatorServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"this run is {'failed' if self.error else 'finished'} "
                                 f"({self.committed} of {self.spec.steps} steps committed); start a new run")
-        banned = {self.names.get(mid, ""): why for mid, why in self.guard_banned.items()}
+        banned = {**{self._name_of(mid): why for mid, why in self.guard_banned.items()}, **self.banned_names}
         if request.role == "worker" and (request.name or "worker") in banned:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 f"worker {request.name!r} is banned from this run: {banned[request.name or 'worker']}")
@@ -311,13 +323,24 @@ class Coordinator(pbg.CoordinatorServicer):
         standby = [mid for mid, m in self.members.items()
                    if m.role == "server" and mid not in self.stage_server and (started or not m.standby)]
         hot = self._hot_standbys()
+        reserved = self._reservations()
         for s in self._vacancy_order():
             if self.stage_server[s] or not standby:
                 continue
-            # A hot standby that copied this stage's checkpoints goes first (no deep roll-back).
-            mid = next((h for h, hs in hot.items() if hs == s and h in standby), None) or pick_standby(
-                s, [(mid, self.members[mid].ckpt_stage) for mid in standby],
-                {k for k, v in enumerate(self.stage_server) if not v})
+            if s in reserved:
+                # A resumed run: the server that served this stage holds its newest state.
+                mid = next((c for c in standby if self.members[c].name == reserved[s]), None)
+                if mid is None:
+                    continue  # not joined again yet: wait for it (until the reservation ends)
+                del self.reserved[s]
+            else:
+                free = [c for c in standby if self.members[c].name not in reserved.values()]
+                copier = next((h for h, hs in hot.items() if hs == s and h in free), None)
+                # The server holding the stage's newest checkpoint goes first, then the hot
+                # standby that copies it (no deep roll-back), then any other.
+                mid = pick_holder(s, [(c, self.members[c].held) for c in free], copier) or copier or pick_standby(
+                    s, [(c, self.members[c].ckpt_stage) for c in free],
+                    {k for k, v in enumerate(self.stage_server) if not v})
             if mid is None:
                 continue
             standby.remove(mid)
@@ -326,12 +349,44 @@ class Coordinator(pbg.CoordinatorServicer):
             if self.ready or self.committed > 0 or self.epoch > 0:
                 self.pending_restore = True
                 self.event("server_restart", device=self.members[mid].name, stage=s)
+        self._journal_servers()
+
+    def _reservations(self) -> dict[int, str]:
+        """Stages kept for the server that served them before a coordinator restart; ended
+        once it is back or after the grace (then the best holder among the others takes it)."""
+        if not self.reserved:
+            return {}
+        if time.monotonic() < self.reserve_until:
+            return dict(self.reserved)
+        late = {k: n for k, n in self.reserved.items() if not self.stage_server[k]}
+        self.reserved = {}
+        if late:
+            log.warning("server(s) %s did not join again; their stages go to the servers holding "
+                        "the newest checkpoints", late)
+            self.event("resume_servers_missing", stages={str(k): n for k, n in late.items()})
+        return {}
+
+    def _journal_servers(self) -> None:
+        """Journal the server of each stage on a change (a vacant stage keeps its last server:
+        that one holds the stage's newest state if it comes back)."""
+        names = [self.members[sid].name if sid in self.members else old
+                 for sid, old in zip(self.stage_server, self.journaled_servers, strict=True)]
+        if names != self.journaled_servers:
+            self.journaled_servers = names
+            self._journal("servers", names=names, epoch=self.epoch)
+
+    def _name_of(self, mid: str) -> str:
+        """A member's name, also for an id a previous coordinator gave (``w9-w6``: ``w6``)."""
+        if mid in self.names:
+            return self.names[mid]
+        head, sep, name = mid.partition("-")
+        return name if sep and head[1:].isdigit() else mid
 
     def _hot_standbys(self) -> dict[str, int]:
         """Hot standbys without a stage -> the stage whose checkpoints each copies."""
         mids = [mid for mid, m in self.members.items()
                 if m.role == "server" and m.standby and mid not in self.stage_server]
-        return standby_stages(mids, self.spec.stages)
+        return standby_stages(mids, self.spec.stages, {mid: self.members[mid].held for mid in mids})
 
     def _vacancy_order(self) -> list[int]:
         """Stages in the order vacancies are filled: twice over, so a standby that waited for
@@ -516,6 +571,7 @@ class Coordinator(pbg.CoordinatorServicer):
                 if was != now:  # the plan moved a stage to another server: say so, like a join does
                     self.event("assign", device=self.members[now].name, role="server", stage=k)
             self.stage_server = stage_server
+            self._journal_servers()
             self.assign = {w: i for i, st in enumerate(plan.stages) for w in st.workers}
             self.plan, self.planned = plan, set(self.devices)
             method = "shoal"
@@ -610,6 +666,11 @@ class Coordinator(pbg.CoordinatorServicer):
             self._guard_ban(ban, m)
         if m.role == "server":
             m.version, m.ckpt_version, m.epoch = request.version, request.ckpt_version, request.epoch
+            held = {h.stage: h.version for h in request.standby_held}
+            if held != m.held:
+                m.held = held
+                if m.member_id not in self.stage_server and not all(self.stage_server):
+                    self._fill_vacancies()  # it may hold a vacant stage's newest checkpoint
             if (not self.pending_restore and m.epoch == self.epoch and m.version < 0
                     and 0 <= m.ckpt_version < self.restart_version and m.member_id in self.stage_server):
                 # It cannot restore the roll-back target (a checkpoint failed its checks):
@@ -637,7 +698,12 @@ class Coordinator(pbg.CoordinatorServicer):
         if ban.worker in self.guard_banned:
             return
         self.guard_banned[ban.worker] = ban.reason
-        name = self.names.get(ban.worker, ban.worker)
+        name = self._name_of(ban.worker)
+        if name not in self.banned_names:
+            # Journaled by name: a restarted or resumed coordinator refuses it too.
+            self.banned_names[name] = ban.reason
+            self._journal("ban", name=name, member=ban.worker, why=ban.reason, stage=ban.stage, step=ban.step,
+                          epoch=self.epoch)
         log.error("worker %s banned by %s (stage %d, step %d): %s", name, server.name, ban.stage, ban.step,
                   ban.reason)
         self.event("ban", device=name, role="worker", stage=ban.stage, step=ban.step, by=server.name,
@@ -707,7 +773,12 @@ class Coordinator(pbg.CoordinatorServicer):
         """What keeps the run from making progress now (empty: nothing)."""
         why = []
         vacant = [s for s, sid in enumerate(self.stage_server) if not sid or sid not in self.members]
-        if vacant:
+        waits = {k: n for k, n in self.reserved.items() if k in vacant}
+        if waits:
+            left = max(0.0, self.reserve_until - time.monotonic())
+            why.append(f"stage(s) {sorted(waits)} wait up to {left:.0f} s for their server(s) "
+                       f"{sorted(set(waits.values()))} to join again (they hold the newest checkpoints)")
+        elif vacant:
             why.append(f"stage(s) {vacant} have no server: start `shoal server --join`")
         workers = sum(1 for m in self.members.values() if m.role == "worker")
         need = self._worker_gate()
@@ -756,6 +827,8 @@ class Coordinator(pbg.CoordinatorServicer):
                 if now - m.last_seen > limit:
                     del self.members[mid]
                     self._drop(m, "missed heartbeats")
+            if self.reserved and time.monotonic() >= self.reserve_until:
+                self._fill_vacancies()  # the reservations end: other servers may take those stages
             self._ask_measure()
             for m in list(self.members.values()):
                 if m.will_measure and m.measured_at is None and m.measure_req and self._settled(m):
@@ -912,7 +985,7 @@ class Coordinator(pbg.CoordinatorServicer):
             "ready": self.ready and state == "running", "state": state, "waiting_for": waiting,
             "error": self.error, "run_id": self.spec.run_id,
             "committed": self.committed, "epoch": self.epoch, "done": self.done,
-            "banned": {self.names.get(mid, mid): why for mid, why in self.guard_banned.items()},
+            "banned": {**{self._name_of(mid): why for mid, why in self.guard_banned.items()}, **self.banned_names},
             "servers": self._servers(),
             "workers": {m.name: self.assign.get(mid, -1) for mid, m in self.members.items() if m.role == "worker"},
             "plans_on": ("emulated" if self.emulated is not None else "measured" if self.figures else "loopback"),
@@ -1022,6 +1095,43 @@ def pick_standby(stage: int, standby: list[tuple[str, int]], vacant: set[int]) -
     return None
 
 
-def standby_stages(standbys: list[str], stages: int) -> dict[str, int]:
-    """The stage each hot standby (member ids, oldest first) copies: round robin over the stages."""
-    return {mid: k % stages for k, mid in enumerate(standbys)} if stages > 0 else {}
+def standby_stages(standbys: list[str], stages: int, held: dict[str, dict[int, int]] | None = None) -> dict[str, int]:
+    """The stage each hot standby (member ids, oldest first) copies.
+
+    A standby that holds copies (``held``: stage -> newest version, e.g. one that joined a
+    restarted coordinator) keeps copying the stage it holds the newest copy of; the others
+    go round robin to the stages with the fewest standbys.
+    """
+    if stages <= 0:
+        return {}
+    out: dict[str, int] = {}
+    count = [0] * stages
+    for mid in standbys:
+        own = max(((v, k) for k, v in (held or {}).get(mid, {}).items() if 0 <= k < stages and v > 0),
+                  default=None)
+        if own is not None:
+            out[mid] = own[1]
+            count[own[1]] += 1
+    for mid in standbys:
+        if mid not in out:
+            k = min(range(stages), key=lambda k: (count[k], k))
+            out[mid] = k
+            count[k] += 1
+    return {mid: out[mid] for mid in standbys}
+
+
+def pick_holder(stage: int, candidates: list[tuple[str, dict[int, int]]], copier: str | None) -> str | None:
+    """The candidate server (``(member id, stage -> newest checkpoint it holds)``, oldest
+    first) holding the newest checkpoint of ``stage``; on a tie the stage's hot standby
+    ``copier``, else the oldest. None when none holds any."""
+    best = max((held.get(stage, 0) for _, held in candidates), default=0)
+    if best <= 0:
+        return None
+    tied = [mid for mid, held in candidates if held.get(stage, 0) == best]
+    return copier if copier in tied else tied[0]
+
+
+def resume_grace_s(dead_after_s: float) -> float:
+    """How long a resumed coordinator keeps a stage for the server that served it: members
+    join again within a few heartbeats of the restart; one that does not is dead."""
+    return max(15.0, 3 * dead_after_s)

@@ -15,6 +15,8 @@ coordinator acts on it:
 * ``plan``: the stages' layer ranges (a resumed run keeps them: checkpoints hold them);
 * ``epoch``: a roll-back (epoch, the version every stage restarts from);
 * ``commit``: a committed step with its metrics record and (fp16) loss-scale state;
+* ``servers``: the name of the server serving each stage ("" while vacant), on every change;
+* ``ban``: a worker a stage server banned (its name and why): banned for the whole run;
 * ``resume``: a coordinator took the run over from this journal;
 * ``done`` / ``failed``: how the run ended.
 
@@ -110,6 +112,8 @@ class ResumeState:
     committed: int = 0  # steps committed (the next step to run)
     records: list[dict] = field(default_factory=list)  # metrics record of each committed step, in order
     scale_at: dict[int, tuple[float, int]] = field(default_factory=dict)  # fp16: step -> (scale, good)
+    stage_servers: list[str] = field(default_factory=list)  # newest name of each stage's server ("": vacant)
+    bans: dict[str, str] = field(default_factory=dict)  # banned worker name -> why
     state: str = "running"  # running | done | failed
     error: str = ""  # a failed run's one line
 
@@ -135,6 +139,10 @@ def resume_state(records: list[dict]) -> ResumeState:
             by_step.setdefault(step, rec["record"])  # the first commit of a step is the one written
             if rec.get("scale") is not None:
                 st.scale_at[step + 1] = (float(rec["scale"][0]), int(rec["scale"][1]))
+        elif kind == "servers":
+            st.stage_servers = [str(n) for n in rec.get("names", [])]
+        elif kind == "ban":
+            st.bans[str(rec["name"])] = str(rec.get("why", ""))
         elif kind == "listen":
             st.options["address"] = rec["address"]  # the newest address members dial
             st.options["bound"] = rec.get("listen", "")  # and what it was bound to (the port chosen)

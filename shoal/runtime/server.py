@@ -57,6 +57,7 @@ from shoal.runtime.common import (
     SCHEMA_VERSION,
     Signal,
     ckpt_dir,
+    ckpts_to_prune,
     clean_stray_temps,
     ewma,
     initial_scale,
@@ -66,6 +67,7 @@ from shoal.runtime.common import (
     model_config,
     optim_config,
     read_stage_ckpt,
+    remove_abandoned_ckpts,
     run_member,
     run_precision,
     save_stage_ckpt,
@@ -239,6 +241,10 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
             self.loading = False
         if (stage, epoch) != (self.stage, self.epoch):
             return  # superseded while loading
+        gone = remove_abandoned_ckpts(self.ckpt_root, stage, self.spec.run_id, version)
+        if gone:
+            log.info("%s removed checkpoints v%s of stage %d: the run rolled back to v%d", self.name,
+                     ",".join(map(str, gone)), stage, version)
         self.cfg, self.module, self.opt = cfg, module, opt
         self.loss_scale = scale  # fp16: the scale of the step being worked on (1 otherwise)
         self.params = dict(module.named_parameters())
@@ -350,6 +356,18 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
             return v
         return 0
 
+    def _held(self) -> list[pb.StandbyHeld]:
+        """Without a stage: the newest checkpoint of each stage in our folder (the coordinator
+        gives a vacant stage to the server holding its newest state)."""
+        if self.stage >= 0 or self.spec is None:
+            return []
+        held = []
+        for k in range(self.spec.stages):
+            vs = list_ckpts(self.ckpt_root, k, self.spec.run_id)
+            if vs:
+                held.append(pb.StandbyHeld(stage=k, version=vs[-1]))
+        return held
+
     def _set_aside(self, stage: int, version: int) -> None:
         """Rename a bad checkpoint to ``v<N>.safetensors.bad`` (kept for inspection, never loaded)."""
         path = ckpt_dir(self.ckpt_root, stage, self.spec.run_id) / f"v{version}.safetensors"
@@ -425,7 +443,7 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
                 member_id=self.member_id, version=self.version, ckpt_version=self._ckpt_version(),
                 epoch=self.epoch, counter_id=self.traffic.id, role="server",
                 traffic=self.traffic.snapshot(), stats=self.stats_snapshot(), fatal=self.fatal,
-                guard_bans=self.guard_bans), timeout=5)
+                guard_bans=self.guard_bans, standby_held=self._held()), timeout=5)
         except grpc.aio.AioRpcError as exc:
             log.warning("heartbeat failed: %s", exc.code())
             return
@@ -948,7 +966,8 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
         data, version = b"", 0
         if request.stage == self.stage and self.spec is not None:
             vs = list_ckpts(self.ckpt_root, self.stage, self.spec.run_id)
-            if vs and vs[-1] > request.have:
+            # Also an older one: the standby's newer copies are from a history the run left.
+            if vs and vs[-1] != request.have and not self.loading:
                 version = vs[-1]
                 path = ckpt_dir(self.ckpt_root, self.stage, self.spec.run_id) / f"v{version}.safetensors"
                 try:
@@ -973,9 +992,17 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
             msg = await fetch(self._stub(source).StandbyCkptStream,
                               pb.StandbyCkptRequest(member_id=self.member_id, stage=stage, have=have),
                               pb.StandbyCkpt, STANDBY_MAX_BYTES, timeout=300, traffic=self.traffic)
-            if msg.version <= have or self.stage >= 0:
+            if msg.version <= 0 or msg.version == have or self.stage >= 0:
                 return
             d = ckpt_dir(self.ckpt_root, stage, self.spec.run_id)
+            if msg.version < have:
+                # The active server's newest is older: the run rolled back, and our newer
+                # copies belong to the history it left (never to be promoted from).
+                gone = remove_abandoned_ckpts(self.ckpt_root, stage, self.spec.run_id, msg.version)
+                log.info("%s (standby) removed copies v%s of stage %d: the run rolled back to v%d",
+                         self.name, ",".join(map(str, gone)), stage, msg.version)
+                if (d / f"v{msg.version}.safetensors").exists():
+                    return
             d.mkdir(parents=True, exist_ok=True)
             tmp, path = d / f".v{msg.version}.tmp", d / f"v{msg.version}.safetensors"
             tmp.write_bytes(msg.data)
@@ -988,7 +1015,7 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
                           self.name, stage, exc)
                 path.unlink(missing_ok=True)
                 return
-            for v in list_ckpts(self.ckpt_root, stage, self.spec.run_id)[:-4]:
+            for v in ckpts_to_prune(list_ckpts(self.ckpt_root, stage, self.spec.run_id), msg.version, 4):
                 (d / f"v{v}.safetensors").unlink(missing_ok=True)  # keep the last few, like the active
             log.info("%s (standby) holds stage %d v%d", self.name, stage, msg.version)
         except grpc.aio.AioRpcError as exc:
