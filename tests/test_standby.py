@@ -129,9 +129,9 @@ def test_resumed_coordinator_rebinds_stages_to_their_holders_and_keeps_bans(tmp_
             pb.GuardBan(worker=ids["w1"], reason="poisoned", stage=0, step=0)]), None)
         spare = (await c.Join(pb.JoinRequest(role="server", address="h:s9", name="s9"), None)).member_id
         assert spare not in c.stage_server
-        return [names[m] for m in c.stage_server]
+        return [names[m] for m in c.stage_server], ids["w1"]
 
-    before = asyncio.run(first())
+    before, w1_id = asyncio.run(first())
     assert before[1] == "sb"
     _, _, st = load_resume(tmp_path)
     assert st.stage_servers == before and set(st.bans) == {"w1"}
@@ -153,11 +153,22 @@ def test_resumed_coordinator_rebinds_stages_to_their_holders_and_keeps_bans(tmp_
         with pytest.raises(_Refused, match="PERMISSION_DENIED.*w1.*banned"):
             await c.Join(pb.JoinRequest(role="worker", flops=1e9, name="w1"), _Context())
         assert "w1" in json.loads((await c.Status(pb.Empty(), None)).json)["banned"]
+        # A server re-reports its bans (old member ids) to the new coordinator: no second ban.
+        await c.Heartbeat(pb.MemberRequest(member_id=got[before[0]], role="server", guard_bans=[
+            pb.GuardBan(worker=w1_id, reason="poisoned", stage=0, step=0)]), None)
+        assert [e["device"] for e in c.recent if e["event"] == "ban"] == []
         # Once the reservations end, a vacant stage goes to the server holding its newest copy.
         await c.Leave(pb.MemberRequest(member_id=got["sb"]), None)
         assert c.stage_server[1] == spare
 
     asyncio.run(second())
+    assert [r["name"] for r in read_journal_of(tmp_path) if r["kind"] == "ban"] == ["w1"]
+
+
+def read_journal_of(out):
+    from shoal.runtime.journal import find_run, read_journal, run_dir
+
+    return read_journal(run_dir(*find_run(out)) / "journal.jsonl")
 
 
 def test_reservation_ends_and_the_best_holder_takes_the_stage(tmp_path):
@@ -197,3 +208,66 @@ def test_reservation_ends_and_the_best_holder_takes_the_stage(tmp_path):
 
     asyncio.run(main())
 
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(420)
+def test_promoted_standby_keeps_its_stage_across_a_coordinator_restart(tmp_path, tmp_path_factory):
+    """kill -9 the last stage's server at step 2 (its hot standby is promoted; `launch`
+    starts a spare on the shared checkpoint folder), then kill -9 the coordinator at step 4
+    (`launch` restarts it with --resume). The resumed coordinator gives every stage back to
+    the server that served it (stage 1: the promoted standby, not the spare, which holds
+    only stage 1's older checkpoints); no roll-back goes beyond the step in flight, and the
+    final weights equal the failure-free run's."""
+    from shoal.runtime.launch import launch
+
+    reference = failure_free_weights(tmp_path_factory)
+    out = tmp_path / "run"
+    summary = launch(launch_config(out, standbys=2, faults=["kill:server:step=2", "kill:coordinator:step=4"],
+                                   worker_args=[["--slow", "0.2"]] * 2))
+    assert summary["steps"] == 6
+    events = read_jsonl(out / "events.jsonl")
+    kinds = [e["event"] for e in events]
+    assert "coordinator_restart" in kinds and "resume" in kinds
+    resumed = kinds.index("resume")
+    promoted = [e["device"] for e in events[:resumed]
+                if e["event"] == "assign" and e.get("role") == "server" and e.get("stage") == 1][-1]
+    assert promoted in ("s2", "s3")  # a standby took stage 1 over from the killed s0/s1
+    after = [e for e in events[resumed:] if e["event"] == "assign" and e.get("role") == "server"]
+    assert {e["stage"]: e["device"] for e in after}[1] == promoted, after
+    assert "s4" not in {e["device"] for e in after}  # the spare took no stage
+    rollbacks = [e for e in events if e["event"] == "rollback"]
+    assert len(rollbacks) >= 2, rollbacks
+    for r in rollbacks:
+        # ckpt-every 1: at most the step in flight is lost (a standby copy one commit behind).
+        assert r["version"] >= r["committed"] - 1 >= 1, rollbacks
+    assert_equal_weights(out, reference)
+
+
+def test_outer_momentum_travels_with_the_checkpoint(tmp_path):
+    """Local mode: the outer Nesterov momentum is saved with the merged weights, so a server
+    restoring the file (after a roll-back, a resume, or as a promoted standby holding a copy
+    of it) continues with the momentum, not with zeros."""
+    import shutil
+
+    import torch
+
+    from shoal.model.config import get_preset
+    from shoal.model.transformer import build_stage
+    from shoal.net import shoal_pb2 as pb
+    from shoal.runtime.common import ckpt_dir, save_stage_ckpt
+    from shoal.runtime.server import StageServer
+    from shoal.train.optim import OptimConfig, make_optimizer
+
+    cfg = get_preset("tiny")
+    m = build_stage(cfg, 0, 2, seed=1)
+    opt = make_optimizer(m.named_parameters(), OptimConfig())
+    momentum = {n: torch.randn_like(p) for n, p in m.named_parameters()}
+    save_stage_ckpt(tmp_path / "active", 0, 3, m, opt, run_id="r1", layers=(0, 2), outer_m=momentum)
+    # A standby's copy is the file's bytes in its own folder.
+    (ckpt_dir(tmp_path / "standby", 0, "r1")).mkdir(parents=True)
+    shutil.copy(ckpt_dir(tmp_path / "active", 0, "r1") / "v3.safetensors", ckpt_dir(tmp_path / "standby", 0, "r1"))
+    srv = StageServer("127.0.0.1:1", "127.0.0.1:0", "tok", str(tmp_path / "standby"))
+    srv.spec = pb.RunSpec(model="tiny", stages=2, steps=8, seed=1, lr=3e-3, run_id="r1", sync_mode="local")
+    *_, restored = srv._make(0, 0, 2, 3)
+    assert set(restored) == set(momentum) and all(torch.equal(restored[n], momentum[n]) for n in momentum)

@@ -699,6 +699,8 @@ class Coordinator(pbg.CoordinatorServicer):
             return
         self.guard_banned[ban.worker] = ban.reason
         name = self._name_of(ban.worker)
+        if name in self.banned_names and ban.worker not in self.members:
+            return  # a server re-reporting a ban to a restarted coordinator: journaled already
         if name not in self.banned_names:
             # Journaled by name: a restarted or resumed coordinator refuses it too.
             self.banned_names[name] = ban.reason

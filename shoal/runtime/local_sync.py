@@ -76,7 +76,7 @@ class LocalServerMixin:
         self.local_decision: tuple[int, float, float, bool] | None = None  # (step, lr, coef, skip)
         self.local_expect: set[str] | None = None  # workers whose pseudo-gradient the merge awaits
         self.local_got: dict[str, dict[str, torch.Tensor]] = {}  # pseudo-gradients received
-        self.outer_m: dict[str, torch.Tensor] = {}  # outer Nesterov momentum (not checkpointed)
+        self.outer_m: dict[str, torch.Tensor] = {}  # outer Nesterov momentum (checkpointed with the merged weights)
         self.local_ckpt_last = version
 
     def published_version(self) -> int:

@@ -204,22 +204,24 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
         return self.first == 0
 
     def _make(self, stage: int, first: int, last: int, version: int):
-        """Build stage weights + optimizer at ``version`` (CPU work, run off the event loop)."""
+        """Build stage weights + optimizer at ``version`` (CPU work, run off the event loop);
+        also the outer momentum (local mode) the checkpoint holds."""
         spec = self.spec
         cfg = model_config(spec)
         module = build_stage(cfg, first, last, seed=spec.seed)
         opt = make_optimizer(module.named_parameters(), optim_config(spec))
         scale = initial_scale(spec)
+        outer_m: dict[str, torch.Tensor] = {}
         if version > 0:
-            load_stage_ckpt(self.ckpt_root, stage, version, module, opt, run_id=spec.run_id,
-                            layers=(first, last))
+            outer_m = load_stage_ckpt(self.ckpt_root, stage, version, module, opt, run_id=spec.run_id,
+                                      layers=(first, last))
             scale = stage_ckpt_loss_scale(self.ckpt_root, stage, version, scale, run_id=spec.run_id)
         elif spec.init_from:
             from shoal.hf.convert import load_hf_dir
 
             _, state = load_hf_dir(spec.init_from, names={n for n, _ in module.named_parameters()})
             module.load_state_dict(state, strict=True)
-        return cfg, module, opt, scale
+        return cfg, module, opt, scale, outer_m
 
     async def _load(self, stage: int, first: int, last: int, version: int, epoch: int) -> None:
         """(Re)load the stage at ``version`` for ``epoch``, keeping heartbeats going meanwhile."""
@@ -228,7 +230,7 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
         try:
             if clean_stray_temps(self.ckpt_root, stage, self.spec.run_id):
                 log.info("%s removed half-written checkpoint files of stage %d", self.name, stage)
-            cfg, module, opt, scale = await asyncio.get_running_loop().run_in_executor(
+            cfg, module, opt, scale, outer_m = await asyncio.get_running_loop().run_in_executor(
                 None, self._make, stage, first, last, version)
         except ShoalError as exc:
             # A checkpoint that fails its checks at load: set it aside, so the next
@@ -241,16 +243,14 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
             self.loading = False
         if (stage, epoch) != (self.stage, self.epoch):
             return  # superseded while loading
-        gone = remove_abandoned_ckpts(self.ckpt_root, stage, self.spec.run_id, version)
-        if gone:
-            log.info("%s removed checkpoints v%s of stage %d: the run rolled back to v%d", self.name,
-                     ",".join(map(str, gone)), stage, version)
         self.cfg, self.module, self.opt = cfg, module, opt
         self.loss_scale = scale  # fp16: the scale of the step being worked on (1 otherwise)
         self.params = dict(module.named_parameters())
         self.version = version
         self.step = version
         self._local_reset(version)
+        if self.local:
+            self.outer_m = outer_m  # local mode: the outer momentum saved with the version
         self.steps = {}
         self.pushes = []
         self.committing = False
@@ -264,8 +264,8 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
         self.act_dtype = wire_dtype(run_precision(self.spec))
         self.grads_finite = run_precision(self.spec) != "fp16"
         self._open_step(self.step)
-        log.info("%s serves stage %d [%d,%d) from version %d (epoch %d)", self.name, stage, first, last,
-                 version, epoch)
+        log.info("%s serves stage %d [%d,%d) from version %d (epoch %d)%s", self.name, stage, first, last,
+                 version, epoch, " with the saved outer momentum" if self.local and outer_m else "")
         async with self.cond:
             self.cond.notify_all()
 
@@ -489,6 +489,13 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
             return
         if a.ready and not self.ready and self.version >= 0:
             self.ready = True
+            # The epoch's restart version is final now (a load while the coordinator still
+            # collects checkpoint reports is provisional): newer files of the stage are from
+            # the history the run rolled back from, never to be restored or copied.
+            gone = remove_abandoned_ckpts(self.ckpt_root, self.stage, self.spec.run_id, self.version)
+            if gone:
+                log.info("%s removed checkpoints v%s of stage %d: the run restarted from v%d", self.name,
+                         ",".join(map(str, gone)), self.stage, self.version)
         async with self.cond:
             self.cond.notify_all()
 
@@ -1169,7 +1176,7 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
                     self.spec.ckpt_every > 0 and self.version % self.spec.ckpt_every == 0):
                 path = save_stage_ckpt(self.ckpt_root, self.stage, self.version, self.module, self.opt,
                                        run_id=self.spec.run_id, layers=(self.first, self.last),
-                                       loss_scale=self.loss_scale)
+                                       loss_scale=self.loss_scale, outer_m=self.outer_m if self.local else None)
                 st = path.stat()
                 self.ckpt_ok.add((self.stage, self.version, st.st_size, st.st_mtime_ns))
             self.steps.pop(step, None)
