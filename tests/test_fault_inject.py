@@ -47,6 +47,10 @@ def test_poisoned_worker_is_banned_and_a_corrupt_checkpoint_falls_back(tmp_path,
     assert [b["device"] for b in bans] == ["w1"], bans
     assert bans[0]["step"] <= 3 and "differs from the recomputed one" in bans[0]["why"]
     assert "w1 is banned from the run" in (out / "logs" / "worker1.log").read_text()
+    # journaled by name: a restarted or resumed coordinator refuses w1 too
+    from shoal.runtime.journal import find_run, read_journal, resume_state, run_dir
+
+    assert set(resume_state(read_journal(run_dir(*find_run(out)) / "journal.jsonl")).bans) == {"w1"}
     ref = json.loads((honest / "summary.json").read_text())["final_loss"]
     assert abs(summary["final_loss"] - ref) <= 0.02 * abs(ref)
     # the corrupted checkpoint

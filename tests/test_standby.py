@@ -129,6 +129,9 @@ def test_resumed_coordinator_rebinds_stages_to_their_holders_and_keeps_bans(tmp_
             pb.GuardBan(worker=ids["w1"], reason="poisoned", stage=0, step=0)]), None)
         spare = (await c.Join(pb.JoinRequest(role="server", address="h:s9", name="s9"), None)).member_id
         assert spare not in c.stage_server
+        # A spare plain server copies a stage too once the run started (the standby is busy).
+        a = await c.Heartbeat(pb.MemberRequest(member_id=spare, role="server"), None)
+        assert a.stage == -1 and a.standby_for == 1 and (a.standby_first, a.standby_last) == tuple(c.layers[0])
         return [names[m] for m in c.stage_server], ids["w1"]
 
     before, w1_id = asyncio.run(first())

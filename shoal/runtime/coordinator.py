@@ -383,10 +383,18 @@ class Coordinator(pbg.CoordinatorServicer):
         return name if sep and head[1:].isdigit() else mid
 
     def _hot_standbys(self) -> dict[str, int]:
-        """Hot standbys without a stage -> the stage whose checkpoints each copies."""
+        """Servers without a stage -> the stage whose checkpoints each copies.
+
+        Hot standbys, and once the run started also spare plain servers (a standby promoted
+        earlier leaves its stage without a copier otherwise). A spare's folder may be shared
+        with active servers (it then holds their files already), so only a standby's own
+        copies keep it on a stage.
+        """
+        started = self.ready or self.committed > 0 or self.epoch > 0
         mids = [mid for mid, m in self.members.items()
-                if m.role == "server" and m.standby and mid not in self.stage_server]
-        return standby_stages(mids, self.spec.stages, {mid: self.members[mid].held for mid in mids})
+                if m.role == "server" and (m.standby or started) and mid not in self.stage_server]
+        return standby_stages(mids, self.spec.stages,
+                              {mid: self.members[mid].held for mid in mids if self.members[mid].standby})
 
     def _vacancy_order(self) -> list[int]:
         """Stages in the order vacancies are filled: twice over, so a standby that waited for
@@ -686,7 +694,7 @@ class Coordinator(pbg.CoordinatorServicer):
                           restart_version=self.restart_version, done=self.done, measure=m.measure_req)
         if stage >= 0:
             a.first, a.last = self.layers[stage]
-        elif m.role == "server" and m.standby and self.layers:
+        elif m.role == "server" and self.layers:
             shadow = self._hot_standbys().get(m.member_id, -1)
             if shadow >= 0 and self.stage_server[shadow]:
                 a.standby_for = shadow + 1

@@ -1011,7 +1011,8 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
                 if (d / f"v{msg.version}.safetensors").exists():
                     return
             d.mkdir(parents=True, exist_ok=True)
-            tmp, path = d / f".v{msg.version}.tmp", d / f"v{msg.version}.safetensors"
+            # Its own temp name: in a shared folder the active server may be writing .v<N>.tmp.
+            tmp, path = d / f".v{msg.version}.copy-{os.getpid()}.tmp", d / f"v{msg.version}.safetensors"
             tmp.write_bytes(msg.data)
             os.replace(tmp, path)
             try:
@@ -1027,6 +1028,9 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
             log.info("%s (standby) holds stage %d v%d", self.name, stage, msg.version)
         except grpc.aio.AioRpcError as exc:
             log.warning("%s (standby): copying stage %d failed (%s); retrying", self.name, stage, exc.code())
+        except OSError as exc:
+            # e.g. a server loading the stage in a shared folder removed our temp file
+            log.warning("%s (standby): writing the copy of stage %d failed (%s); retrying", self.name, stage, exc)
         finally:
             self.standby_copying = False
 
