@@ -359,7 +359,7 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
     async def start_rpc(self) -> grpc.aio.Server:
         """Start listening (sets ``self.address``); the caller stops the returned server."""
         # Credentials are checked with the run secret this server learns when it joins.
-        server = make_server(self.token, secret=lambda: self.channels.identity.secret)
+        server = make_server(self.token, secret=lambda: self.channels.identity.secret, resolve=self.max_bytes)
         pbg.add_StageServerServicer_to_server(self, server)
         port = bind(server, self.listen, self.tls)
         self.address = advertised_address(self.listen, self.advertise, port)
