@@ -811,7 +811,8 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
         # Exact runs ban only on a failed recomputation, never on flags alone.
         reason = ban_reason(flag, err, 0 if exact else self.guard_strikes.get(r.worker, 0), self.guard_cfg)
         if reason:
-            self._guard_ban(r.worker, r.step, reason)
+            async with self.cond:  # _guard_ban wakes the waiters: notify needs the lock
+                self._guard_ban(r.worker, r.step, reason)
             return reason
         if err is not None or not exact:
             self.guard_seen.add(r.worker)  # else its first push is still to be recomputed
