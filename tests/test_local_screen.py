@@ -49,5 +49,6 @@ def test_poisoned_replica_is_banned_and_honest_run_bans_nobody(tmp_path):
     text = "".join(p.read_text() for p in (out / "logs").glob("server*.log"))
     merges = [json.loads(m.group(1)) for m in re.finditer(r"local merge (\{.*\})$", text, re.M)]
     assert merges and all(not any(mid.endswith("-w1") for mid in m["contributors"]) for m in merges)
+    print(f"ban: {bans[0]}; final loss {summary['final_loss']:.4f}, honest {ref['final_loss']:.4f}")
     assert abs(summary["final_loss"] - ref["final_loss"]) <= 0.02 * abs(ref["final_loss"]), (
         summary["final_loss"], ref["final_loss"])
