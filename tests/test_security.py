@@ -271,6 +271,13 @@ async def _attacks(tls, token: str, coord: str, s0: str, s1: str, s0_id: str, vi
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await pbg.StageServerStub(sch).PushGrads(pb.GradPush(worker=victim, step=0, mbs=[0]), timeout=10)
             codes["push_as_other"] = _code(err)
+            # as itself and in its role, but over the method's size limit (METHOD_LIMITS)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await pbg.StageServerStub(sch).Lease(pb.LeaseRequest(worker="m" * (1 << 20)), timeout=10)
+            codes["oversize_lease"] = _code(err)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.Heartbeat(pb.MemberRequest(member_id=ident.member, fatal="x" * (250 << 20)), timeout=60)
+        codes["huge_heartbeat"] = _code(err)
         await c.Leave(pb.MemberRequest(member_id=ident.member), timeout=10)  # as itself: allowed
     return codes
 
@@ -299,7 +306,8 @@ def test_tls_run_resists_capture_impersonation_and_floods(tmp_path, tmp_path_fac
     """The reference run, started by hand with TLS and attacked while it trains:
 
     * a loopback capture of all its traffic holds neither the token nor raw tensor bytes;
-    * a joined worker cannot report steps, relay, push or heartbeat as another member;
+    * a joined worker cannot report steps, relay, push or heartbeat as another member, nor
+      send a request over its method's size limit (a 1 MiB lease, a 250 MiB heartbeat);
     * 12 concurrent 250 MiB calls without a credential leave server 0's RSS flat;
     * the final weights equal the failure-free run's, bit for bit.
     """
@@ -353,7 +361,9 @@ def test_tls_run_resists_capture_impersonation_and_floods(tmp_path, tmp_path_fac
                          "report_as_server": grpc.StatusCode.PERMISSION_DENIED,
                          "heartbeat_as_other": grpc.StatusCode.PERMISSION_DENIED,
                          "relay": grpc.StatusCode.PERMISSION_DENIED,
-                         "push_as_other": grpc.StatusCode.PERMISSION_DENIED}, codes
+                         "push_as_other": grpc.StatusCode.PERMISSION_DENIED,
+                         "oversize_lease": grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         "huge_heartbeat": grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
 
         # The flood goes straight to server 0 (not through the recorder).
         server0 = procs[1]

@@ -144,20 +144,26 @@ def screen_round(norms: dict[str, float], cosines: dict[str, float | None], hist
                  cfg: GuardConfig = DEFAULT) -> dict[str, str]:
     """Local mode: which contributors of one merge are banned, and why (pure).
 
-    ``norms``: each contributor's pseudo-gradient norm per inner step; ``cosines``: its
-    cosine to the round's coordinate-wise median (None: fewer than ``cfg.local_quorum``
-    contributors); ``history``: per-step norms of the stage's earlier honest contributions.
+    ``norms``: each contributor's pseudo-gradient norm per unit of learning rate
+    (:func:`shoal.runtime.verify.round_measures`); ``cosines``: its cosine to the round's
+    coordinate-wise median (None: fewer than ``cfg.local_quorum`` contributors);
+    ``history``: those norms of the stage's earlier honest contributions.
 
-    With a quorum the round's own median norm is the centre and a flag is a majority's
-    verdict; at most a minority is ever banned (a round where half or more disagree has no
-    majority to trust). Below a quorum only the norm is screened, against ``history``;
-    the first rounds of a stage with one or two contributors are not screened at all.
+    With a quorum the round's own median norm is the centre (10x above or below flags),
+    the direction is screened too, and a flag is a majority's verdict; at most a minority
+    is ever banned (a round where half or more disagree has no majority to trust). Below a
+    quorum only a norm 10x *above* ``history``'s median flags (AdamW steps shrink as
+    training settles, so a small norm is no evidence without the round's own majority);
+    a stage's first round with one or two contributors is not screened at all.
     """
     quorum = len(norms) >= cfg.local_quorum
     centre = robust_centre(list(norms.values())) if quorum else robust_centre(history)
     local_cfg = GuardConfig(norm_ratio=cfg.norm_ratio, min_cosine=cfg.local_min_cosine)
-    flags = {w: screen(n, cosines.get(w) if quorum else None, centre, local_cfg) for w, n in norms.items()}
-    flags = {w: why for w, why in flags.items() if why}
+    flags = {}
+    for w, n in norms.items():
+        why = screen(n, cosines.get(w) if quorum else None, centre, local_cfg)
+        if why and (quorum or not math.isfinite(n) or n > centre):  # below a quorum: only too large
+            flags[w] = why
     if quorum and 2 * len(flags) >= len(norms):
         return {}
     return {w: f"pseudo-gradient {why}" for w, why in flags.items()}

@@ -72,7 +72,7 @@ class LocalServerMixin:
         """A (re)load at ``version``: the weights are the merged weights of that version."""
         self.local_merged = version  # version of the merged weights served
         self.local_round_mbs: dict[str, int] = {}  # micro-batches counted per worker this round
-        self.local_round_steps: dict[str, set[int]] = {}  # steps each worker covered this round (its inner steps)
+        self.local_round_lr: dict[str, float] = {}  # sum of the learning rates of each worker's inner steps this round
         self.local_sq: dict[str, tuple[int, float]] = {}  # worker -> (mbs, squared norm) this step
         self.local_decision: tuple[int, float, float, bool] | None = None  # (step, lr, coef, skip)
         self.local_expect: set[str] | None = None  # workers whose pseudo-gradient the merge awaits
@@ -97,7 +97,7 @@ class LocalServerMixin:
         if not self.local or not hasattr(self, "local_round_mbs"):
             return
         self.local_round_mbs.pop(wid, None)
-        self.local_round_steps.pop(wid, None)
+        self.local_round_lr.pop(wid, None)
         self.local_sq.pop(wid, None)
         if self.local_expect is not None and wid not in self.local_got:
             self.local_expect.discard(wid)
@@ -145,7 +145,6 @@ class LocalServerMixin:
         # The worker's norm covers everything it holds of the step (a second report adds mbs).
         self.local_sq[r.worker] = (n_before + len(ids), float(r.local_sq_norm))
         self.local_round_mbs[r.worker] = self.local_round_mbs.get(r.worker, 0) + len(ids)
-        self.local_round_steps.setdefault(r.worker, set()).add(r.step)
         return await self._count(mbs, ids, info)
 
     async def _local_pseudo(self, r: pb.GradPush, info) -> pb.PushReply:
@@ -179,6 +178,10 @@ class LocalServerMixin:
         round, collect the pseudo-gradients and merge. True: merged; False: no merge this
         step; None: the epoch moved on."""
         self.local_decision = (step, d.lr, d.coef, bool(d.skip))
+        if not d.skip:
+            # every worker that reported micro-batches of this step takes an inner step at d.lr
+            for w in self.local_sq:
+                self.local_round_lr[w] = self.local_round_lr.get(w, 0.0) + d.lr
         self.local_sq = {}
         if not is_sync_step(step, self.spec.sync_every, self.spec.steps):
             return False
@@ -209,7 +212,7 @@ class LocalServerMixin:
             "stage": self.stage, "version": step + 1, "epoch": epoch, "contributors": counts,
             "digest": digest, "screen": screened}, sort_keys=True))
         self.local_round_mbs = {}
-        self.local_round_steps = {}
+        self.local_round_lr = {}
         self.local_expect = None
         self.local_got = {}
         return True
@@ -218,17 +221,17 @@ class LocalServerMixin:
         """Screen the round's pseudo-gradients (shoal.runtime.guard.screen_round) before the
         merge: a contributor that fails is banned and its pseudo-gradient left out.
 
-        Returns each contributor's [norm per inner step, cosine to the round's median] for
-        the merge's log line (the figures honest runs are judged by).
+        Returns each contributor's [norm per unit of learning rate, cosine to the round's
+        median] for the merge's log line (the figures honest runs are judged by).
         """
         if not self.guard_cfg.enabled or not self.local_got:
             return {}
         from shoal.runtime.guard import screen_round
         from shoal.runtime.verify import round_measures
 
-        steps = {w: len(self.local_round_steps.get(w, ())) for w in self.local_got}
+        lrs = {w: self.local_round_lr.get(w, 0.0) for w in self.local_got}
         norms, cosines = await asyncio.get_running_loop().run_in_executor(
-            None, round_measures, dict(self.local_got), steps, self.guard_cfg.local_quorum)
+            None, round_measures, dict(self.local_got), lrs, self.guard_cfg.local_quorum)
         history = getattr(self, "local_guard_norms", [])
         bans = screen_round(norms, cosines, history, self.guard_cfg)
         for wid, why in sorted(bans.items()):

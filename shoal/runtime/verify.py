@@ -54,16 +54,19 @@ def recompute_grads(module: torch.nn.Module, spec, step: int, mb: int, *, first:
     return {n: (torch.zeros_like(p) if g is None else g) for n, p, g in zip(names, params, grads, strict=True)}
 
 
-def round_measures(deltas: dict[str, dict[str, torch.Tensor]], steps: dict[str, int], quorum: int
+def round_measures(deltas: dict[str, dict[str, torch.Tensor]], lr_sums: dict[str, float], quorum: int
                    ) -> tuple[dict[str, float], dict[str, float | None]]:
-    """Local mode: each contributor's pseudo-gradient norm per inner step, and its cosine to
-    the coordinate-wise median of the round's pseudo-gradients (None: fewer than ``quorum``).
+    """Local mode: each contributor's pseudo-gradient norm per unit of learning rate (its
+    norm over the summed learning rates of its inner steps: an AdamW step moves each weight
+    by about the learning rate, so this is steady across workers that took different numbers
+    of steps and across the schedule), and its cosine to the coordinate-wise median of the
+    round's pseudo-gradients (None: fewer than ``quorum`` contributors).
 
     The median is taken one tensor name at a time, so at most one stacked tensor is held.
     """
     workers = sorted(deltas)
     sq = {w: sq_norm(deltas[w]) for w in workers}
-    norms = {w: math.sqrt(sq[w]) / max(1, steps.get(w, 1)) for w in workers}
+    norms = {w: math.sqrt(sq[w]) / max(lr_sums.get(w, 0.0), 1e-12) for w in workers}
     if len(workers) < quorum:
         return norms, dict.fromkeys(workers)
     dots, centre_sq = dict.fromkeys(workers, 0.0), 0.0
