@@ -13,7 +13,7 @@ from shoal.train.metrics import read_jsonl
 
 # One stage, three workers: every merge has a quorum of three contributors (guard.local_quorum).
 RUN = dict(model="tiny", micro_batches=3, micro_batch_size=2, seq_len=32, seed=0, lr=3e-3, warmup=2, steps=8,
-           stages=1, workers=3, dead_after_s=3.0, min_lease_s=1.5, timeout_s=200, sync="local", sync_every=2,
+           stages=1, workers=3, dead_after_s=10.0, min_lease_s=5.0, timeout_s=200, sync="local", sync_every=2,
            outer_lr=0.7, outer_momentum=0.9)
 
 
