@@ -51,6 +51,14 @@ def test_every_method_with_roles_has_a_limit_for_each_role():
         assert set(METHOD_LIMITS[method]) == set(roles), method
 
 
+def test_every_rpc_of_the_protocol_has_a_limit():
+    """A new RPC needs its own METHOD_LIMITS entry: unlisted methods get CONTROL_BYTES."""
+    rpcs = {f"/shoal.v1.{svc.name}/{m.name}" for svc in pb.DESCRIPTOR.services_by_name.values()
+            for m in svc.methods}
+    missing = sorted(rpcs - set(METHOD_LIMITS))
+    assert not missing, f"add these RPCs to shoal.net.auth.METHOD_LIMITS: {missing}"
+
+
 def test_request_limit_by_method_and_role():
     resolve = SIZES.__getitem__
     assert request_limit("/shoal.v1.StageServer/Lease", "worker", resolve) == (CONTROL_BYTES, None)
