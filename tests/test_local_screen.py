@@ -18,7 +18,7 @@ RUN = dict(model="tiny", micro_batches=3, micro_batch_size=2, seq_len=32, seed=0
 
 
 def _screens(out: Path) -> list[dict]:
-    """The ``screen`` figures of every local merge: {member id: [norm per step, cosine]}."""
+    """The ``screen`` figures of every local merge: {member id: [norm per unit of lr, cosine]}."""
     text = "".join(p.read_text() for p in sorted((out / "logs").glob("server*.log")))
     return [json.loads(m.group(1))["screen"] for m in re.finditer(r"local merge (\{.*\})$", text, re.M)]
 
@@ -36,7 +36,7 @@ def test_poisoned_replica_is_banned_and_honest_run_bans_nobody(tmp_path):
     assert not [e for e in read_jsonl(honest / "events.jsonl") if e["event"] == "ban"]
     screens = _screens(honest)
     assert screens and all(len(s) == 3 for s in screens[:1]), screens
-    print("honest screen figures (norm per inner step, cosine to the round's median):", screens)
+    print("honest screen figures (norm per unit of learning rate, cosine to the round's median):", screens)
 
     out = tmp_path / "poisoned"
     summary = launch(LaunchConfig(out=str(out), **RUN, faults=["poison:w1:scale=-20"]))
