@@ -204,18 +204,19 @@ def _rss_bytes(pid: int) -> int:
 async def _flood(addr: str, n: int, nbytes: int) -> list[grpc.StatusCode]:
     """``n`` concurrent Lease calls of ``nbytes`` each, from a worker with a valid credential."""
     ident = Identity.joined(TOKEN_VALUE, SECRET, "w1", "worker")
-    request = pb.LeaseRequest(worker="w" * nbytes)
+    blob = pb.LeaseRequest(worker="w" * nbytes).SerializeToString()  # serialised once, sent n times
     async with open_channel(addr, TOKEN_VALUE, identity=ident, max_message_bytes=nbytes + (1 << 20)) as ch:
-        stub = pbg.StageServerStub(ch)
-        return [c for c, _ in await asyncio.gather(*[_code(stub.Lease(request, timeout=120)) for _ in range(n)])]
+        lease = ch.unary_unary("/shoal.v1.StageServer/Lease", request_serializer=lambda b: b,
+                               response_deserializer=pb.LeaseReply.FromString)
+        return [c for c, _ in await asyncio.gather(*[_code(lease(blob, timeout=120)) for _ in range(n)])]
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(240)
 def test_member_flooding_huge_control_calls_leaves_server_memory_flat(tmp_path):
-    """12 concurrent 250 MiB ``Lease`` calls from a member with a valid worker credential: all
+    """6 concurrent 250 MiB ``Lease`` calls from a member with a valid worker credential: all
     refused with RESOURCE_EXHAUSTED, and the server process's RSS stays flat (gRPC refuses
-    each from its length prefix; a server that read them would grow by gigabytes)."""
+    each from its length prefix; a server that read them would grow by 1.5 GiB)."""
     port_file = tmp_path / "addr"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
                                                         os.environ.get("PYTHONPATH", "")])}
@@ -230,17 +231,17 @@ def test_member_flooding_huge_control_calls_leaves_server_memory_flat(tmp_path):
         assert asyncio.run(_flood(addr, 1, 10)) == [grpc.StatusCode.OK]  # an honest lease passes
         base = peak = _rss_bytes(proc.pid)
         results: list[grpc.StatusCode] = []
-        flood = threading.Thread(target=lambda: results.extend(asyncio.run(_flood(addr, 12, 250 << 20))))
+        flood = threading.Thread(target=lambda: results.extend(asyncio.run(_flood(addr, 6, 250 << 20))))
         flood.start()
         while flood.is_alive():
             peak = max(peak, _rss_bytes(proc.pid))
             time.sleep(0.02)
         flood.join()
         grown = peak - base
-        print(f"server RSS {base / 2**20:.0f} MiB, peak during the flood +{grown / 2**20:.1f} MiB (12 x 250 MiB)")
-        assert results == [EXHAUSTED] * 12, results
-        # Bound: what arrives of a refused call is at most gRPC's flow-control window; 12 calls
-        # read in full would be 3 GiB. Under one message for all 12 shows none was read.
+        print(f"server RSS {base / 2**20:.0f} MiB, peak during the flood +{grown / 2**20:.1f} MiB (6 x 250 MiB)")
+        assert results == [EXHAUSTED] * 6, results
+        # Bound: what arrives of a refused call is at most gRPC's flow-control window; 6 calls
+        # read in full would be 1.5 GiB. Under one message for all 6 shows none was read.
         assert grown < 250 * 2**20, f"server RSS grew {grown / 2**20:.0f} MiB under the flood"
         assert asyncio.run(_flood(addr, 1, 10)) == [grpc.StatusCode.OK]  # and it still serves
     finally:
