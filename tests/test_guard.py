@@ -27,8 +27,10 @@ from shoal.runtime.guard import (
     rel_error,
     robust_centre,
     screen,
+    screen_round,
     spot_pick,
 )
+from shoal.runtime.verify import round_measures
 
 
 def test_parse_fault_grammar():
@@ -93,6 +95,39 @@ def test_screen_flags_norm_and_direction():
     assert "not finite" in screen(math.inf, None, None, cfg)
     assert robust_centre([]) is None
     assert robust_centre([1.0, 2.0, 100.0]) == 2.0  # one outlier does not move the centre
+
+
+def test_screen_round_by_majority_and_by_history():
+    cfg = GuardConfig()
+    # a quorum: the round's median norm is the centre, the cosine to its median the direction
+    norms = {"a": 1.0, "b": 1.2, "c": 20.0}
+    assert set(screen_round(norms, {"a": 0.8, "b": 0.7, "c": -0.7}, [], cfg)) == {"c"}
+    assert "x the stage's median" in screen_round(norms, {"a": 0.8, "b": 0.7, "c": 0.9}, [], cfg)["c"]
+    assert "direction" in screen_round({"a": 1.0, "b": 1.1, "c": 0.9}, {"a": 0.8, "b": 0.7, "c": -0.2}, [], cfg)["c"]
+    assert screen_round({"a": 1.0, "b": 1.1, "c": 0.9}, {"a": 0.8, "b": 0.1, "c": 0.6}, [], cfg) == {}
+    # never a majority: two of three disagreeing is no verdict
+    assert screen_round({"a": 1.0, "b": 1.1, "c": 0.9}, {"a": 0.8, "b": -0.1, "c": -0.6}, [], cfg) == {}
+    # below a quorum: the norm against earlier honest rounds, no direction
+    two = {"a": 1.0, "c": 20.0}
+    assert set(screen_round(two, {"a": None, "c": None}, [0.9, 1.1, 1.0], cfg)) == {"c"}
+    assert screen_round(two, {"a": None, "c": None}, [], cfg) == {}  # a first round: nothing to judge by
+    assert screen_round({"a": 1.0, "c": 1.3}, {"a": None, "c": None}, [1.0], cfg) == {}
+    assert screen_round({"a": 0.05, "c": 0.06}, {"a": None, "c": None}, [1.0], cfg) == {}  # small: no verdict
+    assert set(screen_round({"a": float("nan")}, {"a": None}, [], cfg)) == {"a"}
+
+
+def test_round_measures_by_hand():
+    t = torch.tensor
+    deltas = {"a": {"w": t([1.0, 2.0]), "v": t([0.0])}, "b": {"w": t([1.0, 3.0]), "v": t([1.0])},
+              "c": {"w": t([-20.0, -40.0]), "v": t([0.0])}}
+    norms, cos = round_measures(deltas, {"a": 1.0, "b": 2.0, "c": 1.0}, quorum=3)
+    assert norms == pytest.approx({"a": math.sqrt(5), "b": math.sqrt(11) / 2, "c": math.sqrt(2000)})
+    # coordinate-wise median: w = [1, 2], v = [0]
+    assert cos["a"] == pytest.approx(1.0)
+    assert cos["b"] == pytest.approx(7 / math.sqrt(11 * 5))
+    assert cos["c"] == pytest.approx(-1.0)
+    norms2, cos2 = round_measures({k: deltas[k] for k in "ab"}, {"a": 1.0, "b": 1.0}, quorum=3)
+    assert cos2 == {"a": None, "b": None} and norms2["b"] == pytest.approx(math.sqrt(11))
 
 
 def test_ban_rule():

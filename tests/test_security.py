@@ -247,7 +247,7 @@ def _code(exc_info) -> grpc.StatusCode:
     return exc_info.value.code()
 
 
-async def _attacks(tls, token: str, coord: str, s0: str, s1: str, s0_id: str, victim: str) -> dict:
+async def _attacks(tls, token: str, coord: str, s0: str, s1: str, s0_id: str, victim: str, coord_direct: str) -> dict:
     """A token holder joins as a worker, then tries to act as a server and as another worker."""
     ident = Identity(token)
     codes = {}
@@ -271,6 +271,16 @@ async def _attacks(tls, token: str, coord: str, s0: str, s1: str, s0_id: str, vi
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await pbg.StageServerStub(sch).PushGrads(pb.GradPush(worker=victim, step=0, mbs=[0]), timeout=10)
             codes["push_as_other"] = _code(err)
+            # as itself and in its role, but over the method's size limit (METHOD_LIMITS)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await pbg.StageServerStub(sch).Lease(pb.LeaseRequest(worker="m" * (1 << 20)), timeout=10)
+            codes["oversize_lease"] = _code(err)
+        # straight to the coordinator (not through the recorder, which would queue it ahead of the rest)
+        async with open_channel(coord_direct, token, tls=tls, identity=ident) as direct:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await pbg.CoordinatorStub(direct).Heartbeat(
+                    pb.MemberRequest(member_id=ident.member, fatal="x" * (250 << 20)), timeout=120)
+            codes["huge_heartbeat"] = _code(err)
         await c.Leave(pb.MemberRequest(member_id=ident.member), timeout=10)  # as itself: allowed
     return codes
 
@@ -299,7 +309,8 @@ def test_tls_run_resists_capture_impersonation_and_floods(tmp_path, tmp_path_fac
     """The reference run, started by hand with TLS and attacked while it trains:
 
     * a loopback capture of all its traffic holds neither the token nor raw tensor bytes;
-    * a joined worker cannot report steps, relay, push or heartbeat as another member;
+    * a joined worker cannot report steps, relay, push or heartbeat as another member, nor
+      send a request over its method's size limit (a 1 MiB lease, a 250 MiB heartbeat);
     * 12 concurrent 250 MiB calls without a credential leave server 0's RSS flat;
     * the final weights equal the failure-free run's, bit for bit.
     """
@@ -348,12 +359,14 @@ def test_tls_run_resists_capture_impersonation_and_floods(tmp_path, tmp_path_fac
         s0_id, victim = _member_id(tmp_path / "server0.log"), _member_id(tmp_path / "worker0.log")
         assert s0_id.startswith("s") and victim.startswith("w")
         codes = asyncio.run(_attacks(tls, token, join, f"127.0.0.1:{sproxies[0]}", f"127.0.0.1:{sproxies[1]}",
-                                     s0_id, victim))
+                                     s0_id, victim, f"127.0.0.1:{cport}"))
         assert codes == {"report_as_self": grpc.StatusCode.PERMISSION_DENIED,
                          "report_as_server": grpc.StatusCode.PERMISSION_DENIED,
                          "heartbeat_as_other": grpc.StatusCode.PERMISSION_DENIED,
                          "relay": grpc.StatusCode.PERMISSION_DENIED,
-                         "push_as_other": grpc.StatusCode.PERMISSION_DENIED}, codes
+                         "push_as_other": grpc.StatusCode.PERMISSION_DENIED,
+                         "oversize_lease": grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         "huge_heartbeat": grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
 
         # The flood goes straight to server 0 (not through the recorder).
         server0 = procs[1]

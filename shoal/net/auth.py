@@ -12,6 +12,11 @@
   the server no more than gRPC's flow-control window.
 * Handlers then bind the request to the caller with :func:`check_caller`: a member can
   lease, push, report and leave only as itself.
+* Every request has a size limit by method *and* role (:data:`METHOD_LIMITS`): gRPC itself
+  refuses any message over :data:`REQUEST_CAP` from its length prefix, before reading it;
+  the interceptor refuses a message over its method's limit for the caller's role (a
+  control call gets kilobytes, a worker's gradient upload the stage's gradient bytes) with
+  ``RESOURCE_EXHAUSTED`` before any handler sees it.
 """
 
 from __future__ import annotations
@@ -51,6 +56,77 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
     "/shoal.v1.StageServer/StandbyCkptStream": frozenset({"server"}),
     "/shoal.v1.StageServer/Probe": frozenset({ANY}),
 }
+
+
+KIB, MIB = 1024, 1024 * 1024
+CONTROL_BYTES = 256 * KIB  # a control request: ids, counters, a few names; far above any honest one
+REPORT_BYTES = 4 * MIB  # requests carrying per-run lists (losses per micro-batch, link probes, traffic)
+PROBE_BYTES = 64 * MIB  # largest probe transfer (a timed link measurement; --probe-mb is at most 64)
+MAX_CHUNK_BYTES = 64 * MIB  # largest chunk of a streamed transfer (--chunk-mb is at most 64)
+CHUNK_MESSAGE_BYTES = MAX_CHUNK_BYTES + 64 * KIB  # one Chunk message: its data plus kind, offsets, sender
+GRADS = "grads"  # a size the stage server resolves: its stage's gradient (parameter bytes + slack)
+ACT = "act"  # a size the stage server resolves: one micro-batch's activation (or its gradient)
+
+
+@dataclass(frozen=True)
+class SizeLimit:
+    """Most bytes a request may have: an int, or :data:`GRADS` / :data:`ACT` (resolved by the server)."""
+
+    message: int | str  # one request message (a unary request, or each chunk of a stream)
+    stream: int | str | None = None  # request streams: the whole message the chunks announce and carry
+
+
+_CHUNKED = SizeLimit(CHUNK_MESSAGE_BYTES, GRADS)
+# method -> caller's role (or TOKEN / ANY, as in METHOD_ROLES) -> its request size limit.
+# One table for every process: gRPC's own limit is REQUEST_CAP, the largest entry that is a
+# number; everything smaller is checked by AuthInterceptor.
+METHOD_LIMITS: dict[str, dict[str, SizeLimit]] = {
+    "/shoal.v1.Coordinator/Join": {TOKEN: SizeLimit(CONTROL_BYTES)},
+    "/shoal.v1.Coordinator/Status": {TOKEN: SizeLimit(CONTROL_BYTES)},
+    "/shoal.v1.Coordinator/Heartbeat": {"server": SizeLimit(REPORT_BYTES), "worker": SizeLimit(REPORT_BYTES)},
+    "/shoal.v1.Coordinator/Leave": {"server": SizeLimit(CONTROL_BYTES), "worker": SizeLimit(CONTROL_BYTES)},
+    "/shoal.v1.Coordinator/Measured": {"server": SizeLimit(REPORT_BYTES), "worker": SizeLimit(REPORT_BYTES)},
+    "/shoal.v1.Coordinator/ReportStep": {"server": SizeLimit(REPORT_BYTES)},
+    "/shoal.v1.Coordinator/Probe": {ANY: SizeLimit(PROBE_BYTES + 64 * KIB)},
+    **{f"/shoal.v1.StageServer/{m}": {"worker": SizeLimit(CONTROL_BYTES)} for m in (
+        "LeaseStream", "Lease", "Renew", "Leave")},
+    "/shoal.v1.StageServer/Complete": {"worker": SizeLimit(ACT)},
+    "/shoal.v1.StageServer/CompleteStream": {"worker": SizeLimit(CHUNK_MESSAGE_BYTES, ACT)},
+    "/shoal.v1.StageServer/PushGrads": {"worker": SizeLimit(GRADS)},
+    "/shoal.v1.StageServer/PushGradsStream": {"worker": _CHUNKED},
+    "/shoal.v1.StageServer/GetWeightsStream": {"worker": SizeLimit(CONTROL_BYTES),
+                                               COORDINATOR_ID: SizeLimit(CONTROL_BYTES)},
+    "/shoal.v1.StageServer/GetWeights": {"worker": SizeLimit(CONTROL_BYTES), COORDINATOR_ID: SizeLimit(CONTROL_BYTES)},
+    "/shoal.v1.StageServer/SubmitRelay": {"server": SizeLimit(ACT)},
+    "/shoal.v1.StageServer/SubmitRelayStream": {"server": SizeLimit(CHUNK_MESSAGE_BYTES, ACT)},
+    "/shoal.v1.StageServer/StandbyCkptStream": {"server": SizeLimit(CONTROL_BYTES)},
+    "/shoal.v1.StageServer/Probe": {ANY: SizeLimit(PROBE_BYTES + 64 * KIB)},
+}
+# gRPC's per-message receive limit of every shoal server: larger messages are refused from
+# their length prefix, before a byte of them is buffered.
+REQUEST_CAP = max(lim.message for roles in METHOD_LIMITS.values() for lim in roles.values()
+                  if isinstance(lim.message, int))
+
+
+def request_limit(method: str, role: str, resolve: Callable[[str], int] | None = None
+                  ) -> tuple[int, int | None]:
+    """(most bytes of one request message, most bytes of a streamed request's whole) for
+    ``role`` calling ``method`` (pure; tested directly).
+
+    ``resolve`` turns :data:`GRADS` / :data:`ACT` into bytes (a stage server's sizes;
+    None: :data:`REQUEST_CAP`). A method or role the table does not list gets
+    :data:`CONTROL_BYTES`; no message exceeds :data:`REQUEST_CAP`.
+    """
+    roles = METHOD_LIMITS.get(method, {})
+    lim = roles.get(role) or roles.get(ANY) or SizeLimit(CONTROL_BYTES)
+
+    def size(v: int | str | None) -> int | None:
+        if v is None or isinstance(v, int):
+            return v
+        return int(resolve(v)) if resolve is not None else REQUEST_CAP
+
+    msg = size(lim.message)
+    return min(msg, REQUEST_CAP), size(lim.stream)
 
 
 def member_credential(secret: bytes, member: str, role: str) -> str:
@@ -142,25 +218,108 @@ def _refusal(code: grpc.StatusCode, method: str):
             True: grpc.stream_stream_rpc_method_handler(refuse_stream)}
 
 
+class _Oversize:
+    """What the size-checking deserializer hands on instead of a request over its limit."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+
+
+def _too_big(method: str, role: str, nbytes: int, limit: int, what: str = "request") -> str:
+    return (f"{method}: {what} of {nbytes} bytes, more than the {limit} a {role or 'caller'} may send "
+            "(shoal.net.auth.METHOD_LIMITS)")
+
+
+def _sized(handler, method: str, role: str, limits: tuple[int, int | None]):
+    """``handler`` with every request message checked against ``limits`` (see :func:`request_limit`).
+
+    The deserializer measures each message (gRPC has read it, at most REQUEST_CAP bytes) and
+    hands on an :class:`_Oversize` in place of one over the limit; the wrapped behaviour then
+    aborts with RESOURCE_EXHAUSTED before the method's handler sees anything. A request
+    stream of chunks is also stopped once a chunk announces, or the chunks carry, more than
+    the stream limit.
+    """
+    per_msg, whole = limits
+    deser = handler.request_deserializer
+
+    def checked(data: bytes):
+        if len(data) > per_msg:
+            return _Oversize(len(data))
+        return deser(data) if deser is not None else data
+
+    async def refuse(context, nbytes: int, limit: int, what: str = "request"):
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _too_big(method, role, nbytes, limit, what))
+
+    if handler.request_streaming:
+        async def requests(request_iterator, context):
+            carried = 0
+            async for msg in request_iterator:
+                if isinstance(msg, _Oversize):
+                    await refuse(context, msg.nbytes, per_msg, "chunk")
+                if whole is not None:
+                    carried += len(getattr(msg, "data", b""))
+                    announced = max(int(getattr(msg, "total", 0)), carried)
+                    if announced > whole:
+                        await refuse(context, announced, whole, "streamed message")
+                yield msg
+
+        if handler.response_streaming:  # not used by shoal's services
+            return handler
+
+        async def stream_unary(request_iterator, context):
+            return await handler.stream_unary(requests(request_iterator, context), context)
+
+        return grpc.stream_unary_rpc_method_handler(stream_unary, request_deserializer=checked,
+                                                    response_serializer=handler.response_serializer)
+    if handler.response_streaming:
+        async def unary_stream(request, context):
+            if isinstance(request, _Oversize):
+                await refuse(context, request.nbytes, per_msg)
+            out = handler.unary_stream(request, context)
+            if hasattr(out, "__aiter__"):
+                async for item in out:
+                    yield item
+            else:
+                await out
+
+        return grpc.unary_stream_rpc_method_handler(unary_stream, request_deserializer=checked,
+                                                    response_serializer=handler.response_serializer)
+
+    async def unary_unary(request, context):
+        if isinstance(request, _Oversize):
+            await refuse(context, request.nbytes, per_msg)
+        return await handler.unary_unary(request, context)
+
+    return grpc.unary_unary_rpc_method_handler(unary_unary, request_deserializer=checked,
+                                               response_serializer=handler.response_serializer)
+
+
 class AuthInterceptor(aio.ServerInterceptor):
-    """Checks token or credential and role of every call before its handler reads anything.
+    """Checks token or credential and role of every call before its handler reads anything,
+    then the size of every request message against :data:`METHOD_LIMITS`.
 
     ``secret`` returns the run secret (empty until a stage server has joined: then only
-    token methods pass).
+    token methods pass); ``resolve`` turns :data:`GRADS` / :data:`ACT` into this
+    server's sizes (None: only :data:`REQUEST_CAP` bounds them).
     """
 
-    def __init__(self, token: str, secret: Callable[[], bytes]):
+    def __init__(self, token: str, secret: Callable[[], bytes], resolve: Callable[[str], int] | None = None):
         if not token:
             from shoal.errors import ShoalError
 
             raise ShoalError("empty join token: give every member the same non-empty token")
-        self._token, self._secret = token, secret
+        self._token, self._secret, self._resolve = token, secret, resolve
 
     async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
-        code = decide(method, _metadata(handler_call_details.invocation_metadata), self._token, self._secret())
+        md = _metadata(handler_call_details.invocation_metadata)
+        code = decide(method, md, self._token, self._secret())
         if code is None:
-            return await continuation(handler_call_details)
+            handler = await continuation(handler_call_details)
+            if handler is None:
+                return None
+            role = TOKEN if TOKEN in METHOD_ROLES.get(method, ()) else md.get(ROLE_HEADER, "")
+            return _sized(handler, method, role, request_limit(method, role, self._resolve))
         handler = await continuation(handler_call_details)
         if handler is None:
             return None

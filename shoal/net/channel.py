@@ -21,7 +21,7 @@ from pathlib import Path
 from grpc import aio
 
 from shoal.errors import ShoalError
-from shoal.net.auth import TOKEN_HEADER, AuthInterceptor, Identity
+from shoal.net.auth import REQUEST_CAP, TOKEN_HEADER, AuthInterceptor, Identity
 from shoal.net.tls import TlsConfig, check_plaintext
 
 __all__ = ["TOKEN_HEADER", "ChannelFactory", "bind", "load_token", "make_server", "open_channel"]
@@ -174,12 +174,19 @@ def open_channel(
 
 
 def make_server(token: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                secret: Callable[[], bytes] | None = None) -> aio.Server:
+                secret: Callable[[], bytes] | None = None, resolve: Callable[[str], int] | None = None
+                ) -> aio.Server:
     """An asyncio gRPC server that checks token or member credential (and role) of every
     call before reading it (:class:`shoal.net.auth.AuthInterceptor`); ``secret`` returns
-    the run secret (None: only token methods pass). Ports are bound exclusively."""
-    interceptor = AuthInterceptor(token, secret or (lambda: b""))
-    options = grpc_options(max_message_bytes) + [("grpc.so_reuseport", 0)]
+    the run secret (None: only token methods pass). Ports are bound exclusively.
+
+    ``max_message_bytes`` bounds replies; requests are bounded by method and role
+    (:data:`shoal.net.auth.METHOD_LIMITS`, ``resolve`` giving a stage server's sizes) and
+    never exceed :data:`shoal.net.auth.REQUEST_CAP`, which gRPC checks before reading.
+    """
+    interceptor = AuthInterceptor(token, secret or (lambda: b""), resolve)
+    options = [(k, REQUEST_CAP if k == "grpc.max_receive_message_length" else v)
+               for k, v in grpc_options(max_message_bytes)] + [("grpc.so_reuseport", 0)]
     return aio.server(interceptors=[interceptor], options=options)
 
 

@@ -24,6 +24,7 @@ import asyncio
 from collections.abc import AsyncIterator, Iterable, Iterator
 
 from shoal.net import shoal_pb2 as pb
+from shoal.net.auth import MAX_CHUNK_BYTES
 from shoal.net.wire import WireError
 
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024  # a few MB: well under any message limit, few calls
@@ -39,6 +40,11 @@ def chunk_bytes_from_mb(mb: float | None, default: int = DEFAULT_CHUNK_BYTES) ->
         from shoal.errors import ShoalError
 
         raise ShoalError(f"--chunk-mb must be positive, got {mb}")
+    if mb * 1024 * 1024 > MAX_CHUNK_BYTES:
+        from shoal.errors import ShoalError
+
+        raise ShoalError(f"--chunk-mb must be at most {MAX_CHUNK_BYTES // (1024 * 1024)} (the largest message "
+                         f"a shoal server reads), got {mb}")
     return max(MIN_CHUNK_BYTES, int(mb * 1024 * 1024))
 
 

@@ -18,11 +18,14 @@ METHODS: dict[str, Callable[..., Plan]] = {"shoal": plan_shoal}
 
 def make_plan(scenario: Scenario, method: str = "shoal", seed: int = 0, stages: int | None = None,
               sync: SyncPolicy | None = None, options: CostOptions | None = None,
-              tune_micro_batch: bool = False) -> Plan:
+              tune_micro_batch: bool = False, standbys: int = 0, standby_every: int = 1) -> Plan:
     """Plan ``scenario`` with ``method``; ``stages=S`` forces S stages. The plan is validated and
     carries ``planning_time_s`` and ``predicted`` (see :func:`shoal.plan.cost.predict`).
     ``tune_micro_batch`` (shoal only) also chooses the micro-batch size; otherwise every method
-    keeps the workload's."""
+    keeps the workload's. ``standbys=N`` places N hot standbys per stage, copied every
+    ``standby_every`` steps, and counts their copies (:mod:`shoal.plan.standby`)."""
+    if standbys < 0 or standby_every < 1:
+        raise ShoalError(f"--standbys must be >= 0 and --ckpt-every >= 1, got {standbys} and {standby_every}")
     if method not in METHODS:
         raise ShoalError(f"unknown planning method {method!r}; choose one of: {', '.join(METHODS)}")
     if stages is not None:
@@ -41,6 +44,13 @@ def make_plan(scenario: Scenario, method: str = "shoal", seed: int = 0, stages: 
     plan.planning_time_s = time.perf_counter() - t0
     plan.method = method
     validate_plan(plan, scenario)
+    if standbys:
+        from shoal.plan.standby import place_standbys
+
+        placed = place_standbys(plan, scenario, scenario_profile(scenario, plan.micro_batch_size), standbys)
+        for st, hosts in zip(plan.stages, placed, strict=True):
+            st.standbys = hosts
+        plan.standby_every = standby_every
     predict(plan, scenario, options)
     return plan
 

@@ -32,6 +32,10 @@ def register(subparsers) -> None:
     p.add_argument("--stages", type=int, default=None, help="force this many pipeline stages")
     p.add_argument("--seed", type=int, default=0, help="random seed of the planner")
     p.add_argument("--json", dest="json_out", default=None, help="write the plan (or comparison) as JSON here")
+    p.add_argument("--standbys", type=int, default=0, metavar="N",
+                   help="place N hot standby servers per stage on other reliable hosts and count their copies")
+    p.add_argument("--ckpt-every", type=int, default=1, metavar="K",
+                   help="with --standbys: steps between a standby's copies of its stage's state (default 1)")
     p.add_argument("--tune-micro-batch", action="store_true",
                    help="shoal only: also choose the micro-batch size (the global batch stays fixed)")
     p.add_argument("--compare", action="store_true",
@@ -95,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
     if args.compare:
         return _compare(console, scenario, args, policy)
     plan = make_plan(scenario, method=args.method, seed=args.seed, stages=args.stages,
-                     tune_micro_batch=args.tune_micro_batch, sync=policy)
+                     tune_micro_batch=args.tune_micro_batch, sync=policy, standbys=args.standbys,
+                     standby_every=args.ckpt_every)
     print_plan(console, plan, scenario)
     if args.json_out:
         plan.to_json(args.json_out)
@@ -132,6 +137,10 @@ def print_plan(console: Console, plan: Plan, scenario: Scenario) -> None:
         table.add_row(f"{i}{mark}", f"[{st.layers[0]}, {st.layers[1]})", st.server, f"{len(st.workers)}: {ws}",
                       f"{c.throughput:.3g}", _fmt(c.sync), f"{c.memory_headroom:.0%}")
     console.print(table)
+    if any(st.standbys for st in plan.stages):
+        console.print(f"standbys (state copied every {plan.standby_every} step(s), {_fmt(pred.get('standby_s'))} s "
+                      "per step on the busiest active uplink): " + "; ".join(
+                          f"stage {i}: {', '.join(st.standbys)}" for i, st in enumerate(plan.stages)))
     used = sum(len(st.workers) for st in plan.stages)
     pol = plan.sync
     if pol.local:

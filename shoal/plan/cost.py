@@ -615,5 +615,12 @@ def predict(plan: Plan, scenario: Scenario, options: CostOptions | None = None) 
         "sync_round_s": round_s,
         "utilisation": util,
     }
+    if any(st.standbys for st in plan.stages):
+        # Hook: hot standbys' state copies share the active hosts' uplinks (shoal.plan.standby).
+        from shoal.plan.standby import standby_costs
+
+        extra = standby_costs(plan, scenario, scenario_profile(scenario, plan.micro_batch_size), step)
+        result["expected_step_time_s"] += extra["step_time_s"] - step
+        result.update(extra)
     plan.predicted = result
     return result

@@ -135,6 +135,7 @@ class StagePlan:
     layers: tuple[int, int]  # [first, last) global layer indices
     server: str  # id of the device that runs this stage's server
     workers: list[str]  # ids of the devices that lease this stage's tasks
+    standbys: list[str] = field(default_factory=list)  # hosts of its hot standby servers (shoal.plan.standby)
 
 
 @dataclass
@@ -191,6 +192,7 @@ class Plan:
     sync: SyncPolicy = field(default_factory=SyncPolicy)  # parameter sync policy
     predicted: dict[str, float] = field(default_factory=dict)  # cost-model times in seconds
     planning_time_s: float = 0.0  # wall time the planner took
+    standby_every: int = 1  # steps between a standby's state copies (the run's --ckpt-every)
 
     @property
     def predicted_step_time_s(self) -> float | None:
@@ -209,7 +211,8 @@ class Plan:
     def from_dict(cls, d: dict) -> Plan:
         try:
             stages = [
-                StagePlan(layers=tuple(s["layers"]), server=s["server"], workers=list(s["workers"]))
+                StagePlan(layers=tuple(s["layers"]), server=s["server"], workers=list(s["workers"]),
+                          standbys=list(s.get("standbys", [])))
                 for s in d["stages"]
             ]
             return cls(
@@ -222,6 +225,7 @@ class Plan:
                 sync=SyncPolicy(**d.get("sync", {})),
                 predicted=dict(d.get("predicted", {})),
                 planning_time_s=float(d.get("planning_time_s", 0.0)),
+                standby_every=int(d.get("standby_every", 1)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ShoalError(f"malformed plan: {exc!r}; expected the JSON written by `shoal plan --json`") from exc

@@ -12,6 +12,12 @@ A stage server screens every gradient push before it counts it:
   tolerance. A mismatch bans the worker; a match clears it. The server is the arbiter
   because a second worker's opinion cannot break a tie between two workers.
 
+Local mode (``--sync local``) has no recomputation (a pseudo-gradient is many inner
+steps of a replica), so a merge screens each round's pseudo-gradients against the round
+itself: a contributor whose per-step norm or whose direction disagrees with the majority
+(:func:`screen_round`) is banned and left out of the merge. The tensors are measured by
+:func:`shoal.runtime.verify.round_measures` (decoded tensors, whatever the wire codec).
+
 Everything here that decides is a small pure function, tested directly
 (``tests/test_guard.py``); the server calls them.
 """
@@ -56,6 +62,15 @@ class GuardConfig:
     verify_first: bool = True
     # Off only where pushes are made up on purpose (unit tests of the task pool and the wire).
     enabled: bool = True
+    # Local mode (--sync local): contributors a merge needs for the round's own centre (the
+    # coordinate-wise median of its pseudo-gradients) to outvote one dishonest replica.
+    # With fewer, only the norm is screened, against the stage's earlier honest rounds.
+    local_quorum: int = 3
+    # Local mode: cosine of a pseudo-gradient to the round's coordinate-wise median below
+    # this flags it. Honest replicas start from the same weights and see the same data
+    # distribution, so they point the same way (lowest measured in honest runs: see
+    # docs/faults.md); a sign flip points away.
+    local_min_cosine: float = 0.0
 
 
 DEFAULT = GuardConfig()
@@ -123,3 +138,32 @@ def ban_reason(flag: str, verified_error: float | None, strikes: int, cfg: Guard
     if flag and strikes >= cfg.strikes_to_ban:
         return f"{strikes} pushes in a row flagged by the screen, the last: {flag}"
     return ""
+
+
+def screen_round(norms: dict[str, float], cosines: dict[str, float | None], history: list[float],
+                 cfg: GuardConfig = DEFAULT) -> dict[str, str]:
+    """Local mode: which contributors of one merge are banned, and why (pure).
+
+    ``norms``: each contributor's pseudo-gradient norm per unit of learning rate
+    (:func:`shoal.runtime.verify.round_measures`); ``cosines``: its cosine to the round's
+    coordinate-wise median (None: fewer than ``cfg.local_quorum`` contributors);
+    ``history``: those norms of the stage's earlier honest contributions.
+
+    With a quorum the round's own median norm is the centre (10x above or below flags),
+    the direction is screened too, and a flag is a majority's verdict; at most a minority
+    is ever banned (a round where half or more disagree has no majority to trust). Below a
+    quorum only a norm 10x *above* ``history``'s median flags (AdamW steps shrink as
+    training settles, so a small norm is no evidence without the round's own majority);
+    a stage's first round with one or two contributors is not screened at all.
+    """
+    quorum = len(norms) >= cfg.local_quorum
+    centre = robust_centre(list(norms.values())) if quorum else robust_centre(history)
+    local_cfg = GuardConfig(norm_ratio=cfg.norm_ratio, min_cosine=cfg.local_min_cosine)
+    flags = {}
+    for w, n in norms.items():
+        why = screen(n, cosines.get(w) if quorum else None, centre, local_cfg)
+        if why and (quorum or not math.isfinite(n) or n > centre):  # below a quorum: only too large
+            flags[w] = why
+    if quorum and 2 * len(flags) >= len(norms):
+        return {}
+    return {w: f"pseudo-gradient {why}" for w, why in flags.items()}

@@ -72,6 +72,7 @@ class LocalServerMixin:
         """A (re)load at ``version``: the weights are the merged weights of that version."""
         self.local_merged = version  # version of the merged weights served
         self.local_round_mbs: dict[str, int] = {}  # micro-batches counted per worker this round
+        self.local_round_lr: dict[str, float] = {}  # sum of the learning rates of each worker's inner steps this round
         self.local_sq: dict[str, tuple[int, float]] = {}  # worker -> (mbs, squared norm) this step
         self.local_decision: tuple[int, float, float, bool] | None = None  # (step, lr, coef, skip)
         self.local_expect: set[str] | None = None  # workers whose pseudo-gradient the merge awaits
@@ -96,6 +97,7 @@ class LocalServerMixin:
         if not self.local or not hasattr(self, "local_round_mbs"):
             return
         self.local_round_mbs.pop(wid, None)
+        self.local_round_lr.pop(wid, None)
         self.local_sq.pop(wid, None)
         if self.local_expect is not None and wid not in self.local_got:
             self.local_expect.discard(wid)
@@ -127,6 +129,8 @@ class LocalServerMixin:
         identity = (r.worker, r.epoch, r.step, r.gen, tuple(ids))
         if ids and identity in self.pushed:
             return pb.PushReply(accepted=True, reason="duplicate of a counted report", gen=info.gen)
+        if r.worker in self.guard_banned:
+            return pb.PushReply(accepted=False, reason=f"banned: {self.guard_banned[r.worker]}", gen=info.gen)
         if r.epoch != self.epoch or r.step != self.step or r.gen != info.gen:
             return pb.PushReply(accepted=False, reason="stale report (step, epoch or generation)", gen=info.gen)
         ok = (ids and len(ids) == len(set(ids)) and math.isfinite(r.local_sq_norm) and r.local_sq_norm >= 0
@@ -145,6 +149,8 @@ class LocalServerMixin:
 
     async def _local_pseudo(self, r: pb.GradPush, info) -> pb.PushReply:
         round_v = self.step + 1
+        if r.worker in self.guard_banned:
+            return pb.PushReply(accepted=False, reason=f"banned: {self.guard_banned[r.worker]}", gen=info.gen)
         if r.epoch == self.epoch and r.local_round == round_v and r.worker in self.local_got:
             return pb.PushReply(accepted=True, reason="duplicate pseudo-gradient", gen=info.gen)
         if r.epoch != self.epoch or r.local_round != round_v or not self._local_wants(r.worker):
@@ -172,6 +178,10 @@ class LocalServerMixin:
         round, collect the pseudo-gradients and merge. True: merged; False: no merge this
         step; None: the epoch moved on."""
         self.local_decision = (step, d.lr, d.coef, bool(d.skip))
+        if not d.skip:
+            # every worker that reported micro-batches of this step takes an inner step at d.lr
+            for w in self.local_sq:
+                self.local_round_lr[w] = self.local_round_lr.get(w, 0.0) + d.lr
         self.local_sq = {}
         if not is_sync_step(step, self.spec.sync_every, self.spec.steps):
             return False
@@ -190,6 +200,9 @@ class LocalServerMixin:
             await self.cond.wait(0.5)
         if self.epoch != epoch:
             return None
+        screened = await self._local_screen(step)
+        if self.epoch != epoch:
+            return None
         counts = {w: self.local_round_mbs.get(w, 0) for w in self.local_got}
         async with self._wlock:
             digest = await asyncio.get_running_loop().run_in_executor(None, self._local_merge, counts)
@@ -197,11 +210,37 @@ class LocalServerMixin:
             self.local_merged = step + 1
         log.info("%s local merge %s", self.name, json.dumps({
             "stage": self.stage, "version": step + 1, "epoch": epoch, "contributors": counts,
-            "digest": digest}, sort_keys=True))
+            "digest": digest, "screen": screened}, sort_keys=True))
         self.local_round_mbs = {}
+        self.local_round_lr = {}
         self.local_expect = None
         self.local_got = {}
         return True
+
+    async def _local_screen(self, step: int) -> dict[str, list]:
+        """Screen the round's pseudo-gradients (shoal.runtime.guard.screen_round) before the
+        merge: a contributor that fails is banned and its pseudo-gradient left out.
+
+        Returns each contributor's [norm per unit of learning rate, cosine to the round's
+        median] for the merge's log line (the figures honest runs are judged by).
+        """
+        if not self.guard_cfg.enabled or not self.local_got:
+            return {}
+        from shoal.runtime.guard import screen_round
+        from shoal.runtime.verify import round_measures
+
+        lrs = {w: self.local_round_lr.get(w, 0.0) for w in self.local_got}
+        norms, cosines = await asyncio.get_running_loop().run_in_executor(
+            None, round_measures, dict(self.local_got), lrs, self.guard_cfg.local_quorum)
+        history = getattr(self, "local_guard_norms", [])
+        bans = screen_round(norms, cosines, history, self.guard_cfg)
+        for wid, why in sorted(bans.items()):
+            self.local_got.pop(wid, None)
+            async with self.cond:
+                self._guard_ban(wid, step, why)
+        honest = [norms[w] for w in sorted(norms) if w not in bans]
+        self.local_guard_norms = (history + honest)[-self.guard_cfg.history:]
+        return {w: [round(norms[w], 8), None if cosines[w] is None else round(cosines[w], 4)] for w in norms}
 
     def _local_merge(self, counts: dict[str, int]) -> str:
         """Merge the received pseudo-gradients into the weights (in a thread); their digest."""
@@ -345,5 +384,7 @@ class LocalWorkerMixin:
                           local_mbs=self.local_round_mbs)
         for name, p in self.params.items():
             delta = self.anchor[name] - p.detach()
+            if self.opts.fault_poison != 1.0:
+                delta = delta * self.opts.fault_poison  # fault injection: a dishonest replica
             msg.grads.append(encode_tensor(name, delta.cpu()))
         return msg, msg.SerializeToString()

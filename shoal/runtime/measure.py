@@ -29,9 +29,10 @@ import torch
 
 from shoal.errors import ShoalError
 from shoal.net import shoal_pb2 as pb
+from shoal.net.auth import PROBE_BYTES
 
 DEFAULT_PROBE_BYTES = 2 * 1024 * 1024  # bytes of the larger timed transfer each way ("a few MB")
-MAX_PROBE_BYTES = 64 * 1024 * 1024  # largest download a Probe call may ask for
+MAX_PROBE_BYTES = PROBE_BYTES  # largest transfer a Probe call may carry or ask for (auth.METHOD_LIMITS)
 RTT_REPEATS = 3  # empty echoes per link; the fastest is the round-trip time
 TRANSFER_REPEATS = 2  # timed transfers of each size and direction; the fastest counts
 FLOPS_BUDGET_S = 0.5  # seconds of timed layer runs (after one warm-up run)

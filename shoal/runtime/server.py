@@ -377,7 +377,7 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
     async def start_rpc(self) -> grpc.aio.Server:
         """Start listening (sets ``self.address``); the caller stops the returned server."""
         # Credentials are checked with the run secret this server learns when it joins.
-        server = make_server(self.token, secret=lambda: self.channels.identity.secret)
+        server = make_server(self.token, secret=lambda: self.channels.identity.secret, resolve=self.max_bytes)
         pbg.add_StageServerServicer_to_server(self, server)
         port = bind(server, self.listen, self.tls)
         self.address = advertised_address(self.listen, self.advertise, port)
@@ -836,7 +836,8 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
         # Exact runs ban only on a failed recomputation, never on flags alone.
         reason = ban_reason(flag, err, 0 if exact else self.guard_strikes.get(r.worker, 0), self.guard_cfg)
         if reason:
-            self._guard_ban(r.worker, r.step, reason)
+            async with self.cond:  # _guard_ban wakes the waiters: notify needs the lock
+                self._guard_ban(r.worker, r.step, reason)
             return reason
         if err is not None or not exact:
             self.guard_seen.add(r.worker)  # else its first push is still to be recomputed

@@ -8,6 +8,8 @@ the workers use, and compares a push with it.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from shoal.runtime.common import micro_batch
@@ -50,3 +52,33 @@ def recompute_grads(module: torch.nn.Module, spec, step: int, mb: int, *, first:
             out = module(x)
             grads = torch.autograd.grad(out, params, grad_outputs=out_grad, allow_unused=True)
     return {n: (torch.zeros_like(p) if g is None else g) for n, p, g in zip(names, params, grads, strict=True)}
+
+
+def round_measures(deltas: dict[str, dict[str, torch.Tensor]], lr_sums: dict[str, float], quorum: int
+                   ) -> tuple[dict[str, float], dict[str, float | None]]:
+    """Local mode: each contributor's pseudo-gradient norm per unit of learning rate (its
+    norm over the summed learning rates of its inner steps: an AdamW step moves each weight
+    by about the learning rate, so this is steady across workers that took different numbers
+    of steps and across the schedule), and its cosine to the coordinate-wise median of the
+    round's pseudo-gradients (None: fewer than ``quorum`` contributors).
+
+    The median is taken one tensor name at a time, so at most one stacked tensor is held.
+    """
+    workers = sorted(deltas)
+    sq = {w: sq_norm(deltas[w]) for w in workers}
+    norms = {w: math.sqrt(sq[w]) / max(lr_sums.get(w, 0.0), 1e-12) for w in workers}
+    if len(workers) < quorum:
+        return norms, dict.fromkeys(workers)
+    dots, centre_sq = dict.fromkeys(workers, 0.0), 0.0
+    for name in deltas[workers[0]]:
+        stacked = torch.stack([deltas[w][name].double() for w in workers])
+        med = stacked.median(dim=0).values
+        centre_sq += float(med.pow(2).sum())
+        for i, w in enumerate(workers):
+            dots[w] += float((stacked[i] * med).sum())
+        del stacked
+    cos: dict[str, float | None] = {}
+    for w in workers:
+        denom = math.sqrt(sq[w] * centre_sq)
+        cos[w] = dots[w] / denom if denom > 0 else None
+    return norms, cos

@@ -38,6 +38,7 @@ from shoal.errors import ShoalError
 from shoal.model.config import get_preset
 from shoal.model.profile import profile_model
 from shoal.plan.compression import wire_ratio
+from shoal.plan.standby import state_bytes
 from shoal.plan.types import Plan, Scenario, StagePlan
 from shoal.plan.validate import validate_plan
 from shoal.sim.config import ServerFailure, SimConfig, Straggler
@@ -69,6 +70,7 @@ M_PULL = 6  # server -> worker: new weights (worker, epoch, stage)
 M_JOINPULL = 7  # server -> joining worker: current weights (worker, epoch, stage)
 M_LPUSH = 8  # local mode: worker -> server, pseudo-gradient of a sync round (worker, stage, round)
 M_LPULL = 9  # local mode: server -> worker, merged weights of a sync round (worker, stage, round)
+M_STANDBY = 10  # active server -> hot standby: the stage's state after a committed step (no reply)
 
 
 class Task:
@@ -244,6 +246,7 @@ class Simulator:
             st.push_wire = pb * push_r  # a gradient / pseudo-gradient push
             st.pull_wire = pb * pull_r  # a weight pull (local mode: a delta against the worker's version)
             st.param_wire = pb * join_r  # a joiner's first pull
+            st.standby_bytes = state_bytes(self.prof, a, b)  # a hot standby's copy of the stage's state
             st.last_stage = st.idx == self.S - 1
         self.workers: dict[str, Worker] = {}
         self.original_stage: dict[str, int] = {}
@@ -483,6 +486,12 @@ class Simulator:
 
     def _applied(self, st: Stage) -> None:
         st.phase = 2
+        standbys = self.plan.stages[st.idx].standbys if st.idx < len(self.plan.stages) else ()
+        if standbys and (self.step + 1) % max(1, self.plan.standby_every) == 0:
+            # hot standbys fetch the committed state: background flows on the active host's uplink
+            for h in standbys:
+                if h in self.devices:
+                    self._send(st.host.id, h, st.standby_bytes, M_STANDBY, None, None)
         if self.local:
             if self._sync_step():
                 if st.round_phase:

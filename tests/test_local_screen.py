@@ -1,0 +1,54 @@
+"""Screening local-mode (``--sync local``) pseudo-gradients: a real swarm with a poisoned
+replica against the same swarm honest (the decisions are tested in tests/test_guard.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from shoal.train.metrics import read_jsonl
+
+# One stage, three workers: every merge has a quorum of three contributors (guard.local_quorum).
+RUN = dict(model="tiny", micro_batches=3, micro_batch_size=2, seq_len=32, seed=0, lr=3e-3, warmup=2, steps=8,
+           stages=1, workers=3, dead_after_s=10.0, min_lease_s=5.0, timeout_s=200, sync="local", sync_every=2,
+           outer_lr=0.7, outer_momentum=0.9)
+
+
+def _screens(out: Path) -> list[dict]:
+    """The ``screen`` figures of every local merge: {member id: [norm per unit of lr, cosine]}."""
+    text = "".join(p.read_text() for p in sorted((out / "logs").glob("server*.log")))
+    return [json.loads(m.group(1))["screen"] for m in re.finditer(r"local merge (\{.*\})$", text, re.M)]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(400)
+def test_poisoned_replica_is_banned_and_honest_run_bans_nobody(tmp_path):
+    """w1 sends its pseudo-gradients times -20: the first merge bans it and leaves its
+    contribution out; the run's final loss is within 2 % of the honest run's, which bans
+    nobody."""
+    from shoal.runtime.launch import LaunchConfig, launch
+
+    honest = tmp_path / "honest"
+    ref = launch(LaunchConfig(out=str(honest), **RUN))
+    assert not [e for e in read_jsonl(honest / "events.jsonl") if e["event"] == "ban"]
+    screens = _screens(honest)
+    assert screens and all(len(s) == 3 for s in screens[:1]), screens
+    print("honest screen figures (norm per unit of learning rate, cosine to the round's median):", screens)
+
+    out = tmp_path / "poisoned"
+    summary = launch(LaunchConfig(out=str(out), **RUN, faults=["poison:w1:scale=-20"]))
+    assert summary["steps"] == RUN["steps"]
+    bans = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "ban"]
+    assert [b["device"] for b in bans] == ["w1"], bans
+    assert bans[0]["step"] < RUN["sync_every"] and "pseudo-gradient" in bans[0]["why"], bans
+    assert "w1 is banned from the run" in (out / "logs" / "worker1.log").read_text()
+    # the banned replica's pseudo-gradient is in no merge
+    text = "".join(p.read_text() for p in (out / "logs").glob("server*.log"))
+    merges = [json.loads(m.group(1)) for m in re.finditer(r"local merge (\{.*\})$", text, re.M)]
+    assert merges and all(not any(mid.endswith("-w1") for mid in m["contributors"]) for m in merges)
+    print(f"ban: {bans[0]}; final loss {summary['final_loss']:.4f}, honest {ref['final_loss']:.4f}")
+    assert abs(summary["final_loss"] - ref["final_loss"]) <= 0.02 * abs(ref["final_loss"]), (
+        summary["final_loss"], ref["final_loss"])
