@@ -796,7 +796,9 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
         loop = asyncio.get_running_loop()
         norm, cosine = await loop.run_in_executor(None, self._guard_measure, grads, self.guard_ref)
         flag = screen(norm, cosine, robust_centre(self.guard_norms), self.guard_cfg)
-        exact = run_precision(self.spec) == "fp32" and all(g.codec in ("", "raw") for g in r.grads)
+        # Compressed pulls: the worker computed on the reconstruction, not these weights.
+        exact = (run_precision(self.spec) == "fp32" and all(g.codec in ("", "raw") for g in r.grads)
+                 and compression_of_spec(self.spec).pull == "none")
         first = r.worker not in self.guard_seen
         spot = any(spot_pick(self.spec.seed, self.spec.run_id, self.stage, r.step, mb, self.spec.guard_spot_check)
                    for mb in ids)

@@ -404,9 +404,10 @@ class Worker(LocalWorkerMixin):
         cap = 4 * numel + 512 * len(self.params) + CONTROL_SLACK
         t0 = time.perf_counter()
         chain, held = getattr(self, "pull_held", ("", -1))
-        rep = await fetch(self.server.GetWeightsStream, pb.WeightsRequest(
-            worker=self.member_id, compress_chain=chain, compress_version=held), pb.WeightsReply, cap,
-            traffic=self.traffic)
+        req = pb.WeightsRequest(worker=self.member_id)
+        if chain:  # compressed pulls: say which reconstruction we hold (a delta against it will do)
+            req.compress_chain, req.compress_version = chain, held
+        rep = await fetch(self.server.GetWeightsStream, req, pb.WeightsReply, cap, traffic=self.traffic)
         self.obs_pull_s = ewma(self.obs_pull_s, time.perf_counter() - t0)
         self.obs_pull_bytes = rep.ByteSize()
         self.obs_pulls += 1
