@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from shoal.net import shoal_pb2 as pb
-from shoal.net.wire import WireError, decode_tensor, encode_tensor
 from shoal.plan.compression import KINDS, parse_compression
+
+if TYPE_CHECKING:  # torch and the wire layer load only where tensors are handled (flag parsing stays light)
+    import torch
+
+    from shoal.net import shoal_pb2 as pb
 
 
 def dense_codec(codec: str) -> str:
@@ -108,6 +110,8 @@ def frame_to_forward(frame: pb.Tensor) -> pb.Tensor | None:
 
 def relay_frame(frame: pb.Tensor, name: str, tensor: torch.Tensor) -> pb.Tensor:
     """What a server relays of a worker's result: a lossy frame as received, else ``tensor`` raw."""
+    from shoal.net.wire import encode_tensor
+
     kept = frame_to_forward(frame)
     return kept if kept is not None else encode_tensor(name, tensor)
 
@@ -159,6 +163,11 @@ class PullDeltas:
 
     def advance(self, key: tuple[int, int, int], first: int, last: int, params: dict[str, torch.Tensor]) -> None:
         """Bring ``R`` to ``key`` (runs in a thread, under the server's weights lock)."""
+        import torch
+
+        from shoal.net import shoal_pb2 as pb
+        from shoal.net.wire import decode_tensor, encode_tensor
+
         if self.key == key:
             return
         version, epoch, stage = key
@@ -187,6 +196,9 @@ class PullDeltas:
 
     def reply(self, have_chain: str, have_version: int) -> bytes:
         """The serialised pull for a worker holding ``R`` of ``(have_chain, have_version)``."""
+        from shoal.net import shoal_pb2 as pb
+        from shoal.net.wire import encode_tensor
+
         if self.delta_bytes is not None and have_chain == self.chain and have_version == self.base:
             return self.delta_bytes
         if self.full_bytes is None:
@@ -206,6 +218,10 @@ def apply_pull(rep: pb.WeightsReply, params: dict[str, torch.Tensor], base: dict
     delta reply; a delta against anything else is a :class:`WireError` (the worker then asks
     for a full pull).
     """
+    import torch
+
+    from shoal.net.wire import WireError, decode_tensor
+
     if rep.compress_delta and (base is None or held != (rep.compress_chain, rep.compress_base)):
         raise WireError(f"weight delta against v{rep.compress_base} of a reconstruction this worker does not "
                         "hold; pulling in full")
