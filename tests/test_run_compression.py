@@ -313,3 +313,73 @@ def test_local_h4_int8_swarm_tracks_exact_training(tmp_path):
                 pulled.setdefault(int(m.group(1)), set()).add(m.group(2))
     assert pulled and all(len(d) <= 2 for d in pulled.values()), pulled  # one digest per stage
     json.dumps(summary)  # the summary stays plain data
+
+
+# ---------------------------------------------------------------------------- the worker's side, in-process
+
+
+def _local_worker(compression: str):
+    from shoal.runtime.common import model_config
+    from shoal.runtime.worker import Worker, WorkerOptions
+
+    w = Worker("unused:0", "tok", WorkerOptions())
+    w.spec = pb.RunSpec(model="tiny", stages=2, steps=8, micro_batches=2, micro_batch_size=2, seq_len=16, seed=0,
+                        data="synthetic", sync_mode="local", sync_every=4, outer_lr=0.7, outer_momentum=0.9)
+    parse_run_compression(compression).to_spec(w.spec)
+    w.cfg = model_config(w.spec)
+    w.member_id = "A"
+    w._switch(1, 1, 2)
+    return w
+
+
+def test_worker_pseudo_gradients_carry_error_feedback_across_rounds():
+    """Two rounds of a replica that moved by the same delta each round, pushed with top-k 10 %:
+    the decoded pushes sum to the two deltas minus the residual the worker keeps, and the second
+    push carries part of what the first dropped."""
+    from shoal.net.wire import decode_tensor
+
+    w = _local_worker("act=int8,grad=int8,push=topk-int8:0.1,pull=int8")
+    assert w.pseudo_ef is not None and w.pseudo_ef.codec == "topk-int8:0.1"
+    torch.manual_seed(0)
+    moves = {n: 0.01 * torch.randn_like(p) for n, p in w.params.items()}
+    sent = {n: torch.zeros_like(p) for n, p in w.params.items()}
+    for round_v in (4, 8):
+        w.anchor = {n: p.detach().clone() for n, p in w.params.items()}
+        with torch.no_grad():
+            for n, p in w.params.items():
+                p.sub_(moves[n])  # the replica moved by -move: its pseudo-gradient is +move
+        msg, data = w._pseudo_message(0, round_v - 1, 1, round_v)
+        assert pb.GradPush.FromString(data).local_round == round_v
+        for frame in msg.grads:
+            assert frame.codec == "topk-int8"
+            sent[frame.name] += decode_tensor(frame, dtype="float32").reshape(sent[frame.name].shape)
+    for n in w.params:
+        assert torch.allclose(sent[n] + w.pseudo_ef.residual(n), 2 * moves[n], atol=1e-6), n
+    # the same worker without compression sends raw fp32 pseudo-gradients, as before
+    assert _local_worker("none").pseudo_ef is None
+
+
+def test_worker_delta_pull_onto_its_anchor_matches_the_server_reconstruction():
+    """Local mode: the replica has moved on since its last pull; a delta pull is added to the
+    anchor (the weights pulled last), not to the moved replica, giving exactly the server's R."""
+    w = _local_worker("int8")
+    pd = PullDeltas("int8")
+    server_w = {n: torch.randn_like(p) for n, p in w.params.items()}
+    pd.advance((0, 0, 1), 1, 2, server_w)
+    w._apply_weights(pb.WeightsReply.FromString(pd.reply("", -1)))
+    w.anchor = {n: p.detach().clone() for n, p in w.params.items()}
+    assert w.pull_held == (pd.chain, 0)
+    with torch.no_grad():
+        for p in w.params.values():
+            p.add_(1.0)  # inner steps moved the replica
+    pd.advance((4, 0, 1), 1, 2, {n: t + 0.05 for n, t in server_w.items()})
+    rep = pb.WeightsReply.FromString(pd.reply(*w.pull_held))
+    assert rep.compress_delta
+    w._apply_weights(rep)
+    for n, p in w.params.items():
+        assert torch.equal(p.detach(), pd.recon[n]), n
+    assert w.pull_held == (pd.chain, 4)
+    # a delta it cannot apply (it holds another version) is refused and the next pull is full
+    with pytest.raises(WireError):
+        w._apply_weights(rep)
+    assert w.pull_held == ("", -1)
