@@ -1,15 +1,22 @@
-"""Local-update mode in the real runtime: exact sync vs ``--sync local`` at equal tokens.
+"""Local-update mode and wire compression in the real runtime, at equal tokens.
 
-    PYTHONPATH=. .venv/bin/python bench/bench_local_runtime.py [--steps 24] [--out /tmp/bench_local_runtime]
+    PYTHONPATH=. .venv/bin/python bench/bench_local_runtime.py [--steps 24] [--out DIR] [--runs a,b]
+    PYTHONPATH=. .venv/bin/python bench/bench_local_runtime.py --demo [--steps 20] [--out DIR]
 
-Runs ``shoal launch`` on loopback (``tiny``, S = 2 stages, W = 4 workers, one torch thread
-each) three times with the same data and seed: exact sync, local H = 4 and local H = 8
-(outer lr 0.7, momentum 0.9). Prints one table: final loss (mean of the last 3 steps) and
-its ratio to exact, training wall time (first step start to last commit), the wall time at
-which the run first reached exact's final loss, and bytes per worker per step by traffic
-kind (the runtime's byte counters, worker role). Writes ``loss_curves.png`` (loss against
-tokens and against wall time) into ``--out``. Every number is from this one run on this
-machine: compare rows, not machines.
+Loopback (default): ``shoal launch`` (``tiny``, S = 2 stages, W = 4 workers, one torch thread
+each), the same data and seed, one run per row of :data:`SETUPS`: exact fp32, exact with int8
+for every kind both ways, local H = 4 and H = 8 (outer lr 0.7, momentum 0.9) uncompressed and
+with int8 (and top-k pseudo-gradients). ``--demo``: the emulated demo scenario (``shoal demo``'s
+devices, links and time scale, no churn): exact fp32 vs local H = 4 and H = 8 with int8 --
+there links are slow, so sync traffic costs wall time.
+
+Prints one table: final loss (mean of the last 3 steps) and its ratio to exact, training wall
+time (first step start to last commit), the wall time at which the run first reached exact's
+final loss (and its fraction of exact's wall time), and bytes per worker per step by traffic
+kind with the total's ratio to exact fp32 (the runtime's byte counters, worker role: what
+workers send and receive). Writes ``loss_curves.png`` (loss against tokens and against wall
+time) into ``--out``. Every number is from this one run on this machine: compare rows, not
+machines.
 """
 
 from __future__ import annotations
@@ -29,6 +36,20 @@ RUN = dict(model="tiny", micro_batches=8, micro_batch_size=4, seq_len=64, seed=0
 KINDS = ("activations", "activation_grads", "grad_push", "weight_pull", "control")
 
 
+INT8 = dict(compression="int8")
+TOPK = dict(compression="act=int8,grad=int8,push=topk-int8:0.1,pull=int8")
+SETUPS = {  # row name -> LaunchConfig fields
+    "exact": {},
+    "exact int8": INT8,
+    "local H=4": dict(sync="local", sync_every=4),
+    "local H=8": dict(sync="local", sync_every=8),
+    "local H=4 int8": dict(sync="local", sync_every=4, **INT8),
+    "local H=8 int8": dict(sync="local", sync_every=8, **INT8),
+    "local H=8 int8+topk": dict(sync="local", sync_every=8, **TOPK),
+}
+DEMO_SETUPS = ("exact", "local H=4 int8", "local H=8 int8")
+
+
 def run(out: Path, steps: int, workers: int, **sync) -> dict:
     """One ``shoal launch``; its per-step records and the summary."""
     from shoal.runtime.launch import LaunchConfig, launch
@@ -36,7 +57,19 @@ def run(out: Path, steps: int, workers: int, **sync) -> dict:
 
     summary = launch(LaunchConfig(out=str(out), **RUN, steps=steps, stages=2, workers=workers, timeout_s=1800,
                                   dead_after_s=5.0, min_lease_s=2.0, ckpt_every=0, dashboard=None, **sync))
-    return {"recs": read_jsonl(out / "metrics.jsonl"), "summary": summary}
+    return {"recs": read_jsonl(out / "metrics.jsonl"), "summary": summary, "workers": workers}
+
+
+def run_demo(out: Path, steps: int, **sync) -> dict:
+    """One ``shoal demo`` run on its emulated scenario (no churn); records and summary."""
+    from shoal.demo.cli import DemoConfig
+    from shoal.demo.cli import run_demo as demo
+    from shoal.train.metrics import read_jsonl
+
+    demo(DemoConfig(steps=steps, churn=False, quiet=True, dashboard=None, out=str(out), **sync))
+    summary = json.loads((out / "summary.json").read_text())
+    workers = len(json.loads((out / "scenario.json").read_text()).get("devices", [])) or 1
+    return {"recs": read_jsonl(out / "metrics.jsonl"), "summary": summary, "workers": summary.get("workers", workers)}
 
 
 def wall_curve(recs: list[dict]) -> list[float]:
@@ -68,7 +101,12 @@ def per_worker_step(summary: dict, workers: int, steps: int) -> dict[str, float]
     return {k: by.get(k, {}).get("wire", 0) / workers / steps for k in KINDS}
 
 
-def plot(results: dict[str, dict], path: Path) -> None:
+def worker_count(summary: dict, fallback: int) -> int:
+    """Worker processes that took part (tasks per worker in the summary), else ``fallback``."""
+    return len(summary.get("tasks_per_worker") or {}) or fallback
+
+
+def plot(results: dict[str, dict], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -85,7 +123,7 @@ def plot(results: dict[str, dict], path: Path) -> None:
     for ax in (a, b):
         ax.set_ylabel("loss")
         ax.legend()
-    fig.suptitle("shoal launch, tiny, S=2 W=4, loopback: exact vs local")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
@@ -95,36 +133,51 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=24, help="optimizer steps of each run")
     ap.add_argument("--workers", type=int, default=4, help="workers (2 stages)")
     ap.add_argument("--out", default=None, help="folder for the runs and the PNG (default: a temporary one)")
+    ap.add_argument("--runs", default=None, help=f"comma-separated rows (default all): {', '.join(SETUPS)}")
+    ap.add_argument("--demo", action="store_true", help="the emulated demo scenario instead of loopback "
+                                                        f"(rows {', '.join(DEMO_SETUPS)})")
     args = ap.parse_args(argv)
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_local_runtime_"))
     out.mkdir(parents=True, exist_ok=True)
-    setups = {"exact": {}, "local H=4": dict(sync="local", sync_every=4),
-              "local H=8": dict(sync="local", sync_every=8)}
+    names = args.runs.split(",") if args.runs else list(DEMO_SETUPS if args.demo else SETUPS)
+    if "exact" not in names:
+        names.insert(0, "exact")  # the reference of every ratio
     results = {}
-    for name, sync in setups.items():
-        folder = out / name.replace(" ", "_").replace("=", "")
+    for name in names:
+        folder = out / name.replace(" ", "_").replace("=", "").replace("+", "_")
         print(f"running {name} ...", file=sys.stderr, flush=True)
-        results[name] = run(folder, args.steps, args.workers, **sync)
+        if args.demo:
+            results[name] = run_demo(folder, args.steps, **SETUPS[name])
+        else:
+            results[name] = run(folder, args.steps, args.workers, **SETUPS[name])
     exact_final = tail_loss(results["exact"]["recs"])
-    print(f"\ntiny, S=2, W={args.workers}, M={RUN['micro_batches']} x {RUN['micro_batch_size']} x {RUN['seq_len']} "
-          f"tokens, {args.steps} steps (equal tokens), loopback; loss = mean of the last 3 steps\n")
-    head = ("| run | final loss | / exact | train wall s | wall s to exact's final loss | "
-            + " | ".join(f"{k} B/worker/step" for k in KINDS) + " | total B/worker/step |")
+    exact_wall = wall_curve(results["exact"]["recs"])[-1]
+    where = ("emulated demo scenario (shoal demo's devices and links, no churn)" if args.demo
+             else f"tiny, S=2, W={args.workers}, M={RUN['micro_batches']} x {RUN['micro_batch_size']} x "
+                  f"{RUN['seq_len']} tokens, loopback")
+    print(f"\n{where}, {args.steps} steps (equal tokens); loss = mean of the last 3 steps\n")
+    head = ("| run | final loss | / exact | train wall s | wall s to exact's final loss | / exact wall | "
+            + " | ".join(f"{k} B/worker/step" for k in KINDS) + " | total B/worker/step | exact total / total |")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     rows = {}
+    exact_total = None
     for name, res in results.items():
         recs = res["recs"]
         fin = tail_loss(recs)
         wall = wall_curve(recs)[-1]
         reach = time_to_reach(recs, exact_final)
-        b = per_worker_step(res["summary"], args.workers, args.steps)
-        rows[name] = dict(final=fin, ratio=fin / exact_final, wall=wall, reach=reach, bytes=b)
+        b = per_worker_step(res["summary"], worker_count(res["summary"], res["workers"]), len(recs))
+        total = sum(b.values())
+        exact_total = exact_total or total
+        rows[name] = dict(final=fin, ratio=fin / exact_final, wall=wall, reach=reach, bytes=b, total=total,
+                          bytes_ratio=exact_total / total if total else None)
         print(f"| {name} | {fin:.4f} | {fin / exact_final:.4f} | {wall:.1f} | "
               f"{'-' if reach is None else f'{reach:.1f}'} | "
-              + " | ".join(f"{b[k]:,.0f}" for k in KINDS) + f" | {sum(b.values()):,.0f} |")
+              f"{'-' if reach is None else f'{reach / exact_wall:.2f}'} | "
+              + " | ".join(f"{b[k]:,.0f}" for k in KINDS) + f" | {total:,.0f} | {exact_total / total:.1f}x |")
     png = out / "loss_curves.png"
-    plot(results, png)
+    plot(results, png, f"{where}: exact vs local / compressed")
     (out / "bench.json").write_text(json.dumps(rows, indent=1))
     print(f"\nplot: {png}")
     return 0

@@ -42,7 +42,7 @@ from shoal.errors import ShoalError
 
 # Models a 2-core CPU can train in a few minutes; other scenarios' models are replaced.
 CPU_MODELS = ("tiny", "small")
-CODECS = {"none": "raw", "fp16": "fp16", "int8": "int8"}  # --compression -> worker wire codec
+CODECS = {"none": "raw", "fp16": "fp16", "int8": "int8"}  # one-codec --compression -> runtime wire codec
 
 
 @dataclass
@@ -53,7 +53,7 @@ class DemoConfig:
     steps: int = 40  # optimizer steps
     workers: int | None = None  # worker processes (None: every worker device, at most max_workers)
     churn: bool = True  # replay the scenario's churn (SIGKILL + restart of workers)
-    compression: str = "none"  # wire codec of worker uploads: none, fp16, int8
+    compression: str = "none"  # --compression: codecs per traffic kind in the run spec (shoal.runtime.compression)
     out: str | None = None  # run folder (None: runs/demo-YYYYmmdd-HHMMSS)
     seed: int = 0  # weights, data, churn and sampling seed
     quiet: bool = False  # no live display (the summary is still printed)
@@ -78,8 +78,9 @@ class DemoConfig:
             raise ShoalError(f"--steps must be at least 1, got {self.steps}")
         if self.workers is not None and self.workers < 1:
             raise ShoalError(f"--workers must be at least 1, got {self.workers}")
-        if self.compression not in CODECS:
-            raise ShoalError(f"--compression must be one of {', '.join(CODECS)}, got {self.compression!r}")
+        from shoal.runtime.compression import parse_run_compression
+
+        parse_run_compression(self.compression)
         if self.stages < 1:
             raise ShoalError(f"--stages must be at least 1, got {self.stages}")
         if not self.model_task_s > 0:
@@ -262,14 +263,19 @@ def traffic_bytes(metrics: list[dict], plan, tokens_per_mb: int, d_model: int, s
     return out
 
 
-def sync_policy(codec: str):
-    """The planner's view of the demo's wire codec: workers encode what they upload
-    (activations, their gradients, gradient pushes); weights are pulled raw, so the
-    parameter traffic factor is the larger of the two (fp32), as
+def sync_policy(codec: str, compression=None):
+    """The planner's view of the demo's wire codecs. ``compression`` (a
+    :class:`shoal.runtime.compression.RunCompression`, the run's per-kind setting) gives each
+    kind its codec; without it, ``codec`` stands for what workers upload (activations, their
+    gradients, gradient pushes) with weights pulled raw, so the parameter traffic factor is
+    the larger of the two (fp32), as
     :meth:`shoal.net.compress.CompressionConfig.sync_fractions` defines it."""
     from shoal.net.compress import CompressionConfig
     from shoal.plan.types import SyncPolicy
 
+    if compression is not None:
+        return SyncPolicy(act_codec=compression.act, grad_codec=compression.grad, push_codec=compression.push,
+                          pull_codec=compression.pull)
     act, grad = CompressionConfig(activations=codec, act_grads=codec, grad_push=codec,
                                   weight_pull="raw").sync_fractions()
     return SyncPolicy(act_compression=act, grad_compression=grad)
@@ -374,8 +380,11 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
     spec = emulation_spec(sc, str(scen_path), model_task_s=cfg.model_task_s, bandwidth_scale=BANDWIDTH_SCALE,
                           seed=cfg.seed)
     w = sc.workload
-    codec = CODECS[cfg.compression]
-    plan = make_plan(spec.emulated, stages=stages, seed=cfg.seed, sync=sync_policy(codec))
+    from shoal.runtime.compression import parse_run_compression
+
+    compression = parse_run_compression(cfg.compression)
+    codec = compression.wire("act")  # the computed byte estimate's codec (the counted bytes are exact)
+    plan = make_plan(spec.emulated, stages=stages, seed=cfg.seed, sync=sync_policy(codec, compression))
     if not cfg.quiet:
         console.print(f"[bold]shoal demo[/bold]: scenario {written.name} -- {len(sc.workers)} workers in "
                       f"{len({d.region for d in sc.workers})} regions, {len(sc.server_hosts)} server hosts; "
@@ -391,7 +400,7 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
         micro_batches=w.micro_batches, micro_batch_size=w.micro_batch_size, seq_len=w.seq_len, seed=cfg.seed,
         **{"warmup": max(1, min(10, cfg.steps // 5)), **_optim_overrides(cfg.workload)}, data=tuple(cfg.data), ordered_grads=False, ckpt_every=CKPT_EVERY,
         dead_after_s=DEAD_AFTER_S,
-        worker_args=[["--codec", codec]] * len(sc.workers), timeout_s=cfg.timeout_s, scenario=str(scen_path),
+        compression=compression.text(), timeout_s=cfg.timeout_s, scenario=str(scen_path),
         emulate_speedup=spec.speedup, bandwidth_scale=BANDWIDTH_SCALE, dashboard=cfg.dashboard,
         sync=cfg.sync, sync_every=cfg.sync_every, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum)
     state = LiveState(total_steps=cfg.steps)
@@ -509,7 +518,9 @@ def _analyse(cfg: DemoConfig, sc, spec, demo_plan, metrics, events, driver, t_ch
     hosts = [d.id for d in sc.server_hosts]
     plan = runtime_plan(events, spec.workers, hosts, w.model, sc.name, w.micro_batch_size, w.micro_batches) \
         or demo_plan
-    plan.sync = sync_policy(codec)
+    from shoal.runtime.compression import parse_run_compression
+
+    plan.sync = sync_policy(codec, parse_run_compression(cfg.compression))
     res: dict[str, Any] = {"scenario": sc.name, "model": w.model, "codecs": {}, "compression": cfg.compression,
                            "demo_plan": demo_plan.to_dict(), "speedup": spec.speedup,
                            "bandwidth_scale": BANDWIDTH_SCALE, "model_task_s": cfg.model_task_s}
@@ -555,8 +566,9 @@ def _analyse(cfg: DemoConfig, sc, spec, demo_plan, metrics, events, driver, t_ch
                                 _stage_params(w.model, layers), codec)
         res["bytes"] = traffic
         res["bytes_method"] = "computed from committed steps and task counts (lower bound), exact codec sizes"
-        res["codecs"] = {"activations": codec, "activation_grads": codec, "grad_push": codec,
-                         "weight_pull": "raw"}
+        comp = parse_run_compression(cfg.compression)
+        res["codecs"] = {"activations": comp.wire("act"), "activation_grads": comp.wire("grad"),
+                         "grad_push": comp.wire("push"), "weight_pull": comp.wire("pull")}
     return res
 
 
@@ -584,8 +596,9 @@ def register(subparsers) -> None:
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help=f"worker processes (default: every worker device, at most {d.max_workers})")
     p.add_argument("--no-churn", action="store_true", help="no worker kills/restarts")
-    p.add_argument("--compression", choices=tuple(CODECS), default=d.compression,
-                   help="wire codec of the workers' uploads (activations, their gradients, gradient pushes)")
+    p.add_argument("--compression", default=d.compression, metavar="SPEC",
+                   help="wire codecs in the run spec: one for every kind (none, fp16, int8) or per kind, e.g. "
+                        "act=int8,grad=int8,push=topk-int8:0.1,pull=int8 (docs/sync-policies.md)")
     p.add_argument("--out", default=None, metavar="DIR", help="run folder (default runs/demo-YYYYmmdd-HHMMSS)")
     scen = "the scenario's workload"
     add_workload_args(p, defaults=FlagWorkload(steps=d.steps), shown={

@@ -13,6 +13,11 @@ weight pulls) is encoded by one of three codecs:
   one float32 scale ``s = max|x| / 127`` and ``q = round(x / s)`` in [-127, 127] as
   int8. Decoding is ``q * s``, so every element's error is at most ``s / 2`` of its
   block. ``1 + 4 / block`` bytes per element: 3.88x smaller than fp32 at block 128.
+* ``topk-int8[:density]`` -- sparse: the ``k = ceil(density * numel)`` entries of largest
+  magnitude (default density 0.1), as ascending little-endian int32 indices followed by
+  their values in blockwise int8 (as above); every other entry decodes to 0.
+  ``5 k + 4 ceil(k / block)`` bytes. Only for pseudo-gradients and weight deltas sent with
+  error feedback (what it drops is carried to the next send), never for activations.
 
 Payloads are plain bytes plus a small ``meta`` dict of ints and strings (codec, block,
 element count) that the frame carries; the receiver passes the shape and dtype it
@@ -30,6 +35,7 @@ class for the run report.
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +43,10 @@ from typing import Any
 import numpy as np
 import torch
 
-CODECS = ("raw", "fp16", "int8")
+CODECS = ("raw", "fp16", "int8")  # dense codecs (any traffic kind)
+SPARSE_CODECS = ("topk-int8",)  # sparse codecs (pushes and pulls with error feedback only)
+ALL_CODECS = CODECS + SPARSE_CODECS  # every codec name a frame may carry
+TOPK_DENSITY = 0.1  # fraction of entries topk-int8 keeps without a :density (shoal.plan.compression's)
 DEFAULT_BLOCK = 128  # int8 block size: 3.88x smaller than fp32, error <= absmax/254 per block
 FP16_MAX = 65504.0
 _INT8_LEVELS = 127  # symmetric: -127..127, so -x decodes to exactly minus the decode of x
@@ -73,27 +82,57 @@ def torch_dtype(name: str) -> torch.dtype:
         raise CodecError(f"unsupported dtype {name!r}; supported: {', '.join(_TORCH_DTYPES)}") from None
 
 
+def split_codec(codec: str) -> tuple[str, float]:
+    """``"topk-int8:0.05"`` -> ``("topk-int8", 0.05)``; dense codecs -> ``(name, 1.0)``."""
+    name, _, arg = codec.partition(":")
+    if name not in SPARSE_CODECS:
+        if arg:
+            raise CodecError(f"codec {codec!r}: only topk-int8 takes a :density")
+        return name, 1.0
+    try:
+        density = float(arg) if arg else TOPK_DENSITY
+    except ValueError:
+        raise CodecError(f"codec {codec!r}: the density must be a number in (0, 1]") from None
+    if not 0 < density <= 1:
+        raise CodecError(f"codec {codec!r}: the density must be in (0, 1], got {density}")
+    return name, density
+
+
 def _check_codec(codec: str, block: int) -> None:
-    if codec not in CODECS:
-        raise CodecError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
-    if codec == "int8" and not (isinstance(block, int) and 1 <= block <= 1 << 20):
+    name, _ = split_codec(codec)
+    if name not in ALL_CODECS:
+        raise CodecError(f"unknown codec {codec!r}; choose one of {', '.join(ALL_CODECS)}")
+    if name != "raw" and name != "fp16" and not (isinstance(block, int) and 1 <= block <= 1 << 20):
         raise CodecError(f"int8 block size must be an integer in [1, 2^20], got {block!r}")
 
 
-def encoded_nbytes(codec: str, numel: int, block: int = DEFAULT_BLOCK) -> int:
-    """Exact payload size in bytes of a tensor of ``numel`` elements under ``codec``."""
+def topk_count(numel: int, density: float) -> int:
+    """Entries a top-k codec of ``density`` keeps of ``numel`` (at least one of a non-empty tensor)."""
+    return min(numel, max(1, math.ceil(density * numel))) if numel > 0 else 0
+
+
+def encoded_nbytes(codec: str, numel: int, block: int = DEFAULT_BLOCK, k: int | None = None) -> int:
+    """Exact payload size in bytes of a tensor of ``numel`` elements under ``codec``
+    (top-k: ``k`` kept entries, default from the codec's density)."""
     _check_codec(codec, block)
-    if codec == "raw":
+    name, density = split_codec(codec)
+    if name == "raw":
         return 4 * numel
-    if codec == "fp16":
+    if name == "fp16":
         return 2 * numel
+    if name == "topk-int8":
+        k = topk_count(numel, density) if k is None else k
+        return 5 * k + 4 * _n_blocks(k, block)
     return numel + 4 * _n_blocks(numel, block)
 
 
 def wire_fraction(codec: str, block: int = DEFAULT_BLOCK) -> float:
     """Bytes on the wire per fp32 byte for large tensors (the planner's compression factor)."""
     _check_codec(codec, block)
-    return {"raw": 1.0, "fp16": 0.5}.get(codec, (1 + 4 / block) / 4)
+    name, density = split_codec(codec)
+    if name == "topk-int8":
+        return density * (5 + 4 / block) / 4
+    return {"raw": 1.0, "fp16": 0.5}.get(name, (1 + 4 / block) / 4)
 
 
 def _n_blocks(numel: int, block: int) -> int:
@@ -141,6 +180,15 @@ def encode(
             )
         return x.astype("<f2").tobytes(), meta
     meta["block"] = block
+    name, density = split_codec(codec)
+    if name == "topk-int8":
+        meta["codec"] = name
+        k = topk_count(x.size, density)
+        # The k largest magnitudes; indices ascending, so a receiver can check them cheaply.
+        idx = np.sort(np.argpartition(np.abs(x), x.size - k)[x.size - k:]) if k < x.size else np.arange(x.size)
+        meta["k"] = int(k)
+        scales, q = _quantise_int8(x[idx], block)
+        return (idx.astype("<i4").tobytes() + scales.astype("<f4", copy=False).tobytes() + q.tobytes(), meta)
     scales, q = _quantise_int8(x, block)
     return scales.astype("<f4", copy=False).tobytes() + q.tobytes(), meta
 
@@ -188,7 +236,12 @@ def decode(
     numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
     if meta.get("numel", numel) != numel:
         raise CodecError(f"payload holds {meta.get('numel')} elements but shape {shape} needs {numel}")
-    expected = encoded_nbytes(codec, numel, block)
+    k = None
+    if codec == "topk-int8":
+        k = meta.get("k")
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= numel:
+            raise CodecError(f"topk-int8 payload keeps {k!r} entries; expected an integer in [0, {numel}]")
+    expected = encoded_nbytes(codec, numel, block, k)
     buf = memoryview(payload).cast("B")
     if len(buf) != expected:
         raise CodecError(
@@ -198,17 +251,28 @@ def decode(
         x = np.frombuffer(buf, dtype="<f4")
     elif codec == "fp16":
         x = np.frombuffer(buf, dtype="<f2").astype(np.float32)
+    elif codec == "topk-int8":
+        idx = np.frombuffer(buf[: 4 * k], dtype="<i4")
+        if k and (idx[0] < 0 or idx[-1] >= numel or (k > 1 and not (np.diff(idx) > 0).all())):
+            raise CodecError("topk-int8 payload has indices out of range or not strictly ascending")
+        x = np.zeros(numel, dtype=np.float32)
+        x[idx] = _dequantise_int8(buf[4 * k:], k, block)
     else:
-        nb = _n_blocks(numel, block)
-        scales = np.frombuffer(buf[: 4 * nb], dtype="<f4")
-        if not np.isfinite(scales).all() or (scales < 0).any():
-            raise CodecError("int8 payload has a negative or non-finite block scale")
-        q = np.frombuffer(buf[4 * nb :], dtype=np.int8)
-        padded = np.zeros(nb * block, dtype=np.float32)
-        padded[:numel] = q
-        x = (padded.reshape(nb, block) * scales[:, None]).reshape(-1)[:numel]
+        x = _dequantise_int8(buf, numel, block)
     # copy: frombuffer views are read-only and tied to the payload's lifetime
     return torch.from_numpy(np.array(x, dtype=np.float32)).reshape(shape).to(dt)
+
+
+def _dequantise_int8(buf: memoryview, numel: int, block: int) -> np.ndarray:
+    """The ``numel`` float32 values of a blockwise int8 payload (scales, then codes)."""
+    nb = _n_blocks(numel, block)
+    scales = np.frombuffer(buf[: 4 * nb], dtype="<f4")
+    if not np.isfinite(scales).all() or (scales < 0).any():
+        raise CodecError("int8 payload has a negative or non-finite block scale")
+    q = np.frombuffer(buf[4 * nb :], dtype=np.int8)
+    padded = np.zeros(nb * block, dtype=np.float32)
+    padded[:numel] = q
+    return (padded.reshape(nb, block) * scales[:, None]).reshape(-1)[:numel]
 
 
 def roundtrip(

@@ -4,7 +4,7 @@ Nothing received is ever unpickled: a ``raw`` payload is read with
 ``numpy.frombuffer`` after its length has been checked against dtype x shape, and the
 receiver states the shape and dtype it expects (from its stage spec) so a peer cannot
 make it allocate or accept anything else. Gradients must also be finite.
-Lossy codecs (``fp16``, ``int8``) are delegated to :mod:`shoal.net.compress`; their
+Lossy codecs (``fp16``, ``int8``, ``topk-int8``) are delegated to :mod:`shoal.net.compress`; their
 side data travels as a small JSON object in ``meta``.
 """
 
@@ -58,7 +58,7 @@ def encode_tensor(name: str, tensor: torch.Tensor, codec: str = "raw", ef=None) 
         data, meta = ef.encode(name, t)
     else:
         data, meta = compress.encode(t, codec)
-    return pb.Tensor(name=name, dtype=dtype, shape=list(t.shape), data=bytes(data), codec=codec,
+    return pb.Tensor(name=name, dtype=dtype, shape=list(t.shape), data=bytes(data), codec=meta["codec"],
                      meta=json.dumps(meta, sort_keys=True).encode())
 
 
@@ -102,7 +102,7 @@ def decode_tensor(
     else:
         from shoal.net import compress
 
-        if codec not in compress.CODECS:
+        if codec not in compress.ALL_CODECS:
             raise WireError(f"tensor {frame.name!r}: unknown codec {codec!r}")
         try:
             meta = json.loads(frame.meta.decode() or "{}")

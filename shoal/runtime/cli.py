@@ -88,6 +88,9 @@ def _run_args(p: argparse.ArgumentParser, launch: bool = False) -> None:
     from shoal.train.outer import add_sync_args
 
     add_sync_args(p)
+    from shoal.runtime.compression import add_compression_arg
+
+    add_compression_arg(p)
     p.add_argument("--chunk-mb", type=float, default=None,
                    help="MB per chunk of streamed weight pulls, gradient pushes, results and relays "
                         "(default 4; members may override it)")
@@ -331,7 +334,10 @@ def _spec(args):
     from shoal.train.outer import sync_from_args
 
     sync = sync_from_args(args, args.precision or "fp32")
-    return pb.RunSpec(
+    from shoal.runtime.compression import parse_run_compression
+
+    compression = parse_run_compression(args.compression)
+    spec = pb.RunSpec(
         version=1, model=cfg.name if init_from else w.model, stages=args.stages, steps=w.steps, micro_batches=w.micro_batches,
         micro_batch_size=w.micro_batch_size, seq_len=w.seq_len, seed=w.seed, lr=w.lr,
         min_lr=min_lr, warmup=w.warmup, weight_decay=w.weight_decay, grad_clip=w.grad_clip,
@@ -342,6 +348,8 @@ def _spec(args):
         init_from=init_from or "", model_config_json=json.dumps(cfg.to_dict()) if init_from else "",
         sync_mode=sync.mode, sync_every=sync.sync_every, outer_lr=sync.outer_lr, outer_momentum=sync.outer_momentum,
         guard_spot_check=_spot_check(args.spot_check))
+    compression.to_spec(spec)
+    return spec
 
 
 # Coordinator options a run's journal keeps, with their flag defaults: `--resume` takes
@@ -530,7 +538,7 @@ def run_launch_cmd(args) -> int:
         dashboard=None if args.no_dashboard else args.dashboard, chunk_mb=args.chunk_mb,
         device=args.device or "auto", precision=args.precision or "fp32", loss_scale=args.loss_scale,
         sync=args.sync, sync_every=args.sync_every, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
-        faults=list(args.fault), spot_check=args.spot_check, standbys=args.standbys, tls=not args.insecure)
+        compression=args.compression, faults=list(args.fault), spot_check=args.spot_check, standbys=args.standbys, tls=not args.insecure)
     if cfg.dashboard:
         from shoal.runtime.dashboard import parse_bind
 

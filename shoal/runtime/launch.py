@@ -76,6 +76,7 @@ class LaunchConfig:
     sync_every: int = 32  # local: steps between merges H
     outer_lr: float = 0.7  # local: outer Nesterov learning rate
     outer_momentum: float = 0.9  # local: outer Nesterov momentum
+    compression: str = "none"  # wire codecs per traffic kind (shoal.runtime.compression; none: uncompressed)
     faults: list[str] = field(default_factory=list)  # --fault SPECs (shoal.runtime.faults grammar)
     spot_check: float = 0.05  # fraction of gradient pushes the stage servers recompute (exact runs)
     standbys: int = 0  # hot standby servers, each with its own empty checkpoint folder (stage k mod S)
@@ -91,6 +92,9 @@ class LaunchConfig:
         from shoal.train.outer import SyncConfig
 
         SyncConfig(self.sync, self.sync_every, self.outer_lr, self.outer_momentum).validate(self.precision)
+        from shoal.runtime.compression import parse_run_compression
+
+        self.compression = parse_run_compression(self.compression).text()
         from shoal.train.precision import check_device_precision, check_precision, resolve_device
 
         # Checked here, once, so a bad --device is one line before any process starts.
@@ -244,6 +248,7 @@ class Swarm:
             "--precision", c.precision, *([] if c.loss_scale is None else ["--loss-scale", repr(c.loss_scale)]),
             "--sync", c.sync, "--sync-every", str(c.sync_every), "--outer-lr", repr(c.outer_lr),
             "--outer-momentum", repr(c.outer_momentum), "--spot-check", repr(c.spot_check),
+            "--compression", c.compression,
             *self._coordinator_emulation()]
 
     def _start_coordinator(self, args: list[str]) -> None:

@@ -31,8 +31,10 @@ import time
 import torch
 
 from shoal.net import shoal_pb2 as pb
+from shoal.net.compress import ErrorFeedback
 from shoal.net.wire import WireError, encode_tensor
 from shoal.runtime.common import optim_config, tensors_digest
+from shoal.runtime.compression import compression_of_spec
 from shoal.train.optim import apply_update, make_optimizer
 from shoal.train.outer import is_sync_step, merge_pseudo_grads, outer_nesterov_step, sync_of_spec
 
@@ -274,6 +276,9 @@ class LocalWorkerMixin:
         self.pending: tuple[int, int, dict[str, torch.Tensor], int] | None = None  # (epoch, step, sum, mbs)
         self.local_gen: int | None = None  # server generation the replica belongs to
         self.local_sent: tuple[int, int] | None = None  # (epoch, round) of the last pseudo-gradient sent
+        # Compressed pseudo-gradients: what a round's push did not carry goes with the next one.
+        push = compression_of_spec(self.spec).wire("push") if self.local else "raw"
+        self.pseudo_ef = ErrorFeedback(push) if push != "raw" else None
 
     def _local_check_gen(self, rep: pb.LeaseReply) -> None:
         """Voided by the server (or a roll-back): the replica's un-merged progress is dropped."""
@@ -281,6 +286,8 @@ class LocalWorkerMixin:
             log.info("%s: voided by the server; dropping the replica's un-merged progress", self.opts.name)
             self.version = -1
             self.pending = None
+            if self.pseudo_ef is not None:
+                self.pseudo_ef.reset()
         self.local_gen = rep.gen
 
     def _local_needs_pull(self, rep: pb.LeaseReply, task: pb.Task) -> bool:
@@ -377,14 +384,18 @@ class LocalWorkerMixin:
                 log.info("%s: pseudo-gradient for v%d not taken (%s); resyncing", self.opts.name, round_v,
                          "lost" if res is None else res.reason)
                 self.version = -1
+                if self.pseudo_ef is not None:
+                    self.pseudo_ef.reset()  # nothing of it was merged: its residual means nothing
 
     def _pseudo_message(self, epoch: int, step: int, gen: int, round_v: int) -> tuple[pb.GradPush, bytes]:
-        """The replica's pseudo-gradient (anchor minus weights now), framed raw fp32."""
+        """The replica's pseudo-gradient (anchor minus weights now), framed raw fp32 or with the run's
+        push codec plus error feedback (``--compression push=...``)."""
         msg = pb.GradPush(worker=self.member_id, step=step, epoch=epoch, gen=gen, local_round=round_v,
                           local_mbs=self.local_round_mbs)
+        codec = self.pseudo_ef.codec if self.pseudo_ef is not None else "raw"
         for name, p in self.params.items():
             delta = self.anchor[name] - p.detach()
             if self.opts.fault_poison != 1.0:
                 delta = delta * self.opts.fault_poison  # fault injection: a dishonest replica
-            msg.grads.append(encode_tensor(name, delta.cpu()))
+            msg.grads.append(encode_tensor(name, delta.cpu(), codec, ef=self.pseudo_ef))
         return msg, msg.SerializeToString()

@@ -74,6 +74,12 @@ from shoal.runtime.common import (
     set_threads,
     stage_ckpt_loss_scale,
 )
+from shoal.runtime.compression import (
+    compressed_pull,
+    compression_of_spec,
+    frame_to_forward,
+    relay_frame,
+)
 from shoal.runtime.guard import DEFAULT as GUARD
 from shoal.runtime.guard import (
     ban_reason,
@@ -104,6 +110,8 @@ class MbState:
     relayed_back: bool = False  # the input gradient went to the previous stage
     fwd_by: str = ""  # local mode: the worker whose replica ran the forward (gets the backward)
     fwd_gen: int = 0  # that worker's generation then
+    input_frame: pb.Tensor | None = None  # compressed runs: the input as received, handed on as is
+    out_grad_frame: pb.Tensor | None = None  # compressed runs: the output gradient as received
 
 
 @dataclass
@@ -606,9 +614,10 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
         task = pb.Task(step=self.step, mb=mb, stage=self.stage, direction=direction,
                        epoch=self.epoch, lease_id=lid, deadline_s=secs, loss_scale=self.loss_scale)
         if st.input is not None:
-            task.input.CopyFrom(encode_tensor("input", st.input))
+            task.input.CopyFrom(st.input_frame if st.input_frame is not None else encode_tensor("input", st.input))
         if direction == pb.BWD:
-            task.out_grad.CopyFrom(encode_tensor("grad", st.out_grad))
+            task.out_grad.CopyFrom(st.out_grad_frame if st.out_grad_frame is not None
+                                   else encode_tensor("grad", st.out_grad))
         return task
 
     def _should_flush(self, wid: str) -> bool:
@@ -682,7 +691,7 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
             st.fwd_by, st.fwd_gen = r.worker, info.gen
             self._spawn(self._relay(self.stage + 1, pb.Relay(
                 step=r.step, mb=r.mb, epoch=self.epoch, direction=pb.FWD,
-                tensor=encode_tensor("act", out))))
+                tensor=relay_frame(r.output, "act", out))))
         else:
             st.grad, st.holder = "computed", r.worker
             if r.direction == pb.FWDBWD:
@@ -691,7 +700,7 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
                 st.relayed_back = True
                 self._spawn(self._relay(self.stage - 1, pb.Relay(
                     step=r.step, mb=r.mb, epoch=self.epoch, direction=pb.BWD,
-                    tensor=encode_tensor("grad", out))))
+                    tensor=relay_frame(r.output, "grad", out))))
             if self.timing.all_computed is None and all(
                     m.grad in ("computed", "counted") for m in self.steps[r.step].values()):
                 self.timing.all_computed = time.monotonic()
@@ -812,7 +821,9 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
         loop = asyncio.get_running_loop()
         norm, cosine = await loop.run_in_executor(None, self._guard_measure, grads, self.guard_ref)
         flag = screen(norm, cosine, robust_centre(self.guard_norms), self.guard_cfg)
-        exact = run_precision(self.spec) == "fp32" and all(g.codec in ("", "raw") for g in r.grads)
+        # Compressed pulls: the worker computed on the reconstruction, not these weights.
+        exact = (run_precision(self.spec) == "fp32" and all(g.codec in ("", "raw") for g in r.grads)
+                 and compression_of_spec(self.spec).pull == "none")
         first = r.worker not in self.guard_seen
         spot = any(spot_pick(self.spec.seed, self.spec.run_id, self.stage, r.step, mb, self.spec.guard_spot_check)
                    for mb in ids)
@@ -961,7 +972,10 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
         if self.version < 0:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "stage not loaded yet")
         # Every chunk is a slice of the one shared serialisation; a puller holds a chunk at a time.
-        data = await self._weights_bytes()
+        if request.worker != "coordinator" and compression_of_spec(self.spec).pull != "none":
+            data = await compressed_pull(self, request)  # a delta against what the worker holds
+        else:
+            data = await self._weights_bytes()
         for chunk in split("WeightsReply", data, self.chunk_bytes):
             info = self.workers.get(request.worker)
             if info is not None:
@@ -1065,14 +1079,14 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
         st = mbs.setdefault(r.mb, MbState())
         if r.direction == pb.FWD:
             if st.input is None:
-                st.input = t
+                st.input, st.input_frame = t, frame_to_forward(r.tensor)
                 if self.is_last:
                     st.grad = "todo" if st.grad == "wait" else st.grad
                 elif st.fwd == "wait":
                     st.fwd = "todo"
         else:
             if st.out_grad is None:
-                st.out_grad = t
+                st.out_grad, st.out_grad_frame = t, frame_to_forward(r.tensor)
                 if st.grad == "wait":
                     st.grad = "todo"
         async with self.cond:

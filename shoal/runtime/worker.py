@@ -40,6 +40,7 @@ from shoal.runtime.common import (
     run_precision,
     set_threads,
 )
+from shoal.runtime.compression import apply_pull, compression_of_spec
 from shoal.runtime.local_sync import LocalWorkerMixin
 from shoal.train.precision import (
     autocast,
@@ -244,6 +245,8 @@ class Worker(LocalWorkerMixin):
         reply = await _retry(lambda: self.coord.Join(self._join_request()), budget_s=self.opts.join_timeout_s)
         self.member_id, self.spec = reply.member_id, reply.spec
         self.cfg = model_config(self.spec)
+        push = self._codec("push")
+        self.ef = ErrorFeedback(push) if push != "raw" and self.opts.error_feedback else None
         try:
             if self.opts.precision and self.opts.precision != self.precision:
                 raise ShoalError(f"--precision {self.opts.precision}: the run at {self.coord_addr} computes in "
@@ -378,6 +381,7 @@ class Worker(LocalWorkerMixin):
         self.params = dict(self.module.named_parameters())
         self.n_params = sum(p.numel() for p in self.params.values())
         self.version = -1
+        self.pull_held: tuple[str, int] = ("", -1)  # compressed pulls: (chain, version) of the weights held
         self._drop_acc()
         self._local_reset()
         if self.ef is not None:
@@ -399,8 +403,11 @@ class Worker(LocalWorkerMixin):
         numel = sum(p.numel() for p in self.params.values())
         cap = 4 * numel + 512 * len(self.params) + CONTROL_SLACK
         t0 = time.perf_counter()
-        rep = await fetch(self.server.GetWeightsStream, pb.WeightsRequest(worker=self.member_id),
-                          pb.WeightsReply, cap, traffic=self.traffic)
+        chain, held = getattr(self, "pull_held", ("", -1))
+        req = pb.WeightsRequest(worker=self.member_id)
+        if chain:  # compressed pulls: say which reconstruction we hold (a delta against it will do)
+            req.compress_chain, req.compress_version = chain, held
+        rep = await fetch(self.server.GetWeightsStream, req, pb.WeightsReply, cap, traffic=self.traffic)
         self.obs_pull_s = ewma(self.obs_pull_s, time.perf_counter() - t0)
         self.obs_pull_bytes = rep.ByteSize()
         self.obs_pulls += 1
@@ -410,18 +417,25 @@ class Worker(LocalWorkerMixin):
         self.graphs.clear()  # graphs of older weights must not be back-propagated
 
     def _apply_weights(self, rep: pb.WeightsReply) -> None:
-        """Check every frame of a weight pull, then copy them in: all of them or none."""
-        new = {}
-        for frame in rep.params:
-            p = self.params.get(frame.name)
-            if p is None or frame.name in new:
-                raise WireError(f"weights of stage [{rep.first},{rep.last}): unexpected tensor {frame.name!r}")
-            new[frame.name] = decode_tensor(frame, shape=tuple(p.shape), dtype="float32", finite=True)
-        if len(new) != len(self.params):
-            raise WireError(f"weights hold {len(new)} of the stage's {len(self.params)} tensors")
+        """Check every frame of a weight pull, then copy them in: all of them or none.
+
+        A compressed pull is a delta against the weights the worker pulled last (its replica's
+        anchor in local mode, where the replica itself has moved on since)."""
+        base = (self.anchor if self.local else self.params) if rep.compress_delta else None
+        try:
+            new = apply_pull(rep, self.params, base, self.pull_held)
+        except WireError:
+            self.pull_held = ("", -1)  # the next pull is a full one
+            raise
         with torch.no_grad():
             for name, t in new.items():
                 self.params[name].copy_(to_device(t, self.torch_device))
+        self.pull_held = (rep.compress_chain, rep.version) if rep.compress_chain else ("", -1)
+
+    def _codec(self, kind: str) -> str:
+        """Runtime codec of traffic ``kind`` this worker sends: the run's setting, else its own --codec."""
+        c = compression_of_spec(self.spec).wire(kind)
+        return c if c != "raw" else self.opts.codec
 
     def _push_message(self, epoch: int, step: int, gen: int, mbs: list[int],
                       grads: dict[str, torch.Tensor]) -> tuple[pb.GradPush, bytes]:
@@ -434,7 +448,7 @@ class Worker(LocalWorkerMixin):
                 self.inject.discard("nan_grad")
                 g = g.clone()
                 g.view(-1)[0] = float("nan")
-            msg.grads.append(encode_tensor(name, to_host(g), self.opts.codec, ef=self.ef))
+            msg.grads.append(encode_tensor(name, to_host(g), self._codec("push"), ef=self.ef))
         return msg, msg.SerializeToString()
 
     async def _push(self) -> None:
@@ -579,7 +593,8 @@ class Worker(LocalWorkerMixin):
                 if "bad_shape" in self.inject:
                     self.inject.discard("bad_shape")
                     out = out[..., :-1]
-                result.output.CopyFrom(encode_tensor("out", out, self.opts.codec))
+                result.output.CopyFrom(encode_tensor("out", out, self._codec("act" if task.direction == pb.FWD
+                                                                             else "grad")))
             done = await send(server.CompleteStream, result, self.chunk_bytes, traffic=self.traffic,
                               sender=self.member_id)
         finally:

@@ -1,0 +1,239 @@
+"""Wire compression of a run, per traffic kind: the run spec's setting and the compressed weight pull.
+
+``--compression`` (``shoal launch``, ``shoal coordinator``, ``shoal demo``) takes the planner's
+syntax (:func:`shoal.plan.compression.parse_compression`): one codec for every kind
+(``int8``) or one per kind (``act=int8,grad=int8,push=topk-int8:0.1,pull=int8``). It travels in
+the run spec (``RunSpec.compress_*``, fields 800-803) to every member:
+
+* ``act`` / ``grad``: workers encode the activations and activation gradients they return with
+  it; a stage server keeps the frame it received and hands that same frame on (relay to the
+  next or previous stage, and the task input of the worker that leases the task), so nothing
+  is expanded to fp32 on the wire and every receiver decodes the same bytes;
+* ``push``: workers encode gradient pushes (exact mode) and pseudo-gradients (local mode) with
+  it, with error feedback kept on the worker (what a push did not carry is added to the next);
+* ``pull``: :class:`PullDeltas` -- the server keeps one reconstruction ``R`` of its weights that
+  every synced worker holds bit for bit; a new version is sent as the compressed difference
+  ``W - R`` (``R`` then advances by exactly the decoded difference, so ``W - R`` is carried to
+  the next version: error feedback on the server side). A chain of reconstructions starts at
+  every (re)load and epoch with ``R`` = the weights as the dense pull codec decodes them
+  (``int8`` for a top-k pull codec), sent in that codec to everyone who pulls that version; a
+  worker that later does not hold the previous ``R`` (a joiner, or one that missed a version)
+  gets ``R`` itself in fp32, so every replica holds the same ``R`` bit for bit.
+
+``none`` everywhere (the default) changes nothing: frames, relays and pulls are those of an
+uncompressed run byte for byte.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from shoal.plan.compression import KINDS, parse_compression
+
+if TYPE_CHECKING:  # torch and the wire layer load only where tensors are handled (flag parsing stays light)
+    import torch
+
+    from shoal.net import shoal_pb2 as pb
+
+
+def dense_codec(codec: str) -> str:
+    """The codec of a whole-weights pull under pull codec ``codec``: top-k keeps too little of
+    whole weights, so ``int8`` stands in for it."""
+    return "int8" if codec.startswith("topk-int8") else codec
+
+
+def runtime_codec(codec: str) -> str:
+    """The :mod:`shoal.net.compress` codec of a planner codec name (``none`` is ``raw``)."""
+    return "raw" if codec in ("", "none") else codec
+
+
+@dataclass(frozen=True)
+class RunCompression:
+    """Codec of each traffic kind, in the planner's names (``none``, ``fp16``, ``int8``, ``topk-int8[:rho]``)."""
+
+    act: str = "none"  # activations sent forward (workers' results, servers' relays and task inputs)
+    grad: str = "none"  # activation gradients sent backward (same paths as act)
+    push: str = "none"  # gradient pushes (exact) and pseudo-gradient pushes (local), with error feedback
+    pull: str = "none"  # weight pulls: deltas against the reconstruction the worker holds
+
+    @property
+    def off(self) -> bool:
+        """No kind is compressed (the run's frames are those of an uncompressed run)."""
+        return all(getattr(self, k) in ("", "none") for k in KINDS)
+
+    def wire(self, kind: str) -> str:
+        """Runtime codec of ``kind`` (``raw`` when not compressed)."""
+        return runtime_codec(getattr(self, kind))
+
+    def text(self) -> str:
+        """The setting as ``--compression`` text (``none`` when off)."""
+        if self.off:
+            return "none"
+        return ",".join(f"{k}={getattr(self, k)}" for k in KINDS)
+
+    def to_spec(self, spec: pb.RunSpec) -> None:
+        """Write the setting into a run spec (empty fields when a kind is not compressed)."""
+        for k in KINDS:
+            c = getattr(self, k)
+            setattr(spec, f"compress_{k}", "" if c == "none" else c)
+
+
+def parse_run_compression(text: str | None) -> RunCompression:
+    """``--compression`` text -> :class:`RunCompression` (one-line :class:`ShoalError` if bad)."""
+    if text is None or text.strip() in ("", "none"):
+        return RunCompression()
+    return RunCompression(**parse_compression(text))
+
+
+def compression_of_spec(spec) -> RunCompression:
+    """The setting a run spec carries (empty fields: ``none``)."""
+    if spec is None:
+        return RunCompression()
+    return RunCompression(**{k: getattr(spec, f"compress_{k}", "") or "none" for k in KINDS})
+
+
+def add_compression_arg(p, default: str = "none") -> None:
+    """The ``--compression`` flag of ``shoal launch`` and ``shoal coordinator`` (argparse)."""
+    p.add_argument("--compression", default=default, metavar="SPEC",
+                   help="wire codecs: one for every kind (none, fp16, int8) or per kind, e.g. "
+                        "act=int8,grad=int8,push=topk-int8:0.1,pull=int8 (kinds not named: none); lossy "
+                        "codecs make exact sync approximate (docs/sync-policies.md)")
+
+
+def frame_to_forward(frame: pb.Tensor) -> pb.Tensor | None:
+    """A received frame a server keeps to hand on as it is: a lossy one (else None: the server
+    re-encodes the decoded tensor raw, the bytes of an uncompressed run)."""
+    return frame if (frame.codec or "raw") != "raw" else None
+
+
+def relay_frame(frame: pb.Tensor, name: str, tensor: torch.Tensor) -> pb.Tensor:
+    """What a server relays of a worker's result: a lossy frame as received, else ``tensor`` raw."""
+    from shoal.net.wire import encode_tensor
+
+    kept = frame_to_forward(frame)
+    return kept if kept is not None else encode_tensor(name, tensor)
+
+
+async def compressed_pull(server, request: pb.WeightsRequest) -> bytes:
+    """The serialised pull of ``request`` from ``server`` (a StageServer whose run compresses pulls).
+
+    Under the server's weights lock, like its uncompressed cache: the bytes are exactly the
+    weights of the version they are labelled with.
+    """
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    async with server._wlock:
+        codec = compression_of_spec(server.spec).pull
+        pd = getattr(server, "pull_deltas", None)
+        if pd is None or pd.codec != runtime_codec(codec):
+            pd = server.pull_deltas = PullDeltas(codec)
+        key = (server.published_version(), server.epoch, server.stage)
+        await loop.run_in_executor(None, pd.advance, key, server.first, server.last, dict(server.params))
+        return await loop.run_in_executor(None, pd.reply, request.compress_chain, request.compress_version)
+
+
+class PullDeltas:
+    """Compressed weight pulls of one stage server: one shared reconstruction, one delta per version.
+
+    ``R`` is what every synced worker holds. When the served version changes, the server
+    encodes ``W - R`` once with the pull codec and adds the decoded delta to ``R`` (the same
+    bytes every worker adds to its own copy, so the copies stay equal bit for bit; what the
+    codec dropped stays in ``W - R`` and goes with the next delta). A worker that says it holds
+    ``R`` of the version before (``WeightsRequest.compress_chain``/``compress_version``) gets the
+    delta; any other gets ``R`` in full. A new chain (new id) starts at every (re)load, epoch and
+    version going back: ``R`` is then the weights as the dense codec (:func:`dense_codec`)
+    decodes them, and the full pull of that first version is those compressed frames; after the
+    first delta a full pull is ``R`` in fp32 (it is no longer what one codec frame decodes to).
+    Not thread-safe: the server calls :meth:`advance` under its weights lock and
+    :meth:`reply` in a thread under the same lock.
+    """
+
+    def __init__(self, codec: str):
+        self.codec = runtime_codec(codec)  # runtime codec of the deltas
+        self.chain = ""  # id of the current reconstruction chain
+        self.key: tuple[int, int, int] | None = None  # (version, epoch, stage) R stands for
+        self.recon: dict[str, torch.Tensor] | None = None  # R, fp32 on the CPU
+        self.head: tuple[int, int] = (0, 0)  # (first, last) layers of the stage
+        self.base = -1  # version the delta goes from (-1: no delta yet)
+        self.delta_bytes: bytes | None = None  # serialised WeightsReply of the delta
+        self.full_bytes: bytes | None = None  # serialised WeightsReply of R in fp32 (made on demand)
+
+    def advance(self, key: tuple[int, int, int], first: int, last: int, params: dict[str, torch.Tensor]) -> None:
+        """Bring ``R`` to ``key`` (runs in a thread, under the server's weights lock)."""
+        import torch
+
+        from shoal.net import shoal_pb2 as pb
+        from shoal.net.wire import decode_tensor, encode_tensor
+
+        if self.key == key:
+            return
+        version, epoch, stage = key
+        if self.recon is None or self.key is None or self.key[1:] != key[1:] or version < self.key[0]:
+            self.chain = uuid.uuid4().hex
+            head = pb.WeightsReply(version=version, epoch=epoch, first=first, last=last, compress_chain=self.chain)
+            self.recon = {}
+            for name, p in params.items():
+                frame = encode_tensor(name, p.detach().to("cpu", torch.float32), dense_codec(self.codec))
+                self.recon[name] = decode_tensor(frame, shape=tuple(p.shape), dtype="float32")
+                head.params.append(frame)
+            self.base, self.delta_bytes = -1, None
+            self.key, self.head, self.full_bytes = key, (first, last), head.SerializeToString()
+            return
+        else:
+            head = pb.WeightsReply(version=version, epoch=epoch, first=first, last=last, compress_delta=True,
+                                   compress_chain=self.chain, compress_base=self.key[0])
+            for name, p in params.items():
+                r = self.recon[name]
+                frame = encode_tensor(name, p.detach().to("cpu", torch.float32) - r, self.codec)
+                # Advance by what the workers will decode, not by the exact difference.
+                r.add_(decode_tensor(frame, shape=tuple(r.shape), dtype="float32"))
+                head.params.append(frame)
+            self.base, self.delta_bytes = self.key[0], head.SerializeToString()
+        self.key, self.head, self.full_bytes = key, (first, last), None
+
+    def reply(self, have_chain: str, have_version: int) -> bytes:
+        """The serialised pull for a worker holding ``R`` of ``(have_chain, have_version)``."""
+        from shoal.net import shoal_pb2 as pb
+        from shoal.net.wire import encode_tensor
+
+        if self.delta_bytes is not None and have_chain == self.chain and have_version == self.base:
+            return self.delta_bytes
+        if self.full_bytes is None:
+            head = pb.WeightsReply(version=self.key[0], epoch=self.key[1], first=self.head[0], last=self.head[1],
+                                   compress_chain=self.chain)
+            for name, r in self.recon.items():
+                head.params.append(encode_tensor(name, r))
+            self.full_bytes = head.SerializeToString()
+        return self.full_bytes
+
+
+def apply_pull(rep: pb.WeightsReply, params: dict[str, torch.Tensor], base: dict[str, torch.Tensor] | None,
+               held: tuple[str, int]) -> dict[str, torch.Tensor]:
+    """The checked new weights of a pull: all frames or an error, nothing applied here.
+
+    ``base``: the reconstruction the worker holds (``held`` = (chain, version) of it) for a
+    delta reply; a delta against anything else is a :class:`WireError` (the worker then asks
+    for a full pull).
+    """
+    import torch
+
+    from shoal.net.wire import WireError, decode_tensor
+
+    if rep.compress_delta and (base is None or held != (rep.compress_chain, rep.compress_base)):
+        raise WireError(f"weight delta against v{rep.compress_base} of a reconstruction this worker does not "
+                        "hold; pulling in full")
+    new = {}
+    for frame in rep.params:
+        p = params.get(frame.name)
+        if p is None or frame.name in new:
+            raise WireError(f"weights of stage [{rep.first},{rep.last}): unexpected tensor {frame.name!r}")
+        t = decode_tensor(frame, shape=tuple(p.shape), dtype="float32", finite=True)
+        if rep.compress_delta:
+            t = base[frame.name].to("cpu", torch.float32) + t
+        new[frame.name] = t
+    if len(new) != len(params):
+        raise WireError(f"weights hold {len(new)} of the stage's {len(params)} tensors")
+    return new
