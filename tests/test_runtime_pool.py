@@ -339,3 +339,63 @@ def test_lease_pick_matches_a_full_scan_through_relays_leases_requeues_and_voids
 
     picks, done = asyncio.run(main())
     assert picks > 50 and done > 20
+
+
+async def _one_step(srv, coord_stub, value: float) -> None:
+    """Drive one whole step of a one-stage server in process: lease, result and push of every
+    micro-batch, then wait for the commit."""
+    srv.coord = coord_stub
+    step = srv.step
+    for _ in range(M):
+        r = await srv.Lease(pb.LeaseRequest(worker="A", wait_s=0), None)
+        ok = await srv.Complete(_result(r.task, "A"), None)
+        rep = await srv.PushGrads(pb.GradPush(worker="A", step=step, epoch=0, gen=ok.gen, mbs=[r.task.mb],
+                                              grads=_grads(srv, value)), None)
+        assert rep.accepted, rep.reason
+    t0 = time.monotonic()
+    while srv.version < step + 1 and time.monotonic() - t0 < 10:
+        await asyncio.sleep(0.01)
+    assert srv.version == step + 1
+
+
+def test_checkpoints_are_written_off_the_loop_and_hold_their_version(tmp_path):
+    """With --ckpt-every 1 each commit starts its checkpoint in a thread; the next commit waits
+    for it before changing the weights, so v1 holds exactly the weights of version 1 even
+    though step 1 commits right after. A write that fails is not lost: the server's fatal
+    reason (sent to the coordinator with its heartbeats) names it."""
+    from shoal.runtime.common import read_stage_ckpt
+    from shoal.runtime.coordinator import Coordinator
+
+    async def main():
+        srv = _server(tmp_path / "ckpt")
+        srv.spec.ckpt_every = 1
+        await srv._load(0, 0, 6, 0, 0)
+        srv.ready = True
+        spec = pb.RunSpec()
+        spec.CopyFrom(srv.spec)
+        coord = Coordinator(spec, "tok", out=str(tmp_path / "coord"))
+
+        class _InProcess:
+            async def ReportStep(self, request, timeout=None):
+                return await coord.ReportStep(request, None)
+
+        await _one_step(srv, _InProcess(), 0.5)
+        v1 = {n: p.detach().clone() for n, p in srv.params.items()}
+        first = srv.ckpt_task
+        assert first is not None
+        await _one_step(srv, _InProcess(), -0.25)
+        assert first.done() and srv.ckpt_task is not first
+        await srv._ckpt_written()
+        saved = read_stage_ckpt(srv.ckpt_root, 0, 1, run_id="pool-test", layers=(0, 6))
+        assert all(torch.equal(saved[f"param/{n}"], t) for n, t in v1.items())
+        assert any(not torch.equal(v1[n], p) for n, p in srv.params.items())  # version 2 moved on
+        assert srv.fatal == ""
+        # a checkpoint folder that cannot be made: the background write fails, and it is seen
+        (tmp_path / "blocked").write_text("a file where the folder should be")
+        srv.ckpt_root = str(tmp_path / "blocked")
+        srv._start_ckpt()
+        await srv._ckpt_written()
+        await asyncio.sleep(0)  # the done callback runs
+        assert "cannot write the stage 0 checkpoint" in srv.fatal
+
+    asyncio.run(main())
