@@ -133,14 +133,17 @@ async def _blast(address: str, token: str, shape, seconds: float) -> tuple[float
     dt = time.perf_counter() - t0
     msgs = n / dt
     mbps = msgs * len(frame.data) / 1e6
-    # weight pulls: big messages
+    # weight pulls: big messages, pulled as a worker of the run would
+    wch = open_channel(address, token, identity=Identity.joined(token, BENCH_SECRET, "w-bench", "worker"))
+    wstub = pbg.StageServerStub(wch)
     t0, pulled, k = time.perf_counter(), 0, 0
     while time.perf_counter() - t0 < seconds / 2:
-        rep = await stub.GetWeights(pb.WeightsRequest(worker="bench"))
+        rep = await wstub.GetWeights(pb.WeightsRequest(worker="w-bench"))
         pulled += sum(len(f.data) for f in rep.params)
         k += 1
     pull_mbps = pulled / (time.perf_counter() - t0) / 1e6
     await ch.close()
+    await wch.close()
     _ = mb
     return msgs, mbps, pull_mbps
 
