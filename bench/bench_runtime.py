@@ -87,7 +87,8 @@ def _server_proc(q, token: str, ckpt: str, shape: tuple[int, int, int]) -> None:
         srv.spec = pb.RunSpec(model="tiny", stages=2, steps=10**6, micro_batches=64,
                               micro_batch_size=shape[0], seq_len=shape[1], seed=0, lr=1e-3,
                               min_lr=1e-4, warmup=1, weight_decay=0.1, grad_clip=1.0,
-                              dead_after_s=60, min_lease_s=5, data="synthetic", ordered_grads=True)
+                              dead_after_s=60, min_lease_s=5, data="synthetic", ordered_grads=True,
+                              run_id="bench")
         srv.channels.identity.secret = BENCH_SECRET  # as if it had joined a run
         server = await srv.start_rpc()
         srv.stage, srv.first, srv.last, srv.epoch = 1, 3, 6, 0
@@ -132,14 +133,17 @@ async def _blast(address: str, token: str, shape, seconds: float) -> tuple[float
     dt = time.perf_counter() - t0
     msgs = n / dt
     mbps = msgs * len(frame.data) / 1e6
-    # weight pulls: big messages
+    # weight pulls: big messages, pulled as a worker of the run would
+    wch = open_channel(address, token, identity=Identity.joined(token, BENCH_SECRET, "w-bench", "worker"))
+    wstub = pbg.StageServerStub(wch)
     t0, pulled, k = time.perf_counter(), 0, 0
     while time.perf_counter() - t0 < seconds / 2:
-        rep = await stub.GetWeights(pb.WeightsRequest(worker="bench"))
+        rep = await wstub.GetWeights(pb.WeightsRequest(worker="w-bench"))
         pulled += sum(len(f.data) for f in rep.params)
         k += 1
     pull_mbps = pulled / (time.perf_counter() - t0) / 1e6
     await ch.close()
+    await wch.close()
     _ = mb
     return msgs, mbps, pull_mbps
 
@@ -164,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=6, help="steps per training run")
     ap.add_argument("--out", default=None, help="folder for the runs (default: a temp folder)")
     ap.add_argument("--seconds", type=float, default=4.0, help="length of each throughput test")
+    ap.add_argument("--stages", default="1,2,3,4", help="swarm sizes S (= W) to run, comma-separated")
+    ap.add_argument("--repeat", type=int, default=1, help="run the local T=S and swarm S=W pairs this many times")
     args = ap.parse_args(argv)
     import torch
 
@@ -174,16 +180,21 @@ def main(argv: list[str] | None = None) -> int:
     def row(name: str, setup: str, r: tuple[float, float, float], local_tok: float) -> None:
         rows.append((name, setup, f"{r[0] * 1000:.0f} ms", f"{r[1] * 1000:.0f} ms", f"{r[2]:.0f}",
                      f"{r[2] / local_tok:.2f}x"))
+        print(" | ".join(rows[-1]), file=sys.stderr, flush=True)  # progress: a long run keeps what it measured
 
-    local = {n: local_run(root / f"local{n}", args.steps, n) for n in (1, 2, 3, 4)}
-    for n, r in local.items():
-        row(f"train --local T={n}", f"1 process, {n} torch threads", r, local[n][2])
-    s1 = swarm_run(root / "s1w1", args.steps, 1, 1)
-    per_task = (s1[0] - local[1][0]) / RUN["micro_batches"]
-    row("launch S=1 W=1", "1 worker x 1 thread (+1 server, coordinator)", s1, local[1][2])
-    for s in (2, 3, 4):
-        row(f"launch S={s} W={s}", f"{s} workers x 1 thread (+{s} servers, coordinator); vs local T={s}",
-            swarm_run(root / f"s{s}", args.steps, s, s), local[s][2])
+    sizes = [int(x) for x in args.stages.split(",") if x]
+    per_task = None
+    for rep in range(args.repeat):
+        tag = f" (#{rep + 1})" if args.repeat > 1 else ""
+        for n in sizes:
+            # Each swarm right after its local reference: load changes on a shared box hit both.
+            local = local_run(root / f"local{n}-{rep}", args.steps, n)
+            row(f"train --local T={n}{tag}", f"1 process, {n} torch threads", local, local[2])
+            swarm = swarm_run(root / f"s{n}-{rep}", args.steps, n, n)
+            row(f"launch S={n} W={n}{tag}", f"{n} workers x 1 thread (+{n} servers, coordinator); vs local T={n}",
+                swarm, local[2])
+            if n == 1 and per_task is None:
+                per_task = (swarm[0] - local[0]) / RUN["micro_batches"]
     small = (RUN["micro_batch_size"], RUN["seq_len"], 128)
     big = (8, 256, 128)
     m_small, mb_small, pull = server_throughput(small, args.seconds)
@@ -195,8 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(r) + " |")
-    print(f"\nper-task framework overhead (S=1 W=1 vs local T=1, mean step, per micro-batch): "
-          f"{per_task * 1000:.1f} ms")
+    if per_task is not None:
+        print(f"\nper-task framework overhead (S=1 W=1 vs local T=1, mean step, per micro-batch): "
+              f"{per_task * 1000:.1f} ms")
     print(f"stage server relay, {small} fp32 ({small[0] * small[1] * small[2] * 4 / 1e3:.0f} kB): "
           f"{m_small:.0f} msg/s, {mb_small:.1f} MB/s")
     print(f"stage server relay, {big} fp32 ({big[0] * big[1] * big[2] * 4 / 1e6:.2f} MB): "

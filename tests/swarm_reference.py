@@ -16,7 +16,9 @@ def launch_config(out, **kw):
     """The reference run's settings in ``out``, changed by ``kw``."""
     from shoal.runtime.launch import LaunchConfig
 
-    base = dict(RUN, out=str(out), stages=2, workers=2, dead_after_s=3.0, min_lease_s=1.5, timeout_s=400)
+    # Checkpoints every step: the fault tests check roll-backs to the newest committed step.
+    base = dict(RUN, out=str(out), stages=2, workers=2, dead_after_s=3.0, min_lease_s=1.5, timeout_s=400,
+                ckpt_every=1)
     base.update(kw)
     return LaunchConfig(**base)
 

@@ -13,7 +13,7 @@ import torch
 from shoal.net import shoal_pb2 as pb
 from shoal.net.wire import encode_tensor
 from shoal.runtime.guard import GuardConfig
-from shoal.runtime.server import StageServer
+from shoal.runtime.server import StageServer, TodoPool
 
 M, B, T = 3, 2, 16
 
@@ -55,8 +55,14 @@ def test_pool_leases_duplicates_pushes_and_voiding(tmp_path):
             assert a.task.mb == 0
             ok = await srv.Complete(_result(a.task, "A"), None)
             assert ok.accepted
-            dup = await srv.Complete(_result(a.task, "A"), None)  # late duplicate
-            assert not dup.accepted and "lease" in dup.reason
+            # the same result again (an upload retried after its reply was lost): acknowledged
+            # with the generation it was taken in, taken once
+            dup = await srv.Complete(_result(a.task, "A"), None)
+            assert dup.accepted and "duplicate" in dup.reason and dup.gen == ok.gen
+            assert srv.steps[0][0].grad == "computed" and srv.tasks_per_worker["A"] == 1
+            # another worker naming that lease id is refused
+            other = await srv.Complete(_result(a.task, "B"), None)
+            assert not other.accepted and "lease" in other.reason
             b = await srv.Lease(pb.LeaseRequest(worker="B", wait_s=0), None)
             assert b.task.mb == 1
             # B pushes a micro-batch it does not hold: refused, and B's work is voided
@@ -231,3 +237,165 @@ def test_commit_sums_each_push_once_in_micro_batch_order(tmp_path):
     assert float(ordered) == 8.0 and float(arrival) == 5.0  # the order is visible in fp32
     rec = read_jsonl(tmp_path / "coord" / "metrics.jsonl")[0]
     assert rec["grad_norm"] == pytest.approx(math.sqrt(numel * float(ordered) ** 2), rel=1e-9)
+
+
+def test_todo_pool_picks_lowest_todo_and_drops_stale_entries():
+    """The pool hands out the lowest todo id, drops entries whose task moved on, keeps the
+    ones a worker may not take (local mode) for others, and forgets committed steps."""
+    state = {mb: "todo" for mb in range(5)}
+    pool = TodoPool()
+    for mb in (3, 0, 4, 1, 2):
+        pool.add(7, "grad", mb)
+    todo = lambda mb: state[mb] == "todo"  # noqa: E731
+    assert pool.pick(7, "grad", todo) == 0
+    state[0] = "leased"
+    state[1] = "computed"  # moved on without the pool hearing of it: dropped when met
+    assert pool.pick(7, "grad", todo) == 2
+    state[2] = "leased"
+    # local mode: 3 waits for another worker; 4 is allowed; 3 stays for the other worker
+    assert pool.pick(7, "grad", todo, ok=lambda mb: mb != 3) == 4
+    state[4] = "leased"
+    assert pool.pick(7, "grad", todo) == 3
+    state[3] = "leased"
+    assert pool.pick(7, "grad", todo) is None
+    state[0] = "todo"  # re-queued: added again, picked again
+    pool.add(7, "grad", 0)
+    pool.add(7, "grad", 0)  # a duplicate entry is harmless
+    assert pool.pick(7, "grad", todo) == 0
+    state[0] = "leased"
+    assert pool.pick(7, "grad", todo) is None
+    assert pool.pick(7, "fwd", todo) is None and pool.pick(8, "grad", todo) is None
+    pool.add(8, "fwd", 1)
+    pool.drop_step(8)
+    assert pool.pick(8, "fwd", lambda mb: True) is None
+
+
+def _scan_pick(mbs) -> tuple[int, int] | None:
+    """What a lease pick must choose: the lowest todo backward, else the lowest todo forward."""
+    for mb in sorted(mbs):
+        if mbs[mb].grad == "todo":
+            return mb, pb.BWD
+    for mb in sorted(mbs):
+        if mbs[mb].fwd == "todo":
+            return mb, pb.FWD
+    return None
+
+
+def test_lease_pick_matches_a_full_scan_through_relays_leases_requeues_and_voids(tmp_path):
+    """A middle stage (forward and backward tasks) driven through its handlers by a seeded
+    random mix of relays in both directions, leases, results, expired leases and voided
+    workers: every lease picks exactly what a scan over all micro-batches would."""
+    import random
+
+    rng = random.Random(5)
+    m = 16
+
+    async def main():
+        srv = _server(tmp_path)
+        srv.spec.micro_batches = m
+        srv.spec.stages = 3
+        srv.stage, srv.first, srv.last = 1, 2, 4
+        await srv._load(1, 2, 4, 0, 0)
+        srv.ready = True
+        act = encode_tensor("act", torch.randn(B, T, 128))
+        held: dict[int, pb.Task] = {}  # lease id -> task
+        picks = done = 0
+        for _ in range(400):
+            op = rng.random()
+            mbs = srv.steps[0]
+            if op < 0.25:
+                mb, direction = rng.randrange(m), rng.choice((pb.FWD, pb.BWD))
+                rep = await srv.SubmitRelay(pb.Relay(step=0, mb=mb, epoch=0, direction=direction, tensor=act), None)
+                assert rep.accepted
+            elif op < 0.6:
+                want = _scan_pick(mbs)
+                w = rng.choice("ABC")
+                rep = await srv.Lease(pb.LeaseRequest(worker=w, wait_s=0), None)
+                got = (rep.task.mb, rep.task.direction) if rep.has_task else None
+                assert got == want
+                if rep.has_task:
+                    held[rep.task.lease_id] = rep.task
+                    picks += 1
+            elif op < 0.8 and held:
+                lid = rng.choice(sorted(held))
+                task = held.pop(lid)
+                w = srv.leases[lid].worker if lid in srv.leases else "A"
+                res = _result(task, w)
+                res.output.CopyFrom(encode_tensor("out", torch.randn(B, T, 128)))
+                done += (await srv.Complete(res, None)).accepted
+            elif op < 0.9 and srv.leases:
+                lid = rng.choice(sorted(srv.leases))  # the reaper's expiry path
+                lease = srv.leases.pop(lid)
+                held.pop(lid, None)
+                srv._requeue(lease.step, lease.mb, lease.direction)
+            else:
+                w = rng.choice("ABC")
+                if w in srv.workers:
+                    srv._void_worker(w, "test")
+                    held = {k: t for k, t in held.items() if k in srv.leases}
+        for t in list(srv._bg):
+            t.cancel()
+        return picks, done
+
+    picks, done = asyncio.run(main())
+    assert picks > 50 and done > 20
+
+
+async def _one_step(srv, coord_stub, value: float) -> None:
+    """Drive one whole step of a one-stage server in process: lease, result and push of every
+    micro-batch, then wait for the commit."""
+    srv.coord = coord_stub
+    step = srv.step
+    for _ in range(M):
+        r = await srv.Lease(pb.LeaseRequest(worker="A", wait_s=0), None)
+        ok = await srv.Complete(_result(r.task, "A"), None)
+        rep = await srv.PushGrads(pb.GradPush(worker="A", step=step, epoch=0, gen=ok.gen, mbs=[r.task.mb],
+                                              grads=_grads(srv, value)), None)
+        assert rep.accepted, rep.reason
+    t0 = time.monotonic()
+    while srv.version < step + 1 and time.monotonic() - t0 < 10:
+        await asyncio.sleep(0.01)
+    assert srv.version == step + 1
+
+
+def test_checkpoints_are_written_off_the_loop_and_hold_their_version(tmp_path):
+    """With --ckpt-every 1 each commit starts its checkpoint in a thread; the next commit waits
+    for it before changing the weights, so v1 holds exactly the weights of version 1 even
+    though step 1 commits right after. A write that fails is not lost: the server's fatal
+    reason (sent to the coordinator with its heartbeats) names it."""
+    from shoal.runtime.common import read_stage_ckpt
+    from shoal.runtime.coordinator import Coordinator
+
+    async def main():
+        srv = _server(tmp_path / "ckpt")
+        srv.spec.ckpt_every = 1
+        await srv._load(0, 0, 6, 0, 0)
+        srv.ready = True
+        spec = pb.RunSpec()
+        spec.CopyFrom(srv.spec)
+        coord = Coordinator(spec, "tok", out=str(tmp_path / "coord"))
+
+        class _InProcess:
+            async def ReportStep(self, request, timeout=None):
+                return await coord.ReportStep(request, None)
+
+        await _one_step(srv, _InProcess(), 0.5)
+        v1 = {n: p.detach().clone() for n, p in srv.params.items()}
+        first = srv.ckpt_task
+        assert first is not None
+        await _one_step(srv, _InProcess(), -0.25)
+        assert first.done() and srv.ckpt_task is not first
+        await srv._ckpt_written()
+        saved = read_stage_ckpt(srv.ckpt_root, 0, 1, run_id="pool-test", layers=(0, 6))
+        assert all(torch.equal(saved[f"param/{n}"], t) for n, t in v1.items())
+        assert any(not torch.equal(v1[n], p) for n, p in srv.params.items())  # version 2 moved on
+        assert srv.fatal == ""
+        # a checkpoint folder that cannot be made: the background write fails, and it is seen
+        (tmp_path / "blocked").write_text("a file where the folder should be")
+        srv.ckpt_root = str(tmp_path / "blocked")
+        srv._start_ckpt()
+        await srv._ckpt_written()
+        await asyncio.sleep(0)  # the done callback runs
+        assert "cannot write the stage 0 checkpoint" in srv.fatal
+
+    asyncio.run(main())

@@ -111,3 +111,14 @@ def test_worker_push_path_carries_error_feedback():
     err_ef = float((pushed_sum(True) - 20 * g).abs().max())
     err_plain = float((pushed_sum(False) - 20 * g).abs().max())
     assert err_ef < err_plain / 5, (err_ef, err_plain)
+
+
+def test_idle_pull_only_for_a_served_version_the_worker_lacks():
+    from shoal.runtime.worker import idle_pull
+
+    rep = pb.LeaseReply(has_task=False, version=3, step=3, epoch=1)
+    assert idle_pull(rep, version=2, epoch=1)  # a newer version is served: pull while idle
+    assert idle_pull(rep, version=3, epoch=0)  # same number, another epoch (a roll-back)
+    assert not idle_pull(rep, version=3, epoch=1)  # already held
+    assert not idle_pull(pb.LeaseReply(version=2, step=3, epoch=1), version=1, epoch=1)  # committing
+    assert not idle_pull(pb.LeaseReply(version=-1, step=0, epoch=1), version=-1, epoch=-1)  # loading

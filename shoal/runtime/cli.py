@@ -73,12 +73,15 @@ def _measure_opts(args) -> dict:
 
 
 def _run_args(p: argparse.ArgumentParser, launch: bool = False) -> None:
+    from shoal.runtime.launch import CKPT_EVERY
     from shoal.train.flags import add_data_args, add_device_args, add_workload_args
 
     add_workload_args(p)
     add_device_args(p, device=launch)
     p.add_argument("--stages", type=int, default=2, help="pipeline stages S")
-    p.add_argument("--ckpt-every", type=int, default=1, help="servers checkpoint every K steps")
+    p.add_argument("--ckpt-every", type=int, default=CKPT_EVERY,
+                   help="servers checkpoint every K steps, written off their event loop (0: never; "
+                        "a stage server's loss rolls back to the last checkpoint)")
     p.add_argument("--dead-after", type=float, default=3.0, help="seconds of silence before a member is dead")
     p.add_argument("--min-lease", type=float, default=2.0, help="shortest task lease in seconds")
     p.add_argument("--unordered-grads", action="store_true",

@@ -30,6 +30,10 @@ from shoal.errors import ShoalError
 from shoal.train.flags import DEFAULTS as W
 from shoal.train.metrics import read_jsonl
 
+# Default K of --ckpt-every: a server write per K steps (off its event loop); a stage server's
+# loss replays at most K - 1 steps, exactly.
+CKPT_EVERY = 10
+
 
 @dataclass
 class LaunchConfig:
@@ -50,7 +54,7 @@ class LaunchConfig:
     warmup: int = W.warmup  # warm-up steps
     weight_decay: float = W.weight_decay  # AdamW weight decay
     grad_clip: float = W.grad_clip  # global grad-norm clip
-    ckpt_every: int = 1  # servers checkpoint every K committed steps
+    ckpt_every: int = CKPT_EVERY  # servers checkpoint every K committed steps
     dead_after_s: float = 3.0  # a member silent this long is dead
     min_lease_s: float = 2.0  # shortest lease without renewal
     data: str | tuple[str, ...] = "corpus"  # "corpus", "synthetic", a prepared folder or raw text paths

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import logging
 import math
 import os
@@ -125,6 +126,50 @@ class Lease:
     started: float
 
 
+class TodoPool:
+    """Micro-batch ids whose task is ``todo``, per (step, kind), lowest id first.
+
+    Every path that makes a task ``todo`` adds it here; the pick pops the lowest id and
+    checks it against the task's state (``is_todo``), so entries made stale by another
+    transition (leased, done, a roll-back) are dropped when met: a lease costs O(log M)
+    instead of a scan over the step's micro-batches. A duplicate entry is harmless.
+    """
+
+    def __init__(self) -> None:
+        self._heaps: dict[tuple[int, str], list[int]] = {}
+
+    def add(self, step: int, kind: str, mb: int) -> None:
+        """``mb``'s ``kind`` task ("fwd" or "grad") of ``step`` became todo."""
+        heapq.heappush(self._heaps.setdefault((step, kind), []), mb)
+
+    def pick(self, step: int, kind: str, is_todo, ok=None) -> int | None:
+        """The lowest todo micro-batch of ``(step, kind)`` that ``ok(mb)`` allows (None: none).
+
+        ``is_todo(mb)``: whether the task is really todo (stale entries are dropped). With
+        ``ok`` (local mode: a backward waits for its forward's worker), entries it refuses
+        stay for other workers, so only then the todo entries are looked through.
+        """
+        h = self._heaps.get((step, kind))
+        while h and not is_todo(h[0]):
+            heapq.heappop(h)
+        if not h:
+            return None
+        if ok is None or ok(h[0]):
+            return heapq.heappop(h)
+        for mb in sorted(set(h)):
+            if is_todo(mb) and ok(mb):
+                return mb  # left in the heap: dropped as stale once it is leased
+        return None
+
+    def drop_step(self, step: int) -> None:
+        """Forget a committed step."""
+        for kind in ("fwd", "grad"):
+            self._heaps.pop((step, kind), None)
+
+    def clear(self) -> None:
+        self._heaps.clear()
+
+
 @dataclass
 class WorkerInfo:
     gen: int = 1  # bumped when the server voids this worker's un-pushed gradients
@@ -165,6 +210,9 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
         self.version = -1  # weights hold this many committed steps (-1: not loaded)
         self.step = 0  # step being worked on (== version once loaded)
         self.steps: dict[int, dict[int, MbState]] = {}
+        self.todo = TodoPool()  # todo tasks of self.steps, so a lease pick is no scan
+        # Accepted results by lease id: (worker, epoch, step, gen), so a retried upload is acknowledged again.
+        self.completed: dict[int, tuple[str, int, int, int]] = {}
         # accepted pushes of the step: (first micro-batch, gradients, worker, micro-batches)
         self.pushes: list[tuple[int, dict[str, torch.Tensor], str, tuple[int, ...]]] = []
         self.leases: dict[int, Lease] = {}
@@ -201,6 +249,7 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
         self.guard_cfg = GUARD  # the screen's thresholds (shoal.runtime.guard.GuardConfig)
         self.standby = False  # a hot standby: copies a stage's checkpoints until promoted
         self.standby_copying = False  # a checkpoint copy is under way
+        self.ckpt_task: asyncio.Task | None = None  # the checkpoint being written in a thread
 
     # ------------------------------------------------------------------ setup
     @property
@@ -260,6 +309,8 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
         if self.local:
             self.outer_m = outer_m  # local mode: the outer momentum saved with the version
         self.steps = {}
+        self.todo.clear()
+        self.completed.clear()
         self.pushes = []
         self.committing = False
         self.leases.clear()
@@ -283,9 +334,13 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
             st = mbs.setdefault(mb, MbState())
             if self.is_first:
                 if self.is_last:
-                    st.grad = "todo" if st.grad == "wait" else st.grad
+                    if st.grad == "wait":
+                        st.grad = "todo"
+                        self.todo.add(step, "grad", mb)
                 elif st.fwd == "wait":
                     st.fwd = "todo"
+                    self.todo.add(step, "fwd", mb)
+        self.completed = {k: v for k, v in self.completed.items() if v[2] >= step - 1}
         self.tasks_per_worker = {}
         self.requeues = 0
         self.timing = StepTiming(step, time.monotonic())
@@ -536,8 +591,10 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
         if direction == pb.FWD:
             if st.fwd == "leased":
                 st.fwd = "todo"
+                self.todo.add(step, "fwd", mb)
         elif st.grad in ("leased", "computed"):
             st.grad, st.holder = "todo", ""
+            self.todo.add(step, "grad", mb)
         self.requeues += 1
 
     def _void_worker(self, wid: str, why: str) -> None:
@@ -587,19 +644,14 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
         if not self.ready or self.committing or self.version != self.step:
             return None
         mbs = self.steps.get(self.step, {})
-        choice = None
-        for mb in sorted(mbs):
-            if mbs[mb].grad == "todo" and self._local_bwd_ok(mbs[mb], wid):
-                choice = (mb, pb.FWDBWD if self.is_last else pb.BWD)
-                break
-        if choice is None:
-            for mb in sorted(mbs):
-                if mbs[mb].fwd == "todo":
-                    choice = (mb, pb.FWD)
-                    break
-        if choice is None:
+        ok = (lambda mb: self._local_bwd_ok(mbs[mb], wid)) if self.local and not self.is_last else None
+        mb = self.todo.pick(self.step, "grad", lambda mb: mb in mbs and mbs[mb].grad == "todo", ok)
+        direction = pb.FWDBWD if self.is_last else pb.BWD
+        if mb is None:
+            mb = self.todo.pick(self.step, "fwd", lambda mb: mb in mbs and mbs[mb].fwd == "todo")
+            direction = pb.FWD
+        if mb is None:
             return None
-        mb, direction = choice
         st = mbs[mb]
         info = self._worker(wid)
         secs = lease_seconds(info.ewma_s, self.spec.min_lease_s)
@@ -662,6 +714,10 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
         info = self._worker(r.worker)
         self.stats["messages"] += 1
         self.stats["bytes_in"] += len(r.output.data)
+        prev = self.completed.get(r.lease_id)
+        if prev is not None and prev[:3] == (r.worker, r.epoch, r.step):
+            # A retried upload whose first attempt landed (its reply was lost): taken once already.
+            return pb.CompleteReply(accepted=True, reason="duplicate of an accepted result", gen=prev[3])
         lease, why = self._check_lease(r)
         if r.worker in self.guard_banned:
             lease, why = None, "banned from this run"
@@ -683,6 +739,7 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
                 self.cond.notify_all()
             return pb.CompleteReply(accepted=False, reason=f"rejected: {exc}", gen=info.gen)
         del self.leases[r.lease_id]
+        self.completed[r.lease_id] = (r.worker, r.epoch, r.step, info.gen)
         info.ewma_s = ewma(info.ewma_s, max(r.compute_s, time.monotonic() - lease.started))
         self.timing.task(r.worker, r.compute_s, time.monotonic() - lease.started)
         self.tasks_per_worker[r.worker] = self.tasks_per_worker.get(r.worker, 0) + 1
@@ -867,6 +924,7 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
         for mb in dropped:
             if mb in mbs and mbs[mb].grad == "counted":
                 mbs[mb].grad, mbs[mb].holder = "todo", ""
+                self.todo.add(self.step, "grad", mb)
                 self.requeues += 1
         self.pushed = {k for k in self.pushed if k[0] != wid}
         self._void_worker(wid, f"banned: {reason}")
@@ -1081,14 +1139,18 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
             if st.input is None:
                 st.input, st.input_frame = t, frame_to_forward(r.tensor)
                 if self.is_last:
-                    st.grad = "todo" if st.grad == "wait" else st.grad
+                    if st.grad == "wait":
+                        st.grad = "todo"
+                        self.todo.add(r.step, "grad", r.mb)
                 elif st.fwd == "wait":
                     st.fwd = "todo"
+                    self.todo.add(r.step, "fwd", r.mb)
         else:
             if st.out_grad is None:
                 st.out_grad, st.out_grad_frame = t, frame_to_forward(r.tensor)
                 if st.grad == "wait":
                     st.grad = "todo"
+                    self.todo.add(r.step, "grad", r.mb)
         async with self.cond:
             self.cond.notify_all()
         return pb.RelayReply(accepted=True)
@@ -1136,6 +1198,34 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
             await asyncio.sleep(0.05)
 
     # ------------------------------------------------------------------ step commit
+    def _start_ckpt(self) -> None:
+        """Write the checkpoint of the version just committed in a thread; the loop goes on.
+
+        The next commit waits for it (:meth:`_ckpt_written`) before it changes the weights or
+        the optimizer state, so the file holds exactly this version. A failed write is not
+        lost: :meth:`_bg_done` logs it and fails the run through the coordinator, as a write
+        on the loop did.
+        """
+        stage, version, module, opt = self.stage, self.version, self.module, self.opt
+        kw = dict(run_id=self.spec.run_id, layers=(self.first, self.last), loss_scale=self.loss_scale,
+                  outer_m=self.outer_m if self.local else None)
+
+        async def write() -> None:
+            path = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: save_stage_ckpt(self.ckpt_root, stage, version, module, opt, **kw))
+            st = path.stat()
+            self.ckpt_ok.add((stage, version, st.st_size, st.st_mtime_ns))
+
+        self.ckpt_task = asyncio.create_task(write())
+        self._bg.add(self.ckpt_task)
+        self.ckpt_task.add_done_callback(self._bg_done)
+
+    async def _ckpt_written(self) -> None:
+        """Wait for the checkpoint write under way, if any (its failure is handled by _bg_done)."""
+        t = self.ckpt_task
+        if t is not None and not t.done():
+            await asyncio.wait([t])
+
     async def _commit(self, step: int, epoch: int) -> None:
         try:
             mbs = self.steps[step]
@@ -1172,6 +1262,7 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
                 if d.ready:
                     break
             self.timing.decided = time.monotonic()
+            await self._ckpt_written()  # the weights it reads change only after it is on disk
             merged = False
             if self.local:
                 # Workers apply the decision to their replicas; the weights here change only by merges.
@@ -1193,12 +1284,9 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
             self.last_split = self.timing.split(time.monotonic())
             if (self._local_ckpt_due(merged) if self.local else
                     self.spec.ckpt_every > 0 and self.version % self.spec.ckpt_every == 0):
-                path = save_stage_ckpt(self.ckpt_root, self.stage, self.version, self.module, self.opt,
-                                       run_id=self.spec.run_id, layers=(self.first, self.last),
-                                       loss_scale=self.loss_scale, outer_m=self.outer_m if self.local else None)
-                st = path.stat()
-                self.ckpt_ok.add((self.stage, self.version, st.st_size, st.st_mtime_ns))
+                self._start_ckpt()
             self.steps.pop(step, None)
+            self.todo.drop_step(step)
             self.pushes = []
             self.step = step + 1
             if self.step < self.spec.steps:

@@ -2,7 +2,8 @@
 
 Loop: lease a task (long-poll), make sure its weights are the task's version (pull them
 from the server if not), compute in a thread so that the asyncio loop keeps renewing the
-leases, return the result. Parameter gradients of accepted backward tasks are summed
+leases, send the result in the background (a bounded number in flight, retried with the
+same lease id) while the next task is leased and computed. Parameter gradients of accepted backward tasks are summed
 locally and pushed, with the micro-batch ids they cover, when the server says the step's
 backward pool is complete (``flush``). The server's *generation* number for this worker
 tells it when its un-pushed gradients were voided (it was thought dead), so it never
@@ -83,6 +84,8 @@ class WorkerOptions:
     fault_poison: float = 1.0  # fault injection: push the true gradients times this (1: honest)
     fault_slow: float = 1.0  # fault injection: every task takes this many times its compute time
     join_timeout_s: float = 30.0  # --join-timeout: seconds to keep retrying an unreachable coordinator at start
+    uploads_in_flight: int = 2  # results sent in the background while the next task runs (0: await each)
+    upload_attempts: int = 4  # tries of one result upload (same lease id) before its lease is left to expire
 
 
 HANG_KINDS = ("hang_fwd", "hang_bwd", "hang_before_push", "hang_mid_push")
@@ -134,6 +137,16 @@ def ordered_groups(per_mb: dict[int, dict[str, torch.Tensor]]) -> list[tuple[lis
         rest = mbs
     groups += [([mb], per_mb[mb]) for mb in rest]
     return groups
+
+
+def idle_pull(rep: pb.LeaseReply, version: int, epoch: int) -> bool:
+    """Whether a worker left without a task should pull weights now (exact mode).
+
+    The server committed a version this worker does not hold and is serving it (its
+    weight version equals the step it works on): pulling while idle takes the pull off
+    the first task's critical path.
+    """
+    return rep.version >= 0 and rep.version == rep.step and (rep.version != version or rep.epoch != epoch)
 
 
 def oom_message(stage: int, first: int, last: int, micro_batch_size: int, seq_len: int, device: str,
@@ -192,6 +205,8 @@ class Worker(LocalWorkerMixin):
         self.measure_want = 0  # newest measurement request from the coordinator
         self.measure_done = 0  # newest request answered
         self.servers_seen: list[str] = []  # stage server addresses from the newest heartbeat
+        self.uploads: set[asyncio.Task] = set()  # results being sent while the next task runs
+        self.upload_error: BaseException | None = None  # an unexpected failure of one, raised by the task loop
         self._reset_observed()
 
     def _reset_observed(self) -> None:
@@ -217,6 +232,7 @@ class Worker(LocalWorkerMixin):
         )
 
         want = self.measure_want
+        await self._drain()  # no upload competes with the link probes
         t0 = time.perf_counter()
         flops = self.opts.flops or 0.0
         if not flops:
@@ -269,6 +285,7 @@ class Worker(LocalWorkerMixin):
                     continue
                 if self.want is not None and self.want != (self.stage, self.first, self.last,
                                                            self.server_addr):
+                    await self._drain()  # results of the old assignment land (or fail) first
                     await self._apply_assignment(*self.want)
                 if self.stage < 0 or not self.server_addr:
                     await asyncio.sleep(0.05)
@@ -542,6 +559,12 @@ class Worker(LocalWorkerMixin):
             self._drop_acc()  # voided by the server, or a roll-back
         if self.local:
             self._local_check_gen(rep)
+        if rep.flush and self.uploads:
+            # The server counts our results as computed once they land; wait for the replies
+            # so that the gradients they carry are in what we push (or release).
+            await self._drain()
+            if self.acc_key is not None and self.acc_key != (rep.epoch, rep.step, rep.gen):
+                self._drop_acc()
         if rep.flush and self.acc_key is not None:
             if self.hangs and self._claim_hang("hang_before_push", rep.step, held=sorted(self.acc_mbs)):
                 while True:
@@ -554,9 +577,12 @@ class Worker(LocalWorkerMixin):
         if self.local:
             await self._local_tick(rep)
         if not rep.has_task:
+            if not self.local and idle_pull(rep, self.version, self.weights_epoch):
+                await self._pull()  # nothing to do yet: fetch the new weights before a task needs them
             return
         task = rep.task
         self.held.add(task.lease_id)
+        handed = False  # once the upload owns the lease it stops holding it
         try:
             if self.local:
                 if self._local_needs_pull(rep, task):
@@ -595,8 +621,65 @@ class Worker(LocalWorkerMixin):
                     out = out[..., :-1]
                 result.output.CopyFrom(encode_tensor("out", out, self._codec("act" if task.direction == pb.FWD
                                                                              else "grad")))
-            done = await send(server.CompleteStream, result, self.chunk_bytes, traffic=self.traffic,
-                              sender=self.member_id)
+            if self.upload_error is not None:
+                raise self.upload_error
+            handed = True
+            await self._upload(server, task, result, grads)
+        finally:
+            if not handed:
+                self.held.discard(task.lease_id)
+
+    async def _upload(self, server, task: pb.Task, result: pb.TaskResult, grads) -> None:
+        """Send a task's result: in the background while the next task is leased and computed.
+
+        At most ``uploads_in_flight`` results are on their way at once (each holds one
+        activation-sized message and its gradients); with 0 the result is awaited here.
+        """
+        if self.opts.uploads_in_flight <= 0:
+            await self._send_result(server, task, result, grads)
+            return
+        while len(self.uploads) >= self.opts.uploads_in_flight:
+            await asyncio.wait(set(self.uploads), return_when=asyncio.FIRST_COMPLETED)
+        t = asyncio.create_task(self._send_result(server, task, result, grads))
+        self.uploads.add(t)
+        t.add_done_callback(self._upload_done)
+
+    def _upload_done(self, t: asyncio.Task) -> None:
+        """An upload ended: an unexpected failure is logged here and raised by the task loop."""
+        self.uploads.discard(t)
+        if not t.cancelled() and t.exception() is not None and self.upload_error is None:
+            exc = t.exception()
+            log.error("%s: a result upload failed", self.opts.name, exc_info=(type(exc), exc, exc.__traceback__))
+            self.upload_error = exc
+
+    async def _drain(self) -> None:
+        """Wait until every result upload has been answered (or has given up)."""
+        while self.uploads:
+            await asyncio.wait(set(self.uploads))
+        if self.upload_error is not None:
+            raise self.upload_error
+
+    async def _send_result(self, server, task: pb.Task, result: pb.TaskResult, grads) -> None:
+        """Stream one result, retrying transport failures with the same lease id (the server
+        acknowledges a retry whose first attempt landed); keep its gradients once accepted.
+
+        While it is on its way the lease stays in ``held`` (renewed by the heartbeats); an
+        upload that cannot land is given up and its lease runs out: the task is redone.
+        """
+        delay = 0.1
+        try:
+            for attempt in range(1, self.opts.upload_attempts + 1):
+                try:
+                    done = await send(server.CompleteStream, result, self.chunk_bytes, traffic=self.traffic,
+                                      sender=self.member_id)
+                    break
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() in _FINAL_CODES or attempt == self.opts.upload_attempts:
+                        log.info("%s: result of step %d mb %d not sent (%s); its lease runs out", self.opts.name,
+                                 task.step, task.mb, exc.code().name)
+                        return
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, 1.0)
         finally:
             self.held.discard(task.lease_id)
         if not done.accepted:
