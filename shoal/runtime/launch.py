@@ -35,6 +35,17 @@ from shoal.train.metrics import read_jsonl
 CKPT_EVERY = 10
 
 
+def resolve_ckpt_every(given: int | None, standbys: int = 0) -> int:
+    """``--ckpt-every`` as given, else 1 with hot standbys (they copy each checkpoint, so a
+    promotion then loses at most the step in flight; writes are off the event loop) and
+    :data:`CKPT_EVERY` without."""
+    if given is not None:
+        if given < 0:
+            raise ShoalError(f"--ckpt-every {given} is negative; give K >= 1 (or 0 for no checkpoints)")
+        return given
+    return 1 if standbys > 0 else CKPT_EVERY
+
+
 @dataclass
 class LaunchConfig:
     """A local swarm run; model, batch and seed flags mean what they mean for ``shoal train``."""
@@ -54,7 +65,7 @@ class LaunchConfig:
     warmup: int = W.warmup  # warm-up steps
     weight_decay: float = W.weight_decay  # AdamW weight decay
     grad_clip: float = W.grad_clip  # global grad-norm clip
-    ckpt_every: int = CKPT_EVERY  # servers checkpoint every K committed steps
+    ckpt_every: int | None = None  # servers checkpoint every K committed steps (None: resolve_ckpt_every)
     dead_after_s: float = 3.0  # a member silent this long is dead
     min_lease_s: float = 2.0  # shortest lease without renewal
     data: str | tuple[str, ...] = "corpus"  # "corpus", "synthetic", a prepared folder or raw text paths
@@ -245,7 +256,7 @@ class Swarm:
             "--micro-batches", str(c.micro_batches), "--micro-batch-size", str(c.micro_batch_size),
             "--seq-len", str(c.seq_len), "--seed", str(c.seed), "--lr", repr(c.lr), "--min-lr", repr(min_lr),
             "--warmup", str(c.warmup), "--weight-decay", repr(c.weight_decay), "--grad-clip", repr(c.grad_clip),
-            "--ckpt-every", str(c.ckpt_every), "--dead-after", repr(c.dead_after_s),
+            "--ckpt-every", str(resolve_ckpt_every(c.ckpt_every, c.standbys)), "--dead-after", repr(c.dead_after_s),
             "--min-lease", repr(c.min_lease_s), "--data", data, "--out", str(self.out),
             *([] if c.ordered_grads else ["--unordered-grads"]),
             *([] if c.chunk_mb is None else ["--chunk-mb", repr(c.chunk_mb)]),
