@@ -19,6 +19,7 @@ from shoal.runtime.artifacts import load_final_weights
 from shoal.runtime.launch import LaunchConfig, Swarm, launch
 from shoal.train.local import TrainConfig, train_local
 from shoal.train.metrics import read_jsonl
+from tests.helpers.members import start_member
 
 pytestmark = pytest.mark.integration
 
@@ -136,15 +137,15 @@ def test_bad_peers_and_late_joiner(tmp_path, reference):
     with Swarm(cfg) as sw:
         sw.start()
         env = dict(sw.env, SHOAL_TOKEN="not-the-token")
-        intruder = subprocess.Popen(
-            [sys.executable, "-m", "shoal.runtime.cli", "worker", "--join", sw.address, "--name", "intruder"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        intruder_log = tmp_path / "intruder.log"
+        intruder = start_member(["worker", "--join", sw.address, "--name", "intruder"], intruder_log, env)
         while sw.committed_steps() < 1:
             time.sleep(0.05)
         status = sw.status()
         assert status["ready"] and status["committed"] >= 1 and len(status["workers"]) == 2
         late = sw.start_worker()
-        _, err = intruder.communicate(timeout=60)
+        intruder.wait(timeout=60)
+        err = intruder_log.read_text()
         summary = sw.wait()
     assert intruder.returncode == 2, err
     assert "refused" in err and "token" in err
