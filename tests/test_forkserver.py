@@ -52,6 +52,10 @@ def test_forked_members_are_real_processes(tmp_path, monkeypatch):
     assert w.pid != os.getpid() and _ppid(w.pid) == server.proc.pid  # forked by the warm parent
     assert os.getsid(w.pid) == w.pid  # its own session (a terminal's signals do not reach it)
     assert os.readlink(f"/proc/{w.pid}/cwd") == str(tmp_path)
+    with open(f"/proc/{w.pid}/cmdline", "rb") as f:  # ps shows the member's command, not the server's
+        cmd = f.read().rstrip(b"\0").split(b"\0")
+    assert cmd[1:] == [b"-m", b"shoal.runtime.cli", b"worker", b"--join", dead.encode(), b"--insecure",
+                       b"--join-timeout", b"120", b"--name", b"wf"]
     # The warm parent stays single-threaded, so every later fork is as clean as this one.
     assert _threads(server.proc.pid) == 1
     assert w.poll() is None

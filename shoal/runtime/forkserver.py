@@ -38,14 +38,20 @@ import subprocess
 import sys
 import threading
 
-# What the warm parent imports: torch and everything a member imports before its first RPC.
-PRELOAD = ("numpy", "torch", "grpc", "grpc.aio", "google.protobuf.json_format", "shoal.runtime.cli",
-           "shoal.runtime.coordinator", "shoal.runtime.server", "shoal.runtime.worker",
+# What the warm parent imports: torch and everything a member imports before its first RPC,
+# and what its first steps import lazily: building AdamW imports torch._dynamo (and sympy
+# through torch.fx's symbolic shapes), seconds of CPU in every server.
+PRELOAD = ("numpy", "numpy.random", "torch", "torch._dynamo", "torch.fx.experimental.symbolic_shapes",
+           "safetensors.torch", "grpc", "grpc.aio", "google.protobuf.json_format",
+           "shoal.runtime.cli", "shoal.runtime.coordinator", "shoal.runtime.server", "shoal.runtime.worker",
            "shoal.runtime.planning", "shoal.runtime.measure", "shoal.runtime.local_sync",
-           "shoal.model.config", "shoal.train.optim", "shoal.data.prepare", "shoal.net.tls")
+           "shoal.runtime.artifacts", "shoal.runtime.verify", "shoal.emulate.hooks", "shoal.emulate.pacing",
+           "shoal.model.config", "shoal.train.optim", "shoal.train.checkpoint", "shoal.train.flags",
+           "shoal.data.prepare", "shoal.net.tls")
 MEMBER_MODULE = "shoal.runtime.cli"  # what a forked member runs, as `python -m` would
 READY_TIMEOUT_S = 180.0  # how long the owner waits for the warm parent's imports (loaded boxes are slow)
 _MAX_REQUEST = 1 << 20  # bytes of one request (argv + environment)
+_CMDLINE_ROOM = 8192  # bytes the warm parent's argv reserves for a member's command line
 
 
 def fork_server_enabled(env: dict[str, str] | None = None) -> bool:
@@ -148,7 +154,8 @@ class ForkServer:
         self._ready = False
         self.broken = ""  # why this server is unusable ("" while usable)
         fd = theirs.fileno()
-        self.proc = subprocess.Popen([sys.executable, "-m", "shoal.runtime.forkserver", str(fd)],
+        # The blank argument reserves room for each member's own command line (see _set_cmdline).
+        self.proc = subprocess.Popen([sys.executable, "-m", "shoal.runtime.forkserver", str(fd), " " * _CMDLINE_ROOM],
                                      pass_fds=(fd,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, env=env, start_new_session=True)
         theirs.close()
@@ -305,7 +312,7 @@ def _send(sock: socket.socket, text: str) -> None:
 
 
 def _settle_child(req: dict, log_fd: int) -> None:
-    """In a forked child: take the member's session, output, folder and environment."""
+    """In a forked child: take the member's session, output, folder, environment and command line."""
     os.setsid()
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
@@ -316,6 +323,28 @@ def _settle_child(req: dict, log_fd: int) -> None:
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
+    _set_cmdline([sys.executable, "-m", MEMBER_MODULE, *req["argv"]])
+
+
+def _set_cmdline(args: list[str]) -> None:
+    """Show ``args`` as this process's command line (``ps``, ``/proc/PID/cmdline``).
+
+    A forked child would otherwise show the fork server's. The kernel reads the command
+    line from the argv strings in the process's memory, so they are overwritten in place
+    (within the room the server's padded argv reserved; the rest is NUL). Display only:
+    any failure leaves the old command line.
+    """
+    import ctypes
+
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (fields 48 and 49)
+        room = end - start
+        data = b"\0".join(a.encode(errors="replace") for a in args)[:room - 1]
+        ctypes.memmove(start, data.ljust(room, b"\0"), room)
+    except (OSError, ValueError, IndexError):
+        pass
 
 
 def _become_member(req: dict) -> int:
@@ -323,8 +352,8 @@ def _become_member(req: dict) -> int:
     import importlib
 
     sys.argv = ["-m", *req["argv"]]
-    if "numpy" in sys.modules:  # its global generator was seeded once, in the parent
-        sys.modules["numpy"].random.seed()
+    if "numpy.random" in sys.modules:  # its global generator was seeded once, in the parent
+        sys.modules["numpy.random"].seed()
     return importlib.import_module(MEMBER_MODULE).main(req["argv"])
 
 
