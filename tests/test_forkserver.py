@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from shoal.runtime.forkserver import Member, fork_server_enabled, get_fork_server
+from shoal.runtime.forkserver import ForkServer, Member, fork_server_enabled, get_fork_server
 from tests.helpers.members import member_env, start_member
 
 
@@ -97,3 +97,21 @@ def test_members_are_spawned_when_the_fork_server_is_off_or_does_not_fit(tmp_pat
     q = start_member(["worker", "--no-such-flag"], tmp_path / "other.log", other)
     assert isinstance(q, subprocess.Popen)
     assert q.wait(timeout=200) == 2
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_warm_parent_with_a_thread_is_refused(tmp_path):
+    """OpenBLAS with two threads starts a pool thread when numpy is imported: a fork would
+    lose it, so the owner refuses that server (and spawn_member spawns instead)."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("OpenBLAS starts no pool thread on one core")
+    env = dict(member_env(), OMP_NUM_THREADS="2", OPENBLAS_NUM_THREADS="2")
+    server = ForkServer(env)
+    try:
+        with open(tmp_path / "x.log", "ab") as log, pytest.raises(OSError, match="not single-threaded"):
+            server.spawn(["worker", "--help"], log.fileno(), env)
+        assert "'threads': 2" in server.broken
+    finally:
+        server.close()
+    assert server.proc.poll() is not None  # closing the control socket ends it

@@ -10,8 +10,9 @@ through the interpreter's normal exit (atexit handlers, thread joins), like a sp
 
 Members stay separate OS processes: their own pid and session, killable with ``kill -9``.
 The warm parent opens no channel or server, runs no torch op and starts no thread, so a
-child starts as clean as a fresh interpreter (the parent checks that it is single-threaded
-and the client falls back to spawning when it is not). :func:`spawn_member` returns a
+child starts as clean as a fresh interpreter (the parent reports whether it is
+single-threaded and has not loaded the CUDA driver, and the owner spawns members instead
+when either fails). :func:`spawn_member` returns a
 :class:`Member`, which behaves like the :class:`subprocess.Popen` it replaces (``pid``,
 ``poll``, ``wait``, ``returncode``, ``send_signal``, ``terminate``, ``kill``). The exit
 status of a member comes from the fork server (its parent) over a socket per member.
@@ -170,9 +171,10 @@ class ForkServer:
             msg = b""
         self._ctrl.settimeout(None)
         info = json.loads(msg) if msg else {}
-        if info.get("threads") != 1:
-            # A thread in the parent (a library's pool) would be lost in every child: refuse.
-            self.broken = f"not ready or not single-threaded ({info or 'no answer'})"
+        if info.get("threads") != 1 or info.get("cuda_driver", True):
+            # A thread in the parent (a library's pool) would be lost in every child, and a CUDA
+            # driver loaded before fork cannot be used in a child: refuse, members are spawned.
+            self.broken = f"not ready, not single-threaded or CUDA loaded ({info or 'no answer'})"
             self.close()
         self._ready = not self.broken
 
@@ -357,6 +359,15 @@ def _become_member(req: dict) -> int:
     return importlib.import_module(MEMBER_MODULE).main(req["argv"])
 
 
+def _cuda_driver_loaded() -> bool:
+    """Whether the CUDA driver library is mapped (some import asked CUDA for its devices)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return "libcuda.so" in f.read()
+    except OSError:
+        return False
+
+
 def main(argv: list[str]) -> int:
     """``python -m shoal.runtime.forkserver FD``: preload, say ready on FD, fork members on request."""
     import gc
@@ -368,7 +379,8 @@ def main(argv: list[str]) -> int:
     gc.collect()
     gc.freeze()  # keep the preloaded objects' pages shared with the children (no gc writes)
     threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else threading.active_count()
-    ctrl.sendall(json.dumps({"threads": threads, "pid": os.getpid()}).encode())
+    ctrl.sendall(json.dumps({"threads": threads, "cuda_driver": _cuda_driver_loaded(),
+                             "pid": os.getpid()}).encode())
     child = _serve(ctrl)
     if child is None:
         return 0
