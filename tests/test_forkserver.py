@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from shoal.runtime.forkserver import ForkServer, Member, fork_server_enabled, get_fork_server
-from tests.helpers.members import member_env, start_member
+from tests.helpers.members import member_env, run_cli, start_member
 
 
 def test_fork_server_switch():
@@ -81,6 +81,13 @@ def test_forked_members_are_real_processes(tmp_path, monkeypatch):
     u = start_member(["worker", "--no-such-flag"], tmp_path / "u.log", env)
     assert u.wait(timeout=120) == 2 and "required: --join" in (tmp_path / "u.log").read_text()
     assert _threads(server.proc.pid) == 1
+
+    # A `shoal` command forked with stdout and stderr apart, as subprocess.run(capture_output=True).
+    r = run_cli(["plan", "--scenario", str(tmp_path / "missing.json")], env, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.startswith("error: ") and len(r.stderr.splitlines()) == 1, r.stderr
+    r = run_cli(["plan", "--scenario", "demo"], env, timeout=120)
+    assert r.returncode == 0 and r.stderr == "" and r.stdout.strip(), r.stderr
 
 
 @pytest.mark.integration

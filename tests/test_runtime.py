@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 
@@ -19,7 +18,7 @@ from shoal.runtime.artifacts import load_final_weights
 from shoal.runtime.launch import LaunchConfig, Swarm, launch
 from shoal.train.local import TrainConfig, train_local
 from shoal.train.metrics import read_jsonl
-from tests.helpers.members import start_member
+from tests.helpers.members import run_cli, start_member
 
 pytestmark = pytest.mark.integration
 
@@ -69,8 +68,7 @@ def test_parity_with_local_trainer(tmp_path, reference, stages, workers):
                "--out", str(out), "--dead-after", "3", "--min-lease", "1.5", "--timeout", "150"]
         for k, v in RUN.items():
             cmd += [f"--{k.replace('_', '-')}", str(v)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170,
-                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+        proc = run_cli(cmd[3:], dict(os.environ, OMP_NUM_THREADS="1"), timeout=170, module="shoal.runtime.cli")
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "step 3" in proc.stdout
         summary = json.loads((out / "summary.json").read_text())

@@ -23,6 +23,9 @@ the member's open log file); the server forks, writes ``pid N`` and, once the ch
 been reaped, ``exit RC`` (``RC`` as :attr:`subprocess.Popen.returncode`) on that member's
 socket. The server exits when its owner closes the control socket (the owner ended).
 
+The tests also fork ``shoal`` commands (``python -m shoal.cli ...``) from it, with stdout and
+stderr kept apart (:func:`tests.helpers.members.run_cli`).
+
 ``SHOAL_FORK_SERVER=0`` in the environment turns it off (every member is spawned).
 """
 
@@ -44,12 +47,13 @@ import threading
 # through torch.fx's symbolic shapes), seconds of CPU in every server.
 PRELOAD = ("numpy", "numpy.random", "torch", "torch._dynamo", "torch.fx.experimental.symbolic_shapes",
            "safetensors.torch", "grpc", "grpc.aio", "google.protobuf.json_format",
-           "shoal.runtime.cli", "shoal.runtime.coordinator", "shoal.runtime.server", "shoal.runtime.worker",
+           "shoal.cli", "shoal.runtime.cli", "shoal.runtime.coordinator", "shoal.runtime.server", "shoal.runtime.worker",
            "shoal.runtime.planning", "shoal.runtime.measure", "shoal.runtime.local_sync",
            "shoal.runtime.artifacts", "shoal.runtime.verify", "shoal.emulate.hooks", "shoal.emulate.pacing",
            "shoal.model.config", "shoal.train.optim", "shoal.train.checkpoint", "shoal.train.flags",
            "shoal.data.prepare", "shoal.net.tls")
 MEMBER_MODULE = "shoal.runtime.cli"  # what a forked member runs, as `python -m` would
+MODULES = (MEMBER_MODULE, "shoal.cli")  # the command lines a child may run (each has main(argv) -> int)
 READY_TIMEOUT_S = 180.0  # how long the owner waits for the warm parent's imports (loaded boxes are slow)
 _MAX_REQUEST = 1 << 20  # bytes of one request (argv + environment)
 _CMDLINE_ROOM = 8192  # bytes the warm parent's argv reserves for a member's command line
@@ -178,16 +182,20 @@ class ForkServer:
             self.close()
         self._ready = not self.broken
 
-    def spawn(self, argv: list[str], log_fd: int, env: dict[str, str], cwd: str | None = None) -> Member:
-        """Fork a member running ``shoal.runtime.cli.main(argv)``; OSError if the server cannot."""
+    def spawn(self, argv: list[str], log_fd: int, env: dict[str, str], cwd: str | None = None,
+              module: str = MEMBER_MODULE, err_fd: int | None = None) -> Member:
+        """Fork a child running ``module.main(argv)`` (output to ``log_fd``; stderr to ``err_fd`` if
+        given); OSError if the server cannot."""
+        if module not in MODULES:
+            raise ValueError(f"the fork server runs only {MODULES}, not {module}")
         with self._lock:
             self._wait_ready()
             if self.broken:
                 raise OSError(f"fork server unusable: {self.broken}")
             mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            req = json.dumps({"argv": argv, "env": env, "cwd": cwd or os.getcwd()}).encode()
+            req = json.dumps({"argv": argv, "env": env, "cwd": cwd or os.getcwd(), "module": module}).encode()
             try:
-                socket.send_fds(self._ctrl, [req], [theirs.fileno(), log_fd])
+                socket.send_fds(self._ctrl, [req], [theirs.fileno(), log_fd, log_fd if err_fd is None else err_fd])
             except OSError as exc:
                 self.broken = f"request failed ({exc})"
                 mine.close()
@@ -195,7 +203,7 @@ class ForkServer:
             finally:
                 theirs.close()
         try:
-            return Member([sys.executable, "-m", MEMBER_MODULE, *argv], mine)
+            return Member([sys.executable, "-m", module, *argv], mine)
         except OSError as exc:
             self.broken = str(exc)
             raise
@@ -240,6 +248,16 @@ def get_fork_server(env: dict[str, str]) -> ForkServer | None:
         return _SERVER
 
 
+def shutdown_fork_server() -> None:
+    """Stop and forget this process's fork server (the next member starts a new one)."""
+    global _SERVER
+    with _SERVER_LOCK:
+        server, _SERVER = _SERVER, None
+    if server is not None:
+        atexit.unregister(server.close)
+        server.close()
+
+
 def spawn_member(argv: list[str], log_path, env: dict[str, str]):
     """Start a member (``python -m shoal.runtime.cli ARGV``) with output appended to ``log_path``.
 
@@ -270,12 +288,12 @@ def _serve(ctrl: socket.socket) -> dict | None:
         for key, _ in sel.select():
             if key.data is None:
                 try:
-                    msg, fds, _flags, _addr = socket.recv_fds(ctrl, _MAX_REQUEST, 2)
+                    msg, fds, _flags, _addr = socket.recv_fds(ctrl, _MAX_REQUEST, 3)
                 except OSError:
                     msg, fds = b"", []
                 if not msg:
                     return None  # the owner ended
-                member, log_fd = socket.socket(fileno=fds[0]), fds[1]
+                member, out_fds = socket.socket(fileno=fds[0]), fds[1:]
                 req = json.loads(msg)
                 settled_r, settled_w = os.pipe()
                 pid = os.fork()
@@ -287,10 +305,11 @@ def _serve(ctrl: socket.socket) -> dict | None:
                         s.close()
                     member.close()
                     os.close(settled_r)
-                    _settle_child(req, log_fd)
+                    _settle_child(req, *out_fds)
                     os.close(settled_w)  # session, output, folder and environment are the member's now
                     return req
-                os.close(log_fd)
+                for fd in out_fds:
+                    os.close(fd)
                 os.close(settled_w)
                 os.read(settled_r, 1)  # b"" once the child has settled (or died): then, as Popen, report it
                 os.close(settled_r)
@@ -313,19 +332,20 @@ def _send(sock: socket.socket, text: str) -> None:
         sock.sendall(text.encode())
 
 
-def _settle_child(req: dict, log_fd: int) -> None:
+def _settle_child(req: dict, out_fd: int, err_fd: int) -> None:
     """In a forked child: take the member's session, output, folder, environment and command line."""
     os.setsid()
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    os.dup2(log_fd, 1)
-    os.dup2(log_fd, 2)
-    os.close(log_fd)
+    os.dup2(out_fd, 1)
+    os.dup2(err_fd, 2)
+    os.close(out_fd)
+    os.close(err_fd)
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
-    _set_cmdline([sys.executable, "-m", MEMBER_MODULE, *req["argv"]])
+    _set_cmdline([sys.executable, "-m", req["module"], *req["argv"]])
 
 
 def _set_cmdline(args: list[str]) -> None:
@@ -350,13 +370,13 @@ def _set_cmdline(args: list[str]) -> None:
 
 
 def _become_member(req: dict) -> int:
-    """In a settled child: run the member's CLI as ``python -m shoal.runtime.cli ARGV`` would."""
+    """In a settled child: run the command as ``python -m MODULE ARGV`` would."""
     import importlib
 
     sys.argv = ["-m", *req["argv"]]
     if "numpy.random" in sys.modules:  # its global generator was seeded once, in the parent
         sys.modules["numpy.random"].seed()
-    return importlib.import_module(MEMBER_MODULE).main(req["argv"])
+    return importlib.import_module(req["module"]).main(req["argv"])
 
 
 def _cuda_driver_loaded() -> bool:
