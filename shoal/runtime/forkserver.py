@@ -165,6 +165,14 @@ class ForkServer:
                                      stderr=subprocess.DEVNULL, env=env, start_new_session=True)
         theirs.close()
 
+    @classmethod
+    def inherited(cls, ctrl: socket.socket, env_key: tuple) -> ForkServer:
+        """The client side of the connection a forked child got from its fork server (already warm)."""
+        self = cls.__new__(cls)
+        self.env_key, self._ctrl, self._lock = env_key, ctrl, threading.Lock()
+        self._ready, self.broken, self.proc = True, "", None
+        return self
+
     def _wait_ready(self) -> None:
         if self._ready or self.broken:
             return
@@ -209,9 +217,9 @@ class ForkServer:
             raise
 
     def close(self) -> None:
-        """Stop the server (members it forked keep running)."""
+        """Stop the server (members it forked keep running); an inherited connection just closes."""
         self._ctrl.close()
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             try:
                 self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -227,6 +235,7 @@ def _env_key(env: dict[str, str]) -> tuple:
 
 _SERVER: ForkServer | None = None
 _SERVER_LOCK = threading.Lock()
+_INHERITED: tuple[socket.socket, tuple] | None = None  # in a forked child: its fork server's connection and env key
 
 
 def get_fork_server(env: dict[str, str]) -> ForkServer | None:
@@ -235,6 +244,10 @@ def get_fork_server(env: dict[str, str]) -> ForkServer | None:
     if not fork_server_enabled(env):
         return None
     with _SERVER_LOCK:
+        if _SERVER is None and _INHERITED is not None:
+            # A forked `shoal launch` (tests' run_cli) forks its members from the same warm process.
+            _SERVER = ForkServer.inherited(*_INHERITED)
+            atexit.register(_SERVER.close)
         if _SERVER is None:
             try:
                 _SERVER = ForkServer(env)
@@ -279,35 +292,56 @@ def spawn_member(argv: list[str], log_path, env: dict[str, str]):
 # ---------------------------------------------------------------------- the warm parent
 
 
-def _serve(ctrl: socket.socket) -> dict | None:
-    """Fork members on request until the owner closes ``ctrl``; in a settled child, its request."""
+def _serve(ctrl: socket.socket, env_key: tuple) -> dict | None:
+    """Fork members on request until the owner closes ``ctrl``; in a settled child, its request.
+
+    Every child also gets a control connection of its own (kept in :data:`_INHERITED` of
+    its ``shoal.runtime.forkserver``), so a forked ``shoal launch`` forks its members here
+    too instead of starting another warm process; its requests are served like the owner's.
+    """
     sel = selectors.DefaultSelector()
-    sel.register(ctrl, selectors.EVENT_READ, None)
+    sel.register(ctrl, selectors.EVENT_READ, "ctrl")
+    ctrls = [ctrl]  # the owner's control connection, then each live child's
     children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, member socket)
     while True:
         for key, _ in sel.select():
-            if key.data is None:
+            if key.data == "ctrl":
+                conn = key.fileobj
                 try:
-                    msg, fds, _flags, _addr = socket.recv_fds(ctrl, _MAX_REQUEST, 3)
+                    msg, fds, _flags, _addr = socket.recv_fds(conn, _MAX_REQUEST, 3)
                 except OSError:
                     msg, fds = b"", []
-                if not msg:
+                if not msg and conn is ctrl:
                     return None  # the owner ended
+                if not msg:  # a child ended (or closed its connection)
+                    sel.unregister(conn)
+                    ctrls.remove(conn)
+                    conn.close()
+                    continue
                 member, out_fds = socket.socket(fileno=fds[0]), fds[1:]
                 req = json.loads(msg)
                 settled_r, settled_w = os.pipe()
+                ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
                 pid = os.fork()
                 if pid == 0:
                     sel.close()
-                    ctrl.close()
+                    for c in ctrls:
+                        c.close()
                     for pidfd, (_, s) in children.items():
                         os.close(pidfd)
                         s.close()
                     member.close()
+                    ours.close()
                     os.close(settled_r)
                     _settle_child(req, *out_fds)
+                    import importlib
+
+                    importlib.import_module("shoal.runtime.forkserver")._INHERITED = (theirs, env_key)
                     os.close(settled_w)  # session, output, folder and environment are the member's now
                     return req
+                theirs.close()
+                sel.register(ours, selectors.EVENT_READ, "ctrl")
+                ctrls.append(ours)
                 for fd in out_fds:
                     os.close(fd)
                 os.close(settled_w)
@@ -401,7 +435,7 @@ def main(argv: list[str]) -> int:
     threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else threading.active_count()
     ctrl.sendall(json.dumps({"threads": threads, "cuda_driver": _cuda_driver_loaded(),
                              "pid": os.getpid()}).encode())
-    child = _serve(ctrl)
+    child = _serve(ctrl, _env_key(os.environ))
     if child is None:
         return 0
     return _become_member(child)
