@@ -263,9 +263,9 @@ def get_fork_server(env: dict[str, str]) -> ForkServer | None:
 
 def shutdown_fork_server() -> None:
     """Stop and forget this process's fork server (the next member starts a new one)."""
-    global _SERVER
+    global _SERVER, _INHERITED
     with _SERVER_LOCK:
-        server, _SERVER = _SERVER, None
+        server, _SERVER, _INHERITED = _SERVER, None, None
     if server is not None:
         atexit.unregister(server.close)
         server.close()
