@@ -75,11 +75,26 @@ class Member:
         self._sock = sock
         self._buf = b""
         self.returncode: int | None = None
-        line = self._line(timeout=READY_TIMEOUT_S)
+        try:
+            line = self._line(timeout=READY_TIMEOUT_S)
+        except BaseException:
+            self._abandon()  # e.g. Ctrl-C while waiting: no handle would ever stop this child
+            raise
         if line is None or not line.startswith("pid "):
             sock.close()
             raise OSError(f"the fork server did not start the member ({line!r})")
         self.pid = int(line.split()[1])
+
+    def _abandon(self) -> None:
+        """Interrupted before the pid came: kill the child once it is known (the server reaps it)."""
+        try:
+            line = self._line(timeout=30)
+            if line is not None and line.startswith("pid "):
+                os.kill(int(line.split()[1]), signal.SIGKILL)
+        except BaseException:  # noqa: BLE001 -- best effort on the way out of an interrupt
+            pass
+        finally:
+            self._sock.close()
 
     def _line(self, timeout: float | None) -> str | None:
         """The next line from the fork server; None on timeout or when it closed the socket."""
