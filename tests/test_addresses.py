@@ -13,6 +13,7 @@ import pytest
 from shoal.errors import ShoalError
 from shoal.net.channel import advertised_address, check_listen, split_address
 from shoal.net.tls import make_keys
+from tests.helpers.members import start_member
 
 
 def test_check_listen_refuses_a_wildcard_without_advertise():
@@ -80,10 +81,7 @@ def test_a_run_with_wildcard_listen_and_advertise_completes(tmp_path):
     env = dict(_env(), SHOAL_TLS_DIR=str(make_keys(tmp_path / "keys")))
 
     def start(args: list[str], name: str) -> subprocess.Popen:
-        log = open(tmp_path / f"{name}.log", "wb")  # noqa: SIM115  (the child keeps it)
-        p = subprocess.Popen(_cli(*args), stdout=log, stderr=subprocess.STDOUT, env=env,
-                             start_new_session=True)
-        log.close()
+        p = start_member(args, tmp_path / f"{name}.log", env)  # forked from the session's warm process
         procs.append(p)
         return p
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 
@@ -19,6 +18,7 @@ from shoal.runtime.artifacts import load_final_weights
 from shoal.runtime.launch import LaunchConfig, Swarm, launch
 from shoal.train.local import TrainConfig, train_local
 from shoal.train.metrics import read_jsonl
+from tests.helpers.members import run_cli, start_member
 
 pytestmark = pytest.mark.integration
 
@@ -68,8 +68,7 @@ def test_parity_with_local_trainer(tmp_path, reference, stages, workers):
                "--out", str(out), "--dead-after", "3", "--min-lease", "1.5", "--timeout", "150"]
         for k, v in RUN.items():
             cmd += [f"--{k.replace('_', '-')}", str(v)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170,
-                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+        proc = run_cli(cmd[3:], dict(os.environ, OMP_NUM_THREADS="1"), timeout=170, module="shoal.runtime.cli")
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "step 3" in proc.stdout
         summary = json.loads((out / "summary.json").read_text())
@@ -136,15 +135,15 @@ def test_bad_peers_and_late_joiner(tmp_path, reference):
     with Swarm(cfg) as sw:
         sw.start()
         env = dict(sw.env, SHOAL_TOKEN="not-the-token")
-        intruder = subprocess.Popen(
-            [sys.executable, "-m", "shoal.runtime.cli", "worker", "--join", sw.address, "--name", "intruder"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        intruder_log = tmp_path / "intruder.log"
+        intruder = start_member(["worker", "--join", sw.address, "--name", "intruder"], intruder_log, env)
         while sw.committed_steps() < 1:
             time.sleep(0.05)
         status = sw.status()
         assert status["ready"] and status["committed"] >= 1 and len(status["workers"]) == 2
         late = sw.start_worker()
-        _, err = intruder.communicate(timeout=60)
+        intruder.wait(timeout=60)
+        err = intruder_log.read_text()
         summary = sw.wait()
     assert intruder.returncode == 2, err
     assert "refused" in err and "token" in err

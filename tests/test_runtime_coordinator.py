@@ -108,3 +108,32 @@ def test_dead_lone_worker_forces_a_replan(tmp_path):
         assert any(e["event"] == "replan" and e["why"] == "missed heartbeats" for e in events), events
 
     asyncio.run(main())
+
+
+def test_a_worker_that_dies_before_measuring_does_not_hold_the_start(tmp_path):
+    """4 measuring workers join; one is killed before it reports its measurement and the
+    other three have measured: once the reaper drops it, the run starts (the start waited
+    for its measurement alone, and nothing else would ever call for the plan again)."""
+    async def main():
+        c = Coordinator(SPEC, "tok", min_workers=3, out=str(tmp_path))
+        servers = [(await c.Join(pb.JoinRequest(role="server", address=f"127.0.0.1:{i + 1}", name=f"s{i}"),
+                                 None)).member_id for i in range(2)]
+        workers = [(await c.Join(pb.JoinRequest(role="worker", flops=1e9, name=f"w{i}", will_measure=True),
+                                 None)).member_id for i in range(4)]
+        c._ask_measure()
+        for w in workers[1:]:
+            await c.Measured(pb.MeasureReport(member_id=w, flops=2e9, request=1), None)
+        assert not c.ready  # w0 has not measured
+        reaper = asyncio.create_task(c.reap())
+        try:
+            t0 = asyncio.get_running_loop().time()
+            while not c.ready and asyncio.get_running_loop().time() - t0 < 5:
+                for m in servers + workers[1:]:
+                    await c.Heartbeat(pb.MemberRequest(member_id=m, ckpt_version=0), None)
+                await asyncio.sleep(0.05)
+        finally:
+            reaper.cancel()
+        assert workers[0] not in c.members
+        assert c.ready and sorted(set(c.assign.values())) == [0, 1]
+
+    asyncio.run(main())

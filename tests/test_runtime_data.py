@@ -19,6 +19,7 @@ from shoal.hf.convert import load_hf_dir
 from shoal.runtime.artifacts import load_final_weights
 from shoal.train.local import TrainConfig, train_local
 from shoal.train.metrics import read_jsonl
+from tests.helpers.members import run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -39,7 +40,7 @@ def _launch(out, *extra: str) -> subprocess.CompletedProcess:
         if k == "model" and "--init-from" in extra:
             continue
         cmd += [f"--{k.replace('_', '-')}", str(v)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=560, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = run_cli(cmd[3:], dict(os.environ, OMP_NUM_THREADS="1"), timeout=560, module="shoal.runtime.cli")
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc
 

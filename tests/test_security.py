@@ -38,6 +38,7 @@ from shoal.net.auth import (
 from shoal.net.channel import bind, make_server, open_channel
 from shoal.net.tls import check_plaintext, is_loopback, load_tls, make_keys
 from shoal.net.wire import encode_tensor
+from tests.helpers.members import start_member
 from tests.swarm_reference import RUN, assert_equal_weights, failure_free_weights
 
 UNAUTH, DENIED = grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED
@@ -323,9 +324,7 @@ def test_tls_run_resists_capture_impersonation_and_floods(tmp_path, tmp_path_fac
     procs: list[subprocess.Popen] = []
 
     def start(args: list[str], name: str) -> subprocess.Popen:
-        with open(tmp_path / f"{name}.log", "wb") as log:
-            p = subprocess.Popen(_cli(*args), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                 start_new_session=True)
+        p = start_member(args, tmp_path / f"{name}.log", env)  # forked from the session's warm process
         procs.append(p)
         return p
 

@@ -27,6 +27,7 @@ from shoal.train.generate import generate_text
 from shoal.train.local import TrainConfig, evaluate, resume_config, train_local, val_micro_batches
 from shoal.train.metrics import read_jsonl
 from shoal.train.optim import OptimConfig, apply_update, make_optimizer
+from tests.helpers.members import run_cli
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "SHOAL_TORCH_THREADS": "1"}
 
@@ -47,8 +48,8 @@ def _cfg(tmp_path: Path, cache_dir: str, **kw) -> TrainConfig:
 
 
 def _cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shoal.cli", *args], capture_output=True, text=True,
-                          env=ENV, timeout=timeout)
+    # Forked from the session's warm process (tests/helpers/members.py): no torch import per command.
+    return run_cli(list(args), ENV, timeout)
 
 
 @pytest.fixture(scope="module")

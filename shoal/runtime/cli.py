@@ -218,6 +218,9 @@ def register(subparsers) -> None:
                         "(see docs/faults.md)")
     p.add_argument("--insecure", action="store_true",
                    help="plain text between the members (default: TLS with keys made in RUN/tls)")
+    p.add_argument("--no-fork-server", action="store_true",
+                   help="start every member as a fresh interpreter (default: fork them from one process "
+                        "that imported torch once; env SHOAL_FORK_SERVER=0 does the same)")
     _run_args(p, launch=True)
     p.set_defaults(func=run_launch_cmd)
 
@@ -541,7 +544,8 @@ def run_launch_cmd(args) -> int:
         dashboard=None if args.no_dashboard else args.dashboard, chunk_mb=args.chunk_mb,
         device=args.device or "auto", precision=args.precision or "fp32", loss_scale=args.loss_scale,
         sync=args.sync, sync_every=args.sync_every, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
-        compression=args.compression, faults=list(args.fault), spot_check=args.spot_check, standbys=args.standbys, tls=not args.insecure)
+        compression=args.compression, faults=list(args.fault), spot_check=args.spot_check, standbys=args.standbys,
+        tls=not args.insecure, fork_server=not args.no_fork_server)
     if cfg.dashboard:
         from shoal.runtime.dashboard import parse_bind
 

@@ -761,6 +761,9 @@ class Coordinator(pbg.CoordinatorServicer):
             self.assign.pop(m.member_id, None)
             if self.ready:
                 self._replan(why)
+        if not self.ready:
+            # The start may have been waiting for this member's measurement alone.
+            self._check_ready()
 
     def _stage_of_dropped(self, m: Member) -> int:
         if m.role == "server":

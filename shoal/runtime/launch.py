@@ -19,7 +19,6 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -96,6 +95,7 @@ class LaunchConfig:
     spot_check: float = 0.05  # fraction of gradient pushes the stage servers recompute (exact runs)
     standbys: int = 0  # hot standby servers, each with its own empty checkpoint folder (stage k mod S)
     tls: bool = True  # mutual TLS with keys made in RUN/tls (False: plain text on loopback)
+    fork_server: bool = True  # fork members from one warm process (shoal.runtime.forkserver; False: spawn each)
 
     def validate(self) -> None:
         if self.workers is None:
@@ -201,12 +201,14 @@ class Swarm:
         cfg.workers = cfg.workers or cfg.min_workers
 
     def _spawn(self, args: list[str], log_name: str, env: dict | None = None) -> subprocess.Popen:
-        # The child keeps its own copy of the descriptor; ours can close at once.
-        with open(self.out / "logs" / f"{log_name}.log", "ab") as log:
-            security = [] if self.tls is not None else ["--insecure"]
-            return subprocess.Popen([sys.executable, "-m", "shoal.runtime.cli", args[0], *security, *args[1:]],
-                                    stdout=log,
-                                    stderr=subprocess.STDOUT, env=env or self.env, start_new_session=True)
+        """Start a member in its own session, forked from the warm fork server unless that is off."""
+        from shoal.runtime.forkserver import spawn_member
+
+        security = [] if self.tls is not None else ["--insecure"]
+        env = dict(env or self.env)
+        if not self.cfg.fork_server:
+            env["SHOAL_FORK_SERVER"] = "0"
+        return spawn_member([args[0], *security, *args[1:]], self.out / "logs" / f"{log_name}.log", env)
 
     def _vocab(self) -> int:
         if self.cfg.init_from:
@@ -221,6 +223,10 @@ class Swarm:
         """Start the coordinator, S servers and the workers; return once the address is known."""
         c = self.cfg
         self.t0 = time.time()
+        if c.fork_server:  # start its imports now; they overlap the data preparation below
+            from shoal.runtime.forkserver import get_fork_server
+
+            get_fork_server(self.env)
         if c.resume:
             # The run's settings come from its journal; a new port (every member is new).
             self._start_coordinator(["--resume", str(self.out), "--run-id", self.run_id,
