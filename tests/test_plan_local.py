@@ -11,10 +11,12 @@ from shoal.plan import load_scenario, make_plan, predict, scenario_from_dict
 from shoal.plan.compression import bytes_per_element, parse_compression, wire_ratio
 from shoal.plan.cost import (
     LOCAL_OPTIMIZER_BYTES_PER_PARAM,
+    granular_pipeline_time,
     local_round_time,
     local_round_wait,
     local_sync_per_step,
     scenario_profile,
+    stage_costs,
     stage_worker_memory,
     task_period,
 )
@@ -166,15 +168,41 @@ def test_simulated_bytes_follow_the_codecs():
     assert small.lost_micro_batches == 0 and not small.stalled
 
 
+# Every built-in whose local-mode plan simulates in about a second; the dtfm-* and scale-*
+# scenarios (64 to 4096 devices, 512 to 8192 micro-batches per step) are checked by
+# bench/bench_local.py --agreement (results in bench/results/local-mode.md).
+CHEAP_BUILTINS = ["demo", "hetero-compute", "hetero-network", "hetero-churn", "hetero-all", "gaming-eu",
+                  "gaming-world"]
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("name", ["hetero-compute", "hetero-network"])
+@pytest.mark.parametrize("name", CHEAP_BUILTINS)
 def test_cost_model_matches_simulator_in_local_mode(name):
+    # one round of H = 8 steps, int8 everywhere, uploads overlapped (the CLI's local default)
     s = load_scenario(name)
     p = make_plan(s, sync=local(8, "int8", overlap_uploads=True))
     res = simulate(p, s, steps=8)
     assert not res.stalled and res.lost_micro_batches == 0
     assert p.predicted["step_time_s"] / res.mean_step_time_s == pytest.approx(1.0, abs=0.10)
     assert p.predicted["utilisation"] == pytest.approx(res.mean_utilisation(), abs=0.1)
+
+
+def test_granular_floor_by_hand():
+    # one stage: fill 0.02 s (its fastest worker); its slowest used worker takes 0.12 s per
+    # micro-batch, so some micro-batch needs 0.12 s: the floor is 0.12 s
+    assert granular_pipeline_time(0.02, [(0.02, 0.12)]) == pytest.approx(0.12)
+    # two stages: a slow worker in the second stage adds its excess over that stage's fastest
+    assert granular_pipeline_time(0.5, [(0.2, 0.25), (0.3, 0.9)]) == pytest.approx(0.5 - 0.3 + 0.9)
+    assert granular_pipeline_time(0.0, []) == 0.0
+
+
+def test_local_mode_floor_binds_when_few_micro_batches_meet_slow_workers():
+    # demo: 8 micro-batches, workers from 0.02 to 0.12 s per micro-batch: the step cannot end
+    # before the slowest used worker's micro-batch, whatever the fluid rate says
+    s = load_scenario("demo")
+    p = make_plan(s, sync=local(8, "int8", overlap_uploads=True))
+    slowest = max(max(c.task_times.values()) for c in stage_costs(p, s))
+    assert p.predicted["pipeline_s"] >= slowest
 
 
 def test_local_mode_round_waits_without_overlap_and_not_with_it():

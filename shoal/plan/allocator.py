@@ -366,7 +366,8 @@ def _neighbours(plan: Plan, scenario: Scenario, rng: random.Random, unused: list
     for s in {b, rng.randrange(n)}:
         ws = plan.stages[s].workers
         if len(ws) > 1:
-            for w in {min(ws, key=lambda x: dev[x].up), min(ws, key=lambda x: dev[x].flops)}:
+            # an ordered de-duplication: iterating a set of strings follows the per-process hash seed
+            for w in dict.fromkeys((min(ws, key=lambda x: dev[x].up), min(ws, key=lambda x: dev[x].flops))):
                 p = _copy(plan)
                 p.stages[s].workers.remove(w)
                 yield p
