@@ -188,6 +188,45 @@ def granular_pipeline_time(fill: float, stages: list[tuple[float, float]]) -> fl
     return max((fill - lat + slow for lat, slow in stages), default=0.0)
 
 
+def expected_max_residual(times: list[float]) -> float:
+    """``E[max_d U_d tau_d]`` for independent uniform ``U_d`` in [0, 1]: how long after the task
+    pool empties the last of the workers' in-flight tasks ends (each is at a uniform point of
+    its ``tau_d``). ``P(max <= x) = prod_d min(1, x / tau_d)``, integrated piecewise between the
+    sorted ``tau`` in closed form (``x^j / prod`` over the ``j`` workers slower than ``x``)."""
+    ts = sorted(t for t in times if 0 < t < math.inf)
+    if not ts:
+        return 0.0
+    n = len(ts)
+    logs = [math.log(t) for t in ts]
+    suffix = [0.0] * (n + 1)  # suffix[k] = sum of log tau over ts[k:]
+    for k in range(n - 1, -1, -1):
+        suffix[k] = suffix[k + 1] + logs[k]
+    below = 0.0  # integral of P(max <= x) over [0, tau_max]
+    lo = 0.0
+    for k in range(n):
+        hi = ts[k]
+        j = n - k  # workers with tau > x on (lo, hi)
+        if hi > lo:
+            top = math.exp((j + 1) * logs[k] - suffix[k])
+            bottom = math.exp((j + 1) * math.log(lo) - suffix[k]) if lo > 0 else 0.0
+            below += (top - bottom) / (j + 1)
+        lo = hi
+    return ts[-1] - below
+
+
+def tail_pipeline_time(micro_batches: int, stage_times: list[float], throughput: float, fill: float,
+                       latency: float) -> float:
+    """The pipeline with the bottleneck stage's step end resolved: its ``n`` used workers take
+    tasks until the pool is empty, at ``T_e = (M - n / 2) / X`` (each has half a task in flight on
+    average), and the step ends when the last of their in-flight tasks does,
+    :func:`expected_max_residual` later; the other stages add their fill (``fill - latency``,
+    ``latency`` being the bottleneck stage's share of it)."""
+    used = sorted(t for t in stage_times if 0 < t < math.inf)[:micro_batches]
+    if throughput <= 0 or not used:
+        return math.inf
+    return (micro_batches - len(used) / 2) / throughput + expected_max_residual(used) + fill - latency
+
+
 def step_time(pipeline: float, sync: float, overlap_sync: bool = False) -> float:
     """Seconds per optimizer step."""
     return max(pipeline, sync) if overlap_sync else pipeline + sync
@@ -583,7 +622,8 @@ def server_memory_headroom(plan: Plan, scenario: Scenario) -> float:
 
 
 def churn_step_time(plan: Plan, scenario: Scenario, costs: list[StageCost], pipe: float, fill: float,
-                    sync: float, step: float, options: CostOptions, floor: float = 0.0) -> tuple[float, float]:
+                    sync: float, step: float, options: CostOptions, floor: float = 0.0,
+                    adjust: float = 0.0) -> tuple[float, float]:
     """``(expected step, churn seconds)`` of a plan under the scenario's churn.
 
     Long run, worker ``d`` is online ``a_d = availability(S_d, O)`` of the time, so stage ``s``
@@ -610,7 +650,7 @@ def churn_step_time(plan: Plan, scenario: Scenario, costs: list[StageCost], pipe
                 churn += step / sess * leave_cost(t, c.throughput, m, pipe, fill, options.lease_timeout_s, c.pull)
         xs_a.append(xa)
     pipe_a = (m - 1) / min(xs_a) + fill if min(xs_a) > 0 else math.inf
-    pipe_a = max(pipe_a, floor)  # local mode: see granular_pipeline_time
+    pipe_a = max(pipe_a + adjust, floor)  # local mode: tail_pipeline_time's correction, granular_pipeline_time
     return step_time(pipe_a, sync, options.overlap_sync) + churn, churn
 
 
@@ -649,9 +689,12 @@ def predict(plan: Plan, scenario: Scenario, options: CostOptions | None = None,
     headroom = min(min(c.memory_headroom for c in costs), server_memory_headroom(plan, scenario))
     round_s = 0.0
     floor = 0.0
+    adjust = 0.0
     if plan.sync.local:
         floor = granular_pipeline_time(fill, [(c.latency, c.slowest) for c in costs])
-        pipe = max(pipe, floor)
+        fluid = pipe
+        pipe = max(tail_pipeline_time(m, list(costs[b].task_times.values()), xs[b], fill, costs[b].latency), floor)
+        adjust = pipe - fluid
         # per-stage rounds run in parallel; the step waits for the slowest one
         waits = [local_round_wait(list(c.round_links), c.round_latency, plan.sync.sync_every, pipe,
                                   plan.sync.overlap) for c in costs]
@@ -666,7 +709,7 @@ def predict(plan: Plan, scenario: Scenario, options: CostOptions | None = None,
     if options.churn and scenario.churn.enabled:
         expected, churn_s = churn_step_time(plan, scenario, costs, pipe, fill, sync, step,
                                             CostOptions(overlap, options.recompute, options.churn,
-                                                        options.lease_timeout_s), floor)
+                                                        options.lease_timeout_s), floor, adjust)
     n_workers = sum(len(st.workers) for st in plan.stages)
     busy = sum(c.compute_per_step for c in costs)
     util = busy / (n_workers * step) if n_workers and step > 0 and math.isfinite(step) else 0.0
