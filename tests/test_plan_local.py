@@ -11,6 +11,7 @@ from shoal.plan import load_scenario, make_plan, predict, scenario_from_dict
 from shoal.plan.compression import bytes_per_element, parse_compression, wire_ratio
 from shoal.plan.cost import (
     LOCAL_OPTIMIZER_BYTES_PER_PARAM,
+    expected_max_residual,
     granular_pipeline_time,
     local_round_time,
     local_round_wait,
@@ -18,6 +19,7 @@ from shoal.plan.cost import (
     scenario_profile,
     stage_costs,
     stage_worker_memory,
+    tail_pipeline_time,
     task_period,
 )
 from shoal.plan.types import Plan, StagePlan, SyncPolicy
@@ -194,6 +196,22 @@ def test_granular_floor_by_hand():
     # two stages: a slow worker in the second stage adds its excess over that stage's fastest
     assert granular_pipeline_time(0.5, [(0.2, 0.25), (0.3, 0.9)]) == pytest.approx(0.5 - 0.3 + 0.9)
     assert granular_pipeline_time(0.0, []) == 0.0
+
+
+def test_expected_max_residual_and_tail_by_hand():
+    # one worker: its in-flight task ends, on average, half a task later
+    assert expected_max_residual([1.0]) == pytest.approx(0.5)
+    # two equal workers: E[max of two uniforms] = 2/3
+    assert expected_max_residual([1.0, 1.0]) == pytest.approx(2 / 3)
+    # 1 s and 2 s: P(max <= x) = x^2 / 2 on [0, 1], x / 2 on [1, 2] -> 2 - 1/6 - 3/4 = 13/12
+    assert expected_max_residual([2.0, 1.0]) == pytest.approx(13 / 12)
+    assert expected_max_residual([float("inf")]) == 0.0 and expected_max_residual([]) == 0.0
+    # M = 10 on two 1 s workers (X = 2): the pool empties at (10 - 1) / 2, then 2/3 more, plus
+    # the other stages' fill (1.5 - 1)
+    assert tail_pipeline_time(10, [1.0, 1.0], 2.0, 1.5, 1.0) == pytest.approx(4.5 + 2 / 3 + 0.5)
+    # only the M fastest take tasks: a third, slower worker is not waited for
+    assert tail_pipeline_time(2, [1.0, 1.0, 5.0], 2.0, 1.0, 1.0) == pytest.approx(0.5 + 2 / 3)
+    assert tail_pipeline_time(4, [1.0], 0.0, 1.0, 1.0) == float("inf")
 
 
 def test_local_mode_floor_binds_when_few_micro_batches_meet_slow_workers():
