@@ -275,3 +275,25 @@ def test_plan_command_imports_neither_torch_nor_scipy_at_startup():
             "print(bad); sys.exit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.timeout(300)
+def test_cli_compare_shows_each_method_under_exact_and_the_allowed_policy(tmp_path, capsys):
+    out = tmp_path / "cmp.json"
+    assert main(["plan", "--compare", "--scenario", "demo", "--sync", "local", "--sync-every", "4",
+                 "--compression", "int8", "--json", str(out)]) == 0
+    import json
+
+    rows = [r for r in json.loads(out.read_text())["methods"] if "error" not in r]
+    by = {(r["method"], r["policy"]) for r in rows}
+    for method in ("shoal", "dtfm", "swarm", "dapple", "random"):
+        assert {(method, "exact"), (method, "local H=4")} <= by
+    for r in rows:
+        assert r["predicted_step_time_s"] > 0 and 0 <= r["predicted_utilisation"] <= 1
+        assert r["simulated_step_time_s"] > 0 and 0 <= r["simulated_utilisation"] <= 1
+        # the row is judged under its policy: the local rows carry it in their plan
+        assert r["plan"]["sync"]["mode"] == ("local" if r["policy"] == "local H=4" else "sync")
+    shoal = {r["policy"]: r for r in rows if r["method"] == "shoal"}
+    assert shoal["local H=4"]["predicted_step_time_s"] < shoal["exact"]["predicted_step_time_s"]
+    table = capsys.readouterr().out
+    assert "local H=4" in table and "util" in table
