@@ -5,6 +5,7 @@ Run from the repository root (one process, one thread):
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_local.py                # targets + agreement
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_local.py --targets      # table 1 only
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_local.py --agreement    # table 2 only
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_local.py --scale        # table 3 only
 
 Prints two markdown tables (also written to ``--out``):
 
@@ -79,6 +80,31 @@ def targets(h: int = 32) -> str:
                    "sim util", "sim tokens/s", "round s", "plan s", "sim wall s"], rows)
 
 
+SCALES = ("scale-1024", "scale-4096")
+
+
+def scale(h: int = 32, names=SCALES) -> str:
+    """Local mode only (H = h, int8, the CLI defaults), one round simulated without churn:
+    does tokens/s grow with the number of devices?"""
+    rows = []
+    got = []
+    for name in names:
+        r = run_one(name, local_policy(h), h)
+        got.append(r["tokens_s"])
+        tokens_pred = r["tokens_s"] * r["sim"] / r["pred"] if r["pred"] > 0 else 0.0
+        rows.append([name, str(r["stages"]), f"{r['used']}/{r['devices']}", f"{r['pred']:.2f}", f"{r['sim']:.2f}",
+                     f"{r['pred'] / r['sim']:.3f}", f"{r['pred_util']:.1%}", f"{r['sim_util']:.1%}",
+                     f"{tokens_pred:,.0f}", f"{r['tokens_s']:,.0f}", f"{r['round_s']:.0f}", f"{r['plan_s']:.1f}",
+                     f"{r['sim_wall_s']:.1f}" + (" STALLED" if r["stalled"] else "")])
+        print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
+    text = _table(["scenario", "S", "devices used", "pred step s", "sim step s", "pred/sim", "pred util", "sim util",
+                   "pred tokens/s", "sim tokens/s", "round s", "plan s", "sim wall s"], rows)
+    if len(got) > 1:
+        text += "\n\nsimulated tokens/s " + (" -> ".join(f"{t:,.0f}" for t in got)) + \
+            (": grows" if all(b > a for a, b in zip(got, got[1:], strict=False)) else ": does NOT grow")
+    return text
+
+
 def agreement(h: int = 8, names=BUILTIN_SCENARIOS) -> str:
     rows = []
     for name in names:
@@ -95,15 +121,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--targets", action="store_true", help="table 1 only")
     ap.add_argument("--agreement", action="store_true", help="table 2 only")
+    ap.add_argument("--scale", action="store_true", help="table 3 only: local mode on scale-1024 and scale-4096")
+    ap.add_argument("--scenarios", default=None,
+                    help="comma-separated scenarios for --agreement or --scale (default: all built-ins / both scales)")
     ap.add_argument("--out", default=None, help="also write the tables to this markdown file")
     args = ap.parse_args()
-    both = not (args.targets or args.agreement)
+    names = args.scenarios.split(",") if args.scenarios else None
+    both = not (args.targets or args.agreement or args.scale)
     parts = []
+    if args.scale:
+        parts.append("## 3. Scale: local sync (H = 32, int8), one round simulated without churn\n\n"
+                     + scale(names=names or SCALES))
     if args.targets or both:
         parts.append("## 1. Targets: exact vs local sync (H = 32, int8), simulated without churn\n\n" + targets())
     if args.agreement or both:
         parts.append("## 2. Cost model vs simulator, local mode (H = 8, int8, one round), shoal's plans\n\n"
-                     + agreement())
+                     + agreement(names=names or BUILTIN_SCENARIOS))
     text = "\n\n".join(parts) + "\n"
     print(text)
     if args.out:

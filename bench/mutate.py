@@ -116,7 +116,8 @@ GENERATED_TARGETS: dict[str, tuple[str, ...]] = {
                                "test_exact_policy_with_explicit_none_codecs_is_the_default",
                                "test_local_h1_without_overlap_costs_what_exact_sync_costs",
                                "test_local_round_by_hand_and_its_amortisation",
-                               "test_local_mode_counts_the_inner_optimizer_memory"))),
+                               "test_local_mode_counts_the_inner_optimizer_memory",
+                               "test_granular_floor_by_hand", "test_expected_max_residual_and_tail_by_hand"))),
 }
 
 

@@ -11,11 +11,15 @@ from shoal.plan import load_scenario, make_plan, predict, scenario_from_dict
 from shoal.plan.compression import bytes_per_element, parse_compression, wire_ratio
 from shoal.plan.cost import (
     LOCAL_OPTIMIZER_BYTES_PER_PARAM,
+    expected_max_residual,
+    granular_pipeline_time,
     local_round_time,
     local_round_wait,
     local_sync_per_step,
     scenario_profile,
+    stage_costs,
     stage_worker_memory,
+    tail_pipeline_time,
     task_period,
 )
 from shoal.plan.types import Plan, StagePlan, SyncPolicy
@@ -166,15 +170,57 @@ def test_simulated_bytes_follow_the_codecs():
     assert small.lost_micro_batches == 0 and not small.stalled
 
 
+# Every built-in whose local-mode plan simulates in about a second; the dtfm-* and scale-*
+# scenarios (64 to 4096 devices, 512 to 8192 micro-batches per step) are checked by
+# bench/bench_local.py --agreement (results in bench/results/local-mode.md).
+CHEAP_BUILTINS = ["demo", "hetero-compute", "hetero-network", "hetero-churn", "hetero-all", "gaming-eu",
+                  "gaming-world"]
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("name", ["hetero-compute", "hetero-network"])
+@pytest.mark.parametrize("name", CHEAP_BUILTINS)
 def test_cost_model_matches_simulator_in_local_mode(name):
+    # one round of H = 8 steps, int8 everywhere, uploads overlapped (the CLI's local default)
     s = load_scenario(name)
     p = make_plan(s, sync=local(8, "int8", overlap_uploads=True))
     res = simulate(p, s, steps=8)
     assert not res.stalled and res.lost_micro_batches == 0
     assert p.predicted["step_time_s"] / res.mean_step_time_s == pytest.approx(1.0, abs=0.10)
     assert p.predicted["utilisation"] == pytest.approx(res.mean_utilisation(), abs=0.1)
+
+
+def test_granular_floor_by_hand():
+    # one stage: fill 0.02 s (its fastest worker); its slowest used worker takes 0.12 s per
+    # micro-batch, so some micro-batch needs 0.12 s: the floor is 0.12 s
+    assert granular_pipeline_time(0.02, [(0.02, 0.12)]) == pytest.approx(0.12)
+    # two stages: a slow worker in the second stage adds its excess over that stage's fastest
+    assert granular_pipeline_time(0.5, [(0.2, 0.25), (0.3, 0.9)]) == pytest.approx(0.5 - 0.3 + 0.9)
+    assert granular_pipeline_time(0.0, []) == 0.0
+
+
+def test_expected_max_residual_and_tail_by_hand():
+    # one worker: its in-flight task ends, on average, half a task later
+    assert expected_max_residual([1.0]) == pytest.approx(0.5)
+    # two equal workers: E[max of two uniforms] = 2/3
+    assert expected_max_residual([1.0, 1.0]) == pytest.approx(2 / 3)
+    # 1 s and 2 s: P(max <= x) = x^2 / 2 on [0, 1], x / 2 on [1, 2] -> 2 - 1/6 - 3/4 = 13/12
+    assert expected_max_residual([2.0, 1.0]) == pytest.approx(13 / 12)
+    assert expected_max_residual([float("inf")]) == 0.0 and expected_max_residual([]) == 0.0
+    # M = 10 on two 1 s workers (X = 2): the pool empties at (10 - 1) / 2, then 2/3 more, plus
+    # the other stages' fill (1.5 - 1)
+    assert tail_pipeline_time(10, [1.0, 1.0], 2.0, 1.5, 1.0) == pytest.approx(4.5 + 2 / 3 + 0.5)
+    # only the M fastest take tasks: a third, slower worker is not waited for
+    assert tail_pipeline_time(2, [1.0, 1.0, 5.0], 2.0, 1.0, 1.0) == pytest.approx(0.5 + 2 / 3)
+    assert tail_pipeline_time(4, [1.0], 0.0, 1.0, 1.0) == float("inf")
+
+
+def test_local_mode_floor_binds_when_few_micro_batches_meet_slow_workers():
+    # demo: 8 micro-batches, workers from 0.02 to 0.12 s per micro-batch: the step cannot end
+    # before the slowest used worker's micro-batch, whatever the fluid rate says
+    s = load_scenario("demo")
+    p = make_plan(s, sync=local(8, "int8", overlap_uploads=True))
+    slowest = max(max(c.task_times.values()) for c in stage_costs(p, s))
+    assert p.predicted["pipeline_s"] >= slowest
 
 
 def test_local_mode_round_waits_without_overlap_and_not_with_it():
@@ -229,3 +275,25 @@ def test_plan_command_imports_neither_torch_nor_scipy_at_startup():
             "print(bad); sys.exit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.timeout(300)
+def test_cli_compare_shows_each_method_under_exact_and_the_allowed_policy(tmp_path, capsys):
+    out = tmp_path / "cmp.json"
+    assert main(["plan", "--compare", "--scenario", "demo", "--sync", "local", "--sync-every", "4",
+                 "--compression", "int8", "--json", str(out)]) == 0
+    import json
+
+    rows = [r for r in json.loads(out.read_text())["methods"] if "error" not in r]
+    by = {(r["method"], r["policy"]) for r in rows}
+    for method in ("shoal", "dtfm", "swarm", "dapple", "random"):
+        assert {(method, "exact"), (method, "local H=4")} <= by
+    for r in rows:
+        assert r["predicted_step_time_s"] > 0 and 0 <= r["predicted_utilisation"] <= 1
+        assert r["simulated_step_time_s"] > 0 and 0 <= r["simulated_utilisation"] <= 1
+        # the row is judged under its policy: the local rows carry it in their plan
+        assert r["plan"]["sync"]["mode"] == ("local" if r["policy"] == "local H=4" else "sync")
+    shoal = {r["policy"]: r for r in rows if r["method"] == "shoal"}
+    assert shoal["local H=4"]["predicted_step_time_s"] < shoal["exact"]["predicted_step_time_s"]
+    table = capsys.readouterr().out
+    assert "local H=4" in table and "util" in table

@@ -31,7 +31,7 @@ import numpy as np
 from shoal.errors import ShoalError
 from shoal.model.profile import ModelProfile
 from shoal.plan.common import SyncTable, build_plan, place_servers, step_of
-from shoal.plan.cost import CostOptions, scenario_profile, stage_worker_memory
+from shoal.plan.cost import CostOptions, _policy_key, scenario_profile, stage_worker_memory
 from shoal.plan.types import Device, Plan, Scenario, StagePlan, SyncPolicy
 
 
@@ -227,8 +227,9 @@ def _dp(tables: list[_StageTable], n_layers: int, pair_index: dict) -> tuple[flo
 
 def construct(scenario: Scenario, n_stages: int, sync: SyncPolicy, options: CostOptions,
               snap: float = 0.35, table: SyncTable | None = None, order: list[str] | None = None,
-              act_aware: bool = False) -> Plan | None:
-    """Steps 1-4 for one stage count; None if no feasible plan was found."""
+              act_aware: bool = False, memo: dict | None = None) -> Plan | None:
+    """Steps 1-4 for one stage count; None if no feasible plan was found. ``memo``: the cost
+    model's memo for this scenario (see :func:`shoal.plan.cost.stage_costs`)."""
     prof = scenario_profile(scenario)
     n_layers = len(prof.layers)
     workers = scenario.workers
@@ -256,9 +257,16 @@ def construct(scenario: Scenario, n_stages: int, sync: SyncPolicy, options: Cost
     dev = {d.id: d for d in scenario.devices}
     # local mode with delayed application: a step costs max(P, R / H), the same shape as overlap_sync
     overlap = options.overlap_sync or (sync.local and sync.overlap)
-    tables = [_StageTable(g, dev[h], share[h], scenario, prof, sync, m, overlap, pairs, pf, pp, pm, n_layers,
-                          table)
-              for g, h in zip(groups, hosts, strict=True)]
+    memo = {} if memo is None else memo
+    tables = []
+    for g, h in zip(groups, hosts, strict=True):
+        # the two snaps and neighbouring stage counts often cut the same group
+        key = ("table", tuple(d.id for d in g), h, share[h], _policy_key(sync), m, overlap, options.recompute)
+        t = memo.get(key)
+        if t is None:
+            t = memo[key] = _StageTable(g, dev[h], share[h], scenario, prof, sync, m, overlap, pairs, pf, pp, pm,
+                                        n_layers, table)
+        tables.append(t)
     _, dp_bounds = _dp(tables, n_layers, pair_index)
     # The DP minimises the largest per-stage (pipeline + sync) estimate, while the step adds the
     # largest pipeline term to the largest sync term; the even split is kept as a second
@@ -288,7 +296,7 @@ def construct(scenario: Scenario, n_stages: int, sync: SyncPolicy, options: Cost
             plans.append(build_plan(scenario, "shoal", [StagePlan(st.layers, h, list(st.workers))
                                                         for st, h in zip(stages, hs, strict=True)], sync))
         for cand in plans:
-            t = step_of(cand, scenario, options)
+            t = step_of(cand, scenario, options, memo)
             if t < best_t:
                 best, best_t = cand, t
     return best
@@ -358,7 +366,8 @@ def _neighbours(plan: Plan, scenario: Scenario, rng: random.Random, unused: list
     for s in {b, rng.randrange(n)}:
         ws = plan.stages[s].workers
         if len(ws) > 1:
-            for w in {min(ws, key=lambda x: dev[x].up), min(ws, key=lambda x: dev[x].flops)}:
+            # an ordered de-duplication: iterating a set of strings follows the per-process hash seed
+            for w in dict.fromkeys((min(ws, key=lambda x: dev[x].up), min(ws, key=lambda x: dev[x].flops))):
                 p = _copy(plan)
                 p.stages[s].workers.remove(w)
                 yield p
@@ -382,15 +391,15 @@ TOP_K = 3  # best constructed candidates refined by local search
 TOP_K_OTHER = 2  # plus the best candidate of this many other stage counts
 
 
-def _objective(plan: Plan, scenario: Scenario, options: CostOptions) -> float:
+def _objective(plan: Plan, scenario: Scenario, options: CostOptions, memo: dict | None = None) -> float:
     """Step time, plus a small pull towards faster non-bottleneck stages (breaks plateaus where
     only the bottleneck counts)."""
-    t = step_of(plan, scenario, options)
+    t = step_of(plan, scenario, options, memo)
     return t + TIE_BREAK * plan.predicted.get("mean_stage_time_s", 0.0) if math.isfinite(t) else t
 
 
 def local_search(plan: Plan, scenario: Scenario, options: CostOptions, budget_s: float, seed: int = 0,
-                 max_rounds: int = 200, max_evals: int = 400) -> Plan:
+                 max_rounds: int = 200, max_evals: int = 400, memo: dict | None = None) -> Plan:
     """First-improvement local search on the full cost model until no move helps, ``max_evals``
     candidates were evaluated (deterministic budget) or ``budget_s`` passed (safety net)."""
     prof = scenario_profile(scenario)
@@ -398,7 +407,8 @@ def local_search(plan: Plan, scenario: Scenario, options: CostOptions, budget_s:
     host_ids = [h.id for h in scenario.server_hosts]
     rng = random.Random(seed)
     best = _copy(plan)
-    best_t = _objective(best, scenario, options)
+    memo = {} if memo is None else memo
+    best_t = _objective(best, scenario, options, memo)
     deadline = time.perf_counter() + budget_s
     evals = 0
     for _ in range(max_rounds):
@@ -411,14 +421,84 @@ def local_search(plan: Plan, scenario: Scenario, options: CostOptions, budget_s:
             if not _feasible(cand, scenario, prof, dev):
                 continue
             evals += 1
-            t = _objective(cand, scenario, options)
+            t = _objective(cand, scenario, options, memo)
             if t < best_t * (1 - 1e-9):
                 best, best_t, improved = cand, t, True
                 break
         if not improved:
             break
-    step_of(best, scenario, options)
+    step_of(best, scenario, options, memo)
     return best
+
+
+def stage_count_bound(scenario: Scenario, sync: SyncPolicy, prof: ModelProfile | None = None):
+    """A function ``S -> seconds`` below which no plan with ``S`` stages can step (the cost
+    model's step time, churn-free or expected), used to skip stage counts that cannot matter.
+
+    The cost model's step is at least its pipeline, ``(M - 1) / min_s X_s``, and a worker's
+    ``tau_d`` is at least its lease round trips (to the nearest server host) plus its activation
+    bytes over its own access links (a server link only slows a transfer further), combined as
+    :func:`shoal.plan.cost.task_period` combines them; so ``X_s <= sum over W_s of r_d(pos)``
+    with ``r_d = 1 / that`` for the stage's position (first, middle, last). Every worker is in
+    one stage, so for weights ``w`` on the first and last stage and 1 on each middle one,
+    ``X (2 w + S - 2) <= sum_d max(w r_d(first), w r_d(last), r_d(middle))``; compute alone gives
+    ``X <= sum_d flops_d / (forward + backward FLOPs)``. The smallest of these bounds ``X``.
+    A worker that may host a server could talk to itself over loopback: then only compute bounds."""
+    prof = prof or scenario_profile(scenario)
+    workers = scenario.workers
+    n_layers = len(prof.layers)
+    m = scenario.workload.micro_batches
+    x_compute = sum(d.flops for d in workers) / (prof.fwd_flops(0, n_layers) + prof.bwd_flops(0, n_layers))
+    hosts = scenario.server_hosts
+    if not workers or not hosts or any(d.can_host_server for d in workers):
+        rates = None
+    else:
+        hidden = prof.layers[0].out_act_bytes * sync.ratio("act", prof.dtype_bytes)
+        hidden_grad = prof.layers[0].out_act_bytes * sync.ratio("grad", prof.dtype_bytes)
+        tokens = prof.tokens_per_micro_batch * 8
+        down = np.array([d.down for d in workers])
+        up = np.array([d.up for d in workers])
+        lat = np.array([min(scenario.network.link(d, h).latency for h in hosts) for d in workers])
+
+        def rate(dl_bytes: float, ul_bytes: float, n_tasks: int) -> np.ndarray:
+            fetch = dl_bytes / down + n_tasks * 2 * lat
+            upload = ul_bytes / up
+            if sync.prefetch or sync.overlap_uploads:  # task_period with no compute: the larger one
+                tau = np.maximum(fetch, upload)
+            else:
+                tau = fetch + upload
+            with np.errstate(divide="ignore"):
+                return np.where(tau > 0, 1.0 / tau, np.inf)
+
+        rates = {"only": rate(2 * tokens, 0.0, 1), "first": rate(tokens + hidden_grad, hidden, 2),
+                 "middle": rate(hidden + hidden_grad, hidden + hidden_grad, 2),
+                 "last": rate(hidden + 2 * tokens, hidden_grad, 1)}
+
+    def bound(n_stages: int) -> float:
+        x = x_compute
+        if rates is not None:
+            if n_stages == 1:
+                x = min(x, float(rates["only"].sum()))
+            else:
+                ends = np.maximum(rates["first"], rates["last"])
+                for w in (0.25, 0.5, 1.0, 2.0):
+                    if n_stages == 2:
+                        x = min(x, float((w * ends).sum()) / (2 * w))
+                    else:
+                        x = min(x, float(np.maximum(w * ends, rates["middle"]).sum()) / (2 * w + n_stages - 2))
+        if x <= 0:
+            return math.inf
+        return (m - 1) / x * (1 - 1e-9)  # a hair below, against rounding
+
+    return bound
+
+
+def stage_count_hopeless(best_by_count: dict[int, float], lower_bound: float) -> bool:
+    """Whether a stage count whose plans cost at least ``lower_bound`` can be skipped: when
+    ``TOP_K + TOP_K_OTHER`` other stage counts already have a cheaper candidate, none of its
+    candidates could be among those :func:`plan_shoal` refines (the ``TOP_K`` best overall and
+    the best of ``TOP_K_OTHER`` further stage counts)."""
+    return sum(1 for v in best_by_count.values() if v < lower_bound) >= TOP_K + TOP_K_OTHER
 
 
 def stage_counts(n_layers: int, n_workers: int) -> list[int]:
@@ -438,12 +518,19 @@ def plan_shoal(scenario: Scenario, seed: int = 0, stages: int | None = None, syn
     candidates = []
     table = SyncTable(scenario)
     matrices = region_matrices(scenario)
+    memo: dict = {}  # the cost model's per-stage figures, shared by every candidate of this scenario
+    bound = stage_count_bound(scenario, sync, prof) if len(counts) > 1 else None
+    best_by_count: dict[int, float] = {}
     for s in counts:
+        if bound is not None and stage_count_hopeless(best_by_count, bound(s)):
+            continue
         order = region_order(scenario, prof.param_bytes(0, n_layers) / s, matrices)
         for snap in (0.35, 0.0):
-            p = construct(scenario, s, sync, options, snap, table, order)
+            p = construct(scenario, s, sync, options, snap, table, order, memo=memo)
             if p is not None:
-                candidates.append((step_of(p, scenario, options), s, p))
+                t = step_of(p, scenario, options, memo)
+                candidates.append((t, s, p))
+                best_by_count[s] = min(t, best_by_count.get(s, math.inf))
     if not candidates:
         raise ShoalError(f"no feasible plan for scenario {scenario.name} with {stages or 'any number of'} stages; "
                          "the stages do not fit the devices' memory")
@@ -462,10 +549,11 @@ def plan_shoal(scenario: Scenario, seed: int = 0, stages: int | None = None, syn
             top.append(c)
     best = None
     for i, (_, _, p) in enumerate(top):
-        refined = local_search(p, scenario, options, budget_s / len(top), seed=seed + i, max_evals=max_evals)
-        if best is None or step_of(refined, scenario, options) < step_of(best, scenario, options):
+        refined = local_search(p, scenario, options, budget_s / len(top), seed=seed + i, max_evals=max_evals,
+                               memo=memo)
+        if best is None or step_of(refined, scenario, options, memo) < step_of(best, scenario, options, memo):
             best = refined
-    step_of(best, scenario, options)
+    step_of(best, scenario, options, memo)
     return best
 
 

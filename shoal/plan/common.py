@@ -62,10 +62,11 @@ def build_plan(scenario: Scenario, method: str, stages: list[StagePlan], sync: S
                 sync=sync or SyncPolicy())
 
 
-def step_of(plan: Plan, scenario: Scenario, options: CostOptions | None = None) -> float:
-    """Predicted step time, the expected one under the scenario's churn (inf if the plan cannot run)."""
+def step_of(plan: Plan, scenario: Scenario, options: CostOptions | None = None, memo: dict | None = None) -> float:
+    """Predicted step time, the expected one under the scenario's churn (inf if the plan cannot run).
+    ``memo``: a dict kept across calls on one scenario (see :func:`shoal.plan.cost.stage_costs`)."""
     try:
-        t = predict(plan, scenario, options)["expected_step_time_s"]  # = step_time_s without churn
+        t = predict(plan, scenario, options, memo)["expected_step_time_s"]  # = step_time_s without churn
     except (KeyError, ZeroDivisionError):
         return math.inf
     return t if math.isfinite(t) else math.inf

@@ -33,7 +33,7 @@ sizes in bytes, rates in bytes/s and FLOP/s.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import lru_cache
 
 from shoal.model.config import get_preset
@@ -178,6 +178,55 @@ def leave_cost(tau: float, stage_rate: float, micro_batches: int, pipeline_s: fl
     return late + lease_timeout_s + pull_s + 0.5 * share * tau
 
 
+def granular_pipeline_time(fill: float, stages: list[tuple[float, float]]) -> float:
+    """A floor under the pipeline when a stage's slowest worker holds a whole micro-batch: every
+    used worker leases a task when the step starts, so some micro-batch spends ``slow_s`` (the
+    slowest used worker's time) in stage ``s`` instead of the fastest worker's ``lat_s``, and
+    still has to go through the other stages: ``max_s (fill - lat_s + slow_s)``. It binds when
+    ``M`` is small against the workers (a few slow tasks end the step), not in the fluid regime.
+    ``stages`` holds ``(lat_s, slow_s)`` per stage."""
+    return max((fill - lat + slow for lat, slow in stages), default=0.0)
+
+
+def expected_max_residual(times: list[float]) -> float:
+    """``E[max_d U_d tau_d]`` for independent uniform ``U_d`` in [0, 1]: how long after the task
+    pool empties the last of the workers' in-flight tasks ends (each is at a uniform point of
+    its ``tau_d``). ``P(max <= x) = prod_d min(1, x / tau_d)``, integrated piecewise between the
+    sorted ``tau`` in closed form (``x^j / prod`` over the ``j`` workers slower than ``x``)."""
+    ts = sorted(t for t in times if 0 < t < math.inf)
+    if not ts:
+        return 0.0
+    n = len(ts)
+    logs = [math.log(t) for t in ts]
+    suffix = [0.0] * (n + 1)  # suffix[k] = sum of log tau over ts[k:]
+    for k in range(n - 1, -1, -1):
+        suffix[k] = suffix[k + 1] + logs[k]
+    below = 0.0  # integral of P(max <= x) over [0, tau_max]
+    lo = 0.0
+    for k in range(n):
+        hi = ts[k]
+        j = n - k  # workers with tau > x on (lo, hi)
+        if hi > lo:
+            top = math.exp((j + 1) * logs[k] - suffix[k])
+            bottom = math.exp((j + 1) * math.log(lo) - suffix[k]) if lo > 0 else 0.0
+            below += (top - bottom) / (j + 1)
+        lo = hi
+    return ts[-1] - below
+
+
+def tail_pipeline_time(micro_batches: int, stage_times: list[float], throughput: float, fill: float,
+                       latency: float) -> float:
+    """The pipeline with the bottleneck stage's step end resolved: its ``n`` used workers take
+    tasks until the pool is empty, at ``T_e = (M - n / 2) / X`` (each has half a task in flight on
+    average), and the step ends when the last of their in-flight tasks does,
+    :func:`expected_max_residual` later; the other stages add their fill (``fill - latency``,
+    ``latency`` being the bottleneck stage's share of it)."""
+    used = sorted(t for t in stage_times if 0 < t < math.inf)[:micro_batches]
+    if throughput <= 0 or not used:
+        return math.inf
+    return (micro_batches - len(used) / 2) / throughput + expected_max_residual(used) + fill - latency
+
+
 def step_time(pipeline: float, sync: float, overlap_sync: bool = False) -> float:
     """Seconds per optimizer step."""
     return max(pipeline, sync) if overlap_sync else pipeline + sync
@@ -281,6 +330,7 @@ class StageCost:
     compute_per_step: float = 0.0  # seconds its workers compute per step, summed over workers (M tasks' worth)
     round_links: tuple = ()  # local mode, per worker: (push s, pull s, uplink busy s/step, downlink busy s/step)
     round_latency: float = 0.0  # local mode: the largest one-way latency worker <-> server
+    slowest: float = 0.0  # the slowest used worker's per-micro-batch time plus its uploads' latency
 
 
 def _share_counts(plan: Plan, scenario: Scenario) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
@@ -306,8 +356,104 @@ def _share_counts(plan: Plan, scenario: Scenario) -> tuple[dict[str, int], dict[
 SHARE_ITERATIONS = 4
 DAMP = 0.5
 
+_SYNC_FIELDS = tuple(f.name for f in fields(SyncPolicy))
 
-def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = None) -> list[StageCost]:
+
+def _policy_key(sync: SyncPolicy) -> tuple:
+    """Every field of ``sync``, as a hashable memo key (SyncPolicy itself is mutable)."""
+    return tuple(getattr(sync, f) for f in _SYNC_FIELDS)
+
+
+def _stage_rows(st, first: bool, last: bool, nxt_id: str | None, prv_id: str | None, n_sync: dict[str, int],
+                prof: ModelProfile, scenario: Scenario, dev: dict[str, Device], sync: SyncPolicy,
+                options: CostOptions, memo: dict) -> tuple:
+    """The pass-independent figures of one stage (see :func:`stage_costs`): per worker
+    ``(wid, fixed, dl_bytes, dl_bw, ul_bytes_n, ul_bw_n, ul_bytes_p, ul_bw_p, compute, out_lat)``
+    (fixed = compute + lease round trips; bandwidths before the server link's share), then the
+    stage's largest latency, its sync seconds, its slowest pull, its memory headroom and, in
+    local mode, each remote worker's ``(push s, pull s)`` of one round. A function of the stage,
+    its neighbours' servers and the workers syncing with its server, so callers may memoise it."""
+    net = scenario.network
+    tokens = prof.tokens_per_micro_batch * 8  # int64 ids (inputs of stage 0, targets of the last)
+    exact = bool(net.overrides)
+    paths = memo.setdefault("paths", {})
+
+    def path(d: Device, host: Device):
+        # Without per-pair overrides a path depends only on the worker's region.
+        if exact:
+            return net.link(d, host)
+        key = (d.region, host.id)
+        link = paths.get(key)
+        if link is None:
+            link = paths[key] = net.link(d, host)
+        return link
+
+    a, b = st.layers
+    fwd, bwd = prof.fwd_flops(a, b), prof.bwd_flops(a, b)
+    if options.recompute and not last:
+        bwd += fwd
+    hidden = prof.layers[0].out_act_bytes * sync.ratio("act", prof.dtype_bytes)
+    hidden_grad = prof.layers[0].out_act_bytes * sync.ratio("grad", prof.dtype_bytes)
+    in_bytes = tokens if first else hidden
+    if last:
+        in_bytes += tokens
+    dl_bytes = in_bytes + (0.0 if last else hidden_grad)  # input, and the output gradient
+    out_bytes = 0.0 if last else hidden
+    in_grad_bytes = 0.0 if first else hidden_grad
+    pbytes = prof.param_bytes(a, b)
+    need = stage_worker_memory(prof, a, b, sync)
+    host = dev[st.server]
+    nxt = dev[nxt_id] if nxt_id is not None else None
+    prv = dev[prv_id] if prv_id is not None else None
+    max_lat = max_push = max_pull = 0.0
+    headroom = math.inf
+    k_sync = max(1, n_sync.get(host.id, 1))
+    h_up_sync, h_down_sync = host.up / k_sync, host.down / k_sync
+    flops = fwd + bwd
+    g_push = pbytes * sync.ratio("push", prof.dtype_bytes)
+    g_pull = pbytes * sync.ratio("pull", prof.dtype_bytes)
+    n_tasks = 1 if last else 2
+    spread = sync.local
+    background: dict[str, tuple[float, float]] = {}
+    stage_rows = []
+    for wid in st.workers:
+        d = dev[wid]
+        c = compute_time(flops, d.flops)
+        fixed, dlb, dlbw = c, 0.0, math.inf
+        ulb_n = ulb_p = 0.0
+        ulbw_n = ulbw_p = math.inf
+        out_lat = 0.0
+        if wid != host.id:
+            link = path(d, host)
+            fixed += n_tasks * 2 * link.latency
+            dlb, dlbw = dl_bytes, min(link.bandwidth, d.down)
+            if g_push > 0 or g_pull > 0:
+                max_lat = max(max_lat, link.latency)
+                push_s = g_push / min(link.bandwidth, d.up, h_down_sync)
+                pull_s = g_pull / min(link.bandwidth, h_up_sync, d.down)
+                max_push = max(max_push, push_s)
+                max_pull = max(max_pull, pull_s)
+                if spread:
+                    background[wid] = (push_s, pull_s)
+        if nxt is not None and wid != nxt.id:
+            link = path(d, nxt)
+            ulb_n, ulbw_n = out_bytes, min(link.bandwidth, d.up)
+            out_lat += link.latency
+        if prv is not None and wid != prv.id:
+            link = path(d, prv)
+            ulb_p, ulbw_p = in_grad_bytes, min(link.bandwidth, d.up)
+            out_lat += link.latency
+        stage_rows.append((wid, fixed, dlb, dlbw, ulb_n, ulbw_n, ulb_p, ulbw_p, c, out_lat))
+        headroom = min(headroom, (d.memory - need) / d.memory if d.memory > 0 else -math.inf)
+    if sync.local:
+        sync_s = local_round_time(max_lat, max_push, max_pull)
+    else:
+        sync_s = stage_sync_time(max_lat, max_push, max_pull, sync.sync_every)
+    return stage_rows, max_lat, sync_s, max_lat + max_pull, headroom, background
+
+
+def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = None,
+                memo: dict | None = None) -> list[StageCost]:
     """Per-stage throughput, latency, sync and memory of ``plan`` on ``scenario``.
 
     A server link is shared by the activation transfers *in flight* on it, not by every worker
@@ -321,29 +467,16 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
     """
     options = options or CostOptions()
     prof = scenario_profile(scenario, plan.micro_batch_size)
-    net = scenario.network
-    dev = {d.id: d for d in scenario.devices}
     sync: SyncPolicy = plan.sync
     n_dl, n_ul, n_sync = _share_counts(plan, scenario)
-    tokens = prof.tokens_per_micro_batch * 8  # int64 ids (inputs of stage 0, targets of the last)
     n = len(plan.stages)
-
-    memo: dict[tuple[str, str], object] = {}
-    exact = bool(net.overrides)
-
-    def path(d: Device, host: Device):
-        # Without per-pair overrides a path depends only on the worker's region.
-        if exact:
-            return net.link(d, host)
-        key = (d.region, host.id)
-        link = memo.get(key)
-        if link is None:
-            link = memo[key] = net.link(d, host)
-        return link
-
-    # Pass-independent per-worker figures: fixed seconds (compute + lease round trips), bytes and
-    # the bandwidth bound of each transfer apart from the server link's share.
-    # row = (wid, fixed, dl_bytes, dl_bw, dl_host, ul_bytes_n, ul_bw_n, ul_bytes_p, ul_bw_p, comp, out_lat)
+    if memo is None:
+        memo = {}
+    dev = memo.get("dev")
+    if dev is None:
+        dev = memo["dev"] = {d.id: d for d in scenario.devices}
+    # what the per-stage rows depend on besides the stage itself
+    policy_key = (_policy_key(sync), options.recompute, plan.micro_batch_size)
     rows: list[list[tuple]] = []
     syncs: list[float] = []
     pulls: list[float] = []
@@ -352,106 +485,62 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
     # local mode: wid -> (push seconds, pull seconds) of one round at its links' full rate
     background: dict[str, tuple[float, float]] = {}
     lats: list[float] = []
-    st_ids = [st.workers for st in plan.stages]
     spread = sync.local
     for i, st in enumerate(plan.stages):
-        a, b = st.layers
-        first, last = i == 0, i == n - 1
-        fwd, bwd = prof.fwd_flops(a, b), prof.bwd_flops(a, b)
-        if options.recompute and not last:
-            bwd += fwd
-        hidden = prof.layers[0].out_act_bytes * sync.ratio("act", prof.dtype_bytes)
-        hidden_grad = prof.layers[0].out_act_bytes * sync.ratio("grad", prof.dtype_bytes)
-        in_bytes = tokens if first else hidden
-        if last:
-            in_bytes += tokens
-        dl_bytes = in_bytes + (0.0 if last else hidden_grad)  # input, and the output gradient
-        out_bytes = 0.0 if last else hidden
-        in_grad_bytes = 0.0 if first else hidden_grad
-        pbytes = prof.param_bytes(a, b)
-        need = stage_worker_memory(prof, a, b, sync)
-        host = dev[st.server]
-        nxt = dev[plan.stages[i + 1].server] if not last else None
-        prv = dev[plan.stages[i - 1].server] if not first else None
-        hosts.append((host.id, nxt.id if nxt is not None else None, prv.id if prv is not None else None))
-        max_lat = max_push = max_pull = 0.0
-        headroom = math.inf
-        k_sync = max(1, n_sync.get(host.id, 1))
-        h_up_sync, h_down_sync = host.up / k_sync, host.down / k_sync
-        flops = fwd + bwd
-        g_push = pbytes * sync.ratio("push", prof.dtype_bytes)
-        g_pull = pbytes * sync.ratio("pull", prof.dtype_bytes)
-        n_tasks = 1 if last else 2
-        stage_rows = []
-        for wid in st.workers:
-            d = dev[wid]
-            c = compute_time(flops, d.flops)
-            fixed, dlb, dlbw = c, 0.0, math.inf
-            ulb_n = ulb_p = 0.0
-            ulbw_n = ulbw_p = math.inf
-            out_lat = 0.0
-            if wid != host.id:
-                link = path(d, host)
-                fixed += n_tasks * 2 * link.latency
-                dlb, dlbw = dl_bytes, min(link.bandwidth, d.down)
-                if g_push > 0 or g_pull > 0:
-                    max_lat = max(max_lat, link.latency)
-                    push_s = g_push / min(link.bandwidth, d.up, h_down_sync)
-                    pull_s = g_pull / min(link.bandwidth, h_up_sync, d.down)
-                    max_push = max(max_push, push_s)
-                    max_pull = max(max_pull, pull_s)
-                    if spread:
-                        background[wid] = (push_s, pull_s)
-            if nxt is not None and wid != nxt.id:
-                link = path(d, nxt)
-                ulb_n, ulbw_n = out_bytes, min(link.bandwidth, d.up)
-                out_lat += link.latency
-            if prv is not None and wid != prv.id:
-                link = path(d, prv)
-                ulb_p, ulbw_p = in_grad_bytes, min(link.bandwidth, d.up)
-                out_lat += link.latency
-            stage_rows.append((wid, fixed, dlb, dlbw, ulb_n, ulbw_n, ulb_p, ulbw_p, c, out_lat))
-            headroom = min(headroom, (d.memory - need) / d.memory if d.memory > 0 else -math.inf)
+        nxt_id = plan.stages[i + 1].server if i < n - 1 else None
+        prv_id = plan.stages[i - 1].server if i > 0 else None
+        hosts.append((st.server, nxt_id, prv_id))
+        key = (st.layers, i == 0, i == n - 1, st.server, nxt_id, prv_id, tuple(st.workers),
+               n_sync.get(st.server, 1), policy_key)
+        got = memo.get(key)
+        if got is None:
+            got = memo[key] = _stage_rows(st, i == 0, i == n - 1, nxt_id, prv_id, n_sync, prof, scenario, dev,
+                                          sync, options, memo)
+        stage_rows, max_lat, sync_s, pull_s, headroom, bg = got
         rows.append(stage_rows)
         lats.append(max_lat)
-        if sync.local:
-            syncs.append(local_round_time(max_lat, max_push, max_pull))
-        else:
-            syncs.append(stage_sync_time(max_lat, max_push, max_pull, sync.sync_every))
-        pulls.append(max_lat + max_pull)
+        syncs.append(sync_s)
+        pulls.append(pull_s)
         heads.append(headroom)
+        if bg:
+            background.update(bg)
 
-    # Fixed point of the link sharing, from the worst case k_eff = k.
+    # Fixed point of the link sharing, from the worst case k_eff = k. Per stage, per-worker
+    # figures are lists in the order of ``rows`` (a plan never lists a worker twice).
     k_up = {h: float(max(1, k)) for h, k in n_dl.items()}
     k_down = {h: float(max(1, k)) for h, k in n_ul.items()}
     m = plan.micro_batches
     overlap_up, prefetch = sync.overlap_uploads, sync.prefetch
     plain = not (overlap_up or prefetch)  # the exact-sync protocol: keep its arithmetic bit for bit
     settled = not n_dl and not n_ul
+    inf = math.inf
+    caps = [(dev[h].up, dev[hn].down if hn is not None else None, dev[hp].down if hp is not None else None)
+            for h, hn, hp in hosts]
     for it in range(SHARE_ITERATIONS + 1):
-        all_times: list[dict[str, float]] = []
-        busy: list[dict[str, tuple[float, float, float]]] = []  # wid -> seconds on (h up, nxt down, prv down)
+        all_times: list[list[float]] = []
+        busy: list[list[tuple[float, float, float]]] = []  # per worker: seconds on (h up, nxt down, prv down)
         for i, stage_rows in enumerate(rows):
             h, hn, hp = hosts[i]
-            up = dev[h].up / k_up.get(h, 1.0)
-            dn = dev[hn].down / k_down.get(hn, 1.0) if hn is not None else math.inf
-            dp = dev[hp].down / k_down.get(hp, 1.0) if hp is not None else math.inf
-            times: dict[str, float] = {}
-            bz: dict[str, tuple[float, float, float]] = {}
-            for wid, fixed, dlb, dlbw, ulb_n, ulbw_n, ulb_p, ulbw_p, c_w, _o in stage_rows:
-                s_dl = dlb / min(dlbw, up) if dlb > 0 else 0.0
-                s_n = ulb_n / min(ulbw_n, dn) if ulb_n > 0 else 0.0
-                s_p = ulb_p / min(ulbw_p, dp) if ulb_p > 0 else 0.0
+            cap_up, cap_n, cap_p = caps[i]
+            up = cap_up / k_up.get(h, 1.0)
+            dn = cap_n / k_down.get(hn, 1.0) if hn is not None else inf
+            dp = cap_p / k_down.get(hp, 1.0) if hp is not None else inf
+            times: list[float] = []
+            bz: list[tuple[float, float, float]] = []
+            for _wid, fixed, dlb, dlbw, ulb_n, ulbw_n, ulb_p, ulbw_p, c_w, _o in stage_rows:
+                s_dl = dlb / (dlbw if dlbw < up else up) if dlb > 0 else 0.0
+                s_n = ulb_n / (ulbw_n if ulbw_n < dn else dn) if ulb_n > 0 else 0.0
+                s_p = ulb_p / (ulbw_p if ulbw_p < dp else dp) if ulb_p > 0 else 0.0
                 if plain:
-                    times[wid] = fixed + s_dl + s_n + s_p
+                    times.append(fixed + s_dl + s_n + s_p)
                 else:
-                    times[wid] = task_period(c_w, fixed - c_w + s_dl, s_n + s_p, overlap_up, prefetch)
-                bz[wid] = (s_dl, s_n, s_p)
+                    times.append(task_period(c_w, fixed - c_w + s_dl, s_n + s_p, overlap_up, prefetch))
+                bz.append((s_dl, s_n, s_p))
             all_times.append(times)
             busy.append(bz)
         if it == SHARE_ITERATIONS or settled:
             break
-        xs = [stage_throughput(list(t.values()), m) for t in all_times]
+        xs = [stage_throughput(t, m) for t in all_times]
         x = min(xs)
         load_up: dict[str, float] = {}
         load_down: dict[str, float] = {}
@@ -460,11 +549,12 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
                 continue
             h, hn, hp = hosts[i]
             util = min(1.0, x / xs[i])  # a non-bottleneck stage's workers wait part of the time
-            for wid in (times if len(times) <= m else sorted(times, key=times.get)[:m]):
-                t = times[wid]
-                if not 0 < t < math.inf:
+            bz = busy[i]
+            for j in (range(len(times)) if len(times) <= m else _fastest(times, m)):
+                t = times[j]
+                if not 0 < t < inf:
                     continue
-                s_dl, s_n, s_p = busy[i][wid]
+                s_dl, s_n, s_p = bz[j]
                 r = util / t
                 if s_dl:
                     load_up[h] = load_up.get(h, 0.0) + s_dl * r
@@ -478,36 +568,43 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
             all(abs(new_down[h] - k) <= 0.01 * k for h, k in k_down.items())
         k_up, k_down = new_up, new_down
 
-    busy_s = busy  # per stage: wid -> (download, upload next, upload previous) seconds per micro-batch
     out = []
     for i, stage_rows in enumerate(rows):
         times = all_times[i]
-        comp = {r[0]: r[8] for r in stage_rows}
-        outbound = {r[0]: r[9] for r in stage_rows}
-        x = stage_throughput(list(times.values()), m)
-        used = sorted(times, key=times.get)[:m]
-        finite = [w for w in used if times[w] < math.inf and times[w] > 0]
+        x = stage_throughput(times, m)
+        used = _fastest(times, m)
+        finite = [j for j in used if 0 < times[j] < inf]
         if finite:
-            total = sum(1.0 / times[w] for w in finite)
-            frac = sum(comp[w] / times[w] / times[w] for w in finite) / total
-            lat = times[finite[0]] + outbound[finite[0]]
+            total = sum(1.0 / times[j] for j in finite)
+            frac = sum(stage_rows[j][8] / times[j] / times[j] for j in finite) / total
+            lat = times[finite[0]] + stage_rows[finite[0]][9]
+            slow = max(times[j] + stage_rows[j][9] for j in finite)
             # each worker runs a 1 / (tau_d X_s) share of the M micro-batches
-            busy = m * sum(comp[w] / times[w] for w in finite) / total
+            busy_step = m * sum(stage_rows[j][8] / times[j] for j in finite) / total
         else:
-            frac, lat, busy, total = 1.0, math.inf, 0.0, 0.0
+            frac, lat, busy_step, total, slow = 1.0, inf, 0.0, 0.0, inf
         links = []
         if spread:
-            for wid in st_ids[i]:
+            for j, row in enumerate(stage_rows):
+                wid = row[0]
                 if wid not in background:
                     continue
-                t = times.get(wid, math.inf)
-                n_d = m / (t * total) if total > 0 and 0 < t < math.inf else 0.0  # its micro-batches per step
-                s_dl, s_n, s_p = busy_s[i].get(wid, (0.0, 0.0, 0.0))
+                t = times[j]
+                n_d = m / (t * total) if total > 0 and 0 < t < inf else 0.0  # its micro-batches per step
+                s_dl, s_n, s_p = busy[i][j]
                 links.append((*background[wid], n_d * (s_n + s_p), n_d * s_dl))
+        task_times = {row[0]: t for row, t in zip(stage_rows, times, strict=True)}
         out.append(StageCost(throughput=x, latency=lat, compute_fraction=frac, sync=syncs[i],
-                             task_times=times, memory_headroom=heads[i], pull=pulls[i],
-                             compute_per_step=busy, round_links=tuple(links), round_latency=lats[i]))
+                             task_times=task_times, memory_headroom=heads[i], pull=pulls[i],
+                             compute_per_step=busy_step, round_links=tuple(links), round_latency=lats[i],
+                             slowest=slow))
     return out
+
+
+def _fastest(times: list[float], m: int) -> list[int]:
+    """Indices of the ``m`` smallest of ``times``, smallest first (ties in list order)."""
+    order = sorted(range(len(times)), key=times.__getitem__)
+    return order[:m] if len(order) > m else order
 
 
 def server_memory_headroom(plan: Plan, scenario: Scenario) -> float:
@@ -525,7 +622,8 @@ def server_memory_headroom(plan: Plan, scenario: Scenario) -> float:
 
 
 def churn_step_time(plan: Plan, scenario: Scenario, costs: list[StageCost], pipe: float, fill: float,
-                    sync: float, step: float, options: CostOptions) -> tuple[float, float]:
+                    sync: float, step: float, options: CostOptions, floor: float = 0.0,
+                    adjust: float = 0.0) -> tuple[float, float]:
     """``(expected step, churn seconds)`` of a plan under the scenario's churn.
 
     Long run, worker ``d`` is online ``a_d = availability(S_d, O)`` of the time, so stage ``s``
@@ -552,10 +650,12 @@ def churn_step_time(plan: Plan, scenario: Scenario, costs: list[StageCost], pipe
                 churn += step / sess * leave_cost(t, c.throughput, m, pipe, fill, options.lease_timeout_s, c.pull)
         xs_a.append(xa)
     pipe_a = (m - 1) / min(xs_a) + fill if min(xs_a) > 0 else math.inf
+    pipe_a = max(pipe_a + adjust, floor)  # local mode: tail_pipeline_time's correction, granular_pipeline_time
     return step_time(pipe_a, sync, options.overlap_sync) + churn, churn
 
 
-def predict(plan: Plan, scenario: Scenario, options: CostOptions | None = None) -> dict[str, float]:
+def predict(plan: Plan, scenario: Scenario, options: CostOptions | None = None,
+            memo: dict | None = None) -> dict[str, float]:
     """Cost-model prediction of one training step of ``plan``; also stored in ``plan.predicted``.
 
     Keys: ``compute_s`` and ``transfer_s`` (the pipeline time attributed to compute and to
@@ -570,7 +670,16 @@ def predict(plan: Plan, scenario: Scenario, options: CostOptions | None = None) 
     ``step_time_s`` is always the churn-free steady state (what a churn-free simulation measures).
     """
     options = options or CostOptions()
-    costs = stage_costs(plan, scenario, options)
+    key = None
+    if memo is not None:
+        # the same plan again (placements often coincide): its prediction, a fresh copy
+        key = ("plan", tuple((st.layers, st.server, tuple(st.workers)) for st in plan.stages), _policy_key(plan.sync),
+               options, plan.micro_batches, plan.micro_batch_size)
+        hit = memo.get(key)
+        if hit is not None:
+            plan.predicted = dict(hit)
+            return plan.predicted
+    costs = stage_costs(plan, scenario, options, memo)
     m = plan.micro_batches
     xs = [c.throughput for c in costs]
     b = min(range(len(costs)), key=lambda i: xs[i])
@@ -579,8 +688,13 @@ def predict(plan: Plan, scenario: Scenario, options: CostOptions | None = None) 
     frac = costs[b].compute_fraction
     headroom = min(min(c.memory_headroom for c in costs), server_memory_headroom(plan, scenario))
     round_s = 0.0
+    floor = 0.0
+    adjust = 0.0
     if plan.sync.local:
-        # per-stage rounds run in parallel; the slowest one is what the steps may wait for
+        floor = granular_pipeline_time(fill, [(c.latency, c.slowest) for c in costs])
+        fluid = pipe
+        pipe = max(tail_pipeline_time(m, list(costs[b].task_times.values()), xs[b], fill, costs[b].latency), floor)
+        adjust = pipe - fluid
         # per-stage rounds run in parallel; the step waits for the slowest one
         waits = [local_round_wait(list(c.round_links), c.round_latency, plan.sync.sync_every, pipe,
                                   plan.sync.overlap) for c in costs]
@@ -595,7 +709,7 @@ def predict(plan: Plan, scenario: Scenario, options: CostOptions | None = None) 
     if options.churn and scenario.churn.enabled:
         expected, churn_s = churn_step_time(plan, scenario, costs, pipe, fill, sync, step,
                                             CostOptions(overlap, options.recompute, options.churn,
-                                                        options.lease_timeout_s))
+                                                        options.lease_timeout_s), floor, adjust)
     n_workers = sum(len(st.workers) for st in plan.stages)
     busy = sum(c.compute_per_step for c in costs)
     util = busy / (n_workers * step) if n_workers and step > 0 and math.isfinite(step) else 0.0
@@ -623,4 +737,6 @@ def predict(plan: Plan, scenario: Scenario, options: CostOptions | None = None) 
         result["expected_step_time_s"] += extra["step_time_s"] - step
         result.update(extra)
     plan.predicted = result
+    if key is not None:
+        memo[key] = dict(result)
     return result
