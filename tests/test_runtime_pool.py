@@ -399,3 +399,30 @@ def test_checkpoints_are_written_off_the_loop_and_hold_their_version(tmp_path):
         assert "cannot write the stage 0 checkpoint" in srv.fatal
 
     asyncio.run(main())
+
+
+def test_local_pseudo_gradient_covering_nothing_is_no_contribution(tmp_path):
+    """A worker that missed a step's decision dropped that gradient: its pseudo-gradient
+    covers fewer micro-batches than the server counted (the merge weighs it by the lower
+    count), and one that covers none is zero, which is not screened (an honest run once
+    banned such a worker as '0 below the median') nor merged, and the merge stops waiting."""
+    async def main():
+        srv = _server(tmp_path)
+        srv.spec.sync_mode, srv.spec.sync_every = "local", 2
+        await srv._load(0, 0, 6, 0, 0)
+        srv.ready = True
+        srv.step = 1
+        srv.local_round_mbs = {"A": 2, "B": 1}
+        srv.local_expect, srv.local_got = {"A", "B"}, {}
+        push = dict(step=1, epoch=0, local_round=2, grads=_grads(srv, 0.5))
+        a = await srv.PushGrads(pb.GradPush(worker="A", local_mbs=1, **push), None)
+        assert a.accepted and "A" in srv.local_got and srv.local_round_mbs["A"] == 1
+        b = await srv.PushGrads(pb.GradPush(worker="B", local_mbs=0, **push), None)
+        assert b.accepted and "nothing to merge" in b.reason
+        assert "B" not in srv.local_got and srv.local_expect == {"A", "B"} - {"B"}
+        # reporting more than the server counted raises nothing
+        srv.local_got.pop("A")
+        again = await srv.PushGrads(pb.GradPush(worker="A", local_mbs=9, **push), None)
+        assert again.accepted and srv.local_round_mbs["A"] == 1
+
+    asyncio.run(main())

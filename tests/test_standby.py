@@ -218,10 +218,11 @@ def test_reservation_ends_and_the_best_holder_takes_the_stage(tmp_path):
 def test_promoted_standby_keeps_its_stage_across_a_coordinator_restart(tmp_path, tmp_path_factory):
     """kill -9 the last stage's server at step 2 (its hot standby is promoted; `launch`
     starts a spare on the shared checkpoint folder), then kill -9 the coordinator at step 4
-    (`launch` restarts it with --resume). The resumed coordinator gives every stage back to
-    the server that served it (stage 1: the promoted standby, not the spare, which holds
-    only stage 1's older checkpoints); no roll-back goes beyond the step in flight, and the
-    final weights equal the failure-free run's."""
+    (`launch` restarts it with --resume). Stage 1 goes to whichever server holds its newest
+    checkpoint: the hot standby, or the spare started on the killed server's folder when
+    the standby had not copied the last file yet. The resumed coordinator gives every stage
+    back to the server that served it (not to another standby); no roll-back goes beyond
+    the step in flight, and the final weights equal the failure-free run's."""
     from shoal.runtime.launch import launch
 
     reference = failure_free_weights(tmp_path_factory)
@@ -235,10 +236,11 @@ def test_promoted_standby_keeps_its_stage_across_a_coordinator_restart(tmp_path,
     resumed = kinds.index("resume")
     promoted = [e["device"] for e in events[:resumed]
                 if e["event"] == "assign" and e.get("role") == "server" and e.get("stage") == 1][-1]
-    assert promoted in ("s2", "s3")  # a standby took stage 1 over from the killed s0/s1
+    assert promoted in ("s2", "s3", "s4")  # a standby or the spare took stage 1 from the killed s0/s1
     after = [e for e in events[resumed:] if e["event"] == "assign" and e.get("role") == "server"]
     assert {e["stage"]: e["device"] for e in after}[1] == promoted, after
-    assert "s4" not in {e["device"] for e in after}  # the spare took no stage
+    others = {"s2", "s3", "s4"} - {promoted}
+    assert not others & {e["device"] for e in after}, after  # no other standby took a stage
     rollbacks = [e for e in events if e["event"] == "rollback"]
     assert len(rollbacks) >= 2, rollbacks
     for r in rollbacks:

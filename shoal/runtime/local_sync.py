@@ -170,6 +170,18 @@ class LocalServerMixin:
             return pb.PushReply(accepted=False, reason=f"rejected: {exc}", gen=info.gen)
         if r.epoch != self.epoch or r.local_round != self.step + 1 or not self._local_wants(r.worker):
             return pb.PushReply(accepted=False, reason="the merge moved on while it was checked", gen=info.gen)
+        # The worker's own count can only lower the server's: a worker that missed a step's
+        # decision dropped that gradient (its replica never took the step), so it covered
+        # fewer micro-batches than it reported; one that covered none has nothing to merge
+        # (a zero pseudo-gradient, not a suspect one).
+        covered = min(self.local_round_mbs.get(r.worker, 0), max(0, int(r.local_mbs)))
+        self.local_round_mbs[r.worker] = covered
+        if covered == 0:
+            if self.local_expect is not None:
+                self.local_expect.discard(r.worker)
+            async with self.cond:
+                self.cond.notify_all()
+            return pb.PushReply(accepted=True, reason="covers no micro-batch: nothing to merge", gen=info.gen)
         self.local_got[r.worker] = deltas
         async with self.cond:
             self.cond.notify_all()
