@@ -12,6 +12,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -145,6 +146,10 @@ def test_sigterm_to_launch_stops_every_member(tmp_path):
            "--micro-batch-size", "2", "--seq-len", "16", "--data", "synthetic", "--timeout", "250"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+    lines: list[str] = []  # stdout, read as it comes (the token line is printed once all started)
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    join_line = f"--token-file {out / 'token'}"
     try:
         deadline = time.time() + 200
         members: set[int] = set()
@@ -152,21 +157,23 @@ def test_sigterm_to_launch_stops_every_member(tmp_path):
             addr = out / "logs" / "coordinator.address"
             if addr.exists():
                 members |= set(_members(str(out))) | set(_members(addr.read_text().strip()))
-                if len(members) >= 5:  # coordinator, 2 servers, 2 workers
+                # coordinator, 2 servers, 2 workers, and launch has said how to add members
+                if len(members) >= 5 and any(join_line in ln for ln in lines):
                     break
             assert proc.poll() is None, proc.communicate()
             time.sleep(0.2)
         assert len(members) >= 5, members
+        assert any(join_line in ln for ln in lines), lines
         token = out / "token"
         assert stat.S_IMODE(token.stat().st_mode) == 0o600 and token.read_text().strip()
         proc.send_signal(signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=60)
+        stderr = proc.stderr.read()
+        proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 2
     assert stderr.strip().splitlines() == ["error: stopped by SIGTERM; every member was stopped"], stderr
-    assert f"--token-file {out / 'token'}" in stdout
     # launch has stopped them; allow the kernel up to 3 s to reap (a wait on state, not a fixed sleep)
     deadline = time.time() + 3
     while any(_alive(p) for p in members) and time.time() < deadline:

@@ -263,3 +263,14 @@ def test_resumed_coordinator_keeps_layers_and_gives_servers_their_stages(tmp_pat
     asyncio.run(second())
     kinds = [r["kind"] for r in read_journal(run_dir(tmp_path, run_id) / "journal.jsonl")]
     assert kinds[0] == "run" and kinds.count("commit") == 2 and "resume" in kinds and kinds[-1] == "epoch"
+
+
+def test_launch_restarts_a_dead_coordinator_only_while_the_run_is_unfinished():
+    from shoal.runtime.launch import should_restart
+
+    assert should_restart(-9, 3, run_done=False)  # kill -9 mid-run: restarted with --resume
+    assert should_restart(1, 1, run_done=False)  # a crash
+    assert not should_restart(0, 3, run_done=False)  # done
+    assert not should_restart(2, 3, run_done=False)  # a one-line error ends the run
+    assert not should_restart(-9, 0, run_done=False)  # no restarts left
+    assert not should_restart(-11, 3, run_done=True)  # died after journaling "done": nothing to resume

@@ -19,6 +19,7 @@ import os
 import secrets
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -324,9 +325,18 @@ class Swarm:
 
     def _should_restart(self) -> bool:
         """Whether a coordinator that exited died (restart it) rather than ended the run."""
-        rc = self.coord.returncode
-        # 0: done; 2: a one-line error (a failed run, bad input): both are the run's end.
-        return rc not in (0, 2) and self.restarts_left > 0 and bool(self.run_id)
+        if not self.run_id or self.restarts_left <= 0 or self.coord.returncode in (0, 2):
+            return False
+        return should_restart(self.coord.returncode, self.restarts_left, self._run_done())
+
+    def _run_done(self) -> bool:
+        """Whether this run's journal says the run finished."""
+        from shoal.runtime.journal import read_journal, resume_state, run_dir
+
+        try:
+            return resume_state(read_journal(run_dir(self.out, self.run_id) / "journal.jsonl")).state == "done"
+        except (OSError, ShoalError):
+            return False
 
     def start_server(self, standby: bool = False) -> int:
         """Start a stage server (it takes the first vacant stage); returns its index.
@@ -529,7 +539,11 @@ class Swarm:
             time.sleep(0.1)
         self.poll_records()
         summary_path = self.out / "summary.json"
-        if self.coord.returncode != 0 or not summary_path.exists():
+        rc = self.coord.returncode
+        if rc != 0 and summary_path.exists() and self.run_id and self._run_done():
+            print(f"warning: the coordinator exited with status {rc} after it finished the run; "
+                  f"the run is complete (see {self.out / 'logs' / 'coordinator.log'})", file=sys.stderr)
+        elif rc != 0 or not summary_path.exists():
             self.stop()
             why = self.coordinator_error()
             raise ShoalError(f"{why or f'the coordinator failed (exit {self.coord.returncode})'}; "
@@ -616,6 +630,17 @@ def launch(cfg: LaunchConfig, on_event: Callable[[dict], None] | None = None,
         if on_start is not None:
             on_start(swarm)
         return swarm.wait()
+
+
+def should_restart(rc: int, restarts_left: int, run_done: bool) -> bool:
+    """Whether ``launch`` restarts a coordinator that exited with ``rc`` (pure).
+
+    0 ends the run (done), 2 too (a one-line error: a failed run, bad input). Any other
+    status is a death, restarted with ``--resume`` while restarts are left, unless the run's
+    journal already says "done": a coordinator that died after finishing (a crash in
+    interpreter teardown, a stray signal) would come back to nothing to resume.
+    """
+    return rc not in (0, 2) and restarts_left > 0 and not run_done
 
 
 class Stopped(ShoalError):
