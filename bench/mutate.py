@@ -77,9 +77,17 @@ PLANTED: list[Planted] = [
             "grad_clip / (math.sqrt(total_sq_norm) + 1e-6)", "grad_clip / (total_sq_norm + 1e-6)",
             OPTIM_UNIT),
     Planted("a worker's lossy push skips error feedback", "shoal/runtime/worker.py",
-            "encode_tensor(name, to_host(g), self.opts.codec, ef=self.ef)",
-            "encode_tensor(name, to_host(g), self.opts.codec, ef=None)",
+            "encode_tensor(name, to_host(g), self._codec(\"push\"), ef=self.ef)",
+            "encode_tensor(name, to_host(g), self._codec(\"push\"), ef=None)",
             ("tests/test_runtime_worker.py",)),
+    Planted("a worker's local-mode pseudo-gradient push skips error feedback", "shoal/runtime/local_sync.py",
+            "encode_tensor(name, delta.cpu(), codec, ef=self.pseudo_ef)",
+            "encode_tensor(name, delta.cpu(), codec, ef=None)",
+            ("tests/test_run_compression.py::test_worker_pseudo_gradients_carry_error_feedback_across_rounds",)),
+    Planted("a pseudo-gradient covering no micro-batch is screened and merged", "shoal/runtime/local_sync.py",
+            "        if covered == 0:\n            if self.local_expect",
+            "        if False:\n            if self.local_expect",
+            (f"{POOL}::test_local_pseudo_gradient_covering_nothing_is_no_contribution",)),
     Planted("no re-plan after a dead worker is dropped", "shoal/runtime/coordinator.py",
             "            if self.ready:\n                self._replan(why)",
             "            if False:\n                self._replan(why)",
@@ -94,12 +102,12 @@ PLANTED: list[Planted] = [
             "                if False:",
             (f"{POOL}::test_voided_worker_gives_back_its_computed_gradients", UNPUSHED_KILL)),
     Planted("the server adds the last gradient push twice", "shoal/runtime/server.py",
-            "for _, grads in sorted(self.pushes, key=lambda x: x[0]):",
-            "for _, grads in sorted(self.pushes, key=lambda x: x[0]) + self.pushes[-1:]:",
+            "for _, grads, *_ in sorted(self.pushes, key=lambda x: x[0]):",
+            "for _, grads, *_ in sorted(self.pushes, key=lambda x: x[0]) + self.pushes[-1:]:",
             (f"{POOL}::test_commit_sums_each_push_once_in_micro_batch_order", PARITY_3_4)),
     Planted("the server sums pushes in arrival order", "shoal/runtime/server.py",
-            "for _, grads in sorted(self.pushes, key=lambda x: x[0]):",
-            "for _, grads in self.pushes:",
+            "for _, grads, *_ in sorted(self.pushes, key=lambda x: x[0]):",
+            "for _, grads, *_ in self.pushes:",
             (f"{POOL}::test_commit_sums_each_push_once_in_micro_batch_order", PARITY_3_4)),
     Planted("the compression check accepts an untrained model (lr 1e-12)", "tests/test_compress_bench.py",
             "cfg = BenchConfig(steps=8, lr=3e-3,", "cfg = BenchConfig(steps=8, lr=1e-12,",
@@ -131,7 +139,8 @@ def copy_tree(dst: Path) -> Path:
 
 
 def _pytest_cmd(args: tuple[str, ...]) -> list[str]:
-    return [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header", *args]
+    # -n 0: one process (pyproject runs the suite in two; one targeted run per mutant needs none)
+    return [sys.executable, "-m", "pytest", "-x", "-q", "-n", "0", "-p", "no:cacheprovider", "--no-header", *args]
 
 
 def run_planted(only: str | None, timeout_s: float, fast: bool = False) -> int:

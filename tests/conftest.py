@@ -1,5 +1,5 @@
 """Shared test set-up: one torch thread per process (CI has 2 cores), and one tokenizer cache
-per pytest session."""
+per pytest run (shared by its xdist processes)."""
 
 import os
 
@@ -23,7 +23,10 @@ def _session_tokenizer_cache(tmp_path_factory):
     if os.environ.get("SHOAL_CACHE_DIR"):
         yield
         return
-    d = tmp_path_factory.getbasetemp() / "shoal-cache"
+    base = tmp_path_factory.getbasetemp()
+    # Under xdist each test process has its own base folder inside the run's: the cache goes
+    # one level up, shared (its files are written under a temporary name and renamed).
+    d = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shoal-cache"
     d.mkdir(exist_ok=True)
     os.environ["SHOAL_CACHE_DIR"] = str(d)
     try:

@@ -23,6 +23,7 @@ from shoal.runtime.faults import (
 from shoal.runtime.guard import (
     GuardConfig,
     ban_reason,
+    low_only,
     needs_verify,
     rel_error,
     robust_centre,
@@ -157,12 +158,12 @@ def test_verify_and_spot_check_draws():
 
 # ---------------------------------------------------------------------------- a real stage server
 
-def _grad_push(srv, step, mb, worker, gen, grads):
+def _grad_push(srv, step, mb, worker, gen, grads, codec="raw"):
     from shoal.net import shoal_pb2 as pb
     from shoal.net.wire import encode_tensor
 
     return pb.GradPush(worker=worker, step=step, epoch=0, gen=gen, mbs=[mb],
-                       grads=[encode_tensor(n, g) for n, g in grads.items()])
+                       grads=[encode_tensor(n, g, codec) for n, g in grads.items()])
 
 
 def test_server_bans_a_poisoned_push_and_redoes_its_work(tmp_path):
@@ -214,6 +215,58 @@ def test_server_bans_a_poisoned_push_and_redoes_its_work(tmp_path):
             assert (await srv.PushGrads(_grad_push(srv, 0, mb, "A", gen, g), None)).accepted
         assert sorted(redone) == sorted([mb_b1, mb_b])
         assert all(st.grad == "counted" for st in srv.steps[0].values()) or srv.step == 1
+
+    asyncio.run(main())
+    torch.set_grad_enabled(True)
+
+
+def test_a_push_flagged_only_as_small_is_no_strike():
+    cfg = GuardConfig()
+    assert low_only(0.05, 0.4, 1.0, cfg)  # 20x below the centre, direction fine
+    assert low_only(0.05, None, 1.0, cfg)
+    assert not low_only(0.05, -0.9, 1.0, cfg)  # also aimed against the last step
+    assert not low_only(0.5, 0.4, 1.0, cfg)  # not flagged at all
+    assert not low_only(20.0, 0.4, 1.0, cfg)  # too large
+    assert not low_only(0.05, 0.4, None, cfg)  # no centre yet
+    assert not low_only(math.nan, None, 1.0, cfg)
+
+
+def test_server_without_recomputation_bans_no_worker_for_small_pushes(tmp_path):
+    """fp16 frames (no exact recomputation): a worker whose pushes fall 20x below the stage's
+    median, as honest norms do once training settles, is flagged but never banned, and its
+    norms move the centre down; three pushes 20x above the centre ban (the strike rule)."""
+    from shoal.net import shoal_pb2 as pb
+    from shoal.runtime.server import StageServer
+    from shoal.runtime.verify import recompute_grads
+
+    async def main():
+        srv = StageServer("unused:0", "127.0.0.1:0", "tok", str(tmp_path), name="t")
+        srv.spec = pb.RunSpec(model="tiny", stages=1, steps=3, micro_batches=8, micro_batch_size=1, seq_len=8,
+                              seed=0, lr=1e-3, min_lr=1e-4, warmup=1, weight_decay=0.1, grad_clip=1.0,
+                              dead_after_s=30, min_lease_s=30, data="synthetic", ordered_grads=True,
+                              run_id="guard-small", guard_spot_check=0.0)
+        srv.stage, srv.first, srv.last, srv.epoch = 0, 0, 6, 0
+        await srv._load(0, 0, 6, 0, 0)
+        srv.ready = True
+
+        async def push(worker, scale, codec):
+            a = await srv.Lease(pb.LeaseRequest(worker=worker, wait_s=0), None)
+            t = a.task
+            ok = await srv.Complete(pb.TaskResult(worker=worker, step=t.step, mb=t.mb, direction=t.direction,
+                                                  epoch=t.epoch, lease_id=t.lease_id, loss=1.0), None)
+            g = recompute_grads(srv.module, srv.spec, 0, t.mb, first=True, last=True, inp=None, out_grad=None)
+            return await srv.PushGrads(_grad_push(srv, 0, t.mb, worker, ok.gen, {n: scale * v for n, v in g.items()},
+                                                  codec), None)
+
+        assert (await push("A", 1.0, "raw")).accepted  # recomputed: the centre's first norm
+        centre = srv.guard_norms[-1]
+        for _ in range(3):
+            assert (await push("A", 0.05, "fp16")).accepted
+        assert not srv.guard_banned and srv.guard_strikes["A"] == 0
+        assert len(srv.guard_norms) == 4 and min(srv.guard_norms) < centre / 10  # the centre follows
+        reps = [await push("B", 400.0, "fp16") for _ in range(3)]
+        assert [r.accepted for r in reps] == [True, True, False] and "3 pushes in a row" in reps[-1].reason
+        assert "B" in srv.guard_banned and "A" not in srv.guard_banned
 
     asyncio.run(main())
     torch.set_grad_enabled(True)

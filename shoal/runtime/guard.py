@@ -100,6 +100,20 @@ def screen(norm: float, cosine: float | None, centre: float | None, cfg: GuardCo
     return ""
 
 
+def low_only(norm: float, cosine: float | None, centre: float | None, cfg: GuardConfig = DEFAULT) -> bool:
+    """Whether a push's only flag is a norm ``cfg.norm_ratio`` times *below* the centre.
+
+    Such a push is no evidence of poisoning: honest norms fall that far as training settles
+    (and after a re-plan changes who pushes what), and a too-small gradient can only slow
+    training. Without a recomputation it neither strikes nor stays out of the centre, or
+    the centre would stay where the norms were and ban every honest worker after it
+    (seen in a bf16 run: the lone worker of a stage, 10.5x below a stale median).
+    """
+    if centre is None or centre <= 0 or not math.isfinite(norm) or norm >= centre / cfg.norm_ratio:
+        return False
+    return not (cosine is not None and cosine < cfg.min_cosine)
+
+
 def spot_pick(seed: int, salt: str, stage: int, step: int, mb: int, fraction: float) -> bool:
     """Whether micro-batch ``mb`` of ``step`` at ``stage`` is spot-checked (a seeded draw)."""
     if fraction <= 0:

@@ -84,6 +84,7 @@ from shoal.runtime.compression import (
 from shoal.runtime.guard import DEFAULT as GUARD
 from shoal.runtime.guard import (
     ban_reason,
+    low_only,
     needs_verify,
     rel_error,
     robust_centre,
@@ -877,7 +878,8 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
             return ""
         loop = asyncio.get_running_loop()
         norm, cosine = await loop.run_in_executor(None, self._guard_measure, grads, self.guard_ref)
-        flag = screen(norm, cosine, robust_centre(self.guard_norms), self.guard_cfg)
+        centre = robust_centre(self.guard_norms)
+        flag = screen(norm, cosine, centre, self.guard_cfg)
         # Compressed pulls: the worker computed on the reconstruction, not these weights.
         exact = (run_precision(self.spec) == "fp32" and all(g.codec in ("", "raw") for g in r.grads)
                  and compression_of_spec(self.spec).pull == "none")
@@ -897,7 +899,9 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
             log.info("%s: recomputed the push of %s (step %d mbs %s%s): relative error %.3g", self.name,
                      r.worker, r.step, ids, ", its first" if first else ", flagged" if flag else ", spot check", err)
         # Consecutive flagged pushes (an unflagged one clears them): one odd micro-batch never adds up.
-        self.guard_strikes[r.worker] = self.guard_strikes.get(r.worker, 0) + 1 if flag else 0
+        # A push flagged only as small is no strike (guard.low_only).
+        small = bool(flag) and low_only(norm, cosine, centre, self.guard_cfg)
+        self.guard_strikes[r.worker] = self.guard_strikes.get(r.worker, 0) + 1 if flag and not small else 0
         if flag:
             log.warning("%s: push of %s (step %d mbs %s) flagged: %s; %s", self.name, r.worker, r.step, ids, flag,
                         f"recomputed: relative error {err:.3g}" if err is not None else "not recomputed")
@@ -909,8 +913,8 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
             return reason
         if err is not None or not exact:
             self.guard_seen.add(r.worker)  # else its first push is still to be recomputed
-        if not flag or err is not None:
-            # Honest (or cleared by its recomputation): part of the stage's robust centre.
+        if not flag or err is not None or small:
+            # Honest (or cleared by its recomputation, or only small): part of the stage's robust centre.
             self.guard_norms = (self.guard_norms + [norm])[-self.guard_cfg.history:]
         return ""
 
