@@ -81,6 +81,9 @@ def test_emulated_worker_with_a_kill_matches_local_losses(tmp_path):
         st = emu.stats()
         # the emulated worker's traffic went through its shaped relays, and it was paced
         assert st["links"]["up_bytes"] > 0 and st["links"]["down_bytes"] > 0
-        assert st["pacing"]["tasks"] > 0 and st["pacing"]["slept_s"] > 0
+        pace = st["pacing"]
+        assert pace["tasks"] > 0 and pace["target_s"] > 0
+        # padded, unless this host was slower than the emulated device on every task (a loaded box)
+        assert pace["slept_s"] > 0 or pace["overruns"] == pace["tasks"], pace
     finally:
         emu.close()
