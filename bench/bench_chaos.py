@@ -114,6 +114,7 @@ def main() -> None:
             lost.append(max(after - before - normal, 0.0))
     rollbacks = [e for e in events if e["event"] == "rollback"]
     redone = sum(max(e["committed"] - e["version"], 0) for e in rollbacks)
+    per_kill = kill_rollbacks(events)
     bans = [e for e in events if e["event"] == "ban"]
     ref = train_local(TrainConfig(**run, out=str(out.parent / "local"), eval_every=0, eval_batches=1), quiet=True)
     weights = load_final_weights(out)
@@ -136,6 +137,43 @@ def main() -> None:
     print(f"{'final loss':<34} {summary['final_loss']:.4f} (failure-free {ref.records[-1]['loss']:.4f})")
     print(f"{'max |weight diff| vs failure-free':<34} {diff:.3g} ({'bitwise equal' if equal else 'NOT equal'})")
     print(f"{'run folder':<34} {out}")
+    print()
+    print("server and coordinator kills: the roll-back that followed each (steps redone = committed - version)")
+    print(f"{'time s':>8}  {'killed':<12} {'stage':>5}  {'taken over by':<14} {'committed':>9} {'version':>7} "
+          f"{'redone':>6}")
+    for k in per_kill:
+        print(f"{k['time_s']:>8.1f}  {k['device']:<12} {k['stage']:>5}  {k['by']:<14} {k['committed']:>9} "
+              f"{k['version']:>7} {k['redone']:>6}")
+    for e in rollbacks:
+        if not any(k["rollback"] is e for k in per_kill):
+            print(f"{e['time_s']:>8.1f}  {'(no kill)':<12} {'':>5}  {'':<14} {e['committed']:>9} {e['version']:>7} "
+                  f"{max(e['committed'] - e['version'], 0):>6}")
+
+
+def kill_rollbacks(events: list[dict]) -> list[dict]:
+    """Each server or coordinator kill in ``events`` with the roll-back that followed it.
+
+    A killed server's stage (its last ``assign``), the server that took the stage over (the
+    next ``assign`` of that stage; a coordinator kill has none), and the first ``rollback``
+    after the kill: ``committed`` when it ran, ``version`` it went to, ``redone`` steps.
+    """
+    out: list[dict] = []
+    stage_of: dict[str, int] = {}
+    for i, e in enumerate(events):
+        if e["event"] == "assign" and e.get("role") == "server":
+            stage_of[e["device"]] = e["stage"]
+        if e["event"] != "kill" or e.get("role") not in ("server", "coordinator"):
+            continue
+        stage = stage_of.get(e["device"], -1) if e["role"] == "server" else -1
+        later = events[i + 1:]
+        rb = next((r for r in later if r["event"] == "rollback"), None)
+        by = next((a["device"] for a in later if a["event"] == "assign" and a.get("role") == "server"
+                   and a.get("stage") == stage and a["device"] != e["device"]), "") if stage >= 0 else ""
+        out.append(dict(time_s=e.get("time_s", 0.0), device=e["device"], stage=stage if stage >= 0 else "",
+                        by=by or "-", rollback=rb,
+                        committed=rb["committed"] if rb else "", version=rb["version"] if rb else "",
+                        redone=max(rb["committed"] - rb["version"], 0) if rb else ""))
+    return out
 
 
 if __name__ == "__main__":
