@@ -323,3 +323,13 @@ def test_local_mode_standby_is_promoted_with_the_outer_momentum(tmp_path):
     log = (out / "logs" / f"server{promoted[-1][1:]}.log").read_text()
     assert re.search(rf"serves stage \d .* from version {rollback['version']} .*with the saved outer momentum", log), \
         log[-1500:]
+
+
+def test_standby_is_sent_the_newest_checkpoint_it_lacks():
+    from shoal.runtime.server import standby_send_version
+
+    assert standby_send_version([3, 4, 5], have=4, loading=False) == 5
+    assert standby_send_version([3, 4, 5], have=5, loading=False) == 0  # nothing new: the call waits
+    assert standby_send_version([3, 4], have=6, loading=False) == 4  # rolled back: the older file
+    assert standby_send_version([], have=0, loading=False) == 0
+    assert standby_send_version([3, 4, 5], have=4, loading=True) == 0
