@@ -162,6 +162,8 @@ def reference(run: dict, folder: Path, cache: str | None) -> tuple[dict[str, tor
         if saved["run"] == repr(sorted(run.items())):
             return saved["weights"], saved["loss"]
     ref = train_local(TrainConfig(**run, out=str(folder), eval_every=0, eval_batches=1), quiet=True)
+    if ref.interrupted or ref.steps_done != run["steps"]:  # train_local ends cleanly on SIGTERM: no reference
+        raise SystemExit(f"the failure-free run stopped after {ref.steps_done} of {run['steps']} steps")
     weights = {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
     loss = float(ref.records[-1]["loss"])
     if cache:
