@@ -47,6 +47,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
     ap.add_argument("--out", default=None, help="run folder (default: a temporary one)")
     ap.add_argument("--timeout", type=float, default=3600.0)
+    ap.add_argument("--reference", default=None,
+                    help="file of the failure-free run's final weights and loss: read if it exists, else "
+                         "computed with train_local and written there (same workload flags only)")
     args = ap.parse_args()
     # The bundled corpus (the default data of shoal launch and train_local alike).
     run = dict(model="tiny", steps=args.steps, micro_batches=6, micro_batch_size=2, seq_len=32, seed=3, lr=3e-3,
@@ -114,10 +117,10 @@ def main() -> None:
             lost.append(max(after - before - normal, 0.0))
     rollbacks = [e for e in events if e["event"] == "rollback"]
     redone = sum(max(e["committed"] - e["version"], 0) for e in rollbacks)
+    per_kill = kill_rollbacks(events)
     bans = [e for e in events if e["event"] == "ban"]
-    ref = train_local(TrainConfig(**run, out=str(out.parent / "local"), eval_every=0, eval_batches=1), quiet=True)
+    ref_w, ref_loss = reference(run, out.parent / "local", args.reference)
     weights = load_final_weights(out)
-    ref_w = {k: v.detach() for k, v in ref.model.state_dict().items()}
     diff = max(float((weights[k].float() - ref_w[k].float()).abs().max()) for k in ref_w)
     equal = all(torch.equal(weights[k], ref_w[k]) for k in ref_w)
     print(f"chaos run: {args.steps} steps, {args.stages} stages, {args.standbys} standbys, {args.workers} workers "
@@ -133,9 +136,67 @@ def main() -> None:
           f"max {max(lost) if lost else 0:.2f} s")
     banned = ", ".join(f"{b['device']} at step {b['step']}" for b in bans) or "none"
     print(f"{'bans':<34} {banned}")
-    print(f"{'final loss':<34} {summary['final_loss']:.4f} (failure-free {ref.records[-1]['loss']:.4f})")
+    print(f"{'final loss':<34} {summary['final_loss']:.4f} (failure-free {ref_loss:.4f})")
     print(f"{'max |weight diff| vs failure-free':<34} {diff:.3g} ({'bitwise equal' if equal else 'NOT equal'})")
     print(f"{'run folder':<34} {out}")
+    print()
+    print("server and coordinator kills: the roll-back that followed each (steps redone = committed - version)")
+    print(f"{'time s':>8}  {'killed':<12} {'stage':>5}  {'taken over by':<14} {'committed':>9} {'version':>7} "
+          f"{'redone':>6}")
+    for k in per_kill:
+        print(f"{k['time_s']:>8.1f}  {k['device']:<12} {k['stage']:>5}  {k['by']:<14} {k['committed']:>9} "
+              f"{k['version']:>7} {k['redone']:>6}")
+    for e in rollbacks:
+        if not any(k["rollback"] is e for k in per_kill):
+            print(f"{e['time_s']:>8.1f}  {'(no kill)':<12} {'':>5}  {'':<14} {e['committed']:>9} {e['version']:>7} "
+                  f"{max(e['committed'] - e['version'], 0):>6}")
+
+
+def reference(run: dict, folder: Path, cache: str | None) -> tuple[dict[str, torch.Tensor], float]:
+    """The failure-free run's final weights and loss (``train_local``), kept in ``cache`` if given.
+
+    The cache holds the workload it was made for and is used only for the same one.
+    """
+    if cache and Path(cache).exists():
+        saved = torch.load(cache, weights_only=True)
+        if saved["run"] == repr(sorted(run.items())):
+            return saved["weights"], saved["loss"]
+    ref = train_local(TrainConfig(**run, out=str(folder), eval_every=0, eval_batches=1), quiet=True)
+    if ref.interrupted or ref.steps_done != run["steps"]:  # train_local ends cleanly on SIGTERM: no reference
+        raise SystemExit(f"the failure-free run stopped after {ref.steps_done} of {run['steps']} steps")
+    weights = {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
+    loss = float(ref.records[-1]["loss"])
+    if cache:
+        tmp = Path(f"{cache}.tmp")
+        torch.save({"run": repr(sorted(run.items())), "weights": weights, "loss": loss}, tmp)
+        tmp.replace(cache)  # whole or absent: another bench may read it
+    return weights, loss
+
+
+def kill_rollbacks(events: list[dict]) -> list[dict]:
+    """Each server or coordinator kill in ``events`` with the roll-back that followed it.
+
+    A killed server's stage (its last ``assign``), the server that took the stage over (the
+    next ``assign`` of that stage; a coordinator kill has none), and the first ``rollback``
+    after the kill: ``committed`` when it ran, ``version`` it went to, ``redone`` steps.
+    """
+    out: list[dict] = []
+    stage_of: dict[str, int] = {}
+    for i, e in enumerate(events):
+        if e["event"] == "assign" and e.get("role") == "server":
+            stage_of[e["device"]] = e["stage"]
+        if e["event"] != "kill" or e.get("role") not in ("server", "coordinator"):
+            continue
+        stage = stage_of.get(e["device"], -1) if e["role"] == "server" else -1
+        later = events[i + 1:]
+        rb = next((r for r in later if r["event"] == "rollback"), None)
+        by = next((a["device"] for a in later if a["event"] == "assign" and a.get("role") == "server"
+                   and a.get("stage") == stage and a["device"] != e["device"]), "") if stage >= 0 else ""
+        out.append(dict(time_s=e.get("time_s", 0.0), device=e["device"], stage=stage if stage >= 0 else "",
+                        by=by or "-", rollback=rb,
+                        committed=rb["committed"] if rb else "", version=rb["version"] if rb else "",
+                        redone=max(rb["committed"] - rb["version"], 0) if rb else ""))
+    return out
 
 
 if __name__ == "__main__":

@@ -21,6 +21,26 @@ def test_standbys_copy_stages_round_robin():
     assert standby_stages([], 3) == {}
 
 
+def test_standbys_copy_a_stage_served_from_another_host():
+    # One standby per server host, the active servers of stages 0..2 on hosts h0..h2: no
+    # standby copies the stage served from its own host (round robin would give each its own).
+    hosts = {"a": "h0", "b": "h1", "c": "h2"}
+    got = standby_stages(["a", "b", "c"], 3, hosts=hosts, active_hosts=["h0", "h1", "h2"])
+    assert sorted(got.values()) == [0, 1, 2]
+    assert all(["h0", "h1", "h2"][k] != hosts[mid] for mid, k in got.items()), got
+    # As many standbys per stage as round robin gives (2 each), each on the other host.
+    got = standby_stages(["a", "b", "c", "d"], 2, hosts={"a": "h0", "b": "h0", "c": "h1", "d": "h1"},
+                         active_hosts=["h0", "h1"])
+    assert got == {"a": 1, "b": 1, "c": 0, "d": 0}
+    # Every host the same (loopback) or unknown: plain round robin in join order.
+    same = {"a": "127.0.0.1", "b": "127.0.0.1", "c": "127.0.0.1"}
+    assert standby_stages(["a", "b", "c"], 2, hosts=same, active_hosts=["127.0.0.1"] * 2) == {"a": 0, "b": 1, "c": 0}
+    assert standby_stages(["a", "b"], 2, hosts={}, active_hosts=["", ""]) == {"a": 0, "b": 1}
+    # A standby holding copies keeps its stage, even on the active server's host.
+    assert standby_stages(["a", "b"], 2, {"a": {0: 4}}, hosts={"a": "h0", "b": "h0"},
+                          active_hosts=["h0", "h1"]) == {"a": 0, "b": 1}
+
+
 def _copied(folder, stage: int) -> list[int]:
     """Versions of the complete checkpoint files of ``stage`` a standby holds."""
     return sorted(int(p.name[1:].split(".")[0]) for p in folder.glob(f"run-*/stage{stage}/v*.safetensors"))
@@ -303,3 +323,13 @@ def test_local_mode_standby_is_promoted_with_the_outer_momentum(tmp_path):
     log = (out / "logs" / f"server{promoted[-1][1:]}.log").read_text()
     assert re.search(rf"serves stage \d .* from version {rollback['version']} .*with the saved outer momentum", log), \
         log[-1500:]
+
+
+def test_standby_is_sent_the_newest_checkpoint_it_lacks():
+    from shoal.runtime.server import standby_send_version
+
+    assert standby_send_version([3, 4, 5], have=4, loading=False) == 5
+    assert standby_send_version([3, 4, 5], have=5, loading=False) == 0  # nothing new: the call waits
+    assert standby_send_version([3, 4], have=6, loading=False) == 4  # rolled back: the older file
+    assert standby_send_version([], have=0, loading=False) == 0
+    assert standby_send_version([3, 4, 5], have=4, loading=True) == 0

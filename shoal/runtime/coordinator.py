@@ -393,8 +393,15 @@ class Coordinator(pbg.CoordinatorServicer):
         started = self.ready or self.committed > 0 or self.epoch > 0
         mids = [mid for mid, m in self.members.items()
                 if m.role == "server" and (m.standby or started) and mid not in self.stage_server]
+        active = [self._host_of(self.members[sid]) if sid in self.members else "" for sid in self.stage_server]
         return standby_stages(mids, self.spec.stages,
-                              {mid: self.members[mid].held for mid in mids if self.members[mid].standby})
+                              {mid: self.members[mid].held for mid in mids if self.members[mid].standby},
+                              hosts={mid: self._host_of(self.members[mid]) for mid in mids}, active_hosts=active)
+
+    @staticmethod
+    def _host_of(m: Member) -> str:
+        """The machine a member runs on: the scenario host it plays, else its address's host."""
+        return m.device or m.address.rpartition(":")[0]
 
     def _vacancy_order(self) -> list[int]:
         """Stages in the order vacancies are filled: twice over, so a standby that waited for
@@ -1108,12 +1115,16 @@ def pick_standby(stage: int, standby: list[tuple[str, int]], vacant: set[int]) -
     return None
 
 
-def standby_stages(standbys: list[str], stages: int, held: dict[str, dict[int, int]] | None = None) -> dict[str, int]:
+def standby_stages(standbys: list[str], stages: int, held: dict[str, dict[int, int]] | None = None,
+                   hosts: dict[str, str] | None = None, active_hosts: list[str] | None = None) -> dict[str, int]:
     """The stage each hot standby (member ids, oldest first) copies.
 
     A standby that holds copies (``held``: stage -> newest version, e.g. one that joined a
     restarted coordinator) keeps copying the stage it holds the newest copy of; the others
-    go round robin to the stages with the fewest standbys.
+    go round robin to the stages with the fewest standbys. Within a round a standby goes to a
+    stage whose active server runs on another host where the round allows it (``hosts``:
+    standby -> host, ``active_hosts``: stage -> its active server's host; "" is unknown and
+    never the same): a copy on the active server's own machine dies with it.
     """
     if stages <= 0:
         return {}
@@ -1125,12 +1136,49 @@ def standby_stages(standbys: list[str], stages: int, held: dict[str, dict[int, i
         if own is not None:
             out[mid] = own[1]
             count[own[1]] += 1
+    rest = [mid for mid in standbys if mid not in out]
+    slots = []  # the stages round robin fills, in order: the fewest standbys first
+    for _ in rest:
+        k = min(range(stages), key=lambda k: (count[k], k))
+        slots.append(k)
+        count[k] += 1
+    out.update(spread_hosts(rest, slots, hosts or {}, active_hosts or []))
+    return {mid: out[mid] for mid in standbys}
+
+
+def spread_hosts(standbys: list[str], slots: list[int], hosts: dict[str, str],
+                 active_hosts: list[str]) -> dict[str, int]:
+    """Give each of ``standbys`` one of ``slots`` (stages, as many as standbys): as many as
+    possible on a host other than the stage's active server's (a maximum matching), the
+    rest, and all of them when no host differs, in order."""
+    def apart(mid: str, k: int) -> bool:
+        h = hosts.get(mid, "")
+        return not h or k >= len(active_hosts) or not active_hosts[k] or h != active_hosts[k]
+
+    owner: dict[int, str] = {}  # slot index -> standby
+
+    def place(mid: str, seen: set[int]) -> bool:
+        # A free slot first (keeps the plain round-robin order), then move another standby.
+        for i, k in enumerate(slots):
+            if i not in owner and apart(mid, k):
+                owner[i] = mid
+                return True
+        for i, k in enumerate(slots):
+            if i not in seen and apart(mid, k):
+                seen.add(i)
+                if place(owner[i], seen):
+                    owner[i] = mid
+                    return True
+        return False
+
+    for mid in standbys:
+        place(mid, set())
+    out = {mid: slots[i] for i, mid in owner.items()}
+    free = [k for i, k in enumerate(slots) if i not in owner]
     for mid in standbys:
         if mid not in out:
-            k = min(range(stages), key=lambda k: (count[k], k))
-            out[mid] = k
-            count[k] += 1
-    return {mid: out[mid] for mid in standbys}
+            out[mid] = free.pop(0)
+    return out
 
 
 def pick_holder(stage: int, candidates: list[tuple[str, dict[int, int]]], copier: str | None) -> str | None:

@@ -224,6 +224,7 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
         self.done = False
         self.committing = False
         self.cond = Signal()  # notified on every change of the task pool
+        self.ckpt_signal = Signal()  # notified when a checkpoint file is complete (standby long-polls)
         self.tasks_per_worker: dict[str, int] = {}
         self.requeues = 0
         self.stats = {"messages": 0, "bytes_in": 0}
@@ -1048,10 +1049,18 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
         """Send a hot standby this stage's newest checkpoint file if newer than it holds."""
         await check_caller(context, request.member_id)
         data, version = b"", 0
+        # A long poll: with nothing new, wait (bounded) for the next checkpoint file, so a
+        # standby has each commit's state one transfer after the write, not a heartbeat and a
+        # coordinator round trip later: a kill right after a commit then rarely costs that step.
+        deadline = time.monotonic() + STANDBY_POLL_S
+        while (request.stage == self.stage and self.spec is not None and not self.done
+               and standby_send_version(list_ckpts(self.ckpt_root, self.stage, self.spec.run_id),
+                                        request.have, self.loading) == 0
+               and time.monotonic() < deadline):
+            await self.ckpt_signal.wait(deadline - time.monotonic())
         if request.stage == self.stage and self.spec is not None:
             vs = list_ckpts(self.ckpt_root, self.stage, self.spec.run_id)
-            # Also an older one: the standby's newer copies are from a history the run left.
-            if vs and vs[-1] != request.have and not self.loading:
+            if standby_send_version(vs, request.have, self.loading):
                 version = vs[-1]
                 path = ckpt_dir(self.ckpt_root, self.stage, self.spec.run_id) / f"v{version}.safetensors"
                 try:
@@ -1219,6 +1228,7 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
                 None, lambda: save_stage_ckpt(self.ckpt_root, stage, version, module, opt, **kw))
             st = path.stat()
             self.ckpt_ok.add((stage, version, st.st_size, st.st_mtime_ns))
+            self.ckpt_signal.notify_all()  # a standby waiting in StandbyCkptStream takes it now
 
         self.ckpt_task = asyncio.create_task(write())
         self._bg.add(self.ckpt_task)
@@ -1304,6 +1314,20 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
 
 # Largest checkpoint a hot standby accepts from its stage's active server (weights + AdamW state).
 STANDBY_MAX_BYTES = 16 * 1024**3
+# Longest a StandbyCkptStream call waits for a newer checkpoint (the standby asks again after).
+STANDBY_POLL_S = 2.0
+
+
+def standby_send_version(versions: list[int], have: int, loading: bool) -> int:
+    """The checkpoint version to send a standby that holds ``have`` (0: nothing to send).
+
+    The newest file (``versions`` ascending) when it differs from the standby's newest, also
+    an older one: the run rolled back and the standby's newer copies are from the history it
+    left. Nothing while the stage is loading (its files are being sorted out).
+    """
+    if not versions or loading or versions[-1] == have:
+        return 0
+    return versions[-1]
 
 
 def _serialise_weights(head: pb.WeightsReply, params: dict[str, torch.Tensor]) -> bytes:
