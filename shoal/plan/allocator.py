@@ -234,10 +234,13 @@ def _dp(tables: list[_StageTable], n_layers: int) -> tuple[float, list[tuple[int
 
 def construct(scenario: Scenario, n_stages: int, sync: SyncPolicy, options: CostOptions,
               snap: float = 0.35, table: SyncTable | None = None, order: list[str] | None = None,
-              act_aware: bool = False, memo: dict | None = None, bound: StepBound | None = None) -> Plan | None:
+              act_aware: bool = False, memo: dict | None = None, bound: StepBound | None = None,
+              threshold: float = math.inf) -> Plan | None:
     """Steps 1-4 for one stage count; None if no feasible plan was found. ``memo``: the cost
     model's memo for this scenario (see :func:`shoal.plan.cost.stage_costs`); ``bound``: a
-    :class:`StepBound` for it, to skip evaluating candidates that cannot be the best one."""
+    :class:`StepBound` for it, to skip evaluating candidates that cannot be the best one or
+    whose step would exceed ``threshold`` (then None may come back although a plan exists: the
+    caller passes a threshold above which a candidate cannot matter, see :func:`plan_shoal`)."""
     prof = scenario_profile(scenario)
     n_layers = len(prof.layers)
     workers = scenario.workers
@@ -304,8 +307,8 @@ def construct(scenario: Scenario, n_stages: int, sync: SyncPolicy, options: Cost
             plans.append(build_plan(scenario, "shoal", [StagePlan(st.layers, h, list(st.workers))
                                                         for st, h in zip(stages, hs, strict=True)], sync))
         for cand in plans:
-            if bound is not None and bound(cand, tie_break=False) > best_t * (1 + 1e-9):
-                continue  # t >= bound > best_t: it cannot be kept
+            if bound is not None and bound(cand, tie_break=False) > min(best_t, threshold) * (1 + 1e-9):
+                continue  # t >= bound > best_t (it cannot be kept) or > threshold (it cannot matter)
             t = step_of(cand, scenario, options, memo)
             if t < best_t:
                 best, best_t = cand, t
@@ -438,76 +441,106 @@ class StepBound:
         self.tokens = prof.tokens_per_micro_batch * 8
         self.hidden = prof.layers[0].out_act_bytes * sync.ratio("act", prof.dtype_bytes)
         self.hidden_grad = prof.layers[0].out_act_bytes * sync.ratio("grad", prof.dtype_bytes)
-        self.rates: dict[tuple, tuple[float, float, float]] = {}
+        self.rates: dict[tuple, tuple[float, float, float]] = {}  # per stage and context
         self.syncs: dict[tuple, float] = {}
+        self.per_worker: dict[tuple, dict[str, float]] = {}  # stage context -> worker -> t_d
+        self.per_worker_sync: dict[tuple, dict] = {}  # (layers, host, k) -> worker -> (lat, push s, pull s)
+        self.flops: dict[tuple, float] = {}
 
-    def _rates(self, st: StagePlan, first: bool, last: bool, nxt: str | None, prv: str | None) -> tuple:
-        """``(sum of the M largest a_d / t_d, the same without a_d, min_d t_d)`` of one stage."""
-        key = (st.layers, first, last, st.server, nxt, prv, tuple(st.workers))
+    def _rates(self, st: StagePlan, wt: tuple, first: bool, last: bool, nxt: str | None, prv: str | None) -> tuple:
+        """``(sum of the M largest a_d / t_d, the same without a_d, min_d t_d)`` of one stage
+        (``wt``: its workers as a tuple)."""
+        key = (st.layers, first, last, st.server, nxt, prv, wt)
         got = self.rates.get(key)
         if got is not None:
             return got
+        # t_d depends on the worker and the stage's context only: a move that adds or drops a
+        # worker reuses the others' figures
+        ctx_key = key[:6]
+        per = self.per_worker.get(ctx_key)
+        if per is None:
+            per = self.per_worker[ctx_key] = {}
+        times = []
+        for wid in st.workers:
+            t = per.get(wid)
+            if t is None:
+                t = per[wid] = self._task_time(wid, st.layers, first, last, st.server, nxt, prv)
+            if 0 < t < math.inf:
+                times.append(t)
+        avail = self.avail
+        if len(st.workers) <= self.m:
+            x = sum(1.0 / per[w] for w in st.workers if 0 < per[w] < math.inf)
+            xa = sum(avail[w] / per[w] for w in st.workers if 0 < per[w] < math.inf)
+        else:
+            ts = sorted(times)[:self.m]
+            x = sum(1.0 / t for t in ts)
+            xa = sum(sorted((avail[w] / per[w] for w in st.workers if 0 < per[w] < math.inf),
+                            reverse=True)[:self.m])
+        got = self.rates[key] = (xa, x, min(times) if times else math.inf)
+        return got
+
+    def _task_time(self, wid: str, layers: tuple[int, int], first: bool, last: bool, server: str,
+                   nxt: str | None, prv: str | None) -> float:
+        """``t_d``: the cost model's per-micro-batch time of ``wid`` with no server link shared."""
         prof, net, dev, sync = self.prof, self.scenario.network, self.dev, self.sync
-        a, b = st.layers
-        fwd, bwd = prof.fwd_flops(a, b), prof.bwd_flops(a, b)
-        if self.options.recompute and not last:
-            bwd += fwd
-        flops = fwd + bwd
+        a, b = layers
+        fl = self.flops.get((a, b, last))
+        if fl is None:
+            fwd, bwd = prof.fwd_flops(a, b), prof.bwd_flops(a, b)
+            if self.options.recompute and not last:
+                bwd += fwd
+            fl = self.flops[(a, b, last)] = fwd + bwd
         dl_bytes = (self.tokens if first else self.hidden) + (self.tokens if last else self.hidden_grad)
         out_bytes = 0.0 if last else self.hidden
         in_grad_bytes = 0.0 if first else self.hidden_grad
-        n_tasks = 1 if last else 2
-        host = dev[st.server]
-        hn = dev[nxt] if nxt is not None else None
-        hp = dev[prv] if prv is not None else None
-        times = []
-        for wid in st.workers:
-            d = dev[wid]
-            c = compute_time(flops, d.flops)
-            fetch = upload = 0.0
-            if wid != host.id:
-                link = net.link(d, host)
-                fetch = n_tasks * 2 * link.latency + dl_bytes / min(link.bandwidth, d.down, host.up)
-            if hn is not None and wid != hn.id and out_bytes > 0:
-                upload += out_bytes / min(net.link(d, hn).bandwidth, d.up, hn.down)
-            if hp is not None and wid != hp.id and in_grad_bytes > 0:
-                upload += in_grad_bytes / min(net.link(d, hp).bandwidth, d.up, hp.down)
-            if sync.overlap_uploads or sync.prefetch:
-                t = task_period(c, fetch, upload, sync.overlap_uploads, sync.prefetch)
-            else:
-                t = c + fetch + upload
-            if 0 < t < math.inf:
-                times.append((t, wid))
-        times.sort()
-        used = times[:self.m]
-        x = sum(1.0 / t for t, _ in used)
-        xa = sum(sorted((self.avail[w] / t for t, w in times), reverse=True)[:self.m])
-        got = self.rates[key] = (xa, x, times[0][0] if times else math.inf)
-        return got
+        d = dev[wid]
+        c = compute_time(fl, d.flops)
+        fetch = upload = 0.0
+        if wid != server:
+            host = dev[server]
+            link = net.link(d, host)
+            fetch = (1 if last else 2) * 2 * link.latency + dl_bytes / min(link.bandwidth, d.down, host.up)
+        if nxt is not None and wid != nxt and out_bytes > 0:
+            hn = dev[nxt]
+            upload += out_bytes / min(net.link(d, hn).bandwidth, d.up, hn.down)
+        if prv is not None and wid != prv and in_grad_bytes > 0:
+            hp = dev[prv]
+            upload += in_grad_bytes / min(net.link(d, hp).bandwidth, d.up, hp.down)
+        if sync.overlap_uploads or sync.prefetch:
+            return task_period(c, fetch, upload, sync.overlap_uploads, sync.prefetch)
+        return c + fetch + upload
 
-    def _sync(self, st: StagePlan, k_sync: int) -> float:
+    def _sync(self, st: StagePlan, wt: tuple, k_sync: int) -> float:
         """The cost model's per-step sync seconds of one stage (exact sync)."""
-        key = (st.layers, st.server, tuple(st.workers), k_sync)
+        key = (st.layers, st.server, wt, k_sync)
         got = self.syncs.get(key)
         if got is not None:
             return got
-        prof, net, dev, sync = self.prof, self.scenario.network, self.dev, self.sync
-        pbytes = prof.param_bytes(*st.layers)
-        g_push = pbytes * sync.ratio("push", prof.dtype_bytes)
-        g_pull = pbytes * sync.ratio("pull", prof.dtype_bytes)
-        host = dev[st.server]
+        ctx_key = (st.layers, st.server, k_sync)
+        per = self.per_worker_sync.get(ctx_key)
+        if per is None:
+            prof, sync = self.prof, self.sync
+            pbytes = prof.param_bytes(*st.layers)
+            per = self.per_worker_sync[ctx_key] = {
+                "": (pbytes * sync.ratio("push", prof.dtype_bytes), pbytes * sync.ratio("pull", prof.dtype_bytes))}
+        g_push, g_pull = per[""]
         max_lat = max_push = max_pull = 0.0
         if g_push > 0 or g_pull > 0:
+            host = self.dev[st.server]
             h_up, h_down = host.up / k_sync, host.down / k_sync
             for wid in st.workers:
                 if wid == host.id:
                     continue
-                d = dev[wid]
-                link = net.link(d, host)
-                max_lat = max(max_lat, link.latency)
-                max_push = max(max_push, g_push / min(link.bandwidth, d.up, h_down))
-                max_pull = max(max_pull, g_pull / min(link.bandwidth, h_up, d.down))
-        got = self.syncs[key] = stage_sync_time(max_lat, max_push, max_pull, sync.sync_every)
+                w = per.get(wid)
+                if w is None:
+                    d = self.dev[wid]
+                    link = self.scenario.network.link(d, host)
+                    w = per[wid] = (link.latency, g_push / min(link.bandwidth, d.up, h_down),
+                                    g_pull / min(link.bandwidth, h_up, d.down))
+                max_lat = max(max_lat, w[0])
+                max_push = max(max_push, w[1])
+                max_pull = max(max_pull, w[2])
+        got = self.syncs[key] = stage_sync_time(max_lat, max_push, max_pull, self.sync.sync_every)
         return got
 
     def __call__(self, plan: Plan, tie_break: bool = True) -> float:
@@ -519,19 +552,20 @@ class StepBound:
         n_sync: dict[str, int] = {}
         for st in plan.stages:
             h = st.server
-            n_sync[h] = n_sync.get(h, 0) + sum(1 for w in st.workers if w != h)
+            n_sync[h] = n_sync.get(h, 0) + len(st.workers) - (h in st.workers)  # loopback not counted
         xa_min, x_inv, fill, sync_s = math.inf, 0.0, 0.0, 0.0
         m1 = self.m - 1
         for i, st in enumerate(plan.stages):
             nxt = plan.stages[i + 1].server if i < n - 1 else None
             prv = plan.stages[i - 1].server if i > 0 else None
-            xa, x, t_min = self._rates(st, i == 0, i == n - 1, nxt, prv)
+            wt = tuple(st.workers)
+            xa, x, t_min = self._rates(st, wt, i == 0, i == n - 1, nxt, prv)
             if x <= 0:
                 return math.inf  # a stage without a worker that can run: the cost model says inf
             xa_min = min(xa_min, xa)
             x_inv += m1 / x
             fill += t_min
-            sync_s = max(sync_s, self._sync(st, max(1, n_sync.get(st.server, 1))))
+            sync_s = max(sync_s, self._sync(st, wt, max(1, n_sync.get(st.server, 1))))
         pipe = (m1 / xa_min if xa_min > 0 else math.inf) + fill
         step = step_time(pipe, sync_s, self.options.overlap_sync)
         return step + TIE_BREAK * x_inv / n if tie_break else step
@@ -648,6 +682,19 @@ def stage_count_hopeless(best_by_count: dict[int, float], lower_bound: float) ->
     return sum(1 for v in best_by_count.values() if v < lower_bound) >= TOP_K + TOP_K_OTHER
 
 
+def irrelevant_above(best_by_count: dict[int, float], n_stages: int) -> float:
+    """A step time above which a new candidate with ``n_stages`` stages cannot change what
+    :func:`plan_shoal` does: the ``TOP_K + TOP_K_OTHER``-th smallest best candidate of the other
+    stage counts (inf while there are fewer). Such a candidate has at least that many cheaper
+    candidates of distinct other stage counts, so it is neither among the ``TOP_K`` best nor the
+    best of a further stage count that gets refined; and every later :func:`stage_count_hopeless`
+    test gives the same answer with or without it (if it were below a bound, those other stage
+    counts already are)."""
+    others = sorted(v for k, v in best_by_count.items() if k != n_stages)
+    k = TOP_K + TOP_K_OTHER
+    return others[k - 1] if len(others) >= k else math.inf
+
+
 def stage_counts(n_layers: int, n_workers: int) -> list[int]:
     """Stage counts worth trying: every S up to ``min(n_layers, n_workers)``."""
     return list(range(1, min(n_layers, n_workers) + 1))
@@ -674,7 +721,8 @@ def plan_shoal(scenario: Scenario, seed: int = 0, stages: int | None = None, syn
             continue
         order = region_order(scenario, prof.param_bytes(0, n_layers) / s, matrices)
         for snap in (0.35, 0.0):
-            p = construct(scenario, s, sync, options, snap, table, order, memo=memo, bound=step_bound)
+            p = construct(scenario, s, sync, options, snap, table, order, memo=memo, bound=step_bound,
+                          threshold=irrelevant_above(best_by_count, s))
             if p is not None:
                 t = step_of(p, scenario, options, memo)
                 candidates.append((t, s, p))
