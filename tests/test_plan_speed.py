@@ -108,7 +108,7 @@ def test_layer_dp_equals_the_loop_by_loop_reference():
 
     rng = np.random.default_rng(0)
     for n_layers in (1, 2, 5, 12, 26):
-        for s_count in sorted({1, 2, min(3, n_layers), n_layers}):
+        for s_count in sorted({1, 2, min(3, n_layers), min(n_layers, 12)}):
             for values in (None, [1.0, 2.0, 3.0]):  # continuous, and full of ties
                 est = []
                 for _ in range(s_count):
