@@ -73,3 +73,109 @@ def test_skipping_hopeless_stage_counts_keeps_the_plan(monkeypatch):
     assert [(st.layers, st.server, st.workers) for st in fast.stages] == \
         [(st.layers, st.server, st.workers) for st in full.stages]
     assert fast.predicted == full.predicted
+
+
+def _dp_reference(est: list[dict], n_layers: int):
+    """The layer-boundary DP written out loop by loop: smallest largest estimate, ties to the smallest a."""
+    inf = float("inf")
+    s_count = len(est)
+    best = [[inf] * (n_layers + 1) for _ in range(s_count + 1)]
+    arg = [[0] * (n_layers + 1) for _ in range(s_count + 1)]
+    best[0][0] = 0.0
+    for s in range(1, s_count + 1):
+        for b in range(s, n_layers - (s_count - s) + 1):
+            for a in range(s - 1, b):
+                v = max(best[s - 1][a], est[s - 1][(a, b)])
+                if v < best[s][b]:
+                    best[s][b], arg[s][b] = v, a
+    if best[s_count][n_layers] == inf:
+        return inf, []
+    out, b = [], n_layers
+    for s in range(s_count, 0, -1):
+        out.append((arg[s][b], b))
+        b = arg[s][b]
+    return best[s_count][n_layers], out[::-1]
+
+
+def test_layer_dp_equals_the_loop_by_loop_reference():
+    import numpy as np
+
+    class Table:
+        def __init__(self, est, n):
+            self.dense = np.full((n + 1, n + 1), np.inf)
+            for (a, b), v in est.items():
+                self.dense[a, b] = v
+
+    rng = np.random.default_rng(0)
+    for n_layers in (1, 2, 5, 12, 26):
+        for s_count in sorted({1, 2, min(3, n_layers), min(n_layers, 12)}):
+            for values in (None, [1.0, 2.0, 3.0]):  # continuous, and full of ties
+                est = []
+                for _ in range(s_count):
+                    e = {}
+                    for a in range(n_layers):
+                        for b in range(a + 1, n_layers + 1):
+                            v = rng.random() * (b - a) if values is None else float(rng.choice(values))
+                            e[(a, b)] = np.inf if rng.random() < 0.1 else v
+                    est.append(e)
+                want = _dp_reference(est, n_layers)
+                got = allocator._dp([Table(e, n_layers) for e in est], n_layers)
+                assert got == want, (n_layers, s_count)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", ["gaming-eu", "hetero-all"])
+def test_step_bound_is_below_the_objective_of_every_move(name):
+    """StepBound (local search's pruning) never exceeds what the cost model says, for the
+    constructed plans and every move local search generates from them, under several exact-sync
+    variants (I/O overlap, prefetch, overlapped sync, recompute, churn off)."""
+    import random
+
+    from shoal.plan.allocator import StepBound, _feasible, _neighbours, _objective
+
+    s = load_scenario(name)
+    prof = scenario_profile(s)
+    dev = {d.id: d for d in s.devices}
+    hosts = [h.id for h in s.server_hosts]
+    variants = [(SyncPolicy(), CostOptions()), (SyncPolicy(overlap_uploads=True), CostOptions()),
+                (SyncPolicy(overlap_uploads=True, prefetch=True), CostOptions(recompute=True)),
+                (SyncPolicy(), CostOptions(overlap_sync=True, churn=False))]
+    checked = pruned = 0
+    for sync, options in variants:
+        bound = StepBound(s, sync, options)
+        for count in (2, 4):
+            p = construct(s, count, sync, options)
+            if p is None:
+                continue
+            step_of(p, s, options)
+            rng = random.Random(count)
+            used = {w for st in p.stages for w in st.workers}
+            unused = [d.id for d in s.workers if d.id not in used]
+            for cand in [p, *_neighbours(p, s, rng, unused, dev, hosts)]:
+                if not _feasible(cand, s, prof, dev):
+                    continue
+                lb, t = bound(cand), _objective(cand, s, options)
+                assert lb <= t * (1 + 1e-12), (count, cand.stages)
+                assert bound(cand, tie_break=False) <= step_of(cand, s, options) * (1 + 1e-12)
+                checked += 1
+                pruned += lb >= _objective(p, s, options)
+    assert checked > 30
+    assert pruned > 0  # the bound is tight enough to skip some moves
+
+
+@pytest.mark.timeout(180)
+def test_pruned_search_keeps_the_plan(monkeypatch):
+    s = load_scenario("gaming-world")
+    fast = allocator.plan_shoal(s, budget_s=1e9)
+    monkeypatch.setattr(allocator.StepBound, "__call__", lambda self, plan, tie_break=True: 0.0)
+    full = allocator.plan_shoal(s, budget_s=1e9)
+    assert [(st.layers, st.server, st.workers) for st in fast.stages] == \
+        [(st.layers, st.server, st.workers) for st in full.stages]
+    assert fast.predicted == full.predicted
+
+
+def test_irrelevant_above_is_the_fifth_best_other_stage_count():
+    best = {1: 5.0, 2: 1.0, 3: 4.0, 4: 2.0, 5: 3.0}
+    assert allocator.irrelevant_above(best, 6) == 5.0
+    assert allocator.irrelevant_above(best, 1) == float("inf")  # only four other stage counts
+    assert allocator.irrelevant_above({**best, 7: 0.5}, 1) == 4.0

@@ -23,6 +23,7 @@ The planner and the simulator reason with these numbers, so they are exact for
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from shoal.errors import ShoalError
 from shoal.model.config import ModelConfig, layer_kind
@@ -63,23 +64,41 @@ class ModelProfile:
             raise ShoalError(f"stage [{first}, {last}) is outside [0, {len(self.layers)})")
         return self.layers[first:last]
 
+    @cached_property
+    def _prefix(self) -> dict[str, list[int]]:
+        """Prefix sums (integers, so exact) of the per-layer figures the range queries add up:
+        the planner asks for tens of thousands of ranges per plan."""
+        out: dict[str, list[int]] = {}
+        for name, value in (("params", lambda x: x.params), ("param_bytes", lambda x: x.param_bytes),
+                            ("fwd", lambda x: x.fwd_flops_per_token), ("bwd", lambda x: x.bwd_flops_per_token),
+                            ("worker", lambda x: 2 * x.param_bytes + x.saved_act_bytes)):
+            acc = [0]
+            for layer in self.layers:
+                acc.append(acc[-1] + value(layer))
+            out[name] = acc
+        return out
+
+    def _sum(self, name: str, first: int, last: int) -> int:
+        if not 0 <= first < last <= len(self.layers):
+            raise ShoalError(f"stage [{first}, {last}) is outside [0, {len(self.layers)})")
+        acc = self._prefix[name]
+        return acc[last] - acc[first]
+
     def params(self, first: int, last: int) -> int:
         """Parameters of stage ``[first, last)``."""
-        return sum(layer.params for layer in self._range(first, last))
+        return self._sum("params", first, last)
 
     def param_bytes(self, first: int, last: int) -> int:
         """Bytes of the stage's parameters in the compute dtype (one weight pull)."""
-        return sum(layer.param_bytes for layer in self._range(first, last))
+        return self._sum("param_bytes", first, last)
 
     def fwd_flops(self, first: int, last: int) -> float:
         """Forward FLOPs of the stage for one micro-batch."""
-        tokens = self.tokens_per_micro_batch
-        return float(sum(layer.fwd_flops_per_token for layer in self._range(first, last)) * tokens)
+        return float(self._sum("fwd", first, last) * self.tokens_per_micro_batch)
 
     def bwd_flops(self, first: int, last: int) -> float:
         """Backward FLOPs of the stage for one micro-batch."""
-        tokens = self.tokens_per_micro_batch
-        return float(sum(layer.bwd_flops_per_token for layer in self._range(first, last)) * tokens)
+        return float(self._sum("bwd", first, last) * self.tokens_per_micro_batch)
 
     def out_act_bytes(self, first: int, last: int) -> int:
         """Bytes the stage sends forward per micro-batch (0 if it ends with the head)."""
@@ -95,8 +114,7 @@ class ModelProfile:
 
     def worker_memory(self, first: int, last: int) -> int:
         """Bytes a worker needs: weights, their gradients, saved activations of one micro-batch."""
-        layers = self._range(first, last)
-        return sum(2 * layer.param_bytes + layer.saved_act_bytes for layer in layers)
+        return self._sum("worker", first, last)
 
     def server_memory(self, first: int, last: int) -> int:
         """Bytes a stage server needs: fp32 master weights, summed gradients, AdamW state."""

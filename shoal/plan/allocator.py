@@ -30,8 +30,19 @@ import numpy as np
 
 from shoal.errors import ShoalError
 from shoal.model.profile import ModelProfile
+from shoal.plan.cluster import leaf_order
 from shoal.plan.common import SyncTable, build_plan, place_servers, step_of
-from shoal.plan.cost import CostOptions, _policy_key, scenario_profile, stage_worker_memory
+from shoal.plan.cost import (
+    CostOptions,
+    _policy_key,
+    availability,
+    compute_time,
+    scenario_profile,
+    stage_sync_time,
+    stage_worker_memory,
+    step_time,
+    task_period,
+)
 from shoal.plan.types import Device, Plan, Scenario, StagePlan, SyncPolicy
 
 
@@ -58,14 +69,9 @@ def region_order(scenario: Scenario, ref_bytes: float, matrices: tuple | None = 
     regions, lat, bw = matrices or region_matrices(scenario)
     if len(regions) <= 2:
         return regions
-    # scipy is imported here, not at module import: it costs ~0.3 s and most plans need it once
-    from scipy.cluster.hierarchy import leaves_list, linkage
-    from scipy.spatial.distance import squareform
-
     dist = lat + ref_bytes / bw
     np.fill_diagonal(dist, 0.0)
-    z = linkage(squareform(dist, checks=False), method="average", optimal_ordering=True)
-    return [regions[i] for i in leaves_list(z)]
+    return [regions[i] for i in leaf_order(dist)]
 
 
 def _device_rate(d: Device, prof: ModelProfile, n_stages: int) -> float:
@@ -170,6 +176,9 @@ class _StageTable:
         self.keep = k + 1
         self.order = order
         self.group = group
+        dense = np.full((n_layers + 1, n_layers + 1), math.inf)  # est over [a, b], inf where a >= b
+        dense[a, b] = self.est
+        self.dense = dense
 
 
 def _pairs(n_layers: int) -> np.ndarray:
@@ -195,41 +204,43 @@ def _pair_arrays(prof: ModelProfile, recompute: bool, sync: SyncPolicy | None = 
     return _PAIR_CACHE[key]
 
 
-def _dp(tables: list[_StageTable], n_layers: int, pair_index: dict) -> tuple[float, list[tuple[int, int]]]:
-    """Boundaries minimising the largest per-stage estimate."""
+def _dp(tables: list[_StageTable], n_layers: int) -> tuple[float, list[tuple[int, int]]]:
+    """Boundaries minimising the largest per-stage estimate: ``best[s][b]`` = the smallest
+    largest estimate of the first ``s`` stages covering layers ``[0, b)``, one numpy pass per
+    stage over every ``(a, b)``; a tie goes to the smallest ``a``."""
     s_count = len(tables)
     inf = math.inf
-    best = [[inf] * (n_layers + 1) for _ in range(s_count + 1)]
-    arg = [[0] * (n_layers + 1) for _ in range(s_count + 1)]
-    best[0][0] = 0.0
+    size = n_layers + 1
+    best = np.full(size, inf)
+    best[0] = 0.0
+    args = []
     for s in range(1, s_count + 1):
-        est = tables[s - 1].est
-        for b in range(s, n_layers - (s_count - s) + 1):
-            row_best, row_arg = inf, 0
-            for a in range(s - 1, b):
-                prev = best[s - 1][a]
-                if prev == inf:
-                    continue
-                v = est[pair_index[(a, b)]]
-                v = prev if prev > v else v
-                if v < row_best:
-                    row_best, row_arg = v, a
-            best[s][b], arg[s][b] = row_best, row_arg
-    if best[s_count][n_layers] == inf:
+        cand = np.maximum(best[:, None], tables[s - 1].dense)  # [a, b]
+        # b runs over s .. n_layers - (S - s): every stage keeps at least one layer
+        cand[:, :s] = inf
+        cand[:, n_layers - (s_count - s) + 1:] = inf
+        arg = np.argmin(cand, axis=0)  # the first minimum: the smallest a
+        best = cand[arg, np.arange(size)]
+        args.append(arg)
+    if best[n_layers] == inf:
         return inf, []
     out, b = [], n_layers
     for s in range(s_count, 0, -1):
-        a = arg[s][b]
+        a = int(args[s - 1][b])
         out.append((a, b))
         b = a
-    return best[s_count][n_layers], out[::-1]
+    return float(best[n_layers]), out[::-1]
 
 
 def construct(scenario: Scenario, n_stages: int, sync: SyncPolicy, options: CostOptions,
               snap: float = 0.35, table: SyncTable | None = None, order: list[str] | None = None,
-              act_aware: bool = False, memo: dict | None = None) -> Plan | None:
+              act_aware: bool = False, memo: dict | None = None, bound: StepBound | None = None,
+              threshold: float = math.inf) -> Plan | None:
     """Steps 1-4 for one stage count; None if no feasible plan was found. ``memo``: the cost
-    model's memo for this scenario (see :func:`shoal.plan.cost.stage_costs`)."""
+    model's memo for this scenario (see :func:`shoal.plan.cost.stage_costs`); ``bound``: a
+    :class:`StepBound` for it, to skip evaluating candidates that cannot be the best one or
+    whose step would exceed ``threshold`` (then None may come back although a plan exists: the
+    caller passes a threshold above which a candidate cannot matter, see :func:`plan_shoal`)."""
     prof = scenario_profile(scenario)
     n_layers = len(prof.layers)
     workers = scenario.workers
@@ -267,7 +278,7 @@ def construct(scenario: Scenario, n_stages: int, sync: SyncPolicy, options: Cost
             t = memo[key] = _StageTable(g, dev[h], share[h], scenario, prof, sync, m, overlap, pairs, pf, pp, pm,
                                         n_layers, table)
         tables.append(t)
-    _, dp_bounds = _dp(tables, n_layers, pair_index)
+    _, dp_bounds = _dp(tables, n_layers)
     # The DP minimises the largest per-stage (pipeline + sync) estimate, while the step adds the
     # largest pipeline term to the largest sync term; the even split is kept as a second
     # candidate because it is often the better compromise when stages are alike.
@@ -296,6 +307,8 @@ def construct(scenario: Scenario, n_stages: int, sync: SyncPolicy, options: Cost
             plans.append(build_plan(scenario, "shoal", [StagePlan(st.layers, h, list(st.workers))
                                                         for st, h in zip(stages, hs, strict=True)], sync))
         for cand in plans:
+            if bound is not None and bound(cand, tie_break=False) > min(best_t, threshold) * (1 + 1e-9):
+                continue  # t >= bound > best_t (it cannot be kept) or > threshold (it cannot matter)
             t = step_of(cand, scenario, options, memo)
             if t < best_t:
                 best, best_t = cand, t
@@ -398,10 +411,174 @@ def _objective(plan: Plan, scenario: Scenario, options: CostOptions, memo: dict 
     return t + TIE_BREAK * plan.predicted.get("mean_stage_time_s", 0.0) if math.isfinite(t) else t
 
 
+class StepBound:
+    """A lower bound on :func:`_objective` that needs no link-sharing fixed point, so local search
+    can skip candidates that cannot beat the incumbent without evaluating them (exact sync only).
+
+    The cost model's step is ``step_time(P, sync)`` with ``P = (M - 1) / min_s X_s + fill`` and,
+    under churn, ``step_time(P^a, sync) + churn`` with ``X^a_s = sum over the used workers of
+    a_d / tau_d`` (``churn >= 0``). A worker's ``tau_d`` is smallest when no server link is shared
+    (``k_eff = 1``): call that ``t_d``. So ``X^a_s <= `` the sum of the ``M`` largest ``a_d / t_d``
+    (``a_d = 1`` without churn), each stage's fill share ``>= min_d t_d``, and the tie-break's
+    ``(M - 1) / X_s >= (M - 1) / (sum of the M largest 1 / t_d)``; the sync term is the cost
+    model's own (it does not depend on the fixed point). Per-stage figures are memoised: a move
+    changes one or two stages. ``tests/test_plan_speed.py`` checks the bound against the cost
+    model on every move of several scenarios."""
+
+    def __init__(self, scenario: Scenario, sync: SyncPolicy, options: CostOptions,
+                 micro_batch_size: int | None = None):
+        self.scenario = scenario
+        self.sync = sync
+        self.options = options
+        self.prof = scenario_profile(scenario, micro_batch_size)
+        self.dev = {d.id: d for d in scenario.devices}
+        self.m = scenario.workload.micro_batches if micro_batch_size is None else \
+            scenario.workload.global_batch // micro_batch_size
+        churn = options.churn and scenario.churn.enabled
+        off = scenario.churn.mean_offline_s
+        self.avail = {d.id: availability(d.mean_session_s, off) if churn else 1.0 for d in scenario.devices}
+        prof = self.prof
+        self.tokens = prof.tokens_per_micro_batch * 8
+        self.hidden = prof.layers[0].out_act_bytes * sync.ratio("act", prof.dtype_bytes)
+        self.hidden_grad = prof.layers[0].out_act_bytes * sync.ratio("grad", prof.dtype_bytes)
+        self.rates: dict[tuple, tuple[float, float, float]] = {}  # per stage and context
+        self.syncs: dict[tuple, float] = {}
+        self.per_worker: dict[tuple, dict[str, float]] = {}  # stage context -> worker -> t_d
+        self.per_worker_sync: dict[tuple, dict] = {}  # (layers, host, k) -> worker -> (lat, push s, pull s)
+        self.flops: dict[tuple, float] = {}
+
+    def _rates(self, st: StagePlan, wt: tuple, first: bool, last: bool, nxt: str | None, prv: str | None) -> tuple:
+        """``(sum of the M largest a_d / t_d, the same without a_d, min_d t_d)`` of one stage
+        (``wt``: its workers as a tuple)."""
+        key = (st.layers, first, last, st.server, nxt, prv, wt)
+        got = self.rates.get(key)
+        if got is not None:
+            return got
+        # t_d depends on the worker and the stage's context only: a move that adds or drops a
+        # worker reuses the others' figures
+        ctx_key = key[:6]
+        per = self.per_worker.get(ctx_key)
+        if per is None:
+            per = self.per_worker[ctx_key] = {}
+        times = []
+        for wid in st.workers:
+            t = per.get(wid)
+            if t is None:
+                t = per[wid] = self._task_time(wid, st.layers, first, last, st.server, nxt, prv)
+            if 0 < t < math.inf:
+                times.append(t)
+        avail = self.avail
+        if len(st.workers) <= self.m:
+            x = sum(1.0 / per[w] for w in st.workers if 0 < per[w] < math.inf)
+            xa = sum(avail[w] / per[w] for w in st.workers if 0 < per[w] < math.inf)
+        else:
+            ts = sorted(times)[:self.m]
+            x = sum(1.0 / t for t in ts)
+            xa = sum(sorted((avail[w] / per[w] for w in st.workers if 0 < per[w] < math.inf),
+                            reverse=True)[:self.m])
+        got = self.rates[key] = (xa, x, min(times) if times else math.inf)
+        return got
+
+    def _task_time(self, wid: str, layers: tuple[int, int], first: bool, last: bool, server: str,
+                   nxt: str | None, prv: str | None) -> float:
+        """``t_d``: the cost model's per-micro-batch time of ``wid`` with no server link shared."""
+        prof, net, dev, sync = self.prof, self.scenario.network, self.dev, self.sync
+        a, b = layers
+        fl = self.flops.get((a, b, last))
+        if fl is None:
+            fwd, bwd = prof.fwd_flops(a, b), prof.bwd_flops(a, b)
+            if self.options.recompute and not last:
+                bwd += fwd
+            fl = self.flops[(a, b, last)] = fwd + bwd
+        dl_bytes = (self.tokens if first else self.hidden) + (self.tokens if last else self.hidden_grad)
+        out_bytes = 0.0 if last else self.hidden
+        in_grad_bytes = 0.0 if first else self.hidden_grad
+        d = dev[wid]
+        c = compute_time(fl, d.flops)
+        fetch = upload = 0.0
+        if wid != server:
+            host = dev[server]
+            link = net.link(d, host)
+            fetch = (1 if last else 2) * 2 * link.latency + dl_bytes / min(link.bandwidth, d.down, host.up)
+        if nxt is not None and wid != nxt and out_bytes > 0:
+            hn = dev[nxt]
+            upload += out_bytes / min(net.link(d, hn).bandwidth, d.up, hn.down)
+        if prv is not None and wid != prv and in_grad_bytes > 0:
+            hp = dev[prv]
+            upload += in_grad_bytes / min(net.link(d, hp).bandwidth, d.up, hp.down)
+        if sync.overlap_uploads or sync.prefetch:
+            return task_period(c, fetch, upload, sync.overlap_uploads, sync.prefetch)
+        return c + fetch + upload
+
+    def _sync(self, st: StagePlan, wt: tuple, k_sync: int) -> float:
+        """The cost model's per-step sync seconds of one stage (exact sync)."""
+        key = (st.layers, st.server, wt, k_sync)
+        got = self.syncs.get(key)
+        if got is not None:
+            return got
+        ctx_key = (st.layers, st.server, k_sync)
+        per = self.per_worker_sync.get(ctx_key)
+        if per is None:
+            prof, sync = self.prof, self.sync
+            pbytes = prof.param_bytes(*st.layers)
+            per = self.per_worker_sync[ctx_key] = {
+                "": (pbytes * sync.ratio("push", prof.dtype_bytes), pbytes * sync.ratio("pull", prof.dtype_bytes))}
+        g_push, g_pull = per[""]
+        max_lat = max_push = max_pull = 0.0
+        if g_push > 0 or g_pull > 0:
+            host = self.dev[st.server]
+            h_up, h_down = host.up / k_sync, host.down / k_sync
+            for wid in st.workers:
+                if wid == host.id:
+                    continue
+                w = per.get(wid)
+                if w is None:
+                    d = self.dev[wid]
+                    link = self.scenario.network.link(d, host)
+                    w = per[wid] = (link.latency, g_push / min(link.bandwidth, d.up, h_down),
+                                    g_pull / min(link.bandwidth, h_up, d.down))
+                max_lat = max(max_lat, w[0])
+                max_push = max(max_push, w[1])
+                max_pull = max(max_pull, w[2])
+        got = self.syncs[key] = stage_sync_time(max_lat, max_push, max_pull, self.sync.sync_every)
+        return got
+
+    def __call__(self, plan: Plan, tie_break: bool = True) -> float:
+        """A number <= ``_objective(plan, ...)`` (0 where the bound does not apply); with
+        ``tie_break=False``, <= the step time alone (``step_of``)."""
+        if plan.sync.local or any(st.standbys for st in plan.stages):
+            return 0.0
+        n = len(plan.stages)
+        n_sync: dict[str, int] = {}
+        for st in plan.stages:
+            h = st.server
+            n_sync[h] = n_sync.get(h, 0) + len(st.workers) - (h in st.workers)  # loopback not counted
+        xa_min, x_inv, fill, sync_s = math.inf, 0.0, 0.0, 0.0
+        m1 = self.m - 1
+        for i, st in enumerate(plan.stages):
+            nxt = plan.stages[i + 1].server if i < n - 1 else None
+            prv = plan.stages[i - 1].server if i > 0 else None
+            wt = tuple(st.workers)
+            xa, x, t_min = self._rates(st, wt, i == 0, i == n - 1, nxt, prv)
+            if x <= 0:
+                return math.inf  # a stage without a worker that can run: the cost model says inf
+            xa_min = min(xa_min, xa)
+            x_inv += m1 / x
+            fill += t_min
+            sync_s = max(sync_s, self._sync(st, wt, max(1, n_sync.get(st.server, 1))))
+        pipe = (m1 / xa_min if xa_min > 0 else math.inf) + fill
+        step = step_time(pipe, sync_s, self.options.overlap_sync)
+        return step + TIE_BREAK * x_inv / n if tie_break else step
+
+
 def local_search(plan: Plan, scenario: Scenario, options: CostOptions, budget_s: float, seed: int = 0,
-                 max_rounds: int = 200, max_evals: int = 400, memo: dict | None = None) -> Plan:
+                 max_rounds: int = 200, max_evals: int = 400, memo: dict | None = None,
+                 bound: StepBound | None = None) -> Plan:
     """First-improvement local search on the full cost model until no move helps, ``max_evals``
-    candidates were evaluated (deterministic budget) or ``budget_s`` passed (safety net)."""
+    candidates were considered (deterministic budget) or ``budget_s`` passed (safety net). A
+    candidate whose :class:`StepBound` is no better than the incumbent counts as considered but
+    is not evaluated (it could not be accepted); ``bound`` may be shared across calls on one
+    scenario and policy (built here when not given)."""
     prof = scenario_profile(scenario)
     dev = {d.id: d for d in scenario.devices}
     host_ids = [h.id for h in scenario.server_hosts]
@@ -409,6 +586,8 @@ def local_search(plan: Plan, scenario: Scenario, options: CostOptions, budget_s:
     best = _copy(plan)
     memo = {} if memo is None else memo
     best_t = _objective(best, scenario, options, memo)
+    if bound is None and not plan.sync.local:
+        bound = StepBound(scenario, plan.sync, options, plan.micro_batch_size)
     deadline = time.perf_counter() + budget_s
     evals = 0
     for _ in range(max_rounds):
@@ -421,6 +600,8 @@ def local_search(plan: Plan, scenario: Scenario, options: CostOptions, budget_s:
             if not _feasible(cand, scenario, prof, dev):
                 continue
             evals += 1
+            if bound is not None and bound(cand) >= best_t:
+                continue  # cannot be accepted (t >= bound >= best_t): counted, not evaluated
             t = _objective(cand, scenario, options, memo)
             if t < best_t * (1 - 1e-9):
                 best, best_t, improved = cand, t, True
@@ -501,6 +682,19 @@ def stage_count_hopeless(best_by_count: dict[int, float], lower_bound: float) ->
     return sum(1 for v in best_by_count.values() if v < lower_bound) >= TOP_K + TOP_K_OTHER
 
 
+def irrelevant_above(best_by_count: dict[int, float], n_stages: int) -> float:
+    """A step time above which a new candidate with ``n_stages`` stages cannot change what
+    :func:`plan_shoal` does: the ``TOP_K + TOP_K_OTHER``-th smallest best candidate of the other
+    stage counts (inf while there are fewer). Such a candidate has at least that many cheaper
+    candidates of distinct other stage counts, so it is neither among the ``TOP_K`` best nor the
+    best of a further stage count that gets refined; and every later :func:`stage_count_hopeless`
+    test gives the same answer with or without it (if it were below a bound, those other stage
+    counts already are)."""
+    others = sorted(v for k, v in best_by_count.items() if k != n_stages)
+    k = TOP_K + TOP_K_OTHER
+    return others[k - 1] if len(others) >= k else math.inf
+
+
 def stage_counts(n_layers: int, n_workers: int) -> list[int]:
     """Stage counts worth trying: every S up to ``min(n_layers, n_workers)``."""
     return list(range(1, min(n_layers, n_workers) + 1))
@@ -520,13 +714,15 @@ def plan_shoal(scenario: Scenario, seed: int = 0, stages: int | None = None, syn
     matrices = region_matrices(scenario)
     memo: dict = {}  # the cost model's per-stage figures, shared by every candidate of this scenario
     bound = stage_count_bound(scenario, sync, prof) if len(counts) > 1 else None
+    step_bound = None if sync.local else StepBound(scenario, sync, options)
     best_by_count: dict[int, float] = {}
     for s in counts:
         if bound is not None and stage_count_hopeless(best_by_count, bound(s)):
             continue
         order = region_order(scenario, prof.param_bytes(0, n_layers) / s, matrices)
         for snap in (0.35, 0.0):
-            p = construct(scenario, s, sync, options, snap, table, order, memo=memo)
+            p = construct(scenario, s, sync, options, snap, table, order, memo=memo, bound=step_bound,
+                          threshold=irrelevant_above(best_by_count, s))
             if p is not None:
                 t = step_of(p, scenario, options, memo)
                 candidates.append((t, s, p))
@@ -550,7 +746,7 @@ def plan_shoal(scenario: Scenario, seed: int = 0, stages: int | None = None, syn
     best = None
     for i, (_, _, p) in enumerate(top):
         refined = local_search(p, scenario, options, budget_s / len(top), seed=seed + i, max_evals=max_evals,
-                               memo=memo)
+                               memo=memo, bound=step_bound)
         if best is None or step_of(refined, scenario, options, memo) < step_of(best, scenario, options, memo):
             best = refined
     step_of(best, scenario, options, memo)

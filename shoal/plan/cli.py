@@ -7,15 +7,16 @@ import json
 import math
 import time
 from pathlib import Path
-
-from rich.console import Console
-from rich.table import Table
+from typing import TYPE_CHECKING
 
 from shoal.errors import ShoalError
 from shoal.plan.api import METHODS, make_plan
 from shoal.plan.cost import stage_costs
 from shoal.plan.scenario import BUILTIN_SCENARIOS, builtin_description, load_scenario
 from shoal.plan.types import Plan, Scenario, SyncPolicy
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 # exhaustive search only runs where the instance is tiny; --compare skips it otherwise
 COMPARE_METHODS = ("shoal", "dtfm", "swarm", "dapple", "random", "exhaustive")
@@ -89,6 +90,8 @@ def policy_from_args(args: argparse.Namespace) -> SyncPolicy:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rich.console import Console  # only when printing: `shoal simulate` imports this module too
+
     console = Console()
     if args.list:
         return _list(console)
@@ -109,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _list(console: Console) -> int:
+    from rich.table import Table
+
     table = Table(title="built-in scenarios (any scale-N with N <= 4096 also works)")
     table.add_column("name")
     table.add_column("description")
@@ -126,6 +131,8 @@ def _fmt(t: float | None) -> str:
 
 def print_plan(console: Console, plan: Plan, scenario: Scenario) -> None:
     """A readable table of ``plan`` with its per-stage cost-model figures."""
+    from rich.table import Table
+
     costs = stage_costs(plan, scenario)
     pred = plan.predicted
     table = Table(title=f"{plan.method} plan for {scenario.name} ({plan.model}, M={plan.micro_batches} x {plan.micro_batch_size})")
@@ -235,6 +242,8 @@ def _compare(console: Console, scenario: Scenario, args: argparse.Namespace, pol
     if shoal_t is None:
         raise ShoalError(f"shoal found no plan for scenario {scenario.name}")
     codecs = f"act={policy.act_codec} grad={policy.grad_codec} push={policy.push_codec} pull={policy.pull_codec}"
+    from rich.table import Table
+
     table = Table(title=f"planners on {scenario.name} (judged by shoal's cost model; all but shoal are baselines)"
                   + ("" if len(policies) == 1 else f"; second policy: {policies[1][0]}, {codecs}"))
     for col in ("method", "sync", "stages", "devices", "predicted step s", "ratio to shoal exact", "pred. util",
