@@ -117,7 +117,9 @@ GENERATED_TARGETS: dict[str, tuple[str, ...]] = {
                                "test_local_h1_without_overlap_costs_what_exact_sync_costs",
                                "test_local_round_by_hand_and_its_amortisation",
                                "test_local_mode_counts_the_inner_optimizer_memory",
-                               "test_granular_floor_by_hand", "test_expected_max_residual_and_tail_by_hand"))),
+                               "test_granular_floor_by_hand", "test_expected_max_residual_and_tail_by_hand",
+                               "test_pinned_pipeline_by_hand", "test_idle_queue_wait_by_hand",
+                               "test_vectorised_link_sharing_matches_the_list_arithmetic"))),
 }
 
 

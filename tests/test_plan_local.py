@@ -13,9 +13,11 @@ from shoal.plan.cost import (
     LOCAL_OPTIMIZER_BYTES_PER_PARAM,
     expected_max_residual,
     granular_pipeline_time,
+    idle_queue_wait,
     local_round_time,
     local_round_wait,
     local_sync_per_step,
+    pinned_pipeline_time,
     scenario_profile,
     stage_costs,
     stage_worker_memory,
@@ -95,9 +97,18 @@ def test_local_round_formulas_by_hand():
     # idle links (no activations): R_eff = R; hidden when R <= H P
     assert local_round_wait([(4.0, 2.0, 0.0, 0.0)], 0.0, 3, 2.0) == (6.0, 0.0)
     assert local_round_wait([(4.0, 2.0, 0.0, 0.0)], 0.0, 3, 1.0) == (6.0, 3.0)
-    # the uplink carries activations half of each step: the push runs at half rate, R_eff = 8 + 2
+    # the uplink carries activations half of each step: during the 4 s of steps the push gets
+    # half its rate (2 s of its 4 s done); the other 2 s and the 2 s pull run at full rate
     full, wait = local_round_wait([(4.0, 2.0, 0.5, 0.0)], 0.0, 4, 1.0)
-    assert full == 6.0 and wait == pytest.approx((1 - 4 / 10) * 6)
+    assert full == 6.0 and wait == pytest.approx(4.0)
+    # push done within the steps (3 s at 1 / (1 - 0.25)), the pull starts at 3 with 1 s left:
+    # 0.5 of its 2 s at half rate (down busy half of each step), 1.5 s after the window
+    assert local_round_wait([(2.25, 2.0, 0.25, 0.5)], 0.0, 4, 1.0)[1] == pytest.approx(1.5)
+    # latencies: the push request arrives at L, the push (0.1 s of it past the 4 s window) lands
+    # at 4.2, the pull runs from 4.2 at full rate and lands L later: 4.2 + 2 + 0.1 - 4
+    assert local_round_wait([(4.0, 2.0, 0.0, 0.0)], 0.1, 4, 1.0) == (pytest.approx(6.3), pytest.approx(2.3))
+    # the slowest pusher and the slowest puller may be different workers
+    assert local_round_wait([(4.0, 0.5, 0.0, 0.0), (1.0, 3.0, 0.0, 0.0)], 0.0, 2, 1.0)[1] == pytest.approx(5.0)
     assert local_round_wait([(4.0, 2.0, 0.5, 0.0)], 0.0, 4, 1.0, overlap=False) == (6.0, 6.0)
     assert local_round_wait([], 0.01, 4, 1.0) == (0.0, 0.0)
 
@@ -170,11 +181,12 @@ def test_simulated_bytes_follow_the_codecs():
     assert small.lost_micro_batches == 0 and not small.stalled
 
 
-# Every built-in whose local-mode plan simulates in about a second; the dtfm-* and scale-*
-# scenarios (64 to 4096 devices, 512 to 8192 micro-batches per step) are checked by
-# bench/bench_local.py --agreement (results in bench/results/local-mode.md).
+# Every built-in whose local-mode plan simulates in about a second, plus two multi-stage ones
+# (dtfm-3: backward tasks pinned to their forward's worker; scale-64: a round that the steps do
+# not hide, on links that also carry activations); the other dtfm-* and the bigger scale-*
+# scenarios are checked by bench/bench_local.py --agreement (bench/results/local-mode.md).
 CHEAP_BUILTINS = ["demo", "hetero-compute", "hetero-network", "hetero-churn", "hetero-all", "gaming-eu",
-                  "gaming-world"]
+                  "gaming-world", "dtfm-3", "scale-64"]
 
 
 @pytest.mark.timeout(120)
@@ -187,6 +199,30 @@ def test_cost_model_matches_simulator_in_local_mode(name):
     assert not res.stalled and res.lost_micro_batches == 0
     assert p.predicted["step_time_s"] / res.mean_step_time_s == pytest.approx(1.0, abs=0.10)
     assert p.predicted["utilisation"] == pytest.approx(res.mean_utilisation(), abs=0.1)
+
+
+def test_pinned_pipeline_by_hand():
+    # M = 10 on two 1 s workers (X = 2): the pool empties at (10 - 1) / 2; a round trip of 0.5 s
+    # through the later stages with a third of the work forward: each worker's commitment is its
+    # task plus 0.5 / (1/3) = 1.5 s (the wait and the backlog), the last of two ends 2/3 of 2.5 s
+    # later; then the earlier stages' fill (0.2)
+    assert pinned_pipeline_time(10, 2.0, [1.0, 1.0], 0.5, 1 / 3, 0.2) == pytest.approx(4.5 + 2 / 3 * 2.5 + 0.2)
+    # only the M fastest take tasks: M = 1, one 1 s worker: 0.5 + 0.5 * (1 + 1 / 0.5)
+    assert pinned_pipeline_time(1, 1.0, [1.0, 5.0], 1.0, 0.5, 0.0) == pytest.approx(2.0)
+    assert pinned_pipeline_time(4, 0.0, [1.0], 1.0, 0.5, 0.0) == float("inf")
+    assert pinned_pipeline_time(4, 1.0, [float("inf")], 1.0, 0.5, 0.0) == float("inf")
+    assert pinned_pipeline_time(4, 1.0, [1.0], 1.0, 0.0, 0.0) == float("inf")
+
+
+def test_idle_queue_wait_by_hand():
+    # two 1 s workers fed 1 task/s: each waits W with 2 / (1 + W) = 1
+    assert idle_queue_wait([1.0, 1.0], 1.0) == pytest.approx(1.0)
+    # 1 s and 3 s fed 0.5/s: 1 / (1 + W) + 1 / (3 + W) = 0.5 -> W^2 = 5
+    assert idle_queue_wait([1.0, 3.0], 0.5) == pytest.approx(5 ** 0.5)
+    # the bottleneck (or faster feed): no wait
+    assert idle_queue_wait([1.0, 1.0], 2.0) == 0.0 and idle_queue_wait([1.0, 1.0], 3.0) == 0.0
+    assert idle_queue_wait([], 1.0) == 0.0 and idle_queue_wait([1.0], 0.0) == 0.0
+    assert idle_queue_wait([float("inf"), 2.0], 0.25) == pytest.approx(2.0)
 
 
 def test_granular_floor_by_hand():
@@ -297,3 +333,47 @@ def test_cli_compare_shows_each_method_under_exact_and_the_allowed_policy(tmp_pa
     assert shoal["local H=4"]["predicted_step_time_s"] < shoal["exact"]["predicted_step_time_s"]
     table = capsys.readouterr().out
     assert "local H=4" in table and "util" in table
+
+
+@pytest.mark.parametrize("overlap_uploads,prefetch", [(False, False), (True, False), (False, True), (True, True)])
+def test_vectorised_link_sharing_matches_the_list_arithmetic(monkeypatch, overlap_uploads, prefetch):
+    # Plans of VECTOR_MIN_WORKERS workers or more run the fixed point on numpy arrays; on the
+    # same plan both paths must give the same figures (to rounding). hetero-all has unequal
+    # links; 4 micro-batches on 13-14 workers per stage exercise the "M fastest" selection.
+    import shoal.plan.cost as cost
+
+    s = load_scenario("hetero-all")
+    n_layers = scenario_profile(s).cfg.n_total_layers
+    hosts = [d.id for d in s.server_hosts]
+    workers = [d.id for d in s.workers if d.id not in hosts]
+    half = len(workers) // 2
+    moved = False
+    for pol in (SyncPolicy(overlap_uploads=overlap_uploads, prefetch=prefetch),
+                local(8, "int8", overlap_uploads=overlap_uploads, prefetch=prefetch)):
+        for m in (4, 64):
+            p = Plan(s.name, s.workload.model, "test",
+                     [StagePlan((0, n_layers // 2), hosts[0], workers[:half]),
+                      StagePlan((n_layers // 2, n_layers), hosts[-1], workers[half:])],
+                     micro_batch_size=s.workload.micro_batch_size, micro_batches=m, sync=pol)
+            monkeypatch.setattr(cost, "VECTOR_MIN_WORKERS", 10**9)
+            ref = stage_costs(p, s)
+            monkeypatch.setattr(cost, "VECTOR_MIN_WORKERS", 1)
+            vec = stage_costs(p, s)
+            assert len(ref) == len(vec) == 2
+            for a, b in zip(ref, vec, strict=True):
+                assert a.task_times.keys() == b.task_times.keys()
+                for w, t in a.task_times.items():
+                    assert b.task_times[w] == pytest.approx(t, rel=1e-12)
+                assert b.throughput == pytest.approx(a.throughput, rel=1e-12)
+                assert b.latency == pytest.approx(a.latency, rel=1e-12)
+                assert b.compute_per_step == pytest.approx(a.compute_per_step, rel=1e-12)
+                assert len(a.round_links) == len(b.round_links)
+                for x, y in zip(a.round_links, b.round_links, strict=True):
+                    assert y == pytest.approx(x, rel=1e-12)
+            # the passes matter on this plan: stopping at the worst case (k_eff = k) gives other times
+            monkeypatch.setattr(cost, "SHARE_ITERATIONS", 0)
+            worst = stage_costs(p, s)
+            monkeypatch.undo()
+            moved = moved or any(worst[i].task_times[w] != pytest.approx(t, rel=1e-6)
+                                 for i in range(2) for w, t in vec[i].task_times.items())
+    assert moved
