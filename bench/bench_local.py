@@ -125,10 +125,10 @@ def scale(h: int = 32, names=SCALES, round_steps: int = 0) -> str:
     return text
 
 
-def agreement(h: int = 8, names=BUILTIN_SCENARIOS) -> str:
+def agreement(h: int = 8, names=BUILTIN_SCENARIOS, round_steps: int = 0) -> str:
     rows = []
     for name in names:
-        r = run_one(name, local_policy(h), h)
+        r = run_one(name, local_policy(h), h, round_steps)
         rows.append([name, str(r["stages"]), f"{r['used']}/{r['devices']}", f"{r['pred']:.3f}", f"{r['sim']:.3f}",
                      f"{r['pred'] / r['sim']:.3f}", f"{r['pred_util']:.1%}", f"{r['sim_util']:.1%}",
                      f"{r['sim_wall_s']:.1f}"])
@@ -145,7 +145,7 @@ def main() -> int:
     ap.add_argument("--scenarios", default=None,
                     help="comma-separated scenarios for --agreement or --scale (default: all built-ins / both scales)")
     ap.add_argument("--round-steps", type=int, default=0,
-                    help="--scale: simulate this many steps of a round compressed to them (default: the whole round)")
+                    help="--scale, --agreement: simulate this many steps of a round compressed to them (default: the whole round)")
     ap.add_argument("--out", default=None, help="also write the tables to this markdown file")
     args = ap.parse_args()
     names = args.scenarios.split(",") if args.scenarios else None
@@ -158,7 +158,7 @@ def main() -> int:
         parts.append("## 1. Targets: exact vs local sync (H = 32, int8), simulated without churn\n\n" + targets())
     if args.agreement or both:
         parts.append("## 2. Cost model vs simulator, local mode (H = 8, int8, one round), shoal's plans\n\n"
-                     + agreement(names=names or BUILTIN_SCENARIOS))
+                     + agreement(names=names or BUILTIN_SCENARIOS, round_steps=args.round_steps))
     text = "\n\n".join(parts) + "\n"
     print(text)
     if args.out:

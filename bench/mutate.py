@@ -133,7 +133,7 @@ def copy_tree(dst: Path) -> Path:
 
 
 def _pytest_cmd(args: tuple[str, ...]) -> list[str]:
-    return [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header", *args]
+    return [sys.executable, "-m", "pytest", "-x", "-q", "-n", "0", "-p", "no:cacheprovider", "--no-header", *args]
 
 
 def run_planted(only: str | None, timeout_s: float, fast: bool = False) -> int:
@@ -300,7 +300,8 @@ def _run_forked(tree: Path, args: tuple[str, ...], timeout_s: float) -> str:
             os.dup2(devnull, 2)
             import pytest
 
-            rc = pytest.main(["-x", "-q", "-p", "no:cacheprovider", "-p", "no:timeout", *args])
+            # in-process (-n 0): pyproject's addopts run the suite in xdist processes
+            rc = pytest.main(["-x", "-q", "-n", "0", "-p", "no:cacheprovider", "-p", "no:timeout", *args])
             os._exit(int(rc))
         except BaseException:
             os._exit(99)

@@ -335,11 +335,11 @@ def test_cli_compare_shows_each_method_under_exact_and_the_allowed_policy(tmp_pa
     assert "local H=4" in table and "util" in table
 
 
-@pytest.mark.parametrize("overlap_uploads,prefetch", [(False, False), (True, False), (False, True), (True, True)])
-def test_vectorised_link_sharing_matches_the_list_arithmetic(monkeypatch, overlap_uploads, prefetch):
+def test_vectorised_link_sharing_matches_the_list_arithmetic():
     # Plans of VECTOR_MIN_WORKERS workers or more run the fixed point on numpy arrays; on the
     # same plan both paths must give the same figures (to rounding). hetero-all has unequal
     # links; 4 micro-batches on 13-14 workers per stage exercise the "M fastest" selection.
+    # (A plain function, no fixtures: bench/mutate.py runs it directly.)
     import shoal.plan.cost as cost
 
     s = load_scenario("hetero-all")
@@ -347,33 +347,38 @@ def test_vectorised_link_sharing_matches_the_list_arithmetic(monkeypatch, overla
     hosts = [d.id for d in s.server_hosts]
     workers = [d.id for d in s.workers if d.id not in hosts]
     half = len(workers) // 2
+    saved = cost.VECTOR_MIN_WORKERS, cost.SHARE_ITERATIONS
     moved = False
-    for pol in (SyncPolicy(overlap_uploads=overlap_uploads, prefetch=prefetch),
-                local(8, "int8", overlap_uploads=overlap_uploads, prefetch=prefetch)):
-        for m in (4, 64):
-            p = Plan(s.name, s.workload.model, "test",
-                     [StagePlan((0, n_layers // 2), hosts[0], workers[:half]),
-                      StagePlan((n_layers // 2, n_layers), hosts[-1], workers[half:])],
-                     micro_batch_size=s.workload.micro_batch_size, micro_batches=m, sync=pol)
-            monkeypatch.setattr(cost, "VECTOR_MIN_WORKERS", 10**9)
-            ref = stage_costs(p, s)
-            monkeypatch.setattr(cost, "VECTOR_MIN_WORKERS", 1)
-            vec = stage_costs(p, s)
-            assert len(ref) == len(vec) == 2
-            for a, b in zip(ref, vec, strict=True):
-                assert a.task_times.keys() == b.task_times.keys()
-                for w, t in a.task_times.items():
-                    assert b.task_times[w] == pytest.approx(t, rel=1e-12)
-                assert b.throughput == pytest.approx(a.throughput, rel=1e-12)
-                assert b.latency == pytest.approx(a.latency, rel=1e-12)
-                assert b.compute_per_step == pytest.approx(a.compute_per_step, rel=1e-12)
-                assert len(a.round_links) == len(b.round_links)
-                for x, y in zip(a.round_links, b.round_links, strict=True):
-                    assert y == pytest.approx(x, rel=1e-12)
-            # the passes matter on this plan: stopping at the worst case (k_eff = k) gives other times
-            monkeypatch.setattr(cost, "SHARE_ITERATIONS", 0)
-            worst = stage_costs(p, s)
-            monkeypatch.undo()
-            moved = moved or any(worst[i].task_times[w] != pytest.approx(t, rel=1e-6)
-                                 for i in range(2) for w, t in vec[i].task_times.items())
+    try:
+        for overlap_uploads, prefetch in ((False, False), (True, False), (False, True), (True, True)):
+            for pol in (SyncPolicy(overlap_uploads=overlap_uploads, prefetch=prefetch),
+                        local(8, "int8", overlap_uploads=overlap_uploads, prefetch=prefetch)):
+                for m in (4, 64):
+                    p = Plan(s.name, s.workload.model, "test",
+                             [StagePlan((0, n_layers // 2), hosts[0], workers[:half]),
+                              StagePlan((n_layers // 2, n_layers), hosts[-1], workers[half:])],
+                             micro_batch_size=s.workload.micro_batch_size, micro_batches=m, sync=pol)
+                    cost.VECTOR_MIN_WORKERS = 10**9
+                    ref = stage_costs(p, s)
+                    cost.VECTOR_MIN_WORKERS = 1
+                    vec = stage_costs(p, s)
+                    assert len(ref) == len(vec) == 2
+                    for a, b in zip(ref, vec, strict=True):
+                        assert a.task_times.keys() == b.task_times.keys()
+                        for w, t in a.task_times.items():
+                            assert b.task_times[w] == pytest.approx(t, rel=1e-12)
+                        assert b.throughput == pytest.approx(a.throughput, rel=1e-12)
+                        assert b.latency == pytest.approx(a.latency, rel=1e-12)
+                        assert b.compute_per_step == pytest.approx(a.compute_per_step, rel=1e-12)
+                        assert len(a.round_links) == len(b.round_links)
+                        for x, y in zip(a.round_links, b.round_links, strict=True):
+                            assert y == pytest.approx(x, rel=1e-12)
+                    # the passes matter on this plan: stopping at the worst case (k_eff = k) gives other times
+                    cost.SHARE_ITERATIONS = 0
+                    worst = stage_costs(p, s)
+                    cost.SHARE_ITERATIONS = saved[1]
+                    moved = moved or any(worst[i].task_times[w] != pytest.approx(t, rel=1e-6)
+                                         for i in range(2) for w, t in vec[i].task_times.items())
+    finally:
+        cost.VECTOR_MIN_WORKERS, cost.SHARE_ITERATIONS = saved
     assert moved
