@@ -82,6 +82,10 @@ def test_late_task_and_leave_cost_edges():
     assert late_task_delay(0.25, 0.5) == pytest.approx(0.0625)  # short pipelines too: D^2 / 2P
     assert late_task_delay(2.0, 0.5) == pytest.approx(1.75)
     assert late_task_delay(10.0, 10.0) == pytest.approx(5.0)  # both branches agree at D = P
+    # very slow workers (tau = 1e9 s, two of them): the other still runs the leaver's share
+    # (rest = 1e-9 > 1e-12 X): the late task (timeout + tau + fill - P / 2) plus half of its
+    # share of 2 at the other's 1e-9/s; a lone-worker answer would add the timeout and a 1e9 s pull
+    assert leave_cost(1e9, 2e-9, 4, 10.0, 1.0, 10.0, 1e9) == pytest.approx((10 + 1e9 + 1 - 5) + 0.5 * 2 / 1e-9)
     assert leave_cost(0.0, 1.0, 4, 10.0, 1.0, 10.0, 1.0) == 0.0
     assert leave_cost(math.inf, 1.0, 4, 10.0, 1.0, 10.0, 1.0) == 0.0
     assert leave_cost(1.0, 0.0, 4, 10.0, 1.0, 10.0, 1.0) == 0.0
