@@ -337,16 +337,26 @@ def test_cli_compare_shows_each_method_under_exact_and_the_allowed_policy(tmp_pa
 
 def test_vectorised_link_sharing_matches_the_list_arithmetic():
     # Plans of VECTOR_MIN_WORKERS workers or more run the fixed point on numpy arrays; on the
-    # same plan both paths must give the same figures (to rounding). hetero-all has unequal
-    # links; 4 micro-batches on 13-14 workers per stage exercise the "M fastest" selection.
-    # (A plain function, no fixtures: bench/mutate.py runs it directly.)
+    # same plan both paths must give the same figures (to rounding). Two narrow server hosts
+    # (their links, not the workers', bind), unequal workers, and 4 micro-batches on 7 workers
+    # per stage to exercise the "M fastest" selection. (A plain function, no fixtures:
+    # bench/mutate.py runs it directly.)
     import shoal.plan.cost as cost
 
-    s = load_scenario("hetero-all")
+    devices = [{"id": f"w{i}", "tflops": 0.2 + 0.3 * i, "memory_gb": 8, "region": "a",
+                "up_mbps": 300 + 100 * (i % 4), "down_mbps": 600 + 200 * (i % 3)} for i in range(14)]
+    devices += [{"id": h, "tflops": 0, "memory_gb": 0, "region": "a", "up_mbps": up, "down_mbps": down,
+                 "can_host_server": True} for h, up, down in (("h0", 60, 90), ("h1", 80, 50))]
+    s = scenario_from_dict({
+        "name": "narrow",
+        "workload": {"model": "tiny", "seq_len": 64, "global_batch": 128, "micro_batch_size": 2, "dtype": "fp32"},
+        "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}},
+        "devices": devices,
+    })
     n_layers = scenario_profile(s).cfg.n_total_layers
-    hosts = [d.id for d in s.server_hosts]
-    workers = [d.id for d in s.workers if d.id not in hosts]
-    half = len(workers) // 2
+    hosts = ["h0", "h1"]
+    workers = [f"w{i}" for i in range(14)]
+    half = 7
     saved = cost.VECTOR_MIN_WORKERS, cost.SHARE_ITERATIONS
     moved = False
     try:
