@@ -119,6 +119,7 @@ GENERATED_TARGETS: dict[str, tuple[str, ...]] = {
                                "test_local_mode_counts_the_inner_optimizer_memory",
                                "test_granular_floor_by_hand", "test_expected_max_residual_and_tail_by_hand",
                                "test_pinned_pipeline_by_hand", "test_idle_queue_wait_by_hand",
+                               "test_local_two_stage_prediction_is_assembled_from_the_formulas",
                                "test_vectorised_link_sharing_matches_the_list_arithmetic"))),
 }
 

@@ -155,7 +155,12 @@ def test_local_round_wait_by_hand():
     """Push then pull, each worker's transfer at ``idle = max(1e-3, 1 - busy / P)`` of its rate
     during the ``H P`` window of steps and at full rate after it; the steps wait for what ends
     past the window (:func:`shoal.plan.cost.background_finish`)."""
-    from shoal.plan.cost import background_finish, local_round_time, local_round_wait, local_sync_per_step
+    from shoal.plan.cost import (
+        background_finish,
+        local_round_time,
+        local_round_wait,
+        local_sync_per_step,
+    )
 
     assert local_round_time(0.5, 0.0, 0.5) == pytest.approx(2.0)  # a pull alone pays the latencies
     links = [(4.0, 2.0, 0.0, 0.0)]

@@ -214,6 +214,36 @@ def test_pinned_pipeline_by_hand():
     assert pinned_pipeline_time(4, 1.0, [1.0], 1.0, 0.0, 0.0) == float("inf")
 
 
+def test_local_two_stage_prediction_is_assembled_from_the_formulas():
+    # predict()'s local-mode pipeline on a 2-stage plan with unequal workers: the largest of the
+    # tail estimate, the granular floor and the pinned-backward estimate of stage 0 (whose round
+    # trip is stage 1's fill share); the forward share comes from the profile
+    devices = [{"id": f"w{i}", "tflops": 0.5 + 0.5 * i, "memory_gb": 8, "region": "a", "up_mbps": 50 + 40 * i,
+                "down_mbps": 400} for i in range(6)]
+    devices.append({"id": "h", "tflops": 0, "memory_gb": 0, "region": "a", "up_gbps": 10, "down_gbps": 10,
+                    "can_host_server": True})
+    s = scenario_from_dict({
+        "name": "two", "workload": {"model": "tiny", "seq_len": 64, "global_batch": 16, "micro_batch_size": 2,
+                                    "dtype": "fp32"},
+        "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}}, "devices": devices})
+    p = Plan("two", "tiny", "test", [StagePlan((0, 3), "h", ["w0", "w1", "w2"]), StagePlan((3, 6), "h", ["w3", "w4", "w5"])],
+             micro_batch_size=2, micro_batches=8, sync=local(8, "int8", overlap_uploads=True))
+    costs = stage_costs(p, s)
+    prof = scenario_profile(s)
+    fwd, bwd = prof.fwd_flops(0, 3), prof.bwd_flops(0, 3)
+    assert costs[0].fwd_share == pytest.approx(fwd / (fwd + bwd))
+    xs = [c.throughput for c in costs]
+    b = min(range(2), key=lambda i: xs[i])
+    fill = costs[0].latency + costs[1].latency
+    tail = tail_pipeline_time(8, list(costs[b].task_times.values()), xs[b], fill, costs[b].latency)
+    floor = granular_pipeline_time(fill, [(c.latency, c.slowest) for c in costs])
+    pinned = pinned_pipeline_time(8, xs[b], list(costs[0].task_times.values()), costs[1].latency,
+                                  costs[0].fwd_share, 0.0)
+    got = predict(p, s)
+    assert got["pipeline_s"] == pytest.approx(max(tail, floor, pinned))
+    assert pinned > max(tail, floor)  # the pinned drain is what sets this plan's step
+
+
 def test_idle_queue_wait_by_hand():
     # two 1 s workers fed 1 task/s: each waits W with 2 / (1 + W) = 1
     assert idle_queue_wait([1.0, 1.0], 1.0) == pytest.approx(1.0)
@@ -248,6 +278,10 @@ def test_expected_max_residual_and_tail_by_hand():
     # only the M fastest take tasks: a third, slower worker is not waited for
     assert tail_pipeline_time(2, [1.0, 1.0, 5.0], 2.0, 1.0, 1.0) == pytest.approx(0.5 + 2 / 3)
     assert tail_pipeline_time(4, [1.0], 0.0, 1.0, 1.0) == float("inf")
+    # a throughput below 1 micro-batch/s: M = 2 on one 2 s worker, (2 - 0.5) / 0.5 + 1
+    assert tail_pipeline_time(2, [2.0], 0.5, 1.0, 1.0) == pytest.approx(4.0)
+    # 2 s and 3 s: P(max <= x) = x^2 / 6 on [0, 2], x / 3 on [2, 3] -> 3 - 4/9 - 5/6 = 31/18
+    assert expected_max_residual([2.0, 3.0]) == pytest.approx(31 / 18)
 
 
 def test_local_mode_floor_binds_when_few_micro_batches_meet_slow_workers():
