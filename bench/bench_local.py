@@ -25,6 +25,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import replace
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -50,14 +51,32 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
-def run_one(name: str, policy: SyncPolicy, steps: int) -> dict:
-    """Plan ``name`` for ``policy`` and simulate ``steps`` steps without churn."""
+def compressed_round(policy: SyncPolicy, k: int) -> SyncPolicy:
+    """``policy`` with its round shrunk to ``k`` steps: a round every ``k`` steps carrying
+    ``k / H`` of the sync bytes (``grad_compression``). Per step it adds the same background
+    bytes and the same share of a round's wait (a round that takes ``R`` against ``H`` steps of
+    ``P`` waits ``max(0, R - H P)``, scaled by ``k / H``; only the round's 3 latencies do not
+    scale), so ``k`` simulated steps stand for a round of ``H`` at ``k / H`` of the events."""
+    if not policy.local or k >= policy.sync_every:
+        return policy
+    return replace(policy, sync_every=k, grad_compression=policy.grad_compression * k / policy.sync_every)
+
+
+def run_one(name: str, policy: SyncPolicy, steps: int, round_steps: int = 0) -> dict:
+    """Plan ``name`` for ``policy`` and simulate ``steps`` steps without churn; with
+    ``round_steps`` = k, simulate the plan's placement for k steps under
+    :func:`compressed_round` (the prediction stays that of the full policy)."""
     scn = load_scenario(name)
     t0 = time.perf_counter()
     plan = make_plan(scn, sync=policy)
     t_plan = time.perf_counter() - t0
     t0 = time.perf_counter()
-    res = simulate(plan, scn, steps=steps, churn=False, seed=0)
+    if round_steps and round_steps < policy.sync_every:
+        sim_plan = replace(plan, sync=compressed_round(policy, round_steps))
+        steps = round_steps
+    else:
+        sim_plan = plan
+    res = simulate(sim_plan, scn, steps=steps, churn=False, seed=0)
     return {"scenario": name, "stages": plan.n_stages, "used": sum(len(s.workers) for s in plan.stages),
             "devices": len(scn.workers), "pred": plan.predicted["step_time_s"], "sim": res.mean_step_time_s,
             "pred_util": plan.predicted["utilisation"], "sim_util": res.mean_utilisation(),
@@ -83,13 +102,14 @@ def targets(h: int = 32) -> str:
 SCALES = ("scale-1024", "scale-4096")
 
 
-def scale(h: int = 32, names=SCALES) -> str:
-    """Local mode only (H = h, int8, the CLI defaults), one round simulated without churn:
+def scale(h: int = 32, names=SCALES, round_steps: int = 0) -> str:
+    """Local mode only (H = h, int8, the CLI defaults), one round simulated without churn
+    (``round_steps``: that many steps of a compressed round, see :func:`compressed_round`):
     does tokens/s grow with the number of devices?"""
     rows = []
     got = []
     for name in names:
-        r = run_one(name, local_policy(h), h)
+        r = run_one(name, local_policy(h), h, round_steps)
         got.append(r["tokens_s"])
         tokens_pred = r["tokens_s"] * r["sim"] / r["pred"] if r["pred"] > 0 else 0.0
         rows.append([name, str(r["stages"]), f"{r['used']}/{r['devices']}", f"{r['pred']:.2f}", f"{r['sim']:.2f}",
@@ -105,10 +125,10 @@ def scale(h: int = 32, names=SCALES) -> str:
     return text
 
 
-def agreement(h: int = 8, names=BUILTIN_SCENARIOS) -> str:
+def agreement(h: int = 8, names=BUILTIN_SCENARIOS, round_steps: int = 0) -> str:
     rows = []
     for name in names:
-        r = run_one(name, local_policy(h), h)
+        r = run_one(name, local_policy(h), h, round_steps)
         rows.append([name, str(r["stages"]), f"{r['used']}/{r['devices']}", f"{r['pred']:.3f}", f"{r['sim']:.3f}",
                      f"{r['pred'] / r['sim']:.3f}", f"{r['pred_util']:.1%}", f"{r['sim_util']:.1%}",
                      f"{r['sim_wall_s']:.1f}"])
@@ -124,6 +144,8 @@ def main() -> int:
     ap.add_argument("--scale", action="store_true", help="table 3 only: local mode on scale-1024 and scale-4096")
     ap.add_argument("--scenarios", default=None,
                     help="comma-separated scenarios for --agreement or --scale (default: all built-ins / both scales)")
+    ap.add_argument("--round-steps", type=int, default=0,
+                    help="--scale, --agreement: simulate this many steps of a round compressed to them (default: the whole round)")
     ap.add_argument("--out", default=None, help="also write the tables to this markdown file")
     args = ap.parse_args()
     names = args.scenarios.split(",") if args.scenarios else None
@@ -131,12 +153,12 @@ def main() -> int:
     parts = []
     if args.scale:
         parts.append("## 3. Scale: local sync (H = 32, int8), one round simulated without churn\n\n"
-                     + scale(names=names or SCALES))
+                     + scale(names=names or SCALES, round_steps=args.round_steps))
     if args.targets or both:
         parts.append("## 1. Targets: exact vs local sync (H = 32, int8), simulated without churn\n\n" + targets())
     if args.agreement or both:
         parts.append("## 2. Cost model vs simulator, local mode (H = 8, int8, one round), shoal's plans\n\n"
-                     + agreement(names=names or BUILTIN_SCENARIOS))
+                     + agreement(names=names or BUILTIN_SCENARIOS, round_steps=args.round_steps))
     text = "\n\n".join(parts) + "\n"
     print(text)
     if args.out:

@@ -132,7 +132,10 @@ GENERATED_TARGETS: dict[str, tuple[str, ...]] = {
                                "test_local_h1_without_overlap_costs_what_exact_sync_costs",
                                "test_local_round_by_hand_and_its_amortisation",
                                "test_local_mode_counts_the_inner_optimizer_memory",
-                               "test_granular_floor_by_hand", "test_expected_max_residual_and_tail_by_hand"))),
+                               "test_granular_floor_by_hand", "test_expected_max_residual_and_tail_by_hand",
+                               "test_pinned_pipeline_by_hand", "test_idle_queue_wait_by_hand",
+                               "test_local_two_stage_prediction_is_assembled_from_the_formulas",
+                               "test_vectorised_link_sharing_matches_the_list_arithmetic"))),
 }
 
 
@@ -314,7 +317,8 @@ def _run_forked(tree: Path, args: tuple[str, ...], timeout_s: float) -> str:
             os.dup2(devnull, 2)
             import pytest
 
-            rc = pytest.main(["-x", "-q", "-p", "no:cacheprovider", "-p", "no:timeout", *args])
+            # in-process (-n 0): pyproject's addopts run the suite in xdist processes
+            rc = pytest.main(["-x", "-q", "-n", "0", "-p", "no:cacheprovider", "-p", "no:timeout", *args])
             os._exit(int(rc))
         except BaseException:
             os._exit(99)

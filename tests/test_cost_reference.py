@@ -82,6 +82,10 @@ def test_late_task_and_leave_cost_edges():
     assert late_task_delay(0.25, 0.5) == pytest.approx(0.0625)  # short pipelines too: D^2 / 2P
     assert late_task_delay(2.0, 0.5) == pytest.approx(1.75)
     assert late_task_delay(10.0, 10.0) == pytest.approx(5.0)  # both branches agree at D = P
+    # very slow workers (tau = 1e9 s, two of them): the other still runs the leaver's share
+    # (rest = 1e-9 > 1e-12 X): the late task (timeout + tau + fill - P / 2) plus half of its
+    # share of 2 at the other's 1e-9/s; a lone-worker answer would add the timeout and a 1e9 s pull
+    assert leave_cost(1e9, 2e-9, 4, 10.0, 1.0, 10.0, 1e9) == pytest.approx((10 + 1e9 + 1 - 5) + 0.5 * 2 / 1e-9)
     assert leave_cost(0.0, 1.0, 4, 10.0, 1.0, 10.0, 1.0) == 0.0
     assert leave_cost(math.inf, 1.0, 4, 10.0, 1.0, 10.0, 1.0) == 0.0
     assert leave_cost(1.0, 0.0, 4, 10.0, 1.0, 10.0, 1.0) == 0.0
@@ -148,26 +152,37 @@ def test_cost_options_are_immutable_and_profiles_follow_the_micro_batch():
 
 
 def test_local_round_wait_by_hand():
-    """``R_eff = 3 L + max push / idle_up + max pull / idle_down`` with ``idle = max(1e-3, 1 -
-    busy / P)``; the steps wait ``(1 - H P / R_eff) R`` when the round does not fit in H steps."""
-    from shoal.plan.cost import local_round_time, local_round_wait, local_sync_per_step
+    """Push then pull, each worker's transfer at ``idle = max(1e-3, 1 - busy / P)`` of its rate
+    during the ``H P`` window of steps and at full rate after it; the steps wait for what ends
+    past the window (:func:`shoal.plan.cost.background_finish`)."""
+    from shoal.plan.cost import (
+        background_finish,
+        local_round_time,
+        local_round_wait,
+        local_sync_per_step,
+    )
 
     assert local_round_time(0.5, 0.0, 0.5) == pytest.approx(2.0)  # a pull alone pays the latencies
     links = [(4.0, 2.0, 0.0, 0.0)]
     # no pipeline time to hide it in, or an unbounded one: the whole round is waited for
     assert local_round_wait(links, 0.0, 3, 0.0) == (6.0, 6.0)
     assert local_round_wait(links, 0.0, 3, math.inf) == (6.0, 6.0)
-    # latencies count three times: R = R_eff = 6.3; H P = 3
+    # latencies count three times: R = 6.3; idle links, so the wait is R - H P = 6.3 - 3
     full, wait = local_round_wait(links, 0.1, 3, 1.0)
-    assert full == pytest.approx(6.3) and wait == pytest.approx((1 - 3 / 6.3) * 6.3)
+    assert full == pytest.approx(6.3) and wait == pytest.approx(3.3)
     # H = 1
-    assert local_round_wait(links, 0.0, 1, 1.0)[1] == pytest.approx((1 - 1 / 6) * 6)
-    # the uplink busy a quarter of a 2 s step: the push runs at 3/4 rate, R_eff = 16/3 + 2
-    assert local_round_wait([(4.0, 2.0, 0.5, 0.0)], 0.0, 2, 2.0)[1] == pytest.approx((1 - 4 / (16 / 3 + 2)) * 6)
-    # the downlink busy half of each step: the pull runs at half rate, R_eff = 4 + 4
-    assert local_round_wait([(4.0, 2.0, 0.0, 0.5)], 0.0, 4, 1.0)[1] == pytest.approx((1 - 4 / 8) * 6)
-    # a link busy the whole step still gets the 1e-3 idle floor: R_eff = 4 / 1e-3 + 2
-    assert local_round_wait([(4.0, 2.0, 1.0, 0.0)], 0.0, 4, 1.0)[1] == pytest.approx((1 - 4 / 4002) * 6)
+    assert local_round_wait(links, 0.0, 1, 1.0)[1] == pytest.approx(5.0)
+    # the uplink busy a quarter of a 2 s step: 3 s of push in the 4 s window, 1 s after, then the pull
+    assert local_round_wait([(4.0, 2.0, 0.5, 0.0)], 0.0, 2, 2.0)[1] == pytest.approx(3.0)
+    # the downlink busy half of each step, but the push fills the window: the pull runs at full rate
+    assert local_round_wait([(4.0, 2.0, 0.0, 0.5)], 0.0, 4, 1.0)[1] == pytest.approx(2.0)
+    # a link busy the whole step still gets the 1e-3 idle floor: 0.004 s of push in the window
+    assert local_round_wait([(4.0, 2.0, 1.0, 0.0)], 0.0, 4, 1.0)[1] == pytest.approx(6.0 - 0.004)
+    # background_finish's three cases: past the window, within it, across its end
+    assert background_finish(5.0, 2.0, 0.5, 4.0) == 7.0
+    assert background_finish(1.0, 1.0, 0.5, 4.0) == 3.0
+    assert background_finish(1.0, 2.0, 0.5, 4.0) == pytest.approx(4.0 + 2.0 - 1.5)
+    assert background_finish(0.0, 2.0, 0.5, 4.0) == 4.0  # ends exactly at the window's end
     # amortised per step
     assert local_sync_per_step(6.0, 1, 1.0, overlap=False) == 6.0
     assert local_sync_per_step(0.5, 1, 0.1) == pytest.approx(0.4)  # a short round, partly hidden

@@ -221,8 +221,12 @@ def test_churn_term_in_predict():
                      for sess in (1800.0, 14400.0))
     assert on["churn_s"] == pytest.approx(hand_churn)
     assert off["sync_round_s"] == 0.0  # exact sync has no rounds
-    assert churn_step_time(p, s, costs, on["pipeline_s"], on["fill_drain_s"], on["sync_s"], on["step_time_s"],
-                           CostOptions())[1] == pytest.approx(on["churn_s"])
+    direct = churn_step_time(p, s, costs, on["pipeline_s"], on["fill_drain_s"], on["sync_s"], on["step_time_s"],
+                             CostOptions())
+    assert direct[1] == pytest.approx(on["churn_s"])
+    # exact sync: no pipeline floor, no local-mode correction (the defaults); a step of milliseconds
+    assert on["pipeline_s"] < 1.0
+    assert direct[0] == pytest.approx(on["expected_step_time_s"])
     # the reliable device alone beats the flaky one alone, though they are equally fast
     flaky = predict(plan([StagePlan((0, 6), "h", ["w0"])]), s)
     steady = predict(plan([StagePlan((0, 6), "h", ["w1"])]), s)

@@ -13,9 +13,11 @@ from shoal.plan.cost import (
     LOCAL_OPTIMIZER_BYTES_PER_PARAM,
     expected_max_residual,
     granular_pipeline_time,
+    idle_queue_wait,
     local_round_time,
     local_round_wait,
     local_sync_per_step,
+    pinned_pipeline_time,
     scenario_profile,
     stage_costs,
     stage_worker_memory,
@@ -95,9 +97,18 @@ def test_local_round_formulas_by_hand():
     # idle links (no activations): R_eff = R; hidden when R <= H P
     assert local_round_wait([(4.0, 2.0, 0.0, 0.0)], 0.0, 3, 2.0) == (6.0, 0.0)
     assert local_round_wait([(4.0, 2.0, 0.0, 0.0)], 0.0, 3, 1.0) == (6.0, 3.0)
-    # the uplink carries activations half of each step: the push runs at half rate, R_eff = 8 + 2
+    # the uplink carries activations half of each step: during the 4 s of steps the push gets
+    # half its rate (2 s of its 4 s done); the other 2 s and the 2 s pull run at full rate
     full, wait = local_round_wait([(4.0, 2.0, 0.5, 0.0)], 0.0, 4, 1.0)
-    assert full == 6.0 and wait == pytest.approx((1 - 4 / 10) * 6)
+    assert full == 6.0 and wait == pytest.approx(4.0)
+    # push done within the steps (3 s at 1 / (1 - 0.25)), the pull starts at 3 with 1 s left:
+    # 0.5 of its 2 s at half rate (down busy half of each step), 1.5 s after the window
+    assert local_round_wait([(2.25, 2.0, 0.25, 0.5)], 0.0, 4, 1.0)[1] == pytest.approx(1.5)
+    # latencies: the push request arrives at L, the push (0.1 s of it past the 4 s window) lands
+    # at 4.2, the pull runs from 4.2 at full rate and lands L later: 4.2 + 2 + 0.1 - 4
+    assert local_round_wait([(4.0, 2.0, 0.0, 0.0)], 0.1, 4, 1.0) == (pytest.approx(6.3), pytest.approx(2.3))
+    # the slowest pusher and the slowest puller may be different workers
+    assert local_round_wait([(4.0, 0.5, 0.0, 0.0), (1.0, 3.0, 0.0, 0.0)], 0.0, 2, 1.0)[1] == pytest.approx(5.0)
     assert local_round_wait([(4.0, 2.0, 0.5, 0.0)], 0.0, 4, 1.0, overlap=False) == (6.0, 6.0)
     assert local_round_wait([], 0.01, 4, 1.0) == (0.0, 0.0)
 
@@ -170,11 +181,12 @@ def test_simulated_bytes_follow_the_codecs():
     assert small.lost_micro_batches == 0 and not small.stalled
 
 
-# Every built-in whose local-mode plan simulates in about a second; the dtfm-* and scale-*
-# scenarios (64 to 4096 devices, 512 to 8192 micro-batches per step) are checked by
-# bench/bench_local.py --agreement (results in bench/results/local-mode.md).
+# Every built-in whose local-mode plan simulates in about a second, plus two multi-stage ones
+# (dtfm-3: backward tasks pinned to their forward's worker; scale-64: a round that the steps do
+# not hide, on links that also carry activations); the other dtfm-* and the bigger scale-*
+# scenarios are checked by bench/bench_local.py --agreement (bench/results/local-mode.md).
 CHEAP_BUILTINS = ["demo", "hetero-compute", "hetero-network", "hetero-churn", "hetero-all", "gaming-eu",
-                  "gaming-world"]
+                  "gaming-world", "dtfm-3", "scale-64"]
 
 
 @pytest.mark.timeout(120)
@@ -187,6 +199,60 @@ def test_cost_model_matches_simulator_in_local_mode(name):
     assert not res.stalled and res.lost_micro_batches == 0
     assert p.predicted["step_time_s"] / res.mean_step_time_s == pytest.approx(1.0, abs=0.10)
     assert p.predicted["utilisation"] == pytest.approx(res.mean_utilisation(), abs=0.1)
+
+
+def test_pinned_pipeline_by_hand():
+    # M = 10 on two 1 s workers (X = 2): the pool empties at (10 - 1) / 2; a round trip of 0.5 s
+    # through the later stages with a third of the work forward: each worker's commitment is its
+    # task plus 0.5 / (1/3) = 1.5 s (the wait and the backlog), the last of two ends 2/3 of 2.5 s
+    # later; then the earlier stages' fill (0.2)
+    assert pinned_pipeline_time(10, 2.0, [1.0, 1.0], 0.5, 1 / 3, 0.2) == pytest.approx(4.5 + 2 / 3 * 2.5 + 0.2)
+    # only the M fastest take tasks: M = 1, one 1 s worker: 0.5 + 0.5 * (1 + 1 / 0.5)
+    assert pinned_pipeline_time(1, 1.0, [1.0, 5.0], 1.0, 0.5, 0.0) == pytest.approx(2.0)
+    assert pinned_pipeline_time(4, 0.0, [1.0], 1.0, 0.5, 0.0) == float("inf")
+    assert pinned_pipeline_time(4, 1.0, [float("inf")], 1.0, 0.5, 0.0) == float("inf")
+    assert pinned_pipeline_time(4, 1.0, [1.0], 1.0, 0.0, 0.0) == float("inf")
+
+
+def test_local_two_stage_prediction_is_assembled_from_the_formulas():
+    # predict()'s local-mode pipeline on a 2-stage plan with unequal workers: the largest of the
+    # tail estimate, the granular floor and the pinned-backward estimate of stage 0 (whose round
+    # trip is stage 1's fill share); the forward share comes from the profile
+    devices = [{"id": f"w{i}", "tflops": 0.5 + 0.5 * i, "memory_gb": 8, "region": "a", "up_mbps": 50 + 40 * i,
+                "down_mbps": 400} for i in range(6)]
+    devices.append({"id": "h", "tflops": 0, "memory_gb": 0, "region": "a", "up_gbps": 10, "down_gbps": 10,
+                    "can_host_server": True})
+    s = scenario_from_dict({
+        "name": "two", "workload": {"model": "tiny", "seq_len": 64, "global_batch": 16, "micro_batch_size": 2,
+                                    "dtype": "fp32"},
+        "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}}, "devices": devices})
+    p = Plan("two", "tiny", "test", [StagePlan((0, 3), "h", ["w0", "w1", "w2"]), StagePlan((3, 6), "h", ["w3", "w4", "w5"])],
+             micro_batch_size=2, micro_batches=8, sync=local(8, "int8", overlap_uploads=True))
+    costs = stage_costs(p, s)
+    prof = scenario_profile(s)
+    fwd, bwd = prof.fwd_flops(0, 3), prof.bwd_flops(0, 3)
+    assert costs[0].fwd_share == pytest.approx(fwd / (fwd + bwd))
+    xs = [c.throughput for c in costs]
+    b = min(range(2), key=lambda i: xs[i])
+    fill = costs[0].latency + costs[1].latency
+    tail = tail_pipeline_time(8, list(costs[b].task_times.values()), xs[b], fill, costs[b].latency)
+    floor = granular_pipeline_time(fill, [(c.latency, c.slowest) for c in costs])
+    pinned = pinned_pipeline_time(8, xs[b], list(costs[0].task_times.values()), costs[1].latency,
+                                  costs[0].fwd_share, 0.0)
+    got = predict(p, s)
+    assert got["pipeline_s"] == pytest.approx(max(tail, floor, pinned))
+    assert pinned > max(tail, floor)  # the pinned drain is what sets this plan's step
+
+
+def test_idle_queue_wait_by_hand():
+    # two 1 s workers fed 1 task/s: each waits W with 2 / (1 + W) = 1
+    assert idle_queue_wait([1.0, 1.0], 1.0) == pytest.approx(1.0)
+    # 1 s and 3 s fed 0.5/s: 1 / (1 + W) + 1 / (3 + W) = 0.5 -> W^2 = 5
+    assert idle_queue_wait([1.0, 3.0], 0.5) == pytest.approx(5 ** 0.5)
+    # the bottleneck (or faster feed): no wait
+    assert idle_queue_wait([1.0, 1.0], 2.0) == 0.0 and idle_queue_wait([1.0, 1.0], 3.0) == 0.0
+    assert idle_queue_wait([], 1.0) == 0.0 and idle_queue_wait([1.0], 0.0) == 0.0
+    assert idle_queue_wait([float("inf"), 2.0], 0.25) == pytest.approx(2.0)
 
 
 def test_granular_floor_by_hand():
@@ -212,6 +278,10 @@ def test_expected_max_residual_and_tail_by_hand():
     # only the M fastest take tasks: a third, slower worker is not waited for
     assert tail_pipeline_time(2, [1.0, 1.0, 5.0], 2.0, 1.0, 1.0) == pytest.approx(0.5 + 2 / 3)
     assert tail_pipeline_time(4, [1.0], 0.0, 1.0, 1.0) == float("inf")
+    # a throughput below 1 micro-batch/s: M = 2 on one 2 s worker, (2 - 0.5) / 0.5 + 1
+    assert tail_pipeline_time(2, [2.0], 0.5, 1.0, 1.0) == pytest.approx(4.0)
+    # 2 s and 3 s: P(max <= x) = x^2 / 6 on [0, 2], x / 3 on [2, 3] -> 3 - 4/9 - 5/6 = 31/18
+    assert expected_max_residual([2.0, 3.0]) == pytest.approx(31 / 18)
 
 
 def test_local_mode_floor_binds_when_few_micro_batches_meet_slow_workers():
@@ -297,3 +367,62 @@ def test_cli_compare_shows_each_method_under_exact_and_the_allowed_policy(tmp_pa
     assert shoal["local H=4"]["predicted_step_time_s"] < shoal["exact"]["predicted_step_time_s"]
     table = capsys.readouterr().out
     assert "local H=4" in table and "util" in table
+
+
+def test_vectorised_link_sharing_matches_the_list_arithmetic():
+    # Plans of VECTOR_MIN_WORKERS workers or more run the fixed point on numpy arrays; on the
+    # same plan both paths must give the same figures (to rounding). Two narrow server hosts
+    # (their links, not the workers', bind), unequal workers, and 4 micro-batches on 7 workers
+    # per stage to exercise the "M fastest" selection. (A plain function, no fixtures:
+    # bench/mutate.py runs it directly.)
+    import shoal.plan.cost as cost
+
+    devices = [{"id": f"w{i}", "tflops": 0.2 + 0.3 * i, "memory_gb": 8, "region": "a",
+                "up_mbps": 300 + 100 * (i % 4), "down_mbps": 600 + 200 * (i % 3)} for i in range(14)]
+    devices += [{"id": h, "tflops": 0, "memory_gb": 0, "region": "a", "up_mbps": up, "down_mbps": down,
+                 "can_host_server": True} for h, up, down in (("h0", 60, 90), ("h1", 80, 50))]
+    s = scenario_from_dict({
+        "name": "narrow",
+        "workload": {"model": "tiny", "seq_len": 64, "global_batch": 128, "micro_batch_size": 2, "dtype": "fp32"},
+        "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}},
+        "devices": devices,
+    })
+    n_layers = scenario_profile(s).cfg.n_total_layers
+    hosts = ["h0", "h1"]
+    workers = [f"w{i}" for i in range(14)]
+    half = 7
+    saved = cost.VECTOR_MIN_WORKERS, cost.SHARE_ITERATIONS
+    moved = False
+    try:
+        for overlap_uploads, prefetch in ((False, False), (True, False), (False, True), (True, True)):
+            for pol in (SyncPolicy(overlap_uploads=overlap_uploads, prefetch=prefetch),
+                        local(8, "int8", overlap_uploads=overlap_uploads, prefetch=prefetch)):
+                for m in (4, 64):
+                    p = Plan(s.name, s.workload.model, "test",
+                             [StagePlan((0, n_layers // 2), hosts[0], workers[:half]),
+                              StagePlan((n_layers // 2, n_layers), hosts[-1], workers[half:])],
+                             micro_batch_size=s.workload.micro_batch_size, micro_batches=m, sync=pol)
+                    cost.VECTOR_MIN_WORKERS = 10**9
+                    ref = stage_costs(p, s)
+                    cost.VECTOR_MIN_WORKERS = 1
+                    vec = stage_costs(p, s)
+                    assert len(ref) == len(vec) == 2
+                    for a, b in zip(ref, vec, strict=True):
+                        assert a.task_times.keys() == b.task_times.keys()
+                        for w, t in a.task_times.items():
+                            assert b.task_times[w] == pytest.approx(t, rel=1e-12)
+                        assert b.throughput == pytest.approx(a.throughput, rel=1e-12)
+                        assert b.latency == pytest.approx(a.latency, rel=1e-12)
+                        assert b.compute_per_step == pytest.approx(a.compute_per_step, rel=1e-12)
+                        assert len(a.round_links) == len(b.round_links)
+                        for x, y in zip(a.round_links, b.round_links, strict=True):
+                            assert y == pytest.approx(x, rel=1e-12)
+                    # the passes matter on this plan: stopping at the worst case (k_eff = k) gives other times
+                    cost.SHARE_ITERATIONS = 0
+                    worst = stage_costs(p, s)
+                    cost.SHARE_ITERATIONS = saved[1]
+                    moved = moved or any(worst[i].task_times[w] != pytest.approx(t, rel=1e-6)
+                                         for i in range(2) for w, t in vec[i].task_times.items())
+    finally:
+        cost.VECTOR_MIN_WORKERS, cost.SHARE_ITERATIONS = saved
+    assert moved

@@ -332,3 +332,32 @@ def test_conservation_when_servers_give_up_before_outputs_land(seed):
     r = simulate(p, scn, steps=10, churn=True, seed=seed, config=SimConfig(lease_timeout_s=0.01))
     assert r.leaves > 0
     _assert_conserved(r, 3, 24)
+
+
+@pytest.mark.parametrize("cap", [2, 8])
+def test_overlapped_uploads_keep_at_most_the_cap_in_flight(cap):
+    # A fast GPU behind a slow uplink (1 MB/s: an activation takes ~16 ms, a forward ~0.1 ms)
+    # runs ahead of its uploads; like the runtime worker (uploads_in_flight) it holds its next
+    # result once `cap` are leaving its uplink. Counted on the real flow network.
+    from shoal.sim.engine import Simulator
+
+    scn = scenario([server(0), server(1), gpu(0, 1e12, 1e6, 1e8), gpu(1, 1e12, 1e8, 1e8)], global_batch=16)
+    p = plan([((0, 3), "srv0", ["w0"]), ((3, 6), "srv1", ["w1"])], 16,
+             SyncPolicy(mode="local", sync_every=2, overlap_uploads=True))
+    sim = Simulator(p, scn, config=SimConfig(uploads_in_flight=cap))
+    seen = []
+    start = sim.net.start
+
+    def counting_start(a, b, src, dst, *args):
+        f = start(a, b, src, dst, *args)
+        if a == "w0" and args[-1][0] == 2:  # M_RESULT flows leaving w0
+            seen.append(sum(1 for g in sim.up["w0"].flows.values() if g.msg[0] == 2))
+        return f
+
+    sim.net.start = counting_start
+    r = sim.run(2)
+    assert not r.stalled and r.lost_micro_batches == 0
+    if cap == 2:
+        assert max(seen) == 2
+    else:
+        assert 2 < max(seen) <= cap  # without the cap of 2 the uploads pile up

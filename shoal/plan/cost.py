@@ -36,6 +36,8 @@ import math
 from dataclasses import dataclass, fields
 from functools import lru_cache
 
+import numpy as np
+
 from shoal.model.config import get_preset
 from shoal.model.profile import ModelProfile, profile_model
 from shoal.plan.types import Device, Plan, Scenario, SyncPolicy
@@ -227,6 +229,47 @@ def tail_pipeline_time(micro_batches: int, stage_times: list[float], throughput:
     return (micro_batches - len(used) / 2) / throughput + expected_max_residual(used) + fill - latency
 
 
+def pinned_pipeline_time(micro_batches: int, throughput: float, stage_times: list[float], round_trip: float,
+                         fwd_share: float, before: float) -> float:
+    """The step end set by a non-last stage whose backward tasks are pinned to the worker that ran
+    the forward (local mode). A worker takes forwards whenever none of its own backward tasks is
+    waiting, so its tasks come in convoys: the forwards it ran during one round trip
+    ``RT`` (its output through the later stages and the gradient back) come back as a backlog of
+    backward tasks that only it may run. When the stage's forward pool empties, at
+    ``(M - n / 2) / X`` as in :func:`tail_pipeline_time`, each worker is somewhere in such a
+    commitment: its task, the wait for the round trip and the backlog (``RT / c_f`` backward
+    tasks of ``c_b``), ``tau_d + RT (c_f + c_b) / c_f = tau_d + RT / fwd_share``; the stage ends
+    when the last commitment does (:func:`expected_max_residual`), and its last gradient still
+    goes back through the earlier stages (``before``, their fill)."""
+    used = sorted(t for t in stage_times if 0 < t < math.inf)[:micro_batches]
+    if throughput <= 0 or not used or fwd_share <= 0:
+        return math.inf
+    extra = round_trip / fwd_share
+    return (micro_batches - len(used) / 2) / throughput + expected_max_residual([t + extra for t in used]) + before
+
+
+def idle_queue_wait(times: list[float], rate: float) -> float:
+    """Seconds ``W`` each worker of a stage that is not the bottleneck waits for its next task.
+
+    Tasks arrive at the pipeline's ``rate``, slower than the stage could take them; an idle
+    worker's lease is parked until one arrives, and parked leases are served in turn, so every
+    worker's cycle is ``tau_d + W`` with the same ``W``: ``sum_d 1 / (tau_d + W) = rate``
+    (``W = 0`` when the stage is the bottleneck). Worker ``d`` then runs a ``1 / ((tau_d + W)
+    rate)`` share of the micro-batches -- more even than ``1 / tau_d``: a slow worker is not kept
+    waiting as long as a fast one is. Newton's method from ``W = 0`` (the sum is convex and
+    decreasing in ``W``, so the iterates rise monotonically to the root)."""
+    ts = [t for t in times if 0 < t < math.inf]
+    if not ts or rate <= 0:
+        return 0.0
+    w = 0.0
+    for _ in range(100):
+        f = sum(1.0 / (t + w) for t in ts) - rate
+        if f <= 1e-12 * rate:
+            break
+        w += f / sum(1.0 / (t + w) ** 2 for t in ts)
+    return w
+
+
 def step_time(pipeline: float, sync: float, overlap_sync: bool = False) -> float:
     """Seconds per optimizer step."""
     return max(pipeline, sync) if overlap_sync else pipeline + sync
@@ -269,6 +312,18 @@ def local_round_time(max_latency: float, max_push_s: float, max_pull_s: float) -
     return 3 * max_latency + max_push_s + max_pull_s
 
 
+def background_finish(start: float, work: float, fraction: float, window: float) -> float:
+    """When ``work`` seconds of transfer (at a link's full rate) that start at ``start`` are done,
+    if the link gives them a ``fraction`` of its rate until ``window`` (while the steps run and
+    activations go first) and all of it after: ``start + work / fraction`` when that is within
+    the window, else ``window`` plus the rest at full rate."""
+    if start >= window:
+        return start + work
+    if start + work / fraction <= window:
+        return start + work / fraction
+    return window + work - (window - start) * fraction
+
+
 def local_round_wait(links: list[tuple[float, float, float, float]], latency: float, sync_every: int,
                      pipeline_s: float, overlap: bool = True) -> tuple[float, float]:
     """``(round seconds at full rate, seconds the steps wait for it per round)`` of one stage.
@@ -276,11 +331,13 @@ def local_round_wait(links: list[tuple[float, float, float, float]], latency: fl
     ``links`` holds, per worker, ``(push_s, pull_s, up_busy_s, down_busy_s)``: its push and pull
     at its links' full rate, and the seconds per step its uplink and downlink carry activations.
     Sync traffic only uses idle link time (activations go first), so with overlap worker ``d``
-    pushes at a fraction ``f_up = 1 - up_busy / P`` of its rate: the round takes
-    ``R_eff = 3 L + max_d push_d / f_up,d + max_d pull_d / f_down,d`` of pipeline time. The ``H``
-    steps of the next round hide ``H P`` of it; what is left, ``1 - H P / R_eff`` of the work,
-    runs at full rate while the steps wait: ``wait = max(0, 1 - H P / R_eff) R`` with
-    ``R = 3 L + max push + max pull``. Without overlap the steps wait for all of ``R``."""
+    pushes at a fraction ``f_up = 1 - up_busy / P`` of its rate while the ``H`` steps of the next
+    round run (a window of ``H P``), and at full rate once they are done and wait. The phases
+    follow one another: the push request reaches the workers after ``L``, the merge waits for
+    the last push to land, the pulls start at once (:func:`background_finish` for each worker):
+    ``t_1 = L + max_d finish(L, push_d, f_up,d)``, ``E = L + max_d finish(t_1, pull_d,
+    f_down,d)``, ``wait = max(0, E - H P)`` (``E = R`` when nothing else uses the links).
+    Without overlap the steps wait for all of ``R = 3 L + max push + max pull``."""
     if not links:
         return 0.0, 0.0
     full = local_round_time(latency, max(x[0] for x in links), max(x[1] for x in links))
@@ -293,11 +350,10 @@ def local_round_wait(links: list[tuple[float, float, float, float]], latency: fl
     def idle(busy: float) -> float:
         return max(floor, 1.0 - busy / pipeline_s)
 
-    eff = 3 * latency + max(x[0] / idle(x[2]) for x in links) + max(x[1] / idle(x[3]) for x in links)
-    h = max(1, sync_every)
-    if eff <= h * pipeline_s:
-        return full, 0.0
-    return full, (1.0 - h * pipeline_s / eff) * full
+    window = max(1, sync_every) * pipeline_s
+    pushed = latency + max(background_finish(latency, x[0], idle(x[2]), window) for x in links)
+    end = latency + max(background_finish(pushed, x[1], idle(x[3]), window) for x in links)
+    return full, max(0.0, end - window)
 
 
 def local_sync_per_step(round_s: float, sync_every: int, pipeline_s: float, overlap: bool = True) -> float:
@@ -331,6 +387,7 @@ class StageCost:
     round_links: tuple = ()  # local mode, per worker: (push s, pull s, uplink busy s/step, downlink busy s/step)
     round_latency: float = 0.0  # local mode: the largest one-way latency worker <-> server
     slowest: float = 0.0  # the slowest used worker's per-micro-batch time plus its uploads' latency
+    fwd_share: float = 1.0  # forward FLOPs / (forward + backward FLOPs) of one micro-batch on this stage
 
 
 def _share_counts(plan: Plan, scenario: Scenario) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
@@ -516,64 +573,70 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
     inf = math.inf
     caps = [(dev[h].up, dev[hn].down if hn is not None else None, dev[hp].down if hp is not None else None)
             for h, hn, hp in hosts]
-    for it in range(SHARE_ITERATIONS + 1):
-        all_times: list[list[float]] = []
-        busy: list[list[tuple[float, float, float]]] = []  # per worker: seconds on (h up, nxt down, prv down)
-        for i, stage_rows in enumerate(rows):
-            h, hn, hp = hosts[i]
-            cap_up, cap_n, cap_p = caps[i]
-            up = cap_up / k_up.get(h, 1.0)
-            dn = cap_n / k_down.get(hn, 1.0) if hn is not None else inf
-            dp = cap_p / k_down.get(hp, 1.0) if hp is not None else inf
-            times: list[float] = []
-            bz: list[tuple[float, float, float]] = []
-            for _wid, fixed, dlb, dlbw, ulb_n, ulbw_n, ulb_p, ulbw_p, c_w, _o in stage_rows:
-                s_dl = dlb / (dlbw if dlbw < up else up) if dlb > 0 else 0.0
-                s_n = ulb_n / (ulbw_n if ulbw_n < dn else dn) if ulb_n > 0 else 0.0
-                s_p = ulb_p / (ulbw_p if ulbw_p < dp else dp) if ulb_p > 0 else 0.0
-                if plain:
-                    times.append(fixed + s_dl + s_n + s_p)
-                else:
-                    times.append(task_period(c_w, fixed - c_w + s_dl, s_n + s_p, overlap_up, prefetch))
-                bz.append((s_dl, s_n, s_p))
-            all_times.append(times)
-            busy.append(bz)
-        if it == SHARE_ITERATIONS or settled:
-            break
-        xs = [stage_throughput(t, m) for t in all_times]
-        x = min(xs)
-        load_up: dict[str, float] = {}
-        load_down: dict[str, float] = {}
-        for i, times in enumerate(all_times):
-            if xs[i] <= 0 or x <= 0:
-                continue
-            h, hn, hp = hosts[i]
-            util = min(1.0, x / xs[i])  # a non-bottleneck stage's workers wait part of the time
-            bz = busy[i]
-            for j in (range(len(times)) if len(times) <= m else _fastest(times, m)):
-                t = times[j]
-                if not 0 < t < inf:
+    if sum(len(r) for r in rows) >= VECTOR_MIN_WORKERS:
+        all_times, busy = _share_fixed_point_np(rows, hosts, caps, k_up, k_down, n_dl, n_ul, m, overlap_up, prefetch,
+                                                settled, memo)
+    else:
+        for it in range(SHARE_ITERATIONS + 1):
+            all_times: list[list[float]] = []
+            busy: list[list[tuple[float, float, float]]] = []  # per worker: seconds on (h up, nxt down, prv down)
+            for i, stage_rows in enumerate(rows):
+                h, hn, hp = hosts[i]
+                cap_up, cap_n, cap_p = caps[i]
+                up = cap_up / k_up.get(h, 1.0)
+                dn = cap_n / k_down.get(hn, 1.0) if hn is not None else inf
+                dp = cap_p / k_down.get(hp, 1.0) if hp is not None else inf
+                times: list[float] = []
+                bz: list[tuple[float, float, float]] = []
+                for _wid, fixed, dlb, dlbw, ulb_n, ulbw_n, ulb_p, ulbw_p, c_w, _o in stage_rows:
+                    s_dl = dlb / (dlbw if dlbw < up else up) if dlb > 0 else 0.0
+                    s_n = ulb_n / (ulbw_n if ulbw_n < dn else dn) if ulb_n > 0 else 0.0
+                    s_p = ulb_p / (ulbw_p if ulbw_p < dp else dp) if ulb_p > 0 else 0.0
+                    if plain:
+                        times.append(fixed + s_dl + s_n + s_p)
+                    else:
+                        times.append(task_period(c_w, fixed - c_w + s_dl, s_n + s_p, overlap_up, prefetch))
+                    bz.append((s_dl, s_n, s_p))
+                all_times.append(times)
+                busy.append(bz)
+            if it == SHARE_ITERATIONS or settled:
+                break
+            xs = [stage_throughput(t, m) for t in all_times]
+            x = min(xs)
+            load_up: dict[str, float] = {}
+            load_down: dict[str, float] = {}
+            for i, times in enumerate(all_times):
+                if xs[i] <= 0 or x <= 0:
                     continue
-                s_dl, s_n, s_p = bz[j]
-                r = util / t
-                if s_dl:
-                    load_up[h] = load_up.get(h, 0.0) + s_dl * r
-                if s_n:
-                    load_down[hn] = load_down.get(hn, 0.0) + s_n * r
-                if s_p:
-                    load_down[hp] = load_down.get(hp, 0.0) + s_p * r
-        new_up = {h: link_share(load_up.get(h, 0.0), n_dl[h]) for h in k_up}
-        new_down = {h: link_share(load_down.get(h, 0.0), n_ul[h]) for h in k_down}
-        settled = all(abs(new_up[h] - k) <= 0.01 * k for h, k in k_up.items()) and \
-            all(abs(new_down[h] - k) <= 0.01 * k for h, k in k_down.items())
-        k_up, k_down = new_up, new_down
+                h, hn, hp = hosts[i]
+                util = min(1.0, x / xs[i])  # a non-bottleneck stage's workers wait part of the time
+                bz = busy[i]
+                for j in (range(len(times)) if len(times) <= m else _fastest(times, m)):
+                    t = times[j]
+                    if not 0 < t < inf:
+                        continue
+                    s_dl, s_n, s_p = bz[j]
+                    r = util / t
+                    if s_dl:
+                        load_up[h] = load_up.get(h, 0.0) + s_dl * r
+                    if s_n:
+                        load_down[hn] = load_down.get(hn, 0.0) + s_n * r
+                    if s_p:
+                        load_down[hp] = load_down.get(hp, 0.0) + s_p * r
+            new_up = {h: link_share(load_up.get(h, 0.0), n_dl[h]) for h in k_up}
+            new_down = {h: link_share(load_down.get(h, 0.0), n_ul[h]) for h in k_down}
+            settled = all(abs(new_up[h] - k) <= 0.01 * k for h, k in k_up.items()) and \
+                all(abs(new_down[h] - k) <= 0.01 * k for h, k in k_down.items())
+            k_up, k_down = new_up, new_down
 
     out = []
+    pipe_rate = min(stage_throughput(t, m) for t in all_times) if spread and all_times else 0.0
     for i, stage_rows in enumerate(rows):
         times = all_times[i]
         x = stage_throughput(times, m)
         used = _fastest(times, m)
         finite = [j for j in used if 0 < times[j] < inf]
+        finite_set = set(finite)
         if finite:
             total = sum(1.0 / times[j] for j in finite)
             frac = sum(stage_rows[j][8] / times[j] / times[j] for j in finite) / total
@@ -585,20 +648,115 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
             frac, lat, busy_step, total, slow = 1.0, inf, 0.0, 0.0, inf
         links = []
         if spread:
+            # shares of the micro-batches: a stage faster than the pipeline waits for its tasks
+            rate = pipe_rate
+            wait = idle_queue_wait([times[j] for j in finite], rate) if finite and rate < total else 0.0
             for j, row in enumerate(stage_rows):
                 wid = row[0]
                 if wid not in background:
                     continue
                 t = times[j]
-                n_d = m / (t * total) if total > 0 and 0 < t < inf else 0.0  # its micro-batches per step
+                if wait > 0:
+                    n_d = m / ((t + wait) * rate) if 0 < t < inf and j in finite_set else 0.0
+                else:
+                    n_d = m / (t * total) if total > 0 and 0 < t < inf else 0.0  # its micro-batches per step
                 s_dl, s_n, s_p = busy[i][j]
                 links.append((*background[wid], n_d * (s_n + s_p), n_d * s_dl))
         task_times = {row[0]: t for row, t in zip(stage_rows, times, strict=True)}
+        a, b = plan.stages[i].layers
+        fwd = prof.fwd_flops(a, b)
+        flops = fwd + prof.bwd_flops(a, b)
         out.append(StageCost(throughput=x, latency=lat, compute_fraction=frac, sync=syncs[i],
                              task_times=task_times, memory_headroom=heads[i], pull=pulls[i],
                              compute_per_step=busy_step, round_links=tuple(links), round_latency=lats[i],
-                             slowest=slow))
+                             slowest=slow, fwd_share=fwd / flops if flops > 0 else 1.0))
     return out
+
+
+# Plans with at least this many workers run the link-sharing fixed point on numpy arrays (one
+# pass over 3000 workers in Python dominated planning scale-1024/4096); smaller plans keep the
+# list arithmetic, whose sums are bit for bit those the reference tests pin.
+VECTOR_MIN_WORKERS = 128
+
+
+def _stage_arrays(stage_rows: list[tuple], memo: dict) -> tuple:
+    """Columns of a stage's rows as float arrays (``fixed, dlb, dlbw, ulb_n, ulbw_n, ulb_p,
+    ulbw_p, c``), memoised by the rows' identity (the rows themselves are memoised per stage)."""
+    key = ("np", id(stage_rows))
+    got = memo.get(key)
+    if got is None or got[0] is not stage_rows:
+        cols = np.array([r[1:9] for r in stage_rows], dtype=float).reshape(-1, 8).T.copy()
+        got = memo[key] = (stage_rows, cols)
+    return got[1]
+
+
+def _share_fixed_point_np(rows, hosts, caps, k_up, k_down, n_dl, n_ul, m, overlap_up, prefetch, settled, memo):
+    """:func:`stage_costs`' link-sharing fixed point on arrays: the same passes, the same stopping
+    rule, each stage's workers at once. Returns per stage the workers' ``tau`` and their
+    ``(s_dl, s_n, s_p)`` seconds, as lists in the order of ``rows``."""
+    inf = math.inf
+    plain = not (overlap_up or prefetch)
+    cols = [_stage_arrays(r, memo) for r in rows]
+    for it in range(SHARE_ITERATIONS + 1):
+        times_np = []
+        busy_np = []
+        with np.errstate(divide="ignore", invalid="ignore"):
+            for i, (fixed, dlb, dlbw, ulb_n, ulbw_n, ulb_p, ulbw_p, c_w) in enumerate(cols):
+                h, hn, hp = hosts[i]
+                cap_up, cap_n, cap_p = caps[i]
+                up = cap_up / k_up.get(h, 1.0)
+                dn = cap_n / k_down.get(hn, 1.0) if hn is not None else inf
+                dp = cap_p / k_down.get(hp, 1.0) if hp is not None else inf
+                s_dl = np.where(dlb > 0, dlb / np.minimum(dlbw, up), 0.0)
+                s_n = np.where(ulb_n > 0, ulb_n / np.minimum(ulbw_n, dn), 0.0)
+                s_p = np.where(ulb_p > 0, ulb_p / np.minimum(ulbw_p, dp), 0.0)
+                if plain:
+                    t = fixed + s_dl + s_n + s_p
+                else:
+                    f = fixed - c_w + s_dl
+                    u = s_n + s_p
+                    if prefetch and overlap_up:
+                        t = np.maximum(np.maximum(c_w, f), u)
+                    elif prefetch:
+                        t = np.maximum(c_w + u, f)
+                    else:
+                        t = np.maximum(c_w + f, u)
+                times_np.append(t)
+                busy_np.append((s_dl, s_n, s_p))
+        if it == SHARE_ITERATIONS or settled:
+            break
+        used = []
+        xs = []
+        for t in times_np:
+            ok = (t > 0) & (t < inf)
+            idx = np.flatnonzero(ok)
+            if len(idx) > m:
+                idx = idx[np.argpartition(t[idx], m - 1)[:m]]
+            used.append(idx)
+            xs.append(float(np.sum(1.0 / t[idx])) if len(idx) else 0.0)
+        x = min(xs)
+        load_up: dict[str, float] = {}
+        load_down: dict[str, float] = {}
+        for i, t in enumerate(times_np):
+            if xs[i] <= 0 or x <= 0:
+                continue
+            h, hn, hp = hosts[i]
+            idx = used[i]
+            r = min(1.0, x / xs[i]) / t[idx]
+            s_dl, s_n, s_p = (b[idx] for b in busy_np[i])
+            load_up[h] = load_up.get(h, 0.0) + float(s_dl @ r)
+            if hn is not None:
+                load_down[hn] = load_down.get(hn, 0.0) + float(s_n @ r)
+            if hp is not None:
+                load_down[hp] = load_down.get(hp, 0.0) + float(s_p @ r)
+        new_up = {h: link_share(load_up.get(h, 0.0), n_dl[h]) for h in k_up}
+        new_down = {h: link_share(load_down.get(h, 0.0), n_ul[h]) for h in k_down}
+        settled = all(abs(new_up[h] - k) <= 0.01 * k for h, k in k_up.items()) and \
+            all(abs(new_down[h] - k) <= 0.01 * k for h, k in k_down.items())
+        k_up, k_down = new_up, new_down
+    all_times = [t.tolist() for t in times_np]
+    busy = [list(zip(*(b.tolist() for b in bz), strict=True)) for bz in busy_np]
+    return all_times, busy
 
 
 def _fastest(times: list[float], m: int) -> list[int]:
@@ -694,6 +852,12 @@ def predict(plan: Plan, scenario: Scenario, options: CostOptions | None = None,
         floor = granular_pipeline_time(fill, [(c.latency, c.slowest) for c in costs])
         fluid = pipe
         pipe = max(tail_pipeline_time(m, list(costs[b].task_times.values()), xs[b], fill, costs[b].latency), floor)
+        # a backward task waits for the worker that ran its forward (every stage but the last)
+        for i in range(len(costs) - 1):
+            rt = sum(c.latency for c in costs[i + 1:])
+            before = sum(c.latency for c in costs[:i])
+            pipe = max(pipe, pinned_pipeline_time(m, xs[b], list(costs[i].task_times.values()), rt,
+                                                  costs[i].fwd_share, before))
         adjust = pipe - fluid
         # per-stage rounds run in parallel; the step waits for the slowest one
         waits = [local_round_wait(list(c.round_links), c.round_latency, plan.sync.sync_every, pipe,

@@ -13,6 +13,7 @@ class SimConfig:
     server_update_s: float = 0.0  # time a stage server takes to apply AdamW once all gradients are in
     steal_backward: bool = False  # idle workers may take a backward task whose owner is alive (paying the recompute)
     blocking_sends: bool = False  # a worker waits until its output has arrived before its next lease (an ablation: the cost model's view)
+    uploads_in_flight: int = 2  # overlapped uploads: results a worker may have leaving at once before it waits (the runtime worker's default)
     max_sim_time_s: float = 1e7  # give up (result marked stalled) after this much simulated time
     max_events: int = 200_000_000  # give up (stalled) after this many events
     timeline_max_devices: int = 64  # record a timeline only when the plan has at most this many workers

@@ -92,7 +92,7 @@ class Worker:
 
     __slots__ = ("id", "dev", "stage", "alive", "epoch", "saved", "lease", "flows", "busy",
                  "compute_t0", "slow", "joined_at", "held", "ready", "asking", "bg_push", "bg_pull",
-                 "bg_up", "bg_down", "bg_round")
+                 "bg_up", "bg_down", "bg_round", "uploading", "deferred")
 
     def __init__(self, dev):
         self.id = dev.id
@@ -117,6 +117,19 @@ class Worker:
         self.bg_up = False  # a push chunk is in flight
         self.bg_down = False  # a pull chunk is in flight
         self.bg_round = (-1, 0)  # (stage, round id) the background bytes belong to
+        # overlapped uploads: results leaving its uplink, and a result waiting for one of them to
+        # leave (the runtime worker keeps at most SimConfig.uploads_in_flight results in flight)
+        self.uploading = 0
+        self.deferred: list[tuple] = []
+
+    def reset_io(self) -> None:
+        """A new incarnation or stage: nothing prefetched, nothing uploading, no sync bytes."""
+        self.ready.clear()
+        self.asking = False
+        self.bg_push = self.bg_pull = 0.0
+        self.bg_up = self.bg_down = False
+        self.uploading = 0
+        self.deferred.clear()
 
 
 class Stage:
@@ -731,21 +744,31 @@ class Simulator:
                 self._send(w.id, st.host.id, 0, M_DONE, done, None)
                 sent = False
             else:
-                self._send(w.id, self.stages[s - 1].host.id, st.ingrad_bytes, M_RESULT, (w, task), w)
-                sent = True
+                sent = self._send_result(w, self.stages[s - 1].host.id, st.ingrad_bytes, task)
         elif st.last_stage:
             if s == 0 or task.grad_only:
                 self._send(w.id, st.host.id, 0, M_DONE, done, None)
                 sent = False
             else:
-                self._send(w.id, self.stages[s - 1].host.id, st.ingrad_bytes, M_RESULT, (w, task), w)
-                sent = True
+                sent = self._send_result(w, self.stages[s - 1].host.id, st.ingrad_bytes, task)
         else:
             w.saved.add((task.step, task.m))
-            self._send(w.id, self.stages[s + 1].host.id, st.out_bytes, M_RESULT, (w, task), w)
-            sent = True
+            sent = self._send_result(w, self.stages[s + 1].host.id, st.out_bytes, task)
+        if sent is None:
+            return  # held until one of its uploads has left (then it asks for more)
         if io and (self.overlap_up or not sent):
             self._after_compute(w)
+
+    def _send_result(self, w: Worker, dst: str, nbytes: float, task: Task) -> bool | None:
+        """Send a task's output; True once sent, None when overlapped uploads are at their cap
+        (``SimConfig.uploads_in_flight``): it waits in ``w.deferred`` for an upload to leave."""
+        if self.overlap_up and nbytes > 0:
+            if w.uploading >= max(1, self.cfg.uploads_in_flight):
+                w.deferred.append((dst, nbytes, task))
+                return None
+            w.uploading += 1
+        self._send(w.id, dst, nbytes, M_RESULT, (w, task), w)
+        return True
 
     def _on_flow_done(self, f) -> None:
         now = self.now
@@ -764,6 +787,15 @@ class Simulator:
             w.bg_down = False
         if w is not None and (w.bg_push > 0 or w.bg_pull > 0):
             self._bg_kick(w)  # a link of w may have gone idle
+        if kind == M_RESULT and self.overlap_up and w.uploading > 0:
+            w.uploading -= 1
+            if w.deferred and w.alive:
+                # a held result starts uploading; the worker may now ask for its next task
+                dst, nbytes, task = w.deferred.pop(0)
+                w.uploading += 1
+                self._send(w.id, dst, nbytes, M_RESULT, (w, task), w)
+                if w.stage is not None:
+                    self._after_compute(w)
         if kind == M_RESULT and w.alive and w.stage is not None:
             if self.overlap_up:
                 pass  # the worker asked for its next task when the upload started
@@ -821,10 +853,7 @@ class Simulator:
         self.leaves += 1
         w.alive = False
         w.epoch += 1
-        w.ready.clear()
-        w.asking = False
-        w.bg_push = w.bg_pull = 0.0
-        w.bg_up = w.bg_down = False
+        w.reset_io()
         if w.compute_t0 >= 0:
             w.busy += self.now - w.compute_t0
             if self.timeline is not None:
@@ -897,10 +926,7 @@ class Simulator:
         self.joins += 1
         w.alive = True
         w.epoch += 1
-        w.ready.clear()
-        w.asking = False
-        w.bg_push = w.bg_pull = 0.0
-        w.bg_up = w.bg_down = False
+        w.reset_io()
         w.joined_at = self.now
         w.stage = None
         self._replan(joined=(dev,))
@@ -949,10 +975,7 @@ class Simulator:
             self.moves += 1
             old = w.stage
             w.epoch += 1
-            w.ready.clear()
-            w.asking = False
-            w.bg_push = w.bg_pull = 0.0
-            w.bg_up = w.bg_down = False
+            w.reset_io()
             w.compute_t0 = -1.0
             self._abort_flows(w)
             self._forget(w, old)
