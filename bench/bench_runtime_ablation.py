@@ -14,10 +14,20 @@ from bench_runtime import RUN, _steady  # noqa: E402
 from shoal.runtime.launch import LaunchConfig, launch  # noqa: E402
 from shoal.train.metrics import read_jsonl  # noqa: E402
 
-for rep in range(2):
-    for tls in (True, False):
-        for spot in (0.05, 0.0):
-            out = Path(tempfile.mkdtemp()) / "run"
-            launch(LaunchConfig(out=str(out), stages=1, workers=1, steps=8, timeout_s=600, tls=tls, spot_check=spot, **RUN))
-            m, med, tok = _steady(read_jsonl(out / "metrics.jsonl"))
-            print(f"rep {rep} tls={tls} spot_check={spot}: mean step {m*1000:.0f} ms, median {med*1000:.0f} ms, {tok:.0f} tok/s", flush=True)
+
+def main() -> None:
+    """Print one line per run: mean and median step after warm-up, tokens/s."""
+    for rep in range(2):
+        for tls in (True, False):
+            for spot in (0.05, 0.0):
+                with tempfile.TemporaryDirectory(prefix="shoal-ablation-") as tmp:
+                    out = Path(tmp) / "run"
+                    launch(LaunchConfig(out=str(out), stages=1, workers=1, steps=8, timeout_s=600, tls=tls,
+                                        spot_check=spot, **RUN))
+                    m, med, tok = _steady(read_jsonl(out / "metrics.jsonl"))
+                print(f"rep {rep} tls={tls} spot_check={spot}: mean step {m * 1000:.0f} ms, "
+                      f"median {med * 1000:.0f} ms, {tok:.0f} tok/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
