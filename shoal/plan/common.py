@@ -106,6 +106,7 @@ class SyncTable:
         self.h_mem = np.array([h.host_memory for h in self.hosts])
         self.h_index = {h.id: i for i, h in enumerate(self.hosts)}
         self.exact = bool(net.overrides)
+        self._groups: dict[tuple[str, ...], tuple[np.ndarray, ...]] = {}  # see _group_arrays
 
     def cost(self, group: list[Device], share: np.ndarray) -> np.ndarray:
         """Per host: the slowest worker of ``group``'s push + pull seconds per byte, when the
@@ -119,20 +120,31 @@ class SyncTable:
     def _per_byte(self, group: list[Device], share: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(host x worker) push + pull seconds per byte and one-way latency, with each host's
         links shared by ``share[h]`` workers; a worker on its own server host uses loopback."""
-        rid = np.array([self.rid[d.region] for d in group])
-        up = np.array([d.up for d in group])
-        down = np.array([d.down for d in group])
+        rid, up, down, own_h, own_w = self._group_arrays(group)
         path = self.path[:, rid]
         lat = self.lat[:, rid].copy()
         k = np.maximum(share, 1)[:, None]
         push = np.minimum(np.minimum(path, up[None, :]), self.h_down[:, None] / k)
         pull = np.minimum(np.minimum(path, self.h_up[:, None] / k), down[None, :])
         c = 1.0 / push + 1.0 / pull
-        for j, d in enumerate(group):
-            i = self.h_index.get(d.id)
-            if i is not None:
-                c[i, j] = lat[i, j] = 0.0
+        if len(own_h):
+            c[own_h, own_w] = 0.0
+            lat[own_h, own_w] = 0.0
         return c, lat
+
+    def _group_arrays(self, group: list[Device]) -> tuple[np.ndarray, ...]:
+        """A group's region indices, uplinks, downlinks and (host, worker) pairs of workers on a
+        server host; memoised by the group's device ids (the planner prices the same groups
+        on many placements: this was a third of ``shoal plan``'s server placement time)."""
+        key = tuple(d.id for d in group)
+        got = self._groups.get(key)
+        if got is None:
+            own = [(self.h_index[d.id], j) for j, d in enumerate(group) if d.id in self.h_index]
+            got = (np.array([self.rid[d.region] for d in group]), np.array([d.up for d in group]),
+                   np.array([d.down for d in group]), np.array([i for i, _ in own], dtype=int),
+                   np.array([j for _, j in own], dtype=int))
+            self._groups[key] = got
+        return got
 
     def stage_cost(self, group: list[Device], share: np.ndarray, param_bytes: float, act_bytes: float,
                    micro_batches: int) -> np.ndarray:
