@@ -166,23 +166,30 @@ def _grad_push(srv, step, mb, worker, gen, grads, codec="raw"):
                        grads=[encode_tensor(n, g, codec) for n, g in grads.items()])
 
 
+async def _one_stage_server(tmp_path, run_id: str, **shape):
+    """A ready one-stage server of the tiny model (no spot checks), driven through its handlers."""
+    from shoal.net import shoal_pb2 as pb
+    from shoal.runtime.server import StageServer
+
+    srv = StageServer("unused:0", "127.0.0.1:0", "tok", str(tmp_path), name="t")
+    srv.spec = pb.RunSpec(model="tiny", stages=1, steps=3, seed=0, lr=1e-3, min_lr=1e-4, warmup=1,
+                          weight_decay=0.1, grad_clip=1.0, dead_after_s=30, min_lease_s=30, data="synthetic",
+                          ordered_grads=True, run_id=run_id, guard_spot_check=0.0, **shape)
+    srv.stage, srv.first, srv.last, srv.epoch = 0, 0, 6, 0
+    await srv._load(0, 0, 6, 0, 0)
+    srv.ready = True
+    return srv
+
+
 def test_server_bans_a_poisoned_push_and_redoes_its_work(tmp_path):
     """A one-stage server: A's and B's honest pushes count (each a first push: recomputed);
     B's next push, times -20, is flagged by its norm, recomputed and banned: both of B's
     micro-batches go back to todo (its counted push is dropped) and A redoes them."""
     from shoal.net import shoal_pb2 as pb
-    from shoal.runtime.server import StageServer
     from shoal.runtime.verify import recompute_grads
 
     async def main():
-        srv = StageServer("unused:0", "127.0.0.1:0", "tok", str(tmp_path), name="t")
-        srv.spec = pb.RunSpec(model="tiny", stages=1, steps=3, micro_batches=3, micro_batch_size=2, seq_len=16,
-                              seed=0, lr=1e-3, min_lr=1e-4, warmup=1, weight_decay=0.1, grad_clip=1.0,
-                              dead_after_s=30, min_lease_s=30, data="synthetic", ordered_grads=True,
-                              run_id="guard-test", guard_spot_check=0.0)
-        srv.stage, srv.first, srv.last, srv.epoch = 0, 0, 6, 0
-        await srv._load(0, 0, 6, 0, 0)
-        srv.ready = True
+        srv = await _one_stage_server(tmp_path, "guard-test", micro_batches=3, micro_batch_size=2, seq_len=16)
 
         async def compute(worker):
             a = await srv.Lease(pb.LeaseRequest(worker=worker, wait_s=0), None)
@@ -236,18 +243,10 @@ def test_server_without_recomputation_bans_no_worker_for_small_pushes(tmp_path):
     median, as honest norms do once training settles, is flagged but never banned, and its
     norms move the centre down; three pushes 20x above the centre ban (the strike rule)."""
     from shoal.net import shoal_pb2 as pb
-    from shoal.runtime.server import StageServer
     from shoal.runtime.verify import recompute_grads
 
     async def main():
-        srv = StageServer("unused:0", "127.0.0.1:0", "tok", str(tmp_path), name="t")
-        srv.spec = pb.RunSpec(model="tiny", stages=1, steps=3, micro_batches=8, micro_batch_size=1, seq_len=8,
-                              seed=0, lr=1e-3, min_lr=1e-4, warmup=1, weight_decay=0.1, grad_clip=1.0,
-                              dead_after_s=30, min_lease_s=30, data="synthetic", ordered_grads=True,
-                              run_id="guard-small", guard_spot_check=0.0)
-        srv.stage, srv.first, srv.last, srv.epoch = 0, 0, 6, 0
-        await srv._load(0, 0, 6, 0, 0)
-        srv.ready = True
+        srv = await _one_stage_server(tmp_path, "guard-small", micro_batches=8, micro_batch_size=1, seq_len=8)
 
         async def push(worker, scale, codec):
             a = await srv.Lease(pb.LeaseRequest(worker=worker, wait_s=0), None)
