@@ -325,9 +325,10 @@ class Swarm:
 
     def _should_restart(self) -> bool:
         """Whether a coordinator that exited died (restart it) rather than ended the run."""
-        if not self.run_id or self.restarts_left <= 0 or self.coord.returncode in (0, 2):
-            return False
-        return should_restart(self.coord.returncode, self.restarts_left, self._run_done())
+        rc = self.coord.returncode
+        # The journal is read only for a death (rc 0 and 2 end the run whatever it says).
+        return bool(self.run_id) and should_restart(rc, self.restarts_left,
+                                                    run_done=rc not in (0, 2) and self._run_done())
 
     def _run_done(self) -> bool:
         """Whether this run's journal says the run finished."""

@@ -1053,20 +1053,17 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
         # standby has each commit's state one transfer after the write, not a heartbeat and a
         # coordinator round trip later: a kill right after a commit then rarely costs that step.
         deadline = time.monotonic() + STANDBY_POLL_S
-        while (request.stage == self.stage and self.spec is not None and not self.done
-               and standby_send_version(list_ckpts(self.ckpt_root, self.stage, self.spec.run_id),
-                                        request.have, self.loading) == 0
-               and time.monotonic() < deadline):
+        send = 0
+        while request.stage == self.stage and self.spec is not None:
+            send = standby_send_version(list_ckpts(self.ckpt_root, self.stage, self.spec.run_id),
+                                        request.have, self.loading)
+            if send or self.done or time.monotonic() >= deadline:
+                break
             await self.ckpt_signal.wait(deadline - time.monotonic())
-        if request.stage == self.stage and self.spec is not None:
-            vs = list_ckpts(self.ckpt_root, self.stage, self.spec.run_id)
-            if standby_send_version(vs, request.have, self.loading):
-                version = vs[-1]
-                path = ckpt_dir(self.ckpt_root, self.stage, self.spec.run_id) / f"v{version}.safetensors"
-                try:
-                    data = await asyncio.get_running_loop().run_in_executor(None, path.read_bytes)
-                except OSError:
-                    data, version = b"", 0  # pruned meanwhile: the standby asks again
+        if send:
+            path = ckpt_dir(self.ckpt_root, self.stage, self.spec.run_id) / f"v{send}.safetensors"
+            with contextlib.suppress(OSError):  # pruned meanwhile: nothing sent, the standby asks again
+                data, version = await asyncio.get_running_loop().run_in_executor(None, path.read_bytes), send
         reply = pb.StandbyCkpt(version=version, data=data).SerializeToString()
         for chunk in split("StandbyCkpt", reply, self.chunk_bytes):
             yield chunk
