@@ -176,7 +176,9 @@ def test_total_stop_at_step_3_then_resume_equals_uninterrupted(tmp_path, tmp_pat
     kinds = [r["kind"] for r in read_journal(run_dir(out, rid) / "journal.jsonl")]
     assert kinds.count("resume") == 1 and kinds[-1] == "done"
     rollback = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "rollback"]
-    assert rollback and rollback[-1]["version"] >= 3
+    # Checkpoints are written in a thread after each commit: a kill -9 can land before the
+    # newest commit's file is complete, so the resume may redo that one step, never more.
+    assert rollback and rollback[-1]["version"] >= killed_at - 1 >= 2, (rollback, killed_at)
     assert _hashes(run_dir(out, "29990101-000000-ffffff")) == other
     assert (out / "summary.json").resolve() == (run_dir(out, rid) / "summary.json").resolve()
 
