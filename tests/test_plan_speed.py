@@ -47,6 +47,7 @@ def test_stage_count_bound_is_below_every_constructed_plan(sync):
     s = load_scenario("gaming-eu")
     prof = scenario_profile(s)
     n = len(prof.layers)
+    assert not any(d.can_host_server for d in s.workers)  # so the bound has its transfer and sync terms
     bound = stage_count_bound(s, sync, prof)
     table = SyncTable(s)
     seen = 0
@@ -157,6 +158,8 @@ def test_step_bound_is_below_the_objective_of_every_move(name):
                 lb, t = bound(cand), _objective(cand, s, options)
                 assert lb <= t * (1 + 1e-12), (count, cand.stages)
                 assert bound(cand, tie_break=False) <= step_of(cand, s, options) * (1 + 1e-12)
+                # construct's placement-free check is below the bound of this placement
+                assert bound.any_servers(cand.stages) <= bound(cand, tie_break=False) * (1 + 1e-12)
                 checked += 1
                 pruned += lb >= _objective(p, s, options)
     assert checked > 30
@@ -168,6 +171,7 @@ def test_pruned_search_keeps_the_plan(monkeypatch):
     s = load_scenario("gaming-world")
     fast = allocator.plan_shoal(s, budget_s=1e9)
     monkeypatch.setattr(allocator.StepBound, "__call__", lambda self, plan, tie_break=True: 0.0)
+    monkeypatch.setattr(allocator.StepBound, "any_servers", lambda self, stages: 0.0)
     full = allocator.plan_shoal(s, budget_s=1e9)
     assert [(st.layers, st.server, st.workers) for st in fast.stages] == \
         [(st.layers, st.server, st.workers) for st in full.stages]
@@ -179,3 +183,16 @@ def test_irrelevant_above_is_the_fifth_best_other_stage_count():
     assert allocator.irrelevant_above(best, 6) == 5.0
     assert allocator.irrelevant_above(best, 1) == float("inf")  # only four other stage counts
     assert allocator.irrelevant_above({**best, 7: 0.5}, 1) == 4.0
+
+
+def test_min_max_stage_bytes_is_the_best_contiguous_split():
+    from itertools import combinations
+
+    prof = scenario_profile(load_scenario("gaming-eu"))
+    n = len(prof.layers)
+    got = allocator.min_max_stage_bytes(prof)
+    assert len(got) == n + 1 and got[0] == float("inf")
+    for count in (1, 2, 3, 5, n):
+        want = min(max(prof.param_bytes(a, b) for a, b in zip((0, *cuts), (*cuts, n), strict=True))
+                   for cuts in combinations(range(1, n), count - 1))
+        assert got[count] == want

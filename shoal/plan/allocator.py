@@ -296,6 +296,8 @@ def construct(scenario: Scenario, n_stages: int, sync: SyncPolicy, options: Cost
             stages.append(StagePlan(layers=(a, b), server=h, workers=[d.id for d in chosen]))
         if len(stages) < n_stages:
             continue
+        if bound is not None and bound.any_servers(stages) > min(best_t, threshold) * (1 + 1e-9):
+            continue  # every placement's bound is above: the three candidates below would all be skipped
         # Re-place servers for the final layer ranges and worker sets, by sync alone and by sync
         # plus activation traffic; keep whichever placement predicts the shortest step.
         groups2 = [[dev[w] for w in st.workers] for st in stages]
@@ -446,6 +448,7 @@ class StepBound:
         self.per_worker: dict[tuple, dict[str, float]] = {}  # stage context -> worker -> t_d
         self.per_worker_sync: dict[tuple, dict] = {}  # (layers, host, k) -> worker -> (lat, push s, pull s)
         self.flops: dict[tuple, float] = {}
+        self.best_links: dict[str, tuple[float, float, float]] = {}  # see _best_links
 
     def _rates(self, st: StagePlan, wt: tuple, first: bool, last: bool, nxt: str | None, prv: str | None) -> tuple:
         """``(sum of the M largest a_d / t_d, the same without a_d, min_d t_d)`` of one stage
@@ -543,6 +546,70 @@ class StepBound:
         got = self.syncs[key] = stage_sync_time(max_lat, max_push, max_pull, self.sync.sync_every)
         return got
 
+    def _best_links(self, wid: str) -> tuple[float, float, float]:
+        """``(smallest latency, largest download rate, largest upload rate)`` of ``wid`` to any
+        allowed server host, each taken on its own (0, inf, inf where it may host a server
+        itself and so talk over loopback)."""
+        got = self.best_links.get(wid)
+        if got is None:
+            d = self.dev[wid]
+            if d.can_host_server:
+                got = (0.0, math.inf, math.inf)
+            else:
+                links = [(h, self.scenario.network.link(d, h)) for h in self.scenario.server_hosts]
+                got = (min((ln.latency for _, ln in links), default=0.0),
+                       max((min(ln.bandwidth, d.down, h.up) for h, ln in links), default=math.inf),
+                       max((min(ln.bandwidth, d.up, h.down) for h, ln in links), default=math.inf))
+            self.best_links[wid] = got
+        return got
+
+    def any_servers(self, stages: list[StagePlan]) -> float:
+        """A number <= ``self(plan, tie_break=False)`` for every plan with these layer ranges and
+        workers, wherever its servers are: each worker's fetch, uploads and sync are priced on
+        its best link to any server host (taken term by term), with no server link shared.
+        ``construct`` uses it to skip placing the servers of worker sets that cannot matter."""
+        prof, sync, n, m1 = self.prof, self.sync, len(stages), self.m - 1
+        g_push_b = sync.ratio("push", prof.dtype_bytes)
+        g_pull_b = sync.ratio("pull", prof.dtype_bytes)
+        xa_min, fill, sync_s = math.inf, 0.0, 0.0
+        for i, st in enumerate(stages):
+            first, last = i == 0, i == n - 1
+            a, b = st.layers
+            fl = self.flops.get((a, b, last))
+            if fl is None:
+                fwd, bwd = prof.fwd_flops(a, b), prof.bwd_flops(a, b)
+                if self.options.recompute and not last:
+                    bwd += fwd
+                fl = self.flops[(a, b, last)] = fwd + bwd
+            dl_bytes = (self.tokens if first else self.hidden) + (self.tokens if last else self.hidden_grad)
+            ul_bytes = (0.0 if last or n == 1 else self.hidden) + (0.0 if first else self.hidden_grad)
+            pbytes = prof.param_bytes(a, b)
+            times, avails = [], []
+            max_lat = max_push = max_pull = 0.0
+            for wid in st.workers:
+                lat, down, up = self._best_links(wid)
+                fetch = (1 if last else 2) * 2 * lat + dl_bytes / down
+                upload = ul_bytes / up
+                c = compute_time(fl, self.dev[wid].flops)
+                if sync.overlap_uploads or sync.prefetch:
+                    t = task_period(c, fetch, upload, sync.overlap_uploads, sync.prefetch)
+                else:
+                    t = c + fetch + upload
+                if 0 < t < math.inf:
+                    times.append(t)
+                    avails.append(self.avail[wid] / t)
+                max_lat = max(max_lat, lat)
+                max_push = max(max_push, pbytes * g_push_b / up)
+                max_pull = max(max_pull, pbytes * g_pull_b / down)
+            if not times:
+                return math.inf
+            xa = sum(sorted(avails, reverse=True)[:self.m])
+            xa_min = min(xa_min, xa)
+            fill += min(times)
+            sync_s = max(sync_s, stage_sync_time(max_lat, max_push, max_pull, sync.sync_every))
+        pipe = (m1 / xa_min if xa_min > 0 else math.inf) + fill
+        return step_time(pipe, sync_s, self.options.overlap_sync)
+
     def __call__(self, plan: Plan, tie_break: bool = True) -> float:
         """A number <= ``_objective(plan, ...)`` (0 where the bound does not apply); with
         ``tie_break=False``, <= the step time alone (``step_of``)."""
@@ -612,7 +679,8 @@ def local_search(plan: Plan, scenario: Scenario, options: CostOptions, budget_s:
     return best
 
 
-def stage_count_bound(scenario: Scenario, sync: SyncPolicy, prof: ModelProfile | None = None):
+def stage_count_bound(scenario: Scenario, sync: SyncPolicy, prof: ModelProfile | None = None,
+                      options: CostOptions | None = None):
     """A function ``S -> seconds`` below which no plan with ``S`` stages can step (the cost
     model's step time, churn-free or expected), used to skip stage counts that cannot matter.
 
@@ -624,8 +692,16 @@ def stage_count_bound(scenario: Scenario, sync: SyncPolicy, prof: ModelProfile |
     one stage, so for weights ``w`` on the first and last stage and 1 on each middle one,
     ``X (2 w + S - 2) <= sum_d max(w r_d(first), w r_d(last), r_d(middle))``; compute alone gives
     ``X <= sum_d flops_d / (forward + backward FLOPs)``. The smallest of these bounds ``X``.
-    A worker that may host a server could talk to itself over loopback: then only compute bounds."""
+    A worker that may host a server could talk to itself over loopback: then only compute bounds.
+
+    Exact sync adds a sync term (:func:`shoal.plan.cost.step_time` combines the two): some stage
+    holds at least :func:`min_max_stage_bytes` of the parameters, and each of its workers pushes
+    and pulls them at no more than the fastest worker's access link and the fastest server
+    host's, so its sync is at least that with no latency. More stages shrink it while the
+    pipeline bound grows, which is what lets ``shoal plan`` skip the many-stage counts of a
+    slow-uplink scenario."""
     prof = prof or scenario_profile(scenario)
+    options = options or CostOptions()
     workers = scenario.workers
     n_layers = len(prof.layers)
     m = scenario.workload.micro_batches
@@ -655,6 +731,18 @@ def stage_count_bound(scenario: Scenario, sync: SyncPolicy, prof: ModelProfile |
                  "middle": rate(hidden + hidden_grad, hidden + hidden_grad, 2),
                  "last": rate(hidden + 2 * tokens, hidden_grad, 1)}
 
+    sync_bound = None
+    if rates is not None and not sync.local:
+        push_bw = min(float(up.max()), max(h.down for h in hosts))
+        pull_bw = min(float(down.max()), max(h.up for h in hosts))
+        g_push, g_pull = sync.ratio("push", prof.dtype_bytes), sync.ratio("pull", prof.dtype_bytes)
+
+        floor = min_max_stage_bytes(prof)
+
+        def sync_bound(n_stages: int) -> float:
+            b = floor[n_stages] if n_stages < len(floor) else math.inf
+            return stage_sync_time(0.0, b * g_push / push_bw, b * g_pull / pull_bw, sync.sync_every)
+
     def bound(n_stages: int) -> float:
         x = x_compute
         if rates is not None:
@@ -669,9 +757,30 @@ def stage_count_bound(scenario: Scenario, sync: SyncPolicy, prof: ModelProfile |
                         x = min(x, float(np.maximum(w * ends, rates["middle"]).sum()) / (2 * w + n_stages - 2))
         if x <= 0:
             return math.inf
-        return (m - 1) / x * (1 - 1e-9)  # a hair below, against rounding
+        pipe = (m - 1) / x
+        if sync_bound is not None:
+            return step_time(pipe, sync_bound(n_stages), options.overlap_sync) * (1 - 1e-9)
+        return pipe * (1 - 1e-9)  # a hair below, against rounding
 
     return bound
+
+
+def min_max_stage_bytes(prof: ModelProfile) -> list[float]:
+    """``out[S]``: the smallest possible largest stage, in parameter bytes, over every split of
+    the layers into ``S`` contiguous non-empty ranges, for ``S`` in ``1..n_layers`` (``out[0]``
+    is inf); one DP over layer boundaries, each stage count built on the previous one."""
+    n = len(prof.layers)
+    cum = [0.0]
+    for i in range(n):
+        cum.append(cum[-1] + prof.param_bytes(i, i + 1))
+    out = [math.inf]
+    best = cum[:]  # best[b]: the smallest largest stage of the first S stages covering [0, b)
+    out.append(best[n])
+    for s in range(2, n + 1):
+        best = [math.inf] * s + [min(max(best[a], cum[b] - cum[a]) for a in range(s - 1, b))
+                                 for b in range(s, n + 1)]
+        out.append(best[n])
+    return out
 
 
 def stage_count_hopeless(best_by_count: dict[int, float], lower_bound: float) -> bool:
@@ -713,7 +822,7 @@ def plan_shoal(scenario: Scenario, seed: int = 0, stages: int | None = None, syn
     table = SyncTable(scenario)
     matrices = region_matrices(scenario)
     memo: dict = {}  # the cost model's per-stage figures, shared by every candidate of this scenario
-    bound = stage_count_bound(scenario, sync, prof) if len(counts) > 1 else None
+    bound = stage_count_bound(scenario, sync, prof, options) if len(counts) > 1 else None
     step_bound = None if sync.local else StepBound(scenario, sync, options)
     best_by_count: dict[int, float] = {}
     for s in counts:
