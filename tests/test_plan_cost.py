@@ -16,6 +16,7 @@ from shoal.plan.cost import (
     transfer_time,
 )
 from shoal.plan.types import Plan, StagePlan, SyncPolicy
+from tests.helpers.scenarios import hand_scenario
 
 # tiny model, T=64, B=2 (128 tokens): forward FLOPs per token = 4 blocks x (2(4d^2 + 3df) + 4Td)
 # + head 2dV = 4 x 434176 + 524288 = 2260992; forward + backward = 3x; x 128 tokens.
@@ -25,17 +26,7 @@ HIDDEN = 2 * 64 * 128 * 4  # B*T*d fp32
 TOKENS = 2 * 64 * 8  # int64 ids
 
 
-def scenario(n_workers=1):
-    devices = [{"id": f"w{i}", "tflops": 1, "memory_gb": 8, "region": "a", "up_mbps": 20, "down_mbps": 200}
-               for i in range(n_workers)]
-    devices.append({"id": "h", "tflops": 0, "memory_gb": 0, "region": "a", "up_gbps": 10, "down_gbps": 10,
-                    "can_host_server": True})
-    return scenario_from_dict({
-        "name": "hand",
-        "workload": {"model": "tiny", "seq_len": 64, "global_batch": 8, "micro_batch_size": 2, "dtype": "fp32"},
-        "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}},
-        "devices": devices,
-    })
+scenario = hand_scenario
 
 
 def plan(stages, m=4):

@@ -26,22 +26,13 @@ from shoal.plan.cost import (
 )
 from shoal.plan.types import Plan, StagePlan, SyncPolicy
 from shoal.sim import simulate
+from tests.helpers.scenarios import hand_scenario
 
 # the hand scenario of test_plan_cost: one tiny-model worker (fp32), 20 Mbit/s up, 200 down, 5 ms
 TINY_PARAMS = 2048 * 128 + 4 * (4 * 128**2 + 3 * 128 * 352 + 2 * 128) + (128 * 2048 + 128)
 
 
-def hand(n_workers=1):
-    devices = [{"id": f"w{i}", "tflops": 1, "memory_gb": 8, "region": "a", "up_mbps": 20, "down_mbps": 200}
-               for i in range(n_workers)]
-    devices.append({"id": "h", "tflops": 0, "memory_gb": 0, "region": "a", "up_gbps": 10, "down_gbps": 10,
-                    "can_host_server": True})
-    return scenario_from_dict({
-        "name": "hand",
-        "workload": {"model": "tiny", "seq_len": 64, "global_batch": 8, "micro_batch_size": 2, "dtype": "fp32"},
-        "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}},
-        "devices": devices,
-    })
+hand = hand_scenario
 
 
 def one_stage(sync):

@@ -482,17 +482,23 @@ class StepBound:
         got = self.rates[key] = (xa, x, min(times) if times else math.inf)
         return got
 
+    def _flops(self, layers: tuple[int, int], last: bool) -> float:
+        """FLOPs of one micro-batch's forward and backward on ``layers`` (with the recomputed
+        forward where the options recompute)."""
+        key = (*layers, last)
+        fl = self.flops.get(key)
+        if fl is None:
+            fwd, bwd = self.prof.fwd_flops(*layers), self.prof.bwd_flops(*layers)
+            if self.options.recompute and not last:
+                bwd += fwd
+            fl = self.flops[key] = fwd + bwd
+        return fl
+
     def _task_time(self, wid: str, layers: tuple[int, int], first: bool, last: bool, server: str,
                    nxt: str | None, prv: str | None) -> float:
         """``t_d``: the cost model's per-micro-batch time of ``wid`` with no server link shared."""
-        prof, net, dev, sync = self.prof, self.scenario.network, self.dev, self.sync
-        a, b = layers
-        fl = self.flops.get((a, b, last))
-        if fl is None:
-            fwd, bwd = prof.fwd_flops(a, b), prof.bwd_flops(a, b)
-            if self.options.recompute and not last:
-                bwd += fwd
-            fl = self.flops[(a, b, last)] = fwd + bwd
+        net, dev, sync = self.scenario.network, self.dev, self.sync
+        fl = self._flops(layers, last)
         dl_bytes = (self.tokens if first else self.hidden) + (self.tokens if last else self.hidden_grad)
         out_bytes = 0.0 if last else self.hidden
         in_grad_bytes = 0.0 if first else self.hidden_grad
@@ -574,16 +580,10 @@ class StepBound:
         xa_min, fill, sync_s = math.inf, 0.0, 0.0
         for i, st in enumerate(stages):
             first, last = i == 0, i == n - 1
-            a, b = st.layers
-            fl = self.flops.get((a, b, last))
-            if fl is None:
-                fwd, bwd = prof.fwd_flops(a, b), prof.bwd_flops(a, b)
-                if self.options.recompute and not last:
-                    bwd += fwd
-                fl = self.flops[(a, b, last)] = fwd + bwd
+            fl = self._flops(st.layers, last)
             dl_bytes = (self.tokens if first else self.hidden) + (self.tokens if last else self.hidden_grad)
             ul_bytes = (0.0 if last or n == 1 else self.hidden) + (0.0 if first else self.hidden_grad)
-            pbytes = prof.param_bytes(a, b)
+            pbytes = prof.param_bytes(*st.layers)
             times, avails = [], []
             max_lat = max_push = max_pull = 0.0
             for wid in st.workers:

@@ -1,0 +1,21 @@
+"""Small hand-built scenarios whose cost-model figures the tests compute by hand."""
+
+from __future__ import annotations
+
+from shoal.plan.scenario import scenario_from_dict
+from shoal.plan.types import Scenario
+
+
+def hand_scenario(n_workers: int = 1) -> Scenario:
+    """``n_workers`` identical tiny-model workers (1 TFLOP/s, 8 GB, 20 Mbit/s up, 200 down) and one
+    server host ``h`` (10 Gbit/s both ways) in one region with 5 ms latency; fp32, M = 4 of 2."""
+    devices = [{"id": f"w{i}", "tflops": 1, "memory_gb": 8, "region": "a", "up_mbps": 20, "down_mbps": 200}
+               for i in range(n_workers)]
+    devices.append({"id": "h", "tflops": 0, "memory_gb": 0, "region": "a", "up_gbps": 10, "down_gbps": 10,
+                    "can_host_server": True})
+    return scenario_from_dict({
+        "name": "hand",
+        "workload": {"model": "tiny", "seq_len": 64, "global_batch": 8, "micro_batch_size": 2, "dtype": "fp32"},
+        "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}},
+        "devices": devices,
+    })
