@@ -201,8 +201,10 @@ class FlowNet:
         r.ev_share = r.share
         f.ver += 1
         left = f.vf - r.V
+        if left <= f.vf * 1e-13:
+            left = 0.0  # the clock's rounding: a flow due now completes now, not an ulp of V later
         self.rate_updates += 1
-        heapq.heappush(self.heap, (r.T + (left if left > 0.0 else 0.0) / r.share, self.seq(), FLOW_DONE, f, f.ver))
+        heapq.heappush(self.heap, (r.T + left / r.share, self.seq(), FLOW_DONE, f, f.ver))
 
     # ------------------------------------------------------------ share changes
     def _changed(self, r: Resource, now: float, rose: bool, dirty: list, skip: Flow | None = None) -> None:
@@ -233,19 +235,28 @@ class FlowNet:
                     if o.hub:
                         self._key(f, o, r)  # its other limit or its rate changed with our share
             return
+        # a key can lag behind within one start or finish (the other end, not yet rescanned,
+        # changed too): recompute the best group of each popped flow
         if rose:
             h = r.olim
             while h and h[0][0] < share:
                 _, _, kst, f = heapq.heappop(h)
                 if f.kst == kst and f.active and f.grp is r:
                     ng, _ = _best(f)
-                    self._move(f, ng, now, dirty)
+                    if ng is r:
+                        self._key(f, r, f.dst if f.src is r else f.src)
+                    else:
+                        self._move(f, ng, now, dirty)
         else:
             h = r.nm
             while h and -h[0][0] > share:
                 _, _, kst, f = heapq.heappop(h)
                 if f.kst == kst and f.active and f is not skip and f.grp is not r:
-                    self._move(f, r, now, dirty)
+                    ng, _ = _best(f)
+                    if ng is f.grp:
+                        self._key(f, r, f.dst if f.src is r else f.src)
+                    else:
+                        self._move(f, ng, now, dirty)
         if r.cross:
             for f in list(r.cross.values()):
                 if f is skip:
