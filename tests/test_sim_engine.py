@@ -93,6 +93,95 @@ def test_flownet_path_and_receiver_limits():
     assert done[f1.fid] == pytest.approx(2.0 + (3e6 - 2 * 2e6 / 3) / 1e6)
 
 
+def _reference_finish_times(specs, aborts):
+    """Brute force: every flow's rate recomputed from scratch, min(path, up/n_up, down/n_down),
+    between consecutive starts, ends and aborts. ``specs``: (t_start, src, dst, path, nbytes)."""
+    rem = {}
+    done = {}
+    now = 0.0
+    starts = sorted(range(len(specs)), key=lambda i: specs[i][0])
+    si = 0
+    while si < len(starts) or rem:
+        n_up, n_down = {}, {}
+        for i in rem:
+            n_up[specs[i][1]] = n_up.get(specs[i][1], 0) + 1
+            n_down[specs[i][2]] = n_down.get(specs[i][2], 0) + 1
+        rate = {i: min(specs[i][3], specs[i][1][1] / n_up[specs[i][1]], specs[i][2][1] / n_down[specs[i][2]])
+                for i in rem}
+        t_next = specs[starts[si]][0] if si < len(starts) else float("inf")
+        t_ab = min((t for i, t in aborts.items() if i in rem), default=float("inf"))
+        t_end = min((now + rem[i] / rate[i] for i in rem), default=float("inf"))
+        t = min(t_next, t_ab, t_end)
+        for i in rem:
+            rem[i] -= rate[i] * (t - now)
+        now = t
+        for i in [i for i in rem if rem[i] <= 1e-6 * specs[i][4] or aborts.get(i) == t]:
+            done[i] = now
+            del rem[i]
+        while si < len(starts) and specs[starts[si]][0] == now:
+            rem[starts[si]] = specs[starts[si]][4]
+            si += 1
+    return done
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_flownet_matches_brute_force_with_hubs(seed):
+    # two hubs (a server's uplink and downlink), six plain ends, flows between all kinds of
+    # ends (hub-plain, plain-plain, hub-hub), unequal paths, staggered starts and some aborts:
+    # every completion matches the from-scratch recomputation of every rate
+    import random
+
+    rng = random.Random(seed)
+    hub_up, hub_down = ("S", 8e6, True, "up"), ("S", 6e6, True, "down")
+    hub2_up, hub2_down = ("Q", 5e6, True, "up"), ("Q", 9e6, True, "down")
+    ups = [(f"w{i}", rng.choice([1e6, 2e6, 4e6]), False, "up") for i in range(6)]
+    downs = [(f"w{i}", rng.choice([2e6, 5e6, 1e7]), False, "down") for i in range(6)]
+    specs = []
+    for _ in range(60):
+        kind = rng.random()
+        if kind < 0.4:
+            src, dst = rng.choice([hub_up, hub2_up]), rng.choice(downs)
+        elif kind < 0.8:
+            src, dst = rng.choice(ups), rng.choice([hub_down, hub2_down])
+        elif kind < 0.9:
+            src, dst = rng.choice(ups), rng.choice(downs)
+        else:
+            src, dst = hub_up, hub2_down
+        specs.append((round(rng.uniform(0.0, 20.0), 3), src, dst, rng.choice([5e5, 3e6, 1e9]),
+                      rng.uniform(1e5, 4e6)))
+    aborts = {i: specs[i][0] + 0.5 for i in rng.sample(range(60), 6)}
+    ref = _reference_finish_times(specs, aborts)
+
+    heap: list = []
+    net = FlowNet(heap, itertools.count().__next__)
+    res = {}
+    for key in {s[1] for s in specs} | {s[2] for s in specs}:
+        res[key] = Resource(key[1], hub=key[2])
+    order = sorted(range(len(specs)), key=lambda i: specs[i][0])
+    timed = [(specs[i][0], 0, i) for i in order] + [(t, 1, i) for i, t in aborts.items()]
+    timed.sort()
+    flows, got, moved = {}, {}, {}
+    for t, what, i in timed + [(float("inf"), 2, -1)]:
+        while heap and heap[0][0] <= t:
+            tt, _, kind, f, ver = heapq.heappop(heap)
+            if ver != f.ver or not f.active:
+                continue
+            net.finish(f, tt)
+            got[f.msg] = tt
+        if what == 0:
+            ts, src, dst, path, nbytes = specs[i]
+            flows[i] = net.start(src[0], dst[0], res[src], res[dst], path, 0.0, nbytes, ts, i)
+        elif what == 1 and flows[i].active:
+            moved[i] = net.progress(flows[i], t)
+            net.finish(flows[i], t)
+            got[i] = t
+    assert set(got) == set(ref)
+    for i, t in ref.items():
+        assert got[i] == pytest.approx(t, rel=1e-9, abs=1e-9), i
+        if i in moved:
+            assert 0.0 <= moved[i] <= specs[i][4]
+
+
 # ------------------------------------------------------------------ analytic protocol cases
 def test_one_device_one_stage_matches_closed_form():
     lat, bw, flops, m = 0.01, 1e7, 1e12, 4

@@ -230,8 +230,10 @@ class Simulator:
         self.net = FlowNet(self.heap, self.seq)
         self.now = 0.0
         self.devices = {d.id: d for d in scenario.devices}
-        self.up: dict[str, Resource] = {d.id: Resource(d.up) for d in scenario.devices}
-        self.down: dict[str, Resource] = {d.id: Resource(d.down) for d in scenario.devices}
+        # stage server hosts carry many flows at once: the flow network tracks them by heaps
+        hubs = {sp.server for sp in plan.stages}
+        self.up: dict[str, Resource] = {d.id: Resource(d.up, d.id in hubs) for d in scenario.devices}
+        self.down: dict[str, Resource] = {d.id: Resource(d.down, d.id in hubs) for d in scenario.devices}
         self._links: dict[tuple[str, str], tuple[float, float]] = {}
         pol = plan.sync
         db = wl.dtype_bytes

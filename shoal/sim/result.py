@@ -38,7 +38,7 @@ class SimResult:
     stalled: bool = False  # the run stopped before finishing its steps (no progress possible / limits hit)
     passes: list[dict] = field(default_factory=list)  # per step: {"fwd": [per stage {m: n}], "grad": [...]}
     timeline: list[tuple[str, float, float, str]] | None = None  # (device, t0, t1, compute|send|recv)
-    flow_reschedules: int = 0  # network rate recomputations that moved a flow's completion
+    flow_reschedules: int = 0  # completion events the flow network pushed (a cost measure)
     stage_phases: list[list[tuple[float, float]]] = field(default_factory=list)  # per step, per stage: (s into the step when its backward drained, when it closed)
 
     @property
