@@ -333,3 +333,84 @@ def test_standby_is_sent_the_newest_checkpoint_it_lacks():
     assert standby_send_version([3, 4], have=6, loading=False) == 4  # rolled back: the older file
     assert standby_send_version([], have=0, loading=False) == 0
     assert standby_send_version([3, 4, 5], have=4, loading=True) == 0
+
+
+def test_replay_plan_runs_from_the_copy_while_each_step_has_gradient_and_decision():
+    from shoal.runtime.standby import replay_plan
+
+    logged = {(1, 4), (1, 5), (1, 6)}
+    assert replay_plan(4, logged, {(1, 4), (1, 5)}) == [(1, 4), (1, 5)]  # step 6 in flight: no decision
+    assert replay_plan(3, logged, {(1, 4), (1, 5)}) == []  # step 3 is neither copied nor logged
+    assert replay_plan(5, logged, {(1, 4), (1, 5), (1, 6)}) == [(1, 5), (1, 6)]
+    # A gradient and a decision of different epochs never pair up; the newest epoch with both wins.
+    assert replay_plan(4, {(1, 4), (2, 5)}, {(1, 4), (1, 5)}) == [(1, 4)]
+    assert replay_plan(4, {(1, 4), (2, 4)}, {(1, 4), (2, 4)}) == [(2, 4)]
+    assert replay_plan(0, set(), set()) == []
+
+
+def test_a_roll_back_drops_the_log_of_the_history_it_left():
+    from shoal.runtime.standby import covered, overflow, superseded
+
+    keys = [(1, 4), (1, 5), (1, 6), (0, 2)]
+    # Epoch 2 redoes step 5: epoch 1's steps 5 and 6 are gone, step 4 (and older epochs' older steps) stay.
+    assert sorted(superseded(keys, (2, 5))) == [(1, 5), (1, 6)]
+    assert superseded(keys, (1, 7)) == []  # the same epoch going on drops nothing
+    assert sorted(covered(keys, 5)) == [(0, 2), (1, 4)]  # a full copy at v5 holds steps 0..4
+    assert overflow([(1, k) for k in range(10)], most=8) == [(1, 0), (1, 1)]
+    assert overflow([(1, 3)], most=8) == []
+
+
+def test_active_server_skips_a_lagging_standby_for_a_while():
+    from shoal.runtime.standby import send_to
+
+    assert send_to(["a", "b"], {}, now=100.0) == ["a", "b"]
+    assert send_to(["a", "b"], {"a": 90.0}, now=100.0, lag_s=30.0) == ["b"]
+    assert send_to(["a", "b"], {"a": 60.0}, now=100.0, lag_s=30.0) == ["a", "b"]
+
+
+def test_coordinator_gives_a_standby_the_decisions_of_the_committed_steps():
+    from shoal.net import shoal_pb2 as pb
+    from shoal.runtime.standby import decisions_since
+
+    d = {(0, k): pb.StepDecision(ready=True, lr=0.1 * (k + 1), coef=1.0) for k in range(6)}
+    d[(1, 4)] = pb.StepDecision(ready=True, lr=9.0, coef=0.5)  # redone after a roll-back to 4
+    got = decisions_since(d, epoch=1, committed=5, since=2)
+    assert [(x.epoch, x.step) for x in got] == [(0, 2), (0, 3), (1, 4)]  # step 5 of epoch 0: abandoned
+    assert got[-1].lr == 9.0 and got[-1].coef == 0.5
+    assert [x.step for x in decisions_since(d, epoch=1, committed=5, since=0, most=2)] == [3, 4]
+
+
+def test_kill_at_commit_hook_fires_only_on_its_stage_and_step():
+    from shoal.runtime.standby import kill_at_commit
+
+    assert not kill_at_commit(0, 2, standby=False, env="")
+    assert not kill_at_commit(1, 2, standby=False, env="0:3")
+    assert not kill_at_commit(0, 1, standby=False, env="0:3")
+    assert not kill_at_commit(0, 2, standby=True, env="0:3")  # a promoted standby never fires
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_standby_replays_logged_steps_when_the_active_dies_at_a_commit(tmp_path, tmp_path_factory, monkeypatch):
+    """The active server of stage 0 is killed (SIGKILL, by itself) the moment the decision of
+    step 2 lands, before it applies or checkpoints it: its standby, on its own empty folder,
+    holds at most the file of v2 but logged step 2's gradient before the step was reported.
+    Promoted, it replays that step, every stage restarts at v3 (the newest committed: only
+    the step in flight is lost), and the final weights equal the failure-free run's."""
+    from shoal.runtime.launch import launch
+    from shoal.runtime.standby import KILL_AT_COMMIT_ENV
+
+    reference = failure_free_weights(tmp_path_factory)
+    out = tmp_path / "run"
+    monkeypatch.setenv(KILL_AT_COMMIT_ENV, "0:3")
+    summary = launch(launch_config(out, standbys=1))
+    assert summary["steps"] == 6
+    events = read_jsonl(out / "events.jsonl")
+    promoted = [e for e in events if e["event"] == "server_restart"]
+    assert [(e["device"], e["stage"]) for e in promoted] == [("s2", 0)], promoted
+    rollbacks = [e for e in events if e["event"] == "rollback"]
+    assert rollbacks and rollbacks[0]["committed"] == 3, rollbacks
+    assert all(r["version"] == r["committed"] for r in rollbacks), rollbacks
+    log = (out / "logs" / "server2.log").read_text()
+    assert "logged step(s) replayed -> v3" in log, log[-2000:]
+    assert_equal_weights(out, reference)

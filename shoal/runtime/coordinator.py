@@ -74,6 +74,7 @@ from shoal.runtime.planning import (
     planning_scenario,
     played_device,
 )
+from shoal.runtime.standby import decisions_since
 from shoal.train.metrics import JsonlWriter, step_record
 from shoal.train.optim import clip_coefficient, lr_at
 from shoal.train.precision import next_loss_scale, overflowed
@@ -701,12 +702,23 @@ class Coordinator(pbg.CoordinatorServicer):
                           restart_version=self.restart_version, done=self.done, measure=m.measure_req)
         if stage >= 0:
             a.first, a.last = self.layers[stage]
+            if m.role == "server":
+                a.standby_peers.extend(self._standby_peers(stage))
         elif m.role == "server" and self.layers:
             shadow = self._hot_standbys().get(m.member_id, -1)
             if shadow >= 0 and self.stage_server[shadow]:
                 a.standby_for = shadow + 1
                 a.standby_first, a.standby_last = self.layers[shadow]
+        if request.standby_decisions_from > 0:
+            # A standby's step log: the decisions it replays if promoted (shoal.runtime.standby).
+            a.standby_decisions.extend(decisions_since(self.decisions, self.epoch, self.committed,
+                                                       request.standby_decisions_from - 1))
         return a
+
+    def _standby_peers(self, stage: int) -> list[str]:
+        """Addresses of the hot standbys copying ``stage`` (its active server sends them each step)."""
+        return [self.members[mid].address for mid, k in self._hot_standbys().items()
+                if k == stage and self.members[mid].address]
 
     def _guard_ban(self, ban: pb.GuardBan, server: Member) -> None:
         """A stage server banned a worker: drop it for the run, refuse it, re-plan without it."""
