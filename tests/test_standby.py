@@ -414,3 +414,53 @@ def test_standby_replays_logged_steps_when_the_active_dies_at_a_commit(tmp_path,
     log = (out / "logs" / "server2.log").read_text()
     assert "logged step(s) replayed -> v3" in log, log[-2000:]
     assert_equal_weights(out, reference)
+
+
+def test_replaying_the_step_log_equals_the_active_servers_updates(tmp_path):
+    """In process: an "active" stage applies three decided steps (one a skipped fp16 overflow,
+    one clipped) to its weights and AdamW state; a standby holding the checkpoint of the first
+    version and the three logged gradients replays them to the same bits, loss scale included."""
+    import torch
+
+    from shoal.net import shoal_pb2 as pb
+    from shoal.runtime.common import list_ckpts, save_stage_ckpt, stage_ckpt_loss_scale
+    from shoal.runtime.server import StageServer
+    from shoal.train.optim import apply_update
+
+    spec = pb.RunSpec(model="tiny", stages=2, steps=8, seed=1, lr=3e-3, weight_decay=0.1, run_id="r1",
+                      precision="fp16", ckpt_every=1)
+    srv = StageServer("127.0.0.1:1", "127.0.0.1:0", "tok", str(tmp_path / "standby"))
+    srv.spec = spec
+    _, module, opt, scale, _ = srv._make(0, 0, 2, 0)
+    params = dict(module.named_parameters())
+    g = torch.Generator().manual_seed(0)
+    decisions = [pb.StandbyDecision(epoch=1, step=4, lr=1e-3, coef=1.0, next_loss_scale=512.0),
+                 pb.StandbyDecision(epoch=1, step=5, skip=True, next_loss_scale=256.0),
+                 pb.StandbyDecision(epoch=1, step=6, lr=2e-3, coef=0.37, next_loss_scale=256.0)]
+    # Some AdamW history first, then the full copy at v4 (the standby's own folder).
+    for p in params.values():
+        p.grad = torch.randn(p.shape, generator=g)
+    apply_update(opt, 1e-3, 1.0)
+    save_stage_ckpt(tmp_path / "standby", 0, 4, module, opt, run_id="r1", layers=(0, 2), loss_scale=1024.0)
+    srv._sb_reset(0, (0, 2))
+    for d in decisions:
+        grads = {n: torch.randn(p.shape, generator=g) for n, p in params.items()}
+        if d.skip:
+            grads[next(iter(grads))][0] = float("inf")  # an overflowed fp16 step
+        srv.sb_log[(d.epoch, d.step)] = {n: t.clone() for n, t in grads.items()}
+        srv.sb_decided[(d.epoch, d.step)] = d
+        for n, p in params.items():  # what the active server does with the decision
+            p.grad = grads[n]
+        if d.skip:
+            opt.zero_grad(set_to_none=True)
+        else:
+            apply_update(opt, d.lr, d.coef)
+    assert srv.standby_replayable() == 7
+    assert srv._sb_replay(0, 0, 2) == 7
+    assert list_ckpts(tmp_path / "standby", 0, "r1") == [4, 5, 6, 7]  # --ckpt-every 1: each replayed version
+    assert stage_ckpt_loss_scale(tmp_path / "standby", 0, 7, 1.0, run_id="r1") == 256.0
+    _, restored, ropt, _, _ = srv._make(0, 0, 2, 7)
+    for (n, p), (_, q) in zip(module.named_parameters(), restored.named_parameters(), strict=True):
+        assert torch.equal(p, q), n
+        for k, v in opt.state[p].items():
+            assert torch.equal(v, ropt.state[q][k]), (n, k)
