@@ -207,7 +207,7 @@ class GuardBan(_message.Message):
     def __init__(self, worker: _Optional[str] = ..., reason: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class MemberStats(_message.Message):
-    __slots__ = ("stage", "tasks_done", "compute_s", "step", "pool_todo", "pool_waiting", "leases", "workers", "last_step")
+    __slots__ = ("stage", "tasks_done", "compute_s", "step", "pool_todo", "pool_waiting", "leases", "workers", "last_step", "standby_logging", "standby_lagging")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     TASKS_DONE_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +217,8 @@ class MemberStats(_message.Message):
     LEASES_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_LOGGING_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_LAGGING_FIELD_NUMBER: _ClassVar[int]
     stage: int
     tasks_done: int
     compute_s: float
@@ -226,7 +228,9 @@ class MemberStats(_message.Message):
     leases: int
     workers: int
     last_step: StepSplit
-    def __init__(self, stage: _Optional[int] = ..., tasks_done: _Optional[int] = ..., compute_s: _Optional[float] = ..., step: _Optional[int] = ..., pool_todo: _Optional[int] = ..., pool_waiting: _Optional[int] = ..., leases: _Optional[int] = ..., workers: _Optional[int] = ..., last_step: _Optional[_Union[StepSplit, _Mapping]] = ...) -> None: ...
+    standby_logging: _containers.RepeatedScalarFieldContainer[str]
+    standby_lagging: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, stage: _Optional[int] = ..., tasks_done: _Optional[int] = ..., compute_s: _Optional[float] = ..., step: _Optional[int] = ..., pool_todo: _Optional[int] = ..., pool_waiting: _Optional[int] = ..., leases: _Optional[int] = ..., workers: _Optional[int] = ..., last_step: _Optional[_Union[StepSplit, _Mapping]] = ..., standby_logging: _Optional[_Iterable[str]] = ..., standby_lagging: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepSplit(_message.Message):
     __slots__ = ("step", "total_s", "compute_s", "transfer_s", "sync_s", "waiting_s")
@@ -357,18 +361,22 @@ class StandbyDecision(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., lr: _Optional[float] = ..., coef: _Optional[float] = ..., skip: _Optional[bool] = ..., next_loss_scale: _Optional[float] = ...) -> None: ...
 
 class StandbyStep(_message.Message):
-    __slots__ = ("member_id", "stage", "epoch", "step", "grads")
+    __slots__ = ("member_id", "stage", "epoch", "step", "grads", "first", "last")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     GRADS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     stage: int
     epoch: int
     step: int
     grads: _containers.RepeatedCompositeFieldContainer[Tensor]
-    def __init__(self, member_id: _Optional[str] = ..., stage: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., grads: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+    first: int
+    last: int
+    def __init__(self, member_id: _Optional[str] = ..., stage: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., grads: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., first: _Optional[int] = ..., last: _Optional[int] = ...) -> None: ...
 
 class StandbyStepAck(_message.Message):
     __slots__ = ("ok", "reason")

@@ -585,6 +585,7 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
                            workers=sum(now - w.last_seen <= live for w in self.workers.values()))
         if self.last_split is not None:
             s.last_step.CopyFrom(pb.StepSplit(**self.last_split))
+        self.standby_stats(s)
         return s
 
     # ------------------------------------------------------------------ pool

@@ -49,7 +49,7 @@ log = logging.getLogger("shoal.server")
 Key = tuple[int, int]  # (epoch, step)
 
 STANDBY_ACK_S = 10.0  # longest an active server waits for a standby to log a step
-STANDBY_LAG_S = 30.0  # a standby that failed to log a step is skipped this long (full copies still go)
+STANDBY_LAG_S = 30.0  # a standby that timed out logging a step is skipped this long (full copies still go)
 STANDBY_LOG_STEPS = 64  # most steps a standby logs beyond its newest full copy (memory bound)
 KILL_AT_COMMIT_ENV = "SHOAL_TEST_KILL_AT_COMMIT"  # fault hook "STAGE:N": see kill_at_commit
 
@@ -93,9 +93,16 @@ def overflow(keys: Iterable[Key], most: int = STANDBY_LOG_STEPS) -> list[Key]:
     return ordered[:max(0, len(ordered) - most)]
 
 
-def send_to(peers: Iterable[str], lagging: dict[str, float], now: float, lag_s: float = STANDBY_LAG_S) -> list[str]:
-    """The standbys an active server sends a step to: all but those that failed within ``lag_s``."""
-    return [p for p in peers if now - lagging.get(p, -1e18) >= lag_s]
+def send_to(peers: Iterable[str], skip_until: dict[str, float], now: float) -> list[str]:
+    """The standbys an active server sends a step to: all but those skipped until after ``now``."""
+    return [p for p in peers if now >= skip_until.get(p, 0.0)]
+
+
+def lag_seconds(timed_out: bool) -> float:
+    """How long to skip a standby that failed to log a step: one that timed out (hung or
+    starved) would stall every step, so it is skipped a while; one that refused or is
+    unreachable answers at once and is tried again with the next step."""
+    return STANDBY_LAG_S if timed_out else 0.0
 
 
 def decisions_since(decisions: dict[Key, pb.StepDecision], epoch: int, committed: int, since: int,
@@ -142,8 +149,8 @@ class StandbyMixin:
     sb_decided: dict[Key, pb.StandbyDecision] | None = None  # standby: committed decisions
     sb_shapes: dict[str, tuple[int, ...]] | None = None  # standby: parameter shapes of sb_stage
     sb_peers: tuple[str, ...] = ()  # active: addresses of its stage's standbys
-    sb_lagging: dict[str, float] | None = None  # active: standby -> when it last failed to log a step
-    sb_sent = 0  # active: standby acknowledgements received (dashboard, tests)
+    sb_lagging: dict[str, float] | None = None  # active: standby -> skipped until (monotonic s)
+    sb_logged: tuple[str, ...] = ()  # active: the standbys that logged the last step sent
 
     # ------------------------------------------------------------ standby side
     def _sb_reset(self, stage: int, layers: tuple[int, int]) -> None:
@@ -201,8 +208,16 @@ class StandbyMixin:
         return self.sb_shapes
 
     def _sb_max_bytes(self) -> int:
-        if self.spec is None or self.sb_stage < 0:
+        """Most bytes of a step sent to this standby: its stage's gradient; before the coordinator
+        named the stage, the whole model's (the bound of any stage)."""
+        if self.spec is None:
             return CONTROL_SLACK
+        if self.sb_stage < 0:
+            from shoal.model.profile import profile_model
+
+            cfg = model_config(self.spec)
+            numel = profile_model(cfg, seq_len=self.spec.seq_len or None).params(0, cfg.n_total_layers)
+            return 5 * numel + 1024 * 1024 + CONTROL_SLACK
         shapes = self._sb_param_shapes()
         numel = sum(int(torch.Size(s).numel()) for s in shapes.values())
         return 4 * numel + 512 * len(shapes) + CONTROL_SLACK
@@ -214,8 +229,11 @@ class StandbyMixin:
         except WireError as exc:
             return pb.StandbyStepAck(ok=False, reason=f"rejected: {exc}")
         await check_caller(context, msg.member_id)
-        if self.stage >= 0 or self.spec is None or msg.stage != self.sb_stage or self.sb_log is None:
+        if self.stage >= 0 or self.spec is None or self.sb_stage not in (-1, msg.stage):
             return pb.StandbyStepAck(ok=False, reason=f"not a standby of stage {msg.stage}")
+        # The coordinator lists a new standby to the active server a heartbeat before it tells
+        # the standby: the step names its stage and layers.
+        self._sb_reset(msg.stage, (msg.first, msg.last))
         shapes = self._sb_param_shapes()
         finite = run_precision(self.spec) != "fp16"  # an fp16 overflow is a skipped step, not a fault
         grads = {}
@@ -282,6 +300,11 @@ class StandbyMixin:
         await self._load(stage, first, last, version, epoch)
 
     # ------------------------------------------------------------ active side
+    def standby_stats(self, s: pb.MemberStats) -> None:
+        """Dashboard figures: the standbys that logged the last step, and those lagging."""
+        s.standby_logging.extend(self.sb_logged)
+        s.standby_lagging.extend(sorted(a for a in self.sb_peers if a not in self.sb_logged))
+
     async def standby_send_step(self, step: int, epoch: int) -> None:
         """Send the step's summed gradient (``p.grad`` of every parameter, as applied) to each
         standby of our stage and wait for their acknowledgements (bounded)."""
@@ -289,25 +312,34 @@ class StandbyMixin:
             self.sb_lagging = {}
         peers = send_to(self.sb_peers, self.sb_lagging, time.monotonic())
         if not peers or self.local:
+            self.sb_logged = ()
             return
-        msg = pb.StandbyStep(member_id=self.member_id, stage=self.stage, epoch=epoch, step=step)
-        for name, p in self.params.items():
-            msg.grads.append(encode_tensor(name, p.grad))
-        data = await asyncio.get_running_loop().run_in_executor(None, msg.SerializeToString)
+        msg = pb.StandbyStep(member_id=self.member_id, stage=self.stage, epoch=epoch, step=step,
+                             first=self.first, last=self.last)
+
+        def encode() -> bytes:  # a copy of every gradient: off the event loop
+            for name, p in self.params.items():
+                msg.grads.append(encode_tensor(name, p.grad))
+            return msg.SerializeToString()
+
+        data = await asyncio.get_running_loop().run_in_executor(None, encode)
+        logged = set(peers)
 
         async def one(addr: str) -> None:
             try:
                 ack = await send(self._stub(addr).StandbyStepStream, msg, self.chunk_bytes, timeout=STANDBY_ACK_S,
                                  traffic=self.traffic, data=data, sender=self.member_id)
-                why = "" if ack.ok else ack.reason
+                why, timed_out = ("" if ack.ok else ack.reason), False
             except grpc.aio.AioRpcError as exc:
-                why = str(exc.code())
+                why, timed_out = exc.code().name, exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             if why:
-                self.sb_lagging[addr] = time.monotonic()
-                log.warning("%s: standby %s did not log step %d (%s); it lags (full copies only) for %.0f s",
-                            self.name, addr, step, why, STANDBY_LAG_S)
+                lag = lag_seconds(timed_out)
+                self.sb_lagging[addr] = time.monotonic() + lag
+                logged.discard(addr)
+                log.warning("%s: standby %s did not log step %d (%s); it lags (full copies only)%s",
+                            self.name, addr, step, why, f", skipped for {lag:.0f} s" if lag else "")
             else:
                 self.sb_lagging.pop(addr, None)
-                self.sb_sent += 1
 
         await asyncio.gather(*(one(a) for a in peers))
+        self.sb_logged = tuple(sorted(logged))
