@@ -466,3 +466,47 @@ def test_replaying_the_step_log_equals_the_active_servers_updates(tmp_path):
         assert torch.equal(p, q), n
         for k, v in opt.state[p].items():
             assert torch.equal(v, ropt.state[q][k]), (n, k)
+
+
+def test_planner_places_standbys_on_the_near_host_where_round_robin_would_not():
+    """Emulated runs with a plan: standbys copy the stage the planner's placement
+    (shoal.plan.standby.place_standbys) gives their host. Stage 0 is served in region r,
+    stage 1 in region far, behind a 100 kB/s path from r. Round robin in join order sends
+    b (in far) to stage 0 and a (in r) to stage 1, both copying over the slow path; the
+    planner gives each stage the standby in its own region."""
+    from shoal.model.config import get_preset
+    from shoal.model.profile import profile_model
+    from shoal.plan.types import (
+        ChurnModel,
+        Device,
+        Link,
+        Network,
+        Plan,
+        Scenario,
+        StagePlan,
+        SyncPolicy,
+        Workload,
+    )
+    from shoal.runtime.standby import planned_standby_stages
+
+    def host(name: str, region: str, memory: float = 64e9) -> Device:
+        return Device(name, "server", 0.0, 0.0, region, 1e8, 1e8, can_host_server=True, host_memory=memory)
+
+    net = Network(intra={"r": Link(0.01, 1e9), "far": Link(0.01, 1e9)}, inter={("far", "r"): Link(0.05, 1e5)})
+    gpus = [Device(f"g{i}", "gpu", 1e11, 8e9, "r", 1e7, 1e7) for i in range(2)]
+    scn = Scenario("hand", [host("h0", "r"), host("h1", "far"), host("h2", "far"), host("h3", "r"), *gpus], net,
+                   Workload("tiny", 32, 16, 1, 4), ChurnModel())
+    plan = Plan("hand", "tiny", "hand", [StagePlan((0, 3), "h0", ["g0"]), StagePlan((3, 6), "h1", ["g1"])],
+                1, 16, SyncPolicy())
+    prof = profile_model(get_preset("tiny"), 32, 1, 4)
+    hosts = {"b": "h2", "a": "h3"}
+    assert standby_stages(["b", "a"], 2, hosts=hosts, active_hosts=["h0", "h1"]) == {"b": 0, "a": 1}
+    assert planned_standby_stages(["b", "a"], hosts, plan, scn, prof) == {"a": 0, "b": 1}
+    # Fewer standbys than stages: no full round for the planner (round robin places them).
+    assert planned_standby_stages(["b"], {"b": "h2"}, plan, scn, prof) == {}
+    # No host with memory for a stage's state: the planner refuses, round robin places them.
+    small = Scenario("hand", [host("h0", "r"), host("h1", "far"), host("h2", "far", 1e3), host("h3", "r", 1e3),
+                              *gpus], net, Workload("tiny", 32, 16, 1, 4), ChurnModel())
+    assert planned_standby_stages(["b", "a"], hosts, plan, small, prof) == {}
+    # Two standbys on one host (the only one running standbys): one per stage, in join order.
+    assert planned_standby_stages(["a", "c"], {"a": "h3", "c": "h3"}, plan, scn, prof) == {"a": 0, "c": 1}

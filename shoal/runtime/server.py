@@ -551,7 +551,7 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
                                                a.servers[a.standby_for - 1]))
             return
         if self.stage != a.stage or a.epoch != self.epoch:
-            promote = self.stage < 0 and bool(self.sb_log)  # a standby with a step log: replay it first
+            promote = self.stage < 0 and self.sb_log is not None  # a logging standby: replay its log first
             self.stage, self.first, self.last = a.stage, a.first, a.last
             self.epoch = a.epoch
             self.ready = False

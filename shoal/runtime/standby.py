@@ -286,7 +286,7 @@ class StandbyMixin:
         ``self.loading`` is set by the caller, so no heartbeat reports a checkpoint meanwhile.
         """
         try:
-            if self.sb_log and stage == self.sb_stage and (first, last) == self.sb_layers:
+            if self.sb_log is not None and stage == self.sb_stage and (first, last) == self.sb_layers:
                 base = self._sb_base()
                 reached = await asyncio.get_running_loop().run_in_executor(None, self._sb_replay, stage, first, last)
                 log.info("%s (standby) promoted to stage %d: full copy v%d, %d logged step(s) replayed -> v%d",
@@ -343,3 +343,41 @@ class StandbyMixin:
 
         await asyncio.gather(*(one(a) for a in peers))
         self.sb_logged = tuple(sorted(logged))
+
+
+def planned_standby_stages(standbys: list[str], hosts: dict[str, str], plan, scenario, prof) -> dict[str, int]:
+    """The stage each of ``standbys`` copies by the planner's placement, where the run has a
+    plan on a scenario with hosts (emulated runs); standbys it does not place are left out
+    (the caller gives them stages round robin).
+
+    ``plan``: the run's stages with their current active hosts (``StagePlan.server``, a
+    scenario host id); ``hosts``: standby -> the scenario host it plays. A round of
+    ``len(standbys) // stages`` standbys per stage is placed by
+    :func:`shoal.plan.standby.place_standbys` over the hosts that run a standby: each stage's
+    on distinct hosts other than its active host, with host memory for the stage's state,
+    least loaded first, then the fastest copy path from the active host. A host's standbys
+    are used in join order; a host chosen more often than it runs standbys, or a placement
+    the planner refuses (too few hosts or too little memory), leaves those standbys out.
+    """
+    from dataclasses import replace
+
+    from shoal.errors import ShoalError
+    from shoal.plan.standby import place_standbys
+
+    stages = len(plan.stages)
+    n = len(standbys) // stages if stages else 0
+    if n == 0 or any(not hosts.get(mid) for mid in standbys):
+        return {}
+    run_standby = set(hosts.values())
+    sub = replace(scenario, devices=[replace(d, can_host_server=d.id in run_standby) for d in scenario.devices])
+    try:
+        placed = place_standbys(plan, sub, prof, n)
+    except (ShoalError, KeyError, ValueError):
+        return {}
+    free = {h: [mid for mid in standbys if hosts[mid] == h] for h in run_standby}
+    out: dict[str, int] = {}
+    for k, hs in enumerate(placed):
+        for h in hs:
+            if free.get(h):
+                out[free[h].pop(0)] = k
+    return out
