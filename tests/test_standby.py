@@ -510,3 +510,33 @@ def test_planner_places_standbys_on_the_near_host_where_round_robin_would_not():
     assert planned_standby_stages(["b", "a"], hosts, plan, small, prof) == {}
     # Two standbys on one host (the only one running standbys): one per stage, in join order.
     assert planned_standby_stages(["a", "c"], {"a": "h3", "c": "h3"}, plan, scn, prof) == {"a": 0, "c": 1}
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_hung_standby_does_not_stop_the_run(tmp_path, tmp_path_factory):
+    """SIGSTOP the hot standby after step 2: the active server's next step log to it times
+    out (bounded wait), is logged as lagging, and the step goes on without it; the run
+    completes with the failure-free run's weights."""
+    import os
+    import signal
+
+    reference = failure_free_weights(tmp_path_factory)
+    out = tmp_path / "run"
+    with Swarm(launch_config(out, standbys=1)) as sw:
+        sw.start()
+        deadline = time.time() + 200
+        while sw.committed_steps() < 2:
+            assert time.time() < deadline, "the run did not reach step 2"
+            time.sleep(0.05)
+        standby = sw.servers[2]  # s0, s1 serve the stages; s2 is the standby
+        os.kill(standby.pid, signal.SIGSTOP)
+        try:
+            summary = sw.wait()
+        finally:
+            if standby.poll() is None:
+                os.kill(standby.pid, signal.SIGCONT)
+    assert summary["steps"] == 6
+    logs = "".join((out / "logs" / f"server{i}.log").read_text() for i in (0, 1))
+    assert "standby 127.0.0.1" in logs and "did not log step" in logs and "DEADLINE_EXCEEDED" in logs, logs[-2000:]
+    assert_equal_weights(out, reference)
