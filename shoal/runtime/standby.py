@@ -148,6 +148,7 @@ class StandbyMixin:
     sb_log: dict[Key, dict[str, torch.Tensor]] | None = None  # standby: logged gradients
     sb_decided: dict[Key, pb.StandbyDecision] | None = None  # standby: committed decisions
     sb_shapes: dict[str, tuple[int, ...]] | None = None  # standby: parameter shapes of sb_stage
+    sb_shaping = False  # standby: the shapes are being computed
     sb_peers: tuple[str, ...] = ()  # active: addresses of its stage's standbys
     sb_lagging: dict[str, float] | None = None  # active: standby -> skipped until (monotonic s)
     sb_logged: tuple[str, ...] = ()  # active: the standbys that logged the last step sent
@@ -184,6 +185,9 @@ class StandbyMixin:
         self.sb_peers = tuple(a.standby_peers)
         if a.stage < 0 and a.standby_for > 0:
             self._sb_reset(a.standby_for - 1, (a.standby_first, a.standby_last))
+            if self.sb_shapes is None and not self.sb_shaping:
+                self.sb_shaping = True  # ready before the first step arrives
+                self._spawn(self._sb_shapes_ready())
         if self.sb_decided is None:
             return
         for d in a.standby_decisions:
@@ -199,28 +203,43 @@ class StandbyMixin:
         base = self._sb_base()
         return base + len(replay_plan(base, self.sb_log, self.sb_decided))
 
-    def _sb_param_shapes(self) -> dict[str, tuple[int, ...]]:
-        if self.sb_shapes is None:
-            from shoal.model.transformer import build_stage
+    def _sb_build_shapes(self, layers: tuple[int, int]) -> dict[str, tuple[int, ...]]:
+        """Parameter shapes of the stage with ``layers`` (CPU work, run in a thread): built on the
+        meta device, so no weight is allocated or initialised."""
+        from shoal.model.transformer import build_stage
 
-            module = build_stage(model_config(self.spec), *self.sb_layers, seed=self.spec.seed)
-            self.sb_shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
+        with torch.device("meta"):
+            module = build_stage(model_config(self.spec), *layers, seed=self.spec.seed)
+        return {n: tuple(p.shape) for n, p in module.named_parameters()}
+
+    async def _sb_param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shapes of the stage we copy (computed once per stage, off the event loop)."""
+        while self.sb_shapes is None:
+            layers = self.sb_layers
+            shapes = await asyncio.get_running_loop().run_in_executor(None, self._sb_build_shapes, layers)
+            if self.sb_log is None:
+                return shapes  # promoted meanwhile: nothing to keep
+            if layers == self.sb_layers:
+                self.sb_shapes = shapes
         return self.sb_shapes
 
+    async def _sb_shapes_ready(self) -> None:
+        try:
+            await self._sb_param_shapes()
+        finally:
+            self.sb_shaping = False
+
     def _sb_max_bytes(self) -> int:
-        """Most bytes of a step sent to this standby: its stage's gradient; before the coordinator
-        named the stage, the whole model's (the bound of any stage)."""
+        """Most bytes of a step sent to this standby: its stage's gradient, from the model's
+        profile (before the coordinator named the stage: the whole model's, the bound of any)."""
         if self.spec is None:
             return CONTROL_SLACK
-        if self.sb_stage < 0:
-            from shoal.model.profile import profile_model
+        from shoal.model.profile import profile_model
 
-            cfg = model_config(self.spec)
-            numel = profile_model(cfg, seq_len=self.spec.seq_len or None).params(0, cfg.n_total_layers)
-            return 5 * numel + 1024 * 1024 + CONTROL_SLACK
-        shapes = self._sb_param_shapes()
-        numel = sum(int(torch.Size(s).numel()) for s in shapes.values())
-        return 4 * numel + 512 * len(shapes) + CONTROL_SLACK
+        cfg = model_config(self.spec)
+        first, last = self.sb_layers if self.sb_stage >= 0 else (0, cfg.n_total_layers)
+        numel = profile_model(cfg, seq_len=self.spec.seq_len or None).params(first, last)
+        return 5 * numel + 1024 * 1024 + CONTROL_SLACK
 
     async def StandbyStepStream(self, request_iterator, context):
         """Log a step's summed gradient sent by the active server of the stage we copy."""
@@ -234,7 +253,9 @@ class StandbyMixin:
         # The coordinator lists a new standby to the active server a heartbeat before it tells
         # the standby: the step names its stage and layers.
         self._sb_reset(msg.stage, (msg.first, msg.last))
-        shapes = self._sb_param_shapes()
+        shapes = await self._sb_param_shapes()
+        if self.stage >= 0 or self.sb_stage != msg.stage or self.sb_log is None:
+            return pb.StandbyStepAck(ok=False, reason=f"not a standby of stage {msg.stage}")  # changed meanwhile
         finite = run_precision(self.spec) != "fp16"  # an fp16 overflow is a skipped step, not a fault
         grads = {}
         try:
