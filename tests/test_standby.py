@@ -333,3 +333,210 @@ def test_standby_is_sent_the_newest_checkpoint_it_lacks():
     assert standby_send_version([3, 4], have=6, loading=False) == 4  # rolled back: the older file
     assert standby_send_version([], have=0, loading=False) == 0
     assert standby_send_version([3, 4, 5], have=4, loading=True) == 0
+
+
+def test_replay_plan_runs_from_the_copy_while_each_step_has_gradient_and_decision():
+    from shoal.runtime.standby import replay_plan
+
+    logged = {(1, 4), (1, 5), (1, 6)}
+    assert replay_plan(4, logged, {(1, 4), (1, 5)}) == [(1, 4), (1, 5)]  # step 6 in flight: no decision
+    assert replay_plan(3, logged, {(1, 4), (1, 5)}) == []  # step 3 is neither copied nor logged
+    assert replay_plan(5, logged, {(1, 4), (1, 5), (1, 6)}) == [(1, 5), (1, 6)]
+    # A gradient and a decision of different epochs never pair up; the newest epoch with both wins.
+    assert replay_plan(4, {(1, 4), (2, 5)}, {(1, 4), (1, 5)}) == [(1, 4)]
+    assert replay_plan(4, {(1, 4), (2, 4)}, {(1, 4), (2, 4)}) == [(2, 4)]
+    assert replay_plan(0, set(), set()) == []
+
+
+def test_a_roll_back_drops_the_log_of_the_history_it_left():
+    from shoal.runtime.standby import covered, overflow, superseded
+
+    keys = [(1, 4), (1, 5), (1, 6), (0, 2)]
+    # Epoch 2 redoes step 5: epoch 1's steps 5 and 6 are gone, step 4 (and older epochs' older steps) stay.
+    assert sorted(superseded(keys, (2, 5))) == [(1, 5), (1, 6)]
+    assert superseded(keys, (1, 7)) == []  # the same epoch going on drops nothing
+    assert sorted(covered(keys, 5)) == [(0, 2), (1, 4)]  # a full copy at v5 holds steps 0..4
+    assert overflow([(1, k) for k in range(10)], most=8) == [(1, 0), (1, 1)]
+    assert overflow([(1, 3)], most=8) == []
+
+
+def test_active_server_skips_a_standby_that_timed_out_for_a_while():
+    from shoal.runtime.standby import STANDBY_LAG_S, lag_seconds, send_to
+
+    assert send_to(["a", "b"], {}, now=100.0) == ["a", "b"]
+    assert send_to(["a", "b"], {"a": 120.0}, now=100.0) == ["b"]  # skipped until 120
+    assert send_to(["a", "b"], {"a": 100.0}, now=100.0) == ["a", "b"]
+    assert lag_seconds(timed_out=True) == STANDBY_LAG_S > 0  # a hung standby would stall each step
+    assert lag_seconds(timed_out=False) == 0.0  # refused or unreachable: answered at once, tried again
+
+
+def test_coordinator_gives_a_standby_the_decisions_of_the_committed_steps():
+    from shoal.net import shoal_pb2 as pb
+    from shoal.runtime.standby import decisions_since
+
+    d = {(0, k): pb.StepDecision(ready=True, lr=0.1 * (k + 1), coef=1.0) for k in range(6)}
+    d[(1, 4)] = pb.StepDecision(ready=True, lr=9.0, coef=0.5)  # redone after a roll-back to 4
+    got = decisions_since(d, epoch=1, committed=5, since=2)
+    assert [(x.epoch, x.step) for x in got] == [(0, 2), (0, 3), (1, 4)]  # step 5 of epoch 0: abandoned
+    assert got[-1].lr == 9.0 and got[-1].coef == 0.5
+    assert [x.step for x in decisions_since(d, epoch=1, committed=5, since=0, most=2)] == [3, 4]
+
+
+def test_kill_at_commit_hook_fires_only_on_its_stage_and_step():
+    from shoal.runtime.standby import kill_at_commit
+
+    assert not kill_at_commit(0, 2, standby=False, env="")
+    assert not kill_at_commit(1, 2, standby=False, env="0:3")
+    assert not kill_at_commit(0, 1, standby=False, env="0:3")
+    assert not kill_at_commit(0, 2, standby=True, env="0:3")  # a promoted standby never fires
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_standby_replays_logged_steps_when_the_active_dies_at_a_commit(tmp_path, tmp_path_factory, monkeypatch):
+    """The active server of stage 0 is killed (SIGKILL, by itself) the moment the decision of
+    step 2 lands, before it applies or checkpoints it: its standby, on its own empty folder,
+    holds at most the file of v2 but logged step 2's gradient before the step was reported.
+    Promoted, it replays that step, every stage restarts at v3 (the newest committed: only
+    the step in flight is lost), and the final weights equal the failure-free run's."""
+    from shoal.runtime.launch import launch
+    from shoal.runtime.standby import KILL_AT_COMMIT_ENV
+
+    reference = failure_free_weights(tmp_path_factory)
+    out = tmp_path / "run"
+    monkeypatch.setenv(KILL_AT_COMMIT_ENV, "0:3")
+    summary = launch(launch_config(out, standbys=1))
+    assert summary["steps"] == 6
+    events = read_jsonl(out / "events.jsonl")
+    promoted = [e for e in events if e["event"] == "server_restart"]
+    assert [(e["device"], e["stage"]) for e in promoted] == [("s2", 0)], promoted
+    rollbacks = [e for e in events if e["event"] == "rollback"]
+    assert rollbacks and rollbacks[0]["committed"] == 3, rollbacks
+    assert all(r["version"] == r["committed"] for r in rollbacks), rollbacks
+    log = (out / "logs" / "server2.log").read_text()
+    assert "logged step(s) replayed -> v3" in log, log[-2000:]
+    assert_equal_weights(out, reference)
+
+
+def test_replaying_the_step_log_equals_the_active_servers_updates(tmp_path):
+    """In process: an "active" stage applies three decided steps (one a skipped fp16 overflow,
+    one clipped) to its weights and AdamW state; a standby holding the checkpoint of the first
+    version and the three logged gradients replays them to the same bits, loss scale included."""
+    import torch
+
+    from shoal.net import shoal_pb2 as pb
+    from shoal.runtime.common import list_ckpts, save_stage_ckpt, stage_ckpt_loss_scale
+    from shoal.runtime.server import StageServer
+    from shoal.train.optim import apply_update
+
+    spec = pb.RunSpec(model="tiny", stages=2, steps=8, seed=1, lr=3e-3, weight_decay=0.1, run_id="r1",
+                      precision="fp16", ckpt_every=1)
+    srv = StageServer("127.0.0.1:1", "127.0.0.1:0", "tok", str(tmp_path / "standby"))
+    srv.spec = spec
+    _, module, opt, scale, _ = srv._make(0, 0, 2, 0)
+    params = dict(module.named_parameters())
+    g = torch.Generator().manual_seed(0)
+    decisions = [pb.StandbyDecision(epoch=1, step=4, lr=1e-3, coef=1.0, next_loss_scale=512.0),
+                 pb.StandbyDecision(epoch=1, step=5, skip=True, next_loss_scale=256.0),
+                 pb.StandbyDecision(epoch=1, step=6, lr=2e-3, coef=0.37, next_loss_scale=256.0)]
+    # Some AdamW history first, then the full copy at v4 (the standby's own folder).
+    for p in params.values():
+        p.grad = torch.randn(p.shape, generator=g)
+    apply_update(opt, 1e-3, 1.0)
+    save_stage_ckpt(tmp_path / "standby", 0, 4, module, opt, run_id="r1", layers=(0, 2), loss_scale=1024.0)
+    srv._sb_reset(0, (0, 2))
+    for d in decisions:
+        grads = {n: torch.randn(p.shape, generator=g) for n, p in params.items()}
+        if d.skip:
+            grads[next(iter(grads))][0] = float("inf")  # an overflowed fp16 step
+        srv.sb_log[(d.epoch, d.step)] = {n: t.clone() for n, t in grads.items()}
+        srv.sb_decided[(d.epoch, d.step)] = d
+        for n, p in params.items():  # what the active server does with the decision
+            p.grad = grads[n]
+        if d.skip:
+            opt.zero_grad(set_to_none=True)
+        else:
+            apply_update(opt, d.lr, d.coef)
+    assert srv.standby_replayable() == 7
+    assert srv._sb_replay(0, 0, 2) == 7
+    assert list_ckpts(tmp_path / "standby", 0, "r1") == [4, 5, 6, 7]  # --ckpt-every 1: each replayed version
+    assert stage_ckpt_loss_scale(tmp_path / "standby", 0, 7, 1.0, run_id="r1") == 256.0
+    _, restored, ropt, _, _ = srv._make(0, 0, 2, 7)
+    for (n, p), (_, q) in zip(module.named_parameters(), restored.named_parameters(), strict=True):
+        assert torch.equal(p, q), n
+        for k, v in opt.state[p].items():
+            assert torch.equal(v, ropt.state[q][k]), (n, k)
+
+
+def test_planner_places_standbys_on_the_near_host_where_round_robin_would_not():
+    """Emulated runs with a plan: standbys copy the stage the planner's placement
+    (shoal.plan.standby.place_standbys) gives their host. Stage 0 is served in region r,
+    stage 1 in region far, behind a 100 kB/s path from r. Round robin in join order sends
+    b (in far) to stage 0 and a (in r) to stage 1, both copying over the slow path; the
+    planner gives each stage the standby in its own region."""
+    from shoal.model.config import get_preset
+    from shoal.model.profile import profile_model
+    from shoal.plan.types import (
+        ChurnModel,
+        Device,
+        Link,
+        Network,
+        Plan,
+        Scenario,
+        StagePlan,
+        SyncPolicy,
+        Workload,
+    )
+    from shoal.runtime.standby import planned_standby_stages
+
+    def host(name: str, region: str, memory: float = 64e9) -> Device:
+        return Device(name, "server", 0.0, 0.0, region, 1e8, 1e8, can_host_server=True, host_memory=memory)
+
+    net = Network(intra={"r": Link(0.01, 1e9), "far": Link(0.01, 1e9)}, inter={("far", "r"): Link(0.05, 1e5)})
+    gpus = [Device(f"g{i}", "gpu", 1e11, 8e9, "r", 1e7, 1e7) for i in range(2)]
+    scn = Scenario("hand", [host("h0", "r"), host("h1", "far"), host("h2", "far"), host("h3", "r"), *gpus], net,
+                   Workload("tiny", 32, 16, 1, 4), ChurnModel())
+    plan = Plan("hand", "tiny", "hand", [StagePlan((0, 3), "h0", ["g0"]), StagePlan((3, 6), "h1", ["g1"])],
+                1, 16, SyncPolicy())
+    prof = profile_model(get_preset("tiny"), 32, 1, 4)
+    hosts = {"b": "h2", "a": "h3"}
+    assert standby_stages(["b", "a"], 2, hosts=hosts, active_hosts=["h0", "h1"]) == {"b": 0, "a": 1}
+    assert planned_standby_stages(["b", "a"], hosts, plan, scn, prof) == {"a": 0, "b": 1}
+    # Fewer standbys than stages: no full round for the planner (round robin places them).
+    assert planned_standby_stages(["b"], {"b": "h2"}, plan, scn, prof) == {}
+    # No host with memory for a stage's state: the planner refuses, round robin places them.
+    small = Scenario("hand", [host("h0", "r"), host("h1", "far"), host("h2", "far", 1e3), host("h3", "r", 1e3),
+                              *gpus], net, Workload("tiny", 32, 16, 1, 4), ChurnModel())
+    assert planned_standby_stages(["b", "a"], hosts, plan, small, prof) == {}
+    # Two standbys on one host (the only one running standbys): one per stage, in join order.
+    assert planned_standby_stages(["a", "c"], {"a": "h3", "c": "h3"}, plan, scn, prof) == {"a": 0, "c": 1}
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_hung_standby_does_not_stop_the_run(tmp_path, tmp_path_factory):
+    """SIGSTOP the hot standby after step 2: the active server's next step log to it times
+    out (bounded wait), is logged as lagging, and the step goes on without it; the run
+    completes with the failure-free run's weights."""
+    import os
+    import signal
+
+    reference = failure_free_weights(tmp_path_factory)
+    out = tmp_path / "run"
+    with Swarm(launch_config(out, standbys=1)) as sw:
+        sw.start()
+        deadline = time.time() + 200
+        while sw.committed_steps() < 2:
+            assert time.time() < deadline, "the run did not reach step 2"
+            time.sleep(0.05)
+        standby = sw.servers[2]  # s0, s1 serve the stages; s2 is the standby
+        os.kill(standby.pid, signal.SIGSTOP)
+        try:
+            summary = sw.wait()
+        finally:
+            if standby.poll() is None:
+                os.kill(standby.pid, signal.SIGCONT)
+    assert summary["steps"] == 6
+    logs = "".join((out / "logs" / f"server{i}.log").read_text() for i in (0, 1))
+    assert "standby 127.0.0.1" in logs and "did not log step" in logs and "DEADLINE_EXCEEDED" in logs, logs[-2000:]
+    assert_equal_weights(out, reference)

@@ -149,7 +149,7 @@ class JoinReply(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., spec: _Optional[_Union[RunSpec, _Mapping]] = ..., credential: _Optional[str] = ..., run_secret: _Optional[bytes] = ..., role: _Optional[str] = ...) -> None: ...
 
 class MemberRequest(_message.Message):
-    __slots__ = ("member_id", "version", "ckpt_version", "epoch", "counter_id", "traffic", "role", "observed_flops", "observed_tasks", "observed_pull_s", "observed_pull_bytes", "observed_pulls", "stats", "fatal", "guard_bans", "standby_held")
+    __slots__ = ("member_id", "version", "ckpt_version", "epoch", "counter_id", "traffic", "role", "observed_flops", "observed_tasks", "observed_pull_s", "observed_pull_bytes", "observed_pulls", "stats", "fatal", "guard_bans", "standby_held", "standby_decisions_from")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CKPT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,7 @@ class MemberRequest(_message.Message):
     FATAL_FIELD_NUMBER: _ClassVar[int]
     GUARD_BANS_FIELD_NUMBER: _ClassVar[int]
     STANDBY_HELD_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_DECISIONS_FROM_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     version: int
     ckpt_version: int
@@ -182,7 +183,8 @@ class MemberRequest(_message.Message):
     fatal: str
     guard_bans: _containers.RepeatedCompositeFieldContainer[GuardBan]
     standby_held: _containers.RepeatedCompositeFieldContainer[StandbyHeld]
-    def __init__(self, member_id: _Optional[str] = ..., version: _Optional[int] = ..., ckpt_version: _Optional[int] = ..., epoch: _Optional[int] = ..., counter_id: _Optional[str] = ..., traffic: _Optional[_Iterable[_Union[ByteCount, _Mapping]]] = ..., role: _Optional[str] = ..., observed_flops: _Optional[float] = ..., observed_tasks: _Optional[int] = ..., observed_pull_s: _Optional[float] = ..., observed_pull_bytes: _Optional[int] = ..., observed_pulls: _Optional[int] = ..., stats: _Optional[_Union[MemberStats, _Mapping]] = ..., fatal: _Optional[str] = ..., guard_bans: _Optional[_Iterable[_Union[GuardBan, _Mapping]]] = ..., standby_held: _Optional[_Iterable[_Union[StandbyHeld, _Mapping]]] = ...) -> None: ...
+    standby_decisions_from: int
+    def __init__(self, member_id: _Optional[str] = ..., version: _Optional[int] = ..., ckpt_version: _Optional[int] = ..., epoch: _Optional[int] = ..., counter_id: _Optional[str] = ..., traffic: _Optional[_Iterable[_Union[ByteCount, _Mapping]]] = ..., role: _Optional[str] = ..., observed_flops: _Optional[float] = ..., observed_tasks: _Optional[int] = ..., observed_pull_s: _Optional[float] = ..., observed_pull_bytes: _Optional[int] = ..., observed_pulls: _Optional[int] = ..., stats: _Optional[_Union[MemberStats, _Mapping]] = ..., fatal: _Optional[str] = ..., guard_bans: _Optional[_Iterable[_Union[GuardBan, _Mapping]]] = ..., standby_held: _Optional[_Iterable[_Union[StandbyHeld, _Mapping]]] = ..., standby_decisions_from: _Optional[int] = ...) -> None: ...
 
 class StandbyHeld(_message.Message):
     __slots__ = ("stage", "version")
@@ -205,7 +207,7 @@ class GuardBan(_message.Message):
     def __init__(self, worker: _Optional[str] = ..., reason: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class MemberStats(_message.Message):
-    __slots__ = ("stage", "tasks_done", "compute_s", "step", "pool_todo", "pool_waiting", "leases", "workers", "last_step")
+    __slots__ = ("stage", "tasks_done", "compute_s", "step", "pool_todo", "pool_waiting", "leases", "workers", "last_step", "standby_logging", "standby_lagging")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     TASKS_DONE_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +217,8 @@ class MemberStats(_message.Message):
     LEASES_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_LOGGING_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_LAGGING_FIELD_NUMBER: _ClassVar[int]
     stage: int
     tasks_done: int
     compute_s: float
@@ -224,7 +228,9 @@ class MemberStats(_message.Message):
     leases: int
     workers: int
     last_step: StepSplit
-    def __init__(self, stage: _Optional[int] = ..., tasks_done: _Optional[int] = ..., compute_s: _Optional[float] = ..., step: _Optional[int] = ..., pool_todo: _Optional[int] = ..., pool_waiting: _Optional[int] = ..., leases: _Optional[int] = ..., workers: _Optional[int] = ..., last_step: _Optional[_Union[StepSplit, _Mapping]] = ...) -> None: ...
+    standby_logging: _containers.RepeatedScalarFieldContainer[str]
+    standby_lagging: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, stage: _Optional[int] = ..., tasks_done: _Optional[int] = ..., compute_s: _Optional[float] = ..., step: _Optional[int] = ..., pool_todo: _Optional[int] = ..., pool_waiting: _Optional[int] = ..., leases: _Optional[int] = ..., workers: _Optional[int] = ..., last_step: _Optional[_Union[StepSplit, _Mapping]] = ..., standby_logging: _Optional[_Iterable[str]] = ..., standby_lagging: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepSplit(_message.Message):
     __slots__ = ("step", "total_s", "compute_s", "transfer_s", "sync_s", "waiting_s")
@@ -303,7 +309,7 @@ class ByteCount(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., codec: _Optional[str] = ..., raw: _Optional[int] = ..., wire: _Optional[int] = ..., messages: _Optional[int] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("known", "stage", "first", "last", "servers", "ready", "epoch", "restart_version", "done", "measure", "guard_banned", "standby_for", "standby_first", "standby_last")
+    __slots__ = ("known", "stage", "first", "last", "servers", "ready", "epoch", "restart_version", "done", "measure", "guard_banned", "standby_for", "standby_first", "standby_last", "standby_decisions", "standby_peers")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     FIRST_FIELD_NUMBER: _ClassVar[int]
@@ -318,6 +324,8 @@ class Assignment(_message.Message):
     STANDBY_FOR_FIELD_NUMBER: _ClassVar[int]
     STANDBY_FIRST_FIELD_NUMBER: _ClassVar[int]
     STANDBY_LAST_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_PEERS_FIELD_NUMBER: _ClassVar[int]
     known: bool
     stage: int
     first: int
@@ -332,7 +340,51 @@ class Assignment(_message.Message):
     standby_for: int
     standby_first: int
     standby_last: int
-    def __init__(self, known: _Optional[bool] = ..., stage: _Optional[int] = ..., first: _Optional[int] = ..., last: _Optional[int] = ..., servers: _Optional[_Iterable[str]] = ..., ready: _Optional[bool] = ..., epoch: _Optional[int] = ..., restart_version: _Optional[int] = ..., done: _Optional[bool] = ..., measure: _Optional[int] = ..., guard_banned: _Optional[str] = ..., standby_for: _Optional[int] = ..., standby_first: _Optional[int] = ..., standby_last: _Optional[int] = ...) -> None: ...
+    standby_decisions: _containers.RepeatedCompositeFieldContainer[StandbyDecision]
+    standby_peers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, known: _Optional[bool] = ..., stage: _Optional[int] = ..., first: _Optional[int] = ..., last: _Optional[int] = ..., servers: _Optional[_Iterable[str]] = ..., ready: _Optional[bool] = ..., epoch: _Optional[int] = ..., restart_version: _Optional[int] = ..., done: _Optional[bool] = ..., measure: _Optional[int] = ..., guard_banned: _Optional[str] = ..., standby_for: _Optional[int] = ..., standby_first: _Optional[int] = ..., standby_last: _Optional[int] = ..., standby_decisions: _Optional[_Iterable[_Union[StandbyDecision, _Mapping]]] = ..., standby_peers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StandbyDecision(_message.Message):
+    __slots__ = ("epoch", "step", "lr", "coef", "skip", "next_loss_scale")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    COEF_FIELD_NUMBER: _ClassVar[int]
+    SKIP_FIELD_NUMBER: _ClassVar[int]
+    NEXT_LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    step: int
+    lr: float
+    coef: float
+    skip: bool
+    next_loss_scale: float
+    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., lr: _Optional[float] = ..., coef: _Optional[float] = ..., skip: _Optional[bool] = ..., next_loss_scale: _Optional[float] = ...) -> None: ...
+
+class StandbyStep(_message.Message):
+    __slots__ = ("member_id", "stage", "epoch", "step", "grads", "first", "last")
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    GRADS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    member_id: str
+    stage: int
+    epoch: int
+    step: int
+    grads: _containers.RepeatedCompositeFieldContainer[Tensor]
+    first: int
+    last: int
+    def __init__(self, member_id: _Optional[str] = ..., stage: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., grads: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., first: _Optional[int] = ..., last: _Optional[int] = ...) -> None: ...
+
+class StandbyStepAck(_message.Message):
+    __slots__ = ("ok", "reason")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    reason: str
+    def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StandbyCkptRequest(_message.Message):
     __slots__ = ("member_id", "stage", "have")

@@ -394,6 +394,11 @@ class StageServerStub:
                 request_serializer=shoal__pb2.StandbyCkptRequest.SerializeToString,
                 response_deserializer=shoal__pb2.Chunk.FromString,
                 _registered_method=True)
+        self.StandbyStepStream = channel.stream_unary(
+                '/shoal.v1.StageServer/StandbyStepStream',
+                request_serializer=shoal__pb2.Chunk.SerializeToString,
+                response_deserializer=shoal__pb2.StandbyStepAck.FromString,
+                _registered_method=True)
         self.Lease = channel.unary_unary(
                 '/shoal.v1.StageServer/Lease',
                 request_serializer=shoal__pb2.LeaseRequest.SerializeToString,
@@ -482,6 +487,13 @@ class StageServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StandbyStepStream(self, request_iterator, context):
+        """a StandbyStep (to hot standbys)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Lease(self, request, context):
         """Unary forms (a whole message under the gRPC size limit).
         """
@@ -563,6 +575,11 @@ def add_StageServerServicer_to_server(servicer, server):
                     servicer.StandbyCkptStream,
                     request_deserializer=shoal__pb2.StandbyCkptRequest.FromString,
                     response_serializer=shoal__pb2.Chunk.SerializeToString,
+            ),
+            'StandbyStepStream': grpc.stream_unary_rpc_method_handler(
+                    servicer.StandbyStepStream,
+                    request_deserializer=shoal__pb2.Chunk.FromString,
+                    response_serializer=shoal__pb2.StandbyStepAck.SerializeToString,
             ),
             'Lease': grpc.unary_unary_rpc_method_handler(
                     servicer.Lease,
@@ -767,6 +784,33 @@ class StageServer:
             '/shoal.v1.StageServer/StandbyCkptStream',
             shoal__pb2.StandbyCkptRequest.SerializeToString,
             shoal__pb2.Chunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StandbyStepStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/shoal.v1.StageServer/StandbyStepStream',
+            shoal__pb2.Chunk.SerializeToString,
+            shoal__pb2.StandbyStepAck.FromString,
             options,
             channel_credentials,
             insecure,

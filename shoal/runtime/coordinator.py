@@ -74,6 +74,7 @@ from shoal.runtime.planning import (
     planning_scenario,
     played_device,
 )
+from shoal.runtime.standby import decisions_since, planned_standby_stages
 from shoal.train.metrics import JsonlWriter, step_record
 from shoal.train.optim import clip_coefficient, lr_at
 from shoal.train.precision import next_loss_scale, overflowed
@@ -394,9 +395,39 @@ class Coordinator(pbg.CoordinatorServicer):
         mids = [mid for mid, m in self.members.items()
                 if m.role == "server" and (m.standby or started) and mid not in self.stage_server]
         active = [self._host_of(self.members[sid]) if sid in self.members else "" for sid in self.stage_server]
-        return standby_stages(mids, self.spec.stages,
-                              {mid: self.members[mid].held for mid in mids if self.members[mid].standby},
-                              hosts={mid: self._host_of(self.members[mid]) for mid in mids}, active_hosts=active)
+        held = {mid: self.members[mid].held for mid in mids if self.members[mid].standby}
+        # Emulated runs with a plan: the planner's placement for standbys holding no copies yet.
+        placed = self._planned_standbys([mid for mid in mids if not any(
+            0 <= k < self.spec.stages and v > 0 for k, v in held.get(mid, {}).items())])
+        out = standby_stages([mid for mid in mids if mid not in placed], self.spec.stages, held,
+                             hosts={mid: self._host_of(self.members[mid]) for mid in mids}, active_hosts=active)
+        out.update(placed)
+        return {mid: out[mid] for mid in mids}
+
+    def _planned_standbys(self, mids: list[str]) -> dict[str, int]:
+        """The planner's placement of hot standbys ``mids`` where the run has a plan on an
+        emulated scenario (:func:`shoal.runtime.standby.planned_standby_stages`; memoised)."""
+        if self.emulated is None or self.plan is None or not mids or not all(self.stage_server) \
+                or len(self.plan.stages) != len(self.layers):
+            return {}
+        actives = [self.members[sid].device if sid in self.members else "" for sid in self.stage_server]
+        hosts = {mid: self.members[mid].device for mid in mids}
+        key = (tuple(mids), tuple(actives), tuple(hosts.values()))
+        memo = getattr(self, "_standby_memo", None)
+        if memo is not None and memo[0] == key:
+            return dict(memo[1])
+        placed: dict[str, int] = {}
+        if all(actives):
+            from dataclasses import replace
+
+            from shoal.model.profile import profile_model
+
+            plan = replace(self.plan, stages=[replace(st, server=h, layers=tuple(self.layers[k]), standbys=[])
+                                              for k, (st, h) in enumerate(zip(self.plan.stages, actives, strict=True))])
+            prof = profile_model(self.cfg, self.spec.seq_len, self.spec.micro_batch_size, 4)
+            placed = planned_standby_stages(mids, hosts, plan, self.emulated, prof)
+        self._standby_memo = (key, placed)
+        return dict(placed)
 
     @staticmethod
     def _host_of(m: Member) -> str:
@@ -701,12 +732,23 @@ class Coordinator(pbg.CoordinatorServicer):
                           restart_version=self.restart_version, done=self.done, measure=m.measure_req)
         if stage >= 0:
             a.first, a.last = self.layers[stage]
+            if m.role == "server":
+                a.standby_peers.extend(self._standby_peers(stage))
         elif m.role == "server" and self.layers:
             shadow = self._hot_standbys().get(m.member_id, -1)
             if shadow >= 0 and self.stage_server[shadow]:
                 a.standby_for = shadow + 1
                 a.standby_first, a.standby_last = self.layers[shadow]
+        if request.standby_decisions_from > 0:
+            # A standby's step log: the decisions it replays if promoted (shoal.runtime.standby).
+            a.standby_decisions.extend(decisions_since(self.decisions, self.epoch, self.committed,
+                                                       request.standby_decisions_from - 1))
         return a
+
+    def _standby_peers(self, stage: int) -> list[str]:
+        """Addresses of the hot standbys copying ``stage`` (its active server sends them each step)."""
+        return [self.members[mid].address for mid, k in self._hot_standbys().items()
+                if k == stage and self.members[mid].address]
 
     def _guard_ban(self, ban: pb.GuardBan, server: Member) -> None:
         """A stage server banned a worker: drop it for the run, refuse it, re-plan without it."""

@@ -212,6 +212,8 @@ def snapshot(coord) -> dict:
             "pool_waiting": int(st.pool_waiting) if st is not None else None,
             "leases": int(st.leases) if st is not None else None,
             "server_workers": int(st.workers) if st is not None else None,
+            "standbys_logging": list(st.standby_logging) if st is not None else [],
+            "standbys_lagging": list(st.standby_lagging) if st is not None else [],
             "split": _split(st), "bottleneck": False})
     b = bottleneck([x["split"] for x in stages])
     if b is not None:

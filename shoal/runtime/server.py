@@ -92,6 +92,7 @@ from shoal.runtime.guard import (
     spot_pick,
 )
 from shoal.runtime.local_sync import LocalServerMixin
+from shoal.runtime.standby import StandbyMixin, kill_at_commit
 from shoal.runtime.stats import StepTiming
 from shoal.train.optim import apply_update, grad_sq_norm, make_optimizer
 from shoal.train.precision import unscale_grads, wire_dtype
@@ -178,7 +179,7 @@ class WorkerInfo:
     ewma_s: float | None = None  # task time estimate for lease deadlines
 
 
-class StageServer(LocalServerMixin, pbg.StageServerServicer):
+class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
     """State and RPC handlers of one stage server."""
 
     def __init__(self, coord: str, listen: str, token: str, ckpt_root: str, *,
@@ -429,8 +430,9 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
         held = []
         for k in range(self.spec.stages):
             vs = list_ckpts(self.ckpt_root, k, self.spec.run_id)
-            if vs:
-                held.append(pb.StandbyHeld(stage=k, version=vs[-1]))
+            top = max(vs[-1] if vs else 0, self.standby_replayable() if k == self.sb_stage else 0)
+            if top:
+                held.append(pb.StandbyHeld(stage=k, version=top))  # with the step log: what a promotion reaches
         return held
 
     def _set_aside(self, stage: int, version: int) -> None:
@@ -508,7 +510,8 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
                 member_id=self.member_id, version=self.version, ckpt_version=self._ckpt_version(),
                 epoch=self.epoch, counter_id=self.traffic.id, role="server",
                 traffic=self.traffic.snapshot(), stats=self.stats_snapshot(), fatal=self.fatal,
-                guard_bans=self.guard_bans, standby_held=self._held()), timeout=5)
+                guard_bans=self.guard_bans, standby_held=self._held(),
+                standby_decisions_from=self.standby_decisions_from()), timeout=5)
         except grpc.aio.AioRpcError as exc:
             log.warning("heartbeat failed: %s", exc.code())
             return
@@ -535,6 +538,7 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
             self.measure_done = 0
             return
         self.servers = list(a.servers)
+        self.standby_heard(a)
         if self.on_servers is not None:
             self.on_servers(self.servers)
         if a.measure > self.measure_done and not self.measuring:
@@ -547,10 +551,15 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
                                                a.servers[a.standby_for - 1]))
             return
         if self.stage != a.stage or a.epoch != self.epoch:
+            promote = self.stage < 0 and self.sb_log is not None  # a logging standby: replay its log first
             self.stage, self.first, self.last = a.stage, a.first, a.last
             self.epoch = a.epoch
             self.ready = False
-            self._spawn(self._load(a.stage, a.first, a.last, a.restart_version, a.epoch))
+            if promote:
+                self.loading = True  # no checkpoint is reported until the replay is on disk
+                self._spawn(self.standby_promote(a.stage, a.first, a.last, a.restart_version, a.epoch))
+            else:
+                self._spawn(self._load(a.stage, a.first, a.last, a.restart_version, a.epoch))
             return
         if a.ready and not self.ready and self.version >= 0:
             self.ready = True
@@ -576,6 +585,7 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
                            workers=sum(now - w.last_seen <= live for w in self.workers.values()))
         if self.last_split is not None:
             s.last_step.CopyFrom(pb.StepSplit(**self.last_split))
+        self.standby_stats(s)
         return s
 
     # ------------------------------------------------------------------ pool
@@ -972,7 +982,7 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
             return CONTROL_SLACK
         if what == "grads":
             if self.version < 0:
-                return CONTROL_SLACK
+                return self._sb_max_bytes()  # a hot standby: the gradient of the stage it copies
             numel = sum(p.numel() for p in self.params.values())
             return 4 * numel + 512 * len(self.params) + CONTROL_SLACK
         cfg = model_config(self.spec)
@@ -1109,6 +1119,7 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
             for v in ckpts_to_prune(list_ckpts(self.ckpt_root, stage, self.spec.run_id), msg.version, 4):
                 (d / f"v{v}.safetensors").unlink(missing_ok=True)  # keep the last few, like the active
             log.info("%s (standby) holds stage %d v%d", self.name, stage, msg.version)
+            self._sb_tidy()  # the step log keeps only the steps after the newest copy
         except grpc.aio.AioRpcError as exc:
             log.warning("%s (standby): copying stage %d failed (%s); retrying", self.name, stage, exc.code())
         except OSError as exc:
@@ -1260,6 +1271,8 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
                 report.losses.extend(mbs[mb].loss for mb in sorted(mbs))
             for w, n in self.tasks_per_worker.items():
                 report.tasks_per_worker[w] = n
+            # Every standby of the stage logs the step before any decision on it can exist.
+            await self.standby_send_step(step, epoch)
             while True:
                 if self.epoch != epoch:
                     return
@@ -1272,6 +1285,7 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
                     return
                 if d.ready:
                     break
+            kill_at_commit(self.stage, step, self.standby)
             self.timing.decided = time.monotonic()
             await self._ckpt_written()  # the weights it reads change only after it is on disk
             merged = False
