@@ -15,10 +15,13 @@ from shoal.plan.api import make_plan
 from shoal.plan.cost import predict
 from shoal.plan.scenario import load_scenario
 from shoal.plan.standby import (
+    LOG_BYTES_PER_PARAM,
     STATE_BYTES_PER_PARAM,
     copy_seconds_per_step,
+    log_seconds_per_step,
     place_standbys,
     state_bytes,
+    step_log_bytes,
     uplink_bound_step,
 )
 from shoal.plan.types import (
@@ -105,16 +108,41 @@ def test_copies_count_on_the_active_uplink_in_cost_model_and_simulator():
     sim = simulate(every1, scn, steps=8)
     steady = sim.step_times_s[-1]
     assert steady == pytest.approx(pred["step_time_s"], rel=0.1), (steady, pred["step_time_s"])
-    # a copy after each of the 8 commits: the last ones are still on the wire when the run ends
-    copies = sim.link_bytes.get("srv0->srv2", 0.0) / state_bytes(PROF, 0, 3)
+    # a copy after each of the 8 commits (the last ones are still on the wire when the run ends)
+    # besides the 8 step logs, each complete before its step's update
+    log0 = step_log_bytes(PROF, 0, 3)
+    copies = (sim.link_bytes.get("srv0->srv2", 0.0) - 8 * log0) / state_bytes(PROF, 0, 3)
     assert 5 <= copies <= 8, sim.link_bytes
     quarter = predict(_plan((["srv2"], ["srv2"]), every=4), scn)
     assert quarter["standby_s"] == pytest.approx(pred["standby_s"] / 4)
     assert base <= quarter["step_time_s"] < pred["step_time_s"]
     sim4 = simulate(_plan((["srv2"], ["srv2"]), every=4), scn, steps=8)
-    assert 1 <= sim4.link_bytes.get("srv0->srv2", 0.0) / state_bytes(PROF, 0, 3) <= 2  # after steps 3 and 7
+    assert 1 <= (sim4.link_bytes.get("srv0->srv2", 0.0) - 8 * log0) / state_bytes(PROF, 0, 3) <= 2  # steps 3, 7
     # no standbys: nothing copied, nothing added
     assert not any("srv2" in k for k in simulate(_plan(), scn, steps=2).link_bytes)
+
+
+def test_the_step_log_waits_in_exact_sync_only_in_cost_model_and_simulator():
+    # a slow copy path (1 MB/s) so the log's wait shows; copies every 1000 steps are negligible
+    slow = {("far", "r"): Link(0.05, 1e6)}
+    scn = _scenario([_host(0), _host(1), _host(2, region="far")], inter=slow)
+    base = _plan(every=1000)
+    logged = _plan((["srv2"], ["srv2"]), every=1000)
+    log_s = log_seconds_per_step(logged, scn, PROF)
+    assert log_s[0] == pytest.approx(step_log_bytes(PROF, 0, 3) / 1e6 + 2 * 0.05)
+    assert step_log_bytes(PROF, 0, 3) == PROF.params(0, 3) * LOG_BYTES_PER_PARAM
+    p0, p1 = predict(base, scn), predict(logged, scn)
+    assert p1["standby_log_s"] == pytest.approx(max(log_s))
+    assert p1["step_time_s"] == pytest.approx(p0["step_time_s"] + max(log_s), rel=1e-3)
+    s0, s1 = simulate(base, scn, steps=4), simulate(logged, scn, steps=4)
+    added = s1.step_times_s[-1] - s0.step_times_s[-1]
+    assert added == pytest.approx(max(log_s), rel=0.1), (added, log_s)
+    # local mode keeps no step log: the standbys add nothing to the step there
+    local = SyncPolicy(mode="local", sync_every=4)
+    base.sync = logged.sync = local
+    assert log_seconds_per_step(logged, scn, PROF) == [0.0, 0.0]
+    assert predict(logged, scn)["standby_log_s"] == 0.0
+    assert "srv0->srv2" not in simulate(logged, scn, steps=2).link_bytes
 
 
 def test_make_plan_places_standbys_and_the_plan_file_keeps_them(tmp_path):

@@ -145,8 +145,9 @@ def print_plan(console: Console, plan: Plan, scenario: Scenario) -> None:
                       f"{c.throughput:.3g}", _fmt(c.sync), f"{c.memory_headroom:.0%}")
     console.print(table)
     if any(st.standbys for st in plan.stages):
+        log = f"; step log {_fmt(pred.get('standby_log_s'))} s per step" if pred.get("standby_log_s") else ""
         console.print(f"standbys (state copied every {plan.standby_every} step(s), {_fmt(pred.get('standby_s'))} s "
-                      "per step on the busiest active uplink): " + "; ".join(
+                      f"per step on the busiest active uplink{log}): " + "; ".join(
                           f"stage {i}: {', '.join(st.standbys)}" for i, st in enumerate(plan.stages)))
     used = sum(len(st.workers) for st in plan.stages)
     pol = plan.sync

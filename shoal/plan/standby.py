@@ -12,7 +12,12 @@ disk. The planner:
 * counts the copies on the active host's uplink: per step, that uplink carries the stage's
   activation downloads (and weight pulls) *and* ``state_bytes / every``; when the two
   together take longer than the step, the step stretches to the uplink's time
-  (:func:`uplink_bound_step`). The simulator sends the same copies as real flows.
+  (:func:`uplink_bound_step`). The simulator sends the same copies as real flows;
+* under exact sync, counts the step log: before a stage reports a step, its active server
+  sends every standby the step's summed fp32 gradient (:func:`step_log_bytes`) and waits for
+  their acknowledgements, so the step grows by the slowest stage's log time
+  (:func:`log_seconds_per_step`) and the uplink carries those bytes too. The simulator sends
+  the log and waits for the acknowledgements the same way.
 
 Small pure functions, tested directly (``tests/test_plan_standby.py``). No torch, no runtime.
 """
@@ -26,11 +31,17 @@ from shoal.model.profile import ModelProfile
 from shoal.plan.types import Device, Plan, Scenario
 
 STATE_BYTES_PER_PARAM = 12  # fp32 weight + AdamW's fp32 first and second moments
+LOG_BYTES_PER_PARAM = 4  # the step log: the step's summed gradient in fp32
 
 
 def state_bytes(prof: ModelProfile, first: int, last: int) -> float:
     """Bytes of one stage's state a standby copies (a stage checkpoint)."""
     return float(prof.params(first, last) * STATE_BYTES_PER_PARAM)
+
+
+def step_log_bytes(prof: ModelProfile, first: int, last: int) -> float:
+    """Bytes of one step's log entry a standby receives under exact sync (the summed gradient)."""
+    return float(prof.params(first, last) * LOG_BYTES_PER_PARAM)
 
 
 def copy_rate(scenario: Scenario, active: Device, standby: Device) -> float:
@@ -87,6 +98,25 @@ def copy_seconds_per_step(plan: Plan, scenario: Scenario, prof: ModelProfile) ->
     return out
 
 
+def log_seconds_per_step(plan: Plan, scenario: Scenario, prof: ModelProfile) -> list[float]:
+    """Per stage: seconds the step waits for its step log under exact sync (0 in local mode or
+    without standbys): the gradient sent to every standby at once over the active host's
+    uplink, then a small acknowledgement back (one latency each way)."""
+    if plan.sync.local:
+        return [0.0 for _ in plan.stages]
+    out = []
+    for st in plan.stages:
+        hosts = [scenario.device(h) for h in st.standbys]
+        if not hosts:
+            out.append(0.0)
+            continue
+        active = scenario.device(st.server)
+        nbytes = step_log_bytes(prof, *st.layers)
+        wire = max(max(nbytes / copy_rate(scenario, active, h) for h in hosts), len(hosts) * nbytes / active.up)
+        out.append(wire + 2 * max(scenario.network.link(active, h).latency for h in hosts))
+    return out
+
+
 def host_uplink_bytes_per_step(plan: Plan, scenario: Scenario, prof: ModelProfile) -> dict[str, float]:
     """Bytes per step each server host sends to workers on other devices: every micro-batch's
     input (and, but for the last stage, its output gradient) and the weight pulls."""
@@ -118,16 +148,20 @@ def uplink_bound_step(step_s: float, busy_up_s: float) -> float:
 
 def standby_costs(plan: Plan, scenario: Scenario, prof: ModelProfile, step_s: float) -> dict[str, float]:
     """Cost-model figures of ``plan``'s standbys for a step of ``step_s`` seconds without them:
-    ``standby_s`` (the largest per-step copy time of a stage) and ``step_time_s`` (the step
-    with the copies on the active hosts' uplinks, :func:`uplink_bound_step`)."""
+    ``standby_s`` (the largest per-step copy time of a stage), ``standby_log_s`` (the step
+    log's wait, :func:`log_seconds_per_step`) and ``step_time_s`` (the step with the log's wait
+    and with the copies and log on the active hosts' uplinks, :func:`uplink_bound_step`)."""
     copies = copy_seconds_per_step(plan, scenario, prof)
+    logs = log_seconds_per_step(plan, scenario, prof)
     if not any(c > 0 for c in copies):
-        return {"standby_s": 0.0, "step_time_s": step_s}
+        return {"standby_s": 0.0, "standby_log_s": 0.0, "step_time_s": step_s}
     dev = {d.id: d for d in scenario.devices}
     busy = {h: nbytes / dev[h].up for h, nbytes in host_uplink_bytes_per_step(plan, scenario, prof).items()}
     for st, c in zip(plan.stages, copies, strict=True):
-        busy[st.server] = busy.get(st.server, 0.0) + c
-    step = step_s
+        log_up = 0.0 if plan.sync.local else len(st.standbys) * step_log_bytes(prof, *st.layers) / dev[st.server].up
+        busy[st.server] = busy.get(st.server, 0.0) + c + log_up
+    step = step_s + max(logs)
     for b in busy.values():
         step = uplink_bound_step(step, b)
-    return {"standby_s": max(copies), "step_time_s": step if math.isfinite(step) else step_s}
+    return {"standby_s": max(copies), "standby_log_s": max(logs),
+            "step_time_s": step if math.isfinite(step) else step_s}

@@ -38,7 +38,7 @@ from shoal.errors import ShoalError
 from shoal.model.config import get_preset
 from shoal.model.profile import profile_model
 from shoal.plan.compression import wire_ratio
-from shoal.plan.standby import state_bytes
+from shoal.plan.standby import state_bytes, step_log_bytes
 from shoal.plan.types import Plan, Scenario, StagePlan
 from shoal.plan.validate import validate_plan
 from shoal.sim.config import ServerFailure, SimConfig, Straggler
@@ -71,6 +71,8 @@ M_JOINPULL = 7  # server -> joining worker: current weights (worker, epoch, stag
 M_LPUSH = 8  # local mode: worker -> server, pseudo-gradient of a sync round (worker, stage, round)
 M_LPULL = 9  # local mode: server -> worker, merged weights of a sync round (worker, stage, round)
 M_STANDBY = 10  # active server -> hot standby: the stage's state after a committed step (no reply)
+M_LOG = 11  # exact sync, active server -> hot standby: the step's summed gradient, before the update (stage, step)
+M_LOGACK = 12  # hot standby -> active server: the step's gradient is logged (stage, step, standby)
 
 
 class Task:
@@ -167,6 +169,7 @@ class Stage:
         self.pending_pulls: set[str] = set()
         self.blocked = False  # local mode: the stage may not close until a sync round is done
         self.launch_after = False  # local mode: start this step's round once the previous one is done
+        self.log_wait: set[str] | None = None  # exact sync: standbys whose step-log acknowledgement is awaited
         self.fwd_pool.clear()
         self.orphans.clear()
         self.own.clear()
@@ -262,6 +265,7 @@ class Simulator:
             st.pull_wire = pb * pull_r  # a weight pull (local mode: a delta against the worker's version)
             st.param_wire = pb * join_r  # a joiner's first pull
             st.standby_bytes = state_bytes(self.prof, a, b)  # a hot standby's copy of the stage's state
+            st.log_bytes = step_log_bytes(self.prof, a, b)  # exact sync: a standby's log of the step's gradient
             st.last_stage = st.idx == self.S - 1
         self.workers: dict[str, Worker] = {}
         self.original_stage: dict[str, int] = {}
@@ -493,11 +497,25 @@ class Simulator:
 
     def _maybe_apply(self, st: Stage) -> None:
         if st.phase == 0 and len(st.grads_in) == self.M and len(st.bwd_done) == self.M:
+            if not self._logged(st):
+                return
             st.phase = 1
             if self.cfg.server_update_s > 0 and not self.local:
                 self._push(self.now + self.cfg.server_update_s, APPLY, st.idx)
             else:
                 self._applied(st)
+
+    def _logged(self, st: Stage) -> bool:
+        """Exact sync with hot standbys: the summed gradient goes to every standby, and the
+        update waits for their acknowledgements (the runtime's step log); True once they are in."""
+        if self.local:
+            return True
+        if st.log_wait is None:
+            standbys = self.plan.stages[st.idx].standbys if st.idx < len(self.plan.stages) else ()
+            st.log_wait = {h for h in standbys if h in self.devices}
+            for h in st.log_wait:
+                self._send(st.host.id, h, st.log_bytes, M_LOG, (st.idx, self.step, h), None)
+        return not st.log_wait
 
     def _applied(self, st: Stage) -> None:
         st.phase = 2
@@ -686,6 +704,15 @@ class Simulator:
             w, epoch, s = p
             if w.epoch == epoch and w.alive and w.stage == s:
                 self._send(w.id, self.stages[s].host.id, 0, M_LEASE, (w, epoch), None)
+        elif kind == M_LOG:
+            s, step, h = p
+            self._send(h, self.stages[s].host.id, 0, M_LOGACK, p, None)
+        elif kind == M_LOGACK:
+            s, step, h = p
+            st = self.stages[s]
+            if step == self.step and st.log_wait is not None and h in st.log_wait:
+                st.log_wait.discard(h)
+                self._maybe_apply(st)
         elif kind == M_LPUSH:
             w, s, rid, last = p
             st = self.stages[s]
