@@ -88,6 +88,34 @@ def test_resume_state_folds_the_journal(tmp_path):
         resume_state([{"kind": "commit", "step": 0}])
 
 
+def test_resumed_coordinator_keeps_the_decisions_a_standby_replays(tmp_path):
+    """The journal keeps each commit's decision (lr, clip coefficient, skip, next loss scale), so
+    a standby promoted after a coordinator restart can replay steps decided before it."""
+    from shoal.net import shoal_pb2 as pb
+    from shoal.runtime.journal import DECISIONS_KEPT
+    from shoal.runtime.standby import decisions_since
+
+    j = Journal(tmp_path / "journal.jsonl")
+    j.write("run", spec={"steps": "200"}, options={}, t0=0.0)
+    n = DECISIONS_KEPT + 6
+    for step in range(n):
+        j.write("commit", step=step, epoch=0, record={"step": step, "loss": 1.0}, scale=None,
+                decision=[1e-3 * (step + 1), 0.5, step == n - 4, 0.0])
+    j.write("epoch", epoch=1, version=n - 1)  # a roll-back: the last step runs again
+    j.write("commit", step=n - 1, epoch=1, record={"step": n - 1, "loss": 1.0}, scale=None,
+            decision=[9.0, 1.0, False, 0.0])
+    j.close()
+    st = resume_state(read_journal(tmp_path / "journal.jsonl"))
+    assert st.decisions[(0, n - 4)] == (pytest.approx(1e-3 * (n - 3)), 0.5, True, 0.0)
+    assert (0, 0) not in st.decisions and (0, n - DECISIONS_KEPT) in st.decisions  # bounded
+    assert st.decisions[(1, n - 1)] == (9.0, 1.0, False, 0.0)
+    decisions = {k: pb.StepDecision(ready=True, lr=lr, coef=c, skip=sk, next_loss_scale=nl)
+                 for k, (lr, c, sk, nl) in st.decisions.items()}
+    got = decisions_since(decisions, 2, n, n - 3)
+    assert [(d.epoch, d.step, round(d.lr, 6)) for d in got] == \
+        [(0, n - 3, round(1e-3 * (n - 2), 6)), (0, n - 2, round(1e-3 * (n - 1), 6)), (1, n - 1, 9.0)]
+
+
 def test_find_run_and_bad_resume_folders(tmp_path):
     with pytest.raises(ShoalError, match="no such folder"):
         find_run(tmp_path / "nope")

@@ -235,6 +235,9 @@ class Coordinator(pbg.CoordinatorServicer):
             self.reserved = {k: n for k, n in enumerate(st.stage_servers) if n}
             self.reserve_until = time.monotonic() + resume_grace_s(self.spec.dead_after_s)
         self.scale_at.update(st.scale_at)
+        # a standby promoted after this restart replays logged steps decided before it
+        for (e, k), (lr, coef, skip, nls) in st.decisions.items():
+            self.decisions[(e, k)] = pb.StepDecision(ready=True, lr=lr, coef=coef, skip=skip, next_loss_scale=nls)
         for rec in st.records:
             self.written_steps.add(int(rec["step"]))
             self.history.append(rec)
@@ -957,8 +960,10 @@ class Coordinator(pbg.CoordinatorServicer):
         rec["epoch"] = key[0]
         self.last_commit_t = now
         # Durable before any stage hears the decision (and checkpoints the step).
+        d = self.decisions[key]
         self._journal("commit", step=step, epoch=key[0], record=rec,
-                      scale=list(self.scale_at[step + 1]) if fp16 else None)
+                      scale=list(self.scale_at[step + 1]) if fp16 else None,
+                      decision=[d.lr, d.coef, bool(d.skip), d.next_loss_scale])
         self.committed = step + 1
         if step not in self.written_steps:
             self.written_steps.add(step)

@@ -114,8 +114,13 @@ class ResumeState:
     scale_at: dict[int, tuple[float, int]] = field(default_factory=dict)  # fp16: step -> (scale, good)
     stage_servers: list[str] = field(default_factory=list)  # newest name of each stage's server ("": vacant)
     bans: dict[str, str] = field(default_factory=dict)  # banned worker name -> why
+    # (epoch, step) -> (lr, clip coefficient, skip, next loss scale) of the newest committed steps
+    decisions: dict[tuple[int, int], tuple[float, float, bool, float]] = field(default_factory=dict)
     state: str = "running"  # running | done | failed
     error: str = ""  # a failed run's one line
+
+
+DECISIONS_KEPT = 64  # newest committed steps whose decisions a resumed coordinator keeps (a standby's log bound)
 
 
 def resume_state(records: list[dict]) -> ResumeState:
@@ -139,6 +144,12 @@ def resume_state(records: list[dict]) -> ResumeState:
             by_step.setdefault(step, rec["record"])  # the first commit of a step is the one written
             if rec.get("scale") is not None:
                 st.scale_at[step + 1] = (float(rec["scale"][0]), int(rec["scale"][1]))
+            if rec.get("decision") is not None:
+                lr, coef, skip, nls = rec["decision"]
+                st.decisions[(int(rec.get("epoch", 0)), step)] = (float(lr), float(coef), bool(skip), float(nls))
+                # a standby logs at most STANDBY_LOG_STEPS: older decisions are never replayed
+                for old in [k for k in st.decisions if k[1] <= step - DECISIONS_KEPT]:
+                    del st.decisions[old]
         elif kind == "servers":
             st.stage_servers = [str(n) for n in rec.get("names", [])]
         elif kind == "ban":
