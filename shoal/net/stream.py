@@ -150,17 +150,19 @@ def transfer_timeout(nbytes: int, base_s: float = 60.0, min_bytes_per_s: float =
 
 
 async def send(method, msg, chunk_bytes: int, *, timeout: float | None = None, traffic=None,
-               data: bytes | None = None, sender: str = ""):
+               data: bytes | None = None, sender: str = "", frames=None):
     """Call the client-streaming ``method`` with ``msg`` in chunks; returns its reply.
 
     ``data``: ``msg`` already serialised (e.g. in a thread, for a large message);
     ``traffic`` (a :class:`shoal.net.traffic.Traffic`) counts the whole message and the
     reply, as the unary interceptor counts a unary call; ``sender`` goes in every chunk.
+    ``frames``: the ``(kind, frame)`` pairs ``data`` carries when ``msg`` is only its head
+    (see :func:`shoal.net.wire.serialize_framed`); counted with ``msg``.
     """
     if data is None:
         data = msg.SerializeToString()
     if traffic is not None:
-        traffic.count(msg)
+        traffic.count(msg, frames, total=len(data))
     if timeout is None:
         timeout = transfer_timeout(len(data))
     reply = await method(split(type(msg).__name__, data, chunk_bytes, sender), timeout=timeout)
@@ -174,11 +176,16 @@ async def fetch(method, request, msg_cls, max_bytes: int, *, timeout: float | No
     if traffic is not None:
         traffic.count(request)
     call = method(request, timeout=transfer_timeout(max_bytes) if timeout is None else timeout)
+    total = [0]
+
+    def sized(chunk: pb.Chunk) -> None:
+        total[0] = chunk.total
+
     try:
-        msg = await receive(call, msg_cls, max_bytes)
+        msg = await receive(call, msg_cls, max_bytes, sized)
     except BaseException:
         call.cancel()  # stop the sender; nothing received is used
         raise
     if traffic is not None:
-        traffic.count(msg)
+        traffic.count(msg, total=total[0])
     return msg

@@ -53,7 +53,7 @@ from shoal.net.stream import (
     split,
 )
 from shoal.net.traffic import Traffic
-from shoal.net.wire import WireError, decode_tensor, encode_tensor
+from shoal.net.wire import WireError, decode_tensor, encode_tensor, serialize_framed
 from shoal.runtime.common import (
     SCHEMA_VERSION,
     Signal,
@@ -1329,9 +1329,8 @@ def standby_send_version(versions: list[int], have: int, loading: bool) -> int:
 
 def _serialise_weights(head: pb.WeightsReply, params: dict[str, torch.Tensor]) -> bytes:
     """``head`` with every parameter framed, serialised (runs in a thread)."""
-    for name, p in params.items():
-        head.params.append(encode_tensor(name, p.detach()))
-    return head.SerializeToString()
+    return serialize_framed(head, pb.WeightsReply.DESCRIPTOR.fields_by_name["params"].number,
+                            [encode_tensor(name, p.detach()) for name, p in params.items()])
 
 
 def _decode_grads(r: pb.GradPush, params: dict[str, torch.Tensor], finite: bool = True) -> dict[str, torch.Tensor]:
