@@ -12,7 +12,14 @@ from shoal.errors import ShoalError
 from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
 from shoal.net.channel import load_token, make_server, open_channel
-from shoal.net.wire import WireError, all_finite, decode_tensor, encode_tensor, frame_size, serialize_framed
+from shoal.net.wire import (
+    WireError,
+    all_finite,
+    decode_tensor,
+    encode_tensor,
+    frame_size,
+    serialize_framed,
+)
 from shoal.runtime.common import assign_workers, even_split, lease_seconds
 
 
@@ -164,6 +171,16 @@ def test_lease_seconds():
     assert lease_seconds(None, 2.0) == 2.0
     assert lease_seconds(0.1, 2.0) == 2.0
     assert lease_seconds(1.0, 2.0) == 4.0
+
+
+def test_heartbeat_period_leaves_four_beats_before_death_or_lease_expiry():
+    from shoal.runtime.worker import heartbeat_period
+
+    assert heartbeat_period(3.0, 2.0) == 0.5  # the defaults
+    assert heartbeat_period(30.0, 20.0) == 1.0  # at most 1 s
+    assert heartbeat_period(0.3, 2.0) == 0.2  # at least 0.2 s
+    for dead, lease in ((3.0, 2.0), (1.2, 5.0), (8.0, 2.4)):
+        assert 4 * heartbeat_period(dead, lease) <= min(dead, lease)
 
 
 def test_ordered_groups_presum_only_the_prefix_bitwise():

@@ -127,6 +127,18 @@ class Lease:
     started: float
 
 
+def pick_order(is_last: bool) -> tuple[str, ...]:
+    """Which kind of task a stage leases first: forwards, then gradients.
+
+    A forward feeds the next stage, whose whole chain of tasks waits on it; a backward
+    feeds only the previous stage's backward and this stage's push, which wait for the
+    last micro-batch anyway. Forwards first keeps the later stages busy (GPipe's order);
+    the worker's graph cache (at most 2M forward graphs) bounds what it holds either way.
+    The last stage has only gradient tasks (forward and backward in one).
+    """
+    return ("grad",) if is_last else ("fwd", "grad")
+
+
 class TodoPool:
     """Micro-batch ids whose task is ``todo``, per (step, kind), lowest id first.
 
@@ -642,16 +654,21 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
                     self.cond.notify_all()
 
     def _pick(self, wid: str) -> pb.Task | None:
-        """Lease the next task of the current step to ``wid``: gradients first."""
+        """Lease the next task of the current step to ``wid``: forwards first (see :func:`pick_order`)."""
         if not self.ready or self.committing or self.version != self.step:
             return None
         mbs = self.steps.get(self.step, {})
         ok = (lambda mb: self._local_bwd_ok(mbs[mb], wid)) if self.local and not self.is_last else None
-        mb = self.todo.pick(self.step, "grad", lambda mb: mb in mbs and mbs[mb].grad == "todo", ok)
-        direction = pb.FWDBWD if self.is_last else pb.BWD
-        if mb is None:
-            mb = self.todo.pick(self.step, "fwd", lambda mb: mb in mbs and mbs[mb].fwd == "todo")
-            direction = pb.FWD
+        mb, direction = None, pb.FWD
+        for kind in pick_order(self.is_last):
+            if kind == "fwd":
+                mb = self.todo.pick(self.step, "fwd", lambda mb: mb in mbs and mbs[mb].fwd == "todo")
+                direction = pb.FWD
+            else:
+                mb = self.todo.pick(self.step, "grad", lambda mb: mb in mbs and mbs[mb].grad == "todo", ok)
+                direction = pb.FWDBWD if self.is_last else pb.BWD
+            if mb is not None:
+                break
         if mb is None:
             return None
         st = mbs[mb]

@@ -62,7 +62,7 @@ class WorkerOptions:
 
     name: str = "worker"  # label in events and metrics
     flops: float | None = None  # FLOP/s to report (None: measure at start)
-    heartbeat_s: float = 0.2  # lease renewal / coordinator heartbeat period
+    heartbeat_s: float | None = None  # lease renewal / coordinator heartbeat period (None: heartbeat_period)
     lease_wait_s: float = 0.5  # long-poll time of one lease request
     inject: str = ""  # test faults, comma-separated: nan_grad, bad_shape, oom, push_fail, push_lost, push_abandon (once each), hang_* (see parse_hangs)
     codec: str = "raw"  # tensor codec for results and pushes
@@ -147,6 +147,17 @@ def idle_pull(rep: pb.LeaseReply, version: int, epoch: int) -> bool:
     the first task's critical path.
     """
     return rep.version >= 0 and rep.version == rep.step and (rep.version != version or rep.epoch != epoch)
+
+
+def heartbeat_period(dead_after_s: float, min_lease_s: float) -> float:
+    """Seconds between a worker's heartbeats (each also renews its leases).
+
+    A quarter of the shorter of the silence that declares it dead and the shortest lease,
+    so four beats are missed before either runs out; at least 0.2 s and at most 1 s. Each
+    beat is two RPCs that the coordinator and the stage server answer on the CPU that
+    also computes (0.5 s at the defaults of 3 s and 2 s).
+    """
+    return min(1.0, max(0.2, min(dead_after_s, min_lease_s) / 4))
 
 
 def oom_message(stage: int, first: int, last: int, micro_batch_size: int, seq_len: int, device: str,
@@ -367,7 +378,8 @@ class Worker(LocalWorkerMixin):
                 with contextlib.suppress(grpc.aio.AioRpcError):
                     await self.server.Renew(pb.RenewRequest(worker=self.member_id,
                                                             lease_ids=list(self.held)), timeout=5)
-            await asyncio.sleep(self.opts.heartbeat_s)
+            await asyncio.sleep(self.opts.heartbeat_s or heartbeat_period(self.spec.dead_after_s,
+                                                                          self.spec.min_lease_s))
 
     def stats_snapshot(self) -> pb.MemberStats:
         """What this worker reports for the dashboard: its stage and the work it got accepted."""
