@@ -44,18 +44,16 @@ def _stat(path: str) -> tuple[str, float]:
 
 
 def cpu_s(pid: int) -> dict[str, float]:
-    """CPU seconds of process ``pid`` by thread kind: its main thread ("main"), gRPC's
-    core threads ("grpc", named by gRPC) and the rest ("pool": executor threads)."""
-    out = {"main": 0.0, "grpc": 0.0, "pool": 0.0}
+    """CPU seconds of process ``pid``: its main thread (the asyncio loop: RPC handling) and
+    its other threads ("pool": compute, serialisation and checks in executor threads, and
+    gRPC's own threads)."""
+    out = {"main": 0.0, "pool": 0.0}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return out
     for tid in tids:
-        name, s = _stat(f"/proc/{pid}/task/{tid}/stat")
-        kind = "main" if tid == str(pid) else "grpc" if ("grpc" in name or "executo" in name or "resolver" in name) \
-            else "pool"
-        out[kind] += s
+        out["main" if tid == str(pid) else "pool"] += _stat(f"/proc/{pid}/task/{tid}/stat")[1]
     return out
 
 
@@ -102,7 +100,7 @@ def swarm_cpu(stages: int, steps: int, profile: str | None) -> dict[str, float]:
                 if rec["step"] in (0, steps - 1):
                     ms = members()
                     marks[rec["step"]] = {f"{k}/{kind}": sum(cpu_s(p)[kind] for p in v)
-                                          for k, v in ms.items() for kind in ("main", "grpc", "pool")}
+                                          for k, v in ms.items() for kind in ("main", "pool")}
                     if rec["step"] == steps - 1 and profile:
                         for pids in ms.values():
                             for p in pids:
@@ -130,7 +128,7 @@ def main() -> None:
     loc = local_cpu(args.steps)
     print(f"CPU time per step (tiny, M={m} B={RUN['micro_batch_size']} T={RUN['seq_len']}, "
           f"{args.steps} steps, steps after the first)\n")
-    print("(each role: main thread / gRPC core threads / executor threads, ms per step, summed over members)\n")
+    print("(each role: main thread / other threads, ms per step, summed over its members)\n")
     print("| run | coordinator | servers | workers | total | beyond local, per task | vs local |")
     print("|---|---|---|---|---|---|---|")
     print(f"| train --local T=1 | | | | {loc * 1e3:.0f} ms | | 1.00x |")
@@ -139,7 +137,7 @@ def main() -> None:
         tot = sum(c.values())
 
         def role(r, c=c):
-            return " / ".join(f"{c.get(f'{r}/{k}', 0) * 1e3:.0f}" for k in ("main", "grpc", "pool"))
+            return " / ".join(f"{c.get(f'{r}/{k}', 0) * 1e3:.0f}" for k in ("main", "pool"))
 
         print(f"| launch S={s} W={s} | {role('coordinator')} | {role('servers')} | {role('workers')} | "
               f"{tot * 1e3:.0f} ms | {(tot - loc) / m * 1e3:.1f} ms | {tot / loc:.2f}x |", flush=True)

@@ -2,7 +2,7 @@
 
 A weight pull, gradient push, task result, relay or lease reply can be larger than any
 gRPC message limit (a ``gpt-1.3b`` embedding alone is 412 MB), so the runtime sends the
-serialised message in chunks of ``chunk_bytes`` (a few MB) and the receiver puts them
+serialised message in chunks of ``chunk_bytes`` (1 MB by default) and the receiver puts them
 together:
 
 * the receiver states the message type and the most bytes it accepts (from its stage
@@ -27,7 +27,7 @@ from shoal.net import shoal_pb2 as pb
 from shoal.net.auth import MAX_CHUNK_BYTES
 from shoal.net.wire import WireError
 
-DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024  # a few MB: well under any message limit, few calls
+DEFAULT_CHUNK_BYTES = 1024 * 1024  # 1 MB: on loopback a 5 MB transfer in 1 MB chunks takes a third of the time 4 MB chunks do
 MIN_CHUNK_BYTES = 4 * 1024  # smaller chunks only add per-message overhead
 CONTROL_SLACK = 64 * 1024  # bytes of a message besides its tensor payloads (ids, names, shapes)
 

@@ -96,7 +96,7 @@ def _run_args(p: argparse.ArgumentParser, launch: bool = False) -> None:
     add_compression_arg(p)
     p.add_argument("--chunk-mb", type=float, default=None,
                    help="MB per chunk of streamed weight pulls, gradient pushes, results and relays "
-                        "(default 4; members may override it)")
+                        "(default 1; members may override it)")
     p.add_argument("--spot-check", type=float, default=0.05, metavar="F",
                    help="fraction of gradient pushes a stage server recomputes to catch poisoned work "
                         "(exact fp32 runs; a seeded draw; 0: only flagged and first pushes)")
