@@ -1,7 +1,7 @@
 """Where does a swarm's CPU go? Process CPU seconds per step of every member of ``launch``.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_runtime_cpu.py [--stages 1,2] [--steps 8]
-        [--profile DIR]
+        [--profile DIR] [--chunk-mb MB]
 
 Runs bench_runtime's RUN (tiny, M=4 B=4 T=64) as ``launch`` S=W for each S given, reads
 every member's user+system CPU time from /proc when the first step is committed and again
@@ -72,7 +72,7 @@ def local_cpu(steps: int) -> float:
     return (used[2] - used[1]) / (steps - 1)
 
 
-def swarm_cpu(stages: int, steps: int, profile: str | None) -> dict[str, float]:
+def swarm_cpu(stages: int, steps: int, profile: str | None, chunk_mb: float | None = None) -> dict[str, float]:
     """CPU seconds per step of each role (coordinator, servers, workers), steps 1..last."""
     from shoal.runtime.launch import LaunchConfig, Swarm
 
@@ -83,7 +83,7 @@ def swarm_cpu(stages: int, steps: int, profile: str | None) -> dict[str, float]:
             os.environ["SHOAL_PROFILE"] = env_prof
         try:
             cfg = LaunchConfig(out=str(Path(tmp) / "run"), stages=stages, workers=stages, steps=steps,
-                               timeout_s=600, **RUN)
+                               timeout_s=600, chunk_mb=chunk_mb, **RUN)
             marks: dict[int, dict[str, float]] = {}
             swarm_ref: list = []
 
@@ -123,6 +123,7 @@ def main() -> None:
     ap.add_argument("--stages", default="1,2")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--profile", default=None)
+    ap.add_argument("--chunk-mb", type=float, default=None, help="the swarm's --chunk-mb (default: the run default)")
     args = ap.parse_args()
     m = RUN["micro_batches"]
     loc = local_cpu(args.steps)
@@ -133,7 +134,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     print(f"| train --local T=1 | | | | {loc * 1e3:.0f} ms | | 1.00x |")
     for s in (int(x) for x in args.stages.split(",")):
-        c = swarm_cpu(s, args.steps, args.profile)
+        c = swarm_cpu(s, args.steps, args.profile, args.chunk_mb)
         tot = sum(c.values())
 
         def role(r, c=c):
