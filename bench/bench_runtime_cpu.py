@@ -1,7 +1,7 @@
 """Where does a swarm's CPU go? Process CPU seconds per step of every member of ``launch``.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_runtime_cpu.py [--stages 1,2] [--steps 8]
-        [--profile DIR] [--chunk-mb MB]
+        [--profile DIR] [--chunk-mb MB] [--spot-check F]
 
 Runs bench_runtime's RUN (tiny, M=4 B=4 T=64) as ``launch`` S=W for each S given, reads
 every member's user+system CPU time from /proc when the first step is committed and again
@@ -72,7 +72,8 @@ def local_cpu(steps: int) -> float:
     return (used[2] - used[1]) / (steps - 1)
 
 
-def swarm_cpu(stages: int, steps: int, profile: str | None, chunk_mb: float | None = None) -> dict[str, float]:
+def swarm_cpu(stages: int, steps: int, profile: str | None, chunk_mb: float | None = None,
+              spot_check: float | None = None) -> dict[str, float]:
     """CPU seconds per step of each role (coordinator, servers, workers), steps 1..last."""
     from shoal.runtime.launch import LaunchConfig, Swarm
 
@@ -83,7 +84,8 @@ def swarm_cpu(stages: int, steps: int, profile: str | None, chunk_mb: float | No
             os.environ["SHOAL_PROFILE"] = env_prof
         try:
             cfg = LaunchConfig(out=str(Path(tmp) / "run"), stages=stages, workers=stages, steps=steps,
-                               timeout_s=600, chunk_mb=chunk_mb, **RUN)
+                               timeout_s=600, chunk_mb=chunk_mb,
+                               **({} if spot_check is None else {"spot_check": spot_check}), **RUN)
             marks: dict[int, dict[str, float]] = {}
             swarm_ref: list = []
 
@@ -124,6 +126,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--profile", default=None)
     ap.add_argument("--chunk-mb", type=float, default=None, help="the swarm's --chunk-mb (default: the run default)")
+    ap.add_argument("--spot-check", type=float, default=None,
+                    help="the swarm's --spot-check (default: the run default; each drawn push is recomputed on its "
+                         "server, a random number of times per run)")
     args = ap.parse_args()
     m = RUN["micro_batches"]
     loc = local_cpu(args.steps)
@@ -134,7 +139,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     print(f"| train --local T=1 | | | | {loc * 1e3:.0f} ms | | 1.00x |")
     for s in (int(x) for x in args.stages.split(",")):
-        c = swarm_cpu(s, args.steps, args.profile, args.chunk_mb)
+        c = swarm_cpu(s, args.steps, args.profile, args.chunk_mb, args.spot_check)
         tot = sum(c.values())
 
         def role(r, c=c):
