@@ -86,10 +86,10 @@ from shoal.runtime.guard import (
     ban_reason,
     low_only,
     needs_verify,
+    push_spot_checked,
     rel_error,
     robust_centre,
     screen,
-    spot_pick,
 )
 from shoal.runtime.local_sync import LocalServerMixin
 from shoal.runtime.stats import StepTiming
@@ -902,8 +902,7 @@ class StageServer(LocalServerMixin, pbg.StageServerServicer):
         exact = (run_precision(self.spec) == "fp32" and all(g.codec in ("", "raw") for g in r.grads)
                  and compression_of_spec(self.spec).pull == "none")
         first = r.worker not in self.guard_seen
-        spot = any(spot_pick(self.spec.seed, self.spec.run_id, self.stage, r.step, mb, self.spec.guard_spot_check)
-                   for mb in ids)
+        spot = push_spot_checked(self.spec.seed, self.spec.run_id, self.stage, r.step, ids, self.spec.guard_spot_check)
         err = None
         if needs_verify(flag, first, spot, exact, self.guard_cfg) and r.step == self.step and self.version == r.step:
             self.guard_checks += 1
