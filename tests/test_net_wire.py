@@ -174,7 +174,7 @@ def test_lease_seconds():
 
 
 def test_heartbeat_period_leaves_four_beats_before_death_or_lease_expiry():
-    from shoal.runtime.worker import heartbeat_period
+    from shoal.runtime.common import heartbeat_period
 
     assert heartbeat_period(3.0, 2.0) == 0.5  # the defaults
     assert heartbeat_period(30.0, 20.0) == 1.0  # at most 1 s

@@ -35,6 +35,7 @@ from shoal.net.wire import WireError, decode_tensor, encode_tensor, frame_size, 
 from shoal.runtime.common import (
     SCHEMA_VERSION,
     ewma,
+    heartbeat_period,
     micro_batch,
     model_config,
     run_member,
@@ -147,17 +148,6 @@ def idle_pull(rep: pb.LeaseReply, version: int, epoch: int) -> bool:
     the first task's critical path.
     """
     return rep.version >= 0 and rep.version == rep.step and (rep.version != version or rep.epoch != epoch)
-
-
-def heartbeat_period(dead_after_s: float, min_lease_s: float) -> float:
-    """Seconds between a worker's heartbeats (each also renews its leases).
-
-    A quarter of the shorter of the silence that declares it dead and the shortest lease,
-    so four beats are missed before either runs out; at least 0.2 s and at most 1 s. Each
-    beat is two RPCs that the coordinator and the stage server answer on the CPU that
-    also computes (0.5 s at the defaults of 3 s and 2 s).
-    """
-    return min(1.0, max(0.2, min(dead_after_s, min_lease_s) / 4))
 
 
 def oom_message(stage: int, first: int, last: int, micro_batch_size: int, seq_len: int, device: str,
