@@ -25,6 +25,7 @@ from shoal.runtime.guard import (
     ban_reason,
     low_only,
     needs_verify,
+    push_spot_checked,
     rel_error,
     robust_centre,
     screen,
@@ -142,6 +143,18 @@ def test_ban_rule():
     assert "3 pushes in a row flagged" in ban_reason("norm 20x", None, 3, cfg)
     assert ban_reason("", None, 7, cfg) == ""
     assert rel_error(0.0, 4.0) == 0.0 and rel_error(1.0, 4.0) == 0.5
+
+
+def test_a_fraction_of_pushes_is_spot_checked_whatever_their_size():
+    """One draw per push: a push pre-summed over 8 micro-batches is drawn as often as a push of one."""
+    for mbs in ([0], list(range(8))):
+        drawn = [push_spot_checked(3, "run", 1, step, mbs, 0.05) for step in range(4000)]
+        assert 0.035 < sum(drawn) / len(drawn) < 0.065
+        assert drawn == [push_spot_checked(3, "run", 1, step, mbs, 0.05) for step in range(4000)]  # seeded
+    # keyed by the push's first micro-batch
+    assert all(push_spot_checked(3, "run", 1, s, [2, 5, 6], 0.3) == spot_pick(3, "run", 1, s, 2, 0.3)
+               for s in range(200))
+    assert not push_spot_checked(3, "run", 1, 0, [], 1.0)
 
 
 def test_verify_and_spot_check_draws():

@@ -12,7 +12,14 @@ from shoal.errors import ShoalError
 from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
 from shoal.net.channel import load_token, make_server, open_channel
-from shoal.net.wire import WireError, decode_tensor, encode_tensor
+from shoal.net.wire import (
+    WireError,
+    all_finite,
+    decode_tensor,
+    encode_tensor,
+    frame_size,
+    serialize_framed,
+)
 from shoal.runtime.common import assign_workers, even_split, lease_seconds
 
 
@@ -22,6 +29,31 @@ def test_frame_roundtrip_exact(dtype):
     frame = encode_tensor("x", t)
     back = decode_tensor(pb.Tensor.FromString(frame.SerializeToString()), shape=(3, 5))
     assert back.dtype == dtype and torch.equal(back, t)
+
+
+def test_serialize_framed_parses_to_the_same_message_at_the_same_size():
+    frames = [encode_tensor("a", torch.randn(300, 7)), encode_tensor("b", torch.zeros(0)),
+              encode_tensor("c", torch.randn(5).to(torch.bfloat16)), encode_tensor("d", torch.randn(4, 4), "int8"),
+              encode_tensor("e", torch.arange(200, dtype=torch.int64))]
+    head = pb.GradPush(worker="w-1", step=3, epoch=2, gen=1, mbs=[0, 2])
+    data = serialize_framed(head, pb.GradPush.DESCRIPTOR.fields_by_name["grads"].number, frames)
+    whole = pb.GradPush(worker="w-1", step=3, epoch=2, gen=1, mbs=[0, 2], grads=frames)
+    assert pb.GradPush.FromString(data) == whole
+    assert data == whole.SerializeToString()
+    assert [frame_size(f) for f in frames] == [f.ByteSize() for f in frames]
+    back = decode_tensor(pb.GradPush.FromString(data).grads[0], shape=(300, 7), dtype="float32")
+    assert torch.equal(back, decode_tensor(frames[0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_all_finite_agrees_with_torch(dtype):
+    t = torch.randn(64, 9).to(dtype)
+    assert all_finite(t)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        u = t.clone()
+        u[17, 3] = bad
+        assert not all_finite(u)
+        assert not all_finite(u[17:18, 2:5])  # a non-contiguous view
 
 
 def test_frame_checks_shape_dtype_length_and_finite():
@@ -139,6 +171,16 @@ def test_lease_seconds():
     assert lease_seconds(None, 2.0) == 2.0
     assert lease_seconds(0.1, 2.0) == 2.0
     assert lease_seconds(1.0, 2.0) == 4.0
+
+
+def test_heartbeat_period_leaves_four_beats_before_death_or_lease_expiry():
+    from shoal.runtime.common import heartbeat_period
+
+    assert heartbeat_period(3.0, 2.0) == 0.5  # the defaults
+    assert heartbeat_period(30.0, 20.0) == 1.0  # at most 1 s
+    assert heartbeat_period(0.3, 2.0) == 0.2  # at least 0.2 s
+    for dead, lease in ((3.0, 2.0), (1.2, 5.0), (8.0, 2.4)):
+        assert 4 * heartbeat_period(dead, lease) <= min(dead, lease)
 
 
 def test_ordered_groups_presum_only_the_prefix_bitwise():

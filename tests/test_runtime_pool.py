@@ -271,13 +271,13 @@ def test_todo_pool_picks_lowest_todo_and_drops_stale_entries():
 
 
 def _scan_pick(mbs) -> tuple[int, int] | None:
-    """What a lease pick must choose: the lowest todo backward, else the lowest todo forward."""
-    for mb in sorted(mbs):
-        if mbs[mb].grad == "todo":
-            return mb, pb.BWD
+    """What a lease pick must choose: the lowest todo forward, else the lowest todo backward."""
     for mb in sorted(mbs):
         if mbs[mb].fwd == "todo":
             return mb, pb.FWD
+    for mb in sorted(mbs):
+        if mbs[mb].grad == "todo":
+            return mb, pb.BWD
     return None
 
 

@@ -85,7 +85,7 @@ def test_assembler_refuses_what_does_not_fit():
 
 
 def test_chunk_mb_flag_values():
-    assert chunk_bytes_from_mb(None) == 4 * 1024 * 1024
+    assert chunk_bytes_from_mb(None) == 1024 * 1024
     assert chunk_bytes_from_mb(1) == 1024 * 1024
     assert chunk_bytes_from_mb(0, default=0) == 0
     from shoal.errors import ShoalError

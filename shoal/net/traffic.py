@@ -18,6 +18,7 @@ from collections.abc import Iterable
 
 from shoal.net import shoal_pb2 as pb
 from shoal.net.compress import WireCounter
+from shoal.net.wire import frame_size
 
 KINDS = ("activations", "activation_grads", "grad_push", "weight_pull", "control")
 _FLOATS = ("float32", "float16", "bfloat16")
@@ -26,7 +27,7 @@ _FLOATS = ("float32", "float16", "bfloat16")
 def frame_raw_bytes(frame: pb.Tensor) -> int:
     """Serialized size the frame would have with its payload as plain fp32 (ints: as is)."""
     if frame.dtype not in _FLOATS:
-        return frame.ByteSize()
+        return frame_size(frame)
     numel = math.prod(frame.shape) if len(frame.shape) else 1
     raw = pb.Tensor(name=frame.name, dtype="float32", shape=list(frame.shape), codec="raw")
     # Size of the payload field at fp32: tag + length varint + bytes.
@@ -72,17 +73,20 @@ class Traffic:
         self.counter = WireCounter()
         self.id = uuid.uuid4().hex  # one per process: a re-joined member keeps its counters
 
-    def count(self, msg, frames: Iterable[tuple[str, pb.Tensor]] | None = None) -> None:
+    def count(self, msg, frames: Iterable[tuple[str, pb.Tensor]] | None = None, total: int | None = None) -> None:
         """Count one message: each ``(kind, frame)`` under its kind and codec, the rest as control.
 
-        ``frames`` defaults to :func:`frames_of` (the runtime's messages by type).
+        ``frames`` defaults to :func:`frames_of` (the runtime's messages by type); ``total``:
+        the message's serialised size when the caller knows it (sizing a large message
+        costs as much as serialising it).
         """
         if frames is None:
             frames = frames_of(msg)
-        total = msg.ByteSize()
+        if total is None:
+            total = msg.ByteSize()
         framed = 0
         for kind, frame in frames:
-            size = frame.ByteSize()
+            size = frame_size(frame)
             framed += size
             self.counter.add_bytes(f"{kind}/{frame.codec or 'raw'}", frame_raw_bytes(frame), size)
         rest = total - framed

@@ -112,9 +112,68 @@ def decode_tensor(
         except (ValueError, UnicodeDecodeError) as exc:
             raise WireError(f"tensor {frame.name!r}: bad {codec} payload: {exc}") from exc
         t = t.to(tdtype).reshape(got_shape)
-    if finite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+    if finite and t.is_floating_point() and not all_finite(t):
         raise WireError(f"tensor {frame.name!r}: holds inf or NaN")
     return t
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of floating-point ``t`` is finite.
+
+    On the CPU through numpy for the dtypes it has: the same answer as
+    ``torch.isfinite(t).all()`` at a fraction of the time (one pass, no bool tensor).
+    """
+    if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64, torch.float16):
+        return bool(np.isfinite(t.detach().numpy()).all())
+    return bool(torch.isfinite(t).all())
+
+
+_DATA_TAG = b"\x22"  # Tensor.data: field 4, length-delimited
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _frame_head(frame: pb.Tensor) -> pb.Tensor:
+    """``frame`` without its payload (small: serialised or sized at no cost)."""
+    return pb.Tensor(name=frame.name, dtype=frame.dtype, shape=frame.shape, codec=frame.codec, meta=frame.meta)
+
+
+def frame_size(frame: pb.Tensor) -> int:
+    """``frame.ByteSize()`` without encoding the payload (upb's ByteSize serialises the message)."""
+    n = len(frame.data)
+    return _frame_head(frame).ByteSize() + (1 + len(_varint(n)) + n if n else 0)
+
+
+def serialize_framed(head, field_number: int, frames: Sequence[pb.Tensor]) -> bytes:
+    """``head`` serialised with ``frames`` as its repeated Tensor field ``field_number`` (< 16).
+
+    Parses to the message ``head`` with the frames appended and has its serialised size
+    (the bytes of ``SerializeToString`` when no field of ``head`` numbered above
+    ``field_number`` is set). Built by concatenation, at one copy of each payload: upb
+    serialises a message of many large nested frames several times slower than this.
+    """
+    if not 0 < field_number < 16:
+        raise ValueError("field_number must be 1..15")
+    tag = bytes([(field_number << 3) | 2])
+    pieces = [head.SerializeToString()]
+    for f in frames:
+        data = f.data
+        # Fields in number order, as protobuf writes them: 1-3, the payload (4), then 5-6.
+        before = pb.Tensor(name=f.name, dtype=f.dtype, shape=f.shape).SerializeToString()
+        after = pb.Tensor(codec=f.codec, meta=f.meta).SerializeToString()
+        size = len(before) + (1 + len(_varint(len(data))) + len(data) if data else 0) + len(after)
+        pieces += [tag, _varint(size), before]
+        if data:
+            pieces += [_DATA_TAG, _varint(len(data)), data]
+        pieces.append(after)
+    return b"".join(pieces)
 
 
 def frame_nbytes(frame: pb.Tensor) -> int:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -95,7 +96,7 @@ def _run_args(p: argparse.ArgumentParser, launch: bool = False) -> None:
     add_compression_arg(p)
     p.add_argument("--chunk-mb", type=float, default=None,
                    help="MB per chunk of streamed weight pulls, gradient pushes, results and relays "
-                        "(default 4; members may override it)")
+                        "(default 1; members may override it)")
     p.add_argument("--spot-check", type=float, default=0.05, metavar="F",
                    help="fraction of gradient pushes a stage server recomputes to catch poisoned work "
                         "(exact fp32 runs; a seeded draw; 0: only flagged and first pushes)")
@@ -588,11 +589,38 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shoal-runtime")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
+    prof = _profile_member(args.command)
     try:
         return int(args.func(args) or 0)
     except ShoalError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if prof is not None:
+            prof()
+
+
+def _profile_member(command: str):
+    """With ``SHOAL_PROFILE=DIR``: profile this member's main thread with cProfile and dump
+    ``DIR/COMMAND-PID.prof`` on exit and on SIGUSR1 (a member killed at the run's end never
+    exits by itself). Returns the dump function, or None when profiling is off."""
+    folder = os.environ.get("SHOAL_PROFILE")
+    if not folder:
+        return None
+    import cProfile
+    import signal
+
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    prof = cProfile.Profile()
+
+    def dump(*_):
+        prof.disable()
+        prof.dump_stats(str(Path(folder) / f"{command}-{os.getpid()}.prof"))
+        prof.enable()
+
+    signal.signal(signal.SIGUSR1, dump)
+    prof.enable()
+    return dump
 
 
 if __name__ == "__main__":

@@ -116,6 +116,17 @@ def lease_seconds(ewma_task_s: float | None, min_lease_s: float, factor: float =
     return max(min_lease_s, factor * ewma_task_s)
 
 
+def heartbeat_period(dead_after_s: float, min_lease_s: float) -> float:
+    """Seconds between a worker's heartbeats (each also renews its leases).
+
+    A quarter of the shorter of the silence that declares it dead and the shortest lease,
+    so four beats are missed before either runs out; at least 0.2 s and at most 1 s. Each
+    beat is two RPCs that the coordinator and the stage server answer on the CPU that
+    also computes (0.5 s at the defaults of 3 s and 2 s).
+    """
+    return min(1.0, max(0.2, min(dead_after_s, min_lease_s) / 4))
+
+
 def ewma(prev: float | None, x: float, alpha: float = 0.3) -> float:
     """Exponentially weighted moving average update."""
     return x if prev is None else (1 - alpha) * prev + alpha * x

@@ -53,6 +53,7 @@ from shoal.runtime.common import (
     Signal,
     assign_workers,
     even_split,
+    heartbeat_period,
     initial_scale,
     loss_scaling,
     model_config,
@@ -1018,7 +1019,8 @@ class Coordinator(pbg.CoordinatorServicer):
         self.done = True
         self._journal("done", epoch=self.epoch)
         self.event("done", steps=self.committed)
-        await asyncio.sleep(max(1.0, 3 * 0.2))  # let members see done in a heartbeat
+        # Let members see done in a heartbeat (servers beat every 0.2 s, workers every heartbeat_period).
+        await asyncio.sleep(max(1.0, 3 * heartbeat_period(self.spec.dead_after_s, self.spec.min_lease_s)))
         if self.out and (self.run_dir / "summary.json").exists():
             # The members' heartbeats since the commit carried their last byte counts.
             path = self.run_dir / "summary.json"

@@ -124,6 +124,15 @@ def spot_pick(seed: int, salt: str, stage: int, step: int, mb: int, fraction: fl
     return int.from_bytes(h[:8], "big") / 2 ** 64 < fraction
 
 
+def push_spot_checked(seed: int, salt: str, stage: int, step: int, mbs, fraction: float) -> bool:
+    """Whether a push covering micro-batches ``mbs`` is spot-checked: one seeded draw per
+    push, keyed by its first micro-batch, so a ``fraction`` of pushes is recomputed
+    whatever the number of micro-batches each covers (a push pre-summed over M
+    micro-batches costs M recomputations; one draw per micro-batch would recompute it
+    with probability 1 - (1 - fraction)^M)."""
+    return bool(mbs) and spot_pick(seed, salt, stage, step, min(mbs), fraction)
+
+
 def needs_verify(flag: str, first_push: bool, spot: bool, exact: bool, cfg: GuardConfig = DEFAULT) -> bool:
     """Whether the server recomputes a push: only in exact runs, when flagged, first or drawn."""
     return exact and (bool(flag) or (first_push and cfg.verify_first) or spot)

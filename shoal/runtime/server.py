@@ -53,7 +53,7 @@ from shoal.net.stream import (
     split,
 )
 from shoal.net.traffic import Traffic
-from shoal.net.wire import WireError, decode_tensor, encode_tensor
+from shoal.net.wire import WireError, decode_tensor, encode_tensor, serialize_framed
 from shoal.runtime.common import (
     SCHEMA_VERSION,
     Signal,
@@ -86,10 +86,10 @@ from shoal.runtime.guard import (
     ban_reason,
     low_only,
     needs_verify,
+    push_spot_checked,
     rel_error,
     robust_centre,
     screen,
-    spot_pick,
 )
 from shoal.runtime.local_sync import LocalServerMixin
 from shoal.runtime.standby import StandbyMixin, kill_at_commit
@@ -126,6 +126,18 @@ class Lease:
     worker: str
     deadline: float
     started: float
+
+
+def pick_order(is_last: bool) -> tuple[str, ...]:
+    """Which kind of task a stage leases first: forwards, then gradients.
+
+    A forward feeds the next stage, whose whole chain of tasks waits on it; a backward
+    feeds only the previous stage's backward and this stage's push, which wait for the
+    last micro-batch anyway. Forwards first keeps the later stages busy (GPipe's order);
+    the worker's graph cache (at most 2M forward graphs) bounds what it holds either way.
+    The last stage has only gradient tasks (forward and backward in one).
+    """
+    return ("grad",) if is_last else ("fwd", "grad")
 
 
 class TodoPool:
@@ -652,16 +664,21 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
                     self.cond.notify_all()
 
     def _pick(self, wid: str) -> pb.Task | None:
-        """Lease the next task of the current step to ``wid``: gradients first."""
+        """Lease the next task of the current step to ``wid``: forwards first (see :func:`pick_order`)."""
         if not self.ready or self.committing or self.version != self.step:
             return None
         mbs = self.steps.get(self.step, {})
         ok = (lambda mb: self._local_bwd_ok(mbs[mb], wid)) if self.local and not self.is_last else None
-        mb = self.todo.pick(self.step, "grad", lambda mb: mb in mbs and mbs[mb].grad == "todo", ok)
-        direction = pb.FWDBWD if self.is_last else pb.BWD
-        if mb is None:
-            mb = self.todo.pick(self.step, "fwd", lambda mb: mb in mbs and mbs[mb].fwd == "todo")
-            direction = pb.FWD
+        mb, direction = None, pb.FWD
+        for kind in pick_order(self.is_last):
+            if kind == "fwd":
+                mb = self.todo.pick(self.step, "fwd", lambda mb: mb in mbs and mbs[mb].fwd == "todo")
+                direction = pb.FWD
+            else:
+                mb = self.todo.pick(self.step, "grad", lambda mb: mb in mbs and mbs[mb].grad == "todo", ok)
+                direction = pb.FWDBWD if self.is_last else pb.BWD
+            if mb is not None:
+                break
         if mb is None:
             return None
         st = mbs[mb]
@@ -895,8 +912,7 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         exact = (run_precision(self.spec) == "fp32" and all(g.codec in ("", "raw") for g in r.grads)
                  and compression_of_spec(self.spec).pull == "none")
         first = r.worker not in self.guard_seen
-        spot = any(spot_pick(self.spec.seed, self.spec.run_id, self.stage, r.step, mb, self.spec.guard_spot_check)
-                   for mb in ids)
+        spot = push_spot_checked(self.spec.seed, self.spec.run_id, self.stage, r.step, ids, self.spec.guard_spot_check)
         err = None
         if needs_verify(flag, first, spot, exact, self.guard_cfg) and r.step == self.step and self.version == r.step:
             self.guard_checks += 1
@@ -1343,9 +1359,8 @@ def standby_send_version(versions: list[int], have: int, loading: bool) -> int:
 
 def _serialise_weights(head: pb.WeightsReply, params: dict[str, torch.Tensor]) -> bytes:
     """``head`` with every parameter framed, serialised (runs in a thread)."""
-    for name, p in params.items():
-        head.params.append(encode_tensor(name, p.detach()))
-    return head.SerializeToString()
+    return serialize_framed(head, pb.WeightsReply.DESCRIPTOR.fields_by_name["params"].number,
+                            [encode_tensor(name, p.detach()) for name, p in params.items()])
 
 
 def _decode_grads(r: pb.GradPush, params: dict[str, torch.Tensor], finite: bool = True) -> dict[str, torch.Tensor]:

@@ -31,10 +31,11 @@ from shoal.net.channel import ChannelFactory
 from shoal.net.compress import ErrorFeedback
 from shoal.net.stream import CONTROL_SLACK, DEFAULT_CHUNK_BYTES, fetch, send
 from shoal.net.traffic import Traffic
-from shoal.net.wire import WireError, decode_tensor, encode_tensor
+from shoal.net.wire import WireError, decode_tensor, encode_tensor, frame_size, serialize_framed
 from shoal.runtime.common import (
     SCHEMA_VERSION,
     ewma,
+    heartbeat_period,
     micro_batch,
     model_config,
     run_member,
@@ -62,7 +63,7 @@ class WorkerOptions:
 
     name: str = "worker"  # label in events and metrics
     flops: float | None = None  # FLOP/s to report (None: measure at start)
-    heartbeat_s: float = 0.2  # lease renewal / coordinator heartbeat period
+    heartbeat_s: float | None = None  # lease renewal / coordinator heartbeat period (None: heartbeat_period)
     lease_wait_s: float = 0.5  # long-poll time of one lease request
     inject: str = ""  # test faults, comma-separated: nan_grad, bad_shape, oom, push_fail, push_lost, push_abandon (once each), hang_* (see parse_hangs)
     codec: str = "raw"  # tensor codec for results and pushes
@@ -367,7 +368,8 @@ class Worker(LocalWorkerMixin):
                 with contextlib.suppress(grpc.aio.AioRpcError):
                     await self.server.Renew(pb.RenewRequest(worker=self.member_id,
                                                             lease_ids=list(self.held)), timeout=5)
-            await asyncio.sleep(self.opts.heartbeat_s)
+            await asyncio.sleep(self.opts.heartbeat_s or heartbeat_period(self.spec.dead_after_s,
+                                                                          self.spec.min_lease_s))
 
     def stats_snapshot(self) -> pb.MemberStats:
         """What this worker reports for the dashboard: its stage and the work it got accepted."""
@@ -426,7 +428,7 @@ class Worker(LocalWorkerMixin):
             req.compress_chain, req.compress_version = chain, held
         rep = await fetch(self.server.GetWeightsStream, req, pb.WeightsReply, cap, traffic=self.traffic)
         self.obs_pull_s = ewma(self.obs_pull_s, time.perf_counter() - t0)
-        self.obs_pull_bytes = rep.ByteSize()
+        self.obs_pull_bytes = sum(frame_size(f) for f in rep.params)  # (sizing the whole reply re-encodes it)
         self.obs_pulls += 1
         # Checked and copied in a thread: the loop keeps heartbeating meanwhile.
         await asyncio.get_running_loop().run_in_executor(None, self._apply_weights, rep)
@@ -455,9 +457,11 @@ class Worker(LocalWorkerMixin):
         return c if c != "raw" else self.opts.codec
 
     def _push_message(self, epoch: int, step: int, gen: int, mbs: list[int],
-                      grads: dict[str, torch.Tensor]) -> tuple[pb.GradPush, bytes]:
-        """One push, framed and serialised (runs in a thread: it can be hundreds of MB)."""
+                      grads: dict[str, torch.Tensor]) -> tuple[pb.GradPush, list[pb.Tensor], bytes]:
+        """One push: its head (no gradients), its frames, and the whole push serialised
+        (runs in a thread: it can be hundreds of MB)."""
         msg = pb.GradPush(worker=self.member_id, step=step, epoch=epoch, gen=gen, mbs=mbs)
+        frames = []
         for name, g in grads.items():
             if self.opts.fault_poison != 1.0:
                 g = g * self.opts.fault_poison  # fault injection: a dishonest worker
@@ -465,8 +469,8 @@ class Worker(LocalWorkerMixin):
                 self.inject.discard("nan_grad")
                 g = g.clone()
                 g.view(-1)[0] = float("nan")
-            msg.grads.append(encode_tensor(name, to_host(g), self._codec("push"), ef=self.ef))
-        return msg, msg.SerializeToString()
+            frames.append(encode_tensor(name, to_host(g), self._codec("push"), ef=self.ef))
+        return msg, frames, serialize_framed(msg, pb.GradPush.DESCRIPTOR.fields_by_name["grads"].number, frames)
 
     async def _push(self) -> None:
         """Push the accumulated gradients: one sum, or one push per micro-batch (ordered).
@@ -485,8 +489,9 @@ class Worker(LocalWorkerMixin):
             done: set[int] = set()
             for mbs, grads in groups:
                 done.update(mbs)
-                msg, data = await loop.run_in_executor(None, self._push_message, epoch, step, gen, mbs, grads)
-                rep = await self._send_push(msg, data)
+                msg, frames, data = await loop.run_in_executor(None, self._push_message, epoch, step, gen, mbs,
+                                                               grads)
+                rep = await self._send_push(msg, data, frames)
                 unpushed = sorted(set(self.acc_mbs) - done)
                 # "Mid push" needs a push still to come: a worker whose step's gradients
                 # go in one push (a run 0..k pre-summed) is not in that state.
@@ -506,9 +511,10 @@ class Worker(LocalWorkerMixin):
         finally:
             self._drop_acc()
 
-    async def _send_push(self, msg: pb.GradPush, data: bytes) -> pb.PushReply | None:
-        """Stream one push (``data``: it serialised), retrying transport failures; None when
-        every attempt failed."""
+    async def _send_push(self, msg: pb.GradPush, data: bytes,
+                         frames: list[pb.Tensor] | None = None) -> pb.PushReply | None:
+        """Stream one push (``data``: it serialised; ``frames``: its gradients when ``msg``
+        is only its head), retrying transport failures; None when every attempt failed."""
         delay = 0.1
         for attempt in range(1, self.opts.push_attempts + 1):
             try:
@@ -518,7 +524,8 @@ class Worker(LocalWorkerMixin):
                     self.inject.discard("push_fail")
                     raise _injected("push_fail: the first attempt is lost before it is sent")
                 rep = await send(self.server.PushGradsStream, msg, self.chunk_bytes, traffic=self.traffic,
-                                 data=data, sender=self.member_id, timeout=self.opts.push_timeout_s)
+                                 data=data, sender=self.member_id, timeout=self.opts.push_timeout_s,
+                                 frames=None if frames is None else [("grad_push", f) for f in frames])
                 if "push_lost" in self.inject:
                     self.inject.discard("push_lost")
                     raise _injected("push_lost: the push landed but its reply is lost")
