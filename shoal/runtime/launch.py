@@ -566,13 +566,26 @@ class Swarm:
 
     def stop(self) -> None:
         """Kill every process still running (and close the flap proxies)."""
+        procs = [*[w for w in self.workers if w], *self.servers, *([self.coord] if self.coord else [])]
+        # A second Ctrl-C (or a signal handler's exception) can land anywhere in here: every
+        # member still gets its SIGKILL and is reaped, and the interrupt is raised afterwards.
+        interrupt: BaseException | None = None
+        for wait in (False, True):
+            for p in procs:
+                for _ in range(3):
+                    try:
+                        if wait:
+                            p.wait()
+                        elif p.poll() is None:
+                            p.kill()
+                        break
+                    except BaseException as exc:  # noqa: BLE001 -- re-raised below
+                        interrupt = interrupt or exc
         for ps in self.proxies.values():
             for p in ps:
                 p.close()
-        for p in [*[w for w in self.workers if w], *self.servers, *([self.coord] if self.coord else [])]:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        if interrupt is not None:
+            raise interrupt
 
     def __enter__(self) -> Swarm:
         return self
