@@ -13,8 +13,8 @@ from shoal.train.metrics import read_jsonl
 
 # One stage, three workers: a merge screens once three replicas contribute (guard.local_quorum).
 # Six micro-batches a step, so a worker slow to start still covers some of the first round.
-RUN = dict(model="tiny", micro_batches=6, micro_batch_size=2, seq_len=32, seed=0, lr=3e-3, warmup=2, steps=8,
-           stages=1, workers=3, dead_after_s=10.0, min_lease_s=5.0, timeout_s=200, sync="local", sync_every=2,
+RUN = dict(model="tiny", micro_batches=6, micro_batch_size=2, seq_len=32, seed=0, lr=3e-3, warmup=2, steps=9,
+           stages=1, workers=3, dead_after_s=10.0, min_lease_s=5.0, timeout_s=200, sync="local", sync_every=3,
            outer_lr=0.7, outer_momentum=0.9)
 
 

@@ -413,6 +413,9 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
         schedule = churn_schedule(sc, 3600.0, seed=cfg.seed)
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     old = {s: signal.signal(s, _raise_terminate) for s in (signal.SIGTERM, signal.SIGHUP)}
+    # Ctrl-C stops the demo even when started with SIGINT ignored (a shell's background job
+    # inherits that), as it stops `shoal train --local`.
+    old[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     driver, t_churn, failed = None, None, None
     t_start = time.time()
     try:

@@ -662,7 +662,7 @@ class Stopped(ShoalError):
 
 
 def stop_on_signals() -> None:
-    """SIGTERM/SIGHUP end ``launch`` like Ctrl-C: the swarm's ``__exit__`` kills every member.
+    """SIGTERM/SIGHUP end ``launch`` like Ctrl-C (SIGINT): the swarm's ``__exit__`` kills every member.
 
     Members run in their own sessions (a terminal's signals do not reach them), so the
     launcher must stop them itself. Call from the main thread only.
@@ -672,3 +672,6 @@ def stop_on_signals() -> None:
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, handler)
+    # Ctrl-C too, even when the launcher was started with SIGINT ignored (a shell's
+    # background job inherits that): it raises KeyboardInterrupt, which stops the swarm.
+    signal.signal(signal.SIGINT, signal.default_int_handler)

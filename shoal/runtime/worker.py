@@ -89,6 +89,7 @@ class WorkerOptions:
     upload_attempts: int = 4  # tries of one result upload (same lease id) before its lease is left to expire
 
 
+UNASSIGNED_HEARTBEAT_S = 0.2  # heartbeat period of a worker that has no stage yet (waits for its assignment)
 HANG_KINDS = ("hang_fwd", "hang_bwd", "hang_before_push", "hang_mid_push")
 
 
@@ -368,8 +369,12 @@ class Worker(LocalWorkerMixin):
                 with contextlib.suppress(grpc.aio.AioRpcError):
                     await self.server.Renew(pb.RenewRequest(worker=self.member_id,
                                                             lease_ids=list(self.held)), timeout=5)
-            await asyncio.sleep(self.opts.heartbeat_s or heartbeat_period(self.spec.dead_after_s,
-                                                                          self.spec.min_lease_s))
+            period = self.opts.heartbeat_s or heartbeat_period(self.spec.dead_after_s, self.spec.min_lease_s)
+            if self.stage < 0:
+                # Idle until assigned: ask often, so a worker starts with the others at step 0
+                # (in local mode a replica that misses the first round leaves it unscreened).
+                period = min(period, UNASSIGNED_HEARTBEAT_S)
+            await asyncio.sleep(period)
 
     def stats_snapshot(self) -> pb.MemberStats:
         """What this worker reports for the dashboard: its stage and the work it got accepted."""
