@@ -529,7 +529,14 @@ class Swarm:
         deadline = time.time() + (timeout_s or self.cfg.timeout_s)
         while self.coord.poll() is None or self._should_restart():
             if self.coord.poll() is not None:
-                self.restart_coordinator()
+                try:
+                    self.restart_coordinator()
+                except ShoalError:
+                    # A coordinator that died just after finishing: its journal may say "done"
+                    # only by now (the resumed one refused for that reason); the run is complete.
+                    if self._run_done():
+                        break
+                    raise
                 continue
             if time.time() > deadline:
                 self.stop()
