@@ -121,6 +121,19 @@ async def _serve(servicer):
     return server, f"127.0.0.1:{port}"
 
 
+async def _refused_stream(call):
+    """The status of a request stream the server refuses while the client is still sending.
+
+    About one such call in 1500 ends on the client as INTERNAL "Internal error from Core"
+    instead of the server's status (gRPC's race between the server's early status and the
+    client's pending writes, seen on a loaded box); that one is made again. Whether a handler
+    was reached is checked separately (``servicer.reached``)."""
+    got = await _code(call())
+    if got == (grpc.StatusCode.INTERNAL, "Internal error from Core"):
+        got = await _code(call())
+    return got
+
+
 async def _code(coro):
     try:
         await coro
@@ -152,10 +165,12 @@ def test_over_limit_requests_are_refused_before_any_handler():
                 fits = pb.GradPush(worker="w1", mbs=[0], grads=[pb.Tensor(data=b"\0" * 200_000)]).SerializeToString()
                 out["push_fits"] = await _code(stub.PushGradsStream(split("GradPush", fits, 65536), timeout=10))
                 big = pb.GradPush(worker="w1", mbs=[0], grads=[pb.Tensor(data=b"\0" * 400_000)]).SerializeToString()
-                out["push_big"] = await _code(stub.PushGradsStream(split("GradPush", big, 65536), timeout=10))
+                out["push_big"] = await _refused_stream(lambda: stub.PushGradsStream(split("GradPush", big, 65536),
+                                                                                    timeout=10))
                 # chunks that lie about the total and carry more than they announce
-                liar = (pb.Chunk(kind="GradPush", total=10, offset=i * 65536, data=b"\0" * 65536) for i in range(8))
-                out["push_liar"] = await _code(stub.PushGradsStream(liar, timeout=10))
+                out["push_liar"] = await _refused_stream(lambda: stub.PushGradsStream(
+                    (pb.Chunk(kind="GradPush", total=10, offset=i * 65536, data=b"\0" * 65536) for i in range(8)),
+                    timeout=10))
             # a server's credential is not a worker's: it may not lease here (role check first)
             sident = Identity.joined(TOKEN_VALUE, SECRET, "s1", "server")
             async with open_channel(addr, TOKEN_VALUE, identity=sident) as ch:
