@@ -22,6 +22,8 @@ from shoal.runtime.faults import (
 )
 from shoal.runtime.guard import (
     GuardConfig,
+    adam_ratio_bound,
+    adamw_move_bound,
     ban_reason,
     low_only,
     needs_verify,
@@ -116,6 +118,69 @@ def test_screen_round_by_majority_and_by_history():
     assert screen_round({"a": 1.0, "c": 1.3}, {"a": None, "c": None}, [1.0], cfg) == {}
     assert screen_round({"a": 0.05, "c": 0.06}, {"a": None, "c": None}, [1.0], cfg) == {}  # small: no verdict
     assert set(screen_round({"a": float("nan")}, {"a": None}, [], cfg)) == {"a"}
+
+
+def _adam_moves(grads: list[float], beta1: float = 0.9, beta2: float = 0.95) -> list[float]:
+    """|weight change| / lr of each step of torch's AdamW (no weight decay) fed ``grads``."""
+    w = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.AdamW([w], lr=1e-3, betas=(beta1, beta2), eps=1e-30, weight_decay=0.0)
+    out = []
+    for g in grads:
+        before = float(w.detach())
+        w.grad = torch.tensor([g], dtype=torch.float64)
+        opt.step()
+        out.append(abs(float(w.detach()) - before) / 1e-3)
+    return out
+
+
+@pytest.mark.parametrize("betas", [(0.9, 0.95), (0.9, 0.99)])
+def test_adam_ratio_bound_holds_for_torch_adamw_and_is_reached(betas):
+    b1, b2 = betas
+    bound = adam_ratio_bound(b1, b2)
+    assert adam_ratio_bound(b1, b2, steps=1) == pytest.approx(1.0)  # a first step moves by exactly lr
+    gen = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for kind in range(4):  # random, sign flips, growing, shrinking gradients
+        g = torch.randn(300, generator=gen, dtype=torch.float64)
+        if kind == 1:
+            g = g.abs() * torch.tensor([(-1.0) ** i for i in range(300)], dtype=torch.float64)
+        elif kind == 2:
+            g = g.abs() * torch.logspace(0, 6, 300, dtype=torch.float64)
+        elif kind == 3:
+            g = g.abs() * torch.logspace(6, 0, 300, dtype=torch.float64)
+        worst = max(worst, *_adam_moves(g.tolist(), b1, b2))
+    assert worst <= bound * (1 + 1e-9)
+    # the Cauchy-Schwarz equality case at step t: g_i proportional to (b1 / b2)^(t - i)
+    best_t = max(range(1, 400), key=lambda t: adam_ratio_bound(b1, b2, steps=t))
+    seq = [(b1 / b2) ** (best_t - i) for i in range(1, best_t + 1)]
+    assert _adam_moves(seq, b1, b2)[-1] == pytest.approx(adam_ratio_bound(b1, b2, steps=best_t), rel=1e-6)
+    assert adam_ratio_bound(b1, b2, steps=best_t) >= 0.99 * bound  # reached within a few hundred steps
+
+
+def test_adamw_move_bound_adds_weight_decay():
+    assert adamw_move_bound(10_000, 0.0, 0.1, 0.9, 0.95) == pytest.approx(adam_ratio_bound(0.9, 0.95) * 100)
+    assert adamw_move_bound(10_000, 50.0, 0.1, 0.9, 0.95) == pytest.approx(adam_ratio_bound(0.9, 0.95) * 100 + 5)
+    assert math.isinf(adam_ratio_bound(0.9, 0.8))  # b1^2 >= b2: Adam's step has no bound
+
+
+def test_screen_round_bans_past_the_adamw_bound_in_any_round():
+    cfg = GuardConfig()
+    two = {"a": 1.0, "c": 20.0}
+    bounds = {"a": 2.0, "c": 2.0}  # margin 4: anything over 8 per unit of lr cannot be AdamW
+    # a first round below a quorum, no history: only the bound can judge, and it does
+    assert set(screen_round(two, {"a": None, "c": None}, [], cfg, bounds)) == {"c"}
+    assert "what AdamW steps can move" in screen_round(two, {"a": None, "c": None}, [], cfg, bounds)["c"]
+    assert screen_round(two, {"a": None, "c": None}, [], cfg, {"a": 2.0}) == {}  # c not bounded (e.g. top-k)
+    assert screen_round({"a": 1.0, "c": 7.9}, {"a": None, "c": None}, [], cfg, bounds) == {}  # within the margin
+    # a proof needs no majority: two of three past the bound are banned, and they set no
+    # centre for the third (which alone is no quorum, and is not judged against them)
+    three = {"a": 1.0, "b": 30.0, "c": 20.0}
+    assert set(screen_round(three, {"a": 0.8, "b": 0.7, "c": 0.9}, [], cfg, dict.fromkeys(three, 2.0))) == {"b", "c"}
+    four = {"a": 1.0, "b": 1.1, "d": 0.05, "c": 20.0}  # c past the bound; a, b, d a quorum among themselves
+    assert set(screen_round(four, {"a": 0.8, "b": 0.7, "d": 0.7, "c": 0.9}, [], cfg, dict.fromkeys(four, 2.0))) == {
+        "c", "d"}
+    # ... but every replica past it says more about the bound: nobody is banned for it
+    assert screen_round({"b": 30.0, "c": 20.0}, {"b": None, "c": None}, [], cfg, {"b": 2.0, "c": 2.0}) == {}
 
 
 def test_round_measures_by_hand():

@@ -24,6 +24,12 @@ def _screens(out: Path) -> list[dict]:
     return [json.loads(m.group(1))["screen"] for m in re.finditer(r"local merge (\{.*\})$", text, re.M)]
 
 
+def _bounds(out: Path) -> list[float]:
+    """The AdamW move bound each merge screened against (per unit of learning rate)."""
+    text = "".join(p.read_text() for p in sorted((out / "logs").glob("server*.log")))
+    return [float(m.group(1)) for m in re.finditer(r"AdamW move bound (\S+) per unit", text)]
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(400)
 def test_poisoned_replica_is_banned_and_honest_run_bans_nobody(tmp_path):
@@ -37,6 +43,9 @@ def test_poisoned_replica_is_banned_and_honest_run_bans_nobody(tmp_path):
     assert not [e for e in read_jsonl(honest / "events.jsonl") if e["event"] == "ban"]
     screens = _screens(honest)
     assert screens and len(screens[-1]) == 3, screens  # by the end every replica contributes
+    # honest replicas stay well inside what AdamW can move them (the bound needs no quorum)
+    bound = min(_bounds(honest))
+    assert all(norm < bound for s in screens for norm, _ in s.values()), (bound, screens)
     print("honest screen figures (norm per unit of learning rate, cosine to the round's median):", screens)
 
     out = tmp_path / "poisoned"
@@ -44,9 +53,9 @@ def test_poisoned_replica_is_banned_and_honest_run_bans_nobody(tmp_path):
     assert summary["steps"] == RUN["steps"]
     bans = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "ban"]
     assert [b["device"] for b in bans] == ["w1"], bans
-    # Banned at the first merge it took part in (a worker slow to start may miss the first
-    # round): its pseudo-gradient is in no merge (below).
-    assert bans[0]["step"] < 2 * RUN["sync_every"] and "pseudo-gradient" in bans[0]["why"], bans
+    # Banned at the first merge, with or without a quorum there: -20x is past what AdamW can
+    # move a replica. Its pseudo-gradient is in no merge (below).
+    assert bans[0]["step"] < RUN["sync_every"] and "pseudo-gradient" in bans[0]["why"], bans
     assert "w1 is banned from the run" in (out / "logs" / "worker1.log").read_text()
     # the banned replica's pseudo-gradient is in no merge
     text = "".join(p.read_text() for p in (out / "logs").glob("server*.log"))

@@ -71,6 +71,13 @@ class GuardConfig:
     # distribution, so they point the same way (lowest measured in honest runs: see
     # docs/faults.md); a sign flip points away.
     local_min_cosine: float = 0.0
+    # Local mode: a pseudo-gradient whose norm per unit of learning rate exceeds this many
+    # times what AdamW can move the stage's weights (:func:`adamw_move_bound`) is flagged in
+    # any round, with or without a quorum. Honest replicas measured 0.16-0.51 of the bound
+    # (tiny, 1 stage, H = 3, tests/test_local_screen.py), the -20x replica 10.3x; the margin
+    # covers inner steps the server did not count (their lr missing from the sum: 2x at H = 2
+    # if one of two is missed) and int8 error feedback.
+    local_bound_margin: float = 4.0
 
 
 DEFAULT = GuardConfig()
@@ -163,8 +170,40 @@ def ban_reason(flag: str, verified_error: float | None, strikes: int, cfg: Guard
     return ""
 
 
+def adam_ratio_bound(beta1: float, beta2: float, steps: int = 100_000) -> float:
+    """The most one bias-corrected Adam step can move a weight, in units of the learning rate (pure).
+
+    ``|m_t / sqrt(v_t)| <= (1 - b1) / sqrt(1 - b2) * sqrt(sum_{k<t} (b1^2 / b2)^k)`` by
+    Cauchy-Schwarz on the moment sums, times the bias corrections
+    ``sqrt(1 - b2^t) / (1 - b1^t)``; the maximum over t (1 at t = 1; 1.165 at (0.9, 0.95)).
+    Holds for any gradients (clipping and loss scaling included); epsilon only lowers it.
+    Infinite when ``b1^2 >= b2`` (no bound).
+    """
+    r = beta1 * beta1 / beta2
+    if r >= 1.0:
+        return math.inf
+    best, acc = 0.0, 0.0
+    for t in range(1, steps + 1):
+        acc += r ** (t - 1)
+        c = (1 - beta1) / math.sqrt(1 - beta2) * math.sqrt(acc) * math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t)
+        if c > best:
+            best = c
+        elif t > 10 and r ** t < 1e-12 and beta1 ** t < 1e-12:
+            break  # every factor has converged and is falling
+    return best
+
+
+def adamw_move_bound(n_params: int, weight_norm: float, weight_decay: float, beta1: float, beta2: float) -> float:
+    """The largest norm per unit of learning rate that inner AdamW steps can give a
+    pseudo-gradient of ``n_params`` weights (pure): each step moves every weight by at most
+    ``lr * (adam_ratio_bound + weight_decay * |w|)``, so the summed move over steps of summed
+    learning rate ``L`` has norm at most ``L * (bound * sqrt(n) + weight_decay * ||w||)``
+    (``weight_norm``: the weights' norm, the merged weights the round started from)."""
+    return adam_ratio_bound(beta1, beta2) * math.sqrt(max(0, n_params)) + weight_decay * weight_norm
+
+
 def screen_round(norms: dict[str, float], cosines: dict[str, float | None], history: list[float],
-                 cfg: GuardConfig = DEFAULT) -> dict[str, str]:
+                 cfg: GuardConfig = DEFAULT, bounds: dict[str, float] | None = None) -> dict[str, str]:
     """Local mode: which contributors of one merge are banned, and why (pure).
 
     ``norms``: each contributor's pseudo-gradient norm per unit of learning rate
@@ -177,8 +216,21 @@ def screen_round(norms: dict[str, float], cosines: dict[str, float | None], hist
     is ever banned (a round where half or more disagree has no majority to trust). Below a
     quorum only a norm 10x *above* ``history``'s median flags (AdamW steps shrink as
     training settles, so a small norm is no evidence without the round's own majority);
-    a stage's first round with one or two contributors is not screened at all.
+    ``bounds``: per contributor, :func:`adamw_move_bound` of the stage (left out: not
+    applicable, e.g. top-k pushes whose error feedback carries residuals across rounds, or
+    no counted inner step). A norm over ``cfg.local_bound_margin`` times it flags in any
+    round, the first included, and needs no majority: no AdamW replica can move that far.
     """
+    beyond = {}
+    for w, n in norms.items():
+        bound = (bounds or {}).get(w)
+        if bound is not None and bound > 0 and math.isfinite(n) and n > cfg.local_bound_margin * bound:
+            beyond[w] = (f"norm {n:.4g} per unit of learning rate is more than {cfg.local_bound_margin:g}x "
+                         f"what AdamW steps can move the stage ({bound:.4g})")
+    if len(beyond) == len(norms) > 1:
+        beyond = {}  # every replica past a hard bound says more about the bound than about them
+    # The others are judged among themselves: replicas past the bound set no centre.
+    norms = {w: n for w, n in norms.items() if w not in beyond}
     quorum = len(norms) >= cfg.local_quorum
     centre = robust_centre(list(norms.values())) if quorum else robust_centre(history)
     local_cfg = GuardConfig(norm_ratio=cfg.norm_ratio, min_cosine=cfg.local_min_cosine)
@@ -188,5 +240,6 @@ def screen_round(norms: dict[str, float], cosines: dict[str, float | None], hist
         if why and (quorum or not math.isfinite(n) or n > centre):  # below a quorum: only too large
             flags[w] = why
     if quorum and 2 * len(flags) >= len(norms):
-        return {}
+        flags = {}
+    flags.update(beyond)  # past the bound is no verdict of a majority: no replica can get there
     return {w: f"pseudo-gradient {why}" for w, why in flags.items()}

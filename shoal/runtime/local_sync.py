@@ -247,7 +247,12 @@ class LocalServerMixin:
         norms, cosines = await asyncio.get_running_loop().run_in_executor(
             None, round_measures, dict(self.local_got), lrs, self.guard_cfg.local_quorum)
         history = getattr(self, "local_guard_norms", [])
-        bans = screen_round(norms, cosines, history, self.guard_cfg)
+        bound = await asyncio.get_running_loop().run_in_executor(None, self._local_move_bound)
+        bounds = {w: bound for w in norms if bound is not None and lrs.get(w, 0.0) > 0}
+        if bound is not None:
+            log.info("%s round screen: AdamW move bound %.6g per unit of learning rate (x%g flags)", self.name,
+                     bound, self.guard_cfg.local_bound_margin)
+        bans = screen_round(norms, cosines, history, self.guard_cfg, bounds)
         for wid, why in sorted(bans.items()):
             self.local_got.pop(wid, None)
             async with self.cond:
@@ -255,6 +260,23 @@ class LocalServerMixin:
         honest = [norms[w] for w in sorted(norms) if w not in bans]
         self.local_guard_norms = (history + honest)[-self.guard_cfg.history:]
         return {w: [round(norms[w], 8), None if cosines[w] is None else round(cosines[w], 4)] for w in norms}
+
+    def _local_move_bound(self) -> float | None:
+        """How far inner AdamW steps can move this stage per unit of learning rate
+        (:func:`shoal.runtime.guard.adamw_move_bound`, on the merged weights the round started
+        from); None where pushes are top-k (error feedback carries residuals across rounds)."""
+        from shoal.runtime.compression import compression_of_spec
+        from shoal.runtime.guard import adamw_move_bound
+        from shoal.train.optim import OptimConfig
+
+        # (a pass over the stage's weights: runs in a thread)
+        if compression_of_spec(self.spec).wire("push").startswith("topk"):
+            return None
+        cfg = OptimConfig()  # the inner optimizer's betas are the trainer's (not in the run spec)
+        with torch.no_grad():
+            n = sum(p.numel() for p in self.params.values())
+            w = math.sqrt(sum(float(p.detach().double().pow(2).sum()) for p in self.params.values()))
+        return adamw_move_bound(n, w, self.spec.weight_decay, cfg.beta1, cfg.beta2)
 
     def _local_merge(self, counts: dict[str, int]) -> str:
         """Merge the received pseudo-gradients into the weights (in a thread); their digest."""
