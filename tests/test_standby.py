@@ -152,6 +152,7 @@ def test_resumed_coordinator_rebinds_stages_to_their_holders_and_keeps_bans(tmp_
         # A spare plain server copies a stage too once the run started (the standby is busy).
         a = await c.Heartbeat(pb.MemberRequest(member_id=spare, role="server"), None)
         assert a.stage == -1 and a.standby_for == 1 and (a.standby_first, a.standby_last) == tuple(c.layers[0])
+        assert a.standby_source == c.stage_server[0]  # the only server whose step log it takes
         return [names[m] for m in c.stage_server], ids["w1"]
 
     before, w1_id = asyncio.run(first())
@@ -466,6 +467,49 @@ def test_replaying_the_step_log_equals_the_active_servers_updates(tmp_path):
         assert torch.equal(p, q), n
         for k, v in opt.state[p].items():
             assert torch.equal(v, ropt.state[q][k]), (n, k)
+
+
+def test_a_standby_logs_steps_only_from_the_active_server_the_coordinator_names(tmp_path):
+    """In process: told by the coordinator that s-active serves stage 0, a standby refuses a
+    step log from another server (a forged log would be replayed into the stage on a
+    promotion) and takes the active's; before it is told, a server naming the stage is taken."""
+    import asyncio
+
+    import torch
+
+    from shoal.net import shoal_pb2 as pb
+    from shoal.net.stream import split
+    from shoal.net.wire import encode_tensor
+    from shoal.runtime.server import StageServer
+
+    spec = pb.RunSpec(model="tiny", stages=2, steps=8, seed=1, lr=3e-3, weight_decay=0.1, run_id="r1", ckpt_every=1)
+    srv = StageServer("127.0.0.1:1", "127.0.0.1:0", "tok", str(tmp_path / "standby"))
+    srv.spec = spec
+
+    async def main():
+        srv._sb_reset(0, (0, 2))
+        shapes = await srv._sb_param_shapes()
+
+        async def log_step(member: str, step: int) -> pb.StandbyStepAck:
+            m = pb.StandbyStep(member_id=member, stage=0, epoch=0, step=step, first=0, last=2)
+            m.grads.extend(encode_tensor(n, torch.zeros(shape)) for n, shape in shapes.items())
+
+            async def chunks():
+                for c in split("StandbyStep", m.SerializeToString(), 1 << 20):
+                    yield c
+            return await srv.StandbyStepStream(chunks(), None)
+
+        early = await log_step("s-early", 1)  # not told yet: taken
+        srv.standby_heard(pb.Assignment(stage=-1, standby_for=1, standby_first=0, standby_last=2,
+                                        standby_source="s-active"))
+        forged = await log_step("s-other", 2)
+        real = await log_step("s-active", 3)
+        return early, forged, real
+
+    early, forged, real = asyncio.run(main())
+    assert early.ok and real.ok, (early, real)
+    assert not forged.ok and "s-other is not the active server of stage 0" in forged.reason
+    assert sorted(srv.sb_log) == [(0, 1), (0, 3)]
 
 
 def test_planner_places_standbys_on_the_near_host_where_round_robin_would_not():

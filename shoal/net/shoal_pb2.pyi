@@ -309,7 +309,7 @@ class ByteCount(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., codec: _Optional[str] = ..., raw: _Optional[int] = ..., wire: _Optional[int] = ..., messages: _Optional[int] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("known", "stage", "first", "last", "servers", "ready", "epoch", "restart_version", "done", "measure", "guard_banned", "standby_for", "standby_first", "standby_last", "standby_decisions", "standby_peers")
+    __slots__ = ("known", "stage", "first", "last", "servers", "ready", "epoch", "restart_version", "done", "measure", "guard_banned", "standby_for", "standby_first", "standby_last", "standby_source", "standby_decisions", "standby_peers")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     FIRST_FIELD_NUMBER: _ClassVar[int]
@@ -324,6 +324,7 @@ class Assignment(_message.Message):
     STANDBY_FOR_FIELD_NUMBER: _ClassVar[int]
     STANDBY_FIRST_FIELD_NUMBER: _ClassVar[int]
     STANDBY_LAST_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_SOURCE_FIELD_NUMBER: _ClassVar[int]
     STANDBY_DECISIONS_FIELD_NUMBER: _ClassVar[int]
     STANDBY_PEERS_FIELD_NUMBER: _ClassVar[int]
     known: bool
@@ -340,9 +341,10 @@ class Assignment(_message.Message):
     standby_for: int
     standby_first: int
     standby_last: int
+    standby_source: str
     standby_decisions: _containers.RepeatedCompositeFieldContainer[StandbyDecision]
     standby_peers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, known: _Optional[bool] = ..., stage: _Optional[int] = ..., first: _Optional[int] = ..., last: _Optional[int] = ..., servers: _Optional[_Iterable[str]] = ..., ready: _Optional[bool] = ..., epoch: _Optional[int] = ..., restart_version: _Optional[int] = ..., done: _Optional[bool] = ..., measure: _Optional[int] = ..., guard_banned: _Optional[str] = ..., standby_for: _Optional[int] = ..., standby_first: _Optional[int] = ..., standby_last: _Optional[int] = ..., standby_decisions: _Optional[_Iterable[_Union[StandbyDecision, _Mapping]]] = ..., standby_peers: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, known: _Optional[bool] = ..., stage: _Optional[int] = ..., first: _Optional[int] = ..., last: _Optional[int] = ..., servers: _Optional[_Iterable[str]] = ..., ready: _Optional[bool] = ..., epoch: _Optional[int] = ..., restart_version: _Optional[int] = ..., done: _Optional[bool] = ..., measure: _Optional[int] = ..., guard_banned: _Optional[str] = ..., standby_for: _Optional[int] = ..., standby_first: _Optional[int] = ..., standby_last: _Optional[int] = ..., standby_source: _Optional[str] = ..., standby_decisions: _Optional[_Iterable[_Union[StandbyDecision, _Mapping]]] = ..., standby_peers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StandbyDecision(_message.Message):
     __slots__ = ("epoch", "step", "lr", "coef", "skip", "next_loss_scale")

@@ -743,6 +743,7 @@ class Coordinator(pbg.CoordinatorServicer):
             if shadow >= 0 and self.stage_server[shadow]:
                 a.standby_for = shadow + 1
                 a.standby_first, a.standby_last = self.layers[shadow]
+                a.standby_source = self.stage_server[shadow]
         if request.standby_decisions_from > 0:
             # A standby's step log: the decisions it replays if promoted (shoal.runtime.standby).
             a.standby_decisions.extend(decisions_since(self.decisions, self.epoch, self.committed,

@@ -149,6 +149,7 @@ class StandbyMixin:
     sb_decided: dict[Key, pb.StandbyDecision] | None = None  # standby: committed decisions
     sb_shapes: dict[str, tuple[int, ...]] | None = None  # standby: parameter shapes of sb_stage
     sb_shaping = False  # standby: the shapes are being computed
+    sb_source: tuple[int, str] = (-1, "")  # standby: (stage, member id of its active server) as last told
     sb_peers: tuple[str, ...] = ()  # active: addresses of its stage's standbys
     sb_lagging: dict[str, float] | None = None  # active: standby -> skipped until (monotonic s)
     sb_logged: tuple[str, ...] = ()  # active: the standbys that logged the last step sent
@@ -185,6 +186,7 @@ class StandbyMixin:
         self.sb_peers = tuple(a.standby_peers)
         if a.stage < 0 and a.standby_for > 0:
             self._sb_reset(a.standby_for - 1, (a.standby_first, a.standby_last))
+            self.sb_source = (a.standby_for - 1, a.standby_source)
             if self.sb_shapes is None and not self.sb_shaping:
                 self.sb_shaping = True  # ready before the first step arrives
                 self._spawn(self._sb_shapes_ready())
@@ -250,6 +252,16 @@ class StandbyMixin:
         await check_caller(context, msg.member_id)
         if self.stage >= 0 or self.spec is None or self.sb_stage not in (-1, msg.stage):
             return pb.StandbyStepAck(ok=False, reason=f"not a standby of stage {msg.stage}")
+        src_stage, src = self.sb_source
+        if src and src_stage == msg.stage and msg.member_id != src:
+            # Only the stage's active server (as the coordinator last said) logs its steps here:
+            # another server's log would be replayed into the stage on a promotion. Until the
+            # coordinator has named it (the active learns of a new standby a heartbeat earlier),
+            # a server naming the stage is taken.
+            log.warning("%s: step log from %s refused: stage %d's active server is %s", self.name,
+                        msg.member_id, msg.stage, src)
+            return pb.StandbyStepAck(ok=False, reason=f"{msg.member_id} is not the active server of stage "
+                                                      f"{msg.stage}")
         # The coordinator lists a new standby to the active server a heartbeat before it tells
         # the standby: the step names its stage and layers.
         self._sb_reset(msg.stage, (msg.first, msg.last))
