@@ -168,8 +168,7 @@ def serialize_framed(head, field_number: int, frames: Sequence[pb.Tensor]) -> by
         # Fields in number order, as protobuf writes them: 1-3, the payload (4), then 5-6.
         before = pb.Tensor(name=f.name, dtype=f.dtype, shape=f.shape).SerializeToString()
         after = pb.Tensor(codec=f.codec, meta=f.meta).SerializeToString()
-        size = len(before) + (1 + len(_varint(len(data))) + len(data) if data else 0) + len(after)
-        pieces += [tag, _varint(size), before]
+        pieces += [tag, _varint(frame_size(f)), before]
         if data:
             pieces += [_DATA_TAG, _varint(len(data)), data]
         pieces.append(after)

@@ -73,8 +73,8 @@ class GuardConfig:
     local_min_cosine: float = 0.0
     # Local mode: a pseudo-gradient whose norm per unit of learning rate exceeds this many
     # times what AdamW can move the stage's weights (:func:`adamw_move_bound`) is flagged in
-    # any round, with or without a quorum. Honest replicas measured 0.16-0.51 of the bound
-    # (tiny, 1 stage, H = 3, tests/test_local_screen.py), the -20x replica 10.3x; the margin
+    # any round, with or without a quorum. Honest replicas measured at most 0.855 of the bound
+    # (the suite's local-mode runs; a first step), the -20x replica 10.3x; the margin
     # covers inner steps the server did not count (their lr missing from the sum: 2x at H = 2
     # if one of two is missed) and int8 error feedback.
     local_bound_margin: float = 4.0

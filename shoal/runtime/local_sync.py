@@ -267,16 +267,15 @@ class LocalServerMixin:
         from); None where pushes are top-k (error feedback carries residuals across rounds)."""
         from shoal.runtime.compression import compression_of_spec
         from shoal.runtime.guard import adamw_move_bound
-        from shoal.train.optim import OptimConfig
+        from shoal.runtime.verify import sq_norm
 
         # (a pass over the stage's weights: runs in a thread)
         if compression_of_spec(self.spec).wire("push").startswith("topk"):
             return None
-        cfg = OptimConfig()  # the inner optimizer's betas are the trainer's (not in the run spec)
-        with torch.no_grad():
-            n = sum(p.numel() for p in self.params.values())
-            w = math.sqrt(sum(float(p.detach().double().pow(2).sum()) for p in self.params.values()))
-        return adamw_move_bound(n, w, self.spec.weight_decay, cfg.beta1, cfg.beta2)
+        cfg = optim_config(self.spec)  # the workers' inner AdamW
+        weights = {name: p.detach() for name, p in self.params.items()}
+        n = sum(t.numel() for t in weights.values())
+        return adamw_move_bound(n, math.sqrt(sq_norm(weights)), cfg.weight_decay, cfg.beta1, cfg.beta2)
 
     def _local_merge(self, counts: dict[str, int]) -> str:
         """Merge the received pseudo-gradients into the weights (in a thread); their digest."""
