@@ -426,3 +426,28 @@ def test_local_pseudo_gradient_covering_nothing_is_no_contribution(tmp_path):
         assert again.accepted and srv.local_round_mbs["A"] == 1
 
     asyncio.run(main())
+
+
+def test_a_worker_leaving_after_its_pseudo_gradient_keeps_its_weight(tmp_path):
+    """A worker moved to another stage at the round's end leaves right after sending its
+    pseudo-gradient: voiding it then must not zero its count or learning-rate sum (the merge
+    once weighed such a survivor 0 and screened it as a 3e12x outlier); one that leaves before
+    sending drops out of the round."""
+    async def main():
+        srv = _server(tmp_path)
+        srv.spec.sync_mode, srv.spec.sync_every = "local", 2
+        await srv._load(0, 0, 6, 0, 0)
+        srv.ready = True
+        srv.step = 1
+        for w in ("A", "B"):
+            srv._worker(w)
+        srv.local_round_mbs, srv.local_round_lr = {"A": 2, "B": 2}, {"A": 0.2, "B": 0.2}
+        srv.local_expect, srv.local_got = {"A", "B"}, {}
+        push = dict(step=1, epoch=0, local_round=2, local_mbs=2, grads=_grads(srv, 0.5))
+        assert (await srv.PushGrads(pb.GradPush(worker="A", **push), None)).accepted
+        srv._void_worker("A", "left")
+        srv._void_worker("B", "left")
+        assert srv.local_round_mbs == {"A": 2} and srv.local_round_lr == {"A": 0.2}
+        assert srv.local_expect == {"A"} and set(srv.local_got) == {"A"}
+
+    asyncio.run(main())

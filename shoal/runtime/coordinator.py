@@ -1001,14 +1001,22 @@ class Coordinator(pbg.CoordinatorServicer):
                     while True:
                         rep = await fetch(stub.GetWeightsStream, pb.WeightsRequest(worker="coordinator"),
                                           pb.WeightsReply, cap)
-                        if rep.version >= self.spec.steps:
+                        if rep.version >= self.spec.steps or self.error:
                             break
                         await asyncio.sleep(0.05)
                     for f in rep.params:
                         weights[f.name] = decode_tensor(f, dtype="float32")
                 break
-            except (grpc.aio.AioRpcError, IndexError, ValueError):  # WireError is a ValueError
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # its last checkpoint write failed
+                    self.fail(exc.details() or "a server could not write its last checkpoint")
+                if self.error:
+                    break
                 await asyncio.sleep(0.1)
+            except (IndexError, ValueError):  # WireError is a ValueError
+                await asyncio.sleep(0.1)
+        if self.error:  # failed meanwhile (a member's fatal error): the journal says so, not "done"
+            return
         if self.out:
             from shoal.runtime.artifacts import write_final
 

@@ -548,7 +548,9 @@ class Swarm:
         self.poll_records()
         summary_path = self.out / "summary.json"
         rc = self.coord.returncode
-        if rc != 0 and summary_path.exists() and self.run_id and self._run_done():
+        # 2 is a one-line error (a failed run) whatever the journal says; another status after a
+        # journaled "done" is a death in teardown: the run is complete.
+        if rc not in (0, 2) and summary_path.exists() and self.run_id and self._run_done():
             print(f"warning: the coordinator exited with status {rc} after it finished the run; "
                   f"the run is complete (see {self.out / 'logs' / 'coordinator.log'})", file=sys.stderr)
         elif rc != 0 or not summary_path.exists():

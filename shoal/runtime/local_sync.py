@@ -95,8 +95,13 @@ class LocalServerMixin:
         return bwd_owner_free(owner is not None, owner is not None and owner.gen == st.fwd_gen, alive)
 
     def _local_forget(self, wid: str) -> None:
-        """A voided worker loses its un-merged progress: it drops out of the round."""
-        if not self.local or not hasattr(self, "local_round_mbs"):
+        """A voided worker loses its un-merged progress: it drops out of the round.
+
+        Unless its pseudo-gradient for the round is already in: that progress is delivered
+        (a worker moved to another stage at the round's end leaves right after sending it),
+        so its micro-batch count and learning-rate sum stay for the merge to weigh it.
+        """
+        if not self.local or not hasattr(self, "local_round_mbs") or wid in self.local_got:
             return
         self.local_round_mbs.pop(wid, None)
         self.local_round_lr.pop(wid, None)

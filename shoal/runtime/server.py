@@ -1060,6 +1060,13 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
             self._worker(request.worker)
         if self.version < 0:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "stage not loaded yet")
+        if request.worker == "coordinator" and self.spec is not None and self.version >= self.spec.steps:
+            # The final pull: the run is done only once the last checkpoint write has ended, so
+            # a write that fails after the last commit still fails the run instead of passing unseen.
+            await self._ckpt_written()
+            await asyncio.sleep(0)  # the write's done callback (_bg_done) sets self.fatal
+            if self.fatal:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.fatal)
         # Every chunk is a slice of the one shared serialisation; a puller holds a chunk at a time.
         if request.worker != "coordinator" and compression_of_spec(self.spec).pull != "none":
             data = await compressed_pull(self, request)  # a delta against what the worker holds
