@@ -196,12 +196,18 @@ def test_kill9_mid_round_and_joiner(tmp_path):
     assert sorted((m["stage"], m["version"]) for m in merges) == [(s, v) for s in (0, 1) for v in (3, 6, 9, 12)]
     contributors = [mid for m in merges for mid in m["contributors"]]
     assert not any(mid.endswith(f"-{victim}") for mid in contributors)
-    # the survivor's weight in the first merge is the count it applied itself, not changed by the kill
-    sent = re.findall(r"sent its pseudo-gradient for v3 covering (\d+) micro-batches",
-                      (out / "logs" / f"worker{survivor[1:]}.log").read_text())
+    # the survivor's weight in the first merge is the count it applied itself, not changed by the
+    # kill, also when the re-plan moves it to the other stage right after it sent (it once
+    # weighed 0 then). A move before its send drops its un-merged progress: then it is in no
+    # first merge (the re-plan after a kill may move it at any time).
+    slog = (out / "logs" / f"worker{survivor[1:]}.log").read_text()
+    sent = re.findall(r"sent its pseudo-gradient for v3 covering (\d+) micro-batches", slog)
     first = [m for m in merges if m["version"] == 3]
     got = {mid.rsplit("-", 1)[1]: n for m in first for mid, n in m["contributors"].items()}
-    assert sent and got[survivor] == int(sent[0])
+    if sent:
+        assert got[survivor] == int(sent[0]) > 0
+    else:
+        assert len(re.findall(r"works on stage", slog)) >= 2 and survivor not in got, slog[-2000:]
     # every contributor of a first merge weighs exactly what it applied itself. (Which workers
     # contribute depends on the re-plan after the kill: a worker the coordinator moves to the
     # victim's stage loses its un-merged progress, so a stage's first merge may cover fewer
