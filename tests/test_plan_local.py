@@ -417,3 +417,49 @@ def test_vectorised_link_sharing_matches_the_list_arithmetic():
     finally:
         cost.VECTOR_MIN_WORKERS, cost.SHARE_ITERATIONS = saved
     assert moved
+
+
+def test_round_sync_flows_by_hand():
+    from shoal.plan.cost import round_sync_flows
+
+    # 100 bytes at min(10, 5) = 5 B/s take 20 s: half of a 40 s window, all of a 10 s one
+    frac, t = round_sync_flows([100.0, 100.0, 0.0], 10.0, 5.0, 40.0)
+    assert list(t) == [20.0, 20.0, 0.0] and list(frac) == [0.5, 0.5, 0.0]
+    frac, _ = round_sync_flows([100.0], 2.0, 5.0, 10.0)  # its own link binds: 50 s > 10 s
+    assert list(frac) == [1.0]
+    frac, _ = round_sync_flows([100.0], 2.0, 5.0, 0.0)
+    assert list(frac) == [0.0]
+
+
+def _narrow_two_stage(pol):
+    # fast workers, server links of 20 Mbit/s: activations to the servers bind the pipeline
+    devices = [{"id": f"w{i}", "tflops": 5, "memory_gb": 8, "region": "a", "up_mbps": 400,
+                "down_mbps": 800} for i in range(8)]
+    devices += [{"id": h, "tflops": 0, "memory_gb": 0, "region": "a", "up_mbps": 20, "down_mbps": 20,
+                 "can_host_server": True} for h in ("h0", "h1")]
+    s = scenario_from_dict({
+        "name": "narrow",
+        "workload": {"model": "tiny", "seq_len": 64, "global_batch": 128, "micro_batch_size": 2, "dtype": "fp32"},
+        "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}},
+        "devices": devices,
+    })
+    n = scenario_profile(s).cfg.n_total_layers
+    p = Plan(s.name, "tiny", "test", [StagePlan((0, n // 2), "h0", [f"w{i}" for i in range(4)]),
+                                      StagePlan((n // 2, n), "h1", [f"w{i}" for i in range(4, 8)])],
+             micro_batch_size=2, micro_batches=64, sync=pol)
+    return s, p
+
+
+def test_overlapped_round_shares_the_server_links_with_the_pipeline():
+    """With overlapped rounds the pushes and pulls run beside the next round's activations on
+    the same server links (the simulator's scale-4096 downlinks carry hundreds more transfers
+    than activations alone), so more round bytes slow the pipeline; without overlap the round
+    runs while the pipeline waits, and its bytes leave the pipeline alone."""
+    from dataclasses import replace
+
+    for overlap, slower in ((True, True), (False, False)):
+        pol = local(2, "int8", overlap=overlap, overlap_uploads=True)
+        s, p = _narrow_two_stage(pol)
+        heavy = predict(p, s)["pipeline_s"]
+        light = predict(replace(p, sync=replace(pol, grad_compression=pol.grad_compression * 1e-6)), s)["pipeline_s"]
+        assert (heavy > 1.05 * light) if slower else heavy == pytest.approx(light, rel=1e-9), (overlap, heavy, light)
