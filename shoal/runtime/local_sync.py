@@ -39,6 +39,7 @@ from shoal.train.optim import apply_update, make_optimizer
 from shoal.train.outer import is_sync_step, merge_pseudo_grads, outer_nesterov_step, sync_of_spec
 
 log = logging.getLogger("shoal.local")
+MOVE_HOLD_IDLE_S = 2.0  # a held move goes ahead after dead_after_s plus this long without a task
 
 
 def replica_sq_norm(counts_sq: dict[str, tuple[int, float]], micro_batches: int) -> float:
@@ -314,9 +315,32 @@ class LocalWorkerMixin:
         self.pending: tuple[int, int, dict[str, torch.Tensor], int] | None = None  # (epoch, step, sum, mbs)
         self.local_gen: int | None = None  # server generation the replica belongs to
         self.local_sent: tuple[int, int] | None = None  # (epoch, round) of the last pseudo-gradient sent
+        self.local_delivered = False  # the round's pseudo-gradient was taken (until the merged weights are pulled)
         # Compressed pseudo-gradients: what a round's push did not carry goes with the next one.
         push = compression_of_spec(self.spec).wire("push") if self.local else "raw"
         self.pseudo_ef = ErrorFeedback(push) if push != "raw" else None
+
+    def _hold_move(self) -> bool:
+        """Whether to keep training on the current stage instead of moving to ``self.want`` now.
+
+        Local mode only: a worker moved mid-round would drop its replica's un-merged progress
+        (a re-plan after a join or a death moves live workers), so while it holds some, it
+        stays until its round's pseudo-gradient is sent and the merged weights pulled, then
+        moves. It goes at once when its stage's server changed, and once its stage has had
+        no task for it for ``dead_after_s + MOVE_HOLD_IDLE_S``: a move that fills an emptied
+        stage must not wait for a round that cannot end without it, while tasks pinned to a
+        worker that died come back after ``dead_after_s`` (its death noticed).
+        """
+        want = self.want
+        hold = (self.local and want is not None and self.stage >= 0 and want[0] != self.stage
+                and (self.local_round_mbs > 0 or self.pending is not None) and not self.local_delivered
+                and self.stage < len(self.servers_seen) and self.servers_seen[self.stage] == self.server_addr
+                and time.monotonic() - self.last_task_t < self.spec.dead_after_s + MOVE_HOLD_IDLE_S)
+        if hold and self.move_held != want:
+            log.info("%s holds its move to stage %d until its round's pseudo-gradient is sent "
+                     "(%d micro-batches not merged yet)", self.opts.name, want[0], self.local_round_mbs)
+        self.move_held = want if hold else None
+        return hold
 
     def _local_check_gen(self, rep: pb.LeaseReply) -> None:
         """Voided by the server (or a roll-back): the replica's un-merged progress is dropped."""
@@ -336,6 +360,7 @@ class LocalWorkerMixin:
         await self._pull()
         self.anchor = {n: p.detach().clone() for n, p in self.params.items()}
         self.local_round_mbs = 0
+        self.local_delivered = False
         self.pending = None
         log.info("%s pulled merged weights v%d digest %s", self.opts.name, self.version,
                  tensors_digest({n: t.cpu() for n, t in self.anchor.items()}))
@@ -416,6 +441,7 @@ class LocalWorkerMixin:
                 None, self._pseudo_message, rep.epoch, rep.step, rep.gen, round_v)
             res = await self._send_push(msg, data)
             if res is not None and res.accepted:
+                self.local_delivered = True
                 log.info("%s sent its pseudo-gradient for v%d covering %d micro-batches", self.opts.name, round_v,
                          self.local_round_mbs)
             else:

@@ -208,6 +208,8 @@ class Worker(LocalWorkerMixin):
         self.measure_done = 0  # newest request answered
         self.servers_seen: list[str] = []  # stage server addresses from the newest heartbeat
         self.uploads: set[asyncio.Task] = set()  # results being sent while the next task runs
+        self.last_task_t = time.monotonic()  # when the last lease brought a task (local mode: move holds)
+        self.move_held = None  # local mode: the move being held until the round's pseudo-gradient is sent
         self.upload_error: BaseException | None = None  # an unexpected failure of one, raised by the task loop
         self._reset_observed()
 
@@ -286,7 +288,7 @@ class Worker(LocalWorkerMixin):
                         await asyncio.sleep(0.5)
                     continue
                 if self.want is not None and self.want != (self.stage, self.first, self.last,
-                                                           self.server_addr):
+                                                           self.server_addr) and not self._hold_move():
                     await self._drain()  # results of the old assignment land (or fail) first
                     await self._apply_assignment(*self.want)
                 if self.stage < 0 or not self.server_addr:
@@ -592,6 +594,7 @@ class Worker(LocalWorkerMixin):
             if not self.local and idle_pull(rep, self.version, self.weights_epoch):
                 await self._pull()  # nothing to do yet: fetch the new weights before a task needs them
             return
+        self.last_task_t = time.monotonic()
         task = rep.task
         self.held.add(task.lease_id)
         handed = False  # once the upload owns the lease it stops holding it
