@@ -1,6 +1,10 @@
 """Runtime benchmark: framework overhead, stage-server throughput, swarm vs local tokens/s.
 
     .venv/bin/python bench/bench_runtime.py [--steps 6] [--out /tmp/bench_runtime]
+        [--seq-len T] [--micro-batch-size B] [--skip-relay]
+
+``--seq-len`` / ``--micro-batch-size`` make each task longer with the same calls per task
+(how the framework's fixed cost per call amortises); the issue-11 target uses the defaults.
 
 Prints one table; every number is a ratio or rate measured in this one run on this
 machine (loopback, one torch thread per process), so compare rows, not machines.
@@ -170,7 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=4.0, help="length of each throughput test")
     ap.add_argument("--stages", default="1,2,3,4", help="swarm sizes S (= W) to run, comma-separated")
     ap.add_argument("--repeat", type=int, default=1, help="run the local T=S and swarm S=W pairs this many times")
+    ap.add_argument("--seq-len", type=int, default=RUN["seq_len"],
+                    help="tokens per sequence (larger: longer tasks, the same number of calls per task)")
+    ap.add_argument("--micro-batch-size", type=int, default=RUN["micro_batch_size"], help="sequences per micro-batch")
+    ap.add_argument("--skip-relay", action="store_true", help="skip the stage-server relay and pull throughput tests")
     args = ap.parse_args(argv)
+    RUN.update(seq_len=args.seq_len, micro_batch_size=args.micro_batch_size)
     import torch
 
     torch.set_num_threads(1)
@@ -197,8 +206,9 @@ def main(argv: list[str] | None = None) -> int:
                 per_task = (swarm[0] - local[0]) / RUN["micro_batches"]
     small = (RUN["micro_batch_size"], RUN["seq_len"], 128)
     big = (8, 256, 128)
-    m_small, mb_small, pull = server_throughput(small, args.seconds)
-    m_big, mb_big, _ = server_throughput(big, args.seconds)
+    if not args.skip_relay:
+        m_small, mb_small, pull = server_throughput(small, args.seconds)
+        m_big, mb_big, _ = server_throughput(big, args.seconds)
 
     print(f"\nruntime benchmark (tiny model, M={RUN['micro_batches']} B={RUN['micro_batch_size']} "
           f"T={RUN['seq_len']}, {args.steps} steps, loopback, {os.cpu_count()} cores)\n")
@@ -209,11 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     if per_task is not None:
         print(f"\nper-task framework overhead (S=1 W=1 vs local T=1, mean step, per micro-batch): "
               f"{per_task * 1000:.1f} ms")
-    print(f"stage server relay, {small} fp32 ({small[0] * small[1] * small[2] * 4 / 1e3:.0f} kB): "
-          f"{m_small:.0f} msg/s, {mb_small:.1f} MB/s")
-    print(f"stage server relay, {big} fp32 ({big[0] * big[1] * big[2] * 4 / 1e6:.2f} MB): "
-          f"{m_big:.0f} msg/s, {mb_big:.1f} MB/s")
-    print(f"stage server weight pull (stage [3,6) of tiny): {pull:.1f} MB/s")
+    if not args.skip_relay:
+        print(f"stage server relay, {small} fp32 ({small[0] * small[1] * small[2] * 4 / 1e3:.0f} kB): "
+              f"{m_small:.0f} msg/s, {mb_small:.1f} MB/s")
+        print(f"stage server relay, {big} fp32 ({big[0] * big[1] * big[2] * 4 / 1e6:.2f} MB): "
+              f"{m_big:.0f} msg/s, {mb_big:.1f} MB/s")
+        print(f"stage server weight pull (stage [3,6) of tiny): {pull:.1f} MB/s")
     return 0
 
 
