@@ -360,6 +360,16 @@ def test_cli_compare_shows_each_method_under_exact_and_the_allowed_policy(tmp_pa
     assert "local H=4" in table and "util" in table
 
 
+def _one_region_tiny(devices):
+    """A scenario of ``devices`` in one region (5 ms, 1 Gbit/s paths) training tiny, B = 2, T = 64."""
+    return scenario_from_dict({
+        "name": "narrow",
+        "workload": {"model": "tiny", "seq_len": 64, "global_batch": 128, "micro_batch_size": 2, "dtype": "fp32"},
+        "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}},
+        "devices": devices,
+    })
+
+
 def test_vectorised_link_sharing_matches_the_list_arithmetic():
     # Plans of VECTOR_MIN_WORKERS workers or more run the fixed point on numpy arrays; on the
     # same plan both paths must give the same figures (to rounding). Two narrow server hosts
@@ -372,12 +382,7 @@ def test_vectorised_link_sharing_matches_the_list_arithmetic():
                 "up_mbps": 300 + 100 * (i % 4), "down_mbps": 600 + 200 * (i % 3)} for i in range(14)]
     devices += [{"id": h, "tflops": 0, "memory_gb": 0, "region": "a", "up_mbps": up, "down_mbps": down,
                  "can_host_server": True} for h, up, down in (("h0", 60, 90), ("h1", 80, 50))]
-    s = scenario_from_dict({
-        "name": "narrow",
-        "workload": {"model": "tiny", "seq_len": 64, "global_batch": 128, "micro_batch_size": 2, "dtype": "fp32"},
-        "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}},
-        "devices": devices,
-    })
+    s = _one_region_tiny(devices)
     n_layers = scenario_profile(s).cfg.n_total_layers
     hosts = ["h0", "h1"]
     workers = [f"w{i}" for i in range(14)]
@@ -437,12 +442,7 @@ def _narrow_two_stage(pol):
                 "down_mbps": 800} for i in range(8)]
     devices += [{"id": h, "tflops": 0, "memory_gb": 0, "region": "a", "up_mbps": 20, "down_mbps": 20,
                  "can_host_server": True} for h in ("h0", "h1")]
-    s = scenario_from_dict({
-        "name": "narrow",
-        "workload": {"model": "tiny", "seq_len": 64, "global_batch": 128, "micro_batch_size": 2, "dtype": "fp32"},
-        "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}},
-        "devices": devices,
-    })
+    s = _one_region_tiny(devices)
     n = scenario_profile(s).cfg.n_total_layers
     p = Plan(s.name, "tiny", "test", [StagePlan((0, n // 2), "h0", [f"w{i}" for i in range(4)]),
                                       StagePlan((n // 2, n), "h1", [f"w{i}" for i in range(4, 8)])],

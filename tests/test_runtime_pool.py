@@ -401,17 +401,23 @@ def test_checkpoints_are_written_off_the_loop_and_hold_their_version(tmp_path):
     asyncio.run(main())
 
 
+async def _local_server_in_round(tmp_path):
+    """A loaded stage-0 server in local mode (H = 2), at step 1: the end of its first round."""
+    srv = _server(tmp_path)
+    srv.spec.sync_mode, srv.spec.sync_every = "local", 2
+    await srv._load(0, 0, 6, 0, 0)
+    srv.ready = True
+    srv.step = 1
+    return srv
+
+
 def test_local_pseudo_gradient_covering_nothing_is_no_contribution(tmp_path):
     """A worker that missed a step's decision dropped that gradient: its pseudo-gradient
     covers fewer micro-batches than the server counted (the merge weighs it by the lower
     count), and one that covers none is zero, which is not screened (an honest run once
     banned such a worker as '0 below the median') nor merged, and the merge stops waiting."""
     async def main():
-        srv = _server(tmp_path)
-        srv.spec.sync_mode, srv.spec.sync_every = "local", 2
-        await srv._load(0, 0, 6, 0, 0)
-        srv.ready = True
-        srv.step = 1
+        srv = await _local_server_in_round(tmp_path)
         srv.local_round_mbs = {"A": 2, "B": 1}
         srv.local_expect, srv.local_got = {"A", "B"}, {}
         push = dict(step=1, epoch=0, local_round=2, grads=_grads(srv, 0.5))
@@ -434,11 +440,7 @@ def test_a_worker_leaving_after_its_pseudo_gradient_keeps_its_weight(tmp_path):
     once weighed such a survivor 0 and screened it as a 3e12x outlier); one that leaves before
     sending drops out of the round."""
     async def main():
-        srv = _server(tmp_path)
-        srv.spec.sync_mode, srv.spec.sync_every = "local", 2
-        await srv._load(0, 0, 6, 0, 0)
-        srv.ready = True
-        srv.step = 1
+        srv = await _local_server_in_round(tmp_path)
         for w in ("A", "B"):
             srv._worker(w)
         srv.local_round_mbs, srv.local_round_lr = {"A": 2, "B": 2}, {"A": 0.2, "B": 0.2}
