@@ -135,7 +135,10 @@ GENERATED_TARGETS: dict[str, tuple[str, ...]] = {
                                "test_granular_floor_by_hand", "test_expected_max_residual_and_tail_by_hand",
                                "test_pinned_pipeline_by_hand", "test_idle_queue_wait_by_hand",
                                "test_local_two_stage_prediction_is_assembled_from_the_formulas",
-                               "test_vectorised_link_sharing_matches_the_list_arithmetic"))),
+                               "test_vectorised_link_sharing_matches_the_list_arithmetic",
+                               "test_round_sync_flows_by_hand", "test_round_traffic_by_hand",
+                               "test_loopback_worker_sends_no_round_traffic",
+                               "test_overlapped_round_shares_the_server_links_with_the_pipeline"))),
 }
 
 

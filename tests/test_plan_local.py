@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from shoal.cli import main
@@ -11,6 +12,7 @@ from shoal.plan import load_scenario, make_plan, predict, scenario_from_dict
 from shoal.plan.compression import bytes_per_element, parse_compression, wire_ratio
 from shoal.plan.cost import (
     LOCAL_OPTIMIZER_BYTES_PER_PARAM,
+    CostOptions,
     expected_max_residual,
     granular_pipeline_time,
     idle_queue_wait,
@@ -434,6 +436,49 @@ def test_round_sync_flows_by_hand():
     assert list(frac) == [1.0]
     frac, _ = round_sync_flows([100.0], 2.0, 5.0, 0.0)
     assert list(frac) == [0.0]
+
+
+def test_round_traffic_by_hand():
+    """RoundTraffic.add: worker A pushes 100 bytes at min(10, 40 / k_down 2) = 10 B/s, 10 s of
+    a window of H 4 x P 5 = 20 s: 0.5 transfer in flight on the server's downlink. Its uplink
+    is busy 0.4 s per micro-batch at 0.5 micro-batches/s (20 %), so the push ends, in its idle
+    time, at 10 / 0.8 = 12.5 s; its pull of 50 bytes at min(20, 30 / k_up 3) = 10 B/s then
+    takes 5 of the 7.5 s left: 0.25 transfer in flight over the window. B (on the server's
+    host) sends nothing."""
+    from shoal.plan.cost import RoundTraffic
+
+    inf = float("inf")
+    cols = np.array([[100.0, 10.0, 50.0, 20.0], [0.0, inf, 0.0, inf]]).T.copy()
+    rt = RoundTraffic([cols], host_down=[40.0], sync_every=4)
+    load_up, load_down = {"h": 0.0}, {"h": 1.0}
+    rt.add(0, np.array([0, 1]), np.array([0.5, 0.5]), np.array([0.4, 0.0]), 5.0, "h", 30.0,
+           {"h": 3.0}, {"h": 2.0}, load_up, load_down)
+    assert load_down == {"h": pytest.approx(1.5)} and load_up == {"h": pytest.approx(0.25)}
+    # a busier uplink: the push ends at 10 / 0.5 = 20 s, the whole window; no pull fits
+    load_up, load_down = {}, {}
+    rt.add(0, np.array([0, 1]), np.array([0.5, 0.5]), np.array([1.0, 0.0]), 5.0, "h", 30.0,
+           {"h": 3.0}, {"h": 2.0}, load_up, load_down)
+    assert load_down == {"h": pytest.approx(0.5)} and load_up == {}
+    # only B used (nothing to send): no load at all
+    load_up, load_down = {}, {}
+    rt.add(0, np.array([1]), np.array([0.5]), np.array([0.0]), 5.0, "h", 30.0, {"h": 3.0}, {"h": 2.0},
+           load_up, load_down)
+    assert load_up == load_down == {}
+
+
+def test_loopback_worker_sends_no_round_traffic():
+    """A worker on its own server's host moves its round over loopback: no server-link load."""
+    devices = [{"id": "h0", "tflops": 5, "memory_gb": 8, "region": "a", "up_mbps": 20, "down_mbps": 20,
+                "can_host_server": True}]
+    s = _one_region_tiny(devices)
+    n = scenario_profile(s).cfg.n_total_layers
+    p = Plan(s.name, "tiny", "test", [StagePlan((0, n), "h0", ["h0"])], micro_batch_size=2, micro_batches=8,
+             sync=local(2, "int8", overlap_uploads=True))
+    from shoal.plan.cost import _stage_rows
+
+    rows = _stage_rows(p.stages[0], True, True, None, None, {}, scenario_profile(s), s,
+                       {d.id: d for d in s.devices}, p.sync, CostOptions(), {})
+    assert rows[-1] == [(0.0, float("inf"), 0.0, float("inf"))]
 
 
 def _narrow_two_stage(pol):

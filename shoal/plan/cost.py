@@ -543,12 +543,11 @@ class RoundTraffic:
     def __init__(self, cols: list[np.ndarray], host_down: list[float], sync_every: int):
         self.cols, self.host_down, self.h = cols, host_down, max(1, sync_every)
 
-    def add(self, i: int, idx, r, down_busy_s, up_busy_s, pipeline_s: float, host: str, host_up: float,
+    def add(self, i: int, idx, r, up_busy_s, pipeline_s: float, host: str, host_up: float,
             k_up: dict, k_down: dict, load_up: dict, load_down: dict) -> None:
         """Stage ``i``'s used workers ``idx`` (row indices), each completing ``r`` micro-batches
-        per second, with ``down_busy_s`` / ``up_busy_s`` seconds of activations per micro-batch
-        on their downlink / uplink; the pipeline takes ``pipeline_s`` per step, so the round's
-        window is ``H * pipeline_s``."""
+        per second, with ``up_busy_s`` seconds of activations per micro-batch on their uplink;
+        the pipeline takes ``pipeline_s`` per step, so the round's window is ``H * pipeline_s``."""
         gp, bw_up, gl, bw_dn = (c[idx] for c in self.cols[i])
         if not len(gp) or not np.any(gp > 0):
             return
@@ -694,8 +693,8 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
                            if 0 < times[j] < inf]
                     r = np.array([min(1.0, x / xs[i]) / times[j] for j in idx])
                     bz = np.array([busy[i][j] for j in idx], dtype=float).reshape(-1, 3)
-                    rounds.add(i, np.array(idx, dtype=int), r, bz[:, 0], bz[:, 1] + bz[:, 2], m / x, hosts[i][0],
-                               caps[i][0], k_up, k_down, load_up, load_down)
+                    rounds.add(i, np.array(idx, dtype=int), r, bz[:, 1] + bz[:, 2], m / x, hosts[i][0], caps[i][0],
+                               k_up, k_down, load_up, load_down)
             new_up = {h: link_share(load_up.get(h, 0.0), n_dl[h]) for h in k_up}
             new_down = {h: link_share(load_down.get(h, 0.0), n_ul[h]) for h in k_down}
             settled = all(abs(new_up[h] - k) <= 0.01 * k for h, k in k_up.items()) and \
@@ -824,7 +823,7 @@ def _share_fixed_point_np(rows, hosts, caps, k_up, k_down, n_dl, n_ul, m, overla
             if hp is not None:
                 load_down[hp] = load_down.get(hp, 0.0) + float(s_p @ r)
             if rounds is not None:
-                rounds.add(i, idx, r, s_dl, s_n + s_p, m / x, h, caps[i][0], k_up, k_down, load_up, load_down)
+                rounds.add(i, idx, r, s_n + s_p, m / x, h, caps[i][0], k_up, k_down, load_up, load_down)
         new_up = {h: link_share(load_up.get(h, 0.0), n_dl[h]) for h in k_up}
         new_down = {h: link_share(load_down.get(h, 0.0), n_ul[h]) for h in k_down}
         settled = all(abs(new_up[h] - k) <= 0.01 * k for h, k in k_up.items()) and \
