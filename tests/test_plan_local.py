@@ -436,6 +436,8 @@ def test_round_sync_flows_by_hand():
     assert list(frac) == [1.0]
     frac, _ = round_sync_flows([100.0], 2.0, 5.0, 0.0)
     assert list(frac) == [0.0]
+    frac, t = round_sync_flows([1.0], 4.0, 5.0, 0.5)  # one byte in a half-second window: 0.25 s
+    assert list(t) == [0.25] and list(frac) == [0.5]
 
 
 def test_round_traffic_by_hand():
@@ -450,10 +452,33 @@ def test_round_traffic_by_hand():
     inf = float("inf")
     cols = np.array([[100.0, 10.0, 50.0, 20.0], [0.0, inf, 0.0, inf]]).T.copy()
     rt = RoundTraffic([cols], host_down=[40.0], sync_every=4)
-    load_up, load_down = {"h": 0.0}, {"h": 1.0}
+    load_up, load_down = {}, {"h": 1.0}
     rt.add(0, np.array([0, 1]), np.array([0.5, 0.5]), np.array([0.4, 0.0]), 5.0, "h", 30.0,
            {"h": 3.0}, {"h": 2.0}, load_up, load_down)
     assert load_down == {"h": pytest.approx(1.5)} and load_up == {"h": pytest.approx(0.25)}
+    # the push ends at 19.5 s (uplink busy 0.974 s x 0.5 / s): the pull gets 0.5 s of 20, all of it
+    load_up, load_down = {}, {}
+    rt.add(0, np.array([0]), np.array([0.5]), np.array([1 - 10 / 19.5]) * 2, 5.0, "h", 30.0,
+           {"h": 3.0}, {"h": 2.0}, load_up, load_down)
+    assert load_up == {"h": pytest.approx(0.5 / 20)}
+    # the server's share binds (80 / k_down 8 = 10 B/s against its own 1000), and H = 1: the
+    # push takes 10 s of a 5 s window, in flight throughout
+    fast = np.array([[100.0, 1000.0, 0.0, inf]]).T.copy()
+    load_down = {}
+    RoundTraffic([fast], host_down=[80.0], sync_every=1).add(
+        0, np.array([0]), np.array([0.1]), np.array([0.0]), 5.0, "h", 30.0, {"h": 1.0}, {"h": 8.0}, {}, load_down)
+    assert load_down == {"h": pytest.approx(1.0)}
+    load_down = {}
+    RoundTraffic([fast], host_down=[80.0], sync_every=1).add(
+        0, np.array([0]), np.array([0.1]), np.array([0.0]), 20.0, "h", 30.0, {"h": 1.0}, {"h": 8.0}, {}, load_down)
+    assert load_down == {"h": pytest.approx(0.5)}  # 10 s of a 20 s window
+    # an uplink busy all the time: the idle floor (0.1 %) ends a 1 ms push at 1 s, and the
+    # pull (5 s at 10 B/s) gets 5 of the 19 s left
+    load_up = {}
+    tiny_push = np.array([[0.01, 10.0, 50.0, 20.0]]).T.copy()
+    RoundTraffic([tiny_push], host_down=[40.0], sync_every=4).add(
+        0, np.array([0]), np.array([0.5]), np.array([2.0]), 5.0, "h", 30.0, {"h": 3.0}, {"h": 2.0}, load_up, {})
+    assert load_up == {"h": pytest.approx(5 / 20)}
     # a busier uplink: the push ends at 10 / 0.5 = 20 s, the whole window; no pull fits
     load_up, load_down = {}, {}
     rt.add(0, np.array([0, 1]), np.array([0.5, 0.5]), np.array([1.0, 0.0]), 5.0, "h", 30.0,
@@ -463,7 +488,7 @@ def test_round_traffic_by_hand():
     load_up, load_down = {}, {}
     rt.add(0, np.array([1]), np.array([0.5]), np.array([0.0]), 5.0, "h", 30.0, {"h": 3.0}, {"h": 2.0},
            load_up, load_down)
-    assert load_up == load_down == {}
+    assert not any(load_up.values()) and not any(load_down.values())
 
 
 def test_loopback_worker_sends_no_round_traffic():

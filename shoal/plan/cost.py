@@ -549,7 +549,7 @@ class RoundTraffic:
         per second, with ``up_busy_s`` seconds of activations per micro-batch on their uplink;
         the pipeline takes ``pipeline_s`` per step, so the round's window is ``H * pipeline_s``."""
         gp, bw_up, gl, bw_dn = (c[idx] for c in self.cols[i])
-        if not len(gp) or not np.any(gp > 0):
+        if not len(gp):
             return
         window = self.h * pipeline_s
         push, t_push = round_sync_flows(gp, bw_up, self.host_down[i] / k_down.get(host, 1.0), window)
@@ -558,7 +558,7 @@ class RoundTraffic:
         # its link's idle time (activations go first), so the pulls start that much later.
         idle = np.maximum(1.0 - np.asarray(up_busy_s) * r, 1e-3)
         rest = window - float((t_push / idle).max())
-        if rest > 0 and np.any(gl > 0):
+        if rest > 0:
             pull, _ = round_sync_flows(gl, bw_dn, host_up / k_up.get(host, 1.0), rest)
             load_up[host] = load_up.get(host, 0.0) + float(pull.sum()) * rest / window
 
@@ -686,9 +686,7 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
                     if s_p:
                         load_down[hp] = load_down.get(hp, 0.0) + s_p * r
             if rounds is not None and x > 0:
-                for i, times in enumerate(all_times):
-                    if xs[i] <= 0:
-                        continue
+                for i, times in enumerate(all_times):  # x > 0, so every xs[i] >= x is too
                     idx = [j for j in (range(len(times)) if len(times) <= m else _fastest(times, m))
                            if 0 < times[j] < inf]
                     r = np.array([min(1.0, x / xs[i]) / times[j] for j in idx])
