@@ -473,12 +473,12 @@ def test_round_traffic_by_hand():
         0, np.array([0]), np.array([0.1]), np.array([0.0]), 20.0, "h", 30.0, {"h": 1.0}, {"h": 8.0}, {}, load_down)
     assert load_down == {"h": pytest.approx(0.5)}  # 10 s of a 20 s window
     # an uplink busy all the time: the idle floor (0.1 %) ends a 1 ms push at 1 s, and the
-    # pull (5 s at 10 B/s) gets 5 of the 19 s left
+    # pull (19.25 s at 10 B/s) fills the 19 s left
     load_up = {}
-    tiny_push = np.array([[0.01, 10.0, 50.0, 20.0]]).T.copy()
+    tiny_push = np.array([[0.01, 10.0, 192.5, 20.0]]).T.copy()
     RoundTraffic([tiny_push], host_down=[40.0], sync_every=4).add(
         0, np.array([0]), np.array([0.5]), np.array([2.0]), 5.0, "h", 30.0, {"h": 3.0}, {"h": 2.0}, load_up, {})
-    assert load_up == {"h": pytest.approx(5 / 20)}
+    assert load_up == {"h": pytest.approx(19 / 20)}
     # a busier uplink: the push ends at 10 / 0.5 = 20 s, the whole window; no pull fits
     load_up, load_down = {}, {}
     rt.add(0, np.array([0, 1]), np.array([0.5, 0.5]), np.array([1.0, 0.0]), 5.0, "h", 30.0,
