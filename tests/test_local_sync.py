@@ -247,3 +247,44 @@ def _stamp(text: str) -> float:
     import datetime
 
     return datetime.datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def test_move_is_urgent_only_when_nobody_else_works_on_the_stage():
+    from shoal.runtime.coordinator import move_is_urgent
+
+    assert move_is_urgent(1, "a", {"a": 0, "b": 0})  # nobody at work on stage 1
+    assert move_is_urgent(1, "a", {"a": 1})  # only itself (already there, or reporting stale)
+    assert not move_is_urgent(1, "a", {"a": 0, "b": 1})
+    assert move_is_urgent(0, "a", {})
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_move_into_an_emptied_stage_is_not_held(tmp_path):
+    """Local mode, H = 6: kill -9 the lone worker of a stage mid-round. The re-plan moves a
+    worker of the other stage, which holds un-merged progress, into the emptied stage: the
+    coordinator marks that move urgent (nobody else works there), so the worker moves at its
+    next heartbeat instead of holding the move for its round's end (a round that cannot end
+    without that stage) or waiting out the idle backstop."""
+    from shoal.runtime.launch import LaunchConfig, Swarm
+
+    cfg = LaunchConfig(out=str(tmp_path / "run"), **RUN, steps=8, stages=2, workers=3, dead_after_s=3.0,
+                       min_lease_s=1.5, timeout_s=280, sync="local", sync_every=6, worker_args=[["--slow", "0.2"]] * 3)
+    with Swarm(cfg) as sw:
+        sw.start()
+        while sw.committed_steps() < 1:
+            time.sleep(0.05)
+        by_stage: dict[int, list[str]] = {}
+        for name, stage in sw.status()["workers"].items():
+            by_stage.setdefault(stage, []).append(name)
+        emptied, (lone,) = next((s, ws) for s, ws in by_stage.items() if len(ws) == 1)
+        assert sw.committed_steps() < 6, "the run reached the first merge before the kill; slow it down"
+        sw.kill_worker(int(lone[1:]))
+        summary = sw.wait()
+    assert summary["steps"] == 8
+    logs = {p.name: p.read_text() for p in (tmp_path / "run" / "logs").glob("worker*.log")}
+    moved = [n for n, text in logs.items() if n != f"worker{lone[1:]}.log"
+             and len(re.findall(r"works on stage", text)) >= 2 and f"works on stage {emptied} " in text]
+    assert moved, {n: t[-1500:] for n, t in logs.items()}
+    assert not any(f"holds its move to stage {emptied} " in t for t in logs.values()), \
+        {n: t[-1500:] for n, t in logs.items()}

@@ -309,7 +309,7 @@ class ByteCount(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., codec: _Optional[str] = ..., raw: _Optional[int] = ..., wire: _Optional[int] = ..., messages: _Optional[int] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("known", "stage", "first", "last", "servers", "ready", "epoch", "restart_version", "done", "measure", "guard_banned", "standby_for", "standby_first", "standby_last", "standby_source", "standby_decisions", "standby_peers")
+    __slots__ = ("known", "stage", "first", "last", "servers", "ready", "epoch", "restart_version", "done", "measure", "move_now", "guard_banned", "standby_for", "standby_first", "standby_last", "standby_source", "standby_decisions", "standby_peers")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     FIRST_FIELD_NUMBER: _ClassVar[int]
@@ -320,6 +320,7 @@ class Assignment(_message.Message):
     RESTART_VERSION_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     MEASURE_FIELD_NUMBER: _ClassVar[int]
+    MOVE_NOW_FIELD_NUMBER: _ClassVar[int]
     GUARD_BANNED_FIELD_NUMBER: _ClassVar[int]
     STANDBY_FOR_FIELD_NUMBER: _ClassVar[int]
     STANDBY_FIRST_FIELD_NUMBER: _ClassVar[int]
@@ -337,6 +338,7 @@ class Assignment(_message.Message):
     restart_version: int
     done: bool
     measure: int
+    move_now: bool
     guard_banned: str
     standby_for: int
     standby_first: int
@@ -344,7 +346,7 @@ class Assignment(_message.Message):
     standby_source: str
     standby_decisions: _containers.RepeatedCompositeFieldContainer[StandbyDecision]
     standby_peers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, known: _Optional[bool] = ..., stage: _Optional[int] = ..., first: _Optional[int] = ..., last: _Optional[int] = ..., servers: _Optional[_Iterable[str]] = ..., ready: _Optional[bool] = ..., epoch: _Optional[int] = ..., restart_version: _Optional[int] = ..., done: _Optional[bool] = ..., measure: _Optional[int] = ..., guard_banned: _Optional[str] = ..., standby_for: _Optional[int] = ..., standby_first: _Optional[int] = ..., standby_last: _Optional[int] = ..., standby_source: _Optional[str] = ..., standby_decisions: _Optional[_Iterable[_Union[StandbyDecision, _Mapping]]] = ..., standby_peers: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, known: _Optional[bool] = ..., stage: _Optional[int] = ..., first: _Optional[int] = ..., last: _Optional[int] = ..., servers: _Optional[_Iterable[str]] = ..., ready: _Optional[bool] = ..., epoch: _Optional[int] = ..., restart_version: _Optional[int] = ..., done: _Optional[bool] = ..., measure: _Optional[int] = ..., move_now: _Optional[bool] = ..., guard_banned: _Optional[str] = ..., standby_for: _Optional[int] = ..., standby_first: _Optional[int] = ..., standby_last: _Optional[int] = ..., standby_source: _Optional[str] = ..., standby_decisions: _Optional[_Iterable[_Union[StandbyDecision, _Mapping]]] = ..., standby_peers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StandbyDecision(_message.Message):
     __slots__ = ("epoch", "step", "lr", "coef", "skip", "next_loss_scale")

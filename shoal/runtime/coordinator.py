@@ -738,6 +738,8 @@ class Coordinator(pbg.CoordinatorServicer):
             a.first, a.last = self.layers[stage]
             if m.role == "server":
                 a.standby_peers.extend(self._standby_peers(stage))
+            else:
+                a.move_now = move_is_urgent(stage, m.member_id, self._stages_at_work())
         elif m.role == "server" and self.layers:
             shadow = self._hot_standbys().get(m.member_id, -1)
             if shadow >= 0 and self.stage_server[shadow]:
@@ -749,6 +751,12 @@ class Coordinator(pbg.CoordinatorServicer):
             a.standby_decisions.extend(decisions_since(self.decisions, self.epoch, self.committed,
                                                        request.standby_decisions_from - 1))
         return a
+
+    def _stages_at_work(self) -> dict[str, int]:
+        """Each live worker's stage as it last reported it (where it works, not where it is
+        assigned: a worker in local mode holds a move until its round's end)."""
+        return {mid: mm.stats.stage for mid, mm in self.members.items()
+                if mm.role == "worker" and mm.stats is not None}
 
     def _standby_peers(self, stage: int) -> list[str]:
         """Addresses of the hot standbys copying ``stage`` (its active server sends them each step)."""
@@ -1146,6 +1154,16 @@ async def run_coordinator(spec: pb.RunSpec, token: str, listen: str, *, min_work
     if coord.error:
         raise ShoalError(f"the run failed: {coord.error}")
     return coord.summary()
+
+
+def move_is_urgent(stage: int, member_id: str, at_work: dict[str, int]) -> bool:
+    """Whether worker ``member_id``, assigned to ``stage``, must move there at once (pure).
+
+    True when no other worker reports working on ``stage``: the stage's tasks wait for it, so
+    a local-mode worker must not hold the move until its round ends (a round that cannot end
+    without that stage). ``at_work`` maps workers to the stage they last reported.
+    """
+    return not any(s == stage for mid, s in at_work.items() if mid != member_id)
 
 
 def unique_name(name: str, taken: set[str]) -> str:

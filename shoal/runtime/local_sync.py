@@ -326,13 +326,14 @@ class LocalWorkerMixin:
         Local mode only: a worker moved mid-round would drop its replica's un-merged progress
         (a re-plan after a join or a death moves live workers), so while it holds some, it
         stays until its round's pseudo-gradient is sent and the merged weights pulled, then
-        moves. It goes at once when its stage's server changed, and once its stage has had
-        no task for it for ``dead_after_s + MOVE_HOLD_IDLE_S``: a move that fills an emptied
-        stage must not wait for a round that cannot end without it, while tasks pinned to a
-        worker that died come back after ``dead_after_s`` (its death noticed).
+        moves. It goes at once when the coordinator says no other worker is at work on the
+        wanted stage (``Assignment.move_now``: a round cannot end without that stage), when its
+        own stage's server changed, and once its stage has had no task for it for
+        ``dead_after_s + MOVE_HOLD_IDLE_S`` (a backstop: tasks pinned to a worker that died
+        come back after ``dead_after_s``, its death noticed).
         """
         want = self.want
-        hold = (self.local and want is not None and self.stage >= 0 and want[0] != self.stage
+        hold = (self.local and want is not None and self.stage >= 0 and want[0] != self.stage and not self.move_now
                 and (self.local_round_mbs > 0 or self.pending is not None) and not self.local_delivered
                 and self.stage < len(self.servers_seen) and self.servers_seen[self.stage] == self.server_addr
                 and time.monotonic() - self.last_task_t < self.spec.dead_after_s + MOVE_HOLD_IDLE_S)

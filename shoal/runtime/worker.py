@@ -210,6 +210,7 @@ class Worker(LocalWorkerMixin):
         self.uploads: set[asyncio.Task] = set()  # results being sent while the next task runs
         self.last_task_t = time.monotonic()  # when the last lease brought a task (local mode: move holds)
         self.move_held = None  # local mode: the move being held until the round's pseudo-gradient is sent
+        self.move_now = False  # the coordinator: nobody else works on the wanted stage (hold no move)
         self.upload_error: BaseException | None = None  # an unexpected failure of one, raised by the task loop
         self._reset_observed()
 
@@ -363,6 +364,7 @@ class Worker(LocalWorkerMixin):
                 if a.known and a.ready and a.stage >= 0 and a.servers[a.stage]:
                     # Applied by the task loop between tasks, never under a running task.
                     self.want = (a.stage, a.first, a.last, a.servers[a.stage])
+                    self.move_now = a.move_now
             except grpc.aio.AioRpcError:
                 pass
             if self.server_addr and self.stage >= 0:
