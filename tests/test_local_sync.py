@@ -165,6 +165,17 @@ def test_h1_one_worker_per_stage_equals_exact(tmp_path):
     assert all(list(m["contributors"].values()) == [4] for m in merges)
 
 
+def _started_by_stage(sw) -> dict[int, list[str]]:
+    """Start the swarm, wait for its first committed step, return its workers by stage."""
+    sw.start()
+    while sw.committed_steps() < 1:
+        time.sleep(0.05)
+    by_stage: dict[int, list[str]] = {}
+    for name, stage in sw.status()["workers"].items():
+        by_stage.setdefault(stage, []).append(name)
+    return by_stage
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_kill9_mid_round_and_joiner(tmp_path):
@@ -178,12 +189,7 @@ def test_kill9_mid_round_and_joiner(tmp_path):
                        min_lease_s=1.5, timeout_s=280, sync="local", sync_every=h, outer_lr=0.7,
                        outer_momentum=0.9, worker_args=[["--slow", "0.2"]] * 4)
     with Swarm(cfg) as sw:
-        sw.start()
-        while sw.committed_steps() < 1:
-            time.sleep(0.05)
-        by_stage: dict[int, list[str]] = {}
-        for name, stage in sw.status()["workers"].items():
-            by_stage.setdefault(stage, []).append(name)
+        by_stage = _started_by_stage(sw)
         pair = next(sorted(ws) for ws in by_stage.values() if len(ws) == 2)
         victim, survivor = pair
         assert sw.committed_steps() < h, "the run reached the first merge before the kill; slow it down"
@@ -271,12 +277,7 @@ def test_move_into_an_emptied_stage_is_not_held(tmp_path):
     cfg = LaunchConfig(out=str(tmp_path / "run"), **RUN, steps=8, stages=2, workers=3, dead_after_s=3.0,
                        min_lease_s=1.5, timeout_s=280, sync="local", sync_every=6, worker_args=[["--slow", "0.2"]] * 3)
     with Swarm(cfg) as sw:
-        sw.start()
-        while sw.committed_steps() < 1:
-            time.sleep(0.05)
-        by_stage: dict[int, list[str]] = {}
-        for name, stage in sw.status()["workers"].items():
-            by_stage.setdefault(stage, []).append(name)
+        by_stage = _started_by_stage(sw)
         emptied, (lone,) = next((s, ws) for s, ws in by_stage.items() if len(ws) == 1)
         assert sw.committed_steps() < 6, "the run reached the first merge before the kill; slow it down"
         sw.kill_worker(int(lone[1:]))
