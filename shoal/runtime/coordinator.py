@@ -738,7 +738,7 @@ class Coordinator(pbg.CoordinatorServicer):
             a.first, a.last = self.layers[stage]
             if m.role == "server":
                 a.standby_peers.extend(self._standby_peers(stage))
-            else:
+            elif m.stats is not None and m.stats.stage != stage:  # a move under way: look at the others
                 a.move_now = move_is_urgent(stage, m.member_id, self._stages_at_work())
         elif m.role == "server" and self.layers:
             shadow = self._hot_standbys().get(m.member_id, -1)
