@@ -633,8 +633,8 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
     # activations while the next round's steps run (see round_sync_flows).
     rounds = None
     if sync.local and sync.overlap:
-        rounds = RoundTraffic([np.array(r, dtype=float).reshape(-1, 4).T.copy() for r in sync_rows],
-                              [dev[h].down for h, _, _ in hosts], sync.sync_every)
+        rounds = RoundTraffic([_round_columns(r, memo) for r in sync_rows], [dev[h].down for h, _, _ in hosts],
+                              sync.sync_every)
     if sum(len(r) for r in rows) >= VECTOR_MIN_WORKERS:
         all_times, busy = _share_fixed_point_np(rows, hosts, caps, k_up, k_down, n_dl, n_ul, m, overlap_up, prefetch,
                                                 settled, memo, rounds)
@@ -757,6 +757,16 @@ def _stage_arrays(stage_rows: list[tuple], memo: dict) -> tuple:
     if got is None or got[0] is not stage_rows:
         cols = np.array([r[1:9] for r in stage_rows], dtype=float).reshape(-1, 8).T.copy()
         got = memo[key] = (stage_rows, cols)
+    return got[1]
+
+
+def _round_columns(bg_rows: list[tuple], memo: dict) -> np.ndarray:
+    """A stage's round rows (push bytes, push rate, pull bytes, pull rate) as four float
+    columns, memoised by the rows' identity like :func:`_stage_arrays`."""
+    key = ("round", id(bg_rows))
+    got = memo.get(key)
+    if got is None or got[0] is not bg_rows:
+        got = memo[key] = (bg_rows, np.array(bg_rows, dtype=float).reshape(-1, 4).T.copy())
     return got[1]
 
 
