@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import multiprocessing as mp
 import os
 import statistics
@@ -68,12 +69,117 @@ def local_run(out: Path, steps: int, threads: int = 1) -> tuple[float, float, fl
     return _steady(res.records)
 
 
-def swarm_run(out: Path, steps: int, stages: int, workers: int) -> tuple[float, float, float]:
+def swarm_run(out: Path, steps: int, stages: int, workers: int) -> tuple[tuple[float, float, float], list]:
+    """The swarm's (mean step, median step, tokens/s) and the layer split its planner chose."""
     from shoal.runtime.launch import LaunchConfig, launch
     from shoal.train.metrics import read_jsonl
 
     launch(LaunchConfig(out=str(out), stages=stages, workers=workers, steps=steps, timeout_s=600, **RUN))
-    return _steady(read_jsonl(out / "metrics.jsonl"))
+    layers = [e["layers"] for e in read_jsonl(out / "events.jsonl") if e.get("event") == "replan"][-1]
+    return _steady(read_jsonl(out / "metrics.jsonl")), layers
+
+
+def pipeline_schedule(fwd: list[float], bwd: list[float], m: int) -> float:
+    """Makespan of one step of an S-stage pipeline with one worker per stage and free transfers.
+
+    ``fwd[s]``/``bwd[s]``: seconds of one micro-batch's forward / backward task at stage s
+    (the last stage's single forward+backward task is ``bwd[-1]``, its ``fwd[-1]`` unused).
+    Each worker takes its stage's tasks as their inputs arrive, forwards first (the stage
+    servers' ``pick_order``), so this is the step the runtime's own schedule gives when every
+    call, relay and sync costs nothing.
+    """
+    n = len(bwd)
+    f_done: list[list[float | None]] = [[None] * m for _ in range(n)]  # None: not scheduled yet
+    b_done: list[list[float | None]] = [[None] * m for _ in range(n)]
+    free = [0.0] * n
+    fwd_next, bwd_next = [0] * n, [0] * n
+    left = sum(m * (2 if s < n - 1 else 1) for s in range(n))
+    while left:
+        best = None  # (start time, not-a-forward, stage): the task that can start first
+        for s in range(n):
+            last = s == n - 1
+            if not last and fwd_next[s] < m:
+                ready = f_done[s - 1][fwd_next[s]] if s else 0.0
+                if ready is not None:
+                    best = min(best or (math.inf,), (max(free[s], ready), 0, s))
+            if bwd_next[s] < m:
+                mb = bwd_next[s]
+                ready = (f_done[s - 1][mb] if s else 0.0) if last else b_done[s + 1][mb]
+                if ready is not None and (last or f_done[s][mb] is not None):
+                    best = min(best or (math.inf,), (max(free[s], ready), 1, s))
+        start, is_bwd, s = best
+        if not is_bwd:
+            free[s] = f_done[s][fwd_next[s]] = start + fwd[s]
+            fwd_next[s] += 1
+        else:
+            free[s] = b_done[s][bwd_next[s]] = start + bwd[s]
+            if s == n - 1:
+                f_done[s][bwd_next[s]] = free[s]
+            bwd_next[s] += 1
+        left -= 1
+    return max(free)
+
+
+def pipeline_bound(layers: list, reps: int = 20) -> tuple[float, list[tuple[float, float, float]]]:
+    """The swarm's step with no framework cost at all, timed here: (seconds, per-stage costs).
+
+    Each stage of ``layers`` is built and its tasks are timed on one torch thread, as a
+    worker runs them (a forward that keeps its graph, the backward from that graph, the last
+    stage's forward+backward with the loss), medians of ``reps`` runs; the step is
+    :func:`pipeline_schedule`'s makespan plus the slowest stage's AdamW step (the stage
+    servers update in parallel). Anything the real swarm adds, calls, relays, gradient
+    pushes, weight pulls, coordination, comes on top: the swarm cannot beat this.
+    """
+    import torch
+
+    from shoal.model.config import get_preset
+    from shoal.model.transformer import build_stage
+    from shoal.train.optim import OptimConfig, make_optimizer
+    from shoal.train.precision import backward_loss
+
+    cfg = get_preset(RUN["model"])
+    m, b, t = RUN["micro_batches"], RUN["micro_batch_size"], RUN["seq_len"]
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (b, t), generator=gen)
+    targets = torch.randint(0, cfg.vocab_size, (b, t), generator=gen)
+    stages = [build_stage(cfg, a, z) for a, z in layers]
+
+    def med(fn, setup=None) -> float:
+        times = []
+        for i in range(reps + 3):
+            arg = setup() if setup else None
+            t0 = time.perf_counter()
+            fn(arg)
+            if i >= 3:  # warm-up runs are not counted
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    costs, x = [], tokens
+    for s, mod in enumerate(stages):
+        last = s == len(stages) - 1
+        inp = x if s == 0 else x.detach()
+
+        def graph(mod=mod, inp=inp, s=s):
+            xi = inp if s == 0 else inp.clone().requires_grad_(True)
+            return mod(xi)
+
+        if last:
+            f = 0.0
+            bw = med(lambda _, mod=mod, inp=inp, s=s: backward_loss(
+                mod(inp if s == 0 else inp.clone().requires_grad_(True), targets), m, 1.0))
+        else:
+            f = med(lambda _, graph=graph: graph())
+            out = graph().detach()
+            grad_out = torch.randn(out.shape, generator=gen)
+            bw = med(lambda o, g=grad_out: o.backward(g), setup=graph)
+            x = out
+        opt = make_optimizer(mod.named_parameters(), OptimConfig())
+        for p in mod.parameters():
+            p.grad = torch.zeros_like(p)
+        step = med(lambda _, opt=opt: opt.step())
+        costs.append((f, bw, step))
+    span = pipeline_schedule([c[0] for c in costs], [c[1] for c in costs], m)
+    return span + max(c[2] for c in costs), costs
 
 
 BENCH_SECRET = b"bench-run-secret"  # run secret of the benchmark's stand-alone server
@@ -199,9 +305,13 @@ def main(argv: list[str] | None = None) -> int:
             # Each swarm right after its local reference: load changes on a shared box hit both.
             local = local_run(root / f"local{n}-{rep}", args.steps, n)
             row(f"train --local T={n}{tag}", f"1 process, {n} torch threads", local, local[2])
-            swarm = swarm_run(root / f"s{n}-{rep}", args.steps, n, n)
+            swarm, layers = swarm_run(root / f"s{n}-{rep}", args.steps, n, n)
             row(f"launch S={n} W={n}{tag}", f"{n} workers x 1 thread (+{n} servers, coordinator); vs local T={n}",
                 swarm, local[2])
+            bound, _ = pipeline_bound(layers)
+            tokens = RUN["micro_batches"] * RUN["micro_batch_size"] * RUN["seq_len"]
+            row(f"zero-overhead bound S={n}{tag}", f"the swarm's tasks on layers {layers}, timed here, scheduled "
+                f"with free calls and syncs; vs local T={n}", (bound, bound, tokens / bound), local[2])
             if n == 1 and per_task is None:
                 per_task = (swarm[0] - local[0]) / RUN["micro_batches"]
     small = (RUN["micro_batch_size"], RUN["seq_len"], 128)
