@@ -453,3 +453,37 @@ def test_a_worker_leaving_after_its_pseudo_gradient_keeps_its_weight(tmp_path):
         assert srv.local_expect == {"A"} and set(srv.local_got) == {"A"}
 
     asyncio.run(main())
+
+
+def test_a_lease_asked_ahead_yields_to_a_worker_waiting_idle(tmp_path):
+    """A worker asking for its next task while it computes (``ahead``) gets one only when no
+    other worker of the stage waits idle for one; the idle worker gets the task that frees."""
+    async def main():
+        srv = _server(tmp_path)
+        srv.spec.min_lease_s = srv.spec.dead_after_s = 30.0  # nothing runs out during the test
+        await srv._load(0, 0, 6, 0, 0)
+        srv.ready = True
+        reaper = asyncio.create_task(srv._reaper())
+        try:
+            # Nobody idle: a request made ahead takes a task like any other.
+            leased = [await srv.Lease(pb.LeaseRequest(worker="A", wait_s=0), None),
+                      await srv.Lease(pb.LeaseRequest(worker="A", wait_s=0, ahead=True), None),
+                      await srv.Lease(pb.LeaseRequest(worker="C", wait_s=0), None)]
+            assert all(r.has_task for r in leased)
+            assert sorted(r.task.mb for r in leased) == list(range(M))
+            # The pool is empty. A asks ahead first, then B waits idle: both long-poll.
+            ahead = asyncio.create_task(srv.Lease(pb.LeaseRequest(worker="A", wait_s=0.5, ahead=True), None))
+            await asyncio.sleep(0.05)
+            idle = asyncio.create_task(srv.Lease(pb.LeaseRequest(worker="B", wait_s=2.0), None))
+            await asyncio.sleep(0.05)
+            assert srv.idle_asking == {"B": 1}
+            # One task comes free (C leaves): the idle worker gets it, not the earlier request ahead.
+            await srv.Leave(pb.MemberRequest(member_id="C"), None)
+            got = await asyncio.wait_for(idle, 5)
+            assert got.has_task and got.task.mb == leased[2].task.mb
+            assert not (await asyncio.wait_for(ahead, 5)).has_task
+            assert srv.idle_asking == {}
+        finally:
+            reaper.cancel()
+
+    asyncio.run(main())

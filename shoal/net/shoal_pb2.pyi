@@ -486,12 +486,14 @@ class Task(_message.Message):
     def __init__(self, step: _Optional[int] = ..., mb: _Optional[int] = ..., stage: _Optional[int] = ..., direction: _Optional[_Union[Direction, str]] = ..., epoch: _Optional[int] = ..., lease_id: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., out_grad: _Optional[_Union[Tensor, _Mapping]] = ..., deadline_s: _Optional[float] = ..., loss_scale: _Optional[float] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
-    __slots__ = ("worker", "wait_s")
+    __slots__ = ("worker", "wait_s", "ahead")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
     worker: str
     wait_s: float
-    def __init__(self, worker: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
+    ahead: bool
+    def __init__(self, worker: _Optional[str] = ..., wait_s: _Optional[float] = ..., ahead: _Optional[bool] = ...) -> None: ...
 
 class LeaseReply(_message.Message):
     __slots__ = ("has_task", "task", "version", "gen", "flush", "epoch", "step", "wrong_stage", "local_step", "local_lr", "local_coef", "local_skip", "local_sync", "local_merged")

@@ -128,6 +128,13 @@ class Lease:
     started: float
 
 
+def yield_to_idle(idle_asking: dict[str, int], wid: str) -> bool:
+    """Whether a lease request ``wid`` made ahead must leave the next task to another worker:
+    one whose own request waits while it has nothing to do (``idle_asking``: worker -> such
+    parked requests)."""
+    return any(n > 0 for w, n in idle_asking.items() if w != wid)
+
+
 def pick_order(is_last: bool) -> tuple[str, ...]:
     """Which kind of task a stage leases first: forwards, then gradients.
 
@@ -230,6 +237,7 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         # accepted pushes of the step: (first micro-batch, gradients, worker, micro-batches)
         self.pushes: list[tuple[int, dict[str, torch.Tensor], str, tuple[int, ...]]] = []
         self.leases: dict[int, Lease] = {}
+        self.idle_asking: dict[str, int] = {}  # worker -> its lease requests parked while it has nothing to do
         self.workers: dict[str, WorkerInfo] = {}
         self.next_lease = 1
         self.loading = False
@@ -715,13 +723,23 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
             return pb.LeaseReply(has_task=False, version=self.version, gen=info.gen, epoch=self.epoch,
                                  step=self.step)
         deadline = time.monotonic() + min(max(request.wait_s, 0.0), 2.0)
-        while True:
-            task = self._pick(request.worker)
-            flush = self._should_flush(request.worker)
-            if task is not None or flush or time.monotonic() >= deadline or self.done or self._local_wants(
-                    request.worker):
-                break
-            await self.cond.wait(deadline - time.monotonic())
+        wid, ahead = request.worker, request.ahead
+        if not ahead:
+            self.idle_asking[wid] = self.idle_asking.get(wid, 0) + 1
+        try:
+            while True:
+                # A request made ahead (during a compute) never takes a task from a worker
+                # that waits idle for one: prefetching must not starve the stage's others.
+                task = None if ahead and yield_to_idle(self.idle_asking, wid) else self._pick(wid)
+                flush = self._should_flush(wid)
+                if task is not None or flush or time.monotonic() >= deadline or self.done or self._local_wants(wid):
+                    break
+                await self.cond.wait(deadline - time.monotonic())
+        finally:
+            if not ahead:
+                self.idle_asking[wid] -= 1
+                if not self.idle_asking[wid]:
+                    del self.idle_asking[wid]
         reply = pb.LeaseReply(has_task=task is not None, version=self.version, gen=info.gen,
                               flush=flush, epoch=self.epoch, step=self.step)
         if task is not None:

@@ -87,6 +87,7 @@ class WorkerOptions:
     join_timeout_s: float = 30.0  # --join-timeout: seconds to keep retrying an unreachable coordinator at start
     uploads_in_flight: int = 2  # results sent in the background while the next task runs (0: await each)
     upload_attempts: int = 4  # tries of one result upload (same lease id) before its lease is left to expire
+    prefetch: bool = True  # exact sync: ask for the next task while computing this one (the lease round trip overlaps compute)
 
 
 UNASSIGNED_HEARTBEAT_S = 0.2  # heartbeat period of a worker that has no stage yet (waits for its assignment)
@@ -212,6 +213,7 @@ class Worker(LocalWorkerMixin):
         self.move_held = None  # local mode: the move being held until the round's pseudo-gradient is sent
         self.move_now = False  # the coordinator: nobody else works on the wanted stage (hold no move)
         self.upload_error: BaseException | None = None  # an unexpected failure of one, raised by the task loop
+        self.ahead: tuple[object, asyncio.Task] | None = None  # (server stub, lease request made during a compute)
         self._reset_observed()
 
     def _reset_observed(self) -> None:
@@ -281,7 +283,9 @@ class Worker(LocalWorkerMixin):
         hb = asyncio.create_task(self._heartbeats())
         try:
             while not self.done:
-                if self.measure_want > self.measure_done:
+                # With a task leased ahead in hand, the measurement waits for the next moment
+                # without one (the step's end, at the latest): the task would stall meanwhile.
+                if self.measure_want > self.measure_done and self.ahead is None:
                     try:
                         await self._measure()  # between tasks: nothing else competes for the device
                     except grpc.aio.AioRpcError as exc:
@@ -306,6 +310,7 @@ class Worker(LocalWorkerMixin):
                     log.warning("%s: bad transfer from the server (%s); retrying", self.opts.name, exc)
                     await asyncio.sleep(0.2)
         finally:
+            self._drop_ahead()
             hb.cancel()
 
     @property
@@ -385,6 +390,7 @@ class Worker(LocalWorkerMixin):
         return pb.MemberStats(stage=self.stage, tasks_done=self.tasks_done, compute_s=self.compute_s)
 
     async def _apply_assignment(self, stage: int, first: int, last: int, addr: str) -> None:
+        self._drop_ahead()  # a task leased ahead from the old assignment runs out its lease there
         if stage != self.stage:
             if self.server_addr and self.stage >= 0:
                 # Tell the old server at once, so our tasks there are redone now.
@@ -565,12 +571,53 @@ class Worker(LocalWorkerMixin):
             await self.server.PushGrads(pb.GradPush(worker=self.member_id, step=step, epoch=epoch, gen=gen),
                                         timeout=10)
 
-    async def _one(self) -> None:
-        server = self.server
+    async def _ask(self, server, ahead: bool = False) -> pb.LeaseReply:
+        """One lease request (long-polled by the server); a task it brings is held from here on."""
         rep = await fetch(server.LeaseStream,
-                          pb.LeaseRequest(worker=self.member_id, wait_s=self.opts.lease_wait_s),
+                          pb.LeaseRequest(worker=self.member_id, wait_s=self.opts.lease_wait_s, ahead=ahead),
                           pb.LeaseReply, 2 * self._act_bytes() + CONTROL_SLACK, timeout=10,
                           traffic=self.traffic)
+        if rep.has_task:
+            self.held.add(rep.task.lease_id)  # renewed by the heartbeats until its result is sent
+        return rep
+
+    async def _lease(self, server) -> pb.LeaseReply:
+        """The next lease reply: the one asked for ahead during the last compute, else a new one."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead[0] is server:
+            try:
+                return await ahead[1]
+            except grpc.aio.AioRpcError as exc:
+                log.info("%s: lease asked ahead failed (%s); asking again", self.opts.name, exc.code())
+        elif ahead is not None:
+            self.ahead = ahead
+            self._drop_ahead()
+        return await self._ask(server)
+
+    def _ask_ahead(self, server) -> None:
+        """Ask for the next task now, while this one computes (exact sync; see ``prefetch``).
+
+        Local mode does not: its lease replies carry the round's state (decisions, sync
+        requests), which the worker applies as they come.
+        """
+        if self.opts.prefetch and not self.local and self.ahead is None:
+            self.ahead = (server, asyncio.create_task(self._ask(server, ahead=True)))
+
+    def _drop_ahead(self) -> None:
+        """Forget the lease asked ahead: a task it brought is no longer renewed, so it runs out
+        at the server and is redone."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is None:
+            return
+        t = ahead[1]
+        if not t.done():
+            t.cancel()
+        elif not t.cancelled() and t.exception() is None and t.result().has_task:
+            self.held.discard(t.result().task.lease_id)
+
+    async def _one(self) -> None:
+        server = self.server
+        rep = await self._lease(server)
         if self.acc_key is not None and self.acc_key != (rep.epoch, rep.step, rep.gen):
             self._drop_acc()  # voided by the server, or a roll-back
         if self.local:
@@ -612,6 +659,7 @@ class Worker(LocalWorkerMixin):
                 return  # the server moved on; the lease will be dropped
             t0 = time.perf_counter()
             loop = asyncio.get_running_loop()
+            self._ask_ahead(server)
             try:
                 out, loss, grads, recomputed = await loop.run_in_executor(None, self._compute, task)
             except torch.OutOfMemoryError:
