@@ -197,6 +197,30 @@ def test_round_measures_by_hand():
     assert cos2 == {"a": None, "b": None} and norms2["b"] == pytest.approx(math.sqrt(11))
 
 
+@pytest.mark.parametrize("n", [1, 1023, 1024, 5 * 1024 + 7, 300_001])
+def test_screen_sums_match_fp64(n):
+    """sq_norm, dot and sq_diff (fp32 blocks summed in fp64) agree with plain fp64 sums to
+    1e-7 relative, for sizes with and without a partial last block, non-contiguous and
+    bf16 tensors included."""
+    from shoal.runtime.verify import dot, sq_diff, sq_norm
+
+    gen = torch.Generator().manual_seed(n)
+    a = {"w": torch.randn(n, generator=gen) * 3 + 1, "m": torch.randn(4, 6, generator=gen).t()}
+    b = {"w": a["w"] + 1e-3 * torch.randn(n, generator=gen), "m": torch.randn(4, 6, generator=gen).t()}
+    c = {"w": a["w"].bfloat16(), "m": a["m"]}
+
+    def ref(x, y):
+        return sum(float((x[k].double() * y[k].double()).sum()) for k in x)
+
+    scale = ref(a, a) + ref(b, b)
+    assert sq_norm(a) == pytest.approx(ref(a, a), rel=1e-7)
+    assert abs(dot(a, b) - ref(a, b)) <= 1e-7 * scale
+    diff = {k: a[k].double() - b[k].double() for k in a}
+    assert sq_diff(a, b) == pytest.approx(ref(diff, diff), rel=1e-5)
+    assert sq_norm(c) == pytest.approx(sum(float(t.double().pow(2).sum()) for t in c.values()), rel=1e-7)
+    assert sq_diff(a, a) == 0.0
+
+
 def test_ban_rule():
     cfg = GuardConfig(rel_tol=1e-3, strikes_to_ban=3)
     # Exact runs: only the recomputation decides; a flag alone (even many) never bans.

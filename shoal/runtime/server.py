@@ -268,6 +268,7 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         self.guard_seen: set[str] = set()  # workers whose first push here was screened
         self.guard_strikes: dict[str, int] = {}  # worker -> consecutive flagged pushes
         self.guard_ref: dict[str, torch.Tensor] | None = None  # the last committed gradient (direction)
+        self._guard_ref_norm: tuple[dict, float] | None = None  # (guard_ref, its norm): computed once per reference
         self.guard_checks = 0  # pushes recomputed here
         self.guard_cfg = GUARD  # the screen's thresholds (shoal.runtime.guard.GuardConfig)
         self.standby = False  # a hot standby: copies a stage's checkpoints until promoted
@@ -895,7 +896,10 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         norm = math.sqrt(sq_norm(grads))
         if not ref or norm == 0:
             return norm, None
-        ref_norm = math.sqrt(sq_norm(ref))
+        cached = self._guard_ref_norm
+        if cached is None or cached[0] is not ref:  # the reference changes once a step
+            cached = self._guard_ref_norm = (ref, math.sqrt(sq_norm(ref)))
+        ref_norm = cached[1]
         return norm, (dot(grads, ref) / (norm * ref_norm) if ref_norm > 0 else None)
 
     def _guard_recompute(self, step: int, inputs: list[tuple[int, torch.Tensor | None, torch.Tensor | None]],
