@@ -195,7 +195,8 @@ def test_commit_sums_each_push_once_in_micro_batch_order(tmp_path):
     """Three pushes arrive in reverse micro-batch order with values whose fp32 sum depends on
     the order (5 + 1e8 rounds to 1e8 + 8). The committed gradient, whose squared norm the server
     reports to a real in-process coordinator, is the sum in micro-batch order, each push once:
-    what the local trainer's sequential backward passes accumulate."""
+    what the local trainer's sequential backward passes accumulate. The commit then serialises
+    the new weights for the pulls to come without waiting for one."""
     from shoal.runtime.coordinator import Coordinator
     from shoal.train.metrics import read_jsonl
 
@@ -229,6 +230,11 @@ def test_commit_sums_each_push_once_in_micro_batch_order(tmp_path):
         while srv.version < 1 and time.monotonic() - t0 < 10:
             await asyncio.sleep(0.02)
         assert srv.version == 1
+        # The commit also serialises the new version for the pulls to come, before any asks.
+        while (srv._wcache is None or srv._wcache[0][0] != 1) and time.monotonic() - t0 < 10:
+            await asyncio.sleep(0.02)
+        made = pb.WeightsReply.FromString(srv._wcache[1])
+        assert made.version == 1 and [f.name for f in made.params] == list(srv.params)
         return sum(p.numel() for p in srv.params.values())
 
     numel = asyncio.run(main())

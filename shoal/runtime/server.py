@@ -1361,6 +1361,10 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
             self.step = step + 1
             if self.step < self.spec.steps:
                 self._open_step(self.step)
+                if not self.local and compression_of_spec(self.spec).pull == "none":
+                    # Serialise the new version now: the workers' pulls come a lease round trip
+                    # later and find the bytes made (or being made) instead of starting them.
+                    self._spawn(self._weights_bytes())
         finally:
             if self.epoch == epoch:
                 self.committing = False
