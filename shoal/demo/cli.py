@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import statistics
@@ -59,6 +60,7 @@ class DemoConfig:
     quiet: bool = False  # no live display (the summary is still printed)
     stages: int = 2  # pipeline stages
     model_task_s: float = 1.2  # seconds the slowest device takes for a whole-model fwd+bwd task
+    bandwidth_scale: float = 4.0  # every scenario bandwidth times this (4: the tiny model's weight sync over home uplinks in ~1 s)
     max_workers: int = 12  # default cap on worker processes for big scenarios (2-core host)
     sample_tokens: int = 120  # tokens of the generated sample
     timeout_s: float = 1200.0  # give up on the run after this long
@@ -85,6 +87,8 @@ class DemoConfig:
             raise ShoalError(f"--stages must be at least 1, got {self.stages}")
         if not self.model_task_s > 0:
             raise ShoalError(f"--task-time must be positive, got {self.model_task_s}")
+        if not (self.bandwidth_scale > 0 and math.isfinite(self.bandwidth_scale)):
+            raise ShoalError(f"--bandwidth-scale must be a positive number, got {self.bandwidth_scale}")
         from shoal.train.outer import SyncConfig
 
         SyncConfig(self.sync, self.sync_every, self.outer_lr, self.outer_momentum).validate()
@@ -377,7 +381,7 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     scen_path = out / "scenario.json"
     save_scenario(sc, scen_path)
-    spec = emulation_spec(sc, str(scen_path), model_task_s=cfg.model_task_s, bandwidth_scale=BANDWIDTH_SCALE,
+    spec = emulation_spec(sc, str(scen_path), model_task_s=cfg.model_task_s, bandwidth_scale=cfg.bandwidth_scale,
                           seed=cfg.seed)
     w = sc.workload
     from shoal.runtime.compression import parse_run_compression
@@ -393,7 +397,7 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
         for n in notes:
             console.print(f"  note: {n}", highlight=False, soft_wrap=True)
         console.print(f"  planner: {_plan_line(plan)}; predicted step {plan.predicted_step_time_s:.2f} s "
-                      f"(time scale: devices x{spec.speedup:.2e}, bandwidth x{BANDWIDTH_SCALE:g})", highlight=False,
+                      f"(time scale: devices x{spec.speedup:.2e}, bandwidth x{cfg.bandwidth_scale:g})", highlight=False,
                       soft_wrap=True)
     lc = LaunchConfig(
         out=str(out), model=w.model, stages=stages, workers=len(sc.workers), steps=cfg.steps,
@@ -401,7 +405,7 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
         **{"warmup": max(1, min(10, cfg.steps // 5)), **_optim_overrides(cfg.workload)}, data=tuple(cfg.data), ordered_grads=False, ckpt_every=CKPT_EVERY,
         dead_after_s=DEAD_AFTER_S,
         compression=compression.text(), timeout_s=cfg.timeout_s, scenario=str(scen_path),
-        emulate_speedup=spec.speedup, bandwidth_scale=BANDWIDTH_SCALE, dashboard=cfg.dashboard,
+        emulate_speedup=spec.speedup, bandwidth_scale=cfg.bandwidth_scale, dashboard=cfg.dashboard,
         sync=cfg.sync, sync_every=cfg.sync_every, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum)
     state = LiveState(total_steps=cfg.steps)
     display = _Display(state, console, cfg.quiet)
@@ -475,7 +479,6 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
 
 DEAD_AFTER_S = 3.0  # LaunchConfig.dead_after_s (the runtime's default): a killed worker's tasks return after this
 CKPT_EVERY = 5  # stage servers checkpoint every 5 steps (the demo kills workers, not servers)
-BANDWIDTH_SCALE = 4.0  # every scenario bandwidth x4: weight sync of the tiny model over home uplinks in ~1 s
 
 
 def _plan_line(plan) -> str:
@@ -526,7 +529,7 @@ def _analyse(cfg: DemoConfig, sc, spec, demo_plan, metrics, events, driver, t_ch
     plan.sync = sync_policy(codec, parse_run_compression(cfg.compression))
     res: dict[str, Any] = {"scenario": sc.name, "model": w.model, "codecs": {}, "compression": cfg.compression,
                            "demo_plan": demo_plan.to_dict(), "speedup": spec.speedup,
-                           "bandwidth_scale": BANDWIDTH_SCALE, "model_task_s": cfg.model_task_s}
+                           "bandwidth_scale": cfg.bandwidth_scale, "model_task_s": cfg.model_task_s}
     try:
         predict(plan, spec.emulated)
     except Exception as exc:  # noqa: BLE001 -- the report shows n/a
@@ -616,6 +619,9 @@ def register(subparsers) -> None:
     p.add_argument("--task-time", type=float, default=d.model_task_s, metavar="S",
                    help="emulated seconds the slowest device takes for a whole-model forward+backward "
                         f"of one micro-batch (default {d.model_task_s}); sets the time scale")
+    p.add_argument("--bandwidth-scale", type=float, default=d.bandwidth_scale, metavar="X",
+                   help=f"multiply every scenario bandwidth by X (default {d.bandwidth_scale:g}: the tiny model's "
+                        "weight sync over home uplinks in about a second; 1: the scenario's links as written)")
     from shoal.train.outer import add_sync_args
 
     add_sync_args(p)
@@ -632,7 +638,7 @@ def run_demo_cmd(args: argparse.Namespace) -> int:
     cfg = DemoConfig(scenario=args.scenario, steps=given.pop("steps", d.steps), workers=args.workers,
                      churn=not args.no_churn, compression=args.compression, out=args.out,
                      seed=given.pop("seed", d.seed), quiet=args.quiet, stages=args.stages,
-                     model_task_s=args.task_time, workload=given or None,
+                     model_task_s=args.task_time, bandwidth_scale=args.bandwidth_scale, workload=given or None,
                      dashboard=None if args.no_dashboard else args.dashboard,
                      data=tuple(args.data or ("corpus",)), sync=args.sync, sync_every=args.sync_every,
                      outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
