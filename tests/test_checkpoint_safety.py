@@ -96,6 +96,21 @@ def test_pruning_and_temp_cleaning_stay_in_their_run(tmp_path):
     (ckpt_dir(tmp_path, 0, "old") / ".v4.tmp").write_bytes(b"half")
     assert clean_stray_temps(tmp_path, 0, "new") == 1
     assert (ckpt_dir(tmp_path, 0, "old") / ".v4.tmp").exists()
+    # A temporary file names its writer: a live other process's is left alone (a server that
+    # just gave the stage up may still be writing it); a dead one's and our own are stray.
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    try:
+        d = ckpt_dir(tmp_path, 0, "new")
+        for pid in (live.pid, dead.pid, os.getpid()):
+            (d / f".v8.{pid}.tmp").write_bytes(b"half")
+        assert clean_stray_temps(tmp_path, 0, "new") == 2
+        assert [p.name for p in d.glob(".v*.tmp")] == [f".v8.{live.pid}.tmp"]
+    finally:
+        live.kill()
+        live.wait()
+    assert clean_stray_temps(tmp_path, 0, "new") == 1
 
 
 @contextlib.contextmanager

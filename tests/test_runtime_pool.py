@@ -368,7 +368,8 @@ def test_checkpoints_are_written_off_the_loop_and_hold_their_version(tmp_path):
     """With --ckpt-every 1 each commit starts its checkpoint in a thread; the next commit waits
     for it before changing the weights, so v1 holds exactly the weights of version 1 even
     though step 1 commits right after. A write that fails is not lost: the server's fatal
-    reason (sent to the coordinator with its heartbeats) names it."""
+    reason (sent to the coordinator with its heartbeats) names it, unless the stage moved on
+    while it was written (then it is abandoned with a warning)."""
     from shoal.runtime.common import read_stage_ckpt
     from shoal.runtime.coordinator import Coordinator
 
@@ -399,6 +400,11 @@ def test_checkpoints_are_written_off_the_loop_and_hold_their_version(tmp_path):
         # a checkpoint folder that cannot be made: the background write fails, and it is seen
         (tmp_path / "blocked").write_text("a file where the folder should be")
         srv.ckpt_root = str(tmp_path / "blocked")
+        srv._start_ckpt()
+        srv.epoch += 1  # ... unless the stage moved on meanwhile (a roll-back, another server):
+        await srv._ckpt_written()  # then that write is abandoned, not the run
+        await asyncio.sleep(0)
+        assert srv.fatal == ""
         srv._start_ckpt()
         await srv._ckpt_written()
         await asyncio.sleep(0)  # the done callback runs

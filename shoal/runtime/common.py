@@ -235,12 +235,38 @@ def list_ckpts(root: str | Path, stage: int, run_id: str) -> list[int]:
     return sorted(int(m.group(1)) for p in d.iterdir() if (m := _CKPT_RE.match(p.name)))
 
 
+def _pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this host (one we may not signal counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def temp_writer(name: str) -> int | None:
+    """The writer's pid in a temporary checkpoint name ``.v<N>.<pid>.tmp`` (None: an older
+    ``.v<N>.tmp`` name without one)."""
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) == 4 and parts[2].isdigit() else None
+
+
 def clean_stray_temps(root: str | Path, stage: int, run_id: str) -> int:
-    """Remove half-written checkpoint files (``.v<N>.tmp``) a crash left; returns how many."""
+    """Remove half-written checkpoint files a crash left; returns how many.
+
+    A temporary file names its writer's pid: one another live process on this host is still
+    writing is left alone (a server that just gave this stage up may still be saving it: two
+    servers of one run share the folder under ``shoal launch``); this process's own are
+    stale, since a server waits for its own write before it cleans."""
     d = ckpt_dir(root, stage, run_id)
     n = 0
     if d.is_dir():
         for p in d.glob(".v*.tmp"):
+            pid = temp_writer(p.name)
+            if pid is not None and pid != os.getpid() and _pid_alive(pid):
+                continue
             p.unlink(missing_ok=True)
             n += 1
     return n
@@ -288,7 +314,9 @@ def save_stage_ckpt(root: str | Path, stage: int, version: int, module: torch.nn
         tensors[f"outer_m/{name}"] = m.detach().contiguous().clone()
     meta = {"version": str(version), "stage": str(stage), "run_id": run_id, "first": str(layers[0]),
             "last": str(layers[1]), "sha256": tensors_digest(tensors), "loss_scale": repr(float(loss_scale))}
-    tmp = d / f".v{version}.tmp"
+    # The writer's pid in the name: two servers writing one version (a stage that just moved)
+    # never share a temporary file, and clean_stray_temps leaves a live writer's alone.
+    tmp = d / f".v{version}.{os.getpid()}.tmp"
     path = d / f"v{version}.safetensors"
     try:
         d.mkdir(parents=True, exist_ok=True)

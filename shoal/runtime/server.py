@@ -309,6 +309,7 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         self.version = -1
         self.loading = True
         try:
+            await self._ckpt_written()  # our own write under way ends first: it is not a stray file
             if clean_stray_temps(self.ckpt_root, stage, self.spec.run_id):
                 log.info("%s removed half-written checkpoint files of stage %d", self.name, stage)
             cfg, module, opt, scale, outer_m = await asyncio.get_running_loop().run_in_executor(
@@ -1272,13 +1273,22 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         lost: :meth:`_bg_done` logs it and fails the run through the coordinator, as a write
         on the loop did.
         """
-        stage, version, module, opt = self.stage, self.version, self.module, self.opt
+        stage, version, module, opt, epoch = self.stage, self.version, self.module, self.opt, self.epoch
         kw = dict(run_id=self.spec.run_id, layers=(self.first, self.last), loss_scale=self.loss_scale,
                   outer_m=self.outer_m if self.local else None)
 
         async def write() -> None:
-            path = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: save_stage_ckpt(self.ckpt_root, stage, version, module, opt, **kw))
+            try:
+                path = await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: save_stage_ckpt(self.ckpt_root, stage, version, module, opt, **kw))
+            except ShoalError as exc:
+                if (self.stage, self.epoch) == (stage, epoch):
+                    raise
+                # The stage moved on while it was written (another server serves it now, or a
+                # roll-back reloaded it): that server's own checkpoints count, not this one.
+                log.warning("%s: the checkpoint of stage %d v%d was abandoned: the stage moved on (%s)",
+                            self.name, stage, version, exc)
+                return
             st = path.stat()
             self.ckpt_ok.add((stage, version, st.st_size, st.st_mtime_ns))
             self.ckpt_signal.notify_all()  # a standby waiting in StandbyCkptStream takes it now
