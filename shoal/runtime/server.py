@@ -1271,7 +1271,8 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         The next commit waits for it (:meth:`_ckpt_written`) before it changes the weights or
         the optimizer state, so the file holds exactly this version. A failed write is not
         lost: :meth:`_bg_done` logs it and fails the run through the coordinator, as a write
-        on the loop did.
+        on the loop did; only a write whose stage moved on meanwhile (another server or a
+        roll-back took it over) is abandoned with a warning.
         """
         stage, version, module, opt, epoch = self.stage, self.version, self.module, self.opt, self.epoch
         kw = dict(run_id=self.spec.run_id, layers=(self.first, self.last), loss_scale=self.loss_scale,
