@@ -597,8 +597,9 @@ class Worker(LocalWorkerMixin):
     def _ask_ahead(self, server) -> None:
         """Ask for the next task now, while this one computes (exact sync; see ``prefetch``).
 
-        Local mode does not: its lease replies carry the round's state (decisions, sync
-        requests), which the worker applies as they come.
+        Local mode does not: there a backward task is pinned to the worker that ran its
+        forward, and it would wait behind the forward leased ahead (measured 5-9 % slower
+        steps on the demo scenario, bench/results/bench_runtime.md).
         """
         if self.opts.prefetch and not self.local and self.ahead is None:
             self.ahead = (server, asyncio.create_task(self._ask(server, ahead=True)))
