@@ -56,6 +56,10 @@ def test_demo_scenario_subset_and_errors():
     for bad in (DemoConfig(steps=0), DemoConfig(compression="zip"), DemoConfig(workers=0)):
         with pytest.raises(ShoalError):
             bad.validate()
+    for scale in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ShoalError, match="--bandwidth-scale must be a positive number"):
+            DemoConfig(bandwidth_scale=scale).validate()
+    DemoConfig(bandwidth_scale=1.0).validate()  # the scenario's links as written
 
 
 def test_runtime_plan_maps_process_names_to_devices():
