@@ -6,7 +6,7 @@
 Each repeat runs the same swarm (every worker device of the scenario, its emulated links and
 speeds, bench_runtime's tiny workload; exact sync, or local mode with ``--sync-every H``)
 twice, with workers asking for
-their next task while they compute (the default) and with ``--no-prefetch``, back to back so
+their next task while they compute (``--prefetch``) and without (the default), back to back so
 that the load of a shared box hits both. Prints the mean and median step after the first two
 (weights pulled, graphs built) and the ratio of the two mean steps.
 """
@@ -36,7 +36,7 @@ def run(scenario: str, steps: int, prefetch: bool, sync: dict) -> tuple[float, f
     with tempfile.TemporaryDirectory(prefix="shoal-prefetch-") as tmp:
         out = Path(tmp) / "run"
         launch(LaunchConfig(out=str(out), scenario=scenario, steps=steps, timeout_s=900,
-                            worker_args=[] if prefetch else [["--no-prefetch"]] * n, **RUN, **sync))
+                            worker_args=[["--prefetch"]] * n if prefetch else [], **RUN, **sync))
         times = [r["step_time_s"] for r in read_jsonl(out / "metrics.jsonl") if r["step"] >= 2]
     return statistics.fmean(times), statistics.median(times)
 
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = f"local H={args.sync_every}" if args.sync_every else "exact sync"
     print(f"\nleases asked ahead, scenario {args.scenario}, {mode}, {RUN['model']} M={RUN['micro_batches']} "
           f"B={RUN['micro_batch_size']} T={RUN['seq_len']}, {args.steps} steps, {os.cpu_count()} cores\n")
-    print("| pair | prefetch: mean / median step | --no-prefetch: mean / median step | mean step, prefetch / none |")
+    print("| pair | --prefetch: mean / median step | default: mean / median step | mean step, prefetch / none |")
     print("|---|---|---|---|")
     for rep, on, off in rows:
         print(f"| {rep} | {on[0] * 1e3:.0f} / {on[1] * 1e3:.0f} ms | {off[0] * 1e3:.0f} / {off[1] * 1e3:.0f} ms | "

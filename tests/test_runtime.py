@@ -73,7 +73,8 @@ def test_parity_with_local_trainer(tmp_path, reference, stages, workers):
         assert "step 3" in proc.stdout
         summary = json.loads((out / "summary.json").read_text())
     else:
-        summary = launch(_cfg(tmp_path, stages=stages, workers=workers))
+        # workers asking for their next task while computing (--prefetch) stay bit-exact too
+        summary = launch(_cfg(tmp_path, stages=stages, workers=workers, worker_args=[["--prefetch"]] * workers))
     recs = _assert_parity(tmp_path / "run", reference)
     assert summary["steps"] == STEPS and summary["stages"] == stages
     # every worker that took part is in the tasks table, and tasks add up

@@ -171,9 +171,10 @@ def register(subparsers) -> None:
                    help="lossy --codec: do not carry each gradient push's quantisation error into the next")
     p.add_argument("--no-graph-cache", action="store_true",
                    help="always recompute the forward in backward tasks (saves activation memory)")
-    p.add_argument("--no-prefetch", action="store_true",
-                   help="exact sync: ask for the next task only after this one is computed (default: ask "
-                        "while computing, so the lease round trip and the next input overlap compute)")
+    p.add_argument("--prefetch", action="store_true",
+                   help="exact sync: ask for the next task while computing this one, so the lease round trip "
+                        "and the next input overlap compute (helps a lone worker behind a slow round trip; can "
+                        "hold back faster workers of the same stage)")
     p.add_argument("--join-timeout", type=float, default=30.0,
                    help="seconds to keep retrying a coordinator that does not answer yet before giving up "
                         "(default: 30)")
@@ -496,7 +497,7 @@ def run_worker_cmd(args) -> int:
     work(args.join, _token(args), WorkerOptions(name=args.name, flops=args.flops, inject=args.inject,
                                                 codec=args.codec, slow_s=args.slow,
                                                 fault_poison=args.fault_poison, fault_slow=args.fault_slow,
-                                                graph_cache=not args.no_graph_cache, prefetch=not args.no_prefetch,
+                                                graph_cache=not args.no_graph_cache, prefetch=args.prefetch,
                                                 error_feedback=not args.no_error_feedback,
                                                 device=_played_device(args), **_measure_opts(args),
                                                 compute_device=args.device or "auto",

@@ -87,7 +87,7 @@ class WorkerOptions:
     join_timeout_s: float = 30.0  # --join-timeout: seconds to keep retrying an unreachable coordinator at start
     uploads_in_flight: int = 2  # results sent in the background while the next task runs (0: await each)
     upload_attempts: int = 4  # tries of one result upload (same lease id) before its lease is left to expire
-    prefetch: bool = True  # exact sync: ask for the next task while computing this one (the lease round trip overlaps compute)
+    prefetch: bool = False  # exact sync: ask for the next task while computing this one (opt-in: see _ask_ahead)
 
 
 UNASSIGNED_HEARTBEAT_S = 0.2  # heartbeat period of a worker that has no stage yet (waits for its assignment)
@@ -595,11 +595,15 @@ class Worker(LocalWorkerMixin):
         return await self._ask(server)
 
     def _ask_ahead(self, server) -> None:
-        """Ask for the next task now, while this one computes (exact sync; see ``prefetch``).
+        """Ask for the next task now, while this one computes (exact sync, ``--prefetch``).
 
-        Local mode does not: there a backward task is pinned to the worker that ran its
-        forward, and it would wait behind the forward leased ahead (measured 5-9 % slower
-        steps on the demo scenario, bench/results/bench_runtime.md).
+        Opt-in: it hides the lease round trip (6-15 % shorter steps on the emulated demo
+        scenario with 4 micro-batches a step), but a worker holding a task ahead keeps it
+        from a faster worker that asks a moment later, and on the demo's own workload (8
+        micro-batches, devices of very different speeds, churn) steps were 22 % longer. Local
+        mode never asks ahead: a backward task there is pinned to the worker that ran its
+        forward and would wait behind the forward leased ahead (5-9 % longer steps).
+        bench/results/bench_runtime.md has the runs.
         """
         if self.opts.prefetch and not self.local and self.ahead is None:
             self.ahead = (server, asyncio.create_task(self._ask(server, ahead=True)))
