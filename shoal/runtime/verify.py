@@ -15,7 +15,7 @@ import torch
 from shoal.runtime.common import micro_batch
 
 
-def dot64(a: torch.Tensor, b: torch.Tensor) -> float:
+def sum_product(a: torch.Tensor, b: torch.Tensor) -> float:
     """``sum(a * b)`` of two tensors of one shape, as a Python float.
 
     The products are formed in fp32 and added by torch's cascade summation, whose error
@@ -27,22 +27,19 @@ def dot64(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def sq_norm(grads: dict[str, torch.Tensor]) -> float:
-    """Squared L2 norm over every tensor of a push (see :func:`dot64`)."""
-    return float(sum(dot64(g, g) for g in grads.values()))
+    """Squared L2 norm over every tensor of a push (see :func:`sum_product`)."""
+    return float(sum(sum_product(g, g) for g in grads.values()))
 
 
 def dot(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """Inner product of two pushes over their common tensors (see :func:`dot64`)."""
-    return float(sum(dot64(a[k], b[k]) for k in a if k in b))
+    """Inner product of two pushes over their common tensors (see :func:`sum_product`)."""
+    return float(sum(sum_product(a[k], b[k]) for k in a if k in b))
 
 
 def sq_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """Squared L2 norm of a - b (the difference taken in fp32; see :func:`dot64`)."""
-    total = 0.0
-    for k in a:
-        d = a[k].detach().float() - b[k].detach().float()
-        total += dot64(d, d)
-    return float(total)
+    """Squared L2 norm of a - b (the difference taken in fp32; see :func:`sum_product`)."""
+    diffs = (a[k].detach().float() - b[k].detach().float() for k in a)
+    return float(sum(sum_product(d, d) for d in diffs))
 
 
 def recompute_grads(module: torch.nn.Module, spec, step: int, mb: int, *, first: bool, last: bool,

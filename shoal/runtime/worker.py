@@ -583,15 +583,14 @@ class Worker(LocalWorkerMixin):
 
     async def _lease(self, server) -> pb.LeaseReply:
         """The next lease reply: the one asked for ahead during the last compute, else a new one."""
+        if self.ahead is not None and self.ahead[0] is not server:
+            self._drop_ahead()  # asked of a server this worker has left
         ahead, self.ahead = self.ahead, None
-        if ahead is not None and ahead[0] is server:
+        if ahead is not None:
             try:
                 return await ahead[1]
             except grpc.aio.AioRpcError as exc:
                 log.info("%s: lease asked ahead failed (%s); asking again", self.opts.name, exc.code())
-        elif ahead is not None:
-            self.ahead = ahead
-            self._drop_ahead()
         return await self._ask(server)
 
     def _ask_ahead(self, server) -> None:
@@ -649,8 +648,7 @@ class Worker(LocalWorkerMixin):
                 await self._pull()  # nothing to do yet: fetch the new weights before a task needs them
             return
         self.last_task_t = time.monotonic()
-        task = rep.task
-        self.held.add(task.lease_id)
+        task = rep.task  # held since _ask received it
         handed = False  # once the upload owns the lease it stops holding it
         try:
             if self.local:
