@@ -59,6 +59,10 @@ def test_codec_sizes_by_hand():
     assert bytes_per_element("topk-int8:0.01", 4) == pytest.approx(0.01 * (5 + 4 / 128))
     assert wire_ratio("int8", 4) == pytest.approx((1 + 4 / 128) / 4)  # 3.88x smaller than fp32
     assert wire_ratio("fp16", 2) == 1.0
+    # sparse:0.01:2 keeps ceil(0.01 * 4096) = 41 entries of 12 + 2 bits per 4096-chunk, plus a 2-byte scale
+    assert bytes_per_element("sparse:0.01:2", 2) == pytest.approx((41 * 14 / 8 + 2) / 4096)
+    assert bytes_per_element("sparse:0.25:4", 2) == pytest.approx((1024 * 16 / 8 + 2) / 4096)
+    assert 2 / bytes_per_element("sparse", 2) >= 100  # the default is >= 100x smaller than bf16
 
 
 def test_compression_spec_parsing_and_errors():
@@ -67,7 +71,9 @@ def test_compression_spec_parsing_and_errors():
     assert parse_compression("act=fp16,grad=int8,push=topk-int8,pull=int8") == {
         "act": "fp16", "grad": "int8", "push": "topk-int8", "pull": "int8"}
     assert parse_compression("push=topk-int8:0.05")["push"] == "topk-int8:0.05"
-    for bad in ("zstd", "act=topk-int8", "topk-int8", "act=int8,foo=int8", "push=topk-int8:2", "int8:3", "act"):
+    assert parse_compression("push=sparse:0.02:4,pull=sparse")["push"] == "sparse:0.02:4"
+    for bad in ("zstd", "act=topk-int8", "topk-int8", "act=int8,foo=int8", "push=topk-int8:2", "int8:3", "act",
+                "sparse", "act=sparse", "push=sparse:0:2", "push=sparse:0.1:5", "push=sparse:x", "push=sparse:0.1:2:9"):
         with pytest.raises(ShoalError):
             parse_compression(bad)
 

@@ -14,7 +14,12 @@ Codecs (see ``docs/sync-policies.md``):
 * ``topk-int8[:rho]`` -- the ``rho`` fraction of largest-magnitude entries (default
   ``TOPK_DENSITY``), each as an int32 index plus an int8 value, plus one fp32 scale per block
   of kept values: ``rho (4 + 1 + 4 / INT8_BLOCK)`` bytes per element; only for pushes and
-  pulls (pseudo-gradients and weight deltas, with error feedback), never for activations.
+  pulls (pseudo-gradients and weight deltas, with error feedback), never for activations;
+* ``sparse[:rho[:bits]]`` -- chunked top-k for pseudo-gradients: each chunk of ``SPARSE_CHUNK``
+  elements keeps its ``ceil(rho * SPARSE_CHUNK)`` largest entries, each as a
+  ``SPARSE_INDEX_BITS``-bit index inside its chunk plus a ``bits``-bit value, with one fp16 scale
+  per chunk: ``(ceil(rho C) (SPARSE_INDEX_BITS + bits) / 8 + 2) / C`` bytes per element (defaults
+  ``SPARSE_DENSITY`` and ``SPARSE_BITS``); pushes and pulls only, with error feedback.
 
 Traffic kinds: ``act`` (activations sent forward), ``grad`` (activation gradients sent
 backward), ``push`` (gradient or pseudo-gradient pushes to the server), ``pull`` (weight pulls
@@ -23,13 +28,20 @@ from the server).
 
 from __future__ import annotations
 
+import math
+
 from shoal.errors import ShoalError
 
 INT8_BLOCK = 128  # elements per int8 scale (the runtime codec's default block, shoal.net.compress.DEFAULT_BLOCK)
 TOPK_DENSITY = 0.1  # fraction of entries a top-k codec keeps unless the spec says otherwise
 KINDS = ("act", "grad", "push", "pull")  # traffic kinds with their own codec
-CODECS = ("none", "fp16", "int8", "topk-int8")  # codec names (topk-int8 takes an optional :density)
+CODECS = ("none", "fp16", "int8", "topk-int8", "sparse")  # codec names (the sparse ones take arguments)
 _SPARSE_KINDS = ("push", "pull")  # kinds where a top-k codec is allowed
+SPARSE_CHUNK = 4096  # elements per chunk of the ``sparse`` codec (indices are local to a chunk)
+SPARSE_INDEX_BITS = 12  # bits of one in-chunk index: log2(SPARSE_CHUNK)
+SPARSE_DENSITY = 0.01  # fraction of each chunk ``sparse`` keeps unless the spec says otherwise
+SPARSE_BITS = 2  # bits per kept value of ``sparse`` unless the spec says otherwise
+_SPARSE_BIT_CHOICES = (1, 2, 3, 4, 8)  # value widths the sparse codec can pack
 
 
 def parse_codec(text: str, kind: str = "push") -> str:
@@ -38,7 +50,11 @@ def parse_codec(text: str, kind: str = "push") -> str:
     if name not in CODECS:
         raise ShoalError(f"unknown codec {text!r} for {kind}; choose one of: {', '.join(CODECS)} "
                          "(topk-int8 takes an optional :DENSITY, e.g. topk-int8:0.05)")
-    if name == "topk-int8":
+    if name == "sparse":
+        if kind not in _SPARSE_KINDS:
+            raise ShoalError(f"codec {text!r} drops most entries; use it only for push or pull, not {kind}")
+        sparse_params(text)
+    elif name == "topk-int8":
         if kind not in _SPARSE_KINDS:
             raise ShoalError(f"codec {text!r} drops most entries; use it only for push or pull, not {kind}")
         if arg:
@@ -49,7 +65,7 @@ def parse_codec(text: str, kind: str = "push") -> str:
             if not 0 < rho <= 1:
                 raise ShoalError(f"codec {text!r}: density must be in (0, 1], got {rho}")
     elif arg:
-        raise ShoalError(f"codec {text!r}: only topk-int8 takes a :DENSITY argument")
+        raise ShoalError(f"codec {text!r}: only topk-int8 and sparse take arguments")
     return text.strip()
 
 
@@ -62,7 +78,7 @@ def parse_compression(spec: str) -> dict[str, str]:
         return out
     if "=" not in spec:
         codec = spec
-        if codec.startswith("topk-int8"):
+        if codec.startswith(("topk-int8", "sparse")):
             raise ShoalError(f"--compression {spec!r}: top-k only applies to push and pull; "
                              "write e.g. act=int8,grad=int8,push=topk-int8,pull=int8")
         for k in KINDS:
@@ -78,6 +94,29 @@ def parse_compression(spec: str) -> dict[str, str]:
     return out
 
 
+def sparse_params(codec: str) -> tuple[float, int]:
+    """``"sparse:0.01:2"`` -> ``(density, bits)`` with the defaults for parts left out."""
+    parts = codec.strip().split(":")
+    if parts[0] != "sparse" or len(parts) > 3:
+        raise ShoalError(f"codec {codec!r}: expected sparse[:DENSITY[:BITS]], e.g. sparse:0.015625:2")
+    try:
+        rho = float(parts[1]) if len(parts) > 1 and parts[1] else SPARSE_DENSITY
+        bits = int(parts[2]) if len(parts) > 2 and parts[2] else SPARSE_BITS
+    except ValueError:
+        raise ShoalError(f"codec {codec!r}: expected sparse[:DENSITY[:BITS]] with DENSITY a number in "
+                         "(0, 1] and BITS an integer, e.g. sparse:0.015625:2") from None
+    if not 0 < rho <= 1:
+        raise ShoalError(f"codec {codec!r}: density must be in (0, 1], got {rho}")
+    if bits not in _SPARSE_BIT_CHOICES:
+        raise ShoalError(f"codec {codec!r}: bits must be one of {_SPARSE_BIT_CHOICES}, got {bits}")
+    return rho, bits
+
+
+def sparse_kept_per_chunk(rho: float) -> int:
+    """Entries the ``sparse`` codec keeps in each chunk of :data:`SPARSE_CHUNK` elements."""
+    return max(1, math.ceil(rho * SPARSE_CHUNK - 1e-9))
+
+
 def bytes_per_element(codec: str, raw_bytes: int) -> float:
     """Wire bytes per tensor element of ``codec`` for a tensor held in ``raw_bytes``-wide floats."""
     name, _, arg = codec.partition(":")
@@ -90,6 +129,10 @@ def bytes_per_element(codec: str, raw_bytes: int) -> float:
     if name == "topk-int8":
         rho = float(arg) if arg else TOPK_DENSITY
         return rho * (4.0 + 1.0 + 4.0 / INT8_BLOCK)
+    if name == "sparse":
+        rho, bits = sparse_params(codec)
+        k = sparse_kept_per_chunk(rho)
+        return (k * (SPARSE_INDEX_BITS + bits) / 8.0 + 2.0) / SPARSE_CHUNK
     raise ShoalError(f"unknown codec {codec!r}; choose one of: {', '.join(CODECS)}")
 
 
