@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from shoal.runtime.artifacts import load_final_weights
-from shoal.runtime.launch import LaunchConfig, Swarm
+from shoal.runtime.processes.launch import LaunchConfig, Swarm
+from shoal.runtime.roles.artifacts import load_final_weights
 from shoal.train.local import TrainConfig, train_local
 from shoal.train.metrics import read_jsonl
 

@@ -23,7 +23,7 @@ from shoal.train.metrics import read_jsonl
 
 def _run(out: Path, workers: int, steps: int, slow: float, kill_after: int | None,
          fraction: float, seed: int) -> tuple[list[dict], list[tuple]]:
-    from shoal.runtime.launch import LaunchConfig, Swarm
+    from shoal.runtime.processes.launch import LaunchConfig, Swarm
 
     cfg = LaunchConfig(out=str(out), model="tiny", stages=2, workers=workers, steps=steps,
                        micro_batches=8, micro_batch_size=2, seq_len=32, seed=seed, warmup=2,

@@ -38,9 +38,9 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
-    from shoal.runtime.artifacts import load_final_weights
-    from shoal.runtime.forkserver import shutdown_fork_server
-    from shoal.runtime.launch import LaunchConfig, launch
+    from shoal.runtime.processes.forkserver import shutdown_fork_server
+    from shoal.runtime.processes.launch import LaunchConfig, launch
+    from shoal.runtime.roles.artifacts import load_final_weights
     from shoal.train.local import TrainConfig, train_local
 
     torch.set_num_threads(1)

@@ -51,8 +51,8 @@ def _rss_and_name(pid: int) -> tuple[int, str]:
     rss = next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:")), 0)
     args = [a.decode() for a in cmd if a]
     name = ""
-    if "shoal.runtime.cli" in args:
-        i = args.index("shoal.runtime.cli")
+    if "shoal.runtime.processes.cli" in args:
+        i = args.index("shoal.runtime.processes.cli")
         role = args[i + 1] if i + 1 < len(args) else "?"
         name = role
         if "--name" in args:
@@ -67,7 +67,7 @@ def main() -> None:
     p.add_argument("--keep", default=None, help="run folder to keep (default: a temp folder, removed)")
     args = p.parse_args()
     out = Path(args.keep or tempfile.mkdtemp(prefix="shoal-125m-")) / "run"
-    cmd = [sys.executable, "-m", "shoal.runtime.cli", "launch", "--model", "gpt-125m", "--stages", "2",
+    cmd = [sys.executable, "-m", "shoal.runtime.processes.cli", "launch", "--model", "gpt-125m", "--stages", "2",
            "--workers", "2", "--steps", str(args.steps), "--micro-batches", "2", "--micro-batch-size", "1",
            "--seq-len", "64", "--chunk-mb", str(args.chunk_mb), "--out", str(out), "--timeout", "3000",
            "--dead-after", "120", "--min-lease", "120"]

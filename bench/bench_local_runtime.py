@@ -55,7 +55,7 @@ DEMO_SETUPS = ("exact", "local H=4 int8", "local H=8 int8")
 
 def run(out: Path, steps: int, workers: int, **sync) -> dict:
     """One ``shoal launch``; its per-step records and the summary."""
-    from shoal.runtime.launch import LaunchConfig, launch
+    from shoal.runtime.processes.launch import LaunchConfig, launch
     from shoal.train.metrics import read_jsonl
 
     summary = launch(LaunchConfig(out=str(out), **RUN, steps=steps, stages=2, workers=workers, timeout_s=1800,

@@ -29,7 +29,7 @@ from bench_runtime import RUN  # noqa: E402
 def run(scenario: str, steps: int, prefetch: bool, sync: dict) -> tuple[float, float]:
     """(mean, median) step seconds after the first two of one ``launch`` on ``scenario``."""
     from shoal.plan.scenario import load_scenario
-    from shoal.runtime.launch import LaunchConfig, launch
+    from shoal.runtime.processes.launch import LaunchConfig, launch
     from shoal.train.metrics import read_jsonl
 
     n = len(load_scenario(scenario).workers)

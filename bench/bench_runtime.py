@@ -71,7 +71,7 @@ def local_run(out: Path, steps: int, threads: int = 1) -> tuple[float, float, fl
 
 def swarm_run(out: Path, steps: int, stages: int, workers: int) -> tuple[tuple[float, float, float], list]:
     """The swarm's (mean step, median step, tokens/s) and the layer split its planner chose."""
-    from shoal.runtime.launch import LaunchConfig, launch
+    from shoal.runtime.processes.launch import LaunchConfig, launch
     from shoal.train.metrics import read_jsonl
 
     launch(LaunchConfig(out=str(out), stages=stages, workers=workers, steps=steps, timeout_s=600, **RUN))
@@ -188,7 +188,7 @@ BENCH_SECRET = b"bench-run-secret"  # run secret of the benchmark's stand-alone 
 def _server_proc(q, token: str, ckpt: str, shape: tuple[int, int, int]) -> None:
     from shoal.net import shoal_pb2 as pb
     from shoal.runtime.common import set_threads
-    from shoal.runtime.server import StageServer
+    from shoal.runtime.roles.server import StageServer
 
     set_threads()
 

@@ -11,7 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_runtime import RUN, _steady  # noqa: E402
 
-from shoal.runtime.launch import LaunchConfig, launch  # noqa: E402
+from shoal.runtime.processes.launch import LaunchConfig, launch  # noqa: E402
 from shoal.train.metrics import read_jsonl  # noqa: E402
 
 

@@ -75,7 +75,7 @@ def local_cpu(steps: int) -> float:
 def swarm_cpu(stages: int, steps: int, profile: str | None, chunk_mb: float | None = None,
               spot_check: float | None = None) -> dict[str, float]:
     """CPU seconds per step of each role (coordinator, servers, workers), steps 1..last."""
-    from shoal.runtime.launch import LaunchConfig, Swarm
+    from shoal.runtime.processes.launch import LaunchConfig, Swarm
 
     with tempfile.TemporaryDirectory(prefix="shoal-cpu-") as tmp:
         env_prof = None

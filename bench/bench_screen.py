@@ -1,5 +1,5 @@
 """Honest per-micro-batch gradient statistics, per stage: what the push screen's thresholds
-(shoal.runtime.guard.GuardConfig) must tolerate without flagging.
+(shoal.runtime.safety.guard.GuardConfig) must tolerate without flagging.
 
 Trains a model with the runtime's own micro-batches and AdamW (one process, fp32), and
 prints per stage and step: max/min per-micro-batch gradient norm within the step, the
@@ -18,8 +18,8 @@ import statistics
 from shoal.model.transformer import build_stage
 from shoal.net import shoal_pb2 as pb
 from shoal.runtime.common import micro_batch, model_config, optim_config, set_threads
-from shoal.runtime.coordinator import plan_stages
-from shoal.runtime.verify import dot, sq_norm
+from shoal.runtime.roles.coordinator import plan_stages
+from shoal.runtime.safety.verify import dot, sq_norm
 from shoal.train.optim import apply_update, lr_at, make_optimizer
 
 

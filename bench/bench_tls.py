@@ -24,7 +24,7 @@ RUN = ["--model", "tiny", "--stages", "2", "--workers", "2", "--micro-batches", 
 
 def one(out: Path, steps: int, insecure: bool) -> dict:
     """Summary of one launch run (raises if it failed)."""
-    cmd = [sys.executable, "-m", "shoal.runtime.cli", "launch", "--out", str(out), "--steps", str(steps), *RUN,
+    cmd = [sys.executable, "-m", "shoal.runtime.processes.cli", "launch", "--out", str(out), "--steps", str(steps), *RUN,
            *(["--insecure"] if insecure else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:

@@ -28,7 +28,7 @@ COMMAND_MODULES = (
     "shoal.hf.cli",
     "shoal.plan.cli",
     "shoal.sim.cli",
-    "shoal.runtime.cli",
+    "shoal.runtime.processes.cli",
 )
 
 # command name -> the module that registers it (lets `shoal CMD` import only that module).
@@ -38,12 +38,12 @@ COMMAND_OWNERS = {
     "generate": "shoal.train.cli",
     "plan": "shoal.plan.cli",
     "simulate": "shoal.sim.cli",
-    "coordinator": "shoal.runtime.cli",
-    "server": "shoal.runtime.cli",
-    "worker": "shoal.runtime.cli",
-    "status": "shoal.runtime.cli",
-    "launch": "shoal.runtime.cli",
-    "keys": "shoal.runtime.cli",
+    "coordinator": "shoal.runtime.processes.cli",
+    "server": "shoal.runtime.processes.cli",
+    "worker": "shoal.runtime.processes.cli",
+    "status": "shoal.runtime.processes.cli",
+    "launch": "shoal.runtime.processes.cli",
+    "keys": "shoal.runtime.processes.cli",
 }
 
 

@@ -14,7 +14,7 @@ RUN = dict(model="tiny", steps=6, micro_batches=4, micro_batch_size=2, seq_len=3
 
 def launch_config(out, **kw):
     """The reference run's settings in ``out``, changed by ``kw``."""
-    from shoal.runtime.launch import LaunchConfig
+    from shoal.runtime.processes.launch import LaunchConfig
 
     # Checkpoints every step: the fault tests check roll-backs to the newest committed step.
     base = dict(RUN, out=str(out), stages=2, workers=2, dead_after_s=3.0, min_lease_s=1.5, timeout_s=400,
@@ -25,8 +25,8 @@ def launch_config(out, **kw):
 
 def failure_free_weights(tmp_path_factory) -> dict:
     """Final weights of the reference run (run once per session)."""
-    from shoal.runtime.artifacts import load_final_weights
-    from shoal.runtime.launch import launch
+    from shoal.runtime.processes.launch import launch
+    from shoal.runtime.roles.artifacts import load_final_weights
 
     out = Path(tmp_path_factory.getbasetemp()) / "failure_free" / "run"
     if not (out / "summary.json").exists():
@@ -38,7 +38,7 @@ def assert_equal_weights(out, reference: dict) -> None:
     """The run in ``out`` ended with exactly (torch.equal) the reference weights."""
     import torch
 
-    from shoal.runtime.artifacts import load_final_weights
+    from shoal.runtime.roles.artifacts import load_final_weights
 
     weights = load_final_weights(out)
     assert set(weights) == set(reference)

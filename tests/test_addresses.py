@@ -49,7 +49,7 @@ def test_advertised_address():
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "shoal.runtime.cli", *args]
+    return [sys.executable, "-m", "shoal.runtime.processes.cli", *args]
 
 
 def _env() -> dict[str, str]:

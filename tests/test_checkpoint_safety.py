@@ -146,7 +146,7 @@ def test_full_disk_is_one_line_and_keeps_the_committed_checkpoint(tmp_path):
 @pytest.mark.timeout(600)
 def test_read_only_checkpoint_folder_fails_the_run_in_one_line(tmp_path):
     """A server that cannot write its checkpoint fails the run: launch ends with one line."""
-    from shoal.runtime.launch import launch
+    from shoal.runtime.processes.launch import launch
 
     out = tmp_path / "run"
     with _mounted_tmpfs(out / "server_ckpt", "ro,size=1m"), pytest.raises(ShoalError) as err:
@@ -159,7 +159,7 @@ def test_read_only_checkpoint_folder_fails_the_run_in_one_line(tmp_path):
 def test_read_only_run_folder_is_one_line(tmp_path):
     """`shoal launch --out` on a read-only folder: `error: ...`, exit 2, no traceback."""
     with _mounted_tmpfs(tmp_path / "ro", "ro,size=1m") as ro:
-        r = subprocess.run([sys.executable, "-m", "shoal.runtime.cli", "launch", "--out", str(ro / "run"),
+        r = subprocess.run([sys.executable, "-m", "shoal.runtime.processes.cli", "launch", "--out", str(ro / "run"),
                             "--model", "tiny", "--steps", "1"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert r.stderr.startswith("error: run folder") and "not writable" in r.stderr
@@ -179,7 +179,7 @@ def test_reused_folder_and_damaged_latest_checkpoints(tmp_path, tmp_path_factory
     stage 0's newest truncated, and a new server joins: both fall back to the previous
     checkpoint (with a log line), run 1's files are untouched and never loaded, and the
     final weights equal the failure-free run's."""
-    from shoal.runtime.launch import Swarm, launch
+    from shoal.runtime.processes.launch import Swarm, launch
 
     reference = failure_free_weights(tmp_path_factory)
     out = tmp_path / "run"

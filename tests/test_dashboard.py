@@ -18,7 +18,7 @@ import pytest
 
 from shoal.errors import ShoalError
 from shoal.net import shoal_pb2 as pb
-from shoal.runtime.dashboard import (
+from shoal.runtime.ui.dashboard import (
     Dashboard,
     EventTail,
     authorized,
@@ -27,7 +27,7 @@ from shoal.runtime.dashboard import (
     page,
     parse_bind,
 )
-from shoal.runtime.stats import StepTiming, achieved_step_time, bottleneck, member_state
+from shoal.runtime.ui.stats import StepTiming, achieved_step_time, bottleneck, member_state
 
 # --------------------------------------------------------------------------- pure figures
 
@@ -148,8 +148,8 @@ async def _get(port: int, target: str, method: str = "GET", headers: str = "") -
 
 @pytest.mark.timeout(60)
 def test_server_needs_the_token_and_is_read_only():
-    from shoal.runtime.coordinator import Coordinator
-    from shoal.runtime.status_table import status_tables
+    from shoal.runtime.roles.coordinator import Coordinator
+    from shoal.runtime.ui.status_table import status_tables
 
     async def main():
         coord = Coordinator(_spec(), "tok-123")
@@ -210,8 +210,8 @@ def test_snapshot_of_an_emulated_run_shows_links_rejoins_and_the_plan(tmp_path):
     the planner's predicted step time, the event log read from events.jsonl."""
     from shoal.emulate.pacing import emulated_scenario
     from shoal.plan.types import Device, Link, Network, Scenario, Workload
-    from shoal.runtime.coordinator import Coordinator
-    from shoal.runtime.dashboard import snapshot
+    from shoal.runtime.roles.coordinator import Coordinator
+    from shoal.runtime.ui.dashboard import snapshot
 
     wl = Workload(model="tiny", seq_len=8, global_batch=2, micro_batch_size=1, dtype_bytes=4)
     devs = [Device("h", "server", 0.0, 0.0, "eu", 1e9, 1e9, can_host_server=True),
@@ -269,7 +269,7 @@ def _wait(url: str, pred, timeout_s: float, what: str) -> dict:
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
     """A 2-stage, 3-worker ``shoal launch`` with the dashboard on, long enough to outlast the tests."""
-    from shoal.runtime.launch import LaunchConfig, Swarm
+    from shoal.runtime.processes.launch import LaunchConfig, Swarm
 
     out = tmp_path_factory.mktemp("dash") / "run"
     cfg = LaunchConfig(out=str(out), model="tiny", stages=2, workers=3, steps=2000, micro_batches=4,

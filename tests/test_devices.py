@@ -14,7 +14,7 @@ from shoal.cli import main as shoal_main
 from shoal.errors import ShoalError
 from shoal.model.config import PRESETS, get_preset
 from shoal.model.transformer import build_stage
-from shoal.runtime.worker import oom_message
+from shoal.runtime.roles.worker import oom_message
 from shoal.train.local import TrainConfig, train_local
 from shoal.train.precision import (
     LossScaleConfig,
@@ -157,7 +157,7 @@ def _local(tmp_path_factory, precision: str, **kw) -> list[dict]:
 @pytest.mark.integration
 @pytest.mark.timeout(900)
 def test_bf16_swarm_equals_local_bf16_and_an_oom_worker_leaves_cleanly(tmp_path, tmp_path_factory):
-    from shoal.runtime.launch import LaunchConfig, Swarm
+    from shoal.runtime.processes.launch import LaunchConfig, Swarm
     from shoal.train.metrics import read_jsonl
 
     run = {k: v for k, v in RUN.items() if k not in ("eval_every", "eval_batches")}
@@ -187,8 +187,8 @@ def test_bf16_swarm_equals_local_bf16_and_an_oom_worker_leaves_cleanly(tmp_path,
 @pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_fp16_swarm_skips_overflowed_steps_at_every_stage_like_local(tmp_path, tmp_path_factory):
-    from shoal.runtime.artifacts import load_final_weights
-    from shoal.runtime.launch import LaunchConfig, launch
+    from shoal.runtime.processes.launch import LaunchConfig, launch
+    from shoal.runtime.roles.artifacts import load_final_weights
     from shoal.train.metrics import read_jsonl
 
     steps, scale = 4, 2.0**21  # overflows on the first steps, then trains

@@ -13,8 +13,8 @@ from shoal.demo.emulated import EmulationSpec, swarm_churn
 from shoal.demo.report import write_report
 from shoal.emulate.hooks import Emulation, EmulationConfig
 from shoal.plan.types import Device, Link, Network, Scenario, Workload
-from shoal.runtime.launch import LaunchConfig, Swarm
-from shoal.runtime.worker import Worker, WorkerOptions
+from shoal.runtime.processes.launch import LaunchConfig, Swarm
+from shoal.runtime.roles.worker import Worker, WorkerOptions
 from shoal.train.local import TrainConfig, train_local
 from shoal.train.metrics import read_jsonl
 

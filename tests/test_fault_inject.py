@@ -34,7 +34,7 @@ def test_poisoned_worker_is_banned_and_a_corrupt_checkpoint_falls_back(tmp_path,
       back to the previous checkpoint.
 
     The run ends with exactly the honest run's weights: no poisoned push was committed."""
-    from shoal.runtime.launch import launch
+    from shoal.runtime.processes.launch import launch
 
     honest = _honest_run(tmp_path_factory)
     assert not [e for e in read_jsonl(honest / "events.jsonl") if e["event"] == "ban"]
@@ -48,7 +48,7 @@ def test_poisoned_worker_is_banned_and_a_corrupt_checkpoint_falls_back(tmp_path,
     assert bans[0]["step"] <= 3 and "differs from the recomputed one" in bans[0]["why"]
     assert "w1 is banned from the run" in (out / "logs" / "worker1.log").read_text()
     # journaled by name: a restarted or resumed coordinator refuses w1 too
-    from shoal.runtime.journal import find_run, read_journal, resume_state, run_dir
+    from shoal.runtime.safety.journal import find_run, read_journal, resume_state, run_dir
 
     assert set(resume_state(read_journal(run_dir(*find_run(out)) / "journal.jsonl")).bans) == {"w1"}
     ref = json.loads((honest / "summary.json").read_text())["final_loss"]
@@ -71,7 +71,7 @@ def test_flapping_worker_and_a_killed_worker(tmp_path, failure_free):
     """w1 reaches both stage servers through links that reset every connection for 0.1 s
     every 0.6 s, and w2 is killed with SIGKILL once 2 steps are committed: the run
     completes with the failure-free weights."""
-    from shoal.runtime.launch import launch
+    from shoal.runtime.processes.launch import launch
 
     out = tmp_path / "run"
     summary = launch(launch_config(out, workers=3, faults=["flap:w1:period=0.6:down=0.1:for=12",

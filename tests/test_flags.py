@@ -8,7 +8,7 @@ import pytest
 
 from shoal.cli import build_parser
 from shoal.errors import ShoalError
-from shoal.runtime.launch import LaunchConfig
+from shoal.runtime.processes.launch import LaunchConfig
 from shoal.train.config import TrainConfig
 from shoal.train.flags import DEFAULTS, WORKLOAD_FIELDS, workload_from_args
 
@@ -61,7 +61,7 @@ def test_demo_overrides_replace_the_scenario_workload():
 
 
 def test_bad_workload_flag_is_a_one_line_error():
-    from shoal.runtime.cli import _spec
+    from shoal.runtime.processes.cli import _spec
 
     with pytest.raises(ShoalError, match="--seq-len 100000 exceeds"):
         _spec(build_parser().parse_args(["coordinator", "--seq-len", "100000"]))

@@ -1,4 +1,4 @@
-"""The member fork server (shoal.runtime.forkserver): forked members are real processes in
+"""The member fork server (shoal.runtime.processes.forkserver): forked members are real processes in
 their own sessions, with their own log, environment and working folder; kill -9 and exit
 statuses read as with subprocess.Popen; off or unusable, members are spawned."""
 
@@ -11,7 +11,12 @@ import subprocess
 
 import pytest
 
-from shoal.runtime.forkserver import ForkServer, Member, fork_server_enabled, get_fork_server
+from shoal.runtime.processes.forkserver import (
+    ForkServer,
+    Member,
+    fork_server_enabled,
+    get_fork_server,
+)
 from tests.helpers.members import member_env, run_cli, start_member
 
 
@@ -54,7 +59,7 @@ def test_forked_members_are_real_processes(tmp_path, monkeypatch):
     assert os.readlink(f"/proc/{w.pid}/cwd") == str(tmp_path)
     with open(f"/proc/{w.pid}/cmdline", "rb") as f:  # ps shows the member's command, not the server's
         cmd = f.read().rstrip(b"\0").split(b"\0")
-    assert cmd[1:] == [b"-m", b"shoal.runtime.cli", b"worker", b"--join", dead.encode(), b"--insecure",
+    assert cmd[1:] == [b"-m", b"shoal.runtime.processes.cli", b"worker", b"--join", dead.encode(), b"--insecure",
                        b"--join-timeout", b"120", b"--name", b"wf"]
     # The warm parent stays single-threaded, so every later fork is as clean as this one.
     assert _threads(server.proc.pid) == 1

@@ -1,5 +1,5 @@
-"""Push screening and the ban rule (shoal.runtime.guard), the --fault grammar
-(shoal.runtime.faults), and a stage server's recomputation catching a poisoned push."""
+"""Push screening and the ban rule (shoal.runtime.safety.guard), the --fault grammar
+(shoal.runtime.safety.faults), and a stage server's recomputation catching a poisoned push."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shoal.errors import ShoalError
-from shoal.runtime.faults import (
+from shoal.runtime.safety.faults import (
     CorruptCkptFault,
     FlapFault,
     KillFault,
@@ -20,7 +20,7 @@ from shoal.runtime.faults import (
     parse_fault,
     worker_fault_args,
 )
-from shoal.runtime.guard import (
+from shoal.runtime.safety.guard import (
     GuardConfig,
     adam_ratio_bound,
     adamw_move_bound,
@@ -34,7 +34,7 @@ from shoal.runtime.guard import (
     screen_round,
     spot_pick,
 )
-from shoal.runtime.verify import round_measures
+from shoal.runtime.safety.verify import round_measures
 
 
 def test_parse_fault_grammar():
@@ -202,7 +202,7 @@ def test_screen_sums_match_fp64(n):
     """sq_norm, dot and sq_diff (fp32 blocks summed in fp64) agree with plain fp64 sums to
     1e-7 relative, for sizes with and without a partial last block, non-contiguous and
     bf16 tensors included."""
-    from shoal.runtime.verify import dot, sq_diff, sq_norm
+    from shoal.runtime.safety.verify import dot, sq_diff, sq_norm
 
     gen = torch.Generator().manual_seed(n)
     a = {"w": torch.randn(n, generator=gen) * 3 + 1, "m": torch.randn(4, 6, generator=gen).t()}
@@ -271,7 +271,7 @@ def _grad_push(srv, step, mb, worker, gen, grads, codec="raw"):
 async def _one_stage_server(tmp_path, run_id: str, **shape):
     """A ready one-stage server of the tiny model (no spot checks), driven through its handlers."""
     from shoal.net import shoal_pb2 as pb
-    from shoal.runtime.server import StageServer
+    from shoal.runtime.roles.server import StageServer
 
     srv = StageServer("unused:0", "127.0.0.1:0", "tok", str(tmp_path), name="t")
     srv.spec = pb.RunSpec(model="tiny", stages=1, steps=3, seed=0, lr=1e-3, min_lr=1e-4, warmup=1,
@@ -288,7 +288,7 @@ def test_server_bans_a_poisoned_push_and_redoes_its_work(tmp_path):
     B's next push, times -20, is flagged by its norm, recomputed and banned: both of B's
     micro-batches go back to todo (its counted push is dropped) and A redoes them."""
     from shoal.net import shoal_pb2 as pb
-    from shoal.runtime.verify import recompute_grads
+    from shoal.runtime.safety.verify import recompute_grads
 
     async def main():
         srv = await _one_stage_server(tmp_path, "guard-test", micro_batches=3, micro_batch_size=2, seq_len=16)
@@ -345,7 +345,7 @@ def test_server_without_recomputation_bans_no_worker_for_small_pushes(tmp_path):
     median, as honest norms do once training settles, is flagged but never banned, and its
     norms move the centre down; three pushes 20x above the centre ban (the strike rule)."""
     from shoal.net import shoal_pb2 as pb
-    from shoal.runtime.verify import recompute_grads
+    from shoal.runtime.safety.verify import recompute_grads
 
     async def main():
         srv = await _one_stage_server(tmp_path, "guard-small", micro_batches=8, micro_batch_size=1, seq_len=8)

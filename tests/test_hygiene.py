@@ -21,7 +21,7 @@ import pytest
 from shoal.errors import ShoalError
 from shoal.net import shoal_pb2 as pb
 from shoal.net.channel import load_token
-from shoal.runtime.coordinator import Coordinator, unique_name
+from shoal.runtime.roles.coordinator import Coordinator, unique_name
 from shoal.train.metrics import read_jsonl
 
 
@@ -100,7 +100,7 @@ def test_empty_token_file_is_refused(tmp_path):
 
 
 def test_sighup_is_handled_like_sigterm():
-    from shoal.runtime.launch import Stopped, stop_on_signals
+    from shoal.runtime.processes.launch import Stopped, stop_on_signals
 
     old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
@@ -123,7 +123,7 @@ def _members(marker: str) -> list[int]:
             cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if "shoal.runtime.cli" in cmd and marker in cmd and " launch " not in cmd:
+        if "shoal.runtime.processes.cli" in cmd and marker in cmd and " launch " not in cmd:
             pids.append(int(d.name))
     return pids
 
@@ -141,7 +141,7 @@ def _alive(pid: int) -> bool:
 def test_sigterm_to_launch_stops_every_member(tmp_path):
     """SIGTERM to `shoal launch` mid-run: it exits in one line and no member is left."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "shoal.runtime.cli", "launch", "--out", str(out), "--model", "tiny",
+    cmd = [sys.executable, "-m", "shoal.runtime.processes.cli", "launch", "--out", str(out), "--model", "tiny",
            "--stages", "2", "--workers", "2", "--steps", "500", "--micro-batches", "2",
            "--micro-batch-size", "2", "--seq-len", "16", "--data", "synthetic", "--timeout", "250"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -191,7 +191,7 @@ def test_worker_without_a_coordinator_says_so_in_one_line(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    r = subprocess.run([sys.executable, "-m", "shoal.runtime.cli", "worker", "--join", f"127.0.0.1:{port}",
+    r = subprocess.run([sys.executable, "-m", "shoal.runtime.processes.cli", "worker", "--join", f"127.0.0.1:{port}",
                         "--flops", "1e9", "--insecure", "--join-timeout", "2"], capture_output=True, text=True,
                        timeout=200,
                        env=dict(os.environ, SHOAL_TOKEN="t", OMP_NUM_THREADS="1"))

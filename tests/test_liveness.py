@@ -15,8 +15,8 @@ from swarm_reference import RUN, assert_equal_weights, failure_free_weights, lau
 
 from shoal.net import shoal_pb2 as pb
 from shoal.net.wire import encode_tensor
-from shoal.runtime.guard import GuardConfig
-from shoal.runtime.server import StageServer
+from shoal.runtime.roles.server import StageServer
+from shoal.runtime.safety.guard import GuardConfig
 
 M, B, T = 2, 2, 16
 
@@ -105,7 +105,7 @@ def test_failed_pushes_are_retried_or_released(tmp_path, failure_free):
     """Worker 0's first push attempt is lost before it is sent, worker 1's first push lands
     but its reply is lost (the retry is a duplicate), worker 2's first push never lands
     (it releases the micro-batches): the run completes with the failure-free weights."""
-    from shoal.runtime.launch import launch
+    from shoal.runtime.processes.launch import launch
 
     out = tmp_path / "run"
     args = [["--inject", "push_fail"], ["--inject", "push_lost"], ["--inject", "push_abandon"]]
@@ -128,7 +128,7 @@ def test_flapping_links_to_the_servers(tmp_path, failure_free):
     import time
 
     from shoal.emulate.flap import FlapProxy
-    from shoal.runtime.launch import Swarm
+    from shoal.runtime.processes.launch import Swarm
 
     out = tmp_path / "run"
     cfg = launch_config(out, min_workers=2)

@@ -36,7 +36,7 @@ def test_poisoned_replica_is_banned_and_honest_run_bans_nobody(tmp_path):
     """w1 sends its pseudo-gradients times -20: the first merge bans it and leaves its
     contribution out; the run's final loss is within 2 % of the honest run's, which bans
     nobody."""
-    from shoal.runtime.launch import LaunchConfig, launch
+    from shoal.runtime.processes.launch import LaunchConfig, launch
 
     honest = tmp_path / "honest"
     ref = launch(LaunchConfig(out=str(honest), **RUN))

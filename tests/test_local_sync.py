@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from shoal.errors import ShoalError
-from shoal.runtime.local_sync import bwd_owner_free, mean_scale, replica_sq_norm
+from shoal.runtime.sync.local import bwd_owner_free, mean_scale, replica_sq_norm
 from shoal.train.outer import (
     SyncConfig,
     is_sync_step,
@@ -95,7 +95,7 @@ def test_sync_config_refuses_bad_values(kw, msg):
 
 
 def test_launch_cli_bad_sync_is_one_line(tmp_path, capsys):
-    from shoal.runtime.cli import main
+    from shoal.runtime.processes.cli import main
 
     assert main(["launch", "--out", str(tmp_path / "r"), "--sync", "local", "--sync-every", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -114,7 +114,7 @@ def test_cli_registration_does_not_import_torch():
     import subprocess
     import sys
 
-    code = ("import argparse, sys; import shoal.runtime.cli as c; p = argparse.ArgumentParser(); "
+    code = ("import argparse, sys; import shoal.runtime.processes.cli as c; p = argparse.ArgumentParser(); "
             "c.register(p.add_subparsers()); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr[-500:]
@@ -142,8 +142,8 @@ def test_h1_one_worker_per_stage_equals_exact(tmp_path):
     runs reproduce bitwise, tests/test_runtime.py); weights within 1e-5: ``p - (p - p')`` can
     differ from ``p'`` in the last bit where the subtraction is not exact (Sterbenz), and those
     ulps carry into the next steps' AdamW updates."""
-    from shoal.runtime.artifacts import load_final_weights
-    from shoal.runtime.launch import LaunchConfig, launch
+    from shoal.runtime.processes.launch import LaunchConfig, launch
+    from shoal.runtime.roles.artifacts import load_final_weights
     from shoal.train.local import TrainConfig, train_local
     from shoal.train.metrics import read_jsonl
 
@@ -182,7 +182,7 @@ def test_kill9_mid_round_and_joiner(tmp_path):
     """S=2, three workers, H=3: kill -9 one of the two workers of a stage in the first round,
     then start a joiner. The killed worker is in no merge; the survivor's contribution is the
     micro-batch count it applied itself; the joiner's first weights are a merge's, bit for bit."""
-    from shoal.runtime.launch import LaunchConfig, Swarm
+    from shoal.runtime.processes.launch import LaunchConfig, Swarm
 
     steps, h = 12, 3
     cfg = LaunchConfig(out=str(tmp_path / "run"), **RUN, steps=steps, stages=2, workers=3, dead_after_s=3.0,
@@ -256,7 +256,7 @@ def _stamp(text: str) -> float:
 
 
 def test_move_is_urgent_only_when_nobody_else_works_on_the_stage():
-    from shoal.runtime.coordinator import move_is_urgent
+    from shoal.runtime.roles.coordinator import move_is_urgent
 
     assert move_is_urgent(1, "a", {"a": 0, "b": 0})  # nobody at work on stage 1
     assert move_is_urgent(1, "a", {"a": 1})  # only itself (already there, or reporting stale)
@@ -272,7 +272,7 @@ def test_move_into_an_emptied_stage_is_not_held(tmp_path):
     coordinator marks that move urgent (nobody else works there), so the worker moves at its
     next heartbeat instead of holding the move for its round's end (a round that cannot end
     without that stage) or waiting out the idle backstop."""
-    from shoal.runtime.launch import LaunchConfig, Swarm
+    from shoal.runtime.processes.launch import LaunchConfig, Swarm
 
     cfg = LaunchConfig(out=str(tmp_path / "run"), **RUN, steps=8, stages=2, workers=3, dead_after_s=3.0,
                        min_lease_s=1.5, timeout_s=280, sync="local", sync_every=6, worker_args=[["--slow", "0.2"]] * 3)

@@ -15,8 +15,8 @@ import pytest
 from swarm_reference import RUN, assert_equal_weights, failure_free_weights, launch_config
 
 from shoal.errors import ShoalError
-from shoal.runtime.coordinator import pick_standby
-from shoal.runtime.journal import (
+from shoal.runtime.roles.coordinator import pick_standby
+from shoal.runtime.safety.journal import (
     Journal,
     find_run,
     load_resume,
@@ -92,8 +92,8 @@ def test_resumed_coordinator_keeps_the_decisions_a_standby_replays(tmp_path):
     """The journal keeps each commit's decision (lr, clip coefficient, skip, next loss scale), so
     a standby promoted after a coordinator restart can replay steps decided before it."""
     from shoal.net import shoal_pb2 as pb
-    from shoal.runtime.journal import DECISIONS_KEPT
-    from shoal.runtime.standby import decisions_since
+    from shoal.runtime.safety.journal import DECISIONS_KEPT
+    from shoal.runtime.safety.standby import decisions_since
 
     j = Journal(tmp_path / "journal.jsonl")
     j.write("run", spec={"steps": "200"}, options={}, t0=0.0)
@@ -155,7 +155,7 @@ def test_pick_standby_gives_a_server_its_old_stage_back():
 
 
 def test_cli_refuses_bad_resume_in_one_line(tmp_path, capsys):
-    from shoal.runtime.cli import main
+    from shoal.runtime.processes.cli import main
 
     _fake_run(tmp_path / "done", "20260102-000000-bbbbbb", done=True)
     for cmd, why in ((["coordinator", "--resume", str(tmp_path / "nope")], "no such folder"),
@@ -166,7 +166,7 @@ def test_cli_refuses_bad_resume_in_one_line(tmp_path, capsys):
         assert err.startswith("error: ") and why in err and err.count("\n") == 1, err
     # `shoal launch --resume` reads the journal in Swarm(), before any process starts
     # (main() turns the ShoalError into the same one line).
-    from shoal.runtime.launch import Swarm
+    from shoal.runtime.processes.launch import Swarm
 
     with pytest.raises(ShoalError, match="no run journal"):
         Swarm(launch_config(tmp_path, resume=True))
@@ -183,7 +183,7 @@ def test_total_stop_at_step_3_then_resume_equals_uninterrupted(tmp_path, tmp_pat
     last step every stage checkpointed: same losses, same weights as the failure-free run.
     Another (newer, finished) run in the same folder is neither touched nor picked when
     --run-id names ours."""
-    from shoal.runtime.launch import Swarm, launch
+    from shoal.runtime.processes.launch import Swarm, launch
 
     ref_weights, ref_summary = _reference(tmp_path_factory)
     out = tmp_path / "run"
@@ -217,7 +217,7 @@ def test_coordinator_killed_mid_run_is_restarted_and_the_run_stays_exact(tmp_pat
     """kill -9 the coordinator after step 2: `launch` restarts it with --resume on the same
     address; servers and workers (never restarted) ride out the outage, re-join, and the
     run completes with the failure-free run's weights."""
-    from shoal.runtime.launch import Swarm
+    from shoal.runtime.processes.launch import Swarm
 
     ref_weights, ref_summary = _reference(tmp_path_factory)
     out = tmp_path / "run"
@@ -244,7 +244,7 @@ def test_resumed_coordinator_keeps_layers_and_gives_servers_their_stages(tmp_pat
     import asyncio
 
     from shoal.net import shoal_pb2 as pb
-    from shoal.runtime.coordinator import Coordinator
+    from shoal.runtime.roles.coordinator import Coordinator
 
     spec = pb.RunSpec(model="tiny", stages=2, steps=4, micro_batches=2, micro_batch_size=2, seq_len=16,
                       seed=0, lr=3e-3, min_lr=3e-4, warmup=1, weight_decay=0.1, grad_clip=1.0,
@@ -296,7 +296,7 @@ def test_resumed_coordinator_keeps_layers_and_gives_servers_their_stages(tmp_pat
 
 
 def test_launch_restarts_a_dead_coordinator_only_while_the_run_is_unfinished():
-    from shoal.runtime.launch import should_restart
+    from shoal.runtime.processes.launch import should_restart
 
     assert should_restart(-9, 3, run_done=False)  # kill -9 mid-run: restarted with --resume
     assert should_restart(1, 1, run_done=False)  # a crash

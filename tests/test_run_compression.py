@@ -23,7 +23,7 @@ from shoal.net.compress import (
     wire_fraction,
 )
 from shoal.net.wire import WireError, decode_tensor, encode_tensor
-from shoal.runtime.compression import (
+from shoal.runtime.sync.codecs import (
     PullDeltas,
     RunCompression,
     apply_pull,
@@ -270,7 +270,7 @@ def test_local_h4_int8_swarm_tracks_exact_training(tmp_path):
     Bounds that can fail: the last 3 steps' mean loss is within 3 % of exact's and closer to
     it than the untrained model's by a factor of 4; every tensor on the wire in both
     directions uses int8 (no fp32 activation, gradient or pull frame after the first pulls)."""
-    from shoal.runtime.launch import LaunchConfig, launch
+    from shoal.runtime.processes.launch import LaunchConfig, launch
     from shoal.train.local import TrainConfig, train_local
     from shoal.train.metrics import read_jsonl
 
@@ -320,7 +320,7 @@ def test_local_h4_int8_swarm_tracks_exact_training(tmp_path):
 
 def _local_worker(compression: str):
     from shoal.runtime.common import model_config
-    from shoal.runtime.worker import Worker, WorkerOptions
+    from shoal.runtime.roles.worker import Worker, WorkerOptions
 
     w = Worker("unused:0", "tok", WorkerOptions())
     w.spec = pb.RunSpec(model="tiny", stages=2, steps=8, micro_batches=2, micro_batch_size=2, seq_len=16, seed=0,

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from shoal.model.config import get_preset
-from shoal.runtime.artifacts import load_final_weights
-from shoal.runtime.launch import LaunchConfig, Swarm, launch
+from shoal.runtime.processes.launch import LaunchConfig, Swarm, launch
+from shoal.runtime.roles.artifacts import load_final_weights
 from shoal.train.local import TrainConfig, train_local
 from shoal.train.metrics import read_jsonl
 from tests.helpers.members import run_cli, start_member
@@ -64,11 +64,11 @@ def test_parity_with_local_trainer(tmp_path, reference, stages, workers):
     if stages == 2:
         # the command line path: the `shoal launch` parser and handler
         out = tmp_path / "run"
-        cmd = [sys.executable, "-m", "shoal.runtime.cli", "launch", "--stages", str(stages), "--workers", str(workers),
+        cmd = [sys.executable, "-m", "shoal.runtime.processes.cli", "launch", "--stages", str(stages), "--workers", str(workers),
                "--out", str(out), "--dead-after", "3", "--min-lease", "1.5", "--timeout", "150"]
         for k, v in RUN.items():
             cmd += [f"--{k.replace('_', '-')}", str(v)]
-        proc = run_cli(cmd[3:], dict(os.environ, OMP_NUM_THREADS="1"), timeout=170, module="shoal.runtime.cli")
+        proc = run_cli(cmd[3:], dict(os.environ, OMP_NUM_THREADS="1"), timeout=170, module="shoal.runtime.processes.cli")
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "step 3" in proc.stdout
         summary = json.loads((out / "summary.json").read_text())

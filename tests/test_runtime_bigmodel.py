@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from shoal.runtime.artifacts import load_final_weights
+from shoal.runtime.roles.artifacts import load_final_weights
 from shoal.train.config import TrainConfig
 from shoal.train.local import train_local
 from shoal.train.metrics import read_jsonl
@@ -27,7 +27,7 @@ TOL = 1e-5
 @pytest.mark.timeout(1800)  # about 21 min measured at load 30 on 2 cores; far less on an idle box
 def test_gpt125m_launch_equals_local_training(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "shoal.runtime.cli", "launch", "--stages", "2", "--workers", "2",
+    cmd = [sys.executable, "-m", "shoal.runtime.processes.cli", "launch", "--stages", "2", "--workers", "2",
            "--chunk-mb", "1", "--out", str(out), "--timeout", "1600", "--dead-after", "120", "--min-lease", "120"]
     for k, v in FLAGS.items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]

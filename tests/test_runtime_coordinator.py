@@ -7,7 +7,7 @@ import asyncio
 import math
 
 from shoal.net import shoal_pb2 as pb
-from shoal.runtime.coordinator import Coordinator
+from shoal.runtime.roles.coordinator import Coordinator
 from shoal.train.metrics import read_jsonl
 from shoal.train.optim import OptimConfig, clip_coefficient, lr_at
 

@@ -16,7 +16,7 @@ import torch
 
 from shoal.data.prepare import PrepareConfig, prepare
 from shoal.hf.convert import load_hf_dir
-from shoal.runtime.artifacts import load_final_weights
+from shoal.runtime.roles.artifacts import load_final_weights
 from shoal.train.local import TrainConfig, train_local
 from shoal.train.metrics import read_jsonl
 from tests.helpers.members import run_cli
@@ -34,13 +34,13 @@ def _text(path, seed: int) -> None:
 
 
 def _launch(out, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "shoal.runtime.cli", "launch", "--stages", "2", "--workers", "2", "--out", str(out),
+    cmd = [sys.executable, "-m", "shoal.runtime.processes.cli", "launch", "--stages", "2", "--workers", "2", "--out", str(out),
            "--dead-after", "3", "--min-lease", "1.5", "--timeout", "500", *extra]
     for k, v in RUN.items():
         if k == "model" and "--init-from" in extra:
             continue
         cmd += [f"--{k.replace('_', '-')}", str(v)]
-    proc = run_cli(cmd[3:], dict(os.environ, OMP_NUM_THREADS="1"), timeout=560, module="shoal.runtime.cli")
+    proc = run_cli(cmd[3:], dict(os.environ, OMP_NUM_THREADS="1"), timeout=560, module="shoal.runtime.processes.cli")
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc
 

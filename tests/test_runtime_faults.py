@@ -15,9 +15,9 @@ import time
 import pytest
 import torch
 
-from shoal.runtime.artifacts import load_final_weights
-from shoal.runtime.launch import LaunchConfig, Swarm
-from shoal.runtime.worker import parse_hangs
+from shoal.runtime.processes.launch import LaunchConfig, Swarm
+from shoal.runtime.roles.artifacts import load_final_weights
+from shoal.runtime.roles.worker import parse_hangs
 from shoal.train.local import TrainConfig, train_local
 from shoal.train.metrics import read_jsonl
 

@@ -20,8 +20,6 @@ from shoal.net.auth import Identity
 from shoal.net.channel import make_server, open_channel
 from shoal.plan.scenario import load_scenario, scenario_from_dict, scenario_to_dict
 from shoal.plan.types import Workload
-from shoal.runtime import coordinator as coordinator_mod
-from shoal.runtime.coordinator import Coordinator
 from shoal.runtime.measure import (
     measure_blocks,
     measure_stage_flops,
@@ -30,7 +28,9 @@ from shoal.runtime.measure import (
     rate_from,
     slope_rate,
 )
-from shoal.runtime.planning import (
+from shoal.runtime.roles import coordinator as coordinator_mod
+from shoal.runtime.roles.coordinator import Coordinator
+from shoal.runtime.roles.planning import (
     COORDINATOR_NODE,
     MemberFigures,
     PathFigures,
@@ -297,7 +297,7 @@ def test_a_member_that_never_reports_is_planned_as_it_joined(tmp_path, monkeypat
 @pytest.mark.parametrize("flags,says", [(["--up-mbps", "-1"], "--up-mbps must be >= 0"),
                                         (["--probe-mb", "100"], "--probe-mb must be in (0, 64]")])
 def test_bad_measurement_flags_are_one_line_errors(flags, says, capsys, monkeypatch):
-    from shoal.runtime.cli import main
+    from shoal.runtime.processes.cli import main
 
     monkeypatch.setenv("SHOAL_TOKEN", "tok")
     assert main(["worker", "--join", "127.0.0.1:1", *flags]) == 2

@@ -18,7 +18,7 @@ from shoal.plan import make_plan
 from shoal.plan.cost import predict
 from shoal.plan.scenario import MBIT, load_scenario, save_scenario, scenario_from_dict
 from shoal.plan.types import Device, Link, Network, Plan, Scenario, Workload
-from shoal.runtime.launch import LaunchConfig, Swarm
+from shoal.runtime.processes.launch import LaunchConfig, Swarm
 from shoal.train.metrics import read_jsonl
 
 pytestmark = pytest.mark.integration

@@ -8,8 +8,8 @@ import asyncio
 from shoal.emulate.pacing import emulated_scenario
 from shoal.net import shoal_pb2 as pb
 from shoal.plan.types import Device, Link, Network, Scenario, Workload
-from shoal.runtime.coordinator import Coordinator
-from shoal.runtime.planning import (
+from shoal.runtime.roles.coordinator import Coordinator
+from shoal.runtime.roles.planning import (
     LOOPBACK_REGION,
     loopback_device,
     planning_scenario,

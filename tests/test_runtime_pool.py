@@ -12,8 +12,9 @@ import torch
 
 from shoal.net import shoal_pb2 as pb
 from shoal.net.wire import encode_tensor
-from shoal.runtime.guard import GuardConfig
-from shoal.runtime.server import StageServer, TodoPool
+from shoal.runtime.pool.pool import TodoPool
+from shoal.runtime.roles.server import StageServer
+from shoal.runtime.safety.guard import GuardConfig
 
 M, B, T = 3, 2, 16
 
@@ -197,7 +198,7 @@ def test_commit_sums_each_push_once_in_micro_batch_order(tmp_path):
     reports to a real in-process coordinator, is the sum in micro-batch order, each push once:
     what the local trainer's sequential backward passes accumulate. The commit then serialises
     the new weights for the pulls to come without waiting for one."""
-    from shoal.runtime.coordinator import Coordinator
+    from shoal.runtime.roles.coordinator import Coordinator
     from shoal.train.metrics import read_jsonl
 
     values = [5.0, 1e8, -1e8]  # push of micro-batch i holds values[i] everywhere
@@ -371,7 +372,7 @@ def test_checkpoints_are_written_off_the_loop_and_hold_their_version(tmp_path):
     reason (sent to the coordinator with its heartbeats) names it, unless the stage moved on
     while it was written (then it is abandoned with a warning)."""
     from shoal.runtime.common import read_stage_ckpt
-    from shoal.runtime.coordinator import Coordinator
+    from shoal.runtime.roles.coordinator import Coordinator
 
     async def main():
         srv = _server(tmp_path / "ckpt")

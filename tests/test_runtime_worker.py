@@ -8,7 +8,7 @@ from shoal.model.transformer import build_stage
 from shoal.net import shoal_pb2 as pb
 from shoal.net.wire import encode_tensor
 from shoal.runtime.common import model_config
-from shoal.runtime.worker import Worker, WorkerOptions, task_flops
+from shoal.runtime.roles.worker import Worker, WorkerOptions, task_flops
 
 M, B, T = 2, 2, 16
 
@@ -114,7 +114,7 @@ def test_worker_push_path_carries_error_feedback():
 
 
 def test_idle_pull_only_for_a_served_version_the_worker_lacks():
-    from shoal.runtime.worker import idle_pull
+    from shoal.runtime.roles.worker import idle_pull
 
     rep = pb.LeaseReply(has_task=False, version=3, step=3, epoch=1)
     assert idle_pull(rep, version=2, epoch=1)  # a newer version is served: pull while idle

@@ -141,7 +141,7 @@ def test_tls_refuses_peers_without_the_run_ca_and_plain_text(tmp_path):
 # ---------------------------------------------------------------------------- real processes
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "shoal.runtime.cli", *args]
+    return [sys.executable, "-m", "shoal.runtime.processes.cli", *args]
 
 
 def _env(**kw) -> dict[str, str]:
@@ -404,7 +404,7 @@ def test_tls_run_resists_capture_impersonation_and_floods(tmp_path, tmp_path_fac
     capture = bytes(rec.data)
     assert len(capture) > 1_000_000  # the weights and activations did pass the recorder
     assert token.encode() not in capture
-    from shoal.runtime.artifacts import load_final_weights
+    from shoal.runtime.roles.artifacts import load_final_weights
 
     weights = load_final_weights(out)
     for name in sorted(weights)[:6]:

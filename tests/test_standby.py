@@ -11,8 +11,8 @@ import time
 import pytest
 from swarm_reference import assert_equal_weights, failure_free_weights, launch_config
 
-from shoal.runtime.coordinator import standby_stages
-from shoal.runtime.launch import Swarm
+from shoal.runtime.processes.launch import Swarm
+from shoal.runtime.roles.coordinator import standby_stages
 from shoal.train.metrics import read_jsonl
 
 
@@ -85,7 +85,7 @@ def test_standbys_keep_the_stage_they_hold_copies_of():
 
 
 def test_pick_holder_prefers_the_newest_checkpoint_then_the_copier():
-    from shoal.runtime.coordinator import pick_holder
+    from shoal.runtime.roles.coordinator import pick_holder
 
     cands = [("spare", {0: 40, 1: 25}), ("sb", {1: 40}), ("empty", {})]
     assert pick_holder(1, cands, copier=None) == "sb"
@@ -124,8 +124,8 @@ def test_resumed_coordinator_rebinds_stages_to_their_holders_and_keeps_bans(tmp_
     from google.protobuf import json_format
 
     from shoal.net import shoal_pb2 as pb
-    from shoal.runtime.coordinator import Coordinator
-    from shoal.runtime.journal import load_resume
+    from shoal.runtime.roles.coordinator import Coordinator
+    from shoal.runtime.safety.journal import load_resume
 
     spec = pb.RunSpec(model="tiny", stages=2, steps=8, micro_batches=2, micro_batch_size=2, seq_len=16,
                       seed=0, lr=3e-3, min_lr=3e-4, warmup=1, weight_decay=0.1, grad_clip=1.0,
@@ -190,7 +190,7 @@ def test_resumed_coordinator_rebinds_stages_to_their_holders_and_keeps_bans(tmp_
 
 
 def read_journal_of(out):
-    from shoal.runtime.journal import find_run, read_journal, run_dir
+    from shoal.runtime.safety.journal import find_run, read_journal, run_dir
 
     return read_journal(run_dir(*find_run(out)) / "journal.jsonl")
 
@@ -203,8 +203,8 @@ def test_reservation_ends_and_the_best_holder_takes_the_stage(tmp_path):
     from google.protobuf import json_format
 
     from shoal.net import shoal_pb2 as pb
-    from shoal.runtime.coordinator import Coordinator
-    from shoal.runtime.journal import Journal, read_journal, resume_state, run_dir
+    from shoal.runtime.roles.coordinator import Coordinator
+    from shoal.runtime.safety.journal import Journal, read_journal, resume_state, run_dir
 
     spec = {"run_id": "20260101-000000-abcdef", "model": "tiny", "stages": 2, "steps": "8", "micro_batches": 2,
             "micro_batch_size": 2, "seq_len": 16, "seed": "0", "lr": 3e-3, "dead_after_s": 5.0,
@@ -244,7 +244,7 @@ def test_promoted_standby_keeps_its_stage_across_a_coordinator_restart(tmp_path,
     the standby had not copied the last file yet. The resumed coordinator gives every stage
     back to the server that served it (not to another standby); no roll-back goes beyond
     the step in flight, and the final weights equal the failure-free run's."""
-    from shoal.runtime.launch import launch
+    from shoal.runtime.processes.launch import launch
 
     reference = failure_free_weights(tmp_path_factory)
     out = tmp_path / "run"
@@ -282,7 +282,7 @@ def test_outer_momentum_travels_with_the_checkpoint(tmp_path):
     from shoal.model.transformer import build_stage
     from shoal.net import shoal_pb2 as pb
     from shoal.runtime.common import ckpt_dir, save_stage_ckpt
-    from shoal.runtime.server import StageServer
+    from shoal.runtime.roles.server import StageServer
     from shoal.train.optim import OptimConfig, make_optimizer
 
     cfg = get_preset("tiny")
@@ -308,7 +308,7 @@ def test_local_mode_standby_is_promoted_with_the_outer_momentum(tmp_path):
     import math
     import re
 
-    from shoal.runtime.launch import launch
+    from shoal.runtime.processes.launch import launch
 
     out = tmp_path / "run"
     summary = launch(launch_config(out, steps=8, standbys=2, sync="local", sync_every=2, outer_lr=0.7,
@@ -327,7 +327,7 @@ def test_local_mode_standby_is_promoted_with_the_outer_momentum(tmp_path):
 
 
 def test_standby_is_sent_the_newest_checkpoint_it_lacks():
-    from shoal.runtime.server import standby_send_version
+    from shoal.runtime.roles.server import standby_send_version
 
     assert standby_send_version([3, 4, 5], have=4, loading=False) == 5
     assert standby_send_version([3, 4, 5], have=5, loading=False) == 0  # nothing new: the call waits
@@ -337,7 +337,7 @@ def test_standby_is_sent_the_newest_checkpoint_it_lacks():
 
 
 def test_replay_plan_runs_from_the_copy_while_each_step_has_gradient_and_decision():
-    from shoal.runtime.standby import replay_plan
+    from shoal.runtime.safety.standby import replay_plan
 
     logged = {(1, 4), (1, 5), (1, 6)}
     assert replay_plan(4, logged, {(1, 4), (1, 5)}) == [(1, 4), (1, 5)]  # step 6 in flight: no decision
@@ -350,7 +350,7 @@ def test_replay_plan_runs_from_the_copy_while_each_step_has_gradient_and_decisio
 
 
 def test_a_roll_back_drops_the_log_of_the_history_it_left():
-    from shoal.runtime.standby import covered, overflow, superseded
+    from shoal.runtime.safety.standby import covered, overflow, superseded
 
     keys = [(1, 4), (1, 5), (1, 6), (0, 2)]
     # Epoch 2 redoes step 5: epoch 1's steps 5 and 6 are gone, step 4 (and older epochs' older steps) stay.
@@ -362,7 +362,7 @@ def test_a_roll_back_drops_the_log_of_the_history_it_left():
 
 
 def test_active_server_skips_a_standby_that_timed_out_for_a_while():
-    from shoal.runtime.standby import STANDBY_LAG_S, lag_seconds, send_to
+    from shoal.runtime.safety.standby import STANDBY_LAG_S, lag_seconds, send_to
 
     assert send_to(["a", "b"], {}, now=100.0) == ["a", "b"]
     assert send_to(["a", "b"], {"a": 120.0}, now=100.0) == ["b"]  # skipped until 120
@@ -373,7 +373,7 @@ def test_active_server_skips_a_standby_that_timed_out_for_a_while():
 
 def test_coordinator_gives_a_standby_the_decisions_of_the_committed_steps():
     from shoal.net import shoal_pb2 as pb
-    from shoal.runtime.standby import decisions_since
+    from shoal.runtime.safety.standby import decisions_since
 
     d = {(0, k): pb.StepDecision(ready=True, lr=0.1 * (k + 1), coef=1.0) for k in range(6)}
     d[(1, 4)] = pb.StepDecision(ready=True, lr=9.0, coef=0.5)  # redone after a roll-back to 4
@@ -384,7 +384,7 @@ def test_coordinator_gives_a_standby_the_decisions_of_the_committed_steps():
 
 
 def test_kill_at_commit_hook_fires_only_on_its_stage_and_step():
-    from shoal.runtime.standby import kill_at_commit
+    from shoal.runtime.safety.standby import kill_at_commit
 
     assert not kill_at_commit(0, 2, standby=False, env="")
     assert not kill_at_commit(1, 2, standby=False, env="0:3")
@@ -400,8 +400,8 @@ def test_standby_replays_logged_steps_when_the_active_dies_at_a_commit(tmp_path,
     holds at most the file of v2 but logged step 2's gradient before the step was reported.
     Promoted, it replays that step, every stage restarts at v3 (the newest committed: only
     the step in flight is lost), and the final weights equal the failure-free run's."""
-    from shoal.runtime.launch import launch
-    from shoal.runtime.standby import KILL_AT_COMMIT_ENV
+    from shoal.runtime.processes.launch import launch
+    from shoal.runtime.safety.standby import KILL_AT_COMMIT_ENV
 
     reference = failure_free_weights(tmp_path_factory)
     out = tmp_path / "run"
@@ -427,7 +427,7 @@ def test_replaying_the_step_log_equals_the_active_servers_updates(tmp_path):
 
     from shoal.net import shoal_pb2 as pb
     from shoal.runtime.common import list_ckpts, save_stage_ckpt, stage_ckpt_loss_scale
-    from shoal.runtime.server import StageServer
+    from shoal.runtime.roles.server import StageServer
     from shoal.train.optim import apply_update
 
     spec = pb.RunSpec(model="tiny", stages=2, steps=8, seed=1, lr=3e-3, weight_decay=0.1, run_id="r1",
@@ -480,7 +480,7 @@ def test_a_standby_logs_steps_only_from_the_active_server_the_coordinator_names(
     from shoal.net import shoal_pb2 as pb
     from shoal.net.stream import split
     from shoal.net.wire import encode_tensor
-    from shoal.runtime.server import StageServer
+    from shoal.runtime.roles.server import StageServer
 
     spec = pb.RunSpec(model="tiny", stages=2, steps=8, seed=1, lr=3e-3, weight_decay=0.1, run_id="r1", ckpt_every=1)
     srv = StageServer("127.0.0.1:1", "127.0.0.1:0", "tok", str(tmp_path / "standby"))
@@ -531,7 +531,7 @@ def test_planner_places_standbys_on_the_near_host_where_round_robin_would_not():
         SyncPolicy,
         Workload,
     )
-    from shoal.runtime.standby import planned_standby_stages
+    from shoal.runtime.safety.standby import planned_standby_stages
 
     def host(name: str, region: str, memory: float = 64e9) -> Device:
         return Device(name, "server", 0.0, 0.0, region, 1e8, 1e8, can_host_server=True, host_memory=memory)

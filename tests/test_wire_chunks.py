@@ -19,9 +19,9 @@ from shoal.net.channel import open_channel
 from shoal.net.stream import Assembler, assemble, chunk_bytes_from_mb, chunks_of, fetch, send, split
 from shoal.net.wire import WireError, encode_tensor
 from shoal.runtime.common import model_config
-from shoal.runtime.guard import GuardConfig
-from shoal.runtime.server import StageServer
-from shoal.runtime.worker import Worker, WorkerOptions
+from shoal.runtime.roles.server import StageServer
+from shoal.runtime.roles.worker import Worker, WorkerOptions
+from shoal.runtime.safety.guard import GuardConfig
 
 TOKEN = "chunk-test-token"
 SECRET = b"chunk-test-secret"

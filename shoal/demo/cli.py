@@ -10,7 +10,7 @@ What it does, in order:
    and derives the emulation (:func:`shoal.demo.emulated.emulation_spec`): the common
    compute time scale, so the slowest device's whole-model task takes ``model_task_s``;
 3. plans the emulated scenario with shoal's planner (shown before the run);
-4. launches the swarm (:class:`shoal.runtime.launch.Swarm`): coordinator, one stage
+4. launches the swarm (:class:`shoal.runtime.processes.launch.Swarm`): coordinator, one stage
    server per stage, one worker process per device, each shaping its links and pacing
    its compute as its device; the churn model's leave/join events SIGKILL and restart
    workers once step 0 has committed;
@@ -54,7 +54,7 @@ class DemoConfig:
     steps: int = 40  # optimizer steps
     workers: int | None = None  # worker processes (None: every worker device, at most max_workers)
     churn: bool = True  # replay the scenario's churn (SIGKILL + restart of workers)
-    compression: str = "none"  # --compression: codecs per traffic kind in the run spec (shoal.runtime.compression)
+    compression: str = "none"  # --compression: codecs per traffic kind in the run spec (shoal.runtime.sync.codecs)
     out: str | None = None  # run folder (None: runs/demo-YYYYmmdd-HHMMSS)
     seed: int = 0  # weights, data, churn and sampling seed
     quiet: bool = False  # no live display (the summary is still printed)
@@ -80,7 +80,7 @@ class DemoConfig:
             raise ShoalError(f"--steps must be at least 1, got {self.steps}")
         if self.workers is not None and self.workers < 1:
             raise ShoalError(f"--workers must be at least 1, got {self.workers}")
-        from shoal.runtime.compression import parse_run_compression
+        from shoal.runtime.sync.codecs import parse_run_compression
 
         parse_run_compression(self.compression)
         if self.stages < 1:
@@ -93,7 +93,7 @@ class DemoConfig:
 
         SyncConfig(self.sync, self.sync_every, self.outer_lr, self.outer_momentum).validate()
         if self.dashboard:
-            from shoal.runtime.dashboard import parse_bind
+            from shoal.runtime.ui.dashboard import parse_bind
 
             parse_bind(self.dashboard)
 
@@ -184,7 +184,7 @@ def runtime_plan(events: list[dict], workers: list[str], hosts: list[str], model
     """The plan the runtime ran (the coordinator's first ``replan``), in scenario device ids.
 
     Worker process ``w{i}`` plays ``workers[i]``; server process ``s{i}`` plays
-    ``hosts[i % len(hosts)]`` (as :class:`shoal.runtime.launch.Swarm` starts them).
+    ``hosts[i % len(hosts)]`` (as :class:`shoal.runtime.processes.launch.Swarm` starts them).
     None if no replan with layers was logged.
     """
     from shoal.plan.types import Plan, StagePlan
@@ -269,7 +269,7 @@ def traffic_bytes(metrics: list[dict], plan, tokens_per_mb: int, d_model: int, s
 
 def sync_policy(codec: str, compression=None):
     """The planner's view of the demo's wire codecs. ``compression`` (a
-    :class:`shoal.runtime.compression.RunCompression`, the run's per-kind setting) gives each
+    :class:`shoal.runtime.sync.codecs.RunCompression`, the run's per-kind setting) gives each
     kind its codec; without it, ``codec`` stands for what workers upload (activations, their
     gradients, gradient pushes) with weights pulled raw, so the parameter traffic factor is
     the larger of the two (fp32), as
@@ -368,7 +368,7 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
     from shoal.emulate.churn import churn_schedule
     from shoal.plan.api import make_plan
     from shoal.plan.scenario import load_scenario, save_scenario
-    from shoal.runtime.launch import LaunchConfig, Swarm
+    from shoal.runtime.processes.launch import LaunchConfig, Swarm
 
     cfg.validate()
     console = console or Console()
@@ -384,7 +384,7 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
     spec = emulation_spec(sc, str(scen_path), model_task_s=cfg.model_task_s, bandwidth_scale=cfg.bandwidth_scale,
                           seed=cfg.seed)
     w = sc.workload
-    from shoal.runtime.compression import parse_run_compression
+    from shoal.runtime.sync.codecs import parse_run_compression
 
     compression = parse_run_compression(cfg.compression)
     codec = compression.wire("act")  # the computed byte estimate's codec (the counted bytes are exact)
@@ -524,7 +524,7 @@ def _analyse(cfg: DemoConfig, sc, spec, demo_plan, metrics, events, driver, t_ch
     hosts = [d.id for d in sc.server_hosts]
     plan = runtime_plan(events, spec.workers, hosts, w.model, sc.name, w.micro_batch_size, w.micro_batches) \
         or demo_plan
-    from shoal.runtime.compression import parse_run_compression
+    from shoal.runtime.sync.codecs import parse_run_compression
 
     plan.sync = sync_policy(codec, parse_run_compression(cfg.compression))
     res: dict[str, Any] = {"scenario": sc.name, "model": w.model, "codecs": {}, "compression": cfg.compression,

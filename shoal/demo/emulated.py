@@ -1,7 +1,7 @@
 """Assembling an emulated swarm: which devices run, how fast, with which flags, and churn.
 
 The demo runs a scenario's devices as local processes. This module holds the decisions
-that connect a scenario (and a plan made for it) to ``shoal.runtime.launch.Swarm``:
+that connect a scenario (and a plan made for it) to ``shoal.runtime.processes.launch.Swarm``:
 
 * :func:`emulation_spec` -- one worker process per scenario worker device, the common
   compute ``speedup`` (so the slowest device's whole-model task takes
@@ -117,7 +117,7 @@ def swarm_churn(swarm, spec: EmulationSpec, schedule: list[Event], out: str | Pa
                 on_record=None, min_live: int = 0) -> ChurnDriver:
     """A churn driver that kills (SIGKILL) and restarts ``swarm``'s worker processes.
 
-    ``swarm`` is a ``shoal.runtime.launch.Swarm`` (``kill_worker(i)``,
+    ``swarm`` is a ``shoal.runtime.processes.launch.Swarm`` (``kill_worker(i)``,
     ``start_worker(i)``; worker ``i`` plays ``spec.workers[i]`` and is restarted with
     its ``spec.worker_args[i]``). Each replayed event is passed to ``on_record`` and,
     with ``out``, appended to ``out/churn.jsonl`` (times since ``t0_unix``, default

@@ -14,7 +14,7 @@ to measure, and answers with a ``MeasureReport``:
 
 Everything here is a plain function; the worker and server call them from their join
 and heartbeat paths, and the coordinator builds the planning scenario from the reports
-(:mod:`shoal.runtime.planning`).
+(:mod:`shoal.runtime.roles.planning`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Start swarm members by hand in tests, the way ``shoal launch`` starts them.
 
-A member (``python -m shoal.runtime.cli ROLE ...``) is forked from this pytest process's
-warm fork server (:mod:`shoal.runtime.forkserver`), which imported torch once for the
+A member (``python -m shoal.runtime.processes.cli ROLE ...``) is forked from this pytest process's
+warm fork server (:mod:`shoal.runtime.processes.forkserver`), which imported torch once for the
 whole session, instead of a fresh interpreter that imports it again (seconds of CPU
 each). It is still its own OS process in its own session, with its output in its log;
 the handle works like :class:`subprocess.Popen`. ``SHOAL_FORK_SERVER=0`` spawns instead.
@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from shoal.runtime.forkserver import get_fork_server, spawn_member
+from shoal.runtime.processes.forkserver import get_fork_server, spawn_member
 
 
 def member_env(**extra: str) -> dict[str, str]:
@@ -24,7 +24,7 @@ def member_env(**extra: str) -> dict[str, str]:
 
 
 def start_member(args: list[str], log: str | Path, env: dict[str, str]):
-    """Start ``shoal.runtime.cli ARGS`` with stdout and stderr appended to ``log``; a Popen-like handle."""
+    """Start ``shoal.runtime.processes.cli ARGS`` with stdout and stderr appended to ``log``; a Popen-like handle."""
     return spawn_member(list(args), log, env)
 
 

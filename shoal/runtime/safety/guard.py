@@ -16,7 +16,7 @@ Local mode (``--sync local``) has no recomputation (a pseudo-gradient is many in
 steps of a replica), so a merge screens each round's pseudo-gradients against the round
 itself: a contributor whose per-step norm or whose direction disagrees with the majority
 (:func:`screen_round`) is banned and left out of the merge. The tensors are measured by
-:func:`shoal.runtime.verify.round_measures` (decoded tensors, whatever the wire codec).
+:func:`shoal.runtime.safety.verify.round_measures` (decoded tensors, whatever the wire codec).
 
 Everything here that decides is a small pure function, tested directly
 (``tests/test_guard.py``); the server calls them.
@@ -207,7 +207,7 @@ def screen_round(norms: dict[str, float], cosines: dict[str, float | None], hist
     """Local mode: which contributors of one merge are banned, and why (pure).
 
     ``norms``: each contributor's pseudo-gradient norm per unit of learning rate
-    (:func:`shoal.runtime.verify.round_measures`); ``cosines``: its cosine to the round's
+    (:func:`shoal.runtime.safety.verify.round_measures`); ``cosines``: its cosine to the round's
     coordinate-wise median (None: fewer than ``cfg.local_quorum`` contributors);
     ``history``: those norms of the stage's earlier honest contributions.
 

@@ -5,7 +5,7 @@
 speed, link, tasks, bytes, last seen, state), every stage (pool, leases, the last
 step's time split, the bottleneck), the loss and tokens/s series, predicted vs
 achieved step time and the event log. ``shoal status`` prints the same dict as tables
-(:mod:`shoal.runtime.status_table`).
+(:mod:`shoal.runtime.ui.status_table`).
 
 :class:`Dashboard` serves it from inside the coordinator's asyncio loop with a small
 HTTP/1.1 server (``asyncio.start_server``, no extra dependency; every request is
@@ -35,7 +35,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from shoal.errors import ShoalError
-from shoal.runtime.stats import achieved_step_time, bottleneck, member_state
+from shoal.runtime.ui.stats import achieved_step_time, bottleneck, member_state
 
 log = logging.getLogger("shoal.dashboard")
 

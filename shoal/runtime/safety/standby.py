@@ -1,7 +1,7 @@
 """Hot standbys' step log: a stage's standby reaches the newest committed version on promotion.
 
 A hot standby copies its stage's checkpoint files from the active server (a long poll,
-:meth:`shoal.runtime.server.StageServer.StandbyCkptStream`), one transfer after each file is
+:meth:`shoal.runtime.roles.server.StageServer.StandbyCkptStream`), one transfer after each file is
 written. That alone leaves a window: an active server killed after the coordinator decided
 step ``v`` but before its standby holds the file of version ``v + 1`` costs the committed
 step too. The step log closes it in exact mode:

@@ -17,7 +17,7 @@ global clip coefficient) are those of exact mode. What changes:
   made that activation); only when that worker is gone does another recompute it.
 
 The pure decisions are small functions here and in shoal.train.outer; the classes are
-mixins of :class:`shoal.runtime.server.StageServer` and :class:`shoal.runtime.worker.Worker`.
+mixins of :class:`shoal.runtime.roles.server.StageServer` and :class:`shoal.runtime.roles.worker.Worker`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from shoal.net import shoal_pb2 as pb
 from shoal.net.compress import ErrorFeedback
 from shoal.net.wire import WireError, encode_tensor
 from shoal.runtime.common import optim_config, tensors_digest
-from shoal.runtime.compression import compression_of_spec
+from shoal.runtime.sync.codecs import compression_of_spec
+from shoal.runtime.transport.frames import decode_grads
 from shoal.train.optim import apply_update, make_optimizer
 from shoal.train.outer import is_sync_step, merge_pseudo_grads, outer_nesterov_step, sync_of_spec
 
@@ -164,10 +165,9 @@ class LocalServerMixin:
         if r.epoch != self.epoch or r.local_round != round_v or not self._local_wants(r.worker):
             return pb.PushReply(accepted=False, reason="no merge awaits this pseudo-gradient; pull the "
                                                        "merged weights", gen=info.gen)
-        from shoal.runtime.server import _decode_grads
 
         try:
-            deltas = await asyncio.get_running_loop().run_in_executor(None, _decode_grads, r, self.params, True)
+            deltas = await asyncio.get_running_loop().run_in_executor(None, decode_grads, r, self.params, True)
         except WireError as exc:
             log.warning("%s rejected a pseudo-gradient of %s: %s", self.name, r.worker, exc)
             self._void_worker(r.worker, f"bad pseudo-gradient: {exc}")
@@ -238,7 +238,7 @@ class LocalServerMixin:
         return True
 
     async def _local_screen(self, step: int) -> dict[str, list]:
-        """Screen the round's pseudo-gradients (shoal.runtime.guard.screen_round) before the
+        """Screen the round's pseudo-gradients (shoal.runtime.safety.guard.screen_round) before the
         merge: a contributor that fails is banned and its pseudo-gradient left out.
 
         Returns each contributor's [norm per unit of learning rate, cosine to the round's
@@ -246,8 +246,8 @@ class LocalServerMixin:
         """
         if not self.guard_cfg.enabled or not self.local_got:
             return {}
-        from shoal.runtime.guard import screen_round
-        from shoal.runtime.verify import round_measures
+        from shoal.runtime.safety.guard import screen_round
+        from shoal.runtime.safety.verify import round_measures
 
         lrs = {w: self.local_round_lr.get(w, 0.0) for w in self.local_got}
         norms, cosines = await asyncio.get_running_loop().run_in_executor(
@@ -269,11 +269,11 @@ class LocalServerMixin:
 
     def _local_move_bound(self) -> float | None:
         """How far inner AdamW steps can move this stage per unit of learning rate
-        (:func:`shoal.runtime.guard.adamw_move_bound`, on the merged weights the round started
+        (:func:`shoal.runtime.safety.guard.adamw_move_bound`, on the merged weights the round started
         from); None where pushes are top-k (error feedback carries residuals across rounds)."""
-        from shoal.runtime.compression import compression_of_spec
-        from shoal.runtime.guard import adamw_move_bound
-        from shoal.runtime.verify import sq_norm
+        from shoal.runtime.safety.guard import adamw_move_bound
+        from shoal.runtime.safety.verify import sq_norm
+        from shoal.runtime.sync.codecs import compression_of_spec
 
         # (a pass over the stage's weights: runs in a thread)
         if compression_of_spec(self.spec).wire("push").startswith("topk"):

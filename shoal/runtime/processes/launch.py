@@ -9,7 +9,7 @@ the demo need: extra arguments per worker, ``kill_worker(i)`` (SIGKILL) and
 runs one to completion; ``LaunchConfig.resume`` continues a stopped run.
 ``metrics.jsonl`` while the run goes. :func:`launch` runs one to completion.
 ``LaunchConfig.faults`` (``--fault SPEC``) injects faults on run state (see
-:mod:`shoal.runtime.faults`).
+:mod:`shoal.runtime.safety.faults`).
 """
 
 from __future__ import annotations
@@ -91,12 +91,12 @@ class LaunchConfig:
     sync_every: int = 32  # local: steps between merges H
     outer_lr: float = 0.7  # local: outer Nesterov learning rate
     outer_momentum: float = 0.9  # local: outer Nesterov momentum
-    compression: str = "none"  # wire codecs per traffic kind (shoal.runtime.compression; none: uncompressed)
-    faults: list[str] = field(default_factory=list)  # --fault SPECs (shoal.runtime.faults grammar)
+    compression: str = "none"  # wire codecs per traffic kind (shoal.runtime.sync.codecs; none: uncompressed)
+    faults: list[str] = field(default_factory=list)  # --fault SPECs (shoal.runtime.safety.faults grammar)
     spot_check: float = 0.05  # fraction of gradient pushes the stage servers recompute (exact runs)
     standbys: int = 0  # hot standby servers, each with its own empty checkpoint folder (stage k mod S)
     tls: bool = True  # mutual TLS with keys made in RUN/tls (False: plain text on loopback)
-    fork_server: bool = True  # fork members from one warm process (shoal.runtime.forkserver; False: spawn each)
+    fork_server: bool = True  # fork members from one warm process (shoal.runtime.processes.forkserver; False: spawn each)
 
     def validate(self) -> None:
         if self.workers is None:
@@ -108,7 +108,7 @@ class LaunchConfig:
         from shoal.train.outer import SyncConfig
 
         SyncConfig(self.sync, self.sync_every, self.outer_lr, self.outer_momentum).validate(self.precision)
-        from shoal.runtime.compression import parse_run_compression
+        from shoal.runtime.sync.codecs import parse_run_compression
 
         self.compression = parse_run_compression(self.compression).text()
         from shoal.train.precision import check_device_precision, check_precision, resolve_device
@@ -144,7 +144,7 @@ class Swarm:
         if cfg.resume:
             self._from_journal(cfg)
         cfg.validate()
-        from shoal.runtime.faults import check_faults, parse_fault
+        from shoal.runtime.safety.faults import check_faults, parse_fault
 
         self.faults = [parse_fault(f) for f in cfg.faults]
         check_faults(self.faults, workers=cfg.workers, stages=cfg.stages, steps=cfg.steps)
@@ -193,7 +193,7 @@ class Swarm:
 
     def _from_journal(self, cfg: LaunchConfig) -> None:
         """``resume``: the stage, step and worker counts of the run being continued."""
-        from shoal.runtime.journal import load_resume
+        from shoal.runtime.safety.journal import load_resume
 
         out, self.run_id, state = load_resume(cfg.out, cfg.run_id)
         cfg.out = str(out)  # RUN_DIR may name the run's own folder, OUT/runs/<id>
@@ -203,7 +203,7 @@ class Swarm:
 
     def _spawn(self, args: list[str], log_name: str, env: dict | None = None) -> subprocess.Popen:
         """Start a member in its own session, forked from the warm fork server unless that is off."""
-        from shoal.runtime.forkserver import spawn_member
+        from shoal.runtime.processes.forkserver import spawn_member
 
         security = [] if self.tls is not None else ["--insecure"]
         env = dict(env or self.env)
@@ -225,7 +225,7 @@ class Swarm:
         c = self.cfg
         self.t0 = time.time()
         if c.fork_server:  # start its imports now; they overlap the data preparation below
-            from shoal.runtime.forkserver import get_fork_server
+            from shoal.runtime.processes.forkserver import get_fork_server
 
             get_fork_server(self.env)
         if c.resume:
@@ -332,7 +332,7 @@ class Swarm:
 
     def _run_done(self) -> bool:
         """Whether this run's journal says the run finished."""
-        from shoal.runtime.journal import read_journal, resume_state, run_dir
+        from shoal.runtime.safety.journal import read_journal, resume_state, run_dir
 
         try:
             return resume_state(read_journal(run_dir(self.out, self.run_id) / "journal.jsonl")).state == "done"
@@ -414,14 +414,14 @@ class Swarm:
 
     # ------------------------------------------------------------------ fault injection
     def _flaps(self) -> list:
-        from shoal.runtime.faults import FlapFault
+        from shoal.runtime.safety.faults import FlapFault
 
         return [f for f in self.faults if isinstance(f, FlapFault)]
 
     def _fault_args(self, worker: str) -> list[str]:
         """Worker flags of its faults; a flapping worker dials the servers through its proxies."""
         from shoal.emulate.flap import FlapProxy
-        from shoal.runtime.faults import worker_fault_args
+        from shoal.runtime.safety.faults import worker_fault_args
 
         args = worker_fault_args(self.faults, worker)
         for f in self._flaps():
@@ -462,7 +462,12 @@ class Swarm:
 
     def _fire(self, f, committed: int) -> None:
         from shoal.runtime.common import ckpt_dir
-        from shoal.runtime.faults import CorruptCkptFault, KillFault, corrupt_file, newest_ckpt
+        from shoal.runtime.safety.faults import (
+            CorruptCkptFault,
+            KillFault,
+            corrupt_file,
+            newest_ckpt,
+        )
 
         if isinstance(f, KillFault) and f.role == "worker":
             live = [i for i, p in enumerate(self.workers) if p is not None and p.poll() is None]

@@ -27,12 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import logging
 import math
 import os
 import time
-from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -53,7 +51,7 @@ from shoal.net.stream import (
     split,
 )
 from shoal.net.traffic import Traffic
-from shoal.net.wire import WireError, decode_tensor, encode_tensor, serialize_framed
+from shoal.net.wire import WireError, decode_tensor, encode_tensor
 from shoal.runtime.common import (
     SCHEMA_VERSION,
     Signal,
@@ -75,14 +73,9 @@ from shoal.runtime.common import (
     set_threads,
     stage_ckpt_loss_scale,
 )
-from shoal.runtime.compression import (
-    compressed_pull,
-    compression_of_spec,
-    frame_to_forward,
-    relay_frame,
-)
-from shoal.runtime.guard import DEFAULT as GUARD
-from shoal.runtime.guard import (
+from shoal.runtime.pool.pool import Lease, MbState, TodoPool, WorkerInfo, pick_order, yield_to_idle
+from shoal.runtime.safety.guard import DEFAULT as GUARD
+from shoal.runtime.safety.guard import (
     ban_reason,
     low_only,
     needs_verify,
@@ -91,111 +84,20 @@ from shoal.runtime.guard import (
     robust_centre,
     screen,
 )
-from shoal.runtime.local_sync import LocalServerMixin
-from shoal.runtime.standby import StandbyMixin, kill_at_commit
-from shoal.runtime.stats import StepTiming
+from shoal.runtime.safety.standby import StandbyMixin, kill_at_commit
+from shoal.runtime.sync.codecs import (
+    compressed_pull,
+    compression_of_spec,
+    frame_to_forward,
+    relay_frame,
+)
+from shoal.runtime.sync.local import LocalServerMixin
+from shoal.runtime.transport.frames import decode_grads, retry, serialise_weights
+from shoal.runtime.ui.stats import StepTiming
 from shoal.train.optim import apply_update, grad_sq_norm, make_optimizer
 from shoal.train.precision import unscale_grads, wire_dtype
 
 log = logging.getLogger("shoal.server")
-
-
-@dataclass
-class MbState:
-    """One micro-batch of one step at this stage."""
-
-    input: torch.Tensor | None = None  # stage input (None at stage 0: tokens are rebuilt)
-    out_grad: torch.Tensor | None = None  # gradient of the stage output (non-last stages)
-    fwd: str = "wait"  # wait | todo | leased | done  (non-last stages only)
-    grad: str = "wait"  # wait | todo | leased | computed | counted
-    holder: str = ""  # worker holding the grad lease or the computed gradient
-    loss: float | None = None  # last stage: the micro-batch loss
-    relayed_back: bool = False  # the input gradient went to the previous stage
-    fwd_by: str = ""  # local mode: the worker whose replica ran the forward (gets the backward)
-    fwd_gen: int = 0  # that worker's generation then
-    input_frame: pb.Tensor | None = None  # compressed runs: the input as received, handed on as is
-    out_grad_frame: pb.Tensor | None = None  # compressed runs: the output gradient as received
-
-
-@dataclass
-class Lease:
-    lease_id: int
-    step: int
-    mb: int
-    direction: int
-    worker: str
-    deadline: float
-    started: float
-
-
-def yield_to_idle(idle_asking: dict[str, int], wid: str) -> bool:
-    """Whether a lease request ``wid`` made ahead must leave the next task to another worker:
-    one whose own request waits while it has nothing to do (``idle_asking``: worker -> such
-    parked requests)."""
-    return any(n > 0 for w, n in idle_asking.items() if w != wid)
-
-
-def pick_order(is_last: bool) -> tuple[str, ...]:
-    """Which kind of task a stage leases first: forwards, then gradients.
-
-    A forward feeds the next stage, whose whole chain of tasks waits on it; a backward
-    feeds only the previous stage's backward and this stage's push, which wait for the
-    last micro-batch anyway. Forwards first keeps the later stages busy (GPipe's order);
-    the worker's graph cache (at most 2M forward graphs) bounds what it holds either way.
-    The last stage has only gradient tasks (forward and backward in one).
-    """
-    return ("grad",) if is_last else ("fwd", "grad")
-
-
-class TodoPool:
-    """Micro-batch ids whose task is ``todo``, per (step, kind), lowest id first.
-
-    Every path that makes a task ``todo`` adds it here; the pick pops the lowest id and
-    checks it against the task's state (``is_todo``), so entries made stale by another
-    transition (leased, done, a roll-back) are dropped when met: a lease costs O(log M)
-    instead of a scan over the step's micro-batches. A duplicate entry is harmless.
-    """
-
-    def __init__(self) -> None:
-        self._heaps: dict[tuple[int, str], list[int]] = {}
-
-    def add(self, step: int, kind: str, mb: int) -> None:
-        """``mb``'s ``kind`` task ("fwd" or "grad") of ``step`` became todo."""
-        heapq.heappush(self._heaps.setdefault((step, kind), []), mb)
-
-    def pick(self, step: int, kind: str, is_todo, ok=None) -> int | None:
-        """The lowest todo micro-batch of ``(step, kind)`` that ``ok(mb)`` allows (None: none).
-
-        ``is_todo(mb)``: whether the task is really todo (stale entries are dropped). With
-        ``ok`` (local mode: a backward waits for its forward's worker), entries it refuses
-        stay for other workers, so only then the todo entries are looked through.
-        """
-        h = self._heaps.get((step, kind))
-        while h and not is_todo(h[0]):
-            heapq.heappop(h)
-        if not h:
-            return None
-        if ok is None or ok(h[0]):
-            return heapq.heappop(h)
-        for mb in sorted(set(h)):
-            if is_todo(mb) and ok(mb):
-                return mb  # left in the heap: dropped as stale once it is leased
-        return None
-
-    def drop_step(self, step: int) -> None:
-        """Forget a committed step."""
-        for kind in ("fwd", "grad"):
-            self._heaps.pop((step, kind), None)
-
-    def clear(self) -> None:
-        self._heaps.clear()
-
-
-@dataclass
-class WorkerInfo:
-    gen: int = 1  # bumped when the server voids this worker's un-pushed gradients
-    last_seen: float = field(default_factory=time.monotonic)
-    ewma_s: float | None = None  # task time estimate for lease deadlines
 
 
 class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
@@ -261,7 +163,7 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         self.stall_warned = False
         self.fatal = ""  # a one-line reason this server cannot go on (sent to the coordinator)
         self.ckpt_ok: set[tuple] = set()  # (stage, version, size, mtime) of checkpoints known good
-        # Push screening (shoal.runtime.guard): banned workers, and what the screen keeps.
+        # Push screening (shoal.runtime.safety.guard): banned workers, and what the screen keeps.
         self.guard_banned: dict[str, str] = {}  # worker member id -> why it was banned
         self.guard_bans: list[pb.GuardBan] = []  # reported to the coordinator with every heartbeat
         self.guard_norms: list[float] = []  # norms of recent honest pushes (the robust centre)
@@ -270,7 +172,7 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         self.guard_ref: dict[str, torch.Tensor] | None = None  # the last committed gradient (direction)
         self._guard_ref_norm: tuple[dict, float] | None = None  # (guard_ref, its norm): computed once per reference
         self.guard_checks = 0  # pushes recomputed here
-        self.guard_cfg = GUARD  # the screen's thresholds (shoal.runtime.guard.GuardConfig)
+        self.guard_cfg = GUARD  # the screen's thresholds (shoal.runtime.safety.guard.GuardConfig)
         self.standby = False  # a hot standby: copies a stage's checkpoints until promoted
         self.standby_copying = False  # a checkpoint copy is under way
         self.ckpt_task: asyncio.Task | None = None  # the checkpoint being written in a thread
@@ -478,7 +380,7 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         server = await self.start_rpc()
         coord = pbg.CoordinatorStub(self.channels.open(self.coord_addr))
         self.coord = coord
-        reply = await _retry(lambda: coord.Join(self._join_request()))
+        reply = await retry(lambda: coord.Join(self._join_request()))
         self.member_id, self.spec = reply.member_id, reply.spec
         log.info("%s joined as %s at %s", self.name, self.member_id, self.address)
         reaper = asyncio.create_task(self._reaper())
@@ -848,7 +750,7 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         try:
             # Checked in a thread: a stage's gradients can be hundreds of MB, and the loop
             # must keep answering leases and heartbeats meanwhile.
-            grads = await asyncio.get_running_loop().run_in_executor(None, _decode_grads, r, self.params,
+            grads = await asyncio.get_running_loop().run_in_executor(None, decode_grads, r, self.params,
                                                                 self.grads_finite)
         except WireError as exc:
             log.warning("%s rejected a gradient push of %s: %s", self.name, r.worker, exc)
@@ -892,7 +794,7 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
     def _guard_measure(self, grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor] | None
                        ) -> tuple[float, float | None]:
         """A push's norm and its cosine to the last committed gradient (runs in a thread)."""
-        from shoal.runtime.verify import dot, sq_norm
+        from shoal.runtime.safety.verify import dot, sq_norm
 
         norm = math.sqrt(sq_norm(grads))
         if not ref or norm == 0:
@@ -909,7 +811,7 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
 
         ``inputs``: (micro-batch, stage input, output gradient) of each micro-batch of the push.
         """
-        from shoal.runtime.verify import recompute_grads, sq_diff, sq_norm
+        from shoal.runtime.safety.verify import recompute_grads, sq_diff, sq_norm
 
         mine: dict[str, torch.Tensor] = {}
         for mb, inp, out_grad in inputs:
@@ -920,7 +822,7 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         return rel_error(sq_diff(grads, mine), sq_norm(mine))
 
     async def _guard_push(self, r, ids: list[int], grads: dict[str, torch.Tensor]) -> str:
-        """Screen one push (see :mod:`shoal.runtime.guard`); bans its worker and returns why, or "".
+        """Screen one push (see :mod:`shoal.runtime.safety.guard`); bans its worker and returns why, or "".
 
         Exact runs (fp32, raw frames) recompute a flagged push, a worker's first push here
         and a seeded ``guard_spot_check`` fraction; only a mismatch bans there.
@@ -1073,7 +975,7 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
                 self._wcache = None  # drop the old bytes before making the new
                 head = pb.WeightsReply(version=key[0], epoch=self.epoch, first=self.first, last=self.last)
                 data = await asyncio.get_running_loop().run_in_executor(
-                    None, _serialise_weights, head, dict(self.params))
+                    None, serialise_weights, head, dict(self.params))
                 self._wcache = (key, data)
             return self._wcache[1]
 
@@ -1399,37 +1301,6 @@ def standby_send_version(versions: list[int], have: int, loading: bool) -> int:
     if not versions or loading or versions[-1] == have:
         return 0
     return versions[-1]
-
-
-def _serialise_weights(head: pb.WeightsReply, params: dict[str, torch.Tensor]) -> bytes:
-    """``head`` with every parameter framed, serialised (runs in a thread)."""
-    return serialize_framed(head, pb.WeightsReply.DESCRIPTOR.fields_by_name["params"].number,
-                            [encode_tensor(name, p.detach()) for name, p in params.items()])
-
-
-def _decode_grads(r: pb.GradPush, params: dict[str, torch.Tensor], finite: bool = True) -> dict[str, torch.Tensor]:
-    """Every gradient of a push, checked against its parameter (shape, dtype and, unless an fp16
-    run may overflow, finiteness); all or nothing."""
-    grads = {}
-    for g in r.grads:
-        if g.name not in params or g.name in grads:
-            raise WireError(f"unexpected gradient {g.name!r}")
-        grads[g.name] = decode_tensor(g, shape=tuple(params[g.name].shape), dtype="float32", finite=finite)
-    if len(grads) != len(params):
-        raise WireError(f"push has {len(grads)} of {len(params)} gradients")
-    return grads
-
-
-async def _retry(fn, budget_s: float = 30.0, delay: float = 0.1):
-    """Call ``fn`` until it succeeds (the peer may still be starting), for ``budget_s`` at most."""
-    end = time.monotonic() + budget_s
-    while True:
-        try:
-            return await fn()
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > end:
-                raise
-            await asyncio.sleep(delay)
 
 
 def serve(coord: str, listen: str, token: str, ckpt_root: str, name: str = "server", *, dial=None,

@@ -91,7 +91,7 @@ def _run_args(p: argparse.ArgumentParser, launch: bool = False) -> None:
     from shoal.train.outer import add_sync_args
 
     add_sync_args(p)
-    from shoal.runtime.compression import add_compression_arg
+    from shoal.runtime.sync.codecs import add_compression_arg
 
     add_compression_arg(p)
     p.add_argument("--chunk-mb", type=float, default=None,
@@ -309,7 +309,7 @@ def _spec(args):
     from shoal.model.config import get_preset
     from shoal.net import shoal_pb2 as pb
     from shoal.net.stream import chunk_bytes_from_mb
-    from shoal.runtime.launch import resolve_ckpt_every
+    from shoal.runtime.processes.launch import resolve_ckpt_every
     from shoal.train.flags import workload_from_args
     from shoal.train.optim import OptimConfig
 
@@ -345,7 +345,7 @@ def _spec(args):
     from shoal.train.outer import sync_from_args
 
     sync = sync_from_args(args, args.precision or "fp32")
-    from shoal.runtime.compression import parse_run_compression
+    from shoal.runtime.sync.codecs import parse_run_compression
 
     compression = parse_run_compression(args.compression)
     spec = pb.RunSpec(
@@ -371,7 +371,7 @@ _KEPT_OPTIONS = {"min_workers": 1, "stall_timeout": 900.0, "advertise": None, "e
 
 def _resume_args(args):
     """``--resume``: the run's journal state, with ``args`` completed from it (out, listen, options)."""
-    from shoal.runtime.journal import load_resume
+    from shoal.runtime.safety.journal import load_resume
 
     out, _, state = load_resume(args.resume, args.run_id)
     if args.out and Path(args.out).resolve() != out.resolve():
@@ -401,7 +401,7 @@ def run_coordinator_cmd(args) -> int:
     args.listen = args.listen or "127.0.0.1:7070"
     check_listen(args.listen, args.advertise)  # before the heavy imports: a refusal is instant
     from shoal.runtime.common import set_threads
-    from shoal.runtime.coordinator import run_coordinator
+    from shoal.runtime.roles.coordinator import run_coordinator
 
     _logging(args.log_level)
     set_threads()
@@ -428,7 +428,7 @@ def _dashboard(args) -> str | None:
     """The coordinator's ``--dashboard`` bind address, checked (None: no dashboard)."""
     if not args.dashboard:
         return None
-    from shoal.runtime.dashboard import parse_bind
+    from shoal.runtime.ui.dashboard import parse_bind
 
     parse_bind(args.dashboard)
     return args.dashboard
@@ -460,7 +460,7 @@ def run_server_cmd(args) -> int:
     check_listen(args.listen, args.advertise)  # before the heavy imports: a refusal is instant
     split_address(args.join)
     chunk = chunk_bytes_from_mb(args.chunk_mb, default=0)
-    from shoal.runtime.server import serve
+    from shoal.runtime.roles.server import serve
 
     check_address("--join", args.join)
     _measure_opts(args)  # its one-line errors come before any about keys
@@ -478,7 +478,7 @@ def run_worker_cmd(args) -> int:
     from shoal.net.channel import split_address
     from shoal.net.compress import CODECS
     from shoal.net.stream import chunk_bytes_from_mb
-    from shoal.runtime.worker import WorkerOptions, work
+    from shoal.runtime.roles.worker import WorkerOptions, work
     from shoal.train.precision import resolve_device
 
     resolve_device(args.device)  # a bad --device is an error before anything else
@@ -510,7 +510,7 @@ def run_worker_cmd(args) -> int:
 
 
 def run_status_cmd(args) -> int:
-    from shoal.runtime.launch import swarm_status
+    from shoal.runtime.processes.launch import swarm_status
 
     check_address("--join", args.join)
     status = swarm_status(args.join, _token(args), tls=_tls(args, args.join))
@@ -519,14 +519,14 @@ def run_status_cmd(args) -> int:
         return 0
     from rich.console import Console
 
-    from shoal.runtime.status_table import status_tables
+    from shoal.runtime.ui.status_table import status_tables
 
     Console().print(status_tables(status))
     return 0
 
 
 def run_launch_cmd(args) -> int:
-    from shoal.runtime.launch import LaunchConfig, launch, stop_on_signals
+    from shoal.runtime.processes.launch import LaunchConfig, launch, stop_on_signals
     from shoal.train.flags import workload_from_args
 
     w = workload_from_args(args)
@@ -552,7 +552,7 @@ def run_launch_cmd(args) -> int:
         compression=args.compression, faults=list(args.fault), spot_check=args.spot_check, standbys=args.standbys,
         tls=not args.insecure, fork_server=not args.no_fork_server)
     if cfg.dashboard:
-        from shoal.runtime.dashboard import parse_bind
+        from shoal.runtime.ui.dashboard import parse_bind
 
         parse_bind(cfg.dashboard)
 
@@ -589,7 +589,7 @@ def _fmt(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point for ``python -m shoal.runtime.cli`` (how launch starts its processes)."""
+    """Entry point for ``python -m shoal.runtime.processes.cli`` (how launch starts its processes)."""
     parser = argparse.ArgumentParser(prog="shoal-runtime")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

@@ -12,14 +12,14 @@
   measure once every stage has a server, waits for the reports before planning, and
   asks a worker again when its observed task or pull times drift from the planned
   ones; see :mod:`shoal.runtime.measure`); when the processes emulate a scenario, it
-  sees that scenario's devices and network (see :mod:`shoal.runtime.planning`). The
+  sees that scenario's devices and network (see :mod:`shoal.runtime.roles.planning`). The
   scenario planned on is in ``shoal status`` and the run folder's ``scenario.json``.
 * Step commit: each server reports its squared gradient norm (the last stage also its M
   losses); when all S stages have reported step t, the coordinator computes the global
   clip coefficient and the step's learning rate, answers them all, and writes the
   metrics record.
 * Journal: the run spec, plan, epochs and committed steps go to the run's
-  ``journal.jsonl`` (see :mod:`shoal.runtime.journal`); a coordinator started with a
+  ``journal.jsonl`` (see :mod:`shoal.runtime.safety.journal`); a coordinator started with a
   journal's state (``--resume``) takes the run over: a new epoch, the same layer ranges,
   and a roll-back to the newest version every stage can restore.
 """
@@ -61,9 +61,8 @@ from shoal.runtime.common import (
     optim_config,
     run_precision,
 )
-from shoal.runtime.journal import FINAL, JOURNAL, LINKED, Journal, point_link, run_dir
 from shoal.runtime.measure import probe_reply
-from shoal.runtime.planning import (
+from shoal.runtime.roles.planning import (
     COORDINATOR_NODE,
     REMEASURE_AFTER_S,
     MemberFigures,
@@ -75,7 +74,8 @@ from shoal.runtime.planning import (
     planning_scenario,
     played_device,
 )
-from shoal.runtime.standby import decisions_since, planned_standby_stages
+from shoal.runtime.safety.journal import FINAL, JOURNAL, LINKED, Journal, point_link, run_dir
+from shoal.runtime.safety.standby import decisions_since, planned_standby_stages
 from shoal.train.metrics import JsonlWriter, step_record
 from shoal.train.optim import clip_coefficient, lr_at
 from shoal.train.precision import next_loss_scale, overflowed
@@ -186,7 +186,7 @@ class Coordinator(pbg.CoordinatorServicer):
         self.journaled_servers: list[str] = [""] * spec.stages  # newest `servers` journal record
         if resume is not None:
             self._take_over(resume)
-        # Run-scoped files: OUT/runs/<run id>/..., linked from OUT (see shoal.runtime.journal).
+        # Run-scoped files: OUT/runs/<run id>/..., linked from OUT (see shoal.runtime.safety.journal).
         self.run_dir = run_dir(self.out, spec.run_id) if self.out else None
         try:
             self.metrics = JsonlWriter(self.run_dir / "metrics.jsonl", self.t0) if self.out else None
@@ -217,7 +217,7 @@ class Coordinator(pbg.CoordinatorServicer):
         self.guard_banned: dict[str, str] = {}  # member id -> why a stage server banned it (for the run)
 
     def _take_over(self, st) -> None:
-        """Continue the run a journal describes (``st``: a :class:`~shoal.runtime.journal.ResumeState`).
+        """Continue the run a journal describes (``st``: a :class:`~shoal.runtime.safety.journal.ResumeState`).
 
         The committed steps' records are kept; a new epoch fences off anything members
         still send for the old coordinator's epochs; once every stage has a server that
@@ -410,7 +410,7 @@ class Coordinator(pbg.CoordinatorServicer):
 
     def _planned_standbys(self, mids: list[str]) -> dict[str, int]:
         """The planner's placement of hot standbys ``mids`` where the run has a plan on an
-        emulated scenario (:func:`shoal.runtime.standby.planned_standby_stages`; memoised)."""
+        emulated scenario (:func:`shoal.runtime.safety.standby.planned_standby_stages`; memoised)."""
         if self.emulated is None or self.plan is None or not mids or not all(self.stage_server) \
                 or len(self.plan.stages) != len(self.layers):
             return {}
@@ -747,7 +747,7 @@ class Coordinator(pbg.CoordinatorServicer):
                 a.standby_first, a.standby_last = self.layers[shadow]
                 a.standby_source = self.stage_server[shadow]
         if request.standby_decisions_from > 0:
-            # A standby's step log: the decisions it replays if promoted (shoal.runtime.standby).
+            # A standby's step log: the decisions it replays if promoted (shoal.runtime.safety.standby).
             a.standby_decisions.extend(decisions_since(self.decisions, self.epoch, self.committed,
                                                        request.standby_decisions_from - 1))
         return a
@@ -1026,7 +1026,7 @@ class Coordinator(pbg.CoordinatorServicer):
         if self.error:  # failed meanwhile (a member's fatal error): the journal says so, not "done"
             return
         if self.out:
-            from shoal.runtime.artifacts import write_final
+            from shoal.runtime.roles.artifacts import write_final
 
             write_final(self.run_dir, weights, self.cfg, self.spec, self.summary())
             for name in FINAL:
@@ -1077,7 +1077,7 @@ class Coordinator(pbg.CoordinatorServicer):
             "plans_on": ("emulated" if self.emulated is not None else "measured" if self.figures else "loopback"),
             "scenario": self._scenario_view(),
         }
-        from shoal.runtime.dashboard import snapshot
+        from shoal.runtime.ui.dashboard import snapshot
 
         st["dashboard"] = snapshot(self)
         return pb.StatusReply(json=json.dumps(st))
@@ -1105,10 +1105,10 @@ async def run_coordinator(spec: pb.RunSpec, token: str, listen: str, *, min_work
     ``emulated``: the scaled scenario the processes emulate, planned on instead of loopback;
     ``advertise``: the address members dial (written to ``address_file``; default: listen).
     ``dashboard``: HOST:PORT for the live web dashboard (None: none), see
-    :mod:`shoal.runtime.dashboard`; its URL goes to ``address_file + ".dashboard"``.
-    ``resume``: the :class:`~shoal.runtime.journal.ResumeState` of the run to take over
+    :mod:`shoal.runtime.ui.dashboard`; its URL goes to ``address_file + ".dashboard"``.
+    ``resume``: the :class:`~shoal.runtime.safety.journal.ResumeState` of the run to take over
     (``spec`` is then that run's); ``options``: the settings the journal keeps for a
-    later ``--resume`` (see :func:`shoal.runtime.cli.run_coordinator_cmd`).
+    later ``--resume`` (see :func:`shoal.runtime.processes.cli.run_coordinator_cmd`).
     """
     coord = Coordinator(spec, token, min_workers=min_workers, out=out, emulated=emulated,
                         stall_fail_s=stall_fail_s, resume=resume, options=options, tls=tls)
@@ -1123,7 +1123,7 @@ async def run_coordinator(spec: pb.RunSpec, token: str, listen: str, *, min_work
     await server.start()
     web = None
     if dashboard:
-        from shoal.runtime.dashboard import Dashboard
+        from shoal.runtime.ui.dashboard import Dashboard
 
         web = Dashboard(coord, dashboard, token)
         await web.start()

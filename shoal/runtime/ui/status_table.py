@@ -1,4 +1,4 @@
-"""``shoal status``: the dashboard's data (:func:`shoal.runtime.dashboard.snapshot`) as rich tables."""
+"""``shoal status``: the dashboard's data (:func:`shoal.runtime.ui.dashboard.snapshot`) as rich tables."""
 
 from __future__ import annotations
 

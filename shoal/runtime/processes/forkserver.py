@@ -2,10 +2,10 @@
 
 ``python -c "import torch"`` costs seconds of CPU; a local swarm starts a coordinator, S
 servers and W workers, each of which would pay it. :class:`ForkServer` starts one process
-(``python -m shoal.runtime.forkserver``) that imports torch, grpc and the runtime's modules
+(``python -m shoal.runtime.processes.forkserver``) that imports torch, grpc and the runtime's modules
 once and then, on request, forks a member: the child starts its own session, writes
 stdout and stderr to the member's log, takes the member's environment, working folder and
-argv, and runs ``shoal.runtime.cli.main`` as ``python -m shoal.runtime.cli`` would; it ends
+argv, and runs ``shoal.runtime.processes.cli.main`` as ``python -m shoal.runtime.processes.cli`` would; it ends
 through the interpreter's normal exit (atexit handlers, thread joins), like a spawned one.
 
 Members stay separate OS processes: their own pid and session, killable with ``kill -9``.
@@ -47,12 +47,12 @@ import threading
 # through torch.fx's symbolic shapes), seconds of CPU in every server.
 PRELOAD = ("numpy", "numpy.random", "torch", "torch._dynamo", "torch.fx.experimental.symbolic_shapes",
            "safetensors.torch", "grpc", "grpc.aio", "google.protobuf.json_format",
-           "shoal.cli", "shoal.runtime.cli", "shoal.runtime.coordinator", "shoal.runtime.server", "shoal.runtime.worker",
-           "shoal.runtime.planning", "shoal.runtime.measure", "shoal.runtime.local_sync",
-           "shoal.runtime.artifacts", "shoal.runtime.verify", "shoal.emulate.hooks", "shoal.emulate.pacing",
+           "shoal.cli", "shoal.runtime.processes.cli", "shoal.runtime.roles.coordinator", "shoal.runtime.roles.server", "shoal.runtime.roles.worker",
+           "shoal.runtime.roles.planning", "shoal.runtime.measure", "shoal.runtime.sync.local",
+           "shoal.runtime.roles.artifacts", "shoal.runtime.safety.verify", "shoal.emulate.hooks", "shoal.emulate.pacing",
            "shoal.model.config", "shoal.train.optim", "shoal.train.checkpoint", "shoal.train.flags",
            "shoal.data.prepare", "shoal.net.tls")
-MEMBER_MODULE = "shoal.runtime.cli"  # what a forked member runs, as `python -m` would
+MEMBER_MODULE = "shoal.runtime.processes.cli"  # what a forked member runs, as `python -m` would
 MODULES = (MEMBER_MODULE, "shoal.cli")  # the command lines a child may run (each has main(argv) -> int)
 READY_TIMEOUT_S = 180.0  # how long the owner waits for the warm parent's imports (loaded boxes are slow)
 _MAX_REQUEST = 1 << 20  # bytes of one request (argv + environment)
@@ -175,7 +175,7 @@ class ForkServer:
         self.broken = ""  # why this server is unusable ("" while usable)
         fd = theirs.fileno()
         # The blank argument reserves room for each member's own command line (see _set_cmdline).
-        self.proc = subprocess.Popen([sys.executable, "-m", "shoal.runtime.forkserver", str(fd), " " * _CMDLINE_ROOM],
+        self.proc = subprocess.Popen([sys.executable, "-m", "shoal.runtime.processes.forkserver", str(fd), " " * _CMDLINE_ROOM],
                                      pass_fds=(fd,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, env=env, start_new_session=True)
         theirs.close()
@@ -287,7 +287,7 @@ def shutdown_fork_server() -> None:
 
 
 def spawn_member(argv: list[str], log_path, env: dict[str, str]):
-    """Start a member (``python -m shoal.runtime.cli ARGV``) with output appended to ``log_path``.
+    """Start a member (``python -m shoal.runtime.processes.cli ARGV``) with output appended to ``log_path``.
 
     Forked from the warm fork server when it is on and usable, else spawned with
     :class:`subprocess.Popen`; either way in its own session, and the handle has Popen's
@@ -311,7 +311,7 @@ def _serve(ctrl: socket.socket, env_key: tuple) -> dict | None:
     """Fork members on request until the owner closes ``ctrl``; in a settled child, its request.
 
     Every child also gets a control connection of its own (kept in :data:`_INHERITED` of
-    its ``shoal.runtime.forkserver``), so a forked ``shoal launch`` forks its members here
+    its ``shoal.runtime.processes.forkserver``), so a forked ``shoal launch`` forks its members here
     too instead of starting another warm process; its requests are served like the owner's.
     """
     sel = selectors.DefaultSelector()
@@ -351,7 +351,7 @@ def _serve(ctrl: socket.socket, env_key: tuple) -> dict | None:
                     _settle_child(req, *out_fds)
                     import importlib
 
-                    importlib.import_module("shoal.runtime.forkserver")._INHERITED = (theirs, env_key)
+                    importlib.import_module("shoal.runtime.processes.forkserver")._INHERITED = (theirs, env_key)
                     os.close(settled_w)  # session, output, folder and environment are the member's now
                     return req
                 theirs.close()
@@ -438,7 +438,7 @@ def _cuda_driver_loaded() -> bool:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m shoal.runtime.forkserver FD``: preload, say ready on FD, fork members on request."""
+    """``python -m shoal.runtime.processes.forkserver FD``: preload, say ready on FD, fork members on request."""
     import gc
     import importlib
 

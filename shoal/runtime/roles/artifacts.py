@@ -5,7 +5,7 @@
 ``DIR/config.json`` and ``DIR/summary.json``; ``metrics.jsonl`` and ``events.jsonl``
 are appended by the coordinator while the run goes. The coordinator writes them into
 the run's own folder ``OUT/runs/<run id>/`` and links ``OUT/<name>`` to them (see
-:mod:`shoal.runtime.journal`), so ``shoal generate --from OUT`` works on a runtime run
+:mod:`shoal.runtime.safety.journal`), so ``shoal generate --from OUT`` works on a runtime run
 exactly as on a local one.
 """
 

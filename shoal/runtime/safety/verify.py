@@ -1,4 +1,4 @@
-"""The tensor side of push screening (see :mod:`shoal.runtime.guard` for the decisions).
+"""The tensor side of push screening (see :mod:`shoal.runtime.safety.guard` for the decisions).
 
 The stage server recomputes a micro-batch's parameter gradient itself, from the weights
 of the step, the micro-batch's input (tokens at stage 0, the relayed activation

@@ -42,8 +42,9 @@ from shoal.runtime.common import (
     run_precision,
     set_threads,
 )
-from shoal.runtime.compression import apply_pull, compression_of_spec
-from shoal.runtime.local_sync import LocalWorkerMixin
+from shoal.runtime.sync.codecs import apply_pull, compression_of_spec
+from shoal.runtime.sync.local import LocalWorkerMixin
+from shoal.runtime.transport.frames import retry
 from shoal.train.precision import (
     autocast,
     backward_loss,
@@ -263,9 +264,8 @@ class Worker(LocalWorkerMixin):
         set_threads()
         self.flops = self.opts.flops or 0.0
         self.coord = pbg.CoordinatorStub(self.channels.open(self.coord_addr))
-        from shoal.runtime.server import _retry
 
-        reply = await _retry(lambda: self.coord.Join(self._join_request()), budget_s=self.opts.join_timeout_s)
+        reply = await retry(lambda: self.coord.Join(self._join_request()), budget_s=self.opts.join_timeout_s)
         self.member_id, self.spec = reply.member_id, reply.spec
         self.cfg = model_config(self.spec)
         push = self._codec("push")
