@@ -360,12 +360,13 @@ def test_cli_compare_shows_each_method_under_exact_and_the_allowed_policy(tmp_pa
     for r in rows:
         assert r["predicted_step_time_s"] > 0 and 0 <= r["predicted_utilisation"] <= 1
         assert r["simulated_step_time_s"] > 0 and 0 <= r["simulated_utilisation"] <= 1
+        assert 0 < r["predicted_flop_share"] < 1 and 0 < r["simulated_flop_share"] < 1
         # the row is judged under its policy: the local rows carry it in their plan
         assert r["plan"]["sync"]["mode"] == ("local" if r["policy"] == "local H=4" else "sync")
     shoal = {r["policy"]: r for r in rows if r["method"] == "shoal"}
     assert shoal["local H=4"]["predicted_step_time_s"] < shoal["exact"]["predicted_step_time_s"]
     table = capsys.readouterr().out
-    assert "local H=4" in table and "util" in table
+    assert "local H=4" in table and "FLOP" in table
 
 
 def _one_region_tiny(devices):

@@ -66,7 +66,8 @@ def test_cli_simulate_prints_summary_and_writes_files(tmp_path, capsys):
     rc = main(["simulate", "--scenario", "demo", "--steps", "2", "--json", str(out), "--timeline", str(png)])
     text = capsys.readouterr().out
     assert rc == 0
-    for word in ("simulated step time", "cost-model prediction", "tokens/s", "utilisation", "re-queued"):
+    for word in ("simulated step time", "cost-model prediction", "tokens/s", "of the swarm's FLOP limit",
+                 "devices used", "busy share", "re-queued"):
         assert word in text
     d = json.loads(out.read_text())
     assert d["plan"]["scenario"] == "demo" and d["predicted_step_time_s"] > 0

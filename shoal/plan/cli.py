@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from shoal.errors import ShoalError
 from shoal.plan.api import METHODS, make_plan
 from shoal.plan.cost import stage_costs
+from shoal.plan.report import IDLE_REASONS, SwarmReport, swarm_report
 from shoal.plan.scenario import BUILTIN_SCENARIOS, builtin_description, load_scenario
 from shoal.plan.types import Plan, Scenario, SyncPolicy
 
@@ -40,7 +41,7 @@ def register(subparsers) -> None:
     p.add_argument("--tune-micro-batch", action="store_true",
                    help="shoal only: also choose the micro-batch size (the global batch stays fixed)")
     p.add_argument("--compare", action="store_true",
-                   help="run every method and compare step time and compute utilisation (exact sync and, "
+                   help="run every method and compare tokens/s, the share of the swarm's FLOP limit and devices used (exact sync and, "
                         "with --sync local, the allowed policy)")
     p.add_argument("--list", action="store_true", help="list built-in scenarios")
     add_sync_arguments(p)
@@ -149,7 +150,6 @@ def print_plan(console: Console, plan: Plan, scenario: Scenario) -> None:
         console.print(f"standbys (state copied every {plan.standby_every} step(s), {_fmt(pred.get('standby_s'))} s "
                       f"per step on the busiest active uplink{log}): " + "; ".join(
                           f"stage {i}: {', '.join(st.standbys)}" for i, st in enumerate(plan.stages)))
-    used = sum(len(st.workers) for st in plan.stages)
     pol = plan.sync
     if pol.local:
         console.print(f"sync: local, a round every {pol.sync_every} steps ({_fmt(pred.get('sync_round_s'))} s at full "
@@ -162,13 +162,24 @@ def print_plan(console: Console, plan: Plan, scenario: Scenario) -> None:
         f"predicted step {_fmt(pred.get('step_time_s'))} s = pipeline {_fmt(pred.get('pipeline_s'))} s "
         f"(compute {_fmt(pred.get('compute_s'))} s + transfer {_fmt(pred.get('transfer_s'))} s, fill/drain "
         f"{_fmt(pred.get('fill_drain_s'))} s) + sync {_fmt(pred.get('sync_s'))} s; "
-        f"compute utilisation {pred.get('utilisation', 0):.0%}; "
-        f"memory headroom {pred.get('memory_headroom', 0):.0%}; {used}/{len(scenario.workers)} devices used; "
+        f"memory headroom {pred.get('memory_headroom', 0):.0%}; "
         f"planned in {plan.planning_time_s:.2f} s   (* = bottleneck stage)"
     )
+    print_swarm(console, swarm_report(plan, scenario))
     if pred.get("churn_s"):
         console.print(f"with churn (long run): expected step {_fmt(pred.get('expected_step_time_s'))} s, of which "
                       f"{_fmt(pred.get('churn_s'))} s per step lost to leaves (the rest: devices away)")
+
+
+def print_swarm(console: Console, rep: SwarmReport, label: str = "predicted") -> None:
+    """The swarm figures: tokens/s against the FLOP limit, devices used, and why the rest are idle."""
+    console.print(f"{label}: {rep.summary()}")
+    by_reason: dict[str, list[str]] = {}
+    for dev, reason in sorted(rep.idle.items()):
+        by_reason.setdefault(reason, []).append(dev)
+    for reason, devs in by_reason.items():
+        console.print(f"  idle for {reason}: {len(devs)} ({', '.join(devs[:4])}{' ...' if len(devs) > 4 else ''}); "
+                      f"e.g. {devs[0]}: {rep.why[devs[0]]}")
 
 
 def _simulator():
@@ -204,9 +215,13 @@ def _compare_row(method: str, scenario: Scenario, args: argparse.Namespace, poli
         if method == "exhaustive":
             return None  # too big for exhaustive search
         return {"method": method, "policy": label, "error": str(exc)}
+    rep = swarm_report(plan, scenario)
     row = {"method": method, "policy": label, "baseline": method != "shoal", "stages": plan.n_stages,
-           "devices_used": sum(len(s.workers) for s in plan.stages),
+           "replicas": len(plan.pipelines),
+           "devices_used": rep.devices_used, "devices_available": rep.devices_available,
+           "idle_counts": rep.idle_counts(),
            "predicted_step_time_s": plan.predicted_step_time_s,
+           "predicted_tokens_per_s": rep.tokens_per_s, "predicted_flop_share": rep.flop_share,
            "predicted_utilisation": plan.predicted.get("utilisation"),
            "planning_time_s": time.perf_counter() - t0, "plan": plan.to_dict()}
     if simulate is not None:
@@ -214,6 +229,9 @@ def _compare_row(method: str, scenario: Scenario, args: argparse.Namespace, poli
         try:
             res = simulate(plan, scenario, steps=steps, churn=False, seed=0)
             row["simulated_step_time_s"] = res.mean_step_time_s
+            row["simulated_tokens_per_s"] = res.tokens_per_s
+            row["simulated_flop_share"] = res.tokens_per_s / rep.flop_limit_tokens_per_s \
+                if rep.flop_limit_tokens_per_s > 0 else None
             row["simulated_utilisation"] = res.mean_utilisation()
         except Exception as exc:  # the simulator is someone else's; report, don't die
             row["simulated_step_time_s"] = None
@@ -223,6 +241,16 @@ def _compare_row(method: str, scenario: Scenario, args: argparse.Namespace, poli
 
 def _pct(x: float | None) -> str:
     return "-" if x is None or not math.isfinite(x) else f"{x:.0%}"
+
+
+def _pct1(x: float | None) -> str:
+    if x is None or not math.isfinite(x):
+        return "-"
+    return f"{x:.1%}" if x >= 0.01 else f"{x:.2g}%" if x <= 0 else f"{100 * x:.2g}%"
+
+
+def _tps(x: float | None) -> str:
+    return "-" if x is None or not math.isfinite(x) else f"{x:,.0f}"
 
 
 def _compare(console: Console, scenario: Scenario, args: argparse.Namespace, policy: SyncPolicy | None = None) -> int:
@@ -247,23 +275,33 @@ def _compare(console: Console, scenario: Scenario, args: argparse.Namespace, pol
 
     table = Table(title=f"planners on {scenario.name} (judged by shoal's cost model; all but shoal are baselines)"
                   + ("" if len(policies) == 1 else f"; second policy: {policies[1][0]}, {codecs}"))
-    for col in ("method", "sync", "stages", "devices", "predicted step s", "ratio to shoal exact", "pred. util",
-                "planning s"):
+    for col in ("method", "sync", "S", "used", "idle m/l/n", "pred step s", "pred tok/s", "pred FLOP%", "pred busy"):
         table.add_column(col, justify="right" if col not in ("method", "sync") else "left")
     if simulate is not None:
-        table.add_column("simulated step s", justify="right")
-        table.add_column("sim. util", justify="right")
+        for col in ("sim step s", "sim tok/s", "sim FLOP%", "sim busy"):
+            table.add_column(col, justify="right")
     for r in rows:
         if "error" in r:
             table.add_row(r["method"], r["policy"], *(["-"] * (len(table.columns) - 3)), "does not fit: " + r["error"][:40])
             continue
         r["ratio_to_shoal"] = r["predicted_step_time_s"] / shoal_t if shoal_t else None
-        cells = [r["method"], r["policy"], str(r["stages"]), str(r["devices_used"]), _fmt(r["predicted_step_time_s"]),
-                 f"{r['ratio_to_shoal']:.2f}", _pct(r.get("predicted_utilisation")), f"{r['planning_time_s']:.2f}"]
+        idle = r["idle_counts"]
+        stages = str(r["stages"]) if r["replicas"] == 1 else f"{r['replicas']} replicas"
+        cells = [r["method"], r["policy"], stages, f"{r['devices_used']}/{r['devices_available']}",
+                 "/".join(str(idle[k]) for k in IDLE_REASONS), _fmt(r["predicted_step_time_s"]),
+                 _tps(r.get("predicted_tokens_per_s")), _pct1(r.get("predicted_flop_share")),
+                 _pct(r.get("predicted_utilisation"))]
         if simulate is not None:
-            cells += [_fmt(r.get("simulated_step_time_s")), _pct(r.get("simulated_utilisation"))]
+            cells += [_fmt(r.get("simulated_step_time_s")), _tps(r.get("simulated_tokens_per_s")),
+                      _pct1(r.get("simulated_flop_share")), _pct(r.get("simulated_utilisation"))]
         table.add_row(*cells)
-    console.print(table)
+    from rich.console import Console as _Console
+
+    # a wide table: never squeezed below 132 columns (a narrow terminal wraps lines instead)
+    _Console(width=max(console.width, 132), file=console.file).print(table)
+    console.print("FLOP% = tokens/s as a share of the swarm's FLOP limit (all workers' FLOP/s / training FLOPs per "
+                  "token); used = devices used / available; idle m/l/n = idle for memory / links / no benefit; "
+                  "busy = busy share of the used devices; S = stages (or replicas)")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"scenario": scenario.name, "methods": rows}, indent=2) + "\n")
         console.print(f"comparison written to {args.json_out}")

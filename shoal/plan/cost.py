@@ -895,6 +895,20 @@ def churn_step_time(plan: Plan, scenario: Scenario, costs: list[StageCost], pipe
     return step_time(pipe_a, sync, options.overlap_sync) + churn, churn
 
 
+def swarm_flop_limit(scenario: Scenario, memo: dict | None = None) -> float:
+    """The swarm's FLOP limit in tokens/s: the sum of every worker's FLOP/s (used or not) over the
+    model's training (forward + backward) FLOPs per token (see :mod:`shoal.plan.report`)."""
+    if memo is not None and "flop_limit" in memo:
+        return memo["flop_limit"]
+    prof = scenario_profile(scenario)
+    n = len(prof.layers)
+    per_token = (prof.fwd_flops(0, n) + prof.bwd_flops(0, n)) / prof.tokens_per_micro_batch
+    limit = sum(d.flops for d in scenario.devices if d.flops > 0) / per_token if per_token > 0 else 0.0
+    if memo is not None:
+        memo["flop_limit"] = limit
+    return limit
+
+
 def predict(plan: Plan, scenario: Scenario, options: CostOptions | None = None,
             memo: dict | None = None) -> dict[str, float]:
     """Cost-model prediction of one training step of ``plan``; also stored in ``plan.predicted``.
@@ -903,8 +917,10 @@ def predict(plan: Plan, scenario: Scenario, options: CostOptions | None = None,
     activation transfers at the bottleneck stage), ``sync_s``, ``pipeline_s``, ``step_time_s``,
     ``mean_stage_time_s`` (mean over stages of ``(M - 1) / X_s``), ``bottleneck_stage``, ``memory_headroom`` (min fraction of memory left over workers and
     server hosts; negative means it does not fit), ``throughput_mb_s`` (bottleneck micro-batches/s),
-    ``fill_drain_s``, ``utilisation`` (mean over the plan's workers of the fraction of a step
-    spent computing), ``sync_round_s`` (local mode: seconds of one sync round, whose amortised
+    ``fill_drain_s``, ``utilisation`` (secondary: mean over the plan's *used* workers of the
+    fraction of a step spent computing), ``tokens_per_s`` (at ``step_time_s``), ``flop_share``
+    (``tokens_per_s`` over the swarm's FLOP limit, :func:`swarm_flop_limit`), ``devices_used``,
+    ``devices_available``, ``sync_round_s`` (local mode: seconds of one sync round, whose amortised
     share per step is ``sync_s``, see :func:`local_sync_per_step`); with churn (``scenario.churn.enabled``, ``options.churn``): ``churn_s``
     (expected seconds per step lost to leaves) and ``expected_step_time_s`` (the long-run step:
     availability-weighted pipeline + sync + ``churn_s``; equal to ``step_time_s`` without churn).
@@ -960,6 +976,8 @@ def predict(plan: Plan, scenario: Scenario, options: CostOptions | None = None,
     n_workers = sum(len(st.workers) for st in plan.stages)
     busy = sum(c.compute_per_step for c in costs)
     util = busy / (n_workers * step) if n_workers and step > 0 and math.isfinite(step) else 0.0
+    limit = swarm_flop_limit(scenario, memo)
+    tps = m * plan.micro_batch_size * scenario.workload.seq_len / step if 0 < step < math.inf else 0.0
     result = {
         "compute_s": pipe * frac,
         "transfer_s": pipe * (1.0 - frac),
@@ -975,6 +993,10 @@ def predict(plan: Plan, scenario: Scenario, options: CostOptions | None = None,
         "memory_headroom": headroom,
         "sync_round_s": round_s,
         "utilisation": util,
+        "tokens_per_s": tps,
+        "flop_share": tps / limit if limit > 0 else 0.0,
+        "devices_used": float(n_workers),
+        "devices_available": float(len(scenario.workers)),
     }
     if any(st.standbys for st in plan.stages):
         # Hook: hot standbys' state copies share the active hosts' uplinks (shoal.plan.standby).

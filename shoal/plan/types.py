@@ -139,6 +139,15 @@ class StagePlan:
 
 
 @dataclass
+class Replica:
+    """One pipeline replica of the model inside one network cluster (see ``docs/planner.md``)."""
+
+    stages: list[StagePlan]  # its pipeline stages, in order; their layers cover the model
+    micro_batches: int  # its share of the step's micro-batches (the replicas' shares sum to M)
+    cluster: str = ""  # the network cluster it lives in (its regions joined by "+")
+
+
+@dataclass
 class SyncPolicy:
     """How each worker's parameters are synchronised with its stage server, and what is compressed.
 
@@ -193,6 +202,24 @@ class Plan:
     predicted: dict[str, float] = field(default_factory=dict)  # cost-model times in seconds
     planning_time_s: float = 0.0  # wall time the planner took
     standby_every: int = 1  # steps between a standby's state copies (the run's --ckpt-every)
+    replicas: list[Replica] = field(default_factory=list)  # pipeline replicas; empty: one pipeline, ``stages``
+
+    @property
+    def pipelines(self) -> list[Replica]:
+        """Every pipeline replica of the plan: ``replicas``, or ``stages`` as the one replica."""
+        if self.replicas:
+            return self.replicas
+        return [Replica(stages=self.stages, micro_batches=self.micro_batches)]
+
+    @property
+    def all_stages(self) -> list[StagePlan]:
+        """The stages of every replica, replica by replica."""
+        return [st for r in self.pipelines for st in r.stages]
+
+    @property
+    def workers(self) -> list[str]:
+        """Every device that works for the plan."""
+        return [w for st in self.all_stages for w in st.workers]
 
     @property
     def predicted_step_time_s(self) -> float | None:
@@ -210,11 +237,13 @@ class Plan:
     @classmethod
     def from_dict(cls, d: dict) -> Plan:
         try:
-            stages = [
-                StagePlan(layers=tuple(s["layers"]), server=s["server"], workers=list(s["workers"]),
-                          standbys=list(s.get("standbys", [])))
-                for s in d["stages"]
-            ]
+            def stage_list(items: list[dict]) -> list[StagePlan]:
+                return [StagePlan(layers=tuple(s["layers"]), server=s["server"], workers=list(s["workers"]),
+                                  standbys=list(s.get("standbys", []))) for s in items]
+
+            replicas = [Replica(stages=stage_list(r["stages"]), micro_batches=int(r["micro_batches"]),
+                                cluster=str(r.get("cluster", ""))) for r in d.get("replicas", [])]
+            stages = replicas[0].stages if replicas else stage_list(d["stages"])
             return cls(
                 scenario=d["scenario"],
                 model=d["model"],
@@ -226,6 +255,7 @@ class Plan:
                 predicted=dict(d.get("predicted", {})),
                 planning_time_s=float(d.get("planning_time_s", 0.0)),
                 standby_every=int(d.get("standby_every", 1)),
+                replicas=replicas,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ShoalError(f"malformed plan: {exc!r}; expected the JSON written by `shoal plan --json`") from exc

@@ -98,7 +98,7 @@ def summary_lines(result, predicted: float | None) -> list[str]:
                      f"{predicted / result.mean_step_time_s:.3f})")
     lines += [
         f"tokens/s              {result.tokens_per_s:10.1f}",
-        f"mean utilisation      {result.mean_utilisation():10.3f}  (fraction of time computing)",
+        f"busy share            {result.mean_utilisation():10.3f}  (of the used devices: fraction of time computing)",
         f"re-queued tasks       {result.requeued_tasks:10d}  (recomputes {result.recomputes}, "
         f"leaves {result.leaves}, joins {result.joins})",
         f"lost micro-batches    {result.lost_micro_batches:10d}",
@@ -107,6 +107,22 @@ def summary_lines(result, predicted: float | None) -> list[str]:
     ]
     if result.stalled:
         lines.append("WARNING: the run stalled before finishing its steps (a stage without workers?)")
+    return lines
+
+
+def swarm_lines(plan, scenario, result) -> list[str]:
+    """The swarm figures of the simulated run, then the cost model's: tokens/s as a share of the
+    swarm's FLOP limit, devices used / available, and why the idle devices are idle."""
+    from shoal.plan.report import swarm_report
+
+    sim = swarm_report(plan, scenario, step_s=result.mean_step_time_s, busy_share=result.mean_utilisation())
+    pred = swarm_report(plan, scenario)
+    lines = [f"simulated:  {sim.summary()}", f"cost model: {pred.summary()}"]
+    by_reason: dict[str, list[str]] = {}
+    for dev, reason in sorted(sim.idle.items()):
+        by_reason.setdefault(reason, []).append(dev)
+    for reason, devs in by_reason.items():
+        lines.append(f"  idle for {reason}: {len(devs)}; e.g. {devs[0]}: {sim.why[devs[0]]}")
     return lines
 
 
@@ -130,8 +146,10 @@ def run(args: argparse.Namespace) -> int:
     result.predicted_step_time_s = predicted
     for line in summary_lines(result, predicted):
         print(line)
-    print(f"cost-model utilisation {pred.get('utilisation', 0.0):9.3f}  (sync: "
+    print(f"cost-model busy share  {pred.get('utilisation', 0.0):9.3f}  (of the used devices; sync: "
           + (f"local, a round every {plan.sync.sync_every} steps" if plan.sync.local else "exact") + ")")
+    for line in swarm_lines(plan, scenario, result):
+        print(line)
     if args.json:
         d = result.to_dict()
         d["plan"] = plan.to_dict()

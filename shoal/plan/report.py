@@ -1,0 +1,154 @@
+"""How much of the swarm a plan turns into training: the figures ``shoal plan``, ``shoal simulate``
+and ``--compare`` report first.
+
+The physical limit of a swarm is its **FLOP limit**: the sum of every worker's FLOP/s (all the
+scenario's devices that can compute, used or not) divided by the model's training FLOPs per
+token (forward + backward of every layer, from shoal's own profile; recomputation is not
+useful work and is not counted). A plan's tokens/s as a share of that limit is the headline
+figure; the busy share of the devices a plan uses (``utilisation`` in the cost model) is kept
+as a secondary figure because it says nothing about the devices left out.
+
+Pure functions of (plan, scenario, step time): no planning, no simulation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from shoal.model.profile import ModelProfile
+from shoal.plan.cost import scenario_profile, stage_worker_memory, swarm_flop_limit
+from shoal.plan.types import Device, Plan, Scenario
+
+# Reasons an available device does no work in a plan (``SwarmReport.idle`` values).
+IDLE_MEMORY = "memory"  # it cannot hold any stage of the plan
+IDLE_LINKS = "links"  # it fits, but its links, not its GPU, would set its pace
+IDLE_NO_BENEFIT = "no benefit"  # it fits and its links keep up, but the planner found no faster step with it
+IDLE_REASONS = (IDLE_MEMORY, IDLE_LINKS, IDLE_NO_BENEFIT)
+
+
+def training_flops_per_token(prof: ModelProfile) -> float:
+    """Forward + backward FLOPs of the whole model per trained token."""
+    n = len(prof.layers)
+    return (prof.fwd_flops(0, n) + prof.bwd_flops(0, n)) / prof.tokens_per_micro_batch
+
+
+def flop_limit_tokens_per_s(scenario: Scenario) -> float:
+    """The swarm's FLOP limit in tokens/s: sum of all workers' FLOP/s / training FLOPs per token."""
+    return swarm_flop_limit(scenario)
+
+
+def tokens_per_step(plan: Plan, scenario: Scenario) -> int:
+    """Tokens one optimizer step trains: every replica's micro-batches together."""
+    return plan.micro_batches * plan.micro_batch_size * scenario.workload.seq_len
+
+
+@dataclass
+class SwarmReport:
+    """What share of a swarm a plan (or a simulation of it) turns into training."""
+
+    tokens_per_s: float  # tokens trained per second at the given step time
+    flop_limit_tokens_per_s: float  # the swarm's FLOP limit (all workers, used or not)
+    flop_share: float  # tokens_per_s / flop_limit_tokens_per_s
+    devices_used: int  # devices that work for the plan
+    devices_available: int  # devices of the scenario that can compute
+    busy_share: float  # secondary: mean over the used devices of the fraction of a step spent computing
+    idle: dict[str, str] = field(default_factory=dict)  # idle device id -> one of IDLE_REASONS
+    why: dict[str, str] = field(default_factory=dict)  # idle device id -> one line with the figures behind it
+
+    def idle_counts(self) -> dict[str, int]:
+        """Idle devices per reason (every reason listed, zeros included)."""
+        out = dict.fromkeys(IDLE_REASONS, 0)
+        for r in self.idle.values():
+            out[r] += 1
+        return out
+
+    def summary(self) -> str:
+        """One line: tokens/s, the share of the FLOP limit, devices used and why the rest are idle."""
+        counts = ", ".join(f"{n} {r}" for r, n in self.idle_counts().items() if n)
+        idle = f" (idle: {counts})" if counts else ""
+        return (f"{self.tokens_per_s:,.0f} tokens/s = {self.flop_share:.1%} of the swarm's FLOP limit "
+                f"({self.flop_limit_tokens_per_s:,.0f} tokens/s); {self.devices_used}/{self.devices_available} "
+                f"devices used{idle}; busy share of the used devices {self.busy_share:.0%}")
+
+    def to_dict(self) -> dict:
+        return {"tokens_per_s": self.tokens_per_s, "flop_limit_tokens_per_s": self.flop_limit_tokens_per_s,
+                "flop_share": self.flop_share, "devices_used": self.devices_used,
+                "devices_available": self.devices_available, "busy_share": self.busy_share,
+                "idle_counts": self.idle_counts(), "idle": dict(self.idle), "why": dict(self.why)}
+
+
+def idle_reason(d: Device, plan: Plan, scenario: Scenario, step_s: float) -> tuple[str, str]:
+    """``(reason, one line)`` for a device the plan leaves idle.
+
+    * ``memory``: it cannot hold any of the plan's stages (under the plan's sync policy);
+    * ``links``: on the stage it fits best, moving one micro-batch's bytes over its own access
+      links (and its lease round trips) takes longer than computing it, or its share of the
+      parameter sync (a step's in exact sync, a round's in local mode, at its own link rate)
+      takes longer than the steps it would run beside;
+    * ``no benefit``: otherwise -- it fits and its links keep up, but the planner found no
+      shorter step with it (e.g. the stage already has more workers than micro-batches, or a
+      slow device's last task would end the step later).
+    """
+    prof = scenario_profile(scenario, plan.micro_batch_size)
+    stages = plan.all_stages
+    fitting = [st for st in stages if d.memory >= stage_worker_memory(prof, *st.layers, plan.sync)]
+    if not fitting:
+        need = min(stage_worker_memory(prof, *st.layers, plan.sync) for st in stages)
+        return IDLE_MEMORY, f"has {d.memory / 1e9:.1f} GB, the smallest stage of this plan needs {need / 1e9:.1f} GB"
+    n = len(prof.layers)
+    hosts = {h.id: h for h in scenario.devices}
+    best = None
+    for st in fitting:
+        a, b = st.layers
+        compute = (prof.fwd_flops(a, b) + prof.bwd_flops(a, b)) / d.flops
+        host = hosts[st.server]
+        link = scenario.network.link(d, host)
+        up = min(link.bandwidth, d.up)
+        down = min(link.bandwidth, d.down)
+        act = prof.layers[0].out_act_bytes
+        up_bytes = (0 if b == n else act * plan.sync.ratio("act", prof.dtype_bytes)) + \
+            (0 if a == 0 else act * plan.sync.ratio("grad", prof.dtype_bytes))
+        down_bytes = (prof.tokens_per_micro_batch * 8 if a == 0 else act * plan.sync.ratio("act", prof.dtype_bytes)) + \
+            (prof.tokens_per_micro_batch * 8 if b == n else act * plan.sync.ratio("grad", prof.dtype_bytes))
+        lease = (1 if b == n else 2) * 2 * link.latency
+        io = up_bytes / up + down_bytes / down + lease
+        pb = prof.param_bytes(a, b)
+        sync = pb * plan.sync.ratio("push", prof.dtype_bytes) / up + pb * plan.sync.ratio("pull", prof.dtype_bytes) / down
+        window = step_s * (plan.sync.sync_every if plan.sync.local else 1)
+        cand = (max(io / compute, sync / window if window > 0 and math.isfinite(window) else 0.0), io, compute, sync,
+                window, st)
+        if best is None or cand[0] < best[0]:
+            best = cand
+    ratio, io, compute, sync, window, st = best
+    where = f"layers [{st.layers[0]}, {st.layers[1]})"
+    if io > compute:
+        return IDLE_LINKS, (f"on {where} a micro-batch's transfers and leases take {io:.2f} s over its links, "
+                            f"its compute {compute:.2f} s")
+    if math.isfinite(window) and sync > window:
+        what = "a round" if plan.sync.local else "a step"
+        return IDLE_LINKS, f"on {where} its sync of {what} takes {sync:.1f} s at its link rate, {what} lasts {window:.1f} s"
+    return IDLE_NO_BENEFIT, (f"fits {where} (compute {compute:.2f} s, transfers {io:.2f} s per micro-batch) "
+                             "but the planner found no shorter step with it")
+
+
+def swarm_report(plan: Plan, scenario: Scenario, step_s: float | None = None,
+                 busy_share: float | None = None) -> SwarmReport:
+    """The swarm figures of ``plan`` at step time ``step_s`` (default: the cost model's churn-free
+    ``step_time_s`` in ``plan.predicted``) and busy share (default: the cost model's ``utilisation``)."""
+    if step_s is None:
+        step_s = plan.predicted.get("step_time_s", math.inf)
+    if busy_share is None:
+        busy_share = plan.predicted.get("utilisation", 0.0)
+    limit = flop_limit_tokens_per_s(scenario)
+    tps = tokens_per_step(plan, scenario) / step_s if step_s and 0 < step_s < math.inf else 0.0
+    used = set(plan.workers)
+    idle: dict[str, str] = {}
+    why: dict[str, str] = {}
+    for d in scenario.workers:
+        if d.id in used:
+            continue
+        idle[d.id], why[d.id] = idle_reason(d, plan, scenario, step_s)
+    return SwarmReport(tokens_per_s=tps, flop_limit_tokens_per_s=limit, flop_share=tps / limit if limit > 0 else 0.0,
+                       devices_used=len(used), devices_available=len(scenario.workers), busy_share=busy_share,
+                       idle=idle, why=why)

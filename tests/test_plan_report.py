@@ -1,0 +1,99 @@
+"""The swarm figures (shoal.plan.report): tokens/s against the swarm's FLOP limit, devices used,
+and why each idle device is idle, on hand-built cases; and that the CLIs print them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shoal.plan import predict, scenario_from_dict
+from shoal.plan.cost import scenario_profile
+from shoal.plan.report import (
+    IDLE_LINKS,
+    IDLE_MEMORY,
+    IDLE_NO_BENEFIT,
+    flop_limit_tokens_per_s,
+    swarm_report,
+    training_flops_per_token,
+)
+from shoal.plan.types import Plan, StagePlan
+
+# tiny model: forward FLOPs per token 2260992 (see test_plan_cost.py), forward + backward 3x
+TINY_TRAIN_FLOPS_PER_TOKEN = 3 * 2260992
+
+
+def _scenario():
+    def dev(i, tflops, mem_gb, up_mbps):
+        return {"id": i, "tflops": tflops, "memory_gb": mem_gb, "region": "a", "up_mbps": up_mbps, "down_mbps": 200}
+
+    devices = [dev("w0", 1, 8, 20),  # works
+               dev("slow", 0.001, 8, 20),  # fits, good links, 1000x slower: no benefit
+               dev("small", 1, 0.001, 20),  # 1 MB: holds no stage
+               dev("thin", 0.001, 8, 0.001)]  # fits, but its sync push at 125 B/s outlasts any step
+    devices.append({"id": "h", "tflops": 0, "memory_gb": 0, "region": "a", "up_gbps": 10, "down_gbps": 10,
+                    "can_host_server": True})
+    return scenario_from_dict({
+        "name": "hand-swarm",
+        "workload": {"model": "tiny", "seq_len": 64, "global_batch": 8, "micro_batch_size": 2, "dtype": "fp32"},
+        "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}},
+        "devices": devices,
+    })
+
+
+def test_flop_limit_counts_every_worker_used_or_not():
+    s = _scenario()
+    assert training_flops_per_token(scenario_profile(s)) == pytest.approx(TINY_TRAIN_FLOPS_PER_TOKEN)
+    # 1 + 0.001 + 1 + 0.001 TFLOP/s; the server host (0 FLOP/s) adds nothing
+    assert flop_limit_tokens_per_s(s) == pytest.approx(2.002e12 / TINY_TRAIN_FLOPS_PER_TOKEN)
+
+
+def test_report_of_a_hand_plan():
+    s = _scenario()
+    plan = Plan("hand-swarm", "tiny", "test", [StagePlan((0, 6), "h", ["w0"])], micro_batch_size=2, micro_batches=4)
+    pred = predict(plan, s)
+    rep = swarm_report(plan, s)
+    tokens = 8 * 64  # global batch x sequence length
+    assert rep.tokens_per_s == pytest.approx(tokens / pred["step_time_s"])
+    assert pred["tokens_per_s"] == pytest.approx(rep.tokens_per_s)
+    assert rep.flop_share == pytest.approx(rep.tokens_per_s / flop_limit_tokens_per_s(s))
+    assert pred["flop_share"] == pytest.approx(rep.flop_share)
+    assert (rep.devices_used, rep.devices_available) == (1, 4)
+    assert rep.idle == {"slow": IDLE_NO_BENEFIT, "small": IDLE_MEMORY, "thin": IDLE_LINKS}
+    assert rep.idle_counts() == {IDLE_MEMORY: 1, IDLE_LINKS: 1, IDLE_NO_BENEFIT: 1}
+    assert "GB" in rep.why["small"] and "round" not in rep.why["thin"] and "step" in rep.why["thin"]
+    # the busy share of the used devices stays, as a secondary figure
+    assert rep.busy_share == pred["utilisation"]
+    # a step twice as long halves tokens/s and the share
+    slow = swarm_report(plan, s, step_s=2 * pred["step_time_s"])
+    assert slow.flop_share == pytest.approx(rep.flop_share / 2)
+    assert "of the swarm's FLOP limit" in rep.summary() and "1/4 devices used" in rep.summary()
+
+
+def test_one_device_at_its_flop_limit_is_its_share():
+    """A plan whose only worker computed without any overhead would reach that worker's share of
+    the limit: the share of the swarm is bounded by the used devices' FLOP/s."""
+    s = _scenario()
+    plan = Plan("hand-swarm", "tiny", "test", [StagePlan((0, 6), "h", ["w0"])], micro_batch_size=2, micro_batches=4)
+    predict(plan, s)
+    ideal = 8 * 64 * TINY_TRAIN_FLOPS_PER_TOKEN / 1e12  # seconds w0 needs for the step's FLOPs
+    rep = swarm_report(plan, s, step_s=ideal)
+    assert rep.flop_share == pytest.approx(1 / 2.002)
+    assert swarm_report(plan, s).flop_share < rep.flop_share  # leases and transfers cost time
+
+
+@pytest.mark.timeout(120)
+def test_cli_prints_the_swarm_figures(tmp_path, capsys):
+    from shoal.cli import main
+
+    assert main(["plan", "--scenario", "hetero-compute"]) == 0
+    out = capsys.readouterr().out.replace("\n", " ")
+    assert "of the swarm's FLOP limit" in out and "devices used" in out
+    out_json = tmp_path / "cmp.json"
+    assert main(["plan", "--scenario", "hetero-network", "--compare", "--json", str(out_json)]) == 0
+    rows = json.loads(out_json.read_text())["methods"]
+    shoal = next(r for r in rows if r["method"] == "shoal")
+    assert 0 < shoal["predicted_flop_share"] < 1 and shoal["devices_available"] == 32
+    assert shoal["devices_used"] + sum(shoal["idle_counts"].values()) == 32
+    assert shoal["simulated_flop_share"] == pytest.approx(
+        shoal["simulated_tokens_per_s"] / shoal["predicted_tokens_per_s"] * shoal["predicted_flop_share"])
