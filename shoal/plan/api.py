@@ -18,12 +18,15 @@ METHODS: dict[str, Callable[..., Plan]] = {"shoal": plan_shoal}
 
 def make_plan(scenario: Scenario, method: str = "shoal", seed: int = 0, stages: int | None = None,
               sync: SyncPolicy | None = None, options: CostOptions | None = None,
-              tune_micro_batch: bool = False, standbys: int = 0, standby_every: int = 1) -> Plan:
+              tune_micro_batch: bool = False, standbys: int = 0, standby_every: int = 1,
+              replicas: bool = False) -> Plan:
     """Plan ``scenario`` with ``method``; ``stages=S`` forces S stages. The plan is validated and
     carries ``planning_time_s`` and ``predicted`` (see :func:`shoal.plan.cost.predict`).
     ``tune_micro_batch`` (shoal only) also chooses the micro-batch size; otherwise every method
     keeps the workload's. ``standbys=N`` places N hot standbys per stage, copied every
-    ``standby_every`` steps, and counts their copies (:mod:`shoal.plan.standby`)."""
+    ``standby_every`` steps, and counts their copies (:mod:`shoal.plan.standby`).
+    ``replicas=True`` (shoal, local sync) plans pipeline replicas inside network clusters
+    (:mod:`shoal.plan.replicas`)."""
     if standbys < 0 or standby_every < 1:
         raise ShoalError(f"--standbys must be >= 0 and --ckpt-every >= 1, got {standbys} and {standby_every}")
     if method not in METHODS:
@@ -37,6 +40,19 @@ def make_plan(scenario: Scenario, method: str = "shoal", seed: int = 0, stages: 
                 f"({n_layers} model layers, {len(scenario.workers)} workers), got {stages}"
             )
     t0 = time.perf_counter()
+    if replicas:
+        if method != "shoal" or stages is not None or tune_micro_batch or standbys:
+            raise ShoalError("--replicas is only implemented for method shoal, without --stages, "
+                             "--tune-micro-batch or --standbys")
+        if sync is None or not sync.local:
+            raise ShoalError("--replicas needs local sync (replicas merge every H steps): add --sync local")
+        from shoal.plan.replicas import plan_replicas
+
+        plan = plan_replicas(scenario, seed=seed, sync=sync, options=options)
+        plan.planning_time_s = time.perf_counter() - t0
+        validate_plan(plan, scenario)
+        predict(plan, scenario, options)
+        return plan
     if tune_micro_batch and method != "shoal":
         raise ShoalError("--tune-micro-batch is only implemented for method shoal")
     planner = plan_shoal_tuned if tune_micro_batch else METHODS[method]

@@ -61,6 +61,9 @@ def add_sync_arguments(p) -> None:
                         "act=..,grad=..,push=..,pull=.. (push/pull also topk-int8[:DENSITY])")
     p.add_argument("--no-overlap", action="store_true",
                    help="local mode: steps wait for each sync round instead of overlapping it with the next round")
+    p.add_argument("--replicas", action="store_true",
+                   help="local mode: run several pipeline replicas, each inside one network cluster, of the "
+                        "stage count each device's memory needs (see docs/planner.md)")
     p.add_argument("--overlap-io", choices=("auto", "off", "uploads", "prefetch"), default="auto",
                    help="worker I/O overlap: uploads (upload an output while leasing and computing the next task), "
                         "prefetch (also fetch the next task during compute); auto: uploads in local mode, off in exact")
@@ -81,8 +84,13 @@ def policy_from_args(args: argparse.Namespace) -> SyncPolicy:
     if mode == "exact" and every not in (None, 1):
         raise ShoalError("--sync-every only applies to --sync local (exact sync syncs every step)")
     io = getattr(args, "overlap_io", "auto") or "auto"
+    if getattr(args, "replicas", False) and mode != "local":
+        raise ShoalError("--replicas needs --sync local (replicas merge every H steps)")
     if io == "auto":
-        io = "uploads" if mode == "local" else "off"
+        # replica pipelines are short and their workers few: a slow uplink that takes tasks while
+        # its uploads queue ends the step late, so replicas keep uploads in line (measured:
+        # gaming-world's simulated step 6.7 s with overlapped uploads, 4.9 s without)
+        io = "uploads" if mode == "local" and not getattr(args, "replicas", False) else "off"
     return SyncPolicy(mode="local" if mode == "local" else "sync",
                       sync_every=(every or DEFAULT_SYNC_EVERY) if mode == "local" else 1,
                       act_codec=codecs["act"], grad_codec=codecs["grad"], push_codec=codecs["push"],
@@ -104,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         return _compare(console, scenario, args, policy)
     plan = make_plan(scenario, method=args.method, seed=args.seed, stages=args.stages,
                      tune_micro_batch=args.tune_micro_batch, sync=policy, standbys=args.standbys,
-                     standby_every=args.ckpt_every)
+                     standby_every=args.ckpt_every, replicas=args.replicas)
     print_plan(console, plan, scenario)
     if args.json_out:
         plan.to_json(args.json_out)
@@ -134,6 +142,9 @@ def print_plan(console: Console, plan: Plan, scenario: Scenario) -> None:
     """A readable table of ``plan`` with its per-stage cost-model figures."""
     from rich.table import Table
 
+    if plan.replicas:
+        print_replica_plan(console, plan, scenario)
+        return
     costs = stage_costs(plan, scenario)
     pred = plan.predicted
     table = Table(title=f"{plan.method} plan for {scenario.name} ({plan.model}, M={plan.micro_batches} x {plan.micro_batch_size})")
@@ -169,6 +180,35 @@ def print_plan(console: Console, plan: Plan, scenario: Scenario) -> None:
     if pred.get("churn_s"):
         console.print(f"with churn (long run): expected step {_fmt(pred.get('expected_step_time_s'))} s, of which "
                       f"{_fmt(pred.get('churn_s'))} s per step lost to leaves (the rest: devices away)")
+
+
+def print_replica_plan(console: Console, plan: Plan, scenario: Scenario) -> None:
+    """A readable table of a replica plan: per replica its cluster, micro-batches and stages."""
+    from rich.table import Table
+
+    from shoal.plan.cost import predict, replica_plan
+
+    pred = plan.predicted
+    table = Table(title=f"{plan.method} plan for {scenario.name} ({plan.model}, M={plan.micro_batches} x "
+                        f"{plan.micro_batch_size}): {len(plan.replicas)} pipeline replicas")
+    for col in ("replica", "cluster", "micro-batches", "stages: layers / server / workers", "pipeline s"):
+        table.add_column(col, justify="left" if col in ("cluster", "stages: layers / server / workers") else "right")
+    for i, r in enumerate(plan.replicas):
+        p_r = predict(replica_plan(plan, r), scenario)["pipeline_s"]
+        desc = "; ".join(f"[{st.layers[0]}, {st.layers[1]}) {st.server} {len(st.workers)}" for st in r.stages)
+        table.add_row(str(i), r.cluster, str(r.micro_batches), desc, _fmt(p_r))
+    plan.predicted = pred
+    console.print(table)
+    pol = plan.sync
+    console.print(f"sync: local, a round every {pol.sync_every} steps ({_fmt(pred.get('sync_round_s'))} s at full link "
+                  f"rate, of which the servers' outer merge {_fmt(pred.get('outer_merge_s'))} s); codecs "
+                  f"act={pol.act_codec} grad={pol.grad_codec} push={pol.push_codec} pull={pol.pull_codec}")
+    console.print(f"predicted step {_fmt(pred.get('step_time_s'))} s = pipeline {_fmt(pred.get('pipeline_s'))} s "
+                  f"(the slowest replica) + sync {_fmt(pred.get('sync_s'))} s; memory headroom "
+                  f"{pred.get('memory_headroom', 0):.0%}; planned in {plan.planning_time_s:.2f} s")
+    print_swarm(console, swarm_report(plan, scenario))
+    if pred.get("churn_s"):
+        console.print(f"with churn (long run): expected step {_fmt(pred.get('expected_step_time_s'))} s")
 
 
 def print_swarm(console: Console, rep: SwarmReport, label: str = "predicted") -> None:

@@ -38,9 +38,10 @@ from functools import lru_cache
 
 import numpy as np
 
+from shoal.errors import ShoalError
 from shoal.model.config import get_preset
 from shoal.model.profile import ModelProfile, profile_model
-from shoal.plan.types import Device, Plan, Scenario, SyncPolicy
+from shoal.plan.types import Device, Plan, Replica, Scenario, SyncPolicy
 
 
 @dataclass(frozen=True)
@@ -852,7 +853,7 @@ def server_memory_headroom(plan: Plan, scenario: Scenario) -> float:
     """Min over server hosts of (host memory - servers' memory) / host memory."""
     prof = scenario_profile(scenario, plan.micro_batch_size)
     need: dict[str, float] = {}
-    for st in plan.stages:
+    for st in plan.all_stages:
         need[st.server] = need.get(st.server, 0.0) + prof.server_memory(*st.layers)
     headroom = math.inf
     dev = {d.id: d for d in scenario.devices if d.id in need}
@@ -909,6 +910,183 @@ def swarm_flop_limit(scenario: Scenario, memo: dict | None = None) -> float:
     return limit
 
 
+def _pipeline_terms(costs: list[StageCost], m: int, local: bool) -> tuple[float, float, int, float, float]:
+    """``(pipeline s, fill s, bottleneck stage, granular floor, local-mode correction)`` of one
+    pipeline of ``m`` micro-batches per step from its stages' costs (see :func:`predict`)."""
+    xs = [c.throughput for c in costs]
+    b = min(range(len(costs)), key=lambda i: xs[i])
+    fill = sum(c.latency for c in costs)
+    pipe = pipeline_time(m, xs, [c.latency for c in costs])
+    floor = adjust = 0.0
+    if local:
+        floor = granular_pipeline_time(fill, [(c.latency, c.slowest) for c in costs])
+        fluid = pipe
+        pipe = max(tail_pipeline_time(m, list(costs[b].task_times.values()), xs[b], fill, costs[b].latency), floor)
+        # a backward task waits for the worker that ran its forward (every stage but the last)
+        for i in range(len(costs) - 1):
+            rt = sum(c.latency for c in costs[i + 1:])
+            before = sum(c.latency for c in costs[:i])
+            pipe = max(pipe, pinned_pipeline_time(m, xs[b], list(costs[i].task_times.values()), rt,
+                                                  costs[i].fwd_share, before))
+        adjust = pipe - fluid
+    return pipe, fill, b, floor, adjust
+
+
+def replica_plan(plan: Plan, replica: Replica) -> Plan:
+    """One replica of a replica plan as a single-pipeline :class:`Plan` (its own micro-batches)."""
+    return Plan(plan.scenario, plan.model, plan.method, replica.stages, plan.micro_batch_size, replica.micro_batches,
+                plan.sync)
+
+
+def outer_merge_flows(plan: Plan, prof: ModelProfile) -> list[tuple[str, str, float]]:
+    """``(source host, destination host, bytes)`` of one outer merge of a replica plan: every
+    stage server sends its replica's merged pseudo-gradient of each layer it shares with a stage
+    of another replica (the layers of the overlap, in the push codec's bytes) to that stage's
+    server; a merge between two servers on one host moves nothing over the network."""
+    ratio = plan.sync.ratio("push", prof.dtype_bytes)
+    flat = [(r, st) for r, rep in enumerate(plan.pipelines) for st in rep.stages]
+    out = []
+    for r, st in flat:
+        for q, other in flat:
+            if q == r or st.server == other.server:
+                continue
+            lo, hi = max(st.layers[0], other.layers[0]), min(st.layers[1], other.layers[1])
+            if lo < hi:
+                out.append((st.server, other.server, prof.param_bytes(lo, hi) * ratio))
+    return out
+
+
+def outer_merge_time(plan: Plan, scenario: Scenario, prof: ModelProfile) -> float:
+    """Seconds of one outer merge of a replica plan when every server starts sending at once: the
+    slowest of :func:`outer_merge_flows`, each at ``min(path, sender's uplink / its flows,
+    receiver's downlink / its flows)`` (equal share, as the simulator has it), plus its latency."""
+    flows = outer_merge_flows(plan, prof)
+    if not flows:
+        return 0.0
+    dev = {d.id: d for d in scenario.devices}
+    n_up: dict[str, int] = {}
+    n_down: dict[str, int] = {}
+    for a, b, _ in flows:
+        n_up[a] = n_up.get(a, 0) + 1
+        n_down[b] = n_down.get(b, 0) + 1
+    worst = 0.0
+    for a, b, nbytes in flows:
+        link = scenario.network.link(dev[a], dev[b])
+        bw = flow_bandwidth(link.bandwidth, dev[a].up, dev[b].down, n_up[a], n_down[b])
+        worst = max(worst, transfer_time(nbytes, link.latency, bw))
+    return worst
+
+
+def local_round_push_end(links: list[tuple[float, float, float, float]], latency: float, window: float,
+                         pipeline_s: float, overlap: bool = True) -> float:
+    """Seconds from a stage's round start until its last push has landed (the first half of
+    :func:`local_round_wait`, whose notation it uses); ``window`` = ``H P``."""
+    if not links:
+        return 0.0
+    if not overlap or pipeline_s <= 0 or not math.isfinite(pipeline_s):
+        return 2 * latency + max(x[0] for x in links)
+    floor = 1e-3
+    return latency + max(background_finish(latency, x[0], max(floor, 1.0 - x[2] / pipeline_s), window) for x in links)
+
+
+def local_round_pull_end(links: list[tuple[float, float, float, float]], latency: float, start: float, window: float,
+                         pipeline_s: float, overlap: bool = True) -> float:
+    """Seconds from a stage's round start until its last pull has landed, when its pulls start at
+    ``start`` (the second half of :func:`local_round_wait`)."""
+    if not links:
+        return start
+    if not overlap or pipeline_s <= 0 or not math.isfinite(pipeline_s):
+        return start + latency + max(x[1] for x in links)
+    floor = 1e-3
+    return latency + max(background_finish(start, x[1], max(floor, 1.0 - x[3] / pipeline_s), window) for x in links)
+
+
+def predict_replicas(plan: Plan, scenario: Scenario, options: CostOptions, memo: dict | None = None) -> dict[str, float]:
+    """:func:`predict` of a plan with pipeline replicas (local mode only).
+
+    Each replica is priced as its own pipeline of ``M_r`` micro-batches (:func:`stage_costs` of
+    :func:`replica_plan`); the replicas run in lockstep, so a step takes the slowest replica's
+    pipeline ``P = max_r P_r``. Every ``H`` steps a round runs: each stage's workers push to
+    their own replica's server (as in a single pipeline), then the servers of the same layers
+    exchange their merged pseudo-gradients (:func:`outer_merge_time`, once the last push of any
+    replica has landed: the merge is one barrier over all replicas), then every worker pulls.
+    With overlap the round runs beside the next ``H`` steps and the steps wait for what does not
+    fit in them: ``max(0, end - H P)``, amortised over ``H``.
+    """
+    if not plan.sync.local:
+        raise ShoalError("a plan with pipeline replicas needs local sync (replicas merge every H steps); "
+                         "use --sync local or --sync auto")
+    prof = scenario_profile(scenario, plan.micro_batch_size)
+    h = max(1, plan.sync.sync_every)
+    subs = [replica_plan(plan, r) for r in plan.replicas]
+    per = []
+    for sub in subs:
+        costs = stage_costs(sub, scenario, options, memo)
+        per.append((sub, costs, *_pipeline_terms(costs, sub.micro_batches, True)))
+    pipe = max(x[2] for x in per)
+    window = h * pipe
+    overlap = plan.sync.overlap
+    pushed = 0.0
+    full = 0.0
+    for _, costs, *_ in per:
+        for c in costs:
+            links = list(c.round_links)
+            pushed = max(pushed, local_round_push_end(links, c.round_latency, window, pipe, overlap))
+            full = max(full, c.sync)
+    outer = outer_merge_time(plan, scenario, prof)
+    end = pushed + outer
+    for _, costs, *_ in per:
+        for c in costs:
+            end = max(end, local_round_pull_end(list(c.round_links), c.round_latency, pushed + outer, window, pipe,
+                                                overlap))
+    wait = max(0.0, end - window) if overlap else end
+    sync = wait / h
+    step = pipe + sync
+    expected, churn_s = step, 0.0
+    if options.churn and scenario.churn.enabled:
+        exp_r = []
+        for sub, costs, p_r, fill_r, _b, floor_r, adjust_r in per:
+            e, c_s = churn_step_time(sub, scenario, costs, p_r, fill_r, sync, step, options, floor_r, adjust_r)
+            exp_r.append((e + (pipe - p_r), c_s))
+        expected, churn_s = max(exp_r)
+    slow = max(range(len(per)), key=lambda i: per[i][2])
+    sub, costs, p_s, fill_s, b_s, _, _ = per[slow]
+    first = sum(len(r.stages) for r in plan.replicas[:slow])
+    n_workers = sum(len(st.workers) for r in plan.replicas for st in r.stages)
+    busy = sum(c.compute_per_step for _, costs_r, *_ in per for c in costs_r)
+    util = busy / (n_workers * step) if n_workers and 0 < step < math.inf else 0.0
+    frac = costs[b_s].compute_fraction
+    limit = swarm_flop_limit(scenario, memo)
+    tps = plan.micro_batches * plan.micro_batch_size * scenario.workload.seq_len / step if 0 < step < math.inf else 0.0
+    headroom = min(min(c.memory_headroom for _, costs_r, *_ in per for c in costs_r),
+                   server_memory_headroom(plan, scenario))
+    all_x = [c.throughput for _, costs_r, *_ in per for c in costs_r]
+    result = {
+        "compute_s": pipe * frac,
+        "transfer_s": pipe * (1.0 - frac),
+        "sync_s": sync,
+        "pipeline_s": pipe,
+        "fill_drain_s": fill_s,
+        "step_time_s": step,
+        "churn_s": churn_s,
+        "expected_step_time_s": expected,
+        "bottleneck_stage": float(first + b_s),
+        "throughput_mb_s": sum(min(c.throughput for c in costs_r) for _, costs_r, *_ in per),
+        "mean_stage_time_s": sum((plan.micro_batches - 1) / x if x > 0 else math.inf for x in all_x) / len(all_x),
+        "memory_headroom": headroom,
+        "sync_round_s": full + outer,
+        "outer_merge_s": outer,
+        "utilisation": util,
+        "tokens_per_s": tps,
+        "flop_share": tps / limit if limit > 0 else 0.0,
+        "devices_used": float(n_workers),
+        "devices_available": float(len(scenario.workers)),
+        "replicas": float(len(plan.replicas)),
+    }
+    plan.predicted = result
+    return result
+
+
 def predict(plan: Plan, scenario: Scenario, options: CostOptions | None = None,
             memo: dict | None = None) -> dict[str, float]:
     """Cost-model prediction of one training step of ``plan``; also stored in ``plan.predicted``.
@@ -931,33 +1109,26 @@ def predict(plan: Plan, scenario: Scenario, options: CostOptions | None = None,
     if memo is not None:
         # the same plan again (placements often coincide): its prediction, a fresh copy
         key = ("plan", tuple((st.layers, st.server, tuple(st.workers)) for st in plan.stages), _policy_key(plan.sync),
-               options, plan.micro_batches, plan.micro_batch_size)
+               options, plan.micro_batches, plan.micro_batch_size,
+               tuple((r.micro_batches, tuple((st.layers, st.server, tuple(st.workers)) for st in r.stages))
+                     for r in plan.replicas))
         hit = memo.get(key)
         if hit is not None:
             plan.predicted = dict(hit)
             return plan.predicted
+    if plan.replicas:
+        result = predict_replicas(plan, scenario, options, memo)
+        if key is not None:
+            memo[key] = dict(result)
+        return result
     costs = stage_costs(plan, scenario, options, memo)
     m = plan.micro_batches
     xs = [c.throughput for c in costs]
-    b = min(range(len(costs)), key=lambda i: xs[i])
-    fill = sum(c.latency for c in costs)
-    pipe = pipeline_time(m, xs, [c.latency for c in costs])
-    frac = costs[b].compute_fraction
     headroom = min(min(c.memory_headroom for c in costs), server_memory_headroom(plan, scenario))
     round_s = 0.0
-    floor = 0.0
-    adjust = 0.0
+    pipe, fill, b, floor, adjust = _pipeline_terms(costs, m, plan.sync.local)
+    frac = costs[b].compute_fraction
     if plan.sync.local:
-        floor = granular_pipeline_time(fill, [(c.latency, c.slowest) for c in costs])
-        fluid = pipe
-        pipe = max(tail_pipeline_time(m, list(costs[b].task_times.values()), xs[b], fill, costs[b].latency), floor)
-        # a backward task waits for the worker that ran its forward (every stage but the last)
-        for i in range(len(costs) - 1):
-            rt = sum(c.latency for c in costs[i + 1:])
-            before = sum(c.latency for c in costs[:i])
-            pipe = max(pipe, pinned_pipeline_time(m, xs[b], list(costs[i].task_times.values()), rt,
-                                                  costs[i].fwd_share, before))
-        adjust = pipe - fluid
         # per-stage rounds run in parallel; the step waits for the slowest one
         waits = [local_round_wait(list(c.round_links), c.round_latency, plan.sync.sync_every, pipe,
                                   plan.sync.overlap) for c in costs]

@@ -15,6 +15,9 @@ def validate_plan(plan: Plan, scenario: Scenario) -> None:
     holds its stage; each server host may host and its host memory holds its servers;
     ``micro_batches * micro_batch_size`` equals the global batch.
     """
+    if plan.replicas:
+        _validate_replicas(plan, scenario)
+        return
     w = scenario.workload
     if plan.model != w.model:
         raise ShoalError(f"plan is for model {plan.model} but scenario {scenario.name} trains {w.model}")
@@ -67,3 +70,49 @@ def validate_plan(plan: Plan, scenario: Scenario) -> None:
             raise ShoalError(
                 f"server host {h} has {devices[h].host_memory / 1e9:.1f} GB but its stage servers need {need / 1e9:.1f} GB"
             )
+
+
+def _validate_replicas(plan: Plan, scenario: Scenario) -> None:
+    """A plan with pipeline replicas: local sync; ``stages`` is the first replica's; every replica is
+    a valid pipeline of its own micro-batches (which sum to the plan's); no device works for two
+    replicas; each host's memory holds the servers of every replica it runs."""
+    from shoal.plan.cost import replica_plan, scenario_profile
+
+    if not plan.sync.local:
+        raise ShoalError("a plan with pipeline replicas needs local sync (replicas merge every H steps); "
+                         "use --sync local or --sync auto")
+    if plan.stages is not plan.replicas[0].stages and plan.stages != plan.replicas[0].stages:
+        raise ShoalError("plan.stages must be the first replica's stages")
+    w = scenario.workload
+    if plan.micro_batches * plan.micro_batch_size != w.global_batch:
+        raise ShoalError(f"plan has {plan.micro_batches} micro-batches of {plan.micro_batch_size} but the global batch "
+                         f"is {w.global_batch}")
+    total = sum(r.micro_batches for r in plan.replicas)
+    if total != plan.micro_batches or any(r.micro_batches < 1 for r in plan.replicas):
+        raise ShoalError(f"the replicas' micro-batches ({[r.micro_batches for r in plan.replicas]}) must be at least 1 "
+                         f"each and sum to the plan's {plan.micro_batches}")
+    seen: dict[str, int] = {}
+    for i, r in enumerate(plan.replicas):
+        sub = replica_plan(plan, r)
+        # each replica on its own is a pipeline of the workload with its share of the batch
+        sub_scn = Scenario(scenario.name, scenario.devices, scenario.network,
+                           type(w)(w.model, w.seq_len, r.micro_batches * plan.micro_batch_size, plan.micro_batch_size,
+                                   w.dtype_bytes, w.optimizer), scenario.churn)
+        try:
+            validate_plan(sub, sub_scn)
+        except ShoalError as exc:
+            raise ShoalError(f"replica {i}: {exc}") from None
+        for st in r.stages:
+            for wid in st.workers:
+                if wid in seen:
+                    raise ShoalError(f"device {wid} works for replicas {seen[wid]} and {i}; a device serves one stage")
+                seen[wid] = i
+    prof = scenario_profile(scenario, plan.micro_batch_size)
+    need: dict[str, float] = {}
+    for st in plan.all_stages:
+        need[st.server] = need.get(st.server, 0.0) + prof.server_memory(*st.layers)
+    devices = {d.id: d for d in scenario.devices}
+    for h, n in need.items():
+        if devices[h].host_memory < n:
+            raise ShoalError(f"server host {h} has {devices[h].host_memory / 1e9:.1f} GB but the stage servers of "
+                             f"every replica it runs need {n / 1e9:.1f} GB")

@@ -81,7 +81,8 @@ def _load(args):
         if policy != SyncPolicy():
             plan.sync = policy  # the flags override the plan file's policy
     else:
-        plan = make_plan(scenario, method=args.method, seed=args.seed, sync=policy)
+        plan = make_plan(scenario, method=args.method, seed=args.seed, sync=policy,
+                         replicas=getattr(args, "replicas", False))
     return scenario, plan
 
 

@@ -39,7 +39,7 @@ from shoal.model.config import get_preset
 from shoal.model.profile import profile_model
 from shoal.plan.compression import wire_ratio
 from shoal.plan.standby import state_bytes, step_log_bytes
-from shoal.plan.types import Plan, Scenario, StagePlan
+from shoal.plan.types import Plan, Replica, Scenario, StagePlan
 from shoal.plan.validate import validate_plan
 from shoal.sim.config import ServerFailure, SimConfig, Straggler
 from shoal.sim.net import FLOW_DONE, FlowNet, Resource
@@ -73,6 +73,7 @@ M_LPULL = 9  # local mode: server -> worker, merged weights of a sync round (wor
 M_STANDBY = 10  # active server -> hot standby: the stage's state after a committed step (no reply)
 M_LOG = 11  # exact sync, active server -> hot standby: the step's summed gradient, before the update (stage, step)
 M_LOGACK = 12  # hot standby -> active server: the step's gradient is logged (stage, step, standby)
+M_OUTER = 13  # replica plans, server -> server of the same layers in another replica: its merged pseudo-gradient (stage, round)
 
 
 class Task:
@@ -151,6 +152,13 @@ class Stage:
         self.round_id = 0
         self.round_push: set[str] = set()  # workers whose push of the current round is awaited
         self.round_pull: set[str] = set()  # workers whose pull of the current round is in flight
+        # pipeline replicas: neighbours inside its replica (flat stage indices), its replica's
+        # micro-batches per step, and the stages of other replicas it merges layers with
+        self.nxt: int | None = None
+        self.prv: int | None = None
+        self.M = 0
+        self.peers: list[tuple[int, float]] = []  # (flat stage index, bytes of the shared layers' merged pseudo-gradient)
+        self.outer_got: dict[int, int] = {}  # round id -> peers' merged pseudo-gradients received
         self.reset(-1)
 
     def reset(self, step: int) -> None:
@@ -193,14 +201,23 @@ def check_plan(plan: Plan, scenario: Scenario) -> None:
 
 
 def _fallback_repair(plan: Plan, original: dict[str, int], left=(), joined=()) -> Plan:
-    """Minimal repair used when the planner's is not available: rejoin the original stage."""
-    stages = [StagePlan(sp.layers, sp.server, [w for w in sp.workers if w not in left]) for sp in plan.stages]
+    """Minimal repair used when the planner's is not available (or the plan has pipeline
+    replicas, which the planner's repair does not know): rejoin the original stage.
+    ``original`` maps a device to its flat stage index (replica by replica)."""
+    stages = [StagePlan(sp.layers, sp.server, [w for w in sp.workers if w not in left], list(sp.standbys))
+              for sp in plan.all_stages]
     for d in joined:
         s = original.get(d)
         if s is not None and d not in stages[s].workers:
             stages[s].workers.append(d)
-    return Plan(plan.scenario, plan.model, plan.method, stages, plan.micro_batch_size,
-                plan.micro_batches, plan.sync, dict(plan.predicted), plan.planning_time_s)
+    replicas = []
+    i = 0
+    for r in plan.replicas:
+        replicas.append(Replica(stages[i:i + len(r.stages)], r.micro_batches, r.cluster))
+        i += len(r.stages)
+    return Plan(plan.scenario, plan.model, plan.method, replicas[0].stages if replicas else stages,
+                plan.micro_batch_size, plan.micro_batches, plan.sync, dict(plan.predicted), plan.planning_time_s,
+                plan.standby_every, replicas)
 
 
 def _planner_repair():
@@ -223,7 +240,10 @@ class Simulator:
         self.cfg = config or SimConfig()
         self.churn = churn
         self.seed = seed
-        self.S = plan.n_stages
+        # a plan with pipeline replicas is simulated as one flat list of stages, replica by
+        # replica; each stage knows its neighbours inside its replica (see Stage.nxt / prv)
+        self.flat = plan.all_stages
+        self.S = len(self.flat)
         self.M = plan.micro_batches
         wl = scenario.workload
         self.prof = profile_model(get_preset(plan.model), wl.seq_len, plan.micro_batch_size, wl.dtype_bytes)
@@ -234,7 +254,7 @@ class Simulator:
         self.now = 0.0
         self.devices = {d.id: d for d in scenario.devices}
         # stage server hosts carry many flows at once: the flow network tracks them by heaps
-        hubs = {sp.server for sp in plan.stages}
+        hubs = {sp.server for sp in self.flat}
         self.up: dict[str, Resource] = {d.id: Resource(d.up, d.id in hubs) for d in scenario.devices}
         self.down: dict[str, Resource] = {d.id: Resource(d.down, d.id in hubs) for d in scenario.devices}
         self._links: dict[tuple[str, str], tuple[float, float]] = {}
@@ -248,7 +268,24 @@ class Simulator:
         self.overlap = pol.local and pol.overlap  # round r runs during round r + 1
         self.overlap_up = pol.overlap_uploads  # lease the next task while the output uploads
         self.prefetch = pol.prefetch  # ask for the next task when computing starts
-        self.stages = [Stage(i, sp, self.devices[sp.server]) for i, sp in enumerate(plan.stages)]
+        self.stages = [Stage(i, sp, self.devices[sp.server]) for i, sp in enumerate(self.flat)]
+        i = 0
+        for r in plan.pipelines:
+            for j in range(len(r.stages)):
+                st = self.stages[i + j]
+                st.M = r.micro_batches
+                st.prv = i + j - 1 if j > 0 else None
+                st.nxt = i + j + 1 if j + 1 < len(r.stages) else None
+            i += len(r.stages)
+        if plan.replicas:
+            # replicas of the same layers merge their pseudo-gradients server to server, per layer
+            for st in self.stages:
+                for other in self.stages:
+                    if other.idx == st.idx or self._replica_of(other.idx) == self._replica_of(st.idx):
+                        continue
+                    lo, hi = max(st.first, other.first), min(st.last, other.last)
+                    if lo < hi:
+                        st.peers.append((other.idx, self.prof.param_bytes(lo, hi) * push_r))
         for st in self.stages:
             a, b = st.first, st.last
             st.in_bytes = self.prof.in_act_bytes(a, b) * (1.0 if a == 0 else ac)  # stage input
@@ -266,10 +303,10 @@ class Simulator:
             st.param_wire = pb * join_r  # a joiner's first pull
             st.standby_bytes = state_bytes(self.prof, a, b)  # a hot standby's copy of the stage's state
             st.log_bytes = step_log_bytes(self.prof, a, b)  # exact sync: a standby's log of the step's gradient
-            st.last_stage = st.idx == self.S - 1
+            st.last_stage = st.nxt is None
         self.workers: dict[str, Worker] = {}
         self.original_stage: dict[str, int] = {}
-        for i, sp in enumerate(plan.stages):
+        for i, sp in enumerate(self.flat):
             for wid in sp.workers:
                 w = Worker(self.devices[wid])
                 w.stage = i
@@ -277,7 +314,7 @@ class Simulator:
                 self.original_stage[wid] = i
                 self.stages[i].members[wid] = w
         self.plan_now = plan
-        self.repair_fn = _planner_repair()
+        self.repair_fn = None if plan.replicas else _planner_repair()
         for s in stragglers:
             s = _as_straggler(s)
             if s.device not in self.workers:
@@ -314,6 +351,15 @@ class Simulator:
         self.rngs: dict[str, random.Random] = {}
 
     # ---------------------------------------------------------------- helpers
+    def _replica_of(self, idx: int) -> int:
+        """The replica (index into ``plan.pipelines``) flat stage ``idx`` belongs to."""
+        i = 0
+        for r, rep in enumerate(self.plan.pipelines):
+            i += len(rep.stages)
+            if idx < i:
+                return r
+        raise IndexError(idx)
+
     def _push(self, t: float, kind: int, a, b=None) -> None:
         heapq.heappush(self.heap, (t, self.seq(), kind, a, b))
 
@@ -440,9 +486,10 @@ class Simulator:
         self.closed = 0
         for st in self.stages:
             st.reset(self.step)
-        st0 = self.stages[0]
-        for m in range(self.M):
-            self._offer(st0, Task(self.step, 0, m, False))
+        for st0 in self.stages:
+            if st0.prv is None:  # the first stage of each replica gets its replica's micro-batches
+                for m in range(st0.M):
+                    self._offer(st0, Task(self.step, st0.idx, m, False))
 
     def _accept_fwd(self, st: Stage, w: Worker, task: Task) -> bool:
         if task.step != self.step or task.m in st.fwd_done:
@@ -467,7 +514,7 @@ class Simulator:
         if c is None:
             c = st.contrib[w.id] = set()
         c.add(task.m)
-        if len(st.bwd_done) == self.M:
+        if len(st.bwd_done) == st.M:
             self._begin_sync(st)
         return True
 
@@ -496,7 +543,7 @@ class Simulator:
         self._maybe_apply(st)
 
     def _maybe_apply(self, st: Stage) -> None:
-        if st.phase == 0 and len(st.grads_in) == self.M and len(st.bwd_done) == self.M:
+        if st.phase == 0 and len(st.grads_in) == st.M and len(st.bwd_done) == st.M:
             if not self._logged(st):
                 return
             st.phase = 1
@@ -511,7 +558,7 @@ class Simulator:
         if self.local:
             return True
         if st.log_wait is None:
-            standbys = self.plan.stages[st.idx].standbys if st.idx < len(self.plan.stages) else ()
+            standbys = self.flat[st.idx].standbys
             st.log_wait = {h for h in standbys if h in self.devices}
             for h in st.log_wait:
                 self._send(st.host.id, h, st.log_bytes, M_LOG, (st.idx, self.step, h), None)
@@ -519,7 +566,7 @@ class Simulator:
 
     def _applied(self, st: Stage) -> None:
         st.phase = 2
-        standbys = self.plan.stages[st.idx].standbys if st.idx < len(self.plan.stages) else ()
+        standbys = self.flat[st.idx].standbys
         if standbys and (self.step + 1) % max(1, self.plan.standby_every) == 0:
             # hot standbys fetch the committed state: background flows on the active host's uplink
             for h in standbys:
@@ -565,14 +612,17 @@ class Simulator:
 
     def _round_progress(self, st: Stage) -> None:
         if st.round_phase == 1 and not st.round_push:
-            st.round_phase = 2
-            st.round_pull = set()
-            for w in st.members.values():
-                if w.alive:
-                    st.round_pull.add(w.id)
-                    w.bg_round = (st.idx, st.round_id)
-                    w.bg_pull = st.pull_wire
-                    self._bg_kick(w)
+            if st.peers:
+                # replica plans: the merged pseudo-gradient goes to every other replica's server
+                # of the same layers; the pulls wait until theirs have all arrived
+                st.round_phase = 3
+                for j, nbytes in st.peers:
+                    self._send(st.host.id, self.stages[j].host.id, nbytes, M_OUTER, (j, st.round_id), None)
+            else:
+                self._launch_pulls(st)
+        if st.round_phase == 3 and st.outer_got.get(st.round_id, 0) >= len(st.peers):
+            st.outer_got.pop(st.round_id, None)
+            self._launch_pulls(st)
         if st.round_phase == 2 and not st.round_pull:
             st.round_phase = 0
             if st.launch_after:
@@ -582,6 +632,17 @@ class Simulator:
             else:
                 st.blocked = False
             self._maybe_close(st)
+
+    def _launch_pulls(self, st: Stage) -> None:
+        """Every live member pulls the round's merged weights."""
+        st.round_phase = 2
+        st.round_pull = set()
+        for w in st.members.values():
+            if w.alive:
+                st.round_pull.add(w.id)
+                w.bg_round = (st.idx, st.round_id)
+                w.bg_pull = st.pull_wire
+                self._bg_kick(w)
 
     def _bg_kick(self, w: Worker) -> None:
         """Send the next chunk of ``w``'s sync traffic on each of its links that is idle: sync
@@ -632,13 +693,13 @@ class Simulator:
                 w.held.remove(task)
             if task.bwd:
                 if self._accept_bwd(st, w, task):
-                    self._offer(self.stages[task.stage - 1], Task(task.step, task.stage - 1, task.m, True))
+                    self._offer(self.stages[st.prv], Task(task.step, st.prv, task.m, True))
             elif st.last_stage:
                 # the last stage ran forward and backward; its output is the input gradient
                 if self._accept_fwd(st, w, task) and self._accept_bwd(st, w, task):
-                    self._offer(self.stages[task.stage - 1], Task(task.step, task.stage - 1, task.m, True))
+                    self._offer(self.stages[st.prv], Task(task.step, st.prv, task.m, True))
             elif self._accept_fwd(st, w, task):
-                self._offer(self.stages[task.stage + 1], Task(task.step, task.stage + 1, task.m, False))
+                self._offer(self.stages[st.nxt], Task(task.step, st.nxt, task.m, False))
         elif kind == M_LEASE:
             w, epoch = p
             if w.epoch != epoch or w.stage is None:
@@ -713,6 +774,12 @@ class Simulator:
             if step == self.step and st.log_wait is not None and h in st.log_wait:
                 st.log_wait.discard(h)
                 self._maybe_apply(st)
+        elif kind == M_OUTER:
+            s, rid = p
+            st = self.stages[s]
+            st.outer_got[rid] = st.outer_got.get(rid, 0) + 1
+            if st.round_phase == 3 and st.round_id == rid:
+                self._round_progress(st)
         elif kind == M_LPUSH:
             w, s, rid, last = p
             st = self.stages[s]
@@ -763,26 +830,25 @@ class Simulator:
             self.timeline.append((w.id, w.compute_t0, self.now, "compute"))
         w.compute_t0 = -1.0
         st = self.stages[task.stage]
-        s = task.stage
         io = self.overlap_up or self.prefetch
         # with overlapped I/O the worker itself decides when to ask for more (see _after_compute)
         done = (w, w.epoch, task, not io)
         if task.bwd:
             w.saved.discard((task.step, task.m))
-            if s == 0 or task.grad_only:
+            if st.prv is None or task.grad_only:
                 self._send(w.id, st.host.id, 0, M_DONE, done, None)
                 sent = False
             else:
-                sent = self._send_result(w, self.stages[s - 1].host.id, st.ingrad_bytes, task)
+                sent = self._send_result(w, self.stages[st.prv].host.id, st.ingrad_bytes, task)
         elif st.last_stage:
-            if s == 0 or task.grad_only:
+            if st.prv is None or task.grad_only:
                 self._send(w.id, st.host.id, 0, M_DONE, done, None)
                 sent = False
             else:
-                sent = self._send_result(w, self.stages[s - 1].host.id, st.ingrad_bytes, task)
+                sent = self._send_result(w, self.stages[st.prv].host.id, st.ingrad_bytes, task)
         else:
             w.saved.add((task.step, task.m))
-            sent = self._send_result(w, self.stages[s + 1].host.id, st.out_bytes, task)
+            sent = self._send_result(w, self.stages[st.nxt].host.id, st.out_bytes, task)
         if sent is None:
             return  # held until one of its uploads has left (then it asks for more)
         if io and (self.overlap_up or not sent):
@@ -976,13 +1042,13 @@ class Simulator:
                                      seed=self.seed)
             except ShoalError:
                 new = None
-        if new is None or len(new.stages) != self.S or any(
-                tuple(a.layers) != tuple(b.layers) for a, b in zip(new.stages, self.plan.stages, strict=True)):
+        if new is None or len(new.all_stages) != self.S or any(
+                tuple(a.layers) != tuple(b.layers) for a, b in zip(new.all_stages, self.flat, strict=True)):
             new = _fallback_repair(self.plan_now, self.original_stage, left, joined)
         self.plan_now = new
         self.repair_wall += time.perf_counter() - t0
         target: dict[str, int] = {}
-        for i, sp in enumerate(new.stages):
+        for i, sp in enumerate(new.all_stages):
             for wid in sp.workers:
                 target[wid] = i
         for wid in joined:
@@ -1112,9 +1178,13 @@ class Simulator:
         tokens = self.M * self.plan.micro_batch_size * self.scn.workload.seq_len
         lost = 0
         for rec in self.passes:
-            for m in range(self.M):
-                if any(rec["grad"][s].get(m, 0) != 1 for s in range(self.S)):
-                    lost += 1
+            for r0 in (st for st in self.stages if st.prv is None):
+                chain = [r0.idx]
+                while self.stages[chain[-1]].nxt is not None:
+                    chain.append(self.stages[chain[-1]].nxt)
+                for m in range(r0.M):
+                    if any(rec["grad"][s].get(m, 0) != 1 for s in chain):
+                        lost += 1
         util = {wid: w.busy / span for wid, w in sorted(self.workers.items())}
         predicted = self.plan.predicted.get("step_time_s")
         mean = total / len(self.step_times) if self.step_times else math.nan

@@ -1,0 +1,289 @@
+"""Pipeline replicas inside network clusters (local mode): shoal's planner for replica plans.
+
+A replica plan runs several pipelines of the model at once. Each replica's stages, workers and
+stage-server hosts lie inside one network cluster, so activations never cross a slow path
+between clusters; replicas may split the layers differently (a 24 GB card holds the whole model,
+8-12 GB cards need two or three stages). Every ``H`` steps each worker pushes its
+pseudo-gradient to its own replica's server, the servers of the same layers merge theirs over
+the server-to-server links (per layer, in the push codec's bytes), and the workers pull.
+
+Batch semantics: a step is still the workload's global batch of ``M`` micro-batches for the
+whole swarm. Replica ``r`` runs ``M_r`` of them, ``M_r`` in proportion to its pipeline's rate
+(:func:`split_micro_batches`), so the replicas finish a step together; between merges each
+worker trains its own copy as in local mode, and a merge averages all workers of all replicas.
+
+Construction (:func:`plan_replicas`): cluster the regions (:func:`network_clusters`); inside
+each cluster group the workers by the fewest stages they can hold (:func:`stages_needed`); plan
+each group as a pipeline of that many stages with shoal's allocator on the group's own devices
+and the cluster's hosts; split ``M`` by the replicas' rates and price the whole plan with
+:func:`shoal.plan.cost.predict`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from shoal.errors import ShoalError
+from shoal.model.profile import ModelProfile
+from shoal.plan.cluster import average_linkage
+from shoal.plan.common import even_layer_split
+from shoal.plan.cost import (
+    CostOptions,
+    predict,
+    replica_plan,
+    scenario_profile,
+    stage_costs,
+    stage_worker_memory,
+)
+from shoal.plan.types import Device, Plan, Replica, Scenario, SyncPolicy
+
+MAX_REPLICA_STAGES = 4  # deepest replica the planner builds (gpt-1.3b: 8 GB cards need 3)
+REPLICA_EVALS = 40  # cost-model evaluations of local search per replica (the groups are small)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A set of regions close to each other that holds at least one stage-server host."""
+
+    name: str  # its regions joined by "+"
+    regions: tuple[str, ...]  # the regions in it
+    hosts: tuple[str, ...]  # ids of the server hosts in it
+
+
+def region_distances(scenario: Scenario, ref_bytes: float) -> tuple[list[str], np.ndarray]:
+    """Every region of the scenario (workers' and hosts') and the distance ``latency + ref_bytes /
+    bandwidth`` between each pair (0 on the diagonal)."""
+    rep: dict[str, Device] = {}
+    for d in scenario.devices:
+        rep.setdefault(d.region, d)
+    regions = sorted(rep)
+    n = len(regions)
+    dist = np.zeros((n, n))
+    for i in range(n):
+        for j in range(i + 1, n):
+            link = scenario.network.link(rep[regions[i]], rep[regions[j]])
+            dist[i, j] = dist[j, i] = link.latency + ref_bytes / link.bandwidth
+    return regions, dist
+
+
+def cut_clusters(z: list[tuple[int, int, float, int]], n: int, has_host: list[bool]) -> list[list[int]]:
+    """The finest cut of an average-linkage tree (``z``, ``n`` points) in which every cluster holds
+    a point with ``has_host``: from the root, a cluster splits into its two children when both
+    hold one. Returns the clusters as sorted lists of point ids."""
+    if n == 1:
+        return [[0]]
+    children = {n + i: (a, b) for i, (a, b, _, _) in enumerate(z)}
+
+    def leaves(node: int) -> list[int]:
+        out, todo = [], [node]
+        while todo:
+            x = todo.pop()
+            if x < n:
+                out.append(x)
+            else:
+                todo.extend(children[x])
+        return sorted(out)
+
+    def hosted(node: int) -> bool:
+        return any(has_host[i] for i in leaves(node))
+
+    out = []
+    todo = [n + len(z) - 1]
+    while todo:
+        node = todo.pop()
+        if node >= n and all(hosted(c) for c in children[node]):
+            todo.extend(children[node])
+        else:
+            out.append(leaves(node))
+    return sorted(out)
+
+
+def network_clusters(scenario: Scenario, ref_bytes: float = 0.0) -> list[Cluster]:
+    """Clusters of regions for replicas: average-linkage clustering of the regions on
+    ``latency + ref_bytes / bandwidth`` (:mod:`shoal.plan.cluster`), cut as finely as possible
+    while every cluster keeps a server host (:func:`cut_clusters`)."""
+    hosts = scenario.server_hosts
+    if not hosts:
+        raise ShoalError(f"scenario {scenario.name} has no device that may host a stage server (can_host_server)")
+    regions, dist = region_distances(scenario, ref_bytes)
+    hosted = [any(h.region == r for h in hosts) for r in regions]
+    groups = cut_clusters(average_linkage(dist), len(regions), hosted)
+    out = []
+    for g in groups:
+        rs = tuple(regions[i] for i in g)
+        out.append(Cluster("+".join(rs), rs, tuple(h.id for h in hosts if h.region in rs)))
+    return out
+
+
+def stages_needed(prof: ModelProfile, device: Device, sync: SyncPolicy, max_stages: int = MAX_REPLICA_STAGES) -> int:
+    """The fewest stages of an even layer split whose every stage ``device`` can hold (0: none up
+    to ``max_stages``)."""
+    n = len(prof.layers)
+    for k in range(1, min(max_stages, n) + 1):
+        if all(device.memory >= stage_worker_memory(prof, a, b, sync) for a, b in even_layer_split(n, k)):
+            return k
+    return 0
+
+
+def split_micro_batches(rates: list[float], total: int) -> list[int]:
+    """``total`` micro-batches split in proportion to ``rates`` (largest remainders), at least 1
+    each; raises if there are more replicas than micro-batches."""
+    n = len(rates)
+    if n > total:
+        raise ShoalError(f"{n} replicas cannot share {total} micro-batches; use fewer replicas or a larger batch")
+    s = sum(max(0.0, r) for r in rates)
+    want = [max(0.0, r) / s * total if s > 0 else total / n for r in rates]
+    out = [max(1, math.floor(w)) for w in want]
+    while sum(out) > total:  # the floors of 1 overshot: take from the largest
+        i = max(range(n), key=lambda j: out[j] - want[j] if out[j] > 1 else -math.inf)
+        out[i] -= 1
+    order = sorted(range(n), key=lambda j: out[j] - want[j])
+    k = 0
+    while sum(out) < total:
+        out[order[k % n]] += 1
+        k += 1
+    return out
+
+
+def device_groups(scenario: Scenario, clusters: list[Cluster], prof: ModelProfile,
+                  sync: SyncPolicy) -> list[tuple[Cluster, int, list[Device]]]:
+    """Per cluster, its workers grouped by the fewest stages they can hold; a group with fewer
+    devices than stages joins the next deeper group of its cluster (its devices hold those
+    smaller stages too). Devices that hold no split up to MAX_REPLICA_STAGES are left out."""
+    out = []
+    for c in clusters:
+        by_k: dict[int, list[Device]] = {}
+        for d in scenario.workers:
+            if d.region in c.regions:
+                k = stages_needed(prof, d, sync)
+                if k:
+                    by_k.setdefault(k, []).append(d)
+        ks = sorted(by_k)
+        carry: list[Device] = []
+        for i, k in enumerate(ks):
+            devs = by_k[k] + carry
+            carry = []
+            if len(devs) >= k:
+                out.append((c, k, devs))
+            elif i + 1 < len(ks):
+                carry = devs  # too few for k stages: they hold the deeper group's stages too
+            elif out and out[-1][0] is c:
+                out[-1][2].extend(devs)  # the deepest group is too small: join the previous one
+    return out
+
+
+def _sub_scenario(scenario: Scenario, devices: list[Device], hosts: tuple[str, ...], micro_batches: int,
+                  micro_batch_size: int) -> Scenario:
+    """``scenario`` restricted to ``devices`` and the server hosts ``hosts``, with a batch of
+    ``micro_batches`` micro-batches (one replica's share)."""
+    keep = {d.id for d in devices} | set(hosts)
+    w = scenario.workload
+    return Scenario(scenario.name, [d for d in scenario.devices if d.id in keep], scenario.network,
+                    replace(w, global_batch=micro_batches * micro_batch_size), scenario.churn)
+
+
+def equal_finish_split(pipes: list[float], rates: list[float], current: list[int], total: int) -> list[int]:
+    """Micro-batches per replica so that the replicas' pipelines end together: replica ``r`` with
+    ``current[r]`` micro-batches takes ``pipes[r]`` seconds and ``1 / rates[r]`` per further one,
+    so at a common end ``T`` it runs ``current[r] + (T - pipes[r]) rates[r]``; ``T`` is chosen so
+    they sum to ``total``. A replica that would run less than one micro-batch gets 0 (its fill
+    and drain alone outlast the others' step: no benefit). Integers by largest remainders."""
+    live = [i for i in range(len(pipes)) if rates[i] > 0 and math.isfinite(pipes[i])]
+    while live:
+        x = sum(rates[i] for i in live)
+        t = (total - sum(current[i] - pipes[i] * rates[i] for i in live)) / x
+        want = {i: current[i] + (t - pipes[i]) * rates[i] for i in live}
+        short = [i for i in live if want[i] < 1]
+        if not short:
+            break
+        live.remove(min(short, key=lambda i: want[i]))
+    out = [0] * len(pipes)
+    if not live:
+        return out
+    ints = split_micro_batches([want[i] for i in live], total)
+    for i, m in zip(live, ints, strict=True):
+        out[i] = m
+    return out
+
+
+def rebalance(plan: Plan, scenario: Scenario, options: CostOptions | None = None, rounds: int = 3) -> Plan:
+    """Re-split the step's micro-batches so the replicas' pipelines end together
+    (:func:`equal_finish_split` on each replica's predicted pipeline and rate), ``rounds`` times,
+    keeping the split with the shortest predicted step; replicas left with no micro-batch are
+    dropped (their devices stay idle)."""
+    reps = list(plan.replicas)
+    best = [r.micro_batches for r in reps]
+    best_t = predict(plan, scenario, options)["step_time_s"]
+    current = list(best)
+    for _ in range(rounds):
+        pipes, rates = [], []
+        for r, m in zip(reps, current, strict=True):
+            if m <= 0:
+                pipes.append(math.inf)
+                rates.append(0.0)
+                continue
+            r.micro_batches = m
+            sub = replica_plan(plan, r)
+            costs = stage_costs(sub, scenario, options)
+            pipes.append(predict(sub, scenario, options)["pipeline_s"])
+            rates.append(min(c.throughput for c in costs))
+        split = equal_finish_split(pipes, rates, current, plan.micro_batches)
+        if split == current or not any(split):
+            break
+        current = split
+        _set_split(plan, reps, current)
+        t = predict(plan, scenario, options)["step_time_s"]
+        if t < best_t:
+            best, best_t = list(current), t
+    _set_split(plan, reps, best)
+    predict(plan, scenario, options)
+    return plan
+
+
+def _set_split(plan: Plan, reps: list[Replica], split: list[int]) -> None:
+    """Give ``reps`` the micro-batches ``split``; the plan keeps those with at least one."""
+    for r, m in zip(reps, split, strict=True):
+        r.micro_batches = m
+    plan.replicas = [r for r in reps if r.micro_batches > 0]
+    plan.stages = plan.replicas[0].stages
+
+
+def plan_replicas(scenario: Scenario, seed: int = 0, sync: SyncPolicy | None = None,
+                  options: CostOptions | None = None, max_evals: int = REPLICA_EVALS) -> Plan:
+    """shoal's replica plan for ``scenario`` under local-mode policy ``sync`` (see the module
+    docstring); the plan is priced (``plan.predicted``) but not validated."""
+    from shoal.plan.allocator import plan_shoal  # the allocator plans each replica
+
+    sync = sync or SyncPolicy(mode="local", sync_every=32)
+    if not sync.local:
+        raise ShoalError("pipeline replicas need local sync (--sync local or --sync auto)")
+    prof = scenario_profile(scenario)
+    n = len(prof.layers)
+    clusters = network_clusters(scenario, prof.param_bytes(0, n) * sync.ratio("push", prof.dtype_bytes))
+    groups = device_groups(scenario, clusters, prof, sync)
+    if not groups:
+        raise ShoalError(f"no device of scenario {scenario.name} holds the model in {MAX_REPLICA_STAGES} stages or fewer")
+    w = scenario.workload
+    m_total = w.micro_batches
+    if len(groups) > m_total:
+        groups = sorted(groups, key=lambda g: -sum(d.flops for d in g[2]))[:m_total]
+    split = split_micro_batches([sum(d.flops for d in g[2]) for g in groups], m_total)
+    replicas = []
+    for (c, k, devs), m_r in zip(groups, split, strict=True):
+        sub = _sub_scenario(scenario, devs, c.hosts, m_r, w.micro_batch_size)
+        try:
+            p = plan_shoal(sub, seed=seed, stages=min(k, len(devs)), sync=sync, options=options, max_evals=max_evals)
+        except ShoalError:
+            continue
+        replicas.append(Replica(stages=p.stages, micro_batches=m_r, cluster=c.name))
+    if not replicas:
+        raise ShoalError(f"no replica of scenario {scenario.name} could be planned")
+    split = split_micro_batches([r.micro_batches for r in replicas], m_total)
+    for r, m_r in zip(replicas, split, strict=True):
+        r.micro_batches = m_r
+    plan = Plan(scenario=scenario.name, model=w.model, method="shoal", stages=replicas[0].stages,
+                micro_batch_size=w.micro_batch_size, micro_batches=m_total, sync=sync, replicas=replicas)
+    return rebalance(plan, scenario, options)

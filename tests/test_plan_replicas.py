@@ -1,0 +1,150 @@
+"""Pipeline replicas inside network clusters: the clustering, the micro-batch split, validation,
+the simulator's replay (activations stay inside a cluster; replicas merge server to server) and
+the cost model's outer merge, on hand-built cases and on gaming-world."""
+
+from __future__ import annotations
+
+import pytest
+
+from shoal.errors import ShoalError
+from shoal.plan import load_scenario, make_plan, predict, scenario_from_dict
+from shoal.plan.cluster import average_linkage
+from shoal.plan.cost import outer_merge_flows, scenario_profile
+from shoal.plan.replicas import (
+    cut_clusters,
+    equal_finish_split,
+    network_clusters,
+    split_micro_batches,
+)
+from shoal.plan.types import Plan, Replica, StagePlan, SyncPolicy
+from shoal.plan.validate import validate_plan
+from shoal.sim import simulate
+
+
+def _two_regions():
+    devices = [{"id": f"{r}{i}", "tflops": 1, "memory_gb": 8, "region": r, "up_mbps": 100, "down_mbps": 200}
+               for r in ("a", "b") for i in range(4)]
+    devices += [{"id": f"h{r}", "tflops": 0, "memory_gb": 0, "region": r, "up_gbps": 1, "down_gbps": 1,
+                 "can_host_server": True} for r in ("a", "b")]
+    return scenario_from_dict({
+        "name": "two-regions",
+        "workload": {"model": "tiny", "seq_len": 64, "global_batch": 16, "micro_batch_size": 2, "dtype": "fp32"},
+        "network": {"intra": {r: {"latency_ms": 5, "bandwidth_gbps": 1} for r in ("a", "b")},
+                    "inter": [{"regions": ["a", "b"], "latency_ms": 150, "bandwidth_mbps": 100}]},
+        "devices": devices,
+    })
+
+
+LOCAL = SyncPolicy(mode="local", sync_every=2, push_codec="int8", pull_codec="int8")
+
+
+def _replica_plan(sync=LOCAL, m=(4, 4)):
+    one = Replica([StagePlan((0, 6), "ha", ["a0", "a1", "a2"])], m[0], "a")
+    two = Replica([StagePlan((0, 3), "hb", ["b0", "b1"]), StagePlan((3, 6), "hb", ["b2", "b3"])], m[1], "b")
+    return Plan("two-regions", "tiny", "test", one.stages, micro_batch_size=2, micro_batches=sum(m), sync=sync,
+                replicas=[one, two])
+
+
+def test_cut_keeps_a_host_in_every_cluster():
+    # points 0,1 close, 2,3 close, the pairs far apart; hosts at 0 and 3 only
+    import numpy as np
+
+    d = np.array([[0, 1, 9, 9], [1, 0, 9, 9], [9, 9, 0, 1], [9, 9, 1, 0]], dtype=float)
+    z = average_linkage(d)
+    assert cut_clusters(z, 4, [True, False, False, True]) == [[0, 1], [2, 3]]
+    assert cut_clusters(z, 4, [True, True, False, False]) == [[0, 1, 2, 3]]  # {2, 3} has no host
+    assert cut_clusters(z, 4, [True, True, True, True]) == [[0], [1], [2], [3]]
+
+
+def test_gaming_world_clusters():
+    s = load_scenario("gaming-world")
+    clusters = network_clusters(s)
+    regions = [r for c in clusters for r in c.regions]
+    assert sorted(regions) == sorted({d.region for d in s.devices})  # every region once
+    assert all(c.hosts for c in clusters) and len(clusters) == 4
+    assert {c.name for c in clusters} == {"fra+lon", "chi+nyc", "sel+syd+tyo", "sfo"}
+
+
+def test_micro_batch_splits():
+    assert split_micro_batches([1, 1, 2], 8) == [2, 2, 4]
+    out = split_micro_batches([100, 1, 1], 10)
+    assert sum(out) == 10 and min(out) >= 1
+    with pytest.raises(ShoalError):
+        split_micro_batches([1, 1, 1], 2)
+    # equal finish: replica 0 ends at 4 s with 4 micro-batches (2 per s), replica 1 at 2 s with 4 (1 per s):
+    # at a common end T, 4 + 2 (T - 4) + 4 + (T - 2) = 8 -> T = 10/3, so 2.67 and 5.33
+    assert equal_finish_split([4.0, 2.0], [2.0, 1.0], [4, 4], 8) == [3, 5]
+    # a replica whose fill alone outlasts the step gets nothing
+    assert equal_finish_split([100.0, 1.0], [1.0, 10.0], [4, 4], 8) == [0, 8]
+
+
+def test_validation_of_replica_plans():
+    s = _two_regions()
+    validate_plan(_replica_plan(), s)
+    with pytest.raises(ShoalError, match="local sync"):
+        validate_plan(_replica_plan(sync=SyncPolicy()), s)
+    with pytest.raises(ShoalError, match="global batch"):
+        validate_plan(_replica_plan(m=(4, 3)), s)
+    short = _replica_plan(m=(4, 3))
+    short.micro_batches = 8
+    with pytest.raises(ShoalError, match="sum to"):
+        validate_plan(short, s)
+    bad = _replica_plan()
+    bad.replicas[1].stages[0].workers.append("a0")
+    with pytest.raises(ShoalError, match="a0"):
+        validate_plan(bad, s)
+
+
+def test_outer_merge_is_per_layer_between_servers():
+    s = _two_regions()
+    plan = _replica_plan()
+    prof = scenario_profile(s)
+    flows = outer_merge_flows(plan, prof)
+    ratio = LOCAL.ratio("push", prof.dtype_bytes)
+    # ha holds [0, 6) and shares [0, 3) with hb's first stage and [3, 6) with its second
+    assert sorted(flows) == sorted([("ha", "hb", prof.param_bytes(0, 3) * ratio), ("ha", "hb", prof.param_bytes(3, 6) * ratio),
+                                    ("hb", "ha", prof.param_bytes(0, 3) * ratio), ("hb", "ha", prof.param_bytes(3, 6) * ratio)])
+
+
+@pytest.mark.timeout(120)
+def test_two_cluster_replicas_never_route_an_activation_across_clusters():
+    s = _two_regions()
+    plan = _replica_plan()
+    predict(plan, s)
+    res = simulate(plan, s, steps=4)
+    assert res.steps == 4 and res.lost_micro_batches == 0
+    region = {d.id: d.region for d in s.devices}
+    crossing = {k: v for k, v in res.link_bytes.items() if region[k.split("->")[0]] != region[k.split("->")[1]]}
+    # only the servers' outer merges cross the clusters: never a worker's transfer
+    assert set(crossing) == {"ha->hb", "hb->ha"}
+    prof = scenario_profile(s)
+    per_round = (prof.param_bytes(0, 6)) * LOCAL.ratio("push", prof.dtype_bytes)
+    rounds = res.link_bytes["ha->hb"] / per_round
+    assert rounds == pytest.approx(round(rounds)) and 2 <= rounds <= 3  # 4 steps, H = 2 (plus the one in flight)
+    # every micro-batch's gradient went into its own replica's stages exactly once, every step
+    for rec in res.passes:
+        assert rec["grad"][0] == dict.fromkeys(range(4), 1)
+        assert rec["grad"][1] == rec["grad"][2] == dict.fromkeys(range(4), 1)
+    # the cost model prices the same plan close to the simulator
+    assert 0.8 <= plan.predicted["step_time_s"] / res.mean_step_time_s <= 1.2
+
+
+@pytest.mark.timeout(120)
+def test_planner_keeps_each_replica_inside_its_cluster():
+    s = load_scenario("gaming-world")
+    pol = SyncPolicy(mode="local", sync_every=32, act_codec="int8", grad_codec="int8", push_codec="sparse",
+                     pull_codec="sparse")
+    plan = make_plan(s, sync=pol, replicas=True)
+    clusters = {c.name: set(c.regions) for c in network_clusters(s)}
+    region = {d.id: d.region for d in s.devices}
+    shapes = set()
+    for r in plan.replicas:
+        for st in r.stages:
+            assert region[st.server] in clusters[r.cluster]
+            assert all(region[w] in clusters[r.cluster] for w in st.workers)
+        shapes.add(len(r.stages))
+    assert {1, 2} <= shapes  # 24 GB cards hold the model, 8-12 GB cards need two stages or more
+    assert sum(r.micro_batches for r in plan.replicas) == plan.micro_batches
+    assert plan.predicted["devices_used"] >= 80
+    with pytest.raises(ShoalError, match="local"):
+        make_plan(s, replicas=True)
