@@ -18,6 +18,21 @@ weight pulls) is encoded by one of three codecs:
   their values in blockwise int8 (as above); every other entry decodes to 0.
   ``5 k + 4 ceil(k / block)`` bytes. Only for pseudo-gradients and weight deltas sent with
   error feedback (what it drops is carried to the next send), never for activations.
+* ``sparse[:density[:bits]]`` -- chunked top-k with low-bit values: the flattened tensor is cut
+  into chunks of ``SPARSE_CHUNK`` (4096) elements; each keeps its ``k = ceil(density * 4096)``
+  entries of largest magnitude (default density 0.01, so k = 41; a last, shorter chunk keeps
+  ``min(k, its length)``). Each kept entry is one ``12 + bits``-bit word: its index inside the
+  chunk (12 bits) and a ``bits``-bit code (default 2): a sign bit and ``bits - 1`` magnitude bits
+  (``bits = 1``: the sign only). Code ``j`` of a chunk with scale ``s`` decodes to
+  ``+-s (j + 1) / L`` with ``L = 2^(bits - 1)`` magnitude levels; ``s`` (one fp16 per chunk) is
+  the least-squares fit of the kept magnitudes to their levels (``bits = 1``: their mean), the
+  levels first chosen against the chunk's largest magnitude. Payload: the chunks' fp16 scales,
+  then the words packed little-endian bit after bit, ``2 n_chunks + ceil(K (12 + bits) / 8)``
+  bytes for ``K`` kept entries in all -- the planner's ``sparse`` size
+  (:mod:`shoal.plan.compression`): 111x smaller than bf16 at the defaults. Within a chunk the
+  indices ascend strictly; the decoder checks that, every index against its chunk's length, the
+  scales (finite, not negative) and the unused tail bits (zero). Pushes and pulls with error
+  feedback only.
 
 Payloads are plain bytes plus a small ``meta`` dict of ints and strings (codec, block,
 element count) that the frame carries; the receiver passes the shape and dtype it
@@ -44,9 +59,14 @@ import numpy as np
 import torch
 
 CODECS = ("raw", "fp16", "int8")  # dense codecs (any traffic kind)
-SPARSE_CODECS = ("topk-int8",)  # sparse codecs (pushes and pulls with error feedback only)
+SPARSE_CODECS = ("topk-int8", "sparse")  # sparse codecs (pushes and pulls with error feedback only)
 ALL_CODECS = CODECS + SPARSE_CODECS  # every codec name a frame may carry
 TOPK_DENSITY = 0.1  # fraction of entries topk-int8 keeps without a :density (shoal.plan.compression's)
+SPARSE_CHUNK = 4096  # elements per chunk of ``sparse`` (shoal.plan.compression's)
+SPARSE_INDEX_BITS = 12  # bits of an in-chunk index: log2(SPARSE_CHUNK)
+SPARSE_DENSITY = 0.01  # fraction of each chunk ``sparse`` keeps without a :density (shoal.plan.compression's)
+SPARSE_BITS = 2  # bits per kept value of ``sparse`` without a :bits (shoal.plan.compression's)
+SPARSE_BIT_CHOICES = (1, 2, 3, 4, 8)  # value widths ``sparse`` packs
 DEFAULT_BLOCK = 128  # int8 block size: 3.88x smaller than fp32, error <= absmax/254 per block
 FP16_MAX = 65504.0
 _INT8_LEVELS = 127  # symmetric: -127..127, so -x decodes to exactly minus the decode of x
@@ -85,9 +105,11 @@ def torch_dtype(name: str) -> torch.dtype:
 def split_codec(codec: str) -> tuple[str, float]:
     """``"topk-int8:0.05"`` -> ``("topk-int8", 0.05)``; dense codecs -> ``(name, 1.0)``."""
     name, _, arg = codec.partition(":")
+    if name == "sparse":
+        return name, sparse_params(codec)[0]
     if name not in SPARSE_CODECS:
         if arg:
-            raise CodecError(f"codec {codec!r}: only topk-int8 takes a :density")
+            raise CodecError(f"codec {codec!r}: only topk-int8 and sparse take a :density")
         return name, 1.0
     try:
         density = float(arg) if arg else TOPK_DENSITY
@@ -96,6 +118,38 @@ def split_codec(codec: str) -> tuple[str, float]:
     if not 0 < density <= 1:
         raise CodecError(f"codec {codec!r}: the density must be in (0, 1], got {density}")
     return name, density
+
+
+def sparse_params(codec: str) -> tuple[float, int]:
+    """``"sparse:0.01:2"`` -> ``(density, bits)``, defaults for the parts left out."""
+    parts = codec.split(":")
+    if parts[0] != "sparse" or len(parts) > 3:
+        raise CodecError(f"codec {codec!r}: expected sparse[:DENSITY[:BITS]], e.g. sparse:0.01:2")
+    try:
+        density = float(parts[1]) if len(parts) > 1 and parts[1] else SPARSE_DENSITY
+        bits = int(parts[2]) if len(parts) > 2 and parts[2] else SPARSE_BITS
+    except ValueError:
+        raise CodecError(f"codec {codec!r}: expected sparse[:DENSITY[:BITS]] with DENSITY in (0, 1] "
+                         "and BITS an integer") from None
+    if not 0 < density <= 1:
+        raise CodecError(f"codec {codec!r}: the density must be in (0, 1], got {density}")
+    if bits not in SPARSE_BIT_CHOICES:
+        raise CodecError(f"codec {codec!r}: bits must be one of {SPARSE_BIT_CHOICES}, got {bits}")
+    return density, bits
+
+
+def sparse_kept(density: float) -> int:
+    """Entries ``sparse`` keeps per chunk of :data:`SPARSE_CHUNK` (the planner's ``sparse_kept_per_chunk``)."""
+    return min(SPARSE_CHUNK, max(1, math.ceil(density * SPARSE_CHUNK - 1e-9)))
+
+
+def sparse_nbytes(numel: int, k: int, bits: int) -> int:
+    """Payload bytes of ``sparse`` for ``numel`` elements, ``k`` kept per chunk, ``bits`` per value."""
+    if numel <= 0:
+        return 0
+    nc = -(-numel // SPARSE_CHUNK)
+    kept = (nc - 1) * k + min(k, numel - (nc - 1) * SPARSE_CHUNK)
+    return 2 * nc + -(-kept * (SPARSE_INDEX_BITS + bits) // 8)
 
 
 def _check_codec(codec: str, block: int) -> None:
@@ -123,6 +177,9 @@ def encoded_nbytes(codec: str, numel: int, block: int = DEFAULT_BLOCK, k: int | 
     if name == "topk-int8":
         k = topk_count(numel, density) if k is None else k
         return 5 * k + 4 * _n_blocks(k, block)
+    if name == "sparse":
+        _, bits = sparse_params(codec)
+        return sparse_nbytes(numel, sparse_kept(density) if k is None else k, bits)
     return numel + 4 * _n_blocks(numel, block)
 
 
@@ -132,6 +189,9 @@ def wire_fraction(codec: str, block: int = DEFAULT_BLOCK) -> float:
     name, density = split_codec(codec)
     if name == "topk-int8":
         return density * (5 + 4 / block) / 4
+    if name == "sparse":
+        _, bits = sparse_params(codec)
+        return (sparse_kept(density) * (SPARSE_INDEX_BITS + bits) / 8 + 2) / SPARSE_CHUNK / 4
     return {"raw": 1.0, "fp16": 0.5}.get(name, (1 + 4 / block) / 4)
 
 
@@ -179,8 +239,13 @@ def encode(
                 f"(+-{FP16_MAX}); use the int8 or raw codec for it"
             )
         return x.astype("<f2").tobytes(), meta
-    meta["block"] = block
     name, density = split_codec(codec)
+    if name == "sparse":
+        _, bits = sparse_params(codec)
+        k = sparse_kept(density)
+        meta.update(codec="sparse", k=k, bits=bits)
+        return _sparse_encode(x, k, bits), meta
+    meta["block"] = block
     if name == "topk-int8":
         meta["codec"] = name
         k = topk_count(x.size, density)
@@ -237,7 +302,14 @@ def decode(
     if meta.get("numel", numel) != numel:
         raise CodecError(f"payload holds {meta.get('numel')} elements but shape {shape} needs {numel}")
     k = None
-    if codec == "topk-int8":
+    if codec == "sparse":
+        k, bits = meta.get("k"), meta.get("bits")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= SPARSE_CHUNK:
+            raise CodecError(f"sparse payload keeps {k!r} entries per chunk; expected an integer in [1, {SPARSE_CHUNK}]")
+        if not isinstance(bits, int) or isinstance(bits, bool) or bits not in SPARSE_BIT_CHOICES:
+            raise CodecError(f"sparse payload has {bits!r} bits per value; expected one of {SPARSE_BIT_CHOICES}")
+        codec = f"sparse::{bits}"
+    elif codec == "topk-int8":
         k = meta.get("k")
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= numel:
             raise CodecError(f"topk-int8 payload keeps {k!r} entries; expected an integer in [0, {numel}]")
@@ -251,6 +323,8 @@ def decode(
         x = np.frombuffer(buf, dtype="<f4")
     elif codec == "fp16":
         x = np.frombuffer(buf, dtype="<f2").astype(np.float32)
+    elif codec.startswith("sparse"):
+        return _sparse_decode(buf, numel, k, meta["bits"]).reshape(shape).to(dt)
     elif codec == "topk-int8":
         idx = np.frombuffer(buf[: 4 * k], dtype="<i4")
         if k and (idx[0] < 0 or idx[-1] >= numel or (k > 1 and not (np.diff(idx) > 0).all())):
@@ -261,6 +335,90 @@ def decode(
         x = _dequantise_int8(buf, numel, block)
     # copy: frombuffer views are read-only and tied to the payload's lifetime
     return torch.from_numpy(np.array(x, dtype=np.float32)).reshape(shape).to(dt)
+
+
+def _sparse_encode(x: np.ndarray, k: int, bits: int) -> bytes:
+    """The ``sparse`` payload of the flat float32 array ``x`` (vectorised over chunks, in torch)."""
+    n = x.size
+    if n == 0:
+        return b""
+    C = SPARSE_CHUNK
+    k = min(k, C)
+    flat = torch.from_numpy(x)
+    full = n // C
+    parts = []  # (chunk rows, kept indices): the whole chunks as a view, a shorter last one apart
+    if full:
+        rows = flat[: full * C].view(full, C)
+        _, idx = torch.topk(rows.abs(), k, dim=1, sorted=False)
+        parts.append((rows, idx))
+    if n > full * C:
+        rows = flat[full * C:].view(1, -1)
+        _, idx = torch.topk(rows.abs(), min(k, rows.shape[1]), dim=1, sorted=False)
+        parts.append((rows, idx))
+    levels = 1 << (bits - 1)
+    scales, words = [], []
+    for rows, i in parts:
+        i, _ = torch.sort(i, dim=1)  # ascending in each chunk: the decoder checks it
+        v = torch.gather(rows, 1, i)
+        absv = v.abs()
+        top = absv.amax(dim=1, keepdim=True)
+        safe = torch.where(top > 0, top, torch.ones_like(top))
+        j = torch.clamp(torch.round(absv * levels / safe) - 1, 0, levels - 1)  # nearest of top (j+1)/L
+        c = (j + 1) / levels
+        # Least-squares scale for these levels (one pass: the codes stay the first choice's).
+        s = (absv * c).sum(dim=1) / (c * c).sum(dim=1)
+        if float(s.max()) > FP16_MAX:
+            raise CodecError(f"sparse: a chunk scale of {float(s.max()):.3g} is beyond the fp16 range "
+                             f"(+-{FP16_MAX}); use the int8 or raw codec for this tensor")
+        scales.append(s.to(torch.float16))
+        neg = (v < 0).to(torch.int64)
+        code = (j.to(torch.int64) | (neg << (bits - 1))) if bits > 1 else neg
+        words.append((i | (code << SPARSE_INDEX_BITS)).reshape(-1))
+    scales, words = torch.cat(scales), torch.cat(words)
+    width = SPARSE_INDEX_BITS + bits
+    # Each word's low ``width`` bits, in entry order, little-endian bit after bit.
+    wbytes = words.to(torch.int32).numpy().astype("<u4", copy=False).view(np.uint8).reshape(-1, 4)
+    bitmat = np.unpackbits(wbytes, axis=1, bitorder="little")[:, :width]
+    packed = np.packbits(bitmat.reshape(-1), bitorder="little")
+    return scales.numpy().astype("<f2", copy=False).tobytes() + packed.tobytes()
+
+
+def _sparse_decode(buf: memoryview, numel: int, k: int, bits: int) -> torch.Tensor:
+    """The float32 tensor of a ``sparse`` payload whose length was checked; every index is
+    checked against its chunk before anything is written."""
+    C = SPARSE_CHUNK
+    if numel == 0:
+        return torch.zeros(0)
+    nc = -(-numel // C)
+    last = numel - (nc - 1) * C
+    k_last = min(k, last)
+    kept = (nc - 1) * k + k_last
+    width = SPARSE_INDEX_BITS + bits
+    scales = np.frombuffer(buf[: 2 * nc], dtype="<f2").astype(np.float32)
+    if not np.isfinite(scales).all() or (scales < 0).any():
+        raise CodecError("sparse payload has a negative or non-finite chunk scale")
+    bitv = np.unpackbits(np.frombuffer(buf[2 * nc:], dtype=np.uint8), bitorder="little")
+    if bitv[kept * width:].any():
+        raise CodecError("sparse payload has bits set past its last entry")
+    bitmat = np.zeros((kept, 32), dtype=np.uint8)
+    bitmat[:, :width] = bitv[: kept * width].reshape(kept, width)
+    words = torch.from_numpy(np.packbits(bitmat, axis=1, bitorder="little").view("<u4").reshape(-1).astype(np.int64))
+    idx = words & (C - 1)
+    code = words >> SPARSE_INDEX_BITS
+    # Chunk of each entry; indices strictly ascending inside a chunk and below its length.
+    full = idx[: (nc - 1) * k].view(nc - 1, k)
+    tail = idx[(nc - 1) * k:]
+    if (nc > 1 and k > 1 and not bool((full[:, 1:] > full[:, :-1]).all())) or (
+            k_last > 1 and not bool((tail[1:] > tail[:-1]).all())) or (k_last and int(tail[-1]) >= last):
+        raise CodecError("sparse payload has in-chunk indices not strictly ascending or past the tensor's end")
+    chunk = torch.cat([torch.arange(nc - 1).repeat_interleave(k), torch.full((k_last,), nc - 1)])
+    levels = 1 << (bits - 1)
+    mag = (code & (levels - 1)).to(torch.float32) + 1 if bits > 1 else torch.ones(kept)
+    sign = 1.0 - 2.0 * ((code >> (bits - 1)) & 1).to(torch.float32)
+    vals = sign * (torch.from_numpy(scales)[chunk] * (mag / levels))
+    out = torch.zeros(numel)
+    out[chunk * C + idx] = vals  # every position checked above to lie inside the tensor
+    return out
 
 
 def _dequantise_int8(buf: memoryview, numel: int, block: int) -> np.ndarray:

@@ -39,9 +39,9 @@ if TYPE_CHECKING:  # torch and the wire layer load only where tensors are handle
 
 
 def dense_codec(codec: str) -> str:
-    """The codec of a whole-weights pull under pull codec ``codec``: top-k keeps too little of
-    whole weights, so ``int8`` stands in for it."""
-    return "int8" if codec.startswith("topk-int8") else codec
+    """The codec of a whole-weights pull under pull codec ``codec``: top-k codecs keep too little
+    of whole weights, so ``int8`` stands in for them."""
+    return "int8" if codec.startswith(("topk-int8", "sparse")) else codec
 
 
 def runtime_codec(codec: str) -> str:

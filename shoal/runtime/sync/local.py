@@ -276,7 +276,7 @@ class LocalServerMixin:
         from shoal.runtime.sync.codecs import compression_of_spec
 
         # (a pass over the stage's weights: runs in a thread)
-        if compression_of_spec(self.spec).wire("push").startswith("topk"):
+        if compression_of_spec(self.spec).wire("push").startswith(("topk", "sparse")):
             return None
         cfg = optim_config(self.spec)  # the workers' inner AdamW
         weights = {name: p.detach() for name, p in self.params.items()}
