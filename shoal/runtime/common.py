@@ -202,6 +202,60 @@ def micro_batch(spec: pb.RunSpec, step: int, mb: int) -> tuple[torch.Tensor, tor
                            spec.seq_len)
 
 
+def token_window(spec: pb.RunSpec, step: int, mb: int) -> torch.Tensor:
+    """Micro-batch ``mb`` of ``step`` as int32 token windows ``(B, T+1)``: what a task carries.
+
+    The sampler's rows are ``T + 1`` consecutive tokens (inputs ``[:, :-1]``, targets
+    ``[:, 1:]``), so one window tensor holds both; :func:`split_window` undoes it.
+    """
+    x, y = micro_batch(spec, step, mb)
+    if not torch.equal(x[:, 1:], y[:, :-1]):
+        raise ShoalError("the data's targets are not its inputs shifted by one; cannot send them as windows")
+    return torch.cat([x, y[:, -1:]], dim=1).to(torch.int32)
+
+
+def split_window(window: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) int64 of a task's token windows; WireError for ids outside the vocabulary."""
+    from shoal.net.wire import WireError
+
+    if window.numel() and (int(window.min()) < 0 or int(window.max()) >= vocab):
+        raise WireError(f"task tokens outside the vocabulary [0, {vocab})")
+    w = window.long()
+    return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+
+def data_identity(data: str) -> str:
+    """The identity of a run's data source: the prepared folder's manifest ``content_hash``,
+    ``""`` for the bundled ``corpus`` and ``synthetic`` tokens (ShoalError: not a prepared folder)."""
+    import json
+
+    if data in ("", "corpus", "synthetic"):
+        return ""
+    manifest = Path(data).expanduser() / "manifest.json"
+    try:
+        return str(json.loads(manifest.read_text())["content_hash"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ShoalError(f"{data!r} is not a prepared data folder (no readable {manifest.name}); "
+                         "make one with: shoal data prepare INPUT... --out DIR") from None
+
+
+def data_refusal(run_data: str, run_hash: str, server_hash: str) -> str:
+    """Why a stage server with data ``server_hash`` cannot serve a run on ``run_data`` (hash
+    ``run_hash``), in one line; ``""`` when it can. Stage servers feed the first stage's tokens
+    and the last stage's targets, so each must hold the run's prepared data (workers hold none)."""
+    if server_hash == run_hash:
+        return ""
+    if not run_hash:
+        return (f"this run trains on {run_data or 'corpus'!r}, not on a prepared data folder: "
+                "start the server without --data")
+    if not server_hash:
+        return (f"this run trains on prepared data (content_hash {run_hash[:16]}, folder {run_data} on the "
+                "coordinator's host): start the server with --data DIR, a copy of that folder")
+    return (f"this server's --data (content_hash {server_hash[:16]}) is not the run's prepared data "
+            f"(content_hash {run_hash[:16]}, folder {run_data} on the coordinator's host): copy that folder "
+            "to this host and pass it with --data DIR")
+
+
 # ---------------------------------------------------------------------------- checkpoints
 
 _CKPT_RE = re.compile(r"^v(\d+)\.safetensors$")

@@ -140,6 +140,9 @@ def register(subparsers) -> None:
     p.add_argument("--advertise", default=None, help=_ADVERTISE_HELP)
     p.add_argument("--ckpt-dir", default="shoal_ckpt", help="checkpoint root (one folder per stage)")
     p.add_argument("--name", default="server", help="label in events")
+    p.add_argument("--data", default="", metavar="DIR",
+                   help="the run's prepared data folder on this host (a copy; its manifest hash must match the "
+                        "run's); needed when the run trains on prepared data: stage servers send workers their tokens")
     _measure_args(p)
     _dial_map_arg(p)
     p.add_argument("--chunk-mb", type=float, default=None,
@@ -340,6 +343,7 @@ def _spec(args):
     OptimConfig(lr=w.lr, min_lr=min_lr, warmup_steps=w.warmup, weight_decay=w.weight_decay,
                 grad_clip=w.grad_clip).validate()
     from shoal.data.prepare import resolve_run_data
+    from shoal.runtime.common import data_identity
 
     data = resolve_run_data(args.data, getattr(args, "out", None), cfg.vocab_size)
     from shoal.train.outer import sync_from_args
@@ -353,7 +357,8 @@ def _spec(args):
         micro_batch_size=w.micro_batch_size, seq_len=w.seq_len, seed=w.seed, lr=w.lr,
         min_lr=min_lr, warmup=w.warmup, weight_decay=w.weight_decay, grad_clip=w.grad_clip,
         ckpt_every=resolve_ckpt_every(args.ckpt_every), dead_after_s=args.dead_after, min_lease_s=args.min_lease,
-        max_message_bytes=256 * 1024 * 1024, data=data, ordered_grads=not args.unordered_grads,
+        max_message_bytes=256 * 1024 * 1024, data=data, data_hash=data_identity(data),
+        ordered_grads=not args.unordered_grads,
         chunk_bytes=chunk_bytes_from_mb(args.chunk_mb),
         precision=args.precision or "fp32", loss_scale_init=loss_scale,
         init_from=init_from or "", model_config_json=json.dumps(cfg.to_dict()) if init_from else "",
@@ -411,6 +416,10 @@ def run_coordinator_cmd(args) -> int:
         from shoal.net import shoal_pb2 as pb
 
         spec = json_format.ParseDict(state.spec, pb.RunSpec())
+        if not spec.data_hash:  # a run journaled before data hashes: the folder is still on this host
+            from shoal.runtime.common import data_identity
+
+            spec.data_hash = data_identity(spec.data)
     else:
         spec = _spec(args)
     options = {k: getattr(args, k) for k in _KEPT_OPTIONS}
@@ -470,7 +479,7 @@ def run_server_cmd(args) -> int:
     dial = _with_dial_map(args, dial)
     serve(args.join, args.listen, _token(args), args.ckpt_dir, name=args.name, dial=dial,
           on_servers=on_servers, device=_played_device(args), **_measure_opts(args),
-          advertise=args.advertise, chunk_bytes=chunk, tls=tls, standby=args.standby)
+          advertise=args.advertise, chunk_bytes=chunk, tls=tls, standby=args.standby, data=args.data)
     return 0
 
 

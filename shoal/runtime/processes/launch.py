@@ -141,6 +141,7 @@ class Swarm:
             if cfg.workers is None:
                 cfg.workers = len(self.scenario.workers)
         self.run_id = ""  # the run's id, once its coordinator has started
+        self.run_data = "corpus"  # the run's data source; a prepared folder goes to every stage server
         if cfg.resume:
             self._from_journal(cfg)
         cfg.validate()
@@ -200,6 +201,7 @@ class Swarm:
         cfg.stages, cfg.steps = int(state.spec["stages"]), int(state.spec["steps"])
         cfg.min_workers = int(state.options.get("min_workers") or cfg.stages)
         cfg.workers = cfg.workers or cfg.min_workers
+        self.run_data = str(state.spec.get("data") or "corpus")
 
     def _spawn(self, args: list[str], log_name: str, env: dict | None = None) -> subprocess.Popen:
         """Start a member in its own session, forked from the warm fork server unless that is off."""
@@ -255,7 +257,7 @@ class Swarm:
         c = self.cfg
         min_lr = c.lr / 10 if c.min_lr is None else c.min_lr
         # Raw text is prepared once here, into the run folder; the processes get the folder.
-        data = resolve_run_data(c.data, self.out, self._vocab())
+        data = self.run_data = resolve_run_data(c.data, self.out, self._vocab())
         model_args = ["--init-from", str(Path(c.init_from).resolve())] if c.init_from else ["--model", c.model]
         return [
             "--listen", "127.0.0.1:0", *model_args, "--stages", str(c.stages),
@@ -358,8 +360,14 @@ class Swarm:
         ckpt = self.out / "standby_ckpt" / f"s{i}" if standby else self.out / "server_ckpt"
         self.servers.append(self._spawn(["server", "--join", self.address, "--listen", listen,
                                          "--ckpt-dir", str(ckpt), "--name", f"s{i}",
-                                         *(["--standby"] if standby else []), *emu], f"server{i}"))
+                                         *(["--standby"] if standby else []), *self._server_data(), *emu],
+                                        f"server{i}"))
         return i
+
+    def _server_data(self) -> list[str]:
+        """``--data DIR`` for a stage server when the run trains on a prepared folder (on one
+        machine every server reads the coordinator's folder)."""
+        return [] if self.run_data in ("corpus", "synthetic") else ["--data", self.run_data]
 
     def _coordinator_emulation(self) -> list[str]:
         """Flags telling the coordinator which scaled scenario to plan on (none: loopback)."""

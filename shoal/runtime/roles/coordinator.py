@@ -52,6 +52,7 @@ from shoal.net.wire import decode_tensor
 from shoal.runtime.common import (
     Signal,
     assign_workers,
+    data_refusal,
     even_split,
     heartbeat_period,
     initial_scale,
@@ -280,6 +281,10 @@ class Coordinator(pbg.CoordinatorServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"this run is {'failed' if self.error else 'finished'} "
                                 f"({self.committed} of {self.spec.steps} steps committed); start a new run")
+        if request.role == "server" and (why := data_refusal(self.spec.data, self.spec.data_hash,
+                                                             request.data_hash)):
+            self.event("refused", device=request.name or "server", role="server", why=why)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
         banned = {**{self._name_of(mid): why for mid, why in self.guard_banned.items()}, **self.banned_names}
         if request.role == "worker" and (request.name or "worker") in banned:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
@@ -305,7 +310,8 @@ class Coordinator(pbg.CoordinatorServicer):
             self.event("join", device=m.name, role="server")
             self._fill_vacancies()
         else:
-            self.event("join", device=m.name, role="worker", flops=m.flops)
+            # FLOP/s only when the worker declared them (--flops); measured figures follow in `measured`.
+            self.event("join", device=m.name, role="worker", **({"flops": request.flops} if request.flops > 0 else {}))
         self._ask_measure()
         if m.role == "worker" and self.ready:
             if self._settled(m):

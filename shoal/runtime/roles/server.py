@@ -31,6 +31,7 @@ import logging
 import math
 import os
 import time
+from pathlib import Path
 
 import grpc
 import torch
@@ -58,11 +59,13 @@ from shoal.runtime.common import (
     ckpt_dir,
     ckpts_to_prune,
     clean_stray_temps,
+    data_identity,
     ewma,
     initial_scale,
     lease_seconds,
     list_ckpts,
     load_stage_ckpt,
+    micro_batch,
     model_config,
     optim_config,
     read_stage_ckpt,
@@ -72,6 +75,7 @@ from shoal.runtime.common import (
     save_stage_ckpt,
     set_threads,
     stage_ckpt_loss_scale,
+    token_window,
 )
 from shoal.runtime.pool.pool import Lease, MbState, TodoPool, WorkerInfo, pick_order, yield_to_idle
 from shoal.runtime.safety.guard import DEFAULT as GUARD
@@ -107,8 +111,13 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
                  name: str = "server", dial=None, heartbeat_s: float = 0.2, device: str = "",
                  region: str = "", up_bps: float = 0.0, down_bps: float = 0.0,
                  probe_bytes: int = 2 * 1024 * 1024, advertise: str | None = None,
-                 chunk_bytes: int = 0, tls=None):
+                 chunk_bytes: int = 0, tls=None, data: str = ""):
         self.coord_addr, self.listen, self.token = coord, listen, token
+        # Prepared data folder this server reads the first stage's tokens and the last stage's
+        # targets from ("": the run trains on the bundled corpus or synthetic tokens).
+        self.data = str(Path(data).expanduser().resolve()) if data else ""
+        self.data_hash = data_identity(self.data)  # its manifest's content_hash, checked at Join
+        self._windows: dict[tuple[int, int], pb.Tensor] = {}  # (step, mb) -> token windows sent with tasks
         self.tls = tls  # run certificates (shoal.net.tls.TlsConfig; None: plain text on loopback)
         self.advertise = advertise  # address peers dial (None: the listen address)
         self.chunk_bytes_opt = chunk_bytes  # bytes per streamed chunk (0: the run's setting)
@@ -191,6 +200,8 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         also the outer momentum (local mode) the checkpoint holds."""
         spec = self.spec
         cfg = model_config(spec)
+        if first == 0 or last == cfg.n_total_layers:
+            micro_batch(spec, version, 0)  # open the data now, off the event loop (tasks carry its tokens)
         module = build_stage(cfg, first, last, seed=spec.seed)
         opt = make_optimizer(module.named_parameters(), optim_config(spec))
         scale = initial_scale(spec)
@@ -380,8 +391,14 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         server = await self.start_rpc()
         coord = pbg.CoordinatorStub(self.channels.open(self.coord_addr))
         self.coord = coord
-        reply = await retry(lambda: coord.Join(self._join_request()))
+        try:
+            reply = await retry(lambda: coord.Join(self._join_request()))
+        except BaseException:
+            await server.stop(None)  # a refused join ends the process with one line, no teardown noise
+            raise
         self.member_id, self.spec = reply.member_id, reply.spec
+        if self.data:
+            self.spec.data = self.data  # the same data (the coordinator checked its hash) at this host's path
         log.info("%s joined as %s at %s", self.name, self.member_id, self.address)
         reaper = asyncio.create_task(self._reaper())
         self.last_coord_ok = time.monotonic()
@@ -403,7 +420,7 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         return pb.JoinRequest(role="server", address=self.address, name=self.name, schema=SCHEMA_VERSION,
                               ckpt_version=-1, ckpt_stage=-1, device=self.device, will_measure=True,
                               region=self.region, up_bps=self.up_bps, down_bps=self.down_bps,
-                              standby=self.standby)
+                              standby=self.standby, data_hash=self.data_hash)
 
     async def _measure(self, request: int) -> None:
         """Measure host memory and the links to the coordinator and the other stage servers."""
@@ -611,7 +628,20 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         if direction == pb.BWD:
             task.out_grad.CopyFrom(st.out_grad_frame if st.out_grad_frame is not None
                                    else encode_tensor("grad", st.out_grad))
+        if self.is_first or self.is_last:
+            task.tokens.CopyFrom(self._window(self.step, mb))
         return task
+
+    def _window(self, step: int, mb: int) -> pb.Tensor:
+        """The token windows of micro-batch ``mb`` (inputs and targets; workers hold no data),
+        kept for the step's other tasks of that micro-batch."""
+        key = (step, mb)
+        frame = self._windows.get(key)
+        if frame is None:
+            if len(self._windows) >= 4 * max(1, self.spec.micro_batches):
+                self._windows = {k: v for k, v in self._windows.items() if k[0] >= step}
+            frame = self._windows[key] = encode_tensor("tokens", token_window(self.spec, step, mb))
+        return frame
 
     def _should_flush(self, wid: str) -> bool:
         mbs = self.steps.get(self.step, {})
@@ -1306,9 +1336,10 @@ def standby_send_version(versions: list[int], have: int, loading: bool) -> int:
 def serve(coord: str, listen: str, token: str, ckpt_root: str, name: str = "server", *, dial=None,
           on_servers=None, device: str = "", region: str = "", up_bps: float = 0.0, down_bps: float = 0.0,
           probe_bytes: int = 2 * 1024 * 1024, advertise: str | None = None, chunk_bytes: int = 0,
-          tls=None, standby: bool = False) -> None:
+          tls=None, standby: bool = False, data: str = "") -> None:
     """Run a stage server process until the run is done (``standby``: as a hot standby).
 
+    ``data``: the prepared data folder (a copy of the run's) this server reads tokens from.
     ``device``: scenario host it plays; ``region``/``up_bps``/``down_bps``: declared
     figures that win over measured ones; ``advertise``: the address peers dial (default:
     the listen address); ``chunk_bytes``: bytes per streamed chunk (0: the run's setting).
@@ -1316,7 +1347,7 @@ def serve(coord: str, listen: str, token: str, ckpt_root: str, name: str = "serv
     set_threads()
     srv = StageServer(coord, listen, token, ckpt_root, name=name, dial=dial, device=device, region=region,
                       up_bps=up_bps, down_bps=down_bps, probe_bytes=probe_bytes, advertise=advertise,
-                      chunk_bytes=chunk_bytes, tls=tls)
+                      chunk_bytes=chunk_bytes, tls=tls, data=data)
     srv.on_servers = on_servers
     srv.standby = standby
     run_member(srv.run(), coord)

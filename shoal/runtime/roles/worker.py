@@ -36,11 +36,11 @@ from shoal.runtime.common import (
     SCHEMA_VERSION,
     ewma,
     heartbeat_period,
-    micro_batch,
     model_config,
     run_member,
     run_precision,
     set_threads,
+    split_window,
 )
 from shoal.runtime.sync.codecs import apply_pull, compression_of_spec
 from shoal.runtime.sync.local import LocalWorkerMixin
@@ -836,11 +836,16 @@ class Worker(LocalWorkerMixin):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (injected by --inject oom)")
         first_stage = self.first == 0
         shape = (spec.micro_batch_size, spec.seq_len, self.cfg.d_model)
+        # The stage servers own the data: a first- or last-stage task carries its tokens.
+        tokens = None
+        if first_stage or task.direction == pb.FWDBWD:
+            window = decode_tensor(task.tokens, shape=(spec.micro_batch_size, spec.seq_len + 1), dtype="int32")
+            tokens = split_window(window, self.cfg.vocab_size)
         if first_stage:
-            x, targets = micro_batch(spec, task.step, task.mb)
+            x, targets = tokens
         else:
             x = decode_tensor(task.input, shape=shape, dtype=self.act_dtype, finite=True)
-            targets = micro_batch(spec, task.step, task.mb)[1] if task.direction == pb.FWDBWD else None
+            targets = tokens[1] if tokens is not None else None
         x = to_device(x, dev)
         targets = None if targets is None else to_device(targets, dev)
         key = (task.epoch, task.step, task.mb)
