@@ -72,8 +72,11 @@ def test_compression_spec_parsing_and_errors():
         "act": "fp16", "grad": "int8", "push": "topk-int8", "pull": "int8"}
     assert parse_compression("push=topk-int8:0.05")["push"] == "topk-int8:0.05"
     assert parse_compression("push=sparse:0.02:4,pull=sparse")["push"] == "sparse:0.02:4"
+    # "sparse" alone: sparse pushes and pulls, activations uncompressed
+    assert parse_compression("sparse:0.02:3") == {"act": "none", "grad": "none", "push": "sparse:0.02:3",
+                                                  "pull": "sparse:0.02:3"}
     for bad in ("zstd", "act=topk-int8", "topk-int8", "act=int8,foo=int8", "push=topk-int8:2", "int8:3", "act",
-                "sparse", "act=sparse", "push=sparse:0:2", "push=sparse:0.1:5", "push=sparse:x", "push=sparse:0.1:2:9"):
+                "sparse:0", "act=sparse", "push=sparse:0:2", "push=sparse:0.1:5", "push=sparse:x", "push=sparse:0.1:2:9"):
         with pytest.raises(ShoalError):
             parse_compression(bad)
 

@@ -71,14 +71,18 @@ def parse_codec(text: str, kind: str = "push") -> str:
 
 def parse_compression(spec: str) -> dict[str, str]:
     """``"int8"`` (every kind) or ``"act=fp16,grad=int8,push=topk-int8,pull=int8"`` (kinds not
-    named stay ``none``) -> ``{kind: codec}`` for all of :data:`KINDS`."""
+    named stay ``none``) -> ``{kind: codec}`` for all of :data:`KINDS`. ``"sparse[:DENSITY[:BITS]]"``
+    alone is the local-mode setting ``push=sparse...,pull=sparse...`` (activations uncompressed)."""
     out = dict.fromkeys(KINDS, "none")
     spec = (spec or "").strip()
     if not spec:
         return out
     if "=" not in spec:
         codec = spec
-        if codec.startswith(("topk-int8", "sparse")):
+        if codec.split(":")[0] == "sparse":  # the whole setting: sparse pushes and pulls, dense activations
+            out["push"] = out["pull"] = parse_codec(codec, "push")
+            return out
+        if codec.startswith("topk-int8"):
             raise ShoalError(f"--compression {spec!r}: top-k only applies to push and pull; "
                              "write e.g. act=int8,grad=int8,push=topk-int8,pull=int8")
         for k in KINDS:

@@ -118,6 +118,28 @@ def outer_nesterov_step(params: Mapping[str, torch.Tensor], delta: Mapping[str, 
                 p.sub_(update, alpha=lr)
 
 
+def outer_nesterov_update(delta: Mapping[str, torch.Tensor], momentum: dict[str, torch.Tensor], lr: float,
+                          mu: float) -> dict[str, torch.Tensor]:
+    """The outer Nesterov step as an update to subtract, ``lr (d + mu m)`` after ``m = mu m + d``
+    (``momentum`` updated in place), for a server that sends the update itself to its workers
+    (sparse pulls) instead of applying it exactly (:func:`outer_nesterov_step`)."""
+    import torch
+
+    out = {}
+    with torch.no_grad():
+        for name, d in delta.items():
+            if mu > 0:
+                m = momentum.get(name)
+                if m is None:
+                    m = momentum[name] = torch.zeros_like(d)
+                m.mul_(mu).add_(d)
+                update = d + mu * m
+            else:
+                update = d.clone()
+            out[name] = update if lr == 1.0 else update.mul_(lr)
+    return out
+
+
 def add_sync_args(p) -> None:
     """The ``--sync`` flags of ``shoal launch`` and ``shoal coordinator`` (argparse)."""
     d = SyncConfig()

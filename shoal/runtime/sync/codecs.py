@@ -20,6 +20,12 @@ the run spec (``RunSpec.compress_*``, fields 800-803) to every member:
   worker that later does not hold the previous ``R`` (a joiner, or one that missed a version)
   gets ``R`` itself in fp32, so every replica holds the same ``R`` bit for bit.
 
+In local mode with a ``sparse`` pull codec the pulls are the merges themselves
+(:class:`UpdatePulls`): the server encodes each merge's outer update once, with its own error
+feedback, applies exactly the decoded update to its weights, and serves those frames; every
+worker adds them to the merged weights it holds, so every replica holds the server's weights
+bit for bit. A worker whose version does not match pulls the weights in fp32 once.
+
 ``none`` everywhere (the default) changes nothing: frames, relays and pulls are those of an
 uncompressed run byte for byte.
 """
@@ -98,7 +104,8 @@ def add_compression_arg(p, default: str = "none") -> None:
     """The ``--compression`` flag of ``shoal launch`` and ``shoal coordinator`` (argparse)."""
     p.add_argument("--compression", default=default, metavar="SPEC",
                    help="wire codecs: one for every kind (none, fp16, int8) or per kind, e.g. "
-                        "act=int8,grad=int8,push=topk-int8:0.1,pull=int8 (kinds not named: none); lossy "
+                        "act=int8,grad=int8,push=topk-int8:0.1,pull=int8 (kinds not named: none); "
+                        "sparse[:DENSITY[:BITS]]: sparse pushes and pulls for --sync local; lossy "
                         "codecs make exact sync approximate (docs/sync-policies.md)")
 
 
@@ -116,6 +123,49 @@ def relay_frame(frame: pb.Tensor, name: str, tensor: torch.Tensor) -> pb.Tensor:
     return kept if kept is not None else encode_tensor(name, tensor)
 
 
+STAGE_FRAME = "*stage"  # name of a frame holding a whole stage's tensors (sparse: one chunking, one header)
+
+
+def stage_frame(tensors: dict[str, torch.Tensor], codec: str, ef=None) -> pb.Tensor:
+    """One frame of every tensor of ``tensors``, flattened in name order and concatenated, so a
+    sparse codec chunks the stage as one vector (small tensors cost no header or whole chunk
+    of their own); ``ef`` keeps its residual under :data:`STAGE_FRAME`."""
+    import torch
+
+    from shoal.net.wire import encode_tensor
+
+    flat = torch.cat([tensors[n].detach().to("cpu", torch.float32).reshape(-1) for n in sorted(tensors)])
+    return encode_tensor(STAGE_FRAME, flat, codec, ef=ef)
+
+
+def split_stage_frame(frame: pb.Tensor, params: dict[str, torch.Tensor], finite: bool = True) -> dict[str, torch.Tensor]:
+    """The tensors of a :func:`stage_frame`, checked against ``params`` (their count and shapes
+    give the frame's length); a :class:`WireError` if it does not match."""
+    from shoal.net.wire import decode_tensor
+
+    names = sorted(params)
+    total = sum(params[n].numel() for n in names)
+    flat = decode_tensor(frame, shape=(total,), dtype="float32", finite=finite)
+    out, at = {}, 0
+    for n in names:
+        k = params[n].numel()
+        out[n] = flat[at:at + k].reshape(params[n].shape)
+        at += k
+    return out
+
+
+def is_stage_frame(frames) -> bool:
+    """Whether a message's frames are one :func:`stage_frame`."""
+    return len(frames) == 1 and frames[0].name == STAGE_FRAME
+
+
+def uses_update_pulls(spec) -> bool:
+    """Whether a run's pulls are the merged sparse updates (local mode with a ``sparse`` pull codec)."""
+    from shoal.train.outer import sync_of_spec
+
+    return spec is not None and sync_of_spec(spec).local and compression_of_spec(spec).pull.startswith("sparse")
+
+
 async def compressed_pull(server, request: pb.WeightsRequest) -> bytes:
     """The serialised pull of ``request`` from ``server`` (a StageServer whose run compresses pulls).
 
@@ -126,6 +176,11 @@ async def compressed_pull(server, request: pb.WeightsRequest) -> bytes:
 
     loop = asyncio.get_running_loop()
     async with server._wlock:
+        up = getattr(server, "update_pulls", None)
+        if up is not None:
+            up.sync((server.published_version(), server.epoch, server.stage), server.first, server.last)
+            return await loop.run_in_executor(None, up.reply, request.compress_chain, request.compress_version,
+                                              dict(server.params))
         codec = compression_of_spec(server.spec).pull
         pd = getattr(server, "pull_deltas", None)
         if pd is None or pd.codec != runtime_codec(codec):
@@ -210,6 +265,78 @@ class PullDeltas:
         return self.full_bytes
 
 
+class UpdatePulls:
+    """Local mode's sparse pulls: each merge's outer update, encoded once, is the pull.
+
+    At a merge the server hands :meth:`merge` the outer update ``U`` (what exact arithmetic
+    would subtract); it encodes ``-U`` plus the residual of earlier merges with the pull codec
+    (error feedback on the server, :class:`shoal.net.compress.ErrorFeedback`), adds the
+    *decoded* frames to its weights on the CPU in fp32, and keeps the frames as the delta from
+    the previous version. A worker holding that version adds the same frames to the same bits
+    (:func:`apply_pull` onto its anchor), so every replica equals the server's weights bit for
+    bit; any other worker (a joiner, one that missed a merge, a new chain after a (re)load) gets
+    the weights in fp32 once. Not thread-safe: the server calls it under its weights lock.
+    """
+
+    def __init__(self, codec: str):
+        from shoal.net.compress import ErrorFeedback
+
+        self.codec = runtime_codec(codec)  # runtime codec of the updates
+        self.ef = ErrorFeedback(self.codec)  # what earlier merges' updates did not carry
+        self.chain = ""  # id of the current chain of versions
+        self.key: tuple[int, int, int] | None = None  # (version, epoch, stage) of the weights held
+        self.head: tuple[int, int] = (0, 0)  # (first, last) layers of the stage
+        self.base = -1  # version the delta goes from (-1: no delta)
+        self.delta_bytes: bytes | None = None  # serialised WeightsReply of the last merge's update
+        self.full_bytes: bytes | None = None  # serialised WeightsReply of the weights in fp32 (on demand)
+
+    def sync(self, key: tuple[int, int, int], first: int, last: int) -> None:
+        """Start a new chain unless ``key`` is the version the last merge made."""
+        if key != self.key:
+            self.chain, self.key, self.head = uuid.uuid4().hex, key, (first, last)
+            self.base, self.delta_bytes, self.full_bytes = -1, None, None
+
+    def merge(self, params: dict[str, torch.Tensor], update: dict[str, torch.Tensor] | None,
+              old: tuple[int, int, int], new: tuple[int, int, int], first: int, last: int) -> None:
+        """Apply the encoded ``-update`` (None: nothing merged, only the residual goes) to
+        ``params`` in place and keep it as the pull from ``old`` to ``new``."""
+        import torch
+
+        from shoal.net import shoal_pb2 as pb
+
+        self.sync(old, first, last)
+        head = pb.WeightsReply(version=new[0], epoch=new[1], first=first, last=last, compress_delta=True,
+                               compress_chain=self.chain, compress_base=old[0])
+        with torch.no_grad():
+            step = {n: torch.zeros(p.shape) if update is None else -update[n].detach().to("cpu", torch.float32)
+                    for n, p in params.items()}
+            frame = stage_frame(step, self.codec, self.ef)
+            # The worker's arithmetic (apply_pull): its fp32 copy plus the decoded frame.
+            for name, d in split_stage_frame(frame, params).items():
+                params[name].copy_(params[name].detach().to("cpu", torch.float32) + d)
+            head.params.append(frame)
+        self.key, self.head, self.base = new, (first, last), old[0]
+        self.delta_bytes, self.full_bytes = head.SerializeToString(), None
+
+    def reply(self, have_chain: str, have_version: int, params: dict[str, torch.Tensor]) -> bytes:
+        """The serialised pull for a worker holding ``(have_chain, have_version)``: the last
+        merge's update if it holds the version before, else the weights in fp32."""
+        import torch
+
+        from shoal.net import shoal_pb2 as pb
+        from shoal.net.wire import encode_tensor
+
+        if self.delta_bytes is not None and have_chain == self.chain and have_version == self.base:
+            return self.delta_bytes
+        if self.full_bytes is None:
+            head = pb.WeightsReply(version=self.key[0], epoch=self.key[1], first=self.head[0], last=self.head[1],
+                                   compress_chain=self.chain)
+            for name, p in params.items():
+                head.params.append(encode_tensor(name, p.detach().to("cpu", torch.float32)))
+            self.full_bytes = head.SerializeToString()
+        return self.full_bytes
+
+
 def apply_pull(rep: pb.WeightsReply, params: dict[str, torch.Tensor], base: dict[str, torch.Tensor] | None,
                held: tuple[str, int]) -> dict[str, torch.Tensor]:
     """The checked new weights of a pull: all frames or an error, nothing applied here.
@@ -226,6 +353,10 @@ def apply_pull(rep: pb.WeightsReply, params: dict[str, torch.Tensor], base: dict
         raise WireError(f"weight delta against v{rep.compress_base} of a reconstruction this worker does not "
                         "hold; pulling in full")
     new = {}
+    if rep.compress_delta and is_stage_frame(rep.params):  # a sparse update of the whole stage
+        for name, t in split_stage_frame(rep.params[0], params).items():
+            new[name] = base[name].to("cpu", torch.float32) + t
+        return new
     for frame in rep.params:
         p = params.get(frame.name)
         if p is None or frame.name in new:

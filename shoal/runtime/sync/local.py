@@ -34,10 +34,23 @@ from shoal.net import shoal_pb2 as pb
 from shoal.net.compress import ErrorFeedback
 from shoal.net.wire import WireError, encode_tensor
 from shoal.runtime.common import optim_config, tensors_digest
-from shoal.runtime.sync.codecs import compression_of_spec
+from shoal.runtime.sync.codecs import (
+    UpdatePulls,
+    compression_of_spec,
+    is_stage_frame,
+    split_stage_frame,
+    stage_frame,
+    uses_update_pulls,
+)
 from shoal.runtime.transport.frames import decode_grads
 from shoal.train.optim import apply_update, make_optimizer
-from shoal.train.outer import is_sync_step, merge_pseudo_grads, outer_nesterov_step, sync_of_spec
+from shoal.train.outer import (
+    is_sync_step,
+    merge_pseudo_grads,
+    outer_nesterov_step,
+    outer_nesterov_update,
+    sync_of_spec,
+)
 
 log = logging.getLogger("shoal.local")
 MOVE_HOLD_IDLE_S = 2.0  # a held move goes ahead after dead_after_s plus this long without a task
@@ -65,6 +78,7 @@ class LocalServerMixin:
     """Stage-server state and handlers of local mode (no effect in exact mode)."""
 
     local_merged = -1  # until the first load (see _local_reset)
+    update_pulls = None  # sparse pulls (UpdatePulls), made at each load
     local_decision = None
     local_expect = None
 
@@ -83,6 +97,8 @@ class LocalServerMixin:
         self.local_got: dict[str, dict[str, torch.Tensor]] = {}  # pseudo-gradients received
         self.outer_m: dict[str, torch.Tensor] = {}  # outer Nesterov momentum (checkpointed with the merged weights)
         self.local_ckpt_last = version
+        # Sparse pulls: the merges' encoded updates (a fresh chain and residual at every load).
+        self.update_pulls = UpdatePulls(compression_of_spec(self.spec).pull) if uses_update_pulls(self.spec) else None
 
     def published_version(self) -> int:
         """Version label of the weights this server serves (local: the last merge)."""
@@ -167,7 +183,11 @@ class LocalServerMixin:
                                                        "merged weights", gen=info.gen)
 
         try:
-            deltas = await asyncio.get_running_loop().run_in_executor(None, decode_grads, r, self.params, True)
+            if is_stage_frame(r.grads):  # sparse: the whole stage in one frame
+                deltas = await asyncio.get_running_loop().run_in_executor(
+                    None, split_stage_frame, r.grads[0], self.params, True)
+            else:
+                deltas = await asyncio.get_running_loop().run_in_executor(None, decode_grads, r, self.params, True)
         except WireError as exc:
             log.warning("%s rejected a pseudo-gradient of %s: %s", self.name, r.worker, exc)
             self._void_worker(r.worker, f"bad pseudo-gradient: {exc}")
@@ -225,7 +245,7 @@ class LocalServerMixin:
             return None
         counts = {w: self.local_round_mbs.get(w, 0) for w in self.local_got}
         async with self._wlock:
-            digest = await asyncio.get_running_loop().run_in_executor(None, self._local_merge, counts)
+            digest = await asyncio.get_running_loop().run_in_executor(None, self._local_merge, counts, step + 1)
             self._wcache = None
             self.local_merged = step + 1
         log.info("%s local merge %s", self.name, json.dumps({
@@ -283,10 +303,19 @@ class LocalServerMixin:
         n = sum(t.numel() for t in weights.values())
         return adamw_move_bound(n, math.sqrt(sq_norm(weights)), cfg.weight_decay, cfg.beta1, cfg.beta2)
 
-    def _local_merge(self, counts: dict[str, int]) -> str:
-        """Merge the received pseudo-gradients into the weights (in a thread); their digest."""
+    def _local_merge(self, counts: dict[str, int], version: int) -> str:
+        """Merge the received pseudo-gradients into the weights (in a thread); their digest.
+
+        With sparse pulls the weights move by the encoded update the workers will pull
+        (:class:`shoal.runtime.sync.codecs.UpdatePulls`), not by the exact outer step."""
         delta = merge_pseudo_grads(self.local_got, counts)
-        if delta is not None:
+        if self.update_pulls is not None:
+            update = None if delta is None else outer_nesterov_update(
+                delta, self.outer_m, self.spec.outer_lr, self.spec.outer_momentum)
+            self.update_pulls.merge({n: p.data for n, p in self.params.items()}, update,
+                                    (self.local_merged, self.epoch, self.stage), (version, self.epoch, self.stage),
+                                    self.first, self.last)
+        elif delta is not None:
             outer_nesterov_step({n: p.data for n, p in self.params.items()}, delta, self.outer_m,
                                 self.spec.outer_lr, self.spec.outer_momentum)
         return tensors_digest({n: p.detach() for n, p in self.params.items()})
@@ -458,9 +487,15 @@ class LocalWorkerMixin:
         msg = pb.GradPush(worker=self.member_id, step=step, epoch=epoch, gen=gen, local_round=round_v,
                           local_mbs=self.local_round_mbs)
         codec = self.pseudo_ef.codec if self.pseudo_ef is not None else "raw"
+        deltas = {}
         for name, p in self.params.items():
             delta = self.anchor[name] - p.detach()
             if self.opts.fault_poison != 1.0:
                 delta = delta * self.opts.fault_poison  # fault injection: a dishonest replica
-            msg.grads.append(encode_tensor(name, delta.cpu(), codec, ef=self.pseudo_ef))
+            deltas[name] = delta.cpu()
+        if codec.startswith("sparse"):  # the whole stage as one sparse vector
+            msg.grads.append(stage_frame(deltas, codec, self.pseudo_ef))
+        else:
+            for name, delta in deltas.items():
+                msg.grads.append(encode_tensor(name, delta, codec, ef=self.pseudo_ef))
         return msg, msg.SerializeToString()

@@ -1,0 +1,173 @@
+"""Local mode with sparse pushes and pulls: the pull is the merged sparse update, applied by the
+server to its own weights and by every worker to its replica, bit for bit; a real swarm."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from shoal.net import shoal_pb2 as pb
+from shoal.net.wire import WireError
+from shoal.runtime.sync.codecs import (
+    STAGE_FRAME,
+    UpdatePulls,
+    apply_pull,
+    parse_run_compression,
+    split_stage_frame,
+    uses_update_pulls,
+)
+from shoal.train.outer import outer_nesterov_step, outer_nesterov_update
+
+
+def _local_worker(compression: str, name: str):
+    from shoal.runtime.common import model_config
+    from shoal.runtime.roles.worker import Worker, WorkerOptions
+
+    w = Worker("unused:0", "tok", WorkerOptions(name=name))
+    w.spec = pb.RunSpec(model="tiny", stages=2, steps=40, micro_batches=2, micro_batch_size=2, seq_len=16, seed=0,
+                        data="synthetic", sync_mode="local", sync_every=4, outer_lr=0.7, outer_momentum=0.9)
+    parse_run_compression(compression).to_spec(w.spec)
+    w.cfg = model_config(w.spec)
+    w.member_id = name
+    w._switch(1, 1, 2)
+    return w
+
+
+def test_outer_update_is_the_outer_step():
+    torch.manual_seed(0)
+    p = {"a": torch.randn(50)}
+    d = {"a": torch.randn(50)}
+    m1: dict = {}
+    m2: dict = {}
+    q = {"a": p["a"].clone()}
+    for _ in range(3):
+        outer_nesterov_step(q, d, m1, 0.7, 0.9)
+        u = outer_nesterov_update(d, m2, 0.7, 0.9)
+        p["a"] -= u["a"]
+        assert torch.equal(m1["a"], m2["a"])
+    assert torch.allclose(p["a"], q["a"], atol=1e-6)
+
+
+def test_update_pulls_keep_every_replica_equal_to_the_server_bitwise():
+    """Workers pull merges 0..6 as the production code applies them (Worker._apply_weights
+    onto the anchor): one every merge (update frames only), one that skips merges (fp32 once,
+    then updates again), a joiner. After every pull each holds the server's weights bit for
+    bit; the server's weights moved by exactly the decoded updates."""
+    assert uses_update_pulls(_local_worker("sparse", "x").spec)
+    steady, skipper = _local_worker("sparse", "steady"), _local_worker("sparse", "skipper")
+    joiner = None
+    server = {n: torch.randn_like(p) for n, p in steady.params.items()}
+    up = UpdatePulls("sparse")
+    momentum: dict = {}
+    kinds = []
+    torch.manual_seed(1)
+    for v in range(7):
+        if v > 0:
+            # the round's merged pseudo-gradient (what the workers would push), its outer update
+            delta = {n: 1e-3 * torch.randn_like(p) for n, p in server.items()}
+            before = {n: t.clone() for n, t in server.items()}
+            update = outer_nesterov_update(delta, momentum, 0.7, 0.9)
+            up.merge(server, update, (v - 1, 0, 1), (v, 0, 1), 1, 2)
+            rep = pb.WeightsReply.FromString(up.delta_bytes)
+            # one sparse frame for the whole stage; the server moved by exactly its decoded update
+            assert rep.compress_delta and [(f.name, f.codec) for f in rep.params] == [(STAGE_FRAME, "sparse")]
+            dec = split_stage_frame(rep.params[0], server)
+            for n, d in dec.items():
+                assert torch.equal(server[n], before[n] + d)
+            numel = sum(t.numel() for t in server.values())
+            assert sum(int((d != 0).sum()) for d in dec.values()) <= -(-numel // 4096) * 41
+        up.sync((v, 0, 1), 1, 2)
+        pullers = [steady] + ([skipper] if v % 3 == 0 else [])
+        if v == 4:
+            joiner = _local_worker("sparse", "joiner")
+            pullers.append(joiner)
+        for w in pullers:
+            rep = pb.WeightsReply.FromString(up.reply(*w.pull_held, server))
+            kinds.append((v, w.opts.name, "update" if rep.compress_delta else "full"))
+            w._apply_weights(rep)
+            w.version = rep.version
+            w.anchor = {n: p.detach().clone() for n, p in w.params.items()}
+            with torch.no_grad():  # inner steps move the replica; the anchor stays
+                for p in w.params.values():
+                    p.add_(0.01)
+            for n, t in w.anchor.items():
+                assert torch.equal(t, server[n]), (v, w.opts.name, n)
+    assert all(k == "update" for v, who, k in kinds if who == "steady" and v > 0)
+    assert (0, "steady", "full") in kinds and (3, "skipper", "full") in kinds and (4, "joiner", "full") in kinds
+    assert (6, "skipper", "full") in kinds  # it missed merges 4 and 5: its chain does not match
+    # a full pull is fp32; an update pull is >= 100x smaller than the stage in bf16
+    full = pb.WeightsReply.FromString(up.reply("", -1, server))
+    assert {f.codec for f in full.params} == {"raw"}
+    numel = sum(t.numel() for t in server.values())
+    upd = sum(len(f.data) for f in pb.WeightsReply.FromString(up.delta_bytes).params)
+    assert 2 * numel / upd >= 100, 2 * numel / upd  # payload only; the frame adds ~80 bytes of header
+    # an update against a version the worker does not hold is refused, never applied
+    with pytest.raises(WireError, match="does not hold"):
+        apply_pull(pb.WeightsReply.FromString(up.delta_bytes), steady.params, steady.anchor, (up.chain, 2))
+
+
+def test_update_pulls_carry_the_server_residual():
+    """Error feedback on the server: the weights move by the sum of the updates minus the
+    residual still held, and a merge without contributors still sends part of it."""
+    up = UpdatePulls("sparse")
+    w = {"a": torch.zeros(3 * 4096), "b": torch.zeros(10)}
+    total = torch.zeros(3 * 4096, dtype=torch.float64)
+    torch.manual_seed(2)
+    up.sync((0, 0, 0), 0, 1)
+    for v in range(1, 30):
+        u = {"a": 1e-3 * torch.randn(3 * 4096) + 1e-3, "b": torch.zeros(10)}
+        total += u["a"].double()
+        up.merge(w, u, (v - 1, 0, 0), (v, 0, 0), 0, 1)
+        r = up.ef.residual(STAGE_FRAME).double()[: 3 * 4096]  # "a" comes first in the stage frame
+        assert torch.allclose(-w["a"].double(), total + r, atol=1e-5)  # r: what -u did not carry yet
+    r_before = up.ef.residual(STAGE_FRAME).norm()
+    up.merge(w, None, (29, 0, 0), (30, 0, 0), 0, 1)
+    assert up.ef.residual(STAGE_FRAME).norm() < r_before
+
+
+def _digests(out):
+    """{(stage, version): server digest} and the workers' {(version): {digests}} from the logs."""
+    merges = {}
+    for p in (out / "logs").glob("server*.log"):
+        for m in re.finditer(r"local merge (\{.*\})", p.read_text()):
+            d = json.loads(m.group(1))
+            merges[(d["stage"], d["version"])] = d["digest"]
+    pulled: dict[int, set[str]] = {}
+    for p in (out / "logs").glob("worker*.log"):
+        for m in re.finditer(r"pulled merged weights v(\d+) digest ([0-9a-f]+)", p.read_text()):
+            pulled.setdefault(int(m.group(1)), set()).add(m.group(2))
+    return merges, pulled
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_local_sparse_swarm_replicas_equal_server_and_bytes(tmp_path):
+    """``--sync local --sync-every 2 --compression sparse`` on S=2, W=4: every worker's pulled
+    weights after a merge have the digest the server logged for that merge (bitwise equal),
+    pushes and post-start pulls are sparse frames, and the loss goes down."""
+    from shoal.runtime.processes.launch import LaunchConfig, launch
+    from shoal.train.metrics import read_jsonl
+
+    run = dict(model="tiny", micro_batches=4, micro_batch_size=2, seq_len=32, seed=0, lr=3e-3, warmup=2)
+    out = tmp_path / "run"
+    summary = launch(LaunchConfig(out=str(out), **run, steps=8, stages=2, workers=4, dead_after_s=3.0,
+                                  min_lease_s=1.5, timeout_s=280, ckpt_every=0, sync="local", sync_every=2,
+                                  compression="sparse"))
+    recs = read_jsonl(out / "metrics.jsonl")
+    assert len(recs) == 8 and recs[-1]["loss"] < recs[0]["loss"]
+    merges, pulled = _digests(out)
+    assert {v for _, v in merges} == {2, 4, 6, 8}
+    server_digests = {v: {d for (s, vv), d in merges.items() if vv == v} for v in (2, 4, 6)}
+    checked = 0
+    for v, ds in pulled.items():
+        if v in server_digests:
+            assert ds <= server_digests[v], (v, ds, server_digests[v])
+            checked += len(ds)
+    assert checked >= 4, pulled
+    by_codec = summary["bytes_by_codec"]
+    assert set(by_codec["grad_push"]) == {"sparse"}, by_codec["grad_push"]
+    assert by_codec["weight_pull"]["sparse"]["messages"] > 0
+    print(json.dumps(by_codec, indent=1))
