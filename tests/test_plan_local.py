@@ -337,7 +337,7 @@ def test_cli_plan_and_simulate_local(capsys):
 def test_cli_rejects_bad_sync_flags(capsys):
     assert main(["plan", "--scenario", "demo", "--compression", "act=zstd"]) == 2
     assert "error: unknown codec" in capsys.readouterr().err
-    assert main(["plan", "--scenario", "demo", "--sync-every", "4"]) == 2
+    assert main(["plan", "--scenario", "demo", "--sync", "exact", "--sync-every", "4"]) == 2
     assert "--sync local" in capsys.readouterr().err
 
 

@@ -125,9 +125,11 @@ def test_fault_flags_parse_and_slow_the_run(capsys):
             parse_straggler(bad)
     with pytest.raises(ShoalError, match="--server-failure"):
         parse_server_failure("1:2")
-    assert main(["simulate", "--scenario", "demo", "--steps", "1"]) == 0
+    # exact sync: every step ends with a pull from each stage server, so a server down mid-step delays it
+    assert main(["simulate", "--scenario", "demo", "--sync", "exact", "--steps", "1"]) == 0
     base = capsys.readouterr().out
-    assert main(["simulate", "--scenario", "demo", "--steps", "1", "--server-failure", "0:0.05:2"]) == 0
+    assert main(["simulate", "--scenario", "demo", "--sync", "exact", "--steps", "1",
+                 "--server-failure", "0:0.05:2"]) == 0
     failed = capsys.readouterr().out
 
     def step(text):

@@ -11,6 +11,13 @@ from typing import TYPE_CHECKING
 
 from shoal.errors import ShoalError
 from shoal.plan.api import METHODS, make_plan
+from shoal.plan.auto import (
+    DEFAULT_CODECS,
+    DEFAULT_MAX_SYNC_EVERY,
+    QualityBudget,
+    parse_allowed_codecs,
+    plan_auto,
+)
 from shoal.plan.cost import stage_costs
 from shoal.plan.report import IDLE_REASONS, SwarmReport, swarm_report
 from shoal.plan.scenario import BUILTIN_SCENARIOS, builtin_description, load_scenario
@@ -51,11 +58,20 @@ def register(subparsers) -> None:
 def add_sync_arguments(p) -> None:
     """``--sync``, ``--sync-every``, ``--compression``, ``--no-overlap``, ``--overlap-io`` (shared
     by ``shoal plan`` and ``shoal simulate``)."""
-    p.add_argument("--sync", choices=("exact", "local"), default="exact",
-                   help="parameter sync: exact (every step) or local (DiLoCo-style rounds every --sync-every "
-                        "steps; see docs/sync-policies.md)")
+    p.add_argument("--sync", choices=("auto", "exact", "local"), default="auto",
+                   help="parameter sync: auto (the planner chooses exact or local, H, codecs and replicas under "
+                        "the quality budget: --max-sync-every, --allow-codecs, --no-replicas), exact (every step) "
+                        "or local (DiLoCo-style rounds every --sync-every steps; see docs/sync-policies.md)")
     p.add_argument("--sync-every", type=int, default=None, metavar="H",
-                   help="local mode: steps between sync rounds (default 32)")
+                   help="local mode: steps between sync rounds (default 32); with --sync auto: pins H")
+    p.add_argument("--max-sync-every", type=int, default=None, metavar="H",
+                   help=f"--sync auto: the largest H (steps between merges) the planner may choose "
+                        f"(default {DEFAULT_MAX_SYNC_EVERY}; 1: exact sync only)")
+    p.add_argument("--allow-codecs", default=None, metavar="LIST",
+                   help=f"--sync auto: codecs the planner may use, e.g. none,int8 (default "
+                        f"{','.join(DEFAULT_CODECS)}; sparse only on pushes and pulls)")
+    p.add_argument("--no-replicas", action="store_true",
+                   help="--sync auto: do not consider pipeline replicas (one pipeline only)")
     p.add_argument("--compression", default="", metavar="SPEC",
                    help="codec per traffic kind: one codec for all (none, fp16, int8) or "
                         "act=..,grad=..,push=..,pull=.. (push/pull also topk-int8[:DENSITY])")
@@ -78,6 +94,9 @@ def policy_from_args(args: argparse.Namespace) -> SyncPolicy:
 
     codecs = parse_compression(getattr(args, "compression", "") or "")
     mode = getattr(args, "sync", "exact") or "exact"
+    if mode == "auto":
+        budget_from_args(args)  # checks the flags; the policy is the planner's choice
+        return SyncPolicy()
     every = getattr(args, "sync_every", None)
     if every is not None and every < 1:
         raise ShoalError(f"--sync-every must be a positive number of steps, got {every}")
@@ -98,6 +117,44 @@ def policy_from_args(args: argparse.Namespace) -> SyncPolicy:
                       overlap_uploads=io in ("uploads", "prefetch"), prefetch=io == "prefetch")
 
 
+def budget_from_args(args: argparse.Namespace) -> QualityBudget | None:
+    """The quality budget of ``--sync auto`` (None for exact or local): ``--max-sync-every``,
+    ``--allow-codecs``, ``--no-replicas``; ``--sync-every`` and ``--compression`` pin H and the codecs."""
+    from shoal.plan.compression import parse_compression
+
+    mode = getattr(args, "sync", "exact") or "exact"
+    top = getattr(args, "max_sync_every", None)
+    allow = getattr(args, "allow_codecs", None)
+    if mode != "auto":
+        if top is not None or allow is not None or getattr(args, "no_replicas", False):
+            raise ShoalError("--max-sync-every, --allow-codecs and --no-replicas are the budget of --sync auto; "
+                             f"drop them with --sync {mode}")
+        return None
+    if getattr(args, "replicas", False):
+        raise ShoalError("--replicas needs --sync local; --sync auto considers replicas by itself (--no-replicas: not)")
+    if getattr(args, "no_overlap", False) or (getattr(args, "overlap_io", "auto") or "auto") != "auto":
+        raise ShoalError("--no-overlap and --overlap-io apply to --sync local or exact; --sync auto chooses them")
+    if top is not None and top < 1:
+        raise ShoalError(f"--max-sync-every must be a positive number of steps, got {top}")
+    every = getattr(args, "sync_every", None)
+    if every is not None and every < 1:
+        raise ShoalError(f"--sync-every must be a positive number of steps, got {every}")
+    top = top if top is not None else max(DEFAULT_MAX_SYNC_EVERY, every or 0)
+    if every is not None and every > top:
+        raise ShoalError(f"--sync-every {every} is above --max-sync-every {top}")
+    spec = getattr(args, "compression", "") or ""
+    return QualityBudget(max_sync_every=top, codecs=parse_allowed_codecs(allow) if allow else DEFAULT_CODECS,
+                         local=top > 1, replicas=not getattr(args, "no_replicas", False), pin_sync_every=every,
+                         pin_codecs=parse_compression(spec) if spec else None)
+
+
+def auto_applies(args: argparse.Namespace) -> bool:
+    """Whether ``--sync auto`` chooses the policy: shoal's own plan without a forced shape (the
+    baselines, --stages, --standbys and --tune-micro-batch plan exact sync)."""
+    return (getattr(args, "method", "shoal") == "shoal" and getattr(args, "stages", None) is None
+            and not getattr(args, "standbys", 0) and not getattr(args, "tune_micro_batch", False))
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console  # only when printing: `shoal simulate` imports this module too
 
@@ -108,8 +165,17 @@ def run(args: argparse.Namespace) -> int:
         raise ShoalError("give --scenario NAME_OR_FILE (see `shoal plan --list`)")
     scenario = load_scenario(args.scenario)
     policy = policy_from_args(args)
+    budget = budget_from_args(args)
     if args.compare:
-        return _compare(console, scenario, args, policy)
+        return _compare(console, scenario, args, policy, budget)
+    if budget is not None and auto_applies(args):
+        plan = plan_auto(scenario, budget, seed=args.seed)
+        console.print(f"sync auto: {describe_policy(plan)} (quality budget: {describe_budget(budget)})")
+        print_plan(console, plan, scenario)
+        if args.json_out:
+            plan.to_json(args.json_out)
+            console.print(f"plan written to {args.json_out}")
+        return 0
     plan = make_plan(scenario, method=args.method, seed=args.seed, stages=args.stages,
                      tune_micro_batch=args.tune_micro_batch, sync=policy, standbys=args.standbys,
                      standby_every=args.ckpt_every, replicas=args.replicas)
@@ -182,6 +248,27 @@ def print_plan(console: Console, plan: Plan, scenario: Scenario) -> None:
                       f"{_fmt(pred.get('churn_s'))} s per step lost to leaves (the rest: devices away)")
 
 
+def describe_policy(plan: Plan) -> str:
+    """One phrase: the plan's sync policy and shape."""
+    pol = plan.sync
+    if not pol.local:
+        return "exact sync"
+    shape = f"{len(plan.replicas)} pipeline replicas" if plan.replicas else "one pipeline"
+    return (f"local, H={pol.sync_every}, push={pol.push_codec} pull={pol.pull_codec} act={pol.act_codec} "
+            f"grad={pol.grad_codec}, {shape}")
+
+
+def describe_budget(budget: QualityBudget) -> str:
+    """One phrase: what the quality budget allows."""
+    if not budget.local:
+        return "exact only"
+    hs = budget.sync_every_choices()
+    h = f"H in {hs}" if hs else "no H"
+    codecs = (", ".join(f"{k}={v}" for k, v in budget.pin_codecs.items()) if budget.pin_codecs
+              else "codecs " + ",".join(budget.codecs))
+    return f"{h}, {codecs}, replicas {'allowed' if budget.replicas else 'excluded'}"
+
+
 def print_replica_plan(console: Console, plan: Plan, scenario: Scenario) -> None:
     """A readable table of a replica plan: per replica its cluster, micro-batches and stages."""
     from rich.table import Table
@@ -235,13 +322,14 @@ def _simulator():
 
 
 def _compare_row(method: str, scenario: Scenario, args: argparse.Namespace, policy: SyncPolicy,
-                 simulate, label: str) -> dict | None:
+                 simulate, label: str, replicas: bool = False) -> dict | None:
     """One method under one policy: plan (baselines keep their placement rule and are judged under
     ``policy``; shoal plans for it), predict, and simulate when the simulator is there."""
     t0 = time.perf_counter()
     try:
         if method == "shoal" or not policy.local:
-            plan = make_plan(scenario, method=method, seed=args.seed, stages=args.stages, sync=policy)
+            plan = make_plan(scenario, method=method, seed=args.seed, stages=args.stages, sync=policy,
+                             replicas=replicas and method == "shoal")
         else:
             # a baseline does not know local mode: its exact-sync placement, run under the policy
             plan = make_plan(scenario, method=method, seed=args.seed, stages=args.stages)
@@ -293,17 +381,25 @@ def _tps(x: float | None) -> str:
     return "-" if x is None or not math.isfinite(x) else f"{x:,.0f}"
 
 
-def _compare(console: Console, scenario: Scenario, args: argparse.Namespace, policy: SyncPolicy | None = None) -> int:
+def _compare(console: Console, scenario: Scenario, args: argparse.Namespace, policy: SyncPolicy | None = None,
+             budget: QualityBudget | None = None) -> int:
     simulate = _simulator()
     policy = policy or SyncPolicy()
+    replicas = bool(getattr(args, "replicas", False))
+    if budget is not None and args.stages is None:
+        # --sync auto: shoal's choice is the second policy; the baselines run under it (one pipeline)
+        chosen = plan_auto(scenario, budget, seed=args.seed)
+        policy, replicas = chosen.sync, bool(chosen.replicas)
     policies = [("exact", SyncPolicy())]
     if policy != SyncPolicy():
         label = f"local H={policy.sync_every}" if policy.local else "exact+codecs"
+        if replicas:
+            label += " replicas"
         policies.append((label, policy))
     rows = []
     for method in COMPARE_METHODS:
         for label, pol in policies:
-            row = _compare_row(method, scenario, args, pol, simulate, label)
+            row = _compare_row(method, scenario, args, pol, simulate, label, replicas=replicas and pol.local)
             if row is not None:
                 rows.append(row)
     ok = [r for r in rows if "error" not in r]

@@ -286,4 +286,30 @@ def plan_replicas(scenario: Scenario, seed: int = 0, sync: SyncPolicy | None = N
         r.micro_batches = m_r
     plan = Plan(scenario=scenario.name, model=w.model, method="shoal", stages=replicas[0].stages,
                 micro_batch_size=w.micro_batch_size, micro_batches=m_total, sync=sync, replicas=replicas)
-    return rebalance(plan, scenario, options)
+    rebalance(plan, scenario, options)
+    if prune_slow(plan, scenario, options):
+        rebalance(plan, scenario, options)
+    return plan
+
+
+SLOW_SHARE = 0.5  # a worker whose micro-batch takes more than this share of its replica's step is dropped
+
+
+def prune_slow(plan: Plan, scenario: Scenario, options: CostOptions | None = None, share: float = SLOW_SHARE) -> bool:
+    """Drop from each replica's stages the workers whose one micro-batch takes longer than
+    ``share`` of the replica's pipeline (keeping at least one per stage and at most the replica's
+    micro-batches per stage, fastest first). With a few micro-batches per worker, such a worker's
+    last task ends the step late: every worker leases a task when the step starts, and a
+    backward task waits for the worker that ran its forward. Returns whether any was dropped."""
+    dropped = False
+    for r in plan.replicas:
+        sub = replica_plan(plan, r)
+        pipe = predict(sub, scenario, options)["pipeline_s"]
+        for st, c in zip(r.stages, stage_costs(sub, scenario, options), strict=True):
+            order = sorted(st.workers, key=lambda w: c.task_times[w])
+            keep = [w for w in order if c.task_times[w] <= share * pipe] or order[:1]
+            keep = keep[:max(1, r.micro_batches)]
+            if len(keep) < len(st.workers):
+                st.workers = [w for w in st.workers if w in keep]
+                dropped = True
+    return dropped

@@ -68,11 +68,13 @@ def parse_server_failure(text: str):
 
 def _load(args):
     from shoal.plan import load_scenario, make_plan
-    from shoal.plan.cli import policy_from_args
+    from shoal.plan.auto import plan_auto
+    from shoal.plan.cli import auto_applies, budget_from_args, policy_from_args
     from shoal.plan.types import Plan, SyncPolicy
 
     scenario = load_scenario(args.scenario)
     policy = policy_from_args(args)
+    budget = budget_from_args(args)
     if args.plan:
         plan = Plan.from_json(args.plan)
         if plan.scenario != scenario.name:
@@ -80,6 +82,8 @@ def _load(args):
                              "pass the matching --scenario")
         if policy != SyncPolicy():
             plan.sync = policy  # the flags override the plan file's policy
+    elif budget is not None and auto_applies(args):
+        plan = plan_auto(scenario, budget, seed=args.seed)
     else:
         plan = make_plan(scenario, method=args.method, seed=args.seed, sync=policy,
                          replicas=getattr(args, "replicas", False))

@@ -1,0 +1,138 @@
+"""How much of a swarm's FLOPs each sync policy turns into training, planned and simulated.
+
+Run from the repository root (one process, one thread):
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_swarm_share.py                 # the four targets
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_swarm_share.py --scenarios gaming-eu demo
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_swarm_share.py --out bench/results/swarm-share.md
+
+Per scenario and policy: devices used / available, idle devices by reason (memory / links / no
+benefit), the predicted and the simulated tokens/s and their share of the swarm's FLOP limit
+(sum of every worker's FLOP/s / the model's training FLOPs per token, shoal.plan.report), and
+predicted / simulated step. Policies:
+
+* ``exact`` -- exact sync (``shoal plan`` with ``--sync exact``);
+* ``local int8`` -- ``--sync local --sync-every 32 --compression int8``, one pipeline;
+* ``local sparse`` -- the same with ``push=sparse,pull=sparse,act=int8,grad=int8``;
+* ``replicas sparse`` -- ``--replicas`` with the same codecs: pipeline replicas inside network
+  clusters, of the stage count each device's memory needs;
+* ``auto`` -- ``--sync auto`` under the default quality budget (what ``shoal plan`` picks).
+
+Local policies are simulated over a round compressed to 2 steps (``bench_local.compressed_round``:
+the round carries 2/32 of its bytes, so each step carries the same background bytes and share of
+the round's wait); exact sync over 2 steps. Then the simulated tokens/s of scale-4096 over
+scale-1024 per policy. Ratios within one run only: no timing is asserted anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import replace
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_local import compressed_round  # noqa: E402
+
+from shoal.plan import load_scenario, make_plan  # noqa: E402
+from shoal.plan.compression import parse_compression  # noqa: E402
+from shoal.plan.report import IDLE_REASONS, swarm_report  # noqa: E402
+from shoal.plan.types import SyncPolicy  # noqa: E402
+from shoal.sim import simulate  # noqa: E402
+
+TARGETS = ("gaming-world", "gaming-eu", "scale-1024", "scale-4096")
+H = 32
+
+
+def local(spec: str, uploads: bool = True) -> SyncPolicy:
+    c = parse_compression(spec)
+    return SyncPolicy(mode="local", sync_every=H, act_codec=c["act"], grad_codec=c["grad"], push_codec=c["push"],
+                      pull_codec=c["pull"], overlap=True, overlap_uploads=uploads)
+
+
+SPARSE = "act=int8,grad=int8,push=sparse,pull=sparse"
+
+
+def policies() -> list[tuple[str, SyncPolicy | None, bool]]:
+    """(label, policy, replicas); policy None = --sync auto."""
+    return [("exact", SyncPolicy(), False), ("local int8", local("int8"), False),
+            ("local sparse", local(SPARSE), False), ("replicas sparse", local(SPARSE, uploads=False), True),
+            ("auto", None, False)]
+
+
+def run_one(name: str, label: str, policy: SyncPolicy | None, replicas: bool, sim_steps: int = 2) -> dict:
+    scn = load_scenario(name)
+    t0 = time.process_time()
+    if policy is None:
+        from shoal.plan.auto import QualityBudget, plan_auto
+
+        plan = plan_auto(scn, QualityBudget())
+    else:
+        plan = make_plan(scn, sync=policy, replicas=replicas)
+    t_plan = time.process_time() - t0
+    pred = swarm_report(plan, scn)
+    t0 = time.process_time()
+    sim_plan = replace(plan, sync=compressed_round(plan.sync, sim_steps)) if plan.sync.local else plan
+    res = simulate(sim_plan, scn, steps=sim_steps, churn=False, seed=0)
+    t_sim = time.process_time() - t0
+    sim = swarm_report(plan, scn, step_s=res.mean_step_time_s, busy_share=res.mean_utilisation())
+    shape = f"{len(plan.replicas)} replicas" if plan.replicas else f"S={plan.n_stages}"
+    pol = plan.sync
+    desc = "exact" if not pol.local else f"local H={pol.sync_every} push={pol.push_codec} act={pol.act_codec}"
+    return {"scenario": name, "policy": label, "chosen": desc, "shape": shape, "used": pred.devices_used,
+            "devices": pred.devices_available, "idle": pred.idle_counts(), "pred_tps": pred.tokens_per_s,
+            "pred_share": pred.flop_share, "sim_tps": sim.tokens_per_s, "sim_share": sim.flop_share,
+            "pred_step": plan.predicted["step_time_s"], "sim_step": res.mean_step_time_s, "plan_cpu_s": t_plan,
+            "sim_cpu_s": t_sim, "stalled": res.stalled, "lost": res.lost_micro_batches}
+
+
+def table(rows: list[dict]) -> str:
+    head = ["scenario", "policy", "shape", "used / avail", "idle m/l/n", "pred tokens/s", "pred % FLOP limit",
+            "sim tokens/s", "sim % FLOP limit", "pred / sim step", "plan CPU s", "sim CPU s"]
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for r in rows:
+        label = r["policy"] if r["policy"] != "auto" else f"auto ({r['chosen']})"
+        out.append("| " + " | ".join([
+            r["scenario"], label, r["shape"], f"{r['used']}/{r['devices']}",
+            "/".join(str(r["idle"][k]) for k in IDLE_REASONS), f"{r['pred_tps']:,.0f}", f"{r['pred_share']:.1%}",
+            f"{r['sim_tps']:,.0f}", f"{r['sim_share']:.1%}", f"{r['pred_step'] / r['sim_step']:.3f}",
+            f"{r['plan_cpu_s']:.1f}", f"{r['sim_cpu_s']:.1f}"]) + " |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--scenarios", nargs="+", default=list(TARGETS))
+    ap.add_argument("--policies", nargs="+", default=None, help="labels to run (default: all)")
+    ap.add_argument("--out", default=None, help="also write the markdown here")
+    args = ap.parse_args(argv)
+    rows = []
+    for name in args.scenarios:
+        for label, pol, reps in policies():
+            if args.policies and label not in args.policies:
+                continue
+            r = run_one(name, label, pol, reps)
+            rows.append(r)
+            print(table([r]).splitlines()[-1], flush=True)
+    text = table(rows)
+    by = {(r["scenario"], r["policy"]): r for r in rows}
+    ratios = []
+    for label, _, _ in policies():
+        a, b = by.get(("scale-1024", label)), by.get(("scale-4096", label))
+        if a and b:
+            ratios.append(f"- {label}: simulated tokens/s scale-4096 / scale-1024 = {b['sim_tps'] / a['sim_tps']:.2f} "
+                          f"(predicted {b['pred_tps'] / a['pred_tps']:.2f})")
+    if ratios:
+        text += "\n\n" + "\n".join(ratios)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

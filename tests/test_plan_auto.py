@@ -1,0 +1,96 @@
+"""``--sync auto``: the planner's policy choice never leaves the quality budget, prefers the more
+exact policy on a tie, and the CLI flags build the budget (shoal.plan.auto)."""
+
+from __future__ import annotations
+
+import pytest
+
+from shoal.errors import ShoalError
+from shoal.plan import load_scenario
+from shoal.plan.auto import QualityBudget, candidates, choose, parse_allowed_codecs, plan_auto
+from shoal.plan.compression import KINDS
+from shoal.plan.types import SyncPolicy
+
+BUDGETS = [
+    QualityBudget(),
+    QualityBudget(max_sync_every=1),  # exact only
+    QualityBudget(max_sync_every=8, codecs=("none", "int8")),
+    QualityBudget(codecs=("none",), replicas=False),
+    QualityBudget(max_sync_every=64, codecs=("int8", "topk-int8:0.05")),
+    QualityBudget(pin_sync_every=4, pin_codecs=dict.fromkeys(KINDS, "int8")),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["demo", "hetero-network"])
+def test_auto_never_picks_a_policy_the_budget_excludes(name):
+    s = load_scenario(name)
+    for budget in BUDGETS:
+        cands = candidates(s, budget)
+        # every candidate it weighs is inside the budget, and so is its choice
+        assert all(budget.allows(p.sync, bool(p.replicas)) for p, _ in cands), budget
+        plan = choose(cands, s)
+        assert budget.allows(plan.sync, bool(plan.replicas)), (budget, plan.sync)
+        if budget.max_sync_every == 1:
+            assert not plan.sync.local and not plan.replicas
+        if not budget.replicas:
+            assert not plan.replicas
+        if budget.pin_codecs:
+            assert plan.sync.local is False or plan.sync.sync_every == 4 and plan.sync.push_codec == "int8"
+        if plan.sync.local:
+            assert plan.sync.sync_every <= budget.max_sync_every
+            if not budget.pin_codecs:
+                allowed = {c.split(":")[0] for c in budget.codecs} | {"none"}
+                pol = plan.sync
+                assert all(c.split(":")[0] in allowed for c in (pol.act_codec, pol.grad_codec, pol.push_codec,
+                                                                 pol.pull_codec))
+
+
+def test_budget_allows():
+    b = QualityBudget(max_sync_every=16, codecs=("none", "int8"))
+    assert b.allows(SyncPolicy())
+    assert not b.allows(SyncPolicy(), replicas=True)  # replicas need local sync
+    assert b.allows(SyncPolicy(mode="local", sync_every=16, push_codec="int8"))
+    assert not b.allows(SyncPolicy(mode="local", sync_every=32))
+    assert not b.allows(SyncPolicy(mode="local", sync_every=8, push_codec="sparse"))
+    assert not QualityBudget(max_sync_every=1).allows(SyncPolicy(mode="local", sync_every=1))
+    assert not QualityBudget(replicas=False).allows(SyncPolicy(mode="local", sync_every=8), replicas=True)
+    # the fewest bytes the budget allows, per kind (sparse is never used for activations)
+    assert QualityBudget().codec_for("push", 2) == "sparse" and QualityBudget().codec_for("act", 2) == "int8"
+    assert QualityBudget(codecs=("none",)).codec_for("push", 2) == "none"
+    with pytest.raises(ShoalError):
+        parse_allowed_codecs("zstd")
+
+
+@pytest.mark.timeout(300)
+def test_auto_prefers_the_more_exact_policy_on_a_tie():
+    s = load_scenario("demo")
+    cands = candidates(s, QualityBudget())
+    plan = choose(cands, s)
+    best = max(c.predicted["expected_step_time_s"] for c, _ in cands if c is plan)
+    # nothing more exact (exact sync, or a smaller H) is within the tie of the chosen one
+    for c, _ in cands:
+        more_exact = (not c.sync.local and plan.sync.local) or (
+            c.sync.local and plan.sync.local and c.sync.sync_every < plan.sync.sync_every)
+        if more_exact:
+            assert c.predicted["expected_step_time_s"] > best / 0.98 * (1 - 1e-9)
+
+
+@pytest.mark.timeout(300)
+def test_gaming_world_auto_uses_replicas_and_most_devices():
+    s = load_scenario("gaming-world")
+    plan = plan_auto(s)
+    assert plan.sync.local and plan.replicas and plan.sync.sync_every <= 32
+    assert plan.predicted["devices_used"] >= 80 and plan.predicted["flop_share"] >= 0.35
+
+
+@pytest.mark.timeout(300)
+def test_cli_budget_flags(capsys):
+    from shoal.cli import main
+
+    assert main(["plan", "--scenario", "demo", "--max-sync-every", "1"]) == 0
+    assert "sync auto: exact sync" in capsys.readouterr().out.replace("\n", " ")
+    assert main(["plan", "--scenario", "demo", "--sync", "exact", "--max-sync-every", "4"]) == 2
+    assert main(["plan", "--scenario", "demo", "--sync-every", "64", "--max-sync-every", "8"]) == 2
+    assert main(["plan", "--scenario", "demo", "--allow-codecs", "none,zstd"]) == 2
+    assert main(["plan", "--scenario", "demo", "--replicas"]) == 2  # replicas need --sync local
