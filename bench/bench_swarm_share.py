@@ -5,6 +5,7 @@ Run from the repository root (one process, one thread):
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_swarm_share.py                 # the four targets
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_swarm_share.py --scenarios gaming-eu demo
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_swarm_share.py --out bench/results/swarm-share.md
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_swarm_share.py --agreement      # replicas on every built-in
 
 Per scenario and policy: devices used / available, idle devices by reason (memory / links / no
 benefit), the predicted and the simulated tokens/s and their share of the swarm's FLOP limit
@@ -21,7 +22,8 @@ predicted / simulated step. Policies:
 Local policies are simulated over a round compressed to 2 steps (``bench_local.compressed_round``:
 the round carries 2/32 of its bytes, so each step carries the same background bytes and share of
 the round's wait); exact sync over 2 steps. Then the simulated tokens/s of scale-4096 over
-scale-1024 per policy. Ratios within one run only: no timing is asserted anywhere.
+scale-1024 per policy. ``--agreement`` runs ``replicas sparse`` on every built-in scenario (the
+cost model against the simulator). Ratios within one run only: no timing is asserted anywhere.
 """
 
 from __future__ import annotations
@@ -108,7 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenarios", nargs="+", default=list(TARGETS))
     ap.add_argument("--policies", nargs="+", default=None, help="labels to run (default: all)")
     ap.add_argument("--out", default=None, help="also write the markdown here")
+    ap.add_argument("--agreement", action="store_true", help="replicas sparse on every built-in scenario")
     args = ap.parse_args(argv)
+    if args.agreement:
+        from shoal.plan import BUILTIN_SCENARIOS
+
+        args.scenarios, args.policies = list(BUILTIN_SCENARIOS), ["replicas sparse"]
     rows = []
     for name in args.scenarios:
         for label, pol, reps in policies():

@@ -54,6 +54,8 @@ def test_cut_keeps_a_host_in_every_cluster():
     assert cut_clusters(z, 4, [True, False, False, True]) == [[0, 1], [2, 3]]
     assert cut_clusters(z, 4, [True, True, False, False]) == [[0, 1, 2, 3]]  # {2, 3} has no host
     assert cut_clusters(z, 4, [True, True, True, True]) == [[0], [1], [2], [3]]
+    # a cluster must also be able to form a replica (here: two points at least)
+    assert cut_clusters(z, 4, [True, True, True, True], viable=lambda pts: len(pts) >= 2) == [[0, 1], [2, 3]]
 
 
 def test_gaming_world_clusters():

@@ -22,6 +22,7 @@ and the cluster's hosts; split ``M`` by the replicas' rates and price the whole 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -69,10 +70,11 @@ def region_distances(scenario: Scenario, ref_bytes: float) -> tuple[list[str], n
     return regions, dist
 
 
-def cut_clusters(z: list[tuple[int, int, float, int]], n: int, has_host: list[bool]) -> list[list[int]]:
+def cut_clusters(z: list[tuple[int, int, float, int]], n: int, has_host: list[bool],
+                 viable: Callable[[list[int]], bool] | None = None) -> list[list[int]]:
     """The finest cut of an average-linkage tree (``z``, ``n`` points) in which every cluster holds
-    a point with ``has_host``: from the root, a cluster splits into its two children when both
-    hold one. Returns the clusters as sorted lists of point ids."""
+    a point with ``has_host`` (and, if given, is ``viable``): from the root, a cluster splits into
+    its two children when both qualify. Returns the clusters as sorted lists of point ids."""
     if n == 1:
         return [[0]]
     children = {n + i: (a, b) for i, (a, b, _, _) in enumerate(z)}
@@ -88,7 +90,8 @@ def cut_clusters(z: list[tuple[int, int, float, int]], n: int, has_host: list[bo
         return sorted(out)
 
     def hosted(node: int) -> bool:
-        return any(has_host[i] for i in leaves(node))
+        pts = leaves(node)
+        return any(has_host[i] for i in pts) and (viable is None or viable(pts))
 
     out = []
     todo = [n + len(z) - 1]
@@ -101,16 +104,29 @@ def cut_clusters(z: list[tuple[int, int, float, int]], n: int, has_host: list[bo
     return sorted(out)
 
 
-def network_clusters(scenario: Scenario, ref_bytes: float = 0.0) -> list[Cluster]:
+def network_clusters(scenario: Scenario, ref_bytes: float = 0.0, prof: ModelProfile | None = None,
+                     sync: SyncPolicy | None = None) -> list[Cluster]:
     """Clusters of regions for replicas: average-linkage clustering of the regions on
     ``latency + ref_bytes / bandwidth`` (:mod:`shoal.plan.cluster`), cut as finely as possible
-    while every cluster keeps a server host (:func:`cut_clusters`)."""
+    while every cluster keeps a server host and, given ``prof`` and ``sync``, devices enough to
+    form one replica (some ``k`` with at least ``k`` devices that hold ``k`` stages)
+    (:func:`cut_clusters`)."""
     hosts = scenario.server_hosts
     if not hosts:
         raise ShoalError(f"scenario {scenario.name} has no device that may host a stage server (can_host_server)")
     regions, dist = region_distances(scenario, ref_bytes)
     hosted = [any(h.region == r for h in hosts) for r in regions]
-    groups = cut_clusters(average_linkage(dist), len(regions), hosted)
+    viable = None
+    if prof is not None and sync is not None:
+        need = {}
+        for d in scenario.workers:
+            need.setdefault(d.region, []).append(stages_needed(prof, d, sync))
+
+        def viable(pts: list[int]) -> bool:
+            ks = [k for i in pts for k in need.get(regions[i], []) if k]
+            return any(sum(1 for x in ks if x <= k) >= k for k in set(ks))
+
+    groups = cut_clusters(average_linkage(dist), len(regions), hosted, viable)
     out = []
     for g in groups:
         rs = tuple(regions[i] for i in g)
@@ -262,7 +278,7 @@ def plan_replicas(scenario: Scenario, seed: int = 0, sync: SyncPolicy | None = N
         raise ShoalError("pipeline replicas need local sync (--sync local or --sync auto)")
     prof = scenario_profile(scenario)
     n = len(prof.layers)
-    clusters = network_clusters(scenario, prof.param_bytes(0, n) * sync.ratio("push", prof.dtype_bytes))
+    clusters = network_clusters(scenario, prof.param_bytes(0, n) * sync.ratio("push", prof.dtype_bytes), prof, sync)
     groups = device_groups(scenario, clusters, prof, sync)
     if not groups:
         raise ShoalError(f"no device of scenario {scenario.name} holds the model in {MAX_REPLICA_STAGES} stages or fewer")
