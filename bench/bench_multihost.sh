@@ -57,6 +57,9 @@ for h in A B C; do
     ip -n "${NS[$h]}" addr add "${IP[$h]}/32" dev lo   # the host's address, reached over any of its links
 done
 
+# burst RATE: tbf bucket of 10 ms at RATE ("400mbit"), at least 64 KiB.
+burst() { local m=${1%mbit}; echo "$(( m * 1000000 / 8 / 100 / 1024 > 64 ? m * 1000000 / 8 / 100 / 1024 + 1 : 64 ))kb"; }
+
 # link H1 H2 RATE: a veth pair between two hosts, tbf-shaped at RATE on both ends.
 link() {
     local h1=$1 h2=$2 rate=$3 h peer dev
@@ -66,7 +69,8 @@ link() {
         dev="v$TAG$h$peer"
         ip -n "${NS[$h]}" link set "$dev" up
         ip -n "${NS[$h]}" route add "${IP[$peer]}/32" dev "$dev" src "${IP[$h]}"
-        tc -n "${NS[$h]}" qdisc add dev "$dev" root tbf rate "$rate" burst 64kb latency 200ms
+        # burst: 10 ms of traffic (at least 64 KiB), or tbf cannot reach its rate above ~100 Mbit/s
+        tc -n "${NS[$h]}" qdisc add dev "$dev" root tbf rate "$rate" burst "$(burst "$rate")" latency 200ms
     done
 }
 link A B "$RATE_AB"
@@ -105,10 +109,10 @@ t0=$(date +%s.%N)
     --min-workers 2 --chunk-mb "$CHUNK_MB" --out "$RUN" "${RUNFLAGS[@]}" >"$WORK/coordinator.log" 2>&1) &
 COORD=$!; PIDS+=("$COORD")
 (cd "$WORK" && on A "$PY" -m shoal.cli server --join "$A:7070" --listen 0.0.0.0:7071 --advertise "$A:7071" \
-    --ckpt-dir "$WORK/ckpt-a" >"$WORK/server-a.log" 2>&1) &
+    --ckpt-dir "$WORK/ckpt-a" --name server-a >"$WORK/server-a.log" 2>&1) &
 PIDS+=($!)
 (cd "$WORK" && on B "$PY" -m shoal.cli server --join "$A:7070" --listen 0.0.0.0:7071 --advertise "$B:7071" \
-    --ckpt-dir "$WORK/ckpt-b" >"$WORK/server-b.log" 2>&1) &
+    --ckpt-dir "$WORK/ckpt-b" --name server-b >"$WORK/server-b.log" 2>&1) &
 PIDS+=($!)
 for w in 0 1; do
     (cd "$WORK" && on C "$PY" -m shoal.cli worker --join "$A:7070" --name "w$w" >"$WORK/worker$w.log" 2>&1) &
@@ -128,7 +132,7 @@ echo "== reference: shoal train --local with the same flags"
 (cd "$WORK" && PYTHONPATH="$ROOT" OMP_NUM_THREADS=1 "$PY" -m shoal.cli train --local "${RUNFLAGS[@]}" \
     --eval-every 0 --eval-batches 1 --quiet --out "$WORK/local" >"$WORK/local.log" 2>&1)
 
-"$PY" - "$RUN" "$WORK/local" "$t0" "$t1" <<'EOF'
+"$PY" - "$RUN" "$WORK/local" "$t0" "$t1" "$RATE_AB" "$RATE_AC" "$RATE_BC" <<'EOF'
 import json, sys
 from pathlib import Path
 run, local, t0, t1 = Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
@@ -147,4 +151,28 @@ print(f"run wall time {t1 - t0:.1f} s (processes started to coordinator exit); "
 print("bytes moved (all processes, serialized messages):")
 for kind, c in summ["bytes"].items():
     print(f"  {kind:<17} {c['wire'] / 1e6:>9.2f} MB in {c['messages']} messages")
+
+# What the members measured (their `measured` events; the newest per member) against the tbf rates.
+host = {"coordinator": "A", "server-a": "A", "server-b": "B", "w0": "C", "w1": "C"}
+tbf = {}
+for pair, rate in zip(("AB", "AC", "BC"), sys.argv[5:8]):
+    tbf[pair] = tbf[pair[::-1]] = float(rate.removesuffix("mbit"))
+events = [json.loads(line) for f in run.rglob("events.jsonl") for line in f.read_text().splitlines() if line.strip()]
+newest = {e["device"]: e for e in events if e.get("event") == "measured"}
+print("measured links (each member's newest report; up = member -> peer), against the tbf rate:")
+print(f"{'member':<9} {'peer':<12} {'hosts':<6} {'tbf':>5} {'rtt ms':>7} {'up':>7} {'down':>7} {'up/tbf':>7} {'down/tbf':>8}")
+worst = 0.0
+for name, e in sorted(newest.items()):
+    for peer, f in sorted(e.get("links", {}).items()):
+        a, b = host.get(name, "?"), host.get(peer, "?")
+        rate = tbf.get(a + b)
+        if rate is None:
+            print(f"{name:<9} {peer:<12} {a + b:<6} {'-':>5} {f['rtt_ms']:>7.2f} {f['up_mbps']:>7.1f} {f['down_mbps']:>7.1f}"
+                  "  (same host)")
+            continue
+        ru, rd = f["up_mbps"] / rate, f["down_mbps"] / rate
+        worst = max(worst, abs(ru - 1), abs(rd - 1))
+        print(f"{name:<9} {peer:<12} {a + '-' + b:<6} {rate:>5.0f} {f['rtt_ms']:>7.2f} {f['up_mbps']:>7.1f} "
+              f"{f['down_mbps']:>7.1f} {ru:>7.2f} {rd:>8.2f}")
+print(f"largest deviation of a measured rate from its tbf rate: {worst:.0%}")
 EOF

@@ -19,7 +19,8 @@ and heartbeat paths, and the coordinator builds the planning scenario from the r
 
 from __future__ import annotations
 
-import math
+import asyncio
+import logging
 import os
 import platform
 import time
@@ -31,10 +32,17 @@ from shoal.errors import ShoalError
 from shoal.net import shoal_pb2 as pb
 from shoal.net.auth import PROBE_BYTES
 
-DEFAULT_PROBE_BYTES = 2 * 1024 * 1024  # bytes of the larger timed transfer each way ("a few MB")
+log = logging.getLogger("shoal.measure")
+
+DEFAULT_PROBE_BYTES = 16 * 1024 * 1024  # largest timed transfer each way (--probe-mb)
 MAX_PROBE_BYTES = PROBE_BYTES  # largest transfer a Probe call may carry or ask for (auth.METHOD_LIMITS)
-RTT_REPEATS = 3  # empty echoes per link; the fastest is the round-trip time
-TRANSFER_REPEATS = 2  # timed transfers of each size and direction; the fastest counts
+START_PROBE_BYTES = 1024 * 1024  # first timed transfer each way; grown until it lasts long enough
+MIN_TRANSFER_S = 0.2  # a counted transfer lasts at least this long (timer and scheduling noise small)
+BDP_RTTS = 8.0  # ... and at least this many round trips (several bandwidth-delay products)
+RTT_REPEATS = 5  # empty echoes per link; their median is the round-trip time
+TRANSFER_REPEATS = 3  # timed transfers of the final size each way; their median rate counts
+ASYMMETRY = 4.0  # one direction this many times the other is measured again before it is believed
+RECHECKS = 2  # re-measurements of a link whose figures are implausible
 FLOPS_BUDGET_S = 0.5  # seconds of timed layer runs (after one warm-up run)
 MEASURE_BLOCKS = 1  # transformer blocks run by the compute measurement
 
@@ -47,6 +55,7 @@ class LinkFigures:
     rtt_s: float  # best round-trip time of an empty echo
     up_bps: float  # bytes/s uploaded to the target
     down_bps: float  # bytes/s downloaded from the target
+    remeasured: str = ""  # why the first figures were not used ("": they were)
 
     def to_pb(self) -> pb.LinkProbe:
         return pb.LinkProbe(target=self.target, rtt_s=self.rtt_s, up_bps=self.up_bps, down_bps=self.down_bps)
@@ -188,17 +197,61 @@ def rate_from(nbytes: int, seconds: float, rtt_s: float) -> float:
     return nbytes / max(seconds - rtt_s, 0.1 * seconds, 1e-9)
 
 
-def slope_rate(small: int, t_small: float, large: int, t_large: float, rtt_s: float) -> float:
-    """Bytes/s from two timed transfers of different sizes: the extra bytes over the extra time.
+def median(xs: list[float]) -> float:
+    """The median of a non-empty list (mean of the middle two for an even count)."""
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
 
-    Every cost a call pays whatever its size (the round trip, call set-up, scheduling)
-    cancels out; what is left is the per-byte cost, i.e. the path's rate. When the
-    timings are too noisy for that (the larger one not slower), :func:`rate_from` of the
-    larger transfer is used.
-    """
-    if large > small and t_large > t_small:
-        return (large - small) / (t_large - t_small)
-    return rate_from(large, t_large, rtt_s)
+
+def next_probe_size(nbytes: int, seconds: float, rtt_s: float, max_bytes: int,
+                    min_s: float = MIN_TRANSFER_S, rtts: float = BDP_RTTS) -> int:
+    """The size of the next timed transfer: ``nbytes`` when a transfer of it lasted long
+    enough (at least ``min_s`` and ``rtts`` round trips, i.e. several bandwidth-delay
+    products, so TCP's and HTTP/2's windows are open for most of it and the round trip
+    is small against it), else larger (at most ``max_bytes``), scaled by how short it was."""
+    need = max(min_s, rtts * rtt_s)
+    if seconds >= need or nbytes >= max_bytes:
+        return nbytes
+    grow = min(16.0, max(2.0, 1.25 * need / max(seconds, 1e-6)))
+    return min(max_bytes, int(nbytes * grow))
+
+
+def implausible(up_bps: float, down_bps: float, limit_bps: float | None,
+                asymmetry: float = ASYMMETRY) -> str:
+    """Why a link's figures cannot be used as measured (``""``: they can): a rate above the
+    host's fastest interface (``limit_bps``; None: unknown), or one direction more than
+    ``asymmetry`` times the other."""
+    if limit_bps and max(up_bps, down_bps) > 1.1 * limit_bps:
+        return (f"{max(up_bps, down_bps) * 8 / 1e6:.0f} Mbit/s is more than this host's interface rate "
+                f"({limit_bps * 8 / 1e6:.0f} Mbit/s)")
+    lo, hi = min(up_bps, down_bps), max(up_bps, down_bps)
+    if lo > 0 and hi > asymmetry * lo:
+        return f"up {up_bps * 8 / 1e6:.1f} and down {down_bps * 8 / 1e6:.1f} Mbit/s differ more than {asymmetry:g}x"
+    return ""
+
+
+def interface_rate_bps(root: str = "/sys/class/net") -> float | None:
+    """Bytes/s of this host's fastest network interface that is up and reports a speed
+    (``/sys/class/net/*/speed``, Mbit/s); None when none does (loopback, most virtual ones)."""
+    best = 0.0
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return None
+    for name in names:
+        if name == "lo":
+            continue
+        try:
+            with open(os.path.join(root, name, "operstate")) as f:
+                if f.read().strip() not in ("up", "unknown"):
+                    continue
+            with open(os.path.join(root, name, "speed")) as f:
+                mbit = float(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        best = max(best, mbit * 1e6 / 8)
+    return best or None
 
 
 async def _timed(call) -> float:
@@ -207,38 +260,76 @@ async def _timed(call) -> float:
     return time.perf_counter() - t0
 
 
+async def _direction_rate(stub, up: bool, rtt_s: float, max_bytes: int, repeats: int, timeout_s: float,
+                          start_bytes: int = START_PROBE_BYTES) -> float:
+    """Bytes/s one way: grow the transfer until it lasts long enough (:func:`next_probe_size`),
+    then the median of ``repeats`` timed transfers of that size (:func:`rate_from` each)."""
+
+    def call(n: int):
+        req = pb.ProbeRequest(payload=bytes(n)) if up else pb.ProbeRequest(reply_bytes=n)
+        return stub.Probe(req, timeout=timeout_s)
+
+    n = max(1, min(start_bytes, max_bytes))
+    times: list[float] = []
+    for _ in range(8):
+        t = await _timed(call(n))
+        nxt = next_probe_size(n, t, rtt_s, max_bytes)
+        if nxt == n:
+            times.append(t)  # long enough: the first of the repeats
+            break
+        n = nxt
+    while len(times) < max(1, repeats):
+        times.append(await _timed(call(n)))
+    return median([rate_from(n, t, rtt_s) for t in times])
+
+
 async def probe_link(stub, target: str, probe_bytes: int = DEFAULT_PROBE_BYTES,
                      rtt_repeats: int = RTT_REPEATS, transfer_repeats: int = TRANSFER_REPEATS,
                      timeout_s: float = 60.0) -> LinkFigures:
     """Measure the path to ``target`` through ``stub`` (any stub with a ``Probe`` method).
 
-    A first echo opens the connection (not timed); then the best of ``rtt_repeats``
-    empty echoes is the round-trip time. Each way, transfers of a quarter of
-    ``probe_bytes`` and of all of it, ``transfer_repeats`` times each, give the rate
-    (:func:`slope_rate` of the fastest time of each size: scheduling delays only ever
-    add time, so the fastest is the one least disturbed).
+    A first echo opens the connection (not timed); the round-trip time is the median of
+    ``rtt_repeats`` empty echoes. Each way, transfers grow from 1 MiB (at most
+    ``probe_bytes``) until one lasts at least ``MIN_TRANSFER_S`` and ``BDP_RTTS`` round
+    trips, so the probe covers several bandwidth-delay products of the link; the rate is
+    the median over ``transfer_repeats`` transfers of that size of bytes over (time less
+    one round trip).
     """
     await stub.Probe(pb.ProbeRequest(), timeout=timeout_s)
-    rtt = min([await _timed(stub.Probe(pb.ProbeRequest(), timeout=timeout_s)) for _ in range(max(1, rtt_repeats))])
-    small = max(1, probe_bytes // 4)
-    sizes = (small, probe_bytes)
-    t_up = {n: math.inf for n in sizes}
-    t_down = {n: math.inf for n in sizes}
-    for _ in range(max(1, transfer_repeats)):
-        for n in sizes:
-            t_up[n] = min(t_up[n], await _timed(stub.Probe(pb.ProbeRequest(payload=bytes(n)), timeout=timeout_s)))
-        for n in sizes:
-            t_down[n] = min(t_down[n], await _timed(stub.Probe(pb.ProbeRequest(reply_bytes=n), timeout=timeout_s)))
-    return LinkFigures(target=target, rtt_s=rtt,
-                       up_bps=slope_rate(small, t_up[small], probe_bytes, t_up[probe_bytes], rtt),
-                       down_bps=slope_rate(small, t_down[small], probe_bytes, t_down[probe_bytes], rtt))
+    rtt = median([await _timed(stub.Probe(pb.ProbeRequest(), timeout=timeout_s)) for _ in range(max(1, rtt_repeats))])
+    up = await _direction_rate(stub, True, rtt, probe_bytes, transfer_repeats, timeout_s)
+    down = await _direction_rate(stub, False, rtt, probe_bytes, transfer_repeats, timeout_s)
+    return LinkFigures(target=target, rtt_s=rtt, up_bps=up, down_bps=down)
 
 
-async def probe_links(open_stub, targets: list[str], probe_bytes: int = DEFAULT_PROBE_BYTES) -> list[LinkFigures]:
+async def checked_probe(stub, target: str, probe_bytes: int = DEFAULT_PROBE_BYTES,
+                        limit_bps: float | None = None, retries: int = RECHECKS) -> LinkFigures:
+    """:func:`probe_link`, measured again (with probes up to 4x larger each time, at most
+    ``MAX_PROBE_BYTES``) while its figures are :func:`implausible`. After ``retries``
+    re-measurements the last figures stand, a rate above ``limit_bps`` cut to it (a real
+    asymmetric link keeps its asymmetry)."""
+    figs = await probe_link(stub, target, probe_bytes)
+    size = probe_bytes
+    for _ in range(retries):
+        why = implausible(figs.up_bps, figs.down_bps, limit_bps)
+        if not why:
+            return figs
+        size = min(MAX_PROBE_BYTES, size * 4)
+        log.info("link to %s: %s; measuring again with probes up to %.0f MB", target, why, size / 1e6)
+        figs = await probe_link(stub, target, size)
+        figs.remeasured = why
+    if limit_bps:
+        figs.up_bps, figs.down_bps = min(figs.up_bps, limit_bps), min(figs.down_bps, limit_bps)
+    return figs
+
+
+async def probe_links(open_stub, targets: list[str], probe_bytes: int = DEFAULT_PROBE_BYTES,
+                      limit_bps: float | None = None) -> list[LinkFigures]:
     """Probe each distinct non-empty address in ``targets`` one after the other.
 
     ``open_stub(address)`` returns a stub with ``Probe``. One at a time, so the probes
-    of one member do not share its uplink; a target that does not answer is skipped.
+    of one member do not share its uplink; a target that does not answer is tried once
+    more, then skipped (the coordinator asks again when a stage server is missing).
     """
     import grpc
 
@@ -247,10 +338,14 @@ async def probe_links(open_stub, targets: list[str], probe_bytes: int = DEFAULT_
         if not t or t in seen:
             continue
         seen.add(t)
-        try:
-            out.append(await probe_link(open_stub(t), t, probe_bytes))
-        except grpc.aio.AioRpcError:
-            continue
+        for attempt in range(2):
+            try:
+                out.append(await checked_probe(open_stub(t), t, probe_bytes, limit_bps))
+                break
+            except grpc.aio.AioRpcError as exc:
+                log.info("probe of %s failed (%s)%s", t, exc.code().name, "; trying again" if not attempt else "")
+                if not attempt:
+                    await asyncio.sleep(0.5)
     return out
 
 
@@ -276,7 +371,7 @@ async def probe_peers(channels, coordinator: str, servers: list[str],
         return pbg.CoordinatorStub(ch) if address == "coordinator" else pbg.StageServerStub(ch)
 
     try:
-        return await probe_links(stub, ["coordinator", *servers], probe_bytes)
+        return await probe_links(stub, ["coordinator", *servers], probe_bytes, interface_rate_bps())
     finally:
         for ch in opened:
             await ch.close()

@@ -58,8 +58,9 @@ def _measure_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--region", default="", help="network region of this host (default: clustered by latency)")
     g.add_argument("--up-mbps", type=float, default=0.0, help="uplink capacity in Mbit/s (default: measured)")
     g.add_argument("--down-mbps", type=float, default=0.0, help="downlink capacity in Mbit/s (default: measured)")
-    g.add_argument("--probe-mb", type=float, default=2.0,
-                   help="MB of the larger timed link transfer when measuring (each way, per peer)")
+    g.add_argument("--probe-mb", type=float, default=16.0,
+                   help="MB of the largest timed link transfer when measuring (each way, per peer; transfers "
+                        "grow from 1 MB until they last 0.2 s and 8 round trips)")
 
 
 def _measure_opts(args) -> dict:

@@ -46,6 +46,11 @@ def resolve_ckpt_every(given: int | None, standbys: int = 0) -> int:
     return 1 if standbys > 0 else CKPT_EVERY
 
 
+# A launched swarm runs on one machine: its links are loopback, which 1 MB probes measure
+# well enough (the default grows probes to 16 MB for real links' bandwidth-delay products).
+LOOPBACK_PROBE = ["--probe-mb", "1"]
+
+
 @dataclass
 class LaunchConfig:
     """A local swarm run; model, batch and seed flags mean what they mean for ``shoal train``."""
@@ -360,7 +365,8 @@ class Swarm:
         ckpt = self.out / "standby_ckpt" / f"s{i}" if standby else self.out / "server_ckpt"
         self.servers.append(self._spawn(["server", "--join", self.address, "--listen", listen,
                                          "--ckpt-dir", str(ckpt), "--name", f"s{i}",
-                                         *(["--standby"] if standby else []), *self._server_data(), *emu],
+                                         *(["--standby"] if standby else []), *self._server_data(),
+                                         *LOOPBACK_PROBE, *emu],
                                         f"server{i}"))
         return i
 
@@ -397,6 +403,8 @@ class Swarm:
             args += [*self._emulation(dev.id), "--flops", repr(dev.flops * self.cfg.emulate_speedup)]
         args += self._fault_args(f"w{i}")
         args += extra or []
+        if "--probe-mb" not in args:
+            args += LOOPBACK_PROBE
         p = self._spawn(["worker", "--join", self.address, "--name", f"w{i}", "--device", self.cfg.device, *args],
                         f"worker{i}")
         while len(self.workers) <= i:

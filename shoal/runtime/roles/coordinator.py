@@ -65,6 +65,7 @@ from shoal.runtime.common import (
 from shoal.runtime.measure import probe_reply
 from shoal.runtime.roles.planning import (
     COORDINATOR_NODE,
+    MEASURE_GAP_RETRIES,
     REMEASURE_AFTER_S,
     MemberFigures,
     PathFigures,
@@ -72,6 +73,7 @@ from shoal.runtime.roles.planning import (
     drifted,
     loopback_device,
     measured_scenario,
+    missing_servers,
     planning_scenario,
     played_device,
 )
@@ -100,6 +102,7 @@ class Member:
     measure_done: int = 0  # newest request it answered
     asked_at: float = 0.0  # monotonic time of the newest request
     measured_at: float | None = None  # monotonic time of its newest report
+    measure_gaps: int = 0  # reports in a row that lacked a stage server (asked again, up to MEASURE_GAP_RETRIES)
     pending_join: bool = False  # joined after the start; planned in once measured
     version: int = -1
     ckpt_version: int = -1
@@ -490,6 +493,17 @@ class Coordinator(pbg.CoordinatorServicer):
             if dst is not None and dst != m.member_id:
                 paths.append(PathFigures(m.member_id, dst, link.rtt_s, link.up_bps, link.down_bps))
         f.paths = paths
+        missing = missing_servers({self.members[s].address: self.members[s].name for s in self.stage_server
+                                   if s and s != m.member_id and s in self.members},
+                                  [link.target for link in request.links])
+        if missing and m.measure_gaps < MEASURE_GAP_RETRIES:
+            # Every member probes every stage server before it is placed: ask again.
+            m.measure_gaps += 1
+            m.measure_req += 1
+            m.asked_at = time.monotonic()
+            self.event("remeasure", device=m.name, why=f"no link figures to {', '.join(missing)}")
+            return pb.Empty()
+        m.measure_gaps = 0
         again = m.measured_at is not None
         m.measured_at, m.measure_done = time.monotonic(), max(m.measure_done, request.request)
         self.event("measured", device=m.name, role=m.role, kind=f.kind, flops=f.flops, memory=f.memory,
@@ -497,7 +511,8 @@ class Coordinator(pbg.CoordinatorServicer):
                    links={(self.names.get(p.dst, p.dst)): {"rtt_ms": round(p.rtt_s * 1e3, 3),
                                                            "up_mbps": round(p.up * 8 / 1e6, 2),
                                                            "down_mbps": round(p.down * 8 / 1e6, 2)}
-                          for p in paths})
+                          for p in paths},
+                   **({"missing": missing} if missing else {}))
         self._after_measure(m, again)
         return pb.Empty()
 

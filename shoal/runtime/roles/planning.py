@@ -88,6 +88,7 @@ UNMEASURED_BPS = 1e9  # up/down of a member that reported no usable measurement 
 DRIFT_FACTOR = 3.0  # observed vs planned figure ratio (either way) that counts as drift
 DRIFT_MIN_SAMPLES = 4  # observations needed before drift is judged
 REMEASURE_AFTER_S = 30.0  # shortest time between two measurements of one member
+MEASURE_GAP_RETRIES = 2  # reports lacking a stage server's link that are answered by asking again
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,13 @@ def cluster_regions(nodes: list[str], rtts: dict[tuple[str, str], float], declar
                 near = min(named, key=lambda d: (rtt(n, d) if rtt(n, d) is not None else math.inf, d))
                 out[n] = declared[near]
     return out
+
+
+def missing_servers(expected: dict[str, str], probed: list[str]) -> list[str]:
+    """Names of the stage servers (``expected``: address -> name) a member's measurement
+    has no link figures for (``probed``: the addresses it reported), sorted."""
+    got = set(probed)
+    return sorted(name for address, name in expected.items() if address and address not in got)
 
 
 def drifted(planned: float, observed: float, samples: int, factor: float = DRIFT_FACTOR,

@@ -110,7 +110,7 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
     def __init__(self, coord: str, listen: str, token: str, ckpt_root: str, *,
                  name: str = "server", dial=None, heartbeat_s: float = 0.2, device: str = "",
                  region: str = "", up_bps: float = 0.0, down_bps: float = 0.0,
-                 probe_bytes: int = 2 * 1024 * 1024, advertise: str | None = None,
+                 probe_bytes: int = 16 * 1024 * 1024, advertise: str | None = None,
                  chunk_bytes: int = 0, tls=None, data: str = ""):
         self.coord_addr, self.listen, self.token = coord, listen, token
         # Prepared data folder this server reads the first stage's tokens and the last stage's
@@ -1335,7 +1335,7 @@ def standby_send_version(versions: list[int], have: int, loading: bool) -> int:
 
 def serve(coord: str, listen: str, token: str, ckpt_root: str, name: str = "server", *, dial=None,
           on_servers=None, device: str = "", region: str = "", up_bps: float = 0.0, down_bps: float = 0.0,
-          probe_bytes: int = 2 * 1024 * 1024, advertise: str | None = None, chunk_bytes: int = 0,
+          probe_bytes: int = 16 * 1024 * 1024, advertise: str | None = None, chunk_bytes: int = 0,
           tls=None, standby: bool = False, data: str = "") -> None:
     """Run a stage server process until the run is done (``standby``: as a hot standby).
 

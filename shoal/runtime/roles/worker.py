@@ -76,7 +76,7 @@ class WorkerOptions:
     region: str = ""  # declared network region ("": the coordinator clusters by latency)
     up_bps: float = 0.0  # declared uplink bytes/s (0: measured)
     down_bps: float = 0.0  # declared downlink bytes/s (0: measured)
-    probe_bytes: int = 2 * 1024 * 1024  # bytes of the larger timed link transfer each way when measuring
+    probe_bytes: int = 16 * 1024 * 1024  # bytes of the largest timed link transfer each way when measuring
     compute_device: str = "cpu"  # torch device the worker computes on (what it measures)
     push_attempts: int = 5  # tries of one gradient push before its micro-batches are released
     push_timeout_s: float = 60.0  # deadline of one push attempt
