@@ -121,8 +121,9 @@ def test_a_worker_that_dies_before_measuring_does_not_hold_the_start(tmp_path):
         workers = [(await c.Join(pb.JoinRequest(role="worker", flops=1e9, name=f"w{i}", will_measure=True),
                                  None)).member_id for i in range(4)]
         c._ask_measure()
+        links = [pb.LinkProbe(target=f"127.0.0.1:{i + 1}", rtt_s=1e-3, up_bps=1e8, down_bps=1e8) for i in range(2)]
         for w in workers[1:]:
-            await c.Measured(pb.MeasureReport(member_id=w, flops=2e9, request=1), None)
+            await c.Measured(pb.MeasureReport(member_id=w, flops=2e9, request=1, links=links), None)
         assert not c.ready  # w0 has not measured
         reaper = asyncio.create_task(c.reap())
         try:
@@ -135,5 +136,27 @@ def test_a_worker_that_dies_before_measuring_does_not_hold_the_start(tmp_path):
             reaper.cancel()
         assert workers[0] not in c.members
         assert c.ready and sorted(set(c.assign.values())) == [0, 1]
+
+    asyncio.run(main())
+
+
+def test_a_measurement_without_every_stage_server_is_asked_again(tmp_path):
+    """A worker whose report lacks a link to a stage server is not placed on it: the
+    coordinator asks it to measure again (event remeasure, naming the server), and plans
+    once a report covers every stage server."""
+    async def main():
+        c = Coordinator(SPEC, "tok", min_workers=1, out=str(tmp_path))
+        for i in range(2):
+            await c.Join(pb.JoinRequest(role="server", address=f"127.0.0.1:{i + 1}", name=f"s{i}"), None)
+        w = (await c.Join(pb.JoinRequest(role="worker", name="w0", will_measure=True), None)).member_id
+        c._ask_measure()
+        link = {i: pb.LinkProbe(target=f"127.0.0.1:{i + 1}", rtt_s=1e-3, up_bps=1e8, down_bps=1e8) for i in range(2)}
+        await c.Measured(pb.MeasureReport(member_id=w, flops=2e9, request=1, links=[link[0]]), None)
+        assert not c._settled(c.members[w]) and c.members[w].measure_req == 2  # asked again, not placeable
+        await c.Measured(pb.MeasureReport(member_id=w, flops=2e9, request=2, links=[link[0], link[1]]), None)
+        assert c._settled(c.members[w])
+        assert {p.dst for p in c.figures[w].paths} == {m for m in c.members if m.startswith("s")}
+        events = read_jsonl(tmp_path / "events.jsonl")
+        assert [e["why"] for e in events if e["event"] == "remeasure"] == ["no link figures to s1"]
 
     asyncio.run(main())
