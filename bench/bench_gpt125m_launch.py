@@ -10,6 +10,12 @@ workers; from /proc, twice a second) and prints a table: time of each step (from
 run's metrics), peak RSS per process and the peak of their sum. Linux only.
 
     PYTHONPATH=. python bench/bench_gpt125m_launch.py [--steps 2] [--chunk-mb 1] [--keep DIR]
+        [--precision bf16] [--dead-after 3 --min-lease 2] [--busy-core]
+
+``--busy-core`` runs a busy loop (one Python process spinning, pinned to CPU 0) beside the
+swarm for the whole run; the table then also counts the deaths: members the coordinator
+declared dead (``leave`` events for missed heartbeats, with what each was doing), workers a
+stage server voided, and workers told to join again.
 """
 
 from __future__ import annotations
@@ -60,18 +66,42 @@ def _rss_and_name(pid: int) -> tuple[int, str]:
     return rss, name
 
 
+def print_deaths(out: Path) -> None:
+    """Members declared dead (coordinator), voided (stage servers), told to join again (workers)."""
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines() if line.strip()]
+    dead = [e for e in events if e["event"] == "leave" and e.get("why") == "missed heartbeats"]
+    logs = {p.name: p.read_text() for p in (out / "logs").glob("*.log")}
+    voided = sum(text.count("voided worker") for name, text in logs.items() if name.startswith("server"))
+    rejoined = sum(text.count("the coordinator dropped us") for name, text in logs.items()
+                   if name.startswith("worker"))
+    print(f"declared dead by the coordinator: {len(dead)}; voided by a server: {voided}; "
+          f"workers told to join again: {rejoined}")
+    for e in dead:
+        print(f"  {e['device']} ({e['role']}): silent {e.get('silent_s')} s, last sign {e.get('last_sign')}, "
+              f"was {e.get('doing')}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--chunk-mb", type=float, default=1.0)
     p.add_argument("--keep", default=None, help="run folder to keep (default: a temp folder, removed)")
+    p.add_argument("--precision", default="", help="--precision of the run (default: the run's default)")
+    p.add_argument("--dead-after", type=float, default=120.0, help="--dead-after of the run")
+    p.add_argument("--min-lease", type=float, default=120.0, help="--min-lease of the run")
+    p.add_argument("--busy-core", action="store_true", help="spin a busy loop on CPU 0 beside the swarm")
     args = p.parse_args()
     out = Path(args.keep or tempfile.mkdtemp(prefix="shoal-125m-")) / "run"
     cmd = [sys.executable, "-m", "shoal.runtime.processes.cli", "launch", "--model", "gpt-125m", "--stages", "2",
            "--workers", "2", "--steps", str(args.steps), "--micro-batches", "2", "--micro-batch-size", "1",
            "--seq-len", "64", "--chunk-mb", str(args.chunk_mb), "--out", str(out), "--timeout", "3000",
-           "--dead-after", "120", "--min-lease", "120"]
+           "--dead-after", f"{args.dead_after:g}", "--min-lease", f"{args.min_lease:g}"]
+    if args.precision:
+        cmd += ["--precision", args.precision]
     env = dict(os.environ, OMP_NUM_THREADS="1", SHOAL_TORCH_THREADS="1")
+    busy = None
+    if args.busy_core:
+        busy = subprocess.Popen([sys.executable, "-c", "import os\nos.sched_setaffinity(0, {0})\nwhile True: pass"])
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     peak: dict[str, int] = {}
@@ -86,6 +116,9 @@ def main() -> None:
         peak_sum = max(peak_sum, total)
         time.sleep(0.5)
     wall = time.time() - t0
+    if busy is not None:
+        busy.kill()
+        busy.wait()
     log = proc.stdout.read()
     if proc.returncode != 0:
         print(log[-3000:])
@@ -103,6 +136,7 @@ def main() -> None:
     print(f"{'sum (peak)':<16} {peak_sum / 2**20:>12.0f}")
     for kind, c in summary["bytes"].items():
         print(f"  {kind:<17} {c['wire'] / 1e6:>9.1f} MB")
+    print_deaths(out)
     if not args.keep:
         import shutil
 

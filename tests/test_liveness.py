@@ -151,3 +151,76 @@ def test_flapping_links_to_the_servers(tmp_path, failure_free):
     assert summary["steps"] == RUN["steps"]
     assert sum(p.resets for p in proxies) > 0
     assert_equal_weights(out, failure_free)
+
+
+# ---------------------------------------------------------------------------- liveness never waits on compute
+
+def test_deaf_clock_excuses_only_a_late_tick():
+    from shoal.runtime.common import DeafClock
+
+    c = DeafClock(0.1, now=10.0)
+    assert c.tick(10.1) == 0.0 and c.tick(10.22) == 0.0  # on time, or late within the slack
+    assert c.tick(12.32) == pytest.approx(2.0)  # the loop was held for 2 s: not anyone's silence
+    assert c.tick(12.42) == 0.0
+    assert c.deaf_s == pytest.approx(2.0)
+
+
+def test_traffic_at_a_server_keeps_a_worker_alive_and_a_death_says_why(tmp_path):
+    """A worker whose heartbeats stop while its stage server still hears it stays a member;
+    once silent everywhere it is dropped with its last sign of life and what it was doing, in
+    the coordinator's events and in the reply to its next heartbeat."""
+    from shoal.runtime.roles.coordinator import Coordinator
+    from shoal.train.metrics import read_jsonl
+
+    spec = pb.RunSpec(model="tiny", stages=1, steps=3, micro_batches=2, micro_batch_size=2, seq_len=16, seed=0,
+                      lr=3e-3, min_lr=3e-4, warmup=1, weight_decay=0.1, grad_clip=1.0, dead_after_s=0.3,
+                      min_lease_s=1.0, data="synthetic", ordered_grads=True)
+
+    async def main():
+        c = Coordinator(spec, "tok", min_workers=1, out=str(tmp_path))
+        s0 = (await c.Join(pb.JoinRequest(role="server", address="127.0.0.1:1", name="s0"), None)).member_id
+        w0 = (await c.Join(pb.JoinRequest(role="worker", flops=1e9, name="w0"), None)).member_id
+        await c.Heartbeat(pb.MemberRequest(member_id=w0, doing="computing FWD step 0 mb 1 for 0.1 s"), None)
+        reaper = asyncio.create_task(c.reap())
+        try:
+            for _ in range(8):  # 0.8 s > dead_after_s without a heartbeat of w0: the server hears it
+                await asyncio.sleep(0.1)
+                await c.Heartbeat(pb.MemberRequest(member_id=s0, ckpt_version=0, alive=[w0]), None)
+            assert w0 in c.members and c.members[w0].last_sign == "traffic at server s0"
+            for _ in range(8):  # now the server stops hearing it too
+                await asyncio.sleep(0.1)
+                await c.Heartbeat(pb.MemberRequest(member_id=s0, ckpt_version=0), None)
+            assert w0 not in c.members
+        finally:
+            reaper.cancel()
+        a = await c.Heartbeat(pb.MemberRequest(member_id=w0), None)
+        assert not a.known and "missed heartbeats" in a.forgotten and "computing FWD step 0 mb 1" in a.forgotten
+        leave = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "leave" and e["device"] == "w0"]
+        assert len(leave) == 1 and leave[0]["why"] == "missed heartbeats"
+        assert leave[0]["last_sign"] == "traffic at server s0" and leave[0]["silent_s"] >= 0.3
+        assert leave[0]["doing"].startswith("computing FWD step 0 mb 1")
+
+    asyncio.run(main())
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_a_worker_busy_in_a_long_compute_is_not_declared_dead(tmp_path, failure_free):
+    """At --dead-after 3, the stage-0 worker's first forward of step 1 and a gradient task of
+    step 2 each spin the CPU in Python for 10 s (holding the interpreter): no member is
+    declared dead or voided, nothing is re-queued, and the weights are the failure-free ones."""
+    from shoal.runtime.processes.launch import launch
+    from shoal.train.metrics import read_jsonl
+
+    out = tmp_path / "run"
+    fwd, bwd = tmp_path / "busy_fwd.json", tmp_path / "busy_bwd.json"
+    spec = f"busy_fwd:secs=10:step=1:mark={fwd},busy_bwd:secs=10:step=2:mark={bwd}"
+    summary = launch(launch_config(out, worker_args=[["--inject", spec]] * 2))
+    assert fwd.exists() and bwd.exists()  # both long computes happened
+    assert summary["steps"] == RUN["steps"]
+    events = read_jsonl(out / "events.jsonl")
+    assert not [e for e in events if e["event"] == "leave"], [e for e in events if e["event"] == "leave"]
+    servers = "".join(p.read_text() for p in (out / "logs").glob("server*.log"))
+    assert "voided worker" not in servers
+    assert summary["requeues"] == 0
+    assert_equal_weights(out, failure_free)

@@ -48,7 +48,8 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
     "/shoal.v1.Coordinator/ReportStep": frozenset({"server"}),
     "/shoal.v1.Coordinator/Probe": frozenset({ANY}),
     **{f"/shoal.v1.StageServer/{m}": frozenset({"worker"}) for m in (
-        "LeaseStream", "Lease", "CompleteStream", "Complete", "PushGradsStream", "PushGrads", "Renew", "Leave")},
+        "LeaseStream", "Lease", "CompleteStream", "Complete", "PushGradsStream", "PushGrads", "Renew", "Leave",
+        "Session")},
     "/shoal.v1.StageServer/GetWeightsStream": frozenset({"worker", COORDINATOR_ID}),
     "/shoal.v1.StageServer/GetWeights": frozenset({"worker", COORDINATOR_ID}),
     "/shoal.v1.StageServer/SubmitRelayStream": frozenset({"server"}),
@@ -93,6 +94,9 @@ METHOD_LIMITS: dict[str, dict[str, SizeLimit]] = {
         "LeaseStream", "Lease", "Renew", "Leave")},
     "/shoal.v1.StageServer/Complete": {"worker": SizeLimit(ACT)},
     "/shoal.v1.StageServer/CompleteStream": {"worker": SizeLimit(CHUNK_MESSAGE_BYTES, ACT)},
+    # A long-lived session: each chunk is checked here, each message it carries by the server
+    # as it is assembled (a result at most an activation, the rest control sizes).
+    "/shoal.v1.StageServer/Session": {"worker": SizeLimit(CHUNK_MESSAGE_BYTES)},
     "/shoal.v1.StageServer/PushGrads": {"worker": SizeLimit(GRADS)},
     "/shoal.v1.StageServer/PushGradsStream": {"worker": _CHUNKED},
     "/shoal.v1.StageServer/GetWeightsStream": {"worker": SizeLimit(CONTROL_BYTES),
@@ -265,8 +269,13 @@ def _sized(handler, method: str, role: str, limits: tuple[int, int | None]):
                         await refuse(context, announced, whole, "streamed message")
                 yield msg
 
-        if handler.response_streaming:  # not used by shoal's services
-            return handler
+        if handler.response_streaming:  # sessions: a long-lived stream each way
+            async def stream_stream(request_iterator, context):
+                async for item in handler.stream_stream(requests(request_iterator, context), context):
+                    yield item
+
+            return grpc.stream_stream_rpc_method_handler(stream_stream, request_deserializer=checked,
+                                                         response_serializer=handler.response_serializer)
 
         async def stream_unary(request_iterator, context):
             return await handler.stream_unary(requests(request_iterator, context), context)

@@ -153,7 +153,7 @@ class JoinReply(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., spec: _Optional[_Union[RunSpec, _Mapping]] = ..., credential: _Optional[str] = ..., run_secret: _Optional[bytes] = ..., role: _Optional[str] = ...) -> None: ...
 
 class MemberRequest(_message.Message):
-    __slots__ = ("member_id", "version", "ckpt_version", "epoch", "counter_id", "traffic", "role", "observed_flops", "observed_tasks", "observed_pull_s", "observed_pull_bytes", "observed_pulls", "stats", "fatal", "guard_bans", "standby_held", "standby_decisions_from")
+    __slots__ = ("member_id", "version", "ckpt_version", "epoch", "counter_id", "traffic", "role", "observed_flops", "observed_tasks", "observed_pull_s", "observed_pull_bytes", "observed_pulls", "stats", "fatal", "guard_bans", "standby_held", "standby_decisions_from", "doing", "alive")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CKPT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,8 @@ class MemberRequest(_message.Message):
     GUARD_BANS_FIELD_NUMBER: _ClassVar[int]
     STANDBY_HELD_FIELD_NUMBER: _ClassVar[int]
     STANDBY_DECISIONS_FROM_FIELD_NUMBER: _ClassVar[int]
+    DOING_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     version: int
     ckpt_version: int
@@ -188,7 +190,9 @@ class MemberRequest(_message.Message):
     guard_bans: _containers.RepeatedCompositeFieldContainer[GuardBan]
     standby_held: _containers.RepeatedCompositeFieldContainer[StandbyHeld]
     standby_decisions_from: int
-    def __init__(self, member_id: _Optional[str] = ..., version: _Optional[int] = ..., ckpt_version: _Optional[int] = ..., epoch: _Optional[int] = ..., counter_id: _Optional[str] = ..., traffic: _Optional[_Iterable[_Union[ByteCount, _Mapping]]] = ..., role: _Optional[str] = ..., observed_flops: _Optional[float] = ..., observed_tasks: _Optional[int] = ..., observed_pull_s: _Optional[float] = ..., observed_pull_bytes: _Optional[int] = ..., observed_pulls: _Optional[int] = ..., stats: _Optional[_Union[MemberStats, _Mapping]] = ..., fatal: _Optional[str] = ..., guard_bans: _Optional[_Iterable[_Union[GuardBan, _Mapping]]] = ..., standby_held: _Optional[_Iterable[_Union[StandbyHeld, _Mapping]]] = ..., standby_decisions_from: _Optional[int] = ...) -> None: ...
+    doing: str
+    alive: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, member_id: _Optional[str] = ..., version: _Optional[int] = ..., ckpt_version: _Optional[int] = ..., epoch: _Optional[int] = ..., counter_id: _Optional[str] = ..., traffic: _Optional[_Iterable[_Union[ByteCount, _Mapping]]] = ..., role: _Optional[str] = ..., observed_flops: _Optional[float] = ..., observed_tasks: _Optional[int] = ..., observed_pull_s: _Optional[float] = ..., observed_pull_bytes: _Optional[int] = ..., observed_pulls: _Optional[int] = ..., stats: _Optional[_Union[MemberStats, _Mapping]] = ..., fatal: _Optional[str] = ..., guard_bans: _Optional[_Iterable[_Union[GuardBan, _Mapping]]] = ..., standby_held: _Optional[_Iterable[_Union[StandbyHeld, _Mapping]]] = ..., standby_decisions_from: _Optional[int] = ..., doing: _Optional[str] = ..., alive: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StandbyHeld(_message.Message):
     __slots__ = ("stage", "version")
@@ -313,7 +317,7 @@ class ByteCount(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., codec: _Optional[str] = ..., raw: _Optional[int] = ..., wire: _Optional[int] = ..., messages: _Optional[int] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("known", "stage", "first", "last", "servers", "ready", "epoch", "restart_version", "done", "measure", "move_now", "guard_banned", "standby_for", "standby_first", "standby_last", "standby_source", "standby_decisions", "standby_peers")
+    __slots__ = ("known", "stage", "first", "last", "servers", "ready", "epoch", "restart_version", "done", "measure", "move_now", "guard_banned", "standby_for", "standby_first", "standby_last", "standby_source", "standby_decisions", "standby_peers", "forgotten")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     FIRST_FIELD_NUMBER: _ClassVar[int]
@@ -332,6 +336,7 @@ class Assignment(_message.Message):
     STANDBY_SOURCE_FIELD_NUMBER: _ClassVar[int]
     STANDBY_DECISIONS_FIELD_NUMBER: _ClassVar[int]
     STANDBY_PEERS_FIELD_NUMBER: _ClassVar[int]
+    FORGOTTEN_FIELD_NUMBER: _ClassVar[int]
     known: bool
     stage: int
     first: int
@@ -350,7 +355,8 @@ class Assignment(_message.Message):
     standby_source: str
     standby_decisions: _containers.RepeatedCompositeFieldContainer[StandbyDecision]
     standby_peers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, known: _Optional[bool] = ..., stage: _Optional[int] = ..., first: _Optional[int] = ..., last: _Optional[int] = ..., servers: _Optional[_Iterable[str]] = ..., ready: _Optional[bool] = ..., epoch: _Optional[int] = ..., restart_version: _Optional[int] = ..., done: _Optional[bool] = ..., measure: _Optional[int] = ..., move_now: _Optional[bool] = ..., guard_banned: _Optional[str] = ..., standby_for: _Optional[int] = ..., standby_first: _Optional[int] = ..., standby_last: _Optional[int] = ..., standby_source: _Optional[str] = ..., standby_decisions: _Optional[_Iterable[_Union[StandbyDecision, _Mapping]]] = ..., standby_peers: _Optional[_Iterable[str]] = ...) -> None: ...
+    forgotten: str
+    def __init__(self, known: _Optional[bool] = ..., stage: _Optional[int] = ..., first: _Optional[int] = ..., last: _Optional[int] = ..., servers: _Optional[_Iterable[str]] = ..., ready: _Optional[bool] = ..., epoch: _Optional[int] = ..., restart_version: _Optional[int] = ..., done: _Optional[bool] = ..., measure: _Optional[int] = ..., move_now: _Optional[bool] = ..., guard_banned: _Optional[str] = ..., standby_for: _Optional[int] = ..., standby_first: _Optional[int] = ..., standby_last: _Optional[int] = ..., standby_source: _Optional[str] = ..., standby_decisions: _Optional[_Iterable[_Union[StandbyDecision, _Mapping]]] = ..., standby_peers: _Optional[_Iterable[str]] = ..., forgotten: _Optional[str] = ...) -> None: ...
 
 class StandbyDecision(_message.Message):
     __slots__ = ("epoch", "step", "lr", "coef", "skip", "next_loss_scale")
@@ -492,17 +498,21 @@ class Task(_message.Message):
     def __init__(self, step: _Optional[int] = ..., mb: _Optional[int] = ..., stage: _Optional[int] = ..., direction: _Optional[_Union[Direction, str]] = ..., epoch: _Optional[int] = ..., lease_id: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., out_grad: _Optional[_Union[Tensor, _Mapping]] = ..., deadline_s: _Optional[float] = ..., loss_scale: _Optional[float] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
-    __slots__ = ("worker", "wait_s", "ahead")
+    __slots__ = ("worker", "wait_s", "ahead", "started", "ask_id")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     AHEAD_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    ASK_ID_FIELD_NUMBER: _ClassVar[int]
     worker: str
     wait_s: float
     ahead: bool
-    def __init__(self, worker: _Optional[str] = ..., wait_s: _Optional[float] = ..., ahead: _Optional[bool] = ...) -> None: ...
+    started: int
+    ask_id: int
+    def __init__(self, worker: _Optional[str] = ..., wait_s: _Optional[float] = ..., ahead: _Optional[bool] = ..., started: _Optional[int] = ..., ask_id: _Optional[int] = ...) -> None: ...
 
 class LeaseReply(_message.Message):
-    __slots__ = ("has_task", "task", "version", "gen", "flush", "epoch", "step", "wrong_stage", "local_step", "local_lr", "local_coef", "local_skip", "local_sync", "local_merged")
+    __slots__ = ("has_task", "task", "version", "gen", "flush", "epoch", "step", "wrong_stage", "credit", "ask_id", "local_step", "local_lr", "local_coef", "local_skip", "local_sync", "local_merged")
     HAS_TASK_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -511,6 +521,8 @@ class LeaseReply(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     WRONG_STAGE_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_FIELD_NUMBER: _ClassVar[int]
+    ASK_ID_FIELD_NUMBER: _ClassVar[int]
     LOCAL_STEP_FIELD_NUMBER: _ClassVar[int]
     LOCAL_LR_FIELD_NUMBER: _ClassVar[int]
     LOCAL_COEF_FIELD_NUMBER: _ClassVar[int]
@@ -525,13 +537,15 @@ class LeaseReply(_message.Message):
     epoch: int
     step: int
     wrong_stage: bool
+    credit: int
+    ask_id: int
     local_step: int
     local_lr: float
     local_coef: float
     local_skip: bool
     local_sync: bool
     local_merged: int
-    def __init__(self, has_task: _Optional[bool] = ..., task: _Optional[_Union[Task, _Mapping]] = ..., version: _Optional[int] = ..., gen: _Optional[int] = ..., flush: _Optional[bool] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., wrong_stage: _Optional[bool] = ..., local_step: _Optional[int] = ..., local_lr: _Optional[float] = ..., local_coef: _Optional[float] = ..., local_skip: _Optional[bool] = ..., local_sync: _Optional[bool] = ..., local_merged: _Optional[int] = ...) -> None: ...
+    def __init__(self, has_task: _Optional[bool] = ..., task: _Optional[_Union[Task, _Mapping]] = ..., version: _Optional[int] = ..., gen: _Optional[int] = ..., flush: _Optional[bool] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., wrong_stage: _Optional[bool] = ..., credit: _Optional[int] = ..., ask_id: _Optional[int] = ..., local_step: _Optional[int] = ..., local_lr: _Optional[float] = ..., local_coef: _Optional[float] = ..., local_skip: _Optional[bool] = ..., local_sync: _Optional[bool] = ..., local_merged: _Optional[int] = ...) -> None: ...
 
 class TaskResult(_message.Message):
     __slots__ = ("worker", "step", "mb", "direction", "epoch", "lease_id", "output", "loss", "compute_s")
@@ -556,14 +570,16 @@ class TaskResult(_message.Message):
     def __init__(self, worker: _Optional[str] = ..., step: _Optional[int] = ..., mb: _Optional[int] = ..., direction: _Optional[_Union[Direction, str]] = ..., epoch: _Optional[int] = ..., lease_id: _Optional[int] = ..., output: _Optional[_Union[Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., compute_s: _Optional[float] = ...) -> None: ...
 
 class CompleteReply(_message.Message):
-    __slots__ = ("accepted", "reason", "gen")
+    __slots__ = ("accepted", "reason", "gen", "lease_id")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     GEN_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     gen: int
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., gen: _Optional[int] = ...) -> None: ...
+    lease_id: int
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., gen: _Optional[int] = ..., lease_id: _Optional[int] = ...) -> None: ...
 
 class GradPush(_message.Message):
     __slots__ = ("worker", "step", "epoch", "gen", "mbs", "grads", "local_done", "local_sq_norm", "local_round", "local_mbs")
@@ -598,6 +614,12 @@ class PushReply(_message.Message):
     reason: str
     gen: int
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., gen: _Optional[int] = ...) -> None: ...
+
+class TakeBack(_message.Message):
+    __slots__ = ("lease_ids",)
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RenewRequest(_message.Message):
     __slots__ = ("worker", "lease_ids")

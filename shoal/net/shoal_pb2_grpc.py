@@ -399,6 +399,11 @@ class StageServerStub:
                 request_serializer=shoal__pb2.Chunk.SerializeToString,
                 response_deserializer=shoal__pb2.StandbyStepAck.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/shoal.v1.StageServer/Session',
+                request_serializer=shoal__pb2.Chunk.SerializeToString,
+                response_deserializer=shoal__pb2.Chunk.FromString,
+                _registered_method=True)
         self.Lease = channel.unary_unary(
                 '/shoal.v1.StageServer/Lease',
                 request_serializer=shoal__pb2.LeaseRequest.SerializeToString,
@@ -494,6 +499,14 @@ class StageServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """A worker's session: one long-lived stream each way. Up: LeaseRequest, TaskResult,
+        RenewRequest; down: LeaseReply, CompleteReply, TakeBack; each message as Chunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Lease(self, request, context):
         """Unary forms (a whole message under the gRPC size limit).
         """
@@ -580,6 +593,11 @@ def add_StageServerServicer_to_server(servicer, server):
                     servicer.StandbyStepStream,
                     request_deserializer=shoal__pb2.Chunk.FromString,
                     response_serializer=shoal__pb2.StandbyStepAck.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=shoal__pb2.Chunk.FromString,
+                    response_serializer=shoal__pb2.Chunk.SerializeToString,
             ),
             'Lease': grpc.unary_unary_rpc_method_handler(
                     servicer.Lease,
@@ -811,6 +829,33 @@ class StageServer:
             '/shoal.v1.StageServer/StandbyStepStream',
             shoal__pb2.Chunk.SerializeToString,
             shoal__pb2.StandbyStepAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/shoal.v1.StageServer/Session',
+            shoal__pb2.Chunk.SerializeToString,
+            shoal__pb2.Chunk.FromString,
             options,
             channel_credentials,
             insecure,

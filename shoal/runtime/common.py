@@ -127,6 +127,31 @@ def heartbeat_period(dead_after_s: float, min_lease_s: float) -> float:
     return min(1.0, max(0.2, min(dead_after_s, min_lease_s) / 4))
 
 
+class DeafClock:
+    """Time a process could not listen, so that it is never counted as its peers' silence.
+
+    A reaper loop calls :meth:`tick` every ``period`` seconds. When a tick comes late (the
+    event loop was held by something else, or the process was starved of CPU), the peers'
+    messages of that stretch may still wait unread in the transport: the lateness beyond
+    ``period`` is what :meth:`tick` returns, and the caller moves every peer's last sign of
+    life forward by it. Only a peer silent for ``dead_after`` seconds of *listening* is dead.
+    """
+
+    def __init__(self, period: float, now: float, slack: float = 0.05):
+        self.period, self.slack = period, slack  # expected tick spacing; lateness ignored below slack
+        self.prev = now  # time of the previous tick
+        self.deaf_s = 0.0  # total lateness excused so far (reports)
+
+    def tick(self, now: float) -> float:
+        """Seconds of this tick's lateness to excuse (0 when on time)."""
+        late = now - self.prev - self.period
+        self.prev = now
+        if late <= self.slack:
+            return 0.0
+        self.deaf_s += late
+        return late
+
+
 def ewma(prev: float | None, x: float, alpha: float = 0.3) -> float:
     """Exponentially weighted moving average update."""
     return x if prev is None else (1 - alpha) * prev + alpha * x

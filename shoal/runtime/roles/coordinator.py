@@ -50,6 +50,7 @@ from shoal.net.stream import CONTROL_SLACK, fetch
 from shoal.net.traffic import BYTES_METHOD, merge_traffic
 from shoal.net.wire import decode_tensor
 from shoal.runtime.common import (
+    DeafClock,
     Signal,
     assign_workers,
     data_refusal,
@@ -113,6 +114,9 @@ class Member:
     ckpt_stage: int = -1  # server: the stage it served before re-joining (its disk holds that stage)
     standby: bool = False  # server: a hot standby (copies a stage's checkpoints until promoted)
     held: dict[int, int] = field(default_factory=dict)  # server without a stage: stage -> newest checkpoint it holds
+    doing: str = ""  # what it said it was doing in its newest heartbeat (death reports)
+    last_sign: str = "join"  # its newest sign of life: "heartbeat", or traffic a stage server saw
+    death: str = ""  # once dropped: one line why (told to it if it calls again)
 
 
 def plan_stages(n_total_layers: int, stages: int) -> list[tuple[int, int]]:
@@ -725,9 +729,14 @@ class Coordinator(pbg.CoordinatorServicer):
             return pb.Assignment(known=True, done=True, guard_banned=self.guard_banned[request.member_id])
         m = self.members.get(request.member_id)
         if m is None:
-            return pb.Assignment(known=False, done=self.done)
+            gone = self.gone.get(request.member_id)
+            return pb.Assignment(known=False, done=self.done, forgotten=gone[0].death if gone else "")
         m.last_seen = time.monotonic()
+        m.last_sign = "heartbeat"
+        m.doing = request.doing
         m.counter_id = request.counter_id or m.counter_id
+        if m.role == "server":
+            self._heard_via(m, request.alive)
         if request.HasField("stats"):
             m.stats = pb.MemberStats()
             m.stats.CopyFrom(request.stats)
@@ -832,9 +841,20 @@ class Coordinator(pbg.CoordinatorServicer):
             self._drop(m, "leave")
         return pb.Empty()
 
-    def _drop(self, m: Member, why: str) -> None:
+    def _heard_via(self, server: Member, alive) -> None:
+        """Workers a stage server heard from since its last heartbeat are alive: traffic on a
+        member's channels is a sign of life (a worker deep in a long push may miss beats here)."""
+        now = time.monotonic()
+        for wid in alive:
+            w = self.members.get(wid)
+            if w is not None and w.role == "worker":
+                w.last_seen = now
+                w.last_sign = f"traffic at server {server.name}"
+
+    def _drop(self, m: Member, why: str, **detail) -> None:
+        m.death = death_line(m.name, why, detail)
         self.gone[m.member_id] = (m, why, time.time())
-        self.event("leave", device=m.name, role=m.role, why=why, stage=self._stage_of_dropped(m))
+        self.event("leave", device=m.name, role=m.role, why=why, stage=self._stage_of_dropped(m), **detail)
         if m.role == "server":
             for s, sid in enumerate(self.stage_server):
                 if sid == m.member_id:
@@ -913,16 +933,23 @@ class Coordinator(pbg.CoordinatorServicer):
 
     async def reap(self) -> None:
         """Declare members dead after ``dead_after_s`` of silence; watch for stalls."""
+        clock = DeafClock(0.1, time.monotonic())
         while not self.finished.is_set():
             await asyncio.sleep(0.1)
             self._watch()
             now = time.monotonic()
+            deaf = clock.tick(now)
             for mid, m in list(self.members.items()):
+                # A late tick: messages of that stretch may still wait unread, so it is not their silence.
+                m.last_seen += deaf
                 # A false server death costs a roll-back, so servers get twice the grace.
                 limit = self.spec.dead_after_s * (2 if m.role == "server" else 1)
                 if now - m.last_seen > limit:
                     del self.members[mid]
-                    self._drop(m, "missed heartbeats")
+                    detail = dict(silent_s=round(now - m.last_seen, 2), last_sign=m.last_sign,
+                                  doing=m.doing or "unknown", deaf_s=round(clock.deaf_s, 2))
+                    log.warning("%s", death_line(m.name, "missed heartbeats", detail))
+                    self._drop(m, "missed heartbeats", **detail)
             if self.reserved and time.monotonic() >= self.reserve_until:
                 self._fill_vacancies()  # the reservations end: other servers may take those stages
             self._ask_measure()
@@ -1287,6 +1314,14 @@ def pick_holder(stage: int, candidates: list[tuple[str, dict[int, int]]], copier
         return None
     tied = [mid for mid, held in candidates if held.get(stage, 0) == best]
     return copier if copier in tied else tied[0]
+
+
+def death_line(name: str, why: str, detail: dict) -> str:
+    """One line: why a member was dropped, with its last sign of life and what it was doing."""
+    if not detail:
+        return f"{name} dropped: {why}"
+    return (f"{name} declared dead: {why} (silent {detail['silent_s']:.1f} s, last sign of life: "
+            f"{detail['last_sign']}, it was {detail['doing']})")
 
 
 def resume_grace_s(dead_after_s: float) -> float:

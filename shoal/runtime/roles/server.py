@@ -55,6 +55,7 @@ from shoal.net.traffic import Traffic
 from shoal.net.wire import WireError, decode_tensor, encode_tensor
 from shoal.runtime.common import (
     SCHEMA_VERSION,
+    DeafClock,
     Signal,
     ckpt_dir,
     ckpts_to_prune,
@@ -96,7 +97,7 @@ from shoal.runtime.sync.codecs import (
     relay_frame,
 )
 from shoal.runtime.sync.local import LocalServerMixin
-from shoal.runtime.transport.frames import decode_grads, retry, serialise_weights
+from shoal.runtime.transport.frames import decode_grads, off_loop, retry, serialise_weights
 from shoal.runtime.ui.stats import StepTiming
 from shoal.train.optim import apply_update, grad_sq_norm, make_optimizer
 from shoal.train.precision import unscale_grads, wire_dtype
@@ -445,17 +446,28 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
 
         return probe_reply(request)
 
+    def _heard_since(self, since: float) -> list[str]:
+        """Workers this server heard from (any call or chunk) since ``since``: the coordinator
+        counts that traffic as their sign of life."""
+        return [wid for wid, info in self.workers.items() if info.last_seen >= since]
+
     async def _heartbeat(self) -> None:
+        sent = time.monotonic()
+        alive = self._heard_since(getattr(self, "_alive_sent", 0.0))
+        # Checking a checkpoint file another server wrote reads it whole: in a thread.
+        ckpt = await asyncio.get_running_loop().run_in_executor(None, self._ckpt_version)
         try:
             a = await self.coord.Heartbeat(pb.MemberRequest(
-                member_id=self.member_id, version=self.version, ckpt_version=self._ckpt_version(),
+                member_id=self.member_id, version=self.version, ckpt_version=ckpt,
                 epoch=self.epoch, counter_id=self.traffic.id, role="server",
                 traffic=self.traffic.snapshot(), stats=self.stats_snapshot(), fatal=self.fatal,
                 guard_bans=self.guard_bans, standby_held=self._held(),
-                standby_decisions_from=self.standby_decisions_from()), timeout=5)
+                standby_decisions_from=self.standby_decisions_from(), alive=alive,
+                doing=self.describe_wait() if self.stage >= 0 else "waiting for a stage"), timeout=5)
         except grpc.aio.AioRpcError as exc:
             log.warning("heartbeat failed: %s", exc.code())
             return
+        self._alive_sent = sent
         self.last_coord_ok = time.monotonic()
         if a.done:
             self.done = True
@@ -567,10 +579,29 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         self._local_forget(wid)
         log.info("%s voided worker %s (%s)", self.name, wid, why)
 
+    def _holding(self, wid: str) -> str:
+        """What a worker holds here, in words (death reports)."""
+        leases = [f"{pb.Direction.Name(ls.direction)} step {ls.step} mb {ls.mb}"
+                  for ls in self.leases.values() if ls.worker == wid]
+        computed = [mb for mbs in self.steps.values() for mb, st in mbs.items()
+                    if st.grad == "computed" and st.holder == wid]
+        parts = ([f"leases {', '.join(leases)}"] if leases else []) + (
+            [f"unpushed gradients of mbs {computed}"] if computed else [])
+        return "; ".join(parts) or "nothing"
+
     async def _reaper(self) -> None:
+        clock = DeafClock(0.1, time.monotonic())
         while True:
             await asyncio.sleep(0.1)
             now = time.monotonic()
+            deaf = clock.tick(now)
+            if deaf:
+                # This loop was held (or the process starved): renewals and chunks of that
+                # stretch may still wait unread, so it counts as nobody's silence.
+                for lease in self.leases.values():
+                    lease.deadline += deaf
+                for info in self.workers.values():
+                    info.last_seen += deaf
             changed = False
             for lid, lease in list(self.leases.items()):
                 if lease.deadline < now:
@@ -579,7 +610,8 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
                     changed = True
             for wid, info in list(self.workers.items()):
                 if self.spec and now - info.last_seen > self.spec.dead_after_s:
-                    self._void_worker(wid, "silent")
+                    self._void_worker(wid, f"silent for {now - info.last_seen:.1f} s; it held "
+                                           f"{self._holding(wid)}")
                     del self.workers[wid]
                     changed = True
             if self.version >= 0 and self.spec is not None:
@@ -704,21 +736,28 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
             lease, why = None, "banned from this run"
         if lease is None:
             return pb.CompleteReply(accepted=False, reason=why, gen=info.gen)
-        st = self.steps[r.step][r.mb]
         try:
             out = None
             if r.direction == pb.FWD or not self.is_first:
-                out = decode_tensor(r.output, shape=self.act_shape, dtype=self.act_dtype,
-                                    finite=r.direction == pb.FWD or self.grads_finite)
+                out = await off_loop(len(r.output.data), self._decode_act, r.output,
+                                     r.direction == pb.FWD or self.grads_finite)
             if r.direction == pb.FWDBWD and not math.isfinite(r.loss):
                 raise WireError(f"loss {r.loss} is not finite")
         except WireError as exc:
-            del self.leases[r.lease_id]
-            self._requeue(r.step, r.mb, r.direction)
+            if self.leases.get(r.lease_id) is lease:
+                del self.leases[r.lease_id]
+                self._requeue(r.step, r.mb, r.direction)
             log.warning("%s rejected a result of %s: %s", self.name, r.worker, exc)
             async with self.cond:
                 self.cond.notify_all()
             return pb.CompleteReply(accepted=False, reason=f"rejected: {exc}", gen=info.gen)
+        if self.leases.get(r.lease_id) is not lease or r.epoch != self.epoch or r.step != self.step:
+            # It ran out (or the step moved on) while the result was checked in a thread.
+            prev = self.completed.get(r.lease_id)
+            if prev is not None and prev[:3] == (r.worker, r.epoch, r.step):
+                return pb.CompleteReply(accepted=True, reason="duplicate of an accepted result", gen=prev[3])
+            return pb.CompleteReply(accepted=False, reason="lease ended while its result was checked", gen=info.gen)
+        st = self.steps[r.step][r.mb]
         del self.leases[r.lease_id]
         self.completed[r.lease_id] = (r.worker, r.epoch, r.step, info.gen)
         info.ewma_s = ewma(info.ewma_s, max(r.compute_s, time.monotonic() - lease.started))
@@ -745,6 +784,10 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         async with self.cond:
             self.cond.notify_all()
         return pb.CompleteReply(accepted=True, gen=info.gen)
+
+    def _decode_act(self, frame: pb.Tensor, finite: bool) -> torch.Tensor:
+        """An activation or activation gradient, checked against this stage's shape and dtype."""
+        return decode_tensor(frame, shape=self.act_shape, dtype=self.act_dtype, finite=finite)
 
     async def PushGrads(self, request, context):
         r = request
@@ -1081,14 +1124,17 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
                          self.name, ",".join(map(str, gone)), stage, msg.version)
                 if (d / f"v{msg.version}.safetensors").exists():
                     return
-            d.mkdir(parents=True, exist_ok=True)
             # Its own temp name: in a shared folder the active server may be writing .v<N>.tmp.
             tmp, path = d / f".v{msg.version}.copy-{os.getpid()}.tmp", d / f"v{msg.version}.safetensors"
-            tmp.write_bytes(msg.data)
-            os.replace(tmp, path)
+
+            def write_and_check() -> None:  # in a thread: a checkpoint is weights and AdamW state
+                d.mkdir(parents=True, exist_ok=True)
+                tmp.write_bytes(msg.data)
+                os.replace(tmp, path)
+                read_stage_ckpt(self.ckpt_root, stage, msg.version, run_id=self.spec.run_id, layers=(first, last))
+
             try:
-                read_stage_ckpt(self.ckpt_root, stage, msg.version, run_id=self.spec.run_id,
-                                layers=(first, last))
+                await asyncio.get_running_loop().run_in_executor(None, write_and_check)
             except ShoalError as exc:
                 log.error("%s: copied checkpoint of stage %d failed its checks (%s); fetching again",
                           self.name, stage, exc)
@@ -1115,21 +1161,31 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         return pb.Empty()
 
     # ------------------------------------------------------------------ relay
-    async def SubmitRelay(self, request, context):
-        r = request
-        self.stats["messages"] += 1
-        self.stats["bytes_in"] += len(r.tensor.data)
+    def _relay_verdict(self, r: pb.Relay) -> pb.RelayReply | None:
+        """The reply to a relay this server cannot take now (None: it can)."""
         if self.version < 0 or r.epoch > self.epoch:
             return pb.RelayReply(accepted=False, retry=True, reason="not ready")
         if r.epoch < self.epoch or r.step < self.step:
             return pb.RelayReply(accepted=True, reason="old; dropped")
         if r.step > self.step + 1:
             return pb.RelayReply(accepted=False, retry=True, reason="too far ahead")
+        return None
+
+    async def SubmitRelay(self, request, context):
+        r = request
+        self.stats["messages"] += 1
+        self.stats["bytes_in"] += len(r.tensor.data)
+        verdict = self._relay_verdict(r)
+        if verdict is not None:
+            return verdict
         try:
-            t = decode_tensor(r.tensor, shape=self.act_shape, dtype=self.act_dtype,
-                              finite=r.direction == pb.FWD or self.grads_finite)
+            t = await off_loop(len(r.tensor.data), self._decode_act, r.tensor,
+                               r.direction == pb.FWD or self.grads_finite)
         except WireError as exc:
             return pb.RelayReply(accepted=False, reason=f"rejected: {exc}")
+        verdict = self._relay_verdict(r)  # checked in a thread: the step may have moved on meanwhile
+        if verdict is not None:
+            return verdict
         mbs = self.steps.setdefault(r.step, {})
         if not 0 <= r.mb < self.spec.micro_batches:
             return pb.RelayReply(accepted=False, reason="micro-batch id out of range")
@@ -1236,24 +1292,33 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         if t is not None and not t.done():
             await asyncio.wait([t])
 
+    def _sum_pushes(self, pushes: list) -> float:
+        """Sum the step's pushes into the parameters' gradients in micro-batch order (``pushes``
+        sorted by first micro-batch: the local trainer's sum, bitwise), unscale them (fp16), keep
+        them as the screen's reference; returns their squared norm (runs in a thread)."""
+        for p in self.params.values():
+            p.grad = None
+        for _, grads, *_ in pushes:
+            for name, g in grads.items():
+                p = self.params[name]
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.add_(g)
+        # The direction the screen compares the next step's pushes with (honest work only).
+        self.guard_ref = {n: p.grad for n, p in self.params.items() if p.grad is not None}
+        # fp16: the pushes hold gradients of the loss times the step's scale.
+        unscale_grads(self.params.values(), self.loss_scale)
+        return 0.0 if self.local else grad_sq_norm(self.params.values())
+
     async def _commit(self, step: int, epoch: int) -> None:
         try:
             mbs = self.steps[step]
-            for p in self.params.values():
-                p.grad = None
-            for _, grads, *_ in sorted(self.pushes, key=lambda x: x[0]):
-                for name, g in grads.items():
-                    p = self.params[name]
-                    if p.grad is None:
-                        p.grad = g.clone()
-                    else:
-                        p.grad.add_(g)
-            # The direction the screen compares the next step's pushes with (honest work only).
-            self.guard_ref = {n: p.grad for n, p in self.params.items() if p.grad is not None}
-            # fp16: the pushes hold gradients of the loss times the step's scale.
-            unscale_grads(self.params.values(), self.loss_scale)
+            # Summed, unscaled and measured in a thread: a stage's gradients can be hundreds of MB.
+            sq = await asyncio.get_running_loop().run_in_executor(None, self._sum_pushes, sorted(
+                self.pushes, key=lambda x: x[0]))
             report = pb.StepReport(member_id=self.member_id, stage=self.stage, step=step, epoch=epoch,
-                                   sq_norm=self._local_sq_norm() if self.local else grad_sq_norm(self.params.values()),
+                                   sq_norm=self._local_sq_norm() if self.local else sq,
                                    requeues=self.requeues)
             if self.is_last:
                 report.losses.extend(mbs[mb].loss for mb in sorted(mbs))
@@ -1289,7 +1354,7 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
                     # fp16 overflow at some stage: every stage skips the update of this step.
                     self.opt.zero_grad(set_to_none=True)
                 else:
-                    apply_update(self.opt, d.lr, d.coef)
+                    await asyncio.get_running_loop().run_in_executor(None, apply_update, self.opt, d.lr, d.coef)
                 if d.next_loss_scale > 0:
                     self.loss_scale = d.next_loss_scale
                 self._wcache = None  # the serialised weights of the old version

@@ -44,7 +44,7 @@ from shoal.runtime.common import (
 )
 from shoal.runtime.sync.codecs import apply_pull, compression_of_spec
 from shoal.runtime.sync.local import LocalWorkerMixin
-from shoal.runtime.transport.frames import retry
+from shoal.runtime.transport.frames import off_loop, retry
 from shoal.train.precision import (
     autocast,
     backward_loss,
@@ -93,6 +93,36 @@ class WorkerOptions:
 
 UNASSIGNED_HEARTBEAT_S = 0.2  # heartbeat period of a worker that has no stage yet (waits for its assignment)
 HANG_KINDS = ("hang_fwd", "hang_bwd", "hang_before_push", "hang_mid_push")
+BUSY_KINDS = ("busy_fwd", "busy_bwd")
+
+
+def parse_busy(spec: str) -> dict[str, dict[str, str]]:
+    """Test-only faults of ``--inject``: ``busy_<state>:secs=S[:step=N][:mark=PATH]`` -> {kind: options}.
+
+    The first forward (``busy_fwd``) or backward (``busy_bwd``) task of step ``N`` or later
+    that this worker computes spins the CPU in Python for ``S`` seconds inside the compute
+    (holding the interpreter as a long model step would) and writes a JSON report to ``PATH``
+    when it starts; then the task finishes normally. A test sees that the worker stays alive.
+    """
+    out: dict[str, dict[str, str]] = {}
+    for item in spec.split(","):
+        kind, *opts = item.split(":")
+        if not kind.startswith("busy_"):
+            continue
+        if kind not in BUSY_KINDS or not all("=" in o for o in opts) or "secs" not in dict(
+                o.split("=", 1) for o in opts):
+            raise ShoalError(f"bad --inject item {item!r}; use {'|'.join(BUSY_KINDS)}:secs=S[:step=N][:mark=PATH]")
+        out[kind] = dict(o.split("=", 1) for o in opts)
+    return out
+
+
+def spin(secs: float) -> int:
+    """Keep this thread busy in Python for ``secs`` seconds (a compute that holds the interpreter)."""
+    end = time.perf_counter() + secs
+    n = 0
+    while time.perf_counter() < end:
+        n += sum(range(1000)) & 1
+    return n
 
 
 def parse_hangs(spec: str) -> dict[str, dict[str, str]]:
@@ -184,8 +214,10 @@ class Worker(LocalWorkerMixin):
         self.fatal = ""  # set when the worker must leave the run with an error (out of memory)
         self.traffic = Traffic()  # bytes of every call this worker makes
         self.channels = ChannelFactory(token, dial=dial, traffic=self.traffic, tls=tls)
-        self.inject = {f for f in opts.inject.split(",") if f and not f.startswith("hang_")}
+        self.inject = {f for f in opts.inject.split(",") if f and not f.startswith(("hang_", "busy_"))}
         self.hangs = parse_hangs(opts.inject)  # test faults: stop in a given state (tests kill -9)
+        self.busy = parse_busy(opts.inject)  # test faults: one long compute in a given state
+        self._doing = ("starting", time.monotonic())  # what this worker does now, since when (liveness reports)
         self.stage = -1
         self.first = self.last = 0
         self.want: tuple[int, int, int, str] | None = None  # assignment from the last heartbeat
@@ -225,6 +257,15 @@ class Worker(LocalWorkerMixin):
         self.obs_pull_bytes = 0  # bytes of the newest pull
         self.obs_pulls = 0
 
+    def _do(self, what: str) -> None:
+        """Say what this worker is doing now (reported with every heartbeat; a death report names it)."""
+        self._doing = (what, time.monotonic())
+
+    def doing_line(self) -> str:
+        """What this worker is doing and for how long, in one line."""
+        what, since = self._doing
+        return f"{what} for {time.monotonic() - since:.1f} s"
+
     def _join_request(self) -> pb.JoinRequest:
         return pb.JoinRequest(role="worker", flops=self.opts.flops or 0.0, name=self.opts.name,
                               schema=SCHEMA_VERSION, device=self.opts.device, will_measure=True,
@@ -241,6 +282,7 @@ class Worker(LocalWorkerMixin):
 
         want = self.measure_want
         await self._drain()  # no upload competes with the link probes
+        self._do("measuring its device and links")
         t0 = time.perf_counter()
         flops = self.opts.flops or 0.0
         if not flops:
@@ -328,7 +370,34 @@ class Worker(LocalWorkerMixin):
         """Whether received gradients must be finite (fp16: an overflow skips the step instead)."""
         return self.precision != "fp16"
 
+    def _beat_period(self) -> float:
+        period = self.opts.heartbeat_s or heartbeat_period(self.spec.dead_after_s, self.spec.min_lease_s)
+        if self.stage < 0:
+            # Idle until assigned: ask often, so a worker starts with the others at step 0
+            # (in local mode a replica that misses the first round leaves it unscreened).
+            period = min(period, UNASSIGNED_HEARTBEAT_S)
+        return period
+
+    async def _renewals(self) -> None:
+        """Renew the held leases with the stage server, on their own clock: a slow server never
+        delays the coordinator's heartbeats, nor a slow coordinator the renewals."""
+        while not self.done:
+            if self.server_addr and self.stage >= 0:
+                # Also with no lease held: while a large push is framed, the server must
+                # not take this worker's silence for death and void its gradients.
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await self.server.Renew(pb.RenewRequest(worker=self.member_id,
+                                                            lease_ids=list(self.held)), timeout=5)
+            await asyncio.sleep(self._beat_period())
+
     async def _heartbeats(self) -> None:
+        renew = asyncio.create_task(self._renewals())
+        try:
+            await self._coordinator_beats()
+        finally:
+            renew.cancel()
+
+    async def _coordinator_beats(self) -> None:
         last_ok = time.monotonic()
         while not self.done:
             if time.monotonic() - last_ok > self.opts.orphan_after_s:
@@ -342,7 +411,7 @@ class Worker(LocalWorkerMixin):
                     traffic=self.traffic.snapshot(), observed_flops=self.obs_flops or 0.0,
                     observed_tasks=self.obs_tasks, observed_pull_s=self.obs_pull_s or 0.0,
                     observed_pull_bytes=self.obs_pull_bytes, observed_pulls=self.obs_pulls,
-                    stats=self.stats_snapshot()), timeout=5)
+                    stats=self.stats_snapshot(), doing=self.doing_line()), timeout=5)
                 last_ok = time.monotonic()
                 if a.guard_banned:
                     self.fatal = f"{self.opts.name} is banned from the run: {a.guard_banned}"
@@ -354,6 +423,8 @@ class Worker(LocalWorkerMixin):
                     return
                 if not a.known:
                     # Declared dead (e.g. starved of CPU): join again as a new member.
+                    log.warning("%s: the coordinator dropped us (%s); joining again", self.opts.name,
+                                a.forgotten or "it does not know this member id")
                     reply = await self.coord.Join(self._join_request())
                     self.member_id = reply.member_id
                     self.measure_want = self.measure_done = 0
@@ -372,18 +443,7 @@ class Worker(LocalWorkerMixin):
                     self.move_now = a.move_now
             except grpc.aio.AioRpcError:
                 pass
-            if self.server_addr and self.stage >= 0:
-                # Also with no lease held: while a large push is framed, the server must
-                # not take this worker's silence for death and void its gradients.
-                with contextlib.suppress(grpc.aio.AioRpcError):
-                    await self.server.Renew(pb.RenewRequest(worker=self.member_id,
-                                                            lease_ids=list(self.held)), timeout=5)
-            period = self.opts.heartbeat_s or heartbeat_period(self.spec.dead_after_s, self.spec.min_lease_s)
-            if self.stage < 0:
-                # Idle until assigned: ask often, so a worker starts with the others at step 0
-                # (in local mode a replica that misses the first round leaves it unscreened).
-                period = min(period, UNASSIGNED_HEARTBEAT_S)
-            await asyncio.sleep(period)
+            await asyncio.sleep(self._beat_period())
 
     def stats_snapshot(self) -> pb.MemberStats:
         """What this worker reports for the dashboard: its stage and the work it got accepted."""
@@ -396,7 +456,10 @@ class Worker(LocalWorkerMixin):
                 # Tell the old server at once, so our tasks there are redone now.
                 with contextlib.suppress(grpc.aio.AioRpcError):
                     await self.server.Leave(pb.MemberRequest(member_id=self.member_id), timeout=2)
-            self._switch(stage, first, last)
+            self._do(f"building stage {stage}")
+            # Built in a thread (a large stage takes seconds): the heartbeats go on.
+            module = await asyncio.get_running_loop().run_in_executor(None, self._build, first, last)
+            self._switch(stage, first, last, module)
         self.server_addr = addr
         self.server = self.channels_stub(addr)
 
@@ -407,11 +470,15 @@ class Worker(LocalWorkerMixin):
             self._stubs_by_addr[addr] = pbg.StageServerStub(self.channels.open(addr))
         return self._stubs_by_addr[addr]
 
-    def _switch(self, stage: int, first: int, last: int) -> None:
+    def _build(self, first: int, last: int) -> torch.nn.Module:
+        """The stage's module, uninitialised (its weights come from the server)."""
+        with torch.device(self.torch_device):  # allocated where it computes
+            return build_stage(self.cfg, first, last, seed=self.spec.seed, init=False)
+
+    def _switch(self, stage: int, first: int, last: int, module: torch.nn.Module | None = None) -> None:
         log.info("%s works on stage %d [%d,%d)", self.opts.name, stage, first, last)
         self.stage, self.first, self.last = stage, first, last
-        with torch.device(self.torch_device):  # allocated where it computes; weights come from the server
-            self.module = build_stage(self.cfg, first, last, seed=self.spec.seed, init=False)
+        self.module = module if module is not None else self._build(first, last)
         self.params = dict(self.module.named_parameters())
         self.n_params = sum(p.numel() for p in self.params.values())
         self.version = -1
@@ -439,6 +506,7 @@ class Worker(LocalWorkerMixin):
         t0 = time.perf_counter()
         chain, held = getattr(self, "pull_held", ("", -1))
         req = pb.WeightsRequest(worker=self.member_id)
+        self._do(f"pulling the weights of stage {self.stage}")
         if chain:  # compressed pulls: say which reconstruction we hold (a delta against it will do)
             req.compress_chain, req.compress_version = chain, held
         rep = await fetch(self.server.GetWeightsStream, req, pb.WeightsReply, cap, traffic=self.traffic)
@@ -495,14 +563,15 @@ class Worker(LocalWorkerMixin):
         (:meth:`_release`) so the server redoes its micro-batches instead of waiting.
         """
         epoch, step, gen = self.acc_key
+        loop = asyncio.get_running_loop()
         if self.spec.ordered_grads:
-            groups = ordered_groups(self.acc_per_mb)
+            groups = await loop.run_in_executor(None, ordered_groups, self.acc_per_mb)  # sums: in a thread
         else:
             groups = [(self.acc_mbs, self.acc)]
         try:
-            loop = asyncio.get_running_loop()
             done: set[int] = set()
             for mbs, grads in groups:
+                self._do(f"pushing the gradients of step {step} mbs {mbs}")
                 done.update(mbs)
                 msg, frames, data = await loop.run_in_executor(None, self._push_message, epoch, step, gen, mbs,
                                                                grads)
@@ -621,6 +690,7 @@ class Worker(LocalWorkerMixin):
 
     async def _one(self) -> None:
         server = self.server
+        self._do(f"waiting for a task of stage {self.stage}")
         rep = await self._lease(server)
         if self.acc_key is not None and self.acc_key != (rep.epoch, rep.step, rep.gen):
             self._drop_acc()  # voided by the server, or a roll-back
@@ -663,6 +733,7 @@ class Worker(LocalWorkerMixin):
             t0 = time.perf_counter()
             loop = asyncio.get_running_loop()
             self._ask_ahead(server)
+            self._do(f"computing {pb.Direction.Name(task.direction)} step {task.step} mb {task.mb}")
             try:
                 out, loss, grads, recomputed = await loop.run_in_executor(None, self._compute, task)
             except torch.OutOfMemoryError:
@@ -687,8 +758,9 @@ class Worker(LocalWorkerMixin):
                 if "bad_shape" in self.inject:
                     self.inject.discard("bad_shape")
                     out = out[..., :-1]
-                result.output.CopyFrom(encode_tensor("out", out, self._codec("act" if task.direction == pb.FWD
-                                                                             else "grad")))
+                codec = self._codec("act" if task.direction == pb.FWD else "grad")
+                frame = await off_loop(out.numel() * out.element_size(), encode_tensor, "out", out, codec)
+                result.output.CopyFrom(frame)
             if self.upload_error is not None:
                 raise self.upload_error
             handed = True
@@ -736,10 +808,11 @@ class Worker(LocalWorkerMixin):
         """
         delay = 0.1
         try:
+            data = await off_loop(result.ByteSize(), result.SerializeToString)
             for attempt in range(1, self.opts.upload_attempts + 1):
                 try:
                     done = await send(server.CompleteStream, result, self.chunk_bytes, traffic=self.traffic,
-                                      sender=self.member_id)
+                                      sender=self.member_id, data=data)
                     break
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() in _FINAL_CODES or attempt == self.opts.upload_attempts:
@@ -812,6 +885,23 @@ class Worker(LocalWorkerMixin):
         log.warning("%s: injected %s at step %d %s: hanging", self.opts.name, kind, step, info)
         return True
 
+    def _maybe_busy(self, kind: str, task: pb.Task) -> None:
+        """Test fault ``busy_*``: one long compute that holds the interpreter (see :func:`parse_busy`)."""
+        opts = self.busy.get(kind)
+        if opts is None or task.step < int(opts.get("step", 0)):
+            return
+        del self.busy[kind]
+        secs = float(opts["secs"])
+        log.warning("%s: injected %s: computing step %d mb %d for %.1f s more", self.opts.name, kind, task.step,
+                    task.mb, secs)
+        mark = opts.get("mark")
+        if mark:
+            with open(mark + ".tmp", "w") as f:
+                f.write(json.dumps({"kind": kind, "step": task.step, "mb": task.mb, "worker": self.opts.name,
+                                    "member_id": self.member_id, "secs": secs}))
+            os.replace(mark + ".tmp", mark)
+        spin(secs)
+
     def _task_flops(self, direction: int, recomputed: bool) -> float:
         """FLOPs of one task from the analytic profile (see :func:`task_flops`)."""
         from shoal.model.profile import profile_model
@@ -849,6 +939,8 @@ class Worker(LocalWorkerMixin):
         x = to_device(x, dev)
         targets = None if targets is None else to_device(targets, dev)
         key = (task.epoch, task.step, task.mb)
+        if self.busy:
+            self._maybe_busy("busy_fwd" if task.direction == pb.FWD else "busy_bwd", task)
         if self.hangs and self._claim_hang("hang_fwd" if task.direction == pb.FWD else "hang_bwd", task.step,
                                            mb=task.mb, direction=pb.Direction.Name(task.direction)):
             while True:

@@ -269,14 +269,21 @@ class StandbyMixin:
         if self.stage >= 0 or self.sb_stage != msg.stage or self.sb_log is None:
             return pb.StandbyStepAck(ok=False, reason=f"not a standby of stage {msg.stage}")  # changed meanwhile
         finite = run_precision(self.spec) != "fp16"  # an fp16 overflow is a skipped step, not a fault
-        grads = {}
-        try:
+
+        def decode() -> dict:  # in a thread: a whole stage's gradient
+            out = {}
             for g in msg.grads:
-                if g.name not in shapes or g.name in grads:
+                if g.name not in shapes or g.name in out:
                     raise WireError(f"unexpected gradient {g.name!r}")
-                grads[g.name] = decode_tensor(g, shape=shapes[g.name], dtype="float32", finite=finite)
+                out[g.name] = decode_tensor(g, shape=shapes[g.name], dtype="float32", finite=finite)
+            return out
+
+        try:
+            grads = await asyncio.get_running_loop().run_in_executor(None, decode)
         except WireError as exc:
             return pb.StandbyStepAck(ok=False, reason=f"rejected: {exc}")
+        if self.stage >= 0 or self.sb_stage != msg.stage or self.sb_log is None:
+            return pb.StandbyStepAck(ok=False, reason=f"not a standby of stage {msg.stage}")  # changed meanwhile
         if len(grads) != len(shapes):
             return pb.StandbyStepAck(ok=False, reason=f"{len(grads)} of {len(shapes)} gradients")
         key = (msg.epoch, msg.step)

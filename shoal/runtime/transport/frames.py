@@ -32,6 +32,21 @@ def decode_grads(r: pb.GradPush, params: dict[str, torch.Tensor], finite: bool =
     return grads
 
 
+OFF_LOOP_BYTES = 64 * 1024  # work on larger payloads runs in a thread: the event loop keeps answering
+
+
+async def off_loop(nbytes: int, fn, *args):
+    """``fn(*args)``: in a thread when it handles ``nbytes`` >= :data:`OFF_LOOP_BYTES` (framing,
+    decoding, checksums, sums), else right here (a thread hop costs more than a small decode).
+
+    The event loop carries every member's liveness: what would hold it for more than a
+    fraction of a millisecond goes to a thread, so heartbeats and stream traffic go on.
+    """
+    if nbytes < OFF_LOOP_BYTES:
+        return fn(*args)
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
 async def retry(fn, budget_s: float = 30.0, delay: float = 0.1):
     """Call ``fn`` until it succeeds (the peer may still be starting), for ``budget_s`` at most."""
     end = time.monotonic() + budget_s
