@@ -1,0 +1,95 @@
+"""The credit window and take-back decisions (shoal.runtime.pool.grants) on hand-written
+event sequences: grant, grant ahead taken back, lease expiry, re-queue, ban, move."""
+
+from __future__ import annotations
+
+import pytest
+
+from shoal.runtime.pool.grants import MAX_CREDIT, GrantBook, credit_window
+
+
+def test_credit_window():
+    assert credit_window(None, None) == 1  # unknown pace: nothing granted ahead
+    assert credit_window(0.5, None) == 2
+    assert credit_window(0.5, 0.01) == 2  # round trip well under a task: one ahead hides it
+    assert credit_window(0.005, 0.012) == 4  # 5 ms tasks, 12 ms round trip: three ahead
+    assert credit_window(0.001, 1.0) == MAX_CREDIT
+    assert credit_window(0.5, 0.01, local=True) == 1  # local mode never holds a forward ahead
+
+
+def _paced(book: GrantBook, wid: str, task_s: float) -> None:
+    book.grant(1000 + len(book.paces), wid, 0.0, ahead=False)
+    book.end(1000 + len(book.paces) - 1, wid, task_s=task_s, idle=True)
+
+
+def test_a_grant_ahead_is_taken_back_for_a_faster_idle_worker():
+    book = GrantBook()
+    _paced(book, "slow", 4.0)
+    _paced(book, "fast", 1.0)
+    assert book.may_grant_ahead("slow") and book.credit("slow") == 2
+    book.grant(1, "slow", 10.0, ahead=False)  # slow computes lease 1 from t=10 (until ~14)
+    book.start(1, "slow", 10.0)
+    book.grant(2, "slow", 10.0, ahead=True)  # and holds lease 2 ahead: it would finish it at ~18
+    assert not book.may_grant_ahead("slow")  # its window (2) is full
+    assert book.take_back("slow", 11.0) is None  # never from oneself
+    # fast goes idle at t=11: it would finish lease 2 at 12, long before slow: taken back
+    assert book.take_back("fast", 11.0) == 2
+    assert book.ahead == {} and book.taken_back == 1
+    assert book.take_back("fast", 11.0) is None  # nothing else to take
+
+
+def test_a_grant_ahead_stays_with_a_holder_that_finishes_first():
+    book = GrantBook()
+    _paced(book, "fast", 1.0)
+    _paced(book, "slow", 10.0)
+    book.grant(1, "fast", 5.0, ahead=False)
+    book.start(1, "fast", 5.0)
+    book.grant(2, "fast", 5.0, ahead=True)  # fast finishes lease 2 at ~7
+    assert book.take_back("slow", 5.5) is None  # slow would finish at 15.5
+    # once started, a grant is no longer ahead: it is never taken back
+    book.start(2, "fast", 6.0)
+    assert book.ahead == {}
+    _paced(book, "faster", 0.1)
+    assert book.take_back("faster", 6.1) is None
+
+
+def test_expiry_requeue_and_result_end_a_grant():
+    book = GrantBook()
+    _paced(book, "a", 2.0)
+    _paced(book, "b", 1.0)
+    book.grant(1, "a", 0.0, ahead=False)
+    book.start(1, "a", 0.0)
+    book.grant(2, "a", 0.0, ahead=True)
+    book.grant(3, "a", 0.0, ahead=True)
+    # lease 2 expired (or was re-queued) at the server: the book forgets it when it looks
+    live = {1, 3}
+    assert book.take_back("b", 0.5, live=lambda lid: lid in live) == 3
+    assert 2 not in book.ahead
+    # a result ends a grant and teaches the pace
+    book.end(1, "a", task_s=4.0, idle=True)
+    assert book.paces["a"].task_s == pytest.approx(0.7 * 2.0 + 0.3 * 4.0)
+    assert book.paces["a"].busy_since is None
+
+
+def test_ban_and_move_return_the_unstarted_grants():
+    book = GrantBook()
+    _paced(book, "a", 1.0)
+    _paced(book, "b", 1.0)
+    book.grant(1, "a", 0.0, ahead=False)
+    book.start(1, "a", 0.0)
+    book.grant(2, "a", 0.0, ahead=True)
+    book.grant(3, "b", 0.0, ahead=True)
+    assert book.drop_worker("a") == [2]  # banned (or moved to another stage): lease 2 is re-queued
+    assert list(book.ahead) == [3] and book.paces["a"].busy_since is None
+    assert book.drop_worker("a") == []
+
+
+def test_round_trip_is_learnt_from_grants_to_idle_workers():
+    book = GrantBook()
+    _paced(book, "a", 0.004)
+    book.grant(7, "a", 1.000, ahead=False)
+    book.start(7, "a", 1.010)  # 10 ms from the grant to its start
+    assert book.paces["a"].rtt_s == pytest.approx(0.010)
+    assert book.credit("a") == 4  # 1 + ceil(10 / 4)
+    book.start(99, "b", 2.0)  # a start of a grant the book never saw only marks the worker busy
+    assert book.paces["b"].busy_since == 2.0
