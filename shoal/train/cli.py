@@ -96,8 +96,8 @@ def run_train(args: argparse.Namespace) -> int:
 def run_generate(args: argparse.Namespace) -> int:
     """Entry of ``shoal generate``."""
     from shoal.train.generate import generate_text
-    from shoal.train.local import set_torch_threads
+    from shoal.train.local import cpu_cores, set_torch_threads
 
-    set_torch_threads()
+    set_torch_threads(default=min(4, cpu_cores()))  # sampling is not a training step: any threads
     print(generate_text(args.run_dir, args.prompt, args.tokens, args.temperature, args.top_k, args.seed))
     return 0

@@ -58,6 +58,7 @@ from shoal.train.precision import (
     next_loss_scale,
     overflowed,
     resolve_device,
+    scaled_share,
     to_device,
     unscale_grads,
 )
@@ -68,19 +69,54 @@ CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 
 
-def set_torch_threads(default: int | None = None) -> int:
-    """Set torch's intra-op threads from ``$SHOAL_TORCH_THREADS`` (default: up to 4 cores)."""
-    if default is None:
-        default = max(1, min(4, os.cpu_count() or 1))
-    raw = os.environ.get("SHOAL_TORCH_THREADS", str(default))
+def set_torch_threads(default: int = 1) -> int:
+    """Set torch's intra-op threads: ``$SHOAL_TORCH_THREADS``, else ``default`` (1).
+
+    One intra-op thread is the arithmetic of an exact run: several CPU kernels split their
+    work (and so their float sums) by thread count, so a step computed with 3 threads
+    differs in the last bits from one computed with 1. Every swarm member computes with one
+    thread; the local trainer does too by default and gets its parallelism from computing
+    micro-batches side by side (:func:`micro_batch_threads`). Returns the thread count.
+    """
+    n = env_threads()
+    n = default if n is None else n
+    torch.set_num_threads(n)
+    return n
+
+
+def env_threads() -> int | None:
+    """``$SHOAL_TORCH_THREADS`` as a positive int (None: unset); anything else is a ShoalError."""
+    raw = os.environ.get("SHOAL_TORCH_THREADS")
+    if raw is None or raw == "":
+        return None
     try:
         n = int(raw)
     except ValueError:
         raise ShoalError(f"SHOAL_TORCH_THREADS must be a positive integer, got {raw!r}") from None
     if n <= 0:
         raise ShoalError(f"SHOAL_TORCH_THREADS must be a positive integer, got {raw!r}")
-    torch.set_num_threads(n)
     return n
+
+
+def micro_batch_threads(device: torch.device, micro_batches: int, intra_op: int,
+                        cores: int | None = None) -> int:
+    """How many micro-batches the local trainer computes at once (pure; tested directly).
+
+    On the CPU with one intra-op thread: one per core, up to 4 and up to ``micro_batches``
+    (each micro-batch's forward and backward runs on one thread, the gradients are then
+    summed in micro-batch order, so the step is bitwise the sequential one). With more
+    intra-op threads (``$SHOAL_TORCH_THREADS``) or on an accelerator: 1.
+    """
+    if device.type != "cpu" or intra_op != 1:
+        return 1
+    return max(1, min(4, cpu_cores() if cores is None else cores, micro_batches))
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 @dataclass
@@ -140,6 +176,7 @@ class Precision:
     scale: float = 1.0  # loss scale of the next step (1: no scaling)
     good_steps: int = 0  # consecutive steps without overflow (fp16 scale growth)
     scaling: LossScaleConfig = LossScaleConfig()  # fp16 dynamic loss scaling rule
+    parallel: int = 1  # micro-batches computed at once (see micro_batch_threads)
 
 
 CPU_FP32 = Precision(torch.device("cpu"))
@@ -184,13 +221,17 @@ def train_step(
     """Run optimizer step ``step`` (updates ``prec``'s loss-scale state in fp16 runs)."""
     m = cfg.micro_batches
     scale = prec.scale
-    losses = []
-    for mb in range(m):
-        x, y = get_micro_batch(data, "train", cfg.seed, step, mb, cfg.micro_batch_size, cfg.seq_len)
-        with autocast(prec.device, prec.precision):
-            loss = model(to_device(x, prec.device), to_device(y, prec.device))
-        backward_loss(loss, m, scale)
-        losses.append(float(loss.detach()))
+    batches = [get_micro_batch(data, "train", cfg.seed, step, mb, cfg.micro_batch_size, cfg.seq_len)
+               for mb in range(m)]
+    if prec.parallel > 1:
+        losses = _parallel_grads(model, batches, m, scale, prec)
+    else:
+        losses = []
+        for x, y in batches:
+            with autocast(prec.device, prec.precision):
+                loss = model(to_device(x, prec.device), to_device(y, prec.device))
+            backward_loss(loss, m, scale)
+            losses.append(float(loss.detach()))
     unscale_grads(model.parameters(), scale)
     sq = grad_sq_norm(model.parameters())
     lr = lr_at(step, cfg.steps, optim)
@@ -202,6 +243,49 @@ def train_step(
     if prec.precision == "fp16":
         prec.scale, prec.good_steps = next_loss_scale(scale, prec.good_steps, skipped, prec.scaling)
     return StepOutcome(sum(losses) / m, None if skipped else math.sqrt(sq), lr, skipped, scale)
+
+
+def _parallel_grads(model: torch.nn.Module, batches: list, m: int, scale: float, prec: Precision) -> list[float]:
+    """Gradients of one step into ``.grad``, ``prec.parallel`` micro-batches at a time.
+
+    Each micro-batch's forward and backward runs on one thread (torch's intra-op threads
+    are 1) and yields its own gradients (``torch.autograd.grad``); they are added in
+    micro-batch order, ``((g_0 + g_1) + g_2) + ...``, which is what ``.backward()``
+    accumulation computes one micro-batch after another. So the step is bitwise the
+    sequential one, at ``prec.parallel`` times the activation memory and up to
+    ``prec.parallel + 1`` gradient sets held at once.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def one(xy) -> tuple[float, tuple]:
+        x, y = xy
+        with autocast(prec.device, prec.precision):
+            loss = model(to_device(x, prec.device), to_device(y, prec.device))
+        grads = torch.autograd.grad(scaled_share(loss, m, scale), params, allow_unused=True)
+        return float(loss.detach()), grads
+
+    losses: list[float] = []
+    total: list[torch.Tensor | None] = [None] * len(params)
+    with ThreadPoolExecutor(prec.parallel, thread_name_prefix="shoal-mb") as pool:
+        ahead = [pool.submit(one, xy) for xy in batches[:prec.parallel]]
+        for i in range(len(batches)):
+            loss, grads = ahead.pop(0).result()
+            if i + prec.parallel < len(batches):
+                ahead.append(pool.submit(one, batches[i + prec.parallel]))
+            losses.append(loss)
+            for k, g in enumerate(grads):
+                if g is None:
+                    continue
+                if total[k] is None:
+                    total[k] = g
+                else:
+                    total[k].add_(g)
+    for p, g in zip(params, total, strict=True):
+        if g is not None:
+            p.grad = g if p.grad is None else p.grad.add_(g)
+    return losses
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -255,7 +339,7 @@ class _Progress:
 def train_local(cfg: TrainConfig, resume: bool = False, quiet: bool = False) -> TrainResult:
     """Train (or with ``resume`` continue) a run in ``cfg.out``; see the module docstring."""
     cfg.validate()
-    set_torch_threads()
+    intra_op = set_torch_threads()
     out = Path(cfg.out)
     ckpt_path = out / CHECKPOINT_DIR
     model_cfg = cfg.model_config()
@@ -268,7 +352,8 @@ def train_local(cfg: TrainConfig, resume: bool = False, quiet: bool = False) -> 
     device = resolve_device(cfg.device)
     check_device_precision(device, cfg.precision)
     scaling = cfg.loss_scale_config()
-    prec = Precision(device, cfg.precision, initial_loss_scale(cfg.precision, scaling), 0, scaling)
+    prec = Precision(device, cfg.precision, initial_loss_scale(cfg.precision, scaling), 0, scaling,
+                     micro_batch_threads(device, cfg.micro_batches, intra_op))
 
     # Built (and initialised) on the CPU, so the weights are the same on every device.
     model = build_stage(model_cfg, 0, model_cfg.n_total_layers, cfg.seed)

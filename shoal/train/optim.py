@@ -72,13 +72,31 @@ def make_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], cfg: 
     )
 
 
+def param_sq_norms(params: Iterable[torch.nn.Parameter]) -> list[float]:
+    """Each parameter's sum of squared gradient entries (fp64), in ``params`` order (no grad: skipped)."""
+    return [float(p.grad.detach().double().pow(2).sum()) for p in params if p.grad is not None]
+
+
 def grad_sq_norm(params: Iterable[torch.nn.Parameter]) -> float:
-    """Sum of squared gradient entries (fp64) of ``params``; stages add theirs up."""
-    total = 0.0
-    for p in params:
-        if p.grad is not None:
-            total += float(p.grad.detach().double().pow(2).sum())
-    return total
+    """Sum of squared gradient entries (fp64) of ``params``.
+
+    The per-parameter sums are added with :func:`math.fsum` (correctly rounded), so the
+    total does not depend on how parameters are grouped: the coordinator adding the
+    per-parameter sums of every stage (:func:`total_sq_norm`) gets the local trainer's
+    value bit for bit, whatever the layer split.
+    """
+    return total_sq_norm(param_sq_norms(params))
+
+
+def total_sq_norm(parts: Iterable[float]) -> float:
+    """The squared global norm from per-parameter squared norms, in any order or grouping."""
+    parts = list(parts)
+    if not all(math.isfinite(x) for x in parts):
+        return math.nan if any(math.isnan(x) for x in parts) else math.inf
+    try:
+        return math.fsum(parts)
+    except OverflowError:  # finite parts whose sum is beyond a double: an overflow, as fp16 sees it
+        return math.inf
 
 
 def clip_coefficient(total_sq_norm: float, grad_clip: float) -> float:

@@ -157,10 +157,15 @@ def backward_loss(loss: torch.Tensor, micro_batches: int, scale: float) -> None:
     The one formula of the local trainer and of last-stage workers; without scaling
     (``scale == 1``) it is exactly ``(loss / M).backward()``.
     """
+    scaled_share(loss, micro_batches, scale).backward()
+
+
+def scaled_share(loss: torch.Tensor, micro_batches: int, scale: float) -> torch.Tensor:
+    """``loss / M`` times the loss scale: what :func:`backward_loss` back-propagates."""
     out = loss / micro_batches
     if scale != 1.0:
         out = out * scale
-    out.backward()
+    return out
 
 
 def unscale_grads(params, scale: float) -> None:

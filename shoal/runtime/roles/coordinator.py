@@ -81,7 +81,7 @@ from shoal.runtime.roles.planning import (
 from shoal.runtime.safety.journal import FINAL, JOURNAL, LINKED, Journal, point_link, run_dir
 from shoal.runtime.safety.standby import decisions_since, planned_standby_stages
 from shoal.train.metrics import JsonlWriter, step_record
-from shoal.train.optim import clip_coefficient, lr_at
+from shoal.train.optim import clip_coefficient, lr_at, total_sq_norm
 from shoal.train.precision import next_loss_scale, overflowed
 
 log = logging.getLogger("shoal.coordinator")
@@ -988,7 +988,10 @@ class Coordinator(pbg.CoordinatorServicer):
     def _decide(self, key: tuple[int, int]) -> None:
         reps = self.reports.pop(key)
         step = key[1]
-        total = sum(r.sq_norm for r in reps.values())
+        if all(r.param_sq_norms for r in reps.values()):  # exact sync: the local trainer's sum, bitwise
+            total = total_sq_norm(x for r in reps.values() for x in r.param_sq_norms)
+        else:
+            total = total_sq_norm(r.sq_norm for r in reps.values())
         ocfg = optim_config(self.spec)
         coef = clip_coefficient(total, ocfg.grad_clip) if math.isfinite(total) else 0.0
         lr = lr_at(step, self.spec.steps, ocfg)

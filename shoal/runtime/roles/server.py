@@ -99,7 +99,7 @@ from shoal.runtime.sync.codecs import (
 from shoal.runtime.sync.local import LocalServerMixin
 from shoal.runtime.transport.frames import decode_grads, off_loop, retry, serialise_weights
 from shoal.runtime.ui.stats import StepTiming
-from shoal.train.optim import apply_update, grad_sq_norm, make_optimizer
+from shoal.train.optim import apply_update, make_optimizer, param_sq_norms, total_sq_norm
 from shoal.train.precision import unscale_grads, wire_dtype
 
 log = logging.getLogger("shoal.server")
@@ -1292,10 +1292,11 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         if t is not None and not t.done():
             await asyncio.wait([t])
 
-    def _sum_pushes(self, pushes: list) -> float:
+    def _sum_pushes(self, pushes: list) -> list[float]:
         """Sum the step's pushes into the parameters' gradients in micro-batch order (``pushes``
         sorted by first micro-batch: the local trainer's sum, bitwise), unscale them (fp16), keep
-        them as the screen's reference; returns their squared norm (runs in a thread)."""
+        them as the screen's reference; returns each parameter's squared norm (exact sync; the
+        coordinator adds every stage's with math.fsum) (runs in a thread)."""
         for p in self.params.values():
             p.grad = None
         for _, grads, *_ in pushes:
@@ -1309,17 +1310,17 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         self.guard_ref = {n: p.grad for n, p in self.params.items() if p.grad is not None}
         # fp16: the pushes hold gradients of the loss times the step's scale.
         unscale_grads(self.params.values(), self.loss_scale)
-        return 0.0 if self.local else grad_sq_norm(self.params.values())
+        return [] if self.local else param_sq_norms(self.params.values())
 
     async def _commit(self, step: int, epoch: int) -> None:
         try:
             mbs = self.steps[step]
             # Summed, unscaled and measured in a thread: a stage's gradients can be hundreds of MB.
-            sq = await asyncio.get_running_loop().run_in_executor(None, self._sum_pushes, sorted(
+            parts = await asyncio.get_running_loop().run_in_executor(None, self._sum_pushes, sorted(
                 self.pushes, key=lambda x: x[0]))
             report = pb.StepReport(member_id=self.member_id, stage=self.stage, step=step, epoch=epoch,
-                                   sq_norm=self._local_sq_norm() if self.local else sq,
-                                   requeues=self.requeues)
+                                   sq_norm=self._local_sq_norm() if self.local else total_sq_norm(parts),
+                                   requeues=self.requeues, param_sq_norms=parts)
             if self.is_last:
                 report.losses.extend(mbs[mb].loss for mb in sorted(mbs))
             for w, n in self.tasks_per_worker.items():
