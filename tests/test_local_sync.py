@@ -289,3 +289,40 @@ def test_move_into_an_emptied_stage_is_not_held(tmp_path):
     assert moved, {n: t[-1500:] for n, t in logs.items()}
     assert not any(f"holds its move to stage {emptied} " in t for t in logs.values()), \
         {n: t[-1500:] for n, t in logs.items()}
+
+
+def test_merge_per_layer_of_differently_split_replicas():
+    """A replica of layers [0, 6) and one split [0, 3) + [3, 6) merge layer by layer, as by hand."""
+    from shoal.model.transformer import build_stage
+    from shoal.net import shoal_pb2 as pb
+    from shoal.runtime.common import model_config
+    from shoal.train.outer import merge_per_layer
+
+    cfg = model_config(pb.RunSpec(model="tiny", seq_len=16))
+    n = cfg.n_total_layers
+    assert n >= 4
+    mid = n // 2
+    torch.manual_seed(0)
+
+    def deltas(first, last):
+        return {k: torch.randn_like(p) for k, p in build_stage(cfg, first, last, init=False).named_parameters()}
+
+    whole, head, tail = deltas(0, n), deltas(0, mid), deltas(mid, n)
+    # the split pipeline's stages: its back stage lost one micro-batch (a recompute it never made)
+    counts = {"whole": 3, "split0": 5, "split1": 4}
+    got = merge_per_layer({"whole": whole, "split0": head, "split1": tail}, counts)
+    assert set(got) == set(whole)
+    for name, d in whole.items():
+        layer = int(name.split(".")[1])
+        other, k = (head[name], 5) if layer < mid else (tail[name], 4)
+        assert layer < mid and name in head or layer >= mid and name in tail
+        hand = d * (3 / (3 + k)) + other * (k / (3 + k))
+        assert torch.allclose(got[name], hand, rtol=0, atol=1e-6), name
+    # a layer only one replica holds is its delta bit for bit; a replica with no micro-batch drops out
+    got = merge_per_layer({"split0": head, "split1": tail, "whole": whole}, {"split0": 5, "split1": 4, "whole": 0})
+    assert all(torch.equal(got[k], head[k]) for k in head) and all(torch.equal(got[k], tail[k]) for k in tail)
+    bad = dict(head)
+    name = next(iter(bad))
+    bad[name] = torch.zeros(3)
+    with pytest.raises(ShoalError, match="cannot merge"):
+        merge_per_layer({"a": head, "b": bad}, {"a": 1, "b": 1})

@@ -92,6 +92,34 @@ def merge_pseudo_grads(deltas: Mapping[str, Mapping[str, torch.Tensor]],
     return out
 
 
+def merge_per_layer(deltas: Mapping[str, Mapping[str, torch.Tensor]],
+                    counts: Mapping[str, int]) -> dict[str, torch.Tensor]:
+    """Merge pseudo-gradients of replicas whose stages split the layers differently.
+
+    ``deltas[replica][name]``: a replica stage's pseudo-gradient per parameter, named as the
+    model names it (``layers.<i>.<...>``: global, the same in every split), ``counts[replica]``
+    the micro-batches it covered. Each parameter is the micro-batch-weighted mean over the
+    replicas that hold it (:func:`merge_pseudo_grads` per parameter), so a replica of layers
+    ``[0, 6)`` and one split ``[0, 3)`` + ``[3, 6)`` merge layer by layer; a parameter only one
+    replica holds is its delta bit for bit. Returns every parameter any replica holds (take a
+    stage's own names from it); a :class:`ShoalError` if two replicas disagree on a shape.
+    """
+    holders: dict[str, dict[str, Mapping[str, torch.Tensor]]] = {}
+    for rid in sorted(deltas):
+        for name, d in deltas[rid].items():
+            first = next(iter(holders.get(name, {}).values()), None)
+            if first is not None and tuple(first[name].shape) != tuple(d.shape):
+                raise ShoalError(f"parameter {name}: replica {rid} holds shape {tuple(d.shape)}, others "
+                                 f"{tuple(first[name].shape)}; replicas of different models cannot merge")
+            holders.setdefault(name, {})[rid] = {name: d}
+    out: dict[str, torch.Tensor] = {}
+    for name, by_replica in holders.items():
+        merged = merge_pseudo_grads(by_replica, counts)
+        if merged is not None:
+            out[name] = merged[name]
+    return out
+
+
 def outer_nesterov_step(params: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor],
                         momentum: dict[str, torch.Tensor], lr: float, mu: float) -> None:
     """One outer Nesterov step in place: ``m = mu m + d``; ``p -= lr (d + mu m)``.

@@ -1,0 +1,204 @@
+"""Sparse pseudo-gradient sync (``--compression sparse``) in the real runtime: bytes and quality.
+
+    PYTHONPATH=. .venv/bin/python bench/bench_sparse_sync.py bytes [--steps 8] [--out DIR]
+    PYTHONPATH=. .venv/bin/python bench/bench_sparse_sync.py sweep [--steps 60] [--runs a,b] [--out DIR]
+
+``bytes``: ``shoal launch`` (``tiny``, S = 2 stages, W = 4 workers, ``--sync local
+--sync-every 4``) uncompressed and with ``--compression sparse`` (and ``sparse:0.01:4``).
+Per worker per round, from the runtime's byte counters (``bytes_by_codec``, every process):
+bytes of one pseudo-gradient push and of one pull of a merge, against the stage's weights in
+dense bf16 (the counters' fp32-equivalent ``raw`` bytes / 2). Pushes: every ``grad_push`` frame;
+pulls: the update frames (``weight_pull/sparse``); the fp32 pulls of each worker's first
+version (the start of every chain) are shown apart, as the share of all pull bytes. The
+messages' other fields (ids, step numbers) are counted as ``control`` and not in these rows.
+
+``sweep``: quality at equal tokens on real text (the built-in corpus), ``tiny``, one stage and
+two workers (two replicas), the same data and seed in every run: exact sync, local mode
+uncompressed and local mode with ``sparse:DENSITY:BITS`` for each H. Prints final loss (mean of
+the last 5 steps) and its ratio to local-uncompressed at the same H and to exact, and writes
+``sparse_sweep_tokens.png`` / loss against tokens and wall time into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("SHOAL_TORCH_THREADS", "1")
+
+BYTES_RUN = dict(model="tiny", micro_batches=8, micro_batch_size=4, seq_len=64, seed=0, lr=3e-3, warmup=2)
+SWEEP_RUN = dict(model="tiny", micro_batches=4, micro_batch_size=4, seq_len=64, seed=0, lr=3e-3, warmup=5)
+
+
+def launch_run(out: Path, steps: int, stages: int, workers: int, base: dict, **sync) -> dict:
+    """One ``shoal launch``; its per-step records and summary."""
+    from shoal.runtime.processes.launch import LaunchConfig, launch
+    from shoal.train.metrics import read_jsonl
+
+    summary = launch(LaunchConfig(out=str(out), **base, steps=steps, stages=stages, workers=workers,
+                                  timeout_s=3000, dead_after_s=8.0, min_lease_s=3.0, ckpt_every=0, dashboard=None,
+                                  **sync))
+    return {"recs": read_jsonl(out / "metrics.jsonl"), "summary": summary}
+
+
+def log_counts(out: Path) -> tuple[int, int]:
+    """(pseudo-gradient pushes taken, pulls of a merge) in the workers' logs."""
+    import re
+
+    pushes = pulls = 0
+    for p in (out / "logs").glob("worker*.log"):
+        text = p.read_text()
+        pushes += len(re.findall(r"sent its pseudo-gradient for v", text))
+        pulls += len([v for v in re.findall(r"pulled merged weights v(\d+)", text) if int(v) > 0])
+    return pushes, pulls
+
+
+def per_round_bytes(summary: dict, out: Path) -> dict[str, float]:
+    """Bytes of one push and one pull of a merge (wire, and the stage in dense bf16) from the
+    run's counters; pushes and pulls counted in the logs."""
+    by = summary["bytes_by_codec"]
+    pushes, pulls = log_counts(out)
+    push = {k: sum(c[k] for c in by.get("grad_push", {}).values()) for k in ("raw", "wire")}
+    wp = by.get("weight_pull", {})
+    sparse = "sparse" in wp
+    # Uncompressed: every pull is the stage in fp32 (the first pulls of version 0 included).
+    upd = wp["sparse"] if sparse else {k: sum(c[k] for c in wp.values()) for k in ("raw", "wire")}
+    n_upd = pulls if sparse else max(1, pulls + len(list((out / "logs").glob("worker*.log"))))
+    return {
+        "pushes": pushes, "push_wire": push["wire"] / max(1, pushes), "push_bf16": push["raw"] / 2 / max(1, pushes),
+        "pulls": pulls, "pull_wire": upd["wire"] / n_upd, "pull_bf16": upd["raw"] / 2 / n_upd,
+        "fp32_pull_bytes": wp.get("raw", {}).get("wire", 0) if sparse else 0,
+    }
+
+
+def bytes_main(args) -> int:
+    out = Path(args.out or tempfile.mkdtemp(prefix="bench_sparse_bytes_"))
+    rows = {"local H=4 none": {}, "local H=4 sparse": dict(compression="sparse"),
+            "local H=4 sparse:0.01:4": dict(compression="sparse:0.01:4")}
+    print(f"tiny, S=2, W=4, --sync local --sync-every 4, {args.steps} steps, loopback; per worker per round\n")
+    print("| run | pushes | B per push (wire) | stage in dense bf16 | bf16 / push | pulls of a merge | B per pull (wire) | "
+          "stage in dense bf16 | bf16 / pull | fp32 pulls of the chain starts, B per worker |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    res = {}
+    for name, extra in rows.items():
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        folder = out / name.replace(" ", "_").replace("=", "").replace(":", "_")
+        r = launch_run(folder, args.steps, 2, 4, BYTES_RUN, sync="local", sync_every=4, **extra)
+        b = per_round_bytes(r["summary"], folder)
+        res[name] = b
+        print(f"| {name} | {b['pushes']} | {b['push_wire']:,.0f} | {b['push_bf16']:,.0f} | "
+              f"{b['push_bf16'] / b['push_wire']:.1f}x | {b['pulls']} | {b['pull_wire']:,.0f} | {b['pull_bf16']:,.0f} | "
+              f"{b['pull_bf16'] / b['pull_wire']:.1f}x | {b['fp32_pull_bytes'] / 4:,.0f} |")
+    (out / "bytes.json").write_text(json.dumps(res, indent=1))
+    return 0
+
+
+def sweep_rows(hs: list[int], codecs: list[str]) -> dict[str, dict]:
+    rows = {"exact": {}}
+    for h in hs:
+        rows[f"local H={h}"] = dict(sync="local", sync_every=h)
+        for c in codecs:
+            rows[f"local H={h} {c}"] = dict(sync="local", sync_every=h, compression=c)
+    return rows
+
+
+def wall_curve(recs: list[dict]) -> list[float]:
+    t, out = 0.0, []
+    for r in recs:
+        t += r["step_time_s"]
+        out.append(t)
+    return out
+
+
+def tail_loss(recs: list[dict], n: int = 5) -> float:
+    return statistics.fmean(r["loss"] for r in recs[-n:])
+
+
+def plot(results: dict[str, dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5))
+    for name, res in results.items():
+        recs = res["recs"]
+        tokens = [sum(r["tokens"] for r in recs[:i + 1]) for i in range(len(recs))]
+        style = "-" if "sparse" not in name else "--"
+        lw = 2.5 if name == "exact" else 1.2
+        a.plot(tokens, [r["loss"] for r in recs], style, label=name, lw=lw)
+        b.plot(wall_curve(recs), [r["loss"] for r in recs], style, label=name, lw=lw)
+    a.set_xlabel("tokens")
+    b.set_xlabel("wall seconds (training, 2 shared cores)")
+    for ax in (a, b):
+        ax.set_ylabel("loss")
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def sweep_main(args) -> int:
+    out = Path(args.out or tempfile.mkdtemp(prefix="bench_sparse_sweep_"))
+    out.mkdir(parents=True, exist_ok=True)
+    rows = sweep_rows([int(h) for h in args.hs.split(",")], args.codecs.split(","))
+    names = args.runs.split(",") if args.runs else list(rows)
+    results = {}
+    done = out / "sweep.json"
+    saved = json.loads(done.read_text()) if done.exists() else {}
+    for name in names:
+        folder = out / name.replace(" ", "_").replace("=", "").replace(":", "_")
+        if name in saved:  # resumable: a run already made is read back
+            from shoal.train.metrics import read_jsonl
+
+            results[name] = {"recs": read_jsonl(folder / "metrics.jsonl")}
+            continue
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        results[name] = launch_run(folder, args.steps, 1, args.workers, SWEEP_RUN, **rows[name])
+        saved[name] = tail_loss(results[name]["recs"])
+        done.write_text(json.dumps(saved, indent=1))
+    ref_exact = tail_loss(results["exact"]["recs"]) if "exact" in results else None
+    tok = sum(r["tokens"] for r in next(iter(results.values()))["recs"])
+    print(f"\ntiny, S=1, W={args.workers}, M={SWEEP_RUN['micro_batches']} x {SWEEP_RUN['micro_batch_size']} x "
+          f"{SWEEP_RUN['seq_len']} tokens, built-in corpus, {args.steps} steps ({tok:,} tokens, equal in every "
+          "run); loss = mean of the last 5 steps\n")
+    print("| run | final loss | / local uncompressed (same H) | / exact | train wall s |")
+    print("|---|---|---|---|---|")
+    for name, res in results.items():
+        fin = tail_loss(res["recs"])
+        h = name.split()[1] if name.startswith("local") else None
+        base = results.get(f"local {h}")
+        rel = f"{fin / tail_loss(base['recs']):.4f}" if base is not None and base is not res else "-"
+        ex = f"{fin / ref_exact:.4f}" if ref_exact else "-"
+        print(f"| {name} | {fin:.4f} | {rel} | {ex} | {wall_curve(res['recs'])[-1]:.0f} |")
+    png = out / "sparse_sweep.png"
+    plot(results, png, f"tiny on the built-in corpus, S=1, W={args.workers}: exact vs local vs local + sparse")
+    print(f"\nplot: {png}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("mode", choices=("bytes", "sweep"))
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (bytes 8, sweep 60)")
+    ap.add_argument("--workers", type=int, default=2, help="sweep: workers (one stage: replicas)")
+    ap.add_argument("--hs", default="4,8", help="sweep: H values")
+    ap.add_argument("--codecs", default="sparse:0.01:2,sparse:0.01:4,sparse:0.03:2", help="sweep: push/pull codecs")
+    ap.add_argument("--runs", default=None, help="sweep: comma-separated rows (default all)")
+    ap.add_argument("--out", default=None, help="folder for the runs (default: a temporary one)")
+    args = ap.parse_args(argv)
+    if args.mode == "bytes":
+        args.steps = args.steps or 8
+        return bytes_main(args)
+    args.steps = args.steps or 60
+    return sweep_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
