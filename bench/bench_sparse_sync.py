@@ -14,9 +14,11 @@ messages' other fields (ids, step numbers) are counted as ``control`` and not in
 
 ``sweep``: quality at equal tokens on real text (the built-in corpus), ``tiny``, one stage and
 two workers (two replicas), the same data and seed in every run: exact sync, local mode
-uncompressed and local mode with ``sparse:DENSITY:BITS`` for each H. Prints final loss (mean of
-the last 5 steps) and its ratio to local-uncompressed at the same H and to exact, and writes
-``sparse_sweep_tokens.png`` / loss against tokens and wall time into ``--out``.
+uncompressed and local mode with each ``--codecs`` entry, for each H (``--hs``) and outer
+setting (``--outer LR/MU``). Prints final loss (mean of the last 10 steps) and its ratio to
+local-uncompressed with the same H and outer setting and to exact, and writes
+``sparse_sweep.png`` (loss against tokens and against wall time) into ``--out``. Runs already
+in ``--out``'s ``sweep.json`` are read back, not run again.
 """
 
 from __future__ import annotations
@@ -99,12 +101,18 @@ def bytes_main(args) -> int:
     return 0
 
 
-def sweep_rows(hs: list[int], codecs: list[str]) -> dict[str, dict]:
+def sweep_rows(hs: list[int], codecs: list[str], outers: list[str]) -> dict[str, dict]:
+    """Row name -> LaunchConfig fields: exact, then per outer setting (``lr/mu``; the default
+    0.7/0.9 unnamed) and H local mode uncompressed and with each codec."""
     rows = {"exact": {}}
-    for h in hs:
-        rows[f"local H={h}"] = dict(sync="local", sync_every=h)
-        for c in codecs:
-            rows[f"local H={h} {c}"] = dict(sync="local", sync_every=h, compression=c)
+    for o in outers:
+        lr, mu = (float(x) for x in o.split("/"))
+        tag = "" if (lr, mu) == (0.7, 0.9) else f" outer {o}"
+        for h in hs:
+            base = dict(sync="local", sync_every=h, outer_lr=lr, outer_momentum=mu)
+            rows[f"local H={h}{tag}"] = base
+            for c in codecs:
+                rows[f"local H={h} {c}{tag}"] = dict(base, compression=c)
     return rows
 
 
@@ -116,7 +124,7 @@ def wall_curve(recs: list[dict]) -> list[float]:
     return out
 
 
-def tail_loss(recs: list[dict], n: int = 5) -> float:
+def tail_loss(recs: list[dict], n: int = 10) -> float:
     return statistics.fmean(r["loss"] for r in recs[-n:])
 
 
@@ -147,7 +155,7 @@ def plot(results: dict[str, dict], path: Path, title: str) -> None:
 def sweep_main(args) -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_sparse_sweep_"))
     out.mkdir(parents=True, exist_ok=True)
-    rows = sweep_rows([int(h) for h in args.hs.split(",")], args.codecs.split(","))
+    rows = sweep_rows([int(h) for h in args.hs.split(",")], args.codecs.split(","), args.outer.split(","))
     names = args.runs.split(",") if args.runs else list(rows)
     results = {}
     done = out / "sweep.json"
@@ -167,13 +175,13 @@ def sweep_main(args) -> int:
     tok = sum(r["tokens"] for r in next(iter(results.values()))["recs"])
     print(f"\ntiny, S=1, W={args.workers}, M={SWEEP_RUN['micro_batches']} x {SWEEP_RUN['micro_batch_size']} x "
           f"{SWEEP_RUN['seq_len']} tokens, built-in corpus, {args.steps} steps ({tok:,} tokens, equal in every "
-          "run); loss = mean of the last 5 steps\n")
+          "run); loss = mean of the last 10 steps (the same batches in every run)\n")
     print("| run | final loss | / local uncompressed (same H) | / exact | train wall s |")
     print("|---|---|---|---|---|")
     for name, res in results.items():
         fin = tail_loss(res["recs"])
-        h = name.split()[1] if name.startswith("local") else None
-        base = results.get(f"local {h}")
+        parts = name.split()
+        base = results.get(" ".join(p for p in parts if not p.startswith("sparse"))) if name.startswith("local") else None
         rel = f"{fin / tail_loss(base['recs']):.4f}" if base is not None and base is not res else "-"
         ex = f"{fin / ref_exact:.4f}" if ref_exact else "-"
         print(f"| {name} | {fin:.4f} | {rel} | {ex} | {wall_curve(res['recs'])[-1]:.0f} |")
@@ -190,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=2, help="sweep: workers (one stage: replicas)")
     ap.add_argument("--hs", default="4,8", help="sweep: H values")
     ap.add_argument("--codecs", default="sparse:0.01:2,sparse:0.01:4,sparse:0.03:2", help="sweep: push/pull codecs")
+    ap.add_argument("--outer", default="0.7/0.9", help="sweep: outer LR/momentum settings, comma-separated")
     ap.add_argument("--runs", default=None, help="sweep: comma-separated rows (default all)")
     ap.add_argument("--out", default=None, help="folder for the runs (default: a temporary one)")
     args = ap.parse_args(argv)
