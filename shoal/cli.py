@@ -36,6 +36,7 @@ COMMAND_OWNERS = {
     "demo": "shoal.demo.cli",
     "train": "shoal.train.cli",
     "generate": "shoal.train.cli",
+    "data": "shoal.data.cli",
     "plan": "shoal.plan.cli",
     "simulate": "shoal.sim.cli",
     "coordinator": "shoal.runtime.processes.cli",

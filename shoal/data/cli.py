@@ -41,4 +41,7 @@ def run_prepare(args: argparse.Namespace) -> int:
     mb = sum(s["bytes"] for s in m["sources"]) / 2**20
     print(f"prepared {args.out}: {len(m['sources'])} files, {mb:.1f} MB, {m['documents']} documents, "
           f"{m['tokens']} tokens in {m['shards']} shards ({m['dtype']}), vocabulary {m['tokenizer']['vocab_size']}")
+    if m.get("repaired"):
+        print(f"{m['repaired']} characters that could not be encoded were replaced with U+FFFD "
+              "(invalid UTF-8 bytes, lone surrogates)")
     return 0

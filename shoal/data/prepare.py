@@ -8,11 +8,14 @@ A prepared data folder holds
   separated by the end-of-text token;
 * ``index.json`` -- the shards in order with their token counts;
 * ``manifest.json`` -- written last, so its presence means the folder is complete: the
-  source files (path, size, SHA-256), tokenizer (origin, SHA-256, vocabulary), dtype and
-  totals.
+  source files (path, size, SHA-256), tokenizer (origin, SHA-256, vocabulary), dtype,
+  totals, and the number of characters replaced with U+FFFD because they could not be
+  encoded (``repaired``).
 
-Memory is bounded by one shard buffer plus one ~1 MB chunk of text, whatever the input
-size. While it runs, ``progress.json`` records after every finished shard where the
+Text is encoded chunk by chunk (:mod:`shoal.data.encode`: the tokenizer's parallel batch
+encoder, memoised for byte-level BPE), so memory is bounded by one shard buffer, one ~1 MB
+chunk of text, the tokenizer and the encoder's bounded memo, whatever the input size; this
+module does not import torch. While it runs, ``progress.json`` records after every finished shard where the
 reading stopped and the tokens read past the last shard (``carry-<k>.bin``); running the
 same command again continues from there and produces byte-identical shards.
 """
@@ -29,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shoal.data.encode import make_encoder
 from shoal.data.sources import Source, file_sha256, read_chunks, resolve_inputs
 from shoal.errors import ShoalError
 
@@ -132,7 +136,7 @@ def _sample_text(sources: list[Source], field: str, limit: int) -> list[str]:
     """The first ``limit`` bytes of text of the input stream (documents in order)."""
     out, size = [], 0
     for src in sources:
-        for pieces, _ in read_chunks(src, {}, field):
+        for pieces, _, _ in read_chunks(src, {}, field):
             for p in pieces:
                 if p:
                     out.append(p)
@@ -180,37 +184,6 @@ def tokenizer_eot_id(tok) -> int:
     return int(eot)
 
 
-def encode_pieces(tok, pieces: list, eot: int) -> np.ndarray:
-    """Token ids of a chunk: texts encoded (batched), each ``None`` becomes the EOT id."""
-    from shoal.data.tokens import _chunks
-
-    parts: list[str] = []
-    layout: list[int] = []  # per piece: number of encoder inputs, or -1 for an EOT
-    for p in pieces:
-        if p is None:
-            layout.append(-1)
-        else:
-            cs = _chunks(p) if len(p) > 4096 else ([p] if p else [])
-            parts.extend(cs)
-            layout.append(len(cs))
-    encs = tok.encode_batch_fast(parts, add_special_tokens=False) if parts else []
-    lists: list = []
-    i = 0
-    for n in layout:
-        if n < 0:
-            lists.append((eot,))
-        else:
-            lists.extend(e.ids for e in encs[i : i + n])
-            i += n
-    total = sum(len(x) for x in lists)
-    out = np.empty(total, dtype=np.int64)
-    pos = 0
-    for x in lists:
-        out[pos : pos + len(x)] = x
-        pos += len(x)
-    return out
-
-
 class _ShardWriter:
     """Cuts the token stream into fixed-size shard files (atomic writes)."""
 
@@ -248,21 +221,44 @@ class _ShardWriter:
 
 
 class _Progress:
+    """Bytes read of the total, tokens written, rate and time left, on stderr."""
+
     def __init__(self, total: int, done: int, quiet: bool):
-        self.bar = None
-        if not quiet:
-            from tqdm import tqdm
+        self.progress = None
+        if quiet:
+            return
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
 
-            self.bar = tqdm(total=total, initial=done, unit="B", unit_scale=True, unit_divisor=1024,
-                            desc="prepare", file=sys.stderr, mininterval=1.0)
+        self.progress = Progress(TextColumn("prepare"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                                 TextColumn("{task.fields[tokens]} tokens"), TextColumn("ETA"), TimeRemainingColumn(),
+                                 console=Console(stderr=True), refresh_per_second=2)
+        self.task = self.progress.add_task("prepare", total=total, completed=done, tokens="0")
+        self.progress.start()
 
-    def update(self, n: int) -> None:
-        if self.bar is not None and n > 0:
-            self.bar.update(n)
+    def update(self, done: int, tokens: int) -> None:
+        """``done`` bytes of the input read so far, ``tokens`` written."""
+        if self.progress is not None:
+            self.progress.update(self.task, completed=done, tokens=_count(tokens))
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        if self.progress is not None:
+            self.progress.stop()
+
+
+def _count(n: int) -> str:
+    """``n`` in a few characters: 987, 12.3k, 4.56M, 1.23G."""
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
 
 
 def _source_records(sources: list[Source]) -> list[dict]:
@@ -313,6 +309,7 @@ def prepare(cfg: PrepareConfig) -> dict:
     vocab = tok.get_vocab_size()
     dtype = storage_dtype(vocab)
     eot = tokenizer_eot_id(tok)
+    encoder = make_encoder(tok, eot)
     carry = np.zeros(0, dtype=dtype)
     if state["shards"] or state["source"] or state["cursor"]:
         carry = np.fromfile(out / f"carry-{state['shards']}.bin", dtype=dtype)
@@ -322,26 +319,31 @@ def prepare(cfg: PrepareConfig) -> dict:
                                                    if state["source"] < len(sources) else 0)
     bar = _Progress(sum(sizes), done_bytes, cfg.quiet)
     docs = int(state.get("docs", 0))
+    repaired = int(state.get("repaired", 0))
+    tokens = writer.shards * cfg.shard_tokens + writer.fill
     try:
         for si in range(int(state["source"]), len(sources)):
             src = sources[si]
             start = state["cursor"] if si == state["source"] else {}
             before = _bytes_done(src, start, sizes[si])
-            for pieces, cursor in read_chunks(src, start, cfg.field):
-                ids = encode_pieces(tok, pieces, eot)
+            for pieces, cursor, bad in read_chunks(src, start, cfg.field):
+                ids = encoder.encode(pieces)
                 docs += sum(1 for p in pieces if p is None)
+                repaired += bad
+                tokens += len(ids)
                 if writer.add(ids):
                     # Carry first, then the state that names it: a crash in between redoes
                     # this chunk, which rewrites the same bytes.
                     _atomic_bytes(out / f"carry-{writer.shards}.bin", writer.carry().tobytes())
                     _atomic_json(progress_path, {"settings": settings, "source": si, "cursor": cursor,
-                                                 "shards": writer.shards, "docs": docs})
+                                                 "shards": writer.shards, "docs": docs, "repaired": repaired})
                     for old in out.glob("carry-*.bin"):
                         if old.name != f"carry-{writer.shards}.bin":
                             old.unlink(missing_ok=True)
                 now = _bytes_done(src, cursor, sizes[si])
-                bar.update(now - before)
+                done_bytes += now - before
                 before = now
+                bar.update(done_bytes, tokens)
         writer.finish()
     finally:
         bar.close()
@@ -355,7 +357,7 @@ def prepare(cfg: PrepareConfig) -> dict:
         "tokenizer": {"origin": cfg.tokenizer if cfg.tokenizer == "train" else str(Path(cfg.tokenizer).resolve()),
                       "sha256": hashlib.sha256(tok_bytes).hexdigest(), "vocab_size": vocab, "eot_id": eot},
         "dtype": dtype.str, "shard_tokens": cfg.shard_tokens, "shards": len(counts), "tokens": sum(counts),
-        "documents": docs,
+        "documents": docs, "repaired": repaired,
         "content_hash": _content_hash(out, counts, tok_bytes),
     }
     _atomic_json(out / MANIFEST_FILE, manifest)

@@ -1,10 +1,12 @@
 """Input files of ``shoal data prepare``: plain text, JSONL and Parquet, read in bounded chunks.
 
-Each reader is a generator of ``(pieces, cursor)``: ``pieces`` is a list of strings and
-``None`` markers (``None`` = end of a document), ``cursor`` the position *after* them, so a
-reader restarted at that cursor yields exactly the chunks that followed. Chunks are about
-:data:`CHUNK_BYTES` of text, which bounds the memory of the whole pipeline whatever the
-size of the input.
+Each reader is a generator of ``(pieces, cursor, repaired)``: ``pieces`` is a list of
+strings and ``None`` markers (``None`` = end of a document), ``cursor`` the position
+*after* them, so a reader restarted at that cursor yields exactly the chunks that followed,
+and ``repaired`` the number of characters in them that could not be encoded and were
+replaced with U+FFFD (invalid UTF-8 bytes; lone surrogates from JSON ``\ud800`` escapes).
+Chunks are about :data:`CHUNK_BYTES` of text, which bounds the memory of the whole pipeline
+whatever the size of the input.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import gzip
 import hashlib
 import io
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,9 +105,35 @@ def _open_binary(path: Path, pos: int) -> io.BufferedIOBase:
     return f
 
 
-def _clean(raw: bytes) -> str:
-    # Undecodable bytes are replaced; Windows line ends become "\n".
-    return raw.decode("utf-8", errors="replace").replace("\r\n", "\n")
+_REPLACEMENT_UTF8 = "\ufffd".encode()
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def decode_utf8(raw: bytes) -> tuple[str, int]:
+    """``raw`` as text with each invalid UTF-8 sequence replaced by U+FFFD, and the number replaced."""
+    try:
+        return raw.decode("utf-8"), 0
+    except UnicodeDecodeError:
+        text = raw.decode("utf-8", errors="replace")
+        # Every U+FFFD beyond those the bytes spelled out is a replacement.
+        return text, text.count("\ufffd") - raw.count(_REPLACEMENT_UTF8)
+
+
+def repair_surrogates(text: str) -> tuple[str, int]:
+    """``text`` with lone surrogates (which UTF-8 cannot encode) replaced by U+FFFD, and their number."""
+    if text.isascii():
+        return text, 0
+    try:
+        text.encode("utf-8")
+        return text, 0
+    except UnicodeEncodeError:
+        return _SURROGATE.subn("\ufffd", text)
+
+
+def _clean(raw: bytes) -> tuple[str, int]:
+    # Undecodable bytes are replaced (and counted); Windows line ends become "\n".
+    text, repaired = decode_utf8(raw)
+    return text.replace("\r\n", "\n"), repaired
 
 
 def _utf8_cut(block: bytes) -> int:
@@ -122,7 +151,7 @@ def _utf8_cut(block: bytes) -> int:
     return cut
 
 
-def read_text_chunks(path: Path, cursor: Cursor) -> Iterator[tuple[list, Cursor]]:
+def read_text_chunks(path: Path, cursor: Cursor) -> Iterator[tuple[list, Cursor, int]]:
     """One document per file, cut after a newline every ~CHUNK_BYTES."""
     pos = int(cursor.get("pos", 0))
     rest = b""  # read but not yet yielded (kept instead of seeking back: gzip seeks are slow)
@@ -130,7 +159,7 @@ def read_text_chunks(path: Path, cursor: Cursor) -> Iterator[tuple[list, Cursor]
         while True:
             block = rest + f.read(CHUNK_BYTES - len(rest))
             if not block:
-                yield [None], {"pos": pos, "line": 0, "done": True}
+                yield [None], {"pos": pos, "line": 0, "done": True}, 0
                 return
             rest = b""
             if len(block) == CHUNK_BYTES:
@@ -138,22 +167,24 @@ def read_text_chunks(path: Path, cursor: Cursor) -> Iterator[tuple[list, Cursor]
                 cut = nl + 1 if nl >= 0 else _utf8_cut(block)
                 block, rest = block[:cut], block[cut:]
             pos += len(block)
-            yield [_clean(block)], {"pos": pos, "line": 0}
+            text, repaired = _clean(block)
+            yield [text], {"pos": pos, "line": 0}, repaired
 
 
-def read_jsonl_chunks(path: Path, cursor: Cursor, field: str) -> Iterator[tuple[list, Cursor]]:
+def read_jsonl_chunks(path: Path, cursor: Cursor, field: str) -> Iterator[tuple[list, Cursor, int]]:
     """One document per JSON line (its ``field``), ~CHUNK_BYTES of lines per chunk."""
     pos, line = int(cursor.get("pos", 0)), int(cursor.get("line", 0))
     with _open_binary(path, pos) as f:
         pieces: list = []
-        size = 0
+        size = repaired = 0
         for raw in f:
             line += 1
             pos += len(raw)
             if not raw.strip():
                 continue
             try:
-                rec = json.loads(raw)
+                text, bad = decode_utf8(raw)
+                rec = json.loads(text)
             except ValueError:
                 raise ShoalError(f"{path}:{line}: not a JSON line; each line of a .jsonl file must be one JSON object") from None
             if not isinstance(rec, dict) or field not in rec:
@@ -161,15 +192,17 @@ def read_jsonl_chunks(path: Path, cursor: Cursor, field: str) -> Iterator[tuple[
             text = rec[field]
             if not isinstance(text, str):
                 raise ShoalError(f"{path}:{line}: field {field!r} is not a string")
+            text, lone = repair_surrogates(text)
+            repaired += bad + lone
             pieces += [text.replace("\r\n", "\n"), None]
             size += len(raw)
             if size >= CHUNK_BYTES:
-                yield pieces, {"pos": pos, "line": line}
-                pieces, size = [], 0
-        yield pieces, {"pos": pos, "line": line, "done": True}
+                yield pieces, {"pos": pos, "line": line}, repaired
+                pieces, size, repaired = [], 0, 0
+        yield pieces, {"pos": pos, "line": line, "done": True}, repaired
 
 
-def read_parquet_chunks(path: Path, cursor: Cursor, field: str) -> Iterator[tuple[list, Cursor]]:
+def read_parquet_chunks(path: Path, cursor: Cursor, field: str) -> Iterator[tuple[list, Cursor, int]]:
     """One document per row (its ``field`` column), in record batches."""
     try:
         import pyarrow.parquet as pq
@@ -199,11 +232,11 @@ def read_parquet_chunks(path: Path, cursor: Cursor, field: str) -> Iterator[tupl
                 raise ShoalError(f"{path}: column {field!r} is not text")
             pieces += [v.replace("\r\n", "\n"), None]
         row = seen
-        yield pieces, {"pos": row, "line": row}
-    yield [], {"pos": row, "line": row, "done": True}
+        yield pieces, {"pos": row, "line": row}, 0  # Arrow strings are valid UTF-8
+    yield [], {"pos": row, "line": row, "done": True}, 0
 
 
-def read_chunks(src: Source, cursor: Cursor, field: str) -> Iterator[tuple[list, Cursor]]:
+def read_chunks(src: Source, cursor: Cursor, field: str) -> Iterator[tuple[list, Cursor, int]]:
     """The chunk reader of ``src``'s kind, started at ``cursor``."""
     if src.kind == "jsonl":
         return read_jsonl_chunks(src.path, cursor, field)

@@ -15,13 +15,16 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from shoal.data.text import corpus_hash, read_corpus
 from shoal.errors import ShoalError
+
+if TYPE_CHECKING:
+    import torch
 
 # Bump when the tokenizer training or the encoding changes: old cache entries are ignored.
 RECIPE_VERSION = 2
@@ -220,6 +223,8 @@ def load_data(cfg: DataConfig, vocab_size: int) -> TokenData:
         return load_prepared(cfg.paths[0], vocab_size, cfg.val_fraction)
     text = read_corpus(cfg.paths)
     text_hash = corpus_hash(text)
+    import torch  # here, not at the top: `shoal data prepare` uses this module without torch
+
     tok, ids, entry = load_tokens(text, vocab_size, cfg.cache_dir, text_hash)
     train, val = split_ids(ids, cfg.val_fraction)
     return TokenData(
