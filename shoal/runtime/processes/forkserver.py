@@ -51,7 +51,7 @@ PRELOAD = ("numpy", "numpy.random", "torch", "torch._dynamo", "torch.fx.experime
            "shoal.runtime.roles.planning", "shoal.runtime.measure", "shoal.runtime.sync.local",
            "shoal.runtime.roles.artifacts", "shoal.runtime.safety.verify", "shoal.emulate.hooks", "shoal.emulate.pacing",
            "shoal.model.config", "shoal.train.optim", "shoal.train.checkpoint", "shoal.train.flags",
-           "shoal.data.prepare", "shoal.net.tls")
+           "shoal.data.prepare", "shoal.data.tokens", "shoal.data.sampler", "shoal.data.shards", "shoal.net.tls")
 MEMBER_MODULE = "shoal.runtime.processes.cli"  # what a forked member runs, as `python -m` would
 MODULES = (MEMBER_MODULE, "shoal.cli")  # the command lines a child may run (each has main(argv) -> int)
 READY_TIMEOUT_S = 180.0  # how long the owner waits for the warm parent's imports (loaded boxes are slow)
