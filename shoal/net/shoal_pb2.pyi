@@ -153,7 +153,7 @@ class JoinReply(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., spec: _Optional[_Union[RunSpec, _Mapping]] = ..., credential: _Optional[str] = ..., run_secret: _Optional[bytes] = ..., role: _Optional[str] = ...) -> None: ...
 
 class MemberRequest(_message.Message):
-    __slots__ = ("member_id", "version", "ckpt_version", "epoch", "counter_id", "traffic", "role", "observed_flops", "observed_tasks", "observed_pull_s", "observed_pull_bytes", "observed_pulls", "stats", "fatal", "guard_bans", "standby_held", "standby_decisions_from", "doing", "alive")
+    __slots__ = ("member_id", "version", "ckpt_version", "epoch", "counter_id", "traffic", "role", "observed_flops", "observed_tasks", "observed_pull_s", "observed_pull_bytes", "observed_pulls", "stats", "fatal", "guard_bans", "standby_held", "standby_decisions_from", "doing", "alive", "ckpt_versions", "guard_unverified")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CKPT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +173,8 @@ class MemberRequest(_message.Message):
     STANDBY_DECISIONS_FROM_FIELD_NUMBER: _ClassVar[int]
     DOING_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
+    CKPT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    GUARD_UNVERIFIED_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     version: int
     ckpt_version: int
@@ -192,7 +194,9 @@ class MemberRequest(_message.Message):
     standby_decisions_from: int
     doing: str
     alive: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, member_id: _Optional[str] = ..., version: _Optional[int] = ..., ckpt_version: _Optional[int] = ..., epoch: _Optional[int] = ..., counter_id: _Optional[str] = ..., traffic: _Optional[_Iterable[_Union[ByteCount, _Mapping]]] = ..., role: _Optional[str] = ..., observed_flops: _Optional[float] = ..., observed_tasks: _Optional[int] = ..., observed_pull_s: _Optional[float] = ..., observed_pull_bytes: _Optional[int] = ..., observed_pulls: _Optional[int] = ..., stats: _Optional[_Union[MemberStats, _Mapping]] = ..., fatal: _Optional[str] = ..., guard_bans: _Optional[_Iterable[_Union[GuardBan, _Mapping]]] = ..., standby_held: _Optional[_Iterable[_Union[StandbyHeld, _Mapping]]] = ..., standby_decisions_from: _Optional[int] = ..., doing: _Optional[str] = ..., alive: _Optional[_Iterable[str]] = ...) -> None: ...
+    ckpt_versions: _containers.RepeatedScalarFieldContainer[int]
+    guard_unverified: _containers.RepeatedCompositeFieldContainer[GuardUnverified]
+    def __init__(self, member_id: _Optional[str] = ..., version: _Optional[int] = ..., ckpt_version: _Optional[int] = ..., epoch: _Optional[int] = ..., counter_id: _Optional[str] = ..., traffic: _Optional[_Iterable[_Union[ByteCount, _Mapping]]] = ..., role: _Optional[str] = ..., observed_flops: _Optional[float] = ..., observed_tasks: _Optional[int] = ..., observed_pull_s: _Optional[float] = ..., observed_pull_bytes: _Optional[int] = ..., observed_pulls: _Optional[int] = ..., stats: _Optional[_Union[MemberStats, _Mapping]] = ..., fatal: _Optional[str] = ..., guard_bans: _Optional[_Iterable[_Union[GuardBan, _Mapping]]] = ..., standby_held: _Optional[_Iterable[_Union[StandbyHeld, _Mapping]]] = ..., standby_decisions_from: _Optional[int] = ..., doing: _Optional[str] = ..., alive: _Optional[_Iterable[str]] = ..., ckpt_versions: _Optional[_Iterable[int]] = ..., guard_unverified: _Optional[_Iterable[_Union[GuardUnverified, _Mapping]]] = ...) -> None: ...
 
 class StandbyHeld(_message.Message):
     __slots__ = ("stage", "version")
@@ -203,16 +207,26 @@ class StandbyHeld(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class GuardBan(_message.Message):
-    __slots__ = ("worker", "reason", "stage", "step")
+    __slots__ = ("worker", "reason", "stage", "step", "undo_from")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    UNDO_FROM_FIELD_NUMBER: _ClassVar[int]
     worker: str
     reason: str
     stage: int
     step: int
-    def __init__(self, worker: _Optional[str] = ..., reason: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+    undo_from: int
+    def __init__(self, worker: _Optional[str] = ..., reason: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., undo_from: _Optional[int] = ...) -> None: ...
+
+class GuardUnverified(_message.Message):
+    __slots__ = ("worker", "step")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    step: int
+    def __init__(self, worker: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class MemberStats(_message.Message):
     __slots__ = ("stage", "tasks_done", "compute_s", "step", "pool_todo", "pool_waiting", "leases", "workers", "last_step", "standby_logging", "standby_lagging")
@@ -317,7 +331,7 @@ class ByteCount(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., codec: _Optional[str] = ..., raw: _Optional[int] = ..., wire: _Optional[int] = ..., messages: _Optional[int] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("known", "stage", "first", "last", "servers", "ready", "epoch", "restart_version", "done", "measure", "move_now", "guard_banned", "standby_for", "standby_first", "standby_last", "standby_source", "standby_decisions", "standby_peers", "forgotten")
+    __slots__ = ("known", "stage", "first", "last", "servers", "ready", "epoch", "restart_version", "done", "measure", "move_now", "guard_banned", "guard_keep", "standby_for", "standby_first", "standby_last", "standby_source", "standby_decisions", "standby_peers", "forgotten")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     FIRST_FIELD_NUMBER: _ClassVar[int]
@@ -330,6 +344,7 @@ class Assignment(_message.Message):
     MEASURE_FIELD_NUMBER: _ClassVar[int]
     MOVE_NOW_FIELD_NUMBER: _ClassVar[int]
     GUARD_BANNED_FIELD_NUMBER: _ClassVar[int]
+    GUARD_KEEP_FIELD_NUMBER: _ClassVar[int]
     STANDBY_FOR_FIELD_NUMBER: _ClassVar[int]
     STANDBY_FIRST_FIELD_NUMBER: _ClassVar[int]
     STANDBY_LAST_FIELD_NUMBER: _ClassVar[int]
@@ -349,6 +364,7 @@ class Assignment(_message.Message):
     measure: int
     move_now: bool
     guard_banned: str
+    guard_keep: int
     standby_for: int
     standby_first: int
     standby_last: int
@@ -356,7 +372,7 @@ class Assignment(_message.Message):
     standby_decisions: _containers.RepeatedCompositeFieldContainer[StandbyDecision]
     standby_peers: _containers.RepeatedScalarFieldContainer[str]
     forgotten: str
-    def __init__(self, known: _Optional[bool] = ..., stage: _Optional[int] = ..., first: _Optional[int] = ..., last: _Optional[int] = ..., servers: _Optional[_Iterable[str]] = ..., ready: _Optional[bool] = ..., epoch: _Optional[int] = ..., restart_version: _Optional[int] = ..., done: _Optional[bool] = ..., measure: _Optional[int] = ..., move_now: _Optional[bool] = ..., guard_banned: _Optional[str] = ..., standby_for: _Optional[int] = ..., standby_first: _Optional[int] = ..., standby_last: _Optional[int] = ..., standby_source: _Optional[str] = ..., standby_decisions: _Optional[_Iterable[_Union[StandbyDecision, _Mapping]]] = ..., standby_peers: _Optional[_Iterable[str]] = ..., forgotten: _Optional[str] = ...) -> None: ...
+    def __init__(self, known: _Optional[bool] = ..., stage: _Optional[int] = ..., first: _Optional[int] = ..., last: _Optional[int] = ..., servers: _Optional[_Iterable[str]] = ..., ready: _Optional[bool] = ..., epoch: _Optional[int] = ..., restart_version: _Optional[int] = ..., done: _Optional[bool] = ..., measure: _Optional[int] = ..., move_now: _Optional[bool] = ..., guard_banned: _Optional[str] = ..., guard_keep: _Optional[int] = ..., standby_for: _Optional[int] = ..., standby_first: _Optional[int] = ..., standby_last: _Optional[int] = ..., standby_source: _Optional[str] = ..., standby_decisions: _Optional[_Iterable[_Union[StandbyDecision, _Mapping]]] = ..., standby_peers: _Optional[_Iterable[str]] = ..., forgotten: _Optional[str] = ...) -> None: ...
 
 class StandbyDecision(_message.Message):
     __slots__ = ("epoch", "step", "lr", "coef", "skip", "next_loss_scale")

@@ -365,8 +365,10 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
 
 def save_stage_ckpt(root: str | Path, stage: int, version: int, module: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, *, run_id: str, layers: tuple[int, int],
-                    keep: int = 4, loss_scale: float = 1.0, outer_m: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write weights + AdamW state of a stage at ``version``, keep this run's last few.
+                    keep: int = 4, loss_scale: float = 1.0, outer_m: dict[str, torch.Tensor] | None = None,
+                    keep_at: int | None = None) -> Path:
+    """Write weights + AdamW state of a stage at ``version``, keep this run's last few
+    (and the newest at or before ``keep_at``: the version a ban may roll back to).
 
     ``outer_m``: local mode's outer Nesterov momentum per parameter name (stored as
     ``outer_m/<name>``, restored by :func:`load_stage_ckpt`).
@@ -408,18 +410,25 @@ def save_stage_ckpt(root: str | Path, stage: int, version: int, module: torch.nn
             tmp.unlink(missing_ok=True)
         raise ShoalError(f"cannot write the stage {stage} checkpoint in {d}: {_os_reason(exc)}; "
                          f"free space or give a writable --ckpt-dir") from None
-    for old in ckpts_to_prune(list_ckpts(root, stage, run_id), version, keep):
+    for old in ckpts_to_prune(list_ckpts(root, stage, run_id), version, keep, keep_at):
         (d / f"v{old}.safetensors").unlink(missing_ok=True)
     return path
 
 
-def ckpts_to_prune(versions: list[int], written: int, keep: int) -> list[int]:
+def ckpts_to_prune(versions: list[int], written: int, keep: int, keep_at: int | None = None) -> list[int]:
     """Versions to delete after writing ``written``: those older than the ``keep`` newest
     up to ``written``. Never ``written`` itself nor a newer file: a stage that rolled back
     (or a shared folder another server wrote further ahead) must not lose the file it has
-    just written (:func:`abandoned_ckpts` removes the newer ones at the roll-back)."""
+    just written (:func:`abandoned_ckpts` removes the newer ones at the roll-back). Nor the
+    newest version at or before ``keep_at`` (None: none): a ban's roll-back may need it
+    (docs/faults.md, "A ban undoes its work")."""
     upto = sorted(v for v in versions if v <= written)
-    return upto[:-keep] if keep > 0 else upto[:-1]
+    gone = upto[:-keep] if keep > 0 else upto[:-1]
+    if keep_at is not None:
+        pinned = [v for v in versions if v <= keep_at]
+        if pinned:
+            gone = [v for v in gone if v != max(pinned)]
+    return gone
 
 
 def abandoned_ckpts(versions: list[int], restart: int) -> list[int]:

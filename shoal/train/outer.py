@@ -78,7 +78,13 @@ def merge_pseudo_grads(deltas: Mapping[str, Mapping[str, torch.Tensor]],
     the micro-batches it covered in the round. Contributors are added in name order so
     every server computes the same bits.
     """
-    weights = merge_weights({k: counts.get(k, 0) for k in deltas})
+    return weighted_sum(deltas, merge_weights({k: counts.get(k, 0) for k in deltas}))
+
+
+def weighted_sum(deltas: Mapping[str, Mapping[str, torch.Tensor]],
+                 weights: Mapping[str, float]) -> dict[str, torch.Tensor] | None:
+    """``sum_w weights[w] * deltas[w]`` per parameter, contributors in ``weights``' order
+    (:func:`merge_weights`: name order), a weight of 1.0 as a plain copy (None: no weights)."""
     if not weights:
         return None
     out: dict[str, torch.Tensor] = {}

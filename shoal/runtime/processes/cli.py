@@ -99,8 +99,9 @@ def _run_args(p: argparse.ArgumentParser, launch: bool = False) -> None:
                    help="MB per chunk of streamed weight pulls, gradient pushes, results and relays "
                         "(default 1; members may override it)")
     p.add_argument("--spot-check", type=float, default=0.05, metavar="F",
-                   help="fraction of gradient pushes a stage server recomputes to catch poisoned work "
-                        "(exact fp32 runs; a seeded draw; 0: only flagged and first pushes)")
+                   help="least fraction of gradient pushes a stage server recomputes to catch poisoned work "
+                        "(exact fp32 runs; new workers and workers with flagged pushes are checked more, the "
+                        "last step whole; 0: only flagged and first pushes)")
 
 
 _ADVERTISE_HELP = ("HOST:PORT other machines dial to reach this process (needed with --listen 0.0.0.0:PORT "
@@ -169,6 +170,11 @@ def register(subparsers) -> None:
     p.add_argument("--slow", type=float, default=0.0, help="extra seconds per task (tests, demos)")
     p.add_argument("--fault-poison", type=float, default=1.0, metavar="SCALE",
                    help="fault injection: push the true gradients times SCALE (a dishonest worker; 1: honest)")
+    p.add_argument("--fault-poison-kind", choices=("scale", "noise", "bias"), default="scale",
+                   help="fault injection: scale (gradients times SCALE), noise (Gaussian noise of SCALE times "
+                        "their norm instead) or bias (plus SCALE times their per-element RMS along a fixed sign vector)")
+    p.add_argument("--fault-poison-from", type=int, default=0, metavar="STEP",
+                   help="fault injection: poison the pushes of STEP and later only (honest before)")
     p.add_argument("--fault-slow", type=float, default=1.0, metavar="FACTOR",
                    help="fault injection: take FACTOR times the compute time of every task")
     p.add_argument("--no-error-feedback", action="store_true",
@@ -507,6 +513,8 @@ def run_worker_cmd(args) -> int:
     work(args.join, _token(args), WorkerOptions(name=args.name, flops=args.flops, inject=args.inject,
                                                 codec=args.codec, slow_s=args.slow,
                                                 fault_poison=args.fault_poison, fault_slow=args.fault_slow,
+                                                fault_poison_kind=args.fault_poison_kind,
+                                                fault_poison_from=args.fault_poison_from,
                                                 graph_cache=not args.no_graph_cache, prefetch=args.prefetch,
                                                 error_feedback=not args.no_error_feedback,
                                                 device=_played_device(args), **_measure_opts(args),

@@ -543,7 +543,7 @@ class Swarm:
         return swarm_status(self.address, self.token, tls=self.tls)
 
     def committed_steps(self) -> int:
-        return len(read_jsonl(self.out / "metrics.jsonl"))
+        return len({r["step"] for r in read_jsonl(self.out / "metrics.jsonl")})  # a ban's undo redoes steps
 
     def wait(self, timeout_s: float | None = None) -> dict:
         """Wait for the coordinator to finish; return the run summary."""

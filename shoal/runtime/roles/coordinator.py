@@ -78,6 +78,7 @@ from shoal.runtime.roles.planning import (
     planning_scenario,
     played_device,
 )
+from shoal.runtime.safety.guard import keep_version, undo_target
 from shoal.runtime.safety.journal import FINAL, JOURNAL, LINKED, Journal, point_link, run_dir
 from shoal.runtime.safety.standby import decisions_since, planned_standby_stages
 from shoal.train.metrics import JsonlWriter, step_record
@@ -117,6 +118,7 @@ class Member:
     doing: str = ""  # what it said it was doing in its newest heartbeat (death reports)
     last_sign: str = "join"  # its newest sign of life: "heartbeat", or traffic a stage server saw
     death: str = ""  # once dropped: one line why (told to it if it calls again)
+    ckpt_versions: list[int] = field(default_factory=list)  # server: every checkpoint version of its stage it holds
 
 
 def plan_stages(n_total_layers: int, stages: int) -> list[tuple[int, int]]:
@@ -167,6 +169,11 @@ class Coordinator(pbg.CoordinatorServicer):
         self.epoch = 0
         self.restart_version = 0
         self.pending_restore = False
+        # A ban's roll-back: the restart version may be at most this (None: an ordinary roll-back).
+        self.undo_cap: int | None = None
+        # Worker member id -> the first committed step holding an unverified push of it at any
+        # stage (from the servers' heartbeats; kept here so a replaced server's record survives).
+        self.unverified: dict[str, int] = {}
         self.committed = 0  # steps committed
         self.reports: dict[tuple[int, int], dict[int, pb.StepReport]] = {}
         self.decisions: dict[tuple[int, int], pb.StepDecision] = {}
@@ -742,6 +749,11 @@ class Coordinator(pbg.CoordinatorServicer):
             m.stats.CopyFrom(request.stats)
         if request.fatal:
             self.fail(request.fatal)
+        if m.role == "server":
+            m.ckpt_versions = list(request.ckpt_versions)
+            if request.epoch == self.epoch and not self.pending_restore:  # not a record the roll-back dropped
+                for u in request.guard_unverified:
+                    self.unverified[u.worker] = min(int(u.step), self.unverified.get(u.worker, int(u.step)))
         for ban in request.guard_bans:
             self._guard_ban(ban, m)
         if m.role == "server":
@@ -768,6 +780,8 @@ class Coordinator(pbg.CoordinatorServicer):
             a.first, a.last = self.layers[stage]
             if m.role == "server":
                 a.standby_peers.extend(self._standby_peers(stage))
+                keep = keep_version([self.unverified], set(self.guard_banned))
+                a.guard_keep = 0 if keep is None else keep + 1
             elif m.stats is not None and m.stats.stage != stage:  # a move under way: look at the others
                 a.move_now = move_is_urgent(stage, m.member_id, self._stages_at_work())
         elif m.role == "server" and self.layers:
@@ -810,9 +824,25 @@ class Coordinator(pbg.CoordinatorServicer):
                   ban.reason)
         self.event("ban", device=name, role="worker", stage=ban.stage, step=ban.step, by=server.name,
                    why=ban.reason)
+        self._undo(ban, name)
         m = self.members.pop(ban.worker, None)
         if m is not None:
             self._drop(m, "banned")
+
+    def _undo(self, ban: pb.GuardBan, name: str) -> None:
+        """Roll the whole run back past the banned worker's unverified pushes (docs/faults.md,
+        "A ban undoes its work"): to the newest version none of them reached, at every stage,
+        since later steps of every stage were computed from the weights they changed."""
+        firsts = [ban.undo_from - 1] if ban.undo_from > 0 else []
+        firsts += [self.unverified[ban.worker]] if ban.worker in self.unverified else []
+        if not firsts or min(firsts) >= self.committed:
+            return  # every committed push of it was recomputed: nothing to undo
+        cap = min(firsts)
+        self.undo_cap = cap if self.undo_cap is None else min(self.undo_cap, cap)
+        log.error("undoing worker %s's unverified pushes: every stage rolls back to v%d at most (committed: %d)",
+                  name, self.undo_cap, self.committed)
+        self.event("undo", device=name, version=self.undo_cap, committed=self.committed)
+        self.pending_restore = True
 
     def _maybe_restore(self) -> None:
         """Once every stage has a server that reported its checkpoints, roll back."""
@@ -822,12 +852,21 @@ class Coordinator(pbg.CoordinatorServicer):
         if any(s.ckpt_version < 0 for s in servers):
             return
         target = min(s.ckpt_version for s in servers)
+        undo = self.undo_cap is not None
+        if undo:
+            target = min(target, undo_target(self.undo_cap, [s.ckpt_versions for s in servers]))
+            self.undo_cap = None
+            # The undone steps are committed again: their records are the redone ones.
+            self.written_steps = {k for k in self.written_steps if k < target}
+            self.history = [r for r in self.history if int(r["step"]) < target]
         self.epoch += 1
         self.restart_version = target
         self.pending_restore = False
         self.reports.clear()
-        self._journal("epoch", epoch=self.epoch, version=target)
-        self.event("rollback", epoch=self.epoch, version=target, committed=self.committed)
+        self.unverified = {w: s for w, s in self.unverified.items() if s < target}  # later steps are redone
+        self._journal("epoch", epoch=self.epoch, version=target, **({"undo": True} if undo else {}))
+        self.event("rollback", epoch=self.epoch, version=target, committed=self.committed,
+                   **({"why": "undo"} if undo else {}))
         self.committed = target
         self.last_commit_t = time.time()
         if self.committed >= self.spec.steps:

@@ -81,6 +81,7 @@ from shoal.runtime.common import (
 from shoal.runtime.pool.pool import Lease, MbState, TodoPool, WorkerInfo, pick_order, yield_to_idle
 from shoal.runtime.safety.guard import DEFAULT as GUARD
 from shoal.runtime.safety.guard import (
+    SPOT_RATE_ENV,
     ban_reason,
     low_only,
     needs_verify,
@@ -88,6 +89,8 @@ from shoal.runtime.safety.guard import (
     rel_error,
     robust_centre,
     screen,
+    undo_version,
+    verify_rate,
 )
 from shoal.runtime.safety.standby import StandbyMixin, kill_at_commit
 from shoal.runtime.sync.codecs import (
@@ -182,6 +185,15 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         self.guard_ref: dict[str, torch.Tensor] | None = None  # the last committed gradient (direction)
         self._guard_ref_norm: tuple[dict, float] | None = None  # (guard_ref, its norm): computed once per reference
         self.guard_checks = 0  # pushes recomputed here
+        self.guard_ok: dict[str, int] = {}  # worker -> its pushes whose recomputation matched (its record)
+        self.guard_flags: dict[str, int] = {}  # worker -> its pushes the screen flagged (even if cleared)
+        # worker -> the first committed step holding a push of it that was never recomputed (exact
+        # runs), or the first of its current run of flagged pushes (others): a ban rolls back to it.
+        self.guard_unverified: dict[str, int] = {}
+        self.step_unverified: set[str] = set()  # workers with an unverified push counted in this step
+        # Spot-check draws also hash this server's own secret: a worker cannot predict them.
+        self.guard_salt = os.urandom(8).hex()
+        self.guard_keep: int | None = None  # the oldest version a ban may roll back to (from the coordinator)
         self.guard_cfg = GUARD  # the screen's thresholds (shoal.runtime.safety.guard.GuardConfig)
         self.standby = False  # a hot standby: copies a stage's checkpoints until promoted
         self.standby_copying = False  # a checkpoint copy is under way
@@ -244,6 +256,8 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         self.params = dict(module.named_parameters())
         self.version = version
         self.step = version
+        # Steps from ``version`` on are redone: only unverified pushes baked into it remain.
+        self.guard_unverified = {w: s for w, s in self.guard_unverified.items() if s < version}
         self._local_reset(version)
         if self.local:
             self.outer_m = outer_m  # local mode: the outer momentum saved with the version
@@ -287,6 +301,7 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         self.progress_t = time.monotonic()
         self.stall_warned = False
         self.pushed = {k for k in self.pushed if k[2] >= step - 1}
+        self.step_unverified = set()
 
     @property
     def flush_grace_s(self) -> float:
@@ -357,6 +372,12 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
                 self.ckpt_ok.add(key)
             return v
         return 0
+
+    def _ckpt_versions(self) -> list[int]:
+        """Every checkpoint version of our stage on disk (a ban's roll-back picks among them)."""
+        if self.stage < 0 or self.loading or self.spec is None:
+            return []
+        return list_ckpts(self.ckpt_root, self.stage, self.spec.run_id)
 
     def _held(self) -> list[pb.StandbyHeld]:
         """Without a stage: the newest checkpoint of each stage in our folder (the coordinator
@@ -463,7 +484,12 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
                 traffic=self.traffic.snapshot(), stats=self.stats_snapshot(), fatal=self.fatal,
                 guard_bans=self.guard_bans, standby_held=self._held(),
                 standby_decisions_from=self.standby_decisions_from(), alive=alive,
-                doing=self.describe_wait() if self.stage >= 0 else "waiting for a stage"), timeout=5)
+                doing=self.describe_wait() if self.stage >= 0 else "waiting for a stage",
+                ckpt_versions=self._ckpt_versions(),
+                # (a stage being loaded for a roll-back reports none: its record is pruned at the load)
+                guard_unverified=[pb.GuardUnverified(worker=w, step=s) for w, s in sorted(self.guard_unverified.items())
+                                  if s < self.version]),
+                timeout=5)
         except grpc.aio.AioRpcError as exc:
             log.warning("heartbeat failed: %s", exc.code())
             return
@@ -491,6 +517,7 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
             self.measure_done = 0
             return
         self.servers = list(a.servers)
+        self.guard_keep = a.guard_keep - 1 if a.guard_keep > 0 else None
         self.standby_heard(a)
         if self.on_servers is not None:
             self.on_servers(self.servers)
@@ -910,7 +937,14 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         exact = (run_precision(self.spec) == "fp32" and all(g.codec in ("", "raw") for g in r.grads)
                  and compression_of_spec(self.spec).pull == "none")
         first = r.worker not in self.guard_seen
-        spot = push_spot_checked(self.spec.seed, self.spec.run_id, self.stage, r.step, ids, self.spec.guard_spot_check)
+        # Adaptive spot checks: new workers and workers with flags in their record are drawn
+        # more often (guard.verify_rate); the run's last step is recomputed whole.
+        forced = os.environ.get(SPOT_RATE_ENV)
+        rate = verify_rate(self.guard_ok.get(r.worker, 0), self.guard_flags.get(r.worker, 0),
+                           self.spec.guard_spot_check, self.guard_cfg, float(forced) if forced else None)
+        last = self.guard_cfg.verify_last_step and r.step == self.spec.steps - 1 and self.spec.guard_spot_check > 0
+        spot = last or push_spot_checked(self.spec.seed, f"{self.spec.run_id}/{self.guard_salt}", self.stage, r.step,
+                                         ids, rate)
         err = None
         if needs_verify(flag, first, spot, exact, self.guard_cfg) and r.step == self.step and self.version == r.step:
             self.guard_checks += 1
@@ -922,20 +956,37 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
                     err = await loop.run_in_executor(None, self._guard_recompute, r.step, inputs, grads)
         if err is not None:
             log.info("%s: recomputed the push of %s (step %d mbs %s%s): relative error %.3g", self.name,
-                     r.worker, r.step, ids, ", its first" if first else ", flagged" if flag else ", spot check", err)
+                     r.worker, r.step, ids, ", its first" if first else ", flagged" if flag else
+                     f", spot check at rate {rate:.2f}", err)
         # Consecutive flagged pushes (an unflagged one clears them): one odd micro-batch never adds up.
         # A push flagged only as small is no strike (guard.low_only).
         small = bool(flag) and low_only(norm, cosine, centre, self.guard_cfg)
-        self.guard_strikes[r.worker] = self.guard_strikes.get(r.worker, 0) + 1 if flag and not small else 0
+        strike = bool(flag) and not small
+        self.guard_strikes[r.worker] = self.guard_strikes.get(r.worker, 0) + 1 if strike else 0
         if flag:
-            log.warning("%s: push of %s (step %d mbs %s) flagged: %s; %s", self.name, r.worker, r.step, ids, flag,
-                        f"recomputed: relative error {err:.3g}" if err is not None else "not recomputed")
+            self.guard_flags[r.worker] = self.guard_flags.get(r.worker, 0) + 1
+            # A flag its recomputation clears is a suspicion resolved (honest micro-batches do
+            # this): logged at INFO. Only a flag that stands is a WARNING.
+            cleared = err is not None and ban_reason("", err, 0, self.guard_cfg) == ""
+            log.log(logging.INFO if cleared or small else logging.WARNING,
+                    "%s: push of %s (step %d mbs %s) flagged: %s; %s", self.name, r.worker, r.step, ids, flag,
+                    f"recomputed: relative error {err:.3g}" if err is not None else "not recomputed")
         # Exact runs ban only on a failed recomputation, never on flags alone.
         reason = ban_reason(flag, err, 0 if exact else self.guard_strikes.get(r.worker, 0), self.guard_cfg)
         if reason:
             async with self.cond:  # _guard_ban wakes the waiters: notify needs the lock
                 self._guard_ban(r.worker, r.step, reason)
             return reason
+        if err is not None:
+            self.guard_ok[r.worker] = self.guard_ok.get(r.worker, 0) + 1
+        if exact:
+            if err is None:
+                self.step_unverified.add(r.worker)  # a ban of it later rolls back past this step
+        elif strike:
+            self.step_unverified.add(r.worker)  # a ban needs a run of strikes: it undoes that run
+        else:
+            self.guard_unverified.pop(r.worker, None)  # a run of strikes ended: forgiven
+            self.step_unverified.discard(r.worker)
         if err is not None or not exact:
             self.guard_seen.add(r.worker)  # else its first push is still to be recomputed
         if not flag or err is not None or small:
@@ -956,8 +1007,14 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
                 self.todo.add(self.step, "grad", mb)
                 self.requeues += 1
         self.pushed = {k for k in self.pushed if k[0] != wid}
+        self.step_unverified.discard(wid)
         self._void_worker(wid, f"banned: {reason}")
-        self.guard_bans.append(pb.GuardBan(worker=wid, reason=reason, stage=self.stage, step=step))
+        undo = undo_version(self.guard_unverified, wid)
+        if undo is not None:
+            log.error("%s: worker %s has unverified pushes committed since step %d: the run rolls back to v%d",
+                      self.name, wid, undo, undo)
+        self.guard_bans.append(pb.GuardBan(worker=wid, reason=reason, stage=self.stage, step=step,
+                                           undo_from=0 if undo is None else undo + 1))
         self.cond.notify_all()
 
     async def Renew(self, request, context):
@@ -1264,7 +1321,7 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         """
         stage, version, module, opt, epoch = self.stage, self.version, self.module, self.opt, self.epoch
         kw = dict(run_id=self.spec.run_id, layers=(self.first, self.last), loss_scale=self.loss_scale,
-                  outer_m=self.outer_m if self.local else None)
+                  outer_m=self.outer_m if self.local else None, keep_at=self.guard_keep)
 
         async def write() -> None:
             try:
@@ -1318,6 +1375,9 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
             # Summed, unscaled and measured in a thread: a stage's gradients can be hundreds of MB.
             parts = await asyncio.get_running_loop().run_in_executor(None, self._sum_pushes, sorted(
                 self.pushes, key=lambda x: x[0]))
+            # Unverified pushes in this step: a later ban of their worker rolls back to version ``step``.
+            for wid in sorted({p[2] for p in self.pushes} & self.step_unverified):
+                self.guard_unverified.setdefault(wid, step)
             report = pb.StepReport(member_id=self.member_id, stage=self.stage, step=step, epoch=epoch,
                                    sq_norm=self._local_sq_norm() if self.local else total_sq_norm(parts),
                                    requeues=self.requeues, param_sq_norms=parts)

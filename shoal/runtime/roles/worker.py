@@ -42,6 +42,7 @@ from shoal.runtime.common import (
     set_threads,
     split_window,
 )
+from shoal.runtime.safety.faults import poison, poisons
 from shoal.runtime.sync.codecs import apply_pull, compression_of_spec
 from shoal.runtime.sync.local import LocalWorkerMixin
 from shoal.runtime.transport.frames import off_loop, retry
@@ -84,6 +85,8 @@ class WorkerOptions:
     torch_device: str = "auto"  # --device: where this worker computes (auto, cpu, cuda, cuda:N)
     precision: str | None = None  # --precision: refuse to work in a run of another precision (None: any)
     fault_poison: float = 1.0  # fault injection: push the true gradients times this (1: honest)
+    fault_poison_kind: str = "scale"  # fault injection: scale, noise or bias (shoal.runtime.safety.faults.poison)
+    fault_poison_from: int = 0  # fault injection: the first step whose pushes are poisoned (honest before)
     fault_slow: float = 1.0  # fault injection: every task takes this many times its compute time
     join_timeout_s: float = 30.0  # --join-timeout: seconds to keep retrying an unreachable coordinator at start
     uploads_in_flight: int = 2  # results sent in the background while the next task runs (0: await each)
@@ -546,8 +549,8 @@ class Worker(LocalWorkerMixin):
         msg = pb.GradPush(worker=self.member_id, step=step, epoch=epoch, gen=gen, mbs=mbs)
         frames = []
         for name, g in grads.items():
-            if self.opts.fault_poison != 1.0:
-                g = g * self.opts.fault_poison  # fault injection: a dishonest worker
+            if poisons(self.opts.fault_poison_kind, self.opts.fault_poison, self.opts.fault_poison_from, step):
+                g = poison(g, name, step, self.opts.fault_poison_kind, self.opts.fault_poison)  # a dishonest worker
             if "nan_grad" in self.inject:
                 self.inject.discard("nan_grad")
                 g = g.clone()

@@ -7,7 +7,11 @@ Grammar (one fault per ``--fault``; workers are named ``w0``, ``w1``, ... and se
   the last worker started).
 * ``kill:server[:sN]:step=N`` -- kill -9 the server once N steps are committed and start
   a replacement on the same checkpoint folder (default: the server of the last stage).
-* ``poison:wN:scale=F`` -- that worker pushes its true gradients times F.
+* ``poison:wN:scale=F[:kind=K][:from=S]`` -- that worker pushes poisoned gradients from
+  step S on (default 0; honest before): ``kind=scale`` (default) its true gradients times F,
+  ``kind=noise`` Gaussian noise of F times their norm instead (F default 1), ``kind=bias``
+  its true gradients plus F (default 0.5) times their per-element RMS along a sign vector
+  fixed for the run (a consistent small bias).
 * ``slow:wN:factor=F`` -- that worker takes F times its compute time for every task.
 * ``flap:wN:period=S:down=S:for=S`` -- that worker reaches the stage servers through a
   link that resets every connection for ``down`` seconds every ``period`` seconds, for
@@ -24,6 +28,7 @@ checks a list of faults against the swarm's size.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from dataclasses import dataclass
@@ -31,7 +36,8 @@ from pathlib import Path
 
 from shoal.errors import ShoalError
 
-GRAMMAR = ("kill:worker|server[:NAME]:step=N, kill:coordinator:step=N, poison:wN:scale=F, "
+GRAMMAR = ("kill:worker|server[:NAME]:step=N, kill:coordinator:step=N, poison:wN:scale=F[:kind=scale|noise|bias]"
+           "[:from=STEP], "
            "slow:wN:factor=F, "
            "flap:wN:period=S:down=S:for=S, corrupt-ckpt:STAGE[:step=N]")
 
@@ -45,12 +51,17 @@ class KillFault:
     step: int  # steps committed when it is killed
 
 
+POISON_KINDS = ("scale", "noise", "bias")
+
+
 @dataclass(frozen=True)
 class PoisonFault:
-    """A dishonest worker: pushes its true gradients times ``scale``."""
+    """A dishonest worker: pushes poisoned gradients from step ``start`` on (:func:`poison`)."""
 
     worker: str  # "wN"
-    scale: float  # gradient multiplier (1: honest)
+    scale: float  # scale: gradient multiplier; noise: noise norm / true norm; bias: bias / per-element RMS
+    kind: str = "scale"  # one of POISON_KINDS
+    start: int = 0  # first step whose pushes are poisoned (honest before)
 
 
 @dataclass(frozen=True)
@@ -137,13 +148,22 @@ def parse_fault(spec: str) -> Fault:
         if opts["step"] < 0:
             raise ShoalError(f"--fault {spec!r}: step= must be >= 0")
         return KillFault(role, name, opts["step"])
-    if kind in ("poison", "slow"):
+    if kind == "poison":
         worker = _worker(spec, rest)
-        key = "scale" if kind == "poison" else "factor"
-        opts = _options(spec, rest[1:], {key: float})
-        _need(spec, opts, key)
-        if kind == "poison":
-            return PoisonFault(worker, opts["scale"])
+        opts = _options(spec, rest[1:], {"scale": float, "kind": str, "from": int})
+        how = opts.get("kind", "scale")
+        if how not in POISON_KINDS:
+            raise ShoalError(f"--fault {spec!r}: kind={how!r} is not one of {', '.join(POISON_KINDS)}")
+        if how == "scale":
+            _need(spec, opts, "scale")
+        if opts.get("from", 0) < 0:
+            raise ShoalError(f"--fault {spec!r}: from= must be >= 0 (the first poisoned step)")
+        return PoisonFault(worker, opts.get("scale", {"scale": 1.0, "noise": 1.0, "bias": 0.5}[how]), how,
+                           opts.get("from", 0))
+    if kind == "slow":
+        worker = _worker(spec, rest)
+        opts = _options(spec, rest[1:], {"factor": float})
+        _need(spec, opts, "factor")
         if opts["factor"] < 1:
             raise ShoalError(f"--fault {spec!r}: factor= must be >= 1 (how many times slower)")
         return SlowFault(worker, opts["factor"])
@@ -186,9 +206,41 @@ def worker_fault_args(faults: list[Fault], worker: str) -> list[str]:
     for f in faults:
         if isinstance(f, PoisonFault) and f.worker == worker:
             args += ["--fault-poison", repr(f.scale)]
+            if f.kind != "scale":
+                args += ["--fault-poison-kind", f.kind]
+            if f.start:
+                args += ["--fault-poison-from", str(f.start)]
         elif isinstance(f, SlowFault) and f.worker == worker:
             args += ["--fault-slow", repr(f.factor)]
     return args
+
+
+def poisons(kind: str, scale: float, start: int, step: int) -> bool:
+    """Whether a worker with poison fault (``kind``, ``scale``, from ``start``) lies at ``step``."""
+    return step >= start and (kind != "scale" or scale != 1.0)
+
+
+def poison(g, name: str, step: int, kind: str, scale: float):
+    """A poisoned gradient (or pseudo-gradient) tensor ``g`` of parameter ``name`` at ``step``.
+
+    ``scale``: ``g`` times ``scale``; ``noise``: Gaussian noise of ``scale`` times ``g``'s
+    norm in its place (seeded by step and name); ``bias``: ``g`` plus ``scale`` times its
+    per-element RMS along a sign vector fixed for the run (seeded by the name only), the
+    small consistent push in one direction that no single check sees as large.
+    """
+    import torch
+
+    if kind == "scale":
+        return g * scale
+    salt = name if kind == "bias" else f"{name}/{step}"
+    gen = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(salt.encode()).digest()[:7], "big"))
+    r = torch.randn(g.shape, generator=gen, dtype=torch.float32).to(g.dtype).to(g.device)
+    norm = float(g.float().norm())
+    if kind == "noise":
+        rn = float(r.float().norm())
+        return r * (scale * norm / rn) if rn > 0 else g.clone()
+    rms = norm / max(1, g.numel()) ** 0.5
+    return g + torch.sign(r) * (scale * rms)
 
 
 def corrupt_file(path: Path) -> None:

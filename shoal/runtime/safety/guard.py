@@ -62,6 +62,21 @@ class GuardConfig:
     verify_first: bool = True
     # Off only where pushes are made up on purpose (unit tests of the task pool and the wire).
     enabled: bool = True
+    # Adaptive spot checks (exact runs): a worker's first this-many pushes at a stage are all
+    # recomputed (a new worker has no record), then its pushes are drawn at a rate that falls
+    # as its record of passed recomputations grows (:func:`verify_rate`).
+    verify_first_n: int = 2
+    # The rate after a worker's first pushes is trust_pushes / (trust_pushes + passed checks),
+    # never below --spot-check: about 0.67 after 2 passed checks, 0.25 after 12, 0.1 after 36.
+    # A worker lying from its k-th push on is thus caught within a few pushes; an honest one
+    # costs about sqrt(2 trust_pushes N) recomputations over its first N pushes.
+    trust_pushes: float = 4.0
+    # Every screen flag in a worker's record (even one its recomputation cleared) multiplies its
+    # rate by 1 + flags: a worker whose pushes look odd is checked more.
+    flag_weight: float = 1.0
+    # Recompute every push of the run's last step: a worker that lied on every push since its
+    # last check cannot finish the run unseen (a failed check there undoes all its unchecked work).
+    verify_last_step: bool = True
     # Local mode (--sync local): contributors a merge needs for the round's own centre (the
     # coordinate-wise median of its pseudo-gradients) to outvote one dishonest replica.
     # With fewer, only the norm is screened, against the stage's earlier honest rounds.
@@ -81,6 +96,10 @@ class GuardConfig:
 
 
 DEFAULT = GuardConfig()
+# Test hook: a fixed spot-check rate for workers past their first ``verify_first_n`` pushes
+# (e.g. 0: only first, flagged and last-step pushes are recomputed, so poisoned pushes are
+# committed unverified and a ban must undo them). Members started by ``shoal launch`` inherit it.
+SPOT_RATE_ENV = "SHOAL_TEST_SPOT_RATE"
 
 
 def robust_centre(history: list[float]) -> float | None:
@@ -140,6 +159,27 @@ def push_spot_checked(seed: int, salt: str, stage: int, step: int, mbs, fraction
     return bool(mbs) and spot_pick(seed, salt, stage, step, min(mbs), fraction)
 
 
+def verify_rate(checked_ok: int, flags: int, floor: float, cfg: GuardConfig = DEFAULT,
+                forced: float | None = None) -> float:
+    """The probability that a worker's next push at a stage is recomputed, from its record there (pure).
+
+    ``checked_ok``: its pushes whose recomputation matched; ``flags``: its pushes the screen
+    flagged; ``floor``: the run's ``--spot-check`` fraction, the least rate (0: no random
+    checks at all, only first and flagged pushes). A new worker is checked on every push until
+    ``cfg.verify_first_n`` passed, then at ``trust_pushes / (trust_pushes + checked_ok)`` times
+    ``1 + flag_weight * flags``, never below ``floor`` nor above 1. ``forced``: the rate
+    after the first pushes instead (the ``SPOT_RATE_ENV`` test hook).
+    """
+    if floor <= 0:
+        return 0.0
+    if checked_ok < cfg.verify_first_n:
+        return 1.0
+    if forced is not None:
+        return forced
+    rate = cfg.trust_pushes / (cfg.trust_pushes + checked_ok) * (1.0 + cfg.flag_weight * max(0, flags))
+    return min(1.0, max(floor, rate))
+
+
 def needs_verify(flag: str, first_push: bool, spot: bool, exact: bool, cfg: GuardConfig = DEFAULT) -> bool:
     """Whether the server recomputes a push: only in exact runs, when flagged, first or drawn."""
     return exact and (bool(flag) or (first_push and cfg.verify_first) or spot)
@@ -168,6 +208,29 @@ def ban_reason(flag: str, verified_error: float | None, strikes: int, cfg: Guard
     if flag and strikes >= cfg.strikes_to_ban:
         return f"{strikes} pushes in a row flagged by the screen, the last: {flag}"
     return ""
+
+
+def undo_version(unverified_since: dict[str, int], worker: str) -> int | None:
+    """The newest weight version that none of ``worker``'s unverified committed pushes reached
+    (pure): the step of its first committed push that was never recomputed (version ``s`` is
+    the weights before step ``s`` was applied); None when everything it committed was checked."""
+    return unverified_since.get(worker)
+
+
+def keep_version(unverified_since: list[dict[str, int]], banned: set[str] = frozenset()) -> int | None:
+    """The oldest version a ban may have to roll the run back to (pure): the earliest step any
+    worker not yet banned has an unverified committed push in, over every stage's record.
+    Each stage keeps a checkpoint at or before it (None: nothing unverified)."""
+    steps = [s for rec in unverified_since for w, s in rec.items() if w not in banned]
+    return min(steps) if steps else None
+
+
+def undo_target(cap: int, held: list[list[int]]) -> int:
+    """The version a ban's roll-back restarts every stage from (pure): the newest one at or
+    before ``cap`` that every stage's server holds a checkpoint of (``held``: each server's
+    checkpoint versions); version 0 (the seeded initial weights) always qualifies."""
+    common = set.intersection(*(set(v) for v in held)) if held else set()
+    return max([v for v in common if v <= cap] + [0])
 
 
 def adam_ratio_bound(beta1: float, beta2: float, steps: int = 100_000) -> float:

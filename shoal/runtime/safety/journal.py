@@ -138,6 +138,8 @@ def resume_state(records: list[dict]) -> ResumeState:
         elif kind == "epoch":
             # A roll-back: steps after its version are committed again.
             st.committed = int(rec["version"])
+            if rec.get("undo"):  # a ban's roll-back: the undone steps' records are the redone ones
+                by_step = {k: r for k, r in by_step.items() if k < st.committed}
         elif kind == "commit":
             step = int(rec["step"])
             st.committed = step + 1

@@ -34,6 +34,7 @@ from shoal.net import shoal_pb2 as pb
 from shoal.net.compress import ErrorFeedback
 from shoal.net.wire import WireError, encode_tensor
 from shoal.runtime.common import optim_config, tensors_digest
+from shoal.runtime.safety.faults import poison, poisons
 from shoal.runtime.sync.codecs import (
     UpdatePulls,
     compression_of_spec,
@@ -46,10 +47,11 @@ from shoal.runtime.transport.frames import decode_grads
 from shoal.train.optim import apply_update, make_optimizer
 from shoal.train.outer import (
     is_sync_step,
-    merge_pseudo_grads,
+    merge_weights,
     outer_nesterov_step,
     outer_nesterov_update,
     sync_of_spec,
+    weighted_sum,
 )
 
 log = logging.getLogger("shoal.local")
@@ -245,12 +247,13 @@ class LocalServerMixin:
             return None
         counts = {w: self.local_round_mbs.get(w, 0) for w in self.local_got}
         async with self._wlock:
-            digest = await asyncio.get_running_loop().run_in_executor(None, self._local_merge, counts, step + 1)
+            digest, shares = await asyncio.get_running_loop().run_in_executor(None, self._local_merge, counts,
+                                                                              step + 1)
             self._wcache = None
             self.local_merged = step + 1
         log.info("%s local merge %s", self.name, json.dumps({
             "stage": self.stage, "version": step + 1, "epoch": epoch, "contributors": counts,
-            "digest": digest, "screen": screened}, sort_keys=True))
+            "shares": {w: round(x, 9) for w, x in shares.items()}, "digest": digest, "screen": screened}, sort_keys=True))
         self.local_round_mbs = {}
         self.local_round_lr = {}
         self.local_expect = None
@@ -303,12 +306,15 @@ class LocalServerMixin:
         n = sum(t.numel() for t in weights.values())
         return adamw_move_bound(n, math.sqrt(sq_norm(weights)), cfg.weight_decay, cfg.beta1, cfg.beta2)
 
-    def _local_merge(self, counts: dict[str, int], version: int) -> str:
-        """Merge the received pseudo-gradients into the weights (in a thread); their digest.
+    def _local_merge(self, counts: dict[str, int], version: int) -> tuple[str, dict[str, float]]:
+        """Merge the received pseudo-gradients into the weights (in a thread): the merged
+        weights' digest and the share each contributor was weighted by in the sum (its
+        micro-batches over the round's: logged with the merge, checked on real swarms).
 
         With sparse pulls the weights move by the encoded update the workers will pull
         (:class:`shoal.runtime.sync.codecs.UpdatePulls`), not by the exact outer step."""
-        delta = merge_pseudo_grads(self.local_got, counts)
+        shares = merge_weights({w: counts.get(w, 0) for w in self.local_got})
+        delta = weighted_sum(self.local_got, shares)
         if self.update_pulls is not None:
             update = None if delta is None else outer_nesterov_update(
                 delta, self.outer_m, self.spec.outer_lr, self.spec.outer_momentum)
@@ -318,7 +324,7 @@ class LocalServerMixin:
         elif delta is not None:
             outer_nesterov_step({n: p.data for n, p in self.params.items()}, delta, self.outer_m,
                                 self.spec.outer_lr, self.spec.outer_momentum)
-        return tensors_digest({n: p.detach() for n, p in self.params.items()})
+        return tensors_digest({n: p.detach() for n, p in self.params.items()}), shares
 
     def _local_ckpt_due(self, merged: bool) -> bool:
         """Local mode checkpoints merged weights only, at the first merge past each K steps."""
@@ -490,8 +496,9 @@ class LocalWorkerMixin:
         deltas = {}
         for name, p in self.params.items():
             delta = self.anchor[name] - p.detach()
-            if self.opts.fault_poison != 1.0:
-                delta = delta * self.opts.fault_poison  # fault injection: a dishonest replica
+            o = self.opts
+            if poisons(o.fault_poison_kind, o.fault_poison, o.fault_poison_from, step):
+                delta = poison(delta, name, step, o.fault_poison_kind, o.fault_poison)  # a dishonest replica
             deltas[name] = delta.cpu()
         if codec.startswith("sparse"):  # the whole stage as one sparse vector
             msg.grads.append(stage_frame(deltas, codec, self.pseudo_ef))

@@ -1,0 +1,104 @@
+"""Fault bench: poisoned workers against the push screen, adaptive recomputation and the
+ban's undo (docs/faults.md, "Poisoned and broken gradients").
+
+Per attack (x-20, x-2, sign flip, Gaussian noise of the honest norm, a consistent bias of
+0.5 x the per-element RMS along a fixed sign vector) and scenario (one poisoner from step
+0, one from step 2, two of five colluding from step 2), an exact run (fp32, 2 stages,
+ordered pushes, tiny model): the step of each ban, the version each undo went back to, and
+the final weights against an honest run of the same workload (exact: torch.equal) with
+the loss gap. Local mode (``--sync local``): the same attacks from step 0, final loss
+against the honest local run. Honest runs with uneven workers (one 3x slower), fp32 and
+bf16: false bans.
+
+    python bench/bench_poison.py --steps 10 --honest 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from shoal.runtime.processes.launch import LaunchConfig, launch
+from shoal.runtime.roles.artifacts import load_final_weights
+from shoal.train.metrics import read_jsonl
+
+ATTACKS = {"x-20": "scale=-20", "x-2": "scale=-2", "sign flip": "scale=-1", "noise": "kind=noise",
+           "bias": "kind=bias:scale=0.5"}
+
+
+def run(out: Path, args, *, workers: int, faults: list[str], **kw) -> dict:
+    """One swarm run; its bans, undos, final loss and weights."""
+    cfg = LaunchConfig(out=str(out), model="tiny", steps=args.steps, micro_batches=4, micro_batch_size=2, seq_len=32,
+                       seed=3, lr=3e-3, warmup=2, data="synthetic", stages=2, workers=workers, dead_after_s=3.0,
+                       min_lease_s=1.5, timeout_s=600, ckpt_every=1, faults=faults, **kw)
+    t0 = time.time()
+    summary = launch(cfg)
+    events = read_jsonl(out / "events.jsonl")
+    return {"bans": [(e["device"], e["step"]) for e in events if e["event"] == "ban"],
+            "undos": [e["version"] for e in events if e["event"] == "rollback" and e.get("why") == "undo"],
+            "loss": summary["final_loss"], "weights": load_final_weights(out), "wall_s": time.time() - t0}
+
+
+def gap(a: dict, b: dict) -> tuple[bool, float]:
+    equal = all(torch.equal(a[k], b[k]) for k in b)
+    return equal, max(float((a[k] - b[k]).abs().max()) for k in b)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--honest", type=int, default=6, help="honest runs with uneven workers (half of them bf16)")
+    ap.add_argument("--sync-every", type=int, default=2, help="local mode: steps per round")
+    ap.add_argument("--skip-local", action="store_true")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--json", default=None, help="write the rows here")
+    args = ap.parse_args()
+    root = Path(args.out or tempfile.mkdtemp(prefix="shoal-poison-"))
+    rows = []
+    ref = run(root / "honest", args, workers=3, faults=[])
+    print(f"honest exact run: loss {ref['loss']:.6f}, bans {ref['bans']}", flush=True)
+    for name, spec in ATTACKS.items():
+        for scen, workers, faults in [("alone from step 0", 3, [f"poison:w1:{spec}"]),
+                                      ("alone from step 2", 3, [f"poison:w1:{spec}:from=2"]),
+                                      ("2 of 5 colluding from step 2", 5,
+                                       [f"poison:w1:{spec}:from=2", f"poison:w3:{spec}:from=2"])]:
+            r = run(root / f"{name.replace(' ', '_')}-{scen.split()[0]}-{scen.split()[-1]}", args, workers=workers,
+                    faults=faults)
+            equal, worst = gap(r["weights"], ref["weights"])
+            row = {"mode": "exact", "attack": name, "scenario": scen, "bans": r["bans"], "undo_to": r["undos"],
+                   "equal": equal, "max_diff": worst, "loss_gap_pct": 100 * (r["loss"] - ref["loss"]) / ref["loss"],
+                   "wall_s": round(r["wall_s"], 1)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if not args.skip_local:
+        lref = run(root / "local-honest", args, workers=3, faults=[], sync="local", sync_every=args.sync_every)
+        print(f"honest local run: loss {lref['loss']:.6f}, bans {lref['bans']}", flush=True)
+        for name, spec in ATTACKS.items():
+            r = run(root / f"local-{name.replace(' ', '_')}", args, workers=3, faults=[f"poison:w1:{spec}"],
+                    sync="local", sync_every=args.sync_every)
+            row = {"mode": "local", "attack": name, "scenario": "alone from step 0", "bans": r["bans"],
+                   "loss_gap_pct": 100 * (r["loss"] - lref["loss"]) / lref["loss"], "wall_s": round(r["wall_s"], 1)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    false_bans = 0
+    for i in range(args.honest):
+        precision = "bf16" if i % 2 else "fp32"
+        r = run(root / f"honest-{i}", args, workers=3, faults=["slow:w2:factor=3"], precision=precision)
+        false_bans += len(r["bans"])
+        row = {"mode": f"honest {precision}", "run": i, "bans": r["bans"], "wall_s": round(r["wall_s"], 1)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(f"false bans over {args.honest} honest runs with uneven workers: {false_bans}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    print(f"load average at the end: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""A ban undoes its damage: adaptive recomputation, the roll-back past a banned worker's
+unverified pushes, and the poison faults that exercise them (docs/faults.md, "A ban
+undoes its work")."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from swarm_reference import RUN, assert_equal_weights, failure_free_weights, launch_config
+
+from shoal.errors import ShoalError
+from shoal.runtime.common import ckpts_to_prune
+from shoal.runtime.safety.faults import PoisonFault, parse_fault, poison, poisons, worker_fault_args
+from shoal.runtime.safety.guard import (
+    GuardConfig,
+    keep_version,
+    undo_target,
+    undo_version,
+    verify_rate,
+)
+from shoal.train.metrics import read_jsonl
+
+
+def test_verify_rate_checks_new_and_suspect_workers_more():
+    cfg = GuardConfig()
+    assert verify_rate(0, 0, 0.05, cfg) == 1.0 and verify_rate(1, 0, 0.05, cfg) == 1.0  # new: every push
+    rates = [verify_rate(n, 0, 0.05, cfg) for n in range(2, 200)]
+    assert rates == sorted(rates, reverse=True) and rates[0] == pytest.approx(4 / 6)
+    assert rates[-1] == 0.05  # a long honest record: down to --spot-check
+    assert verify_rate(12, 0, 0.05, cfg) == pytest.approx(0.25)
+    assert verify_rate(12, 1, 0.05, cfg) == pytest.approx(0.5)  # a flag in its record doubles it
+    assert verify_rate(12, 5, 0.05, cfg) == 1.0
+    assert verify_rate(0, 0, 0.0, cfg) == 0.0  # --spot-check 0: no random checks at all
+
+
+def test_undo_target_keep_version_and_pruning():
+    assert undo_version({"a": 3}, "a") == 3 and undo_version({"a": 3}, "b") is None
+    # the newest version at or before the cap that every stage holds; 0 always qualifies
+    assert undo_target(4, [[2, 3, 4, 5], [3, 4, 5]]) == 4
+    assert undo_target(4, [[2, 3, 5], [2, 4, 5]]) == 2
+    assert undo_target(1, [[2, 3], [2, 3]]) == 0
+    assert undo_target(3, []) == 0
+    assert keep_version([{"a": 5, "b": 3}, {"a": 2}], banned={"a"}) == 3
+    assert keep_version([{"a": 5}, {}]) == 5 and keep_version([{}, {}]) is None
+    # pruning keeps the 4 newest and the newest at or before keep_at
+    assert ckpts_to_prune([1, 2, 3, 4, 5, 6, 7, 8], 8, 4) == [1, 2, 3, 4]
+    assert ckpts_to_prune([1, 2, 3, 4, 5, 6, 7, 8], 8, 4, keep_at=3) == [1, 2, 4]
+    assert ckpts_to_prune([2, 4, 6, 8, 10, 12], 12, 4, keep_at=3) == [4]
+    assert ckpts_to_prune([5, 6, 7, 8, 9], 9, 4, keep_at=3) == [5]
+
+
+def test_poison_fault_grammar_and_kinds():
+    assert parse_fault("poison:w1:scale=-20") == PoisonFault("w1", -20.0, "scale", 0)
+    assert parse_fault("poison:w2:kind=noise:from=2") == PoisonFault("w2", 1.0, "noise", 2)
+    assert parse_fault("poison:w0:kind=bias") == PoisonFault("w0", 0.5, "bias", 0)
+    assert worker_fault_args([parse_fault("poison:w2:kind=bias:scale=0.3:from=3")], "w2") == [
+        "--fault-poison", "0.3", "--fault-poison-kind", "bias", "--fault-poison-from", "3"]
+    for bad, msg in [("poison:w1", "missing scale="), ("poison:w1:kind=flip", "is not one of"),
+                     ("poison:w1:kind=noise:from=-1", "from= must be")]:
+        with pytest.raises(ShoalError, match=msg):
+            parse_fault(bad)
+    assert not poisons("scale", 1.0, 0, 5) and not poisons("noise", 1.0, 3, 2) and poisons("noise", 1.0, 3, 3)
+    g = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(poison(g, "w", 0, "scale", -2.0), -2 * g)
+    n0, n1 = poison(g, "w", 0, "noise", 1.0), poison(g, "w", 1, "noise", 1.0)
+    assert float(n0.norm()) == pytest.approx(float(g.norm()), rel=1e-5)  # the honest norm
+    assert abs(float((n0 * g).sum()) / float(g.norm()) ** 2) < 0.1  # not the gradient's direction
+    assert not torch.equal(n0, n1)  # fresh noise each step
+    b0, b1 = poison(g, "w", 0, "bias", 0.5) - g, poison(g * 3, "w", 7, "bias", 0.5) - 3 * g
+    assert torch.equal(torch.sign(b0), torch.sign(b1))  # one sign vector for the run
+    rms = float(g.norm()) / math.sqrt(g.numel())
+    assert float(b0.abs().max()) == pytest.approx(0.5 * rms, rel=1e-5)
+
+
+def test_an_undo_drops_the_undone_steps_records_on_resume():
+    from shoal.runtime.safety.journal import resume_state
+
+    recs = [{"kind": "run", "spec": {}}]
+    recs += [{"kind": "commit", "step": s, "epoch": 0, "record": {"step": s, "loss": 10.0 + s}} for s in range(5)]
+    recs += [{"kind": "epoch", "epoch": 1, "version": 2, "undo": True}]
+    recs += [{"kind": "commit", "step": s, "epoch": 1, "record": {"step": s, "loss": 1.0 + s}} for s in (2, 3)]
+    st = resume_state(recs)
+    assert st.committed == 4 and [r["loss"] for r in st.records] == [10.0, 11.0, 3.0, 4.0]
+
+
+@pytest.fixture
+def failure_free(tmp_path_factory):
+    return failure_free_weights(tmp_path_factory)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_a_poisoner_that_turns_later_is_undone_bitwise(tmp_path, failure_free, monkeypatch):
+    """Exact mode, 2 stages, 3 workers: w1 pushes honest gradients at steps 0-1 (its first
+    pushes pass their recomputations), then Gaussian noise of the honest norm, which the
+    screen does not flag. Random spot checks are off (the test hook), so its poisoned pushes
+    are committed unverified until the last step's full recomputation bans it; the run rolls
+    back, at every stage, to the version before its first unverified push and redoes the
+    steps: the final weights are the failure-free run's, bit for bit."""
+    from shoal.runtime.processes.launch import launch
+    from shoal.runtime.safety.guard import SPOT_RATE_ENV
+
+    monkeypatch.setenv(SPOT_RATE_ENV, "0")
+    out = tmp_path / "run"
+    summary = launch(launch_config(out, workers=3, faults=["poison:w1:kind=noise:from=2"]))
+    assert summary["steps"] == RUN["steps"]
+    events = read_jsonl(out / "events.jsonl")
+    bans = [e for e in events if e["event"] == "ban"]
+    assert [b["device"] for b in bans] == ["w1"] and bans[0]["step"] >= 2, bans
+    logs = "".join(p.read_text() for p in (out / "logs").glob("server*.log"))
+    undos = [e for e in events if e["event"] == "undo"]
+    committed_unverified = re.search(r"worker \S+ has unverified pushes committed since step (\d+)", logs)
+    assert committed_unverified, "w1 was banned before any unverified push of it was committed"
+    first = int(committed_unverified.group(1))
+    assert undos and undos[0]["version"] <= first, (undos, first)
+    back = [e for e in events if e["event"] == "rollback" and e.get("why") == "undo"]
+    assert back and back[0]["version"] <= first, back
+    recs = read_jsonl(out / "metrics.jsonl")
+    assert sorted({r["step"] for r in recs}) == list(range(RUN["steps"]))
+    assert_equal_weights(out, failure_free)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_the_honest_run_logs_no_warning(tmp_path_factory, failure_free):
+    """The failure-free run (every worker's first pushes and a share of the rest recomputed,
+    some of them flagged by the screen and cleared) bans nobody and logs no WARNING."""
+    honest = Path(tmp_path_factory.getbasetemp()) / "failure_free" / "run"
+    assert not [e for e in read_jsonl(honest / "events.jsonl") if e["event"] in ("ban", "undo")]
+    warnings = [line for p in sorted((honest / "logs").glob("*.log")) for line in p.read_text().splitlines()
+                if " WARNING " in line]
+    assert not warnings, warnings[:5]

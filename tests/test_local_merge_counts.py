@@ -1,0 +1,46 @@
+"""Local mode on a real swarm: every merge weighs each contributor by the micro-batches it
+covered in the round (not one share per worker), as the merge itself applied them."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+RUN = dict(model="tiny", micro_batches=6, micro_batch_size=2, seq_len=32, seed=0, lr=3e-3, warmup=2)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_merge_weighs_contributors_by_their_micro_batches(tmp_path):
+    """One stage, two workers, one of them three times slower, H = 2: the shares the merge
+    summed the pseudo-gradients with (logged from the merge's own computation) are each
+    worker's micro-batches over the round's, as the workers themselves reported them; the
+    round's micro-batches add up to H x M; and the workers' counts are uneven, so a merge
+    that weighs workers equally gives other shares."""
+    from shoal.runtime.processes.launch import LaunchConfig, launch
+
+    steps, h = 4, 2
+    out = tmp_path / "run"
+    launch(LaunchConfig(out=str(out), **RUN, steps=steps, stages=1, workers=2, dead_after_s=5.0, min_lease_s=1.5,
+                        timeout_s=280, sync="local", sync_every=h, outer_lr=0.7, outer_momentum=0.5,
+                        faults=["slow:w1:factor=3"]))
+    text = (out / "logs" / "server0.log").read_text()
+    merges = [json.loads(m.group(1)) for m in re.finditer(r"local merge (\{.*\})$", text, re.M)]
+    assert [m["version"] for m in merges] == [2, 4], merges
+    uneven = False
+    for m in merges:
+        own = {}
+        for mid in m["contributors"]:
+            name = mid.rsplit("-", 1)[1]
+            sent = re.findall(rf"sent its pseudo-gradient for v{m['version']} covering (\d+) micro-batches",
+                              (out / "logs" / f"worker{name[1:]}.log").read_text())
+            assert sent, (name, m)
+            own[mid] = int(sent[-1])
+        assert m["contributors"] == own
+        total = sum(own.values())
+        assert total == h * RUN["micro_batches"], m  # every micro-batch of the round, each once
+        assert m["shares"] == {mid: pytest.approx(n / total, abs=1e-8) for mid, n in own.items()}
+        uneven |= len(set(own.values())) > 1
+    assert uneven, merges
