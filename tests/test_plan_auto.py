@@ -7,7 +7,7 @@ import pytest
 
 from shoal.errors import ShoalError
 from shoal.plan import load_scenario
-from shoal.plan.auto import QualityBudget, candidates, choose, parse_allowed_codecs, plan_auto
+from shoal.plan.auto import TIE, QualityBudget, candidates, choose, parse_allowed_codecs, plan_auto
 from shoal.plan.compression import KINDS
 from shoal.plan.types import SyncPolicy
 
@@ -73,7 +73,7 @@ def test_auto_prefers_the_more_exact_policy_on_a_tie():
         more_exact = (not c.sync.local and plan.sync.local) or (
             c.sync.local and plan.sync.local and c.sync.sync_every < plan.sync.sync_every)
         if more_exact:
-            assert c.predicted["expected_step_time_s"] > best / 0.98 * (1 - 1e-9)
+            assert c.predicted["expected_step_time_s"] > best / (1 - TIE) * (1 - 1e-9)
 
 
 @pytest.mark.timeout(300)

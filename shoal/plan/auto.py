@@ -15,8 +15,8 @@ Candidates, each placed once by shoal's allocator and then priced by the cost mo
   allowed ``H``.
 
 The choice is the candidate of most predicted tokens/s (long run, churn included where the
-scenario has churn); among those within ``TIE`` of it, the one closest to exact training:
-exact sync first, then the smallest ``H``.
+scenario has churn); among those within ``TIE`` (0.1 %) of it, the one closest to exact
+training: exact sync first, then the smallest ``H``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,10 @@ from shoal.plan.types import Plan, Scenario, SyncPolicy
 SYNC_EVERY_CHOICES = (4, 8, 16, 32, 64, 128)  # the H values auto considers (up to the budget's maximum)
 DEFAULT_MAX_SYNC_EVERY = 32  # the budget's default largest H (local mode's default H)
 DEFAULT_CODECS = ("none", "int8", "sparse")  # codecs the default budget allows (sparse on push and pull only)
-TIE = 0.02  # candidates within this share of the best tokens/s count as equal: the more exact one wins
+# candidates within this share of the best tokens/s count as equal and the more exact one wins: only
+# rounding, since the cost model's differences between H values are small but real (a round in
+# flight slows the activations on the workers' links, cost.round_chunk_delays)
+TIE = 0.001
 
 
 @dataclass(frozen=True)

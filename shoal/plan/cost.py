@@ -1001,6 +1001,72 @@ def local_round_pull_end(links: list[tuple[float, float, float, float]], latency
     return latency + max(background_finish(start, x[1], max(floor, 1.0 - x[3] / pipeline_s), window) for x in links)
 
 
+# Local-mode sync chunks (the simulator sends a round's bytes in chunks when a link is idle):
+SYNC_CHUNK_S = 0.05  # a chunk lasts this long at the link's full rate
+SYNC_CHUNK_MIN = 1 << 18  # bytes: no chunk is smaller (unless it is the rest)
+
+
+def chunk_wait(nbytes: float, rate: float, pending: float) -> float:
+    """Expected seconds an activation transfer loses to a round's chunk on the same link: the
+    round sends ``nbytes`` at ``rate`` in chunks of ``max(SYNC_CHUNK_MIN, SYNC_CHUNK_S rate)``
+    bytes whenever the link is idle, so while it is ``pending`` (that share of the time) a
+    transfer that starts finds a chunk in flight and shares the link with it until it ends, half
+    a chunk later on average."""
+    if nbytes <= 0 or rate <= 0 or pending <= 0:
+        return 0.0
+    return pending * min(nbytes, max(SYNC_CHUNK_MIN, SYNC_CHUNK_S * rate)) / rate / 2
+
+
+def round_chunk_delays(sub: Plan, scenario: Scenario, costs: list[StageCost], prof: ModelProfile,
+                       window: float) -> float:
+    """Seconds a replica's pipeline loses per step to its round's chunks (overlapped local mode).
+
+    A worker's push is pending for ``push_s / (1 - up_busy / P)`` of the window ``H P`` (it only
+    uses the uplink's idle time) and likewise its pull on the downlink; every activation upload
+    (downloads: every task's input) that starts meanwhile waits :func:`chunk_wait`. Each worker's
+    ``tau`` grows by that, and the replica's pipeline by ``M_r`` times the change of its slowest
+    stage's ``1 / X_s``."""
+    if window <= 0 or not math.isfinite(window):
+        return 0.0
+    dev = {d.id: d for d in scenario.devices}
+    sync = sub.sync
+    m = sub.micro_batches
+    pipe = window / max(1, sync.sync_every)
+    n = len(sub.stages)
+    hidden = prof.layers[0].out_act_bytes
+    x_old, x_new = [], []
+    for i, (st, c) in enumerate(zip(sub.stages, costs, strict=True)):
+        a, b = st.layers
+        pb = prof.param_bytes(a, b)
+        g_push = pb * sync.ratio("push", prof.dtype_bytes)
+        g_pull = pb * sync.ratio("pull", prof.dtype_bytes)
+        n_up = (i < n - 1) + (i > 0)
+        up_bytes = ((i < n - 1) * sync.ratio("act", prof.dtype_bytes) + (i > 0) * sync.ratio("grad", prof.dtype_bytes)) \
+            * hidden
+        n_down = 2 if i < n - 1 else 1
+        host = dev[st.server]
+        times = []
+        for wid, tau in c.task_times.items():
+            if wid == host.id or not 0 < tau < math.inf:
+                times.append(tau)
+                continue
+            d = dev[wid]
+            link = scenario.network.link(d, host)
+            up, down = min(link.bandwidth, d.up), min(link.bandwidth, d.down)
+            share = m / (tau * c.throughput) if c.throughput > 0 else 0.0  # its micro-batches per step
+            idle_up = max(1e-3, 1.0 - share * up_bytes / up / pipe)
+            push_pending = min(1.0, g_push / up / idle_up / window)
+            pull_pending = min(1.0, g_pull / down / window)
+            extra = n_up * chunk_wait(g_push, up, push_pending) + n_down * chunk_wait(g_pull, down, pull_pending)
+            times.append(tau + extra)
+        x_old.append(c.throughput)
+        x_new.append(stage_throughput(times, m))
+    lo_old, lo_new = min(x_old), min(x_new)
+    if lo_old <= 0 or lo_new <= 0:
+        return 0.0
+    return max(0.0, m / lo_new - m / lo_old)
+
+
 def predict_replicas(plan: Plan, scenario: Scenario, options: CostOptions, memo: dict | None = None) -> dict[str, float]:
     """:func:`predict` of a plan with pipeline replicas (local mode only).
 
@@ -1024,8 +1090,13 @@ def predict_replicas(plan: Plan, scenario: Scenario, options: CostOptions, memo:
         costs = stage_costs(sub, scenario, options, memo)
         per.append((sub, costs, *_pipeline_terms(costs, sub.micro_batches, True)))
     pipe = max(x[2] for x in per)
-    window = h * pipe
     overlap = plan.sync.overlap
+    if overlap:
+        # the round's chunks slow the activations on the workers' own links (round_chunk_delays)
+        per = [(sub, costs, p_r + round_chunk_delays(sub, scenario, costs, prof, h * pipe), *rest)
+               for sub, costs, p_r, *rest in per]
+        pipe = max(x[2] for x in per)
+    window = h * pipe
     pushed = 0.0
     full = 0.0
     for _, costs, *_ in per:

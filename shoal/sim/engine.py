@@ -38,6 +38,7 @@ from shoal.errors import ShoalError
 from shoal.model.config import get_preset
 from shoal.model.profile import profile_model
 from shoal.plan.compression import wire_ratio
+from shoal.plan.cost import SYNC_CHUNK_MIN, SYNC_CHUNK_S
 from shoal.plan.standby import state_bytes, step_log_bytes
 from shoal.plan.types import Plan, Replica, Scenario, StagePlan
 from shoal.plan.validate import validate_plan
@@ -56,8 +57,8 @@ SRV_UP = 7  # a = host id
 RESEND = 8  # retry a message deferred by a down server: b = (src, dst, nbytes, kind, payload, worker)
 APPLY = 9  # a stage server finished its optimizer step: a = stage
 
-BG_CHUNK_S = 0.05  # local-mode sync chunks last this long at the link's full rate
-BG_CHUNK_MIN = 1 << 18  # bytes: no sync chunk is smaller (unless it is the rest)
+BG_CHUNK_S = SYNC_CHUNK_S  # local-mode sync chunks last this long at the link's full rate
+BG_CHUNK_MIN = SYNC_CHUNK_MIN  # bytes: no sync chunk is smaller (unless it is the rest)
 
 # message kinds
 M_LEASE = 0  # worker -> server: give me a task (payload: worker, epoch)
