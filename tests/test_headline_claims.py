@@ -48,3 +48,26 @@ def test_simulate_exit_status_on_stall(tmp_path, capsys):
     ok = _lonely_scenario(tmp_path, 1e9)
     assert main(["simulate", "--scenario", str(ok), "--churn", "on", "--steps", "2"]) == 0
     assert "stalled" not in capsys.readouterr().out
+
+
+@pytest.mark.timeout(300)
+def test_gaming_world_swarm_share_with_replicas():
+    """docs/planner.md and bench/results/swarm-share.md: on gaming-world, --sync auto's plan
+    (pipeline replicas inside network clusters, sparse pseudo-gradients) turns at least 40 % of
+    the swarm's FLOP limit into training in the simulator, with at least 80 of the 92 GPUs, and
+    the cost model is within 10 % of it. The round is simulated compressed to 2 steps (2 / H of
+    its bytes), as bench_swarm_share.py does."""
+    from dataclasses import replace
+
+    from shoal.plan.auto import plan_auto
+    from shoal.plan.report import swarm_report
+
+    s = load_scenario("gaming-world")
+    plan = plan_auto(s)
+    h = plan.sync.sync_every
+    short = replace(plan, sync=replace(plan.sync, sync_every=2, grad_compression=plan.sync.grad_compression * 2 / h))
+    sim = simulate(short, s, steps=2, seed=0)
+    rep = swarm_report(plan, s, step_s=sim.mean_step_time_s)
+    assert plan.replicas and rep.devices_used >= 80 and sim.lost_micro_batches == 0
+    assert rep.flop_share >= 0.40, rep.summary()
+    assert 0.9 <= plan.predicted_step_time_s / sim.mean_step_time_s <= 1.1

@@ -397,8 +397,10 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
         for n in notes:
             console.print(f"  note: {n}", highlight=False, soft_wrap=True)
         console.print(f"  planner: {_plan_line(plan)}; predicted step {plan.predicted_step_time_s:.2f} s "
-                      f"(time scale: devices x{spec.speedup:.2e}, bandwidth x{cfg.bandwidth_scale:g})", highlight=False,
-                      soft_wrap=True)
+                      f"(time scale: devices x{spec.speedup:.2e}, bandwidth x{cfg.bandwidth_scale:g}); "
+                      f"{plan.predicted.get('flop_share', 0.0):.1%} of the emulated swarm's FLOP limit, "
+                      f"{int(plan.predicted.get('devices_used', 0))}/{int(plan.predicted.get('devices_available', 0))} "
+                      "devices used", highlight=False, soft_wrap=True)
     lc = LaunchConfig(
         out=str(out), model=w.model, stages=stages, workers=len(sc.workers), steps=cfg.steps,
         micro_batches=w.micro_batches, micro_batch_size=w.micro_batch_size, seq_len=w.seq_len, seed=cfg.seed,

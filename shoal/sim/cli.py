@@ -152,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
     for line in summary_lines(result, predicted):
         print(line)
     print(f"cost-model busy share  {pred.get('utilisation', 0.0):9.3f}  (of the used devices; sync: "
-          + (f"local, a round every {plan.sync.sync_every} steps" if plan.sync.local else "exact") + ")")
+          + (f"local, a round every {plan.sync.sync_every} steps" if plan.sync.local else "exact")
+          + (f", {len(plan.replicas)} pipeline replicas" if plan.replicas else "") + ")")
     for line in swarm_lines(plan, scenario, result):
         print(line)
     if args.json:
