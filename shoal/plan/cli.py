@@ -353,9 +353,16 @@ def _compare_row(method: str, scenario: Scenario, args: argparse.Namespace, poli
            "predicted_utilisation": plan.predicted.get("utilisation"),
            "planning_time_s": time.perf_counter() - t0, "plan": plan.to_dict()}
     if simulate is not None:
-        steps = policy.sync_every if policy.local else 2
+        steps, sim_plan = 2, plan
+        if policy.local and policy.sync_every > 2:
+            # a round compressed to 2 steps: 2 / H of its bytes, so each step carries the same
+            # background bytes and share of the round's wait at 2 / H of the events
+            from dataclasses import replace
+
+            sim_plan = replace(plan, sync=replace(policy, sync_every=2,
+                                                  grad_compression=policy.grad_compression * 2 / policy.sync_every))
         try:
-            res = simulate(plan, scenario, steps=steps, churn=False, seed=0)
+            res = simulate(sim_plan, scenario, steps=steps, churn=False, seed=0)
             row["simulated_step_time_s"] = res.mean_step_time_s
             row["simulated_tokens_per_s"] = res.tokens_per_s
             row["simulated_flop_share"] = res.tokens_per_s / rep.flop_limit_tokens_per_s \
