@@ -69,12 +69,14 @@ def local_run(out: Path, steps: int, threads: int = 1) -> tuple[float, float, fl
     return _steady(res.records)
 
 
-def swarm_run(out: Path, steps: int, stages: int, workers: int) -> tuple[tuple[float, float, float], list]:
+def swarm_run(out: Path, steps: int, stages: int, workers: int,
+              session: bool = True) -> tuple[tuple[float, float, float], list]:
     """The swarm's (mean step, median step, tokens/s) and the layer split its planner chose."""
     from shoal.runtime.processes.launch import LaunchConfig, launch
     from shoal.train.metrics import read_jsonl
 
-    launch(LaunchConfig(out=str(out), stages=stages, workers=workers, steps=steps, timeout_s=600, **RUN))
+    launch(LaunchConfig(out=str(out), stages=stages, workers=workers, steps=steps, timeout_s=600,
+                        session=session, **RUN))
     layers = [e["layers"] for e in read_jsonl(out / "events.jsonl") if e.get("event") == "replan"][-1]
     return _steady(read_jsonl(out / "metrics.jsonl")), layers
 
@@ -284,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="tokens per sequence (larger: longer tasks, the same number of calls per task)")
     ap.add_argument("--micro-batch-size", type=int, default=RUN["micro_batch_size"], help="sequences per micro-batch")
     ap.add_argument("--skip-relay", action="store_true", help="skip the stage-server relay and pull throughput tests")
+    ap.add_argument("--calls", action="store_true",
+                    help="also run each swarm with a call per lease, result and renewal (--no-session)")
     args = ap.parse_args(argv)
     RUN.update(seq_len=args.seq_len, micro_batch_size=args.micro_batch_size)
     import torch
@@ -308,6 +312,10 @@ def main(argv: list[str] | None = None) -> int:
             swarm, layers = swarm_run(root / f"s{n}-{rep}", args.steps, n, n)
             row(f"launch S={n} W={n}{tag}", f"{n} workers x 1 thread (+{n} servers, coordinator); vs local T={n}",
                 swarm, local[2])
+            if args.calls:
+                calls, _ = swarm_run(root / f"s{n}-{rep}-calls", args.steps, n, n, session=False)
+                row(f"launch S={n} W={n}, calls{tag}", "the same with a call per lease, result and renewal "
+                    f"(--no-session); vs local T={n}", calls, local[2])
             bound, _ = pipeline_bound(layers)
             tokens = RUN["micro_batches"] * RUN["micro_batch_size"] * RUN["seq_len"]
             row(f"zero-overhead bound S={n}{tag}", f"the swarm's tasks on layers {layers}, timed here, scheduled "

@@ -73,7 +73,7 @@ def local_cpu(steps: int) -> float:
 
 
 def swarm_cpu(stages: int, steps: int, profile: str | None, chunk_mb: float | None = None,
-              spot_check: float | None = None) -> dict[str, float]:
+              spot_check: float | None = None, session: bool = True) -> dict[str, float]:
     """CPU seconds per step of each role (coordinator, servers, workers), steps 1..last."""
     from shoal.runtime.processes.launch import LaunchConfig, Swarm
 
@@ -84,7 +84,7 @@ def swarm_cpu(stages: int, steps: int, profile: str | None, chunk_mb: float | No
             os.environ["SHOAL_PROFILE"] = env_prof
         try:
             cfg = LaunchConfig(out=str(Path(tmp) / "run"), stages=stages, workers=stages, steps=steps,
-                               timeout_s=600, chunk_mb=chunk_mb,
+                               timeout_s=600, chunk_mb=chunk_mb, session=session,
                                **({} if spot_check is None else {"spot_check": spot_check}), **RUN)
             marks: dict[int, dict[str, float]] = {}
             swarm_ref: list = []
@@ -129,6 +129,8 @@ def main() -> None:
     ap.add_argument("--spot-check", type=float, default=None,
                     help="the swarm's --spot-check (default: the run default; each drawn push is recomputed on its "
                          "server, a random number of times per run)")
+    ap.add_argument("--calls", action="store_true",
+                    help="also run each S with a call per lease, result and renewal (--no-session)")
     args = ap.parse_args()
     m = RUN["micro_batches"]
     loc = local_cpu(args.steps)
@@ -139,14 +141,22 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     print(f"| train --local T=1 | | | | {loc * 1e3:.0f} ms | | 1.00x |")
     for s in (int(x) for x in args.stages.split(",")):
-        c = swarm_cpu(s, args.steps, args.profile, args.chunk_mb, args.spot_check)
-        tot = sum(c.values())
+        for session in (True, False) if args.calls else (True,):
+            c = swarm_cpu(s, args.steps, args.profile, args.chunk_mb, args.spot_check, session)
+            tot = sum(c.values())
 
-        def role(r, c=c):
-            return " / ".join(f"{c.get(f'{r}/{k}', 0) * 1e3:.0f}" for k in ("main", "pool"))
+            def role(r, c=c):
+                return " / ".join(f"{c.get(f'{r}/{k}', 0) * 1e3:.0f}" for k in ("main", "pool"))
 
-        print(f"| launch S={s} W={s} | {role('coordinator')} | {role('servers')} | {role('workers')} | "
-              f"{tot * 1e3:.0f} ms | {(tot - loc) / m * 1e3:.1f} ms | {tot / loc:.2f}x |", flush=True)
+            tag = "" if session else ", calls"
+            print(f"| launch S={s} W={s}{tag} | {role('coordinator')} | {role('servers')} | {role('workers')} | "
+                  f"{tot * 1e3:.0f} ms | {(tot - loc) / m * 1e3:.1f} ms | {tot / loc:.2f}x |", flush=True)
+            # Tasks per step: M on the last stage, 2M (forward and backward) on each other one.
+            tasks = m * (2 * s - 1)
+            srv = c.get("servers/main", 0) + c.get("servers/pool", 0)
+            wrk = c.get("workers/main", 0) + c.get("workers/pool", 0)
+            print(f"|   per task ({tasks} a step) | | {srv / tasks * 1e3:.2f} ms | "
+                  f"{max(0.0, wrk - loc) / tasks * 1e3:.2f} ms beyond compute | | | |", flush=True)
 
 
 if __name__ == "__main__":

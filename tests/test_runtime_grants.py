@@ -93,3 +93,25 @@ def test_round_trip_is_learnt_from_grants_to_idle_workers():
     assert book.credit("a") == 4  # 1 + ceil(10 / 4)
     book.start(99, "b", 2.0)  # a start of a grant the book never saw only marks the worker busy
     assert book.paces["b"].busy_since == 2.0
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_a_grant_held_ahead_by_a_busy_worker_goes_to_an_idle_one(tmp_path, tmp_path_factory):
+    """One stage, two workers on sessions: worker 0's first task of step 1 spins 10 s, so a
+    task granted to it ahead waits unstarted while worker 1 runs out of work; the server
+    takes it back for worker 1, and the run still ends with the failure-free weights (every
+    exact run's, whatever its stages and workers)."""
+    from swarm_reference import RUN, assert_equal_weights, failure_free_weights, launch_config
+
+    from shoal.runtime.processes.launch import launch
+
+    reference = failure_free_weights(tmp_path_factory)
+    out = tmp_path / "run"
+    mark = tmp_path / "busy.json"
+    args = [["--inject", f"busy_bwd:secs=10:step=1:mark={mark}"], []]
+    summary = launch(launch_config(out, stages=1, workers=2, worker_args=args))
+    assert mark.exists() and summary["steps"] == RUN["steps"]
+    server = (out / "logs" / "server0.log").read_text()
+    assert "took back lease" in server and "unstarted, for idle" in server
+    assert_equal_weights(out, reference)

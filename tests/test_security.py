@@ -38,6 +38,7 @@ from shoal.net.auth import (
 from shoal.net.channel import bind, make_server, open_channel
 from shoal.net.tls import check_plaintext, is_loopback, load_tls, make_keys
 from shoal.net.wire import encode_tensor
+from shoal.runtime.transport.session import SessionClient
 from tests.helpers.members import start_member
 from tests.swarm_reference import RUN, assert_equal_weights, failure_free_weights
 
@@ -272,6 +273,12 @@ async def _attacks(tls, token: str, coord: str, s0: str, s1: str, s0_id: str, vi
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await pbg.StageServerStub(sch).PushGrads(pb.GradPush(worker=victim, step=0, mbs=[0]), timeout=10)
             codes["push_as_other"] = _code(err)
+            # a session (one stream for leases, results, renewals) binds every message to the caller too
+            sess = SessionClient(pbg.StageServerStub(sch).Session, ident.member, 1 << 20, 1 << 20)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await sess.lease(pb.LeaseRequest(worker=victim), timeout=10)
+            codes["session_as_other"] = _code(err)
+            sess.close()
             # as itself and in its role, but over the method's size limit (METHOD_LIMITS)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await pbg.StageServerStub(sch).Lease(pb.LeaseRequest(worker="m" * (1 << 20)), timeout=10)
@@ -364,6 +371,7 @@ def test_tls_run_resists_capture_impersonation_and_floods(tmp_path, tmp_path_fac
                          "heartbeat_as_other": grpc.StatusCode.PERMISSION_DENIED,
                          "relay": grpc.StatusCode.PERMISSION_DENIED,
                          "push_as_other": grpc.StatusCode.PERMISSION_DENIED,
+                         "session_as_other": grpc.StatusCode.PERMISSION_DENIED,
                          "oversize_lease": grpc.StatusCode.RESOURCE_EXHAUSTED,
                          "huge_heartbeat": grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
 

@@ -106,6 +106,16 @@ class _AddIdentityStreamUnary(aio.StreamUnaryClientInterceptor):
         return await continuation(_with_metadata(client_call_details, self._id.metadata()), request_iterator)
 
 
+class _AddIdentityStreamStream(aio.StreamStreamClientInterceptor):
+    """Token and credential on bidirectional streams (worker sessions)."""
+
+    def __init__(self, identity):
+        self._id = identity
+
+    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return await continuation(_with_metadata(client_call_details, self._id.metadata()), request_iterator)
+
+
 class _Count(aio.UnaryUnaryClientInterceptor):
     """Counts every request and reply of the channel's calls in a ``Traffic``."""
 
@@ -166,7 +176,7 @@ def open_channel(
     target = dial(address) if dial else address
     # Streamed (chunked) calls are counted by shoal.net.stream's callers, per whole message.
     interceptors = [_AddIdentity(identity), _AddIdentityUnaryStream(identity),
-                    _AddIdentityStreamUnary(identity)] + ([_Count(traffic)] if traffic is not None else [])
+                    _AddIdentityStreamUnary(identity), _AddIdentityStreamStream(identity)] + ([_Count(traffic)] if traffic is not None else [])
     if tls is None:
         return aio.insecure_channel(target, options=grpc_options(max_message_bytes), interceptors=interceptors)
     return aio.secure_channel(target, tls.channel_credentials(), options=grpc_options(max_message_bytes),

@@ -185,6 +185,9 @@ def register(subparsers) -> None:
                    help="exact sync: ask for the next task while computing this one, so the lease round trip "
                         "and the next input overlap compute (helps a lone worker behind a slow round trip; can "
                         "hold back faster workers of the same stage)")
+    p.add_argument("--no-session", action="store_true",
+                   help="one gRPC call per lease, result and renewal instead of one session stream with the "
+                        "stage server (tasks granted ahead within a credit window, taken back for idle workers)")
     p.add_argument("--join-timeout", type=float, default=30.0,
                    help="seconds to keep retrying a coordinator that does not answer yet before giving up "
                         "(default: 30)")
@@ -236,6 +239,9 @@ def register(subparsers) -> None:
     p.add_argument("--no-fork-server", action="store_true",
                    help="start every member as a fresh interpreter (default: fork them from one process "
                         "that imported torch once; env SHOAL_FORK_SERVER=0 does the same)")
+    p.add_argument("--no-session", action="store_true",
+                   help="workers make one gRPC call per lease, result and renewal instead of keeping one "
+                        "session stream with their stage server")
     _run_args(p, launch=True)
     p.set_defaults(func=run_launch_cmd)
 
@@ -516,6 +522,7 @@ def run_worker_cmd(args) -> int:
                                                 fault_poison_kind=args.fault_poison_kind,
                                                 fault_poison_from=args.fault_poison_from,
                                                 graph_cache=not args.no_graph_cache, prefetch=args.prefetch,
+                                                session=not args.no_session,
                                                 error_feedback=not args.no_error_feedback,
                                                 device=_played_device(args), **_measure_opts(args),
                                                 compute_device=args.device or "auto",
@@ -568,7 +575,7 @@ def run_launch_cmd(args) -> int:
         device=args.device or "auto", precision=args.precision or "fp32", loss_scale=args.loss_scale,
         sync=args.sync, sync_every=args.sync_every, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
         compression=args.compression, faults=list(args.fault), spot_check=args.spot_check, standbys=args.standbys,
-        tls=not args.insecure, fork_server=not args.no_fork_server)
+        tls=not args.insecure, fork_server=not args.no_fork_server, session=not args.no_session)
     if cfg.dashboard:
         from shoal.runtime.ui.dashboard import parse_bind
 

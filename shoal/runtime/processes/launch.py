@@ -102,6 +102,7 @@ class LaunchConfig:
     standbys: int = 0  # hot standby servers, each with its own empty checkpoint folder (stage k mod S)
     tls: bool = True  # mutual TLS with keys made in RUN/tls (False: plain text on loopback)
     fork_server: bool = True  # fork members from one warm process (shoal.runtime.processes.forkserver; False: spawn each)
+    session: bool = True  # workers talk to their stage server on one session stream (False: a call per message)
 
     def validate(self) -> None:
         if self.workers is None:
@@ -402,6 +403,8 @@ class Swarm:
             dev = self.scenario.workers[i % len(self.scenario.workers)]
             args += [*self._emulation(dev.id), "--flops", repr(dev.flops * self.cfg.emulate_speedup)]
         args += self._fault_args(f"w{i}")
+        if not self.cfg.session:
+            args.append("--no-session")
         args += extra or []
         if "--probe-mb" not in args:
             args += LOOPBACK_PROBE

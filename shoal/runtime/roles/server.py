@@ -40,7 +40,7 @@ from shoal.errors import ShoalError
 from shoal.model.transformer import build_stage
 from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
-from shoal.net.auth import check_caller
+from shoal.net.auth import caller, check_caller
 from shoal.net.channel import ChannelFactory, advertised_address, bind, make_server
 from shoal.net.stream import (
     CONTROL_SLACK,
@@ -78,6 +78,7 @@ from shoal.runtime.common import (
     stage_ckpt_loss_scale,
     token_window,
 )
+from shoal.runtime.pool.grants import GrantBook
 from shoal.runtime.pool.pool import Lease, MbState, TodoPool, WorkerInfo, pick_order, yield_to_idle
 from shoal.runtime.safety.guard import DEFAULT as GUARD
 from shoal.runtime.safety.guard import (
@@ -101,6 +102,7 @@ from shoal.runtime.sync.codecs import (
 )
 from shoal.runtime.sync.local import LocalServerMixin
 from shoal.runtime.transport.frames import decode_grads, off_loop, retry, serialise_weights
+from shoal.runtime.transport.session import UP_KINDS, read_messages, serialised
 from shoal.runtime.ui.stats import StepTiming
 from shoal.train.optim import apply_update, make_optimizer, param_sq_norms, total_sq_norm
 from shoal.train.precision import unscale_grads, wire_dtype
@@ -153,6 +155,8 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         self.pushes: list[tuple[int, dict[str, torch.Tensor], str, tuple[int, ...]]] = []
         self.leases: dict[int, Lease] = {}
         self.idle_asking: dict[str, int] = {}  # worker -> its lease requests parked while it has nothing to do
+        self.grants = GrantBook()  # session grants made ahead, the workers' paces, take-backs
+        self.sessions: dict[str, asyncio.Queue] = {}  # worker -> what its session stream sends next
         self.workers: dict[str, WorkerInfo] = {}
         self.next_lease = 1
         self.loading = False
@@ -595,6 +599,7 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         if info is None:
             return
         info.gen += 1
+        self.grants.drop_worker(wid)
         for lid, lease in list(self.leases.items()):
             if lease.worker == wid:
                 del self.leases[lid]
@@ -711,19 +716,62 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
     # ------------------------------------------------------------------ RPCs from workers
     async def Lease(self, request, context):
         await check_caller(context, request.worker)
+        return await self._lease_reply(request, session=False)
+
+    def _may_grant(self, wid: str, ahead: bool, session: bool) -> bool:
+        """Whether a request may take a task now: one made ahead (during a compute) never takes
+        it from a worker that waits idle (prefetching must not starve the stage's others), and
+        on a session only within the worker's credit window."""
+        if not ahead:
+            return True
+        if yield_to_idle(self.idle_asking, wid):
+            return False
+        return not session or self.grants.may_grant_ahead(wid, self.local)
+
+    def _take_back_for(self, wid: str) -> bool:
+        """``wid`` asks idle and nothing is todo: take back a grant made ahead that it would
+        finish sooner than its holder (see :meth:`GrantBook.take_back`); True if one was."""
+        if not self.ready or self.committing or self.version != self.step or self.local:
+            return False  # nothing could be granted now: leave the holders their tasks
+        lid = self.grants.take_back(wid, time.monotonic(), live=lambda lid: lid in self.leases and (
+            self.leases[lid].worker in self.sessions))
+        if lid is None:
+            return False
+        lease = self.leases.pop(lid)
+        st = self.steps.get(lease.step, {}).get(lease.mb)
+        if st is not None:  # back to todo; not a re-queue (nothing failed)
+            if lease.direction == pb.FWD and st.fwd == "leased":
+                st.fwd = "todo"
+                self.todo.add(lease.step, "fwd", lease.mb)
+            elif lease.direction != pb.FWD and st.grad == "leased":
+                st.grad, st.holder = "todo", ""
+                self.todo.add(lease.step, "grad", lease.mb)
+        q = self.sessions.get(lease.worker)
+        if q is not None:
+            q.put_nowait(pb.TakeBack(lease_ids=[lid]))
+        log.info("%s took back lease %d (%s step %d mb %d) from %s, unstarted, for idle %s", self.name, lid,
+                 pb.Direction.Name(lease.direction), lease.step, lease.mb, lease.worker, wid)
+        return True
+
+    async def _lease_reply(self, request: pb.LeaseRequest, session: bool) -> pb.LeaseReply:
+        """The reply to one lease request (long-polled up to its ``wait_s``, 2 s at most)."""
         info = self._worker(request.worker)
+        wid, ahead = request.worker, request.ahead
+        if request.started:
+            self.grants.start(request.started, wid, time.monotonic())
         if request.worker in self.guard_banned:
             return pb.LeaseReply(has_task=False, version=self.version, gen=info.gen, epoch=self.epoch,
-                                 step=self.step)
+                                 step=self.step, ask_id=request.ask_id)
         deadline = time.monotonic() + min(max(request.wait_s, 0.0), 2.0)
-        wid, ahead = request.worker, request.ahead
         if not ahead:
             self.idle_asking[wid] = self.idle_asking.get(wid, 0) + 1
         try:
             while True:
-                # A request made ahead (during a compute) never takes a task from a worker
-                # that waits idle for one: prefetching must not starve the stage's others.
-                task = None if ahead and yield_to_idle(self.idle_asking, wid) else self._pick(wid)
+                task = self._pick(wid) if self._may_grant(wid, ahead, session) else None
+                if task is None and session and not ahead and self._take_back_for(wid):
+                    task = self._pick(wid)
+                if task is not None and session:
+                    self.grants.grant(task.lease_id, wid, time.monotonic(), ahead)
                 flush = self._should_flush(wid)
                 if task is not None or flush or time.monotonic() >= deadline or self.done or self._local_wants(wid):
                     break
@@ -734,7 +782,8 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
                 if not self.idle_asking[wid]:
                     del self.idle_asking[wid]
         reply = pb.LeaseReply(has_task=task is not None, version=self.version, gen=info.gen,
-                              flush=flush, epoch=self.epoch, step=self.step)
+                              flush=flush, epoch=self.epoch, step=self.step, ask_id=request.ask_id,
+                              credit=self.grants.credit(wid, self.local) if session else 0)
         if task is not None:
             reply.task.CopyFrom(task)
         self._local_fill(reply, request.worker)
@@ -786,6 +835,8 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
             return pb.CompleteReply(accepted=False, reason="lease ended while its result was checked", gen=info.gen)
         st = self.steps[r.step][r.mb]
         del self.leases[r.lease_id]
+        self.grants.end(r.lease_id, r.worker, task_s=r.compute_s,
+                        idle=not any(ls.worker == r.worker for ls in self.leases.values()))
         self.completed[r.lease_id] = (r.worker, r.epoch, r.step, info.gen)
         info.ewma_s = ewma(info.ewma_s, max(r.compute_s, time.monotonic() - lease.started))
         self.timing.task(r.worker, r.compute_s, time.monotonic() - lease.started)
@@ -1058,6 +1109,75 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
             return 4 * numel + 512 * len(self.params) + CONTROL_SLACK
         cfg = model_config(self.spec)
         return 4 * self.spec.micro_batch_size * self.spec.seq_len * cfg.d_model + CONTROL_SLACK
+
+    async def Session(self, request_iterator, context):
+        """A worker's session (:mod:`shoal.runtime.transport.session`): its lease requests,
+        results and renewals come in on one stream, answered by the same handlers as the
+        calls; replies and take-backs go out on it. Every message must name the caller."""
+        member = caller(context)[0] if context is not None else ""
+        out: asyncio.Queue = asyncio.Queue()
+        old = self.sessions.get(member)
+        if old is not None:
+            old.put_nowait(None)  # a reconnect replaces the old session
+        self.sessions[member] = out
+        log.info("%s: session of %s opened", self.name, member)
+        refused: list[tuple] = []  # (status code, one line) that ends the session
+        jobs: set[asyncio.Task] = set()
+        reader = asyncio.create_task(self._session_read(request_iterator, member, out, jobs, refused))
+        try:
+            while True:
+                msg = await out.get()
+                if msg is None:
+                    break
+                data = await serialised(msg)
+                for chunk in split(type(msg).__name__, data, self.chunk_bytes):
+                    yield chunk
+        finally:
+            reader.cancel()
+            for t in list(jobs):
+                t.cancel()
+            if self.sessions.get(member) is out:
+                del self.sessions[member]
+        if refused and context is not None:
+            await context.abort(*refused[0])
+
+    def _session_limit(self, kind: str) -> int:
+        return self.max_bytes("act") if kind == "TaskResult" else CONTROL_SLACK
+
+    async def _session_read(self, chunks, member: str, out: asyncio.Queue, jobs: set, refused: list) -> None:
+        """Read a session's messages and answer each (in its own task: a lease request
+        long-polls while results keep coming)."""
+        try:
+            async for kind, msg in read_messages(chunks, UP_KINDS, self._session_limit, self._alive):
+                if msg.worker != member:
+                    refused.append((grpc.StatusCode.PERMISSION_DENIED,
+                                    f"session message names member {msg.worker!r}, but the caller is {member!r}"))
+                    break
+                if kind == "RenewRequest":
+                    await self.Renew(msg, None)
+                    continue
+                job = asyncio.create_task(self._session_answer(kind, msg, out))
+                jobs.add(job)
+                job.add_done_callback(jobs.discard)
+        except WireError as exc:
+            log.warning("%s refused a session message of %s: %s", self.name, member, exc)
+            refused.append((grpc.StatusCode.INVALID_ARGUMENT, f"rejected: {exc}"))
+        except grpc.aio.AioRpcError:
+            pass  # the worker went away: its leases run out as after any broken call
+        finally:
+            out.put_nowait(None)
+
+    async def _session_answer(self, kind: str, msg, out: asyncio.Queue) -> None:
+        try:
+            if kind == "LeaseRequest":
+                out.put_nowait(await self._lease_reply(msg, session=True))
+            else:
+                reply = await self.Complete(msg, None)
+                reply.lease_id = msg.lease_id
+                out.put_nowait(reply)
+        except Exception:
+            log.exception("%s: a session %s of %s failed", self.name, kind, msg.worker)
+            out.put_nowait(None)
 
     async def LeaseStream(self, request, context):
         reply = await self.Lease(request, context)

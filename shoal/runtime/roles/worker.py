@@ -29,7 +29,7 @@ from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
 from shoal.net.channel import ChannelFactory
 from shoal.net.compress import ErrorFeedback
-from shoal.net.stream import CONTROL_SLACK, DEFAULT_CHUNK_BYTES, fetch, send
+from shoal.net.stream import CONTROL_SLACK, DEFAULT_CHUNK_BYTES, fetch, send, transfer_timeout
 from shoal.net.traffic import Traffic
 from shoal.net.wire import WireError, decode_tensor, encode_tensor, frame_size, serialize_framed
 from shoal.runtime.common import (
@@ -46,6 +46,7 @@ from shoal.runtime.safety.faults import poison, poisons
 from shoal.runtime.sync.codecs import apply_pull, compression_of_spec
 from shoal.runtime.sync.local import LocalWorkerMixin
 from shoal.runtime.transport.frames import off_loop, retry
+from shoal.runtime.transport.session import SessionClient
 from shoal.train.precision import (
     autocast,
     backward_loss,
@@ -91,7 +92,8 @@ class WorkerOptions:
     join_timeout_s: float = 30.0  # --join-timeout: seconds to keep retrying an unreachable coordinator at start
     uploads_in_flight: int = 2  # results sent in the background while the next task runs (0: await each)
     upload_attempts: int = 4  # tries of one result upload (same lease id) before its lease is left to expire
-    prefetch: bool = False  # exact sync: ask for the next task while computing this one (opt-in: see _ask_ahead)
+    prefetch: bool = False  # exact sync, without a session: ask for the next task while computing this one
+    session: bool = True  # talk to the stage server on one session stream (grants ahead, take-backs); False: calls
 
 
 UNASSIGNED_HEARTBEAT_S = 0.2  # heartbeat period of a worker that has no stage yet (waits for its assignment)
@@ -250,6 +252,9 @@ class Worker(LocalWorkerMixin):
         self.move_now = False  # the coordinator: nobody else works on the wanted stage (hold no move)
         self.upload_error: BaseException | None = None  # an unexpected failure of one, raised by the task loop
         self.ahead: tuple[object, asyncio.Task] | None = None  # (server stub, lease request made during a compute)
+        self.sessions: dict[int, SessionClient] = {}  # id(server stub) -> its open session
+        self.session_ok = opts.session  # False once a server does not offer sessions: calls
+        self.credit = 1  # tasks the server lets this worker hold (session; 2+: ask ahead)
         self._reset_observed()
 
     def _reset_observed(self) -> None:
@@ -356,6 +361,7 @@ class Worker(LocalWorkerMixin):
                     await asyncio.sleep(0.2)
         finally:
             self._drop_ahead()
+            self._close_sessions()
             hb.cancel()
 
     @property
@@ -388,9 +394,13 @@ class Worker(LocalWorkerMixin):
             if self.server_addr and self.stage >= 0:
                 # Also with no lease held: while a large push is framed, the server must
                 # not take this worker's silence for death and void its gradients.
-                with contextlib.suppress(grpc.aio.AioRpcError):
-                    await self.server.Renew(pb.RenewRequest(worker=self.member_id,
-                                                            lease_ids=list(self.held)), timeout=5)
+                req = pb.RenewRequest(worker=self.member_id, lease_ids=list(self.held))
+                sess = self.sessions.get(id(self.server))
+                if sess is not None and sess.alive:
+                    sess.renew(req)  # one message on the open stream
+                else:
+                    with contextlib.suppress(grpc.aio.AioRpcError):
+                        await self.server.Renew(req, timeout=5)
             await asyncio.sleep(self._beat_period())
 
     async def _heartbeats(self) -> None:
@@ -430,6 +440,7 @@ class Worker(LocalWorkerMixin):
                                 a.forgotten or "it does not know this member id")
                     reply = await self.coord.Join(self._join_request())
                     self.member_id = reply.member_id
+                    self._close_sessions()  # bound to the old member id
                     self.measure_want = self.measure_done = 0
                     self.want = None
                     self.stage, self.server_addr = -1, ""
@@ -465,6 +476,8 @@ class Worker(LocalWorkerMixin):
             self._switch(stage, first, last, module)
         self.server_addr = addr
         self.server = self.channels_stub(addr)
+        for key in [k for k in self.sessions if k != id(self.server)]:
+            self.sessions.pop(key).close()
 
     def channels_stub(self, addr: str) -> pbg.StageServerStub:
         if not hasattr(self, "_stubs_by_addr"):
@@ -643,12 +656,42 @@ class Worker(LocalWorkerMixin):
             await self.server.PushGrads(pb.GradPush(worker=self.member_id, step=step, epoch=epoch, gen=gen),
                                         timeout=10)
 
-    async def _ask(self, server, ahead: bool = False) -> pb.LeaseReply:
-        """One lease request (long-polled by the server); a task it brings is held from here on."""
-        rep = await fetch(server.LeaseStream,
-                          pb.LeaseRequest(worker=self.member_id, wait_s=self.opts.lease_wait_s, ahead=ahead),
-                          pb.LeaseReply, 2 * self._act_bytes() + CONTROL_SLACK, timeout=10,
-                          traffic=self.traffic)
+    def _session(self, server) -> SessionClient | None:
+        """The open session with ``server`` (opened now if needed); None: use the calls."""
+        if not self.session_ok:
+            return None
+        sess = self.sessions.get(id(server))
+        if sess is not None and not sess.alive:
+            if sess.error is not None and sess.error.code() == grpc.StatusCode.UNIMPLEMENTED:
+                log.info("%s: the server offers no sessions; using calls", self.opts.name)
+                self.session_ok = False
+                self.sessions.pop(id(server), None)
+                return None
+            sess = None
+        if sess is None:
+            sess = self.sessions[id(server)] = SessionClient(
+                server.Session, self.member_id, self.chunk_bytes, 2 * self._act_bytes() + CONTROL_SLACK,
+                traffic=self.traffic)
+        return sess
+
+    def _close_sessions(self) -> None:
+        for sess in self.sessions.values():
+            sess.close()
+        self.sessions.clear()
+
+    async def _ask(self, server, ahead: bool = False, started: int = 0) -> pb.LeaseReply:
+        """One lease request (long-polled by the server); a task it brings is held from here on.
+
+        ``started``: the lease id this worker starts computing now (a session's server then
+        knows the grants it still may take back)."""
+        req = pb.LeaseRequest(worker=self.member_id, wait_s=self.opts.lease_wait_s, ahead=ahead, started=started)
+        sess = self._session(server)
+        if sess is not None:
+            rep = await sess.lease(req, timeout=10)
+            self.credit = max(1, rep.credit)
+        else:
+            rep = await fetch(server.LeaseStream, req, pb.LeaseReply, 2 * self._act_bytes() + CONTROL_SLACK,
+                              timeout=10, traffic=self.traffic)
         if rep.has_task:
             self.held.add(rep.task.lease_id)  # renewed by the heartbeats until its result is sent
         return rep
@@ -660,12 +703,21 @@ class Worker(LocalWorkerMixin):
         ahead, self.ahead = self.ahead, None
         if ahead is not None:
             try:
-                return await ahead[1]
+                rep = await ahead[1]
             except grpc.aio.AioRpcError as exc:
                 log.info("%s: lease asked ahead failed (%s); asking again", self.opts.name, exc.code())
+            else:
+                sess = self.sessions.get(id(server))
+                if rep.has_task and sess is not None and rep.task.lease_id in sess.taken_back:
+                    # Granted ahead, then given to a worker that went idle: not ours to start.
+                    sess.taken_back.discard(rep.task.lease_id)
+                    self.held.discard(rep.task.lease_id)
+                    rep.has_task = False
+                    rep.ClearField("task")
+                return rep
         return await self._ask(server)
 
-    def _ask_ahead(self, server) -> None:
+    def _ask_ahead(self, server, started: int = 0) -> None:
         """Ask for the next task now, while this one computes (exact sync, ``--prefetch``).
 
         Opt-in: it hides the lease round trip (6-15 % shorter steps on the emulated demo
@@ -676,8 +728,10 @@ class Worker(LocalWorkerMixin):
         forward and would wait behind the forward leased ahead (5-9 % longer steps).
         bench/results/bench_runtime.md has the runs.
         """
-        if self.opts.prefetch and not self.local and self.ahead is None:
-            self.ahead = (server, asyncio.create_task(self._ask(server, ahead=True)))
+        on_session = self.sessions.get(id(server)) is not None and self.session_ok
+        wanted = self.credit >= 2 if on_session else self.opts.prefetch
+        if wanted and not self.local and self.ahead is None:
+            self.ahead = (server, asyncio.create_task(self._ask(server, ahead=True, started=started)))
 
     def _drop_ahead(self) -> None:
         """Forget the lease asked ahead: a task it brought is no longer renewed, so it runs out
@@ -735,7 +789,7 @@ class Worker(LocalWorkerMixin):
                 return  # the server moved on; the lease will be dropped
             t0 = time.perf_counter()
             loop = asyncio.get_running_loop()
-            self._ask_ahead(server)
+            self._ask_ahead(server, task.lease_id)
             self._do(f"computing {pb.Direction.Name(task.direction)} step {task.step} mb {task.mb}")
             try:
                 out, loss, grads, recomputed = await loop.run_in_executor(None, self._compute, task)
@@ -814,8 +868,12 @@ class Worker(LocalWorkerMixin):
             data = await off_loop(result.ByteSize(), result.SerializeToString)
             for attempt in range(1, self.opts.upload_attempts + 1):
                 try:
-                    done = await send(server.CompleteStream, result, self.chunk_bytes, traffic=self.traffic,
-                                      sender=self.member_id, data=data)
+                    sess = self._session(server)
+                    if sess is not None:
+                        done = await sess.complete(result, data, timeout=transfer_timeout(len(data)))
+                    else:
+                        done = await send(server.CompleteStream, result, self.chunk_bytes, traffic=self.traffic,
+                                          sender=self.member_id, data=data)
                     break
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() in _FINAL_CODES or attempt == self.opts.upload_attempts:
