@@ -171,3 +171,20 @@ def test_local_sparse_swarm_replicas_equal_server_and_bytes(tmp_path):
     assert set(by_codec["grad_push"]) == {"sparse"}, by_codec["grad_push"]
     assert by_codec["weight_pull"]["sparse"]["messages"] > 0
     print(json.dumps(by_codec, indent=1))
+
+
+def test_stage_frame_splits_by_the_receivers_own_shapes():
+    """One sparse frame for a stage: split by the receiver's parameters in name order; a frame
+    of another stage (other element count) is a WireError, never a partial write."""
+    from shoal.runtime.sync.codecs import stage_frame
+
+    torch.manual_seed(3)
+    t = {"layers.1.b": torch.randn(7), "layers.1.w": torch.randn(40, 300), "layers.2.w": torch.randn(5, 5)}
+    frame = stage_frame(t, "sparse:1:8")  # keeps every entry: the split is checkable value by value
+    got = split_stage_frame(frame, t)
+    assert list(got) == sorted(t)
+    for n in t:
+        assert got[n].shape == t[n].shape
+        assert torch.allclose(got[n], t[n], atol=max(float(v.abs().max()) for v in t.values()) / 100)  # per-chunk scales
+    with pytest.raises(WireError):
+        split_stage_frame(frame, {k: v for k, v in t.items() if k != "layers.2.w"})

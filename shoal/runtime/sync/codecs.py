@@ -145,7 +145,8 @@ def split_stage_frame(frame: pb.Tensor, params: dict[str, torch.Tensor], finite:
 
     names = sorted(params)
     total = sum(params[n].numel() for n in names)
-    flat = decode_tensor(frame, shape=(total,), dtype="float32", finite=finite)
+    # The length comes from the receiver's own stage, so a whole large stage is within bounds.
+    flat = decode_tensor(frame, shape=(total,), dtype="float32", finite=finite, max_elements=max(1, total))
     out, at = {}, 0
     for n in names:
         k = params[n].numel()
