@@ -181,7 +181,7 @@ def sweep_main(args) -> int:
     for name, res in results.items():
         fin = tail_loss(res["recs"])
         parts = name.split()
-        base = results.get(" ".join(p for p in parts if not p.startswith("sparse"))) if name.startswith("local") else None
+        base = results.get(" ".join(p for p in parts if "sparse" not in p)) if name.startswith("local") else None
         rel = f"{fin / tail_loss(base['recs']):.4f}" if base is not None and base is not res else "-"
         ex = f"{fin / ref_exact:.4f}" if ref_exact else "-"
         print(f"| {name} | {fin:.4f} | {rel} | {ex} | {wall_curve(res['recs'])[-1]:.0f} |")
