@@ -27,7 +27,14 @@ from shoal.runtime.ui.dashboard import (
     page,
     parse_bind,
 )
-from shoal.runtime.ui.stats import StepTiming, achieved_step_time, bottleneck, member_state
+from shoal.runtime.ui.stats import (
+    StepTiming,
+    achieved_step_time,
+    bottleneck,
+    eta_seconds,
+    member_state,
+    stage_waits_for,
+)
 
 # --------------------------------------------------------------------------- pure figures
 
@@ -245,6 +252,38 @@ def test_snapshot_of_an_emulated_run_shows_links_rejoins_and_the_plan(tmp_path):
     assert events.count("join") == 5 and "leave" in events and "replan" in events
 
 
+def test_eta_is_the_steps_left_at_the_recent_step_time():
+    assert eta_seconds(100, 0, []) is None  # nothing timed yet
+    assert eta_seconds(100, 3, [30.0, 2.0, 4.0]) == pytest.approx(97 * 3.0)  # step 0's start-up left out
+    assert eta_seconds(100, 100, [1.0]) == 0.0
+    assert eta_seconds(50, 20, [9.0] + [1.0] * 10 + [3.0] * 10) == pytest.approx(30 * 3.0)  # newest 10
+
+
+def test_what_a_stage_waits_for():
+    base = {"stage": 1, "step": 7, "step_s": 4.0, "held": [], "unpushed": [], "wait_input": 0, "wait_grad": 0,
+            "pool_todo": 0, "committing": False}
+    assert stage_waits_for({**base, "step": None}) is None
+    held = [{"worker": "w1", "tasks": 1, "oldest_s": 2.5}, {"worker": "w3", "tasks": 2, "oldest_s": 11.9}]
+    w = stage_waits_for({**base, "held": held, "wait_input": 2})
+    assert w["who"].startswith("w3 (2 tasks, leased 11.9 s ago), w1 (1 task") and w["for_s"] == 11.9
+    assert stage_waits_for({**base, "committing": True, "held": held})["who"].startswith("the coordinator")
+    assert stage_waits_for({**base, "unpushed": ["w2"]}) == {"who": "gradient pushes from w2", "for_s": 4.0}
+    assert stage_waits_for({**base, "wait_input": 3})["who"] == "inputs from stage 0 (3 micro-batches)"
+    assert stage_waits_for({**base, "wait_grad": 1})["who"] == "gradients from stage 2 (1 micro-batches)"
+    assert "ready tasks" in stage_waits_for({**base, "pool_todo": 4})["who"]
+    assert "other stages" in stage_waits_for(base)["who"]
+
+
+def test_saved_page_holds_the_state_and_cannot_be_broken_out_of():
+    from shoal.runtime.ui.dashboard import static_page
+
+    html = static_page({"run": {"model": "</script><script>alert(1)</script>", "x": float("nan")}}).decode()
+    assert "window.SHOAL_STATE = " in html and "poll()" in html
+    assert html.count("</script>") == 1  # the app's own closing tag only
+    state = html.split("window.SHOAL_STATE = ", 1)[1].split(";\n", 1)[0]
+    assert json.loads(state)["run"] == {"model": "</script><script>alert(1)</script>", "x": None}
+
+
 # --------------------------------------------------------------------------- a real launch
 
 DEAD_AFTER = 3.0  # the runtime's default
@@ -325,6 +364,17 @@ def test_api_during_launch(swarm):
                and all(x["split"] for x in s["stages"]), 120, "every worker placed and every stage timed")
     assert sorted(w["name"] for w in st["workers"]) == ["w0", "w1", "w2"]
     assert all(w["state"] == "active" and w["flops"] > 0 for w in st["workers"])
+    # What the workers measured, not `loopback`: device names, links to every server.
+    st = _wait(url, lambda s: all(w["device"].startswith("cpu") for w in s["workers"]), 120, "measured devices")
+    servers = {s["name"] for s in st["servers"]}
+    for w in st["workers"]:
+        link = w["link"]
+        assert link["measured"] and {p["peer"] for p in link["paths"]} == servers | {"coordinator"}, link
+        assert link["server"] in servers and link["server_up_Bps"] > 0 and link["rtt_s"] > 0
+    assert all(s["device"].startswith("cpu") for s in st["servers"])
+    assert st["run"]["eta_s"] is not None and st["run"]["eta_s"] > 0
+    assert all(s["waiting_for"] and s["waiting_for"]["for_s"] >= 0 for s in st["stages"]), st["stages"]
+    assert not [e for e in st["events"] if e["event"] == "join" and e.get("flops") == 1.0]
     assert [s["stage"] for s in st["stages"]] == [0, 1]
     assert st["stages"][0]["layers"][0] == 0 and st["stages"][1]["layers"][1] == 6
     assert st["stages"][0]["layers"][1] == st["stages"][1]["layers"][0]
@@ -346,8 +396,11 @@ def test_api_during_launch(swarm):
     res = subprocess.run([sys.executable, "-m", "shoal.cli", "status", "--join", swarm.address],
                          capture_output=True, text=True, timeout=120, env=env)
     assert res.returncode == 0, res.stderr
-    for word in ("w0", "w1", "w2", "stages", "workers", "bottleneck", "training"):
+    for word in ("w0", "w1", "w2", "stages", "workers", "bottleneck", "training", "ETA"):
         assert word in res.stdout, res.stdout
+    wide = subprocess.run([sys.executable, "-m", "shoal.cli", "status", "--join", swarm.address],
+                          capture_output=True, text=True, timeout=120, env=dict(env, COLUMNS="300"))
+    assert "waiting for" in wide.stdout and "cpu: " in wide.stdout and " rtt " in wide.stdout, wide.stdout
 
 
 @pytest.mark.integration
@@ -356,8 +409,17 @@ def test_page_in_chromium_then_kill9_turns_gone(swarm, tmp_path):
     """The page in headless Chromium shows every worker and stage and a growing loss chart;
     a kill -9'd worker turns "gone" in the API within its dead-after time, then on the page."""
     url = swarm.dashboard_url
+    _wait(url, lambda s: all(w["device"].startswith("cpu") for w in s["workers"]), 120, "measured devices")
     dom = _dom(url, tmp_path)
     assert _rows(dom) == {"w0": "active", "w1": "active", "w2": "active"}, dom[:3000]
+    # The worker table shows the measured device names, and the links as measured.
+    devices = [d for d in re.findall(r'<td class="device">([^<]*)</td>', dom) if "${" not in d]  # not the script
+    assert len(devices) == 3 and all(d.startswith("cpu") for d in devices), devices
+    assert "loopback" not in dom and dom.count("rtt ") >= 3
+    # Loss-axis ticks at round values with the decimals their step needs (never 4 odd ones).
+    ticks = [t for t in re.findall(r'<text class="tick"[^>]*>([^<]+)</text>', dom) if "${" not in t]
+    assert ticks and all(len(t.split(".")[1]) <= 2 if "." in t else True for t in ticks), ticks
+    assert re.search(r'id="eta">ETA [0-9.]+ (s|min|h|ms)<', dom), dom[:3000]
     assert set(re.findall(r'<tr class="stage" data-stage="(\d+)"', dom)) == {"0", "1"}
     assert len(re.findall(r'class="stage-box" data-stage="\d+"', dom)) == 2  # the plan diagram
     first = _points(dom)
@@ -381,6 +443,13 @@ def test_page_in_chromium_then_kill9_turns_gone(swarm, tmp_path):
     leave = [e for e in st["events"] if e["event"] == "leave" and e.get("device") == "w2"][-1]
     assert leave["why"] == "missed heartbeats"
     print(f"on the run's clock: leave {leave['time_s'] - kill['time_s']:.2f} s after the kill")
+    # The page saved with a state (what the coordinator writes to RUN/dashboard.html at the
+    # end) renders it from the file alone, in a real browser, with no server to poll.
+    from shoal.runtime.ui.dashboard import write_page
+
+    saved = write_page(tmp_path / "dashboard.html", _state(url))
+    dom_saved = _dom(saved.as_uri(), tmp_path)
+    assert _rows(dom_saved)["w2"] == "gone" and "final state, saved" in dom_saved, dom_saved[:3000]
     shot = os.environ.get("SHOAL_DASHBOARD_SCREENSHOT") or str(tmp_path / "dashboard.png")
     dom = _dom(url, tmp_path, shot=shot)
     rows = _rows(dom)

@@ -158,6 +158,11 @@ def test_workers_without_data_train_bitwise_as_local(tmp_path):
     weights = load_final_weights(out)
     ref_w = local.model.state_dict()
     assert not [k for k in ref_w if not torch.equal(weights[k], ref_w[k])]
+    # The run's final state stays viewable: a static dashboard page in the run folder.
+    page = (out / "dashboard.html").read_text()
+    state = json.loads(page.split("window.SHOAL_STATE = ", 1)[1].split(";\n", 1)[0])
+    assert state["run"]["done"] and state["run"]["committed"] == RUN["steps"]
+    assert json.loads((out / "summary.json").read_text())["dashboard"] == "dashboard.html"
 
 
 @pytest.mark.timeout(300)

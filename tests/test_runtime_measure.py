@@ -257,14 +257,17 @@ def test_coordinator_measures_plans_and_remeasures(tmp_path, monkeypatch):
         s1 = (await c.Join(pb.JoinRequest(role="server", name="s1", address="127.0.0.1:2", will_measure=True),
                            None)).member_id
         hb = {m: await c.Heartbeat(pb.MemberRequest(member_id=m), None) for m in (w0, w1, s0, s1)}
-        assert all(h.measure == 1 and not h.ready for h in hb.values())  # asked; waits for the reports
+        # Asked one at a time, in join order, so no two members' probes share a link.
+        assert [hb[m].measure for m in (w0, w1, s0, s1)] == [1, 0, 0, 0] and not any(h.ready for h in hb.values())
         near = {"coordinator": (1e-3, 50e6, 50e6), "127.0.0.1:1": (1e-3, 40e6, 60e6),
                 "127.0.0.1:2": (1e-3, 40e6, 60e6)}
-        await c.Measured(_report(s0, 1, 0.0, {"coordinator": near["coordinator"], "127.0.0.1:2": near["127.0.0.1:2"]}), None)
-        await c.Measured(_report(s1, 1, 0.0, {"coordinator": near["coordinator"], "127.0.0.1:1": near["127.0.0.1:1"]}), None)
         await c.Measured(_report(w0, 1, 4e9, near), None)
-        assert not c.ready  # w1 has not reported
+        assert (await c.Heartbeat(pb.MemberRequest(member_id=w1), None)).measure == 1
+        assert (await c.Heartbeat(pb.MemberRequest(member_id=s0), None)).measure == 0
         await c.Measured(_report(w1, 1, 1e9, near), None)
+        await c.Measured(_report(s0, 1, 0.0, {"coordinator": near["coordinator"], "127.0.0.1:2": near["127.0.0.1:2"]}), None)
+        assert not c.ready  # s1 has not reported
+        await c.Measured(_report(s1, 1, 0.0, {"coordinator": near["coordinator"], "127.0.0.1:1": near["127.0.0.1:1"]}), None)
         assert c.ready and c.plan is not None
         st = json.loads((await c.Status(pb.Empty(), None)).json)
         assert st["plans_on"] == "measured"

@@ -25,6 +25,7 @@ functions (:func:`build_report`), so it is testable without a run.
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 from pathlib import Path
@@ -209,7 +210,9 @@ def render_markdown(rep: dict[str, Any]) -> str:
         f"- mean tokens/s: {_fmt_r(rep['mean_tokens_per_s'])}",
         f"- churn: {rep['churn'] if rep['churn'] is not None else 'n/a'}",
         "",
-        "![loss](loss.png)", "", "![throughput](throughput.png)", "",
+        *([f"- the run's final state: [dashboard]({rep['dashboard']}) (a static page of the live dashboard)"]
+          if rep.get("dashboard") else []),
+        "", "![loss](loss.png)", "", "![throughput](throughput.png)", "",
         "## Plan", "",
     ]
     stages = (rep["plan"] or {}).get("stages") or []
@@ -353,6 +356,9 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"
     out.mkdir(parents=True, exist_ok=True)
     rep = build_report(metrics, events, summary)
+    page = Path(run_dir) / "dashboard.html"
+    if page.exists():
+        rep["dashboard"] = os.path.relpath(page, out)
     plot_loss(metrics, out / "loss.png")
     plot_throughput(metrics, events, out / "throughput.png")
     (out / "report.md").write_text(render_markdown(rep), encoding="utf-8")

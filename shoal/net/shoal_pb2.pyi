@@ -153,7 +153,7 @@ class JoinReply(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., spec: _Optional[_Union[RunSpec, _Mapping]] = ..., credential: _Optional[str] = ..., run_secret: _Optional[bytes] = ..., role: _Optional[str] = ...) -> None: ...
 
 class MemberRequest(_message.Message):
-    __slots__ = ("member_id", "version", "ckpt_version", "epoch", "counter_id", "traffic", "role", "observed_flops", "observed_tasks", "observed_pull_s", "observed_pull_bytes", "observed_pulls", "stats", "fatal", "guard_bans", "standby_held", "standby_decisions_from", "doing", "alive", "ckpt_versions", "guard_unverified")
+    __slots__ = ("member_id", "version", "ckpt_version", "epoch", "counter_id", "traffic", "role", "observed_flops", "observed_tasks", "observed_pull_s", "observed_pull_bytes", "observed_pulls", "stats", "fatal", "guard_bans", "standby_held", "standby_decisions_from", "doing", "alive", "ckpt_versions", "guard_unverified", "leave_reason")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CKPT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,7 @@ class MemberRequest(_message.Message):
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     CKPT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     GUARD_UNVERIFIED_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_REASON_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     version: int
     ckpt_version: int
@@ -196,7 +197,8 @@ class MemberRequest(_message.Message):
     alive: _containers.RepeatedScalarFieldContainer[str]
     ckpt_versions: _containers.RepeatedScalarFieldContainer[int]
     guard_unverified: _containers.RepeatedCompositeFieldContainer[GuardUnverified]
-    def __init__(self, member_id: _Optional[str] = ..., version: _Optional[int] = ..., ckpt_version: _Optional[int] = ..., epoch: _Optional[int] = ..., counter_id: _Optional[str] = ..., traffic: _Optional[_Iterable[_Union[ByteCount, _Mapping]]] = ..., role: _Optional[str] = ..., observed_flops: _Optional[float] = ..., observed_tasks: _Optional[int] = ..., observed_pull_s: _Optional[float] = ..., observed_pull_bytes: _Optional[int] = ..., observed_pulls: _Optional[int] = ..., stats: _Optional[_Union[MemberStats, _Mapping]] = ..., fatal: _Optional[str] = ..., guard_bans: _Optional[_Iterable[_Union[GuardBan, _Mapping]]] = ..., standby_held: _Optional[_Iterable[_Union[StandbyHeld, _Mapping]]] = ..., standby_decisions_from: _Optional[int] = ..., doing: _Optional[str] = ..., alive: _Optional[_Iterable[str]] = ..., ckpt_versions: _Optional[_Iterable[int]] = ..., guard_unverified: _Optional[_Iterable[_Union[GuardUnverified, _Mapping]]] = ...) -> None: ...
+    leave_reason: str
+    def __init__(self, member_id: _Optional[str] = ..., version: _Optional[int] = ..., ckpt_version: _Optional[int] = ..., epoch: _Optional[int] = ..., counter_id: _Optional[str] = ..., traffic: _Optional[_Iterable[_Union[ByteCount, _Mapping]]] = ..., role: _Optional[str] = ..., observed_flops: _Optional[float] = ..., observed_tasks: _Optional[int] = ..., observed_pull_s: _Optional[float] = ..., observed_pull_bytes: _Optional[int] = ..., observed_pulls: _Optional[int] = ..., stats: _Optional[_Union[MemberStats, _Mapping]] = ..., fatal: _Optional[str] = ..., guard_bans: _Optional[_Iterable[_Union[GuardBan, _Mapping]]] = ..., standby_held: _Optional[_Iterable[_Union[StandbyHeld, _Mapping]]] = ..., standby_decisions_from: _Optional[int] = ..., doing: _Optional[str] = ..., alive: _Optional[_Iterable[str]] = ..., ckpt_versions: _Optional[_Iterable[int]] = ..., guard_unverified: _Optional[_Iterable[_Union[GuardUnverified, _Mapping]]] = ..., leave_reason: _Optional[str] = ...) -> None: ...
 
 class StandbyHeld(_message.Message):
     __slots__ = ("stage", "version")
@@ -229,7 +231,7 @@ class GuardUnverified(_message.Message):
     def __init__(self, worker: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class MemberStats(_message.Message):
-    __slots__ = ("stage", "tasks_done", "compute_s", "step", "pool_todo", "pool_waiting", "leases", "workers", "last_step", "standby_logging", "standby_lagging")
+    __slots__ = ("stage", "tasks_done", "compute_s", "step", "pool_todo", "pool_waiting", "leases", "workers", "last_step", "standby_logging", "standby_lagging", "held", "wait_input", "wait_grad", "unpushed", "committing", "step_s")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     TASKS_DONE_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +243,12 @@ class MemberStats(_message.Message):
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
     STANDBY_LOGGING_FIELD_NUMBER: _ClassVar[int]
     STANDBY_LAGGING_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    WAIT_INPUT_FIELD_NUMBER: _ClassVar[int]
+    WAIT_GRAD_FIELD_NUMBER: _ClassVar[int]
+    UNPUSHED_FIELD_NUMBER: _ClassVar[int]
+    COMMITTING_FIELD_NUMBER: _ClassVar[int]
+    STEP_S_FIELD_NUMBER: _ClassVar[int]
     stage: int
     tasks_done: int
     compute_s: float
@@ -252,7 +260,23 @@ class MemberStats(_message.Message):
     last_step: StepSplit
     standby_logging: _containers.RepeatedScalarFieldContainer[str]
     standby_lagging: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, stage: _Optional[int] = ..., tasks_done: _Optional[int] = ..., compute_s: _Optional[float] = ..., step: _Optional[int] = ..., pool_todo: _Optional[int] = ..., pool_waiting: _Optional[int] = ..., leases: _Optional[int] = ..., workers: _Optional[int] = ..., last_step: _Optional[_Union[StepSplit, _Mapping]] = ..., standby_logging: _Optional[_Iterable[str]] = ..., standby_lagging: _Optional[_Iterable[str]] = ...) -> None: ...
+    held: _containers.RepeatedCompositeFieldContainer[HeldLease]
+    wait_input: int
+    wait_grad: int
+    unpushed: _containers.RepeatedScalarFieldContainer[str]
+    committing: bool
+    step_s: float
+    def __init__(self, stage: _Optional[int] = ..., tasks_done: _Optional[int] = ..., compute_s: _Optional[float] = ..., step: _Optional[int] = ..., pool_todo: _Optional[int] = ..., pool_waiting: _Optional[int] = ..., leases: _Optional[int] = ..., workers: _Optional[int] = ..., last_step: _Optional[_Union[StepSplit, _Mapping]] = ..., standby_logging: _Optional[_Iterable[str]] = ..., standby_lagging: _Optional[_Iterable[str]] = ..., held: _Optional[_Iterable[_Union[HeldLease, _Mapping]]] = ..., wait_input: _Optional[int] = ..., wait_grad: _Optional[int] = ..., unpushed: _Optional[_Iterable[str]] = ..., committing: _Optional[bool] = ..., step_s: _Optional[float] = ...) -> None: ...
+
+class HeldLease(_message.Message):
+    __slots__ = ("worker", "tasks", "oldest_s")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_S_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    tasks: int
+    oldest_s: float
+    def __init__(self, worker: _Optional[str] = ..., tasks: _Optional[int] = ..., oldest_s: _Optional[float] = ...) -> None: ...
 
 class StepSplit(_message.Message):
     __slots__ = ("step", "total_s", "compute_s", "transfer_s", "sync_s", "waiting_s")

@@ -591,6 +591,9 @@ def run_launch_cmd(args) -> int:
             print(f"dashboard: {swarm.dashboard_url}", flush=True)
 
     summary = launch(cfg, on_event=lambda r: print(_fmt(r), flush=True), on_start=started)
+    page = Path(cfg.out) / "dashboard.html"
+    if page.exists():
+        print(f"the run's final state (static dashboard): {page}", flush=True)
     print(json.dumps({k: summary.get(k) for k in ("steps", "final_loss", "requeues", "tokens_per_s",
                                                   "wall_time_s")}))
     return 0

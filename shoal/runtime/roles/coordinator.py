@@ -471,12 +471,19 @@ class Coordinator(pbg.CoordinatorServicer):
         return m.measure_req > 0 and time.monotonic() - m.asked_at > MEASURE_TIMEOUT_S
 
     def _ask_measure(self) -> None:
-        """Ask members that never measured to do so, once every stage has a server to probe."""
+        """Ask members that never measured to do so, once every stage has a server to probe:
+        one member at a time (in join order), so no two members' probes share a link and
+        each measures the path alone; a member that does not answer holds the next ones for
+        at most MEASURE_TIMEOUT_S."""
         if self.emulated is not None or not all(self.stage_server):
             return
+        if any(m.will_measure and m.measure_req > m.measure_done and not self._settled(m)
+               for m in self.members.values()):
+            return  # a measurement is under way
         for m in self.members.values():
             if m.will_measure and m.measure_req == 0:
                 m.measure_req, m.asked_at = 1, time.monotonic()
+                return
 
     def _path_target(self, target: str) -> str | None:
         """The node a probe went to: the coordinator, or the server member at that address."""
@@ -525,6 +532,7 @@ class Coordinator(pbg.CoordinatorServicer):
                           for p in paths},
                    **({"missing": missing} if missing else {}))
         self._after_measure(m, again)
+        self._ask_measure()  # the next member's turn
         return pb.Empty()
 
     def _after_measure(self, m: Member, again: bool) -> None:
@@ -877,7 +885,7 @@ class Coordinator(pbg.CoordinatorServicer):
         await check_caller(context, request.member_id)
         m = self.members.pop(request.member_id, None)
         if m:
-            self._drop(m, "leave")
+            self._drop(m, "leave", reason=request.leave_reason[:500])
         return pb.Empty()
 
     def _heard_via(self, server: Member, alive) -> None:
@@ -890,10 +898,13 @@ class Coordinator(pbg.CoordinatorServicer):
                 w.last_seen = now
                 w.last_sign = f"traffic at server {server.name}"
 
-    def _drop(self, m: Member, why: str, **detail) -> None:
-        m.death = death_line(m.name, why, detail)
-        self.gone[m.member_id] = (m, why, time.time())
-        self.event("leave", device=m.name, role=m.role, why=why, stage=self._stage_of_dropped(m), **detail)
+    def _drop(self, m: Member, why: str, reason: str = "", **detail) -> None:
+        """Remove member ``m``: ``why`` the kind of end, ``reason`` the member's own one line
+        (a Leave on an error), ``detail`` what the coordinator saw (a silent member)."""
+        m.death = death_line(m.name, why, detail) + (f": {reason}" if reason else "")
+        self.gone[m.member_id] = (m, f"{why}: {reason}" if reason else why, time.time())
+        self.event("leave", device=m.name, role=m.role, why=why, stage=self._stage_of_dropped(m), **detail,
+                   **({"reason": reason} if reason else {}))
         if m.role == "server":
             for s, sid in enumerate(self.stage_server):
                 if sid == m.member_id:
@@ -1138,6 +1149,22 @@ class Coordinator(pbg.CoordinatorServicer):
             tmp.replace(path)
         self.finished.set()
 
+    def write_final_page(self) -> Path | None:
+        """Save the dashboard with the run's final state as ``RUN/dashboard.html`` (linked from
+        ``OUT/dashboard.html``): a static page that stays viewable after the run."""
+        if self.run_dir is None:
+            return None
+        from shoal.runtime.ui.dashboard import snapshot, write_page
+
+        try:
+            path = write_page(self.run_dir / "dashboard.html", snapshot(self))
+            point_link(self.out, "dashboard.html", self.spec.run_id)
+        except OSError as exc:
+            log.warning("could not save the final dashboard: %s", exc)
+            return None
+        log.info("the run's final state: %s", self.out / "dashboard.html")
+        return path
+
     def summary(self) -> dict:
         losses = [r["loss"] for r in sorted(self.history, key=lambda r: r["step"])]
         times = [r["step_time_s"] for r in self.history]
@@ -1152,6 +1179,7 @@ class Coordinator(pbg.CoordinatorServicer):
             "wall_time_s": time.time() - self.t0,
             **merge_traffic(self.traffic),
             "bytes_method": BYTES_METHOD,
+            **({"dashboard": "dashboard.html"} if self.run_dir is not None else {}),
         }
 
     async def Status(self, request, context):
@@ -1238,6 +1266,7 @@ async def run_coordinator(spec: pb.RunSpec, token: str, listen: str, *, min_work
     reaper = asyncio.create_task(coord.reap())
     await coord.finished.wait()
     reaper.cancel()
+    coord.write_final_page()
     if web is not None:
         await web.stop()
     await server.stop(0.5)

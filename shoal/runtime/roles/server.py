@@ -569,6 +569,17 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
                            workers=sum(now - w.last_seen <= live for w in self.workers.values()))
         if self.last_split is not None:
             s.last_step.CopyFrom(pb.StepSplit(**self.last_split))
+        # What the step waits for: lease holders, inputs and gradients from the neighbours, pushes.
+        held: dict[str, list[float]] = {}
+        for lease in self.leases.values():
+            held.setdefault(lease.worker, []).append(now - lease.started)
+        s.held.extend(pb.HeldLease(worker=w, tasks=len(ages), oldest_s=max(ages)) for w, ages in sorted(held.items()))
+        last = self.stage >= 0 and self.version >= 0 and self.is_last
+        s.wait_input = sum((st.grad if last else st.fwd) == "wait" for st in mbs.values())
+        s.wait_grad = sum(not last and st.fwd == "done" and st.grad == "wait" for st in mbs.values())
+        s.unpushed.extend(sorted({st.holder for st in mbs.values() if st.grad == "computed" and st.holder}))
+        s.committing = self.committing
+        s.step_s = now - self.progress_t
         self.standby_stats(s)
         return s
 

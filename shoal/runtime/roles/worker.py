@@ -325,9 +325,9 @@ class Worker(LocalWorkerMixin):
                 raise ShoalError(f"--precision {self.opts.precision}: the run at {self.coord_addr} computes in "
                                  f"{self.precision}; drop --precision or join another run")
             check_device_precision(self.torch_device, self.precision)
-        except ShoalError:
+        except ShoalError as exc:
             with contextlib.suppress(grpc.aio.AioRpcError):
-                await self.coord.Leave(pb.MemberRequest(member_id=self.member_id), timeout=2)
+                await self.coord.Leave(pb.MemberRequest(member_id=self.member_id, leave_reason=str(exc)), timeout=2)
             raise
         log.info("%s joined as %s", self.opts.name, self.member_id)
         hb = asyncio.create_task(self._heartbeats())
@@ -916,7 +916,7 @@ class Worker(LocalWorkerMixin):
         with contextlib.suppress(grpc.aio.AioRpcError):
             await self.server.Leave(pb.MemberRequest(member_id=self.member_id), timeout=2)
         with contextlib.suppress(grpc.aio.AioRpcError):
-            await self.coord.Leave(pb.MemberRequest(member_id=self.member_id), timeout=2)
+            await self.coord.Leave(pb.MemberRequest(member_id=self.member_id, leave_reason=self.fatal), timeout=2)
         self.done = True
 
     def _claim_hang(self, kind: str, step: int, **info) -> bool:

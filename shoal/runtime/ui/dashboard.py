@@ -35,7 +35,13 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from shoal.errors import ShoalError
-from shoal.runtime.ui.stats import achieved_step_time, bottleneck, member_state
+from shoal.runtime.ui.stats import (
+    achieved_step_time,
+    bottleneck,
+    eta_seconds,
+    member_state,
+    stage_waits_for,
+)
 
 log = logging.getLogger("shoal.dashboard")
 
@@ -151,6 +157,43 @@ def _link(coord, m, stage: int) -> dict | None:
     return out
 
 
+def _median(xs: list[float]) -> float | None:
+    xs = sorted(x for x in xs if x > 0)
+    if not xs:
+        return None
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
+def _measured(coord, m, stage: int) -> tuple[str | None, dict | None]:
+    """(device label, link figures) a member of a measured run reported; (None, None) if none.
+
+    The link: the member's own up/down (median over its measured paths, as the planner
+    takes it), its region in the newest plan, every measured path (peer, round trip, rate
+    each way) and the path to its stage's server."""
+    f = getattr(coord, "figures", {}).get(m.member_id)
+    if f is None or f.kind == "unmeasured":
+        return None, None
+    if not f.paths:
+        return f.kind, None
+    names = coord.names
+    planned = getattr(coord, "planned_on", None)
+    region = f.region
+    if planned is not None:
+        with contextlib.suppress(Exception):
+            region = planned.device(m.member_id).region
+    link = {"measured": True, "region": region or "", "up_Bps": f.up or _median([p.up for p in f.paths]),
+            "down_Bps": f.down or _median([p.down for p in f.paths]),
+            "paths": [{"peer": names.get(p.dst, p.dst), "rtt_s": p.rtt_s, "up_Bps": p.up, "down_Bps": p.down}
+                      for p in f.paths]}
+    sid = coord.stage_server[stage] if 0 <= stage < len(coord.stage_server) else ""
+    to = next((p for p in f.paths if p.dst == sid), None)
+    if to is not None:
+        link.update(server=names.get(sid, sid), rtt_s=to.rtt_s, latency_s=to.rtt_s / 2,
+                    server_up_Bps=to.up, server_down_Bps=to.down)
+    return f.kind, link
+
+
 def _events(coord) -> list[dict]:
     """The run's event log: events.jsonl (with the launcher's kills) or the in-memory list."""
     if coord.out is not None:
@@ -177,8 +220,11 @@ def snapshot(coord) -> dict:
     def row(m, present: bool, why: str = "") -> dict:
         st = m.stats
         stage = coord._stage_of(m) if present else (st.stage if st is not None else -1)
-        r = {"id": m.member_id, "name": m.name, "role": m.role, "device": m.device or "loopback",
-             "state": member_state(present, now - m.last_seen, dead_after), "why": why,
+        kind, measured = _measured(coord, m, stage)
+        r = {"id": m.member_id, "name": m.name, "role": m.role,
+             "device": m.device or kind or ("not measured yet" if m.will_measure else "loopback"),
+             "state": member_state(present, now - m.last_seen, dead_after),
+             "why": (getattr(m, "death", "") or why) if why else "",
              "stage": stage, "last_seen_s": now - m.last_seen, "joined_s": m.joined_s - coord.t0,
              "bytes": _bytes(coord, m)}
         if m.role == "worker":
@@ -186,9 +232,9 @@ def snapshot(coord) -> dict:
             r.update(flops=m.flops, tasks_done=done, tasks_committed=coord.tasks_per_worker.get(m.name, 0),
                      compute_s=st.compute_s if st is not None else 0.0,
                      mean_task_s=st.compute_s / done if st is not None and done else None,
-                     link=_link(coord, m, stage))
+                     link=_link(coord, m, stage) or measured)
         else:
-            r["address"] = m.address
+            r.update(address=m.address, link=measured)
         return r
 
     workers, servers = {}, {}
@@ -214,7 +260,15 @@ def snapshot(coord) -> dict:
             "server_workers": int(st.workers) if st is not None else None,
             "standbys_logging": list(st.standby_logging) if st is not None else [],
             "standbys_lagging": list(st.standby_lagging) if st is not None else [],
-            "split": _split(st), "bottleneck": False})
+            "split": _split(st), "bottleneck": False,
+            "held": [{"worker": getattr(coord, "names", {}).get(h.worker, h.worker), "tasks": int(h.tasks), "oldest_s": h.oldest_s}
+                     for h in st.held] if st is not None else [],
+            "wait_input": int(st.wait_input) if st is not None else None,
+            "wait_grad": int(st.wait_grad) if st is not None else None,
+            "unpushed": [getattr(coord, "names", {}).get(w, w) for w in st.unpushed] if st is not None else [],
+            "committing": bool(st.committing) if st is not None else False,
+            "step_s": st.step_s if st is not None else None})
+        stages[-1]["waiting_for"] = (stage_waits_for(stages[-1]) if coord.ready and not coord.done else None)
     b = bottleneck([x["split"] for x in stages])
     if b is not None:
         stages[b]["bottleneck"] = True
@@ -228,7 +282,9 @@ def snapshot(coord) -> dict:
                 "seq_len": spec.seq_len, "dead_after_s": dead_after, "elapsed_s": time.time() - coord.t0,
                 "scenario": coord.emulated.name if coord.emulated is not None else None,
                 "plan_method": plan.method if plan is not None else "even split",
-                "requeues": coord.total_requeues},
+                "requeues": coord.total_requeues,
+                "eta_s": eta_seconds(spec.steps, coord.committed, [r["step_time_s"] for r in hist]) if coord.ready
+                else None},
         "stages": stages,
         "workers": sorted(workers.values(), key=lambda w: _order(w["name"])),
         "servers": sorted(servers.values(), key=lambda w: _order(w["name"])),
@@ -257,6 +313,22 @@ def page() -> bytes:
     html = html.replace("/*STYLE*/", (STATIC / "style.css").read_text())
     html = html.replace("/*APP*/", (STATIC / "app.js").read_text())
     return html.encode()
+
+
+def static_page(snap: dict) -> bytes:
+    """The page with one snapshot built in: it renders that state and never polls, so the
+    final state of a run stays viewable from its folder after the coordinator is gone."""
+    state = json.dumps(finite(snap), allow_nan=False).replace("</", "<\\/")  # no "</script>" inside
+    html = page().decode()
+    return html.replace("<script>\n", f"<script>\nwindow.SHOAL_STATE = {state};\n", 1).encode()
+
+
+def write_page(path: Path, snap: dict) -> Path:
+    """Write :func:`static_page` of ``snap`` to ``path`` (atomically); returns ``path``."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(static_page(snap))
+    tmp.replace(path)
+    return path
 
 
 class Dashboard:

@@ -85,3 +85,48 @@ def member_state(present: bool, silent_s: float, dead_after_s: float) -> str:
     if not present:
         return "gone"
     return "silent" if silent_s > max(dead_after_s / 3, 1.0) else "active"
+
+
+ETA_WINDOW = 10  # recent committed steps whose mean time predicts the rest of the run
+
+
+def eta_seconds(steps: int, committed: int, step_times: list[float], window: int = ETA_WINDOW) -> float | None:
+    """Seconds to the last step: the steps left times the mean of the newest ``window`` step
+    times (step 0 left out: it includes start-up). None before a step was timed; 0 when done."""
+    left = max(steps - committed, 0)
+    if not left:
+        return 0.0
+    body = step_times[1:] if len(step_times) > 1 else step_times
+    recent = body[-window:]
+    return left * statistics.fmean(recent) if recent else None
+
+
+def stage_waits_for(stage: dict) -> dict | None:
+    """What stage ``stage`` (a dashboard stage row) is waiting for now and for how long:
+    ``{"who": text, "for_s": seconds}``, or None when the server reports nothing.
+
+    In order: the coordinator's decision once every push is in; workers holding leases
+    (the one with the oldest lease first, its age as the time); workers holding computed
+    gradients not yet pushed; inputs from the previous stage; output gradients from the
+    next stage; a worker to take the ready tasks; else the other stages.
+    """
+    if stage.get("step") is None:
+        return None
+    k, since = stage["stage"], stage.get("step_s") or 0.0
+    if stage.get("committing"):
+        return {"who": "the coordinator's step decision (all pushes in)", "for_s": since}
+    held = sorted(stage.get("held") or [], key=lambda h: -h["oldest_s"])
+    if held:
+        names = ", ".join(f"{h['worker']} ({h['tasks']} task{'s' if h['tasks'] != 1 else ''}, "
+                          f"leased {h['oldest_s']:.1f} s ago)" for h in held[:3])
+        more = f" and {len(held) - 3} more" if len(held) > 3 else ""
+        return {"who": names + more, "for_s": held[0]["oldest_s"]}
+    if stage.get("unpushed"):
+        return {"who": f"gradient pushes from {', '.join(stage['unpushed'])}", "for_s": since}
+    if stage.get("wait_input"):
+        return {"who": f"inputs from stage {k - 1} ({stage['wait_input']} micro-batches)", "for_s": since}
+    if stage.get("wait_grad"):
+        return {"who": f"gradients from stage {k + 1} ({stage['wait_grad']} micro-batches)", "for_s": since}
+    if stage.get("pool_todo"):
+        return {"who": f"a worker to take {stage['pool_todo']} ready tasks (none is asking)", "for_s": since}
+    return {"who": "the other stages (this stage's step is done)", "for_s": since}

@@ -8,6 +8,10 @@ from typing import Any
 def _secs(s: float | None) -> str:
     if s is None:
         return "-"
+    if s >= 7200:
+        return f"{s / 3600:.1f} h"
+    if s >= 120:
+        return f"{s / 60:.1f} min"
     return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
 
 
@@ -30,13 +34,25 @@ def _flops(f: float | None) -> str:
     return f"{f:.0f} F/s"
 
 
+def _mbit(bps: float | None) -> str:
+    return "-" if bps is None else f"{bps * 8 / 1e6:.0f}"
+
+
 def _link(link: dict | None) -> str:
     if not link:
-        return "loopback"
-    text = f"{link['region']} up {link['up_Bps'] * 8 / 1e6:.0f} down {link['down_Bps'] * 8 / 1e6:.0f} Mbit/s"
-    if link.get("latency_s") is not None:
+        return "not measured"
+    region = f"{link['region']} " if link.get("region") else ""
+    text = f"{region}up {_mbit(link['up_Bps'])} down {_mbit(link['down_Bps'])} Mbit/s"
+    if link.get("measured") and link.get("server"):
+        text += (f"; to {link['server']}: rtt {_secs(link['rtt_s'])}, up {_mbit(link['server_up_Bps'])} "
+                 f"down {_mbit(link['server_down_Bps'])}")
+    elif link.get("latency_s") is not None:
         text += f"; to {link['server']} {_secs(link['latency_s'])}"
     return text
+
+
+def _waiting(w: dict | None) -> str:
+    return f"{w['who']} for {_secs(w['for_s'])}" if w else "-"
 
 
 def _split(sp: dict | None) -> str:
@@ -53,7 +69,8 @@ def summary_line(snap: dict[str, Any]) -> str:
     loss = f"{snap['loss'][-1][1]:.4f}" if snap["loss"] and snap["loss"][-1][1] is not None else "-"
     live = sum(w["state"] != "gone" for w in snap["workers"])
     hot = [s["stage"] for s in snap["stages"] if s["bottleneck"]]
-    return (f"{state}: model {r['model']}, step {r['committed']}/{r['steps']}, epoch {r['epoch']}, loss {loss}, "
+    eta = "" if r["done"] or not r["ready"] else f", ETA {_secs(r.get('eta_s'))}"
+    return (f"{state}: model {r['model']}, step {r['committed']}/{r['steps']}{eta}, epoch {r['epoch']}, loss {loss}, "
             f"{live}/{len(snap['workers'])} workers live, re-queued {r['requeues']}, step time predicted "
             f"{_secs(t['predicted_s'])} / achieved {_secs(t['achieved_s'])}, plan {r['plan_method']}"
             + (f", bottleneck stage {hot[0]}" if hot else ""))
@@ -74,7 +91,7 @@ def status_tables(status: dict[str, Any], events: int = 12):
         return t
     # Folded, never cut: piped into a file the console is 80 columns wide.
     stages = Table(title="stages (* bottleneck; last step = compute+transfer+sync+waiting)", box=box.SIMPLE)
-    for col in ("stage", "layers", "server", "workers", "step", "pool", "wait", "leases", "last step"):
+    for col in ("stage", "layers", "server", "workers", "step", "pool", "wait", "leases", "last step", "waiting for"):
         stages.add_column(col, overflow="fold",
                           justify="right" if col in ("step", "pool", "wait", "leases") else "left")
     for s in snap["stages"]:
@@ -82,11 +99,11 @@ def status_tables(status: dict[str, Any], events: int = 12):
                        f"[{s['layers'][0]}, {s['layers'][1]})" if s["layers"] else "?",
                        s["server"] or "(vacant)", ", ".join(s["workers"]) or "-",
                        *("-" if s[k] is None else str(s[k]) for k in ("step", "pool_todo", "pool_waiting", "leases")),
-                       _split(s["split"]))
-    # Device and link columns only when some worker plays a scenario device (emulated runs).
-    emulated = any(w.get("link") or w["device"] != "loopback" for w in snap["workers"])
-    cols = ["worker", "state", *(["device"] if emulated else []), "stage", "speed", "tasks", "mean task",
-            "seen", "sent", *(["link"] if emulated else [])]
+                       _split(s["split"]), _waiting(s.get("waiting_for")))
+    # Device and link columns: measured (or emulated) figures; none for members that do not measure.
+    shown = any(w.get("link") or w["device"] != "loopback" for w in snap["workers"])
+    cols = ["worker", "state", *(["device"] if shown else []), "stage", "speed", "tasks", "mean task",
+            "seen", "sent", *(["link"] if shown else [])]
     workers = Table(title="workers", box=box.SIMPLE)
     for col in cols:
         workers.add_column(col, overflow="fold",

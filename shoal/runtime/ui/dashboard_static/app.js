@@ -19,7 +19,8 @@ function fmtSecs(s) {
   if (s == null || !isFinite(s)) return "-";
   if (s < 1) return (s * 1000).toFixed(0) + " ms";
   if (s < 120) return s.toFixed(2) + " s";
-  return (s / 60).toFixed(1) + " min";
+  if (s < 7200) return (s / 60).toFixed(1) + " min";
+  return (s / 3600).toFixed(1) + " h";
 }
 
 function fmtBytes(b) {
@@ -44,6 +45,17 @@ function fmtFlops(f) {
 
 // ------------------------------------------------------------------ charts
 
+// Axis ticks at 1, 2 or 5 x 10^k, and the decimals that step needs (0.05 -> 2, 0.2 -> 1, 5 -> 0).
+function niceTicks(lo, hi, n) {
+  const raw = (hi - lo) / Math.max(n, 1);
+  const mag = Math.pow(10, Math.floor(Math.log10(raw)));
+  const step = [1, 2, 5, 10].map(f => f * mag).find(s => s >= raw) || 10 * mag;
+  const first = Math.ceil(lo / step - 1e-9) * step;
+  const ticks = [];
+  for (let v = first; v <= hi + step * 1e-9; v += step) ticks.push(v);
+  return {ticks: ticks, digits: Math.max(0, -Math.floor(Math.log10(step) + 1e-9))};
+}
+
 function lineChart(el, points, label, digits) {
   el.dataset.points = String(points.length);
   const W = 520, H = 200, L = 58, R = 12, T = 12, B = 28;
@@ -63,10 +75,10 @@ function lineChart(el, points, label, digits) {
   const path = points.filter(p => p[1] != null).map((p, i) => (i ? "L" : "M") + sx(p[0]).toFixed(1) + "," + sy(p[1]).toFixed(1)).join(" ");
   const dots = points.length <= 80 ? points.filter(p => p[1] != null).map(p => `<circle class="pt" cx="${sx(p[0]).toFixed(1)}" cy="${sy(p[1]).toFixed(1)}" r="2.5" fill="#123c5a"/>`).join("") : "";
   let grid = "";
-  for (let i = 0; i <= 4; i++) {
-    const y = y0 + (y1 - y0) * i / 4;
+  const axis = niceTicks(y0, y1, 4);
+  for (const y of axis.ticks) {
     grid += `<line x1="${L}" x2="${W - R}" y1="${sy(y).toFixed(1)}" y2="${sy(y).toFixed(1)}" stroke="#eef1f4"/>` +
-            `<text x="${L - 6}" y="${(sy(y) + 4).toFixed(1)}" text-anchor="end" font-size="11" fill="#4a5a6a">${fmtNum(y, digits)}</text>`;
+            `<text class="tick" x="${L - 6}" y="${(sy(y) + 4).toFixed(1)}" text-anchor="end" font-size="11" fill="#4a5a6a">${fmtNum(y, axis.digits)}</text>`;
   }
   const last = points[points.length - 1];
   el.innerHTML = `<svg viewBox="0 0 ${W} ${H}" role="img" aria-label="${esc(label)}">${grid}
@@ -138,20 +150,29 @@ function stagesTable(tbody, st) {
     <td>${esc(s.server || "(vacant)")}</td><td>${esc(s.workers.join(", ") || "-")}</td>
     <td class="num">${s.step == null ? "-" : s.step}</td><td class="num">${s.pool_todo == null ? "-" : s.pool_todo}</td>
     <td class="num">${s.pool_waiting == null ? "-" : s.pool_waiting}</td><td class="num">${s.leases == null ? "-" : s.leases}</td>
-    <td>${splitBar(s.split)}</td><td>${s.bottleneck ? '<span class="badge">bottleneck</span>' : ""}</td></tr>`).join("");
+    <td>${splitBar(s.split)}</td><td>${s.bottleneck ? '<span class="badge">bottleneck</span>' : ""}</td>
+    <td class="waiting">${s.waiting_for ? esc(s.waiting_for.who) + ` <span class="muted">for ${fmtSecs(s.waiting_for.for_s)}</span>` : "-"}</td></tr>`).join("");
 }
 
 function linkText(l) {
-  if (!l) return '<span class="muted">loopback</span>';
-  let t = `${esc(l.region)} up ${fmtRate(l.up_Bps)} down ${fmtRate(l.down_Bps)}`;
-  if (l.latency_s != null) t += ` \u00b7 to ${esc(l.server)} ${fmtSecs(l.latency_s)}, ${fmtRate(l.bandwidth_Bps)}`;
+  if (!l) return '<span class="muted">not measured</span>';
+  let t = `${l.region ? esc(l.region) + " " : ""}up ${fmtRate(l.up_Bps)} down ${fmtRate(l.down_Bps)}`;
+  if (l.measured && l.server) {
+    t += ` \u00b7 to ${esc(l.server)}: rtt ${fmtSecs(l.rtt_s)}, up ${fmtRate(l.server_up_Bps)}, down ${fmtRate(l.server_down_Bps)}`;
+  } else if (l.latency_s != null) {
+    t += ` \u00b7 to ${esc(l.server)} ${fmtSecs(l.latency_s)}, ${fmtRate(l.bandwidth_Bps)}`;
+  }
+  if (l.paths) {
+    const all = l.paths.map(p => `${esc(p.peer)} rtt ${fmtSecs(p.rtt_s)} up ${fmtRate(p.up_Bps)} down ${fmtRate(p.down_Bps)}`).join("\n");
+    t = `<span title="${all}">${t}</span>`;
+  }
   return t;
 }
 
 function workersTable(tbody, st) {
   tbody.innerHTML = st.workers.map(w => `<tr class="worker ${w.state}" data-worker="${esc(w.name)}" data-state="${w.state}">
-    <td>${esc(w.name)}</td><td><span class="state ${w.state}">${w.state}</span>${w.why ? ` <span class="muted">${esc(w.why)}</span>` : ""}</td>
-    <td>${esc(w.device)}</td><td class="num">${w.stage >= 0 ? w.stage : "-"}</td><td class="num">${fmtFlops(w.flops)}</td>
+    <td>${esc(w.name)}</td><td><span class="state ${w.state}">${w.state}</span>${w.why ? ` <span class="muted why">${esc(w.why)}</span>` : ""}</td>
+    <td class="device">${esc(w.device)}</td><td class="num">${w.stage >= 0 ? w.stage : "-"}</td><td class="num">${fmtFlops(w.flops)}</td>
     <td class="num">${w.tasks_done}</td><td class="num">${fmtSecs(w.mean_task_s)}</td>
     <td class="num">${fmtSecs(w.last_seen_s)} ago</td><td class="num">${fmtBytes(w.bytes && w.bytes.wire)}</td>
     <td>${linkText(w.link)}</td></tr>`).join("");
@@ -178,6 +199,7 @@ function summary(el, st) {
   el.innerHTML = `<b>${esc(state)}</b> \u00b7 model ${esc(r.model)} \u00b7 step ${r.committed}/${r.steps}` +
     ` \u00b7 epoch ${r.epoch} \u00b7 loss ${fmtNum(lastLoss, 4)} \u00b7 ${live}/${st.workers.length} workers live` +
     ` \u00b7 re-queued ${r.requeues} \u00b7 step time predicted ${fmtSecs(t.predicted_s)}, achieved ${fmtSecs(t.achieved_s)}` +
+    (r.done ? "" : ` \u00b7 <span id="eta">ETA ${r.eta_s == null ? "-" : fmtSecs(r.eta_s)}</span> to step ${r.steps}`) +
     ` \u00b7 plan ${esc(r.plan_method)}${r.scenario ? " \u00b7 scenario " + esc(r.scenario) : ""} \u00b7 ${fmtSecs(r.elapsed_s)} elapsed`;
   el.dataset.committed = String(r.committed);
 }
@@ -190,6 +212,14 @@ function render(st) {
   stagesTable(document.querySelector("#stages tbody"), st);
   workersTable(document.querySelector("#workers tbody"), st);
   eventsList(document.getElementById("events"), st);
+}
+
+// A page saved with the run's final state (RUN/dashboard.html) renders it and never polls.
+function showSaved(st) {
+  render(st);
+  const conn = document.getElementById("conn");
+  conn.textContent = "the run's final state, saved when it ended";
+  conn.className = "conn";
 }
 
 async function poll() {
@@ -209,4 +239,4 @@ async function poll() {
   }
 }
 
-poll();
+if (window.SHOAL_STATE) showSaved(window.SHOAL_STATE); else poll();
