@@ -32,7 +32,7 @@ from shoal.runtime.measure import (
     rate_from,
 )
 from shoal.runtime.roles import coordinator as coordinator_mod
-from shoal.runtime.roles.coordinator import Coordinator
+from shoal.runtime.roles.coordinator import Coordinator, one_machine
 from shoal.runtime.roles.planning import (
     COORDINATOR_NODE,
     MemberFigures,
@@ -250,24 +250,25 @@ def test_coordinator_measures_plans_and_remeasures(tmp_path, monkeypatch):
         c = Coordinator(SPEC, "tok", min_workers=2, out=str(tmp_path))
         join = [pb.JoinRequest(role="worker", name="w0", will_measure=True),
                 pb.JoinRequest(role="worker", name="w1", will_measure=True, region="home", up_bps=1e6),
-                pb.JoinRequest(role="server", name="s0", address="127.0.0.1:1", will_measure=True)]
+                pb.JoinRequest(role="server", name="s0", address="10.0.0.1:7071", will_measure=True)]
         w0, w1, s0 = [(await c.Join(r, None)).member_id for r in join]
         a = await c.Heartbeat(pb.MemberRequest(member_id=w0), None)
         assert a.measure == 0  # nothing to probe yet: stage 1 has no server
-        s1 = (await c.Join(pb.JoinRequest(role="server", name="s1", address="127.0.0.1:2", will_measure=True),
+        s1 = (await c.Join(pb.JoinRequest(role="server", name="s1", address="10.0.0.2:7071", will_measure=True),
                            None)).member_id
         hb = {m: await c.Heartbeat(pb.MemberRequest(member_id=m), None) for m in (w0, w1, s0, s1)}
-        # Asked one at a time, in join order, so no two members' probes share a link.
+        # Asked one at a time, in join order, so no two members' probes share a link (servers on
+        # other machines; a run all on loopback measures at once).
         assert [hb[m].measure for m in (w0, w1, s0, s1)] == [1, 0, 0, 0] and not any(h.ready for h in hb.values())
-        near = {"coordinator": (1e-3, 50e6, 50e6), "127.0.0.1:1": (1e-3, 40e6, 60e6),
-                "127.0.0.1:2": (1e-3, 40e6, 60e6)}
+        near = {"coordinator": (1e-3, 50e6, 50e6), "10.0.0.1:7071": (1e-3, 40e6, 60e6),
+                "10.0.0.2:7071": (1e-3, 40e6, 60e6)}
         await c.Measured(_report(w0, 1, 4e9, near), None)
         assert (await c.Heartbeat(pb.MemberRequest(member_id=w1), None)).measure == 1
         assert (await c.Heartbeat(pb.MemberRequest(member_id=s0), None)).measure == 0
         await c.Measured(_report(w1, 1, 1e9, near), None)
-        await c.Measured(_report(s0, 1, 0.0, {"coordinator": near["coordinator"], "127.0.0.1:2": near["127.0.0.1:2"]}), None)
+        await c.Measured(_report(s0, 1, 0.0, {"coordinator": near["coordinator"], "10.0.0.2:7071": near["10.0.0.2:7071"]}), None)
         assert not c.ready  # s1 has not reported
-        await c.Measured(_report(s1, 1, 0.0, {"coordinator": near["coordinator"], "127.0.0.1:1": near["127.0.0.1:1"]}), None)
+        await c.Measured(_report(s1, 1, 0.0, {"coordinator": near["coordinator"], "10.0.0.1:7071": near["10.0.0.1:7071"]}), None)
         assert c.ready and c.plan is not None
         st = json.loads((await c.Status(pb.Empty(), None)).json)
         assert st["plans_on"] == "measured"
@@ -293,6 +294,12 @@ def test_coordinator_measures_plans_and_remeasures(tmp_path, monkeypatch):
         assert [e["why"] for e in ev if e["event"] == "remeasure"] == ["task FLOP/s 4e+08 vs 4e+09 planned"]
 
     asyncio.run(main())
+
+
+def test_members_measure_at_once_only_on_one_machine():
+    assert one_machine(["127.0.0.1:7071", "[::1]:7072", "localhost:7073"])
+    assert not one_machine(["127.0.0.1:7071", "10.0.0.2:7071"])
+    assert not one_machine([])
 
 
 def test_a_member_that_never_reports_is_planned_as_it_joined(tmp_path, monkeypatch):

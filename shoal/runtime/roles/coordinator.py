@@ -477,13 +477,15 @@ class Coordinator(pbg.CoordinatorServicer):
         at most MEASURE_TIMEOUT_S."""
         if self.emulated is not None or not all(self.stage_server):
             return
-        if any(m.will_measure and m.measure_req > m.measure_done and not self._settled(m)
-               for m in self.members.values()):
+        together = one_machine([self.members[s].address for s in self.stage_server if s in self.members])
+        if not together and any(m.will_measure and m.measure_req > m.measure_done and not self._settled(m)
+                                for m in self.members.values()):
             return  # a measurement is under way
         for m in self.members.values():
             if m.will_measure and m.measure_req == 0:
                 m.measure_req, m.asked_at = 1, time.monotonic()
-                return
+                if not together:
+                    return
 
     def _path_target(self, target: str) -> str | None:
         """The node a probe went to: the coordinator, or the server member at that address."""
@@ -1385,6 +1387,15 @@ def pick_holder(stage: int, candidates: list[tuple[str, dict[int, int]]], copier
         return None
     tied = [mid for mid, held in candidates if held.get(stage, 0) == best]
     return copier if copier in tied else tied[0]
+
+
+def one_machine(server_addresses: list[str]) -> bool:
+    """Whether the whole run is on one machine: every stage server listens on loopback, so
+    every member dials loopback. Its members then measure at once (no network link to share);
+    otherwise one at a time."""
+    from shoal.net.tls import is_loopback
+
+    return bool(server_addresses) and all(is_loopback(a.rpartition(":")[0]) for a in server_addresses)
 
 
 def death_line(name: str, why: str, detail: dict) -> str:
