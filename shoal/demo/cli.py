@@ -69,6 +69,7 @@ class DemoConfig:
     data: tuple[str, ...] = ("corpus",)  # --data: "corpus", "synthetic", a prepared folder or raw text
     workload: dict | None = None  # shared workload flags given (shoal.train.flags); the rest: the scenario's
     dashboard: str | None = "127.0.0.1:0"  # HOST:PORT of the live web dashboard (None: none)
+    tensorboard: str | None = None  # folder for TensorBoard event files of the step metrics (None: none)
     sync: str = "exact"  # --sync: exact, or local (DiLoCo inside each stage; shoal.train.outer)
     sync_every: int = 32  # --sync-every: local mode's steps between merges H
     outer_lr: float = 0.7  # --outer-lr: local mode's outer Nesterov learning rate
@@ -408,6 +409,7 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
         dead_after_s=DEAD_AFTER_S,
         compression=compression.text(), timeout_s=cfg.timeout_s, scenario=str(scen_path),
         emulate_speedup=spec.speedup, bandwidth_scale=cfg.bandwidth_scale, dashboard=cfg.dashboard,
+        tensorboard=cfg.tensorboard,
         sync=cfg.sync, sync_every=cfg.sync_every, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum)
     state = LiveState(total_steps=cfg.steps)
     display = _Display(state, console, cfg.quiet)
@@ -592,7 +594,7 @@ def _sim_step(times: list[float]) -> float | None:
 def register(subparsers) -> None:
     """Add ``shoal demo``."""
     from shoal.train.flags import Workload as FlagWorkload
-    from shoal.train.flags import add_data_args, add_workload_args
+    from shoal.train.flags import add_data_args, add_tensorboard_arg, add_workload_args
 
     d = DemoConfig()
     p = subparsers.add_parser(
@@ -614,6 +616,7 @@ def register(subparsers) -> None:
         "model": scen, "micro_batches": scen, "micro_batch_size": scen, "seq_len": scen,
         "warmup": "steps/5, at most 10"})
     add_data_args(p, runtime=True, init_from=False)
+    add_tensorboard_arg(p)
     p.add_argument("--quiet", action="store_true", help="no live display; print only the summary")
     p.add_argument("--dashboard", default=d.dashboard, metavar="HOST:PORT",
                    help="where the coordinator serves the live web dashboard (default: loopback, any free port)")
@@ -644,7 +647,7 @@ def run_demo_cmd(args: argparse.Namespace) -> int:
                      model_task_s=args.task_time, bandwidth_scale=args.bandwidth_scale, workload=given or None,
                      dashboard=None if args.no_dashboard else args.dashboard,
                      data=tuple(args.data or ("corpus",)), sync=args.sync, sync_every=args.sync_every,
-                     outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
+                     outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, tensorboard=args.tensorboard)
     run_demo(cfg)
     sys.stdout.flush()
     return 0

@@ -17,7 +17,12 @@ _TRAIN_FIELDS = (
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``train`` and ``generate`` subcommands."""
     from shoal.train.config import TrainConfig
-    from shoal.train.flags import add_data_args, add_device_args, add_workload_args
+    from shoal.train.flags import (
+        add_data_args,
+        add_device_args,
+        add_tensorboard_arg,
+        add_workload_args,
+    )
 
     d = TrainConfig()
     p = subparsers.add_parser(
@@ -42,6 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--stop-after", type=int, metavar="N", help="stop (and checkpoint) after this many steps, as if interrupted")
     p.add_argument("--log-every", type=int, metavar="N", help=f"without a terminal, print every N steps (default {d.log_every})")
     p.add_argument("--quiet", action="store_true", help="no progress output")
+    add_tensorboard_arg(p)
     p.set_defaults(func=run_train)
 
     g = subparsers.add_parser("generate", help="sample text from a trained run's checkpoint",
@@ -80,7 +86,7 @@ def run_train(args: argparse.Namespace) -> int:
         cfg = resume_config(args.resume, **given)
     else:
         cfg = TrainConfig(**given)
-    res = train_local(cfg, resume=bool(args.resume), quiet=args.quiet)
+    res = train_local(cfg, resume=bool(args.resume), quiet=args.quiet, tensorboard=args.tensorboard)
     if res.interrupted:
         print(f"interrupted after step {res.steps_done}/{cfg.steps}; checkpoint saved, continue with: "
               f"shoal train --local --resume {res.out}", flush=True)

@@ -106,6 +106,13 @@ def add_device_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, dev
                        help=f"fp16: initial dynamic loss scale (default {LossScaleConfig().init_scale:g})")
 
 
+def add_tensorboard_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """Add ``--tensorboard DIR``: also write the run's step metrics as TensorBoard event files."""
+    p.add_argument("--tensorboard", metavar="DIR", default=None,
+                   help="also write the step metrics (loss, tokens/s, step-time split, FLOP share, re-queues, "
+                        "bytes by kind) as TensorBoard event files in DIR (view: tensorboard --logdir DIR)")
+
+
 def add_data_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, runtime: bool,
                   init_from: bool = True) -> None:
     """Add ``--data`` (and ``--init-from``): what every training command trains on and starts from.

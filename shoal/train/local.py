@@ -336,8 +336,10 @@ class _Progress:
             self.bar.stop()
 
 
-def train_local(cfg: TrainConfig, resume: bool = False, quiet: bool = False) -> TrainResult:
-    """Train (or with ``resume`` continue) a run in ``cfg.out``; see the module docstring."""
+def train_local(cfg: TrainConfig, resume: bool = False, quiet: bool = False,
+                tensorboard: str | None = None) -> TrainResult:
+    """Train (or with ``resume`` continue) a run in ``cfg.out``; see the module docstring.
+    ``tensorboard``: a folder to also write the step metrics to as TensorBoard event files."""
     cfg.validate()
     intra_op = set_torch_threads()
     out = Path(cfg.out)
@@ -394,7 +396,7 @@ def train_local(cfg: TrainConfig, resume: bool = False, quiet: bool = False) -> 
     progress = _Progress(cfg.steps, start, cfg.log_every, quiet)
     done = start
     try:
-        with JsonlWriter(out / METRICS_FILE, t0=t0) as writer, _StopRequest() as stop:
+        with JsonlWriter(out / METRICS_FILE, t0=t0, tensorboard=tensorboard) as writer, _StopRequest() as stop:
             for step in range(start, end):
                 ts = time.perf_counter()
                 res = train_step(model, optimizer, data, cfg, optim, step, prec)

@@ -12,7 +12,9 @@ A run directory holds:
   ...), and event-specific fields such as ``device`` and ``stage``.
 
 Both files are appended line by line and flushed, so a crash loses at most the line
-being written, and :func:`read_jsonl` skips a torn last line.
+being written, and :func:`read_jsonl` skips a torn last line. With ``--tensorboard DIR``
+the metrics writer also writes every step record as TensorBoard scalars
+(:mod:`shoal.train.tensorboard`): the one place every training command's steps pass.
 """
 
 from __future__ import annotations
@@ -24,17 +26,25 @@ from typing import Any
 
 
 class JsonlWriter:
-    """Appends JSON objects as lines to a file, flushing each one."""
+    """Appends JSON objects as lines to a file, flushing each one; with ``tensorboard`` (a
+    folder) also writes each step record there as TensorBoard scalars."""
 
-    def __init__(self, path: str | Path, t0: float | None = None):
+    def __init__(self, path: str | Path, t0: float | None = None, tensorboard: str | Path | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.t0 = time.time() if t0 is None else t0
+        self.tensorboard = None
+        if tensorboard:
+            from shoal.train.tensorboard import TensorBoardWriter
+
+            self.tensorboard = TensorBoardWriter(tensorboard)
         self._f = self.path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
         self._f.write(json.dumps(record, sort_keys=True) + "\n")
         self._f.flush()
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
 
     def event(self, event: str, **fields: Any) -> None:
         """Write an event record stamped with the seconds since ``t0``."""
@@ -42,6 +52,8 @@ class JsonlWriter:
 
     def close(self) -> None:
         self._f.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
     def __enter__(self) -> JsonlWriter:
         return self

@@ -75,7 +75,12 @@ def _measure_opts(args) -> dict:
 
 
 def _run_args(p: argparse.ArgumentParser, launch: bool = False) -> None:
-    from shoal.train.flags import add_data_args, add_device_args, add_workload_args
+    from shoal.train.flags import (
+        add_data_args,
+        add_device_args,
+        add_tensorboard_arg,
+        add_workload_args,
+    )
 
     add_workload_args(p)
     add_device_args(p, device=launch)
@@ -89,6 +94,7 @@ def _run_args(p: argparse.ArgumentParser, launch: bool = False) -> None:
                    help="workers push one summed gradient per step (less traffic; parity only up to "
                         "float summation order) instead of one per micro-batch")
     add_data_args(p, runtime=True)
+    add_tensorboard_arg(p)
     from shoal.train.outer import add_sync_args
 
     add_sync_args(p)
@@ -384,7 +390,8 @@ def _spec(args):
 # Coordinator options a run's journal keeps, with their flag defaults: `--resume` takes
 # the journal's value for each one left at its default.
 _KEPT_OPTIONS = {"min_workers": 1, "stall_timeout": 900.0, "advertise": None, "emulate_scenario": None,
-                 "emulate_speedup": 1.0, "emulate_latency_scale": 1.0, "emulate_bandwidth_scale": 1.0}
+                 "emulate_speedup": 1.0, "emulate_latency_scale": 1.0, "emulate_bandwidth_scale": 1.0,
+                 "tensorboard": None}
 
 
 def _resume_args(args):
@@ -435,6 +442,10 @@ def run_coordinator_cmd(args) -> int:
             spec.data_hash = data_identity(spec.data)
     else:
         spec = _spec(args)
+    if args.tensorboard and not args.out:
+        raise ShoalError("--tensorboard mirrors the run's metrics.jsonl: give the run folder too (--out DIR)")
+    if args.tensorboard:
+        args.tensorboard = str(Path(args.tensorboard).expanduser().resolve())
     options = {k: getattr(args, k) for k in _KEPT_OPTIONS}
     tls = _tls(args, args.listen, args.advertise)
     summary = asyncio.run(run_coordinator(spec, _token(args), args.listen, min_workers=args.min_workers,
@@ -571,7 +582,7 @@ def run_launch_cmd(args) -> int:
         dead_after_s=args.dead_after, min_lease_s=args.min_lease, data=tuple(args.data or ("corpus",)), init_from=args.init_from,
         timeout_s=args.timeout, scenario=args.scenario,
         ordered_grads=not args.unordered_grads, emulate_speedup=args.emulate_speedup,
-        dashboard=None if args.no_dashboard else args.dashboard, chunk_mb=args.chunk_mb,
+        dashboard=None if args.no_dashboard else args.dashboard, chunk_mb=args.chunk_mb, tensorboard=args.tensorboard,
         device=args.device or "auto", precision=args.precision or "fp32", loss_scale=args.loss_scale,
         sync=args.sync, sync_every=args.sync_every, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
         compression=args.compression, faults=list(args.fault), spot_check=args.spot_check, standbys=args.standbys,

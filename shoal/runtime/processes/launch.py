@@ -86,6 +86,7 @@ class LaunchConfig:
     latency_scale: float = 1.0  # scenario latencies are multiplied by this
     bandwidth_scale: float = 1.0  # scenario bandwidths are multiplied by this
     dashboard: str | None = None  # HOST:PORT of the coordinator's web dashboard (None: none)
+    tensorboard: str | None = None  # folder for TensorBoard event files of the step metrics (None: none)
     device: str = "auto"  # --device of every worker (auto: the first CUDA device, else the CPU)
     precision: str = "fp32"  # compute precision of the run: fp32, bf16 or fp16
     loss_scale: float | None = None  # fp16: initial dynamic loss scale (None: the default)
@@ -288,7 +289,9 @@ class Swarm:
         for suffix in ("", ".dashboard", ".t0", ".run_id"):
             Path(str(addr_file) + suffix).unlink(missing_ok=True)
         self.coord = self._spawn(["coordinator", *args, "--address-file", str(addr_file),
-                                  *(["--dashboard", c.dashboard] if c.dashboard else [])], "coordinator")
+                                  *(["--dashboard", c.dashboard] if c.dashboard else []),
+                                  *(["--tensorboard", str(Path(c.tensorboard).expanduser().resolve())]
+                                    if c.tensorboard else [])], "coordinator")
         deadline = time.time() + 60
         while not addr_file.exists():
             if self.coord.poll() is not None:

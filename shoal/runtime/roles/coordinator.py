@@ -204,7 +204,8 @@ class Coordinator(pbg.CoordinatorServicer):
         # Run-scoped files: OUT/runs/<run id>/..., linked from OUT (see shoal.runtime.safety.journal).
         self.run_dir = run_dir(self.out, spec.run_id) if self.out else None
         try:
-            self.metrics = JsonlWriter(self.run_dir / "metrics.jsonl", self.t0) if self.out else None
+            self.metrics = JsonlWriter(self.run_dir / "metrics.jsonl", self.t0,
+                                       tensorboard=(options or {}).get("tensorboard")) if self.out else None
             self.events = JsonlWriter(self.run_dir / "events.jsonl", self.t0) if self.out else None
         except OSError as exc:
             raise ShoalError(f"cannot write the run folder {self.out}: {exc.strerror or exc}; "
@@ -1071,6 +1072,7 @@ class Coordinator(pbg.CoordinatorServicer):
         rec["tasks_per_worker"] = tpw
         rec["requeues"] = requeues
         rec["epoch"] = key[0]
+        rec.update(self._step_figures(rec["tokens_per_s"]))
         self.last_commit_t = now
         # Durable before any stage hears the decision (and checkpoints the step).
         d = self.decisions[key]
@@ -1089,6 +1091,35 @@ class Coordinator(pbg.CoordinatorServicer):
         log.info("step %d loss %.5f", step, loss)
         if self.committed >= self.spec.steps:
             self._spawn_finish()
+
+    def _step_figures(self, tokens_per_s: float) -> dict:
+        """What a step record adds for viewers (metrics.jsonl, TensorBoard): each stage server's
+        newest step-time split, the wire bytes all members sent so far by traffic kind, and the
+        step's tokens/s as a share of the planned swarm's FLOP limit."""
+        out: dict = {}
+        split = {}
+        for s, sid in enumerate(self.stage_server):
+            st = self.members[sid].stats if sid in self.members else None
+            if st is not None and st.HasField("last_step"):
+                ls = st.last_step
+                split[str(s)] = {"total_s": ls.total_s, "compute_s": ls.compute_s, "transfer_s": ls.transfer_s,
+                                 "sync_s": ls.sync_s, "waiting_s": ls.waiting_s}
+        if split:
+            out["split"] = split
+        by_kind: dict[str, int] = {}
+        for _, counts in self.traffic.values():
+            for c in counts:
+                by_kind[c.kind] = by_kind.get(c.kind, 0) + int(c.wire)
+        if by_kind:
+            out["bytes_by_kind"] = by_kind
+        if self.planned_on is not None:
+            if getattr(self, "_flop_limit", (None, 0.0))[0] is not self.planned_on:
+                from shoal.plan.cost import swarm_flop_limit
+
+                self._flop_limit = (self.planned_on, swarm_flop_limit(self.planned_on))
+            if self._flop_limit[1] > 0:
+                out["flop_share"] = tokens_per_s / self._flop_limit[1]
+        return out
 
     def _spawn_finish(self) -> None:
         if not getattr(self, "_finishing", False):
