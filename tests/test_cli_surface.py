@@ -69,3 +69,21 @@ def test_bad_input_is_one_line_error(command, tmp_path, capsys, monkeypatch):
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert needle in lines[0]
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize("command", ["worker", "server"])
+def test_test_only_flags_are_hidden_from_help_but_accepted(command, capsys):
+    """``--inject``, ``--fault-*`` and the ``--emulate-*`` harness flags are for the tests and
+    for the members ``shoal launch``/``demo`` start: not in ``--help``, still parsed."""
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert "--join" in out
+    assert "--emulate" not in out and "--inject" not in out and "--fault-" not in out
+    argv = [command, "--join", "h:1", "--emulate-scenario", "demo", "--emulate-device", "d0", "--emulate-jitter", "0.1"]
+    if command == "worker":
+        argv += ["--inject", "nan_grad", "--fault-poison", "2", "--fault-slow", "3"]
+    args = build_parser().parse_args(argv)
+    assert args.emulate_device == "d0" and args.emulate_jitter == 0.1
+    if command == "worker":
+        assert (args.inject, args.fault_poison, args.fault_slow) == ("nan_grad", 2.0, 3.0)

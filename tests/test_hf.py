@@ -93,6 +93,8 @@ def test_export_loads_in_transformers_and_init_from_continues(tmp_path, data_dir
     print(f"max |logits shoal - transformers| = {worst:.3g}")
     assert worst <= 1e-4
     tok = transformers.AutoTokenizer.from_pretrained(str(hf))
+    # The class docs/data.md names (PreTrainedTokenizerFast is another name for it).
+    assert type(tok).__name__ == "TokenizersBackend" and isinstance(tok, transformers.PreTrainedTokenizerFast)
     text = "the shoal swims in rivers of light"
     assert tok(text).input_ids == data.encode(text)
     assert json.loads((hf / "config.json").read_text())["shoal"]["step"] == 2

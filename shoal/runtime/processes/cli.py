@@ -205,6 +205,8 @@ def register(subparsers) -> None:
                                                         "(default: compute in the run's precision)")
     _common(p)
     _emulation_args(p)
+    _hide(p, "--inject")
+    _hide(p, "--fault-")
     p.set_defaults(func=run_worker_cmd)
 
     p = subparsers.add_parser("status", help="print a running swarm's status as tables")
@@ -288,6 +290,18 @@ def _emulation_args(p: argparse.ArgumentParser) -> None:
     except ImportError:  # emulation is optional
         return
     add_emulation_args(p)
+    _hide(p, "--emulate-")
+
+
+def _hide(p: argparse.ArgumentParser, prefix: str) -> None:
+    """Keep the flags starting with ``prefix`` out of ``--help`` (and docs/cli.md); still accepted.
+
+    Test and emulation harness flags (``shoal launch`` and the tests pass them to the
+    members they start) are not something a person joining a run types; docs/faults.md and
+    docs/emulation.md describe them."""
+    for action in p._actions:
+        if any(o.startswith(prefix) for o in action.option_strings):
+            action.help = argparse.SUPPRESS
 
 
 def _emulation(args):
