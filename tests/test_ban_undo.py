@@ -134,3 +134,46 @@ def test_the_honest_run_logs_no_warning(tmp_path_factory, failure_free):
     warnings = [line for p in sorted((honest / "logs").glob("*.log")) for line in p.read_text().splitlines()
                 if " WARNING " in line]
     assert not warnings, warnings[:5]
+
+
+def test_below_a_quorum_the_servers_own_gradient_judges_direction():
+    from shoal.runtime.safety.guard import screen_round
+
+    cfg = GuardConfig()
+    norms, cos = {"a": 500.0, "b": 510.0}, {"a": None, "b": None}
+    assert screen_round(norms, cos, [], cfg, ref_cosines={"a": 0.01, "b": 0.12}, n_params=10**6) == {}
+    bans = screen_round(norms, cos, [], cfg, ref_cosines={"a": 0.08, "b": -0.13}, n_params=10**6)
+    assert list(bans) == ["b"] and "server's own gradient" in bans["b"]
+    # a lone contributor is judged too, in its first round (no history)
+    assert list(screen_round({"a": 500.0}, {"a": None}, [], cfg, ref_cosines={"a": -0.001})) == ["a"]
+    # with a quorum the round's majority decides, not the reference
+    three = {"a": 500.0, "b": 510.0, "c": 490.0}
+    assert screen_round(three, {"a": 0.6, "b": 0.7, "c": 0.65}, [], cfg, ref_cosines={"a": -0.5}) == {}
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(400)
+def test_local_mode_a_sign_flip_with_no_majority_is_caught(tmp_path):
+    """Local mode, one stage, two workers (no quorum, no history in the first round): w1's
+    pseudo-gradients are flipped. The server's own gradient of the round's last step points
+    the other way: w1 is banned at the first merge and no merge holds its pseudo-gradient;
+    the honest w0's cosine to it is positive in every merge."""
+    import json
+
+    from shoal.runtime.processes.launch import LaunchConfig, launch
+
+    out = tmp_path / "run"
+    launch(LaunchConfig(out=str(out), model="tiny", micro_batches=4, micro_batch_size=2, seq_len=32, seed=0,
+                        lr=3e-3, warmup=2, steps=6, stages=1, workers=2, dead_after_s=5.0, min_lease_s=1.5,
+                        timeout_s=380, sync="local", sync_every=2, outer_lr=0.7, outer_momentum=0.5,
+                        faults=["poison:w1:scale=-1"]))
+    events = read_jsonl(out / "events.jsonl")
+    bans = [e for e in events if e["event"] == "ban"]
+    assert [b["device"] for b in bans] == ["w1"] and "server's own gradient" in bans[0]["why"], bans
+    text = (out / "logs" / "server0.log").read_text()
+    merges = [json.loads(m.group(1)) for m in re.finditer(r"local merge (\{.*\})$", text, re.M)]
+    assert [m["version"] for m in merges] == [2, 4, 6]
+    assert not any(mid.endswith("-w1") for m in merges for mid in m["contributors"])
+    assert bans[0]["step"] == 1  # the first merge
+    honest = [v[2] for m in merges for mid, v in m["screen"].items() if mid.endswith("-w0")]
+    assert honest and all(c > 0 for c in honest), merges

@@ -93,6 +93,19 @@ class GuardConfig:
     # covers inner steps the server did not count (their lr missing from the sum: 2x at H = 2
     # if one of two is missed) and int8 error feedback.
     local_bound_margin: float = 4.0
+    # Local mode below a quorum (no majority to vote with): the server computes its own
+    # gradient at the round's starting weights on this many micro-batches of the round's last
+    # step (:func:`shoal.runtime.safety.verify.reference_cosines`), so no lone contributor is
+    # merged unchecked. 0: off.
+    local_ref_mbs: int = 4
+    # A pseudo-gradient whose cosine to that gradient is below this many times 1/sqrt(n) (n:
+    # the stage's weights) is flagged (below a quorum only). A sign flip or a negative scale
+    # points against it; a random direction has a cosine of about N(0, 1/n) to any fixed
+    # vector. Honest replicas point along it: 0.0068-0.20 in the tiny model's rounds (n =
+    # 0.66M-1.33M, H = 2-4, 1-2 contributors; docs/faults.md), as low as 1.4x a 4-sigma
+    # threshold (0.0049), so the threshold is 0: against the gradient. Noise then flags in
+    # half the rounds (caught within k rounds with probability 1 - 2^-k), never an honest replica seen.
+    local_ref_sigmas: float = 0.0
 
 
 DEFAULT = GuardConfig()
@@ -266,7 +279,8 @@ def adamw_move_bound(n_params: int, weight_norm: float, weight_decay: float, bet
 
 
 def screen_round(norms: dict[str, float], cosines: dict[str, float | None], history: list[float],
-                 cfg: GuardConfig = DEFAULT, bounds: dict[str, float] | None = None) -> dict[str, str]:
+                 cfg: GuardConfig = DEFAULT, bounds: dict[str, float] | None = None,
+                 ref_cosines: dict[str, float | None] | None = None, n_params: int = 1) -> dict[str, str]:
     """Local mode: which contributors of one merge are banned, and why (pure).
 
     ``norms``: each contributor's pseudo-gradient norm per unit of learning rate
@@ -283,6 +297,9 @@ def screen_round(norms: dict[str, float], cosines: dict[str, float | None], hist
     applicable, e.g. top-k pushes whose error feedback carries residuals across rounds, or
     no counted inner step). A norm over ``cfg.local_bound_margin`` times it flags in any
     round, the first included, and needs no majority: no AdamW replica can move that far.
+    ``ref_cosines``: below a quorum, each contributor's cosine to the server's own gradient
+    (:func:`shoal.runtime.safety.verify.reference_cosines`); under ``cfg.local_ref_sigmas``
+    over ``sqrt(n_params)`` (the stage's weights) flags, the first round included.
     """
     beyond = {}
     for w, n in norms.items():
@@ -302,6 +319,10 @@ def screen_round(norms: dict[str, float], cosines: dict[str, float | None], hist
         why = screen(n, cosines.get(w) if quorum else None, centre, local_cfg)
         if why and (quorum or not math.isfinite(n) or n > centre):  # below a quorum: only too large
             flags[w] = why
+        ref = (ref_cosines or {}).get(w)
+        least = cfg.local_ref_sigmas / math.sqrt(max(1, n_params))
+        if not quorum and not why and ref is not None and ref < least:
+            flags[w] = f"direction: cosine {ref:.4f} to the server's own gradient of the round's last step"
     if quorum and 2 * len(flags) >= len(norms):
         flags = {}
     flags.update(beyond)  # past the bound is no verdict of a majority: no replica can get there

@@ -66,6 +66,31 @@ def recompute_grads(module: torch.nn.Module, spec, step: int, mb: int, *, first:
     return {n: (torch.zeros_like(p) if g is None else g) for n, p, g in zip(names, params, grads, strict=True)}
 
 
+def reference_cosines(module: torch.nn.Module, spec, step: int,
+                      inputs: list[tuple[int, torch.Tensor | None, torch.Tensor | None]],
+                      deltas: dict[str, dict[str, torch.Tensor]], *, first: bool, last: bool
+                      ) -> dict[str, float | None]:
+    """Local mode: each pseudo-gradient's cosine to the server's own gradient (pure tensors).
+
+    The server computes, at the merged weights the round started from (``module``), the
+    gradient of micro-batches of the round's last step (``inputs``: micro-batch, stage input,
+    output gradient, as it holds them), with the workers' formula. An honest replica's
+    pseudo-gradient (anchor minus its weights after AdamW steps down the loss) points along
+    it; a flipped, scaled-negative or noise one does not. None: a zero norm.
+    """
+    ref: dict[str, torch.Tensor] = {}
+    for mb, inp, out_grad in inputs:
+        g = recompute_grads(module, spec, step, mb, first=first, last=last, inp=inp, out_grad=out_grad)
+        for n, t in g.items():
+            ref[n] = t if n not in ref else ref[n] + t
+    ref_sq = sq_norm(ref)
+    out: dict[str, float | None] = {}
+    for w, d in sorted(deltas.items()):
+        denom = math.sqrt(sq_norm(d) * ref_sq)
+        out[w] = dot(d, ref) / denom if denom > 0 else None
+    return out
+
+
 def round_measures(deltas: dict[str, dict[str, torch.Tensor]], lr_sums: dict[str, float], quorum: int
                    ) -> tuple[dict[str, float], dict[str, float | None]]:
     """Local mode: each contributor's pseudo-gradient norm per unit of learning rate (its

@@ -281,14 +281,38 @@ class LocalServerMixin:
         if bound is not None:
             log.info("%s round screen: AdamW move bound %.6g per unit of learning rate (x%g flags)", self.name,
                      bound, self.guard_cfg.local_bound_margin)
-        bans = screen_round(norms, cosines, history, self.guard_cfg, bounds)
+        refs = await self._local_reference(step, lrs)
+        n_params = sum(p.numel() for p in self.params.values())
+        bans = screen_round(norms, cosines, history, self.guard_cfg, bounds, refs, n_params)
         for wid, why in sorted(bans.items()):
             self.local_got.pop(wid, None)
             async with self.cond:
                 self._guard_ban(wid, step, why)
         honest = [norms[w] for w in sorted(norms) if w not in bans]
         self.local_guard_norms = (history + honest)[-self.guard_cfg.history:]
-        return {w: [round(norms[w], 8), None if cosines[w] is None else round(cosines[w], 4)] for w in norms}
+        return {w: [round(norms[w], 8), None if cosines[w] is None else round(cosines[w], 4),
+                    None if refs.get(w) is None else round(refs[w], 4)] for w in norms}
+
+    async def _local_reference(self, step: int, lrs: dict[str, float]) -> dict[str, float | None]:
+        """Below a quorum: each contributor's cosine to this server's own gradient at the round's
+        starting weights (:func:`shoal.runtime.safety.verify.reference_cosines`), on up to
+        ``local_ref_mbs`` micro-batches of the round's last step; {} with a quorum or when off."""
+        cfg = self.guard_cfg
+        got = {w: d for w, d in self.local_got.items() if lrs.get(w, 0.0) > 0}
+        if not got or cfg.local_ref_mbs <= 0 or len(self.local_got) >= cfg.local_quorum:
+            return {}
+        from shoal.runtime.safety.verify import reference_cosines
+
+        mbs = self.steps.get(step, {})
+        inputs = [(mb, st.input, st.out_grad) for mb, st in sorted(mbs.items())
+                  if (self.is_first or st.input is not None) and (self.is_last or st.out_grad is not None)]
+        if not inputs:
+            return {}
+        inputs = inputs[:cfg.local_ref_mbs]
+        async with self._wlock:  # the merged weights the round started from, unchanged meanwhile
+            return await asyncio.get_running_loop().run_in_executor(
+                None, lambda: reference_cosines(self.module, self.spec, step, inputs, got,
+                                                first=self.is_first, last=self.is_last))
 
     def _local_move_bound(self) -> float | None:
         """How far inner AdamW steps can move this stage per unit of learning rate
