@@ -45,7 +45,7 @@ def test_poisoned_replica_is_banned_and_honest_run_bans_nobody(tmp_path):
     assert screens and len(screens[-1]) == 3, screens  # by the end every replica contributes
     # honest replicas stay well inside what AdamW can move them (the bound needs no quorum)
     bound = min(_bounds(honest))
-    assert all(norm < bound for s in screens for norm, _ in s.values()), (bound, screens)
+    assert all(norm < bound for s in screens for norm, *_ in s.values()), (bound, screens)
     print("honest screen figures (norm per unit of learning rate, cosine to the round's median):", screens)
 
     out = tmp_path / "poisoned"
