@@ -126,6 +126,24 @@ def test_a_poisoner_that_turns_later_is_undone_bitwise(tmp_path, failure_free, m
 
 @pytest.mark.integration
 @pytest.mark.timeout(600)
+def test_a_consistent_bias_is_caught_and_undone(tmp_path, failure_free):
+    """Exact mode with the default adaptive spot checks: from step 2 w1 adds 0.5 x its
+    gradient's per-element RMS along a sign vector fixed for the run (a small push the norm
+    and direction screens do not see). A recomputation bans it by the last step at the
+    latest, and the run ends with the failure-free weights, bit for bit."""
+    from shoal.runtime.processes.launch import launch
+
+    out = tmp_path / "run"
+    summary = launch(launch_config(out, workers=3, faults=["poison:w1:kind=bias:from=2"]))
+    assert summary["steps"] == RUN["steps"]
+    bans = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "ban"]
+    assert [b["device"] for b in bans] == ["w1"] and 2 <= bans[0]["step"] < RUN["steps"], bans
+    assert "differs from the recomputed one" in bans[0]["why"]
+    assert_equal_weights(out, failure_free)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
 def test_the_honest_run_logs_no_warning(tmp_path_factory, failure_free):
     """The failure-free run (every worker's first pushes and a share of the rest recomputed,
     some of them flagged by the screen and cleared) bans nobody and logs no WARNING."""
