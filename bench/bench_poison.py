@@ -1,5 +1,5 @@
 """Fault bench: poisoned workers against the push screen, adaptive recomputation and the
-ban's undo (docs/faults.md, "Poisoned and broken gradients").
+ban's undo (docs/poisoning.md, "Poisoned and broken gradients").
 
 Per attack (x-20, x-2, sign flip, Gaussian noise of the honest norm, a consistent bias of
 0.5 x the per-element RMS along a fixed sign vector) and scenario (one poisoner from step

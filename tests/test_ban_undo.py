@@ -1,5 +1,5 @@
 """A ban undoes its damage: adaptive recomputation, the roll-back past a banned worker's
-unverified pushes, and the poison faults that exercise them (docs/faults.md, "A ban
+unverified pushes, and the poison faults that exercise them (docs/poisoning.md, "A ban
 undoes its work")."""
 
 from __future__ import annotations

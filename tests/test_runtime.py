@@ -44,7 +44,7 @@ def _cfg(tmp_path, **kw) -> LaunchConfig:
 
 
 def _assert_parity(out, reference):
-    """The run's losses and final weights are bitwise the local trainer's (docs/runtime.md
+    """The run's losses and final weights are bitwise the local trainer's (docs/runtime-operations.md
     claims bitwise equality with ordered gradient pushes, the default)."""
     ref_losses, ref_weights = reference
     recs = read_jsonl(os.path.join(out, "metrics.jsonl"))

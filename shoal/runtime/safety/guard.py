@@ -84,7 +84,7 @@ class GuardConfig:
     # Local mode: cosine of a pseudo-gradient to the round's coordinate-wise median below
     # this flags it. Honest replicas start from the same weights and see the same data
     # distribution, so they point the same way (lowest measured in honest runs: see
-    # docs/faults.md); a sign flip points away.
+    # docs/poisoning.md); a sign flip points away.
     local_min_cosine: float = 0.0
     # Local mode: a pseudo-gradient whose norm per unit of learning rate exceeds this many
     # times what AdamW can move the stage's weights (:func:`adamw_move_bound`) is flagged in
