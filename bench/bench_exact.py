@@ -72,13 +72,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", default="1,3", help="comma-separated W values (workers per stage)")
     ap.add_argument("--out", default="bench/results/exact.md")
     ap.add_argument("--keep", default="", help="keep the run folders here (default: a temporary folder)")
+    ap.add_argument("--local-dir", default="", help="compare with this finished `shoal train --local` run "
+                                                    "(same --steps) instead of running one")
     args = ap.parse_args(argv)
     base = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="shoal-exact-"))
     base.mkdir(parents=True, exist_ok=True)
-    local = base / "local"
-    shutil.rmtree(local, ignore_errors=True)
-    t_local = shoal(["train", "--local", "--steps", str(args.steps), "--out", str(local), "--quiet"],
-                    timeout=3600)
+    if args.local_dir:
+        local, t_local = Path(args.local_dir), float("nan")
+    else:
+        local = base / "local"
+        shutil.rmtree(local, ignore_errors=True)
+        t_local = shoal(["train", "--local", "--steps", str(args.steps), "--out", str(local), "--quiet"],
+                        timeout=3600)
     print(f"local: {t_local:.1f} s", flush=True)
     rows = []
     for s in (int(x) for x in args.stages.split(",")):

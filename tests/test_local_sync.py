@@ -138,10 +138,11 @@ def _merges(out: Path) -> list[dict]:
 @pytest.mark.timeout(240)
 def test_h1_one_worker_per_stage_equals_exact(tmp_path):
     """H=1, outer lr 1, momentum 0, one worker per stage: the replica's inner AdamW step is the
-    exact step, and the merge is ``p - (p - p')``. Losses match the local trainer (which exact
-    runs reproduce bitwise, tests/test_runtime.py); weights within 1e-5: ``p - (p - p')`` can
-    differ from ``p'`` in the last bit where the subtraction is not exact (Sterbenz), and those
-    ulps carry into the next steps' AdamW updates."""
+    exact step and the merge is the lone replica's weights (workers send weights, not
+    ``p - p'``, at outer lr 1 and momentum 0: ``p - (p - p')`` differs from ``p'`` in the last
+    bit where ``p - p'`` is rounded, and AdamW grows those bits); the clip coefficient comes from
+    the replicas' per-parameter norms. So losses, norms and weights equal the local trainer's,
+    bit for bit."""
     from shoal.runtime.processes.launch import LaunchConfig, launch
     from shoal.runtime.roles.artifacts import load_final_weights
     from shoal.train.local import TrainConfig, train_local
@@ -153,13 +154,12 @@ def test_h1_one_worker_per_stage_equals_exact(tmp_path):
     out = tmp_path / "run"
     launch(LaunchConfig(out=str(out), **RUN, steps=steps, stages=2, workers=2, dead_after_s=3.0, min_lease_s=1.5,
                         timeout_s=200, sync="local", sync_every=1, outer_lr=1.0, outer_momentum=0.0))
-    losses = [r["loss"] for r in read_jsonl(out / "metrics.jsonl")]
-    ref_losses = [r["loss"] for r in ref.records]
-    assert losses == pytest.approx(ref_losses, rel=1e-6, abs=0)
+    recs = [(r["loss"], r["grad_norm"]) for r in read_jsonl(out / "metrics.jsonl")]
+    assert recs == [(r["loss"], r["grad_norm"]) for r in ref.records]
     weights = load_final_weights(out)
     ref_w = {k: v.detach() for k, v in ref.model.state_dict().items()}
-    worst = max(float((weights[k] - ref_w[k]).abs().max()) for k in ref_w)
-    assert worst < 1e-5
+    differ = [k for k in ref_w if not torch.equal(weights[k], ref_w[k])]
+    assert not differ, (differ[:3], max(float((weights[k] - ref_w[k]).abs().max()) for k in ref_w))
     merges = _merges(out)
     assert sorted((m["stage"], m["version"]) for m in merges) == [(s, v) for s in (0, 1) for v in range(1, 5)]
     assert all(list(m["contributors"].values()) == [4] for m in merges)

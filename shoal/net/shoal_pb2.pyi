@@ -624,7 +624,7 @@ class CompleteReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., gen: _Optional[int] = ..., lease_id: _Optional[int] = ...) -> None: ...
 
 class GradPush(_message.Message):
-    __slots__ = ("worker", "step", "epoch", "gen", "mbs", "grads", "local_done", "local_sq_norm", "local_round", "local_mbs")
+    __slots__ = ("worker", "step", "epoch", "gen", "mbs", "grads", "local_done", "local_sq_norm", "local_round", "local_mbs", "local_weights", "local_param_sq")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -635,6 +635,8 @@ class GradPush(_message.Message):
     LOCAL_SQ_NORM_FIELD_NUMBER: _ClassVar[int]
     LOCAL_ROUND_FIELD_NUMBER: _ClassVar[int]
     LOCAL_MBS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PARAM_SQ_FIELD_NUMBER: _ClassVar[int]
     worker: str
     step: int
     epoch: int
@@ -645,7 +647,9 @@ class GradPush(_message.Message):
     local_sq_norm: float
     local_round: int
     local_mbs: int
-    def __init__(self, worker: _Optional[str] = ..., step: _Optional[int] = ..., epoch: _Optional[int] = ..., gen: _Optional[int] = ..., mbs: _Optional[_Iterable[int]] = ..., grads: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., local_done: _Optional[bool] = ..., local_sq_norm: _Optional[float] = ..., local_round: _Optional[int] = ..., local_mbs: _Optional[int] = ...) -> None: ...
+    local_weights: bool
+    local_param_sq: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, worker: _Optional[str] = ..., step: _Optional[int] = ..., epoch: _Optional[int] = ..., gen: _Optional[int] = ..., mbs: _Optional[_Iterable[int]] = ..., grads: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., local_done: _Optional[bool] = ..., local_sq_norm: _Optional[float] = ..., local_round: _Optional[int] = ..., local_mbs: _Optional[int] = ..., local_weights: _Optional[bool] = ..., local_param_sq: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("accepted", "reason", "gen")

@@ -126,6 +126,16 @@ def merge_per_layer(deltas: Mapping[str, Mapping[str, torch.Tensor]],
     return out
 
 
+def merges_weights(lr: float, mu: float) -> bool:
+    """Whether the outer step is the replicas' plain weighted mean (outer lr 1, momentum 0).
+
+    Then the merge averages the replicas' weights themselves (the workers send them):
+    ``p - (p - p')`` is not ``p'`` in floats where ``p - p'`` is rounded (a weight whose step
+    is larger than half of it), and those last bits would grow over the next AdamW steps.
+    """
+    return lr == 1.0 and mu == 0.0
+
+
 def outer_nesterov_step(params: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor],
                         momentum: dict[str, torch.Tensor], lr: float, mu: float) -> None:
     """One outer Nesterov step in place: ``m = mu m + d``; ``p -= lr (d + mu m)``.

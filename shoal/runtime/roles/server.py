@@ -1511,7 +1511,8 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
                 self.guard_unverified.setdefault(wid, step)
             report = pb.StepReport(member_id=self.member_id, stage=self.stage, step=step, epoch=epoch,
                                    sq_norm=self._local_sq_norm() if self.local else total_sq_norm(parts),
-                                   requeues=self.requeues, param_sq_norms=parts)
+                                   requeues=self.requeues,
+                                   param_sq_norms=self._local_sq_parts() if self.local else parts)
             if self.is_last:
                 report.losses.extend(mbs[mb].loss for mb in sorted(mbs))
             for w, n in self.tasks_per_worker.items():

@@ -44,10 +44,11 @@ from shoal.runtime.sync.codecs import (
     uses_update_pulls,
 )
 from shoal.runtime.transport.frames import decode_grads
-from shoal.train.optim import apply_update, make_optimizer
+from shoal.train.optim import apply_update, make_optimizer, total_sq_norm
 from shoal.train.outer import (
     is_sync_step,
     merge_weights,
+    merges_weights,
     outer_nesterov_step,
     outer_nesterov_update,
     sync_of_spec,
@@ -94,9 +95,11 @@ class LocalServerMixin:
         self.local_round_mbs: dict[str, int] = {}  # micro-batches counted per worker this round
         self.local_round_lr: dict[str, float] = {}  # sum of the learning rates of each worker's inner steps this round
         self.local_sq: dict[str, tuple[int, float]] = {}  # worker -> (mbs, squared norm) this step
+        self.local_sq_parts: dict[str, list[float]] = {}  # worker -> its per-parameter squared norms this step
         self.local_decision: tuple[int, float, float, bool] | None = None  # (step, lr, coef, skip)
         self.local_expect: set[str] | None = None  # workers whose pseudo-gradient the merge awaits
         self.local_got: dict[str, dict[str, torch.Tensor]] = {}  # pseudo-gradients received
+        self.local_replicas: dict[str, dict[str, torch.Tensor]] = {}  # replicas' weights received (merges_weights)
         self.outer_m: dict[str, torch.Tensor] = {}  # outer Nesterov momentum (checkpointed with the merged weights)
         self.local_ckpt_last = version
         # Sparse pulls: the merges' encoded updates (a fresh chain and residual at every load).
@@ -126,6 +129,7 @@ class LocalServerMixin:
         self.local_round_mbs.pop(wid, None)
         self.local_round_lr.pop(wid, None)
         self.local_sq.pop(wid, None)
+        self.local_sq_parts.pop(wid, None)
         if self.local_expect is not None and wid not in self.local_got:
             self.local_expect.discard(wid)
 
@@ -147,6 +151,14 @@ class LocalServerMixin:
     def _local_sq_norm(self) -> float:
         return replica_sq_norm(self.local_sq, self.spec.micro_batches)
 
+    def _local_sq_parts(self) -> list[float]:
+        """Per-parameter squared norms for the coordinator's exact sum: those of the one replica
+        that covered all the step's micro-batches (its norm is then the stage's); else none."""
+        if len(self.local_sq) != 1:
+            return []
+        (w, (n, _)), = self.local_sq.items()
+        return self.local_sq_parts.get(w, []) if n == self.spec.micro_batches else []
+
     async def _local_push(self, r: pb.GradPush, info) -> pb.PushReply:
         """A ``local_done`` report or a pseudo-gradient (``local_round``) from a worker."""
         if r.local_round:
@@ -161,6 +173,7 @@ class LocalServerMixin:
         if r.epoch != self.epoch or r.step != self.step or r.gen != info.gen:
             return pb.PushReply(accepted=False, reason="stale report (step, epoch or generation)", gen=info.gen)
         ok = (ids and len(ids) == len(set(ids)) and math.isfinite(r.local_sq_norm) and r.local_sq_norm >= 0
+              and all(math.isfinite(x) and x >= 0 for x in r.local_param_sq)
               and all(mb in mbs and mbs[mb].grad == "computed" and mbs[mb].holder == r.worker for mb in ids))
         if not ok:
             self._void_worker(r.worker, "bad local report (micro-batches not held or bad norm)")
@@ -171,6 +184,7 @@ class LocalServerMixin:
         n_before = self.local_sq.get(r.worker, (0, 0.0))[0]
         # The worker's norm covers everything it holds of the step (a second report adds mbs).
         self.local_sq[r.worker] = (n_before + len(ids), float(r.local_sq_norm))
+        self.local_sq_parts[r.worker] = list(r.local_param_sq)
         self.local_round_mbs[r.worker] = self.local_round_mbs.get(r.worker, 0) + len(ids)
         return await self._count(mbs, ids, info)
 
@@ -210,6 +224,11 @@ class LocalServerMixin:
             async with self.cond:
                 self.cond.notify_all()
             return pb.PushReply(accepted=True, reason="covers no micro-batch: nothing to merge", gen=info.gen)
+        if r.local_weights:
+            # The replica's weights: the merge averages them; the screen judges anchor minus them,
+            # the pseudo-gradient the worker would have sent.
+            self.local_replicas[r.worker] = deltas
+            deltas = await asyncio.get_running_loop().run_in_executor(None, self._anchor_minus, deltas)
         self.local_got[r.worker] = deltas
         async with self.cond:
             self.cond.notify_all()
@@ -225,10 +244,12 @@ class LocalServerMixin:
             for w in self.local_sq:
                 self.local_round_lr[w] = self.local_round_lr.get(w, 0.0) + d.lr
         self.local_sq = {}
+        self.local_sq_parts = {}
         if not is_sync_step(step, self.spec.sync_every, self.spec.steps):
             return False
         self.local_expect = {w for w, n in self.local_round_mbs.items() if n > 0}
         self.local_got = {}
+        self.local_replicas = {}
         async with self.cond:
             self.cond.notify_all()
         since = time.monotonic()
@@ -258,6 +279,7 @@ class LocalServerMixin:
         self.local_round_lr = {}
         self.local_expect = None
         self.local_got = {}
+        self.local_replicas = {}
         return True
 
     async def _local_screen(self, step: int) -> dict[str, list]:
@@ -330,6 +352,10 @@ class LocalServerMixin:
         n = sum(t.numel() for t in weights.values())
         return adamw_move_bound(n, math.sqrt(sq_norm(weights)), cfg.weight_decay, cfg.beta1, cfg.beta2)
 
+    def _anchor_minus(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The pseudo-gradient of a replica's weights: the merged weights minus them (in a thread)."""
+        return {n: self.params[n].detach() - w for n, w in weights.items()}
+
     def _local_merge(self, counts: dict[str, int], version: int) -> tuple[str, dict[str, float]]:
         """Merge the received pseudo-gradients into the weights (in a thread): the merged
         weights' digest and the share each contributor was weighted by in the sum (its
@@ -345,6 +371,13 @@ class LocalServerMixin:
             self.update_pulls.merge({n: p.data for n, p in self.params.items()}, update,
                                     (self.local_merged, self.epoch, self.stage), (version, self.epoch, self.stage),
                                     self.first, self.last)
+        elif (delta is not None and merges_weights(self.spec.outer_lr, self.spec.outer_momentum)
+              and set(self.local_got) <= set(self.local_replicas)):
+            # the replicas' weighted mean itself: one replica's weights bit for bit
+            mean = weighted_sum({w: self.local_replicas[w] for w in shares}, shares)
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    p.data.copy_(mean[n])
         elif delta is not None:
             outer_nesterov_step({n: p.data for n, p in self.params.items()}, delta, self.outer_m,
                                 self.spec.outer_lr, self.spec.outer_momentum)
@@ -445,20 +478,20 @@ class LocalWorkerMixin:
             n += self.pending[3]
         return total, n
 
-    def _local_report(self) -> tuple[dict[str, torch.Tensor], int, float]:
+    def _local_report(self) -> tuple[dict[str, torch.Tensor], int, list[float]]:
         total, n = self._local_sum()
         scale = mean_scale(self.spec.micro_batches, n)
-        sq = sum(float((g * scale if scale != 1.0 else g).detach().double().pow(2).sum()) for g in total.values())
-        return total, n, sq
+        parts = [float((g * scale if scale != 1.0 else g).detach().double().pow(2).sum()) for g in total.values()]
+        return total, n, parts
 
     async def _local_done(self) -> None:
         """Report the step's micro-batches (no tensors); keep the gradient for the inner step."""
         epoch, step, gen = self.acc_key
         mbs = sorted(self.acc_mbs)
         try:
-            total, n, sq = await asyncio.get_running_loop().run_in_executor(None, self._local_report)
+            total, n, parts = await asyncio.get_running_loop().run_in_executor(None, self._local_report)
             msg = pb.GradPush(worker=self.member_id, step=step, epoch=epoch, gen=gen, mbs=mbs, local_done=True,
-                              local_sq_norm=sq)
+                              local_sq_norm=total_sq_norm(parts), local_param_sq=parts)
             rep = await self._send_push(msg, msg.SerializeToString())
             if rep is None:
                 await self._release(epoch, step, gen)
@@ -517,12 +550,17 @@ class LocalWorkerMixin:
         msg = pb.GradPush(worker=self.member_id, step=step, epoch=epoch, gen=gen, local_round=round_v,
                           local_mbs=self.local_round_mbs)
         codec = self.pseudo_ef.codec if self.pseudo_ef is not None else "raw"
+        # Raw pushes at outer lr 1, momentum 0: the weights themselves (the merge is their mean, exactly).
+        msg.local_weights = codec == "raw" and merges_weights(self.spec.outer_lr, self.spec.outer_momentum)
         deltas = {}
         for name, p in self.params.items():
             delta = self.anchor[name] - p.detach()
             o = self.opts
-            if poisons(o.fault_poison_kind, o.fault_poison, o.fault_poison_from, step):
+            poisoned = poisons(o.fault_poison_kind, o.fault_poison, o.fault_poison_from, step)
+            if poisoned:
                 delta = poison(delta, name, step, o.fault_poison_kind, o.fault_poison)  # a dishonest replica
+            if msg.local_weights:
+                delta = p.detach().clone() if not poisoned else self.anchor[name] - delta
             deltas[name] = delta.cpu()
         if codec.startswith("sparse"):  # the whole stage as one sparse vector
             msg.grads.append(stage_frame(deltas, codec, self.pseudo_ef))
