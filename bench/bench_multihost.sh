@@ -97,6 +97,9 @@ echo "(up: first host -> second host; down: second -> first)"
 # ---------------------------------------------------------------- the run, by hand
 export SHOAL_TOKEN
 SHOAL_TOKEN=$("$PY" -c 'import secrets; print(secrets.token_hex(16))')
+# Stage servers join with the server token (the join token admits workers only; workers ignore it).
+export SHOAL_SERVER_TOKEN
+SHOAL_SERVER_TOKEN=$("$PY" -c 'import secrets; print(secrets.token_hex(16))')
 RUN=$WORK/run
 A=${IP[A]}; B=${IP[B]}
 # Every member uses the run's certificates (mutual TLS); one folder serves all three hosts here.

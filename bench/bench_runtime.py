@@ -184,11 +184,12 @@ def pipeline_bound(layers: list, reps: int = 20) -> tuple[float, list[tuple[floa
     return span + max(c[2] for c in costs), costs
 
 
-BENCH_SECRET = b"bench-run-secret"  # run secret of the benchmark's stand-alone server
+BENCH_SECRET = b"bench-run-secret"  # signing secret of the credentials the benchmark uses
 
 
 def _server_proc(q, token: str, ckpt: str, shape: tuple[int, int, int]) -> None:
     from shoal.net import shoal_pb2 as pb
+    from shoal.net.auth import run_public_key
     from shoal.runtime.common import set_threads
     from shoal.runtime.roles.server import StageServer
 
@@ -201,7 +202,7 @@ def _server_proc(q, token: str, ckpt: str, shape: tuple[int, int, int]) -> None:
                               min_lr=1e-4, warmup=1, weight_decay=0.1, grad_clip=1.0,
                               dead_after_s=60, min_lease_s=5, data="synthetic", ordered_grads=True,
                               run_id="bench")
-        srv.channels.identity.secret = BENCH_SECRET  # as if it had joined a run
+        srv.channels.identity.run_key = run_public_key(BENCH_SECRET)  # as if it had joined a run
         server = await srv.start_rpc()
         srv.stage, srv.first, srv.last, srv.epoch = 1, 3, 6, 0
         await srv._load(1, 3, 6, 0, 0)

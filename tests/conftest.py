@@ -7,6 +7,8 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("SHOAL_TORCH_THREADS", "1")
+# Members the tests start by hand (coordinator and servers) share the operator's server token.
+os.environ.setdefault("SHOAL_SERVER_TOKEN", "test-server-token")
 
 import torch  # noqa: E402
 

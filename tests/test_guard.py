@@ -81,6 +81,13 @@ def test_check_faults_against_the_swarm():
         check_faults([CorruptCkptFault(2, 2)], workers=2, stages=2, steps=6)
     with pytest.raises(ShoalError, match="never fires"):
         check_faults([KillFault("worker", "w0", 6)], workers=2, stages=2, steps=6)
+    # A corrupt-ckpt in a run that writes no checkpoint before its last step could corrupt
+    # nothing: refused in one line (with one, it waits for the stage's first checkpoint).
+    check_faults([CorruptCkptFault(1, 2)], workers=2, stages=2, steps=6, ckpt_every=5)
+    for every in (0, 6, 10):
+        with pytest.raises(ShoalError, match="no checkpoint before the last of the 6 steps") as err:
+            check_faults([CorruptCkptFault(1, 2)], workers=2, stages=2, steps=6, ckpt_every=every)
+        assert len(str(err.value).splitlines()) == 1
 
 
 def test_launch_cli_refuses_a_bad_fault(tmp_path):

@@ -9,7 +9,7 @@ import torch
 
 from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
-from shoal.net.auth import Identity
+from shoal.net.auth import Identity, run_public_key
 from shoal.net.channel import ChannelFactory, make_server
 from shoal.net.traffic import Traffic, frame_raw_bytes, frames_of, merge_traffic
 from shoal.net.wire import encode_tensor
@@ -63,7 +63,7 @@ class _Echo(pbg.StageServerServicer):
 
 def test_interceptor_counts_request_and_reply_of_a_real_call():
     async def main():
-        server = make_server("tok", secret=lambda: SECRET)
+        server = make_server("tok", run_key=lambda: run_public_key(SECRET))
         pbg.add_StageServerServicer_to_server(_Echo(), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
@@ -89,7 +89,7 @@ def test_a_failed_call_still_raises_the_grpc_error():
     import pytest
 
     async def main():
-        server = make_server("tok", secret=lambda: SECRET)
+        server = make_server("tok", run_key=lambda: run_public_key(SECRET))
         pbg.add_StageServerServicer_to_server(_Echo(), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()

@@ -16,7 +16,7 @@ from shoal.errors import ShoalError
 from shoal.model.config import get_preset
 from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
-from shoal.net.auth import Identity
+from shoal.net.auth import Identity, run_public_key
 from shoal.net.channel import make_server, open_channel
 from shoal.plan.scenario import load_scenario, scenario_from_dict, scenario_to_dict
 from shoal.plan.types import Workload
@@ -212,7 +212,7 @@ def test_probes_through_a_shaped_link_measure_its_rates():
     up, down = 0.5e6, 1.5e6  # bytes/s of the shaped access link (slow: one busy process does it all)
 
     async def main():
-        server = make_server("tok", secret=lambda: b"s")
+        server = make_server("tok", run_key=lambda: run_public_key(b"s"))
         pbg.add_CoordinatorServicer_to_server(_Echo(), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()

@@ -30,7 +30,7 @@ class Echo(pbg.CoordinatorServicer):
         return probe_reply(request)
 
 async def main():
-    server = make_server("tok", secret=lambda: b"s")
+    server = make_server("tok", run_key=lambda: run_public_key(b"s"))
     pbg.add_CoordinatorServicer_to_server(Echo(), server)
     bind(server, sys.argv[1], load_tls(sys.argv[2]))
     await server.start()
@@ -43,7 +43,7 @@ asyncio.run(main())
 PROBE = """
 import asyncio, json, sys
 from shoal.net import shoal_pb2_grpc as pbg
-from shoal.net.auth import Identity
+from shoal.net.auth import Identity, run_public_key
 from shoal.net.channel import open_channel
 from shoal.net.tls import load_tls
 from shoal.runtime.measure import probe_link

@@ -34,6 +34,7 @@ from shoal.net.auth import (
     Identity,
     decide,
     member_credential,
+    run_public_key,
 )
 from shoal.net.channel import bind, make_server, open_channel
 from shoal.net.tls import check_plaintext, is_loopback, load_tls, make_keys
@@ -53,27 +54,30 @@ def _md(secret: bytes, member: str, role: str, token: str = "") -> dict[str, str
 
 
 def test_decide_by_method_and_role():
-    s = b"run-secret"
+    s = b"run-secret"  # the coordinator's signing secret; servers hold only its public key k
+    k = run_public_key(s)
     join, report = "/shoal.v1.Coordinator/Join", "/shoal.v1.Coordinator/ReportStep"
     push, relay = "/shoal.v1.StageServer/PushGradsStream", "/shoal.v1.StageServer/SubmitRelayStream"
-    assert decide(join, {TOKEN_HEADER: "tok"}, "tok", s) is None
-    assert decide(join, {TOKEN_HEADER: "bad"}, "tok", s) == UNAUTH
-    assert decide(join, {}, "tok", s) == UNAUTH
+    assert decide(join, {TOKEN_HEADER: "tok"}, "tok", k) is None
+    assert decide(join, {TOKEN_HEADER: "bad"}, "tok", k) == UNAUTH
+    assert decide(join, {}, "tok", k) == UNAUTH
     # The token alone opens nothing but Join and Status.
-    assert decide(push, {TOKEN_HEADER: "tok"}, "tok", s) == UNAUTH
-    assert decide(push, _md(s, "w1-a", "worker"), "tok", s) is None
-    assert decide(report, _md(s, "s1-a", "server"), "tok", s) is None
+    assert decide(push, {TOKEN_HEADER: "tok"}, "tok", k) == UNAUTH
+    assert decide(push, _md(s, "w1-a", "worker"), "tok", k) is None
+    assert decide(report, _md(s, "s1-a", "server"), "tok", k) is None
     # Only servers report steps and relay; workers push.
-    assert decide(report, _md(s, "w1-a", "worker"), "tok", s) == DENIED
-    assert decide(relay, _md(s, "w1-a", "worker"), "tok", s) == DENIED
-    assert decide(push, _md(s, "s1-a", "server"), "tok", s) == DENIED
+    assert decide(report, _md(s, "w1-a", "worker"), "tok", k) == DENIED
+    assert decide(relay, _md(s, "w1-a", "worker"), "tok", k) == DENIED
+    assert decide(push, _md(s, "s1-a", "server"), "tok", k) == DENIED
     # A credential is bound to its member id and role: claiming another is refused.
     forged = dict(_md(s, "w1-a", "worker"), **{MEMBER_HEADER: "w2-b"})
-    assert decide(push, forged, "tok", s) == UNAUTH
+    assert decide(push, forged, "tok", k) == UNAUTH
     promoted = dict(_md(s, "w1-a", "worker"), **{ROLE_HEADER: "server"})
-    assert decide(relay, promoted, "tok", s) == UNAUTH
-    # Another run's secret, or a server that has not joined yet (no secret), checks nothing in.
-    assert decide(push, _md(b"other-run", "w1-a", "worker"), "tok", s) == UNAUTH
+    assert decide(relay, promoted, "tok", k) == UNAUTH
+    # Another run's key, or a server that has not joined yet (no key), checks nothing in.
+    assert decide(push, _md(b"other-run", "w1-a", "worker"), "tok", k) == UNAUTH
+    # The public key checks credentials but makes none: signing with it gives nothing valid.
+    assert decide(push, _md(k, "w2-b", "worker"), "tok", k) == UNAUTH
     assert decide(push, _md(s, "w1-a", "worker"), "tok", b"") == UNAUTH
 
 
@@ -255,8 +259,9 @@ async def _attacks(tls, token: str, coord: str, s0: str, s1: str, s0_id: str, vi
     codes = {}
     async with open_channel(coord, token, tls=tls, identity=ident) as ch:
         c = pbg.CoordinatorStub(ch)
-        await c.Join(pb.JoinRequest(role="worker", name="mallory", flops=1e9, schema=1), timeout=30)
-        assert ident.role == "worker" and ident.credential and not ident.secret  # workers get no run secret
+        rep = await c.Join(pb.JoinRequest(role="worker", name="mallory", flops=1e9, schema=1), timeout=30)
+        # No member gets a secret: a credential and the run's public key only.
+        assert ident.role == "worker" and ident.credential and not rep.run_secret and len(ident.run_key) == 32
         for name, member in (("report_as_self", ident.member), ("report_as_server", s0_id)):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await c.ReportStep(pb.StepReport(member_id=member, stage=0, step=0, sq_norm=1e6), timeout=10)
@@ -432,7 +437,7 @@ def test_the_recorder_sees_plain_text(tmp_path):
     rec = _Recorder()
 
     async def main():
-        server = make_server("plain-token-123", secret=lambda: b"s")
+        server = make_server("plain-token-123", run_key=lambda: run_public_key(b"s"))
         pbg.add_StageServerServicer_to_server(Echo(), server)
         port = bind(server, "127.0.0.1:0", None)
         await server.start()

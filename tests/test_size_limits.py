@@ -34,6 +34,7 @@ from shoal.net.auth import (
     TOKEN,
     Identity,
     request_limit,
+    run_public_key,
 )
 from shoal.net.channel import bind, make_server, open_channel
 from shoal.net.stream import chunk_bytes_from_mb, split
@@ -114,7 +115,7 @@ class _Stage(pbg.StageServerServicer):
 
 
 async def _serve(servicer):
-    server = make_server(TOKEN_VALUE, secret=lambda: SECRET, resolve=SIZES.__getitem__)
+    server = make_server(TOKEN_VALUE, run_key=lambda: run_public_key(SECRET), resolve=SIZES.__getitem__)
     pbg.add_StageServerServicer_to_server(servicer, server)
     port = bind(server, "127.0.0.1:0", None)
     await server.start()

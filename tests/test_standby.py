@@ -36,6 +36,10 @@ def test_standbys_copy_a_stage_served_from_another_host():
     same = {"a": "127.0.0.1", "b": "127.0.0.1", "c": "127.0.0.1"}
     assert standby_stages(["a", "b", "c"], 2, hosts=same, active_hosts=["127.0.0.1"] * 2) == {"a": 0, "b": 1, "c": 0}
     assert standby_stages(["a", "b"], 2, hosts={}, active_hosts=["", ""]) == {"a": 0, "b": 1}
+    # One standby, two stages: it copies the stage served from the other host, not the first
+    # stage round robin would give it (which is served from its own host).
+    assert standby_stages(["a"], 2, hosts={"a": "h0"}, active_hosts=["h0", "h1"]) == {"a": 1}
+    assert standby_stages(["a"], 2, hosts={"a": "h1"}, active_hosts=["h0", "h1"]) == {"a": 0}
     # A standby holding copies keeps its stage, even on the active server's host.
     assert standby_stages(["a", "b"], 2, {"a": {0: 4}}, hosts={"a": "h0", "b": "h0"},
                           active_hosts=["h0", "h1"]) == {"a": 0, "b": 1}
@@ -584,3 +588,23 @@ def test_a_hung_standby_does_not_stop_the_run(tmp_path, tmp_path_factory):
     logs = "".join((out / "logs" / f"server{i}.log").read_text() for i in (0, 1))
     assert "standby 127.0.0.1" in logs and "did not log step" in logs and "DEADLINE_EXCEEDED" in logs, logs[-2000:]
     assert_equal_weights(out, reference)
+
+
+def test_a_failing_copy_warns_once_and_names_the_copier(tmp_path, caplog):
+    """A copy retried at every heartbeat (its source died) warns once per stage, source and
+    reason, not five times a second; a plain spare server does not call itself a standby."""
+    import logging
+
+    from shoal.runtime.roles.server import StageServer
+
+    srv = StageServer("127.0.0.1:1", "127.0.0.1:0", "tok", str(tmp_path), name="s2")
+    assert srv.copier_label == "spare"
+    with caplog.at_level(logging.DEBUG, logger="shoal.server"):
+        for _ in range(25):  # five seconds of heartbeats
+            srv._copy_failed(1, "127.0.0.1:9", "copying stage 1 from 127.0.0.1:9 failed (UNAVAILABLE)")
+        srv._copy_failed(1, "127.0.0.1:8", "copying stage 1 from 127.0.0.1:8 failed (UNAVAILABLE)")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings
+    assert all(w.startswith("s2 (spare): copying stage 1") for w in warnings)
+    srv.standby = True
+    assert srv.copier_label == "standby"

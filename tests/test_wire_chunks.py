@@ -14,7 +14,7 @@ import torch
 
 from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
-from shoal.net.auth import Identity
+from shoal.net.auth import Identity, run_public_key
 from shoal.net.channel import open_channel
 from shoal.net.stream import Assembler, assemble, chunk_bytes_from_mb, chunks_of, fetch, send, split
 from shoal.net.wire import WireError, encode_tensor
@@ -120,7 +120,7 @@ async def _start(tmp_path) -> tuple[_Server, grpc.aio.Server, str]:
     srv.guard_cfg = GuardConfig(enabled=False)  # the pushes here are made up
     await srv._load(0, 0, 3, 0, 0)
     srv.ready = True
-    srv.channels.identity.secret = SECRET  # what joining would have given it
+    srv.channels.identity.run_key = run_public_key(SECRET)  # what joining would have given it
     rpc = await srv.start_rpc()
     return srv, rpc, srv.address
 

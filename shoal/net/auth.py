@@ -1,15 +1,21 @@
 """Who may call what: the join token, per-member credentials and the role table.
 
-* The **join token** admits a process to ``Join`` (and to ``Status``) and nothing else.
-* At ``Join`` the coordinator gives each member a **credential**:
-  ``HMAC-SHA256(run secret, member id + role)``. Stage servers also get the run secret, so
-  they can check credentials themselves. A member sends ``x-shoal-member``,
+* The **join token** admits a *worker* to ``Join`` (and anyone holding it to ``Status``)
+  and nothing else. A stage server (or standby) joins with the operator's **server token**
+  as well (``x-shoal-server-token``, :data:`SERVER_TOKEN_HEADER`): a second secret that only
+  the operator's server processes hold, so the join token cannot make a server.
+* At ``Join`` the coordinator gives each member a **credential**: its Ed25519 signature of
+  ``member id + role`` under the run's signing key, which only the coordinator holds. Every
+  member gets the matching *public* key (``JoinReply.run_key``), so stage servers check
+  credentials themselves, and no member holds anything from which another member's
+  credential could be made. Member ids are random. A member sends ``x-shoal-member``,
   ``x-shoal-role`` and ``x-shoal-cred`` with every call (a client interceptor adds them,
   learning them from the ``Join`` reply), so no runtime code handles them.
 * :class:`AuthInterceptor` checks the metadata **before the request is read**: a call
   without a valid credential, or from a role the method is not for (:data:`METHOD_ROLES`),
   is answered by a handler that never reads the request, so an unauthenticated peer costs
-  the server no more than gRPC's flow-control window.
+  the server no more than gRPC's flow-control window. A checked credential is remembered,
+  so a member's calls cost one signature check in all.
 * Handlers then bind the request to the caller with :func:`check_caller`: a member can
   lease, push, report and leave only as itself.
 * Every request has a size limit by method *and* role (:data:`METHOD_LIMITS`): gRPC itself
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,6 +40,7 @@ TOKEN_HEADER = "x-shoal-token"
 MEMBER_HEADER = "x-shoal-member"
 ROLE_HEADER = "x-shoal-role"
 CRED_HEADER = "x-shoal-cred"
+SERVER_TOKEN_HEADER = "x-shoal-server-token"
 
 TOKEN = "token"  # pseudo-role: the join token is enough for the method
 ANY = "any"  # pseudo-role: any member with a valid credential
@@ -135,9 +143,54 @@ def request_limit(method: str, role: str, resolve: Callable[[str], int] | None =
     return min(msg, REQUEST_CAP), size(lim.stream)
 
 
+def _signing_key(secret: bytes):
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    return Ed25519PrivateKey.from_private_bytes(hashlib.sha256(secret).digest())
+
+
+def run_public_key(secret: bytes) -> bytes:
+    """The public key (raw Ed25519, 32 bytes) that checks credentials made with ``secret``."""
+    from cryptography.hazmat.primitives import serialization
+
+    return _signing_key(secret).public_key().public_bytes(serialization.Encoding.Raw,
+                                                          serialization.PublicFormat.Raw)
+
+
 def member_credential(secret: bytes, member: str, role: str) -> str:
-    """The credential of ``member`` in ``role`` under the run ``secret`` (hex HMAC-SHA256)."""
-    return hmac.new(secret, f"{member}\0{role}".encode(), hashlib.sha256).hexdigest()
+    """The credential of ``member`` in ``role``: the run signing key's signature (hex) of both.
+
+    ``secret`` is the coordinator's signing secret; no member ever receives it.
+    """
+    return _signing_key(secret).sign(f"{member}\0{role}".encode()).hex()
+
+
+_CHECKED: dict[tuple[bytes, str, str, str], bool] = {}  # credentials already found valid
+_CHECKED_MAX = 65536
+
+
+def credential_ok(run_key: bytes, member: str, role: str, cred: str) -> bool:
+    """Whether ``cred`` is the run's signature of ``member`` in ``role`` (``run_key``: the
+    run's public key). Valid ones are remembered, so each member costs one check."""
+    key = (run_key, member, role, cred)
+    if key in _CHECKED:
+        return True
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    try:
+        Ed25519PublicKey.from_public_bytes(run_key).verify(bytes.fromhex(cred), f"{member}\0{role}".encode())
+    except (InvalidSignature, ValueError):
+        return False
+    if len(_CHECKED) >= _CHECKED_MAX:
+        _CHECKED.clear()
+    _CHECKED[key] = True
+    return True
+
+
+def new_member_id(role: str, name: str) -> str:
+    """A random member id (``w-3f9c2a61b0d4-NAME``): nobody can guess another member's id."""
+    return f"{role[0]}-{secrets.token_hex(6)}-{name}"
 
 
 @dataclass
@@ -147,32 +200,39 @@ class Identity:
     token: str  # join token (sent on every call; only Join and Status accept it alone)
     member: str = ""  # member id given at join
     role: str = ""  # "server", "worker" or "coordinator"
-    credential: str = ""  # member_credential(run secret, member, role)
-    secret: bytes = b""  # servers and the coordinator: the run secret that checks credentials
+    credential: str = ""  # the run's signature of (member, role)
+    run_key: bytes = b""  # the run's public key: checks the credentials of callers (servers, coordinator)
+    server_token: str = ""  # stage servers: the operator's server token, sent with Join only
 
     @classmethod
     def joined(cls, token: str, secret: bytes, member: str, role: str) -> Identity:
-        """The identity ``member`` gets when it joins in ``role`` (for tests and tools)."""
-        return cls(token, member, role, member_credential(secret, member, role))
+        """The identity ``member`` gets when it joins in ``role`` under signing secret ``secret``
+        (for tests and tools)."""
+        return cls(token, member, role, member_credential(secret, member, role), run_public_key(secret))
 
-    def metadata(self) -> list[tuple[str, str]]:
+    def metadata(self, method: str = "") -> list[tuple[str, str]]:
         md = [(TOKEN_HEADER, self.token)]
+        if self.server_token and method == JOIN_METHOD:
+            md.append((SERVER_TOKEN_HEADER, self.server_token))
         if self.credential:
             md += [(MEMBER_HEADER, self.member), (ROLE_HEADER, self.role), (CRED_HEADER, self.credential)]
         return md
 
     def learn(self, reply) -> None:
-        """Take member id, role, credential (and the run secret) from a ``JoinReply``."""
+        """Take member id, role, credential and the run's public key from a ``JoinReply``."""
         if reply.credential:
             self.member, self.role, self.credential = reply.member_id, reply.role, reply.credential
-        if reply.run_secret:
-            self.secret = bytes(reply.run_secret)
+        if reply.run_key:
+            self.run_key = bytes(reply.run_key)
+
+
+JOIN_METHOD = "/shoal.v1.Coordinator/Join"
 
 
 def coordinator_identity(token: str, secret: bytes) -> Identity:
     """The coordinator's own identity (it pulls the final weights as ``coordinator``)."""
-    return Identity(token, COORDINATOR_ID, COORDINATOR_ID, member_credential(secret, COORDINATOR_ID,
-                                                                               COORDINATOR_ID), secret)
+    return Identity(token, COORDINATOR_ID, COORDINATOR_ID, member_credential(secret, COORDINATOR_ID, COORDINATOR_ID),
+                    run_public_key(secret))
 
 
 def _metadata(details) -> dict[str, str]:
@@ -182,17 +242,19 @@ def _metadata(details) -> dict[str, str]:
     return out
 
 
-def decide(method: str, md: dict[str, str], token: str, secret: bytes) -> grpc.StatusCode | None:
-    """None if the call may proceed, else the status to refuse it with (pure; tested directly)."""
+def decide(method: str, md: dict[str, str], token: str, run_key: bytes) -> grpc.StatusCode | None:
+    """None if the call may proceed, else the status to refuse it with (pure; tested directly).
+
+    ``run_key``: the run's public key (empty: no credential passes, only token methods)."""
     allowed = METHOD_ROLES.get(method, frozenset({ANY}))
     if TOKEN in allowed:
         if token and hmac.compare_digest(md.get(TOKEN_HEADER, "").encode(), token.encode()):
             return None
         return grpc.StatusCode.UNAUTHENTICATED
     member, role, cred = md.get(MEMBER_HEADER, ""), md.get(ROLE_HEADER, ""), md.get(CRED_HEADER, "")
-    if not secret or not member or not role or not cred:
+    if not run_key or not member or not role or not cred:
         return grpc.StatusCode.UNAUTHENTICATED
-    if not hmac.compare_digest(cred.encode(), member_credential(secret, member, role).encode()):
+    if not credential_ok(run_key, member, role, cred):
         return grpc.StatusCode.UNAUTHENTICATED
     if ANY not in allowed and role not in allowed:
         return grpc.StatusCode.PERMISSION_DENIED
@@ -309,22 +371,22 @@ class AuthInterceptor(aio.ServerInterceptor):
     """Checks token or credential and role of every call before its handler reads anything,
     then the size of every request message against :data:`METHOD_LIMITS`.
 
-    ``secret`` returns the run secret (empty until a stage server has joined: then only
-    token methods pass); ``resolve`` turns :data:`GRADS` / :data:`ACT` into this
+    ``run_key`` returns the run's public key (empty until a stage server has joined: then
+    only token methods pass); ``resolve`` turns :data:`GRADS` / :data:`ACT` into this
     server's sizes (None: only :data:`REQUEST_CAP` bounds them).
     """
 
-    def __init__(self, token: str, secret: Callable[[], bytes], resolve: Callable[[str], int] | None = None):
+    def __init__(self, token: str, run_key: Callable[[], bytes], resolve: Callable[[str], int] | None = None):
         if not token:
             from shoal.errors import ShoalError
 
             raise ShoalError("empty join token: give every member the same non-empty token")
-        self._token, self._secret, self._resolve = token, secret, resolve
+        self._token, self._run_key, self._resolve = token, run_key, resolve
 
     async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
         md = _metadata(handler_call_details.invocation_metadata)
-        code = decide(method, md, self._token, self._secret())
+        code = decide(method, md, self._token, self._run_key())
         if code is None:
             handler = await continuation(handler_call_details)
             if handler is None:
@@ -335,6 +397,15 @@ class AuthInterceptor(aio.ServerInterceptor):
         if handler is None:
             return None
         return _refusal(code, method)[bool(handler.response_streaming)]
+
+
+def server_token_ok(context, server_token: str) -> bool:
+    """Whether a ``Join`` call carries the operator's server token (``context`` None: an
+    in-process call, as tests drive handlers)."""
+    if context is None:
+        return True
+    given = _metadata(context.invocation_metadata()).get(SERVER_TOKEN_HEADER, "")
+    return bool(server_token) and hmac.compare_digest(given.encode(), server_token.encode())
 
 
 def caller(context) -> tuple[str, str]:

@@ -46,6 +46,26 @@ def load_token(token: str | None = None, token_file: str | None = None) -> str:
     raise ShoalError("no join token: set SHOAL_TOKEN or pass --token-file FILE (the same for every member)")
 
 
+def load_server_token(token_file: str | None = None, required: bool = True) -> str:
+    """The operator's server token (stage servers and standbys join with it): ``token_file``,
+    else env ``SHOAL_SERVER_TOKEN``; "" when neither is given and not ``required``."""
+    if token_file:
+        p = Path(token_file)
+        if not p.is_file():
+            raise ShoalError(f"server token file {p} does not exist; give the file the coordinator wrote "
+                             "(RUN/server_token) or set SHOAL_SERVER_TOKEN")
+        token = p.read_text().strip()
+        if not token:
+            raise ShoalError(f"server token file {p} is empty; put the run's server token in it")
+        return token
+    token = os.environ.get("SHOAL_SERVER_TOKEN", "")
+    if token or not required:
+        return token
+    raise ShoalError("no server token: a stage server joins with the operator's server token, not the join token; "
+                     "set SHOAL_SERVER_TOKEN or pass --server-token-file FILE (the coordinator writes "
+                     "RUN/server_token)")
+
+
 def grpc_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
     """Channel/server options: message size limit both ways, quick reconnects."""
     return [
@@ -76,9 +96,10 @@ class _AddIdentity(aio.UnaryUnaryClientInterceptor):
         self._id = identity
 
     async def intercept_unary_unary(self, continuation, client_call_details, request):
-        call = await continuation(_with_metadata(client_call_details, self._id.metadata()), request)
         method = client_call_details.method
-        if (method.decode() if isinstance(method, bytes) else method) != _JOIN:
+        method = method.decode() if isinstance(method, bytes) else method
+        call = await continuation(_with_metadata(client_call_details, self._id.metadata(method)), request)
+        if method != _JOIN:
             return call
         reply = await call
         self._id.learn(reply)
@@ -184,17 +205,17 @@ def open_channel(
 
 
 def make_server(token: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                secret: Callable[[], bytes] | None = None, resolve: Callable[[str], int] | None = None
+                run_key: Callable[[], bytes] | None = None, resolve: Callable[[str], int] | None = None
                 ) -> aio.Server:
     """An asyncio gRPC server that checks token or member credential (and role) of every
-    call before reading it (:class:`shoal.net.auth.AuthInterceptor`); ``secret`` returns
-    the run secret (None: only token methods pass). Ports are bound exclusively.
+    call before reading it (:class:`shoal.net.auth.AuthInterceptor`); ``run_key`` returns
+    the run's public key (None: only token methods pass). Ports are bound exclusively.
 
     ``max_message_bytes`` bounds replies; requests are bounded by method and role
     (:data:`shoal.net.auth.METHOD_LIMITS`, ``resolve`` giving a stage server's sizes) and
     never exceed :data:`shoal.net.auth.REQUEST_CAP`, which gRPC checks before reading.
     """
-    interceptor = AuthInterceptor(token, secret or (lambda: b""), resolve)
+    interceptor = AuthInterceptor(token, run_key or (lambda: b""), resolve)
     options = [(k, REQUEST_CAP if k == "grpc.max_receive_message_length" else v)
                for k, v in grpc_options(max_message_bytes)] + [("grpc.so_reuseport", 0)]
     return aio.server(interceptors=[interceptor], options=options)

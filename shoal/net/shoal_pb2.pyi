@@ -139,18 +139,20 @@ class JoinRequest(_message.Message):
     def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., flops: _Optional[float] = ..., name: _Optional[str] = ..., ckpt_version: _Optional[int] = ..., ckpt_stage: _Optional[int] = ..., schema: _Optional[int] = ..., device: _Optional[str] = ..., will_measure: _Optional[bool] = ..., region: _Optional[str] = ..., up_bps: _Optional[float] = ..., down_bps: _Optional[float] = ..., standby: _Optional[bool] = ..., data_hash: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("member_id", "spec", "credential", "run_secret", "role")
+    __slots__ = ("member_id", "spec", "credential", "run_secret", "role", "run_key")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     RUN_SECRET_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    RUN_KEY_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     spec: RunSpec
     credential: str
     run_secret: bytes
     role: str
-    def __init__(self, member_id: _Optional[str] = ..., spec: _Optional[_Union[RunSpec, _Mapping]] = ..., credential: _Optional[str] = ..., run_secret: _Optional[bytes] = ..., role: _Optional[str] = ...) -> None: ...
+    run_key: bytes
+    def __init__(self, member_id: _Optional[str] = ..., spec: _Optional[_Union[RunSpec, _Mapping]] = ..., credential: _Optional[str] = ..., run_secret: _Optional[bytes] = ..., role: _Optional[str] = ..., run_key: _Optional[bytes] = ...) -> None: ...
 
 class MemberRequest(_message.Message):
     __slots__ = ("member_id", "version", "ckpt_version", "epoch", "counter_id", "traffic", "role", "observed_flops", "observed_tasks", "observed_pull_s", "observed_pull_bytes", "observed_pulls", "stats", "fatal", "guard_bans", "standby_held", "standby_decisions_from", "doing", "alive", "ckpt_versions", "guard_unverified", "leave_reason")

@@ -133,6 +133,10 @@ def register(subparsers) -> None:
     p.add_argument("--stall-timeout", type=float, default=900.0,
                    help="fail the run after this many seconds without a committed step (0: never)")
     p.add_argument("--advertise", default=None, help=_ADVERTISE_HELP)
+    p.add_argument("--server-token-file", default=None,
+                   help="file holding the server token that stage servers and standbys join with (default: env "
+                        "SHOAL_SERVER_TOKEN, else a new one written to OUT/runs/RUN_ID/server_token); the join "
+                        "token admits workers only")
     g = p.add_argument_group("emulated runs (plan on the scenario the processes emulate)")
     g.add_argument("--emulate-scenario", default=None, help="scenario name or file the processes emulate")
     g.add_argument("--emulate-speedup", type=float, default=1.0, help="the processes' compute time scale")
@@ -158,6 +162,9 @@ def register(subparsers) -> None:
     p.add_argument("--standby", action="store_true",
                    help="join as a hot standby: copy a stage's checkpoints after every commit and take "
                         "the stage over when its server dies (no shared disk needed)")
+    p.add_argument("--server-token-file", default=None,
+                   help="file holding the run's server token (default: env SHOAL_SERVER_TOKEN); a server "
+                        "joins with it, the join token admits workers only")
     _common(p)
     _emulation_args(p)
     p.set_defaults(func=run_server_cmd)
@@ -341,6 +348,12 @@ def _token(args) -> str:
     return load_token(token_file=getattr(args, "token_file", None))
 
 
+def _server_token(args, required: bool) -> str:
+    from shoal.net.channel import load_server_token
+
+    return load_server_token(getattr(args, "server_token_file", None), required=required)
+
+
 def _spec(args):
     from shoal.model.config import get_preset
     from shoal.net import shoal_pb2 as pb
@@ -466,7 +479,8 @@ def run_coordinator_cmd(args) -> int:
                                           out=args.out, address_file=args.address_file,
                                           emulated=_emulated_scenario(args), dashboard=_dashboard(args),
                                           stall_fail_s=args.stall_timeout,
-                                          advertise=args.advertise, resume=state, options=options, tls=tls))
+                                          advertise=args.advertise, resume=state, options=options, tls=tls,
+                                          server_token=_server_token(args, required=False)))
     print(json.dumps({k: summary[k] for k in ("steps", "final_loss", "requeues", "tokens_per_s")}))
     return 0
 
@@ -517,7 +531,8 @@ def run_server_cmd(args) -> int:
     dial = _with_dial_map(args, dial)
     serve(args.join, args.listen, _token(args), args.ckpt_dir, name=args.name, dial=dial,
           on_servers=on_servers, device=_played_device(args), **_measure_opts(args),
-          advertise=args.advertise, chunk_bytes=chunk, tls=tls, standby=args.standby, data=args.data)
+          advertise=args.advertise, chunk_bytes=chunk, tls=tls, standby=args.standby, data=args.data,
+          server_token=_server_token(args, required=True))
     return 0
 
 

@@ -155,7 +155,8 @@ class Swarm:
         from shoal.runtime.safety.faults import check_faults, parse_fault
 
         self.faults = [parse_fault(f) for f in cfg.faults]
-        check_faults(self.faults, workers=cfg.workers, stages=cfg.stages, steps=cfg.steps)
+        check_faults(self.faults, workers=cfg.workers, stages=cfg.stages, steps=cfg.steps,
+                     ckpt_every=resolve_ckpt_every(cfg.ckpt_every, cfg.standbys))
         self._pending_faults = [f for f in self.faults if hasattr(f, "step")]  # fired on run state
         self.proxies: dict[str, list] = {}  # worker name -> its FlapProxy per stage server (flap faults)
         self.cfg, self.on_event = cfg, on_event
@@ -176,8 +177,19 @@ class Swarm:
         with os.fdopen(fd, "w") as f:
             os.fchmod(f.fileno(), 0o600)
             f.write(self.token + "\n")
+        # The server token admits stage servers and standbys (the join token admits workers only):
+        # the coordinator and servers get it, workers never do.
+        kept = self.out / "server_token"
+        self.server_token = (os.environ.get("SHOAL_SERVER_TOKEN")
+                             or (kept.read_text().strip() if cfg.resume and kept.is_file() else "")
+                             or secrets.token_hex(16))
+        fd = os.open(kept, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o600)
+            f.write(self.server_token + "\n")
         self.env = _env()
         self.env["SHOAL_TOKEN"] = self.token
+        self.env["SHOAL_SERVER_TOKEN"] = self.server_token
         self.tls = None  # the run's certificates (None: plain text, --insecure)
         self.tls_dir: Path | None = None
         if cfg.tls:
@@ -412,7 +424,7 @@ class Swarm:
         if "--probe-mb" not in args:
             args += LOOPBACK_PROBE
         p = self._spawn(["worker", "--join", self.address, "--name", f"w{i}", "--device", self.cfg.device, *args],
-                        f"worker{i}")
+                        f"worker{i}", env={k: v for k, v in self.env.items() if k != "SHOAL_SERVER_TOKEN"})
         while len(self.workers) <= i:
             self.workers.append(None)
         self.workers[i] = p
@@ -507,10 +519,14 @@ class Swarm:
                 self.kill_server(i)
                 self.start_server()  # a replacement on the same checkpoint folder
         elif isinstance(f, CorruptCkptFault):
+            folder = ckpt_dir(self.out / "server_ckpt", f.stage, self._run_id())
+            if newest_ckpt(folder) is None:
+                self._pending_faults.append(f)  # fires once the stage has a checkpoint to corrupt
+                return
             i = self._stage_server_index(f.stage)
             if i is not None:
                 self.kill_server(i)  # first, so it writes no newer checkpoint
-            path = newest_ckpt(ckpt_dir(self.out / "server_ckpt", f.stage, self._run_id()))
+            path = newest_ckpt(folder)
             if path is not None:
                 corrupt_file(path)
             self._fault_event(kind="corrupt-ckpt", stage=f.stage, step=committed,

@@ -44,7 +44,14 @@ from google.protobuf import json_format
 from shoal.errors import ShoalError
 from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
-from shoal.net.auth import check_caller, coordinator_identity, member_credential
+from shoal.net.auth import (
+    check_caller,
+    coordinator_identity,
+    member_credential,
+    new_member_id,
+    run_public_key,
+    server_token_ok,
+)
 from shoal.net.channel import ChannelFactory, advertised_address, bind, make_server
 from shoal.net.stream import CONTROL_SLACK, fetch
 from shoal.net.traffic import BYTES_METHOD, merge_traffic
@@ -144,12 +151,14 @@ class Coordinator(pbg.CoordinatorServicer):
 
     def __init__(self, spec: pb.RunSpec, token: str, *, min_workers: int = 1, out: str | None = None,
                  emulated=None, stall_fail_s: float = 900.0, resume=None, options: dict | None = None,
-                 tls=None):
+                 tls=None, server_token: str = ""):
         if not spec.run_id:
             spec.run_id = new_run_id()  # names the servers' checkpoint folders
         self.spec, self.token, self.min_workers = spec, token, max(min_workers, 1)
         self.tls = tls  # run certificates (shoal.net.tls.TlsConfig; None: plain text on loopback)
-        self.secret = secrets.token_bytes(32)  # keys the members' credentials (shoal.net.auth)
+        self.secret = secrets.token_bytes(32)  # signs the members' credentials (shoal.net.auth); never sent
+        # Admits stage servers and standbys at Join (the join token admits workers only).
+        self.server_token = server_token or secrets.token_hex(16)
         self.stall_fail_s = stall_fail_s  # fail the run after this long without a commit (0: never)
         self.stall_reported = False
         self.error = ""  # one line: why the run failed ("" while it has not)
@@ -214,6 +223,9 @@ class Coordinator(pbg.CoordinatorServicer):
         if self.out:
             try:
                 self.secret = keep_secret(self.run_dir / "secret", self.secret, resume is not None)
+                if not server_token:  # none given: the run's own, kept for --resume, read by its operator
+                    self.server_token = keep_secret(self.run_dir / "server_token", self.server_token.encode(),
+                                                    resume is not None).decode()
                 self.journal = Journal(self.run_dir / JOURNAL)
                 for name in LINKED:
                     point_link(self.out, name, spec.run_id)
@@ -225,6 +237,7 @@ class Coordinator(pbg.CoordinatorServicer):
             except OSError as exc:
                 raise ShoalError(f"cannot write the run folder {self.out}: {exc.strerror or exc}; "
                                  f"give a writable --out") from None
+        self.run_key = run_public_key(self.secret)  # sent to every member: checks credentials, makes none
         self.traffic: dict[str, tuple[str, list]] = {}  # process counter id -> (role, newest counts)
         self.gone: dict[str, tuple[Member, str, float]] = {}  # member id -> (member, why, wall time) once dropped
         self.recent: collections.deque = collections.deque(maxlen=500)  # newest events (dashboard)
@@ -288,6 +301,13 @@ class Coordinator(pbg.CoordinatorServicer):
                                 f"schema version {request.schema} not supported (want 1)")
         if request.role not in ("server", "worker"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "role must be server or worker")
+        if request.role == "server" and not server_token_ok(context, self.server_token):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                "joining as a server needs the operator's server token (SHOAL_SERVER_TOKEN or "
+                                "--server-token-file); the join token admits workers only")
+        bad = join_numbers_error(request)
+        if bad:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"Join: {bad}")
         if self.emulated is not None and request.device not in {d.id for d in self.emulated.devices}:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"this run emulates scenario {self.emulated.name}: join with "
@@ -308,7 +328,7 @@ class Coordinator(pbg.CoordinatorServicer):
                            {m.name for m in self.members.values()})
         if name != (request.name or request.role):
             log.warning("a second member named %r joined; it is called %r", request.name, name)
-        mid = f"{request.role[0]}{next(self.ids)}-{name}"
+        mid = new_member_id(request.role, name)
         m = Member(mid, request.role, name, address=request.address,
                    flops=max(request.flops, 1.0), device=request.device, ckpt_stage=request.ckpt_stage,
                    standby=request.role == "server" and request.standby)
@@ -335,8 +355,7 @@ class Coordinator(pbg.CoordinatorServicer):
                 m.pending_join = True  # planned in once its measurement arrives
         self._check_ready()
         return pb.JoinReply(member_id=mid, spec=self.spec, role=m.role,
-                            credential=member_credential(self.secret, mid, m.role),
-                            run_secret=self.secret if m.role == "server" else b"")
+                            credential=member_credential(self.secret, mid, m.role), run_key=self.run_key)
 
     def _fill_vacancies(self) -> None:
         """Give each vacant stage a standby server (one without a stage), oldest first.
@@ -405,7 +424,10 @@ class Coordinator(pbg.CoordinatorServicer):
         """A member's name, also for an id a previous coordinator gave (``w9-w6``: ``w6``)."""
         if mid in self.names:
             return self.names[mid]
-        head, sep, name = mid.partition("-")
+        parts = mid.split("-", 2)  # w-<random hex>-NAME
+        if len(parts) == 3 and parts[0] in ("s", "w") and len(parts[1]) == 12:
+            return parts[2]
+        head, sep, name = mid.partition("-")  # an older coordinator's w9-NAME
         return name if sep and head[1:].isdigit() else mid
 
     def _hot_standbys(self) -> dict[str, int]:
@@ -499,6 +521,9 @@ class Coordinator(pbg.CoordinatorServicer):
 
     async def Measured(self, request, context):
         await check_caller(context, request.member_id)
+        why = bad_number(request)
+        if why:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"Measured: {why}")
         m = self.members.get(request.member_id)
         f = self.figures.get(request.member_id)
         if m is None or f is None:
@@ -738,6 +763,9 @@ class Coordinator(pbg.CoordinatorServicer):
 
     async def Heartbeat(self, request, context):
         await check_caller(context, request.member_id)
+        why = bad_number(request)
+        if why:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"Heartbeat: {why}")
         if request.counter_id:
             # Cumulative per process: the newest snapshot replaces the older one, and one
             # that outlives its member (killed, or re-joined under a new id) still counts.
@@ -1022,6 +1050,13 @@ class Coordinator(pbg.CoordinatorServicer):
             # Only the server the coordinator assigned to a stage speaks for it.
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 f"{r.member_id} does not serve stage {r.stage}")
+        why = report_error(self.spec, r, r.stage == self.spec.stages - 1)
+        if why:
+            # Only the stage's own server gets here: a number no honest step gives (a diverged
+            # run, or a broken server) ends the run with the reason, never a committed step.
+            self.fail(f"stage {r.stage} reported step {r.step} with {why}; the run cannot go on "
+                      "(a non-finite loss or norm: lower the learning rate)")
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"ReportStep: {why}")
         key = (r.epoch, r.step)
         if key in self.decisions:
             return self.decisions[key]
@@ -1250,7 +1285,7 @@ async def run_coordinator(spec: pb.RunSpec, token: str, listen: str, *, min_work
                           out: str | None = None, address_file: str | None = None,
                           emulated=None, dashboard: str | None = None, stall_fail_s: float = 900.0,
                           advertise: str | None = None, resume=None, options: dict | None = None,
-                          tls=None) -> dict:
+                          tls=None, server_token: str = "") -> dict:
     """Serve until the run is done; returns the run summary (a failed run: ShoalError).
 
     ``emulated``: the scaled scenario the processes emulate, planned on instead of loopback;
@@ -1262,12 +1297,13 @@ async def run_coordinator(spec: pb.RunSpec, token: str, listen: str, *, min_work
     later ``--resume`` (see :func:`shoal.runtime.processes.cli.run_coordinator_cmd`).
     """
     coord = Coordinator(spec, token, min_workers=min_workers, out=out, emulated=emulated,
-                        stall_fail_s=stall_fail_s, resume=resume, options=options, tls=tls)
+                        stall_fail_s=stall_fail_s, resume=resume, options=options, tls=tls,
+                        server_token=server_token)
     # Only control messages and link probes reach the coordinator: a much smaller limit than
     # a stage server's (the largest is a probe upload, at most MAX_PROBE_BYTES).
     from shoal.runtime.measure import MAX_PROBE_BYTES
 
-    server = make_server(token, max_message_bytes=MAX_PROBE_BYTES + (1 << 20), secret=lambda: coord.secret)
+    server = make_server(token, max_message_bytes=MAX_PROBE_BYTES + (1 << 20), run_key=lambda: coord.run_key)
     pbg.add_CoordinatorServicer_to_server(coord, server)
     port = bind(server, listen, tls)
     address = advertised_address(listen, advertise, port)
@@ -1306,6 +1342,77 @@ async def run_coordinator(spec: pb.RunSpec, token: str, listen: str, *, min_work
     if coord.error:
         raise ShoalError(f"the run failed: {coord.error}")
     return coord.summary()
+
+
+async def _abort(context, code: grpc.StatusCode, why: str) -> None:
+    """Refuse the call with ``why`` (``context`` None, an in-process call: a ShoalError)."""
+    if context is None:
+        raise ShoalError(why)
+    await context.abort(code, why)
+
+
+def bad_number(msg, nonfinite_ok: frozenset[str] = frozenset(), path: str = "") -> str | None:
+    """The first number in protobuf message ``msg`` out of range, as ``"field = value: why"``
+    (None: all fine; pure, tested directly).
+
+    Every number a member reports is a count, a version, a size, a rate, a time or a norm:
+    floats must be finite and >= 0 (fields named in ``nonfinite_ok`` may also be inf or NaN:
+    an fp16 overflow), integers >= -1 (-1 is "none").
+    """
+    from google.protobuf.descriptor import FieldDescriptor as F
+
+    floats = (F.TYPE_DOUBLE, F.TYPE_FLOAT)
+    ints = (F.TYPE_INT32, F.TYPE_INT64, F.TYPE_SINT32, F.TYPE_SINT64, F.TYPE_UINT32, F.TYPE_UINT64)
+    for fd, value in msg.ListFields():
+        name = f"{path}{fd.name}"
+        repeated = fd.is_repeated
+        if fd.type == F.TYPE_MESSAGE:
+            if fd.message_type.GetOptions().map_entry:  # map<string, int64> (tasks per worker)
+                for k, v in value.items():
+                    if isinstance(v, int) and v < 0:
+                        return f"{name}[{k}] = {v}: must be >= 0"
+                continue
+            for i, sub in enumerate(value if repeated else [value]):
+                why = bad_number(sub, nonfinite_ok, f"{name}[{i}]." if repeated else f"{name}.")
+                if why:
+                    return why
+        elif fd.type in floats:
+            for v in (value if repeated else [value]):
+                if not math.isfinite(v):
+                    if fd.name in nonfinite_ok and not (v < 0):
+                        continue
+                    return f"{name} = {v}: must be finite"
+                if v < 0:
+                    return f"{name} = {v}: must be >= 0"
+        elif fd.type in ints:
+            for v in (value if repeated else [value]):
+                if v < -1:
+                    return f"{name} = {v}: must be >= -1"
+    return None
+
+
+def join_numbers_error(request) -> str | None:
+    """Why a ``JoinRequest``'s numbers are out of range (None: fine)."""
+    return bad_number(request)
+
+
+def report_error(spec, r, last: bool) -> str | None:
+    """Why a ``StepReport`` cannot count (None: it can; pure, tested directly).
+
+    fp16 runs may report an infinite or NaN norm (an overflow: the step is skipped) and
+    infinite losses; any other run's numbers must all be finite.
+    """
+    fp16 = (spec.precision or "fp32") == "fp16"
+    why = bad_number(r, frozenset({"sq_norm", "param_sq_norms", "losses"}) if fp16 else frozenset())
+    if why:
+        return why
+    if not 0 <= r.step < spec.steps:
+        return f"step = {r.step}: the run has steps 0..{spec.steps - 1}"
+    if last and len(r.losses) != spec.micro_batches:
+        return f"losses: {len(r.losses)} values, the run has {spec.micro_batches} micro-batches"
+    if not last and r.losses:
+        return "losses: only the last stage reports losses"
+    return None
 
 
 def move_is_urgent(stage: int, member_id: str, at_work: dict[str, int]) -> bool:
@@ -1365,12 +1472,18 @@ def standby_stages(standbys: list[str], stages: int, held: dict[str, dict[int, i
             out[mid] = own[1]
             count[own[1]] += 1
     rest = [mid for mid in standbys if mid not in out]
-    slots = []  # the stages round robin fills, in order: the fewest standbys first
-    for _ in rest:
-        k = min(range(stages), key=lambda k: (count[k], k))
+    hosts, active_hosts = hosts or {}, active_hosts or []
+
+    def same_host(mid: str, k: int) -> bool:
+        h = hosts.get(mid, "")
+        return bool(h) and k < len(active_hosts) and h == active_hosts[k]
+
+    slots = []  # the stages round robin fills, in order: the fewest standbys first, then one on another host
+    for mid in rest:
+        k = min(range(stages), key=lambda k: (count[k], same_host(mid, k), k))
         slots.append(k)
         count[k] += 1
-    out.update(spread_hosts(rest, slots, hosts or {}, active_hosts or []))
+    out.update(spread_hosts(rest, slots, hosts, active_hosts))
     return {mid: out[mid] for mid in standbys}
 
 

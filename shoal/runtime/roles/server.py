@@ -117,7 +117,7 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
                  name: str = "server", dial=None, heartbeat_s: float = 0.2, device: str = "",
                  region: str = "", up_bps: float = 0.0, down_bps: float = 0.0,
                  probe_bytes: int = 16 * 1024 * 1024, advertise: str | None = None,
-                 chunk_bytes: int = 0, tls=None, data: str = ""):
+                 chunk_bytes: int = 0, tls=None, data: str = "", server_token: str = ""):
         self.coord_addr, self.listen, self.token = coord, listen, token
         # Prepared data folder this server reads the first stage's tokens and the last stage's
         # targets from ("": the run trains on the bundled corpus or synthetic tokens).
@@ -139,6 +139,7 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         self.orphan_after_s = 120.0  # exit when the coordinator is unreachable this long
         self.traffic = Traffic()  # bytes of every call this server makes (relays, coordinator)
         self.channels = ChannelFactory(token, dial=dial, traffic=self.traffic, tls=tls)
+        self.channels.identity.server_token = server_token  # the operator's: admits it at Join as a server
         self.member_id = ""
         self.spec: pb.RunSpec | None = None
         self.stage = -1
@@ -201,6 +202,7 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         self.guard_cfg = GUARD  # the screen's thresholds (shoal.runtime.safety.guard.GuardConfig)
         self.standby = False  # a hot standby: copies a stage's checkpoints until promoted
         self.standby_copying = False  # a checkpoint copy is under way
+        self.copy_failing: tuple | None = None  # (stage, source, why) of the failing copy already warned about
         self.ckpt_task: asyncio.Task | None = None  # the checkpoint being written in a thread
 
     # ------------------------------------------------------------------ setup
@@ -405,7 +407,7 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
     async def start_rpc(self) -> grpc.aio.Server:
         """Start listening (sets ``self.address``); the caller stops the returned server."""
         # Credentials are checked with the run secret this server learns when it joins.
-        server = make_server(self.token, secret=lambda: self.channels.identity.secret, resolve=self.max_bytes)
+        server = make_server(self.token, run_key=lambda: self.channels.identity.run_key, resolve=self.max_bytes)
         pbg.add_StageServerServicer_to_server(self, server)
         port = bind(server, self.listen, self.tls)
         self.address = advertised_address(self.listen, self.advertise, port)
@@ -1287,6 +1289,23 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         for chunk in split("StandbyCkpt", reply, self.chunk_bytes):
             yield chunk
 
+    @property
+    def copier_label(self) -> str:
+        """How a server copying another's checkpoints names itself in logs: a hot standby
+        (``--standby``) or a plain spare server waiting for a stage."""
+        return "standby" if self.standby else "spare"
+
+    def _copy_failed(self, stage: int, source: str, why: str) -> None:
+        """A failed copy is retried at every heartbeat (5 a second): warn once per stage, source
+        and reason (a dead source fails the same way until the coordinator names another)."""
+        key = (stage, source, why)
+        if self.copy_failing == key:
+            log.debug("%s (%s): %s; retrying", self.name, self.copier_label, why)
+            return
+        self.copy_failing = key
+        log.warning("%s (%s): %s; retrying at every heartbeat (said once until it changes)", self.name,
+                    self.copier_label, why)
+
     async def _standby_copy(self, stage: int, first: int, last: int, source: str) -> None:
         """Copy the active server's newest checkpoint of ``stage`` into our own folder.
 
@@ -1308,8 +1327,8 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
                 # The active server's newest is older: the run rolled back, and our newer
                 # copies belong to the history it left (never to be promoted from).
                 gone = remove_abandoned_ckpts(self.ckpt_root, stage, self.spec.run_id, msg.version)
-                log.info("%s (standby) removed copies v%s of stage %d: the run rolled back to v%d",
-                         self.name, ",".join(map(str, gone)), stage, msg.version)
+                log.info("%s (%s) removed copies v%s of stage %d: the run rolled back to v%d",
+                         self.name, self.copier_label, ",".join(map(str, gone)), stage, msg.version)
                 if (d / f"v{msg.version}.safetensors").exists():
                     return
             # Its own temp name: in a shared folder the active server may be writing .v<N>.tmp.
@@ -1330,13 +1349,14 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
                 return
             for v in ckpts_to_prune(list_ckpts(self.ckpt_root, stage, self.spec.run_id), msg.version, 4):
                 (d / f"v{v}.safetensors").unlink(missing_ok=True)  # keep the last few, like the active
-            log.info("%s (standby) holds stage %d v%d", self.name, stage, msg.version)
+            log.info("%s (%s) holds stage %d v%d", self.name, self.copier_label, stage, msg.version)
+            self.copy_failing = None
             self._sb_tidy()  # the step log keeps only the steps after the newest copy
         except grpc.aio.AioRpcError as exc:
-            log.warning("%s (standby): copying stage %d failed (%s); retrying", self.name, stage, exc.code())
+            self._copy_failed(stage, source, f"copying stage {stage} from {source} failed ({exc.code()})")
         except OSError as exc:
             # e.g. a server loading the stage in a shared folder removed our temp file
-            log.warning("%s (standby): writing the copy of stage %d failed (%s); retrying", self.name, stage, exc)
+            self._copy_failed(stage, source, f"writing the copy of stage {stage} failed ({exc})")
         finally:
             self.standby_copying = False
 
@@ -1594,7 +1614,7 @@ def standby_send_version(versions: list[int], have: int, loading: bool) -> int:
 def serve(coord: str, listen: str, token: str, ckpt_root: str, name: str = "server", *, dial=None,
           on_servers=None, device: str = "", region: str = "", up_bps: float = 0.0, down_bps: float = 0.0,
           probe_bytes: int = 16 * 1024 * 1024, advertise: str | None = None, chunk_bytes: int = 0,
-          tls=None, standby: bool = False, data: str = "") -> None:
+          tls=None, standby: bool = False, data: str = "", server_token: str = "") -> None:
     """Run a stage server process until the run is done (``standby``: as a hot standby).
 
     ``data``: the prepared data folder (a copy of the run's) this server reads tokens from.
@@ -1605,7 +1625,7 @@ def serve(coord: str, listen: str, token: str, ckpt_root: str, name: str = "serv
     set_threads()
     srv = StageServer(coord, listen, token, ckpt_root, name=name, dial=dial, device=device, region=region,
                       up_bps=up_bps, down_bps=down_bps, probe_bytes=probe_bytes, advertise=advertise,
-                      chunk_bytes=chunk_bytes, tls=tls, data=data)
+                      chunk_bytes=chunk_bytes, tls=tls, data=data, server_token=server_token)
     srv.on_servers = on_servers
     srv.standby = standby
     run_member(srv.run(), coord)

@@ -16,10 +16,11 @@ Grammar (one fault per ``--fault``; workers are named ``w0``, ``w1``, ... and se
 * ``flap:wN:period=S:down=S:for=S`` -- that worker reaches the stage servers through a
   link that resets every connection for ``down`` seconds every ``period`` seconds, for
   ``for`` seconds from its start (:class:`shoal.emulate.flap.FlapProxy`).
-* ``corrupt-ckpt:K[:step=N]`` -- once N (default 2) steps are committed, kill -9 the
-  server of stage K, corrupt the newest checkpoint of stage K and start a replacement:
-  it finds the checksum mismatch, sets the file aside and the run rolls back to the
-  previous checkpoint.
+* ``corrupt-ckpt:K[:step=N]`` -- once N (default 2) steps are committed and stage K has a
+  checkpoint, kill -9 the server of stage K, corrupt its newest checkpoint and start a
+  replacement: it finds the checksum mismatch, sets the file aside and the run rolls back
+  to the previous checkpoint. A run that writes no checkpoint before its last step is
+  refused at the start (nothing could be corrupted).
 
 Triggers are on run state (steps committed, read from the run's ``metrics.jsonl``), not
 on wall-clock guesses. :func:`parse_fault` is the one parser; :func:`check_faults`
@@ -185,8 +186,10 @@ def parse_fault(spec: str) -> Fault:
     raise ShoalError(f"--fault {spec!r}: unknown kind {kind!r}; use {GRAMMAR}")
 
 
-def check_faults(faults: list[Fault], *, workers: int, stages: int, steps: int) -> None:
-    """One-line errors for faults that name members or stages the swarm does not have."""
+def check_faults(faults: list[Fault], *, workers: int, stages: int, steps: int, ckpt_every: int | None = None) -> None:
+    """One-line errors for faults that name members or stages the swarm does not have, or that
+    could do nothing (a corrupt-ckpt in a run that writes no checkpoint before its last step,
+    ``ckpt_every`` being the servers' cadence)."""
     for f in faults:
         worker = getattr(f, "worker", None) or (f.name if isinstance(f, KillFault) and f.role == "worker" else None)
         if worker is not None and int(worker[1:]) >= workers:
@@ -195,6 +198,10 @@ def check_faults(faults: list[Fault], *, workers: int, stages: int, steps: int) 
             raise ShoalError(f"--fault names {f.name}, but the swarm starts s0..s{stages - 1}")
         if isinstance(f, CorruptCkptFault) and f.stage >= stages:
             raise ShoalError(f"--fault corrupt-ckpt:{f.stage}: the run has stages 0..{stages - 1}")
+        if isinstance(f, CorruptCkptFault) and ckpt_every is not None and not 0 < ckpt_every < steps:
+            raise ShoalError(f"--fault corrupt-ckpt:{f.stage}: the servers write no checkpoint before the last of the "
+                             f"{steps} steps (--ckpt-every {ckpt_every}), so there is none to corrupt; "
+                             f"give --ckpt-every K with 0 < K < {steps}")
         step = getattr(f, "step", None)
         if step is not None and step >= steps:
             raise ShoalError(f"--fault at step={step} never fires: the run has {steps} steps")

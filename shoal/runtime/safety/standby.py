@@ -329,11 +329,11 @@ class StandbyMixin:
             if self.sb_log is not None and stage == self.sb_stage and (first, last) == self.sb_layers:
                 base = self._sb_base()
                 reached = await asyncio.get_running_loop().run_in_executor(None, self._sb_replay, stage, first, last)
-                log.info("%s (standby) promoted to stage %d: full copy v%d, %d logged step(s) replayed -> v%d",
-                         self.name, stage, base, reached - base, reached)
+                log.info("%s (%s) promoted to stage %d: full copy v%d, %d logged step(s) replayed -> v%d",
+                         self.name, self.copier_label, stage, base, reached - base, reached)
         except Exception as exc:  # noqa: BLE001 - a failed replay leaves the full copy (older, still exact)
-            log.error("%s (standby): replaying the step log of stage %d failed (%s); using the full copy",
-                      self.name, stage, exc)
+            log.error("%s (%s): replaying the step log of stage %d failed (%s); using the full copy",
+                      self.name, self.copier_label, stage, exc)
         finally:
             self.sb_log, self.sb_decided, self.sb_stage = None, None, -1
             self.loading = False
