@@ -211,20 +211,29 @@ def synthetic_micro_batch(seed: int, step: int, mb: int, batch: int, seq_len: in
     return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
-def micro_batch(spec: pb.RunSpec, step: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets) of micro-batch ``mb`` of ``step``: the same in every process."""
-    vocab = model_config(spec).vocab_size
+def open_data(spec: pb.RunSpec):
+    """The run's token data, opened once per process (None for synthetic data)."""
     if spec.data == "synthetic":
-        return synthetic_micro_batch(spec.seed, step, mb, spec.micro_batch_size, spec.seq_len, vocab)
-    from shoal.data import DataConfig, get_micro_batch, load_data
+        return None
+    from shoal.data import DataConfig, load_data
 
+    vocab = model_config(spec).vocab_size
     key = (spec.data, vocab)
     if key not in _DATA_CACHE:
         # "corpus": the bundled text; otherwise a prepared folder, read from its memory-mapped
         # shards (only the B windows of each micro-batch are read).
         _DATA_CACHE[key] = load_data(DataConfig(paths=() if spec.data == "corpus" else (spec.data,)), vocab)
-    return get_micro_batch(_DATA_CACHE[key], "train", spec.seed, step, mb, spec.micro_batch_size,
-                           spec.seq_len)
+    return _DATA_CACHE[key]
+
+
+def micro_batch(spec: pb.RunSpec, step: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of micro-batch ``mb`` of ``step``: the same in every process."""
+    if spec.data == "synthetic":
+        vocab = model_config(spec).vocab_size
+        return synthetic_micro_batch(spec.seed, step, mb, spec.micro_batch_size, spec.seq_len, vocab)
+    from shoal.data import get_micro_batch
+
+    return get_micro_batch(open_data(spec), "train", spec.seed, step, mb, spec.micro_batch_size, spec.seq_len)
 
 
 def token_window(spec: pb.RunSpec, step: int, mb: int) -> torch.Tensor:

@@ -66,8 +66,8 @@ from shoal.runtime.common import (
     lease_seconds,
     list_ckpts,
     load_stage_ckpt,
-    micro_batch,
     model_config,
+    open_data,
     optim_config,
     read_stage_ckpt,
     remove_abandoned_ckpts,
@@ -220,7 +220,7 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         spec = self.spec
         cfg = model_config(spec)
         if first == 0 or last == cfg.n_total_layers:
-            micro_batch(spec, version, 0)  # open the data now, off the event loop (tasks carry its tokens)
+            open_data(spec)  # open the data now, off the event loop (tasks carry its tokens)
         module = build_stage(cfg, first, last, seed=spec.seed)
         opt = make_optimizer(module.named_parameters(), optim_config(spec))
         scale = initial_scale(spec)
