@@ -174,8 +174,8 @@ def _hashes(folder: Path) -> dict[str, str]:
 @pytest.mark.integration
 @pytest.mark.timeout(900)
 def test_reused_folder_and_damaged_latest_checkpoints(tmp_path, tmp_path_factory):
-    """Run 1 (another seed) leaves its checkpoints in the folder. Run 2 reuses it; after
-    step 3 its stage-1 server is killed, stage 1's newest checkpoint is corrupted and
+    """Run 1 (another seed) leaves its checkpoints in the folder. Run 2 reuses it; at the
+    third commit its stage-1 server is killed, stage 1's newest checkpoint is corrupted and
     stage 0's newest truncated, and a new server joins: both fall back to the previous
     checkpoint (with a log line), run 1's files are untouched and never loaded, and the
     final weights equal the failure-free run's."""
@@ -191,22 +191,26 @@ def test_reused_folder_and_damaged_latest_checkpoints(tmp_path, tmp_path_factory
     assert {"journal.jsonl", "metrics.jsonl", "summary.json"} <= set(run1_files)
     assert first_run and all(k.startswith(run1) for k in first_run)
 
-    slow = [["--slow", "0.3"]] * 2  # keeps step 3 running while we kill
-    with Swarm(launch_config(out, worker_args=slow)) as sw:
+    from shoal.runtime.safety.standby import KILL_AT_COMMIT_ENV
+
+    with Swarm(launch_config(out)) as sw:
+        # Stage 1's server kills itself (kill -9) the moment step 2's decision lands, before it
+        # applies or checkpoints it: a trigger on the run's state, not on how fast the test
+        # notices the third commit (a loaded machine would finish all 6 steps first).
+        sw.env[KILL_AT_COMMIT_ENV] = "1:3"
         sw.start()  # out/metrics.jsonl now links to run 2's own file
-        while sw.committed_steps() < 3:
+        sw.env.pop(KILL_AT_COMMIT_ENV)  # the replacement started below must live
+        while all(s.poll() is None for s in sw.servers):
             time.sleep(0.05)
-        # Kill the server of stage 1 (servers take stages in the order they join, which is
-        # not their start order), so no process writes stage 1's files while we damage them.
-        events = read_jsonl(out / "events.jsonl")
-        start = max(i for i, e in enumerate(events) if e["event"] == "run")  # run 2's events
-        serving = [e["device"] for e in events[start:] if e["event"] == "assign" and e.get("stage") == 1]
-        sw.kill_server(int(serving[-1][1:]))
-        time.sleep(1.0)  # stage 0's server finishes writing the checkpoint of the committed step
         runs = [e["run_id"] for e in read_jsonl(out / "events.jsonl") if e["event"] == "run"]
         run2 = f"run-{runs[-1]}"
         assert run2 != run1
+        # Stage 0's server applies step 2 and writes its checkpoint; stage 1 has no server, so
+        # nothing commits after it and no process writes stage 1's files while we damage them.
+        while max(list_ckpts(ckpts, 0, run2[4:]), default=0) < 3:
+            time.sleep(0.05)
         newest = {s: max(list_ckpts(ckpts, s, run2[4:])) for s in (0, 1)}
+        assert newest == {0: 3, 1: 2}, newest
         _corrupt(ckpts / run2 / "stage1" / f"v{newest[1]}.safetensors")
         _truncate(ckpts / run2 / "stage0" / f"v{newest[0]}.safetensors")
         sw.start_server()
