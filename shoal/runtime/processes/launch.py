@@ -655,8 +655,16 @@ def run_keys(folder: Path):
     return folder, load_tls(str(folder))
 
 
-def swarm_status(address: str, token: str, timeout_s: float = 5.0, tls=None) -> dict:
-    """The coordinator's status (ready, committed steps, epoch, servers, workers by stage)."""
+STATUS_TIMEOUT_S = 30.0  # a loaded coordinator (a busy 2-core box) may take seconds to finish a TLS handshake
+
+
+def swarm_status(address: str, token: str, timeout_s: float = STATUS_TIMEOUT_S, tls=None) -> dict:
+    """The coordinator's status (ready, committed steps, epoch, servers, workers by stage).
+
+    ``timeout_s`` covers the connection and its TLS handshake too: with a deadline of a few
+    seconds a loaded coordinator's handshake was cut off ("handshaker shutdown") although the
+    coordinator was fine. A coordinator that is not there still fails at once (connection
+    refused)."""
     import asyncio
 
     import grpc
