@@ -98,7 +98,7 @@ def test_round_trip_is_learnt_from_grants_to_idle_workers():
 @pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_a_grant_held_ahead_by_a_busy_worker_goes_to_an_idle_one(tmp_path, tmp_path_factory):
-    """One stage, two workers on sessions: worker 0's first task of step 1 spins 10 s, so a
+    """One stage, two workers on sessions asking ahead (--prefetch): worker 0's first task of step 1 spins 10 s, so a
     task granted to it ahead waits unstarted while worker 1 runs out of work; the server
     takes it back for worker 1, and the run still ends with the failure-free weights (every
     exact run's, whatever its stages and workers)."""
@@ -109,7 +109,7 @@ def test_a_grant_held_ahead_by_a_busy_worker_goes_to_an_idle_one(tmp_path, tmp_p
     reference = failure_free_weights(tmp_path_factory)
     out = tmp_path / "run"
     mark = tmp_path / "busy.json"
-    args = [["--inject", f"busy_bwd:secs=10:step=1:mark={mark}"], []]
+    args = [["--prefetch", "--inject", f"busy_bwd:secs=10:step=1:mark={mark}"], ["--prefetch"]]
     summary = launch(launch_config(out, stages=1, workers=2, worker_args=args))
     assert mark.exists() and summary["steps"] == RUN["steps"]
     server = (out / "logs" / "server0.log").read_text()

@@ -275,3 +275,35 @@ def test_streamed_calls_need_the_token(tmp_path):
             await rpc.stop(0)
 
     asyncio.run(main())
+
+
+def test_a_large_message_parsed_in_pieces_equals_one_parse():
+    """parse_in_pieces (what Assembler.finish uses above PIECE_BYTES) gives exactly FromString's
+    message, with any piece size, and refuses bytes that are not a message."""
+    import pytest
+    import torch
+
+    from shoal.net import shoal_pb2 as pb
+    from shoal.net.stream import field_ends, parse_in_pieces
+    from shoal.net.wire import WireError, encode_tensor
+
+    g = torch.Generator().manual_seed(0)
+    push = pb.GradPush(worker="w1", step=3, epoch=1, gen=2, mbs=[0, 1, 5], local_sq_norm=0.25)
+    for i, n in enumerate((1, 700, 40000, 3)):
+        push.grads.append(encode_tensor(f"p{i}", torch.randn(n, generator=g)))
+    pull = pb.WeightsReply(version=7, epoch=1, first=0, last=3, compress_chain="c", compress_base=6)
+    pull.params.extend(push.grads)
+    for msg in (push, pull):
+        data = msg.SerializeToString()
+        assert field_ends(data)[-1] == len(data)
+        for piece in (1, 100, 5000, 1 << 30):
+            assert parse_in_pieces(data, type(msg), piece) == msg
+            assert parse_in_pieces(bytearray(data), type(msg), piece).SerializeToString() == data
+    with pytest.raises(ValueError):
+        field_ends(b"\x0a\xff\xff\xff\x7f")  # a length past the end
+    from shoal.net.stream import Assembler
+    asm = Assembler("GradPush", 1 << 30)
+    bad = b"\x0a\x05abc"  # field 1, 5 bytes announced, 3 there
+    asm.add(pb.Chunk(kind="GradPush", total=len(bad), offset=0, data=bad))
+    with pytest.raises(WireError):
+        asm.finish(pb.GradPush)

@@ -74,6 +74,7 @@ class DemoConfig:
     sync_every: int = 32  # --sync-every: local mode's steps between merges H
     outer_lr: float = 0.7  # --outer-lr: local mode's outer Nesterov learning rate
     outer_momentum: float = 0.9  # --outer-momentum: local mode's outer Nesterov momentum
+    shadow: bool = False  # --shadow: workers run no model, only wait their device's task time (losses meaningless)
 
     def validate(self) -> None:
         """Raise :class:`ShoalError` on a bad value."""
@@ -410,7 +411,8 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
         compression=compression.text(), timeout_s=cfg.timeout_s, scenario=str(scen_path),
         emulate_speedup=spec.speedup, bandwidth_scale=cfg.bandwidth_scale, dashboard=cfg.dashboard,
         tensorboard=cfg.tensorboard,
-        sync=cfg.sync, sync_every=cfg.sync_every, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum)
+        sync=cfg.sync, sync_every=cfg.sync_every, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
+        shadow=cfg.shadow)
     state = LiveState(total_steps=cfg.steps)
     display = _Display(state, console, cfg.quiet)
     if not cfg.churn:
@@ -628,6 +630,9 @@ def register(subparsers) -> None:
     p.add_argument("--bandwidth-scale", type=float, default=d.bandwidth_scale, metavar="X",
                    help=f"multiply every scenario bandwidth by X (default {d.bandwidth_scale:g}: the tiny model's "
                         "weight sync over home uplinks in about a second; 1: the scenario's links as written)")
+    p.add_argument("--shadow", action="store_true",
+                   help="shadow workers: run no model, wait each device's task time and send fixed tensors of the "
+                        "true shapes (the servers and coordinator do their real work; losses are meaningless)")
     from shoal.train.outer import add_sync_args
 
     add_sync_args(p)
@@ -647,7 +652,8 @@ def run_demo_cmd(args: argparse.Namespace) -> int:
                      model_task_s=args.task_time, bandwidth_scale=args.bandwidth_scale, workload=given or None,
                      dashboard=None if args.no_dashboard else args.dashboard,
                      data=tuple(args.data or ("corpus",)), sync=args.sync, sync_every=args.sync_every,
-                     outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, tensorboard=args.tensorboard)
+                     outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, tensorboard=args.tensorboard,
+                     shadow=args.shadow)
     run_demo(cfg)
     sys.stdout.flush()
     return 0

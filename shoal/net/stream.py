@@ -104,11 +104,69 @@ class Assembler:
         if self.got != self.total:
             raise WireError(f"{self.kind}: transfer cut after {self.got} of {self.total} bytes")
         try:
-            msg = msg_cls.FromString(self.buf)
+            msg = parse_in_pieces(self.buf, msg_cls) if self.total > PIECE_BYTES else msg_cls.FromString(self.buf)
         except Exception as exc:  # protobuf's DecodeError; never anything but parsing
             raise WireError(f"{self.kind}: the assembled bytes do not parse: {exc}") from None
         self.buf = None
         return msg
+
+
+PIECE_BYTES = 4 << 20  # a large message is parsed in pieces of about this size (one field at least)
+
+
+def _varint(buf, pos: int) -> tuple[int, int]:
+    """(value, next position) of the varint at ``buf[pos]``."""
+    value = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise ValueError("truncated or overlong varint")
+        b = buf[pos]
+        value |= (b & 0x7F) << shift
+        pos += 1
+        if not b & 0x80:
+            return value, pos
+        shift += 7
+
+
+def field_ends(buf) -> list[int]:
+    """Where each top-level field of the serialised message ``buf`` ends (pure; a malformed
+    field raises ValueError)."""
+    ends, pos, n = [], 0, len(buf)
+    while pos < n:
+        key, pos = _varint(buf, pos)
+        wire = key & 7
+        if wire == 0:
+            _, pos = _varint(buf, pos)
+        elif wire == 1:
+            pos += 8
+        elif wire == 2:
+            length, pos = _varint(buf, pos)
+            pos += length
+        elif wire == 5:
+            pos += 4
+        else:
+            raise ValueError(f"wire type {wire} not used by shoal's messages")
+        if pos > n:
+            raise ValueError("field runs past the message")
+        ends.append(pos)
+    return ends
+
+
+def parse_in_pieces(buf, msg_cls, piece_bytes: int = PIECE_BYTES):
+    """``msg_cls`` parsed from ``buf`` by merging runs of whole top-level fields of about
+    ``piece_bytes`` (a large tensor frame alone), each a separate call: the same message as
+    ``FromString``, but the interpreter lock is let go between pieces, so a thread parsing a
+    400 MB weight pull never holds up the event loop (and its heartbeats) for long."""
+    msg = msg_cls()
+    view = memoryview(buf)
+    start = 0
+    for end in field_ends(view):
+        if end - start >= piece_bytes:
+            msg.MergeFromString(view[start:end])
+            start = end
+    if start < len(view):
+        msg.MergeFromString(view[start:])
+    return msg
 
 
 def assemble(chunks: Iterable[pb.Chunk], msg_cls, max_bytes: int):

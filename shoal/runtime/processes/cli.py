@@ -89,6 +89,9 @@ def _run_args(p: argparse.ArgumentParser, launch: bool = False) -> None:
                    help="servers checkpoint every K steps, written off their event loop (default 10, "
                         "1 with --standbys; 0: never; a stage server's loss rolls back to the last checkpoint)")
     p.add_argument("--dead-after", type=float, default=3.0, help="seconds of silence before a member is dead")
+    p.add_argument("--shadow", action="store_true",
+                   help="an emulation whose workers run no model (shadow workers: each waits its emulated "
+                        "device's task time and sends fixed tensors of the true shapes); losses are meaningless")
     p.add_argument("--min-lease", type=float, default=2.0, help="shortest task lease in seconds")
     p.add_argument("--unordered-grads", action="store_true",
                    help="workers push one summed gradient per step (less traffic; parity only up to "
@@ -196,11 +199,16 @@ def register(subparsers) -> None:
                    help="always recompute the forward in backward tasks (saves activation memory)")
     p.add_argument("--prefetch", action="store_true",
                    help="exact sync: ask for the next task while computing this one, so the lease round trip "
-                        "and the next input overlap compute (helps a lone worker behind a slow round trip; can "
-                        "hold back faster workers of the same stage)")
+                        "and the next input overlap compute (on a session: within the server's credit window, and a "
+                        "task held ahead is taken back for an idle worker that would finish it sooner)")
     p.add_argument("--no-session", action="store_true",
                    help="one gRPC call per lease, result and renewal instead of one session stream with the "
                         "stage server (tasks granted ahead within a credit window, taken back for idle workers)")
+    p.add_argument("--shadow", action="store_true",
+                   help="a shadow worker (runs of `--shadow` only): run no model; wait the emulated device's task "
+                        "time (--emulate-device, else --flops) and send fixed tensors of the true shapes")
+    p.add_argument("--count", type=int, default=1,
+                   help="with --shadow: run this many shadow workers in this one process (names NAME-0, NAME-1, ...)")
     p.add_argument("--join-timeout", type=float, default=30.0,
                    help="seconds to keep retrying a coordinator that does not answer yet before giving up "
                         "(default: 30)")
@@ -257,6 +265,8 @@ def register(subparsers) -> None:
     p.add_argument("--no-session", action="store_true",
                    help="workers make one gRPC call per lease, result and renewal instead of keeping one "
                         "session stream with their stage server")
+    p.add_argument("--shadow-per-process", type=int, default=64,
+                   help="with --shadow: at most this many shadow workers (playing one device) per process")
     _run_args(p, launch=True)
     p.set_defaults(func=run_launch_cmd)
 
@@ -409,7 +419,7 @@ def _spec(args):
         precision=args.precision or "fp32", loss_scale_init=loss_scale,
         init_from=init_from or "", model_config_json=json.dumps(cfg.to_dict()) if init_from else "",
         sync_mode=sync.mode, sync_every=sync.sync_every, outer_lr=sync.outer_lr, outer_momentum=sync.outer_momentum,
-        guard_spot_check=_spot_check(args.spot_check))
+        guard_spot_check=_spot_check(args.spot_check), shadow=bool(getattr(args, "shadow", False)))
     compression.to_spec(spec)
     return spec
 
@@ -556,13 +566,19 @@ def run_worker_cmd(args) -> int:
     chunk = chunk_bytes_from_mb(args.chunk_mb, default=0)
     dial, pacer, on_servers = _emulation(args)
     dial = _with_dial_map(args, dial)
+    if args.count != 1 and not args.shadow:
+        raise ShoalError("--count runs several workers in one process: shadow workers only; add --shadow")
+    if args.count < 1:
+        raise ShoalError(f"--count must be at least 1, got {args.count}")
+    if args.shadow and not args.flops and pacer is None:
+        raise ShoalError("--shadow needs the device's speed: --flops F or --emulate-device (with its scenario)")
     work(args.join, _token(args), WorkerOptions(name=args.name, flops=args.flops, inject=args.inject,
                                                 codec=args.codec, slow_s=args.slow,
                                                 fault_poison=args.fault_poison, fault_slow=args.fault_slow,
                                                 fault_poison_kind=args.fault_poison_kind,
                                                 fault_poison_from=args.fault_poison_from,
                                                 graph_cache=not args.no_graph_cache, prefetch=args.prefetch,
-                                                session=not args.no_session,
+                                                session=not args.no_session, shadow=args.shadow,
                                                 error_feedback=not args.no_error_feedback,
                                                 device=_played_device(args), **_measure_opts(args),
                                                 compute_device=args.device or "auto",
@@ -570,7 +586,7 @@ def run_worker_cmd(args) -> int:
                                                 precision=args.precision,
                                                 join_timeout_s=args.join_timeout,
                                                 chunk_bytes=chunk),
-         dial=dial, pacer=pacer, on_servers=on_servers, tls=tls)
+         dial=dial, pacer=pacer, on_servers=on_servers, tls=tls, count=args.count)
     return 0
 
 
@@ -615,7 +631,8 @@ def run_launch_cmd(args) -> int:
         device=args.device or "auto", precision=args.precision or "fp32", loss_scale=args.loss_scale,
         sync=args.sync, sync_every=args.sync_every, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
         compression=args.compression, faults=list(args.fault), spot_check=args.spot_check, standbys=args.standbys,
-        tls=not args.insecure, fork_server=not args.no_fork_server, session=not args.no_session)
+        tls=not args.insecure, fork_server=not args.no_fork_server, session=not args.no_session,
+        shadow=args.shadow, shadow_per_process=args.shadow_per_process)
     if cfg.dashboard:
         from shoal.runtime.ui.dashboard import parse_bind
 

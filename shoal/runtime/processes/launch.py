@@ -104,6 +104,8 @@ class LaunchConfig:
     tls: bool = True  # mutual TLS with keys made in RUN/tls (False: plain text on loopback)
     fork_server: bool = True  # fork members from one warm process (shoal.runtime.processes.forkserver; False: spawn each)
     session: bool = True  # workers talk to their stage server on one session stream (False: a call per message)
+    shadow: bool = False  # shadow workers (shoal.runtime.roles.shadow): no model run; needs a scenario
+    shadow_per_process: int = 64  # shadow workers that play one device share a process, this many at most
 
     def validate(self) -> None:
         if self.workers is None:
@@ -124,6 +126,10 @@ class LaunchConfig:
         check_device_precision(resolve_device(self.device), check_precision(self.precision))
         if not 0.0 <= self.spot_check <= 1.0:
             raise ShoalError(f"--spot-check must be a fraction between 0 and 1, got {self.spot_check}")
+        if self.shadow and not self.scenario:
+            raise ShoalError("--shadow workers wait their emulated device's task time: give --scenario")
+        if self.shadow_per_process < 1:
+            raise ShoalError(f"--shadow-per-process must be at least 1, got {self.shadow_per_process}")
 
 
 def _env() -> dict[str, str]:
@@ -268,8 +274,31 @@ class Swarm:
             self.start_server()
         for _ in range(c.standbys):
             self.start_server(standby=True)
-        for i in range(c.workers):
-            self.start_worker(i)
+        if c.shadow:
+            self._start_shadow_workers()
+        else:
+            for i in range(c.workers):
+                self.start_worker(i)
+
+    def _start_shadow_workers(self) -> None:
+        """Shadow workers, grouped: consecutive workers that play equal devices (all but the
+        id) share a process (at most ``shadow_per_process``), all playing the group's first
+        device (the coordinator plans on a copy of it per member); worker ``k`` of the group of
+        process ``w<first>`` is named ``w<first>-<k>``. ``kill_worker(i)`` kills its whole group."""
+        from dataclasses import replace
+
+        c = self.cfg
+        devs = [self.scenario.workers[i % len(self.scenario.workers)] for i in range(c.workers)]
+        i = 0
+        while i < c.workers:
+            n = 1
+            while (i + n < c.workers and n < c.shadow_per_process
+                   and replace(devs[i + n], id="") == replace(devs[i], id="")):
+                n += 1
+            self.start_worker(i, extra=["--count", str(n)])
+            while len(self.workers) < i + n:
+                self.workers.append(self.workers[i])
+            i += n
 
     def _run_flags(self) -> list[str]:
         """The coordinator flags of a new run (``shoal coordinator``)."""
@@ -291,7 +320,7 @@ class Swarm:
             "--precision", c.precision, *([] if c.loss_scale is None else ["--loss-scale", repr(c.loss_scale)]),
             "--sync", c.sync, "--sync-every", str(c.sync_every), "--outer-lr", repr(c.outer_lr),
             "--outer-momentum", repr(c.outer_momentum), "--spot-check", repr(c.spot_check),
-            "--compression", c.compression,
+            "--compression", c.compression, *(["--shadow"] if c.shadow else []),
             *self._coordinator_emulation()]
 
     def _start_coordinator(self, args: list[str]) -> None:
@@ -420,6 +449,8 @@ class Swarm:
         args += self._fault_args(f"w{i}")
         if not self.cfg.session:
             args.append("--no-session")
+        if self.cfg.shadow:
+            args.append("--shadow")
         args += extra or []
         if "--probe-mb" not in args:
             args += LOOPBACK_PROBE

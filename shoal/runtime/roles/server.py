@@ -794,6 +794,10 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
                 self.idle_asking[wid] -= 1
                 if not self.idle_asking[wid]:
                     del self.idle_asking[wid]
+        if not ahead and task is not None and session and self.idle_asking.get(wid, 0) == 0:
+            # No longer idle: requests made ahead that yielded to it may take a task now.
+            async with self.cond:
+                self.cond.notify_all()
         reply = pb.LeaseReply(has_task=task is not None, version=self.version, gen=info.gen,
                               flush=flush, epoch=self.epoch, step=self.step, ask_id=request.ask_id,
                               credit=self.grants.credit(wid, self.local) if session else 0)
@@ -991,8 +995,8 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         Exact runs (fp32, raw frames) recompute a flagged push, a worker's first push here
         and a seeded ``guard_spot_check`` fraction; only a mismatch bans there.
         """
-        if not self.guard_cfg.enabled:
-            return ""
+        if not self.guard_cfg.enabled or self.spec.shadow:
+            return ""  # (a shadow emulation's fixed gradients would fail any screen)
         loop = asyncio.get_running_loop()
         norm, cosine = await loop.run_in_executor(None, self._guard_measure, grads, self.guard_ref)
         centre = robust_centre(self.guard_norms)

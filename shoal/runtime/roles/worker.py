@@ -92,8 +92,9 @@ class WorkerOptions:
     join_timeout_s: float = 30.0  # --join-timeout: seconds to keep retrying an unreachable coordinator at start
     uploads_in_flight: int = 2  # results sent in the background while the next task runs (0: await each)
     upload_attempts: int = 4  # tries of one result upload (same lease id) before its lease is left to expire
-    prefetch: bool = False  # exact sync, without a session: ask for the next task while computing this one
+    prefetch: bool = False  # exact sync: ask for the next task while computing this one (on a session: within its credit)
     session: bool = True  # talk to the stage server on one session stream (grants ahead, take-backs); False: calls
+    shadow: bool = False  # emulation: run no model; wait the device's task time, send fixed tensors of true shapes
 
 
 UNASSIGNED_HEARTBEAT_S = 0.2  # heartbeat period of a worker that has no stage yet (waits for its assignment)
@@ -240,6 +241,7 @@ class Worker(LocalWorkerMixin):
         self.compute_s = 0.0  # compute seconds of the accepted tasks (dashboard)
         self.graphs: dict[tuple[int, int, int], tuple] = {}  # (epoch, step, mb) -> (input, output)
         self.graph_hits = 0  # backward tasks that reused this worker's forward graph
+        self.shadow_fwd: dict = {}  # shadow mode: forwards this worker ran (its "graph cache", for the FLOPs charged)
         self.on_servers = None  # callback(list of stage server addresses), e.g. emulation
         # Gradient pushes with a lossy codec: one residual per parameter name (None: raw or off).
         self.ef = ErrorFeedback(opts.codec) if opts.codec != "raw" and opts.error_feedback else None
@@ -321,6 +323,9 @@ class Worker(LocalWorkerMixin):
         push = self._codec("push")
         self.ef = ErrorFeedback(push) if push != "raw" and self.opts.error_feedback else None
         try:
+            if self.opts.shadow and not self.spec.shadow:
+                raise ShoalError(f"--shadow: the run at {self.coord_addr} is not a shadow emulation (its losses "
+                                 "count); start its coordinator with --shadow or drop --shadow here")
             if self.opts.precision and self.opts.precision != self.precision:
                 raise ShoalError(f"--precision {self.opts.precision}: the run at {self.coord_addr} computes in "
                                  f"{self.precision}; drop --precision or join another run")
@@ -487,8 +492,9 @@ class Worker(LocalWorkerMixin):
         return self._stubs_by_addr[addr]
 
     def _build(self, first: int, last: int) -> torch.nn.Module:
-        """The stage's module, uninitialised (its weights come from the server)."""
-        with torch.device(self.torch_device):  # allocated where it computes
+        """The stage's module, uninitialised (its weights come from the server); a shadow
+        worker's holds only shapes (meta tensors: no memory)."""
+        with torch.device("meta" if self.opts.shadow else self.torch_device):  # allocated where it computes
             return build_stage(self.cfg, first, last, seed=self.spec.seed, init=False)
 
     def _switch(self, stage: int, first: int, last: int, module: torch.nn.Module | None = None) -> None:
@@ -533,6 +539,7 @@ class Worker(LocalWorkerMixin):
         await asyncio.get_running_loop().run_in_executor(None, self._apply_weights, rep)
         self.version, self.weights_epoch = rep.version, rep.epoch
         self.graphs.clear()  # graphs of older weights must not be back-propagated
+        self.shadow_fwd.clear()
 
     def _apply_weights(self, rep: pb.WeightsReply) -> None:
         """Check every frame of a weight pull, then copy them in: all of them or none.
@@ -545,6 +552,8 @@ class Worker(LocalWorkerMixin):
         except WireError:
             self.pull_held = ("", -1)  # the next pull is a full one
             raise
+        if self.opts.shadow:
+            return  # checked as a real worker checks them; a shadow worker computes nothing with them
         with torch.no_grad():
             for name, t in new.items():
                 self.params[name].copy_(to_device(t, self.torch_device))
@@ -720,16 +729,16 @@ class Worker(LocalWorkerMixin):
     def _ask_ahead(self, server, started: int = 0) -> None:
         """Ask for the next task now, while this one computes (exact sync, ``--prefetch``).
 
-        Opt-in: it hides the lease round trip (6-15 % shorter steps on the emulated demo
-        scenario with 4 micro-batches a step), but a worker holding a task ahead keeps it
-        from a faster worker that asks a moment later, and on the demo's own workload (8
-        micro-batches, devices of very different speeds, churn) steps were 22 % longer. Local
-        mode never asks ahead: a backward task there is pinned to the worker that ran its
-        forward and would wait behind the forward leased ahead (5-9 % longer steps).
-        bench/results/bench_runtime.md has the runs.
+        On a session only within the server's credit window (credit >= 2), and a task held
+        ahead unstarted is taken back for a worker that goes idle and would finish it sooner.
+        Opt-in: on the 2-core box asking ahead over sessions made ``launch`` S=2 W=2 steps
+        30-40 % longer in an A/B of one run (bench/results/stream.md); without sessions it
+        shortened steps by 6-15 % on the emulated demo scenario but lengthened them 22 % on
+        the demo's own workload (bench/results/bench_runtime.md). Local mode never asks
+        ahead: a backward task there is pinned to the worker that ran its forward.
         """
         on_session = self.sessions.get(id(server)) is not None and self.session_ok
-        wanted = self.credit >= 2 if on_session else self.opts.prefetch
+        wanted = self.opts.prefetch and (self.credit >= 2 or not on_session)
         if wanted and not self.local and self.ahead is None:
             self.ahead = (server, asyncio.create_task(self._ask(server, ahead=True, started=started)))
 
@@ -792,7 +801,11 @@ class Worker(LocalWorkerMixin):
             self._ask_ahead(server, task.lease_id)
             self._do(f"computing {pb.Direction.Name(task.direction)} step {task.step} mb {task.mb}")
             try:
-                out, loss, grads, recomputed = await loop.run_in_executor(None, self._compute, task)
+                if self.opts.shadow:
+                    out, loss, grads, recomputed = self._shadow_compute(task)
+                    await self._shadow_wait(self._task_flops(task.direction, recomputed), t0)
+                else:
+                    out, loss, grads, recomputed = await loop.run_in_executor(None, self._compute, task)
             except torch.OutOfMemoryError:
                 await self._out_of_memory()
                 return
@@ -801,7 +814,7 @@ class Worker(LocalWorkerMixin):
                 await asyncio.sleep((self.opts.fault_slow - 1.0) * elapsed)  # fault injection: a slow device
             if self.opts.slow_s > 0:
                 await asyncio.sleep(self.opts.slow_s)
-            if self.pacer is not None:
+            if self.pacer is not None and not self.opts.shadow:
                 await loop.run_in_executor(None, self.pacer.pad,
                                            self._task_flops(task.direction, recomputed), elapsed)
             task_s = time.perf_counter() - t0
@@ -901,7 +914,7 @@ class Worker(LocalWorkerMixin):
                     if name in self.acc:
                         self.acc[name].add_(g)
                     else:
-                        self.acc[name] = g
+                        self.acc[name] = g.clone() if self.opts.shadow else g  # shadow tensors are shared
             self.acc_mbs.append(task.mb)
 
     async def _out_of_memory(self) -> None:
@@ -973,6 +986,32 @@ class Worker(LocalWorkerMixin):
             self._flops_for = (self.first, self.last)
         fwd, bwd = self._flops
         return task_flops(direction, fwd, bwd, recomputed)
+
+    def _shadow_compute(self, task: pb.Task):
+        """A shadow task: no model, fixed tensors of the true shapes and dtypes (see
+        :mod:`shoal.runtime.roles.shadow`); the same return as :meth:`_compute`."""
+        from shoal.runtime.roles.shadow import shadow_grads, shadow_loss, shadow_tensor
+
+        shape = (self.spec.micro_batch_size, self.spec.seq_len, self.cfg.d_model)
+        key = (task.epoch, task.step, task.mb)
+        if task.direction == pb.FWD:
+            self.shadow_fwd[key] = None
+            while len(self.shadow_fwd) > 2 * self.spec.micro_batches:
+                self.shadow_fwd.pop(next(iter(self.shadow_fwd)))
+            return shadow_tensor(shape, self.act_dtype), 0.0, None, False
+        recomputed = task.direction == pb.BWD and key not in self.shadow_fwd
+        self.shadow_fwd.pop(key, None)
+        out = None if self.first == 0 else shadow_tensor(shape, self.act_dtype)
+        loss = shadow_loss(self.cfg.vocab_size) if task.direction == pb.FWDBWD else 0.0
+        return out, loss, shadow_grads(self.params), recomputed
+
+    async def _shadow_wait(self, flops: float, t0: float) -> None:
+        """Wait the emulated device's time for a task of ``flops`` (its pacer, else --flops)."""
+        elapsed = time.perf_counter() - t0
+        if self.pacer is not None:
+            await self.pacer.apad(flops, elapsed)
+        elif self.flops > 0:
+            await asyncio.sleep(max(0.0, flops / self.flops - elapsed))
 
     def _compute(self, task: pb.Task):
         """Run one task; returns (output or None, loss, parameter grads or None, recomputed).
@@ -1061,12 +1100,25 @@ def _injected(details: str) -> grpc.aio.AioRpcError:
 
 
 def work(coord: str, token: str, opts: WorkerOptions, *, dial=None, pacer=None, on_servers=None,
-         tls=None) -> None:
+         tls=None, count: int = 1) -> None:
     """Run a worker process until the run is done (hooks: see :class:`Worker`; ``tls``: the
-    run's certificates, None for plain text on loopback)."""
+    run's certificates, None for plain text on loopback). ``count`` > 1 (shadow workers
+    only): that many workers named ``NAME-i`` in this one process, on one event loop."""
     set_threads()
-    w = Worker(coord, token, opts, dial=dial, pacer=pacer, tls=tls)
-    w.on_servers = on_servers
-    run_member(w.run(), coord)
-    if w.fatal:
-        raise ShoalError(w.fatal)
+    if count > 1:
+        from dataclasses import replace
+
+        workers = [Worker(coord, token, replace(opts, name=f"{opts.name}-{i}"), dial=dial, pacer=pacer, tls=tls)
+                   for i in range(count)]
+    else:
+        workers = [Worker(coord, token, opts, dial=dial, pacer=pacer, tls=tls)]
+    for w in workers:
+        w.on_servers = on_servers
+
+    async def all_of() -> None:
+        await asyncio.gather(*(w.run() for w in workers))
+
+    run_member(all_of(), coord)
+    fatal = [w.fatal for w in workers if w.fatal]
+    if fatal:
+        raise ShoalError(fatal[0])

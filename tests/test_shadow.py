@@ -1,0 +1,89 @@
+"""Shadow workers (shoal.runtime.roles.shadow): the same plan and the same bytes per task
+kind as real workers, with no model run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from shoal.runtime.roles.shadow import SHADOW_VALUE, shadow_grads, shadow_loss, shadow_tensor
+
+
+def test_shadow_tensors_are_fixed_shared_and_true_shaped():
+    a = shadow_tensor((2, 4, 8), "bfloat16")
+    assert a.shape == (2, 4, 8) and a.dtype == torch.bfloat16 and a is shadow_tensor((2, 4, 8), "bfloat16")
+    params = {"w": torch.empty(3, 5, device="meta"), "b": torch.empty(5, device="meta")}
+    g = shadow_grads(params)
+    assert {n: t.shape for n, t in g.items()} == {"w": (3, 5), "b": (5,)}
+    assert all(t.dtype == torch.float32 and torch.all(t == SHADOW_VALUE) for t in g.values())
+    assert g["w"] is shadow_grads(params)["w"]  # one set per stage and process
+    assert shadow_loss(256) == pytest.approx(5.545, abs=1e-3)
+
+
+def _stage_push_bytes(layers, cfg) -> list[tuple[int, int]]:
+    """(frames, bytes) of one whole-stage gradient push's frames, per stage."""
+    from shoal.model.transformer import build_stage
+    from shoal.net.wire import encode_tensor, frame_size
+
+    out = []
+    for first, last in layers:
+        with torch.device("meta"):
+            stage = build_stage(cfg, first, last, init=False)
+        frames = [encode_tensor(n, torch.zeros(tuple(p.shape))) for n, p in stage.named_parameters()]
+        out.append((len(frames), sum(frame_size(f) for f in frames)))
+    return out
+
+
+def _whole_stages(count: dict, per_stage: list[tuple[int, int]]) -> bool:
+    """Whether ``count`` (messages = frames, wire bytes) is a whole number of whole-stage
+    transfers (a push or a pull of every parameter of a stage, two stages)."""
+    (n0, b0), (n1, b1) = per_stage
+    for a in range(count["messages"] // n0 + 1):
+        rest = count["messages"] - a * n0
+        if rest % n1 == 0 and a * b0 + (rest // n1) * b1 == count["wire"]:
+            return True
+    return False
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_shadow_and_real_workers_make_the_same_plan_and_bytes(tmp_path):
+    """The demo scenario with real workers, then with shadow workers: the same plan (layers and
+    worker -> stage), every activation and activation-gradient frame of the same size, and
+    pushes and pulls whole true-shaped stage gradients and weights; the shadow run's losses are
+    the fixed shadow loss (no model ran)."""
+    from shoal.model.config import get_preset
+    from shoal.runtime.processes.launch import LaunchConfig, launch
+    from shoal.train.metrics import read_jsonl
+
+    runs = {}
+    for shadow in (False, True):
+        out = tmp_path / ("shadow" if shadow else "real")
+        cfg = LaunchConfig(out=str(out), model="tiny", stages=2, workers=4, steps=3, micro_batches=4,
+                           micro_batch_size=2, seq_len=32, seed=1, data=("synthetic",), scenario="demo",
+                           emulate_speedup=3e-4, dead_after_s=3.0, min_lease_s=1.5, timeout_s=400,
+                           shadow=shadow, dashboard=None)
+        summary = launch(cfg)
+        events = read_jsonl(out / "events.jsonl")
+        plan = next(e for e in events if e["event"] == "replan")
+        runs[shadow] = (summary, plan, out)
+    (real, real_plan, _), (shadow, shadow_plan, shadow_out) = runs[False], runs[True]
+    assert real["steps"] == shadow["steps"] == 3
+    assert (real_plan["layers"], real_plan["assignment"]) == (shadow_plan["layers"], shadow_plan["assignment"])
+    payload = 2 * 32 * get_preset("tiny").d_model * 4  # one (B, T, d) fp32 tensor
+    for kind in ("activations", "activation_grads"):
+        for run in (real, shadow):  # every frame one such tensor and its head (name, dtype, shape: < 64 bytes)
+            c = run["bytes"][kind]
+            assert c["messages"] > 0 and 0 < c["wire"] - c["messages"] * payload < 64 * c["messages"], (kind, c)
+    per_stage = _stage_push_bytes(real["layers"], get_preset("tiny"))
+    for kind in ("grad_push", "weight_pull"):
+        assert _whole_stages(real["bytes"][kind], per_stage), (kind, real["bytes"][kind], per_stage)
+        assert _whole_stages(shadow["bytes"][kind], per_stage), (kind, shadow["bytes"][kind], per_stage)
+    vocab = get_preset("tiny").vocab_size
+    assert all(loss == pytest.approx(shadow_loss(vocab)) for loss in shadow["losses"])
+    assert not all(loss == pytest.approx(shadow_loss(vocab)) for loss in real["losses"])
+    logs = "".join(p.read_text() for p in (shadow_out / "logs").glob("worker*.log"))
+    assert "Traceback" not in logs
+    assert json.loads((shadow_out / "summary.json").read_text())["steps"] == 3
