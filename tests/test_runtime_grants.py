@@ -110,7 +110,7 @@ def test_a_grant_held_ahead_by_a_busy_worker_goes_to_an_idle_one(tmp_path, tmp_p
     out = tmp_path / "run"
     mark = tmp_path / "busy.json"
     args = [["--prefetch", "--inject", f"busy_bwd:secs=10:step=1:mark={mark}"], ["--prefetch"]]
-    summary = launch(launch_config(out, stages=1, workers=2, worker_args=args))
+    summary = launch(launch_config(out, stages=1, workers=2, worker_args=args, session=True))
     assert mark.exists() and summary["steps"] == RUN["steps"]
     server = (out / "logs" / "server0.log").read_text()
     assert "took back lease" in server and "unstarted, for idle" in server

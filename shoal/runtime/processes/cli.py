@@ -201,9 +201,10 @@ def register(subparsers) -> None:
                    help="exact sync: ask for the next task while computing this one, so the lease round trip "
                         "and the next input overlap compute (on a session: within the server's credit window, and a "
                         "task held ahead is taken back for an idle worker that would finish it sooner)")
-    p.add_argument("--no-session", action="store_true",
-                   help="one gRPC call per lease, result and renewal instead of one session stream with the "
-                        "stage server (tasks granted ahead within a credit window, taken back for idle workers)")
+    p.add_argument("--session", action="store_true",
+                   help="one session stream with the stage server for leases, results and renewals instead of a "
+                        "gRPC call each (with --prefetch: grants ahead within a credit window, taken back for idle "
+                        "workers); opt-in: on the 2-core box it was not faster")
     p.add_argument("--shadow", action="store_true",
                    help="a shadow worker (runs of `--shadow` only): run no model; wait the emulated device's task "
                         "time (--emulate-device, else --flops) and send fixed tensors of the true shapes")
@@ -262,9 +263,9 @@ def register(subparsers) -> None:
     p.add_argument("--no-fork-server", action="store_true",
                    help="start every member as a fresh interpreter (default: fork them from one process "
                         "that imported torch once; env SHOAL_FORK_SERVER=0 does the same)")
-    p.add_argument("--no-session", action="store_true",
-                   help="workers make one gRPC call per lease, result and renewal instead of keeping one "
-                        "session stream with their stage server")
+    p.add_argument("--session", action="store_true",
+                   help="workers keep one session stream with their stage server instead of a gRPC call per "
+                        "lease, result and renewal (opt-in: on the 2-core box it was not faster)")
     p.add_argument("--shadow-per-process", type=int, default=64,
                    help="with --shadow: at most this many shadow workers (playing one device) per process")
     _run_args(p, launch=True)
@@ -578,7 +579,7 @@ def run_worker_cmd(args) -> int:
                                                 fault_poison_kind=args.fault_poison_kind,
                                                 fault_poison_from=args.fault_poison_from,
                                                 graph_cache=not args.no_graph_cache, prefetch=args.prefetch,
-                                                session=not args.no_session, shadow=args.shadow,
+                                                session=args.session, shadow=args.shadow,
                                                 error_feedback=not args.no_error_feedback,
                                                 device=_played_device(args), **_measure_opts(args),
                                                 compute_device=args.device or "auto",
@@ -631,7 +632,7 @@ def run_launch_cmd(args) -> int:
         device=args.device or "auto", precision=args.precision or "fp32", loss_scale=args.loss_scale,
         sync=args.sync, sync_every=args.sync_every, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
         compression=args.compression, faults=list(args.fault), spot_check=args.spot_check, standbys=args.standbys,
-        tls=not args.insecure, fork_server=not args.no_fork_server, session=not args.no_session,
+        tls=not args.insecure, fork_server=not args.no_fork_server, session=args.session,
         shadow=args.shadow, shadow_per_process=args.shadow_per_process)
     if cfg.dashboard:
         from shoal.runtime.ui.dashboard import parse_bind

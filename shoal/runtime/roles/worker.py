@@ -93,7 +93,7 @@ class WorkerOptions:
     uploads_in_flight: int = 2  # results sent in the background while the next task runs (0: await each)
     upload_attempts: int = 4  # tries of one result upload (same lease id) before its lease is left to expire
     prefetch: bool = False  # exact sync: ask for the next task while computing this one (on a session: within its credit)
-    session: bool = True  # talk to the stage server on one session stream (grants ahead, take-backs); False: calls
+    session: bool = False  # talk to the stage server on one session stream (credit, take-backs); opt-in: see docs/runtime.md
     shadow: bool = False  # emulation: run no model; wait the device's task time, send fixed tensors of true shapes
 
 
