@@ -21,6 +21,7 @@ RATE_MBIT = 50.0  # a rate this shared 2-core box relays through Python gRPC wit
 SERVE = """
 import asyncio, sys
 from shoal.net import shoal_pb2_grpc as pbg
+from shoal.net.auth import run_public_key
 from shoal.net.channel import bind, make_server
 from shoal.net.tls import load_tls
 from shoal.runtime.measure import probe_reply
