@@ -207,7 +207,7 @@ def register(subparsers) -> None:
                         "workers); opt-in: on the 2-core box it was not faster")
     p.add_argument("--shadow", action="store_true",
                    help="a shadow worker (runs of `--shadow` only): run no model; wait the emulated device's task "
-                        "time (--emulate-device, else --flops) and send fixed tensors of the true shapes")
+                        "time (the scenario device it plays, else --flops) and send fixed tensors of the true shapes")
     p.add_argument("--count", type=int, default=1,
                    help="with --shadow: run this many shadow workers in this one process (names NAME-0, NAME-1, ...)")
     p.add_argument("--join-timeout", type=float, default=30.0,
