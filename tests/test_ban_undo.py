@@ -155,15 +155,20 @@ def test_the_honest_run_logs_no_warning(tmp_path_factory, failure_free):
 
 
 def test_below_a_quorum_the_servers_own_gradient_judges_direction():
-    from shoal.runtime.safety.guard import screen_round
+    from shoal.runtime.safety.guard import direction_holds, screen_round
 
     cfg = GuardConfig()
     norms, cos = {"a": 500.0, "b": 510.0}, {"a": None, "b": None}
     assert screen_round(norms, cos, [], cfg, ref_cosines={"a": 0.01, "b": 0.12}, n_params=10**6) == {}
     bans = screen_round(norms, cos, [], cfg, ref_cosines={"a": 0.08, "b": -0.13}, n_params=10**6)
     assert list(bans) == ["b"] and "server's own gradient" in bans["b"]
-    # a lone contributor is judged too, in its first round (no history)
-    assert list(screen_round({"a": 500.0}, {"a": None}, [], cfg, ref_cosines={"a": -0.001})) == ["a"]
+    # a lone contributor is judged too, in its first round (no history): banned when clearly
+    # against the server's gradient, held out of the merge (not banned) when barely so
+    assert list(screen_round({"a": 500.0}, {"a": None}, [], cfg, ref_cosines={"a": -0.13})) == ["a"]
+    assert screen_round({"a": 500.0}, {"a": None}, [], cfg, ref_cosines={"a": -0.002}) == {}
+    assert list(direction_holds({"a": -0.002}, 1, cfg)) == ["a"]
+    assert direction_holds({"a": -0.13}, 1, cfg, banned={"a"}) == {} and direction_holds({"a": 0.01}, 1, cfg) == {}
+    assert direction_holds({"a": -0.002}, cfg.local_quorum, cfg) == {}  # a quorum's majority decides
     # with a quorum the round's majority decides, not the reference
     three = {"a": 500.0, "b": 510.0, "c": 490.0}
     assert screen_round(three, {"a": 0.6, "b": 0.7, "c": 0.65}, [], cfg, ref_cosines={"a": -0.5}) == {}

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import math
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -106,6 +107,10 @@ class GuardConfig:
     # threshold (0.0049), so the threshold is 0: against the gradient. Noise then flags in
     # half the rounds (caught within k rounds with probability 1 - 2^-k), never an honest replica seen.
     local_ref_sigmas: float = 0.0
+    # A flagged pseudo-gradient is banned only below minus this cosine; between it and the flag
+    # threshold it is held out of the merge (its worker stays). Sign flips and x-2 measured
+    # -0.12 to -0.17; an honest replica moved into the stage mid-round measured -0.002.
+    local_ref_ban: float = 0.05
 
 
 DEFAULT = GuardConfig()
@@ -321,9 +326,26 @@ def screen_round(norms: dict[str, float], cosines: dict[str, float | None], hist
             flags[w] = why
         ref = (ref_cosines or {}).get(w)
         least = cfg.local_ref_sigmas / math.sqrt(max(1, n_params))
-        if not quorum and not why and ref is not None and ref < least:
+        if not quorum and not why and ref is not None and ref < min(least, -cfg.local_ref_ban):
             flags[w] = f"direction: cosine {ref:.4f} to the server's own gradient of the round's last step"
     if quorum and 2 * len(flags) >= len(norms):
         flags = {}
     flags.update(beyond)  # past the bound is no verdict of a majority: no replica can get there
     return {w: f"pseudo-gradient {why}" for w, why in flags.items()}
+
+
+def direction_holds(ref_cosines: dict[str, float | None], n_contributors: int, cfg: GuardConfig = DEFAULT,
+                    n_params: int = 1, banned: Iterable[str] = ()) -> dict[str, str]:
+    """Local mode, below a quorum: contributors left out of this merge but not banned (pure).
+
+    A cosine to the server's own gradient under the flag threshold (``local_ref_sigmas``)
+    but not under ``-local_ref_ban`` is no proof of malice (an honest replica that moved
+    into the stage mid-round pointed at -0.002), yet nothing vouches for it either: it is
+    held out of the merge, so no lone contributor is merged unchecked, and its worker stays.
+    """
+    if n_contributors >= cfg.local_quorum:
+        return {}
+    least = cfg.local_ref_sigmas / math.sqrt(max(1, n_params))
+    return {w: f"cosine {ref:.4f} to the server's own gradient of the round's last step"
+            for w, ref in (ref_cosines or {}).items()
+            if w not in set(banned) and ref is not None and ref < least}

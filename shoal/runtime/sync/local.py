@@ -291,7 +291,7 @@ class LocalServerMixin:
         """
         if not self.guard_cfg.enabled or not self.local_got:
             return {}
-        from shoal.runtime.safety.guard import screen_round
+        from shoal.runtime.safety.guard import direction_holds, screen_round
         from shoal.runtime.safety.verify import round_measures
 
         lrs = {w: self.local_round_lr.get(w, 0.0) for w in self.local_got}
@@ -310,7 +310,11 @@ class LocalServerMixin:
             self.local_got.pop(wid, None)
             async with self.cond:
                 self._guard_ban(wid, step, why)
-        honest = [norms[w] for w in sorted(norms) if w not in bans]
+        held = direction_holds(refs, len(norms), self.guard_cfg, n_params, banned=bans)
+        for wid, why in sorted(held.items()):
+            self.local_got.pop(wid, None)
+            log.info("%s holds %s's pseudo-gradient out of the merge of step %d: %s", self.name, wid, step, why)
+        honest = [norms[w] for w in sorted(norms) if w not in bans and w not in held]
         self.local_guard_norms = (history + honest)[-self.guard_cfg.history:]
         return {w: [round(norms[w], 8), None if cosines[w] is None else round(cosines[w], 4),
                     None if refs.get(w) is None else round(refs[w], 4)] for w in norms}
