@@ -97,11 +97,13 @@ def test_round_trip_is_learnt_from_grants_to_idle_workers():
 
 @pytest.mark.integration
 @pytest.mark.timeout(600)
-def test_a_grant_held_ahead_by_a_busy_worker_goes_to_an_idle_one(tmp_path, tmp_path_factory):
+def test_sessions_asking_ahead_beside_a_busy_worker_stay_exact(tmp_path, tmp_path_factory):
     """One stage, two workers on sessions asking ahead (--prefetch): worker 0's first task of step 1 spins 10 s, so a
-    task granted to it ahead waits unstarted while worker 1 runs out of work; the server
-    takes it back for worker 1, and the run still ends with the failure-free weights (every
-    exact run's, whatever its stages and workers)."""
+    task granted to it ahead may wait unstarted while worker 1 runs out of work, and the
+    server may take it back for worker 1 (whether worker 0 holds a grant ahead at that moment
+    depends on timing, so the take-back itself is tested on the pure GrantBook above). The
+    run ends with the failure-free weights (every exact run's, whatever its stages and
+    workers), taken back or not."""
     from swarm_reference import RUN, assert_equal_weights, failure_free_weights, launch_config
 
     from shoal.runtime.processes.launch import launch
@@ -112,6 +114,4 @@ def test_a_grant_held_ahead_by_a_busy_worker_goes_to_an_idle_one(tmp_path, tmp_p
     args = [["--prefetch", "--inject", f"busy_bwd:secs=10:step=1:mark={mark}"], ["--prefetch"]]
     summary = launch(launch_config(out, stages=1, workers=2, worker_args=args, session=True))
     assert mark.exists() and summary["steps"] == RUN["steps"]
-    server = (out / "logs" / "server0.log").read_text()
-    assert "took back lease" in server and "unstarted, for idle" in server
     assert_equal_weights(out, reference)
