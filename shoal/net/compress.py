@@ -58,15 +58,19 @@ from typing import Any
 import numpy as np
 import torch
 
+import shoal.plan.compression as _plan
+from shoal.errors import ShoalError
+
 CODECS = ("raw", "fp16", "int8")  # dense codecs (any traffic kind)
 SPARSE_CODECS = ("topk-int8", "sparse")  # sparse codecs (pushes and pulls with error feedback only)
 ALL_CODECS = CODECS + SPARSE_CODECS  # every codec name a frame may carry
-TOPK_DENSITY = 0.1  # fraction of entries topk-int8 keeps without a :density (shoal.plan.compression's)
-SPARSE_CHUNK = 4096  # elements per chunk of ``sparse`` (shoal.plan.compression's)
-SPARSE_INDEX_BITS = 12  # bits of an in-chunk index: log2(SPARSE_CHUNK)
-SPARSE_DENSITY = 0.01  # fraction of each chunk ``sparse`` keeps without a :density (shoal.plan.compression's)
-SPARSE_BITS = 2  # bits per kept value of ``sparse`` without a :bits (shoal.plan.compression's)
-SPARSE_BIT_CHOICES = (1, 2, 3, 4, 8)  # value widths ``sparse`` packs
+# The sparse codec's shape is the planner's (it charges these very bytes): one definition.
+TOPK_DENSITY = _plan.TOPK_DENSITY  # fraction of entries topk-int8 keeps without a :density
+SPARSE_CHUNK = _plan.SPARSE_CHUNK  # elements per chunk of ``sparse`` (indices are local to a chunk)
+SPARSE_INDEX_BITS = _plan.SPARSE_INDEX_BITS  # bits of an in-chunk index: log2(SPARSE_CHUNK)
+SPARSE_DENSITY = _plan.SPARSE_DENSITY  # fraction of each chunk ``sparse`` keeps without a :density
+SPARSE_BITS = _plan.SPARSE_BITS  # bits per kept value of ``sparse`` without a :bits
+SPARSE_BIT_CHOICES = _plan.SPARSE_BIT_CHOICES  # value widths ``sparse`` packs
 DEFAULT_BLOCK = 128  # int8 block size: 3.88x smaller than fp32, error <= absmax/254 per block
 FP16_MAX = 65504.0
 _INT8_LEVELS = 127  # symmetric: -127..127, so -x decodes to exactly minus the decode of x
@@ -121,26 +125,17 @@ def split_codec(codec: str) -> tuple[str, float]:
 
 
 def sparse_params(codec: str) -> tuple[float, int]:
-    """``"sparse:0.01:2"`` -> ``(density, bits)``, defaults for the parts left out."""
-    parts = codec.split(":")
-    if parts[0] != "sparse" or len(parts) > 3:
-        raise CodecError(f"codec {codec!r}: expected sparse[:DENSITY[:BITS]], e.g. sparse:0.01:2")
+    """``"sparse:0.01:2"`` -> ``(density, bits)``, defaults for the parts left out
+    (:func:`shoal.plan.compression.sparse_params`, raising :class:`CodecError`)."""
     try:
-        density = float(parts[1]) if len(parts) > 1 and parts[1] else SPARSE_DENSITY
-        bits = int(parts[2]) if len(parts) > 2 and parts[2] else SPARSE_BITS
-    except ValueError:
-        raise CodecError(f"codec {codec!r}: expected sparse[:DENSITY[:BITS]] with DENSITY in (0, 1] "
-                         "and BITS an integer") from None
-    if not 0 < density <= 1:
-        raise CodecError(f"codec {codec!r}: the density must be in (0, 1], got {density}")
-    if bits not in SPARSE_BIT_CHOICES:
-        raise CodecError(f"codec {codec!r}: bits must be one of {SPARSE_BIT_CHOICES}, got {bits}")
-    return density, bits
+        return _plan.sparse_params(codec)
+    except ShoalError as e:
+        raise CodecError(str(e)) from None
 
 
 def sparse_kept(density: float) -> int:
     """Entries ``sparse`` keeps per chunk of :data:`SPARSE_CHUNK` (the planner's ``sparse_kept_per_chunk``)."""
-    return min(SPARSE_CHUNK, max(1, math.ceil(density * SPARSE_CHUNK - 1e-9)))
+    return min(SPARSE_CHUNK, _plan.sparse_kept_per_chunk(density))
 
 
 def sparse_nbytes(numel: int, k: int, bits: int) -> int:

@@ -41,7 +41,7 @@ SPARSE_CHUNK = 4096  # elements per chunk of the ``sparse`` codec (indices are l
 SPARSE_INDEX_BITS = 12  # bits of one in-chunk index: log2(SPARSE_CHUNK)
 SPARSE_DENSITY = 0.01  # fraction of each chunk ``sparse`` keeps unless the spec says otherwise
 SPARSE_BITS = 2  # bits per kept value of ``sparse`` unless the spec says otherwise
-_SPARSE_BIT_CHOICES = (1, 2, 3, 4, 8)  # value widths the sparse codec can pack
+SPARSE_BIT_CHOICES = (1, 2, 3, 4, 8)  # value widths the sparse codec can pack
 
 
 def parse_codec(text: str, kind: str = "push") -> str:
@@ -111,8 +111,8 @@ def sparse_params(codec: str) -> tuple[float, int]:
                          "(0, 1] and BITS an integer, e.g. sparse:0.015625:2") from None
     if not 0 < rho <= 1:
         raise ShoalError(f"codec {codec!r}: density must be in (0, 1], got {rho}")
-    if bits not in _SPARSE_BIT_CHOICES:
-        raise ShoalError(f"codec {codec!r}: bits must be one of {_SPARSE_BIT_CHOICES}, got {bits}")
+    if bits not in SPARSE_BIT_CHOICES:
+        raise ShoalError(f"codec {codec!r}: bits must be one of {SPARSE_BIT_CHOICES}, got {bits}")
     return rho, bits
 
 
