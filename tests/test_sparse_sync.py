@@ -128,6 +128,51 @@ def test_update_pulls_carry_the_server_residual():
     assert up.ef.residual(STAGE_FRAME).norm() < r_before
 
 
+def test_a_resumed_server_sends_what_its_pulls_still_owed(tmp_path):
+    """The server's pull residual is checkpointed: saved by save_stage_ckpt, restored by the
+    server's own load (StageServer._make), a fresh UpdatePulls continues with the same frames
+    bit for bit as one that never stopped."""
+    from shoal.model.config import get_preset
+    from shoal.model.transformer import build_stage
+    from shoal.net import shoal_pb2 as pb
+    from shoal.runtime.common import save_stage_ckpt
+    from shoal.runtime.roles.server import StageServer
+    from shoal.train.optim import OptimConfig, make_optimizer
+
+    module = build_stage(get_preset("tiny"), 0, 2, seed=1)
+    opt = make_optimizer(module.named_parameters(), OptimConfig())
+    params = dict(module.named_parameters())
+    torch.manual_seed(3)
+    updates = [{n: 1e-3 * torch.randn_like(p) for n, p in params.items()} for _ in range(4)]
+    up = UpdatePulls("sparse")
+    with torch.no_grad():
+        for v in range(1, 3):
+            up.merge(params, updates[v - 1], (v - 1, 0, 0), (v, 0, 0), 0, 2)
+    assert up.ef.state() and up.ef.residual(STAGE_FRAME).norm() > 0
+    save_stage_ckpt(tmp_path, 0, 2, module, opt, run_id="r1", layers=(0, 2), pull_ef=up.ef.state())
+    srv = StageServer("127.0.0.1:1", "127.0.0.1:0", "tok", str(tmp_path))
+    srv.spec = pb.RunSpec(model="tiny", stages=1, steps=8, seed=1, lr=3e-3, run_id="r1", sync_mode="local")
+    _, module2, _, _, _, pull_ef = srv._make(0, 0, 2, 2)
+    resumed = UpdatePulls("sparse")
+    resumed.ef.load(pull_ef)
+    params2 = dict(module2.named_parameters())
+    fresh = UpdatePulls("sparse")  # without the residual the frames differ: the test can fail
+    fresh_params = {n: p.detach().clone() for n, p in params2.items()}
+
+    def frames(u: UpdatePulls) -> list[bytes]:
+        return [f.SerializeToString() for f in pb.WeightsReply.FromString(u.delta_bytes).params]
+
+    with torch.no_grad():
+        fresh.merge(fresh_params, updates[2], (2, 0, 0), (3, 0, 0), 0, 2)
+        for v in range(3, 5):
+            up.merge(params, updates[v - 1], (v - 1, 0, 0), (v, 0, 0), 0, 2)
+            resumed.merge(params2, updates[v - 1], (v - 1, 0, 0), (v, 0, 0), 0, 2)
+            assert frames(up) == frames(resumed)
+            if v == 3:
+                assert frames(fresh) != frames(up)
+    assert all(torch.equal(params[n], params2[n]) for n in params)
+
+
 def _digests(out):
     """{(stage, version): server digest} and the workers' {(version): {digests}} from the logs."""
     merges = {}

@@ -299,7 +299,8 @@ def test_outer_momentum_travels_with_the_checkpoint(tmp_path):
     shutil.copy(ckpt_dir(tmp_path / "active", 0, "r1") / "v3.safetensors", ckpt_dir(tmp_path / "standby", 0, "r1"))
     srv = StageServer("127.0.0.1:1", "127.0.0.1:0", "tok", str(tmp_path / "standby"))
     srv.spec = pb.RunSpec(model="tiny", stages=2, steps=8, seed=1, lr=3e-3, run_id="r1", sync_mode="local")
-    *_, restored = srv._make(0, 0, 2, 3)
+    *_, restored, pull_ef = srv._make(0, 0, 2, 3)
+    assert pull_ef == {}  # no sparse pulls in this run
     assert set(restored) == set(momentum) and all(torch.equal(restored[n], momentum[n]) for n in momentum)
 
 
@@ -438,7 +439,7 @@ def test_replaying_the_step_log_equals_the_active_servers_updates(tmp_path):
                       precision="fp16", ckpt_every=1)
     srv = StageServer("127.0.0.1:1", "127.0.0.1:0", "tok", str(tmp_path / "standby"))
     srv.spec = spec
-    _, module, opt, scale, _ = srv._make(0, 0, 2, 0)
+    _, module, opt, scale, *_ = srv._make(0, 0, 2, 0)
     params = dict(module.named_parameters())
     g = torch.Generator().manual_seed(0)
     decisions = [pb.StandbyDecision(epoch=1, step=4, lr=1e-3, coef=1.0, next_loss_scale=512.0),
@@ -466,7 +467,7 @@ def test_replaying_the_step_log_equals_the_active_servers_updates(tmp_path):
     assert srv._sb_replay(0, 0, 2) == 7
     assert list_ckpts(tmp_path / "standby", 0, "r1") == [4, 5, 6, 7]  # --ckpt-every 1: each replayed version
     assert stage_ckpt_loss_scale(tmp_path / "standby", 0, 7, 1.0, run_id="r1") == 256.0
-    _, restored, ropt, _, _ = srv._make(0, 0, 2, 7)
+    _, restored, ropt, *_ = srv._make(0, 0, 2, 7)
     for (n, p), (_, q) in zip(module.named_parameters(), restored.named_parameters(), strict=True):
         assert torch.equal(p, q), n
         for k, v in opt.state[p].items():

@@ -474,6 +474,16 @@ class ErrorFeedback:
             r = self._residual.get(name)
             return None if r is None else r.clone()
 
+    def state(self) -> dict[str, torch.Tensor]:
+        """Every residual kept, by name (a snapshot: later encodes replace, never modify, them)."""
+        with self._lock:
+            return dict(self._residual)
+
+    def load(self, residuals: dict[str, torch.Tensor]) -> None:
+        """Start from ``residuals`` (as :meth:`state` gave them, e.g. from a checkpoint)."""
+        with self._lock:
+            self._residual = {n: r.detach().to("cpu", torch.float32).clone() for n, r in residuals.items()}
+
     def reset(self, name: str | None = None) -> None:
         """Forget the residual of ``name``, or of every tensor."""
         with self._lock:

@@ -375,12 +375,14 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
 def save_stage_ckpt(root: str | Path, stage: int, version: int, module: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, *, run_id: str, layers: tuple[int, int],
                     keep: int = 4, loss_scale: float = 1.0, outer_m: dict[str, torch.Tensor] | None = None,
-                    keep_at: int | None = None) -> Path:
+                    keep_at: int | None = None, pull_ef: dict[str, torch.Tensor] | None = None) -> Path:
     """Write weights + AdamW state of a stage at ``version``, keep this run's last few
     (and the newest at or before ``keep_at``: the version a ban may roll back to).
 
     ``outer_m``: local mode's outer Nesterov momentum per parameter name (stored as
-    ``outer_m/<name>``, restored by :func:`load_stage_ckpt`).
+    ``outer_m/<name>``, restored by :func:`load_stage_ckpt`); ``pull_ef``: the residual of its
+    sparse pulls' error feedback (``pull_ef/<name>``), so a resumed server sends what the
+    updates before the stop still owe instead of dropping it.
 
     The file carries the run id, stage, layer range, version and a sha256 of its tensors
     (checked by :func:`load_stage_ckpt`); it is written to a temporary name, synced and
@@ -402,6 +404,8 @@ def save_stage_ckpt(root: str | Path, stage: int, version: int, module: torch.nn
                     v.shape if torch.is_tensor(v) else ())
     for name, m in (outer_m or {}).items():
         tensors[f"outer_m/{name}"] = m.detach().contiguous().clone()
+    for name, r in (pull_ef or {}).items():
+        tensors[f"pull_ef/{name}"] = r.detach().contiguous().clone()
     meta = {"version": str(version), "stage": str(stage), "run_id": run_id, "first": str(layers[0]),
             "last": str(layers[1]), "sha256": tensors_digest(tensors), "loss_scale": repr(float(loss_scale))}
     # The writer's pid in the name: two servers writing one version (a stage that just moved)
@@ -490,9 +494,10 @@ def read_stage_ckpt(root: str | Path, stage: int, version: int, *, run_id: str,
 
 
 def load_stage_ckpt(root: str | Path, stage: int, version: int, module: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer, *, run_id: str, layers: tuple[int, int]) -> dict[str, torch.Tensor]:
+                    optimizer: torch.optim.Optimizer, *, run_id: str,
+                    layers: tuple[int, int]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Restore weights + AdamW state written by :func:`save_stage_ckpt` (checked first);
-    returns the outer momentum it holds (local mode; empty if none)."""
+    returns the outer momentum and the sparse pulls' residual it holds (local mode; empty if none)."""
     tensors = read_stage_ckpt(root, stage, version, run_id=run_id, layers=layers)
     params = dict(module.named_parameters())
     missing = [n for n in params if f"param/{n}" not in tensors]
@@ -508,7 +513,10 @@ def load_stage_ckpt(root: str | Path, stage: int, version: int, module: torch.nn
                     "exp_avg": tensors[f"exp_avg/{name}"].clone(),
                     "exp_avg_sq": tensors[f"exp_avg_sq/{name}"].clone(),
                 }
-    return {k.removeprefix("outer_m/"): t for k, t in tensors.items() if k.startswith("outer_m/")}
+    def group(prefix: str) -> dict[str, torch.Tensor]:
+        return {k.removeprefix(prefix): t for k, t in tensors.items() if k.startswith(prefix)}
+
+    return group("outer_m/"), group("pull_ef/")
 
 
 def stage_ckpt_loss_scale(root: str | Path, stage: int, version: int, default: float, *, run_id: str) -> float:

@@ -225,8 +225,9 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         opt = make_optimizer(module.named_parameters(), optim_config(spec))
         scale = initial_scale(spec)
         outer_m: dict[str, torch.Tensor] = {}
+        pull_ef: dict[str, torch.Tensor] = {}
         if version > 0:
-            outer_m = load_stage_ckpt(self.ckpt_root, stage, version, module, opt, run_id=spec.run_id,
+            outer_m, pull_ef = load_stage_ckpt(self.ckpt_root, stage, version, module, opt, run_id=spec.run_id,
                                       layers=(first, last))
             scale = stage_ckpt_loss_scale(self.ckpt_root, stage, version, scale, run_id=spec.run_id)
         elif spec.init_from:
@@ -234,7 +235,7 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
 
             _, state = load_hf_dir(spec.init_from, names={n for n, _ in module.named_parameters()})
             module.load_state_dict(state, strict=True)
-        return cfg, module, opt, scale, outer_m
+        return cfg, module, opt, scale, outer_m, pull_ef
 
     async def _load(self, stage: int, first: int, last: int, version: int, epoch: int) -> None:
         """(Re)load the stage at ``version`` for ``epoch``, keeping heartbeats going meanwhile."""
@@ -244,7 +245,7 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
             await self._ckpt_written()  # our own write under way ends first: it is not a stray file
             if clean_stray_temps(self.ckpt_root, stage, self.spec.run_id):
                 log.info("%s removed half-written checkpoint files of stage %d", self.name, stage)
-            cfg, module, opt, scale, outer_m = await asyncio.get_running_loop().run_in_executor(
+            cfg, module, opt, scale, outer_m, pull_ef = await asyncio.get_running_loop().run_in_executor(
                 None, self._make, stage, first, last, version)
         except ShoalError as exc:
             # A checkpoint that fails its checks at load: set it aside, so the next
@@ -267,6 +268,8 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         self._local_reset(version)
         if self.local:
             self.outer_m = outer_m  # local mode: the outer momentum saved with the version
+            if self.update_pulls is not None and pull_ef:
+                self.update_pulls.ef.load(pull_ef)  # what the pulls before the stop still owe
         self.steps = {}
         self.todo.clear()
         self.completed.clear()
@@ -283,7 +286,8 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         self.grads_finite = run_precision(self.spec) != "fp16"
         self._open_step(self.step)
         log.info("%s serves stage %d [%d,%d) from version %d (epoch %d)%s", self.name, stage, first, last,
-                 version, epoch, " with the saved outer momentum" if self.local and outer_m else "")
+                 version, epoch, (" with the saved outer momentum" if self.local and outer_m else "")
+                 + (" and pull residual" if self.local and pull_ef and self.update_pulls is not None else ""))
         async with self.cond:
             self.cond.notify_all()
 
@@ -1476,7 +1480,8 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         """
         stage, version, module, opt, epoch = self.stage, self.version, self.module, self.opt, self.epoch
         kw = dict(run_id=self.spec.run_id, layers=(self.first, self.last), loss_scale=self.loss_scale,
-                  outer_m=self.outer_m if self.local else None, keep_at=self.guard_keep)
+                  outer_m=self.outer_m if self.local else None, keep_at=self.guard_keep,
+                  pull_ef=self.update_pulls.ef.state() if self.local and self.update_pulls is not None else None)
 
         async def write() -> None:
             try:

@@ -299,7 +299,7 @@ class StandbyMixin:
         steps = replay_plan(base, self.sb_log, self.sb_decided)
         if not steps:
             return base
-        _, module, opt, scale, _ = self._make(stage, first, last, base)
+        _, module, opt, scale, *_ = self._make(stage, first, last, base)
         params = dict(module.named_parameters())
         every = max(1, self.spec.ckpt_every)
         for i, key in enumerate(steps):
