@@ -355,7 +355,7 @@ def test_share_counts_by_hand():
 def test_two_stage_link_sharing_fixed_point_by_hand():
     """Two stages on hosts h0 and h1 with narrow links, two remote workers each (one fast, one
     slow). The fixed point of the link shares is recomputed here step by step from the model
-    in docs/planner.md: worst-case shares first, then k_eff = link_share(N, k) from each worker's
+    in docs/planner-cost-model.md: worst-case shares first, then k_eff = link_share(N, k) from each worker's
     serialisation seconds on a link times the micro-batches it completes per second (scaled by
     its stage's utilisation x / X_s), until no share moves by more than 1 % or 4 passes."""
     # capped at 4 passes; then one whose fourth pass settles after a third that moved a share

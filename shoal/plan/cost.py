@@ -1,6 +1,6 @@
 """The planner's time-cost model: small pure functions and one entry point, :func:`predict`.
 
-Notation (see ``docs/planner.md``): stage ``s`` holds layers ``[a_s, b_s)``, its server runs on
+Notation (see ``docs/planner-cost-model.md``): stage ``s`` holds layers ``[a_s, b_s)``, its server runs on
 host ``h_s`` and its workers are ``W_s``; ``M`` micro-batches per step. All times in seconds,
 sizes in bytes, rates in bytes/s and FLOP/s.
 
