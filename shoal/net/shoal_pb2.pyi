@@ -33,7 +33,7 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., codec: _Optional[str] = ..., meta: _Optional[bytes] = ...) -> None: ...
 
 class RunSpec(_message.Message):
-    __slots__ = ("version", "model", "stages", "steps", "micro_batches", "micro_batch_size", "seq_len", "seed", "lr", "min_lr", "warmup", "weight_decay", "grad_clip", "ckpt_every", "dead_after_s", "min_lease_s", "max_message_bytes", "data", "ordered_grads", "chunk_bytes", "run_id", "precision", "loss_scale_init", "init_from", "model_config_json", "sync_mode", "sync_every", "outer_lr", "outer_momentum", "guard_spot_check", "shadow", "compress_act", "compress_grad", "compress_push", "compress_pull", "data_hash")
+    __slots__ = ("version", "model", "stages", "steps", "micro_batches", "micro_batch_size", "seq_len", "seed", "lr", "min_lr", "warmup", "weight_decay", "grad_clip", "ckpt_every", "dead_after_s", "min_lease_s", "max_message_bytes", "data", "ordered_grads", "chunk_bytes", "run_id", "precision", "loss_scale_init", "init_from", "model_config_json", "sync_mode", "sync_every", "outer_lr", "outer_momentum", "guard_spot_check", "shadow", "compress_act", "compress_grad", "compress_push", "compress_pull", "data_hash", "ckpt_every_s")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class RunSpec(_message.Message):
     COMPRESS_PUSH_FIELD_NUMBER: _ClassVar[int]
     COMPRESS_PULL_FIELD_NUMBER: _ClassVar[int]
     DATA_HASH_FIELD_NUMBER: _ClassVar[int]
+    CKPT_EVERY_S_FIELD_NUMBER: _ClassVar[int]
     version: int
     model: str
     stages: int
@@ -106,7 +107,8 @@ class RunSpec(_message.Message):
     compress_push: str
     compress_pull: str
     data_hash: str
-    def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., stages: _Optional[int] = ..., steps: _Optional[int] = ..., micro_batches: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., seed: _Optional[int] = ..., lr: _Optional[float] = ..., min_lr: _Optional[float] = ..., warmup: _Optional[int] = ..., weight_decay: _Optional[float] = ..., grad_clip: _Optional[float] = ..., ckpt_every: _Optional[int] = ..., dead_after_s: _Optional[float] = ..., min_lease_s: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., data: _Optional[str] = ..., ordered_grads: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ..., run_id: _Optional[str] = ..., precision: _Optional[str] = ..., loss_scale_init: _Optional[float] = ..., init_from: _Optional[str] = ..., model_config_json: _Optional[str] = ..., sync_mode: _Optional[str] = ..., sync_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., guard_spot_check: _Optional[float] = ..., shadow: _Optional[bool] = ..., compress_act: _Optional[str] = ..., compress_grad: _Optional[str] = ..., compress_push: _Optional[str] = ..., compress_pull: _Optional[str] = ..., data_hash: _Optional[str] = ...) -> None: ...
+    ckpt_every_s: float
+    def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., stages: _Optional[int] = ..., steps: _Optional[int] = ..., micro_batches: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., seed: _Optional[int] = ..., lr: _Optional[float] = ..., min_lr: _Optional[float] = ..., warmup: _Optional[int] = ..., weight_decay: _Optional[float] = ..., grad_clip: _Optional[float] = ..., ckpt_every: _Optional[int] = ..., dead_after_s: _Optional[float] = ..., min_lease_s: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., data: _Optional[str] = ..., ordered_grads: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ..., run_id: _Optional[str] = ..., precision: _Optional[str] = ..., loss_scale_init: _Optional[float] = ..., init_from: _Optional[str] = ..., model_config_json: _Optional[str] = ..., sync_mode: _Optional[str] = ..., sync_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., guard_spot_check: _Optional[float] = ..., shadow: _Optional[bool] = ..., compress_act: _Optional[str] = ..., compress_grad: _Optional[str] = ..., compress_push: _Optional[str] = ..., compress_pull: _Optional[str] = ..., data_hash: _Optional[str] = ..., ckpt_every_s: _Optional[float] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("role", "address", "flops", "name", "ckpt_version", "ckpt_stage", "schema", "device", "will_measure", "region", "up_bps", "down_bps", "standby", "data_hash")
@@ -403,20 +405,22 @@ class Assignment(_message.Message):
     def __init__(self, known: _Optional[bool] = ..., stage: _Optional[int] = ..., first: _Optional[int] = ..., last: _Optional[int] = ..., servers: _Optional[_Iterable[str]] = ..., ready: _Optional[bool] = ..., epoch: _Optional[int] = ..., restart_version: _Optional[int] = ..., done: _Optional[bool] = ..., measure: _Optional[int] = ..., move_now: _Optional[bool] = ..., guard_banned: _Optional[str] = ..., guard_keep: _Optional[int] = ..., standby_for: _Optional[int] = ..., standby_first: _Optional[int] = ..., standby_last: _Optional[int] = ..., standby_source: _Optional[str] = ..., standby_decisions: _Optional[_Iterable[_Union[StandbyDecision, _Mapping]]] = ..., standby_peers: _Optional[_Iterable[str]] = ..., forgotten: _Optional[str] = ...) -> None: ...
 
 class StandbyDecision(_message.Message):
-    __slots__ = ("epoch", "step", "lr", "coef", "skip", "next_loss_scale")
+    __slots__ = ("epoch", "step", "lr", "coef", "skip", "next_loss_scale", "checkpoint")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
     COEF_FIELD_NUMBER: _ClassVar[int]
     SKIP_FIELD_NUMBER: _ClassVar[int]
     NEXT_LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     step: int
     lr: float
     coef: float
     skip: bool
     next_loss_scale: float
-    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., lr: _Optional[float] = ..., coef: _Optional[float] = ..., skip: _Optional[bool] = ..., next_loss_scale: _Optional[float] = ...) -> None: ...
+    checkpoint: bool
+    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., lr: _Optional[float] = ..., coef: _Optional[float] = ..., skip: _Optional[bool] = ..., next_loss_scale: _Optional[float] = ..., checkpoint: _Optional[bool] = ...) -> None: ...
 
 class StandbyStep(_message.Message):
     __slots__ = ("member_id", "stage", "epoch", "step", "grads", "first", "last")
@@ -492,20 +496,22 @@ class StepReport(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., epoch: _Optional[int] = ..., sq_norm: _Optional[float] = ..., losses: _Optional[_Iterable[float]] = ..., tasks_per_worker: _Optional[_Mapping[str, int]] = ..., requeues: _Optional[int] = ..., param_sq_norms: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepDecision(_message.Message):
-    __slots__ = ("ready", "coef", "lr", "stale", "skip", "next_loss_scale")
+    __slots__ = ("ready", "coef", "lr", "stale", "skip", "next_loss_scale", "checkpoint")
     READY_FIELD_NUMBER: _ClassVar[int]
     COEF_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
     STALE_FIELD_NUMBER: _ClassVar[int]
     SKIP_FIELD_NUMBER: _ClassVar[int]
     NEXT_LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     coef: float
     lr: float
     stale: bool
     skip: bool
     next_loss_scale: float
-    def __init__(self, ready: _Optional[bool] = ..., coef: _Optional[float] = ..., lr: _Optional[float] = ..., stale: _Optional[bool] = ..., skip: _Optional[bool] = ..., next_loss_scale: _Optional[float] = ...) -> None: ...
+    checkpoint: bool
+    def __init__(self, ready: _Optional[bool] = ..., coef: _Optional[float] = ..., lr: _Optional[float] = ..., stale: _Optional[bool] = ..., skip: _Optional[bool] = ..., next_loss_scale: _Optional[float] = ..., checkpoint: _Optional[bool] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("json",)

@@ -428,6 +428,25 @@ def save_stage_ckpt(root: str | Path, stage: int, version: int, module: torch.nn
     return path
 
 
+# Default T of --ckpt-every-s: the servers also checkpoint once T seconds of committed work are
+# in no checkpoint, so a total stop (every process killed) redoes at most about T s of it.
+CKPT_EVERY_S = 60.0
+
+
+def ckpt_due(version: int, every: int, unsaved_s: float, every_s: float) -> bool:
+    """Whether every stage checkpoints the weight version a commit makes (pure).
+
+    ``every``: the step rule, each K-th version (0: no checkpoints at all, the time rule
+    included); ``unsaved_s``: seconds of committed work since the last checkpoint, the time
+    between commits summed; ``every_s``: the time rule, due once that reaches T (0: off).
+    Whichever comes first: a total stop redoes at most about K steps or T seconds of committed
+    work, the lesser (plus the step that crossed the bound while its checkpoint is written).
+    """
+    if every <= 0:
+        return False
+    return version % every == 0 or (every_s > 0 and unsaved_s >= every_s)
+
+
 def ckpts_to_prune(versions: list[int], written: int, keep: int, keep_at: int | None = None) -> list[int]:
     """Versions to delete after writing ``written``: those older than the ``keep`` newest
     up to ``written``. Never ``written`` itself nor a newer file: a stage that rolled back

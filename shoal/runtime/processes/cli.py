@@ -87,7 +87,12 @@ def _run_args(p: argparse.ArgumentParser, launch: bool = False) -> None:
     p.add_argument("--stages", type=int, default=2, help="pipeline stages S")
     p.add_argument("--ckpt-every", type=int, default=None,
                    help="servers checkpoint every K steps, written off their event loop (default 10, "
-                        "1 with --standbys; 0: never; a stage server's loss rolls back to the last checkpoint)")
+                        "1 with --standbys; 0: never, --ckpt-every-s included; a stage server's loss rolls "
+                        "back to the last checkpoint)")
+    p.add_argument("--ckpt-every-s", type=float, default=None, metavar="T",
+                   help="servers also checkpoint once T seconds of committed work are in no checkpoint "
+                        "(default 60; 0: off): a total stop (every process killed) redoes at most about "
+                        "T s of committed work, or K steps if that is less, plus the step in flight")
     p.add_argument("--dead-after", type=float, default=3.0, help="seconds of silence before a member is dead")
     p.add_argument("--shadow", action="store_true",
                    help="an emulation whose workers run no model (shadow workers: each waits its emulated "
@@ -369,7 +374,7 @@ def _spec(args):
     from shoal.model.config import get_preset
     from shoal.net import shoal_pb2 as pb
     from shoal.net.stream import chunk_bytes_from_mb
-    from shoal.runtime.processes.launch import resolve_ckpt_every
+    from shoal.runtime.processes.launch import resolve_ckpt_every, resolve_ckpt_every_s
     from shoal.train.flags import workload_from_args
     from shoal.train.optim import OptimConfig
 
@@ -413,7 +418,8 @@ def _spec(args):
         version=1, model=cfg.name if init_from else w.model, stages=args.stages, steps=w.steps, micro_batches=w.micro_batches,
         micro_batch_size=w.micro_batch_size, seq_len=w.seq_len, seed=w.seed, lr=w.lr,
         min_lr=min_lr, warmup=w.warmup, weight_decay=w.weight_decay, grad_clip=w.grad_clip,
-        ckpt_every=resolve_ckpt_every(args.ckpt_every), dead_after_s=args.dead_after, min_lease_s=args.min_lease,
+        ckpt_every=resolve_ckpt_every(args.ckpt_every), ckpt_every_s=resolve_ckpt_every_s(args.ckpt_every_s),
+        dead_after_s=args.dead_after, min_lease_s=args.min_lease,
         max_message_bytes=256 * 1024 * 1024, data=data, data_hash=data_identity(data),
         ordered_grads=not args.unordered_grads,
         chunk_bytes=chunk_bytes_from_mb(args.chunk_mb),
@@ -624,7 +630,7 @@ def run_launch_cmd(args) -> int:
         out=args.resume or args.out, resume=bool(args.resume), run_id=args.run_id, model=w.model, stages=args.stages, workers=args.workers, steps=w.steps,
         micro_batches=w.micro_batches, micro_batch_size=w.micro_batch_size, seq_len=w.seq_len,
         seed=w.seed, lr=w.lr, min_lr=w.min_lr, warmup=w.warmup, weight_decay=w.weight_decay,
-        grad_clip=w.grad_clip, ckpt_every=args.ckpt_every,
+        grad_clip=w.grad_clip, ckpt_every=args.ckpt_every, ckpt_every_s=args.ckpt_every_s,
         dead_after_s=args.dead_after, min_lease_s=args.min_lease, data=tuple(args.data or ("corpus",)), init_from=args.init_from,
         timeout_s=args.timeout, scenario=args.scenario,
         ordered_grads=not args.unordered_grads, emulate_speedup=args.emulate_speedup,

@@ -15,6 +15,7 @@ runs one to completion; ``LaunchConfig.resume`` continues a stopped run.
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import signal
@@ -46,6 +47,18 @@ def resolve_ckpt_every(given: int | None, standbys: int = 0) -> int:
     return 1 if standbys > 0 else CKPT_EVERY
 
 
+def resolve_ckpt_every_s(given: float | None) -> float:
+    """``--ckpt-every-s`` as given, else :data:`~shoal.runtime.common.CKPT_EVERY_S` (the time
+    rule of :func:`~shoal.runtime.common.ckpt_due`; 0 turns it off)."""
+    if given is None:
+        from shoal.runtime.common import CKPT_EVERY_S
+
+        return CKPT_EVERY_S
+    if not math.isfinite(given) or given < 0:
+        raise ShoalError(f"--ckpt-every-s {given} is not a number of seconds >= 0; give T > 0 (or 0: no time rule)")
+    return float(given)
+
+
 # A launched swarm runs on one machine: its links are loopback, which 1 MB probes measure
 # well enough (the default grows probes to 16 MB for real links' bandwidth-delay products).
 LOOPBACK_PROBE = ["--probe-mb", "1"]
@@ -71,6 +84,7 @@ class LaunchConfig:
     weight_decay: float = W.weight_decay  # AdamW weight decay
     grad_clip: float = W.grad_clip  # global grad-norm clip
     ckpt_every: int | None = None  # servers checkpoint every K committed steps (None: resolve_ckpt_every)
+    ckpt_every_s: float | None = None  # and once T s of committed work are in no checkpoint (None: resolve_ckpt_every_s)
     dead_after_s: float = 3.0  # a member silent this long is dead
     min_lease_s: float = 2.0  # shortest lease without renewal
     data: str | tuple[str, ...] = "corpus"  # "corpus", "synthetic", a prepared folder or raw text paths
@@ -112,6 +126,7 @@ class LaunchConfig:
             self.workers = 2
         if self.stages < 1 or self.workers < 1 or self.steps < 1:
             raise ShoalError("--stages, --workers and --steps must be positive")
+        resolve_ckpt_every_s(self.ckpt_every_s)
         if self.workers < self.stages and (self.min_workers or self.workers) < self.stages:
             raise ShoalError(f"--workers {self.workers} < --stages {self.stages}: every stage needs a worker")
         from shoal.train.outer import SyncConfig
@@ -313,7 +328,8 @@ class Swarm:
             "--micro-batches", str(c.micro_batches), "--micro-batch-size", str(c.micro_batch_size),
             "--seq-len", str(c.seq_len), "--seed", str(c.seed), "--lr", repr(c.lr), "--min-lr", repr(min_lr),
             "--warmup", str(c.warmup), "--weight-decay", repr(c.weight_decay), "--grad-clip", repr(c.grad_clip),
-            "--ckpt-every", str(resolve_ckpt_every(c.ckpt_every, c.standbys)), "--dead-after", repr(c.dead_after_s),
+            "--ckpt-every", str(resolve_ckpt_every(c.ckpt_every, c.standbys)),
+            "--ckpt-every-s", repr(resolve_ckpt_every_s(c.ckpt_every_s)), "--dead-after", repr(c.dead_after_s),
             "--min-lease", repr(c.min_lease_s), "--data", data, "--out", str(self.out),
             *([] if c.ordered_grads else ["--unordered-grads"]),
             *([] if c.chunk_mb is None else ["--chunk-mb", repr(c.chunk_mb)]),

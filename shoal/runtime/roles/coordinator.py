@@ -60,6 +60,7 @@ from shoal.runtime.common import (
     DeafClock,
     Signal,
     assign_workers,
+    ckpt_due,
     data_refusal,
     even_split,
     heartbeat_period,
@@ -90,6 +91,7 @@ from shoal.runtime.safety.journal import FINAL, JOURNAL, LINKED, Journal, point_
 from shoal.runtime.safety.standby import decisions_since, planned_standby_stages
 from shoal.train.metrics import JsonlWriter, step_record
 from shoal.train.optim import clip_coefficient, lr_at, total_sq_norm
+from shoal.train.outer import is_sync_step, sync_of_spec
 from shoal.train.precision import next_loss_scale, overflowed
 
 log = logging.getLogger("shoal.coordinator")
@@ -195,6 +197,9 @@ class Coordinator(pbg.CoordinatorServicer):
         self.out = Path(out) if out else None
         self.t0 = resume.t0 if resume is not None and resume.t0 else time.time()
         self.last_commit_t = time.time()
+        # Seconds of committed work in no checkpoint (the time rule of ckpt_due). A coordinator
+        # taking a run over does not know it: the first step it commits is checkpointed.
+        self.unsaved_s = math.inf if resume is not None else 0.0
         self.written_steps: set[int] = set()
         self.names: dict[str, str] = {}  # member id -> name, kept after members leave
         self.history: list[dict] = []
@@ -267,7 +272,8 @@ class Coordinator(pbg.CoordinatorServicer):
         self.scale_at.update(st.scale_at)
         # a standby promoted after this restart replays logged steps decided before it
         for (e, k), (lr, coef, skip, nls) in st.decisions.items():
-            self.decisions[(e, k)] = pb.StepDecision(ready=True, lr=lr, coef=coef, skip=skip, next_loss_scale=nls)
+            self.decisions[(e, k)] = pb.StepDecision(ready=True, lr=lr, coef=coef, skip=skip, next_loss_scale=nls,
+                                                     checkpoint=(e, k) in st.checkpointed)
         for rec in st.records:
             self.written_steps.add(int(rec["step"]))
             self.history.append(rec)
@@ -908,6 +914,7 @@ class Coordinator(pbg.CoordinatorServicer):
                    **({"why": "undo"} if undo else {}))
         self.committed = target
         self.last_commit_t = time.time()
+        self.unsaved_s = 0.0  # every stage restarts from a checkpoint
         if self.committed >= self.spec.steps:
             # A coordinator resumed after the last commit: only the final weights are left.
             self._spawn_finish()
@@ -1088,8 +1095,10 @@ class Coordinator(pbg.CoordinatorServicer):
         scale, good = self.scale_at.get(step, (initial_scale(self.spec), 0))
         if fp16:
             self.scale_at[step + 1] = next_loss_scale(scale, good, skip, loss_scaling(self.spec))
+        ckpt = self._ckpt_decision(step)
         self.decisions[key] = pb.StepDecision(ready=True, coef=coef, lr=lr, skip=skip,
-                                              next_loss_scale=self.scale_at[step + 1][0] if fp16 else 0.0)
+                                              next_loss_scale=self.scale_at[step + 1][0] if fp16 else 0.0,
+                                              checkpoint=ckpt)
         last = reps[self.spec.stages - 1]
         loss = sum(last.losses) / max(len(last.losses), 1)
         tpw: dict[str, int] = {}
@@ -1113,7 +1122,7 @@ class Coordinator(pbg.CoordinatorServicer):
         d = self.decisions[key]
         self._journal("commit", step=step, epoch=key[0], record=rec,
                       scale=list(self.scale_at[step + 1]) if fp16 else None,
-                      decision=[d.lr, d.coef, bool(d.skip), d.next_loss_scale])
+                      decision=[d.lr, d.coef, bool(d.skip), d.next_loss_scale], **({"ckpt": True} if ckpt else {}))
         self.committed = step + 1
         if step not in self.written_steps:
             self.written_steps.add(step)
@@ -1126,6 +1135,17 @@ class Coordinator(pbg.CoordinatorServicer):
         log.info("step %d loss %.5f", step, loss)
         if self.committed >= self.spec.steps:
             self._spawn_finish()
+
+    def _ckpt_decision(self, step: int) -> bool:
+        """Whether every stage checkpoints the version step ``step`` makes (``ckpt_due``; local
+        mode checkpoints merged weights only, so there it is decided at merges)."""
+        self.unsaved_s += max(0.0, time.time() - self.last_commit_t)
+        if sync_of_spec(self.spec).local and not is_sync_step(step, self.spec.sync_every, self.spec.steps):
+            return False
+        due = ckpt_due(step + 1, self.spec.ckpt_every, self.unsaved_s, self.spec.ckpt_every_s)
+        if due:
+            self.unsaved_s = 0.0
+        return due
 
     def _step_figures(self, tokens_per_s: float) -> dict:
         """What a step record adds for viewers (metrics.jsonl, TensorBoard): each stage server's

@@ -1582,8 +1582,9 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
                 self._wcache = None  # the serialised weights of the old version
                 self.version = step + 1
             self.last_split = self.timing.split(time.monotonic())
-            if (self._local_ckpt_due(merged) if self.local else
-                    self.spec.ckpt_every > 0 and self.version % self.spec.ckpt_every == 0):
+            # d.checkpoint: the coordinator's time rule (ckpt_due), the same at every stage.
+            if (self._local_ckpt_due(merged, d.checkpoint) if self.local else
+                    d.checkpoint or self.spec.ckpt_every > 0 and self.version % self.spec.ckpt_every == 0):
                 self._start_ckpt()
             self.steps.pop(step, None)
             self.todo.drop_step(step)

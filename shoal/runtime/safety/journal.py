@@ -14,7 +14,8 @@ coordinator acts on it:
 * ``run``: the run spec (protobuf JSON form), the coordinator's options and clock;
 * ``plan``: the stages' layer ranges (a resumed run keeps them: checkpoints hold them);
 * ``epoch``: a roll-back (epoch, the version every stage restarts from);
-* ``commit``: a committed step with its metrics record and (fp16) loss-scale state;
+* ``commit``: a committed step with its metrics record, its decision (``ckpt``: every stage
+  checkpoints the version it makes) and (fp16) loss-scale state;
 * ``servers``: the name of the server serving each stage ("" while vacant), on every change;
 * ``ban``: a worker a stage server banned (its name and why): banned for the whole run;
 * ``resume``: a coordinator took the run over from this journal;
@@ -116,6 +117,7 @@ class ResumeState:
     bans: dict[str, str] = field(default_factory=dict)  # banned worker name -> why
     # (epoch, step) -> (lr, clip coefficient, skip, next loss scale) of the newest committed steps
     decisions: dict[tuple[int, int], tuple[float, float, bool, float]] = field(default_factory=dict)
+    checkpointed: set[tuple[int, int]] = field(default_factory=set)  # (epoch, step) of those decided to checkpoint
     state: str = "running"  # running | done | failed
     error: str = ""  # a failed run's one line
 
@@ -149,9 +151,12 @@ def resume_state(records: list[dict]) -> ResumeState:
             if rec.get("decision") is not None:
                 lr, coef, skip, nls = rec["decision"]
                 st.decisions[(int(rec.get("epoch", 0)), step)] = (float(lr), float(coef), bool(skip), float(nls))
+                if rec.get("ckpt"):
+                    st.checkpointed.add((int(rec.get("epoch", 0)), step))
                 # a standby logs at most STANDBY_LOG_STEPS: older decisions are never replayed
                 for old in [k for k in st.decisions if k[1] <= step - DECISIONS_KEPT]:
                     del st.decisions[old]
+                    st.checkpointed.discard(old)
         elif kind == "servers":
             st.stage_servers = [str(n) for n in rec.get("names", [])]
         elif kind == "ban":

@@ -116,7 +116,7 @@ def decisions_since(decisions: dict[Key, pb.StepDecision], epoch: int, committed
             d = decisions.get((e, k))
             if d is not None and d.ready:
                 out.append(pb.StandbyDecision(epoch=e, step=k, lr=d.lr, coef=d.coef, skip=d.skip,
-                                              next_loss_scale=d.next_loss_scale))
+                                              next_loss_scale=d.next_loss_scale, checkpoint=d.checkpoint))
                 break
     return out
 
@@ -315,7 +315,7 @@ class StandbyMixin:
             if d.next_loss_scale > 0:
                 scale = d.next_loss_scale
             version = key[1] + 1
-            if version % every == 0 or i == len(steps) - 1:
+            if version % every == 0 or d.checkpoint or i == len(steps) - 1:
                 save_stage_ckpt(self.ckpt_root, stage, version, module, opt, run_id=self.spec.run_id,
                                 layers=(first, last), loss_scale=scale)
         return steps[-1][1] + 1

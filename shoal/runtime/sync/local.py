@@ -387,10 +387,11 @@ class LocalServerMixin:
                                 self.spec.outer_lr, self.spec.outer_momentum)
         return tensors_digest({n: p.detach() for n, p in self.params.items()}), shares
 
-    def _local_ckpt_due(self, merged: bool) -> bool:
-        """Local mode checkpoints merged weights only, at the first merge past each K steps."""
+    def _local_ckpt_due(self, merged: bool, decided: bool = False) -> bool:
+        """Local mode checkpoints merged weights only, at the first merge past each K steps
+        and at the merges the coordinator's time rule marks (``decided``)."""
         k = self.spec.ckpt_every
-        if not merged or k <= 0 or self.version // k <= self.local_ckpt_last // k:
+        if not merged or k <= 0 or (self.version // k <= self.local_ckpt_last // k and not decided):
             return False
         self.local_ckpt_last = self.version
         return True
