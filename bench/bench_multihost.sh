@@ -78,6 +78,7 @@ link A C "$RATE_AC"
 link B C "$RATE_BC"
 
 on() { local h=$1; shift; ip netns exec "${NS[$h]}" env PYTHONPATH="$ROOT" OMP_NUM_THREADS=1 "$@"; }
+echo "load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
 
 # ---------------------------------------------------------------- link figures
 echo "== links (tbf rate each way; measured: TCP round trip, 4 MB each way)"
@@ -161,21 +162,35 @@ tbf = {}
 for pair, rate in zip(("AB", "AC", "BC"), sys.argv[5:8]):
     tbf[pair] = tbf[pair[::-1]] = float(rate.removesuffix("mbit"))
 events = [json.loads(line) for f in run.rglob("events.jsonl") for line in f.read_text().splitlines() if line.strip()]
-newest = {e["device"]: e for e in events if e.get("event") == "measured"}
+measured = [e for e in events if e.get("event") == "measured"]
+newest = {e["device"]: e for e in measured}
+first = {}
+for e in measured:
+    first.setdefault(e["device"], e)
+servers = {"server-a", "server-b"}
+gaps = {n: sorted(servers - {n} - set(e.get("links", {}))) for n, e in first.items()}
+print("each member's first report probed every other stage server: "
+      + ("yes" if not any(gaps.values()) else f"no {gaps}"))
 print("measured links (each member's newest report; up = member -> peer), against the tbf rate:")
-print(f"{'member':<9} {'peer':<12} {'hosts':<6} {'tbf':>5} {'rtt ms':>7} {'up':>7} {'down':>7} {'up/tbf':>7} {'down/tbf':>8}")
-worst = 0.0
+print(f"{'member':<9} {'peer':<12} {'hosts':<6} {'tbf':>5} {'rtt ms':>7} {'up':>7} {'down':>7} {'up/tbf':>7} "
+      f"{'down/tbf':>8}  timed by")
+worst, bad = 0.0, []
 for name, e in sorted(newest.items()):
     for peer, f in sorted(e.get("links", {}).items()):
         a, b = host.get(name, "?"), host.get(peer, "?")
         rate = tbf.get(a + b)
-        if rate is None:
-            print(f"{name:<9} {peer:<12} {a + b:<6} {'-':>5} {f['rtt_ms']:>7.2f} {f['up_mbps']:>7.1f} {f['down_mbps']:>7.1f}"
-                  "  (same host)")
+        if rate is None or f.get("same_host"):
+            ok = rate is None and f.get("same_host")
+            print(f"{name:<9} {peer:<12} {a + b:<6} {'-':>5} {f['rtt_ms']:>7.2f} {'-':>7} {'-':>7}"
+                  f"  same host{'' if ok else ' (WRONG: hosts ' + a + ', ' + b + ')'}")
+            bad += [] if ok else [f"{name}->{peer}"]
             continue
         ru, rd = f["up_mbps"] / rate, f["down_mbps"] / rate
         worst = max(worst, abs(ru - 1), abs(rd - 1))
+        bad += [f"{name}->{peer}"] if max(abs(ru - 1), abs(rd - 1)) > 0.2 else []
         print(f"{name:<9} {peer:<12} {a + '-' + b:<6} {rate:>5.0f} {f['rtt_ms']:>7.2f} {f['up_mbps']:>7.1f} "
-              f"{f['down_mbps']:>7.1f} {ru:>7.2f} {rd:>8.2f}")
-print(f"largest deviation of a measured rate from its tbf rate: {worst:.0%}")
+              f"{f['down_mbps']:>7.1f} {ru:>7.2f} {rd:>8.2f}  {f.get('timed_by', '')}")
+print(f"largest deviation of a measured rate from its tbf rate: {worst:.0%}; "
+      f"outside 20 %: {', '.join(bad) if bad else 'none'}")
 EOF
+echo "load average at end: $(cut -d' ' -f1-3 /proc/loadavg)"

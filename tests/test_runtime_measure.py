@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import sys
 import time
 
 import pytest
@@ -21,15 +22,22 @@ from shoal.net.channel import make_server, open_channel
 from shoal.plan.scenario import load_scenario, scenario_from_dict, scenario_to_dict
 from shoal.plan.types import Workload
 from shoal.runtime.measure import (
+    TcpCounters,
+    _counted,
+    host_id,
     implausible,
     interface_rate_bps,
+    kernel_rate,
     measure_blocks,
     measure_stage_flops,
     median,
     next_probe_size,
+    parse_peer,
+    parse_tcp_info,
     probe_link,
     probe_reply,
     rate_from,
+    tcp_connections,
 )
 from shoal.runtime.roles import coordinator as coordinator_mod
 from shoal.runtime.roles.coordinator import Coordinator, one_machine
@@ -144,6 +152,21 @@ def test_measured_scenario_devices_links_and_regions():
     assert far.latency == pytest.approx((2 + 120) * MS / 2)
 
 
+def test_same_host_paths_are_loopback_not_a_slow_link():
+    C = COORDINATOR_NODE
+    f = _figures()
+    # s0 shares its host with the coordinator and s1: those paths carry no rates
+    f["s0"].paths = [PathFigures("s0", C, 0.05 * MS, 0.0, 0.0, same_host=True),
+                     PathFigures("s0", "s1", 0.05 * MS, 0.0, 0.0, same_host=True),
+                     PathFigures("s0", "w9", 1 * MS, 40e6, 60e6)]
+    f["s1"].paths = [PathFigures("s1", "s0", 0.05 * MS, 0.0, 0.0, same_host=True)]
+    sc = measured_scenario(f, WL)
+    dev = {d.id: d for d in sc.devices}
+    assert dev["s0"].up == 40e6 and dev["s0"].down == 60e6  # its access link: the one path that crosses it
+    assert dev["s1"].up == dev["s1"].down == 1e9  # only same-host paths: loopback's rate, not "unmeasured"
+    assert sc.network.link(dev["s0"], dev["s1"]).bandwidth == 1e9
+
+
 def test_scenario_json_round_trip(tmp_path):
     sc = measured_scenario(_figures(), WL)
     path = tmp_path / "scenario.json"
@@ -196,6 +219,53 @@ def test_compute_measurement_runs_in_the_runs_precision(monkeypatch):
     assert seen and set(seen) == {(torch.bfloat16, True)}
 
 
+def test_kernel_rate_counts_only_what_the_link_carried():
+    assert kernel_rate(0, 0.0, 10_000_000, 0.25, 10_000_000) == pytest.approx(40e6)
+    assert kernel_rate(0, 0.0, 5_000_000, 0.25, 10_000_000) is None  # another connection carried it
+    assert kernel_rate(0, 0.0, 10_000_000, 0.01, 10_000_000) is None  # a few clock ticks: no figure
+    # the connection that acknowledged the most bytes carried the transfer
+    before = {"a": (100, 1.0), "b": (0, 0.0)}
+    after = {"a": (200, 1.5), "b": (4_000_000, 0.1), "c": (9_000_000, 1.0)}  # c: opened meanwhile, unknown
+    assert _counted(before, after, 4_000_000) == (pytest.approx(40e6), pytest.approx(0.1))
+    assert _counted({}, after, 1) == (None, 0.0)
+
+
+def test_peer_strings_and_tcp_info():
+    assert parse_peer("ipv4:10.0.0.3:5123") == ("10.0.0.3", 5123)
+    assert parse_peer("ipv6:[::1]:7") == ("::1", 7)
+    assert parse_peer("ipv6:%5B::ffff:10.0.0.3%5D:80") == ("10.0.0.3", 80)
+    assert parse_peer("unix:/tmp/x") is None
+    assert parse_tcp_info(b"\0" * 100) is None  # an old kernel's short struct: no figures
+    assert len(host_id()) in (0, 16) and host_id() == host_id()
+
+
+def test_tcp_counters_of_a_real_connection():
+    import socket
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("kernel TCP counters are read on Linux only")
+    srv = socket.create_server(("127.0.0.1", 0))
+    cli = socket.create_connection(srv.getsockname())
+    conn, _ = srv.accept()
+    n = 3_000_000
+    try:
+        before = tcp_connections({"127.0.0.1"}, srv.getsockname()[1])
+        assert len(before) == 1
+        cli.sendall(bytes(n))
+        got = 0
+        while got < n:
+            got += len(conn.recv(1 << 20))
+        conn.sendall(b"k")
+        cli.recv(1)  # the far side had everything, so the kernel has its acknowledgements
+        (c,) = tcp_connections({"127.0.0.1"}, srv.getsockname()[1]).values()
+        (c0,) = before.values()
+        assert isinstance(c, TcpCounters)
+        assert c.acked - c0.acked >= n and c.busy_s >= c0.busy_s and 0 < c.min_rtt_s < 1
+    finally:
+        for s_ in (cli, conn, srv):
+            s_.close()
+
+
 def test_probe_reply_is_bounded():
     assert len(probe_reply(pb.ProbeRequest(reply_bytes=1000)).payload) == 1000
     with pytest.raises(ShoalError, match="at most"):
@@ -204,7 +274,7 @@ def test_probe_reply_is_bounded():
 
 class _Echo(pbg.CoordinatorServicer):
     async def Probe(self, request, context):
-        return probe_reply(request)
+        return probe_reply(request, context.peer())
 
 
 @pytest.mark.timeout(60)
@@ -225,8 +295,32 @@ def test_probes_through_a_shaped_link_measure_its_rates():
 
     figs = asyncio.run(main())
     print(figs)
+    assert figs.method == "call"  # through a relay: the kernel's counters would see loopback
     assert abs(figs.up_bps - up) <= 0.2 * up and abs(figs.down_bps - down) <= 0.2 * down
     assert 0.009 <= figs.rtt_s < 0.5  # two 5 ms one-way delays
+
+
+@pytest.mark.timeout(60)
+def test_a_probe_to_its_own_host_reports_loopback_and_the_reply_carries_counters():
+    async def main():
+        server = make_server("tok", run_key=lambda: run_public_key(b"s"))
+        pbg.add_CoordinatorServicer_to_server(_Echo(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        addr = f"127.0.0.1:{port}"
+        async with open_channel(addr, "tok", identity=Identity.joined("tok", b"s", "w1", "worker")) as ch:
+            stub = pbg.CoordinatorStub(ch)
+            same = await probe_link(stub, "coordinator", probe_bytes=1 << 20, address=addr)
+            await stub.Probe(pb.ProbeRequest(reply_bytes=1 << 20))
+            reply = await stub.Probe(pb.ProbeRequest(tcp_stats=True))
+        await server.stop(0)
+        return same, reply
+
+    same, reply = asyncio.run(main())
+    assert same.same_host and same.up_bps == same.down_bps == 0.0
+    assert reply.host == host_id()
+    if sys.platform.startswith("linux"):  # the answering side's counters of this connection
+        assert reply.HasField("tcp") and reply.tcp.bytes_acked >= 1 << 20
 
 
 # ---------------------------------------------------------------------------- the coordinator

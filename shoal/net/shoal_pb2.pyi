@@ -301,16 +301,20 @@ class StepSplit(_message.Message):
     def __init__(self, step: _Optional[int] = ..., total_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., sync_s: _Optional[float] = ..., waiting_s: _Optional[float] = ...) -> None: ...
 
 class LinkProbe(_message.Message):
-    __slots__ = ("target", "rtt_s", "up_bps", "down_bps")
+    __slots__ = ("target", "rtt_s", "up_bps", "down_bps", "same_host", "method")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     RTT_S_FIELD_NUMBER: _ClassVar[int]
     UP_BPS_FIELD_NUMBER: _ClassVar[int]
     DOWN_BPS_FIELD_NUMBER: _ClassVar[int]
+    SAME_HOST_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
     target: str
     rtt_s: float
     up_bps: float
     down_bps: float
-    def __init__(self, target: _Optional[str] = ..., rtt_s: _Optional[float] = ..., up_bps: _Optional[float] = ..., down_bps: _Optional[float] = ...) -> None: ...
+    same_host: bool
+    method: str
+    def __init__(self, target: _Optional[str] = ..., rtt_s: _Optional[float] = ..., up_bps: _Optional[float] = ..., down_bps: _Optional[float] = ..., same_host: _Optional[bool] = ..., method: _Optional[str] = ...) -> None: ...
 
 class MeasureReport(_message.Message):
     __slots__ = ("member_id", "request", "device_name", "memory", "flops", "links", "measure_s", "address")
@@ -333,18 +337,32 @@ class MeasureReport(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., request: _Optional[int] = ..., device_name: _Optional[str] = ..., memory: _Optional[float] = ..., flops: _Optional[float] = ..., links: _Optional[_Iterable[_Union[LinkProbe, _Mapping]]] = ..., measure_s: _Optional[float] = ..., address: _Optional[str] = ...) -> None: ...
 
 class ProbeRequest(_message.Message):
-    __slots__ = ("payload", "reply_bytes")
+    __slots__ = ("payload", "reply_bytes", "tcp_stats")
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     REPLY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TCP_STATS_FIELD_NUMBER: _ClassVar[int]
     payload: bytes
     reply_bytes: int
-    def __init__(self, payload: _Optional[bytes] = ..., reply_bytes: _Optional[int] = ...) -> None: ...
+    tcp_stats: bool
+    def __init__(self, payload: _Optional[bytes] = ..., reply_bytes: _Optional[int] = ..., tcp_stats: _Optional[bool] = ...) -> None: ...
 
 class ProbeReply(_message.Message):
-    __slots__ = ("payload",)
+    __slots__ = ("payload", "host", "tcp")
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    TCP_FIELD_NUMBER: _ClassVar[int]
     payload: bytes
-    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+    host: str
+    tcp: TcpStats
+    def __init__(self, payload: _Optional[bytes] = ..., host: _Optional[str] = ..., tcp: _Optional[_Union[TcpStats, _Mapping]] = ...) -> None: ...
+
+class TcpStats(_message.Message):
+    __slots__ = ("bytes_acked", "busy_us")
+    BYTES_ACKED_FIELD_NUMBER: _ClassVar[int]
+    BUSY_US_FIELD_NUMBER: _ClassVar[int]
+    bytes_acked: int
+    busy_us: int
+    def __init__(self, bytes_acked: _Optional[int] = ..., busy_us: _Optional[int] = ...) -> None: ...
 
 class ByteCount(_message.Message):
     __slots__ = ("kind", "codec", "raw", "wire", "messages")

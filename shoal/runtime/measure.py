@@ -23,6 +23,7 @@ import asyncio
 import logging
 import os
 import platform
+import struct
 import time
 from dataclasses import dataclass
 
@@ -52,13 +53,16 @@ class LinkFigures:
     """One measured path: round trip and one-way transfer rates."""
 
     target: str  # address probed
-    rtt_s: float  # best round-trip time of an empty echo
+    rtt_s: float  # round trip: the kernel's smallest on the connection, else the median empty echo
     up_bps: float  # bytes/s uploaded to the target
     down_bps: float  # bytes/s downloaded from the target
     remeasured: str = ""  # why the first figures were not used ("": they were)
+    same_host: bool = False  # the target is on this host (loopback): no rates measured
+    method: str = ""  # how transfers were timed: "kernel" (TCP counters), "call", "mixed"
 
     def to_pb(self) -> pb.LinkProbe:
-        return pb.LinkProbe(target=self.target, rtt_s=self.rtt_s, up_bps=self.up_bps, down_bps=self.down_bps)
+        return pb.LinkProbe(target=self.target, rtt_s=self.rtt_s, up_bps=self.up_bps, down_bps=self.down_bps,
+                            same_host=self.same_host, method=self.method)
 
 
 # ---------------------------------------------------------------------------- device
@@ -179,13 +183,148 @@ def measure_stage_flops(cfg, seq_len: int, micro_batch_size: int, *, device: str
 
 # ---------------------------------------------------------------------------- links
 
+TCP_INFO_BYTES = 192  # struct tcp_info up to tcpi_sndbuf_limited (Linux 4.10+); shorter: no kernel figures
+MIN_BUSY_S = 0.05  # kernel busy time below this (a dozen 4 ms ticks) gives no rate (the call time counts)
 
-def probe_reply(request: pb.ProbeRequest) -> pb.ProbeReply:
-    """The answer to a ``Probe`` call: ``reply_bytes`` zero bytes (bounded)."""
+
+@dataclass(frozen=True)
+class TcpCounters:
+    """Kernel counters of one TCP connection, as its sending side sees them."""
+
+    acked: int  # bytes the peer acknowledged
+    busy_s: float  # seconds the connection had unacknowledged or unsent data
+    min_rtt_s: float  # smallest round trip the kernel measured on it (0: none yet)
+
+
+def parse_tcp_info(raw: bytes) -> TcpCounters | None:
+    """The counters in a Linux ``struct tcp_info`` (``getsockopt(TCP_INFO)``); None when
+    the kernel's struct is too short to hold them."""
+    if len(raw) < TCP_INFO_BYTES:
+        return None
+    (acked,) = struct.unpack_from("=Q", raw, 120)  # tcpi_bytes_acked
+    (min_rtt_us,) = struct.unpack_from("=I", raw, 148)  # tcpi_min_rtt
+    (busy_us,) = struct.unpack_from("=Q", raw, 168)  # tcpi_busy_time
+    return TcpCounters(acked=acked, busy_s=busy_us / 1e6, min_rtt_s=min_rtt_us / 1e6)
+
+
+def _plain_ip(ip: str) -> str:
+    ip = ip.strip("[]")
+    return ip[7:] if ip.lower().startswith("::ffff:") and "." in ip else ip
+
+
+def tcp_connections(peer_ips: set[str], peer_port: int | None = None) -> dict[tuple, TcpCounters]:
+    """Kernel counters of this process's TCP connections to ``peer_ips`` (and ``peer_port``),
+    keyed by (local address, peer address). Linux only (``/proc/self/fd``, ``TCP_INFO``);
+    elsewhere, or when nothing matches, empty. The sockets are gRPC's: each is looked at
+    through a duplicate descriptor, closed at once."""
+    import socket
+
+    out: dict[tuple, TcpCounters] = {}
+    if not hasattr(socket, "TCP_INFO"):
+        return out
+    peers = {_plain_ip(ip) for ip in peer_ips}
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for name in fds:
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except (OSError, ValueError):
+            continue
+        try:
+            if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            far = sock.getpeername()
+            if _plain_ip(far[0]) not in peers or (peer_port is not None and far[1] != peer_port):
+                continue
+            figs = parse_tcp_info(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256))
+            if figs is not None:
+                out[(sock.getsockname()[:2], far[:2])] = figs
+        except OSError:
+            pass
+        finally:
+            sock.close()
+    return out
+
+
+def parse_peer(peer: str) -> tuple[str, int] | None:
+    """(ip, port) of a gRPC peer string (``ipv4:10.0.0.3:5123``, ``ipv6:[::1]:5123``,
+    percent-encoded too); None for other kinds (unix sockets)."""
+    from urllib.parse import unquote
+
+    kind, _, rest = unquote(peer).partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return None
+    host, _, port = rest.rpartition(":")
+    if not port.isdigit():
+        return None
+    return _plain_ip(host), int(port)
+
+
+def peer_tcp_stats(peer: str) -> pb.TcpStats | None:
+    """This process's kernel counters of its connection to the gRPC ``peer`` (the caller
+    of a handler): what the answering side of a download sends back to the prober."""
+    where = parse_peer(peer)
+    if where is None:
+        return None
+    conns = tcp_connections({where[0]}, where[1])
+    if len(conns) != 1:
+        return None
+    (figs,) = conns.values()
+    return pb.TcpStats(bytes_acked=figs.acked, busy_us=int(round(figs.busy_s * 1e6)))
+
+
+def kernel_rate(acked0: int, busy0_s: float, acked1: int, busy1_s: float, nbytes: int) -> float | None:
+    """Bytes/s of the link from the sending side's kernel counters before and after a transfer
+    of ``nbytes``: bytes acknowledged over the time the connection had data in flight or
+    queued. Time the sending or receiving process spent off the CPU (the queue empty, nothing
+    in flight) is not in it, so a starved process does not slow the figure; it never counts
+    more than the link delivered. None when the counters did not see the transfer (fewer
+    bytes acknowledged than sent, another connection) or it kept the link busy too briefly
+    for the kernel's clock ticks."""
+    acked, busy = acked1 - acked0, busy1_s - busy0_s
+    if acked < 0.9 * nbytes or busy < MIN_BUSY_S:
+        return None
+    return acked / busy
+
+
+_HOST_ID: str | None = None
+
+
+def host_id() -> str:
+    """An opaque id of this host as the network sees it: the kernel's boot id and this
+    process's network namespace, hashed; ``""`` when unknown (never matches). Two processes
+    with the same id talk over loopback."""
+    global _HOST_ID
+    if _HOST_ID is None:
+        import hashlib
+
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                boot = f.read().strip()
+            ns = os.readlink("/proc/self/ns/net")
+            _HOST_ID = hashlib.sha256(f"{boot}/{ns}".encode()).hexdigest()[:16]
+        except OSError:
+            _HOST_ID = ""
+    return _HOST_ID
+
+
+def probe_reply(request: pb.ProbeRequest, peer: str = "") -> pb.ProbeReply:
+    """The answer to a ``Probe`` call: ``reply_bytes`` zero bytes (bounded), this host's id,
+    and, when asked, this side's kernel counters of its connection to ``peer`` (the gRPC
+    peer string of the caller)."""
     n = int(request.reply_bytes)
     if not 0 <= n <= MAX_PROBE_BYTES:
         raise ShoalError(f"probe asks for {n} bytes; at most {MAX_PROBE_BYTES} are sent")
-    return pb.ProbeReply(payload=bytes(n))
+    reply = pb.ProbeReply(payload=bytes(n), host=host_id())
+    if request.tcp_stats and peer:
+        stats = peer_tcp_stats(peer)
+        if stats is not None:
+            reply.tcp.CopyFrom(stats)
+    return reply
 
 
 def rate_from(nbytes: int, seconds: float, rtt_s: float) -> float:
@@ -260,63 +399,131 @@ async def _timed(call) -> float:
     return time.perf_counter() - t0
 
 
+def _counted(before: dict, after: dict, nbytes: int) -> tuple[float | None, float]:
+    """(kernel rate, busy seconds) of a transfer from the counters of the connections seen
+    before and after it: the connection that acknowledged the most bytes carried it."""
+    best = None
+    for key, c1 in after.items():
+        c0 = before.get(key)
+        if c0 is not None and (best is None or c1[0] - c0[0] > best[1][0] - best[0][0]):
+            best = (c0, c1)
+    if best is None:
+        return None, 0.0
+    (a0, b0), (a1, b1) = best
+    return kernel_rate(a0, b0, a1, b1, nbytes), b1 - b0
+
+
 async def _direction_rate(stub, up: bool, rtt_s: float, max_bytes: int, repeats: int, timeout_s: float,
-                          start_bytes: int = START_PROBE_BYTES) -> float:
-    """Bytes/s one way: grow the transfer until it lasts long enough (:func:`next_probe_size`),
-    then the median of ``repeats`` timed transfers of that size (:func:`rate_from` each)."""
+                          start_bytes: int = START_PROBE_BYTES, counters=None) -> tuple[float, str]:
+    """Bytes/s one way and how they were timed (``"kernel"``, ``"call"`` or ``"mixed"``).
+
+    Grow the transfer until it lasts long enough (:func:`next_probe_size`), then take the
+    median of ``repeats`` transfers of that size. ``counters(up)`` (None: none) returns
+    the sending side's kernel counters ``{connection: (bytes acked, busy seconds)}``; a
+    transfer they saw counts as :func:`kernel_rate` and its busy time, else as
+    :func:`rate_from` of the call's time.
+    """
+    zeros = b""
 
     def call(n: int):
-        req = pb.ProbeRequest(payload=bytes(n)) if up else pb.ProbeRequest(reply_bytes=n)
+        nonlocal zeros
+        if up and len(zeros) != n:
+            zeros = bytes(n)  # built once per size, not per call
+        req = pb.ProbeRequest(payload=zeros) if up else pb.ProbeRequest(reply_bytes=n)
         return stub.Probe(req, timeout=timeout_s)
 
-    n = max(1, min(start_bytes, max_bytes))
-    times: list[float] = []
-    for _ in range(8):
+    async def once(n: int) -> tuple[float, float, bool]:
+        c0 = await counters(up) if counters else {}
         t = await _timed(call(n))
-        nxt = next_probe_size(n, t, rtt_s, max_bytes)
+        c1 = await counters(up) if counters else {}
+        k, busy = _counted(c0, c1, n)
+        return (k, busy, True) if k is not None else (rate_from(n, t, rtt_s), t, False)
+
+    n = max(1, min(start_bytes, max_bytes))
+    done: list[tuple[float, float, bool]] = []
+    for _ in range(8):
+        r = await once(n)
+        nxt = next_probe_size(n, r[1], rtt_s, max_bytes)
         if nxt == n:
-            times.append(t)  # long enough: the first of the repeats
+            done.append(r)  # long enough: the first of the repeats
             break
         n = nxt
-    while len(times) < max(1, repeats):
-        times.append(await _timed(call(n)))
-    return median([rate_from(n, t, rtt_s) for t in times])
+    while len(done) < max(1, repeats):
+        done.append(await once(n))
+    kinds = {k for _, _, k in done}
+    return median([r for r, _, _ in done]), ("mixed" if len(kinds) > 1 else "kernel" if True in kinds else "call")
 
 
 async def probe_link(stub, target: str, probe_bytes: int = DEFAULT_PROBE_BYTES,
                      rtt_repeats: int = RTT_REPEATS, transfer_repeats: int = TRANSFER_REPEATS,
-                     timeout_s: float = 60.0) -> LinkFigures:
+                     timeout_s: float = 60.0, address: str | None = None) -> LinkFigures:
     """Measure the path to ``target`` through ``stub`` (any stub with a ``Probe`` method).
 
     A first echo opens the connection (not timed); the round-trip time is the median of
-    ``rtt_repeats`` empty echoes. Each way, transfers grow from 1 MiB (at most
-    ``probe_bytes``) until one lasts at least ``MIN_TRANSFER_S`` and ``BDP_RTTS`` round
-    trips, so the probe covers several bandwidth-delay products of the link; the rate is
-    the median over ``transfer_repeats`` transfers of that size of bytes over (time less
-    one round trip).
+    ``rtt_repeats`` empty echoes. ``address`` (``HOST:PORT`` the stub connects to
+    directly; None: through a proxy or unknown) enables two things:
+
+    * a target whose reply names this host (:func:`host_id`) is on the same host: the
+      figures say so (``same_host``) and no transfer is timed, loopback being no link;
+    * transfers are timed by the sending side's kernel counters (:func:`kernel_rate`): this
+      process's own connection for uploads, the target's (``ProbeRequest.tcp_stats``) for
+      downloads; the round trip is then the kernel's smallest on the connection.
+
+    Each way, transfers grow from 1 MiB (at most ``probe_bytes``) until one keeps the link
+    busy at least ``MIN_TRANSFER_S`` and ``BDP_RTTS`` round trips (several
+    bandwidth-delay products); the rate is the median over ``transfer_repeats`` transfers of
+    that size. Without kernel counters a transfer counts as bytes over (call time less one
+    round trip).
     """
-    await stub.Probe(pb.ProbeRequest(), timeout=timeout_s)
+    first = await stub.Probe(pb.ProbeRequest(), timeout=timeout_s)
     rtt = median([await _timed(stub.Probe(pb.ProbeRequest(), timeout=timeout_s)) for _ in range(max(1, rtt_repeats))])
-    up = await _direction_rate(stub, True, rtt, probe_bytes, transfer_repeats, timeout_s)
-    down = await _direction_rate(stub, False, rtt, probe_bytes, transfer_repeats, timeout_s)
-    return LinkFigures(target=target, rtt_s=rtt, up_bps=up, down_bps=down)
+    if address is not None and first.host and first.host == host_id():
+        return LinkFigures(target=target, rtt_s=rtt, up_bps=0.0, down_bps=0.0, same_host=True)
+    counters = None
+    ips: set[str] = set()
+    if address is not None:
+        from shoal.net.channel import split_address
+
+        host, port = split_address(address)
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(host.strip("[]"), port)
+            ips = {i[4][0] for i in infos}
+        except OSError:
+            ips = set()
+
+        async def counters(up: bool) -> dict:
+            if up:
+                return {k: (c.acked, c.busy_s) for k, c in tcp_connections(ips, port).items()}
+            reply = await stub.Probe(pb.ProbeRequest(tcp_stats=True), timeout=timeout_s)
+            return {"far": (reply.tcp.bytes_acked, reply.tcp.busy_us / 1e6)} if reply.HasField("tcp") else {}
+
+    up, how_up = await _direction_rate(stub, True, rtt, probe_bytes, transfer_repeats, timeout_s, counters=counters)
+    down, how_down = await _direction_rate(stub, False, rtt, probe_bytes, transfer_repeats, timeout_s,
+                                           counters=counters)
+    if ips:
+        kernel_rtts = [c.min_rtt_s for c in tcp_connections(ips, port).values() if c.min_rtt_s > 0]
+        if kernel_rtts and how_up == "kernel":
+            rtt = min(kernel_rtts)
+    method = how_up if how_up == how_down else "mixed"
+    return LinkFigures(target=target, rtt_s=rtt, up_bps=up, down_bps=down, method=method)
 
 
 async def checked_probe(stub, target: str, probe_bytes: int = DEFAULT_PROBE_BYTES,
-                        limit_bps: float | None = None, retries: int = RECHECKS) -> LinkFigures:
+                        limit_bps: float | None = None, retries: int = RECHECKS,
+                        address: str | None = None) -> LinkFigures:
     """:func:`probe_link`, measured again (with probes up to 4x larger each time, at most
     ``MAX_PROBE_BYTES``) while its figures are :func:`implausible`. After ``retries``
     re-measurements the last figures stand, a rate above ``limit_bps`` cut to it (a real
-    asymmetric link keeps its asymmetry)."""
-    figs = await probe_link(stub, target, probe_bytes)
+    asymmetric link keeps its asymmetry). A same-host path has no rates to check."""
+    figs = await probe_link(stub, target, probe_bytes, address=address)
     size = probe_bytes
     for _ in range(retries):
-        why = implausible(figs.up_bps, figs.down_bps, limit_bps)
+        why = "" if figs.same_host else implausible(figs.up_bps, figs.down_bps, limit_bps)
         if not why:
             return figs
         size = min(MAX_PROBE_BYTES, size * 4)
         log.info("link to %s: %s; measuring again with probes up to %.0f MB", target, why, size / 1e6)
-        figs = await probe_link(stub, target, size)
+        figs = await probe_link(stub, target, size, address=address)
         figs.remeasured = why
     if limit_bps:
         figs.up_bps, figs.down_bps = min(figs.up_bps, limit_bps), min(figs.down_bps, limit_bps)
@@ -324,12 +531,14 @@ async def checked_probe(stub, target: str, probe_bytes: int = DEFAULT_PROBE_BYTE
 
 
 async def probe_links(open_stub, targets: list[str], probe_bytes: int = DEFAULT_PROBE_BYTES,
-                      limit_bps: float | None = None) -> list[LinkFigures]:
+                      limit_bps: float | None = None, direct: dict[str, str] | None = None) -> list[LinkFigures]:
     """Probe each distinct non-empty address in ``targets`` one after the other.
 
-    ``open_stub(address)`` returns a stub with ``Probe``. One at a time, so the probes
-    of one member do not share its uplink; a target that does not answer is tried once
-    more, then skipped (the coordinator asks again when a stage server is missing).
+    ``open_stub(address)`` returns a stub with ``Probe``; ``direct`` maps a target to the
+    ``HOST:PORT`` its stub connects to straight (no proxy), for kernel timing and same-host
+    detection (:func:`probe_link`). One at a time, so the probes of one member do not
+    share its uplink; a target that does not answer is tried once more, then skipped (the
+    coordinator asks again when a stage server is missing).
     """
     import grpc
 
@@ -340,7 +549,8 @@ async def probe_links(open_stub, targets: list[str], probe_bytes: int = DEFAULT_
         seen.add(t)
         for attempt in range(2):
             try:
-                out.append(await checked_probe(open_stub(t), t, probe_bytes, limit_bps))
+                out.append(await checked_probe(open_stub(t), t, probe_bytes, limit_bps,
+                                               address=(direct or {}).get(t)))
                 break
             except grpc.aio.AioRpcError as exc:
                 log.info("probe of %s failed (%s)%s", t, exc.code().name, "; trying again" if not attempt else "")
@@ -356,7 +566,9 @@ async def probe_peers(channels, coordinator: str, servers: list[str],
     ``channels`` is the member's :class:`~shoal.net.channel.ChannelFactory`; the probes
     use channels of their own through the same ``dial`` hook (so an emulated link is
     measured as the run sees it) but without its byte counters, so the run's traffic
-    figures hold only training traffic. The channels are closed afterwards.
+    figures hold only training traffic. The channels are closed afterwards. Without a
+    ``dial`` hook the connections are direct: transfers are timed by the kernel's TCP
+    counters and a peer on this host is reported as such (:func:`probe_link`).
     """
     from shoal.net import shoal_pb2_grpc as pbg
     from shoal.net.channel import ChannelFactory
@@ -371,7 +583,9 @@ async def probe_peers(channels, coordinator: str, servers: list[str],
         return pbg.CoordinatorStub(ch) if address == "coordinator" else pbg.StageServerStub(ch)
 
     try:
-        return await probe_links(stub, ["coordinator", *servers], probe_bytes, interface_rate_bps())
+        targets = ["coordinator", *servers]
+        direct = None if channels.dial else {t: coordinator if t == "coordinator" else t for t in targets}
+        return await probe_links(stub, targets, probe_bytes, interface_rate_bps(), direct)
     finally:
         for ch in opened:
             await ch.close()

@@ -74,6 +74,7 @@ from shoal.runtime.common import (
 from shoal.runtime.measure import probe_reply
 from shoal.runtime.roles.planning import (
     COORDINATOR_NODE,
+    LOOPBACK_LINK,
     MEASURE_GAP_RETRIES,
     REMEASURE_AFTER_S,
     MemberFigures,
@@ -539,11 +540,14 @@ class Coordinator(pbg.CoordinatorServicer):
         if request.flops > 0:
             f.flops = request.flops
             m.flops = request.flops
-        paths = []
+        paths, how = [], {}
         for link in request.links:
             dst = self._path_target(link.target)
             if dst is not None and dst != m.member_id:
-                paths.append(PathFigures(m.member_id, dst, link.rtt_s, link.up_bps, link.down_bps))
+                # A same-host path has no measured rates: it is loopback, at loopback's rate.
+                up, down = ((LOOPBACK_LINK.bandwidth,) * 2 if link.same_host else (link.up_bps, link.down_bps))
+                paths.append(PathFigures(m.member_id, dst, link.rtt_s, up, down, link.same_host))
+                how[dst] = link.method
         f.paths = paths
         missing = missing_servers({self.members[s].address: self.members[s].name for s in self.stage_server
                                    if s and s != m.member_id and s in self.members},
@@ -562,7 +566,9 @@ class Coordinator(pbg.CoordinatorServicer):
                    seconds=round(request.measure_s, 3),
                    links={(self.names.get(p.dst, p.dst)): {"rtt_ms": round(p.rtt_s * 1e3, 3),
                                                            "up_mbps": round(p.up * 8 / 1e6, 2),
-                                                           "down_mbps": round(p.down * 8 / 1e6, 2)}
+                                                           "down_mbps": round(p.down * 8 / 1e6, 2),
+                                                           **({"same_host": True} if p.same_host else
+                                                              {"timed_by": how.get(p.dst, "")})}
                           for p in paths},
                    **({"missing": missing} if missing else {}))
         self._after_measure(m, again)
@@ -611,7 +617,7 @@ class Coordinator(pbg.CoordinatorServicer):
         return link.latency + nbytes / min(link.bandwidth, w.down, h.up)
 
     async def Probe(self, request, context):
-        return probe_reply(request)
+        return probe_reply(request, context.peer())
 
     def _check_ready(self) -> None:
         workers = [m for m in self.members.values() if m.role == "worker"]

@@ -100,6 +100,7 @@ class PathFigures:
     rtt_s: float  # round-trip time in seconds
     up: float  # bytes/s src -> dst
     down: float  # bytes/s dst -> src
+    same_host: bool = False  # src and dst share a host: loopback, no rates measured
 
 
 @dataclass
@@ -195,12 +196,14 @@ def measured_device(f: MemberFigures, region: str) -> Device:
 
     Its up/down capacities are the median of the rates it measured on its paths: a
     member's own access link bounds every one of them, and the median is not thrown
-    by one noisy or far-end-limited path.
+    by one noisy or far-end-limited path. Paths to its own host do not cross that link
+    and count only when there is no other (then it has loopback's rate).
     """
-    ups = [p.up for p in f.paths if p.up > 0]
-    downs = [p.down for p in f.paths if p.down > 0]
-    up = f.up or (_median(ups) if ups else UNMEASURED_BPS)
-    down = f.down or (_median(downs) if downs else UNMEASURED_BPS)
+    ups = [p.up for p in f.paths if p.up > 0 and not p.same_host]
+    downs = [p.down for p in f.paths if p.down > 0 and not p.same_host]
+    local = LOOPBACK_LINK.bandwidth if any(p.same_host for p in f.paths) else UNMEASURED_BPS
+    up = f.up or (_median(ups) if ups else local)
+    down = f.down or (_median(downs) if downs else local)
     if f.role == "server":
         return Device(id=f.member_id, kind=f.kind, flops=0.0, memory=0.0, region=region, up=up, down=down,
                       can_host_server=True, host_memory=f.memory or 64e9)
@@ -216,19 +219,22 @@ def measured_scenario(members: dict[str, MemberFigures], workload: Workload, *, 
       (:func:`cluster_regions`, the coordinator is a node too);
     * a measured member-to-member path becomes a per-pair link: one-way latency half
       the best round trip, bandwidth the faster direction (each device's up/down then
-      bounds its own direction in the cost model);
+      bounds its own direction in the cost model); a same-host path is loopback's rate;
     * region links: median one-way latency and median path rate of the measured pairs
-      in (or between) the regions, pairs through the coordinator (sum of the two round
-      trips) standing in for regions with no direct measurement; loopback figures when
-      nothing was measured.
+      in (or between) the regions (same-host pairs not in the rate), pairs through the
+      coordinator (sum of the two round trips) standing in for regions with no direct
+      measurement; loopback figures when nothing was measured.
     """
     paths = [p for f in members.values() for p in f.paths]
     rtts: dict[tuple[str, str], float] = {}
     rates: dict[tuple[str, str], float] = {}
+    local: set[tuple[str, str]] = set()  # same-host pairs: no network between them
     for p in paths:
         key = (p.src, p.dst) if p.src < p.dst else (p.dst, p.src)
         rtts[key] = min(rtts.get(key, math.inf), p.rtt_s)
-        rates[key] = max(rates.get(key, 0.0), p.up, p.down)
+        rates[key] = max(rates.get(key, 0.0), LOOPBACK_LINK.bandwidth if p.same_host else 0.0, p.up, p.down)
+        if p.same_host:
+            local.add(key)
     nodes = sorted(set(members) | {n for k in rtts for n in k})
     declared = {m: f.region for m, f in members.items() if f.region}
     region = cluster_regions(nodes, rtts, declared, threshold_s)
@@ -252,7 +258,7 @@ def measured_scenario(members: dict[str, MemberFigures], workload: Workload, *, 
             continue
         key = (ra, rb) if ra <= rb else (rb, ra)
         pair_lat.setdefault(key, []).append(r / 2)
-        if (a, b) in rates and rates[(a, b)] > 0:
+        if (a, b) in rates and rates[(a, b)] > 0 and (a, b) not in local:
             pair_bw.setdefault(key, []).append(rates[(a, b)])
     regions = sorted({d.region for d in devices})
 

@@ -475,7 +475,7 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
     async def Probe(self, request, context):
         from shoal.runtime.measure import probe_reply
 
-        return probe_reply(request)
+        return probe_reply(request, context.peer())
 
     def _heard_since(self, since: float) -> list[str]:
         """Workers this server heard from (any call or chunk) since ``since``: the coordinator

@@ -182,10 +182,11 @@ def _measured(coord, m, stage: int) -> tuple[str | None, dict | None]:
     if planned is not None:
         with contextlib.suppress(Exception):
             region = planned.device(m.member_id).region
-    link = {"measured": True, "region": region or "", "up_Bps": f.up or _median([p.up for p in f.paths]),
-            "down_Bps": f.down or _median([p.down for p in f.paths]),
-            "paths": [{"peer": names.get(p.dst, p.dst), "rtt_s": p.rtt_s, "up_Bps": p.up, "down_Bps": p.down}
-                      for p in f.paths]}
+    away = [p for p in f.paths if not p.same_host] or f.paths  # same-host paths skip the access link
+    link = {"measured": True, "region": region or "", "up_Bps": f.up or _median([p.up for p in away]),
+            "down_Bps": f.down or _median([p.down for p in away]),
+            "paths": [{"peer": names.get(p.dst, p.dst), "rtt_s": p.rtt_s, "up_Bps": p.up, "down_Bps": p.down,
+                       "same_host": p.same_host} for p in f.paths]}
     sid = coord.stage_server[stage] if 0 <= stage < len(coord.stage_server) else ""
     to = next((p for p in f.paths if p.dst == sid), None)
     if to is not None:
