@@ -542,7 +542,7 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("step", "mb", "stage", "direction", "epoch", "lease_id", "input", "out_grad", "deadline_s", "loss_scale", "tokens")
+    __slots__ = ("step", "mb", "stage", "direction", "epoch", "lease_id", "input", "out_grad", "deadline_s", "loss_scale", "tokens", "check_id")
     STEP_FIELD_NUMBER: _ClassVar[int]
     MB_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -554,6 +554,7 @@ class Task(_message.Message):
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHECK_ID_FIELD_NUMBER: _ClassVar[int]
     step: int
     mb: int
     stage: int
@@ -565,7 +566,8 @@ class Task(_message.Message):
     deadline_s: float
     loss_scale: float
     tokens: Tensor
-    def __init__(self, step: _Optional[int] = ..., mb: _Optional[int] = ..., stage: _Optional[int] = ..., direction: _Optional[_Union[Direction, str]] = ..., epoch: _Optional[int] = ..., lease_id: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., out_grad: _Optional[_Union[Tensor, _Mapping]] = ..., deadline_s: _Optional[float] = ..., loss_scale: _Optional[float] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    check_id: int
+    def __init__(self, step: _Optional[int] = ..., mb: _Optional[int] = ..., stage: _Optional[int] = ..., direction: _Optional[_Union[Direction, str]] = ..., epoch: _Optional[int] = ..., lease_id: _Optional[int] = ..., input: _Optional[_Union[Tensor, _Mapping]] = ..., out_grad: _Optional[_Union[Tensor, _Mapping]] = ..., deadline_s: _Optional[float] = ..., loss_scale: _Optional[float] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ..., check_id: _Optional[int] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
     __slots__ = ("worker", "wait_s", "ahead", "started", "ask_id")
@@ -652,7 +654,7 @@ class CompleteReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., gen: _Optional[int] = ..., lease_id: _Optional[int] = ...) -> None: ...
 
 class GradPush(_message.Message):
-    __slots__ = ("worker", "step", "epoch", "gen", "mbs", "grads", "local_done", "local_sq_norm", "local_round", "local_mbs", "local_weights", "local_param_sq")
+    __slots__ = ("worker", "step", "epoch", "gen", "mbs", "grads", "local_done", "local_sq_norm", "local_round", "local_mbs", "local_weights", "local_param_sq", "check_id")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -665,6 +667,7 @@ class GradPush(_message.Message):
     LOCAL_MBS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PARAM_SQ_FIELD_NUMBER: _ClassVar[int]
+    CHECK_ID_FIELD_NUMBER: _ClassVar[int]
     worker: str
     step: int
     epoch: int
@@ -677,7 +680,8 @@ class GradPush(_message.Message):
     local_mbs: int
     local_weights: bool
     local_param_sq: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, worker: _Optional[str] = ..., step: _Optional[int] = ..., epoch: _Optional[int] = ..., gen: _Optional[int] = ..., mbs: _Optional[_Iterable[int]] = ..., grads: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., local_done: _Optional[bool] = ..., local_sq_norm: _Optional[float] = ..., local_round: _Optional[int] = ..., local_mbs: _Optional[int] = ..., local_weights: _Optional[bool] = ..., local_param_sq: _Optional[_Iterable[float]] = ...) -> None: ...
+    check_id: int
+    def __init__(self, worker: _Optional[str] = ..., step: _Optional[int] = ..., epoch: _Optional[int] = ..., gen: _Optional[int] = ..., mbs: _Optional[_Iterable[int]] = ..., grads: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., local_done: _Optional[bool] = ..., local_sq_norm: _Optional[float] = ..., local_round: _Optional[int] = ..., local_mbs: _Optional[int] = ..., local_weights: _Optional[bool] = ..., local_param_sq: _Optional[_Iterable[float]] = ..., check_id: _Optional[int] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("accepted", "reason", "gen")

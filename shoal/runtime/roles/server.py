@@ -93,6 +93,7 @@ from shoal.runtime.safety.guard import (
     undo_version,
     verify_rate,
 )
+from shoal.runtime.safety.redundant import RedundantMixin
 from shoal.runtime.safety.standby import StandbyMixin, kill_at_commit
 from shoal.runtime.sync.codecs import (
     compressed_pull,
@@ -110,7 +111,7 @@ from shoal.train.precision import unscale_grads, wire_dtype
 log = logging.getLogger("shoal.server")
 
 
-class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
+class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServerServicer):
     """State and RPC handlers of one stage server."""
 
     def __init__(self, coord: str, listen: str, token: str, ckpt_root: str, *,
@@ -200,6 +201,7 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         self.guard_salt = os.urandom(8).hex()
         self.guard_keep: int | None = None  # the oldest version a ban may roll back to (from the coordinator)
         self.guard_cfg = GUARD  # the screen's thresholds (shoal.runtime.safety.guard.GuardConfig)
+        self._dup_init()  # redundant checks and the drift test (shoal.runtime.safety.redundant)
         self.standby = False  # a hot standby: copies a stage's checkpoints until promoted
         self.standby_copying = False  # a checkpoint copy is under way
         self.copy_failing: tuple | None = None  # (stage, source, why) of the failing copy already warned about
@@ -265,6 +267,8 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         self.step = version
         # Steps from ``version`` on are redone: only unverified pushes baked into it remain.
         self.guard_unverified = {w: s for w, s in self.guard_unverified.items() if s < version}
+        # Redone steps would add their deviations twice (not independent): the drift test starts over.
+        self._drift_reset()
         self._local_reset(version)
         if self.local:
             self.outer_m = outer_m  # local mode: the outer momentum saved with the version
@@ -312,6 +316,7 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         self.stall_warned = False
         self.pushed = {k for k in self.pushed if k[2] >= step - 1}
         self.step_unverified = set()
+        self._dup_clear()
 
     @property
     def flush_grace_s(self) -> float:
@@ -626,6 +631,7 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
                 if st.grad == "computed" and st.holder == wid:
                     self._requeue(step, mb, pb.BWD)
         self._local_forget(wid)
+        self._dup_forget(wid, why)
         log.info("%s voided worker %s (%s)", self.name, wid, why)
 
     def _holding(self, wid: str) -> str:
@@ -665,6 +671,9 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
                     changed = True
             if self.version >= 0 and self.spec is not None:
                 changed |= self._flush_repair(now)
+                if self._dup_reap(now):
+                    self._maybe_commit()
+                    changed = True
                 if now - self.progress_t > self.stall_s and not self.stall_warned and not self.done:
                     self.stall_warned = True
                     log.warning("%s: no progress for %.0f s; %s", self.name, now - self.progress_t,
@@ -677,6 +686,10 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         """Lease the next task of the current step to ``wid``: forwards first (see :func:`pick_order`)."""
         if not self.ready or self.committing or self.version != self.step:
             return None
+        if self.dup_checks:
+            task = self._dup_pick(wid)  # a check holds the step's commit: first
+            if task is not None:
+                return task
         mbs = self.steps.get(self.step, {})
         ok = (lambda mb: self._local_bwd_ok(mbs[mb], wid)) if self.local and not self.is_last else None
         mb, direction = None, pb.FWD
@@ -904,6 +917,8 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
             return pb.PushReply(accepted=True, reason="duplicate of a counted push", gen=info.gen)
         if r.worker in self.guard_banned:
             return pb.PushReply(accepted=False, reason=f"banned: {self.guard_banned[r.worker]}", gen=info.gen)
+        if r.check_id:
+            return await self._dup_push(r, info, decode_grads)
         if r.epoch != self.epoch or r.step != self.step or r.gen != info.gen:
             return pb.PushReply(accepted=False, reason="stale push (step, epoch or generation)", gen=info.gen)
         if not ids:
@@ -949,13 +964,19 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         """Mark ``ids`` counted; once the whole step is counted, start its commit."""
         for mb in ids:
             mbs[mb].grad = "counted"
-        if all(st.grad == "counted" for st in mbs.values()) and not self.committing:
-            self.committing = True
-            self.timing.all_counted = time.monotonic()
-            self._spawn(self._commit(self.step, self.epoch))
+        self._maybe_commit()
         async with self.cond:
             self.cond.notify_all()
         return pb.PushReply(accepted=True, gen=info.gen)
+
+    def _maybe_commit(self) -> None:
+        """Start the step's commit once every micro-batch is counted and no check of it is open."""
+        mbs = self.steps.get(self.step, {})
+        if (mbs and all(st.grad == "counted" for st in mbs.values()) and not self.committing
+                and not self._dup_pending()):
+            self.committing = True
+            self.timing.all_counted = time.monotonic()
+            self._spawn(self._commit(self.step, self.epoch))
 
     def _still_held(self, r: pb.GradPush, ids, info) -> bool:
         """Whether the push's micro-batches are still computed by its worker in this step."""
@@ -1014,11 +1035,24 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
         forced = os.environ.get(SPOT_RATE_ENV)
         rate = verify_rate(self.guard_ok.get(r.worker, 0), self.guard_flags.get(r.worker, 0),
                            self.spec.guard_spot_check, self.guard_cfg, float(forced) if forced else None)
+        suspect = r.worker in self.drift_suspects
+        if suspect and self.spec.guard_spot_check > 0:
+            rate = 1.0  # its drift made it a suspect (guard.drift_suspect): every push is checked
         last = self.guard_cfg.verify_last_step and r.step == self.spec.steps - 1 and self.spec.guard_spot_check > 0
         spot = last or push_spot_checked(self.spec.seed, f"{self.spec.run_id}/{self.guard_salt}", self.stage, r.step,
                                          ids, rate)
         err = None
-        if needs_verify(flag, first, spot, exact, self.guard_cfg) and r.step == self.step and self.version == r.step:
+        checker = ""
+        current = r.step == self.step and self.version == r.step
+        # A drawn push is computed again by another worker of the stage (its compute, not the
+        # server's; the server recomputes only if the two disagree). First, flagged, last-step
+        # and suspects' pushes the server recomputes itself in fp32 (a colluder could be drawn
+        # to check them); bf16 has no recomputation that could clear a push, so there every
+        # drawn push is checked this way.
+        if spot and current and self._dup_able(r, compression_of_spec(self.spec).pull == "none") and (
+                not exact or not (flag or first or last or suspect)):
+            checker = self._dup_start(r, ids, grads, exact)
+        if not checker and needs_verify(flag, first, spot, exact, self.guard_cfg) and current:
             self.guard_checks += 1
             mbs = self.steps[r.step]
             inputs = [(mb, mbs[mb].input, mbs[mb].out_grad) for mb in sorted(ids)]
@@ -1098,6 +1132,8 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
             lease = self.leases.get(lid)
             if lease is not None and lease.worker == request.worker:
                 lease.deadline = now + secs
+            elif lid in self.dup_leases:
+                self._dup_renew(request.worker, lid, secs)
         return pb.RenewReply(version=self.version, epoch=self.epoch)
 
     async def GetWeights(self, request, context):
@@ -1525,6 +1561,8 @@ class StageServer(LocalServerMixin, StandbyMixin, pbg.StageServerServicer):
                     p.grad.add_(g)
         # The direction the screen compares the next step's pushes with (honest work only).
         self.guard_ref = {n: p.grad for n, p in self.params.items() if p.grad is not None}
+        if not self.local:
+            self._drift_update(self.step, pushes)
         # fp16: the pushes hold gradients of the loss times the step's scale.
         unscale_grads(self.params.values(), self.loss_scale)
         return [] if self.local else param_sq_norms(self.params.values())

@@ -565,10 +565,11 @@ class Worker(LocalWorkerMixin):
         return c if c != "raw" else self.opts.codec
 
     def _push_message(self, epoch: int, step: int, gen: int, mbs: list[int],
-                      grads: dict[str, torch.Tensor]) -> tuple[pb.GradPush, list[pb.Tensor], bytes]:
+                      grads: dict[str, torch.Tensor], check_id: int = 0) -> tuple[pb.GradPush, list[pb.Tensor], bytes]:
         """One push: its head (no gradients), its frames, and the whole push serialised
-        (runs in a thread: it can be hundreds of MB)."""
-        msg = pb.GradPush(worker=self.member_id, step=step, epoch=epoch, gen=gen, mbs=mbs)
+        (runs in a thread: it can be hundreds of MB). ``check_id``: the result of a redundant
+        check, always in raw frames (it is compared with another worker's raw push)."""
+        msg = pb.GradPush(worker=self.member_id, step=step, epoch=epoch, gen=gen, mbs=mbs, check_id=check_id)
         frames = []
         for name, g in grads.items():
             if poisons(self.opts.fault_poison_kind, self.opts.fault_poison, self.opts.fault_poison_from, step):
@@ -577,7 +578,10 @@ class Worker(LocalWorkerMixin):
                 self.inject.discard("nan_grad")
                 g = g.clone()
                 g.view(-1)[0] = float("nan")
-            frames.append(encode_tensor(name, to_host(g), self._codec("push"), ef=self.ef))
+            if check_id:
+                frames.append(encode_tensor(name, to_host(g), "raw"))
+            else:
+                frames.append(encode_tensor(name, to_host(g), self._codec("push"), ef=self.ef))
         return msg, frames, serialize_framed(msg, pb.GradPush.DESCRIPTOR.fields_by_name["grads"].number, frames)
 
     async def _push(self) -> None:
@@ -619,6 +623,18 @@ class Worker(LocalWorkerMixin):
                     break
         finally:
             self._drop_acc()
+
+    async def _send_check(self, task: pb.Task, grads: dict[str, torch.Tensor]) -> None:
+        """Send the parameter gradient of a check task (a micro-batch another worker computed,
+        computed again here) alone, tagged with its check id; nothing is accumulated."""
+        try:
+            msg, frames, data = await asyncio.get_running_loop().run_in_executor(
+                None, self._push_message, task.epoch, task.step, 0, [task.mb], grads, task.check_id)
+            rep = await self._send_push(msg, data, frames)
+            if rep is not None and not rep.accepted:
+                log.info("%s: check result refused: %s", self.opts.name, rep.reason)
+        finally:
+            self.held.discard(task.lease_id)
 
     async def _send_push(self, msg: pb.GradPush, data: bytes,
                          frames: list[pb.Tensor] | None = None) -> pb.PushReply | None:
@@ -817,6 +833,10 @@ class Worker(LocalWorkerMixin):
             if self.pacer is not None and not self.opts.shadow:
                 await loop.run_in_executor(None, self.pacer.pad,
                                            self._task_flops(task.direction, recomputed), elapsed)
+            if task.check_id:
+                handed = True
+                await self._send_check(task, grads)
+                return
             task_s = time.perf_counter() - t0
             if task_s > 0:
                 self.obs_flops = ewma(self.obs_flops, self._task_flops(task.direction, recomputed) / task_s)

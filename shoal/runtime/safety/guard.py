@@ -111,6 +111,33 @@ class GuardConfig:
     # threshold it is held out of the merge (its worker stays). Sign flips and x-2 measured
     # -0.12 to -0.17; an honest replica moved into the stage mid-round measured -0.002.
     local_ref_ban: float = 0.05
+    # Redundant computation (exact sync, fp32 or bf16, raw frames): a push drawn for a random
+    # check (not a first, flagged or last-step one) is computed again by another worker of the
+    # stage instead of by the server, which recomputes only when the two disagree. False: the
+    # server recomputes every drawn push itself (as before).
+    redundant: bool = True
+    # Two fp32 results of one micro-batch from the same kernels are bitwise equal, so any
+    # difference counts as a disagreement (0); it costs one server recomputation, never a ban
+    # by itself (different hardware, GPU against CPU, then only shifts the work to the server).
+    dup_rel_tol: float = 0.0
+    # bf16: two workers' results of one micro-batch differ by rounding (measured: see
+    # docs/poisoning.md); a relative L2 difference above this is a disagreement. The poisons
+    # of the bench differ by 0.5 (bias) to 21 (x-20).
+    dup_rel_tol_lowp: float = 0.1
+    # bf16: relative L2 error a worker's result may have against the server's fp32
+    # recomputation before it is judged a lie (after a disagreement only). Honest bf16
+    # results measured far below it (docs/poisoning.md); the bench's bias is 0.5.
+    lowp_rel_tol: float = 0.25
+    # Drift test (every run but local mode): per worker, sampled coordinates of the deviation
+    # of each push from the step's mean of the other workers' pushes are summed over its pushes;
+    # this many coordinates per stage (drawn with the server's secret).
+    drift_coords: int = 4096
+    # A worker's drift statistic (:func:`drift_z`) above this makes it a suspect: its pushes
+    # are then all recomputed (or checked twice) until it falls back. Never a ban by itself.
+    drift_z: float = 8.0
+    # Pushes a worker needs in its record before its drift is judged (one deviation's
+    # self-normalised sum carries no information: every coordinate's z is +-1).
+    drift_min_pushes: int = 3
 
 
 DEFAULT = GuardConfig()
@@ -349,3 +376,75 @@ def direction_holds(ref_cosines: dict[str, float | None], n_contributors: int, c
     return {w: f"cosine {ref:.4f} to the server's own gradient of the round's last step"
             for w, ref in (ref_cosines or {}).items()
             if w not in set(banned) and ref is not None and ref < least}
+
+
+def pick_checker(candidates: dict[str, int], target: str, seed: int, salt: str, step: int, mb: int,
+                 banned: Iterable[str] = (), min_ok: int = 0) -> str | None:
+    """The worker that computes a redundant check of ``target``'s push (pure; None: none fits).
+
+    ``candidates``: the stage's live workers and their passed server recomputations; the
+    target itself, banned workers and workers with fewer than ``min_ok`` passes are left out
+    (a newcomer does not vouch for anyone). Among the rest one is drawn with the server's
+    secret ``salt``, so a worker cannot know who checks it (nor arrange to check a colluder).
+    """
+    out = set(banned)
+    pool = sorted(w for w, ok in candidates.items() if w != target and w not in out and ok >= min_ok)
+    if not pool:
+        return None
+    h = hashlib.sha256(f"{seed}/{salt}/dup/{step}/{mb}/{target}".encode()).digest()
+    return pool[int.from_bytes(h[:8], "big") % len(pool)]
+
+
+def dup_disagree(bitwise_equal: bool, rel: float, exact: bool, cfg: GuardConfig = DEFAULT) -> bool:
+    """Whether two workers' results of the same micro-batches disagree (pure): in fp32
+    (``exact``) unless bitwise equal (``cfg.dup_rel_tol`` 0), else above ``cfg.dup_rel_tol_lowp``."""
+    if bitwise_equal:
+        return False
+    if not math.isfinite(rel):
+        return True
+    return rel > (cfg.dup_rel_tol if exact else cfg.dup_rel_tol_lowp)
+
+
+def dup_verdict(errors: dict[str, float], exact: bool, other: dict[str, str], step: int, mbs,
+                cfg: GuardConfig = DEFAULT) -> dict[str, str]:
+    """After a disagreement, who lied (pure): each worker whose result is off the server's own
+    recomputation by more than the tolerance (``rel_tol`` in fp32, ``lowp_rel_tol`` in bf16),
+    with the ban's reason; both may have, or neither (rounding: nobody is banned).
+
+    ``errors``: worker -> relative L2 error against the recomputation; ``other``: worker -> the
+    worker it disagreed with.
+    """
+    tol = cfg.rel_tol if exact else cfg.lowp_rel_tol
+    return {w: (f"redundant computation: its gradient of step {step} mbs {list(mbs)} disagreed with "
+                f"{other[w]}'s, and differs from the server's recomputation by {e:.3g} "
+                f"(relative L2, tolerance {tol:g})")
+            for w, e in sorted(errors.items()) if not math.isfinite(e) or e > tol}
+
+
+def drift_z(sums: Iterable[float], squares: Iterable[float]) -> float:
+    """A worker's drift statistic over its pushes, from per-coordinate sums (pure).
+
+    ``sums``: per sampled coordinate, the sum over its pushes of its deviation from the step's
+    mean of the other workers' pushes; ``squares``: the sum of those deviations squared. Each
+    coordinate's self-normalised sum ``z = S / sqrt(Q)`` has ``E[z^2] = 1`` exactly when an
+    honest worker's deviations are independent across steps and symmetric (given their sizes,
+    their signs are fair coins), whatever their scale as training goes on, and
+    ``P(|z| > t) <= 2 exp(-t^2 / 2)`` (Hoeffding). A consistent bias ``b`` against noise of
+    spread ``s`` makes ``E[z^2]`` grow like ``1 + n b^2 / (b^2 + s^2)`` over ``n`` pushes. The
+    statistic is ``(sum z^2 - m) / sqrt(2 m)`` over the ``m`` coordinates with a deviation:
+    about N(0, 1) for an honest worker when coordinates are independent, growing like ``n``
+    (its z-score per coordinate like ``sqrt(n)``) for a biased one. 0 with no coordinate.
+    """
+    total, m = 0.0, 0
+    for s, q in zip(sums, squares, strict=True):
+        if q > 0 and math.isfinite(q) and math.isfinite(s):
+            total += s * s / q
+            m += 1
+    return (total - m) / math.sqrt(2 * m) if m else 0.0
+
+
+def drift_suspect(z: float, pushes: int, cfg: GuardConfig = DEFAULT) -> bool:
+    """Whether a worker's drift makes it a suspect (pure): ``z`` (:func:`drift_z`) above
+    ``cfg.drift_z`` after at least ``cfg.drift_min_pushes`` pushes. A suspect is checked on
+    every push; only a failed check bans."""
+    return pushes >= cfg.drift_min_pushes and math.isfinite(z) and z > cfg.drift_z

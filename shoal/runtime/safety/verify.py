@@ -9,6 +9,7 @@ the workers use, and compares a push with it.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -119,3 +120,98 @@ def round_measures(deltas: dict[str, dict[str, torch.Tensor]], lr_sums: dict[str
         denom = math.sqrt(sq[w] * centre_sq)
         cos[w] = dots[w] / denom if denom > 0 else None
     return norms, cos
+
+
+@dataclass
+class DupCheck:
+    """A redundant check under way: ``target``'s push of ``mbs`` computed again by ``checker``."""
+
+    check_id: int
+    step: int
+    epoch: int
+    target: str  # the worker whose push is checked
+    mbs: tuple[int, ...]  # the micro-batches that push covers
+    grads: dict[str, torch.Tensor]  # the push as the server counted it
+    checker: str  # the worker computing it again
+    todo: list[int] = field(default_factory=list)  # micro-batches not leased to the checker yet
+    leased: dict[int, int] = field(default_factory=dict)  # lease id -> micro-batch
+    results: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # mb -> checker's gradient
+    judging: bool = False  # every result is in; the comparison runs
+    created: float = 0.0  # monotonic time it was made (a checker that never asks lets it go)
+    exact: bool = True  # fp32 exact run: bitwise agreement expected (else bf16 tolerances)
+
+
+def sum_in_order(per_mb: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Per-micro-batch gradients summed in micro-batch order (a worker's pre-summed push of
+    0..k, and the server's sum, add in that order: equal inputs give bitwise equal sums)."""
+    total: dict[str, torch.Tensor] = {}
+    for mb in sorted(per_mb):
+        for n, g in per_mb[mb].items():
+            if n in total:
+                total[n].add_(g.float() if g.dtype != total[n].dtype else g)
+            else:
+                total[n] = g.clone()
+    return total
+
+
+def compare_pushes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[bool, float]:
+    """Whether two pushes are bitwise equal, and their relative L2 difference against ``b``."""
+    if set(a) != set(b):
+        return False, math.inf
+    equal = all(a[k].shape == b[k].shape and a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+    if equal:
+        return True, 0.0
+    if any(a[k].shape != b[k].shape for k in a):
+        return False, math.inf
+    ref = sq_norm(b)
+    diff = sq_diff(a, b)
+    if ref <= 0:
+        return False, 0.0 if diff <= 0 else math.inf
+    return False, math.sqrt(diff / ref)
+
+
+def drift_indices(params: dict[str, torch.Tensor], m: int, secret: str) -> dict[str, torch.Tensor]:
+    """``m`` coordinates of a stage's weights drawn with ``secret`` (a worker cannot know
+    them), spread over the tensors in proportion to their sizes: flat indices per tensor."""
+    sizes = {n: p.numel() for n, p in params.items()}
+    total = sum(sizes.values())
+    if total <= 0 or m <= 0:
+        return {}
+    gen = torch.Generator().manual_seed(int.from_bytes(secret.encode()[:7].ljust(7, b"\0"), "big"))
+    flat = torch.randperm(total, generator=gen)[:min(m, total)].sort().values
+    out, start = {}, 0
+    for n, k in sizes.items():
+        lo = int(torch.searchsorted(flat, start))
+        hi = int(torch.searchsorted(flat, start + k))
+        if hi > lo:
+            out[n] = flat[lo:hi] - start
+        start += k
+    return out
+
+
+def drift_sample(grads: dict[str, torch.Tensor], idx: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A push's values at the sampled coordinates (fp64, fixed order)."""
+    parts = [grads[n].detach().reshape(-1)[i].double() if n in grads else torch.zeros(len(i), dtype=torch.float64)
+             for n, i in idx.items()]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+
+def drift_deviations(samples: list[tuple[str, int, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Each worker's deviation in one step from the other workers' mean, per micro-batch (pure
+    tensors): ``samples`` are (worker, micro-batches covered, sampled values) of one step's
+    pushes. A worker's pushes of the step are taken together (one deviation per worker and
+    step, so its deviations are independent across steps), and compared with the *other*
+    workers' pushes only (its own would hide part of its bias); a worker alone in the step
+    has no deviation."""
+    per: dict[str, tuple[int, torch.Tensor]] = {}
+    for w, k, v in samples:
+        k0, v0 = per.get(w, (0, None))
+        per[w] = (k0 + k, v if v0 is None else v0 + v)
+    out = []
+    for w, (k, v) in sorted(per.items()):
+        n_o = sum(k2 for w2, (k2, _) in per.items() if w2 != w)
+        if n_o <= 0 or k <= 0:
+            continue
+        mean_o = sum(v2 for w2, (_, v2) in per.items() if w2 != w) / n_o
+        out.append((w, v / k - mean_o))
+    return out

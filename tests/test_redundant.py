@@ -1,0 +1,201 @@
+"""Redundant computation of micro-batches by a second worker, and the drift test on each
+worker's pushes over time (docs/poisoning.md, "Redundant computation" and "Drift")."""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+
+import pytest
+import torch
+from swarm_reference import RUN, assert_equal_weights, failure_free_weights, launch_config
+
+from shoal.runtime.safety.guard import (
+    SPOT_RATE_ENV,
+    GuardConfig,
+    drift_suspect,
+    drift_z,
+    dup_disagree,
+    dup_verdict,
+    pick_checker,
+)
+from shoal.runtime.safety.verify import (
+    compare_pushes,
+    drift_deviations,
+    drift_indices,
+    drift_sample,
+    sum_in_order,
+)
+from shoal.train.metrics import read_jsonl
+
+
+def test_pick_checker_leaves_out_the_target_banned_and_newcomers():
+    live = {"a": 5, "b": 3, "c": 0, "d": 7}
+    for mb in range(20):
+        w = pick_checker(live, "a", 3, "salt", 4, mb, banned={"d"}, min_ok=2)
+        assert w == "b"  # not the target, not banned, not a newcomer (c has no passed check)
+    assert pick_checker({"a": 5}, "a", 3, "salt", 0, 0) is None
+    assert pick_checker({"a": 5, "b": 0}, "a", 3, "salt", 0, 0, min_ok=2) is None
+    # a seeded draw among the rest: the same inputs give the same checker, another salt may not
+    many = {f"w{i}": 9 for i in range(8)}
+    picks = {pick_checker(many, "w0", 3, f"salt{i}", 4, 1) for i in range(40)}
+    assert "w0" not in picks and len(picks) > 3
+    assert pick_checker(many, "w0", 3, "s", 4, 1) == pick_checker(many, "w0", 3, "s", 4, 1)
+
+
+def test_dup_disagreement_and_verdict():
+    cfg = GuardConfig()
+    assert not dup_disagree(True, 0.0, True, cfg)
+    assert dup_disagree(False, 1e-9, True, cfg)  # fp32: any difference (costs a recomputation, not a ban)
+    assert not dup_disagree(False, 0.01, False, cfg) and dup_disagree(False, 0.5, False, cfg)  # bf16
+    assert dup_disagree(False, math.inf, False, cfg)
+    v = dup_verdict({"a": 0.5, "b": 0.0}, True, {"a": "b", "b": "a"}, 3, (0, 1), cfg)
+    assert list(v) == ["a"] and "redundant computation" in v["a"] and "disagreed with b's" in v["a"]
+    assert list(dup_verdict({"a": 2.0, "b": 3.0}, True, {"a": "b", "b": "a"}, 3, (0,), cfg)) == ["a", "b"]
+    assert dup_verdict({"a": 1e-7, "b": 0.0}, True, {"a": "b", "b": "a"}, 3, (0,), cfg) == {}  # rounding
+    # bf16: an honest result is ~0.5 % off the server's fp32 recomputation; nobody is banned for that
+    assert dup_verdict({"a": 0.005, "b": 0.02}, False, {"a": "b", "b": "a"}, 3, (0,), cfg) == {}
+    assert list(dup_verdict({"a": 0.5, "b": 0.005}, False, {"a": "b", "b": "a"}, 3, (0,), cfg)) == ["a"]
+
+
+def test_a_checkers_sum_is_bitwise_the_pre_summed_push():
+    from shoal.runtime.roles.worker import ordered_groups
+
+    gen = torch.Generator().manual_seed(0)
+    per_mb = {mb: {"w": torch.randn(33, 17, generator=gen), "b": torch.randn(17, generator=gen)} for mb in range(4)}
+    (mbs, pushed), *_ = ordered_groups(per_mb)
+    assert mbs == [0, 1, 2, 3]
+    again = sum_in_order({mb: {k: v.clone() for k, v in g.items()} for mb, g in per_mb.items()})
+    assert compare_pushes(pushed, again) == (True, 0.0)
+    off = {k: v * 1.5 for k, v in again.items()}
+    equal, rel = compare_pushes(off, again)
+    assert not equal and rel == pytest.approx(0.5, rel=1e-5)
+    assert compare_pushes({"w": again["w"]}, again) == (False, math.inf)
+
+
+def test_drift_statistic_stays_small_for_honest_noise_and_grows_with_a_bias():
+    m, gen = 4096, torch.Generator().manual_seed(1)
+    sign = torch.sign(torch.randn(m, generator=gen))
+    for bias in (0.0, 0.5):
+        s, q, zs = torch.zeros(m, dtype=torch.float64), torch.zeros(m, dtype=torch.float64), []
+        for step in range(12):
+            scale = 10.0 / (1 + step)  # the deviations shrink as training goes on: no matter
+            d = (torch.randn(m, generator=gen, dtype=torch.float64) + bias * sign) * scale
+            s, q = s + d, q + d * d
+            zs.append(drift_z(s.tolist(), q.tolist()))
+        if bias == 0:
+            assert max(abs(z) for z in zs) < 5, zs  # about N(0, 1)
+            assert not any(drift_suspect(z, n + 1) for n, z in enumerate(zs))
+        else:
+            # E[z^2] per coordinate grows like 1 + n b^2 / (1 + b^2): the statistic grows like n
+            assert zs[1:] == sorted(zs[1:]) and zs[11] > 4 * zs[1], zs
+            assert not drift_suspect(zs[1], 2) and drift_suspect(zs[2], 3)  # needs 3 pushes
+    assert drift_z([], []) == 0.0 and drift_z([1.0, 2.0], [0.0, 0.0]) == 0.0
+    assert drift_z([1.0], [1.0]) == 0.0  # one deviation: z = +-1 on every coordinate, no information
+
+
+def test_drift_deviations_compare_each_worker_with_the_others():
+    v = {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0, 3.0]), "c": torch.tensor([5.0, 4.0])}
+    devs = dict(drift_deviations([("a", 1, v["a"]), ("b", 1, v["b"]), ("c", 2, v["c"])]))
+    assert torch.allclose(devs["a"], torch.tensor([1.0, 2.0]) - torch.tensor([8.0, 7.0]) / 3)
+    assert torch.allclose(devs["c"], torch.tensor([2.5, 2.0]) - torch.tensor([2.0, 2.5]))
+    # a worker's pushes of one step are one deviation; a worker alone has none
+    two = dict(drift_deviations([("a", 1, v["a"]), ("a", 1, v["b"]), ("b", 1, v["c"])]))
+    assert torch.allclose(two["a"], torch.tensor([2.0, 2.5]) - v["c"])
+    assert drift_deviations([("a", 1, v["a"]), ("a", 2, v["b"])]) == []
+
+
+def test_drift_coordinates_are_drawn_across_the_stage():
+    params = {"x": torch.zeros(100, 10), "y": torch.zeros(7), "z": torch.zeros(5000)}
+    idx = drift_indices(params, 600, "secret")
+    assert sum(len(i) for i in idx.values()) == 600
+    assert all(int(i.min()) >= 0 and int(i.max()) < params[n].numel() for n, i in idx.items())
+    assert len(idx["z"]) > len(idx["x"]) > 0  # in proportion to the sizes
+    other = drift_indices(params, 600, "another secret")
+    assert any(not torch.equal(idx[n], other[n]) for n in idx)
+    grads = {n: torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape) for n, p in params.items()}
+    sample = drift_sample(grads, idx)
+    assert sample.dtype == torch.float64 and torch.equal(sample, torch.cat([i.double() for i in idx.values()]))
+    assert len(drift_indices(params, 10**6, "s")["y"]) == 7  # never more than the stage has
+
+
+@pytest.fixture
+def failure_free(tmp_path_factory):
+    return failure_free_weights(tmp_path_factory)
+
+
+def _server_logs(out) -> str:
+    return "".join(p.read_text() for p in sorted((out / "logs").glob("server*.log")))
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_a_poisoner_is_caught_by_redundant_computation_and_undone(tmp_path, failure_free, monkeypatch):
+    """Exact mode, 2 stages, 4 workers (two per stage), every push after a worker's first
+    two drawn for a check (the test hook): a drawn push is computed again by the stage's
+    other worker, not by the server. From step 2 w1 adds a consistent bias (no screen flags
+    it); the other worker's result disagrees, the server's recomputation names w1, w1 is
+    banned with that reason, the run rolls back past its unverified pushes, and the final
+    weights are the failure-free run's, bit for bit. Honest checks agree bitwise."""
+    from shoal.runtime.processes.launch import launch
+
+    monkeypatch.setenv(SPOT_RATE_ENV, "1")
+    out = tmp_path / "run"
+    summary = launch(launch_config(out, workers=4, faults=["poison:w1:kind=bias:from=2"]))
+    assert summary["steps"] == RUN["steps"]
+    bans = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "ban"]
+    assert [b["device"] for b in bans] == ["w1"], bans
+    assert bans[0]["why"].startswith("redundant computation") and "disagreed with" in bans[0]["why"], bans
+    logs = _server_logs(out)
+    assert re.search(r"check \d+: \S+ and \S+ agree on step \d+ mbs \[[\d, ]+\] \(bitwise\)", logs)
+    assert not re.search(r"check \d+: \S+-w[023] and \S+-w[023] disagree", logs)  # honest pairs never do
+    assert_equal_weights(out, failure_free)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_the_drift_test_makes_a_biased_worker_a_suspect_before_the_last_step(tmp_path, failure_free, monkeypatch):
+    """Random checks off (the test hook: only first pushes and the last step are recomputed):
+    without the drift test w1's bias from step 2 would stand until the last step's full
+    recomputation. Its pushes drift away from the other worker's; after a few steps it is a
+    suspect, its next push is recomputed and it is banned before the last step; the final
+    weights are the failure-free run's."""
+    from shoal.runtime.processes.launch import launch
+
+    monkeypatch.setenv(SPOT_RATE_ENV, "0")
+    out = tmp_path / "run"
+    launch(launch_config(out, workers=4, faults=["poison:w1:kind=bias:from=2"]))
+    bans = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "ban"]
+    assert [b["device"] for b in bans] == ["w1"] and bans[0]["step"] < RUN["steps"] - 1, bans
+    assert "differs from the recomputed one" in bans[0]["why"]
+    assert re.search(r"drift of \S+-w1 after step \d+: z [\d.]+ over \d+ steps: a suspect", _server_logs(out))
+    assert_equal_weights(out, failure_free)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_honest_bf16_workers_of_uneven_speed_check_each_other_and_nobody_is_banned(tmp_path, monkeypatch):
+    """bf16 (no exact recomputation), 4 workers of which one 3x slower, every push after the
+    first two drawn for a check: the workers' checks of each other agree, nobody is banned,
+    nobody is a drift suspect and no WARNING is logged."""
+    from shoal.runtime.processes.launch import launch
+
+    monkeypatch.setenv(SPOT_RATE_ENV, "1")
+    out = tmp_path / "run"
+    launch(launch_config(out, workers=4, precision="bf16", faults=["slow:w2:factor=3"]))
+    assert not [e for e in read_jsonl(out / "events.jsonl") if e["event"] in ("ban", "undo")]
+    logs = _server_logs(out)
+    assert len(re.findall(r"check \d+: \S+ and \S+ agree", logs)) >= 4, logs[-2000:]
+    assert "disagree" not in logs and "a suspect" not in logs
+    warnings = [line for p in sorted((out / "logs").glob("*.log")) for line in p.read_text().splitlines()
+                if " WARNING " in line]
+    assert not warnings, warnings[:5]
+
+
+def test_random_order_of_checks_is_not_predictable_by_a_worker():
+    """The checker draw hashes the server's secret: a worker cannot tell who checks it."""
+    live = {f"w{i}": 5 for i in range(6)}
+    rnd = random.Random(0)
+    salts = [str(rnd.random()) for _ in range(30)]
+    assert len({pick_checker(live, "w0", 3, s, 2, 0) for s in salts}) >= 4
