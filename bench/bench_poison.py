@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -40,9 +41,33 @@ def run(out: Path, args, *, workers: int, faults: list[str], **kw) -> dict:
     t0 = time.time()
     summary = launch(cfg)
     events = read_jsonl(out / "events.jsonl")
+    logs = "".join(p.read_text() for p in sorted((out / "logs").glob("server*.log")))
+    zs = [z for m in re.finditer(r"drift after step \d+: (\{.*\})$", logs, re.M)
+          for z, _ in json.loads(m.group(1)).values()]
     return {"bans": [(e["device"], e["step"]) for e in events if e["event"] == "ban"],
+            "by": [how(e["why"]) for e in events if e["event"] == "ban"],
             "undos": [e["version"] for e in events if e["event"] == "rollback" and e.get("why") == "undo"],
-            "loss": summary["final_loss"], "weights": load_final_weights(out), "wall_s": time.time() - t0}
+            "loss": summary["final_loss"], "weights": load_final_weights(out), "wall_s": time.time() - t0,
+            # redundant checks (another worker computed a push again): agreed, disagreed
+            "dup": [len(re.findall(r"check \d+: \S+ and \S+ agree", logs)),
+                    len(re.findall(r"check \d+: \S+ and \S+ disagree", logs))],
+            "recomputed": len(re.findall(r"recomputed the push of", logs)),
+            "suspects": sorted(set(re.findall(r"drift of \S+-(w\d+) after step \d+: z \S+ over \d+ steps: a suspect",
+                                              logs))),
+            "max_drift_z": round(max(zs), 2) if zs else None,
+            "warnings": sum(" WARNING " in line for p in (out / "logs").glob("*.log")
+                            for line in p.read_text().splitlines())}
+
+
+def how(why: str) -> str:
+    """Which check banned a worker, from the ban's reason."""
+    if why.startswith("redundant computation"):
+        return "redundant"
+    if "recomputed one" in why:
+        return "recompute"
+    if "pseudo-gradient" in why:
+        return "local screen"
+    return "screen strikes"
 
 
 def gap(a: dict, b: dict) -> tuple[bool, float]:
@@ -57,6 +82,7 @@ def main() -> None:
     ap.add_argument("--sync-every", type=int, default=2, help="local mode: steps per round")
     ap.add_argument("--skip-exact", action="store_true", help="no exact-mode attack runs")
     ap.add_argument("--skip-local", action="store_true", help="no local-mode runs")
+    ap.add_argument("--honest-workers", type=int, default=3, help="workers of each honest run (one of them 3x slower)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args()
@@ -73,8 +99,9 @@ def main() -> None:
             r = run(root / f"{name.replace(' ', '_')}-{scen.split()[0]}-{scen.split()[-1]}", args, workers=workers,
                     faults=faults)
             equal, worst = gap(r["weights"], ref["weights"])
-            row = {"mode": "exact", "attack": name, "scenario": scen, "bans": r["bans"], "undo_to": r["undos"],
-                   "equal": equal, "max_diff": worst, "loss_gap_pct": 100 * (r["loss"] - ref["loss"]) / ref["loss"],
+            row = {"mode": "exact", "attack": name, "scenario": scen, "bans": r["bans"], "by": r["by"],
+                   "undo_to": r["undos"], "dup": r["dup"], "recomputed": r["recomputed"],
+                   "suspects": r["suspects"], "equal": equal, "max_diff": worst, "loss_gap_pct": 100 * (r["loss"] - ref["loss"]) / ref["loss"],
                    "wall_s": round(r["wall_s"], 1)}
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -84,16 +111,19 @@ def main() -> None:
         for name, spec in ATTACKS.items():
             r = run(root / f"local-{name.replace(' ', '_')}", args, workers=3, faults=[f"poison:w1:{spec}"],
                     sync="local", sync_every=args.sync_every)
-            row = {"mode": "local", "attack": name, "scenario": "alone from step 0", "bans": r["bans"],
+            row = {"mode": "local", "attack": name, "scenario": "alone from step 0", "bans": r["bans"], "by": r["by"],
                    "loss_gap_pct": 100 * (r["loss"] - lref["loss"]) / lref["loss"], "wall_s": round(r["wall_s"], 1)}
             rows.append(row)
             print(json.dumps(row), flush=True)
     false_bans = 0
     for i in range(args.honest):
         precision = "bf16" if i % 2 else "fp32"
-        r = run(root / f"honest-{i}", args, workers=3, faults=["slow:w2:factor=3"], precision=precision)
+        r = run(root / f"honest-{i}", args, workers=args.honest_workers, faults=["slow:w2:factor=3"],
+                precision=precision)
         false_bans += len(r["bans"])
-        row = {"mode": f"honest {precision}", "run": i, "bans": r["bans"], "wall_s": round(r["wall_s"], 1)}
+        row = {"mode": f"honest {precision}", "run": i, "bans": r["bans"], "dup": r["dup"],
+               "recomputed": r["recomputed"], "suspects": r["suspects"], "max_drift_z": r["max_drift_z"],
+               "warnings": r["warnings"], "wall_s": round(r["wall_s"], 1)}
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(f"false bans over {args.honest} honest runs with uneven workers: {false_bans}")

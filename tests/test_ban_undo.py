@@ -130,7 +130,8 @@ def test_a_consistent_bias_is_caught_and_undone(tmp_path, failure_free):
     """Exact mode with the default adaptive spot checks: from step 2 w1 adds 0.5 x its
     gradient's per-element RMS along a sign vector fixed for the run (a small push the norm
     and direction screens do not see). A recomputation bans it by the last step at the
-    latest, and the run ends with the failure-free weights, bit for bit."""
+    latest (the server's, or another worker's whose disagreement the server's settles), and
+    the run ends with the failure-free weights, bit for bit."""
     from shoal.runtime.processes.launch import launch
 
     out = tmp_path / "run"
@@ -138,7 +139,8 @@ def test_a_consistent_bias_is_caught_and_undone(tmp_path, failure_free):
     assert summary["steps"] == RUN["steps"]
     bans = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "ban"]
     assert [b["device"] for b in bans] == ["w1"] and 2 <= bans[0]["step"] < RUN["steps"], bans
-    assert "differs from the recomputed one" in bans[0]["why"]
+    # the server's own recomputation, or another worker's redundant one that the server's settled
+    assert re.search(r"differs from the (recomputed one|server's recomputation)", bans[0]["why"]), bans
     assert_equal_weights(out, failure_free)
 
 

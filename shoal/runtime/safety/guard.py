@@ -11,6 +11,13 @@ A stage server screens every gradient push before it counts it:
   which holds the step's weights, inputs and output gradients, and compared within a
   tolerance. A mismatch bans the worker; a match clears it. The server is the arbiter
   because a second worker's opinion cannot break a tie between two workers.
+* **redundant computation** (exact sync, fp32 or bf16): a drawn push is computed again by
+  another worker of the stage (:func:`pick_checker`) instead of by the server; the two are
+  compared (:func:`dup_disagree`) and only a disagreement costs the server a recomputation,
+  which decides who lied (:func:`dup_verdict`).
+* **drift** (exact sync): per worker, its pushes' deviations from the other workers' are
+  summed over the steps (:func:`drift_z`); a consistent bias makes it a suspect whose every
+  push is checked (:func:`drift_suspect`), never a ban by itself.
 
 Local mode (``--sync local``) has no recomputation (a pseudo-gradient is many inner
 steps of a replica), so a merge screens each round's pseudo-gradients against the round

@@ -115,6 +115,7 @@ class RedundantMixin:
             lid = self.next_lease
             self.next_lease += 1
             chk.leased[lid] = mb
+            chk.created = time.monotonic()  # (the checker's pace is what the reaper waits on)
             self.dup_leases[lid] = (chk.check_id, time.monotonic() + secs)
             task = pb.Task(step=chk.step, mb=mb, stage=self.stage, direction=pb.FWDBWD if self.is_last else pb.BWD,
                            epoch=self.epoch, lease_id=lid, deadline_s=secs, loss_scale=self.loss_scale,
@@ -168,7 +169,7 @@ class RedundantMixin:
                 changed = True
         wait = max(2.0, self.spec.dead_after_s)
         for cid, chk in list(self.dup_checks.items()):
-            if chk.todo and not chk.leased and not chk.results and now - chk.created > wait:
+            if chk.todo and not chk.leased and now - chk.created > wait:
                 self._dup_drop(cid, f"{chk.checker} did not ask for it within {wait:.1f} s")
                 changed = True
         return changed
@@ -193,6 +194,7 @@ class RedundantMixin:
         self.dup_leases.pop(lid, None)
         self.grants.end(lid, r.worker)
         chk.results[mb] = grads
+        chk.created = time.monotonic()
         if not chk.todo and not chk.leased and not chk.judging:
             chk.judging = True
             self._spawn(self._dup_judge(chk))

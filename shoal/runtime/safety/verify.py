@@ -137,7 +137,7 @@ class DupCheck:
     leased: dict[int, int] = field(default_factory=dict)  # lease id -> micro-batch
     results: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # mb -> checker's gradient
     judging: bool = False  # every result is in; the comparison runs
-    created: float = 0.0  # monotonic time it was made (a checker that never asks lets it go)
+    created: float = 0.0  # monotonic time it was made or last leased or answered (a checker that stops asking lets it go)
     exact: bool = True  # fp32 exact run: bitwise agreement expected (else bf16 tolerances)
 
 
