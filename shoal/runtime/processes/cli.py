@@ -696,22 +696,60 @@ def main(argv: list[str] | None = None) -> int:
             prof()
 
 
+class _Snapshot:
+    """A profile's stats dict in the shape ``pstats.Stats.add`` reads."""
+
+    def __init__(self, stats: dict):
+        self.stats = stats
+
+    def create_stats(self) -> None:
+        pass
+
+
 def _profile_member(command: str):
-    """With ``SHOAL_PROFILE=DIR``: profile this member's main thread with cProfile and dump
-    ``DIR/COMMAND-PID.prof`` on exit and on SIGUSR1 (a member killed at the run's end never
-    exits by itself). Returns the dump function, or None when profiling is off."""
+    """With ``SHOAL_PROFILE=DIR``: profile this member with cProfile, its main thread and every
+    thread started after this call (executor threads: compute, serialisation, checks), and dump
+    ``DIR/COMMAND-PID-N.prof`` (all threads' calls merged; N counts the dumps) on exit and on SIGUSR1 (a member killed
+    at the run's end never exits by itself). Returns the dump function, or None when profiling
+    is off."""
     folder = os.environ.get("SHOAL_PROFILE")
     if not folder:
         return None
     import cProfile
+    import pstats
     import signal
+    import threading
+    import time
 
     Path(folder).mkdir(parents=True, exist_ok=True)
-    prof = cProfile.Profile()
+    # Each thread's own CPU time, not wall time: a thread waiting in a queue or a poll is free.
+    prof = cProfile.Profile(time.thread_time)
+    others: list[cProfile.Profile] = []
+    run = threading.Thread.run
+
+    def profiled_run(self):
+        p = cProfile.Profile(time.thread_time)
+        others.append(p)
+        p.enable()
+        try:
+            run(self)
+        finally:
+            p.disable()
+
+    threading.Thread.run = profiled_run
+
+    dumps = [0]
 
     def dump(*_):
+        dumps[0] += 1
         prof.disable()
-        prof.dump_stats(str(Path(folder) / f"{command}-{os.getpid()}.prof"))
+        stats = pstats.Stats(prof)
+        for p in list(others):
+            p.snapshot_stats()  # read without disabling (create_stats would): the thread may run
+            if p.stats:
+                stats.add(_Snapshot(p.stats))
+        # Numbered: the difference of two dumps is what the member did between them.
+        stats.dump_stats(str(Path(folder) / f"{command}-{os.getpid()}-{dumps[0]}.prof"))
         prof.enable()
 
     signal.signal(signal.SIGUSR1, dump)
