@@ -82,6 +82,15 @@ def test_assembler_refuses_what_does_not_fit():
     asm = Assembler("GradPush", total)
     asm.add(chunks[0])
     assert asm.got == len(chunks[0].data)
+    # A message whole in one chunk is parsed from that chunk; anything after it is refused.
+    (whole,) = chunks_of(msg, total)
+    assert assemble([whole], pb.GradPush, total) == msg
+    with pytest.raises(WireError, match="run past"):
+        assemble([whole, pb.Chunk(kind="GradPush", total=total, offset=total, data=b"x")], pb.GradPush, total)
+    with pytest.raises(WireError, match="expected byte"):
+        assemble([whole, whole], pb.GradPush, total)
+    with pytest.raises(WireError, match="first said"):
+        assemble([whole, pb.Chunk(kind="GradPush", total=total + 1, offset=total, data=b"x")], pb.GradPush, total + 1)
 
 
 def test_chunk_mb_flag_values():

@@ -75,7 +75,7 @@ class Assembler:
         self.kind, self.max_bytes = kind, int(max_bytes)
         self.total = -1
         self.got = 0
-        self.buf: bytearray | None = None
+        self.buf: bytearray | bytes | None = None
 
     def add(self, chunk: pb.Chunk) -> None:
         """Take the next chunk; raises :class:`WireError` if it does not fit the message."""
@@ -86,16 +86,23 @@ class Assembler:
                 raise WireError(f"{self.kind} of {chunk.total} bytes, more than the {self.max_bytes} "
                                 "this stage can expect")
             self.total = chunk.total
+            data = chunk.data
+            if chunk.offset == 0 and len(data) == chunk.total:
+                # The whole message in one chunk (most are): parsed from the chunk's own bytes.
+                self.buf, self.got = data, chunk.total
+                return
             self.buf = bytearray(self.total)
         if chunk.total != self.total:
             raise WireError(f"{self.kind}: chunk says {chunk.total} bytes in all, first said {self.total}")
-        n = len(chunk.data)
+        data = chunk.data
+        n = len(data)
         if chunk.offset != self.got:
             raise WireError(f"{self.kind}: chunk at byte {chunk.offset}, expected byte {self.got}")
         if self.got + n > self.total:
             raise WireError(f"{self.kind}: chunks run past the announced {self.total} bytes")
-        self.buf[self.got:self.got + n] = chunk.data
-        self.got += n
+        if n:
+            self.buf[self.got:self.got + n] = data
+            self.got += n
 
     def finish(self, msg_cls):
         """The whole message, parsed; raises :class:`WireError` if any byte is missing."""
