@@ -62,6 +62,7 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
     "/shoal.v1.StageServer/GetWeights": frozenset({"worker", COORDINATOR_ID}),
     "/shoal.v1.StageServer/SubmitRelayStream": frozenset({"server"}),
     "/shoal.v1.StageServer/SubmitRelay": frozenset({"server"}),
+    "/shoal.v1.StageServer/RelayStream": frozenset({"server"}),
     "/shoal.v1.StageServer/StandbyCkptStream": frozenset({"server"}),
     "/shoal.v1.StageServer/StandbyStepStream": frozenset({"server"}),
     "/shoal.v1.StageServer/Probe": frozenset({ANY}),
@@ -112,6 +113,9 @@ METHOD_LIMITS: dict[str, dict[str, SizeLimit]] = {
     "/shoal.v1.StageServer/GetWeights": {"worker": SizeLimit(CONTROL_BYTES), COORDINATOR_ID: SizeLimit(CONTROL_BYTES)},
     "/shoal.v1.StageServer/SubmitRelay": {"server": SizeLimit(ACT)},
     "/shoal.v1.StageServer/SubmitRelayStream": {"server": SizeLimit(CHUNK_MESSAGE_BYTES, ACT)},
+    # Long-lived like a session: each chunk checked here, each relay (at most an activation)
+    # by the server as it is assembled.
+    "/shoal.v1.StageServer/RelayStream": {"server": SizeLimit(CHUNK_MESSAGE_BYTES)},
     "/shoal.v1.StageServer/StandbyCkptStream": {"server": SizeLimit(CONTROL_BYTES)},
     "/shoal.v1.StageServer/StandbyStepStream": {"server": _CHUNKED},
     "/shoal.v1.StageServer/Probe": {ANY: SizeLimit(PROBE_BYTES + 64 * KIB)},

@@ -746,28 +746,32 @@ class WeightsReply(_message.Message):
     def __init__(self, version: _Optional[int] = ..., epoch: _Optional[int] = ..., first: _Optional[int] = ..., last: _Optional[int] = ..., params: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., compress_delta: _Optional[bool] = ..., compress_chain: _Optional[str] = ..., compress_base: _Optional[int] = ...) -> None: ...
 
 class Relay(_message.Message):
-    __slots__ = ("step", "mb", "epoch", "direction", "tensor")
+    __slots__ = ("step", "mb", "epoch", "direction", "tensor", "relay_id")
     STEP_FIELD_NUMBER: _ClassVar[int]
     MB_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     DIRECTION_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
+    RELAY_ID_FIELD_NUMBER: _ClassVar[int]
     step: int
     mb: int
     epoch: int
     direction: Direction
     tensor: Tensor
-    def __init__(self, step: _Optional[int] = ..., mb: _Optional[int] = ..., epoch: _Optional[int] = ..., direction: _Optional[_Union[Direction, str]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    relay_id: int
+    def __init__(self, step: _Optional[int] = ..., mb: _Optional[int] = ..., epoch: _Optional[int] = ..., direction: _Optional[_Union[Direction, str]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., relay_id: _Optional[int] = ...) -> None: ...
 
 class RelayReply(_message.Message):
-    __slots__ = ("accepted", "reason", "retry")
+    __slots__ = ("accepted", "reason", "retry", "relay_id")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     RETRY_FIELD_NUMBER: _ClassVar[int]
+    RELAY_ID_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     retry: bool
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., retry: _Optional[bool] = ...) -> None: ...
+    relay_id: int
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., retry: _Optional[bool] = ..., relay_id: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("kind", "total", "offset", "data", "sender")

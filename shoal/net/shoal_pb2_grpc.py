@@ -404,6 +404,11 @@ class StageServerStub:
                 request_serializer=shoal__pb2.Chunk.SerializeToString,
                 response_deserializer=shoal__pb2.Chunk.FromString,
                 _registered_method=True)
+        self.RelayStream = channel.stream_stream(
+                '/shoal.v1.StageServer/RelayStream',
+                request_serializer=shoal__pb2.Chunk.SerializeToString,
+                response_deserializer=shoal__pb2.Chunk.FromString,
+                _registered_method=True)
         self.Lease = channel.unary_unary(
                 '/shoal.v1.StageServer/Lease',
                 request_serializer=shoal__pb2.LeaseRequest.SerializeToString,
@@ -507,6 +512,14 @@ class StageServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RelayStream(self, request_iterator, context):
+        """Relays from one stage server to another on one long-lived stream each way: up Relay,
+        down RelayReply (naming the relay_id), each message as Chunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Lease(self, request, context):
         """Unary forms (a whole message under the gRPC size limit).
         """
@@ -596,6 +609,11 @@ def add_StageServerServicer_to_server(servicer, server):
             ),
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
+                    request_deserializer=shoal__pb2.Chunk.FromString,
+                    response_serializer=shoal__pb2.Chunk.SerializeToString,
+            ),
+            'RelayStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.RelayStream,
                     request_deserializer=shoal__pb2.Chunk.FromString,
                     response_serializer=shoal__pb2.Chunk.SerializeToString,
             ),
@@ -854,6 +872,33 @@ class StageServer:
             request_iterator,
             target,
             '/shoal.v1.StageServer/Session',
+            shoal__pb2.Chunk.SerializeToString,
+            shoal__pb2.Chunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RelayStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/shoal.v1.StageServer/RelayStream',
             shoal__pb2.Chunk.SerializeToString,
             shoal__pb2.Chunk.FromString,
             options,

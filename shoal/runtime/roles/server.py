@@ -48,7 +48,6 @@ from shoal.net.stream import (
     chunks_of,
     fetch,
     receive,
-    send,
     split,
 )
 from shoal.net.traffic import Traffic
@@ -103,6 +102,7 @@ from shoal.runtime.sync.codecs import (
 )
 from shoal.runtime.sync.local import LocalServerMixin
 from shoal.runtime.transport.frames import decode_grads, off_loop, retry, serialise_weights
+from shoal.runtime.transport.relays import RELAY_KINDS, RelayLink
 from shoal.runtime.transport.session import UP_KINDS, read_messages, serialised
 from shoal.runtime.ui.stats import StepTiming
 from shoal.train.optim import apply_update, make_optimizer, param_sq_norms, total_sq_norm
@@ -173,6 +173,7 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
         self._bg: set[asyncio.Task] = set()
         self.on_servers = None  # callback(list of stage server addresses), e.g. emulation
         self._stubs: dict[str, pbg.StageServerStub] = {}
+        self._links: dict[str, RelayLink] = {}  # peer server address -> its relay stream
         self.timing = StepTiming()  # where the current step's time goes (dashboard only)
         self.last_split: dict | None = None  # that split for the last committed step
         # Identities (worker, epoch, step, gen, mbs) of pushes counted, for idempotent retries.
@@ -451,6 +452,8 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
             reaper.cancel()
             for t in list(self._bg):
                 t.cancel()
+            for link in self._links.values():
+                link.close()
             await server.stop(0.5)
 
     def _join_request(self) -> pb.JoinRequest:
@@ -1263,6 +1266,22 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
             return pb.PushReply(accepted=False, reason=f"rejected: {exc}")
         return await self.PushGrads(msg, context)
 
+    async def RelayStream(self, request_iterator, context):
+        """A peer server's relays on one stream (:mod:`shoal.runtime.transport.relays`), each
+        answered in turn by :meth:`SubmitRelay`; its reply names the relay's ``relay_id``."""
+        refused = ""
+        try:
+            async for _, msg in read_messages(request_iterator, RELAY_KINDS, lambda _kind: self.max_bytes("act")):
+                rep = await self.SubmitRelay(msg, None)
+                rep.relay_id = msg.relay_id
+                for chunk in split("RelayReply", rep.SerializeToString(), self.chunk_bytes):
+                    yield chunk
+        except WireError as exc:
+            log.warning("%s refused a relay stream: %s", self.name, exc)
+            refused = f"rejected: {exc}"
+        if refused and context is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused)
+
     async def SubmitRelayStream(self, request_iterator, context):
         try:
             msg = await receive(request_iterator, pb.Relay, self.max_bytes("act"))
@@ -1488,14 +1507,21 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
             self._stubs[addr] = pbg.StageServerStub(self.channels.open(addr))
         return self._stubs[addr]
 
+    def _relay_link(self, addr: str) -> RelayLink:
+        """The open relay stream to the server at ``addr`` (a broken one is replaced)."""
+        link = self._links.get(addr)
+        if link is None or not link.alive:
+            link = self._links[addr] = RelayLink(self._stub(addr).RelayStream, self.chunk_bytes,
+                                                 traffic=self.traffic)
+        return link
+
     async def _relay(self, stage: int, msg: pb.Relay) -> None:
         """Send ``msg`` to ``stage``'s server until it is taken or the epoch moves on."""
         while msg.epoch == self.epoch and not self.done:
             addr = self.servers[stage] if stage < len(self.servers) else ""
             if addr:
                 try:
-                    rep = await send(self._stub(addr).SubmitRelayStream, msg, self.chunk_bytes,
-                                     traffic=self.traffic)
+                    rep = await self._relay_link(addr).relay(msg)
                     if rep.accepted or not rep.retry:
                         if not rep.accepted:
                             log.warning("relay refused: %s", rep.reason)

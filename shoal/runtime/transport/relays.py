@@ -1,0 +1,108 @@
+"""Relays between stage servers on one long-lived stream per peer.
+
+A stage server relays every forward result (an activation, to the next stage) and every
+backward result past stage 0 (an input gradient, to the previous stage): two relays per
+micro-batch and pair of stages. As a call each, a relay paid a fresh HTTP/2 stream, the
+credential metadata and both ends' interceptors. A :class:`RelayLink` instead keeps one
+``StageServer.RelayStream`` open to a peer: up ``Relay`` messages, down ``RelayReply``
+messages that name the ``relay_id`` they answer, each message as :class:`pb.Chunk` s
+(size-checked as assembled, never unpickled), authenticated like any call.
+
+The semantics are those of ``SubmitRelayStream``: the receiver answers each relay with the
+same handler (a relay it holds already is dropped there, so a resend after a broken link
+is harmless); a broken link fails the relays waiting on it with ``UNAVAILABLE`` and the
+sender opens a new one and sends them again, as it retried a failed call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+
+from shoal.net import shoal_pb2 as pb
+from shoal.net.stream import CONTROL_SLACK, split, transfer_timeout
+from shoal.net.wire import WireError
+from shoal.runtime.transport.session import read_messages, serialised, unavailable
+
+RELAY_KINDS = {"Relay": pb.Relay}  # what the receiver reads on the stream
+REPLY_KINDS = {"RelayReply": pb.RelayReply}  # what the sender reads back
+
+
+class RelayLink:
+    """The sending end of one relay stream to a peer stage server."""
+
+    def __init__(self, method, chunk_bytes: int, sender: str = "", traffic=None):
+        self.chunk_bytes, self.sender, self.traffic = chunk_bytes, sender, traffic
+        self.out: asyncio.Queue = asyncio.Queue()
+        self.waiting: dict[int, asyncio.Future] = {}  # relay id -> its reply
+        self.error: grpc.aio.AioRpcError | None = None
+        self.next_id = 1
+        self.call = method(self._requests())
+        self.reader = asyncio.create_task(self._read())
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and not self.reader.done()
+
+    async def _requests(self):
+        while True:
+            item = await self.out.get()
+            if item is None:
+                return
+            for c in split("Relay", item, self.chunk_bytes, self.sender):
+                yield c
+
+    async def _read(self) -> None:
+        err = None
+        try:
+            async for _, msg in read_messages(self.call, REPLY_KINDS, lambda _kind: CONTROL_SLACK):
+                if self.traffic is not None:
+                    self.traffic.count(msg)
+                fut = self.waiting.pop(msg.relay_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+        except grpc.aio.AioRpcError as exc:
+            err = exc
+        except WireError as exc:
+            err = unavailable(f"bad message on the relay stream: {exc}")
+        except asyncio.CancelledError:
+            err = unavailable("relay stream closed")
+        finally:
+            self.error = err or unavailable("the peer ended the relay stream")
+            for fut in self.waiting.values():
+                if not fut.done():
+                    fut.set_exception(self.error)
+            self.waiting.clear()
+
+    async def relay(self, msg: pb.Relay) -> pb.RelayReply:
+        """Send ``msg`` (its ``relay_id`` is set here) and wait for the peer's verdict; raises
+        the link's gRPC error when it breaks (or DEADLINE_EXCEEDED after the transfer's time)."""
+        if self.error is not None:
+            raise self.error
+        msg.relay_id = self.next_id
+        self.next_id += 1
+        fut = self.waiting[msg.relay_id] = asyncio.get_running_loop().create_future()
+        data = await serialised(msg)
+        if self.traffic is not None:
+            self.traffic.count(msg, total=len(data))
+        if self.error is not None:
+            self.waiting.pop(msg.relay_id, None)
+            raise self.error
+        self.out.put_nowait(data)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), transfer_timeout(len(data)))
+        except TimeoutError:
+            self.close()  # a link that swallows a relay is not trusted with the next one
+            raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
+                                       grpc.aio.Metadata(), details="no reply on the relay stream") from None
+        finally:
+            self.waiting.pop(msg.relay_id, None)
+
+    def close(self) -> None:
+        """End the stream (relays waiting on it fail with UNAVAILABLE)."""
+        with contextlib.suppress(asyncio.QueueFull):
+            self.out.put_nowait(None)
+        self.call.cancel()
+        self.reader.cancel()

@@ -1,0 +1,114 @@
+"""Relays between stage servers on one stream (``StageServer.RelayStream``, ``RelayLink``).
+
+A real stage server serves on a loopback port in this process; a peer's relays reach it
+over a real gRPC stream in chunks, with a server's credential.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from shoal.net import shoal_pb2 as pb
+from shoal.net import shoal_pb2_grpc as pbg
+from shoal.net.auth import Identity, run_public_key
+from shoal.net.channel import open_channel
+from shoal.net.wire import encode_tensor
+from shoal.runtime.roles.server import StageServer
+from shoal.runtime.safety.guard import GuardConfig
+from shoal.runtime.transport.relays import RelayLink
+
+TOKEN = "relay-test-token"
+SECRET = b"relay-test-secret"
+PEER = Identity.joined(TOKEN, SECRET, "s-peer", "server")  # the credential a peer server gets at join
+WORKER = Identity.joined(TOKEN, SECRET, "w", "worker")
+CHUNK = 4096  # an activation of this run (1 x 16 x 128 fp32: 8 KiB) travels in several chunks
+
+
+def _spec() -> pb.RunSpec:
+    return pb.RunSpec(version=1, run_id="relay-test", model="tiny", stages=2, steps=3, micro_batches=2,
+                      micro_batch_size=1, seq_len=16, seed=0, lr=1e-3, min_lr=1e-4, warmup=1, weight_decay=0.1,
+                      grad_clip=1.0, ckpt_every=0, dead_after_s=30.0, min_lease_s=5.0, data="synthetic",
+                      ordered_grads=True, chunk_bytes=CHUNK)
+
+
+async def _start(tmp_path) -> tuple[StageServer, grpc.aio.Server]:
+    """Stage 0 of 2 at version 0 (its micro-batches wait for their output gradients)."""
+    srv = StageServer("127.0.0.1:9", "127.0.0.1:0", TOKEN, str(tmp_path), name="s-test")
+    srv.spec = _spec()
+    srv.stage, srv.epoch = 0, 0
+    srv.guard_cfg = GuardConfig(enabled=False)
+    await srv._load(0, 0, 3, 0, 0)
+    srv.ready = True
+    srv.channels.identity.run_key = run_public_key(SECRET)
+    return srv, await srv.start_rpc()
+
+
+def _grad(mb: int, shape=(1, 16, 128)) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(100 + mb))
+
+
+def _relay(mb: int, t: torch.Tensor) -> pb.Relay:
+    return pb.Relay(step=0, mb=mb, epoch=0, direction=pb.BWD, tensor=encode_tensor("grad", t))
+
+
+@pytest.mark.timeout(60)
+def test_relays_on_one_stream_are_taken_once_and_answered_by_id(tmp_path):
+    async def main():
+        srv, rpc = await _start(tmp_path)
+        try:
+            assert [srv.steps[0][mb].grad for mb in (0, 1)] == ["wait", "wait"]
+            async with open_channel(srv.address, TOKEN, identity=PEER) as ch:
+                link = RelayLink(pbg.StageServerStub(ch).RelayStream, CHUNK)
+                # Two relays in flight at once on the one stream: each reply finds its relay.
+                reps = await asyncio.gather(link.relay(_relay(0, _grad(0))), link.relay(_relay(1, _grad(1))))
+                assert all(r.accepted for r in reps), reps
+                assert sorted(r.relay_id for r in reps) == [1, 2]
+                for mb in (0, 1):
+                    assert torch.equal(srv.steps[0][mb].out_grad, _grad(mb))
+                    assert srv.steps[0][mb].grad == "todo"
+                # A resend (the first reply was lost) is accepted and changes nothing.
+                rep = await link.relay(_relay(0, -_grad(0)))
+                assert rep.accepted and torch.equal(srv.steps[0][0].out_grad, _grad(0))
+                # A relay of the wrong shape is refused; the stream carries on.
+                rep = await link.relay(_relay(1, _grad(1, (1, 8, 128))))
+                assert not rep.accepted and "shape" in rep.reason
+                assert link.alive
+                # One bigger than an activation may be: the stream is refused and ends; what
+                # waits on it fails as a broken call, and a new link works again.
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await link.relay(_relay(1, _grad(1, (64, 16, 128))))  # 512 KiB
+                # (the client may see its write into the refused stream fail first)
+                assert err.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL)
+                assert srv.steps[0][1].grad == "todo" and torch.equal(srv.steps[0][1].out_grad, _grad(1))
+                assert not link.alive
+                link = RelayLink(pbg.StageServerStub(ch).RelayStream, CHUNK)
+                assert (await link.relay(_relay(1, _grad(1)))).accepted
+                link.close()
+        finally:
+            await rpc.stop(0)
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_only_servers_may_open_a_relay_stream(tmp_path):
+    async def main():
+        srv, rpc = await _start(tmp_path)
+        try:
+            for ident, code in ((WORKER, grpc.StatusCode.PERMISSION_DENIED), (None, grpc.StatusCode.UNAUTHENTICATED)):
+                async with open_channel(srv.address, TOKEN, identity=ident) as ch:
+                    link = RelayLink(pbg.StageServerStub(ch).RelayStream, CHUNK)
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await link.relay(_relay(0, _grad(0)))
+                    # (the client may see its write into the refused stream fail first)
+                    assert err.value.code() in (code, grpc.StatusCode.INTERNAL)
+                    assert not link.alive
+            assert srv.steps[0][0].out_grad is None and srv.steps[0][0].grad == "wait"
+        finally:
+            await rpc.stop(0)
+
+    asyncio.run(main())
