@@ -204,8 +204,51 @@ def open_channel(
                               interceptors=interceptors)
 
 
+# Connection limits of every shoal server (docs/real-machines.md, "Connection limits"): what a
+# peer that never authenticates, or a member that leaves a connection unused, can hold open.
+HANDSHAKE_TIMEOUT_S = 20.0  # TLS and HTTP/2 set-up must be done this soon after the TCP accept
+IDLE_CLOSE_S = 60.0  # a connection with no call for this long is closed (members reconnect on their next call)
+_GRPC_INT_MAX = 2**31 - 1  # channel arguments are C ints
+
+
+def connection_cap(fd_limit: int) -> int | None:
+    """Most connections a server holds at once, from its file-descriptor limit (pure).
+
+    A quarter of the limit (at least 128) stays for everything else the process opens:
+    checkpoint and journal files, its own channels to peers, pipes. gRPC closes a
+    connection over the cap as soon as it is accepted, so a flood of connections can
+    never take the descriptors a checkpoint write needs. None: no cap (no finite limit).
+    """
+    if fd_limit <= 0 or fd_limit >= _GRPC_INT_MAX:
+        return None
+    return max(16, fd_limit - max(128, fd_limit // 4))
+
+
+def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, *,
+                   handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, idle_close_s: float = IDLE_CLOSE_S,
+                   fd_limit: int | None = None) -> list[tuple[str, int]]:
+    """The options of a shoal gRPC server (pure but for reading the process's fd limit when
+    ``fd_limit`` is None): requests capped at :data:`~shoal.net.auth.REQUEST_CAP`, no
+    SO_REUSEPORT, a connection closed when its TLS and HTTP/2 set-up (the client's SETTINGS
+    frame included) take longer than ``handshake_timeout_s`` or when it carries no call for
+    ``idle_close_s``, and at most :func:`connection_cap` connections at once."""
+    if fd_limit is None:
+        import resource
+
+        fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    options = [(k, REQUEST_CAP if k == "grpc.max_receive_message_length" else v)
+               for k, v in grpc_options(max_message_bytes)] + [("grpc.so_reuseport", 0)]
+    options += [("grpc.server_handshake_timeout_ms", max(1, int(handshake_timeout_s * 1000))),
+                ("grpc.max_connection_idle_ms", max(1, int(idle_close_s * 1000)))]
+    cap = connection_cap(fd_limit)
+    if cap is not None:
+        options.append(("grpc.max_allowed_incoming_connections", cap))
+    return options
+
+
 def make_server(token: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                run_key: Callable[[], bytes] | None = None, resolve: Callable[[str], int] | None = None
+                run_key: Callable[[], bytes] | None = None, resolve: Callable[[str], int] | None = None, *,
+                handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, idle_close_s: float = IDLE_CLOSE_S
                 ) -> aio.Server:
     """An asyncio gRPC server that checks token or member credential (and role) of every
     call before reading it (:class:`shoal.net.auth.AuthInterceptor`); ``run_key`` returns
@@ -214,10 +257,12 @@ def make_server(token: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ``max_message_bytes`` bounds replies; requests are bounded by method and role
     (:data:`shoal.net.auth.METHOD_LIMITS`, ``resolve`` giving a stage server's sizes) and
     never exceed :data:`shoal.net.auth.REQUEST_CAP`, which gRPC checks before reading.
+    Connections are limited as :func:`server_options` says (``handshake_timeout_s``,
+    ``idle_close_s``: its pre-authentication and idle limits).
     """
     interceptor = AuthInterceptor(token, run_key or (lambda: b""), resolve)
-    options = [(k, REQUEST_CAP if k == "grpc.max_receive_message_length" else v)
-               for k, v in grpc_options(max_message_bytes)] + [("grpc.so_reuseport", 0)]
+    options = server_options(max_message_bytes, handshake_timeout_s=handshake_timeout_s,
+                             idle_close_s=idle_close_s)
     return aio.server(interceptors=[interceptor], options=options)
 
 
