@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -64,10 +65,27 @@ class TokenBucket:
 
 @dataclass
 class DirectionStats:
-    """Counters of one relay direction."""
+    """Counters of one relay direction, and the delays the relay itself accounted.
+
+    The delays are the emulator's own books, not wall-clock measurements: for each chunk,
+    the time from reading it to its scheduled delivery (transmission through the buckets
+    plus latency and jitter, or waiting behind an earlier chunk). How late the host's
+    scheduler let a delivery happen is counted apart (``late_max_s``): a loaded machine adds
+    that to what a client measures, the emulated link does not.
+    """
 
     bytes: int = 0  # payload bytes relayed
     chunks: int = 0  # relay steps
+    delay_min_s: float | None = None  # least scheduled delay of a chunk (None: no chunk yet)
+    delay_max_s: float = 0.0  # most scheduled delay of a chunk
+    late_max_s: float = 0.0  # most a delivery was written after its scheduled time (host lag)
+
+    def count(self, n: int, delay_s: float) -> None:
+        """One chunk of ``n`` bytes, to be delivered ``delay_s`` after it was read."""
+        self.bytes += n
+        self.chunks += 1
+        self.delay_min_s = delay_s if self.delay_min_s is None else min(self.delay_min_s, delay_s)
+        self.delay_max_s = max(self.delay_max_s, delay_s)
 
 
 class _Proxy:
@@ -148,6 +166,9 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
             wait = at - loop.time()
             if wait > 0:
                 await asyncio.sleep(wait)
+            late = loop.time() - at
+            stats.late_max_s = max(stats.late_max_s, late)
+            total.late_max_s = max(total.late_max_s, late)
             writer.write(data)
             await writer.drain()
 
@@ -172,10 +193,8 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
             # A chunk never arrives before it was read plus the latency.
             last = max(last, max(sent, now) + proxy.delay())
             queue.put_nowait((last, data))
-            stats.bytes += len(data)
-            stats.chunks += 1
-            total.bytes += len(data)
-            total.chunks += 1
+            stats.count(len(data), last - now)
+            total.count(len(data), last - now)
             if sent > now:
                 await asyncio.sleep(sent - now)  # back-pressure: read on when transmitted
             woke = loop.time()
@@ -257,6 +276,14 @@ class LinkShaper:
                 for p in self._proxies
             ],
         }
+
+    def books(self) -> dict[str, DirectionStats]:
+        """A copy of the relays' totals per direction (``up``, ``down``) with their accounted
+        delays (:class:`DirectionStats`), read on the relay loop."""
+        async def read() -> dict[str, DirectionStats]:
+            return {"up": dataclasses.replace(self.up_stats), "down": dataclasses.replace(self.down_stats)}
+
+        return asyncio.run_coroutine_threadsafe(read(), self._loop).result(timeout=10)
 
     def close(self) -> None:
         """Stop every relay and the loop thread (open relayed connections are dropped)."""
