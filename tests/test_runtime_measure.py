@@ -24,6 +24,7 @@ from shoal.plan.types import Workload
 from shoal.runtime.measure import (
     TcpCounters,
     _counted,
+    checked_probe,
     host_id,
     implausible,
     interface_rate_bps,
@@ -298,6 +299,25 @@ def test_probes_through_a_shaped_link_measure_its_rates():
     assert figs.method == "call"  # through a relay: the kernel's counters would see loopback
     assert abs(figs.up_bps - up) <= 0.2 * up and abs(figs.down_bps - down) <= 0.2 * down
     assert 0.009 <= figs.rtt_s < 0.5  # two 5 ms one-way delays
+
+
+@pytest.mark.timeout(60)
+def test_a_rate_above_the_interface_is_measured_again_then_cut_to_it():
+    async def main():
+        server = make_server("tok", run_key=lambda: run_public_key(b"s"))
+        pbg.add_CoordinatorServicer_to_server(_Echo(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        async with open_channel(f"127.0.0.1:{port}", "tok", identity=Identity.joined("tok", b"s", "w1", "worker")) as ch:
+            # an "interface" of 1 kB/s: loopback beats it every time
+            figs = await checked_probe(pbg.CoordinatorStub(ch), "coordinator", probe_bytes=1 << 18,
+                                       limit_bps=1000.0, retries=1)
+        await server.stop(0)
+        return figs
+
+    figs = asyncio.run(main())
+    assert "interface rate" in figs.remeasured  # measured again, not used as first measured
+    assert figs.up_bps == figs.down_bps == 1000.0  # then the last figures stand, cut to the interface
 
 
 @pytest.mark.timeout(60)
