@@ -199,3 +199,123 @@ def test_random_order_of_checks_is_not_predictable_by_a_worker():
     rnd = random.Random(0)
     salts = [str(rnd.random()) for _ in range(30)]
     assert len({pick_checker(live, "w0", 3, s, 2, 0) for s in salts}) >= 4
+
+
+def test_server_checks_pushes_by_another_worker_and_commits_once_decided(tmp_path, monkeypatch):
+    """A one-stage server driven through its handlers, every push drawn (the test hook),
+    workers A and B with a record: each push is given to the other worker as a check task,
+    and the step does not commit while a check is open. B leaves: the check it held is
+    abandoned (the step does not wait for it); B's own push is checked by A, whose answer is
+    times -2: A and B disagree, the server's recomputation names A, A is banned with the
+    redundant computation as reason and its micro-batches go back to todo."""
+    from test_guard import _grad_push, _one_stage_server
+
+    from shoal.net import shoal_pb2 as pb
+    from shoal.runtime.safety.verify import recompute_grads
+
+    monkeypatch.setenv(SPOT_RATE_ENV, "1")
+
+    async def main():
+        srv = await _one_stage_server(tmp_path, "dup-test", micro_batches=3, micro_batch_size=2, seq_len=16)
+        srv.spec.guard_spot_check = 0.05
+        srv.guard_ok, srv.guard_seen = {"A": 5, "B": 5}, {"A", "B"}  # both past their first checks
+        commits = []
+
+        async def fake_commit(step, epoch):  # (no coordinator here: the commit's start is what counts)
+            commits.append(step)
+        srv._commit = fake_commit
+
+        def true_grads(mb):
+            return recompute_grads(srv.module, srv.spec, 0, mb, first=True, last=True, inp=None, out_grad=None)
+
+        async def compute(worker):
+            t = (await srv.Lease(pb.LeaseRequest(worker=worker, wait_s=0), None)).task
+            ok = await srv.Complete(pb.TaskResult(worker=worker, step=t.step, mb=t.mb, direction=t.direction,
+                                                  epoch=t.epoch, lease_id=t.lease_id, loss=1.0), None)
+            assert ok.accepted and not t.check_id
+            return t.mb, ok.gen
+
+        (a0, gen_a), (b0, gen_b), (a1, _) = await compute("A"), await compute("B"), await compute("A")
+        assert (await srv.PushGrads(_grad_push(srv, 0, a0, "A", gen_a, true_grads(a0)), None)).accepted
+        assert (await srv.PushGrads(_grad_push(srv, 0, b0, "B", gen_b, true_grads(b0)), None)).accepted
+        assert {(c.target, c.checker) for c in srv.dup_checks.values()} == {("A", "B"), ("B", "A")}
+        assert srv.guard_checks == 0  # the server recomputed nothing
+        # B gets A's micro-batch as a check task, then leaves: that check is abandoned
+        t = (await srv.Lease(pb.LeaseRequest(worker="B", wait_s=0), None)).task
+        assert t.check_id and t.mb == a0 and t.direction == pb.FWDBWD
+        await srv.Leave(pb.MemberRequest(member_id="B"), None)
+        assert [(c.target, c.checker) for c in srv.dup_checks.values()] == [("B", "A")]
+        # A answers its check of B's micro-batch with a lie; its last push counts meanwhile
+        t = (await srv.Lease(pb.LeaseRequest(worker="A", wait_s=0), None)).task
+        assert t.check_id and t.mb == b0
+        assert (await srv.PushGrads(_grad_push(srv, 0, a1, "A", gen_a, true_grads(a1)), None)).accepted
+        assert all(st.grad == "counted" for st in srv.steps[0].values()) and not commits  # a check is open
+        lie = {n: -2 * g for n, g in true_grads(b0).items()}
+        msg = _grad_push(srv, 0, b0, "A", 0, lie)
+        msg.check_id = t.check_id
+        assert (await srv.PushGrads(msg, None)).accepted
+        for _ in range(200):
+            if "A" in srv.guard_banned:
+                break
+            await asyncio.sleep(0.02)
+        assert srv.guard_banned["A"].startswith("redundant computation") and "disagreed with B's" in \
+            srv.guard_banned["A"]
+        assert srv.steps[0][a0].grad == "todo" and srv.steps[0][a1].grad == "todo"  # redone by others
+        assert srv.steps[0][b0].grad == "counted" and "B" not in srv.guard_banned and not srv.dup_checks
+        assert not commits
+
+    import asyncio
+
+    asyncio.run(main())
+
+
+def test_a_check_abandoned_by_a_leaving_checker_lets_the_step_commit(tmp_path, monkeypatch):
+    """As above: A's two pushes are checked by B, B's by A. A's answer agrees (bitwise), then
+    B leaves without answering: its checks are abandoned and the step commits at once."""
+    from test_guard import _grad_push, _one_stage_server
+
+    from shoal.net import shoal_pb2 as pb
+    from shoal.runtime.safety.verify import recompute_grads
+
+    monkeypatch.setenv(SPOT_RATE_ENV, "1")
+
+    async def main():
+        srv = await _one_stage_server(tmp_path, "dup-test-2", micro_batches=3, micro_batch_size=2, seq_len=16)
+        srv.spec.guard_spot_check = 0.05
+        srv.guard_ok, srv.guard_seen = {"A": 5, "B": 5}, {"A", "B"}
+        commits = []
+
+        async def fake_commit(step, epoch):
+            commits.append(step)
+        srv._commit = fake_commit
+
+        def true_grads(mb):
+            return recompute_grads(srv.module, srv.spec, 0, mb, first=True, last=True, inp=None, out_grad=None)
+
+        async def compute(worker):
+            t = (await srv.Lease(pb.LeaseRequest(worker=worker, wait_s=0), None)).task
+            ok = await srv.Complete(pb.TaskResult(worker=worker, step=t.step, mb=t.mb, direction=t.direction,
+                                                  epoch=t.epoch, lease_id=t.lease_id, loss=1.0), None)
+            return t.mb, ok.gen
+
+        (a0, gen_a), (b0, gen_b), (a1, _) = await compute("A"), await compute("B"), await compute("A")
+        for mb, w, gen in ((a0, "A", gen_a), (a1, "A", gen_a), (b0, "B", gen_b)):
+            assert (await srv.PushGrads(_grad_push(srv, 0, mb, w, gen, true_grads(mb)), None)).accepted
+        assert sorted((c.target, c.checker) for c in srv.dup_checks.values()) == [("A", "B"), ("A", "B"), ("B", "A")]
+        t = (await srv.Lease(pb.LeaseRequest(worker="A", wait_s=0), None)).task
+        msg = _grad_push(srv, 0, t.mb, "A", 0, true_grads(t.mb))
+        msg.check_id = t.check_id
+        assert (await srv.PushGrads(msg, None)).accepted
+        for _ in range(200):
+            if len(srv.dup_checks) == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert srv.dup_counts["agreed"] == 1 and srv.guard_ok["B"] == 6 and not commits
+        await srv.Leave(pb.MemberRequest(member_id="B"), None)
+        assert not srv.dup_checks and srv.dup_counts["abandoned"] == 2
+        await asyncio.sleep(0)
+        assert commits == [0] and not srv.guard_banned
+
+    import asyncio
+
+    asyncio.run(main())

@@ -84,7 +84,9 @@ class RedundantMixin:
         """Give ``r``'s micro-batches to another worker of the stage to compute again; returns
         the checker ("": none fits, the caller recomputes or leaves the push unverified)."""
         min_ok = self.guard_cfg.verify_first_n if exact else 0
-        live = {w: self.guard_ok.get(w, 0) for w in self.workers}
+        # Workers that computed tasks of this step here: serving the stage now (a worker that
+        # moved to another stage still renews here for a while, and would never ask for it).
+        live = {w: self.guard_ok.get(w, 0) for w in self.workers if self.tasks_per_worker.get(w, 0) > 0}
         checker = pick_checker(live, r.worker, self.spec.seed, f"{self.spec.run_id}/{self.guard_salt}",
                                r.step, min(ids), self.guard_banned, min_ok)
         if checker is None:
@@ -146,6 +148,7 @@ class RedundantMixin:
         self.dup_counts["abandoned"] += 1
         log.info("%s: check %d of %s's push (step %d mbs %s) by %s abandoned: %s", self.name, cid, chk.target,
                  chk.step, list(chk.mbs), chk.checker, why)
+        self._maybe_commit()  # it may have been the last thing the step waited for
 
     def _dup_forget(self, wid: str, why: str) -> None:
         """Abandon the checks ``wid`` computes or is the target of (it was voided or banned)."""
@@ -258,7 +261,7 @@ class RedundantMixin:
             await self._dup_done()
 
     async def _dup_done(self) -> None:
-        """A check ended: the step may commit now."""
+        """A check ended: the step may commit now (and parked lease requests may go on)."""
         async with self.cond:
             self._maybe_commit()
             self.cond.notify_all()
