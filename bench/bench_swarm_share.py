@@ -92,7 +92,7 @@ def run_one(name: str, label: str, policy: SyncPolicy | None, replicas: bool, si
 
 
 def table(rows: list[dict]) -> str:
-    head = ["scenario", "policy", "shape", "used / avail", "idle m/l/n", "pred tokens/s", "pred % FLOP limit",
+    head = ["scenario", "policy", "shape", "used / avail", "idle m/l/n/c", "pred tokens/s", "pred % FLOP limit",
             "sim tokens/s", "sim % FLOP limit", "pred / sim step", "plan CPU s", "sim CPU s"]
     out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:

@@ -16,7 +16,7 @@ from shoal.plan.cost import (
     transfer_time,
 )
 from shoal.plan.types import Plan, StagePlan, SyncPolicy
-from tests.helpers.scenarios import hand_scenario
+from tests.helpers.scenarios import FREE_CPU, hand_scenario
 
 # tiny model, T=64, B=2 (128 tokens): forward FLOPs per token = 4 blocks x (2(4d^2 + 3df) + 4Td)
 # + head 2dV = 4 x 434176 + 524288 = 2260992; forward + backward = 3x; x 128 tokens.
@@ -139,7 +139,7 @@ def _shared_host_scenario(n_workers, tflops):
         "name": "share",
         "workload": {"model": "tiny", "seq_len": 64, "global_batch": 64, "micro_batch_size": 2, "dtype": "fp32"},
         "network": {"intra": {"a": {"latency_ms": 0, "bandwidth_gbps": 10}}},
-        "devices": devices,
+        "devices": devices, "framework_cpu": FREE_CPU,
     })
 
 
@@ -187,7 +187,7 @@ def _churn_scenario(enabled):
         "name": "churny",
         "workload": {"model": "tiny", "seq_len": 64, "global_batch": 8, "micro_batch_size": 2, "dtype": "fp32"},
         "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}},
-        "devices": devices, "churn": {"enabled": enabled, "mean_offline_min": 30},
+        "devices": devices, "framework_cpu": FREE_CPU, "churn": {"enabled": enabled, "mean_offline_min": 30},
     })
 
 
@@ -237,7 +237,7 @@ def test_sync_bursts_share_a_narrow_server_link_by_the_workers_that_sync():
             "name": "narrow",
             "workload": {"model": "tiny", "seq_len": 64, "global_batch": 8, "micro_batch_size": 2, "dtype": "fp32"},
             "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}},
-            "devices": devices,
+            "devices": devices, "framework_cpu": FREE_CPU,
         })
 
     pbytes = TINY_PARAMS * 4
@@ -301,7 +301,7 @@ def test_self_hosted_stages_share_a_downlink_by_transfers_in_flight():
         "name": "self-hosted",
         "workload": {"model": "tiny", "seq_len": 64, "global_batch": 8, "micro_batch_size": 2, "dtype": "fp32"},
         "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}},
-        "devices": devices,
+        "devices": devices, "framework_cpu": FREE_CPU,
     })
     p = plan([StagePlan((0, 2), "d0", ["d0"]), StagePlan((2, 4), "d1", ["d1"]), StagePlan((4, 6), "d2", ["d2"])])
     tau = stage_costs(p, s)[0].task_times["d0"]
@@ -337,7 +337,7 @@ def test_share_counts_by_hand():
         "name": "counts",
         "workload": {"model": "tiny", "seq_len": 64, "global_batch": 8, "micro_batch_size": 2, "dtype": "fp32"},
         "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}},
-        "devices": devices,
+        "devices": devices, "framework_cpu": FREE_CPU,
     })
     # stage 0 on h0: a and h1 (h1 hosts stage 1); stage 1 on h1: b and h0 (h0 hosts stage 0);
     # stage 2 on h2: c and h2 itself
@@ -381,7 +381,7 @@ def _fixed_point_case(tf, links):
         "name": "fixed-point",
         "workload": {"model": "tiny", "seq_len": 64, "global_batch": 8, "micro_batch_size": 2, "dtype": "fp32"},
         "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}},
-        "devices": devices,
+        "devices": devices, "framework_cpu": FREE_CPU,
     })
     p = plan([StagePlan((0, 3), "h0", ["a", "b"]), StagePlan((3, 6), "h1", ["c", "d"])])
     prof = profile_model(get_preset("tiny"), 64, 2, 4)
@@ -468,7 +468,7 @@ def _slow_link_scenario(latency_ms):
         "name": "lat",
         "workload": {"model": "tiny", "seq_len": 64, "global_batch": 8, "micro_batch_size": 2, "dtype": "fp32"},
         "network": {"intra": {"a": {"latency_ms": latency_ms, "bandwidth_gbps": 1}}},
-        "devices": devices,
+        "devices": devices, "framework_cpu": FREE_CPU,
     })
 
 

@@ -13,6 +13,7 @@ from shoal.plan.report import (
     IDLE_LINKS,
     IDLE_MEMORY,
     IDLE_NO_BENEFIT,
+    IDLE_SERVER_CPU,
     flop_limit_tokens_per_s,
     swarm_report,
     training_flops_per_token,
@@ -60,7 +61,7 @@ def test_report_of_a_hand_plan():
     assert pred["flop_share"] == pytest.approx(rep.flop_share)
     assert (rep.devices_used, rep.devices_available) == (1, 4)
     assert rep.idle == {"slow": IDLE_NO_BENEFIT, "small": IDLE_MEMORY, "thin": IDLE_LINKS}
-    assert rep.idle_counts() == {IDLE_MEMORY: 1, IDLE_LINKS: 1, IDLE_NO_BENEFIT: 1}
+    assert rep.idle_counts() == {IDLE_MEMORY: 1, IDLE_LINKS: 1, IDLE_NO_BENEFIT: 1, IDLE_SERVER_CPU: 0}
     assert "GB" in rep.why["small"] and "round" not in rep.why["thin"] and "step" in rep.why["thin"]
     # the busy share of the used devices stays, as a secondary figure
     assert rep.busy_share == pred["utilisation"]

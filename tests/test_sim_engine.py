@@ -13,6 +13,7 @@ from shoal.model.profile import profile_model
 from shoal.plan.types import (
     ChurnModel,
     Device,
+    FrameworkCpu,
     Link,
     Network,
     Plan,
@@ -36,9 +37,15 @@ def gpu(i: int, flops: float = 1e12, up: float = 1e7, down: float = 1e7, session
     return Device(f"w{i}", "gpu", flops, 8e9, "r", up, down, mean_session_s=session)
 
 
+# A frictionless framework: the closed forms here are the network's and the compute's;
+# tests/test_plan_cpu.py charges shoal's own CPU per message.
+FREE = FrameworkCpu(server_task_s=0.0, worker_task_s=0.0, server_sync_s=0.0, coordinator_member_s=0.0,
+                    coordinator_report_s=0.0)
+
+
 def scenario(devices, latency=0.01, path_bw=1e9, churn=None, global_batch=16) -> Scenario:
     net = Network(intra={"r": Link(latency, path_bw)}, inter={})
-    return Scenario("hand", devices, net, Workload("tiny", T, global_batch, B, DT), churn or ChurnModel())
+    return Scenario("hand", devices, net, Workload("tiny", T, global_batch, B, DT), churn or ChurnModel(), cpu=FREE)
 
 
 def plan(stages, m, sync=None) -> Plan:

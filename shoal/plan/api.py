@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -48,7 +49,7 @@ def make_plan(scenario: Scenario, method: str = "shoal", seed: int = 0, stages: 
             raise ShoalError("--replicas needs local sync (replicas merge every H steps): add --sync local")
         from shoal.plan.replicas import plan_replicas
 
-        plan = plan_replicas(scenario, seed=seed, sync=sync, options=options)
+        plan = _fit_cpu(plan_replicas(scenario, seed=seed, sync=sync, options=_search(options)), scenario, options)
         plan.planning_time_s = time.perf_counter() - t0
         validate_plan(plan, scenario)
         predict(plan, scenario, options)
@@ -56,7 +57,11 @@ def make_plan(scenario: Scenario, method: str = "shoal", seed: int = 0, stages: 
     if tune_micro_batch and method != "shoal":
         raise ShoalError("--tune-micro-batch is only implemented for method shoal")
     planner = plan_shoal_tuned if tune_micro_batch else METHODS[method]
-    plan = planner(scenario, seed=seed, stages=stages, sync=sync, options=options)
+    if method == "shoal":
+        plan = _fit_cpu(planner(scenario, seed=seed, stages=stages, sync=sync, options=_search(options)), scenario,
+                        options)
+    else:
+        plan = planner(scenario, seed=seed, stages=stages, sync=sync, options=options)
     plan.planning_time_s = time.perf_counter() - t0
     plan.method = method
     validate_plan(plan, scenario)
@@ -69,6 +74,21 @@ def make_plan(scenario: Scenario, method: str = "shoal", seed: int = 0, stages: 
         plan.standby_every = standby_every
     predict(plan, scenario, options)
     return plan
+
+
+def _search(options: CostOptions | None) -> CostOptions:
+    """The cost options of shoal's search: the coordinator's CPU floor left out (a plan with too
+    many members would be infinite, and the search could not tell two such plans apart);
+    :func:`_fit_cpu` fits the coordinator afterwards."""
+    return dataclasses.replace(options or CostOptions(), coordinator=False)
+
+
+def _fit_cpu(plan: Plan, scenario: Scenario, options: CostOptions | None) -> Plan:
+    """The framework-CPU passes of :mod:`shoal.plan.saturation` on a shoal plan: fit the
+    coordinator's membership, then leave out the workers a CPU-bound server cannot feed."""
+    from shoal.plan.saturation import fit_coordinator, shed_unfed_workers
+
+    return shed_unfed_workers(fit_coordinator(plan, scenario, options), scenario, options)
 
 
 def _register_baselines() -> None:

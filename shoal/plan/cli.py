@@ -418,7 +418,7 @@ def _compare(console: Console, scenario: Scenario, args: argparse.Namespace, pol
 
     table = Table(title=f"planners on {scenario.name} (judged by shoal's cost model; all but shoal are baselines)"
                   + ("" if len(policies) == 1 else f"; second policy: {policies[1][0]}, {codecs}"))
-    for col in ("method", "sync", "S", "used", "idle m/l/n", "pred step s", "pred tok/s", "pred FLOP%", "pred busy"):
+    for col in ("method", "sync", "S", "used", "idle m/l/n/c", "pred step s", "pred tok/s", "pred FLOP%", "pred busy"):
         table.add_column(col, justify="right" if col not in ("method", "sync") else "left")
     if simulate is not None:
         for col in ("sim step s", "sim tok/s", "sim FLOP%", "sim busy"):
@@ -443,7 +443,7 @@ def _compare(console: Console, scenario: Scenario, args: argparse.Namespace, pol
     # a wide table: never squeezed below 132 columns (a narrow terminal wraps lines instead)
     _Console(width=max(console.width, 132), file=console.file).print(table)
     console.print("FLOP% = tokens/s as a share of the swarm's FLOP limit (all workers' FLOP/s / training FLOPs per "
-                  "token); used = devices used / available; idle m/l/n = idle for memory / links / no benefit; "
+                  "token); used = devices used / available; idle m/l/n/c = idle for memory / links / no benefit / server CPU; "
                   "busy = busy share of the used devices; S = stages (or replicas)")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"scenario": scenario.name, "methods": rows}, indent=2) + "\n")

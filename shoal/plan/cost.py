@@ -41,7 +41,7 @@ import numpy as np
 from shoal.errors import ShoalError
 from shoal.model.config import get_preset
 from shoal.model.profile import ModelProfile, profile_model
-from shoal.plan.types import Device, Plan, Replica, Scenario, SyncPolicy
+from shoal.plan.types import Device, FrameworkCpu, Plan, Replica, Scenario, SyncPolicy
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,7 @@ class CostOptions:
     recompute: bool = False  # a backward task recomputes the forward (workers keep no activations)
     churn: bool = True  # add the expected cost of churn when the scenario's churn is enabled
     lease_timeout_s: float = 10.0  # seconds before a server notices a vanished worker (SimConfig's default)
+    coordinator: bool = True  # the coordinator's CPU bounds the step (make_plan's search leaves it to fit_coordinator)
 
 
 @lru_cache(maxsize=64)
@@ -370,6 +371,119 @@ def local_sync_per_step(round_s: float, sync_every: int, pipeline_s: float, over
     return max(0.0, round_s - h * pipeline_s) / h
 
 
+# --------------------------------------------------------------------------- framework CPU
+
+
+def tasks_per_micro_batch(last: bool) -> int:
+    """Tasks one micro-batch makes on a stage: forward and backward, or one on the last stage
+    (which runs both at once). Each task's result is handled once by a stage server (the one it
+    goes to), and the per-server counts come out the same: ``n_s`` per micro-batch at stage
+    ``s``'s server."""
+    return 1 if last else 2
+
+
+def worker_task_compute(fwd_s: float, bwd_s: float, last: bool, cpu_s: float) -> float:
+    """Seconds a worker's tasks of one micro-batch take when each task also costs ``cpu_s`` of
+    the worker's framework CPU: compute runs off its event loop, so a task takes the longer of
+    its compute and its CPU (``max(f, cpu) + max(b, cpu)``; one task on the last stage). The
+    plain sum when the CPU binds nowhere (so figures without it stay bit for bit)."""
+    if last:
+        return max(fwd_s + bwd_s, cpu_s)
+    if fwd_s >= cpu_s and bwd_s >= cpu_s:
+        return fwd_s + bwd_s
+    return max(fwd_s, cpu_s) + max(bwd_s, cpu_s)
+
+
+def server_task_demand(plan: Plan, cpu: FrameworkCpu) -> dict[str, float]:
+    """Host id -> framework CPU seconds per step of the tasks through its stage servers:
+    ``sum over its stages of M_r n_s c`` (every replica's stages, each with its replica's
+    micro-batches ``M_r``; ``c`` = ``cpu.server_task_s``)."""
+    out: dict[str, float] = {}
+    for r in plan.pipelines:
+        n = len(r.stages)
+        for i, st in enumerate(r.stages):
+            out[st.server] = out.get(st.server, 0.0) + \
+                r.micro_batches * tasks_per_micro_batch(i == n - 1) * cpu.server_task_s
+    return out
+
+
+def server_cpu_caps(plan: Plan, scenario: Scenario) -> list[list[float]]:
+    """Per replica, per stage: the most micro-batches per second its server host's CPU lets
+    through. The replicas run in lockstep, so replica ``r`` completes ``M_r / T`` micro-batches a
+    step of ``T`` seconds and host ``h`` needs ``D_h / T`` cores (:func:`server_task_demand`);
+    with ``cores_h`` of them, ``T >= D_h / cores_h``, i.e. stage ``s`` of replica ``r`` on ``h``
+    runs at most ``M_r cores_h / D_h`` micro-batches per second (``inf`` without CPU cost)."""
+    demand = server_task_demand(plan, scenario.cpu)
+    cores = {d.id: d.cores for d in scenario.devices if d.id in demand}
+    return [[r.micro_batches * cores[st.server] / demand[st.server] if demand[st.server] > 0 else math.inf
+             for st in r.stages] for r in plan.pipelines]
+
+
+def server_cpu_per_step(plan: Plan, scenario: Scenario) -> dict[str, float]:
+    """Host id -> seconds per step its stage servers' framework CPU keeps all its cores busy:
+    the tasks through it (:func:`server_task_demand`) plus, in exact sync, every remote worker's
+    push and pull (``cpu.server_sync_s`` each, per ``sync_every`` steps), over its cores. A step
+    shorter than this saturates the host."""
+    cpu = scenario.cpu
+    out = server_task_demand(plan, cpu)
+    if not plan.sync.local:
+        for st in plan.all_stages:
+            remote = sum(1 for w in st.workers if w != st.server)
+            out[st.server] = out.get(st.server, 0.0) + remote * cpu.server_sync_s / max(1, plan.sync.sync_every)
+    cores = {d.id: d.cores for d in scenario.devices if d.id in out}
+    return {h: v / cores[h] for h, v in out.items()}
+
+
+def coordinator_members(plan: Plan) -> int:
+    """Members the coordinator keeps alive for a plan: its workers, its server hosts and their
+    standbys."""
+    out = set(plan.workers)
+    for st in plan.all_stages:
+        out.add(st.server)
+        out.update(st.standbys)
+    return len(out)
+
+
+def coordinator_floor(members: int, reports: int, cpu: FrameworkCpu) -> float:
+    """The shortest step the coordinator's CPU allows: each second it spends ``members *
+    coordinator_member_s`` on liveness, and each step ``reports * coordinator_report_s`` on the
+    stage servers' step reports, on ``coordinator_cores``: ``T >= reports c_r / (cores - members
+    c_m)``; ``inf`` once liveness alone needs every core (members would be declared dead)."""
+    spare = cpu.coordinator_cores - members * cpu.coordinator_member_s
+    if spare <= 0:
+        return math.inf
+    return reports * cpu.coordinator_report_s / spare
+
+
+def coordinator_cores(members: int, reports: int, step_s: float, cpu: FrameworkCpu) -> float:
+    """Cores the coordinator uses at a step of ``step_s`` seconds (liveness plus reports)."""
+    per_step = reports * cpu.coordinator_report_s / step_s if 0 < step_s < math.inf else 0.0
+    return members * cpu.coordinator_member_s + per_step
+
+
+def coordinator_member_limit(reports: int, step_s: float, cpu: FrameworkCpu) -> int:
+    """The most members the coordinator can keep alive beside ``reports`` step reports every
+    ``step_s`` seconds: the largest ``n`` with :func:`coordinator_floor` ``<= step_s``."""
+    if cpu.coordinator_member_s <= 0:
+        return 1 << 62
+    per_step = reports * cpu.coordinator_report_s / step_s if 0 < step_s < math.inf else 0.0
+    return max(0, math.floor((cpu.coordinator_cores - per_step) / cpu.coordinator_member_s * (1 - 1e-9)))
+
+
+def cpu_figures(plan: Plan, scenario: Scenario, step_s: float) -> dict[str, float]:
+    """The framework-CPU keys of :func:`predict` at a step of ``step_s``: ``server_cpu_share``
+    (the busiest server host's share of its cores, :func:`server_cpu_per_step` over the step; 1
+    means saturated), ``coordinator_members`` and ``coordinator_cores`` (cores the coordinator
+    uses, :func:`coordinator_cores`)."""
+    per = server_cpu_per_step(plan, scenario)
+    busiest = max(per.values(), default=0.0)
+    members = coordinator_members(plan)
+    ok = 0 < step_s < math.inf
+    return {"server_cpu_share": busiest / step_s if ok else 0.0,
+            "coordinator_members": float(members),
+            "coordinator_cores": coordinator_cores(members, len(plan.all_stages), step_s, scenario.cpu)}
+
+
 # --------------------------------------------------------------------------- the plan's cost
 
 
@@ -389,6 +503,8 @@ class StageCost:
     round_latency: float = 0.0  # local mode: the largest one-way latency worker <-> server
     slowest: float = 0.0  # the slowest used worker's per-micro-batch time plus its uploads' latency
     fwd_share: float = 1.0  # forward FLOPs / (forward + backward FLOPs) of one micro-batch on this stage
+    cpu_cap: float = math.inf  # micro-batches/s its server host's framework CPU lets through (server_cpu_caps)
+    uncapped: float = 0.0  # its task pool's throughput before that cap (X_s of the workers alone)
 
 
 def _share_counts(plan: Plan, scenario: Scenario) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
@@ -475,9 +591,15 @@ def _stage_rows(st, first: bool, last: bool, nxt_id: str | None, prv_id: str | N
     background: dict[str, tuple[float, float]] = {}
     bg_rows = []  # per row: (push bytes, its own push rate, pull bytes, its own pull rate); zeros on loopback
     stage_rows = []
+    wcpu = scenario.cpu.worker_task_s
     for wid in st.workers:
         d = dev[wid]
         c = compute_time(flops, d.flops)
+        if wcpu > 0 and d.flops > 0:
+            # each task also costs the worker's framework CPU, beside its compute (off the event loop)
+            f_s, b_s = fwd / d.flops, bwd / d.flops
+            if (c < wcpu) if last else (min(f_s, b_s) < wcpu):
+                c = worker_task_compute(f_s, b_s, last, wcpu)
         fixed, dlb, dlbw = c, 0.0, math.inf
         bg_row = (0.0, math.inf, 0.0, math.inf)
         ulb_n = ulb_p = 0.0
@@ -511,6 +633,10 @@ def _stage_rows(st, first: bool, last: bool, nxt_id: str | None, prv_id: str | N
         sync_s = local_round_time(max_lat, max_push, max_pull)
     else:
         sync_s = stage_sync_time(max_lat, max_push, max_pull, sync.sync_every)
+        remote = sum(1 for wid in st.workers if wid != host.id)
+        if sync_s > 0 and remote:
+            # the server handles the pushes and pulls of a simultaneous burst on its cores
+            sync_s += remote * scenario.cpu.server_sync_s / host.cores / max(1, sync.sync_every)
     return stage_rows, max_lat, sync_s, max_lat + max_pull, headroom, background, bg_rows
 
 
@@ -565,8 +691,12 @@ class RoundTraffic:
 
 
 def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = None,
-                memo: dict | None = None) -> list[StageCost]:
+                memo: dict | None = None, cpu_caps: list[float] | None = None) -> list[StageCost]:
     """Per-stage throughput, latency, sync and memory of ``plan`` on ``scenario``.
+
+    ``cpu_caps`` (per stage, micro-batches/s; default :func:`server_cpu_caps` of ``plan``) caps each
+    stage's throughput by its server host's framework CPU, and each task's result costs its
+    server ``server_task_s`` on the micro-batch's path (the fill/drain share).
 
     A server link is shared by the activation transfers *in flight* on it, not by every worker
     that uses it: ``k_eff = link_share(N, k)`` with ``N`` the expected number of transfers in
@@ -580,6 +710,8 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
     options = options or CostOptions()
     prof = scenario_profile(scenario, plan.micro_batch_size)
     sync: SyncPolicy = plan.sync
+    if cpu_caps is None:
+        cpu_caps = server_cpu_caps(plan, scenario)[0]
     n_dl, n_ul, n_sync = _share_counts(plan, scenario)
     n = len(plan.stages)
     if memo is None:
@@ -737,10 +869,12 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
         a, b = plan.stages[i].layers
         fwd = prof.fwd_flops(a, b)
         flops = fwd + prof.bwd_flops(a, b)
-        out.append(StageCost(throughput=x, latency=lat, compute_fraction=frac, sync=syncs[i],
-                             task_times=task_times, memory_headroom=heads[i], pull=pulls[i],
+        handling = tasks_per_micro_batch(i == n - 1) * scenario.cpu.server_task_s
+        out.append(StageCost(throughput=min(x, cpu_caps[i]), latency=lat + handling, compute_fraction=frac,
+                             sync=syncs[i], task_times=task_times, memory_headroom=heads[i], pull=pulls[i],
                              compute_per_step=busy_step, round_links=tuple(links), round_latency=lats[i],
-                             slowest=slow, fwd_share=fwd / flops if flops > 0 else 1.0))
+                             slowest=slow + handling, fwd_share=fwd / flops if flops > 0 else 1.0,
+                             cpu_cap=cpu_caps[i], uncapped=x))
     return out
 
 
@@ -890,7 +1024,7 @@ def churn_step_time(plan: Plan, scenario: Scenario, costs: list[StageCost], pipe
             xa += availability(sess, off) / t
             if sess:
                 churn += step / sess * leave_cost(t, c.throughput, m, pipe, fill, options.lease_timeout_s, c.pull)
-        xs_a.append(xa)
+        xs_a.append(min(xa, c.cpu_cap))
     pipe_a = (m - 1) / min(xs_a) + fill if min(xs_a) > 0 else math.inf
     pipe_a = max(pipe_a + adjust, floor)  # local mode: tail_pipeline_time's correction, granular_pipeline_time
     return step_time(pipe_a, sync, options.overlap_sync) + churn, churn
@@ -1085,9 +1219,10 @@ def predict_replicas(plan: Plan, scenario: Scenario, options: CostOptions, memo:
     prof = scenario_profile(scenario, plan.micro_batch_size)
     h = max(1, plan.sync.sync_every)
     subs = [replica_plan(plan, r) for r in plan.replicas]
+    caps = server_cpu_caps(plan, scenario)  # hosts may serve stages of several replicas
     per = []
-    for sub in subs:
-        costs = stage_costs(sub, scenario, options, memo)
+    for sub, cap in zip(subs, caps, strict=True):
+        costs = stage_costs(sub, scenario, options, memo, cap)
         per.append((sub, costs, *_pipeline_terms(costs, sub.micro_batches, True)))
     pipe = max(x[2] for x in per)
     overlap = plan.sync.overlap
@@ -1113,6 +1248,8 @@ def predict_replicas(plan: Plan, scenario: Scenario, options: CostOptions, memo:
     wait = max(0.0, end - window) if overlap else end
     sync = wait / h
     step = pipe + sync
+    if options.coordinator:
+        step = max(step, coordinator_floor(coordinator_members(plan), len(plan.all_stages), scenario.cpu))
     expected, churn_s = step, 0.0
     if options.churn and scenario.churn.enabled:
         exp_r = []
@@ -1153,6 +1290,7 @@ def predict_replicas(plan: Plan, scenario: Scenario, options: CostOptions, memo:
         "devices_used": float(n_workers),
         "devices_available": float(len(scenario.workers)),
         "replicas": float(len(plan.replicas)),
+        **cpu_figures(plan, scenario, step),
     }
     plan.predicted = result
     return result
@@ -1210,11 +1348,13 @@ def predict(plan: Plan, scenario: Scenario, options: CostOptions | None = None,
         sync = max(c.sync for c in costs)
         overlap = options.overlap_sync
     step = step_time(pipe, sync, overlap)
+    if options.coordinator:
+        step = max(step, coordinator_floor(coordinator_members(plan), len(plan.all_stages), scenario.cpu))
     expected, churn_s = step, 0.0
     if options.churn and scenario.churn.enabled:
         expected, churn_s = churn_step_time(plan, scenario, costs, pipe, fill, sync, step,
                                             CostOptions(overlap, options.recompute, options.churn,
-                                                        options.lease_timeout_s), floor, adjust)
+                                                        options.lease_timeout_s, options.coordinator), floor, adjust)
     n_workers = sum(len(st.workers) for st in plan.stages)
     busy = sum(c.compute_per_step for c in costs)
     util = busy / (n_workers * step) if n_workers and step > 0 and math.isfinite(step) else 0.0
@@ -1239,6 +1379,7 @@ def predict(plan: Plan, scenario: Scenario, options: CostOptions | None = None,
         "flop_share": tps / limit if limit > 0 else 0.0,
         "devices_used": float(n_workers),
         "devices_available": float(len(scenario.workers)),
+        **cpu_figures(plan, scenario, step),
     }
     if any(st.standbys for st in plan.stages):
         # Hook: hot standbys' state copies share the active hosts' uplinks (shoal.plan.standby).

@@ -17,14 +17,40 @@ import math
 from dataclasses import dataclass, field
 
 from shoal.model.profile import ModelProfile
-from shoal.plan.cost import scenario_profile, stage_worker_memory, swarm_flop_limit
+from shoal.plan.cost import (
+    replica_plan,
+    scenario_profile,
+    server_cpu_caps,
+    server_cpu_per_step,
+    stage_costs,
+    stage_worker_memory,
+    swarm_flop_limit,
+)
 from shoal.plan.types import Device, Plan, Scenario
 
 # Reasons an available device does no work in a plan (``SwarmReport.idle`` values).
 IDLE_MEMORY = "memory"  # it cannot hold any stage of the plan
 IDLE_LINKS = "links"  # it fits, but its links, not its GPU, would set its pace
 IDLE_NO_BENEFIT = "no benefit"  # it fits and its links keep up, but the planner found no faster step with it
-IDLE_REASONS = (IDLE_MEMORY, IDLE_LINKS, IDLE_NO_BENEFIT)
+IDLE_SERVER_CPU = "server CPU"  # it fits and its links keep up, but the server host of its stage has no CPU left
+IDLE_REASONS = (IDLE_MEMORY, IDLE_LINKS, IDLE_NO_BENEFIT, IDLE_SERVER_CPU)
+
+def cpu_bound_servers(plan: Plan, scenario: Scenario, step_s: float) -> dict[str, str]:
+    """Server host id -> one line, for each host whose CPU caps a stage: its workers could run
+    more micro-batches per second than its cores handle (:func:`shoal.plan.cost.server_cpu_caps`),
+    so the host, not its workers, sets that stage's pace."""
+    dev = {d.id: d for d in scenario.devices}
+    per_step = server_cpu_per_step(plan, scenario)
+    out = {}
+    for rep, caps in zip(plan.pipelines, server_cpu_caps(plan, scenario), strict=True):
+        for st, c in zip(rep.stages, stage_costs(replica_plan(plan, rep), scenario, None, None, caps), strict=True):
+            if st.server not in out and c.uncapped >= c.cpu_cap * (1 - 1e-9):
+                h = st.server
+                step = f" of a {step_s:.2f} s step" if 0 < step_s < math.inf else " a step"
+                out[h] = (f"server host {h} is CPU-bound: its {dev[h].cores} cores handle {c.cpu_cap:.1f} "
+                          f"micro-batches/s of layers [{st.layers[0]}, {st.layers[1]}), its workers could run "
+                          f"{c.uncapped:.1f}; its stage servers' CPU is busy {per_step[h]:.2f} s{step}")
+    return dict(sorted(out.items()))
 
 
 def training_flops_per_token(prof: ModelProfile) -> float:
@@ -55,6 +81,7 @@ class SwarmReport:
     busy_share: float  # secondary: mean over the used devices of the fraction of a step spent computing
     idle: dict[str, str] = field(default_factory=dict)  # idle device id -> one of IDLE_REASONS
     why: dict[str, str] = field(default_factory=dict)  # idle device id -> one line with the figures behind it
+    cpu_bound: dict[str, str] = field(default_factory=dict)  # CPU-bound server host id -> one line (cpu_bound_servers)
 
     def idle_counts(self) -> dict[str, int]:
         """Idle devices per reason (every reason listed, zeros included)."""
@@ -67,18 +94,21 @@ class SwarmReport:
         """One line: tokens/s, the share of the FLOP limit, devices used and why the rest are idle."""
         counts = ", ".join(f"{n} {r}" for r, n in self.idle_counts().items() if n)
         idle = f" (idle: {counts})" if counts else ""
+        cpu = f"; CPU-bound server hosts: {', '.join(self.cpu_bound)}" if self.cpu_bound else ""
         return (f"{self.tokens_per_s:,.0f} tokens/s = {self.flop_share:.1%} of the swarm's FLOP limit "
                 f"({self.flop_limit_tokens_per_s:,.0f} tokens/s); {self.devices_used}/{self.devices_available} "
-                f"devices used{idle}; busy share of the used devices {self.busy_share:.0%}")
+                f"devices used{idle}; busy share of the used devices {self.busy_share:.0%}{cpu}")
 
     def to_dict(self) -> dict:
         return {"tokens_per_s": self.tokens_per_s, "flop_limit_tokens_per_s": self.flop_limit_tokens_per_s,
                 "flop_share": self.flop_share, "devices_used": self.devices_used,
                 "devices_available": self.devices_available, "busy_share": self.busy_share,
-                "idle_counts": self.idle_counts(), "idle": dict(self.idle), "why": dict(self.why)}
+                "idle_counts": self.idle_counts(), "idle": dict(self.idle), "why": dict(self.why),
+                "cpu_bound": dict(self.cpu_bound)}
 
 
-def idle_reason(d: Device, plan: Plan, scenario: Scenario, step_s: float) -> tuple[str, str]:
+def idle_reason(d: Device, plan: Plan, scenario: Scenario, step_s: float,
+                cpu_bound: dict[str, str] | None = None) -> tuple[str, str]:
     """``(reason, one line)`` for a device the plan leaves idle.
 
     * ``memory``: it cannot hold any of the plan's stages (under the plan's sync policy);
@@ -86,6 +116,8 @@ def idle_reason(d: Device, plan: Plan, scenario: Scenario, step_s: float) -> tup
       links (and its lease round trips) takes longer than computing it, or its share of the
       parameter sync (a step's in exact sync, a round's in local mode, at its own link rate)
       takes longer than the steps it would run beside;
+    * ``server CPU``: it fits and its links keep up, but the server host of a stage it fits is
+      CPU-bound (``cpu_bound``, from :func:`cpu_bound_servers`): that stage cannot take more tasks;
     * ``no benefit``: otherwise -- it fits and its links keep up, but the planner found no
       shorter step with it (e.g. the stage already has more workers than micro-batches, or a
       slow device's last task would end the step later).
@@ -128,6 +160,12 @@ def idle_reason(d: Device, plan: Plan, scenario: Scenario, step_s: float) -> tup
     if math.isfinite(window) and sync > window:
         what = "a round" if plan.sync.local else "a step"
         return IDLE_LINKS, f"on {where} its sync of {what} takes {sync:.1f} s at its link rate, {what} lasts {window:.1f} s"
+    if cpu_bound is None:
+        cpu_bound = cpu_bound_servers(plan, scenario, step_s)
+    for cand in fitting:
+        if cand.server in cpu_bound:
+            return IDLE_SERVER_CPU, (f"fits layers [{cand.layers[0]}, {cand.layers[1]}) but "
+                                     f"{cpu_bound[cand.server]}")
     return IDLE_NO_BENEFIT, (f"fits {where} (compute {compute:.2f} s, transfers {io:.2f} s per micro-batch) "
                              "but the planner found no shorter step with it")
 
@@ -145,10 +183,11 @@ def swarm_report(plan: Plan, scenario: Scenario, step_s: float | None = None,
     used = set(plan.workers)
     idle: dict[str, str] = {}
     why: dict[str, str] = {}
+    bound = cpu_bound_servers(plan, scenario, step_s)
     for d in scenario.workers:
         if d.id in used:
             continue
-        idle[d.id], why[d.id] = idle_reason(d, plan, scenario, step_s)
+        idle[d.id], why[d.id] = idle_reason(d, plan, scenario, step_s, bound)
     return SwarmReport(tokens_per_s=tps, flop_limit_tokens_per_s=limit, flop_share=tps / limit if limit > 0 else 0.0,
                        devices_used=len(used), devices_available=len(scenario.workers), busy_share=busy_share,
-                       idle=idle, why=why)
+                       idle=idle, why=why, cpu_bound=bound)

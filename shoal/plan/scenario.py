@@ -36,7 +36,7 @@ from pathlib import Path
 from shoal.errors import ShoalError
 from shoal.model.config import PRESETS, get_preset
 from shoal.model.profile import profile_model
-from shoal.plan.types import ChurnModel, Device, Link, Network, Scenario, Workload
+from shoal.plan.types import ChurnModel, Device, FrameworkCpu, Link, Network, Scenario, Workload
 
 MBIT = 1e6 / 8  # bytes/s in one Mbit/s
 GBIT = 1e9 / 8  # bytes/s in one Gbit/s
@@ -80,7 +80,7 @@ def _link_dict(link: Link) -> dict:
 
 
 _DEVICE_KEYS = {"id", "kind", "tflops", "memory_gb", "region", "up_mbps", "up_gbps", "down_mbps",
-                "down_gbps", "can_host_server", "mean_session_h", "host_memory_gb"}
+                "down_gbps", "can_host_server", "mean_session_h", "host_memory_gb", "cores"}
 
 
 def _device(d: dict, where: str) -> Device:
@@ -107,7 +107,42 @@ def _device(d: dict, where: str) -> Device:
         can_host_server=bool(d.get("can_host_server", False)),
         mean_session_s=session,
         host_memory=_num(d, "host_memory_gb", where) * GB if "host_memory_gb" in d else 64e9,
+        cores=_cores(d, where),
     )
+
+
+def _cores(d: dict, where: str) -> int:
+    c = d.get("cores", 8)
+    if not isinstance(c, int) or isinstance(c, bool) or c <= 0:
+        raise ShoalError(f"{where}: cores must be a positive integer (CPU cores of the host), got {c!r}")
+    return c
+
+
+# framework_cpu keys of a scenario file (milliseconds; coordinator_cores in cores) -> FrameworkCpu fields
+_CPU_KEYS = {"server_task_ms": "server_task_s", "worker_task_ms": "worker_task_s", "server_sync_ms": "server_sync_s",
+             "coordinator_member_ms": "coordinator_member_s", "coordinator_report_ms": "coordinator_report_s",
+             "coordinator_cores": "coordinator_cores"}
+
+
+def _framework_cpu(d: dict, name: str) -> FrameworkCpu:
+    """The scenario's ``framework_cpu`` section (CPU-ms per message; absent keys keep the defaults)."""
+    c = d.get("framework_cpu", {})
+    if not isinstance(c, dict):
+        raise ShoalError(f"scenario {name}: framework_cpu must be an object of CPU-ms figures")
+    unknown = set(c) - set(_CPU_KEYS)
+    if unknown:
+        raise ShoalError(f"scenario {name}: framework_cpu has unknown field(s) {sorted(unknown)}; "
+                         f"allowed: {sorted(_CPU_KEYS)}")
+    vals = {}
+    for key, attr in _CPU_KEYS.items():
+        if key in c:
+            v = c[key]
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            if not ok or v < 0 or (key == "coordinator_cores" and v <= 0):
+                raise ShoalError(f"scenario {name}: framework_cpu.{key} must be a non-negative number "
+                                 f"(coordinator_cores > 0), got {v!r}")
+            vals[attr] = float(v) if key == "coordinator_cores" else float(v) * MS
+    return FrameworkCpu(**vals)
 
 
 def _device_dict(dev: Device) -> dict:
@@ -117,6 +152,7 @@ def _device_dict(dev: Device) -> dict:
         "can_host_server": dev.can_host_server,
         "mean_session_h": None if dev.mean_session_s is None else dev.mean_session_s / 3600.0,
         "host_memory_gb": dev.host_memory / GB,
+        "cores": dev.cores,
     }
 
 
@@ -208,7 +244,7 @@ def scenario_from_dict(d: dict) -> Scenario:
                        mean_offline_s=float(c.get("mean_offline_min", 10.0)) * 60.0, trace=trace)
     scenario = Scenario(name=name, devices=devices, network=Network(intra=intra, inter=inter, overrides=overrides),
                         workload=workload, churn=churn, description=str(d.get("description", "")),
-                        source=str(d.get("source", "")))
+                        source=str(d.get("source", "")), cpu=_framework_cpu(d, name))
     validate_scenario(scenario)
     return scenario
 
@@ -232,6 +268,7 @@ def scenario_to_dict(s: Scenario) -> dict:
         "devices": [_device_dict(dev) for dev in s.devices],
         "churn": {"enabled": s.churn.enabled, "mean_offline_min": s.churn.mean_offline_s / 60.0,
                   "trace": [list(t) for t in s.churn.trace]},
+        "framework_cpu": {k: getattr(s.cpu, a) / (1.0 if k == "coordinator_cores" else MS) for k, a in _CPU_KEYS.items()},
     }
 
 

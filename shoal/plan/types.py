@@ -36,6 +36,7 @@ class Device:
     can_host_server: bool = False  # reliable enough to run a stage server
     mean_session_s: float | None = None  # mean time online before leaving (None: never leaves)
     host_memory: float = 64e9  # host RAM in bytes, for stage servers (master weights + AdamW)
+    cores: int = 8  # CPU cores of the host, for its stage servers' framework CPU (FrameworkCpu)
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,23 @@ class ChurnModel:
     trace: tuple[tuple[float, str, str], ...] = ()  # explicit (time_s, device_id, "leave"|"join")
 
 
+@dataclass(frozen=True)
+class FrameworkCpu:
+    """CPU seconds shoal's own protocol costs on each kind of host (not the model's compute).
+
+    Defaults are today's Python runtime as measured in ``bench/``; a scenario may override them
+    (``framework_cpu`` in its file, in ms). The cost model and the simulator charge them
+    (``docs/planner-cost.md``, "Framework CPU").
+    """
+
+    server_task_s: float = 16.6e-3  # stage server, per task through it (grant, input, result, relays; per-step work amortised): bench/results/stream.md, launch S=2 W=2, 16.6 CPU-ms
+    worker_task_s: float = 7.1e-3  # worker, per task beyond its compute (lease, input, result): stream.md, the same run, 7.1 CPU-ms
+    server_sync_s: float = 1.0e-3  # stage server, per worker per exact-sync step (its push and its pull): bench_rpc_cost.py server ends, 0.53 + 0.44 CPU-ms
+    coordinator_member_s: float = 0.8e-3  # coordinator, per member per second (heartbeats, liveness): fit of stream.md's shadow swarms, 0.03 / 0.06 cores at 18 / 66 members
+    coordinator_report_s: float = 14e-3  # coordinator, per stage server's step report: the same fit
+    coordinator_cores: float = 1.0  # cores the coordinator can use (one Python event loop)
+
+
 @dataclass
 class Scenario:
     """A set of devices, the network between them, the workload and the churn model."""
@@ -109,6 +127,7 @@ class Scenario:
     churn: ChurnModel = field(default_factory=ChurnModel)  # how devices come and go
     description: str = ""  # one paragraph: what this scenario models
     source: str = ""  # where its figures come from
+    cpu: FrameworkCpu = field(default_factory=FrameworkCpu)  # the framework's CPU per message on each host
 
     def device(self, device_id: str) -> Device:
         """The device called ``device_id``."""

@@ -38,7 +38,7 @@ from shoal.errors import ShoalError
 from shoal.model.config import get_preset
 from shoal.model.profile import profile_model
 from shoal.plan.compression import wire_ratio
-from shoal.plan.cost import SYNC_CHUNK_MIN, SYNC_CHUNK_S
+from shoal.plan.cost import SYNC_CHUNK_MIN, SYNC_CHUNK_S, coordinator_floor, coordinator_members
 from shoal.plan.standby import state_bytes, step_log_bytes
 from shoal.plan.types import Plan, Replica, Scenario, StagePlan
 from shoal.plan.validate import validate_plan
@@ -56,6 +56,8 @@ SRV_DOWN = 6  # a = host id, b = recovery seconds
 SRV_UP = 7  # a = host id
 RESEND = 8  # retry a message deferred by a down server: b = (src, dst, nbytes, kind, payload, worker)
 APPLY = 9  # a stage server finished its optimizer step: a = stage
+CPU_DONE = 10  # a server host's CPU has handled a message: a = message kind, b = payload (see _server_cpu)
+STEP_END = 11  # the coordinator's CPU lets the step close now (see coordinator_floor)
 
 BG_CHUNK_S = SYNC_CHUNK_S  # local-mode sync chunks last this long at the link's full rate
 BG_CHUNK_MIN = SYNC_CHUNK_MIN  # bytes: no sync chunk is smaller (unless it is the rest)
@@ -270,6 +272,11 @@ class Simulator:
         self.overlap_up = pol.overlap_uploads  # lease the next task while the output uploads
         self.prefetch = pol.prefetch  # ask for the next task when computing starts
         self.stages = [Stage(i, sp, self.devices[sp.server]) for i, sp in enumerate(self.flat)]
+        # the framework's own CPU (scenario.cpu): each server host's cores handle the messages
+        # that cost CPU first come first served; the coordinator bounds the step from below
+        self.fw_cpu = scenario.cpu
+        self.cores_free: dict[str, list[float]] = {}  # host -> heap of the times its cores are free
+        self.coord_floor = coordinator_floor(coordinator_members(plan), len(self.flat), scenario.cpu)
         i = 0
         for r in plan.pipelines:
             for j in range(len(r.stages)):
@@ -674,6 +681,10 @@ class Simulator:
             self._round_progress(st)
 
     def _close_step(self) -> None:
+        if self.now < self.step_start + self.coord_floor:
+            # the coordinator's CPU cannot take the step's reports any sooner
+            self._push(self.step_start + self.coord_floor, STEP_END, None)
+            return
         self.step_times.append(self.now - self.step_start)
         self.passes.append({
             "fwd": [dict(st.fwd_count) for st in self.stages],
@@ -684,7 +695,21 @@ class Simulator:
             self._start_step()
 
     # ---------------------------------------------------------------- messages
-    def _on_message(self, kind: int, p) -> None:
+    def _server_cpu(self, host: str, cost: float, kind: int, p) -> bool:
+        """Queue ``cost`` seconds of framework CPU for message ``(kind, p)`` on ``host``'s cores
+        (the earliest free core, first come first served); True when its handling was deferred
+        to a CPU_DONE event (then the handler runs again with ``charged``)."""
+        if cost <= 0:
+            return False
+        cores = self.cores_free.get(host)
+        if cores is None:
+            cores = self.cores_free[host] = [0.0] * max(1, self.devices[host].cores)
+        end = max(self.now, cores[0]) + cost
+        heapq.heapreplace(cores, end)
+        self._push(end, CPU_DONE, kind, p)
+        return True
+
+    def _on_message(self, kind: int, p, charged: bool = False) -> None:
         if kind == M_RESULT:
             w, task = p
             st = self.stages[task.stage]
@@ -692,6 +717,11 @@ class Simulator:
                 w.lease = None
             if task in w.held:
                 w.held.remove(task)
+            if not charged:
+                # the server the result goes to handles it before the next task exists
+                to = self.stages[st.prv if (task.bwd or st.last_stage) else st.nxt].host.id
+                if self._server_cpu(to, self.fw_cpu.server_task_s, kind, p):
+                    return
             if task.bwd:
                 if self._accept_bwd(st, w, task):
                     self._offer(self.stages[st.prv], Task(task.step, st.prv, task.m, True))
@@ -724,6 +754,12 @@ class Simulator:
                 w.lease = None
             if task in w.held:
                 w.held.remove(task)
+            if not charged and self.fw_cpu.server_task_s > 0:
+                # its lease request is served at once; the task's handling waits for the CPU
+                if want and w.epoch == epoch and w.alive and w.stage == task.stage:
+                    self._on_message(M_LEASE, (w, epoch))
+                self._server_cpu(st.host.id, self.fw_cpu.server_task_s, kind, (w, epoch, task, False))
+                return
             if task.bwd:
                 self._accept_bwd(st, w, task)
             elif self._accept_fwd(st, w, task):
@@ -745,6 +781,9 @@ class Simulator:
             st = self.stages[s]
             if step != self.step:
                 return
+            if not charged and w.id != st.host.id and \
+                    self._server_cpu(st.host.id, self.fw_cpu.server_sync_s, kind, p):
+                return  # the server handles a remote push (and its pull) on its cores
             c = st.contrib.get(w.id)
             mbs = mbs & c if c else frozenset()
             for m in mbs:
@@ -806,6 +845,8 @@ class Simulator:
         dt = flops / w.dev.flops
         if w.slow:
             dt *= self._factor(w)
+        if dt < self.fw_cpu.worker_task_s:
+            dt = self.fw_cpu.worker_task_s  # its framework CPU per task runs beside the compute
         w.compute_t0 = self.now
         self._push(self.now + dt, COMPUTE, w, (epoch, task))
         if self.prefetch and not w.asking and not w.ready and w.alive and w.stage is not None:
@@ -1164,6 +1205,12 @@ class Simulator:
             elif kind == APPLY:
                 self.now = t
                 self._applied(self.stages[a])
+            elif kind == CPU_DONE:
+                self.now = t
+                self._on_message(a, b, charged=True)
+            elif kind == STEP_END:
+                self.now = t
+                self._close_step()
             events += 1
             if events >= max_ev or self.now > max_t:
                 stalled = True

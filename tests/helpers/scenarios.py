@@ -5,6 +5,11 @@ from __future__ import annotations
 from shoal.plan.scenario import scenario_from_dict
 from shoal.plan.types import Scenario
 
+# A frictionless framework (scenario ``framework_cpu``): hand computations of the network and
+# compute model leave shoal's own CPU per message out; tests/test_plan_cpu.py charges it.
+FREE_CPU = {"server_task_ms": 0, "worker_task_ms": 0, "server_sync_ms": 0, "coordinator_member_ms": 0,
+            "coordinator_report_ms": 0}
+
 
 def hand_scenario(n_workers: int = 1) -> Scenario:
     """``n_workers`` identical tiny-model workers (1 TFLOP/s, 8 GB, 20 Mbit/s up, 200 down) and one
@@ -18,4 +23,5 @@ def hand_scenario(n_workers: int = 1) -> Scenario:
         "workload": {"model": "tiny", "seq_len": 64, "global_batch": 8, "micro_batch_size": 2, "dtype": "fp32"},
         "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}},
         "devices": devices,
+        "framework_cpu": FREE_CPU,
     })

@@ -1,0 +1,189 @@
+"""The framework's own CPU in the cost model, the planner, the report and the simulator: a stage
+server host with too few cores saturates, the planner avoids it or stops feeding it workers, the
+report names it, and the simulator charges the same CPU (shoal.plan.types.FrameworkCpu)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from shoal.errors import ShoalError
+from shoal.plan import load_scenario, make_plan, predict, scenario_from_dict
+from shoal.plan.cost import (
+    coordinator_cores,
+    coordinator_floor,
+    coordinator_member_limit,
+    server_cpu_caps,
+    server_cpu_per_step,
+    worker_task_compute,
+)
+from shoal.plan.report import IDLE_SERVER_CPU, swarm_report
+from shoal.plan.saturation import fit_coordinator, unfed_workers
+from shoal.plan.scenario import scenario_to_dict
+from shoal.plan.types import FrameworkCpu, Plan, StagePlan
+from shoal.sim import simulate
+from tests.helpers.scenarios import FREE_CPU
+
+
+def _scenario(n_workers=4, cores=1, server_task_ms=50.0, worker_task_ms=0.0, far_cores=None, member_ms=0.0,
+              tflops=1.0):
+    """``n_workers`` tiny-model workers (``tflops`` TFLOP/s) and a server host ``h`` with ``cores`` cores
+    in region a; with ``far_cores``, a second host ``far`` in region b, 40 ms away."""
+    devices = [{"id": f"w{i}", "tflops": tflops, "memory_gb": 8, "region": "a", "up_mbps": 200, "down_mbps": 200}
+               for i in range(n_workers)]
+    devices.append({"id": "h", "tflops": 0, "memory_gb": 0, "region": "a", "up_gbps": 10, "down_gbps": 10,
+                    "can_host_server": True, "cores": cores})
+    net = {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}}
+    if far_cores is not None:
+        devices.append({"id": "far", "tflops": 0, "memory_gb": 0, "region": "b", "up_gbps": 10, "down_gbps": 10,
+                        "can_host_server": True, "cores": far_cores})
+        net["intra"]["b"] = {"latency_ms": 5, "bandwidth_gbps": 1}
+        net["inter"] = [{"regions": ["a", "b"], "latency_ms": 40, "bandwidth_gbps": 1}]
+    return scenario_from_dict({
+        "name": "cpu-hand",
+        "workload": {"model": "tiny", "seq_len": 64, "global_batch": 16, "micro_batch_size": 2, "dtype": "fp32"},
+        "network": net,
+        "devices": devices,
+        "framework_cpu": {**FREE_CPU, "server_task_ms": server_task_ms, "worker_task_ms": worker_task_ms,
+                          "coordinator_member_ms": member_ms},
+    })
+
+
+def _two_stage_plan(workers=("w0", "w1", "w2", "w3"), m=8):
+    half = len(workers) // 2
+    return Plan("cpu-hand", "tiny", "hand", [StagePlan((0, 3), "h", list(workers[:half])),
+                                             StagePlan((3, 6), "h", list(workers[half:]))], 2, m)
+
+
+def test_scenario_file_carries_cores_and_framework_cpu():
+    s = _scenario(cores=3, server_task_ms=12.5)
+    assert s.device("h").cores == 3 and s.cpu.server_task_s == pytest.approx(0.0125)
+    back = scenario_from_dict(scenario_to_dict(s))
+    assert back.device("h").cores == 3 and back.cpu == s.cpu
+    d = scenario_to_dict(s)
+    d["framework_cpu"]["server_task_ms"] = -1
+    with pytest.raises(ShoalError, match="framework_cpu.server_task_ms"):
+        scenario_from_dict(d)
+    d = scenario_to_dict(s)
+    d["framework_cpu"]["lease_ms"] = 1
+    with pytest.raises(ShoalError, match="unknown field"):
+        scenario_from_dict(d)
+    d = scenario_to_dict(s)
+    d["devices"][-1]["cores"] = 0
+    with pytest.raises(ShoalError, match="cores must be a positive integer"):
+        scenario_from_dict(d)
+    # without a framework_cpu section a scenario has today's measured figures
+    assert load_scenario("gaming-eu").cpu == FrameworkCpu()
+
+
+def test_worker_task_compute_by_hand():
+    assert worker_task_compute(0.5, 1.0, False, 0.1) == 1.5  # compute binds: the plain sum
+    assert worker_task_compute(0.05, 1.0, False, 0.1) == pytest.approx(1.1)  # the forward is CPU-bound
+    assert worker_task_compute(0.02, 0.03, True, 0.1) == 0.1  # one task on the last stage
+
+
+def test_server_cpu_caps_and_step_floor_by_hand():
+    s = _scenario(cores=1, server_task_ms=50.0)
+    p = _two_stage_plan()
+    # per step: M (2 + 1) tasks on host h, 50 CPU-ms each, on one core
+    demand = 8 * 3 * 0.05
+    assert server_cpu_caps(p, s) == [[pytest.approx(8 / demand), pytest.approx(8 / demand)]]
+    assert server_cpu_per_step(p, s) == {"h": pytest.approx(demand)}
+    pred = predict(p, s)
+    assert pred["step_time_s"] >= demand  # the host's CPU, not the workers, sets the step
+    assert pred["server_cpu_share"] == pytest.approx(demand / pred["step_time_s"])
+    assert pred["throughput_mb_s"] == pytest.approx(8 / demand)
+    # the same plan with the host's CPU at 64 cores: the workers set the pace again
+    fast = predict(_two_stage_plan(), _scenario(cores=64, server_task_ms=50.0))
+    assert fast["step_time_s"] < 0.5 * demand and fast["server_cpu_share"] < 0.5
+
+
+def test_simulator_step_grows_with_server_cpu_and_agrees_with_the_model():
+    steps = []
+    for ms in (0.0, 10.0, 50.0):
+        s = _scenario(cores=1, server_task_ms=ms)
+        p = _two_stage_plan()
+        pred = predict(p, s)["step_time_s"]
+        r = simulate(p, s, steps=3)
+        steps.append(r.mean_step_time_s)
+        assert r.mean_step_time_s == pytest.approx(pred, rel=0.15), ms
+    assert steps[0] < steps[1] < steps[2]
+    assert steps[2] >= 8 * 3 * 0.05  # saturated: at least the host's CPU per step
+
+
+def test_simulator_charges_the_workers_cpu_beside_their_compute():
+    base = simulate(_two_stage_plan(), _scenario(server_task_ms=0.0), steps=2).mean_step_time_s
+    s = _scenario(server_task_ms=0.0, worker_task_ms=200.0)  # far above a tiny task's compute
+    p = _two_stage_plan()
+    r = simulate(p, s, steps=2)
+    assert r.mean_step_time_s > base + 0.2
+    assert r.mean_step_time_s == pytest.approx(predict(p, s)["step_time_s"], rel=0.15)
+
+
+def test_planner_puts_servers_on_a_host_with_cores_to_spare():
+    # the near host is 40 ms closer to every worker; with shoal's own CPU free it is the choice
+    free = make_plan(_scenario(n_workers=6, cores=1, server_task_ms=0.0, far_cores=64))
+    assert {st.server for st in free.stages} == {"h"}
+    # at 50 CPU-ms a task its one core would saturate: the planner moves to the 64-core host
+    busy_s = _scenario(n_workers=6, cores=1, server_task_ms=50.0, far_cores=64)
+    busy = make_plan(busy_s)
+    assert {st.server for st in busy.stages} == {"far"}
+    assert busy.predicted["server_cpu_share"] < 0.5
+    forced = Plan(busy.scenario, busy.model, "hand", [StagePlan(st.layers, "h", list(st.workers))
+                                                      for st in busy.stages], busy.micro_batch_size,
+                  busy.micro_batches, busy.sync)
+    assert predict(forced, busy_s)["step_time_s"] > busy.predicted["step_time_s"]
+
+
+def test_planner_stops_feeding_a_saturated_server_and_the_report_says_why():
+    # slow workers (87 ms a micro-batch), so compute, not their links, sets their pace
+    s = _scenario(n_workers=8, cores=1, server_task_ms=100.0, tflops=0.01)
+    plan = make_plan(s, stages=1)
+    used = len(plan.workers)
+    assert 1 <= used < 8  # the host's one core handles 10 tasks/s: one or two workers feed it
+    assert plan.predicted["server_cpu_share"] > 0.5  # busy most of the step (fill and drain aside)
+    rep = swarm_report(plan, s)
+    assert set(rep.idle.values()) == {IDLE_SERVER_CPU}
+    assert "h" in rep.cpu_bound and "CPU-bound" in rep.summary()
+    assert "server host h is CPU-bound" in next(iter(rep.why.values()))
+    # the same swarm with a free framework uses every worker
+    assert len(make_plan(_scenario(n_workers=8, cores=1, server_task_ms=0.0, tflops=0.01), stages=1).workers) == 8
+
+
+def test_unfed_workers_by_hand():
+    times = {"a": 1.0, "b": 0.5, "c": 2.0, "d": 4.0}
+    assert unfed_workers(times, 2.5, 8) == ["c", "d"]  # b and a give 3 micro-batches/s >= 2.5
+    assert unfed_workers(times, 10.0, 8) == []  # the cap does not bind
+    assert unfed_workers(times, math.inf, 8) == []
+
+
+def test_coordinator_membership_by_hand_and_the_issue_target():
+    cpu = FrameworkCpu()  # today's measured figures
+    # liveness of 1000 members plus two stage reports every 2 s: about 0.8 cores, under one
+    assert coordinator_cores(1000, 2, 2.0, cpu) == pytest.approx(1000 * 0.8e-3 + 2 * 14e-3 / 2.0)
+    assert coordinator_cores(1000, 2, 2.0, cpu) <= 1.0
+    assert coordinator_floor(1000, 2, cpu) == pytest.approx(2 * 14e-3 / (1.0 - 0.8))
+    assert coordinator_floor(1250, 2, cpu) == math.inf  # liveness alone needs the whole core
+    assert coordinator_member_limit(0, 1.0, cpu) == 1249
+    # a plan with more members than the coordinator keeps alive is cut to fit
+    s = _scenario(n_workers=16, cores=64, server_task_ms=0.0, member_ms=100.0)  # 9 members per core
+    p = Plan("cpu-hand", "tiny", "hand", [StagePlan((0, 6), "h", [f"w{i}" for i in range(16)])], 2, 8)
+    assert predict(p, s)["step_time_s"] == math.inf
+    fit = fit_coordinator(p, s)
+    assert len(fit.workers) + 1 <= 9 and math.isfinite(fit.predicted["step_time_s"])
+    assert fit.predicted["coordinator_cores"] <= 1.0
+    assert len(make_plan(s).workers) + 1 <= 9
+
+
+def test_default_figures_leave_a_builtin_plan_where_the_server_is_not_the_limit():
+    s = load_scenario("gaming-eu")
+    plan = make_plan(s)
+    pred = dict(plan.predicted)
+    assert pred["server_cpu_share"] < 0.2 and pred["coordinator_cores"] < 0.1
+    free = dataclasses.replace(FrameworkCpu(), **{k: 0.0 for k in ("server_task_s", "worker_task_s", "server_sync_s",
+                                                                    "coordinator_member_s", "coordinator_report_s")})
+    s.cpu = free
+    without = predict(plan, s)
+    assert pred["step_time_s"] == pytest.approx(without["step_time_s"], rel=0.02)
