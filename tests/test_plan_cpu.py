@@ -23,7 +23,7 @@ from shoal.plan.report import IDLE_SERVER_CPU, swarm_report
 from shoal.plan.saturation import fit_coordinator, unfed_workers
 from shoal.plan.scenario import scenario_to_dict
 from shoal.plan.types import FrameworkCpu, Plan, StagePlan
-from shoal.sim import simulate
+from shoal.sim import SimConfig, simulate
 from tests.helpers.scenarios import FREE_CPU
 
 
@@ -187,3 +187,19 @@ def test_default_figures_leave_a_builtin_plan_where_the_server_is_not_the_limit(
     s.cpu = free
     without = predict(plan, s)
     assert pred["step_time_s"] == pytest.approx(without["step_time_s"], rel=0.02)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_every_micro_batch_exactly_once_under_churn_with_cpu_charged(seed):
+    # the three-stage churn case of test_sim_engine, its servers' CPU charged at 20 ms a task on
+    # one core each: deferred handling must still count every forward and gradient exactly once
+    from tests.test_sim_engine import _assert_conserved, _three_stage
+
+    p, scn = _three_stage(True, session=1.5)
+    for d in scn.devices:
+        if d.can_host_server:
+            scn.devices[scn.devices.index(d)] = dataclasses.replace(d, cores=1)
+    scn.cpu = dataclasses.replace(FrameworkCpu(), server_task_s=0.02, coordinator_member_s=0.0)
+    r = simulate(p, scn, steps=8, churn=True, seed=seed, config=SimConfig(lease_timeout_s=0.3))
+    assert r.steps == 8 and r.leaves > 0
+    _assert_conserved(r, 3, 24)

@@ -237,7 +237,9 @@ def test_local_two_stage_prediction_is_assembled_from_the_formulas():
     xs = [c.throughput for c in costs]
     b = min(range(2), key=lambda i: xs[i])
     fill = costs[0].latency + costs[1].latency
-    tail = tail_pipeline_time(8, list(costs[b].task_times.values()), xs[b], fill, costs[b].latency)
+    # the step ends once the server has handled the last task's result (its framework CPU)
+    tail = tail_pipeline_time(8, list(costs[b].task_times.values()), xs[b], fill, costs[b].latency) + \
+        costs[b].task_handling
     floor = granular_pipeline_time(fill, [(c.latency, c.slowest) for c in costs])
     pinned = pinned_pipeline_time(8, xs[b], list(costs[0].task_times.values()), costs[1].latency,
                                   costs[0].fwd_share, 0.0)

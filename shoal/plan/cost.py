@@ -505,6 +505,7 @@ class StageCost:
     fwd_share: float = 1.0  # forward FLOPs / (forward + backward FLOPs) of one micro-batch on this stage
     cpu_cap: float = math.inf  # micro-batches/s its server host's framework CPU lets through (server_cpu_caps)
     uncapped: float = 0.0  # its task pool's throughput before that cap (X_s of the workers alone)
+    task_handling: float = 0.0  # seconds a server's CPU takes to handle one task's result (on its micro-batch's path)
 
 
 def _share_counts(plan: Plan, scenario: Scenario) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
@@ -874,7 +875,7 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
                              sync=syncs[i], task_times=task_times, memory_headroom=heads[i], pull=pulls[i],
                              compute_per_step=busy_step, round_links=tuple(links), round_latency=lats[i],
                              slowest=slow + handling, fwd_share=fwd / flops if flops > 0 else 1.0,
-                             cpu_cap=cpu_caps[i], uncapped=x))
+                             cpu_cap=cpu_caps[i], uncapped=x, task_handling=scenario.cpu.server_task_s))
     return out
 
 
@@ -1055,7 +1056,9 @@ def _pipeline_terms(costs: list[StageCost], m: int, local: bool) -> tuple[float,
     if local:
         floor = granular_pipeline_time(fill, [(c.latency, c.slowest) for c in costs])
         fluid = pipe
-        pipe = max(tail_pipeline_time(m, list(costs[b].task_times.values()), xs[b], fill, costs[b].latency), floor)
+        # the step ends once the last task's result is handled: its server's CPU comes after the tail
+        pipe = max(tail_pipeline_time(m, list(costs[b].task_times.values()), xs[b], fill, costs[b].latency)
+                   + costs[b].task_handling, floor)
         # a backward task waits for the worker that ran its forward (every stage but the last)
         for i in range(len(costs) - 1):
             rt = sum(c.latency for c in costs[i + 1:])
