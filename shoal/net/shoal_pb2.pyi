@@ -485,7 +485,7 @@ class StandbyCkpt(_message.Message):
     def __init__(self, version: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("member_id", "stage", "step", "epoch", "sq_norm", "losses", "tasks_per_worker", "requeues", "param_sq_norms")
+    __slots__ = ("member_id", "stage", "step", "epoch", "sq_norm", "losses", "tasks_per_worker", "requeues", "param_sq_norms", "unverified")
     class TasksPerWorkerEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -502,6 +502,7 @@ class StepReport(_message.Message):
     TASKS_PER_WORKER_FIELD_NUMBER: _ClassVar[int]
     REQUEUES_FIELD_NUMBER: _ClassVar[int]
     PARAM_SQ_NORMS_FIELD_NUMBER: _ClassVar[int]
+    UNVERIFIED_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     stage: int
     step: int
@@ -511,7 +512,8 @@ class StepReport(_message.Message):
     tasks_per_worker: _containers.ScalarMap[str, int]
     requeues: int
     param_sq_norms: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, member_id: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., epoch: _Optional[int] = ..., sq_norm: _Optional[float] = ..., losses: _Optional[_Iterable[float]] = ..., tasks_per_worker: _Optional[_Mapping[str, int]] = ..., requeues: _Optional[int] = ..., param_sq_norms: _Optional[_Iterable[float]] = ...) -> None: ...
+    unverified: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, member_id: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., epoch: _Optional[int] = ..., sq_norm: _Optional[float] = ..., losses: _Optional[_Iterable[float]] = ..., tasks_per_worker: _Optional[_Mapping[str, int]] = ..., requeues: _Optional[int] = ..., param_sq_norms: _Optional[_Iterable[float]] = ..., unverified: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepDecision(_message.Message):
     __slots__ = ("ready", "coef", "lr", "stale", "skip", "next_loss_scale", "checkpoint")

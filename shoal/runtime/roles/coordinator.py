@@ -186,6 +186,9 @@ class Coordinator(pbg.CoordinatorServicer):
         # Worker member id -> the first committed step holding an unverified push of it at any
         # stage (from the servers' heartbeats; kept here so a replaced server's record survives).
         self.unverified: dict[str, int] = {}
+        # The same by worker name, from the stages' step reports and journaled with each commit:
+        # a restart gives every worker a new member id, and a resumed coordinator reads it back.
+        self.unverified_names: dict[str, int] = {}
         self.committed = 0  # steps committed
         self.reports: dict[tuple[int, int], dict[int, pb.StepReport]] = {}
         self.decisions: dict[tuple[int, int], pb.StepDecision] = {}
@@ -266,6 +269,7 @@ class Coordinator(pbg.CoordinatorServicer):
         self.epoch = st.epoch + 1
         self.committed = st.committed
         self.banned_names = dict(st.bans)
+        self.unverified_names = dict(st.unverified)
         if len(st.stage_servers) == self.spec.stages:
             self.journaled_servers = list(st.stage_servers)
             self.reserved = {k: n for k, n in enumerate(st.stage_servers) if n}
@@ -831,7 +835,8 @@ class Coordinator(pbg.CoordinatorServicer):
             a.first, a.last = self.layers[stage]
             if m.role == "server":
                 a.standby_peers.extend(self._standby_peers(stage))
-                keep = keep_version([self.unverified], set(self.guard_banned))
+                keep = keep_version([self.unverified, self.unverified_names],
+                                    set(self.guard_banned) | set(self.banned_names))
                 a.guard_keep = 0 if keep is None else keep + 1
             elif m.stats is not None and m.stats.stage != stage:  # a move under way: look at the others
                 a.move_now = move_is_urgent(stage, m.member_id, self._stages_at_work())
@@ -886,6 +891,8 @@ class Coordinator(pbg.CoordinatorServicer):
         since later steps of every stage were computed from the weights they changed."""
         firsts = [ban.undo_from - 1] if ban.undo_from > 0 else []
         firsts += [self.unverified[ban.worker]] if ban.worker in self.unverified else []
+        # under its name too: pushes it made under an earlier member id, before a restart
+        firsts += [self.unverified_names[name]] if name in self.unverified_names else []
         if not firsts or min(firsts) >= self.committed:
             return  # every committed push of it was recomputed: nothing to undo
         cap = min(firsts)
@@ -915,6 +922,7 @@ class Coordinator(pbg.CoordinatorServicer):
         self.pending_restore = False
         self.reports.clear()
         self.unverified = {w: s for w, s in self.unverified.items() if s < target}  # later steps are redone
+        self.unverified_names = {w: s for w, s in self.unverified_names.items() if s < target}
         self._journal("epoch", epoch=self.epoch, version=target, **({"undo": True} if undo else {}))
         self.event("rollback", epoch=self.epoch, version=target, committed=self.committed,
                    **({"why": "undo"} if undo else {}))
@@ -1113,6 +1121,13 @@ class Coordinator(pbg.CoordinatorServicer):
                 name = self.names.get(w, w)
                 tpw[name] = tpw.get(name, 0) + n
         requeues = sum(r.requeues for r in reps.values())
+        # Workers with an unverified push in this step, at any stage: durable with the commit.
+        unverified = sorted({self._name_of(w) for r in reps.values() for w in r.unverified})
+        for r in reps.values():
+            for w in r.unverified:
+                self.unverified[w] = min(step, self.unverified.get(w, step))
+        for name in unverified:
+            self.unverified_names[name] = min(step, self.unverified_names.get(name, step))
         now = time.time()
         tokens = self.spec.micro_batches * self.spec.micro_batch_size * self.spec.seq_len
         rec = step_record(step, loss, lr, None if skip else math.sqrt(total), tokens, now - self.last_commit_t,
@@ -1128,7 +1143,8 @@ class Coordinator(pbg.CoordinatorServicer):
         d = self.decisions[key]
         self._journal("commit", step=step, epoch=key[0], record=rec,
                       scale=list(self.scale_at[step + 1]) if fp16 else None,
-                      decision=[d.lr, d.coef, bool(d.skip), d.next_loss_scale], **({"ckpt": True} if ckpt else {}))
+                      decision=[d.lr, d.coef, bool(d.skip), d.next_loss_scale], **({"ckpt": True} if ckpt else {}),
+                      **({"unverified": unverified} if unverified else {}))
         self.committed = step + 1
         if step not in self.written_steps:
             self.written_steps.add(step)

@@ -1600,12 +1600,14 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
             parts = await asyncio.get_running_loop().run_in_executor(None, self._sum_pushes, sorted(
                 self.pushes, key=lambda x: x[0]))
             # Unverified pushes in this step: a later ban of their worker rolls back to version ``step``.
-            for wid in sorted({p[2] for p in self.pushes} & self.step_unverified):
+            unverified = sorted({p[2] for p in self.pushes} & self.step_unverified)
+            for wid in unverified:
                 self.guard_unverified.setdefault(wid, step)
             report = pb.StepReport(member_id=self.member_id, stage=self.stage, step=step, epoch=epoch,
                                    sq_norm=self._local_sq_norm() if self.local else total_sq_norm(parts),
                                    requeues=self.requeues,
-                                   param_sq_norms=self._local_sq_parts() if self.local else parts)
+                                   param_sq_norms=self._local_sq_parts() if self.local else parts,
+                                   unverified=unverified)  # journaled with the commit
             if self.is_last:
                 report.losses.extend(mbs[mb].loss for mb in sorted(mbs))
             for w, n in self.tasks_per_worker.items():

@@ -15,7 +15,8 @@ coordinator acts on it:
 * ``plan``: the stages' layer ranges (a resumed run keeps them: checkpoints hold them);
 * ``epoch``: a roll-back (epoch, the version every stage restarts from);
 * ``commit``: a committed step with its metrics record, its decision (``ckpt``: every stage
-  checkpoints the version it makes) and (fp16) loss-scale state;
+  checkpoints the version it makes), (fp16) loss-scale state and ``unverified``: the names of
+  the workers with a push in it that was never recomputed (a later ban of one undoes it);
 * ``servers``: the name of the server serving each stage ("" while vacant), on every change;
 * ``ban``: a worker a stage server banned (its name and why): banned for the whole run;
 * ``resume``: a coordinator took the run over from this journal;
@@ -118,6 +119,8 @@ class ResumeState:
     # (epoch, step) -> (lr, clip coefficient, skip, next loss scale) of the newest committed steps
     decisions: dict[tuple[int, int], tuple[float, float, bool, float]] = field(default_factory=dict)
     checkpointed: set[tuple[int, int]] = field(default_factory=set)  # (epoch, step) of those decided to checkpoint
+    # worker name -> the first step that still holds an unverified push of it (a ban rolls back to it)
+    unverified: dict[str, int] = field(default_factory=dict)
     state: str = "running"  # running | done | failed
     error: str = ""  # a failed run's one line
 
@@ -140,12 +143,15 @@ def resume_state(records: list[dict]) -> ResumeState:
         elif kind == "epoch":
             # A roll-back: steps after its version are committed again.
             st.committed = int(rec["version"])
+            st.unverified = {w: s for w, s in st.unverified.items() if s < st.committed}  # redone from there
             if rec.get("undo"):  # a ban's roll-back: the undone steps' records are the redone ones
                 by_step = {k: r for k, r in by_step.items() if k < st.committed}
         elif kind == "commit":
             step = int(rec["step"])
             st.committed = step + 1
             by_step.setdefault(step, rec["record"])  # the first commit of a step is the one written
+            for name in rec.get("unverified") or []:
+                st.unverified[str(name)] = min(step, st.unverified.get(str(name), step))
             if rec.get("scale") is not None:
                 st.scale_at[step + 1] = (float(rec["scale"][0]), int(rec["scale"][1]))
             if rec.get("decision") is not None:
