@@ -9,7 +9,16 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from shoal.data.encode import WHITESPACE, BatchEncoder, MemoEncoder, make_encoder, memo_eligible
+from shoal.data import encode
+from shoal.data.encode import (
+    PIECE,
+    WHITESPACE,
+    BatchEncoder,
+    MemoEncoder,
+    make_encoder,
+    memo_eligible,
+    piece_starts,
+)
 from shoal.data.text import read_text
 from shoal.data.tokens import EOT_TOKEN, train_tokenizer
 
@@ -98,3 +107,59 @@ def test_other_tokenizers_are_encoded_whole(trained):
     plain.decoder = decoders.ByteLevel()
     assert not memo_eligible(plain) and isinstance(make_encoder(plain, 0), BatchEncoder)
     assert isinstance(make_encoder(trained, 0), MemoEncoder)
+
+
+def _pieces(text: str) -> list[str]:
+    data = text.encode()
+    if not data:
+        return []
+    starts = piece_starts(data, np.zeros(1, dtype=np.int64)).tolist()
+    return [data[s:e].decode() for s, e in zip(starts, [*starts[1:], len(data)], strict=True)]
+
+
+def test_numpy_cuts_are_the_patterns():
+    """piece_starts cuts every document exactly where PIECE.findall does (every space-like
+    character, non-ASCII text, long runs), and a document start always starts a piece."""
+    docs = [d for d in _awkward_docs() if d is not None]
+    for d in docs:
+        assert _pieces(d) == PIECE.findall(d), d[:60]
+    joined = [d for d in docs if d]
+    data = "".join(joined).encode()
+    sizes = np.array([len(d.encode()) for d in joined])
+    starts = piece_starts(data, np.cumsum(sizes) - sizes).tolist()
+    got = [data[s:e].decode() for s, e in zip(starts, [*starts[1:], len(data)], strict=True)]
+    assert got == [p for d in joined for p in PIECE.findall(d)]
+
+
+def test_key_table_finds_adds_and_grows():
+    """The packed-key table gives every distinct piece one slot, new slots counted on from
+    the next free one, and a repeated piece the slot it got first, in a table far too small
+    at first (it grows); checked against a dict."""
+    rng = np.random.default_rng(0)
+    words = [bytes(rng.integers(0, 3, int(rng.integers(1, 25))).astype(np.uint8)) for _ in range(3000)]
+    text = b"".join(words)
+    starts = np.cumsum([0] + [len(w) for w in words[:-1]])
+    lens = np.array([len(w) for w in words])
+    table = encode._KeyTable(4)
+    slot_of: dict[bytes, int] = {}
+    for lo in range(0, len(words), 700):
+        hi = lo + 700
+        known = {w for w in words[lo:hi] if w in slot_of}
+        slots, added = table.find_or_add(encode._pack(text, starts[lo:hi], lens[lo:hi]), lens[lo:hi], len(slot_of))
+        # The added keys are this block's new ones, each once, with the next slots in order.
+        fresh = [words[lo + i] for i in added.tolist()]
+        assert sorted(fresh) == sorted(set(words[lo:hi]) - known)
+        for i, w in enumerate(fresh):
+            slot_of[w] = len(slot_of)
+            assert slots[added[i]] == slot_of[w]
+        assert slots.tolist() == [slot_of[w] for w in words[lo:hi]]
+    assert table.count == len(slot_of) and len(table.rows) > 16
+
+
+def test_long_documents_go_in_blocks(trained, monkeypatch):
+    """Blocks of pieces smaller than a piece (a 5000-letter run) and than most documents
+    give the same ids."""
+    monkeypatch.setattr(encode, "_BLOCK_BYTES", 64)
+    eot = trained.token_to_id(EOT_TOKEN)
+    docs = _awkward_docs()
+    assert np.array_equal(MemoEncoder(trained, eot).encode(docs), BatchEncoder(trained, eot).encode(docs))

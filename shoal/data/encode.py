@@ -4,11 +4,20 @@ Text is mostly made of pieces that recur (words, operators, indentation). For a
 byte-level BPE tokenizer (GPT-2's pre-tokenizer: no normaliser, ``ByteLevel`` with its
 regex, a BPE model) the ids of a text are the ids of its pre-tokens, each encoded on its
 own, so text can be cut wherever that pre-tokenizer always cuts and the ids of each piece
-reused. :class:`MemoEncoder` cuts every document into such pieces with one regular
-expression, looks them up in a bounded memo, and sends only the pieces it has not seen
-to the tokenizer's parallel batch encoder (``encode_batch_fast``), joined into large
-texts. The ids are exactly those of ``tokenizer.encode`` on the whole document (tested
-against it); the tokenizer does a small fraction of the work it would do alone.
+reused. :class:`MemoEncoder` cuts a chunk of documents into such pieces, looks them up
+in a bounded memo, and sends only the pieces it has not seen to the tokenizer's parallel
+batch encoder (``encode_batch_fast``), joined into large texts. The ids are exactly those
+of ``tokenizer.encode`` on each document (tested against it); the tokenizer does a small
+fraction of the work it would do alone.
+
+No Python object is made per piece that the memo knows: the chunk's UTF-8 bytes are
+classified and cut with numpy (:func:`piece_starts`, the cuts of the regular expression
+:data:`PIECE`), a piece of up to 24 bytes is keyed by its bytes packed into three 64-bit
+words and its length (exact, no hash of the text to collide) and looked up in an
+open-addressing table held in numpy arrays (:class:`_KeyTable`); only longer pieces (about
+0.5 % of them in source code) go through a dict of their bytes, and only unseen pieces
+become strings, for the tokenizer. The ids of the pieces then come out of one array by
+a gather.
 
 Where the pre-tokenizer always cuts (GPT-2's pattern
 ``'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+``):
@@ -28,6 +37,7 @@ pre-tokenizing.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 
@@ -44,6 +54,9 @@ _ATOM = f"(?:[{_LETTER}]++|[{_DIGIT}]++|[{_PUNCT}]++)"
 PIECE = re.compile(f"[{WHITESPACE}]*+(?:[{_LETTER}]++|[{_DIGIT}]++|[{_PUNCT}]++|{_GLUE}++{_ATOM}?+)"
                    f"(?:{_GLUE}++{_ATOM}?+)*+|[{WHITESPACE}]++")
 
+# Text per block of pieces looked up together: bounds the arrays kept per piece (~30 bytes
+# per byte of text) whatever the size of a document.
+_BLOCK_BYTES = 1 << 20
 # Text per encoder input when the unseen pieces are sent to the tokenizer: a few per
 # core keep the batch encoder's threads busy, and each is large enough to amortise a call.
 _GROUP_CHARS = 1 << 16
@@ -103,6 +116,25 @@ _WS_SET = frozenset(re.sub("\u2000-\u200a", "".join(map(chr, range(0x2000, 0x200
 _ASCII_CLASS = {c: ("l" if c.isalpha() else "d" if c.isdigit() else "p")
                 for c in map(chr, range(0x21, 0x7F)) if c != "'"}
 
+# Byte classes of UTF-8 text for the cut rule: glue (every byte of a non-ASCII character
+# but a space, controls, the apostrophe), whitespace, ASCII letter, digit, punctuation.
+_GLUE_B, _SPACE_B, _LETTER_B, _DIGIT_B, _PUNCT_B = 0, 1, 2, 3, 4
+_BYTE_CLASS = np.zeros(256, dtype=np.uint8)
+for _c in range(128):
+    _BYTE_CLASS[_c] = (_SPACE_B if chr(_c) in _WS_SET else
+                       {"l": _LETTER_B, "d": _DIGIT_B, "p": _PUNCT_B}.get(_ASCII_CLASS.get(chr(_c)), _GLUE_B))
+# The non-ASCII whitespace characters as UTF-8: lead byte -> the codes of whole sequences.
+_WIDE_SPACES = sorted(c.encode() for c in _WS_SET if ord(c) >= 0x80)
+_WIDE2 = np.array([int.from_bytes(s, "big") for s in _WIDE_SPACES if len(s) == 2], dtype=np.int64)
+_WIDE3 = np.array([int.from_bytes(s, "big") for s in _WIDE_SPACES if len(s) == 3], dtype=np.int64)
+assert len(_WIDE2) + len(_WIDE3) == len(_WIDE_SPACES)
+_WIDE_LEADS = np.array(sorted({s[0] for s in _WIDE_SPACES}), dtype=np.uint8)
+
+# A piece of at most _KEY_WORDS * 8 bytes is keyed by its bytes packed into that many
+# 64-bit words and its length (exact: no hashing of the text); longer ones by their bytes.
+_KEY_WORDS = 3
+_SHORT = 8 * _KEY_WORDS
+
 
 def _joins(a: str, b: str) -> bool:
     """Whether the pre-tokenizer always cuts between character ``a`` and a following ``b``."""
@@ -112,35 +144,168 @@ def _joins(a: str, b: str) -> bool:
     return ca is not None and cb is not None and ca != cb
 
 
+def _cut_table() -> np.ndarray:
+    # Whether a piece starts at a byte of class c after one of class a, by 5 a + c.
+    out = np.zeros(25, dtype=bool)
+    for a in range(5):
+        for c in range(5):
+            out[5 * a + c] = (c == _SPACE_B and a != _SPACE_B) or (a >= _LETTER_B and c >= _LETTER_B and a != c)
+    return out
+
+
+_CUT = _cut_table()
+
+
+def piece_starts(data: bytes, doc_starts: np.ndarray) -> np.ndarray:
+    """Byte offsets where the pieces of the UTF-8 text ``data`` start: those of ``PIECE``
+    within each document, the documents starting at ``doc_starts`` (sorted, below ``len(data)``).
+
+    A piece starts at the first byte, at a whitespace character that follows another
+    character, and between two ASCII letters, digits or punctuation of different classes.
+    """
+    b = np.frombuffer(data, dtype=np.uint8)
+    cls = _BYTE_CLASS[b]
+    if not data.isascii():
+        _mark_wide_spaces(b, cls)
+    cut = np.empty(len(b), dtype=bool)
+    cut[:1] = True
+    pair = cls[:-1] * np.uint8(5)
+    pair += cls[1:]
+    np.take(_CUT, pair, out=cut[1:])
+    cut[doc_starts] = True
+    return np.flatnonzero(cut)
+
+
+def _mark_wide_spaces(b: np.ndarray, cls: np.ndarray) -> None:
+    """Give every byte of a non-ASCII whitespace character the whitespace class."""
+    lead = np.flatnonzero(np.isin(b, _WIDE_LEADS))
+    if not len(lead):
+        return
+    pad = np.concatenate([b, np.zeros(2, dtype=np.uint8)]).astype(np.int64)
+    two = (pad[lead] << 8) | pad[lead + 1]
+    three = (two << 8) | pad[lead + 2]
+    for width, hits in ((2, np.isin(two, _WIDE2)), (3, np.isin(three, _WIDE3))):
+        at = lead[hits]
+        for k in range(width):
+            cls[at + k] = _SPACE_B
+
+
+# Row n: the words of a piece of n bytes keep their first n bytes.
+_KEEP = np.array([[(1 << (8 * min(8, max(0, n - 8 * w)))) - 1 for w in range(_KEY_WORDS)] for n in range(_SHORT + 1)],
+                 dtype=np.uint64)
+
+
+def _pack(data: bytes, starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """``(len(starts), _KEY_WORDS)`` words holding the bytes of each piece (of at most
+    ``_SHORT`` bytes), little-endian, zero past its end."""
+    b = np.frombuffer(data + bytes(_SHORT), dtype=np.uint8)
+    windows = np.lib.stride_tricks.as_strided(b, shape=(len(data) + 1, _SHORT), strides=(1, 1), writeable=False)
+    out = windows[starts].view("<u8")
+    out &= _KEEP[lens]
+    return out
+
+
+class _KeyTable:
+    """Open-addressing hash table (linear probing) from packed short pieces to slots, on numpy
+    arrays. A row is the key's words, then its length << 32 | (slot + 1); 0 there: empty."""
+
+    def __init__(self, bits: int):
+        self.bits = bits
+        self.mask = (1 << bits) - 1
+        self.rows = np.zeros((1 << bits, _KEY_WORDS + 1), dtype=np.uint64)
+        self.count = 0
+
+    def _home(self, words: np.ndarray, lens: np.ndarray) -> np.ndarray:
+        h = lens.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        for w in range(_KEY_WORDS):
+            h ^= words[:, w]
+            h *= np.uint64(0xBF58476D1CE4E5B9)
+        return (h >> np.uint64(64 - self.bits)).astype(np.int64)
+
+    def find_or_add(self, words: np.ndarray, lens: np.ndarray, next_slot: int,
+                    given: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The slot of each key (``words`` of a piece of ``lens`` bytes); a key not in the
+        table is added with the next slot from ``next_slot`` on (or its slot in ``given``).
+        Returns the slots and, in slot order, the index of each added key."""
+        out, _ = self._probe(words, lens, None, None)
+        missing = np.flatnonzero(out < 0)
+        if not len(missing):
+            return out, missing
+        if 2 * (self.count + len(missing)) > len(self.rows):  # keep it at most half full
+            self._grow(self.count + len(missing))
+        found, added = self._probe(words[missing], lens[missing], next_slot, None if given is None else given[missing])
+        out[missing] = found
+        return out, missing[added]
+
+    def _probe(self, words: np.ndarray, lens: np.ndarray, next_slot: int | None,
+               given: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        # Slots of the keys (-1 for a key not in the table when next_slot is None, else it is added).
+        out = np.empty(len(lens), dtype=np.int64)
+        added: list[np.ndarray] = []
+        todo = np.arange(len(lens))
+        at = self._home(words, lens)
+        kw, kl = words, lens.astype(np.uint64)
+        while len(todo):
+            row = self.rows[at]
+            tag = row[:, _KEY_WORDS]
+            empty = tag == 0
+            same = (tag >> np.uint64(32)) == kl  # never at an empty row: pieces are not empty
+            for w in range(_KEY_WORDS):
+                same &= row[:, w] == kw[:, w]
+            out[todo[same]] = (tag[same] & np.uint64(0xFFFFFFFF)).astype(np.int64) - 1
+            free = np.flatnonzero(empty)
+            if next_slot is None:
+                out[todo[free]] = -1
+                same[free] = True
+            elif len(free):
+                # The first key at each free row takes it; the others there compare with it next.
+                _, first = np.unique(at[free], return_index=True)
+                won = np.sort(free[first])
+                k = todo[won]
+                fresh = next_slot + np.arange(len(won), dtype=np.int64) if given is None else given[k]
+                next_slot += len(won)
+                self.rows[at[won], :_KEY_WORDS] = kw[won]
+                self.rows[at[won], _KEY_WORDS] = (kl[won] << np.uint64(32)) | (fresh + 1).astype(np.uint64)
+                self.count += len(won)
+                out[k] = fresh
+                added.append(k)
+                same[won] = True
+            more = ~same
+            step = more & ~empty  # a key that lost a free row stays to compare with its winner
+            todo, at, kw, kl = todo[more], at[more], kw[more], kl[more]
+            at = np.where(step[more], (at + 1) & self.mask, at)
+        return out, (np.concatenate(added) if added else np.zeros(0, dtype=np.int64))
+
+    def _grow(self, need: int) -> None:
+        rows = self.rows[self.rows[:, _KEY_WORDS] != 0]
+        tag = rows[:, _KEY_WORDS]
+        count = self.count
+        self.__init__(max(self.bits + 1, (4 * need).bit_length()))
+        self.find_or_add(rows[:, :_KEY_WORDS], (tag >> np.uint64(32)).astype(np.int64), 0,
+                         (tag & np.uint64(0xFFFFFFFF)).astype(np.int64) - 1)
+        assert self.count == count
+
+
 class _Misaligned(Exception):
     """The tokens of joined pieces did not end where the pieces end."""
 
 
-class _Slots(dict):
-    """piece -> slot; an unknown piece gets the next free slot and is listed in ``new``."""
-
-    def __init__(self):
-        super().__init__()
-        self.new: list[str] = []  # pieces given a slot since the last take_new()
-
-    def __missing__(self, key: str) -> int:
-        slot = self[key] = len(self)
-        self.new.append(key)
-        return slot
-
-
 class _Memo:
-    """Pieces and their token ids: a dict to a slot, the ids of all slots in one array."""
+    """Pieces and their token ids: short pieces in a numpy hash table, long ones in a dict,
+    both to a slot; the ids of all slots in one array."""
 
     def __init__(self, max_pieces: int, max_ids: int):
         self.max_pieces, self.max_ids = max_pieces, max_ids
+        # Twice the pieces it may hold, so that probes stay short.
+        self.table_bits = max(10, (2 * max_pieces).bit_length())
         self.reset()
 
     def reset(self) -> None:
         """Forget every piece."""
-        self.slot = _Slots()  # piece -> slot
-        self.starts = np.zeros(1 << 16, dtype=np.int32)  # slot -> first id in self.ids
-        self.lens = np.zeros(1 << 16, dtype=np.int32)  # slot -> number of ids
+        self.short = _KeyTable(self.table_bits)  # packed short piece -> slot
+        self.long: dict[bytes, int] = {}  # longer piece -> slot
+        self.starts = np.zeros(1 << 16, dtype=np.int64)  # slot -> first id in self.ids
+        self.lens = np.zeros(1 << 16, dtype=np.int64)  # slot -> number of ids
         self.ids = np.zeros(1 << 20, dtype=np.int32)
         self.slots, self.fill = 0, 0
 
@@ -148,11 +313,27 @@ class _Memo:
         """Past its bounds (checked before a lookup, so that slots stay valid while used)."""
         return self.slots > self.max_pieces or self.fill > self.max_ids
 
-    def lookup(self, keys: list) -> tuple[np.ndarray, list[str]]:
-        """Slot of each key, and the keys new to the memo (in slot order), which have no
-        ids yet: :meth:`add` them before the next lookup."""
-        slots = np.fromiter(map(self.slot.__getitem__, keys), dtype=np.int64, count=len(keys))
-        new, self.slot.new = self.slot.new, []
+    def lookup(self, data: bytes, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, list[str]]:
+        """Slot of each piece ``data[starts[i]:ends[i]]``, and the pieces new to the memo
+        (in slot order), which have no ids yet: :meth:`add` them before the next lookup."""
+        lens = ends - starts
+        slots = np.empty(len(starts), dtype=np.int64)
+        short = np.flatnonzero(lens <= _SHORT)
+        found, added = self.short.find_or_add(_pack(data, starts[short], lens[short]), lens[short], self.slots)
+        slots[short] = found
+        at = short[added]
+        new = [data[s:e].decode("utf-8") for s, e in zip(starts[at].tolist(), ends[at].tolist(), strict=True)]
+        longs = np.flatnonzero(lens > _SHORT)
+        if len(longs):
+            table, got = self.long, []
+            for s, e in zip(starts[longs].tolist(), ends[longs].tolist(), strict=True):
+                key = data[s:e]
+                slot = table.get(key)
+                if slot is None:
+                    slot = table[key] = self.slots + len(new)
+                    new.append(key.decode("utf-8"))
+                got.append(slot)
+            slots[longs] = got
         return slots, new
 
     def add(self, n: int, ids: np.ndarray, counts: np.ndarray) -> None:
@@ -211,26 +392,39 @@ class MemoEncoder:
         return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
     def _encode_run(self, docs: list) -> np.ndarray:
-        memo = self.pieces
-        if memo.full():
-            memo.reset()
-        keys: list = []
-        findall = PIECE.findall
-        eot = self.eot_text
-        for d in docs:
-            if d is None:
-                keys.append(eot)  # a piece of its own: no document in a run holds this text
-            else:
-                keys += findall(d)
-        self.pieces_seen += len(keys)
-        slots, new = memo.lookup(keys)
-        if new:
-            try:
-                self._learn_pieces(new)
-            except _Misaligned:
+        texts = [d.encode("utf-8") for d in docs if d is not None]
+        data = b"".join(texts)
+        sizes = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
+        doc_ends = np.cumsum(sizes)
+        doc_starts = doc_ends - sizes
+        starts = piece_starts(data, doc_starts[doc_starts < len(data)])
+        ends = np.append(starts[1:], len(data))
+        self.pieces_seen += len(starts)
+        # Pieces in blocks of about _BLOCK_BYTES, which bounds the memory of the arrays per piece.
+        bounds = [*np.unique(np.searchsorted(starts, np.arange(0, len(data), _BLOCK_BYTES))).tolist(), len(starts)]
+        parts, counts = [], []
+        for lo, hi in itertools.pairwise(bounds):
+            memo = self.pieces
+            if memo.full():
                 memo.reset()
-                return self.batch.encode(docs)
-        return memo.expand(slots)[0]
+            slots, new = memo.lookup(data, starts[lo:hi], ends[lo:hi])
+            if new:
+                try:
+                    self._learn_pieces(new)
+                except _Misaligned:
+                    memo.reset()
+                    return self.batch.encode(docs)
+            ids, n = memo.expand(slots)
+            parts.append(ids)
+            counts.append(n)
+        ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+        # An end-of-text id after the tokens of the pieces before each None.
+        ended = np.cumsum([d is not None for d in docs])[[d is None for d in docs]]
+        if len(ended):
+            before = np.searchsorted(starts, np.concatenate([[0], doc_ends])[ended], side="left")
+            token_at = np.concatenate([[0], np.cumsum(np.concatenate(counts))]) if counts else np.zeros(1, dtype=np.int64)
+            ids = np.insert(ids, token_at[before], self.eot)
+        return ids
 
     def _learn_pieces(self, new: list[str]) -> None:
         """Encode the fine pieces ``new`` (joined into large texts) and remember their ids.
@@ -245,14 +439,6 @@ class MemoEncoder:
         parts: list[str] = []
         size, prev = 0, ""
         for w in new:
-            if w == eot:  # a document end: its slot goes in a group of its own
-                if group:
-                    groups.append(group)
-                    texts.append("".join(parts))
-                    group, parts, size = [], [], 0
-                groups.append([eot])
-                texts.append("")
-                continue
             if parts and not _joins(prev, w[0]):
                 parts.append(eot)
             parts.append(w)
@@ -269,9 +455,6 @@ class MemoEncoder:
         encs = self.tok.encode_batch_fast(texts, add_special_tokens=False)
         self.pieces_encoded += len(new)
         for g, e in zip(groups, encs, strict=True):
-            if g[0] == eot:
-                self.pieces.add(1, np.array([self.eot]), np.array([1]))
-                continue
             ids = np.asarray(e.ids, dtype=np.int64)
             ids = ids[ids != self.eot]
             token_end = np.cumsum(self.token_bytes[ids])
