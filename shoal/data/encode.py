@@ -240,23 +240,34 @@ class _KeyTable:
     def _probe(self, words: np.ndarray, lens: np.ndarray, next_slot: int | None,
                given: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         # Slots of the keys (-1 for a key not in the table when next_slot is None, else it is added).
-        out = np.empty(len(lens), dtype=np.int64)
-        added: list[np.ndarray] = []
-        todo = np.arange(len(lens))
         at = self._home(words, lens)
-        kw, kl = words, lens.astype(np.uint64)
+        kl = lens.astype(np.uint64)
+        # First probe of every key at once (most end here), then the few that go on.
+        row = self.rows[at]
+        tag = row[:, _KEY_WORDS]
+        same = (tag >> np.uint64(32)) == kl  # never at an empty row: pieces are not empty
+        for w in range(_KEY_WORDS):
+            same &= row[:, w] == words[:, w]
+        out = np.where(same, (tag & np.uint64(0xFFFFFFFF)).astype(np.int64) - 1, -1)
+        if next_slot is None:
+            todo = np.flatnonzero(~same & (tag != 0))
+            at = (at[todo] + 1) & self.mask
+        else:
+            todo = np.flatnonzero(~same)
+            at = at[todo]
+        added: list[np.ndarray] = []
+        kw, kl = words[todo], kl[todo]
         while len(todo):
             row = self.rows[at]
             tag = row[:, _KEY_WORDS]
             empty = tag == 0
-            same = (tag >> np.uint64(32)) == kl  # never at an empty row: pieces are not empty
+            same = (tag >> np.uint64(32)) == kl
             for w in range(_KEY_WORDS):
                 same &= row[:, w] == kw[:, w]
             out[todo[same]] = (tag[same] & np.uint64(0xFFFFFFFF)).astype(np.int64) - 1
             free = np.flatnonzero(empty)
             if next_slot is None:
-                out[todo[free]] = -1
-                same[free] = True
+                same[free] = True  # not in the table: stays -1
             elif len(free):
                 # The first key at each free row takes it; the others there compare with it next.
                 _, first = np.unique(at[free], return_index=True)
