@@ -203,3 +203,15 @@ def test_every_micro_batch_exactly_once_under_churn_with_cpu_charged(seed):
     r = simulate(p, scn, steps=8, churn=True, seed=seed, config=SimConfig(lease_timeout_s=0.3))
     assert r.steps == 8 and r.leaves > 0
     _assert_conserved(r, 3, 24)
+
+
+def test_shoal_plan_prints_the_framework_cpu_and_the_saturated_host(tmp_path, capsys):
+    from shoal.cli import main
+    from shoal.plan.scenario import save_scenario
+
+    path = tmp_path / "cpu.json"
+    save_scenario(_scenario(n_workers=8, cores=1, server_task_ms=100.0, tflops=0.01), path)
+    assert main(["plan", "--scenario", str(path), "--stages", "1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert "framework CPU: the busiest server host's cores" in out
+    assert "idle for server CPU" in out and "server host h is CPU-bound" in out

@@ -242,6 +242,7 @@ def print_plan(console: Console, plan: Plan, scenario: Scenario) -> None:
         f"memory headroom {pred.get('memory_headroom', 0):.0%}; "
         f"planned in {plan.planning_time_s:.2f} s   (* = bottleneck stage)"
     )
+    print_cpu(console, pred)
     print_swarm(console, swarm_report(plan, scenario))
     if pred.get("churn_s"):
         console.print(f"with churn (long run): expected step {_fmt(pred.get('expected_step_time_s'))} s, of which "
@@ -293,9 +294,18 @@ def print_replica_plan(console: Console, plan: Plan, scenario: Scenario) -> None
     console.print(f"predicted step {_fmt(pred.get('step_time_s'))} s = pipeline {_fmt(pred.get('pipeline_s'))} s "
                   f"(the slowest replica) + sync {_fmt(pred.get('sync_s'))} s; memory headroom "
                   f"{pred.get('memory_headroom', 0):.0%}; planned in {plan.planning_time_s:.2f} s")
+    print_cpu(console, pred)
     print_swarm(console, swarm_report(plan, scenario))
     if pred.get("churn_s"):
         console.print(f"with churn (long run): expected step {_fmt(pred.get('expected_step_time_s'))} s")
+
+
+def print_cpu(console: Console, pred: dict) -> None:
+    """One line: the framework's CPU at the predicted step (busiest server host, coordinator)."""
+    if "server_cpu_share" not in pred:
+        return
+    console.print(f"framework CPU: the busiest server host's cores {pred['server_cpu_share']:.0%} busy; "
+                  f"coordinator {int(pred['coordinator_members'])} members, {pred['coordinator_cores']:.2f} cores")
 
 
 def print_swarm(console: Console, rep: SwarmReport, label: str = "predicted") -> None:
@@ -307,6 +317,8 @@ def print_swarm(console: Console, rep: SwarmReport, label: str = "predicted") ->
     for reason, devs in by_reason.items():
         console.print(f"  idle for {reason}: {len(devs)} ({', '.join(devs[:4])}{' ...' if len(devs) > 4 else ''}); "
                       f"e.g. {devs[0]}: {rep.why[devs[0]]}")
+    for line in rep.cpu_bound.values():
+        console.print(f"  {line}")
 
 
 def _simulator():
