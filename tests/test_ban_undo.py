@@ -207,3 +207,22 @@ def test_local_mode_a_sign_flip_with_no_majority_is_caught(tmp_path):
     assert bans[0]["step"] == 1 or held, "w1 was merged at the first merge instead of held or banned"
     honest = [v[2] for m in merges for mid, v in m["screen"].items() if mid.endswith("-w0")]
     assert honest and all(c > 0 for c in honest), merges
+
+
+def test_a_server_prunes_by_its_own_unverified_record_without_waiting_for_the_coordinator(tmp_path):
+    """A server keeps the checkpoint a ban of its own workers needs even before the
+    coordinator's keep (a heartbeat late) arrives: under load a run pruned v1 four steps after
+    w1's first unverified push there, the ban then rolled back to v1, and the stage, having
+    only newer files, could not restore it and stalled."""
+    from shoal.runtime.roles.server import StageServer
+
+    srv = StageServer("unused:0", "127.0.0.1:0", "tok", str(tmp_path), name="t")
+    assert srv._keep_at() is None
+    srv.guard_unverified = {"w1": 1, "w2": 3}
+    assert srv._keep_at() == 1  # the coordinator has said nothing yet
+    srv.guard_keep = 4
+    assert srv._keep_at() == 1
+    srv.guard_banned = {"w1": "lied"}  # a banned worker's record needs no more keeping
+    assert srv._keep_at() == 3
+    srv.guard_keep = 0  # another stage's record, through the coordinator
+    assert srv._keep_at() == 0

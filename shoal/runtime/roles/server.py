@@ -83,6 +83,7 @@ from shoal.runtime.safety.guard import DEFAULT as GUARD
 from shoal.runtime.safety.guard import (
     SPOT_RATE_ENV,
     ban_reason,
+    keep_version,
     low_only,
     needs_verify,
     push_spot_checked,
@@ -1542,7 +1543,7 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
         """
         stage, version, module, opt, epoch = self.stage, self.version, self.module, self.opt, self.epoch
         kw = dict(run_id=self.spec.run_id, layers=(self.first, self.last), loss_scale=self.loss_scale,
-                  outer_m=self.outer_m if self.local else None, keep_at=self.guard_keep,
+                  outer_m=self.outer_m if self.local else None, keep_at=self._keep_at(),
                   pull_ef=self.update_pulls.ef.state() if self.local and self.update_pulls is not None else None)
 
         async def write() -> None:
@@ -1564,6 +1565,13 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
         self.ckpt_task = asyncio.create_task(write())
         self._bg.add(self.ckpt_task)
         self.ckpt_task.add_done_callback(self._bg_done)
+
+    def _keep_at(self) -> int | None:
+        """The oldest version a ban may roll back to, for pruning: the coordinator's (every
+        stage's record, a heartbeat late) or this server's own record, whichever is older (its
+        own unverified pushes are known at once; a ban right after a prune must find the file)."""
+        own = keep_version([self.guard_unverified], set(self.guard_banned))
+        return min((v for v in (own, self.guard_keep) if v is not None), default=None)
 
     async def _ckpt_written(self) -> None:
         """Wait for the checkpoint write under way, if any (its failure is handled by _bg_done)."""

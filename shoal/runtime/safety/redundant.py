@@ -222,43 +222,49 @@ class RedundantMixin:
     async def _dup_judge(self, chk: DupCheck) -> None:
         """Compare the checker's results with the checked push; on a disagreement the server
         recomputes, and whoever is off its recomputation is banned."""
-        loop = asyncio.get_running_loop()
         try:
-            theirs = await loop.run_in_executor(None, sum_in_order, chk.results)
-            equal, rel = await loop.run_in_executor(None, compare_pushes, chk.grads, theirs)
-            if self.dup_checks.get(chk.check_id) is not chk:
-                return
-            if not dup_disagree(equal, rel, chk.exact, self.guard_cfg):
-                self.dup_counts["agreed"] += 1
-                self.guard_ok[chk.target] = self.guard_ok.get(chk.target, 0) + 1
-                log.info("%s: check %d: %s and %s agree on step %d mbs %s (%s)", self.name, chk.check_id,
-                         chk.target, chk.checker, chk.step, list(chk.mbs),
-                         "bitwise" if equal else f"relative difference {rel:.3g}")
-                return
-            self.dup_counts["disagreed"] += 1
-            errors = None
-            async with self._wlock:  # no commit changes the weights meanwhile (none can: the step waits)
-                if self.version == chk.step and self.epoch == chk.epoch and chk.step in self.steps:
-                    errors = await loop.run_in_executor(None, self._dup_recompute, chk, theirs)
-            if errors is None or self.dup_checks.get(chk.check_id) is not chk:
-                return
-            self.guard_checks += 1
-            verdict = dup_verdict(errors, chk.exact, {chk.target: chk.checker, chk.checker: chk.target},
-                                  chk.step, chk.mbs, self.guard_cfg)
-            log.info("%s: check %d: %s and %s disagree on step %d mbs %s (relative difference %.3g); the "
-                     "server's recomputation: %s", self.name, chk.check_id, chk.target, chk.checker, chk.step,
-                     list(chk.mbs), rel, ", ".join(f"{w} {e:.3g}" for w, e in sorted(errors.items())))
-            self.dup_checks.pop(chk.check_id, None)
-            async with self.cond:
-                for w, why in verdict.items():
-                    if w not in self.guard_banned:
-                        self._guard_ban(w, chk.step, why)
-            if chk.target not in verdict:
-                self.guard_ok[chk.target] = self.guard_ok.get(chk.target, 0) + 1
+            await self._dup_decide(chk)
+        except Exception as exc:  # a check must never fail the run: it is dropped, the push stays unverified
+            log.warning("%s: check %d could not be decided (%s: %s)", self.name, chk.check_id, type(exc).__name__, exc)
         finally:
             if self.dup_checks.get(chk.check_id) is chk:
                 self.dup_checks.pop(chk.check_id)
             await self._dup_done()
+
+    async def _dup_decide(self, chk: DupCheck) -> None:
+        """The comparison and, on a disagreement, the server's arbitration (see :meth:`_dup_judge`)."""
+        loop = asyncio.get_running_loop()
+        theirs = await loop.run_in_executor(None, sum_in_order, chk.results)
+        equal, rel = await loop.run_in_executor(None, compare_pushes, chk.grads, theirs)
+        if self.dup_checks.get(chk.check_id) is not chk:
+            return
+        if not dup_disagree(equal, rel, chk.exact, self.guard_cfg):
+            self.dup_counts["agreed"] += 1
+            self.guard_ok[chk.target] = self.guard_ok.get(chk.target, 0) + 1
+            log.info("%s: check %d: %s and %s agree on step %d mbs %s (%s)", self.name, chk.check_id,
+                     chk.target, chk.checker, chk.step, list(chk.mbs),
+                     "bitwise" if equal else f"relative difference {rel:.3g}")
+            return
+        self.dup_counts["disagreed"] += 1
+        errors = None
+        async with self._wlock:  # no commit changes the weights meanwhile (none can: the step waits)
+            if self.version == chk.step and self.epoch == chk.epoch and chk.step in self.steps:
+                errors = await loop.run_in_executor(None, self._dup_recompute, chk, theirs)
+        if errors is None or self.dup_checks.get(chk.check_id) is not chk:
+            return
+        self.guard_checks += 1
+        verdict = dup_verdict(errors, chk.exact, {chk.target: chk.checker, chk.checker: chk.target},
+                              chk.step, chk.mbs, self.guard_cfg)
+        log.info("%s: check %d: %s and %s disagree on step %d mbs %s (relative difference %.3g); the "
+                 "server's recomputation: %s", self.name, chk.check_id, chk.target, chk.checker, chk.step,
+                 list(chk.mbs), rel, ", ".join(f"{w} {e:.3g}" for w, e in sorted(errors.items())))
+        self.dup_checks.pop(chk.check_id, None)
+        async with self.cond:
+            for w, why in verdict.items():
+                if w not in self.guard_banned:
+                    self._guard_ban(w, chk.step, why)
+        if chk.target not in verdict:
+            self.guard_ok[chk.target] = self.guard_ok.get(chk.target, 0) + 1
 
     async def _dup_done(self) -> None:
         """A check ended: the step may commit now (and parked lease requests may go on)."""
