@@ -215,3 +215,16 @@ def test_shoal_plan_prints_the_framework_cpu_and_the_saturated_host(tmp_path, ca
     out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
     assert "framework CPU: the busiest server host's cores" in out
     assert "idle for server CPU" in out and "server host h is CPU-bound" in out
+
+
+def test_a_repair_keeps_the_members_the_coordinator_can_keep_alive():
+    # 16 workers, 9 members per coordinator core, a plan over the limit losing a stage's only
+    # worker: the repaired plan fits the coordinator
+    from shoal.plan import repair
+
+    s = _scenario(n_workers=16, cores=64, server_task_ms=0.0, member_ms=100.0)
+    p = Plan("cpu-hand", "tiny", "hand", [StagePlan((0, 3), "h", [f"w{i}" for i in range(15)]),
+                                          StagePlan((3, 6), "h", ["w15"])], 2, 8)
+    q = repair(p, s, left=["w15"])
+    assert len(q.workers) + 1 <= 9 and "w15" not in q.workers
+    assert math.isfinite(q.predicted["step_time_s"])
