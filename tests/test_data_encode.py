@@ -36,7 +36,8 @@ def _awkward_docs() -> list:
              "Ünïcödé — 日本語のテキスト, emoji 🐟🐠, combining e\u0301 and Ω. Tabs\tand\r\nCRLF\n\n\n  end  ")
     spaces = "".join(f"a{c}b {c}1{c}{c}.{c} {c}'s{c}x\n" for c in _MAYBE_SPACE)
     odd = ["", " ", "\n", "x", "'", "''s", "a" * 5000, "(" * 3000 + "a", "é" * 2000, "\u3000" * 50 + "x",
-           "a'" * 100, "1a" * 300, " \n \n x", "word" + "\x00\x1f" * 10, "<|end" + "oftext|> inside a word"]
+           "a'" * 100, "1a" * 300, " \n \n x", "word" + "\x00\x1f" * 10, "<|end" + "oftext|> inside a word",
+           "<|endoftext|>", "a<|endoftext|>b", " x  <|endoftext|>  y\n<|endoftext|><|endoftext|>  ", "<|endoftext|"]
     docs: list = []
     for d in [*code, prose, spaces, *odd, prose.upper(), spaces[::-1]]:
         docs += [d, None]
@@ -77,6 +78,7 @@ def test_memo_encoder_equals_the_tokenizer(trained):
         direct += [eot] if d is None else trained.encode(d, add_special_tokens=False).ids
     assert want.tolist() == direct
     memo = MemoEncoder(trained, eot)
+    assert memo.split_added  # documents holding <|endoftext|> go in pieces too
     assert np.array_equal(memo.encode(docs), want)
     # Again: now every piece comes from the memo.
     encoded = memo.pieces_encoded

@@ -30,9 +30,10 @@ character, the apostrophe) glues to its neighbours. Whitespace is the pattern's 
 (Unicode White_Space), spelled out below and checked against the tokenizer in the tests.
 
 Any other tokenizer (a normaliser, another pre-tokenizer, BPE dropout...) is encoded
-whole with ``encode_batch_fast`` (:class:`BatchEncoder`); so is a document holding the
-text of an added token such as ``<|endoftext|>``, which the tokenizer matches before
-pre-tokenizing.
+whole with ``encode_batch_fast`` (:class:`BatchEncoder`). The tokenizer matches added
+tokens such as ``<|endoftext|>`` before pre-tokenizing and encodes the text between them on
+its own, so a document holding one is encoded as those texts with the token's id between
+them (whole by the batch encoder if an added token strips or binds its neighbours).
 """
 
 from __future__ import annotations
@@ -82,14 +83,15 @@ class BatchEncoder:
         self.tok, self.eot = tok, eot
 
     def encode(self, docs: list) -> np.ndarray:
-        """Ids of ``docs`` (strings, and ``None`` for an end-of-text token) as one int64 array."""
+        """Ids of ``docs`` (strings, ``None`` for an end-of-text token, an int for that id) as
+        one int64 array."""
         from shoal.data.tokens import _chunks as split_lines
 
         parts: list[str] = []
-        layout: list[int] = []  # per doc: number of encoder inputs, or -1 for an EOT
+        layout: list[int] = []  # per doc: number of encoder inputs, or -1 - the id of a token
         for d in docs:
-            if d is None:
-                layout.append(-1)
+            if not isinstance(d, str):
+                layout.append(-1 - (self.eot if d is None else d))
             else:
                 cs = split_lines(d) if len(d) > 4096 else ([d] if d else [])
                 parts.extend(cs)
@@ -99,7 +101,7 @@ class BatchEncoder:
         i = 0
         for n in layout:
             if n < 0:
-                lists.append((self.eot,))
+                lists.append((-1 - n,))
             else:
                 lists.extend(e.ids for e in encs[i : i + n])
                 i += n
@@ -381,8 +383,17 @@ class MemoEncoder:
             if i < vocab:
                 self.token_bytes[i] = len(t)
         self.eot_text = tok.id_to_token(eot)
-        added = [t.content for t in tok.get_added_tokens_decoder().values()]
-        self.added = re.compile("|".join(map(re.escape, added))) if added else None
+        added = tok.get_added_tokens_decoder()  # id -> AddedToken
+        # Longest first: the tokenizer matches the leftmost longest added token.
+        either = "|".join(map(re.escape, sorted((t.content for t in added.values()), key=len, reverse=True)))
+        self.added = re.compile(either) if added else None
+        self.added_split = re.compile(f"({either})") if added else None
+        self.added_ids = {t.content: i for i, t in added.items()}
+        # The tokenizer splits added tokens out of a text first and encodes the text between
+        # them on its own, so a document holding one is encoded in pieces too, unless an
+        # added token strips or binds its neighbours (or is not special: those are matched
+        # in a second pass); then that document goes whole to the batch encoder.
+        self.split_added = all(t.special and not (t.lstrip or t.rstrip or t.single_word) for t in added.values())
         self.pieces = _Memo(max_pieces, max_ids)
         self.pieces_seen = 0  # pieces looked up
         self.pieces_encoded = 0  # pieces sent to the tokenizer
@@ -392,6 +403,10 @@ class MemoEncoder:
         out, run = [], []
         for d in docs:
             if d is not None and self.added is not None and self.added.search(d):
+                if self.split_added:
+                    parts = self.added_split.split(d)  # text, token, text, ..., text
+                    run += [self.added_ids[s] if i % 2 else s for i, s in enumerate(parts)]
+                    continue
                 if run:
                     out.append(self._encode_run(run))
                     run = []
@@ -403,7 +418,8 @@ class MemoEncoder:
         return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
     def _encode_run(self, docs: list) -> np.ndarray:
-        texts = [d.encode("utf-8") for d in docs if d is not None]
+        # docs: texts, None (an end-of-text token) and ids of added tokens.
+        texts = [d.encode("utf-8") for d in docs if isinstance(d, str)]
         data = b"".join(texts)
         sizes = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
         doc_ends = np.cumsum(sizes)
@@ -429,12 +445,14 @@ class MemoEncoder:
             parts.append(ids)
             counts.append(n)
         ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
-        # An end-of-text id after the tokens of the pieces before each None.
-        ended = np.cumsum([d is not None for d in docs])[[d is None for d in docs]]
+        # Each token between the texts after the tokens of the pieces before it.
+        is_text = [isinstance(d, str) for d in docs]
+        ended = np.cumsum(is_text)[np.logical_not(is_text)]
         if len(ended):
             before = np.searchsorted(starts, np.concatenate([[0], doc_ends])[ended], side="left")
             token_at = np.concatenate([[0], np.cumsum(np.concatenate(counts))]) if counts else np.zeros(1, dtype=np.int64)
-            ids = np.insert(ids, token_at[before], self.eot)
+            marks = [self.eot if d is None else d for d, s in zip(docs, is_text, strict=True) if not s]
+            ids = np.insert(ids, token_at[before], marks)
         return ids
 
     def _learn_pieces(self, new: list[str]) -> None:
