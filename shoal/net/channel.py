@@ -204,7 +204,7 @@ def open_channel(
                               interceptors=interceptors)
 
 
-# Connection limits of every shoal server (docs/real-machines.md, "Connection limits"): what a
+# Connection limits of every shoal server (docs/security.md, "Connection limits"): what a
 # peer that never authenticates, or a member that leaves a connection unused, can hold open.
 HANDSHAKE_TIMEOUT_S = 20.0  # TLS and HTTP/2 set-up must be done this soon after the TCP accept
 IDLE_CLOSE_S = 60.0  # a connection with no call for this long is closed (members reconnect on their next call)
