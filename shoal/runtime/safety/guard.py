@@ -141,7 +141,10 @@ class GuardConfig:
     drift_coords: int = 4096
     # A worker's drift statistic (:func:`drift_z`) above this makes it a suspect: its pushes
     # are then all recomputed (or checked twice) until it falls back. Never a ban by itself.
-    drift_z: float = 8.0
+    # Gradient coordinates are correlated, so honest statistics spread wider than N(0, 1):
+    # up to 11.15 measured (a bf16 run of 4 workers; docs/poisoning.md); the bench's bias
+    # reached 15.6 after two biased steps.
+    drift_z: float = 12.0
     # Pushes a worker needs in its record before its drift is judged (one deviation's
     # self-normalised sum carries no information: every coordinate's z is +-1).
     drift_min_pushes: int = 3
