@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import os
 import re
@@ -33,11 +34,17 @@ def set_threads() -> None:
 
 def model_config(spec: pb.RunSpec) -> ModelConfig:
     """The model of a run: its preset, or the shape it carries (a model started from a HF folder)."""
-    if spec.model_config_json:
+    return _model_config(spec.model, spec.model_config_json)
+
+
+@functools.lru_cache(maxsize=64)
+def _model_config(model: str, config_json: str) -> ModelConfig:
+    # Cached: servers size every streamed message by it (a frozen config, safe to share).
+    if config_json:
         import json
 
-        return ModelConfig.from_dict(json.loads(spec.model_config_json))
-    return get_preset(spec.model)
+        return ModelConfig.from_dict(json.loads(config_json))
+    return get_preset(model)
 
 
 def optim_config(spec: pb.RunSpec) -> OptimConfig:
@@ -317,10 +324,11 @@ def ckpt_dir(root: str | Path, stage: int, run_id: str) -> Path:
 
 def list_ckpts(root: str | Path, stage: int, run_id: str) -> list[int]:
     """Versions checkpointed for ``stage`` of run ``run_id`` under ``root``, ascending."""
-    d = ckpt_dir(root, stage, run_id)
-    if not d.is_dir():
+    try:  # (names only: servers list their folder on every heartbeat)
+        names = os.listdir(ckpt_dir(root, stage, run_id))
+    except (FileNotFoundError, NotADirectoryError):
         return []
-    return sorted(int(m.group(1)) for p in d.iterdir() if (m := _CKPT_RE.match(p.name)))
+    return sorted(int(m.group(1)) for name in names if (m := _CKPT_RE.match(name)))
 
 
 def _pid_alive(pid: int) -> bool:
