@@ -280,7 +280,8 @@ class RedundantMixin:
     def _drift_update(self, step: int, pushes: list) -> None:
         """Add the step's deviations to each worker's drift statistics (in a thread, at commit)."""
         cfg = self.guard_cfg
-        if not cfg.enabled or self.local or cfg.drift_coords <= 0 or len({p[2] for p in pushes}) < 2:
+        if (not cfg.enabled or self.local or self.spec.shadow or cfg.drift_coords <= 0
+                or len({p[2] for p in pushes}) < 2):
             return
         if self.drift_stage != self.stage:
             self._drift_reset()
