@@ -22,6 +22,7 @@ Outline for one ``S``:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -878,9 +879,8 @@ def plan_shoal_tuned(scenario: Scenario, seed: int = 0, stages: int | None = Non
     best, best_t = None, math.inf
     for b in micro_batch_candidates(scenario):
         w = scenario.workload
-        variant = Scenario(scenario.name, scenario.devices, scenario.network,
-                           type(w)(w.model, w.seq_len, w.global_batch, b, w.dtype_bytes, w.optimizer),
-                           scenario.churn, scenario.description, scenario.source)
+        variant = dataclasses.replace(
+            scenario, workload=type(w)(w.model, w.seq_len, w.global_batch, b, w.dtype_bytes, w.optimizer))
         try:
             p = plan_shoal(variant, seed=seed, stages=stages, sync=sync, options=options)
         except ShoalError:

@@ -16,6 +16,7 @@ Only if no repair is feasible (e.g. nothing fits the memory) does it fall back t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Iterable
@@ -31,9 +32,7 @@ from shoal.plan.validate import validate_plan
 def live_scenario(scenario: Scenario, gone: Iterable[str]) -> Scenario:
     """``scenario`` without the devices in ``gone``."""
     gone = set(gone)
-    return Scenario(name=scenario.name, devices=[d for d in scenario.devices if d.id not in gone],
-                    network=scenario.network, workload=scenario.workload, churn=scenario.churn,
-                    description=scenario.description, source=scenario.source)
+    return dataclasses.replace(scenario, devices=[d for d in scenario.devices if d.id not in gone])
 
 
 def _best_host(plan: Plan, i: int, scenario: Scenario) -> str | None:
@@ -97,9 +96,25 @@ def _fill_empty(plan: Plan, i: int, scenario: Scenario, options: CostOptions) ->
 def repair(plan: Plan, scenario: Scenario, left: Iterable[str] = (), joined: Iterable[str] = (),
            options: CostOptions | None = None, budget_s: float | None = None, seed: int = 0) -> Plan:
     """A valid plan for ``scenario`` minus ``left`` (plus ``joined``, which must be devices of
-    ``scenario``), derived from ``plan`` incrementally; ``planning_time_s`` is the repair time."""
+    ``scenario``), derived from ``plan`` incrementally; ``planning_time_s`` is the repair time.
+
+    As :func:`shoal.plan.make_plan`, the search leaves the coordinator's CPU floor out (a plan
+    over its member limit is infinite, and no move could tell two such plans apart), and the
+    framework-CPU passes of :mod:`shoal.plan.saturation` fit the result afterwards."""
+    from shoal.plan.saturation import fit_coordinator, shed_unfed_workers
+
     t0 = time.perf_counter()
     options = options or CostOptions()
+    p = _repair(plan, scenario, left, joined, dataclasses.replace(options, coordinator=False), budget_s, seed, t0)
+    live = live_scenario(scenario, left)
+    p = shed_unfed_workers(fit_coordinator(p, live, options), live, options)
+    predict(p, live, options)
+    p.planning_time_s = time.perf_counter() - t0
+    return p
+
+
+def _repair(plan: Plan, scenario: Scenario, left: Iterable[str], joined: Iterable[str], options: CostOptions,
+            budget_s: float | None, seed: int, t0: float) -> Plan:
     left, joined = set(left), [j for j in joined if j not in set(left)]
     known = {d.id for d in scenario.devices}
     for d in [*left, *joined]:

@@ -197,8 +197,8 @@ def _sub_scenario(scenario: Scenario, devices: list[Device], hosts: tuple[str, .
     ``micro_batches`` micro-batches (one replica's share)."""
     keep = {d.id for d in devices} | set(hosts)
     w = scenario.workload
-    return Scenario(scenario.name, [d for d in scenario.devices if d.id in keep], scenario.network,
-                    replace(w, global_batch=micro_batches * micro_batch_size), scenario.churn)
+    return replace(scenario, devices=[d for d in scenario.devices if d.id in keep],
+                   workload=replace(w, global_batch=micro_batches * micro_batch_size))
 
 
 def equal_finish_split(pipes: list[float], rates: list[float], current: list[int], total: int) -> list[int]:

@@ -108,8 +108,8 @@ class FrameworkCpu:
     (``docs/planner-cost.md``, "Framework CPU").
     """
 
-    server_task_s: float = 16.6e-3  # stage server, per task through it (grant, input, result, relays; per-step work amortised): bench/results/stream.md, launch S=2 W=2, 16.6 CPU-ms
-    worker_task_s: float = 7.1e-3  # worker, per task beyond its compute (lease, input, result): stream.md, the same run, 7.1 CPU-ms
+    server_task_s: float = 5.5e-3  # stage server, per task through it (grant, input, result, relays): bench/results/stream.md 2026-12-02, bench_runtime_cpu.py --micro-batches 16, servers' CPU per further task, 4.7-5.6 CPU-ms
+    worker_task_s: float = 3.5e-3  # worker, per task beyond its compute (lease, input, result): the same runs, workers' CPU beyond the local trainer's, 3.5 CPU-ms
     server_sync_s: float = 1.0e-3  # stage server, per worker per exact-sync step (its push and its pull): bench_rpc_cost.py server ends, 0.53 + 0.44 CPU-ms
     coordinator_member_s: float = 0.8e-3  # coordinator, per member per second (heartbeats, liveness): fit of stream.md's shadow swarms, 0.03 / 0.06 cores at 18 / 66 members
     coordinator_report_s: float = 14e-3  # coordinator, per stage server's step report: the same fit

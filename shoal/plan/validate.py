@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from shoal.errors import ShoalError
 from shoal.plan.cost import scenario_profile, stage_worker_memory
 from shoal.plan.types import Plan, Scenario
@@ -95,9 +97,9 @@ def _validate_replicas(plan: Plan, scenario: Scenario) -> None:
     for i, r in enumerate(plan.replicas):
         sub = replica_plan(plan, r)
         # each replica on its own is a pipeline of the workload with its share of the batch
-        sub_scn = Scenario(scenario.name, scenario.devices, scenario.network,
-                           type(w)(w.model, w.seq_len, r.micro_batches * plan.micro_batch_size, plan.micro_batch_size,
-                                   w.dtype_bytes, w.optimizer), scenario.churn)
+        sub_scn = dataclasses.replace(scenario, workload=type(w)(
+            w.model, w.seq_len, r.micro_batches * plan.micro_batch_size, plan.micro_batch_size, w.dtype_bytes,
+            w.optimizer))
         try:
             validate_plan(sub, sub_scn)
         except ShoalError as exc:
