@@ -33,7 +33,7 @@ sizes in bytes, rates in bytes/s and FLOP/s.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from functools import lru_cache
 
 import numpy as np
@@ -229,6 +229,24 @@ def tail_pipeline_time(micro_batches: int, stage_times: list[float], throughput:
     if throughput <= 0 or not used:
         return math.inf
     return (micro_batches - len(used) / 2) / throughput + expected_max_residual(used) + fill - latency
+
+
+# Results a worker with overlapped uploads keeps on its uplink at once; a further result waits
+# (and the worker with it). The runtime worker's ``uploads_in_flight`` default, and the simulator's.
+UPLOADS_IN_FLIGHT = 2
+
+
+def upload_backlog(tau: float, upload_s: float, in_flight: int = UPLOADS_IN_FLIGHT) -> float:
+    """Seconds by which a worker's last output of the step lands later than ``tau`` after its
+    lease, with overlapped uploads (``upload_s``: one output's serialisation on its uplink). An
+    upload-bound worker keeps ``in_flight`` outputs on its uplink and leases its next task once
+    one has left, so a new output queues behind the ``in_flight`` uploads in flight (on average
+    ``in_flight - 1/2`` of them left to send) and lands ``(in_flight + 1/2) upload_s`` after the
+    lease, not ``tau``; a compute-bound worker's uplink is idle more often, and the backlog fades
+    to 0 once its output queues behind nothing: ``max(0, (in_flight + 1/2) upload_s - tau)``."""
+    if not 0 < tau < math.inf or upload_s <= 0:
+        return 0.0
+    return max(0.0, (in_flight + 0.5) * upload_s - tau)
 
 
 def pinned_pipeline_time(micro_batches: int, throughput: float, stage_times: list[float], round_trip: float,
@@ -506,6 +524,7 @@ class StageCost:
     cpu_cap: float = math.inf  # micro-batches/s its server host's framework CPU lets through (server_cpu_caps)
     uncapped: float = 0.0  # its task pool's throughput before that cap (X_s of the workers alone)
     task_handling: float = 0.0  # seconds a server's CPU takes to handle one task's result (on its micro-batch's path)
+    upload_backlog: dict = field(default_factory=dict)  # worker id -> s its last output waits behind earlier uploads
 
 
 def _share_counts(plan: Plan, scenario: Scenario) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
@@ -867,6 +886,13 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
                 s_dl, s_n, s_p = busy[i][j]
                 links.append((*background[wid], n_d * (s_n + s_p), n_d * s_dl))
         task_times = {row[0]: t for row, t in zip(stage_rows, times, strict=True)}
+        backlog = {}
+        if overlap_up:
+            for j, row in enumerate(stage_rows):
+                u = busy[i][j][1] + busy[i][j][2]
+                q = upload_backlog(times[j], u)
+                if q > 0:
+                    backlog[row[0]] = q
         a, b = plan.stages[i].layers
         fwd = prof.fwd_flops(a, b)
         flops = fwd + prof.bwd_flops(a, b)
@@ -875,7 +901,8 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
                              sync=syncs[i], task_times=task_times, memory_headroom=heads[i], pull=pulls[i],
                              compute_per_step=busy_step, round_links=tuple(links), round_latency=lats[i],
                              slowest=slow + handling, fwd_share=fwd / flops if flops > 0 else 1.0,
-                             cpu_cap=cpu_caps[i], uncapped=x, task_handling=scenario.cpu.server_task_s))
+                             cpu_cap=cpu_caps[i], uncapped=x, task_handling=scenario.cpu.server_task_s,
+                             upload_backlog=backlog))
     return out
 
 
@@ -1045,6 +1072,13 @@ def swarm_flop_limit(scenario: Scenario, memo: dict | None = None) -> float:
     return limit
 
 
+def _landing_times(cost: StageCost) -> list[float]:
+    """Per used worker of a stage, ``tau`` plus its :func:`upload_backlog`: from the lease of its
+    last task to that task's output landing (what the step's end waits for)."""
+    q = cost.upload_backlog
+    return [t + q.get(w, 0.0) for w, t in cost.task_times.items()]
+
+
 def _pipeline_terms(costs: list[StageCost], m: int, local: bool) -> tuple[float, float, int, float, float]:
     """``(pipeline s, fill s, bottleneck stage, granular floor, local-mode correction)`` of one
     pipeline of ``m`` micro-batches per step from its stages' costs (see :func:`predict`)."""
@@ -1056,14 +1090,15 @@ def _pipeline_terms(costs: list[StageCost], m: int, local: bool) -> tuple[float,
     if local:
         floor = granular_pipeline_time(fill, [(c.latency, c.slowest) for c in costs])
         fluid = pipe
-        # the step ends once the last task's result is handled: its server's CPU comes after the tail
-        pipe = max(tail_pipeline_time(m, list(costs[b].task_times.values()), xs[b], fill, costs[b].latency)
+        # the step ends once the last task's result is handled: its server's CPU comes after the tail;
+        # a worker's last output lands behind its overlapped uploads (upload_backlog)
+        pipe = max(tail_pipeline_time(m, _landing_times(costs[b]), xs[b], fill, costs[b].latency)
                    + costs[b].task_handling, floor)
         # a backward task waits for the worker that ran its forward (every stage but the last)
         for i in range(len(costs) - 1):
             rt = sum(c.latency for c in costs[i + 1:])
             before = sum(c.latency for c in costs[:i])
-            pipe = max(pipe, pinned_pipeline_time(m, xs[b], list(costs[i].task_times.values()), rt,
+            pipe = max(pipe, pinned_pipeline_time(m, xs[b], _landing_times(costs[i]), rt,
                                                   costs[i].fwd_share, before))
         adjust = pipe - fluid
     return pipe, fill, b, floor, adjust
