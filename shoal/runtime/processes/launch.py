@@ -638,10 +638,14 @@ class Swarm:
         self.poll_records()
         summary_path = self.out / "summary.json"
         rc = self.coord.returncode
-        # 2 is a one-line error (a failed run) whatever the journal says; another status after a
-        # journaled "done" is a death in teardown: the run is complete.
-        if rc not in (0, 2) and summary_path.exists() and self.run_id and self._run_done():
-            print(f"warning: the coordinator exited with status {rc} after it finished the run; "
+        # 2 is a one-line error (a failed run) whatever the journal says, except from a coordinator
+        # restarted after the first one died in its teardown: that one refuses a finished run
+        # (its journal says "done" by the time it reads it). Another status after a journaled
+        # "done" is a death in teardown. Either way the run is complete.
+        restarted = self.restarts_left < self.cfg.coordinator_restarts
+        if ((rc not in (0, 2) or (rc == 2 and restarted)) and summary_path.exists() and self.run_id
+                and self._run_done()):
+            print(f"warning: the coordinator exited with status {rc} after the run finished; "
                   f"the run is complete (see {self.out / 'logs' / 'coordinator.log'})", file=sys.stderr)
         elif rc != 0 or not summary_path.exists():
             self.stop()
