@@ -1079,6 +1079,40 @@ def _landing_times(cost: StageCost) -> list[float]:
     return [t + q.get(w, 0.0) for w, t in cost.task_times.items()]
 
 
+# How many of the step's last micro-batches the pinned drain's round trip takes the latest of
+# (_late_latency). The exact end is E[max over the earlier stage's workers of (commitment +
+# round trip)]; the pinned term already takes the max over the commitments, and adding the
+# latest of all n round trips counts the tail twice (1.10x the simulated step on gaming-eu's
+# 2-stage pipeline), the mean of one (k = 1) too little (0.83-0.94x on gaming-world's replicas);
+# two is a calibrated middle that keeps every built-in within 4 % (bench/results/swarm-share.md).
+LATE_DRAWS = 2
+
+
+def _late_latency(cost: StageCost, m: int, draws: int) -> float:
+    """A stage's share of the round trip of the step's last micro-batches. When the earlier
+    stage's forward pool empties, its used workers each have one forward in flight, and each of
+    those micro-batches goes to whichever of this stage's workers leases next: worker
+    ``d`` with probability ``p_d = (1 / tau_d) / X`` (its share of the stage's tasks). Its output
+    lands ``l_d = tau_d`` plus the worker's upload backlog later (:func:`_landing_times`); the
+    step waits for the latest of ``draws`` of them (``LATE_DRAWS``), ``E[max] = sum_j l_(j)
+    (F_j^k - F_(j-1)^k)`` over the sorted ``l`` with ``F`` the cumulative ``p`` and ``k = draws``. The fill counts the
+    fastest worker's ``tau`` instead: with few micro-batches per worker the slow ones often take
+    one of the last (a granular tail), with many the fast ones do."""
+    q = cost.upload_backlog
+    used = sorted((t, w) for w, t in cost.task_times.items() if 0 < t < math.inf)[:m]
+    if not used:
+        return cost.latency
+    x = sum(1.0 / t for t, _ in used)
+    k = max(1, draws)
+    lands = sorted((t + q.get(w, 0.0), 1.0 / t / x) for t, w in used)
+    e, f_prev = 0.0, 0.0
+    for land, p in lands:
+        f = min(1.0, f_prev + p)
+        e += land * (f ** k - f_prev ** k)
+        f_prev = f
+    return cost.latency - used[0][0] + e
+
+
 def _pipeline_terms(costs: list[StageCost], m: int, local: bool) -> tuple[float, float, int, float, float]:
     """``(pipeline s, fill s, bottleneck stage, granular floor, local-mode correction)`` of one
     pipeline of ``m`` micro-batches per step from its stages' costs (see :func:`predict`)."""
@@ -1094,12 +1128,22 @@ def _pipeline_terms(costs: list[StageCost], m: int, local: bool) -> tuple[float,
         # a worker's last output lands behind its overlapped uploads (upload_backlog)
         pipe = max(tail_pipeline_time(m, _landing_times(costs[b]), xs[b], fill, costs[b].latency)
                    + costs[b].task_handling, floor)
+        # another stage's slow workers may hold tasks landing later still (upload backlogs):
+        # when the bottleneck's pool empties they are somewhere in theirs
+        n_b = len(sorted(t for t in costs[b].task_times.values() if 0 < t < math.inf)[:m])
+        for i, c in enumerate(costs):
+            if i != b and xs[b] > 0:
+                lands = sorted(t for t in _landing_times(c) if 0 < t < math.inf)[:m]
+                pipe = max(pipe, (m - n_b / 2) / xs[b] + expected_max_residual(lands) + fill - c.latency
+                           + c.task_handling)
         # a backward task waits for the worker that ran its forward (every stage but the last)
         for i in range(len(costs) - 1):
             rt = sum(c.latency for c in costs[i + 1:])
             before = sum(c.latency for c in costs[:i])
+            draws = min(LATE_DRAWS, len([t for t in costs[i].task_times.values() if 0 < t < math.inf][:m]))
+            late = sum(_late_latency(c, m, draws) for c in costs[i + 1:])
             pipe = max(pipe, pinned_pipeline_time(m, xs[b], _landing_times(costs[i]), rt,
-                                                  costs[i].fwd_share, before))
+                                                  costs[i].fwd_share, before) + late - rt)
         adjust = pipe - fluid
     return pipe, fill, b, floor, adjust
 
