@@ -209,8 +209,8 @@ def test_traffic_at_a_server_keeps_a_worker_alive_and_a_death_says_why(tmp_path)
 def test_a_worker_busy_in_a_long_compute_is_not_declared_dead(tmp_path, failure_free):
     """At --dead-after 3, the stage-0 worker's first forward of step 1 and a gradient task of
     step 2 each spin the CPU in Python for 10 s (holding the interpreter): no member is
-    declared dead or voided (a re-plan may still move a worker between stages), nothing is
-    re-queued, and the weights are the failure-free ones."""
+    declared dead or voided (a re-plan may still move a worker between stages, re-queueing what
+    it held), and the weights are the failure-free ones."""
     from shoal.runtime.processes.launch import launch
     from shoal.train.metrics import read_jsonl
 
@@ -224,7 +224,9 @@ def test_a_worker_busy_in_a_long_compute_is_not_declared_dead(tmp_path, failure_
     assert not [e for e in events if e["event"] == "leave"], [e for e in events if e["event"] == "leave"]
     servers = "".join(p.read_text() for p in (out / "logs").glob("server*.log"))
     # A re-plan may move a worker to the other stage once its slow tasks are measured (it leaves
-    # its old server: "voided worker ... (left)"); no other void, and nothing is re-queued.
+    # its old server: "voided worker ... (left)", and what it held is re-queued); no other void,
+    # and without such a move nothing is re-queued.
     assert not re.search(r"voided worker \S+ \((?!left\))", servers), servers
-    assert summary["requeues"] == 0
+    moved = re.search(r"voided worker \S+ \(left\)", servers)
+    assert summary["requeues"] == 0 or moved, summary["requeues"]
     assert_equal_weights(out, failure_free)

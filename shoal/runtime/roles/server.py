@@ -187,6 +187,7 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
         # Push screening (shoal.runtime.safety.guard): banned workers, and what the screen keeps.
         self.guard_banned: dict[str, str] = {}  # worker member id -> why it was banned
         self.guard_bans: list[pb.GuardBan] = []  # reported to the coordinator with every heartbeat
+        self.guard_bans_told = 0  # how many of them a heartbeat the coordinator read has carried
         self.guard_norms: list[float] = []  # norms of recent honest pushes (the robust centre)
         self.guard_seen: set[str] = set()  # workers whose first push here was screened
         self.guard_strikes: dict[str, int] = {}  # worker -> consecutive flagged pushes
@@ -496,6 +497,7 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
         alive = self._heard_since(getattr(self, "_alive_sent", 0.0))
         # Checking a checkpoint file another server wrote reads it whole: in a thread.
         ckpt = await asyncio.get_running_loop().run_in_executor(None, self._ckpt_version)
+        n_bans = len(self.guard_bans)
         try:
             a = await self.coord.Heartbeat(pb.MemberRequest(
                 member_id=self.member_id, version=self.version, ckpt_version=ckpt,
@@ -514,6 +516,8 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
             return
         self._alive_sent = sent
         self.last_coord_ok = time.monotonic()
+        if a.known:  # an unknown member's heartbeat is not read: its bans are not told yet
+            self.guard_bans_told = max(self.guard_bans_told, n_bans)
         if a.done:
             self.done = True
             return
@@ -1622,6 +1626,12 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
                 report.tasks_per_worker[w] = n
             # Every standby of the stage logs the step before any decision on it can exist.
             await self.standby_send_step(step, epoch)
+            # A ban made in this step reaches the coordinator before the step's report: else the
+            # run's last step could commit and finish first, and the ban's undo would come too late.
+            while len(self.guard_bans) > self.guard_bans_told and self.epoch == epoch:
+                await self._heartbeat()
+                if len(self.guard_bans) > self.guard_bans_told:
+                    await asyncio.sleep(0.1)
             while True:
                 if self.epoch != epoch:
                     return
