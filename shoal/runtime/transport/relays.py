@@ -22,37 +22,21 @@ import contextlib
 import grpc
 
 from shoal.net import shoal_pb2 as pb
-from shoal.net.stream import CONTROL_SLACK, split, transfer_timeout
+from shoal.net.stream import CONTROL_SLACK, transfer_timeout
 from shoal.net.wire import WireError
-from shoal.runtime.transport.session import read_messages, serialised, unavailable
+from shoal.runtime.transport.session import StreamEnd, read_messages, serialised, unavailable
 
 RELAY_KINDS = {"Relay": pb.Relay}  # what the receiver reads on the stream
 REPLY_KINDS = {"RelayReply": pb.RelayReply}  # what the sender reads back
 
 
-class RelayLink:
+class RelayLink(StreamEnd):
     """The sending end of one relay stream to a peer stage server."""
 
     def __init__(self, method, chunk_bytes: int, sender: str = "", traffic=None):
-        self.chunk_bytes, self.sender, self.traffic = chunk_bytes, sender, traffic
-        self.out: asyncio.Queue = asyncio.Queue()
         self.waiting: dict[int, asyncio.Future] = {}  # relay id -> its reply
-        self.error: grpc.aio.AioRpcError | None = None
         self.next_id = 1
-        self.call = method(self._requests())
-        self.reader = asyncio.create_task(self._read())
-
-    @property
-    def alive(self) -> bool:
-        return self.error is None and not self.reader.done()
-
-    async def _requests(self):
-        while True:
-            item = await self.out.get()
-            if item is None:
-                return
-            for c in split("Relay", item, self.chunk_bytes, self.sender):
-                yield c
+        super().__init__(method, chunk_bytes, sender, traffic)
 
     async def _read(self) -> None:
         err = None
@@ -90,7 +74,7 @@ class RelayLink:
         if self.error is not None:
             self.waiting.pop(msg.relay_id, None)
             raise self.error
-        self.out.put_nowait(data)
+        self.out.put_nowait(("Relay", data))
         try:
             return await asyncio.wait_for(asyncio.shield(fut), transfer_timeout(len(data)))
         except TimeoutError:

@@ -65,17 +65,15 @@ async def serialised(msg) -> bytes:
     return await off_loop(msg.ByteSize(), msg.SerializeToString)
 
 
-class SessionClient:
-    """The worker's end of a session (see the module docstring)."""
+class StreamEnd:
+    """The calling end of a long-lived bidirectional stream: ``(kind, bytes)`` items put on
+    :attr:`out` go up in chunks (None ends the stream); a subclass's ``_read`` handles what
+    comes down and sets :attr:`error` when the stream ends."""
 
-    def __init__(self, method, member: str, chunk_bytes: int, reply_limit: int, traffic=None):
-        self.member, self.chunk_bytes, self.reply_limit, self.traffic = member, chunk_bytes, reply_limit, traffic
+    def __init__(self, method, chunk_bytes: int, sender: str, traffic=None):
+        self.chunk_bytes, self.sender, self.traffic = chunk_bytes, sender, traffic
         self.out: asyncio.Queue = asyncio.Queue()
-        self.leases: dict[int, asyncio.Future] = {}  # ask id -> its reply
-        self.results: dict[int, asyncio.Future] = {}  # lease id -> its reply
-        self.taken_back: set[int] = set()  # grants the server took back (dropped unless started)
         self.error: grpc.aio.AioRpcError | None = None
-        self.next_ask = 1
         self.call = method(self._requests())
         self.reader = asyncio.create_task(self._read())
 
@@ -89,8 +87,23 @@ class SessionClient:
             if item is None:
                 return
             kind, data = item
-            for c in split(kind, data, self.chunk_bytes, self.member):
+            for c in split(kind, data, self.chunk_bytes, self.sender):
                 yield c
+
+    async def _read(self) -> None:
+        raise NotImplementedError
+
+
+class SessionClient(StreamEnd):
+    """The worker's end of a session (see the module docstring)."""
+
+    def __init__(self, method, member: str, chunk_bytes: int, reply_limit: int, traffic=None):
+        self.member, self.reply_limit = member, reply_limit
+        self.leases: dict[int, asyncio.Future] = {}  # ask id -> its reply
+        self.results: dict[int, asyncio.Future] = {}  # lease id -> its reply
+        self.taken_back: set[int] = set()  # grants the server took back (dropped unless started)
+        self.next_ask = 1
+        super().__init__(method, chunk_bytes, member, traffic)
 
     def _limit(self, kind: str) -> int:
         return self.reply_limit if kind == "LeaseReply" else CONTROL_SLACK
