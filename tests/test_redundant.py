@@ -107,6 +107,39 @@ def test_drift_deviations_compare_each_worker_with_the_others():
     assert drift_deviations([("a", 1, v["a"]), ("a", 2, v["b"])]) == []
 
 
+def test_a_rollback_during_the_drift_update_fails_nothing(monkeypatch):
+    """The drift update runs in a thread at commit while a ban's rollback may reset the
+    statistics on the event loop (a fresh-clone CI run failed with KeyError on a worker id
+    this way). The production method, with the reset made at its worst moment (after the
+    first worker's deviation is added): no error, and the reset statistics stay empty."""
+    import types
+
+    import shoal.runtime.safety.redundant as red
+
+    srv = red.RedundantMixin()
+    srv._dup_init()
+    srv.name, srv.stage, srv.local, srv.guard_salt = "s0", 0, False, "salt"
+    srv.spec = types.SimpleNamespace(shadow=False)
+    srv.guard_cfg = GuardConfig()
+    srv.params = {"x": torch.zeros(64)}
+    g = torch.Generator().manual_seed(0)
+    pushes = [(mb, {"x": torch.randn(64, generator=g)}, w, [mb]) for mb, w in enumerate(["w0", "w1", "w2"])]
+    real = red.drift_deviations
+
+    def reset_midway(samples):
+        for i, item in enumerate(real(samples)):
+            yield item
+            if i == 0:
+                srv._drift_reset()  # what _load does on a rollback
+
+    monkeypatch.setattr(red, "drift_deviations", reset_midway)
+    srv._drift_update(3, pushes)
+    assert srv.drift_n == {} and srv.drift_sum == {} and srv.drift_suspects == set()
+    monkeypatch.setattr(red, "drift_deviations", real)
+    srv._drift_update(4, pushes)  # after the reset it counts afresh
+    assert srv.drift_n == {"w0": 1, "w1": 1, "w2": 1}
+
+
 def test_drift_coordinates_are_drawn_across_the_stage():
     params = {"x": torch.zeros(100, 10), "y": torch.zeros(7), "z": torch.zeros(5000)}
     idx = drift_indices(params, 600, "secret")

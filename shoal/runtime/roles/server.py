@@ -272,6 +272,7 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
         self.guard_unverified = {w: s for w, s in self.guard_unverified.items() if s < version}
         # Redone steps would add their deviations twice (not independent): the drift test starts over.
         self._drift_reset()
+        self.guard_ref = None  # the direction of a step that is redone now
         self._local_reset(version)
         if self.local:
             self.outer_m = outer_m  # local mode: the outer momentum saved with the version
@@ -1588,22 +1589,25 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
         sorted by first micro-batch: the local trainer's sum, bitwise), unscale them (fp16), keep
         them as the screen's reference; returns each parameter's squared norm (exact sync; the
         coordinator adds every stage's with math.fsum) (runs in a thread)."""
-        for p in self.params.values():
+        # A rollback may load new parameters while this thread runs: it sums into the ones it began with.
+        params = self.params
+        for p in params.values():
             p.grad = None
         for _, grads, *_ in pushes:
             for name, g in grads.items():
-                p = self.params[name]
+                p = params[name]
                 if p.grad is None:
                     p.grad = g.clone()
                 else:
                     p.grad.add_(g)
         # The direction the screen compares the next step's pushes with (honest work only).
-        self.guard_ref = {n: p.grad for n, p in self.params.items() if p.grad is not None}
+        if params is self.params:  # (not after a rollback loaded other weights: its history is gone)
+            self.guard_ref = {n: p.grad for n, p in params.items() if p.grad is not None}
         if not self.local:
             self._drift_update(self.step, pushes)
         # fp16: the pushes hold gradients of the loss times the step's scale.
-        unscale_grads(self.params.values(), self.loss_scale)
-        return [] if self.local else param_sq_norms(self.params.values())
+        unscale_grads(params.values(), self.loss_scale)
+        return [] if self.local else param_sq_norms(params.values())
 
     async def _commit(self, step: int, epoch: int) -> None:
         try:

@@ -287,25 +287,30 @@ class RedundantMixin:
             self._drift_reset()
             self.drift_stage = self.stage
             self.drift_idx = drift_indices(self.params, cfg.drift_coords, f"{self.guard_salt}/{self.stage}")
+        # This runs in a thread: a rollback on the event loop may reset the statistics meanwhile
+        # (_drift_reset binds new dicts), so it works on the ones it started with, which a reset
+        # leaves to be dropped, instead of reading a half-reset state.
+        sums, sqs, counts, zs_all, suspects = (self.drift_sum, self.drift_sq, self.drift_n, self.drift_zs,
+                                               self.drift_suspects)
         samples = [(w, len(mbs), drift_sample(grads, self.drift_idx)) for _, grads, w, mbs in pushes]
         zs: dict[str, float] = {}
         for w, d in drift_deviations(samples):
             if not bool(torch.isfinite(d).all()):
                 continue
-            self.drift_sum[w] = d if w not in self.drift_sum else self.drift_sum[w] + d
-            self.drift_sq[w] = d * d if w not in self.drift_sq else self.drift_sq[w] + d * d
-            self.drift_n[w] = self.drift_n.get(w, 0) + 1
-            z = drift_z(self.drift_sum[w].tolist(), self.drift_sq[w].tolist())
-            self.drift_zs[w] = z
-            was = w in self.drift_suspects
-            if drift_suspect(z, self.drift_n[w], cfg):
-                self.drift_suspects.add(w)
+            sums[w] = d if w not in sums else sums[w] + d
+            sqs[w] = d * d if w not in sqs else sqs[w] + d * d
+            counts[w] = counts.get(w, 0) + 1
+            z = drift_z(sums[w].tolist(), sqs[w].tolist())
+            zs_all[w] = z
+            was = w in suspects
+            if drift_suspect(z, counts[w], cfg):
+                suspects.add(w)
             else:
-                self.drift_suspects.discard(w)
+                suspects.discard(w)
             zs[w] = z
-            if was != (w in self.drift_suspects):
+            if was != (w in suspects):
                 log.info("%s: drift of %s after step %d: z %.2f over %d steps: %s", self.name, w, step, z,
-                         self.drift_n[w], "a suspect, every push of it is checked" if not was else "no longer a suspect")
+                         counts[w], "a suspect, every push of it is checked" if not was else "no longer a suspect")
         if zs:
             log.info("%s: drift after step %d: %s", self.name, step,
-                     json.dumps({w: [round(z, 2), self.drift_n[w]] for w, z in sorted(zs.items())}))
+                     json.dumps({w: [round(z, 2), counts[w]] for w, z in sorted(zs.items())}))
