@@ -33,6 +33,20 @@ weight pulls) is encoded by one of three codecs:
   indices ascend strictly; the decoder checks that, every index against its chunk's length, the
   scales (finite, not negative) and the unused tail bits (zero). Pushes and pulls with error
   feedback only.
+* ``tern`` -- rotated blockwise ternary, for activations and activation gradients: the flattened
+  tensor is cut into blocks of ``TERN_BLOCK`` (128) elements (the last one padded with zeros);
+  each block ``x`` is rotated, ``r = H D x`` with ``D`` fixed pseudo-random signs and ``H`` the
+  orthonormal Walsh-Hadamard matrix, which spreads a block's outliers over all its coordinates so
+  that they are near Gaussian. Each ``r_i`` becomes a ternary digit: 0 where
+  ``|r_i| <= TERN_THRESHOLD * rms(r)`` (0.612: the mean-square-error optimum for a Gaussian), else
+  its sign; the block's level ``a`` (fp16) is the mean ``|r_i|`` of the digits that are not 0
+  (the least-squares level). Decoding is ``x = D H (a t)``. Payload: the blocks' fp16 levels,
+  then the digits five per byte (``t_0 + 3 t_1 + 9 t_2 + 27 t_3 + 81 t_4`` with 0, 1, 2 meaning
+  0, +a, -a), ``2 n_blocks + ceil(128 n_blocks / 5)`` bytes: 1.725 bits per element, 9.28x
+  smaller than bf16 (the planner's ``tern`` size). The decoder checks the levels (finite, not
+  negative), every byte (< 243) and the padding digits of the last byte (zero). The relative
+  error per block is about 0.44 (the ternary quantiser of a Gaussian), so it is measured for its
+  effect on the loss (bench/results/compress_bench.md), not bounded per element.
 
 Payloads are plain bytes plus a small ``meta`` dict of ints and strings (codec, block,
 element count) that the frame carries; the receiver passes the shape and dtype it
@@ -63,7 +77,8 @@ from shoal.errors import ShoalError
 
 CODECS = ("raw", "fp16", "int8")  # dense codecs (any traffic kind)
 SPARSE_CODECS = ("topk-int8", "sparse")  # sparse codecs (pushes and pulls with error feedback only)
-ALL_CODECS = CODECS + SPARSE_CODECS  # every codec name a frame may carry
+ACT_CODECS = ("tern",)  # low-bit dense codecs for activations and their gradients
+ALL_CODECS = CODECS + SPARSE_CODECS + ACT_CODECS  # every codec name a frame may carry
 # The sparse codec's shape is the planner's (it charges these very bytes): one definition.
 TOPK_DENSITY = _plan.TOPK_DENSITY  # fraction of entries topk-int8 keeps without a :density
 SPARSE_CHUNK = _plan.SPARSE_CHUNK  # elements per chunk of ``sparse`` (indices are local to a chunk)
@@ -71,6 +86,9 @@ SPARSE_INDEX_BITS = _plan.SPARSE_INDEX_BITS  # bits of an in-chunk index: log2(S
 SPARSE_DENSITY = _plan.SPARSE_DENSITY  # fraction of each chunk ``sparse`` keeps without a :density
 SPARSE_BITS = _plan.SPARSE_BITS  # bits per kept value of ``sparse`` without a :bits
 SPARSE_BIT_CHOICES = _plan.SPARSE_BIT_CHOICES  # value widths ``sparse`` packs
+TERN_BLOCK = _plan.TERN_BLOCK  # elements per rotated block of ``tern``
+TERN_PER_BYTE = _plan.TERN_PER_BYTE  # ternary digits per byte of ``tern``
+TERN_THRESHOLD = 0.612  # |r| <= this x rms(r) of its block sends 0 (the optimal ternary threshold of a Gaussian)
 DEFAULT_BLOCK = 128  # int8 block size: 3.88x smaller than fp32, error <= absmax/254 per block
 FP16_MAX = 65504.0
 _INT8_LEVELS = 127  # symmetric: -127..127, so -x decodes to exactly minus the decode of x
@@ -151,7 +169,7 @@ def _check_codec(codec: str, block: int) -> None:
     name, _ = split_codec(codec)
     if name not in ALL_CODECS:
         raise CodecError(f"unknown codec {codec!r}; choose one of {', '.join(ALL_CODECS)}")
-    if name != "raw" and name != "fp16" and not (isinstance(block, int) and 1 <= block <= 1 << 20):
+    if name not in ("raw", "fp16", "tern") and not (isinstance(block, int) and 1 <= block <= 1 << 20):
         raise CodecError(f"int8 block size must be an integer in [1, 2^20], got {block!r}")
 
 
@@ -175,6 +193,8 @@ def encoded_nbytes(codec: str, numel: int, block: int = DEFAULT_BLOCK, k: int | 
     if name == "sparse":
         _, bits = sparse_params(codec)
         return sparse_nbytes(numel, sparse_kept(density) if k is None else k, bits)
+    if name == "tern":
+        return _plan.tern_nbytes(numel)
     return numel + 4 * _n_blocks(numel, block)
 
 
@@ -187,6 +207,8 @@ def wire_fraction(codec: str, block: int = DEFAULT_BLOCK) -> float:
     if name == "sparse":
         _, bits = sparse_params(codec)
         return (sparse_kept(density) * (SPARSE_INDEX_BITS + bits) / 8 + 2) / SPARSE_CHUNK / 4
+    if name == "tern":
+        return _plan.bytes_per_element("tern", 4) / 4
     return {"raw": 1.0, "fp16": 0.5}.get(name, (1 + 4 / block) / 4)
 
 
@@ -235,6 +257,8 @@ def encode(
             )
         return x.astype("<f2").tobytes(), meta
     name, density = split_codec(codec)
+    if name == "tern":
+        return _tern_encode(x), meta
     if name == "sparse":
         _, bits = sparse_params(codec)
         k = sparse_kept(density)
@@ -320,6 +344,8 @@ def decode(
         x = np.frombuffer(buf, dtype="<f2").astype(np.float32)
     elif codec.startswith("sparse"):
         return _sparse_decode(buf, numel, k, meta["bits"]).reshape(shape).to(dt)
+    elif codec == "tern":
+        return _tern_decode(buf, numel).reshape(shape).to(dt)
     elif codec == "topk-int8":
         idx = np.frombuffer(buf[: 4 * k], dtype="<i4")
         if k and (idx[0] < 0 or idx[-1] >= numel or (k > 1 and not (np.diff(idx) > 0).all())):
@@ -414,6 +440,87 @@ def _sparse_decode(buf: memoryview, numel: int, k: int, bits: int) -> torch.Tens
     out = torch.zeros(numel)
     out[chunk * C + idx] = vals  # every position checked above to lie inside the tensor
     return out
+
+
+def _tern_signs() -> torch.Tensor:
+    """The fixed signs ``D`` of ``tern``'s rotation: the top bit of SplitMix64 of each position, so
+    every sender and receiver derives the same ones without a random generator's version."""
+    z = np.arange(1, TERN_BLOCK + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return torch.from_numpy(1.0 - 2.0 * (z >> np.uint64(63)).astype(np.float32))
+
+
+_TERN_SIGNS = _tern_signs()
+_TERN_POW3 = torch.tensor([3 ** j for j in range(TERN_PER_BYTE)], dtype=torch.int64)
+_TERN_TABLE = None  # byte -> its five digits, built on first decode
+
+
+def _fwht(rows: torch.Tensor) -> torch.Tensor:
+    """Orthonormal Walsh-Hadamard transform of each row (length a power of two); its own inverse.
+    Butterflies of elementwise adds and subtracts, so every machine gets the same bits."""
+    n = rows.shape[1]
+    x = rows
+    h = 1
+    while h < n:
+        x = x.view(-1, n // (2 * h), 2, h)
+        x = torch.stack((x[:, :, 0] + x[:, :, 1], x[:, :, 0] - x[:, :, 1]), dim=2)
+        h *= 2
+    return x.reshape(-1, n) * (1.0 / math.sqrt(n))
+
+
+def _tern_encode(x: np.ndarray) -> bytes:
+    """The ``tern`` payload of the flat float32 array ``x``."""
+    n = x.size
+    if n == 0:
+        return b""
+    G = TERN_BLOCK
+    nb = -(-n // G)
+    padded = torch.zeros(nb * G)
+    padded[:n] = torch.from_numpy(x)
+    r = _fwht(padded.view(nb, G) * _TERN_SIGNS)
+    absr = r.abs()
+    rms = r.square().mean(dim=1, keepdim=True).sqrt()
+    keep = absr > TERN_THRESHOLD * rms
+    cnt = keep.sum(dim=1)
+    level = torch.where(keep, absr, torch.zeros_like(absr)).sum(dim=1) / cnt.clamp_min(1)
+    if float(level.max()) > FP16_MAX:
+        raise CodecError(f"tern: a block level of {float(level.max()):.3g} is beyond the fp16 range "
+                         f"(+-{FP16_MAX}); use the int8 or raw codec for this tensor")
+    digits = keep.to(torch.int64) * (1 + (r < 0).to(torch.int64))  # 0, 1 (+a), 2 (-a)
+    flat = digits.reshape(-1)
+    pad = -flat.numel() % TERN_PER_BYTE
+    if pad:
+        flat = torch.cat([flat, torch.zeros(pad, dtype=torch.int64)])
+    packed = (flat.view(-1, TERN_PER_BYTE) * _TERN_POW3).sum(dim=1).to(torch.uint8)
+    return level.to(torch.float16).numpy().astype("<f2", copy=False).tobytes() + packed.numpy().tobytes()
+
+
+def _tern_decode(buf: memoryview, numel: int) -> torch.Tensor:
+    """The float32 tensor of a ``tern`` payload whose length was checked."""
+    global _TERN_TABLE
+    if numel == 0:
+        return torch.zeros(0)
+    G = TERN_BLOCK
+    nb = -(-numel // G)
+    levels = np.frombuffer(buf[: 2 * nb], dtype="<f2").astype(np.float32)
+    if not np.isfinite(levels).all() or (levels < 0).any():
+        raise CodecError("tern payload has a negative or non-finite block level")
+    packed = torch.from_numpy(np.frombuffer(buf[2 * nb:], dtype=np.uint8).astype(np.int64))
+    if bool((packed >= 3 ** TERN_PER_BYTE).any()):
+        raise CodecError(f"tern payload has a byte of {int(packed.max())}; five ternary digits are < 243")
+    if _TERN_TABLE is None:
+        b = torch.arange(3 ** TERN_PER_BYTE, dtype=torch.int64)
+        _TERN_TABLE = torch.stack([(b // p) % 3 for p in _TERN_POW3.tolist()], dim=1)
+    digits = _TERN_TABLE[packed].reshape(-1)
+    if bool(digits[nb * G:].any()):
+        raise CodecError("tern payload has digits set past its last block")
+    d = digits[: nb * G].view(nb, G)
+    sign = torch.where(d == 2, -1.0, 1.0) * (d != 0)
+    r = sign * torch.from_numpy(levels)[:, None]
+    x = _fwht(r) * _TERN_SIGNS
+    return x.reshape(-1)[:numel].contiguous()
 
 
 def _dequantise_int8(buf: memoryview, numel: int, block: int) -> np.ndarray:

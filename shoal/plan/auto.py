@@ -86,9 +86,9 @@ class QualityBudget:
 
 
 def parse_allowed_codecs(text: str) -> tuple[str, ...]:
-    """``"none,int8,sparse:0.01:2"`` -> the codec names, each checked (for pushes, where every
-    codec is allowed)."""
-    out = tuple(parse_codec(c.strip(), "push") for c in text.split(",") if c.strip())
+    """``"none,int8,sparse:0.01:2"`` -> the codec names, each checked for the kinds it serves
+    (``tern`` for activations, the others for pushes, where they all are allowed)."""
+    out = tuple(parse_codec(c.strip(), "act" if c.strip() == "tern" else "push") for c in text.split(",") if c.strip())
     if not out:
         raise ShoalError(f"--allow-codecs {text!r}: give at least one codec, e.g. none,int8,sparse")
     return out

@@ -20,6 +20,11 @@ Codecs (see ``docs/sync-policies.md``):
   ``SPARSE_INDEX_BITS``-bit index inside its chunk plus a ``bits``-bit value, with one fp16 scale
   per chunk: ``(ceil(rho C) (SPARSE_INDEX_BITS + bits) / 8 + 2) / C`` bytes per element (defaults
   ``SPARSE_DENSITY`` and ``SPARSE_BITS``); pushes and pulls only, with error feedback.
+* ``tern`` -- rotated blockwise ternary for activations and activation gradients: each block of
+  ``TERN_BLOCK`` elements is rotated (random signs, then a Walsh-Hadamard transform) and each
+  rotated coordinate sent as one of ``{-a, 0, +a}``, five per byte, with one fp16 ``a`` per block:
+  ``(2 + TERN_BLOCK / 5) / TERN_BLOCK`` bytes per element (1.725 bits, 9.28x smaller than bf16);
+  act and grad only (no error feedback: every micro-batch's tensor is new).
 
 Traffic kinds: ``act`` (activations sent forward), ``grad`` (activation gradients sent
 backward), ``push`` (gradient or pseudo-gradient pushes to the server), ``pull`` (weight pulls
@@ -35,13 +40,25 @@ from shoal.errors import ShoalError
 INT8_BLOCK = 128  # elements per int8 scale (the runtime codec's default block, shoal.net.compress.DEFAULT_BLOCK)
 TOPK_DENSITY = 0.1  # fraction of entries a top-k codec keeps unless the spec says otherwise
 KINDS = ("act", "grad", "push", "pull")  # traffic kinds with their own codec
-CODECS = ("none", "fp16", "int8", "topk-int8", "sparse")  # codec names (the sparse ones take arguments)
+CODECS = ("none", "fp16", "int8", "topk-int8", "sparse", "tern")  # codec names (the sparse ones take arguments)
 _SPARSE_KINDS = ("push", "pull")  # kinds where a top-k codec is allowed
 SPARSE_CHUNK = 4096  # elements per chunk of the ``sparse`` codec (indices are local to a chunk)
 SPARSE_INDEX_BITS = 12  # bits of one in-chunk index: log2(SPARSE_CHUNK)
 SPARSE_DENSITY = 0.01  # fraction of each chunk ``sparse`` keeps unless the spec says otherwise
 SPARSE_BITS = 2  # bits per kept value of ``sparse`` unless the spec says otherwise
 SPARSE_BIT_CHOICES = (1, 2, 3, 4, 8)  # value widths the sparse codec can pack
+_ACT_KINDS = ("act", "grad")  # kinds where ``tern`` is allowed
+TERN_BLOCK = 128  # elements per rotated block of ``tern`` (a power of two: the Walsh-Hadamard size)
+TERN_PER_BYTE = 5  # ternary digits packed in one byte (3^5 = 243 <= 256)
+
+
+def tern_nbytes(numel: int) -> int:
+    """Exact payload bytes of ``tern`` for ``numel`` elements: one fp16 level per block, then the
+    rotated blocks' ternary digits (the last block padded to a whole block), five per byte."""
+    if numel <= 0:
+        return 0
+    nb = -(-numel // TERN_BLOCK)
+    return 2 * nb + -(-nb * TERN_BLOCK // TERN_PER_BYTE)
 
 
 def parse_codec(text: str, kind: str = "push") -> str:
@@ -50,7 +67,13 @@ def parse_codec(text: str, kind: str = "push") -> str:
     if name not in CODECS:
         raise ShoalError(f"unknown codec {text!r} for {kind}; choose one of: {', '.join(CODECS)} "
                          "(topk-int8 takes an optional :DENSITY, e.g. topk-int8:0.05)")
-    if name == "sparse":
+    if name == "tern":
+        if kind not in _ACT_KINDS:
+            raise ShoalError(f"codec {text!r} is for activations and their gradients (act, grad), not {kind}; "
+                             "use int8 or sparse there")
+        if arg:
+            raise ShoalError(f"codec {text!r}: tern takes no arguments")
+    elif name == "sparse":
         if kind not in _SPARSE_KINDS:
             raise ShoalError(f"codec {text!r} drops most entries; use it only for push or pull, not {kind}")
         sparse_params(text)
@@ -72,7 +95,8 @@ def parse_codec(text: str, kind: str = "push") -> str:
 def parse_compression(spec: str) -> dict[str, str]:
     """``"int8"`` (every kind) or ``"act=fp16,grad=int8,push=topk-int8,pull=int8"`` (kinds not
     named stay ``none``) -> ``{kind: codec}`` for all of :data:`KINDS`. ``"sparse[:DENSITY[:BITS]]"``
-    alone is the local-mode setting ``push=sparse...,pull=sparse...`` (activations uncompressed)."""
+    alone is the local-mode setting ``push=sparse...,pull=sparse...`` (activations uncompressed);
+    ``"tern"`` alone is ``act=tern,grad=tern`` (pushes and pulls uncompressed)."""
     out = dict.fromkeys(KINDS, "none")
     spec = (spec or "").strip()
     if not spec:
@@ -81,6 +105,9 @@ def parse_compression(spec: str) -> dict[str, str]:
         codec = spec
         if codec.split(":")[0] == "sparse":  # the whole setting: sparse pushes and pulls, dense activations
             out["push"] = out["pull"] = parse_codec(codec, "push")
+            return out
+        if codec.split(":")[0] == "tern":  # the activation setting: tern both ways, dense pushes and pulls
+            out["act"] = out["grad"] = parse_codec(codec, "act")
             return out
         if codec.startswith("topk-int8"):
             raise ShoalError(f"--compression {spec!r}: top-k only applies to push and pull; "
@@ -137,6 +164,8 @@ def bytes_per_element(codec: str, raw_bytes: int) -> float:
         rho, bits = sparse_params(codec)
         k = sparse_kept_per_chunk(rho)
         return (k * (SPARSE_INDEX_BITS + bits) / 8.0 + 2.0) / SPARSE_CHUNK
+    if name == "tern":
+        return (2.0 + TERN_BLOCK / TERN_PER_BYTE) / TERN_BLOCK
     raise ShoalError(f"unknown codec {codec!r}; choose one of: {', '.join(CODECS)}")
 
 

@@ -1,0 +1,223 @@
+"""The ``tern`` activation codec (rotated blockwise ternary): sizes equal to the planner's, a
+hand-built block, its error on Gaussian and outlier-heavy tensors, malformed and random payloads,
+and its place in the compression spec."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from shoal.errors import ShoalError
+from shoal.net.compress import (
+    TERN_BLOCK,
+    CodecError,
+    NonFiniteError,
+    _fwht,
+    _tern_signs,
+    decode,
+    encode,
+    encoded_nbytes,
+    wire_fraction,
+)
+from shoal.net.wire import WireError, decode_tensor, encode_tensor
+from shoal.plan.compression import bytes_per_element, parse_codec, parse_compression, tern_nbytes
+
+
+def _rand(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g)
+
+
+def _by_hand_nbytes(n: int) -> int:
+    blocks = math.ceil(n / 128)
+    return 2 * blocks + math.ceil(128 * blocks / 5)  # fp16 levels, then five digits a byte
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 127, 128, 129, 640, 1000, 4096, 3 * 128 * 5 + 7])
+def test_bytes_of_any_length(n):
+    payload, meta = encode(_rand(n, seed=n), "tern")
+    assert meta == {"codec": "tern", "numel": n}
+    assert len(payload) == _by_hand_nbytes(n) == encoded_nbytes("tern", n) == tern_nbytes(n)
+    assert decode(payload, meta, (n,)).shape == (n,)
+
+
+def test_bytes_equal_the_planners_rate_and_beat_bf16_8x():
+    n = 5 * 128 * 40  # whole bytes of digits: the planner's per-element size times n exactly
+    payload, _ = encode(_rand(n), "tern")
+    assert len(payload) == bytes_per_element("tern", 2) * n
+    assert wire_fraction("tern") * 4 == pytest.approx(bytes_per_element("tern", 2))
+    assert 8 * len(payload) / n == pytest.approx(1.725)  # bits per element, scales included
+    assert 2 * n / len(payload) == pytest.approx(9.275, abs=0.001)  # >= 8x fewer bytes than bf16
+    # an activation-shaped tensor (B, T, d) of any d: still >= 8x against bf16
+    for d in (96, 128, 200, 768):
+        x = _rand(4, 16, d).to(torch.bfloat16)
+        assert 2 * x.numel() / len(encode(x, "tern")[0]) >= 8.0
+
+
+def test_rotation_is_orthonormal_and_fixed():
+    eye = torch.eye(TERN_BLOCK)
+    h = _fwht(eye)
+    assert torch.allclose(h @ h, eye, atol=1e-6)  # its own inverse
+    assert torch.allclose(h.abs(), torch.full_like(h, TERN_BLOCK ** -0.5))
+    s = _tern_signs()
+    assert set(s.tolist()) == {-1.0, 1.0} and torch.equal(s, _tern_signs())
+    # the signs are no Walsh function: a constant block is spread over many coordinates
+    assert _fwht((s * torch.ones(TERN_BLOCK))[None]).abs().max() < 0.3 * math.sqrt(TERN_BLOCK)
+
+
+def test_a_block_that_is_ternary_after_rotation_by_hand():
+    # x = D H (2 t): its rotation is 2 t exactly, so its digits are t and its level 2.0 (0x4000 in
+    # fp16), and it decodes back to x.
+    t = torch.zeros(TERN_BLOCK)
+    t[[0, 6, 7, 100]] = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    x = (_fwht((2.0 * t)[None]) * _tern_signs()).reshape(-1)
+    payload, meta = encode(x, "tern")
+    assert payload[:2] == b"\x00\x40"
+    digits = np.zeros(130, dtype=np.int64)  # 0: zero, 1: +a, 2: -a; 128 digits + 2 padding
+    digits[[0, 7]] = 1
+    digits[[6, 100]] = 2
+    expected = (digits.reshape(-1, 5) * np.array([1, 3, 9, 27, 81])).sum(axis=1).astype(np.uint8)
+    assert payload[2:] == expected.tobytes()
+    assert torch.allclose(decode(payload, meta, x.shape), x, atol=1e-6)
+
+
+def test_error_on_gaussian_and_outlier_heavy_activations():
+    # A Gaussian block keeps about 0.44 of its norm as error (the ternary quantiser's); an
+    # activation with a few huge channels does no worse, because the rotation spreads them.
+    x = _rand(8, 32, 128)
+    y = decode(*encode(x, "tern"), x.shape)
+    rel = float((y - x).norm() / x.norm())
+    assert 0.40 < rel < 0.47, rel
+    act = _rand(8, 32, 128, seed=1)
+    act[..., 5] *= 60.0
+    act[..., 77] -= 30.0
+    y = decode(*encode(act, "tern"), act.shape)
+    assert float((y - act).norm() / act.norm()) < 0.47
+    # the per-block level follows each token's scale: a tiny token is not zeroed by a large one
+    x = torch.cat([_rand(1, 128) * 1e-3, _rand(1, 128, seed=2) * 1e3])
+    y = decode(*encode(x, "tern"), x.shape)
+    assert float((y[0] - x[0]).norm() / x[0].norm()) < 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_dtypes_shapes_zeros_and_determinism(dtype):
+    x = _rand(3, 7, 50).to(dtype)
+    p1, m1 = encode(x, "tern")
+    p2, _ = encode(x.clone(), "tern")
+    assert p1 == p2  # same tensor, same bytes
+    y = decode(p1, m1, x.shape, dtype)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert torch.equal(y, decode(p1, m1, x.shape, dtype))
+    z = torch.zeros(2, 130, dtype=dtype)
+    assert torch.equal(decode(*encode(z, "tern"), z.shape, dtype), z)
+    s = torch.tensor(-3.0, dtype=dtype)  # a scalar: one padded block
+    assert decode(*encode(s, "tern"), ()).shape == ()
+
+
+def test_bad_inputs_are_clear_errors():
+    with pytest.raises(NonFiniteError):
+        encode(torch.tensor([1.0, float("nan")]), "tern")
+    with pytest.raises(CodecError, match="fp16 range"):
+        encode(torch.full((128,), 1e6), "tern")
+    with pytest.raises(CodecError, match="only topk-int8 and sparse take"):
+        encode(torch.ones(3), "tern:2")
+
+
+def _payload(n=300, seed=0):
+    x = _rand(n, seed=seed)
+    return bytearray(encode(x, "tern")[0]), {"codec": "tern", "numel": n}
+
+
+def test_malformed_payloads_are_codec_errors():
+    p, meta = _payload()
+    nb = 3
+    with pytest.raises(CodecError, match="must be"):
+        decode(bytes(p[:-1]), meta, (300,))
+    with pytest.raises(CodecError, match="must be"):
+        decode(bytes(p) + b"\x00", meta, (300,))
+    with pytest.raises(CodecError, match="elements"):
+        decode(bytes(p), meta, (301,))
+    bad = bytearray(p)
+    bad[2 * nb + 4] = 243  # five ternary digits never make 243 or more
+    with pytest.raises(CodecError, match="243"):
+        decode(bytes(bad), meta, (300,))
+    bad = bytearray(p)
+    bad[-1] = 81  # the last byte holds 384 - 383 = 1 digit; its four padding digits must be 0
+    with pytest.raises(CodecError, match="past its last block"):
+        decode(bytes(bad), meta, (300,))
+    for level in (b"\x00\xbc", b"\x00\x7c", b"\x00\x7e"):  # -1.0, inf, NaN in fp16
+        bad = bytearray(p)
+        bad[2:4] = level
+        with pytest.raises(CodecError, match="level"):
+            decode(bytes(bad), meta, (300,))
+    # through the frame layer: a one-line WireError naming the tensor
+    frame = encode_tensor("out", _rand(4, 128), "tern")
+    assert frame.codec == "tern" and json.loads(frame.meta) == {"codec": "tern", "numel": 512}
+    frame.data = frame.data[:-1]
+    with pytest.raises(WireError, match="'out': bad tern payload"):
+        decode_tensor(frame, shape=(4, 128), dtype="float32")
+
+
+def test_random_payloads_decode_or_raise_codec_error():
+    # Fuzz: bytes of the right length but random content decode to finite values or raise
+    # CodecError, never anything else; random lengths always raise CodecError.
+    rng = np.random.default_rng(0)
+    n = 700
+    size = encoded_nbytes("tern", n)
+    decoded = 0
+    for _ in range(300):
+        buf = rng.integers(0, 256, size, dtype=np.uint8)
+        if rng.random() < 0.5:  # plausible levels and digits, so some decode
+            buf[:12] = np.frombuffer(rng.random(6).astype("<f2").tobytes(), np.uint8)
+            buf[12:] = rng.integers(0, 243, size - 12)
+            buf[-1] = rng.integers(0, 3)
+        try:
+            y = decode(buf.tobytes(), {"codec": "tern", "numel": n}, (n,))
+        except CodecError:
+            continue
+        assert torch.isfinite(y).all()
+        decoded += 1
+    assert decoded > 50
+    for length in rng.integers(0, 2 * size, 50):
+        if length != size:
+            with pytest.raises(CodecError):
+                decode(rng.integers(0, 256, length, dtype=np.uint8).tobytes(), {"codec": "tern", "numel": n}, (n,))
+
+
+def test_spec_allows_tern_for_activations_only():
+    assert parse_codec("tern", "act") == "tern" and parse_codec("tern", "grad") == "tern"
+    for kind in ("push", "pull"):
+        with pytest.raises(ShoalError, match="activations"):
+            parse_codec("tern", kind)
+    with pytest.raises(ShoalError, match="no arguments"):
+        parse_codec("tern:4", "act")
+    assert parse_compression("tern") == {"act": "tern", "grad": "tern", "push": "none", "pull": "none"}
+    assert parse_compression("act=tern,grad=int8,push=sparse,pull=sparse")["act"] == "tern"
+    with pytest.raises(ShoalError):
+        parse_compression("push=tern")
+    assert bytes_per_element("tern", 2) == pytest.approx((2 + 128 / 5) / 128)
+
+
+@pytest.mark.timeout(120)
+def test_planner_and_simulator_charge_tern_activation_bytes():
+    # Only act and grad change between the three runs, so the bytes they save against the
+    # uncompressed run are in the ratio of the codecs' savings per element.
+    from shoal.plan import load_scenario, make_plan
+    from shoal.plan.compression import wire_ratio
+    from shoal.plan.types import SyncPolicy
+    from shoal.sim import simulate
+
+    s = load_scenario("hetero-compute")
+    p = make_plan(s, stages=2)
+    db = s.workload.dtype_bytes
+    total = {}
+    for codec in ("none", "int8", "tern"):
+        p.sync = SyncPolicy(act_codec=codec, grad_codec=codec)
+        r = simulate(p, s, steps=1)
+        assert r.lost_micro_batches == 0 and not r.stalled
+        total[codec] = sum(r.link_bytes.values())
+    saved = (total["none"] - total["tern"]) / (total["none"] - total["int8"])
+    assert saved == pytest.approx((1 - wire_ratio("tern", db)) / (1 - wire_ratio("int8", db)), rel=0.01)
+    assert wire_ratio("tern", 2) <= 1 / 8
