@@ -11,14 +11,17 @@ hosts (10 Gb/s) with the run's workload; ``shoal launch --shadow --scenario`` at
 Prints per N: the simulator's step time for the planner's plan of that scenario (steps
 after the first, as measured), the achieved step time (metrics, steps after the first),
 their ratio, the stage servers' tasks per second, and the CPU seconds per wall second of
-the coordinator and of each server (from /proc, first commit to last).
+the coordinator, of each server and of each shadow worker process (from /proc, first commit
+to last).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -87,8 +90,13 @@ def run_one(n: int, args, root: Path) -> dict:
     def on_event(rec):
         if rec.get("event") == "step" and ref and rec["step"] in (0, args.steps - 1):
             sw = ref[0]
-            pids = {"coordinator": sw.coord.pid, **{f"server{i}": p.pid for i, p in enumerate(sw.servers)}}
+            pids = {"coordinator": sw.coord.pid, **{f"server{i}": p.pid for i, p in enumerate(sw.servers)},
+                    **{f"workers{p.pid}": p.pid for p in {id(w): w for w in sw.workers if w}.values()}}
             marks[rec["step"]] = (time.monotonic(), {k: cpu_s(p) for k, p in pids.items()})
+            if os.environ.get("SHOAL_PROFILE"):  # dump 1 at the first commit, 2 at the last (bench/prof_diff.py)
+                for p in pids.values():
+                    with contextlib.suppress(OSError):
+                        os.kill(p, signal.SIGUSR1)
 
     with Swarm(cfg, on_event) as sw:
         ref.append(sw)
@@ -131,15 +139,16 @@ def main() -> int:
           f"T={args.seq_len}, {args.gpu} x N at time scale {args.speedup:g}, sync {args.sync}, "
           f"{os.cpu_count()} cores\n")
     print("| workers | simulated step | achieved step | achieved / simulated | tasks/s per server | "
-          "coordinator CPU | server CPU |")
-    print("|---|---|---|---|---|---|---|")
+          "coordinator CPU | server CPU | worker processes' CPU |")
+    print("|---|---|---|---|---|---|---|---|")
     for n in (int(x) for x in args.workers.split(",") if x):
         r = run_one(n, args, root)
         srv = " / ".join(f"{v:.2f}" for k, v in sorted(r["cpu"].items()) if k.startswith("server"))
+        wrk = " / ".join(f"{v:.2f}" for k, v in sorted(r["cpu"].items()) if k.startswith("workers"))
         sim = f"{r['simulated_s']:.3f} s" if r["simulated_s"] else "n/a"
         ratio = f"{r['ratio']:.2f}" if r["ratio"] else "n/a"
         print(f"| {n} | {sim} | {r['achieved_s']:.3f} s | {ratio} | {r['tasks_per_s_per_server']:.1f} | "
-              f"{r['cpu']['coordinator']:.2f} cores | {srv} cores |", flush=True)
+              f"{r['cpu']['coordinator']:.2f} cores | {srv} cores | {wrk} cores |", flush=True)
     return 0
 
 

@@ -87,3 +87,111 @@ def test_shadow_and_real_workers_make_the_same_plan_and_bytes(tmp_path):
     logs = "".join(p.read_text() for p in (shadow_out / "logs").glob("worker*.log"))
     assert "Traceback" not in logs
     assert json.loads((shadow_out / "summary.json").read_text())["steps"] == 3
+
+
+# ---------------------------------------------------------------- shadow processes' links and CPU
+
+def test_relay_read_size_follows_the_slowest_bucket():
+    from shoal.emulate.links import CHUNK, MAX_CHUNK, PACE_S, read_size
+
+    assert read_size([None, None]) == MAX_CHUNK  # unshaped: the most per step
+    assert read_size([125e6]) == int(125e6 * PACE_S)  # 1 Gb/s: 1 ms of link time a step
+    assert read_size([125e6, 2.5e6]) == CHUNK  # slow links keep the finest pacing
+    assert read_size([1.25e10]) == MAX_CHUNK
+
+
+def _scenario():
+    from shoal.plan.types import Device, Link, Network, Scenario, Workload
+
+    mk = lambda i: Device(id=f"d{i}", kind="rtx4090", flops=1e12, memory=24e9, region="eu",  # noqa: E731
+                          up=1e6, down=4e6)
+    return Scenario(name="t", devices=[mk(0), mk(1)], network=Network(intra={"eu": Link(0.001, 1e9)}, inter={}),
+                    workload=Workload(model="tiny", seq_len=32, global_batch=8, micro_batch_size=2))
+
+
+def test_sibling_dials_each_have_their_own_link_on_one_thread():
+    """Shadow workers of one process each play their own device: a sibling dial has its own
+    buckets and relays (the first dial's do not carry its bytes), relayed by the first dial's
+    thread, and learns the peers the first dial learns."""
+    from shoal.emulate.links import ScenarioDial
+    from shoal.emulate.measure import connect
+    from shoal.emulate.measure import serve as tcp_serve
+
+    class Echo(__import__("socketserver").BaseRequestHandler):
+        def handle(self):
+            while data := self.request.recv(65536):
+                self.request.sendall(data)
+
+    srv, addr = tcp_serve(Echo)
+    first = ScenarioDial(_scenario(), "d0", {})
+    try:
+        second = first.sibling(7)
+        assert second.shaper._thread is first.shaper._thread
+        assert second.shaper.up_bucket is not first.shaper.up_bucket
+        assert second.shaper.up_bucket.rate == first.shaper.up_bucket.rate == 1e6
+        first.set_peer(addr, "d1")
+        assert second.link_for(addr) is not None  # learnt from the first dial
+        relay = second(addr)
+        assert relay not in (addr, first(addr))  # its own relay
+        s = connect(relay)
+        s.sendall(b"x" * 1000)
+        got = b""
+        while len(got) < 1000:
+            got += s.recv(4096)
+        s.close()
+        assert second.shaper.stats()["up_bytes"] == 1000 and first.shaper.stats()["up_bytes"] == 0
+    finally:
+        first.close()
+        srv.shutdown()
+    assert not first.shaper._thread.is_alive()
+
+
+def test_relay_lets_go_of_a_connection_its_target_closed():
+    """A target that closes a connection ends the relay of it, although the client keeps
+    its end open (as a gRPC channel does): the relay holds no sockets of closed connections."""
+    import socketserver
+
+    from shoal.emulate.links import LinkShaper
+    from shoal.emulate.measure import connect
+    from shoal.emulate.measure import serve as tcp_serve
+
+    class Closer(socketserver.BaseRequestHandler):
+        def handle(self):
+            self.request.recv(1)
+            self.request.close()
+
+    srv, addr = tcp_serve(Closer)
+    try:
+        with LinkShaper() as sh:
+            s = connect(sh.proxy_for(addr, latency_s=0.001))
+            s.sendall(b"x")
+            assert s.recv(1) == b""  # the target's close reached the client
+            import time
+
+            deadline = time.monotonic() + 30
+            while sh._tasks and time.monotonic() < deadline:  # a state, waited for: not a timing
+                time.sleep(0.01)
+            assert not sh._tasks, sh._tasks
+            s.close()
+    finally:
+        srv.shutdown()
+
+
+def test_shadow_push_frames_and_pull_check():
+    from shoal.net import shoal_pb2 as pb
+    from shoal.net.wire import encode_tensor
+    from shoal.runtime.roles.shadow import raw_full_pull, shadow_frames, shadow_pull_ok
+
+    params = {"w": torch.empty(3, 5, device="meta"), "b": torch.empty(5, device="meta")}
+    g = shadow_grads(params)
+    two = {n: t.clone().add_(t) for n, t in g.items()}
+    frames = shadow_frames(two, 2, "raw", True)
+    assert [f.name for f in frames] == ["w", "b"]
+    assert frames == [encode_tensor(n, t, "raw") for n, t in two.items()]  # what a fresh encode gives
+    assert shadow_frames(two, 2, "raw", True) is frames  # encoded once per process
+    rep = pb.WeightsReply(params=[encode_tensor(n, torch.zeros(tuple(p.shape))) for n, p in params.items()])
+    assert raw_full_pull(rep) and shadow_pull_ok(rep, params)
+    assert not shadow_pull_ok(pb.WeightsReply(params=list(rep.params)[:1]), params)
+    short = pb.WeightsReply(params=[encode_tensor("w", torch.zeros(3, 5)), encode_tensor("b", torch.zeros(4))])
+    assert not shadow_pull_ok(short, params)
+    assert not raw_full_pull(pb.WeightsReply(compress_delta=True))

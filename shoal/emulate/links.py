@@ -29,13 +29,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import random
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-CHUNK = 16 * 1024  # bytes read per relay step; smaller = finer pacing, more overhead
+CHUNK = 16 * 1024  # fewest bytes read per relay step; smaller = finer pacing, more overhead
+MAX_CHUNK = 1024 * 1024  # most bytes read per relay step (an unlimited link's read size)
+PACE_S = 0.001  # a relay step reads at most this much of its link's transmission time
 FRESH_S = 0.001  # a read that returns this fast found data already buffered
 MAX_LAG_S = 0.05  # at most this much scheduler lag is made up by back-dating a chunk
 
@@ -106,7 +109,7 @@ class _Proxy:
         self.connections = 0
 
     async def start(self) -> str:
-        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0, limit=MAX_CHUNK)
         port = self.server.sockets[0].getsockname()[1]
         self.address = f"127.0.0.1:{port}"
         return self.address
@@ -123,7 +126,7 @@ class _Proxy:
 
     async def _relay(self, c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
         try:
-            t_reader, t_writer = await asyncio.open_connection(*self.target)
+            t_reader, t_writer = await asyncio.open_connection(*self.target, limit=MAX_CHUNK)
         except OSError:
             c_writer.close()  # the target is down: the dialer sees a closed connection
             return
@@ -135,6 +138,12 @@ class _Proxy:
             t_reader, c_writer, (sh.down_bucket, self.path_down), self, self.down, sh.down_stats))
         sh._tasks.update((up, down))
         try:
+            # The first side to close ends the connection: a relay waiting for the other side
+            # to close too would hold both sockets (CLOSE-WAIT) while a gRPC peer keeps its
+            # half open, and a process relaying many members runs out of them.
+            await asyncio.wait((up, down), return_when=asyncio.FIRST_COMPLETED)
+            for t in (up, down):
+                t.cancel()
             await asyncio.gather(up, down, return_exceptions=True)
         finally:
             sh._tasks.difference_update((up, down))
@@ -153,6 +162,7 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
     """Relay one direction: transmit through ``buckets``, then delay, keeping order."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
+    size = read_size([b.rate for b in buckets])
 
     async def deliver() -> None:
         while True:
@@ -178,7 +188,7 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
     woke = loop.time()
     try:
         while True:
-            data = await reader.read(CHUNK)
+            data = await reader.read(size)
             if not data:
                 break
             now = loop.time()
@@ -200,10 +210,26 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
             woke = loop.time()
     except (ConnectionError, OSError):
         pass
+    except asyncio.CancelledError:
+        sender.cancel()  # the other side closed: what is still queued here has nobody to go to
+        raise
     finally:
         queue.put_nowait(None)
     with contextlib.suppress(ConnectionError, OSError):
         await sender
+
+
+def read_size(rates: Sequence[float | None]) -> int:
+    """Bytes a relay step reads on a direction shaped by buckets of ``rates`` (bytes/s, None
+    = unlimited): ``PACE_S`` of transmission on the slowest, within [CHUNK, MAX_CHUNK].
+
+    The relay's CPU is per step, not per byte: at 16 KiB a step a process relaying 1 Gb/s
+    links spends most of a core on the relay alone, while the pacing a step of 1 ms of link
+    time keeps is finer than any latency a scenario gives."""
+    finite = [r for r in rates if r is not None]
+    if not finite:
+        return MAX_CHUNK
+    return max(CHUNK, min(MAX_CHUNK, int(min(finite) * PACE_S)))
 
 
 def _parse_address(address: str) -> tuple[str, int]:
@@ -227,7 +253,8 @@ class LinkShaper:
     any other loop (grpc.aio) in the process. Call :meth:`close` when done.
     """
 
-    def __init__(self, up: float | None = None, down: float | None = None, seed: int = 0):
+    def __init__(self, up: float | None = None, down: float | None = None, seed: int = 0,
+                 share: LinkShaper | None = None):
         self.up_bucket = TokenBucket(up)
         self.down_bucket = TokenBucket(down)
         self.up_stats = DirectionStats()  # bytes this device sent through its relays
@@ -235,10 +262,16 @@ class LinkShaper:
         self._rng = random.Random(seed)
         self._proxies: list[_Proxy] = []
         self._tasks: set[asyncio.Task] = set()
+        self._closed = False
+        # ``share``: another device's shaper whose loop thread relays this one's links too
+        # (many emulated devices in one process: one thread, each with its own buckets).
+        self._owner = share is None
+        if share is not None:
+            self._loop, self._thread = share._loop, share._thread
+            return
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="shoal-link-shaper", daemon=True)
         self._thread.start()
-        self._closed = False
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -302,6 +335,8 @@ class LinkShaper:
 
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=5)
+        if not self._owner:
+            return  # the loop thread is the sharing owner's to stop
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
         if not self._thread.is_alive():
@@ -348,10 +383,25 @@ class ScenarioDial:
         self.stage_servers = list(stage_servers)  # stage index -> device id of its server host
         for dev in [*self.peers.values(), *self.stage_servers, *([default_peer] if default_peer else [])]:
             scenario.device(dev)  # fail now, with a clear message, on an unknown id
+        self.seed = seed
         self.shaper = LinkShaper(up=self.device.up * bandwidth_scale,
                                  down=self.device.down * bandwidth_scale, seed=seed)
         self._relays: dict[str, str] = {}
         self._lock = threading.Lock()
+        self._siblings: list[ScenarioDial] = []  # dials of other devices of this process (see sibling)
+
+    def sibling(self, seed: int) -> ScenarioDial:
+        """A dial for another device equal to this one, in this process (shadow workers: many
+        members, each playing its own copy of the device): its own up/down buckets and relays,
+        relayed by this dial's loop thread; the peers this dial learns it learns too."""
+        other = copy.copy(self)
+        other.seed = seed
+        other.peers = dict(self.peers)
+        other.shaper = LinkShaper(up=self.device.up * self.bandwidth_scale,
+                                  down=self.device.down * self.bandwidth_scale, seed=seed, share=self.shaper)
+        other._relays, other._lock, other._siblings = {}, threading.Lock(), []
+        self._siblings.append(other)
+        return other
 
     def set_peer(self, address: str, device_id: str) -> None:
         """Add or change the device behind ``address`` (e.g. after a re-plan)."""
@@ -360,6 +410,8 @@ class ScenarioDial:
             if self.peers.get(address) != device_id:
                 self.peers[address] = device_id
                 self._relays.pop(address, None)  # the next dial makes a relay for the new link
+        for other in self._siblings:
+            other.set_peer(address, device_id)
 
     def set_stage_address(self, stage: int, address: str) -> None:
         """Record that stage ``stage``'s server listens at ``address`` (needs ``stage_servers``)."""
@@ -392,5 +444,7 @@ class ScenarioDial:
             return relay
 
     def close(self) -> None:
-        """Stop the relays."""
+        """Stop the relays (and its siblings' first: they run on this dial's loop thread)."""
+        for other in self._siblings:
+            other.close()
         self.shaper.close()

@@ -196,6 +196,26 @@ class Signal:
             return False
 
 
+# ---------------------------------------------------------------------------- step traces
+
+_TRACE: list = []  # [pid, open file] of this process's trace (SHOAL_TRACE); [] until the first event
+
+
+def trace(who: str, event: str, **fields) -> None:
+    """With ``SHOAL_TRACE=DIR``: append one JSON line (wall clock ``t``, member ``who``,
+    ``event``, ``fields``) to ``DIR/trace-PID.jsonl``, to follow a step across processes
+    (``bench/trace_step.py`` reads them). Without it: nothing (one dictionary lookup)."""
+    folder = os.environ.get("SHOAL_TRACE")
+    if not folder:
+        return
+    import json
+    import time
+
+    if not _TRACE or _TRACE[0] != os.getpid():  # a forked member opens its own file
+        _TRACE[:] = [os.getpid(), open(Path(folder) / f"trace-{os.getpid()}.jsonl", "a", buffering=1)]  # noqa: SIM115
+    _TRACE[1].write(json.dumps({"t": time.time(), "who": who, "ev": event, **fields}) + "\n")
+
+
 # ---------------------------------------------------------------------------- batches
 
 _DATA_CACHE: dict[tuple, object] = {}

@@ -76,6 +76,7 @@ from shoal.runtime.common import (
     set_threads,
     stage_ckpt_loss_scale,
     token_window,
+    trace,
 )
 from shoal.runtime.pool.grants import GrantBook
 from shoal.runtime.pool.pool import Lease, MbState, TodoPool, WorkerInfo, pick_order, yield_to_idle
@@ -829,6 +830,9 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
                               credit=self.grants.credit(wid, self.local) if session else 0)
         if task is not None:
             reply.task.CopyFrom(task)
+            trace(self.name, "grant", w=wid, step=task.step, mb=task.mb, d=task.direction)
+        elif flush:
+            trace(self.name, "flush", w=wid, step=self.step)
         self._local_fill(reply, request.worker)
         return reply
 
@@ -902,6 +906,7 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
             if self.timing.all_computed is None and all(
                     m.grad in ("computed", "counted") for m in self.steps[r.step].values()):
                 self.timing.all_computed = time.monotonic()
+        trace(self.name, "result", w=r.worker, step=r.step, mb=r.mb, d=r.direction)
         async with self.cond:
             self.cond.notify_all()
         return pb.CompleteReply(accepted=True, gen=info.gen)
@@ -914,6 +919,7 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
         r = request
         await check_caller(context, r.worker)
         info = self._worker(r.worker)
+        trace(self.name, "push_in", w=r.worker, step=r.step, mbs=list(r.mbs))
         self.stats["messages"] += 1
         self.stats["bytes_in"] += sum(len(g.data) for g in r.grads)
         if r.local_done or r.local_round:
@@ -973,6 +979,7 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
         """Mark ``ids`` counted; once the whole step is counted, start its commit."""
         for mb in ids:
             mbs[mb].grad = "counted"
+        trace(self.name, "push_counted", mbs=list(ids))
         self._maybe_commit()
         async with self.cond:
             self.cond.notify_all()
@@ -1265,6 +1272,7 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
         return await self.Complete(msg, context)
 
     async def PushGradsStream(self, request_iterator, context):
+        trace(self.name, "push_begin")
         try:
             msg = await receive(request_iterator, pb.GradPush, self.max_bytes("grads"), self._alive)
         except WireError as exc:
@@ -1329,6 +1337,7 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
             data = await compressed_pull(self, request)  # a delta against what the worker holds
         else:
             data = await self._weights_bytes()
+        trace(self.name, "pull_begin", w=request.worker)
         for chunk in split("WeightsReply", data, self.chunk_bytes):
             info = self.workers.get(request.worker)
             if info is not None:
@@ -1483,6 +1492,7 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
                 if st.grad == "wait":
                     st.grad = "todo"
                     self.todo.add(r.step, "grad", r.mb)
+        trace(self.name, "relay_in", step=r.step, mb=r.mb, d=r.direction)
         async with self.cond:
             self.cond.notify_all()
         return pb.RelayReply(accepted=True)
@@ -1523,11 +1533,13 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
 
     async def _relay(self, stage: int, msg: pb.Relay) -> None:
         """Send ``msg`` to ``stage``'s server until it is taken or the epoch moves on."""
+        trace(self.name, "relay_out", step=msg.step, mb=msg.mb, d=msg.direction)
         while msg.epoch == self.epoch and not self.done:
             addr = self.servers[stage] if stage < len(self.servers) else ""
             if addr:
                 try:
                     rep = await self._relay_link(addr).relay(msg)
+                    trace(self.name, "relay_ack", step=msg.step, mb=msg.mb, d=msg.direction, ok=rep.accepted)
                     if rep.accepted or not rep.retry:
                         if not rep.accepted:
                             log.warning("relay refused: %s", rep.reason)
@@ -1610,6 +1622,7 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
         return [] if self.local else param_sq_norms(params.values())
 
     async def _commit(self, step: int, epoch: int) -> None:
+        trace(self.name, "commit_start", step=step)
         try:
             mbs = self.steps[step]
             # Summed, unscaled and measured in a thread: a stage's gradients can be hundreds of MB.
@@ -1639,6 +1652,7 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
             while True:
                 if self.epoch != epoch:
                     return
+                trace(self.name, "report", step=step)
                 try:
                     d = await self.coord.ReportStep(report, timeout=10)
                 except grpc.aio.AioRpcError:
@@ -1649,6 +1663,7 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
                 if d.ready:
                     break
             kill_at_commit(self.stage, step, self.standby)
+            trace(self.name, "decided", step=step)
             self.timing.decided = time.monotonic()
             await self._ckpt_written()  # the weights it reads change only after it is on disk
             merged = False
@@ -1670,6 +1685,7 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
                 self._wcache = None  # the serialised weights of the old version
                 self.version = step + 1
             self.last_split = self.timing.split(time.monotonic())
+            trace(self.name, "committed", step=step)
             # d.checkpoint: the coordinator's time rule (ckpt_due), the same at every stage.
             if (self._local_ckpt_due(merged, d.checkpoint) if self.local else
                     d.checkpoint or self.spec.ckpt_every > 0 and self.version % self.spec.ckpt_every == 0):

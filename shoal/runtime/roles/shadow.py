@@ -23,6 +23,7 @@ import torch
 
 _TENSORS: dict[tuple, torch.Tensor] = {}
 _GRADS: dict[tuple, dict[str, torch.Tensor]] = {}
+_FRAMES: dict[tuple, list] = {}
 
 SHADOW_VALUE = 1e-3  # every element of a shadow activation or gradient (finite, small)
 
@@ -50,3 +51,36 @@ def shadow_grads(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def shadow_loss(vocab_size: int) -> float:
     """The loss a shadow last-stage task reports: that of a uniform prediction."""
     return math.log(vocab_size)
+
+
+def shadow_frames(grads: dict[str, torch.Tensor], count: int, codec: str, ordered: bool) -> list:
+    """The push frames of ``grads``, the sum of ``count`` shadow gradients of one stage, in
+    ``codec`` (stateless codecs only): encoded once per process and kept, since every such
+    sum is the same tensors (``ordered``: summed the ordered way, part of the key)."""
+    from shoal.net.wire import encode_tensor
+    from shoal.train.precision import to_host
+
+    key = (tuple((n, tuple(g.shape)) for n, g in grads.items()), count, codec, ordered)
+    frames = _FRAMES.get(key)
+    if frames is None:
+        if len(_FRAMES) >= 64:
+            _FRAMES.clear()
+        frames = _FRAMES[key] = [encode_tensor(n, to_host(g), codec) for n, g in grads.items()]
+    return frames
+
+
+def raw_full_pull(rep) -> bool:
+    """Whether a WeightsReply is a whole-stage pull of raw frames (no delta, no codec)."""
+    return not rep.compress_delta and all(not f.codec or f.codec == "raw" for f in rep.params)
+
+
+def shadow_pull_ok(rep, params: dict[str, torch.Tensor]) -> bool:
+    """Whether a weight pull holds exactly the tensors of ``params`` with payloads of their
+    fp32 size (a whole-stage raw pull); a shadow worker decodes nothing."""
+    if len(rep.params) != len(params):
+        return False
+    for f in rep.params:
+        p = params.get(f.name)
+        if p is None or tuple(f.shape) != tuple(p.shape) or len(f.data) != 4 * p.numel():
+            return False
+    return True

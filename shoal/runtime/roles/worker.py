@@ -41,6 +41,7 @@ from shoal.runtime.common import (
     run_precision,
     set_threads,
     split_window,
+    trace,
 )
 from shoal.runtime.safety.faults import poison, poisons
 from shoal.runtime.sync.codecs import apply_pull, compression_of_spec
@@ -535,13 +536,25 @@ class Worker(LocalWorkerMixin):
         self._do(f"pulling the weights of stage {self.stage}")
         if chain:  # compressed pulls: say which reconstruction we hold (a delta against it will do)
             req.compress_chain, req.compress_version = chain, held
+        trace(self.opts.name, "pull")
         rep = await fetch(self.server.GetWeightsStream, req, pb.WeightsReply, cap, traffic=self.traffic)
+        trace(self.opts.name, "pulled", v=rep.version)
         self.obs_pull_s = ewma(self.obs_pull_s, time.perf_counter() - t0)
         self.obs_pull_bytes = sum(frame_size(f) for f in rep.params)  # (sizing the whole reply re-encodes it)
         self.obs_pulls += 1
-        # Checked and copied in a thread: the loop keeps heartbeating meanwhile.
-        await asyncio.get_running_loop().run_in_executor(None, self._apply_weights, rep)
+        from shoal.runtime.roles.shadow import raw_full_pull, shadow_pull_ok
+
+        if self.opts.shadow and raw_full_pull(rep):
+            # Computes nothing with them: a shadow worker checks only that the pull is this
+            # stage's tensors at their sizes (decoding each costs its process CPU that the
+            # worker it plays would spend on its own machine, not the servers').
+            if not shadow_pull_ok(rep, self.params):
+                raise WireError(f"weights of stage [{rep.first},{rep.last}): not this stage's tensors")
+        else:
+            # Checked and copied in a thread: the loop keeps heartbeating meanwhile.
+            await asyncio.get_running_loop().run_in_executor(None, self._apply_weights, rep)
         self.version, self.weights_epoch = rep.version, rep.epoch
+        trace(self.opts.name, "applied", v=rep.version)
         self.graphs.clear()  # graphs of older weights must not be back-propagated
         self.shadow_fwd.clear()
 
@@ -557,7 +570,7 @@ class Worker(LocalWorkerMixin):
             self.pull_held = ("", -1)  # the next pull is a full one
             raise
         if self.opts.shadow:
-            return  # checked as a real worker checks them; a shadow worker computes nothing with them
+            return  # (not reached: a shadow worker's pull is checked by shadow_pull_ok)
         with torch.no_grad():
             for name, t in new.items():
                 self.params[name].copy_(to_device(t, self.torch_device))
@@ -574,6 +587,13 @@ class Worker(LocalWorkerMixin):
         (runs in a thread: it can be hundreds of MB). ``check_id``: the result of a redundant
         check, always in raw frames (it is compared with another worker's raw push)."""
         msg = pb.GradPush(worker=self.member_id, step=step, epoch=epoch, gen=gen, mbs=mbs, check_id=check_id)
+        honest = not poisons(self.opts.fault_poison_kind, self.opts.fault_poison, self.opts.fault_poison_from, step)
+        if self.opts.shadow and not check_id and honest and "nan_grad" not in self.inject and self.ef is None:
+            # A shadow push is the sum of len(mbs) fixed gradients: the same frames every time.
+            from shoal.runtime.roles.shadow import shadow_frames
+
+            frames = shadow_frames(grads, len(mbs), self._codec("push"), bool(self.spec.ordered_grads))
+            return msg, frames, serialize_framed(msg, pb.GradPush.DESCRIPTOR.fields_by_name["grads"].number, frames)
         frames = []
         for name, g in grads.items():
             if poisons(self.opts.fault_poison_kind, self.opts.fault_poison, self.opts.fault_poison_from, step):
@@ -606,9 +626,12 @@ class Worker(LocalWorkerMixin):
             for mbs, grads in groups:
                 self._do(f"pushing the gradients of step {step} mbs {mbs}")
                 done.update(mbs)
+                trace(self.opts.name, "push_make", step=step, mbs=mbs)
                 msg, frames, data = await loop.run_in_executor(None, self._push_message, epoch, step, gen, mbs,
                                                                grads)
+                trace(self.opts.name, "push_send", step=step, bytes=len(data))
                 rep = await self._send_push(msg, data, frames)
+                trace(self.opts.name, "push_ack", step=step)
                 unpushed = sorted(set(self.acc_mbs) - done)
                 # "Mid push" needs a push still to come: a worker whose step's gradients
                 # go in one push (a run 0..k pre-summed) is not in that state.
@@ -781,7 +804,9 @@ class Worker(LocalWorkerMixin):
     async def _one(self) -> None:
         server = self.server
         self._do(f"waiting for a task of stage {self.stage}")
+        trace(self.opts.name, "ask")
         rep = await self._lease(server)
+        trace(self.opts.name, "reply", task=rep.has_task, flush=rep.flush, v=rep.version)
         if self.acc_key is not None and self.acc_key != (rep.epoch, rep.step, rep.gen):
             self._drop_acc()  # voided by the server, or a roll-back
         if self.local:
@@ -834,6 +859,7 @@ class Worker(LocalWorkerMixin):
                 await self._out_of_memory()
                 return
             elapsed = time.perf_counter() - t0
+            trace(self.opts.name, "computed", step=task.step, mb=task.mb, d=task.direction)
             if self.opts.fault_slow > 1.0:
                 await asyncio.sleep((self.opts.fault_slow - 1.0) * elapsed)  # fault injection: a slow device
             if self.opts.slow_s > 0:
@@ -928,6 +954,7 @@ class Worker(LocalWorkerMixin):
                     delay = min(2 * delay, 1.0)
         finally:
             self.held.discard(task.lease_id)
+        trace(self.opts.name, "result_ack", step=task.step, mb=task.mb, ok=done.accepted)
         if not done.accepted:
             log.info("%s: result refused: %s", self.opts.name, done.reason)
             return
@@ -1134,12 +1161,17 @@ def work(coord: str, token: str, opts: WorkerOptions, *, dial=None, pacer=None, 
          tls=None, count: int = 1) -> None:
     """Run a worker process until the run is done (hooks: see :class:`Worker`; ``tls``: the
     run's certificates, None for plain text on loopback). ``count`` > 1 (shadow workers
-    only): that many workers named ``NAME-i`` in this one process, on one event loop."""
+    only): that many workers named ``NAME-i`` in this one process, on one event loop, each
+    with its own emulated link (``dial.sibling``) when ``dial`` shapes links."""
     set_threads()
     if count > 1:
         from dataclasses import replace
 
-        workers = [Worker(coord, token, replace(opts, name=f"{opts.name}-{i}"), dial=dial, pacer=pacer, tls=tls)
+        # Each shadow worker plays its own copy of the device: its own link (buckets and
+        # relays) where the emulation shapes links, all relayed by one thread.
+        dials = [dial if i == 0 or not hasattr(dial, "sibling") else dial.sibling(dial.seed + i)
+                 for i in range(count)]
+        workers = [Worker(coord, token, replace(opts, name=f"{opts.name}-{i}"), dial=dials[i], pacer=pacer, tls=tls)
                    for i in range(count)]
     else:
         workers = [Worker(coord, token, opts, dial=dial, pacer=pacer, tls=tls)]
