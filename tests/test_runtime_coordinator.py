@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 from shoal.net import shoal_pb2 as pb
-from shoal.runtime.roles.coordinator import Coordinator
+from shoal.runtime.roles.coordinator import Coordinator, replan_wait, stage_without_worker
 from shoal.train.metrics import read_jsonl
 from shoal.train.optim import OptimConfig, clip_coefficient, lr_at
 
@@ -158,5 +159,73 @@ def test_a_measurement_without_every_stage_server_is_asked_again(tmp_path):
         assert {p.dst for p in c.figures[w].paths} == {m for m in c.members if m.startswith("s")}
         events = read_jsonl(tmp_path / "events.jsonl")
         assert [e["why"] for e in events if e["event"] == "remeasure"] == ["no link figures to s1"]
+
+    asyncio.run(main())
+
+
+def test_replan_wait_keeps_replans_to_their_share_of_the_time():
+    # a cheap re-plan is never put off
+    assert replan_wait(now=10.0, last_end=10.0, last_cost_s=0.005) == 0.0
+    # one that took 1 s waits 4 s after its end at the default share of 0.2 ...
+    assert math.isclose(replan_wait(now=10.0, last_end=10.0, last_cost_s=1.0), 4.0)
+    assert math.isclose(replan_wait(now=12.5, last_end=10.0, last_cost_s=1.0), 1.5)
+    assert replan_wait(now=14.0, last_end=10.0, last_cost_s=1.0) == 0.0
+    # ... and 1 s at a share of one half
+    assert math.isclose(replan_wait(now=10.0, last_end=10.0, last_cost_s=1.0, share=0.5), 1.0)
+
+
+def test_stage_without_worker():
+    assert stage_without_worker({}, 2)
+    assert stage_without_worker({"w0": 0, "w1": 0}, 2)
+    assert not stage_without_worker({"w0": 0, "w1": 1}, 2)
+    assert stage_without_worker({"w0": 0, "w1": 1, "w2": 3}, 3)  # a stage out of range fills none
+
+
+def test_joins_while_a_replan_is_put_off_are_planned_in_together(tmp_path):
+    """After an expensive re-plan, joins wait for the next one (the reaper runs it once due);
+    it plans them all in at once and says how many changes it answered."""
+    async def main():
+        c = Coordinator(SPEC, "tok", min_workers=2, out=str(tmp_path))
+        for i in range(2):
+            await c.Join(pb.JoinRequest(role="server", address=f"127.0.0.1:{i + 1}", name=f"s{i}"), None)
+        first = [(await c.Join(pb.JoinRequest(role="worker", flops=1e9, name=f"w{i}"), None)).member_id
+                 for i in range(2)]
+        assert c.ready and sorted(c.assign.values()) == [0, 1]
+        # the last re-plan took 1 s and just ended: the next is put off
+        c.replan_cost_s, c.replan_end = 1.0, time.monotonic()
+        late = [(await c.Join(pb.JoinRequest(role="worker", flops=1e9, name=f"w{i}"), None)).member_id
+                for i in range(2, 5)]
+        assert set(c.assign) == set(first) and len(c.replan_why) == 3
+        a = await c.Heartbeat(pb.MemberRequest(member_id=late[0]), None)
+        assert a.known and a.stage == -1  # not planned in yet
+        c.replan_end -= 10.0  # the wait is over: the reaper's next tick re-plans
+        reaper = asyncio.create_task(c.reap())
+        for _ in range(50):
+            await asyncio.sleep(0.02)
+            if not c.replan_why:
+                break
+        reaper.cancel()
+        assert set(c.assign) == set(first + late) and not c.replan_why
+        a = await c.Heartbeat(pb.MemberRequest(member_id=late[0]), None)
+        assert a.stage in (0, 1)
+        replans = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "replan"]
+        assert replans[-1]["why"] == "join" and replans[-1]["changes"] == 3
+
+    asyncio.run(main())
+
+
+def test_a_stage_left_without_workers_is_repaired_at_once(tmp_path):
+    """A put-off re-plan never leaves a stage without workers: a death that empties one re-plans now."""
+    async def main():
+        c = Coordinator(SPEC, "tok", min_workers=2, out=str(tmp_path))
+        for i in range(2):
+            await c.Join(pb.JoinRequest(role="server", address=f"127.0.0.1:{i + 1}", name=f"s{i}"), None)
+        workers = [(await c.Join(pb.JoinRequest(role="worker", flops=1e9, name=f"w{i}"), None)).member_id
+                   for i in range(3)]
+        per_stage = {s: [w for w in workers if c.assign[w] == s] for s in (0, 1)}
+        lone = next(ws[0] for ws in per_stage.values() if len(ws) == 1)
+        c.replan_cost_s, c.replan_end = 1.0, time.monotonic()
+        await c.Leave(pb.MemberRequest(member_id=lone), None)
+        assert sorted(set(c.assign.values())) == [0, 1] and not c.replan_why
 
     asyncio.run(main())

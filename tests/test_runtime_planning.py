@@ -12,6 +12,7 @@ from shoal.runtime.roles.coordinator import Coordinator
 from shoal.runtime.roles.planning import (
     LOOPBACK_REGION,
     loopback_device,
+    member_network,
     planning_scenario,
     played_device,
 )
@@ -82,3 +83,33 @@ def test_coordinator_plans_on_the_emulated_scenario(tmp_path):
         assert c._scenario().network.link(c.devices[back], c.devices[ws[1]]) == PAIR
 
     asyncio.run(main())
+
+
+def _member_network_by_pairs(emulated: Scenario, plays: dict[str, str]) -> dict:
+    """member_network's overrides the plain way: every pair of members looked at."""
+    net, out, members = emulated.network, {}, sorted(plays)
+    for i, a in enumerate(members):
+        for b in members[i + 1:]:
+            da, db = plays[a], plays[b]
+            if da == db:
+                out[(a, b)] = net.loopback
+            elif (pair := (da, db) if da < db else (db, da)) in net.overrides:
+                out[(a, b)] = net.overrides[pair]
+    return out
+
+
+def test_member_network_moves_exactly_the_pair_links_to_members():
+    """Only members sharing a device (loopback) and members on a listed device pair get a
+    link of their own, in pair order; the same as looking at every pair of members."""
+    import random
+
+    em = scenario()
+    rng = random.Random(3)
+    for n in (0, 1, 2, 7, 40):
+        # ids chosen so that member order and device order disagree
+        plays = {f"m{rng.randrange(10**6):06d}-{k}": rng.choice("abch") for k in range(n)}
+        got = member_network(em, plays).overrides
+        want = _member_network_by_pairs(em, plays)
+        assert got == want and list(got) == list(want), n
+    plays = {"w9-a": "a", "w1-b": "b", "w5-c": "c", "s0-h": "h", "s1-h": "h"}
+    assert member_network(em, plays).overrides == {("s0-h", "s1-h"): em.network.loopback, ("w1-b", "w9-a"): PAIR}

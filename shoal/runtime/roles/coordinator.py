@@ -98,6 +98,10 @@ from shoal.train.precision import next_loss_scale, overflowed
 log = logging.getLogger("shoal.coordinator")
 
 MEASURE_TIMEOUT_S = 60.0  # a member asked to measure that has not answered by then is planned as it joined
+# Re-plans after joins, deaths and re-measurements: at most this share of the coordinator's
+# time (a repair of a 1 000-member swarm takes about a second; a join storm coalesces into few).
+REPLAN_SHARE = 0.2
+FREE_REPLAN_S = 0.01  # a re-plan that took less than this is never put off (small swarms: at once)
 
 
 @dataclass
@@ -253,6 +257,11 @@ class Coordinator(pbg.CoordinatorServicer):
         self.figures: dict[str, MemberFigures] = {}  # measured runs: member id -> what it measured
         self.planned_on = None  # the scenario of the newest plan or repair
         self.guard_banned: dict[str, str] = {}  # member id -> why a stage server banned it (for the run)
+        self.replan_why: list[str] = []  # membership changes since the last re-plan (put off: see replan_wait)
+        self.replan_cost_s = 0.0  # wall seconds the last re-plan took
+        self.replan_end = 0.0  # monotonic time it ended
+        # Emulated runs: the scenario's device ids (a join names one).
+        self.emulated_ids = frozenset(d.id for d in emulated.devices) if emulated is not None else frozenset()
 
     def _take_over(self, st) -> None:
         """Continue the run a journal describes (``st``: a :class:`~shoal.runtime.safety.journal.ResumeState`).
@@ -319,7 +328,7 @@ class Coordinator(pbg.CoordinatorServicer):
         bad = join_numbers_error(request)
         if bad:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"Join: {bad}")
-        if self.emulated is not None and request.device not in {d.id for d in self.emulated.devices}:
+        if self.emulated is not None and request.device not in self.emulated_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"this run emulates scenario {self.emulated.name}: join with "
                                 f"--emulate-device set to one of its devices (got {request.device!r})")
@@ -361,7 +370,7 @@ class Coordinator(pbg.CoordinatorServicer):
         self._ask_measure()
         if m.role == "worker" and self.ready:
             if self._settled(m):
-                self._replan("join")
+                self._replan_soon("join")
             else:
                 m.pending_join = True  # planned in once its measurement arrives
         self._check_ready()
@@ -585,9 +594,9 @@ class Coordinator(pbg.CoordinatorServicer):
             self._check_ready()
         elif m.pending_join:
             m.pending_join = False
-            self._replan("join")
+            self._replan_soon("join")
         elif again and m.role == "worker" and m.member_id in self.planned:
-            self._replan("remeasure")
+            self._replan_soon("remeasure")
 
     def _check_drift(self, m: Member, r) -> None:
         """Ask worker ``m`` to measure again when its observed figures left the planned ones."""
@@ -722,17 +731,19 @@ class Coordinator(pbg.CoordinatorServicer):
         d = next((d for d in scenario.devices if d.id == mid), None)
         return min(d.up, d.down) if d is not None else 0.0
 
-    def _replan(self, why: str, method: str | None = None) -> None:
+    def _replan(self, why: str, method: str | None = None, changes: int = 1) -> None:
         """Repair the worker->stage assignment after a join, leave or re-measurement (layers stay fixed).
 
         After a re-measurement the repair's local search runs on the scenario with the
-        worker's new figures.
+        worker's new figures. ``changes``: membership changes it answers (several when a
+        re-plan was put off, see :meth:`_replan_soon`).
         """
         live = {mid for mid, m in self.members.items() if m.role == "worker" and not m.pending_join}
         before = dict(self.assign)  # what the workers run now: the event reports a change to it
         if method is None and self.plan is not None:
             for mid in live:
-                self.devices.setdefault(mid, self._device(self.members[mid]))
+                if mid not in self.devices:
+                    self.devices[mid] = self._device(self.members[mid])
             try:
                 from shoal.plan.repair import repair
 
@@ -759,13 +770,32 @@ class Coordinator(pbg.CoordinatorServicer):
         changed = new != before or why == "start"
         self.assign = new
         if changed:
-            self.event("replan", why=why, method=method or "balance",
+            self.event("replan", why=why, method=method or "balance", **({"changes": changes} if changes > 1 else {}),
                        layers=[list(x) for x in self.layers],
                        assignment={self.members[w].name: s for w, s in new.items()})
         empty = [s for s in range(self.spec.stages) if s not in new.values()]
         if empty:
             # Nothing to take a worker from (every other stage has one): wait for a join.
             self.event("waiting", stages_without_workers=empty, workers=len(live))
+
+    def _replan_soon(self, why: str) -> None:
+        """Re-plan for a membership change: now, or once :func:`replan_wait` allows (the reaper
+        looks every tick). A stage left without a worker is repaired at once."""
+        self.replan_why.append(why)
+        self._replan_flush(urgent=stage_without_worker(self.assign, self.spec.stages))
+
+    def _replan_flush(self, urgent: bool = False) -> None:
+        """Run the re-plan the membership changes since the last one call for, when due."""
+        if not self.replan_why or not self.ready:
+            return
+        if not urgent and replan_wait(time.monotonic(), self.replan_end, self.replan_cost_s) > 0:
+            return
+        whys = list(dict.fromkeys(self.replan_why))
+        changes, self.replan_why = len(self.replan_why), []
+        t0 = time.perf_counter()
+        self._replan(", ".join(whys), changes=changes)
+        self.replan_cost_s = time.perf_counter() - t0
+        self.replan_end = time.monotonic()
 
     def _stage_of(self, m: Member) -> int:
         if not self.ready:
@@ -965,7 +995,7 @@ class Coordinator(pbg.CoordinatorServicer):
         else:
             self.assign.pop(m.member_id, None)
             if self.ready:
-                self._replan(why)
+                self._replan_soon(why)
         if not self.ready:
             # The start may have been waiting for this member's measurement alone.
             self._check_ready()
@@ -1054,6 +1084,7 @@ class Coordinator(pbg.CoordinatorServicer):
                     self._drop(m, "missed heartbeats", **detail)
             if self.reserved and time.monotonic() >= self.reserve_until:
                 self._fill_vacancies()  # the reservations end: other servers may take those stages
+            self._replan_flush()  # membership changes whose re-plan was put off
             self._ask_measure()
             for m in list(self.members.values()):
                 if m.will_measure and m.measured_at is None and m.measure_req and self._settled(m):
@@ -1455,6 +1486,21 @@ def report_error(spec, r, last: bool) -> str | None:
     if not last and r.losses:
         return "losses: only the last stage reports losses"
     return None
+
+
+def replan_wait(now: float, last_end: float, last_cost_s: float, share: float = REPLAN_SHARE,
+                free_s: float = FREE_REPLAN_S) -> float:
+    """Seconds to put off a re-plan so that re-plans take at most ``share`` of the time: the
+    last one took ``last_cost_s`` and ended at ``last_end`` (pure; tested directly). 0 when
+    the last one took under ``free_s`` (a small swarm re-plans at every change)."""
+    if last_cost_s < free_s:
+        return 0.0
+    return max(0.0, last_end + last_cost_s * (1.0 - share) / share - now)
+
+
+def stage_without_worker(assign: dict[str, int], stages: int) -> bool:
+    """Whether a stage has no worker in ``assign`` (worker -> stage): its tasks wait for a re-plan."""
+    return len(set(assign.values()) & set(range(stages))) < stages
 
 
 def move_is_urgent(stage: int, member_id: str, at_work: dict[str, int]) -> bool:

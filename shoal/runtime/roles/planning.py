@@ -54,16 +54,22 @@ def member_network(emulated: Scenario, plays: dict[str, str]) -> Network:
     (a replacement server on the same host) talk over the device's loopback.
     """
     net = emulated.network
+    on: dict[str, list[str]] = {}  # device id -> the members playing it (sorted)
+    for m in sorted(plays):
+        on.setdefault(plays[m], []).append(m)
     overrides: dict[tuple[str, str], Link] = {}
-    members = sorted(plays)
-    for i, a in enumerate(members):
-        for b in members[i + 1:]:
-            da, db = plays[a], plays[b]
-            if da == db:
+    # Only pairs that get a link of their own are visited (a swarm of N members on N devices
+    # has none): the members sharing a device, and those on a device pair the network lists.
+    for ms in on.values():
+        for i, a in enumerate(ms):
+            for b in ms[i + 1:]:
                 overrides[(a, b)] = net.loopback
-            elif (pair := (da, db) if da < db else (db, da)) in net.overrides:
-                overrides[(a, b)] = net.overrides[pair]
-    return replace(net, overrides=overrides)
+    for (da, db), link in net.overrides.items():
+        if da < db:  # a pair is listed with its device ids in order
+            for a in on.get(da, ()):
+                for b in on.get(db, ()):
+                    overrides[(a, b) if a < b else (b, a)] = link
+    return replace(net, overrides=dict(sorted(overrides.items())))
 
 
 def planning_scenario(devices: dict[str, Device], workload: Workload, emulated: Scenario | None = None,
