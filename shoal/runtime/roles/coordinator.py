@@ -101,7 +101,7 @@ MEASURE_TIMEOUT_S = 60.0  # a member asked to measure that has not answered by t
 # Re-plans after joins, deaths and re-measurements: at most this share of the coordinator's
 # time (a repair of a 1 000-member swarm takes about a second; a join storm coalesces into few).
 REPLAN_SHARE = 0.2
-FREE_REPLAN_S = 0.01  # a re-plan that took less than this is never put off (small swarms: at once)
+FREE_REPLAN_S = 0.1  # a re-plan that took less than this is never put off (small swarms: at once)
 
 
 @dataclass
@@ -633,6 +633,8 @@ class Coordinator(pbg.CoordinatorServicer):
         return probe_reply(request, context.peer())
 
     def _check_ready(self) -> None:
+        if self.ready:
+            return
         workers = [m for m in self.members.values() if m.role == "worker"]
         if not all(self._settled(m) for m in self.members.values()):
             return  # plan on what every member measured
@@ -662,13 +664,17 @@ class Coordinator(pbg.CoordinatorServicer):
         workload = Workload(model=self.spec.model, seq_len=self.spec.seq_len,
                             global_batch=self.spec.micro_batches * self.spec.micro_batch_size,
                             micro_batch_size=self.spec.micro_batch_size, dtype_bytes=4)
+        # The members now and the devices of the plan being repaired (every member ever would
+        # make each repair slower with every death and re-join).
+        keep = self.planned | set(self.members)
+        devices = {mid: d for mid, d in self.devices.items() if mid in keep}
         if self.emulated is None and self.figures:
             figs = {}
-            for mid, d in self.devices.items():
+            for mid, d in devices.items():
                 figs[mid] = self.figures.get(mid) or MemberFigures(
                     mid, "server" if d.can_host_server else "worker", kind="unmeasured", flops=d.flops)
             return measured_scenario(figs, workload)
-        return planning_scenario(self.devices, workload, self.emulated, self.plays)
+        return planning_scenario(devices, workload, self.emulated, {m: d for m, d in self.plays.items() if m in keep})
 
     def _planned(self, scenario) -> None:
         """Keep the scenario a plan was made on and write it to the run folder (scenario.json)."""
@@ -755,7 +761,8 @@ class Coordinator(pbg.CoordinatorServicer):
                               seed=int(self.spec.seed))
                 if len(plan.stages) != self.spec.stages:
                     raise ValueError(f"repair changed the stage count to {len(plan.stages)}")
-                self.plan, self.planned = plan, set(self.planned) | set(joined)
+                # the plan no longer holds the members that left
+                self.plan, self.planned = plan, (self.planned - set(gone)) | set(joined)
                 self._planned(scenario)
                 self.assign = {w: i for i, st in enumerate(plan.stages) for w in st.workers
                                if w in live}
