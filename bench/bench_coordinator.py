@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -266,6 +267,7 @@ def run_one(n: int, args, root: Path) -> dict:
     env = dict(os.environ, SHOAL_TOKEN=secrets.token_hex(8), SHOAL_SERVER_TOKEN=secrets.token_hex(8),
                OMP_NUM_THREADS="1", SHOAL_TORCH_THREADS="1")
     addr_file = run / "coord.addr"
+    logs = contextlib.ExitStack()  # the processes' log files, closed once they are gone
     head = [sys.executable, "-c", PROFILED, str(run / "coordinator.prof")] if args.profile else \
         [sys.executable, "-m", "shoal.runtime.processes.cli"]
     coord = subprocess.Popen(
@@ -273,7 +275,7 @@ def run_one(n: int, args, root: Path) -> dict:
          "--address-file", str(addr_file), "--out", str(run / "out"), "--model", args.model, "--stages", str(stages),
          "--steps", "1000", "--micro-batches", "16", "--micro-batch-size", "4", "--seq-len", "256",
          "--min-workers", str(stages), "--stall-timeout", "0", "--insecure", "--emulate-scenario", str(scen)],
-        env=env, stdout=open(run / "coordinator.log", "w"), stderr=subprocess.STDOUT)
+        env=env, stdout=logs.enter_context((run / "coordinator.log").open("w")), stderr=subprocess.STDOUT)
     procs = [coord]
     try:
         wait_for(addr_file.exists, 120, "the coordinator's address", procs)
@@ -286,7 +288,7 @@ def run_one(n: int, args, root: Path) -> dict:
                    "--index", str(k), "--stages", str(stages), "--devices", ",".join(group)]
             if k == 0:
                 cmd += ["--servers", ",".join(f"host-{s}" for s in range(stages))]
-            members.append(subprocess.Popen(cmd, env=env, stdout=open(run / f"members-{k}.log", "w"),
+            members.append(subprocess.Popen(cmd, env=env, stdout=logs.enter_context((run / f"members-{k}.log").open("w")),
                                             stderr=subprocess.STDOUT))
         procs += members
         wait_for(lambda: all(s.get("ready") for s in read_stats(run, len(members))), 600,
@@ -318,6 +320,7 @@ def run_one(n: int, args, root: Path) -> dict:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        logs.close()
     events = []
     for f in (run / "out").glob("runs/*/events.jsonl"):
         events += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
