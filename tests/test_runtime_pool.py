@@ -12,7 +12,7 @@ import torch
 
 from shoal.net import shoal_pb2 as pb
 from shoal.net.wire import encode_tensor
-from shoal.runtime.pool.pool import TodoPool
+from shoal.runtime.pool.pool import Lease, LeaseTable, MbState, StepMbs, TodoPool
 from shoal.runtime.roles.server import StageServer
 from shoal.runtime.safety.guard import GuardConfig
 
@@ -277,6 +277,96 @@ def test_todo_pool_picks_lowest_todo_and_drops_stale_entries():
     assert pool.pick(8, "fwd", lambda mb: True) is None
 
 
+def _scan_tally(mbs) -> tuple[dict, dict]:
+    """What a step's tally must say: micro-batches per gradient state, computed ones per holder."""
+    states: dict[str, int] = {}
+    holders: dict[str, int] = {}
+    for st in mbs.values():
+        states[st.grad] = states.get(st.grad, 0) + 1
+        if st.grad == "computed":
+            holders[st.holder] = holders.get(st.holder, 0) + 1
+    return states, holders
+
+
+def _assert_tally(mbs) -> None:
+    states, holders = _scan_tally(mbs)
+    t = mbs.tally
+    assert {k: v for k, v in t.grad.items() if v} == states and t.computed_by == holders and t.n == len(mbs)
+
+
+def _assert_leases(leases: LeaseTable) -> None:
+    per: dict[str, int] = {}
+    for lease in leases.values():
+        per[lease.worker] = per.get(lease.worker, 0) + 1
+    assert leases.per_worker == per
+
+
+def test_step_tally_follows_every_state_change():
+    """A step's counts (which the per-task questions read instead of scanning M micro-batches)
+    follow a hand-written sequence: todo, leased, computed, a re-queue, a holder change, counted,
+    a state replaced in the dict, and states changed before they joined the step."""
+    mbs = StepMbs()
+    assert not mbs.tally.all_in("counted")  # an empty step is not complete
+    early = MbState()
+    early.grad = "todo"  # changed before it is in a step: counted at insertion
+    mbs[0] = early
+    for mb in (1, 2):
+        mbs.setdefault(mb, MbState()).grad = "todo"
+    assert mbs.setdefault(1, MbState()) is mbs[1]  # setdefault keeps the state it holds
+    _assert_tally(mbs)
+    mbs[0].grad, mbs[0].holder = "leased", "A"
+    mbs[1].grad, mbs[1].holder = "leased", "B"
+    mbs[0].grad = "computed"  # holder A
+    mbs[1].holder, mbs[1].grad = "A", "computed"  # the other order of a tuple assignment
+    _assert_tally(mbs)
+    assert mbs.tally.holds_computed("A") and not mbs.tally.holds_computed("B")
+    assert not mbs.tally.all_in("computed", "counted")
+    mbs[1].holder = "B"  # a computed gradient changes holder: counted under B now
+    assert mbs.tally.computed_by == {"A": 1, "B": 1}
+    mbs[1].grad, mbs[1].holder = "todo", ""  # re-queued (voided)
+    _assert_tally(mbs)
+    assert mbs.tally.computed_by == {"A": 1}
+    mbs[1].grad, mbs[1].holder = "computed", "B"
+    mbs[2].grad, mbs[2].holder = "computed", "B"
+    assert mbs.tally.all_in("computed", "counted") and not mbs.tally.all_in("counted")
+    for mb in range(3):
+        mbs[mb].grad = "counted"
+    assert mbs.tally.all_in("counted") and mbs.tally.computed_by == {}
+    gone = mbs[2]
+    mbs[2] = MbState()  # replaced: the old state no longer reports here
+    _assert_tally(mbs)
+    assert not mbs.tally.all_in("counted")
+    before = dict(mbs.tally.grad)
+    gone.grad = "todo"
+    assert dict(mbs.tally.grad) == before
+    mbs[1].grad = "todo"
+    assert mbs.tally.grad["todo"] == 1
+    _assert_tally(mbs)
+
+
+def test_lease_table_counts_each_workers_leases():
+    """Whether a worker holds another lease (asked at every result) is a count kept through
+    insertions, replacements, deletions, pops and a clear."""
+    leases = LeaseTable()
+
+    def lease(lid, w):
+        return Lease(lid, 0, lid, pb.BWD, w, 1.0, 0.0)
+
+    leases[1], leases[2], leases[3] = lease(1, "A"), lease(2, "A"), lease(3, "B")
+    assert leases.held("A") == 2 and leases.held("B") == 1 and leases.held("C") == 0
+    leases[2] = lease(2, "C")  # the same id replaced
+    _assert_leases(leases)
+    del leases[1]
+    assert leases.pop(3).worker == "B" and leases.pop(3, None) is None
+    with pytest.raises(KeyError):
+        leases.pop(3)
+    assert leases.setdefault(4, lease(4, "A")).worker == "A" and leases.setdefault(4, lease(4, "B")).worker == "A"
+    _assert_leases(leases)
+    assert leases.held("A") == 1 and leases.held("B") == 0
+    leases.clear()
+    assert leases.per_worker == {} and leases.held("C") == 0
+
+
 def _scan_pick(mbs) -> tuple[int, int] | None:
     """What a lease pick must choose: the lowest todo forward, else the lowest todo backward."""
     for mb in sorted(mbs):
@@ -340,6 +430,8 @@ def test_lease_pick_matches_a_full_scan_through_relays_leases_requeues_and_voids
                 if w in srv.workers:
                     srv._void_worker(w, "test")
                     held = {k: t for k, t in held.items() if k in srv.leases}
+            _assert_tally(srv.steps[0])  # the counts the per-task checks read agree with a scan
+            _assert_leases(srv.leases)
         for t in list(srv._bg):
             t.cancel()
         return picks, done

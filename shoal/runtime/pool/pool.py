@@ -15,21 +15,116 @@ import torch
 from shoal.net import shoal_pb2 as pb
 
 
-@dataclass
-class MbState:
-    """One micro-batch of one step at this stage."""
+class StepTally:
+    """Counts over one step's micro-batches, kept by their :class:`MbState` s as they change:
+    how many are in each gradient state, and how many computed gradients each worker holds.
+    The per-task questions (is every gradient computed, does this worker hold one, is the
+    step all counted) are then answered without a scan over the step's M micro-batches."""
 
-    input: torch.Tensor | None = None  # stage input (None at stage 0: tokens are rebuilt)
-    out_grad: torch.Tensor | None = None  # gradient of the stage output (non-last stages)
-    fwd: str = "wait"  # wait | todo | leased | done  (non-last stages only)
-    grad: str = "wait"  # wait | todo | leased | computed | counted
-    holder: str = ""  # worker holding the grad lease or the computed gradient
-    loss: float | None = None  # last stage: the micro-batch loss
-    relayed_back: bool = False  # the input gradient went to the previous stage
-    fwd_by: str = ""  # local mode: the worker whose replica ran the forward (gets the backward)
-    fwd_gen: int = 0  # that worker's generation then
-    input_frame: pb.Tensor | None = None  # compressed runs: the input as received, handed on as is
-    out_grad_frame: pb.Tensor | None = None  # compressed runs: the output gradient as received
+    __slots__ = ("grad", "computed_by", "n")
+
+    def __init__(self) -> None:
+        self.grad: dict[str, int] = {}  # gradient state -> micro-batches in it
+        self.computed_by: dict[str, int] = {}  # worker -> its computed (un-pushed) gradients
+        self.n = 0  # micro-batches of the step
+
+    def _move(self, state: str, holder: str, d: int) -> None:
+        self.grad[state] = self.grad.get(state, 0) + d
+        if state == "computed":
+            n = self.computed_by.get(holder, 0) + d
+            if n:
+                self.computed_by[holder] = n
+            else:
+                del self.computed_by[holder]
+
+    def all_in(self, *states: str) -> bool:
+        """Whether the step has micro-batches and every one's gradient is in ``states``."""
+        return self.n > 0 and sum(self.grad.get(s, 0) for s in states) == self.n
+
+    def holds_computed(self, wid: str) -> bool:
+        """Whether ``wid`` holds a computed gradient of the step."""
+        return self.computed_by.get(wid, 0) > 0
+
+
+class MbState:
+    """One micro-batch of one step at this stage.
+
+    ``grad`` and ``holder`` are kept in the step's :class:`StepTally` once the state is in
+    a :class:`StepMbs` (every assignment updates the counts)."""
+
+    __slots__ = ("input", "out_grad", "fwd", "_grad", "_holder", "loss", "relayed_back", "fwd_by", "fwd_gen",
+                 "input_frame", "out_grad_frame", "_tally")
+
+    def __init__(self) -> None:
+        self.input: torch.Tensor | None = None  # stage input (None at stage 0: tokens are rebuilt)
+        self.out_grad: torch.Tensor | None = None  # gradient of the stage output (non-last stages)
+        self.fwd = "wait"  # wait | todo | leased | done  (non-last stages only)
+        self._grad = "wait"  # wait | todo | leased | computed | counted
+        self._holder = ""  # worker holding the grad lease or the computed gradient
+        self.loss: float | None = None  # last stage: the micro-batch loss
+        self.relayed_back = False  # the input gradient went to the previous stage
+        self.fwd_by = ""  # local mode: the worker whose replica ran the forward (gets the backward)
+        self.fwd_gen = 0  # that worker's generation then
+        self.input_frame: pb.Tensor | None = None  # compressed runs: the input as received, handed on as is
+        self.out_grad_frame: pb.Tensor | None = None  # compressed runs: the output gradient as received
+        self._tally: StepTally | None = None  # the step's counts (set when put in a StepMbs)
+
+    @property
+    def grad(self) -> str:
+        return self._grad
+
+    @grad.setter
+    def grad(self, state: str) -> None:
+        t = self._tally
+        if t is not None:
+            t._move(self._grad, self._holder, -1)
+            t._move(state, self._holder, 1)
+        self._grad = state
+
+    @property
+    def holder(self) -> str:
+        return self._holder
+
+    @holder.setter
+    def holder(self, wid: str) -> None:
+        t = self._tally
+        if t is not None and self._grad == "computed":
+            t._move("computed", self._holder, -1)
+            t._move("computed", wid, 1)
+        self._holder = wid
+
+    def __repr__(self) -> str:
+        return f"MbState(fwd={self.fwd!r}, grad={self._grad!r}, holder={self._holder!r})"
+
+
+class StepMbs(dict):
+    """One step's micro-batches (``mb -> MbState``) with their :class:`StepTally` (``tally``).
+
+    Only insertion is tallied (a step's micro-batches are never removed, only the whole
+    step); a state put in keeps reporting its changes here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tally = StepTally()
+
+    def __setitem__(self, mb: int, st: MbState) -> None:
+        old = self.get(mb)
+        if old is st:
+            return
+        if old is not None:
+            self.tally._move(old._grad, old._holder, -1)
+            old._tally = None
+            self.tally.n -= 1
+        st._tally = self.tally
+        self.tally._move(st._grad, st._holder, 1)
+        self.tally.n += 1
+        super().__setitem__(mb, st)
+
+    def setdefault(self, mb: int, st: MbState) -> MbState:  # type: ignore[override]
+        got = self.get(mb)
+        if got is None:
+            self[mb] = got = st
+        return got
 
 
 @dataclass
@@ -111,3 +206,63 @@ class WorkerInfo:
     gen: int = 1  # bumped when the server voids this worker's un-pushed gradients
     last_seen: float = field(default_factory=time.monotonic)
     ewma_s: float | None = None  # task time estimate for lease deadlines
+
+
+class LeaseTable(dict):
+    """The stage's leases by lease id, with how many each worker holds (:meth:`held`), kept
+    on every insertion and removal: whether a worker holds nothing else is asked at every
+    result, and is no scan over the leases."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.per_worker: dict[str, int] = {}  # worker -> its leases here
+
+    def _add(self, wid: str, d: int) -> None:
+        n = self.per_worker.get(wid, 0) + d
+        if n:
+            self.per_worker[wid] = n
+        else:
+            del self.per_worker[wid]
+
+    def __setitem__(self, lid: int, lease: Lease) -> None:
+        old = self.get(lid)
+        if old is not None:
+            self._add(old.worker, -1)
+        super().__setitem__(lid, lease)
+        self._add(lease.worker, 1)
+
+    def __delitem__(self, lid: int) -> None:
+        lease = self[lid]
+        super().__delitem__(lid)
+        self._add(lease.worker, -1)
+
+    _MISSING = object()
+
+    def pop(self, lid: int, default=_MISSING):  # type: ignore[override]
+        if lid in self:
+            lease = self[lid]
+            del self[lid]
+            return lease
+        if default is LeaseTable._MISSING:
+            raise KeyError(lid)
+        return default
+
+    def setdefault(self, lid: int, lease: Lease) -> Lease:  # type: ignore[override]
+        if lid not in self:
+            self[lid] = lease
+        return self[lid]
+
+    def popitem(self):
+        raise TypeError("LeaseTable: remove leases by id (del or pop)")
+
+    def update(self, *args, **kw):
+        for lid, lease in dict(*args, **kw).items():
+            self[lid] = lease
+
+    def clear(self) -> None:
+        super().clear()
+        self.per_worker.clear()
+
+    def held(self, wid: str) -> int:
+        """How many leases ``wid`` holds."""
+        return self.per_worker.get(wid, 0)

@@ -79,7 +79,16 @@ from shoal.runtime.common import (
     trace,
 )
 from shoal.runtime.pool.grants import GrantBook
-from shoal.runtime.pool.pool import Lease, MbState, TodoPool, WorkerInfo, pick_order, yield_to_idle
+from shoal.runtime.pool.pool import (
+    Lease,
+    LeaseTable,
+    MbState,
+    StepMbs,
+    TodoPool,
+    WorkerInfo,
+    pick_order,
+    yield_to_idle,
+)
 from shoal.runtime.safety.guard import DEFAULT as GUARD
 from shoal.runtime.safety.guard import (
     SPOT_RATE_ENV,
@@ -151,13 +160,13 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
         self.epoch = 0
         self.version = -1  # weights hold this many committed steps (-1: not loaded)
         self.step = 0  # step being worked on (== version once loaded)
-        self.steps: dict[int, dict[int, MbState]] = {}
+        self.steps: dict[int, StepMbs] = {}  # step -> its micro-batches (with their state counts)
         self.todo = TodoPool()  # todo tasks of self.steps, so a lease pick is no scan
         # Accepted results by lease id: (worker, epoch, step, gen), so a retried upload is acknowledged again.
         self.completed: dict[int, tuple[str, int, int, int]] = {}
         # accepted pushes of the step: (first micro-batch, gradients, worker, micro-batches)
         self.pushes: list[tuple[int, dict[str, torch.Tensor], str, tuple[int, ...]]] = []
-        self.leases: dict[int, Lease] = {}
+        self.leases = LeaseTable()  # lease id -> Lease (and each worker's count)
         self.idle_asking: dict[str, int] = {}  # worker -> its lease requests parked while it has nothing to do
         self.grants = GrantBook()  # session grants made ahead, the workers' paces, take-backs
         self.sessions: dict[str, asyncio.Queue] = {}  # worker -> what its session stream sends next
@@ -301,7 +310,7 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
             self.cond.notify_all()
 
     def _open_step(self, step: int) -> None:
-        mbs = self.steps.setdefault(step, {})
+        mbs = self.steps.setdefault(step, StepMbs())
         for mb in range(self.spec.micro_batches):
             st = mbs.setdefault(mb, MbState())
             if self.is_first:
@@ -335,8 +344,8 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
 
     def _flush_repair(self, now: float) -> bool:
         """Void workers that hold computed gradients long after the pool completed."""
-        mbs = self.steps.get(self.step, {})
-        if not mbs or self.committing or not all(st.grad in ("computed", "counted") for st in mbs.values()):
+        mbs = self.steps.get(self.step)
+        if not mbs or self.committing or not mbs.tally.all_in("computed", "counted"):
             self.flush_since = None
             return False
         if self.flush_since is None:
@@ -748,10 +757,9 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
         return frame
 
     def _should_flush(self, wid: str) -> bool:
-        mbs = self.steps.get(self.step, {})
-        if not mbs or not all(st.grad in ("computed", "counted") for st in mbs.values()):
-            return False
-        return any(st.grad == "computed" and st.holder == wid for st in mbs.values())
+        """Whether ``wid`` should push now: every gradient of the step is computed and it holds one."""
+        mbs = self.steps.get(self.step)
+        return bool(mbs) and mbs.tally.all_in("computed", "counted") and mbs.tally.holds_computed(wid)
 
     # ------------------------------------------------------------------ RPCs from workers
     async def Lease(self, request, context):
@@ -883,7 +891,7 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
         st = self.steps[r.step][r.mb]
         del self.leases[r.lease_id]
         self.grants.end(r.lease_id, r.worker, task_s=r.compute_s,
-                        idle=not any(ls.worker == r.worker for ls in self.leases.values()))
+                        idle=not self.leases.held(r.worker))
         self.completed[r.lease_id] = (r.worker, r.epoch, r.step, info.gen)
         info.ewma_s = ewma(info.ewma_s, max(r.compute_s, time.monotonic() - lease.started))
         self.timing.task(r.worker, r.compute_s, time.monotonic() - lease.started)
@@ -903,8 +911,7 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
                 self._spawn(self._relay(self.stage - 1, pb.Relay(
                     step=r.step, mb=r.mb, epoch=self.epoch, direction=pb.BWD,
                     tensor=relay_frame(r.output, "grad", out))))
-            if self.timing.all_computed is None and all(
-                    m.grad in ("computed", "counted") for m in self.steps[r.step].values()):
+            if self.timing.all_computed is None and self.steps[r.step].tally.all_in("computed", "counted"):
                 self.timing.all_computed = time.monotonic()
         trace(self.name, "result", w=r.worker, step=r.step, mb=r.mb, d=r.direction)
         async with self.cond:
@@ -987,8 +994,8 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
 
     def _maybe_commit(self) -> None:
         """Start the step's commit once every micro-batch is counted and no check of it is open."""
-        mbs = self.steps.get(self.step, {})
-        if (mbs and all(st.grad == "counted" for st in mbs.values()) and not self.committing
+        mbs = self.steps.get(self.step)
+        if (mbs and mbs.tally.all_in("counted") and not self.committing
                 and not self._dup_pending()):
             self.committing = True
             self.timing.all_counted = time.monotonic()
@@ -1472,7 +1479,7 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
         verdict = self._relay_verdict(r)  # checked in a thread: the step may have moved on meanwhile
         if verdict is not None:
             return verdict
-        mbs = self.steps.setdefault(r.step, {})
+        mbs = self.steps.setdefault(r.step, StepMbs())
         if not 0 <= r.mb < self.spec.micro_batches:
             return pb.RelayReply(accepted=False, reason="micro-batch id out of range")
         st = mbs.setdefault(r.mb, MbState())
