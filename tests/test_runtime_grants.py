@@ -115,3 +115,21 @@ def test_sessions_asking_ahead_beside_a_busy_worker_stay_exact(tmp_path, tmp_pat
     summary = launch(launch_config(out, stages=1, workers=2, worker_args=args, session=True))
     assert mark.exists() and summary["steps"] == RUN["steps"]
     assert_equal_weights(out, reference)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_sessions_sending_lease_requests_with_results_stay_exact(tmp_path, tmp_path_factory):
+    """Two stages, two workers on sessions without asking ahead: every result carries the
+    worker's next lease request, answered with the result's verdict in one reply (the server
+    side is tested message by message in test_runtime_pool). The run ends with the
+    failure-free weights."""
+    from swarm_reference import RUN, assert_equal_weights, failure_free_weights, launch_config
+
+    from shoal.runtime.processes.launch import launch
+
+    reference = failure_free_weights(tmp_path_factory)
+    out = tmp_path / "run"
+    summary = launch(launch_config(out, session=True))
+    assert summary["steps"] == RUN["steps"]
+    assert_equal_weights(out, reference)

@@ -592,3 +592,84 @@ def test_a_lease_asked_ahead_yields_to_a_worker_waiting_idle(tmp_path):
             reaper.cancel()
 
     asyncio.run(main())
+
+
+class _Caller:
+    """The gRPC context of a session opened by member ``wid`` (in process: no sockets)."""
+
+    def __init__(self, wid: str) -> None:
+        self.wid = wid
+
+    def invocation_metadata(self):
+        from shoal.net.auth import MEMBER_HEADER
+
+        return [(MEMBER_HEADER, self.wid)]
+
+    async def abort(self, code, details):
+        raise AssertionError(f"session aborted: {code} {details}")
+
+
+def test_a_result_carrying_the_next_lease_request_is_answered_in_one_message(tmp_path):
+    """On a worker's session a result may carry its next lease request (the worker is idle
+    once its result is out): the server answers both with one LeaseReply that holds the
+    result's verdict when it has a task to grant, and sends the verdict first (the task
+    later) when the request has to wait. The attached request is the caller's own whatever
+    worker it names."""
+    from shoal.net.stream import split
+    from shoal.runtime.transport.session import DOWN_KINDS, read_messages
+
+    async def main():
+        srv = _server(tmp_path)
+        await srv._load(0, 0, 6, 0, 0)
+        srv.ready = True
+        up: asyncio.Queue = asyncio.Queue()
+
+        async def chunks():
+            while (msg := await up.get()) is not None:
+                for c in split(type(msg).__name__, msg.SerializeToString(), 1 << 20, "A"):
+                    yield c
+
+        down = read_messages(srv.Session(chunks(), _Caller("A")), DOWN_KINDS, lambda _kind: 1 << 26)
+
+        async def next_msg():
+            kind, msg = await asyncio.wait_for(down.__anext__(), 30)
+            return kind, msg
+
+        up.put_nowait(pb.LeaseRequest(worker="A", wait_s=0, ask_id=1))
+        kind, first = await next_msg()
+        assert kind == "LeaseReply" and first.ask_id == 1 and first.task.mb == 0
+        res = _result(first.task, "A")
+        res.next.CopyFrom(pb.LeaseRequest(worker="B", wait_s=1.0, ask_id=2))  # names another worker
+        up.put_nowait(res)
+        kind, second = await next_msg()
+        assert kind == "LeaseReply" and second.ask_id == 2 and second.has_task and second.task.mb == 1
+        assert second.result.accepted and second.result.lease_id == first.task.lease_id
+        assert srv.leases[second.task.lease_id].worker == "A" and "B" not in srv.workers
+        assert srv.steps[0][0].grad == "computed" and srv.steps[0][0].holder == "A"
+        # Nothing else was sent for that result: the next message answers the next request.
+        up.put_nowait(pb.LeaseRequest(worker="A", wait_s=0, ask_id=3))
+        kind, third = await next_msg()
+        assert kind == "LeaseReply" and third.ask_id == 3 and third.task.mb == 2
+        # No task left to grant (mb 2 is leased): the verdict first, the lease reply when its wait ends.
+        res = _result(second.task, "A")
+        res.next.CopyFrom(pb.LeaseRequest(worker="A", wait_s=0.5, ask_id=4))
+        up.put_nowait(res)
+        kind, verdict = await next_msg()
+        assert kind == "CompleteReply" and verdict.accepted and verdict.lease_id == second.task.lease_id
+        kind, waited = await next_msg()
+        assert kind == "LeaseReply" and waited.ask_id == 4 and not waited.has_task and not waited.HasField("result")
+        # The last result with a request: every gradient is computed now, so the reply says push.
+        res = _result(third.task, "A")
+        res.next.CopyFrom(pb.LeaseRequest(worker="A", wait_s=0.5, ask_id=5))
+        up.put_nowait(res)
+        kind, last = await next_msg()
+        assert kind == "LeaseReply" and last.ask_id == 5 and last.flush and last.result.accepted
+        assert srv.steps[0].tally.all_in("computed")
+        up.put_nowait(None)
+        with pytest.raises(StopAsyncIteration):
+            await next_msg()
+        for t in list(srv._bg):
+            t.cancel()
+
+    asyncio.run(main())
+

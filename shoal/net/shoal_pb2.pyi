@@ -586,7 +586,7 @@ class LeaseRequest(_message.Message):
     def __init__(self, worker: _Optional[str] = ..., wait_s: _Optional[float] = ..., ahead: _Optional[bool] = ..., started: _Optional[int] = ..., ask_id: _Optional[int] = ...) -> None: ...
 
 class LeaseReply(_message.Message):
-    __slots__ = ("has_task", "task", "version", "gen", "flush", "epoch", "step", "wrong_stage", "credit", "ask_id", "local_step", "local_lr", "local_coef", "local_skip", "local_sync", "local_merged")
+    __slots__ = ("has_task", "task", "version", "gen", "flush", "epoch", "step", "wrong_stage", "credit", "ask_id", "result", "local_step", "local_lr", "local_coef", "local_skip", "local_sync", "local_merged")
     HAS_TASK_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -597,6 +597,7 @@ class LeaseReply(_message.Message):
     WRONG_STAGE_FIELD_NUMBER: _ClassVar[int]
     CREDIT_FIELD_NUMBER: _ClassVar[int]
     ASK_ID_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
     LOCAL_STEP_FIELD_NUMBER: _ClassVar[int]
     LOCAL_LR_FIELD_NUMBER: _ClassVar[int]
     LOCAL_COEF_FIELD_NUMBER: _ClassVar[int]
@@ -613,16 +614,17 @@ class LeaseReply(_message.Message):
     wrong_stage: bool
     credit: int
     ask_id: int
+    result: CompleteReply
     local_step: int
     local_lr: float
     local_coef: float
     local_skip: bool
     local_sync: bool
     local_merged: int
-    def __init__(self, has_task: _Optional[bool] = ..., task: _Optional[_Union[Task, _Mapping]] = ..., version: _Optional[int] = ..., gen: _Optional[int] = ..., flush: _Optional[bool] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., wrong_stage: _Optional[bool] = ..., credit: _Optional[int] = ..., ask_id: _Optional[int] = ..., local_step: _Optional[int] = ..., local_lr: _Optional[float] = ..., local_coef: _Optional[float] = ..., local_skip: _Optional[bool] = ..., local_sync: _Optional[bool] = ..., local_merged: _Optional[int] = ...) -> None: ...
+    def __init__(self, has_task: _Optional[bool] = ..., task: _Optional[_Union[Task, _Mapping]] = ..., version: _Optional[int] = ..., gen: _Optional[int] = ..., flush: _Optional[bool] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., wrong_stage: _Optional[bool] = ..., credit: _Optional[int] = ..., ask_id: _Optional[int] = ..., result: _Optional[_Union[CompleteReply, _Mapping]] = ..., local_step: _Optional[int] = ..., local_lr: _Optional[float] = ..., local_coef: _Optional[float] = ..., local_skip: _Optional[bool] = ..., local_sync: _Optional[bool] = ..., local_merged: _Optional[int] = ...) -> None: ...
 
 class TaskResult(_message.Message):
-    __slots__ = ("worker", "step", "mb", "direction", "epoch", "lease_id", "output", "loss", "compute_s")
+    __slots__ = ("worker", "step", "mb", "direction", "epoch", "lease_id", "output", "loss", "compute_s", "next")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MB_FIELD_NUMBER: _ClassVar[int]
@@ -632,6 +634,7 @@ class TaskResult(_message.Message):
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    NEXT_FIELD_NUMBER: _ClassVar[int]
     worker: str
     step: int
     mb: int
@@ -641,7 +644,8 @@ class TaskResult(_message.Message):
     output: Tensor
     loss: float
     compute_s: float
-    def __init__(self, worker: _Optional[str] = ..., step: _Optional[int] = ..., mb: _Optional[int] = ..., direction: _Optional[_Union[Direction, str]] = ..., epoch: _Optional[int] = ..., lease_id: _Optional[int] = ..., output: _Optional[_Union[Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., compute_s: _Optional[float] = ...) -> None: ...
+    next: LeaseRequest
+    def __init__(self, worker: _Optional[str] = ..., step: _Optional[int] = ..., mb: _Optional[int] = ..., direction: _Optional[_Union[Direction, str]] = ..., epoch: _Optional[int] = ..., lease_id: _Optional[int] = ..., output: _Optional[_Union[Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., compute_s: _Optional[float] = ..., next: _Optional[_Union[LeaseRequest, _Mapping]] = ...) -> None: ...
 
 class CompleteReply(_message.Message):
     __slots__ = ("accepted", "reason", "gen", "lease_id")

@@ -801,8 +801,11 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
                  pb.Direction.Name(lease.direction), lease.step, lease.mb, lease.worker, wid)
         return True
 
-    async def _lease_reply(self, request: pb.LeaseRequest, session: bool) -> pb.LeaseReply:
-        """The reply to one lease request (long-polled up to its ``wait_s``, 2 s at most)."""
+    async def _lease_reply(self, request: pb.LeaseRequest, session: bool, on_wait=None) -> pb.LeaseReply:
+        """The reply to one lease request (long-polled up to its ``wait_s``, 2 s at most).
+
+        ``on_wait()``: called once if the request has to wait (a session then sends the
+        verdict on the result that carried the request at once instead of with this reply)."""
         info = self._worker(request.worker)
         wid, ahead = request.worker, request.ahead
         if request.started:
@@ -823,6 +826,9 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
                 flush = self._should_flush(wid)
                 if task is not None or flush or time.monotonic() >= deadline or self.done or self._local_wants(wid):
                     break
+                if on_wait is not None:
+                    on_wait()
+                    on_wait = None
                 await self.cond.wait(deadline - time.monotonic())
         finally:
             if not ahead:
@@ -1251,10 +1257,26 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
         try:
             if kind == "LeaseRequest":
                 out.put_nowait(await self._lease_reply(msg, session=True))
-            else:
-                reply = await self.Complete(msg, None)
-                reply.lease_id = msg.lease_id
+                return
+            reply = await self.Complete(msg, None)
+            reply.lease_id = msg.lease_id
+            if not msg.HasField("next"):
                 out.put_nowait(reply)
+                return
+            # The result carried the worker's next lease request: one message answers both,
+            # unless the request waits (then the verdict goes now, the task when there is one).
+            sent = []
+
+            def verdict_now() -> None:
+                out.put_nowait(reply)
+                sent.append(True)
+
+            nxt = msg.next
+            nxt.worker = msg.worker  # the caller's own request (checked on the result)
+            lease = await self._lease_reply(nxt, session=True, on_wait=verdict_now)
+            if not sent:
+                lease.result.CopyFrom(reply)
+            out.put_nowait(lease)
         except Exception:
             log.exception("%s: a session %s of %s failed", self.name, kind, msg.worker)
             out.put_nowait(None)

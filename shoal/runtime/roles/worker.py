@@ -47,7 +47,7 @@ from shoal.runtime.safety.faults import poison, poisons
 from shoal.runtime.sync.codecs import apply_pull, compression_of_spec
 from shoal.runtime.sync.local import LocalWorkerMixin
 from shoal.runtime.transport.frames import off_loop, retry
-from shoal.runtime.transport.session import SessionClient
+from shoal.runtime.transport.session import SessionClient, unavailable
 from shoal.train.precision import (
     autocast,
     backward_loss,
@@ -888,23 +888,52 @@ class Worker(LocalWorkerMixin):
             if self.upload_error is not None:
                 raise self.upload_error
             handed = True
-            await self._upload(server, task, result, grads)
+            via = self._ask_with_result(server, result)
+            await self._upload(server, task, result, grads, via)
         finally:
             if not handed:
                 self.held.discard(task.lease_id)
 
-    async def _upload(self, server, task: pb.Task, result: pb.TaskResult, grads) -> None:
+    def _ask_with_result(self, server, result: pb.TaskResult) -> SessionClient | None:
+        """On a session, send the next lease request with this result (the worker is idle once
+        its result is out): one message up per task instead of two, and the server answers
+        both with one message when it has a task (:meth:`SessionClient.ask_with`). The reply
+        is awaited as a lease asked ahead (:meth:`_lease`). Returns the session the request
+        is registered with (None: not attached; local mode and prefetch ask on their own)."""
+        if self.local or self.ahead is not None or not self.session_ok:
+            return None
+        sess = self.sessions.get(id(server))
+        if sess is None or not sess.alive:
+            return None
+        req = pb.LeaseRequest(worker=self.member_id, wait_s=self.opts.lease_wait_s)
+        ask_id, fut = sess.ask_with(result, req)
+        timeout = 10 + transfer_timeout(len(result.output.data))  # the result goes up first
+        self.ahead = (server, asyncio.create_task(self._next_reply(sess, ask_id, fut, timeout)))
+        return sess
+
+    async def _next_reply(self, sess: SessionClient, ask_id: int, fut: asyncio.Future,
+                          timeout: float) -> pb.LeaseReply:
+        """The reply to the lease request sent with a result; a task it brings is held from here on."""
+        rep = await sess.next_reply(ask_id, fut, timeout)
+        self.credit = max(1, rep.credit)
+        if rep.has_task:
+            self.held.add(rep.task.lease_id)  # renewed by the heartbeats until its result is sent
+        return rep
+
+    async def _upload(self, server, task: pb.Task, result: pb.TaskResult, grads,
+                      via: SessionClient | None = None) -> None:
         """Send a task's result: in the background while the next task is leased and computed.
 
         At most ``uploads_in_flight`` results are on their way at once (each holds one
         activation-sized message and its gradients); with 0 the result is awaited here.
+        ``via``: the session the result's attached lease request belongs to.
         """
         if self.opts.uploads_in_flight <= 0:
-            await self._send_result(server, task, result, grads)
+            await self._send_result(server, task, result, grads, via)
             return
         while len(self.uploads) >= self.opts.uploads_in_flight:
             await asyncio.wait(set(self.uploads), return_when=asyncio.FIRST_COMPLETED)
-        t = asyncio.create_task(self._send_result(server, task, result, grads))
+        t = asyncio.create_task(self._send_result(server, task, result, grads, via))
         self.uploads.add(t)
         t.add_done_callback(self._upload_done)
 
@@ -923,7 +952,8 @@ class Worker(LocalWorkerMixin):
         if self.upload_error is not None:
             raise self.upload_error
 
-    async def _send_result(self, server, task: pb.Task, result: pb.TaskResult, grads) -> None:
+    async def _send_result(self, server, task: pb.Task, result: pb.TaskResult, grads,
+                           via: SessionClient | None = None) -> None:
         """Stream one result, retrying transport failures with the same lease id (the server
         acknowledges a retry whose first attempt landed); keep its gradients once accepted.
 
@@ -936,6 +966,13 @@ class Worker(LocalWorkerMixin):
             for attempt in range(1, self.opts.upload_attempts + 1):
                 try:
                     sess = self._session(server)
+                    if result.HasField("next") and sess is not via:
+                        # The attached lease request belongs to a session that is gone (or to
+                        # none): it fails there and is asked again; the result goes alone.
+                        if via is not None:
+                            via.abandon(result.next.ask_id, unavailable("the session ended before the result"))
+                        result.ClearField("next")
+                        data = await off_loop(result.ByteSize(), result.SerializeToString)
                     if sess is not None:
                         done = await sess.complete(result, data, timeout=transfer_timeout(len(data)))
                     elif len(data) <= self.chunk_bytes:
@@ -950,6 +987,11 @@ class Worker(LocalWorkerMixin):
                         log.info("%s: result of step %d mb %d not sent (%s); its lease runs out", self.opts.name,
                                  task.step, task.mb, exc.code().name)
                         return
+                    if result.HasField("next"):
+                        # The attached request went (or failed) with this attempt: a retry
+                        # carries the result alone (a second copy would be granted twice).
+                        result.ClearField("next")
+                        data = await off_loop(result.ByteSize(), result.SerializeToString)
                     await asyncio.sleep(delay)
                     delay = min(2 * delay, 1.0)
         finally:

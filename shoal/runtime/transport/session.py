@@ -115,6 +115,10 @@ class SessionClient(StreamEnd):
                 if self.traffic is not None:
                     self.traffic.count(msg)
                 if kind == "LeaseReply":
+                    if msg.HasField("result"):  # the verdict on the result that carried the request
+                        done = self.results.pop(msg.result.lease_id, None)
+                        if done is not None and not done.done():
+                            done.set_result(msg.result)
                     fut = self.leases.pop(msg.ask_id, None)
                 elif kind == "CompleteReply":
                     fut = self.results.pop(msg.lease_id, None)
@@ -166,10 +170,49 @@ class SessionClient(StreamEnd):
         return await self._await(self.leases, req.ask_id, timeout)
 
     async def complete(self, result: pb.TaskResult, data: bytes, timeout: float) -> pb.CompleteReply:
-        """Send a task's result (``data``: it serialised); the server's verdict."""
+        """Send a task's result (``data``: it serialised); the server's verdict.
+
+        A result carrying the next lease request (:meth:`ask_with`) fails that request too
+        if it cannot be sent."""
         self.results[result.lease_id] = asyncio.get_running_loop().create_future()
-        self._send(result, data)
+        try:
+            self._send(result, data)
+        except grpc.aio.AioRpcError as exc:
+            self.results.pop(result.lease_id, None)
+            if result.HasField("next"):
+                self.abandon(result.next.ask_id, exc)
+            raise
         return await self._await(self.results, result.lease_id, timeout)
+
+    def ask_with(self, result: pb.TaskResult, req: pb.LeaseRequest) -> tuple[int, asyncio.Future]:
+        """Attach the lease request ``req`` to ``result`` (one message up per task); returns its
+        ask id and the future of its reply (:meth:`next_reply`). The server answers the two
+        with one LeaseReply carrying the result's verdict, or the verdict first when the
+        request has to wait."""
+        if self.error is not None:
+            raise self.error
+        req.ask_id = self.next_ask
+        self.next_ask += 1
+        fut = self.leases[req.ask_id] = asyncio.get_running_loop().create_future()
+        result.next.CopyFrom(req)
+        return req.ask_id, fut
+
+    async def next_reply(self, ask_id: int, fut: asyncio.Future, timeout: float) -> pb.LeaseReply:
+        """The reply to a lease request sent with a result (:meth:`ask_with`)."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except TimeoutError:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
+                                       grpc.aio.Metadata(), details="no reply on the session") from None
+        finally:
+            if self.leases.get(ask_id) is fut:
+                del self.leases[ask_id]
+
+    def abandon(self, ask_id: int, exc: BaseException) -> None:
+        """A request attached to a result that was not sent: what awaits it fails with ``exc``."""
+        fut = self.leases.get(ask_id)
+        if fut is not None and not fut.done():
+            fut.set_exception(exc)
 
     def renew(self, req: pb.RenewRequest) -> None:
         """Renew leases (no reply: a renewal is a sign of life and a deadline push)."""
