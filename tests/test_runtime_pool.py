@@ -673,3 +673,31 @@ def test_a_result_carrying_the_next_lease_request_is_answered_in_one_message(tmp
 
     asyncio.run(main())
 
+
+def test_signal_wakes_every_waiter_times_out_and_forgets_cancelled_waits():
+    """The pool's long-poll signal: a notify wakes every waiter (True), a wait with no
+    notify ends False at its timeout, and neither a cancelled nor a timed-out wait stays
+    behind among the waiters."""
+    from shoal.runtime.common import Signal
+
+    async def main():
+        sig = Signal()
+        waits = [asyncio.create_task(sig.wait(30)) for _ in range(3)]
+        await asyncio.sleep(0)
+        assert len(sig._waiters) == 3
+        sig.notify_all()
+        assert await asyncio.gather(*waits) == [True, True, True] and sig._waiters == []
+        assert await sig.wait(0.01) is False and sig._waiters == []
+        gone = asyncio.create_task(sig.wait(30))
+        await asyncio.sleep(0)
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert sig._waiters == []
+        sig.notify_all()  # nobody waits: nothing to wake
+        later = asyncio.create_task(sig.wait(30))
+        await asyncio.sleep(0)
+        sig.notify_all()
+        assert await later is True
+
+    asyncio.run(main())

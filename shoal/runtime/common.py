@@ -164,6 +164,11 @@ def ewma(prev: float | None, x: float, alpha: float = 0.3) -> float:
     return x if prev is None else (1 - alpha) * prev + alpha * x
 
 
+def _time_out(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(False)
+
+
 class Signal:
     """Wakes every waiter on ``notify_all``; a wait has a timeout and is safe to cancel.
 
@@ -175,7 +180,7 @@ class Signal:
     """
 
     def __init__(self) -> None:
-        self._event = asyncio.Event()
+        self._waiters: list[asyncio.Future] = []
 
     async def __aenter__(self) -> Signal:
         return self
@@ -184,16 +189,25 @@ class Signal:
         return None
 
     def notify_all(self) -> None:
-        self._event.set()
-        self._event = asyncio.Event()
+        # Plain futures and a timer handle (no task per wait, as asyncio.wait_for makes):
+        # handlers notify several times per task, and each long-poll waits here.
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(True)
 
     async def wait(self, timeout: float) -> bool:
         """Wait for the next ``notify_all`` up to ``timeout`` seconds; True if it came."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._waiters.append(fut)
+        timer = loop.call_later(max(timeout, 0.0), _time_out, fut)
         try:
-            await asyncio.wait_for(self._event.wait(), max(timeout, 0.0))
-            return True
-        except TimeoutError:
-            return False
+            return await fut
+        finally:
+            timer.cancel()
+            with contextlib.suppress(ValueError):  # (a notified future has left the list already)
+                self._waiters.remove(fut)
 
 
 # ---------------------------------------------------------------------------- step traces
