@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -490,6 +491,14 @@ def test_checkpoints_are_written_off_the_loop_and_hold_their_version(tmp_path):
         assert all(torch.equal(saved[f"param/{n}"], t) for n, t in v1.items())
         assert any(not torch.equal(v1[n], p) for n, p in srv.params.items())  # version 2 moved on
         assert srv.fatal == ""
+        # The heartbeat's checkpoint version: its own writes are known good (no thread, no read);
+        # a newest file changed by someone else is checked in a thread, and a bad one set aside.
+        assert srv._ckpt_version_known() == 2 == srv._ckpt_version()
+        v2 = Path(srv.ckpt_root) / "run-pool-test" / "stage0" / "v2.safetensors"
+        v2.write_bytes(v2.read_bytes()[:-8])
+        assert srv._ckpt_version_known() is None
+        assert srv._ckpt_version() == 1 and not v2.exists()
+        assert srv._ckpt_version_known() == 1
         # a checkpoint folder that cannot be made: the background write fails, and it is seen
         (tmp_path / "blocked").write_text("a file where the folder should be")
         srv.ckpt_root = str(tmp_path / "blocked")

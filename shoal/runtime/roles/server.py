@@ -402,6 +402,21 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
             return v
         return 0
 
+    def _ckpt_version_known(self) -> int | None:
+        """:meth:`_ckpt_version` when no file needs checking (no stage, no checkpoint, or the
+        newest one known good); None when one does (the caller checks it in a thread)."""
+        if self.stage < 0 or self.loading:
+            return -1
+        vs = list_ckpts(self.ckpt_root, self.stage, self.spec.run_id)
+        if not vs:
+            return 0
+        path = ckpt_dir(self.ckpt_root, self.stage, self.spec.run_id) / f"v{vs[-1]}.safetensors"
+        try:
+            st = path.stat()
+        except OSError:
+            return None
+        return vs[-1] if (self.stage, vs[-1], st.st_size, st.st_mtime_ns) in self.ckpt_ok else None
+
     def _ckpt_versions(self) -> list[int]:
         """Every checkpoint version of our stage on disk (a ban's roll-back picks among them)."""
         if self.stage < 0 or self.loading or self.spec is None:
@@ -506,8 +521,11 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
     async def _heartbeat(self) -> None:
         sent = time.monotonic()
         alive = self._heard_since(getattr(self, "_alive_sent", 0.0))
-        # Checking a checkpoint file another server wrote reads it whole: in a thread.
-        ckpt = await asyncio.get_running_loop().run_in_executor(None, self._ckpt_version)
+        # Checking a checkpoint file another server wrote reads it whole: in a thread (a
+        # newest file known good needs only a listing and a stat: here, no thread hop).
+        ckpt = self._ckpt_version_known()
+        if ckpt is None:
+            ckpt = await asyncio.get_running_loop().run_in_executor(None, self._ckpt_version)
         n_bans = len(self.guard_bans)
         try:
             a = await self.coord.Heartbeat(pb.MemberRequest(
