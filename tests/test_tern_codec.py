@@ -221,3 +221,18 @@ def test_planner_and_simulator_charge_tern_activation_bytes():
     saved = (total["none"] - total["tern"]) / (total["none"] - total["int8"])
     assert saved == pytest.approx((1 - wire_ratio("tern", db)) / (1 - wire_ratio("int8", db)), rel=0.01)
     assert wire_ratio("tern", 2) <= 1 / 8
+
+
+def test_run_spec_carries_tern_and_launch_refuses_it_on_pushes(tmp_path, capsys):
+    from shoal.cli import main
+    from shoal.net import shoal_pb2 as pb
+    from shoal.runtime.sync.codecs import compression_of_spec, parse_run_compression
+
+    comp = parse_run_compression("tern")
+    assert (comp.act, comp.grad, comp.push, comp.pull) == ("tern", "tern", "none", "none")
+    spec = pb.RunSpec()
+    comp.to_spec(spec)
+    assert compression_of_spec(spec) == comp and comp.wire("act") == "tern" and comp.wire("push") == "raw"
+    assert main(["launch", "--out", str(tmp_path / "r"), "--compression", "push=tern"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "activations" in err and err.count("\n") == 1

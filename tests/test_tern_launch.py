@@ -53,9 +53,9 @@ def test_two_stage_launch_with_tern_activations(tmp_path):
     for kind in ("activations", "activation_grads"):
         assert set(by_codec[kind]) == {"tern"}, (kind, by_codec[kind])
         c = by_codec[kind]["tern"]
-        # each frame: the payload plus a header (name, shape, codec, meta) of under 64 bytes
+        # each frame: the payload plus a header (name, shape, codec, meta: 63 bytes here) of under 96
         assert c["messages"] > 0
-        assert tern_nbytes(numel) * c["messages"] < c["wire"] < (tern_nbytes(numel) + 64) * c["messages"]
+        assert tern_nbytes(numel) * c["messages"] < c["wire"] < (tern_nbytes(numel) + 96) * c["messages"]
         assert c["wire"] * 16 <= c["raw"], (kind, c)
     for kind in ("grad_push", "weight_pull"):
         assert set(by_codec[kind]) == {"raw"}, (kind, by_codec[kind])

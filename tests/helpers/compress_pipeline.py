@@ -47,6 +47,9 @@ CONFIGS: dict[str, CompressionConfig] = {  # name -> codecs of the four traffic 
     "fp16": CompressionConfig("fp16", "fp16", "fp16", "fp16"),
     "int8-act": CompressionConfig("int8", "int8", "raw", "raw"),
     "int8-all": CompressionConfig("int8", "int8", "int8", "int8"),
+    "tern-act": CompressionConfig("tern", "tern", "raw", "raw"),  # activations and their gradients in tern
+    "tern-fwd": CompressionConfig("tern", "raw", "raw", "raw"),  # activations only (which direction costs)
+    "tern-bwd": CompressionConfig("raw", "tern", "raw", "raw"),  # activation gradients only
 }
 
 
