@@ -453,7 +453,6 @@ def _tern_signs() -> torch.Tensor:
 
 
 _TERN_SIGNS = _tern_signs()
-_TERN_POW3 = torch.tensor([3 ** j for j in range(TERN_PER_BYTE)], dtype=torch.int64)
 _TERN_TABLE = None  # byte -> its five digits, built on first decode
 
 
@@ -488,13 +487,16 @@ def _tern_encode(x: np.ndarray) -> bytes:
     if float(level.max()) > FP16_MAX:
         raise CodecError(f"tern: a block level of {float(level.max()):.3g} is beyond the fp16 range "
                          f"(+-{FP16_MAX}); use the int8 or raw codec for this tensor")
-    digits = keep.to(torch.int64) * (1 + (r < 0).to(torch.int64))  # 0, 1 (+a), 2 (-a)
-    flat = digits.reshape(-1)
-    pad = -flat.numel() % TERN_PER_BYTE
+    digits = (keep.to(torch.uint8) + (keep & (r < 0)).to(torch.uint8)).reshape(-1).numpy()  # 0, 1 (+a), 2 (-a)
+    pad = -digits.size % TERN_PER_BYTE
     if pad:
-        flat = torch.cat([flat, torch.zeros(pad, dtype=torch.int64)])
-    packed = (flat.view(-1, TERN_PER_BYTE) * _TERN_POW3).sum(dim=1).to(torch.uint8)
-    return level.to(torch.float16).numpy().astype("<f2", copy=False).tobytes() + packed.numpy().tobytes()
+        digits = np.concatenate([digits, np.zeros(pad, dtype=np.uint8)])
+    d = digits.reshape(-1, TERN_PER_BYTE)
+    packed = d[:, TERN_PER_BYTE - 1].copy()
+    for j in range(TERN_PER_BYTE - 2, -1, -1):  # Horner: every partial value stays below 243
+        packed *= 3
+        packed += d[:, j]
+    return level.to(torch.float16).numpy().astype("<f2", copy=False).tobytes() + packed.tobytes()
 
 
 def _tern_decode(buf: memoryview, numel: int) -> torch.Tensor:
@@ -507,18 +509,17 @@ def _tern_decode(buf: memoryview, numel: int) -> torch.Tensor:
     levels = np.frombuffer(buf[: 2 * nb], dtype="<f2").astype(np.float32)
     if not np.isfinite(levels).all() or (levels < 0).any():
         raise CodecError("tern payload has a negative or non-finite block level")
-    packed = torch.from_numpy(np.frombuffer(buf[2 * nb:], dtype=np.uint8).astype(np.int64))
-    if bool((packed >= 3 ** TERN_PER_BYTE).any()):
+    packed = np.frombuffer(buf[2 * nb:], dtype=np.uint8)
+    if (packed >= 3 ** TERN_PER_BYTE).any():
         raise CodecError(f"tern payload has a byte of {int(packed.max())}; five ternary digits are < 243")
-    if _TERN_TABLE is None:
-        b = torch.arange(3 ** TERN_PER_BYTE, dtype=torch.int64)
-        _TERN_TABLE = torch.stack([(b // p) % 3 for p in _TERN_POW3.tolist()], dim=1)
-    digits = _TERN_TABLE[packed].reshape(-1)
-    if bool(digits[nb * G:].any()):
+    if _TERN_TABLE is None:  # byte -> its five digits as values 0, +1, -1
+        b = np.arange(3 ** TERN_PER_BYTE)
+        digit = np.stack([(b // 3 ** j) % 3 for j in range(TERN_PER_BYTE)], axis=1)
+        _TERN_TABLE = np.array([0.0, 1.0, -1.0], dtype=np.float32)[digit]
+    vals = _TERN_TABLE[packed].reshape(-1)
+    if vals[nb * G:].any():
         raise CodecError("tern payload has digits set past its last block")
-    d = digits[: nb * G].view(nb, G)
-    sign = torch.where(d == 2, -1.0, 1.0) * (d != 0)
-    r = sign * torch.from_numpy(levels)[:, None]
+    r = torch.from_numpy(vals[: nb * G].reshape(nb, G)) * torch.from_numpy(levels)[:, None]
     x = _fwht(r) * _TERN_SIGNS
     return x.reshape(-1)[:numel].contiguous()
 
