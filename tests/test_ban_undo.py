@@ -226,3 +226,199 @@ def test_a_server_prunes_by_its_own_unverified_record_without_waiting_for_the_co
     assert srv._keep_at() == 3
     srv.guard_keep = 0  # another stage's record, through the coordinator
     assert srv._keep_at() == 0
+
+
+def _old_epoch_server(tmp_path, run_id: str, micro_batches: int = 2):
+    """A one-stage server whose weights stand for an old epoch's (a committed step moved them
+    off the seeded initialisation; a rollback to v0 then loads other weights), and the
+    real worker-side gradient of each micro-batch at those weights."""
+    from test_guard import _one_stage_server
+
+    async def make():
+        srv = await _one_stage_server(tmp_path, run_id, micro_batches=micro_batches, micro_batch_size=2,
+                                      seq_len=16)
+        gen = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in srv.params.values():
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+        return srv
+
+    return make()
+
+
+class _SeenLock:
+    """An asyncio.Lock that records when an acquirer had to wait (the test's view of who
+    contends for the weights lock; the locking itself is asyncio's)."""
+
+    def __init__(self):
+        import asyncio
+        import threading
+
+        self.lock, self.contended = asyncio.Lock(), threading.Event()
+
+    def locked(self) -> bool:
+        return self.lock.locked()
+
+    async def __aenter__(self):
+        if self.lock.locked():
+            self.contended.set()
+        await self.lock.acquire()
+
+    async def __aexit__(self, *exc):
+        self.lock.release()
+
+
+def test_a_rollback_during_a_recomputation_bans_nobody(tmp_path, monkeypatch):
+    """A fresh-clone CI run banned an honest worker beside the poisoner: after the poisoner's
+    ban, the stage's remaining worker pushed the redone micro-batches, the server recomputed
+    that push in a thread, and the undo's rollback loaded older weights on the event loop
+    meanwhile; the recomputation read the new module for its second micro-batch, differed
+    from the honest push and banned its worker. Here the rollback is made at that moment (in
+    the recomputation of the push's first micro-batch, waiting until the load has swapped the
+    weights or waits for them): the push is judged on the weights it was computed on (no
+    ban) and refused as stale, and the rollback then loads its version."""
+    import asyncio
+
+    import shoal.runtime.safety.verify as verify
+    from shoal.net import shoal_pb2 as pb
+    from shoal.net.wire import encode_tensor
+
+    async def main():
+        srv = await _old_epoch_server(tmp_path, "rollback-race")
+        lock = srv._wlock = _SeenLock()
+        old_module, loop = srv.module, asyncio.get_running_loop()
+        done = []
+        for _ in range(2):
+            t = (await srv.Lease(pb.LeaseRequest(worker="A", wait_s=0), None)).task
+            ok = await srv.Complete(pb.TaskResult(worker="A", step=t.step, mb=t.mb, direction=t.direction,
+                                                  epoch=t.epoch, lease_id=t.lease_id, loss=1.0), None)
+            assert ok.accepted
+            done.append((t.mb, ok.gen))
+        assert sorted(mb for mb, _ in done) == [0, 1]
+        honest = {}
+        for mb in (0, 1):  # the worker's pre-summed push of both micro-batches, in order
+            g = verify.recompute_grads(old_module, srv.spec, 0, mb, first=True, last=True, inp=None, out_grad=None)
+            honest = g if not honest else {n: honest[n] + g[n] for n in honest}
+        push = pb.GradPush(worker="A", step=0, epoch=0, gen=done[0][1], mbs=[0, 1],
+                           grads=[encode_tensor(n, g, "raw") for n, g in honest.items()])
+        real, calls, rollback = verify.recompute_grads, [], []
+
+        def at_the_worst_moment(*args, **kwargs):
+            out = real(*args, **kwargs)
+            calls.append(args[0])
+            if len(calls) == 1:  # (in the executor thread) the undo arrives now
+                fut = asyncio.run_coroutine_threadsafe(roll_back(), loop)
+                while not (fut.done() or lock.contended.wait(0.01)):
+                    pass
+                rollback.append(fut)
+            return out
+
+        async def roll_back():  # what the coordinator's heartbeat reply makes the server do
+            srv._assigned(pb.Assignment(stage=0, first=0, last=6, epoch=1, restart_version=0))
+            while srv.module is old_module and not lock.contended.is_set():
+                await asyncio.sleep(0.01)
+
+        monkeypatch.setattr(verify, "recompute_grads", at_the_worst_moment)
+        rep = await srv.PushGrads(push, None)
+        monkeypatch.setattr(verify, "recompute_grads", real)
+        assert len(calls) == 2 and rollback, "the first push of A is recomputed, micro-batch by micro-batch"
+        assert not srv.guard_banned, srv.guard_banned  # (before the fix: A, "differs from the recomputed one by 0.847")
+        assert calls == [old_module, old_module], "the recomputation mixed in the weights the rollback loaded"
+        assert not rep.accepted and "stale" in rep.reason
+        for _ in range(500):
+            if srv.version == 0 and srv.epoch == 1 and srv.module is not old_module:
+                break
+            await asyncio.sleep(0.01)
+        assert srv.module is not old_module and (srv.version, srv.epoch) == (0, 1)
+        assert all(st.grad == "todo" for st in srv.steps[0].values()) and not srv.pushes
+
+    asyncio.run(main())
+
+
+def test_weights_of_an_old_epoch_are_never_served_as_the_new_ones(tmp_path):
+    """After an undo a version number names other weights than before it. Between the
+    heartbeat that starts a rollback and the load of its version, a pull must not get the
+    old epoch's weights labelled with the new epoch (a worker then holds the wrong weights
+    under the right label and computes the redone step on them): it is refused until the
+    load, then gets the loaded weights."""
+    import asyncio
+
+    from shoal.net import shoal_pb2 as pb
+
+    async def main():
+        srv = await _old_epoch_server(tmp_path, "rollback-label")
+        old = {n: p.detach().clone() for n, p in srv.params.items()}
+        srv._assigned(pb.Assignment(stage=0, first=0, last=6, epoch=1, restart_version=0))
+        data = await srv._weights_bytes()  # a pull answered before the load (same loop turn)
+        if data is not None:
+            rep = pb.WeightsReply.FromString(data)
+            assert rep.epoch != 1, f"the old epoch's weights were labelled v{rep.version} of epoch {rep.epoch}"
+        for _ in range(500):
+            if srv.version == 0:
+                break
+            await asyncio.sleep(0.01)
+        rep = pb.WeightsReply.FromString(await srv._weights_bytes())
+        assert (rep.version, rep.epoch) == (0, 1)
+        from shoal.net.wire import decode_tensor
+
+        got = {f.name: decode_tensor(f) for f in rep.params}
+        assert any(not torch.equal(got[n], old[n]) for n in old)  # the loaded v0, not the old weights
+        assert all(torch.equal(got[n], p.detach()) for n, p in srv.params.items())
+
+    asyncio.run(main())
+
+
+def test_a_step_of_the_old_epoch_is_never_committed_as_the_new_ones(tmp_path, monkeypatch):
+    """Under load a rollback's heartbeat (the new epoch) and the stage's load of the restart
+    version are apart by the load's time. A check that ended in that gap started the commit
+    of the old epoch's step with the new epoch's number: its report, with the old history's
+    norms, waited at the coordinator for the redone step's, decided it with them, and the
+    stage then opened the next step without committing the redone pushes (a fresh-clone
+    run's undo ended 31 tensors off the failure-free weights). Here every micro-batch is
+    counted and only a check holds the commit when the rollback arrives; the checker then
+    leaves (its check is abandoned): no commit starts before the load, and after it the
+    restart version's step is open with nothing counted."""
+    import asyncio
+
+    from test_guard import _grad_push
+
+    from shoal.net import shoal_pb2 as pb
+    from shoal.runtime.safety.guard import SPOT_RATE_ENV
+    from shoal.runtime.safety.verify import recompute_grads
+
+    monkeypatch.setenv(SPOT_RATE_ENV, "1")
+
+    async def main():
+        srv = await _old_epoch_server(tmp_path, "rollback-commit")
+        srv.spec.guard_spot_check = 0.05
+        srv.guard_ok, srv.guard_seen = {"B": 5}, {"A", "B"}  # B may check A; A (no record) checks nobody
+        old_module, commits = srv.module, []
+
+        async def recorded_commit(step, epoch):  # (no coordinator here: which commit starts is what counts)
+            commits.append((step, epoch, srv.module is old_module))
+        srv._commit = recorded_commit
+
+        done = {}
+        for w in ("A", "B"):  # (both compute first: a checker is drawn among the step's workers)
+            t = (await srv.Lease(pb.LeaseRequest(worker=w, wait_s=0), None)).task
+            ok = await srv.Complete(pb.TaskResult(worker=w, step=t.step, mb=t.mb, direction=t.direction,
+                                                  epoch=t.epoch, lease_id=t.lease_id, loss=1.0), None)
+            done[w] = (t.mb, ok.gen)
+        for w, (mb, gen) in done.items():
+            g = recompute_grads(old_module, srv.spec, 0, mb, first=True, last=True, inp=None, out_grad=None)
+            assert (await srv.PushGrads(_grad_push(srv, 0, mb, w, gen, g), None)).accepted
+        assert all(st.grad == "counted" for st in srv.steps[0].values())
+        assert [c.checker for c in srv.dup_checks.values()] == ["B"] and not commits  # the check holds it
+        srv._assigned(pb.Assignment(stage=0, first=0, last=6, epoch=1, restart_version=0))  # the rollback
+        await srv.Leave(pb.MemberRequest(member_id="B"), None)  # (before the load ends) the check is abandoned
+        assert not srv.dup_checks
+        await asyncio.sleep(0)
+        assert not commits, f"a commit started before the rollback's load: (step, epoch, old weights) {commits}"
+        for _ in range(500):
+            if srv.version == 0 and srv.module is not old_module:
+                break
+            await asyncio.sleep(0.01)
+        assert (srv.version, srv.epoch) == (0, 1) and srv.module is not old_module
+        assert all(st.grad == "todo" for st in srv.steps[0].values()) and not srv.pushes and not commits
+
+    asyncio.run(main())

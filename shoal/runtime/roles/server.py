@@ -271,8 +271,19 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
             return
         finally:
             self.loading = False
-        if (stage, epoch) != (self.stage, self.epoch):
-            return  # superseded while loading
+        # The swap under the weights lock: a recomputation, serialisation or update that holds
+        # it works on one version whole (a rollback's load once swapped the module under a
+        # recomputation of an older step's push, which then failed and banned an honest worker).
+        async with self._wlock:
+            if (stage, epoch) != (self.stage, self.epoch):
+                return  # superseded while loading
+            self._swap(cfg, module, opt, scale, outer_m, pull_ef, version, stage, first, last, epoch)
+        async with self.cond:
+            self.cond.notify_all()
+
+    def _swap(self, cfg, module, opt, scale, outer_m, pull_ef, version: int, stage: int, first: int, last: int,
+              epoch: int) -> None:
+        """Make the loaded stage the one served (under ``_wlock``; see :meth:`_load`)."""
         self.cfg, self.module, self.opt = cfg, module, opt
         self.loss_scale = scale  # fp16: the scale of the step being worked on (1 otherwise)
         self.params = dict(module.named_parameters())
@@ -306,8 +317,6 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
         log.info("%s serves stage %d [%d,%d) from version %d (epoch %d)%s", self.name, stage, first, last,
                  version, epoch, (" with the saved outer momentum" if self.local and outer_m else "")
                  + (" and pull residual" if self.local and pull_ef and self.update_pulls is not None else ""))
-        async with self.cond:
-            self.cond.notify_all()
 
     def _open_step(self, step: int) -> None:
         mbs = self.steps.setdefault(step, StepMbs())
@@ -583,15 +592,7 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
                                                a.servers[a.standby_for - 1]))
             return
         if self.stage != a.stage or a.epoch != self.epoch:
-            promote = self.stage < 0 and self.sb_log is not None  # a logging standby: replay its log first
-            self.stage, self.first, self.last = a.stage, a.first, a.last
-            self.epoch = a.epoch
-            self.ready = False
-            if promote:
-                self.loading = True  # no checkpoint is reported until the replay is on disk
-                self._spawn(self.standby_promote(a.stage, a.first, a.last, a.restart_version, a.epoch))
-            else:
-                self._spawn(self._load(a.stage, a.first, a.last, a.restart_version, a.epoch))
+            self._assigned(a)
             return
         if a.ready and not self.ready and self.version >= 0:
             self.ready = True
@@ -604,6 +605,21 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
                          ",".join(map(str, gone)), self.stage, self.version)
         async with self.cond:
             self.cond.notify_all()
+
+    def _assigned(self, a: pb.Assignment) -> None:
+        """A new stage or epoch (a re-plan or a rollback): load it (a logging standby replays first)."""
+        promote = self.stage < 0 and self.sb_log is not None  # a logging standby: replay its log first
+        self.stage, self.first, self.last = a.stage, a.first, a.last
+        self.epoch = a.epoch
+        # Nothing is served as this epoch's until the load: the weights held are the old
+        # epoch's, and after an undo the same version number names other weights.
+        self.version = -1
+        self.ready = False
+        if promote:
+            self.loading = True  # no checkpoint is reported until the replay is on disk
+            self._spawn(self.standby_promote(a.stage, a.first, a.last, a.restart_version, a.epoch))
+        else:
+            self._spawn(self._load(a.stage, a.first, a.last, a.restart_version, a.epoch))
 
     def stats_snapshot(self) -> pb.MemberStats:
         """What this server reports for the dashboard: pool, leases, the last step's split."""
@@ -1019,7 +1035,9 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
     def _maybe_commit(self) -> None:
         """Start the step's commit once every micro-batch is counted and no check of it is open."""
         mbs = self.steps.get(self.step)
-        if (mbs and mbs.tally.all_in("counted") and not self.committing
+        # (version == step: loaded and current. Between a rollback's heartbeat and its load the
+        # steps held are the old epoch's; a commit started then would report them as the new one's.)
+        if (mbs and self.version == self.step and mbs.tally.all_in("counted") and not self.committing
                 and not self._dup_pending()):
             self.committing = True
             self.timing.all_counted = time.monotonic()
@@ -1045,18 +1063,21 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
         ref_norm = cached[1]
         return norm, (dot(grads, ref) / (norm * ref_norm) if ref_norm > 0 else None)
 
-    def _guard_recompute(self, step: int, inputs: list[tuple[int, torch.Tensor | None, torch.Tensor | None]],
-                         grads: dict[str, torch.Tensor]) -> float:
+    def _guard_recompute(self, module: torch.nn.Module, step: int,
+                         inputs: list[tuple[int, torch.Tensor | None, torch.Tensor | None]],
+                         grads: dict[str, torch.Tensor], first: bool, last: bool, loss_scale: float) -> float:
         """Relative error of a push against this server's recomputation (runs in a thread).
 
         ``inputs``: (micro-batch, stage input, output gradient) of each micro-batch of the push.
+        ``module`` and the stage's shape are taken on the event loop under ``_wlock``, with the
+        inputs' epoch checked: the recomputation never mixes in weights a rollback loaded.
         """
         from shoal.runtime.safety.verify import recompute_grads, sq_diff, sq_norm
 
         mine: dict[str, torch.Tensor] = {}
         for mb, inp, out_grad in inputs:
-            g = recompute_grads(self.module, self.spec, step, mb, first=self.is_first, last=self.is_last,
-                                inp=inp, out_grad=out_grad, loss_scale=self.loss_scale)
+            g = recompute_grads(module, self.spec, step, mb, first=first, last=last,
+                                inp=inp, out_grad=out_grad, loss_scale=loss_scale)
             for n, t in g.items():
                 mine[n] = t if n not in mine else mine[n] + t
         return rel_error(sq_diff(grads, mine), sq_norm(mine))
@@ -1090,7 +1111,8 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
                                          ids, rate)
         err = None
         checker = ""
-        current = r.step == self.step and self.version == r.step
+        # (The epoch too: after an undo a version number names other weights than before it.)
+        current = r.epoch == self.epoch and r.step == self.step and self.version == r.step
         # A drawn push is computed again by another worker of the stage (its compute, not the
         # server's; the server recomputes only if the two disagree). First, flagged, last-step
         # and suspects' pushes the server recomputes itself in fp32 (a colluder could be drawn
@@ -1103,10 +1125,12 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
             self.guard_checks += 1
             mbs = self.steps[r.step]
             inputs = [(mb, mbs[mb].input, mbs[mb].out_grad) for mb in sorted(ids)]
-            # Under the weights lock: no commit changes the weights while they are used.
+            # Under the weights lock: no commit or rollback changes the weights while they are
+            # used, and the inputs taken above are of the weights' epoch.
             async with self._wlock:
-                if self.version == r.step:
-                    err = await loop.run_in_executor(None, self._guard_recompute, r.step, inputs, grads)
+                if self.version == r.step and self.epoch == r.epoch:
+                    err = await loop.run_in_executor(None, self._guard_recompute, self.module, r.step, inputs,
+                                                     grads, self.is_first, self.is_last, self.loss_scale)
         if err is not None:
             log.info("%s: recomputed the push of %s (step %d mbs %s%s): relative error %.3g", self.name,
                      r.worker, r.step, ids, ", its first" if first else ", flagged" if flag else
@@ -1350,13 +1374,16 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
             return pb.RelayReply(accepted=False, reason=f"rejected: {exc}")
         return await self.SubmitRelay(msg, context)
 
-    async def _weights_bytes(self) -> bytes:
-        """The serialised WeightsReply of the current version, made once and shared by all pullers.
+    async def _weights_bytes(self) -> bytes | None:
+        """The serialised WeightsReply of the current version, made once and shared by all pullers
+        (None while the stage is being loaded).
 
-        Made in a thread (the loop keeps serving); the commit waits for it (``_wlock``), so
-        the bytes are exactly the weights of the version they are labelled with.
+        Made in a thread (the loop keeps serving); the commit and a rollback's load wait for it
+        (``_wlock``), so the bytes are exactly the weights of the version they are labelled with.
         """
         async with self._wlock:
+            if self.version < 0:
+                return None
             key = (self.published_version(), self.epoch, self.stage)
             if self._wcache is None or self._wcache[0] != key:
                 self._wcache = None  # drop the old bytes before making the new
@@ -1384,6 +1411,8 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
             data = await compressed_pull(self, request)  # a delta against what the worker holds
         else:
             data = await self._weights_bytes()
+            if data is None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "stage being loaded")
         trace(self.name, "pull_begin", w=request.worker)
         for chunk in split("WeightsReply", data, self.chunk_bytes):
             info = self.workers.get(request.worker)
@@ -1720,6 +1749,10 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
                 if merged is None:
                     return
             async with self._wlock:
+                if self.epoch != epoch:
+                    # A rollback came while the checkpoint write or the lock was awaited: its load
+                    # owns the stage now (this step's update must not land on the loaded weights).
+                    return
                 if self.local:
                     pass
                 elif d.skip:

@@ -203,16 +203,18 @@ class RedundantMixin:
             self._spawn(self._dup_judge(chk))
         return pb.PushReply(accepted=True, gen=info.gen)
 
-    def _dup_recompute(self, chk: DupCheck, theirs: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Both results' relative errors against the server's own fp32 recomputation (in a thread)."""
-        mbs = self.steps[chk.step]
+    def _dup_recompute(self, chk: DupCheck, theirs: dict[str, torch.Tensor], module: torch.nn.Module,
+                       inputs: list, first: bool, last: bool, loss_scale: float) -> dict[str, float]:
+        """Both results' relative errors against the server's own fp32 recomputation (in a thread).
+
+        ``module`` and ``inputs`` (micro-batch, input, output gradient) are taken on the event
+        loop under ``_wlock`` for the check's epoch and step: a rollback meanwhile changes neither."""
         mine: dict[str, torch.Tensor] = {}
-        for mb in chk.mbs:
-            st = mbs[mb]
-            inp = None if st.input is None else st.input.float()
-            og = None if st.out_grad is None else st.out_grad.float()
-            g = recompute_grads(self.module, self.spec, chk.step, mb, first=self.is_first, last=self.is_last,
-                                inp=inp, out_grad=og, loss_scale=self.loss_scale)
+        for mb, inp, og in inputs:
+            inp = None if inp is None else inp.float()
+            og = None if og is None else og.float()
+            g = recompute_grads(module, self.spec, chk.step, mb, first=first, last=last,
+                                inp=inp, out_grad=og, loss_scale=loss_scale)
             for n, t in g.items():
                 mine[n] = t if n not in mine else mine[n] + t
         ref = sq_norm(mine)
@@ -249,7 +251,10 @@ class RedundantMixin:
         errors = None
         async with self._wlock:  # no commit changes the weights meanwhile (none can: the step waits)
             if self.version == chk.step and self.epoch == chk.epoch and chk.step in self.steps:
-                errors = await loop.run_in_executor(None, self._dup_recompute, chk, theirs)
+                mbs = self.steps[chk.step]
+                inputs = [(mb, mbs[mb].input, mbs[mb].out_grad) for mb in chk.mbs]
+                errors = await loop.run_in_executor(None, self._dup_recompute, chk, theirs, self.module, inputs,
+                                                    self.is_first, self.is_last, self.loss_scale)
         if errors is None or self.dup_checks.get(chk.check_id) is not chk:
             return
         self.guard_checks += 1
