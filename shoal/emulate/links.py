@@ -82,13 +82,30 @@ class DirectionStats:
     delay_min_s: float | None = None  # least scheduled delay of a chunk (None: no chunk yet)
     delay_max_s: float = 0.0  # most scheduled delay of a chunk
     late_max_s: float = 0.0  # most a delivery was written after its scheduled time (host lag)
+    first_ready_s: float | None = None  # loop time the first chunk was ready to send (None: no chunk yet)
+    last_sent_s: float = 0.0  # loop time the booked transmission of every chunk so far ends
+    idle_s: float = 0.0  # time the link stood idle between chunks, waiting for data (sender's pace, host lag)
 
-    def count(self, n: int, delay_s: float) -> None:
-        """One chunk of ``n`` bytes, to be delivered ``delay_s`` after it was read."""
+    def count(self, n: int, delay_s: float, ready: float | None = None, sent: float | None = None) -> None:
+        """One chunk of ``n`` bytes, to be delivered ``delay_s`` after it was read; ``ready``
+        and ``sent``: when its transmission could start and when it ends, as booked."""
         self.bytes += n
         self.chunks += 1
         self.delay_min_s = delay_s if self.delay_min_s is None else min(self.delay_min_s, delay_s)
         self.delay_max_s = max(self.delay_max_s, delay_s)
+        if ready is None or sent is None:
+            return
+        if self.first_ready_s is None:
+            self.first_ready_s = ready
+        else:
+            self.idle_s += max(0.0, ready - self.last_sent_s)
+        self.last_sent_s = max(self.last_sent_s, sent)
+
+    @property
+    def busy_s(self) -> float:
+        """Time the link spent transmitting, as booked: from the first chunk ready to the last
+        one sent, less the idle time (for one bucket, its bytes over its rate)."""
+        return 0.0 if self.first_ready_s is None else self.last_sent_s - self.first_ready_s - self.idle_s
 
 
 class _Proxy:
@@ -203,8 +220,8 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
             # A chunk never arrives before it was read plus the latency.
             last = max(last, max(sent, now) + proxy.delay())
             queue.put_nowait((last, data))
-            stats.count(len(data), last - now)
-            total.count(len(data), last - now)
+            stats.count(len(data), last - now, ready, sent)
+            total.count(len(data), last - now, ready, sent)
             if sent > now:
                 await asyncio.sleep(sent - now)  # back-pressure: read on when transmitted
             woke = loop.time()

@@ -147,12 +147,14 @@ def _rate(marks: list[tuple[float, int]]) -> float:
 
 
 def measure_throughput(rate: float, nbytes: int, direction: str = "up",
-                       latency_s: float = 0.02) -> tuple[float, int]:
+                       latency_s: float = 0.02, books: dict | None = None) -> tuple[float, int]:
     """Bulk rate in bytes/s through a relay whose ``direction`` bucket is ``rate``.
 
     ``direction="up"``: the local side sends ``nbytes`` to a sink (uplink bucket);
     ``"down"``: a source sends ``nbytes`` to the local side (downlink bucket). Returns
-    the rate seen by the receiver and the number of bytes it received.
+    the rate seen by the receiver (wall clock: a loaded host lowers it) and the number of
+    bytes it received; ``books``, if given, gets the relay's own accounting
+    (``LinkShaper.books()``: busy and idle time of each direction, load-independent).
     """
     if direction == "up":
         srv, addr = serve(_Sink, marks=[])
@@ -179,6 +181,8 @@ def measure_throughput(rate: float, nbytes: int, direction: str = "up",
                     total += len(data)
                     marks.append((time.monotonic(), total))
             s.close()
+            if books is not None:
+                books.update(sh.books())
         return _rate(marks), marks[-1][1]
     finally:
         srv.shutdown()
