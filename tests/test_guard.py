@@ -378,3 +378,36 @@ def test_server_without_recomputation_bans_no_worker_for_small_pushes(tmp_path):
 
     asyncio.run(main())
     torch.set_grad_enabled(True)
+
+
+def test_corrupt_ckpt_follows_the_time_rule_and_a_fault_that_never_fired_is_said(tmp_path, capsys):
+    """The start-up check counts the time rule (``--ckpt-every-s``) as the coordinator's
+    ``ckpt_due`` does: a run whose step rule writes no checkpoint before its last step may
+    still get one from the time rule, so a corrupt-ckpt waits for it instead of being refused;
+    with no rule that can write one it is refused in one line. A fault still waiting when the
+    run ends (a short run the time rule wrote no checkpoint in) is said on stderr and in the
+    events, never silent."""
+    from swarm_reference import launch_config
+
+    from shoal.runtime.processes.launch import Swarm
+    from shoal.runtime.safety.faults import ckpt_may_come
+    from shoal.train.metrics import read_jsonl
+
+    assert ckpt_may_come(5, 0, 6) and ckpt_may_come(10, 60.0, 6) and ckpt_may_come(10, 0.5, 2)
+    assert not ckpt_may_come(10, 0, 6) and not ckpt_may_come(10, None, 6) and not ckpt_may_come(0, 60.0, 6)
+    check_faults([CorruptCkptFault(1, 2)], workers=2, stages=2, steps=6, ckpt_every=10, ckpt_every_s=60.0)
+    with pytest.raises(ShoalError, match=r"--ckpt-every 10, and no time rule: --ckpt-every-s 0\).*or --ckpt-every-s T"):
+        check_faults([CorruptCkptFault(1, 2)], workers=2, stages=2, steps=6, ckpt_every=10, ckpt_every_s=0.0)
+    with pytest.raises(ShoalError, match="no checkpoints at all, the time rule included"):
+        check_faults([CorruptCkptFault(1, 2)], workers=2, stages=2, steps=6, ckpt_every=0, ckpt_every_s=60.0)
+    # the launcher applies the default time rule (60 s) at start-up: accepted, then said if it never fired
+    sw = Swarm(launch_config(tmp_path / "run", ckpt_every=10, faults=["corrupt-ckpt:1:step=2"]))
+    assert sw._pending_faults == [CorruptCkptFault(1, 2)]
+    sw._report_unfired()
+    err = capsys.readouterr().err
+    assert "warning: --fault corrupt-ckpt:1:step=2 did not fire: stage 1 wrote no checkpoint before the run " \
+           "ended (--ckpt-every 10, --ckpt-every-s 60); nothing was corrupted" in err, err
+    events = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e["event"] == "fault"]
+    assert [(e["kind"], e["fault"]) for e in events] == [("not_fired", "corrupt-ckpt:1:step=2")]
+    with pytest.raises(ShoalError, match="no time rule"):
+        Swarm(launch_config(tmp_path / "run2", ckpt_every=10, ckpt_every_s=0, faults=["corrupt-ckpt:1:step=2"]))

@@ -177,7 +177,8 @@ class Swarm:
 
         self.faults = [parse_fault(f) for f in cfg.faults]
         check_faults(self.faults, workers=cfg.workers, stages=cfg.stages, steps=cfg.steps,
-                     ckpt_every=resolve_ckpt_every(cfg.ckpt_every, cfg.standbys))
+                     ckpt_every=resolve_ckpt_every(cfg.ckpt_every, cfg.standbys),
+                     ckpt_every_s=resolve_ckpt_every_s(cfg.ckpt_every_s))
         self._pending_faults = [f for f in self.faults if hasattr(f, "step")]  # fired on run state
         self.proxies: dict[str, list] = {}  # worker name -> its FlapProxy per stage server (flap faults)
         self.cfg, self.on_event = cfg, on_event
@@ -636,6 +637,7 @@ class Swarm:
             self.fault_tick()
             time.sleep(0.1)
         self.poll_records()
+        self._report_unfired()
         summary_path = self.out / "summary.json"
         rc = self.coord.returncode
         # 2 is a one-line error (a failed run) whatever the journal says, except from a coordinator
@@ -659,6 +661,25 @@ class Swarm:
                 time.sleep(0.05)
         self.stop()
         return json.loads(summary_path.read_text())
+
+    def _report_unfired(self) -> None:
+        """Say which faults never fired (the run ended first): a line on stderr and a
+        ``fault_not_fired`` event, never silence (a corrupt-ckpt waits for a checkpoint that
+        the time rule may not write in a short run)."""
+        from shoal.runtime.safety.faults import CorruptCkptFault
+
+        for f in self._pending_faults:
+            if isinstance(f, CorruptCkptFault):
+                why = (f"stage {f.stage} wrote no checkpoint before the run ended (--ckpt-every "
+                       f"{resolve_ckpt_every(self.cfg.ckpt_every, self.cfg.standbys)}, --ckpt-every-s "
+                       f"{resolve_ckpt_every_s(self.cfg.ckpt_every_s):g}); nothing was corrupted")
+                name = f"corrupt-ckpt:{f.stage}:step={f.step}"
+            else:  # a kill: the run finished before its step was committed
+                why = f"the run ended before {f.step} steps were committed"
+                name = f"kill:{f.role}{':' + f.name if getattr(f, 'name', None) else ''}:step={f.step}"
+            print(f"warning: --fault {name} did not fire: {why}", file=sys.stderr)
+            self._fault_event(kind="not_fired", fault=name, why=why)
+        self._pending_faults = []
 
     def coordinator_error(self) -> str:
         """The coordinator's one-line ``error: ...`` (a failed run), or ""."""

@@ -19,8 +19,10 @@ Grammar (one fault per ``--fault``; workers are named ``w0``, ``w1``, ... and se
 * ``corrupt-ckpt:K[:step=N]`` -- once N (default 2) steps are committed and stage K has a
   checkpoint, kill -9 the server of stage K, corrupt its newest checkpoint and start a
   replacement: it finds the checksum mismatch, sets the file aside and the run rolls back
-  to the previous checkpoint. A run that writes no checkpoint before its last step is
-  refused at the start (nothing could be corrupted).
+  to the previous checkpoint. A run that can write no checkpoint before its last step
+  (:func:`ckpt_may_come`: neither the step rule nor the time rule) is refused at the start;
+  one whose only checkpoint may come from the time rule waits for it (the launcher says so
+  if the run ends first).
 
 Triggers are on run state (steps committed, read from the run's ``metrics.jsonl``), not
 on wall-clock guesses. :func:`parse_fault` is the one parser; :func:`check_faults`
@@ -186,10 +188,13 @@ def parse_fault(spec: str) -> Fault:
     raise ShoalError(f"--fault {spec!r}: unknown kind {kind!r}; use {GRAMMAR}")
 
 
-def check_faults(faults: list[Fault], *, workers: int, stages: int, steps: int, ckpt_every: int | None = None) -> None:
+def check_faults(faults: list[Fault], *, workers: int, stages: int, steps: int, ckpt_every: int | None = None,
+                 ckpt_every_s: float | None = None) -> None:
     """One-line errors for faults that name members or stages the swarm does not have, or that
-    could do nothing (a corrupt-ckpt in a run that writes no checkpoint before its last step,
-    ``ckpt_every`` being the servers' cadence)."""
+    could do nothing (a corrupt-ckpt in a run that writes no checkpoint before its last step:
+    ``ckpt_every`` is the servers' step rule, ``ckpt_every_s`` their time rule, None or 0:
+    off, as :func:`shoal.runtime.common.ckpt_due` applies them). With the time rule on, a
+    run too short for it may still write none: the launcher then says the fault never fired."""
     for f in faults:
         worker = getattr(f, "worker", None) or (f.name if isinstance(f, KillFault) and f.role == "worker" else None)
         if worker is not None and int(worker[1:]) >= workers:
@@ -198,13 +203,25 @@ def check_faults(faults: list[Fault], *, workers: int, stages: int, steps: int, 
             raise ShoalError(f"--fault names {f.name}, but the swarm starts s0..s{stages - 1}")
         if isinstance(f, CorruptCkptFault) and f.stage >= stages:
             raise ShoalError(f"--fault corrupt-ckpt:{f.stage}: the run has stages 0..{stages - 1}")
-        if isinstance(f, CorruptCkptFault) and ckpt_every is not None and not 0 < ckpt_every < steps:
+        if isinstance(f, CorruptCkptFault) and ckpt_every is not None and not ckpt_may_come(ckpt_every, ckpt_every_s,
+                                                                                          steps):
+            rules = (f"--ckpt-every {ckpt_every}: no checkpoints at all, the time rule included" if ckpt_every <= 0
+                     else f"--ckpt-every {ckpt_every}, and no time rule: --ckpt-every-s {ckpt_every_s or 0:g}")
             raise ShoalError(f"--fault corrupt-ckpt:{f.stage}: the servers write no checkpoint before the last of the "
-                             f"{steps} steps (--ckpt-every {ckpt_every}), so there is none to corrupt; "
-                             f"give --ckpt-every K with 0 < K < {steps}")
+                             f"{steps} steps ({rules}), so there is none to corrupt; give --ckpt-every K with "
+                             f"0 < K < {steps}" + ("" if ckpt_every <= 0 else " or --ckpt-every-s T > 0"))
         step = getattr(f, "step", None)
         if step is not None and step >= steps:
             raise ShoalError(f"--fault at step={step} never fires: the run has {steps} steps")
+
+
+def ckpt_may_come(ckpt_every: int, ckpt_every_s: float | None, steps: int) -> bool:
+    """Whether a run of ``steps`` steps may write a checkpoint before its last step (pure):
+    the step rule does when ``0 < ckpt_every < steps``; the time rule may (if the run lasts
+    ``ckpt_every_s`` seconds) unless it is off or ``ckpt_every`` is 0 (no checkpoints at all)."""
+    if ckpt_every <= 0:
+        return False
+    return ckpt_every < steps or (ckpt_every_s is not None and ckpt_every_s > 0 and steps > 1)
 
 
 def worker_fault_args(faults: list[Fault], worker: str) -> list[str]:
