@@ -230,8 +230,7 @@ def test_a_server_prunes_by_its_own_unverified_record_without_waiting_for_the_co
 
 def _old_epoch_server(tmp_path, run_id: str, micro_batches: int = 2):
     """A one-stage server whose weights stand for an old epoch's (a committed step moved them
-    off the seeded initialisation; a rollback to v0 then loads other weights), and the
-    real worker-side gradient of each micro-batch at those weights."""
+    off the seeded initialisation; a rollback to v0 then loads other weights)."""
     from test_guard import _one_stage_server
 
     async def make():
