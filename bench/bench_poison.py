@@ -7,8 +7,9 @@ Per attack (x-20, x-2, sign flip, Gaussian noise of the honest norm, a consisten
 ordered pushes, tiny model): the step of each ban, the version each undo went back to, and
 the final weights against an honest run of the same workload (exact: torch.equal) with
 the loss gap. Local mode (``--sync local``): the same attacks from step 0, final loss
-against the honest local run. Honest runs with uneven workers (one 3x slower), fp32 and
-bf16: false bans.
+against the honest local run. ``--bf16-attacks``: the attacks alone from step 2 in bf16 (no
+exact recomputation: what a ban undoes there) against an honest bf16 run. Honest runs with
+uneven workers (one 3x slower), fp32 and bf16: false bans.
 
     python bench/bench_poison.py --steps 10 --honest 6
 """
@@ -83,6 +84,7 @@ def main() -> None:
     ap.add_argument("--skip-exact", action="store_true", help="no exact-mode attack runs")
     ap.add_argument("--skip-local", action="store_true", help="no local-mode runs")
     ap.add_argument("--honest-workers", type=int, default=3, help="workers of each honest run (one of them 3x slower)")
+    ap.add_argument("--bf16-attacks", action="store_true", help="the attacks alone from step 2 in bf16 too")
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args()
@@ -102,6 +104,19 @@ def main() -> None:
             row = {"mode": "exact", "attack": name, "scenario": scen, "bans": r["bans"], "by": r["by"],
                    "undo_to": r["undos"], "dup": r["dup"], "recomputed": r["recomputed"],
                    "suspects": r["suspects"], "equal": equal, "max_diff": worst, "loss_gap_pct": 100 * (r["loss"] - ref["loss"]) / ref["loss"],
+                   "wall_s": round(r["wall_s"], 1)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if args.bf16_attacks:
+        bref = run(root / "bf16-honest", args, workers=3, faults=[], precision="bf16")
+        print(f"honest bf16 run: loss {bref['loss']:.6f}, bans {bref['bans']}", flush=True)
+        for name, spec in ATTACKS.items():
+            r = run(root / f"bf16-{name.replace(' ', '_')}", args, workers=3, faults=[f"poison:w1:{spec}:from=2"],
+                    precision="bf16")
+            equal, worst = gap(r["weights"], bref["weights"])
+            row = {"mode": "bf16", "attack": name, "scenario": "alone from step 2", "bans": r["bans"], "by": r["by"],
+                   "undo_to": r["undos"], "dup": r["dup"], "suspects": r["suspects"], "equal": equal,
+                   "max_diff": worst, "loss_gap_pct": 100 * (r["loss"] - bref["loss"]) / bref["loss"],
                    "wall_s": round(r["wall_s"], 1)}
             rows.append(row)
             print(json.dumps(row), flush=True)
