@@ -145,6 +145,38 @@ def test_a_consistent_bias_is_caught_and_undone(tmp_path, failure_free):
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(900)
+def test_a_bf16_ban_undoes_back_to_its_first_flagged_push(tmp_path, monkeypatch):
+    """bf16 has no exact recomputation, so no push is ever verified and a ban undoes what the
+    screen flagged, not what it passed (docs/poisoning.md, "What a ban undoes in bf16"). w1
+    pushes its true gradient times -20 from step 2 (each push flagged: 20x the stage's median
+    norm); flagged pushes count until its third in a row bans it, the run rolls back to the
+    version before its first flagged committed push (v2 at the latest) and ends with the
+    honest bf16 run's weights, bit for bit. Random checks off (the test hook): the screen's
+    strikes decide, not a second worker's check."""
+    from shoal.runtime.processes.launch import launch
+    from shoal.runtime.roles.artifacts import load_final_weights
+    from shoal.runtime.safety.guard import SPOT_RATE_ENV
+
+    monkeypatch.setenv(SPOT_RATE_ENV, "0")
+    honest = tmp_path / "honest"
+    launch(launch_config(honest, workers=3, precision="bf16"))
+    assert not [e for e in read_jsonl(honest / "events.jsonl") if e["event"] in ("ban", "undo")]
+    out = tmp_path / "run"
+    summary = launch(launch_config(out, workers=3, precision="bf16", faults=["poison:w1:scale=-20:from=2"]))
+    assert summary["steps"] == RUN["steps"]
+    events = read_jsonl(out / "events.jsonl")
+    bans = [e for e in events if e["event"] == "ban"]
+    assert [b["device"] for b in bans] == ["w1"] and "flagged" in bans[0]["why"], bans
+    back = [e for e in events if e["event"] == "rollback" and e.get("why") == "undo"]
+    committed = [e for e in events if e["event"] == "undo"]
+    if committed:  # (none when the third strike came before a flagged push was committed)
+        assert back and back[0]["version"] <= 2, back
+    assert sorted({r["step"] for r in read_jsonl(out / "metrics.jsonl")}) == list(range(RUN["steps"]))
+    assert_equal_weights(out, load_final_weights(honest))
+
+
+@pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_the_honest_run_logs_no_warning(tmp_path_factory, failure_free):
     """The failure-free run (every worker's first pushes and a share of the rest recomputed,
