@@ -453,3 +453,40 @@ def test_a_step_of_the_old_epoch_is_never_committed_as_the_new_ones(tmp_path, mo
         assert all(st.grad == "todo" for st in srv.steps[0].values()) and not srv.pushes and not commits
 
     asyncio.run(main())
+
+
+def test_bf16_a_flagged_push_stays_in_the_undo_record_after_an_unflagged_one(tmp_path):
+    """bf16: a worker alternating a flagged lie (x-20) with honest pushes never makes three
+    strikes in a row, but its flagged push is committed: it stays in the step's undo record
+    (an unflagged push after it used to take it back), so a later ban by a second worker's
+    check still rolls back past it."""
+    import asyncio
+
+    from test_guard import _grad_push, _one_stage_server
+
+    from shoal.net import shoal_pb2 as pb
+    from shoal.runtime.safety.verify import recompute_grads, sq_norm
+
+    async def main():
+        srv = await _one_stage_server(tmp_path, "bf16-record", micro_batches=3, micro_batch_size=2, seq_len=16,
+                                      precision="bf16")
+        srv.guard_seen = {"A"}
+        done = []
+        for _ in range(2):
+            t = (await srv.Lease(pb.LeaseRequest(worker="A", wait_s=0), None)).task
+            ok = await srv.Complete(pb.TaskResult(worker="A", step=t.step, mb=t.mb, direction=t.direction,
+                                                  epoch=t.epoch, lease_id=t.lease_id, loss=1.0), None)
+            done.append((t.mb, ok.gen))
+        true = {mb: recompute_grads(srv.module, srv.spec, 0, mb, first=True, last=True, inp=None, out_grad=None)
+                for mb, _ in done}
+        srv.guard_norms = [sq_norm(true[done[0][0]]) ** 0.5] * 8  # the stage's history of honest norms
+        (mb0, gen), (mb1, _) = done
+        lie = {n: -20 * g for n, g in true[mb0].items()}
+        assert (await srv.PushGrads(_grad_push(srv, 0, mb0, "A", gen, lie), None)).accepted  # strike 1
+        assert srv.guard_strikes["A"] == 1 and srv.step_unverified == {"A"}
+        assert (await srv.PushGrads(_grad_push(srv, 0, mb1, "A", gen, true[mb1]), None)).accepted
+        assert srv.guard_strikes["A"] == 0  # the run of strikes ended: no ban by strikes
+        assert srv.step_unverified == {"A"}, "the committed lie left the undo record"
+        assert not srv.guard_banned
+
+    asyncio.run(main())

@@ -1160,10 +1160,9 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
             if err is None:
                 self.step_unverified.add(r.worker)  # a ban of it later rolls back past this step
         elif strike:
-            self.step_unverified.add(r.worker)  # a ban needs a run of strikes: it undoes that run
-        else:
-            self.guard_unverified.pop(r.worker, None)  # a run of strikes ended: forgiven
-            self.step_unverified.discard(r.worker)
+            # No push is verified here (bf16/fp16, lossy codecs): the undo record holds what the
+            # screen flagged, and keeps it (an unflagged push after it takes nothing back).
+            self.step_unverified.add(r.worker)
         if err is not None or not exact:
             self.guard_seen.add(r.worker)  # else its first push is still to be recomputed
         if not flag or err is not None or small:
