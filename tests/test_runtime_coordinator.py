@@ -8,7 +8,12 @@ import math
 import time
 
 from shoal.net import shoal_pb2 as pb
-from shoal.runtime.roles.coordinator import Coordinator, replan_wait, stage_without_worker
+from shoal.runtime.roles.coordinator import (
+    Coordinator,
+    beat_floor_s,
+    replan_wait,
+    stage_without_worker,
+)
 from shoal.train.metrics import read_jsonl
 from shoal.train.optim import OptimConfig, clip_coefficient, lr_at
 
@@ -250,5 +255,28 @@ def test_a_repair_plans_on_the_members_and_the_plan_not_on_everyone_ever(tmp_pat
         c._replan_flush(urgent=True)
         ids = {d.id for d in c.planned_on.devices}
         assert new in ids and gone not in ids and set(workers[1:]) <= ids
+
+    asyncio.run(main())
+
+
+def test_beat_floor_spreads_a_large_swarms_beats_but_keeps_three_per_dead_after():
+    assert beat_floor_s(10, 3.0) == 0.01  # a small swarm: the workers' own period (0.5 s) rules
+    assert beat_floor_s(500, 3.0) == 0.5
+    assert beat_floor_s(1000, 3.0) == 1.0  # 1 000 beats a second
+    assert beat_floor_s(3000, 3.0) == 1.0  # never fewer than three beats per dead_after
+    assert beat_floor_s(3000, 30.0) == 3.0
+    assert beat_floor_s(1000, 3.0, beats_per_s=4000.0) == 0.25
+
+
+def test_heartbeats_tell_workers_the_floor_of_their_period(tmp_path):
+    async def main():
+        c = Coordinator(SPEC, "tok", min_workers=2, out=str(tmp_path))
+        w = (await c.Join(pb.JoinRequest(role="worker", flops=1e9, name="w0"), None)).member_id
+        a = await c.Heartbeat(pb.MemberRequest(member_id=w), None)
+        assert a.beat_floor_s == beat_floor_s(1, SPEC.dead_after_s)
+        for i in range(9):
+            await c.Join(pb.JoinRequest(role="worker", flops=1e9, name=f"x{i}"), None)
+        a = await c.Heartbeat(pb.MemberRequest(member_id=w), None)
+        assert a.beat_floor_s == beat_floor_s(10, SPEC.dead_after_s) > 0
 
     asyncio.run(main())

@@ -101,6 +101,10 @@ MEASURE_TIMEOUT_S = 60.0  # a member asked to measure that has not answered by t
 # Re-plans after joins, deaths and re-measurements: at most this share of the coordinator's
 # time (a repair of a 1 000-member swarm takes about a second; a join storm coalesces into few).
 REPLAN_SHARE = 0.2
+# Most worker heartbeats a second the coordinator asks for: a beat costs it about 0.5 CPU-ms,
+# nearly all of it gRPC's (bench/bench_coordinator.py, bench/results/coordinator.md), so
+# 1 000 a second keep it near half a core at any swarm size.
+BEATS_PER_S = 1000.0
 FREE_REPLAN_S = 0.1  # a re-plan that took less than this is never put off (small swarms: at once)
 
 
@@ -867,7 +871,8 @@ class Coordinator(pbg.CoordinatorServicer):
         self._check_drift(m, request)
         a = pb.Assignment(known=True, stage=stage, servers=self._servers(),
                           ready=self.ready and not self.pending_restore, epoch=self.epoch,
-                          restart_version=self.restart_version, done=self.done, measure=m.measure_req)
+                          restart_version=self.restart_version, done=self.done, measure=m.measure_req,
+                          beat_floor_s=beat_floor_s(len(self.members), self.spec.dead_after_s))
         if stage >= 0:
             a.first, a.last = self.layers[stage]
             if m.role == "server":
@@ -1503,6 +1508,14 @@ def replan_wait(now: float, last_end: float, last_cost_s: float, share: float = 
     if last_cost_s < free_s:
         return 0.0
     return max(0.0, last_end + last_cost_s * (1.0 - share) / share - now)
+
+
+def beat_floor_s(members: int, dead_after_s: float, beats_per_s: float = BEATS_PER_S) -> float:
+    """The shortest heartbeat period the coordinator asks of its workers: ``members`` beats
+    spread to come at most ``beats_per_s`` a second, but three at least in every
+    ``dead_after_s`` (pure; tested directly). A worker beats at the longer of this and its
+    own period; a worker at work is also kept alive by its stage server's reports of its traffic."""
+    return min(members / beats_per_s, dead_after_s / 3.0)
 
 
 def stage_without_worker(assign: dict[str, int], stages: int) -> bool:

@@ -258,6 +258,7 @@ class Worker(LocalWorkerMixin):
         self.sessions: dict[int, SessionClient] = {}  # id(server stub) -> its open session
         self.session_ok = opts.session  # False once a server does not offer sessions: calls
         self.credit = 1  # tasks the server lets this worker hold (session; 2+: ask ahead)
+        self.beat_floor_s = 0.0  # the coordinator's floor on the heartbeat period (a large swarm spreads its beats)
         self._reset_observed()
 
     def _reset_observed(self) -> None:
@@ -452,6 +453,7 @@ class Worker(LocalWorkerMixin):
                     self.stage, self.server_addr = -1, ""
                     self._drop_acc()
                     continue
+                self.beat_floor_s = a.beat_floor_s
                 if self.on_servers is not None and a.known:
                     self.on_servers(list(a.servers))
                 self.servers_seen = list(a.servers)
@@ -463,7 +465,7 @@ class Worker(LocalWorkerMixin):
                     self.move_now = a.move_now
             except grpc.aio.AioRpcError:
                 pass
-            await asyncio.sleep(self._beat_period())
+            await asyncio.sleep(max(self._beat_period(), self.beat_floor_s))
 
     def stats_snapshot(self) -> pb.MemberStats:
         """What this worker reports for the dashboard: its stage and the work it got accepted."""
