@@ -257,6 +257,9 @@ def wait_for(pred, timeout: float, what: str, procs: list[subprocess.Popen]) -> 
 
 
 def run_one(n: int, args, root: Path) -> dict:
+    from shoal.runtime.common import heartbeat_period
+    from shoal.runtime.roles.coordinator import beat_floor_s
+
     stages = args.stages
     workers = n - stages
     run = root / f"n{n}"
@@ -274,7 +277,8 @@ def run_one(n: int, args, root: Path) -> dict:
         [*head, "coordinator", "--listen", "127.0.0.1:0",
          "--address-file", str(addr_file), "--out", str(run / "out"), "--model", args.model, "--stages", str(stages),
          "--steps", "1000", "--micro-batches", "16", "--micro-batch-size", "4", "--seq-len", "256",
-         "--min-workers", str(stages), "--stall-timeout", "0", "--insecure", "--emulate-scenario", str(scen)],
+         "--min-workers", str(stages), "--stall-timeout", "0", "--insecure", "--emulate-scenario", str(scen),
+         "--dead-after", f"{args.dead_after:g}"],
         env=env, stdout=logs.enter_context((run / "coordinator.log").open("w")), stderr=subprocess.STDOUT)
     procs = [coord]
     try:
@@ -327,10 +331,12 @@ def run_one(n: int, args, root: Path) -> dict:
     dead = sum(1 for e in events if e.get("event") == "leave" and e.get("why") == "missed heartbeats")
     replans = sum(1 for e in events if e.get("event") == "replan")
     storm_wall = t1 - t0
+    # a worker's period: its own (min lease 2 s, the run default), or the coordinator's floor
+    period = max(heartbeat_period(args.dead_after, 2.0), beat_floor_s(n, args.dead_after))
     steady_cpu = c3 - c2
     return {"members": n, "storm_s": storm_wall, "storm_cores": (c1 - c0) / storm_wall,
             "ms_per_join": (c1 - c0) / n * 1e3, "steady_cores": steady_cpu / steady_wall,
-            "beats_per_s": beats / steady_wall, "nominal_beats_per_s": workers / 0.5 + stages / SERVER_BEAT_S,
+            "beats_per_s": beats / steady_wall, "nominal_beats_per_s": workers / period + stages / SERVER_BEAT_S,
             "ms_per_beat": steady_cpu / max(beats, 1) * 1e3,
             "ms_per_member_s": steady_cpu * 1e3 / (n * steady_wall),
             "members_cores": sum(m1[p] - m0[p] for p in m1) / steady_wall,
@@ -344,6 +350,7 @@ def main() -> int:
     ap.add_argument("--window", type=float, default=20.0, help="seconds of the steady-state window")
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--model", default="gpt-350m")
+    ap.add_argument("--dead-after", type=float, default=3.0, help="the run's --dead-after (default: the run default)")
     ap.add_argument("--out", default=None, help="folder for the runs (default: a temp folder)")
     ap.add_argument("--profile", action="store_true",
                     help="run the coordinator under cProfile (N/coordinator.prof.storm, .steady; slows it)")
@@ -361,7 +368,7 @@ def main() -> int:
     root = Path(args.out or tempfile.mkdtemp(prefix="bench_coord_"))
     load = os.getloadavg()
     print(f"coordinator with N members: {args.stages} stage servers + N-{args.stages} workers, "
-          f"{args.per_process} per member process; {os.cpu_count()} cores, "
+          f"{args.per_process} per member process, --dead-after {args.dead_after:g}; {os.cpu_count()} cores, "
           f"load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n")
     print("| members | storm s | storm cores | CPU-ms/join | steady cores | beats/s (nominal) | CPU-ms/beat | "
           "CPU-ms/member-s | members' cores | dead | re-joins | replans |")
