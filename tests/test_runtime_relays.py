@@ -112,3 +112,45 @@ def test_only_servers_may_open_a_relay_stream(tmp_path):
             await rpc.stop(0)
 
     asyncio.run(main())
+
+
+def test_replies_are_awaited_with_a_deadline_and_sized_as_assembled():
+    """A stream's reply future is awaited with a timer (no wait_for/shield per message): its
+    result comes through, a reply that never comes fails with DEADLINE_EXCEEDED, and a
+    cancelled waiter cancels its timer. Messages read off a stream report the size they
+    were assembled from (traffic counts never re-serialise a large message to size it)."""
+    from shoal.net.stream import split
+    from shoal.runtime.transport.session import UP_KINDS, read_messages, reply_within
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        loop.call_soon(fut.set_result, "reply")
+        assert await reply_within(fut, 30, "x") == "reply"
+        late = loop.create_future()
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await reply_within(late, 0.01, "no reply on the test stream")
+        assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "test stream" in exc.value.details()
+        gone = loop.create_future()
+        waiter = asyncio.create_task(reply_within(gone, 0.05, "x"))
+        await asyncio.sleep(0)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        await asyncio.sleep(0.1)  # its timer was cancelled: the (cancelled) future holds no deadline error
+        assert gone.cancelled()
+
+        msgs = [pb.LeaseRequest(worker="w", ask_id=1), pb.TaskResult(worker="w", lease_id=7, loss=2.0)]
+
+        async def chunks():
+            for m in msgs:
+                for c in split(type(m).__name__, m.SerializeToString(), 4, "w"):
+                    yield c
+
+        size = [0]
+        seen = []
+        async for kind, msg in read_messages(chunks(), UP_KINDS, lambda _kind: 1 << 10, sizes=size):
+            seen.append((kind, msg, size[0]))
+        assert [(k, m, n) for k, m, n in seen] == [(type(m).__name__, m, len(m.SerializeToString())) for m in msgs]
+
+    asyncio.run(main())

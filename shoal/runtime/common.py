@@ -351,6 +351,12 @@ def ckpt_dir(root: str | Path, stage: int, run_id: str) -> Path:
     Every run writes, prunes and restores only under its own ``run-<id>`` folder, so a
     reused ``--ckpt-dir`` (or ``--out``) never mixes runs.
     """
+    return _ckpt_dir(str(root), stage, run_id)
+
+
+@functools.lru_cache(maxsize=256)
+def _ckpt_dir(root: str, stage: int, run_id: str) -> Path:
+    # Cached: servers ask on every heartbeat (pathlib and the check cost more than the listing).
     if not _RUN_ID_RE.match(run_id or ""):
         raise ShoalError(f"run id {run_id!r} is not a plain name; the coordinator gives every run one")
     return Path(root) / f"run-{run_id}" / f"stage{stage}"

@@ -24,7 +24,13 @@ import grpc
 from shoal.net import shoal_pb2 as pb
 from shoal.net.stream import CONTROL_SLACK, transfer_timeout
 from shoal.net.wire import WireError
-from shoal.runtime.transport.session import StreamEnd, read_messages, serialised, unavailable
+from shoal.runtime.transport.session import (
+    StreamEnd,
+    read_messages,
+    reply_within,
+    serialised,
+    unavailable,
+)
 
 RELAY_KINDS = {"Relay": pb.Relay}  # what the receiver reads on the stream
 REPLY_KINDS = {"RelayReply": pb.RelayReply}  # what the sender reads back
@@ -41,9 +47,10 @@ class RelayLink(StreamEnd):
     async def _read(self) -> None:
         err = None
         try:
-            async for _, msg in read_messages(self.call, REPLY_KINDS, lambda _kind: CONTROL_SLACK):
+            size = [0]
+            async for _, msg in read_messages(self.call, REPLY_KINDS, lambda _kind: CONTROL_SLACK, sizes=size):
                 if self.traffic is not None:
-                    self.traffic.count(msg)
+                    self.traffic.count(msg, total=size[0])
                 fut = self.waiting.pop(msg.relay_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
@@ -76,11 +83,11 @@ class RelayLink(StreamEnd):
             raise self.error
         self.out.put_nowait(("Relay", data))
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), transfer_timeout(len(data)))
-        except TimeoutError:
-            self.close()  # a link that swallows a relay is not trusted with the next one
-            raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
-                                       grpc.aio.Metadata(), details="no reply on the relay stream") from None
+            return await reply_within(fut, transfer_timeout(len(data)), "no reply on the relay stream")
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self.close()  # a link that swallows a relay is not trusted with the next one
+            raise
         finally:
             self.waiting.pop(msg.relay_id, None)
 

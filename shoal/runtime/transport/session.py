@@ -38,11 +38,13 @@ def unavailable(details: str) -> grpc.aio.AioRpcError:
                                 details=details)
 
 
-async def read_messages(chunks, kinds: dict[str, type], limit, on_chunk=None):
+async def read_messages(chunks, kinds: dict[str, type], limit, on_chunk=None, sizes: list | None = None):
     """Yield ``(kind, message)`` from a stream of chunks that carries whole messages one after
     another. ``kinds``: the message types allowed; ``limit(kind)``: most bytes of one; a
     chunk of another type, a message over its limit or chunks out of order raise
-    :class:`WireError`. Large messages are parsed in a thread."""
+    :class:`WireError`. Large messages are parsed in a thread. ``sizes``: a one-item list
+    that holds the serialised size of the message just yielded (for traffic counts: sizing
+    a parsed message costs as much as serialising it)."""
     asm: Assembler | None = None
     cls = None
     async for c in chunks:
@@ -56,8 +58,28 @@ async def read_messages(chunks, kinds: dict[str, type], limit, on_chunk=None):
             on_chunk(c)
         if asm.got >= asm.total:
             msg = await off_loop(asm.total, asm.finish, cls)
+            if sizes is not None:
+                sizes[0] = asm.total
             asm = None
             yield c.kind, msg
+
+
+def _expire(fut: asyncio.Future, details: str) -> None:
+    if not fut.done():
+        fut.set_exception(grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
+                                               grpc.aio.Metadata(), details=details))
+
+
+async def reply_within(fut: asyncio.Future, timeout: float, details: str):
+    """The result of the reply future ``fut`` (set by a stream's reader), or DEADLINE_EXCEEDED
+    after ``timeout`` seconds. ``fut`` has this one waiter, so the timeout fails it directly:
+    a timer handle instead of ``asyncio.wait_for(asyncio.shield(fut))`` (a waiter future, an
+    outer future and their callbacks, for every message)."""
+    timer = asyncio.get_running_loop().call_later(timeout, _expire, fut, details)
+    try:
+        return await fut
+    finally:
+        timer.cancel()
 
 
 async def serialised(msg) -> bytes:
@@ -111,9 +133,10 @@ class SessionClient(StreamEnd):
     async def _read(self) -> None:
         err = None
         try:
-            async for kind, msg in read_messages(self.call, DOWN_KINDS, self._limit):
+            size = [0]
+            async for kind, msg in read_messages(self.call, DOWN_KINDS, self._limit, sizes=size):
                 if self.traffic is not None:
-                    self.traffic.count(msg)
+                    self.traffic.count(msg, total=size[0])
                 if kind == "LeaseReply":
                     if msg.HasField("result"):  # the verdict on the result that carried the request
                         done = self.results.pop(msg.result.lease_id, None)
@@ -153,10 +176,7 @@ class SessionClient(StreamEnd):
     async def _await(self, table: dict, key: int, timeout: float):
         fut = table.get(key)
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout)
-        except TimeoutError:
-            raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
-                                       grpc.aio.Metadata(), details="no reply on the session") from None
+            return await reply_within(fut, timeout, "no reply on the session")
         finally:
             if table.get(key) is fut:
                 del table[key]
@@ -200,10 +220,7 @@ class SessionClient(StreamEnd):
     async def next_reply(self, ask_id: int, fut: asyncio.Future, timeout: float) -> pb.LeaseReply:
         """The reply to a lease request sent with a result (:meth:`ask_with`)."""
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout)
-        except TimeoutError:
-            raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
-                                       grpc.aio.Metadata(), details="no reply on the session") from None
+            return await reply_within(fut, timeout, "no reply on the session")
         finally:
             if self.leases.get(ask_id) is fut:
                 del self.leases[ask_id]
