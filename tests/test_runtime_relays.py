@@ -154,3 +154,18 @@ def test_replies_are_awaited_with_a_deadline_and_sized_as_assembled():
         assert [(k, m, n) for k, m, n in seen] == [(type(m).__name__, m, len(m.SerializeToString())) for m in msgs]
 
     asyncio.run(main())
+
+
+def test_payload_bytes_sizes_large_messages_without_serialising_them():
+    """What decides whether a message is serialised in a thread: the tensor bytes of a relay,
+    a result and a task (within a few bytes of the serialised size), a plain size otherwise."""
+    from shoal.runtime.transport.frames import payload_bytes
+
+    act = encode_tensor("act", torch.randn(2, 16, 128))
+    task = pb.LeaseReply(has_task=True, task=pb.Task(step=3, mb=1, input=act, out_grad=act,
+                                                     tokens=encode_tensor("tokens", torch.zeros(2, 17, dtype=torch.int32))))
+    for msg in (pb.Relay(step=1, mb=2, tensor=act), pb.TaskResult(worker="w", output=act, lease_id=9), task):
+        n = len(msg.SerializeToString())
+        assert n - 256 <= payload_bytes(msg) <= n
+    small = pb.CompleteReply(accepted=True, reason="fine", lease_id=4)
+    assert payload_bytes(small) == len(small.SerializeToString())

@@ -47,7 +47,7 @@ from shoal.runtime.safety.faults import poison, poisons
 from shoal.runtime.sync.codecs import apply_pull, compression_of_spec
 from shoal.runtime.sync.local import LocalWorkerMixin
 from shoal.runtime.transport.frames import off_loop, retry
-from shoal.runtime.transport.session import SessionClient, unavailable
+from shoal.runtime.transport.session import SessionClient, serialised, unavailable
 from shoal.train.precision import (
     autocast,
     backward_loss,
@@ -964,7 +964,7 @@ class Worker(LocalWorkerMixin):
         """
         delay = 0.1
         try:
-            data = await off_loop(result.ByteSize(), result.SerializeToString)
+            data = await serialised(result)
             for attempt in range(1, self.opts.upload_attempts + 1):
                 try:
                     sess = self._session(server)
@@ -974,7 +974,7 @@ class Worker(LocalWorkerMixin):
                         if via is not None:
                             via.abandon(result.next.ask_id, unavailable("the session ended before the result"))
                         result.ClearField("next")
-                        data = await off_loop(result.ByteSize(), result.SerializeToString)
+                        data = await serialised(result)
                     if sess is not None:
                         done = await sess.complete(result, data, timeout=transfer_timeout(len(data)))
                     elif len(data) <= self.chunk_bytes:
@@ -993,7 +993,7 @@ class Worker(LocalWorkerMixin):
                         # The attached request went (or failed) with this attempt: a retry
                         # carries the result alone (a second copy would be granted twice).
                         result.ClearField("next")
-                        data = await off_loop(result.ByteSize(), result.SerializeToString)
+                        data = await serialised(result)
                     await asyncio.sleep(delay)
                     delay = min(2 * delay, 1.0)
         finally:

@@ -38,6 +38,20 @@ def decode_grads(r: pb.GradPush, params: dict[str, torch.Tensor], finite: bool =
 OFF_LOOP_BYTES = 512 * 1024
 
 
+def payload_bytes(msg) -> int:
+    """About the serialised size of a runtime message, from the tensor payloads that make it
+    large (what :func:`off_loop` decides on): upb's ``ByteSize`` serialises the whole message
+    to size it, as dear as the serialisation it is asked for (80 us for a 128 KiB task)."""
+    if isinstance(msg, pb.Relay):
+        return len(msg.tensor.data)
+    if isinstance(msg, pb.TaskResult):
+        return len(msg.output.data)
+    if isinstance(msg, pb.LeaseReply):
+        t = msg.task
+        return len(t.input.data) + len(t.out_grad.data) + len(t.tokens.data)
+    return msg.ByteSize()
+
+
 async def off_loop(nbytes: int, fn, *args):
     """``fn(*args)``: in a thread when it handles ``nbytes`` >= :data:`OFF_LOOP_BYTES` (framing,
     decoding, checksums, sums), else right here (a thread hop costs more than a small decode).

@@ -26,7 +26,7 @@ import grpc
 from shoal.net import shoal_pb2 as pb
 from shoal.net.stream import CONTROL_SLACK, Assembler, split
 from shoal.net.wire import WireError
-from shoal.runtime.transport.frames import off_loop
+from shoal.runtime.transport.frames import off_loop, payload_bytes
 
 UP_KINDS = {"LeaseRequest": pb.LeaseRequest, "TaskResult": pb.TaskResult, "RenewRequest": pb.RenewRequest}
 DOWN_KINDS = {"LeaseReply": pb.LeaseReply, "CompleteReply": pb.CompleteReply, "TakeBack": pb.TakeBack}
@@ -84,7 +84,7 @@ async def reply_within(fut: asyncio.Future, timeout: float, details: str):
 
 async def serialised(msg) -> bytes:
     """``msg``'s bytes, made in a thread when large (a task's input, a result)."""
-    return await off_loop(msg.ByteSize(), msg.SerializeToString)
+    return await off_loop(payload_bytes(msg), msg.SerializeToString)
 
 
 class StreamEnd:
