@@ -490,3 +490,45 @@ def test_bf16_a_flagged_push_stays_in_the_undo_record_after_an_unflagged_one(tmp
         assert not srv.guard_banned
 
     asyncio.run(main())
+
+
+def test_bf16_a_stages_only_worker_is_recomputed_by_the_server(tmp_path, monkeypatch):
+    """bf16: a drawn push that no other worker can check (the stage's only worker) is
+    recomputed by the server in fp32 and judged within the low-precision tolerance: an honest
+    bf16 push (its rounding, about 0.5 % off) passes, x-2 (300 % off) is banned. Before, such
+    a worker was never checked and a bench run's x-2 went through unseen."""
+    import asyncio
+
+    from test_guard import _grad_push, _one_stage_server
+
+    from shoal.net import shoal_pb2 as pb
+    from shoal.runtime.safety.guard import SPOT_RATE_ENV
+    from shoal.runtime.safety.verify import recompute_grads
+
+    monkeypatch.setenv(SPOT_RATE_ENV, "1")
+
+    async def main():
+        srv = await _one_stage_server(tmp_path, "bf16-alone", micro_batches=3, micro_batch_size=2, seq_len=16,
+                                      precision="bf16")
+        srv.spec.guard_spot_check = 0.05
+        done = []
+        for _ in range(2):
+            t = (await srv.Lease(pb.LeaseRequest(worker="A", wait_s=0), None)).task
+            ok = await srv.Complete(pb.TaskResult(worker="A", step=t.step, mb=t.mb, direction=t.direction,
+                                                  epoch=t.epoch, lease_id=t.lease_id, loss=1.0), None)
+            done.append((t.mb, ok.gen))
+
+        def bf16_grads(mb):  # what a bf16 worker computes: the same formula under bf16 autocast
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return recompute_grads(srv.module, srv.spec, 0, mb, first=True, last=True, inp=None, out_grad=None)
+
+        (mb0, gen), (mb1, _) = done
+        assert (await srv.PushGrads(_grad_push(srv, 0, mb0, "A", gen, bf16_grads(mb0)), None)).accepted
+        assert srv.guard_checks == 1 and srv.guard_ok.get("A") == 1 and not srv.guard_banned
+        lie = {n: -2 * g for n, g in bf16_grads(mb1).items()}
+        rep = await srv.PushGrads(_grad_push(srv, 0, mb1, "A", gen, lie), None)
+        assert not rep.accepted and srv.guard_checks == 2
+        assert "differs from the recomputed one by 3" in srv.guard_banned["A"], srv.guard_banned
+        assert "tolerance 0.25" in srv.guard_banned["A"]
+
+    asyncio.run(main())

@@ -1075,7 +1075,9 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
         from shoal.runtime.safety.verify import recompute_grads, sq_diff, sq_norm
 
         mine: dict[str, torch.Tensor] = {}
-        for mb, inp, out_grad in inputs:
+        for mb, inp, out_grad in inputs:  # (fp32: a bf16 run's activations are recomputed from in fp32)
+            inp = None if inp is None else inp.float()
+            out_grad = None if out_grad is None else out_grad.float()
             g = recompute_grads(module, self.spec, step, mb, first=first, last=last,
                                 inp=inp, out_grad=out_grad, loss_scale=loss_scale)
             for n, t in g.items():
@@ -1118,10 +1120,14 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
         # and suspects' pushes the server recomputes itself in fp32 (a colluder could be drawn
         # to check them); bf16 has no recomputation that could clear a push, so there every
         # drawn push is checked this way.
-        if spot and current and self._dup_able(r, compression_of_spec(self.spec).pull == "none") and (
-                not exact or not (flag or first or last or suspect)):
+        dup_able = self._dup_able(r, compression_of_spec(self.spec).pull == "none")
+        if spot and current and dup_able and (not exact or not (flag or first or last or suspect)):
             checker = self._dup_start(r, ids, grads, exact)
-        if not checker and needs_verify(flag, first, spot, exact, self.guard_cfg) and current:
+        # bf16 (raw frames, plain pulls): a drawn push no other worker can check (a stage's
+        # only worker) is recomputed by the server in fp32 and judged within lowp_rel_tol.
+        lowp = (run_precision(self.spec) == "bf16" and not self.local and all(g.codec in ("", "raw") for g in r.grads)
+                and compression_of_spec(self.spec).pull == "none")
+        if not checker and current and (needs_verify(flag, first, spot, exact, self.guard_cfg) or (lowp and spot)):
             self.guard_checks += 1
             mbs = self.steps[r.step]
             inputs = [(mb, mbs[mb].input, mbs[mb].out_grad) for mb in sorted(ids)]
@@ -1144,12 +1150,12 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
             self.guard_flags[r.worker] = self.guard_flags.get(r.worker, 0) + 1
             # A flag its recomputation clears is a suspicion resolved (honest micro-batches do
             # this): logged at INFO. Only a flag that stands is a WARNING.
-            cleared = err is not None and ban_reason("", err, 0, self.guard_cfg) == ""
+            cleared = err is not None and ban_reason("", err, 0, self.guard_cfg, lowp) == ""
             log.log(logging.INFO if cleared or small else logging.WARNING,
                     "%s: push of %s (step %d mbs %s) flagged: %s; %s", self.name, r.worker, r.step, ids, flag,
                     f"recomputed: relative error {err:.3g}" if err is not None else "not recomputed")
         # Exact runs ban only on a failed recomputation, never on flags alone.
-        reason = ban_reason(flag, err, 0 if exact else self.guard_strikes.get(r.worker, 0), self.guard_cfg)
+        reason = ban_reason(flag, err, 0 if exact else self.guard_strikes.get(r.worker, 0), self.guard_cfg, lowp)
         if reason:
             async with self.cond:  # _guard_ban wakes the waiters: notify needs the lock
                 self._guard_ban(r.worker, r.step, reason)

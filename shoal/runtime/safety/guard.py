@@ -132,8 +132,9 @@ class GuardConfig:
     # of the bench differ by 0.5 (bias) to 21 (x-20).
     dup_rel_tol_lowp: float = 0.1
     # bf16: relative L2 error a worker's result may have against the server's fp32
-    # recomputation before it is judged a lie (after a disagreement only). Honest bf16
-    # results measured far below it (docs/poisoning.md); the bench's bias is 0.5.
+    # recomputation before it is judged a lie (after a disagreement, or a drawn push no other
+    # worker can check). Honest bf16 results measured far below it (docs/poisoning.md); the
+    # bench's bias is 0.5.
     lowp_rel_tol: float = 0.25
     # Drift test (every run but local mode): per worker, sampled coordinates of the deviation
     # of each push from the step's mean of the other workers' pushes are summed over its pushes;
@@ -247,18 +248,21 @@ def rel_error(sq_diff: float, sq_ref: float) -> float:
     return math.sqrt(sq_diff / sq_ref)
 
 
-def ban_reason(flag: str, verified_error: float | None, strikes: int, cfg: GuardConfig = DEFAULT) -> str:
+def ban_reason(flag: str, verified_error: float | None, strikes: int, cfg: GuardConfig = DEFAULT,
+               lowp: bool = False) -> str:
     """The ban rule: why a worker is banned for the run after one push ("" : not banned).
 
     ``verified_error``: relative error of the push against the server's recomputation
     (None: not recomputed); ``strikes``: its consecutive flagged pushes, this one included.
-    A recomputation decides when there is one (exact runs): a flag alone never bans there.
-    Otherwise ``strikes_to_ban`` flags ban.
+    A recomputation decides when there is one (exact runs: within ``rel_tol``; ``lowp``, a
+    bf16 push against the server's fp32 recomputation: within ``lowp_rel_tol``): a flag
+    alone never bans there. Otherwise ``strikes_to_ban`` flags ban.
     """
     if verified_error is not None:
-        if verified_error > cfg.rel_tol or not math.isfinite(verified_error):
+        tol = cfg.lowp_rel_tol if lowp else cfg.rel_tol
+        if verified_error > tol or not math.isfinite(verified_error):
             return (f"its gradient differs from the recomputed one by {verified_error:.3g} "
-                    f"(relative L2, tolerance {cfg.rel_tol:g})" + (f"; screen: {flag}" if flag else ""))
+                    f"(relative L2, tolerance {tol:g})" + (f"; screen: {flag}" if flag else ""))
         return ""
     if flag and strikes >= cfg.strikes_to_ban:
         return f"{strikes} pushes in a row flagged by the screen, the last: {flag}"
