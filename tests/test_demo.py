@@ -116,6 +116,40 @@ def test_sync_policy_follows_the_codec():
     assert q.act_compression == pytest.approx((1 + 4 / 128) / 4) and q.grad_compression == 1.0  # pulls are raw
 
 
+def test_demo_runs_the_planners_choice_by_default(tmp_path):
+    """``--sync auto`` is the default: the demo runs the policy plan_auto picks for its one
+    pipeline (mode, H, codec per kind); ``--sync exact`` stays exact and uncompressed;
+    ``--compression`` pins the codecs."""
+    import argparse
+
+    from shoal.demo.cli import choose_sync, register
+    from shoal.plan.auto import QualityBudget, plan_auto
+    from shoal.plan.scenario import save_scenario
+
+    ap = argparse.ArgumentParser()
+    register(ap.add_subparsers())
+    args = ap.parse_args(["demo"])
+    assert args.sync == "auto" and args.sync_every is None and DemoConfig().sync == "auto"
+    sc, _ = demo_scenario(load_scenario("demo"), None, 12)
+    save_scenario(sc, tmp_path / "s.json")
+    em = emulation_spec(sc, str(tmp_path / "s.json"), model_task_s=1.2, bandwidth_scale=4.0, seed=0).emulated
+    plan, cfg = choose_sync(DemoConfig(), em, 2)
+    want = plan_auto(em, QualityBudget(replicas=False), seed=0, stages=2).sync
+    assert len(plan.stages) == 2 and plan.sync == want
+    assert cfg.sync == ("local" if want.local else "exact")
+    assert cfg.sync_every == (want.sync_every if want.local else None)
+    pol = [want.act_codec, want.grad_codec, want.push_codec, want.pull_codec]
+    assert cfg.compression == ("none" if set(pol) == {"none"} else
+                               ",".join(f"{k}={c}" for k, c in zip(("act", "grad", "push", "pull"), pol, strict=True)))
+    exact_plan, exact = choose_sync(DemoConfig(sync="exact"), em, 2)
+    assert exact.sync == "exact" and exact.compression == "none" and not exact_plan.sync.local
+    _, pinned = choose_sync(DemoConfig(compression="int8", sync_every=8), em, 2)
+    assert pinned.compression == "act=int8,grad=int8,push=int8,pull=int8"
+    assert pinned.sync == "exact" or pinned.sync_every == 8
+    with pytest.raises(ShoalError):
+        DemoConfig(sync="exact", sync_every=4).validate()
+
+
 def test_default_out_is_a_timestamped_runs_folder():
     assert default_out(0).startswith("runs/demo-") and len(default_out(0)) == len("runs/demo-YYYYmmdd-HHMMSS")
 

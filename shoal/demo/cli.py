@@ -70,8 +70,8 @@ class DemoConfig:
     workload: dict | None = None  # shared workload flags given (shoal.train.flags); the rest: the scenario's
     dashboard: str | None = "127.0.0.1:0"  # HOST:PORT of the live web dashboard (None: none)
     tensorboard: str | None = None  # folder for TensorBoard event files of the step metrics (None: none)
-    sync: str = "exact"  # --sync: exact, or local (DiLoCo inside each stage; shoal.train.outer)
-    sync_every: int = 32  # --sync-every: local mode's steps between merges H
+    sync: str = "auto"  # --sync: auto (the planner's choice, shoal.plan.auto), exact, or local (DiLoCo inside each stage)
+    sync_every: int | None = None  # --sync-every: local mode's steps between merges H (None: auto's choice, local 32)
     outer_lr: float = 0.7  # --outer-lr: local mode's outer Nesterov learning rate
     outer_momentum: float = 0.9  # --outer-momentum: local mode's outer Nesterov momentum
     shadow: bool = False  # --shadow: workers run no model, only wait their device's task time (losses meaningless)
@@ -93,7 +93,12 @@ class DemoConfig:
             raise ShoalError(f"--bandwidth-scale must be a positive number, got {self.bandwidth_scale}")
         from shoal.train.outer import SyncConfig
 
-        SyncConfig(self.sync, self.sync_every, self.outer_lr, self.outer_momentum).validate()
+        if self.sync not in ("auto", "exact", "local"):
+            raise ShoalError(f"--sync must be one of auto, exact, local, got {self.sync!r}")
+        if self.sync == "exact" and self.sync_every not in (None, 1):
+            raise ShoalError("--sync-every only applies to --sync local or auto (exact sync syncs every step)")
+        SyncConfig("local" if self.sync == "auto" else self.sync, self.sync_every or DEFAULT_SYNC_EVERY,
+                   self.outer_lr, self.outer_momentum).validate()
         if self.dashboard:
             from shoal.runtime.ui.dashboard import parse_bind
 
@@ -287,6 +292,50 @@ def sync_policy(codec: str, compression=None):
     return SyncPolicy(act_compression=act, grad_compression=grad)
 
 
+DEFAULT_SYNC_EVERY = 32  # --sync local's H when --sync-every is not given (launch's default)
+
+
+def run_policy(cfg: DemoConfig, compression):
+    """The planner's view of an explicit ``--sync exact`` / ``local`` run (:func:`sync_policy`
+    of its codecs, in local mode with its H)."""
+    from dataclasses import replace as dc_replace
+
+    pol = sync_policy(compression.wire("act"), compression)
+    if cfg.sync == "local":
+        pol = dc_replace(pol, mode="local", sync_every=cfg.sync_every or DEFAULT_SYNC_EVERY)
+    return pol
+
+
+def choose_sync(cfg: DemoConfig, scenario, stages: int):
+    """The plan the demo runs and its config with a concrete policy: ``(plan, cfg)``.
+
+    ``--sync auto`` (the default): the planner's choice (:func:`shoal.plan.auto.plan_auto`) for
+    one pipeline of ``stages`` stages on the emulated ``scenario`` -- exact or local mode, H and
+    the codec of each traffic kind, under the default quality budget (``--sync-every`` pins H,
+    ``--compression`` pins the codecs); the returned config carries that mode, H and
+    ``--compression``. ``exact`` / ``local``: the plan of that policy, the config unchanged.
+    """
+    from dataclasses import replace as dc_replace
+
+    from shoal.plan.api import make_plan
+    from shoal.plan.auto import DEFAULT_MAX_SYNC_EVERY, QualityBudget, plan_auto
+    from shoal.plan.compression import parse_compression
+    from shoal.runtime.sync.codecs import RunCompression, parse_run_compression
+
+    if cfg.sync != "auto":
+        pol = run_policy(cfg, parse_run_compression(cfg.compression))
+        return make_plan(scenario, stages=stages, seed=cfg.seed, sync=pol), cfg
+    pinned = cfg.compression.strip() not in ("", "none")
+    budget = QualityBudget(max_sync_every=max(DEFAULT_MAX_SYNC_EVERY, cfg.sync_every or 0), replicas=False,
+                           pin_sync_every=cfg.sync_every,
+                           pin_codecs=parse_compression(cfg.compression) if pinned else None)
+    plan = plan_auto(scenario, budget, seed=cfg.seed, stages=stages)
+    pol = plan.sync
+    codecs = RunCompression(act=pol.act_codec, grad=pol.grad_codec, push=pol.push_codec, pull=pol.pull_codec)
+    return plan, dc_replace(cfg, sync="local" if pol.local else "exact",
+                            sync_every=pol.sync_every if pol.local else None, compression=codecs.text())
+
+
 def default_out(now: float | None = None) -> str:
     """``runs/demo-YYYYmmdd-HHMMSS`` (a fresh folder per run)."""
     return time.strftime("runs/demo-%Y%m%d-%H%M%S", time.localtime(now))
@@ -368,7 +417,6 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
     from shoal.demo.live import LiveState
     from shoal.demo.report import build_report, load_run, print_summary, write_report
     from shoal.emulate.churn import churn_schedule
-    from shoal.plan.api import make_plan
     from shoal.plan.scenario import load_scenario, save_scenario
     from shoal.runtime.processes.launch import LaunchConfig, Swarm
 
@@ -388,14 +436,16 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
     w = sc.workload
     from shoal.runtime.sync.codecs import parse_run_compression
 
+    asked = cfg.sync
+    plan, cfg = choose_sync(cfg, spec.emulated, stages)
     compression = parse_run_compression(cfg.compression)
     codec = compression.wire("act")  # the computed byte estimate's codec (the counted bytes are exact)
-    plan = make_plan(spec.emulated, stages=stages, seed=cfg.seed, sync=sync_policy(codec, compression))
     if not cfg.quiet:
         console.print(f"[bold]shoal demo[/bold]: scenario {written.name} -- {len(sc.workers)} workers in "
                       f"{len({d.region for d in sc.workers})} regions, {len(sc.server_hosts)} server hosts; "
                       f"model {w.model}, {stages} stages, {cfg.steps} steps, churn {'on' if cfg.churn else 'off'}, "
-                      f"compression {cfg.compression}; run folder {out}", highlight=False, soft_wrap=True)
+                      f"sync {_sync_text(cfg, asked)}, compression {cfg.compression}; run folder {out}",
+                      highlight=False, soft_wrap=True)
         for n in notes:
             console.print(f"  note: {n}", highlight=False, soft_wrap=True)
         console.print(f"  planner: {_plan_line(plan)}; predicted step {plan.predicted_step_time_s:.2f} s "
@@ -411,7 +461,7 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
         compression=compression.text(), timeout_s=cfg.timeout_s, scenario=str(scen_path),
         emulate_speedup=spec.speedup, bandwidth_scale=cfg.bandwidth_scale, dashboard=cfg.dashboard,
         tensorboard=cfg.tensorboard,
-        sync=cfg.sync, sync_every=cfg.sync_every, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
+        sync=cfg.sync, sync_every=cfg.sync_every or DEFAULT_SYNC_EVERY, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
         shadow=cfg.shadow)
     state = LiveState(total_steps=cfg.steps)
     display = _Display(state, console, cfg.quiet)
@@ -487,6 +537,12 @@ DEAD_AFTER_S = 3.0  # LaunchConfig.dead_after_s (the runtime's default): a kille
 CKPT_EVERY = 5  # stage servers checkpoint every 5 steps (the demo kills workers, not servers)
 
 
+def _sync_text(cfg: DemoConfig, asked: str) -> str:
+    """The policy that runs, e.g. ``local H=4 (auto)``."""
+    text = f"local H={cfg.sync_every or DEFAULT_SYNC_EVERY}" if cfg.sync == "local" else cfg.sync
+    return f"{text} (auto: the planner's choice)" if asked == "auto" else text
+
+
 def _plan_line(plan) -> str:
     return "; ".join(f"stage {i} layers [{s.layers[0]},{s.layers[1]}) server {s.server} {len(s.workers)} workers"
                      for i, s in enumerate(plan.stages))
@@ -532,7 +588,8 @@ def _analyse(cfg: DemoConfig, sc, spec, demo_plan, metrics, events, driver, t_ch
         or demo_plan
     from shoal.runtime.sync.codecs import parse_run_compression
 
-    plan.sync = sync_policy(codec, parse_run_compression(cfg.compression))
+    plan.sync = demo_plan.sync if demo_plan.sync.local == (cfg.sync == "local") else run_policy(
+        cfg, parse_run_compression(cfg.compression))
     res: dict[str, Any] = {"scenario": sc.name, "model": w.model, "codecs": {}, "compression": cfg.compression,
                            "demo_plan": demo_plan.to_dict(), "speedup": spec.speedup,
                            "bandwidth_scale": cfg.bandwidth_scale, "model_task_s": cfg.model_task_s}
@@ -635,7 +692,7 @@ def register(subparsers) -> None:
                         "true shapes (the servers and coordinator do their real work; losses are meaningless)")
     from shoal.train.outer import add_sync_args
 
-    add_sync_args(p)
+    add_sync_args(p, auto=True)
     p.set_defaults(func=run_demo_cmd)
 
 

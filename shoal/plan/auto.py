@@ -103,11 +103,12 @@ def _long_run_tokens_per_s(plan: Plan, scenario: Scenario) -> float:
 
 
 def candidates(scenario: Scenario, budget: QualityBudget, seed: int = 0,
-               options: CostOptions | None = None) -> list[tuple[Plan, bool]]:
-    """Every plan ``--sync auto`` weighs: ``(plan, has replicas)``, each priced."""
+               options: CostOptions | None = None, stages: int | None = None) -> list[tuple[Plan, bool]]:
+    """Every plan ``--sync auto`` weighs: ``(plan, has replicas)``, each priced; ``stages``
+    forces that many stages (one pipeline: replicas choose their own shapes)."""
     from shoal.plan.api import make_plan
 
-    out: list[tuple[Plan, bool]] = [(make_plan(scenario, seed=seed, options=options), False)]
+    out: list[tuple[Plan, bool]] = [(make_plan(scenario, seed=seed, options=options, stages=stages), False)]
     hs = budget.sync_every_choices()
     if not budget.local or not hs:
         return out
@@ -116,11 +117,11 @@ def candidates(scenario: Scenario, budget: QualityBudget, seed: int = 0,
     base = SyncPolicy(mode="local", sync_every=max(hs), act_codec=codecs["act"], grad_codec=codecs["grad"],
                       push_codec=codecs["push"], pull_codec=codecs["pull"], overlap=True)
     shapes = [(replace(base, overlap_uploads=True), False)]
-    if budget.replicas:
+    if budget.replicas and stages is None:
         shapes.append((replace(base, overlap_uploads=False), True))  # see shoal.plan.cli.policy_from_args
     for pol, reps in shapes:
         try:
-            placed = make_plan(scenario, seed=seed, sync=pol, options=options, replicas=reps)
+            placed = make_plan(scenario, seed=seed, sync=pol, options=options, replicas=reps, stages=stages)
         except ShoalError:
             continue  # e.g. no replica fits this scenario
         for h in hs:
@@ -143,14 +144,15 @@ def choose(cands: list[tuple[Plan, bool]], scenario: Scenario) -> Plan:
 
 
 def plan_auto(scenario: Scenario, budget: QualityBudget | None = None, seed: int = 0,
-              options: CostOptions | None = None) -> Plan:
+              options: CostOptions | None = None, stages: int | None = None) -> Plan:
     """The plan ``--sync auto`` picks (see the module docstring); it carries ``planning_time_s``
-    of the whole search and its prediction."""
+    of the whole search and its prediction. ``stages``: one pipeline of that many stages
+    (``shoal demo``'s ``--stages``)."""
     import time
 
     t0 = time.perf_counter()
     budget = budget or QualityBudget()
-    plan = choose(candidates(scenario, budget, seed, options), scenario)
+    plan = choose(candidates(scenario, budget, seed, options, stages), scenario)
     predict(plan, scenario, options)
     plan.planning_time_s = time.perf_counter() - t0
     return plan

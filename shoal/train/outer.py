@@ -184,13 +184,22 @@ def outer_nesterov_update(delta: Mapping[str, torch.Tensor], momentum: dict[str,
     return out
 
 
-def add_sync_args(p) -> None:
-    """The ``--sync`` flags of ``shoal launch`` and ``shoal coordinator`` (argparse)."""
+def add_sync_args(p, auto: bool = False) -> None:
+    """The ``--sync`` flags of ``shoal launch`` and ``shoal coordinator`` (argparse); ``auto``:
+    ``shoal demo``'s, where ``--sync auto`` (the planner's choice) is the default."""
     d = SyncConfig()
     g = p.add_argument_group("sync policy (docs/sync-policies.md)")
-    g.add_argument("--sync", default=d.mode, help="exact (one shared AdamW step per step) or local "
-                                                  "(each worker trains its own replica; merges every --sync-every steps)")
-    g.add_argument("--sync-every", type=int, default=d.sync_every, help="local: steps between merges H")
+    if auto:
+        g.add_argument("--sync", default="auto", choices=("auto", "exact", "local"),
+                       help="auto (default: the planner chooses exact or local, H and the codecs; --sync-every "
+                            "and --compression pin them), exact (one shared AdamW step per step) or local (each "
+                            "worker trains its own replica; merges every --sync-every steps)")
+        g.add_argument("--sync-every", type=int, default=None,
+                       help=f"local: steps between merges H (default {d.sync_every}; auto: the planner's choice)")
+    else:
+        g.add_argument("--sync", default=d.mode, help="exact (one shared AdamW step per step) or local "
+                                                      "(each worker trains its own replica; merges every --sync-every steps)")
+        g.add_argument("--sync-every", type=int, default=d.sync_every, help="local: steps between merges H")
     g.add_argument("--outer-lr", type=float, default=d.outer_lr, help="local: outer Nesterov learning rate")
     g.add_argument("--outer-momentum", type=float, default=d.outer_momentum,
                    help="local: outer Nesterov momentum (0: plain weighted averaging)")
