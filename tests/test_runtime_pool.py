@@ -709,4 +709,50 @@ def test_signal_wakes_every_waiter_times_out_and_forgets_cancelled_waits():
         sig.notify_all()
         assert await later is True
 
+
+def test_an_idle_lease_request_is_answered_at_the_commit(tmp_path):
+    """A worker long-polling for a task while the step commits is answered by the commit
+    itself (it then pulls the new weights), not at the end of its wait: idle workers of a
+    large swarm need not poll the server to learn of a new version."""
+    from shoal.runtime.roles.coordinator import Coordinator
+
+    async def main():
+        srv = _server(tmp_path)
+        srv.spec.steps = 1  # no tasks after the commit: nothing else would answer the request
+        await srv._load(0, 0, 6, 0, 0)
+        srv.ready = True
+        spec = pb.RunSpec()
+        spec.CopyFrom(srv.spec)
+        coord = Coordinator(spec, "tok", out=str(tmp_path / "coord"))
+
+        class _InProcess:
+            async def ReportStep(self, request, timeout=None):
+                return await coord.ReportStep(request, None)
+
+        srv.coord = _InProcess()
+        done = []
+        for _ in range(M):
+            r = await srv.Lease(pb.LeaseRequest(worker="A", wait_s=0), None)
+            ok = await srv.Complete(_result(r.task, "A"), None)
+            done.append((r.task.mb, ok.gen))
+        idle = asyncio.create_task(srv.Lease(pb.LeaseRequest(worker="D", wait_s=60), None))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not idle.done()  # nothing to hand out, nothing to push: it waits
+        for mb, gen in done:
+            rep = await srv.PushGrads(pb.GradPush(worker="A", step=0, epoch=0, gen=gen, mbs=[mb],
+                                                  grads=_grads(srv, 1.0)), None)
+            assert rep.accepted
+        t0 = time.monotonic()
+        while srv.version < 1 and time.monotonic() - t0 < 30:
+            await asyncio.sleep(0.01)
+        assert srv.version == 1
+        for _ in range(50):  # a few turns of the loop after the commit's wake-up, no wall-clock wait
+            if idle.done():
+                break
+            await asyncio.sleep(0)
+        assert idle.done()
+        rep = idle.result()
+        assert not rep.has_task and rep.version == 1
+
     asyncio.run(main())

@@ -195,3 +195,19 @@ def test_shadow_push_frames_and_pull_check():
     short = pb.WeightsReply(params=[encode_tensor("w", torch.zeros(3, 5)), encode_tensor("b", torch.zeros(4))])
     assert not shadow_pull_ok(short, params)
     assert not raw_full_pull(pb.WeightsReply(compress_delta=True))
+
+
+def test_a_shadow_group_member_heartbeats_at_the_normal_period_while_unassigned():
+    """A lone worker waiting for its first assignment heartbeats 5 times a second; a member
+    of a shadow group (hundreds in a swarm, joining a few at a time) at the normal period."""
+    import asyncio
+
+    from shoal.net import shoal_pb2 as pb
+    from shoal.runtime.common import heartbeat_period
+    from shoal.runtime.roles.worker import UNASSIGNED_HEARTBEAT_S, Worker, WorkerOptions
+
+    w = Worker("127.0.0.1:1", "tok", WorkerOptions(name="w", shadow=True, flops=1e12))
+    w.spec = pb.RunSpec(dead_after_s=10.0, min_lease_s=10.0)
+    assert w.stage < 0 and w._beat_period() == UNASSIGNED_HEARTBEAT_S
+    w.join_gate = asyncio.Semaphore(8)
+    assert w._beat_period() == heartbeat_period(10.0, 10.0) == 1.0

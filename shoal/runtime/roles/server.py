@@ -558,6 +558,7 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
             self.guard_bans_told = max(self.guard_bans_told, n_bans)
         if a.done:
             self.done = True
+            self.cond.notify_all()  # long-polled leases answer now: the run is over
             return
         if not a.known:
             # Declared dead (e.g. starved of CPU): join again as a fresh server.
@@ -848,6 +849,7 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
             return pb.LeaseReply(has_task=False, version=self.version, gen=info.gen, epoch=self.epoch,
                                  step=self.step, ask_id=request.ask_id)
         deadline = time.monotonic() + min(max(request.wait_s, 0.0), 2.0)
+        asked_at = (self.version, self.epoch)  # a commit meanwhile answers an idle worker at once (it pulls)
         if not ahead:
             self.idle_asking[wid] = self.idle_asking.get(wid, 0) + 1
         try:
@@ -858,7 +860,9 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
                 if task is not None and session:
                     self.grants.grant(task.lease_id, wid, time.monotonic(), ahead)
                 flush = self._should_flush(wid)
-                if task is not None or flush or time.monotonic() >= deadline or self.done or self._local_wants(wid):
+                moved = not ahead and (self.version, self.epoch) != asked_at
+                if (task is not None or flush or moved or time.monotonic() >= deadline or self.done
+                        or self._local_wants(wid)):
                     break
                 if on_wait is not None:
                     on_wait()

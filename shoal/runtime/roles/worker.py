@@ -68,7 +68,7 @@ class WorkerOptions:
     name: str = "worker"  # label in events and metrics
     flops: float | None = None  # FLOP/s to report (None: measure at start)
     heartbeat_s: float | None = None  # lease renewal / coordinator heartbeat period (None: heartbeat_period)
-    lease_wait_s: float = 0.5  # long-poll time of one lease request
+    lease_wait_s: float = 2.0  # long-poll time of one lease request (the server answers sooner on a task, flush or commit)
     inject: str = ""  # test faults, comma-separated: nan_grad, bad_shape, oom, push_fail, push_lost, push_abandon (once each), hang_* (see parse_hangs)
     codec: str = "raw"  # tensor codec for results and pushes
     graph_cache: bool = True  # keep forward graphs to skip the recompute in own backward tasks
@@ -98,6 +98,7 @@ class WorkerOptions:
     shadow: bool = False  # emulation: run no model; wait the device's task time, send fixed tensors of true shapes
 
 
+SHADOW_JOINING = 8  # shadow workers of one process that join at once (the others wait their turn)
 UNASSIGNED_HEARTBEAT_S = 0.2  # heartbeat period of a worker that has no stage yet (waits for its assignment)
 HANG_KINDS = ("hang_fwd", "hang_bwd", "hang_before_push", "hang_mid_push")
 BUSY_KINDS = ("busy_fwd", "busy_bwd")
@@ -243,6 +244,7 @@ class Worker(LocalWorkerMixin):
         self.graphs: dict[tuple[int, int, int], tuple] = {}  # (epoch, step, mb) -> (input, output)
         self.graph_hits = 0  # backward tasks that reused this worker's forward graph
         self.shadow_fwd: dict = {}  # shadow mode: forwards this worker ran (its "graph cache", for the FLOPs charged)
+        self.join_gate: asyncio.Semaphore | None = None  # shadow groups: bounds the members joining at once
         self.on_servers = None  # callback(list of stage server addresses), e.g. emulation
         # Gradient pushes with a lossy codec: one residual per parameter name (None: raw or off).
         self.ef = ErrorFeedback(opts.codec) if opts.codec != "raw" and opts.error_feedback else None
@@ -317,9 +319,11 @@ class Worker(LocalWorkerMixin):
     async def run(self) -> None:
         set_threads()
         self.flops = self.opts.flops or 0.0
-        self.coord = pbg.CoordinatorStub(self.channels.open(self.coord_addr))
-
-        reply = await retry(lambda: self.coord.Join(self._join_request()), budget_s=self.opts.join_timeout_s)
+        async with self.join_gate or contextlib.nullcontext():
+            # (Opening the channel makes an emulated link's relays: in a shadow group, a few
+            # members at a time, so those joined keep heartbeating while the rest join.)
+            self.coord = pbg.CoordinatorStub(self.channels.open(self.coord_addr))
+            reply = await retry(lambda: self.coord.Join(self._join_request()), budget_s=self.opts.join_timeout_s)
         self.member_id, self.spec = reply.member_id, reply.spec
         self.cfg = model_config(self.spec)
         push = self._codec("push")
@@ -388,9 +392,11 @@ class Worker(LocalWorkerMixin):
 
     def _beat_period(self) -> float:
         period = self.opts.heartbeat_s or heartbeat_period(self.spec.dead_after_s, self.spec.min_lease_s)
-        if self.stage < 0:
+        if self.stage < 0 and self.join_gate is None:
             # Idle until assigned: ask often, so a worker starts with the others at step 0
             # (in local mode a replica that misses the first round leaves it unscreened).
+            # Not in a shadow group: hundreds of members asking 5 times a second while the
+            # rest join would hold the coordinator's loop.
             period = min(period, UNASSIGNED_HEARTBEAT_S)
         return period
 
@@ -1223,6 +1229,10 @@ def work(coord: str, token: str, opts: WorkerOptions, *, dial=None, pacer=None, 
         w.on_servers = on_servers
 
     async def all_of() -> None:
+        if len(workers) > 1:
+            gate = asyncio.Semaphore(SHADOW_JOINING)
+            for w in workers:
+                w.join_gate = gate
         await asyncio.gather(*(w.run() for w in workers))
 
     run_member(all_of(), coord)
