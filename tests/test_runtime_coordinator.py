@@ -190,7 +190,10 @@ def test_joins_while_a_replan_is_put_off_are_planned_in_together(tmp_path):
     """After an expensive re-plan, joins wait for the next one (the reaper runs it once due);
     it plans them all in at once and says how many changes it answered."""
     async def main():
-        c = Coordinator(SPEC, "tok", min_workers=2, out=str(tmp_path))
+        spec = pb.RunSpec()
+        spec.CopyFrom(SPEC)
+        spec.dead_after_s = 600.0  # the reaper runs below: nobody may die of a slow test
+        c = Coordinator(spec, "tok", min_workers=2, out=str(tmp_path))
         for i in range(2):
             await c.Join(pb.JoinRequest(role="server", address=f"127.0.0.1:{i + 1}", name=f"s{i}"), None)
         first = [(await c.Join(pb.JoinRequest(role="worker", flops=1e9, name=f"w{i}"), None)).member_id
