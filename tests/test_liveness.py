@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from swarm_reference import RUN, assert_equal_weights, failure_free_weights, lau
 
 from shoal.net import shoal_pb2 as pb
 from shoal.net.wire import encode_tensor
-from shoal.runtime.roles.server import StageServer
+from shoal.runtime.roles.server import StageServer, flush_voids
 from shoal.runtime.safety.guard import GuardConfig
 
 M, B, T = 2, 2, 16
@@ -230,3 +231,33 @@ def test_a_worker_busy_in_a_long_compute_is_not_declared_dead(tmp_path, failure_
     moved = re.search(r"voided worker \S+ \(left\)", servers)
     assert summary["requeues"] == 0 or moved, summary["requeues"]
     assert_equal_weights(out, failure_free)
+
+
+def test_a_holder_still_pushing_its_step_is_not_voided_at_the_flush_grace():
+    holders = {"w0", "w1", "w2", "w3"}
+    pushing = {"w0": (5, 99.0),   # renewed 1 s ago: pushing step 5
+               "w1": (4, 99.5),   # pushing an older step
+               "w2": (5, 90.0)}   # said so 10 s ago, not since
+    assert flush_voids(holders, pushing, step=5, now=100.0, fresh_s=3.0) == ["w1", "w2", "w3"]
+    assert flush_voids(holders, {}, step=5, now=100.0, fresh_s=3.0) == ["w0", "w1", "w2", "w3"]
+    assert flush_voids(set(), pushing, step=5, now=100.0, fresh_s=3.0) == []
+
+
+def test_a_worker_whose_renewals_say_it_pushes_is_voided_only_once_they_stop(tmp_path):
+    """Every micro-batch computed, the flush grace over: the holder is not voided while its
+    renewals say it is pushing this step (a large push on a loaded host outlasts the grace),
+    and is once they have not said so for dead_after."""
+    async def main():
+        srv = _server(tmp_path)
+        await srv._load(0, 0, 6, 0, 0)
+        srv.ready = True
+        await _compute_all(srv, "A")
+        assert not srv._flush_repair(time.monotonic() - srv.flush_grace_s - 1.0)  # the grace began long ago
+        await srv.Renew(pb.RenewRequest(worker="A", pushing=1), None)  # framing its push of step 0
+        assert not srv._flush_repair(time.monotonic())
+        assert all(st.grad == "computed" for st in srv.steps[0].values())
+        await srv.Renew(pb.RenewRequest(worker="A"), None)  # renewals without it do not refresh it
+        assert srv._flush_repair(time.monotonic() + srv.spec.dead_after_s + 0.1)
+        assert all(st.grad == "todo" for st in srv.steps[0].values())
+
+    asyncio.run(main())

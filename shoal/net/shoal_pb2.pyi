@@ -708,12 +708,14 @@ class TakeBack(_message.Message):
     def __init__(self, lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RenewRequest(_message.Message):
-    __slots__ = ("worker", "lease_ids")
+    __slots__ = ("worker", "lease_ids", "pushing")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    PUSHING_FIELD_NUMBER: _ClassVar[int]
     worker: str
     lease_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker: _Optional[str] = ..., lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    pushing: int
+    def __init__(self, worker: _Optional[str] = ..., lease_ids: _Optional[_Iterable[int]] = ..., pushing: _Optional[int] = ...) -> None: ...
 
 class RenewReply(_message.Message):
     __slots__ = ("version", "epoch")

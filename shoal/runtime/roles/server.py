@@ -15,7 +15,8 @@ to ``todo``, and its *generation* is bumped so anything it still sends is refuse
 Gradient pushes are idempotent: a retried push (same worker, step, epoch, generation and
 micro-batches) that already landed is acknowledged again and not counted twice. A worker
 that cannot push releases its micro-batches with an empty push; one that neither pushes
-nor releases within ``flush_grace_s`` of the step's backward pool completing is voided.
+nor releases within ``flush_grace_s`` of the step's backward pool completing is voided (unless
+its renewals say it is still pushing that step).
 So a computed gradient is never both dropped by its worker and awaited here.
 When all M micro-batches are ``counted``, the server reports its squared gradient norm
 to the coordinator, receives the global clip coefficient, applies the shared AdamW step
@@ -171,6 +172,8 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
         self.grants = GrantBook()  # session grants made ahead, the workers' paces, take-backs
         self.sessions: dict[str, asyncio.Queue] = {}  # worker -> what its session stream sends next
         self.workers: dict[str, WorkerInfo] = {}
+        # worker -> (step, monotonic time) of its newest renewal that said it is pushing that step
+        self.pushing: dict[str, tuple[int, float]] = {}
         self.next_lease = 1
         self.loading = False
         self.ready = False
@@ -352,7 +355,8 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
         return max(30.0, 10 * self.spec.dead_after_s) if self.spec else 30.0
 
     def _flush_repair(self, now: float) -> bool:
-        """Void workers that hold computed gradients long after the pool completed."""
+        """Void workers that hold computed gradients long after the pool completed (but for
+        those whose renewals say they are still pushing this step: :func:`flush_voids`)."""
         mbs = self.steps.get(self.step)
         if not mbs or self.committing or not mbs.tally.all_in("computed", "counted"):
             self.flush_since = None
@@ -362,7 +366,10 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
             return False
         if now - self.flush_since < self.flush_grace_s:
             return False
-        holders = sorted({st.holder for st in mbs.values() if st.grad == "computed"})
+        holders = flush_voids({st.holder for st in mbs.values() if st.grad == "computed"}, self.pushing, self.step,
+                              now, self.spec.dead_after_s if self.spec else 3.0)
+        if not holders:
+            return False  # each holder is still pushing: looked at again on the next tick
         for wid in holders:
             self._void_worker(wid, f"held computed gradients {self.flush_grace_s:.0f} s without pushing")
         self.flush_since = None
@@ -1208,6 +1215,8 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
         info = self._worker(request.worker)
         now = time.monotonic()
         secs = lease_seconds(info.ewma_s, self.spec.min_lease_s) if self.spec else 1.0
+        if request.pushing > 0:
+            self.pushing[request.worker] = (request.pushing - 1, now)
         for lid in request.lease_ids:
             lease = self.leases.get(lid)
             if lease is not None and lease.worker == request.worker:
@@ -1800,6 +1809,17 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
 STANDBY_MAX_BYTES = 16 * 1024**3
 # Longest a StandbyCkptStream call waits for a newer checkpoint (the standby asks again after).
 STANDBY_POLL_S = 2.0
+
+
+def flush_voids(holders: set[str], pushing: dict[str, tuple[int, float]], step: int, now: float,
+                fresh_s: float) -> list[str]:
+    """The workers holding computed gradients of ``step`` past the flush grace to void
+    (pure; tested directly): all of ``holders`` but those whose renewal within ``fresh_s``
+    said they are framing or sending their push of ``step`` (``pushing``: worker -> (step,
+    time)). A large push on a loaded host takes longer than the grace; its attempts have
+    their own deadlines, after which the worker releases the micro-batches."""
+    return sorted(w for w in holders
+                  if not (w in pushing and pushing[w][0] == step and now - pushing[w][1] <= fresh_s))
 
 
 def standby_send_version(versions: list[int], have: int, loading: bool) -> int:

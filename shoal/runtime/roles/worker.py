@@ -260,6 +260,7 @@ class Worker(LocalWorkerMixin):
         self.sessions: dict[int, SessionClient] = {}  # id(server stub) -> its open session
         self.session_ok = opts.session  # False once a server does not offer sessions: calls
         self.credit = 1  # tasks the server lets this worker hold (session; 2+: ask ahead)
+        self.pushing = 0  # 1 + the step whose gradients are being framed or sent (told with each renewal)
         self.beat_floor_s = 0.0  # the coordinator's floor on the heartbeat period (a large swarm spreads its beats)
         self._reset_observed()
 
@@ -407,7 +408,7 @@ class Worker(LocalWorkerMixin):
             if self.server_addr and self.stage >= 0:
                 # Also with no lease held: while a large push is framed, the server must
                 # not take this worker's silence for death and void its gradients.
-                req = pb.RenewRequest(worker=self.member_id, lease_ids=list(self.held))
+                req = pb.RenewRequest(worker=self.member_id, lease_ids=list(self.held), pushing=self.pushing)
                 sess = self.sessions.get(id(self.server))
                 if sess is not None and sess.alive:
                     sess.renew(req)  # one message on the open stream
@@ -625,11 +626,14 @@ class Worker(LocalWorkerMixin):
         """
         epoch, step, gen = self.acc_key
         loop = asyncio.get_running_loop()
-        if self.spec.ordered_grads:
-            groups = await loop.run_in_executor(None, ordered_groups, self.acc_per_mb)  # sums: in a thread
-        else:
-            groups = [(self.acc_mbs, self.acc)]
+        # Told with every renewal: the server does not void a holder that is still pushing
+        # (summing, framing and sending a large push can outlast its flush grace).
+        self.pushing = step + 1
         try:
+            if self.spec.ordered_grads:
+                groups = await loop.run_in_executor(None, ordered_groups, self.acc_per_mb)  # sums: in a thread
+            else:
+                groups = [(self.acc_mbs, self.acc)]
             done: set[int] = set()
             for mbs, grads in groups:
                 self._do(f"pushing the gradients of step {step} mbs {mbs}")
@@ -657,6 +661,7 @@ class Worker(LocalWorkerMixin):
                         self.ef.reset()
                     break
         finally:
+            self.pushing = 0
             self._drop_acc()
 
     async def _send_check(self, task: pb.Task, grads: dict[str, torch.Tensor]) -> None:
