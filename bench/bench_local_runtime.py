@@ -6,7 +6,7 @@
 
 Loopback (default): ``shoal launch`` (``tiny``, S = 2 stages, W = 4 workers, one torch thread
 each), the same data and seed, one run per row of :data:`SETUPS`: exact fp32, exact with int8
-for every kind both ways, local H = 4 and H = 8 (outer lr 0.7, momentum 0.9) uncompressed and
+for every kind both ways, local H = 4 and H = 8 (the default outer step) uncompressed and
 with int8 (and top-k pseudo-gradients). ``--demo``: the emulated demo scenario (``shoal demo``'s
 devices, links and time scale, no churn): exact fp32 vs local H = 4 and H = 8 with int8 --
 there links are slow, so sync traffic costs wall time.

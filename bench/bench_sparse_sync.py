@@ -103,11 +103,11 @@ def bytes_main(args) -> int:
 
 def sweep_rows(hs: list[int], codecs: list[str], outers: list[str]) -> dict[str, dict]:
     """Row name -> LaunchConfig fields: exact, then per outer setting (``lr/mu``; the default
-    0.7/0.9 unnamed) and H local mode uncompressed and with each codec."""
+    1/0 unnamed) and H local mode uncompressed and with each codec."""
     rows = {"exact": {}}
     for o in outers:
         lr, mu = (float(x) for x in o.split("/"))
-        tag = "" if (lr, mu) == (0.7, 0.9) else f" outer {o}"
+        tag = "" if (lr, mu) == (1.0, 0.0) else f" outer {o}"
         for h in hs:
             base = dict(sync="local", sync_every=h, outer_lr=lr, outer_momentum=mu)
             rows[f"local H={h}{tag}"] = base
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=2, help="sweep: workers (one stage: replicas)")
     ap.add_argument("--hs", default="4,8", help="sweep: H values")
     ap.add_argument("--codecs", default="sparse:0.01:2,sparse:0.01:4,sparse:0.03:2", help="sweep: push/pull codecs")
-    ap.add_argument("--outer", default="0.7/0.9", help="sweep: outer LR/momentum settings, comma-separated")
+    ap.add_argument("--outer", default="1/0", help="sweep: outer LR/momentum settings, comma-separated")
     ap.add_argument("--runs", default=None, help="sweep: comma-separated rows (default all)")
     ap.add_argument("--out", default=None, help="folder for the runs (default: a temporary one)")
     args = ap.parse_args(argv)

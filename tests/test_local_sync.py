@@ -91,7 +91,7 @@ def test_sync_config_refuses_bad_values(kw, msg):
         SyncConfig(**kw).validate()
     with pytest.raises(ShoalError, match="fp16"):
         SyncConfig(mode="local").validate("fp16")
-    assert SyncConfig().validate() == SyncConfig(mode="exact", sync_every=32, outer_lr=0.7, outer_momentum=0.9)
+    assert SyncConfig().validate() == SyncConfig(mode="exact", sync_every=32, outer_lr=1.0, outer_momentum=0.0)
 
 
 def test_launch_cli_bad_sync_is_one_line(tmp_path, capsys):

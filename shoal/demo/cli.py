@@ -72,8 +72,8 @@ class DemoConfig:
     tensorboard: str | None = None  # folder for TensorBoard event files of the step metrics (None: none)
     sync: str = "auto"  # --sync: auto (the planner's choice, shoal.plan.auto), exact, or local (DiLoCo inside each stage)
     sync_every: int | None = None  # --sync-every: local mode's steps between merges H (None: auto's choice, local 32)
-    outer_lr: float = 0.7  # --outer-lr: local mode's outer Nesterov learning rate
-    outer_momentum: float = 0.9  # --outer-momentum: local mode's outer Nesterov momentum
+    outer_lr: float = 1.0  # --outer-lr: local mode's outer Nesterov learning rate
+    outer_momentum: float = 0.0  # --outer-momentum: local mode's outer Nesterov momentum
     shadow: bool = False  # --shadow: workers run no model, only wait their device's task time (losses meaningless)
 
     def validate(self) -> None:

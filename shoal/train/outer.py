@@ -29,8 +29,8 @@ class SyncConfig:
 
     mode: str = "exact"  # "exact": one shared AdamW step per step; "local": DiLoCo inside each stage
     sync_every: int = 32  # local mode: steps between merges (H); the last step always merges
-    outer_lr: float = 0.7  # local mode: learning rate of the outer Nesterov step
-    outer_momentum: float = 0.9  # local mode: momentum of the outer Nesterov step (0: plain averaging)
+    outer_lr: float = 1.0  # local mode: learning rate of the outer Nesterov step (1 with momentum 0: the replicas' mean)
+    outer_momentum: float = 0.0  # local mode: momentum of the outer Nesterov step (0: plain averaging; see bench/results/sparse-sync.md)
 
     @property
     def local(self) -> bool:

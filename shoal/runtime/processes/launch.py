@@ -109,8 +109,8 @@ class LaunchConfig:
     coordinator_restarts: int = 3  # a coordinator that dies (not a failed run) is restarted with --resume this often
     sync: str = "exact"  # sync policy: exact, or local (DiLoCo inside each stage; shoal.train.outer)
     sync_every: int = 32  # local: steps between merges H
-    outer_lr: float = 0.7  # local: outer Nesterov learning rate
-    outer_momentum: float = 0.9  # local: outer Nesterov momentum
+    outer_lr: float = 1.0  # local: outer Nesterov learning rate
+    outer_momentum: float = 0.0  # local: outer Nesterov momentum
     compression: str = "none"  # wire codecs per traffic kind (shoal.runtime.sync.codecs; none: uncompressed)
     faults: list[str] = field(default_factory=list)  # --fault SPECs (shoal.runtime.safety.faults grammar)
     spot_check: float = 0.05  # fraction of gradient pushes the stage servers recompute (exact runs)
