@@ -39,8 +39,8 @@ weight pulls) is encoded by one of three codecs:
   orthonormal Walsh-Hadamard matrix, which spreads a block's outliers over all its coordinates so
   that they are near Gaussian. Each ``r_i`` becomes a ternary digit: 0 where
   ``|r_i| <= TERN_THRESHOLD * rms(r)`` (0.612: the mean-square-error optimum for a Gaussian), else
-  its sign; the block's level ``a`` (fp16) is the mean ``|r_i|`` of the digits that are not 0
-  (the least-squares level). Decoding is ``x = D H (a t)``. Payload: the blocks' fp16 levels,
+  its sign; the block's level ``a`` (bf16: fp16 would flush small gradients to 0) is the mean ``|r_i|`` of the digits that are not 0
+  (the least-squares level). Decoding is ``x = D H (a t)``. Payload: the blocks' bf16 levels,
   then the digits five per byte (``t_0 + 3 t_1 + 9 t_2 + 27 t_3 + 81 t_4`` with 0, 1, 2 meaning
   0, +a, -a), ``2 n_blocks + ceil(128 n_blocks / 5)`` bytes: 1.725 bits per element, 9.28x
   smaller than bf16 (the planner's ``tern`` size). The decoder checks the levels (finite, not
@@ -484,9 +484,11 @@ def _tern_encode(x: np.ndarray) -> bytes:
     keep = absr > TERN_THRESHOLD * rms
     cnt = keep.sum(dim=1)
     level = torch.where(keep, absr, torch.zeros_like(absr)).sum(dim=1) / cnt.clamp_min(1)
-    if float(level.max()) > FP16_MAX:
-        raise CodecError(f"tern: a block level of {float(level.max()):.3g} is beyond the fp16 range "
-                         f"(+-{FP16_MAX}); use the int8 or raw codec for this tensor")
+    # bf16, not fp16: activation gradients are often below fp16's smallest normal (6e-5)
+    level16 = level.to(torch.bfloat16)
+    if not (bool(torch.isfinite(level16).all()) and bool(torch.isfinite(rms).all())):
+        raise CodecError("tern: the tensor's values (near the float32 limit) overflow its rotation or the "
+                         "bf16 range of a block level; use the int8 or raw codec for this tensor")
     digits = (keep.to(torch.uint8) + (keep & (r < 0)).to(torch.uint8)).reshape(-1).numpy()  # 0, 1 (+a), 2 (-a)
     pad = -digits.size % TERN_PER_BYTE
     if pad:
@@ -496,7 +498,7 @@ def _tern_encode(x: np.ndarray) -> bytes:
     for j in range(TERN_PER_BYTE - 2, -1, -1):  # Horner: every partial value stays below 243
         packed *= 3
         packed += d[:, j]
-    return level.to(torch.float16).numpy().astype("<f2", copy=False).tobytes() + packed.tobytes()
+    return level16.view(torch.int16).numpy().astype("<i2", copy=False).tobytes() + packed.tobytes()
 
 
 def _tern_decode(buf: memoryview, numel: int) -> torch.Tensor:
@@ -506,7 +508,7 @@ def _tern_decode(buf: memoryview, numel: int) -> torch.Tensor:
         return torch.zeros(0)
     G = TERN_BLOCK
     nb = -(-numel // G)
-    levels = np.frombuffer(buf[: 2 * nb], dtype="<f2").astype(np.float32)
+    levels = (np.frombuffer(buf[: 2 * nb], dtype="<u2").astype(np.uint32) << np.uint32(16)).view(np.float32)
     if not np.isfinite(levels).all() or (levels < 0).any():
         raise CodecError("tern payload has a negative or non-finite block level")
     packed = np.frombuffer(buf[2 * nb:], dtype=np.uint8)

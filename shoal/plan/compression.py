@@ -53,7 +53,7 @@ TERN_PER_BYTE = 5  # ternary digits packed in one byte (3^5 = 243 <= 256)
 
 
 def tern_nbytes(numel: int) -> int:
-    """Exact payload bytes of ``tern`` for ``numel`` elements: one fp16 level per block, then the
+    """Exact payload bytes of ``tern`` for ``numel`` elements: one bf16 level per block, then the
     rotated blocks' ternary digits (the last block padded to a whole block), five per byte."""
     if numel <= 0:
         return 0
