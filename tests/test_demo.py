@@ -122,7 +122,7 @@ def test_demo_runs_the_planners_choice_by_default(tmp_path):
     ``--compression`` pins the codecs."""
     import argparse
 
-    from shoal.demo.cli import choose_sync, register
+    from shoal.demo.cli import choose_sync, lighter_codecs, register
     from shoal.plan.auto import QualityBudget, plan_auto
     from shoal.plan.scenario import save_scenario
 
@@ -134,7 +134,8 @@ def test_demo_runs_the_planners_choice_by_default(tmp_path):
     save_scenario(sc, tmp_path / "s.json")
     em = emulation_spec(sc, str(tmp_path / "s.json"), model_task_s=1.2, bandwidth_scale=4.0, seed=0).emulated
     plan, cfg = choose_sync(DemoConfig(), em, 2)
-    want = plan_auto(em, QualityBudget(replicas=False), seed=0, stages=2).sync
+    budget = QualityBudget(replicas=False)
+    want = lighter_codecs(plan_auto(em, budget, seed=0, stages=2), em, budget).sync
     assert len(plan.stages) == 2 and plan.sync == want
     assert cfg.sync == ("local" if want.local else "exact")
     assert cfg.sync_every == (want.sync_every if want.local else None)
@@ -148,6 +149,29 @@ def test_demo_runs_the_planners_choice_by_default(tmp_path):
     assert pinned.sync == "exact" or pinned.sync_every == 8
     with pytest.raises(ShoalError):
         DemoConfig(sync="exact", sync_every=4).validate()
+
+
+def test_lighter_codecs_only_where_sparse_buys_no_speed(tmp_path):
+    """At the demo's x4 links sparse pushes and pulls are no faster than int8: int8 is kept. On
+    the scenario's own links, 100x slower, sparse is faster and stays."""
+    from dataclasses import replace
+
+    from shoal.demo.cli import lighter_codecs
+    from shoal.plan.api import make_plan
+    from shoal.plan.auto import QualityBudget
+    from shoal.plan.scenario import save_scenario
+    from shoal.plan.types import SyncPolicy
+
+    sc, _ = demo_scenario(load_scenario("demo"), None, 12)
+    save_scenario(sc, tmp_path / "s.json")
+    pol = SyncPolicy(mode="local", sync_every=4, push_codec="sparse", pull_codec="sparse")
+    budget = QualityBudget(replicas=False)
+    for scale, light in ((4.0, True), (0.01, False)):
+        em = emulation_spec(sc, str(tmp_path / "s.json"), model_task_s=1.2, bandwidth_scale=scale, seed=0).emulated
+        plan = make_plan(em, stages=2, sync=pol)
+        got = lighter_codecs(plan, em, budget).sync
+        assert (got.push_codec, got.pull_codec) == (("int8", "int8") if light else ("sparse", "sparse")), scale
+    assert lighter_codecs(plan, em, replace(budget, codecs=("none", "sparse"))) is plan
 
 
 def test_default_out_is_a_timestamped_runs_folder():
