@@ -11,6 +11,7 @@ from shoal.net import shoal_pb2 as pb
 from shoal.runtime.roles.coordinator import (
     Coordinator,
     beat_floor_s,
+    busy_excuse,
     replan_wait,
     stage_without_worker,
 )
@@ -283,3 +284,11 @@ def test_heartbeats_tell_workers_the_floor_of_their_period(tmp_path):
         assert a.beat_floor_s == beat_floor_s(10, SPEC.dead_after_s) > 0
 
     asyncio.run(main())
+
+
+def test_a_tick_the_loop_spent_computing_is_not_the_members_silence():
+    assert busy_excuse(cpu_s=0.098, wall_s=0.1) == 0.1  # busy the whole tick: beats may wait unread
+    assert busy_excuse(cpu_s=0.45, wall_s=0.5) == 0.5
+    assert busy_excuse(cpu_s=0.05, wall_s=0.1) == 0.0  # half idle: it heard whoever beat
+    assert busy_excuse(cpu_s=0.0, wall_s=0.0) == 0.0
+    assert busy_excuse(cpu_s=0.085, wall_s=0.1, share=0.8) == 0.1
