@@ -122,7 +122,7 @@ def test_demo_runs_the_planners_choice_by_default(tmp_path):
     ``--compression`` pins the codecs."""
     import argparse
 
-    from shoal.demo.cli import choose_sync, lighter_codecs, register
+    from shoal.demo.cli import choose_sync, register
     from shoal.plan.auto import QualityBudget, plan_auto
     from shoal.plan.scenario import save_scenario
 
@@ -135,7 +135,7 @@ def test_demo_runs_the_planners_choice_by_default(tmp_path):
     em = emulation_spec(sc, str(tmp_path / "s.json"), model_task_s=1.2, bandwidth_scale=4.0, seed=0).emulated
     plan, cfg = choose_sync(DemoConfig(), em, 2)
     budget = QualityBudget(replicas=False)
-    want = lighter_codecs(plan_auto(em, budget, seed=0, stages=2), em, budget).sync
+    want = plan_auto(em, budget, seed=0, stages=2).sync
     assert len(plan.stages) == 2 and plan.sync == want
     assert cfg.sync == ("local" if want.local else "exact")
     assert cfg.sync_every == (want.sync_every if want.local else None)
@@ -151,27 +151,28 @@ def test_demo_runs_the_planners_choice_by_default(tmp_path):
         DemoConfig(sync="exact", sync_every=4).validate()
 
 
-def test_lighter_codecs_only_where_sparse_buys_no_speed(tmp_path):
-    """At the demo's x4 links sparse pushes and pulls are no faster than int8: int8 is kept. On
-    the scenario's own links, 100x slower, sparse is faster and stays."""
-    from dataclasses import replace
-
-    from shoal.demo.cli import lighter_codecs
-    from shoal.plan.api import make_plan
-    from shoal.plan.auto import QualityBudget
+def test_auto_takes_int8_where_sparse_buys_no_speed(tmp_path):
+    """At the demo's x4 links sparse pushes and pulls are no faster than int8: auto takes int8
+    (pure rule: :func:`shoal.plan.auto.lighter`). On the scenario's own links, 100x slower,
+    sparse is faster and stays."""
+    from shoal.plan.auto import QualityBudget, lighter, plan_auto
     from shoal.plan.scenario import save_scenario
     from shoal.plan.types import SyncPolicy
 
     sc, _ = demo_scenario(load_scenario("demo"), None, 12)
     save_scenario(sc, tmp_path / "s.json")
-    pol = SyncPolicy(mode="local", sync_every=4, push_codec="sparse", pull_codec="sparse")
     budget = QualityBudget(replicas=False)
     for scale, light in ((4.0, True), (0.01, False)):
         em = emulation_spec(sc, str(tmp_path / "s.json"), model_task_s=1.2, bandwidth_scale=scale, seed=0).emulated
-        plan = make_plan(em, stages=2, sync=pol)
-        got = lighter_codecs(plan, em, budget).sync
+        got = plan_auto(em, budget, stages=2).sync
+        assert got.local, scale
         assert (got.push_codec, got.pull_codec) == (("int8", "int8") if light else ("sparse", "sparse")), scale
-    assert lighter_codecs(plan, em, replace(budget, codecs=("none", "sparse"))) is plan
+    pol = SyncPolicy(mode="local", sync_every=4, push_codec="sparse", pull_codec="sparse")
+    assert lighter(pol, budget) == SyncPolicy(mode="local", sync_every=4, push_codec="int8", pull_codec="int8")
+    assert lighter(pol, QualityBudget(codecs=("none", "sparse"))) is None
+    assert lighter(pol, QualityBudget(pin_codecs={"act": "none", "grad": "none", "push": "sparse",
+                                                  "pull": "sparse"})) is None
+    assert lighter(SyncPolicy(mode="local", sync_every=4, push_codec="int8", pull_codec="int8"), budget) is None
 
 
 def test_default_out_is_a_timestamped_runs_folder():

@@ -306,38 +306,14 @@ def run_policy(cfg: DemoConfig, compression):
     return pol
 
 
-def lighter_codecs(plan, scenario, budget):
-    """``plan`` with ``int8`` instead of ``sparse`` pushes and pulls when the budget allows int8,
-    the plan is repriced and its long-run tokens/s is within :data:`shoal.plan.auto.TIE` of
-    the sparse one (else ``plan``): auto picks the codec of fewest bytes, but where the links
-    do not limit the step (the demo's emulated links) sparse buys no speed and a short run
-    pays for it in loss (sparse pushes and pulls trail by 20 % after 40 demo steps,
-    bench/results/sparse-sync.md)."""
-    from dataclasses import replace as dc_replace
-
-    from shoal.plan.auto import TIE, _long_run_tokens_per_s
-    from shoal.plan.cost import predict
-
-    pol = plan.sync
-    if budget.pin_codecs is not None or "int8" not in budget.codecs or not (
-            pol.push_codec.startswith("sparse") or pol.pull_codec.startswith("sparse")):
-        return plan
-    light = dc_replace(plan, sync=dc_replace(
-        pol, push_codec="int8" if pol.push_codec.startswith("sparse") else pol.push_codec,
-        pull_codec="int8" if pol.pull_codec.startswith("sparse") else pol.pull_codec), predicted={})
-    predict(light, scenario)
-    ok = _long_run_tokens_per_s(light, scenario) >= (1.0 - TIE) * _long_run_tokens_per_s(plan, scenario)
-    return light if ok else plan
-
-
 def choose_sync(cfg: DemoConfig, scenario, stages: int):
     """The plan the demo runs and its config with a concrete policy: ``(plan, cfg)``.
 
     ``--sync auto`` (the default): the planner's choice (:func:`shoal.plan.auto.plan_auto`) for
     one pipeline of ``stages`` stages on the emulated ``scenario`` -- exact or local mode, H and
     the codec of each traffic kind, under the default quality budget (``--sync-every`` pins H,
-    ``--compression`` pins the codecs), with int8 for sparse pushes and pulls where that is as
-    fast (:func:`lighter_codecs`); the returned config carries that mode, H and
+    ``--compression`` pins the codecs; int8 rather than sparse pushes and pulls where sparse is
+    no faster, :func:`shoal.plan.auto.lighter`); the returned config carries that mode, H and
     ``--compression``. ``exact`` / ``local``: the plan of that policy, the config unchanged.
     """
     from dataclasses import replace as dc_replace
@@ -354,7 +330,7 @@ def choose_sync(cfg: DemoConfig, scenario, stages: int):
     budget = QualityBudget(max_sync_every=max(DEFAULT_MAX_SYNC_EVERY, cfg.sync_every or 0), replicas=False,
                            pin_sync_every=cfg.sync_every,
                            pin_codecs=parse_compression(cfg.compression) if pinned else None)
-    plan = lighter_codecs(plan_auto(scenario, budget, seed=cfg.seed, stages=stages), scenario, budget)
+    plan = plan_auto(scenario, budget, seed=cfg.seed, stages=stages)
     pol = plan.sync
     codecs = RunCompression(act=pol.act_codec, grad=pol.grad_codec, push=pol.push_codec, pull=pol.pull_codec)
     return plan, dc_replace(cfg, sync="local" if pol.local else "exact",

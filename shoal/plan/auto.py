@@ -14,9 +14,13 @@ Candidates, each placed once by shoal's allocator and then priced by the cost mo
   the user accepts) and placed at the largest allowed ``H``, then re-priced at every smaller
   allowed ``H``.
 
+  Where the budget allows ``int8`` and the codec of fewest bytes for pushes or pulls is
+  ``sparse``, each of those is also priced with ``int8`` there (:func:`lighter`): where the
+  links do not limit the step, sparse buys no speed and costs loss (bench/results/sparse-sync.md).
+
 The choice is the candidate of most predicted tokens/s (long run, churn included where the
 scenario has churn); among those within ``TIE`` (0.1 %) of it, the one closest to exact
-training: exact sync first, then the smallest ``H``.
+training: exact sync first, then the smallest ``H``, then the fewest sparse kinds.
 """
 
 from __future__ import annotations
@@ -102,6 +106,22 @@ def _long_run_tokens_per_s(plan: Plan, scenario: Scenario) -> float:
     return plan.micro_batches * plan.micro_batch_size * scenario.workload.seq_len / t
 
 
+def lighter(policy: SyncPolicy, budget: QualityBudget) -> SyncPolicy | None:
+    """``policy`` with ``int8`` instead of ``sparse`` pushes and pulls, where the budget allows
+    int8 and pins no codec (None: nothing to change)."""
+    if budget.pin_codecs is not None or not any(c.split(":")[0] == "int8" for c in budget.codecs):
+        return None
+    push = "int8" if policy.push_codec.startswith("sparse") else policy.push_codec
+    pull = "int8" if policy.pull_codec.startswith("sparse") else policy.pull_codec
+    if (push, pull) == (policy.push_codec, policy.pull_codec):
+        return None
+    return replace(policy, push_codec=push, pull_codec=pull)
+
+
+def _sparse_kinds(policy: SyncPolicy) -> int:
+    return sum(c.startswith("sparse") for c in (policy.push_codec, policy.pull_codec))
+
+
 def candidates(scenario: Scenario, budget: QualityBudget, seed: int = 0,
                options: CostOptions | None = None, stages: int | None = None) -> list[tuple[Plan, bool]]:
     """Every plan ``--sync auto`` weighs: ``(plan, has replicas)``, each priced; ``stages``
@@ -129,18 +149,24 @@ def candidates(scenario: Scenario, budget: QualityBudget, seed: int = 0,
             if p is not placed:
                 predict(p, scenario, options)
             out.append((p, reps))
+            light = lighter(p.sync, budget)
+            if light is not None:
+                q = replace(placed, sync=light, predicted={})
+                predict(q, scenario, options)
+                out.append((q, reps))
     return out
 
 
 def choose(cands: list[tuple[Plan, bool]], scenario: Scenario) -> Plan:
     """The candidate of most long-run tokens/s; within ``TIE`` of it, exact sync first, then the
-    smallest H (closest to exact training)."""
+    smallest H, then the fewest sparse pushes/pulls (closest to exact training)."""
     scored = [(_long_run_tokens_per_s(p, scenario), p) for p, _ in cands]
     best = max(t for t, _ in scored)
     if best <= 0:
         raise ShoalError(f"no plan of scenario {scenario.name} trains at all")
     near = [p for t, p in scored if t >= (1.0 - TIE) * best]
-    return min(near, key=lambda p: (p.sync.local, p.sync.sync_every, -_long_run_tokens_per_s(p, scenario)))
+    return min(near, key=lambda p: (p.sync.local, p.sync.sync_every, _sparse_kinds(p.sync),
+                                    -_long_run_tokens_per_s(p, scenario)))
 
 
 def plan_auto(scenario: Scenario, budget: QualityBudget | None = None, seed: int = 0,
