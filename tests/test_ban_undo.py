@@ -320,6 +320,8 @@ def test_a_rollback_during_a_recomputation_bans_nobody(tmp_path, monkeypatch):
     ban) and refused as stale, and the rollback then loads its version."""
     import asyncio
 
+    from test_guard import _compute
+
     import shoal.runtime.safety.verify as verify
     from shoal.net import shoal_pb2 as pb
     from shoal.net.wire import encode_tensor
@@ -330,9 +332,7 @@ def test_a_rollback_during_a_recomputation_bans_nobody(tmp_path, monkeypatch):
         old_module, loop = srv.module, asyncio.get_running_loop()
         done = []
         for _ in range(2):
-            t = (await srv.Lease(pb.LeaseRequest(worker="A", wait_s=0), None)).task
-            ok = await srv.Complete(pb.TaskResult(worker="A", step=t.step, mb=t.mb, direction=t.direction,
-                                                  epoch=t.epoch, lease_id=t.lease_id, loss=1.0), None)
+            t, ok = await _compute(srv, "A")
             assert ok.accepted
             done.append((t.mb, ok.gen))
         assert sorted(mb for mb, _ in done) == [0, 1]
@@ -421,7 +421,7 @@ def test_a_step_of_the_old_epoch_is_never_committed_as_the_new_ones(tmp_path, mo
     restart version's step is open with nothing counted."""
     import asyncio
 
-    from test_guard import _grad_push
+    from test_guard import _compute, _grad_push
 
     from shoal.net import shoal_pb2 as pb
     from shoal.runtime.safety.guard import SPOT_RATE_ENV
@@ -441,9 +441,7 @@ def test_a_step_of_the_old_epoch_is_never_committed_as_the_new_ones(tmp_path, mo
 
         done = {}
         for w in ("A", "B"):  # (both compute first: a checker is drawn among the step's workers)
-            t = (await srv.Lease(pb.LeaseRequest(worker=w, wait_s=0), None)).task
-            ok = await srv.Complete(pb.TaskResult(worker=w, step=t.step, mb=t.mb, direction=t.direction,
-                                                  epoch=t.epoch, lease_id=t.lease_id, loss=1.0), None)
+            t, ok = await _compute(srv, w)
             done[w] = (t.mb, ok.gen)
         for w, (mb, gen) in done.items():
             g = recompute_grads(old_module, srv.spec, 0, mb, first=True, last=True, inp=None, out_grad=None)
@@ -472,9 +470,8 @@ def test_bf16_a_flagged_push_stays_in_the_undo_record_after_an_unflagged_one(tmp
     check still rolls back past it."""
     import asyncio
 
-    from test_guard import _grad_push, _one_stage_server
+    from test_guard import _compute, _grad_push, _one_stage_server
 
-    from shoal.net import shoal_pb2 as pb
     from shoal.runtime.safety.verify import recompute_grads, sq_norm
 
     async def main():
@@ -483,9 +480,7 @@ def test_bf16_a_flagged_push_stays_in_the_undo_record_after_an_unflagged_one(tmp
         srv.guard_seen = {"A"}
         done = []
         for _ in range(2):
-            t = (await srv.Lease(pb.LeaseRequest(worker="A", wait_s=0), None)).task
-            ok = await srv.Complete(pb.TaskResult(worker="A", step=t.step, mb=t.mb, direction=t.direction,
-                                                  epoch=t.epoch, lease_id=t.lease_id, loss=1.0), None)
+            t, ok = await _compute(srv, "A")
             done.append((t.mb, ok.gen))
         true = {mb: recompute_grads(srv.module, srv.spec, 0, mb, first=True, last=True, inp=None, out_grad=None)
                 for mb, _ in done}
@@ -509,9 +504,8 @@ def test_bf16_a_stages_only_worker_is_recomputed_by_the_server(tmp_path, monkeyp
     a worker was never checked and a bench run's x-2 went through unseen."""
     import asyncio
 
-    from test_guard import _grad_push, _one_stage_server
+    from test_guard import _compute, _grad_push, _one_stage_server
 
-    from shoal.net import shoal_pb2 as pb
     from shoal.runtime.safety.guard import SPOT_RATE_ENV
     from shoal.runtime.safety.verify import recompute_grads
 
@@ -523,9 +517,7 @@ def test_bf16_a_stages_only_worker_is_recomputed_by_the_server(tmp_path, monkeyp
         srv.spec.guard_spot_check = 0.05
         done = []
         for _ in range(2):
-            t = (await srv.Lease(pb.LeaseRequest(worker="A", wait_s=0), None)).task
-            ok = await srv.Complete(pb.TaskResult(worker="A", step=t.step, mb=t.mb, direction=t.direction,
-                                                  epoch=t.epoch, lease_id=t.lease_id, loss=1.0), None)
+            t, ok = await _compute(srv, "A")
             done.append((t.mb, ok.gen))
 
         def bf16_grads(mb):  # what a bf16 worker computes: the same formula under bf16 autocast

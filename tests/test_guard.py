@@ -290,6 +290,16 @@ async def _one_stage_server(tmp_path, run_id: str, **shape):
     return srv
 
 
+async def _compute(srv, worker):
+    """Lease one task for ``worker`` and report it computed: ``(task, the result's reply)``."""
+    from shoal.net import shoal_pb2 as pb
+
+    t = (await srv.Lease(pb.LeaseRequest(worker=worker, wait_s=0), None)).task
+    ok = await srv.Complete(pb.TaskResult(worker=worker, step=t.step, mb=t.mb, direction=t.direction,
+                                          epoch=t.epoch, lease_id=t.lease_id, loss=1.0), None)
+    return t, ok
+
+
 def test_server_bans_a_poisoned_push_and_redoes_its_work(tmp_path):
     """A one-stage server: A's and B's honest pushes count (each a first push: recomputed);
     B's next push, times -20, is flagged by its norm, recomputed and banned: both of B's

@@ -31,6 +31,20 @@ def _server(tmp_path) -> StageServer:
     return srv
 
 
+class _InProcessCoordinator:
+    """A stage server's coordinator stub answered by a real coordinator of the server's run spec."""
+
+    def __init__(self, srv: StageServer, out):
+        from shoal.runtime.roles.coordinator import Coordinator
+
+        spec = pb.RunSpec()
+        spec.CopyFrom(srv.spec)
+        self.coord = Coordinator(spec, "tok", out=str(out))
+
+    async def ReportStep(self, request, timeout=None):
+        return await self.coord.ReportStep(request, None)
+
+
 def _grads(srv, value=0.0):
     return [encode_tensor(n, torch.full_like(p, value)) for n, p in srv.params.items()]
 
@@ -199,7 +213,6 @@ def test_commit_sums_each_push_once_in_micro_batch_order(tmp_path):
     reports to a real in-process coordinator, is the sum in micro-batch order, each push once:
     what the local trainer's sequential backward passes accumulate. The commit then serialises
     the new weights for the pulls to come without waiting for one."""
-    from shoal.runtime.roles.coordinator import Coordinator
     from shoal.train.metrics import read_jsonl
 
     values = [5.0, 1e8, -1e8]  # push of micro-batch i holds values[i] everywhere
@@ -208,15 +221,7 @@ def test_commit_sums_each_push_once_in_micro_batch_order(tmp_path):
         srv = _server(tmp_path)
         await srv._load(0, 0, 6, 0, 0)
         srv.ready = True
-        spec = pb.RunSpec()
-        spec.CopyFrom(srv.spec)
-        coord = Coordinator(spec, "tok", out=str(tmp_path / "coord"))
-
-        class _InProcess:  # the server's coordinator stub, answered by the real coordinator
-            async def ReportStep(self, request, timeout=None):
-                return await coord.ReportStep(request, None)
-
-        srv.coord = _InProcess()
+        srv.coord = _InProcessCoordinator(srv, tmp_path / "coord")
         leases = {}
         for w in ("A", "B", "C"):
             r = await srv.Lease(pb.LeaseRequest(worker=w, wait_s=0), None)
@@ -465,26 +470,18 @@ def test_checkpoints_are_written_off_the_loop_and_hold_their_version(tmp_path):
     reason (sent to the coordinator with its heartbeats) names it, unless the stage moved on
     while it was written (then it is abandoned with a warning)."""
     from shoal.runtime.common import read_stage_ckpt
-    from shoal.runtime.roles.coordinator import Coordinator
 
     async def main():
         srv = _server(tmp_path / "ckpt")
         srv.spec.ckpt_every = 1
         await srv._load(0, 0, 6, 0, 0)
         srv.ready = True
-        spec = pb.RunSpec()
-        spec.CopyFrom(srv.spec)
-        coord = Coordinator(spec, "tok", out=str(tmp_path / "coord"))
-
-        class _InProcess:
-            async def ReportStep(self, request, timeout=None):
-                return await coord.ReportStep(request, None)
-
-        await _one_step(srv, _InProcess(), 0.5)
+        coord = _InProcessCoordinator(srv, tmp_path / "coord")
+        await _one_step(srv, coord, 0.5)
         v1 = {n: p.detach().clone() for n, p in srv.params.items()}
         first = srv.ckpt_task
         assert first is not None
-        await _one_step(srv, _InProcess(), -0.25)
+        await _one_step(srv, coord, -0.25)
         assert first.done() and srv.ckpt_task is not first
         await srv._ckpt_written()
         saved = read_stage_ckpt(srv.ckpt_root, 0, 1, run_id="pool-test", layers=(0, 6))
@@ -714,22 +711,13 @@ def test_an_idle_lease_request_is_answered_at_the_commit(tmp_path):
     """A worker long-polling for a task while the step commits is answered by the commit
     itself (it then pulls the new weights), not at the end of its wait: idle workers of a
     large swarm need not poll the server to learn of a new version."""
-    from shoal.runtime.roles.coordinator import Coordinator
 
     async def main():
         srv = _server(tmp_path)
         srv.spec.steps = 1  # no tasks after the commit: nothing else would answer the request
         await srv._load(0, 0, 6, 0, 0)
         srv.ready = True
-        spec = pb.RunSpec()
-        spec.CopyFrom(srv.spec)
-        coord = Coordinator(spec, "tok", out=str(tmp_path / "coord"))
-
-        class _InProcess:
-            async def ReportStep(self, request, timeout=None):
-                return await coord.ReportStep(request, None)
-
-        srv.coord = _InProcess()
+        srv.coord = _InProcessCoordinator(srv, tmp_path / "coord")
         done = []
         for _ in range(M):
             r = await srv.Lease(pb.LeaseRequest(worker="A", wait_s=0), None)
