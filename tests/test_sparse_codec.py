@@ -43,7 +43,7 @@ def test_bytes_equal_the_planners_formula(codec, chunks):
 @pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("n", [1, 3, 40, 41, 100, 4095, 4096, 4097, 10000, 3 * 4096 + 5])
 def test_bytes_of_any_length(codec, n):
-    # By hand: one fp16 scale per chunk, (12 + bits)-bit words for min(k, chunk length) entries.
+    # By hand: one bf16 scale per chunk, (12 + bits)-bit words for min(k, chunk length) entries.
     density, bits = (float(codec.split(":")[1]), int(codec.split(":")[2])) if ":" in codec else (0.01, 2)
     k = sparse_kept_per_chunk(density)
     assert k == sparse_kept(density)
@@ -81,7 +81,7 @@ def test_one_bit_is_sign_times_mean_magnitude():
     x = torch.tensor([0.5, -3.0, 0.1, 2.0] + [0.0] * 96)
     payload, meta = encode(x, "sparse:0.0005:1")  # 3 entries of the (only, short) chunk
     y = decode(payload, meta, x.shape)
-    s = float(torch.tensor((3.0 + 2.0 + 0.5) / 3).half())
+    s = float(torch.tensor((3.0 + 2.0 + 0.5) / 3).bfloat16())
     assert y[:4].tolist() == pytest.approx([s, -s, 0.0, s])
     assert not y[4:].any()
 
@@ -129,6 +129,11 @@ def _payload(n=2 * SPARSE_CHUNK + 100, codec="sparse"):
     return bytearray(payload), meta, n
 
 
+def _bf16_bytes(v: float) -> bytes:
+    """One chunk scale as it lies on the wire (little-endian bf16)."""
+    return torch.tensor([v], dtype=torch.bfloat16).view(torch.int16).numpy().astype("<i2").tobytes()
+
+
 def test_malformed_payloads_are_codec_errors():
     payload, meta, n = _payload()
     nc = -(-n // SPARSE_CHUNK)
@@ -145,11 +150,11 @@ def test_malformed_payloads_are_codec_errors():
         (bytes(payload), {**meta, "numel": n + 1}, (n,)),
     ]
     neg = bytearray(payload)
-    neg[0:2] = np.array([-1.0], dtype="<f2").tobytes()  # negative scale
+    neg[0:2] = _bf16_bytes(-1.0)  # negative scale
     nan = bytearray(payload)
-    nan[2:4] = np.array([np.nan], dtype="<f2").tobytes()
+    nan[2:4] = _bf16_bytes(float("nan"))
     inf = bytearray(payload)
-    inf[4:6] = np.array([np.inf], dtype="<f2").tobytes()
+    inf[4:6] = _bf16_bytes(float("inf"))
     tail = bytearray(payload)
     tail[-1] |= 0x80  # 3 x 41 entries of 14 bits end 6 bits into the last byte: its top bit set
     # the first word's index (12 low bits of the stream) set to 4095, above the second's
@@ -182,5 +187,20 @@ def test_bad_specs_and_inputs():
             encode(torch.ones(10), codec)
     with pytest.raises(NonFiniteError):
         encode(torch.tensor([1.0, float("nan")]), "sparse")
-    with pytest.raises(CodecError, match="fp16 range"):
-        encode(torch.full((10,), 1e6), "sparse")
+    with pytest.raises(CodecError, match="bf16 range"):
+        encode(torch.full((10,), 3.4e38), "sparse")
+
+
+def test_tiny_values_keep_their_scale():
+    """A late round's pseudo-gradient can lie far below fp16's range (6e-8 is its smallest
+    subnormal): its chunk scale must not flush to zero, so the kept entries decode near their
+    values."""
+    torch.manual_seed(0)
+    x = torch.randn(8192) * 1e-9
+    payload, meta = encode(x, "sparse:0.01:2")
+    y = decode(payload, meta, (8192,))
+    kept = y != 0
+    assert int(kept.sum()) == 2 * 41
+    rel = ((y[kept] - x[kept]).abs() / x[kept].abs()).max()
+    assert float(rel) < 0.5, rel  # 2-bit levels: each kept entry within half of its magnitude
+    assert torch.equal(torch.sign(y[kept]), torch.sign(x[kept]))

@@ -24,9 +24,9 @@ weight pulls) is encoded by one of three codecs:
   ``min(k, its length)``). Each kept entry is one ``12 + bits``-bit word: its index inside the
   chunk (12 bits) and a ``bits``-bit code (default 2): a sign bit and ``bits - 1`` magnitude bits
   (``bits = 1``: the sign only). Code ``j`` of a chunk with scale ``s`` decodes to
-  ``+-s (j + 1) / L`` with ``L = 2^(bits - 1)`` magnitude levels; ``s`` (one fp16 per chunk) is
+  ``+-s (j + 1) / L`` with ``L = 2^(bits - 1)`` magnitude levels; ``s`` (one bf16 per chunk) is
   the least-squares fit of the kept magnitudes to their levels (``bits = 1``: their mean), the
-  levels first chosen against the chunk's largest magnitude. Payload: the chunks' fp16 scales,
+  levels first chosen against the chunk's largest magnitude. Payload: the chunks' bf16 scales,
   then the words packed little-endian bit after bit, ``2 n_chunks + ceil(K (12 + bits) / 8)``
   bytes for ``K`` kept entries in all -- the planner's ``sparse`` size
   (:mod:`shoal.plan.compression`): 111x smaller than bf16 at the defaults. Within a chunk the
@@ -388,10 +388,14 @@ def _sparse_encode(x: np.ndarray, k: int, bits: int) -> bytes:
         c = (j + 1) / levels
         # Least-squares scale for these levels (one pass: the codes stay the first choice's).
         s = (absv * c).sum(dim=1) / (c * c).sum(dim=1)
-        if float(s.max()) > FP16_MAX:
-            raise CodecError(f"sparse: a chunk scale of {float(s.max()):.3g} is beyond the fp16 range "
-                             f"(+-{FP16_MAX}); use the int8 or raw codec for this tensor")
-        scales.append(s.to(torch.float16))
+        # bf16, not fp16: a late round's pseudo-gradients (small learning rate, few inner steps)
+        # can sit below fp16's normal range, and bf16's 8-bit mantissa is far finer than the
+        # 2-bit levels it scales.
+        s16 = s.to(torch.bfloat16)
+        if not bool(torch.isfinite(s16).all()):
+            raise CodecError(f"sparse: a chunk scale of {float(s.max()):.3g} is beyond the bf16 range; "
+                             "use the int8 or raw codec for this tensor")
+        scales.append(s16)
         neg = (v < 0).to(torch.int64)
         code = (j.to(torch.int64) | (neg << (bits - 1))) if bits > 1 else neg
         words.append((i | (code << SPARSE_INDEX_BITS)).reshape(-1))
@@ -401,7 +405,7 @@ def _sparse_encode(x: np.ndarray, k: int, bits: int) -> bytes:
     wbytes = words.to(torch.int32).numpy().astype("<u4", copy=False).view(np.uint8).reshape(-1, 4)
     bitmat = np.unpackbits(wbytes, axis=1, bitorder="little")[:, :width]
     packed = np.packbits(bitmat.reshape(-1), bitorder="little")
-    return scales.numpy().astype("<f2", copy=False).tobytes() + packed.tobytes()
+    return scales.view(torch.int16).numpy().astype("<i2", copy=False).tobytes() + packed.tobytes()
 
 
 def _sparse_decode(buf: memoryview, numel: int, k: int, bits: int) -> torch.Tensor:
@@ -415,7 +419,7 @@ def _sparse_decode(buf: memoryview, numel: int, k: int, bits: int) -> torch.Tens
     k_last = min(k, last)
     kept = (nc - 1) * k + k_last
     width = SPARSE_INDEX_BITS + bits
-    scales = np.frombuffer(buf[: 2 * nc], dtype="<f2").astype(np.float32)
+    scales = (np.frombuffer(buf[: 2 * nc], dtype="<u2").astype(np.uint32) << np.uint32(16)).view(np.float32)
     if not np.isfinite(scales).all() or (scales < 0).any():
         raise CodecError("sparse payload has a negative or non-finite chunk scale")
     bitv = np.unpackbits(np.frombuffer(buf[2 * nc:], dtype=np.uint8), bitorder="little")

@@ -17,7 +17,7 @@ Codecs (see ``docs/sync-policies.md``):
   pulls (pseudo-gradients and weight deltas, with error feedback), never for activations;
 * ``sparse[:rho[:bits]]`` -- chunked top-k for pseudo-gradients: each chunk of ``SPARSE_CHUNK``
   elements keeps its ``ceil(rho * SPARSE_CHUNK)`` largest entries, each as a
-  ``SPARSE_INDEX_BITS``-bit index inside its chunk plus a ``bits``-bit value, with one fp16 scale
+  ``SPARSE_INDEX_BITS``-bit index inside its chunk plus a ``bits``-bit value, with one bf16 scale
   per chunk: ``(ceil(rho C) (SPARSE_INDEX_BITS + bits) / 8 + 2) / C`` bytes per element (defaults
   ``SPARSE_DENSITY`` and ``SPARSE_BITS``); pushes and pulls only, with error feedback.
 * ``tern`` -- rotated blockwise ternary for activations and activation gradients: each block of
