@@ -13,7 +13,18 @@ import torch
 
 from shoal.net import shoal_pb2 as pb
 from shoal.net.wire import encode_tensor
-from shoal.runtime.pool.pool import Lease, LeaseTable, MbState, StepMbs, TodoPool
+from shoal.runtime.pool.pool import (
+    EMPTY_TALLY,
+    Lease,
+    LeaseTable,
+    MbState,
+    StepMbs,
+    TodoPool,
+    holding_work,
+    pool_figures,
+    unpushed,
+    wait_counts,
+)
 from shoal.runtime.roles.server import StageServer
 from shoal.runtime.safety.guard import GuardConfig
 
@@ -298,6 +309,34 @@ def _assert_tally(mbs) -> None:
     states, holders = _scan_tally(mbs)
     t = mbs.tally
     assert {k: v for k, v in t.grad.items() if v} == states and t.computed_by == holders and t.n == len(mbs)
+    pairs: dict = {}
+    leased: dict = {}
+    for st in mbs.values():
+        pairs[(st.fwd, st.grad)] = pairs.get((st.fwd, st.grad), 0) + 1
+        if st.grad == "leased":
+            leased[st.holder] = leased.get(st.holder, 0) + 1
+    assert t.pairs == pairs and t.leased_by == leased
+    for is_last in (False, True):
+        _assert_figures(mbs, is_last)
+
+
+def _assert_figures(mbs, is_last: bool) -> None:
+    """The dashboard's and the stall report's figures from the counts equal a scan of the step
+    (the expressions the server used before it kept counts)."""
+    todo = sum((st.fwd == "todo") + (st.grad == "todo") for st in mbs.values())
+    waiting = sum(st.grad == "wait" or (not is_last and st.fwd == "wait") for st in mbs.values())
+    wait_input = sum((st.grad if is_last else st.fwd) == "wait" for st in mbs.values())
+    wait_grad = sum(not is_last and st.fwd == "done" and st.grad == "wait" for st in mbs.values())
+    assert pool_figures(mbs.tally, is_last) == {"todo": todo, "waiting": waiting, "wait_input": wait_input,
+                                                 "wait_grad": wait_grad}
+    counts: dict[str, int] = {}
+    for st in mbs.values():
+        counts[f"grad:{st.grad}"] = counts.get(f"grad:{st.grad}", 0) + 1
+        if not is_last:
+            counts[f"fwd:{st.fwd}"] = counts.get(f"fwd:{st.fwd}", 0) + 1
+    assert wait_counts(mbs.tally, is_last) == counts
+    assert unpushed(mbs.tally) == sorted({st.holder for st in mbs.values() if st.grad == "computed" and st.holder})
+    assert holding_work(mbs.tally) == sorted({st.holder for st in mbs.values() if st.grad in ("leased", "computed")})
 
 
 def _assert_leases(leases: LeaseTable) -> None:
@@ -347,6 +386,47 @@ def test_step_tally_follows_every_state_change():
     assert dict(mbs.tally.grad) == before
     mbs[1].grad = "todo"
     assert mbs.tally.grad["todo"] == 1
+    _assert_tally(mbs)
+
+
+def test_step_figures_follow_a_pipeline_step():
+    """The per-heartbeat figures (pool todo/waiting, inputs and gradients awaited, un-pushed
+    holders, the stall report's state counts) kept as counts equal a scan at every event of a
+    hand-written step at a middle stage: inputs arrive, forwards are leased, done and re-queued,
+    output gradients arrive, gradient tasks are leased, computed, voided, moved and counted."""
+    assert pool_figures(EMPTY_TALLY, False) == {"todo": 0, "waiting": 0, "wait_input": 0, "wait_grad": 0}
+    assert wait_counts(EMPTY_TALLY, True) == {} and unpushed(EMPTY_TALLY) == holding_work(EMPTY_TALLY) == []
+    mbs = StepMbs()
+    events = [
+        (0, "fwd", "todo", None), (1, "fwd", "todo", None),  # inputs of mbs 0 and 1 came
+        (0, "fwd", "leased", None), (2, "fwd", "todo", None),
+        (0, "fwd", "done", None), (1, "fwd", "leased", None),
+        (1, "fwd", "todo", None),  # lease expired: re-queued
+        (1, "fwd", "leased", None), (1, "fwd", "done", None), (2, "fwd", "leased", None),
+        (0, "grad", "todo", ""),  # the next stage's gradient for mb 0 came
+        (0, "grad", "leased", "A"), (1, "grad", "todo", ""), (1, "grad", "leased", "B"),
+        (0, "grad", "computed", "A"), (2, "fwd", "done", None),
+        (1, "grad", "computed", "B"), (2, "grad", "todo", ""), (2, "grad", "leased", ""),
+        (2, None, None, "A"),  # a leased gradient task's holder set after its state
+        (1, "grad", "todo", ""),  # B voided: its computed gradient is redone
+        (1, "grad", "leased", "A"), (1, None, None, "C"),  # moved to another worker
+        (1, "grad", "computed", "C"), (2, "grad", "computed", "A"),
+        (0, "grad", "counted", "A"), (1, "grad", "counted", "C"), (2, "grad", "counted", "A"),
+    ]
+    for mb in range(3):
+        mbs[mb] = MbState()
+    mbs[3] = MbState()  # one whose input never comes
+    _assert_tally(mbs)
+    for mb, what, state, holder in events:
+        st = mbs[mb]
+        if what == "fwd":
+            st.fwd = state
+        elif what == "grad":
+            st.grad = state
+        if holder is not None:
+            st.holder = holder
+        _assert_tally(mbs)
+    mbs[3] = MbState()  # replaced: the old state's pair leaves the counts
     _assert_tally(mbs)
 
 

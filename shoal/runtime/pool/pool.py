@@ -17,25 +17,38 @@ from shoal.net import shoal_pb2 as pb
 
 class StepTally:
     """Counts over one step's micro-batches, kept by their :class:`MbState` s as they change:
-    how many are in each gradient state, and how many computed gradients each worker holds.
-    The per-task questions (is every gradient computed, does this worker hold one, is the
-    step all counted) are then answered without a scan over the step's M micro-batches."""
+    how many are in each gradient state and in each (forward, gradient) pair of states, and
+    how many leased or computed gradients each worker holds. The per-task questions (is every
+    gradient computed, does this worker hold one, is the step all counted) and the
+    per-heartbeat figures (:func:`pool_figures`, :func:`wait_counts`) are then answered
+    without a scan over the step's M micro-batches."""
 
-    __slots__ = ("grad", "computed_by", "n")
+    __slots__ = ("grad", "pairs", "computed_by", "leased_by", "n")
 
     def __init__(self) -> None:
         self.grad: dict[str, int] = {}  # gradient state -> micro-batches in it
+        self.pairs: dict[tuple[str, str], int] = {}  # (forward state, gradient state) -> micro-batches
         self.computed_by: dict[str, int] = {}  # worker -> its computed (un-pushed) gradients
+        self.leased_by: dict[str, int] = {}  # worker -> the gradient tasks it holds leased
         self.n = 0  # micro-batches of the step
 
     def _move(self, state: str, holder: str, d: int) -> None:
         self.grad[state] = self.grad.get(state, 0) + d
-        if state == "computed":
-            n = self.computed_by.get(holder, 0) + d
+        if state == "computed" or state == "leased":
+            by = self.computed_by if state == "computed" else self.leased_by
+            n = by.get(holder, 0) + d
             if n:
-                self.computed_by[holder] = n
+                by[holder] = n
             else:
-                del self.computed_by[holder]
+                del by[holder]
+
+    def _pair(self, fwd: str, grad: str, d: int) -> None:
+        key = (fwd, grad)
+        n = self.pairs.get(key, 0) + d
+        if n:
+            self.pairs[key] = n
+        else:
+            del self.pairs[key]
 
     def all_in(self, *states: str) -> bool:
         """Whether the step has micro-batches and every one's gradient is in ``states``."""
@@ -45,20 +58,25 @@ class StepTally:
         """Whether ``wid`` holds a computed gradient of the step."""
         return self.computed_by.get(wid, 0) > 0
 
+    def count(self, pred) -> int:
+        """Micro-batches whose (forward, gradient) states satisfy ``pred(fwd, grad)`` (a look
+        at the at most 20 pairs present, not at the M micro-batches)."""
+        return sum(n for (f, g), n in self.pairs.items() if pred(f, g))
+
 
 class MbState:
     """One micro-batch of one step at this stage.
 
-    ``grad`` and ``holder`` are kept in the step's :class:`StepTally` once the state is in
-    a :class:`StepMbs` (every assignment updates the counts)."""
+    ``fwd``, ``grad`` and ``holder`` are kept in the step's :class:`StepTally` once the state
+    is in a :class:`StepMbs` (every assignment updates the counts)."""
 
-    __slots__ = ("input", "out_grad", "fwd", "_grad", "_holder", "loss", "relayed_back", "fwd_by", "fwd_gen",
+    __slots__ = ("input", "out_grad", "_fwd", "_grad", "_holder", "loss", "relayed_back", "fwd_by", "fwd_gen",
                  "input_frame", "out_grad_frame", "_tally")
 
     def __init__(self) -> None:
         self.input: torch.Tensor | None = None  # stage input (None at stage 0: tokens are rebuilt)
         self.out_grad: torch.Tensor | None = None  # gradient of the stage output (non-last stages)
-        self.fwd = "wait"  # wait | todo | leased | done  (non-last stages only)
+        self._fwd = "wait"  # wait | todo | leased | done  (non-last stages only)
         self._grad = "wait"  # wait | todo | leased | computed | counted
         self._holder = ""  # worker holding the grad lease or the computed gradient
         self.loss: float | None = None  # last stage: the micro-batch loss
@@ -70,6 +88,18 @@ class MbState:
         self._tally: StepTally | None = None  # the step's counts (set when put in a StepMbs)
 
     @property
+    def fwd(self) -> str:
+        return self._fwd
+
+    @fwd.setter
+    def fwd(self, state: str) -> None:
+        t = self._tally
+        if t is not None:
+            t._pair(self._fwd, self._grad, -1)
+            t._pair(state, self._grad, 1)
+        self._fwd = state
+
+    @property
     def grad(self) -> str:
         return self._grad
 
@@ -79,6 +109,8 @@ class MbState:
         if t is not None:
             t._move(self._grad, self._holder, -1)
             t._move(state, self._holder, 1)
+            t._pair(self._fwd, self._grad, -1)
+            t._pair(self._fwd, state, 1)
         self._grad = state
 
     @property
@@ -88,13 +120,13 @@ class MbState:
     @holder.setter
     def holder(self, wid: str) -> None:
         t = self._tally
-        if t is not None and self._grad == "computed":
-            t._move("computed", self._holder, -1)
-            t._move("computed", wid, 1)
+        if t is not None and (self._grad == "computed" or self._grad == "leased"):
+            t._move(self._grad, self._holder, -1)
+            t._move(self._grad, wid, 1)
         self._holder = wid
 
     def __repr__(self) -> str:
-        return f"MbState(fwd={self.fwd!r}, grad={self._grad!r}, holder={self._holder!r})"
+        return f"MbState(fwd={self._fwd!r}, grad={self._grad!r}, holder={self._holder!r})"
 
 
 class StepMbs(dict):
@@ -113,10 +145,12 @@ class StepMbs(dict):
             return
         if old is not None:
             self.tally._move(old._grad, old._holder, -1)
+            self.tally._pair(old._fwd, old._grad, -1)
             old._tally = None
             self.tally.n -= 1
         st._tally = self.tally
         self.tally._move(st._grad, st._holder, 1)
+        self.tally._pair(st._fwd, st._grad, 1)
         self.tally.n += 1
         super().__setitem__(mb, st)
 
@@ -125,6 +159,45 @@ class StepMbs(dict):
         if got is None:
             self[mb] = got = st
         return got
+
+
+EMPTY_TALLY = StepTally()  # the figures of a step with no micro-batches (never changed)
+
+
+def pool_figures(t: StepTally, is_last: bool) -> dict[str, int]:
+    """A step's pool figures for the dashboard, from its counts (no scan over the step):
+
+    ``todo``: tasks to lease (forwards and gradients); ``waiting``: micro-batches with a
+    task that waits on its input (at a non-last stage a forward or a gradient waits);
+    ``wait_input``: ones whose first task waits for its input; ``wait_grad`` (non-last
+    stages): forwards done whose gradient from the next stage has not come.
+    """
+    return {
+        "todo": t.count(lambda f, g: f == "todo") + t.grad.get("todo", 0),
+        "waiting": t.count(lambda f, g: g == "wait" or (not is_last and f == "wait")),
+        "wait_input": t.grad.get("wait", 0) if is_last else t.count(lambda f, g: f == "wait"),
+        "wait_grad": 0 if is_last else t.count(lambda f, g: f == "done" and g == "wait"),
+    }
+
+
+def wait_counts(t: StepTally, is_last: bool) -> dict[str, int]:
+    """``grad:<state>`` (and at a non-last stage ``fwd:<state>``) -> micro-batches in it,
+    only states some micro-batch is in (the stall report's figures)."""
+    out = {f"grad:{g}": n for g, n in t.grad.items() if n}
+    if not is_last:
+        for (f, _), n in t.pairs.items():
+            out[f"fwd:{f}"] = out.get(f"fwd:{f}", 0) + n
+    return out
+
+
+def unpushed(t: StepTally) -> list[str]:
+    """Workers holding computed gradients of the step not pushed yet, sorted (no empty name)."""
+    return sorted(w for w in t.computed_by if w)
+
+
+def holding_work(t: StepTally) -> list[str]:
+    """Workers holding a gradient task of the step, leased or computed, sorted."""
+    return sorted(set(t.leased_by) | set(t.computed_by))
 
 
 @dataclass

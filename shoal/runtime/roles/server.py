@@ -81,13 +81,18 @@ from shoal.runtime.common import (
 )
 from shoal.runtime.pool.grants import GrantBook
 from shoal.runtime.pool.pool import (
+    EMPTY_TALLY,
     Lease,
     LeaseTable,
     MbState,
     StepMbs,
     TodoPool,
     WorkerInfo,
+    holding_work,
     pick_order,
+    pool_figures,
+    unpushed,
+    wait_counts,
     yield_to_idle,
 )
 from shoal.runtime.safety.guard import DEFAULT as GUARD
@@ -366,7 +371,7 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
             return False
         if now - self.flush_since < self.flush_grace_s:
             return False
-        holders = flush_voids({st.holder for st in mbs.values() if st.grad == "computed"}, self.pushing, self.step,
+        holders = flush_voids(set(mbs.tally.computed_by), self.pushing, self.step,
                               now, self.spec.dead_after_s if self.spec else 3.0)
         if not holders:
             return False  # each holder is still pushing: looked at again on the next tick
@@ -377,13 +382,10 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
 
     def describe_wait(self) -> str:
         """One line: what the current step is waiting for (for stall reports)."""
-        mbs = self.steps.get(self.step, {})
-        counts: dict[str, int] = {}
-        for st in mbs.values():
-            counts[f"grad:{st.grad}"] = counts.get(f"grad:{st.grad}", 0) + 1
-            if not self.is_last:
-                counts[f"fwd:{st.fwd}"] = counts.get(f"fwd:{st.fwd}", 0) + 1
-        holders = sorted({st.holder for st in mbs.values() if st.grad in ("leased", "computed")})
+        mbs = self.steps.get(self.step)
+        # (from the step's counts, kept as states change: no scan over its micro-batches)
+        counts = wait_counts(mbs.tally, self.is_last) if mbs else {}
+        holders = holding_work(mbs.tally) if mbs else []
         state = "loading" if self.loading else ("not ready" if not self.ready else
                                                  ("committing" if self.committing else "working"))
         return (f"stage {self.stage} step {self.step} ({state}): "
@@ -631,9 +633,12 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
 
     def stats_snapshot(self) -> pb.MemberStats:
         """What this server reports for the dashboard: pool, leases, the last step's split."""
-        mbs = self.steps.get(self.step, {}) if self.version >= 0 else {}
-        todo = sum((st.fwd == "todo") + (st.grad == "todo") for st in mbs.values())
-        waiting = sum(st.grad == "wait" or (not self.is_last and st.fwd == "wait") for st in mbs.values())
+        mbs = self.steps.get(self.step) if self.version >= 0 else None
+        # The pool's figures come from the step's counts, kept as states change (no scan
+        # over its M micro-batches 5 times a second).
+        tally = mbs.tally if mbs else EMPTY_TALLY
+        fig = pool_figures(tally, bool(mbs) and self.stage >= 0 and self.is_last)
+        todo, waiting = fig["todo"], fig["waiting"]
         live = self.spec.dead_after_s if self.spec else 3.0
         now = time.monotonic()
         s = pb.MemberStats(stage=self.stage, step=self.step, pool_todo=todo, pool_waiting=waiting,
@@ -646,10 +651,8 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
         for lease in self.leases.values():
             held.setdefault(lease.worker, []).append(now - lease.started)
         s.held.extend(pb.HeldLease(worker=w, tasks=len(ages), oldest_s=max(ages)) for w, ages in sorted(held.items()))
-        last = self.stage >= 0 and self.version >= 0 and self.is_last
-        s.wait_input = sum((st.grad if last else st.fwd) == "wait" for st in mbs.values())
-        s.wait_grad = sum(not last and st.fwd == "done" and st.grad == "wait" for st in mbs.values())
-        s.unpushed.extend(sorted({st.holder for st in mbs.values() if st.grad == "computed" and st.holder}))
+        s.wait_input, s.wait_grad = fig["wait_input"], fig["wait_grad"]
+        s.unpushed.extend(unpushed(tally))
         s.committing = self.committing
         s.step_s = now - self.progress_t
         self.standby_stats(s)
