@@ -6,8 +6,9 @@ Per attack (x-20, x-2, sign flip, Gaussian noise of the honest norm, a consisten
 0, one from step 2, two of five colluding from step 2), an exact run (fp32, 2 stages,
 ordered pushes, tiny model): the step of each ban, the version each undo went back to, and
 the final weights against an honest run of the same workload (exact: torch.equal) with
-the loss gap. Local mode (``--sync local``): the same attacks from step 0, final loss
-against the honest local run. ``--bf16-attacks``: the attacks alone from step 2 in bf16 (no
+the loss gap. Local mode (``--sync local``): the same attacks and scenarios, final loss
+against the mean of ``--local-honest`` honest local runs of the same worker count (whose own
+gaps to that mean are the run-to-run spread). ``--bf16-attacks``: the attacks alone from step 2 in bf16 (no
 exact recomputation: what a ban undoes there) against an honest bf16 run. Honest runs with
 uneven workers (one 3x slower), fp32 and bf16: false bans.
 
@@ -34,6 +35,13 @@ ATTACKS = {"x-20": "scale=-20", "x-2": "scale=-2", "sign flip": "scale=-1", "noi
            "bias": "kind=bias:scale=0.5"}
 
 
+def SCENARIOS(spec: str) -> list[tuple[str, int, list[str]]]:  # noqa: N802 (a table)
+    """The scenarios of an attack: (name, workers, faults)."""
+    return [("alone from step 0", 3, [f"poison:w1:{spec}"]),
+            ("alone from step 2", 3, [f"poison:w1:{spec}:from=2"]),
+            ("2 of 5 colluding from step 2", 5, [f"poison:w1:{spec}:from=2", f"poison:w3:{spec}:from=2"])]
+
+
 def run(out: Path, args, *, workers: int, faults: list[str], **kw) -> dict:
     """One swarm run; its bans, undos, final loss and weights."""
     cfg = LaunchConfig(out=str(out), model="tiny", steps=args.steps, micro_batches=4, micro_batch_size=2, seq_len=32,
@@ -53,6 +61,8 @@ def run(out: Path, args, *, workers: int, faults: list[str], **kw) -> dict:
             "dup": [len(re.findall(r"check \d+: \S+ and \S+ agree", logs)),
                     len(re.findall(r"check \d+: \S+ and \S+ disagree", logs))],
             "recomputed": len(re.findall(r"recomputed the push of", logs)),
+            # local mode: pseudo-gradients held out of a merge (cosine to the server's gradient in (-0.05, 0))
+            "held": len(re.findall(r"holds \S+ pseudo-gradient out of the merge", logs)),
             "suspects": sorted(set(re.findall(r"drift of \S+-(w\d+) after step \d+: z \S+ over \d+ steps: a suspect",
                                               logs))),
             "max_drift_z": round(max(zs), 2) if zs else None,
@@ -82,6 +92,8 @@ def main() -> None:
     ap.add_argument("--honest", type=int, default=6, help="honest runs with uneven workers (half of them bf16)")
     ap.add_argument("--sync-every", type=int, default=2, help="local mode: steps per round")
     ap.add_argument("--skip-exact", action="store_true", help="no exact-mode attack runs")
+    ap.add_argument("--local-honest", type=int, default=3,
+                    help="local mode: honest runs per worker count (3 and 5), the reference and its spread")
     ap.add_argument("--skip-local", action="store_true", help="no local-mode runs")
     ap.add_argument("--honest-workers", type=int, default=3, help="workers of each honest run (one of them 3x slower)")
     ap.add_argument("--bf16-attacks", action="store_true", help="the attacks alone from step 2 in bf16 too")
@@ -94,10 +106,7 @@ def main() -> None:
     if ref is not None:
         print(f"honest exact run: loss {ref['loss']:.6f}, bans {ref['bans']}", flush=True)
     for name, spec in ATTACKS.items() if ref is not None else ():
-        for scen, workers, faults in [("alone from step 0", 3, [f"poison:w1:{spec}"]),
-                                      ("alone from step 2", 3, [f"poison:w1:{spec}:from=2"]),
-                                      ("2 of 5 colluding from step 2", 5,
-                                       [f"poison:w1:{spec}:from=2", f"poison:w3:{spec}:from=2"])]:
+        for scen, workers, faults in SCENARIOS(spec):
             r = run(root / f"{name.replace(' ', '_')}-{scen.split()[0]}-{scen.split()[-1]}", args, workers=workers,
                     faults=faults)
             equal, worst = gap(r["weights"], ref["weights"])
@@ -120,17 +129,37 @@ def main() -> None:
                    "wall_s": round(r["wall_s"], 1)}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    if not args.skip_local:
-        lref = run(root / "local-honest", args, workers=3, faults=[], sync="local", sync_every=args.sync_every)
-        print(f"honest local run: loss {lref['loss']:.6f}, bans {lref['bans']}", flush=True)
-        for name, spec in ATTACKS.items():
-            r = run(root / f"local-{name.replace(' ', '_')}", args, workers=3, faults=[f"poison:w1:{spec}"],
-                    sync="local", sync_every=args.sync_every)
-            row = {"mode": "local", "attack": name, "scenario": "alone from step 0", "bans": r["bans"], "by": r["by"],
-                   "loss_gap_pct": 100 * (r["loss"] - lref["loss"]) / lref["loss"], "wall_s": round(r["wall_s"], 1)}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
     false_bans = 0
+    if not args.skip_local:
+        # Honest local runs differ from run to run (timing decides which replica covers which
+        # micro-batch), so each worker count gets several honest runs: the attacks are judged
+        # against their mean, and the honest runs' own gaps to it are the spread.
+        lrefs = {}
+        for workers in (3, 5):
+            lrefs[workers] = []
+            for i in range(args.local_honest):
+                r = run(root / f"local-honest-{workers}w-{i}", args, workers=workers, faults=[], sync="local",
+                        sync_every=args.sync_every)
+                false_bans += len(r["bans"])
+                lrefs[workers].append(r)
+            mean = sum(r["loss"] for r in lrefs[workers]) / len(lrefs[workers])
+            for i, r in enumerate(lrefs[workers]):
+                row = {"mode": "local honest", "workers": workers, "run": i, "bans": r["bans"],
+                       "loss": r["loss"], "loss_gap_pct": 100 * (r["loss"] - mean) / mean,
+                       "warnings": r["warnings"], "wall_s": round(r["wall_s"], 1)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            lrefs[workers] = mean
+        for name, spec in ATTACKS.items():
+            for scen, workers, faults in SCENARIOS(spec):
+                r = run(root / f"local-{name.replace(' ', '_')}-{scen.split()[0]}-{scen.split()[-1]}", args,
+                        workers=workers, faults=faults, sync="local", sync_every=args.sync_every)
+                row = {"mode": "local", "attack": name, "scenario": scen, "bans": r["bans"], "by": r["by"],
+                       "held": r["held"], "loss": r["loss"],
+                       "loss_gap_pct": 100 * (r["loss"] - lrefs[workers]) / lrefs[workers],
+                       "wall_s": round(r["wall_s"], 1)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     for i in range(args.honest):
         precision = "bf16" if i % 2 else "fp32"
         r = run(root / f"honest-{i}", args, workers=args.honest_workers, faults=["slow:w2:factor=3"],
