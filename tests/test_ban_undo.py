@@ -14,7 +14,14 @@ from swarm_reference import RUN, assert_equal_weights, failure_free_weights, lau
 
 from shoal.errors import ShoalError
 from shoal.runtime.common import ckpts_to_prune
-from shoal.runtime.safety.faults import PoisonFault, parse_fault, poison, poisons, worker_fault_args
+from shoal.runtime.safety.faults import (
+    PoisonFault,
+    StopFault,
+    parse_fault,
+    poison,
+    poisons,
+    worker_fault_args,
+)
 from shoal.runtime.safety.guard import (
     GuardConfig,
     keep_version,
@@ -59,8 +66,11 @@ def test_poison_fault_grammar_and_kinds():
     assert parse_fault("poison:w0:kind=bias") == PoisonFault("w0", 0.5, "bias", 0)
     assert worker_fault_args([parse_fault("poison:w2:kind=bias:scale=0.3:from=3")], "w2") == [
         "--fault-poison", "0.3", "--fault-poison-kind", "bias", "--fault-poison-from", "3"]
+    assert parse_fault("stop:w1:step=5") == StopFault("w1", 5)
+    assert worker_fault_args([parse_fault("stop:w1:step=5")], "w1") == ["--fault-stop-from", "5"]
     for bad, msg in [("poison:w1", "missing scale="), ("poison:w1:kind=flip", "is not one of"),
-                     ("poison:w1:kind=noise:from=-1", "from= must be")]:
+                     ("poison:w1:kind=noise:from=-1", "from= must be"), ("stop:w1", "missing step="),
+                     ("stop:w1:step=-1", "step= must be")]:
         with pytest.raises(ShoalError, match=msg):
             parse_fault(bad)
     assert not poisons("scale", 1.0, 0, 5) and not poisons("noise", 1.0, 3, 2) and poisons("noise", 1.0, 3, 3)
@@ -131,6 +141,45 @@ def test_a_poisoner_that_turns_later_is_undone_bitwise(tmp_path, failure_free, m
     assert back and back[0]["version"] <= first, back
     recs = read_jsonl(out / "metrics.jsonl")
     assert sorted({r["step"] for r in recs}) == list(range(RUN["steps"]))
+    assert_equal_weights(out, failure_free)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(900)
+def test_a_poisoner_that_takes_no_task_of_the_last_step_is_caught_by_the_end_check(tmp_path, failure_free,
+                                                                                   monkeypatch):
+    """Exact mode, 2 stages, 3 workers: w1 pushes honest gradients at steps 0-1, then noise of
+    the honest norm, and takes no task of the last step (``stop`` fault: it drops that lease
+    and stays in the run, idle). Random spot checks are off (the test hook), so the last
+    step's full recomputation never sees it; the end check at the last step's commit
+    recomputes its newest unverified push, bans it, and the undo redoes its steps: the final
+    weights are the failure-free run's, bit for bit."""
+    from shoal.runtime.processes.launch import launch
+    from shoal.runtime.safety.guard import SPOT_RATE_ENV
+
+    monkeypatch.setenv(SPOT_RATE_ENV, "0")
+    last = RUN["steps"] - 1
+    # The case needs w1 to commit a poisoned push unrecomputed: a task of a step in [2, last)
+    # and a first push (always recomputed) before step 2. Other schedules are run again.
+    for attempt in range(4):
+        out = tmp_path / f"run{attempt}"
+        summary = launch(launch_config(out, workers=3, faults=["poison:w1:kind=noise:from=2", f"stop:w1:step={last}"]))
+        bans = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "ban"]
+        recs = read_jsonl(out / "metrics.jsonl")
+        first_epoch = [r for r in recs if r.get("epoch", 0) == min(x.get("epoch", 0) for x in recs)]
+        lied = any(r["tasks_per_worker"].get("w1", 0) for r in first_epoch if 2 <= r["step"] < last)
+        honest_first = any(r["tasks_per_worker"].get("w1", 0) for r in first_epoch if r["step"] < 2)
+        if lied and honest_first and (not bans or "end check" in bans[0]["why"]):
+            break
+    else:
+        pytest.fail("w1 committed no poisoned push after an honest first push in 4 runs")
+    assert summary["steps"] == RUN["steps"]
+    # w1 took no task of the last step (the fault), so only the end check can have seen it
+    assert not any(r["tasks_per_worker"].get("w1", 0) for r in recs if r["step"] == last), recs
+    assert [b["device"] for b in bans] == ["w1"], bans
+    assert bans[0]["step"] == last and "end check" in bans[0]["why"], bans
+    back = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "rollback" and e.get("why") == "undo"]
+    assert back and back[0]["version"] <= 2, back  # before its first poisoned push (or earlier: unverified)
     assert_equal_weights(out, failure_free)
 
 

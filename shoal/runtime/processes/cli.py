@@ -198,6 +198,8 @@ def register(subparsers) -> None:
                    help="fault injection: poison the pushes of STEP and later only (honest before)")
     p.add_argument("--fault-slow", type=float, default=1.0, metavar="FACTOR",
                    help="fault injection: take FACTOR times the compute time of every task")
+    p.add_argument("--fault-stop-from", type=int, default=-1, metavar="STEP",
+                   help="fault injection: take no task of STEP or later (drop the lease, stay in the run idle)")
     p.add_argument("--no-error-feedback", action="store_true",
                    help="lossy --codec: do not carry each gradient push's quantisation error into the next")
     p.add_argument("--no-graph-cache", action="store_true",
@@ -261,7 +263,7 @@ def register(subparsers) -> None:
     p.add_argument("--no-dashboard", action="store_true", help="no web dashboard")
     p.add_argument("--fault", action="append", default=[], metavar="SPEC",
                    help="inject a fault (repeatable): kill:worker|server[:NAME]:step=N, poison:wN:scale=F, "
-                        "slow:wN:factor=F, flap:wN:period=S:down=S:for=S, corrupt-ckpt:STAGE[:step=N] "
+                        "slow:wN:factor=F, stop:wN:step=N, flap:wN:period=S:down=S:for=S, corrupt-ckpt:STAGE[:step=N] "
                         "(see docs/faults.md)")
     p.add_argument("--insecure", action="store_true",
                    help="plain text between the members (default: TLS with keys made in RUN/tls)")
@@ -584,6 +586,7 @@ def run_worker_cmd(args) -> int:
                                                 fault_poison=args.fault_poison, fault_slow=args.fault_slow,
                                                 fault_poison_kind=args.fault_poison_kind,
                                                 fault_poison_from=args.fault_poison_from,
+                                                fault_stop_from=args.fault_stop_from,
                                                 graph_cache=not args.no_graph_cache, prefetch=args.prefetch,
                                                 session=args.session, shadow=args.shadow,
                                                 error_feedback=not args.no_error_feedback,

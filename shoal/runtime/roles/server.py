@@ -95,6 +95,7 @@ from shoal.runtime.pool.pool import (
     wait_counts,
     yield_to_idle,
 )
+from shoal.runtime.safety.endcheck import EndCheckMixin
 from shoal.runtime.safety.guard import DEFAULT as GUARD
 from shoal.runtime.safety.guard import (
     SPOT_RATE_ENV,
@@ -128,7 +129,7 @@ from shoal.train.precision import unscale_grads, wire_dtype
 log = logging.getLogger("shoal.server")
 
 
-class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServerServicer):
+class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, EndCheckMixin, pbg.StageServerServicer):
     """State and RPC handlers of one stage server."""
 
     def __init__(self, coord: str, listen: str, token: str, ckpt_root: str, *,
@@ -223,6 +224,7 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
         self.guard_keep: int | None = None  # the oldest version a ban may roll back to (from the coordinator)
         self.guard_cfg = GUARD  # the screen's thresholds (shoal.runtime.safety.guard.GuardConfig)
         self._dup_init()  # redundant checks and the drift test (shoal.runtime.safety.redundant)
+        self._end_init()  # the run's end check (shoal.runtime.safety.endcheck)
         self.standby = False  # a hot standby: copies a stage's checkpoints until promoted
         self.standby_copying = False  # a checkpoint copy is under way
         self.copy_failing: tuple | None = None  # (stage, source, why) of the failing copy already warned about
@@ -299,6 +301,7 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
         self.step = version
         # Steps from ``version`` on are redone: only unverified pushes baked into it remain.
         self.guard_unverified = {w: s for w, s in self.guard_unverified.items() if s < version}
+        self._end_forget(version, stage, first, last)
         # Redone steps would add their deviations twice (not independent): the drift test starts over.
         self._drift_reset()
         self.guard_ref = None  # the direction of a step that is redone now
@@ -347,6 +350,7 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
         self.stall_warned = False
         self.pushed = {k for k in self.pushed if k[2] >= step - 1}
         self.step_unverified = set()
+        self.end_ids = set()
         self._dup_clear()
 
     @property
@@ -1179,6 +1183,7 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
         if exact:
             if err is None:
                 self.step_unverified.add(r.worker)  # a ban of it later rolls back past this step
+                self._end_note(r.worker, ids)  # the run's end check may recompute it
         elif strike:
             # No push is verified here (bf16/fp16, lossy codecs): the undo record holds what the
             # screen flagged, and keeps it (an unflagged push after it takes nothing back).
@@ -1204,6 +1209,7 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
                 self.requeues += 1
         self.pushed = {k for k in self.pushed if k[0] != wid}
         self.step_unverified.discard(wid)
+        self.end_records.pop(wid, None)
         self._void_worker(wid, f"banned: {reason}")
         undo = undo_version(self.guard_unverified, wid)
         if undo is not None:
@@ -1740,6 +1746,10 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
                 report.tasks_per_worker[w] = n
             # Every standby of the stage logs the step before any decision on it can exist.
             await self.standby_send_step(step, epoch)
+            if (step == self.spec.steps - 1 and self.guard_cfg.enabled and self.guard_cfg.verify_last_step
+                    and self.spec.guard_spot_check > 0 and not self.spec.shadow):
+                # The newest unverified pushes of workers absent from the last step (safety/endcheck.py).
+                await self._end_checks(step, epoch)
             # A ban made in this step reaches the coordinator before the step's report: else the
             # run's last step could commit and finish first, and the ban's undo would come too late.
             while len(self.guard_bans) > self.guard_bans_told and self.epoch == epoch:
@@ -1774,6 +1784,8 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, pbg.StageServe
                     # A rollback came while the checkpoint write or the lock was awaited: its load
                     # owns the stage now (this step's update must not land on the loaded weights).
                     return
+                if not self.local and step < self.spec.steps - 1:
+                    await self._end_record(step, epoch)  # before the update: the weights it was computed on
                 if self.local:
                     pass
                 elif d.skip:

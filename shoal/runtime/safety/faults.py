@@ -13,6 +13,9 @@ Grammar (one fault per ``--fault``; workers are named ``w0``, ``w1``, ... and se
   its true gradients plus F (default 0.5) times their per-element RMS along a sign vector
   fixed for the run (a consistent small bias).
 * ``slow:wN:factor=F`` -- that worker takes F times its compute time for every task.
+* ``stop:wN:step=N`` -- that worker takes no task of step N or later: it drops the first such
+  lease it gets (the server gives the task to another once the lease runs out) and stays in
+  the run, idle (a liar that keeps out of the last step's full recomputation).
 * ``flap:wN:period=S:down=S:for=S`` -- that worker reaches the stage servers through a
   link that resets every connection for ``down`` seconds every ``period`` seconds, for
   ``for`` seconds from its start (:class:`shoal.emulate.flap.FlapProxy`).
@@ -41,7 +44,7 @@ from shoal.errors import ShoalError
 
 GRAMMAR = ("kill:worker|server[:NAME]:step=N, kill:coordinator:step=N, poison:wN:scale=F[:kind=scale|noise|bias]"
            "[:from=STEP], "
-           "slow:wN:factor=F, "
+           "slow:wN:factor=F, stop:wN:step=N, "
            "flap:wN:period=S:down=S:for=S, corrupt-ckpt:STAGE[:step=N]")
 
 
@@ -76,6 +79,14 @@ class SlowFault:
 
 
 @dataclass(frozen=True)
+class StopFault:
+    """A worker that takes no task of step ``step`` or later (and stays in the run, idle)."""
+
+    worker: str  # "wN"
+    step: int  # the first step it takes no task of
+
+
+@dataclass(frozen=True)
 class FlapFault:
     """A worker whose links to the stage servers reset periodically."""
 
@@ -93,7 +104,7 @@ class CorruptCkptFault:
     step: int  # steps committed when it happens
 
 
-Fault = KillFault | PoisonFault | SlowFault | FlapFault | CorruptCkptFault
+Fault = KillFault | PoisonFault | SlowFault | StopFault | FlapFault | CorruptCkptFault
 
 _WORKER = re.compile(r"w\d+")
 _SERVER = re.compile(r"s\d+")
@@ -170,6 +181,13 @@ def parse_fault(spec: str) -> Fault:
         if opts["factor"] < 1:
             raise ShoalError(f"--fault {spec!r}: factor= must be >= 1 (how many times slower)")
         return SlowFault(worker, opts["factor"])
+    if kind == "stop":
+        worker = _worker(spec, rest)
+        opts = _options(spec, rest[1:], {"step": int})
+        _need(spec, opts, "step")
+        if opts["step"] < 0:
+            raise ShoalError(f"--fault {spec!r}: step= must be >= 0 (the first step it takes no task of)")
+        return StopFault(worker, opts["step"])
     if kind == "flap":
         worker = _worker(spec, rest)
         opts = _options(spec, rest[1:], {"period": float, "down": float, "for": float})
@@ -236,6 +254,8 @@ def worker_fault_args(faults: list[Fault], worker: str) -> list[str]:
                 args += ["--fault-poison-from", str(f.start)]
         elif isinstance(f, SlowFault) and f.worker == worker:
             args += ["--fault-slow", repr(f.factor)]
+        elif isinstance(f, StopFault) and f.worker == worker:
+            args += ["--fault-stop-from", str(f.step)]
     return args
 
 

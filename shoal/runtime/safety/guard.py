@@ -85,6 +85,10 @@ class GuardConfig:
     # Recompute every push of the run's last step: a worker that lied on every push since its
     # last check cannot finish the run unseen (a failed check there undoes all its unchecked work).
     verify_last_step: bool = True
+    # At the last step's commit, also recompute the newest unverified pushes of every worker
+    # that pushed nothing in that step (safety/endcheck.py): a worker that lies on every push
+    # from some step on is caught even if it takes no task of the last step.
+    end_check: bool = True
     # Local mode (--sync local): contributors a merge needs for the round's own centre (the
     # coordinate-wise median of its pseudo-gradients) to outvote one dishonest replica.
     # With fewer, only the norm is screened, against the stage's earlier honest rounds.
