@@ -56,13 +56,14 @@ def local(spec: str, uploads: bool = True) -> SyncPolicy:
 
 
 SPARSE = "act=int8,grad=int8,push=sparse,pull=sparse"
+TERN = "act=tern,grad=tern,push=sparse,pull=sparse"  # activations in tern (9.28x fewer bytes than bf16)
 
 
 def policies() -> list[tuple[str, SyncPolicy | None, bool]]:
     """(label, policy, replicas); policy None = --sync auto."""
     return [("exact", SyncPolicy(), False), ("local int8", local("int8"), False),
             ("local sparse", local(SPARSE), False), ("replicas sparse", local(SPARSE, uploads=False), True),
-            ("auto", None, False)]
+            ("replicas tern", local(TERN, uploads=False), True), ("auto", None, False)]
 
 
 def run_one(name: str, label: str, policy: SyncPolicy | None, replicas: bool, sim_steps: int = 2) -> dict:

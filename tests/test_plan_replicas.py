@@ -12,6 +12,7 @@ from shoal.plan.cluster import average_linkage
 from shoal.plan.cost import outer_merge_flows, scenario_profile
 from shoal.plan.replicas import (
     cut_clusters,
+    drop_depths,
     equal_finish_split,
     network_clusters,
     split_micro_batches,
@@ -21,8 +22,8 @@ from shoal.plan.validate import validate_plan
 from shoal.sim import simulate
 
 
-def _two_regions():
-    devices = [{"id": f"{r}{i}", "tflops": 1, "memory_gb": 8, "region": r, "up_mbps": 100, "down_mbps": 200}
+def _two_regions(inter_mbps=100, tflops=1):
+    devices = [{"id": f"{r}{i}", "tflops": tflops, "memory_gb": 8, "region": r, "up_mbps": 100, "down_mbps": 200}
                for r in ("a", "b") for i in range(4)]
     devices += [{"id": f"h{r}", "tflops": 0, "memory_gb": 0, "region": r, "up_gbps": 1, "down_gbps": 1,
                  "can_host_server": True} for r in ("a", "b")]
@@ -30,7 +31,7 @@ def _two_regions():
         "name": "two-regions",
         "workload": {"model": "tiny", "seq_len": 64, "global_batch": 16, "micro_batch_size": 2, "dtype": "fp32"},
         "network": {"intra": {r: {"latency_ms": 5, "bandwidth_gbps": 1} for r in ("a", "b")},
-                    "inter": [{"regions": ["a", "b"], "latency_ms": 150, "bandwidth_mbps": 100}]},
+                    "inter": [{"regions": ["a", "b"], "latency_ms": 150, "bandwidth_mbps": inter_mbps}]},
         "devices": devices,
     })
 
@@ -150,3 +151,17 @@ def test_planner_keeps_each_replica_inside_its_cluster():
     assert plan.predicted["devices_used"] >= 80
     with pytest.raises(ShoalError, match="local"):
         make_plan(s, replicas=True)
+
+
+@pytest.mark.parametrize("inter_mbps,depths", [(1000, [1, 2]), (10, [1, 2]), (1, [1])])
+def test_a_depth_whose_merge_costs_more_than_it_computes_is_dropped(inter_mbps, depths):
+    """The 2-stage replica of region b merges with a's over the inter-region link: slow compute
+    (1 GFLOP/s cards) keeps it worth its merge down to 10 Mbit/s; at 1 Mbit/s the merge (5.6 s)
+    outweighs it and it is dropped, a's replica taking all micro-batches."""
+    s = _two_regions(inter_mbps, tflops=0.001)
+    plan = _replica_plan()
+    before = predict(plan, s)["tokens_per_s"]
+    got = drop_depths(plan, s)
+    assert [len(r.stages) for r in got.replicas] == depths
+    assert sum(r.micro_batches for r in got.replicas) == plan.micro_batches
+    assert got.predicted["tokens_per_s"] >= before
