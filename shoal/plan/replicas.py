@@ -22,6 +22,7 @@ their compute (:func:`drop_depths`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from copy import deepcopy
@@ -324,8 +325,15 @@ def drop_depths(plan: Plan, scenario: Scenario, options: CostOptions | None = No
     them, and the deep replicas of small cards run few micro-batches on many servers: on
     scale-1024 with ``tern`` activations, 3-stage replicas made the merge 8.2 s instead of 2.6 s
     and the rounds no longer hid behind the steps (15 % of the FLOP limit with them, 39 %
-    without). Rebalancing alone cannot see that, since it only moves micro-batches."""
-    best = plan
+    without). Rebalancing alone cannot see that, since it only moves micro-batches. Plans are
+    compared with the coordinator's CPU floor counted even when ``options`` leave it out (the
+    search's options do): every replica's servers and workers are members it serves."""
+    judge = dataclasses.replace(options or CostOptions(), coordinator=True)
+
+    def tps(p: Plan) -> float:
+        return predict(p, scenario, judge)["tokens_per_s"]
+
+    best, best_tps = plan, tps(plan)
     for k in sorted({len(r.stages) for r in plan.replicas}, reverse=True):
         keep = [r for r in best.replicas if len(r.stages) != k]
         if not keep or len(keep) == len(best.replicas):
@@ -337,8 +345,10 @@ def drop_depths(plan: Plan, scenario: Scenario, options: CostOptions | None = No
             r.micro_batches = m_r
         trial.stages = trial.replicas[0].stages
         _balance(trial, scenario, options)
-        if trial.predicted["tokens_per_s"] > best.predicted["tokens_per_s"]:
-            best = trial
+        t = tps(trial)
+        if t > best_tps:
+            best, best_tps = trial, t
+    predict(best, scenario, options)
     return best
 
 
