@@ -65,6 +65,7 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
     "/shoal.v1.StageServer/RelayStream": frozenset({"server"}),
     "/shoal.v1.StageServer/StandbyCkptStream": frozenset({"server"}),
     "/shoal.v1.StageServer/StandbyStepStream": frozenset({"server"}),
+    "/shoal.v1.StageServer/ReplicaPartStream": frozenset({"server"}),
     "/shoal.v1.StageServer/Probe": frozenset({ANY}),
 }
 
@@ -118,6 +119,7 @@ METHOD_LIMITS: dict[str, dict[str, SizeLimit]] = {
     "/shoal.v1.StageServer/RelayStream": {"server": SizeLimit(CHUNK_MESSAGE_BYTES)},
     "/shoal.v1.StageServer/StandbyCkptStream": {"server": SizeLimit(CONTROL_BYTES)},
     "/shoal.v1.StageServer/StandbyStepStream": {"server": _CHUNKED},
+    "/shoal.v1.StageServer/ReplicaPartStream": {"server": _CHUNKED},
     "/shoal.v1.StageServer/Probe": {ANY: SizeLimit(PROBE_BYTES + 64 * KIB)},
 }
 # gRPC's per-message receive limit of every shoal server: larger messages are refused from

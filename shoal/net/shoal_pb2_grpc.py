@@ -399,6 +399,11 @@ class StageServerStub:
                 request_serializer=shoal__pb2.Chunk.SerializeToString,
                 response_deserializer=shoal__pb2.StandbyStepAck.FromString,
                 _registered_method=True)
+        self.ReplicaPartStream = channel.stream_unary(
+                '/shoal.v1.StageServer/ReplicaPartStream',
+                request_serializer=shoal__pb2.Chunk.SerializeToString,
+                response_deserializer=shoal__pb2.PushReply.FromString,
+                _registered_method=True)
         self.Session = channel.stream_stream(
                 '/shoal.v1.StageServer/Session',
                 request_serializer=shoal__pb2.Chunk.SerializeToString,
@@ -499,6 +504,13 @@ class StageServerServicer:
 
     def StandbyStepStream(self, request_iterator, context):
         """a StandbyStep (to hot standbys)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReplicaPartStream(self, request_iterator, context):
+        """a ReplicaPart (server to server)
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -606,6 +618,11 @@ def add_StageServerServicer_to_server(servicer, server):
                     servicer.StandbyStepStream,
                     request_deserializer=shoal__pb2.Chunk.FromString,
                     response_serializer=shoal__pb2.StandbyStepAck.SerializeToString,
+            ),
+            'ReplicaPartStream': grpc.stream_unary_rpc_method_handler(
+                    servicer.ReplicaPartStream,
+                    request_deserializer=shoal__pb2.Chunk.FromString,
+                    response_serializer=shoal__pb2.PushReply.SerializeToString,
             ),
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
@@ -847,6 +864,33 @@ class StageServer:
             '/shoal.v1.StageServer/StandbyStepStream',
             shoal__pb2.Chunk.SerializeToString,
             shoal__pb2.StandbyStepAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReplicaPartStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/shoal.v1.StageServer/ReplicaPartStream',
+            shoal__pb2.Chunk.SerializeToString,
+            shoal__pb2.PushReply.FromString,
             options,
             channel_credentials,
             insecure,

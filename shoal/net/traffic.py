@@ -20,7 +20,7 @@ from shoal.net import shoal_pb2 as pb
 from shoal.net.compress import WireCounter
 from shoal.net.wire import frame_size
 
-KINDS = ("activations", "activation_grads", "grad_push", "weight_pull", "control")
+KINDS = ("activations", "activation_grads", "grad_push", "weight_pull", "replica_merge", "control")
 _FLOATS = ("float32", "float16", "bfloat16")
 
 
@@ -63,6 +63,8 @@ def frames_of(msg) -> list[tuple[str, pb.Tensor]]:
         return [("weight_pull", g) for g in msg.params]
     if isinstance(msg, pb.Relay):
         return [(_grad_or_act(msg.direction), msg.tensor)] if msg.HasField("tensor") else []
+    if isinstance(msg, pb.ReplicaPart):  # a replica plan's per-layer merge between stage servers
+        return [("replica_merge", t) for t in msg.tensors]
     return []
 
 

@@ -85,6 +85,11 @@ def _run_args(p: argparse.ArgumentParser, launch: bool = False) -> None:
     add_workload_args(p)
     add_device_args(p, device=launch)
     p.add_argument("--stages", type=int, default=2, help="pipeline stages S")
+    p.add_argument("--replicas", default="", metavar="SPEC",
+                   help="--sync local: run several pipeline replicas, each with its own stage servers and "
+                        "workers, merged per layer at every round; SPEC is each replica's stage count, "
+                        "optionally with its micro-batches per step (2,2 or 1,2 or 1:3,2:1); sets --stages "
+                        "to their sum (docs/replicas.md)")
     p.add_argument("--ckpt-every", type=int, default=None,
                    help="servers checkpoint every K steps, written off their event loop (default 10, "
                         "1 with --standbys; 0: never, --ckpt-every-s included; a stage server's loss rolls "
@@ -394,6 +399,12 @@ def _spec(args):
     for name in ("steps", "micro_batches", "micro_batch_size", "seq_len"):
         if getattr(w, name) <= 0:
             raise ShoalError(f"--{name.replace('_', '-')} must be positive, got {getattr(w, name)}")
+    replicas = None
+    if getattr(args, "replicas", ""):
+        from shoal.runtime.sync.replicas import parse_replicas
+
+        replicas = parse_replicas(args.replicas, w.micro_batches, cfg.n_total_layers)
+        args.stages = sum(replicas[0])
     if args.stages <= 0:
         raise ShoalError(f"--stages must be positive, got {args.stages}")
     if args.stages > cfg.n_total_layers:
@@ -430,6 +441,12 @@ def _spec(args):
         sync_mode=sync.mode, sync_every=sync.sync_every, outer_lr=sync.outer_lr, outer_momentum=sync.outer_momentum,
         guard_spot_check=_spot_check(args.spot_check), shadow=bool(getattr(args, "shadow", False)))
     compression.to_spec(spec)
+    if replicas is not None:
+        from shoal.runtime.sync.replicas import check_replica_run
+
+        spec.replica_stages.extend(replicas[0])
+        spec.replica_mbs.extend(replicas[1])
+        check_replica_run(spec, cfg.n_total_layers)
     return spec
 
 
@@ -630,7 +647,7 @@ def run_launch_cmd(args) -> int:
     if args.out and args.resume and Path(args.out).resolve() != Path(args.resume).resolve():
         raise ShoalError(f"--out {args.out} and --resume {args.resume} name different run folders; drop --out")
     cfg = LaunchConfig(
-        out=args.resume or args.out, resume=bool(args.resume), run_id=args.run_id, model=w.model, stages=args.stages, workers=args.workers, steps=w.steps,
+        out=args.resume or args.out, resume=bool(args.resume), run_id=args.run_id, model=w.model, stages=args.stages, replicas=args.replicas, workers=args.workers, steps=w.steps,
         micro_batches=w.micro_batches, micro_batch_size=w.micro_batch_size, seq_len=w.seq_len,
         seed=w.seed, lr=w.lr, min_lr=w.min_lr, warmup=w.warmup, weight_decay=w.weight_decay,
         grad_clip=w.grad_clip, ckpt_every=args.ckpt_every, ckpt_every_s=args.ckpt_every_s,

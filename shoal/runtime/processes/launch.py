@@ -71,7 +71,8 @@ class LaunchConfig:
     out: str  # run folder (runs/<run id>/ and links to the newest run's files, logs/, server_ckpt/)
     # Workload defaults are shoal.train.flags.Workload's, the same as shoal train --local's.
     model: str = W.model  # model preset
-    stages: int = 2  # pipeline stages S (one server each)
+    stages: int = 2  # pipeline stages S (one server each; with replicas: set to all replicas' stages)
+    replicas: str = ""  # local mode: pipeline replicas, stages per replica (shoal.runtime.sync.replicas; "": one pipeline)
     workers: int | None = None  # workers started at launch (None: 2, or every scenario worker)
     steps: int = W.steps  # optimizer steps
     micro_batches: int = W.micro_batches  # M micro-batches per step
@@ -124,6 +125,8 @@ class LaunchConfig:
     def validate(self) -> None:
         if self.workers is None:
             self.workers = 2
+        if self.replicas:
+            self.stages = sum(self._replica_plan()[0])
         if self.stages < 1 or self.workers < 1 or self.steps < 1:
             raise ShoalError("--stages, --workers and --steps must be positive")
         resolve_ckpt_every_s(self.ckpt_every_s)
@@ -145,6 +148,27 @@ class LaunchConfig:
             raise ShoalError("--shadow workers wait their emulated device's task time: give --scenario")
         if self.shadow_per_process < 1:
             raise ShoalError(f"--shadow-per-process must be at least 1, got {self.shadow_per_process}")
+        if self.replicas:
+            if self.sync != "local":
+                raise ShoalError("--replicas needs --sync local (replicas merge at the rounds of local mode)")
+            if self.standbys:
+                raise ShoalError("--replicas does not run with --standbys yet")
+            if self.compression and "pull=sparse" in self.compression:
+                raise ShoalError("--replicas does not run with sparse pulls yet; use pull=int8 or none")
+
+    def _replica_plan(self) -> tuple[list[int], list[int]]:
+        """(stages, micro-batches) of each replica of ``--replicas`` (a one-line ShoalError when bad)."""
+        from shoal.runtime.sync.replicas import parse_replicas
+
+        if self.init_from:
+            from shoal.hf.convert import read_hf_model_config
+
+            cfg = read_hf_model_config(str(Path(self.init_from).expanduser().resolve()))
+        else:
+            from shoal.model.config import get_preset
+
+            cfg = get_preset(self.model)
+        return parse_replicas(self.replicas, self.micro_batches, cfg.n_total_layers)
 
 
 def _env() -> dict[str, str]:
@@ -325,6 +349,7 @@ class Swarm:
         model_args = ["--init-from", str(Path(c.init_from).resolve())] if c.init_from else ["--model", c.model]
         return [
             "--listen", "127.0.0.1:0", *model_args, "--stages", str(c.stages),
+            *(["--replicas", c.replicas] if c.replicas else []),
             "--min-workers", str(c.min_workers or c.workers), "--steps", str(c.steps),
             "--micro-batches", str(c.micro_batches), "--micro-batch-size", str(c.micro_batch_size),
             "--seq-len", str(c.seq_len), "--seed", str(c.seed), "--lr", repr(c.lr), "--min-lr", repr(min_lr),

@@ -90,6 +90,7 @@ from shoal.runtime.roles.planning import (
 from shoal.runtime.safety.guard import keep_version, undo_target
 from shoal.runtime.safety.journal import FINAL, JOURNAL, LINKED, Journal, point_link, run_dir
 from shoal.runtime.safety.standby import decisions_since, planned_standby_stages
+from shoal.runtime.sync.replicas import slots_of_spec
 from shoal.train.metrics import JsonlWriter, step_record
 from shoal.train.optim import clip_coefficient, lr_at, total_sq_norm
 from shoal.train.outer import is_sync_step, sync_of_spec
@@ -178,6 +179,12 @@ class Coordinator(pbg.CoordinatorServicer):
         self.cfg = model_config(spec)
         self.layers = plan_stages(self.cfg.n_total_layers, spec.stages)
         self.costs = [float(b - a) for a, b in self.layers]
+        # A replica plan (shoal.runtime.sync.replicas): its stages' layers are fixed, and a stage's
+        # work is its layers times its replica's micro-batches.
+        self.slots = slots_of_spec(spec, self.cfg.n_total_layers)
+        if self.slots is not None:
+            self.layers = [(s.first, s.last) for s in self.slots]
+            self.costs = [float((s.last - s.first) * (s.mb_hi - s.mb_lo)) for s in self.slots]
         self.members: dict[str, Member] = {}
         self.stage_server: list[str] = [""] * spec.stages  # member id per stage
         self.assign: dict[str, int] = {}
@@ -703,6 +710,12 @@ class Coordinator(pbg.CoordinatorServicer):
             self.plan = None
             self._replan("resume", method="journal layers")
             return
+        if self.slots is not None:
+            # A replica plan: layers fixed by --replicas; workers balanced by capacity per unit of work.
+            self.plan = None
+            self._journal("plan", layers=[list(x) for x in self.layers], method="replicas", epoch=self.epoch)
+            self._replan("start", method="replicas")
+            return
         try:
             from shoal.plan import make_plan
 
@@ -1125,7 +1138,9 @@ class Coordinator(pbg.CoordinatorServicer):
             # Only the server the coordinator assigned to a stage speaks for it.
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 f"{r.member_id} does not serve stage {r.stage}")
-        why = report_error(self.spec, r, r.stage == self.spec.stages - 1)
+        last = self.layers[r.stage][1] == self.cfg.n_total_layers
+        why = report_error(self.spec, r, last, self.slots[r.stage].mb_hi - self.slots[r.stage].mb_lo
+                           if self.slots is not None else None)
         if why:
             # Only the stage's own server gets here: a number no honest step gives (a diverged
             # run, or a broken server) ends the run with the reason, never a committed step.
@@ -1167,8 +1182,9 @@ class Coordinator(pbg.CoordinatorServicer):
         self.decisions[key] = pb.StepDecision(ready=True, coef=coef, lr=lr, skip=skip,
                                               next_loss_scale=self.scale_at[step + 1][0] if fp16 else 0.0,
                                               checkpoint=ckpt)
-        last = reps[self.spec.stages - 1]
-        loss = sum(last.losses) / max(len(last.losses), 1)
+        # the last stage's losses (a replica plan: every replica's last stage's, in stage order)
+        losses = [x for k in sorted(reps) if self.layers[k][1] == self.cfg.n_total_layers for x in reps[k].losses]
+        loss = sum(losses) / max(len(losses), 1)
         tpw: dict[str, int] = {}
         for r in reps.values():
             for w, n in r.tasks_per_worker.items():
@@ -1266,9 +1282,11 @@ class Coordinator(pbg.CoordinatorServicer):
         # No stage holds more than the whole model: the most bytes a final pull may take.
         cap = 4 * prof.params(0, self.cfg.n_total_layers) + 512 * 4096 + CONTROL_SLACK
         weights = {}
+        by_stage: list[dict] = []
         for _ in range(600):
             try:
                 weights = {}
+                by_stage = []
                 for s in range(self.spec.stages):
                     stub = pbg.StageServerStub(channels.open(self._servers()[s]))
                     while True:
@@ -1277,8 +1295,9 @@ class Coordinator(pbg.CoordinatorServicer):
                         if rep.version >= self.spec.steps or self.error:
                             break
                         await asyncio.sleep(0.05)
-                    for f in rep.params:
-                        weights[f.name] = decode_tensor(f, dtype="float32")
+                    by_stage.append({f.name: decode_tensor(f, dtype="float32") for f in rep.params})
+                    for name, t in by_stage[-1].items():
+                        weights.setdefault(name, t)  # a replica plan: the first replica's copy
                 break
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # its last checkpoint write failed
@@ -1290,6 +1309,14 @@ class Coordinator(pbg.CoordinatorServicer):
                 await asyncio.sleep(0.1)
         if self.error:  # failed meanwhile (a member's fatal error): the journal says so, not "done"
             return
+        if self.slots is not None and by_stage:
+            # every replica's copy of each layer must be the first replica's, bit for bit
+            import torch
+
+            differ = sorted({n for st in by_stage for n, t in st.items() if not torch.equal(t, weights[n])})
+            self.replicas_differ = differ
+            if differ:
+                log.error("the replicas' final weights differ in %d parameters (%s ...)", len(differ), differ[0])
         if self.out:
             from shoal.runtime.roles.artifacts import write_final
 
@@ -1344,6 +1371,9 @@ class Coordinator(pbg.CoordinatorServicer):
             **merge_traffic(self.traffic),
             "bytes_method": BYTES_METHOD,
             **({"dashboard": "dashboard.html"} if self.run_dir is not None else {}),
+            **({"replicas": {"stages": list(self.spec.replica_stages), "micro_batches": list(self.spec.replica_mbs),
+                             "final_weights_differ": getattr(self, "replicas_differ", None)}}
+               if self.slots is not None else {}),
         }
 
     async def Status(self, request, context):
@@ -1492,8 +1522,11 @@ def join_numbers_error(request) -> str | None:
     return bad_number(request)
 
 
-def report_error(spec, r, last: bool) -> str | None:
+def report_error(spec, r, last: bool, n_losses: int | None = None) -> str | None:
     """Why a ``StepReport`` cannot count (None: it can; pure, tested directly).
+
+    ``n_losses``: the losses a last stage reports (None: every micro-batch's; a replica plan's
+    last stage reports its replica's).
 
     fp16 runs may report an infinite or NaN norm (an overflow: the step is skipped) and
     infinite losses; any other run's numbers must all be finite.
@@ -1504,8 +1537,9 @@ def report_error(spec, r, last: bool) -> str | None:
         return why
     if not 0 <= r.step < spec.steps:
         return f"step = {r.step}: the run has steps 0..{spec.steps - 1}"
-    if last and len(r.losses) != spec.micro_batches:
-        return f"losses: {len(r.losses)} values, the run has {spec.micro_batches} micro-batches"
+    want = spec.micro_batches if n_losses is None else n_losses
+    if last and len(r.losses) != want:
+        return f"losses: {len(r.losses)} values, the {'run' if n_losses is None else 'stage'} has {want} micro-batches"
     if not last and r.losses:
         return "losses: only the last stage reports losses"
     return None

@@ -119,6 +119,7 @@ from shoal.runtime.sync.codecs import (
     relay_frame,
 )
 from shoal.runtime.sync.local import LocalServerMixin
+from shoal.runtime.sync.replicas import ReplicaServerMixin
 from shoal.runtime.transport.frames import decode_grads, off_loop, retry, serialise_weights
 from shoal.runtime.transport.relays import RELAY_KINDS, RelayLink
 from shoal.runtime.transport.session import UP_KINDS, read_messages, serialised
@@ -129,7 +130,8 @@ from shoal.train.precision import unscale_grads, wire_dtype
 log = logging.getLogger("shoal.server")
 
 
-class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, EndCheckMixin, pbg.StageServerServicer):
+class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantMixin, EndCheckMixin,
+                  pbg.StageServerServicer):
     """State and RPC handlers of one stage server."""
 
     def __init__(self, coord: str, listen: str, token: str, ckpt_root: str, *,
@@ -331,7 +333,7 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, EndCheckMixin,
 
     def _open_step(self, step: int) -> None:
         mbs = self.steps.setdefault(step, StepMbs())
-        for mb in range(self.spec.micro_batches):
+        for mb in self._mb_range():  # (a replica plan: this stage's replica's micro-batches)
             st = mbs.setdefault(mb, MbState())
             if self.is_first:
                 if self.is_last:
@@ -1576,7 +1578,7 @@ class StageServer(LocalServerMixin, StandbyMixin, RedundantMixin, EndCheckMixin,
         if verdict is not None:
             return verdict
         mbs = self.steps.setdefault(r.step, StepMbs())
-        if not 0 <= r.mb < self.spec.micro_batches:
+        if r.mb not in self._mb_range():
             return pb.RelayReply(accepted=False, reason="micro-batch id out of range")
         st = mbs.setdefault(r.mb, MbState())
         if r.direction == pb.FWD:

@@ -102,6 +102,7 @@ class LocalServerMixin:
         self.local_replicas: dict[str, dict[str, torch.Tensor]] = {}  # replicas' weights received (merges_weights)
         self.outer_m: dict[str, torch.Tensor] = {}  # outer Nesterov momentum (checkpointed with the merged weights)
         self.local_ckpt_last = version
+        self.replica_parts = {}  # replica plans: (epoch, round) -> stage -> a peer replica's part
         # Sparse pulls: the merges' encoded updates (a fresh chain and residual at every load).
         self.update_pulls = UpdatePulls(compression_of_spec(self.spec).pull) if uses_update_pulls(self.spec) else None
 
@@ -267,14 +268,24 @@ class LocalServerMixin:
         if self.epoch != epoch:
             return None
         counts = {w: self.local_round_mbs.get(w, 0) for w in self.local_got}
-        async with self._wlock:
-            digest, shares = await asyncio.get_running_loop().run_in_executor(None, self._local_merge, counts,
-                                                                              step + 1)
-            self._wcache = None
-            self.local_merged = step + 1
+        replicas = None
+        if self.spec.replica_stages:
+            # A replica plan: this stage's part, merged per layer with the other replicas' parts.
+            merged = await self._replica_merge(counts, step + 1, epoch)
+            if merged is None:
+                return None
+            digest, replicas = merged
+            shares = merge_weights({w: counts.get(w, 0) for w in self.local_got})
+        else:
+            async with self._wlock:
+                digest, shares = await asyncio.get_running_loop().run_in_executor(None, self._local_merge, counts,
+                                                                                  step + 1)
+                self._wcache = None
+                self.local_merged = step + 1
         log.info("%s local merge %s", self.name, json.dumps({
             "stage": self.stage, "version": step + 1, "epoch": epoch, "contributors": counts,
-            "shares": {w: round(x, 9) for w, x in shares.items()}, "digest": digest, "screen": screened}, sort_keys=True))
+            "shares": {w: round(x, 9) for w, x in shares.items()}, "digest": digest, "screen": screened,
+            **({"replicas": replicas} if replicas is not None else {})}, sort_keys=True))
         self.local_round_mbs = {}
         self.local_round_lr = {}
         self.local_expect = None

@@ -1,0 +1,326 @@
+"""Pipeline replicas in local mode: several pipelines of the model train at once, each with its
+own stage servers and workers, and the stage servers merge per layer at every round.
+
+A run with replicas (``--replicas``, ``RunSpec.replica_stages`` / ``replica_mbs``) numbers its
+stages replica by replica: replica 0's stages first, then replica 1's, and so on. Relays go to
+the stage before or after, so activations never leave a replica. Replica ``r`` serves its own
+share of each step's micro-batches (ids ``[lo_r, hi_r)``). At the end of a round each stage
+server first merges its own workers (:mod:`shoal.runtime.sync.local`) into its *part*: their
+merged weights (outer lr 1, momentum 0, raw pushes) or their merged pseudo-gradient, with the
+micro-batches they covered. It sends the part's tensors to every stage server of another
+replica that holds any of its layers and waits for theirs; every server then computes the same
+per-layer merge over the parts of its layers (:func:`merge_parts`: the micro-batch-weighted
+mean over the replicas holding a parameter, :func:`shoal.train.outer.merge_per_layer`'s
+semantics, parts added in stage order), so every replica's copy of a layer is the same bits.
+
+The pure decisions are functions here; :class:`ReplicaServerMixin` is a mixin of
+:class:`shoal.runtime.roles.server.StageServer`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from shoal.errors import ShoalError
+from shoal.net import shoal_pb2 as pb
+from shoal.net.stream import receive, send
+from shoal.net.wire import WireError, decode_tensor, encode_tensor
+from shoal.runtime.common import even_split
+from shoal.train.outer import merge_per_layer, merge_weights, merges_weights, weighted_sum
+
+log = logging.getLogger("shoal.replicas")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One stage of a replica plan: which replica, which layers, which micro-batches."""
+
+    replica: int  # index of its replica
+    first: int  # first layer it holds
+    last: int  # one past its last layer
+    mb_lo: int  # first micro-batch id of each step its replica serves
+    mb_hi: int  # one past the last
+
+
+def parse_replicas(text: str, micro_batches: int, n_layers: int) -> tuple[list[int], list[int]]:
+    """``--replicas SPEC``: stages of each replica, comma-separated, each optionally with its
+    micro-batches per step after a colon (``2,2``; ``1,2``; ``1:3,2:1``). Without counts the
+    step's ``micro_batches`` are split evenly (earlier replicas take the remainder).
+    Returns (stages per replica, micro-batches per replica); a one-line ShoalError when bad."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    hint = "give the stages of each replica, e.g. --replicas 2,2 or --replicas 1:3,2:1 (stages:micro-batches)"
+    if len(items) < 2:
+        raise ShoalError(f"--replicas {text!r}: a replica plan has at least two replicas; {hint}")
+    stages, mbs = [], []
+    for it in items:
+        s, _, m = it.partition(":")
+        try:
+            stages.append(int(s))
+            mbs.append(int(m) if m else -1)
+        except ValueError:
+            raise ShoalError(f"--replicas {text!r}: {it!r} is not STAGES or STAGES:MICRO_BATCHES; {hint}") from None
+    if any(s < 1 or s > n_layers for s in stages):
+        raise ShoalError(f"--replicas {text!r}: each replica needs 1 to {n_layers} stages (the model's layers)")
+    if all(m == -1 for m in mbs):
+        base, extra = divmod(micro_batches, len(stages))
+        mbs = [base + (1 if r < extra else 0) for r in range(len(stages))]
+    elif any(m == -1 for m in mbs):
+        raise ShoalError(f"--replicas {text!r}: give every replica's micro-batches or none; {hint}")
+    if any(m < 1 for m in mbs) or sum(mbs) != micro_batches:
+        raise ShoalError(f"--replicas {text!r}: the replicas' micro-batches {mbs} must each be >= 1 and sum to "
+                         f"--micro-batches {micro_batches}")
+    return stages, mbs
+
+
+def replica_slots(stages: list[int], mbs: list[int], n_layers: int) -> list[Slot]:
+    """The stages of a replica plan in stage-index order (replica 0's first)."""
+    out, lo = [], 0
+    for r, (s, m) in enumerate(zip(stages, mbs, strict=True)):
+        for a, b in even_split(n_layers, s):  # the coordinator's even split
+            out.append(Slot(r, a, b, lo, lo + m))
+        lo += m
+    return out
+
+
+def slots_of_spec(spec, n_layers: int) -> list[Slot] | None:
+    """The replica stages a run spec describes (None: one pipeline, no replicas)."""
+    if not spec.replica_stages:
+        return None
+    return replica_slots(list(spec.replica_stages), list(spec.replica_mbs), n_layers)
+
+
+def check_replica_run(spec, n_layers: int) -> None:
+    """A one-line ShoalError where a run spec's replicas cannot run (local mode only, the
+    stage count their sum, no update pulls)."""
+    if not spec.replica_stages:
+        return
+    if (spec.sync_mode or "exact") != "local":
+        raise ShoalError("--replicas needs --sync local (replicas merge at the rounds of local mode)")
+    if len(spec.replica_mbs) != len(spec.replica_stages) or sum(spec.replica_mbs) != spec.micro_batches:
+        raise ShoalError("the replicas' micro-batches must sum to --micro-batches")
+    if sum(spec.replica_stages) != spec.stages:
+        raise ShoalError(f"--replicas has {sum(spec.replica_stages)} stages in all, the run {spec.stages}")
+    if (spec.compress_pull or "none").startswith("sparse"):
+        raise ShoalError("--replicas does not run with sparse pulls yet; use pull=int8 or none")
+    if any(s > n_layers for s in spec.replica_stages):
+        raise ShoalError(f"a replica has more stages than the model's {n_layers} layers")
+
+
+def overlaps(a: Slot, b: Slot) -> bool:
+    """Whether two stages hold a common layer (first and last stages also share the embedding
+    or the head: they hold layer 0 or the last layer too)."""
+    return a.first < b.last and b.first < a.last
+
+
+def peers(slots: list[Slot], k: int) -> list[int]:
+    """Stages of other replicas holding any of stage ``k``'s layers, in stage order."""
+    return [j for j, s in enumerate(slots) if s.replica != slots[k].replica and overlaps(s, slots[k])]
+
+
+def merge_parts(parts: Mapping[int, tuple[int, bool, Mapping[str, torch.Tensor]]],
+                anchor: Mapping[str, torch.Tensor]) -> tuple[bool, dict[str, torch.Tensor]]:
+    """The per-layer merge of the replicas' parts for the parameters in ``anchor`` (this stage's
+    merged weights of the round's start).
+
+    ``parts[stage] = (micro-batches, weights?, tensors)``; a part of 0 micro-batches drops out.
+    When every part holds weights the result is their micro-batch-weighted mean per parameter
+    (weights=True); else each weights part becomes the pseudo-gradient ``anchor - w`` and the
+    result is the weighted mean of pseudo-gradients (weights=False), for the outer step. Parts
+    are added in stage order (:func:`shoal.train.outer.merge_per_layer`), so every server holding
+    a parameter computes the same bits. A parameter no part holds is left out.
+    """
+    live = {k: p for k, p in sorted(parts.items()) if p[0] > 0}
+    if not live:
+        return True, {}
+    all_weights = all(w for _, w, _ in live.values())
+    tensors = {}
+    for k, (_, w, t) in live.items():
+        t = {n: x for n, x in t.items() if n in anchor}
+        if w and not all_weights:
+            t = {n: anchor[n] - x for n, x in t.items()}
+        tensors[k] = t
+    merged = merge_per_layer(tensors, {k: p[0] for k, p in live.items()})
+    return all_weights, merged
+
+
+def own_part(got: Mapping[str, Mapping[str, torch.Tensor]], replicas: Mapping[str, Mapping[str, torch.Tensor]],
+             counts: Mapping[str, int], lr: float, mu: float) -> tuple[int, bool, dict[str, torch.Tensor]]:
+    """A stage's part of the replicas' merge from its own workers' round: (micro-batches, weights?,
+    tensors), the weighted mean of their weights (outer lr 1, momentum 0, every contributor sent
+    its weights) or of their pseudo-gradients."""
+    shares = merge_weights({w: counts.get(w, 0) for w in got})
+    if not shares:
+        return 0, False, {}
+    n = sum(counts.get(w, 0) for w in shares)
+    if merges_weights(lr, mu) and set(shares) <= set(replicas):
+        return n, True, weighted_sum({w: replicas[w] for w in shares}, shares)
+    return n, False, weighted_sum(got, shares)
+
+
+@functools.lru_cache(maxsize=64)
+def stage_names(cfg, first: int, last: int) -> frozenset[str]:
+    """Parameter names of layers ``[first, last)`` of model ``cfg`` (built on the meta device)."""
+    from shoal.model.transformer import build_stage
+
+    with torch.device("meta"):
+        module = build_stage(cfg, first, last, init=False)
+    return frozenset(n for n, _ in module.named_parameters())
+
+
+PART_RETRY_S = 0.1  # pause between tries of a part a peer could not take yet
+
+
+class ReplicaServerMixin:
+    """Stage-server state and handlers of replica plans (no effect without replicas)."""
+
+    replica_parts: dict | None = None
+
+    @property
+    def slots(self) -> list[Slot] | None:
+        return slots_of_spec(self.spec, self.cfg.n_total_layers) if self.spec is not None else None
+
+    def _mb_range(self) -> range:
+        """Micro-batch ids of each step this stage serves (its replica's; all without replicas)."""
+        if self.spec.replica_stages and 0 <= self.stage < self.spec.stages:
+            s = self.slots[self.stage]
+            return range(s.mb_lo, s.mb_hi)
+        return range(self.spec.micro_batches)
+
+    def _replica_reset(self) -> None:
+        # (epoch, round) -> stage -> part received from a peer
+        self.replica_parts = {}
+
+    async def ReplicaPartStream(self, request_iterator, context):
+        """A peer replica stage's part of a round's merge."""
+        try:
+            msg = await receive(request_iterator, pb.ReplicaPart, self.max_bytes("grads"))
+        except WireError as exc:
+            return pb.PushReply(accepted=False, reason=f"rejected: {exc}")
+        if context is not None:
+            from shoal.net.auth import check_caller
+
+            await check_caller(context, msg.member_id)
+        slots = self.slots if self.spec is not None and self.version >= 0 else None
+        if slots is None or self.stage < 0:
+            return pb.PushReply(accepted=False, reason="not ready")
+        if msg.epoch > self.epoch:
+            return pb.PushReply(accepted=False, reason="not ready")
+        if msg.epoch < self.epoch or msg.round <= self.local_merged:
+            return pb.PushReply(accepted=True, reason="old; dropped")
+        if msg.stage not in peers(slots, self.stage):
+            return pb.PushReply(accepted=False, reason=f"stage {msg.stage} holds none of stage {self.stage}'s layers")
+        try:
+            tensors = await asyncio.get_running_loop().run_in_executor(None, self._decode_part, msg)
+        except WireError as exc:
+            log.warning("%s rejected a replica part of stage %d: %s", self.name, msg.stage, exc)
+            return pb.PushReply(accepted=False, reason=f"rejected: {exc}")
+        if msg.epoch != self.epoch or msg.round <= self.local_merged:
+            return pb.PushReply(accepted=True, reason="old; dropped")
+        self.replica_parts.setdefault((msg.epoch, msg.round), {})[msg.stage] = (int(msg.mbs), bool(msg.weights),
+                                                                              tensors)
+        async with self.cond:
+            self.cond.notify_all()
+        return pb.PushReply(accepted=True)
+
+    def _decode_part(self, msg: pb.ReplicaPart) -> dict[str, torch.Tensor]:
+        """A part's tensors, each checked against this stage's parameter of its name."""
+        out = {}
+        for t in msg.tensors:
+            if t.name not in self.params or t.name in out:
+                raise WireError(f"unexpected tensor {t.name!r}")
+            out[t.name] = decode_tensor(t, shape=tuple(self.params[t.name].shape), dtype="float32", finite=True)
+        return out
+
+    async def _send_part(self, peer: int, msg: pb.ReplicaPart, epoch: int) -> None:
+        """Send a part to stage ``peer``'s server until it is taken or the epoch moves on."""
+        data = msg.SerializeToString()
+        while self.epoch == epoch and not self.done:
+            addr = self.servers[peer] if peer < len(self.servers) else ""
+            if addr:
+                try:
+                    rep = await send(self._stub(addr).ReplicaPartStream, msg, self.chunk_bytes, traffic=self.traffic,
+                                     data=data, sender=self.member_id)
+                    if rep.accepted:
+                        return
+                    if rep.reason != "not ready":
+                        log.warning("%s: stage %d refused our replica part: %s", self.name, peer, rep.reason)
+                except grpc.aio.AioRpcError:
+                    pass
+            await asyncio.sleep(PART_RETRY_S)
+
+    async def _replica_merge(self, counts: dict[str, int], version: int, epoch: int) -> tuple[str, dict] | None:
+        """Merge this stage's workers into its part, exchange parts with the peer replicas' servers
+        and apply the per-layer merge (None: the epoch moved on meanwhile)."""
+        from shoal.runtime.common import tensors_digest
+        from shoal.train.outer import outer_nesterov_step
+
+        slots = self.slots
+        loop = asyncio.get_running_loop()
+        n, weights, tensors = await loop.run_in_executor(
+            None, own_part, dict(self.local_got), dict(self.local_replicas), counts, self.spec.outer_lr,
+            self.spec.outer_momentum)
+        mine = peers(slots, self.stage)
+        cfg = self.cfg
+
+        def framed(peer: int) -> pb.ReplicaPart:
+            held = stage_names(cfg, slots[peer].first, slots[peer].last)
+            msg = pb.ReplicaPart(member_id=self.member_id, epoch=epoch, round=version, stage=self.stage, mbs=n,
+                                 weights=weights)
+            for name in sorted(tensors):
+                if name in held:
+                    msg.tensors.append(encode_tensor(name, tensors[name], "raw"))
+            return msg
+
+        msgs = await loop.run_in_executor(None, lambda: [framed(p) for p in mine])
+        sends = [asyncio.ensure_future(self._send_part(p, m, epoch)) for p, m in zip(mine, msgs, strict=True)]
+        since, warned = time.monotonic(), False
+        try:
+            key = (epoch, version)
+            while set(mine) - set(self.replica_parts.get(key, {})):
+                if self.epoch != epoch:
+                    return None
+                if not warned and time.monotonic() - since > self.flush_grace_s:
+                    warned = True
+                    log.warning("%s waits for the replica parts of stages %s for v%d", self.name,
+                                sorted(set(mine) - set(self.replica_parts.get(key, {}))), version)
+                async with self.cond:
+                    await self.cond.wait(0.5)
+            await asyncio.gather(*sends)
+        finally:
+            for t in sends:
+                t.cancel()
+        if self.epoch != epoch:
+            return None
+        parts = dict(self.replica_parts.pop(key, {}))
+        parts[self.stage] = (n, weights, tensors)
+        self.replica_parts = {k: v for k, v in self.replica_parts.items() if k[1] > version}
+
+        def apply() -> tuple[str, dict]:
+            anchor = {name: p.detach() for name, p in self.params.items()}
+            all_weights, merged = merge_parts(parts, anchor)
+            with torch.no_grad():
+                if all_weights:
+                    for name, x in merged.items():
+                        self.params[name].data.copy_(x)
+                elif merged:
+                    outer_nesterov_step({k: p.data for k, p in self.params.items() if k in merged}, merged,
+                                        self.outer_m, self.spec.outer_lr, self.spec.outer_momentum)
+            total = sum(p[0] for p in parts.values())
+            shares = {str(k): p[0] / total for k, p in sorted(parts.items())} if total else {}
+            return tensors_digest({k: p.detach() for k, p in self.params.items()}), shares
+
+        async with self._wlock:
+            if self.epoch != epoch:
+                return None
+            out = await loop.run_in_executor(None, apply)
+            self._wcache = None
+            self.local_merged = version
+            return out

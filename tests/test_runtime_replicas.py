@@ -1,0 +1,299 @@
+"""Replica plans in the runtime (``shoal launch --replicas``, local mode): the pure pieces by hand,
+then real swarms whose every merge on every stage server is checked, bit for bit, against an
+in-process reference of the same training (each replica trained on its own micro-batches with the
+workers' inner AdamW; at each round every layer set to the micro-batch-weighted mean of the
+replicas holding it, computed here by hand)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from shoal.errors import ShoalError
+from shoal.runtime.sync.replicas import (
+    Slot,
+    merge_parts,
+    own_part,
+    parse_replicas,
+    peers,
+    replica_slots,
+)
+
+# ---------------------------------------------------------------------------- pure pieces
+
+
+def test_parse_replicas_and_slots():
+    assert parse_replicas("2,2", 4, 6) == ([2, 2], [2, 2])
+    assert parse_replicas("1,2", 5, 6) == ([1, 2], [3, 2])
+    assert parse_replicas("1:3,2:1", 4, 6) == ([1, 2], [3, 1])
+    slots = replica_slots([1, 2], [2, 2], 6)
+    assert slots == [Slot(0, 0, 6, 0, 2), Slot(1, 0, 3, 2, 4), Slot(1, 3, 6, 2, 4)]
+    # a stage merges with the other replicas' stages that share a layer, never with its own replica's
+    assert peers(slots, 0) == [1, 2] and peers(slots, 1) == [0] and peers(slots, 2) == [0]
+    assert peers(replica_slots([2, 2], [2, 2], 6), 1) == [3]
+
+
+@pytest.mark.parametrize("text,msg", [
+    ("2", "at least two replicas"), ("2,x", "is not STAGES"), ("1:3,2", "every replica's micro-batches or none"),
+    ("1:3,2:3", "sum to --micro-batches 4"), ("0,2", "1 to 6 stages"), ("1,1,1,1,1", "each be >= 1"),
+])
+def test_parse_replicas_refuses_bad_specs(text, msg):
+    with pytest.raises(ShoalError, match=re.escape(msg)):
+        parse_replicas(text, 4, 6)
+
+
+def test_merge_parts_by_hand_across_splits():
+    """A [0,6) replica's part and a [0,3)+[3,6) replica's two parts: each parameter is the
+    micro-batch-weighted mean of the two replicas' copies, added in stage order."""
+    a = {"layers.0.w": torch.tensor([1.0, 2.0]), "layers.4.w": torch.tensor([3.0])}
+    b0 = {"layers.0.w": torch.tensor([4.0, 8.0])}
+    b1 = {"layers.4.w": torch.tensor([9.0])}
+    anchor = {"layers.4.w": torch.tensor([0.0])}  # the [3,6) stage's view
+    weights, got = merge_parts({0: (3, True, a), 2: (1, True, b1)}, anchor)
+    assert weights and set(got) == {"layers.4.w"}
+    assert torch.equal(got["layers.4.w"], torch.tensor([3.0 * 0.75 + 9.0 * 0.25]))
+    anchor0 = {"layers.0.w": torch.zeros(2), "layers.4.w": torch.zeros(1)}
+    weights, got = merge_parts({0: (3, True, a), 1: (1, True, b0), 2: (1, True, b1)}, anchor0)
+    assert torch.equal(got["layers.0.w"], torch.tensor([1.75, 3.5]))
+    assert torch.equal(got["layers.4.w"], torch.tensor([4.5]))  # (3 x 3 + 9 x 1) / 4: b1 is a replica too
+    # a part of no micro-batches drops out; mixed kinds merge as pseudo-gradients (anchor - weights)
+    weights, got = merge_parts({0: (3, True, a), 2: (0, True, {})}, anchor)
+    assert torch.equal(got["layers.4.w"], a["layers.4.w"])
+    weights, got = merge_parts({0: (1, True, a), 2: (1, False, {"layers.4.w": torch.tensor([1.0])})}, anchor)
+    assert not weights and torch.equal(got["layers.4.w"], torch.tensor([-1.0]))
+
+
+def test_own_part_is_the_workers_weighted_mean():
+    w1 = {"p": torch.tensor([1.0])}
+    w2 = {"p": torch.tensor([4.0])}
+    n, weights, t = own_part({"a": w1, "b": w2}, {"a": w1, "b": w2}, {"a": 1, "b": 2}, 1.0, 0.0)
+    assert (n, weights) == (3, True) and torch.equal(t["p"], torch.tensor([1.0 / 3 + 4.0 * (2 / 3)]))
+    n, weights, t = own_part({"a": w1}, {}, {"a": 2}, 0.7, 0.9)
+    assert (n, weights) == (2, False) and torch.equal(t["p"], w1["p"])
+    assert own_part({}, {}, {}, 1.0, 0.0)[0] == 0
+
+
+def test_launch_refuses_replicas_outside_local_mode(tmp_path):
+    from shoal.runtime.processes.launch import LaunchConfig
+
+    with pytest.raises(ShoalError, match="needs --sync local"):
+        LaunchConfig(out=str(tmp_path), model="tiny", replicas="1,1").validate()
+    with pytest.raises(ShoalError, match="at least two replicas"):
+        LaunchConfig(out=str(tmp_path), model="tiny", replicas="2", sync="local").validate()
+    cfg = LaunchConfig(out=str(tmp_path), model="tiny", replicas="1,2", sync="local", workers=3,
+                       micro_batches=4)
+    cfg.validate()
+    assert cfg.stages == 3
+
+
+# ---------------------------------------------------------------------------- reference
+
+
+def _run_spec(out: Path):
+    """The run spec the coordinator journaled (the settings every member trained with)."""
+    from google.protobuf import json_format
+
+    from shoal.net import shoal_pb2 as pb
+
+    first = json.loads((out / "journal.jsonl").read_text().splitlines()[0])
+    return json_format.ParseDict(first["spec"], pb.RunSpec())
+
+
+def reference(spec) -> tuple[list[float], dict[int, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """The replicas' training in one process, one worker per stage: per-step losses, the merged
+    weights after each round (by version), and the final weights.
+
+    Each replica is the whole model (a stage split computes the same bits); per step it runs its
+    micro-batches in order (``loss / M`` backward each, summed in micro-batch order, scaled to
+    their mean), the clip coefficient comes from every stage's squared norm weighted by its
+    replica's share of the step (``replica_sq_norm``, summed exactly), then one inner AdamW step.
+    At a round's end every parameter becomes the micro-batch-weighted mean of the replicas'
+    copies, replicas added in order, by hand."""
+    from shoal.model.transformer import build_stage
+    from shoal.runtime.common import micro_batch, model_config, optim_config
+    from shoal.runtime.sync.replicas import slots_of_spec, stage_names
+    from shoal.train.optim import (
+        apply_update,
+        clip_coefficient,
+        lr_at,
+        make_optimizer,
+        total_sq_norm,
+    )
+    from shoal.train.outer import is_sync_step
+
+    torch.manual_seed(0)
+    cfg = model_config(spec)
+    slots = slots_of_spec(spec, cfg.n_total_layers)
+    n_rep = len(spec.replica_stages)
+    m = spec.micro_batches
+    ocfg = optim_config(spec)
+    models = [build_stage(cfg, 0, cfg.n_total_layers, seed=spec.seed) for _ in range(n_rep)]
+    opts = [make_optimizer(mod.named_parameters(), ocfg) for mod in models]
+    round_mbs = [0] * n_rep
+    losses, merged = [], {}
+    for step in range(spec.steps):
+        step_losses, totals, reports = [], [], []
+        for r, mod in enumerate(models):
+            s = next(x for x in slots if x.replica == r)
+            mine = range(s.mb_lo, s.mb_hi)
+            total: dict[str, torch.Tensor] = {}
+            for mb in mine:
+                x, y = micro_batch(spec, step, mb)
+                for p in mod.parameters():
+                    p.grad = None
+                loss = mod(x, y)
+                (loss / m).backward()
+                step_losses.append(float(loss.detach()))
+                for n, p in mod.named_parameters():
+                    if n in total:
+                        total[n].add_(p.grad)
+                    else:
+                        total[n] = p.grad.clone()
+            scale = m / len(mine)
+            for sl in slots:
+                if sl.replica == r:
+                    names = stage_names(cfg, sl.first, sl.last)
+                    parts = [float((g * scale if scale != 1.0 else g).double().pow(2).sum())
+                             for n, g in total.items() if n in names]
+                    reports.append(sum([(len(mine) / m) * total_sq_norm(parts)]))
+            totals.append((total, scale, len(mine)))
+        coef = clip_coefficient(total_sq_norm(reports), ocfg.grad_clip)
+        lr = lr_at(step, spec.steps, ocfg)
+        for r, mod in enumerate(models):
+            total, scale, n_mine = totals[r]
+            for n, p in mod.named_parameters():
+                g = total[n]
+                p.grad = g.mul_(scale) if scale != 1.0 else g
+            apply_update(opts[r], lr, coef)
+            round_mbs[r] += n_mine
+        losses.append(sum(step_losses) / len(step_losses))
+        if is_sync_step(step, spec.sync_every, spec.steps):
+            grand = sum(round_mbs)
+            shares = [n / grand for n in round_mbs]
+            params = [dict(mod.named_parameters()) for mod in models]
+            with torch.no_grad():
+                mean = {}
+                for n in params[0]:
+                    t = params[0][n].detach() * shares[0]
+                    for r in range(1, n_rep):
+                        t.add_(params[r][n].detach() * shares[r])
+                    mean[n] = t
+                for r in range(n_rep):
+                    for n, p in params[r].items():
+                        p.copy_(mean[n])
+            merged[step + 1] = {n: t.clone() for n, t in mean.items()}
+            round_mbs = [0] * n_rep
+    return losses, merged, {n: p.detach().clone() for n, p in models[0].named_parameters()}
+
+
+def _merges(out: Path) -> list[dict]:
+    recs = []
+    for p in sorted((out / "logs").glob("server*.log")):
+        for m in re.finditer(r"local merge (\{.*\})$", p.read_text(), re.M):
+            recs.append(json.loads(m.group(1)))
+    return recs
+
+
+def _check_against_reference(out: Path, summary: dict, steps: int, h: int) -> None:
+    from shoal.runtime.common import model_config, tensors_digest
+    from shoal.runtime.roles.artifacts import load_final_weights
+    from shoal.runtime.sync.replicas import slots_of_spec, stage_names
+    from shoal.train.metrics import read_jsonl
+
+    spec = _run_spec(out)
+    cfg = model_config(spec)
+    slots = slots_of_spec(spec, cfg.n_total_layers)
+    assert summary["steps"] == steps and summary["epochs"] == 1
+    losses, merged, final = reference(spec)
+    assert [r["loss"] for r in read_jsonl(out / "metrics.jsonl")] == losses
+    # every stage server's weights after every round: the hand-computed merge of its layers, bit for bit
+    merges = _merges(out)
+    versions = sorted(merged)
+    assert versions == [v for v in range(1, steps + 1) if v % h == 0 or v == steps]
+    assert sorted((m["stage"], m["version"]) for m in merges) == [(k, v) for k in range(len(slots)) for v in versions]
+    for m in merges:
+        sl = slots[m["stage"]]
+        names = stage_names(cfg, sl.first, sl.last)
+        want = tensors_digest({n: t for n, t in merged[m["version"]].items() if n in names})
+        assert m["digest"] == want, (m["stage"], m["version"])
+        assert sum(m["contributors"].values()) == h_round(m["version"], h, steps) * (sl.mb_hi - sl.mb_lo)
+    weights = load_final_weights(out)
+    assert set(weights) == set(final)
+    assert [n for n in final if not torch.equal(weights[n], final[n])] == []
+    assert summary["replicas"]["final_weights_differ"] == []
+    # the merges' bytes are counted: each stage's part to each peer, every round, in fp32
+    rm = summary["bytes"]["replica_merge"]
+    assert rm["raw"] == rm["wire"] > 0
+
+
+def h_round(version: int, h: int, steps: int) -> int:
+    """Steps in the round that ends at ``version``."""
+    return version - (math.ceil(version / h) - 1) * h if version == steps else h
+
+
+RUN = dict(model="tiny", micro_batches=4, micro_batch_size=2, seq_len=32, seed=0, lr=3e-3, warmup=2)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("replicas,workers", [("1,1", 2), ("1,2", 3)], ids=["same-split", "split-1-vs-2"])
+def test_replicas_merge_per_layer_bitwise(tmp_path, replicas, workers):
+    """Two replicas, one worker per stage, H = 2 over 5 steps (rounds of 2, 2 and 1): losses,
+    every stage server's merged weights after every round and the final weights equal the
+    in-process reference bit for bit, and every replica holds the same final weights."""
+    from shoal.runtime.processes.launch import LaunchConfig, launch
+
+    steps, h = 5, 2
+    out = tmp_path / "run"
+    summary = launch(LaunchConfig(out=str(out), **RUN, steps=steps, replicas=replicas, workers=workers,
+                                  dead_after_s=3.0, min_lease_s=1.5, timeout_s=280, sync="local", sync_every=h))
+    _check_against_reference(out, summary, steps, h)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_kill9_of_a_replicas_lone_worker_loses_nothing_committed(tmp_path):
+    """Two replicas of one stage, three workers (two on one replica, one on the other), H = 3:
+    kill -9 the other replica's lone worker in the first round. The coordinator moves a worker
+    over; the run commits every step without a roll-back, the killed worker is in no merge, and
+    after every round both replicas hold the same weights (their servers' merge digests agree)."""
+    import time
+
+    from shoal.runtime.processes.launch import LaunchConfig, Swarm
+
+    steps, h = 9, 3
+    cfg = LaunchConfig(out=str(tmp_path / "run"), **RUN, steps=steps, replicas="1,1", workers=3, dead_after_s=3.0,
+                       min_lease_s=1.5, timeout_s=280, sync="local", sync_every=h,
+                       worker_args=[["--slow", "0.2"]] * 3)
+    with Swarm(cfg) as sw:
+        sw.start()
+        while sw.committed_steps() < 1:
+            time.sleep(0.05)
+        by_stage: dict[int, list[str]] = {}
+        for name, stage in sw.status()["workers"].items():
+            by_stage.setdefault(stage, []).append(name)
+        lone = next(ws[0] for ws in by_stage.values() if len(ws) == 1)
+        assert sw.committed_steps() < h, "the run reached the first merge before the kill; slow it down"
+        sw.kill_worker(int(lone[1:]))
+        summary = sw.wait()
+    out = tmp_path / "run"
+    assert summary["steps"] == steps and summary["epochs"] == 1  # no roll-back: nothing committed lost
+    assert all(math.isfinite(x) for x in summary["losses"])
+    merges = _merges(out)
+    assert sorted((m["stage"], m["version"]) for m in merges) == [(k, v) for k in (0, 1) for v in (3, 6, 9)]
+    assert not any(mid.endswith(f"-{lone}") for m in merges for mid in m["contributors"])
+    by_version: dict[int, set[str]] = {}
+    for m in merges:
+        by_version.setdefault(m["version"], set()).add(m["digest"])
+    assert all(len(d) == 1 for d in by_version.values()), by_version
+    assert summary["replicas"]["final_weights_differ"] == []
+    # each replica's stage weighs in the merge what its own workers covered in the round
+    covered = {(m["stage"], m["version"]): sum(m["contributors"].values()) for m in merges}
+    for m in merges:
+        total = covered[(0, m["version"])] + covered[(1, m["version"])]
+        assert m["replicas"] == {str(k): covered[(k, m["version"])] / total for k in (0, 1)}, m
