@@ -297,3 +297,63 @@ def test_kill9_of_a_replicas_lone_worker_loses_nothing_committed(tmp_path):
     for m in merges:
         total = covered[(0, m["version"])] + covered[(1, m["version"])]
         assert m["replicas"] == {str(k): covered[(k, m["version"])] / total for k in (0, 1)}, m
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_kill9_of_a_replicas_stage_server_rolls_back_to_a_merge(tmp_path):
+    """Two replicas of one stage, H = 2, checkpoints at every merge: kill -9 replica 1's stage
+    server mid-round and start another. It restores the last merged version, the whole run
+    (both replicas) rolls back to it and replays, and every merge after the roll-back leaves
+    both replicas with the same weights; the final weights agree."""
+    import time
+
+    from shoal.runtime.processes.launch import LaunchConfig, Swarm
+    from shoal.train.metrics import read_jsonl
+
+    steps, h = 6, 2
+    cfg = LaunchConfig(out=str(tmp_path / "run"), **RUN, steps=steps, replicas="1,1", workers=2, dead_after_s=3.0,
+                       min_lease_s=1.5, timeout_s=280, sync="local", sync_every=h, ckpt_every=h,
+                       worker_args=[["--slow", "0.3"]] * 2)
+    with Swarm(cfg) as sw:
+        sw.start()
+        while sw.committed_steps() < 3:
+            time.sleep(0.02)
+        sw.kill_server(1)
+        sw.start_server()
+        summary = sw.wait()
+    out = tmp_path / "run"
+    events = read_jsonl(out / "events.jsonl")
+    rollbacks = [e for e in events if e["event"] == "rollback"]
+    assert rollbacks and rollbacks[0]["version"] == 2 and rollbacks[0]["committed"] >= 3, rollbacks
+    assert summary["steps"] == steps and summary["epochs"] >= 2
+    merges = _merges(out)
+    by_key: dict[tuple[int, int], dict[int, str]] = {}
+    for m in merges:
+        by_key.setdefault((m["epoch"], m["version"]), {})[m["stage"]] = m["digest"]
+    last_epoch = max(e for e, _ in by_key)
+    # after the roll-back both replicas merge every round, to the same weights
+    assert sorted(v for e, v in by_key if e == last_epoch) == [4, 6]
+    for (e, v), digests in by_key.items():
+        if e == last_epoch or v == 2:
+            assert len(digests) == 2 and len(set(digests.values())) == 1, (e, v, digests)
+    assert summary["replicas"]["final_weights_differ"] == []
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_replicas_with_outer_momentum_and_int8_pushes_stay_identical(tmp_path):
+    """Differently split replicas whose parts are pseudo-gradients (int8 pushes with error
+    feedback, outer lr 0.7 and momentum 0.9: the outer Nesterov step on every server): the
+    run ends, every layer's copies are bitwise equal, and the pushes were int8."""
+    from shoal.runtime.processes.launch import LaunchConfig, launch
+
+    out = tmp_path / "run"
+    summary = launch(LaunchConfig(out=str(out), **RUN, steps=4, replicas="1,2", workers=3, dead_after_s=3.0,
+                                  min_lease_s=1.5, timeout_s=280, sync="local", sync_every=2, outer_lr=0.7,
+                                  outer_momentum=0.9, compression="push=int8"))
+    assert summary["steps"] == 4 and all(math.isfinite(x) for x in summary["losses"])
+    assert summary["replicas"]["final_weights_differ"] == []
+    assert set(summary["bytes_by_codec"]["grad_push"]) == {"int8"}
+    merges = _merges(out)
+    assert sorted((m["stage"], m["version"]) for m in merges) == [(k, v) for k in range(3) for v in (2, 4)]
