@@ -357,3 +357,86 @@ def test_replicas_with_outer_momentum_and_int8_pushes_stay_identical(tmp_path):
     assert set(summary["bytes_by_codec"]["grad_push"]) == {"int8"}
     merges = _merges(out)
     assert sorted((m["stage"], m["version"]) for m in merges) == [(k, v) for k in range(3) for v in (2, 4)]
+
+
+def test_a_part_is_taken_only_from_a_peer_stages_server_and_checked():
+    """The receiving side of ReplicaPartStream in process: a part from the server the
+    coordinator named for a peer stage is kept; one naming another member, a stage of the
+    same replica, a wrong shape or an old round is not."""
+    import asyncio
+
+    from shoal.model.config import get_preset
+    from shoal.net import shoal_pb2 as pb
+    from shoal.net.stream import split
+    from shoal.net.wire import encode_tensor
+    from shoal.runtime.common import Signal
+    from shoal.runtime.sync.replicas import ReplicaServerMixin
+
+    class Server(ReplicaServerMixin):
+        def max_bytes(self, _what):
+            return 1 << 20
+
+    cfg = get_preset("tiny")
+    srv = Server()
+    srv.spec = pb.RunSpec(stages=3, micro_batches=4, replica_stages=[1, 2], replica_mbs=[2, 2], sync_mode="local")
+    srv.cfg, srv.name, srv.cond = cfg, "s2", Signal()
+    srv.stage, srv.epoch, srv.version, srv.local_merged = 2, 0, 2, 2
+    srv.server_ids = ["s-a", "s-b", "s-c"]
+    srv.params = {"layers.5.w": torch.zeros(3)}
+    srv._replica_reset()
+
+    def part(**kw):
+        base = dict(member_id="s-a", epoch=0, round=4, stage=0, mbs=4, weights=True)
+        base.update(kw)
+        tensors = base.pop("tensors", {"layers.5.w": torch.ones(3)})
+        msg = pb.ReplicaPart(**base)
+        for n, t in tensors.items():
+            msg.tensors.append(encode_tensor(n, t, "raw"))
+
+        async def chunks():
+            for c in split("ReplicaPart", msg.SerializeToString(), 1 << 16):
+                yield c
+        return asyncio.run(srv.ReplicaPartStream(chunks(), None))
+
+    assert part(member_id="s-x").reason == "not ready"  # not the server of stage 0
+    assert "holds none" in part(member_id="s-b", stage=1).reason  # its own replica's stage
+    assert "rejected" in part(tensors={"layers.5.w": torch.ones(4)}).reason
+    assert "rejected" in part(tensors={"layers.1.w": torch.ones(3)}).reason
+    assert part(round=2).reason == "old; dropped" and not srv.replica_parts
+    rep = part()
+    assert rep.accepted and not rep.reason
+    (n, weights, tensors), = srv.replica_parts[(0, 4)].values()
+    assert (n, weights) == (4, True) and torch.equal(tensors["layers.5.w"], torch.ones(3))
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(400)
+def test_coordinator_kill9_with_replicas_resumes_and_the_replicas_agree(tmp_path):
+    """Replicas 1 and 2 stages, H = 2, checkpoints at every merge: kill -9 the coordinator after
+    step 3; `launch` restarts it with --resume, it keeps the replicas' layers (from its journal),
+    the run rolls back to a merged version and completes, and every layer's copies end bitwise
+    equal (no member was restarted)."""
+    import time
+
+    from shoal.runtime.processes.launch import LaunchConfig, Swarm
+    from shoal.train.metrics import read_jsonl
+
+    steps, h = 6, 2
+    cfg = LaunchConfig(out=str(tmp_path / "run"), **RUN, steps=steps, replicas="1,2", workers=3, dead_after_s=3.0,
+                       min_lease_s=1.5, timeout_s=380, sync="local", sync_every=h, ckpt_every=h,
+                       worker_args=[["--slow", "0.2"]] * 3)
+    with Swarm(cfg) as sw:
+        sw.start()
+        members = [p.pid for p in [*sw.servers, *sw.workers]]
+        while sw.committed_steps() < 3:
+            time.sleep(0.02)
+        sw.kill_coordinator()
+        summary = sw.wait()
+        assert [p.pid for p in [*sw.servers, *sw.workers]] == members
+    out = tmp_path / "run"
+    events = read_jsonl(out / "events.jsonl")
+    assert "coordinator_restart" in [e["event"] for e in events]
+    assert summary["steps"] == steps and summary["layers"] == [[0, 6], [0, 3], [3, 6]]
+    rollbacks = [e for e in events if e["event"] == "rollback"]
+    assert rollbacks and all(e["version"] % h == 0 for e in rollbacks), rollbacks
+    assert summary["replicas"]["final_weights_differ"] == []

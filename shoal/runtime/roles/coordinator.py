@@ -890,6 +890,8 @@ class Coordinator(pbg.CoordinatorServicer):
                           beat_floor_s=beat_floor_s(len(self.members), self.spec.dead_after_s))
         if stage >= 0:
             a.first, a.last = self.layers[stage]
+            if m.role == "server" and self.slots is not None:
+                a.server_ids.extend(self.stage_server)  # replica parts are taken only from these
             if m.role == "server":
                 a.standby_peers.extend(self._standby_peers(stage))
                 keep = keep_version([self.unverified, self.unverified_names],

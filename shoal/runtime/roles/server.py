@@ -594,6 +594,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
             self.measure_done = 0
             return
         self.servers = list(a.servers)
+        self.server_ids = list(a.server_ids)  # replica plans: who serves each stage
         self.guard_keep = a.guard_keep - 1 if a.guard_keep > 0 else None
         self.standby_heard(a)
         if self.on_servers is not None:

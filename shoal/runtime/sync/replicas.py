@@ -182,6 +182,7 @@ class ReplicaServerMixin:
     """Stage-server state and handlers of replica plans (no effect without replicas)."""
 
     replica_parts: dict | None = None
+    server_ids: list[str] | tuple = ()  # member id of each stage's server (the coordinator's heartbeats)
 
     @property
     def slots(self) -> list[Slot] | None:
@@ -217,6 +218,11 @@ class ReplicaServerMixin:
             return pb.PushReply(accepted=True, reason="old; dropped")
         if msg.stage not in peers(slots, self.stage):
             return pb.PushReply(accepted=False, reason=f"stage {msg.stage} holds none of stage {self.stage}'s layers")
+        ids = self.server_ids
+        if msg.stage >= len(ids) or ids[msg.stage] != msg.member_id:
+            # Only the server the coordinator gave that stage (as our newest heartbeat says) speaks for it;
+            # a replacement we have not heard of yet is retried.
+            return pb.PushReply(accepted=False, reason="not ready")
         try:
             tensors = await asyncio.get_running_loop().run_in_executor(None, self._decode_part, msg)
         except WireError as exc:
