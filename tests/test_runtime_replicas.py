@@ -440,3 +440,44 @@ def test_coordinator_kill9_with_replicas_resumes_and_the_replicas_agree(tmp_path
     rollbacks = [e for e in events if e["event"] == "rollback"]
     assert rollbacks and all(e["version"] % h == 0 for e in rollbacks), rollbacks
     assert summary["replicas"]["final_weights_differ"] == []
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(400)
+def test_standby_takes_over_a_replicas_killed_stage_server(tmp_path):
+    """Two replicas of one stage with one hot standby (checkpoints at every merge, H = 2): once
+    the standby holds a copy of a merged version of the stage it copies, kill -9 that stage's
+    server. The standby is promoted, the run restarts every stage at one merged version and
+    completes, and the replicas' final weights are bitwise equal."""
+    import time
+
+    from shoal.runtime.processes.launch import LaunchConfig, Swarm
+    from shoal.train.metrics import read_jsonl
+
+    steps, h = 6, 2
+    out = tmp_path / "run"
+    cfg = LaunchConfig(out=str(out), **RUN, steps=steps, replicas="1,1", workers=2, dead_after_s=3.0, min_lease_s=1.5,
+                       timeout_s=380, sync="local", sync_every=h, standbys=1, worker_args=[["--slow", "0.3"]] * 2)
+    with Swarm(cfg) as sw:
+        sw.start()
+        deadline = time.time() + 300
+        while True:
+            assert time.time() < deadline, "the standby copied no merged version"
+            copies = {k: sorted(int(p.name[1:].split(".")[0])
+                                for p in (out / "standby_ckpt" / "s2").glob(f"run-*/stage{k}/v*.safetensors"))
+                      for k in (0, 1)}
+            stage = next((k for k, vs in copies.items() if any(v >= h for v in vs)), None)
+            if stage is not None and sw.committed_steps() < steps - 1:
+                break
+            time.sleep(0.05)
+        victim = sw._stage_server_index(stage)
+        assert victim is not None and victim < 2
+        sw.kill_server(victim)
+        summary = sw.wait()
+    events = read_jsonl(out / "events.jsonl")
+    assigns = [e for e in events if e["event"] == "assign" and e.get("role") == "server" and e.get("stage") == stage]
+    assert assigns[-1]["device"] == "s2"  # the standby was promoted
+    rollbacks = [e for e in events if e["event"] == "rollback"]
+    assert rollbacks and all(e["version"] % h == 0 for e in rollbacks), rollbacks
+    assert summary["steps"] == steps
+    assert summary["replicas"]["final_weights_differ"] == []

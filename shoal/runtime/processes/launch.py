@@ -151,8 +151,6 @@ class LaunchConfig:
         if self.replicas:
             if self.sync != "local":
                 raise ShoalError("--replicas needs --sync local (replicas merge at the rounds of local mode)")
-            if self.standbys:
-                raise ShoalError("--replicas does not run with --standbys yet")
             if self.compression and "pull=sparse" in self.compression:
                 raise ShoalError("--replicas does not run with sparse pulls yet; use pull=int8 or none")
 
