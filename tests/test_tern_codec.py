@@ -19,10 +19,17 @@ from shoal.net.compress import (
     decode,
     encode,
     encoded_nbytes,
+    sr_key,
     wire_fraction,
 )
 from shoal.net.wire import WireError, decode_tensor, encode_tensor
-from shoal.plan.compression import bytes_per_element, parse_codec, parse_compression, tern_nbytes
+from shoal.plan.compression import (
+    act_nbytes,
+    bytes_per_element,
+    parse_codec,
+    parse_compression,
+    tern_nbytes,
+)
 
 
 def _rand(*shape, seed=0):
@@ -238,3 +245,136 @@ def test_run_spec_carries_tern_and_launch_refuses_it_on_pushes(tmp_path, capsys)
     assert main(["launch", "--out", str(tmp_path / "r"), "--compression", "push=tern"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "activations" in err and err.count("\n") == 1
+
+
+# ---------------------------------------------------------------- tern-sr and quad
+
+def _rotated_back(r: torch.Tensor) -> torch.Tensor:
+    """The tensor whose rotated blocks are the rows of ``r``."""
+    return (_fwht(r) * _tern_signs()).reshape(-1)
+
+
+@pytest.mark.parametrize("n", [0, 1, 127, 128, 129, 1000, 3 * 128 * 5 + 7])
+def test_tern_sr_and_quad_bytes_of_any_length(n):
+    x = _rand(n, seed=n)
+    for codec, by_hand in (("tern-sr", _by_hand_nbytes(n)), ("quad", 34 * math.ceil(n / 128))):
+        payload, meta = encode(x, codec, key=7)
+        assert meta == {"codec": codec, "numel": n}
+        assert len(payload) == by_hand == encoded_nbytes(codec, n) == act_nbytes(codec, n)
+        assert decode(payload, meta, (n,)).shape == (n,)
+    # the planner's rates; quad forward with tern-sr back: >= 8x fewer bytes than bf16 both ways
+    assert bytes_per_element("tern-sr", 2) == bytes_per_element("tern", 2)
+    assert bytes_per_element("quad", 2) == pytest.approx(34 / 128)
+    assert 2 * 2 / (bytes_per_element("quad", 2) + bytes_per_element("tern-sr", 2)) == pytest.approx(8.31, abs=0.01)
+
+
+def test_tern_sr_block_by_hand():
+    # Rotated block r = (2, -1, 0.5, 0, ...): the level is max|r| = 2 (0x4000 in bf16); coordinate 0
+    # is always +2, coordinate 1 is -2 half the time, coordinate 2 is +2 a quarter of the time,
+    # the rest always 0.
+    r = torch.zeros(1, TERN_BLOCK)
+    r[0, :3] = torch.tensor([2.0, -1.0, 0.5])
+    x = _rotated_back(r)
+    seen = np.zeros((3, 3))  # coordinate -> count of digits 0, 1 (+a), 2 (-a)
+    keys = 2000
+    for k in range(keys):
+        payload, _ = encode(x, "tern-sr", key=k)
+        assert payload[:2] == b"\x00\x40"
+        b = np.frombuffer(payload[2:], dtype=np.uint8).astype(np.int64)
+        digits = np.stack([(b // 3 ** j) % 3 for j in range(5)], axis=1).reshape(-1)
+        assert not digits[3:].any()
+        for i in range(3):
+            seen[i, digits[i]] += 1
+    assert seen[0, 1] == keys
+    assert seen[1, 1] == 0 and abs(seen[1, 2] / keys - 0.5) < 0.05
+    assert seen[2, 2] == 0 and abs(seen[2, 1] / keys - 0.25) < 0.05
+
+
+def test_tern_sr_is_unbiased_and_tern_is_not():
+    # The mean of K decodes (K keys) is x within 5 standard deviations of the mean, element by
+    # element. Rounding r_j to 0 or a at random has variance |r_j| (a - |r_j|), and the rotation
+    # spreads each block's sum of them evenly over its 128 elements. Deterministic tern fails it.
+    x = _rand(3, 128, seed=4)
+    x[1] *= 1e-3  # a small block next to large ones: its own level
+    x[2, 9] = 40.0  # an outlier
+    keys = 1500
+    mean = sum(decode(*encode(x, "tern-sr", key=k), x.shape) for k in range(keys)) / keys
+    r = _fwht(x * _tern_signs())
+    a = r.abs().amax(dim=1, keepdim=True)
+    sd = ((r.abs() * (a - r.abs())).sum(dim=1, keepdim=True) / TERN_BLOCK / keys).sqrt()
+    assert ((mean - x).abs() <= 5 * sd).all()
+    det = decode(*encode(x, "tern"), x.shape)
+    assert ((det - x).abs() > 5 * sd).float().mean() > 0.5
+
+
+def test_tern_sr_rounding_is_fixed_by_key_and_tensor():
+    x = _rand(4, 256)
+    p, _ = encode(x, "tern-sr", key=3)
+    assert encode(x.clone(), "tern-sr", key=3)[0] == p  # a retried task sends the same bytes
+    assert encode(x, "tern-sr", key=4)[0] != p
+    y = x.clone()
+    y[0, 0] += 1e-3
+    assert encode(y, "tern-sr", key=3)[0][2 * 8:] != p[2 * 8:]  # another tensor, other draws
+    # the worker's key: one per (run seed, stage, step, micro-batch, direction)
+    keys = {sr_key(0, s, t, m, d) for s in range(2) for t in range(3) for m in range(4) for d in range(3)}
+    assert len(keys) == 2 * 3 * 4 * 3 and sr_key(1, 0, 0, 0, 0) != sr_key(0, 0, 0, 0, 0)
+    assert all(0 <= k < 2 ** 64 for k in keys)
+
+
+def test_quad_block_by_hand_and_its_error():
+    # Rotated block r = 2 (c_0 ... c_127) with every c a quad level: codes read back exactly, the
+    # scale is 2.0 (0x4000) and the block decodes to x.
+    levels = torch.tensor([0.4528, 1.510, -0.4528, -1.510])
+    idx = torch.arange(TERN_BLOCK) % 4
+    idx[:5] = torch.tensor([1, 1, 1, 3, 3])  # rms 1.13: the threshold 0.98 rms lies between the levels
+    x = _rotated_back(2.0 * levels[idx][None])
+    payload, meta = encode(x, "quad")
+    assert payload[:2] == b"\x00\x40"
+    code = idx.numpy()  # the levels above are in code order: bit 0 outer level, bit 1 negative
+    assert payload[2:] == (code.reshape(-1, 4) << np.array([0, 2, 4, 6])).sum(axis=1).astype(np.uint8).tobytes()
+    assert torch.allclose(decode(payload, meta, x.shape), x, atol=1e-5)
+    # a Gaussian keeps sqrt(0.1175) = 0.34 of its norm as error (the 4-level Lloyd-Max quantiser)
+    g = _rand(8, 32, 128)
+    rel = float((decode(*encode(g, "quad"), g.shape) - g).norm() / g.norm())
+    assert 0.32 < rel < 0.36, rel
+    z = torch.zeros(2, 130)
+    assert torch.equal(decode(*encode(z, "quad"), z.shape), z)
+
+
+def test_tern_sr_and_quad_bad_inputs_and_payloads():
+    for codec in ("tern-sr", "quad"):
+        with pytest.raises(NonFiniteError):
+            encode(torch.tensor([1.0, float("nan")]), codec)
+        with pytest.raises(CodecError, match="bf16 range"):
+            encode(torch.full((128,), 3e38), codec)
+        p, meta = encode(_rand(300), codec, key=1)
+        with pytest.raises(CodecError, match="must be"):
+            decode(p[:-1], meta, (300,))
+        for level in (b"\x80\xbf", b"\x80\x7f", b"\xc0\x7f"):  # -1.0, inf, NaN in bf16
+            with pytest.raises(CodecError, match="negative or non-finite"):
+                decode(level + p[2:], meta, (300,))
+        frame = encode_tensor("out", _rand(4, 128), codec, key=2)
+        assert frame.codec == codec and json.loads(frame.meta) == {"codec": codec, "numel": 512}
+        frame.data = frame.data[:-1]
+        with pytest.raises(WireError, match=f"'out': bad {codec} payload"):
+            decode_tensor(frame, shape=(4, 128), dtype="float32")
+
+
+def test_spec_allows_quad_for_activations_and_tern_sr_for_their_gradients_only():
+    assert parse_codec("quad", "act") == "quad" and parse_codec("quad", "grad") == "quad"
+    assert parse_codec("tern-sr", "grad") == "tern-sr"
+    with pytest.raises(ShoalError, match="for activations use tern or quad"):
+        parse_codec("tern-sr", "act")
+    for codec in ("tern-sr", "quad"):
+        for kind in ("push", "pull"):
+            with pytest.raises(ShoalError, match="activations"):
+                parse_codec(codec, kind)
+    spec = parse_compression("act=quad,grad=tern-sr")
+    assert (spec["act"], spec["grad"], spec["push"]) == ("quad", "tern-sr", "none")
+    # --sync auto: the fewest bytes per kind, and at equal bytes the unbiased gradient
+    from shoal.plan.auto import QualityBudget, parse_allowed_codecs
+
+    b = QualityBudget(codecs=parse_allowed_codecs("none,tern,tern-sr,quad"))
+    assert (b.codec_for("act", 2), b.codec_for("grad", 2)) == ("tern", "tern-sr")
+    b = QualityBudget(codecs=parse_allowed_codecs("none,quad,tern-sr"))
+    assert (b.codec_for("act", 2), b.codec_for("grad", 2)) == ("quad", "tern-sr")

@@ -1,7 +1,7 @@
-"""``shoal launch --compression tern`` end to end: a real two-stage swarm (coordinator, two stage
-servers, two workers, each its own process) sends every activation and activation gradient as
-``tern`` frames, at least 8x fewer bytes than bf16 as its own byte counters count them, and
-still trains like the local trainer."""
+"""``shoal launch --compression tern`` (and ``act=quad,grad=tern-sr``) end to end: a real two-stage
+swarm (coordinator, two stage servers, two workers, each its own process) sends every activation
+and activation gradient in its codec's frames, at least 8x fewer bytes than bf16 as its own byte
+counters count them, and still trains like the local trainer."""
 
 from __future__ import annotations
 
@@ -9,18 +9,20 @@ import math
 
 import pytest
 
-from shoal.plan.compression import tern_nbytes
+from shoal.plan.compression import act_nbytes
 
 RUN = dict(model="tiny", micro_batches=4, micro_batch_size=2, seq_len=32, seed=0, lr=3e-3, warmup=2)
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(300)
-def test_two_stage_launch_with_tern_activations(tmp_path):
-    """Exact sync, S=2, W=2, 10 steps, ``--compression tern`` (act=tern, grad=tern). Bounds that
-    can fail: every activation and activation-gradient frame, sent by workers and relayed by
-    servers, is ``tern`` and its payload is exactly ``tern_nbytes`` of a (B, T, d) tensor; the
-    counted bytes of those kinds are >= 16x below fp32 (>= 8x below bf16); pushes and pulls stay
+@pytest.mark.parametrize("compression,codecs", [("tern", ("tern", "tern")), ("act=quad,grad=tern-sr", ("quad", "tern-sr"))])
+def test_two_stage_launch_with_tern_activations(tmp_path, compression, codecs):
+    """Exact sync, S=2, W=2, 10 steps, ``--compression tern`` (act=tern, grad=tern) or
+    ``act=quad,grad=tern-sr``. Bounds that can fail: every activation and activation-gradient
+    frame, sent by workers and relayed by servers, is in its kind's codec and its payload is
+    exactly ``act_nbytes`` of a (B, T, d) tensor; the counted bytes of the two kinds together
+    are >= 16x below fp32 (>= 8x below bf16), frame headers included; pushes and pulls stay
     raw; the last 3 steps' mean loss is within 5 % of the uncompressed local trainer's and
     closer to it than the untrained model's by a factor of 3."""
     from shoal.runtime.processes.launch import LaunchConfig, launch
@@ -34,7 +36,7 @@ def test_two_stage_launch_with_tern_activations(tmp_path):
                                         eval_every=0, eval_batches=1), quiet=True)
     out = tmp_path / "run"
     summary = launch(LaunchConfig(out=str(out), **RUN, steps=steps, stages=2, workers=2, dead_after_s=3.0,
-                                  min_lease_s=1.5, timeout_s=280, ckpt_every=0, compression="tern"))
+                                  min_lease_s=1.5, timeout_s=280, ckpt_every=0, compression=compression))
     recs = read_jsonl(out / "metrics.jsonl")
     assert len(recs) == steps
 
@@ -44,18 +46,20 @@ def test_two_stage_launch_with_tern_activations(tmp_path):
     got = tail([r["loss"] for r in recs])
     ref = tail([r["loss"] for r in exact.records])
     base = tail([r["loss"] for r in untrained.records])
-    print(f"final loss (mean of last 3): tern {got:.4f}, uncompressed {ref:.4f}, untrained {base:.4f}")
+    print(f"final loss (mean of last 3): {compression} {got:.4f}, uncompressed {ref:.4f}, untrained {base:.4f}")
     assert math.isfinite(got) and base - ref > 0.2, (base, ref)
     assert abs(got - ref) <= 0.05 * ref, (got, ref, base)
     assert abs(got - ref) * 3 < base - ref, (got, ref, base)
     by_codec = summary["bytes_by_codec"]
     numel = RUN["micro_batch_size"] * RUN["seq_len"] * 128  # tiny: d_model 128
-    for kind in ("activations", "activation_grads"):
-        assert set(by_codec[kind]) == {"tern"}, (kind, by_codec[kind])
-        c = by_codec[kind]["tern"]
-        # each frame: the payload plus a header (name, shape, codec, meta: 63 bytes here) of under 96
+    raw = wire = 0
+    for kind, codec in zip(("activations", "activation_grads"), codecs, strict=True):
+        assert set(by_codec[kind]) == {codec}, (kind, by_codec[kind])
+        c = by_codec[kind][codec]
+        # each frame: the payload plus a header (name, shape, codec, meta: under 70 bytes here) of under 96
         assert c["messages"] > 0
-        assert tern_nbytes(numel) * c["messages"] < c["wire"] < (tern_nbytes(numel) + 96) * c["messages"]
-        assert c["wire"] * 16 <= c["raw"], (kind, c)
+        assert act_nbytes(codec, numel) * c["messages"] < c["wire"] < (act_nbytes(codec, numel) + 96) * c["messages"]
+        raw, wire = raw + c["raw"], wire + c["wire"]
+    assert wire * 16 <= raw, (raw, wire)
     for kind in ("grad_push", "weight_pull"):
         assert set(by_codec[kind]) == {"raw"}, (kind, by_codec[kind])

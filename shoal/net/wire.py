@@ -34,8 +34,10 @@ class WireError(ValueError):
     """A frame is malformed or does not match what the receiver expects."""
 
 
-def encode_tensor(name: str, tensor: torch.Tensor, codec: str = "raw", ef=None) -> pb.Tensor:
+def encode_tensor(name: str, tensor: torch.Tensor, codec: str = "raw", ef=None, key: int = 0) -> pb.Tensor:
     """Frame ``tensor`` (any supported dtype) as a :class:`pb.Tensor`.
+
+    ``key``: the rounding key of a stochastic codec (``tern-sr``; see :func:`shoal.net.compress.encode`).
 
     ``ef`` (a :class:`shoal.net.compress.ErrorFeedback` of the same lossy codec) adds the
     residual it keeps for ``name`` before encoding and keeps the new one.
@@ -57,7 +59,7 @@ def encode_tensor(name: str, tensor: torch.Tensor, codec: str = "raw", ef=None) 
             raise WireError(f"tensor {name}: error feedback is for {ef.codec}, not {codec}")
         data, meta = ef.encode(name, t)
     else:
-        data, meta = compress.encode(t, codec)
+        data, meta = compress.encode(t, codec, key=key)
     return pb.Tensor(name=name, dtype=dtype, shape=list(t.shape), data=bytes(data), codec=meta["codec"],
                      meta=json.dumps(meta, sort_keys=True).encode())
 

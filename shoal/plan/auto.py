@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass, replace
 
 from shoal.errors import ShoalError
-from shoal.plan.compression import KINDS, bytes_per_element, parse_codec
+from shoal.plan.compression import KINDS, UNBIASED_FIRST, bytes_per_element, parse_codec
 from shoal.plan.cost import CostOptions, predict
 from shoal.plan.types import Plan, Scenario, SyncPolicy
 
@@ -71,7 +71,7 @@ class QualityBudget:
                 continue  # not for this kind (e.g. sparse for activations)
         if not ok:
             return "none"
-        return min(ok, key=lambda c: (bytes_per_element(c, dtype_bytes), c))
+        return min(ok, key=lambda c: (bytes_per_element(c, dtype_bytes), UNBIASED_FIRST.get(c.split(":")[0], 1), c))
 
     def allows(self, policy: SyncPolicy, replicas: bool = False) -> bool:
         """Whether ``policy`` (with replicas or not) is inside the budget."""
@@ -91,8 +91,10 @@ class QualityBudget:
 
 def parse_allowed_codecs(text: str) -> tuple[str, ...]:
     """``"none,int8,sparse:0.01:2"`` -> the codec names, each checked for the kinds it serves
-    (``tern`` for activations, the others for pushes, where they all are allowed)."""
-    out = tuple(parse_codec(c.strip(), "act" if c.strip() == "tern" else "push") for c in text.split(",") if c.strip())
+    (``tern`` and ``quad`` for activations, ``tern-sr`` for their gradients, the others for pushes,
+    where they all are allowed)."""
+    kind = {"tern": "act", "quad": "act", "tern-sr": "grad"}  # a kind each may serve
+    out = tuple(parse_codec(c.strip(), kind.get(c.strip(), "push")) for c in text.split(",") if c.strip())
     if not out:
         raise ShoalError(f"--allow-codecs {text!r}: give at least one codec, e.g. none,int8,sparse")
     return out

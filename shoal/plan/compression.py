@@ -24,7 +24,14 @@ Codecs (see ``docs/sync-policies.md``):
   ``TERN_BLOCK`` elements is rotated (random signs, then a Walsh-Hadamard transform) and each
   rotated coordinate sent as one of ``{-a, 0, +a}``, five per byte, with one fp16 ``a`` per block:
   ``(2 + TERN_BLOCK / 5) / TERN_BLOCK`` bytes per element (1.725 bits, 9.28x smaller than bf16);
-  act and grad only (no error feedback: every micro-batch's tensor is new).
+  act and grad only (no error feedback: every micro-batch's tensor is new);
+* ``tern-sr`` -- ``tern``'s format and size with stochastic (unbiased) rounding: each rotated
+  coordinate becomes 0 or the block's largest magnitude at random, so that its mean is the
+  coordinate: an unbiased activation gradient; grad only (its error is 6.8x tern's, a price only
+  worth paying where bias adds up over steps);
+* ``quad`` -- ``tern``'s rotation with four levels (2 bits, the Lloyd-Max levels of a Gaussian)
+  and one bf16 scale per block: ``(2 + TERN_BLOCK / 4) / TERN_BLOCK`` bytes per element (2.125
+  bits, 7.53x smaller than bf16); with ``tern-sr`` gradients the pair is 8.31x smaller.
 
 Traffic kinds: ``act`` (activations sent forward), ``grad`` (activation gradients sent
 backward), ``push`` (gradient or pseudo-gradient pushes to the server), ``pull`` (weight pulls
@@ -40,16 +47,19 @@ from shoal.errors import ShoalError
 INT8_BLOCK = 128  # elements per int8 scale (the runtime codec's default block, shoal.net.compress.DEFAULT_BLOCK)
 TOPK_DENSITY = 0.1  # fraction of entries a top-k codec keeps unless the spec says otherwise
 KINDS = ("act", "grad", "push", "pull")  # traffic kinds with their own codec
-CODECS = ("none", "fp16", "int8", "topk-int8", "sparse", "tern")  # codec names (the sparse ones take arguments)
+CODECS = ("none", "fp16", "int8", "topk-int8", "sparse", "tern", "tern-sr", "quad")  # codec names (the sparse ones take arguments)
 _SPARSE_KINDS = ("push", "pull")  # kinds where a top-k codec is allowed
 SPARSE_CHUNK = 4096  # elements per chunk of the ``sparse`` codec (indices are local to a chunk)
 SPARSE_INDEX_BITS = 12  # bits of one in-chunk index: log2(SPARSE_CHUNK)
 SPARSE_DENSITY = 0.01  # fraction of each chunk ``sparse`` keeps unless the spec says otherwise
 SPARSE_BITS = 2  # bits per kept value of ``sparse`` unless the spec says otherwise
 SPARSE_BIT_CHOICES = (1, 2, 3, 4, 8)  # value widths the sparse codec can pack
-_ACT_KINDS = ("act", "grad")  # kinds where ``tern`` is allowed
+_ACT_KINDS = ("act", "grad")  # kinds where ``tern`` and ``tern-sr`` are allowed
+ACT_ONLY = ("tern", "tern-sr", "quad")  # codecs for activations and their gradients only (no error feedback)
+UNBIASED_FIRST = {"tern-sr": 0}  # at equal bytes a planner prefers these (rank 0, others 1): unbiased gradients
 TERN_BLOCK = 128  # elements per rotated block of ``tern`` (a power of two: the Walsh-Hadamard size)
 TERN_PER_BYTE = 5  # ternary digits packed in one byte (3^5 = 243 <= 256)
+QUAD_BLOCK_BYTES = TERN_BLOCK // 4  # bytes of one ``quad`` block's 2-bit codes
 
 
 def tern_nbytes(numel: int) -> int:
@@ -61,18 +71,29 @@ def tern_nbytes(numel: int) -> int:
     return 2 * nb + -(-nb * TERN_BLOCK // TERN_PER_BYTE)
 
 
+def act_nbytes(codec: str, numel: int) -> int:
+    """Exact payload bytes of an activation codec (``tern``, ``tern-sr``, ``quad``) for ``numel``
+    elements; ``quad``: one bf16 scale per block, then four 2-bit codes per byte."""
+    if codec == "quad":
+        return 0 if numel <= 0 else (2 + QUAD_BLOCK_BYTES) * -(-numel // TERN_BLOCK)
+    return tern_nbytes(numel)
+
+
 def parse_codec(text: str, kind: str = "push") -> str:
     """Validate one codec name (``topk-int8`` may carry ``:density``) for traffic ``kind``."""
     name, _, arg = text.strip().partition(":")
     if name not in CODECS:
         raise ShoalError(f"unknown codec {text!r} for {kind}; choose one of: {', '.join(CODECS)} "
                          "(topk-int8 takes an optional :DENSITY, e.g. topk-int8:0.05)")
-    if name == "tern":
+    if name in ACT_ONLY:
         if kind not in _ACT_KINDS:
             raise ShoalError(f"codec {text!r} is for activations and their gradients (act, grad), not {kind}; "
                              "use int8 or sparse there")
+        if name == "tern-sr" and kind != "grad":
+            raise ShoalError(f"codec {text!r} rounds at random (unbiased, for activation gradients: grad); "
+                             "for activations use tern or quad (less error at the same bytes)")
         if arg:
-            raise ShoalError(f"codec {text!r}: tern takes no arguments")
+            raise ShoalError(f"codec {text!r}: {name} takes no arguments")
     elif name == "sparse":
         if kind not in _SPARSE_KINDS:
             raise ShoalError(f"codec {text!r} drops most entries; use it only for push or pull, not {kind}")
@@ -164,8 +185,8 @@ def bytes_per_element(codec: str, raw_bytes: int) -> float:
         rho, bits = sparse_params(codec)
         k = sparse_kept_per_chunk(rho)
         return (k * (SPARSE_INDEX_BITS + bits) / 8.0 + 2.0) / SPARSE_CHUNK
-    if name == "tern":
-        return (2.0 + TERN_BLOCK / TERN_PER_BYTE) / TERN_BLOCK
+    if name in ACT_ONLY:
+        return act_nbytes(name, TERN_BLOCK * TERN_PER_BYTE) / (TERN_BLOCK * TERN_PER_BYTE)
     raise ShoalError(f"unknown codec {codec!r}; choose one of: {', '.join(CODECS)}")
 
 

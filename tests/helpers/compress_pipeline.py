@@ -32,7 +32,8 @@ import torch
 from shoal.data import DataConfig, get_micro_batch, load_data
 from shoal.model.config import get_preset
 from shoal.model.transformer import build_stage
-from shoal.net.compress import CompressionConfig, ErrorFeedback, WireCounter, decode, encode
+from shoal.net.compress import CompressionConfig, ErrorFeedback, WireCounter, decode, encode, sr_key
+from shoal.net.shoal_pb2 import FWD, FWDBWD
 from shoal.train.optim import (
     OptimConfig,
     apply_update,
@@ -50,6 +51,10 @@ CONFIGS: dict[str, CompressionConfig] = {  # name -> codecs of the four traffic 
     "tern-act": CompressionConfig("tern", "tern", "raw", "raw"),  # activations and their gradients in tern
     "tern-fwd": CompressionConfig("tern", "raw", "raw", "raw"),  # activations only (which direction costs)
     "tern-bwd": CompressionConfig("raw", "tern", "raw", "raw"),  # activation gradients only
+    "tern-sr": CompressionConfig("tern", "tern-sr", "raw", "raw"),  # tern forward, stochastic tern back
+    "tern-sr-bwd": CompressionConfig("raw", "tern-sr", "raw", "raw"),  # stochastic tern gradients only
+    "quad-sr": CompressionConfig("quad", "tern-sr", "raw", "raw"),  # 2-bit forward, stochastic tern back: 8.31x
+    "quad-fwd": CompressionConfig("quad", "raw", "raw", "raw"),  # 2-bit activations only
 }
 
 
@@ -70,9 +75,10 @@ class BenchConfig:
 
 
 def _send(t: torch.Tensor, codec: str, block: int, kind: str, counter: WireCounter,
-          ef: ErrorFeedback | None = None, name: str = "") -> torch.Tensor:
-    """``t`` as the receiver sees it after the wire; counts the bytes."""
-    payload, meta = ef.encode(name, t) if ef is not None else encode(t, codec, block)
+          ef: ErrorFeedback | None = None, name: str = "", key: int = 0) -> torch.Tensor:
+    """``t`` as the receiver sees it after the wire; counts the bytes (``key``: a stochastic
+    codec's rounding key, as the runtime's worker makes it)."""
+    payload, meta = ef.encode(name, t) if ef is not None else encode(t, codec, block, key)
     counter.add(kind, t.numel(), len(payload))
     return decode(payload, meta, t.shape, torch.float32)
 
@@ -100,10 +106,11 @@ def run(cfg: BenchConfig, comp: CompressionConfig, data=None) -> dict:
         for mb in range(cfg.micro_batches):
             x, y = get_micro_batch(data, "train", cfg.seed, step, mb, cfg.micro_batch_size, cfg.seq_len)
             h = replicas[0](x)
-            h_in = _send(h.detach(), comp.activations, blk, "activations", counter).requires_grad_(True)
+            h_in = _send(h.detach(), comp.activations, blk, "activations", counter,
+                         key=sr_key(cfg.seed, 0, step, mb, FWD)).requires_grad_(True)
             loss = replicas[1](h_in, y)
             (loss / cfg.micro_batches).backward()
-            g = _send(h_in.grad, comp.act_grads, blk, "act_grads", counter)
+            g = _send(h_in.grad, comp.act_grads, blk, "act_grads", counter, key=sr_key(cfg.seed, 1, step, mb, FWDBWD))
             h.backward(g)
             step_losses.append(float(loss.detach()))
         losses.append(sum(step_losses) / len(step_losses))

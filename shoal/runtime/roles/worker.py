@@ -28,7 +28,7 @@ from shoal.model.transformer import build_stage
 from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
 from shoal.net.channel import ChannelFactory
-from shoal.net.compress import ErrorFeedback
+from shoal.net.compress import ErrorFeedback, sr_key
 from shoal.net.stream import CONTROL_SLACK, DEFAULT_CHUNK_BYTES, fetch, send, transfer_timeout
 from shoal.net.traffic import Traffic
 from shoal.net.wire import WireError, decode_tensor, encode_tensor, frame_size, serialize_framed
@@ -905,7 +905,9 @@ class Worker(LocalWorkerMixin):
                     self.inject.discard("bad_shape")
                     out = out[..., :-1]
                 codec = self._codec("act" if task.direction == pb.FWD else "grad")
-                frame = await off_loop(out.numel() * out.element_size(), encode_tensor, "out", out, codec)
+                # a stochastic codec's rounding: fixed by the task, so a retried task sends the same bytes
+                key = sr_key(self.spec.seed, self.stage, task.step, task.mb, task.direction)
+                frame = await off_loop(out.numel() * out.element_size(), encode_tensor, "out", out, codec, None, key)
                 result.output.CopyFrom(frame)
             if self.upload_error is not None:
                 raise self.upload_error

@@ -106,7 +106,8 @@ def add_compression_arg(p, default: str = "none") -> None:
                    help="wire codecs: one for every kind (none, fp16, int8) or per kind, e.g. "
                         "act=int8,grad=int8,push=topk-int8:0.1,pull=int8 (kinds not named: none); "
                         "sparse[:DENSITY[:BITS]]: sparse pushes and pulls for --sync local; tern: "
-                        "act=tern,grad=tern (9x fewer activation bytes than bf16); lossy "
+                        "act=tern,grad=tern (9x fewer activation bytes than bf16); act=quad,grad=tern-sr: "
+                        "8.3x fewer, closer to uncompressed training; lossy "
                         "codecs make exact sync approximate (docs/sync-policies.md)")
 
 
