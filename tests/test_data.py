@@ -146,6 +146,26 @@ def test_micro_batch_shape_and_shift(shakespeare):
         assert any(torch.equal(train[s : s + 64], row) for s in starts.tolist())
 
 
+def test_windows_hold_the_micro_batch(shakespeare):
+    """A task's token windows (drawn directly, as a stage server draws one per task) are the
+    micro-batch's inputs with the targets' last token: corpus and synthetic data."""
+    from shoal.data import get_window
+    from shoal.net import shoal_pb2 as pb
+    from shoal.runtime.common import micro_batch, split_window, token_window
+
+    for split, step, mb in [("train", 0, 0), ("train", 9, 5), ("val", 0, 2)]:
+        x, y = get_micro_batch(shakespeare, split, 3, step, mb, 4, 64)
+        w = get_window(shakespeare, split, 3, step, mb, 4, 64)
+        assert w.dtype == torch.int64 and torch.equal(w, torch.cat([x, y[:, -1:]], dim=1))
+    spec = pb.RunSpec(model="tiny", micro_batch_size=3, seq_len=16, seed=4, data="synthetic")
+    for step, mb in [(0, 0), (5, 2)]:
+        x, y = micro_batch(spec, step, mb)
+        w = token_window(spec, step, mb)
+        assert w.dtype == torch.int32 and w.shape == (3, 17)
+        got = split_window(w, 10**6)
+        assert torch.equal(got[0], x) and torch.equal(got[1], y)
+
+
 def test_micro_batch_is_keyed_by_all_arguments(shakespeare):
     base = get_micro_batch(shakespeare, "train", 1, 2, 3, 4, 32)[0]
     assert torch.equal(base, get_micro_batch(shakespeare, "train", 1, 2, 3, 4, 32)[0])

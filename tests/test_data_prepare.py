@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from shoal.cli import main
-from shoal.data import TokenData, get_micro_batch, load_data
+from shoal.data import TokenData, get_micro_batch, get_window, load_data
 from shoal.data.prepare import PrepareConfig, prepare
 from shoal.data.shards import TokenStream, load_prepared
 from shoal.errors import ShoalError
@@ -92,6 +92,8 @@ def test_prepare_round_trip_formats_and_sampler(tmp_path, mixed_inputs, monkeypa
         a = get_micro_batch(data, split, 5, step, mb, 4, 64)
         b = get_micro_batch(mem, split, 5, step, mb, 4, 64)
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        w = get_window(data, split, 5, step, mb, 4, 64)  # a task's windows: the same tokens
+        assert w.dtype == torch.int64 and torch.equal(w, torch.cat([a[0], a[1][:, -1:]], dim=1))
     # Windows that straddle a shard boundary read across it.
     stream = data.train
     assert np.array_equal(stream.read(19_990, 30), stream.to_numpy()[19_990:20_020])

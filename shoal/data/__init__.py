@@ -22,6 +22,7 @@ _EXPORTS = {
     "check_batch_shape": "shoal.data.sampler",
     "default_corpus_path": "shoal.data.text",
     "get_micro_batch": "shoal.data.sampler",
+    "get_window": "shoal.data.sampler",
     "load_data": "shoal.data.tokens",
     "read_corpus": "shoal.data.text",
     "resolve_cache_dir": "shoal.data.tokens",

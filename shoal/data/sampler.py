@@ -47,14 +47,12 @@ def check_batch_shape(data, split: str, micro_batch_size: int, seq_len: int) -> 
         )
 
 
-def get_micro_batch(
+def get_window(
     data, split: str, seed: int, step: int, micro_batch: int, micro_batch_size: int, seq_len: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Micro-batch ``micro_batch`` of step ``step``: ``(inputs, targets)``, both ``(B, T)`` int64.
-
-    Each of the ``B`` rows is a window of ``T + 1`` consecutive tokens starting at a
-    uniformly drawn offset of the split; targets are the inputs shifted by one token.
-    """
+) -> torch.Tensor:
+    """The ``B`` token windows of micro-batch ``micro_batch`` of step ``step``: ``(B, T + 1)``
+    int64, each ``T + 1`` consecutive tokens from a uniformly drawn offset of the split (inputs
+    are ``[:, :-1]``, targets ``[:, 1:]``; :func:`get_micro_batch` splits them)."""
     if step < 0 or micro_batch < 0:
         raise ShoalError(f"step and micro-batch index must be >= 0, got step={step}, micro_batch={micro_batch}")
     check_batch_shape(data, split, micro_batch_size, seq_len)
@@ -63,7 +61,17 @@ def get_micro_batch(
     gen = torch.Generator().manual_seed(batch_seed(seed, split, step, micro_batch))
     starts = torch.randint(0, n_starts, (micro_batch_size,), generator=gen)
     if isinstance(tokens, torch.Tensor):
-        window = tokens[starts[:, None] + torch.arange(seq_len + 1)[None, :]].to(torch.int64)
-    else:  # memory-mapped shards: read only the B windows
-        window = tokens.windows(starts, seq_len + 1)
+        return tokens[starts[:, None] + torch.arange(seq_len + 1)[None, :]].to(torch.int64)
+    return tokens.windows(starts, seq_len + 1)  # memory-mapped shards: read only the B windows
+
+
+def get_micro_batch(
+    data, split: str, seed: int, step: int, micro_batch: int, micro_batch_size: int, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batch ``micro_batch`` of step ``step``: ``(inputs, targets)``, both ``(B, T)`` int64.
+
+    Each of the ``B`` rows is a window of ``T + 1`` consecutive tokens starting at a
+    uniformly drawn offset of the split; targets are the inputs shifted by one token.
+    """
+    window = get_window(data, split, seed, step, micro_batch, micro_batch_size, seq_len)
     return window[:, :-1].contiguous(), window[:, 1:].contiguous()

@@ -244,11 +244,17 @@ def data_available() -> bool:
     return True
 
 
+def synthetic_window(seed: int, step: int, mb: int, batch: int, seq_len: int, vocab: int) -> torch.Tensor:
+    """Random token windows ``(batch, seq_len + 1)`` keyed by (seed, step, mb): a stand-in when
+    no corpus is wanted (inputs ``[:, :-1]``, targets ``[:, 1:]``)."""
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + step * 10_007 + mb * 101 + 17) % (2**62))
+    return torch.randint(0, vocab, (batch, seq_len + 1), generator=gen)
+
+
 def synthetic_micro_batch(seed: int, step: int, mb: int, batch: int, seq_len: int,
                           vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random tokens keyed by (seed, step, mb): a stand-in when no corpus is wanted."""
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + step * 10_007 + mb * 101 + 17) % (2**62))
-    seq = torch.randint(0, vocab, (batch, seq_len + 1), generator=gen)
+    seq = synthetic_window(seed, step, mb, batch, seq_len, vocab)
     return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
@@ -281,12 +287,18 @@ def token_window(spec: pb.RunSpec, step: int, mb: int) -> torch.Tensor:
     """Micro-batch ``mb`` of ``step`` as int32 token windows ``(B, T+1)``: what a task carries.
 
     The sampler's rows are ``T + 1`` consecutive tokens (inputs ``[:, :-1]``, targets
-    ``[:, 1:]``), so one window tensor holds both; :func:`split_window` undoes it.
+    ``[:, 1:]``, the tokens :func:`micro_batch` gives), so one window tensor holds both;
+    :func:`split_window` undoes it. Drawn as windows directly (a stage server makes one per
+    task: no split into inputs and targets and back).
     """
-    x, y = micro_batch(spec, step, mb)
-    if not torch.equal(x[:, 1:], y[:, :-1]):
-        raise ShoalError("the data's targets are not its inputs shifted by one; cannot send them as windows")
-    return torch.cat([x, y[:, -1:]], dim=1).to(torch.int32)
+    if spec.data == "synthetic":
+        window = synthetic_window(spec.seed, step, mb, spec.micro_batch_size, spec.seq_len,
+                                  model_config(spec).vocab_size)
+    else:
+        from shoal.data import get_window
+
+        window = get_window(open_data(spec), "train", spec.seed, step, mb, spec.micro_batch_size, spec.seq_len)
+    return window.to(torch.int32)
 
 
 def split_window(window: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
