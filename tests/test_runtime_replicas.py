@@ -345,7 +345,8 @@ def test_kill9_of_a_replicas_stage_server_rolls_back_to_a_merge(tmp_path):
 def test_replicas_with_outer_momentum_and_int8_pushes_stay_identical(tmp_path):
     """Differently split replicas whose parts are pseudo-gradients (int8 pushes with error
     feedback, outer lr 0.7 and momentum 0.9: the outer Nesterov step on every server): the
-    run ends, every layer's copies are bitwise equal, and the pushes were int8."""
+    run ends, every layer's copies are bitwise equal, and the pushes and the servers' parts
+    were int8 (each server merges what its own part decodes to, as its peers do)."""
     from shoal.runtime.processes.launch import LaunchConfig, launch
 
     out = tmp_path / "run"
@@ -355,6 +356,9 @@ def test_replicas_with_outer_momentum_and_int8_pushes_stay_identical(tmp_path):
     assert summary["steps"] == 4 and all(math.isfinite(x) for x in summary["losses"])
     assert summary["replicas"]["final_weights_differ"] == []
     assert set(summary["bytes_by_codec"]["grad_push"]) == {"int8"}
+    # the stage servers' parts went in the push codec too (with error feedback), as the planner prices them
+    rm = summary["bytes_by_codec"]["replica_merge"]
+    assert set(rm) == {"int8"} and rm["int8"]["raw"] / rm["int8"]["wire"] >= 3.5, rm
     merges = _merges(out)
     assert sorted((m["stage"], m["version"]) for m in merges) == [(k, v) for k in range(3) for v in (2, 4)]
 

@@ -102,7 +102,7 @@ class LocalServerMixin:
         self.local_replicas: dict[str, dict[str, torch.Tensor]] = {}  # replicas' weights received (merges_weights)
         self.outer_m: dict[str, torch.Tensor] = {}  # outer Nesterov momentum (checkpointed with the merged weights)
         self.local_ckpt_last = version
-        self.replica_parts = {}  # replica plans: (epoch, round) -> stage -> a peer replica's part
+        self._replica_reset()  # replica plans: no peer's part yet (shoal.runtime.sync.replicas)
         # Sparse pulls: the merges' encoded updates (a fresh chain and residual at every load).
         self.update_pulls = UpdatePulls(compression_of_spec(self.spec).pull) if uses_update_pulls(self.spec) else None
 

@@ -196,8 +196,25 @@ class ReplicaServerMixin:
         return range(self.spec.micro_batches)
 
     def _replica_reset(self) -> None:
+        """A (re)load: no part received yet, and a fresh residual for compressed parts."""
+        from shoal.net.compress import ErrorFeedback
+        from shoal.runtime.sync.codecs import compression_of_spec
+
         # (epoch, round) -> stage -> part received from a peer
         self.replica_parts = {}
+        # Pseudo-gradient parts go in the run's push codec, with error feedback kept here across
+        # rounds (what a part did not carry goes with the next one), as the cost model prices them.
+        codec = compression_of_spec(self.spec).wire("push") if self.spec is not None else "raw"
+        self.part_ef = ErrorFeedback(codec) if codec != "raw" else None
+
+    def _encode_part(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, pb.Tensor], dict[str, torch.Tensor]]:
+        """A pseudo-gradient part in the push codec: each tensor's frame (the same bytes to every
+        peer) and what it decodes to, which this server merges too (every server the same bits)."""
+        frames, decoded = {}, {}
+        for name in sorted(tensors):
+            frames[name] = f = encode_tensor(name, tensors[name], self.part_ef.codec, ef=self.part_ef)
+            decoded[name] = decode_tensor(f, shape=tuple(tensors[name].shape), dtype="float32", finite=True)
+        return frames, decoded
 
     async def ReplicaPartStream(self, request_iterator, context):
         """A peer replica stage's part of a round's merge."""
@@ -275,6 +292,9 @@ class ReplicaServerMixin:
             self.spec.outer_momentum)
         mine = peers(slots, self.stage)
         cfg = self.cfg
+        frames = None
+        if n > 0 and not weights and self.part_ef is not None:
+            frames, tensors = await loop.run_in_executor(None, self._encode_part, tensors)
 
         def framed(peer: int) -> pb.ReplicaPart:
             held = stage_names(cfg, slots[peer].first, slots[peer].last)
@@ -282,7 +302,7 @@ class ReplicaServerMixin:
                                  weights=weights)
             for name in sorted(tensors):
                 if name in held:
-                    msg.tensors.append(encode_tensor(name, tensors[name], "raw"))
+                    msg.tensors.append(frames[name] if frames is not None else encode_tensor(name, tensors[name], "raw"))
             return msg
 
         msgs = await loop.run_in_executor(None, lambda: [framed(p) for p in mine])
