@@ -61,6 +61,7 @@ def run(out: Path, args, *, workers: int, faults: list[str], **kw) -> dict:
             "dup": [len(re.findall(r"check \d+: \S+ and \S+ agree", logs)),
                     len(re.findall(r"check \d+: \S+ and \S+ disagree", logs))],
             "recomputed": len(re.findall(r"recomputed the push of", logs)),
+            "end_checks": len(re.findall(r"end check: recomputed", logs)),
             # local mode: pseudo-gradients held out of a merge (cosine to the server's gradient in (-0.05, 0))
             "held": len(re.findall(r"holds \S+ pseudo-gradient out of the merge", logs)),
             "suspects": sorted(set(re.findall(r"drift of \S+-(w\d+) after step \d+: z \S+ over \d+ steps: a suspect",
@@ -72,6 +73,8 @@ def run(out: Path, args, *, workers: int, faults: list[str], **kw) -> dict:
 
 def how(why: str) -> str:
     """Which check banned a worker, from the ban's reason."""
+    if "end check" in why:
+        return "end check"
     if why.startswith("redundant computation"):
         return "redundant"
     if "recomputed one" in why:
@@ -96,6 +99,8 @@ def main() -> None:
                     help="local mode: honest runs per worker count (3 and 5), the reference and its spread")
     ap.add_argument("--skip-local", action="store_true", help="no local-mode runs")
     ap.add_argument("--honest-workers", type=int, default=3, help="workers of each honest run (one of them 3x slower)")
+    ap.add_argument("--honest-absent", action="store_true",
+                    help="in the honest runs w1 takes no task of the last step (stop fault): the end check's work")
     ap.add_argument("--bf16-attacks", action="store_true", help="the attacks alone from step 2 in bf16 too")
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None, help="write the rows here")
@@ -162,11 +167,12 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
     for i in range(args.honest):
         precision = "bf16" if i % 2 else "fp32"
-        r = run(root / f"honest-{i}", args, workers=args.honest_workers, faults=["slow:w2:factor=3"],
-                precision=precision)
+        faults = ["slow:w2:factor=3"] + ([f"stop:w1:step={args.steps - 1}"] if args.honest_absent else [])
+        r = run(root / f"honest-{i}", args, workers=args.honest_workers, faults=faults, precision=precision)
         false_bans += len(r["bans"])
         row = {"mode": f"honest {precision}", "run": i, "bans": r["bans"], "dup": r["dup"],
-               "recomputed": r["recomputed"], "suspects": r["suspects"], "max_drift_z": r["max_drift_z"],
+               "recomputed": r["recomputed"], "end_checks": r["end_checks"], "suspects": r["suspects"],
+               "max_drift_z": r["max_drift_z"],
                "warnings": r["warnings"], "wall_s": round(r["wall_s"], 1)}
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -1,6 +1,6 @@
 """A ban undoes its damage: adaptive recomputation, the roll-back past a banned worker's
-unverified pushes, and the poison faults that exercise them (docs/poisoning.md, "A ban
-undoes its work")."""
+unverified pushes, the run's end check, and the poison faults that exercise them
+(docs/poisoning-undo.md)."""
 
 from __future__ import annotations
 
@@ -207,7 +207,7 @@ def test_a_consistent_bias_is_caught_and_undone(tmp_path, failure_free):
 @pytest.mark.timeout(900)
 def test_a_bf16_ban_undoes_back_to_its_first_flagged_push(tmp_path, monkeypatch):
     """bf16 has no exact recomputation, so no push is ever verified and a ban undoes what the
-    screen flagged, not what it passed (docs/poisoning.md, "What a ban undoes in bf16"). w1
+    screen flagged, not what it passed (docs/poisoning-undo.md, "What a ban undoes in bf16"). w1
     pushes its true gradient times -20 from step 2 (each push flagged: 20x the stage's median
     norm); flagged pushes count until its third in a row bans it, the run rolls back to the
     version before its first flagged committed push (v2 at the latest) and ends with the
@@ -247,7 +247,7 @@ def test_the_honest_run_logs_no_warning(tmp_path_factory, failure_free):
     assert not warnings, warnings[:5]
 
 
-def test_below_a_quorum_the_servers_own_gradient_judges_direction():
+def test_the_servers_own_gradient_judges_direction_with_or_without_a_quorum():
     from shoal.runtime.safety.guard import direction_holds, screen_round
 
     cfg = GuardConfig()
@@ -261,10 +261,15 @@ def test_below_a_quorum_the_servers_own_gradient_judges_direction():
     assert screen_round({"a": 500.0}, {"a": None}, [], cfg, ref_cosines={"a": -0.002}) == {}
     assert list(direction_holds({"a": -0.002}, 1, cfg)) == ["a"]
     assert direction_holds({"a": -0.13}, 1, cfg, banned={"a"}) == {} and direction_holds({"a": 0.01}, 1, cfg) == {}
-    assert direction_holds({"a": -0.002}, cfg.local_quorum, cfg) == {}  # a quorum's majority decides
-    # with a quorum the round's majority decides, not the reference
+    # With a quorum too: two colluders that are most of a round set its median (their cosines
+    # to it look honest), but not the server's own gradient.
     three = {"a": 500.0, "b": 510.0, "c": 490.0}
-    assert screen_round(three, {"a": 0.6, "b": 0.7, "c": 0.65}, [], cfg, ref_cosines={"a": -0.5}) == {}
+    colluding = screen_round(three, {"a": 0.5, "b": 0.5, "c": 0.5}, [], cfg,
+                             ref_cosines={"a": 0.1, "b": -0.12, "c": -0.15}, n_params=10**6)
+    assert sorted(colluding) == ["b", "c"] and "server's own gradient" in colluding["b"]
+    assert screen_round(three, {"a": 0.6, "b": 0.7, "c": 0.65}, [], cfg,
+                        ref_cosines={"a": 0.02, "b": 0.1, "c": 0.2}, n_params=10**6) == {}
+    assert list(direction_holds({"a": -0.002, "b": 0.1, "c": 0.1}, cfg.local_quorum, cfg)) == ["a"]
 
 
 @pytest.mark.integration

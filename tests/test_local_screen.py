@@ -64,3 +64,27 @@ def test_poisoned_replica_is_banned_and_honest_run_bans_nobody(tmp_path):
     print(f"ban: {bans[0]}; final loss {summary['final_loss']:.4f}, honest {ref['final_loss']:.4f}")
     assert abs(summary["final_loss"] - ref["final_loss"]) <= 0.02 * abs(ref["final_loss"]), (
         summary["final_loss"], ref["final_loss"])
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(400)
+def test_colluders_that_are_most_of_a_round_are_judged_by_the_servers_gradient(tmp_path):
+    """One stage, three workers, w1 and w2 sending flipped pseudo-gradients: in a round of
+    all three they are its majority, so the round's coordinate-wise median is theirs and
+    their cosines to it look honest. The server's own gradient still judges them: neither
+    flipped pseudo-gradient is in any merge, at least one of them is banned, w0 never is."""
+    from shoal.runtime.processes.launch import LaunchConfig, launch
+
+    out = tmp_path / "colluding"
+    summary = launch(LaunchConfig(out=str(out), **RUN, faults=["poison:w1:scale=-1", "poison:w2:scale=-1"]))
+    assert summary["steps"] == RUN["steps"]
+    bans = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "ban"]
+    text = "".join(p.read_text() for p in (out / "logs").glob("server*.log"))
+    merges = [json.loads(m.group(1)) for m in re.finditer(r"local merge (\{.*\})$", text, re.M)]
+    print("bans:", [(b["device"], b["step"], b["why"]) for b in bans])
+    print("screens:", [m["screen"] for m in merges])
+    # the case: a round in which all three contributed (the liars were its majority)
+    assert any(len(m["screen"]) == 3 for m in merges), [m["screen"] for m in merges]
+    assert {b["device"] for b in bans} <= {"w1", "w2"} and bans, bans
+    assert merges and all(not any(mid.endswith(("-w1", "-w2")) for mid in m["contributors"]) for m in merges), [
+        m["contributors"] for m in merges]

@@ -513,7 +513,7 @@ def ckpts_to_prune(versions: list[int], written: int, keep: int, keep_at: int | 
     (or a shared folder another server wrote further ahead) must not lose the file it has
     just written (:func:`abandoned_ckpts` removes the newer ones at the roll-back). Nor the
     newest version at or before ``keep_at`` (None: none): a ban's roll-back may need it
-    (docs/poisoning.md, "A ban undoes its work")."""
+    (docs/poisoning-undo.md, "A ban undoes its work")."""
     upto = sorted(v for v in versions if v <= written)
     gone = upto[:-keep] if keep > 0 else upto[:-1]
     if keep_at is not None:

@@ -945,7 +945,7 @@ class Coordinator(pbg.CoordinatorServicer):
             self._drop(m, "banned")
 
     def _undo(self, ban: pb.GuardBan, name: str) -> None:
-        """Roll the whole run back past the banned worker's unverified pushes (docs/poisoning.md,
+        """Roll the whole run back past the banned worker's unverified pushes (docs/poisoning-undo.md,
         "A ban undoes its work"): to the newest version none of them reached, at every stage,
         since later steps of every stage were computed from the weights they changed."""
         firsts = [ban.undo_from - 1] if ban.undo_from > 0 else []

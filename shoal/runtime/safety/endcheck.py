@@ -1,5 +1,5 @@
 """The run's end check: each worker's most recent unverified push, recomputed before the last
-step commits (the stage server's side, a mixin; docs/poisoning.md, "A ban undoes its work").
+step commits (the stage server's side, a mixin; docs/poisoning-undo.md, "The run's end check").
 
 The last step's pushes are all recomputed, but a worker that takes no task of the last step
 (a faster worker took them, or it stopped asking) would otherwise finish the run with its

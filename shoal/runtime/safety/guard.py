@@ -105,13 +105,13 @@ class GuardConfig:
     # covers inner steps the server did not count (their lr missing from the sum: 2x at H = 2
     # if one of two is missed) and int8 error feedback.
     local_bound_margin: float = 4.0
-    # Local mode below a quorum (no majority to vote with): the server computes its own
-    # gradient at the round's starting weights on this many micro-batches of the round's last
-    # step (:func:`shoal.runtime.safety.verify.reference_cosines`), so no lone contributor is
-    # merged unchecked. 0: off.
+    # Local mode, every merge: the server computes its own gradient at the round's starting
+    # weights on this many micro-batches of the round's last step
+    # (:func:`shoal.runtime.safety.verify.reference_cosines`), so no lone contributor is merged
+    # unchecked, and colluders that are most of a round (its median) are judged too. 0: off.
     local_ref_mbs: int = 4
     # A pseudo-gradient whose cosine to that gradient is below this many times 1/sqrt(n) (n:
-    # the stage's weights) is flagged (below a quorum only). A sign flip or a negative scale
+    # the stage's weights) is flagged (in every merge). A sign flip or a negative scale
     # points against it; a random direction has a cosine of about N(0, 1/n) to any fixed
     # vector. Honest replicas point along it: 0.0068-0.20 in the tiny model's rounds (n =
     # 0.66M-1.33M, H = 2-4, 1-2 contributors; docs/faults.md), as low as 1.4x a 4-sigma
@@ -347,9 +347,10 @@ def screen_round(norms: dict[str, float], cosines: dict[str, float | None], hist
     applicable, e.g. top-k pushes whose error feedback carries residuals across rounds, or
     no counted inner step). A norm over ``cfg.local_bound_margin`` times it flags in any
     round, the first included, and needs no majority: no AdamW replica can move that far.
-    ``ref_cosines``: below a quorum, each contributor's cosine to the server's own gradient
-    (:func:`shoal.runtime.safety.verify.reference_cosines`); under ``cfg.local_ref_sigmas``
-    over ``sqrt(n_params)`` (the stage's weights) flags, the first round included.
+    ``ref_cosines``: each contributor's cosine to the server's own gradient
+    (:func:`shoal.runtime.safety.verify.reference_cosines`); below ``-cfg.local_ref_ban`` (and
+    the ``cfg.local_ref_sigmas`` threshold) flags in any round, the first included, and needs
+    no majority: colluders that are most of a round set its median, not that gradient.
     """
     beyond = {}
     for w, n in norms.items():
@@ -364,32 +365,35 @@ def screen_round(norms: dict[str, float], cosines: dict[str, float | None], hist
     quorum = len(norms) >= cfg.local_quorum
     centre = robust_centre(list(norms.values())) if quorum else robust_centre(history)
     local_cfg = GuardConfig(norm_ratio=cfg.norm_ratio, min_cosine=cfg.local_min_cosine)
-    flags = {}
+    flags, against = {}, {}
+    least = cfg.local_ref_sigmas / math.sqrt(max(1, n_params))
     for w, n in norms.items():
         why = screen(n, cosines.get(w) if quorum else None, centre, local_cfg)
         if why and (quorum or not math.isfinite(n) or n > centre):  # below a quorum: only too large
             flags[w] = why
         ref = (ref_cosines or {}).get(w)
-        least = cfg.local_ref_sigmas / math.sqrt(max(1, n_params))
-        if not quorum and not why and ref is not None and ref < min(least, -cfg.local_ref_ban):
-            flags[w] = f"direction: cosine {ref:.4f} to the server's own gradient of the round's last step"
+        if ref is not None and ref < min(least, -cfg.local_ref_ban):
+            against[w] = f"direction: cosine {ref:.4f} to the server's own gradient of the round's last step"
     if quorum and 2 * len(flags) >= len(norms):
         flags = {}
+    # Against the server's own gradient is no verdict of a majority either: colluders that are
+    # most of a round's contributors set its median, not the server's gradient.
+    flags.update({w: why for w, why in against.items() if w not in flags})
     flags.update(beyond)  # past the bound is no verdict of a majority: no replica can get there
     return {w: f"pseudo-gradient {why}" for w, why in flags.items()}
 
 
 def direction_holds(ref_cosines: dict[str, float | None], n_contributors: int, cfg: GuardConfig = DEFAULT,
                     n_params: int = 1, banned: Iterable[str] = ()) -> dict[str, str]:
-    """Local mode, below a quorum: contributors left out of this merge but not banned (pure).
+    """Local mode: contributors left out of this merge but not banned (pure).
 
     A cosine to the server's own gradient under the flag threshold (``local_ref_sigmas``)
     but not under ``-local_ref_ban`` is no proof of malice (an honest replica that moved
     into the stage mid-round pointed at -0.002), yet nothing vouches for it either: it is
     held out of the merge, so no lone contributor is merged unchecked, and its worker stays.
+    With a quorum too: a round's median is no voucher when colluders are most of the round.
+    ``n_contributors`` is kept for the callers' record (the rule no longer depends on it).
     """
-    if n_contributors >= cfg.local_quorum:
-        return {}
     least = cfg.local_ref_sigmas / math.sqrt(max(1, n_params))
     return {w: f"cosine {ref:.4f} to the server's own gradient of the round's last step"
             for w, ref in (ref_cosines or {}).items()

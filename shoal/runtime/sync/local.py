@@ -331,12 +331,13 @@ class LocalServerMixin:
                     None if refs.get(w) is None else round(refs[w], 4)] for w in norms}
 
     async def _local_reference(self, step: int, lrs: dict[str, float]) -> dict[str, float | None]:
-        """Below a quorum: each contributor's cosine to this server's own gradient at the round's
-        starting weights (:func:`shoal.runtime.safety.verify.reference_cosines`), on up to
-        ``local_ref_mbs`` micro-batches of the round's last step; {} with a quorum or when off."""
+        """Each contributor's cosine to this server's own gradient at the round's starting weights
+        (:func:`shoal.runtime.safety.verify.reference_cosines`), on up to ``local_ref_mbs``
+        micro-batches of the round's last step; {} when off. Also with a quorum: colluders that
+        are most of a round set its median, not this gradient."""
         cfg = self.guard_cfg
         got = {w: d for w, d in self.local_got.items() if lrs.get(w, 0.0) > 0}
-        if not got or cfg.local_ref_mbs <= 0 or len(self.local_got) >= cfg.local_quorum:
+        if not got or cfg.local_ref_mbs <= 0:
             return {}
         from shoal.runtime.safety.verify import reference_cosines
 
