@@ -149,8 +149,8 @@ def test_a_poisoner_that_turns_later_is_undone_bitwise(tmp_path, failure_free, m
 def test_a_poisoner_that_takes_no_task_of_the_last_step_is_caught_by_the_end_check(tmp_path, failure_free,
                                                                                    monkeypatch):
     """Exact mode, 2 stages, 3 workers: w1 pushes honest gradients at steps 0-1, then noise of
-    the honest norm, and takes no task of the last step (``stop`` fault: it drops that lease
-    and stays in the run, idle). Random spot checks are off (the test hook), so the last
+    the honest norm, and takes no task of the last step (``stop`` fault: at its first lease
+    of the last step it leaves the run). Random spot checks are off (the test hook), so the last
     step's full recomputation never sees it; the end check at the last step's commit
     recomputes its newest unverified push, bans it, and the undo redoes its steps: the final
     weights are the failure-free run's, bit for bit."""

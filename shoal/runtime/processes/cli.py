@@ -204,7 +204,7 @@ def register(subparsers) -> None:
     p.add_argument("--fault-slow", type=float, default=1.0, metavar="FACTOR",
                    help="fault injection: take FACTOR times the compute time of every task")
     p.add_argument("--fault-stop-from", type=int, default=-1, metavar="STEP",
-                   help="fault injection: take no task of STEP or later (drop the lease, stay in the run idle)")
+                   help="fault injection: take no task of STEP or later (leave the run at the first)")
     p.add_argument("--no-error-feedback", action="store_true",
                    help="lossy --codec: do not carry each gradient push's quantisation error into the next")
     p.add_argument("--no-graph-cache", action="store_true",

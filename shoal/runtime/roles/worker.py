@@ -90,7 +90,7 @@ class WorkerOptions:
     fault_poison_kind: str = "scale"  # fault injection: scale, noise or bias (shoal.runtime.safety.faults.poison)
     fault_poison_from: int = 0  # fault injection: the first step whose pushes are poisoned (honest before)
     fault_slow: float = 1.0  # fault injection: every task takes this many times its compute time
-    fault_stop_from: int = -1  # fault injection: take no task of this step or later, stay idle (-1: off)
+    fault_stop_from: int = -1  # fault injection: leave the run at the first task of this step or later (-1: off)
     join_timeout_s: float = 30.0  # --join-timeout: seconds to keep retrying an unreachable coordinator at start
     uploads_in_flight: int = 2  # results sent in the background while the next task runs (0: await each)
     upload_attempts: int = 4  # tries of one result upload (same lease id) before its lease is left to expire
@@ -232,7 +232,6 @@ class Worker(LocalWorkerMixin):
         self.want: tuple[int, int, int, str] | None = None  # assignment from the last heartbeat
         self.server_addr = ""
         self.done = False
-        self.stopped = False  # fault injection (--fault-stop-from): asks for no more tasks
         self.held: set[int] = set()
         self.version = -1
         self.weights_epoch = -1
@@ -360,8 +359,8 @@ class Worker(LocalWorkerMixin):
                                                            self.server_addr) and not self._hold_move():
                     await self._drain()  # results of the old assignment land (or fail) first
                     await self._apply_assignment(*self.want)
-                if self.stage < 0 or not self.server_addr or self.stopped:
-                    await asyncio.sleep(0.2 if self.stopped else 0.05)
+                if self.stage < 0 or not self.server_addr:
+                    await asyncio.sleep(0.05)
                     continue
                 try:
                     await self._one()
@@ -847,12 +846,18 @@ class Worker(LocalWorkerMixin):
             if not self.local and idle_pull(rep, self.version, self.weights_epoch):
                 await self._pull()  # nothing to do yet: fetch the new weights before a task needs them
             return
-        if 0 <= self.opts.fault_stop_from <= rep.task.step and not self.stopped:
-            # fault injection: the lease is dropped (the server redoes it once it runs out) and
-            # this worker asks for nothing more, but stays in the run
+        if 0 <= self.opts.fault_stop_from <= rep.task.step:
+            # fault injection: a worker that takes no task of this step or later leaves the run
+            # (its lease is voided at once and redone by the others; a stage it served alone is
+            # re-planned, where an idle worker that stayed would stall it)
             self.held.discard(rep.task.lease_id)
-            self.stopped = True
-            log.info("%s: fault injection: takes no task of step %d or later", self.opts.name, rep.task.step)
+            why = f"fault injection: takes no task of step {rep.task.step} or later"
+            log.info("%s: %s; leaving the run", self.opts.name, why)
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await server.Leave(pb.MemberRequest(member_id=self.member_id), timeout=2)
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await self.coord.Leave(pb.MemberRequest(member_id=self.member_id, leave_reason=why), timeout=2)
+            self.done = True
             return
         self.last_task_t = time.monotonic()
         task = rep.task  # held since _ask received it

@@ -13,9 +13,9 @@ Grammar (one fault per ``--fault``; workers are named ``w0``, ``w1``, ... and se
   its true gradients plus F (default 0.5) times their per-element RMS along a sign vector
   fixed for the run (a consistent small bias).
 * ``slow:wN:factor=F`` -- that worker takes F times its compute time for every task.
-* ``stop:wN:step=N`` -- that worker takes no task of step N or later: it drops the first such
-  lease it gets (the server gives the task to another once the lease runs out) and stays in
-  the run, idle (a liar that keeps out of the last step's full recomputation).
+* ``stop:wN:step=N`` -- that worker takes no task of step N or later: at the first such lease
+  it leaves the run (the task is redone by the others), e.g. a liar that keeps out of the
+  last step's full recomputation.
 * ``flap:wN:period=S:down=S:for=S`` -- that worker reaches the stage servers through a
   link that resets every connection for ``down`` seconds every ``period`` seconds, for
   ``for`` seconds from its start (:class:`shoal.emulate.flap.FlapProxy`).
@@ -80,7 +80,7 @@ class SlowFault:
 
 @dataclass(frozen=True)
 class StopFault:
-    """A worker that takes no task of step ``step`` or later (and stays in the run, idle)."""
+    """A worker that takes no task of step ``step`` or later: it leaves the run at the first."""
 
     worker: str  # "wN"
     step: int  # the first step it takes no task of
