@@ -485,3 +485,27 @@ def test_standby_takes_over_a_replicas_killed_stage_server(tmp_path):
     assert rollbacks and all(e["version"] % h == 0 for e in rollbacks), rollbacks
     assert summary["steps"] == steps
     assert summary["replicas"]["final_weights_differ"] == []
+
+
+def test_demo_plans_replicas_given_by_hand_and_reads_them_back():
+    """``shoal demo --replicas``: the plan it predicts is the coordinator's (even layers, servers
+    on the hosts in turn, workers balanced), and the plan read back from the run's events has
+    the replicas the coordinator logged with its first re-plan."""
+    from shoal.demo.cli import DemoConfig, hand_replica_plan, runtime_plan
+    from shoal.plan.scenario import load_scenario
+
+    sc = load_scenario("demo")
+    plan = hand_replica_plan(sc, "1,2")
+    assert [len(r.stages) for r in plan.replicas] == [1, 2]
+    assert sum(r.micro_batches for r in plan.replicas) == sc.workload.micro_batches
+    assert [st.layers for st in plan.all_stages] == [(0, 6), (0, 3), (3, 6)]
+    assert all(st.workers for st in plan.all_stages)
+    workers = [d.id for d in sc.workers]
+    events = [{"event": "assign", "role": "server", "stage": k, "device": f"s{k}"} for k in range(3)]
+    events.append({"event": "replan", "layers": [[0, 6], [0, 3], [3, 6]], "method": "replicas",
+                   "assignment": {"w0": 0, "w1": 1, "w2": 2}, "replicas": {"stages": [1, 2], "micro_batches": [3, 1]}})
+    got = runtime_plan(events, workers, [d.id for d in sc.server_hosts], "tiny", "demo", 2, 4)
+    assert [(len(r.stages), r.micro_batches) for r in got.replicas] == [(1, 3), (2, 1)]
+    assert [st.workers for st in got.all_stages] == [[workers[0]], [workers[1]], [workers[2]]]
+    with pytest.raises(ShoalError, match="needs --sync local"):
+        DemoConfig(replicas="1,1", sync="exact").validate()

@@ -75,6 +75,7 @@ class DemoConfig:
     outer_lr: float = 1.0  # --outer-lr: local mode's outer Nesterov learning rate
     outer_momentum: float = 0.0  # --outer-momentum: local mode's outer Nesterov momentum
     shadow: bool = False  # --shadow: workers run no model, only wait their device's task time (losses meaningless)
+    replicas: str = ""  # --replicas: pipeline replicas given by hand (stages per replica; shoal.runtime.sync.replicas)
 
     def validate(self) -> None:
         """Raise :class:`ShoalError` on a bad value."""
@@ -99,6 +100,8 @@ class DemoConfig:
             raise ShoalError("--sync-every only applies to --sync local or auto (exact sync syncs every step)")
         SyncConfig("local" if self.sync == "auto" else self.sync, self.sync_every or DEFAULT_SYNC_EVERY,
                    self.outer_lr, self.outer_momentum).validate()
+        if self.replicas and self.sync == "exact":
+            raise ShoalError("--replicas needs --sync local (replicas merge at the rounds of local mode)")
         if self.dashboard:
             from shoal.runtime.ui.dashboard import parse_bind
 
@@ -211,8 +214,45 @@ def runtime_plan(events: list[dict], workers: list[str], hosts: list[str], model
     for i, (a, b) in enumerate(first["layers"]):
         ws = [_device_of(w, workers) for w, s in sorted(assignment.items(), key=lambda kv: _worker_index(kv[0])) if int(s) == i]
         stages.append(StagePlan((int(a), int(b)), servers.get(i, hosts[i % len(hosts)]), ws))
+    shapes = first.get("replicas")
+    replicas = []
+    if shapes:  # a replica plan: its stages in replica order (shoal.runtime.sync.replicas)
+        from shoal.plan.types import Replica
+
+        at = 0
+        for n, m in zip(shapes["stages"], shapes["micro_batches"], strict=True):
+            replicas.append(Replica(stages=stages[at:at + n], micro_batches=int(m)))
+            at += n
     return Plan(scenario=scenario, model=model, method="runtime (" + str(first.get("method", "?")) + ")",
-                stages=stages, micro_batch_size=micro_batch_size, micro_batches=micro_batches)
+                stages=replicas[0].stages if replicas else stages, micro_batch_size=micro_batch_size,
+                micro_batches=micro_batches, replicas=replicas)
+
+
+def hand_replica_plan(scenario, spec: str, seed: int = 0):
+    """The plan of ``--replicas SPEC`` on ``scenario`` as the coordinator makes it (pure): each
+    replica's layers split evenly, stage servers on the server hosts in turn (as
+    :class:`shoal.runtime.processes.launch.Swarm` starts them), workers balanced by FLOP/s per unit
+    of work (:func:`shoal.runtime.common.assign_workers`). No sync policy is set."""
+    from shoal.model.config import get_preset
+    from shoal.plan.types import Plan, Replica, StagePlan
+    from shoal.runtime.common import assign_workers
+    from shoal.runtime.sync.replicas import parse_replicas, replica_slots
+
+    w = scenario.workload
+    n_layers = get_preset(w.model).n_total_layers
+    counts, mbs = parse_replicas(spec, w.micro_batches, n_layers)
+    slots = replica_slots(counts, mbs, n_layers)
+    hosts = [d.id for d in scenario.server_hosts]
+    flops = {d.id: d.flops for d in scenario.workers}
+    assign = assign_workers(flops, [float((s.last - s.first) * (s.mb_hi - s.mb_lo)) for s in slots])
+    stages = [StagePlan((s.first, s.last), hosts[k % len(hosts)], sorted(d for d, j in assign.items() if j == k))
+              for k, s in enumerate(slots)]
+    replicas, at = [], 0
+    for n, m in zip(counts, mbs, strict=True):
+        replicas.append(Replica(stages=stages[at:at + n], micro_batches=m))
+        at += n
+    return Plan(scenario=scenario.name, model=w.model, method=f"replicas by hand ({spec})", stages=replicas[0].stages,
+                micro_batch_size=w.micro_batch_size, micro_batches=w.micro_batches, replicas=replicas)
 
 
 def _device_of(name: str, workers: list[str]) -> str:
@@ -323,6 +363,15 @@ def choose_sync(cfg: DemoConfig, scenario, stages: int):
     from shoal.plan.compression import parse_compression
     from shoal.runtime.sync.codecs import RunCompression, parse_run_compression
 
+    if cfg.replicas:
+        # Replicas given by hand run in local mode (auto does not choose them): the plan is theirs.
+        cfg = dc_replace(cfg, sync="local")
+        from shoal.plan.cost import predict
+
+        plan = hand_replica_plan(scenario, cfg.replicas, cfg.seed)
+        plan.sync = run_policy(cfg, parse_run_compression(cfg.compression))
+        predict(plan, scenario)
+        return plan, cfg
     if cfg.sync != "auto":
         pol = run_policy(cfg, parse_run_compression(cfg.compression))
         return make_plan(scenario, stages=stages, seed=cfg.seed, sync=pol), cfg
@@ -426,6 +475,15 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
     written = load_scenario(cfg.scenario)
     sc, notes = demo_scenario(written, cfg.workers, cfg.max_workers, cfg.workload)
     stages = min(cfg.stages, len(sc.workers))
+    if cfg.replicas:
+        from shoal.model.config import get_preset
+        from shoal.runtime.sync.replicas import parse_replicas
+
+        stages = sum(parse_replicas(cfg.replicas, sc.workload.micro_batches, get_preset(sc.workload.model)
+                                    .n_total_layers)[0])
+        if stages > len(sc.workers):
+            raise ShoalError(f"--replicas {cfg.replicas} has {stages} stages and the scenario {len(sc.workers)} "
+                             "workers: every stage needs a worker")
     out = Path(cfg.out or default_out())
     if out.exists() and any(out.iterdir()):
         raise ShoalError(f"run folder {out} exists and is not empty; pass another --out")
@@ -463,7 +521,7 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
         emulate_speedup=spec.speedup, bandwidth_scale=cfg.bandwidth_scale, dashboard=cfg.dashboard,
         tensorboard=cfg.tensorboard,
         sync=cfg.sync, sync_every=cfg.sync_every or DEFAULT_SYNC_EVERY, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
-        shadow=cfg.shadow)
+        shadow=cfg.shadow, replicas=cfg.replicas)
     state = LiveState(total_steps=cfg.steps)
     display = _Display(state, console, cfg.quiet)
     if not cfg.churn:
@@ -545,6 +603,10 @@ def _sync_text(cfg: DemoConfig, asked: str) -> str:
 
 
 def _plan_line(plan) -> str:
+    if plan.replicas:
+        return "; ".join(f"replica {r} ({rep.micro_batches} micro-batches): " + ", ".join(
+            f"layers [{s.layers[0]},{s.layers[1]}) server {s.server} {len(s.workers)} workers" for s in rep.stages)
+            for r, rep in enumerate(plan.replicas))
     return "; ".join(f"stage {i} layers [{s.layers[0]},{s.layers[1]}) server {s.server} {len(s.workers)} workers"
                      for i, s in enumerate(plan.stages))
 
@@ -682,6 +744,9 @@ def register(subparsers) -> None:
                    help="where the coordinator serves the live web dashboard (default: loopback, any free port)")
     p.add_argument("--no-dashboard", action="store_true", help="no web dashboard")
     p.add_argument("--stages", type=int, default=d.stages, metavar="S", help=f"pipeline stages (default {d.stages})")
+    p.add_argument("--replicas", default="", metavar="SPEC",
+                   help="run pipeline replicas given by hand in local mode (each replica's stage count, e.g. 1,2; "
+                        "sets the stages; --sync auto then runs local mode; docs/replicas.md)")
     p.add_argument("--task-time", type=float, default=d.model_task_s, metavar="S",
                    help="emulated seconds the slowest device takes for a whole-model forward+backward "
                         f"of one micro-batch (default {d.model_task_s}); sets the time scale")
@@ -711,7 +776,7 @@ def run_demo_cmd(args: argparse.Namespace) -> int:
                      dashboard=None if args.no_dashboard else args.dashboard,
                      data=tuple(args.data or ("corpus",)), sync=args.sync, sync_every=args.sync_every,
                      outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, tensorboard=args.tensorboard,
-                     shadow=args.shadow)
+                     shadow=args.shadow, replicas=args.replicas)
     run_demo(cfg)
     sys.stdout.flush()
     return 0

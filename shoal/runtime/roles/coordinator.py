@@ -796,6 +796,8 @@ class Coordinator(pbg.CoordinatorServicer):
         self.assign = new
         if changed:
             self.event("replan", why=why, method=method or "balance", **({"changes": changes} if changes > 1 else {}),
+                       **({"replicas": {"stages": list(self.spec.replica_stages),
+                                        "micro_batches": list(self.spec.replica_mbs)}} if self.slots is not None else {}),
                        layers=[list(x) for x in self.layers],
                        assignment={self.members[w].name: s for w, s in new.items()})
         empty = [s for s in range(self.spec.stages) if s not in new.values()]
