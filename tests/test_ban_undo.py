@@ -86,6 +86,25 @@ def test_poison_fault_grammar_and_kinds():
     assert float(b0.abs().max()) == pytest.approx(0.5 * rms, rel=1e-5)
 
 
+def test_the_end_check_recomputes_workers_absent_from_the_last_step_and_a_load_keeps_older_records():
+    from shoal.runtime.safety.endcheck import end_targets, kept_after_load, sum_grads
+
+    here = (1, 4, 6)  # stage 1, layers [4, 6)
+    keys = {"a": (0, 1, 4, 6, 3), "b": (0, 1, 4, 6, 5), "c": (0, 1, 4, 6, 4), "d": (0, 0, 0, 4, 2),
+            "e": (1, 1, 4, 6, 2)}
+    # b pushed in the last step (all recomputed there), c is banned, d's record is another stage's
+    assert end_targets(keys, pushers={"b"}, banned={"c"}, here=here) == ["a", "e"]
+    assert end_targets(keys, pushers=set(), banned=set(), here=(1, 3, 6)) == []  # other layers: other weights
+    # a roll-back to v4 redoes steps 4 and 5 (b's and c's records go); a's and e's pushes stay in the weights
+    assert kept_after_load(keys, 4, here) == {"a", "e"}
+    assert kept_after_load(keys, 6, (0, 0, 3)) == set()  # a reload at other layers keeps nothing
+    assert kept_after_load(keys, 6, (0, 0, 4)) == {"d"}
+    g1, g2 = {"w": torch.ones(3)}, {"w": torch.full((3,), 2.0)}
+    assert sum_grads([g1]) is g1  # one push: no copy
+    total = sum_grads([g1, g2])
+    assert torch.equal(total["w"], torch.full((3,), 3.0)) and torch.equal(g1["w"], torch.ones(3))  # inputs untouched
+
+
 def test_an_undo_drops_the_undone_steps_records_on_resume():
     from shoal.runtime.safety.journal import resume_state
 

@@ -56,6 +56,20 @@ def sum_grads(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return out
 
 
+def end_targets(keys: dict[str, Key], pushers: set[str], banned: set[str], here: tuple[int, int, int]) -> list[str]:
+    """Whose records the last step's commit recomputes (pure): workers with a record of this
+    stage and layers ``here`` (stage, first, last) that pushed nothing in the last step (their
+    pushes there were all recomputed) and are not banned already."""
+    return sorted(w for w, k in keys.items() if w not in pushers and w not in banned and k[1:4] == here)
+
+
+def kept_after_load(keys: dict[str, Key], version: int, here: tuple[int, int, int]) -> set[str]:
+    """Whose records survive a (re)load at ``version`` of ``here`` (pure): those of this stage
+    and layers from steps before ``version`` (their pushes are still in the weights; later
+    steps are redone, other layers are other weights)."""
+    return {w for w, k in keys.items() if k[1:4] == here and k[4] < version}
+
+
 class EndCheckMixin:
     """The end check of a :class:`~shoal.runtime.roles.server.StageServer`."""
 
@@ -100,8 +114,8 @@ class EndCheckMixin:
     def _end_forget(self, version: int, stage: int, first: int, last: int) -> None:
         """A (re)load at ``version``: records of steps it redoes, or of another stage, go."""
         self.end_ids = set()
-        self.end_records = {w: r for w, r in self.end_records.items()
-                            if r.key[1:4] == (stage, first, last) and r.key[4] < version}
+        keep = kept_after_load({w: r.key for w, r in self.end_records.items()}, version, (stage, first, last))
+        self.end_records = {w: r for w, r in self.end_records.items() if w in keep}
         self._end_prune()
 
     def _end_recompute(self, recs: list[tuple[str, EndRecord]]) -> dict[str, float]:
@@ -133,11 +147,9 @@ class EndCheckMixin:
         one that lied is banned (the ban's undo follows from the heartbeat sent before the report)."""
         if not self.guard_cfg.end_check or self.local:
             return
-        pushers = {p[2] for p in self.pushes}
-        here = (self.stage, self.first, self.last)
-        recs = sorted((w, r) for w, r in self.end_records.items()
-                      if w not in pushers and w not in self.guard_banned and r.key[1:4] == here
-                      and r.key in self.end_weights)
+        due = end_targets({w: r.key for w, r in self.end_records.items() if r.key in self.end_weights},
+                          {p[2] for p in self.pushes}, set(self.guard_banned), (self.stage, self.first, self.last))
+        recs = [(w, self.end_records[w]) for w in due]
         if not recs:
             return
         errors = await asyncio.get_running_loop().run_in_executor(None, self._end_recompute, recs)
