@@ -249,3 +249,11 @@ def test_readme_starts_with_the_two_commands():
     assert "    python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/shoal demo" in head
     assert ("    python3 -m venv .venv && .venv/bin/pip install -q -e '.[dev]' && .venv/bin/python -m pytest"
             in head)
+
+
+def test_reference_pages_stay_short():
+    """The docs are reference pages a newcomer reads whole: each stays within 300 lines (split a
+    page that grows past it); the CLI reference is generated from --help and is exempt."""
+    long = {p.name: n for p in (ROOT / "docs").glob("*.md")
+            if p.name != "cli.md" and (n := len(p.read_text().splitlines())) > 300}
+    assert not long, f"docs pages over 300 lines (split them): {long}"
