@@ -509,3 +509,31 @@ def test_demo_plans_replicas_given_by_hand_and_reads_them_back():
     assert [st.workers for st in got.all_stages] == [[workers[0]], [workers[1]], [workers[2]]]
     with pytest.raises(ShoalError, match="needs --sync local"):
         DemoConfig(replicas="1,1", sync="exact").validate()
+
+
+def test_replica_workers_keep_to_their_regions():
+    from shoal.runtime.common import assign_workers
+    from shoal.runtime.sync.replicas import assign_replica_workers
+
+    same = replica_slots([1, 1], [2, 2], 6)
+    flops = {"a1": 10.0, "a2": 10.0, "b1": 10.0, "b2": 10.0}
+    regions = {"a1": "A", "a2": "A", "b1": "B", "b2": "B"}
+    got = assign_replica_workers(flops, regions, same)
+    assert got == {"a1": 0, "a2": 0, "b1": 1, "b2": 1}  # each replica inside one region
+    # one region for two replicas: plain balancing
+    one = dict.fromkeys(flops, "L")
+    assert assign_replica_workers(flops, one, same) == assign_workers(flops, [12.0, 12.0])
+    # the larger region goes to the replica with more work; each stage of it gets a worker
+    split = replica_slots([1, 2], [2, 2], 6)
+    flops3 = {"a1": 10.0, "a2": 10.0, "a3": 10.0, "b1": 10.0}
+    got = assign_replica_workers(flops3, {"a1": "A", "a2": "A", "a3": "A", "b1": "B"}, split)
+    assert {w for w, k in got.items() if k in (1, 2)} <= {"a1", "a2", "a3"} and {1, 2} <= set(got.values())
+    assert got["b1"] == 0
+    # a joiner goes to the replica already working in its region; kept workers stay
+    cur = {"a1": 0, "a2": 0, "b1": 1, "b2": 1}
+    got = assign_replica_workers({**flops, "b3": 10.0}, {**regions, "b3": "B"}, same, cur)
+    assert got == {**cur, "b3": 1}
+    # a region too small for its replica's stages: the empty stage takes a worker from elsewhere
+    got = assign_replica_workers({"a1": 10.0, "a2": 10.0, "a3": 10.0, "b1": 10.0},
+                                 {"a1": "A", "a2": "A", "a3": "A", "b1": "B"}, replica_slots([2, 2], [2, 2], 6))
+    assert set(got.values()) == {0, 1, 2, 3}

@@ -231,12 +231,12 @@ def runtime_plan(events: list[dict], workers: list[str], hosts: list[str], model
 def hand_replica_plan(scenario, spec: str, seed: int = 0):
     """The plan of ``--replicas SPEC`` on ``scenario`` as the coordinator makes it (pure): each
     replica's layers split evenly, stage servers on the server hosts in turn (as
-    :class:`shoal.runtime.processes.launch.Swarm` starts them), workers balanced by FLOP/s per unit
-    of work (:func:`shoal.runtime.common.assign_workers`). No sync policy is set."""
+    :class:`shoal.runtime.processes.launch.Swarm` starts them), whole regions to replicas and
+    workers balanced inside them (:func:`shoal.runtime.sync.replicas.assign_replica_workers`). No
+    sync policy is set."""
     from shoal.model.config import get_preset
     from shoal.plan.types import Plan, Replica, StagePlan
-    from shoal.runtime.common import assign_workers
-    from shoal.runtime.sync.replicas import parse_replicas, replica_slots
+    from shoal.runtime.sync.replicas import assign_replica_workers, parse_replicas, replica_slots
 
     w = scenario.workload
     n_layers = get_preset(w.model).n_total_layers
@@ -244,7 +244,7 @@ def hand_replica_plan(scenario, spec: str, seed: int = 0):
     slots = replica_slots(counts, mbs, n_layers)
     hosts = [d.id for d in scenario.server_hosts]
     flops = {d.id: d.flops for d in scenario.workers}
-    assign = assign_workers(flops, [float((s.last - s.first) * (s.mb_hi - s.mb_lo)) for s in slots])
+    assign = assign_replica_workers(flops, {d.id: d.region for d in scenario.workers}, slots)
     stages = [StagePlan((s.first, s.last), hosts[k % len(hosts)], sorted(d for d, j in assign.items() if j == k))
               for k, s in enumerate(slots)]
     replicas, at = [], 0
@@ -599,6 +599,8 @@ CKPT_EVERY = 5  # stage servers checkpoint every 5 steps (the demo kills workers
 def _sync_text(cfg: DemoConfig, asked: str) -> str:
     """The policy that runs, e.g. ``local H=4 (auto)``."""
     text = f"local H={cfg.sync_every or DEFAULT_SYNC_EVERY}" if cfg.sync == "local" else cfg.sync
+    if cfg.replicas:
+        return f"{text}, replicas {cfg.replicas} (given by hand)"
     return f"{text} (auto: the planner's choice)" if asked == "auto" else text
 
 

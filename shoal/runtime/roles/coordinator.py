@@ -75,6 +75,7 @@ from shoal.runtime.measure import probe_reply
 from shoal.runtime.roles.planning import (
     COORDINATOR_NODE,
     LOOPBACK_LINK,
+    LOOPBACK_REGION,
     MEASURE_GAP_RETRIES,
     REMEASURE_AFTER_S,
     MemberFigures,
@@ -90,7 +91,7 @@ from shoal.runtime.roles.planning import (
 from shoal.runtime.safety.guard import keep_version, undo_target
 from shoal.runtime.safety.journal import FINAL, JOURNAL, LINKED, Journal, point_link, run_dir
 from shoal.runtime.safety.standby import decisions_since, planned_standby_stages
-from shoal.runtime.sync.replicas import slots_of_spec
+from shoal.runtime.sync.replicas import assign_replica_workers, slots_of_spec
 from shoal.train.metrics import JsonlWriter, step_record
 from shoal.train.optim import clip_coefficient, lr_at, total_sq_norm
 from shoal.train.outer import is_sync_step, sync_of_spec
@@ -791,7 +792,12 @@ class Coordinator(pbg.CoordinatorServicer):
         flops = {mid: self.members[mid].flops for mid in live}
         # Workers the plan left out still help: in a task pool an extra worker only takes
         # tasks when it is free, so it is placed where capacity per unit of work is lowest.
-        new = assign_workers(flops, self.costs, self.assign)
+        if self.slots is not None:
+            # A replica plan: whole regions to replicas, so activations stay inside a region.
+            regions = {mid: self._region_of(self.members[mid]) for mid in live}
+            new = assign_replica_workers(flops, regions, self.slots, self.assign)
+        else:
+            new = assign_workers(flops, self.costs, self.assign)
         changed = new != before or why == "start"
         self.assign = new
         if changed:
@@ -804,6 +810,14 @@ class Coordinator(pbg.CoordinatorServicer):
         if empty:
             # Nothing to take a worker from (every other stage has one): wait for a join.
             self.event("waiting", stages_without_workers=empty, workers=len(live))
+
+    def _region_of(self, m: Member) -> str:
+        """A member's network region: the scenario device's it plays (emulated runs), else the one
+        it declared or was clustered into when measured, else loopback's."""
+        if self.emulated is not None:
+            return self._device(m).region
+        f = self.figures.get(m.member_id)
+        return (f.region if f is not None and f.region else "") or LOOPBACK_REGION
 
     def _replan_soon(self, why: str) -> None:
         """Re-plan for a membership change: now, or once :func:`replan_wait` allows (the reaper

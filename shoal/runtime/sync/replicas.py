@@ -125,6 +125,61 @@ def peers(slots: list[Slot], k: int) -> list[int]:
     return [j for j, s in enumerate(slots) if s.replica != slots[k].replica and overlaps(s, slots[k])]
 
 
+def assign_replica_workers(flops: Mapping[str, float], regions: Mapping[str, str], slots: list[Slot],
+                           current: Mapping[str, int] | None = None) -> dict[str, int]:
+    """Worker -> stage of a replica plan, keeping each replica inside few network regions (pure).
+
+    A stage's work is its layers times its replica's micro-batches. With at least as many
+    regions as replicas, whole regions go to replicas (largest region first, each to the
+    replica with the least capacity per unit of work, every replica getting one before any
+    gets a second), so activations, which never leave a replica, stay inside a region; inside
+    a replica, workers are balanced over its stages (:func:`shoal.runtime.common.assign_workers`).
+    Kept assignments (``current``) stay; a new worker joins a replica that already works in its
+    region when there is one. Any stage still without a worker then takes one from a stage that
+    has two (across regions, as a last resort). With fewer regions than replicas it is plain
+    balancing over all stages. Deterministic for equal inputs.
+
+    A region goes first to a replica it has workers enough to staff (a worker per stage), then
+    the least loaded, then the deepest.
+    """
+    from shoal.runtime.common import assign_workers
+
+    costs = [float((s.last - s.first) * (s.mb_hi - s.mb_lo)) for s in slots]
+    names = sorted({regions.get(w, "") for w in flops})
+    n_rep = max(s.replica for s in slots) + 1
+    if len(names) < n_rep:
+        return assign_workers(dict(flops), costs, dict(current or {}))
+    out = {w: k for w, k in (current or {}).items() if w in flops and 0 <= k < len(slots)}
+    rep_cost = [sum(c for c, s in zip(costs, slots, strict=True) if s.replica == r) for r in range(n_rep)]
+    depth = [sum(1 for s in slots if s.replica == r) for r in range(n_rep)]
+
+    def rep_load(r: int) -> float:
+        return sum(flops[w] for w, k in out.items() if slots[k].replica == r) / max(rep_cost[r], 1e-12)
+
+    home: dict[str, int] = {}  # region -> the replica its workers join
+    for w, k in sorted(out.items()):
+        home.setdefault(regions.get(w, ""), slots[k].replica)
+    new = [w for w in flops if w not in out]
+    by_region: dict[str, list[str]] = {}
+    for w in new:
+        by_region.setdefault(regions.get(w, ""), []).append(w)
+    for reg in sorted(by_region, key=lambda g: (-sum(flops[w] for w in by_region[g]), g)):
+        if reg not in home:
+            empty = [r for r in range(n_rep) if not any(slots[k].replica == r for k in out.values())]
+            # a replica the region can staff whole first, the least loaded, the deepest (larger
+            # regions come first: deep replicas need more workers), the most work
+            home[reg] = min(empty or range(n_rep), key=lambda r: (depth[r] > len(by_region[reg]), rep_load(r),
+                                                                  -depth[r], -rep_cost[r], r))
+        r = home[reg]
+        mine = [k for k, s in enumerate(slots) if s.replica == r]
+        sub = assign_workers({w: flops[w] for w in flops if w in by_region[reg] or out.get(w) in mine},
+                             [costs[k] for k in mine],
+                             {w: mine.index(k) for w, k in out.items() if k in mine})
+        for w, j in sub.items():
+            out[w] = mine[j]
+    return assign_workers(dict(flops), costs, out)
+
+
 def merge_parts(parts: Mapping[int, tuple[int, bool, Mapping[str, torch.Tensor]]],
                 anchor: Mapping[str, torch.Tensor]) -> tuple[bool, dict[str, torch.Tensor]]:
     """The per-layer merge of the replicas' parts for the parameters in ``anchor`` (this stage's
