@@ -105,6 +105,42 @@ def test_the_end_check_recomputes_workers_absent_from_the_last_step_and_a_load_k
     assert torch.equal(total["w"], torch.full((3,), 3.0)) and torch.equal(g1["w"], torch.ones(3))  # inputs untouched
 
 
+def test_the_end_check_keeps_one_coordinate_in_k_and_its_sample_still_catches_a_sparse_lie():
+    from shoal.runtime.safety.endcheck import sample_index, sampled_error, sum_grads, take_sample
+    from shoal.runtime.safety.guard import DEFAULT
+
+    k, whole = DEFAULT.end_sample_every, DEFAULT.end_sample_whole
+    gen = torch.Generator().manual_seed(3)
+    pushes = [{"w": torch.randn(512, 256, generator=gen), "b": torch.randn(256, generator=gen)} for _ in range(3)]
+    honest = sum_grads(pushes)
+    numels = {n: t.numel() for n, t in honest.items()}
+    index = sample_index(numels, 12345, k, whole)
+    sample = sum_grads([take_sample(g, index) for g in pushes])  # the sample of the sum, push by push
+    assert index["b"] is None and sample["b"].numel() == 256  # a small tensor is kept whole
+    assert sample["w"].numel() == -(-512 * 256 // k)  # the big one: 1/k of its coordinates
+    assert sample_index(numels, 12345, k, whole)["w"].equal(index["w"])  # the seed decides the positions
+    assert not sample_index(numels, 12346, k, whole)["w"].equal(index["w"])
+    # An honest sum passes: its sample equals the recomputation's at the same positions.
+    assert sampled_error(sample, numels, 12345, k, whole, honest) == 0.0
+    assert sampled_error(sample, numels, 12345, k, whole, {"w": honest["w"]}) == float("inf")  # a tensor missing
+    # A sparse lie, fixed before the seed is drawn: 2 000 of 131 072 coordinates of w replaced by
+    # noise of their own scale (a relative error of about 0.17 over the whole push). Sampled at
+    # k = 64 it escapes with probability about exp(-2000/64) ~ 3e-14: every seed below catches it.
+    lie = {n: t.clone() for n, t in honest.items()}
+    hit = torch.randperm(lie["w"].numel(), generator=gen)[:2000]
+    lie["w"].view(-1)[hit] = torch.randn(2000, generator=gen) * float(honest["w"].std())
+    for seed in range(20):
+        idx = sample_index(numels, seed, k, whole)
+        err = sampled_error(take_sample(lie, idx), numels, seed, k, whole, honest)
+        assert err > DEFAULT.rel_tol * 10, (seed, err)
+    # A lie of one coordinate escapes the sample about (1 - 1/k) of the time: the stated limit.
+    one = {n: t.clone() for n, t in honest.items()}
+    one["w"].view(-1)[7] += 100.0
+    caught = sum(sampled_error(take_sample(one, sample_index(numels, s, k, whole)), numels, s, k, whole, honest)
+                 > DEFAULT.rel_tol for s in range(640))
+    assert 1 <= caught <= 30, caught  # expected 640 * (1 - (1 - 1/131072)^2048) ~ 9.9
+
+
 def test_an_undo_drops_the_undone_steps_records_on_resume():
     from shoal.runtime.safety.journal import resume_state
 

@@ -3,24 +3,45 @@ step commits (the stage server's side, a mixin; docs/poisoning-undo.md, "The run
 
 The last step's pushes are all recomputed, but a worker that takes no task of the last step
 (a faster worker took them, or it stopped asking) would otherwise finish the run with its
-unverified pushes unseen. So each stage server keeps, per worker, the gradient of its most
-recent step with exact pushes that were not recomputed (their sum, with the micro-batches'
-inputs and output gradients, and a copy of the stage's weights of that version), and at the
-last step's commit, before the step is reported, recomputes it for every worker that pushed
-nothing in the last step. A lie found bans the worker, and the ban rolls the run back past
-all its unverified pushes as any ban does: a worker that lies on every push from some step
-on cannot finish a run unseen, whether or not it works in the last step.
+unverified pushes unseen. So each stage server keeps, per worker, a record of its most
+recent step with exact pushes that were not recomputed (a sample of their sum, with the
+micro-batches' inputs and output gradients, and a copy of the stage's weights of that
+version), and at the last step's commit, before the step is reported, recomputes it for
+every worker that pushed nothing in the last step. A lie found bans the worker, and the ban
+rolls the run back past all its unverified pushes as any ban does: a worker that lies on
+every push from some step on cannot finish a run unseen, whether or not it works in the
+last step.
 
-Cost: per worker, one summed gradient of the stage and (shared by the workers of a step) one
-copy of the stage's weights, held until a newer unverified step of it replaces them; one
-clone of the weights per commit with an unverified push; at the run's end the forward and
-backward of those micro-batches for each such worker.
+The sample. A record keeps, of every tensor of the summed gradient, ``ceil(n / k)`` of its
+``n`` coordinates (``k`` = ``GuardConfig.end_sample_every``, 64), at positions drawn
+uniformly from a seed the server draws from its own randomness at the commit, after the
+pushes arrived, and never sends (tensors of at most ``end_sample_whole`` elements are kept
+whole). The end check compares those coordinates of the worker's sum with the same
+coordinates of the recomputation (relative L2 over them, the same ``rel_tol``). Why that
+still catches a lie: the push was fixed before the positions existed, so each drawn position
+lands on one of the ``m`` coordinates a lie changed with probability ``m / n``, independently;
+the lie escapes only if every one misses, with probability ``(1 - m/n)^(n/k)``, about
+``(1 - 1/k)^m`` (``exp(-m/k)``): 2e-7 for a lie touching 1 000 coordinates, never in practice
+for the attacks of docs/poisoning.md (noise, bias, scaling, sign flip touch every coordinate).
+A dense lie's relative error over the sample estimates its error over all coordinates (both
+sums are means of n/k independent terms), so a lie above ``rel_tol`` stays above it. What can
+escape: a lie confined to a few coordinates of a large tensor (about 1 - m/k for m << k);
+one large enough to matter there makes the push's norm stand out to the screen
+(docs/poisoning.md), which recomputes it whole.
+
+Cost: memory per worker with a record, 1/k of the stage's gradient (+ at most 16 KiB per
+small tensor kept whole) and its micro-batches' inputs; one copy of the stage's weights per
+distinct step the records name (shared by the workers of a step, dropped when no record
+names it); one clone of the weights per commit with an unverified push (needed: the
+update overwrites them in place, and which workers will miss the last step is unknown until
+then); at the run's end the forward and backward of those micro-batches for each such worker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +61,9 @@ class EndRecord:
 
     key: Key  # whose weights (version ``step`` of that epoch and stage) the pushes were computed on
     mbs: tuple[int, ...]  # its micro-batches of the step, in order
-    grads: dict[str, torch.Tensor]  # the sum of its unverified pushes of the step
+    grads: dict[str, torch.Tensor]  # a sample of the sum of its unverified pushes of the step (sample_index)
+    seed: int  # the sample's positions (sample_index): the server's secret, drawn after the pushes
+    numels: dict[str, int]  # each tensor's element count (the positions are drawn from it)
     inputs: list[tuple[int, torch.Tensor | None, torch.Tensor | None]]  # (mb, stage input, output gradient)
     loss_scale: float  # the step's loss scale (1 outside fp16)
 
@@ -54,6 +77,35 @@ def sum_grads(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         for n, t in g.items():
             out[n].add_(t)
     return out
+
+
+def sample_index(numels: dict[str, int], seed: int, every: int, whole: int) -> dict[str, torch.Tensor | None]:
+    """The positions a record keeps of each flattened tensor (pure, from ``seed``): None keeps a
+    tensor of at most ``whole`` elements (or all when ``every`` <= 1) whole; else
+    ``ceil(n / every)`` positions drawn uniformly, with replacement, among its ``n``."""
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor | None] = {}
+    for name in sorted(numels):
+        n = numels[name]
+        out[name] = None if every <= 1 or n <= whole else torch.randint(n, (-(-n // every),), generator=gen)
+    return out
+
+
+def take_sample(grads: dict[str, torch.Tensor], index: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+    """The coordinates ``index`` names of each tensor of ``grads`` (a copy: a 1-D tensor each)."""
+    return {n: grads[n].detach().reshape(-1).clone() if i is None else grads[n].detach().reshape(-1)[i]
+            for n, i in index.items()}
+
+
+def sampled_error(sample: dict[str, torch.Tensor], numels: dict[str, int], seed: int, every: int, whole: int,
+                  recomputed: dict[str, torch.Tensor]) -> float:
+    """Relative L2 error of a record's sample (of tensors of ``numels`` elements, positions from
+    ``seed``) against the same coordinates of the recomputation (inf when a tensor of the
+    record is missing there or has another size)."""
+    if any(n not in recomputed or recomputed[n].numel() != k for n, k in numels.items()):
+        return float("inf")
+    ref = take_sample(recomputed, sample_index(numels, seed, every, whole))
+    return rel_error(sq_diff(sample, ref), sq_norm(ref))
 
 
 def end_targets(keys: dict[str, Key], pushers: set[str], banned: set[str], here: tuple[int, int, int]) -> list[str]:
@@ -98,11 +150,20 @@ class EndCheckMixin:
         loop = asyncio.get_running_loop()
         key = (epoch, self.stage, self.first, self.last, step)
         states = self.steps[step]
+        every, whole = self.guard_cfg.end_sample_every, self.guard_cfg.end_sample_whole
         for wid, pushes in mine.items():
-            grads = await loop.run_in_executor(None, sum_grads, [g for _, g in pushes])
+            seed = secrets.randbits(63)  # drawn now, after the pushes: no worker can aim a lie past it
+            numels = {n: t.numel() for n, t in pushes[0][1].items()}
+
+            def sample(pushes=pushes, seed=seed, numels=numels) -> dict[str, torch.Tensor]:
+                index = sample_index(numels, seed, every, whole)
+                return sum_grads([take_sample(g, index) for _, g in pushes])
+
+            grads = await loop.run_in_executor(None, sample)
             mbs = tuple(mb for m, _ in pushes for mb in m)
-            self.end_records[wid] = EndRecord(key, mbs, grads, [(mb, states[mb].input, states[mb].out_grad)
-                                                                for mb in mbs], self.loss_scale)
+            self.end_records[wid] = EndRecord(key, mbs, grads, seed, numels,
+                                              [(mb, states[mb].input, states[mb].out_grad) for mb in mbs],
+                                              self.loss_scale)
         self.end_weights[key] = await loop.run_in_executor(
             None, lambda: {n: p.detach().clone() for n, p in self.params.items()})
         self._end_prune()
@@ -120,7 +181,8 @@ class EndCheckMixin:
 
     def _end_recompute(self, recs: list[tuple[str, EndRecord]]) -> dict[str, float]:
         """Each record's relative error against this server's fp32 recomputation (in a thread),
-        on a fresh module loaded with the weights of the record's version."""
+        on a fresh module loaded with the weights of the record's version, over the record's
+        sample of coordinates."""
         module = build_stage(self.cfg, self.first, self.last, seed=self.spec.seed)
         errors: dict[str, float] = {}
         loaded = None
@@ -138,7 +200,8 @@ class EndCheckMixin:
                                     loss_scale=rec.loss_scale)
                 for n, t in g.items():
                     mine[n] = t if n not in mine else mine[n] + t
-            errors[wid] = rel_error(sq_diff(rec.grads, mine), sq_norm(mine))
+            errors[wid] = sampled_error(rec.grads, rec.numels, rec.seed, self.guard_cfg.end_sample_every,
+                                        self.guard_cfg.end_sample_whole, mine)
         return errors
 
     async def _end_checks(self, step: int, epoch: int) -> None:

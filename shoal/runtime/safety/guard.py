@@ -89,6 +89,14 @@ class GuardConfig:
     # that pushed nothing in that step (safety/endcheck.py): a worker that lies on every push
     # from some step on is caught even if it takes no task of the last step.
     end_check: bool = True
+    # The end check keeps a sample of each record's gradient, not all of it: about one
+    # coordinate in this many of every tensor, at positions drawn from a secret seed after the
+    # push (safety/endcheck.py; a lie touching m coordinates escapes with probability about
+    # (1 - 1/k)^m). 1 keeps every coordinate.
+    end_sample_every: int = 64
+    # Tensors of at most this many elements (norms, biases) are kept whole: a lie confined to
+    # them is caught surely, for at most 16 KiB per tensor.
+    end_sample_whole: int = 4096
     # Local mode (--sync local): contributors a merge needs for the round's own centre (the
     # coordinate-wise median of its pseudo-gradients) to outvote one dishonest replica.
     # With fewer, only the norm is screened, against the stage's earlier honest rounds.
