@@ -105,6 +105,27 @@ def test_repair_handles_a_stage_losing_all_workers_and_its_server():
     assert not set(left) & {w for st in q.stages for w in st.workers}
 
 
+def test_a_repair_that_keeps_the_stage_count_steals_a_worker_instead_of_merging():
+    # A running swarm cannot merge stages (its servers hold fixed layers): when the only worker
+    # of a stage leaves, the coordinator's repair (keep_stages) moves a worker there.
+    from shoal.plan.repair import live_scenario
+
+    s = load_scenario("demo")
+    p = make_plan(s, stages=3)
+    lone = next(i for i, st in enumerate(p.stages) if len(st.workers) == 1)
+    left = list(p.stages[lone].workers)
+    assert repair(p, s, left=left).n_stages == 2  # free to merge, the planner's repair does
+    q = repair(p, s, left=left, keep_stages=True)
+    validate_plan(q, live_scenario(s, left))
+    assert q.n_stages == 3 and all(st.workers for st in q.stages)
+    assert not set(left) & {w for st in q.stages for w in st.workers}
+    # Fewer live workers than stages: no such plan, and the error says why.
+    keep = s.workers[0].id
+    gone = [d.id for d in s.workers if d.id != keep]
+    with pytest.raises(ShoalError, match="1 live worker.*cannot serve 3 stages"):
+        repair(p, s, left=gone, keep_stages=True)
+
+
 def test_repair_uses_joined_devices_when_they_help():
     s = load_scenario("hetero-compute")
     full = make_plan(s)

@@ -7,11 +7,13 @@ Order of operations (each step judged by the cost model):
    sync fastest (host memory permitting);
 3. a stage left without workers first gets joined devices, else either steals one device from
    the stage with the most spare throughput or is merged into a neighbouring stage -- whichever
-   predicts the shorter step;
+   predicts the shorter step (``keep_stages``: only steals; a running swarm cannot merge
+   stages, its servers hold fixed layers);
 4. each joined device goes to the stage where it shortens the step most (or stays idle);
 5. a short local search (boundary shifts, moves, swaps, server moves) polishes the result.
 
-Only if no repair is feasible (e.g. nothing fits the memory) does it fall back to a full plan.
+Only if no repair is feasible (e.g. nothing fits the memory) does it fall back to a full plan
+(``keep_stages``: one with the plan's stage count, or a ShoalError saying why there is none).
 """
 
 from __future__ import annotations
@@ -58,8 +60,9 @@ def _best_host(plan: Plan, i: int, scenario: Scenario) -> str | None:
     return best
 
 
-def _fill_empty(plan: Plan, i: int, scenario: Scenario, options: CostOptions) -> Plan | None:
-    """Best of: steal one device for stage ``i`` from another stage, or merge ``i`` into a neighbour."""
+def _fill_empty(plan: Plan, i: int, scenario: Scenario, options: CostOptions, merge: bool = True) -> Plan | None:
+    """Best of: steal one device for stage ``i`` from another stage, or (``merge``) merge ``i``
+    into a neighbour."""
     prof = scenario_profile(scenario)
     dev = {d.id: d for d in scenario.devices}
     need = stage_worker_memory(prof, *plan.stages[i].layers, plan.sync)
@@ -75,7 +78,7 @@ def _fill_empty(plan: Plan, i: int, scenario: Scenario, options: CostOptions) ->
             p.stages[i].workers.append(w)
             options_out.append(p)
     # merge into the previous or next stage
-    for j in (i - 1, i + 1):
+    for j in (i - 1, i + 1) if merge else ():
         if 0 <= j < len(plan.stages):
             p = _copy(plan)
             a = min(p.stages[i].layers[0], p.stages[j].layers[0])
@@ -94,9 +97,12 @@ def _fill_empty(plan: Plan, i: int, scenario: Scenario, options: CostOptions) ->
 
 
 def repair(plan: Plan, scenario: Scenario, left: Iterable[str] = (), joined: Iterable[str] = (),
-           options: CostOptions | None = None, budget_s: float | None = None, seed: int = 0) -> Plan:
+           options: CostOptions | None = None, budget_s: float | None = None, seed: int = 0,
+           keep_stages: bool = False) -> Plan:
     """A valid plan for ``scenario`` minus ``left`` (plus ``joined``, which must be devices of
     ``scenario``), derived from ``plan`` incrementally; ``planning_time_s`` is the repair time.
+    ``keep_stages``: the result has the plan's stage count (a stage left without workers steals
+    one, never merges), or a ShoalError says why no such plan exists.
 
     As :func:`shoal.plan.make_plan`, the search leaves the coordinator's CPU floor out (a plan
     over its member limit is infinite, and no move could tell two such plans apart), and the
@@ -105,7 +111,8 @@ def repair(plan: Plan, scenario: Scenario, left: Iterable[str] = (), joined: Ite
 
     t0 = time.perf_counter()
     options = options or CostOptions()
-    p = _repair(plan, scenario, left, joined, dataclasses.replace(options, coordinator=False), budget_s, seed, t0)
+    p = _repair(plan, scenario, left, joined, dataclasses.replace(options, coordinator=False), budget_s, seed, t0,
+                keep_stages)
     live = live_scenario(scenario, left)
     p = shed_unfed_workers(fit_coordinator(p, live, options), live, options)
     predict(p, live, options)
@@ -114,7 +121,7 @@ def repair(plan: Plan, scenario: Scenario, left: Iterable[str] = (), joined: Ite
 
 
 def _repair(plan: Plan, scenario: Scenario, left: Iterable[str], joined: Iterable[str], options: CostOptions,
-            budget_s: float | None, seed: int, t0: float) -> Plan:
+            budget_s: float | None, seed: int, t0: float, keep_stages: bool = False) -> Plan:
     left, joined = set(left), [j for j in joined if j not in set(left)]
     known = {d.id for d in scenario.devices}
     for d in [*left, *joined]:
@@ -131,7 +138,7 @@ def _repair(plan: Plan, scenario: Scenario, left: Iterable[str], joined: Iterabl
         if st.server not in dev:
             host = _best_host(p, i, live)
             if host is None:
-                return _fallback(live, plan, t0, seed, options)
+                return _fallback(live, plan, t0, seed, options, keep_stages)
             st.server = host
     prof = scenario_profile(live)
     pending = [j for j in joined if dev[j].flops > 0 and all(j not in st.workers for st in p.stages)]
@@ -146,9 +153,9 @@ def _repair(plan: Plan, scenario: Scenario, left: Iterable[str], joined: Iterabl
                 pending.remove(w)
     while any(not st.workers for st in p.stages):
         i = next(i for i, st in enumerate(p.stages) if not st.workers)
-        q = _fill_empty(p, i, live, options)
+        q = _fill_empty(p, i, live, options, merge=not keep_stages)
         if q is None:
-            return _fallback(live, plan, t0, seed, options)
+            return _fallback(live, plan, t0, seed, options, keep_stages)
         p = q
     # joined devices: where they help most -- among the slowest stages and the stages served
     # from the device's own region (a full scan would cost S predictions per device)
@@ -169,7 +176,7 @@ def _repair(plan: Plan, scenario: Scenario, left: Iterable[str], joined: Iterabl
         if best is not None:
             p = best
     if not _feasible(p, live, prof, dev):
-        return _fallback(live, plan, t0, seed, options)
+        return _fallback(live, plan, t0, seed, options, keep_stages)
     if budget_s is None:
         budget_s = 0.05 + 0.0001 * len(live.workers)
     p = local_search(p, live, options, budget_s, seed=seed, max_rounds=20, max_evals=40)
@@ -179,9 +186,15 @@ def _repair(plan: Plan, scenario: Scenario, left: Iterable[str], joined: Iterabl
     return p
 
 
-def _fallback(live: Scenario, plan: Plan, t0: float, seed: int, options: CostOptions) -> Plan:
-    """Plan from scratch (the repair could not keep the plan's shape)."""
-    p = plan_shoal(live, seed=seed, sync=plan.sync, options=options)
+def _fallback(live: Scenario, plan: Plan, t0: float, seed: int, options: CostOptions,
+              keep_stages: bool = False) -> Plan:
+    """Plan from scratch (the repair could not keep the plan's shape); ``keep_stages``: with
+    the plan's stage count, which needs a worker per stage."""
+    if keep_stages and len(live.workers) < len(plan.stages):
+        raise ShoalError(f"repair: {len(live.workers)} live worker(s) cannot serve {len(plan.stages)} stages; "
+                         "a stage waits for a worker to join")
+    p = plan_shoal(live, seed=seed, stages=len(plan.stages) if keep_stages else None, sync=plan.sync,
+                   options=options)
     p.method = plan.method
     validate_plan(p, live)
     predict(p, live, options)

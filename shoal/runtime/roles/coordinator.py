@@ -776,8 +776,9 @@ class Coordinator(pbg.CoordinatorServicer):
                 servers = {mid for mid, m in self.members.items() if m.role == "server"}
                 gone = [d for d in self.planned if d not in live and d not in servers]
                 joined = [d for d in live if d not in self.planned]
+                # The servers hold fixed layer ranges: a repair may move workers, never merge stages.
                 plan = repair(self.plan, scenario, left=gone, joined=joined,
-                              seed=int(self.spec.seed))
+                              seed=int(self.spec.seed), keep_stages=True)
                 if len(plan.stages) != self.spec.stages:
                     raise ValueError(f"repair changed the stage count to {len(plan.stages)}")
                 # the plan no longer holds the members that left
@@ -786,6 +787,10 @@ class Coordinator(pbg.CoordinatorServicer):
                 self.assign = {w: i for i, st in enumerate(plan.stages) for w in st.workers
                                if w in live}
                 method = "repair"
+            except ShoalError as exc:
+                # A swarm the plan cannot fit (fewer workers than stages): a designed fallback.
+                log.info("plan repair found no plan (%s); balancing by capacity", exc)
+                method = f"balance ({exc})"
             except Exception as exc:
                 log.warning("plan repair failed (%s); balancing by capacity", exc)
                 method = f"balance ({exc})"
