@@ -4,6 +4,7 @@ unverified pushes, the run's end check, and the poison faults that exercise them
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from pathlib import Path
@@ -133,6 +134,18 @@ def test_the_end_check_keeps_one_coordinate_in_k_and_its_sample_still_catches_a_
         idx = sample_index(numels, seed, k, whole)
         err = sampled_error(take_sample(lie, idx), numels, seed, k, whole, honest)
         assert err > DEFAULT.rel_tol * 10, (seed, err)
+    # With the end check off (--spot-check 0, the guard off, local mode) no record is kept: no clones.
+    from types import SimpleNamespace
+
+    from shoal.runtime.safety.endcheck import EndCheckMixin
+
+    def active(spot=0.1, local=False, **cfg):
+        srv = SimpleNamespace(guard_cfg=dataclasses.replace(DEFAULT, **cfg), local=local,
+                              spec=SimpleNamespace(guard_spot_check=spot, shadow=False))
+        return EndCheckMixin._end_active(srv)
+
+    assert active() and not active(spot=0) and not active(local=True) and not active(enabled=False)
+    assert not active(end_check=False) and not active(verify_last_step=False)
     # A lie of one coordinate escapes the sample about (1 - 1/k) of the time: the stated limit.
     one = {n: t.clone() for n, t in honest.items()}
     one["w"].view(-1)[7] += 100.0

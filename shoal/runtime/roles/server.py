@@ -1749,8 +1749,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
                 report.tasks_per_worker[w] = n
             # Every standby of the stage logs the step before any decision on it can exist.
             await self.standby_send_step(step, epoch)
-            if (step == self.spec.steps - 1 and self.guard_cfg.enabled and self.guard_cfg.verify_last_step
-                    and self.spec.guard_spot_check > 0 and not self.spec.shadow):
+            if step == self.spec.steps - 1 and self._end_active():
                 # The newest unverified pushes of workers absent from the last step (safety/endcheck.py).
                 await self._end_checks(step, epoch)
             # A ban made in this step reaches the coordinator before the step's report: else the

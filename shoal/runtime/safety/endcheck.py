@@ -130,6 +130,13 @@ class EndCheckMixin:
         self.end_records: dict[str, EndRecord] = {}  # worker -> its most recent unverified step here
         self.end_weights: dict[Key, dict[str, torch.Tensor]] = {}  # the weights the records were computed on
 
+    def _end_active(self) -> bool:
+        """Whether the run's last step has an end check (else no record is kept: no weight clones).
+        Like the last step's full check it needs the guard and ``--spot-check`` > 0; exact runs only."""
+        cfg = self.guard_cfg
+        return (cfg.enabled and cfg.end_check and cfg.verify_last_step and self.spec.guard_spot_check > 0
+                and not self.spec.shadow and not self.local)
+
     def _end_note(self, wid: str, ids: list[int]) -> None:
         """An exact push was counted without a recomputation (or a check by another worker)."""
         self.end_ids.add((wid, tuple(ids)))
@@ -139,7 +146,7 @@ class EndCheckMixin:
         unverified pushes of the step (replacing its older record) and the weights they were
         computed on."""
         ids, self.end_ids = self.end_ids, set()
-        if not ids or self.local or not self.guard_cfg.end_check:
+        if not ids or not self._end_active():
             return
         mine: dict[str, list] = {}
         for _, grads, wid, mbs in sorted(self.pushes, key=lambda p: p[0]):
@@ -208,7 +215,7 @@ class EndCheckMixin:
         """At the last step's commit, before its report: recompute the newest unverified pushes of
         every worker that pushed nothing in this step (its pushes here were all recomputed);
         one that lied is banned (the ban's undo follows from the heartbeat sent before the report)."""
-        if not self.guard_cfg.end_check or self.local:
+        if not self._end_active():
             return
         due = end_targets({w: r.key for w, r in self.end_records.items() if r.key in self.end_weights},
                           {p[2] for p in self.pushes}, set(self.guard_banned), (self.stage, self.first, self.last))
