@@ -36,11 +36,27 @@ def test_parse_replicas_and_slots():
     # a stage merges with the other replicas' stages that share a layer, never with its own replica's
     assert peers(slots, 0) == [1, 2] and peers(slots, 1) == [0] and peers(slots, 2) == [0]
     assert peers(replica_slots([2, 2], [2, 2], 6), 1) == [3]
+    # uneven splits: a replica given by its stages' layer counts
+    from shoal.runtime.sync.replicas import parse_replica_plan, replicas_of_plan
+
+    assert parse_replica_plan("1:3,2+4:1", 4, 6) == ([1, 2], [3, 1], [6, 2, 4])
+    assert parse_replica_plan("1,2+4", 4, 6) == ([1, 2], [2, 2], [6, 2, 4])
+    assert replica_slots([1, 2], [3, 1], 6, [6, 2, 4])[1:] == [Slot(1, 0, 2, 3, 4), Slot(1, 2, 6, 3, 4)]
+    # a plan of shoal plan --json: its replicas' layer splits and shares
+    plan = {"micro_batches": 4, "replicas": [
+        {"micro_batches": 3, "stages": [{"layers": [0, 6]}]},
+        {"micro_batches": 1, "stages": [{"layers": [0, 2]}, {"layers": [2, 6]}]}]}
+    assert replicas_of_plan(plan, 4, 6) == "1:3,2+4:1"
+    with pytest.raises(ShoalError, match="give --micro-batches 4"):
+        replicas_of_plan(plan, 8, 6)
+    with pytest.raises(ShoalError, match="fewer than two"):
+        replicas_of_plan({"micro_batches": 4, "replicas": plan["replicas"][:1]}, 4, 6)
 
 
 @pytest.mark.parametrize("text,msg", [
     ("2", "at least two replicas"), ("2,x", "is not STAGES"), ("1:3,2", "every replica's micro-batches or none"),
     ("1:3,2:3", "sum to --micro-batches 4"), ("0,2", "1 to 6 stages"), ("1,1,1,1,1", "each be >= 1"),
+    ("1,2+3", "sum to the model's 6 layers"), ("1,0+6", "must each be >= 1"), ("1,2+x", "is not STAGES"),
 ])
 def test_parse_replicas_refuses_bad_specs(text, msg):
     with pytest.raises(ShoalError, match=re.escape(msg)):
@@ -241,17 +257,28 @@ RUN = dict(model="tiny", micro_batches=4, micro_batch_size=2, seq_len=32, seed=0
 
 @pytest.mark.integration
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("replicas,workers", [("1,1", 2), ("1,2", 3)], ids=["same-split", "split-1-vs-2"])
+@pytest.mark.parametrize("replicas,workers", [("1,1", 2), ("1,2", 3), ("plan", 3)],
+                         ids=["same-split", "split-1-vs-2", "plan-file-uneven"])
 def test_replicas_merge_per_layer_bitwise(tmp_path, replicas, workers):
     """Two replicas, one worker per stage, H = 2 over 5 steps (rounds of 2, 2 and 1): losses,
     every stage server's merged weights after every round and the final weights equal the
-    in-process reference bit for bit, and every replica holds the same final weights."""
+    in-process reference bit for bit, and every replica holds the same final weights. The third
+    case reads the replicas from a plan file (``shoal plan --json``'s form) with an uneven split,
+    [0, 6) against [0, 2) + [2, 6)."""
     from shoal.runtime.processes.launch import LaunchConfig, launch
 
     steps, h = 5, 2
     out = tmp_path / "run"
+    if replicas == "plan":
+        path = tmp_path / "plan.json"
+        path.write_text(json.dumps({"micro_batches": 4, "replicas": [
+            {"micro_batches": 2, "stages": [{"layers": [0, 6]}]},
+            {"micro_batches": 2, "stages": [{"layers": [0, 2]}, {"layers": [2, 6]}]}]}))
+        replicas = str(path)
     summary = launch(LaunchConfig(out=str(out), **RUN, steps=steps, replicas=replicas, workers=workers,
                                   dead_after_s=3.0, min_lease_s=1.5, timeout_s=280, sync="local", sync_every=h))
+    if replicas.endswith(".json"):
+        assert summary["layers"] == [[0, 6], [0, 2], [2, 6]]
     _check_against_reference(out, summary, steps, h)
 
 

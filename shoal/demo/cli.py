@@ -236,12 +236,16 @@ def hand_replica_plan(scenario, spec: str, seed: int = 0):
     sync policy is set."""
     from shoal.model.config import get_preset
     from shoal.plan.types import Plan, Replica, StagePlan
-    from shoal.runtime.sync.replicas import assign_replica_workers, parse_replicas, replica_slots
+    from shoal.runtime.sync.replicas import (
+        assign_replica_workers,
+        parse_replica_plan,
+        replica_slots,
+    )
 
     w = scenario.workload
     n_layers = get_preset(w.model).n_total_layers
-    counts, mbs = parse_replicas(spec, w.micro_batches, n_layers)
-    slots = replica_slots(counts, mbs, n_layers)
+    counts, mbs, layers = parse_replica_plan(spec, w.micro_batches, n_layers)
+    slots = replica_slots(counts, mbs, n_layers, layers)
     hosts = [d.id for d in scenario.server_hosts]
     flops = {d.id: d.flops for d in scenario.workers}
     assign = assign_replica_workers(flops, {d.id: d.region for d in scenario.workers}, slots)
@@ -476,11 +480,14 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
     sc, notes = demo_scenario(written, cfg.workers, cfg.max_workers, cfg.workload)
     stages = min(cfg.stages, len(sc.workers))
     if cfg.replicas:
-        from shoal.model.config import get_preset
-        from shoal.runtime.sync.replicas import parse_replicas
+        from dataclasses import replace as dc_replace
 
-        stages = sum(parse_replicas(cfg.replicas, sc.workload.micro_batches, get_preset(sc.workload.model)
-                                    .n_total_layers)[0])
+        from shoal.model.config import get_preset
+        from shoal.runtime.sync.replicas import parse_replicas, resolve_replicas
+
+        n_layers = get_preset(sc.workload.model).n_total_layers
+        cfg = dc_replace(cfg, replicas=resolve_replicas(cfg.replicas, sc.workload.micro_batches, n_layers))
+        stages = sum(parse_replicas(cfg.replicas, sc.workload.micro_batches, n_layers)[0])
         if stages > len(sc.workers):
             raise ShoalError(f"--replicas {cfg.replicas} has {stages} stages and the scenario {len(sc.workers)} "
                              "workers: every stage needs a worker")

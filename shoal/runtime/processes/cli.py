@@ -87,8 +87,9 @@ def _run_args(p: argparse.ArgumentParser, launch: bool = False) -> None:
     p.add_argument("--stages", type=int, default=2, help="pipeline stages S")
     p.add_argument("--replicas", default="", metavar="SPEC",
                    help="--sync local: run several pipeline replicas, each with its own stage servers and "
-                        "workers, merged per layer at every round; SPEC is each replica's stage count, "
-                        "optionally with its micro-batches per step (2,2 or 1,2 or 1:3,2:1); sets --stages "
+                        "workers, merged per layer at every round; SPEC is each replica's stage count or its "
+                        "stages' layer counts joined by +, optionally with its micro-batches per step (2,2 or "
+                        "1,2+4 or 1:3,2:1), or a plan file of shoal plan --json with replicas; sets --stages "
                         "to their sum (docs/replicas.md)")
     p.add_argument("--ckpt-every", type=int, default=None,
                    help="servers checkpoint every K steps, written off their event loop (default 10, "
@@ -401,9 +402,10 @@ def _spec(args):
             raise ShoalError(f"--{name.replace('_', '-')} must be positive, got {getattr(w, name)}")
     replicas = None
     if getattr(args, "replicas", ""):
-        from shoal.runtime.sync.replicas import parse_replicas
+        from shoal.runtime.sync.replicas import parse_replica_plan, resolve_replicas
 
-        replicas = parse_replicas(args.replicas, w.micro_batches, cfg.n_total_layers)
+        args.replicas = resolve_replicas(args.replicas, w.micro_batches, cfg.n_total_layers)
+        replicas = parse_replica_plan(args.replicas, w.micro_batches, cfg.n_total_layers)
         args.stages = sum(replicas[0])
     if args.stages <= 0:
         raise ShoalError(f"--stages must be positive, got {args.stages}")
@@ -446,6 +448,7 @@ def _spec(args):
 
         spec.replica_stages.extend(replicas[0])
         spec.replica_mbs.extend(replicas[1])
+        spec.replica_layers.extend(replicas[2])
         check_replica_run(spec, cfg.n_total_layers)
     return spec
 

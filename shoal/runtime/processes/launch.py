@@ -126,7 +126,7 @@ class LaunchConfig:
         if self.workers is None:
             self.workers = 2
         if self.replicas:
-            self.stages = sum(self._replica_plan()[0])
+            self.stages = sum(self._replica_plan()[0])  # (a plan file becomes its SPEC here)
         if self.stages < 1 or self.workers < 1 or self.steps < 1:
             raise ShoalError("--stages, --workers and --steps must be positive")
         resolve_ckpt_every_s(self.ckpt_every_s)
@@ -156,7 +156,7 @@ class LaunchConfig:
 
     def _replica_plan(self) -> tuple[list[int], list[int]]:
         """(stages, micro-batches) of each replica of ``--replicas`` (a one-line ShoalError when bad)."""
-        from shoal.runtime.sync.replicas import parse_replicas
+        from shoal.runtime.sync.replicas import parse_replicas, resolve_replicas
 
         if self.init_from:
             from shoal.hf.convert import read_hf_model_config
@@ -166,6 +166,7 @@ class LaunchConfig:
             from shoal.model.config import get_preset
 
             cfg = get_preset(self.model)
+        self.replicas = resolve_replicas(self.replicas, self.micro_batches, cfg.n_total_layers)
         return parse_replicas(self.replicas, self.micro_batches, cfg.n_total_layers)
 
 

@@ -33,7 +33,6 @@ from shoal.errors import ShoalError
 from shoal.net import shoal_pb2 as pb
 from shoal.net.stream import receive, send
 from shoal.net.wire import WireError, decode_tensor, encode_tensor
-from shoal.runtime.common import even_split
 from shoal.train.outer import merge_per_layer, merge_weights, merges_weights, weighted_sum
 
 log = logging.getLogger("shoal.replicas")
@@ -51,24 +50,43 @@ class Slot:
 
 
 def parse_replicas(text: str, micro_batches: int, n_layers: int) -> tuple[list[int], list[int]]:
-    """``--replicas SPEC``: stages of each replica, comma-separated, each optionally with its
-    micro-batches per step after a colon (``2,2``; ``1,2``; ``1:3,2:1``). Without counts the
-    step's ``micro_batches`` are split evenly (earlier replicas take the remainder).
-    Returns (stages per replica, micro-batches per replica); a one-line ShoalError when bad."""
+    """``--replicas SPEC``: (stages per replica, micro-batches per replica); see
+    :func:`parse_replica_plan`."""
+    stages, mbs, _ = parse_replica_plan(text, micro_batches, n_layers)
+    return stages, mbs
+
+
+def parse_replica_plan(text: str, micro_batches: int, n_layers: int) -> tuple[list[int], list[int], list[int]]:
+    """``--replicas SPEC``: each replica's stages, comma-separated, as a stage count (layers split
+    evenly) or as its stages' layer counts joined by ``+`` (``2+4``: layers [0,2) and [2,6)), each
+    optionally with its micro-batches per step after a colon (``2,2``; ``1,2+4``; ``1:3,2:1``).
+    Without counts the step's ``micro_batches`` are split evenly (earlier replicas take the
+    remainder). Returns (stages per replica, micro-batches per replica, every stage's layer count
+    in stage order); a one-line ShoalError when bad."""
+    from shoal.runtime.common import even_split
+
     items = [x.strip() for x in text.split(",") if x.strip()]
-    hint = "give the stages of each replica, e.g. --replicas 2,2 or --replicas 1:3,2:1 (stages:micro-batches)"
+    hint = ("give each replica's stage count or its stages' layer counts, e.g. --replicas 2,2 or "
+            "--replicas 1,2+4 or --replicas 1:3,2:1 (stages:micro-batches)")
     if len(items) < 2:
         raise ShoalError(f"--replicas {text!r}: a replica plan has at least two replicas; {hint}")
-    stages, mbs = [], []
+    stages, mbs, layers = [], [], []
     for it in items:
         s, _, m = it.partition(":")
         try:
-            stages.append(int(s))
+            counts = [int(x) for x in s.split("+")] if "+" in s else None
+            n = len(counts) if counts is not None else int(s)
             mbs.append(int(m) if m else -1)
         except ValueError:
-            raise ShoalError(f"--replicas {text!r}: {it!r} is not STAGES or STAGES:MICRO_BATCHES; {hint}") from None
-    if any(s < 1 or s > n_layers for s in stages):
-        raise ShoalError(f"--replicas {text!r}: each replica needs 1 to {n_layers} stages (the model's layers)")
+            raise ShoalError(f"--replicas {text!r}: {it!r} is not STAGES, L1+L2+... or either with "
+                             f":MICRO_BATCHES; {hint}") from None
+        if n < 1 or n > n_layers:
+            raise ShoalError(f"--replicas {text!r}: each replica needs 1 to {n_layers} stages (the model's layers)")
+        if counts is not None and (min(counts) < 1 or sum(counts) != n_layers):
+            raise ShoalError(f"--replicas {text!r}: the layer counts {s} must each be >= 1 and sum to the "
+                             f"model's {n_layers} layers")
+        stages.append(n)
+        layers += counts if counts is not None else [b - a for a, b in even_split(n_layers, n)]
     if all(m == -1 for m in mbs):
         base, extra = divmod(micro_batches, len(stages))
         mbs = [base + (1 if r < extra else 0) for r in range(len(stages))]
@@ -77,15 +95,61 @@ def parse_replicas(text: str, micro_batches: int, n_layers: int) -> tuple[list[i
     if any(m < 1 for m in mbs) or sum(mbs) != micro_batches:
         raise ShoalError(f"--replicas {text!r}: the replicas' micro-batches {mbs} must each be >= 1 and sum to "
                          f"--micro-batches {micro_batches}")
-    return stages, mbs
+    return stages, mbs, layers
 
 
-def replica_slots(stages: list[int], mbs: list[int], n_layers: int) -> list[Slot]:
-    """The stages of a replica plan in stage-index order (replica 0's first)."""
-    out, lo = [], 0
+def replicas_of_plan(plan: dict, micro_batches: int, n_layers: int) -> str:
+    """The ``--replicas`` SPEC of a plan written by ``shoal plan --json`` (its replicas' layer
+    splits and micro-batch shares); a one-line ShoalError when the plan does not fit the run."""
+    reps = plan.get("replicas") or []
+    if len(reps) < 2:
+        raise ShoalError("the plan file has fewer than two pipeline replicas; make one with "
+                         "shoal plan --sync local --replicas --json FILE")
+    if int(plan.get("micro_batches", 0)) != micro_batches:
+        raise ShoalError(f"the plan has {plan.get('micro_batches')} micro-batches per step, the run "
+                         f"{micro_batches}: give --micro-batches {plan.get('micro_batches')}")
+    items = []
+    for r in reps:
+        cuts = [(int(st["layers"][0]), int(st["layers"][1])) for st in r["stages"]]
+        if cuts[0][0] != 0 or cuts[-1][1] != n_layers or any(cuts[i][1] != cuts[i + 1][0] for i in range(len(cuts) - 1)):
+            raise ShoalError(f"a replica of the plan splits layers as {cuts}, not the run model's {n_layers} "
+                             "layers; plan the run's model")
+        # (a one-stage replica is "1": a lone number is a stage count)
+        split = "+".join(str(b - a) for a, b in cuts) if len(cuts) > 1 else "1"
+        items.append(f"{split}:{int(r['micro_batches'])}")
+    return ",".join(items)
+
+
+def resolve_replicas(text: str, micro_batches: int, n_layers: int) -> str:
+    """``--replicas``: a SPEC as given, or the SPEC of a plan file (a path ending in ``.json``)."""
+    if not text.endswith(".json"):
+        return text
+    import json
+    from pathlib import Path
+
+    try:
+        plan = json.loads(Path(text).expanduser().read_text())
+    except (OSError, ValueError) as exc:
+        raise ShoalError(f"--replicas {text}: cannot read the plan file ({exc})") from None
+    return replicas_of_plan(plan, micro_batches, n_layers)
+
+
+def replica_slots(stages: list[int], mbs: list[int], n_layers: int, layers: list[int] | None = None) -> list[Slot]:
+    """The stages of a replica plan in stage-index order (replica 0's first); ``layers``: every
+    stage's layer count (None: each replica's layers split evenly, the coordinator's split)."""
+    from shoal.runtime.common import even_split
+
+    out, lo, k = [], 0, 0
     for r, (s, m) in enumerate(zip(stages, mbs, strict=True)):
-        for a, b in even_split(n_layers, s):  # the coordinator's even split
-            out.append(Slot(r, a, b, lo, lo + m))
+        if layers:
+            a = 0
+            for n in layers[k:k + s]:
+                out.append(Slot(r, a, a + n, lo, lo + m))
+                a += n
+        else:
+            for a, b in even_split(n_layers, s):
+                out.append(Slot(r, a, b, lo, lo + m))
+        k += s
         lo += m
     return out
 
@@ -94,7 +158,7 @@ def slots_of_spec(spec, n_layers: int) -> list[Slot] | None:
     """The replica stages a run spec describes (None: one pipeline, no replicas)."""
     if not spec.replica_stages:
         return None
-    return replica_slots(list(spec.replica_stages), list(spec.replica_mbs), n_layers)
+    return replica_slots(list(spec.replica_stages), list(spec.replica_mbs), n_layers, list(spec.replica_layers))
 
 
 def check_replica_run(spec, n_layers: int) -> None:
@@ -112,6 +176,15 @@ def check_replica_run(spec, n_layers: int) -> None:
         raise ShoalError("--replicas does not run with sparse pulls yet; use pull=int8 or none")
     if any(s > n_layers for s in spec.replica_stages):
         raise ShoalError(f"a replica has more stages than the model's {n_layers} layers")
+    if spec.replica_layers:
+        counts, k = list(spec.replica_layers), 0
+        ok = len(counts) == spec.stages and min(counts) >= 1
+        for n in spec.replica_stages:
+            ok = ok and sum(counts[k:k + n]) == n_layers
+            k += n
+        if not ok:
+            raise ShoalError(f"the replicas' layer counts must each be >= 1 and cover the model's {n_layers} "
+                             "layers in every replica")
 
 
 def overlaps(a: Slot, b: Slot) -> bool:
