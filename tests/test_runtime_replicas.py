@@ -564,3 +564,18 @@ def test_replica_workers_keep_to_their_regions():
     got = assign_replica_workers({"a1": 10.0, "a2": 10.0, "a3": 10.0, "b1": 10.0},
                                  {"a1": "A", "a2": "A", "a3": "A", "b1": "B"}, replica_slots([2, 2], [2, 2], 6))
     assert set(got.values()) == {0, 1, 2, 3}
+
+
+def test_replica_servers_move_to_their_replicas_region():
+    from shoal.runtime.sync.replicas import place_replica_servers, replica_regions
+
+    slots = replica_slots([1, 2], [2, 2], 6)
+    assign = {"eu1": 0, "eu2": 0, "us1": 1, "us2": 2}
+    regions = {"eu1": "eu", "eu2": "eu", "us1": "us", "us2": "us", "s0": "us", "s1": "eu", "s2": "us"}
+    want = replica_regions(assign, regions, slots)
+    assert want == ["eu", "us"]
+    # stage 0 (eu replica) takes the eu server; the us replica's stages keep or take us servers
+    assert place_replica_servers(["s0", "s1", "s2"], regions, [want[s.replica] for s in slots]) == ["s1", "s0", "s2"]
+    # no server in a region: the stage keeps its own, or takes what is left
+    assert place_replica_servers(["a", "b"], {"a": "x", "b": "x"}, ["y", "y"]) == ["a", "b"]
+    assert place_replica_servers(["a", "b"], {"a": "x", "b": "y"}, ["y", "x"]) == ["b", "a"]

@@ -204,10 +204,10 @@ def runtime_plan(events: list[dict], workers: list[str], hosts: list[str], model
         return None
 
     servers = {}
-    for e in events:
+    for e in events[:events.index(first)]:  # the newest assignment of each stage before the plan ran
         name = str(e.get("device", ""))
         if e.get("event") == "assign" and e.get("role") == "server" and e.get("stage") is not None \
-                and name[1:].isdigit() and int(e["stage"]) not in servers:
+                and name[1:].isdigit():
             servers[int(e["stage"])] = hosts[int(name[1:]) % len(hosts)]
     assignment = first.get("assignment") or {}
     stages = []
@@ -231,14 +231,16 @@ def runtime_plan(events: list[dict], workers: list[str], hosts: list[str], model
 def hand_replica_plan(scenario, spec: str, seed: int = 0):
     """The plan of ``--replicas SPEC`` on ``scenario`` as the coordinator makes it (pure): each
     replica's layers split evenly, stage servers on the server hosts in turn (as
-    :class:`shoal.runtime.processes.launch.Swarm` starts them), whole regions to replicas and
-    workers balanced inside them (:func:`shoal.runtime.sync.replicas.assign_replica_workers`). No
-    sync policy is set."""
+    :class:`shoal.runtime.processes.launch.Swarm` starts them) then moved to hosts of their
+    replica's region, whole regions to replicas and workers balanced inside them
+    (:func:`shoal.runtime.sync.replicas.assign_replica_workers`). No sync policy is set."""
     from shoal.model.config import get_preset
     from shoal.plan.types import Plan, Replica, StagePlan
     from shoal.runtime.sync.replicas import (
         assign_replica_workers,
         parse_replica_plan,
+        place_replica_servers,
+        replica_regions,
         replica_slots,
     )
 
@@ -248,9 +250,17 @@ def hand_replica_plan(scenario, spec: str, seed: int = 0):
     slots = replica_slots(counts, mbs, n_layers, layers)
     hosts = [d.id for d in scenario.server_hosts]
     flops = {d.id: d.flops for d in scenario.workers}
-    assign = assign_replica_workers(flops, {d.id: d.region for d in scenario.workers}, slots)
-    stages = [StagePlan((s.first, s.last), hosts[k % len(hosts)], sorted(d for d, j in assign.items() if j == k))
-              for k, s in enumerate(slots)]
+    regions = {d.id: d.region for d in scenario.workers}
+    assign = assign_replica_workers(flops, regions, slots)
+    # server process s{k} joins for stage k and plays host k mod hosts; then each replica's
+    # servers move to hosts of its region (shoal.runtime.sync.replicas.place_replica_servers)
+    region_of = {d.id: d.region for d in scenario.server_hosts}
+    current = [f"s{k}" for k in range(len(slots))]
+    want = replica_regions(assign, regions, slots)
+    placed = place_replica_servers(current, {sid: region_of[hosts[int(sid[1:]) % len(hosts)]] for sid in current},
+                                   [want[s.replica] for s in slots])
+    stages = [StagePlan((s.first, s.last), hosts[int(placed[k][1:]) % len(hosts)],
+                        sorted(d for d, j in assign.items() if j == k)) for k, s in enumerate(slots)]
     replicas, at = [], 0
     for n, m in zip(counts, mbs, strict=True):
         replicas.append(Replica(stages=stages[at:at + n], micro_batches=m))

@@ -91,7 +91,12 @@ from shoal.runtime.roles.planning import (
 from shoal.runtime.safety.guard import keep_version, undo_target
 from shoal.runtime.safety.journal import FINAL, JOURNAL, LINKED, Journal, point_link, run_dir
 from shoal.runtime.safety.standby import decisions_since, planned_standby_stages
-from shoal.runtime.sync.replicas import assign_replica_workers, slots_of_spec
+from shoal.runtime.sync.replicas import (
+    assign_replica_workers,
+    place_replica_servers,
+    replica_regions,
+    slots_of_spec,
+)
 from shoal.train.metrics import JsonlWriter, step_record
 from shoal.train.optim import clip_coefficient, lr_at, total_sq_norm
 from shoal.train.outer import is_sync_step, sync_of_spec
@@ -712,9 +717,22 @@ class Coordinator(pbg.CoordinatorServicer):
             self._replan("resume", method="journal layers")
             return
         if self.slots is not None:
-            # A replica plan: layers fixed by --replicas; workers balanced by capacity per unit of work.
+            # A replica plan: layers fixed by --replicas; workers kept to regions per replica, and
+            # each replica's stage servers moved to hosts of its region where there are such.
             self.plan = None
             self._journal("plan", layers=[list(x) for x in self.layers], method="replicas", epoch=self.epoch)
+            live = {mid: m for mid, m in self.members.items() if m.role == "worker" and not m.pending_join}
+            regions = {mid: self._region_of(m) for mid, m in self.members.items()}
+            # (the assignment the re-plan below makes: the same rule on the same members)
+            first = assign_replica_workers({mid: m.flops for mid, m in live.items()}, regions, self.slots)
+            want = replica_regions(first, regions, self.slots)
+            placed = place_replica_servers(list(self.stage_server), regions, [want[s.replica] for s in self.slots])
+            if placed != self.stage_server:
+                for k, (was, now) in enumerate(zip(self.stage_server, placed, strict=True)):
+                    if was != now:
+                        self.event("assign", device=self.members[now].name, role="server", stage=k)
+                self.stage_server = placed
+                self._journal_servers()
             self._replan("start", method="replicas")
             return
         try:

@@ -253,6 +253,40 @@ def assign_replica_workers(flops: Mapping[str, float], regions: Mapping[str, str
     return assign_workers(dict(flops), costs, out)
 
 
+def replica_regions(assign: Mapping[str, int], regions: Mapping[str, str], slots: list[Slot]) -> list[str]:
+    """Each replica's region: the one most of its workers are in (ties: name order; "" without
+    workers), for placing its stage servers (pure)."""
+    n_rep = max(s.replica for s in slots) + 1
+    out = []
+    for r in range(n_rep):
+        seen: dict[str, int] = {}
+        for w, k in assign.items():
+            if slots[k].replica == r:
+                seen[regions.get(w, "")] = seen.get(regions.get(w, ""), 0) + 1
+        out.append(min(seen, key=lambda g: (-seen[g], g)) if seen else "")
+    return out
+
+
+def place_replica_servers(current: list[str], server_region: Mapping[str, str], want: list[str]) -> list[str]:
+    """Stage -> server member for a replica plan (pure): ``current`` (stage -> server) permuted so
+    that as many stages as possible get a server in ``want[stage]``'s region (its replica's).
+    A stage whose server is already in that region keeps it; the rest take, in stage order, a
+    free server of their region (name order), and the stages left take the servers left."""
+    out: list[str | None] = [sid if server_region.get(sid) == want[k] else None for k, sid in enumerate(current)]
+    free = sorted(sid for sid in current if sid not in out)
+    for k, sid in enumerate(out):
+        if sid is None:
+            pick = next((f for f in free if server_region.get(f) == want[k]), None)
+            if pick is not None:
+                out[k] = pick
+                free.remove(pick)
+    for k, sid in enumerate(out):
+        if sid is None:
+            out[k] = current[k] if current[k] in free else free[0]
+            free.remove(out[k])
+    return out
+
+
 def merge_parts(parts: Mapping[int, tuple[int, bool, Mapping[str, torch.Tensor]]],
                 anchor: Mapping[str, torch.Tensor]) -> tuple[bool, dict[str, torch.Tensor]]:
     """The per-layer merge of the replicas' parts for the parameters in ``anchor`` (this stage's
