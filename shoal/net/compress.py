@@ -586,8 +586,8 @@ def _tern_sr_encode(x: np.ndarray, key: int) -> bytes:
     level16 = torch.where(up, (level16.view(torch.int16) + 1).view(torch.bfloat16), level16)
     level = level16.to(torch.float32)
     prob = absr / torch.where(level > 0, level, torch.ones_like(level))[:, None]  # in [0, 1]
-    u = _uniform24(key, x, nb * G).view(nb, G).to(torch.float64)
-    keep = u < prob.to(torch.float64) * (1 << 24)  # P(keep) = ceil(prob 2^24) / 2^24
+    u = _uniform24(key, x, nb * G).view(nb, G).to(torch.float32)  # exact: below 2^24
+    keep = u < prob * (1 << 24)  # P(keep) = ceil(prob 2^24) / 2^24 (a power-of-two product: exact)
     digits = (keep.to(torch.uint8) + (keep & (r < 0)).to(torch.uint8)).reshape(-1).numpy()
     return _pack_tern(level16, digits)
 
