@@ -55,6 +55,7 @@ CONFIGS: dict[str, CompressionConfig] = {  # name -> codecs of the four traffic 
     "tern-sr-bwd": CompressionConfig("raw", "tern-sr", "raw", "raw"),  # stochastic tern gradients only
     "quad-sr": CompressionConfig("quad", "tern-sr", "raw", "raw"),  # 2-bit forward, stochastic tern back: 8.31x
     "quad-fwd": CompressionConfig("quad", "raw", "raw", "raw"),  # 2-bit activations only
+    "tern-sr-both": CompressionConfig("tern-sr", "tern-sr", "raw", "raw"),  # stochastic (unbiased) both ways
 }
 
 
