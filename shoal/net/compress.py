@@ -498,16 +498,22 @@ def _fwht(rows: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, n) * (1.0 / math.sqrt(n))
 
 
+def _rotated_blocks(x: np.ndarray) -> tuple[int, torch.Tensor]:
+    """The number of ``TERN_BLOCK``-element blocks of the flat float32 array ``x`` (the last one
+    padded with zeros) and the blocks rotated, ``H D x`` (rows of the returned tensor): what
+    ``tern``, ``tern-sr`` and ``quad`` quantise."""
+    nb = -(-x.size // TERN_BLOCK)
+    padded = torch.zeros(nb * TERN_BLOCK)
+    padded[:x.size] = torch.from_numpy(x)
+    return nb, _fwht(padded.view(nb, TERN_BLOCK) * _TERN_SIGNS)
+
+
 def _tern_encode(x: np.ndarray) -> bytes:
     """The ``tern`` payload of the flat float32 array ``x``."""
     n = x.size
     if n == 0:
         return b""
-    G = TERN_BLOCK
-    nb = -(-n // G)
-    padded = torch.zeros(nb * G)
-    padded[:n] = torch.from_numpy(x)
-    r = _fwht(padded.view(nb, G) * _TERN_SIGNS)
+    nb, r = _rotated_blocks(x)
     absr = r.abs()
     rms = r.square().mean(dim=1, keepdim=True).sqrt()
     keep = absr > TERN_THRESHOLD * rms
@@ -570,11 +576,7 @@ def _tern_sr_encode(x: np.ndarray, key: int) -> bytes:
     n = x.size
     if n == 0:
         return b""
-    G = TERN_BLOCK
-    nb = -(-n // G)
-    padded = torch.zeros(nb * G)
-    padded[:n] = torch.from_numpy(x)
-    r = _fwht(padded.view(nb, G) * _TERN_SIGNS)
+    nb, r = _rotated_blocks(x)
     absr = r.abs()
     top = absr.amax(dim=1)
     level16 = top.to(torch.bfloat16)
@@ -586,7 +588,7 @@ def _tern_sr_encode(x: np.ndarray, key: int) -> bytes:
     level16 = torch.where(up, (level16.view(torch.int16) + 1).view(torch.bfloat16), level16)
     level = level16.to(torch.float32)
     prob = absr / torch.where(level > 0, level, torch.ones_like(level))[:, None]  # in [0, 1]
-    u = _uniform24(key, x, nb * G).view(nb, G).to(torch.float32)  # exact: below 2^24
+    u = _uniform24(key, x, nb * TERN_BLOCK).view(nb, TERN_BLOCK).to(torch.float32)  # exact: below 2^24
     keep = u < prob * (1 << 24)  # P(keep) = ceil(prob 2^24) / 2^24 (a power-of-two product: exact)
     digits = (keep.to(torch.uint8) + (keep & (r < 0)).to(torch.uint8)).reshape(-1).numpy()
     return _pack_tern(level16, digits)
@@ -623,11 +625,7 @@ def _quad_encode(x: np.ndarray) -> bytes:
     n = x.size
     if n == 0:
         return b""
-    G = TERN_BLOCK
-    nb = -(-n // G)
-    padded = torch.zeros(nb * G)
-    padded[:n] = torch.from_numpy(x)
-    r = _fwht(padded.view(nb, G) * _TERN_SIGNS)
+    nb, r = _rotated_blocks(x)
     absr = r.abs()
     rms = r.square().mean(dim=1, keepdim=True).sqrt()
     outer = absr > QUAD_THRESHOLD * rms
