@@ -1079,9 +1079,10 @@ class Simulator:
             # the repair sees every device that is away, not only this one
             gone = tuple(sorted(wid for wid, w in self.workers.items() if not w.alive))
             try:
-                # no local-search budget: the simulator keeps the stage boundaries fixed
+                # no local-search budget: the simulator keeps the stage boundaries fixed; and, as
+                # the runtime's coordinator (its servers hold fixed layers), the stage count
                 new = self.repair_fn(self.plan_now, self.scn, left=gone, joined=tuple(joined), budget_s=0.0,
-                                     seed=self.seed)
+                                     seed=self.seed, keep_stages=True)
             except ShoalError:
                 new = None
         if new is None or len(new.all_stages) != self.S or any(
