@@ -383,6 +383,22 @@ def decode(
     return torch.from_numpy(np.array(x, dtype=np.float32)).reshape(shape).to(dt)
 
 
+def _bf16_scales(buf: memoryview, count: int, bad: str) -> np.ndarray:
+    """The first ``count`` little-endian bf16 values of ``buf`` as float32 (the per-block or
+    per-chunk scales that open ``sparse``, ``tern``, ``tern-sr`` and ``quad`` payloads);
+    :class:`CodecError` ``bad`` if any is negative or not finite."""
+    scales = (np.frombuffer(buf[: 2 * count], dtype="<u2").astype(np.uint32) << np.uint32(16)).view(np.float32)
+    if not np.isfinite(scales).all() or (scales < 0).any():
+        raise CodecError(bad)
+    return scales
+
+
+def _unrotate(r: torch.Tensor, numel: int) -> torch.Tensor:
+    """The flat float32 tensor of ``numel`` elements whose rotated blocks are the rows of ``r``
+    (the inverse of :func:`_rotated_blocks`: ``H`` is its own inverse and ``D`` its own)."""
+    return (_fwht(r) * _TERN_SIGNS).reshape(-1)[:numel].contiguous()
+
+
 def _sparse_encode(x: np.ndarray, k: int, bits: int) -> bytes:
     """The ``sparse`` payload of the flat float32 array ``x`` (vectorised over chunks, in torch)."""
     n = x.size
@@ -444,9 +460,7 @@ def _sparse_decode(buf: memoryview, numel: int, k: int, bits: int) -> torch.Tens
     k_last = min(k, last)
     kept = (nc - 1) * k + k_last
     width = SPARSE_INDEX_BITS + bits
-    scales = (np.frombuffer(buf[: 2 * nc], dtype="<u2").astype(np.uint32) << np.uint32(16)).view(np.float32)
-    if not np.isfinite(scales).all() or (scales < 0).any():
-        raise CodecError("sparse payload has a negative or non-finite chunk scale")
+    scales = _bf16_scales(buf, nc, "sparse payload has a negative or non-finite chunk scale")
     bitv = np.unpackbits(np.frombuffer(buf[2 * nc:], dtype=np.uint8), bitorder="little")
     if bitv[kept * width:].any():
         raise CodecError("sparse payload has bits set past its last entry")
@@ -601,9 +615,7 @@ def _tern_decode(buf: memoryview, numel: int) -> torch.Tensor:
         return torch.zeros(0)
     G = TERN_BLOCK
     nb = -(-numel // G)
-    levels = (np.frombuffer(buf[: 2 * nb], dtype="<u2").astype(np.uint32) << np.uint32(16)).view(np.float32)
-    if not np.isfinite(levels).all() or (levels < 0).any():
-        raise CodecError("tern payload has a negative or non-finite block level")
+    levels = _bf16_scales(buf, nb, "tern payload has a negative or non-finite block level")
     packed = np.frombuffer(buf[2 * nb:], dtype=np.uint8)
     if (packed >= 3 ** TERN_PER_BYTE).any():
         raise CodecError(f"tern payload has a byte of {int(packed.max())}; five ternary digits are < 243")
@@ -614,9 +626,7 @@ def _tern_decode(buf: memoryview, numel: int) -> torch.Tensor:
     vals = _TERN_TABLE[packed].reshape(-1)
     if vals[nb * G:].any():
         raise CodecError("tern payload has digits set past its last block")
-    r = torch.from_numpy(vals[: nb * G].reshape(nb, G)) * torch.from_numpy(levels)[:, None]
-    x = _fwht(r) * _TERN_SIGNS
-    return x.reshape(-1)[:numel].contiguous()
+    return _unrotate(torch.from_numpy(vals[: nb * G].reshape(nb, G)) * torch.from_numpy(levels)[:, None], numel)
 
 
 def _quad_encode(x: np.ndarray) -> bytes:
@@ -649,17 +659,14 @@ def _quad_decode(buf: memoryview, numel: int) -> torch.Tensor:
         return torch.zeros(0)
     G = TERN_BLOCK
     nb = -(-numel // G)
-    scales = (np.frombuffer(buf[: 2 * nb], dtype="<u2").astype(np.uint32) << np.uint32(16)).view(np.float32)
-    if not np.isfinite(scales).all() or (scales < 0).any():
-        raise CodecError("quad payload has a negative or non-finite block scale")
+    scales = _bf16_scales(buf, nb, "quad payload has a negative or non-finite block scale")
     if _QUAD_TABLE is None:
         b = np.arange(256)
         code = np.stack([(b >> (2 * j)) & 3 for j in range(4)], axis=1)
         mag = np.array(QUAD_LEVELS, dtype=np.float32)[code & 1]
         _QUAD_TABLE = np.where(code & 2, -mag, mag).astype(np.float32)
     vals = _QUAD_TABLE[np.frombuffer(buf[2 * nb:], dtype=np.uint8)].reshape(nb, G)
-    r = torch.from_numpy(vals) * torch.from_numpy(scales)[:, None]
-    return (_fwht(r) * _TERN_SIGNS).reshape(-1)[:numel].contiguous()
+    return _unrotate(torch.from_numpy(vals) * torch.from_numpy(scales)[:, None], numel)
 
 
 def _dequantise_int8(buf: memoryview, numel: int, block: int) -> np.ndarray:
