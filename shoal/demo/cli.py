@@ -645,7 +645,8 @@ CKPT_EVERY = 5  # stage servers checkpoint every 5 steps (the demo kills workers
 def _sync_text(cfg: DemoConfig, asked: str, by_hand: bool = False) -> str:
     """The policy and shape that run, e.g. ``local H=4, replicas 1:3,1:5 (auto: the planner's choice)``."""
     text = f"local H={cfg.sync_every or DEFAULT_SYNC_EVERY}" if cfg.sync == "local" else cfg.sync
-    text += f", replicas {cfg.replicas}" if cfg.replicas else f", one pipeline of {cfg.stages} stages"
+    text += f", replicas {cfg.replicas}" if cfg.replicas else \
+        f", one pipeline of {cfg.stages} stage{'s' if cfg.stages != 1 else ''}"
     if by_hand:
         return f"{text} (replicas given by hand)"
     return f"{text} (auto: the planner's choice)" if asked == "auto" else text
