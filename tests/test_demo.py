@@ -177,7 +177,7 @@ def test_auto_without_stages_runs_the_planners_shape(tmp_path):
     from shoal.demo.cli import _sync_text, choose_sync
     from shoal.plan.auto import QualityBudget, plan_auto
     from shoal.plan.scenario import save_scenario
-    from shoal.runtime.sync.replicas import parse_replica_plan
+    from shoal.runtime.sync.replicas import parse_replica_plan, parse_replica_regions
 
     sc, _ = demo_scenario(load_scenario("demo"), None, 12)
     save_scenario(sc, tmp_path / "s.json")
@@ -193,6 +193,7 @@ def test_auto_without_stages_runs_the_planners_shape(tmp_path):
     assert not plan.sync.pull_codec.startswith("sparse") and "pull=sparse" not in cfg.compression
     counts, mbs, layers = parse_replica_plan(cfg.replicas, plan.micro_batches, 6)
     assert counts == [len(r.stages) for r in plan.replicas] and mbs == [r.micro_batches for r in plan.replicas]
+    assert parse_replica_regions(cfg.replicas) == [r.cluster for r in plan.replicas]
     assert layers == [s.layers[1] - s.layers[0] for r in plan.replicas for s in r.stages]
     assert cfg.stages == sum(counts) and cfg.sync_every == plan.sync.sync_every
     one, cfg2 = choose_sync(DemoConfig(stages=2), em3, 2)
@@ -342,6 +343,11 @@ def test_demo_runs_the_replicas_auto_chooses(tmp_path):
     assert replan["replicas"] == {"stages": [len(p["stages"]) for p in planned],
                                   "micro_batches": [p["micro_batches"] for p in planned]}
     assert replan["layers"] == [s["layers"] for p in planned for s in p["stages"]]
+    # every replica is staffed from its planned cluster's regions (w{i} plays the i-th worker device)
+    region = {f"w{i}": d.region for i, d in enumerate(load_scenario(str(out / "scenario.json")).workers)}
+    replica_of = [r for r, p in enumerate(planned) for _ in p["stages"]]
+    assert all(region[w] in planned[replica_of[s]]["cluster"].split("+") for w, s in replan["assignment"].items())
+    assert all("@" in item for item in choice["replicas"].split(","))
     assert summary["replicas"]["final_weights_differ"] == []
     rep = json.loads((out / "report" / "report.json").read_text())
     assert rep["steps"] == 3 and len(rep["plan"]["replicas"]) == len(planned)

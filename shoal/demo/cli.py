@@ -241,6 +241,7 @@ def hand_replica_plan(scenario, spec: str, seed: int = 0):
     from shoal.runtime.sync.replicas import (
         assign_replica_workers,
         parse_replica_plan,
+        parse_replica_regions,
         place_replica_servers,
         replica_regions,
         replica_slots,
@@ -253,7 +254,7 @@ def hand_replica_plan(scenario, spec: str, seed: int = 0):
     hosts = [d.id for d in scenario.server_hosts]
     flops = {d.id: d.flops for d in scenario.workers}
     regions = {d.id: d.region for d in scenario.workers}
-    assign = assign_replica_workers(flops, regions, slots)
+    assign = assign_replica_workers(flops, regions, slots, homes=parse_replica_regions(spec))
     # server process s{k} joins for stage k and plays host k mod hosts; then each replica's
     # servers move to hosts of its region (shoal.runtime.sync.replicas.place_replica_servers)
     region_of = {d.id: d.region for d in scenario.server_hosts}
