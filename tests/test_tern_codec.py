@@ -1,6 +1,7 @@
-"""The ``tern`` activation codec (rotated blockwise ternary): sizes equal to the planner's, a
-hand-built block, its error on Gaussian and outlier-heavy tensors, malformed and random payloads,
-and its place in the compression spec."""
+"""The activation codecs (``tern``, rotated blockwise ternary, and its relatives ``tern-sr``,
+``quad``, ``oct`` and ``tern-dither``): sizes equal to the planner's, hand-built blocks, their error
+on Gaussian and outlier-heavy tensors, unbiasedness of the stochastic ones, malformed and random
+payloads, and their place in the compression spec."""
 
 import json
 import math
@@ -11,10 +12,12 @@ import torch
 
 from shoal.errors import ShoalError
 from shoal.net.compress import (
+    TD_KEPT,
     TERN_BLOCK,
     CodecError,
     NonFiniteError,
     _fwht,
+    _td_positions,
     _tern_signs,
     decode,
     encode,
@@ -24,6 +27,7 @@ from shoal.net.compress import (
 )
 from shoal.net.wire import WireError, decode_tensor, encode_tensor
 from shoal.plan.compression import (
+    TD_SEED_BYTES,
     act_nbytes,
     bytes_per_element,
     parse_codec,
@@ -363,7 +367,7 @@ def test_tern_sr_and_quad_bad_inputs_and_payloads():
 def test_spec_allows_quad_for_activations_and_tern_sr_for_their_gradients_only():
     assert parse_codec("quad", "act") == "quad" and parse_codec("quad", "grad") == "quad"
     assert parse_codec("tern-sr", "grad") == "tern-sr"
-    with pytest.raises(ShoalError, match="for activations use tern or quad"):
+    with pytest.raises(ShoalError, match="for activations use tern, quad or oct"):
         parse_codec("tern-sr", "act")
     for codec in ("tern-sr", "quad"):
         for kind in ("push", "pull"):
@@ -378,3 +382,182 @@ def test_spec_allows_quad_for_activations_and_tern_sr_for_their_gradients_only()
     assert (b.codec_for("act", 2), b.codec_for("grad", 2)) == ("tern", "tern-sr")
     b = QualityBudget(codecs=parse_allowed_codecs("none,quad,tern-sr"))
     assert (b.codec_for("act", 2), b.codec_for("grad", 2)) == ("quad", "tern-sr")
+
+
+# ---------------------------------------------------------------- oct and tern-dither
+
+OCT = (0.2451, 0.7560, 1.344, 2.152)  # the 8-level Lloyd-Max magnitudes of a unit Gaussian
+
+
+@pytest.mark.parametrize("n", [0, 1, 127, 128, 129, 1000, 3 * 128 * 5 + 7])
+def test_oct_and_tern_dither_bytes_of_any_length(n):
+    x = _rand(n, seed=n)
+    nb = math.ceil(n / 128)
+    for codec, by_hand in (("oct", 50 * nb), ("tern-dither", 8 + 13 * nb if n else 0)):
+        payload, meta = encode(x, codec, key=7)
+        assert meta == {"codec": codec, "numel": n}
+        assert len(payload) == by_hand == encoded_nbytes(codec, n) == act_nbytes(codec, n)
+        assert decode(payload, meta, (n,)).shape == (n,)
+    # the planner's rates (tern-dither: a large tensor's, the seed is once per tensor); oct forward
+    # with tern-dither back: 3.94 bits per element for the two, 8.13x fewer bytes than bf16
+    assert bytes_per_element("oct", 2) == pytest.approx(50 / 128)
+    assert bytes_per_element("tern-dither", 2) == pytest.approx(13 / 128)
+    assert 2 * 2 / (bytes_per_element("oct", 2) + bytes_per_element("tern-dither", 2)) == pytest.approx(8.13, abs=0.01)
+    assert wire_fraction("tern-dither") == pytest.approx(13 / 128 / 4)
+
+
+def test_oct_block_by_hand_and_its_error():
+    # Rotated block r = 2 (c_0 ... c_127) with every c an oct level: codes read back exactly (3 bits
+    # each, little-endian bit after bit: bits 0-1 the magnitude, bit 2 the sign), the scale is 2.0
+    # (0x4000) and the block decodes to x.
+    mag = torch.repeat_interleave(torch.arange(4), torch.tensor([49, 41, 28, 10]))  # a Gaussian's shares
+    code = mag + 4 * (torch.arange(TERN_BLOCK) % 2)
+    vals = torch.tensor(OCT)[code % 4] * torch.where(code >= 4, -1.0, 1.0)
+    assert 0.97 < float(vals.square().mean().sqrt()) < 0.99  # rms ~1: thresholds x rms split the levels
+    x = _rotated_back(2.0 * vals[None])
+    payload, meta = encode(x, "oct")
+    assert payload[:2] == b"\x00\x40"
+    bits = ((code.numpy()[:, None] >> np.arange(3)) & 1).astype(np.uint8).reshape(-1)
+    assert payload[2:] == np.packbits(bits, bitorder="little").tobytes()
+    assert torch.allclose(decode(payload, meta, x.shape), x, atol=1e-5)
+    # a Gaussian keeps sqrt(0.0345) = 0.186 of its norm as error (the 8-level Lloyd-Max quantiser),
+    # against quad's 0.34
+    g = _rand(8, 32, 128)
+    rel = float((decode(*encode(g, "oct"), g.shape) - g).norm() / g.norm())
+    assert 0.17 < rel < 0.20, rel
+    z = torch.zeros(2, 130)
+    assert torch.equal(decode(*encode(z, "oct"), z.shape), z)
+
+
+def test_tern_dither_block_by_hand():
+    # Rotated block r = (2, -1, 0.5, 0, then +-2): at least 52 of the +-2 are kept, so the level a is
+    # 2 (0x4000 after the 8-byte seed), or one bf16 step above it where the rotations' float rounding
+    # put a kept |r| just above 2. A kept coordinate's digit is round((r + u) / a) with the dither u
+    # uniform on (-a/2, a/2): +1 with probability r / a for r >= 0, -1 with probability -r / a for
+    # r <= 0, else 0: r = 2 (almost) always +1, r = -1 -1 half the time, r = 0.5 +1 a quarter of the
+    # time, r = 0 always 0. It decodes to (t a - u) 128 / 55, so the dithered quantiser's error
+    # (decoded 55 / 128 - r) is uniform on (-a/2, a/2): mean 0, variance a^2 / 12 (about 1/3); the
+    # coordinates not kept decode to 0. Each coordinate is kept with probability 55/128.
+    r = torch.full((1, TERN_BLOCK), 2.0)
+    r[0, 4::2] = -2.0
+    r[0, :4] = torch.tensor([2.0, -1.0, 0.5, 0.0])
+    x = _rotated_back(r)
+    keys = 2000
+    seen = np.zeros((4, 3))  # coordinate -> count of digits 0, +1, -1
+    kept = np.zeros(TERN_BLOCK)
+    err = []
+    for k in range(keys):
+        payload, meta = encode(x, "tern-dither", key=k)
+        assert len(payload) == TD_SEED_BYTES + 2 + 11 and payload[TD_SEED_BYTES:TD_SEED_BYTES + 2] in (b"\x00\x40", b"\x01\x40")
+        pos = _td_positions(int(np.frombuffer(payload[:TD_SEED_BYTES], dtype="<u8")[0]), 1)[0].numpy()
+        assert len(set(pos.tolist())) == TD_KEPT
+        b = np.frombuffer(payload[TD_SEED_BYTES + 2:], dtype=np.uint8).astype(np.int64)
+        digits = np.stack([(b // 3 ** j) % 3 for j in range(5)], axis=1).reshape(-1)  # in the order of pos
+        got = _fwht(decode(payload, meta, x.shape).view(1, TERN_BLOCK) * _tern_signs())[0].numpy()
+        off = np.ones(TERN_BLOCK, dtype=bool)
+        off[pos] = False
+        assert np.abs(got[off]).max() < 1e-5  # not kept: 0 up to the float rounding of two rotations
+        kept[pos] += 1
+        for j, i in enumerate(pos):
+            if i < 4:
+                seen[i, digits[j]] += 1
+                err.append(got[i] * TD_KEPT / TERN_BLOCK - float(r[0, i]))
+    assert np.abs(kept / keys - TD_KEPT / TERN_BLOCK).max() < 0.05
+    assert seen[0, 2] == 0 and seen[0, 1] / seen[0].sum() > 0.98 and seen[3, 0] == seen[3].sum()
+    assert seen[1, 1] == 0 and abs(seen[1, 2] / seen[1].sum() - 0.5) < 0.06
+    assert seen[2, 2] == 0 and abs(seen[2, 1] / seen[2].sum() - 0.25) < 0.06
+    err = np.array(err)
+    assert np.abs(err).max() < 1.01 and abs(err.mean()) < 0.03 and abs(err.var() - 1 / 3) < 0.03
+
+
+def test_tern_dither_is_unbiased():
+    # The mean of K decodes is x within 5 standard deviations, element by element: a rotated
+    # coordinate decodes to (t a - u) / p with probability p = 55/128 and to 0 otherwise, so its
+    # variance is (1/p - 1) r_j^2 + a^2 / (12 p), spread by the rotation over its block's 128
+    # elements (a <= 1.01 max|r|: the kept coordinates' largest, rounded up to bf16). quad
+    # (deterministic) fails it.
+    x = _rand(3, 128, seed=4)
+    x[1] *= 1e-3  # a small block next to large ones: its own level
+    x[2, 9] = 40.0  # an outlier
+    keys = 1500
+    mean = sum(decode(*encode(x, "tern-dither", key=k), x.shape) for k in range(keys)) / keys
+    r = _fwht(x * _tern_signs())
+    a = 1.01 * r.abs().amax(dim=1, keepdim=True)
+    p = TD_KEPT / TERN_BLOCK
+    sd = (((1 / p - 1) * r * r + a * a / (12 * p)).sum(dim=1, keepdim=True) / TERN_BLOCK / keys).sqrt()
+    assert ((mean - x).abs() <= 5 * sd).all()
+    det = decode(*encode(x, "quad"), x.shape)
+    assert ((det - x).abs() > 5 * sd).float().mean() > 0.1
+    # its error: about 2.6 times the tensor's energy per tensor (tern-sr: about 1.2), which the
+    # weight gradients average over the tokens
+    g = _rand(64, 128, seed=5)
+    nmse = float((decode(*encode(g, "tern-dither", key=1), g.shape) - g).square().sum() / g.square().sum())
+    assert 2.0 < nmse < 3.2, nmse
+
+
+def test_tern_dither_draws_are_fixed_by_key_and_tensor():
+    x = _rand(4, 256)
+    p, _ = encode(x, "tern-dither", key=3)
+    assert encode(x.clone(), "tern-dither", key=3)[0] == p  # a retried task sends the same bytes
+    assert encode(x, "tern-dither", key=4)[0] != p
+    y = x.clone()
+    y[0, 0] += 1e-3
+    assert encode(y, "tern-dither", key=3)[0][:TD_SEED_BYTES] != p[:TD_SEED_BYTES]  # another tensor, other draws
+    # the seed is the payload's: any 64-bit value decodes (the receiver needs no key)
+    q = b"\xff" * TD_SEED_BYTES + p[TD_SEED_BYTES:]
+    assert torch.isfinite(decode(q, {"codec": "tern-dither", "numel": 1024}, (4, 256))).all()
+
+
+def test_oct_and_tern_dither_bad_inputs_and_payloads():
+    for codec, at in (("oct", 0), ("tern-dither", TD_SEED_BYTES)):
+        with pytest.raises(NonFiniteError):
+            encode(torch.tensor([1.0, float("nan")]), codec)
+        with pytest.raises(CodecError, match="bf16 range"):
+            encode(torch.full((128,), 3e38), codec)
+        p, meta = encode(_rand(300), codec, key=1)
+        with pytest.raises(CodecError, match="must be"):
+            decode(p[:-1], meta, (300,))
+        with pytest.raises(CodecError, match="must be"):
+            decode(p + b"\x00", meta, (300,))
+        for level in (b"\x80\xbf", b"\x80\x7f", b"\xc0\x7f"):  # -1.0, inf, NaN in bf16
+            with pytest.raises(CodecError, match="negative or non-finite"):
+                decode(p[:at] + level + p[at + 2:], meta, (300,))
+        frame = encode_tensor("out", _rand(4, 128), codec, key=2)
+        assert frame.codec == codec and json.loads(frame.meta) == {"codec": codec, "numel": 512}
+        frame.data = frame.data[:-1]
+        with pytest.raises(WireError, match=f"'out': bad {codec} payload"):
+            decode_tensor(frame, shape=(4, 128), dtype="float32")
+    p, meta = encode(_rand(300), "tern-dither", key=1)
+    with pytest.raises(CodecError, match="byte of 243"):
+        decode(p[:-1] + bytes([243]), meta, (300,))
+    # random bytes of the right length: decoded, or refused in one line (a level, a byte >= 243)
+    rng = np.random.default_rng(0)
+    for codec in ("oct", "tern-dither"):
+        n = encoded_nbytes(codec, 1000)
+        for _ in range(20):
+            try:
+                out = decode(rng.integers(0, 256, n, dtype=np.uint8).tobytes(), {"codec": codec, "numel": 1000}, (1000,))
+            except CodecError as e:
+                assert "negative or non-finite" in str(e) or "five ternary digits" in str(e)
+                assert "\n" not in str(e)
+            else:
+                assert out.shape == (1000,)
+
+
+def test_spec_allows_oct_for_activations_and_tern_dither_for_their_gradients_only():
+    assert parse_codec("oct", "act") == "oct" and parse_codec("oct", "grad") == "oct"
+    assert parse_codec("tern-dither", "grad") == "tern-dither"
+    with pytest.raises(ShoalError, match="for activations use tern, quad or oct"):
+        parse_codec("tern-dither", "act")
+    for codec in ("oct", "tern-dither"):
+        for kind in ("push", "pull"):
+            with pytest.raises(ShoalError, match="activations"):
+                parse_codec(codec, kind)
+    spec = parse_compression("act=oct,grad=tern-dither")
+    assert (spec["act"], spec["grad"], spec["push"]) == ("oct", "tern-dither", "none")
+    from shoal.plan.auto import QualityBudget, parse_allowed_codecs
+
+    b = QualityBudget(codecs=parse_allowed_codecs("none,oct,tern-dither"))
+    assert (b.codec_for("act", 2), b.codec_for("grad", 2)) == ("oct", "tern-dither")
+    b = QualityBudget(codecs=parse_allowed_codecs("none,quad,oct,tern-sr,tern-dither"))  # the fewest bytes
+    assert (b.codec_for("act", 2), b.codec_for("grad", 2)) == ("quad", "tern-dither")

@@ -22,7 +22,7 @@ Codecs (see ``docs/sync-policies.md``):
   ``SPARSE_DENSITY`` and ``SPARSE_BITS``); pushes and pulls only, with error feedback.
 * ``tern`` -- rotated blockwise ternary for activations and activation gradients: each block of
   ``TERN_BLOCK`` elements is rotated (random signs, then a Walsh-Hadamard transform) and each
-  rotated coordinate sent as one of ``{-a, 0, +a}``, five per byte, with one fp16 ``a`` per block:
+  rotated coordinate sent as one of ``{-a, 0, +a}``, five per byte, with one bf16 ``a`` per block:
   ``(2 + TERN_BLOCK / 5) / TERN_BLOCK`` bytes per element (1.725 bits, 9.28x smaller than bf16);
   act and grad only (no error feedback: every micro-batch's tensor is new);
 * ``tern-sr`` -- ``tern``'s format and size with stochastic (unbiased) rounding: each rotated
@@ -32,6 +32,13 @@ Codecs (see ``docs/sync-policies.md``):
 * ``quad`` -- ``tern``'s rotation with four levels (2 bits, the Lloyd-Max levels of a Gaussian)
   and one bf16 scale per block: ``(2 + TERN_BLOCK / 4) / TERN_BLOCK`` bytes per element (2.125
   bits, 7.53x smaller than bf16); with ``tern-sr`` gradients the pair is 8.31x smaller.
+* ``oct`` -- ``quad`` with eight levels (3 bits): ``(2 + 3 TERN_BLOCK / 8) / TERN_BLOCK`` bytes per
+  element (3.125 bits, 5.12x smaller than bf16);
+* ``tern-dither`` -- unbiased activation gradients under 1 bit: of each rotated block a random
+  ``TD_KEPT`` of its ``TERN_BLOCK`` coordinates, one ternary digit each with subtractive dither
+  (five per byte), one bf16 level per block and an 8-byte seed per tensor: ``TD_SEED_BYTES + (2 +
+  TD_KEPT / 5) n_blocks`` bytes (0.8125 bits per element in a large tensor); grad only.
+  ``act=oct,grad=tern-dither`` is 8.13x smaller than bf16.
 
 Traffic kinds: ``act`` (activations sent forward), ``grad`` (activation gradients sent
 backward), ``push`` (gradient or pseudo-gradient pushes to the server), ``pull`` (weight pulls
@@ -47,19 +54,23 @@ from shoal.errors import ShoalError
 INT8_BLOCK = 128  # elements per int8 scale (the runtime codec's default block, shoal.net.compress.DEFAULT_BLOCK)
 TOPK_DENSITY = 0.1  # fraction of entries a top-k codec keeps unless the spec says otherwise
 KINDS = ("act", "grad", "push", "pull")  # traffic kinds with their own codec
-CODECS = ("none", "fp16", "int8", "topk-int8", "sparse", "tern", "tern-sr", "quad")  # codec names (the sparse ones take arguments)
+CODECS = ("none", "fp16", "int8", "topk-int8", "sparse", "tern", "tern-sr", "quad", "oct", "tern-dither")  # codec names (the sparse ones take arguments)
 _SPARSE_KINDS = ("push", "pull")  # kinds where a top-k codec is allowed
 SPARSE_CHUNK = 4096  # elements per chunk of the ``sparse`` codec (indices are local to a chunk)
 SPARSE_INDEX_BITS = 12  # bits of one in-chunk index: log2(SPARSE_CHUNK)
 SPARSE_DENSITY = 0.01  # fraction of each chunk ``sparse`` keeps unless the spec says otherwise
 SPARSE_BITS = 2  # bits per kept value of ``sparse`` unless the spec says otherwise
 SPARSE_BIT_CHOICES = (1, 2, 3, 4, 8)  # value widths the sparse codec can pack
-_ACT_KINDS = ("act", "grad")  # kinds where ``tern`` and ``tern-sr`` are allowed
-ACT_ONLY = ("tern", "tern-sr", "quad")  # codecs for activations and their gradients only (no error feedback)
-UNBIASED_FIRST = {"tern-sr": 0}  # at equal bytes a planner prefers these (rank 0, others 1): unbiased gradients
+_ACT_KINDS = ("act", "grad")  # kinds where the activation codecs (ACT_ONLY) are allowed
+ACT_ONLY = ("tern", "tern-sr", "quad", "oct", "tern-dither")  # codecs for activations and their gradients only (no error feedback)
+UNBIASED_FIRST = {"tern-sr": 0, "tern-dither": 0}  # at equal bytes a planner prefers these (rank 0, others 1): unbiased gradients
 TERN_BLOCK = 128  # elements per rotated block of ``tern`` (a power of two: the Walsh-Hadamard size)
 TERN_PER_BYTE = 5  # ternary digits packed in one byte (3^5 = 243 <= 256)
 QUAD_BLOCK_BYTES = TERN_BLOCK // 4  # bytes of one ``quad`` block's 2-bit codes
+OCT_BLOCK_BYTES = 3 * TERN_BLOCK // 8  # bytes of one ``oct`` block's 3-bit codes
+TD_KEPT = 55  # ``tern-dither``: rotated coordinates kept per block (five ternary digits a byte: 11 bytes)
+TD_SEED_BYTES = 8  # ``tern-dither``: the 64-bit seed of its draws, once per tensor
+SR_ONLY = ("tern-sr", "tern-dither")  # stochastic (unbiased) codecs: activation gradients only
 
 
 def tern_nbytes(numel: int) -> int:
@@ -72,10 +83,19 @@ def tern_nbytes(numel: int) -> int:
 
 
 def act_nbytes(codec: str, numel: int) -> int:
-    """Exact payload bytes of an activation codec (``tern``, ``tern-sr``, ``quad``) for ``numel``
-    elements; ``quad``: one bf16 scale per block, then four 2-bit codes per byte."""
+    """Exact payload bytes of an activation codec (``tern``, ``tern-sr``, ``quad``, ``oct``,
+    ``tern-dither``) for ``numel`` elements; ``quad`` and ``oct``: one bf16 scale per block, then its
+    2-bit or 3-bit codes; ``tern-dither``: an 8-byte seed, then per block a bf16 level and 55
+    ternary digits (11 bytes)."""
+    if numel <= 0:
+        return 0
+    nb = -(-numel // TERN_BLOCK)
     if codec == "quad":
-        return 0 if numel <= 0 else (2 + QUAD_BLOCK_BYTES) * -(-numel // TERN_BLOCK)
+        return (2 + QUAD_BLOCK_BYTES) * nb
+    if codec == "oct":
+        return (2 + OCT_BLOCK_BYTES) * nb
+    if codec == "tern-dither":
+        return TD_SEED_BYTES + (2 + TD_KEPT // TERN_PER_BYTE) * nb
     return tern_nbytes(numel)
 
 
@@ -89,9 +109,9 @@ def parse_codec(text: str, kind: str = "push") -> str:
         if kind not in _ACT_KINDS:
             raise ShoalError(f"codec {text!r} is for activations and their gradients (act, grad), not {kind}; "
                              "use int8 or sparse there")
-        if name == "tern-sr" and kind != "grad":
+        if name in SR_ONLY and kind != "grad":
             raise ShoalError(f"codec {text!r} rounds at random (unbiased, for activation gradients: grad); "
-                             "for activations use tern or quad (measured: tern-sr activations cost +24 % loss)")
+                             "for activations use tern, quad or oct (measured: tern-sr activations cost +24 % loss)")
         if arg:
             raise ShoalError(f"codec {text!r}: {name} takes no arguments")
     elif name == "sparse":
@@ -185,6 +205,8 @@ def bytes_per_element(codec: str, raw_bytes: int) -> float:
         rho, bits = sparse_params(codec)
         k = sparse_kept_per_chunk(rho)
         return (k * (SPARSE_INDEX_BITS + bits) / 8.0 + 2.0) / SPARSE_CHUNK
+    if name == "tern-dither":  # a large tensor's rate: the 8-byte seed is once per tensor
+        return (act_nbytes(name, 1 << 20) - TD_SEED_BYTES) / (1 << 20)
     if name in ACT_ONLY:
         return act_nbytes(name, TERN_BLOCK * TERN_PER_BYTE) / (TERN_BLOCK * TERN_PER_BYTE)
     raise ShoalError(f"unknown codec {codec!r}; choose one of: {', '.join(CODECS)}")

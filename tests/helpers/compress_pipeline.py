@@ -56,6 +56,10 @@ CONFIGS: dict[str, CompressionConfig] = {  # name -> codecs of the four traffic 
     "quad-sr": CompressionConfig("quad", "tern-sr", "raw", "raw"),  # 2-bit forward, stochastic tern back: 8.31x
     "quad-fwd": CompressionConfig("quad", "raw", "raw", "raw"),  # 2-bit activations only
     "tern-sr-both": CompressionConfig("tern-sr", "tern-sr", "raw", "raw"),  # stochastic (unbiased) both ways
+    "oct-td": CompressionConfig("oct", "tern-dither", "raw", "raw"),  # 3-bit forward, tern-dither back: 8.13x
+    "td-bwd": CompressionConfig("raw", "tern-dither", "raw", "raw"),  # tern-dither gradients only
+    "oct-fwd": CompressionConfig("oct", "raw", "raw", "raw"),  # 3-bit activations only
+    "oct-sr": CompressionConfig("oct", "tern-sr", "raw", "raw"),  # 3-bit forward, tern-sr back (4.85 bits)
 }
 
 
