@@ -104,11 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=True)
     sc, _ = demo_scenario(load_scenario("demo"), None, 12)
     workers = [d.id for d in sc.workers]
+    # The targets are for exact sync on two stages (activations cross a stage boundary, and
+    # kill25's losses equal base's), not for the shape and policy --sync auto would choose.
+    fixed = {"sync": "exact", "stages": 2}
     runs = {
-        "base": DemoConfig(steps=args.steps, churn=False, seed=args.seed, quiet=True),
-        "churn": DemoConfig(steps=args.steps, churn=True, seed=args.seed, quiet=True),
-        "int8": DemoConfig(steps=args.steps, churn=False, compression="int8", seed=args.seed, quiet=True),
-        "kill25": DemoConfig(steps=args.steps, churn=True, seed=args.seed, quiet=True,
+        "base": DemoConfig(steps=args.steps, churn=False, seed=args.seed, quiet=True, **fixed),
+        "churn": DemoConfig(steps=args.steps, churn=True, seed=args.seed, quiet=True, **fixed),
+        "int8": DemoConfig(steps=args.steps, churn=False, compression="int8", seed=args.seed, quiet=True, **fixed),
+        "kill25": DemoConfig(steps=args.steps, churn=True, seed=args.seed, quiet=True, **fixed,
                              schedule=kill_fraction_schedule(workers, 0.25, args.kill_at, seed=args.seed)),
     }
     done = {}

@@ -69,8 +69,10 @@ def run_demo(out: Path, steps: int, bandwidth_scale: float = 4.0, **sync) -> dic
     from shoal.demo.cli import run_demo as demo
     from shoal.train.metrics import read_jsonl
 
+    # each row's policy on the 2 stages of the loopback rows (a row without one is exact), not
+    # the policy and shape shoal demo's default --sync auto would choose
     demo(DemoConfig(steps=steps, churn=False, quiet=True, dashboard=None, out=str(out),
-                    bandwidth_scale=bandwidth_scale, **sync))
+                    bandwidth_scale=bandwidth_scale, **{"sync": "exact", "stages": 2, **sync}))
     summary = json.loads((out / "summary.json").read_text())
     workers = len(json.loads((out / "scenario.json").read_text()).get("devices", [])) or 1
     return {"recs": read_jsonl(out / "metrics.jsonl"), "summary": summary, "workers": summary.get("workers", workers)}

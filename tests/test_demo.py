@@ -151,6 +151,61 @@ def test_demo_runs_the_planners_choice_by_default(tmp_path):
         DemoConfig(sync="exact", sync_every=4).validate()
 
 
+def _hosts_everywhere(path: Path, workers: int | None = None):
+    """The demo scenario with a server host in every region (``host-asia`` added), saved to
+    ``path``, and its emulation: there the planner's replica clusters are the regions."""
+    from dataclasses import replace
+
+    from shoal.plan.scenario import save_scenario
+
+    sc = load_scenario("demo")
+    host = next(d for d in sc.devices if d.id == "host-us")
+    save_scenario(replace(sc, name="demo-3-hosts", devices=[*sc.devices, replace(host, id="host-asia", region="asia")]),
+                  path)
+    sub, _ = demo_scenario(load_scenario(str(path)), workers, 12)
+    save_scenario(sub, path.with_name("emulated-" + path.name))
+    return emulation_spec(sub, str(path.with_name("emulated-" + path.name)), model_task_s=1.2, bandwidth_scale=4.0,
+                          seed=0).emulated
+
+
+def test_auto_without_stages_runs_the_planners_shape(tmp_path):
+    """Without ``--stages`` ``--sync auto`` weighs one pipeline of any depth and pipeline replicas,
+    and the demo runs the chosen shape: on the demo scenario one pipeline of the planner's depth;
+    with a server host in every region replicas, passed on as the ``--replicas`` SPEC of the
+    plan (its layer splits and micro-batch shares), never with sparse pulls; ``--stages 2``
+    gives one pipeline of 2 stages."""
+    from shoal.demo.cli import _sync_text, choose_sync
+    from shoal.plan.auto import QualityBudget, plan_auto
+    from shoal.plan.scenario import save_scenario
+    from shoal.runtime.sync.replicas import parse_replica_plan, parse_replica_regions
+
+    sc, _ = demo_scenario(load_scenario("demo"), None, 12)
+    save_scenario(sc, tmp_path / "s.json")
+    em = emulation_spec(sc, str(tmp_path / "s.json"), model_task_s=1.2, bandwidth_scale=4.0, seed=0).emulated
+    plan, cfg = choose_sync(DemoConfig(), em, None)
+    want = plan_auto(em, QualityBudget(replica_sparse_pulls=False), seed=0)
+    assert len(want.replicas) < 2 and not cfg.replicas  # the planner's choice here: one pipeline
+    assert cfg.stages == len(plan.stages) == len(want.stages) and plan.sync == want.sync
+
+    em3 = _hosts_everywhere(tmp_path / "s3.json", workers=6)
+    plan, cfg = choose_sync(DemoConfig(), em3, None)
+    assert len(plan.replicas) >= 2 and cfg.sync == "local" and cfg.replicas
+    assert not plan.sync.pull_codec.startswith("sparse") and "pull=sparse" not in cfg.compression
+    counts, mbs, layers = parse_replica_plan(cfg.replicas, plan.micro_batches, 6)
+    assert counts == [len(r.stages) for r in plan.replicas] and mbs == [r.micro_batches for r in plan.replicas]
+    assert parse_replica_regions(cfg.replicas) == [r.cluster for r in plan.replicas]
+    assert layers == [s.layers[1] - s.layers[0] for r in plan.replicas for s in r.stages]
+    assert cfg.stages == sum(counts) and cfg.sync_every == plan.sync.sync_every
+    one, cfg2 = choose_sync(DemoConfig(stages=2), em3, 2)
+    assert not one.replicas and len(one.stages) == 2 and cfg2.stages == 2 and not cfg2.replicas
+    _, exact = choose_sync(DemoConfig(sync="exact"), em3, None)
+    assert exact.stages == 2 and not exact.replicas  # exact and local keep 2 stages unless told
+    hand_plan, hand = choose_sync(DemoConfig(replicas="1,2"), em3, None)
+    assert hand.stages == 3 and hand.sync == "local" and [len(r.stages) for r in hand_plan.replicas] == [1, 2]
+    assert _sync_text(hand, "auto", by_hand=True).endswith("(replicas given by hand)")
+    assert _sync_text(cfg, "auto").endswith("(auto: the planner's choice)") and cfg.replicas in _sync_text(cfg, "auto")
+
+
 def test_auto_takes_int8_where_sparse_buys_no_speed(tmp_path):
     """At the demo's x4 links sparse pushes and pulls are no faster than int8: auto takes int8
     (pure rule: :func:`shoal.plan.auto.lighter`). On the scenario's own links, 100x slower,
@@ -243,8 +298,9 @@ def _env() -> dict:
 @pytest.mark.timeout(240)
 def test_demo_command_end_to_end(tmp_path):
     out = tmp_path / "run"
-    r = subprocess.run(_demo_cmd(out, "--steps", "3", "--task-time", "0.6"), capture_output=True, text=True,
-                       env=_env(), timeout=230)
+    # two stages, so every traffic kind flows (the default shape is the planner's: below)
+    r = subprocess.run(_demo_cmd(out, "--steps", "3", "--task-time", "0.6", "--stages", "2"), capture_output=True,
+                       text=True, env=_env(), timeout=230)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"report: {out / 'report'}" in r.stdout.splitlines()
     for name in REPORT_FILES:
@@ -262,6 +318,44 @@ def test_demo_command_end_to_end(tmp_path):
     md = (out / "report" / "report.md").read_text()
     assert "## Plan" in md and "## Bytes on the wire" in md and "failures survived" in md
     assert _procs_mentioning(str(out)) == []  # every child is gone
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(150)
+def test_demo_runs_the_replicas_auto_chooses(tmp_path):
+    """The default ``shoal demo`` (``--sync auto``, no ``--stages``) on a scenario where the
+    planner chooses pipeline replicas runs them: the coordinator's plan has the planner's replica
+    shapes, the replicas end with equal weights, and the report says it was auto's choice."""
+    _hosts_everywhere(tmp_path / "s3.json")
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "shoal.cli", "demo", "--out", str(out), "--scenario",
+                        str(tmp_path / "s3.json"), "--workers", "6", "--steps", "3", "--task-time", "0.6",
+                        "--no-churn", "--quiet", "--no-dashboard"], capture_output=True, text=True, env=_env(),
+                       timeout=140)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    choice = summary["sync_choice"]
+    assert choice["by"] == "auto" and choice["replicas"] and "auto: the planner's choice" in choice["ran"]
+    planned = summary["demo_plan"]["replicas"]
+    assert len(planned) >= 2 and "pull=sparse" not in choice["compression"]
+    replan = next(e for e in (json.loads(x) for x in (out / "events.jsonl").read_text().splitlines())
+                  if e.get("event") == "replan" and e.get("layers"))
+    assert replan["replicas"] == {"stages": [len(p["stages"]) for p in planned],
+                                  "micro_batches": [p["micro_batches"] for p in planned]}
+    assert replan["layers"] == [s["layers"] for p in planned for s in p["stages"]]
+    # every replica is staffed from its planned cluster's regions (w{i} plays the i-th worker device)
+    region = {f"w{i}": d.region for i, d in enumerate(load_scenario(str(out / "scenario.json")).workers)}
+    replica_of = [r for r, p in enumerate(planned) for _ in p["stages"]]
+    assert all(region[w] in planned[replica_of[s]]["cluster"].split("+") for w, s in replan["assignment"].items())
+    assert all("@" in item for item in choice["replicas"].split(","))
+    assert summary["replicas"]["final_weights_differ"] == []
+    rep = json.loads((out / "report" / "report.json").read_text())
+    assert rep["steps"] == 3 and len(rep["plan"]["replicas"]) == len(planned)
+    st = rep["step_time"]
+    assert st["predicted_s"] > 0 and st["simulated_s"] > 0 and st["achieved_s"] > 0
+    md = (out / "report" / "report.md").read_text()
+    assert "(auto: the planner's choice)" in md and "| stage | replica (micro-batches) |" in md
+    assert _procs_mentioning(str(out)) == []
 
 
 @pytest.mark.integration

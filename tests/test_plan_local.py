@@ -17,6 +17,8 @@ from shoal.plan.cost import (
     expected_max_residual,
     granular_pipeline_time,
     idle_queue_wait,
+    list_schedule_curve,
+    list_schedule_end,
     local_round_time,
     local_round_wait,
     local_sync_per_step,
@@ -254,6 +256,54 @@ def test_local_two_stage_prediction_is_assembled_from_the_formulas():
     got = predict(p, s)
     assert got["pipeline_s"] == pytest.approx(max(tail, floor, pinned, other))
     assert pinned > max(tail, floor, other)  # the pinned drain is what sets this plan's step
+
+
+def test_list_schedule_by_hand():
+    # workers of 1 s and 3 s, every input there at 0: leases a0 b0 a1 a2, then a3 and b1 both at 3
+    assert list_schedule_end(1, [1.0, 3.0]) == pytest.approx(1.0)  # only the fastest works
+    assert list_schedule_end(2, [1.0, 3.0]) == pytest.approx(3.0)
+    assert list_schedule_end(4, [1.0, 3.0]) == pytest.approx(3.0)  # a's third ends at 3 too
+    # at the tie the faster worker takes the fifth; the sixth goes to the 3 s one: a step of 2 s
+    assert list_schedule_end(5, [1.0, 3.0]) == pytest.approx(4.0)
+    assert list_schedule_end(6, [1.0, 3.0]) == pytest.approx(6.0)
+    # an upload backlog lands a's outputs 0.5 s after its next lease
+    assert list_schedule_end(4, [1.0, 3.0], [1.5, 3.0]) == pytest.approx(3.5)
+    assert list_schedule_end(0, [1.0]) == 0.0 and list_schedule_end(3, [float("inf")]) == float("inf")
+
+
+def test_list_schedule_curve_matches_the_end():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(1, 9))
+        kinds = rng.uniform(0.05, 1.0, size=int(rng.integers(1, 4)))
+        taus = [float(rng.choice(kinds)) for _ in range(n)]
+        lands = [t + float(rng.choice([0.0, 0.0, 0.2])) for t in taus]
+        curve = list_schedule_curve(taus, lands, 40)
+        for m in range(1, 41):
+            assert curve[m - 1] == pytest.approx(list_schedule_end(m, taus, lands), abs=1e-9)
+
+
+def test_single_stage_local_prediction_follows_the_greedy_schedule():
+    # one stage of gaming-world's replica plan: its predicted pipeline is the greedy schedule of
+    # its workers' task times (plus the server's handling of the last result), which is what
+    # the simulator replays, to within 1 %
+    from dataclasses import replace
+
+    from shoal.plan.cost import _landing_times, replica_plan
+
+    s = load_scenario("gaming-world")
+    pol = local(32, "act=int8,grad=int8,push=sparse,pull=sparse", overlap=True)
+    plan = make_plan(s, sync=pol, replicas=True)
+    rep = next(r for r in plan.replicas if len(r.stages) == 1)
+    for m in (rep.micro_batches - 7, rep.micro_batches):
+        sub = replica_plan(plan, replace(rep, micro_batches=m))
+        one = replace(s, workload=replace(s.workload, global_batch=m))
+        c = stage_costs(sub, one)[0]
+        want = list_schedule_end(m, list(c.task_times.values()), _landing_times(c)) + c.task_handling
+        assert predict(sub, one)["pipeline_s"] == pytest.approx(want)
+        short = replace(sub, sync=replace(sub.sync, sync_every=2, grad_compression=sub.sync.grad_compression * 2 / 32))
+        res = simulate(short, one, steps=2, churn=False, seed=0)
+        assert res.mean_step_time_s == pytest.approx(want, rel=0.01)
 
 
 def test_upload_backlog_by_hand():

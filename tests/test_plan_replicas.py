@@ -14,6 +14,7 @@ from shoal.plan.replicas import (
     cut_clusters,
     drop_depths,
     equal_finish_split,
+    min_max_split,
     network_clusters,
     split_micro_batches,
 )
@@ -79,6 +80,20 @@ def test_micro_batch_splits():
     assert equal_finish_split([4.0, 2.0], [2.0, 1.0], [4, 4], 8) == [3, 5]
     # a replica whose fill alone outlasts the step gets nothing
     assert equal_finish_split([100.0, 1.0], [1.0, 10.0], [4, 4], 8) == [0, 8]
+
+
+def test_min_max_split_follows_the_steps():
+    # replica 0 ends at 1 s with up to 3 micro-batches, then at 3 s (a slow worker's next task);
+    # replica 1 takes 0.5 s per micro-batch
+    stairs = [1.0, 1.0, 1.0, 3.0, 3.0, 3.0]
+    line = [0.5 * m for m in range(1, 9)]
+    assert min_max_split([stairs, line], 5) == [3, 2]  # both by 1 s
+    assert min_max_split([stairs, line], 6) == [3, 3]  # 1.5 s: the stair is not climbed
+    # 10 need 3 s (at 2.5 s they take 3 + 5); the surplus comes off the latest-ending replica
+    assert min_max_split([stairs, line], 10) == [4, 6]
+    assert min_max_split([stairs, line], 20) is None  # more than both can take
+    assert min_max_split([[5.0, 6.0], line], 3) == [0, 3]  # a replica may get none (dropped)
+    assert min_max_split([stairs], 0) == [0]
 
 
 def test_validation_of_replica_plans():

@@ -51,6 +51,16 @@ def test_parse_replicas_and_slots():
         replicas_of_plan(plan, 8, 6)
     with pytest.raises(ShoalError, match="fewer than two"):
         replicas_of_plan({"micro_batches": 4, "replicas": plan["replicas"][:1]}, 4, 6)
+    # a plan's clusters travel as each replica's regions after an '@'
+    from shoal.runtime.sync.replicas import parse_replica_regions
+
+    plan["replicas"][0]["cluster"], plan["replicas"][1]["cluster"] = "asia", "eu+us"
+    assert replicas_of_plan(plan, 4, 6) == "1:3@asia,2+4:1@eu+us"
+    assert parse_replica_plan("1:3@asia,2+4:1@eu+us", 4, 6) == ([1, 2], [3, 1], [6, 2, 4])
+    assert parse_replica_regions("1:3@asia,2+4:1@eu+us") == ["asia", "eu+us"]
+    assert parse_replica_regions("1,2@eu") == ["", "eu"] and parse_replica_regions("1,2") == []
+    with pytest.raises(ShoalError, match="names no region"):
+        parse_replica_regions("1@,2")
 
 
 @pytest.mark.parametrize("text,msg", [
@@ -564,6 +574,21 @@ def test_replica_workers_keep_to_their_regions():
     got = assign_replica_workers({"a1": 10.0, "a2": 10.0, "a3": 10.0, "b1": 10.0},
                                  {"a1": "A", "a2": "A", "a3": "A", "b1": "B"}, replica_slots([2, 2], [2, 2], 6))
     assert set(got.values()) == {0, 1, 2, 3}
+    # a plan's regions per replica (homes) name each region's replica; unnamed regions take the
+    # replicas left, by the rule; a kept worker's replica wins for its region
+    three = replica_slots([1, 1, 1], [2, 4, 2], 6)
+    flops4 = {"a1": 10.0, "b1": 30.0, "c1": 10.0}
+    reg4 = {"a1": "A", "b1": "B", "c1": "C"}
+    by_rule = assign_replica_workers(flops4, reg4, three)
+    assert by_rule["b1"] == 1  # the strongest region takes the replica of most work
+    got = assign_replica_workers(flops4, reg4, three, homes=["B", "A", "C"])
+    assert got == {"b1": 0, "a1": 1, "c1": 2}
+    got = assign_replica_workers(flops4, reg4, three, homes=["", "C", ""])
+    assert got["c1"] == 1 and {got["a1"], got["b1"]} == {0, 2}
+    got = assign_replica_workers(flops4, reg4, three, {"a1": 2}, homes=["A", "B", "C"])
+    # (region A stays with the kept worker's replica 2, so C joins it too; the empty replica 0 then
+    # takes one of replica 2's two workers)
+    assert got["b1"] == 1 and set(got.values()) == {0, 1, 2}
 
 
 def test_replica_servers_move_to_their_replicas_region():

@@ -9,7 +9,9 @@ What it does, in order:
 2. writes that scenario to ``<out>/scenario.json`` (every process loads it from there)
    and derives the emulation (:func:`shoal.demo.emulated.emulation_spec`): the common
    compute time scale, so the slowest device's whole-model task takes ``model_task_s``;
-3. plans the emulated scenario with shoal's planner (shown before the run);
+3. plans the emulated scenario with shoal's planner (shown before the run): under ``--sync
+   auto`` without ``--stages`` the planner's choice of everything it weighs -- one pipeline of
+   any depth, or pipeline replicas -- and the swarm runs that plan (:func:`choose_sync`);
 4. launches the swarm (:class:`shoal.runtime.processes.launch.Swarm`): coordinator, one stage
    server per stage, one worker process per device, each shaping its links and pacing
    its compute as its device; the churn model's leave/join events SIGKILL and restart
@@ -58,7 +60,7 @@ class DemoConfig:
     out: str | None = None  # run folder (None: runs/demo-YYYYmmdd-HHMMSS)
     seed: int = 0  # weights, data, churn and sampling seed
     quiet: bool = False  # no live display (the summary is still printed)
-    stages: int = 2  # pipeline stages
+    stages: int | None = None  # --stages: pipeline stages (None: --sync auto's choice; DEFAULT_STAGES otherwise)
     model_task_s: float = 1.2  # seconds the slowest device takes for a whole-model fwd+bwd task
     bandwidth_scale: float = 4.0  # every scenario bandwidth times this (4: the tiny model's weight sync over home uplinks in ~1 s)
     max_workers: int = 12  # default cap on worker processes for big scenarios (2-core host)
@@ -86,7 +88,7 @@ class DemoConfig:
         from shoal.runtime.sync.codecs import parse_run_compression
 
         parse_run_compression(self.compression)
-        if self.stages < 1:
+        if self.stages is not None and self.stages < 1:
             raise ShoalError(f"--stages must be at least 1, got {self.stages}")
         if not self.model_task_s > 0:
             raise ShoalError(f"--task-time must be positive, got {self.model_task_s}")
@@ -239,6 +241,7 @@ def hand_replica_plan(scenario, spec: str, seed: int = 0):
     from shoal.runtime.sync.replicas import (
         assign_replica_workers,
         parse_replica_plan,
+        parse_replica_regions,
         place_replica_servers,
         replica_regions,
         replica_slots,
@@ -251,7 +254,7 @@ def hand_replica_plan(scenario, spec: str, seed: int = 0):
     hosts = [d.id for d in scenario.server_hosts]
     flops = {d.id: d.flops for d in scenario.workers}
     regions = {d.id: d.region for d in scenario.workers}
-    assign = assign_replica_workers(flops, regions, slots)
+    assign = assign_replica_workers(flops, regions, slots, homes=parse_replica_regions(spec))
     # server process s{k} joins for stage k and plays host k mod hosts; then each replica's
     # servers move to hosts of its region (shoal.runtime.sync.replicas.place_replica_servers)
     region_of = {d.id: d.region for d in scenario.server_hosts}
@@ -360,15 +363,25 @@ def run_policy(cfg: DemoConfig, compression):
     return pol
 
 
-def choose_sync(cfg: DemoConfig, scenario, stages: int):
-    """The plan the demo runs and its config with a concrete policy: ``(plan, cfg)``.
+DEFAULT_STAGES = 2  # pipeline stages of --sync exact / local when --stages is not given
 
-    ``--sync auto`` (the default): the planner's choice (:func:`shoal.plan.auto.plan_auto`) for
-    one pipeline of ``stages`` stages on the emulated ``scenario`` -- exact or local mode, H and
-    the codec of each traffic kind, under the default quality budget (``--sync-every`` pins H,
-    ``--compression`` pins the codecs; int8 rather than sparse pushes and pulls where sparse is
-    no faster, :func:`shoal.plan.auto.lighter`); the returned config carries that mode, H and
-    ``--compression``. ``exact`` / ``local``: the plan of that policy, the config unchanged.
+
+def choose_sync(cfg: DemoConfig, scenario, stages: int | None):
+    """The plan the demo runs and its config with a concrete policy and shape: ``(plan, cfg)``;
+    the config's ``stages`` is the run's stage count (all replicas' stages with replicas).
+
+    ``--sync auto`` (the default): the planner's choice (:func:`shoal.plan.auto.plan_auto`) on
+    the emulated ``scenario`` -- exact or local mode, H and the codec of each traffic kind,
+    under the default quality budget (``--sync-every`` pins H, ``--compression`` pins the
+    codecs; int8 rather than sparse pushes and pulls where sparse is no faster,
+    :func:`shoal.plan.auto.lighter`) -- and, with ``stages`` None (no ``--stages``), the shape:
+    one pipeline of the depth it chooses, or pipeline replicas. A replica plan is passed on as
+    the ``--replicas`` SPEC of its layer splits and micro-batch shares
+    (:func:`shoal.runtime.sync.replicas.replicas_of_plan`, as a plan file is); the budget keeps
+    sparse pulls away from replicas, which the runtime does not run. The returned config
+    carries that mode, H, ``--compression`` and replicas. With ``stages`` given: one pipeline
+    of that many stages. ``exact`` / ``local``: the plan of that policy on ``stages`` (default
+    :data:`DEFAULT_STAGES`) stages, the config otherwise unchanged.
     """
     from dataclasses import replace as dc_replace
 
@@ -385,19 +398,29 @@ def choose_sync(cfg: DemoConfig, scenario, stages: int):
         plan = hand_replica_plan(scenario, cfg.replicas, cfg.seed)
         plan.sync = run_policy(cfg, parse_run_compression(cfg.compression))
         predict(plan, scenario)
-        return plan, cfg
+        return plan, dc_replace(cfg, stages=sum(len(r.stages) for r in plan.replicas))
     if cfg.sync != "auto":
         pol = run_policy(cfg, parse_run_compression(cfg.compression))
-        return make_plan(scenario, stages=stages, seed=cfg.seed, sync=pol), cfg
+        stages = stages or min(DEFAULT_STAGES, len(scenario.workers))
+        return make_plan(scenario, stages=stages, seed=cfg.seed, sync=pol), dc_replace(cfg, stages=stages)
     pinned = cfg.compression.strip() not in ("", "none")
-    budget = QualityBudget(max_sync_every=max(DEFAULT_MAX_SYNC_EVERY, cfg.sync_every or 0), replicas=False,
-                           pin_sync_every=cfg.sync_every,
+    budget = QualityBudget(max_sync_every=max(DEFAULT_MAX_SYNC_EVERY, cfg.sync_every or 0),
+                           replicas=stages is None, replica_sparse_pulls=False, pin_sync_every=cfg.sync_every,
                            pin_codecs=parse_compression(cfg.compression) if pinned else None)
     plan = plan_auto(scenario, budget, seed=cfg.seed, stages=stages)
     pol = plan.sync
     codecs = RunCompression(act=pol.act_codec, grad=pol.grad_codec, push=pol.push_codec, pull=pol.pull_codec)
-    return plan, dc_replace(cfg, sync="local" if pol.local else "exact",
-                            sync_every=pol.sync_every if pol.local else None, compression=codecs.text())
+    cfg = dc_replace(cfg, sync="local" if pol.local else "exact", sync_every=pol.sync_every if pol.local else None,
+                     compression=codecs.text(), stages=len(plan.stages))
+    if len(plan.replicas) > 1:
+        from shoal.model.config import get_preset
+        from shoal.runtime.sync.replicas import replicas_of_plan
+
+        spec = replicas_of_plan(plan.to_dict(), plan.micro_batches, get_preset(plan.model).n_total_layers)
+        cfg = dc_replace(cfg, replicas=spec, stages=sum(len(r.stages) for r in plan.replicas))
+    elif plan.replicas:  # one replica is one pipeline: the runtime runs it as one
+        plan.replicas = []
+    return plan, cfg
 
 
 def default_out(now: float | None = None) -> str:
@@ -488,7 +511,7 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
     console = console or Console()
     written = load_scenario(cfg.scenario)
     sc, notes = demo_scenario(written, cfg.workers, cfg.max_workers, cfg.workload)
-    stages = min(cfg.stages, len(sc.workers))
+    stages = min(cfg.stages, len(sc.workers)) if cfg.stages else None  # None: --sync auto chooses
     if cfg.replicas:
         from dataclasses import replace as dc_replace
 
@@ -512,15 +535,20 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
     w = sc.workload
     from shoal.runtime.sync.codecs import parse_run_compression
 
-    asked = cfg.sync
+    asked, by_hand = cfg.sync, bool(cfg.replicas)
     plan, cfg = choose_sync(cfg, spec.emulated, stages)
+    stages = cfg.stages
+    if stages > len(sc.workers):
+        raise ShoalError(f"the plan has {stages} stages and the scenario {len(sc.workers)} workers: every "
+                         "stage needs a worker")
+    sync_text = _sync_text(cfg, asked, by_hand)
     compression = parse_run_compression(cfg.compression)
     codec = compression.wire("act")  # the computed byte estimate's codec (the counted bytes are exact)
     if not cfg.quiet:
         console.print(f"[bold]shoal demo[/bold]: scenario {written.name} -- {len(sc.workers)} workers in "
                       f"{len({d.region for d in sc.workers})} regions, {len(sc.server_hosts)} server hosts; "
                       f"model {w.model}, {stages} stages, {cfg.steps} steps, churn {'on' if cfg.churn else 'off'}, "
-                      f"sync {_sync_text(cfg, asked)}, compression {cfg.compression}; run folder {out}",
+                      f"sync {sync_text}, compression {cfg.compression}; run folder {out}",
                       highlight=False, soft_wrap=True)
         for n in notes:
             console.print(f"  note: {n}", highlight=False, soft_wrap=True)
@@ -587,7 +615,9 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
     metrics, events, _ = load_run(out)
     extra = _analyse(cfg, sc, spec, plan, metrics, events, driver, t_churn, codec)
     extra.update(host_cpu_s=host_cpu, demo_wall_s=time.time() - t_start,
-                 notes=notes, failed=failed)
+                 notes=notes, failed=failed, sync_choice={
+                     "asked": asked, "ran": sync_text, "compression": cfg.compression, "replicas": cfg.replicas,
+                     "by": "hand" if by_hand else "auto" if asked == "auto" else "flags"})
     if failed is None:
         try:
             from shoal.train.generate import generate_text
@@ -613,11 +643,13 @@ DEAD_AFTER_S = 3.0  # LaunchConfig.dead_after_s (the runtime's default): a kille
 CKPT_EVERY = 5  # stage servers checkpoint every 5 steps (the demo kills workers, not servers)
 
 
-def _sync_text(cfg: DemoConfig, asked: str) -> str:
-    """The policy that runs, e.g. ``local H=4 (auto)``."""
+def _sync_text(cfg: DemoConfig, asked: str, by_hand: bool = False) -> str:
+    """The policy and shape that run, e.g. ``local H=4, replicas 1:3,1:5 (auto: the planner's choice)``."""
     text = f"local H={cfg.sync_every or DEFAULT_SYNC_EVERY}" if cfg.sync == "local" else cfg.sync
-    if cfg.replicas:
-        return f"{text}, replicas {cfg.replicas} (given by hand)"
+    text += f", replicas {cfg.replicas}" if cfg.replicas else \
+        f", one pipeline of {cfg.stages} stage{'s' if cfg.stages != 1 else ''}"
+    if by_hand:
+        return f"{text} (replicas given by hand)"
     return f"{text} (auto: the planner's choice)" if asked == "auto" else text
 
 
@@ -762,7 +794,9 @@ def register(subparsers) -> None:
     p.add_argument("--dashboard", default=d.dashboard, metavar="HOST:PORT",
                    help="where the coordinator serves the live web dashboard (default: loopback, any free port)")
     p.add_argument("--no-dashboard", action="store_true", help="no web dashboard")
-    p.add_argument("--stages", type=int, default=d.stages, metavar="S", help=f"pipeline stages (default {d.stages})")
+    p.add_argument("--stages", type=int, default=None, metavar="S",
+                   help="one pipeline of S stages (default: under --sync auto the planner's choice of one pipeline "
+                        f"of any depth or pipeline replicas; under exact or local {DEFAULT_STAGES})")
     p.add_argument("--replicas", default="", metavar="SPEC",
                    help="run pipeline replicas given by hand in local mode (each replica's stage count, e.g. 1,2; "
                         "sets the stages; --sync auto then runs local mode; docs/replicas.md)")

@@ -14,7 +14,8 @@ Input is a run directory as the runtime writes it:
   (e.g. :meth:`shoal.net.compress.WireCounter.as_dict`); ``failures_survived``,
   ``tasks_requeued`` (or the runtime's ``requeues``), ``workers_joined`` (else counted
   from events); ``sample_text``; ``codecs`` (``{traffic kind: codec}``); ``churn``;
-  ``t0_unix`` (run start, to align ``churn.jsonl``).
+  ``t0_unix`` (run start, to align ``churn.jsonl``); ``sync_choice`` (the demo's: the
+  policy and shape that ran, ``ran``, and who chose them, ``by``: auto, hand or flags).
 
 :func:`write_report` writes ``report/`` inside the run directory (or elsewhere):
 ``loss.png``, ``throughput.png``, ``report.md`` and ``report.json`` (the numbers of
@@ -181,6 +182,7 @@ def build_report(metrics: list[dict], events: list[dict], summary: dict[str, Any
         "tasks_requeued": requeued if requeued is not None else counted["tasks_requeued"],
         "codecs": summary.get("codecs", {}),
         "churn": summary.get("churn"),
+        "sync_choice": summary.get("sync_choice"),
         "sample_text": summary.get("sample_text", ""),
     }
 
@@ -215,14 +217,24 @@ def render_markdown(rep: dict[str, Any]) -> str:
         "", "![loss](loss.png)", "", "![throughput](throughput.png)", "",
         "## Plan", "",
     ]
+    choice = rep.get("sync_choice") or {}
+    if choice.get("ran"):
+        out += [f"policy: {choice['ran']}; codecs {choice.get('compression') or 'none'}", ""]
     stages = (rep["plan"] or {}).get("stages") or []
+    replicas = (rep["plan"] or {}).get("replicas") or []
     if stages:
         stage_times = (rep["plan"].get("predicted") or {})
-        out += ["| stage | layers | server | workers | devices |", "|---|---|---|---|---|"]
-        for i, s in enumerate(stages):
+        if len(replicas) > 1:  # every replica's stages, numbered as the runtime numbers them
+            out += ["| stage | replica (micro-batches) | layers | server | workers | devices |",
+                    "|---|---|---|---|---|---|"]
+            rows = [(f"{r} ({rp.get('micro_batches', '?')})", s) for r, rp in enumerate(replicas) for s in rp["stages"]]
+        else:
+            out += ["| stage | layers | server | workers | devices |", "|---|---|---|---|---|"]
+            rows = [(None, s) for s in stages]
+        for i, (r, s) in enumerate(rows):
             first, last = s["layers"]
-            out.append(f"| {i} | [{first}, {last}) | {s['server']} | {len(s['workers'])} | "
-                       f"{', '.join(s['workers'])} |")
+            out.append(f"| {i} |{'' if r is None else f' {r} |'} [{first}, {last}) | {s['server']} | "
+                       f"{len(s['workers'])} | {', '.join(s['workers'])} |")
         p = rep["plan"]
         out += ["", f"method: {p.get('method', 'n/a')}; micro-batch size {p.get('micro_batch_size', 'n/a')}, "
                 f"{p.get('micro_batches', 'n/a')} micro-batches per step"]
@@ -376,6 +388,8 @@ def print_summary(rep: dict[str, Any], folder: str | Path | None = None, console
     t = Table(title=f"shoal run: {rep.get('scenario') or 'run'}", show_header=False, box=None)
     t.add_column(style="bold")
     t.add_column()
+    if (rep.get("sync_choice") or {}).get("ran"):
+        t.add_row("policy", rep["sync_choice"]["ran"])
     t.add_row("steps", f"{rep['steps']}  (loss {_fmt_r(rep['first_loss'])} -> {_fmt_r(rep['final_loss'])})")
     t.add_row("tokens/s", _fmt_r(rep["mean_tokens_per_s"]))
     t.add_row("step time", f"predicted {_fmt_s(st['predicted_s'])}, simulated {_fmt_s(st['simulated_s'])}, "

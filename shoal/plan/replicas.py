@@ -36,9 +36,13 @@ from shoal.plan.cluster import average_linkage
 from shoal.plan.common import even_layer_split
 from shoal.plan.cost import (
     CostOptions,
+    _landing_times,
+    _pipeline_terms,
+    list_schedule_curve,
     predict,
     replica_plan,
     scenario_profile,
+    server_cpu_caps,
     stage_costs,
     stage_worker_memory,
 )
@@ -46,6 +50,12 @@ from shoal.plan.types import Device, Plan, Replica, Scenario, SyncPolicy
 
 MAX_REPLICA_STAGES = 4  # deepest replica the planner builds (gpt-1.3b: 8 GB cards need 3)
 REPLICA_EVALS = 40  # cost-model evaluations of local search per replica (the groups are small)
+# A single-stage replica's predicted end (shoal.plan.cost.list_schedule_end) is within 1 % of the
+# simulated one; a multi-stage replica's is mostly long (its pinned-backward terms, 1.0-1.5x) but
+# up to 7 % short (gaming-eu's 2-stage replica of 176 micro-batches: 0.93x), and varies from step
+# to step with the round's chunks. The step is the latest replica's end, so the split plans every
+# multi-stage replica to end this share before it (rebalance).
+DEEP_END_MARGIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -228,11 +238,78 @@ def equal_finish_split(pipes: list[float], rates: list[float], current: list[int
     return out
 
 
-def rebalance(plan: Plan, scenario: Scenario, options: CostOptions | None = None, rounds: int = 3) -> Plan:
-    """Re-split the step's micro-batches so the replicas' pipelines end together
-    (:func:`equal_finish_split` on each replica's predicted pipeline and rate), ``rounds`` times,
-    keeping the split with the shortest predicted step; replicas left with no micro-batch are
-    dropped (their devices stay idle)."""
+def min_max_split(curves: list[list[float]], total: int) -> list[int] | None:
+    """Micro-batches per replica that minimise the latest replica's end: ``curves[r][m - 1]`` is
+    replica ``r``'s pipeline with ``m`` micro-batches (``m = 1 .. len``, nondecreasing; 0
+    micro-batches end at 0 and drop the replica). The smallest end ``T`` at which the replicas
+    can take ``total`` between them (each ``r`` takes ``cap_r(T)``, its most micro-batches ending
+    by ``T``), then the surplus comes off the replicas that end latest, one at a time. ``None``
+    if the curves cannot take ``total`` at all.
+
+    Unlike :func:`equal_finish_split` (a line through each replica's current point) this follows
+    the steps of a curve: a single-stage replica's end stays put while its slow workers have no
+    further task to take, then jumps by one of their tasks (:func:`shoal.plan.cost.list_schedule_end`)."""
+    if total <= 0:
+        return [0] * len(curves)
+    if sum(len(c) for c in curves) < total:
+        return None
+    ends = sorted({x for c in curves for x in c})
+
+    def caps(t: float) -> list[int]:
+        out = []
+        for c in curves:  # nondecreasing: count the values <= t
+            lo, hi = 0, len(c)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if c[mid] <= t:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            out.append(lo)
+        return out
+
+    lo, hi = 0, len(ends) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if sum(caps(ends[mid])) >= total:
+            hi = mid
+        else:
+            lo = mid + 1
+    got = caps(ends[lo])
+    for _ in range(sum(got) - total):
+        r = max((i for i in range(len(got)) if got[i] > 0), key=lambda i: (curves[i][got[i] - 1], -i))
+        got[r] -= 1
+    return got
+
+
+def pipeline_curves(plan: Plan, scenario: Scenario, options: CostOptions | None, most: list[int]) -> list[list[float]]:
+    """Per replica of ``plan``, its predicted pipeline with ``m = 1 .. most[r]`` micro-batches (made
+    nondecreasing), from its stage costs at its current share: a single-stage replica's greedy
+    schedule (:func:`shoal.plan.cost.list_schedule_curve`) plus the server's handling of the last
+    result, a deeper one's :func:`shoal.plan.cost._pipeline_terms` at each ``m``."""
+    out = []
+    for r, cap, hi in zip(plan.replicas, server_cpu_caps(plan, scenario), most, strict=True):
+        costs = stage_costs(replica_plan(plan, r), scenario, options, None, cap)
+        if len(costs) == 1:
+            c = costs[0]
+            curve = [e + c.task_handling for e in list_schedule_curve(list(c.task_times.values()), _landing_times(c), hi)]
+        else:
+            curve = [_pipeline_terms(costs, m, True)[0] for m in range(1, hi + 1)]
+        for i in range(1, len(curve)):
+            curve[i] = max(curve[i], curve[i - 1])
+        out.append(curve)
+    return out
+
+
+def rebalance(plan: Plan, scenario: Scenario, options: CostOptions | None = None, rounds: int = 3,
+              margin: float = DEEP_END_MARGIN) -> Plan:
+    """Re-split the step's micro-batches so the replicas' pipelines end together: first
+    :func:`equal_finish_split` on each replica's predicted pipeline and rate, ``rounds`` times,
+    keeping the split with the shortest predicted step; then, from the stage costs at that split,
+    :func:`min_max_split` along the replicas' pipeline curves (:func:`pipeline_curves`, up to
+    twice each replica's share), a multi-stage replica's curve taken ``1 + margin`` times
+    (``DEEP_END_MARGIN``), kept unless its whole predicted step is more than ``1 + margin`` times
+    the first split's. Replicas left with no micro-batch are dropped (their devices stay idle)."""
     reps = list(plan.replicas)
     best = [r.micro_batches for r in reps]
     best_t = predict(plan, scenario, options)["step_time_s"]
@@ -257,6 +334,20 @@ def rebalance(plan: Plan, scenario: Scenario, options: CostOptions | None = None
         t = predict(plan, scenario, options)["step_time_s"]
         if t < best_t:
             best, best_t = list(current), t
+    _set_split(plan, reps, best)
+    total = plan.micro_batches
+    live = [r for r, m in zip(reps, best, strict=True) if m > 0]
+    curves = pipeline_curves(plan, scenario, options, [min(total, 2 * r.micro_batches + 8) for r in live])
+    curves = [c if len(r.stages) == 1 else [x * (1 + margin) for x in c] for r, c in zip(live, curves, strict=True)]
+    split = min_max_split(curves, total)
+    if split is not None and any(split):
+        trial = [0] * len(reps)
+        for r, m in zip(live, split, strict=True):
+            trial[reps.index(r)] = m
+        _set_split(plan, reps, trial)
+        # curves come from the costs at the first split: a split far from it is checked whole
+        if predict(plan, scenario, options)["step_time_s"] <= best_t * (1 + margin):
+            best = trial
     _set_split(plan, reps, best)
     predict(plan, scenario, options)
     return plan

@@ -191,7 +191,8 @@ def add_sync_args(p, auto: bool = False) -> None:
     g = p.add_argument_group("sync policy (docs/sync-policies.md)")
     if auto:
         g.add_argument("--sync", default="auto", choices=("auto", "exact", "local"),
-                       help="auto (default: the planner chooses exact or local, H and the codecs; --sync-every "
+                       help="auto (default: the planner chooses exact or local, H, the codecs and, without "
+                            "--stages, the shape: one pipeline's depth or pipeline replicas; --sync-every "
                             "and --compression pin them), exact (one shared AdamW step per step) or local (each "
                             "worker trains its own replica; merges every --sync-every steps)")
         g.add_argument("--sync-every", type=int, default=None,

@@ -88,8 +88,9 @@ def _run_args(p: argparse.ArgumentParser, launch: bool = False) -> None:
     p.add_argument("--replicas", default="", metavar="SPEC",
                    help="--sync local: run several pipeline replicas, each with its own stage servers and "
                         "workers, merged per layer at every round; SPEC is each replica's stage count or its "
-                        "stages' layer counts joined by +, optionally with its micro-batches per step (2,2 or "
-                        "1,2+4 or 1:3,2:1), or a plan file of shoal plan --json with replicas; sets --stages "
+                        "stages' layer counts joined by +, optionally with its micro-batches per step and its "
+                        "regions (2,2 or 1,2+4 or 1:3,2:1 or 1:3@eu,2:1@us+asia), or a plan file of shoal plan "
+                        "--json with replicas; sets --stages "
                         "to their sum (docs/replicas.md)")
     p.add_argument("--ckpt-every", type=int, default=None,
                    help="servers checkpoint every K steps, written off their event loop (default 10, "
@@ -449,6 +450,9 @@ def _spec(args):
         spec.replica_stages.extend(replicas[0])
         spec.replica_mbs.extend(replicas[1])
         spec.replica_layers.extend(replicas[2])
+        from shoal.runtime.sync.replicas import parse_replica_regions
+
+        spec.replica_regions.extend(parse_replica_regions(args.replicas))
         check_replica_run(spec, cfg.n_total_layers)
     return spec
 

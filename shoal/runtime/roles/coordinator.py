@@ -724,7 +724,8 @@ class Coordinator(pbg.CoordinatorServicer):
             live = {mid: m for mid, m in self.members.items() if m.role == "worker" and not m.pending_join}
             regions = {mid: self._region_of(m) for mid, m in self.members.items()}
             # (the assignment the re-plan below makes: the same rule on the same members)
-            first = assign_replica_workers({mid: m.flops for mid, m in live.items()}, regions, self.slots)
+            first = assign_replica_workers({mid: m.flops for mid, m in live.items()}, regions, self.slots,
+                                           homes=list(self.spec.replica_regions))
             want = replica_regions(first, regions, self.slots)
             placed = place_replica_servers(list(self.stage_server), regions, [want[s.replica] for s in self.slots])
             if placed != self.stage_server:
@@ -818,7 +819,7 @@ class Coordinator(pbg.CoordinatorServicer):
         if self.slots is not None:
             # A replica plan: whole regions to replicas, so activations stay inside a region.
             regions = {mid: self._region_of(self.members[mid]) for mid in live}
-            new = assign_replica_workers(flops, regions, self.slots, self.assign)
+            new = assign_replica_workers(flops, regions, self.slots, self.assign, homes=list(self.spec.replica_regions))
         else:
             new = assign_workers(flops, self.costs, self.assign)
         changed = new != before or why == "start"

@@ -23,7 +23,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -59,13 +59,14 @@ def parse_replicas(text: str, micro_batches: int, n_layers: int) -> tuple[list[i
 def parse_replica_plan(text: str, micro_batches: int, n_layers: int) -> tuple[list[int], list[int], list[int]]:
     """``--replicas SPEC``: each replica's stages, comma-separated, as a stage count (layers split
     evenly) or as its stages' layer counts joined by ``+`` (``2+4``: layers [0,2) and [2,6)), each
-    optionally with its micro-batches per step after a colon (``2,2``; ``1,2+4``; ``1:3,2:1``).
+    optionally with its micro-batches per step after a colon (``2,2``; ``1,2+4``; ``1:3,2:1``), and
+    optionally with its network regions after an ``@`` (:func:`parse_replica_regions`).
     Without counts the step's ``micro_batches`` are split evenly (earlier replicas take the
     remainder). Returns (stages per replica, micro-batches per replica, every stage's layer count
     in stage order); a one-line ShoalError when bad."""
     from shoal.runtime.common import even_split
 
-    items = [x.strip() for x in text.split(",") if x.strip()]
+    items = [x.strip().partition("@")[0].strip() for x in text.split(",") if x.strip()]  # (regions: below)
     hint = ("give each replica's stage count or its stages' layer counts, e.g. --replicas 2,2 or "
             "--replicas 1,2+4 or --replicas 1:3,2:1 (stages:micro-batches)")
     if len(items) < 2:
@@ -98,9 +99,24 @@ def parse_replica_plan(text: str, micro_batches: int, n_layers: int) -> tuple[li
     return stages, mbs, layers
 
 
+def parse_replica_regions(text: str) -> list[str]:
+    """Each replica's regions of ``--replicas SPEC``, replica order: what follows an item's ``@``,
+    regions joined by ``+`` (``1:2@asia,1:6@eu+us``), "" for an item without; empty when no item
+    names any (the coordinator then gives regions to replicas by its own rule)."""
+    out = []
+    for it in (x.strip() for x in text.split(",") if x.strip()):
+        _, at, reg = it.partition("@")
+        names = [g.strip() for g in reg.split("+")] if at else []
+        if at and not all(names):
+            raise ShoalError(f"--replicas {text!r}: {it!r} names no region after '@' (e.g. 1:2@eu or 1:2@eu+us)")
+        out.append("+".join(names))
+    return out if any(out) else []
+
+
 def replicas_of_plan(plan: dict, micro_batches: int, n_layers: int) -> str:
     """The ``--replicas`` SPEC of a plan written by ``shoal plan --json`` (its replicas' layer
-    splits and micro-batch shares); a one-line ShoalError when the plan does not fit the run."""
+    splits, micro-batch shares and clusters' regions); a one-line ShoalError when the plan does
+    not fit the run."""
     reps = plan.get("replicas") or []
     if len(reps) < 2:
         raise ShoalError("the plan file has fewer than two pipeline replicas; make one with "
@@ -116,7 +132,8 @@ def replicas_of_plan(plan: dict, micro_batches: int, n_layers: int) -> str:
                              "layers; plan the run's model")
         # (a one-stage replica is "1": a lone number is a stage count)
         split = "+".join(str(b - a) for a, b in cuts) if len(cuts) > 1 else "1"
-        items.append(f"{split}:{int(r['micro_batches'])}")
+        cluster = str(r.get("cluster") or "")
+        items.append(f"{split}:{int(r['micro_batches'])}" + (f"@{cluster}" if cluster else ""))
     return ",".join(items)
 
 
@@ -174,6 +191,8 @@ def check_replica_run(spec, n_layers: int) -> None:
         raise ShoalError(f"--replicas has {sum(spec.replica_stages)} stages in all, the run {spec.stages}")
     if (spec.compress_pull or "none").startswith("sparse"):
         raise ShoalError("--replicas does not run with sparse pulls yet; use pull=int8 or none")
+    if spec.replica_regions and len(spec.replica_regions) != len(spec.replica_stages):
+        raise ShoalError("give every replica's regions (@REGION) or none")
     if any(s > n_layers for s in spec.replica_stages):
         raise ShoalError(f"a replica has more stages than the model's {n_layers} layers")
     if spec.replica_layers:
@@ -199,7 +218,8 @@ def peers(slots: list[Slot], k: int) -> list[int]:
 
 
 def assign_replica_workers(flops: Mapping[str, float], regions: Mapping[str, str], slots: list[Slot],
-                           current: Mapping[str, int] | None = None) -> dict[str, int]:
+                           current: Mapping[str, int] | None = None,
+                           homes: Sequence[str] | None = None) -> dict[str, int]:
     """Worker -> stage of a replica plan, keeping each replica inside few network regions (pure).
 
     A stage's work is its layers times its replica's micro-batches. With at least as many
@@ -213,7 +233,10 @@ def assign_replica_workers(flops: Mapping[str, float], regions: Mapping[str, str
     balancing over all stages. Deterministic for equal inputs.
 
     A region goes first to a replica it has workers enough to staff (a worker per stage), then
-    the least loaded, then the deepest.
+    the least loaded, then the deepest. ``homes`` (a plan's clusters: each replica's regions
+    joined by ``+``, "" for none) names the replica of those regions first; a kept worker's
+    replica still wins for its region, and the other regions go by the rule above to the
+    replicas no region was named for.
     """
     from shoal.runtime.common import assign_workers
 
@@ -232,13 +255,17 @@ def assign_replica_workers(flops: Mapping[str, float], regions: Mapping[str, str
     home: dict[str, int] = {}  # region -> the replica its workers join
     for w, k in sorted(out.items()):
         home.setdefault(regions.get(w, ""), slots[k].replica)
+    for r, names in enumerate(list(homes or [])[:n_rep]):
+        for g in (names.split("+") if names else []):
+            home.setdefault(g, r)
     new = [w for w in flops if w not in out]
     by_region: dict[str, list[str]] = {}
     for w in new:
         by_region.setdefault(regions.get(w, ""), []).append(w)
     for reg in sorted(by_region, key=lambda g: (-sum(flops[w] for w in by_region[g]), g)):
         if reg not in home:
-            empty = [r for r in range(n_rep) if not any(slots[k].replica == r for k in out.values())]
+            taken = {slots[k].replica for k in out.values()} | set(home.values())
+            empty = [r for r in range(n_rep) if r not in taken]
             # a replica the region can staff whole first, the least loaded, the deepest (larger
             # regions come first: deep replicas need more workers), the most work
             home[reg] = min(empty or range(n_rep), key=lambda r: (depth[r] > len(by_region[reg]), rep_load(r),
