@@ -16,9 +16,10 @@ from shoal.plan.replicas import (
     equal_finish_split,
     min_max_split,
     network_clusters,
+    speed_classes,
     split_micro_batches,
 )
-from shoal.plan.types import Plan, Replica, StagePlan, SyncPolicy
+from shoal.plan.types import Device, Plan, Replica, StagePlan, SyncPolicy
 from shoal.plan.validate import validate_plan
 from shoal.sim import simulate
 
@@ -94,6 +95,24 @@ def test_min_max_split_follows_the_steps():
     assert min_max_split([stairs, line], 20) is None  # more than both can take
     assert min_max_split([[5.0, 6.0], line], 3) == [0, 3]  # a replica may get none (dropped)
     assert min_max_split([stairs], 0) == [0]
+
+
+def test_speed_classes_split_a_single_stage_group_by_flops():
+    def dev(i, tflops):
+        return Device(f"d{i}", "gpu", tflops * 1e12, 24e9, "a", 1e8, 1e8)
+
+    # 4090s (132 TFLOP/s effective), 3090s (57), and one 3090 a little slower (53 >= 0.9 x 57)
+    got = speed_classes([dev(0, 57), dev(1, 132), dev(2, 53), dev(3, 132), dev(4, 57)], least=1)
+    assert [[d.id for d in c] for c in got] == [["d1", "d3"], ["d0", "d4", "d2"]]
+    # classes of fewer than `least` devices join the next slower one (the last, the one before)
+    assert [[d.id for d in c] for c in speed_classes([dev(0, 57), dev(1, 132), dev(2, 53), dev(3, 132),
+                                                       dev(4, 57)], least=3)] == [["d1", "d3", "d0", "d4", "d2"]]
+    six = [dev(i, 132) for i in range(4)] + [dev(4, 57), dev(5, 30)]
+    assert [len(c) for c in speed_classes(six, least=2)] == [4, 2]
+    # a wider tolerance keeps them together; one device is one class
+    assert len(speed_classes([dev(0, 57), dev(1, 132)], tol=0.6, least=1)) == 1
+    assert [[d.id for d in c] for c in speed_classes([dev(7, 1)])] == [["d7"]]
+    assert speed_classes([]) == []
 
 
 def test_validation_of_replica_plans():

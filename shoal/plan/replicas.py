@@ -204,6 +204,31 @@ def device_groups(scenario: Scenario, clusters: list[Cluster], prof: ModelProfil
     return out
 
 
+SPEED_CLASS = 0.1  # devices within this share of a class's fastest FLOP/s form one single-stage replica
+SPEED_CLASS_MIN = 4  # a smaller class joins the next slower one (a replica is a server and a merge member more)
+
+
+def speed_classes(devices: list[Device], tol: float = SPEED_CLASS, least: int = SPEED_CLASS_MIN) -> list[list[Device]]:
+    """``devices`` split into classes of like speed, fastest first: a class starts at its fastest
+    device and holds every next one with at least ``1 - tol`` of its FLOP/s; a class of fewer
+    than ``least`` devices joins the next slower one (the slowest, the one before it).
+
+    A single-stage replica's task pool goes to whichever worker is free, so in a pool of RTX
+    4090s (0.148 s a micro-batch on scale-1024) and 3090s (0.323 s) a 3090 free at 1.615 s takes a
+    sixth task before a 4090 its twelfth and the step jumps to 1.94 s
+    (:func:`shoal.plan.cost.list_schedule_end`); as two replicas, each gets its own share of the
+    step (``rebalance``) and the 4090s run twelve while the 3090s stop at five."""
+    out: list[list[Device]] = []
+    for d in sorted(devices, key=lambda d: (-d.flops, d.id)):
+        if out and (d.flops >= (1 - tol) * out[-1][0].flops or len(out[-1]) < least):
+            out[-1].append(d)
+        else:
+            out.append([d])
+    if len(out) > 1 and len(out[-1]) < least:
+        out[-2].extend(out.pop())
+    return out
+
+
 def _sub_scenario(scenario: Scenario, devices: list[Device], hosts: tuple[str, ...], micro_batches: int,
                   micro_batch_size: int) -> Scenario:
     """``scenario`` restricted to ``devices`` and the server hosts ``hosts``, with a batch of
@@ -374,6 +399,7 @@ def plan_replicas(scenario: Scenario, seed: int = 0, sync: SyncPolicy | None = N
     n = len(prof.layers)
     clusters = network_clusters(scenario, prof.param_bytes(0, n) * sync.ratio("push", prof.dtype_bytes), prof, sync)
     groups = device_groups(scenario, clusters, prof, sync)
+    groups = [(c, k, sub) for c, k, devs in groups for sub in (speed_classes(devs) if k == 1 else [devs])]
     if not groups:
         raise ShoalError(f"no device of scenario {scenario.name} holds the model in {MAX_REPLICA_STAGES} stages or fewer")
     w = scenario.workload
