@@ -37,7 +37,7 @@ class WireError(ValueError):
 def encode_tensor(name: str, tensor: torch.Tensor, codec: str = "raw", ef=None, key: int = 0) -> pb.Tensor:
     """Frame ``tensor`` (any supported dtype) as a :class:`pb.Tensor`.
 
-    ``key``: the rounding key of a stochastic codec (``tern-sr``; see :func:`shoal.net.compress.encode`).
+    ``key``: the draw key of a stochastic codec (``tern-sr``, ``tern-dither``; see :func:`shoal.net.compress.encode`).
 
     ``ef`` (a :class:`shoal.net.compress.ErrorFeedback` of the same lossy codec) adds the
     residual it keeps for ``name`` before encoding and keeps the new one.
