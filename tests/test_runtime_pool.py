@@ -21,6 +21,7 @@ from shoal.runtime.pool.pool import (
     StepMbs,
     TodoPool,
     holding_work,
+    leave_to_faster,
     pool_figures,
     unpushed,
     wait_counts,
@@ -674,6 +675,59 @@ def test_a_lease_asked_ahead_yields_to_a_worker_waiting_idle(tmp_path):
             assert got.has_task and got.task.mb == leased[2].task.mb
             assert not (await asyncio.wait_for(ahead, 5)).has_task
             assert srv.idle_asking == {}
+        finally:
+            reaper.cancel()
+
+    asyncio.run(main())
+
+
+def test_leave_to_faster_counts_only_measured_faster_idle_workers():
+    idle = {"slow": 1.0, "mid": 0.5, "fast": 0.1, "new": None, "near": 0.9}
+    assert leave_to_faster(idle, "slow", 1) and leave_to_faster(idle, "slow", 2)
+    assert not leave_to_faster(idle, "slow", 3)  # more open tasks than faster idle workers
+    assert leave_to_faster(idle, "mid", 1) and not leave_to_faster(idle, "mid", 2)
+    assert not leave_to_faster(idle, "fast", 1)
+    assert not leave_to_faster(idle, "new", 1)  # unmeasured: neither yields nor is yielded to
+    assert not leave_to_faster(idle, "slow", 0)
+    assert not leave_to_faster({"a": 0.2, "b": 0.2}, "a", 1)  # equals: the older request takes it
+    assert not leave_to_faster({"a": 0.24, "b": 0.2}, "a", 1)  # within FASTER_BY: first come as before
+    assert not leave_to_faster(idle, "near", 3) and leave_to_faster(idle, "near", 2)
+
+
+def test_an_open_task_goes_to_the_fastest_idle_worker(tmp_path):
+    """Two workers wait idle for a task, the slower one asked first: the task that comes free
+    goes to the faster (the step ends when its slowest task does); the slower one's request
+    ends without a task. With as many open tasks as idle workers each gets one."""
+    async def main():
+        srv = _server(tmp_path)
+        srv.spec.min_lease_s = srv.spec.dead_after_s = 30.0  # nothing runs out during the test
+        await srv._load(0, 0, 6, 0, 0)
+        srv.ready = True
+        srv._worker("S").ewma_s = 1.0
+        srv._worker("F").ewma_s = 0.1
+        reaper = asyncio.create_task(srv._reaper())
+        try:
+            held = [await srv.Lease(pb.LeaseRequest(worker=f"C{i}", wait_s=0), None) for i in range(M)]
+            assert all(r.has_task for r in held)
+            slow = asyncio.create_task(srv.Lease(pb.LeaseRequest(worker="S", wait_s=0.6), None))
+            await asyncio.sleep(0.05)
+            fast = asyncio.create_task(srv.Lease(pb.LeaseRequest(worker="F", wait_s=2.0), None))
+            await asyncio.sleep(0.05)
+            assert srv.idle_asking == {"S": 1, "F": 1}
+            await srv.Leave(pb.MemberRequest(member_id="C0"), None)  # its task comes free
+            got = await asyncio.wait_for(fast, 5)
+            assert got.has_task and got.task.mb == held[0].task.mb
+            assert not (await asyncio.wait_for(slow, 5)).has_task
+            # Two tasks free, two idle workers: both get one, the slower too.
+            slow = asyncio.create_task(srv.Lease(pb.LeaseRequest(worker="S", wait_s=2.0), None))
+            fast = asyncio.create_task(srv.Lease(pb.LeaseRequest(worker="F2", wait_s=2.0), None))
+            srv._worker("F2").ewma_s = 0.1
+            await asyncio.sleep(0.05)
+            await srv.Leave(pb.MemberRequest(member_id="C1"), None)
+            await srv.Leave(pb.MemberRequest(member_id="C2"), None)
+            got = [await asyncio.wait_for(t, 5) for t in (slow, fast)]
+            assert all(r.has_task for r in got)
+            assert sorted(r.task.mb for r in got) == sorted(r.task.mb for r in held[1:])
         finally:
             reaper.cancel()
 

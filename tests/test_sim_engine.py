@@ -457,3 +457,18 @@ def test_overlapped_uploads_keep_at_most_the_cap_in_flight(cap):
         assert max(seen) == 2
     else:
         assert 2 < max(seen) <= cap  # without the cap of 2 the uploads pile up
+
+
+def test_open_tasks_go_to_the_fastest_waiting_worker():
+    """Three workers for two micro-batches, one of them 1000x slower: once the servers have
+    measured everyone's task time, the two open tasks of a step go to the fast workers parked
+    beside the slow one (the runtime's ``leave_to_faster``), so no step after the first ones
+    waits for a slow task; a first-come order gives the slow worker a task every other step."""
+    fat = {"up": 1e10, "down": 1e10}  # links far faster than the slow compute
+    devs = [server(0, **fat), gpu(0, **fat), gpu(1, **fat), gpu(2, flops=1e9, **fat)]
+    scn = scenario(devs, global_batch=2)
+    n = get_preset("tiny").n_total_layers
+    slow = (PROF.fwd_flops(0, n) + PROF.bwd_flops(0, n)) / 1e9
+    r = simulate(plan([((0, n), "srv0", ["w0", "w1", "w2"])], 2), scn, steps=8)
+    assert max(r.step_times_s[:2]) > slow  # before its first result the slow worker is not known slow
+    assert max(r.step_times_s[2:]) < slow / 2, r.step_times_s

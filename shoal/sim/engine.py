@@ -82,7 +82,7 @@ M_OUTER = 13  # replica plans, server -> server of the same layers in another re
 class Task:
     """A micro-batch task of one stage and direction."""
 
-    __slots__ = ("step", "stage", "m", "bwd", "grad_only", "recompute")
+    __slots__ = ("step", "stage", "m", "bwd", "grad_only", "recompute", "leased_at")
 
     def __init__(self, step: int, stage: int, m: int, bwd: bool, grad_only: bool = False):
         self.step = step
@@ -91,6 +91,7 @@ class Task:
         self.bwd = bwd  # backward (True) or forward
         self.grad_only = grad_only  # a re-run for lost gradients: its output was already delivered
         self.recompute = False  # set when leased to a worker without the saved activations
+        self.leased_at = 0.0  # when its lease was granted
 
 
 class Worker:
@@ -98,7 +99,7 @@ class Worker:
 
     __slots__ = ("id", "dev", "stage", "alive", "epoch", "saved", "lease", "flows", "busy",
                  "compute_t0", "slow", "joined_at", "held", "ready", "asking", "bg_push", "bg_pull",
-                 "bg_up", "bg_down", "bg_round", "uploading", "deferred")
+                 "bg_up", "bg_down", "bg_round", "uploading", "deferred", "task_s")
 
     def __init__(self, dev):
         self.id = dev.id
@@ -127,6 +128,7 @@ class Worker:
         # leave (the runtime worker keeps at most SimConfig.uploads_in_flight results in flight)
         self.uploading = 0
         self.deferred: list[tuple] = []
+        self.task_s: float | None = None  # its servers' estimate of its task time (lease to result), as the runtime's
 
     def reset_io(self) -> None:
         """A new incarnation or stage: nothing prefetched, nothing uploading, no sync bytes."""
@@ -184,6 +186,16 @@ class Stage:
         self.fwd_pool.clear()
         self.orphans.clear()
         self.own.clear()
+
+
+# A slower parked worker leaves an open task to one this much faster (the runtime's
+# shoal.runtime.pool.pool.FASTER_BY; the simulator never imports the runtime).
+FASTER_BY = 1.25
+
+
+def _ewma(prev: float | None, x: float, alpha: float = 0.3) -> float:
+    """The runtime's task-time estimate update (``shoal.runtime.common.ewma``; sim never imports runtime)."""
+    return x if prev is None else (1 - alpha) * prev + alpha * x
 
 
 def _as_straggler(s) -> Straggler:
@@ -408,6 +420,7 @@ class Simulator:
     # ---------------------------------------------------------------- task pool
     def _assign(self, st: Stage, w: Worker, task: Task) -> None:
         w.lease = task
+        task.leased_at = self.now
         w.held.append(task)
         if task.bwd:
             has = (task.step, task.m) in w.saved
@@ -438,6 +451,17 @@ class Simulator:
                     return q.pop()
         return None
 
+    @staticmethod
+    def _fastest_waiting(st: Stage) -> str:
+        """The parked worker an open task goes to: the oldest request of a worker that no parked
+        worker beats by ``FASTER_BY`` in measured task time (the runtime's
+        :func:`shoal.runtime.pool.pool.leave_to_faster`; one not measured yet never yields)."""
+        known = [w.task_s for w in st.waiting.values() if w.task_s is not None]
+        if not known:
+            return next(iter(st.waiting))
+        bar = FASTER_BY * min(known)
+        return next(wid for wid, w in st.waiting.items() if w.task_s is None or w.task_s <= bar)
+
     def _lease(self, st: Stage, w: Worker) -> None:
         task = self._next_task(st, w)
         if task is None:
@@ -456,12 +480,12 @@ class Simulator:
                     return
                 st.own.setdefault(owner, deque()).append(task)
                 if self.cfg.steal_backward and st.waiting:
-                    wid = next(iter(st.waiting))
+                    wid = self._fastest_waiting(st)
                     w = st.waiting.pop(wid)
                     self._assign(st, w, st.own[owner].pop())
                 return
         if st.waiting:
-            wid = next(iter(st.waiting))
+            wid = self._fastest_waiting(st)
             w = st.waiting.pop(wid)
             self._assign(st, w, task)
         elif task.bwd:
@@ -483,7 +507,7 @@ class Simulator:
                 st.fwd_pool.appendleft(task)
 
     def _offer_orphan(self, st: Stage, task: Task) -> None:
-        wid = next(iter(st.waiting))
+        wid = self._fastest_waiting(st)
         w = st.waiting.pop(wid)
         self._assign(st, w, task)
 
@@ -713,6 +737,8 @@ class Simulator:
         if kind == M_RESULT:
             w, task = p
             st = self.stages[task.stage]
+            if not charged:
+                w.task_s = _ewma(w.task_s, self.now - task.leased_at)
             if w.lease is task:
                 w.lease = None
             if task in w.held:
@@ -750,6 +776,8 @@ class Simulator:
         elif kind == M_DONE:
             w, epoch, task, want = p
             st = self.stages[task.stage]
+            if not charged:
+                w.task_s = _ewma(w.task_s, self.now - task.leased_at)
             if w.lease is task:
                 w.lease = None
             if task in w.held:

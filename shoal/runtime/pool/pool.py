@@ -218,6 +218,27 @@ def yield_to_idle(idle_asking: dict[str, int], wid: str) -> bool:
     return any(n > 0 for w, n in idle_asking.items() if w != wid)
 
 
+# How much faster (task time) an idle worker must be for a slower one to leave it an open task:
+# workers of about one speed (measurement noise) keep first-come order, so their tasks stay
+# spread over them (redundant checks and the drift test compare workers that share steps).
+FASTER_BY = 1.25
+
+
+def leave_to_faster(idle_task_s: dict[str, float | None], wid: str, free: int) -> bool:
+    """Whether idle worker ``wid`` leaves the step's ``free`` open tasks (ones any worker may
+    take) to faster workers that wait idle too: at least ``free`` other idle workers have a
+    measured task time ``FASTER_BY`` times below ``wid``'s (``idle_task_s``: idle worker -> its
+    task-time estimate, None before its first task). The step ends when its slowest task
+    does, so when there are fewer open tasks than idle workers the fastest should take them,
+    as the cost model assumes (``shoal.plan.cost``: a stage's tasks go to its fastest ``M``
+    workers). A worker of unknown speed neither yields nor is yielded to."""
+    mine = idle_task_s.get(wid)
+    if mine is None or free <= 0:
+        return False
+    faster = sum(1 for w, s in idle_task_s.items() if w != wid and s is not None and s * FASTER_BY < mine)
+    return faster >= free
+
+
 def pick_order(is_last: bool) -> tuple[str, ...]:
     """Which kind of task a stage leases first: forwards, then gradients.
 

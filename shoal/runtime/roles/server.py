@@ -89,6 +89,7 @@ from shoal.runtime.pool.pool import (
     TodoPool,
     WorkerInfo,
     holding_work,
+    leave_to_faster,
     pick_order,
     pool_figures,
     unpushed,
@@ -753,8 +754,26 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
                 async with self.cond:
                     self.cond.notify_all()
 
-    def _pick(self, wid: str) -> pb.Task | None:
-        """Lease the next task of the current step to ``wid``: forwards first (see :func:`pick_order`)."""
+    def _open_tasks(self) -> int:
+        """Tasks of the current step any worker may take: forwards, and gradients except local
+        mode's at a non-last stage (each waits for the worker that ran its forward)."""
+        mbs = self.steps.get(self.step)
+        if not mbs:
+            return 0
+        t = mbs.tally
+        n = 0 if self.is_last else t.count(lambda f, g: f == "todo")
+        return n + (t.grad.get("todo", 0) if self.is_last or not self.local else 0)
+
+    def _yields(self, wid: str) -> bool:
+        """Whether idle ``wid`` leaves the open tasks to faster idle workers now (:func:`leave_to_faster`)."""
+        if len(self.idle_asking) < 2:
+            return False
+        idle = {w: (self.workers[w].ewma_s if w in self.workers else None) for w in self.idle_asking}
+        return leave_to_faster(idle, wid, self._open_tasks())
+
+    def _pick(self, wid: str, open_ok: bool = True) -> pb.Task | None:
+        """Lease the next task of the current step to ``wid``: forwards first (see :func:`pick_order`);
+        ``open_ok`` False: only a task no other worker may take (local mode's own gradients)."""
         if not self.ready or self.committing or self.version != self.step:
             return None
         if self.dup_checks:
@@ -763,8 +782,10 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
                 return task
         mbs = self.steps.get(self.step, {})
         ok = (lambda mb: self._local_bwd_ok(mbs[mb], wid)) if self.local and not self.is_last else None
+        if not open_ok and ok is None:
+            return None
         mb, direction = None, pb.FWD
-        for kind in pick_order(self.is_last):
+        for kind in pick_order(self.is_last) if open_ok else ("grad",):
             if kind == "fwd":
                 mb = self.todo.pick(self.step, "fwd", lambda mb: mb in mbs and mbs[mb].fwd == "todo")
                 direction = pb.FWD
@@ -869,9 +890,16 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         asked_at = (self.version, self.epoch)  # a commit meanwhile answers an idle worker at once (it pulls)
         if not ahead:
             self.idle_asking[wid] = self.idle_asking.get(wid, 0) + 1
+        yield_until = None  # a request leaves open tasks to faster idle workers for one own task time at most
         try:
             while True:
-                task = self._pick(wid) if self._may_grant(wid, ahead, session) else None
+                open_ok = True
+                if not ahead and info.ewma_s is not None and self._yields(wid):
+                    now = time.monotonic()
+                    if yield_until is None:
+                        yield_until = now + info.ewma_s
+                    open_ok = now >= yield_until
+                task = self._pick(wid, open_ok) if self._may_grant(wid, ahead, session) else None
                 if task is None and session and not ahead and self._take_back_for(wid):
                     task = self._pick(wid)
                 if task is not None and session:
@@ -884,7 +912,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
                 if on_wait is not None:
                     on_wait()
                     on_wait = None
-                await self.cond.wait(deadline - time.monotonic())
+                await self.cond.wait((deadline if open_ok else min(deadline, yield_until)) - time.monotonic())
         finally:
             if not ahead:
                 self.idle_asking[wid] -= 1
