@@ -218,10 +218,14 @@ def test_the_drift_test_makes_a_biased_worker_a_suspect_before_the_last_step(tmp
         counted = [int(n) for n in re.findall(r'drift after step \d+: \{[^}]*-w1": \[[-\d.]+, (\d+)\]',
                                               _server_logs(out))]
         early = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "ban" and e["step"] < RUN["steps"] - 1]
+        if early and early[0]["why"].startswith("redundant computation"):
+            # w1 checked a newcomer's early push (a worker's first pushes are all drawn) and lied
+            # there: caught, but not by the drift test this is about (a run on a loaded box).
+            continue
         if early or max(counted, default=0) >= RUN["steps"] - 2:
             break
     else:
-        pytest.fail("w1 and another worker pushed in the same step too rarely in 4 runs")
+        pytest.fail("w1 and another worker pushed in the same step too rarely in 4 runs (or w1 was caught as a checker)")
     bans = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "ban"]
     assert [b["device"] for b in bans] == ["w1"] and bans[0]["step"] < RUN["steps"] - 1, bans
     assert "differs from the recomputed one" in bans[0]["why"]

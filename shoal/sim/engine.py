@@ -453,9 +453,13 @@ class Simulator:
 
     @staticmethod
     def _fastest_waiting(st: Stage) -> str:
-        """The parked worker an open task goes to: the oldest request of a worker that no parked
-        worker beats by ``FASTER_BY`` in measured task time (the runtime's
-        :func:`shoal.runtime.pool.pool.leave_to_faster`; one not measured yet never yields)."""
+        """The parked worker an open task goes to. In a one-stage pipeline: the oldest request of
+        a worker that no parked worker beats by ``FASTER_BY`` in measured task time (the
+        runtime's :func:`shoal.runtime.pool.pool.leave_to_faster`; one not measured yet never
+        yields). In a deeper pipeline, where tasks come one at a time, the oldest request (the
+        cost model's idle queue serves parked requests in turn)."""
+        if st.prv is not None or st.nxt is not None:
+            return next(iter(st.waiting))
         known = [w.task_s for w in st.waiting.values() if w.task_s is not None]
         if not known:
             return next(iter(st.waiting))

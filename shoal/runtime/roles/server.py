@@ -765,8 +765,11 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         return n + (t.grad.get("todo", 0) if self.is_last or not self.local else 0)
 
     def _yields(self, wid: str) -> bool:
-        """Whether idle ``wid`` leaves the open tasks to faster idle workers now (:func:`leave_to_faster`)."""
-        if len(self.idle_asking) < 2:
+        """Whether idle ``wid`` leaves the open tasks to faster idle workers now (:func:`leave_to_faster`):
+        only in a one-stage pipeline, where every task of a step is open when it starts; a deeper
+        pipeline's tasks come one at a time and go to the workers asking, in turn (the cost
+        model's idle queue, ``shoal.plan.cost.idle_queue_wait``)."""
+        if not (self.is_first and self.is_last) or len(self.idle_asking) < 2:
             return False
         idle = {w: (self.workers[w].ewma_s if w in self.workers else None) for w in self.idle_asking}
         return leave_to_faster(idle, wid, self._open_tasks())
