@@ -15,6 +15,7 @@ from shoal.plan.cost import (
     CostOptions,
     _late_latency,
     expected_max_residual,
+    flush_time,
     granular_pipeline_time,
     idle_queue_wait,
     list_schedule_curve,
@@ -130,12 +131,16 @@ def test_exact_policy_with_explicit_none_codecs_is_the_default():
     assert same == base
 
 
-def test_local_h1_without_overlap_costs_what_exact_sync_costs():
+def test_local_h1_without_overlap_costs_exact_sync_plus_the_flush():
+    """The same bytes and latencies as exact sync's push and pull, and before them the step's
+    flush: every worker takes its inner step and says so (two latencies, cost.flush_time)."""
     s = hand(1)
     exact = predict(one_stage(SyncPolicy()), s)
     loc = predict(one_stage(local(1, overlap=False)), s)
+    costs = stage_costs(one_stage(local(1, overlap=False)), s)
+    assert flush_time(costs) == pytest.approx(2 * max(c.round_latency for c in costs)) and flush_time(costs) > 0
     assert loc["sync_s"] == pytest.approx(exact["sync_s"])
-    assert loc["step_time_s"] == pytest.approx(exact["step_time_s"])
+    assert loc["step_time_s"] == pytest.approx(exact["step_time_s"] + flush_time(costs))
 
 
 def test_local_round_by_hand_and_its_amortisation():
@@ -254,7 +259,7 @@ def test_local_two_stage_prediction_is_assembled_from_the_formulas():
     o = 1 - b
     other = (8 - 3 / 2) / xs[b] + expected_max_residual(lands[o]) + fill - costs[o].latency + costs[o].task_handling
     got = predict(p, s)
-    assert got["pipeline_s"] == pytest.approx(max(tail, floor, pinned, other))
+    assert got["pipeline_s"] == pytest.approx(max(tail, floor, pinned, other) + flush_time(costs))
     assert pinned > max(tail, floor, other)  # the pinned drain is what sets this plan's step
 
 
@@ -299,7 +304,7 @@ def test_single_stage_local_prediction_follows_the_greedy_schedule():
         sub = replica_plan(plan, replace(rep, micro_batches=m))
         one = replace(s, workload=replace(s.workload, global_batch=m))
         c = stage_costs(sub, one)[0]
-        want = list_schedule_end(m, list(c.task_times.values()), _landing_times(c)) + c.task_handling
+        want = list_schedule_end(m, list(c.task_times.values()), _landing_times(c)) + c.task_handling + flush_time([c])
         assert predict(sub, one)["pipeline_s"] == pytest.approx(want)
         short = replace(sub, sync=replace(sub.sync, sync_every=2, grad_compression=sub.sync.grad_compression * 2 / 32))
         res = simulate(short, one, steps=2, churn=False, seed=0)

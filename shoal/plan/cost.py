@@ -1181,6 +1181,14 @@ def _late_latency(cost: StageCost, m: int, draws: int) -> float:
     return cost.latency - used[0][0] + e
 
 
+def flush_time(costs: list[StageCost]) -> float:
+    """Local mode's step end after the last task (pure): the server tells every worker holding
+    gradients of the step to take its inner optimizer step (the flush, on its lease reply) and
+    closes the step when each has said it did, two one-way latencies to the farthest worker;
+    the stages flush side by side."""
+    return max((2.0 * c.round_latency for c in costs), default=0.0)
+
+
 def _pipeline_terms(costs: list[StageCost], m: int, local: bool) -> tuple[float, float, int, float, float]:
     """``(pipeline s, fill s, bottleneck stage, granular floor, local-mode correction)`` of one
     pipeline of ``m`` micro-batches per step from its stages' costs (see :func:`predict`)."""
@@ -1215,6 +1223,7 @@ def _pipeline_terms(costs: list[StageCost], m: int, local: bool) -> tuple[float,
             late = sum(_late_latency(c, m, draws) for c in costs[i + 1:])
             pipe = max(pipe, pinned_pipeline_time(m, xs[b], _landing_times(costs[i]), rt,
                                                   costs[i].fwd_share, before) + late - rt)
+        pipe += flush_time(costs)
         adjust = pipe - fluid
     return pipe, fill, b, floor, adjust
 

@@ -562,8 +562,8 @@ class Simulator:
         if st.phase != 0:
             return
         st.t_drained = self.now - self.step_start
-        if self.local or not self._sync_step():
-            # local steps: gradients stay on the workers (counted as applied there)
+        if not self.local and not self._sync_step():
+            # gradients that stay on the workers (counted as applied there)
             for mbs in st.contrib.values():
                 for m in mbs:
                     st.grad_count[m] = st.grad_count.get(m, 0) + 1
@@ -571,6 +571,10 @@ class Simulator:
             st.contrib = {}
             self._maybe_apply(st)
             return
+        # Exact sync: every worker holding gradients of the step pushes them. Local mode: the
+        # flush tells each of them to take its inner optimizer step, and the step closes when
+        # every one has said it did (the runtime's flush and local-done round trip: no bytes,
+        # two latencies).
         for wid, mbs in st.contrib.items():
             if mbs and wid not in st.asked:
                 w = self.workers[wid]
@@ -807,13 +811,13 @@ class Simulator:
             st = self.stages[s]
             mbs = frozenset(st.contrib.get(w.id, ()))
             if mbs:
-                self._send(w.id, st.host.id, st.param_wire, M_PUSH, (w, s, self.step, mbs), w)
+                self._send(w.id, st.host.id, 0 if self.local else st.param_wire, M_PUSH, (w, s, self.step, mbs), w)
         elif kind == M_PUSH:
             w, s, step, mbs = p
             st = self.stages[s]
             if step != self.step:
                 return
-            if not charged and w.id != st.host.id and \
+            if not charged and not self.local and w.id != st.host.id and \
                     self._server_cpu(st.host.id, self.fw_cpu.server_sync_s, kind, p):
                 return  # the server handles a remote push (and its pull) on its cores
             c = st.contrib.get(w.id)
