@@ -1202,8 +1202,12 @@ def _pipeline_terms(costs: list[StageCost], m: int, local: bool) -> tuple[float,
         fluid = pipe
         # the step ends once the last task's result is handled: its server's CPU comes after the tail;
         # a worker's last output lands behind its overlapped uploads (upload_backlog)
-        if len(costs) == 1:  # every task's input is there at the start: the greedy schedule itself
+        if len(costs) == 1:  # every task's input is there at the start: the greedy schedule itself,
+            # unless the pool's throughput is capped below its workers' (the server host's CPU,
+            # server_cpu_caps), which the per-worker schedule does not see
             tail = list_schedule_end(m, list(costs[0].task_times.values()), _landing_times(costs[0]))
+            if costs[0].uncapped > xs[0] * (1 + 1e-9):
+                tail = max(tail, tail_pipeline_time(m, _landing_times(costs[b]), xs[b], fill, costs[b].latency))
         else:
             tail = tail_pipeline_time(m, _landing_times(costs[b]), xs[b], fill, costs[b].latency)
         pipe = max(tail + costs[b].task_handling, floor)
