@@ -364,17 +364,23 @@ def test_tern_sr_and_quad_bad_inputs_and_payloads():
             decode_tensor(frame, shape=(4, 128), dtype="float32")
 
 
-def test_spec_allows_quad_for_activations_and_tern_sr_for_their_gradients_only():
-    assert parse_codec("quad", "act") == "quad" and parse_codec("quad", "grad") == "quad"
-    assert parse_codec("tern-sr", "grad") == "tern-sr"
+def _act_and_grad_only(act: str, grad: str) -> None:
+    """``act`` serves activations and their gradients, ``grad`` only the gradients; neither
+    pushes nor pulls."""
+    assert parse_codec(act, "act") == act and parse_codec(act, "grad") == act
+    assert parse_codec(grad, "grad") == grad
     with pytest.raises(ShoalError, match="for activations use tern, quad or oct"):
-        parse_codec("tern-sr", "act")
-    for codec in ("tern-sr", "quad"):
+        parse_codec(grad, "act")
+    for codec in (act, grad):
         for kind in ("push", "pull"):
             with pytest.raises(ShoalError, match="activations"):
                 parse_codec(codec, kind)
-    spec = parse_compression("act=quad,grad=tern-sr")
-    assert (spec["act"], spec["grad"], spec["push"]) == ("quad", "tern-sr", "none")
+    spec = parse_compression(f"act={act},grad={grad}")
+    assert (spec["act"], spec["grad"], spec["push"]) == (act, grad, "none")
+
+
+def test_spec_allows_quad_for_activations_and_tern_sr_for_their_gradients_only():
+    _act_and_grad_only("quad", "tern-sr")
     # --sync auto: the fewest bytes per kind, and at equal bytes the unbiased gradient
     from shoal.plan.auto import QualityBudget, parse_allowed_codecs
 
@@ -545,16 +551,7 @@ def test_oct_and_tern_dither_bad_inputs_and_payloads():
 
 
 def test_spec_allows_oct_for_activations_and_tern_dither_for_their_gradients_only():
-    assert parse_codec("oct", "act") == "oct" and parse_codec("oct", "grad") == "oct"
-    assert parse_codec("tern-dither", "grad") == "tern-dither"
-    with pytest.raises(ShoalError, match="for activations use tern, quad or oct"):
-        parse_codec("tern-dither", "act")
-    for codec in ("oct", "tern-dither"):
-        for kind in ("push", "pull"):
-            with pytest.raises(ShoalError, match="activations"):
-                parse_codec(codec, kind)
-    spec = parse_compression("act=oct,grad=tern-dither")
-    assert (spec["act"], spec["grad"], spec["push"]) == ("oct", "tern-dither", "none")
+    _act_and_grad_only("oct", "tern-dither")
     from shoal.plan.auto import QualityBudget, parse_allowed_codecs
 
     b = QualityBudget(codecs=parse_allowed_codecs("none,oct,tern-dither"))

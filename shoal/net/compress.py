@@ -616,6 +616,18 @@ def _uniform24(key: int, x: np.ndarray, n: int) -> torch.Tensor:
     return torch.from_numpy((z >> np.uint64(40)).astype(np.int32))
 
 
+
+def _bf16_level_up(top: torch.Tensor, codec: str, headroom: float) -> torch.Tensor:
+    """Blocks' largest ``|r|`` rounded up to bf16 (one step of its last bit where bf16 rounded
+    down), so that no coordinate exceeds its block's level; a level whose ``headroom`` multiple
+    overflows is refused in one line (the encoder's arithmetic needs that room)."""
+    level16 = top.to(torch.bfloat16)
+    if not bool(torch.isfinite(level16.to(torch.float32) * headroom).all()):
+        raise CodecError(f"{codec}: the tensor's values (near the float32 limit) overflow its rotation or the "
+                         "bf16 range of a block level; use the int8 or raw codec for this tensor")
+    up = level16.to(torch.float32) < top
+    return torch.where(up, (level16.view(torch.int16) + 1).view(torch.bfloat16), level16)
+
 def _tern_sr_encode(x: np.ndarray, key: int) -> bytes:
     """The ``tern-sr`` payload of the flat float32 array ``x``: ``tern``'s rotation and format, each
     coordinate rounded at random to 0 or to the block's level (its largest ``|r|``, rounded up to
@@ -625,14 +637,7 @@ def _tern_sr_encode(x: np.ndarray, key: int) -> bytes:
         return b""
     nb, r = _rotated_blocks(x)
     absr = r.abs()
-    top = absr.amax(dim=1)
-    level16 = top.to(torch.bfloat16)
-    if not bool(torch.isfinite(level16.to(torch.float32) * 2).all()):
-        raise CodecError("tern-sr: the tensor's values (near the float32 limit) overflow its rotation or the "
-                         "bf16 range of a block level; use the int8 or raw codec for this tensor")
-    # round the level up to bf16 (one step of its last bit), so that every |r| / level is <= 1
-    up = level16.to(torch.float32) < top
-    level16 = torch.where(up, (level16.view(torch.int16) + 1).view(torch.bfloat16), level16)
+    level16 = _bf16_level_up(absr.amax(dim=1), "tern-sr", 2)  # every |r| / level <= 1
     level = level16.to(torch.float32)
     prob = absr / torch.where(level > 0, level, torch.ones_like(level))[:, None]  # in [0, 1]
     u = _uniform24(key, x, nb * TERN_BLOCK).view(nb, TERN_BLOCK).to(torch.float32)  # exact: below 2^24
@@ -773,15 +778,9 @@ def _tern_dither_encode(x: np.ndarray, key: int) -> bytes:
     seed = sr_key(key, zlib.crc32(x.tobytes()))
     nb, r = _rotated_blocks(x)
     kept = torch.gather(r, 1, _td_positions(seed, nb))
-    top = kept.abs().amax(dim=1)
-    level16 = top.to(torch.bfloat16)
-    if not bool(torch.isfinite(level16.to(torch.float32) * 4).all()):
-        raise CodecError("tern-dither: the tensor's values (near the float32 limit) overflow its rotation or "
-                         "the bf16 range of a block level; use the int8 or raw codec for this tensor")
-    # round the level up to bf16 (one step of its last bit), so that every |r| <= a: r + u stays
-    # inside (-1.5 a, 1.5 a), where rounding to {-a, 0, a} with the dither subtracted is unbiased
-    up = level16.to(torch.float32) < top
-    level16 = torch.where(up, (level16.view(torch.int16) + 1).view(torch.bfloat16), level16)
+    # every |r| <= a: r + u stays inside (-1.5 a, 1.5 a), where rounding to {-a, 0, a} with the
+    # dither subtracted is unbiased
+    level16 = _bf16_level_up(kept.abs().amax(dim=1), "tern-dither", 4)
     level = level16.to(torch.float32)
     safe = torch.where(level > 0, level, torch.ones_like(level))[:, None]
     t = torch.clamp(torch.floor((kept + _td_dither(seed, level)) / safe + 0.5), -1, 1)
