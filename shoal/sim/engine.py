@@ -38,7 +38,13 @@ from shoal.errors import ShoalError
 from shoal.model.config import get_preset
 from shoal.model.profile import profile_model
 from shoal.plan.compression import wire_ratio
-from shoal.plan.cost import SYNC_CHUNK_MIN, SYNC_CHUNK_S, coordinator_floor, coordinator_members
+from shoal.plan.cost import (
+    FASTER_BY,
+    SYNC_CHUNK_MIN,
+    SYNC_CHUNK_S,
+    coordinator_floor,
+    coordinator_members,
+)
 from shoal.plan.standby import state_bytes, step_log_bytes
 from shoal.plan.types import Plan, Replica, Scenario, StagePlan
 from shoal.plan.validate import validate_plan
@@ -186,11 +192,6 @@ class Stage:
         self.fwd_pool.clear()
         self.orphans.clear()
         self.own.clear()
-
-
-# A slower parked worker leaves an open task to one this much faster (the runtime's
-# shoal.runtime.pool.pool.FASTER_BY; the simulator never imports the runtime).
-FASTER_BY = 1.25
 
 
 def _ewma(prev: float | None, x: float, alpha: float = 0.3) -> float:

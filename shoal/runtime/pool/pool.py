@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shoal.net import shoal_pb2 as pb
+from shoal.plan.cost import FASTER_BY
 
 
 class StepTally:
@@ -216,12 +217,6 @@ def yield_to_idle(idle_asking: dict[str, int], wid: str) -> bool:
     one whose own request waits while it has nothing to do (``idle_asking``: worker -> such
     parked requests)."""
     return any(n > 0 for w, n in idle_asking.items() if w != wid)
-
-
-# How much faster (task time) an idle worker must be for a slower one to leave it an open task:
-# workers of about one speed (measurement noise) keep first-come order, so their tasks stay
-# spread over them (redundant checks and the drift test compare workers that share steps).
-FASTER_BY = 1.25
 
 
 def leave_to_faster(idle_task_s: dict[str, float | None], wid: str, free: int) -> bool:
