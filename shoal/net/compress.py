@@ -555,14 +555,18 @@ def _rotated_blocks(x: np.ndarray) -> tuple[int, torch.Tensor]:
     return nb, _fwht(padded.view(nb, TERN_BLOCK) * _TERN_SIGNS)
 
 
+def _rotated_rms(x: np.ndarray) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_rotated_blocks` with each coordinate's magnitude and each block's RMS (a column),
+    what ``tern`` and ``oct`` set their thresholds by."""
+    nb, r = _rotated_blocks(x)
+    return nb, r, r.abs(), r.square().mean(dim=1, keepdim=True).sqrt()
+
+
 def _tern_encode(x: np.ndarray) -> bytes:
     """The ``tern`` payload of the flat float32 array ``x``."""
-    n = x.size
-    if n == 0:
+    if x.size == 0:
         return b""
-    nb, r = _rotated_blocks(x)
-    absr = r.abs()
-    rms = r.square().mean(dim=1, keepdim=True).sqrt()
+    nb, r, absr, rms = _rotated_rms(x)
     keep = absr > TERN_THRESHOLD * rms
     cnt = keep.sum(dim=1)
     level = torch.where(keep, absr, torch.zeros_like(absr)).sum(dim=1) / cnt.clamp_min(1)
@@ -608,12 +612,15 @@ def sr_key(*parts: int) -> int:
     return int(k)
 
 
+def _data_seed(key: int, x: np.ndarray) -> int:
+    """The draw seed of a stochastic codec: ``key`` and a checksum of ``x``'s bytes (read in place)."""
+    return sr_key(key, zlib.crc32(np.ascontiguousarray(x)))
+
+
 def _uniform24(key: int, x: np.ndarray, n: int) -> torch.Tensor:
     """``n`` integers uniform in [0, 2^24), fixed by ``key`` and the bytes of ``x``: SplitMix64 of a
-    counter, so every machine draws the same ones without a random generator's version."""
-    seed = sr_key(key, zlib.crc32(x.tobytes()))
-    z = _splitmix64(np.arange(n, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(seed))
-    return torch.from_numpy((z >> np.uint64(40)).astype(np.int32))
+    counter (:func:`_draws`), so every machine draws the same ones without a random generator's version."""
+    return torch.from_numpy((_draws(_data_seed(key, x), 0, n) >> np.uint64(40)).astype(np.int32))
 
 
 
@@ -711,12 +718,9 @@ def _oct_encode(x: np.ndarray) -> bytes:
     """The ``oct`` payload of the flat float32 array ``x``: per rotated block one bf16 scale, then a
     3-bit code per coordinate (bits 0-1: magnitude level, bit 2: negative), packed little-endian
     bit after bit (eight codes in three bytes)."""
-    n = x.size
-    if n == 0:
+    if x.size == 0:
         return b""
-    nb, r = _rotated_blocks(x)
-    absr = r.abs()
-    rms = r.square().mean(dim=1, keepdim=True).sqrt()
+    nb, r, absr, rms = _rotated_rms(x)
     mag = torch.zeros_like(absr, dtype=torch.uint8)
     for t in OCT_THRESHOLDS:
         mag += (absr > t * rms).to(torch.uint8)
@@ -775,7 +779,7 @@ def _tern_dither_encode(x: np.ndarray, key: int) -> bytes:
     n = x.size
     if n == 0:
         return b""
-    seed = sr_key(key, zlib.crc32(x.tobytes()))
+    seed = _data_seed(key, x)
     nb, r = _rotated_blocks(x)
     kept = torch.gather(r, 1, _td_positions(seed, nb))
     # every |r| <= a: r + u stays inside (-1.5 a, 1.5 a), where rounding to {-a, 0, a} with the
