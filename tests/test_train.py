@@ -127,23 +127,30 @@ def test_loss_falls_on_default_corpus(tmp_path, cache_dir):
 @pytest.mark.integration
 @pytest.mark.timeout(180)
 def test_resume_in_new_processes_is_exact(tmp_path, cache_dir):
+    # Both sides run as a user runs them (`shoal train --local` in a process of its own): the
+    # uninterrupted run, and one stopped after step n and resumed in a new process. On a
+    # difference the message gives both runs' per-step loss and gradient norm, so it names
+    # the first step that differs.
     n = 3
-    full = train_local(_cfg(tmp_path / "a", cache_dir, steps=2 * n), quiet=True)
-    out = tmp_path / "b" / "run"
     common = ["train", "--local", "--model", "tiny", "--steps", str(2 * n), "--micro-batches", "2",
               "--micro-batch-size", "2", "--seq-len", "32", "--eval-every", "3", "--eval-batches", "2",
               "--warmup", "2", "--cache-dir", cache_dir, "--quiet"]
+    ref, out = tmp_path / "a" / "run", tmp_path / "b" / "run"
+    full = _cli(*common, "--out", str(ref))
+    assert full.returncode == 0, full.stderr
     first = _cli(*common, "--out", str(out), "--stop-after", str(n))
     assert first.returncode == 0, first.stderr
     assert load_checkpoint(out / "checkpoint").state["step"] == n
     second = _cli("train", "--local", "--resume", str(out), "--quiet")
     assert second.returncode == 0, second.stderr
+    want, got = read_jsonl(ref / "metrics.jsonl"), read_jsonl(out / "metrics.jsonl")
+    table = [(r["step"], r["loss"], q["loss"], r["grad_norm"], q["grad_norm"]) for r, q in zip(want, got, strict=False)]
+    assert [r["step"] for r in got] == list(range(2 * n))
+    assert [(r["loss"], r["grad_norm"]) for r in got] == [(r["loss"], r["grad_norm"]) for r in want], table
+    expect = load_file(str(ref / "checkpoint/model.safetensors"))
     weights = load_file(str(out / "checkpoint/model.safetensors"))
-    for name, p in full.model.named_parameters():
-        torch.testing.assert_close(weights[name], p.detach(), rtol=0, atol=1e-6, msg=name)
-    resumed = read_jsonl(out / "metrics.jsonl")
-    assert [r["step"] for r in resumed] == list(range(2 * n))
-    assert [r["loss"] for r in resumed] == [r["loss"] for r in full.records]
+    assert expect.keys() == weights.keys()
+    assert [k for k in expect if not torch.equal(expect[k], weights[k])] == [], table
 
 
 def test_resume_config_rejects_changed_math(short_run):
