@@ -652,3 +652,20 @@ def test_overlapped_round_shares_the_server_links_with_the_pipeline():
         heavy = predict(p, s)["pipeline_s"]
         light = predict(replace(p, sync=replace(pol, grad_compression=pol.grad_compression * 1e-6)), s)["pipeline_s"]
         assert (heavy > 1.05 * light) if slower else heavy == pytest.approx(light, rel=1e-9), (overlap, heavy, light)
+
+
+def test_replica_split_curves_are_the_pipelines_predict_prices():
+    # rebalance splits M along pipeline_curves: a replica's curve at its share is the pipeline
+    # _pipeline_terms prices for it (the server's handling and the flush included)
+    from shoal.plan.cost import _pipeline_terms, replica_plan, server_cpu_caps
+    from shoal.plan.replicas import pipeline_curves
+
+    s = load_scenario("gaming-world")
+    pol = local(32, "act=int8,grad=int8,push=sparse,pull=sparse", overlap=True)
+    plan = make_plan(s, sync=pol, replicas=True)
+    most = [r.micro_batches for r in plan.replicas]
+    curves = pipeline_curves(plan, s, None, most)
+    for r, cap, curve in zip(plan.replicas, server_cpu_caps(plan, s), curves, strict=True):
+        costs = stage_costs(replica_plan(plan, r), s, None, None, cap)
+        m = r.micro_batches
+        assert curve[m - 1] == pytest.approx(_pipeline_terms(costs, m, True)[0])

@@ -38,6 +38,7 @@ from shoal.plan.cost import (
     CostOptions,
     _landing_times,
     _pipeline_terms,
+    flush_time,
     list_schedule_curve,
     predict,
     replica_plan,
@@ -311,13 +312,16 @@ def pipeline_curves(plan: Plan, scenario: Scenario, options: CostOptions | None,
     """Per replica of ``plan``, its predicted pipeline with ``m = 1 .. most[r]`` micro-batches (made
     nondecreasing), from its stage costs at its current share: a single-stage replica's greedy
     schedule (:func:`shoal.plan.cost.list_schedule_curve`) plus the server's handling of the last
-    result, a deeper one's :func:`shoal.plan.cost._pipeline_terms` at each ``m``."""
+    result and the flush, as :func:`shoal.plan.cost._pipeline_terms` prices it, which a deeper
+    (or CPU-capped) one takes at each ``m``."""
     out = []
     for r, cap, hi in zip(plan.replicas, server_cpu_caps(plan, scenario), most, strict=True):
         costs = stage_costs(replica_plan(plan, r), scenario, options, None, cap)
-        if len(costs) == 1:
-            c = costs[0]
-            curve = [e + c.task_handling for e in list_schedule_curve(list(c.task_times.values()), _landing_times(c), hi)]
+        c = costs[0]
+        if len(costs) == 1 and c.uncapped <= c.throughput * (1 + 1e-9):
+            # _pipeline_terms' one-stage end at every m at once (a CPU-capped pool takes the general path)
+            tail = c.task_handling + flush_time(costs)
+            curve = [e + tail for e in list_schedule_curve(list(c.task_times.values()), _landing_times(c), hi)]
         else:
             curve = [_pipeline_terms(costs, m, True)[0] for m in range(1, hi + 1)]
         for i in range(1, len(curve)):
