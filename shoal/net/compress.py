@@ -110,7 +110,7 @@ from shoal.errors import ShoalError
 
 CODECS = ("raw", "fp16", "int8")  # dense codecs (any traffic kind)
 SPARSE_CODECS = ("topk-int8", "sparse")  # sparse codecs (pushes and pulls with error feedback only)
-ACT_CODECS = ("tern", "tern-sr", "quad", "oct", "tern-dither")  # low-bit dense codecs for activations and their gradients
+ACT_CODECS = ("tern", "tern-sr", "quad", "oct", "quad-pc", "tern-dither")  # low-bit dense codecs for activations and their gradients
 ALL_CODECS = CODECS + SPARSE_CODECS + ACT_CODECS  # every codec name a frame may carry
 # The sparse codec's shape is the planner's (it charges these very bytes): one definition.
 TOPK_DENSITY = _plan.TOPK_DENSITY  # fraction of entries topk-int8 keeps without a :density
@@ -128,6 +128,7 @@ QUAD_LEVELS = (0.4528, 1.510)  # quad: inner and outer level in units of the blo
 OCT_THRESHOLDS = (0.5006, 1.050, 1.748)
 OCT_LEVELS = (0.2451, 0.7560, 1.344, 2.152)
 TD_KEPT = _plan.TD_KEPT  # tern-dither: rotated coordinates kept per block of TERN_BLOCK
+PC_RANK = _plan.PC_RANK  # quad-pc: principal directions sent per tensor
 TD_SEED_BYTES = _plan.TD_SEED_BYTES  # tern-dither: the 64-bit draw seed that opens its payload
 DEFAULT_BLOCK = 128  # int8 block size: 3.88x smaller than fp32, error <= absmax/254 per block
 FP16_MAX = 65504.0
@@ -218,9 +219,11 @@ def topk_count(numel: int, density: float) -> int:
     return min(numel, max(1, math.ceil(density * numel))) if numel > 0 else 0
 
 
-def encoded_nbytes(codec: str, numel: int, block: int = DEFAULT_BLOCK, k: int | None = None) -> int:
+def encoded_nbytes(codec: str, numel: int, block: int = DEFAULT_BLOCK, k: int | None = None,
+                   channels: int | None = None) -> int:
     """Exact payload size in bytes of a tensor of ``numel`` elements under ``codec``
-    (top-k: ``k`` kept entries, default from the codec's density)."""
+    (top-k: ``k`` kept entries, default from the codec's density; ``quad-pc``: ``channels``, the
+    tensor's :func:`channel_count`, which its size depends on)."""
     _check_codec(codec, block)
     name, density = split_codec(codec)
     if name == "raw":
@@ -233,9 +236,22 @@ def encoded_nbytes(codec: str, numel: int, block: int = DEFAULT_BLOCK, k: int | 
     if name == "sparse":
         _, bits = sparse_params(codec)
         return sparse_nbytes(numel, sparse_kept(density) if k is None else k, bits)
+    if name == "quad-pc":
+        if channels is None:
+            raise CodecError("quad-pc's size depends on the tensor's channel count (its last dimension): pass channels")
+        try:
+            return _plan.act_nbytes(name, numel, channels)
+        except ShoalError as e:
+            raise CodecError(str(e)) from None
     if name in ACT_CODECS:
         return _plan.act_nbytes(name, numel)
     return numel + 4 * _n_blocks(numel, block)
+
+
+def channel_count(shape: tuple[int, ...] | list[int] | torch.Size) -> int:
+    """The channels ``quad-pc`` describes a tensor by of ``shape``: its last dimension (the model
+    dimension of a ``(B, T, d)`` activation); a tensor of fewer than two dimensions is one channel."""
+    return int(shape[-1]) if len(shape) >= 2 and int(shape[-1]) > 0 else 1
 
 
 def wire_fraction(codec: str, block: int = DEFAULT_BLOCK) -> float:
@@ -247,7 +263,7 @@ def wire_fraction(codec: str, block: int = DEFAULT_BLOCK) -> float:
     if name == "sparse":
         _, bits = sparse_params(codec)
         return (sparse_kept(density) * (SPARSE_INDEX_BITS + bits) / 8 + 2) / SPARSE_CHUNK / 4
-    if name in ACT_CODECS:
+    if name in ACT_CODECS:  # quad-pc: the planner's rate (quad and 128-channel coefficients)
         return _plan.bytes_per_element(name, 4) / 4
     return {"raw": 1.0, "fp16": 0.5}.get(name, (1 + 4 / block) / 4)
 
@@ -283,6 +299,7 @@ def encode(
     codec or an unsupported dtype.
     """
     _check_codec(codec, block)
+    channels = channel_count(tensor.shape) if isinstance(tensor, (torch.Tensor, np.ndarray)) else 1
     x = _as_float32(tensor)
     if not np.isfinite(x).all():
         bad = int((~np.isfinite(x)).sum())
@@ -309,6 +326,8 @@ def encode(
         return _quad_encode(x), meta
     if name == "oct":
         return _oct_encode(x), meta
+    if name == "quad-pc":
+        return _quad_pc_encode(x, channels), meta
     if name == "tern-dither":
         return _tern_dither_encode(x, key), meta
     if name == "sparse":
@@ -384,7 +403,7 @@ def decode(
         k = meta.get("k")
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= numel:
             raise CodecError(f"topk-int8 payload keeps {k!r} entries; expected an integer in [0, {numel}]")
-    expected = encoded_nbytes(codec, numel, block, k)
+    expected = encoded_nbytes(codec, numel, block, k, channel_count(shape))
     buf = memoryview(payload).cast("B")
     if len(buf) != expected:
         raise CodecError(
@@ -400,6 +419,8 @@ def decode(
         return _quad_decode(buf, numel).reshape(shape).to(dt)
     elif codec == "oct":
         return _oct_decode(buf, numel).reshape(shape).to(dt)
+    elif codec == "quad-pc":
+        return _quad_pc_decode(buf, numel, channel_count(shape)).reshape(shape).to(dt)
     elif codec == "tern-dither":
         return _tern_dither_decode(buf, numel).reshape(shape).to(dt)
     elif codec in ("tern", "tern-sr"):  # one payload format, they differ in the encoder only
@@ -747,6 +768,77 @@ def _oct_decode(buf: memoryview, numel: int) -> torch.Tensor:
     mag = np.array(OCT_LEVELS, dtype=np.float32)[code & 3]
     vals = np.where(code & 4, -mag, mag).reshape(nb, G)
     return _unrotate(torch.from_numpy(vals) * torch.from_numpy(scales)[:, None], numel)
+
+
+def _pc_low_rank(coef: torch.Tensor, dirs: torch.Tensor) -> torch.Tensor:
+    """``coef @ dirs`` as one multiply-add per direction in a fixed order (elementwise float32
+    operations, so that every machine decodes the same bits, as the rotation's butterflies do)."""
+    out = torch.zeros(coef.shape[0], dirs.shape[1])
+    for j in range(dirs.shape[0]):
+        out += coef[:, j:j + 1] * dirs[j]
+    return out
+
+
+def _pc_directions(xc: torch.Tensor, k: int) -> torch.Tensor:
+    """``k`` orthonormal directions (rows, over the channels) close to the top principal
+    directions of the centred rows ``xc``: a few steps of subspace iteration from a fixed start,
+    then the best ``k`` of that subspace. The decoder only reads what is sent, so any directions
+    decode correctly; better ones leave less for ``quad``."""
+    R, C = xc.shape
+    m = min(C, k + 4)  # a few spare columns make the iteration converge on the top k
+    top = float(xc.abs().max())
+    if top == 0.0:
+        return torch.zeros(k, C)
+    y = xc / top  # the iteration's products stay far from the float32 range
+    q = torch.linalg.qr(torch.randn(C, m, generator=torch.Generator().manual_seed(0))).Q
+    for _ in range(4):
+        q = torch.linalg.qr(y.T @ (y @ q)).Q
+    b = y @ q
+    _, w = torch.linalg.eigh(b.T @ b)  # ascending
+    d = (q @ w[:, -k:].flip(1)).T.contiguous()
+    return d if bool(torch.isfinite(d).all()) else torch.zeros(k, C)
+
+
+def _quad_pc_encode(x: np.ndarray, channels: int) -> bytes:
+    """The ``quad-pc`` payload of the flat float32 array ``x`` of ``channels`` channels (the
+    fastest varying index): the channel means, ``k`` directions over the channels and each row's
+    ``k`` coefficients on them (bf16, in that order), then the ``quad`` payload of the rest."""
+    if x.size == 0:
+        return b""
+    rows = torch.from_numpy(x).view(-1, channels)
+    k = min(PC_RANK, channels)
+    # float64 sums: a float32 running sum over many rows would lose the means' low bits
+    mean16 = rows.to(torch.float64).mean(dim=0).to(torch.bfloat16)
+    xc = rows - mean16.to(torch.float32)
+    dirs16 = _pc_directions(xc, k).to(torch.bfloat16)
+    dirs = dirs16.to(torch.float32)
+    coef16 = (xc @ dirs.T).to(torch.bfloat16)
+    if not (bool(torch.isfinite(mean16).all()) and bool(torch.isfinite(coef16).all())):
+        raise CodecError("quad-pc: a channel mean or a coefficient overflows bf16; use the int8 or raw codec "
+                         "for this tensor")
+    # what quad sends is measured against the decoder's own reconstruction (rounded coefficients
+    # and directions), so their rounding costs nothing but a larger rest
+    rest = (xc - _pc_low_rank(coef16.to(torch.float32), dirs)).reshape(-1).numpy()
+    side = torch.cat([mean16, dirs16.reshape(-1), coef16.reshape(-1)])
+    return side.view(torch.int16).numpy().astype("<i2", copy=False).tobytes() + _quad_encode(rest)
+
+
+def _quad_pc_decode(buf: memoryview, numel: int, channels: int) -> torch.Tensor:
+    """The float32 tensor of a ``quad-pc`` payload whose length was checked: the ``quad`` part
+    decoded, plus each row's coefficients times the directions, plus the channel means."""
+    if numel == 0:
+        return torch.zeros(0)
+    C, R, k = channels, numel // channels, min(PC_RANK, channels)
+    n_side = C + k * C + k * R
+    side = torch.from_numpy((np.frombuffer(buf[: 2 * n_side], dtype="<u2").astype(np.uint32)
+                             << np.uint32(16)).view(np.float32))
+    if not bool(torch.isfinite(side).all()):
+        raise CodecError("quad-pc payload has a non-finite channel mean, direction or coefficient")
+    mean, dirs, coef = side[:C], side[C:C + k * C].view(k, C), side[C + k * C:].view(R, k)
+    out = _quad_decode(buf[2 * n_side:], numel).view(R, C) + _pc_low_rank(coef, dirs) + mean
+    if not bool(torch.isfinite(out).all()):
+        raise CodecError("quad-pc payload decodes to values beyond the float32 range")
+    return out.reshape(-1)
 
 
 def _draws(seed: int, start: int, n: int) -> np.ndarray:

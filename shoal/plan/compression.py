@@ -39,6 +39,15 @@ Codecs (see ``docs/sync-policies.md``):
   (five per byte), one bf16 level per block and an 8-byte seed per tensor: ``TD_SEED_BYTES + (2 +
   TD_KEPT / 5) n_blocks`` bytes (0.8125 bits per element in a large tensor); grad only.
   ``act=oct,grad=tern-dither`` is 8.13x smaller than bf16.
+* ``quad-pc`` -- activations as ``C`` channel means, ``PC_RANK`` principal directions and ``quad``:
+  a tensor of ``R`` rows of ``C`` channels (its last dimension; fewer than two dimensions: one
+  channel) is sent as its channel means, ``k = min(PC_RANK, C)`` directions over the channels and
+  each row's ``k`` coefficients on them (all bf16), then ``quad`` of what they leave:
+  ``2 C + 2 k C + 2 k R + (2 + TERN_BLOCK / 4) n_blocks`` bytes, 2.125 + 16 / R + 16 k / R +
+  16 k / C bits per element (2.70 at R 1,024, C 128). The planner's per-element rate charges
+  ``quad`` plus the coefficients of a 128-channel tensor (2.625 bits: exact for C 128 on many rows,
+  above the bytes for wider tensors on many rows); act only. ``act=quad-pc,grad=tern-dither`` is
+  3.52 bits at R 1,024, C 128: 9.1x smaller than bf16.
 
 Traffic kinds: ``act`` (activations sent forward), ``grad`` (activation gradients sent
 backward), ``push`` (gradient or pseudo-gradient pushes to the server), ``pull`` (weight pulls
@@ -54,7 +63,8 @@ from shoal.errors import ShoalError
 INT8_BLOCK = 128  # elements per int8 scale (the runtime codec's default block, shoal.net.compress.DEFAULT_BLOCK)
 TOPK_DENSITY = 0.1  # fraction of entries a top-k codec keeps unless the spec says otherwise
 KINDS = ("act", "grad", "push", "pull")  # traffic kinds with their own codec
-CODECS = ("none", "fp16", "int8", "topk-int8", "sparse", "tern", "tern-sr", "quad", "oct", "tern-dither")  # codec names (the sparse ones take arguments)
+CODECS = ("none", "fp16", "int8", "topk-int8", "sparse", "tern", "tern-sr", "quad", "oct", "quad-pc",
+          "tern-dither")  # codec names (the sparse ones take arguments)
 _SPARSE_KINDS = ("push", "pull")  # kinds where a top-k codec is allowed
 SPARSE_CHUNK = 4096  # elements per chunk of the ``sparse`` codec (indices are local to a chunk)
 SPARSE_INDEX_BITS = 12  # bits of one in-chunk index: log2(SPARSE_CHUNK)
@@ -62,7 +72,7 @@ SPARSE_DENSITY = 0.01  # fraction of each chunk ``sparse`` keeps unless the spec
 SPARSE_BITS = 2  # bits per kept value of ``sparse`` unless the spec says otherwise
 SPARSE_BIT_CHOICES = (1, 2, 3, 4, 8)  # value widths the sparse codec can pack
 _ACT_KINDS = ("act", "grad")  # kinds where the activation codecs (ACT_ONLY) are allowed
-ACT_ONLY = ("tern", "tern-sr", "quad", "oct", "tern-dither")  # codecs for activations and their gradients only (no error feedback)
+ACT_ONLY = ("tern", "tern-sr", "quad", "oct", "quad-pc", "tern-dither")  # codecs for activations and their gradients only (no error feedback)
 UNBIASED_FIRST = {"tern-sr": 0, "tern-dither": 0}  # at equal bytes a planner prefers these (rank 0, others 1): unbiased gradients
 TERN_BLOCK = 128  # elements per rotated block of ``tern`` (a power of two: the Walsh-Hadamard size)
 TERN_PER_BYTE = 5  # ternary digits packed in one byte (3^5 = 243 <= 256)
@@ -70,7 +80,8 @@ QUAD_BLOCK_BYTES = TERN_BLOCK // 4  # bytes of one ``quad`` block's 2-bit codes
 OCT_BLOCK_BYTES = 3 * TERN_BLOCK // 8  # bytes of one ``oct`` block's 3-bit codes
 TD_KEPT = 55  # ``tern-dither``: rotated coordinates kept per block (five ternary digits a byte: 11 bytes)
 TD_SEED_BYTES = 8  # ``tern-dither``: the 64-bit seed of its draws, once per tensor
-SR_ONLY = ("tern-sr", "tern-dither")  # stochastic (unbiased) codecs: activation gradients only
+SR_ONLY = ("tern-sr", "tern-dither")
+PC_RANK = 4  # quad-pc: principal directions sent per tensor (the tiny model's residual stream: 99 % of the centred energy)  # stochastic (unbiased) codecs: activation gradients only
 
 
 def tern_nbytes(numel: int) -> int:
@@ -82,14 +93,21 @@ def tern_nbytes(numel: int) -> int:
     return 2 * nb + -(-nb * TERN_BLOCK // TERN_PER_BYTE)
 
 
-def act_nbytes(codec: str, numel: int) -> int:
+def act_nbytes(codec: str, numel: int, channels: int = 1) -> int:
     """Exact payload bytes of an activation codec (``tern``, ``tern-sr``, ``quad``, ``oct``,
-    ``tern-dither``) for ``numel`` elements; ``quad`` and ``oct``: one bf16 scale per block, then its
-    2-bit or 3-bit codes; ``tern-dither``: an 8-byte seed, then per block a bf16 level and 55
-    ternary digits (11 bytes)."""
+    ``quad-pc``, ``tern-dither``) for ``numel`` elements; ``quad`` and ``oct``: one bf16 scale per
+    block, then its 2-bit or 3-bit codes; ``quad-pc``: ``channels`` (the tensor's last dimension; 1
+    for a tensor of fewer than two dimensions) bf16 means, ``k = min(PC_RANK, channels)`` bf16
+    directions of ``channels`` each and ``k`` bf16 coefficients per row, then ``quad``'s bytes;
+    ``tern-dither``: an 8-byte seed, then per block a bf16 level and 55 ternary digits (11 bytes)."""
     if numel <= 0:
         return 0
     nb = -(-numel // TERN_BLOCK)
+    if codec == "quad-pc":
+        if channels < 1 or numel % channels:
+            raise ShoalError(f"quad-pc: {channels} channels do not divide a tensor of {numel} elements")
+        k = min(PC_RANK, channels)
+        return 2 * channels + 2 * k * channels + 2 * k * (numel // channels) + (2 + QUAD_BLOCK_BYTES) * nb
     if codec == "quad":
         return (2 + QUAD_BLOCK_BYTES) * nb
     if codec == "oct":
@@ -207,6 +225,8 @@ def bytes_per_element(codec: str, raw_bytes: int) -> float:
         return (k * (SPARSE_INDEX_BITS + bits) / 8.0 + 2.0) / SPARSE_CHUNK
     if name == "tern-dither":  # a large tensor's rate: the 8-byte seed is once per tensor
         return (act_nbytes(name, 1 << 20) - TD_SEED_BYTES) / (1 << 20)
+    if name == "quad-pc":  # quad, plus the coefficients of a 128-channel tensor (means, directions: per tensor)
+        return act_nbytes("quad", TERN_BLOCK * TERN_PER_BYTE) / (TERN_BLOCK * TERN_PER_BYTE) + 2 * PC_RANK / TERN_BLOCK
     if name in ACT_ONLY:
         return act_nbytes(name, TERN_BLOCK * TERN_PER_BYTE) / (TERN_BLOCK * TERN_PER_BYTE)
     raise ShoalError(f"unknown codec {codec!r}; choose one of: {', '.join(CODECS)}")

@@ -60,6 +60,8 @@ CONFIGS: dict[str, CompressionConfig] = {  # name -> codecs of the four traffic 
     "td-bwd": CompressionConfig("raw", "tern-dither", "raw", "raw"),  # tern-dither gradients only
     "oct-fwd": CompressionConfig("oct", "raw", "raw", "raw"),  # 3-bit activations only
     "oct-sr": CompressionConfig("oct", "tern-sr", "raw", "raw"),  # 3-bit forward, tern-sr back (4.85 bits)
+    "qpc-td": CompressionConfig("quad-pc", "tern-dither", "raw", "raw"),  # means, 4 principal directions and quad forward, tern-dither back
+    "qpc-fwd": CompressionConfig("quad-pc", "raw", "raw", "raw"),  # quad-pc activations only
 }
 
 
