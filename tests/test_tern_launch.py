@@ -1,7 +1,9 @@
-"""``shoal launch --compression tern`` (and ``act=quad,grad=tern-sr``, ``act=oct,grad=tern-dither``) end to end: a real two-stage
+"""``shoal launch --compression tern`` (and ``act=quad,grad=tern-sr``, ``act=oct,grad=tern-dither``,
+``act=quad-pc,grad=tern-dither``) end to end: a real two-stage
 swarm (coordinator, two stage servers, two workers, each its own process) sends every activation
 and activation gradient in its codec's frames, at least 8x fewer bytes than bf16 as its own byte
-counters count them, and still trains like the local trainer."""
+counters count them (``quad-pc``, whose per-tensor part weighs more on these 64-row tensors: 6.8x),
+and still trains like the local trainer."""
 
 from __future__ import annotations
 
@@ -16,13 +18,17 @@ RUN = dict(model="tiny", micro_batches=4, micro_batch_size=2, seq_len=32, seed=0
 
 @pytest.mark.integration
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("compression,codecs,ratio", [("tern", ("tern", "tern"), 16), ("act=quad,grad=tern-sr", ("quad", "tern-sr"), 16),
-                                                      ("act=oct,grad=tern-dither", ("oct", "tern-dither"), 15.5)])
-def test_two_stage_launch_with_tern_activations(tmp_path, compression, codecs, ratio):
+@pytest.mark.parametrize("compression,codecs,ratio,payload_ratio", [
+    ("tern", ("tern", "tern"), 16, 16), ("act=quad,grad=tern-sr", ("quad", "tern-sr"), 16, 16),
+    ("act=oct,grad=tern-dither", ("oct", "tern-dither"), 15.5, 16),
+    # quad-pc's means, directions and coefficients are 1,792 of its 3,968 bytes at 64 rows: 13.6x
+    # below fp32 here (2.70 bits, 18.2x with tern-dither, at the benchmark's 1,024 rows)
+    ("act=quad-pc,grad=tern-dither", ("quad-pc", "tern-dither"), 13, 13.5)])
+def test_two_stage_launch_with_tern_activations(tmp_path, compression, codecs, ratio, payload_ratio):
     """Exact sync, S=2, W=2, 10 steps, ``--compression tern`` (act=tern, grad=tern),
     ``act=quad,grad=tern-sr`` or ``act=oct,grad=tern-dither``. Bounds that can fail: every activation and activation-gradient
     frame, sent by workers and relayed by servers, is in its kind's codec and its payload is
-    exactly ``act_nbytes`` of a (B, T, d) tensor; the payloads of the two kinds together are >= 16x
+    exactly ``act_nbytes`` of a (B, T, d) tensor (d channels); the payloads of the two kinds together are >= 16x
     below fp32 (>= 8x below bf16), and so are the counted bytes, frame headers included (``oct`` with
     ``tern-dither``: payloads 16.2x, >= 15.5x with the 60-80-byte headers of these 8,192-element
     frames, 3 % of their bytes; a real run's frames are larger); pushes and pulls stay
@@ -61,9 +67,10 @@ def test_two_stage_launch_with_tern_activations(tmp_path, compression, codecs, r
         c = by_codec[kind][codec]
         # each frame: the payload plus a header (name, shape, codec, meta: under 70 bytes here) of under 96
         assert c["messages"] > 0
-        assert act_nbytes(codec, numel) * c["messages"] < c["wire"] < (act_nbytes(codec, numel) + 96) * c["messages"]
-        raw, wire, payload = raw + c["raw"], wire + c["wire"], payload + act_nbytes(codec, numel) * c["messages"]
-        print(f"{kind}: {c['messages']} {codec} frames, {c['wire']} bytes (payload {act_nbytes(codec, numel)} each)")
-    assert payload * 16 <= raw and wire * ratio <= raw, (raw, wire, payload)
+        size = act_nbytes(codec, numel, 128)
+        assert size * c["messages"] < c["wire"] < (size + 96) * c["messages"]
+        raw, wire, payload = raw + c["raw"], wire + c["wire"], payload + size * c["messages"]
+        print(f"{kind}: {c['messages']} {codec} frames, {c['wire']} bytes (payload {size} each)")
+    assert payload * payload_ratio <= raw and wire * ratio <= raw, (raw, wire, payload)
     for kind in ("grad_push", "weight_pull"):
         assert set(by_codec[kind]) == {"raw"}, (kind, by_codec[kind])
