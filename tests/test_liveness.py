@@ -261,3 +261,122 @@ def test_a_worker_whose_renewals_say_it_pushes_is_voided_only_once_they_stop(tmp
         assert all(st.grad == "todo" for st in srv.steps[0].values())
 
     asyncio.run(main())
+
+
+def test_a_renewal_stops_saying_pushing_once_the_push_stalls():
+    from shoal.net.stream import SendProgress
+    from shoal.runtime.roles.worker import pushing_report
+
+    p = SendProgress()
+    p.last, p.sent = 100.0, False  # a chunk left at t=100, more to go
+    assert pushing_report(6, p, now=110.0, stall_s=20.0) == 6
+    assert pushing_report(6, p, now=121.0, stall_s=20.0) == 0  # none left for 21 s: a hung path
+    p.sent = True  # every chunk left: the server is taking the push in (or frames are being made)
+    assert pushing_report(6, p, now=500.0, stall_s=20.0) == 6
+    assert pushing_report(0, p, now=110.0, stall_s=20.0) == 0
+    assert list(p.paced(iter([pb.Chunk(offset=0), pb.Chunk(offset=1)]))) == [pb.Chunk(offset=0), pb.Chunk(offset=1)]
+    assert p.sent and not p.stalled(time.monotonic() + 1e6, 1.0)
+
+
+async def _stream_server(read_each: bool, pause_s: float = 0.0):
+    """A gRPC server on loopback whose client-streaming method either reads every chunk (after
+    ``pause_s`` each: a slow but live path) or never reads one (a peer or path that hangs)."""
+    import grpc
+
+    async def push(chunks, ctx):
+        if not read_each:
+            await asyncio.Event().wait()
+        n = 0
+        async for _ in chunks:
+            n += 1
+            await asyncio.sleep(pause_s)
+        return pb.PushReply(accepted=True, reason=str(n))
+
+    handler = grpc.method_handlers_generic_handler("t.T", {"Push": grpc.stream_unary_rpc_method_handler(
+        push, request_deserializer=pb.Chunk.FromString, response_serializer=pb.PushReply.SerializeToString)})
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    method = channel.stream_unary("/t.T/Push", request_serializer=pb.Chunk.SerializeToString,
+                                  response_deserializer=pb.PushReply.FromString)
+    return server, channel, method
+
+
+@pytest.mark.timeout(120)
+def test_a_push_over_a_path_that_stops_reading_fails_at_the_stall_not_the_deadline():
+    """64 MB to a peer that reads nothing: once flow control and the socket buffers are full no
+    chunk leaves, and the send is abandoned ``stall_s`` later (StreamStalled) although its
+    deadline is 100 s away. A peer that reads every chunk, slowly, is not taken for stalled."""
+    from shoal.net.stream import SendProgress, StreamStalled, send
+
+    data = bytes(64 * 1024 * 1024)
+
+    async def main():
+        server, channel, method = await _stream_server(read_each=False)
+        progress = SendProgress()
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(StreamStalled, match="no chunk left for 2 s"):
+                await send(method, pb.GradPush(), 1024 * 1024, data=data, timeout=100.0, stall_s=2.0,
+                           progress=progress)
+        finally:
+            await channel.close()
+            await server.stop(0)
+        assert time.monotonic() - t0 < 50
+        assert not progress.sent
+
+        server, channel, method = await _stream_server(read_each=True, pause_s=0.01)
+        try:
+            rep = await send(method, pb.GradPush(), 1024 * 1024, data=data[:24 * 1024 * 1024], timeout=100.0,
+                             stall_s=2.0)
+        finally:
+            await channel.close()
+            await server.stop(0)
+        assert rep.accepted and rep.reason == "24"
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_call_a_swamped_peer_cancels_is_retried_and_a_refused_one_is_not():
+    """A real gRPC server aborts the first two calls with CANCELLED and RESOURCE_EXHAUSTED (a
+    coordinator swamped by a join storm), then answers: ``retry`` with the transient codes
+    (what members join with) gets the answer; a PERMISSION_DENIED is raised at once."""
+    import grpc
+
+    from shoal.runtime.transport.frames import TRANSIENT_CODES, retry
+
+    async def main():
+        answers = [grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED, None,
+                   grpc.StatusCode.PERMISSION_DENIED]
+        seen = []
+
+        async def join(req, ctx):
+            code = answers[len(seen)]
+            seen.append(code)
+            if code is not None:
+                await ctx.abort(code, "busy" if code != grpc.StatusCode.PERMISSION_DENIED else "bad token")
+            return pb.JoinReply(member_id="m1")
+
+        handler = grpc.method_handlers_generic_handler("t.C", {"Join": grpc.unary_unary_rpc_method_handler(
+            join, request_deserializer=pb.JoinRequest.FromString, response_serializer=pb.JoinReply.SerializeToString)})
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((handler,))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        call = channel.unary_unary("/t.C/Join", request_serializer=pb.JoinRequest.SerializeToString,
+                                   response_deserializer=pb.JoinReply.FromString)
+        try:
+            reply = await retry(lambda: call(pb.JoinRequest(), timeout=10), budget_s=30, codes=TRANSIENT_CODES)
+            assert reply.member_id == "m1" and len(seen) == 3
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await retry(lambda: call(pb.JoinRequest(), timeout=10), budget_s=30, codes=TRANSIENT_CODES)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and len(seen) == 4
+        finally:
+            await channel.close()
+            await server.stop(0)
+
+    asyncio.run(main())

@@ -21,6 +21,8 @@ pulls cost one chunk each, not a copy of the weights each.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 
 from shoal.net import shoal_pb2 as pb
@@ -214,8 +216,36 @@ def transfer_timeout(nbytes: int, base_s: float = 60.0, min_bytes_per_s: float =
     return base_s + nbytes / min_bytes_per_s
 
 
+class StreamStalled(Exception):
+    """A streamed send whose chunks stopped leaving (the peer or the path hangs): abandoned."""
+
+
+class SendProgress:
+    """When a streamed send last handed a chunk to gRPC, and whether all of them have left.
+
+    gRPC takes the next chunk only when the previous one is written (HTTP/2 flow control),
+    so a path that hangs, or a peer that stops reading, shows as chunks no longer taken.
+    """
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()  # the newest sign of progress
+        self.sent = False  # every chunk handed over (the peer now processes the message)
+
+    def stalled(self, now: float, stall_s: float) -> bool:
+        """Chunks remain and none was taken for ``stall_s`` (pure but for the fields)."""
+        return not self.sent and now - self.last > stall_s
+
+    def paced(self, chunks: Iterable[pb.Chunk]) -> Iterator[pb.Chunk]:
+        """``chunks``, noting each one gRPC takes."""
+        for c in chunks:
+            self.last = time.monotonic()
+            yield c
+        self.last, self.sent = time.monotonic(), True
+
+
 async def send(method, msg, chunk_bytes: int, *, timeout: float | None = None, traffic=None,
-               data: bytes | None = None, sender: str = "", frames=None):
+               data: bytes | None = None, sender: str = "", frames=None, stall_s: float | None = None,
+               progress: SendProgress | None = None):
     """Call the client-streaming ``method`` with ``msg`` in chunks; returns its reply.
 
     ``data``: ``msg`` already serialised (e.g. in a thread, for a large message);
@@ -223,6 +253,10 @@ async def send(method, msg, chunk_bytes: int, *, timeout: float | None = None, t
     reply, as the unary interceptor counts a unary call; ``sender`` goes in every chunk.
     ``frames``: the ``(kind, frame)`` pairs ``data`` carries when ``msg`` is only its head
     (see :func:`shoal.net.wire.serialize_framed`); counted with ``msg``.
+    ``stall_s``: cancel the call and raise :class:`StreamStalled` when chunks remain and
+    none left for that long (a hung connection then fails in ``stall_s``, not at the
+    deadline, which a large message over a slow link must have long); ``progress`` (a
+    :class:`SendProgress`) lets the caller see the send's progress as it goes.
     """
     if data is None:
         data = msg.SerializeToString()
@@ -230,10 +264,38 @@ async def send(method, msg, chunk_bytes: int, *, timeout: float | None = None, t
         traffic.count(msg, frames, total=len(data))
     if timeout is None:
         timeout = transfer_timeout(len(data))
-    reply = await method(split(type(msg).__name__, data, chunk_bytes, sender), timeout=timeout)
+    chunks = split(type(msg).__name__, data, chunk_bytes, sender)
+    if stall_s is None and progress is None:
+        reply = await method(chunks, timeout=timeout)
+    else:
+        progress = progress or SendProgress()
+        progress.last, progress.sent = time.monotonic(), False
+        call = method(progress.paced(chunks), timeout=timeout)
+        if stall_s is not None:
+            waiter = asyncio.ensure_future(_await(call))
+            try:
+                while True:
+                    done, _ = await asyncio.wait({waiter}, timeout=stall_s / 4)
+                    if done:
+                        break
+                    if progress.stalled(time.monotonic(), stall_s):
+                        call.cancel()
+                        raise StreamStalled(f"{type(msg).__name__}: no chunk left for {stall_s:.0f} s")
+            finally:
+                if not waiter.done():
+                    waiter.cancel()
+                    with contextlib.suppress(BaseException):
+                        await waiter
+            reply = waiter.result()
+        else:
+            reply = await call
     if traffic is not None:
         traffic.count(reply)
     return reply
+
+
+async def _await(call):
+    return await call
 
 
 async def fetch(method, request, msg_cls, max_bytes: int, *, timeout: float | None = None, traffic=None):

@@ -121,7 +121,13 @@ from shoal.runtime.sync.codecs import (
 )
 from shoal.runtime.sync.local import LocalServerMixin
 from shoal.runtime.sync.replicas import ReplicaServerMixin
-from shoal.runtime.transport.frames import decode_grads, off_loop, retry, serialise_weights
+from shoal.runtime.transport.frames import (
+    TRANSIENT_CODES,
+    decode_grads,
+    off_loop,
+    retry,
+    serialise_weights,
+)
 from shoal.runtime.transport.relays import RELAY_KINDS, RelayLink
 from shoal.runtime.transport.session import UP_KINDS, read_messages, serialised
 from shoal.runtime.ui.stats import StepTiming
@@ -483,7 +489,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         coord = pbg.CoordinatorStub(self.channels.open(self.coord_addr))
         self.coord = coord
         try:
-            reply = await retry(lambda: coord.Join(self._join_request()))
+            reply = await retry(lambda: coord.Join(self._join_request()), codes=TRANSIENT_CODES)
         except BaseException:
             await server.stop(None)  # a refused join ends the process with one line, no teardown noise
             raise
@@ -1864,8 +1870,9 @@ def flush_voids(holders: set[str], pushing: dict[str, tuple[int, float]], step: 
     """The workers holding computed gradients of ``step`` past the flush grace to void
     (pure; tested directly): all of ``holders`` but those whose renewal within ``fresh_s``
     said they are framing or sending their push of ``step`` (``pushing``: worker -> (step,
-    time)). A large push on a loaded host takes longer than the grace; its attempts have
-    their own deadlines, after which the worker releases the micro-batches."""
+    time)). A large push on a loaded host takes longer than the grace; a worker stops saying
+    so once its push's chunks stop leaving for its ``push_stall_s`` (a hung path), so such a
+    holder is voided then, not after every retry of the push."""
     return sorted(w for w in holders
                   if not (w in pushing and pushing[w][0] == step and now - pushing[w][1] <= fresh_s))
 

@@ -29,7 +29,15 @@ from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
 from shoal.net.channel import ChannelFactory
 from shoal.net.compress import ErrorFeedback, sr_key
-from shoal.net.stream import CONTROL_SLACK, DEFAULT_CHUNK_BYTES, fetch, send, transfer_timeout
+from shoal.net.stream import (
+    CONTROL_SLACK,
+    DEFAULT_CHUNK_BYTES,
+    SendProgress,
+    StreamStalled,
+    fetch,
+    send,
+    transfer_timeout,
+)
 from shoal.net.traffic import Traffic
 from shoal.net.wire import WireError, decode_tensor, encode_tensor, frame_size, serialize_framed
 from shoal.runtime.common import (
@@ -46,7 +54,7 @@ from shoal.runtime.common import (
 from shoal.runtime.safety.faults import poison, poisons
 from shoal.runtime.sync.codecs import apply_pull, compression_of_spec
 from shoal.runtime.sync.local import LocalWorkerMixin
-from shoal.runtime.transport.frames import off_loop, retry
+from shoal.runtime.transport.frames import TRANSIENT_CODES, off_loop, retry
 from shoal.runtime.transport.session import SessionClient, serialised, unavailable
 from shoal.train.precision import (
     autocast,
@@ -82,7 +90,8 @@ class WorkerOptions:
     probe_bytes: int = 16 * 1024 * 1024  # bytes of the largest timed link transfer each way when measuring
     compute_device: str = "cpu"  # torch device the worker computes on (what it measures)
     push_attempts: int = 5  # tries of one gradient push before its micro-batches are released
-    push_timeout_s: float = 60.0  # deadline of one push attempt
+    push_timeout_s: float = 60.0  # least deadline of one push attempt (a large push gets its size at 1 MB/s more)
+    push_stall_s: float = 20.0  # a push attempt whose chunks stop leaving for this long is abandoned (a hung path)
     chunk_bytes: int = 0  # bytes per chunk of streamed uploads (0: the run's setting)
     torch_device: str = "auto"  # --device: where this worker computes (auto, cpu, cuda, cuda:N)
     precision: str | None = None  # --precision: refuse to work in a run of another precision (None: any)
@@ -262,6 +271,7 @@ class Worker(LocalWorkerMixin):
         self.session_ok = opts.session  # False once a server does not offer sessions: calls
         self.credit = 1  # tasks the server lets this worker hold (session; 2+: ask ahead)
         self.pushing = 0  # 1 + the step whose gradients are being framed or sent (told with each renewal)
+        self.push_progress = SendProgress()  # the current push attempt's progress (renewals say "pushing" only while it moves)
         self.beat_floor_s = 0.0  # the coordinator's floor on the heartbeat period (a large swarm spreads its beats)
         self._reset_observed()
 
@@ -325,7 +335,8 @@ class Worker(LocalWorkerMixin):
             # (Opening the channel makes an emulated link's relays: in a shadow group, a few
             # members at a time, so those joined keep heartbeating while the rest join.)
             self.coord = pbg.CoordinatorStub(self.channels.open(self.coord_addr))
-            reply = await retry(lambda: self.coord.Join(self._join_request()), budget_s=self.opts.join_timeout_s)
+            reply = await retry(lambda: self.coord.Join(self._join_request()), budget_s=self.opts.join_timeout_s,
+                                codes=TRANSIENT_CODES)
         self.member_id, self.spec = reply.member_id, reply.spec
         self.cfg = model_config(self.spec)
         push = self._codec("push")
@@ -409,7 +420,9 @@ class Worker(LocalWorkerMixin):
             if self.server_addr and self.stage >= 0:
                 # Also with no lease held: while a large push is framed, the server must
                 # not take this worker's silence for death and void its gradients.
-                req = pb.RenewRequest(worker=self.member_id, lease_ids=list(self.held), pushing=self.pushing)
+                req = pb.RenewRequest(worker=self.member_id, lease_ids=list(self.held),
+                                      pushing=pushing_report(self.pushing, self.push_progress,
+                                                             time.monotonic(), self.opts.push_stall_s))
                 sess = self.sessions.get(id(self.server))
                 if sess is not None and sess.alive:
                     sess.renew(req)  # one message on the open stream
@@ -630,6 +643,9 @@ class Worker(LocalWorkerMixin):
         # Told with every renewal: the server does not void a holder that is still pushing
         # (summing, framing and sending a large push can outlast its flush grace).
         self.pushing = step + 1
+        # "sent": no chunk is due while the sums and frames are made (in a thread, seconds for a
+        # large stage): only a send whose chunks stop leaving ends the sparing.
+        self.push_progress.last, self.push_progress.sent = time.monotonic(), True
         try:
             if self.spec.ordered_grads:
                 groups = await loop.run_in_executor(None, ordered_groups, self.acc_per_mb)  # sums: in a thread
@@ -643,7 +659,7 @@ class Worker(LocalWorkerMixin):
                 msg, frames, data = await loop.run_in_executor(None, self._push_message, epoch, step, gen, mbs,
                                                                grads)
                 trace(self.opts.name, "push_send", step=step, bytes=len(data))
-                rep = await self._send_push(msg, data, frames)
+                rep = await self._send_push(msg, data, frames, self.push_progress)
                 trace(self.opts.name, "push_ack", step=step)
                 unpushed = sorted(set(self.acc_mbs) - done)
                 # "Mid push" needs a push still to come: a worker whose step's gradients
@@ -677,8 +693,8 @@ class Worker(LocalWorkerMixin):
         finally:
             self.held.discard(task.lease_id)
 
-    async def _send_push(self, msg: pb.GradPush, data: bytes,
-                         frames: list[pb.Tensor] | None = None) -> pb.PushReply | None:
+    async def _send_push(self, msg: pb.GradPush, data: bytes, frames: list[pb.Tensor] | None = None,
+                         progress: SendProgress | None = None) -> pb.PushReply | None:
         """Stream one push (``data``: it serialised; ``frames``: its gradients when ``msg``
         is only its head), retrying transport failures; None when every attempt failed."""
         delay = 0.1
@@ -690,17 +706,20 @@ class Worker(LocalWorkerMixin):
                     self.inject.discard("push_fail")
                     raise _injected("push_fail: the first attempt is lost before it is sent")
                 rep = await send(self.server.PushGradsStream, msg, self.chunk_bytes, traffic=self.traffic,
-                                 data=data, sender=self.member_id, timeout=self.opts.push_timeout_s,
-                                 frames=None if frames is None else [("grad_push", f) for f in frames])
+                                 data=data, sender=self.member_id,
+                                 timeout=max(self.opts.push_timeout_s, transfer_timeout(len(data))),
+                                 frames=None if frames is None else [("grad_push", f) for f in frames],
+                                 stall_s=self.opts.push_stall_s, progress=progress)
                 if "push_lost" in self.inject:
                     self.inject.discard("push_lost")
                     raise _injected("push_lost: the push landed but its reply is lost")
                 return rep
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() in _FINAL_CODES:
+            except (grpc.aio.AioRpcError, StreamStalled) as exc:
+                if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in _FINAL_CODES:
                     raise
+                why = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
                 log.info("%s: push of step %d mbs %s failed (%s, attempt %d of %d)", self.opts.name,
-                         msg.step, list(msg.mbs), exc.code().name, attempt, self.opts.push_attempts)
+                         msg.step, list(msg.mbs), why, attempt, self.opts.push_attempts)
                 if attempt < self.opts.push_attempts:
                     await asyncio.sleep(delay)
                     delay = min(2 * delay, 2.0)
@@ -1218,6 +1237,17 @@ class Worker(LocalWorkerMixin):
 
 
 # Refusals that a retry cannot change (wrong token, malformed message).
+def pushing_report(pushing: int, progress: SendProgress, now: float, stall_s: float) -> int:
+    """What a renewal says of the worker's push (pure; tested directly): ``pushing`` (1 + the
+    step) while the push is being summed or framed, or its chunks are still leaving or all
+    left (the server is taking it in), 0 once its chunks stopped leaving for ``stall_s``.
+
+    The server spares a holder that says it is pushing from the flush check; a push over a
+    hung path must not be spared through every retry (minutes) but lose it after one stall.
+    """
+    return 0 if pushing and progress.stalled(now, stall_s) else pushing
+
+
 _FINAL_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
                 grpc.StatusCode.INVALID_ARGUMENT)
 

@@ -64,13 +64,23 @@ async def off_loop(nbytes: int, fn, *args):
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
-async def retry(fn, budget_s: float = 30.0, delay: float = 0.1):
-    """Call ``fn`` until it succeeds (the peer may still be starting), for ``budget_s`` at most."""
+# What a call that may simply come too early or in a storm fails with: the peer still
+# starting (UNAVAILABLE), or a coordinator swamped by a join storm that cancelled, timed
+# out or refused it. Anything else (a bad token, a refused request) is final.
+TRANSIENT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
+                   grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+async def retry(fn, budget_s: float = 30.0, delay: float = 0.1,
+                codes: tuple[grpc.StatusCode, ...] = (grpc.StatusCode.UNAVAILABLE,)):
+    """Call ``fn`` until it succeeds or fails with a code not in ``codes`` (default: the peer
+    may still be starting), for ``budget_s`` at most; the delay doubles up to 0.5 s."""
     end = time.monotonic() + budget_s
     while True:
         try:
             return await fn()
         except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > end:
+            if exc.code() not in codes or time.monotonic() > end:
                 raise
             await asyncio.sleep(delay)
+            delay = min(2 * delay, 0.5)
