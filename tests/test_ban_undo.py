@@ -524,6 +524,14 @@ def test_weights_of_an_old_epoch_are_never_served_as_the_new_ones(tmp_path):
         if data is not None:
             rep = pb.WeightsReply.FromString(data)
             assert rep.epoch != 1, f"the old epoch's weights were labelled v{rep.version} of epoch {rep.epoch}"
+        # A run with compressed pulls refuses the same way, and starts no chain on the old weights.
+        from shoal.runtime.sync.codecs import compressed_pull
+
+        srv.spec.compress_pull = "int8"
+        assert srv.version < 0  # marked as loading by the heartbeat that started the rollback
+        assert await compressed_pull(srv, pb.WeightsRequest(worker="w")) is None
+        assert getattr(srv, "pull_deltas", None) is None
+        srv.spec.compress_pull = ""
         for _ in range(500):
             if srv.version == 0:
                 break

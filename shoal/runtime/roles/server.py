@@ -1478,8 +1478,8 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
             data = await compressed_pull(self, request)  # a delta against what the worker holds
         else:
             data = await self._weights_bytes()
-            if data is None:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "stage being loaded")
+        if data is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "stage being loaded")
         trace(self.name, "pull_begin", w=request.worker)
         for chunk in split("WeightsReply", data, self.chunk_bytes):
             info = self.workers.get(request.worker)

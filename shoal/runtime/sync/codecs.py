@@ -169,8 +169,10 @@ def uses_update_pulls(spec) -> bool:
     return spec is not None and sync_of_spec(spec).local and compression_of_spec(spec).pull.startswith("sparse")
 
 
-async def compressed_pull(server, request: pb.WeightsRequest) -> bytes:
-    """The serialised pull of ``request`` from ``server`` (a StageServer whose run compresses pulls).
+async def compressed_pull(server, request: pb.WeightsRequest) -> bytes | None:
+    """The serialised pull of ``request`` from ``server`` (a StageServer whose run compresses pulls);
+    None while the stage is being loaded (a rollback's or move's load: the weights held are
+    not the version about to be served, and must not start a chain under its label).
 
     Under the server's weights lock, like its uncompressed cache: the bytes are exactly the
     weights of the version they are labelled with.
@@ -179,6 +181,8 @@ async def compressed_pull(server, request: pb.WeightsRequest) -> bytes:
 
     loop = asyncio.get_running_loop()
     async with server._wlock:
+        if server.version < 0:
+            return None
         up = getattr(server, "update_pulls", None)
         if up is not None:
             up.sync((server.published_version(), server.epoch, server.stage), server.first, server.last)
