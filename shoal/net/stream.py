@@ -21,7 +21,6 @@ pulls cost one chunk each, not a copy of the weights each.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 
@@ -283,9 +282,10 @@ async def send(method, msg, chunk_bytes: int, *, timeout: float | None = None, t
                         raise StreamStalled(f"{type(msg).__name__}: no chunk left for {stall_s:.0f} s")
             finally:
                 if not waiter.done():
+                    # not awaited here (that could swallow this task's own cancellation); its
+                    # outcome is read so that nothing is reported as never retrieved
+                    waiter.add_done_callback(lambda t: t.cancelled() or t.exception())
                     waiter.cancel()
-                    with contextlib.suppress(BaseException):
-                        await waiter
             reply = waiter.result()
         else:
             reply = await call
