@@ -119,17 +119,34 @@ def test_sessions_asking_ahead_beside_a_busy_worker_stay_exact(tmp_path, tmp_pat
 
 @pytest.mark.integration
 @pytest.mark.timeout(600)
-def test_sessions_sending_lease_requests_with_results_stay_exact(tmp_path, tmp_path_factory):
-    """Two stages, two workers on sessions without asking ahead: every result carries the
-    worker's next lease request, answered with the result's verdict in one reply (the server
-    side is tested message by message in test_runtime_pool). The run ends with the
-    failure-free weights."""
+def test_calls_end_where_sessions_do(tmp_path, tmp_path_factory):
+    """Two stages, two workers: the failure-free reference runs on sessions (exact sync's
+    default: every result carries the worker's next lease request, answered with the result's
+    verdict in one reply; the server side is tested message by message in test_runtime_pool);
+    the same run with a gRPC call per lease, result and renewal (``--no-session``) ends with
+    exactly its weights."""
     from swarm_reference import RUN, assert_equal_weights, failure_free_weights, launch_config
 
     from shoal.runtime.processes.launch import launch
 
     reference = failure_free_weights(tmp_path_factory)
     out = tmp_path / "run"
-    summary = launch(launch_config(out, session=True))
+    summary = launch(launch_config(out, session=False))
     assert summary["steps"] == RUN["steps"]
+    assert "opened" not in "".join(p.read_text() for p in (out / "logs").glob("server*.log"))  # no session
+    assert "session of" in "".join(p.read_text() for p in (reference_logs(tmp_path_factory)).glob("server*.log"))
     assert_equal_weights(out, reference)
+
+
+def reference_logs(tmp_path_factory):
+    """The failure-free reference run's log folder (tests/swarm_reference.py)."""
+    from pathlib import Path
+
+    return Path(tmp_path_factory.getbasetemp()) / "failure_free" / "run" / "logs"
+
+
+def test_sessions_are_the_default_in_exact_sync_only():
+    from shoal.runtime.roles.worker import sessions_for
+
+    assert sessions_for(None, local=False) and not sessions_for(None, local=True)
+    assert sessions_for(True, local=True) and not sessions_for(False, local=False)

@@ -215,10 +215,10 @@ def register(subparsers) -> None:
                    help="exact sync: ask for the next task while computing this one, so the lease round trip "
                         "and the next input overlap compute (on a session: within the server's credit window, and a "
                         "task held ahead is taken back for an idle worker that would finish it sooner)")
-    p.add_argument("--session", action="store_true",
+    p.add_argument("--session", action=argparse.BooleanOptionalAction, default=None,
                    help="one session stream with the stage server for leases, results and renewals instead of a "
                         "gRPC call each (with --prefetch: grants ahead within a credit window, taken back for idle "
-                        "workers); opt-in: on the 2-core box it was not faster")
+                        "workers); default: on in exact sync, off in local mode")
     p.add_argument("--shadow", action="store_true",
                    help="a shadow worker (runs of `--shadow` only): run no model; wait the emulated device's task "
                         "time (the scenario device it plays, else --flops) and send fixed tensors of the true shapes")
@@ -277,9 +277,9 @@ def register(subparsers) -> None:
     p.add_argument("--no-fork-server", action="store_true",
                    help="start every member as a fresh interpreter (default: fork them from one process "
                         "that imported torch once; env SHOAL_FORK_SERVER=0 does the same)")
-    p.add_argument("--session", action="store_true",
+    p.add_argument("--session", action=argparse.BooleanOptionalAction, default=None,
                    help="workers keep one session stream with their stage server instead of a gRPC call per "
-                        "lease, result and renewal (opt-in: on the 2-core box it was not faster)")
+                        "lease, result and renewal (default: on in exact sync, off in local mode)")
     p.add_argument("--shadow-per-process", type=int, default=64,
                    help="with --shadow: at most this many shadow workers (playing one device) per process")
     _run_args(p, launch=True)

@@ -118,7 +118,7 @@ class LaunchConfig:
     standbys: int = 0  # hot standby servers, each with its own empty checkpoint folder (stage k mod S)
     tls: bool = True  # mutual TLS with keys made in RUN/tls (False: plain text on loopback)
     fork_server: bool = True  # fork members from one warm process (shoal.runtime.processes.forkserver; False: spawn each)
-    session: bool = False  # workers talk to their stage server on one session stream (opt-in; False: a call per message)
+    session: bool | None = None  # workers talk to their stage server on one session stream (None: in exact sync; False: a call per message)
     shadow: bool = False  # shadow workers (shoal.runtime.roles.shadow): no model run; needs a scenario
     shadow_per_process: int = 64  # shadow workers that play one device share a process, this many at most
 
@@ -488,8 +488,8 @@ class Swarm:
             dev = self.scenario.workers[i % len(self.scenario.workers)]
             args += [*self._emulation(dev.id), "--flops", repr(dev.flops * self.cfg.emulate_speedup)]
         args += self._fault_args(f"w{i}")
-        if self.cfg.session:
-            args.append("--session")
+        if self.cfg.session is not None:
+            args.append("--session" if self.cfg.session else "--no-session")
         if self.cfg.shadow:
             args.append("--shadow")
         args += extra or []

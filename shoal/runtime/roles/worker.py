@@ -104,7 +104,7 @@ class WorkerOptions:
     uploads_in_flight: int = 2  # results sent in the background while the next task runs (0: await each)
     upload_attempts: int = 4  # tries of one result upload (same lease id) before its lease is left to expire
     prefetch: bool = False  # exact sync: ask for the next task while computing this one (on a session: within its credit)
-    session: bool = False  # talk to the stage server on one session stream (credit, take-backs); opt-in: see docs/runtime.md
+    session: bool | None = None  # one session stream with the stage server (credit, take-backs); None: in exact sync (docs/runtime.md)
     shadow: bool = False  # emulation: run no model; wait the device's task time, send fixed tensors of true shapes
 
 
@@ -268,7 +268,7 @@ class Worker(LocalWorkerMixin):
         self.upload_error: BaseException | None = None  # an unexpected failure of one, raised by the task loop
         self.ahead: tuple[object, asyncio.Task] | None = None  # (server stub, lease request made during a compute)
         self.sessions: dict[int, SessionClient] = {}  # id(server stub) -> its open session
-        self.session_ok = opts.session  # False once a server does not offer sessions: calls
+        self.session_ok = bool(opts.session)  # set at the join (sessions_for); False once a server offers none: calls
         self.credit = 1  # tasks the server lets this worker hold (session; 2+: ask ahead)
         self.pushing = 0  # 1 + the step whose gradients are being framed or sent (told with each renewal)
         self.push_progress = SendProgress()  # the current push attempt's progress (renewals say "pushing" only while it moves)
@@ -338,6 +338,7 @@ class Worker(LocalWorkerMixin):
             reply = await retry(lambda: self.coord.Join(self._join_request()), budget_s=self.opts.join_timeout_s,
                                 codes=TRANSIENT_CODES)
         self.member_id, self.spec = reply.member_id, reply.spec
+        self.session_ok = sessions_for(self.opts.session, self.local)
         self.cfg = model_config(self.spec)
         push = self._codec("push")
         self.ef = ErrorFeedback(push) if push != "raw" and self.opts.error_feedback else None
@@ -1237,6 +1238,18 @@ class Worker(LocalWorkerMixin):
 
 
 # Refusals that a retry cannot change (wrong token, malformed message).
+def sessions_for(asked: bool | None, local: bool) -> bool:
+    """Whether a worker talks to its stage server on a session stream (pure; tested directly):
+    as asked (``--session`` / ``--no-session``), else in exact sync and not in local mode.
+
+    In exact sync a result carries the worker's next lease request and one message on the
+    stream answers both; measured (bench/results/stream.md) the servers then spend less CPU
+    per task and the step is as fast. In local mode a result carries no request, a session
+    only replaces each call by a message, and ``shoal demo`` stepped slower on one.
+    """
+    return (not local) if asked is None else bool(asked)
+
+
 def pushing_report(pushing: int, progress: SendProgress, now: float, stall_s: float) -> int:
     """What a renewal says of the worker's push (pure; tested directly): ``pushing`` (1 + the
     step) while the push is being summed or framed, or its chunks are still leaving or all
