@@ -609,3 +609,49 @@ def test_a_failing_copy_warns_once_and_names_the_copier(tmp_path, caplog):
     assert all(w.startswith("s2 (spare): copying stage 1") for w in warnings)
     srv.standby = True
     assert srv.copier_label == "standby"
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(400)
+def test_a_frozen_stage_server_is_replaced_and_its_return_changes_nothing(tmp_path, tmp_path_factory):
+    """SIGSTOP stage 1's server once a standby holds a copy of step 2 or later (a host that
+    freezes: its connections stay open, nothing answers; the workers wait on it on their
+    sessions). The coordinator declares it dead and promotes the standby; then SIGCONT: the
+    server comes back to a run that has forgotten it. The run completes with the failure-free
+    weights."""
+    import os
+    import signal
+
+    reference = failure_free_weights(tmp_path_factory)
+    out = tmp_path / "run"
+    slow = [["--slow", "0.3"]] * 2  # keeps a step in flight while we freeze
+    with Swarm(launch_config(out, standbys=2, worker_args=slow)) as sw:
+        sw.start()
+        deadline = time.time() + 300
+        while True:
+            assert time.time() < deadline, "no standby copied a checkpoint of step 2 or later"
+            committed = sw.committed_steps()
+            holder = next((f"s{i}" for i in (2, 3) if committed in _copied(out / "standby_ckpt" / f"s{i}", 1)), None)
+            if committed >= 2 and holder:
+                break
+            time.sleep(0.05)
+        victim = sw._stage_server_index(1)
+        assert victim is not None and victim < 2
+        frozen = sw.servers[victim]
+        os.kill(frozen.pid, signal.SIGSTOP)
+        try:
+            while True:  # frozen until the coordinator has given its stage to another server
+                assert time.time() < deadline, "the frozen server's stage was never given to another"
+                events = read_jsonl(out / "events.jsonl") if (out / "events.jsonl").exists() else []
+                if any(e["event"] == "assign" and e.get("role") == "server" and e.get("stage") == 1
+                       and e.get("device") != f"s{victim}" for e in events):
+                    break
+                time.sleep(0.1)
+        finally:
+            os.kill(frozen.pid, signal.SIGCONT)
+        summary = sw.wait()
+    assert summary["steps"] == 6
+    events = read_jsonl(out / "events.jsonl")
+    assigns = [e for e in events if e["event"] == "assign" and e.get("role") == "server" and e.get("stage") == 1]
+    assert assigns[-1]["device"] != f"s{victim}", assigns[-3:]
+    assert_equal_weights(out, reference)
