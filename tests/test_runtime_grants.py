@@ -138,6 +138,32 @@ def test_calls_end_where_sessions_do(tmp_path, tmp_path_factory):
     assert_equal_weights(out, reference)
 
 
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_results_larger_than_a_session_message_go_by_call_and_stay_exact(tmp_path, tmp_path_factory):
+    """Sessions (exact sync's default) with 4 KB chunks: every result is larger than a
+    session carries (result_on_session), so it goes by a call of its own while leases and
+    renewals stay on the session; the run ends with the failure-free weights."""
+    from swarm_reference import RUN, assert_equal_weights, failure_free_weights, launch_config
+
+    from shoal.runtime.processes.launch import launch
+
+    reference = failure_free_weights(tmp_path_factory)
+    out = tmp_path / "run"
+    summary = launch(launch_config(out, chunk_mb=0.004))
+    assert summary["steps"] == RUN["steps"]
+    assert "session of" in "".join(p.read_text() for p in (out / "logs").glob("server*.log"))
+    assert_equal_weights(out, reference)
+
+
+def test_a_session_carries_only_small_results():
+    from shoal.runtime.transport.session import SESSION_RESULT_BYTES, result_on_session
+
+    assert result_on_session(64 * 1024, 1 << 20)
+    assert not result_on_session(SESSION_RESULT_BYTES + 1, 1 << 20)  # would hold the stream on a slow uplink
+    assert not result_on_session(8 * 1024, 4 * 1024)  # more than one chunk
+
+
 def reference_logs(tmp_path_factory):
     """The failure-free reference run's log folder (tests/swarm_reference.py)."""
     from pathlib import Path

@@ -54,8 +54,13 @@ from shoal.runtime.common import (
 from shoal.runtime.safety.faults import poison, poisons
 from shoal.runtime.sync.codecs import apply_pull, compression_of_spec
 from shoal.runtime.sync.local import LocalWorkerMixin
-from shoal.runtime.transport.frames import TRANSIENT_CODES, off_loop, retry
-from shoal.runtime.transport.session import SessionClient, serialised, unavailable
+from shoal.runtime.transport.frames import TRANSIENT_CODES, off_loop, payload_bytes, retry
+from shoal.runtime.transport.session import (
+    SessionClient,
+    result_on_session,
+    serialised,
+    unavailable,
+)
 from shoal.train.precision import (
     autocast,
     backward_loss,
@@ -951,6 +956,8 @@ class Worker(LocalWorkerMixin):
         is registered with (None: not attached; local mode and prefetch ask on their own)."""
         if self.local or self.ahead is not None or not self.session_ok:
             return None
+        if not result_on_session(payload_bytes(result) + 1024, self.chunk_bytes):
+            return None  # the result goes by a call of its own; the request on the session, alone
         sess = self.sessions.get(id(server))
         if sess is None or not sess.alive:
             return None
@@ -1014,7 +1021,7 @@ class Worker(LocalWorkerMixin):
             data = await serialised(result)
             for attempt in range(1, self.opts.upload_attempts + 1):
                 try:
-                    sess = self._session(server)
+                    sess = self._session(server) if result_on_session(len(data), self.chunk_bytes) else None
                     if result.HasField("next") and sess is not via:
                         # The attached lease request belongs to a session that is gone (or to
                         # none): it fails there and is asked again; the result goes alone.

@@ -28,6 +28,18 @@ from shoal.net.stream import CONTROL_SLACK, Assembler, split
 from shoal.net.wire import WireError
 from shoal.runtime.transport.frames import off_loop, payload_bytes
 
+# The largest result a worker sends on its session. A session is one stream: a message
+# queued behind a large result (the next lease request, a renewal) waits for all of it, which
+# on a slow uplink costs the overlap of the upload with the next task. Larger results go by a
+# call of their own (their own HTTP/2 stream) and the session keeps the control messages.
+SESSION_RESULT_BYTES = 128 * 1024
+
+
+def result_on_session(nbytes: int, chunk_bytes: int) -> bool:
+    """Whether a result of ``nbytes`` serialised bytes goes on the session (pure)."""
+    return nbytes <= min(SESSION_RESULT_BYTES, chunk_bytes)
+
+
 UP_KINDS = {"LeaseRequest": pb.LeaseRequest, "TaskResult": pb.TaskResult, "RenewRequest": pb.RenewRequest}
 DOWN_KINDS = {"LeaseReply": pb.LeaseReply, "CompleteReply": pb.CompleteReply, "TakeBack": pb.TakeBack}
 
