@@ -93,6 +93,11 @@ def test_traffic_bytes_counts_boundaries_and_codec_sizes():
     q = traffic_bytes(metrics, plan, 4 * 128, 128, [1000, 2000], "int8")
     assert q["activations"]["raw"] == act and act / q["activations"]["wire"] >= 3.5
     assert q["weight_pull"] == raw["weight_pull"]  # the runtime pulls weights raw
+    # quad-pc's size depends on the channel count: the estimate charges (tokens, d_model) tensors
+    from shoal.plan.compression import act_nbytes
+
+    pc = traffic_bytes(metrics, plan, 4 * 128, 128, [1000, 2000], "quad-pc")
+    assert pc["activations"]["wire"] == 2 * 8 * act_nbytes("quad-pc", 4 * 128 * 128, 128) == pc["activation_grads"]["wire"]
 
 
 def test_measured_bytes_win_over_the_computed_estimate():

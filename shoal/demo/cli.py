@@ -312,17 +312,18 @@ def traffic_bytes(metrics: list[dict], plan, tokens_per_mb: int, d_model: int, s
                 stage_of[w] = s
     out = {k: {"raw": 0, "wire": 0} for k in ("activations", "activation_grads", "grad_push", "weight_pull")}
 
-    def add(kind: str, numel: int, c: str) -> None:
+    def add(kind: str, numel: int, c: str, channels: int = 1) -> None:
         out[kind]["raw"] += 4 * numel
-        out[kind]["wire"] += 4 * numel if c == "raw" else encoded_nbytes(c, numel, block)
+        # channels: quad-pc's size depends on them (a (tokens, d_model) activation has d_model)
+        out[kind]["wire"] += 4 * numel if c == "raw" else encoded_nbytes(c, numel, block, channels=channels)
 
     act_numel = tokens_per_mb * d_model
     for m in metrics:
         mbs = int(m.get("tokens", 0)) // max(1, tokens_per_mb)
         for _ in range(n_stages - 1):
             for _ in range(mbs):
-                add("activations", act_numel, codec)
-                add("activation_grads", act_numel, codec)
+                add("activations", act_numel, codec, d_model)
+                add("activation_grads", act_numel, codec, d_model)
         for w, n in (m.get("tasks_per_worker") or {}).items():
             s = stage_of.get(w)
             if n and s is not None and s < len(stage_params):
