@@ -80,7 +80,7 @@ weight pulls) is encoded by one of these codecs:
   smaller than bf16. ``act=oct,grad=tern-dither`` is 3.94 bits for the two kinds: 8.13x smaller
   than bf16. The decoder checks the levels and every byte (< 243).
 * ``quad-pc`` -- for activations whose energy sits in a few directions (a transformer's residual
-  stream: on the tiny model at the stage boundary the channel means hold 25-50 % of it and four
+  stream: on the tiny model at the stage boundary the channel means hold 26-92 % of it and four
   directions 99 % of what is left): a tensor of ``R`` rows of ``C`` channels (its last dimension,
   :func:`channel_count`) is sent as its channel means, ``k = min(PC_RANK, C)`` directions over the
   channels (near the top principal directions: subspace iteration from a fixed start) and each
