@@ -222,10 +222,18 @@ def test_the_drift_test_makes_a_biased_worker_a_suspect_before_the_last_step(tmp
             # w1 checked a newcomer's early push (a worker's first pushes are all drawn) and lied
             # there: caught, but not by the drift test this is about (a run on a loaded box).
             continue
+        logs = _server_logs(out)
+        suspect = re.search(r"drift of \S+-w1 after step (\d+): z [\d.]+ over \d+ steps: a suspect", logs)
+        pushed = [int(n) for n in re.findall(r"recomputed the push of \S+-w1 \(step (\d+)", logs)]
+        if not early and suspect and not any(int(suspect[1]) < n < RUN["steps"] - 1 for n in pushed):
+            # a suspect in time, but another worker took every task of w1's stage until the
+            # last step (a CI run on sessions), so its next push came at the last step
+            continue
         if early or max(counted, default=0) >= RUN["steps"] - 2:
             break
     else:
-        pytest.fail("w1 and another worker pushed in the same step too rarely in 4 runs (or w1 was caught as a checker)")
+        pytest.fail("w1 and another worker pushed in the same step too rarely in 4 runs (or w1 was caught as a "
+                    "checker, or pushed nothing between becoming a suspect and the last step)")
     bans = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "ban"]
     assert [b["device"] for b in bans] == ["w1"] and bans[0]["step"] < RUN["steps"] - 1, bans
     assert "differs from the recomputed one" in bans[0]["why"]
