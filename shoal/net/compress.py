@@ -266,7 +266,7 @@ def encoded_nbytes(codec: str, numel: int, block: int = DEFAULT_BLOCK, k: int | 
 
 
 def channel_count(shape: tuple[int, ...] | list[int] | torch.Size) -> int:
-    """The channels ``quad-pc`` describes a tensor by of ``shape``: its last dimension (the model
+    """The channel count ``quad-pc`` uses for a tensor of ``shape``: its last dimension (the model
     dimension of a ``(B, T, d)`` activation); a tensor of fewer than two dimensions is one channel."""
     return int(shape[-1]) if len(shape) >= 2 and int(shape[-1]) > 0 else 1
 
