@@ -292,16 +292,24 @@ async def _stream_server(read_each: bool, pause_s: float = 0.0):
             await asyncio.sleep(pause_s)
         return pb.PushReply(accepted=True, reason=str(n))
 
-    handler = grpc.method_handlers_generic_handler("t.T", {"Push": grpc.stream_unary_rpc_method_handler(
-        push, request_deserializer=pb.Chunk.FromString, response_serializer=pb.PushReply.SerializeToString)})
+    return await _one_method_server(grpc.stream_unary_rpc_method_handler, push, pb.Chunk, pb.PushReply)
+
+
+async def _one_method_server(kind, behaviour, req_cls, rep_cls):
+    """A bare gRPC aio server on loopback with one method ``/t.T/M`` (``kind``: a grpc
+    ``*_rpc_method_handler`` maker), a channel to it and the method's client callable."""
+    import grpc
+
+    handler = grpc.method_handlers_generic_handler("t.T", {"M": kind(
+        behaviour, request_deserializer=req_cls.FromString, response_serializer=rep_cls.SerializeToString)})
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    method = channel.stream_unary("/t.T/Push", request_serializer=pb.Chunk.SerializeToString,
-                                  response_deserializer=pb.PushReply.FromString)
-    return server, channel, method
+    make = channel.stream_unary if kind is grpc.stream_unary_rpc_method_handler else channel.unary_unary
+    return server, channel, make("/t.T/M", request_serializer=req_cls.SerializeToString,
+                                 response_deserializer=rep_cls.FromString)
 
 
 @pytest.mark.timeout(120)
@@ -360,15 +368,8 @@ def test_a_call_a_swamped_peer_cancels_is_retried_and_a_refused_one_is_not():
                 await ctx.abort(code, "busy" if code != grpc.StatusCode.PERMISSION_DENIED else "bad token")
             return pb.JoinReply(member_id="m1")
 
-        handler = grpc.method_handlers_generic_handler("t.C", {"Join": grpc.unary_unary_rpc_method_handler(
-            join, request_deserializer=pb.JoinRequest.FromString, response_serializer=pb.JoinReply.SerializeToString)})
-        server = grpc.aio.server()
-        server.add_generic_rpc_handlers((handler,))
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        call = channel.unary_unary("/t.C/Join", request_serializer=pb.JoinRequest.SerializeToString,
-                                   response_deserializer=pb.JoinReply.FromString)
+        server, channel, call = await _one_method_server(grpc.unary_unary_rpc_method_handler, join,
+                                                         pb.JoinRequest, pb.JoinReply)
         try:
             reply = await retry(lambda: call(pb.JoinRequest(), timeout=10), budget_s=30, codes=TRANSIENT_CODES)
             assert reply.member_id == "m1" and len(seen) == 3

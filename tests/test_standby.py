@@ -45,6 +45,22 @@ def test_standbys_copy_a_stage_served_from_another_host():
                           active_hosts=["h0", "h1"]) == {"a": 0, "b": 1}
 
 
+def _stage1_copied(sw, out, deadline: float) -> tuple[int, str, int]:
+    """Wait until a step >= 2 is committed and one of the standbys s2, s3 (each starts on an
+    empty folder of its own; one copies each stage) holds stage 1's copy of it. Returns
+    (the committed step, that standby, the index of stage 1's active server)."""
+    while True:
+        assert time.time() < deadline, "no standby copied a checkpoint of step 2 or later"
+        committed = sw.committed_steps()
+        holder = next((f"s{i}" for i in (2, 3) if committed in _copied(out / "standby_ckpt" / f"s{i}", 1)), None)
+        if committed >= 2 and holder:
+            break
+        time.sleep(0.05)
+    victim = sw._stage_server_index(1)
+    assert victim is not None and victim < 2  # an active server, not a standby
+    return committed, holder, victim
+
+
 def _copied(folder, stage: int) -> list[int]:
     """Versions of the complete checkpoint files of ``stage`` a standby holds."""
     return sorted(int(p.name[1:].split(".")[0]) for p in folder.glob(f"run-*/stage{stage}/v*.safetensors"))
@@ -58,17 +74,7 @@ def test_standby_takes_over_a_killed_stage_server(tmp_path, tmp_path_factory):
     slow = [["--slow", "0.3"]] * 2  # keeps a step in flight while we kill
     with Swarm(launch_config(out, standbys=2, worker_args=slow)) as sw:
         sw.start()
-        # Standbys s2 and s3 start on empty folders of their own; one copies each stage.
-        deadline = time.time() + 300
-        while True:
-            assert time.time() < deadline, "no standby copied a checkpoint of step 2 or later"
-            committed = sw.committed_steps()
-            holder = next((f"s{i}" for i in (2, 3) if committed in _copied(out / "standby_ckpt" / f"s{i}", 1)), None)
-            if committed >= 2 and holder:
-                break
-            time.sleep(0.05)
-        victim = sw._stage_server_index(1)
-        assert victim is not None and victim < 2  # an active server, not a standby
+        committed, holder, victim = _stage1_copied(sw, out, time.time() + 300)
         sw.kill_server(victim)
         summary = sw.wait()
     assert summary["steps"] == 6
@@ -628,15 +634,7 @@ def test_a_frozen_stage_server_is_replaced_and_its_return_changes_nothing(tmp_pa
     with Swarm(launch_config(out, standbys=2, worker_args=slow)) as sw:
         sw.start()
         deadline = time.time() + 300
-        while True:
-            assert time.time() < deadline, "no standby copied a checkpoint of step 2 or later"
-            committed = sw.committed_steps()
-            holder = next((f"s{i}" for i in (2, 3) if committed in _copied(out / "standby_ckpt" / f"s{i}", 1)), None)
-            if committed >= 2 and holder:
-                break
-            time.sleep(0.05)
-        victim = sw._stage_server_index(1)
-        assert victim is not None and victim < 2
+        _, _, victim = _stage1_copied(sw, out, deadline)
         frozen = sw.servers[victim]
         seen = len(read_jsonl(out / "events.jsonl"))  # (stage 1 may have moved between servers before)
         os.kill(frozen.pid, signal.SIGSTOP)
