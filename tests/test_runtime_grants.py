@@ -133,7 +133,7 @@ def test_calls_end_where_sessions_do(tmp_path, tmp_path_factory):
     out = tmp_path / "run"
     summary = launch(launch_config(out, session=False))
     assert summary["steps"] == RUN["steps"]
-    assert "opened" not in "".join(p.read_text() for p in (out / "logs").glob("server*.log"))  # no session
+    assert "session of" not in "".join(p.read_text() for p in (out / "logs").glob("server*.log"))
     assert "session of" in "".join(p.read_text() for p in (reference_logs(tmp_path_factory)).glob("server*.log"))
     assert_equal_weights(out, reference)
 
