@@ -294,16 +294,21 @@ def test_tern_sr_block_by_hand():
     assert seen[2, 2] == 0 and abs(seen[2, 1] / keys - 0.25) < 0.05
 
 
+def _mean_of_decodes(codec: str, keys: int = 1500):
+    """Three blocks (one large, one 1e-3 as small: its own level, one with an outlier), the mean
+    of ``keys`` decodes of them under ``codec`` (key 0 .. keys-1) and their rotated coordinates."""
+    x = _rand(3, 128, seed=4)
+    x[1] *= 1e-3
+    x[2, 9] = 40.0
+    mean = sum(decode(*encode(x, codec, key=k), x.shape) for k in range(keys)) / keys
+    return x, keys, mean, _fwht(x * _tern_signs())
+
+
 def test_tern_sr_is_unbiased_and_tern_is_not():
     # The mean of K decodes (K keys) is x within 5 standard deviations of the mean, element by
     # element. Rounding r_j to 0 or a at random has variance |r_j| (a - |r_j|), and the rotation
     # spreads each block's sum of them evenly over its 128 elements. Deterministic tern fails it.
-    x = _rand(3, 128, seed=4)
-    x[1] *= 1e-3  # a small block next to large ones: its own level
-    x[2, 9] = 40.0  # an outlier
-    keys = 1500
-    mean = sum(decode(*encode(x, "tern-sr", key=k), x.shape) for k in range(keys)) / keys
-    r = _fwht(x * _tern_signs())
+    x, keys, mean, r = _mean_of_decodes("tern-sr")
     a = r.abs().amax(dim=1, keepdim=True)
     sd = ((r.abs() * (a - r.abs())).sum(dim=1, keepdim=True) / TERN_BLOCK / keys).sqrt()
     assert ((mean - x).abs() <= 5 * sd).all()
@@ -482,12 +487,7 @@ def test_tern_dither_is_unbiased():
     # variance is (1/p - 1) r_j^2 + a^2 / (12 p), spread by the rotation over its block's 128
     # elements (a <= 1.01 max|r|: the kept coordinates' largest, rounded up to bf16). quad
     # (deterministic) fails it.
-    x = _rand(3, 128, seed=4)
-    x[1] *= 1e-3  # a small block next to large ones: its own level
-    x[2, 9] = 40.0  # an outlier
-    keys = 1500
-    mean = sum(decode(*encode(x, "tern-dither", key=k), x.shape) for k in range(keys)) / keys
-    r = _fwht(x * _tern_signs())
+    x, keys, mean, r = _mean_of_decodes("tern-dither")
     a = 1.01 * r.abs().amax(dim=1, keepdim=True)
     p = TD_KEPT / TERN_BLOCK
     sd = (((1 / p - 1) * r * r + a * a / (12 * p)).sum(dim=1, keepdim=True) / TERN_BLOCK / keys).sqrt()

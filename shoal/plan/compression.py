@@ -80,8 +80,8 @@ QUAD_BLOCK_BYTES = TERN_BLOCK // 4  # bytes of one ``quad`` block's 2-bit codes
 OCT_BLOCK_BYTES = 3 * TERN_BLOCK // 8  # bytes of one ``oct`` block's 3-bit codes
 TD_KEPT = 55  # ``tern-dither``: rotated coordinates kept per block (five ternary digits a byte: 11 bytes)
 TD_SEED_BYTES = 8  # ``tern-dither``: the 64-bit seed of its draws, once per tensor
-SR_ONLY = ("tern-sr", "tern-dither")
-PC_RANK = 4  # quad-pc: principal directions sent per tensor (the tiny model's residual stream: 99 % of the centred energy)  # stochastic (unbiased) codecs: activation gradients only
+SR_ONLY = ("tern-sr", "tern-dither")  # stochastic (unbiased) codecs: activation gradients only
+PC_RANK = 4  # quad-pc: principal directions sent per tensor (the tiny model's residual stream: 99 % of the centred energy)
 
 
 def tern_nbytes(numel: int) -> int:
