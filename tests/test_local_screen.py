@@ -34,8 +34,8 @@ def _bounds(out: Path) -> list[float]:
 @pytest.mark.timeout(400)
 def test_poisoned_replica_is_banned_and_honest_run_bans_nobody(tmp_path):
     """w1 sends its pseudo-gradients times -20: the first merge bans it and leaves its
-    contribution out; the run's final loss is within 2 % of the honest run's, which bans
-    nobody."""
+    contribution out; the run keeps 3/4 of the honest run's loss drop (the honest run bans
+    nobody)."""
     from shoal.runtime.processes.launch import LaunchConfig, launch
 
     honest = tmp_path / "honest"
@@ -62,8 +62,13 @@ def test_poisoned_replica_is_banned_and_honest_run_bans_nobody(tmp_path):
     merges = [json.loads(m.group(1)) for m in re.finditer(r"local merge (\{.*\})$", text, re.M)]
     assert merges and all(not any(mid.endswith("-w1") for mid in m["contributors"]) for m in merges)
     print(f"ban: {bans[0]}; final loss {summary['final_loss']:.4f}, honest {ref['final_loss']:.4f}")
-    assert abs(summary["final_loss"] - ref["final_loss"]) <= 0.02 * abs(ref["final_loss"]), (
-        summary["final_loss"], ref["final_loss"])
+    # The ban undoes the damage: the run keeps most of the honest run's loss drop. Two replicas
+    # instead of three, and a schedule the box's load picks, move the final loss by a few per
+    # cent (7.64 -> 6.37-6.59 over runs here and on CI); with the screen switched off the
+    # -20x pseudo-gradient is merged and the loss ends above where it started (10.9).
+    drop, honest_drop = summary["losses"][0] - summary["final_loss"], ref["losses"][0] - ref["final_loss"]
+    assert drop >= 0.75 * honest_drop, (summary["losses"], ref["losses"],
+                                        [m["contributors"] for m in merges])
 
 
 @pytest.mark.integration
