@@ -59,6 +59,12 @@ class ModelProfile:
     def tokens_per_micro_batch(self) -> int:
         return self.seq_len * self.micro_batch_size
 
+    @property
+    def act_shape(self) -> tuple[int, int]:
+        """(rows, channels) of an activation between stages: a micro-batch's tokens, the width
+        (what an activation codec's per-row and per-channel parts are priced on)."""
+        return self.tokens_per_micro_batch, self.cfg.d_model
+
     def _range(self, first: int, last: int) -> tuple[LayerProfile, ...]:
         if not 0 <= first < last <= len(self.layers):
             raise ShoalError(f"stage [{first}, {last}) is outside [0, {len(self.layers)})")

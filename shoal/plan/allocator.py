@@ -116,8 +116,8 @@ class _StageTable:
         net = scenario.network
         flops = np.array([d.flops for d in group])
         mem = np.array([d.memory for d in group])
-        hidden = prof.layers[0].out_act_bytes * sync.ratio("act", prof.dtype_bytes)
-        hidden_grad = prof.layers[0].out_act_bytes * sync.ratio("grad", prof.dtype_bytes)
+        hidden = prof.layers[0].out_act_bytes * sync.ratio("act", prof.dtype_bytes, *prof.act_shape)
+        hidden_grad = prof.layers[0].out_act_bytes * sync.ratio("grad", prof.dtype_bytes, *prof.act_shape)
         tokens = prof.tokens_per_micro_batch * 8
         n = len(group)
         if table is not None and not table.exact:
@@ -442,8 +442,8 @@ class StepBound:
         self.avail = {d.id: availability(d.mean_session_s, off) if churn else 1.0 for d in scenario.devices}
         prof = self.prof
         self.tokens = prof.tokens_per_micro_batch * 8
-        self.hidden = prof.layers[0].out_act_bytes * sync.ratio("act", prof.dtype_bytes)
-        self.hidden_grad = prof.layers[0].out_act_bytes * sync.ratio("grad", prof.dtype_bytes)
+        self.hidden = prof.layers[0].out_act_bytes * sync.ratio("act", prof.dtype_bytes, *prof.act_shape)
+        self.hidden_grad = prof.layers[0].out_act_bytes * sync.ratio("grad", prof.dtype_bytes, *prof.act_shape)
         self.rates: dict[tuple, tuple[float, float, float]] = {}  # per stage and context
         self.syncs: dict[tuple, float] = {}
         self.per_worker: dict[tuple, dict[str, float]] = {}  # stage context -> worker -> t_d
@@ -711,8 +711,8 @@ def stage_count_bound(scenario: Scenario, sync: SyncPolicy, prof: ModelProfile |
     if not workers or not hosts or any(d.can_host_server for d in workers):
         rates = None
     else:
-        hidden = prof.layers[0].out_act_bytes * sync.ratio("act", prof.dtype_bytes)
-        hidden_grad = prof.layers[0].out_act_bytes * sync.ratio("grad", prof.dtype_bytes)
+        hidden = prof.layers[0].out_act_bytes * sync.ratio("act", prof.dtype_bytes, *prof.act_shape)
+        hidden_grad = prof.layers[0].out_act_bytes * sync.ratio("grad", prof.dtype_bytes, *prof.act_shape)
         tokens = prof.tokens_per_micro_batch * 8
         down = np.array([d.down for d in workers])
         up = np.array([d.up for d in workers])

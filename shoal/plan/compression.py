@@ -44,10 +44,11 @@ Codecs (see ``docs/sync-policies.md``):
   channel) is sent as its channel means, ``k = min(PC_RANK, C)`` directions over the channels and
   each row's ``k`` coefficients on them (all bf16), then ``quad`` of what they leave:
   ``2 C + 2 k C + 2 k R + (2 + TERN_BLOCK / 4) n_blocks`` bytes, 2.125 + 16 / R + 16 k / R +
-  16 k / C bits per element (2.70 at R 1,024, C 128). The planner's per-element rate charges
-  ``quad`` plus the coefficients of a 128-channel tensor (2.625 bits: exact for C 128 on many rows,
-  above the bytes for wider tensors on many rows); act only. ``act=quad-pc,grad=tern-dither`` is
-  3.52 bits at R 1,024, C 128: 9.1x smaller than bf16.
+  16 k / C bits per element (2.70 at R 1,024, C 128). The cost model and the simulator charge
+  these bytes at the activation's shape (a micro-batch's tokens by the model's width,
+  ``ModelProfile.act_shape``); without a shape, ``quad`` plus a 128-channel tensor's coefficients
+  (2.625 bits). ``act=quad-pc,grad=tern-dither`` is 3.52 bits at R 1,024, C 128: 9.1x smaller
+  than bf16.
 
 Traffic kinds: ``act`` (activations sent forward), ``grad`` (activation gradients sent
 backward), ``push`` (gradient or pseudo-gradient pushes to the server), ``pull`` (weight pulls
@@ -207,8 +208,12 @@ def sparse_kept_per_chunk(rho: float) -> int:
     return max(1, math.ceil(rho * SPARSE_CHUNK - 1e-9))
 
 
-def bytes_per_element(codec: str, raw_bytes: int) -> float:
-    """Wire bytes per tensor element of ``codec`` for a tensor held in ``raw_bytes``-wide floats."""
+def bytes_per_element(codec: str, raw_bytes: int, rows: int = 0, channels: int = 0) -> float:
+    """Wire bytes per tensor element of ``codec`` for a tensor held in ``raw_bytes``-wide floats.
+
+    ``rows`` x ``channels``: an activation's shape (tokens of a micro-batch, the model's width),
+    for ``quad-pc``, whose per-row coefficients and per-tensor means and directions cost more
+    per element on narrow tensors; 0: a 128-channel tensor of many rows."""
     name, _, arg = codec.partition(":")
     if name == "none":
         return float(raw_bytes)
@@ -225,6 +230,8 @@ def bytes_per_element(codec: str, raw_bytes: int) -> float:
         return (k * (SPARSE_INDEX_BITS + bits) / 8.0 + 2.0) / SPARSE_CHUNK
     if name == "tern-dither":  # a large tensor's rate: the 8-byte seed is once per tensor
         return (act_nbytes(name, 1 << 20) - TD_SEED_BYTES) / (1 << 20)
+    if name == "quad-pc" and rows > 0 and channels > 0:
+        return act_nbytes(name, rows * channels, channels) / (rows * channels)
     if name == "quad-pc":  # quad, plus the coefficients of a 128-channel tensor (means, directions: per tensor)
         return act_nbytes("quad", TERN_BLOCK * TERN_PER_BYTE) / (TERN_BLOCK * TERN_PER_BYTE) + 2 * PC_RANK / TERN_BLOCK
     if name in ACT_ONLY:
@@ -232,6 +239,7 @@ def bytes_per_element(codec: str, raw_bytes: int) -> float:
     raise ShoalError(f"unknown codec {codec!r}; choose one of: {', '.join(CODECS)}")
 
 
-def wire_ratio(codec: str, raw_bytes: int) -> float:
-    """Bytes on the wire / bytes in the compute dtype for ``codec`` (1.0 for ``none``)."""
-    return bytes_per_element(codec, raw_bytes) / raw_bytes
+def wire_ratio(codec: str, raw_bytes: int, rows: int = 0, channels: int = 0) -> float:
+    """Bytes on the wire / bytes in the compute dtype for ``codec`` (1.0 for ``none``); ``rows``
+    and ``channels`` as in :func:`bytes_per_element`."""
+    return bytes_per_element(codec, raw_bytes, rows, channels) / raw_bytes

@@ -661,8 +661,8 @@ def _stage_rows(st, first: bool, last: bool, nxt_id: str | None, prv_id: str | N
     fwd, bwd = prof.fwd_flops(a, b), prof.bwd_flops(a, b)
     if options.recompute and not last:
         bwd += fwd
-    hidden = prof.layers[0].out_act_bytes * sync.ratio("act", prof.dtype_bytes)
-    hidden_grad = prof.layers[0].out_act_bytes * sync.ratio("grad", prof.dtype_bytes)
+    hidden = prof.layers[0].out_act_bytes * sync.ratio("act", prof.dtype_bytes, *prof.act_shape)
+    hidden_grad = prof.layers[0].out_act_bytes * sync.ratio("grad", prof.dtype_bytes, *prof.act_shape)
     in_bytes = tokens if first else hidden
     if last:
         in_bytes += tokens
@@ -1348,7 +1348,7 @@ def round_chunk_delays(sub: Plan, scenario: Scenario, costs: list[StageCost], pr
         g_push = pb * sync.ratio("push", prof.dtype_bytes)
         g_pull = pb * sync.ratio("pull", prof.dtype_bytes)
         n_up = (i < n - 1) + (i > 0)
-        up_bytes = ((i < n - 1) * sync.ratio("act", prof.dtype_bytes) + (i > 0) * sync.ratio("grad", prof.dtype_bytes)) \
+        up_bytes = ((i < n - 1) * sync.ratio("act", prof.dtype_bytes, *prof.act_shape) + (i > 0) * sync.ratio("grad", prof.dtype_bytes, *prof.act_shape)) \
             * hidden
         n_down = 2 if i < n - 1 else 1
         host = dev[st.server]

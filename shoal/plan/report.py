@@ -139,10 +139,10 @@ def idle_reason(d: Device, plan: Plan, scenario: Scenario, step_s: float,
         up = min(link.bandwidth, d.up)
         down = min(link.bandwidth, d.down)
         act = prof.layers[0].out_act_bytes
-        up_bytes = (0 if b == n else act * plan.sync.ratio("act", prof.dtype_bytes)) + \
-            (0 if a == 0 else act * plan.sync.ratio("grad", prof.dtype_bytes))
-        down_bytes = (prof.tokens_per_micro_batch * 8 if a == 0 else act * plan.sync.ratio("act", prof.dtype_bytes)) + \
-            (prof.tokens_per_micro_batch * 8 if b == n else act * plan.sync.ratio("grad", prof.dtype_bytes))
+        up_bytes = (0 if b == n else act * plan.sync.ratio("act", prof.dtype_bytes, *prof.act_shape)) + \
+            (0 if a == 0 else act * plan.sync.ratio("grad", prof.dtype_bytes, *prof.act_shape))
+        down_bytes = (prof.tokens_per_micro_batch * 8 if a == 0 else act * plan.sync.ratio("act", prof.dtype_bytes, *prof.act_shape)) + \
+            (prof.tokens_per_micro_batch * 8 if b == n else act * plan.sync.ratio("grad", prof.dtype_bytes, *prof.act_shape))
         lease = (1 if b == n else 2) * 2 * link.latency
         io = up_bytes / up + down_bytes / down + lease
         pb = prof.param_bytes(a, b)

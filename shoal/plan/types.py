@@ -17,9 +17,9 @@ from shoal.plan.compression import wire_ratio
 
 
 @functools.lru_cache(maxsize=256)
-def _codec_ratio(codec: str, dtype_bytes: int) -> float:
-    """``wire_ratio`` memoised: a pure function of a handful of (codec, dtype size) pairs."""
-    return wire_ratio(codec, dtype_bytes)
+def _codec_ratio(codec: str, dtype_bytes: int, rows: int = 0, channels: int = 0) -> float:
+    """``wire_ratio`` memoised: a pure function of a handful of (codec, dtype size, shape) keys."""
+    return wire_ratio(codec, dtype_bytes, rows, channels)
 
 
 @dataclass(frozen=True)
@@ -192,14 +192,16 @@ class SyncPolicy:
         """Whether workers train local replicas between syncs."""
         return self.mode == "local"
 
-    def ratio(self, kind: str, dtype_bytes: int) -> float:
-        """Wire bytes / raw bytes of traffic ``kind`` (act, grad, push, pull) under this policy."""
+    def ratio(self, kind: str, dtype_bytes: int, rows: int = 0, channels: int = 0) -> float:
+        """Wire bytes / raw bytes of traffic ``kind`` (act, grad, push, pull) under this policy;
+        ``rows`` x ``channels``: the activation's shape (``ModelProfile.act_shape``), which sets
+        what ``quad-pc`` costs per element (0: a 128-channel tensor of many rows)."""
         # The cost model asks this several times per stage of every candidate plan: no dict
         # built per call, and the codec's ratio memoised (see _codec_ratio).
         if kind == "act":
-            return _codec_ratio(self.act_codec, dtype_bytes) * self.act_compression
+            return _codec_ratio(self.act_codec, dtype_bytes, rows, channels) * self.act_compression
         if kind == "grad":
-            return _codec_ratio(self.grad_codec, dtype_bytes) * self.act_compression
+            return _codec_ratio(self.grad_codec, dtype_bytes, rows, channels) * self.act_compression
         if kind == "push":
             return _codec_ratio(self.push_codec, dtype_bytes) * self.grad_compression
         if kind == "pull":

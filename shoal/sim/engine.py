@@ -276,7 +276,7 @@ class Simulator:
         self._links: dict[tuple[str, str], tuple[float, float]] = {}
         pol = plan.sync
         db = wl.dtype_bytes
-        ac, gc = pol.ratio("act", db), pol.ratio("grad", db)
+        ac, gc = pol.ratio("act", db, *self.prof.act_shape), pol.ratio("grad", db, *self.prof.act_shape)
         push_r, pull_r = pol.ratio("push", db), pol.ratio("pull", db)
         # a joiner pulls whole weights, not a sparse delta: top-k pulls cost int8 there
         join_r = pull_r if not pol.pull_codec.startswith("topk") else wire_ratio("int8", db) * pol.grad_compression
