@@ -49,24 +49,29 @@ def launch_run(out: Path, steps: int, stages: int, workers: int, base: dict, **s
     return {"recs": read_jsonl(out / "metrics.jsonl"), "summary": summary}
 
 
-def log_counts(out: Path) -> tuple[int, int]:
-    """(pseudo-gradient pushes taken, pulls of a merge) in the workers' logs."""
+def log_counts(out: Path, last: int = 0) -> tuple[int, int]:
+    """(pseudo-gradient pushes taken, pulls of a merge) in the workers' logs; pushes for round
+    ``last`` and later left out (0: none)."""
     import re
 
     pushes = pulls = 0
     for p in (out / "logs").glob("worker*.log"):
         text = p.read_text()
-        pushes += len(re.findall(r"sent its pseudo-gradient for v", text))
+        pushes += len([v for v in re.findall(r"sent its pseudo-gradient for v(\d+)", text)
+                       if not last or int(v) < last])
         pulls += len([v for v in re.findall(r"pulled merged weights v(\d+)", text) if int(v) > 0])
     return pushes, pulls
 
 
-def per_round_bytes(summary: dict, out: Path) -> dict[str, float]:
+def per_round_bytes(summary: dict, out: Path, steps: int) -> dict[str, float]:
     """Bytes of one push and one pull of a merge (wire, and the stage in dense bf16) from the
-    run's counters; pushes and pulls counted in the logs."""
+    run's counters; pushes and pulls counted in the logs. With ``sparse`` pushes the run's last
+    round is dense (``shoal.runtime.sync.codecs.dense_round``): its raw pushes are shown apart."""
     by = summary["bytes_by_codec"]
-    pushes, pulls = log_counts(out)
-    push = {k: sum(c[k] for c in by.get("grad_push", {}).values()) for k in ("raw", "wire")}
+    gp = by.get("grad_push", {})
+    sparse_push = "sparse" in gp
+    pushes, pulls = log_counts(out, last=steps if sparse_push else 0)
+    push = gp["sparse"] if sparse_push else {k: sum(c[k] for c in gp.values()) for k in ("raw", "wire")}
     wp = by.get("weight_pull", {})
     sparse = "sparse" in wp
     # Uncompressed: every pull is the stage in fp32 (the first pulls of version 0 included).
@@ -76,6 +81,7 @@ def per_round_bytes(summary: dict, out: Path) -> dict[str, float]:
         "pushes": pushes, "push_wire": push["wire"] / max(1, pushes), "push_bf16": push["raw"] / 2 / max(1, pushes),
         "pulls": pulls, "pull_wire": upd["wire"] / n_upd, "pull_bf16": upd["raw"] / 2 / n_upd,
         "fp32_pull_bytes": wp.get("raw", {}).get("wire", 0) if sparse else 0,
+        "last_round_push_bytes": gp.get("raw", {}).get("wire", 0) if sparse_push else 0,
     }
 
 
@@ -85,18 +91,20 @@ def bytes_main(args) -> int:
             "local H=4 sparse:0.01:4": dict(compression="sparse:0.01:4")}
     print(f"tiny, S=2, W=4, --sync local --sync-every 4, {args.steps} steps, loopback; per worker per round\n")
     print("| run | pushes | B per push (wire) | stage in dense bf16 | bf16 / push | pulls of a merge | B per pull (wire) | "
-          "stage in dense bf16 | bf16 / pull | fp32 pulls of the chain starts, B per worker |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "stage in dense bf16 | bf16 / pull | fp32 pulls of the chain starts, B per worker | "
+          "the last round's dense pushes, B per worker |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     res = {}
     for name, extra in rows.items():
         print(f"running {name} ...", file=sys.stderr, flush=True)
         folder = out / name.replace(" ", "_").replace("=", "").replace(":", "_")
         r = launch_run(folder, args.steps, 2, 4, BYTES_RUN, sync="local", sync_every=4, **extra)
-        b = per_round_bytes(r["summary"], folder)
+        b = per_round_bytes(r["summary"], folder, args.steps)
         res[name] = b
         print(f"| {name} | {b['pushes']} | {b['push_wire']:,.0f} | {b['push_bf16']:,.0f} | "
               f"{b['push_bf16'] / b['push_wire']:.1f}x | {b['pulls']} | {b['pull_wire']:,.0f} | {b['pull_bf16']:,.0f} | "
-              f"{b['pull_bf16'] / b['pull_wire']:.1f}x | {b['fp32_pull_bytes'] / 4:,.0f} |")
+              f"{b['pull_bf16'] / b['pull_wire']:.1f}x | {b['fp32_pull_bytes'] / 4:,.0f} | "
+              f"{b['last_round_push_bytes'] / 4:,.0f} |")
     (out / "bytes.json").write_text(json.dumps(res, indent=1))
     return 0
 
@@ -126,6 +134,24 @@ def wall_curve(recs: list[dict]) -> list[float]:
 
 def tail_loss(recs: list[dict], n: int = 10) -> float:
     return statistics.fmean(r["loss"] for r in recs[-n:])
+
+
+def final_val(run_dir: Path) -> float:
+    """Validation loss of the run's final weights (its stage servers' last checkpoint: in local
+    mode the merged weights, the model the run produces) on 8 held-out micro-batches."""
+    from shoal.data import load_data
+    from shoal.hf.export import latest_weights
+    from shoal.model.transformer import build_stage
+    from shoal.train.config import TrainConfig
+    from shoal.train.local import evaluate, val_micro_batches
+
+    _, cfg, state = latest_weights(run_dir)
+    model = build_stage(cfg, 0, cfg.n_total_layers, SWEEP_RUN["seed"])
+    model.load_state_dict(state)
+    b, t = SWEEP_RUN["micro_batch_size"], SWEEP_RUN["seq_len"]
+    tc = TrainConfig(model=SWEEP_RUN["model"], micro_batch_size=b, seq_len=t, seed=SWEEP_RUN["seed"])
+    data = load_data(tc.data_config(), cfg.vocab_size)
+    return evaluate(model, val_micro_batches(data, SWEEP_RUN["seed"], 8, b, t))
 
 
 def plot(results: dict[str, dict], path: Path, title: str) -> None:
@@ -176,15 +202,21 @@ def sweep_main(args) -> int:
     print(f"\ntiny, S=1, W={args.workers}, M={SWEEP_RUN['micro_batches']} x {SWEEP_RUN['micro_batch_size']} x "
           f"{SWEEP_RUN['seq_len']} tokens, built-in corpus, {args.steps} steps ({tok:,} tokens, equal in every "
           "run); loss = mean of the last 10 steps (the same batches in every run)\n")
-    print("| run | final loss | / local uncompressed (same H) | / exact | train wall s |")
-    print("|---|---|---|---|---|")
+    vals = {name: final_val(out / name.replace(" ", "_").replace("=", "").replace(":", "_")) for name in results}
+    print("| run | final loss | / local uncompressed (same H) | / exact | val of the final weights | "
+          "/ local | / exact | train wall s |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, res in results.items():
         fin = tail_loss(res["recs"])
         parts = name.split()
-        base = results.get(" ".join(p for p in parts if "sparse" not in p)) if name.startswith("local") else None
+        base_name = " ".join(p for p in parts if "sparse" not in p) if name.startswith("local") else None
+        base = results.get(base_name) if base_name else None
         rel = f"{fin / tail_loss(base['recs']):.4f}" if base is not None and base is not res else "-"
         ex = f"{fin / ref_exact:.4f}" if ref_exact else "-"
-        print(f"| {name} | {fin:.4f} | {rel} | {ex} | {wall_curve(res['recs'])[-1]:.0f} |")
+        vrel = f"{vals[name] / vals[base_name]:.4f}" if base is not None and base is not res else "-"
+        vex = f"{vals[name] / vals['exact']:.4f}" if "exact" in vals else "-"
+        print(f"| {name} | {fin:.4f} | {rel} | {ex} | {vals[name]:.4f} | {vrel} | {vex} | "
+              f"{wall_curve(res['recs'])[-1]:.0f} |")
     png = out / "sparse_sweep.png"
     plot(results, png, f"tiny on the built-in corpus, S=1, W={args.workers}: exact vs local vs local + sparse")
     print(f"\nplot: {png}")

@@ -19,6 +19,9 @@ A run is words separated by spaces, runs by ``;``: ``exact`` or ``local``, ``h=H
 ``mu=OUTER_MOMENTUM`` (defaults 1 and 0). Variants the runtime does not have, tried against
 the runtime's scheme (bench/results/sparse-sync.md):
 
+* ``flush=1``: the run's last round is dense (every pseudo-gradient whole, plus a worker's
+  error-feedback residual unless ``keep=1``; the server adds its pull residual), as the runtime
+  does with ``sparse`` pushes (``keep=1 flush=1`` is the runtime's scheme since 2026-12-02);
 * ``keep=1``: after a merge a replica keeps what its own push did not carry (replica = merged
   weights minus its residual) instead of restarting from the merged weights;
 * ``decay=B``: the worker's error-feedback residual is multiplied by ``B`` before each push;
@@ -47,7 +50,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def parse_run(text: str) -> dict:
-    run = dict(mode="exact", h=4, push="none", pull="none", lr=1.0, mu=0.0, keep=0, decay=1.0, ef21=0)
+    run = dict(mode="exact", h=4, push="none", pull="none", lr=1.0, mu=0.0, keep=0, decay=1.0, ef21=0, flush=0)
     for word in text.split():
         if word in ("exact", "local"):
             run["mode"] = word
@@ -61,7 +64,7 @@ def parse_run(text: str) -> dict:
                 run["h"] = int(v)
             elif k in ("lr", "mu", "decay"):
                 run[k] = float(v)
-            elif k in ("keep", "ef21"):
+            elif k in ("keep", "ef21", "flush"):
                 run[k] = int(v)
             else:
                 raise SystemExit(f"unknown knob {k}")
@@ -118,7 +121,14 @@ def simulate(run: dict, steps: int, workers: int = 2, m: int = 4, mbs: int = 4, 
     from shoal.data import get_micro_batch, load_data
     from shoal.model.transformer import build_stage
     from shoal.net.compress import ErrorFeedback
-    from shoal.runtime.sync.codecs import UpdatePulls, runtime_codec, split_stage_frame, stage_frame
+    from shoal.runtime.sync.codecs import (
+        STAGE_FRAME,
+        UpdatePulls,
+        runtime_codec,
+        split_flat,
+        split_stage_frame,
+        stage_frame,
+    )
     from shoal.train.config import TrainConfig
     from shoal.train.local import evaluate, val_micro_batches
     from shoal.train.optim import (
@@ -182,8 +192,15 @@ def simulate(run: dict, steps: int, workers: int = 2, m: int = 4, mbs: int = 4, 
         rec = {"step": step, "loss": statistics.fmean(losses), "t": time.perf_counter() - t0}
         if local and is_sync_step(step, run["h"], steps):
             deltas = {}
+            last = run["flush"] and step == steps - 1
             for ri, rep in enumerate(reps):
                 d = {n: anchor[ri][n] - p.detach() for n, p in rep.named_parameters()}
+                if last:
+                    r = efs[ri].residual(STAGE_FRAME) if efs[ri] is not None and not run["keep"] else None
+                    if r is not None:  # the worker's unsent residual goes too, dense
+                        d = {n: d[n] + e for n, e in split_flat(r, sp).items()}
+                    deltas[f"w{ri}"] = d
+                    continue
                 if push.startswith("stride"):
                     d = strided(d, push, step // run["h"], sef, ri)
                 elif run["ef21"]:
@@ -208,7 +225,11 @@ def simulate(run: dict, steps: int, workers: int = 2, m: int = 4, mbs: int = 4, 
                 deltas[f"w{ri}"] = d
             shares = merge_weights({f"w{ri}": counts[ri] for ri in range(n_rep)})
             delta = weighted_sum(deltas, shares)
-            if pull.startswith("stride"):
+            if last:  # the dense round: merged exactly, then what the pulls still owed
+                outer_nesterov_step({n: p.data for n, p in sp.items()}, delta, outer_m, run["lr"], run["mu"])
+                if up is not None:
+                    up.flush({n: p.data for n, p in sp.items()})
+            elif pull.startswith("stride"):
                 update = outer_nesterov_update(delta, outer_m, run["lr"], run["mu"])
                 dec = strided({n: -u for n, u in update.items()}, pull, step // run["h"], sef, "server")
                 with torch.no_grad():
@@ -249,15 +270,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=240)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0, help="model init and data order")
     ap.add_argument("--runs", required=True, help="';'-separated runs (see the module docstring)")
     ap.add_argument("--out", default=None, help="JSON file to add the results to (runs in it are not run again)")
     ap.add_argument("--plot", default=None, help="PNG of loss against tokens of the runs (with --out)")
     args = ap.parse_args(argv)
     saved = json.loads(Path(args.out).read_text()) if args.out and Path(args.out).exists() else {}
     for text in args.runs.split(";"):
-        name = f"{text.strip()} steps={args.steps} W={args.workers}"
+        name = f"{text.strip()} steps={args.steps} W={args.workers}" + (f" seed={args.seed}" if args.seed else "")
         if name not in saved:
-            res = simulate(parse_run(text), args.steps, args.workers)
+            res = simulate(parse_run(text), args.steps, args.workers, seed=args.seed)
             saved[name] = {"final": res["final"], "val": res["val"], "loss": [r["loss"] for r in res["recs"]],
                            "t": res["recs"][-1]["t"]}
             if args.out:
@@ -265,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         r = saved[name]
         print(f"{name:60s} final {r['final']:.4f} val {r['val']:.4f} ({r['t']:.0f} s)", flush=True)
     if args.plot:
-        plot(saved, [f"{t.strip()} steps={args.steps} W={args.workers}" for t in args.runs.split(";")], args.plot)
+        plot(saved, [f"{t.strip()} steps={args.steps} W={args.workers}" + (f" seed={args.seed}" if args.seed else "")
+                     for t in args.runs.split(";")], args.plot)
     return 0
 
 

@@ -126,6 +126,45 @@ def test_update_pulls_carry_the_server_residual():
     r_before = up.ef.residual(STAGE_FRAME).norm()
     up.merge(w, None, (29, 0, 0), (30, 0, 0), 0, 1)
     assert up.ef.residual(STAGE_FRAME).norm() < r_before
+    # The run's last, dense round: what the pulls still owed goes into the weights, and the
+    # chain ends (a worker holding v30 gets the weights in fp32, not an update).
+    chain = up.chain
+    up.flush(w)
+    assert torch.allclose(-w["a"].double(), total, atol=1e-5) and up.ef.residual(STAGE_FRAME) is None
+    full = pb.WeightsReply.FromString(up.reply(chain, 30, w))
+    assert not full.compress_delta and {f.codec for f in full.params} == {"raw"}
+
+
+def test_replica_keeps_what_its_push_left_and_the_last_round_is_dense():
+    """keeps_residual: a sparse push's pseudo-gradient is not topped up from an error-feedback
+    buffer; what it leaves is kept for the replica (pushed + kept = the pseudo-gradient). The
+    run's last round (dense_round) pushes the whole pseudo-gradient raw."""
+    from shoal.net.wire import decode_tensor
+    from shoal.runtime.sync.codecs import dense_round, keeps_residual
+
+    assert keeps_residual("sparse:0.01:2") and not keeps_residual("int8") and not keeps_residual("raw")
+    assert [dense_round(v, 40, "sparse") for v in (4, 39, 40)] == [False, False, True]
+    assert not dense_round(40, 40, "int8")
+    w = _local_worker("sparse", "w")
+    torch.manual_seed(3)
+    w.anchor = {n: p.detach().clone() for n, p in w.params.items()}
+    with torch.no_grad():
+        for p in w.params.values():
+            p.add_(1e-3 * torch.randn_like(p))
+    deltas = {n: w.anchor[n] - p.detach() for n, p in w.params.items()}
+    for round_v in (4, 8):  # the second push again carries no residual of the first
+        msg, _ = w._pseudo_message(0, round_v - 1, 0, round_v)
+        assert [(f.name, f.codec) for f in msg.grads] == [(STAGE_FRAME, "sparse")] and not msg.local_weights
+        sent = split_stage_frame(msg.grads[0], w.params)
+        epoch, kept_round, kept = w.pseudo_kept
+        assert (epoch, kept_round) == (0, round_v) and w.pseudo_ef.residual(STAGE_FRAME) is None
+        for n, d in deltas.items():
+            assert torch.allclose(sent[n] + kept[n], d, atol=1e-7)
+        assert sum(int((t != 0).sum()) for t in sent.values()) < sum(t.numel() for t in deltas.values()) // 50
+    msg, _ = w._pseudo_message(0, 39, 0, 40)  # steps=40: the last round
+    assert {f.codec for f in msg.grads} == {"raw"} and len(msg.grads) == len(deltas)
+    for f in msg.grads:
+        assert torch.equal(decode_tensor(f), deltas[f.name])
 
 
 def test_a_resumed_server_sends_what_its_pulls_still_owed(tmp_path):
@@ -213,8 +252,22 @@ def test_local_sparse_swarm_replicas_equal_server_and_bytes(tmp_path):
             checked += len(ds)
     assert checked >= 4, pulled
     by_codec = summary["bytes_by_codec"]
-    assert set(by_codec["grad_push"]) == {"sparse"}, by_codec["grad_push"]
+    # Rounds 2-6 push sparse frames; the last (8) is dense (dense_round): raw, one a worker.
+    sent = [int(v) for p in (out / "logs").glob("worker*.log")
+            for v in re.findall(r"sent its pseudo-gradient for v(\d+)", p.read_text())]
+    assert set(by_codec["grad_push"]) == {"sparse", "raw"}, by_codec["grad_push"]
+    assert by_codec["grad_push"]["sparse"]["messages"] == len([v for v in sent if v < 8]), (by_codec, sent)
+    from shoal.model.config import get_preset
+    from shoal.model.transformer import build_stage
+
+    cfg = get_preset("tiny")
+    with torch.device("meta"):
+        model_bytes = 4 * sum(p.numel() for p in build_stage(cfg, 0, cfg.n_total_layers, init=False).parameters())
+    raw = by_codec["grad_push"]["raw"]
+    assert 0 < raw["wire"] == raw["raw"] <= sent.count(8) * model_bytes, (raw, sent, model_bytes)
     assert by_codec["weight_pull"]["sparse"]["messages"] > 0
+    # the last round's whole pseudo-gradients are judged as such: no honest worker is banned
+    assert not [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "ban"]
     print(json.dumps(by_codec, indent=1))
 
 

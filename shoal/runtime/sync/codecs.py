@@ -158,6 +158,34 @@ def split_stage_frame(frame: pb.Tensor, params: dict[str, torch.Tensor], finite:
     return out
 
 
+def split_flat(flat: torch.Tensor, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A stage flattened in name order (a :func:`stage_frame`'s layout, e.g. its error-feedback
+    residual) as ``{name: tensor}`` shaped like ``params``."""
+    out, at = {}, 0
+    for n in sorted(params):
+        k = params[n].numel()
+        out[n] = flat.reshape(-1)[at:at + k].reshape(params[n].shape)
+        at += k
+    return out
+
+
+def keeps_residual(codec: str) -> bool:
+    """Whether a local-mode replica keeps what its push did not carry (pure): with ``sparse``
+    pushes the worker takes a round's unsent part off its replica when it restarts from the
+    merged weights (replica = merged weights minus the part), instead of holding it in an
+    error-feedback buffer while the replica forgets it; the next pseudo-gradient then carries
+    it. At 1 % density most coordinates move only through that part, so a replica that drops it
+    each round relearns it each round (bench/results/sparse-sync.md)."""
+    return codec.startswith("sparse")
+
+
+def dense_round(round_v: int, steps: int, codec: str) -> bool:
+    """Whether round ``round_v`` (the version its merge makes) of a ``steps``-step run goes dense
+    (pure): the run's last round when replicas keep their residuals, so the run ends with the
+    weights every replica's unsent part and the server's pull residual belong in."""
+    return keeps_residual(codec) and round_v >= steps
+
+
 def is_stage_frame(frames) -> bool:
     """Whether a message's frames are one :func:`stage_frame`."""
     return len(frames) == 1 and frames[0].name == STAGE_FRAME
@@ -325,6 +353,19 @@ class UpdatePulls:
             head.params.append(frame)
         self.key, self.head, self.base = new, (first, last), old[0]
         self.delta_bytes, self.full_bytes = head.SerializeToString(), None
+
+    def flush(self, params: dict[str, torch.Tensor]) -> None:
+        """Add what earlier merges' pulls did not carry to ``params`` (the run's last, dense
+        round) and end the chain: any later pull is the weights in fp32."""
+        import torch
+
+        r = self.ef.residual(STAGE_FRAME)
+        if r is not None:
+            with torch.no_grad():
+                for name, d in split_flat(r, params).items():
+                    params[name].copy_(params[name].detach().to("cpu", torch.float32) + d)
+        self.ef.reset()
+        self.chain, self.base, self.delta_bytes, self.full_bytes = uuid.uuid4().hex, -1, None, None
 
     def reply(self, have_chain: str, have_version: int, params: dict[str, torch.Tensor]) -> bytes:
         """The serialised pull for a worker holding ``(have_chain, have_version)``: the last

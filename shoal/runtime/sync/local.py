@@ -36,9 +36,13 @@ from shoal.net.wire import WireError, encode_tensor
 from shoal.runtime.common import optim_config, tensors_digest
 from shoal.runtime.safety.faults import poison, poisons
 from shoal.runtime.sync.codecs import (
+    STAGE_FRAME,
     UpdatePulls,
     compression_of_spec,
+    dense_round,
     is_stage_frame,
+    keeps_residual,
+    split_flat,
     split_stage_frame,
     stage_frame,
     uses_update_pulls,
@@ -94,6 +98,7 @@ class LocalServerMixin:
         self.local_merged = version  # version of the merged weights served
         self.local_round_mbs: dict[str, int] = {}  # micro-batches counted per worker this round
         self.local_round_lr: dict[str, float] = {}  # sum of the learning rates of each worker's inner steps this round
+        self.local_lr_total: dict[str, float] = {}  # that sum over every earlier round since this load
         self.local_sq: dict[str, tuple[int, float]] = {}  # worker -> (mbs, squared norm) this step
         self.local_sq_parts: dict[str, list[float]] = {}  # worker -> its per-parameter squared norms this step
         self.local_decision: tuple[int, float, float, bool] | None = None  # (step, lr, coef, skip)
@@ -287,6 +292,8 @@ class LocalServerMixin:
             "shares": {w: round(x, 9) for w, x in shares.items()}, "digest": digest, "screen": screened,
             **({"replicas": replicas} if replicas is not None else {})}, sort_keys=True))
         self.local_round_mbs = {}
+        for w, x in self.local_round_lr.items():
+            self.local_lr_total[w] = self.local_lr_total.get(w, 0.0) + x
         self.local_round_lr = {}
         self.local_expect = None
         self.local_got = {}
@@ -306,11 +313,17 @@ class LocalServerMixin:
         from shoal.runtime.safety.verify import round_measures
 
         lrs = {w: self.local_round_lr.get(w, 0.0) for w in self.local_got}
+        # The run's last round where replicas keep their residuals (dense_round) carries what
+        # every earlier round left: its norms are per unit of the learning rate since the
+        # worker's first round here, judged by the AdamW bound over that and by the round
+        # itself, never by the sparse rounds' history (a sent 1 % is a few per cent of the norm).
+        dense = dense_round(step + 1, self.spec.steps, compression_of_spec(self.spec).push)
+        per = {w: x + self.local_lr_total.get(w, 0.0) for w, x in lrs.items()} if dense else lrs
         norms, cosines = await asyncio.get_running_loop().run_in_executor(
-            None, round_measures, dict(self.local_got), lrs, self.guard_cfg.local_quorum)
-        history = getattr(self, "local_guard_norms", [])
-        bound = await asyncio.get_running_loop().run_in_executor(None, self._local_move_bound)
-        bounds = {w: bound for w in norms if bound is not None and lrs.get(w, 0.0) > 0}
+            None, round_measures, dict(self.local_got), per, self.guard_cfg.local_quorum)
+        history = [] if dense else getattr(self, "local_guard_norms", [])
+        bound = await asyncio.get_running_loop().run_in_executor(None, self._local_move_bound, dense)
+        bounds = {w: bound for w in norms if bound is not None and per.get(w, 0.0) > 0}
         if bound is not None:
             log.info("%s round screen: AdamW move bound %.6g per unit of learning rate (x%g flags)", self.name,
                      bound, self.guard_cfg.local_bound_margin)
@@ -326,7 +339,8 @@ class LocalServerMixin:
             self.local_got.pop(wid, None)
             log.info("%s holds %s's pseudo-gradient out of the merge of step %d: %s", self.name, wid, step, why)
         honest = [norms[w] for w in sorted(norms) if w not in bans and w not in held]
-        self.local_guard_norms = (history + honest)[-self.guard_cfg.history:]
+        if not dense:
+            self.local_guard_norms = (history + honest)[-self.guard_cfg.history:]
         return {w: [round(norms[w], 8), None if cosines[w] is None else round(cosines[w], 4),
                     None if refs.get(w) is None else round(refs[w], 4)] for w in norms}
 
@@ -352,16 +366,17 @@ class LocalServerMixin:
                 None, lambda: reference_cosines(self.module, self.spec, step, inputs, got,
                                                 first=self.is_first, last=self.is_last))
 
-    def _local_move_bound(self) -> float | None:
+    def _local_move_bound(self, dense: bool = False) -> float | None:
         """How far inner AdamW steps can move this stage per unit of learning rate
         (:func:`shoal.runtime.safety.guard.adamw_move_bound`, on the merged weights the round started
-        from); None where pushes are top-k (error feedback carries residuals across rounds)."""
+        from); None where pushes are top-k (error feedback carries residuals across rounds) unless
+        ``dense`` (the last round of kept residuals, judged per unit of the lr of every round)."""
         from shoal.runtime.safety.guard import adamw_move_bound
         from shoal.runtime.safety.verify import sq_norm
         from shoal.runtime.sync.codecs import compression_of_spec
 
         # (a pass over the stage's weights: runs in a thread)
-        if compression_of_spec(self.spec).wire("push").startswith(("topk", "sparse")):
+        if not dense and compression_of_spec(self.spec).wire("push").startswith(("topk", "sparse")):
             return None
         cfg = optim_config(self.spec)  # the workers' inner AdamW
         weights = {name: p.detach() for name, p in self.params.items()}
@@ -381,7 +396,10 @@ class LocalServerMixin:
         (:class:`shoal.runtime.sync.codecs.UpdatePulls`), not by the exact outer step."""
         shares = merge_weights({w: counts.get(w, 0) for w in self.local_got})
         delta = weighted_sum(self.local_got, shares)
-        if self.update_pulls is not None:
+        # The run's last round is dense (dense_round): merged exactly, then what the pulls still owe.
+        last = self.update_pulls is not None and dense_round(version, self.spec.steps,
+                                                             compression_of_spec(self.spec).push)
+        if self.update_pulls is not None and not last:
             update = None if delta is None else outer_nesterov_update(
                 delta, self.outer_m, self.spec.outer_lr, self.spec.outer_momentum)
             self.update_pulls.merge({n: p.data for n, p in self.params.items()}, update,
@@ -397,6 +415,8 @@ class LocalServerMixin:
         elif delta is not None:
             outer_nesterov_step({n: p.data for n, p in self.params.items()}, delta, self.outer_m,
                                 self.spec.outer_lr, self.spec.outer_momentum)
+        if last:
+            self.update_pulls.flush({n: p.data for n, p in self.params.items()})
         return tensors_digest({n: p.detach() for n, p in self.params.items()}), shares
 
     def _local_ckpt_due(self, merged: bool, decided: bool = False) -> bool:
@@ -428,6 +448,9 @@ class LocalWorkerMixin:
         # Compressed pseudo-gradients: what a round's push did not carry goes with the next one.
         push = compression_of_spec(self.spec).wire("push") if self.local else "raw"
         self.pseudo_ef = ErrorFeedback(push) if push != "raw" else None
+        # keeps_residual: (epoch, round, {name: tensor}) the last push did not carry, taken off
+        # the replica when it pulls that round's merge
+        self.pseudo_kept: tuple[int, int, dict[str, torch.Tensor]] | None = None
 
     def _hold_move(self) -> bool:
         """Whether to keep training on the current stage instead of moving to ``self.want`` now.
@@ -458,6 +481,7 @@ class LocalWorkerMixin:
             log.info("%s: voided by the server; dropping the replica's un-merged progress", self.opts.name)
             self.version = -1
             self.pending = None
+            self.pseudo_kept = None
             if self.pseudo_ef is not None:
                 self.pseudo_ef.reset()
         self.local_gen = rep.gen
@@ -474,6 +498,13 @@ class LocalWorkerMixin:
         self.pending = None
         log.info("%s pulled merged weights v%d digest %s", self.opts.name, self.version,
                  tensors_digest({n: t.cpu() for n, t in self.anchor.items()}))
+        kept, self.pseudo_kept = self.pseudo_kept, None
+        if kept is not None and kept[:2] == (self.weights_epoch, self.version):
+            # the merge of the round it pushed for: the replica keeps what that push did not carry
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    p.sub_(kept[2][n].to(p.device, p.dtype))
+            self.graphs.clear()  # graphs of the weights as pulled
 
     def _local_sum(self) -> tuple[dict[str, torch.Tensor], int]:
         """The accumulated gradient of the step in micro-batch order (plus any earlier report)."""
@@ -558,6 +589,7 @@ class LocalWorkerMixin:
                 log.info("%s: pseudo-gradient for v%d not taken (%s); resyncing", self.opts.name, round_v,
                          "lost" if res is None else res.reason)
                 self.version = -1
+                self.pseudo_kept = None
                 if self.pseudo_ef is not None:
                     self.pseudo_ef.reset()  # nothing of it was merged: its residual means nothing
 
@@ -567,6 +599,9 @@ class LocalWorkerMixin:
         msg = pb.GradPush(worker=self.member_id, step=step, epoch=epoch, gen=gen, local_round=round_v,
                           local_mbs=self.local_round_mbs)
         codec = self.pseudo_ef.codec if self.pseudo_ef is not None else "raw"
+        keep = keeps_residual(codec)
+        if dense_round(round_v, self.spec.steps, codec):
+            codec = "raw"  # the run's last round: the whole pseudo-gradient, what the replica kept included
         # Raw pushes at outer lr 1, momentum 0: the weights themselves (the merge is their mean, exactly).
         msg.local_weights = codec == "raw" and merges_weights(self.spec.outer_lr, self.spec.outer_momentum)
         deltas = {}
@@ -579,7 +614,14 @@ class LocalWorkerMixin:
             if msg.local_weights:
                 delta = p.detach().clone() if not poisoned else self.anchor[name] - delta
             deltas[name] = delta.cpu()
-        if codec.startswith("sparse"):  # the whole stage as one sparse vector
+        if codec.startswith("sparse") and keep:
+            # The pseudo-gradient already holds what the last push left (the replica kept it): no
+            # residual is added; what this push leaves is taken off the replica at the pull.
+            ef = ErrorFeedback(codec)
+            msg.grads.append(stage_frame(deltas, codec, ef))
+            left = ef.residual(STAGE_FRAME)
+            self.pseudo_kept = None if left is None else (epoch, round_v, split_flat(left, deltas))
+        elif codec.startswith("sparse"):  # the whole stage as one sparse vector
             msg.grads.append(stage_frame(deltas, codec, self.pseudo_ef))
         else:
             for name, delta in deltas.items():
