@@ -115,6 +115,12 @@ def test_launch_refuses_replicas_outside_local_mode(tmp_path):
                        micro_batches=4)
     cfg.validate()
     assert cfg.stages == 3
+    # sparse pulls, however they are spelled (the bare codec names every kind)
+    for comp in ("sparse", "pull=sparse", "push=sparse,pull=sparse:0.02:2"):
+        with pytest.raises(ShoalError, match="sparse pulls"):
+            LaunchConfig(out=str(tmp_path), model="tiny", replicas="1,1", sync="local", compression=comp).validate()
+    LaunchConfig(out=str(tmp_path), model="tiny", replicas="1,1", sync="local", compression="push=sparse,pull=int8",
+                 workers=2).validate()
 
 
 # ---------------------------------------------------------------------------- reference

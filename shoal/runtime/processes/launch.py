@@ -151,8 +151,10 @@ class LaunchConfig:
         if self.replicas:
             if self.sync != "local":
                 raise ShoalError("--replicas needs --sync local (replicas merge at the rounds of local mode)")
-            if self.compression and "pull=sparse" in self.compression:
-                raise ShoalError("--replicas does not run with sparse pulls yet; use pull=int8 or none")
+            from shoal.runtime.sync.codecs import parse_run_compression
+
+            if parse_run_compression(self.compression).pull.startswith("sparse"):
+                raise ShoalError("--replicas does not run with sparse pulls yet; use e.g. push=sparse,pull=int8")
 
     def _replica_plan(self) -> tuple[list[int], list[int]]:
         """(stages, micro-batches) of each replica of ``--replicas`` (a one-line ShoalError when bad)."""
