@@ -156,12 +156,44 @@ def test_results_larger_than_a_session_message_go_by_call_and_stay_exact(tmp_pat
     assert_equal_weights(out, reference)
 
 
-def test_a_session_carries_only_small_results():
-    from shoal.runtime.transport.session import SESSION_RESULT_BYTES, result_on_session
+def test_a_session_carries_only_results_it_sends_quickly():
+    import math
 
+    from shoal.runtime.transport.session import (
+        SESSION_HOLD_S,
+        SESSION_RESULT_BYTES,
+        result_on_session,
+    )
+
+    # the uplink's rate not known: at most 128 KB
     assert result_on_session(64 * 1024, 1 << 20)
-    assert not result_on_session(SESSION_RESULT_BYTES + 1, 1 << 20)  # would hold the stream on a slow uplink
-    assert not result_on_session(8 * 1024, 4 * 1024)  # more than one chunk
+    assert not result_on_session(SESSION_RESULT_BYTES + 1, 1 << 20)
+    assert not result_on_session(8 * 1024, 4 * 1024)  # more than one chunk, whatever the link
+    assert not result_on_session(8 * 1024, 4 * 1024, math.inf)
+    # measured: what the uplink sends in SESSION_HOLD_S (1 Mbit/s: 1.25 KB; 1 Gbit/s: 1.25 MB)
+    assert result_on_session(1_000, 1 << 20, 125_000) and not result_on_session(2_000, 1 << 20, 125_000)
+    assert result_on_session(1 << 20, 1 << 20, 125e6) and not result_on_session((1 << 20) + 1, 1 << 20, 125e6)
+    assert SESSION_HOLD_S * 125e6 >= 1 << 20
+    assert result_on_session(1 << 20, 1 << 20, math.inf)  # the same host: up to a chunk
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_results_over_128_kb_ride_the_session_on_loopback(tmp_path):
+    """Each activation here is 131 kB in fp32 (B 4, T 64, width 128): more than a session
+    carries on a link of unknown rate, but the workers measured their servers on this host, so
+    every result goes on the session, none by a call of its own."""
+    import re
+
+    from shoal.runtime.processes.launch import LaunchConfig, launch
+
+    out = tmp_path / "run"
+    summary = launch(LaunchConfig(out=str(out), model="tiny", micro_batches=4, micro_batch_size=4, seq_len=64,
+                                  seed=0, steps=2, stages=2, workers=2, timeout_s=280, ckpt_every=0))
+    assert summary["steps"] == 2
+    counts = [tuple(map(int, m.groups())) for p in (out / "logs").glob("server*.log")
+              for m in re.finditer(r"took (\d+) results on sessions and (\d+) by call", p.read_text())]
+    assert len(counts) == 2 and sum(s for s, _ in counts) >= 2 * 4 * 3 and all(c == 0 for _, c in counts), counts
 
 
 def reference_logs(tmp_path_factory):

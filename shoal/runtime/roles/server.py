@@ -198,7 +198,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         self.ckpt_signal = Signal()  # notified when a checkpoint file is complete (standby long-polls)
         self.tasks_per_worker: dict[str, int] = {}
         self.requeues = 0
-        self.stats = {"messages": 0, "bytes_in": 0}
+        self.stats = {"messages": 0, "bytes_in": 0, "results_on_session": 0, "results_by_call": 0}
         self._bg: set[asyncio.Task] = set()
         self.on_servers = None  # callback(list of stage server addresses), e.g. emulation
         self._stubs: dict[str, pbg.StageServerStub] = {}
@@ -508,6 +508,8 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
                     break
                 await asyncio.sleep(self.heartbeat_s)
         finally:
+            log.info("%s took %d results on sessions and %d by call", self.name, self.stats["results_on_session"],
+                     self.stats["results_by_call"])
             reaper.cancel()
             for t in list(self._bg):
                 t.cancel()
@@ -956,6 +958,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         info = self._worker(r.worker)
         self.stats["messages"] += 1
         self.stats["bytes_in"] += len(r.output.data)
+        self.stats["results_by_call" if context is not None else "results_on_session"] += 1
         prev = self.completed.get(r.lease_id)
         if prev is not None and prev[:3] == (r.worker, r.epoch, r.step):
             # A retried upload whose first attempt landed (its reply was lost): taken once already.

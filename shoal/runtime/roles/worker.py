@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -245,6 +246,7 @@ class Worker(LocalWorkerMixin):
         self.first = self.last = 0
         self.want: tuple[int, int, int, str] | None = None  # assignment from the last heartbeat
         self.server_addr = ""
+        self.uplinks: dict[str, float | None] = {}  # server address -> measured uplink bytes/s (inf: same host)
         self.done = False
         self.held: set[int] = set()
         self.version = -1
@@ -328,6 +330,8 @@ class Worker(LocalWorkerMixin):
             memory=device_memory(self.opts.compute_device), flops=flops,
             links=[lf.to_pb() for lf in links], measure_s=time.perf_counter() - t0), timeout=30)
         self.measure_done = want
+        # each server's uplink rate, for which results fit on a session (result_on_session)
+        self.uplinks = {lf.target: math.inf if lf.same_host else (lf.up_bps or None) for lf in links}
         self._reset_observed()
         log.info("%s measured: %.3g FLOP/s, %s", self.opts.name, flops,
                  ", ".join(f"{lf.target} rtt {lf.rtt_s * 1e3:.1f} ms up {lf.up_bps / 1e6:.2f} MB/s "
@@ -956,7 +960,7 @@ class Worker(LocalWorkerMixin):
         is registered with (None: not attached; local mode and prefetch ask on their own)."""
         if self.local or self.ahead is not None or not self.session_ok:
             return None
-        if not result_on_session(payload_bytes(result) + 1024, self.chunk_bytes):
+        if not result_on_session(payload_bytes(result) + 1024, self.chunk_bytes, self.uplinks.get(self.server_addr)):
             return None  # the result goes by a call of its own; the request on the session, alone
         sess = self.sessions.get(id(server))
         if sess is None or not sess.alive:
@@ -1021,7 +1025,8 @@ class Worker(LocalWorkerMixin):
             data = await serialised(result)
             for attempt in range(1, self.opts.upload_attempts + 1):
                 try:
-                    sess = self._session(server) if result_on_session(len(data), self.chunk_bytes) else None
+                    sess = (self._session(server) if result_on_session(len(data), self.chunk_bytes,
+                                                                       self.uplinks.get(self.server_addr)) else None)
                     if result.HasField("next") and sess is not via:
                         # The attached lease request belongs to a session that is gone (or to
                         # none): it fails there and is asked again; the result goes alone.

@@ -32,12 +32,24 @@ from shoal.runtime.transport.frames import off_loop, payload_bytes
 # queued behind a large result (the next lease request, a renewal) waits for all of it, which
 # on a slow uplink costs the overlap of the upload with the next task. Larger results go by a
 # call of their own (their own HTTP/2 stream) and the session keeps the control messages.
-SESSION_RESULT_BYTES = 128 * 1024
+SESSION_RESULT_BYTES = 128 * 1024  # most bytes of a result on the session when the uplink's rate is not known
+SESSION_HOLD_S = 0.01  # longest a result may hold the session at the uplink's measured rate
 
 
-def result_on_session(nbytes: int, chunk_bytes: int) -> bool:
-    """Whether a result of ``nbytes`` serialised bytes goes on the session (pure)."""
-    return nbytes <= min(SESSION_RESULT_BYTES, chunk_bytes)
+def result_on_session(nbytes: int, chunk_bytes: int, up_bps: float | None = None) -> bool:
+    """Whether a result of ``nbytes`` serialised bytes goes on the session (pure).
+
+    A session is one stream: a lease request or renewal behind a result waits for all of it,
+    so a result goes there only when it is one chunk and its upload takes at most
+    :data:`SESSION_HOLD_S` at the worker's measured uplink to the server (``up_bps``;
+    ``math.inf``: the same host), else (rate not known) when it is at most
+    :data:`SESSION_RESULT_BYTES`. Larger results go by a call of their own, which costs the
+    server about a third more CPU than a session message (bench/results/stream.md)."""
+    if nbytes > chunk_bytes:
+        return False
+    if up_bps is None or up_bps <= 0:
+        return nbytes <= SESSION_RESULT_BYTES
+    return nbytes <= up_bps * SESSION_HOLD_S
 
 
 UP_KINDS = {"LeaseRequest": pb.LeaseRequest, "TaskResult": pb.TaskResult, "RenewRequest": pb.RenewRequest}
