@@ -92,23 +92,18 @@ def test_planner_and_simulator_charge_quad_pc_at_the_models_width():
     # channels, not per 128 as on tiny. Only act and grad change between the runs, so the bytes
     # saved against the uncompressed run are in the ratio of the codecs' savings per element,
     # and those are the encoder's bytes at the activation's real shape.
+    from helpers.scenarios import act_codec_link_bytes
+
     from shoal.model.config import get_preset
     from shoal.plan import load_scenario, make_plan
     from shoal.plan.compression import wire_ratio
-    from shoal.plan.types import SyncPolicy
-    from shoal.sim import simulate
 
     s = load_scenario("hetero-compute")
     p = make_plan(s, stages=2)
     db, width = s.workload.dtype_bytes, get_preset(s.workload.model).d_model
     rows = s.workload.seq_len * p.micro_batch_size
     assert width == 1024 and rows == 1024
-    total = {}
-    for codec in ("none", "int8", "quad-pc"):
-        p.sync = SyncPolicy(act_codec=codec, grad_codec=codec)
-        r = simulate(p, s, steps=1)
-        assert r.lost_micro_batches == 0 and not r.stalled
-        total[codec] = sum(r.link_bytes.values())
+    total = act_codec_link_bytes(p, s, ("none", "int8", "quad-pc"))
     real = act_nbytes("quad-pc", rows * width, width) / (rows * width * db)
     assert wire_ratio("quad-pc", db, rows, width) == pytest.approx(real)
     saved = (total["none"] - total["quad-pc"]) / (total["none"] - total["int8"])

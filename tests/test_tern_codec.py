@@ -217,20 +217,15 @@ def test_spec_allows_tern_for_activations_only():
 def test_planner_and_simulator_charge_tern_activation_bytes():
     # Only act and grad change between the three runs, so the bytes they save against the
     # uncompressed run are in the ratio of the codecs' savings per element.
+    from helpers.scenarios import act_codec_link_bytes
+
     from shoal.plan import load_scenario, make_plan
     from shoal.plan.compression import wire_ratio
-    from shoal.plan.types import SyncPolicy
-    from shoal.sim import simulate
 
     s = load_scenario("hetero-compute")
     p = make_plan(s, stages=2)
     db = s.workload.dtype_bytes
-    total = {}
-    for codec in ("none", "int8", "tern"):
-        p.sync = SyncPolicy(act_codec=codec, grad_codec=codec)
-        r = simulate(p, s, steps=1)
-        assert r.lost_micro_batches == 0 and not r.stalled
-        total[codec] = sum(r.link_bytes.values())
+    total = act_codec_link_bytes(p, s, ("none", "int8", "tern"))
     saved = (total["none"] - total["tern"]) / (total["none"] - total["int8"])
     assert saved == pytest.approx((1 - wire_ratio("tern", db)) / (1 - wire_ratio("int8", db)), rel=0.01)
     assert wire_ratio("tern", 2) <= 1 / 8

@@ -25,3 +25,19 @@ def hand_scenario(n_workers: int = 1) -> Scenario:
         "devices": devices,
         "framework_cpu": FREE_CPU,
     })
+
+
+def act_codec_link_bytes(plan, scenario: Scenario, codecs: tuple[str, ...]) -> dict[str, float]:
+    """Bytes every link carries in one simulated step of ``plan`` with each activation codec
+    (``act`` and ``grad`` both): only those change between the runs, so the bytes two codecs
+    save against ``none`` are in the ratio of their savings per element."""
+    from shoal.plan.types import SyncPolicy
+    from shoal.sim import simulate
+
+    total = {}
+    for codec in codecs:
+        plan.sync = SyncPolicy(act_codec=codec, grad_codec=codec)
+        r = simulate(plan, scenario, steps=1)
+        assert r.lost_micro_batches == 0 and not r.stalled
+        total[codec] = sum(r.link_bytes.values())
+    return total
