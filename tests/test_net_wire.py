@@ -167,6 +167,22 @@ def test_even_split_and_assignment():
     assert a3["z"] == 1
 
 
+def test_assignment_keeps_workers_to_stages_their_memory_holds():
+    from shoal.runtime.common import assign_workers
+
+    flops = {"big": 4.0, "small": 1.0, "tiny": 1.0}
+    fits = {"big": [0, 1], "small": [1], "tiny": []}  # stage 0 is the larger one
+    got = assign_workers(flops, [3.0, 1.0], None, fits)
+    assert got == {"big": 0, "small": 1}  # "tiny" fits nowhere: left out
+    # a kept assignment that does not fit is dropped and made again where it fits
+    assert assign_workers(flops, [1.0, 1.0], {"small": 0, "big": 1}, fits) == {"small": 1, "big": 0}
+    # an emptied stage only takes a worker that fits it: here none can leave stage 1 for 0
+    got = assign_workers({"s1": 1.0, "s2": 1.0}, [1.0, 1.0], {"s1": 1, "s2": 1}, {"s1": [1], "s2": [1]})
+    assert got == {"s1": 1, "s2": 1}
+    # a worker with no memory figure may take any stage
+    assert assign_workers({"x": 1.0, "y": 1.0}, [1.0, 1.0], None, {"x": [1]}) == {"x": 1, "y": 0}
+
+
 def test_lease_seconds():
     assert lease_seconds(None, 2.0) == 2.0
     assert lease_seconds(0.1, 2.0) == 2.0

@@ -554,6 +554,24 @@ def test_demo_plans_replicas_given_by_hand_and_reads_them_back():
         DemoConfig(replicas="1,1", sync="exact").validate()
 
 
+def test_replica_workers_only_take_stages_their_memory_holds():
+    from shoal.runtime.sync.replicas import assign_replica_workers
+
+    # replica 0: one stage of the whole model (slot 0); replica 1: two stages (slots 1, 2)
+    split = replica_slots([1, 2], [2, 2], 6)
+    flops = {"a1": 10.0, "a2": 10.0, "b1": 10.0, "b2": 10.0, "b3": 10.0}
+    regions = {"a1": "A", "a2": "A", "b1": "B", "b2": "B", "b3": "B"}
+    # the 8 GB cards of region A hold half the model, not all of it; B's 24 GB cards hold anything
+    fits = {"a1": [1, 2], "a2": [1, 2], "b1": [0, 1, 2], "b2": [0, 1, 2], "b3": [0, 1, 2]}
+    # A (whose memory holds only the two-stage replica) chooses first: each replica in one region
+    assert assign_replica_workers(flops, regions, split, fits=fits) == {"a1": 1, "a2": 2, "b1": 0, "b2": 0, "b3": 0}
+    # without memory figures the larger region B takes the deeper replica
+    assert {w for w, k in assign_replica_workers(flops, regions, split).items() if k in (1, 2)} == {"b1", "b2", "b3"}
+    # a card that holds no stage is left out
+    assert "c" not in assign_replica_workers(dict(flops, c=1.0), dict(regions, c="A"), split,
+                                             fits=dict(fits, c=[]))
+
+
 def test_replica_workers_keep_to_their_regions():
     from shoal.runtime.common import assign_workers
     from shoal.runtime.sync.replicas import assign_replica_workers
@@ -610,3 +628,33 @@ def test_replica_servers_move_to_their_replicas_region():
     # no server in a region: the stage keeps its own, or takes what is left
     assert place_replica_servers(["a", "b"], {"a": "x", "b": "x"}, ["y", "y"]) == ["a", "b"]
     assert place_replica_servers(["a", "b"], {"a": "x", "b": "y"}, ["y", "x"]) == ["b", "a"]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(400)
+def test_a_worker_whose_memory_holds_no_stage_is_never_placed(tmp_path):
+    """The demo scenario with one card cut to 1 MB (tiny's stages need several): the coordinator
+    says why in an ``unplaced`` event, never assigns it a stage, and the run ends with the rest."""
+    from shoal.plan import load_scenario
+    from shoal.plan.scenario import scenario_to_dict
+    from shoal.runtime.processes.launch import LaunchConfig, launch
+    from shoal.train.metrics import read_jsonl
+
+    sc = scenario_to_dict(load_scenario("demo"))
+    small = sc["devices"][0]
+    small["memory_gb"] = 0.001
+    path = tmp_path / "scenario.json"
+    path.write_text(json.dumps(sc))
+    out = tmp_path / "run"
+    summary = launch(LaunchConfig(out=str(out), model="tiny", stages=2, workers=4, steps=3, micro_batches=4,
+                                  micro_batch_size=2, seq_len=32, seed=1, data=("synthetic",), scenario=str(path),
+                                  emulate_speedup=3e-4, dead_after_s=3.0, min_lease_s=1.5, timeout_s=300,
+                                  dashboard=None))
+    assert summary["steps"] == 3
+    events = read_jsonl(out / "events.jsonl")
+    unplaced = [e for e in events if e["event"] == "unplaced"]
+    assert len(unplaced) == 1 and "hold no stage" in unplaced[0]["why"], unplaced
+    name = unplaced[0]["device"]
+    plans = [e for e in events if e["event"] == "replan"]
+    assert plans and all(name not in e["assignment"] for e in plans), plans
+    assert all(len(e["assignment"]) == 3 for e in plans)  # the other three all work

@@ -12,7 +12,7 @@ import functools
 import math
 import os
 import re
-from collections.abc import Coroutine
+from collections.abc import Collection, Coroutine, Mapping
 from pathlib import Path
 
 import grpc
@@ -88,30 +88,41 @@ def even_split(n_layers: int, stages: int) -> list[tuple[int, int]]:
 
 
 def assign_workers(
-    flops: dict[str, float], costs: list[float], current: dict[str, int] | None = None
+    flops: dict[str, float], costs: list[float], current: dict[str, int] | None = None,
+    fits: Mapping[str, Collection[int]] | None = None,
 ) -> dict[str, int]:
     """Worker -> stage, keeping ``current`` assignments, balancing FLOP/s per unit of cost.
 
     New workers (fastest first) go to the stage whose capacity per unit of work is lowest;
     a stage left without workers takes one from the stage with the most spare capacity
     (only stages with two or more workers give one up). Deterministic for equal inputs.
+
+    ``fits``: the stages each worker's memory can hold (a worker not named: any). A worker is
+    never put (or kept) on a stage outside its set; one that fits none is left out.
     """
     stages = len(costs)
-    out = {w: s for w, s in (current or {}).items() if w in flops and 0 <= s < stages}
+
+    def ok(w: str, s: int) -> bool:
+        return fits is None or w not in fits or s in fits[w]
+
+    out = {w: s for w, s in (current or {}).items() if w in flops and 0 <= s < stages and ok(w, s)}
 
     def load(s: int) -> float:
         return sum(flops[w] for w, st in out.items() if st == s) / max(costs[s], 1e-12)
 
     for w in sorted((w for w in flops if w not in out), key=lambda w: (-flops[w], w)):
-        out[w] = min(range(stages), key=lambda s: (load(s), s))
+        room = [s for s in range(stages) if ok(w, s)]
+        if room:
+            out[w] = min(room, key=lambda s: (load(s), s))
     for s in range(stages):
         if any(st == s for st in out.values()):
             continue
-        donors = [d for d in range(stages) if sum(1 for st in out.values() if st == d) >= 2]
+        donors = [d for d in range(stages) if sum(1 for st in out.values() if st == d) >= 2
+                  and any(st == d and ok(w, s) for w, st in out.items())]
         if not donors:
             continue
         donor = max(donors, key=lambda d: (load(d), -d))
-        w = min((w for w, st in out.items() if st == donor), key=lambda w: (flops[w], w))
+        w = min((w for w, st in out.items() if st == donor and ok(w, s)), key=lambda w: (flops[w], w))
         out[w] = s
     return out
 

@@ -42,6 +42,7 @@ import grpc
 from google.protobuf import json_format
 
 from shoal.errors import ShoalError
+from shoal.model.profile import profile_model
 from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
 from shoal.net.auth import (
@@ -84,9 +85,11 @@ from shoal.runtime.roles.planning import (
     drifted,
     loopback_device,
     measured_scenario,
+    memory_fits,
     missing_servers,
     planning_scenario,
     played_device,
+    unplaced_reason,
 )
 from shoal.runtime.safety.guard import keep_version, undo_target
 from shoal.runtime.safety.journal import FINAL, JOURNAL, LINKED, Journal, point_link, run_dir
@@ -273,6 +276,7 @@ class Coordinator(pbg.CoordinatorServicer):
         self.gone: dict[str, tuple[Member, str, float]] = {}  # member id -> (member, why, wall time) once dropped
         self.recent: collections.deque = collections.deque(maxlen=500)  # newest events (dashboard)
         self.figures: dict[str, MemberFigures] = {}  # measured runs: member id -> what it measured
+        self.unplaced: set[str] = set()  # workers told their memory holds no stage (said once each)
         self.planned_on = None  # the scenario of the newest plan or repair
         self.guard_banned: dict[str, str] = {}  # member id -> why a stage server banned it (for the run)
         self.replan_why: list[str] = []  # membership changes since the last re-plan (put off: see replan_wait)
@@ -814,14 +818,17 @@ class Coordinator(pbg.CoordinatorServicer):
                 log.warning("plan repair failed (%s); balancing by capacity", exc)
                 method = f"balance ({exc})"
         flops = {mid: self.members[mid].flops for mid in live}
+        fits = self._memory_fits(live)
         # Workers the plan left out still help: in a task pool an extra worker only takes
-        # tasks when it is free, so it is placed where capacity per unit of work is lowest.
+        # tasks when it is free, so it is placed where capacity per unit of work is lowest
+        # (among the stages its memory holds).
         if self.slots is not None:
             # A replica plan: whole regions to replicas, so activations stay inside a region.
             regions = {mid: self._region_of(self.members[mid]) for mid in live}
-            new = assign_replica_workers(flops, regions, self.slots, self.assign, homes=list(self.spec.replica_regions))
+            new = assign_replica_workers(flops, regions, self.slots, self.assign, homes=list(self.spec.replica_regions),
+                                         fits=fits)
         else:
-            new = assign_workers(flops, self.costs, self.assign)
+            new = assign_workers(flops, self.costs, self.assign, fits)
         changed = new != before or why == "start"
         self.assign = new
         if changed:
@@ -834,6 +841,26 @@ class Coordinator(pbg.CoordinatorServicer):
         if empty:
             # Nothing to take a worker from (every other stage has one): wait for a join.
             self.event("waiting", stages_without_workers=empty, workers=len(live))
+
+    def _memory_fits(self, live: set[str]) -> dict[str, list[int]] | None:
+        """The stages each live worker's memory holds (its scenario device's memory: played or
+        measured); None when the devices cannot be had. Says once per worker when none does."""
+        try:
+            scenario = self._scenario()
+            prof = profile_model(self.cfg, self.spec.seq_len, self.spec.micro_batch_size, 4)
+        except Exception as exc:  # no memory figures: every stage is allowed, as before
+            log.info("worker memory not checked (%s)", exc)
+            return None
+        devices = {d.id: d for d in scenario.devices if d.id in live}
+        local = sync_of_spec(self.spec).local
+        fits = memory_fits(devices, self.layers, prof, local)
+        for mid, stages in sorted(fits.items()):
+            if not stages and mid not in self.unplaced:
+                self.unplaced.add(mid)
+                why = unplaced_reason(devices[mid].memory, self.layers, prof, local)
+                log.warning("%s: %s", self.members[mid].name, why)
+                self.event("unplaced", device=self.members[mid].name, why=why)
+        return fits
 
     def _region_of(self, m: Member) -> str:
         """A member's network region: the scenario device's it plays (emulated runs), else the one

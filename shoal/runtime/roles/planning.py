@@ -18,6 +18,7 @@ looks like depends on the run:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from shoal.plan.types import Device, Link, Network, Scenario, Workload
@@ -298,3 +299,29 @@ def distinct_servers(stage_servers: list[str], servers: list[str]) -> list[str]:
         used.add(s)
         out.append(s)
     return out
+
+
+def memory_fits(devices: Mapping[str, Device], layers: Sequence[tuple[int, int]], prof, local: bool
+                ) -> dict[str, list[int]]:
+    """The stages (indices of ``layers``) each worker device's memory can hold, by the planner's
+    rule (:func:`shoal.plan.cost.stage_worker_memory`: weights, gradients, one micro-batch's
+    saved activations, and in local mode the inner optimizer's state) (pure). A device with no
+    memory figure (0) is left out: it may take any stage."""
+    from shoal.plan.cost import stage_worker_memory
+    from shoal.plan.types import SyncPolicy
+
+    sync = SyncPolicy(mode="local") if local else None
+    need = [stage_worker_memory(prof, a, b, sync) for a, b in layers]
+    return {mid: [k for k, n in enumerate(need) if d.memory >= n] for mid, d in devices.items() if d.memory > 0}
+
+
+def unplaced_reason(memory: float, layers: Sequence[tuple[int, int]], prof, local: bool) -> str:
+    """Why a worker of ``memory`` bytes holds no stage: one line naming the smallest stage's need."""
+    from shoal.plan.cost import stage_worker_memory
+    from shoal.plan.types import SyncPolicy
+
+    sync = SyncPolicy(mode="local") if local else None
+    k, need = min(((k, stage_worker_memory(prof, a, b, sync)) for k, (a, b) in enumerate(layers)),
+                  key=lambda x: (x[1], x[0]))
+    return (f"its {memory / 1e9:.3g} GB hold no stage: the smallest, stage {k} (layers {layers[k][0]}-"
+            f"{layers[k][1]}), needs {need / 1e9:.3g} GB; it waits until a re-plan gives it one")

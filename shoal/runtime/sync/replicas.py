@@ -23,7 +23,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -219,7 +219,8 @@ def peers(slots: list[Slot], k: int) -> list[int]:
 
 def assign_replica_workers(flops: Mapping[str, float], regions: Mapping[str, str], slots: list[Slot],
                            current: Mapping[str, int] | None = None,
-                           homes: Sequence[str] | None = None) -> dict[str, int]:
+                           homes: Sequence[str] | None = None,
+                           fits: Mapping[str, Collection[int]] | None = None) -> dict[str, int]:
     """Worker -> stage of a replica plan, keeping each replica inside few network regions (pure).
 
     A stage's work is its layers times its replica's micro-batches. With at least as many
@@ -236,7 +237,8 @@ def assign_replica_workers(flops: Mapping[str, float], regions: Mapping[str, str
     the least loaded, then the deepest. ``homes`` (a plan's clusters: each replica's regions
     joined by ``+``, "" for none) names the replica of those regions first; a kept worker's
     replica still wins for its region, and the other regions go by the rule above to the
-    replicas no region was named for.
+    replicas no region was named for. ``fits``: the stages each worker's memory can hold
+    (:func:`shoal.runtime.common.assign_workers`); a worker is only ever placed inside its set.
     """
     from shoal.runtime.common import assign_workers
 
@@ -244,7 +246,7 @@ def assign_replica_workers(flops: Mapping[str, float], regions: Mapping[str, str
     names = sorted({regions.get(w, "") for w in flops})
     n_rep = max(s.replica for s in slots) + 1
     if len(names) < n_rep:
-        return assign_workers(dict(flops), costs, dict(current or {}))
+        return assign_workers(dict(flops), costs, dict(current or {}), fits)
     out = {w: k for w, k in (current or {}).items() if w in flops and 0 <= k < len(slots)}
     rep_cost = [sum(c for c, s in zip(costs, slots, strict=True) if s.replica == r) for r in range(n_rep)]
     depth = [sum(1 for s in slots if s.replica == r) for r in range(n_rep)]
@@ -262,22 +264,34 @@ def assign_replica_workers(flops: Mapping[str, float], regions: Mapping[str, str
     by_region: dict[str, list[str]] = {}
     for w in new:
         by_region.setdefault(regions.get(w, ""), []).append(w)
-    for reg in sorted(by_region, key=lambda g: (-sum(flops[w] for w in by_region[g]), g)):
+    def held(g: str) -> list[int]:
+        """The replicas every new worker of region ``g`` fits some stage of (memory)."""
+        return [r for r in range(n_rep)
+                if fits is None or all(w not in fits or any(slots[k].replica == r for k in fits[w])
+                                       for w in by_region[g])]
+
+    # Regions whose memory holds fewer replicas choose first (all alike without ``fits``).
+    for reg in sorted(by_region, key=lambda g: (len(held(g)), -sum(flops[w] for w in by_region[g]), g)):
         if reg not in home:
             taken = {slots[k].replica for k in out.values()} | set(home.values())
             empty = [r for r in range(n_rep) if r not in taken]
-            # a replica the region can staff whole first, the least loaded, the deepest (larger
-            # regions come first: deep replicas need more workers), the most work
-            home[reg] = min(empty or range(n_rep), key=lambda r: (depth[r] > len(by_region[reg]), rep_load(r),
-                                                                  -depth[r], -rep_cost[r], r))
+            ok = held(reg)
+            # a replica its workers' memory holds, one the region can staff whole, the least
+            # loaded, the deepest (larger regions come first: deep replicas need more workers),
+            # the most work
+            pool = [r for r in empty if r in ok] or ok or empty or list(range(n_rep))
+            home[reg] = min(pool, key=lambda r: (depth[r] > len(by_region[reg]), rep_load(r),
+                                                 -depth[r], -rep_cost[r], r))
         r = home[reg]
         mine = [k for k, s in enumerate(slots) if s.replica == r]
         sub = assign_workers({w: flops[w] for w in flops if w in by_region[reg] or out.get(w) in mine},
                              [costs[k] for k in mine],
-                             {w: mine.index(k) for w, k in out.items() if k in mine})
+                             {w: mine.index(k) for w, k in out.items() if k in mine},
+                             None if fits is None else {w: [mine.index(k) for k in ks if k in mine]
+                                                        for w, ks in fits.items()})
         for w, j in sub.items():
             out[w] = mine[j]
-    return assign_workers(dict(flops), costs, out)
+    return assign_workers(dict(flops), costs, out, fits)
 
 
 def replica_regions(assign: Mapping[str, int], regions: Mapping[str, str], slots: list[Slot]) -> list[str]:
