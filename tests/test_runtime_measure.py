@@ -446,3 +446,26 @@ def test_bad_measurement_flags_are_one_line_errors(flags, says, capsys, monkeypa
     assert main(["worker", "--join", "127.0.0.1:1", *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and says in err and "\n" not in err
+
+
+def test_memory_fits_by_the_planners_rule():
+    from shoal.model.config import get_preset
+    from shoal.model.profile import profile_model
+    from shoal.plan.cost import stage_worker_memory
+    from shoal.plan.types import SyncPolicy
+    from shoal.runtime.roles.planning import memory_fits, unplaced_reason
+
+    prof = profile_model(get_preset("tiny"), 32, 2, 4)
+    layers = [(0, 2), (2, 6)]
+    exact = [stage_worker_memory(prof, a, b) for a, b in layers]
+    local = [stage_worker_memory(prof, a, b, SyncPolicy(mode="local")) for a, b in layers]
+    assert exact[0] != exact[1] and all(x < y for x, y in zip(exact, local, strict=True))
+    small, big = sorted(exact)
+    memory = {"none": small / 2, "one": small, "both": 2 * big, "unknown": 0.0}
+    got = memory_fits(memory, layers, prof, local=False)
+    assert got == {"none": [], "one": [exact.index(small)], "both": [0, 1]}  # unknown: any stage
+    # local mode adds the inner optimizer: the card that held one stage holds none
+    assert memory_fits({"one": small}, layers, prof, local=True) == {"one": []}
+    why = unplaced_reason(small / 2, layers, prof, local=False)
+    k = exact.index(small)
+    assert f"stage {k} (layers {layers[k][0]}-{layers[k][1]})" in why and "\n" not in why

@@ -277,6 +277,7 @@ class Coordinator(pbg.CoordinatorServicer):
         self.recent: collections.deque = collections.deque(maxlen=500)  # newest events (dashboard)
         self.figures: dict[str, MemberFigures] = {}  # measured runs: member id -> what it measured
         self.unplaced: set[str] = set()  # workers told their memory holds no stage (said once each)
+        self._profile = None  # the model's per-layer profile (stage memory needs), made on first use
         self.planned_on = None  # the scenario of the newest plan or repair
         self.guard_banned: dict[str, str] = {}  # member id -> why a stage server banned it (for the run)
         self.replan_why: list[str] = []  # membership changes since the last re-plan (put off: see replan_wait)
@@ -842,22 +843,25 @@ class Coordinator(pbg.CoordinatorServicer):
             # Nothing to take a worker from (every other stage has one): wait for a join.
             self.event("waiting", stages_without_workers=empty, workers=len(live))
 
-    def _memory_fits(self, live: set[str]) -> dict[str, list[int]] | None:
-        """The stages each live worker's memory holds (its scenario device's memory: played or
-        measured); None when the devices cannot be had. Says once per worker when none does."""
-        try:
-            scenario = self._scenario()
-            prof = profile_model(self.cfg, self.spec.seq_len, self.spec.micro_batch_size, 4)
-        except Exception as exc:  # no memory figures: every stage is allowed, as before
-            log.info("worker memory not checked (%s)", exc)
-            return None
-        devices = {d.id: d for d in scenario.devices if d.id in live}
-        local = sync_of_spec(self.spec).local
-        fits = memory_fits(devices, self.layers, prof, local)
+    def _memory_fits(self, live: set[str]) -> dict[str, list[int]]:
+        """The stages each live worker's memory holds: the scenario device it plays (emulated
+        runs) or the memory it measured (any stage when it reported none). Says once per worker
+        when none does."""
+        memory = {}
+        for mid in live:
+            if self.emulated is not None:
+                d = self.devices.get(mid) or self._device(self.members[mid])
+                memory[mid] = d.memory
+            elif mid in self.figures:
+                memory[mid] = self.figures[mid].memory
+        if self._profile is None:
+            self._profile = profile_model(self.cfg, self.spec.seq_len, self.spec.micro_batch_size, 4)
+        prof, local = self._profile, sync_of_spec(self.spec).local
+        fits = memory_fits(memory, self.layers, prof, local)
         for mid, stages in sorted(fits.items()):
             if not stages and mid not in self.unplaced:
                 self.unplaced.add(mid)
-                why = unplaced_reason(devices[mid].memory, self.layers, prof, local)
+                why = unplaced_reason(memory[mid], self.layers, prof, local)
                 log.warning("%s: %s", self.members[mid].name, why)
                 self.event("unplaced", device=self.members[mid].name, why=why)
         return fits

@@ -301,18 +301,18 @@ def distinct_servers(stage_servers: list[str], servers: list[str]) -> list[str]:
     return out
 
 
-def memory_fits(devices: Mapping[str, Device], layers: Sequence[tuple[int, int]], prof, local: bool
+def memory_fits(memory: Mapping[str, float], layers: Sequence[tuple[int, int]], prof, local: bool
                 ) -> dict[str, list[int]]:
-    """The stages (indices of ``layers``) each worker device's memory can hold, by the planner's
+    """The stages (indices of ``layers``) each worker's memory (bytes) can hold, by the planner's
     rule (:func:`shoal.plan.cost.stage_worker_memory`: weights, gradients, one micro-batch's
-    saved activations, and in local mode the inner optimizer's state) (pure). A device with no
+    saved activations, and in local mode the inner optimizer's state) (pure). A worker with no
     memory figure (0) is left out: it may take any stage."""
     from shoal.plan.cost import stage_worker_memory
     from shoal.plan.types import SyncPolicy
 
     sync = SyncPolicy(mode="local") if local else None
     need = [stage_worker_memory(prof, a, b, sync) for a, b in layers]
-    return {mid: [k for k, n in enumerate(need) if d.memory >= n] for mid, d in devices.items() if d.memory > 0}
+    return {mid: [k for k, n in enumerate(need) if mem >= n] for mid, mem in memory.items() if mem > 0}
 
 
 def unplaced_reason(memory: float, layers: Sequence[tuple[int, int]], prof, local: bool) -> str:
