@@ -406,6 +406,36 @@ def test_replicas_with_outer_momentum_and_int8_pushes_stay_identical(tmp_path):
     assert sorted((m["stage"], m["version"]) for m in merges) == [(k, v) for k in range(3) for v in (2, 4)]
 
 
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_replicas_with_sparse_pushes_end_dense_and_identical(tmp_path):
+    """Sparse pushes (the replicas keep what they leave) across differently split replicas: the
+    rounds before the last push and exchange sparse frames, the last is dense both ways (each
+    server's part with what its earlier parts left, flush_part); every layer's copies end
+    bitwise equal and the dense last round bans nobody."""
+    from shoal.runtime.processes.launch import LaunchConfig, launch
+    from shoal.train.metrics import read_jsonl
+
+    out = tmp_path / "run"
+    summary = launch(LaunchConfig(out=str(out), **RUN, steps=4, replicas="1,2", workers=3, dead_after_s=3.0,
+                                  min_lease_s=1.5, timeout_s=280, sync="local", sync_every=2,
+                                  compression="push=sparse,pull=int8"))
+    assert summary["steps"] == 4 and all(math.isfinite(x) for x in summary["losses"])
+    assert summary["replicas"]["final_weights_differ"] == []
+    assert set(summary["bytes_by_codec"]["grad_push"]) == {"sparse", "raw"}
+    assert set(summary["bytes_by_codec"]["replica_merge"]) == {"sparse", "raw"}
+    assert not [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "ban"]
+
+
+def test_flush_part_adds_the_residual_to_a_pseudo_gradient_and_takes_it_off_weights():
+    from shoal.runtime.sync.replicas import flush_part
+
+    t, r = {"a": torch.ones(3), "b": torch.zeros(2)}, {"a": torch.full((3,), 0.5)}
+    assert torch.equal(flush_part(t, False, r)["a"], torch.full((3,), 1.5))
+    assert torch.equal(flush_part(t, True, r)["a"], torch.full((3,), 0.5))
+    assert torch.equal(flush_part(t, True, r)["b"], t["b"])  # no residual: as it was
+
+
 def test_a_part_is_taken_only_from_a_peer_stages_server_and_checked():
     """The receiving side of ReplicaPartStream in process: a part from the server the
     coordinator named for a peer stage is kept; one naming another member, a stage of the

@@ -33,6 +33,7 @@ from shoal.errors import ShoalError
 from shoal.net import shoal_pb2 as pb
 from shoal.net.stream import receive, send
 from shoal.net.wire import WireError, decode_tensor, encode_tensor
+from shoal.runtime.sync.codecs import dense_round
 from shoal.train.outer import merge_per_layer, merge_weights, merges_weights, weighted_sum
 
 log = logging.getLogger("shoal.replicas")
@@ -354,6 +355,18 @@ def merge_parts(parts: Mapping[int, tuple[int, bool, Mapping[str, torch.Tensor]]
     return all_weights, merged
 
 
+def flush_part(tensors: Mapping[str, torch.Tensor], weights: bool,
+               residual: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A stage's part of the run's last, dense round with what its earlier compressed parts left
+    (``residual``, pseudo-gradient units: anchor minus weights) (pure): added to a
+    pseudo-gradient part, taken off a weights part (the weights it should have moved to)."""
+    out = {}
+    for name, t in tensors.items():
+        r = residual.get(name)
+        out[name] = t if r is None else (t - r if weights else t + r)
+    return out
+
+
 def own_part(got: Mapping[str, Mapping[str, torch.Tensor]], replicas: Mapping[str, Mapping[str, torch.Tensor]],
              counts: Mapping[str, int], lr: float, mu: float) -> tuple[int, bool, dict[str, torch.Tensor]]:
     """A stage's part of the replicas' merge from its own workers' round: (micro-batches, weights?,
@@ -496,7 +509,12 @@ class ReplicaServerMixin:
         mine = peers(slots, self.stage)
         cfg = self.cfg
         frames = None
-        if n > 0 and not weights and self.part_ef is not None:
+        if self.part_ef is not None and dense_round(version, self.spec.steps, self.part_ef.codec):
+            # The run's last round is dense: the part goes raw with what earlier parts left.
+            if n > 0:
+                tensors = flush_part(tensors, weights, self.part_ef.state())
+            self.part_ef.reset()
+        elif n > 0 and not weights and self.part_ef is not None:
             frames, tensors = await loop.run_in_executor(None, self._encode_part, tensors)
 
         def framed(peer: int) -> pb.ReplicaPart:
