@@ -683,8 +683,9 @@ def test_a_worker_whose_memory_holds_no_stage_is_never_placed(tmp_path):
     assert summary["steps"] == 3
     events = read_jsonl(out / "events.jsonl")
     unplaced = [e for e in events if e["event"] == "unplaced"]
-    assert len(unplaced) == 1 and "hold no stage" in unplaced[0]["why"], unplaced
+    # (one card: said again only if its process were dropped and joined anew)
+    assert unplaced and len({e["device"] for e in unplaced}) == 1 and "hold no stage" in unplaced[0]["why"], unplaced
     name = unplaced[0]["device"]
     plans = [e for e in events if e["event"] == "replan"]
     assert plans and all(name not in e["assignment"] for e in plans), plans
-    assert all(len(e["assignment"]) == 3 for e in plans)  # the other three all work
+    assert len(plans[0]["assignment"]) == 3, plans[0]  # the other three all work

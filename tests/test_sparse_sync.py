@@ -256,7 +256,8 @@ def test_local_sparse_swarm_replicas_equal_server_and_bytes(tmp_path):
     sent = [int(v) for p in (out / "logs").glob("worker*.log")
             for v in re.findall(r"sent its pseudo-gradient for v(\d+)", p.read_text())]
     assert set(by_codec["grad_push"]) == {"sparse", "raw"}, by_codec["grad_push"]
-    assert by_codec["grad_push"]["sparse"]["messages"] == len([v for v in sent if v < 8]), (by_codec, sent)
+    # (a push retried or not taken is counted again, never logged as sent)
+    assert by_codec["grad_push"]["sparse"]["messages"] >= len([v for v in sent if v < 8]) > 0, (by_codec, sent)
     from shoal.model.config import get_preset
     from shoal.model.transformer import build_stage
 
