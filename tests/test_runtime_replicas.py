@@ -689,3 +689,43 @@ def test_a_worker_whose_memory_holds_no_stage_is_never_placed(tmp_path):
     plans = [e for e in events if e["event"] == "replan"]
     assert plans and all(name not in e["assignment"] for e in plans), plans
     assert len(plans[0]["assignment"]) == 3, plans[0]  # the other three all work
+
+
+def test_a_plan_files_worker_placement_is_read_and_kept_to_memory():
+    from shoal.runtime.sync.replicas import planned_assignment, replica_workers_of_plan
+
+    plan = {"micro_batches": 4, "replicas": [
+        {"micro_batches": 2, "stages": [{"layers": [0, 6], "workers": ["d2", "d3"]}]},
+        {"micro_batches": 2, "stages": [{"layers": [0, 2], "workers": ["d0"]}, {"layers": [2, 6], "workers": ["d1"]}]}]}
+    assert replica_workers_of_plan(plan) == {"d2": 0, "d3": 0, "d0": 1, "d1": 2}
+    assert replica_workers_of_plan({"replicas": [{"stages": [{"layers": [0, 6]}]}]}) == {}  # no worker lists
+    plays = {"m0": "d0", "m1": "d1", "m2": "d2", "m9": "elsewhere"}
+    placement = replica_workers_of_plan(plan)
+    assert planned_assignment(placement, plays, 3) == {"m0": 1, "m1": 2, "m2": 0}
+    # a stage the member's memory does not hold, or one the run does not have, is left to the coordinator
+    assert planned_assignment(placement, plays, 3, {"m2": [1, 2]}) == {"m0": 1, "m1": 2}
+    assert planned_assignment(placement, plays, 2) == {"m0": 1, "m2": 0}
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(400)
+def test_launch_places_workers_as_the_replica_plan_file_says(tmp_path):
+    """An emulated run given a plan file (``shoal plan --json``'s form) with worker lists: the
+    coordinator's first assignment is the planner's (member wI plays the scenario's I-th worker)."""
+    from shoal.plan import load_scenario
+    from shoal.runtime.processes.launch import LaunchConfig, launch
+    from shoal.train.metrics import read_jsonl
+
+    dev = [d.id for d in load_scenario("demo").workers[:4]]
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"micro_batches": 4, "replicas": [
+        {"micro_batches": 2, "stages": [{"layers": [0, 6], "workers": [dev[1], dev[2]]}]},
+        {"micro_batches": 2, "stages": [{"layers": [0, 2], "workers": [dev[3]]}, {"layers": [2, 6], "workers": [dev[0]]}]}]}))
+    out = tmp_path / "run"
+    summary = launch(LaunchConfig(out=str(out), model="tiny", workers=4, steps=2, micro_batches=4, micro_batch_size=2,
+                                  seq_len=32, seed=1, data=("synthetic",), scenario="demo", emulate_speedup=3e-4,
+                                  dead_after_s=3.0, min_lease_s=1.5, timeout_s=300, dashboard=None, sync="local",
+                                  sync_every=2, replicas=str(path)))
+    assert summary["steps"] == 2
+    first = next(e for e in read_jsonl(out / "events.jsonl") if e["event"] == "replan")
+    assert first["assignment"] == {"w1": 0, "w2": 0, "w3": 1, "w0": 2}, first

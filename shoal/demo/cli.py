@@ -567,7 +567,7 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
         emulate_speedup=spec.speedup, bandwidth_scale=cfg.bandwidth_scale, dashboard=cfg.dashboard,
         tensorboard=cfg.tensorboard,
         sync=cfg.sync, sync_every=cfg.sync_every or DEFAULT_SYNC_EVERY, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
-        shadow=cfg.shadow, replicas=cfg.replicas)
+        shadow=cfg.shadow, replicas=_replica_plan_file(plan, out) if cfg.replicas else "")
     state = LiveState(total_steps=cfg.steps)
     display = _Display(state, console, cfg.quiet)
     if not cfg.churn:
@@ -642,6 +642,16 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
 
 DEAD_AFTER_S = 3.0  # LaunchConfig.dead_after_s (the runtime's default): a killed worker's tasks return after this
 CKPT_EVERY = 5  # stage servers checkpoint every 5 steps (the demo kills workers, not servers)
+
+
+def _replica_plan_file(plan, out: Path) -> str:
+    """The replica plan as a plan file in the run folder (``--replicas`` reads its shape and the
+    coordinator its worker placement: the devices the planner put on each stage)."""
+    import json
+
+    path = out / "replica_plan.json"
+    path.write_text(json.dumps(plan.to_dict(), indent=1) + "\n")
+    return str(path)
 
 
 def _sync_text(cfg: DemoConfig, asked: str, by_hand: bool = False) -> str:

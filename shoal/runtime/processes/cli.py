@@ -403,8 +403,13 @@ def _spec(args):
             raise ShoalError(f"--{name.replace('_', '-')} must be positive, got {getattr(w, name)}")
     replicas = None
     if getattr(args, "replicas", ""):
-        from shoal.runtime.sync.replicas import parse_replica_plan, resolve_replicas
+        from shoal.runtime.sync.replicas import (
+            parse_replica_plan,
+            read_replica_workers,
+            resolve_replicas,
+        )
 
+        args.replica_workers = read_replica_workers(args.replicas)  # a plan file's worker placement
         args.replicas = resolve_replicas(args.replicas, w.micro_batches, cfg.n_total_layers)
         replicas = parse_replica_plan(args.replicas, w.micro_batches, cfg.n_total_layers)
         args.stages = sum(replicas[0])
@@ -517,6 +522,8 @@ def run_coordinator_cmd(args) -> int:
     if args.tensorboard:
         args.tensorboard = str(Path(args.tensorboard).expanduser().resolve())
     options = {k: getattr(args, k) for k in _KEPT_OPTIONS}
+    if getattr(args, "replica_workers", None):
+        options["replica_workers"] = args.replica_workers  # the planner's placement of a replica plan file
     tls = _tls(args, args.listen, args.advertise)
     summary = asyncio.run(run_coordinator(spec, _token(args), args.listen, min_workers=args.min_workers,
                                           out=args.out, address_file=args.address_file,

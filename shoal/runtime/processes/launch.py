@@ -73,6 +73,7 @@ class LaunchConfig:
     model: str = W.model  # model preset
     stages: int = 2  # pipeline stages S (one server each; with replicas: set to all replicas' stages)
     replicas: str = ""  # local mode: pipeline replicas, stages per replica (shoal.runtime.sync.replicas; "": one pipeline)
+    replica_file: str = ""  # (set by validate) the plan file --replicas named: the coordinator reads its worker placement
     workers: int | None = None  # workers started at launch (None: 2, or every scenario worker)
     steps: int = W.steps  # optimizer steps
     micro_batches: int = W.micro_batches  # M micro-batches per step
@@ -168,6 +169,8 @@ class LaunchConfig:
             from shoal.model.config import get_preset
 
             cfg = get_preset(self.model)
+        if self.replicas.endswith(".json"):
+            self.replica_file = str(Path(self.replicas).expanduser().resolve())
         self.replicas = resolve_replicas(self.replicas, self.micro_batches, cfg.n_total_layers)
         return parse_replicas(self.replicas, self.micro_batches, cfg.n_total_layers)
 
@@ -350,7 +353,7 @@ class Swarm:
         model_args = ["--init-from", str(Path(c.init_from).resolve())] if c.init_from else ["--model", c.model]
         return [
             "--listen", "127.0.0.1:0", *model_args, "--stages", str(c.stages),
-            *(["--replicas", c.replicas] if c.replicas else []),
+            *(["--replicas", c.replica_file or c.replicas] if c.replicas else []),
             "--min-workers", str(c.min_workers or c.workers), "--steps", str(c.steps),
             "--micro-batches", str(c.micro_batches), "--micro-batch-size", str(c.micro_batch_size),
             "--seq-len", str(c.seq_len), "--seed", str(c.seed), "--lr", repr(c.lr), "--min-lr", repr(min_lr),

@@ -97,6 +97,7 @@ from shoal.runtime.safety.standby import decisions_since, planned_standby_stages
 from shoal.runtime.sync.replicas import (
     assign_replica_workers,
     place_replica_servers,
+    planned_assignment,
     replica_regions,
     slots_of_spec,
 )
@@ -277,6 +278,8 @@ class Coordinator(pbg.CoordinatorServicer):
         self.recent: collections.deque = collections.deque(maxlen=500)  # newest events (dashboard)
         self.figures: dict[str, MemberFigures] = {}  # measured runs: member id -> what it measured
         self.unplaced: set[str] = set()  # workers told their memory holds no stage (said once each)
+        # a replica plan file's placement: device id -> stage (the first assignment follows it)
+        self.replica_workers: dict[str, int] = dict((options or {}).get("replica_workers") or {})
         self._profile = None  # the model's per-layer profile (stage memory needs), made on first use
         self.planned_on = None  # the scenario of the newest plan or repair
         self.guard_banned: dict[str, str] = {}  # member id -> why a stage server banned it (for the run)
@@ -728,9 +731,13 @@ class Coordinator(pbg.CoordinatorServicer):
             self._journal("plan", layers=[list(x) for x in self.layers], method="replicas", epoch=self.epoch)
             live = {mid: m for mid, m in self.members.items() if m.role == "worker" and not m.pending_join}
             regions = {mid: self._region_of(m) for mid, m in self.members.items()}
+            fits = self._memory_fits(set(live))
+            # A plan file's placement first (the devices the members play), where memory allows.
+            self.assign = planned_assignment(self.replica_workers, {mid: m.device for mid, m in live.items()},
+                                             len(self.slots), fits)
             # (the assignment the re-plan below makes: the same rule on the same members)
             first = assign_replica_workers({mid: m.flops for mid, m in live.items()}, regions, self.slots,
-                                           homes=list(self.spec.replica_regions))
+                                           dict(self.assign), homes=list(self.spec.replica_regions), fits=fits)
             want = replica_regions(first, regions, self.slots)
             placed = place_replica_servers(list(self.stage_server), regions, [want[s.replica] for s in self.slots])
             if placed != self.stage_server:

@@ -138,6 +138,31 @@ def replicas_of_plan(plan: dict, micro_batches: int, n_layers: int) -> str:
     return ",".join(items)
 
 
+def replica_workers_of_plan(plan: dict) -> dict[str, int]:
+    """Device id -> the run's stage index of the workers a plan written by ``shoal plan --json``
+    places (pure): replicas in order, each replica's stages in order (the SPEC's stage order)."""
+    out, k = {}, 0
+    for r in plan.get("replicas") or []:
+        for st in r.get("stages") or []:
+            for w in st.get("workers") or []:
+                out.setdefault(str(w), k)
+            k += 1
+    return out
+
+
+def read_replica_workers(text: str) -> dict[str, int]:
+    """``--replicas``: the planner's worker placement of a plan file ({} for a SPEC)."""
+    if not text.endswith(".json"):
+        return {}
+    import json
+    from pathlib import Path
+
+    try:
+        return replica_workers_of_plan(json.loads(Path(text).expanduser().read_text()))
+    except (OSError, ValueError) as exc:
+        raise ShoalError(f"--replicas {text}: cannot read the plan file ({exc})") from None
+
+
 def resolve_replicas(text: str, micro_batches: int, n_layers: int) -> str:
     """``--replicas``: a SPEC as given, or the SPEC of a plan file (a path ending in ``.json``)."""
     if not text.endswith(".json"):
@@ -293,6 +318,19 @@ def assign_replica_workers(flops: Mapping[str, float], regions: Mapping[str, str
         for w, j in sub.items():
             out[w] = mine[j]
     return assign_workers(dict(flops), costs, out, fits)
+
+
+def planned_assignment(placement: Mapping[str, int], devices: Mapping[str, str], n_stages: int,
+                       fits: Mapping[str, Collection[int]] | None = None) -> dict[str, int]:
+    """Member -> stage of the members whose device a plan places (``placement``: device id ->
+    stage; ``devices``: member -> the device it plays), where the stage exists and the member's
+    memory holds it (pure). The rest are left to :func:`assign_replica_workers`."""
+    out = {}
+    for mid, dev in devices.items():
+        k = placement.get(dev)
+        if k is not None and 0 <= k < n_stages and (fits is None or mid not in fits or k in fits[mid]):
+            out[mid] = k
+    return out
 
 
 def replica_regions(assign: Mapping[str, int], regions: Mapping[str, str], slots: list[Slot]) -> list[str]:
