@@ -729,3 +729,23 @@ def test_launch_places_workers_as_the_replica_plan_file_says(tmp_path):
     assert summary["steps"] == 2
     first = next(e for e in read_jsonl(out / "events.jsonl") if e["event"] == "replan")
     assert first["assignment"] == {"w1": 0, "w2": 0, "w3": 1, "w0": 2}, first
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_real_run_places_workers_named_as_the_plan_files_devices(tmp_path):
+    """No emulation: members play no scenario device, so a plan file's worker lists name them by
+    ``--name`` (``shoal launch`` names its workers w0, w1, ...); the first assignment is the plan's."""
+    from shoal.runtime.processes.launch import LaunchConfig, launch
+    from shoal.train.metrics import read_jsonl
+
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"micro_batches": 4, "replicas": [
+        {"micro_batches": 2, "stages": [{"layers": [0, 6], "workers": ["w0", "w3"]}]},
+        {"micro_batches": 2, "stages": [{"layers": [0, 2], "workers": ["w2"]}, {"layers": [2, 6], "workers": ["w1"]}]}]}))
+    out = tmp_path / "run"
+    summary = launch(LaunchConfig(out=str(out), **RUN, steps=2, replicas=str(path), workers=4, dead_after_s=3.0,
+                                  min_lease_s=1.5, timeout_s=280, sync="local", sync_every=2))
+    assert summary["steps"] == 2
+    first = next(e for e in read_jsonl(out / "events.jsonl") if e["event"] == "replan")
+    assert first["assignment"] == {"w0": 0, "w3": 0, "w2": 1, "w1": 2}, first

@@ -732,8 +732,10 @@ class Coordinator(pbg.CoordinatorServicer):
             live = {mid: m for mid, m in self.members.items() if m.role == "worker" and not m.pending_join}
             regions = {mid: self._region_of(m) for mid, m in self.members.items()}
             fits = self._memory_fits(set(live))
-            # A plan file's placement first (the devices the members play), where memory allows.
-            self.assign = planned_assignment(self.replica_workers, {mid: m.device for mid, m in live.items()},
+            # A plan file's placement first, where memory allows: by the device a member plays
+            # (emulated runs), else by its name (--name: a real host named as in the scenario).
+            self.assign = planned_assignment(self.replica_workers,
+                                             {mid: m.device or m.name for mid, m in live.items()},
                                              len(self.slots), fits)
             # (the assignment the re-plan below makes: the same rule on the same members)
             first = assign_replica_workers({mid: m.flops for mid, m in live.items()}, regions, self.slots,
