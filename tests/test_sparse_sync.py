@@ -270,6 +270,18 @@ def test_local_sparse_swarm_replicas_equal_server_and_bytes(tmp_path):
     # the last round's whole pseudo-gradients are judged as such: no honest worker is banned
     assert not [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "ban"]
     print(json.dumps(by_codec, indent=1))
+    # Exported after the dense last round: no caveat. The same weights read as a run still going
+    # (its journal's spec says 100 steps): the export says they trail the replicas.
+    from shoal.hf.export import export_hf
+
+    assert export_hf(out, tmp_path / "hf")["caveat"] == ""
+    journal = out / "journal.jsonl"
+    lines = journal.read_text().splitlines()
+    first = json.loads(lines[0])
+    first["spec"]["steps"] = 100
+    journal.write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
+    caveat = export_hf(out, tmp_path / "hf2")["caveat"]
+    assert caveat.startswith("step 8 is before the run's last, dense round (100)"), caveat
 
 
 def test_stage_frame_splits_by_the_receivers_own_shapes():
@@ -287,3 +299,13 @@ def test_stage_frame_splits_by_the_receivers_own_shapes():
         assert torch.allclose(got[n], t[n], atol=max(float(v.abs().max()) for v in t.values()) / 100)  # per-chunk scales
     with pytest.raises(WireError):
         split_stage_frame(frame, {k: v for k, v in t.items() if k != "layers.2.w"})
+
+
+def test_export_caveat_only_for_sparse_local_runs_before_their_end():
+    from shoal.hf.export import export_caveat
+
+    assert export_caveat({"sync_mode": "local", "compress_push": "sparse:0.01:2", "steps": 40}, 39)
+    assert not export_caveat({"sync_mode": "local", "compress_push": "sparse", "steps": 40}, 40)
+    assert not export_caveat({"sync_mode": "local", "compress_push": "int8", "steps": 40}, 10)
+    assert not export_caveat({"compress_push": "sparse", "steps": 40}, 10)  # exact sync
+    assert not export_caveat({}, 3)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -23,4 +24,6 @@ def run_export(args: argparse.Namespace) -> int:
     r = export_hf(args.run_dir, args.out)
     note = "" if r["tokenizer"] else " (no tokenizer.json in the run: weights and config only)"
     print(f"exported step {r['step']} ({r['parameters']} parameters) to {r['out']}{note}")
+    if r["caveat"]:
+        print(f"note: {r['caveat']}", file=sys.stderr)
     return 0

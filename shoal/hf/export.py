@@ -79,6 +79,27 @@ def latest_weights(run_dir: str | Path) -> tuple[int, ModelConfig, dict[str, tor
     return best[0], cfg, best[1]
 
 
+def export_caveat(spec: dict, step: int) -> str:
+    """What a user should know of the weights of ``step`` from a run whose journal holds
+    ``spec`` (pure; "" for nothing): in local mode with ``sparse`` pushes the replicas keep what
+    their pushes left until the run's last, dense round, so merged weights from before it trail
+    the replicas (docs/sync-runtime.md)."""
+    steps = int(spec.get("steps") or 0)
+    if spec.get("sync_mode") == "local" and str(spec.get("compress_push", "")).startswith("sparse") and step < steps:
+        return (f"step {step} is before the run's last, dense round ({steps}): with sparse pushes these merged "
+                "weights trail the replicas' until then (docs/sync-runtime.md)")
+    return ""
+
+
+def _journal_spec(run: Path) -> dict:
+    """The run spec the run's journal opens with ({} without a readable journal)."""
+    try:
+        with open(run / "journal.jsonl") as f:
+            return json.loads(f.readline()).get("spec") or {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
 def export_hf(run_dir: str | Path, out: str | Path) -> dict:
     """Write the newest committed weights of ``run_dir`` as a Hugging Face Llama folder."""
     from shoal.hf.convert import write_hf_dir
@@ -90,4 +111,4 @@ def export_hf(run_dir: str | Path, out: str | Path) -> dict:
     write_hf_dir(out, state, cfg, tokenizer_json, extra={"step": step, "run": str(run.resolve()),
                                                          "model": cfg.name})
     return {"step": step, "out": str(out), "tokenizer": tokenizer_json is not None,
-            "parameters": sum(v.numel() for v in state.values())}
+            "parameters": sum(v.numel() for v in state.values()), "caveat": export_caveat(_journal_spec(run), step)}
