@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers.tensors import seeded_randn as _rand
 
 from shoal.errors import ShoalError
 from shoal.net.compress import (
@@ -22,11 +23,6 @@ from shoal.net.compress import (
 )
 from shoal.net.wire import WireError, decode_tensor, encode_tensor
 from shoal.plan.compression import act_nbytes, bytes_per_element, parse_codec, parse_compression
-
-
-def _rand(*shape, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g)
 
 
 def _rel_err(codec: str, x: torch.Tensor) -> float:

@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers.tensors import seeded_randn as _rand
 
 from shoal.errors import ShoalError
 from shoal.net.compress import (
@@ -34,11 +35,6 @@ from shoal.plan.compression import (
     parse_compression,
     tern_nbytes,
 )
-
-
-def _rand(*shape, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g)
 
 
 def _by_hand_nbytes(n: int) -> int:
