@@ -150,31 +150,27 @@ def replica_workers_of_plan(plan: dict) -> dict[str, int]:
     return out
 
 
-def read_replica_workers(text: str) -> dict[str, int]:
-    """``--replicas``: the planner's worker placement of a plan file ({} for a SPEC)."""
-    if not text.endswith(".json"):
-        return {}
+def _plan_file(text: str) -> dict:
+    """The plan file ``--replicas`` names (a one-line ShoalError when it cannot be read)."""
     import json
     from pathlib import Path
 
     try:
-        return replica_workers_of_plan(json.loads(Path(text).expanduser().read_text()))
+        return json.loads(Path(text).expanduser().read_text())
     except (OSError, ValueError) as exc:
         raise ShoalError(f"--replicas {text}: cannot read the plan file ({exc})") from None
+
+
+def read_replica_workers(text: str) -> dict[str, int]:
+    """``--replicas``: the planner's worker placement of a plan file ({} for a SPEC)."""
+    return replica_workers_of_plan(_plan_file(text)) if text.endswith(".json") else {}
 
 
 def resolve_replicas(text: str, micro_batches: int, n_layers: int) -> str:
     """``--replicas``: a SPEC as given, or the SPEC of a plan file (a path ending in ``.json``)."""
     if not text.endswith(".json"):
         return text
-    import json
-    from pathlib import Path
-
-    try:
-        plan = json.loads(Path(text).expanduser().read_text())
-    except (OSError, ValueError) as exc:
-        raise ShoalError(f"--replicas {text}: cannot read the plan file ({exc})") from None
-    return replicas_of_plan(plan, micro_batches, n_layers)
+    return replicas_of_plan(_plan_file(text), micro_batches, n_layers)
 
 
 def replica_slots(stages: list[int], mbs: list[int], n_layers: int, layers: list[int] | None = None) -> list[Slot]:
