@@ -164,7 +164,10 @@ def _serve_limited(addr_file: str, tls_dir: str, handshake_s: float, idle_s: flo
         pbg.add_StageServerServicer_to_server(_Stage(), server)
         port = bind(server, "127.0.0.1:0", load_tls(tls_dir))
         await server.start()
-        Path(addr_file).write_text(f"127.0.0.1:{port}")
+        # written whole under another name, then renamed: the test polls for the file and must
+        # never read it half-written (a CI run read it empty)
+        Path(addr_file + ".tmp").write_text(f"127.0.0.1:{port}")
+        os.replace(addr_file + ".tmp", addr_file)
         await server.wait_for_termination()
 
     asyncio.run(main())
