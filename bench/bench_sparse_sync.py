@@ -18,7 +18,8 @@ uncompressed and local mode with each ``--codecs`` entry, for each H (``--hs``) 
 setting (``--outer LR/MU``). Prints final loss (mean of the last 10 steps) and its ratio to
 local-uncompressed with the same H and outer setting and to exact, and writes
 ``sparse_sweep.png`` (loss against tokens and against wall time) into ``--out``. Runs already
-in ``--out``'s ``sweep.json`` are read back, not run again.
+in ``--out``'s ``sweep.json`` are read back, not run again. ``--replicas SPEC`` runs local mode
+as pipeline replicas (``shoal launch --replicas``) instead of one stage's W workers.
 """
 
 from __future__ import annotations
@@ -109,15 +110,17 @@ def bytes_main(args) -> int:
     return 0
 
 
-def sweep_rows(hs: list[int], codecs: list[str], outers: list[str]) -> dict[str, dict]:
+def sweep_rows(hs: list[int], codecs: list[str], outers: list[str], replicas: str | None = None) -> dict[str, dict]:
     """Row name -> LaunchConfig fields: exact, then per outer setting (``lr/mu``; the default
-    1/0 unnamed) and H local mode uncompressed and with each codec."""
+    1/0 unnamed) and H local mode uncompressed and with each codec (as pipeline replicas
+    ``replicas`` when given)."""
     rows = {"exact": {}}
     for o in outers:
         lr, mu = (float(x) for x in o.split("/"))
         tag = "" if (lr, mu) == (1.0, 0.0) else f" outer {o}"
         for h in hs:
-            base = dict(sync="local", sync_every=h, outer_lr=lr, outer_momentum=mu)
+            base = dict(sync="local", sync_every=h, outer_lr=lr, outer_momentum=mu,
+                        **({"replicas": replicas} if replicas else {}))
             rows[f"local H={h}{tag}"] = base
             for c in codecs:
                 rows[f"local H={h} {c}{tag}"] = dict(base, compression=c)
@@ -181,7 +184,8 @@ def plot(results: dict[str, dict], path: Path, title: str) -> None:
 def sweep_main(args) -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_sparse_sweep_"))
     out.mkdir(parents=True, exist_ok=True)
-    rows = sweep_rows([int(h) for h in args.hs.split(",")], args.codecs.split(","), args.outer.split(","))
+    rows = sweep_rows([int(h) for h in args.hs.split(",")], args.codecs.split(","), args.outer.split(","),
+                      args.replicas)
     names = args.runs.split(",") if args.runs else list(rows)
     results = {}
     done = out / "sweep.json"
@@ -199,7 +203,8 @@ def sweep_main(args) -> int:
         done.write_text(json.dumps(saved, indent=1))
     ref_exact = tail_loss(results["exact"]["recs"]) if "exact" in results else None
     tok = sum(r["tokens"] for r in next(iter(results.values()))["recs"])
-    print(f"\ntiny, S=1, W={args.workers}, M={SWEEP_RUN['micro_batches']} x {SWEEP_RUN['micro_batch_size']} x "
+    shape = f"replicas {args.replicas} (local rows)" if args.replicas else "S=1"
+    print(f"\ntiny, {shape}, W={args.workers}, M={SWEEP_RUN['micro_batches']} x {SWEEP_RUN['micro_batch_size']} x "
           f"{SWEEP_RUN['seq_len']} tokens, built-in corpus, {args.steps} steps ({tok:,} tokens, equal in every "
           "run); loss = mean of the last 10 steps (the same batches in every run)\n")
     vals = {name: final_val(out / name.replace(" ", "_").replace("=", "").replace(":", "_")) for name in results}
@@ -231,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hs", default="4,8", help="sweep: H values")
     ap.add_argument("--codecs", default="sparse:0.01:2,sparse:0.01:4,sparse:0.03:2", help="sweep: push/pull codecs")
     ap.add_argument("--outer", default="1/0", help="sweep: outer LR/momentum settings, comma-separated")
+    ap.add_argument("--replicas", default=None, help="sweep: run local mode as these pipeline replicas "
+                    "(a --replicas SPEC, e.g. 1,1: two one-stage replicas; --workers workers)")
     ap.add_argument("--runs", default=None, help="sweep: comma-separated rows (default all)")
     ap.add_argument("--out", default=None, help="folder for the runs (default: a temporary one)")
     args = ap.parse_args(argv)

@@ -177,25 +177,26 @@ def test_auto_without_stages_runs_the_planners_shape(tmp_path):
     """Without ``--stages`` ``--sync auto`` weighs one pipeline of any depth and pipeline replicas,
     and the demo runs the chosen shape: on the demo scenario one pipeline of the planner's depth;
     with a server host in every region replicas, passed on as the ``--replicas`` SPEC of the
-    plan (its layer splits and micro-batch shares), never with sparse pulls; ``--stages 2``
+    plan (its layer splits and micro-batch shares); ``--stages 2``
     gives one pipeline of 2 stages."""
     from shoal.demo.cli import _sync_text, choose_sync
     from shoal.plan.auto import QualityBudget, plan_auto
     from shoal.plan.scenario import save_scenario
+    from shoal.runtime.sync.codecs import parse_run_compression
     from shoal.runtime.sync.replicas import parse_replica_plan, parse_replica_regions
 
     sc, _ = demo_scenario(load_scenario("demo"), None, 12)
     save_scenario(sc, tmp_path / "s.json")
     em = emulation_spec(sc, str(tmp_path / "s.json"), model_task_s=1.2, bandwidth_scale=4.0, seed=0).emulated
     plan, cfg = choose_sync(DemoConfig(), em, None)
-    want = plan_auto(em, QualityBudget(replica_sparse_pulls=False), seed=0)
+    want = plan_auto(em, QualityBudget(), seed=0)
     assert len(want.replicas) < 2 and not cfg.replicas  # the planner's choice here: one pipeline
     assert cfg.stages == len(plan.stages) == len(want.stages) and plan.sync == want.sync
 
     em3 = _hosts_everywhere(tmp_path / "s3.json", workers=6)
     plan, cfg = choose_sync(DemoConfig(), em3, None)
     assert len(plan.replicas) >= 2 and cfg.sync == "local" and cfg.replicas
-    assert not plan.sync.pull_codec.startswith("sparse") and "pull=sparse" not in cfg.compression
+    assert plan.sync.pull_codec == parse_run_compression(cfg.compression).pull  # the planner's codec, sparse or not
     counts, mbs, layers = parse_replica_plan(cfg.replicas, plan.micro_batches, 6)
     assert counts == [len(r.stages) for r in plan.replicas] and mbs == [r.micro_batches for r in plan.replicas]
     assert parse_replica_regions(cfg.replicas) == [r.cluster for r in plan.replicas]

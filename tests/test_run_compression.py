@@ -177,6 +177,34 @@ def test_pull_deltas_keep_every_replica_equal_to_the_reconstruction(codec):
         assert scale < 0.05, (n, scale)
 
 
+def test_sparse_pull_deltas_are_one_stage_frame_and_deliver_what_they_drop():
+    """Sparse pulls of exact weights (replica plans): the chain starts with the weights in fp32,
+    each delta is one ``*stage`` frame of the whole stage that a worker applies to the same
+    bits as the server's reconstruction, and with W standing still the later deltas bring R to
+    W (what one delta dropped goes with the next)."""
+    from shoal.runtime.sync.codecs import STAGE_FRAME
+
+    g = torch.Generator().manual_seed(3)
+    w = {"a": torch.randn(20000, generator=g), "b.w": torch.randn(64, 129, generator=g)}
+    pd = PullDeltas("sparse:0.05:2")
+    pd.advance((0, 0, 0), 0, 2, w)
+    rep = pb.WeightsReply.FromString(pd.reply("", -1))
+    held = apply_pull(rep, w, None, ("", -1))
+    assert {f.codec for f in rep.params} == {"raw"} and all(torch.equal(held[n], w[n]) for n in w)
+    chain = rep.compress_chain
+    moved = {n: t + 0.1 * torch.randn_like(t) for n, t in w.items()}
+    gaps = []
+    for v in range(1, 40):
+        pd.advance((v, 0, 0), 0, 2, moved)
+        rep, held = _pull(pd, (chain, v - 1), held)
+        assert rep.compress_delta and [f.name for f in rep.params] == [STAGE_FRAME]
+        assert all(torch.equal(held[n], pd.recon[n]) for n in w)
+        gaps.append(max(float((moved[n] - held[n]).abs().max()) for n in w))
+    whole = sum(t.numel() for t in w.values()) * 2
+    assert rep.ByteSize() * 10 < whole  # a delta: a few % of the stage in bf16
+    assert gaps[-1] < 0.05 * gaps[0], gaps
+
+
 def test_pull_chain_start_is_compressed_and_later_fulls_are_fp32():
     w = _weights(2)
     pd = PullDeltas("int8")

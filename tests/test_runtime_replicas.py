@@ -115,12 +115,9 @@ def test_launch_refuses_replicas_outside_local_mode(tmp_path):
                        micro_batches=4)
     cfg.validate()
     assert cfg.stages == 3
-    # sparse pulls, however they are spelled (the bare codec names every kind)
-    for comp in ("sparse", "pull=sparse", "push=sparse,pull=sparse:0.02:2"):
-        with pytest.raises(ShoalError, match="sparse pulls"):
-            LaunchConfig(out=str(tmp_path), model="tiny", replicas="1,1", sync="local", compression=comp).validate()
-    LaunchConfig(out=str(tmp_path), model="tiny", replicas="1,1", sync="local", compression="push=sparse,pull=int8",
-                 workers=2).validate()
+    for comp in ("sparse", "push=sparse,pull=int8"):  # sparse pulls too (PullDeltas of the exact merge)
+        LaunchConfig(out=str(tmp_path), model="tiny", replicas="1,1", sync="local", compression=comp,
+                     workers=2).validate()
 
 
 # ---------------------------------------------------------------------------- reference
@@ -408,22 +405,27 @@ def test_replicas_with_outer_momentum_and_int8_pushes_stay_identical(tmp_path):
 
 @pytest.mark.integration
 @pytest.mark.timeout(300)
-def test_replicas_with_sparse_pushes_end_dense_and_identical(tmp_path):
-    """Sparse pushes (the replicas keep what they leave) across differently split replicas: the
-    rounds before the last push and exchange sparse frames, the last is dense both ways (each
-    server's part with what its earlier parts left, flush_part); every layer's copies end
-    bitwise equal and the dense last round bans nobody."""
+def test_replicas_with_sparse_pushes_and_pulls_end_dense_and_identical(tmp_path):
+    """``sparse`` both ways across differently split replicas: the rounds before the last push
+    and exchange sparse frames, the last is dense both ways (each server's part with what its
+    earlier parts left, flush_part); pulls after a merge are sparse deltas of the exact merged
+    weights (PullDeltas: each server's reconstruction its own, its weights the same bits as its
+    peers'), 100x fewer bytes than the stage in bf16; every layer's copies end bitwise equal and
+    the dense last round bans nobody."""
     from shoal.runtime.processes.launch import LaunchConfig, launch
     from shoal.train.metrics import read_jsonl
 
     out = tmp_path / "run"
-    summary = launch(LaunchConfig(out=str(out), **RUN, steps=4, replicas="1,2", workers=3, dead_after_s=3.0,
-                                  min_lease_s=1.5, timeout_s=280, sync="local", sync_every=2,
-                                  compression="push=sparse,pull=int8"))
-    assert summary["steps"] == 4 and all(math.isfinite(x) for x in summary["losses"])
+    summary = launch(LaunchConfig(out=str(out), **RUN, steps=6, replicas="1,2", workers=3, dead_after_s=3.0,
+                                  min_lease_s=1.5, timeout_s=280, sync="local", sync_every=2, compression="sparse"))
+    assert summary["steps"] == 6 and all(math.isfinite(x) for x in summary["losses"])
     assert summary["replicas"]["final_weights_differ"] == []
     assert set(summary["bytes_by_codec"]["grad_push"]) == {"sparse", "raw"}
     assert set(summary["bytes_by_codec"]["replica_merge"]) == {"sparse", "raw"}
+    pulls = summary["bytes_by_codec"]["weight_pull"]
+    assert set(pulls) == {"raw", "sparse"}  # whole weights once per worker, then the merges' deltas
+    # 3 workers x the merges of steps 2 and 4 (none after the last); raw: what they stand for in fp32
+    assert pulls["sparse"]["messages"] == 6 and pulls["sparse"]["wire"] * 100 <= pulls["sparse"]["raw"] / 2, pulls
     assert not [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "ban"]
 
 

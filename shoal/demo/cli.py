@@ -378,8 +378,7 @@ def choose_sync(cfg: DemoConfig, scenario, stages: int | None):
     :func:`shoal.plan.auto.lighter`) -- and, with ``stages`` None (no ``--stages``), the shape:
     one pipeline of the depth it chooses, or pipeline replicas. A replica plan is passed on as
     the ``--replicas`` SPEC of its layer splits and micro-batch shares
-    (:func:`shoal.runtime.sync.replicas.replicas_of_plan`, as a plan file is); the budget keeps
-    sparse pulls away from replicas, which the runtime does not run. The returned config
+    (:func:`shoal.runtime.sync.replicas.replicas_of_plan`, as a plan file is). The returned config
     carries that mode, H, ``--compression`` and replicas. With ``stages`` given: one pipeline
     of that many stages. ``exact`` / ``local``: the plan of that policy on ``stages`` (default
     :data:`DEFAULT_STAGES`) stages, the config otherwise unchanged.
@@ -406,7 +405,7 @@ def choose_sync(cfg: DemoConfig, scenario, stages: int | None):
         return make_plan(scenario, stages=stages, seed=cfg.seed, sync=pol), dc_replace(cfg, stages=stages)
     pinned = cfg.compression.strip() not in ("", "none")
     budget = QualityBudget(max_sync_every=max(DEFAULT_MAX_SYNC_EVERY, cfg.sync_every or 0),
-                           replicas=stages is None, replica_sparse_pulls=False, pin_sync_every=cfg.sync_every,
+                           replicas=stages is None, pin_sync_every=cfg.sync_every,
                            pin_codecs=parse_compression(cfg.compression) if pinned else None)
     plan = plan_auto(scenario, budget, seed=cfg.seed, stages=stages)
     pol = plan.sync

@@ -18,10 +18,6 @@ Candidates, each placed once by shoal's allocator and then priced by the cost mo
   ``sparse``, each of those is also priced with ``int8`` there (:func:`lighter`): where the
   links do not limit the step, sparse buys no speed and costs loss (bench/results/sparse-sync.md).
 
-  A budget for a run (``replica_sparse_pulls=False``, ``shoal demo``'s) gives replicas the
-  allowed non-sparse pull codec of fewest bytes: the runtime does not run replicas with sparse
-  pulls yet.
-
 The choice is the candidate of most predicted tokens/s (long run, churn included where the
 scenario has churn); among those within ``TIE`` (0.1 %) of it, the one closest to exact
 training: exact sync first, then the smallest ``H``, then the fewest sparse kinds.
@@ -56,9 +52,6 @@ class QualityBudget:
     replicas: bool = True  # pipeline replicas inside network clusters allowed (local mode)
     pin_sync_every: int | None = None  # H pinned by the user (--sync-every): only this H
     pin_codecs: dict[str, str] | None = None  # codec per kind pinned by the user (--compression)
-    # replicas may pull sparse updates; False for a plan the runtime must run, which refuses
-    # them (their update chain is per stage server: shoal.runtime.sync.replicas.check_replica_run)
-    replica_sparse_pulls: bool = True
 
     def sync_every_choices(self) -> list[int]:
         """The H values the budget allows, smallest first."""
@@ -66,15 +59,12 @@ class QualityBudget:
             return [self.pin_sync_every] if self.pin_sync_every <= self.max_sync_every else []
         return [h for h in SYNC_EVERY_CHOICES if h <= self.max_sync_every]
 
-    def codec_for(self, kind: str, dtype_bytes: int, sparse: bool = True) -> str:
-        """The allowed codec of fewest bytes for traffic ``kind`` (a pinned one if given);
-        ``sparse=False`` leaves the sparse codecs out."""
+    def codec_for(self, kind: str, dtype_bytes: int) -> str:
+        """The allowed codec of fewest bytes for traffic ``kind`` (a pinned one if given)."""
         if self.pin_codecs is not None:
             return self.pin_codecs[kind]
         ok = []
         for c in self.codecs:
-            if not sparse and c.startswith("sparse"):
-                continue
             try:
                 ok.append(parse_codec(c, kind))
             except ShoalError:
@@ -88,8 +78,6 @@ class QualityBudget:
         if not policy.local:
             return not replicas
         if not self.local or (replicas and not self.replicas):
-            return False
-        if replicas and not self.replica_sparse_pulls and policy.pull_codec.startswith("sparse"):
             return False
         if policy.sync_every not in self.sync_every_choices():
             return False
@@ -153,9 +141,7 @@ def candidates(scenario: Scenario, budget: QualityBudget, seed: int = 0,
     shapes = [(replace(base, overlap_uploads=True), False)]
     if budget.replicas and stages is None:
         rep = replace(base, overlap_uploads=False)  # see shoal.plan.cli.policy_from_args
-        if not budget.replica_sparse_pulls and rep.pull_codec.startswith("sparse"):
-            rep = replace(rep, pull_codec=budget.codec_for("pull", db, sparse=False))
-        if budget.allows(rep, replicas=True):  # (not when sparse pulls are pinned)
+        if budget.allows(rep, replicas=True):
             shapes.append((rep, True))
     for pol, reps in shapes:
         try:

@@ -149,13 +149,8 @@ class LaunchConfig:
             raise ShoalError("--shadow workers wait their emulated device's task time: give --scenario")
         if self.shadow_per_process < 1:
             raise ShoalError(f"--shadow-per-process must be at least 1, got {self.shadow_per_process}")
-        if self.replicas:
-            if self.sync != "local":
-                raise ShoalError("--replicas needs --sync local (replicas merge at the rounds of local mode)")
-            from shoal.runtime.sync.codecs import parse_run_compression
-
-            if parse_run_compression(self.compression).pull.startswith("sparse"):
-                raise ShoalError("--replicas does not run with sparse pulls yet; use e.g. push=sparse,pull=int8")
+        if self.replicas and self.sync != "local":
+            raise ShoalError("--replicas needs --sync local (replicas merge at the rounds of local mode)")
 
     def _replica_plan(self) -> tuple[list[int], list[int]]:
         """(stages, micro-batches) of each replica of ``--replicas`` (a one-line ShoalError when bad)."""

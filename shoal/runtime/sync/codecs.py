@@ -46,8 +46,11 @@ if TYPE_CHECKING:  # torch and the wire layer load only where tensors are handle
 
 def dense_codec(codec: str) -> str:
     """The codec of a whole-weights pull under pull codec ``codec``: top-k codecs keep too little
-    of whole weights, so ``int8`` stands in for them."""
-    return "int8" if codec.startswith(("topk-int8", "sparse")) else codec
+    of whole weights, so ``int8`` stands in for them; under ``sparse`` (local mode's rounds: a
+    worker pulls whole weights once, then deltas) the weights go in fp32."""
+    if codec.startswith("sparse"):
+        return "raw"
+    return "int8" if codec.startswith("topk-int8") else codec
 
 
 def runtime_codec(codec: str) -> str:
@@ -192,10 +195,14 @@ def is_stage_frame(frames) -> bool:
 
 
 def uses_update_pulls(spec) -> bool:
-    """Whether a run's pulls are the merged sparse updates (local mode with a ``sparse`` pull codec)."""
+    """Whether a run's pulls are the merged sparse updates (local mode with a ``sparse`` pull
+    codec, one pipeline). Replica plans pull sparse deltas of the exact merged weights instead
+    (:class:`PullDeltas`): a server's weights must not depend on how its stage is chunked, so
+    that every replica's copy of a layer stays the same bits."""
     from shoal.train.outer import sync_of_spec
 
-    return spec is not None and sync_of_spec(spec).local and compression_of_spec(spec).pull.startswith("sparse")
+    return (spec is not None and sync_of_spec(spec).local and compression_of_spec(spec).pull.startswith("sparse")
+            and not spec.replica_stages)
 
 
 async def compressed_pull(server, request: pb.WeightsRequest) -> bytes | None:
@@ -276,12 +283,20 @@ class PullDeltas:
         else:
             head = pb.WeightsReply(version=version, epoch=epoch, first=first, last=last, compress_delta=True,
                                    compress_chain=self.chain, compress_base=self.key[0])
-            for name, p in params.items():
-                r = self.recon[name]
-                frame = encode_tensor(name, p.detach().to("cpu", torch.float32) - r, self.codec)
-                # Advance by what the workers will decode, not by the exact difference.
-                r.add_(decode_tensor(frame, shape=tuple(r.shape), dtype="float32"))
+            if self.codec.startswith("sparse"):
+                # One frame of the whole stage (as a sparse push): small tensors cost no chunk of their own.
+                frame = stage_frame({n: p.detach().to("cpu", torch.float32) - self.recon[n]
+                                     for n, p in params.items()}, self.codec)
+                for name, d in split_stage_frame(frame, self.recon).items():
+                    self.recon[name].add_(d)  # apply_pull's arithmetic: base + decoded
                 head.params.append(frame)
+            else:
+                for name, p in params.items():
+                    r = self.recon[name]
+                    frame = encode_tensor(name, p.detach().to("cpu", torch.float32) - r, self.codec)
+                    # Advance by what the workers will decode, not by the exact difference.
+                    r.add_(decode_tensor(frame, shape=tuple(r.shape), dtype="float32"))
+                    head.params.append(frame)
             self.base, self.delta_bytes = self.key[0], head.SerializeToString()
         self.key, self.head, self.full_bytes = key, (first, last), None
 

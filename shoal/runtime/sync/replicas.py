@@ -202,7 +202,7 @@ def slots_of_spec(spec, n_layers: int) -> list[Slot] | None:
 
 def check_replica_run(spec, n_layers: int) -> None:
     """A one-line ShoalError where a run spec's replicas cannot run (local mode only, the
-    stage count their sum, no update pulls)."""
+    stage count their sum)."""
     if not spec.replica_stages:
         return
     if (spec.sync_mode or "exact") != "local":
@@ -211,8 +211,6 @@ def check_replica_run(spec, n_layers: int) -> None:
         raise ShoalError("the replicas' micro-batches must sum to --micro-batches")
     if sum(spec.replica_stages) != spec.stages:
         raise ShoalError(f"--replicas has {sum(spec.replica_stages)} stages in all, the run {spec.stages}")
-    if (spec.compress_pull or "none").startswith("sparse"):
-        raise ShoalError("--replicas does not run with sparse pulls yet; use pull=int8 or none")
     if spec.replica_regions and len(spec.replica_regions) != len(spec.replica_stages):
         raise ShoalError("give every replica's regions (@REGION) or none")
     if any(s > n_layers for s in spec.replica_stages):
