@@ -19,7 +19,9 @@ setting (``--outer LR/MU``). Prints final loss (mean of the last 10 steps) and i
 local-uncompressed with the same H and outer setting and to exact, and writes
 ``sparse_sweep.png`` (loss against tokens and against wall time) into ``--out``. Runs already
 in ``--out``'s ``sweep.json`` are read back, not run again. ``--replicas SPEC`` runs local mode
-as pipeline replicas (``shoal launch --replicas``) instead of one stage's W workers.
+as pipeline replicas (``shoal launch --replicas``) instead of one stage's W workers (their
+micro-batches fixed per replica: a run is the same from run to run); ``--model`` and ``--seed``
+change the model preset and the seed of every run.
 """
 
 from __future__ import annotations
@@ -184,9 +186,10 @@ def plot(results: dict[str, dict], path: Path, title: str) -> None:
 def sweep_main(args) -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_sparse_sweep_"))
     out.mkdir(parents=True, exist_ok=True)
-    rows = sweep_rows([int(h) for h in args.hs.split(",")], args.codecs.split(","), args.outer.split(","),
+    sep = ";" if ";" in args.codecs or ";" in (args.runs or "") else ","  # ";" lets a codec hold ","
+    rows = sweep_rows([int(h) for h in args.hs.split(",")], args.codecs.split(sep), args.outer.split(","),
                       args.replicas)
-    names = args.runs.split(",") if args.runs else list(rows)
+    names = args.runs.split(sep) if args.runs else list(rows)
     results = {}
     done = out / "sweep.json"
     saved = json.loads(done.read_text()) if done.exists() else {}
@@ -204,7 +207,7 @@ def sweep_main(args) -> int:
     ref_exact = tail_loss(results["exact"]["recs"]) if "exact" in results else None
     tok = sum(r["tokens"] for r in next(iter(results.values()))["recs"])
     shape = f"replicas {args.replicas} (local rows)" if args.replicas else "S=1"
-    print(f"\ntiny, {shape}, W={args.workers}, M={SWEEP_RUN['micro_batches']} x {SWEEP_RUN['micro_batch_size']} x "
+    print(f"\n{SWEEP_RUN['model']}, {shape}, W={args.workers}, M={SWEEP_RUN['micro_batches']} x {SWEEP_RUN['micro_batch_size']} x "
           f"{SWEEP_RUN['seq_len']} tokens, built-in corpus, {args.steps} steps ({tok:,} tokens, equal in every "
           "run); loss = mean of the last 10 steps (the same batches in every run)\n")
     vals = {name: final_val(out / name.replace(" ", "_").replace("=", "").replace(":", "_")) for name in results}
@@ -223,7 +226,7 @@ def sweep_main(args) -> int:
         print(f"| {name} | {fin:.4f} | {rel} | {ex} | {vals[name]:.4f} | {vrel} | {vex} | "
               f"{wall_curve(res['recs'])[-1]:.0f} |")
     png = out / "sparse_sweep.png"
-    plot(results, png, f"tiny on the built-in corpus, S=1, W={args.workers}: exact vs local vs local + sparse")
+    plot(results, png, f"{SWEEP_RUN['model']} on the built-in corpus, W={args.workers}: exact vs local vs local + sparse")
     print(f"\nplot: {png}")
     return 0
 
@@ -234,10 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (bytes 8, sweep 60)")
     ap.add_argument("--workers", type=int, default=2, help="sweep: workers (one stage: replicas)")
     ap.add_argument("--hs", default="4,8", help="sweep: H values")
-    ap.add_argument("--codecs", default="sparse:0.01:2,sparse:0.01:4,sparse:0.03:2", help="sweep: push/pull codecs")
+    ap.add_argument("--codecs", default="sparse:0.01:2,sparse:0.01:4,sparse:0.03:2", help="sweep: push/pull codecs, comma-separated (or ';'-separated, then --runs too)")
     ap.add_argument("--outer", default="1/0", help="sweep: outer LR/momentum settings, comma-separated")
     ap.add_argument("--replicas", default=None, help="sweep: run local mode as these pipeline replicas "
                     "(a --replicas SPEC, e.g. 1,1: two one-stage replicas; --workers workers)")
+    ap.add_argument("--model", default=SWEEP_RUN["model"], help="sweep: the model preset (tiny, small, ...)")
+    ap.add_argument("--seed", type=int, default=SWEEP_RUN["seed"], help="sweep: the runs' seed (init, data order)")
     ap.add_argument("--runs", default=None, help="sweep: comma-separated rows (default all)")
     ap.add_argument("--out", default=None, help="folder for the runs (default: a temporary one)")
     args = ap.parse_args(argv)
@@ -245,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         args.steps = args.steps or 8
         return bytes_main(args)
     args.steps = args.steps or 60
+    SWEEP_RUN["seed"], SWEEP_RUN["model"] = args.seed, args.model
     return sweep_main(args)
 
 
