@@ -753,3 +753,40 @@ def test_a_real_run_places_workers_named_as_the_plan_files_devices(tmp_path):
     assert summary["steps"] == 2
     first = next(e for e in read_jsonl(out / "events.jsonl") if e["event"] == "replan")
     assert first["assignment"] == {"w0": 0, "w3": 0, "w2": 1, "w1": 2}, first
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_joiner_named_in_the_plan_file_goes_to_its_planned_stage(tmp_path):
+    """w3 joins a running replica plan whose file puts it beside w2 on stage 1; by rule alone it
+    would go to stage 0 (the least capacity per unit of work: 6 layers x 2 micro-batches on one
+    worker). The re-plan after its join puts it where the plan file says."""
+    import time
+
+    from shoal.runtime.processes.launch import LaunchConfig, Swarm
+    from shoal.runtime.sync.replicas import assign_replica_workers, replica_slots
+    from shoal.train.metrics import read_jsonl
+
+    slots = replica_slots([1, 2], [2, 2], 6, [6, 2, 4])
+    rule = assign_replica_workers({f"w{i}": 1.0 for i in range(4)}, {}, slots, {"w0": 0, "w2": 1, "w1": 2})
+    assert rule["w3"] == 0  # what the rule alone would do
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"micro_batches": 4, "replicas": [
+        {"micro_batches": 2, "stages": [{"layers": [0, 6], "workers": ["w0"]}]},
+        {"micro_batches": 2, "stages": [{"layers": [0, 2], "workers": ["w2", "w3"]},
+                                        {"layers": [2, 6], "workers": ["w1"]}]}]}))
+    out = tmp_path / "run"
+    cfg = LaunchConfig(out=str(out), **RUN, steps=6, replicas=str(path), workers=3, dead_after_s=3.0,
+                       min_lease_s=1.5, timeout_s=280, sync="local", sync_every=2, worker_args=[["--slow", "0.2"]] * 4)
+    with Swarm(cfg) as sw:
+        sw.start()
+        while sw.committed_steps() < 1:
+            time.sleep(0.02)
+        sw.start_worker()
+        summary = sw.wait()
+    assert summary["steps"] == 6
+    replans = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "replan"]
+    assert replans[0]["assignment"] == {"w0": 0, "w2": 1, "w1": 2}, replans[0]
+    joined = next(e for e in replans if "w3" in e["assignment"])
+    assert joined["assignment"] == {"w0": 0, "w2": 1, "w3": 1, "w1": 2}, joined
+

@@ -835,7 +835,11 @@ class Coordinator(pbg.CoordinatorServicer):
         if self.slots is not None:
             # A replica plan: whole regions to replicas, so activations stay inside a region.
             regions = {mid: self._region_of(self.members[mid]) for mid in live}
-            new = assign_replica_workers(flops, regions, self.slots, self.assign, homes=list(self.spec.replica_regions),
+            # A plan file places joiners too: a member no stage holds yet whose device it names
+            # goes where the planner put that device (a worker that comes back: where it was).
+            joiners = {mid: self.members[mid].device or self.members[mid].name for mid in live if mid not in self.assign}
+            current = {**planned_assignment(self.replica_workers, joiners, len(self.slots), fits), **self.assign}
+            new = assign_replica_workers(flops, regions, self.slots, current, homes=list(self.spec.replica_regions),
                                          fits=fits)
         else:
             new = assign_workers(flops, self.costs, self.assign, fits)
