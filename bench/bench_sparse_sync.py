@@ -3,8 +3,8 @@
     PYTHONPATH=. .venv/bin/python bench/bench_sparse_sync.py bytes [--steps 8] [--out DIR]
     PYTHONPATH=. .venv/bin/python bench/bench_sparse_sync.py sweep [--steps 60] [--runs a,b] [--out DIR]
 
-``bytes``: ``shoal launch`` (``tiny``, S = 2 stages, W = 4 workers, ``--sync local
---sync-every 4``) uncompressed and with ``--compression sparse`` (and ``sparse:0.01:4``).
+``bytes``: ``shoal launch`` (``tiny``, S = 2 stages, or ``--replicas SPEC``; W = 4 workers,
+``--sync local --sync-every 4``) uncompressed and with ``--compression sparse`` (and ``sparse:0.01:4``).
 Per worker per round, from the runtime's byte counters (``bytes_by_codec``, every process):
 bytes of one pseudo-gradient push and of one pull of a merge, against the stage's weights in
 dense bf16 (the counters' fp32-equivalent ``raw`` bytes / 2). Pushes: every ``grad_push`` frame;
@@ -92,7 +92,8 @@ def bytes_main(args) -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_sparse_bytes_"))
     rows = {"local H=4 none": {}, "local H=4 sparse": dict(compression="sparse"),
             "local H=4 sparse:0.01:4": dict(compression="sparse:0.01:4")}
-    print(f"tiny, S=2, W=4, --sync local --sync-every 4, {args.steps} steps, loopback; per worker per round\n")
+    shape = f"--replicas {args.replicas}" if args.replicas else "S=2"
+    print(f"tiny, {shape}, W=4, --sync local --sync-every 4, {args.steps} steps, loopback; per worker per round\n")
     print("| run | pushes | B per push (wire) | stage in dense bf16 | bf16 / push | pulls of a merge | B per pull (wire) | "
           "stage in dense bf16 | bf16 / pull | fp32 pulls of the chain starts, B per worker | "
           "the last round's dense pushes, B per worker |")
@@ -101,7 +102,8 @@ def bytes_main(args) -> int:
     for name, extra in rows.items():
         print(f"running {name} ...", file=sys.stderr, flush=True)
         folder = out / name.replace(" ", "_").replace("=", "").replace(":", "_")
-        r = launch_run(folder, args.steps, 2, 4, BYTES_RUN, sync="local", sync_every=4, **extra)
+        r = launch_run(folder, args.steps, 2, 4, BYTES_RUN, sync="local", sync_every=4, **extra,
+                       **({"replicas": args.replicas} if args.replicas else {}))
         b = per_round_bytes(r["summary"], folder, args.steps)
         res[name] = b
         print(f"| {name} | {b['pushes']} | {b['push_wire']:,.0f} | {b['push_bf16']:,.0f} | "
@@ -239,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hs", default="4,8", help="sweep: H values")
     ap.add_argument("--codecs", default="sparse:0.01:2,sparse:0.01:4,sparse:0.03:2", help="sweep: push/pull codecs, comma-separated (or ';'-separated, then --runs too)")
     ap.add_argument("--outer", default="1/0", help="sweep: outer LR/momentum settings, comma-separated")
-    ap.add_argument("--replicas", default=None, help="sweep: run local mode as these pipeline replicas "
+    ap.add_argument("--replicas", default=None, help="run local mode as these pipeline replicas "
                     "(a --replicas SPEC, e.g. 1,1: two one-stage replicas; --workers workers)")
     ap.add_argument("--model", default=SWEEP_RUN["model"], help="sweep: the model preset (tiny, small, ...)")
     ap.add_argument("--seed", type=int, default=SWEEP_RUN["seed"], help="sweep: the runs' seed (init, data order)")
