@@ -99,6 +99,27 @@ def test_gaming_world_auto_uses_replicas_and_most_devices():
     assert plan.predicted["devices_used"] >= 80 and plan.predicted["flop_share"] >= 0.35
 
 
+def test_quality_note_names_the_measured_cost_of_sparse_sync():
+    from shoal.plan.auto import SPARSE_LOSS_COST, quality_note
+
+    note = quality_note(SyncPolicy(mode="local", sync_every=4, push_codec="sparse", pull_codec="int8"))
+    assert note and f"{SPARSE_LOSS_COST[1]:.1%}" in note and "--allow-codecs none,int8" in note
+    assert quality_note(SyncPolicy(mode="local", sync_every=4, push_codec="int8", pull_codec="int8")) is None
+    assert quality_note(SyncPolicy()) is None  # exact sync
+
+
+@pytest.mark.timeout(300)
+def test_auto_on_gaming_eu_prints_the_quality_note_of_its_sparse_choice(capsys):
+    from shoal.cli import main
+
+    assert main(["plan", "--scenario", "gaming-eu"]) == 0
+    out = capsys.readouterr().out.replace("\n", " ")
+    assert "push=sparse" in out and "quality: sparse pushes and pulls ended" in out
+    assert main(["plan", "--scenario", "gaming-eu", "--allow-codecs", "none,int8"]) == 0
+    out = capsys.readouterr().out.replace("\n", " ")
+    assert "sparse" not in out.split("(quality budget")[0] and "quality: sparse" not in out
+
+
 @pytest.mark.timeout(300)
 def test_cli_budget_flags(capsys):
     from shoal.cli import main

@@ -538,6 +538,10 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
     asked, by_hand = cfg.sync, bool(cfg.replicas)
     plan, cfg = choose_sync(cfg, spec.emulated, stages)
     stages = cfg.stages
+    from shoal.plan.auto import quality_note
+
+    if quality_note(plan.sync):
+        notes.append(quality_note(plan.sync))
     if stages > len(sc.workers):
         raise ShoalError(f"the plan has {stages} stages and the scenario {len(sc.workers)} workers: every "
                          "stage needs a worker")

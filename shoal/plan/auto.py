@@ -120,6 +120,23 @@ def lighter(policy: SyncPolicy, budget: QualityBudget) -> SyncPolicy | None:
     return replace(policy, push_codec=push, pull_codec=pull)
 
 
+# What sparse sync measurably costs (bench/results/sparse-sync.md, 2026-12-02: the real runtime,
+# `tiny`, H = 4, 120 steps, seeds 0-2): the final weights' validation loss above uncompressed
+# local mode's at equal tokens, pipeline replicas and one pipeline.
+SPARSE_LOSS_COST = (0.032, 0.043)
+
+
+def quality_note(policy: SyncPolicy) -> str | None:
+    """One line on the measured loss cost of ``policy``'s codecs where it is large enough to
+    weigh against their speed (pure): sparse pushes or pulls; None otherwise."""
+    if not policy.local or not (policy.push_codec.startswith("sparse") or policy.pull_codec.startswith("sparse")):
+        return None
+    lo, hi = SPARSE_LOSS_COST
+    return (f"quality: sparse pushes and pulls ended {lo:.1%}-{hi:.1%} above uncompressed local mode's loss at equal "
+            "tokens in measured runs (tiny, 120 steps, 3 seeds: bench/results/sparse-sync.md); "
+            "--allow-codecs none,int8 leaves them out")
+
+
 def _sparse_kinds(policy: SyncPolicy) -> int:
     return sum(c.startswith("sparse") for c in (policy.push_codec, policy.pull_codec))
 

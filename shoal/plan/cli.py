@@ -17,6 +17,7 @@ from shoal.plan.auto import (
     QualityBudget,
     parse_allowed_codecs,
     plan_auto,
+    quality_note,
 )
 from shoal.plan.cost import stage_costs
 from shoal.plan.report import IDLE_REASONS, SwarmReport, swarm_report
@@ -174,6 +175,9 @@ def run(args: argparse.Namespace) -> int:
     if budget is not None and auto_applies(args):
         plan = plan_auto(scenario, budget, seed=args.seed)
         console.print(f"sync auto: {describe_policy(plan)} (quality budget: {describe_budget(budget)})")
+        note = quality_note(plan.sync)
+        if note:
+            console.print(note)
         print_plan(console, plan, scenario)
         if args.json_out:
             plan.to_json(args.json_out)
