@@ -540,8 +540,8 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
     stages = cfg.stages
     from shoal.plan.auto import quality_note
 
-    if quality_note(plan.sync):
-        notes.append(quality_note(plan.sync))
+    if (note := quality_note(plan.sync)) is not None:
+        notes.append(note)  # what the chosen codecs measurably cost
     if stages > len(sc.workers):
         raise ShoalError(f"the plan has {stages} stages and the scenario {len(sc.workers)} workers: every "
                          "stage needs a worker")
