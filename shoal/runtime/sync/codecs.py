@@ -20,11 +20,13 @@ the run spec (``RunSpec.compress_*``, fields 800-803) to every member:
   worker that later does not hold the previous ``R`` (a joiner, or one that missed a version)
   gets ``R`` itself in fp32, so every replica holds the same ``R`` bit for bit.
 
-In local mode with a ``sparse`` pull codec the pulls are the merges themselves
+In local mode with a ``sparse`` pull codec, one pipeline's pulls are the merges themselves
 (:class:`UpdatePulls`): the server encodes each merge's outer update once, with its own error
 feedback, applies exactly the decoded update to its weights, and serves those frames; every
 worker adds them to the merged weights it holds, so every replica holds the server's weights
-bit for bit. A worker whose version does not match pulls the weights in fp32 once.
+bit for bit. A worker whose version does not match pulls the weights in fp32 once. A replica
+plan's servers keep their exact merged weights and serve :class:`PullDeltas` of them, each
+delta one ``*stage`` frame (see :func:`uses_update_pulls`).
 
 ``none`` everywhere (the default) changes nothing: frames, relays and pulls are those of an
 uncompressed run byte for byte.
@@ -317,7 +319,7 @@ class PullDeltas:
 
 
 class UpdatePulls:
-    """Local mode's sparse pulls: each merge's outer update, encoded once, is the pull.
+    """One pipeline's sparse pulls in local mode: each merge's outer update, encoded once, is the pull.
 
     At a merge the server hands :meth:`merge` the outer update ``U`` (what exact arithmetic
     would subtract); it encodes ``-U`` plus the residual of earlier merges with the pull codec
