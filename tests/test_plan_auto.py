@@ -3,6 +3,8 @@ exact policy on a tie, and the CLI flags build the budget (shoal.plan.auto)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from shoal.errors import ShoalError
@@ -115,9 +117,30 @@ def test_auto_on_gaming_eu_prints_the_quality_note_of_its_sparse_choice(capsys):
     assert main(["plan", "--scenario", "gaming-eu"]) == 0
     out = capsys.readouterr().out.replace("\n", " ")
     assert "push=sparse" in out and "quality: sparse pushes and pulls ended" in out
+    assert "the run's last round is dense" in out
     assert main(["plan", "--scenario", "gaming-eu", "--allow-codecs", "none,int8"]) == 0
     out = capsys.readouterr().out.replace("\n", " ")
     assert "sparse" not in out.split("(quality budget")[0] and "quality: sparse" not in out
+
+
+@pytest.mark.timeout(300)
+def test_a_sparse_runs_dense_last_round_is_priced_once():
+    """The dense last round of sparse pushes: every worker's stage in fp32, at least the largest
+    stage over its fastest worker's uplink; none for exact or int8 sync; the plan CLI says it."""
+    from dataclasses import replace
+
+    from shoal.plan.cost import dense_round_time, scenario_profile
+
+    s = load_scenario("gaming-eu")
+    plan = plan_auto(s)
+    assert plan.sync.push_codec.startswith("sparse")
+    prof = scenario_profile(s, plan.micro_batch_size)
+    t = dense_round_time(plan, s, prof)
+    up = {d.id: d.up for d in s.devices}
+    floor = max(4.0 * prof.params(*st.layers) / max(up[w] for w in st.workers) for st in plan.all_stages)
+    assert floor <= t < math.inf
+    assert dense_round_time(replace(plan, sync=replace(plan.sync, push_codec="int8")), s, prof) == 0.0
+    assert dense_round_time(replace(plan, sync=SyncPolicy()), s, prof) == 0.0
 
 
 @pytest.mark.timeout(300)

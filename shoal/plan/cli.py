@@ -239,6 +239,7 @@ def print_plan(console: Console, plan: Plan, scenario: Scenario) -> None:
         console.print(f"sync: local, a round every {pol.sync_every} steps ({_fmt(pred.get('sync_round_s'))} s at full "
                       f"link rate, {'overlapped with the next round' if pol.overlap else 'not overlapped'}); codecs "
                       f"act={pol.act_codec} grad={pol.grad_codec} push={pol.push_codec} pull={pol.pull_codec}")
+        print_dense_round(console, plan, scenario)
     elif any(c != "none" for c in (pol.act_codec, pol.grad_codec, pol.push_codec, pol.pull_codec)):
         console.print(f"sync: exact; codecs act={pol.act_codec} grad={pol.grad_codec} push={pol.push_codec} "
                       f"pull={pol.pull_codec}")
@@ -298,6 +299,7 @@ def print_replica_plan(console: Console, plan: Plan, scenario: Scenario) -> None
     console.print(f"sync: local, a round every {pol.sync_every} steps ({_fmt(pred.get('sync_round_s'))} s at full link "
                   f"rate, of which the servers' outer merge {_fmt(pred.get('outer_merge_s'))} s); codecs "
                   f"act={pol.act_codec} grad={pol.grad_codec} push={pol.push_codec} pull={pol.pull_codec}")
+    print_dense_round(console, plan, scenario)
     console.print(f"predicted step {_fmt(pred.get('step_time_s'))} s = pipeline {_fmt(pred.get('pipeline_s'))} s "
                   f"(the slowest replica) + sync {_fmt(pred.get('sync_s'))} s; memory headroom "
                   f"{pred.get('memory_headroom', 0):.0%}; planned in {plan.planning_time_s:.2f} s")
@@ -305,6 +307,16 @@ def print_replica_plan(console: Console, plan: Plan, scenario: Scenario) -> None
     print_swarm(console, swarm_report(plan, scenario))
     if pred.get("churn_s"):
         console.print(f"with churn (long run): expected step {_fmt(pred.get('expected_step_time_s'))} s")
+
+
+def print_dense_round(console: Console, plan: Plan, scenario: Scenario) -> None:
+    """One line where the run ends with a dense round (sparse pushes): its one-off time."""
+    from shoal.plan.cost import dense_round_time, scenario_profile
+
+    t = dense_round_time(plan, scenario, scenario_profile(scenario, plan.micro_batch_size))
+    if t > 0:
+        console.print(f"the run's last round is dense (sparse pushes keep what they leave): every worker sends its "
+                      f"stage in fp32 once, about {_fmt(t)} s at full link rate, not in the step above")
 
 
 def print_cpu(console: Console, pred: dict) -> None:

@@ -1284,6 +1284,28 @@ def outer_merge_time(plan: Plan, scenario: Scenario, prof: ModelProfile) -> floa
     return worst
 
 
+def dense_round_time(plan: Plan, scenario: Scenario, prof: ModelProfile) -> float:
+    """Seconds a sparse run's dense last round takes, once per run (pure): with ``sparse`` pushes
+    in local mode each worker keeps what its pushes left (``shoal.runtime.sync.codecs.
+    keeps_residual``), so the run ends with every worker of a stage pushing its whole
+    pseudo-gradient in fp32 to its stage server at once. Each flow at ``min(path, the worker's
+    uplink, the server's downlink / its workers)``, plus its latency; the slowest. 0 for any
+    other policy (the steady-state step the cost model predicts does not include it)."""
+    pol = plan.sync
+    if not pol.local or not pol.push_codec.startswith("sparse"):
+        return 0.0
+    dev = {d.id: d for d in scenario.devices}
+    worst = 0.0
+    for st in plan.all_stages:
+        nbytes = 4.0 * prof.params(*st.layers)
+        host = dev[st.server]
+        for w in st.workers:
+            link = scenario.network.link(dev[w], host)
+            bw = flow_bandwidth(link.bandwidth, dev[w].up, host.down, 1, len(st.workers))
+            worst = max(worst, transfer_time(nbytes, link.latency, bw))
+    return worst
+
+
 def local_round_push_end(links: list[tuple[float, float, float, float]], latency: float, window: float,
                          pipeline_s: float, overlap: bool = True) -> float:
     """Seconds from a stage's round start until its last push has landed (the first half of
