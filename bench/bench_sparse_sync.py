@@ -69,7 +69,10 @@ def log_counts(out: Path, last: int = 0) -> tuple[int, int]:
 def per_round_bytes(summary: dict, out: Path, steps: int) -> dict[str, float]:
     """Bytes of one push and one pull of a merge (wire, and the stage in dense bf16) from the
     run's counters; pushes and pulls counted in the logs. With ``sparse`` pushes the run's last
-    round is dense (``shoal.runtime.sync.codecs.dense_round``): its raw pushes are shown apart."""
+    round is dense (``shoal.runtime.sync.codecs.dense_round``): its pushes (in
+    ``DENSE_ROUND_CODEC``) are shown apart."""
+    from shoal.plan.compression import DENSE_ROUND_CODEC
+
     by = summary["bytes_by_codec"]
     gp = by.get("grad_push", {})
     sparse_push = "sparse" in gp
@@ -84,7 +87,7 @@ def per_round_bytes(summary: dict, out: Path, steps: int) -> dict[str, float]:
         "pushes": pushes, "push_wire": push["wire"] / max(1, pushes), "push_bf16": push["raw"] / 2 / max(1, pushes),
         "pulls": pulls, "pull_wire": upd["wire"] / n_upd, "pull_bf16": upd["raw"] / 2 / n_upd,
         "fp32_pull_bytes": wp.get("raw", {}).get("wire", 0) if sparse else 0,
-        "last_round_push_bytes": gp.get("raw", {}).get("wire", 0) if sparse_push else 0,
+        "last_round_push_bytes": gp.get(DENSE_ROUND_CODEC, {}).get("wire", 0) if sparse_push else 0,
     }
 
 

@@ -22,6 +22,7 @@ the runtime's scheme (bench/results/sparse-sync.md):
 * ``flush=1``: the run's last round is dense (every pseudo-gradient whole, plus a worker's
   error-feedback residual unless ``keep=1``; the server adds its pull residual), as the runtime
   does with ``sparse`` pushes (``keep=1 flush=1`` is the runtime's scheme since 2026-12-02);
+* ``lastc=CODEC``: the dense last round's pushes in ``CODEC`` (the runtime: int8) instead of exact;
 * ``keep=1``: after a merge a replica keeps what its own push did not carry (replica = merged
   weights minus its residual) instead of restarting from the merged weights; ``keep=F`` (a
   fraction) keeps that share of it and holds the rest in a buffer for the next push, dropped
@@ -54,7 +55,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def parse_run(text: str) -> dict:
-    run = dict(mode="exact", h=4, push="none", pull="none", lr=1.0, mu=0.0, keep=0, decay=1.0, ef21=0, flush=0, owed=1)
+    run = dict(mode="exact", h=4, push="none", pull="none", lr=1.0, mu=0.0, keep=0, decay=1.0, ef21=0, flush=0, owed=1,
+               lastc="raw")
     for word in text.split():
         if word in ("exact", "local"):
             run["mode"] = word
@@ -62,7 +64,7 @@ def parse_run(text: str) -> dict:
             k, v = word.split("=", 1)
             if k == "c":
                 run["push"] = run["pull"] = v
-            elif k in ("push", "pull"):
+            elif k in ("push", "pull", "lastc"):
                 run[k] = v
             elif k == "h":
                 run["h"] = int(v)
@@ -205,6 +207,11 @@ def simulate(run: dict, steps: int, workers: int = 2, m: int = 4, mbs: int = 4, 
                     r = efs[ri].residual(STAGE_FRAME) if efs[ri] is not None and not run["keep"] else None
                     if r is not None:  # the worker's unsent residual goes too, dense
                         d = {n: d[n] + e for n, e in split_flat(r, sp).items()}
+                    if run["lastc"] != "raw":  # the dense round's pushes in another codec
+                        from shoal.net.wire import decode_tensor, encode_tensor
+
+                        d = {n: decode_tensor(encode_tensor(n, t, run["lastc"]), shape=tuple(t.shape), dtype="float32")
+                             for n, t in d.items()}
                     deltas[f"w{ri}"] = d  # (a keep < 1 buffer is dropped: the replica relearned it)
                     continue
                 if push.startswith("stride"):

@@ -316,7 +316,7 @@ def print_dense_round(console: Console, plan: Plan, scenario: Scenario) -> None:
     t = dense_round_time(plan, scenario, scenario_profile(scenario, plan.micro_batch_size))
     if t > 0:
         console.print(f"the run's last round is dense (sparse pushes keep what they leave): every worker sends its "
-                      f"stage in fp32 once, about {_fmt(t)} s at full link rate, not in the step above")
+                      f"stage in int8 once, about {_fmt(t)} s at full link rate, not in the step above")
 
 
 def print_cpu(console: Console, pred: dict) -> None:

@@ -41,6 +41,7 @@ import numpy as np
 from shoal.errors import ShoalError
 from shoal.model.config import get_preset
 from shoal.model.profile import ModelProfile, profile_model
+from shoal.plan.compression import DENSE_ROUND_CODEC, bytes_per_element
 from shoal.plan.types import Device, FrameworkCpu, Plan, Replica, Scenario, SyncPolicy
 
 
@@ -1288,16 +1289,17 @@ def dense_round_time(plan: Plan, scenario: Scenario, prof: ModelProfile) -> floa
     """Seconds a sparse run's dense last round takes, once per run (pure): with ``sparse`` pushes
     in local mode each worker keeps what its pushes left (``shoal.runtime.sync.codecs.
     keeps_residual``), so the run ends with every worker of a stage pushing its whole
-    pseudo-gradient in fp32 to its stage server at once. Each flow at ``min(path, the worker's
-    uplink, the server's downlink / its workers)``, plus its latency; the slowest. 0 for any
-    other policy (the steady-state step the cost model predicts does not include it)."""
+    pseudo-gradient (in :data:`~shoal.plan.compression.DENSE_ROUND_CODEC`) to its stage server
+    at once. Each flow at ``min(path, the worker's uplink, the server's downlink / its
+    workers)``, plus its latency; the slowest. 0 for any other policy (the steady-state step the
+    cost model predicts does not include it)."""
     pol = plan.sync
     if not pol.local or not pol.push_codec.startswith("sparse"):
         return 0.0
     dev = {d.id: d for d in scenario.devices}
     worst = 0.0
     for st in plan.all_stages:
-        nbytes = 4.0 * prof.params(*st.layers)
+        nbytes = bytes_per_element(DENSE_ROUND_CODEC, 4) * prof.params(*st.layers)
         host = dev[st.server]
         for w in st.workers:
             link = scenario.network.link(dev[w], host)

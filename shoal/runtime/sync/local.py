@@ -33,6 +33,7 @@ import torch
 from shoal.net import shoal_pb2 as pb
 from shoal.net.compress import ErrorFeedback
 from shoal.net.wire import WireError, encode_tensor
+from shoal.plan.compression import DENSE_ROUND_CODEC
 from shoal.runtime.common import optim_config, tensors_digest
 from shoal.runtime.safety.faults import poison, poisons
 from shoal.runtime.sync.codecs import (
@@ -600,8 +601,9 @@ class LocalWorkerMixin:
                           local_mbs=self.local_round_mbs)
         codec = self.pseudo_ef.codec if self.pseudo_ef is not None else "raw"
         keep = keeps_residual(codec)
-        if dense_round(round_v, self.spec.steps, codec):
-            codec = "raw"  # the run's last round: the whole pseudo-gradient, what the replica kept included
+        dense = dense_round(round_v, self.spec.steps, codec)
+        if dense:
+            codec = DENSE_ROUND_CODEC  # the run's last round: the whole pseudo-gradient, what the replica kept included
         # Raw pushes at outer lr 1, momentum 0: the weights themselves (the merge is their mean, exactly).
         msg.local_weights = codec == "raw" and merges_weights(self.spec.outer_lr, self.spec.outer_momentum)
         deltas = {}
@@ -625,5 +627,5 @@ class LocalWorkerMixin:
             msg.grads.append(stage_frame(deltas, codec, self.pseudo_ef))
         else:
             for name, delta in deltas.items():
-                msg.grads.append(encode_tensor(name, delta, codec, ef=self.pseudo_ef))
+                msg.grads.append(encode_tensor(name, delta, codec, ef=None if dense else self.pseudo_ef))
         return msg, msg.SerializeToString()
