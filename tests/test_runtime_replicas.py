@@ -268,6 +268,15 @@ def h_round(version: int, h: int, steps: int) -> int:
 RUN = dict(model="tiny", micro_batches=4, micro_batch_size=2, seq_len=32, seed=0, lr=3e-3, warmup=2)
 
 
+def _plan_file(path: Path, one: list[str], first: list[str], second: list[str]) -> str:
+    """A plan file (``shoal plan --json``'s form) of two replicas, 2 micro-batches each: [0, 6)
+    worked by ``one``; [0, 2) by ``first`` and [2, 6) by ``second``. Returns its path."""
+    path.write_text(json.dumps({"micro_batches": 4, "replicas": [
+        {"micro_batches": 2, "stages": [{"layers": [0, 6], "workers": one}]},
+        {"micro_batches": 2, "stages": [{"layers": [0, 2], "workers": first}, {"layers": [2, 6], "workers": second}]}]}))
+    return str(path)
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("replicas,workers", [("1,1", 2), ("1,2", 3), ("plan", 3)],
@@ -722,15 +731,12 @@ def test_launch_places_workers_as_the_replica_plan_file_says(tmp_path):
     from shoal.train.metrics import read_jsonl
 
     dev = [d.id for d in load_scenario("demo").workers[:4]]
-    path = tmp_path / "plan.json"
-    path.write_text(json.dumps({"micro_batches": 4, "replicas": [
-        {"micro_batches": 2, "stages": [{"layers": [0, 6], "workers": [dev[1], dev[2]]}]},
-        {"micro_batches": 2, "stages": [{"layers": [0, 2], "workers": [dev[3]]}, {"layers": [2, 6], "workers": [dev[0]]}]}]}))
+    path = _plan_file(tmp_path / "plan.json", [dev[1], dev[2]], [dev[3]], [dev[0]])
     out = tmp_path / "run"
     summary = launch(LaunchConfig(out=str(out), model="tiny", workers=4, steps=2, micro_batches=4, micro_batch_size=2,
                                   seq_len=32, seed=1, data=("synthetic",), scenario="demo", emulate_speedup=3e-4,
                                   dead_after_s=3.0, min_lease_s=1.5, timeout_s=300, dashboard=None, sync="local",
-                                  sync_every=2, replicas=str(path)))
+                                  sync_every=2, replicas=path))
     assert summary["steps"] == 2
     first = next(e for e in read_jsonl(out / "events.jsonl") if e["event"] == "replan")
     assert first["assignment"] == {"w1": 0, "w2": 0, "w3": 1, "w0": 2}, first
@@ -744,12 +750,9 @@ def test_a_real_run_places_workers_named_as_the_plan_files_devices(tmp_path):
     from shoal.runtime.processes.launch import LaunchConfig, launch
     from shoal.train.metrics import read_jsonl
 
-    path = tmp_path / "plan.json"
-    path.write_text(json.dumps({"micro_batches": 4, "replicas": [
-        {"micro_batches": 2, "stages": [{"layers": [0, 6], "workers": ["w0", "w3"]}]},
-        {"micro_batches": 2, "stages": [{"layers": [0, 2], "workers": ["w2"]}, {"layers": [2, 6], "workers": ["w1"]}]}]}))
+    path = _plan_file(tmp_path / "plan.json", ["w0", "w3"], ["w2"], ["w1"])
     out = tmp_path / "run"
-    summary = launch(LaunchConfig(out=str(out), **RUN, steps=2, replicas=str(path), workers=4, dead_after_s=3.0,
+    summary = launch(LaunchConfig(out=str(out), **RUN, steps=2, replicas=path, workers=4, dead_after_s=3.0,
                                   min_lease_s=1.5, timeout_s=280, sync="local", sync_every=2))
     assert summary["steps"] == 2
     first = next(e for e in read_jsonl(out / "events.jsonl") if e["event"] == "replan")
@@ -771,13 +774,9 @@ def test_a_joiner_named_in_the_plan_file_goes_to_its_planned_stage(tmp_path):
     slots = replica_slots([1, 2], [2, 2], 6, [6, 2, 4])
     rule = assign_replica_workers({f"w{i}": 1.0 for i in range(4)}, {}, slots, {"w0": 0, "w2": 1, "w1": 2})
     assert rule["w3"] == 0  # what the rule alone would do
-    path = tmp_path / "plan.json"
-    path.write_text(json.dumps({"micro_batches": 4, "replicas": [
-        {"micro_batches": 2, "stages": [{"layers": [0, 6], "workers": ["w0"]}]},
-        {"micro_batches": 2, "stages": [{"layers": [0, 2], "workers": ["w2", "w3"]},
-                                        {"layers": [2, 6], "workers": ["w1"]}]}]}))
+    path = _plan_file(tmp_path / "plan.json", ["w0"], ["w2", "w3"], ["w1"])
     out = tmp_path / "run"
-    cfg = LaunchConfig(out=str(out), **RUN, steps=6, replicas=str(path), workers=3, dead_after_s=3.0,
+    cfg = LaunchConfig(out=str(out), **RUN, steps=6, replicas=path, workers=3, dead_after_s=3.0,
                        min_lease_s=1.5, timeout_s=280, sync="local", sync_every=2, worker_args=[["--slow", "0.2"]] * 4)
     with Swarm(cfg) as sw:
         sw.start()
