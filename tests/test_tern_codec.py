@@ -130,7 +130,7 @@ def test_bad_inputs_are_clear_errors():
         encode(torch.tensor([1.0, float("nan")]), "tern")
     with pytest.raises(CodecError, match="bf16 range of a block level"):
         encode(torch.full((128,), 3e38), "tern")
-    with pytest.raises(CodecError, match="only topk-int8 and sparse take"):
+    with pytest.raises(CodecError, match="only topk-int8, sparse and lowrank take"):
         encode(torch.ones(3), "tern:2")
 
 

@@ -34,10 +34,13 @@ class WireError(ValueError):
     """A frame is malformed or does not match what the receiver expects."""
 
 
-def encode_tensor(name: str, tensor: torch.Tensor, codec: str = "raw", ef=None, key: int = 0) -> pb.Tensor:
+def encode_tensor(name: str, tensor: torch.Tensor, codec: str = "raw", ef=None, key: int = 0,
+                  layout=None) -> pb.Tensor:
     """Frame ``tensor`` (any supported dtype) as a :class:`pb.Tensor`.
 
     ``key``: the draw key of a stochastic codec (``tern-sr``, ``tern-dither``; see :func:`shoal.net.compress.encode`).
+    ``layout``: the shapes a flat ``lowrank`` tensor holds (the receiver passes the same to
+    :func:`decode_tensor`; they never travel).
 
     ``ef`` (a :class:`shoal.net.compress.ErrorFeedback` of the same lossy codec) adds the
     residual it keeps for ``name`` before encoding and keeps the new one.
@@ -57,9 +60,9 @@ def encode_tensor(name: str, tensor: torch.Tensor, codec: str = "raw", ef=None, 
     if ef is not None:
         if ef.codec != codec:
             raise WireError(f"tensor {name}: error feedback is for {ef.codec}, not {codec}")
-        data, meta = ef.encode(name, t)
+        data, meta = ef.encode(name, t, layout=layout)
     else:
-        data, meta = compress.encode(t, codec, key=key)
+        data, meta = compress.encode(t, codec, key=key, layout=layout)
     return pb.Tensor(name=name, dtype=dtype, shape=list(t.shape), data=bytes(data), codec=meta["codec"],
                      meta=json.dumps(meta, sort_keys=True).encode())
 
@@ -71,8 +74,10 @@ def decode_tensor(
     dtype: str | None = None,
     finite: bool = False,
     max_elements: int = 1 << 28,
+    layout=None,
 ) -> torch.Tensor:
-    """Check ``frame`` against the expected ``shape``/``dtype`` and return a tensor.
+    """Check ``frame`` against the expected ``shape``/``dtype`` and return a tensor
+    (``layout``: the receiver's shapes of a flat ``lowrank`` frame's tensors).
 
     Raises :class:`WireError` on an unknown dtype or codec, a shape or dtype other than
     the expected one, a payload of the wrong length, or (``finite=True``) inf/NaN.
@@ -110,7 +115,7 @@ def decode_tensor(
             meta = json.loads(frame.meta.decode() or "{}")
             if not isinstance(meta, dict):
                 raise ValueError("meta is not an object")
-            t = compress.decode(frame.data, meta, shape=got_shape, dtype=frame.dtype)
+            t = compress.decode(frame.data, meta, shape=got_shape, dtype=frame.dtype, layout=layout)
         except (ValueError, UnicodeDecodeError) as exc:
             raise WireError(f"tensor {frame.name!r}: bad {codec} payload: {exc}") from exc
         t = t.to(tdtype).reshape(got_shape)

@@ -20,6 +20,14 @@ Codecs (see ``docs/sync-policies.md``):
   ``SPARSE_INDEX_BITS``-bit index inside its chunk plus a ``bits``-bit value, with one bf16 scale
   per chunk: ``(ceil(rho C) (SPARSE_INDEX_BITS + bits) / 8 + 2) / C`` bytes per element (defaults
   ``SPARSE_DENSITY`` and ``SPARSE_BITS``); pushes and pulls only, with error feedback.
+* ``lowrank[:rank[:bits]]`` -- low-rank pseudo-gradients: each weight matrix of a stage (``m`` rows
+  by ``n``, a tensor of more dimensions as its first by the rest) as the ``rank`` leading singular
+  directions of its change, two factors of ``bits``-bit codes with one fp32 scale per factor column:
+  ``8 rank + ceil(rank m bits / 8) + ceil(rank n bits / 8)`` bytes (:func:`lowrank_nbytes`); tensors
+  where that saves little (vectors, tiny matrices: :func:`lowrank_matrix`) go as ``int8``. Per
+  element it depends on the shapes: a transformer block of width ``d`` is ``16 d`` rows and columns
+  over ``12 d^2`` weights, ``rank bits / (6 d)`` bytes per weight (:func:`lowrank_rate`): 1,024x
+  smaller than bf16 at ``d`` 2,048, rank 3, 4 bits. Pushes and pulls only, with error feedback.
 * ``tern`` -- rotated blockwise ternary for activations and activation gradients: each block of
   ``TERN_BLOCK`` elements is rotated (random signs, then a Walsh-Hadamard transform) and each
   rotated coordinate sent as one of ``{-a, 0, +a}``, five per byte, with one bf16 ``a`` per block:
@@ -64,7 +72,7 @@ from shoal.errors import ShoalError
 INT8_BLOCK = 128  # elements per int8 scale (the runtime codec's default block, shoal.net.compress.DEFAULT_BLOCK)
 TOPK_DENSITY = 0.1  # fraction of entries a top-k codec keeps unless the spec says otherwise
 KINDS = ("act", "grad", "push", "pull")  # traffic kinds with their own codec
-CODECS = ("none", "fp16", "int8", "topk-int8", "sparse", "tern", "tern-sr", "quad", "oct", "quad-pc",
+CODECS = ("none", "fp16", "int8", "topk-int8", "sparse", "lowrank", "tern", "tern-sr", "quad", "oct", "quad-pc",
           "tern-dither")  # codec names (the sparse ones take arguments)
 _SPARSE_KINDS = ("push", "pull")  # kinds where a top-k codec is allowed
 SPARSE_CHUNK = 4096  # elements per chunk of the ``sparse`` codec (indices are local to a chunk)
@@ -76,6 +84,10 @@ SPARSE_DENSITY = 0.01  # fraction of each chunk ``sparse`` keeps unless the spec
 # (bench/results/sparse-sync.md).
 DENSE_ROUND_CODEC = "int8"
 SPARSE_BITS = 2  # bits per kept value of ``sparse`` unless the spec says otherwise
+LOWRANK_RANK = 3  # singular directions per matrix ``lowrank`` sends unless the spec says otherwise
+LOWRANK_BITS = 4  # bits per factor entry of ``lowrank`` unless the spec says otherwise
+LOWRANK_BIT_CHOICES = (4, 8)  # factor widths the lowrank codec packs
+LOWRANK_MAX_RANK = 64  # the largest rank a lowrank codec (and a decoder) accepts
 SPARSE_BIT_CHOICES = (1, 2, 3, 4, 8)  # value widths the sparse codec can pack
 _ACT_KINDS = ("act", "grad")  # kinds where the activation codecs (ACT_ONLY) are allowed
 ACT_ONLY = ("tern", "tern-sr", "quad", "oct", "quad-pc", "tern-dither")  # codecs for activations and their gradients only (no error feedback)
@@ -142,6 +154,11 @@ def parse_codec(text: str, kind: str = "push") -> str:
         if kind not in _SPARSE_KINDS:
             raise ShoalError(f"codec {text!r} drops most entries; use it only for push or pull, not {kind}")
         sparse_params(text)
+    elif name == "lowrank":
+        if kind not in _SPARSE_KINDS:
+            raise ShoalError(f"codec {text!r} sends a few directions of each matrix; use it only for push or pull, "
+                             f"not {kind}")
+        lowrank_params(text)
     elif name == "topk-int8":
         if kind not in _SPARSE_KINDS:
             raise ShoalError(f"codec {text!r} drops most entries; use it only for push or pull, not {kind}")
@@ -153,7 +170,7 @@ def parse_codec(text: str, kind: str = "push") -> str:
             if not 0 < rho <= 1:
                 raise ShoalError(f"codec {text!r}: density must be in (0, 1], got {rho}")
     elif arg:
-        raise ShoalError(f"codec {text!r}: only topk-int8 and sparse take arguments")
+        raise ShoalError(f"codec {text!r}: only topk-int8, sparse and lowrank take arguments")
     return text.strip()
 
 
@@ -161,14 +178,15 @@ def parse_compression(spec: str) -> dict[str, str]:
     """``"int8"`` (every kind) or ``"act=fp16,grad=int8,push=topk-int8,pull=int8"`` (kinds not
     named stay ``none``) -> ``{kind: codec}`` for all of :data:`KINDS`. ``"sparse[:DENSITY[:BITS]]"``
     alone is the local-mode setting ``push=sparse...,pull=sparse...`` (activations uncompressed);
-    ``"tern"`` alone is ``act=tern,grad=tern`` (pushes and pulls uncompressed)."""
+    ``"tern"`` alone is ``act=tern,grad=tern`` (pushes and pulls uncompressed); ``"lowrank..."``
+    alone is ``push=lowrank...,pull=lowrank...``."""
     out = dict.fromkeys(KINDS, "none")
     spec = (spec or "").strip()
     if not spec:
         return out
     if "=" not in spec:
         codec = spec
-        if codec.split(":")[0] == "sparse":  # the whole setting: sparse pushes and pulls, dense activations
+        if codec.split(":")[0] in ("sparse", "lowrank"):  # the whole setting: pushes and pulls, dense activations
             out["push"] = out["pull"] = parse_codec(codec, "push")
             return out
         if codec.split(":")[0] == "tern":  # the activation setting: tern both ways, dense pushes and pulls
@@ -208,6 +226,64 @@ def sparse_params(codec: str) -> tuple[float, int]:
     return rho, bits
 
 
+def lowrank_params(codec: str) -> tuple[int, int]:
+    """``"lowrank:3:4"`` -> ``(rank, bits)`` with the defaults for parts left out."""
+    parts = codec.strip().split(":")
+    if parts[0] != "lowrank" or len(parts) > 3:
+        raise ShoalError(f"codec {codec!r}: expected lowrank[:RANK[:BITS]], e.g. lowrank:3:4")
+    try:
+        rank = int(parts[1]) if len(parts) > 1 and parts[1] else LOWRANK_RANK
+        bits = int(parts[2]) if len(parts) > 2 and parts[2] else LOWRANK_BITS
+    except ValueError:
+        raise ShoalError(f"codec {codec!r}: expected lowrank[:RANK[:BITS]] with integers, e.g. lowrank:3:4") from None
+    if not 1 <= rank <= LOWRANK_MAX_RANK:
+        raise ShoalError(f"codec {codec!r}: rank must be in [1, {LOWRANK_MAX_RANK}], got {rank}")
+    if bits not in LOWRANK_BIT_CHOICES:
+        raise ShoalError(f"codec {codec!r}: bits must be one of {LOWRANK_BIT_CHOICES}, got {bits}")
+    return rank, bits
+
+
+def lowrank_rows_cols(shape) -> tuple[int, int]:
+    """A tensor of ``shape`` as the matrix ``lowrank`` factors: its first dimension by the rest
+    (``(1, n)`` for a vector or a scalar)."""
+    shape = tuple(int(s) for s in shape)
+    if len(shape) < 2:
+        return 1, max(1, math.prod(shape))
+    return shape[0], math.prod(shape[1:])
+
+
+def lowrank_matrix(shape, rank: int, bits: int) -> bool:
+    """Whether ``lowrank`` sends a tensor of ``shape`` as factors (pure): at least two
+    dimensions and factors under a quarter of its int8 bytes; anything else goes as int8."""
+    m, n = lowrank_rows_cols(shape)
+    factors = 8 * rank + math.ceil(rank * m * bits / 8) + math.ceil(rank * n * bits / 8)
+    return len(tuple(shape)) >= 2 and 4 * factors < m * n
+
+
+def lowrank_nbytes(shapes, rank: int, bits: int) -> int:
+    """Exact payload bytes of ``lowrank`` over tensors of ``shapes`` (a stage, in name order):
+    each matrix's two scale vectors and packed factors, then every other tensor's elements
+    together in blockwise int8."""
+    total, rest = 0, 0
+    for shape in shapes:
+        m, n = lowrank_rows_cols(shape)
+        if lowrank_matrix(shape, rank, bits):
+            total += 8 * rank + math.ceil(rank * m * bits / 8) + math.ceil(rank * n * bits / 8)
+        else:
+            rest += math.prod(tuple(int(s) for s in shape))
+    return total + rest + 4 * -(-rest // INT8_BLOCK)
+
+
+def lowrank_rate(codec: str, width: int) -> float:
+    """Wire bytes per weight of ``lowrank`` on a transformer block of ``width`` (pure): its four
+    matrices (``d x 3d``, ``d x d``, ``d x 4d``, ``4d x d``) as factors and its 13 ``d`` norm and
+    bias entries in int8 -- the rate of every stage but the embedding's (which costs less)."""
+    rank, bits = lowrank_params(codec)
+    d = max(8, int(width))
+    shapes = [(d, 3 * d), (d, d), (d, 4 * d), (4 * d, d)] + [(d,)] * 13
+    return lowrank_nbytes(shapes, rank, bits) / (12 * d * d + 13 * d)
+
+
 def sparse_kept_per_chunk(rho: float) -> int:
     """Entries the ``sparse`` codec keeps in each chunk of :data:`SPARSE_CHUNK` elements."""
     return max(1, math.ceil(rho * SPARSE_CHUNK - 1e-9))
@@ -218,7 +294,8 @@ def bytes_per_element(codec: str, raw_bytes: int, rows: int = 0, channels: int =
 
     ``rows`` x ``channels``: an activation's shape (tokens of a micro-batch, the model's width),
     for ``quad-pc``, whose per-row coefficients and per-tensor means and directions cost more
-    per element on narrow tensors; 0: a 128-channel tensor of many rows."""
+    per element on narrow tensors; 0: a 128-channel tensor of many rows. ``lowrank`` is priced
+    on a transformer block of width ``channels`` (0: 128, the narrowest built-in model)."""
     name, _, arg = codec.partition(":")
     if name == "none":
         return float(raw_bytes)
@@ -233,6 +310,8 @@ def bytes_per_element(codec: str, raw_bytes: int, rows: int = 0, channels: int =
         rho, bits = sparse_params(codec)
         k = sparse_kept_per_chunk(rho)
         return (k * (SPARSE_INDEX_BITS + bits) / 8.0 + 2.0) / SPARSE_CHUNK
+    if name == "lowrank":
+        return lowrank_rate(codec, channels or TERN_BLOCK)
     if name == "tern-dither":  # a large tensor's rate: the 8-byte seed is once per tensor
         return (act_nbytes(name, 1 << 20) - TD_SEED_BYTES) / (1 << 20)
     if name == "quad-pc" and rows > 0 and channels > 0:
