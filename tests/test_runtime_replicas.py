@@ -115,7 +115,7 @@ def test_launch_refuses_replicas_outside_local_mode(tmp_path):
                        micro_batches=4)
     cfg.validate()
     assert cfg.stages == 3
-    for comp in ("sparse", "push=sparse,pull=int8"):  # sparse pulls too (PullDeltas of the exact merge)
+    for comp in ("sparse", "push=sparse,pull=int8", "lowrank"):  # sparse pulls too (PullDeltas of the exact merge)
         LaunchConfig(out=str(tmp_path), model="tiny", replicas="1,1", sync="local", compression=comp,
                      workers=2).validate()
 
@@ -351,7 +351,7 @@ def test_kill9_of_a_replicas_lone_worker_loses_nothing_committed(tmp_path):
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_kill9_of_a_replicas_stage_server_rolls_back_to_a_merge(tmp_path):
-    """Two replicas of one stage, H = 2, checkpoints at every merge, ``sparse`` pushes and pulls:
+    """Two replicas of one stage, H = 2, checkpoints at every merge, ``lowrank`` pushes and pulls:
     kill -9 replica 1's stage server mid-round and start another. It restores the last merged
     version, the whole run (both replicas) rolls back to it and replays (every server's part
     residual and pull chain start again), and every merge after the roll-back leaves both
@@ -364,7 +364,7 @@ def test_kill9_of_a_replicas_stage_server_rolls_back_to_a_merge(tmp_path):
     steps, h = 6, 2
     cfg = LaunchConfig(out=str(tmp_path / "run"), **RUN, steps=steps, replicas="1,1", workers=2, dead_after_s=3.0,
                        min_lease_s=1.5, timeout_s=280, sync="local", sync_every=h, ckpt_every=h,
-                       compression="sparse", worker_args=[["--slow", "0.3"]] * 2)
+                       compression="lowrank", worker_args=[["--slow", "0.3"]] * 2)
     with Swarm(cfg) as sw:
         sw.start()
         while sw.committed_steps() < 3:
@@ -388,7 +388,8 @@ def test_kill9_of_a_replicas_stage_server_rolls_back_to_a_merge(tmp_path):
         if e == last_epoch or v == 2:
             assert len(digests) == 2 and len(set(digests.values())) == 1, (e, v, digests)
     assert summary["replicas"]["final_weights_differ"] == []
-    assert "sparse" in summary["bytes_by_codec"]["weight_pull"]
+    assert "lowrank" in summary["bytes_by_codec"]["weight_pull"]
+    assert set(summary["bytes_by_codec"]["replica_merge"]) >= {"lowrank"}
 
 
 @pytest.mark.integration

@@ -51,16 +51,17 @@ def test_outer_update_is_the_outer_step():
     assert torch.allclose(p["a"], q["a"], atol=1e-6)
 
 
-def test_update_pulls_keep_every_replica_equal_to_the_server_bitwise():
+@pytest.mark.parametrize("codec", ["sparse", "lowrank"])
+def test_update_pulls_keep_every_replica_equal_to_the_server_bitwise(codec):
     """Workers pull merges 0..6 as the production code applies them (Worker._apply_weights
     onto the anchor): one every merge (update frames only), one that skips merges (fp32 once,
     then updates again), a joiner. After every pull each holds the server's weights bit for
     bit; the server's weights moved by exactly the decoded updates."""
-    assert uses_update_pulls(_local_worker("sparse", "x").spec)
-    steady, skipper = _local_worker("sparse", "steady"), _local_worker("sparse", "skipper")
+    assert uses_update_pulls(_local_worker(codec, "x").spec)
+    steady, skipper = _local_worker(codec, "steady"), _local_worker(codec, "skipper")
     joiner = None
     server = {n: torch.randn_like(p) for n, p in steady.params.items()}
-    up = UpdatePulls("sparse")
+    up = UpdatePulls(codec)
     momentum: dict = {}
     kinds = []
     torch.manual_seed(1)
@@ -72,17 +73,20 @@ def test_update_pulls_keep_every_replica_equal_to_the_server_bitwise():
             update = outer_nesterov_update(delta, momentum, 0.7, 0.9)
             up.merge(server, update, (v - 1, 0, 1), (v, 0, 1), 1, 2)
             rep = pb.WeightsReply.FromString(up.delta_bytes)
-            # one sparse frame for the whole stage; the server moved by exactly its decoded update
-            assert rep.compress_delta and [(f.name, f.codec) for f in rep.params] == [(STAGE_FRAME, "sparse")]
+            # one frame for the whole stage; the server moved by exactly its decoded update
+            assert rep.compress_delta and [(f.name, f.codec) for f in rep.params] == [(STAGE_FRAME, codec)]
             dec = split_stage_frame(rep.params[0], server)
             for n, d in dec.items():
                 assert torch.equal(server[n], before[n] + d)
             numel = sum(t.numel() for t in server.values())
-            assert sum(int((d != 0).sum()) for d in dec.values()) <= -(-numel // 4096) * 41
+            if codec == "sparse":
+                assert sum(int((d != 0).sum()) for d in dec.values()) <= -(-numel // 4096) * 41
+            else:  # every matrix's update is of rank 3 at most
+                assert all(torch.linalg.matrix_rank(d) <= 3 for d in dec.values() if d.dim() == 2 and min(d.shape) > 8)
         up.sync((v, 0, 1), 1, 2)
         pullers = [steady] + ([skipper] if v % 3 == 0 else [])
         if v == 4:
-            joiner = _local_worker("sparse", "joiner")
+            joiner = _local_worker(codec, "joiner")
             pullers.append(joiner)
         for w in pullers:
             rep = pb.WeightsReply.FromString(up.reply(*w.pull_held, server))
@@ -229,10 +233,11 @@ def _digests(out):
 
 @pytest.mark.integration
 @pytest.mark.timeout(300)
-def test_local_sparse_swarm_replicas_equal_server_and_bytes(tmp_path):
-    """``--sync local --sync-every 2 --compression sparse`` on S=2, W=4: every worker's pulled
-    weights after a merge have the digest the server logged for that merge (bitwise equal),
-    pushes and post-start pulls are sparse frames, and the loss goes down."""
+@pytest.mark.parametrize("codec", ["sparse", "lowrank"])
+def test_local_sparse_swarm_replicas_equal_server_and_bytes(tmp_path, codec):
+    """``--sync local --sync-every 2 --compression sparse`` (and ``lowrank``) on S=2, W=4: every
+    worker's pulled weights after a merge have the digest the server logged for that merge
+    (bitwise equal), pushes and post-start pulls are frames of the codec, and the loss goes down."""
     from shoal.runtime.processes.launch import LaunchConfig, launch
     from shoal.train.metrics import read_jsonl
 
@@ -240,7 +245,7 @@ def test_local_sparse_swarm_replicas_equal_server_and_bytes(tmp_path):
     out = tmp_path / "run"
     summary = launch(LaunchConfig(out=str(out), **run, steps=8, stages=2, workers=4, dead_after_s=3.0,
                                   min_lease_s=1.5, timeout_s=280, ckpt_every=0, sync="local", sync_every=2,
-                                  compression="sparse"))
+                                  compression=codec))
     recs = read_jsonl(out / "metrics.jsonl")
     assert len(recs) == 8 and recs[-1]["loss"] < recs[0]["loss"]
     merges, pulled = _digests(out)
@@ -256,9 +261,12 @@ def test_local_sparse_swarm_replicas_equal_server_and_bytes(tmp_path):
     # Rounds 2-6 push sparse frames; the last (8) is dense (dense_round): int8, one a worker.
     sent = [int(v) for p in (out / "logs").glob("worker*.log")
             for v in re.findall(r"sent its pseudo-gradient for v(\d+)", p.read_text())]
-    assert set(by_codec["grad_push"]) == {"sparse", "int8"}, by_codec["grad_push"]
+    assert set(by_codec["grad_push"]) == {codec, "int8"}, by_codec["grad_push"]
     # (a push retried or not taken is counted again, never logged as sent)
-    assert by_codec["grad_push"]["sparse"]["messages"] >= len([v for v in sent if v < 8]) > 0, (by_codec, sent)
+    assert by_codec["grad_push"][codec]["messages"] >= len([v for v in sent if v < 8]) > 0, (by_codec, sent)
+    for kind in ("grad_push", "weight_pull"):  # the rounds' frames: >= 100x fewer bytes than the stage in bf16
+        c = by_codec[kind][codec]
+        assert c["wire"] * 100 <= c["raw"] / 2, (kind, c)
     from shoal.model.config import get_preset
     from shoal.model.transformer import build_stage
 
@@ -267,7 +275,7 @@ def test_local_sparse_swarm_replicas_equal_server_and_bytes(tmp_path):
         model_bytes = 4 * sum(p.numel() for p in build_stage(cfg, 0, cfg.n_total_layers, init=False).parameters())
     dense = by_codec["grad_push"]["int8"]  # ("raw": the fp32 bytes it stands for)
     assert 0 < dense["raw"] <= sent.count(8) * model_bytes and dense["wire"] < dense["raw"] / 3.5, (dense, sent)
-    assert by_codec["weight_pull"]["sparse"]["messages"] > 0
+    assert by_codec["weight_pull"][codec]["messages"] > 0
     # the last round's whole pseudo-gradients are judged as such: no honest worker is banned
     assert not [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "ban"]
     print(json.dumps(by_codec, indent=1))

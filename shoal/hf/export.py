@@ -81,12 +81,13 @@ def latest_weights(run_dir: str | Path) -> tuple[int, ModelConfig, dict[str, tor
 
 def export_caveat(spec: dict, step: int) -> str:
     """What a user should know of the weights of ``step`` from a run whose journal holds
-    ``spec`` (pure; "" for nothing): in local mode with ``sparse`` pushes the replicas keep what
+    ``spec`` (pure; "" for nothing): in local mode with ``sparse`` or ``lowrank`` pushes the replicas keep what
     their pushes left until the run's last, dense round, so merged weights from before it trail
     the replicas (docs/sync-runtime.md)."""
     steps = int(spec.get("steps") or 0)
-    if spec.get("sync_mode") == "local" and str(spec.get("compress_push", "")).startswith("sparse") and step < steps:
-        return (f"step {step} is before the run's last, dense round ({steps}): with sparse pushes these merged "
+    if (spec.get("sync_mode") == "local" and str(spec.get("compress_push", "")).startswith(("sparse", "lowrank"))
+            and step < steps):
+        return (f"step {step} is before the run's last, dense round ({steps}): with sparse or lowrank pushes these merged "
                 "weights trail the replicas' until then (docs/sync-runtime.md)")
     return ""
 

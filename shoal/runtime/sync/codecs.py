@@ -20,7 +20,9 @@ the run spec (``RunSpec.compress_*``, fields 800-803) to every member:
   worker that later does not hold the previous ``R`` (a joiner, or one that missed a version)
   gets ``R`` itself in fp32, so every replica holds the same ``R`` bit for bit.
 
-In local mode with a ``sparse`` pull codec, one pipeline's pulls are the merges themselves
+In local mode with a ``sparse`` or ``lowrank`` pull codec (:func:`stage_codec`: one frame of the
+whole stage, ``lowrank``'s matrix shapes taken from the receiver's own stage), one pipeline's
+pulls are the merges themselves
 (:class:`UpdatePulls`): the server encodes each merge's outer update once, with its own error
 feedback, applies exactly the decoded update to its weights, and serves those frames; every
 worker adds them to the merged weights it holds, so every replica holds the server's weights
@@ -48,9 +50,9 @@ if TYPE_CHECKING:  # torch and the wire layer load only where tensors are handle
 
 def dense_codec(codec: str) -> str:
     """The codec of a whole-weights pull under pull codec ``codec``: top-k codecs keep too little
-    of whole weights, so ``int8`` stands in for them; under ``sparse`` (local mode's rounds: a
+    of whole weights, so ``int8`` stands in for them; under ``sparse`` or ``lowrank`` (local mode's rounds: a
     worker pulls whole weights once, then deltas) the weights go in fp32."""
-    if codec.startswith("sparse"):
+    if stage_codec(codec):
         return "raw"
     return "int8" if codec.startswith("topk-int8") else codec
 
@@ -110,7 +112,8 @@ def add_compression_arg(p, default: str = "none") -> None:
     p.add_argument("--compression", default=default, metavar="SPEC",
                    help="wire codecs: one for every kind (none, fp16, int8) or per kind, e.g. "
                         "act=int8,grad=int8,push=topk-int8:0.1,pull=int8 (kinds not named: none); "
-                        "sparse[:DENSITY[:BITS]]: sparse pushes and pulls for --sync local; tern: "
+                        "sparse[:DENSITY[:BITS]], lowrank[:RANK[:BITS]]: sparse or low-rank pushes and pulls "
+                        "for --sync local (docs/sync-codecs.md); tern: "
                         "act=tern,grad=tern (9x fewer activation bytes than bf16); act=quad,grad=tern-sr: "
                         "8.3x fewer; act=quad-pc,grad=tern-dither: 9.1x fewer (at 1,024 rows of 128 channels), about 1 %% "
                         "above uncompressed loss on tiny (act=oct,grad=tern-dither: 8.1x, 1.5 %%); lossy "
@@ -134,6 +137,19 @@ def relay_frame(frame: pb.Tensor, name: str, tensor: torch.Tensor) -> pb.Tensor:
 STAGE_FRAME = "*stage"  # name of a frame holding a whole stage's tensors (sparse: one chunking, one header)
 
 
+def stage_codec(codec: str) -> bool:
+    """Whether pushes and pulls of ``codec`` go as one :func:`stage_frame` of the whole stage
+    (pure): ``sparse`` (one chunking of the flat stage) and ``lowrank`` (the stage's matrices,
+    their shapes from the receiver's own stage)."""
+    return codec.startswith(("sparse", "lowrank"))
+
+
+def stage_layout(codec: str, params: dict) -> list[tuple[int, ...]] | None:
+    """The tensor shapes (name order) a :func:`stage_frame` of ``codec`` is encoded against:
+    ``lowrank`` factors each matrix; other codecs see one flat vector (None)."""
+    return [tuple(params[n].shape) for n in sorted(params)] if codec.startswith("lowrank") else None
+
+
 def stage_frame(tensors: dict[str, torch.Tensor], codec: str, ef=None) -> pb.Tensor:
     """One frame of every tensor of ``tensors``, flattened in name order and concatenated, so a
     sparse codec chunks the stage as one vector (small tensors cost no header or whole chunk
@@ -143,7 +159,7 @@ def stage_frame(tensors: dict[str, torch.Tensor], codec: str, ef=None) -> pb.Ten
     from shoal.net.wire import encode_tensor
 
     flat = torch.cat([tensors[n].detach().to("cpu", torch.float32).reshape(-1) for n in sorted(tensors)])
-    return encode_tensor(STAGE_FRAME, flat, codec, ef=ef)
+    return encode_tensor(STAGE_FRAME, flat, codec, ef=ef, layout=stage_layout(codec, tensors))
 
 
 def split_stage_frame(frame: pb.Tensor, params: dict[str, torch.Tensor], finite: bool = True) -> dict[str, torch.Tensor]:
@@ -154,7 +170,8 @@ def split_stage_frame(frame: pb.Tensor, params: dict[str, torch.Tensor], finite:
     names = sorted(params)
     total = sum(params[n].numel() for n in names)
     # The length comes from the receiver's own stage, so a whole large stage is within bounds.
-    flat = decode_tensor(frame, shape=(total,), dtype="float32", finite=finite, max_elements=max(1, total))
+    flat = decode_tensor(frame, shape=(total,), dtype="float32", finite=finite, max_elements=max(1, total),
+                         layout=[tuple(params[n].shape) for n in names])
     out, at = {}, 0
     for n in names:
         k = params[n].numel()
@@ -180,8 +197,9 @@ def keeps_residual(codec: str) -> bool:
     merged weights (replica = merged weights minus the part), instead of holding it in an
     error-feedback buffer while the replica forgets it; the next pseudo-gradient then carries
     it. At 1 % density most coordinates move only through that part, so a replica that drops it
-    each round relearns it each round (bench/results/sparse-sync.md)."""
-    return codec.startswith("sparse")
+    each round relearns it each round (bench/results/sparse-sync.md). ``lowrank`` pushes keep
+    theirs the same way (measured: +7 % loss with a buffer instead, +0.4 % kept)."""
+    return stage_codec(codec)
 
 
 def dense_round(round_v: int, steps: int, codec: str) -> bool:
@@ -197,13 +215,13 @@ def is_stage_frame(frames) -> bool:
 
 
 def uses_update_pulls(spec) -> bool:
-    """Whether a run's pulls are the merged sparse updates (local mode with a ``sparse`` pull
-    codec, one pipeline). Replica plans pull sparse deltas of the exact merged weights instead
+    """Whether a run's pulls are the merged sparse updates (local mode with a ``sparse`` or
+    ``lowrank`` pull codec, one pipeline). Replica plans pull sparse deltas of the exact merged weights instead
     (:class:`PullDeltas`): a server's weights must not depend on how its stage is chunked, so
     that every replica's copy of a layer stays the same bits."""
     from shoal.train.outer import sync_of_spec
 
-    return (spec is not None and sync_of_spec(spec).local and compression_of_spec(spec).pull.startswith("sparse")
+    return (spec is not None and sync_of_spec(spec).local and stage_codec(compression_of_spec(spec).pull)
             and not spec.replica_stages)
 
 
@@ -285,7 +303,7 @@ class PullDeltas:
         else:
             head = pb.WeightsReply(version=version, epoch=epoch, first=first, last=last, compress_delta=True,
                                    compress_chain=self.chain, compress_base=self.key[0])
-            if self.codec.startswith("sparse"):
+            if stage_codec(self.codec):
                 # One frame of the whole stage (as a sparse push): small tensors cost no chunk of their own.
                 frame = stage_frame({n: p.detach().to("cpu", torch.float32) - self.recon[n]
                                      for n, p in params.items()}, self.codec)

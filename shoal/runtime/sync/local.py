@@ -45,6 +45,7 @@ from shoal.runtime.sync.codecs import (
     keeps_residual,
     split_flat,
     split_stage_frame,
+    stage_codec,
     stage_frame,
     uses_update_pulls,
 )
@@ -377,7 +378,7 @@ class LocalServerMixin:
         from shoal.runtime.sync.codecs import compression_of_spec
 
         # (a pass over the stage's weights: runs in a thread)
-        if not dense and compression_of_spec(self.spec).wire("push").startswith(("topk", "sparse")):
+        if not dense and compression_of_spec(self.spec).wire("push").startswith(("topk", "sparse", "lowrank")):
             return None
         cfg = optim_config(self.spec)  # the workers' inner AdamW
         weights = {name: p.detach() for name, p in self.params.items()}
@@ -616,14 +617,14 @@ class LocalWorkerMixin:
             if msg.local_weights:
                 delta = p.detach().clone() if not poisoned else self.anchor[name] - delta
             deltas[name] = delta.cpu()
-        if codec.startswith("sparse") and keep:
+        if stage_codec(codec) and keep:
             # The pseudo-gradient already holds what the last push left (the replica kept it): no
             # residual is added; what this push leaves is taken off the replica at the pull.
             ef = ErrorFeedback(codec)
             msg.grads.append(stage_frame(deltas, codec, ef))
             left = ef.residual(STAGE_FRAME)
             self.pseudo_kept = None if left is None else (epoch, round_v, split_flat(left, deltas))
-        elif codec.startswith("sparse"):  # the whole stage as one sparse vector
+        elif stage_codec(codec):  # the whole stage in one frame
             msg.grads.append(stage_frame(deltas, codec, self.pseudo_ef))
         else:
             for name, delta in deltas.items():
