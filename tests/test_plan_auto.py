@@ -57,8 +57,11 @@ def test_budget_allows():
     assert not b.allows(SyncPolicy(mode="local", sync_every=8, push_codec="sparse"))
     assert not QualityBudget(max_sync_every=1).allows(SyncPolicy(mode="local", sync_every=1))
     assert not QualityBudget(replicas=False).allows(SyncPolicy(mode="local", sync_every=8), replicas=True)
-    # the fewest bytes the budget allows, per kind (sparse is never used for activations)
-    assert QualityBudget().codec_for("push", 2) == "sparse" and QualityBudget().codec_for("act", 2) == "int8"
+    # the fewest bytes the budget allows, per kind (sparse is never used for activations); lowrank's
+    # bytes per weight fall with the model's width: sparse's fewer at 128, lowrank's at 768
+    assert QualityBudget().codec_for("push", 2, 128) == "sparse" and QualityBudget().codec_for("act", 2) == "int8"
+    assert QualityBudget().codec_for("push", 2, 768) == "lowrank"
+    assert QualityBudget(codecs=("none", "int8", "lowrank:2:8")).codec_for("push", 2, 2048) == "lowrank:2:8"
     assert QualityBudget(codecs=("none",)).codec_for("push", 2) == "none"
     with pytest.raises(ShoalError):
         parse_allowed_codecs("zstd")
@@ -102,30 +105,38 @@ def test_gaming_world_auto_uses_replicas_and_most_devices():
 
 
 def test_quality_note_names_the_measured_cost_of_sparse_sync():
-    from shoal.plan.auto import SPARSE_LOSS_COST, quality_note
+    from shoal.plan.auto import LOWRANK_LOSS_COST, SPARSE_LOSS_COST, quality_note
 
     note = quality_note(SyncPolicy(mode="local", sync_every=4, push_codec="sparse", pull_codec="int8"))
     assert note and f"{SPARSE_LOSS_COST[1]:.1%}" in note and "--allow-codecs none,int8" in note
+    note = quality_note(SyncPolicy(mode="local", sync_every=4, push_codec="lowrank", pull_codec="lowrank"))
+    assert note and note.startswith("quality: lowrank") and f"{LOWRANK_LOSS_COST[1]:.1%}" in note
     assert quality_note(SyncPolicy(mode="local", sync_every=4, push_codec="int8", pull_codec="int8")) is None
     assert quality_note(SyncPolicy()) is None  # exact sync
 
 
 @pytest.mark.timeout(300)
-def test_auto_on_gaming_eu_prints_the_quality_note_of_its_sparse_choice(capsys):
+def test_auto_on_gaming_eu_prints_the_quality_note_of_its_lossy_choice(capsys):
+    """gpt-1.3b (width 2,048): lowrank is the fewest bytes and the least loss of the allowed
+    push codecs; without it sparse, with its own note; without both none of them."""
     from shoal.cli import main
 
     assert main(["plan", "--scenario", "gaming-eu"]) == 0
     out = capsys.readouterr().out.replace("\n", " ")
-    assert "push=sparse" in out and "quality: sparse pushes and pulls ended" in out
+    assert "push=lowrank" in out and "quality: lowrank pushes and pulls ended" in out
     assert "the run's last round is dense" in out
+    assert main(["plan", "--scenario", "gaming-eu", "--allow-codecs", "none,int8,sparse"]) == 0
+    out = capsys.readouterr().out.replace("\n", " ")
+    assert "push=sparse" in out and "quality: sparse pushes and pulls ended" in out
     assert main(["plan", "--scenario", "gaming-eu", "--allow-codecs", "none,int8"]) == 0
     out = capsys.readouterr().out.replace("\n", " ")
-    assert "sparse" not in out.split("(quality budget")[0] and "quality: sparse" not in out
+    head = out.split("(quality budget")[0]
+    assert "sparse" not in head and "lowrank" not in head and "quality: " not in out
 
 
 @pytest.mark.timeout(300)
 def test_a_sparse_runs_dense_last_round_is_priced_once():
-    """The dense last round of sparse pushes: every worker's stage in int8, at least the largest
+    """The dense last round of sparse and lowrank pushes: every worker's stage in int8, at least the largest
     stage (a byte per parameter) over its fastest worker's uplink; none for exact or int8 sync;
     the plan CLI says it."""
     from dataclasses import replace
@@ -134,12 +145,13 @@ def test_a_sparse_runs_dense_last_round_is_priced_once():
 
     s = load_scenario("gaming-eu")
     plan = plan_auto(s)
-    assert plan.sync.push_codec.startswith("sparse")
+    assert plan.sync.push_codec.startswith("lowrank")  # keeps residuals on the replicas, like sparse
     prof = scenario_profile(s, plan.micro_batch_size)
     t = dense_round_time(plan, s, prof)
     up = {d.id: d.up for d in s.devices}
     floor = max(prof.params(*st.layers) / max(up[w] for w in st.workers) for st in plan.all_stages)  # int8
     assert floor <= t < math.inf
+    assert dense_round_time(replace(plan, sync=replace(plan.sync, push_codec="sparse")), s, prof) == t
     assert dense_round_time(replace(plan, sync=replace(plan.sync, push_codec="int8")), s, prof) == 0.0
     assert dense_round_time(replace(plan, sync=SyncPolicy()), s, prof) == 0.0
 

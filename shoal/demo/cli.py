@@ -795,8 +795,8 @@ def register(subparsers) -> None:
     p.add_argument("--no-churn", action="store_true", help="no worker kills/restarts")
     p.add_argument("--compression", default=d.compression, metavar="SPEC",
                    help="wire codecs in the run spec: one for every kind (none, fp16, int8) or per kind, e.g. "
-                        "act=int8,grad=int8,push=topk-int8:0.1,pull=int8; sparse: sparse pushes and pulls "
-                        "for --sync local (docs/sync-policies.md)")
+                        "act=int8,grad=int8,push=topk-int8:0.1,pull=int8; sparse or lowrank: sparse or low-rank pushes "
+                        "and pulls for --sync local (docs/sync-codecs.md)")
     p.add_argument("--out", default=None, metavar="DIR", help="run folder (default runs/demo-YYYYmmdd-HHMMSS)")
     scen = "the scenario's workload"
     add_workload_args(p, defaults=FlagWorkload(steps=d.steps), shown={

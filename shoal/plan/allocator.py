@@ -139,7 +139,8 @@ class _StageTable:
                 t_down[j] = 1.0 / min(link.bandwidth, host.up / share, d.down)
                 lat[j] = link.latency
         # sync seconds per parameter byte, per step (a round every H steps)
-        spb = (sync.ratio("push", prof.dtype_bytes) * t_up + sync.ratio("pull", prof.dtype_bytes) * t_down) \
+        spb = (sync.ratio("push", prof.dtype_bytes, *prof.act_shape) * t_up
+               + sync.ratio("pull", prof.dtype_bytes, *prof.act_shape) * t_down) \
             / max(1, sync.sync_every)
         a, b = pairs[:, 0], pairs[:, 1]
         first = (a == 0)[:, None]
@@ -532,7 +533,8 @@ class StepBound:
             prof, sync = self.prof, self.sync
             pbytes = prof.param_bytes(*st.layers)
             per = self.per_worker_sync[ctx_key] = {
-                "": (pbytes * sync.ratio("push", prof.dtype_bytes), pbytes * sync.ratio("pull", prof.dtype_bytes))}
+                "": (pbytes * sync.ratio("push", prof.dtype_bytes, *prof.act_shape),
+                     pbytes * sync.ratio("pull", prof.dtype_bytes, *prof.act_shape))}
         g_push, g_pull = per[""]
         max_lat = max_push = max_pull = 0.0
         if g_push > 0 or g_pull > 0:
@@ -576,8 +578,8 @@ class StepBound:
         its best link to any server host (taken term by term), with no server link shared.
         ``construct`` uses it to skip placing the servers of worker sets that cannot matter."""
         prof, sync, n, m1 = self.prof, self.sync, len(stages), self.m - 1
-        g_push_b = sync.ratio("push", prof.dtype_bytes)
-        g_pull_b = sync.ratio("pull", prof.dtype_bytes)
+        g_push_b = sync.ratio("push", prof.dtype_bytes, *prof.act_shape)
+        g_pull_b = sync.ratio("pull", prof.dtype_bytes, *prof.act_shape)
         xa_min, fill, sync_s = math.inf, 0.0, 0.0
         for i, st in enumerate(stages):
             first, last = i == 0, i == n - 1
@@ -736,7 +738,8 @@ def stage_count_bound(scenario: Scenario, sync: SyncPolicy, prof: ModelProfile |
     if rates is not None and not sync.local:
         push_bw = min(float(up.max()), max(h.down for h in hosts))
         pull_bw = min(float(down.max()), max(h.up for h in hosts))
-        g_push, g_pull = sync.ratio("push", prof.dtype_bytes), sync.ratio("pull", prof.dtype_bytes)
+        g_push = sync.ratio("push", prof.dtype_bytes, *prof.act_shape)
+        g_pull = sync.ratio("pull", prof.dtype_bytes, *prof.act_shape)
 
         floor = min_max_stage_bytes(prof)
 

@@ -14,13 +14,15 @@ Candidates, each placed once by shoal's allocator and then priced by the cost mo
   the user accepts) and placed at the largest allowed ``H``, then re-priced at every smaller
   allowed ``H``.
 
-  Where the budget allows ``int8`` and the codec of fewest bytes for pushes or pulls is
-  ``sparse``, each of those is also priced with ``int8`` there (:func:`lighter`): where the
-  links do not limit the step, sparse buys no speed and costs loss (bench/results/sparse-sync.md).
+  Where the codec of fewest bytes for pushes or pulls is ``sparse`` or ``lowrank``, each allowed
+  codec closer to exact training (``int8``, ``lowrank``: :data:`SYNC_CODEC_ORDER`) is also
+  priced there (:func:`lighter`): where the links do not limit the step, fewer bytes buy no
+  speed and cost loss (bench/results/sparse-sync.md).
 
 The choice is the candidate of most predicted tokens/s (long run, churn included where the
 scenario has churn); among those within ``TIE`` (0.1 %) of it, the one closest to exact
-training: exact sync first, then the smallest ``H``, then the fewest sparse kinds.
+training: exact sync first, then the smallest ``H``, then the push and pull codecs of least
+measured loss.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from shoal.plan.types import Plan, Scenario, SyncPolicy
 
 SYNC_EVERY_CHOICES = (4, 8, 16, 32, 64, 128)  # the H values auto considers (up to the budget's maximum)
 DEFAULT_MAX_SYNC_EVERY = 32  # the budget's default largest H (local mode's default H)
-DEFAULT_CODECS = ("none", "int8", "sparse")  # codecs the default budget allows (sparse on push and pull only)
+DEFAULT_CODECS = ("none", "int8", "sparse", "lowrank")  # codecs the default budget allows (sparse, lowrank: push and pull only)
 # candidates within this share of the best tokens/s count as equal and the more exact one wins: only
 # rounding, since the cost model's differences between H values are small but real (a round in
 # flight slows the activations on the workers' links, cost.round_chunk_delays)
@@ -59,8 +61,9 @@ class QualityBudget:
             return [self.pin_sync_every] if self.pin_sync_every <= self.max_sync_every else []
         return [h for h in SYNC_EVERY_CHOICES if h <= self.max_sync_every]
 
-    def codec_for(self, kind: str, dtype_bytes: int) -> str:
-        """The allowed codec of fewest bytes for traffic ``kind`` (a pinned one if given)."""
+    def codec_for(self, kind: str, dtype_bytes: int, width: int = 0) -> str:
+        """The allowed codec of fewest bytes for traffic ``kind`` (a pinned one if given) on a
+        model of ``width`` (what ``lowrank`` costs per weight; 0: the narrowest built-in)."""
         if self.pin_codecs is not None:
             return self.pin_codecs[kind]
         ok = []
@@ -71,7 +74,8 @@ class QualityBudget:
                 continue  # not for this kind (e.g. sparse for activations)
         if not ok:
             return "none"
-        return min(ok, key=lambda c: (bytes_per_element(c, dtype_bytes), UNBIASED_FIRST.get(c.split(":")[0], 1), c))
+        return min(ok, key=lambda c: (bytes_per_element(c, dtype_bytes, 0, width), UNBIASED_FIRST.get(c.split(":")[0], 1),
+                                      c))
 
     def allows(self, policy: SyncPolicy, replicas: bool = False) -> bool:
         """Whether ``policy`` (with replicas or not) is inside the budget."""
@@ -108,37 +112,61 @@ def _long_run_tokens_per_s(plan: Plan, scenario: Scenario) -> float:
     return plan.micro_batches * plan.micro_batch_size * scenario.workload.seq_len / t
 
 
-def lighter(policy: SyncPolicy, budget: QualityBudget) -> SyncPolicy | None:
-    """``policy`` with ``int8`` instead of ``sparse`` pushes and pulls, where the budget allows
-    int8 and pins no codec (None: nothing to change)."""
-    if budget.pin_codecs is not None or not any(c.split(":")[0] == "int8" for c in budget.codecs):
-        return None
-    push = "int8" if policy.push_codec.startswith("sparse") else policy.push_codec
-    pull = "int8" if policy.pull_codec.startswith("sparse") else policy.pull_codec
-    if (push, pull) == (policy.push_codec, policy.pull_codec):
-        return None
-    return replace(policy, push_codec=push, pull_codec=pull)
+# Push and pull codecs from closest to exact training to farthest, by their measured loss at
+# equal tokens (bench/results/sparse-sync.md): int8 costs nothing measurable, lowrank well under
+# sparse. Among candidates of equal speed the earlier wins.
+SYNC_CODEC_ORDER = ("none", "int8", "lowrank", "sparse")
 
 
-# What sparse sync measurably costs (bench/results/sparse-sync.md, 2026-12-02: the real runtime,
-# `tiny`, H = 4, 120 steps, seeds 0-2): the final weights' validation loss above uncompressed
-# local mode's at equal tokens, pipeline replicas and one pipeline.
-SPARSE_LOSS_COST = (0.032, 0.043)
+def lighter(policy: SyncPolicy, budget: QualityBudget) -> list[SyncPolicy]:
+    """``policy`` with each allowed push/pull codec closer to exact training than its own
+    (``SYNC_CODEC_ORDER``) on the kinds where it has ``lowrank`` or ``sparse``, where the budget
+    pins no codec: where the links do not limit the step, fewer bytes buy no speed and cost loss."""
+    if budget.pin_codecs is not None:
+        return []
+    allowed = {c.split(":")[0]: c for c in budget.codecs}
+    out = []
+    for name in SYNC_CODEC_ORDER[1:]:
+        if name not in allowed:
+            continue
+        c = parse_codec(allowed[name], "push")
+        push = c if _loss_rank(policy.push_codec) > _loss_rank(c) >= 1 else policy.push_codec
+        pull = c if _loss_rank(policy.pull_codec) > _loss_rank(c) >= 1 else policy.pull_codec
+        if (push, pull) != (policy.push_codec, policy.pull_codec):
+            out.append(replace(policy, push_codec=push, pull_codec=pull))
+    return out
+
+
+def _loss_rank(codec: str) -> int:
+    name = codec.split(":")[0]
+    return SYNC_CODEC_ORDER.index(name) if name in SYNC_CODEC_ORDER else len(SYNC_CODEC_ORDER)
+
+
+# What the lossy sync codecs measurably cost (bench/results/sparse-sync.md: the real runtime,
+# `tiny`, H = 4, 120 steps, the mean over seeds): the final weights' validation loss above
+# uncompressed local mode's at equal tokens, (pipeline replicas, one pipeline).
+SPARSE_LOSS_COST = (0.031, 0.035)
+LOWRANK_LOSS_COST = (0.006, 0.018)
 
 
 def quality_note(policy: SyncPolicy) -> str | None:
     """One line on the measured loss cost of ``policy``'s codecs where it is large enough to
-    weigh against their speed (pure): sparse pushes or pulls; None otherwise."""
-    if not policy.local or not (policy.push_codec.startswith("sparse") or policy.pull_codec.startswith("sparse")):
+    weigh against their speed (pure): sparse or lowrank pushes or pulls; None otherwise."""
+    if not policy.local:
         return None
-    lo, hi = SPARSE_LOSS_COST
-    return (f"quality: sparse pushes and pulls ended {lo:.1%}-{hi:.1%} above uncompressed local mode's loss at equal "
-            "tokens in measured runs (tiny, 120 steps, 3 seeds: bench/results/sparse-sync.md); "
+    names = {c.split(":")[0] for c in (policy.push_codec, policy.pull_codec)}
+    name = "sparse" if "sparse" in names else "lowrank" if "lowrank" in names else None
+    if name is None:
+        return None
+    lo, hi = SPARSE_LOSS_COST if name == "sparse" else LOWRANK_LOSS_COST
+    return (f"quality: {name} pushes and pulls ended {lo:.1%}-{hi:.1%} above uncompressed local mode's loss at equal "
+            "tokens in measured runs (tiny, 120 steps, the mean over seeds: bench/results/sparse-sync.md); "
             "--allow-codecs none,int8 leaves them out")
 
 
-def _sparse_kinds(policy: SyncPolicy) -> int:
-    return sum(c.startswith("sparse") for c in (policy.push_codec, policy.pull_codec))
+def _lossy_rank(policy: SyncPolicy) -> int:
+    """How far ``policy``'s push and pull codecs are from exact training (``SYNC_CODEC_ORDER``)."""
+    return _loss_rank(policy.push_codec) + _loss_rank(policy.pull_codec)
 
 
 def candidates(scenario: Scenario, budget: QualityBudget, seed: int = 0,
@@ -151,8 +179,11 @@ def candidates(scenario: Scenario, budget: QualityBudget, seed: int = 0,
     hs = budget.sync_every_choices()
     if not budget.local or not hs:
         return out
+    from shoal.plan.cost import scenario_profile
+
     db = scenario.workload.dtype_bytes
-    codecs = {k: budget.codec_for(k, db) for k in KINDS}
+    width = scenario_profile(scenario).act_shape[1]
+    codecs = {k: budget.codec_for(k, db, width) for k in KINDS}
     base = SyncPolicy(mode="local", sync_every=max(hs), act_codec=codecs["act"], grad_codec=codecs["grad"],
                       push_codec=codecs["push"], pull_codec=codecs["pull"], overlap=True)
     shapes = [(replace(base, overlap_uploads=True), False)]
@@ -170,9 +201,8 @@ def candidates(scenario: Scenario, budget: QualityBudget, seed: int = 0,
             if p is not placed:
                 predict(p, scenario, options)
             out.append((p, reps))
-            light = lighter(p.sync, budget)
-            if light is not None:
-                q = replace(placed, sync=light, predicted={})
+            for light in lighter(p.sync, budget):
+                q = replace(p, sync=light, predicted={})
                 predict(q, scenario, options)
                 out.append((q, reps))
     return out
@@ -180,13 +210,13 @@ def candidates(scenario: Scenario, budget: QualityBudget, seed: int = 0,
 
 def choose(cands: list[tuple[Plan, bool]], scenario: Scenario) -> Plan:
     """The candidate of most long-run tokens/s; within ``TIE`` of it, exact sync first, then the
-    smallest H, then the fewest sparse pushes/pulls (closest to exact training)."""
+    smallest H, then the push and pull codecs closest to exact training (``SYNC_CODEC_ORDER``)."""
     scored = [(_long_run_tokens_per_s(p, scenario), p) for p, _ in cands]
     best = max(t for t, _ in scored)
     if best <= 0:
         raise ShoalError(f"no plan of scenario {scenario.name} trains at all")
     near = [p for t, p in scored if t >= (1.0 - TIE) * best]
-    return min(near, key=lambda p: (p.sync.local, p.sync.sync_every, _sparse_kinds(p.sync),
+    return min(near, key=lambda p: (p.sync.local, p.sync.sync_every, _lossy_rank(p.sync),
                                     -_long_run_tokens_per_s(p, scenario)))
 
 

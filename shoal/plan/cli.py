@@ -70,13 +70,13 @@ def add_sync_arguments(p) -> None:
                         f"(default {DEFAULT_MAX_SYNC_EVERY}; 1: exact sync only)")
     p.add_argument("--allow-codecs", default=None, metavar="LIST",
                    help=f"--sync auto: codecs the planner may use, e.g. none,int8 (default "
-                        f"{','.join(DEFAULT_CODECS)}; sparse only on pushes and pulls, tern, quad and oct only on activations, "
+                        f"{','.join(DEFAULT_CODECS)}; sparse and lowrank only on pushes and pulls, tern, quad and oct only on activations, "
                         "tern-sr and tern-dither only on their gradients)")
     p.add_argument("--no-replicas", action="store_true",
                    help="--sync auto: do not consider pipeline replicas (one pipeline only)")
     p.add_argument("--compression", default="", metavar="SPEC",
                    help="codec per traffic kind: one codec for all (none, fp16, int8) or "
-                        "act=..,grad=..,push=..,pull=.. (push/pull also topk-int8[:DENSITY], sparse; "
+                        "act=..,grad=..,push=..,pull=.. (push/pull also topk-int8[:DENSITY], sparse, lowrank[:RANK[:BITS]]; "
                         "act/grad also tern: 9x fewer bytes than bf16; tern alone: act=tern,grad=tern; "
                         "act=quad,grad=tern-sr: 8.3x fewer, unbiased gradients; act=oct,grad=tern-dither: 8.1x fewer)")
     p.add_argument("--no-overlap", action="store_true",

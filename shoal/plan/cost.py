@@ -680,8 +680,8 @@ def _stage_rows(st, first: bool, last: bool, nxt_id: str | None, prv_id: str | N
     k_sync = max(1, n_sync.get(host.id, 1))
     h_up_sync, h_down_sync = host.up / k_sync, host.down / k_sync
     flops = fwd + bwd
-    g_push = pbytes * sync.ratio("push", prof.dtype_bytes)
-    g_pull = pbytes * sync.ratio("pull", prof.dtype_bytes)
+    g_push = pbytes * sync.ratio("push", prof.dtype_bytes, *prof.act_shape)
+    g_pull = pbytes * sync.ratio("pull", prof.dtype_bytes, *prof.act_shape)
     n_tasks = 1 if last else 2
     spread = sync.local
     background: dict[str, tuple[float, float]] = {}
@@ -1251,7 +1251,7 @@ def outer_merge_flows(plan: Plan, prof: ModelProfile) -> list[tuple[str, str, fl
     stage server sends its replica's merged pseudo-gradient of each layer it shares with a stage
     of another replica (the layers of the overlap, in the push codec's bytes) to that stage's
     server; a merge between two servers on one host moves nothing over the network."""
-    ratio = plan.sync.ratio("push", prof.dtype_bytes)
+    ratio = plan.sync.ratio("push", prof.dtype_bytes, *prof.act_shape)
     flat = [(r, st) for r, rep in enumerate(plan.pipelines) for st in rep.stages]
     out = []
     for r, st in flat:
@@ -1286,7 +1286,7 @@ def outer_merge_time(plan: Plan, scenario: Scenario, prof: ModelProfile) -> floa
 
 
 def dense_round_time(plan: Plan, scenario: Scenario, prof: ModelProfile) -> float:
-    """Seconds a sparse run's dense last round takes, once per run (pure): with ``sparse`` pushes
+    """Seconds a sparse run's dense last round takes, once per run (pure): with ``sparse`` or ``lowrank`` pushes
     in local mode each worker keeps what its pushes left (``shoal.runtime.sync.codecs.
     keeps_residual``), so the run ends with every worker of a stage pushing its whole
     pseudo-gradient (in :data:`~shoal.plan.compression.DENSE_ROUND_CODEC`) to its stage server
@@ -1294,7 +1294,7 @@ def dense_round_time(plan: Plan, scenario: Scenario, prof: ModelProfile) -> floa
     workers)``, plus its latency; the slowest. 0 for any other policy (the steady-state step the
     cost model predicts does not include it)."""
     pol = plan.sync
-    if not pol.local or not pol.push_codec.startswith("sparse"):
+    if not pol.local or not pol.push_codec.startswith(("sparse", "lowrank")):
         return 0.0
     dev = {d.id: d for d in scenario.devices}
     worst = 0.0
@@ -1369,8 +1369,8 @@ def round_chunk_delays(sub: Plan, scenario: Scenario, costs: list[StageCost], pr
     for i, (st, c) in enumerate(zip(sub.stages, costs, strict=True)):
         a, b = st.layers
         pb = prof.param_bytes(a, b)
-        g_push = pb * sync.ratio("push", prof.dtype_bytes)
-        g_pull = pb * sync.ratio("pull", prof.dtype_bytes)
+        g_push = pb * sync.ratio("push", prof.dtype_bytes, *prof.act_shape)
+        g_pull = pb * sync.ratio("pull", prof.dtype_bytes, *prof.act_shape)
         n_up = (i < n - 1) + (i > 0)
         up_bytes = ((i < n - 1) * sync.ratio("act", prof.dtype_bytes, *prof.act_shape) + (i > 0) * sync.ratio("grad", prof.dtype_bytes, *prof.act_shape)) \
             * hidden

@@ -401,7 +401,8 @@ def plan_replicas(scenario: Scenario, seed: int = 0, sync: SyncPolicy | None = N
         raise ShoalError("pipeline replicas need local sync (--sync local or --sync auto)")
     prof = scenario_profile(scenario)
     n = len(prof.layers)
-    clusters = network_clusters(scenario, prof.param_bytes(0, n) * sync.ratio("push", prof.dtype_bytes), prof, sync)
+    push_bytes = prof.param_bytes(0, n) * sync.ratio("push", prof.dtype_bytes, *prof.act_shape)
+    clusters = network_clusters(scenario, push_bytes, prof, sync)
     groups = device_groups(scenario, clusters, prof, sync)
     groups = [(c, k, sub) for c, k, devs in groups for sub in (speed_classes(devs) if k == 1 else [devs])]
     if not groups:

@@ -146,7 +146,8 @@ def idle_reason(d: Device, plan: Plan, scenario: Scenario, step_s: float,
         lease = (1 if b == n else 2) * 2 * link.latency
         io = up_bytes / up + down_bytes / down + lease
         pb = prof.param_bytes(a, b)
-        sync = pb * plan.sync.ratio("push", prof.dtype_bytes) / up + pb * plan.sync.ratio("pull", prof.dtype_bytes) / down
+        sync = (pb * plan.sync.ratio("push", prof.dtype_bytes, *prof.act_shape) / up
+                + pb * plan.sync.ratio("pull", prof.dtype_bytes, *prof.act_shape) / down)
         window = step_s * (plan.sync.sync_every if plan.sync.local else 1)
         cand = (max(io / compute, sync / window if window > 0 and math.isfinite(window) else 0.0), io, compute, sync,
                 window, st)

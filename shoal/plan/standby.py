@@ -122,7 +122,8 @@ def host_uplink_bytes_per_step(plan: Plan, scenario: Scenario, prof: ModelProfil
     input (and, but for the last stage, its output gradient) and the weight pulls."""
     pol = plan.sync
     db = scenario.workload.dtype_bytes
-    act, grad, pull = pol.ratio("act", db, *prof.act_shape), pol.ratio("grad", db, *prof.act_shape), pol.ratio("pull", db)
+    shape = prof.act_shape
+    act, grad, pull = pol.ratio("act", db, *shape), pol.ratio("grad", db, *shape), pol.ratio("pull", db, *shape)
     n_total = prof.cfg.n_total_layers
     out: dict[str, float] = {}
     for i, st in enumerate(plan.stages):

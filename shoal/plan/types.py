@@ -195,17 +195,18 @@ class SyncPolicy:
     def ratio(self, kind: str, dtype_bytes: int, rows: int = 0, channels: int = 0) -> float:
         """Wire bytes / raw bytes of traffic ``kind`` (act, grad, push, pull) under this policy;
         ``rows`` x ``channels``: the activation's shape (``ModelProfile.act_shape``), which sets
-        what ``quad-pc`` costs per element (0: a 128-channel tensor of many rows)."""
+        what ``quad-pc`` costs per element (0: a 128-channel tensor of many rows) and, by the
+        width, what ``lowrank`` pushes and pulls cost."""
         # The cost model asks this several times per stage of every candidate plan: no dict
         # built per call, and the codec's ratio memoised (see _codec_ratio).
         if kind == "act":
             return _codec_ratio(self.act_codec, dtype_bytes, rows, channels) * self.act_compression
         if kind == "grad":
             return _codec_ratio(self.grad_codec, dtype_bytes, rows, channels) * self.act_compression
-        if kind == "push":
-            return _codec_ratio(self.push_codec, dtype_bytes) * self.grad_compression
+        if kind == "push":  # (lowrank's rate depends on the width: channels)
+            return _codec_ratio(self.push_codec, dtype_bytes, 0, channels) * self.grad_compression
         if kind == "pull":
-            return _codec_ratio(self.pull_codec, dtype_bytes) * self.grad_compression
+            return _codec_ratio(self.pull_codec, dtype_bytes, 0, channels) * self.grad_compression
         raise KeyError(kind)
 
 

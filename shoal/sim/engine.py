@@ -277,10 +277,10 @@ class Simulator:
         pol = plan.sync
         db = wl.dtype_bytes
         ac, gc = pol.ratio("act", db, *self.prof.act_shape), pol.ratio("grad", db, *self.prof.act_shape)
-        push_r, pull_r = pol.ratio("push", db), pol.ratio("pull", db)
+        push_r, pull_r = pol.ratio("push", db, *self.prof.act_shape), pol.ratio("pull", db, *self.prof.act_shape)
         # a joiner pulls whole weights, not a sparse delta: top-k pulls cost int8 there, local
-        # mode's sparse pulls fp32 (shoal.runtime.sync.codecs.dense_codec, UpdatePulls.reply)
-        join_r = (4.0 / db if pol.local and pol.pull_codec.startswith("sparse") else
+        # mode's sparse and lowrank pulls fp32 (shoal.runtime.sync.codecs.dense_codec, UpdatePulls.reply)
+        join_r = (4.0 / db if pol.local and pol.pull_codec.startswith(("sparse", "lowrank")) else
                   wire_ratio("int8", db) * pol.grad_compression if pol.pull_codec.startswith("topk") else pull_r)
         self.local = pol.local  # DiLoCo-style rounds every sync_every steps (see _applied)
         self.overlap = pol.local and pol.overlap  # round r runs during round r + 1
