@@ -1,10 +1,10 @@
-"""Sparse pseudo-gradient sync (``--compression sparse``) in the real runtime: bytes and quality.
+"""Sparse and low-rank pseudo-gradient sync (``--compression sparse``, ``lowrank``) in the real runtime: bytes and quality.
 
     PYTHONPATH=. .venv/bin/python bench/bench_sparse_sync.py bytes [--steps 8] [--out DIR]
     PYTHONPATH=. .venv/bin/python bench/bench_sparse_sync.py sweep [--steps 60] [--runs a,b] [--out DIR]
 
 ``bytes``: ``shoal launch`` (``tiny``, S = 2 stages, or ``--replicas SPEC``; W = 4 workers,
-``--sync local --sync-every 4``) uncompressed and with ``--compression sparse`` (and ``sparse:0.01:4``).
+``--sync local --sync-every 4``) uncompressed and with ``--compression sparse`` (and ``sparse:0.01:4``, ``lowrank``, ``lowrank:2:4``).
 Per worker per round, from the runtime's byte counters (``bytes_by_codec``, every process):
 bytes of one pseudo-gradient push and of one pull of a merge, against the stage's weights in
 dense bf16 (the counters' fp32-equivalent ``raw`` bytes / 2). Pushes: every ``grad_push`` frame;
@@ -38,6 +38,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("SHOAL_TORCH_THREADS", "1")
 
 BYTES_RUN = dict(model="tiny", micro_batches=8, micro_batch_size=4, seq_len=64, seed=0, lr=3e-3, warmup=2)
+STAGE_CODECS = ("sparse", "lowrank")  # codecs whose pushes and pulls are one frame of the whole stage
 SWEEP_RUN = dict(model="tiny", micro_batches=4, micro_batch_size=4, seq_len=64, seed=0, lr=3e-3, warmup=5)
 
 
@@ -75,13 +76,15 @@ def per_round_bytes(summary: dict, out: Path, steps: int) -> dict[str, float]:
 
     by = summary["bytes_by_codec"]
     gp = by.get("grad_push", {})
-    sparse_push = "sparse" in gp
+    stage_key = next((k for k in gp if k in STAGE_CODECS), None)  # sparse or lowrank: one frame per stage
+    sparse_push = stage_key is not None
     pushes, pulls = log_counts(out, last=steps if sparse_push else 0)
-    push = gp["sparse"] if sparse_push else {k: sum(c[k] for c in gp.values()) for k in ("raw", "wire")}
+    push = gp[stage_key] if sparse_push else {k: sum(c[k] for c in gp.values()) for k in ("raw", "wire")}
     wp = by.get("weight_pull", {})
-    sparse = "sparse" in wp
+    pull_key = next((k for k in wp if k in STAGE_CODECS), None)
+    sparse = pull_key is not None
     # Uncompressed: every pull is the stage in fp32 (the first pulls of version 0 included).
-    upd = wp["sparse"] if sparse else {k: sum(c[k] for c in wp.values()) for k in ("raw", "wire")}
+    upd = wp[pull_key] if sparse else {k: sum(c[k] for c in wp.values()) for k in ("raw", "wire")}
     n_upd = pulls if sparse else max(1, pulls + len(list((out / "logs").glob("worker*.log"))))
     return {
         "pushes": pushes, "push_wire": push["wire"] / max(1, pushes), "push_bf16": push["raw"] / 2 / max(1, pushes),
@@ -94,7 +97,8 @@ def per_round_bytes(summary: dict, out: Path, steps: int) -> dict[str, float]:
 def bytes_main(args) -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_sparse_bytes_"))
     rows = {"local H=4 none": {}, "local H=4 sparse": dict(compression="sparse"),
-            "local H=4 sparse:0.01:4": dict(compression="sparse:0.01:4")}
+            "local H=4 sparse:0.01:4": dict(compression="sparse:0.01:4"), "local H=4 lowrank": dict(compression="lowrank"),
+            "local H=4 lowrank:2:4": dict(compression="lowrank:2:4")}
     shape = f"--replicas {args.replicas}" if args.replicas else "S=2"
     print(f"tiny, {shape}, W=4, --sync local --sync-every 4, {args.steps} steps, loopback; per worker per round\n")
     print("| run | pushes | B per push (wire) | stage in dense bf16 | bf16 / push | pulls of a merge | B per pull (wire) | "
@@ -222,7 +226,8 @@ def sweep_main(args) -> int:
     for name, res in results.items():
         fin = tail_loss(res["recs"])
         parts = name.split()
-        base_name = " ".join(p for p in parts if "sparse" not in p) if name.startswith("local") else None
+        base_name = (" ".join(p for p in parts if not any(c in p for c in STAGE_CODECS))
+                     if name.startswith("local") else None)
         base = results.get(base_name) if base_name else None
         rel = f"{fin / tail_loss(base['recs']):.4f}" if base is not None and base is not res else "-"
         ex = f"{fin / ref_exact:.4f}" if ref_exact else "-"
@@ -231,7 +236,7 @@ def sweep_main(args) -> int:
         print(f"| {name} | {fin:.4f} | {rel} | {ex} | {vals[name]:.4f} | {vrel} | {vex} | "
               f"{wall_curve(res['recs'])[-1]:.0f} |")
     png = out / "sparse_sweep.png"
-    plot(results, png, f"{SWEEP_RUN['model']} on the built-in corpus, W={args.workers}: exact vs local vs local + sparse")
+    plot(results, png, f"{SWEEP_RUN['model']} on the built-in corpus, W={args.workers}: exact vs local vs local with compressed pushes and pulls")
     print(f"\nplot: {png}")
     return 0
 

@@ -17,6 +17,7 @@ predicted / simulated step. Policies:
 * ``local sparse`` -- the same with ``push=sparse,pull=sparse,act=int8,grad=int8``;
 * ``replicas sparse`` -- ``--replicas`` with the same codecs: pipeline replicas inside network
   clusters, of the stage count each device's memory needs;
+* ``local lowrank``, ``replicas lowrank`` -- the same with ``push=lowrank,pull=lowrank``;
 * ``auto`` -- ``--sync auto`` under the default quality budget (what ``shoal plan`` picks).
 
 Local policies are simulated over a round compressed to 2 steps (``bench_local.compressed_round``:
@@ -56,6 +57,7 @@ def local(spec: str, uploads: bool = True) -> SyncPolicy:
 
 
 SPARSE = "act=int8,grad=int8,push=sparse,pull=sparse"
+LOWRANK = "act=int8,grad=int8,push=lowrank,pull=lowrank"  # rank 3, 4 bits: 1,313x fewer bytes than bf16 at gpt-1.3b's width
 TERN = "act=tern,grad=tern,push=sparse,pull=sparse"  # activations in tern (9.28x fewer bytes than bf16)
 
 
@@ -63,6 +65,7 @@ def policies() -> list[tuple[str, SyncPolicy | None, bool]]:
     """(label, policy, replicas); policy None = --sync auto."""
     return [("exact", SyncPolicy(), False), ("local int8", local("int8"), False),
             ("local sparse", local(SPARSE), False), ("replicas sparse", local(SPARSE, uploads=False), True),
+            ("local lowrank", local(LOWRANK), False), ("replicas lowrank", local(LOWRANK, uploads=False), True),
             ("replicas tern", local(TERN, uploads=False), True), ("auto", None, False)]
 
 

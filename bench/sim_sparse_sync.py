@@ -1,4 +1,4 @@
-"""Local mode with sparse sync, in one process: the runtime's codec and merge code, no processes.
+"""Local mode with sparse or low-rank sync, in one process: the runtime's codec and merge code, no processes.
 
     PYTHONPATH=. .venv/bin/python bench/sim_sparse_sync.py --steps 240 --runs "exact;local h=4;local h=4 c=sparse"
 
@@ -10,7 +10,7 @@ AdamW step per replica at the step's learning rate; every H steps the pseudo-gra
 minus weights) are pushed with the run's push codec and error feedback
 (:func:`shoal.runtime.sync.codecs.stage_frame`, :class:`shoal.net.compress.ErrorFeedback`),
 merged (:func:`shoal.train.outer.weighted_sum`) and applied by the server's code: the outer
-Nesterov step, or with a sparse pull codec :class:`shoal.runtime.sync.codecs.UpdatePulls` (the
+Nesterov step, or with a sparse or lowrank pull codec :class:`shoal.runtime.sync.codecs.UpdatePulls` (the
 encoded update with the server's error feedback); every replica then restarts from the server's
 weights. Exact mode is one AdamW step on the mean gradient of all M micro-batches.
 
@@ -166,7 +166,7 @@ def simulate(run: dict, steps: int, workers: int = 2, m: int = 4, mbs: int = 4, 
     push = runtime_codec(run["push"])
     pull = run["pull"]
     efs = [ErrorFeedback(push) if push not in ("raw",) and not push.startswith("stride") else None for _ in reps]
-    up = UpdatePulls(pull) if local and pull.startswith("sparse") else None
+    up = UpdatePulls(pull) if local and pull.startswith(("sparse", "lowrank")) else None
     if pull.startswith("stride"):
         pull = pull
     key = (0, 0, 0)
@@ -333,7 +333,7 @@ def plot(saved: dict, names: list[str], path: str) -> None:
     for name in names:
         loss = saved[name]["loss"]
         sm = [statistics.fmean(loss[max(0, i - 4):i + 1]) for i in range(len(loss))]
-        style = "--" if ("sparse" in name or "stride" in name) else "-"
+        style = "--" if ("sparse" in name or "stride" in name or "lowrank" in name) else "-"
         ax.plot([1024 * (i + 1) for i in range(len(sm))], sm, style, label=name.split(" steps=")[0],
                 lw=2.5 if name.startswith("exact") else 1.2)
     ax.set_xlabel("tokens")

@@ -310,12 +310,13 @@ def print_replica_plan(console: Console, plan: Plan, scenario: Scenario) -> None
 
 
 def print_dense_round(console: Console, plan: Plan, scenario: Scenario) -> None:
-    """One line where the run ends with a dense round (sparse pushes): its one-off time."""
+    """One line where the run ends with a dense round (sparse or lowrank pushes): its one-off time."""
     from shoal.plan.cost import dense_round_time, scenario_profile
 
     t = dense_round_time(plan, scenario, scenario_profile(scenario, plan.micro_batch_size))
     if t > 0:
-        console.print(f"the run's last round is dense (sparse pushes keep what they leave): every worker sends its "
+        codec = plan.sync.push_codec.split(":")[0]
+        console.print(f"the run's last round is dense ({codec} pushes keep what they leave): every worker sends its "
                       f"stage in int8 once, about {_fmt(t)} s at full link rate, not in the step above")
 
 
