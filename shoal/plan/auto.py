@@ -145,8 +145,8 @@ def _loss_rank(codec: str) -> int:
 # What the lossy sync codecs measurably cost (bench/results/sparse-sync.md: the real runtime,
 # `tiny`, H = 4, 120 steps, the mean over seeds): the final weights' validation loss above
 # uncompressed local mode's at equal tokens, (pipeline replicas, one pipeline).
-SPARSE_LOSS_COST = (0.031, 0.035)
-LOWRANK_LOSS_COST = (0.006, 0.018)
+SPARSE_LOSS_COST = (0.031, 0.033)
+LOWRANK_LOSS_COST = (0.006, 0.016)
 
 
 def quality_note(policy: SyncPolicy) -> str | None:
