@@ -120,8 +120,9 @@ SYNC_CODEC_ORDER = ("none", "int8", "lowrank", "sparse")
 
 def lighter(policy: SyncPolicy, budget: QualityBudget) -> list[SyncPolicy]:
     """``policy`` with each allowed push/pull codec closer to exact training than its own
-    (``SYNC_CODEC_ORDER``) on the kinds where it has ``lowrank`` or ``sparse``, where the budget
-    pins no codec: where the links do not limit the step, fewer bytes buy no speed and cost loss."""
+    (``SYNC_CODEC_ORDER``) on the kinds whose codec is lossier (``lowrank``, ``sparse``,
+    ``topk-int8``), where the budget pins no codec: where the links do not limit the step, fewer
+    bytes buy no speed and cost loss."""
     if budget.pin_codecs is not None:
         return []
     allowed = {c.split(":")[0]: c for c in budget.codecs}

@@ -26,7 +26,7 @@ Codecs (see ``docs/sync-policies.md``):
   ``8 rank + ceil(rank m bits / 8) + ceil(rank n bits / 8)`` bytes (:func:`lowrank_nbytes`); tensors
   where that saves little (vectors, tiny matrices: :func:`lowrank_matrix`) go as ``int8``. Per
   element it depends on the shapes: a transformer block of width ``d`` is ``16 d`` rows and columns
-  over ``12 d^2`` weights, ``rank bits / (6 d)`` bytes per weight (:func:`lowrank_rate`): 1,024x
+  over ``12 d^2`` weights, ``rank bits / (6 d)`` bytes per weight (:func:`lowrank_rate`): 1,313x
   smaller than bf16 at ``d`` 2,048, rank 3, 4 bits. Pushes and pulls only, with error feedback.
 * ``tern`` -- rotated blockwise ternary for activations and activation gradients: each block of
   ``TERN_BLOCK`` elements is rotated (random signs, then a Walsh-Hadamard transform) and each
