@@ -147,7 +147,7 @@ def _loss_rank(codec: str) -> int:
 # `tiny`, H = 4, 120 steps, the mean over seeds): the final weights' validation loss above
 # uncompressed local mode's at equal tokens, (pipeline replicas, one pipeline).
 SPARSE_LOSS_COST = (0.031, 0.033)
-LOWRANK_LOSS_COST = (0.006, 0.016)
+LOWRANK_LOSS_COST = (0.006, 0.013)
 
 
 def quality_note(policy: SyncPolicy) -> str | None:
