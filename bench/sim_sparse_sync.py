@@ -46,6 +46,7 @@ import argparse
 import copy
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -56,7 +57,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 def parse_run(text: str) -> dict:
     run = dict(mode="exact", h=4, push="none", pull="none", lr=1.0, mu=0.0, keep=0, decay=1.0, ef21=0, flush=0, owed=1,
-               lastc="raw")
+               lastc="raw", split="fixed")
     for word in text.split():
         if word in ("exact", "local"):
             run["mode"] = word
@@ -64,6 +65,10 @@ def parse_run(text: str) -> dict:
             k, v = word.split("=", 1)
             if k == "c":
                 run["push"] = run["pull"] = v
+            elif k == "split":
+                if v not in ("fixed", "random"):
+                    raise SystemExit(f"split={v}: fixed or random")
+                run["split"] = v
             elif k in ("push", "pull", "lastc"):
                 run[k] = v
             elif k == "h":
@@ -181,11 +186,17 @@ def simulate(run: dict, steps: int, workers: int = 2, m: int = 4, mbs: int = 4, 
     sef: dict = {}
     G: dict = {}
     t0 = time.perf_counter()
+    round_counts = [0] * n_rep  # micro-batches each replica covered since the last merge
     for step in range(steps):
         batches = [get_micro_batch(data, "train", seed, step, i, mbs, seq) for i in range(m)]
         losses, sqs, counts = [], [], []
+        owner = [i % n_rep for i in range(m)]
+        if run["split"] == "random":  # as the runtime's leases may: any replica, any share
+            rng = random.Random(seed * 1_000_003 + step)
+            owner = [rng.randrange(n_rep) for _ in range(m)]
         for ri, rep in enumerate(reps):
-            mine = [i for i in range(m) if i % n_rep == ri]
+            mine = [i for i in range(m) if owner[i] == ri]
+            round_counts[ri] += len(mine)
             for i in mine:
                 x, y = batches[i]
                 loss = rep(x, y)
@@ -241,7 +252,8 @@ def simulate(run: dict, steps: int, workers: int = 2, m: int = 4, mbs: int = 4, 
                             r.mul_(run["decay"])
                     d = split_stage_frame(stage_frame(d, push, efs[ri]), sp)
                 deltas[f"w{ri}"] = d
-            shares = merge_weights({f"w{ri}": counts[ri] for ri in range(n_rep)})
+            shares = merge_weights({f"w{ri}": round_counts[ri] for ri in range(n_rep)})
+            round_counts = [0] * n_rep
             delta = weighted_sum(deltas, shares)
             if last:  # the dense round: merged exactly, then what the pulls still owed
                 outer_nesterov_step({n: p.data for n, p in sp.items()}, delta, outer_m, run["lr"], run["mu"])
