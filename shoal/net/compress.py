@@ -45,7 +45,7 @@ weight pulls) is encoded by one of these codecs:
   BLAS, whose order depends on the thread count), so every receiver decodes the same bits.
   Payload: per matrix its two scale vectors, then the codes of ``A`` and of ``B`` (column after
   column, 4-bit codes two per byte, low nibble first, stored as code + 8), then the int8 part:
-  :func:`shoal.plan.compression.lowrank_nbytes`. 125x smaller than bf16 on the tiny model's stage,
+  :func:`shoal.plan.compression.lowrank_nbytes`. 124x smaller than bf16 on the tiny model as one stage,
   1,300x on a gpt-1.3b block. The decoder checks the scales (finite, not negative) and the layout
   against the receiver's own shapes. Pushes and pulls with error feedback only.
 * ``tern`` -- rotated blockwise ternary, for activations and activation gradients: the flattened
