@@ -37,8 +37,9 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("SHOAL_TORCH_THREADS", "1")
 
+from shoal.runtime.sync.codecs import stage_codec  # noqa: E402  (no torch: the threads above still apply)
+
 BYTES_RUN = dict(model="tiny", micro_batches=8, micro_batch_size=4, seq_len=64, seed=0, lr=3e-3, warmup=2)
-STAGE_CODECS = ("sparse", "lowrank")  # codecs whose pushes and pulls are one frame of the whole stage
 SWEEP_RUN = dict(model="tiny", micro_batches=4, micro_batch_size=4, seq_len=64, seed=0, lr=3e-3, warmup=5)
 
 
@@ -76,12 +77,12 @@ def per_round_bytes(summary: dict, out: Path, steps: int) -> dict[str, float]:
 
     by = summary["bytes_by_codec"]
     gp = by.get("grad_push", {})
-    stage_key = next((k for k in gp if k in STAGE_CODECS), None)  # sparse or lowrank: one frame per stage
+    stage_key = next((k for k in gp if stage_codec(k)), None)  # sparse or lowrank: one frame per stage
     sparse_push = stage_key is not None
     pushes, pulls = log_counts(out, last=steps if sparse_push else 0)
     push = gp[stage_key] if sparse_push else {k: sum(c[k] for c in gp.values()) for k in ("raw", "wire")}
     wp = by.get("weight_pull", {})
-    pull_key = next((k for k in wp if k in STAGE_CODECS), None)
+    pull_key = next((k for k in wp if stage_codec(k)), None)
     sparse = pull_key is not None
     # Uncompressed: every pull is the stage in fp32 (the first pulls of version 0 included).
     upd = wp[pull_key] if sparse else {k: sum(c[k] for c in wp.values()) for k in ("raw", "wire")}
@@ -226,7 +227,7 @@ def sweep_main(args) -> int:
     for name, res in results.items():
         fin = tail_loss(res["recs"])
         parts = name.split()
-        base_name = (" ".join(p for p in parts if not any(c in p for c in STAGE_CODECS))
+        base_name = (" ".join(p for p in parts if not any(stage_codec(x.split("=")[-1]) for x in p.split(",")))
                      if name.startswith("local") else None)
         base = results.get(base_name) if base_name else None
         rel = f"{fin / tail_loss(base['recs']):.4f}" if base is not None and base is not res else "-"

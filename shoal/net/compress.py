@@ -483,14 +483,9 @@ def decode(
             raise CodecError(f"lowrank payload has rank {rank!r}; expected an integer in [1, {LOWRANK_MAX_RANK}]")
         if not isinstance(bits, int) or isinstance(bits, bool) or bits not in _plan.LOWRANK_BIT_CHOICES:
             raise CodecError(f"lowrank payload has {bits!r} bits per code; expected one of {_plan.LOWRANK_BIT_CHOICES}")
-        shapes = _layout(layout, numel, shape)
-        expected = _plan.lowrank_nbytes(shapes, rank, bits)
-        buf = memoryview(payload).cast("B")
-        if len(buf) != expected:
-            raise CodecError(f"lowrank payload for shapes {shapes[:3]}{'...' if len(shapes) > 3 else ''} must be "
-                             f"{expected} bytes, got {len(buf)}")
-        return _lowrank_decode(buf, shapes, rank, bits).reshape(shape).to(dt)
-    expected = encoded_nbytes(codec, numel, block, k, channel_count(shape))
+        layout = _layout(layout, numel, shape)
+        codec = f"lowrank:{rank}:{bits}"
+    expected = encoded_nbytes(codec, numel, block, k, channel_count(shape), layout)
     buf = memoryview(payload).cast("B")
     if len(buf) != expected:
         raise CodecError(
@@ -502,6 +497,8 @@ def decode(
         x = np.frombuffer(buf, dtype="<f2").astype(np.float32)
     elif codec.startswith("sparse"):
         return _sparse_decode(buf, numel, k, meta["bits"]).reshape(shape).to(dt)
+    elif codec.startswith("lowrank"):
+        return _lowrank_decode(buf, layout, meta["rank"], meta["bits"]).reshape(shape).to(dt)
     elif codec == "quad":
         return _quad_decode(buf, numel).reshape(shape).to(dt)
     elif codec == "oct":
@@ -630,11 +627,12 @@ def _top_factors(x: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor
     """``(A, B)`` with ``A B^T`` the best rank-``rank`` approximation of the matrix ``x`` (near it,
     for a large one): an exact SVD of a small matrix; else a randomised range finder from a
     fixed start (its own generator: the run's random stream is not touched) with
-    :data:`LOWRANK_POWER_ITERS` power iterations, then the SVD of the small projection."""
+    :data:`LOWRANK_POWER_ITERS` power iterations, then the SVD of the small projection (float64
+    for the exact one, whose cost is nothing; float32 for a large one)."""
     m, n = x.shape
     q = rank + LOWRANK_OVERSAMPLE
     if min(m, n) <= 2 * q:
-        u, s, vh = torch.linalg.svd(x, full_matrices=False)
+        u, s, vh = torch.linalg.svd(x.to(torch.float64), full_matrices=False)
     else:
         g = torch.Generator().manual_seed(0x10A4)
         y = x @ torch.randn(n, q, generator=g, dtype=x.dtype)
@@ -692,9 +690,7 @@ def _lowrank_encode(x: np.ndarray, shapes: list[tuple[int, ...]], rank: int, bit
             rest.append(part)
             continue
         m, n = _plan.lowrank_rows_cols(shape)
-        # float64 for a small exact SVD (its cost is nothing), float32 for a large one
-        small = min(m, n) <= 2 * (rank + LOWRANK_OVERSAMPLE)
-        a, b = _top_factors(part.reshape(m, n).to(torch.float64 if small else torch.float32), rank)
+        a, b = _top_factors(part.reshape(m, n), rank)
         (sa, ca), (sb, cb) = _lowrank_quantise(a, bits), _lowrank_quantise(b, bits)
         out += [sa.numpy().astype("<f4").tobytes(), sb.numpy().astype("<f4").tobytes(),
                 _pack_codes(ca, bits), _pack_codes(cb, bits)]

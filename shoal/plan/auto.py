@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 
 from shoal.errors import ShoalError
 from shoal.plan.compression import KINDS, UNBIASED_FIRST, bytes_per_element, parse_codec
-from shoal.plan.cost import CostOptions, predict
+from shoal.plan.cost import CostOptions, predict, scenario_profile
 from shoal.plan.types import Plan, Scenario, SyncPolicy
 
 SYNC_EVERY_CHOICES = (4, 8, 16, 32, 64, 128)  # the H values auto considers (up to the budget's maximum)
@@ -180,8 +180,6 @@ def candidates(scenario: Scenario, budget: QualityBudget, seed: int = 0,
     hs = budget.sync_every_choices()
     if not budget.local or not hs:
         return out
-    from shoal.plan.cost import scenario_profile
-
     db = scenario.workload.dtype_bytes
     width = scenario_profile(scenario).act_shape[1]
     codecs = {k: budget.codec_for(k, db, width) for k in KINDS}
