@@ -28,6 +28,8 @@ the runtime's scheme (bench/results/sparse-sync.md):
   fraction) keeps that share of it and holds the rest in a buffer for the next push, dropped
   at the dense last round (seeds 0-2 at 120 steps, ``keep=0.8``: val -0.3 %, +0.5 %, -0.8 %
   against ``keep=1``, within the seeds' spread);
+* ``rescale=1`` (with ``keep=1``): a replica's kept residual is re-weighted in its next push to
+  the share it was made at (:func:`shoal.runtime.sync.codecs.residual_reweight`, as the runtime does);
 * ``decay=B``: the worker's error-feedback residual is multiplied by ``B`` before each push;
 * ``ef21=1``: EF21 -- a push is the compressed change of the worker's running estimate of its
   pseudo-gradient, the pull the compressed change of the merged estimate, and every merge
@@ -57,7 +59,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 def parse_run(text: str) -> dict:
     run = dict(mode="exact", h=4, push="none", pull="none", lr=1.0, mu=0.0, keep=0, decay=1.0, ef21=0, flush=0, owed=1,
-               lastc="raw", split="fixed")
+               lastc="raw", split="fixed", rescale=0)
     for word in text.split():
         if word in ("exact", "local"):
             run["mode"] = word
@@ -75,7 +77,7 @@ def parse_run(text: str) -> dict:
                 run["h"] = int(v)
             elif k in ("lr", "mu", "decay", "keep"):
                 run[k] = float(v)
-            elif k in ("ef21", "flush", "owed"):
+            elif k in ("ef21", "flush", "owed", "rescale"):
                 run[k] = int(v)
             else:
                 raise SystemExit(f"unknown knob {k}")
@@ -135,6 +137,7 @@ def simulate(run: dict, steps: int, workers: int = 2, m: int = 4, mbs: int = 4, 
     from shoal.runtime.sync.codecs import (
         STAGE_FRAME,
         UpdatePulls,
+        residual_reweight,
         runtime_codec,
         split_flat,
         split_stage_frame,
@@ -180,6 +183,7 @@ def simulate(run: dict, steps: int, workers: int = 2, m: int = 4, mbs: int = 4, 
     anchor = [{n: p.detach().clone() for n, p in r.named_parameters()} for r in reps]
     recs = []
     kept: dict = {}
+    kept_n: dict = {}  # the round count of the round each kept residual came from
     buf: dict = {}
     last_replica = None
     est: dict = {}
@@ -240,6 +244,12 @@ def simulate(run: dict, steps: int, workers: int = 2, m: int = 4, mbs: int = 4, 
                     # rest waits in a buffer for the next push
                     if ri in buf:
                         d = {n: d[n] + buf[ri][n] for n in d}
+                    if run["rescale"] and ri in kept:
+                        # the kept residual was made at another share: re-weight it to the share it had
+                        f = residual_reweight(kept_n[ri], round_counts[ri]) - 1.0
+                        if f:
+                            d = {n: d[n] + f * kept[ri][n] for n in d}
+                    kept_n[ri] = round_counts[ri]
                     sent = split_stage_frame(stage_frame(d, push), sp)
                     kept[ri] = {n: run["keep"] * (d[n] - sent[n]) for n in d}
                     if run["keep"] < 1:

@@ -160,7 +160,7 @@ def test_replica_keeps_what_its_push_left_and_the_last_round_is_dense():
         msg, _ = w._pseudo_message(0, round_v - 1, 0, round_v)
         assert [(f.name, f.codec) for f in msg.grads] == [(STAGE_FRAME, "sparse")] and not msg.local_weights
         sent = split_stage_frame(msg.grads[0], w.params)
-        epoch, kept_round, kept = w.pseudo_kept
+        epoch, kept_round, kept, _ = w.pseudo_kept
         assert (epoch, kept_round) == (0, round_v) and w.pseudo_ef.residual(STAGE_FRAME) is None
         for n, d in deltas.items():
             assert torch.allclose(sent[n] + kept[n], d, atol=1e-7)
@@ -170,6 +170,63 @@ def test_replica_keeps_what_its_push_left_and_the_last_round_is_dense():
     for f in msg.grads:  # the whole pseudo-gradient (what the replica kept included), int8's error only
         d = deltas[f.name]
         assert torch.allclose(decode_tensor(f), d, atol=float(d.abs().max()) / 100 + 1e-12), f.name
+
+
+def test_residual_reweight_is_the_ratio_of_counts_clamped():
+    from shoal.runtime.sync.codecs import RESIDUAL_REWEIGHT_MAX, residual_reweight
+
+    assert residual_reweight(6, 10) == 0.6 and residual_reweight(10, 8) == 1.25 and residual_reweight(7, 7) == 1.0
+    assert residual_reweight(16, 1) == RESIDUAL_REWEIGHT_MAX and residual_reweight(1, 16) == 1 / RESIDUAL_REWEIGHT_MAX
+    assert residual_reweight(0, 5) == 1.0 and residual_reweight(5, 0) == 1.0
+
+
+@pytest.mark.parametrize("codec", ["lowrank", "sparse"])
+def test_a_kept_residual_is_merged_at_the_share_it_was_made_at(codec):
+    """The worker's own push path (_pseudo_message, _local_restart) over rounds whose shares of
+    the round's 16 micro-batches move (6, 10, 9, 7): with the kept residual re-weighted, what the
+    merge takes from this worker (share x what was sent, summed over rounds) is its progress at
+    each round's share, less only the last residual at the last share; without it, each residual
+    counts at the next round's share instead."""
+    w = _local_worker(codec, "w")
+    torch.manual_seed(4)
+    counts = [6, 10, 9, 7]
+    merged = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in w.params.items()}
+    meant = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in w.params.items()}
+    w.anchor = {n: p.detach().clone() for n, p in w.params.items()}
+    kept_at = []  # (share, kept residual) of each round
+    for r, n_mbs in enumerate(counts):
+        round_v = 4 * (r + 1)
+        progress = {n: 1e-3 * torch.randn_like(p) for n, p in w.params.items()}
+        with torch.no_grad():
+            for n, p in w.params.items():
+                p.sub_(progress[n])  # the replica's inner steps: the pseudo-gradient grows by progress
+        w.local_round_mbs = n_mbs
+        msg, _ = w._pseudo_message(0, round_v - 1, 0, round_v)
+        sent = split_stage_frame(msg.grads[0], w.params)
+        share = n_mbs / 16
+        for n in merged:
+            merged[n] += share * sent[n].double()
+            meant[n] += share * progress[n].double()
+        _, _, kept, kept_mbs = w.pseudo_kept
+        assert kept_mbs == n_mbs
+        kept_at.append((share, kept))
+        # the pull of that round's merge: the replica restarts from the merged weights (here the
+        # anchor moved by nothing) less what its push did not carry
+        w.version, w.weights_epoch = round_v, 0
+        with torch.no_grad():
+            for n, p in w.params.items():
+                p.copy_(w.anchor[n])
+        w._local_restart()
+        assert w.pseudo_carried[0] == n_mbs
+    share, kept = kept_at[-1]
+    miss = 0.0
+    for n in merged:
+        want = meant[n] - share * kept[n].double()
+        assert torch.allclose(merged[n], want, atol=1e-6), (n, float((merged[n] - want).abs().max()))
+        # unweighted, each residual would count at the next round's share (6/16 at 10/16, ...)
+        unweighted = want + sum((s1 - s0) * k0[n].double() for (s0, k0), (s1, _) in zip(kept_at[:-1], kept_at[1:], strict=True))
+        miss = max(miss, float((merged[n] - unweighted).abs().max()))
+    assert miss > 1e-4  # the tolerance above is a hundredth of the difference it checks for
 
 
 def test_a_resumed_server_sends_what_its_pulls_still_owed(tmp_path):

@@ -202,6 +202,29 @@ def keeps_residual(codec: str) -> bool:
     return stage_codec(codec)
 
 
+RESIDUAL_REWEIGHT_MAX = 2.0  # the most a kept residual is scaled up or down by (residual_reweight)
+
+
+def residual_reweight(kept_mbs: int, mbs: int) -> float:
+    """The factor a replica's kept residual is re-weighted by in this round's push (pure).
+
+    The merge weights each pseudo-gradient by its share of the round's micro-batches
+    (:func:`shoal.train.outer.merge_weights`), so the part a push left behind, carried into the
+    next push, is merged at the next round's share instead of the share it was made at. Where a
+    worker's shares move from round to round (one pipeline's leases: 6 of 16 then 10) that
+    over- or under-weights the residual; scaling it by ``kept_mbs / mbs`` restores its own share
+    (a round's total is the same H x M micro-batches). Measured in process with random shares:
+    ``lowrank`` +0.83 % above uncompressed local mode without it, less with it
+    (bench/results/sparse-sync.md). Clamped to [1/``RESIDUAL_REWEIGHT_MAX``,
+    ``RESIDUAL_REWEIGHT_MAX``]: a worker that stalled most of a round and covers one
+    micro-batch of it would otherwise push many rounds' worth of residual per unit of its
+    learning rate, which the merge screen rightly reads as an outlier norm. 1.0 where either
+    count is unknown (0: a first round, a round with nothing merged)."""
+    if kept_mbs <= 0 or mbs <= 0:
+        return 1.0
+    return min(RESIDUAL_REWEIGHT_MAX, max(1.0 / RESIDUAL_REWEIGHT_MAX, kept_mbs / mbs))
+
+
 def dense_round(round_v: int, steps: int, codec: str) -> bool:
     """Whether round ``round_v`` (the version its merge makes) of a ``steps``-step run goes dense
     (pure): the run's last round when replicas keep their residuals, so the run ends with the

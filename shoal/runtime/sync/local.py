@@ -43,6 +43,7 @@ from shoal.runtime.sync.codecs import (
     dense_round,
     is_stage_frame,
     keeps_residual,
+    residual_reweight,
     split_flat,
     split_stage_frame,
     stage_codec,
@@ -450,9 +451,14 @@ class LocalWorkerMixin:
         # Compressed pseudo-gradients: what a round's push did not carry goes with the next one.
         push = compression_of_spec(self.spec).wire("push") if self.local else "raw"
         self.pseudo_ef = ErrorFeedback(push) if push != "raw" else None
-        # keeps_residual: (epoch, round, {name: tensor}) the last push did not carry, taken off
-        # the replica when it pulls that round's merge
-        self.pseudo_kept: tuple[int, int, dict[str, torch.Tensor]] | None = None
+        # keeps_residual: (epoch, round, {name: tensor}, micro-batches) the last push did not
+        # carry and the micro-batches of its round, taken off the replica when it pulls that
+        # round's merge
+        self.pseudo_kept: tuple[int, int, dict[str, torch.Tensor], int] | None = None
+        # (micro-batches, {name: tensor}): the kept residual this round's replica carries, for
+        # its push to re-weight to the share it was made at (residual_reweight)
+        self.pseudo_carried: tuple[int, dict[str, torch.Tensor]] | None = None
+        self.pseudo_reweight = 1.0  # the factor the last push re-weighted its kept residual by
 
     def _hold_move(self) -> bool:
         """Whether to keep training on the current stage instead of moving to ``self.want`` now.
@@ -483,7 +489,7 @@ class LocalWorkerMixin:
             log.info("%s: voided by the server; dropping the replica's un-merged progress", self.opts.name)
             self.version = -1
             self.pending = None
-            self.pseudo_kept = None
+            self.pseudo_kept = self.pseudo_carried = None
             if self.pseudo_ef is not None:
                 self.pseudo_ef.reset()
         self.local_gen = rep.gen
@@ -494,6 +500,11 @@ class LocalWorkerMixin:
     async def _local_pull(self) -> None:
         """Pull the merged weights; they become the anchor of the replica's round."""
         await self._pull()
+        self._local_restart()
+
+    def _local_restart(self) -> None:
+        """The weights just pulled become the anchor of the replica's round; the replica keeps
+        what its push for that merge did not carry (keeps_residual)."""
         self.anchor = {n: p.detach().clone() for n, p in self.params.items()}
         self.local_round_mbs = 0
         self.local_delivered = False
@@ -501,11 +512,13 @@ class LocalWorkerMixin:
         log.info("%s pulled merged weights v%d digest %s", self.opts.name, self.version,
                  tensors_digest({n: t.cpu() for n, t in self.anchor.items()}))
         kept, self.pseudo_kept = self.pseudo_kept, None
+        self.pseudo_carried = None
         if kept is not None and kept[:2] == (self.weights_epoch, self.version):
             # the merge of the round it pushed for: the replica keeps what that push did not carry
             with torch.no_grad():
                 for n, p in self.params.items():
                     p.sub_(kept[2][n].to(p.device, p.dtype))
+            self.pseudo_carried = (kept[3], kept[2])
             self.graphs.clear()  # graphs of the weights as pulled
 
     def _local_sum(self) -> tuple[dict[str, torch.Tensor], int]:
@@ -585,13 +598,14 @@ class LocalWorkerMixin:
             res = await self._send_push(msg, data)
             if res is not None and res.accepted:
                 self.local_delivered = True
-                log.info("%s sent its pseudo-gradient for v%d covering %d micro-batches", self.opts.name, round_v,
-                         self.local_round_mbs)
+                log.info("%s sent its pseudo-gradient for v%d covering %d micro-batches%s", self.opts.name, round_v,
+                         self.local_round_mbs, f" (kept residual x{self.pseudo_reweight:.3g})"
+                         if self.pseudo_reweight != 1.0 else "")
             else:
                 log.info("%s: pseudo-gradient for v%d not taken (%s); resyncing", self.opts.name, round_v,
                          "lost" if res is None else res.reason)
                 self.version = -1
-                self.pseudo_kept = None
+                self.pseudo_kept = self.pseudo_carried = None
                 if self.pseudo_ef is not None:
                     self.pseudo_ef.reset()  # nothing of it was merged: its residual means nothing
 
@@ -607,9 +621,15 @@ class LocalWorkerMixin:
             codec = DENSE_ROUND_CODEC  # the run's last round: the whole pseudo-gradient, what the replica kept included
         # Raw pushes at outer lr 1, momentum 0: the weights themselves (the merge is their mean, exactly).
         msg.local_weights = codec == "raw" and merges_weights(self.spec.outer_lr, self.spec.outer_momentum)
+        # The residual this replica carries was made at its last round's share: re-weighted to it.
+        carried = self.pseudo_carried if keep else None
+        self.pseudo_reweight = residual_reweight(carried[0], self.local_round_mbs) if carried is not None else 1.0
+        reweight = self.pseudo_reweight - 1.0
         deltas = {}
         for name, p in self.params.items():
             delta = self.anchor[name] - p.detach()
+            if reweight:
+                delta.add_(carried[1][name].to(delta.device, delta.dtype), alpha=reweight)
             o = self.opts
             poisoned = poisons(o.fault_poison_kind, o.fault_poison, o.fault_poison_from, step)
             if poisoned:
@@ -623,7 +643,8 @@ class LocalWorkerMixin:
             ef = ErrorFeedback(codec)
             msg.grads.append(stage_frame(deltas, codec, ef))
             left = ef.residual(STAGE_FRAME)
-            self.pseudo_kept = None if left is None else (epoch, round_v, split_flat(left, deltas))
+            self.pseudo_kept = None if left is None else (epoch, round_v, split_flat(left, deltas),
+                                                          self.local_round_mbs)
         elif stage_codec(codec):  # the whole stage in one frame
             msg.grads.append(stage_frame(deltas, codec, self.pseudo_ef))
         else:
