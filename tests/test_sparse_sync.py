@@ -294,7 +294,9 @@ def _digests(out):
 def test_local_sparse_swarm_replicas_equal_server_and_bytes(tmp_path, codec):
     """``--sync local --sync-every 2 --compression sparse`` (and ``lowrank``) on S=2, W=4: every
     worker's pulled weights after a merge have the digest the server logged for that merge
-    (bitwise equal), pushes and post-start pulls are frames of the codec, and the loss goes down."""
+    (bitwise equal), pushes and post-start pulls are frames of the codec, and the loss goes down.
+    The ``lowrank`` run gives its servers no merge memory (``--merge-memory-gb 0``): every push
+    waits as its frames and is decoded again where the screen and the merge read it."""
     from shoal.runtime.processes.launch import LaunchConfig, launch
     from shoal.train.metrics import read_jsonl
 
@@ -302,9 +304,17 @@ def test_local_sparse_swarm_replicas_equal_server_and_bytes(tmp_path, codec):
     out = tmp_path / "run"
     summary = launch(LaunchConfig(out=str(out), **run, steps=8, stages=2, workers=4, dead_after_s=3.0,
                                   min_lease_s=1.5, timeout_s=280, ckpt_every=0, sync="local", sync_every=2,
-                                  compression=codec))
+                                  compression=codec, merge_memory_gb=0.0 if codec == "lowrank" else None))
     recs = read_jsonl(out / "metrics.jsonl")
     assert len(recs) == 8 and recs[-1]["loss"] < recs[0]["loss"]
+    merge_logs = [json.loads(m) for p in (out / "logs").glob("server*.log")
+                  for m in re.findall(r"local merge (\{.*\})", p.read_text())]
+    assert len(merge_logs) == 8  # 4 rounds x 2 stages
+    framed = [m.get("framed", 0) for m in merge_logs]
+    if codec == "lowrank":  # every contributor's push held as frames
+        assert framed == [len(m["contributors"]) for m in merge_logs], merge_logs
+    else:
+        assert not any(framed), framed
     merges, pulled = _digests(out)
     assert {v for _, v in merges} == {2, 4, 6, 8}
     server_digests = {v: {d for (s, vv), d in merges.items() if vv == v} for v in (2, 4, 6)}

@@ -122,6 +122,7 @@ class LaunchConfig:
     session: bool | None = None  # workers talk to their stage server on one session stream (None: in exact sync; False: a call per message)
     shadow: bool = False  # shadow workers (shoal.runtime.roles.shadow): no model run; needs a scenario
     shadow_per_process: int = 64  # shadow workers that play one device share a process, this many at most
+    merge_memory_gb: float | None = None  # GB of decoded pseudo-gradients a server's merge holds (None: its default)
 
     def validate(self) -> None:
         if self.workers is None:
@@ -147,6 +148,8 @@ class LaunchConfig:
             raise ShoalError(f"--spot-check must be a fraction between 0 and 1, got {self.spot_check}")
         if self.shadow and not self.scenario:
             raise ShoalError("--shadow workers wait their emulated device's task time: give --scenario")
+        if self.merge_memory_gb is not None and not (math.isfinite(self.merge_memory_gb) and self.merge_memory_gb >= 0):
+            raise ShoalError(f"--merge-memory-gb must be a finite number of GB >= 0, got {self.merge_memory_gb}")
         if self.shadow_per_process < 1:
             raise ShoalError(f"--shadow-per-process must be at least 1, got {self.shadow_per_process}")
         if self.replicas and self.sync != "local":
@@ -452,6 +455,8 @@ class Swarm:
         self.servers.append(self._spawn(["server", "--join", self.address, "--listen", listen,
                                          "--ckpt-dir", str(ckpt), "--name", f"s{i}",
                                          *(["--standby"] if standby else []), *self._server_data(),
+                                         *([] if self.cfg.merge_memory_gb is None
+                                           else ["--merge-memory-gb", repr(self.cfg.merge_memory_gb)]),
                                          *LOOPBACK_PROBE, *emu],
                                         f"server{i}"))
         return i

@@ -145,8 +145,12 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
                  name: str = "server", dial=None, heartbeat_s: float = 0.2, device: str = "",
                  region: str = "", up_bps: float = 0.0, down_bps: float = 0.0,
                  probe_bytes: int = 16 * 1024 * 1024, advertise: str | None = None,
-                 chunk_bytes: int = 0, tls=None, data: str = "", server_token: str = ""):
+                 chunk_bytes: int = 0, tls=None, data: str = "", server_token: str = "",
+                 merge_memory: float | None = None):
         self.coord_addr, self.listen, self.token = coord, listen, token
+        # Bytes of decoded pseudo-gradients a local-mode merge holds; beyond, pushes wait as their
+        # frames (shoal.runtime.sync.held). None: default_merge_memory(), read at each round.
+        self.merge_memory = merge_memory
         # Prepared data folder this server reads the first stage's tokens and the last stage's
         # targets from ("": the run trains on the bundled corpus or synthetic tokens).
         self.data = str(Path(data).expanduser().resolve()) if data else ""
@@ -1895,18 +1899,21 @@ def standby_send_version(versions: list[int], have: int, loading: bool) -> int:
 def serve(coord: str, listen: str, token: str, ckpt_root: str, name: str = "server", *, dial=None,
           on_servers=None, device: str = "", region: str = "", up_bps: float = 0.0, down_bps: float = 0.0,
           probe_bytes: int = 16 * 1024 * 1024, advertise: str | None = None, chunk_bytes: int = 0,
-          tls=None, standby: bool = False, data: str = "", server_token: str = "") -> None:
+          tls=None, standby: bool = False, data: str = "", server_token: str = "",
+          merge_memory: float | None = None) -> None:
     """Run a stage server process until the run is done (``standby``: as a hot standby).
 
     ``data``: the prepared data folder (a copy of the run's) this server reads tokens from.
     ``device``: scenario host it plays; ``region``/``up_bps``/``down_bps``: declared
     figures that win over measured ones; ``advertise``: the address peers dial (default:
-    the listen address); ``chunk_bytes``: bytes per streamed chunk (0: the run's setting).
+    the listen address); ``chunk_bytes``: bytes per streamed chunk (0: the run's setting);
+    ``merge_memory``: bytes of decoded pseudo-gradients a merge holds (None: a quarter of the RAM).
     """
     set_threads()
     srv = StageServer(coord, listen, token, ckpt_root, name=name, dial=dial, device=device, region=region,
                       up_bps=up_bps, down_bps=down_bps, probe_bytes=probe_bytes, advertise=advertise,
-                      chunk_bytes=chunk_bytes, tls=tls, data=data, server_token=server_token)
+                      chunk_bytes=chunk_bytes, tls=tls, data=data, server_token=server_token,
+                      merge_memory=merge_memory)
     srv.on_servers = on_servers
     srv.standby = standby
     run_member(srv.run(), coord)

@@ -86,39 +86,90 @@ def reference_cosines(module: torch.nn.Module, spec, step: int,
             ref[n] = t if n not in ref else ref[n] + t
     ref_sq = sq_norm(ref)
     out: dict[str, float | None] = {}
-    for w, d in sorted(deltas.items()):
+    for w in sorted(deltas):  # one at a time: a push held as frames is decoded for this read only
+        d = deltas[w]
         denom = math.sqrt(sq_norm(d) * ref_sq)
         out[w] = dot(d, ref) / denom if denom > 0 else None
+        del d
     return out
 
 
-def round_measures(deltas: dict[str, dict[str, torch.Tensor]], lr_sums: dict[str, float], quorum: int
-                   ) -> tuple[dict[str, float], dict[str, float | None]]:
+MEDIAN_SAMPLE = 1 << 22  # coordinates a round's median is taken over at most (round_measures)
+MEDIAN_BLOCK = 1 << 16  # coordinates whose median is taken at once
+
+
+def sample_positions(total: int, k: int, seed: int) -> torch.Tensor | None:
+    """``k`` coordinates of a ``total``-coordinate stage drawn from ``seed``, sorted (None: all,
+    where ``total <= k``). The server's seed is secret, so a worker cannot aim at the sample."""
+    if total <= k:
+        return None
+    gen = torch.Generator().manual_seed(seed & ((1 << 63) - 1))
+    return torch.randint(total, (k,), generator=gen).sort().values
+
+
+def pick(d, pos: torch.Tensor | None) -> torch.Tensor:
+    """The stage ``d`` flattened in name order, at the coordinates ``pos`` (all: None), fp32."""
+    parts, at = [], 0
+    for n in sorted(d):
+        t = d[n].detach().reshape(-1)
+        k = t.numel()
+        if pos is None:
+            parts.append(t.float())
+        else:
+            lo, hi = int(torch.searchsorted(pos, at)), int(torch.searchsorted(pos, at + k))
+            parts.append(t[pos[lo:hi] - at].float())
+        at += k
+    return torch.cat(parts)
+
+
+def round_measures(deltas, lr_sums: dict[str, float], quorum: int, *, sample: int = MEDIAN_SAMPLE,
+                   seed: int = 0) -> tuple[dict[str, float], dict[str, float | None]]:
     """Local mode: each contributor's pseudo-gradient norm per unit of learning rate (its
     norm over the summed learning rates of its inner steps: an AdamW step moves each weight
     by about the learning rate, so this is steady across workers that took different numbers
     of steps and across the schedule), and its cosine to the coordinate-wise median of the
     round's pseudo-gradients (None: fewer than ``quorum`` contributors).
 
-    The median is taken one tensor name at a time, so at most one stacked tensor is held.
+    ``deltas`` is read one contributor at a time (a :class:`shoal.runtime.sync.held.HeldPushes`
+    decodes a push held as frames for that read only). The median is over every coordinate of
+    a stage of at most ``sample`` of them, and over ``sample`` coordinates drawn from ``seed``
+    (:func:`sample_positions`) of a larger one, so what it holds is ``contributors x sample``
+    numbers, not every contributor's stage; over 4 M random coordinates a cosine moves by about
+    1/2,000.
     """
     workers = sorted(deltas)
-    sq = {w: sq_norm(deltas[w]) for w in workers}
+    need = len(workers) >= quorum
+    sq: dict[str, float] = {}
+    stacked: torch.Tensor | None = None  # contributor x coordinate, filled a row at a time
+    pos: torch.Tensor | None = None
+    for i, w in enumerate(workers):
+        d = deltas[w]
+        sq[w] = sq_norm(d)
+        if need:
+            if i == 0:
+                pos = sample_positions(sum(t.numel() for t in d.values()), sample, seed)
+            row = pick(d, pos)
+            if stacked is None:
+                stacked = torch.empty(len(workers), row.numel(), dtype=torch.float32)
+            stacked[i] = row
+            del row
+        del d
     norms = {w: math.sqrt(sq[w]) / max(lr_sums.get(w, 0.0), 1e-12) for w in workers}
-    if len(workers) < quorum:
+    if not need:
         return norms, dict.fromkeys(workers)
-    dots, centre_sq = dict.fromkeys(workers, 0.0), 0.0
-    for name in deltas[workers[0]]:
-        stacked = torch.stack([deltas[w][name].double() for w in workers])
-        med = stacked.median(dim=0).values
-        centre_sq += float(med.pow(2).sum())
-        for i, w in enumerate(workers):
-            dots[w] += float((stacked[i] * med).sum())
-        del stacked
+    # the median a block of coordinates at a time (a whole one would copy the matrix), sums in fp64
+    med = torch.empty(stacked.shape[1], dtype=torch.float32)
+    for c in range(0, stacked.shape[1], MEDIAN_BLOCK):
+        med[c:c + MEDIAN_BLOCK] = stacked[:, c:c + MEDIAN_BLOCK].median(dim=0).values
+    med64 = med.double()
+    centre_sq = float(med64.dot(med64))
+    dots = [float(stacked[i].double().dot(med64)) for i in range(len(workers))]
+    # over a sample, each norm is the sample's too, so the cosine is the sample's own
+    own = sq if pos is None else {w: float(stacked[i].double().pow(2).sum()) for i, w in enumerate(workers)}
     cos: dict[str, float | None] = {}
-    for w in workers:
-        denom = math.sqrt(sq[w] * centre_sq)
-        cos[w] = dots[w] / denom if denom > 0 else None
+    for i, w in enumerate(workers):
+        denom = math.sqrt(own[w] * centre_sq)
+        cos[w] = dots[i] / denom if denom > 0 else None
     return norms, cos
 
 

@@ -23,9 +23,11 @@ mixins of :class:`shoal.runtime.roles.server.StageServer` and :class:`shoal.runt
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
+import secrets
 import time
 
 import torch
@@ -50,6 +52,7 @@ from shoal.runtime.sync.codecs import (
     stage_frame,
     uses_update_pulls,
 )
+from shoal.runtime.sync.held import HeldPushes, default_merge_memory
 from shoal.runtime.transport.frames import decode_grads
 from shoal.train.optim import apply_update, make_optimizer, total_sq_norm
 from shoal.train.outer import (
@@ -106,13 +109,20 @@ class LocalServerMixin:
         self.local_sq_parts: dict[str, list[float]] = {}  # worker -> its per-parameter squared norms this step
         self.local_decision: tuple[int, float, float, bool] | None = None  # (step, lr, coef, skip)
         self.local_expect: set[str] | None = None  # workers whose pseudo-gradient the merge awaits
-        self.local_got: dict[str, dict[str, torch.Tensor]] = {}  # pseudo-gradients received
+        self.local_got = self._new_round_pushes()  # pseudo-gradients received
+        if not hasattr(self, "median_secret"):  # seeds the screen's coordinate sample of a large stage
+            self.median_secret = secrets.randbits(62)
         self.local_replicas: dict[str, dict[str, torch.Tensor]] = {}  # replicas' weights received (merges_weights)
         self.outer_m: dict[str, torch.Tensor] = {}  # outer Nesterov momentum (checkpointed with the merged weights)
         self.local_ckpt_last = version
         self._replica_reset()  # replica plans: no peer's part yet (shoal.runtime.sync.replicas)
         # Sparse pulls: the merges' encoded updates (a fresh chain and residual at every load).
         self.update_pulls = UpdatePulls(compression_of_spec(self.spec).pull) if uses_update_pulls(self.spec) else None
+
+    def _new_round_pushes(self) -> HeldPushes:
+        """An empty round of held pseudo-gradients, within this server's ``merge_memory``."""
+        budget = getattr(self, "merge_memory", None)
+        return HeldPushes(default_merge_memory() if budget is None else budget)
 
     def published_version(self) -> int:
         """Version label of the weights this server serves (local: the last merge)."""
@@ -207,12 +217,17 @@ class LocalServerMixin:
             return pb.PushReply(accepted=False, reason="no merge awaits this pseudo-gradient; pull the "
                                                        "merged weights", gen=info.gen)
 
+        params = dict(self.params)
+        if is_stage_frame(r.grads):  # sparse, lowrank: the whole stage in one frame
+
+            def decode():
+                return split_stage_frame(r.grads[0], params, True)
+        else:
+
+            def decode():
+                return decode_grads(r, params, True)
         try:
-            if is_stage_frame(r.grads):  # sparse: the whole stage in one frame
-                deltas = await asyncio.get_running_loop().run_in_executor(
-                    None, split_stage_frame, r.grads[0], self.params, True)
-            else:
-                deltas = await asyncio.get_running_loop().run_in_executor(None, decode_grads, r, self.params, True)
+            deltas = await asyncio.get_running_loop().run_in_executor(None, decode)
         except WireError as exc:
             log.warning("%s rejected a pseudo-gradient of %s: %s", self.name, r.worker, exc)
             self._void_worker(r.worker, f"bad pseudo-gradient: {exc}")
@@ -238,7 +253,11 @@ class LocalServerMixin:
             # the pseudo-gradient the worker would have sent.
             self.local_replicas[r.worker] = deltas
             deltas = await asyncio.get_running_loop().run_in_executor(None, self._anchor_minus, deltas)
-        self.local_got[r.worker] = deltas
+            self.local_got.put(r.worker, deltas)
+        else:
+            # beyond the server's merge memory, kept as its frames and decoded again where read
+            self.local_got.put(r.worker, deltas, decode, r.ByteSize())
+        del deltas
         async with self.cond:
             self.cond.notify_all()
         return pb.PushReply(accepted=True, gen=info.gen)
@@ -257,7 +276,7 @@ class LocalServerMixin:
         if not is_sync_step(step, self.spec.sync_every, self.spec.steps):
             return False
         self.local_expect = {w for w, n in self.local_round_mbs.items() if n > 0}
-        self.local_got = {}
+        self.local_got = self._new_round_pushes()
         self.local_replicas = {}
         async with self.cond:
             self.cond.notify_all()
@@ -272,6 +291,7 @@ class LocalServerMixin:
             await self.cond.wait(0.5)
         if self.epoch != epoch:
             return None
+        framed = self.local_got.framed  # pushes held as frames (over the merge memory)
         screened = await self._local_screen(step)
         if self.epoch != epoch:
             return None
@@ -293,13 +313,14 @@ class LocalServerMixin:
         log.info("%s local merge %s", self.name, json.dumps({
             "stage": self.stage, "version": step + 1, "epoch": epoch, "contributors": counts,
             "shares": {w: round(x, 9) for w, x in shares.items()}, "digest": digest, "screen": screened,
+            **({"framed": framed} if framed else {}),
             **({"replicas": replicas} if replicas is not None else {})}, sort_keys=True))
         self.local_round_mbs = {}
         for w, x in self.local_round_lr.items():
             self.local_lr_total[w] = self.local_lr_total.get(w, 0.0) + x
         self.local_round_lr = {}
         self.local_expect = None
-        self.local_got = {}
+        self.local_got = self._new_round_pushes()
         self.local_replicas = {}
         return True
 
@@ -323,7 +344,8 @@ class LocalServerMixin:
         dense = dense_round(step + 1, self.spec.steps, compression_of_spec(self.spec).push)
         per = {w: x + self.local_lr_total.get(w, 0.0) for w, x in lrs.items()} if dense else lrs
         norms, cosines = await asyncio.get_running_loop().run_in_executor(
-            None, round_measures, dict(self.local_got), per, self.guard_cfg.local_quorum)
+            None, functools.partial(round_measures, self.local_got.snapshot(), per, self.guard_cfg.local_quorum,
+                                    seed=self.median_secret ^ step))
         history = [] if dense else getattr(self, "local_guard_norms", [])
         bound = await asyncio.get_running_loop().run_in_executor(None, self._local_move_bound, dense)
         bounds = {w: bound for w in norms if bound is not None and per.get(w, 0.0) > 0}
@@ -353,7 +375,7 @@ class LocalServerMixin:
         micro-batches of the round's last step; {} when off. Also with a quorum: colluders that
         are most of a round set its median, not this gradient."""
         cfg = self.guard_cfg
-        got = {w: d for w, d in self.local_got.items() if lrs.get(w, 0.0) > 0}
+        got = self.local_got.snapshot(only={w for w in self.local_got if lrs.get(w, 0.0) > 0})
         if not got or cfg.local_ref_mbs <= 0:
             return {}
         from shoal.runtime.safety.verify import reference_cosines

@@ -536,7 +536,7 @@ class ReplicaServerMixin:
         slots = self.slots
         loop = asyncio.get_running_loop()
         n, weights, tensors = await loop.run_in_executor(
-            None, own_part, dict(self.local_got), dict(self.local_replicas), counts, self.spec.outer_lr,
+            None, own_part, self.local_got.snapshot(), dict(self.local_replicas), counts, self.spec.outer_lr,
             self.spec.outer_momentum)
         mine = peers(slots, self.stage)
         cfg = self.cfg

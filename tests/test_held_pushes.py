@@ -1,0 +1,144 @@
+"""A merge round's pseudo-gradients held within the server's merge memory (shoal.runtime.sync.held):
+pushes beyond it wait as their real wire frames and decode to the same bits where read; the
+screen and the merge read each contributor once; a large stage's median is taken over a sample."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from shoal.runtime.safety.verify import reference_cosines, round_measures, sample_positions
+from shoal.runtime.sync.codecs import split_stage_frame, stage_frame
+from shoal.runtime.sync.held import (
+    HeldPushes,
+    default_merge_memory,
+    host_available_bytes,
+    host_memory_bytes,
+)
+from shoal.train.outer import merge_weights, weighted_sum
+
+
+def _stage(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a.weight": torch.randn(48, 32, generator=g), "b.weight": torch.randn(32, 40, generator=g),
+            "b.bias": torch.randn(40, generator=g)}
+
+
+def _round(budget: float, codec: str = "lowrank", n: int = 4):
+    """``n`` contributors' pushes as a server holds them: each encoded with ``codec`` into one
+    real stage frame, then decoded from it (the dense copy) with the frame's decoder beside."""
+    shapes = _stage(0)
+    held, dense, calls = HeldPushes(budget), {}, {}
+    for i in range(n):
+        frame = stage_frame(_stage(10 + i), codec)
+
+        def decode(frame=frame, w=f"w{i}"):
+            calls[w] = calls.get(w, 0) + 1
+            return split_stage_frame(frame, shapes)
+
+        dense[f"w{i}"] = decode()
+        calls[f"w{i}"] = 0
+        held.put(f"w{i}", dense[f"w{i}"], decode, frame.ByteSize())
+    return held, dense, calls
+
+
+def test_pushes_past_the_budget_wait_as_frames_and_decode_to_the_same_bits():
+    nbytes = sum(t.numel() * 4 for t in _stage(0).values())
+    held, dense, _ = _round(budget=2.5 * nbytes)
+    assert held.framed == 2 and len(held) == 4 and list(held) == ["w0", "w1", "w2", "w3"]
+    for w in held:
+        assert all(torch.equal(held[w][n], dense[w][n]) for n in dense[w])
+    snap = held.snapshot()
+    held.pop("w3")
+    held.pop("w0")
+    assert "w3" not in held and "w3" in snap and len(snap) == 4 and len(held) == 2
+    # a dropped decoded push frees its room: the next one is held decoded
+    assert not held.put("w9", dense["w1"], lambda: dense["w1"], 10)
+    # frames no smaller than the decoded push are never kept instead of it
+    assert not HeldPushes(0).put("w", dense["w0"], lambda: dense["w0"], nbytes)
+    assert set(held.snapshot(only={"w1", "w9"})) == {"w1", "w9"}
+
+
+def test_the_merge_and_the_screen_read_the_same_from_frames_and_each_push_once():
+    """weighted_sum of pushes held as frames is bitwise the merge of the decoded pushes;
+    round_measures agrees; each reads every push exactly once."""
+    framed, dense, calls = _round(budget=0)
+    assert framed.framed == 4
+    shares = merge_weights({"w0": 3, "w1": 5, "w2": 4, "w3": 4})
+    a, b = weighted_sum(framed, shares), weighted_sum(dense, shares)
+    assert all(torch.equal(a[n], b[n]) for n in b)
+    assert calls == dict.fromkeys(calls, 1)
+    lrs = {"w0": 1.0, "w1": 2.0, "w2": 1.0, "w3": 0.5}
+    n1, c1 = round_measures(framed, lrs, quorum=3)
+    assert calls == dict.fromkeys(calls, 2)  # one read a contributor, not one per tensor
+    n2, c2 = round_measures(dense, lrs, quorum=3)
+    assert n1 == n2 and c1 == pytest.approx(c2, abs=1e-12)
+
+
+def test_reference_cosines_reads_each_push_once():
+    from shoal.model.config import get_preset
+    from shoal.model.transformer import build_stage
+    from shoal.net import shoal_pb2 as pb
+
+    cfg = get_preset("tiny")
+    module = build_stage(cfg, 0, cfg.n_total_layers, seed=0)
+    params = {n: p.detach() for n, p in module.named_parameters()}
+    spec = pb.RunSpec(model="tiny", stages=1, steps=4, micro_batches=2, micro_batch_size=2, seq_len=16, seed=0,
+                      data="synthetic")
+    held, calls = HeldPushes(0), {}
+    for i in range(3):
+        g = torch.Generator().manual_seed(i)
+        d = {n: 1e-3 * torch.randn(p.shape, generator=g) for n, p in params.items()}
+        frame = stage_frame(d, "lowrank")
+
+        def decode(frame=frame, w=f"w{i}"):
+            calls[w] = calls.get(w, 0) + 1
+            return split_stage_frame(frame, params)
+
+        assert held.put(f"w{i}", decode(), decode, frame.ByteSize())
+    calls.clear()
+    cos = reference_cosines(module, spec, 0, [(0, None, None)], held, first=True, last=True)
+    assert set(cos) == {"w0", "w1", "w2"} and all(c is not None and -1 <= c <= 1 for c in cos.values())
+    assert calls == {"w0": 1, "w1": 1, "w2": 1}
+
+
+def test_a_large_stages_median_is_taken_over_a_secret_sample():
+    """Over a sample of a stage larger than ``sample``, the cosines are the full ones within
+    1/100, the sample is the same for one seed and another for another, and a flipped push is
+    still far from the rest."""
+    g = torch.Generator().manual_seed(7)
+    base = {"w": torch.randn(300, 200, generator=g), "v": torch.randn(5000, generator=g)}
+    deltas = {f"w{i}": {n: t + 0.8 * torch.randn(t.shape, generator=g) for n, t in base.items()} for i in range(4)}
+    deltas["bad"] = {n: -t for n, t in deltas["w0"].items()}
+    lrs = dict.fromkeys(deltas, 1.0)
+    full_n, full_c = round_measures(deltas, lrs, quorum=3)
+    samp_n, samp_c = round_measures(deltas, lrs, quorum=3, sample=4096, seed=11)
+    assert samp_n == full_n  # norms are always over the whole stage
+    for w in deltas:
+        assert samp_c[w] == pytest.approx(full_c[w], abs=0.01), (w, samp_c[w], full_c[w])
+    assert samp_c["bad"] < -0.5 < 0.5 < min(samp_c[w] for w in deltas if w != "bad")
+    total = 300 * 200 + 5000
+    p1, p2 = sample_positions(total, 4096, 11), sample_positions(total, 4096, 12)
+    assert torch.equal(p1, sample_positions(total, 4096, 11)) and not torch.equal(p1, p2)
+    assert p1.numel() == 4096 and int(p1.max()) < total and sample_positions(100, 4096, 11) is None
+
+
+def test_the_default_budget_is_a_quarter_of_the_ram_and_at_most_half_of_the_free():
+    ram, free = host_memory_bytes(), host_available_bytes()
+    assert 0 < free <= ram
+    budget = default_merge_memory()
+    assert math.isfinite(budget) and 0 < budget <= ram / 4 * 1.0001 and budget <= free / 2 * 1.05
+
+
+def test_a_negative_merge_memory_is_a_one_line_error(tmp_path):
+    from shoal.errors import ShoalError
+    from shoal.runtime.processes.cli import merge_memory_bytes
+    from shoal.runtime.processes.launch import LaunchConfig
+
+    assert merge_memory_bytes(None) is None and merge_memory_bytes(1.5) == 1.5e9
+    with pytest.raises(ShoalError, match="--merge-memory-gb must be"):
+        merge_memory_bytes(-1.0)
+    with pytest.raises(ShoalError, match="--merge-memory-gb must be"):
+        LaunchConfig(out=str(tmp_path), merge_memory_gb=float("nan")).validate()
