@@ -113,6 +113,41 @@ def test_simulator_step_grows_with_server_cpu_and_agrees_with_the_model():
     assert steps[2] >= 8 * 3 * 0.05  # saturated: at least the host's CPU per step
 
 
+def test_a_local_merge_holds_its_round_for_its_cpu_in_the_model_and_the_simulator():
+    """merge_cpu_time by hand (the last push's decode, each push's screen and sum, the pull's
+    encoding) and its place in the round: local mode, H = 1, no overlap, so the step waits for
+    the whole round; the simulator's step grows by the same merge as the cost model's (both
+    steps differ by about 0.03 s of round latencies on this hand scenario, merge or not)."""
+    from shoal.plan.compression import codec_cpu_s
+    from shoal.plan.cost import merge_cpu_time, scenario_profile
+    from shoal.plan.types import SCREEN_SAMPLE, SyncPolicy
+
+    pol = SyncPolicy(mode="local", sync_every=1, push_codec="lowrank", pull_codec="sparse", overlap=False)
+    cpu = FrameworkCpu()
+    n = 1_000_000
+    by_hand = (n * (codec_cpu_s("lowrank")[1] + codec_cpu_s("sparse")[0])
+               + 3 * (n * cpu.server_merge_param_s + min(n, SCREEN_SAMPLE) * cpu.server_screen_sample_s))
+    assert merge_cpu_time(n, 3, pol, cpu) == pytest.approx(by_hand)
+    assert merge_cpu_time(n, 3, SyncPolicy(), cpu) == 0.0  # exact sync has no merge
+    assert merge_cpu_time(n, 3, dataclasses.replace(pol, grad_compression=0.5), cpu) == pytest.approx(by_hand / 2)
+    steps, preds = [], []
+    for merge_ms in (0.0, 200.0):  # CPU-ms per million parameters of each push
+        d = scenario_to_dict(_scenario(cores=2, server_task_ms=0.0))
+        d["framework_cpu"]["server_merge_ms_per_mparam"] = merge_ms
+        s = scenario_from_dict(d)
+        p = dataclasses.replace(_two_stage_plan(), sync=pol)
+        pred = predict(p, s)["step_time_s"]
+        r = simulate(p, s, steps=3)
+        steps.append(r.mean_step_time_s)
+        preds.append(pred)
+        assert r.mean_step_time_s == pytest.approx(pred, rel=0.25), merge_ms
+    prof = scenario_profile(s)
+    slowest = max(merge_cpu_time(prof.params(*st.layers), len(st.workers), pol, s.cpu) for st in p.stages)
+    assert slowest > 0.1  # (a stage's merge on its own core: the rounds of both stages run at once)
+    assert preds[1] - preds[0] == pytest.approx(slowest, rel=0.02)
+    assert steps[1] - steps[0] == pytest.approx(slowest, rel=0.02)
+
+
 def test_simulator_charges_the_workers_cpu_beside_their_compute():
     base = simulate(_two_stage_plan(), _scenario(server_task_ms=0.0), steps=2).mean_step_time_s
     s = _scenario(server_task_ms=0.0, worker_task_ms=200.0)  # far above a tiny task's compute

@@ -4,6 +4,8 @@ the cost model's outer merge, on hand-built cases and on gaming-world."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from shoal.errors import ShoalError
@@ -146,6 +148,9 @@ def test_outer_merge_is_per_layer_between_servers():
 @pytest.mark.timeout(120)
 def test_two_cluster_replicas_never_route_an_activation_across_clusters():
     s = _two_regions()
+    # where activations go, not the merge's CPU (tests/test_plan_cpu.py): at the tiny model's
+    # 0.1 s steps a merge's measured CPU would be most of the step
+    s.cpu = replace(s.cpu, server_merge_param_s=0.0, server_screen_sample_s=0.0, server_codec_scale=0.0)
     plan = _replica_plan()
     predict(plan, s)
     res = simulate(plan, s, steps=4)

@@ -310,6 +310,7 @@ def test_local_sparse_swarm_replicas_equal_server_and_bytes(tmp_path, codec):
     merge_logs = [json.loads(m) for p in (out / "logs").glob("server*.log")
                   for m in re.findall(r"local merge (\{.*\})", p.read_text())]
     assert len(merge_logs) == 8  # 4 rounds x 2 stages
+    assert all(m["merge_s"] > 0 for m in merge_logs)  # the screen and the merge, timed (cost.merge_cpu_time)
     framed = [m.get("framed", 0) for m in merge_logs]
     if codec == "lowrank":  # every contributor's push held as frames
         assert framed == [len(m["contributors"]) for m in merge_logs], merge_logs

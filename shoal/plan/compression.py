@@ -208,6 +208,19 @@ def parse_compression(spec: str) -> dict[str, str]:
     return out
 
 
+# Seconds of one core per element to (encode, decode) a local-mode push or pull of the codec,
+# the whole stage in one frame: bench/results/merge-memory.md (2026-12-03, a 25 M parameter
+# gpt-350m stage, one torch thread on the 2-core box). Names not listed cost what int8 does.
+CODEC_CPU_S = {"none": (6.0e-9, 10.3e-9), "lowrank": (6.7e-9, 6.0e-9), "sparse": (9.1e-9, 2.8e-9),
+               "int8": (16.1e-9, 8.5e-9)}
+
+
+def codec_cpu_s(codec: str) -> tuple[float, float]:
+    """``(encode, decode)`` seconds of one core per element of a stage pushed or pulled with ``codec`` (pure)."""
+    name = codec.split(":")[0]
+    return CODEC_CPU_S.get("none" if name in ("raw", "fp32") else name, CODEC_CPU_S["int8"])
+
+
 def sparse_params(codec: str) -> tuple[float, int]:
     """``"sparse:0.01:2"`` -> ``(density, bits)`` with the defaults for parts left out."""
     parts = codec.strip().split(":")

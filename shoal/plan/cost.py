@@ -41,8 +41,16 @@ import numpy as np
 from shoal.errors import ShoalError
 from shoal.model.config import get_preset
 from shoal.model.profile import ModelProfile, profile_model
-from shoal.plan.compression import DENSE_ROUND_CODEC, bytes_per_element
-from shoal.plan.types import Device, FrameworkCpu, Plan, Replica, Scenario, SyncPolicy
+from shoal.plan.compression import DENSE_ROUND_CODEC, bytes_per_element, codec_cpu_s
+from shoal.plan.types import (
+    SCREEN_SAMPLE,
+    Device,
+    FrameworkCpu,
+    Plan,
+    Replica,
+    Scenario,
+    SyncPolicy,
+)
 
 
 @dataclass(frozen=True)
@@ -421,7 +429,7 @@ def background_finish(start: float, work: float, fraction: float, window: float)
 
 
 def local_round_wait(links: list[tuple[float, float, float, float]], latency: float, sync_every: int,
-                     pipeline_s: float, overlap: bool = True) -> tuple[float, float]:
+                     pipeline_s: float, overlap: bool = True, merge_s: float = 0.0) -> tuple[float, float]:
     """``(round seconds at full rate, seconds the steps wait for it per round)`` of one stage.
 
     ``links`` holds, per worker, ``(push_s, pull_s, up_busy_s, down_busy_s)``: its push and pull
@@ -433,10 +441,14 @@ def local_round_wait(links: list[tuple[float, float, float, float]], latency: fl
     the last push to land, the pulls start at once (:func:`background_finish` for each worker):
     ``t_1 = L + max_d finish(L, push_d, f_up,d)``, ``E = L + max_d finish(t_1, pull_d,
     f_down,d)``, ``wait = max(0, E - H P)`` (``E = R`` when nothing else uses the links).
-    Without overlap the steps wait for all of ``R = 3 L + max push + max pull``."""
+    Without overlap the steps wait for all of ``R = 3 L + max push + max pull``. ``merge_s``
+    (:func:`merge_cpu_time`) sits between the last push and the first pull."""
+    window = max(1, sync_every) * pipeline_s
     if not links:
-        return 0.0, 0.0
-    full = local_round_time(latency, max(x[0] for x in links), max(x[1] for x in links))
+        if overlap and 0 < pipeline_s < math.inf:
+            return merge_s, max(0.0, merge_s - window)
+        return merge_s, merge_s
+    full = local_round_time(latency, max(x[0] for x in links), max(x[1] for x in links)) + merge_s
     if not overlap:
         return full, full
     if pipeline_s <= 0 or not math.isfinite(pipeline_s):
@@ -446,8 +458,7 @@ def local_round_wait(links: list[tuple[float, float, float, float]], latency: fl
     def idle(busy: float) -> float:
         return max(floor, 1.0 - busy / pipeline_s)
 
-    window = max(1, sync_every) * pipeline_s
-    pushed = latency + max(background_finish(latency, x[0], idle(x[2]), window) for x in links)
+    pushed = latency + max(background_finish(latency, x[0], idle(x[2]), window) for x in links) + merge_s
     end = latency + max(background_finish(pushed, x[1], idle(x[3]), window) for x in links)
     return full, max(0.0, end - window)
 
@@ -466,6 +477,24 @@ def local_sync_per_step(round_s: float, sync_every: int, pipeline_s: float, over
 
 
 # --------------------------------------------------------------------------- framework CPU
+
+
+def merge_cpu_time(params: float, pushes: int, sync: SyncPolicy, cpu: FrameworkCpu) -> float:
+    """Seconds of one core a local-mode stage server's merge holds its round for, between the
+    round's last push landing and the first pull (pure): that push's decode, the screen's
+    measures and weighted-sum term of each of the round's ``pushes``
+    (``FrameworkCpu.server_merge_param_s`` a parameter, ``server_screen_sample_s`` a coordinate
+    of the screen's median, at most :data:`~shoal.plan.types.SCREEN_SAMPLE`) and the encoding of
+    the merged update the workers pull (:data:`shoal.plan.compression.CODEC_CPU_S`, times
+    ``server_codec_scale``).
+    The round's other pushes are decoded on other cores as they land (the runtime decodes each
+    in a thread). Times ``sync.grad_compression``, as the round's bytes are (a simulated round
+    compressed to fewer steps carries that share of both). 0 outside local mode."""
+    if not sync.local or pushes <= 0 or params <= 0:
+        return 0.0
+    codec = cpu.server_codec_scale * (codec_cpu_s(sync.push_codec)[1] + codec_cpu_s(sync.pull_codec)[0])
+    per_push = params * cpu.server_merge_param_s + min(params, SCREEN_SAMPLE) * cpu.server_screen_sample_s
+    return (params * codec + pushes * per_push) * sync.grad_compression
 
 
 def tasks_per_micro_batch(last: bool) -> int:
@@ -601,6 +630,7 @@ class StageCost:
     uncapped: float = 0.0  # its task pool's throughput before that cap (X_s of the workers alone)
     task_handling: float = 0.0  # seconds a server's CPU takes to handle one task's result (on its micro-batch's path)
     upload_backlog: dict = field(default_factory=dict)  # worker id -> s its last output waits behind earlier uploads
+    merge: float = 0.0  # local mode: seconds its server's merge CPU holds a round (merge_cpu_time)
 
 
 def _share_counts(plan: Plan, scenario: Scenario) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
@@ -973,8 +1003,9 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
         fwd = prof.fwd_flops(a, b)
         flops = fwd + prof.bwd_flops(a, b)
         handling = tasks_per_micro_batch(i == n - 1) * scenario.cpu.server_task_s
+        merge = merge_cpu_time(prof.params(a, b), len(plan.stages[i].workers), plan.sync, scenario.cpu)
         out.append(StageCost(throughput=min(x, cpu_caps[i]), latency=lat + handling, compute_fraction=frac,
-                             sync=syncs[i], task_times=task_times, memory_headroom=heads[i], pull=pulls[i],
+                             sync=syncs[i] + merge, merge=merge, task_times=task_times, memory_headroom=heads[i], pull=pulls[i],
                              compute_per_step=busy_step, round_links=tuple(links), round_latency=lats[i],
                              slowest=slow + handling, fwd_share=fwd / flops if flops > 0 else 1.0,
                              cpu_cap=cpu_caps[i], uncapped=x, task_handling=scenario.cpu.server_task_s,
@@ -1434,7 +1465,7 @@ def predict_replicas(plan: Plan, scenario: Scenario, options: CostOptions, memo:
     for _, costs, *_ in per:
         for c in costs:
             links = list(c.round_links)
-            pushed = max(pushed, local_round_push_end(links, c.round_latency, window, pipe, overlap))
+            pushed = max(pushed, local_round_push_end(links, c.round_latency, window, pipe, overlap) + c.merge)
             full = max(full, c.sync)
     outer = outer_merge_time(plan, scenario, prof)
     end = pushed + outer
@@ -1537,7 +1568,7 @@ def predict(plan: Plan, scenario: Scenario, options: CostOptions | None = None,
     if plan.sync.local:
         # per-stage rounds run in parallel; the step waits for the slowest one
         waits = [local_round_wait(list(c.round_links), c.round_latency, plan.sync.sync_every, pipe,
-                                  plan.sync.overlap) for c in costs]
+                                  plan.sync.overlap, c.merge) for c in costs]
         round_s = max(w[0] for w in waits)
         sync = max(w[1] for w in waits) / max(1, plan.sync.sync_every)
         overlap = False  # already folded into the amortised sync

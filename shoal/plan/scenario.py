@@ -121,11 +121,15 @@ def _cores(d: dict, where: str) -> int:
 # framework_cpu keys of a scenario file (milliseconds; coordinator_cores in cores) -> FrameworkCpu fields
 _CPU_KEYS = {"server_task_ms": "server_task_s", "worker_task_ms": "worker_task_s", "server_sync_ms": "server_sync_s",
              "coordinator_member_ms": "coordinator_member_s", "coordinator_report_ms": "coordinator_report_s",
-             "coordinator_cores": "coordinator_cores"}
+             "coordinator_cores": "coordinator_cores", "server_merge_ms_per_mparam": "server_merge_param_s",
+             "server_codec_scale": "server_codec_scale", "server_screen_ms_per_mcoord": "server_screen_sample_s"}
+_CPU_UNITS = {"coordinator_cores": 1.0, "server_merge_ms_per_mparam": MS / 1e6, "server_codec_scale": 1.0,
+              "server_screen_ms_per_mcoord": MS / 1e6}  # the rest: ms
 
 
 def _framework_cpu(d: dict, name: str) -> FrameworkCpu:
-    """The scenario's ``framework_cpu`` section (CPU-ms per message; absent keys keep the defaults)."""
+    """The scenario's ``framework_cpu`` section (CPU-ms per message, per million parameters for
+    ``server_merge_ms_per_mparam``; absent keys keep the defaults)."""
     c = d.get("framework_cpu", {})
     if not isinstance(c, dict):
         raise ShoalError(f"scenario {name}: framework_cpu must be an object of CPU-ms figures")
@@ -141,7 +145,7 @@ def _framework_cpu(d: dict, name: str) -> FrameworkCpu:
             if not ok or v < 0 or (key == "coordinator_cores" and v <= 0):
                 raise ShoalError(f"scenario {name}: framework_cpu.{key} must be a non-negative number "
                                  f"(coordinator_cores > 0), got {v!r}")
-            vals[attr] = float(v) if key == "coordinator_cores" else float(v) * MS
+            vals[attr] = float(v) * _CPU_UNITS.get(key, MS)
     return FrameworkCpu(**vals)
 
 
@@ -268,7 +272,7 @@ def scenario_to_dict(s: Scenario) -> dict:
         "devices": [_device_dict(dev) for dev in s.devices],
         "churn": {"enabled": s.churn.enabled, "mean_offline_min": s.churn.mean_offline_s / 60.0,
                   "trace": [list(t) for t in s.churn.trace]},
-        "framework_cpu": {k: getattr(s.cpu, a) / (1.0 if k == "coordinator_cores" else MS) for k, a in _CPU_KEYS.items()},
+        "framework_cpu": {k: getattr(s.cpu, a) / _CPU_UNITS.get(k, MS) for k, a in _CPU_KEYS.items()},
     }
 
 

@@ -99,6 +99,9 @@ class ChurnModel:
     trace: tuple[tuple[float, str, str], ...] = ()  # explicit (time_s, device_id, "leave"|"join")
 
 
+SCREEN_SAMPLE = 1 << 22  # coordinates a local-mode screen's median is taken over at most (runtime: round_measures)
+
+
 @dataclass(frozen=True)
 class FrameworkCpu:
     """CPU seconds shoal's own protocol costs on each kind of host (not the model's compute).
@@ -114,6 +117,9 @@ class FrameworkCpu:
     coordinator_member_s: float = 0.8e-3  # coordinator, per member per second (heartbeats, liveness): fit of stream.md's shadow swarms, 0.03 / 0.06 cores at 18 / 66 members
     coordinator_report_s: float = 14e-3  # coordinator, per stage server's step report: the same fit
     coordinator_cores: float = 1.0  # cores the coordinator can use (one Python event loop)
+    server_codec_scale: float = 1.0  # stage server: multiplies the per-element encode/decode CPU of a local-mode round's codecs (shoal.plan.compression.CODEC_CPU_S)
+    server_merge_param_s: float = 1.8e-9  # stage server, per parameter of each local-mode pseudo-gradient: the screen's norm and its weighted-sum term, on one core after the round's last push (bench/results/merge-memory.md: 0.65 + 1.1 ns)
+    server_screen_sample_s: float = 52e-9  # stage server, per coordinate of each pseudo-gradient the screen's median is taken over (at most SCREEN_SAMPLE; the same runs: 0.22 s a push of a 4 M sample)
 
 
 @dataclass

@@ -44,6 +44,7 @@ from shoal.plan.cost import (
     SYNC_CHUNK_S,
     coordinator_floor,
     coordinator_members,
+    merge_cpu_time,
 )
 from shoal.plan.standby import state_bytes, step_log_bytes
 from shoal.plan.types import Plan, Replica, Scenario, StagePlan
@@ -83,6 +84,7 @@ M_STANDBY = 10  # active server -> hot standby: the stage's state after a commit
 M_LOG = 11  # exact sync, active server -> hot standby: the step's summed gradient, before the update (stage, step)
 M_LOGACK = 12  # hot standby -> active server: the step's gradient is logged (stage, step, standby)
 M_OUTER = 13  # replica plans, server -> server of the same layers in another replica: its merged pseudo-gradient (stage, round)
+M_MERGED = 14  # local mode: a stage server's CPU has merged a round's pseudo-gradients (stage, round; no bytes)
 
 
 class Task:
@@ -160,6 +162,8 @@ class Stage:
         self.own: dict[str, deque[Task]] = {}  # backward tasks kept for the worker that ran the forward
         # local-mode sync round in flight: 0 none, 1 pushing pseudo-gradients, 2 pulling merged weights
         self.round_phase = 0
+        self.round_n = 0  # pseudo-gradients the round's merge takes (its live members at the round's start)
+        self.params = 0  # parameters of the stage (the merge's CPU is per parameter)
         self.round_id = 0
         self.round_push: set[str] = set()  # workers whose push of the current round is awaited
         self.round_pull: set[str] = set()  # workers whose pull of the current round is in flight
@@ -321,6 +325,7 @@ class Simulator:
             st.fwd_flops = self.prof.fwd_flops(a, b)
             st.bwd_flops = self.prof.bwd_flops(a, b)
             pb = self.prof.param_bytes(a, b)
+            st.params = self.prof.params(a, b)
             st.push_wire = pb * push_r  # a gradient / pseudo-gradient push
             st.pull_wire = pb * pull_r  # a weight pull (local mode: a delta against the worker's version)
             st.param_wire = pb * join_r  # a joiner's first pull
@@ -651,10 +656,22 @@ class Simulator:
                 w.bg_round = (st.idx, st.round_id)
                 w.bg_push = st.push_wire
                 self._bg_kick(w)
+        st.round_n = len(st.round_push)
         self._round_progress(st)
 
     def _round_progress(self, st: Stage) -> None:
         if st.round_phase == 1 and not st.round_push:
+            # the merge on one of the server's cores (cost.merge_cpu_time), then its pulls or parts
+            st.round_phase = 4
+            merge = merge_cpu_time(st.params, st.round_n, self.plan.sync, self.fw_cpu)
+            if not self._server_cpu(st.host.id, merge, M_MERGED, (st.idx, st.round_id)):
+                self._merged(st)
+            return
+        self._round_rest(st)
+
+    def _merged(self, st: Stage) -> None:
+        """A round's merge is done: its merged pseudo-gradient goes to the peers or its pulls start."""
+        if st.round_phase == 4:
             if st.peers:
                 # replica plans: the merged pseudo-gradient goes to every other replica's server
                 # of the same layers; the pulls wait until theirs have all arrived
@@ -663,6 +680,9 @@ class Simulator:
                     self._send(st.host.id, self.stages[j].host.id, nbytes, M_OUTER, (j, st.round_id), None)
             else:
                 self._launch_pulls(st)
+        self._round_rest(st)
+
+    def _round_rest(self, st: Stage) -> None:
         if st.round_phase == 3 and st.outer_got.get(st.round_id, 0) >= len(st.peers):
             st.outer_got.pop(st.round_id, None)
             self._launch_pulls(st)
@@ -853,6 +873,11 @@ class Simulator:
             if step == self.step and st.log_wait is not None and h in st.log_wait:
                 st.log_wait.discard(h)
                 self._maybe_apply(st)
+        elif kind == M_MERGED:
+            s, rid = p
+            st = self.stages[s]
+            if st.round_id == rid:
+                self._merged(st)
         elif kind == M_OUTER:
             s, rid = p
             st = self.stages[s]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shoal.plan.types import SCREEN_SAMPLE
 from shoal.runtime.common import micro_batch
 
 
@@ -94,7 +95,7 @@ def reference_cosines(module: torch.nn.Module, spec, step: int,
     return out
 
 
-MEDIAN_SAMPLE = 1 << 22  # coordinates a round's median is taken over at most (round_measures)
+MEDIAN_SAMPLE = SCREEN_SAMPLE  # coordinates a round's median is taken over at most (round_measures)
 MEDIAN_BLOCK = 1 << 16  # coordinates whose median is taken at once
 
 

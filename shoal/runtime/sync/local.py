@@ -292,6 +292,7 @@ class LocalServerMixin:
         if self.epoch != epoch:
             return None
         framed = self.local_got.framed  # pushes held as frames (over the merge memory)
+        merge_t0 = time.perf_counter()  # the screen and the merge: what the planner's merge_cpu_time prices
         screened = await self._local_screen(step)
         if self.epoch != epoch:
             return None
@@ -313,7 +314,7 @@ class LocalServerMixin:
         log.info("%s local merge %s", self.name, json.dumps({
             "stage": self.stage, "version": step + 1, "epoch": epoch, "contributors": counts,
             "shares": {w: round(x, 9) for w, x in shares.items()}, "digest": digest, "screen": screened,
-            **({"framed": framed} if framed else {}),
+            **({"framed": framed} if framed else {}), "merge_s": round(time.perf_counter() - merge_t0, 4),
             **({"replicas": replicas} if replicas is not None else {})}, sort_keys=True))
         self.local_round_mbs = {}
         for w, x in self.local_round_lr.items():
