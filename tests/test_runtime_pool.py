@@ -611,7 +611,7 @@ def test_local_pseudo_gradient_covering_nothing_is_no_contribution(tmp_path):
     async def main():
         srv = await _local_server_in_round(tmp_path)
         srv.local_round_mbs = {"A": 2, "B": 1}
-        srv.local_expect, srv.local_got = {"A", "B"}, {}
+        srv.local_expect, srv.local_got = {"A", "B"}, srv._new_round_pushes()
         push = dict(step=1, epoch=0, local_round=2, grads=_grads(srv, 0.5))
         a = await srv.PushGrads(pb.GradPush(worker="A", local_mbs=1, **push), None)
         assert a.accepted and "A" in srv.local_got and srv.local_round_mbs["A"] == 1
@@ -636,7 +636,7 @@ def test_a_worker_leaving_after_its_pseudo_gradient_keeps_its_weight(tmp_path):
         for w in ("A", "B"):
             srv._worker(w)
         srv.local_round_mbs, srv.local_round_lr = {"A": 2, "B": 2}, {"A": 0.2, "B": 0.2}
-        srv.local_expect, srv.local_got = {"A", "B"}, {}
+        srv.local_expect, srv.local_got = {"A", "B"}, srv._new_round_pushes()
         push = dict(step=1, epoch=0, local_round=2, local_mbs=2, grads=_grads(srv, 0.5))
         assert (await srv.PushGrads(pb.GradPush(worker="A", **push), None)).accepted
         srv._void_worker("A", "left")
