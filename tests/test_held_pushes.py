@@ -9,14 +9,10 @@ import math
 import pytest
 import torch
 
+from shoal.runtime.measure import available_ram
 from shoal.runtime.safety.verify import reference_cosines, round_measures, sample_positions
 from shoal.runtime.sync.codecs import split_stage_frame, stage_frame
-from shoal.runtime.sync.held import (
-    HeldPushes,
-    default_merge_memory,
-    host_available_bytes,
-    host_memory_bytes,
-)
+from shoal.runtime.sync.held import HeldPushes, default_merge_memory, host_memory_bytes
 from shoal.train.outer import merge_weights, weighted_sum
 
 
@@ -126,7 +122,7 @@ def test_a_large_stages_median_is_taken_over_a_secret_sample():
 
 
 def test_the_default_budget_is_a_quarter_of_the_ram_and_at_most_half_of_the_free():
-    ram, free = host_memory_bytes(), host_available_bytes()
+    ram, free = host_memory_bytes(), available_ram()
     assert 0 < free <= ram
     budget = default_merge_memory()
     assert math.isfinite(budget) and 0 < budget <= ram / 4 * 1.0001 and budget <= free / 2 * 1.05

@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
+from shoal.runtime.measure import available_ram
+
 DEFAULT_MERGE_MEMORY_SHARE = 0.25  # of the host's RAM a server's decoded pushes may take by default
 DEFAULT_AVAILABLE_SHARE = 0.5  # and at most this share of the RAM free when a round starts
 
@@ -29,25 +31,13 @@ def host_memory_bytes() -> int:
         return 0
 
 
-def host_available_bytes() -> int:
-    """RAM the kernel reckons available to new allocations now (MemAvailable), in bytes; 0 if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def default_merge_memory() -> float:
     """Bytes of decoded pushes a stage server holds by default, read when a round starts: a
     quarter of the host's RAM, and at most half of what is free then (several servers may
     share a host; the planner sizes a host for the servers' weights and optimizer state,
     :meth:`shoal.model.profile.ModelProfile.server_memory`, not for a round of decoded pushes);
     1 GiB where the system says neither."""
-    ram, free = host_memory_bytes(), host_available_bytes()
+    ram, free = host_memory_bytes(), available_ram()
     caps = [x for x in (DEFAULT_MERGE_MEMORY_SHARE * ram, DEFAULT_AVAILABLE_SHARE * free) if x > 0]
     return min(caps) if caps else float(1 << 30)
 
