@@ -292,7 +292,8 @@ class LocalServerMixin:
         if self.epoch != epoch:
             return None
         framed = self.local_got.framed  # pushes held as frames (over the merge memory)
-        merge_t0 = time.perf_counter()  # the screen and the merge: what the planner's merge_cpu_time prices
+        # the screen and the merge (cost.merge_cpu_time prices them; a replica plan waits for its peers too)
+        merge_t0 = time.perf_counter()
         screened = await self._local_screen(step)
         if self.epoch != epoch:
             return None
