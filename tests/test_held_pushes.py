@@ -130,8 +130,8 @@ def test_the_default_budget_is_a_quarter_of_the_ram_and_at_most_half_of_the_free
 
 def test_a_negative_merge_memory_is_a_one_line_error(tmp_path):
     from shoal.errors import ShoalError
-    from shoal.runtime.processes.cli import merge_memory_bytes
     from shoal.runtime.processes.launch import LaunchConfig
+    from shoal.runtime.sync.held import merge_memory_bytes
 
     assert merge_memory_bytes(None) is None and merge_memory_bytes(1.5) == 1.5e9
     with pytest.raises(ShoalError, match="--merge-memory-gb must be"):

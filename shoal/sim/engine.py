@@ -160,7 +160,8 @@ class Stage:
         self.fwd_pool: deque[Task] = deque()
         self.orphans: deque[Task] = deque()  # backward tasks anyone may take (with recompute)
         self.own: dict[str, deque[Task]] = {}  # backward tasks kept for the worker that ran the forward
-        # local-mode sync round in flight: 0 none, 1 pushing pseudo-gradients, 2 pulling merged weights
+        # local-mode sync round in flight: 0 none, 1 pushing pseudo-gradients, 4 merging on the
+        # server's CPU, 3 waiting for the other replicas' parts, 2 pulling merged weights
         self.round_phase = 0
         self.round_n = 0  # pseudo-gradients the round's merge takes (its live members at the round's start)
         self.params = 0  # parameters of the stage (the merge's CPU is per parameter)

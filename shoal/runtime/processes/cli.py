@@ -177,10 +177,7 @@ def register(subparsers) -> None:
     p.add_argument("--standby", action="store_true",
                    help="join as a hot standby: copy a stage's checkpoints after every commit and take "
                         "the stage over when its server dies (no shared disk needed)")
-    p.add_argument("--merge-memory-gb", type=float, default=None, metavar="GB",
-                   help="GB of decoded pseudo-gradients a local-mode merge holds at a stage server; beyond it "
-                        "pushes wait as their compressed frames and are decoded again where read (default: a "
-                        "quarter of the host's RAM, at most half of what is free)")
+    _merge_memory_arg(p)
     p.add_argument("--server-token-file", default=None,
                    help="file holding the run's server token (default: env SHOAL_SERVER_TOKEN); a server "
                         "joins with it, the join token admits workers only")
@@ -286,12 +283,16 @@ def register(subparsers) -> None:
                         "lease, result and renewal (default: on in exact sync, off in local mode)")
     p.add_argument("--shadow-per-process", type=int, default=64,
                    help="with --shadow: at most this many shadow workers (playing one device) per process")
+    _merge_memory_arg(p)
+    _run_args(p, launch=True)
+    p.set_defaults(func=run_launch_cmd)
+
+
+def _merge_memory_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--merge-memory-gb", type=float, default=None, metavar="GB",
                    help="GB of decoded pseudo-gradients a local-mode merge holds at a stage server; beyond it "
                         "pushes wait as their compressed frames and are decoded again where read (default: a "
                         "quarter of the host's RAM, at most half of what is free)")
-    _run_args(p, launch=True)
-    p.set_defaults(func=run_launch_cmd)
 
 
 def _dial_map_arg(p: argparse.ArgumentParser) -> None:
@@ -572,15 +573,6 @@ def _played_device(args) -> str:
     return (getattr(args, "emulate_device", None) or "") if getattr(args, "emulate_scenario", None) else ""
 
 
-def merge_memory_bytes(gb: float | None) -> float | None:
-    """``--merge-memory-gb`` in bytes (None: the server's default); a one-line error if negative."""
-    if gb is None:
-        return None
-    if not (math.isfinite(gb) and gb >= 0):
-        raise ShoalError(f"--merge-memory-gb must be a finite number of GB >= 0, got {gb}")
-    return gb * 1e9
-
-
 def run_server_cmd(args) -> int:
     from shoal.net.channel import check_listen, split_address
     from shoal.net.stream import chunk_bytes_from_mb
@@ -588,6 +580,8 @@ def run_server_cmd(args) -> int:
     check_listen(args.listen, args.advertise)  # before the heavy imports: a refusal is instant
     split_address(args.join)
     chunk = chunk_bytes_from_mb(args.chunk_mb, default=0)
+    from shoal.runtime.sync.held import merge_memory_bytes
+
     merge_memory_bytes(args.merge_memory_gb)
     from shoal.runtime.roles.server import serve
 

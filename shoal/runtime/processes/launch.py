@@ -148,8 +148,9 @@ class LaunchConfig:
             raise ShoalError(f"--spot-check must be a fraction between 0 and 1, got {self.spot_check}")
         if self.shadow and not self.scenario:
             raise ShoalError("--shadow workers wait their emulated device's task time: give --scenario")
-        if self.merge_memory_gb is not None and not (math.isfinite(self.merge_memory_gb) and self.merge_memory_gb >= 0):
-            raise ShoalError(f"--merge-memory-gb must be a finite number of GB >= 0, got {self.merge_memory_gb}")
+        from shoal.runtime.sync.held import merge_memory_bytes
+
+        merge_memory_bytes(self.merge_memory_gb)
         if self.shadow_per_process < 1:
             raise ShoalError(f"--shadow-per-process must be at least 1, got {self.shadow_per_process}")
         if self.replicas and self.sync != "local":

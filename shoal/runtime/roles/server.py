@@ -1907,7 +1907,8 @@ def serve(coord: str, listen: str, token: str, ckpt_root: str, name: str = "serv
     ``device``: scenario host it plays; ``region``/``up_bps``/``down_bps``: declared
     figures that win over measured ones; ``advertise``: the address peers dial (default:
     the listen address); ``chunk_bytes``: bytes per streamed chunk (0: the run's setting);
-    ``merge_memory``: bytes of decoded pseudo-gradients a merge holds (None: a quarter of the RAM).
+    ``merge_memory``: bytes of decoded pseudo-gradients a merge holds (None:
+    :func:`shoal.runtime.sync.held.default_merge_memory`).
     """
     set_threads()
     srv = StageServer(coord, listen, token, ckpt_root, name=name, dial=dial, device=device, region=region,

@@ -213,8 +213,8 @@ def residual_reweight(kept_mbs: int, mbs: int) -> float:
     next push, is merged at the next round's share instead of the share it was made at. Where a
     worker's shares move from round to round (one pipeline's leases: 6 of 16 then 10) that
     over- or under-weights the residual; scaling it by ``kept_mbs / mbs`` restores its own share
-    (a round's total is the same H x M micro-batches). Measured in process with random shares:
-    ``lowrank`` +0.83 % above uncompressed local mode without it, less with it
+    (a round's total is the same H x M micro-batches). Measured in process with random shares,
+    seeds 0-5: ``lowrank`` +0.59 % above uncompressed local mode with it, +0.95 % without
     (bench/results/sparse-sync.md). Clamped to [1/``RESIDUAL_REWEIGHT_MAX``,
     ``RESIDUAL_REWEIGHT_MAX``]: a worker that stalled most of a round and covers one
     micro-batch of it would otherwise push many rounds' worth of residual per unit of its

@@ -12,11 +12,13 @@ same bits either way (a frame decodes to the same tensors every time).
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
+from shoal.errors import ShoalError
 from shoal.runtime.measure import available_ram
 
 DEFAULT_MERGE_MEMORY_SHARE = 0.25  # of the host's RAM a server's decoded pushes may take by default
@@ -40,6 +42,15 @@ def default_merge_memory() -> float:
     ram, free = host_memory_bytes(), available_ram()
     caps = [x for x in (DEFAULT_MERGE_MEMORY_SHARE * ram, DEFAULT_AVAILABLE_SHARE * free) if x > 0]
     return min(caps) if caps else float(1 << 30)
+
+
+def merge_memory_bytes(gb: float | None) -> float | None:
+    """``--merge-memory-gb`` in bytes (None: the server's default); a one-line error if negative."""
+    if gb is None:
+        return None
+    if not (math.isfinite(gb) and gb >= 0):
+        raise ShoalError(f"--merge-memory-gb must be a finite number of GB >= 0, got {gb}")
+    return gb * 1e9
 
 
 def tensors_nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
