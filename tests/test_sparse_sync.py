@@ -312,8 +312,8 @@ def test_local_sparse_swarm_replicas_equal_server_and_bytes(tmp_path, codec):
     assert len(merge_logs) == 8  # 4 rounds x 2 stages
     assert all(m["merge_s"] > 0 for m in merge_logs)  # the screen and the merge, timed (cost.merge_cpu_time)
     framed = [m.get("framed", 0) for m in merge_logs]
-    if codec == "lowrank":  # every contributor's push held as frames
-        assert framed == [len(m["contributors"]) for m in merge_logs], merge_logs
+    if codec == "lowrank":  # every push received held as frames (the screen may leave one out of the merge)
+        assert all(f >= max(1, len(m["contributors"])) for f, m in zip(framed, merge_logs, strict=True)), merge_logs
     else:
         assert not any(framed), framed
     merges, pulled = _digests(out)
