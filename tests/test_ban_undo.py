@@ -352,7 +352,7 @@ def test_the_servers_own_gradient_judges_direction_with_or_without_a_quorum():
 @pytest.mark.timeout(400)
 def test_local_mode_a_sign_flip_with_no_majority_is_caught(tmp_path):
     """Local mode, one stage, two workers (no quorum, no history in the first round): w1's
-    pseudo-gradients are flipped. The server's own gradient of the round's last step points
+    pseudo-gradients are flipped. The server's own gradient of the round's first step points
     the other way: no merge holds w1's pseudo-gradient, and w1 is banned by the second merge
     (at the first, a cosine between -local_ref_ban and 0, which an honest replica that moved
     mid-round can show, only holds it out of the merge); the honest w0's cosine to it is

@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from shoal.runtime.measure import available_ram
-from shoal.runtime.safety.verify import reference_cosines, round_measures, sample_positions
+from shoal.runtime.safety.verify import (
+    reference_cosines,
+    reference_gradient,
+    round_measures,
+    sample_positions,
+)
 from shoal.runtime.sync.codecs import split_stage_frame, stage_frame
 from shoal.runtime.sync.held import HeldPushes, default_merge_memory, host_memory_bytes
 from shoal.train.outer import merge_weights, weighted_sum
@@ -95,7 +100,8 @@ def test_reference_cosines_reads_each_push_once():
 
         assert held.put(f"w{i}", decode(), decode, frame.ByteSize())
     calls.clear()
-    cos = reference_cosines(module, spec, 0, [(0, None, None)], held, first=True, last=True)
+    ref = reference_gradient(module, spec, 0, [(0, None, None, None)], first=True, last=True)
+    cos = reference_cosines(ref, held)
     assert set(cos) == {"w0", "w1", "w2"} and all(c is not None and -1 <= c <= 1 for c in cos.values())
     assert calls == {"w0": 1, "w1": 1, "w2": 1}
 
@@ -138,3 +144,63 @@ def test_a_negative_merge_memory_is_a_one_line_error(tmp_path):
         merge_memory_bytes(-1.0)
     with pytest.raises(ShoalError, match="--merge-memory-gb must be"):
         LaunchConfig(out=str(tmp_path), merge_memory_gb=float("nan")).validate()
+
+
+def test_the_reference_spreads_its_tokens_over_micro_batches_as_causal_prefixes():
+    from shoal.runtime.safety.verify import reference_inputs
+
+    held = [(mb, None, None) for mb in range(6)]
+    whole = [(mb, None, None, None) for mb in range(4)]
+    # micro-batches of 2 x 32 = 64 tokens: four whole ones within 1,024 tokens, either way
+    assert reference_inputs(held, 2, 32, 4, 1024) == whole == reference_inputs(held, 2, 32, 4, 1024, spread=False)
+    # 150 tokens over four: 37 each, the first 18 positions of each one's 2 sequences (144 tokens)
+    assert reference_inputs(held, 2, 32, 4, 150) == [(mb, None, None, 18) for mb in range(4)]
+    # or whole ones first: two, then 11 positions of the third one's sequences
+    assert reference_inputs(held, 2, 32, 4, 150, spread=False) == [*whole[:2], (2, None, None, 11)]
+    # micro-batches of 1 x 1024 within 512 tokens: the first 128 positions of four of them
+    assert reference_inputs(held, 1, 1024, 4, 512) == [(mb, None, None, 128) for mb in range(4)]
+    assert reference_inputs(held[:1], 1, 1024, 4, 512) == [(0, None, None, 512)]
+    assert reference_inputs(held, 2, 32, 0, 1024) == [] and reference_inputs(held, 2, 32, 4, 0) == []
+
+
+@pytest.mark.parametrize("last", [False, True])
+def test_a_causal_prefix_is_the_gradient_of_its_positions(last):
+    """The reference on the first P positions of each sequence equals the full micro-batch's
+    gradient where the positions after P contribute nothing (their output gradient zero, or
+    at the last stage their loss left out): attention is causal, so a prefix's outputs do
+    not depend on what follows it."""
+    from shoal.model.config import get_preset
+    from shoal.model.transformer import build_stage
+    from shoal.net import shoal_pb2 as pb
+    from shoal.runtime.safety.verify import recompute_grads
+
+    cfg = get_preset("tiny")
+    a, b = (1, 3) if not last else (3, cfg.n_total_layers)
+    module = build_stage(cfg, a, b, seed=0)
+    spec = pb.RunSpec(model="tiny", stages=2, steps=4, micro_batches=2, micro_batch_size=2, seq_len=16, seed=0,
+                      data="synthetic")
+    g = torch.Generator().manual_seed(3)
+    inp = torch.randn(2, 16, cfg.d_model, generator=g)
+    out_grad = None if last else torch.randn(2, 16, cfg.d_model, generator=g)
+    pre = recompute_grads(module, spec, 1, 0, first=False, last=last, inp=inp, out_grad=out_grad, prefix=5)
+    if last:
+        # the loss is a mean over positions: the prefix's mean over 5 of them
+        from shoal.runtime.common import micro_batch
+
+        tokens, targets = micro_batch(spec, 1, 0)
+        names = [n for n, _ in module.named_parameters()]
+        params = [p for _, p in module.named_parameters()]
+        with torch.enable_grad():
+            logits = module(inp)[:, :5]  # the whole sequence through the stage, the loss of 5 positions
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)),
+                                                     targets[:, :5].reshape(-1)) / spec.micro_batches
+            full = dict(zip(names, torch.autograd.grad(loss, params, allow_unused=True), strict=True))
+        full = {n: torch.zeros_like(p) if full[n] is None else full[n] for n, p in module.named_parameters()}
+    else:
+        masked = out_grad.clone()
+        masked[:, 5:] = 0
+        full = recompute_grads(module, spec, 1, 0, first=False, last=False, inp=inp, out_grad=masked)
+    assert set(pre) == set(full)
+    for n in pre:
+        torch.testing.assert_close(pre[n], full[n], rtol=1e-4, atol=1e-6)
+    assert sum(float(t.abs().sum()) for t in pre.values()) > 0

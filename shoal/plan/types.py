@@ -100,6 +100,8 @@ class ChurnModel:
 
 
 SCREEN_SAMPLE = 1 << 22  # coordinates a local-mode screen's median is taken over at most (runtime: round_measures)
+SCREEN_REF_MBS = 4  # micro-batches a local-mode screen's reference gradient is computed on at most (runtime: GuardConfig)
+SCREEN_REF_TOKENS = 512  # tokens that reference gradient is computed on at most (each sequence's causal prefix)
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,7 @@ class FrameworkCpu:
     server_codec_scale: float = 1.0  # stage server: multiplies the per-element encode/decode CPU of a local-mode round's codecs (shoal.plan.compression.CODEC_CPU_S)
     server_merge_param_s: float = 1.8e-9  # stage server, per parameter of each local-mode pseudo-gradient: the screen's norm and its weighted-sum term, on one core after the round's last push (bench/results/merge-memory.md: 0.65 + 1.1 ns)
     server_screen_sample_s: float = 52e-9  # stage server, per coordinate of each pseudo-gradient the screen's median is taken over (at most SCREEN_SAMPLE; the same runs: 0.22 s a push of a 4 M sample)
+    server_flops: float = 50e9  # stage server, FLOP/s of the one core its screen's reference gradient runs on (fp32 torch, one thread: bench/results/screen-reference.md, 49-59 GFLOP/s)
 
 
 @dataclass

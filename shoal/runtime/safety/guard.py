@@ -37,6 +37,8 @@ import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from shoal.plan.types import SCREEN_REF_MBS, SCREEN_REF_TOKENS
+
 
 @dataclass(frozen=True)
 class GuardConfig:
@@ -114,10 +116,14 @@ class GuardConfig:
     # if one of two is missed) and int8 error feedback.
     local_bound_margin: float = 4.0
     # Local mode, every merge: the server computes its own gradient at the round's starting
-    # weights on this many micro-batches of the round's last step
-    # (:func:`shoal.runtime.safety.verify.reference_cosines`), so no lone contributor is merged
+    # weights on at most this many micro-batches of the first step it commits after its
+    # previous merge, in the background while the round's other steps run
+    # (:func:`shoal.runtime.safety.verify.reference_gradient`), so no lone contributor is merged
     # unchecked, and colluders that are most of a round (its median) are judged too. 0: off.
-    local_ref_mbs: int = 4
+    local_ref_mbs: int = SCREEN_REF_MBS
+    # ... and on at most this many tokens (a causal prefix of each sequence beyond them): what
+    # the planner prices on one server core (shoal.plan.cost.reference_cpu_time). 0: off.
+    local_ref_tokens: int = SCREEN_REF_TOKENS
     # A pseudo-gradient whose cosine to that gradient is below this many times 1/sqrt(n) (n:
     # the stage's weights) is flagged (in every merge). A sign flip or a negative scale
     # points against it; a random direction has a cosine of about N(0, 1/n) to any fixed
@@ -381,7 +387,7 @@ def screen_round(norms: dict[str, float], cosines: dict[str, float | None], hist
             flags[w] = why
         ref = (ref_cosines or {}).get(w)
         if ref is not None and ref < min(least, -cfg.local_ref_ban):
-            against[w] = f"direction: cosine {ref:.4f} to the server's own gradient of the round's last step"
+            against[w] = f"direction: cosine {ref:.4f} to the server's own gradient at the round's start"
     if quorum and 2 * len(flags) >= len(norms):
         flags = {}
     # Against the server's own gradient is no verdict of a majority either: colluders that are
@@ -403,7 +409,7 @@ def direction_holds(ref_cosines: dict[str, float | None], n_contributors: int, c
     ``n_contributors`` is kept for the callers' record (the rule no longer depends on it).
     """
     least = cfg.local_ref_sigmas / math.sqrt(max(1, n_params))
-    return {w: f"cosine {ref:.4f} to the server's own gradient of the round's last step"
+    return {w: f"cosine {ref:.4f} to the server's own gradient at the round's start"
             for w, ref in (ref_cosines or {}).items()
             if w not in set(banned) and ref is not None and ref < least}
 

@@ -46,15 +46,21 @@ def sq_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 def recompute_grads(module: torch.nn.Module, spec, step: int, mb: int, *, first: bool, last: bool,
                     inp: torch.Tensor | None, out_grad: torch.Tensor | None,
-                    loss_scale: float = 1.0) -> dict[str, torch.Tensor]:
+                    loss_scale: float = 1.0, prefix: int | None = None) -> dict[str, torch.Tensor]:
     """Parameter gradients of micro-batch ``mb`` of ``step`` at one stage, fp32 on the CPU.
 
     Uses ``torch.autograd.grad`` so the module's ``.grad`` fields (the commit's) are not
-    touched. The same formula as a worker's ``BWD``/``FWDBWD`` task.
+    touched. The same formula as a worker's ``BWD``/``FWDBWD`` task. ``prefix``: only the
+    first ``prefix`` positions of each sequence (attention is causal, so their outputs do not
+    depend on the rest): the terms of those positions in the micro-batch's gradient.
     """
     names = [n for n, _ in module.named_parameters()]
     params = [p for _, p in module.named_parameters()]
     tokens, targets = micro_batch(spec, step, mb)
+    if prefix is not None:
+        tokens, targets = tokens[:, :prefix], targets[:, :prefix]
+        inp = None if inp is None else inp[:, :prefix]
+        out_grad = None if out_grad is None else out_grad[:, :prefix]
     x = tokens if first else inp.detach()
     with torch.enable_grad():
         if last:
@@ -68,23 +74,55 @@ def recompute_grads(module: torch.nn.Module, spec, step: int, mb: int, *, first:
     return {n: (torch.zeros_like(p) if g is None else g) for n, p, g in zip(names, params, grads, strict=True)}
 
 
-def reference_cosines(module: torch.nn.Module, spec, step: int,
-                      inputs: list[tuple[int, torch.Tensor | None, torch.Tensor | None]],
-                      deltas: dict[str, dict[str, torch.Tensor]], *, first: bool, last: bool
-                      ) -> dict[str, float | None]:
-    """Local mode: each pseudo-gradient's cosine to the server's own gradient (pure tensors).
+def reference_inputs(inputs: list[tuple[int, torch.Tensor | None, torch.Tensor | None]], micro_batch_size: int,
+                     seq_len: int, max_mbs: int, max_tokens: int, spread: bool = True
+                     ) -> list[tuple[int, torch.Tensor | None, torch.Tensor | None, int | None]]:
+    """What the screen's reference gradient is computed on (pure): the first micro-batches of
+    ``inputs`` (micro-batch, stage input, output gradient), at most ``max_mbs`` of them and
+    ``max_tokens`` tokens. ``spread``: the budget is shared by every taken micro-batch, each cut
+    to a causal prefix of its sequences where it does not fit whole (more sequences, each
+    shorter); else whole micro-batches first, the last one cut (``prefix``: None for a whole
+    micro-batch; at least one position). The planner prices the same count
+    (``shoal.plan.cost.reference_tokens``)."""
+    taken = inputs[:max(0, max_mbs)]
+    if not taken or max_tokens <= 0:
+        return []
+    whole = micro_batch_size * seq_len
+    if spread:
+        share = max_tokens // len(taken)
+        prefix = None if share >= whole else max(1, share // micro_batch_size)
+        return [(mb, inp, out_grad, prefix) for mb, inp, out_grad in taken]
+    out = []
+    left = max_tokens
+    for mb, inp, out_grad in taken:
+        if left <= 0:
+            break
+        prefix = None if whole <= left else max(1, left // micro_batch_size)
+        out.append((mb, inp, out_grad, prefix))
+        left -= whole if prefix is None else prefix * micro_batch_size
+    return out
 
-    The server computes, at the merged weights the round started from (``module``), the
-    gradient of micro-batches of the round's last step (``inputs``: micro-batch, stage input,
-    output gradient, as it holds them), with the workers' formula. An honest replica's
-    pseudo-gradient (anchor minus its weights after AdamW steps down the loss) points along
-    it; a flipped, scaled-negative or noise one does not. None: a zero norm.
-    """
+
+def reference_gradient(module: torch.nn.Module, spec, step: int,
+                       inputs: list[tuple[int, torch.Tensor | None, torch.Tensor | None, int | None]], *,
+                       first: bool, last: bool) -> dict[str, torch.Tensor]:
+    """Local mode: the server's own gradient at the merged weights (``module``) on ``inputs``
+    (:func:`reference_inputs` of one step the server holds), with the workers' formula, summed."""
     ref: dict[str, torch.Tensor] = {}
-    for mb, inp, out_grad in inputs:
-        g = recompute_grads(module, spec, step, mb, first=first, last=last, inp=inp, out_grad=out_grad)
+    for mb, inp, out_grad, prefix in inputs:
+        g = recompute_grads(module, spec, step, mb, first=first, last=last, inp=inp, out_grad=out_grad,
+                            prefix=prefix)
         for n, t in g.items():
             ref[n] = t if n not in ref else ref[n] + t
+    return ref
+
+
+def reference_cosines(ref: dict[str, torch.Tensor], deltas: dict[str, dict[str, torch.Tensor]]
+                      ) -> dict[str, float | None]:
+    """Local mode: each pseudo-gradient's cosine to the server's own gradient ``ref``
+    (:func:`reference_gradient`, at the merged weights the round started from). An honest
+    replica's pseudo-gradient (anchor minus its weights after AdamW steps down the loss)
+    points along it; a flipped, scaled-negative or noise one does not. None: a zero norm."""
     ref_sq = sq_norm(ref)
     out: dict[str, float | None] = {}
     for w in sorted(deltas):  # one at a time: a push held as frames is decoded for this read only

@@ -29,6 +29,7 @@ import logging
 import math
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -36,6 +37,7 @@ from shoal.net import shoal_pb2 as pb
 from shoal.net.compress import ErrorFeedback
 from shoal.net.wire import WireError, encode_tensor
 from shoal.plan.compression import DENSE_ROUND_CODEC
+from shoal.plan.types import SCREEN_REF_MBS
 from shoal.runtime.common import optim_config, tensors_digest
 from shoal.runtime.safety.faults import poison, poisons
 from shoal.runtime.sync.codecs import (
@@ -87,6 +89,19 @@ def bwd_owner_free(owner_known: bool, owner_gen_same: bool, owner_alive: bool) -
     return not (owner_known and owner_gen_same and owner_alive)
 
 
+_REF_POOL: ThreadPoolExecutor | None = None
+
+
+def reference_pool() -> ThreadPoolExecutor:
+    """The threads the screen's reference gradients run on (one a micro-batch, at most
+    :data:`~shoal.plan.types.SCREEN_REF_MBS`), apart from the event loop's executor so that
+    decodes and merges never queue behind them."""
+    global _REF_POOL
+    if _REF_POOL is None:
+        _REF_POOL = ThreadPoolExecutor(max_workers=SCREEN_REF_MBS, thread_name_prefix="shoal-reference")
+    return _REF_POOL
+
+
 class LocalServerMixin:
     """Stage-server state and handlers of local mode (no effect in exact mode)."""
 
@@ -94,6 +109,8 @@ class LocalServerMixin:
     update_pulls = None  # sparse pulls (UpdatePulls), made at each load
     local_decision = None
     local_expect = None
+    local_ref_key = None
+    local_ref_job = None
 
     @property
     def local(self) -> bool:
@@ -110,6 +127,8 @@ class LocalServerMixin:
         self.local_decision: tuple[int, float, float, bool] | None = None  # (step, lr, coef, skip)
         self.local_expect: set[str] | None = None  # workers whose pseudo-gradient the merge awaits
         self.local_got = self._new_round_pushes()  # pseudo-gradients received
+        self.local_ref_key: tuple[int, int] | None = None  # (epoch, merged version) of the reference gradient started
+        self.local_ref_job: asyncio.Future | None = None  # that gradient: (grads, step, tokens, seconds)
         if not hasattr(self, "median_secret"):  # seeds the screen's coordinate sample of a large stage
             self.median_secret = secrets.randbits(62)
         self.local_replicas: dict[str, dict[str, torch.Tensor]] = {}  # replicas' weights received (merges_weights)
@@ -273,6 +292,7 @@ class LocalServerMixin:
                 self.local_round_lr[w] = self.local_round_lr.get(w, 0.0) + d.lr
         self.local_sq = {}
         self.local_sq_parts = {}
+        self._local_reference_start(step, epoch)  # (once a round: the first step after a merge)
         if not is_sync_step(step, self.spec.sync_every, self.spec.steps):
             return False
         self.local_expect = {w for w, n in self.local_round_mbs.items() if n > 0}
@@ -371,27 +391,67 @@ class LocalServerMixin:
         return {w: [round(norms[w], 8), None if cosines[w] is None else round(cosines[w], 4),
                     None if refs.get(w) is None else round(refs[w], 4)] for w in norms}
 
-    async def _local_reference(self, step: int, lrs: dict[str, float]) -> dict[str, float | None]:
-        """Each contributor's cosine to this server's own gradient at the round's starting weights
-        (:func:`shoal.runtime.safety.verify.reference_cosines`), on up to ``local_ref_mbs``
-        micro-batches of the round's last step; {} when off. Also with a quorum: colluders that
-        are most of a round set its median, not this gradient."""
+    def _local_reference_start(self, step: int, epoch: int) -> None:
+        """Start the screen's reference gradient at the merged weights, on ``step``'s micro-batches,
+        unless one is running or done for these weights: the first step committed after a merge
+        starts it, and it runs in a thread while the round's other steps run (the weights change
+        only at the next merge, which waits for it; a load changes the epoch and its result is
+        dropped). A step of the round itself, not the one just merged: the merged weights have
+        learned that one, and honest replicas' cosines to its gradient fall to about 0
+        (bench/results/screen-reference.md). The planner prices it
+        (``shoal.plan.cost.reference_cpu_time``)."""
         cfg = self.guard_cfg
-        got = self.local_got.snapshot(only={w for w in self.local_got if lrs.get(w, 0.0) > 0})
-        if not got or cfg.local_ref_mbs <= 0:
-            return {}
-        from shoal.runtime.safety.verify import reference_cosines
+        key = (epoch, self.local_merged)
+        if not cfg.enabled or cfg.local_ref_mbs <= 0 or cfg.local_ref_tokens <= 0 or self.local_ref_key == key:
+            return
+        from shoal.runtime.safety.verify import reference_gradient, reference_inputs
 
         mbs = self.steps.get(step, {})
-        inputs = [(mb, st.input, st.out_grad) for mb, st in sorted(mbs.items())
-                  if (self.is_first or st.input is not None) and (self.is_last or st.out_grad is not None)]
+        held = [(mb, st.input, st.out_grad) for mb, st in sorted(mbs.items())
+                if (self.is_first or st.input is not None) and (self.is_last or st.out_grad is not None)]
+        inputs = reference_inputs(held, self.spec.micro_batch_size, self.spec.seq_len, cfg.local_ref_mbs,
+                                  cfg.local_ref_tokens)
         if not inputs:
+            return
+        tokens = sum(self.spec.micro_batch_size * (self.spec.seq_len if p is None else p) for *_, p in inputs)
+        part = functools.partial(reference_gradient, self.module, self.spec, step, first=self.is_first,
+                                 last=self.is_last)
+
+        async def run():
+            # one thread a micro-batch (torch releases the GIL in its kernels): the planner prices
+            # them on as many of the host's cores (shoal.plan.cost.reference_cores)
+            t0 = time.perf_counter()
+            loop = asyncio.get_running_loop()
+            parts = await asyncio.gather(*(loop.run_in_executor(reference_pool(), part, [x]) for x in inputs))
+            ref = parts[0]
+            for g in parts[1:]:
+                for n, t in g.items():
+                    ref[n] = ref[n] + t
+            return ref, step, tokens, time.perf_counter() - t0
+
+        self.local_ref_key = key
+        self.local_ref_job = asyncio.ensure_future(run())
+
+    async def _local_reference(self, step: int, lrs: dict[str, float]) -> dict[str, float | None]:
+        """Each contributor's cosine to this server's own gradient at the round's starting weights
+        (:func:`shoal.runtime.safety.verify.reference_cosines`; the gradient from
+        :meth:`_local_reference_start`, awaited here); {} when off. Also with a quorum:
+        colluders that are most of a round set its median, not this gradient."""
+        got = self.local_got.snapshot(only={w for w in self.local_got if lrs.get(w, 0.0) > 0})
+        if not got:
             return {}
-        inputs = inputs[:cfg.local_ref_mbs]
-        async with self._wlock:  # the merged weights the round started from, unchanged meanwhile
-            return await asyncio.get_running_loop().run_in_executor(
-                None, lambda: reference_cosines(self.module, self.spec, step, inputs, got,
-                                                first=self.is_first, last=self.is_last))
+        self._local_reference_start(step, self.epoch)  # (a round of one step: started now)
+        job = self.local_ref_job
+        if job is None or self.local_ref_key != (self.epoch, self.local_merged):
+            return {}
+        t0 = time.perf_counter()
+        ref, ref_step, tokens, took = await job
+        waited = time.perf_counter() - t0
+        log.info("%s screen's reference gradient: step %d, %d tokens, %.3f s in threads (the merge waited %.3f s)",
+                 self.name, ref_step, tokens, took, waited)
+        from shoal.runtime.safety.verify import reference_cosines
+
+        return await asyncio.get_running_loop().run_in_executor(None, reference_cosines, ref, got)
 
     def _local_move_bound(self, dense: bool = False) -> float | None:
         """How far inner AdamW steps can move this stage per unit of learning rate
