@@ -346,6 +346,18 @@ def test_the_servers_own_gradient_judges_direction_with_or_without_a_quorum():
     assert screen_round(three, {"a": 0.6, "b": 0.7, "c": 0.65}, [], cfg,
                         ref_cosines={"a": 0.02, "b": 0.1, "c": 0.2}, n_params=10**6) == {}
     assert list(direction_holds({"a": -0.002, "b": 0.1, "c": 0.1}, cfg.local_quorum, cfg)) == ["a"]
+    # Colluders barely against the server's gradient (held, not banned) set the median, which
+    # points away from the one honest replica: the median's verdict on its direction does not
+    # stand against the server's gradient, which vouches for it (tests/test_local_screen.py
+    # saw it ban the honest w0). A norm the round's median flags still does.
+    barely = {"a": 0.05, "b": -0.01, "c": -0.02}
+    assert screen_round(three, {"a": -0.6, "b": 0.7, "c": 0.65}, [], cfg, ref_cosines=barely, n_params=10**6) == {}
+    assert sorted(direction_holds(barely, 3, cfg)) == ["b", "c"]
+    assert "direction" in screen_round(three, {"a": -0.6, "b": 0.7, "c": 0.65}, [], cfg,
+                                       ref_cosines={**barely, "a": -0.01}, n_params=10**6)["a"]
+    big = {**three, "a": 9000.0}
+    assert "median" in screen_round(big, {"a": -0.6, "b": 0.7, "c": 0.65}, [], cfg, ref_cosines=barely,
+                                    n_params=10**6)["a"]
 
 
 @pytest.mark.integration

@@ -364,7 +364,9 @@ def screen_round(norms: dict[str, float], cosines: dict[str, float | None], hist
     ``ref_cosines``: each contributor's cosine to the server's own gradient
     (:func:`shoal.runtime.safety.verify.reference_cosines`); below ``-cfg.local_ref_ban`` (and
     the ``cfg.local_ref_sigmas`` threshold) flags in any round, the first included, and needs
-    no majority: colluders that are most of a round set its median, not that gradient.
+    no majority: colluders that are most of a round set its median, not that gradient. For the
+    same reason a contributor whose cosine to it is positive is not flagged for its direction
+    to the median.
     """
     beyond = {}
     for w, n in norms.items():
@@ -383,9 +385,15 @@ def screen_round(norms: dict[str, float], cosines: dict[str, float | None], hist
     least = cfg.local_ref_sigmas / math.sqrt(max(1, n_params))
     for w, n in norms.items():
         why = screen(n, cosines.get(w) if quorum else None, centre, local_cfg)
+        ref = (ref_cosines or {}).get(w)
+        if why.startswith("direction") and ref is not None and ref > max(least, 0.0):
+            # The server's own gradient vouches for its direction: a median against it is
+            # colluders that are most of the round (tests/test_local_screen.py saw that median
+            # ban the one honest replica), and a direction the server's gradient flags is held
+            # or banned by that gradient anyway.
+            why = ""
         if why and (quorum or not math.isfinite(n) or n > centre):  # below a quorum: only too large
             flags[w] = why
-        ref = (ref_cosines or {}).get(w)
         if ref is not None and ref < min(least, -cfg.local_ref_ban):
             against[w] = f"direction: cosine {ref:.4f} to the server's own gradient at the round's start"
     if quorum and 2 * len(flags) >= len(norms):
