@@ -20,9 +20,12 @@ predicted / simulated step. Policies:
 * ``local lowrank``, ``replicas lowrank`` -- the same with ``push=lowrank,pull=lowrank``;
 * ``auto`` -- ``--sync auto`` under the default quality budget (what ``shoal plan`` picks).
 
-Local policies are simulated over a round compressed to 2 steps (``bench_local.compressed_round``:
+Local policies are simulated over rounds compressed to 2 steps (``bench_local.compressed_round``:
 the round carries 2/32 of its bytes, so each step carries the same background bytes and share of
-the round's wait); exact sync over 2 steps. Then the simulated tokens/s of scale-4096 over
+the round's wait); with ``--rounds R`` > 1, R such rounds and the mean of the second half's
+steps (a round's merge cannot start before the screen's reference gradient, which the first step
+after the previous merge starts, so merges that take longer than a round drift later round by
+round before the steps wait for them); exact sync over 2 steps. Then the simulated tokens/s of scale-4096 over
 scale-1024 per policy. ``--agreement`` runs ``replicas sparse`` on every built-in scenario (the
 cost model against the simulator). Ratios within one run only: no timing is asserted anywhere.
 """
@@ -69,7 +72,8 @@ def policies() -> list[tuple[str, SyncPolicy | None, bool]]:
             ("replicas tern", local(TERN, uploads=False), True), ("auto", None, False)]
 
 
-def run_one(name: str, label: str, policy: SyncPolicy | None, replicas: bool, sim_steps: int = 2) -> dict:
+def run_one(name: str, label: str, policy: SyncPolicy | None, replicas: bool, sim_steps: int = 2,
+            rounds: int = 1) -> dict:
     scn = load_scenario(name)
     t0 = time.process_time()
     if policy is None:
@@ -82,16 +86,19 @@ def run_one(name: str, label: str, policy: SyncPolicy | None, replicas: bool, si
     pred = swarm_report(plan, scn)
     t0 = time.process_time()
     sim_plan = replace(plan, sync=compressed_round(plan.sync, sim_steps)) if plan.sync.local else plan
-    res = simulate(sim_plan, scn, steps=sim_steps, churn=False, seed=0)
+    steps = sim_steps * rounds if plan.sync.local else sim_steps
+    res = simulate(sim_plan, scn, steps=steps, churn=False, seed=0)
     t_sim = time.process_time() - t0
-    sim = swarm_report(plan, scn, step_s=res.mean_step_time_s, busy_share=res.mean_utilisation())
+    late = res.step_times_s[steps // 2:] if plan.sync.local and rounds > 1 else res.step_times_s
+    step_s = sum(late) / len(late)
+    sim = swarm_report(plan, scn, step_s=step_s, busy_share=res.mean_utilisation())
     shape = f"{len(plan.replicas)} replicas" if plan.replicas else f"S={plan.n_stages}"
     pol = plan.sync
     desc = "exact" if not pol.local else f"local H={pol.sync_every} push={pol.push_codec} act={pol.act_codec}"
     return {"scenario": name, "policy": label, "chosen": desc, "shape": shape, "used": pred.devices_used,
             "devices": pred.devices_available, "idle": pred.idle_counts(), "pred_tps": pred.tokens_per_s,
             "pred_share": pred.flop_share, "sim_tps": sim.tokens_per_s, "sim_share": sim.flop_share,
-            "pred_step": plan.predicted["step_time_s"], "sim_step": res.mean_step_time_s, "plan_cpu_s": t_plan,
+            "pred_step": plan.predicted["step_time_s"], "sim_step": step_s, "plan_cpu_s": t_plan,
             "sim_cpu_s": t_sim, "stalled": res.stalled, "lost": res.lost_micro_batches}
 
 
@@ -115,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", nargs="+", default=None, help="labels to run (default: all)")
     ap.add_argument("--out", default=None, help="also write the markdown here")
     ap.add_argument("--agreement", action="store_true", help="replicas sparse on every built-in scenario")
+    ap.add_argument("--rounds", type=int, default=1, help="compressed rounds a local policy is simulated for")
     args = ap.parse_args(argv)
     if args.agreement:
         from shoal.plan import BUILTIN_SCENARIOS
@@ -125,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         for label, pol, reps in policies():
             if args.policies and label not in args.policies:
                 continue
-            r = run_one(name, label, pol, reps)
+            r = run_one(name, label, pol, reps, rounds=args.rounds)
             rows.append(r)
             print(table([r]).splitlines()[-1], flush=True)
     text = table(rows)

@@ -175,7 +175,7 @@ def _hosts_everywhere(path: Path, workers: int | None = None):
 
 def test_auto_without_stages_runs_the_planners_shape(tmp_path):
     """Without ``--stages`` ``--sync auto`` weighs one pipeline of any depth and pipeline replicas,
-    and the demo runs the chosen shape: on the demo scenario one pipeline of the planner's depth;
+    and the demo runs the chosen shape: one pipeline of the planner's depth or its replicas;
     with a server host in every region replicas, passed on as the ``--replicas`` SPEC of the
     plan (its layer splits and micro-batch shares); ``--stages 2``
     gives one pipeline of 2 stages."""
@@ -190,8 +190,11 @@ def test_auto_without_stages_runs_the_planners_shape(tmp_path):
     em = emulation_spec(sc, str(tmp_path / "s.json"), model_task_s=1.2, bandwidth_scale=4.0, seed=0).emulated
     plan, cfg = choose_sync(DemoConfig(), em, None)
     want = plan_auto(em, QualityBudget(), seed=0)
-    assert len(want.replicas) < 2 and not cfg.replicas  # the planner's choice here: one pipeline
-    assert cfg.stages == len(plan.stages) == len(want.stages) and plan.sync == want.sync
+    if len(want.replicas) >= 2:  # the planner's choice, whichever shape: replicas as a --replicas SPEC
+        assert cfg.replicas and cfg.stages == sum(len(r.stages) for r in want.replicas) == len(plan.all_stages)
+    else:
+        assert not cfg.replicas and cfg.stages == len(plan.stages) == len(want.stages)
+    assert plan.sync == want.sync
 
     em3 = _hosts_everywhere(tmp_path / "s3.json", workers=6)
     plan, cfg = choose_sync(DemoConfig(), em3, None)

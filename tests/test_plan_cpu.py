@@ -263,3 +263,65 @@ def test_a_repair_keeps_the_members_the_coordinator_can_keep_alive():
     q = repair(p, s, left=["w15"])
     assert len(q.workers) + 1 <= 9 and "w15" not in q.workers
     assert math.isfinite(q.predicted["step_time_s"])
+
+
+def test_the_screens_reference_gradient_by_hand():
+    """reference_cpu_time: forward and backward of at most 4 micro-batches and at most
+    SCREEN_REF_TOKENS tokens at server_flops a core, on reference_cores cores (one thread a
+    micro-batch, the host's cores shared by its stage servers); local_round_wait: a round's
+    merge waits for it, so the steps wait for ``P + reference + merge - H P`` where positive."""
+    from shoal.plan.cost import local_round_wait, reference_cores, reference_cpu_time, reference_tokens
+    from shoal.plan.types import SCREEN_REF_MBS, SCREEN_REF_TOKENS, SyncPolicy
+
+    pol = SyncPolicy(mode="local", sync_every=8)
+    cpu = FrameworkCpu(server_flops=1e9)
+    assert reference_tokens(64) == min(SCREEN_REF_MBS * 64, SCREEN_REF_TOKENS) == 256
+    assert reference_tokens(1024) == SCREEN_REF_TOKENS
+    assert reference_cpu_time(2e6, 1024, pol, cpu) == pytest.approx(SCREEN_REF_TOKENS * 2e6 / 1e9)
+    assert reference_cpu_time(2e6, 1024, pol, cpu, 4.0) == pytest.approx(SCREEN_REF_TOKENS * 2e6 / 1e9 / 4)
+    assert reference_cpu_time(2e6, 1024, SyncPolicy(), cpu) == 0.0  # exact sync has no merge screen
+    half = dataclasses.replace(pol, grad_compression=0.5)
+    assert reference_cpu_time(2e6, 1024, half, cpu) == pytest.approx(reference_cpu_time(2e6, 1024, pol, cpu) / 2)
+    # two stages on an 8-core host: 4 cores each (one thread a micro-batch, at most 4); on a
+    # 1-core host they share it (at least one core each); a replica of 2 micro-batches: 2 threads
+    s = _scenario(cores=8)
+    p = dataclasses.replace(_two_stage_plan(), sync=pol)
+    assert reference_cores(p, s) == [[4.0, 4.0]]
+    assert reference_cores(p, _scenario(cores=1)) == [[1.0, 1.0]]
+    assert reference_cores(dataclasses.replace(p, micro_batches=2), s) == [[2.0, 2.0]]
+    assert reference_cores(p, _scenario(cores=3)) == [[1.5, 1.5]]
+    # the round: hidden behind H P = 8 s when P + ref + merge fits, the rest waited for
+    assert local_round_wait([], 0.0, 8, 1.0, True, 0.5, 6.0) == (0.5, 0.0)
+    assert local_round_wait([], 0.0, 8, 1.0, True, 0.5, 9.0)[1] == pytest.approx(1.0 + 9.0 + 0.5 - 8.0)
+    # without overlap it has the round's other steps and the pushes: 7 s + 2 L + push
+    links = [(0.3, 0.2, 0.0, 0.0)]
+    full, wait = local_round_wait(links, 0.01, 8, 1.0, False, 0.5, 9.0)
+    assert wait == pytest.approx(full + 9.0 + 1.0 - 8.0 - (0.02 + 0.3))
+
+
+def test_a_local_merge_waits_for_the_reference_in_the_model_and_the_simulator():
+    """Local mode, H = 1, no overlap, a server core of a few MFLOP/s: the reference gradient
+    (started at the step's commit) takes far longer than the pushes, and the simulator's step
+    grows by the same as the cost model's when the reference is made slower."""
+    from shoal.plan.cost import reference_cores, reference_cpu_time, scenario_profile
+    from shoal.plan.types import SyncPolicy
+
+    pol = SyncPolicy(mode="local", sync_every=1, overlap=False)
+    steps, preds, refs = [], [], []
+    for gflops in (1.0, 0.5):
+        d = scenario_to_dict(_scenario(cores=2, server_task_ms=0.0))
+        d["framework_cpu"]["server_gflops"] = gflops
+        s = scenario_from_dict(d)
+        p = dataclasses.replace(_two_stage_plan(), sync=pol)
+        preds.append(predict(p, s)["step_time_s"])
+        steps.append(simulate(p, s, steps=3).mean_step_time_s)
+        prof = scenario_profile(s)
+        cores = reference_cores(p, s)[0]
+        refs.append(max(reference_cpu_time((prof.fwd_flops(*st.layers) + prof.bwd_flops(*st.layers))
+                                           / prof.tokens_per_micro_batch, prof.tokens_per_micro_batch, pol, s.cpu, k)
+                        for st, k in zip(p.stages, cores, strict=True)))
+    assert refs[0] > 1.0  # far above the round's pushes and the steps
+    assert refs[1] == pytest.approx(2 * refs[0])
+    assert preds[1] - preds[0] == pytest.approx(refs[0], rel=0.02)
+    assert steps[1] - steps[0] == pytest.approx(refs[0], rel=0.02)
+    assert steps[0] == pytest.approx(preds[0], rel=0.1)

@@ -43,6 +43,8 @@ from shoal.model.config import get_preset
 from shoal.model.profile import ModelProfile, profile_model
 from shoal.plan.compression import DENSE_ROUND_CODEC, bytes_per_element, codec_cpu_s
 from shoal.plan.types import (
+    SCREEN_REF_MBS,
+    SCREEN_REF_TOKENS,
     SCREEN_SAMPLE,
     Device,
     FrameworkCpu,
@@ -429,7 +431,8 @@ def background_finish(start: float, work: float, fraction: float, window: float)
 
 
 def local_round_wait(links: list[tuple[float, float, float, float]], latency: float, sync_every: int,
-                     pipeline_s: float, overlap: bool = True, merge_s: float = 0.0) -> tuple[float, float]:
+                     pipeline_s: float, overlap: bool = True, merge_s: float = 0.0,
+                     ref_s: float = 0.0) -> tuple[float, float]:
     """``(round seconds at full rate, seconds the steps wait for it per round)`` of one stage.
 
     ``links`` holds, per worker, ``(push_s, pull_s, up_busy_s, down_busy_s)``: its push and pull
@@ -442,15 +445,23 @@ def local_round_wait(links: list[tuple[float, float, float, float]], latency: fl
     ``t_1 = L + max_d finish(L, push_d, f_up,d)``, ``E = L + max_d finish(t_1, pull_d,
     f_down,d)``, ``wait = max(0, E - H P)`` (``E = R`` when nothing else uses the links).
     Without overlap the steps wait for all of ``R = 3 L + max push + max pull``. ``merge_s``
-    (:func:`merge_cpu_time`) sits between the last push and the first pull."""
+    (:func:`merge_cpu_time`) sits between the last push and the first pull.
+
+    ``ref_s`` (:func:`reference_cpu_time`): the screen's reference gradient, started at the
+    first step the server commits after its previous merge, must be done before the merge.
+    With overlap the merges then come at most every ``P + ref_s + merge_s``, so the steps wait
+    at least ``P + ref_s + merge_s - H P`` a round; without overlap it has the round's other
+    steps and its pushes (``2 L + max push`` after them) to run in."""
     window = max(1, sync_every) * pipeline_s
+    ref_late = ref_s + pipeline_s + merge_s - window if ref_s > 0 and math.isfinite(pipeline_s) else -math.inf
     if not links:
         if overlap and 0 < pipeline_s < math.inf:
-            return merge_s, max(0.0, merge_s - window)
-        return merge_s, merge_s
+            return merge_s, max(0.0, merge_s - window, ref_late)
+        return merge_s, merge_s + max(0.0, ref_late - merge_s)
     full = local_round_time(latency, max(x[0] for x in links), max(x[1] for x in links)) + merge_s
     if not overlap:
-        return full, full
+        pushed = 2 * latency + max(x[0] for x in links)
+        return full, full + max(0.0, ref_late - merge_s - pushed)
     if pipeline_s <= 0 or not math.isfinite(pipeline_s):
         return full, full
     floor = 1e-3  # fill and drain leave every link some idle time
@@ -460,7 +471,7 @@ def local_round_wait(links: list[tuple[float, float, float, float]], latency: fl
 
     pushed = latency + max(background_finish(latency, x[0], idle(x[2]), window) for x in links) + merge_s
     end = latency + max(background_finish(pushed, x[1], idle(x[3]), window) for x in links)
-    return full, max(0.0, end - window)
+    return full, max(0.0, end - window, ref_late)
 
 
 def local_sync_per_step(round_s: float, sync_every: int, pipeline_s: float, overlap: bool = True) -> float:
@@ -495,6 +506,43 @@ def merge_cpu_time(params: float, pushes: int, sync: SyncPolicy, cpu: FrameworkC
     codec = cpu.server_codec_scale * (codec_cpu_s(sync.push_codec)[1] + codec_cpu_s(sync.pull_codec)[0])
     per_push = params * cpu.server_merge_param_s + min(params, SCREEN_SAMPLE) * cpu.server_screen_sample_s
     return (params * codec + pushes * per_push) * sync.grad_compression
+
+
+def reference_tokens(tokens_per_micro_batch: int) -> int:
+    """Tokens a local-mode screen's reference gradient is computed on: at most
+    :data:`~shoal.plan.types.SCREEN_REF_MBS` micro-batches and at most
+    :data:`~shoal.plan.types.SCREEN_REF_TOKENS` tokens (the runtime takes a causal prefix of each
+    sequence beyond that: ``shoal.runtime.safety.verify.reference_inputs``)."""
+    return min(SCREEN_REF_MBS * tokens_per_micro_batch, SCREEN_REF_TOKENS)
+
+
+def reference_cpu_time(flops_per_token: float, tokens_per_micro_batch: int, sync: SyncPolicy,
+                       cpu: FrameworkCpu, parallel: float = 1.0) -> float:
+    """Seconds the screen's reference gradient takes each local-mode round (pure): forward and
+    backward of :func:`reference_tokens` tokens through the stage (``flops_per_token``: its
+    forward plus backward FLOPs a token) at ``cpu.server_flops`` a core, on ``parallel`` cores
+    (its micro-batches run in threads of their own: :func:`reference_cores`).
+    It runs in the background from the round's first step on (the merged weights are fixed
+    until the merge; it needs that step's inputs), so a round waits only for what does not fit in its steps
+    (:func:`local_round_wait`). Times ``sync.grad_compression``, as the merge's CPU is (a
+    simulated round compressed to fewer steps carries that share). 0 outside local mode."""
+    if not sync.local or flops_per_token <= 0:
+        return 0.0
+    work = reference_tokens(tokens_per_micro_batch) * flops_per_token / cpu.server_flops
+    return work / max(1.0, parallel) * sync.grad_compression
+
+
+def reference_cores(plan: Plan, scenario: Scenario) -> list[list[float]]:
+    """Per replica, per stage: the cores its screen's reference gradient runs on (pure): one
+    thread per micro-batch it takes (at most :data:`~shoal.plan.types.SCREEN_REF_MBS`, at most
+    the replica's micro-batches), on its server host's cores shared by every stage server there."""
+    count: dict[str, int] = {}
+    for r in plan.pipelines:
+        for st in r.stages:
+            count[st.server] = count.get(st.server, 0) + 1
+    cores = {d.id: d.cores for d in scenario.devices if d.id in count}
+    return [[min(float(min(SCREEN_REF_MBS, max(1, r.micro_batches))), max(1.0, cores[st.server] / count[st.server]))
+             for st in r.stages] for r in plan.pipelines]
 
 
 def tasks_per_micro_batch(last: bool) -> int:
@@ -631,6 +679,7 @@ class StageCost:
     task_handling: float = 0.0  # seconds a server's CPU takes to handle one task's result (on its micro-batch's path)
     upload_backlog: dict = field(default_factory=dict)  # worker id -> s its last output waits behind earlier uploads
     merge: float = 0.0  # local mode: seconds its server's merge CPU holds a round (merge_cpu_time)
+    reference: float = 0.0  # local mode: seconds of a server core the screen's reference gradient takes a round (reference_cpu_time)
 
 
 def _share_counts(plan: Plan, scenario: Scenario) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
@@ -817,7 +866,8 @@ class RoundTraffic:
 
 
 def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = None,
-                memo: dict | None = None, cpu_caps: list[float] | None = None) -> list[StageCost]:
+                memo: dict | None = None, cpu_caps: list[float] | None = None,
+                ref_cores: list[float] | None = None) -> list[StageCost]:
     """Per-stage throughput, latency, sync and memory of ``plan`` on ``scenario``.
 
     ``cpu_caps`` (per stage, micro-batches/s; default :func:`server_cpu_caps` of ``plan``) caps each
@@ -838,6 +888,8 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
     sync: SyncPolicy = plan.sync
     if cpu_caps is None:
         cpu_caps = server_cpu_caps(plan, scenario)[0]
+    if ref_cores is None and plan.sync.local:
+        ref_cores = reference_cores(plan, scenario)[0]
     n_dl, n_ul, n_sync = _share_counts(plan, scenario)
     n = len(plan.stages)
     if memo is None:
@@ -1004,12 +1056,14 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
         flops = fwd + prof.bwd_flops(a, b)
         handling = tasks_per_micro_batch(i == n - 1) * scenario.cpu.server_task_s
         merge = merge_cpu_time(prof.params(a, b), len(plan.stages[i].workers), plan.sync, scenario.cpu)
+        ref = reference_cpu_time(flops / prof.tokens_per_micro_batch, prof.tokens_per_micro_batch, plan.sync,
+                                 scenario.cpu, ref_cores[i]) if plan.sync.local else 0.0
         out.append(StageCost(throughput=min(x, cpu_caps[i]), latency=lat + handling, compute_fraction=frac,
                              sync=syncs[i] + merge, merge=merge, task_times=task_times, memory_headroom=heads[i], pull=pulls[i],
                              compute_per_step=busy_step, round_links=tuple(links), round_latency=lats[i],
                              slowest=slow + handling, fwd_share=fwd / flops if flops > 0 else 1.0,
                              cpu_cap=cpu_caps[i], uncapped=x, task_handling=scenario.cpu.server_task_s,
-                             upload_backlog=backlog))
+                             upload_backlog=backlog, reference=ref))
     return out
 
 
@@ -1448,9 +1502,10 @@ def predict_replicas(plan: Plan, scenario: Scenario, options: CostOptions, memo:
     h = max(1, plan.sync.sync_every)
     subs = [replica_plan(plan, r) for r in plan.replicas]
     caps = server_cpu_caps(plan, scenario)  # hosts may serve stages of several replicas
+    refs = reference_cores(plan, scenario)  # ... and share their cores between those stages' references
     per = []
-    for sub, cap in zip(subs, caps, strict=True):
-        costs = stage_costs(sub, scenario, options, memo, cap)
+    for sub, cap, ref in zip(subs, caps, refs, strict=True):
+        costs = stage_costs(sub, scenario, options, memo, cap, ref)
         per.append((sub, costs, *_pipeline_terms(costs, sub.micro_batches, True)))
     pipe = max(x[2] for x in per)
     overlap = plan.sync.overlap
@@ -1466,6 +1521,9 @@ def predict_replicas(plan: Plan, scenario: Scenario, options: CostOptions, memo:
         for c in costs:
             links = list(c.round_links)
             pushed = max(pushed, local_round_push_end(links, c.round_latency, window, pipe, overlap) + c.merge)
+            if c.reference > 0 and not overlap:
+                # the screen's reference gradient, from the round's first step (local_round_wait)
+                pushed = max(pushed, pipe + c.reference - window + c.merge)
             full = max(full, c.sync)
     outer = outer_merge_time(plan, scenario, prof)
     end = pushed + outer
@@ -1474,6 +1532,10 @@ def predict_replicas(plan: Plan, scenario: Scenario, options: CostOptions, memo:
             end = max(end, local_round_pull_end(list(c.round_links), c.round_latency, pushed + outer, window, pipe,
                                                 overlap))
     wait = max(0.0, end - window) if overlap else end
+    if overlap:
+        # merges at most every P + reference + merge (local_round_wait)
+        wait = max([wait] + [c.reference + pipe + c.merge - window for _, costs, *_ in per for c in costs
+                             if c.reference > 0])
     sync = wait / h
     step = pipe + sync
     if options.coordinator:
@@ -1568,7 +1630,7 @@ def predict(plan: Plan, scenario: Scenario, options: CostOptions | None = None,
     if plan.sync.local:
         # per-stage rounds run in parallel; the step waits for the slowest one
         waits = [local_round_wait(list(c.round_links), c.round_latency, plan.sync.sync_every, pipe,
-                                  plan.sync.overlap, c.merge) for c in costs]
+                                  plan.sync.overlap, c.merge, c.reference) for c in costs]
         round_s = max(w[0] for w in waits)
         sync = max(w[1] for w in waits) / max(1, plan.sync.sync_every)
         overlap = False  # already folded into the amortised sync

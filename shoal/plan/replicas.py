@@ -411,23 +411,51 @@ def plan_replicas(scenario: Scenario, seed: int = 0, sync: SyncPolicy | None = N
     m_total = w.micro_batches
     if len(groups) > m_total:
         groups = sorted(groups, key=lambda g: -sum(d.flops for d in g[2]))[:m_total]
-    split = split_micro_batches([sum(d.flops for d in g[2]) for g in groups], m_total)
-    replicas = []
-    for (c, k, devs), m_r in zip(groups, split, strict=True):
-        sub = _sub_scenario(scenario, devs, c.hosts, m_r, w.micro_batch_size)
+
+    def place(shares: list[int]) -> tuple[Plan, list[int]]:
+        """Each group's replica placed for its share of the micro-batches, then balanced; and
+        the group each replica came from."""
+        replicas, made = [], []
+        for g, ((c, k, devs), m_r) in enumerate(zip(groups, shares, strict=True)):
+            if m_r <= 0:
+                continue
+            sub = _sub_scenario(scenario, devs, c.hosts, m_r, w.micro_batch_size)
+            try:
+                p = plan_shoal(sub, seed=seed, stages=min(k, len(devs)), sync=sync, options=options,
+                               max_evals=max_evals)
+            except ShoalError:
+                continue
+            replicas.append(Replica(stages=p.stages, micro_batches=m_r, cluster=c.name))
+            made.append(g)
+        if not replicas:
+            raise ShoalError(f"no replica of scenario {scenario.name} could be planned")
+        split = split_micro_batches([r.micro_batches for r in replicas], m_total)
+        for r, m_r in zip(replicas, split, strict=True):
+            r.micro_batches = m_r
+        plan = Plan(scenario=scenario.name, model=w.model, method="shoal", stages=replicas[0].stages,
+                    micro_batch_size=w.micro_batch_size, micro_batches=m_total, sync=sync, replicas=replicas)
+        group = {id(r): g for r, g in zip(replicas, made, strict=True)}
+        _balance(plan, scenario, options)  # (may drop replicas)
+        return plan, [group.get(id(r), -1) for r in plan.replicas]
+
+    plan, made = place(split_micro_batches([sum(d.flops for d in g[2]) for g in groups], m_total))
+    # A replica placed for its FLOP share of the micro-batches may run more or fewer after
+    # balancing (links slow some groups). With a round's fixed costs (the merge, the screen's
+    # reference gradient), one placed for too few looks too fast to hide them behind its
+    # steps and keeps fewer workers. Placed once more for the balanced shares; the better plan stays.
+    shares = [0] * len(groups)
+    for g, r in zip(made, plan.replicas, strict=True):
+        if g >= 0:
+            shares[g] = r.micro_batches
+    if any(x > 0 for x in shares):
+        judge = dataclasses.replace(options or CostOptions(), coordinator=True)
         try:
-            p = plan_shoal(sub, seed=seed, stages=min(k, len(devs)), sync=sync, options=options, max_evals=max_evals)
+            again, _ = place(shares)
         except ShoalError:
-            continue
-        replicas.append(Replica(stages=p.stages, micro_batches=m_r, cluster=c.name))
-    if not replicas:
-        raise ShoalError(f"no replica of scenario {scenario.name} could be planned")
-    split = split_micro_batches([r.micro_batches for r in replicas], m_total)
-    for r, m_r in zip(replicas, split, strict=True):
-        r.micro_batches = m_r
-    plan = Plan(scenario=scenario.name, model=w.model, method="shoal", stages=replicas[0].stages,
-                micro_batch_size=w.micro_batch_size, micro_batches=m_total, sync=sync, replicas=replicas)
-    _balance(plan, scenario, options)
+            again = None
+        if again is not None and predict(again, scenario, judge)["tokens_per_s"] > \
+                predict(plan, scenario, judge)["tokens_per_s"]:
+            plan = again
     return drop_depths(plan, scenario, options)
 
 

@@ -45,6 +45,8 @@ from shoal.plan.cost import (
     coordinator_floor,
     coordinator_members,
     merge_cpu_time,
+    reference_cores,
+    reference_cpu_time,
 )
 from shoal.plan.standby import state_bytes, step_log_bytes
 from shoal.plan.types import Plan, Replica, Scenario, StagePlan
@@ -85,6 +87,7 @@ M_LOG = 11  # exact sync, active server -> hot standby: the step's summed gradie
 M_LOGACK = 12  # hot standby -> active server: the step's gradient is logged (stage, step, standby)
 M_OUTER = 13  # replica plans, server -> server of the same layers in another replica: its merged pseudo-gradient (stage, round)
 M_MERGED = 14  # local mode: a stage server's CPU has merged a round's pseudo-gradients (stage, round; no bytes)
+M_REF = 15  # local mode: a stage server's CPU has its screen's reference gradient (stage, its number; no bytes)
 
 
 class Task:
@@ -160,11 +163,16 @@ class Stage:
         self.fwd_pool: deque[Task] = deque()
         self.orphans: deque[Task] = deque()  # backward tasks anyone may take (with recompute)
         self.own: dict[str, deque[Task]] = {}  # backward tasks kept for the worker that ran the forward
-        # local-mode sync round in flight: 0 none, 1 pushing pseudo-gradients, 4 merging on the
-        # server's CPU, 3 waiting for the other replicas' parts, 2 pulling merged weights
+        # local-mode sync round in flight: 0 none, 1 pushing pseudo-gradients, 5 every push in and
+        # the screen's reference gradient not yet done, 4 merging on the server's CPU, 3 waiting
+        # for the other replicas' parts, 2 pulling merged weights
         self.round_phase = 0
         self.round_n = 0  # pseudo-gradients the round's merge takes (its live members at the round's start)
         self.params = 0  # parameters of the stage (the merge's CPU is per parameter)
+        self.reference = 0.0  # s of a server core the screen's reference gradient takes a round (cost.reference_cpu_time)
+        self.ref_state = 0  # that gradient for the next merge: 0 not started, 1 on the server's CPU, 2 done
+        self.ref_n = 0  # reference gradients started (tells a stale one's CPU_DONE apart)
+        self.ref_from = 0.0  # when the next one could start: the last merge's end (the run's start)
         self.round_id = 0
         self.round_push: set[str] = set()  # workers whose push of the current round is awaited
         self.round_pull: set[str] = set()  # workers whose pull of the current round is in flight
@@ -297,6 +305,7 @@ class Simulator:
         self.fw_cpu = scenario.cpu
         self.cores_free: dict[str, list[float]] = {}  # host -> heap of the times its cores are free
         self.coord_floor = coordinator_floor(coordinator_members(plan), len(self.flat), scenario.cpu)
+        ref_cores = [c for r in reference_cores(plan, scenario) for c in r]  # per flat stage
         i = 0
         for r in plan.pipelines:
             for j in range(len(r.stages)):
@@ -327,6 +336,9 @@ class Simulator:
             st.bwd_flops = self.prof.bwd_flops(a, b)
             pb = self.prof.param_bytes(a, b)
             st.params = self.prof.params(a, b)
+            st.reference = reference_cpu_time((st.fwd_flops + st.bwd_flops) / self.prof.tokens_per_micro_batch,
+                                              self.prof.tokens_per_micro_batch, pol, self.fw_cpu,
+                                              ref_cores[st.idx]) if self.local else 0.0
             st.push_wire = pb * push_r  # a gradient / pseudo-gradient push
             st.pull_wire = pb * pull_r  # a weight pull (local mode: a delta against the worker's version)
             st.param_wire = pb * join_r  # a joiner's first pull
@@ -622,6 +634,7 @@ class Simulator:
                 if h in self.devices:
                     self._send(st.host.id, h, st.standby_bytes, M_STANDBY, None, None)
         if self.local:
+            self._start_reference(st)
             if self._sync_step():
                 if st.round_phase:
                     # delayed application: the previous round must land before this one starts
@@ -660,8 +673,27 @@ class Simulator:
         st.round_n = len(st.round_push)
         self._round_progress(st)
 
+    def _start_reference(self, st: Stage) -> None:
+        """The first step a stage commits after a merge starts the screen's reference gradient
+        (the runtime's ``_local_reference_start``); the next merge waits for it. It runs in a
+        thread of its own that the OS time-slices with the server's message handling, so it
+        takes its seconds of one core without queueing the tasks' CPU behind it (a host's cores
+        are assumed to have room for it, as in the cost model). In a round compressed to fewer
+        steps (``grad_compression`` < 1: bench_local.compressed_round) the wait from the merge to
+        that first commit is compressed as the round's other costs are: the reference ends that
+        much sooner."""
+        if st.reference > 0 and st.ref_state == 0:
+            st.ref_state, st.ref_n = 1, st.ref_n + 1
+            c = self.plan.sync.grad_compression
+            took = st.reference if c >= 1.0 else max(0.0, st.reference - (1.0 - c) * (self.now - st.ref_from))
+            self._push(self.now + took, CPU_DONE, M_REF, (st.idx, st.ref_n))
+
     def _round_progress(self, st: Stage) -> None:
-        if st.round_phase == 1 and not st.round_push:
+        if st.round_phase in (1, 5) and not st.round_push:
+            self._start_reference(st)  # no step committed since the last merge: the merge starts it (as the runtime)
+            if st.ref_state == 1:
+                st.round_phase = 5  # every push is in; the merge waits for the reference gradient
+                return
             # the merge on one of the server's cores (cost.merge_cpu_time), then its pulls or parts
             st.round_phase = 4
             merge = merge_cpu_time(st.params, st.round_n, self.plan.sync, self.fw_cpu)
@@ -673,6 +705,7 @@ class Simulator:
     def _merged(self, st: Stage) -> None:
         """A round's merge is done: its merged pseudo-gradient goes to the peers or its pulls start."""
         if st.round_phase == 4:
+            st.ref_state, st.ref_from = 0, self.now  # the next one: at the new merged weights, the next step's inputs
             if st.peers:
                 # replica plans: the merged pseudo-gradient goes to every other replica's server
                 # of the same layers; the pulls wait until theirs have all arrived
@@ -879,6 +912,13 @@ class Simulator:
             st = self.stages[s]
             if st.round_id == rid:
                 self._merged(st)
+        elif kind == M_REF:
+            s, n = p
+            st = self.stages[s]
+            if st.ref_n == n and st.ref_state == 1:
+                st.ref_state = 2
+                if st.round_phase == 5:
+                    self._round_progress(st)
         elif kind == M_OUTER:
             s, rid = p
             st = self.stages[s]
