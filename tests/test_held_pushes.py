@@ -204,3 +204,29 @@ def test_a_causal_prefix_is_the_gradient_of_its_positions(last):
     for n in pre:
         torch.testing.assert_close(pre[n], full[n], rtol=1e-4, atol=1e-6)
     assert sum(float(t.abs().sum()) for t in pre.values()) > 0
+
+
+def test_the_merge_on_threads_is_the_same_bits_and_reads_each_push_once():
+    """The server's merge pool (shoal.runtime.sync.local.merge_pool) adds each contributor's
+    tensors in chunks on its threads: bitwise the serial sum, for weights of 1 and not, for a
+    tensor spanning several chunks and names only a later contributor holds; the screen's norms
+    on the pool are the serial ones exactly; each push held as frames is still read once."""
+    from shoal.runtime.safety.verify import sq_norm
+    from shoal.runtime.sync.local import merge_pool
+    from shoal.train.outer import SUM_CHUNK
+
+    g = torch.Generator().manual_seed(3)
+    big = {f"w{i}": {"big": torch.randn(2 * SUM_CHUNK + 77, generator=g), "m": torch.randn(7, 5, generator=g)}
+           for i in range(3)}
+    big["w2"]["late"] = torch.randn(9, generator=g)
+    pool = merge_pool()
+    for shares in (merge_weights({"w0": 3, "w1": 5, "w2": 1}), {"w1": 1.0}):
+        a, b = weighted_sum(big, shares, pool), weighted_sum(big, shares)
+        assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in b)
+    assert all(sq_norm(d, pool) == sq_norm(d) for d in big.values())
+    framed, dense, calls = _round(budget=0)
+    shares = merge_weights({"w0": 3, "w1": 5, "w2": 4, "w3": 4})
+    a, b = weighted_sum(framed, shares, pool), weighted_sum(dense, shares)
+    assert all(torch.equal(a[n], b[n]) for n in b) and calls == dict.fromkeys(calls, 1)
+    lrs = dict.fromkeys(dense, 1.0)
+    assert round_measures(framed, lrs, quorum=3, pool=pool) == round_measures(dense, lrs, quorum=3)

@@ -115,11 +115,12 @@ def test_simulator_step_grows_with_server_cpu_and_agrees_with_the_model():
 
 def test_a_local_merge_holds_its_round_for_its_cpu_in_the_model_and_the_simulator():
     """merge_cpu_time by hand (the last push's decode, each push's screen and sum, the pull's
-    encoding) and its place in the round: local mode, H = 1, no overlap, so the step waits for
+    encoding; the norms and sums on merge_cores, the host's cores shared by its servers, at
+    most MERGE_THREADS) and its place in the round: local mode, H = 1, no overlap, so the step waits for
     the whole round; the simulator's step grows by the same merge as the cost model's (both
     steps differ by about 0.03 s of round latencies on this hand scenario, merge or not)."""
     from shoal.plan.compression import codec_cpu_s
-    from shoal.plan.cost import merge_cpu_time, scenario_profile
+    from shoal.plan.cost import merge_cores, merge_cpu_time, scenario_profile
     from shoal.plan.types import SCREEN_SAMPLE, SyncPolicy
 
     pol = SyncPolicy(mode="local", sync_every=1, push_codec="lowrank", pull_codec="sparse", overlap=False)
@@ -130,6 +131,14 @@ def test_a_local_merge_holds_its_round_for_its_cpu_in_the_model_and_the_simulato
     assert merge_cpu_time(n, 3, pol, cpu) == pytest.approx(by_hand)
     assert merge_cpu_time(n, 3, SyncPolicy(), cpu) == 0.0  # exact sync has no merge
     assert merge_cpu_time(n, 3, dataclasses.replace(pol, grad_compression=0.5), cpu) == pytest.approx(by_hand / 2)
+    # the norms and the weighted sum on the server's merge threads: server_merge_speedup faster
+    # from 2 cores on (memory-bound), the rest on one
+    summed = 3 * n * cpu.server_merge_param_s
+    for cores, speedup in ((4.0, cpu.server_merge_speedup), (2.0, cpu.server_merge_speedup),
+                           (1.5, 1 + (cpu.server_merge_speedup - 1) / 2), (1.0, 1.0)):
+        assert merge_cpu_time(n, 3, pol, cpu, cores) == pytest.approx(by_hand - summed + summed / speedup)
+    assert merge_cores(dataclasses.replace(_two_stage_plan(), sync=pol), _scenario(cores=8)) == [[4.0, 4.0]]
+    assert merge_cores(dataclasses.replace(_two_stage_plan(), sync=pol), _scenario(cores=2)) == [[1.0, 1.0]]
     steps, preds = [], []
     for merge_ms in (0.0, 200.0):  # CPU-ms per million parameters of each push
         d = scenario_to_dict(_scenario(cores=2, server_task_ms=0.0))
@@ -270,7 +279,12 @@ def test_the_screens_reference_gradient_by_hand():
     SCREEN_REF_TOKENS tokens at server_flops a core, on reference_cores cores (one thread a
     micro-batch, the host's cores shared by its stage servers); local_round_wait: a round's
     merge waits for it, so the steps wait for ``P + reference + merge - H P`` where positive."""
-    from shoal.plan.cost import local_round_wait, reference_cores, reference_cpu_time, reference_tokens
+    from shoal.plan.cost import (
+        local_round_wait,
+        reference_cores,
+        reference_cpu_time,
+        reference_tokens,
+    )
     from shoal.plan.types import SCREEN_REF_MBS, SCREEN_REF_TOKENS, SyncPolicy
 
     pol = SyncPolicy(mode="local", sync_every=8)

@@ -203,12 +203,15 @@ CHEAP_BUILTINS = ["demo", "hetero-compute", "hetero-network", "hetero-churn", "h
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", CHEAP_BUILTINS)
 def test_cost_model_matches_simulator_in_local_mode(name):
-    # one round of H = 8 steps, int8 everywhere, uploads overlapped (the CLI's local default)
+    # two rounds of H = 8 steps, int8 everywhere, uploads overlapped (the CLI's local default).
+    # The cost model prices the steady state, where a round hides behind the next H steps; the
+    # run's last step waits for its round's whole merge (no step follows), so it is left out.
     s = load_scenario(name)
     p = make_plan(s, sync=local(8, "int8", overlap_uploads=True))
-    res = simulate(p, s, steps=8)
+    res = simulate(p, s, steps=16)
     assert not res.stalled and res.lost_micro_batches == 0
-    assert p.predicted["step_time_s"] / res.mean_step_time_s == pytest.approx(1.0, abs=0.10)
+    steady = sum(res.step_times_s[:-1]) / (len(res.step_times_s) - 1)
+    assert p.predicted["step_time_s"] / steady == pytest.approx(1.0, abs=0.10)
     assert p.predicted["utilisation"] == pytest.approx(res.mean_utilisation(), abs=0.1)
 
 

@@ -43,6 +43,7 @@ from shoal.model.config import get_preset
 from shoal.model.profile import ModelProfile, profile_model
 from shoal.plan.compression import DENSE_ROUND_CODEC, bytes_per_element, codec_cpu_s
 from shoal.plan.types import (
+    MERGE_THREADS,
     SCREEN_REF_MBS,
     SCREEN_REF_TOKENS,
     SCREEN_SAMPLE,
@@ -490,7 +491,7 @@ def local_sync_per_step(round_s: float, sync_every: int, pipeline_s: float, over
 # --------------------------------------------------------------------------- framework CPU
 
 
-def merge_cpu_time(params: float, pushes: int, sync: SyncPolicy, cpu: FrameworkCpu) -> float:
+def merge_cpu_time(params: float, pushes: int, sync: SyncPolicy, cpu: FrameworkCpu, parallel: float = 1.0) -> float:
     """Seconds of one core a local-mode stage server's merge holds its round for, between the
     round's last push landing and the first pull (pure): that push's decode, the screen's
     measures and weighted-sum term of each of the round's ``pushes``
@@ -499,12 +500,17 @@ def merge_cpu_time(params: float, pushes: int, sync: SyncPolicy, cpu: FrameworkC
     the merged update the workers pull (:data:`shoal.plan.compression.CODEC_CPU_S`, times
     ``server_codec_scale``).
     The round's other pushes are decoded on other cores as they land (the runtime decodes each
-    in a thread). Times ``sync.grad_compression``, as the round's bytes are (a simulated round
+    in a thread); the norms and the weighted sum run on ``parallel`` cores (:func:`merge_cores`),
+    ``cpu.server_merge_speedup`` times faster on two or more than on one (memory-bound: more
+    threads are not counted), the median's sample, the last decode and the pull's encoding on one.
+    Times ``sync.grad_compression``, as the round's bytes are (a simulated round
     compressed to fewer steps carries that share of both). 0 outside local mode."""
     if not sync.local or pushes <= 0 or params <= 0:
         return 0.0
     codec = cpu.server_codec_scale * (codec_cpu_s(sync.push_codec)[1] + codec_cpu_s(sync.pull_codec)[0])
-    per_push = params * cpu.server_merge_param_s + min(params, SCREEN_SAMPLE) * cpu.server_screen_sample_s
+    speedup = 1.0 + (cpu.server_merge_speedup - 1.0) * min(1.0, max(0.0, parallel - 1.0))
+    per_push = (params * cpu.server_merge_param_s / speedup
+                + min(params, SCREEN_SAMPLE) * cpu.server_screen_sample_s)
     return (params * codec + pushes * per_push) * sync.grad_compression
 
 
@@ -532,17 +538,29 @@ def reference_cpu_time(flops_per_token: float, tokens_per_micro_batch: int, sync
     return work / max(1.0, parallel) * sync.grad_compression
 
 
-def reference_cores(plan: Plan, scenario: Scenario) -> list[list[float]]:
-    """Per replica, per stage: the cores its screen's reference gradient runs on (pure): one
-    thread per micro-batch it takes (at most :data:`~shoal.plan.types.SCREEN_REF_MBS`, at most
-    the replica's micro-batches), on its server host's cores shared by every stage server there."""
+def _server_core_shares(plan: Plan, scenario: Scenario) -> list[list[float]]:
+    """Per replica, per stage: its server host's cores over the stage servers on that host."""
     count: dict[str, int] = {}
     for r in plan.pipelines:
         for st in r.stages:
             count[st.server] = count.get(st.server, 0) + 1
     cores = {d.id: d.cores for d in scenario.devices if d.id in count}
-    return [[min(float(min(SCREEN_REF_MBS, max(1, r.micro_batches))), max(1.0, cores[st.server] / count[st.server]))
-             for st in r.stages] for r in plan.pipelines]
+    return [[max(1.0, cores[st.server] / count[st.server]) for st in r.stages] for r in plan.pipelines]
+
+
+def reference_cores(plan: Plan, scenario: Scenario) -> list[list[float]]:
+    """Per replica, per stage: the cores its screen's reference gradient runs on (pure): one
+    thread per micro-batch it takes (at most :data:`~shoal.plan.types.SCREEN_REF_MBS`, at most
+    the replica's micro-batches), on its server host's cores shared by every stage server there."""
+    return [[min(float(min(SCREEN_REF_MBS, max(1, r.micro_batches))), c) for c in row]
+            for r, row in zip(plan.pipelines, _server_core_shares(plan, scenario), strict=True)]
+
+
+def merge_cores(plan: Plan, scenario: Scenario) -> list[list[float]]:
+    """Per replica, per stage: the cores its merge's weighted sum and norms run on (pure): at most
+    :data:`~shoal.plan.types.MERGE_THREADS` (the runtime's ``merge_pool``), on its server host's
+    cores shared by every stage server there."""
+    return [[min(float(MERGE_THREADS), c) for c in row] for row in _server_core_shares(plan, scenario)]
 
 
 def tasks_per_micro_batch(last: bool) -> int:
@@ -867,8 +885,11 @@ class RoundTraffic:
 
 def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = None,
                 memo: dict | None = None, cpu_caps: list[float] | None = None,
-                ref_cores: list[float] | None = None) -> list[StageCost]:
+                ref_cores: list[float] | None = None, mrg_cores: list[float] | None = None) -> list[StageCost]:
     """Per-stage throughput, latency, sync and memory of ``plan`` on ``scenario``.
+
+    ``ref_cores`` and ``mrg_cores`` (per stage; default :func:`reference_cores` and
+    :func:`merge_cores` of ``plan``): the cores its server's reference gradient and merge run on.
 
     ``cpu_caps`` (per stage, micro-batches/s; default :func:`server_cpu_caps` of ``plan``) caps each
     stage's throughput by its server host's framework CPU, and each task's result costs its
@@ -890,6 +911,8 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
         cpu_caps = server_cpu_caps(plan, scenario)[0]
     if ref_cores is None and plan.sync.local:
         ref_cores = reference_cores(plan, scenario)[0]
+    if mrg_cores is None and plan.sync.local:
+        mrg_cores = merge_cores(plan, scenario)[0]
     n_dl, n_ul, n_sync = _share_counts(plan, scenario)
     n = len(plan.stages)
     if memo is None:
@@ -1055,7 +1078,8 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
         fwd = prof.fwd_flops(a, b)
         flops = fwd + prof.bwd_flops(a, b)
         handling = tasks_per_micro_batch(i == n - 1) * scenario.cpu.server_task_s
-        merge = merge_cpu_time(prof.params(a, b), len(plan.stages[i].workers), plan.sync, scenario.cpu)
+        merge = merge_cpu_time(prof.params(a, b), len(plan.stages[i].workers), plan.sync, scenario.cpu,
+                               mrg_cores[i] if plan.sync.local else 1.0)
         ref = reference_cpu_time(flops / prof.tokens_per_micro_batch, prof.tokens_per_micro_batch, plan.sync,
                                  scenario.cpu, ref_cores[i]) if plan.sync.local else 0.0
         out.append(StageCost(throughput=min(x, cpu_caps[i]), latency=lat + handling, compute_fraction=frac,
@@ -1503,9 +1527,10 @@ def predict_replicas(plan: Plan, scenario: Scenario, options: CostOptions, memo:
     subs = [replica_plan(plan, r) for r in plan.replicas]
     caps = server_cpu_caps(plan, scenario)  # hosts may serve stages of several replicas
     refs = reference_cores(plan, scenario)  # ... and share their cores between those stages' references
+    mrgs = merge_cores(plan, scenario)  # ... and merges
     per = []
-    for sub, cap, ref in zip(subs, caps, refs, strict=True):
-        costs = stage_costs(sub, scenario, options, memo, cap, ref)
+    for sub, cap, ref, mrg in zip(subs, caps, refs, mrgs, strict=True):
+        costs = stage_costs(sub, scenario, options, memo, cap, ref, mrg)
         per.append((sub, costs, *_pipeline_terms(costs, sub.micro_batches, True)))
     pipe = max(x[2] for x in per)
     overlap = plan.sync.overlap

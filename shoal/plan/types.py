@@ -102,6 +102,7 @@ class ChurnModel:
 SCREEN_SAMPLE = 1 << 22  # coordinates a local-mode screen's median is taken over at most (runtime: round_measures)
 SCREEN_REF_MBS = 4  # micro-batches a local-mode screen's reference gradient is computed on at most (runtime: GuardConfig)
 SCREEN_REF_TOKENS = 512  # tokens that reference gradient is computed on at most (each sequence's causal prefix)
+MERGE_THREADS = 4  # threads a local-mode stage server's merge adds pushes and takes their norms on at most (runtime: merge_pool)
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,7 @@ class FrameworkCpu:
     coordinator_cores: float = 1.0  # cores the coordinator can use (one Python event loop)
     server_codec_scale: float = 1.0  # stage server: multiplies the per-element encode/decode CPU of a local-mode round's codecs (shoal.plan.compression.CODEC_CPU_S)
     server_merge_param_s: float = 1.8e-9  # stage server, per parameter of each local-mode pseudo-gradient: the screen's norm and its weighted-sum term, on one core after the round's last push (bench/results/merge-memory.md: 0.65 + 1.1 ns)
+    server_merge_speedup: float = 1.4  # stage server: how much faster the merge's norms and weighted sum run on its threads (>= 2 cores) than on one (bench/results/merge-threads.md: 1.2-2.1x on 2 cores; more threads not counted)
     server_screen_sample_s: float = 52e-9  # stage server, per coordinate of each pseudo-gradient the screen's median is taken over (at most SCREEN_SAMPLE; the same runs: 0.22 s a push of a 4 M sample)
     server_flops: float = 50e9  # stage server, FLOP/s of the one core its screen's reference gradient runs on (fp32 torch, one thread: bench/results/screen-reference.md, 49-59 GFLOP/s)
 

@@ -44,6 +44,7 @@ from shoal.plan.cost import (
     SYNC_CHUNK_S,
     coordinator_floor,
     coordinator_members,
+    merge_cores,
     merge_cpu_time,
     reference_cores,
     reference_cpu_time,
@@ -306,6 +307,7 @@ class Simulator:
         self.cores_free: dict[str, list[float]] = {}  # host -> heap of the times its cores are free
         self.coord_floor = coordinator_floor(coordinator_members(plan), len(self.flat), scenario.cpu)
         ref_cores = [c for r in reference_cores(plan, scenario) for c in r]  # per flat stage
+        self.merge_cores = [c for r in merge_cores(plan, scenario) for c in r]
         i = 0
         for r in plan.pipelines:
             for j in range(len(r.stages)):
@@ -696,7 +698,7 @@ class Simulator:
                 return
             # the merge on one of the server's cores (cost.merge_cpu_time), then its pulls or parts
             st.round_phase = 4
-            merge = merge_cpu_time(st.params, st.round_n, self.plan.sync, self.fw_cpu)
+            merge = merge_cpu_time(st.params, st.round_n, self.plan.sync, self.fw_cpu, self.merge_cores[st.idx])
             if not self._server_cpu(st.host.id, merge, M_MERGED, (st.idx, st.round_id)):
                 self._merged(st)
             return

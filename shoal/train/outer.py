@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -81,21 +82,56 @@ def merge_pseudo_grads(deltas: Mapping[str, Mapping[str, torch.Tensor]],
     return weighted_sum(deltas, merge_weights({k: counts.get(k, 0) for k in deltas}))
 
 
+SUM_CHUNK = 1 << 20  # elements one thread of a parallel weighted sum adds at a time
+
+
 def weighted_sum(deltas: Mapping[str, Mapping[str, torch.Tensor]],
-                 weights: Mapping[str, float]) -> dict[str, torch.Tensor] | None:
+                 weights: Mapping[str, float], pool: Executor | None = None) -> dict[str, torch.Tensor] | None:
     """``sum_w weights[w] * deltas[w]`` per parameter, contributors in ``weights``' order
-    (:func:`merge_weights`: name order), a weight of 1.0 as a plain copy (None: no weights)."""
+    (:func:`merge_weights`: name order), a weight of 1.0 as a plain copy (None: no weights).
+
+    With a ``pool`` each contributor's tensors are added by its threads in chunks of
+    :data:`SUM_CHUNK` elements (torch releases the GIL): every element still gets the same
+    operations in the same contributor order, so the result is the same bits on any number
+    of threads. Each contributor is read once (a held push may decode on read)."""
     if not weights:
         return None
     out: dict[str, torch.Tensor] = {}
     for wid, w in weights.items():
-        for name, d in deltas[wid].items():
-            term = d * w if w != 1.0 else d.clone()
-            if name in out:
-                out[name].add_(term)
-            else:
-                out[name] = term
+        d = deltas[wid]
+        if pool is None:
+            for name, t in d.items():
+                term = t * w if w != 1.0 else t.clone()
+                if name in out:
+                    out[name].add_(term)
+                else:
+                    out[name] = term
+            continue
+        import torch
+
+        jobs = []
+        for name, t in d.items():
+            first = name not in out
+            if first:
+                out[name] = torch.empty_like(t, memory_format=torch.contiguous_format)
+            src, dst = t.reshape(-1), out[name].view(-1)
+            jobs += [(src[a:a + SUM_CHUNK], dst[a:a + SUM_CHUNK], first) for a in range(0, src.numel(), SUM_CHUNK)]
+        for f in [pool.submit(_add_chunk, src, dst, w, first) for src, dst, first in jobs]:
+            f.result()
     return out
+
+
+def _add_chunk(src: torch.Tensor, dst: torch.Tensor, w: float, first: bool) -> None:
+    """One chunk of :func:`weighted_sum`: the same operations as its serial loop."""
+    import torch
+
+    if first:
+        if w != 1.0:
+            torch.mul(src, w, out=dst)
+        else:
+            dst.copy_(src)
+    else:
+        dst.add_(src * w if w != 1.0 else src)
 
 
 def merge_per_layer(deltas: Mapping[str, Mapping[str, torch.Tensor]],

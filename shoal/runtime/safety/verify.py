@@ -9,6 +9,8 @@ the workers use, and compares a push with it.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import torch
@@ -28,9 +30,12 @@ def sum_product(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach().float() * b.detach().float()).sum())
 
 
-def sq_norm(grads: dict[str, torch.Tensor]) -> float:
-    """Squared L2 norm over every tensor of a push (see :func:`sum_product`)."""
-    return float(sum(sum_product(g, g) for g in grads.values()))
+def sq_norm(grads: Mapping[str, torch.Tensor], pool: Executor | None = None) -> float:
+    """Squared L2 norm over every tensor of a push (see :func:`sum_product`); with a ``pool`` a
+    thread a tensor, the tensors' sums still added in name order (the same bits)."""
+    if pool is None:
+        return float(sum(sum_product(g, g) for g in grads.values()))
+    return float(sum(pool.map(lambda g: sum_product(g, g), grads.values())))
 
 
 def dot(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -162,7 +167,7 @@ def pick(d, pos: torch.Tensor | None) -> torch.Tensor:
 
 
 def round_measures(deltas, lr_sums: dict[str, float], quorum: int, *, sample: int = MEDIAN_SAMPLE,
-                   seed: int = 0) -> tuple[dict[str, float], dict[str, float | None]]:
+                   seed: int = 0, pool: Executor | None = None) -> tuple[dict[str, float], dict[str, float | None]]:
     """Local mode: each contributor's pseudo-gradient norm per unit of learning rate (its
     norm over the summed learning rates of its inner steps: an AdamW step moves each weight
     by about the learning rate, so this is steady across workers that took different numbers
@@ -174,7 +179,7 @@ def round_measures(deltas, lr_sums: dict[str, float], quorum: int, *, sample: in
     a stage of at most ``sample`` of them, and over ``sample`` coordinates drawn from ``seed``
     (:func:`sample_positions`) of a larger one, so what it holds is ``contributors x sample``
     numbers, not every contributor's stage; over 4 M random coordinates a cosine moves by about
-    1/2,000.
+    1/2,000. A ``pool`` takes each norm a tensor a thread (:func:`sq_norm`).
     """
     workers = sorted(deltas)
     need = len(workers) >= quorum
@@ -183,7 +188,7 @@ def round_measures(deltas, lr_sums: dict[str, float], quorum: int, *, sample: in
     pos: torch.Tensor | None = None
     for i, w in enumerate(workers):
         d = deltas[w]
-        sq[w] = sq_norm(d)
+        sq[w] = sq_norm(d, pool)
         if need:
             if i == 0:
                 pos = sample_positions(sum(t.numel() for t in d.values()), sample, seed)

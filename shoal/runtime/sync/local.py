@@ -27,6 +27,7 @@ import functools
 import json
 import logging
 import math
+import os
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +38,7 @@ from shoal.net import shoal_pb2 as pb
 from shoal.net.compress import ErrorFeedback
 from shoal.net.wire import WireError, encode_tensor
 from shoal.plan.compression import DENSE_ROUND_CODEC
-from shoal.plan.types import SCREEN_REF_MBS
+from shoal.plan.types import MERGE_THREADS, SCREEN_REF_MBS
 from shoal.runtime.common import optim_config, tensors_digest
 from shoal.runtime.safety.faults import poison, poisons
 from shoal.runtime.sync.codecs import (
@@ -100,6 +101,28 @@ def reference_pool() -> ThreadPoolExecutor:
     if _REF_POOL is None:
         _REF_POOL = ThreadPoolExecutor(max_workers=SCREEN_REF_MBS, thread_name_prefix="shoal-reference")
     return _REF_POOL
+
+
+_MERGE_POOL: ThreadPoolExecutor | None = None
+
+
+def merge_threads() -> int:
+    """Threads a merge runs on: :data:`~shoal.plan.types.MERGE_THREADS`, at most this process's CPUs."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(MERGE_THREADS, cpus))
+
+
+def merge_pool() -> ThreadPoolExecutor:
+    """The threads a merge's weighted sum and the screen's norms run on (:func:`merge_threads`;
+    the same bits on any number: ``shoal.train.outer.weighted_sum``), apart from the event
+    loop's executor, which the merge itself occupies."""
+    global _MERGE_POOL
+    if _MERGE_POOL is None:
+        _MERGE_POOL = ThreadPoolExecutor(max_workers=merge_threads(), thread_name_prefix="shoal-merge")
+    return _MERGE_POOL
 
 
 class LocalServerMixin:
@@ -367,7 +390,7 @@ class LocalServerMixin:
         per = {w: x + self.local_lr_total.get(w, 0.0) for w, x in lrs.items()} if dense else lrs
         norms, cosines = await asyncio.get_running_loop().run_in_executor(
             None, functools.partial(round_measures, self.local_got.snapshot(), per, self.guard_cfg.local_quorum,
-                                    seed=self.median_secret ^ step))
+                                    seed=self.median_secret ^ step, pool=merge_pool()))
         history = [] if dense else getattr(self, "local_guard_norms", [])
         bound = await asyncio.get_running_loop().run_in_executor(None, self._local_move_bound, dense)
         bounds = {w: bound for w in norms if bound is not None and per.get(w, 0.0) > 0}
@@ -482,7 +505,7 @@ class LocalServerMixin:
         With sparse pulls the weights move by the encoded update the workers will pull
         (:class:`shoal.runtime.sync.codecs.UpdatePulls`), not by the exact outer step."""
         shares = merge_weights({w: counts.get(w, 0) for w in self.local_got})
-        delta = weighted_sum(self.local_got, shares)
+        delta = weighted_sum(self.local_got, shares, merge_pool())
         # The run's last round is dense (dense_round): merged exactly, then what the pulls still owe.
         last = self.update_pulls is not None and dense_round(version, self.spec.steps,
                                                              compression_of_spec(self.spec).push)
@@ -495,7 +518,7 @@ class LocalServerMixin:
         elif (delta is not None and merges_weights(self.spec.outer_lr, self.spec.outer_momentum)
               and set(self.local_got) <= set(self.local_replicas)):
             # the replicas' weighted mean itself: one replica's weights bit for bit
-            mean = weighted_sum({w: self.local_replicas[w] for w in shares}, shares)
+            mean = weighted_sum({w: self.local_replicas[w] for w in shares}, shares, merge_pool())
             with torch.no_grad():
                 for n, p in self.params.items():
                     p.data.copy_(mean[n])

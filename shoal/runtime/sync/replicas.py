@@ -24,6 +24,7 @@ import functools
 import logging
 import time
 from collections.abc import Collection, Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import grpc
@@ -400,17 +401,18 @@ def flush_part(tensors: Mapping[str, torch.Tensor], weights: bool,
 
 
 def own_part(got: Mapping[str, Mapping[str, torch.Tensor]], replicas: Mapping[str, Mapping[str, torch.Tensor]],
-             counts: Mapping[str, int], lr: float, mu: float) -> tuple[int, bool, dict[str, torch.Tensor]]:
+             counts: Mapping[str, int], lr: float, mu: float,
+             pool: Executor | None = None) -> tuple[int, bool, dict[str, torch.Tensor]]:
     """A stage's part of the replicas' merge from its own workers' round: (micro-batches, weights?,
     tensors), the weighted mean of their weights (outer lr 1, momentum 0, every contributor sent
-    its weights) or of their pseudo-gradients."""
+    its weights) or of their pseudo-gradients (summed on ``pool``'s threads: the same bits)."""
     shares = merge_weights({w: counts.get(w, 0) for w in got})
     if not shares:
         return 0, False, {}
     n = sum(counts.get(w, 0) for w in shares)
     if merges_weights(lr, mu) and set(shares) <= set(replicas):
-        return n, True, weighted_sum({w: replicas[w] for w in shares}, shares)
-    return n, False, weighted_sum(got, shares)
+        return n, True, weighted_sum({w: replicas[w] for w in shares}, shares, pool)
+    return n, False, weighted_sum(got, shares, pool)
 
 
 @functools.lru_cache(maxsize=64)
@@ -531,13 +533,14 @@ class ReplicaServerMixin:
         """Merge this stage's workers into its part, exchange parts with the peer replicas' servers
         and apply the per-layer merge (None: the epoch moved on meanwhile)."""
         from shoal.runtime.common import tensors_digest
+        from shoal.runtime.sync.local import merge_pool
         from shoal.train.outer import outer_nesterov_step
 
         slots = self.slots
         loop = asyncio.get_running_loop()
         n, weights, tensors = await loop.run_in_executor(
             None, own_part, self.local_got.snapshot(), dict(self.local_replicas), counts, self.spec.outer_lr,
-            self.spec.outer_momentum)
+            self.spec.outer_momentum, merge_pool())
         mine = peers(slots, self.stage)
         cfg = self.cfg
         frames = None
