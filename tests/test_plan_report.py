@@ -98,3 +98,40 @@ def test_cli_prints_the_swarm_figures(tmp_path, capsys):
     assert shoal["devices_used"] + sum(shoal["idle_counts"].values()) == 32
     assert shoal["simulated_flop_share"] == pytest.approx(
         shoal["simulated_tokens_per_s"] / shoal["predicted_tokens_per_s"] * shoal["predicted_flop_share"])
+
+
+def test_a_card_that_would_hold_a_deeper_replica_is_idle_for_no_benefit_not_memory():
+    """In a replica plan a card too small for the plan's stages but big enough for every stage
+    of a deeper replica was left out by the planner's choice (no benefit); one too small for any
+    replica the planner builds is idle for memory."""
+    from shoal.plan.cost import stage_worker_memory
+    from shoal.plan.replicas import stages_needed
+    from shoal.plan.scenario import scenario_to_dict
+    from shoal.plan.types import Replica, SyncPolicy
+
+    s = _scenario()
+    pol = SyncPolicy(mode="local", sync_every=4)
+    prof = scenario_profile(s)
+    whole = stage_worker_memory(prof, 0, 6, pol)
+    half = max(stage_worker_memory(prof, 0, 3, pol), stage_worker_memory(prof, 3, 6, pol))
+    assert half < whole
+    d = scenario_to_dict(s)
+    for dev in d["devices"]:
+        if dev["id"] == "small":
+            dev["memory_gb"] = (half + whole) / 2 / 1e9  # holds a 2-stage split, not the whole model
+    s = scenario_from_dict(d)
+    small = next(x for x in s.devices if x.id == "small")
+    assert stages_needed(prof, small, pol) == 2
+    rep_stages = [StagePlan((0, 6), "h", ["w0"])]
+    plan = Plan("hand-swarm", "tiny", "test", rep_stages, micro_batch_size=2, micro_batches=4, sync=pol,
+                replicas=[Replica(stages=rep_stages, micro_batches=4)])
+    rep = swarm_report(plan, s)
+    assert rep.idle["small"] == IDLE_NO_BENEFIT and "2-stage replica" in rep.why["small"]
+    # one pipeline, no replicas: the same card is idle for memory, as before
+    one = Plan("hand-swarm", "tiny", "test", rep_stages, micro_batch_size=2, micro_batches=4, sync=pol)
+    assert swarm_report(one, s).idle["small"] == IDLE_MEMORY
+    # a card below every split up to MAX_REPLICA_STAGES is idle for memory in a replica plan too
+    for dev in d["devices"]:
+        if dev["id"] == "small":
+            dev["memory_gb"] = 0.001
+    assert swarm_report(plan, scenario_from_dict(d)).idle["small"] == IDLE_MEMORY

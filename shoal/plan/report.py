@@ -111,7 +111,10 @@ def idle_reason(d: Device, plan: Plan, scenario: Scenario, step_s: float,
                 cpu_bound: dict[str, str] | None = None) -> tuple[str, str]:
     """``(reason, one line)`` for a device the plan leaves idle.
 
-    * ``memory``: it cannot hold any of the plan's stages (under the plan's sync policy);
+    * ``memory``: it cannot hold any of the plan's stages (under the plan's sync policy), nor,
+      in a replica plan, every stage of an even split into at most
+      :data:`~shoal.plan.replicas.MAX_REPLICA_STAGES` (one that can is ``no benefit``: the
+      planner could have built a replica of its depth);
     * ``links``: on the stage it fits best, moving one micro-batch's bytes over its own access
       links (and its lease round trips) takes longer than computing it, or its share of the
       parameter sync (a step's in exact sync, a round's in local mode, at its own link rate)
@@ -127,6 +130,15 @@ def idle_reason(d: Device, plan: Plan, scenario: Scenario, step_s: float,
     fitting = [st for st in stages if d.memory >= stage_worker_memory(prof, *st.layers, plan.sync)]
     if not fitting:
         need = min(stage_worker_memory(prof, *st.layers, plan.sync) for st in stages)
+        if plan.replicas:
+            from shoal.plan.replicas import stages_needed
+
+            k = stages_needed(prof, d, plan.sync)
+            if k:  # the planner could have built a replica of its size: it chose not to
+                return IDLE_NO_BENEFIT, (f"has {d.memory / 1e9:.1f} GB, too little for this plan's stages "
+                                         f"(the smallest needs {need / 1e9:.1f} GB) but enough for a {k}-stage "
+                                         "replica, which the planner found no faster with (each replica adds "
+                                         "stage servers to every merge and reports to the coordinator)")
         return IDLE_MEMORY, f"has {d.memory / 1e9:.1f} GB, the smallest stage of this plan needs {need / 1e9:.1f} GB"
     n = len(prof.layers)
     hosts = {h.id: h for h in scenario.devices}
