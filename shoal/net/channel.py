@@ -66,14 +66,22 @@ def load_server_token(token_file: str | None = None, required: bool = True) -> s
                      "RUN/server_token)")
 
 
+# gRPC core takes grpc.min_reconnect_backoff_ms as its MIN_CONNECT_TIMEOUT: the time a connection
+# attempt has for its TCP, TLS and HTTP/2 set-up before the calls waiting on it fail. At 100 ms
+# a first call over a 600 ms round trip failed every time ("connection attempt timed out before
+# receiving SETTINGS frame"), and on a loaded box even on loopback (tests/test_connect_timeout.py).
+CONNECT_TIMEOUT_MS = 10_000
+
+
 def grpc_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
-    """Channel/server options: message size limit both ways, quick reconnects."""
+    """Channel/server options: message size limit both ways; quick reconnects after a refused
+    connection (backoff from 100 ms to 1 s), and :data:`CONNECT_TIMEOUT_MS` for an attempt's set-up."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
-        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS),
     ]
 
 
