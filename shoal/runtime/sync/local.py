@@ -27,7 +27,6 @@ import functools
 import json
 import logging
 import math
-import os
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -108,11 +107,9 @@ _MERGE_POOL: ThreadPoolExecutor | None = None
 
 def merge_threads() -> int:
     """Threads a merge runs on: :data:`~shoal.plan.types.MERGE_THREADS`, at most this process's CPUs."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return max(1, min(MERGE_THREADS, cpus))
+    from shoal.train.local import cpu_cores
+
+    return max(1, min(MERGE_THREADS, cpu_cores()))
 
 
 def merge_pool() -> ThreadPoolExecutor:
