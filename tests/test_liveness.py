@@ -126,11 +126,15 @@ def test_failed_pushes_are_retried_or_released(tmp_path, failure_free):
 @pytest.mark.timeout(900)
 def test_flapping_links_to_the_servers(tmp_path, failure_free):
     """Every worker reaches the stage servers through a link that resets all its
-    connections for 0.1 s every 0.6 s: the run completes with the failure-free weights."""
+    connections for 0.1 s every 0.6 s from the moment the run is planned: the run completes
+    with the failure-free weights. (Flapping from the workers' join on, their link probes
+    failed and the coordinator planned only at its 60 s measurement timeout, after the flaps
+    had ended: the steps never saw one.)"""
     import time
 
     from shoal.emulate.flap import FlapProxy
     from shoal.runtime.processes.launch import Swarm
+    from shoal.train.metrics import read_jsonl
 
     out = tmp_path / "run"
     cfg = launch_config(out, min_workers=2)
@@ -143,15 +147,22 @@ def test_flapping_links_to_the_servers(tmp_path, failure_free):
             assert time.time() < deadline, "servers did not join"
             time.sleep(0.1)
         servers = sw.status()["servers"]
-        proxies = [FlapProxy(addr, period_s=0.6, down_s=0.1, for_s=20).start() for addr in servers]
+        proxies = [FlapProxy(addr, period_s=0.6, down_s=0.1, for_s=600, armed=False).start() for addr in servers]
         dial = [a for addr, p in zip(servers, proxies, strict=True) for a in ("--dial-map", f"{addr}={p.address}")]
         for i in range(2):
             sw.start_worker(i, extra=dial)
+        events = out / "events.jsonl"
+        while not (events.exists() and any(e.get("event") == "replan" for e in read_jsonl(events))):
+            assert time.time() < deadline + 120, "the run was never planned"
+            time.sleep(0.05)
+        for p in proxies:
+            p.arm()
         summary = sw.wait()
+    resets = sum(p.resets for p in proxies)  # counted while the run's steps went on
     for p in proxies:
         p.close()
     assert summary["steps"] == RUN["steps"]
-    assert sum(p.resets for p in proxies) > 0
+    assert resets > 0
     assert_equal_weights(out, failure_free)
 
 

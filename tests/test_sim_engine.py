@@ -425,7 +425,7 @@ def test_conservation_when_servers_give_up_before_outputs_land(seed):
     scn = scenario(devs, latency=0.05, churn=ChurnModel(enabled=True, mean_offline_s=2.0), global_batch=24)
     ids = [d.id for d in devs[3:]]
     p = plan([((0, 2), "srv0", ids[0:3]), ((2, 4), "srv1", ids[3:6]), ((4, 6), "srv2", ids[6:])], 24)
-    r = simulate(p, scn, steps=10, churn=True, seed=seed, config=SimConfig(lease_timeout_s=0.01))
+    r = simulate(p, scn, steps=5, churn=True, seed=seed, config=SimConfig(lease_timeout_s=0.01))
     assert r.leaves > 0
     _assert_conserved(r, 3, 24)
 

@@ -4,7 +4,9 @@
 connection to ``target``. Every ``period_s`` seconds (for ``for_s`` seconds in all) the
 link goes down for ``down_s``: open connections are reset (RST, as after a NAT or Wi-Fi
 drop) and connections made meanwhile are reset at once. Used to test that runs survive
-connections that die under them (``--dial-map`` points a member at the proxy).
+connections that die under them (``--dial-map`` points a member at the proxy). A proxy made
+with ``armed=False`` relays faithfully until :meth:`FlapProxy.arm`, so a test can let its
+members join and measure their links first and flap only under the run's steps.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ def _reset(sock: socket.socket) -> None:
 class FlapProxy:
     """A loopback relay to ``target`` ("host:port") whose connections are reset periodically."""
 
-    def __init__(self, target: str, period_s: float = 0.6, down_s: float = 0.1, for_s: float = 20.0):
+    def __init__(self, target: str, period_s: float = 0.6, down_s: float = 0.1, for_s: float = 20.0,
+                 armed: bool = True):
         host, port = target.rsplit(":", 1)
         self.target = (host, int(port))
         self.period_s, self.down_s, self.for_s = period_s, down_s, for_s
@@ -38,12 +41,20 @@ class FlapProxy:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._armed = threading.Event()
+        if armed:
+            self._armed.set()
         self._threads = [threading.Thread(target=self._accept, daemon=True),
                          threading.Thread(target=self._flap, daemon=True)]
 
     def start(self) -> FlapProxy:
         for t in self._threads:
             t.start()
+        return self
+
+    def arm(self) -> FlapProxy:
+        """Start flapping now (for ``for_s`` seconds from here) if made with ``armed=False``."""
+        self._armed.set()
         return self
 
     def close(self) -> None:
@@ -61,6 +72,9 @@ class FlapProxy:
         self.close()
 
     def _flap(self) -> None:
+        while not self._armed.wait(0.05):
+            if self._stop.is_set():
+                return
         end = time.monotonic() + self.for_s
         while not self._stop.is_set() and time.monotonic() < end:
             if self._stop.wait(max(self.period_s - self.down_s, 0.0)):
