@@ -53,6 +53,39 @@ def test_count_splits_frames_and_control_and_merge_sums_processes():
     assert m["bytes_by_role"]["server"]["grad_push"]["wire"] == 10
 
 
+def test_sizes_read_from_the_wire_count_what_the_frames_count():
+    """Counting a message from its serialised bytes (the frames' sizes read from the keys and
+    lengths, no payload copied out) gives the same counters as sizing every frame, for each
+    message kind whose frames are one top-level field, for a head serialised with its frames
+    apart (serialize_framed), and when frames are nested (a lease reply: sized one by one)."""
+    from shoal.net.wire import field_lengths, field_spans, serialize_framed
+
+    frames = [encode_tensor("a", torch.randn(300)), encode_tensor("b", torch.randn(7, 5), "int8"),
+              encode_tensor("c", torch.zeros(0))]
+    msgs = [pb.GradPush(worker="w", step=2, mbs=[0, 1], grads=frames),
+            pb.WeightsReply(version=4, params=frames),
+            pb.TaskResult(worker="w", step=1, direction=pb.BWD, output=frames[0]),
+            pb.Relay(step=1, direction=pb.FWD, tensor=frames[1]),
+            pb.ReplicaPart(tensors=frames),
+            pb.LeaseReply(has_task=True, task=pb.Task(step=0, input=frames[0]))]
+    for msg in msgs:
+        data = msg.SerializeToString()
+        by_frame, by_wire, by_spans = Traffic(), Traffic(), Traffic()
+        by_frame.count(msg, total=len(data))
+        by_wire.count(msg, total=len(data), data=data)
+        by_spans.count(msg, total=len(data), spans=field_spans(data))
+        assert by_frame.counter.as_dict() == by_wire.counter.as_dict() == by_spans.counter.as_dict(), msg
+    head = pb.GradPush(worker="w", step=2, mbs=[0, 1])
+    number = pb.GradPush.DESCRIPTOR.fields_by_name["grads"].number
+    data = serialize_framed(head, number, frames)
+    assert field_lengths(data, number) == [f.ByteSize() for f in frames]
+    pairs = [("grad_push", f) for f in frames]
+    a, b = Traffic(), Traffic()
+    a.count(head, pairs, total=len(data))
+    b.count(head, pairs, total=len(data), data=data)
+    assert a.counter.as_dict() == b.counter.as_dict()
+
+
 SECRET = b"traffic-test-secret"
 
 

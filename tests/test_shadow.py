@@ -179,7 +179,7 @@ def test_relay_lets_go_of_a_connection_its_target_closed():
 
 def test_shadow_push_frames_and_pull_check():
     from shoal.net import shoal_pb2 as pb
-    from shoal.net.wire import encode_tensor
+    from shoal.net.wire import encode_frame, encode_tensor
     from shoal.runtime.roles.shadow import raw_full_pull, shadow_frames, shadow_pull_ok
 
     params = {"w": torch.empty(3, 5, device="meta"), "b": torch.empty(5, device="meta")}
@@ -187,7 +187,8 @@ def test_shadow_push_frames_and_pull_check():
     two = {n: t.clone().add_(t) for n, t in g.items()}
     frames = shadow_frames(two, 2, "raw", True)
     assert [f.name for f in frames] == ["w", "b"]
-    assert frames == [encode_tensor(n, t, "raw") for n, t in two.items()]  # what a fresh encode gives
+    assert frames == [encode_frame(n, t, "raw") for n, t in two.items()]  # what a fresh encode gives
+    assert [f.to_pb() for f in frames] == [encode_tensor(n, t, "raw") for n, t in two.items()]
     assert shadow_frames(two, 2, "raw", True) is frames  # encoded once per process
     rep = pb.WeightsReply(params=[encode_tensor(n, torch.zeros(tuple(p.shape))) for n, p in params.items()])
     assert raw_full_pull(rep) and shadow_pull_ok(rep, params)

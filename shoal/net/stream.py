@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 
 from shoal.net import shoal_pb2 as pb
 from shoal.net.auth import MAX_CHUNK_BYTES
-from shoal.net.wire import WireError
+from shoal.net.wire import WireError, field_spans
 
 DEFAULT_CHUNK_BYTES = 1024 * 1024  # 1 MB: on loopback a 5 MB transfer in 1 MB chunks takes a third of the time 4 MB chunks do
 MIN_CHUNK_BYTES = 4 * 1024  # smaller chunks only add per-message overhead
@@ -105,14 +105,18 @@ class Assembler:
             self.buf[self.got:self.got + n] = data
             self.got += n
 
-    def finish(self, msg_cls):
-        """The whole message, parsed; raises :class:`WireError` if any byte is missing."""
+    def finish(self, msg_cls, spans: list | None = None):
+        """The whole message, parsed; raises :class:`WireError` if any byte is missing.
+        ``spans``: a list to fill with the message's top-level fields
+        (:func:`shoal.net.wire.field_spans`: how large its frames are, read for free)."""
         if self.total < 0:
             raise WireError(f"{self.kind}: the stream ended before its first chunk")
         if self.got != self.total:
             raise WireError(f"{self.kind}: transfer cut after {self.got} of {self.total} bytes")
         try:
             msg = parse_in_pieces(self.buf, msg_cls) if self.total > PIECE_BYTES else msg_cls.FromString(self.buf)
+            if spans is not None:
+                spans.extend(field_spans(memoryview(self.buf)))
         except Exception as exc:  # protobuf's DecodeError; never anything but parsing
             raise WireError(f"{self.kind}: the assembled bytes do not parse: {exc}") from None
         self.buf = None
@@ -122,42 +126,10 @@ class Assembler:
 PIECE_BYTES = 4 << 20  # a large message is parsed in pieces of about this size (one field at least)
 
 
-def _varint(buf, pos: int) -> tuple[int, int]:
-    """(value, next position) of the varint at ``buf[pos]``."""
-    value = shift = 0
-    while True:
-        if pos >= len(buf) or shift > 63:
-            raise ValueError("truncated or overlong varint")
-        b = buf[pos]
-        value |= (b & 0x7F) << shift
-        pos += 1
-        if not b & 0x80:
-            return value, pos
-        shift += 7
-
-
 def field_ends(buf) -> list[int]:
     """Where each top-level field of the serialised message ``buf`` ends (pure; a malformed
     field raises ValueError)."""
-    ends, pos, n = [], 0, len(buf)
-    while pos < n:
-        key, pos = _varint(buf, pos)
-        wire = key & 7
-        if wire == 0:
-            _, pos = _varint(buf, pos)
-        elif wire == 1:
-            pos += 8
-        elif wire == 2:
-            length, pos = _varint(buf, pos)
-            pos += length
-        elif wire == 5:
-            pos += 4
-        else:
-            raise ValueError(f"wire type {wire} not used by shoal's messages")
-        if pos > n:
-            raise ValueError("field runs past the message")
-        ends.append(pos)
-    return ends
+    return [end for _, _, end in field_spans(buf)]
 
 
 def parse_in_pieces(buf, msg_cls, piece_bytes: int = PIECE_BYTES):
@@ -188,12 +160,14 @@ def assemble(chunks: Iterable[pb.Chunk], msg_cls, max_bytes: int):
 PARSE_OFF_LOOP_BYTES = 1 << 20  # larger messages are parsed in a thread, off the event loop
 
 
-async def receive(chunks: AsyncIterator[pb.Chunk], msg_cls, max_bytes: int, on_chunk=None):
+async def receive(chunks: AsyncIterator[pb.Chunk], msg_cls, max_bytes: int, on_chunk=None,
+                  spans: list | None = None):
     """Assemble a message from an async stream of chunks (a gRPC request or reply stream).
 
     A broken call raises its gRPC error while iterating; a stream that ends short raises
     :class:`WireError`. Either way the caller gets no message and applies nothing.
-    ``on_chunk(chunk)`` runs for every chunk (e.g. to keep its sender counted as alive).
+    ``on_chunk(chunk)`` runs for every chunk (e.g. to keep its sender counted as alive);
+    ``spans``: see :meth:`Assembler.finish`.
     """
     asm = Assembler(msg_cls.__name__, max_bytes)
     async for c in chunks:
@@ -201,8 +175,8 @@ async def receive(chunks: AsyncIterator[pb.Chunk], msg_cls, max_bytes: int, on_c
         if on_chunk is not None:
             on_chunk(c)
     if asm.total > PARSE_OFF_LOOP_BYTES:
-        return await asyncio.get_running_loop().run_in_executor(None, asm.finish, msg_cls)
-    return asm.finish(msg_cls)
+        return await asyncio.get_running_loop().run_in_executor(None, asm.finish, msg_cls, spans)
+    return asm.finish(msg_cls, spans)
 
 
 def tensor_bytes(numel: int, itemsize: int = 4) -> int:
@@ -260,7 +234,7 @@ async def send(method, msg, chunk_bytes: int, *, timeout: float | None = None, t
     if data is None:
         data = msg.SerializeToString()
     if traffic is not None:
-        traffic.count(msg, frames, total=len(data))
+        traffic.count(msg, frames, total=len(data), data=data)
     if timeout is None:
         timeout = transfer_timeout(len(data))
     chunks = split(type(msg).__name__, data, chunk_bytes, sender)
@@ -298,8 +272,10 @@ async def _await(call):
     return await call
 
 
-async def fetch(method, request, msg_cls, max_bytes: int, *, timeout: float | None = None, traffic=None):
-    """Call the server-streaming ``method`` and assemble its ``msg_cls`` reply (checked)."""
+async def fetch(method, request, msg_cls, max_bytes: int, *, timeout: float | None = None, traffic=None,
+                spans: list | None = None):
+    """Call the server-streaming ``method`` and assemble its ``msg_cls`` reply (checked).
+    ``spans``: a list to fill with the reply's top-level fields (see :meth:`Assembler.finish`)."""
     if traffic is not None:
         traffic.count(request)
     call = method(request, timeout=transfer_timeout(max_bytes) if timeout is None else timeout)
@@ -308,11 +284,12 @@ async def fetch(method, request, msg_cls, max_bytes: int, *, timeout: float | No
     def sized(chunk: pb.Chunk) -> None:
         total[0] = chunk.total
 
+    spans = [] if spans is None and traffic is not None else spans
     try:
-        msg = await receive(call, msg_cls, max_bytes, sized)
+        msg = await receive(call, msg_cls, max_bytes, sized, spans)
     except BaseException:
         call.cancel()  # stop the sender; nothing received is used
         raise
     if traffic is not None:
-        traffic.count(msg, total=total[0])
+        traffic.count(msg, total=total[0], spans=spans)
     return msg

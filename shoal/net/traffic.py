@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 from shoal.net import shoal_pb2 as pb
 from shoal.net.compress import WireCounter
-from shoal.net.wire import frame_size
+from shoal.net.wire import field_spans, frame_size
 
 KINDS = ("activations", "activation_grads", "grad_push", "weight_pull", "replica_merge", "control")
 _FLOATS = ("float32", "float16", "bfloat16")
@@ -68,6 +68,24 @@ def frames_of(msg) -> list[tuple[str, pb.Tensor]]:
     return []
 
 
+# Messages whose frames are one top-level field, by type: their frames' sizes can be read from
+# the serialised message (shoal.net.wire.field_spans) instead of each payload being copied out.
+FRAME_FIELDS = {cls: cls.DESCRIPTOR.fields_by_name[name].number for cls, name in
+                ((pb.TaskResult, "output"), (pb.GradPush, "grads"), (pb.WeightsReply, "params"),
+                 (pb.Relay, "tensor"), (pb.ReplicaPart, "tensors"))}
+
+
+def wire_frame_sizes(msg, n_frames: int, spans) -> list[int] | None:
+    """The serialised sizes of ``msg``'s ``n_frames`` frames from ``spans`` (the top-level
+    fields of its serialised form, :func:`shoal.net.wire.field_spans`), or None where its
+    frames are not one top-level field or the count differs (pure)."""
+    number = FRAME_FIELDS.get(type(msg))
+    if number is None or spans is None:
+        return None
+    sizes = [end - start for num, start, end in spans if num == number]
+    return sizes if len(sizes) == n_frames else None
+
+
 class Traffic:
     """Cumulative byte counters of one process (thread-safe through :class:`WireCounter`)."""
 
@@ -75,20 +93,25 @@ class Traffic:
         self.counter = WireCounter()
         self.id = uuid.uuid4().hex  # one per process: a re-joined member keeps its counters
 
-    def count(self, msg, frames: Iterable[tuple[str, pb.Tensor]] | None = None, total: int | None = None) -> None:
+    def count(self, msg, frames: Iterable[tuple[str, pb.Tensor]] | None = None, total: int | None = None,
+              data=None, spans=None) -> None:
         """Count one message: each ``(kind, frame)`` under its kind and codec, the rest as control.
 
         ``frames`` defaults to :func:`frames_of` (the runtime's messages by type); ``total``:
         the message's serialised size when the caller knows it (sizing a large message
-        costs as much as serialising it).
+        costs as much as serialising it). ``data`` (the serialised message) or ``spans`` (its
+        top-level fields): where the frames' sizes are read instead of copying each payload
+        out of its frame to measure it (:func:`wire_frame_sizes`).
         """
-        if frames is None:
-            frames = frames_of(msg)
+        frames = list(frames_of(msg) if frames is None else frames)
         if total is None:
             total = msg.ByteSize()
+        if spans is None and data is not None and type(msg) in FRAME_FIELDS:
+            spans = field_spans(memoryview(data))
+        sizes = wire_frame_sizes(msg, len(frames), spans)
         framed = 0
-        for kind, frame in frames:
-            size = frame_size(frame)
+        for i, (kind, frame) in enumerate(frames):
+            size = frame_size(frame) if sizes is None else sizes[i]
             framed += size
             self.counter.add_bytes(f"{kind}/{frame.codec or 'raw'}", frame_raw_bytes(frame), size)
         rest = total - framed

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -34,9 +35,37 @@ class WireError(ValueError):
     """A frame is malformed or does not match what the receiver expects."""
 
 
+@dataclass(slots=True)
+class Frame:
+    """A tensor frame held as Python values: :class:`pb.Tensor`'s fields without building one.
+
+    A large message that is serialised whole (:func:`serialize_framed`: a push, a weight
+    pull) takes these, so each payload is not copied into a protobuf message and out of it
+    again (upb copies a bytes field both ways). :func:`frame_size`, :func:`serialize_framed`
+    and the traffic counters take either kind."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    data: bytes
+    codec: str = "raw"
+    meta: bytes = b""
+
+    def to_pb(self) -> pb.Tensor:
+        """The same frame as a :class:`pb.Tensor` (copies the payload in)."""
+        return pb.Tensor(name=self.name, dtype=self.dtype, shape=self.shape, data=self.data, codec=self.codec,
+                         meta=self.meta)
+
+
 def encode_tensor(name: str, tensor: torch.Tensor, codec: str = "raw", ef=None, key: int = 0,
                   layout=None) -> pb.Tensor:
-    """Frame ``tensor`` (any supported dtype) as a :class:`pb.Tensor`.
+    """Frame ``tensor`` (any supported dtype) as a :class:`pb.Tensor` (see :func:`encode_frame`)."""
+    return encode_frame(name, tensor, codec, ef, key, layout).to_pb()
+
+
+def encode_frame(name: str, tensor: torch.Tensor, codec: str = "raw", ef=None, key: int = 0,
+                 layout=None) -> Frame:
+    """Frame ``tensor`` (any supported dtype) as a :class:`Frame`.
 
     ``key``: the draw key of a stochastic codec (``tern-sr``, ``tern-dither``; see :func:`shoal.net.compress.encode`).
     ``layout``: the shapes a flat ``lowrank`` tensor holds (the receiver passes the same to
@@ -54,7 +83,7 @@ def encode_tensor(name: str, tensor: torch.Tensor, codec: str = "raw", ef=None, 
             data = t.view(torch.int16).numpy().astype("<i2").tobytes()
         else:
             data = t.numpy().astype(_DTYPES[dtype][1], copy=False).tobytes()
-        return pb.Tensor(name=name, dtype=dtype, shape=list(t.shape), data=data, codec="raw")
+        return Frame(name=name, dtype=dtype, shape=list(t.shape), data=data, codec="raw")
     from shoal.net import compress  # lossy codecs live beside us, written separately
 
     if ef is not None:
@@ -63,8 +92,8 @@ def encode_tensor(name: str, tensor: torch.Tensor, codec: str = "raw", ef=None, 
         data, meta = ef.encode(name, t, layout=layout)
     else:
         data, meta = compress.encode(t, codec, key=key, layout=layout)
-    return pb.Tensor(name=name, dtype=dtype, shape=list(t.shape), data=bytes(data), codec=meta["codec"],
-                     meta=json.dumps(meta, sort_keys=True).encode())
+    return Frame(name=name, dtype=dtype, shape=list(t.shape), data=bytes(data), codec=meta["codec"],
+                 meta=json.dumps(meta, sort_keys=True).encode())
 
 
 def decode_tensor(
@@ -147,18 +176,74 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
-def _frame_head(frame: pb.Tensor) -> pb.Tensor:
+def _frame_head(frame: pb.Tensor | Frame) -> pb.Tensor:
     """``frame`` without its payload (small: serialised or sized at no cost)."""
     return pb.Tensor(name=frame.name, dtype=frame.dtype, shape=frame.shape, codec=frame.codec, meta=frame.meta)
 
 
-def frame_size(frame: pb.Tensor) -> int:
-    """``frame.ByteSize()`` without encoding the payload (upb's ByteSize serialises the message)."""
-    n = len(frame.data)
+def frame_size(frame: pb.Tensor | Frame) -> int:
+    """``frame.ByteSize()`` without encoding the payload (upb's ByteSize serialises the message).
+
+    Reading ``frame.data`` still copies the payload (upb hands out a new bytes object on every
+    access): where the serialised message is at hand, :func:`field_lengths` reads the frames'
+    sizes from it for free."""
+    return _sized(frame, len(frame.data))
+
+
+def _sized(frame: pb.Tensor | Frame, n: int) -> int:
+    """``frame``'s serialised size when its payload is ``n`` bytes long."""
     return _frame_head(frame).ByteSize() + (1 + len(_varint(n)) + n if n else 0)
 
 
-def serialize_framed(head, field_number: int, frames: Sequence[pb.Tensor]) -> bytes:
+def _read_varint(buf, pos: int) -> tuple[int, int]:
+    """(value, next position) of the varint at ``buf[pos]``."""
+    value = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise ValueError("truncated or overlong varint")
+        b = buf[pos]
+        value |= (b & 0x7F) << shift
+        pos += 1
+        if not b & 0x80:
+            return value, pos
+        shift += 7
+
+
+def field_spans(buf) -> list[tuple[int, int, int]]:
+    """``(field number, start, end)`` of each top-level field of the serialised message
+    ``buf``, ``start`` where a length-delimited field's bytes begin (after its length), else
+    where its key begins (pure; reads only the keys and lengths, never a payload; a malformed
+    field raises ValueError)."""
+    spans, pos, n = [], 0, len(buf)
+    while pos < n:
+        at = pos
+        key, pos = _read_varint(buf, pos)
+        wire = key & 7
+        if wire == 0:
+            _, pos = _read_varint(buf, pos)
+        elif wire == 1:
+            pos += 8
+        elif wire == 2:
+            length, pos = _read_varint(buf, pos)
+            at = pos
+            pos += length
+        elif wire == 5:
+            pos += 4
+        else:
+            raise ValueError(f"wire type {wire} not used by shoal's messages")
+        if pos > n:
+            raise ValueError("field runs past the message")
+        spans.append((key >> 3, at, pos))
+    return spans
+
+
+def field_lengths(buf, number: int) -> list[int]:
+    """The serialised sizes of the top-level length-delimited fields numbered ``number`` in
+    ``buf``, in order: for a repeated message field, each element's ``ByteSize()`` (pure)."""
+    return [end - start for num, start, end in field_spans(buf) if num == number]
+
+
+def serialize_framed(head, field_number: int, frames: Sequence[pb.Tensor | Frame]) -> bytes:
     """``head`` serialised with ``frames`` as its repeated Tensor field ``field_number`` (< 16).
 
     Parses to the message ``head`` with the frames appended and has its serialised size
@@ -171,11 +256,11 @@ def serialize_framed(head, field_number: int, frames: Sequence[pb.Tensor]) -> by
     tag = bytes([(field_number << 3) | 2])
     pieces = [head.SerializeToString()]
     for f in frames:
-        data = f.data
+        data = f.data  # one copy of the payload (each read of it is one)
         # Fields in number order, as protobuf writes them: 1-3, the payload (4), then 5-6.
         before = pb.Tensor(name=f.name, dtype=f.dtype, shape=f.shape).SerializeToString()
         after = pb.Tensor(codec=f.codec, meta=f.meta).SerializeToString()
-        pieces += [tag, _varint(frame_size(f)), before]
+        pieces += [tag, _varint(_sized(f, len(data))), before]
         if data:
             pieces += [_DATA_TAG, _varint(len(data)), data]
         pieces.append(after)

@@ -149,6 +149,7 @@ class Member:
     last_sign: str = "join"  # its newest sign of life: "heartbeat", or traffic a stage server saw
     death: str = ""  # once dropped: one line why (told to it if it calls again)
     ckpt_versions: list[int] = field(default_factory=list)  # server: every checkpoint version of its stage it holds
+    told_done: bool = False  # a heartbeat of it was answered "done" (it ends; its byte counts are in)
 
 
 def plan_stages(n_total_layers: int, stages: int) -> list[tuple[int, int]]:
@@ -968,6 +969,7 @@ class Coordinator(pbg.CoordinatorServicer):
             self._maybe_restore()
         stage = self._stage_of(m)
         self._check_drift(m, request)
+        m.told_done = m.told_done or self.done
         a = pb.Assignment(known=True, stage=stage, servers=self._servers(),
                           ready=self.ready and not self.pending_restore, epoch=self.epoch,
                           restart_version=self.restart_version, done=self.done, measure=m.measure_req,
@@ -1414,8 +1416,13 @@ class Coordinator(pbg.CoordinatorServicer):
         self.done = True
         self._journal("done", epoch=self.epoch)
         self.event("done", steps=self.committed)
-        # Let members see done in a heartbeat (servers beat every 0.2 s, workers every heartbeat_period).
-        await asyncio.sleep(max(1.0, 3 * heartbeat_period(self.spec.dead_after_s, self.spec.min_lease_s)))
+        # Let members see done in a heartbeat (servers beat every 0.2 s, workers every
+        # heartbeat_period), which also brings their last byte counts: until each has been told,
+        # or three of a worker's beat periods at most (a member that died meanwhile never beats).
+        loop = asyncio.get_running_loop()
+        until = loop.time() + max(1.0, 3 * heartbeat_period(self.spec.dead_after_s, self.spec.min_lease_s))
+        while loop.time() < until and not all(m.told_done for m in self.members.values()):
+            await asyncio.sleep(0.02)
         if self.out and (self.run_dir / "summary.json").exists():
             # The members' heartbeats since the commit carried their last byte counts.
             path = self.run_dir / "summary.json"

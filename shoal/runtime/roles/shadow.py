@@ -57,7 +57,7 @@ def shadow_frames(grads: dict[str, torch.Tensor], count: int, codec: str, ordere
     """The push frames of ``grads``, the sum of ``count`` shadow gradients of one stage, in
     ``codec`` (stateless codecs only): encoded once per process and kept, since every such
     sum is the same tensors (``ordered``: summed the ordered way, part of the key)."""
-    from shoal.net.wire import encode_tensor
+    from shoal.net.wire import encode_frame
     from shoal.train.precision import to_host
 
     key = (tuple((n, tuple(g.shape)) for n, g in grads.items()), count, codec, ordered)
@@ -65,7 +65,7 @@ def shadow_frames(grads: dict[str, torch.Tensor], count: int, codec: str, ordere
     if frames is None:
         if len(_FRAMES) >= 64:
             _FRAMES.clear()
-        frames = _FRAMES[key] = [encode_tensor(n, to_host(g), codec) for n, g in grads.items()]
+        frames = _FRAMES[key] = [encode_frame(n, to_host(g), codec) for n, g in grads.items()]
     return frames
 
 

@@ -39,8 +39,16 @@ from shoal.net.stream import (
     send,
     transfer_timeout,
 )
-from shoal.net.traffic import Traffic
-from shoal.net.wire import WireError, decode_tensor, encode_tensor, frame_size, serialize_framed
+from shoal.net.traffic import Traffic, wire_frame_sizes
+from shoal.net.wire import (
+    Frame,
+    WireError,
+    decode_tensor,
+    encode_frame,
+    encode_tensor,
+    frame_size,
+    serialize_framed,
+)
 from shoal.runtime.common import (
     SCHEMA_VERSION,
     ewma,
@@ -570,10 +578,12 @@ class Worker(LocalWorkerMixin):
         if chain:  # compressed pulls: say which reconstruction we hold (a delta against it will do)
             req.compress_chain, req.compress_version = chain, held
         trace(self.opts.name, "pull")
-        rep = await fetch(self.server.GetWeightsStream, req, pb.WeightsReply, cap, traffic=self.traffic)
+        spans: list = []
+        rep = await fetch(self.server.GetWeightsStream, req, pb.WeightsReply, cap, traffic=self.traffic, spans=spans)
         trace(self.opts.name, "pulled", v=rep.version)
         self.obs_pull_s = ewma(self.obs_pull_s, time.perf_counter() - t0)
-        self.obs_pull_bytes = sum(frame_size(f) for f in rep.params)  # (sizing the whole reply re-encodes it)
+        sizes = wire_frame_sizes(rep, len(rep.params), spans)  # (sizing a frame copies its payload out)
+        self.obs_pull_bytes = sum(sizes) if sizes is not None else sum(frame_size(f) for f in rep.params)
         self.obs_pulls += 1
         from shoal.runtime.roles.shadow import raw_full_pull, shadow_pull_ok
 
@@ -615,7 +625,7 @@ class Worker(LocalWorkerMixin):
         return c if c != "raw" else self.opts.codec
 
     def _push_message(self, epoch: int, step: int, gen: int, mbs: list[int],
-                      grads: dict[str, torch.Tensor], check_id: int = 0) -> tuple[pb.GradPush, list[pb.Tensor], bytes]:
+                      grads: dict[str, torch.Tensor], check_id: int = 0) -> tuple[pb.GradPush, list[Frame], bytes]:
         """One push: its head (no gradients), its frames, and the whole push serialised
         (runs in a thread: it can be hundreds of MB). ``check_id``: the result of a redundant
         check, always in raw frames (it is compared with another worker's raw push)."""
@@ -636,9 +646,9 @@ class Worker(LocalWorkerMixin):
                 g = g.clone()
                 g.view(-1)[0] = float("nan")
             if check_id:
-                frames.append(encode_tensor(name, to_host(g), "raw"))
+                frames.append(encode_frame(name, to_host(g), "raw"))
             else:
-                frames.append(encode_tensor(name, to_host(g), self._codec("push"), ef=self.ef))
+                frames.append(encode_frame(name, to_host(g), self._codec("push"), ef=self.ef))
         return msg, frames, serialize_framed(msg, pb.GradPush.DESCRIPTOR.fields_by_name["grads"].number, frames)
 
     async def _push(self) -> None:
@@ -703,7 +713,7 @@ class Worker(LocalWorkerMixin):
         finally:
             self.held.discard(task.lease_id)
 
-    async def _send_push(self, msg: pb.GradPush, data: bytes, frames: list[pb.Tensor] | None = None,
+    async def _send_push(self, msg: pb.GradPush, data: bytes, frames: list[Frame] | None = None,
                          progress: SendProgress | None = None) -> pb.PushReply | None:
         """Stream one push (``data``: it serialised; ``frames``: its gradients when ``msg``
         is only its head), retrying transport failures; None when every attempt failed."""

@@ -10,13 +10,13 @@ import grpc
 import torch
 
 from shoal.net import shoal_pb2 as pb
-from shoal.net.wire import WireError, decode_tensor, encode_tensor, serialize_framed
+from shoal.net.wire import WireError, decode_tensor, encode_frame, serialize_framed
 
 
 def serialise_weights(head: pb.WeightsReply, params: dict[str, torch.Tensor]) -> bytes:
     """``head`` with every parameter framed, serialised (runs in a thread)."""
     return serialize_framed(head, pb.WeightsReply.DESCRIPTOR.fields_by_name["params"].number,
-                            [encode_tensor(name, p.detach()) for name, p in params.items()])
+                            [encode_frame(name, p.detach()) for name, p in params.items()])
 
 
 def decode_grads(r: pb.GradPush, params: dict[str, torch.Tensor], finite: bool = True) -> dict[str, torch.Tensor]:

@@ -77,7 +77,7 @@ class RelayLink(StreamEnd):
         fut = self.waiting[msg.relay_id] = asyncio.get_running_loop().create_future()
         data = await serialised(msg)
         if self.traffic is not None:
-            self.traffic.count(msg, total=len(data))
+            self.traffic.count(msg, total=len(data), data=data)
         if self.error is not None:
             self.waiting.pop(msg.relay_id, None)
             raise self.error

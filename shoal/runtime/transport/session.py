@@ -194,7 +194,7 @@ class SessionClient(StreamEnd):
         if data is None:
             data = msg.SerializeToString()
         if self.traffic is not None:
-            self.traffic.count(msg, total=len(data))
+            self.traffic.count(msg, total=len(data), data=data)
         self.out.put_nowait((type(msg).__name__, data))
 
     async def _await(self, table: dict, key: int, timeout: float):
