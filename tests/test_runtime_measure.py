@@ -301,6 +301,62 @@ def test_probes_through_a_shaped_link_measure_its_rates():
     assert 0.009 <= figs.rtt_s < 0.5  # two 5 ms one-way delays
 
 
+def test_a_probe_call_waits_for_its_bytes_at_the_floor_rate_and_no_longer():
+    from shoal.runtime.measure import PROBE_CALL_S, PROBE_FLOOR_BPS, probe_timeout_s
+
+    assert probe_timeout_s(0, 60.0) == PROBE_CALL_S
+    assert probe_timeout_s(4_000_000, 60.0) == pytest.approx(PROBE_CALL_S + 4_000_000 / PROBE_FLOOR_BPS)
+    assert probe_timeout_s(10**9, 60.0) == 60.0  # never past the caller's own bound
+
+
+@pytest.mark.timeout(60)
+def test_a_probe_on_a_connection_that_went_silent_fails_within_its_deadline(monkeypatch):
+    """The path drops every byte once the connection is open (a NAT or Wi-Fi drop without a
+    reset): the probe fails at its call deadline, not after the minute it once waited."""
+    import grpc
+
+    import shoal.runtime.measure as measure
+
+    monkeypatch.setattr(measure, "PROBE_CALL_S", 1.0)  # the deadline's fixed part, shortened to keep the test short
+    silent = asyncio.Event()
+
+    async def pump(reader, writer):
+        while data := await reader.read(65536):
+            if silent.is_set():
+                await asyncio.Event().wait()  # swallowed: nothing arrives, nothing is reset
+            writer.write(data)
+            await writer.drain()
+
+    async def main():
+        server = make_server("tok", run_key=lambda: run_public_key(b"s"))
+        pbg.add_CoordinatorServicer_to_server(_Echo(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+
+        async def relay(reader, writer):
+            up_r, up_w = await asyncio.open_connection("127.0.0.1", port)
+            await asyncio.gather(pump(reader, up_w), pump(up_r, writer), return_exceptions=True)
+
+        proxy = await asyncio.start_server(relay, "127.0.0.1", 0)
+        addr = f"127.0.0.1:{proxy.sockets[0].getsockname()[1]}"
+        try:
+            async with open_channel(addr, "tok", identity=Identity.joined("tok", b"s", "w1", "worker")) as ch:
+                stub = pbg.CoordinatorStub(ch)
+                await stub.Probe(pb.ProbeRequest())  # the connection is up
+                silent.set()
+                t0 = time.monotonic()
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await probe_link(stub, "coordinator", probe_bytes=1 << 20)
+                return err.value.code(), time.monotonic() - t0
+        finally:
+            proxy.close()
+            await server.stop(0)
+
+    code, waited = asyncio.run(main())
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert waited < 5.0, waited
+
+
 @pytest.mark.timeout(60)
 def test_a_rate_above_the_interface_is_measured_again_then_cut_to_it():
     async def main():

@@ -44,6 +44,8 @@ RTT_REPEATS = 5  # empty echoes per link; their median is the round-trip time
 TRANSFER_REPEATS = 3  # timed transfers of the final size each way; their median rate counts
 ASYMMETRY = 4.0  # one direction this many times the other is measured again before it is believed
 RECHECKS = 2  # re-measurements of a link whose figures are implausible
+PROBE_CALL_S = 10.0  # a probe call's deadline beyond its bytes' time at PROBE_FLOOR_BPS
+PROBE_FLOOR_BPS = 1e6  # slowest transfer a probe waits for (bytes/s): one hung on a dropped link fails soon
 FLOPS_BUDGET_S = 0.5  # seconds of timed layer runs (after one warm-up run)
 MEASURE_BLOCKS = 1  # transformer blocks run by the compute measurement
 
@@ -393,6 +395,15 @@ def interface_rate_bps(root: str = "/sys/class/net") -> float | None:
     return best or None
 
 
+def probe_timeout_s(nbytes: int, most_s: float) -> float:
+    """Deadline of one Probe call carrying ``nbytes`` (pure): :data:`PROBE_CALL_S` plus the
+    bytes at :data:`PROBE_FLOOR_BPS`, at most ``most_s``. A call on a connection that died
+    under it then fails in seconds (the probe is tried again, then skipped, and the
+    coordinator asks again) instead of holding every later member's measurement for
+    minutes: the coordinator measures members one at a time."""
+    return min(most_s, PROBE_CALL_S + nbytes / PROBE_FLOOR_BPS)
+
+
 async def _timed(call) -> float:
     t0 = time.perf_counter()
     await call
@@ -430,7 +441,7 @@ async def _direction_rate(stub, up: bool, rtt_s: float, max_bytes: int, repeats:
         if up and len(zeros) != n:
             zeros = bytes(n)  # built once per size, not per call
         req = pb.ProbeRequest(payload=zeros) if up else pb.ProbeRequest(reply_bytes=n)
-        return stub.Probe(req, timeout=timeout_s)
+        return stub.Probe(req, timeout=probe_timeout_s(n, timeout_s))
 
     async def once(n: int) -> tuple[float, float, bool]:
         c0 = await counters(up) if counters else {}
@@ -457,7 +468,8 @@ async def _direction_rate(stub, up: bool, rtt_s: float, max_bytes: int, repeats:
 async def probe_link(stub, target: str, probe_bytes: int = DEFAULT_PROBE_BYTES,
                      rtt_repeats: int = RTT_REPEATS, transfer_repeats: int = TRANSFER_REPEATS,
                      timeout_s: float = 60.0, address: str | None = None) -> LinkFigures:
-    """Measure the path to ``target`` through ``stub`` (any stub with a ``Probe`` method).
+    """Measure the path to ``target`` through ``stub`` (any stub with a ``Probe`` method);
+    each call's deadline is :func:`probe_timeout_s` of its bytes, at most ``timeout_s``.
 
     A first echo opens the connection (not timed); the round-trip time is the median of
     ``rtt_repeats`` empty echoes. ``address`` (``HOST:PORT`` the stub connects to
@@ -475,8 +487,9 @@ async def probe_link(stub, target: str, probe_bytes: int = DEFAULT_PROBE_BYTES,
     that size. Without kernel counters a transfer counts as bytes over (call time less one
     round trip).
     """
-    first = await stub.Probe(pb.ProbeRequest(), timeout=timeout_s)
-    rtt = median([await _timed(stub.Probe(pb.ProbeRequest(), timeout=timeout_s)) for _ in range(max(1, rtt_repeats))])
+    echo_s = probe_timeout_s(0, timeout_s)
+    first = await stub.Probe(pb.ProbeRequest(), timeout=echo_s)
+    rtt = median([await _timed(stub.Probe(pb.ProbeRequest(), timeout=echo_s)) for _ in range(max(1, rtt_repeats))])
     if address is not None and first.host and first.host == host_id():
         return LinkFigures(target=target, rtt_s=rtt, up_bps=0.0, down_bps=0.0, same_host=True)
     counters = None
@@ -494,7 +507,7 @@ async def probe_link(stub, target: str, probe_bytes: int = DEFAULT_PROBE_BYTES,
         async def counters(up: bool) -> dict:
             if up:
                 return {k: (c.acked, c.busy_s) for k, c in tcp_connections(ips, port).items()}
-            reply = await stub.Probe(pb.ProbeRequest(tcp_stats=True), timeout=timeout_s)
+            reply = await stub.Probe(pb.ProbeRequest(tcp_stats=True), timeout=echo_s)
             return {"far": (reply.tcp.bytes_acked, reply.tcp.busy_us / 1e6)} if reply.HasField("tcp") else {}
 
     up, how_up = await _direction_rate(stub, True, rtt, probe_bytes, transfer_repeats, timeout_s, counters=counters)
