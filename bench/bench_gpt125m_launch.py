@@ -5,9 +5,10 @@ Runs::
     shoal launch --model gpt-125m --stages 2 --workers 2 --steps 2 --micro-batches 2 \\
         --micro-batch-size 1 --seq-len 64 --chunk-mb 1
 
-polls the resident memory of every process of the swarm (coordinator, servers,
-workers; from /proc, twice a second) and prints a table: time of each step (from the
-run's metrics), peak RSS per process and the peak of their sum. Linux only.
+polls the resident memory and CPU time of every process of the swarm (coordinator,
+servers, workers; from /proc, twice a second) and prints a table: time of each step (from
+the run's metrics), peak RSS and CPU seconds per process, the peak of their RSS sum and
+their CPU sum. Linux only.
 
     PYTHONPATH=. python bench/bench_gpt125m_launch.py [--steps 2] [--chunk-mb 1] [--keep DIR]
         [--precision bf16] [--dead-after 3 --min-lease 2] [--busy-core]
@@ -46,6 +47,18 @@ def _tree(pid: int) -> list[int]:
         seen.append(p)
         todo += _children(p)
     return seen
+
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` so far (0 once gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def _rss_and_name(pid: int) -> tuple[int, str]:
@@ -105,6 +118,7 @@ def main() -> None:
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     peak: dict[str, int] = {}
+    cpu: dict[str, float] = {}  # role -> its CPU seconds when last seen (sampled twice a second)
     peak_sum = 0
     while proc.poll() is None:
         total = 0
@@ -113,6 +127,7 @@ def main() -> None:
             total += rss
             if name:
                 peak[name] = max(peak.get(name, 0), rss)
+                cpu[name] = max(cpu.get(name, 0.0), _cpu_s(pid))
         peak_sum = max(peak_sum, total)
         time.sleep(0.5)
     wall = time.time() - t0
@@ -130,10 +145,11 @@ def main() -> None:
     for r in recs:
         print(f"{r['step']:>4} {r['loss']:>9.5f} {r['step_time_s']:>12.1f}")
     print(f"launch wall time {wall:.1f} s (start-up, {len(recs)} steps, final weights)")
-    print(f"{'process':<16} {'peak RSS MB':>12}")
+    print(f"{'process':<16} {'peak RSS MB':>12} {'CPU s':>8}")
     for name in sorted(peak):
-        print(f"{name:<16} {peak[name] / 2**20:>12.0f}")
-    print(f"{'sum (peak)':<16} {peak_sum / 2**20:>12.0f}")
+        print(f"{name:<16} {peak[name] / 2**20:>12.0f} {cpu.get(name, 0.0):>8.1f}")
+    print(f"{'sum':<16} {peak_sum / 2**20:>12.0f} {sum(cpu.values()):>8.1f}  (RSS: peak of the sum; CPU: user + "
+          f"system when last seen, sampled every 0.5 s)")
     for kind, c in summary["bytes"].items():
         print(f"  {kind:<17} {c['wire'] / 1e6:>9.1f} MB")
     print_deaths(out)
