@@ -163,6 +163,10 @@ def test_flapping_links_to_the_servers(tmp_path, failure_free):
         p.close()
     assert summary["steps"] == RUN["steps"]
     assert resets > 0
+    # A lost connection ends its session cleanly: no task of it left pending or unread.
+    for log_file in (out / "logs").glob("*.log"):
+        text = log_file.read_text()
+        assert "Task was destroyed" not in text and "never retrieved" not in text, log_file.name
     assert_equal_weights(out, failure_free)
 
 

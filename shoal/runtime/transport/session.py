@@ -122,6 +122,10 @@ class StreamEnd:
         self.error: grpc.aio.AioRpcError | None = None
         self.call = method(self._requests())
         self.reader = asyncio.create_task(self._read())
+        # However the stream ends, end the request generator too: left waiting on the queue,
+        # gRPC's task that drains it was destroyed pending once the session was dropped
+        # ("Task was destroyed but it is pending!" in a worker's log at every lost connection).
+        self.reader.add_done_callback(lambda _t: self.out.put_nowait(None))
 
     @property
     def alive(self) -> bool:
