@@ -51,7 +51,9 @@ import tempfile
 import time
 from pathlib import Path
 
-TICK = os.sysconf("SC_CLK_TCK")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from procstat import cpu_s  # noqa: E402
+
 # --profile: the coordinator runs under cProfile; SIGUSR1 writes what it profiled so far to
 # ARGV[1].storm and starts again, SIGTERM writes the rest to ARGV[1].steady and exits.
 PROFILED = """
@@ -77,14 +79,6 @@ runpy.run_module("shoal.runtime.processes.cli", run_name="__main__")
 SERVER_BEAT_S = 0.2  # a stage server's heartbeat period (StageServer's heartbeat_s default)
 RENEW_SHARE = 0.4  # share of a server's workers it heard from since its last beat (0.2 s / 0.5 s renewals)
 
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads); 0 once gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def scenario_dict(workers: int, stages: int, model: str) -> dict:

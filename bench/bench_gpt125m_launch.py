@@ -31,6 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from procstat import cpu_s  # noqa: E402
+
 
 def _children(pid: int) -> list[int]:
     out = []
@@ -49,16 +52,6 @@ def _tree(pid: int) -> list[int]:
     return seen
 
 
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` so far (0 once gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def _rss_and_name(pid: int) -> tuple[int, str]:
@@ -127,7 +120,7 @@ def main() -> None:
             total += rss
             if name:
                 peak[name] = max(peak.get(name, 0), rss)
-                cpu[name] = max(cpu.get(name, 0.0), _cpu_s(pid))
+                cpu[name] = max(cpu.get(name, 0.0), cpu_s(pid))
         peak_sum = max(peak_sum, total)
         time.sleep(0.5)
     wall = time.time() - t0

@@ -28,16 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads); 0 once gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / TICK
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from procstat import cpu_s  # noqa: E402
 
 
 def scenario_dict(n: int, gpu: str, args) -> dict:
