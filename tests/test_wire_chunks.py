@@ -109,6 +109,7 @@ class _Server(StageServer):
 
     cut_after: int | None = None
     cut_abort = False
+    cut_hang = False  # after cut_after chunks send nothing more and never end (a path gone silent)
 
     async def GetWeightsStream(self, request, context):
         n = 0
@@ -116,6 +117,8 @@ class _Server(StageServer):
             if self.cut_after is not None and n >= self.cut_after:
                 if self.cut_abort:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "link dropped")
+                if self.cut_hang:
+                    await asyncio.sleep(3600)
                 return
             n += 1
             yield chunk
@@ -234,6 +237,43 @@ def test_a_weight_pull_cut_mid_way_leaves_the_worker_weights_alone(tmp_path):
             await rpc.stop(0)
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_weight_pull_whose_chunks_stop_coming_is_abandoned_at_the_stall_limit(tmp_path):
+    """The server's chunks stop after 5 and the call never ends (a silent path): the worker's
+    pull gives up once no chunk came for ``pull_stall_s``, not at the call's deadline (a
+    minute plus the weights at 1 MB/s), applies nothing, and the next pull completes."""
+    import time
+
+    async def main():
+        srv, rpc, addr = await _start(tmp_path)
+        try:
+            w = Worker("127.0.0.1:9", TOKEN, WorkerOptions(name="w", pull_stall_s=1.0))
+            w.spec, w.member_id = _spec(), "w"
+            w.cfg = model_config(w.spec)
+            w._switch(0, 0, 3)
+            with torch.no_grad():
+                for p in w.params.values():
+                    p.zero_()
+            async with open_channel(addr, TOKEN, identity=W_ID) as ch:
+                w.server = pbg.StageServerStub(ch)
+                srv.cut_after, srv.cut_hang = 5, True
+                t0 = time.monotonic()
+                with pytest.raises(WireError, match="no chunk came for 1 s"):
+                    await w._pull()
+                waited = time.monotonic() - t0
+                assert w.version == -1
+                assert all(float(p.detach().abs().max()) == 0.0 for p in w.params.values())
+                srv.cut_after = None
+                await w._pull()
+                assert w.version == 0
+        finally:
+            await rpc.stop(0)
+        return waited
+
+    waited = asyncio.run(main())
+    assert 1.0 <= waited < 10.0, waited
 
 
 @pytest.mark.timeout(60)

@@ -273,23 +273,50 @@ async def _await(call):
 
 
 async def fetch(method, request, msg_cls, max_bytes: int, *, timeout: float | None = None, traffic=None,
-                spans: list | None = None):
+                spans: list | None = None, stall_s: float | None = None):
     """Call the server-streaming ``method`` and assemble its ``msg_cls`` reply (checked).
-    ``spans``: a list to fill with the reply's top-level fields (see :meth:`Assembler.finish`)."""
+    ``spans``: a list to fill with the reply's top-level fields (see :meth:`Assembler.finish`).
+    ``stall_s``: give up with :class:`~shoal.net.wire.WireError` once no chunk has come for
+    that long while bytes are still due (a path that went silent: without it the call waits
+    for its deadline, a minute plus the message at 1 MB/s); the parse after the last chunk
+    is not timed."""
     if traffic is not None:
         traffic.count(request)
     call = method(request, timeout=transfer_timeout(max_bytes) if timeout is None else timeout)
-    total = [0]
+    total, got, last = [0], [0], [time.monotonic()]
 
     def sized(chunk: pb.Chunk) -> None:
         total[0] = chunk.total
+        got[0] += len(chunk.data)
+        last[0] = time.monotonic()
 
     spans = [] if spans is None and traffic is not None else spans
     try:
-        msg = await receive(call, msg_cls, max_bytes, sized, spans)
+        if stall_s is None:
+            msg = await receive(call, msg_cls, max_bytes, sized, spans)
+        else:
+            msg = await _watched(receive(call, msg_cls, max_bytes, sized, spans), stall_s,
+                                 lambda: got[0] < total[0] or not total[0], last, msg_cls.__name__)
     except BaseException:
         call.cancel()  # stop the sender; nothing received is used
         raise
     if traffic is not None:
         traffic.count(msg, total=total[0], spans=spans)
     return msg
+
+
+async def _watched(coro, stall_s: float, due, last: list, what: str):
+    """``await coro``, or :class:`~shoal.net.wire.WireError` once ``due()`` has held for
+    ``stall_s`` seconds since ``last[0]`` (the newest sign of progress)."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=stall_s / 4)
+            if done:
+                return task.result()
+            if due() and time.monotonic() - last[0] > stall_s:
+                raise WireError(f"{what}: no chunk came for {stall_s:.0f} s (a hung path); abandoned")
+    finally:
+        if not task.done():
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # read, never reported
+            task.cancel()

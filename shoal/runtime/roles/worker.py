@@ -106,6 +106,7 @@ class WorkerOptions:
     push_attempts: int = 5  # tries of one gradient push before its micro-batches are released
     push_timeout_s: float = 60.0  # least deadline of one push attempt (a large push gets its size at 1 MB/s more)
     push_stall_s: float = 20.0  # a push attempt whose chunks stop leaving for this long is abandoned (a hung path)
+    pull_stall_s: float = 60.0  # a weight pull that gets no chunk for this long is abandoned and asked again
     chunk_bytes: int = 0  # bytes per chunk of streamed uploads (0: the run's setting)
     torch_device: str = "auto"  # --device: where this worker computes (auto, cpu, cuda, cuda:N)
     precision: str | None = None  # --precision: refuse to work in a run of another precision (None: any)
@@ -579,7 +580,8 @@ class Worker(LocalWorkerMixin):
             req.compress_chain, req.compress_version = chain, held
         trace(self.opts.name, "pull")
         spans: list = []
-        rep = await fetch(self.server.GetWeightsStream, req, pb.WeightsReply, cap, traffic=self.traffic, spans=spans)
+        rep = await fetch(self.server.GetWeightsStream, req, pb.WeightsReply, cap, traffic=self.traffic, spans=spans,
+                          stall_s=self.opts.pull_stall_s)
         trace(self.opts.name, "pulled", v=rep.version)
         self.obs_pull_s = ewma(self.obs_pull_s, time.perf_counter() - t0)
         sizes = wire_frame_sizes(rep, len(rep.params), spans)  # (sizing a frame copies its payload out)
