@@ -161,17 +161,20 @@ PARSE_OFF_LOOP_BYTES = 1 << 20  # larger messages are parsed in a thread, off th
 
 
 async def receive(chunks: AsyncIterator[pb.Chunk], msg_cls, max_bytes: int, on_chunk=None,
-                  spans: list | None = None):
+                  spans: list | None = None, progress: dict | None = None):
     """Assemble a message from an async stream of chunks (a gRPC request or reply stream).
 
     A broken call raises its gRPC error while iterating; a stream that ends short raises
     :class:`WireError`. Either way the caller gets no message and applies nothing.
     ``on_chunk(chunk)`` runs for every chunk (e.g. to keep its sender counted as alive);
-    ``spans``: see :meth:`Assembler.finish`.
+    ``spans``: see :meth:`Assembler.finish`; ``progress``: a dict whose ``got``, ``total``
+    and ``last`` (monotonic time) are set after every chunk.
     """
     asm = Assembler(msg_cls.__name__, max_bytes)
     async for c in chunks:
         asm.add(c)
+        if progress is not None:
+            progress.update(got=asm.got, total=asm.total, last=time.monotonic())
         if on_chunk is not None:
             on_chunk(c)
     if asm.total > PARSE_OFF_LOOP_BYTES:
@@ -283,38 +286,31 @@ async def fetch(method, request, msg_cls, max_bytes: int, *, timeout: float | No
     if traffic is not None:
         traffic.count(request)
     call = method(request, timeout=transfer_timeout(max_bytes) if timeout is None else timeout)
-    total, got, last = [0], [0], [time.monotonic()]
-
-    def sized(chunk: pb.Chunk) -> None:
-        total[0] = chunk.total
-        got[0] += len(chunk.data)
-        last[0] = time.monotonic()
-
+    progress = {"got": 0, "total": -1, "last": time.monotonic()}
     spans = [] if spans is None and traffic is not None else spans
     try:
-        if stall_s is None:
-            msg = await receive(call, msg_cls, max_bytes, sized, spans)
-        else:
-            msg = await _watched(receive(call, msg_cls, max_bytes, sized, spans), stall_s,
-                                 lambda: got[0] < total[0] or not total[0], last, msg_cls.__name__)
+        got = receive(call, msg_cls, max_bytes, spans=spans, progress=progress)
+        msg = await (got if stall_s is None else _watched(got, stall_s, progress, msg_cls.__name__))
     except BaseException:
         call.cancel()  # stop the sender; nothing received is used
         raise
     if traffic is not None:
-        traffic.count(msg, total=total[0], spans=spans)
+        traffic.count(msg, total=progress["total"], spans=spans)
     return msg
 
 
-async def _watched(coro, stall_s: float, due, last: list, what: str):
-    """``await coro``, or :class:`~shoal.net.wire.WireError` once ``due()`` has held for
-    ``stall_s`` seconds since ``last[0]`` (the newest sign of progress)."""
+async def _watched(coro, stall_s: float, progress: dict, what: str):
+    """``await coro`` (a :func:`receive` filling ``progress``), or
+    :class:`~shoal.net.wire.WireError` once bytes are still due and no chunk came for
+    ``stall_s`` seconds."""
     task = asyncio.ensure_future(coro)
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=stall_s / 4)
             if done:
                 return task.result()
-            if due() and time.monotonic() - last[0] > stall_s:
+            due = progress["got"] < progress["total"] or progress["total"] < 0
+            if due and time.monotonic() - progress["last"] > stall_s:
                 raise WireError(f"{what}: no chunk came for {stall_s:.0f} s (a hung path); abandoned")
     finally:
         if not task.done():
