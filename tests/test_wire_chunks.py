@@ -209,17 +209,23 @@ def test_a_push_cut_mid_way_is_not_applied(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def _zeroed_worker(opts: WorkerOptions) -> Worker:
+    """Worker "w" on stage 0 [0, 3) of the test spec, every weight zero (a pull must change them)."""
+    w = Worker("127.0.0.1:9", TOKEN, opts)
+    w.spec, w.member_id = _spec(), "w"
+    w.cfg = model_config(w.spec)
+    w._switch(0, 0, 3)
+    with torch.no_grad():
+        for p in w.params.values():
+            p.zero_()
+    return w
+
+
 def test_a_weight_pull_cut_mid_way_leaves_the_worker_weights_alone(tmp_path):
     async def main():
         srv, rpc, addr = await _start(tmp_path)
         try:
-            w = Worker("127.0.0.1:9", TOKEN, WorkerOptions(name="w"))
-            w.spec, w.member_id = _spec(), "w"
-            w.cfg = model_config(w.spec)
-            w._switch(0, 0, 3)
-            with torch.no_grad():
-                for p in w.params.values():
-                    p.zero_()
+            w = _zeroed_worker(WorkerOptions(name="w"))
             async with open_channel(addr, TOKEN, identity=W_ID) as ch:
                 w.server = pbg.StageServerStub(ch)
                 for abort in (False, True):
@@ -249,13 +255,7 @@ def test_a_weight_pull_whose_chunks_stop_coming_is_abandoned_at_the_stall_limit(
     async def main():
         srv, rpc, addr = await _start(tmp_path)
         try:
-            w = Worker("127.0.0.1:9", TOKEN, WorkerOptions(name="w", pull_stall_s=1.0))
-            w.spec, w.member_id = _spec(), "w"
-            w.cfg = model_config(w.spec)
-            w._switch(0, 0, 3)
-            with torch.no_grad():
-                for p in w.params.values():
-                    p.zero_()
+            w = _zeroed_worker(WorkerOptions(name="w", pull_stall_s=1.0))
             async with open_channel(addr, TOKEN, identity=W_ID) as ch:
                 w.server = pbg.StageServerStub(ch)
                 srv.cut_after, srv.cut_hang = 5, True
