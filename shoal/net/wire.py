@@ -185,8 +185,8 @@ def frame_size(frame: pb.Tensor | Frame) -> int:
     """``frame.ByteSize()`` without encoding the payload (upb's ByteSize serialises the message).
 
     Reading ``frame.data`` still copies the payload (upb hands out a new bytes object on every
-    access): where the serialised message is at hand, :func:`field_lengths` reads the frames'
-    sizes from it for free."""
+    access): where the serialised message is at hand, :func:`field_spans` and
+    :func:`field_lengths` read the frames' sizes from it for free."""
     return _sized(frame, len(frame.data))
 
 
@@ -237,10 +237,11 @@ def field_spans(buf) -> list[tuple[int, int, int]]:
     return spans
 
 
-def field_lengths(buf, number: int) -> list[int]:
-    """The serialised sizes of the top-level length-delimited fields numbered ``number`` in
-    ``buf``, in order: for a repeated message field, each element's ``ByteSize()`` (pure)."""
-    return [end - start for num, start, end in field_spans(buf) if num == number]
+def field_lengths(spans, number: int) -> list[int]:
+    """The serialised sizes of the top-level length-delimited fields numbered ``number`` among
+    ``spans`` (:func:`field_spans` of a message), in order: for a repeated message field, each
+    element's ``ByteSize()`` (pure)."""
+    return [end - start for num, start, end in spans if num == number]
 
 
 def serialize_framed(head, field_number: int, frames: Sequence[pb.Tensor | Frame]) -> bytes:
