@@ -3,6 +3,7 @@ approximation, the same decoded bits at any thread count, error feedback, and re
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -81,6 +82,42 @@ def test_decoding_is_the_same_bits_at_any_thread_count():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, many)
+
+
+def test_the_codec_threads_give_the_same_payload_and_bits_as_one_thread():
+    """A stage server encodes and decodes a frame's matrices on its merge threads
+    (``set_codec_threads``): the payload and the decoded bits are those of one thread, and each
+    decoded matrix is the sum of its outer products in order (factors read back from the
+    payload by hand), the small tensors in their places."""
+    layout = [(96, 400), (7,), (300, 64), (2, 2), (128, 128), (16, 4, 8), (5,)]
+    g = torch.Generator().manual_seed(5)
+    x = torch.cat([torch.randn(math.prod(s), generator=g) for s in layout])
+    assert c.codec_threads() == 1
+    one, meta = c.encode(x, "lowrank:3:4", layout=layout)
+    dec_one = c.decode(one, meta, x.shape, layout=layout)
+    try:
+        c.set_codec_threads(3)
+        assert c.codec_threads() == 3
+        many, _ = c.encode(x, "lowrank:3:4", layout=layout)
+        dec_many = c.decode(many, meta, x.shape, layout=layout)
+    finally:
+        c.set_codec_threads(1)
+    assert many == one and torch.equal(dec_many, dec_one)
+    # by hand: the first matrix's factors, and a small tensor's int8 values in its place
+    m, n, rank = 96, 400, 3
+    sa, sb = (torch.frombuffer(bytearray(one[k * 4 * rank:(k + 1) * 4 * rank]), dtype=torch.float32) for k in (0, 1))
+    at = 8 * rank
+    a = c._unpack_codes(memoryview(one)[at:], m, rank, 4) * sa
+    b = c._unpack_codes(memoryview(one)[at + m * rank // 2:], n, rank, 4) * sb
+    want = a[:, 0:1] * b[:, 0] + a[:, 1:2] * b[:, 1] + a[:, 2:3] * b[:, 2]
+    assert torch.equal(dec_one[:m * n].view(m, n), want)
+    # the tensors that are not factored share one int8 block: each element within its scale / 2
+    rest = [(at, math.prod(s)) for at, s in zip([0, *itertools.accumulate(math.prod(s) for s in layout)], layout,
+                                                  strict=False) if not lowrank_matrix(s, 3, 4)]
+    assert sum(k for _, k in rest) == 16
+    scale = max(float(x[at:at + k].abs().max()) for at, k in rest) / 127
+    for at, k in rest:
+        assert float((dec_one[at:at + k] - x[at:at + k]).abs().max()) <= scale / 2 + 1e-7
 
 
 def test_error_feedback_sums_to_the_dense_updates():

@@ -115,8 +115,9 @@ def test_simulator_step_grows_with_server_cpu_and_agrees_with_the_model():
 
 def test_a_local_merge_holds_its_round_for_its_cpu_in_the_model_and_the_simulator():
     """merge_cpu_time by hand (the last push's decode, each push's screen and sum, the pull's
-    encoding; the norms and sums on merge_cores, the host's cores shared by its servers, at
-    most MERGE_THREADS) and its place in the round: local mode, H = 1, no overlap, so the step waits for
+    encoding and decoding; the norms, the sums and the lowrank decode on merge_cores, the host's
+    cores shared by its servers, at most MERGE_THREADS) and its place in the round: local mode,
+    H = 1, no overlap, so the step waits for
     the whole round; the simulator's step grows by the same merge as the cost model's (both
     steps differ by about 0.03 s of round latencies on this hand scenario, merge or not)."""
     from shoal.plan.compression import codec_cpu_s
@@ -126,14 +127,19 @@ def test_a_local_merge_holds_its_round_for_its_cpu_in_the_model_and_the_simulato
     pol = SyncPolicy(mode="local", sync_every=1, push_codec="lowrank", pull_codec="sparse", overlap=False)
     cpu = FrameworkCpu()
     n = 1_000_000
-    by_hand = (n * (codec_cpu_s("lowrank")[1] + codec_cpu_s("sparse")[0])
+    by_hand = (n * (codec_cpu_s("lowrank")[1] + sum(codec_cpu_s("sparse")))
                + 3 * (n * cpu.server_merge_param_s + min(n, SCREEN_SAMPLE) * cpu.server_screen_sample_s))
     assert merge_cpu_time(n, 3, pol, cpu) == pytest.approx(by_hand)
     assert merge_cpu_time(n, 3, SyncPolicy(), cpu) == 0.0  # exact sync has no merge
+    # an uncompressed pull is the weights as they are: encoded, not decoded again
+    raw = dataclasses.replace(pol, pull_codec="none")
+    assert merge_cpu_time(n, 3, raw, cpu) == pytest.approx(by_hand - n * sum(codec_cpu_s("sparse"))
+                                                           + n * codec_cpu_s("none")[0])
     assert merge_cpu_time(n, 3, dataclasses.replace(pol, grad_compression=0.5), cpu) == pytest.approx(by_hand / 2)
-    # the norms and the weighted sum on the server's merge threads: server_merge_speedup faster
-    # from 2 cores on (memory-bound), the rest on one
-    summed = 3 * n * cpu.server_merge_param_s
+    # the norms, the weighted sum and the lowrank push's decode on the server's merge threads:
+    # server_merge_speedup faster from 2 cores on (memory-bound); the sparse pull's codec and the
+    # median's sample on one
+    summed = 3 * n * cpu.server_merge_param_s + n * codec_cpu_s("lowrank")[1]
     for cores, speedup in ((4.0, cpu.server_merge_speedup), (2.0, cpu.server_merge_speedup),
                            (1.5, 1 + (cpu.server_merge_speedup - 1) / 2), (1.0, 1.0)):
         assert merge_cpu_time(n, 3, pol, cpu, cores) == pytest.approx(by_hand - summed + summed / speedup)

@@ -209,9 +209,12 @@ def parse_compression(spec: str) -> dict[str, str]:
 
 
 # Seconds of one core per element to (encode, decode) a local-mode push or pull of the codec,
-# the whole stage in one frame: bench/results/merge-memory.md (2026-12-03, a 25 M parameter
-# gpt-350m stage, one torch thread on the 2-core box). Names not listed cost what int8 does.
-CODEC_CPU_S = {"none": (6.0e-9, 10.3e-9), "lowrank": (6.7e-9, 6.0e-9), "sparse": (9.1e-9, 2.8e-9),
+# the whole stage in one frame, on one torch thread on the 2-core box: ``lowrank`` from
+# bench/results/codec-threads.md (2026-12-04, ``bench_codec_threads.py``: a 101 M parameter
+# gpt-1.3b stage 10.7 + 3.8 ns, a 50.6 M gpt-350m stage 10.9 + 4.7 ns; the larger of the two),
+# the others from bench/results/merge-memory.md (2026-12-03, a 25 M parameter gpt-350m stage).
+# Names not listed cost what int8 does.
+CODEC_CPU_S = {"none": (6.0e-9, 10.3e-9), "lowrank": (10.9e-9, 4.7e-9), "sparse": (9.1e-9, 2.8e-9),
                "int8": (16.1e-9, 8.5e-9)}
 
 
@@ -219,6 +222,18 @@ def codec_cpu_s(codec: str) -> tuple[float, float]:
     """``(encode, decode)`` seconds of one core per element of a stage pushed or pulled with ``codec`` (pure)."""
     name = codec.split(":")[0]
     return CODEC_CPU_S.get("none" if name in ("raw", "fp32") else name, CODEC_CPU_S["int8"])
+
+
+def codec_threaded(codec: str) -> bool:
+    """Whether a stage server encodes and decodes ``codec``'s frames on its merge threads (pure):
+    ``lowrank``, one matrix a thread (``shoal.net.compress.set_codec_threads``)."""
+    return codec.split(":")[0] == "lowrank"
+
+
+def pull_compressed(codec: str) -> bool:
+    """Whether a local-mode pull of ``codec`` is a compressed frame the server decodes again after
+    encoding it (to apply or keep what the workers decode), not the weights as they are (pure)."""
+    return codec.split(":")[0] not in ("none", "raw", "fp32")
 
 
 def sparse_params(codec: str) -> tuple[float, int]:

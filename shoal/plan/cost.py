@@ -41,7 +41,13 @@ import numpy as np
 from shoal.errors import ShoalError
 from shoal.model.config import get_preset
 from shoal.model.profile import ModelProfile, profile_model
-from shoal.plan.compression import DENSE_ROUND_CODEC, bytes_per_element, codec_cpu_s
+from shoal.plan.compression import (
+    DENSE_ROUND_CODEC,
+    bytes_per_element,
+    codec_cpu_s,
+    codec_threaded,
+    pull_compressed,
+)
 from shoal.plan.types import (
     MERGE_THREADS,
     SCREEN_REF_MBS,
@@ -496,19 +502,26 @@ def merge_cpu_time(params: float, pushes: int, sync: SyncPolicy, cpu: FrameworkC
     round's last push landing and the first pull (pure): that push's decode, the screen's
     measures and weighted-sum term of each of the round's ``pushes``
     (``FrameworkCpu.server_merge_param_s`` a parameter, ``server_screen_sample_s`` a coordinate
-    of the screen's median, at most :data:`~shoal.plan.types.SCREEN_SAMPLE`) and the encoding of
-    the merged update the workers pull (:data:`shoal.plan.compression.CODEC_CPU_S`, times
-    ``server_codec_scale``).
+    of the screen's median, at most :data:`~shoal.plan.types.SCREEN_SAMPLE`) and the merged
+    update the workers pull, encoded and decoded again (the server applies or keeps what the
+    workers will decode; :data:`shoal.plan.compression.CODEC_CPU_S`, times ``server_codec_scale``;
+    an uncompressed pull is only encoded).
     The round's other pushes are decoded on other cores as they land (the runtime decodes each
-    in a thread); the norms and the weighted sum run on ``parallel`` cores (:func:`merge_cores`),
-    ``cpu.server_merge_speedup`` times faster on two or more than on one (memory-bound: more
-    threads are not counted), the median's sample, the last decode and the pull's encoding on one.
+    in a thread); the norms, the weighted sum and a ``lowrank`` frame's matrices
+    (:func:`~shoal.plan.compression.codec_threaded`) run on ``parallel`` cores
+    (:func:`merge_cores`), ``cpu.server_merge_speedup`` times faster on two or more than on one
+    (memory-bound: more threads are not counted), the median's sample and other codecs on one.
     Times ``sync.grad_compression``, as the round's bytes are (a simulated round
     compressed to fewer steps carries that share of both). 0 outside local mode."""
     if not sync.local or pushes <= 0 or params <= 0:
         return 0.0
-    codec = cpu.server_codec_scale * (codec_cpu_s(sync.push_codec)[1] + codec_cpu_s(sync.pull_codec)[0])
     speedup = 1.0 + (cpu.server_merge_speedup - 1.0) * min(1.0, max(0.0, parallel - 1.0))
+    pull_enc, pull_dec = codec_cpu_s(sync.pull_codec)
+    if not pull_compressed(sync.pull_codec):
+        pull_dec = 0.0
+    push = codec_cpu_s(sync.push_codec)[1] / (speedup if codec_threaded(sync.push_codec) else 1.0)
+    pull = (pull_enc + pull_dec) / (speedup if codec_threaded(sync.pull_codec) else 1.0)
+    codec = cpu.server_codec_scale * (push + pull)
     per_push = (params * cpu.server_merge_param_s / speedup
                 + min(params, SCREEN_SAMPLE) * cpu.server_screen_sample_s)
     return (params * codec + pushes * per_push) * sync.grad_compression

@@ -43,6 +43,7 @@ from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
 from shoal.net.auth import caller, check_caller
 from shoal.net.channel import ChannelFactory, advertised_address, bind, make_server
+from shoal.net.compress import set_codec_threads
 from shoal.net.stream import (
     CONTROL_SLACK,
     DEFAULT_CHUNK_BYTES,
@@ -119,7 +120,7 @@ from shoal.runtime.sync.codecs import (
     frame_to_forward,
     relay_frame,
 )
-from shoal.runtime.sync.local import LocalServerMixin
+from shoal.runtime.sync.local import LocalServerMixin, merge_threads
 from shoal.runtime.sync.replicas import ReplicaServerMixin
 from shoal.runtime.transport.frames import (
     TRANSIENT_CODES,
@@ -1911,6 +1912,9 @@ def serve(coord: str, listen: str, token: str, ckpt_root: str, name: str = "serv
     :func:`shoal.runtime.sync.held.default_merge_memory`).
     """
     set_threads()
+    # a local-mode round's lowrank decode and encode hold its merge: on the merge's threads
+    # (the same bits on any number; shoal.plan.cost.merge_cpu_time prices them so)
+    set_codec_threads(merge_threads())
     srv = StageServer(coord, listen, token, ckpt_root, name=name, dial=dial, device=device, region=region,
                       up_bps=up_bps, down_bps=down_bps, probe_bytes=probe_bytes, advertise=advertise,
                       chunk_bytes=chunk_bytes, tls=tls, data=data, server_token=server_token,
