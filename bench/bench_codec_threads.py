@@ -16,23 +16,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+from bench_merge_threads import stage_shapes  # noqa: E402
 
-from shoal.model.config import get_preset  # noqa: E402
-from shoal.model.transformer import build_stage  # noqa: E402
 from shoal.net import compress  # noqa: E402
 from shoal.runtime.sync.codecs import split_stage_frame, stage_frame  # noqa: E402
-
-
-def _shapes(model: str, layers: int) -> dict[str, torch.Size]:
-    cfg = get_preset(model)
-    with torch.device("meta"):
-        stage = build_stage(cfg, 1, 1 + layers, init=False)
-    return {n: p.shape for n, p in stage.named_parameters()}
 
 
 def _round(tensors: dict[str, torch.Tensor], codec: str) -> tuple[float, float, bytes, dict]:
@@ -52,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="runs of each; the fastest is kept")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    shapes = _shapes(args.model, args.layers)
+    shapes = stage_shapes(args.model, args.layers)
     params = sum(s.numel() for s in shapes.values())
     g = torch.Generator().manual_seed(0)
     tensors = {n: torch.randn(s, generator=g) * 1e-3 for n, s in shapes.items()}

@@ -5,16 +5,21 @@ screen and the merge read each contributor once; a large stage's median is taken
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from shoal.runtime.measure import available_ram
 from shoal.runtime.safety.verify import (
+    PRODUCT_BLOCK,
+    norm_and_dot,
     reference_cosines,
     reference_gradient,
     round_measures,
     sample_positions,
+    screen_measures,
+    sum_product,
 )
 from shoal.runtime.sync.codecs import split_stage_frame, stage_frame
 from shoal.runtime.sync.held import HeldPushes, default_merge_memory, host_memory_bytes
@@ -78,7 +83,11 @@ def test_the_merge_and_the_screen_read_the_same_from_frames_and_each_push_once()
     assert n1 == n2 and c1 == pytest.approx(c2, abs=1e-12)
 
 
-def test_reference_cosines_reads_each_push_once():
+def test_the_screens_measures_read_each_push_once_with_the_reference():
+    """screen_measures with the reference gradient (as the server calls it): each push held as
+    frames is decoded once for its norm, its median sample and its cosine to the reference; the
+    cosines are reference_cosines' floats, the same on the merge's threads, and the float64 ones
+    within rounding."""
     from shoal.model.config import get_preset
     from shoal.model.transformer import build_stage
     from shoal.net import shoal_pb2 as pb
@@ -99,11 +108,88 @@ def test_reference_cosines_reads_each_push_once():
             return split_stage_frame(frame, params)
 
         assert held.put(f"w{i}", decode(), decode, frame.ByteSize())
-    calls.clear()
     ref = reference_gradient(module, spec, 0, [(0, None, None, None)], first=True, last=True)
-    cos = reference_cosines(ref, held)
-    assert set(cos) == {"w0", "w1", "w2"} and all(c is not None and -1 <= c <= 1 for c in cos.values())
+    lrs = dict.fromkeys(held, 1.0)
+    calls.clear()
+    norms, med, cos, _ = screen_measures(held, lrs, quorum=3, ref=ref, seed=3)
     assert calls == {"w0": 1, "w1": 1, "w2": 1}
+    assert set(cos) == {"w0", "w1", "w2"} and all(c is not None and -1 <= c <= 1 for c in cos.values())
+    assert (norms, med) == round_measures(held, lrs, quorum=3, seed=3)
+    calls.clear()
+    assert reference_cosines(ref, held) == cos
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        assert screen_measures(held, lrs, quorum=3, ref=ref, seed=3, pool=pool) == (norms, med, cos, None)
+    # against the cosines in float64
+    for w, c in cos.items():
+        d = {k: t.double() for k, t in held[w].items()}
+        num = sum(float((d[k] * ref[k].double()).sum()) for k in d)
+        den = math.sqrt(sum(float((t * t).sum()) for t in d.values()) * sum(float((t.double() ** 2).sum())
+                                                                          for t in ref.values()))
+        assert c == pytest.approx(num / den, rel=1e-5, abs=1e-7)
+
+
+def test_the_screens_read_takes_the_merges_weighted_sum_to_the_same_bits():
+    """screen_measures with the round's shares (as the server's screen calls it): the fourth item
+    is weighted_sum's result bit for bit (tensors over several product blocks, with and without
+    the merge's threads, pushes held as frames read once), the measures are unchanged, a lone
+    contributor's sum is its push, and a weight without a push leaves the sum to the merge."""
+    shapes = {"a.weight": (600, 1000), "b.bias": (7,), "c.weight": (64, 64)}
+    assert 2 * PRODUCT_BLOCK < 600 * 1000
+    g = torch.Generator().manual_seed(9)
+    pushes = {f"w{i}": {k: torch.randn(s, generator=g) * 1e-3 for k, s in shapes.items()} for i in range(4)}
+    ref = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+    shares = merge_weights({"w0": 3, "w1": 5, "w2": 1, "w3": 7})
+    lrs = dict.fromkeys(pushes, 1.0)
+    want = weighted_sum(pushes, shares)
+    base = screen_measures(pushes, lrs, quorum=3, ref=ref, seed=1)
+    assert base[3] is None
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for p in (None, pool):
+            norms, med, cos, summed = screen_measures(pushes, lrs, quorum=3, ref=ref, sum_weights=shares, seed=1,
+                                                      pool=p)
+            assert (norms, med, cos) == base[:3]
+            assert summed.keys() == want.keys() and all(torch.equal(summed[k], want[k]) for k in want)
+    # held as frames: one decode of each push for the screen and the sum together
+    held, calls = HeldPushes(0), {}
+    for w, d in pushes.items():
+        frame = stage_frame(d, "int8")
+
+        def decode(frame=frame, w=w):
+            calls[w] = calls.get(w, 0) + 1
+            return split_stage_frame(frame, pushes["w0"])
+
+        held.put(w, decode(), decode, frame.ByteSize())
+    calls.clear()
+    summed = screen_measures(held, lrs, quorum=3, ref=ref, sum_weights=shares, seed=1)[3]
+    assert calls == dict.fromkeys(pushes, 1)
+    framed_want = weighted_sum({w: held[w] for w in pushes}, shares)
+    assert all(torch.equal(summed[k], framed_want[k]) for k in framed_want)
+    # a lone contributor: its push, bit for bit
+    one = screen_measures({"w2": pushes["w2"]}, lrs, quorum=3, sum_weights={"w2": 1.0})[3]
+    assert all(torch.equal(one[k], pushes["w2"][k]) for k in shapes)
+    # a weight whose push is missing, or weights out of name order
+    assert screen_measures({"w0": pushes["w0"]}, lrs, quorum=3, sum_weights={"w0": 0.5, "w1": 0.5})[3] is None
+    with pytest.raises(ValueError, match="name order"):
+        screen_measures(pushes, lrs, quorum=3, sum_weights={"w1": 0.5, "w0": 0.5})
+
+
+@pytest.mark.parametrize("n", [1000, PRODUCT_BLOCK, 3 * PRODUCT_BLOCK + 17])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_products_are_taken_a_block_at_a_time_within_float_rounding(n, dtype):
+    """sum_product and norm_and_dot (the screen's norms and cosines) against float64: within
+    1e-6 of the sum of magnitudes; norm_and_dot gives sum_product's two floats in one read."""
+    g = torch.Generator().manual_seed(n)
+    a = (torch.randn(n, generator=g) + 0.1).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    exact_ab = float((a.double() * b.double()).sum())
+    exact_aa = float((a.double() ** 2).sum())
+    scale = float((a.double() * b.double()).abs().sum())
+    assert sum_product(a, b) == pytest.approx(exact_ab, abs=1e-6 * scale)
+    assert sum_product(a, a) == pytest.approx(exact_aa, rel=1e-6)
+    assert norm_and_dot(a, b) == (sum_product(a, a), sum_product(a, b))
+    # a matrix is taken flat, in the same blocks
+    m = a[: n - n % 8].reshape(8, -1)
+    assert sum_product(m, m) == sum_product(m.reshape(-1), m.reshape(-1))
 
 
 def test_a_large_stages_median_is_taken_over_a_secret_sample():

@@ -136,13 +136,16 @@ def test_a_local_merge_holds_its_round_for_its_cpu_in_the_model_and_the_simulato
     assert merge_cpu_time(n, 3, raw, cpu) == pytest.approx(by_hand - n * sum(codec_cpu_s("sparse"))
                                                            + n * codec_cpu_s("none")[0])
     assert merge_cpu_time(n, 3, dataclasses.replace(pol, grad_compression=0.5), cpu) == pytest.approx(by_hand / 2)
-    # the norms, the weighted sum and the lowrank push's decode on the server's merge threads:
-    # server_merge_speedup faster from 2 cores on (memory-bound); the sparse pull's codec and the
-    # median's sample on one
-    summed = 3 * n * cpu.server_merge_param_s + n * codec_cpu_s("lowrank")[1]
-    for cores, speedup in ((4.0, cpu.server_merge_speedup), (2.0, cpu.server_merge_speedup),
-                           (1.5, 1 + (cpu.server_merge_speedup - 1) / 2), (1.0, 1.0)):
-        assert merge_cpu_time(n, 3, pol, cpu, cores) == pytest.approx(by_hand - summed + summed / speedup)
+    # the norms, cosines and weighted sum (server_merge_speedup) and the lowrank push's decode
+    # (server_codec_speedup) on the server's merge threads, faster from 2 cores on (memory-bound);
+    # the sparse pull's codec and the median's sample on one
+    summed, decoded = 3 * n * cpu.server_merge_param_s, n * codec_cpu_s("lowrank")[1]
+    assert cpu.server_merge_speedup != cpu.server_codec_speedup  # (each is taken where it belongs)
+    for share in (1.0, 1.0, 0.5, 0.0):
+        cores = 1.0 + share if share < 1.0 else 4.0
+        speedup, threaded = 1 + (cpu.server_merge_speedup - 1) * share, 1 + (cpu.server_codec_speedup - 1) * share
+        assert merge_cpu_time(n, 3, pol, cpu, cores) == pytest.approx(
+            by_hand - summed - decoded + summed / speedup + decoded / threaded)
     assert merge_cores(dataclasses.replace(_two_stage_plan(), sync=pol), _scenario(cores=8)) == [[4.0, 4.0]]
     assert merge_cores(dataclasses.replace(_two_stage_plan(), sync=pol), _scenario(cores=2)) == [[1.0, 1.0]]
     steps, preds = [], []

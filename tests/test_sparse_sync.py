@@ -311,6 +311,12 @@ def test_local_sparse_swarm_replicas_equal_server_and_bytes(tmp_path, codec):
                   for m in re.findall(r"local merge (\{.*\})", p.read_text())]
     assert len(merge_logs) == 8  # 4 rounds x 2 stages
     assert all(m["merge_s"] > 0 for m in merge_logs)  # the screen and the merge, timed (cost.merge_cpu_time)
+    # the merge takes the weighted sum the screen's read of the pushes made (verify.screen_measures)
+    # wherever the screen left every push in (one it holds out makes other shares: summed again);
+    # the digests below hold for those merges too
+    assert any(m["screen_sum"] for m in merge_logs), merge_logs
+    missed = [m for m in merge_logs if not m["screen_sum"] and set(m["screen"]) == set(m["shares"])]
+    assert not missed, missed
     framed = [m.get("framed", 0) for m in merge_logs]
     if codec == "lowrank":  # every push received held as frames (the screen may leave one out of the merge)
         assert all(f >= max(1, len(m["contributors"])) for f, m in zip(framed, merge_logs, strict=True)), merge_logs

@@ -509,18 +509,21 @@ def merge_cpu_time(params: float, pushes: int, sync: SyncPolicy, cpu: FrameworkC
     The round's other pushes are decoded on other cores as they land (the runtime decodes each
     in a thread); the norms, the weighted sum and a ``lowrank`` frame's matrices
     (:func:`~shoal.plan.compression.codec_threaded`) run on ``parallel`` cores
-    (:func:`merge_cores`), ``cpu.server_merge_speedup`` times faster on two or more than on one
-    (memory-bound: more threads are not counted), the median's sample and other codecs on one.
+    (:func:`merge_cores`), ``cpu.server_merge_speedup`` (the codec: ``server_codec_speedup``)
+    times faster on two or more than on one (memory-bound: more threads are not counted), the
+    median's sample and other codecs on one.
     Times ``sync.grad_compression``, as the round's bytes are (a simulated round
     compressed to fewer steps carries that share of both). 0 outside local mode."""
     if not sync.local or pushes <= 0 or params <= 0:
         return 0.0
-    speedup = 1.0 + (cpu.server_merge_speedup - 1.0) * min(1.0, max(0.0, parallel - 1.0))
+    share = min(1.0, max(0.0, parallel - 1.0))  # of the second core
+    speedup = 1.0 + (cpu.server_merge_speedup - 1.0) * share
+    threaded = 1.0 + (cpu.server_codec_speedup - 1.0) * share
     pull_enc, pull_dec = codec_cpu_s(sync.pull_codec)
     if not pull_compressed(sync.pull_codec):
         pull_dec = 0.0
-    push = codec_cpu_s(sync.push_codec)[1] / (speedup if codec_threaded(sync.push_codec) else 1.0)
-    pull = (pull_enc + pull_dec) / (speedup if codec_threaded(sync.pull_codec) else 1.0)
+    push = codec_cpu_s(sync.push_codec)[1] / (threaded if codec_threaded(sync.push_codec) else 1.0)
+    pull = (pull_enc + pull_dec) / (threaded if codec_threaded(sync.pull_codec) else 1.0)
     codec = cpu.server_codec_scale * (push + pull)
     per_push = (params * cpu.server_merge_param_s / speedup
                 + min(params, SCREEN_SAMPLE) * cpu.server_screen_sample_s)

@@ -123,10 +123,11 @@ _CPU_KEYS = {"server_task_ms": "server_task_s", "worker_task_ms": "worker_task_s
              "coordinator_member_ms": "coordinator_member_s", "coordinator_report_ms": "coordinator_report_s",
              "coordinator_cores": "coordinator_cores", "server_merge_ms_per_mparam": "server_merge_param_s",
              "server_codec_scale": "server_codec_scale", "server_screen_ms_per_mcoord": "server_screen_sample_s",
-             "server_gflops": "server_flops", "server_merge_speedup": "server_merge_speedup"}
+             "server_gflops": "server_flops", "server_merge_speedup": "server_merge_speedup",
+             "server_codec_speedup": "server_codec_speedup"}
 _CPU_UNITS = {"coordinator_cores": 1.0, "server_merge_ms_per_mparam": MS / 1e6, "server_codec_scale": 1.0,
               "server_screen_ms_per_mcoord": MS / 1e6, "server_gflops": 1e9,
-              "server_merge_speedup": 1.0}  # the rest: ms
+              "server_merge_speedup": 1.0, "server_codec_speedup": 1.0}  # the rest: ms
 
 
 def _framework_cpu(d: dict, name: str) -> FrameworkCpu:
@@ -145,9 +146,10 @@ def _framework_cpu(d: dict, name: str) -> FrameworkCpu:
             v = c[key]
             ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
             if (not ok or v < 0 or (key in ("coordinator_cores", "server_gflops") and v <= 0)
-                    or (key == "server_merge_speedup" and v < 1)):
+                    or (key in ("server_merge_speedup", "server_codec_speedup") and v < 1)):
                 raise ShoalError(f"scenario {name}: framework_cpu.{key} must be a non-negative number "
-                                 f"(coordinator_cores and server_gflops > 0, server_merge_speedup >= 1), got {v!r}")
+                                 f"(coordinator_cores and server_gflops > 0, server_merge_speedup and server_codec_speedup >= 1), "
+                                 f"got {v!r}")
             vals[attr] = float(v) * _CPU_UNITS.get(key, MS)
     return FrameworkCpu(**vals)
 

@@ -362,7 +362,7 @@ def screen_round(norms: dict[str, float], cosines: dict[str, float | None], hist
     no counted inner step). A norm over ``cfg.local_bound_margin`` times it flags in any
     round, the first included, and needs no majority: no AdamW replica can move that far.
     ``ref_cosines``: each contributor's cosine to the server's own gradient
-    (:func:`shoal.runtime.safety.verify.reference_cosines`); below ``-cfg.local_ref_ban`` (and
+    (:func:`shoal.runtime.safety.verify.screen_measures`); below ``-cfg.local_ref_ban`` (and
     the ``cfg.local_ref_sigmas`` threshold) flags in any round, the first included, and needs
     no majority: colluders that are most of a round set its median, not that gradient. For the
     same reason a contributor whose cosine to it is positive is not flagged for its direction

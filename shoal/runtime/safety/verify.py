@@ -18,16 +18,124 @@ import torch
 from shoal.plan.types import SCREEN_SAMPLE
 from shoal.runtime.common import micro_batch
 
+PRODUCT_BLOCK = 1 << 18  # elements sum_product multiplies at once (1 MB of products: in the cache)
+
 
 def sum_product(a: torch.Tensor, b: torch.Tensor) -> float:
     """``sum(a * b)`` of two tensors of one shape, as a Python float.
 
-    The products are formed in fp32 and added by torch's cascade summation, whose error
-    stays near 1e-7 relative even over tens of millions of elements; no fp64 copy of the
-    tensors is made: 4-5x faster than casting to fp64 (about 80 ms instead of 400 for a
-    30M-element product on one core).
+    The products are formed in fp32, :data:`PRODUCT_BLOCK` elements at a time into one buffer
+    that stays in the cache, each block added by torch's cascade summation and the blocks'
+    sums in fp64: error near 1e-7 relative over tens of millions of elements, no fp64 copy of
+    the tensors and no product tensor of their size (4.5x faster than ``(a * b).sum()`` on a
+    gpt-1.3b matrix, whose product was fresh memory: bench/results/merge-threads.md). The
+    blocks depend only on the size, so the result is the same bits on any thread.
     """
-    return float((a.detach().float() * b.detach().float()).sum())
+    x, y = a.detach().reshape(-1), b.detach().reshape(-1)
+    n = x.numel()
+    if n <= PRODUCT_BLOCK:
+        return float((x.float() * y.float()).sum())
+    buf = torch.empty(PRODUCT_BLOCK, dtype=torch.float32)
+    total = 0.0
+    for i in range(0, n, PRODUCT_BLOCK):
+        xs, ys = x[i:i + PRODUCT_BLOCK].float(), y[i:i + PRODUCT_BLOCK].float()
+        out = buf[:xs.numel()]
+        torch.mul(xs, ys, out=out)
+        total += float(out.sum())
+    return total
+
+
+def norm_and_dot(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """``(sum(a * a), sum(a * b))`` in one read of ``a`` (:func:`sum_product`'s blocks and
+    arithmetic: the same two floats as two calls of it)."""
+    x, y = a.detach().reshape(-1), b.detach().reshape(-1)
+    n = x.numel()
+    if n <= PRODUCT_BLOCK:
+        xf, yf = x.float(), y.float()
+        return float((xf * xf).sum()), float((xf * yf).sum())
+    buf = torch.empty(PRODUCT_BLOCK, dtype=torch.float32)
+    sq = dt = 0.0
+    for i in range(0, n, PRODUCT_BLOCK):
+        xs, ys = x[i:i + PRODUCT_BLOCK].float(), y[i:i + PRODUCT_BLOCK].float()
+        out = buf[:xs.numel()]
+        torch.mul(xs, xs, out=out)
+        sq += float(out.sum())
+        torch.mul(xs, ys, out=out)
+        dt += float(out.sum())
+    return sq, dt
+
+
+def _norm_and_dot_job(job: tuple) -> tuple[float, float]:
+    """:func:`norm_and_dot` of one tensor and its reference (none: its norm and 0); with a
+    destination, the tensor times its weight added to it in the same read (``job``: tensor,
+    reference or None, and optionally destination, weight, first)."""
+    a, b, *add = job
+    if add:
+        return _norm_dot_add(a, b, *add)
+    return norm_and_dot(a, b) if b is not None else (sum_product(a, a), 0.0)
+
+
+def _norm_dot_add(a: torch.Tensor, b: torch.Tensor | None, dst: torch.Tensor, w: float,
+                  first: bool) -> tuple[float, float]:
+    """:func:`norm_and_dot` of ``a`` (``b`` None: 0 for the product) and ``dst += w * a`` (``first``:
+    ``dst = w * a``) in one read of ``a``, a block at a time, with
+    :func:`shoal.train.outer.weighted_sum`'s operations on each element (the same bits)."""
+    x = a.detach().reshape(-1)
+    y = None if b is None else b.detach().reshape(-1)
+    out = dst.view(-1)
+    n = x.numel()
+    buf = torch.empty(min(n, PRODUCT_BLOCK), dtype=torch.float32)
+    term = torch.empty_like(buf)  # w times a block (fresh memory each block would cost page faults)
+    small = n <= PRODUCT_BLOCK
+    sq = dt = 0.0
+    for i in range(0, n, PRODUCT_BLOCK):
+        xs, o = x[i:i + PRODUCT_BLOCK], out[i:i + PRODUCT_BLOCK]
+        if small:  # sum_product's one-block form
+            sq = float((xs * xs).sum())
+            dt = 0.0 if y is None else float((xs * y.float()).sum())
+        else:
+            p = buf[:xs.numel()]
+            torch.mul(xs, xs, out=p)
+            sq += float(p.sum())
+            if y is not None:
+                torch.mul(xs, y[i:i + PRODUCT_BLOCK].float(), out=p)
+                dt += float(p.sum())
+        if first:
+            if w != 1.0:
+                torch.mul(xs, w, out=o)
+            else:
+                o.copy_(xs)
+        elif w != 1.0:
+            t = term[:xs.numel()]
+            torch.mul(xs, w, out=t)  # (rounded to float32 before the add, as weighted_sum does)
+            o.add_(t)
+        else:
+            o.add_(xs)
+    return sq, dt
+
+
+def push_norm_and_dot(d: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor] | None,
+                      pool: Executor | None = None, add: tuple[dict, float] | None = None) -> tuple[float, float]:
+    """``(sq_norm(d), dot(d, ref))`` in one read of the push ``d`` (:func:`norm_and_dot` a
+    tensor; ``ref`` None: 0 for the product; a ``pool`` takes a tensor a thread, the sums still
+    added in name order): the same two floats as those functions. ``add = (out, w)``: also
+    ``out[name] += w * d[name]`` in that read (a name not in ``out`` yet starts there), as
+    :func:`shoal.train.outer.weighted_sum` adds a contributor."""
+    ref = ref or {}
+    if add is None:
+        jobs = [(t, ref.get(k)) for k, t in d.items()]
+    else:
+        out, w = add
+        jobs = []
+        for k, t in d.items():
+            first = k not in out
+            if first:
+                out[k] = torch.empty_like(t, memory_format=torch.contiguous_format)
+            jobs.append((t, ref.get(k), out[k], w, first))
+    sq = dt = 0.0
+    for a, b in (pool.map if pool is not None else map)(_norm_and_dot_job, jobs):
+        sq, dt = sq + a, dt + b
+    return sq, dt
 
 
 def sq_norm(grads: Mapping[str, torch.Tensor], pool: Executor | None = None) -> float:
@@ -122,18 +230,22 @@ def reference_gradient(module: torch.nn.Module, spec, step: int,
     return ref
 
 
-def reference_cosines(ref: dict[str, torch.Tensor], deltas: dict[str, dict[str, torch.Tensor]]
-                      ) -> dict[str, float | None]:
+def reference_cosines(ref: dict[str, torch.Tensor], deltas: dict[str, dict[str, torch.Tensor]],
+                      pool: Executor | None = None) -> dict[str, float | None]:
     """Local mode: each pseudo-gradient's cosine to the server's own gradient ``ref``
     (:func:`reference_gradient`, at the merged weights the round started from). An honest
     replica's pseudo-gradient (anchor minus its weights after AdamW steps down the loss)
-    points along it; a flipped, scaled-negative or noise one does not. None: a zero norm."""
-    ref_sq = sq_norm(ref)
+    points along it; a flipped, scaled-negative or noise one does not. None: a zero norm.
+    Each pseudo-gradient is read once for its norm and its product with ``ref``
+    (:func:`norm_and_dot`); a ``pool`` takes a tensor a thread, the sums still added in name
+    order (the same bits)."""
+    ref_sq = sq_norm(ref, pool)
     out: dict[str, float | None] = {}
     for w in sorted(deltas):  # one at a time: a push held as frames is decoded for this read only
         d = deltas[w]
-        denom = math.sqrt(sq_norm(d) * ref_sq)
-        out[w] = dot(d, ref) / denom if denom > 0 else None
+        sq, dt = push_norm_and_dot(d, ref, pool)
+        denom = math.sqrt(sq * ref_sq)
+        out[w] = dt / denom if denom > 0 else None
         del d
     return out
 
@@ -168,6 +280,16 @@ def pick(d, pos: torch.Tensor | None) -> torch.Tensor:
 
 def round_measures(deltas, lr_sums: dict[str, float], quorum: int, *, sample: int = MEDIAN_SAMPLE,
                    seed: int = 0, pool: Executor | None = None) -> tuple[dict[str, float], dict[str, float | None]]:
+    """:func:`screen_measures` without a reference gradient: (norms, cosines to the median)."""
+    norms, cos, _, _ = screen_measures(deltas, lr_sums, quorum, sample=sample, seed=seed, pool=pool)
+    return norms, cos
+
+
+def screen_measures(deltas, lr_sums: dict[str, float], quorum: int, *, ref: Mapping[str, torch.Tensor] | None = None,
+                    sum_weights: Mapping[str, float] | None = None, sample: int = MEDIAN_SAMPLE, seed: int = 0,
+                    pool: Executor | None = None
+                    ) -> tuple[dict[str, float], dict[str, float | None], dict[str, float | None],
+                               dict[str, torch.Tensor] | None]:
     """Local mode: each contributor's pseudo-gradient norm per unit of learning rate (its
     norm over the summed learning rates of its inner steps: an AdamW step moves each weight
     by about the learning rate, so this is steady across workers that took different numbers
@@ -180,15 +302,34 @@ def round_measures(deltas, lr_sums: dict[str, float], quorum: int, *, sample: in
     (:func:`sample_positions`) of a larger one, so what it holds is ``contributors x sample``
     numbers, not every contributor's stage; over 4 M random coordinates a cosine moves by about
     1/2,000. A ``pool`` takes each norm a tensor a thread (:func:`sq_norm`).
+
+    With ``ref`` (the screen's reference gradient) the third dict holds each one's cosine to it,
+    the floats :func:`reference_cosines` gives, from the same read of the push
+    (:func:`push_norm_and_dot`); without, it is empty.
+
+    With ``sum_weights`` (:func:`shoal.train.outer.merge_weights` of the round, in name order)
+    the fourth item is :func:`shoal.train.outer.weighted_sum` of the pushes with them, the same
+    bits, from that read too (the merge takes it where the screen leaves every contributor
+    in); None without, or where a push is not float32.
     """
     workers = sorted(deltas)
     need = len(workers) >= quorum
     sq: dict[str, float] = {}
     stacked: torch.Tensor | None = None  # contributor x coordinate, filled a row at a time
     pos: torch.Tensor | None = None
+    dots: dict[str, float] = {}
+    summed: dict[str, torch.Tensor] | None = {} if sum_weights else None
+    if summed is not None and list(sum_weights) != sorted(sum_weights):
+        raise ValueError("screen_measures: sum_weights must be in name order (merge_weights)")
     for i, w in enumerate(workers):
         d = deltas[w]
-        sq[w] = sq_norm(d, pool)
+        if summed is not None and any(t.dtype != torch.float32 for t in d.values()):
+            summed = None  # (weighted_sum keeps a push's own dtype: left to it)
+        add = (summed, sum_weights[w]) if summed is not None and w in sum_weights else None
+        if ref is None and add is None:
+            sq[w] = sq_norm(d, pool)
+        else:
+            sq[w], dots[w] = push_norm_and_dot(d, ref, pool, add)
         if need:
             if i == 0:
                 pos = sample_positions(sum(t.numel() for t in d.values()), sample, seed)
@@ -199,22 +340,30 @@ def round_measures(deltas, lr_sums: dict[str, float], quorum: int, *, sample: in
             del row
         del d
     norms = {w: math.sqrt(sq[w]) / max(lr_sums.get(w, 0.0), 1e-12) for w in workers}
+    ref_cos: dict[str, float | None] = {}
+    if ref is not None:
+        ref_sq = sq_norm(ref, pool)
+        for w in workers:
+            denom = math.sqrt(sq[w] * ref_sq)
+            ref_cos[w] = dots[w] / denom if denom > 0 else None
+    if summed is not None and set(sum_weights) - set(workers):
+        summed = None  # a weight without a push: not this round's sum
     if not need:
-        return norms, dict.fromkeys(workers)
+        return norms, dict.fromkeys(workers), ref_cos, summed
     # the median a block of coordinates at a time (a whole one would copy the matrix), sums in fp64
     med = torch.empty(stacked.shape[1], dtype=torch.float32)
     for c in range(0, stacked.shape[1], MEDIAN_BLOCK):
         med[c:c + MEDIAN_BLOCK] = stacked[:, c:c + MEDIAN_BLOCK].median(dim=0).values
     med64 = med.double()
     centre_sq = float(med64.dot(med64))
-    dots = [float(stacked[i].double().dot(med64)) for i in range(len(workers))]
+    med_dots = [float(stacked[i].double().dot(med64)) for i in range(len(workers))]
     # over a sample, each norm is the sample's too, so the cosine is the sample's own
     own = sq if pos is None else {w: float(stacked[i].double().pow(2).sum()) for i, w in enumerate(workers)}
     cos: dict[str, float | None] = {}
     for i, w in enumerate(workers):
         denom = math.sqrt(own[w] * centre_sq)
-        cos[w] = dots[i] / denom if denom > 0 else None
-    return norms, cos
+        cos[w] = med_dots[i] / denom if denom > 0 else None
+    return norms, cos, ref_cos, summed
 
 
 @dataclass

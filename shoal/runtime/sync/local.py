@@ -127,6 +127,8 @@ class LocalServerMixin:
 
     local_merged = -1  # until the first load (see _local_reset)
     update_pulls = None  # sparse pulls (UpdatePulls), made at each load
+    local_presum = None  # (shares, their weighted sum of the round's pushes) the screen took (_presummed)
+    local_presum_taken = False  # the last merge took that sum (logged with it)
     local_decision = None
     local_expect = None
     local_ref_key = None
@@ -334,6 +336,7 @@ class LocalServerMixin:
         framed = self.local_got.framed  # pushes held as frames (over the merge memory)
         # the screen and the merge (cost.merge_cpu_time prices them; a replica plan waits for its peers too)
         merge_t0 = time.perf_counter()
+        self.local_presum_taken = False
         screened = await self._local_screen(step)
         if self.epoch != epoch:
             return None
@@ -355,6 +358,7 @@ class LocalServerMixin:
         log.info("%s local merge %s", self.name, json.dumps({
             "stage": self.stage, "version": step + 1, "epoch": epoch, "contributors": counts,
             "shares": {w: round(x, 9) for w, x in shares.items()}, "digest": digest, "screen": screened,
+            "screen_sum": self.local_presum_taken,
             **({"framed": framed} if framed else {}), "merge_s": round(time.perf_counter() - merge_t0, 4),
             **({"replicas": replicas} if replicas is not None else {})}, sort_keys=True))
         self.local_round_mbs = {}
@@ -373,10 +377,11 @@ class LocalServerMixin:
         Returns each contributor's [norm per unit of learning rate, cosine to the round's
         median] for the merge's log line (the figures honest runs are judged by).
         """
+        self.local_presum = None
         if not self.guard_cfg.enabled or not self.local_got:
             return {}
         from shoal.runtime.safety.guard import direction_holds, screen_round
-        from shoal.runtime.safety.verify import round_measures
+        from shoal.runtime.safety.verify import screen_measures
 
         lrs = {w: self.local_round_lr.get(w, 0.0) for w in self.local_got}
         # The run's last round where replicas keep their residuals (dense_round) carries what
@@ -385,16 +390,22 @@ class LocalServerMixin:
         # itself, never by the sparse rounds' history (a sent 1 % is a few per cent of the norm).
         dense = dense_round(step + 1, self.spec.steps, compression_of_spec(self.spec).push)
         per = {w: x + self.local_lr_total.get(w, 0.0) for w, x in lrs.items()} if dense else lrs
-        norms, cosines = await asyncio.get_running_loop().run_in_executor(
-            None, functools.partial(round_measures, self.local_got.snapshot(), per, self.guard_cfg.local_quorum,
-                                    seed=self.median_secret ^ step, pool=merge_pool()))
+        # the reference gradient first (it ran during the round), so that one read of each push
+        # gives its norm, its sample for the median, its cosine to the reference gradient and, with the round's shares, its term of the merge's weighted sum (kept for the
+        # merge where the screen leaves every contributor in: _presummed)
+        ref = await self._local_reference(step, lrs)
+        shares = merge_weights({w: self.local_round_mbs.get(w, 0) for w in self.local_got})
+        norms, cosines, ref_cos, summed = await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(screen_measures, self.local_got.snapshot(), per, self.guard_cfg.local_quorum,
+                                    ref=ref, sum_weights=shares, seed=self.median_secret ^ step, pool=merge_pool()))
+        self.local_presum = (tuple(shares.items()), summed) if summed is not None else None
+        refs = {w: c for w, c in ref_cos.items() if lrs.get(w, 0.0) > 0}
         history = [] if dense else getattr(self, "local_guard_norms", [])
         bound = await asyncio.get_running_loop().run_in_executor(None, self._local_move_bound, dense)
         bounds = {w: bound for w in norms if bound is not None and per.get(w, 0.0) > 0}
         if bound is not None:
             log.info("%s round screen: AdamW move bound %.6g per unit of learning rate (x%g flags)", self.name,
                      bound, self.guard_cfg.local_bound_margin)
-        refs = await self._local_reference(step, lrs)
         n_params = sum(p.numel() for p in self.params.values())
         bans = screen_round(norms, cosines, history, self.guard_cfg, bounds, refs, n_params)
         for wid, why in sorted(bans.items()):
@@ -452,26 +463,24 @@ class LocalServerMixin:
         self.local_ref_key = key
         self.local_ref_job = asyncio.ensure_future(run())
 
-    async def _local_reference(self, step: int, lrs: dict[str, float]) -> dict[str, float | None]:
-        """Each contributor's cosine to this server's own gradient at the round's starting weights
-        (:func:`shoal.runtime.safety.verify.reference_cosines`; the gradient from
-        :meth:`_local_reference_start`, awaited here); {} when off. Also with a quorum:
-        colluders that are most of a round set its median, not this gradient."""
-        got = self.local_got.snapshot(only={w for w in self.local_got if lrs.get(w, 0.0) > 0})
-        if not got:
-            return {}
+    async def _local_reference(self, step: int, lrs: dict[str, float]) -> dict[str, torch.Tensor] | None:
+        """This server's own gradient at the round's starting weights, for each contributor's
+        cosine to it (:func:`shoal.runtime.safety.verify.screen_measures`; from
+        :meth:`_local_reference_start`, awaited here); None when off or when no contributor
+        took an inner step. Also with a quorum: colluders that are most of a round set its
+        median, not this gradient."""
+        if not any(lrs.get(w, 0.0) > 0 for w in self.local_got):
+            return None
         self._local_reference_start(step, self.epoch)  # (a round of one step: started now)
         job = self.local_ref_job
         if job is None or self.local_ref_key != (self.epoch, self.local_merged):
-            return {}
+            return None
         t0 = time.perf_counter()
         ref, ref_step, tokens, took = await job
         waited = time.perf_counter() - t0
         log.info("%s screen's reference gradient: step %d, %d tokens, %.3f s in threads (the merge waited %.3f s)",
                  self.name, ref_step, tokens, took, waited)
-        from shoal.runtime.safety.verify import reference_cosines
-
-        return await asyncio.get_running_loop().run_in_executor(None, reference_cosines, ref, got)
+        return ref
 
     def _local_move_bound(self, dense: bool = False) -> float | None:
         """How far inner AdamW steps can move this stage per unit of learning rate
@@ -494,6 +503,14 @@ class LocalServerMixin:
         """The pseudo-gradient of a replica's weights: the merged weights minus them (in a thread)."""
         return {n: self.params[n].detach() - w for n, w in weights.items()}
 
+    def _presummed(self, shares: dict[str, float]) -> dict[str, torch.Tensor] | None:
+        """The weighted sum the screen took of this round's pushes with exactly ``shares`` (the
+        same bits as :func:`shoal.train.outer.weighted_sum`; None: another set of contributors or
+        shares, e.g. after a ban). Taken once."""
+        pre, self.local_presum = getattr(self, "local_presum", None), None
+        self.local_presum_taken = pre is not None and pre[0] == tuple(shares.items())
+        return pre[1] if self.local_presum_taken else None
+
     def _local_merge(self, counts: dict[str, int], version: int) -> tuple[str, dict[str, float]]:
         """Merge the received pseudo-gradients into the weights (in a thread): the merged
         weights' digest and the share each contributor was weighted by in the sum (its
@@ -502,7 +519,9 @@ class LocalServerMixin:
         With sparse pulls the weights move by the encoded update the workers will pull
         (:class:`shoal.runtime.sync.codecs.UpdatePulls`), not by the exact outer step."""
         shares = merge_weights({w: counts.get(w, 0) for w in self.local_got})
-        delta = weighted_sum(self.local_got, shares, merge_pool())
+        delta = self._presummed(shares)
+        if delta is None:
+            delta = weighted_sum(self.local_got, shares, merge_pool())
         # The run's last round is dense (dense_round): merged exactly, then what the pulls still owe.
         last = self.update_pulls is not None and dense_round(version, self.spec.steps,
                                                              compression_of_spec(self.spec).push)

@@ -401,18 +401,19 @@ def flush_part(tensors: Mapping[str, torch.Tensor], weights: bool,
 
 
 def own_part(got: Mapping[str, Mapping[str, torch.Tensor]], replicas: Mapping[str, Mapping[str, torch.Tensor]],
-             counts: Mapping[str, int], lr: float, mu: float,
-             pool: Executor | None = None) -> tuple[int, bool, dict[str, torch.Tensor]]:
+             counts: Mapping[str, int], lr: float, mu: float, pool: Executor | None = None,
+             presum: dict[str, torch.Tensor] | None = None) -> tuple[int, bool, dict[str, torch.Tensor]]:
     """A stage's part of the replicas' merge from its own workers' round: (micro-batches, weights?,
     tensors), the weighted mean of their weights (outer lr 1, momentum 0, every contributor sent
-    its weights) or of their pseudo-gradients (summed on ``pool``'s threads: the same bits)."""
+    its weights) or of their pseudo-gradients (summed on ``pool``'s threads: the same bits;
+    ``presum``: that sum already taken, by the screen's read of the pushes with these shares)."""
     shares = merge_weights({w: counts.get(w, 0) for w in got})
     if not shares:
         return 0, False, {}
     n = sum(counts.get(w, 0) for w in shares)
     if merges_weights(lr, mu) and set(shares) <= set(replicas):
         return n, True, weighted_sum({w: replicas[w] for w in shares}, shares, pool)
-    return n, False, weighted_sum(got, shares, pool)
+    return n, False, presum if presum is not None else weighted_sum(got, shares, pool)
 
 
 @functools.lru_cache(maxsize=64)
@@ -538,9 +539,10 @@ class ReplicaServerMixin:
 
         slots = self.slots
         loop = asyncio.get_running_loop()
+        presum = self._presummed(merge_weights({w: counts.get(w, 0) for w in self.local_got}))
         n, weights, tensors = await loop.run_in_executor(
             None, own_part, self.local_got.snapshot(), dict(self.local_replicas), counts, self.spec.outer_lr,
-            self.spec.outer_momentum, merge_pool())
+            self.spec.outer_momentum, merge_pool(), presum)
         mine = peers(slots, self.stage)
         cfg = self.cfg
         frames = None
