@@ -77,6 +77,37 @@ def test_release_puts_the_micro_batches_back(tmp_path):
     asyncio.run(main())
 
 
+def test_a_message_after_a_workers_leave_is_forgotten_not_called_dead(tmp_path, caplog):
+    """A worker that moved to another stage (Leave) may land one more message here from the
+    session it is closing: when nothing follows, the reaper forgets it ("forgot worker"), where it
+    used to void it for silence; a worker that is back at work here and then goes silent, or one
+    that never left, is voided for silence as before."""
+    import logging
+
+    async def main():
+        srv = _server(tmp_path)
+        await srv._load(0, 0, 6, 0, 0)
+        srv.ready = True
+        await srv.Lease(pb.LeaseRequest(worker="A", wait_s=0), None)  # A holds a task here
+        await srv.Leave(pb.MemberRequest(member_id="A"), None)
+        assert "A" not in srv.workers and not srv.leases  # its task went back to the pool
+        await srv.Renew(pb.RenewRequest(worker="A"), None)  # its old session's last message
+        assert srv.workers["A"].after_leave
+        srv._worker("C")  # a worker that never left, silent as long
+        await srv.Leave(pb.MemberRequest(member_id="B"), None)
+        back = await srv.Lease(pb.LeaseRequest(worker="B", wait_s=0), None)  # B is back at work
+        assert back.has_task and not srv.workers["B"].after_leave
+        with caplog.at_level(logging.INFO, logger="shoal.server"):
+            assert srv._reap_silent(time.monotonic() + 1.0)
+        assert not srv.workers
+        text = caplog.text
+        assert "forgot worker A (it had left" in text
+        assert re.search(r"voided worker B \(silent for [0-9.]+ s; it held leases", text)
+        assert re.search(r"voided worker C \(silent for [0-9.]+ s; it held nothing", text)
+
+    asyncio.run(main())
+
+
 def test_unpushed_gradients_are_voided_after_the_flush_grace(tmp_path):
     """A worker alive (it keeps leasing) but whose pushes never arrive is voided."""
     async def main():

@@ -295,6 +295,7 @@ class WorkerInfo:
     gen: int = 1  # bumped when the server voids this worker's un-pushed gradients
     last_seen: float = field(default_factory=time.monotonic)
     ewma_s: float | None = None  # task time estimate for lease deadlines
+    after_leave: bool = False  # made by a message after the worker left, and no lease since
 
 
 class LeaseTable(dict):

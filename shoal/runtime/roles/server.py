@@ -192,6 +192,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         self.grants = GrantBook()  # session grants made ahead, the workers' paces, take-backs
         self.sessions: dict[str, asyncio.Queue] = {}  # worker -> what its session stream sends next
         self.workers: dict[str, WorkerInfo] = {}
+        self.left: set[str] = set()  # workers that left this server (Leave) and sent nothing since
         # worker -> (step, monotonic time) of its newest renewal that said it is pushing that step
         self.pushing: dict[str, tuple[int, float]] = {}
         self.next_lease = 1
@@ -683,7 +684,11 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
     def _worker(self, wid: str) -> WorkerInfo:
         info = self.workers.get(wid)
         if info is None:
-            info = self.workers[wid] = WorkerInfo()
+            # a message of a worker that left (a move to another stage) may still land after its
+            # Leave, from the session it is closing: if nothing follows, the reaper forgets it
+            # without calling it dead (_reaper)
+            info = self.workers[wid] = WorkerInfo(after_leave=wid in self.left)
+            self.left.discard(wid)
         info.last_seen = time.monotonic()
         return info
 
@@ -700,7 +705,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
             self.todo.add(step, "grad", mb)
         self.requeues += 1
 
-    def _void_worker(self, wid: str, why: str) -> None:
+    def _void_worker(self, wid: str, why: str, verb: str = "voided") -> None:
         """Drop a worker's leases and un-pushed gradients; its micro-batches are redone."""
         info = self.workers.get(wid)
         if info is None:
@@ -717,7 +722,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
                     self._requeue(step, mb, pb.BWD)
         self._local_forget(wid)
         self._dup_forget(wid, why)
-        log.info("%s voided worker %s (%s)", self.name, wid, why)
+        log.info("%s %s worker %s (%s)", self.name, verb, wid, why)
 
     def _holding(self, wid: str) -> str:
         """What a worker holds here, in words (death reports)."""
@@ -748,12 +753,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
                     del self.leases[lid]
                     self._requeue(lease.step, lease.mb, lease.direction)
                     changed = True
-            for wid, info in list(self.workers.items()):
-                if self.spec and now - info.last_seen > self.spec.dead_after_s:
-                    self._void_worker(wid, f"silent for {now - info.last_seen:.1f} s; it held "
-                                           f"{self._holding(wid)}")
-                    del self.workers[wid]
-                    changed = True
+            changed |= self._reap_silent(now)
             if self.version >= 0 and self.spec is not None:
                 changed |= self._flush_repair(now)
                 if self._dup_reap(now):
@@ -766,6 +766,22 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
             if changed:
                 async with self.cond:
                     self.cond.notify_all()
+
+    def _reap_silent(self, now: float) -> bool:
+        """Void every worker silent for over the run's ``dead_after_s`` (whether any was). One whose
+        entry only a message after its Leave made, and that holds nothing, is forgotten, not
+        called dead: it moved to another stage and that message was its old session's last."""
+        reaped = False
+        for wid, info in list(self.workers.items()):
+            if self.spec and now - info.last_seen > self.spec.dead_after_s:
+                held = self._holding(wid)
+                if info.after_leave and held == "nothing":
+                    self._void_worker(wid, "it had left; a late message, then nothing", verb="forgot")
+                else:
+                    self._void_worker(wid, f"silent for {now - info.last_seen:.1f} s; it held {held}")
+                del self.workers[wid]
+                reaped = True
+        return reaped
 
     def _open_tasks(self) -> int:
         """Tasks of the current step any worker may take: forwards, and gradients except local
@@ -814,6 +830,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
             return None
         st = mbs[mb]
         info = self._worker(wid)
+        info.after_leave = False  # back at work here
         secs = lease_seconds(info.ewma_s, self.spec.min_lease_s)
         lid = self.next_lease
         self.next_lease += 1
@@ -1593,6 +1610,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         await check_caller(context, request.member_id)
         self._void_worker(request.member_id, "left")
         self.workers.pop(request.member_id, None)
+        self.left.add(request.member_id)
         async with self.cond:
             self.cond.notify_all()
         return pb.Empty()

@@ -391,8 +391,9 @@ class LocalServerMixin:
         dense = dense_round(step + 1, self.spec.steps, compression_of_spec(self.spec).push)
         per = {w: x + self.local_lr_total.get(w, 0.0) for w, x in lrs.items()} if dense else lrs
         # the reference gradient first (it ran during the round), so that one read of each push
-        # gives its norm, its sample for the median, its cosine to the reference gradient and, with the round's shares, its term of the merge's weighted sum (kept for the
-        # merge where the screen leaves every contributor in: _presummed)
+        # gives its norm, its sample for the median, its cosine to the reference gradient and,
+        # with the round's shares, its term of the merge's weighted sum (kept for the merge
+        # where the screen leaves every contributor in: _presummed)
         ref = await self._local_reference(step, lrs)
         shares = merge_weights({w: self.local_round_mbs.get(w, 0) for w in self.local_got})
         norms, cosines, ref_cos, summed = await asyncio.get_running_loop().run_in_executor(
