@@ -626,6 +626,7 @@ def _sparse_decode(buf: memoryview, numel: int, k: int, bits: int) -> torch.Tens
 
 
 _CODEC_POOL: ThreadPoolExecutor | None = None  # the codec threads (None: the caller's thread)
+_CODEC_THREADS = 1  # their number (set_codec_threads)
 _CODEC_LOCK = threading.Lock()
 
 
@@ -635,18 +636,18 @@ def set_codec_threads(n: int) -> None:
     is elementwise, so payloads and decoded bits are the same for every ``n``; torch releases the
     GIL in its kernels. A stage server runs its merge threads' count (a round's last push decode
     and the pull's encoding hold the merge: ``shoal.plan.cost.merge_cpu_time``)."""
-    global _CODEC_POOL
+    global _CODEC_POOL, _CODEC_THREADS
     with _CODEC_LOCK:
         old, _CODEC_POOL = _CODEC_POOL, (ThreadPoolExecutor(max_workers=n, thread_name_prefix="shoal-codec")
                                          if n > 1 else None)
+        _CODEC_THREADS = max(1, n)
     if old is not None:
         old.shutdown(wait=False)
 
 
 def codec_threads() -> int:
     """The threads :func:`set_codec_threads` set (1: none of their own)."""
-    pool = _CODEC_POOL
-    return 1 if pool is None else pool._max_workers
+    return _CODEC_THREADS
 
 
 def _codec_map(fn, items: list) -> list:
