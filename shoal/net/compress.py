@@ -748,33 +748,29 @@ def _lowrank_decode(buf: memoryview, shapes: list[tuple[int, ...]], rank: int, b
     """The flat float32 tensor of a ``lowrank`` payload whose length was checked; its matrices on
     the codec threads (:func:`set_codec_threads`), each by elementwise float32 arithmetic, so the
     bits do not depend on their number."""
-    mats: list[tuple[int, int, int, torch.Tensor, torch.Tensor]] = []  # (m, n, codes at, scales A, scales B)
-    is_mat: list[bool] = []
-    rest_at, at = 0, 0
+    # per matrix: (m, n, its codes' offset in the payload, scales of A, scales of B, its place in the output)
+    mats: list[tuple[int, int, int, torch.Tensor, torch.Tensor, int]] = []
+    rest_places: list[tuple[int, int]] = []  # (place in the output, size) of the int8 part's tensors
+    rest_at, at, place = 0, 0, 0
     for shape in shapes:  # the scales checked and each matrix's codes located, in payload order
+        size = math.prod(shape)
         if not _plan.lowrank_matrix(shape, rank, bits):
-            is_mat.append(False)
-            rest_at += math.prod(shape)
+            rest_places.append((place, size))
+            rest_at += size
+            place += size
             continue
         m, n = _plan.lowrank_rows_cols(shape)
         scales = np.frombuffer(buf[at:at + 8 * rank], dtype="<f4")
         if not np.isfinite(scales).all() or (scales < 0).any():
             raise CodecError("lowrank payload has a negative or non-finite factor scale")
         at += 8 * rank
-        mats.append((m, n, at, torch.from_numpy(scales[:rank].copy()), torch.from_numpy(scales[rank:].copy())))
-        is_mat.append(True)
+        mats.append((m, n, at, torch.from_numpy(scales[:rank].copy()), torch.from_numpy(scales[rank:].copy()), place))
         at += math.ceil(rank * m * bits / 8) + math.ceil(rank * n * bits / 8)
+        place += size
+    out = torch.empty(place)  # each matrix decoded into its place: no concatenation afterwards
 
-    total = sum(math.prod(shape) for shape in shapes)
-    out = torch.empty(total)  # each matrix decoded into its place: no concatenation afterwards
-    places, at_out = [], 0
-    for shape, matrix in zip(shapes, is_mat, strict=True):
-        size = math.prod(shape)
-        places.append((at_out, size, matrix))
-        at_out += size
-
-    def one(job: tuple[tuple[int, int, int, torch.Tensor, torch.Tensor], int]) -> None:
-        (m, n, c, sa, sb), start = job
+    def one(job: tuple[int, int, int, torch.Tensor, torch.Tensor, int]) -> None:
+        m, n, c, sa, sb, start = job
         la, lb = math.ceil(rank * m * bits / 8), math.ceil(rank * n * bits / 8)
         a = _unpack_codes(buf[c:c + la], m, rank, bits) * sa
         b = _unpack_codes(buf[c + la:c + la + lb], n, rank, bits) * sb
@@ -791,14 +787,13 @@ def _lowrank_decode(buf: memoryview, shapes: list[tuple[int, ...]], rank: int, b
                 torch.mul(a[r0:r0 + rows, j:j + 1], b[:, j], out=t)
                 blk.add_(t)
 
-    _codec_map(one, list(zip(mats, [start for start, _, matrix in places if matrix], strict=True)))
+    _codec_map(one, mats)
     if rest_at:
         rest = torch.from_numpy(np.require(_dequantise_int8(buf[at:], rest_at, DEFAULT_BLOCK), requirements="W"))
         r = 0
-        for start, size, matrix in places:
-            if not matrix:
-                out[start:start + size] = rest[r:r + size]
-                r += size
+        for start, size in rest_places:
+            out[start:start + size] = rest[r:r + size]
+            r += size
     return out
 
 

@@ -45,73 +45,53 @@ def sum_product(a: torch.Tensor, b: torch.Tensor) -> float:
     return total
 
 
-def norm_and_dot(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
-    """``(sum(a * a), sum(a * b))`` in one read of ``a`` (:func:`sum_product`'s blocks and
-    arithmetic: the same two floats as two calls of it)."""
-    x, y = a.detach().reshape(-1), b.detach().reshape(-1)
-    n = x.numel()
-    if n <= PRODUCT_BLOCK:
-        xf, yf = x.float(), y.float()
-        return float((xf * xf).sum()), float((xf * yf).sum())
-    buf = torch.empty(PRODUCT_BLOCK, dtype=torch.float32)
-    sq = dt = 0.0
-    for i in range(0, n, PRODUCT_BLOCK):
-        xs, ys = x[i:i + PRODUCT_BLOCK].float(), y[i:i + PRODUCT_BLOCK].float()
-        out = buf[:xs.numel()]
-        torch.mul(xs, xs, out=out)
-        sq += float(out.sum())
-        torch.mul(xs, ys, out=out)
-        dt += float(out.sum())
-    return sq, dt
-
-
-def _norm_and_dot_job(job: tuple) -> tuple[float, float]:
-    """:func:`norm_and_dot` of one tensor and its reference (none: its norm and 0); with a
-    destination, the tensor times its weight added to it in the same read (``job``: tensor,
-    reference or None, and optionally destination, weight, first)."""
-    a, b, *add = job
-    if add:
-        return _norm_dot_add(a, b, *add)
-    return norm_and_dot(a, b) if b is not None else (sum_product(a, a), 0.0)
-
-
-def _norm_dot_add(a: torch.Tensor, b: torch.Tensor | None, dst: torch.Tensor, w: float,
-                  first: bool) -> tuple[float, float]:
-    """:func:`norm_and_dot` of ``a`` (``b`` None: 0 for the product) and ``dst += w * a`` (``first``:
-    ``dst = w * a``) in one read of ``a``, a block at a time, with
+def norm_and_dot(a: torch.Tensor, b: torch.Tensor | None,
+                 add: tuple[torch.Tensor, float, bool] | None = None) -> tuple[float, float]:
+    """``(sum(a * a), sum(a * b))`` in one read of ``a`` (``b`` None: 0 for the product), with
+    :func:`sum_product`'s blocks and arithmetic: the same floats as calling it. ``add = (dst, w,
+    first)``: also ``dst += w * a`` (``first``: ``dst = w * a``) in that read, with
     :func:`shoal.train.outer.weighted_sum`'s operations on each element (the same bits)."""
     x = a.detach().reshape(-1)
     y = None if b is None else b.detach().reshape(-1)
-    out = dst.view(-1)
     n = x.numel()
-    buf = torch.empty(min(n, PRODUCT_BLOCK), dtype=torch.float32)
-    term = torch.empty_like(buf)  # w times a block (fresh memory each block would cost page faults)
-    small = n <= PRODUCT_BLOCK
+    blocks = n > PRODUCT_BLOCK
+    buf = torch.empty(PRODUCT_BLOCK, dtype=torch.float32) if blocks else None
+    # w times a block (fresh memory for each block would cost page faults)
+    term = torch.empty(min(n, PRODUCT_BLOCK), dtype=torch.float32) if add is not None else None
     sq = dt = 0.0
     for i in range(0, n, PRODUCT_BLOCK):
-        xs, o = x[i:i + PRODUCT_BLOCK], out[i:i + PRODUCT_BLOCK]
-        if small:  # sum_product's one-block form
+        xs = x[i:i + PRODUCT_BLOCK].float()
+        ys = None if y is None else y[i:i + PRODUCT_BLOCK].float()
+        if not blocks:  # sum_product's one-block form
             sq = float((xs * xs).sum())
-            dt = 0.0 if y is None else float((xs * y.float()).sum())
+            dt = 0.0 if ys is None else float((xs * ys).sum())
         else:
             p = buf[:xs.numel()]
             torch.mul(xs, xs, out=p)
             sq += float(p.sum())
-            if y is not None:
-                torch.mul(xs, y[i:i + PRODUCT_BLOCK].float(), out=p)
+            if ys is not None:
+                torch.mul(xs, ys, out=p)
                 dt += float(p.sum())
-        if first:
-            if w != 1.0:
-                torch.mul(xs, w, out=o)
+        if add is not None:
+            dst, w, first = add
+            o = dst.view(-1)[i:i + PRODUCT_BLOCK]
+            if first:
+                if w != 1.0:
+                    torch.mul(xs, w, out=o)
+                else:
+                    o.copy_(xs)
+            elif w != 1.0:
+                t = term[:xs.numel()]
+                torch.mul(xs, w, out=t)  # (rounded to float32 before the add, as weighted_sum does)
+                o.add_(t)
             else:
-                o.copy_(xs)
-        elif w != 1.0:
-            t = term[:xs.numel()]
-            torch.mul(xs, w, out=t)  # (rounded to float32 before the add, as weighted_sum does)
-            o.add_(t)
-        else:
-            o.add_(xs)
+                o.add_(xs)
     return sq, dt
+
+
+def _norm_and_dot_job(job: tuple) -> tuple[float, float]:
+    """:func:`norm_and_dot` of one ``(tensor, reference or None, add or None)``."""
+    return norm_and_dot(*job)
 
 
 def push_norm_and_dot(d: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor] | None,
@@ -122,16 +102,16 @@ def push_norm_and_dot(d: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Ten
     ``out[name] += w * d[name]`` in that read (a name not in ``out`` yet starts there), as
     :func:`shoal.train.outer.weighted_sum` adds a contributor."""
     ref = ref or {}
-    if add is None:
-        jobs = [(t, ref.get(k)) for k, t in d.items()]
-    else:
-        out, w = add
-        jobs = []
-        for k, t in d.items():
+    jobs = []
+    for k, t in d.items():
+        into = None
+        if add is not None:
+            out, w = add
             first = k not in out
             if first:
                 out[k] = torch.empty_like(t, memory_format=torch.contiguous_format)
-            jobs.append((t, ref.get(k), out[k], w, first))
+            into = (out[k], w, first)
+        jobs.append((t, ref.get(k), into))
     sq = dt = 0.0
     for a, b in (pool.map if pool is not None else map)(_norm_and_dot_job, jobs):
         sq, dt = sq + a, dt + b

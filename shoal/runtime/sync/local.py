@@ -508,7 +508,7 @@ class LocalServerMixin:
         """The weighted sum the screen took of this round's pushes with exactly ``shares`` (the
         same bits as :func:`shoal.train.outer.weighted_sum`; None: another set of contributors or
         shares, e.g. after a ban). Taken once."""
-        pre, self.local_presum = getattr(self, "local_presum", None), None
+        pre, self.local_presum = self.local_presum, None
         self.local_presum_taken = pre is not None and pre[0] == tuple(shares.items())
         return pre[1] if self.local_presum_taken else None
 
