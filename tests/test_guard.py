@@ -421,3 +421,65 @@ def test_corrupt_ckpt_follows_the_time_rule_and_a_fault_that_never_fired_is_said
     assert [(e["kind"], e["fault"]) for e in events] == [("not_fired", "corrupt-ckpt:1:step=2")]
     with pytest.raises(ShoalError, match="no time rule"):
         Swarm(launch_config(tmp_path / "run2", ckpt_every=10, ckpt_every_s=0, faults=["corrupt-ckpt:1:step=2"]))
+
+
+@pytest.mark.parametrize("first,last", [(True, False), (False, False), (False, True)])
+def test_recompute_sum_in_threads_is_the_same_bits_as_one_at_a_time(first, last):
+    """A push's recomputation runs its micro-batches in threads: each summed in the push's
+    order, so the sum is the same bits as the sequential loop, at any stage position."""
+    from shoal.model.config import get_preset
+    from shoal.model.transformer import build_stage
+    from shoal.net import shoal_pb2 as pb
+    from shoal.runtime.safety.verify import recompute_grads, recompute_sum
+
+    cfg = get_preset("tiny")
+    lo, hi = (0, 2) if first else (cfg.n_layers + 1, cfg.n_layers + 2) if last else (2, 4)
+    torch.manual_seed(0)
+    module = build_stage(cfg, lo, hi)
+    spec = pb.RunSpec(model="tiny", micro_batches=5, micro_batch_size=2, seq_len=16, seed=3, data="synthetic")
+    gen = torch.Generator().manual_seed(1)
+    shape = (2, 16, cfg.d_model)
+    inputs = [(mb, None if first else torch.randn(shape, generator=gen),
+               None if last else torch.randn(shape, generator=gen)) for mb in (4, 0, 2, 3, 1)]
+    one = {}
+    for mb, inp, og in inputs:
+        for n, t in recompute_grads(module, spec, 7, mb, first=first, last=last, inp=inp, out_grad=og).items():
+            one[n] = t if n not in one else one[n] + t
+    for threads in (1, 2, 4):
+        got = recompute_sum(module, spec, 7, inputs, first=first, last=last, threads=threads)
+        assert sorted(got) == sorted(one)
+        assert all(torch.equal(got[n], one[n]) for n in one), threads
+
+
+def test_server_recomputes_a_push_of_several_micro_batches_in_threads(tmp_path):
+    """The production path: a one-stage server recomputes a worker's first push, three
+    micro-batches in one push, on its recompute threads. The honest sum counts; the same push
+    with one micro-batch's gradient 1 % off is banned."""
+    from shoal.net import shoal_pb2 as pb
+    from shoal.net.wire import encode_tensor
+    from shoal.runtime.safety.verify import recompute_grads
+
+    async def run(tamper: bool):
+        srv = await _one_stage_server(tmp_path / str(tamper), "guard-threads", micro_batches=3, micro_batch_size=2,
+                                      seq_len=16)
+        total, mbs, gen = {}, [], 0
+        for _ in range(3):
+            t, ok = await _compute(srv, "A")
+            assert ok.accepted
+            g = recompute_grads(srv.module, srv.spec, 0, t.mb, first=True, last=True, inp=None, out_grad=None)
+            if tamper and not mbs:
+                g = {n: x * 1.01 for n, x in g.items()}
+            for n, x in g.items():
+                total[n] = x if n not in total else total[n] + x
+            mbs.append(t.mb)
+            gen = ok.gen
+        push = pb.GradPush(worker="A", step=0, epoch=0, gen=gen, mbs=mbs,
+                           grads=[encode_tensor(n, x, "raw") for n, x in total.items()])
+        rep = await srv.PushGrads(push, None)
+        return srv, rep
+
+    srv, rep = asyncio.run(run(False))
+    assert rep.accepted and srv.guard_checks == 1 and "A" not in srv.guard_banned
+    srv, rep = asyncio.run(run(True))
+    assert not rep.accepted and "A" in srv.guard_banned and "recomputed" in rep.reason
+    torch.set_grad_enabled(True)

@@ -1155,16 +1155,9 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         ``module`` and the stage's shape are taken on the event loop under ``_wlock``, with the
         inputs' epoch checked: the recomputation never mixes in weights a rollback loaded.
         """
-        from shoal.runtime.safety.verify import recompute_grads, sq_diff, sq_norm
+        from shoal.runtime.safety.verify import recompute_sum, sq_diff, sq_norm
 
-        mine: dict[str, torch.Tensor] = {}
-        for mb, inp, out_grad in inputs:  # (fp32: a bf16 run's activations are recomputed from in fp32)
-            inp = None if inp is None else inp.float()
-            out_grad = None if out_grad is None else out_grad.float()
-            g = recompute_grads(module, self.spec, step, mb, first=first, last=last,
-                                inp=inp, out_grad=out_grad, loss_scale=loss_scale)
-            for n, t in g.items():
-                mine[n] = t if n not in mine else mine[n] + t
+        mine = recompute_sum(module, self.spec, step, inputs, first=first, last=last, loss_scale=loss_scale)
         return rel_error(sq_diff(grads, mine), sq_norm(mine))
 
     async def _guard_push(self, r, ids: list[int], grads: dict[str, torch.Tensor]) -> str:

@@ -48,7 +48,7 @@ import torch
 
 from shoal.model.transformer import build_stage
 from shoal.runtime.safety.guard import ban_reason, rel_error
-from shoal.runtime.safety.verify import recompute_grads, sq_diff, sq_norm
+from shoal.runtime.safety.verify import recompute_sum, sq_diff, sq_norm
 
 log = logging.getLogger("shoal.server")
 
@@ -200,13 +200,8 @@ class EndCheckMixin:
                     for n, p in module.named_parameters():
                         p.copy_(weights[n])
                 loaded = rec.key
-            mine: dict[str, torch.Tensor] = {}
-            for mb, inp, og in rec.inputs:
-                g = recompute_grads(module, self.spec, rec.key[4], mb, first=self.is_first, last=self.is_last,
-                                    inp=None if inp is None else inp.float(), out_grad=None if og is None else og.float(),
-                                    loss_scale=rec.loss_scale)
-                for n, t in g.items():
-                    mine[n] = t if n not in mine else mine[n] + t
+            mine = recompute_sum(module, self.spec, rec.key[4], rec.inputs, first=self.is_first, last=self.is_last,
+                                 loss_scale=rec.loss_scale)
             errors[wid] = sampled_error(rec.grads, rec.numels, rec.seed, self.guard_cfg.end_sample_every,
                                         self.guard_cfg.end_sample_whole, mine)
         return errors

@@ -48,7 +48,7 @@ from shoal.runtime.safety.verify import (
     drift_deviations,
     drift_indices,
     drift_sample,
-    recompute_grads,
+    recompute_sum,
     sq_diff,
     sq_norm,
     sum_in_order,
@@ -209,14 +209,7 @@ class RedundantMixin:
 
         ``module`` and ``inputs`` (micro-batch, input, output gradient) are taken on the event
         loop under ``_wlock`` for the check's epoch and step: a rollback meanwhile changes neither."""
-        mine: dict[str, torch.Tensor] = {}
-        for mb, inp, og in inputs:
-            inp = None if inp is None else inp.float()
-            og = None if og is None else og.float()
-            g = recompute_grads(module, self.spec, chk.step, mb, first=first, last=last,
-                                inp=inp, out_grad=og, loss_scale=loss_scale)
-            for n, t in g.items():
-                mine[n] = t if n not in mine else mine[n] + t
+        mine = recompute_sum(module, self.spec, chk.step, inputs, first=first, last=last, loss_scale=loss_scale)
         ref = sq_norm(mine)
         return {chk.target: rel_error(sq_diff(chk.grads, mine), ref),
                 chk.checker: rel_error(sq_diff(theirs, mine), ref)}

@@ -9,8 +9,8 @@ the workers use, and compares a push with it.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from concurrent.futures import Executor
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +19,11 @@ from shoal.plan.types import SCREEN_SAMPLE
 from shoal.runtime.common import micro_batch
 
 PRODUCT_BLOCK = 1 << 18  # elements sum_product multiplies at once (1 MB of products: in the cache)
+# Micro-batches a stage server recomputes at once at most, one thread each (torch releases the
+# GIL in its kernels): a push's check then takes about 1/threads of one core's time on an idle
+# host, for as many more micro-batches' gradients in memory (recompute_sum).
+RECOMPUTE_THREADS = 4
+_RECOMPUTE_POOL: ThreadPoolExecutor | None = None
 
 
 def sum_product(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -165,6 +170,52 @@ def recompute_grads(module: torch.nn.Module, spec, step: int, mb: int, *, first:
             out = module(x)
             grads = torch.autograd.grad(out, params, grad_outputs=out_grad, allow_unused=True)
     return {n: (torch.zeros_like(p) if g is None else g) for n, p, g in zip(names, params, grads, strict=True)}
+
+
+def recompute_threads() -> int:
+    """Threads a push's recomputation runs on: :data:`RECOMPUTE_THREADS`, at most this
+    process's CPUs."""
+    from shoal.train.local import cpu_cores
+
+    return max(1, min(RECOMPUTE_THREADS, cpu_cores()))
+
+
+def recompute_pool() -> ThreadPoolExecutor:
+    """The threads pushes are recomputed on (:func:`recompute_threads`), apart from the event
+    loop's executor, whose thread waits for them."""
+    global _RECOMPUTE_POOL
+    if _RECOMPUTE_POOL is None:
+        _RECOMPUTE_POOL = ThreadPoolExecutor(max_workers=recompute_threads(), thread_name_prefix="shoal-recompute")
+    return _RECOMPUTE_POOL
+
+
+def recompute_sum(module: torch.nn.Module, spec, step: int,
+                  inputs: Iterable[tuple[int, torch.Tensor | None, torch.Tensor | None]], *, first: bool, last: bool,
+                  loss_scale: float = 1.0, threads: int | None = None) -> dict[str, torch.Tensor]:
+    """The sum of :func:`recompute_grads` over ``inputs`` (micro-batch, stage input, output
+    gradient; inputs and gradients taken in fp32, as a bf16 run's are recomputed), what a
+    push of those micro-batches holds.
+
+    ``threads`` micro-batches at a time (default :func:`recompute_threads`) on
+    :func:`recompute_pool`, each summed in the order of ``inputs``: the same bits as one at a
+    time (each micro-batch's gradient is computed on its own). At most ``threads`` gradients
+    of the stage are held beside the sum."""
+    def one(item: tuple[int, torch.Tensor | None, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+        mb, inp, out_grad = item
+        return recompute_grads(module, spec, step, mb, first=first, last=last,
+                               inp=None if inp is None else inp.float(),
+                               out_grad=None if out_grad is None else out_grad.float(), loss_scale=loss_scale)
+
+    items = list(inputs)
+    width = recompute_threads() if threads is None else max(1, threads)
+    total: dict[str, torch.Tensor] = {}
+    for i in range(0, len(items), width):
+        chunk = items[i:i + width]
+        parts = [one(chunk[0])] if len(chunk) == 1 else list(recompute_pool().map(one, chunk))
+        for g in parts:
+            for n, t in g.items():
+                total[n] = t if n not in total else total[n] + t
+    return total
 
 
 def reference_inputs(inputs: list[tuple[int, torch.Tensor | None, torch.Tensor | None]], micro_batch_size: int,
