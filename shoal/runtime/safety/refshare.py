@@ -1,0 +1,152 @@
+"""One screen reference gradient per host, layer range and round, shared by the stage servers there.
+
+In local mode every stage server computes a reference gradient each round (its screen judges
+each pseudo-gradient by its cosine to it; ``docs/poisoning-local.md``), and for a whole-model
+stage that is the largest CPU cost of a round. Stage servers of pipeline replicas that hold the
+same layers start each round from the same merged weights (a replica merge gives every
+replica's stage the same bits), so their references would be gradients of the same function:
+one of them computes it and the others on that host read it. The planner prices it so
+(``shoal.plan.cost.reference_groups``).
+
+The servers meet in a folder they share (``<ckpt-dir>/run-<id>/reference``: the servers of a
+run on one host that share a ``--ckpt-dir``, as ``shoal launch`` starts them). A round's file is
+named by the run's epoch, the merged version, the layer range and the merged weights' digest,
+so only servers holding the very same weights share it:
+
+1. a server that finds ``STEM.safetensors`` reads it (safetensors: no pickle);
+2. else it tries to claim the round (``STEM.claim`` made with ``O_EXCL``, holding its pid):
+   the claimer computes, writes ``STEM.safetensors`` through a temporary name and a rename,
+   and removes its claim;
+3. else it waits for the file while the claimer's process lives; a claim whose process is
+   gone (killed) or that is taken back without a file (the claimer's epoch moved on) is
+   claimed again, so a dead claimer costs a wait, never a round.
+
+A file that does not match the stage (names, shapes) is not used: the server computes its own.
+Each server removes the files it wrote when it writes the next round's and when it stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import torch
+
+from shoal.runtime.common import pid_alive
+
+log = logging.getLogger("shoal.refshare")
+
+POLL_S = 0.05  # how often a waiting server looks for the claimer's file
+
+
+def reference_stem(epoch: int, version: int, first: int, last: int, digest: str) -> str:
+    """The file stem of one round's reference (pure): epoch, merged version, layers [first, last)
+    and the first 16 hex digits of the merged weights' digest."""
+    return f"ref-e{epoch}-v{version}-l{first}-{last}-{digest[:16]}"
+
+
+def claim_alive(path: Path) -> bool:
+    """Whether the claim at ``path`` exists and names a live process of this host."""
+    try:
+        pid = int(path.read_text().strip() or "0")
+    except (OSError, ValueError):
+        return path.exists()  # being written: alive for one more look
+    return pid > 0 and pid_alive(pid)
+
+
+class ReferenceShare:
+    """One stage server's end of the shared references in ``folder``."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.written: list[Path] = []  # files this server wrote (removed at the next write and at close)
+
+    def _claim(self, stem: str) -> bool:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(self.folder / f"{stem}.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return True
+
+    def _write(self, stem: str, ref: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+        from safetensors.torch import save_file
+
+        path = self.folder / f"{stem}.safetensors"
+        tmp = self.folder / f".{stem}.{os.getpid()}.tmp"
+        save_file({n: t.detach().contiguous() for n, t in ref.items()}, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+        for old in self.written:
+            with contextlib.suppress(OSError):
+                old.unlink()
+        self.written = [path]
+
+    @staticmethod
+    def _read(path: Path, like: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                if sorted(f.keys()) != sorted(like):
+                    return None
+                out = {n: f.get_tensor(n) for n in like}
+        except (OSError, SafetensorError) as exc:
+            log.warning("shared reference %s could not be read (%s); computing this server's own", path, exc)
+            return None
+        if any(out[n].shape != like[n].shape or out[n].dtype != like[n].dtype for n in like):
+            return None
+        return out, meta
+
+    async def get(self, stem: str, like: dict[str, torch.Tensor],
+                  compute: Callable[[], Awaitable[tuple[dict[str, torch.Tensor], dict[str, str]]]]
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, str], str]:
+        """The round's reference: ``(tensors, metadata, how)``, ``how`` "computed" (here, and
+        shared), "shared" (read from a peer's file) or "own" (computed here, not shared: the
+        folder could not be used). ``like``: the stage's parameters (names, shapes, dtypes a
+        shared file must match). ``compute``: computes it, returning (tensors, metadata)."""
+        loop = asyncio.get_running_loop()
+        path = self.folder / f"{stem}.safetensors"
+        claim = self.folder / f"{stem}.claim"
+        while True:
+            if path.exists():
+                got = await loop.run_in_executor(None, self._read, path, like)
+                if got is not None:
+                    return got[0], got[1], "shared"
+                return (*await compute(), "own")
+            try:
+                mine = self._claim(stem)
+            except OSError as exc:
+                log.warning("reference folder %s is not usable (%s); computing this server's own", self.folder, exc)
+                return (*await compute(), "own")
+            if mine:
+                try:
+                    ref, meta = await compute()
+                    try:
+                        await loop.run_in_executor(None, self._write, stem, ref, meta)
+                    except OSError as exc:
+                        log.warning("shared reference %s not written (%s)", path, exc)
+                    return ref, meta, "computed"
+                finally:
+                    with contextlib.suppress(OSError):
+                        claim.unlink()
+            # claimed by a peer: wait for its file while it lives
+            while not path.exists() and claim_alive(claim):
+                await asyncio.sleep(POLL_S)
+            if not path.exists():
+                with contextlib.suppress(OSError):
+                    if not claim_alive(claim):
+                        claim.unlink()  # its process is gone: claim the round again
+
+    def close(self) -> None:
+        """Remove the files this server wrote."""
+        for p in self.written:
+            with contextlib.suppress(OSError):
+                p.unlink()
+        self.written = []
