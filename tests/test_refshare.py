@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shoal.runtime.safety.refshare import ReferenceShare, claim_alive, reference_stem
+from shoal.runtime.safety.refshare import ReferenceShare, claim_alive, reference_stem, superseded
 
 # One server's end, in a process of its own: waits for GO (if given), gets the reference of
 # STEM (its compute sleeps SLEEP s, or forever with SLEEP < 0) and prints how, and its sum.
@@ -117,16 +117,33 @@ def test_a_file_that_does_not_fit_the_stage_is_not_used(tmp_path):
     assert len(calls) == 2
 
 
-def test_a_server_removes_what_it_wrote(tmp_path):
-    """Each round's file replaces the server's previous one; close removes the last."""
-    share = ReferenceShare(tmp_path / "r")
+def test_superseded_rounds_by_hand():
+    names = ["ref-e0-v2-l0-6-ab.safetensors", "ref-e0-v4-l0-6-cd.safetensors", "ref-e1-v2-l0-6-ab.safetensors",
+             "ref-e0-v2-l0-3-ab.safetensors", "ref-e0-v2-l0-6-ab.claim", "other.safetensors"]
+    assert superseded(names, "ref-e0-v4-l0-6-cd") == ["ref-e0-v2-l0-6-ab.safetensors"]
+    assert superseded(names, "ref-e1-v4-l0-6-cd") == names[:3]
+    assert superseded(names, "ref-e0-v4-l0-3-ee") == ["ref-e0-v2-l0-3-ab.safetensors"]
+    assert superseded(names, "not-a-stem") == []
+
+
+def test_a_server_removes_what_it_wrote_and_what_its_round_supersedes(tmp_path):
+    """Each round's file replaces earlier rounds' of its layer range, a dead peer's too (other
+    layer ranges stay); close removes the last one this server wrote."""
+    folder = tmp_path / "r"
+    folder.mkdir()
+    dead = folder / "ref-e0-v1-l0-6-ee.safetensors"  # left by a server killed after writing it
+    other = folder / "ref-e0-v1-l0-3-ee.safetensors"
+    dead.write_bytes(b"x")
+    other.write_bytes(b"x")
+    share = ReferenceShare(folder)
     like = {"a": torch.zeros(2)}
 
     async def compute():
         return {"a": torch.ones(2)}, {}
 
     for v in (2, 4):
-        assert asyncio.run(share.get(f"ref-e0-v{v}", like, compute))[2] == "computed"
-    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["ref-e0-v4.safetensors"]
+        assert asyncio.run(share.get(reference_stem(0, v, 0, 6, "ab" * 32), like, compute))[2] == "computed"
+    assert sorted(p.name for p in folder.iterdir()) == [other.name, reference_stem(0, 4, 0, 6, "ab" * 32)
+                                                        + ".safetensors"]
     share.close()
-    assert list((tmp_path / "r").iterdir()) == []
+    assert [p.name for p in folder.iterdir()] == [other.name]

@@ -22,7 +22,8 @@ so only servers holding the very same weights share it:
    claimed again, so a dead claimer costs a wait, never a round.
 
 A file that does not match the stage (names, shapes) is not used: the server computes its own.
-Each server removes the files it wrote when it writes the next round's and when it stops.
+The writer of a round removes the files of earlier rounds of its layer range (a dead peer's
+too, :func:`superseded`), and each server removes what it wrote when it stops.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -43,10 +45,30 @@ log = logging.getLogger("shoal.refshare")
 POLL_S = 0.05  # how often a waiting server looks for the claimer's file
 
 
+STEM_RE = re.compile(r"^ref-e(\d+)-v(\d+)-l(\d+)-(\d+)-[0-9a-f]+\.safetensors$")
+
+
 def reference_stem(epoch: int, version: int, first: int, last: int, digest: str) -> str:
     """The file stem of one round's reference (pure): epoch, merged version, layers [first, last)
     and the first 16 hex digits of the merged weights' digest."""
     return f"ref-e{epoch}-v{version}-l{first}-{last}-{digest[:16]}"
+
+
+def superseded(names: list[str], stem: str) -> list[str]:
+    """The reference files among ``names`` that the round of ``stem`` supersedes (pure): those
+    of the same layer range from an earlier (epoch, version). Every server of that range has
+    moved past them (one still reading keeps its open file; one that has not opened it yet
+    computes its own), so the writer of a newer round removes them, a dead peer's included."""
+    m = STEM_RE.match(stem + ".safetensors")
+    if m is None:
+        return []
+    at, layers = (int(m[1]), int(m[2])), (m[3], m[4])
+    out = []
+    for name in names:
+        o = STEM_RE.match(name)
+        if o is not None and (o[3], o[4]) == layers and (int(o[1]), int(o[2])) < at:
+            out.append(name)
+    return out
 
 
 def claim_alive(path: Path) -> bool:
@@ -63,7 +85,7 @@ class ReferenceShare:
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
-        self.written: list[Path] = []  # files this server wrote (removed at the next write and at close)
+        self.written: list[Path] = []  # the file this server wrote last (removed at close)
 
     def _claim(self, stem: str) -> bool:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -82,9 +104,9 @@ class ReferenceShare:
         tmp = self.folder / f".{stem}.{os.getpid()}.tmp"
         save_file({n: t.detach().contiguous() for n, t in ref.items()}, str(tmp), metadata=meta)
         os.replace(tmp, path)
-        for old in self.written:
+        for name in superseded(os.listdir(self.folder), stem):
             with contextlib.suppress(OSError):
-                old.unlink()
+                (self.folder / name).unlink()
         self.written = [path]
 
     @staticmethod
