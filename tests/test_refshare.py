@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -87,7 +88,7 @@ def test_a_claimer_killed_with_9_costs_a_wait_not_the_round(tmp_path):
     while not list(tmp_path.glob("computing-*")):  # the state: A claimed and is computing
         assert a.poll() is None and time.monotonic() < deadline
         time.sleep(0.02)
-    assert claim.read_text() == str(a.pid) and claim_alive(claim)
+    assert claim.read_text().split()[0] == str(a.pid) and claim_alive(claim)
     b = _child(tmp_path, "ref-k", 0.1)
     time.sleep(1.0)
     assert b.poll() is None  # B waits on A's claim
@@ -147,3 +148,22 @@ def test_a_server_removes_what_it_wrote_and_what_its_round_supersedes(tmp_path):
                                                         + ".safetensors"]
     share.close()
     assert [p.name for p in folder.iterdir()] == [other.name]
+
+
+def test_a_claim_of_another_host_is_waited_on_for_a_while_only(tmp_path):
+    """A claim that names another host (a --ckpt-dir on a network folder) cannot be checked
+    for life: the server waits on it for foreign_wait_s, then computes its own."""
+    (tmp_path / "ref-f.claim").write_text("1 some-other-host")
+    assert claim_alive(tmp_path / "ref-f.claim")
+    like = {"a": torch.zeros(2)}
+
+    async def compute():
+        return {"a": torch.ones(2)}, {}
+
+    t0 = time.monotonic()
+    ref, _, how = asyncio.run(ReferenceShare(tmp_path, foreign_wait_s=0.3).get("ref-f", like, compute))
+    assert how == "own" and time.monotonic() - t0 >= 0.3 and torch.equal(ref["a"], torch.ones(2))
+    # a claim of this host whose process is gone is claimed over at once
+    (tmp_path / "ref-g.claim").write_text(f"999999999 {socket.gethostname()}")
+    assert not claim_alive(tmp_path / "ref-g.claim")
+    assert asyncio.run(ReferenceShare(tmp_path).get("ref-g", like, compute))[2] == "computed"

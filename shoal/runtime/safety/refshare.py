@@ -14,12 +14,14 @@ named by the run's epoch, the merged version, the layer range and the merged wei
 so only servers holding the very same weights share it:
 
 1. a server that finds ``STEM.safetensors`` reads it (safetensors: no pickle);
-2. else it tries to claim the round (``STEM.claim`` made with ``O_EXCL``, holding its pid):
+2. else it tries to claim the round (``STEM.claim`` made with ``O_EXCL``, holding its pid and
+   host name):
    the claimer computes, writes ``STEM.safetensors`` through a temporary name and a rename,
    and removes its claim;
 3. else it waits for the file while the claimer's process lives; a claim whose process is
    gone (killed) or that is taken back without a file (the claimer's epoch moved on) is
-   claimed again, so a dead claimer costs a wait, never a round.
+   claimed again, so a dead claimer costs a wait, never a round. A claim of another host (a
+   folder on the network) is waited on for at most ``FOREIGN_WAIT_S``.
 
 A file that does not match the stage (names, shapes) is not used: the server computes its own.
 The writer of a round removes the files of earlier rounds of its layer range (a dead peer's
@@ -33,6 +35,8 @@ import contextlib
 import logging
 import os
 import re
+import socket
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -43,6 +47,9 @@ from shoal.runtime.common import pid_alive
 log = logging.getLogger("shoal.refshare")
 
 POLL_S = 0.05  # how often a waiting server looks for the claimer's file
+# Longest a server waits on a claim made on another host (a --ckpt-dir on a network folder),
+# whose process it cannot see: then it computes its own.
+FOREIGN_WAIT_S = 600.0
 
 
 STEM_RE = re.compile(r"^ref-e(\d+)-v(\d+)-l(\d+)-(\d+)-[0-9a-f]+\.safetensors$")
@@ -71,20 +78,31 @@ def superseded(names: list[str], stem: str) -> list[str]:
     return out
 
 
-def claim_alive(path: Path) -> bool:
-    """Whether the claim at ``path`` exists and names a live process of this host."""
+def claim_state(path: Path) -> tuple[bool, bool]:
+    """``(alive, here)`` of the claim at ``path``: whether it may still be worked on, and whether
+    it names a process of this host (whose life can be checked). A claim being written counts
+    as alive; one of another host (a folder shared over the network) as alive, not here."""
     try:
-        pid = int(path.read_text().strip() or "0")
+        pid_text, _, host = path.read_text().strip().partition(" ")
+        pid = int(pid_text or "0")
     except (OSError, ValueError):
-        return path.exists()  # being written: alive for one more look
-    return pid > 0 and pid_alive(pid)
+        return path.exists(), True
+    if host and host != socket.gethostname():
+        return True, False
+    return pid > 0 and pid_alive(pid), True
+
+
+def claim_alive(path: Path) -> bool:
+    """Whether the claim at ``path`` exists and may still be worked on (:func:`claim_state`)."""
+    return claim_state(path)[0]
 
 
 class ReferenceShare:
     """One stage server's end of the shared references in ``folder``."""
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, foreign_wait_s: float = FOREIGN_WAIT_S):
         self.folder = Path(folder)
+        self.foreign_wait_s = foreign_wait_s  # longest wait on a claim of another host
         self.written: list[Path] = []  # the file this server wrote last (removed at close)
 
     def _claim(self, stem: str) -> bool:
@@ -94,7 +112,7 @@ class ReferenceShare:
         except FileExistsError:
             return False
         with os.fdopen(fd, "w") as f:
-            f.write(str(os.getpid()))
+            f.write(f"{os.getpid()} {socket.gethostname()}")
         return True
 
     def _write(self, stem: str, ref: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
@@ -159,7 +177,15 @@ class ReferenceShare:
                     with contextlib.suppress(OSError):
                         claim.unlink()
             # claimed by a peer: wait for its file while it lives
-            while not path.exists() and claim_alive(claim):
+            since = time.monotonic()
+            while not path.exists():
+                alive, here = claim_state(claim)
+                if not alive:
+                    break
+                if not here and time.monotonic() - since > self.foreign_wait_s:
+                    log.warning("reference %s claimed by another host for %.0f s; computing this server's own",
+                                stem, self.foreign_wait_s)
+                    return (*await compute(), "own")
                 await asyncio.sleep(POLL_S)
             if not path.exists():
                 with contextlib.suppress(OSError):
