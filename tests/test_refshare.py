@@ -163,6 +163,10 @@ def test_a_claim_of_another_host_is_waited_on_for_a_while_only(tmp_path):
     t0 = time.monotonic()
     ref, _, how = asyncio.run(ReferenceShare(tmp_path, foreign_wait_s=0.3).get("ref-f", like, compute))
     assert how == "own" and time.monotonic() - t0 >= 0.3 and torch.equal(ref["a"], torch.ones(2))
+    # a claim file that is not whole (not this code's: its claims appear whole) is alive while there
+    (tmp_path / "ref-h.claim").write_text("")
+    assert claim_alive(tmp_path / "ref-h.claim")
+    assert not claim_alive(tmp_path / "ref-none.claim")
     # a claim of this host whose process is gone is claimed over at once
     (tmp_path / "ref-g.claim").write_text(f"999999999 {socket.gethostname()}")
     assert not claim_alive(tmp_path / "ref-g.claim")

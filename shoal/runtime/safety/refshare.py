@@ -14,8 +14,8 @@ named by the run's epoch, the merged version, the layer range and the merged wei
 so only servers holding the very same weights share it:
 
 1. a server that finds ``STEM.safetensors`` reads it (safetensors: no pickle);
-2. else it tries to claim the round (``STEM.claim`` made with ``O_EXCL``, holding its pid and
-   host name):
+2. else it tries to claim the round (``STEM.claim``, holding its pid and host name, made by a
+   hard link that fails if a peer's is there):
    the claimer computes, writes ``STEM.safetensors`` through a temporary name and a rename,
    and removes its claim;
 3. else it waits for the file while the claimer's process lives; a claim whose process is
@@ -84,9 +84,11 @@ def claim_state(path: Path) -> tuple[bool, bool]:
     as alive; one of another host (a folder shared over the network) as alive, not here."""
     try:
         pid_text, _, host = path.read_text().strip().partition(" ")
-        pid = int(pid_text or "0")
+        pid = int(pid_text)
+    except FileNotFoundError:
+        return False, True
     except (OSError, ValueError):
-        return path.exists(), True
+        return path.exists(), True  # (not a claim this code wrote: alive while it is there)
     if host and host != socket.gethostname():
         return True, False
     return pid > 0 and pid_alive(pid), True
@@ -106,13 +108,18 @@ class ReferenceShare:
         self.written: list[Path] = []  # the file this server wrote last (removed at close)
 
     def _claim(self, stem: str) -> bool:
+        """Claim the round: its claim file appears whole or not at all (written apart, then
+        hard-linked to its name, which fails if a peer's is there), so no peer reads it empty."""
         self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = self.folder / f".{stem}.{os.getpid()}.claim"
+        tmp.write_text(f"{os.getpid()} {socket.gethostname()}")
         try:
-            fd = os.open(self.folder / f"{stem}.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            os.link(tmp, self.folder / f"{stem}.claim")
         except FileExistsError:
             return False
-        with os.fdopen(fd, "w") as f:
-            f.write(f"{os.getpid()} {socket.gethostname()}")
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
         return True
 
     def _write(self, stem: str, ref: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
