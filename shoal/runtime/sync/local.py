@@ -452,7 +452,7 @@ class LocalServerMixin:
         tokens = sum(self.spec.micro_batch_size * (self.spec.seq_len if p is None else p) for *_, p in inputs)
         part = functools.partial(reference_gradient, self.module, self.spec, step, first=self.is_first,
                                  last=self.is_last)
-        share, version = self._ref_share(), self.local_merged
+        share, version, known = self._ref_share(), self.local_merged, self.local_digest  # (of these weights)
 
         async def compute() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
             # one thread a micro-batch (torch releases the GIL in its kernels): the planner prices
@@ -476,10 +476,12 @@ class LocalServerMixin:
                 from shoal.runtime.common import tensors_digest
                 from shoal.runtime.safety.refshare import reference_stem
 
-                digest = self.local_digest
+                digest = known
                 if digest is None:  # (after a load: the weights of no merge here yet)
-                    digest = self.local_digest = await asyncio.get_running_loop().run_in_executor(
+                    digest = await asyncio.get_running_loop().run_in_executor(
                         None, tensors_digest, {n: p.detach() for n, p in self.params.items()})
+                    if (self.epoch, self.local_merged) == (epoch, version):
+                        self.local_digest = digest
                 like = {n: p.detach() for n, p in self.module.named_parameters()}
                 ref, meta, how = await share.get(reference_stem(epoch, version, self.first, self.last, digest),
                                                  like, compute)
