@@ -322,28 +322,6 @@ def test_the_screens_reference_gradient_by_hand():
     assert wait == pytest.approx(full + 9.0 + 1.0 - 8.0 - (0.02 + 0.3))
 
 
-def test_servers_of_a_host_and_layer_range_share_one_reference():
-    """Three replicas' stage servers on one 8-core host: the two of layers [0, 6) hold the same
-    merged weights each round and compute one reference between them, on their two shares of
-    the cores (at most 4 threads); the [0, 3) + [3, 6) replica's servers each compute their own.
-    (The model and the simulator read these cores: the test below.)"""
-    from shoal.plan.cost import reference_cores, reference_groups
-    from shoal.plan.types import Replica, SyncPolicy
-
-    pol = SyncPolicy(mode="local", sync_every=4)
-    reps = [Replica([StagePlan((0, 6), "h", ["w0"])], 2), Replica([StagePlan((0, 6), "h", ["w1"])], 2),
-            Replica([StagePlan((0, 3), "h", ["w2"]), StagePlan((3, 6), "h", ["w3"])], 4)]
-    p = Plan("ref-share", "tiny", "hand", [], 2, 8, sync=pol, replicas=reps)
-    assert reference_groups(p) == [[2], [2], [1, 1]]
-    # 4 servers on 8 cores: 2 each; the shared reference has 4 (its replicas' 2 micro-batches: 2 threads)
-    assert reference_cores(p, _scenario(cores=8)) == [[2.0], [2.0], [2.0, 2.0]]
-    reps4 = [dataclasses.replace(r, micro_batches=4) for r in reps[:2]] + reps[2:]
-    p4 = dataclasses.replace(p, replicas=reps4, micro_batches=12)
-    assert reference_cores(p4, _scenario(cores=8)) == [[4.0], [4.0], [2.0, 2.0]]
-    assert reference_cores(p4, _scenario(cores=4)) == [[2.0], [2.0], [1.0, 1.0]]
-    assert reference_cores(p4, _scenario(cores=16)) == [[4.0], [4.0], [4.0, 4.0]]
-
-
 def test_a_local_merge_waits_for_the_reference_in_the_model_and_the_simulator():
     """Local mode, H = 1, no overlap, a server core of a few MFLOP/s: the reference gradient
     (started at the step's commit) takes far longer than the pushes, and the simulator's step

@@ -302,18 +302,6 @@ def test_replicas_merge_per_layer_bitwise(tmp_path, replicas, workers):
     if replicas.endswith(".json"):
         assert summary["layers"] == [[0, 6], [0, 2], [2, 6]]
     _check_against_reference(out, summary, steps, h)
-    # The screen's reference: servers of one layer range (both [0, 6) with "1,1") hold the same
-    # merged weights each round and share one reference between them (refshare), others their own.
-    hows = [re.findall(r"reference gradient: step \d+, \d+ tokens, ([^,]+),", p.read_text())
-            for p in sorted((out / "logs").glob("server*.log"))]
-    rounds = math.ceil(steps / h)
-    if replicas == "1,1":
-        assert sorted(len(x) for x in hows) == [rounds, rounds]
-        shared = [x for server in hows for x in server if x.startswith("read from s")]
-        assert len(shared) == rounds and sum(x == "computed here and shared" for s in hows for x in s) == rounds
-    else:
-        assert all(x == "computed here and shared" for server in hows for x in server) and all(hows)
-    assert not list((out / "server_ckpt").glob("run-*/reference/*"))  # each server removed what it wrote
 
 
 @pytest.mark.integration

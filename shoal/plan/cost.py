@@ -564,28 +564,12 @@ def _server_core_shares(plan: Plan, scenario: Scenario) -> list[list[float]]:
     return [[max(1.0, cores[st.server] / count[st.server]) for st in r.stages] for r in plan.pipelines]
 
 
-def reference_groups(plan: Plan) -> list[list[int]]:
-    """Per replica, per stage: how many stage servers of ``plan`` share its server host and its
-    layer range (pure). Such servers hold the same merged weights each round (a replica merge
-    gives every replica's stage the same bits), so they share one reference gradient: one of
-    them computes it and the others read it (``shoal.runtime.safety.refshare``)."""
-    count: dict[tuple[str, tuple[int, int]], int] = {}
-    for r in plan.pipelines:
-        for st in r.stages:
-            key = (st.server, tuple(st.layers))
-            count[key] = count.get(key, 0) + 1
-    return [[count[(st.server, tuple(st.layers))] for st in r.stages] for r in plan.pipelines]
-
-
 def reference_cores(plan: Plan, scenario: Scenario) -> list[list[float]]:
     """Per replica, per stage: the cores its screen's reference gradient runs on (pure): one
     thread per micro-batch it takes (at most :data:`~shoal.plan.types.SCREEN_REF_MBS`, at most
-    the replica's micro-batches), on its server host's cores shared by every stage server there.
-    The ``g`` servers of a host that share a layer range (:func:`reference_groups`) compute
-    one reference between them, so it has their ``g`` shares of the cores."""
-    return [[min(float(min(SCREEN_REF_MBS, max(1, r.micro_batches))), c * g) for c, g in zip(row, groups, strict=True)]
-            for r, row, groups in zip(plan.pipelines, _server_core_shares(plan, scenario), reference_groups(plan),
-                                      strict=True)]
+    the replica's micro-batches), on its server host's cores shared by every stage server there."""
+    return [[min(float(min(SCREEN_REF_MBS, max(1, r.micro_batches))), c) for c in row]
+            for r, row in zip(plan.pipelines, _server_core_shares(plan, scenario), strict=True)]
 
 
 def merge_cores(plan: Plan, scenario: Scenario) -> list[list[float]]:

@@ -394,7 +394,7 @@ def list_ckpts(root: str | Path, stage: int, run_id: str) -> list[int]:
     return sorted(int(m.group(1)) for name in names if (m := _CKPT_RE.match(name)))
 
 
-def pid_alive(pid: int) -> bool:
+def _pid_alive(pid: int) -> bool:
     """Whether a process ``pid`` runs on this host (one we may not signal counts as running)."""
     try:
         os.kill(pid, 0)
@@ -424,7 +424,7 @@ def clean_stray_temps(root: str | Path, stage: int, run_id: str) -> int:
     if d.is_dir():
         for p in d.glob(".v*.tmp"):
             pid = temp_writer(p.name)
-            if pid is not None and pid != os.getpid() and pid_alive(pid):
+            if pid is not None and pid != os.getpid() and _pid_alive(pid):
                 continue
             p.unlink(missing_ok=True)
             n += 1

@@ -521,8 +521,6 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
                 t.cancel()
             for link in self._links.values():
                 link.close()
-            if self.ref_share is not None:
-                self.ref_share.close()  # the screen references this server shared with its host's peers
             await server.stop(0.5)
 
     def _join_request(self) -> pb.JoinRequest:

@@ -133,7 +133,6 @@ class LocalServerMixin:
     local_expect = None
     local_ref_key = None
     local_ref_job = None
-    ref_share = None  # this server's end of the host's shared references (_ref_share)
 
     @property
     def local(self) -> bool:
@@ -151,8 +150,7 @@ class LocalServerMixin:
         self.local_expect: set[str] | None = None  # workers whose pseudo-gradient the merge awaits
         self.local_got = self._new_round_pushes()  # pseudo-gradients received
         self.local_ref_key: tuple[int, int] | None = None  # (epoch, merged version) of the reference gradient started
-        self.local_ref_job: asyncio.Future | None = None  # that gradient: (grads, step, tokens, seconds, how)
-        self.local_digest: str | None = None  # digest of the merged weights served (each merge's; None after a load)
+        self.local_ref_job: asyncio.Future | None = None  # that gradient: (grads, step, tokens, seconds)
         if not hasattr(self, "median_secret"):  # seeds the screen's coordinate sample of a large stage
             self.median_secret = secrets.randbits(62)
         self.local_replicas: dict[str, dict[str, torch.Tensor]] = {}  # replicas' weights received (merges_weights)
@@ -350,7 +348,6 @@ class LocalServerMixin:
             if merged is None:
                 return None
             digest, replicas = merged
-            self.local_digest = digest
             shares = merge_weights({w: counts.get(w, 0) for w in self.local_got})
         else:
             async with self._wlock:
@@ -358,7 +355,6 @@ class LocalServerMixin:
                                                                                   step + 1)
                 self._wcache = None
                 self.local_merged = step + 1
-                self.local_digest = digest
         log.info("%s local merge %s", self.name, json.dumps({
             "stage": self.stage, "version": step + 1, "epoch": epoch, "contributors": counts,
             "shares": {w: round(x, 9) for w, x in shares.items()}, "digest": digest, "screen": screened,
@@ -452,42 +448,18 @@ class LocalServerMixin:
         tokens = sum(self.spec.micro_batch_size * (self.spec.seq_len if p is None else p) for *_, p in inputs)
         part = functools.partial(reference_gradient, self.module, self.spec, step, first=self.is_first,
                                  last=self.is_last)
-        share, version, known = self._ref_share(), self.local_merged, self.local_digest  # (of these weights)
 
-        async def compute() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        async def run():
             # one thread a micro-batch (torch releases the GIL in its kernels): the planner prices
             # them on as many of the host's cores (shoal.plan.cost.reference_cores)
+            t0 = time.perf_counter()
             loop = asyncio.get_running_loop()
             parts = await asyncio.gather(*(loop.run_in_executor(reference_pool(), part, [x]) for x in inputs))
             ref = parts[0]
             for g in parts[1:]:
                 for n, t in g.items():
                     ref[n] = ref[n] + t
-            return ref, {"step": str(step), "tokens": str(tokens), "server": self.name}
-
-        async def run():
-            t0 = time.perf_counter()
-            if share is None:
-                ref, meta = await compute()
-                how = "computed here"
-            else:
-                # Servers of this host and layer range that hold the same merged weights share one
-                # reference a round (shoal.runtime.safety.refshare; cost.reference_groups prices it).
-                from shoal.runtime.common import tensors_digest
-                from shoal.runtime.safety.refshare import reference_stem
-
-                digest = known
-                if digest is None:  # (after a load: the weights of no merge here yet)
-                    digest = await asyncio.get_running_loop().run_in_executor(
-                        None, tensors_digest, {n: p.detach() for n, p in self.params.items()})
-                    if (self.epoch, self.local_merged) == (epoch, version):
-                        self.local_digest = digest
-                like = {n: p.detach() for n, p in self.module.named_parameters()}
-                ref, meta, how = await share.get(reference_stem(epoch, version, self.first, self.last, digest),
-                                                 like, compute)
-                how = {"computed": "computed here and shared", "shared": f"read from {meta.get('server', 'a peer')}'s "
-                       "file", "own": "computed here"}[how]
-            return ref, int(meta.get("step", step)), int(meta.get("tokens", tokens)), time.perf_counter() - t0, how
+            return ref, step, tokens, time.perf_counter() - t0
 
         self.local_ref_key = key
         self.local_ref_job = asyncio.ensure_future(run())
@@ -505,24 +477,11 @@ class LocalServerMixin:
         if job is None or self.local_ref_key != (self.epoch, self.local_merged):
             return None
         t0 = time.perf_counter()
-        ref, ref_step, tokens, took, how = await job
+        ref, ref_step, tokens, took = await job
         waited = time.perf_counter() - t0
-        log.info("%s screen's reference gradient: step %d, %d tokens, %s, %.3f s (the merge waited %.3f s)",
-                 self.name, ref_step, tokens, how, took, waited)
+        log.info("%s screen's reference gradient: step %d, %d tokens, %.3f s in threads (the merge waited %.3f s)",
+                 self.name, ref_step, tokens, took, waited)
         return ref
-
-    def _ref_share(self):
-        """This server's end of the host's shared references (``shoal.runtime.safety.refshare``):
-        replica plans only (their stages' servers of one layer range hold the same merged weights);
-        None in a single pipeline, whose layer ranges have one server each."""
-        if not self.spec.replica_stages:
-            return None
-        if self.ref_share is None:
-            from shoal.runtime.common import ckpt_dir
-            from shoal.runtime.safety.refshare import ReferenceShare
-
-            self.ref_share = ReferenceShare(ckpt_dir(self.ckpt_root, self.stage, self.spec.run_id).parent / "reference")
-        return self.ref_share
 
     def _local_move_bound(self, dense: bool = False) -> float | None:
         """How far inner AdamW steps can move this stage per unit of learning rate
