@@ -9,9 +9,11 @@ checks the capture, the attacks' answers, the server's memory and the final weig
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -369,6 +371,13 @@ def test_tls_run_resists_capture_impersonation_and_floods(tmp_path, tmp_path_fac
 
         s0_id, victim = _member_id(tmp_path / "server0.log"), _member_id(tmp_path / "worker0.log")
         assert s0_id.startswith("s") and victim.startswith("w")
+        # The run is held here for the attacks and the flood: both workers are stopped (frozen
+        # hosts, as far as the swarm can tell), so it cannot end under them (a run that did took
+        # server 0 away mid-flood), and server 0's memory is the flood's alone. They resume
+        # after it; the run then finishes with the failure-free weights (asserted below).
+        workers = procs[3:5]
+        for w in workers:
+            os.kill(w.pid, signal.SIGSTOP)
         codes = asyncio.run(_attacks(tls, token, join, f"127.0.0.1:{sproxies[0]}", f"127.0.0.1:{sproxies[1]}",
                                      s0_id, victim, f"127.0.0.1:{cport}"))
         assert codes == {"report_as_self": grpc.StatusCode.PERMISSION_DENIED,
@@ -402,6 +411,8 @@ def test_tls_run_resists_capture_impersonation_and_floods(tmp_path, tmp_path_fac
         # refusing them grows by ~500 MiB per call (2 GiB for 4 calls when tried), so staying
         # under one message (250 MiB) for all 12 shows none was read.
         assert grown < 250 * 2**20, f"server RSS grew {grown / 2**20:.0f} MiB under the flood"
+        for w in workers:
+            os.kill(w.pid, signal.SIGCONT)
 
         coord.wait(timeout=300)
         assert coord.returncode == 0, log("coordinator")
@@ -410,6 +421,8 @@ def test_tls_run_resists_capture_impersonation_and_floods(tmp_path, tmp_path_fac
     finally:
         for p in procs:
             if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGCONT)  # (a worker still stopped by a failed assertion)
                 p.kill()
                 p.wait(10)
         rec.close()
