@@ -372,9 +372,9 @@ def test_tls_run_resists_capture_impersonation_and_floods(tmp_path, tmp_path_fac
         s0_id, victim = _member_id(tmp_path / "server0.log"), _member_id(tmp_path / "worker0.log")
         assert s0_id.startswith("s") and victim.startswith("w")
         # The run is held here for the attacks and the flood: both workers are stopped (frozen
-        # hosts, as far as the swarm can tell), so it cannot end under them (a run that did took
-        # server 0 away mid-flood), and server 0's memory is the flood's alone. They resume
-        # after it; the run then finishes with the failure-free weights (asserted below).
+        # hosts, as far as the swarm can tell), so it cannot end under them and take server 0
+        # away, and server 0's memory is the flood's alone. They resume after it; the run then
+        # finishes with the failure-free weights (asserted below).
         workers = procs[3:5]
         for w in workers:
             os.kill(w.pid, signal.SIGSTOP)
