@@ -71,6 +71,19 @@ def test_report_of_a_hand_plan():
     assert "of the swarm's FLOP limit" in rep.summary() and "1/4 devices used" in rep.summary()
 
 
+def test_an_idle_device_beside_a_stage_of_only_the_embedding_gets_a_reason():
+    """A stage holding only layer 0 (the embedding: no FLOPs in the profile) once divided a
+    device's transfers by its compute of 0 (the planner made such a plan for `demo` with exact
+    sync's ordered pushes)."""
+    s = _scenario()
+    plan = Plan("hand-swarm", "tiny", "test", [StagePlan((0, 1), "h", ["w0"]), StagePlan((1, 6), "h", ["slow"])],
+                micro_batch_size=2, micro_batches=4)
+    predict(plan, s)
+    rep = swarm_report(plan, s)
+    assert rep.idle["thin"] == IDLE_LINKS and "layers [1, 6)" in rep.why["thin"]  # (the stage it could help)
+    assert rep.idle["small"] == IDLE_MEMORY
+
+
 def test_one_device_at_its_flop_limit_is_its_share():
     """A plan whose only worker computed without any overhead would reach that worker's share of
     the limit: the share of the swarm is bounded by the used devices' FLOP/s."""

@@ -161,7 +161,9 @@ def idle_reason(d: Device, plan: Plan, scenario: Scenario, step_s: float,
         sync = (pb * plan.sync.ratio("push", prof.dtype_bytes, *prof.act_shape) / up
                 + pb * plan.sync.ratio("pull", prof.dtype_bytes, *prof.act_shape) / down)
         window = step_s * (plan.sync.sync_every if plan.sync.local else 1)
-        cand = (max(io / compute, sync / window if window > 0 and math.isfinite(window) else 0.0), io, compute, sync,
+        # (a stage of only the embedding has no FLOPs in the profile: its transfers are all it does)
+        per_compute = io / compute if compute > 0 else (math.inf if io > 0 else 0.0)
+        cand = (max(per_compute, sync / window if window > 0 and math.isfinite(window) else 0.0), io, compute, sync,
                 window, st)
         if best is None or cand[0] < best[0]:
             best = cand
