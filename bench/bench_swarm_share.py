@@ -12,7 +12,10 @@ benefit), the predicted and the simulated tokens/s and their share of the swarm'
 (sum of every worker's FLOP/s / the model's training FLOPs per token, shoal.plan.report), and
 predicted / simulated step. Policies:
 
-* ``exact`` -- exact sync (``shoal plan`` with ``--sync exact``);
+* ``exact`` -- exact sync with one summed push per worker a step (``shoal plan --sync exact
+  --unordered-grads``, as ``shoal launch --unordered-grads`` and ``shoal demo`` run it);
+* ``exact ordered`` -- exact sync as ``shoal launch`` runs it by default for bitwise parity (a
+  worker of a shared stage pushes each micro-batch's gradient alone; ``shoal plan --sync exact``);
 * ``local int8`` -- ``--sync local --sync-every 32 --compression int8``, one pipeline;
 * ``local sparse`` -- the same with ``push=sparse,pull=sparse,act=int8,grad=int8``;
 * ``replicas sparse`` -- ``--replicas`` with the same codecs: pipeline replicas inside network
@@ -66,7 +69,8 @@ TERN = "act=tern,grad=tern,push=sparse,pull=sparse"  # activations in tern (9.28
 
 def policies() -> list[tuple[str, SyncPolicy | None, bool]]:
     """(label, policy, replicas); policy None = --sync auto."""
-    return [("exact", SyncPolicy(), False), ("local int8", local("int8"), False),
+    return [("exact", SyncPolicy(), False), ("exact ordered", SyncPolicy(ordered=True), False),
+            ("local int8", local("int8"), False),
             ("local sparse", local(SPARSE), False), ("replicas sparse", local(SPARSE, uploads=False), True),
             ("local lowrank", local(LOWRANK), False), ("replicas lowrank", local(LOWRANK, uploads=False), True),
             ("replicas tern", local(TERN, uploads=False), True), ("auto", None, False)]

@@ -200,7 +200,7 @@ def test_heartbeat_period_leaves_four_beats_before_death_or_lease_expiry():
 
 
 def test_ordered_groups_presum_only_the_prefix_bitwise():
-    from shoal.runtime.roles.worker import ordered_groups
+    from shoal.runtime.sync.ordered import ordered_groups
 
     g = {mb: {"w": torch.randn(50) * 10 ** (mb % 3)} for mb in range(6)}
     groups = ordered_groups({mb: g[mb] for mb in (0, 1, 2, 4)})

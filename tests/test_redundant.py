@@ -60,7 +60,7 @@ def test_dup_disagreement_and_verdict():
 
 
 def test_a_checkers_sum_is_bitwise_the_pre_summed_push():
-    from shoal.runtime.roles.worker import ordered_groups
+    from shoal.runtime.sync.ordered import ordered_groups
 
     gen = torch.Generator().manual_seed(0)
     per_mb = {mb: {"w": torch.randn(33, 17, generator=gen), "b": torch.randn(17, generator=gen)} for mb in range(4)}

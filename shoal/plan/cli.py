@@ -84,6 +84,10 @@ def add_sync_arguments(p) -> None:
     p.add_argument("--replicas", action="store_true",
                    help="local mode: run several pipeline replicas, each inside one network cluster, of the "
                         "stage count each device's memory needs (see docs/planner.md)")
+    p.add_argument("--unordered-grads", action="store_true",
+                   help="exact sync: price one summed gradient push per worker a step, as `shoal launch "
+                        "--unordered-grads` and `shoal demo` run it (not bitwise exact); by default a worker of "
+                        "a shared stage pushes each micro-batch's gradient alone, as launch does for bitwise parity")
     p.add_argument("--overlap-io", choices=("auto", "off", "uploads", "prefetch"), default="auto",
                    help="worker I/O overlap: uploads (upload an output while leasing and computing the next task), "
                         "prefetch (also fetch the next task during compute); auto: uploads in local mode, off in exact")
@@ -118,7 +122,8 @@ def policy_from_args(args: argparse.Namespace) -> SyncPolicy:
                       sync_every=(every or DEFAULT_SYNC_EVERY) if mode == "local" else 1,
                       act_codec=codecs["act"], grad_codec=codecs["grad"], push_codec=codecs["push"],
                       pull_codec=codecs["pull"], overlap=not getattr(args, "no_overlap", False),
-                      overlap_uploads=io in ("uploads", "prefetch"), prefetch=io == "prefetch")
+                      overlap_uploads=io in ("uploads", "prefetch"), prefetch=io == "prefetch",
+                      ordered=mode == "exact" and not getattr(args, "unordered_grads", False))
 
 
 def budget_from_args(args: argparse.Namespace) -> QualityBudget | None:
@@ -429,8 +434,9 @@ def _compare(console: Console, scenario: Scenario, args: argparse.Namespace, pol
         # --sync auto: shoal's choice is the second policy; the baselines run under it (one pipeline)
         chosen = plan_auto(scenario, budget, seed=args.seed)
         policy, replicas = chosen.sync, bool(chosen.replicas)
-    policies = [("exact", SyncPolicy())]
-    if policy != SyncPolicy():
+    exact = SyncPolicy(ordered=not getattr(args, "unordered_grads", False))  # as launch runs it
+    policies = [("exact", exact)]
+    if policy not in (SyncPolicy(), exact):
         label = f"local H={policy.sync_every}" if policy.local else "exact+codecs"
         if replicas:
             label += " replicas"

@@ -587,6 +587,29 @@ def tasks_per_micro_batch(last: bool) -> int:
     return 1 if last else 2
 
 
+def ordered_push_count(micro_batches: float, workers: int) -> float:
+    """Whole-stage gradient pushes one worker sends a step in exact sync with ordered pushes
+    (``SyncPolicy.ordered``, ``shoal launch``'s default for bitwise parity; pure). The server
+    sums a step's gradients in micro-batch order and a worker can pre-sum only a run of them from
+    micro-batch 0 (``shoal.runtime.sync.ordered``): a stage's only worker holds the whole run and
+    pushes once; a worker of a shared stage takes its ``micro_batches`` interleaved with the
+    others' and pushes each alone (a run from 0 longer than one is rare and not counted)."""
+    if workers <= 1:
+        return 1.0
+    return max(1.0, micro_batches)
+
+
+def ordered_pushes(mbs) -> int:
+    """Pushes a worker holding the micro-batches ``mbs`` of a step sends with ordered pushes: the
+    run from micro-batch 0 pre-summed as one, every other alone (pure; the count of
+    ``shoal.runtime.sync.ordered.ordered_groups``, which the simulator charges)."""
+    held = set(mbs)
+    run = 0
+    while run in held:
+        run += 1
+    return (1 if run else 0) + len(held) - run
+
+
 def worker_task_compute(fwd_s: float, bwd_s: float, last: bool, cpu_s: float) -> float:
     """Seconds a worker's tasks of one micro-batch take when each task also costs ``cpu_s`` of
     the worker's framework CPU: compute runs off its event loop, so a task takes the longer of
@@ -749,13 +772,14 @@ def _policy_key(sync: SyncPolicy) -> tuple:
 
 def _stage_rows(st, first: bool, last: bool, nxt_id: str | None, prv_id: str | None, n_sync: dict[str, int],
                 prof: ModelProfile, scenario: Scenario, dev: dict[str, Device], sync: SyncPolicy,
-                options: CostOptions, memo: dict) -> tuple:
+                options: CostOptions, memo: dict, micro_batches: int = 0) -> tuple:
     """The pass-independent figures of one stage (see :func:`stage_costs`): per worker
     ``(wid, fixed, dl_bytes, dl_bw, ul_bytes_n, ul_bw_n, ul_bytes_p, ul_bw_p, compute, out_lat)``
     (fixed = compute + lease round trips; bandwidths before the server link's share), then the
     stage's largest latency, its sync seconds, its slowest pull, its memory headroom and, in
     local mode, each remote worker's ``(push s, pull s)`` of one round. A function of the stage,
-    its neighbours' servers and the workers syncing with its server, so callers may memoise it."""
+    its neighbours' servers and the workers syncing with its server (and, with ordered exact-sync
+    pushes, the step's ``micro_batches``), so callers may memoise it."""
     net = scenario.network
     tokens = prof.tokens_per_micro_batch * 8  # int64 ids (inputs of stage 0, targets of the last)
     exact = bool(net.overrides)
@@ -801,14 +825,22 @@ def _stage_rows(st, first: bool, last: bool, nxt_id: str | None, prv_id: str | N
     bg_rows = []  # per row: (push bytes, its own push rate, pull bytes, its own pull rate); zeros on loopback
     stage_rows = []
     wcpu = scenario.cpu.worker_task_s
-    for wid in st.workers:
-        d = dev[wid]
+
+    def task_s(d: Device) -> float:
         c = compute_time(flops, d.flops)
         if wcpu > 0 and d.flops > 0:
             # each task also costs the worker's framework CPU, beside its compute (off the event loop)
             f_s, b_s = fwd / d.flops, bwd / d.flops
             if (c < wcpu) if last else (min(f_s, b_s) < wcpu):
                 c = worker_task_compute(f_s, b_s, last, wcpu)
+        return c
+
+    # exact sync, ordered pushes: a worker of a shared stage pushes once per micro-batch it takes
+    ordered = sync.ordered and not sync.local and len(st.workers) > 1
+    ordered_rows = []  # (its push rate, its seconds a micro-batch at its own links' rates)
+    for wid in st.workers:
+        d = dev[wid]
+        c = task_s(d)
         fixed, dlb, dlbw = c, 0.0, math.inf
         bg_row = (0.0, math.inf, 0.0, math.inf)
         ulb_n = ulb_p = 0.0
@@ -838,6 +870,17 @@ def _stage_rows(st, first: bool, last: bool, nxt_id: str | None, prv_id: str | N
         stage_rows.append((wid, fixed, dlb, dlbw, ulb_n, ulbw_n, ulb_p, ulbw_p, c, out_lat))
         bg_rows.append(bg_row)
         headroom = min(headroom, (d.memory - need) / d.memory if d.memory > 0 else -math.inf)
+        if ordered and g_push > 0:
+            tau = fixed + dlb / dlbw + ulb_n / ulbw_n + ulb_p / ulbw_p
+            ordered_rows.append((min(path(d, host).bandwidth, d.up, h_down_sync) if wid != host.id else math.inf, tau))
+    if ordered_rows:
+        # each pushes its share of the step's micro-batches by its speed (transfers at its own
+        # links' rates included: a slow uplink takes fewer), one after another (the server
+        # host's own worker pushes on loopback)
+        total_rate = sum(1.0 / t for _, t in ordered_rows if 0 < t < math.inf)
+        max_push = max(max_push, max(
+            ordered_push_count(micro_batches / t / total_rate if 0 < t < math.inf and total_rate > 0 else 0.0,
+                               len(st.workers)) * g_push / rate for rate, t in ordered_rows))
     if sync.local:
         sync_s = local_round_time(max_lat, max_push, max_pull)
     else:
@@ -937,7 +980,8 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
     if dev is None:
         dev = memo["dev"] = {d.id: d for d in scenario.devices}
     # what the per-stage rows depend on besides the stage itself
-    policy_key = (_policy_key(sync), options.recompute, plan.micro_batch_size)
+    policy_key = (_policy_key(sync), options.recompute, plan.micro_batch_size,
+                  plan.micro_batches if sync.ordered and not sync.local else 0)
     rows: list[list[tuple]] = []
     syncs: list[float] = []
     pulls: list[float] = []
@@ -957,7 +1001,7 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
         got = memo.get(key)
         if got is None:
             got = memo[key] = _stage_rows(st, i == 0, i == n - 1, nxt_id, prv_id, n_sync, prof, scenario, dev,
-                                          sync, options, memo)
+                                          sync, options, memo, plan.micro_batches)
         stage_rows, max_lat, sync_s, pull_s, headroom, bg, bg_rows = got
         rows.append(stage_rows)
         sync_rows.append(bg_rows)

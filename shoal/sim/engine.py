@@ -46,6 +46,7 @@ from shoal.plan.cost import (
     coordinator_members,
     merge_cores,
     merge_cpu_time,
+    ordered_pushes,
     reference_cores,
     reference_cpu_time,
 )
@@ -300,6 +301,7 @@ class Simulator:
         self.overlap = pol.local and pol.overlap  # round r runs during round r + 1
         self.overlap_up = pol.overlap_uploads  # lease the next task while the output uploads
         self.prefetch = pol.prefetch  # ask for the next task when computing starts
+        self.ordered = pol.ordered and not pol.local  # exact sync: a push per micro-batch outside a run from 0
         self.stages = [Stage(i, sp, self.devices[sp.server]) for i, sp in enumerate(self.flat)]
         # the framework's own CPU (scenario.cpu): each server host's cores handle the messages
         # that cost CPU first come first served; the coordinator bounds the step from below
@@ -870,7 +872,8 @@ class Simulator:
             st = self.stages[s]
             mbs = frozenset(st.contrib.get(w.id, ()))
             if mbs:
-                self._send(w.id, st.host.id, 0 if self.local else st.param_wire, M_PUSH, (w, s, self.step, mbs), w)
+                n = 0.0 if self.local else float(ordered_pushes(mbs) if self.ordered else 1)
+                self._send(w.id, st.host.id, n * st.param_wire, M_PUSH, (w, s, self.step, mbs), w)
         elif kind == M_PUSH:
             w, s, step, mbs = p
             st = self.stages[s]

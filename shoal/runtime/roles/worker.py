@@ -63,6 +63,7 @@ from shoal.runtime.common import (
 from shoal.runtime.safety.faults import poison, poisons
 from shoal.runtime.sync.codecs import apply_pull, compression_of_spec
 from shoal.runtime.sync.local import LocalWorkerMixin
+from shoal.runtime.sync.ordered import PrefixFold
 from shoal.runtime.transport.frames import TRANSIENT_CODES, off_loop, payload_bytes, retry
 from shoal.runtime.transport.session import (
     SessionClient,
@@ -180,32 +181,6 @@ def parse_hangs(spec: str) -> dict[str, dict[str, str]]:
     return out
 
 
-def ordered_groups(per_mb: dict[int, dict[str, torch.Tensor]]) -> list[tuple[list[int], dict]]:
-    """Pushes for per-micro-batch gradients that the server can sum in micro-batch order.
-
-    The server computes ``((g_0 + g_1) + g_2) + ...``. A run of micro-batches starting
-    at 0 can be pre-summed here in that same order (it is the beginning of the server's
-    sum, bitwise), so a worker holding 0..k sends one push for them; every other
-    micro-batch goes alone.
-    """
-    mbs = sorted(per_mb)
-    k = 0
-    while k < len(mbs) and mbs[k] == k:
-        k += 1
-    groups: list[tuple[list[int], dict]] = []
-    if k > 1:
-        total = {n: g.clone() for n, g in per_mb[0].items()}
-        for mb in range(1, k):
-            for n, g in per_mb[mb].items():
-                total[n].add_(g)
-        groups.append((list(range(k)), total))
-        rest = mbs[k:]
-    else:
-        rest = mbs
-    groups += [([mb], per_mb[mb]) for mb in rest]
-    return groups
-
-
 def idle_pull(rep: pb.LeaseReply, version: int, epoch: int) -> bool:
     """Whether a worker left without a task should pull weights now (exact mode).
 
@@ -264,7 +239,8 @@ class Worker(LocalWorkerMixin):
         self.acc_key: tuple[int, int, int] | None = None
         self.acc: dict[str, torch.Tensor] = {}
         self.acc_mbs: list[int] = []
-        self.acc_per_mb: dict[int, dict[str, torch.Tensor]] = {}  # ordered_grads: kept apart
+        self.acc_per_mb: dict[int, dict[str, torch.Tensor]] = {}  # ordered_grads, local mode: kept apart
+        self.acc_fold = PrefixFold()  # ordered_grads, exact sync: the run from micro-batch 0 summed as it grows
         self.tasks_done = 0
         self.compute_s = 0.0  # compute seconds of the accepted tasks (dashboard)
         self.graphs: dict[tuple[int, int, int], tuple] = {}  # (epoch, step, mb) -> (input, output)
@@ -555,6 +531,7 @@ class Worker(LocalWorkerMixin):
 
     def _drop_acc(self) -> None:
         self.acc_key, self.acc, self.acc_mbs, self.acc_per_mb = None, {}, [], {}
+        self.acc_fold = PrefixFold()
 
     @property
     def chunk_bytes(self) -> int:
@@ -670,7 +647,7 @@ class Worker(LocalWorkerMixin):
         self.push_progress.last, self.push_progress.sent = time.monotonic(), True
         try:
             if self.spec.ordered_grads:
-                groups = await loop.run_in_executor(None, ordered_groups, self.acc_per_mb)  # sums: in a thread
+                groups = self.acc_fold.groups()  # (the run from micro-batch 0 summed as its gradients came)
             else:
                 groups = [(self.acc_mbs, self.acc)]
             done: set[int] = set()
@@ -1080,8 +1057,10 @@ class Worker(LocalWorkerMixin):
             if self.acc_key != key:
                 self._drop_acc()
                 self.acc_key = key
-            if self.spec.ordered_grads:
-                self.acc_per_mb[task.mb] = grads
+            if self.spec.ordered_grads and self.local:
+                self.acc_per_mb[task.mb] = grads  # (summed in order for the inner step: _local_sum)
+            elif self.spec.ordered_grads:
+                self.acc_fold.add(task.mb, grads)  # one sum for a run from 0, not a copy a micro-batch
             else:
                 for name, g in grads.items():
                     if name in self.acc:

@@ -1,0 +1,149 @@
+"""Exact sync's ordered pushes: the worker's running sum of its run from micro-batch 0."""
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from shoal.runtime.sync.ordered import PrefixFold, ordered_groups
+
+
+def _grads(n: int, seed: int = 0) -> dict[int, dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    # magnitudes apart by powers of ten: a different order of additions gives other bits
+    return {mb: {"w": torch.randn(7, 5, generator=gen) * 10 ** (mb % 4), "b": torch.randn(5, generator=gen)}
+            for mb in range(n)}
+
+
+def _same(a, b) -> bool:
+    return [ids for ids, _ in a] == [ids for ids, _ in b] and all(
+        ga.keys() == gb.keys() and all(torch.equal(ga[k], gb[k]) for k in ga) for (_, ga), (_, gb) in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("held", [(0, 1, 2, 3), (0, 1, 2, 5, 7), (1, 2, 5), (0,), (0, 2, 3), (3, 0, 1, 2)])
+def test_the_fold_pushes_what_ordered_groups_pushes_in_every_arrival_order(held):
+    g = _grads(8)
+    want = ordered_groups({mb: g[mb] for mb in held})
+    orders = list(itertools.permutations(held)) if len(held) <= 4 else \
+        [random.Random(s).sample(held, len(held)) for s in range(30)]
+    for order in orders:
+        fold = PrefixFold()
+        for mb in order:
+            fold.add(mb, g[mb])
+        assert _same(fold.groups(), want), order
+
+
+def test_a_stages_only_worker_holds_one_sum_and_its_gradients_stay_unchanged():
+    g = _grads(16, seed=1)
+    before = {mb: {k: v.clone() for k, v in x.items()} for mb, x in g.items()}
+    fold = PrefixFold()
+    most = 0
+    for mb in (0, 2, 1, 3, 4, 6, 5, 7, 8, 9, 10, 11, 12, 13, 14, 15):  # one held out of order at a time
+        fold.add(mb, g[mb])
+        most = max(most, fold.held())
+    assert fold.held() == 1 and most == 2
+    (ids, total), = fold.groups()
+    assert ids == list(range(16))
+    seq = {k: v.clone() for k, v in g[0].items()}
+    for mb in range(1, 16):
+        for k in seq:
+            seq[k] += g[mb][k]
+    assert all(torch.equal(total[k], seq[k]) for k in seq)  # bitwise the server's (and autograd's) order
+    assert all(torch.equal(g[mb][k], before[mb][k]) for mb in g for k in g[mb])  # nothing added in place
+
+
+def test_a_shared_stage_worker_holds_its_micro_batches_outside_the_run_apart():
+    g = _grads(8, seed=2)
+    fold = PrefixFold()
+    for mb in (5, 0, 3):
+        fold.add(mb, g[mb])
+    assert fold.held() == 3 and [ids for ids, _ in fold.groups()] == [[0], [3], [5]]
+    assert fold.groups()[0][1] is g[0]  # a run of one goes as it is, as ordered_groups sends it
+    with pytest.raises(ValueError, match="already held"):
+        fold.add(3, g[3])
+    with pytest.raises(ValueError, match="already held"):
+        fold.add(0, g[0])
+
+
+# ------------------------------------------------------------------ priced: the cost model and the simulator
+def test_the_count_the_simulator_charges_is_the_runtimes_number_of_pushes():
+    from shoal.plan.cost import ordered_push_count, ordered_pushes
+
+    rng = random.Random(3)
+    g = _grads(12, seed=3)
+    for _ in range(200):
+        held = rng.sample(range(12), rng.randint(0, 12))
+        assert ordered_pushes(held) == len(ordered_groups({mb: g[mb] for mb in held})), held
+    assert ordered_push_count(64, 1) == 1  # a stage's only worker: its run from 0, once
+    assert ordered_push_count(21.3, 3) == 21.3 and ordered_push_count(0.4, 2) == 1
+
+
+def _one_stage(ordered: bool, m: int = 8):
+    from shoal.model.config import get_preset
+    from shoal.model.profile import profile_model
+    from shoal.plan.types import (
+        ChurnModel,
+        Device,
+        FrameworkCpu,
+        Link,
+        Network,
+        Plan,
+        Scenario,
+        StagePlan,
+        SyncPolicy,
+        Workload,
+    )
+
+    free = FrameworkCpu(server_task_s=0.0, worker_task_s=0.0, server_sync_s=0.0, coordinator_member_s=0.0,
+                        coordinator_report_s=0.0)
+    devs = [Device("srv0", "server", 0.0, 0.0, "r", 1e8, 1e8, can_host_server=True)]
+    devs += [Device(f"w{i}", "gpu", 1e12, 8e9, "r", 1e7, 1e7) for i in range(2)]
+    scn = Scenario("hand", devs, Network(intra={"r": Link(0.005, 1e9)}, inter={}), Workload("tiny", 32, m, 1, 4),
+                   ChurnModel(), cpu=free)
+    plan = Plan("hand", "tiny", "hand", [StagePlan((0, 6), "srv0", ["w0", "w1"])], 1, m, SyncPolicy(ordered=ordered))
+    return scn, plan, profile_model(get_preset("tiny"), 32, 1, 4).param_bytes(0, 6)
+
+
+def test_ordered_pushes_cost_a_push_per_micro_batch_of_a_shared_stage_in_both_models():
+    from shoal.plan.cost import stage_costs
+    from shoal.sim import simulate
+
+    m = 8
+    (scn, summed, par), (_, ordered, _) = _one_stage(False, m), _one_stage(True, m)
+    # cost model: each of the two equal workers pushes its m / 2 micro-batches one by one at its
+    # 10 MB/s uplink (the server's 100 MB/s downlink, halved, is not what binds)
+    extra = stage_costs(ordered, scn)[0].sync - stage_costs(summed, scn)[0].sync
+    assert extra == pytest.approx((m / 2 - 1) * par / 1e7, rel=1e-9)
+    # simulator: the bytes each worker's pushes carry are the runtime's pushes of the micro-batches it ran
+    a, b = simulate(summed, scn, steps=1), simulate(ordered, scn, steps=1)
+    sent = b.link_bytes["w0->srv0"] + b.link_bytes["w1->srv0"]
+    assert a.link_bytes["w0->srv0"] + a.link_bytes["w1->srv0"] == pytest.approx(2 * par)
+    assert sent >= (m - 1) * par - 1e-6 and sent <= m * par + 1e-6
+    assert b.step_times_s[0] > a.step_times_s[0] + (m / 2 - 2) * par / 1e7
+
+
+@pytest.mark.parametrize("ordered,mode", [(True, ""), (False, ""), (True, "local")])
+def test_the_coordinator_plans_the_pushes_its_workers_will_send(tmp_path, ordered, mode):
+    import asyncio
+
+    from shoal.net import shoal_pb2 as pb
+    from shoal.runtime.roles.coordinator import Coordinator
+
+    spec = pb.RunSpec(model="tiny", stages=2, steps=3, micro_batches=4, micro_batch_size=2, seq_len=16, seed=0,
+                      lr=3e-3, min_lr=3e-4, warmup=1, weight_decay=0.1, grad_clip=1.0, dead_after_s=5.0,
+                      min_lease_s=1.0, data="synthetic", ordered_grads=ordered, sync_mode=mode,
+                      sync_every=2 if mode else 0)
+
+    async def main():
+        c = Coordinator(spec, "tok", min_workers=4, out=str(tmp_path))
+        ids = [(await c.Join(pb.JoinRequest(role="server", address=f"127.0.0.1:{i + 1}", name=f"s{i}"), None)).member_id
+               for i in range(2)]
+        ids += [(await c.Join(pb.JoinRequest(role="worker", flops=1e9, name=f"w{i}"), None)).member_id
+                for i in range(4)]
+        beats = [await c.Heartbeat(pb.MemberRequest(member_id=m, ckpt_version=0), None) for m in ids]
+        assert all(b.ready for b in beats) and c.plan is not None
+        return c.plan.sync
+
+    sync = asyncio.run(main())
+    assert sync.ordered == (ordered and not mode)
