@@ -80,6 +80,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``shoal`` console script."""
+    from shoal.memory import tune_malloc
+
+    tune_malloc()  # (large buffers reused, not faulted in afresh: shoal/memory.py)
     if argv is None:
         argv = sys.argv[1:]
     parser = build_parser(argv)

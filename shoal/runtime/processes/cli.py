@@ -728,6 +728,9 @@ def _fmt(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point for ``python -m shoal.runtime.processes.cli`` (how launch starts its processes)."""
+    from shoal.memory import tune_malloc
+
+    tune_malloc()  # (large buffers reused, not faulted in afresh: shoal/memory.py)
     parser = argparse.ArgumentParser(prog="shoal-runtime")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

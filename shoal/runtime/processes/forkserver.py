@@ -442,6 +442,9 @@ def main(argv: list[str]) -> int:
     import gc
     import importlib
 
+    from shoal.memory import tune_malloc
+
+    tune_malloc()  # (before the members fork: they keep the settings; shoal/memory.py)
     ctrl = socket.socket(fileno=int(argv[0]))
     for name in PRELOAD:
         importlib.import_module(name)
