@@ -58,10 +58,12 @@ class PrefixFold:
         self.total: Grads | None = None  # their sum (g_0 itself while the run is one long)
         self.apart: dict[int, Grads] = {}  # every other micro-batch's gradient, by micro-batch
 
-    def add(self, mb: int, grads: Grads) -> None:
-        """Take micro-batch ``mb``'s gradient (each micro-batch once a step)."""
+    def add(self, mb: int, grads: Grads) -> bool:
+        """Take micro-batch ``mb``'s gradient; False (and nothing changes) if it is held already:
+        in exact sync a micro-batch computed twice at the same weights gives the same bits, so
+        the first one stays (as the sum it is already part of must)."""
         if mb < self.run or mb in self.apart:
-            raise ValueError(f"micro-batch {mb} is already held")
+            return False
         self.apart[mb] = grads
         while self.run in self.apart:
             g = self.apart.pop(self.run)
@@ -73,6 +75,7 @@ class PrefixFold:
                 for n, t in g.items():
                     self.total[n].add_(t)
             self.run += 1
+        return True
 
     def held(self) -> int:
         """Whole-stage gradients held: the run's sum and every micro-batch apart."""
