@@ -126,12 +126,13 @@ def decode_tensor(
     tdtype, npdtype = _DTYPES[frame.dtype]
     codec = frame.codec or "raw"
     if codec == "raw":
-        if len(frame.data) != numel * npdtype.itemsize:
+        data = frame.data  # (upb makes a new bytes object, a copy of the payload, on every read)
+        if len(data) != numel * npdtype.itemsize:
             raise WireError(
-                f"tensor {frame.name!r}: payload of {len(frame.data)} bytes, expected "
+                f"tensor {frame.name!r}: payload of {len(data)} bytes, expected "
                 f"{numel * npdtype.itemsize} for {frame.dtype}{list(got_shape)}"
             )
-        arr = np.frombuffer(frame.data, dtype=npdtype).copy()
+        arr = np.frombuffer(data, dtype=npdtype).copy()
         t = torch.from_numpy(arr)
         t = t.view(torch.bfloat16) if frame.dtype == "bfloat16" else t
         t = t.reshape(got_shape)

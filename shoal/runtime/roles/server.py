@@ -979,7 +979,8 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         await check_caller(context, r.worker)
         info = self._worker(r.worker)
         self.stats["messages"] += 1
-        self.stats["bytes_in"] += len(r.output.data)
+        size = len(r.output.data)  # (each read of a payload copies it: read once)
+        self.stats["bytes_in"] += size
         self.stats["results_by_call" if context is not None else "results_on_session"] += 1
         prev = self.completed.get(r.lease_id)
         if prev is not None and prev[:3] == (r.worker, r.epoch, r.step):
@@ -993,7 +994,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         try:
             out = None
             if r.direction == pb.FWD or not self.is_first:
-                out = await off_loop(len(r.output.data), self._decode_act, r.output,
+                out = await off_loop(size, self._decode_act, r.output,
                                      r.direction == pb.FWD or self.grads_finite)
             if r.direction == pb.FWDBWD and not math.isfinite(r.loss):
                 raise WireError(f"loss {r.loss} is not finite")
@@ -1622,12 +1623,13 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
     async def SubmitRelay(self, request, context):
         r = request
         self.stats["messages"] += 1
-        self.stats["bytes_in"] += len(r.tensor.data)
+        size = len(r.tensor.data)  # (each read of a payload copies it: read once)
+        self.stats["bytes_in"] += size
         verdict = self._relay_verdict(r)
         if verdict is not None:
             return verdict
         try:
-            t = await off_loop(len(r.tensor.data), self._decode_act, r.tensor,
+            t = await off_loop(size, self._decode_act, r.tensor,
                                r.direction == pb.FWD or self.grads_finite)
         except WireError as exc:
             return pb.RelayReply(accepted=False, reason=f"rejected: {exc}")
