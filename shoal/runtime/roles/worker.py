@@ -1057,17 +1057,20 @@ class Worker(LocalWorkerMixin):
             if self.acc_key != key:
                 self._drop_acc()
                 self.acc_key = key
+            self.acc_mbs.append(task.mb)
             if self.spec.ordered_grads and self.local:
                 self.acc_per_mb[task.mb] = grads  # (summed in order for the inner step: _local_sum)
             elif self.spec.ordered_grads:
-                self.acc_fold.add(task.mb, grads)  # one sum for a run from 0, not a copy a micro-batch
+                # one sum for a run from 0, not a copy a micro-batch; a large stage's sum in a
+                # thread (this upload ends after it, and a push drains the uploads first)
+                nbytes = sum(g.numel() * g.element_size() for g in grads.values())
+                await off_loop(nbytes, self.acc_fold.add, task.mb, grads)
             else:
                 for name, g in grads.items():
                     if name in self.acc:
                         self.acc[name].add_(g)
                     else:
                         self.acc[name] = g.clone() if self.opts.shadow else g  # shadow tensors are shared
-            self.acc_mbs.append(task.mb)
 
     async def _out_of_memory(self) -> None:
         """Leave the run with a one-line error: the server re-queues our tasks at once."""

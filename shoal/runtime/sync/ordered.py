@@ -17,6 +17,8 @@ micro-batch outside the run, which it must push alone. The pushes and their bits
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 Grads = dict[str, torch.Tensor]
@@ -54,6 +56,7 @@ class PrefixFold:
     """
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()  # (a worker adds a large stage's gradients in threads)
         self.run = 0  # micro-batches 0..run-1 are in the run's sum
         self.total: Grads | None = None  # their sum (g_0 itself while the run is one long)
         self.apart: dict[int, Grads] = {}  # every other micro-batch's gradient, by micro-batch
@@ -62,28 +65,31 @@ class PrefixFold:
         """Take micro-batch ``mb``'s gradient; False (and nothing changes) if it is held already:
         in exact sync a micro-batch computed twice at the same weights gives the same bits, so
         the first one stays (as the sum it is already part of must)."""
-        if mb < self.run or mb in self.apart:
-            return False
-        self.apart[mb] = grads
-        while self.run in self.apart:
-            g = self.apart.pop(self.run)
-            if self.total is None:
-                self.total = g
-            else:
-                if self.run == 1:
-                    self.total = {n: t.clone() for n, t in self.total.items()}
-                for n, t in g.items():
-                    self.total[n].add_(t)
-            self.run += 1
-        return True
+        with self._lock:
+            if mb < self.run or mb in self.apart:
+                return False
+            self.apart[mb] = grads
+            while self.run in self.apart:
+                g = self.apart.pop(self.run)
+                if self.total is None:
+                    self.total = g
+                else:
+                    if self.run == 1:
+                        self.total = {n: t.clone() for n, t in self.total.items()}
+                    for n, t in g.items():
+                        self.total[n].add_(t)
+                self.run += 1
+            return True
 
     def held(self) -> int:
         """Whole-stage gradients held: the run's sum and every micro-batch apart."""
-        return len(self.apart) + (self.total is not None)
+        with self._lock:
+            return len(self.apart) + (self.total is not None)
 
     def groups(self) -> list[tuple[list[int], Grads]]:
         """The pushes, as :func:`ordered_groups` makes them."""
-        out: list[tuple[list[int], Grads]] = []
-        if self.total is not None:
-            out.append((list(range(self.run)), self.total))
-        return out + [([mb], self.apart[mb]) for mb in sorted(self.apart)]
+        with self._lock:
+            out: list[tuple[list[int], Grads]] = []
+            if self.total is not None:
+                out.append((list(range(self.run)), self.total))
+            return out + [([mb], self.apart[mb]) for mb in sorted(self.apart)]
