@@ -79,48 +79,34 @@ def test_the_count_the_simulator_charges_is_the_runtimes_number_of_pushes():
     assert ordered_push_count(21.3, 3) == 21.3 and ordered_push_count(0.4, 2) == 1
 
 
-def _one_stage(ordered: bool, m: int = 8):
-    from shoal.model.config import get_preset
-    from shoal.model.profile import profile_model
-    from shoal.plan.types import (
-        ChurnModel,
-        Device,
-        FrameworkCpu,
-        Link,
-        Network,
-        Plan,
-        Scenario,
-        StagePlan,
-        SyncPolicy,
-        Workload,
-    )
+def _one_stage(ordered: bool):
+    """tests/helpers/scenarios.hand_scenario's two workers on one stage of the whole tiny model
+    (M = 4, 20 Mbit/s uplinks, a 10 Gbit/s server host), and the stage's parameter bytes."""
+    from shoal.plan.cost import scenario_profile
+    from shoal.plan.types import Plan, StagePlan, SyncPolicy
+    from tests.helpers.scenarios import hand_scenario
 
-    free = FrameworkCpu(server_task_s=0.0, worker_task_s=0.0, server_sync_s=0.0, coordinator_member_s=0.0,
-                        coordinator_report_s=0.0)
-    devs = [Device("srv0", "server", 0.0, 0.0, "r", 1e8, 1e8, can_host_server=True)]
-    devs += [Device(f"w{i}", "gpu", 1e12, 8e9, "r", 1e7, 1e7) for i in range(2)]
-    scn = Scenario("hand", devs, Network(intra={"r": Link(0.005, 1e9)}, inter={}), Workload("tiny", 32, m, 1, 4),
-                   ChurnModel(), cpu=free)
-    plan = Plan("hand", "tiny", "hand", [StagePlan((0, 6), "srv0", ["w0", "w1"])], 1, m, SyncPolicy(ordered=ordered))
-    return scn, plan, profile_model(get_preset("tiny"), 32, 1, 4).param_bytes(0, 6)
+    scn = hand_scenario(2)
+    plan = Plan("hand", "tiny", "hand", [StagePlan((0, 6), "h", ["w0", "w1"])], 2, 4, SyncPolicy(ordered=ordered))
+    return scn, plan, scenario_profile(scn, 2).param_bytes(0, 6)
 
 
 def test_ordered_pushes_cost_a_push_per_micro_batch_of_a_shared_stage_in_both_models():
     from shoal.plan.cost import stage_costs
     from shoal.sim import simulate
 
-    m = 8
-    (scn, summed, par), (_, ordered, _) = _one_stage(False, m), _one_stage(True, m)
+    m, up = 4, 20e6 / 8
+    (scn, summed, par), (_, ordered, _) = _one_stage(False), _one_stage(True)
     # cost model: each of the two equal workers pushes its m / 2 micro-batches one by one at its
-    # 10 MB/s uplink (the server's 100 MB/s downlink, halved, is not what binds)
+    # 20 Mbit/s uplink (the server's 10 Gbit/s downlink, halved, is not what binds)
     extra = stage_costs(ordered, scn)[0].sync - stage_costs(summed, scn)[0].sync
-    assert extra == pytest.approx((m / 2 - 1) * par / 1e7, rel=1e-9)
-    # simulator: the bytes each worker's pushes carry are the runtime's pushes of the micro-batches it ran
+    assert extra == pytest.approx((m / 2 - 1) * par / up, rel=1e-9)
+    # simulator: each worker's pushes are those of the micro-batches it ran ({0, 2} and {1, 3}:
+    # two each, where the summed push is one), and its step is longer by one more push
     a, b = simulate(summed, scn, steps=1), simulate(ordered, scn, steps=1)
-    sent = b.link_bytes["w0->srv0"] + b.link_bytes["w1->srv0"]
-    assert a.link_bytes["w0->srv0"] + a.link_bytes["w1->srv0"] == pytest.approx(2 * par)
-    assert sent >= (m - 1) * par - 1e-6 and sent <= m * par + 1e-6
-    assert b.step_times_s[0] > a.step_times_s[0] + (m / 2 - 2) * par / 1e7
+    assert a.link_bytes["w0->h"] == pytest.approx(par) and a.link_bytes["w1->h"] == pytest.approx(par)
+    assert b.link_bytes["w0->h"] == pytest.approx(2 * par) and b.link_bytes["w1->h"] == pytest.approx(2 * par)
+    assert b.step_times_s[0] - a.step_times_s[0] == pytest.approx(extra, rel=1e-3)
 
 
 @pytest.mark.parametrize("ordered,mode", [(True, ""), (False, ""), (True, "local")])
