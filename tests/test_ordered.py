@@ -133,3 +133,19 @@ def test_the_coordinator_plans_the_pushes_its_workers_will_send(tmp_path, ordere
 
     sync = asyncio.run(main())
     assert sync.ordered == (ordered and not mode)
+
+
+def test_shoal_plan_prices_exact_sync_as_launch_runs_it_and_says_so(tmp_path, capsys):
+    from shoal.cli import main
+    from shoal.plan.types import Plan
+
+    ordered, summed = tmp_path / "ordered.json", tmp_path / "summed.json"
+    assert main(["plan", "--scenario", "hetero-network", "--sync", "exact", "--json", str(ordered)]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # (rich wraps at the terminal's width)
+    assert "pushes each micro-batch's gradient alone" in out and "--unordered-grads" in out
+    assert main(["plan", "--scenario", "hetero-network", "--sync", "exact", "--unordered-grads",
+                 "--json", str(summed)]) == 0
+    assert "pushes each micro-batch's gradient alone" not in " ".join(capsys.readouterr().out.split())
+    a, b = Plan.from_json(str(ordered)), Plan.from_json(str(summed))
+    assert a.sync.ordered and not b.sync.ordered
+    assert a.predicted["step_time_s"] > b.predicted["step_time_s"]  # a push per micro-batch of a shared stage

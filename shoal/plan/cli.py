@@ -248,6 +248,10 @@ def print_plan(console: Console, plan: Plan, scenario: Scenario) -> None:
     elif any(c != "none" for c in (pol.act_codec, pol.grad_codec, pol.push_codec, pol.pull_codec)):
         console.print(f"sync: exact; codecs act={pol.act_codec} grad={pol.grad_codec} push={pol.push_codec} "
                       f"pull={pol.pull_codec}")
+    if not pol.local and pol.ordered and any(len(st.workers) > 1 for st in plan.stages):
+        console.print("sync: exact, as shoal launch runs it: a worker of a shared stage pushes each "
+                      "micro-batch's gradient alone (summed in micro-batch order for bitwise parity with "
+                      "shoal train --local); --unordered-grads prices one summed push a worker (not bitwise)")
     console.print(
         f"predicted step {_fmt(pred.get('step_time_s'))} s = pipeline {_fmt(pred.get('pipeline_s'))} s "
         f"(compute {_fmt(pred.get('compute_s'))} s + transfer {_fmt(pred.get('transfer_s'))} s, fill/drain "
