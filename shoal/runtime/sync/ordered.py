@@ -6,13 +6,13 @@ accumulation does in ``shoal train --local``, so the weights are the same bits. 
 pre-sum only a run of micro-batches from 0 (it is the start of the server's sum); every other
 micro-batch's gradient goes to the server alone (docs/runtime-operations.md).
 
-A worker used to keep each micro-batch's gradient apart until the flush and pre-sum the run
-then: a whole-stage gradient per micro-batch it ran, ``M`` copies for a stage's only worker
-(a gpt-1.3b stage of 4 at ``M = 64``: 85 GB). :class:`PrefixFold` adds each gradient of the
-run into the run's sum as it arrives, in order (one held out of order waits for the gap), so a
-stage's only worker holds one sum; a worker of a shared stage still holds one gradient per
-micro-batch outside the run, which it must push alone. The pushes and their bits are those of
-:func:`ordered_groups` over the same gradients.
+Kept apart until the flush, a step's gradients would be a whole-stage gradient per micro-batch
+the worker ran: ``M`` copies on a stage's only worker (a gpt-1.3b stage of 4 at ``M = 64``:
+85 GB). :class:`PrefixFold` adds each gradient of the run into the run's sum as it arrives, in
+order (one that comes out of order waits for the gap), so a stage's only worker holds one sum;
+a worker of a shared stage still holds one gradient per micro-batch outside the run, which it
+must push alone. The pushes and their bits are those of :func:`ordered_groups` over the same
+gradients.
 """
 
 from __future__ import annotations
