@@ -149,3 +149,21 @@ def test_shoal_plan_prices_exact_sync_as_launch_runs_it_and_says_so(tmp_path, ca
     a, b = Plan.from_json(str(ordered)), Plan.from_json(str(summed))
     assert a.sync.ordered and not b.sync.ordered
     assert a.predicted["step_time_s"] > b.predicted["step_time_s"]  # a push per micro-batch of a shared stage
+
+
+def test_a_waiting_stage_hands_its_micro_batches_out_more_evenly_than_by_speed():
+    from shoal.plan.cost import idle_queue_wait, ordered_sync_time
+
+    times, rates, m, g = [1.0, 3.0], [10.0, 1.0], 8, 5.0  # a fast worker on a fast uplink, a slow one on a slow one
+    lat, pull, cpu = 0.1, 2.0, 0.01
+    # tasks all there at the start (pipe_rate 0): by speed, 6 and 2 micro-batches
+    by_speed = ordered_sync_time(times, rates, 0.0, m, lat, pull, cpu, g)
+    assert by_speed == pytest.approx(3 * lat + max(6 * g / 10.0, 2 * g / 1.0) + pull + cpu)
+    # at a pipeline rate of 1 micro-batch/s (the stage could take 4/3): each waits W for a task
+    w = idle_queue_wait(times, 1.0)
+    assert 1 / (1 + w) + 1 / (3 + w) == pytest.approx(1.0)
+    share_slow = m / ((3 + w) * 1.0)
+    assert 2 < share_slow < 4  # more than its 2 by speed, fewer than an even 4
+    waiting = ordered_sync_time(times, rates, 1.0, m, lat, pull, cpu, g)
+    assert waiting == pytest.approx(3 * lat + share_slow * g / 1.0 + pull + cpu)
+    assert waiting > by_speed  # the slow uplink holds more pushes

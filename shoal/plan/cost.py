@@ -610,6 +610,28 @@ def ordered_pushes(mbs) -> int:
     return (1 if run else 0) + len(held) - run
 
 
+def ordered_sync_time(times: list[float], rates: list[float], pipe_rate: float, micro_batches: int,
+                      max_latency: float, max_pull_s: float, cpu_s: float, push_bytes: float) -> float:
+    """Per-step sync seconds of a shared stage in exact sync with ordered pushes (pure): each
+    worker pushes once per micro-batch it ran (:func:`ordered_push_count`), one after another at
+    its push rate (``rates``), then the slowest pull, as :func:`stage_sync_time` (plus the server's
+    CPU ``cpu_s``). Worker ``d``'s share of the ``M`` micro-batches: ``M / ((tau_d + W) X)`` at
+    the pipeline's rate ``X`` (:func:`idle_queue_wait`: a stage that waits for its tasks gives
+    them out more evenly than by speed, so a slow uplink holds more of them than ``1 / tau_d``);
+    ``pipe_rate`` 0 (a stage whose tasks are all there at the start): by speed, ``1 / tau_d``."""
+    ts = [t for t in times if 0 < t < math.inf]
+    if not ts:
+        return stage_sync_time(max_latency, push_bytes / max(rates, default=math.inf), max_pull_s) + cpu_s
+    total = sum(1.0 / t for t in ts)
+    rate = pipe_rate if 0 < pipe_rate < total else total
+    wait = idle_queue_wait(ts, rate)
+    push = 0.0
+    for t, r in zip(times, rates, strict=True):
+        if 0 < t < math.inf and r < math.inf:
+            push = max(push, ordered_push_count(micro_batches / ((t + wait) * rate), len(times)) * push_bytes / r)
+    return stage_sync_time(max_latency, push, max_pull_s) + cpu_s
+
+
 def worker_task_compute(fwd_s: float, bwd_s: float, last: bool, cpu_s: float) -> float:
     """Seconds a worker's tasks of one micro-batch take when each task also costs ``cpu_s`` of
     the worker's framework CPU: compute runs off its event loop, so a task takes the longer of
@@ -772,14 +794,16 @@ def _policy_key(sync: SyncPolicy) -> tuple:
 
 def _stage_rows(st, first: bool, last: bool, nxt_id: str | None, prv_id: str | None, n_sync: dict[str, int],
                 prof: ModelProfile, scenario: Scenario, dev: dict[str, Device], sync: SyncPolicy,
-                options: CostOptions, memo: dict, micro_batches: int = 0) -> tuple:
+                options: CostOptions, memo: dict) -> tuple:
     """The pass-independent figures of one stage (see :func:`stage_costs`): per worker
     ``(wid, fixed, dl_bytes, dl_bw, ul_bytes_n, ul_bw_n, ul_bytes_p, ul_bw_p, compute, out_lat)``
     (fixed = compute + lease round trips; bandwidths before the server link's share), then the
     stage's largest latency, its sync seconds, its slowest pull, its memory headroom and, in
-    local mode, each remote worker's ``(push s, pull s)`` of one round. A function of the stage,
-    its neighbours' servers and the workers syncing with its server (and, with ordered exact-sync
-    pushes, the step's ``micro_batches``), so callers may memoise it."""
+    local mode, each remote worker's ``(push s, pull s)`` of one round, and with ordered exact-sync
+    pushes (``SyncPolicy.ordered``, a shared stage) ``(max latency, slowest pull, server CPU s,
+    push bytes, each worker's push rate)`` for :func:`stage_costs` to price once it knows each
+    worker's share of the step (else None). A function of the stage, its neighbours' servers and
+    the workers syncing with its server, so callers may memoise it."""
     net = scenario.network
     tokens = prof.tokens_per_micro_batch * 8  # int64 ids (inputs of stage 0, targets of the last)
     exact = bool(net.overrides)
@@ -837,7 +861,8 @@ def _stage_rows(st, first: bool, last: bool, nxt_id: str | None, prv_id: str | N
 
     # exact sync, ordered pushes: a worker of a shared stage pushes once per micro-batch it takes
     ordered = sync.ordered and not sync.local and len(st.workers) > 1
-    ordered_rows = []  # (its push rate, its seconds a micro-batch at its own links' rates)
+    ordered_rates = []  # per row: its push rate (the server host's own worker: loopback)
+    ordered_info = None
     for wid in st.workers:
         d = dev[wid]
         c = task_s(d)
@@ -870,26 +895,21 @@ def _stage_rows(st, first: bool, last: bool, nxt_id: str | None, prv_id: str | N
         stage_rows.append((wid, fixed, dlb, dlbw, ulb_n, ulbw_n, ulb_p, ulbw_p, c, out_lat))
         bg_rows.append(bg_row)
         headroom = min(headroom, (d.memory - need) / d.memory if d.memory > 0 else -math.inf)
-        if ordered and g_push > 0:
-            tau = fixed + dlb / dlbw + ulb_n / ulbw_n + ulb_p / ulbw_p
-            ordered_rows.append((min(path(d, host).bandwidth, d.up, h_down_sync) if wid != host.id else math.inf, tau))
-    if ordered_rows:
-        # each pushes its share of the step's micro-batches by its speed (transfers at its own
-        # links' rates included: a slow uplink takes fewer), one after another (the server
-        # host's own worker pushes on loopback)
-        total_rate = sum(1.0 / t for _, t in ordered_rows if 0 < t < math.inf)
-        max_push = max(max_push, max(
-            ordered_push_count(micro_batches / t / total_rate if 0 < t < math.inf and total_rate > 0 else 0.0,
-                               len(st.workers)) * g_push / rate for rate, t in ordered_rows))
+        if ordered:
+            ordered_rates.append(min(path(d, host).bandwidth, d.up, h_down_sync) if wid != host.id else math.inf)
     if sync.local:
         sync_s = local_round_time(max_lat, max_push, max_pull)
     else:
         sync_s = stage_sync_time(max_lat, max_push, max_pull, sync.sync_every)
         remote = sum(1 for wid in st.workers if wid != host.id)
+        cpu_s = 0.0
         if sync_s > 0 and remote:
             # the server handles the pushes and pulls of a simultaneous burst on its cores
-            sync_s += remote * scenario.cpu.server_sync_s / host.cores / max(1, sync.sync_every)
-    return stage_rows, max_lat, sync_s, max_lat + max_pull, headroom, background, bg_rows
+            cpu_s = remote * scenario.cpu.server_sync_s / host.cores / max(1, sync.sync_every)
+            sync_s += cpu_s
+        if ordered and g_push > 0:
+            ordered_info = (max_lat, max_pull, cpu_s, g_push, ordered_rates)
+    return stage_rows, max_lat, sync_s, max_lat + max_pull, headroom, background, bg_rows, ordered_info
 
 
 def round_sync_flows(nbytes, own_bw, share_bw, window: float):
@@ -980,8 +1000,7 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
     if dev is None:
         dev = memo["dev"] = {d.id: d for d in scenario.devices}
     # what the per-stage rows depend on besides the stage itself
-    policy_key = (_policy_key(sync), options.recompute, plan.micro_batch_size,
-                  plan.micro_batches if sync.ordered and not sync.local else 0)
+    policy_key = (_policy_key(sync), options.recompute, plan.micro_batch_size)
     rows: list[list[tuple]] = []
     syncs: list[float] = []
     pulls: list[float] = []
@@ -991,6 +1010,7 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
     background: dict[str, tuple[float, float]] = {}
     lats: list[float] = []
     sync_rows: list[list[tuple]] = []  # per stage, per row: (push bytes, own push rate, pull bytes, own pull rate)
+    ordered_push: list = []  # per stage: _stage_rows' ordered-push figures (None: one push a worker)
     spread = sync.local
     for i, st in enumerate(plan.stages):
         nxt_id = plan.stages[i + 1].server if i < n - 1 else None
@@ -1001,8 +1021,9 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
         got = memo.get(key)
         if got is None:
             got = memo[key] = _stage_rows(st, i == 0, i == n - 1, nxt_id, prv_id, n_sync, prof, scenario, dev,
-                                          sync, options, memo, plan.micro_batches)
-        stage_rows, max_lat, sync_s, pull_s, headroom, bg, bg_rows = got
+                                          sync, options, memo)
+        stage_rows, max_lat, sync_s, pull_s, headroom, bg, bg_rows, ordered_i = got
+        ordered_push.append(ordered_i)
         rows.append(stage_rows)
         sync_rows.append(bg_rows)
         lats.append(max_lat)
@@ -1094,7 +1115,7 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
             k_up, k_down = new_up, new_down
 
     out = []
-    pipe_rate = min(stage_throughput(t, m) for t in all_times) if spread and all_times else 0.0
+    pipe_rate = min(stage_throughput(t, m) for t in all_times) if (spread or any(ordered_push)) and all_times else 0.0
     for i, stage_rows in enumerate(rows):
         times = all_times[i]
         x = stage_throughput(times, m)
@@ -1126,6 +1147,11 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
                     n_d = m / (t * total) if total > 0 and 0 < t < inf else 0.0  # its micro-batches per step
                 s_dl, s_n, s_p = busy[i][j]
                 links.append((*background[wid], n_d * (s_n + s_p), n_d * s_dl))
+        if ordered_push[i] is not None:
+            # (the first stage's forwards are all there when the step starts: its workers take
+            # them as fast as they run, shares by speed, and each runs its own backwards)
+            syncs[i] = ordered_sync_time([times[j] for j in finite], [ordered_push[i][4][j] for j in finite],
+                                         pipe_rate if i > 0 else 0.0, m, *ordered_push[i][:4])
         task_times = {row[0]: t for row, t in zip(stage_rows, times, strict=True)}
         backlog = {}
         if overlap_up:
