@@ -21,7 +21,10 @@ predicted / simulated step. Policies:
 * ``replicas sparse`` -- ``--replicas`` with the same codecs: pipeline replicas inside network
   clusters, of the stage count each device's memory needs;
 * ``local lowrank``, ``replicas lowrank`` -- the same with ``push=lowrank,pull=lowrank``;
-* ``auto`` -- ``--sync auto`` under the default quality budget (what ``shoal plan`` picks).
+* ``auto`` -- ``--sync auto`` under the default quality budget (what ``shoal plan`` picks);
+* ``auto, rounds waited for`` -- the same plan with the steps waiting for each round
+  (``overlap=False``): what the runtime does today, whose stage servers merge inside the sync
+  step's commit (docs/sync-runtime.md).
 
 Local policies are simulated over rounds compressed to 2 steps (``bench_local.compressed_round``:
 the round carries 2/32 of its bytes, so each step carries the same background bytes and share of
@@ -67,23 +70,29 @@ LOWRANK = "act=int8,grad=int8,push=lowrank,pull=lowrank"  # rank 3, 4 bits: 1,31
 TERN = "act=tern,grad=tern,push=sparse,pull=sparse"  # activations in tern (9.28x fewer bytes than bf16)
 
 
-def policies() -> list[tuple[str, SyncPolicy | None, bool]]:
-    """(label, policy, replicas); policy None = --sync auto."""
+def policies() -> list[tuple[str, SyncPolicy | str | None, bool]]:
+    """(label, policy, replicas); policy None = --sync auto; "wait" = its plan with the steps
+    waiting for each round (``overlap=False``: what the runtime does today, docs/sync-runtime.md)."""
     return [("exact", SyncPolicy(), False), ("exact ordered", SyncPolicy(ordered=True), False),
             ("local int8", local("int8"), False),
             ("local sparse", local(SPARSE), False), ("replicas sparse", local(SPARSE, uploads=False), True),
             ("local lowrank", local(LOWRANK), False), ("replicas lowrank", local(LOWRANK, uploads=False), True),
-            ("replicas tern", local(TERN, uploads=False), True), ("auto", None, False)]
+            ("replicas tern", local(TERN, uploads=False), True), ("auto", None, False),
+            ("auto, rounds waited for", "wait", False)]
 
 
-def run_one(name: str, label: str, policy: SyncPolicy | None, replicas: bool, sim_steps: int = 2,
+def run_one(name: str, label: str, policy: SyncPolicy | str | None, replicas: bool, sim_steps: int = 2,
             rounds: int = 1) -> dict:
     scn = load_scenario(name)
     t0 = time.process_time()
-    if policy is None:
+    if policy is None or policy == "wait":
         from shoal.plan.auto import QualityBudget, plan_auto
+        from shoal.plan.cost import predict
 
         plan = plan_auto(scn, QualityBudget())
+        if policy == "wait":
+            plan = replace(plan, sync=replace(plan.sync, overlap=False))
+            plan.predicted = predict(plan, scn)
     else:
         plan = make_plan(scn, sync=policy, replicas=replicas)
     t_plan = time.process_time() - t0
