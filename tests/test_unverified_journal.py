@@ -113,18 +113,20 @@ def failure_free(tmp_path_factory):
 @pytest.mark.integration
 @pytest.mark.timeout(900)
 def test_a_poisoner_banned_after_a_total_stop_is_undone_bitwise(tmp_path, failure_free, monkeypatch):
-    """Exact mode, 3 workers: w1 pushes noise of the honest norm from step 2, random spot
-    checks off (the test hook), so its pushes past its first (recomputed) one, the poisoned
-    ones of steps 2-3 among them, are committed unverified. Every process is killed (-9)
+    """Exact mode, 3 workers: w1 pushes noise of the honest norm from step 3, random spot
+    checks off (the test hook), so its pushes past its first checked ones, the poisoned ones of
+    step 3 among them, are committed unverified. (From step 3, not 2: a new worker's pushes are
+    checked until two have passed, and when w1 shares its stage the leases may leave it without
+    a micro-batch in a step; by step 3 it has had three steps to pass them.) Every process is killed (-9)
     once step 3 is committed. After `launch --resume`, w1 (a new member id, fresh servers)
     is banned at its first recomputed push; the run goes back to the version before its
-    first unverified push and ends with the failure-free weights bit for bit. Without the journaled record the ban finds nothing to undo and steps 2-3 stay."""
+    first unverified push and ends with the failure-free weights bit for bit. Without the journaled record the ban finds nothing to undo and step 3 stays."""
     from shoal.runtime.processes.launch import Swarm, launch
     from shoal.runtime.safety.guard import SPOT_RATE_ENV
 
     monkeypatch.setenv(SPOT_RATE_ENV, "0")
     out = tmp_path / "run"
-    faults = ["poison:w1:kind=noise:from=2"]
+    faults = ["poison:w1:kind=noise:from=3"]
     import time
 
     with Swarm(launch_config(out, workers=3, faults=faults, worker_args=[["--slow", "0.1"]] * 3)) as sw:
@@ -140,9 +142,9 @@ def test_a_poisoner_banned_after_a_total_stop_is_undone_bitwise(tmp_path, failur
     if any(e["event"] == "ban" for e in before):
         pytest.fail(f"w1 was banned before the stop (a flagged push): {[e for e in before if e['event'] == 'ban']}")
     st = resume_state(read_journal(run_dir(out, rid) / "journal.jsonl"))
-    # w1's pushes not recomputed: from its first push past the recomputed first one, step 2 at the latest
+    # w1's pushes not recomputed: from its first push past its checked ones, step 3 (poisoned) at the latest
     first = st.unverified.get("w1")
-    assert first is not None and first <= 2 and 4 <= st.committed < RUN["steps"], (st.unverified, st.committed)
+    assert first is not None and first <= 3 and 4 <= st.committed < RUN["steps"], (st.unverified, st.committed)
 
     summary = launch(launch_config(out, resume=True, run_id=rid, workers=3, faults=faults))
     assert summary["steps"] == RUN["steps"]
