@@ -849,24 +849,20 @@ def _stage_rows(st, first: bool, last: bool, nxt_id: str | None, prv_id: str | N
     bg_rows = []  # per row: (push bytes, its own push rate, pull bytes, its own pull rate); zeros on loopback
     stage_rows = []
     wcpu = scenario.cpu.worker_task_s
-
-    def task_s(d: Device) -> float:
-        c = compute_time(flops, d.flops)
-        if wcpu > 0 and d.flops > 0:
-            # each task also costs the worker's framework CPU, beside its compute (off the event loop)
-            f_s, b_s = fwd / d.flops, bwd / d.flops
-            if (c < wcpu) if last else (min(f_s, b_s) < wcpu):
-                c = worker_task_compute(f_s, b_s, last, wcpu)
-        return c
-
     # exact sync, ordered pushes: a worker of a shared stage pushes once per micro-batch it takes
     ordered = sync.ordered and not sync.local and len(st.workers) > 1
     ordered_rates = []  # per row: its push rate (the server host's own worker: loopback)
     ordered_info = None
     for wid in st.workers:
         d = dev[wid]
-        c = task_s(d)
+        c = compute_time(flops, d.flops)
+        if wcpu > 0 and d.flops > 0:
+            # each task also costs the worker's framework CPU, beside its compute (off the event loop)
+            f_s, b_s = fwd / d.flops, bwd / d.flops
+            if (c < wcpu) if last else (min(f_s, b_s) < wcpu):
+                c = worker_task_compute(f_s, b_s, last, wcpu)
         fixed, dlb, dlbw = c, 0.0, math.inf
+        push_rate = math.inf
         bg_row = (0.0, math.inf, 0.0, math.inf)
         ulb_n = ulb_p = 0.0
         ulbw_n = ulbw_p = math.inf
@@ -877,7 +873,8 @@ def _stage_rows(st, first: bool, last: bool, nxt_id: str | None, prv_id: str | N
             dlb, dlbw = dl_bytes, min(link.bandwidth, d.down)
             if g_push > 0 or g_pull > 0:
                 max_lat = max(max_lat, link.latency)
-                push_s = g_push / min(link.bandwidth, d.up, h_down_sync)
+                push_rate = min(link.bandwidth, d.up, h_down_sync)
+                push_s = g_push / push_rate
                 pull_s = g_pull / min(link.bandwidth, h_up_sync, d.down)
                 max_push = max(max_push, push_s)
                 max_pull = max(max_pull, pull_s)
@@ -896,7 +893,7 @@ def _stage_rows(st, first: bool, last: bool, nxt_id: str | None, prv_id: str | N
         bg_rows.append(bg_row)
         headroom = min(headroom, (d.memory - need) / d.memory if d.memory > 0 else -math.inf)
         if ordered:
-            ordered_rates.append(min(path(d, host).bandwidth, d.up, h_down_sync) if wid != host.id else math.inf)
+            ordered_rates.append(push_rate)
     if sync.local:
         sync_s = local_round_time(max_lat, max_push, max_pull)
     else:

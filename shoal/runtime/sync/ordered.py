@@ -11,8 +11,7 @@ the worker ran: ``M`` copies on a stage's only worker (a gpt-1.3b stage of 4 at 
 85 GB). :class:`PrefixFold` adds each gradient of the run into the run's sum as it arrives, in
 order (one that comes out of order waits for the gap), so a stage's only worker holds one sum;
 a worker of a shared stage still holds one gradient per micro-batch outside the run, which it
-must push alone. The pushes and their bits are those of :func:`ordered_groups` over the same
-gradients.
+must push alone.
 """
 
 from __future__ import annotations
@@ -26,31 +25,20 @@ Grads = dict[str, torch.Tensor]
 
 def ordered_groups(per_mb: dict[int, Grads]) -> list[tuple[list[int], Grads]]:
     """Pushes for per-micro-batch gradients that the server can sum in micro-batch order: the
-    run ``0..k-1`` pre-summed in that order (when ``k > 1``), then every other micro-batch alone."""
-    mbs = sorted(per_mb)
-    k = 0
-    while k < len(mbs) and mbs[k] == k:
-        k += 1
-    groups: list[tuple[list[int], Grads]] = []
-    if k > 1:
-        total = {n: g.clone() for n, g in per_mb[0].items()}
-        for mb in range(1, k):
-            for n, g in per_mb[mb].items():
-                total[n].add_(g)
-        groups.append((list(range(k)), total))
-        rest = mbs[k:]
-    else:
-        rest = mbs
-    groups += [([mb], per_mb[mb]) for mb in rest]
-    return groups
+    run ``0..k-1`` pre-summed in that order, then every other micro-batch alone (a
+    :class:`PrefixFold` given them in micro-batch order)."""
+    fold = PrefixFold()
+    for mb in sorted(per_mb):
+        fold.add(mb, per_mb[mb])
+    return fold.groups()
 
 
 class PrefixFold:
     """One step's ordered gradients of one worker, the run from micro-batch 0 summed as it grows.
 
-    :meth:`add` takes each accepted micro-batch's gradient; :meth:`groups` gives the same pushes,
-    in the same bits, as :func:`ordered_groups` of every gradient added (the run's sum is
-    ``clone(g_0)``, then ``add_(g_1)``, ``add_(g_2)``, ... in order, whenever they arrive).
+    :meth:`add` takes each accepted micro-batch's gradient in any order; :meth:`groups` gives
+    the pushes: the run's sum ``clone(g_0)``, then ``add_(g_1)``, ``add_(g_2)``, ... in order
+    (whenever they arrived: the same bits), then every other micro-batch's gradient alone.
     A gradient is never changed in place: the first of the run is cloned before anything is
     added to it (a shadow worker's gradients are shared tensors).
     """
