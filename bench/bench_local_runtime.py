@@ -7,9 +7,11 @@
 Loopback (default): ``shoal launch`` (``tiny``, S = 2 stages, W = 4 workers, one torch thread
 each), the same data and seed, one run per row of :data:`SETUPS`: exact fp32, exact with int8
 for every kind both ways, local H = 4 and H = 8 (the default outer step) uncompressed and
-with int8 (and top-k pseudo-gradients). ``--demo``: the emulated demo scenario (``shoal demo``'s
-devices, links and time scale, no churn): exact fp32 vs local H = 4 and H = 8 with int8 --
-there links are slow, so sync traffic costs wall time.
+with int8 (and top-k pseudo-gradients); local rows overlap each round's merge with the next
+round (delayed application, the default), ``waits`` rows (``--no-overlap``) do not. ``--demo``:
+the emulated demo scenario (``shoal demo``'s devices, links and time scale, no churn): exact
+fp32 vs local H = 4 (with and without overlap) and H = 8 with int8 -- there links are slow, so
+sync traffic costs wall time.
 
 Prints one table: final loss (mean of the last 3 steps) and its ratio to exact, training wall
 time (first step start to last commit), the wall time at which the run first reached exact's
@@ -47,10 +49,11 @@ SETUPS = {  # row name -> LaunchConfig fields
     "local H=4": dict(sync="local", sync_every=4),
     "local H=8": dict(sync="local", sync_every=8),
     "local H=4 int8": dict(sync="local", sync_every=4, **INT8),
+    "local H=4 int8 waits": dict(sync="local", sync_every=4, overlap=False, **INT8),
     "local H=8 int8": dict(sync="local", sync_every=8, **INT8),
     "local H=8 int8+topk": dict(sync="local", sync_every=8, **TOPK),
 }
-DEMO_SETUPS = ("exact", "local H=4 int8", "local H=8 int8")
+DEMO_SETUPS = ("exact", "local H=4 int8", "local H=4 int8 waits", "local H=8 int8")
 
 
 def run(out: Path, steps: int, workers: int, **sync) -> dict:

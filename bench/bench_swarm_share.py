@@ -23,8 +23,8 @@ predicted / simulated step. Policies:
 * ``local lowrank``, ``replicas lowrank`` -- the same with ``push=lowrank,pull=lowrank``;
 * ``auto`` -- ``--sync auto`` under the default quality budget (what ``shoal plan`` picks);
 * ``auto, rounds waited for`` -- the same plan with the steps waiting for each round
-  (``overlap=False``): what the runtime does today, whose stage servers merge inside the sync
-  step's commit (docs/sync-runtime.md).
+  (``overlap=False``, the runtime's ``--no-overlap``; by default it overlaps them,
+  docs/delayed-application.md).
 
 Local policies are simulated over rounds compressed to 2 steps (``bench_local.compressed_round``:
 the round carries 2/32 of its bytes, so each step carries the same background bytes and share of
@@ -72,7 +72,7 @@ TERN = "act=tern,grad=tern,push=sparse,pull=sparse"  # activations in tern (9.28
 
 def policies() -> list[tuple[str, SyncPolicy | str | None, bool]]:
     """(label, policy, replicas); policy None = --sync auto; "wait" = its plan with the steps
-    waiting for each round (``overlap=False``: what the runtime does today, docs/sync-runtime.md)."""
+    waiting for each round (``overlap=False``: the runtime's ``--no-overlap``)."""
     return [("exact", SyncPolicy(), False), ("exact ordered", SyncPolicy(ordered=True), False),
             ("local int8", local("int8"), False),
             ("local sparse", local(SPARSE), False), ("replicas sparse", local(SPARSE, uploads=False), True),

@@ -185,16 +185,19 @@ def test_a_poisoner_that_turns_later_is_undone_bitwise(tmp_path, failure_free, m
     monkeypatch.setenv(SPOT_RATE_ENV, "0")
     # With random checks off only the last step's pushes are checked: the test needs a run in
     # which w1 gets a task of the last step (in a CI run w0 once took all four, and w1's lies
-    # stood, as docs/poisoning.md says they do then). Such a schedule is run again.
+    # stood, as docs/poisoning.md says they do then), and one in which w1's first pushes are
+    # poisoned ones (a loaded run that starved it of tasks at steps 0-1 checks a new worker's
+    # pushes until two pass, and bans it before any is committed). Such a schedule is run again.
     for attempt in range(4):
         out = tmp_path / f"run{attempt}"
         summary = launch(launch_config(out, workers=3, faults=["poison:w1:kind=noise:from=2"]))
         logs = "".join(p.read_text() for p in (out / "logs").glob("server*.log"))
         banned = any(e["event"] == "ban" for e in read_jsonl(out / "events.jsonl"))
-        if banned or re.search(rf"the push of \S+-w1 \(step {RUN['steps'] - 1} mbs", logs):
+        committed = re.search(r"worker \S+ has unverified pushes committed since step", logs)
+        if committed or (not banned and re.search(rf"the push of \S+-w1 \(step {RUN['steps'] - 1} mbs", logs)):
             break
     else:
-        pytest.fail("w1 got no task of the last step in 4 runs")
+        pytest.fail("no run in 4 committed a poisoned push of w1 unverified and gave it a task of the last step")
     assert summary["steps"] == RUN["steps"]
     events = read_jsonl(out / "events.jsonl")
     bans = [e for e in events if e["event"] == "ban"]

@@ -15,13 +15,14 @@ import pytest
 import torch
 
 from shoal.errors import ShoalError
-from shoal.runtime.sync.local import bwd_owner_free, mean_scale, replica_sq_norm
+from shoal.runtime.sync.local import bwd_owner_free, mean_scale, rebase_replica, replica_sq_norm
 from shoal.train.outer import (
     SyncConfig,
     is_sync_step,
     merge_pseudo_grads,
     merge_weights,
     outer_nesterov_step,
+    round_closed_by,
 )
 
 # ---------------------------------------------------------------------------- pure math
@@ -79,6 +80,50 @@ def test_small_decisions():
     assert not bwd_owner_free(owner_known=True, owner_gen_same=True, owner_alive=True)
     assert bwd_owner_free(False, False, False) and bwd_owner_free(True, False, True)
     assert bwd_owner_free(True, True, False)
+
+
+def test_round_closed_by():
+    """The round a worker closes when it sees a step's decision (delayed application)."""
+    assert [round_closed_by(d, 4, 10) for d in (-1, 0, 2, 3, 4, 6, 7, 8, 9)] == [0, 0, 0, 4, 4, 4, 8, 8, 10]
+    assert [round_closed_by(d, 1, 3) for d in (-1, 0, 1, 2)] == [0, 1, 2, 3]
+    # every sync step closes its own round
+    assert all(round_closed_by(s, 3, 11) == s + 1 for s in range(11) if is_sync_step(s, 3, 11))
+
+
+def test_delayed_application_by_hand():
+    """Two workers, three rounds of delayed application on hand-sized tensors (values exact in
+    binary): each worker's pseudo-gradient is its own progress in that round only; it rebases
+    onto the merge of the round before, so its replica is always the newest merge it has plus
+    its own progress not merged yet; after the last round's merge the weights hold every
+    round's mean progress exactly once."""
+    m0 = torch.tensor([1.0, -2.0, 4.0])
+    progress = [[torch.tensor([0.5, 0.0, -1.0]), torch.tensor([0.25, 1.0, 0.0])],  # round 0: w0, w1
+                [torch.tensor([-0.5, 0.5, 0.5]), torch.tensor([0.0, 0.25, 1.0])],
+                [torch.tensor([1.0, 1.0, 1.0]), torch.tensor([-1.0, 0.0, 0.5])]]
+    merged = {0: {"p": m0.clone()}}  # merges by round: {version: weights}
+    params = [{"p": m0.clone()} for _ in range(2)]
+    anchors = [{"p": m0.clone()} for _ in range(2)]
+    held = [{"p": m0.clone()} for _ in range(2)]  # the merge each worker holds
+    for r, steps in enumerate(progress):
+        pushes = []
+        for w in range(2):
+            params[w]["p"].sub_(steps[w])  # the round's inner steps
+            pushes.append(anchors[w]["p"] - params[w]["p"])  # its pseudo-gradient: this round only
+            assert torch.equal(pushes[-1], steps[w])
+            newest = merged[max(merged)]  # the previous round's merge (this one's is not made yet)
+            held[w] = {"p": newest["p"].clone()}
+            rebase_replica(params[w], held[w], anchors[w])
+            assert torch.equal(params[w]["p"], held[w]["p"] - steps[w])  # the merge plus its own progress
+            assert torch.equal(anchors[w]["p"], params[w]["p"])
+        # the round's merge (outer lr 1, momentum 0), made while the next round computes
+        mean = merge_pseudo_grads({"w0": {"p": pushes[0]}, "w1": {"p": pushes[1]}}, {"w0": 1, "w1": 1})
+        merged[r + 1] = {"p": merged[max(merged)]["p"] - mean["p"]}
+    expected = m0 - sum((steps[0] + steps[1]) / 2 for steps in progress)
+    assert torch.equal(merged[3]["p"], expected)
+    # what a push left (keeps_residual) goes on the anchor: the next pseudo-gradient carries it
+    p, a, m = {"p": torch.tensor([1.0, 1.0])}, {"p": torch.tensor([2.0, 2.0])}, {"p": torch.tensor([4.0, 0.0])}
+    rebase_replica(p, m, a, {"p": torch.tensor([0.5, -0.5])})
+    assert torch.equal(p["p"], torch.tensor([3.0, -1.0])) and torch.equal(a["p"], torch.tensor([3.5, -1.5]))
 
 
 @pytest.mark.parametrize("kw,msg", [
@@ -153,7 +198,8 @@ def test_h1_one_worker_per_stage_equals_exact(tmp_path):
                       quiet=True)
     out = tmp_path / "run"
     launch(LaunchConfig(out=str(out), **RUN, steps=steps, stages=2, workers=2, dead_after_s=3.0, min_lease_s=1.5,
-                        timeout_s=200, sync="local", sync_every=1, outer_lr=1.0, outer_momentum=0.0))
+                        timeout_s=200, sync="local", sync_every=1, outer_lr=1.0, outer_momentum=0.0,
+                        overlap=False))
     recs = [(r["loss"], r["grad_norm"]) for r in read_jsonl(out / "metrics.jsonl")]
     assert recs == [(r["loss"], r["grad_norm"]) for r in ref.records]
     weights = load_final_weights(out)
@@ -163,6 +209,46 @@ def test_h1_one_worker_per_stage_equals_exact(tmp_path):
     merges = _merges(out)
     assert sorted((m["stage"], m["version"]) for m in merges) == [(s, v) for s in (0, 1) for v in range(1, 5)]
     assert all(list(m["contributors"].values()) == [4] for m in merges)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+def test_overlap_one_worker_per_stage_follows_exact(tmp_path):
+    """Delayed application (the default) with one worker per stage, H = 2: each worker rebases
+    onto the previous round's merge, which is its own earlier progress, so it trains as exact
+    sync does up to rounding (a double-counted or lost round would move the loss by far more).
+    A round's merge is made while the next round computes: the worker pulls version v - 2 when
+    it closes round v, with the server's digest of that merge."""
+    from shoal.runtime.processes.launch import LaunchConfig, launch
+    from shoal.runtime.roles.artifacts import load_final_weights
+    from shoal.train.local import TrainConfig, train_local
+    from shoal.train.metrics import read_jsonl
+
+    steps = 6
+    ref = train_local(TrainConfig(**RUN, steps=steps, out=str(tmp_path / "ref"), eval_every=0, eval_batches=1),
+                      quiet=True)
+    out = tmp_path / "run"
+    launch(LaunchConfig(out=str(out), **RUN, steps=steps, stages=2, workers=2, dead_after_s=3.0, min_lease_s=1.5,
+                        timeout_s=200, sync="local", sync_every=2))
+    losses = [r["loss"] for r in read_jsonl(out / "metrics.jsonl")]
+    assert losses == pytest.approx([r["loss"] for r in ref.records], rel=1e-5, abs=0)
+    weights = load_final_weights(out)
+    worst = max(float((weights[k] - v.detach()).abs().max()) for k, v in ref.model.state_dict().items())
+    assert worst < 1e-4, worst
+    merges = _merges(out)
+    assert sorted((m["stage"], m["version"]) for m in merges) == [(s, v) for s in (0, 1) for v in (2, 4, 6)]
+    assert all(m.get("overlap") for m in merges)
+    digests = {(m["stage"], m["version"]): m["digest"] for m in merges}
+    for k in (0, 1):
+        text = (out / "logs" / f"worker{k}.log").read_text()
+        # the order of one worker's round ends: rebase onto v - 2, then send round v (after the
+        # run's last round there is nothing to rebase for)
+        events = re.findall(r"(pulled merged weights v(\d+) digest (\w+) \(its replica rebased|"
+                            r"sent its pseudo-gradient for v(\d+))", text)
+        seq = [("pull", int(v)) if v else ("send", int(s)) for _, v, _, s in events]
+        assert seq == [("pull", 0), ("send", 2), ("pull", 2), ("send", 4), ("send", 6)], seq
+        pulled = [d for _, v, d, _ in events if v and int(v) > 0]
+        assert pulled in ([digests[(0, 2)]], [digests[(1, 2)]]), (pulled, digests)
 
 
 def _started_by_stage(sw) -> dict[int, list[str]]:

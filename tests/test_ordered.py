@@ -109,8 +109,11 @@ def test_ordered_pushes_cost_a_push_per_micro_batch_of_a_shared_stage_in_both_mo
     assert b.step_times_s[0] - a.step_times_s[0] == pytest.approx(extra, rel=1e-3)
 
 
-@pytest.mark.parametrize("ordered,mode", [(True, ""), (False, ""), (True, "local")])
-def test_the_coordinator_plans_the_pushes_its_workers_will_send(tmp_path, ordered, mode):
+@pytest.mark.parametrize("ordered,mode,overlap", [(True, "", False), (False, "", False), (True, "local", True),
+                                                   (True, "local", False)])
+def test_the_coordinator_plans_the_pushes_its_workers_will_send(tmp_path, ordered, mode, overlap):
+    """The coordinator prices its plan as the run runs: exact sync's pushes, or local mode's
+    H, delayed application and codecs."""
     import asyncio
 
     from shoal.net import shoal_pb2 as pb
@@ -119,7 +122,7 @@ def test_the_coordinator_plans_the_pushes_its_workers_will_send(tmp_path, ordere
     spec = pb.RunSpec(model="tiny", stages=2, steps=3, micro_batches=4, micro_batch_size=2, seq_len=16, seed=0,
                       lr=3e-3, min_lr=3e-4, warmup=1, weight_decay=0.1, grad_clip=1.0, dead_after_s=5.0,
                       min_lease_s=1.0, data="synthetic", ordered_grads=ordered, sync_mode=mode,
-                      sync_every=2 if mode else 0)
+                      sync_every=2 if mode else 0, sync_overlap=overlap, compress_push="int8" if mode else "")
 
     async def main():
         c = Coordinator(spec, "tok", min_workers=4, out=str(tmp_path))
@@ -133,6 +136,9 @@ def test_the_coordinator_plans_the_pushes_its_workers_will_send(tmp_path, ordere
 
     sync = asyncio.run(main())
     assert sync.ordered == (ordered and not mode)
+    assert sync.local == bool(mode)
+    if mode:
+        assert (sync.sync_every, sync.overlap, sync.push_codec, sync.act_codec) == (2, overlap, "int8", "none")
 
 
 def test_shoal_plan_prices_exact_sync_as_launch_runs_it_and_says_so(tmp_path, capsys):

@@ -594,12 +594,14 @@ def test_checkpoints_are_written_off_the_loop_and_hold_their_version(tmp_path):
 
 
 async def _local_server_in_round(tmp_path):
-    """A loaded stage-0 server in local mode (H = 2), at step 1: the end of its first round."""
+    """A loaded stage-0 server in local mode (H = 2), at step 1: the end of its first round,
+    whose merge (version 2) collects the pseudo-gradients."""
     srv = _server(tmp_path)
     srv.spec.sync_mode, srv.spec.sync_every = "local", 2
     await srv._load(0, 0, 6, 0, 0)
     srv.ready = True
     srv.step = 1
+    srv.local_collect = 2
     return srv
 
 
@@ -610,39 +612,42 @@ def test_local_pseudo_gradient_covering_nothing_is_no_contribution(tmp_path):
     banned such a worker as '0 below the median') nor merged, and the merge stops waiting."""
     async def main():
         srv = await _local_server_in_round(tmp_path)
-        srv.local_round_mbs = {"A": 2, "B": 1}
+        srv.local_collect_mbs = {"A": 2, "B": 1}
         srv.local_expect, srv.local_got = {"A", "B"}, srv._new_round_pushes()
         push = dict(step=1, epoch=0, local_round=2, grads=_grads(srv, 0.5))
         a = await srv.PushGrads(pb.GradPush(worker="A", local_mbs=1, **push), None)
-        assert a.accepted and "A" in srv.local_got and srv.local_round_mbs["A"] == 1
+        assert a.accepted and "A" in srv.local_got and srv.local_collect_mbs["A"] == 1
         b = await srv.PushGrads(pb.GradPush(worker="B", local_mbs=0, **push), None)
         assert b.accepted and "nothing to merge" in b.reason
         assert "B" not in srv.local_got and srv.local_expect == {"A", "B"} - {"B"}
         # reporting more than the server counted raises nothing
         srv.local_got.pop("A")
         again = await srv.PushGrads(pb.GradPush(worker="A", local_mbs=9, **push), None)
-        assert again.accepted and srv.local_round_mbs["A"] == 1
+        assert again.accepted and srv.local_collect_mbs["A"] == 1
 
     asyncio.run(main())
 
 
 def test_a_worker_leaving_after_its_pseudo_gradient_keeps_its_weight(tmp_path):
     """A worker moved to another stage at the round's end leaves right after sending its
-    pseudo-gradient: voiding it then must not zero its count or learning-rate sum (the merge
-    once weighed such a survivor 0 and screened it as a 3e12x outlier); one that leaves before
-    sending drops out of the round."""
+    pseudo-gradient: voiding it then must not zero its count or learning-rate sum in the merge
+    (the merge once weighed such a survivor 0 and screened it as a 3e12x outlier); one that
+    leaves before sending drops out of the merge. Both drop out of the round in progress (with
+    delayed application, the next one)."""
     async def main():
         srv = await _local_server_in_round(tmp_path)
         for w in ("A", "B"):
             srv._worker(w)
-        srv.local_round_mbs, srv.local_round_lr = {"A": 2, "B": 2}, {"A": 0.2, "B": 0.2}
+        srv.local_collect_mbs, srv.local_collect_lr = {"A": 2, "B": 2}, {"A": 0.2, "B": 0.2}
+        srv.local_round_mbs, srv.local_round_lr = {"A": 1, "B": 1}, {"A": 0.1, "B": 0.1}
         srv.local_expect, srv.local_got = {"A", "B"}, srv._new_round_pushes()
         push = dict(step=1, epoch=0, local_round=2, local_mbs=2, grads=_grads(srv, 0.5))
         assert (await srv.PushGrads(pb.GradPush(worker="A", **push), None)).accepted
         srv._void_worker("A", "left")
         srv._void_worker("B", "left")
-        assert srv.local_round_mbs == {"A": 2} and srv.local_round_lr == {"A": 0.2}
+        assert srv.local_collect_mbs == {"A": 2} and srv.local_collect_lr == {"A": 0.2}
         assert srv.local_expect == {"A"} and set(srv.local_got) == {"A"}
+        assert srv.local_round_mbs == {} and srv.local_round_lr == {}
 
     asyncio.run(main())
 

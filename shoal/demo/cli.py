@@ -76,6 +76,7 @@ class DemoConfig:
     sync_every: int | None = None  # --sync-every: local mode's steps between merges H (None: auto's choice, local 32)
     outer_lr: float = 1.0  # --outer-lr: local mode's outer Nesterov learning rate
     outer_momentum: float = 0.0  # --outer-momentum: local mode's outer Nesterov momentum
+    overlap: bool = True  # --no-overlap (False): local mode's steps wait for each round's merge
     shadow: bool = False  # --shadow: workers run no model, only wait their device's task time (losses meaningless)
     replicas: str = ""  # --replicas: pipeline replicas given by hand (stages per replica; shoal.runtime.sync.replicas)
 
@@ -101,7 +102,9 @@ class DemoConfig:
         if self.sync == "exact" and self.sync_every not in (None, 1):
             raise ShoalError("--sync-every only applies to --sync local or auto (exact sync syncs every step)")
         SyncConfig("local" if self.sync == "auto" else self.sync, self.sync_every or DEFAULT_SYNC_EVERY,
-                   self.outer_lr, self.outer_momentum).validate()
+                   self.outer_lr, self.outer_momentum, self.overlap).validate()
+        if not self.overlap and self.sync != "local":
+            raise ShoalError("--no-overlap applies to --sync local (auto chooses delayed application)")
         if self.replicas and self.sync == "exact":
             raise ShoalError("--replicas needs --sync local (replicas merge at the rounds of local mode)")
         if self.dashboard:
@@ -360,7 +363,7 @@ def run_policy(cfg: DemoConfig, compression):
 
     pol = sync_policy(compression.wire("act"), compression)
     if cfg.sync == "local":
-        pol = dc_replace(pol, mode="local", sync_every=cfg.sync_every or DEFAULT_SYNC_EVERY)
+        pol = dc_replace(pol, mode="local", sync_every=cfg.sync_every or DEFAULT_SYNC_EVERY, overlap=cfg.overlap)
     return pol
 
 
@@ -570,7 +573,7 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
         emulate_speedup=spec.speedup, bandwidth_scale=cfg.bandwidth_scale, dashboard=cfg.dashboard,
         tensorboard=cfg.tensorboard,
         sync=cfg.sync, sync_every=cfg.sync_every or DEFAULT_SYNC_EVERY, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
-        shadow=cfg.shadow, replicas=_replica_plan_file(plan, out) if cfg.replicas else "")
+        overlap=cfg.overlap, shadow=cfg.shadow, replicas=_replica_plan_file(plan, out) if cfg.replicas else "")
     state = LiveState(total_steps=cfg.steps)
     display = _Display(state, console, cfg.quiet)
     if not cfg.churn:
@@ -842,7 +845,8 @@ def run_demo_cmd(args: argparse.Namespace) -> int:
                      model_task_s=args.task_time, bandwidth_scale=args.bandwidth_scale, workload=given or None,
                      dashboard=None if args.no_dashboard else args.dashboard,
                      data=tuple(args.data or ("corpus",)), sync=args.sync, sync_every=args.sync_every,
-                     outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, tensorboard=args.tensorboard,
+                     outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, overlap=args.overlap,
+                     tensorboard=args.tensorboard,
                      shadow=args.shadow, replicas=args.replicas)
     run_demo(cfg)
     sys.stdout.flush()

@@ -32,6 +32,7 @@ class SyncConfig:
     sync_every: int = 32  # local mode: steps between merges (H); the last step always merges
     outer_lr: float = 1.0  # local mode: learning rate of the outer Nesterov step (1 with momentum 0: the replicas' mean)
     outer_momentum: float = 0.0  # local mode: momentum of the outer Nesterov step (0: plain averaging; see bench/results/sparse-sync.md)
+    overlap: bool = True  # local mode: a round's merge runs while the next round computes (delayed application)
 
     @property
     def local(self) -> bool:
@@ -57,6 +58,17 @@ class SyncConfig:
 def is_sync_step(step: int, sync_every: int, total_steps: int) -> bool:
     """Whether the commit of ``step`` (0-based) ends a round: every H steps and at the last step."""
     return (step + 1) % sync_every == 0 or step + 1 >= total_steps
+
+
+def round_closed_by(decided: int, sync_every: int, total_steps: int) -> int:
+    """The version of the newest round that ends at or before step ``decided`` (its last step
+    plus one; 0 when none has ended): with delayed application a worker that sees the decision
+    of ``decided`` has closed that round (pure)."""
+    if decided < 0:
+        return 0
+    if is_sync_step(decided, sync_every, total_steps):
+        return decided + 1
+    return (decided + 1) // sync_every * sync_every
 
 
 def merge_weights(counts: Mapping[str, int]) -> dict[str, float]:
@@ -240,15 +252,19 @@ def add_sync_args(p, auto: bool = False) -> None:
     g.add_argument("--outer-lr", type=float, default=d.outer_lr, help="local: outer Nesterov learning rate")
     g.add_argument("--outer-momentum", type=float, default=d.outer_momentum,
                    help="local: outer Nesterov momentum (0: plain weighted averaging)")
+    g.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="local: the steps wait for each round's merge instead of running the next round while "
+                        "it is in flight (delayed application, the default)")
 
 
 def sync_from_args(args, precision: str = "fp32") -> SyncConfig:
     """The checked :class:`SyncConfig` of parsed ``--sync`` flags."""
     return SyncConfig(mode=args.sync, sync_every=args.sync_every, outer_lr=args.outer_lr,
-                      outer_momentum=args.outer_momentum).validate(precision)
+                      outer_momentum=args.outer_momentum, overlap=getattr(args, "overlap", True)).validate(precision)
 
 
 def sync_of_spec(spec) -> SyncConfig:
     """The :class:`SyncConfig` a run spec carries (an empty mode is exact)."""
     return SyncConfig(mode=spec.sync_mode or "exact", sync_every=spec.sync_every or 1,
-                      outer_lr=spec.outer_lr or 1.0, outer_momentum=spec.outer_momentum)
+                      outer_lr=spec.outer_lr or 1.0, outer_momentum=spec.outer_momentum,
+                      overlap=bool(spec.sync_overlap))

@@ -113,6 +113,7 @@ class LaunchConfig:
     sync_every: int = 32  # local: steps between merges H
     outer_lr: float = 1.0  # local: outer Nesterov learning rate
     outer_momentum: float = 0.0  # local: outer Nesterov momentum
+    overlap: bool = True  # local: a round's merge runs while the next round computes (False: the steps wait for it)
     compression: str = "none"  # wire codecs per traffic kind (shoal.runtime.sync.codecs; none: uncompressed)
     faults: list[str] = field(default_factory=list)  # --fault SPECs (shoal.runtime.safety.faults grammar)
     spot_check: float = 0.05  # fraction of gradient pushes the stage servers recompute (exact runs)
@@ -136,7 +137,7 @@ class LaunchConfig:
             raise ShoalError(f"--workers {self.workers} < --stages {self.stages}: every stage needs a worker")
         from shoal.train.outer import SyncConfig
 
-        SyncConfig(self.sync, self.sync_every, self.outer_lr, self.outer_momentum).validate(self.precision)
+        SyncConfig(self.sync, self.sync_every, self.outer_lr, self.outer_momentum, self.overlap).validate(self.precision)
         from shoal.runtime.sync.codecs import parse_run_compression
 
         self.compression = parse_run_compression(self.compression).text()
@@ -364,7 +365,8 @@ class Swarm:
             *([] if c.chunk_mb is None else ["--chunk-mb", repr(c.chunk_mb)]),
             "--precision", c.precision, *([] if c.loss_scale is None else ["--loss-scale", repr(c.loss_scale)]),
             "--sync", c.sync, "--sync-every", str(c.sync_every), "--outer-lr", repr(c.outer_lr),
-            "--outer-momentum", repr(c.outer_momentum), "--spot-check", repr(c.spot_check),
+            "--outer-momentum", repr(c.outer_momentum), *([] if c.overlap else ["--no-overlap"]),
+            "--spot-check", repr(c.spot_check),
             "--compression", c.compression, *(["--shadow"] if c.shadow else []),
             *self._coordinator_emulation()]
 

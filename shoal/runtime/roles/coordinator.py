@@ -753,14 +753,12 @@ class Coordinator(pbg.CoordinatorServicer):
             return
         try:
             from shoal.plan import make_plan
-            from shoal.plan.types import SyncPolicy
+            from shoal.runtime.roles.planning import spec_sync_policy
 
             scenario = self._scenario()
-            # exact sync prices the pushes the workers will send (a push per micro-batch of a
-            # shared stage with ordered_grads); local mode keeps the default policy's plan
-            sync = None if sync_of_spec(self.spec).local else SyncPolicy(ordered=bool(self.spec.ordered_grads))
+            # priced as the run runs: its mode, H, codecs and pushes (spec_sync_policy)
             plan = make_plan(scenario, method="shoal", seed=int(self.spec.seed),
-                             stages=self.spec.stages, sync=sync)
+                             stages=self.spec.stages, sync=spec_sync_policy(self.spec))
             # Hot standbys stay out of the first assignment: they copy a stage until promoted.
             servers = sorted((mid for mid, m in self.members.items() if m.role == "server" and not m.standby),
                              key=lambda mid: (-self._server_rate(scenario, mid), mid))

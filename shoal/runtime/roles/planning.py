@@ -301,6 +301,22 @@ def distinct_servers(stage_servers: list[str], servers: list[str]) -> list[str]:
     return out
 
 
+def spec_sync_policy(spec):
+    """The planner's :class:`~shoal.plan.types.SyncPolicy` of the run a spec describes (pure):
+    its mode, H, delayed application and codecs, and in exact sync its pushes (one per
+    micro-batch of a shared stage with ``ordered_grads``), so the coordinator's plan is priced
+    as the runtime runs it."""
+    from shoal.plan.types import SyncPolicy
+    from shoal.runtime.sync.codecs import compression_of_spec
+    from shoal.train.outer import sync_of_spec
+
+    sync, c = sync_of_spec(spec), compression_of_spec(spec)
+    codecs = dict(act_codec=c.act, grad_codec=c.grad, push_codec=c.push, pull_codec=c.pull)
+    if sync.local:
+        return SyncPolicy(mode="local", sync_every=sync.sync_every, overlap=sync.overlap, **codecs)
+    return SyncPolicy(ordered=bool(spec.ordered_grads), **codecs)
+
+
 def memory_fits(memory: Mapping[str, float], layers: Sequence[tuple[int, int]], prof, local: bool
                 ) -> dict[str, list[int]]:
     """The stages (indices of ``layers``) each worker's memory (bytes) can hold, by the planner's

@@ -1722,7 +1722,9 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         on the loop did; only a write whose stage moved on meanwhile (another server or a
         roll-back took it over) is abandoned with a warning.
         """
-        stage, version, module, opt, epoch = self.stage, self.version, self.module, self.opt, self.epoch
+        # (local mode: the version of the merged weights the file holds; with overlap the
+        # merge published at this commit is the previous round's)
+        stage, version, module, opt, epoch = self.stage, self.published_version(), self.module, self.opt, self.epoch
         kw = dict(run_id=self.spec.run_id, layers=(self.first, self.last), loss_scale=self.loss_scale,
                   outer_m=self.outer_m if self.local else None, keep_at=self._keep_at(),
                   pull_ef=self.update_pulls.ef.state() if self.local and self.update_pulls is not None else None)

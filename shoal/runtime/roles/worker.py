@@ -545,8 +545,13 @@ class Worker(LocalWorkerMixin):
         """Most bytes of a lease reply: a task's input and output gradient, ids and tokens."""
         return 2 * self._act_bytes() + CONTROL_SLACK
 
-    async def _pull(self) -> None:
-        """Fetch the server's weights in chunks; apply them only when all arrived and check out."""
+    async def _pull(self, merged_only: bool = False) -> None:
+        """Fetch the server's weights in chunks; apply them only when all arrived and check out.
+
+        ``merged_only`` (local mode with overlap): they become the merged weights the replica
+        rebases onto at its round's end, not the replica itself (dropped if the worker moved to
+        another stage meanwhile: it may run beside the stage's tasks)."""
+        server, stage = self.server, self.stage
         numel = sum(p.numel() for p in self.params.values())
         cap = 4 * numel + 512 * len(self.params) + CONTROL_SLACK
         t0 = time.perf_counter()
@@ -557,7 +562,7 @@ class Worker(LocalWorkerMixin):
             req.compress_chain, req.compress_version = chain, held
         trace(self.opts.name, "pull")
         spans: list = []
-        rep = await fetch(self.server.GetWeightsStream, req, pb.WeightsReply, cap, traffic=self.traffic, spans=spans,
+        rep = await fetch(server.GetWeightsStream, req, pb.WeightsReply, cap, traffic=self.traffic, spans=spans,
                           stall_s=self.opts.pull_stall_s)
         trace(self.opts.name, "pulled", v=rep.version)
         self.obs_pull_s = ewma(self.obs_pull_s, time.perf_counter() - t0)
@@ -572,20 +577,37 @@ class Worker(LocalWorkerMixin):
             # worker it plays would spend on its own machine, not the servers').
             if not shadow_pull_ok(rep, self.params):
                 raise WireError(f"weights of stage [{rep.first},{rep.last}): not this stage's tensors")
+        elif merged_only:
+            base = self.merged if rep.compress_delta else None
+            try:
+                new = await asyncio.get_running_loop().run_in_executor(
+                    None, apply_pull, rep, self.params, base, self.pull_held)
+            except WireError:
+                self.pull_held = ("", -1)  # the next pull is a full one
+                raise
+            if (self.stage, self.server) != (stage, server):
+                return
+            self.merged = {name: t.detach().to("cpu", torch.float32, copy=True) for name, t in new.items()}
+            self.pull_held = (rep.compress_chain, rep.version) if rep.compress_chain else ("", -1)
         else:
             # Checked and copied in a thread: the loop keeps heartbeating meanwhile.
             await asyncio.get_running_loop().run_in_executor(None, self._apply_weights, rep)
         self.version, self.weights_epoch = rep.version, rep.epoch
         trace(self.opts.name, "applied", v=rep.version)
+        if merged_only:
+            return  # (the replica's own weights and graphs are untouched until its rebase)
         self.graphs.clear()  # graphs of older weights must not be back-propagated
         self.shadow_fwd.clear()
 
     def _apply_weights(self, rep: pb.WeightsReply) -> None:
         """Check every frame of a weight pull, then copy them in: all of them or none.
 
-        A compressed pull is a delta against the weights the worker pulled last (its replica's
-        anchor in local mode, where the replica itself has moved on since)."""
-        base = (self.anchor if self.local else self.params) if rep.compress_delta else None
+        A compressed pull is a delta against the weights the worker pulled last (in local mode
+        its replica's anchor, or with overlap the merged weights kept apart, where the replica
+        itself has moved on since)."""
+        base = None
+        if rep.compress_delta:
+            base = (self.merged if self.local_overlap else self.anchor) if self.local else self.params
         try:
             new = apply_pull(rep, self.params, base, self.pull_held)
         except WireError:
@@ -693,9 +715,11 @@ class Worker(LocalWorkerMixin):
             self.held.discard(task.lease_id)
 
     async def _send_push(self, msg: pb.GradPush, data: bytes, frames: list[Frame] | None = None,
-                         progress: SendProgress | None = None) -> pb.PushReply | None:
+                         progress: SendProgress | None = None, server=None) -> pb.PushReply | None:
         """Stream one push (``data``: it serialised; ``frames``: its gradients when ``msg``
-        is only its head), retrying transport failures; None when every attempt failed."""
+        is only its head) to ``server`` (default: this worker's), retrying transport
+        failures; None when every attempt failed."""
+        server = server or self.server
         delay = 0.1
         for attempt in range(1, self.opts.push_attempts + 1):
             try:
@@ -704,7 +728,7 @@ class Worker(LocalWorkerMixin):
                 if "push_fail" in self.inject:
                     self.inject.discard("push_fail")
                     raise _injected("push_fail: the first attempt is lost before it is sent")
-                rep = await send(self.server.PushGradsStream, msg, self.chunk_bytes, traffic=self.traffic,
+                rep = await send(server.PushGradsStream, msg, self.chunk_bytes, traffic=self.traffic,
                                  data=data, sender=self.member_id,
                                  timeout=max(self.opts.push_timeout_s, transfer_timeout(len(data))),
                                  frames=None if frames is None else [("grad_push", f) for f in frames],

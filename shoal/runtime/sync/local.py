@@ -23,6 +23,7 @@ mixins of :class:`shoal.runtime.roles.server.StageServer` and :class:`shoal.runt
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -63,6 +64,7 @@ from shoal.train.outer import (
     merges_weights,
     outer_nesterov_step,
     outer_nesterov_update,
+    round_closed_by,
     sync_of_spec,
     weighted_sum,
 )
@@ -90,6 +92,23 @@ def bwd_owner_free(owner_known: bool, owner_gen_same: bool, owner_alive: bool) -
 
 
 _REF_POOL: ThreadPoolExecutor | None = None
+
+
+def rebase_replica(params: dict[str, torch.Tensor], merged: dict[str, torch.Tensor], anchor: dict[str, torch.Tensor],
+                   kept: dict[str, torch.Tensor] | None = None) -> None:
+    """Delayed application's rebase, in place (pure but for its arguments; tested directly):
+    the replica ``params`` moved on from ``anchor`` by its progress ``anchor - params`` (the
+    pseudo-gradient it just framed); it keeps that progress on top of the ``merged`` weights
+    (``params + (merged - anchor)``, i.e. ``merged - progress``) and the result becomes the next
+    anchor, plus ``kept`` (what its push did not carry, keeps_residual), so that the next
+    pseudo-gradient, anchor minus replica, carries it."""
+    with torch.no_grad():
+        for n, p in params.items():
+            a = anchor[n]
+            p.add_(merged[n].to(p.device, p.dtype) - a)
+            a.copy_(p)
+            if kept is not None:
+                a.add_(kept[n].to(a.device, a.dtype))
 
 
 def reference_pool() -> ThreadPoolExecutor:
@@ -140,9 +159,18 @@ class LocalServerMixin:
 
     def _local_reset(self, version: int) -> None:
         """A (re)load at ``version``: the weights are the merged weights of that version."""
+        old = getattr(self, "local_job", None)
+        if old is not None and not old.done():
+            # a merge of the old epoch in the background: it ends at its next check (None);
+            # a failure of it still fails the run
+            old.add_done_callback(self._bg_done)
         self.local_merged = version  # version of the merged weights served
         self.local_round_mbs: dict[str, int] = {}  # micro-batches counted per worker this round
         self.local_round_lr: dict[str, float] = {}  # sum of the learning rates of each worker's inner steps this round
+        self.local_collect: int | None = None  # version the merge in progress will publish (its round's end + 1)
+        self.local_collect_mbs: dict[str, int] = {}  # that round's micro-batches per worker (the merge's counts)
+        self.local_collect_lr: dict[str, float] = {}  # that round's learning-rate sums (the screen's)
+        self.local_job: asyncio.Future | None = None  # overlap: the merge running while the next round computes
         self.local_lr_total: dict[str, float] = {}  # that sum over every earlier round since this load
         self.local_sq: dict[str, tuple[int, float]] = {}  # worker -> (mbs, squared norm) this step
         self.local_sq_parts: dict[str, list[float]] = {}  # worker -> its per-parameter squared norms this step
@@ -178,20 +206,24 @@ class LocalServerMixin:
         return bwd_owner_free(owner is not None, owner is not None and owner.gen == st.fwd_gen, alive)
 
     def _local_forget(self, wid: str) -> None:
-        """A voided worker loses its un-merged progress: it drops out of the round.
+        """A voided worker loses its un-merged progress: it drops out of the round in progress
+        and out of the merge being collected.
 
-        Unless its pseudo-gradient for the round is already in: that progress is delivered
+        Unless its pseudo-gradient for that merge is already in: that progress is delivered
         (a worker moved to another stage at the round's end leaves right after sending it),
         so its micro-batch count and learning-rate sum stay for the merge to weigh it.
         """
-        if not self.local or not hasattr(self, "local_round_mbs") or wid in self.local_got:
+        if not self.local or not hasattr(self, "local_round_mbs"):
             return
         self.local_round_mbs.pop(wid, None)
         self.local_round_lr.pop(wid, None)
         self.local_sq.pop(wid, None)
         self.local_sq_parts.pop(wid, None)
-        if self.local_expect is not None and wid not in self.local_got:
-            self.local_expect.discard(wid)
+        if wid not in self.local_got:
+            self.local_collect_mbs.pop(wid, None)
+            self.local_collect_lr.pop(wid, None)
+            if self.local_expect is not None:
+                self.local_expect.discard(wid)
 
     def _local_wants(self, wid: str) -> bool:
         """Whether the merge awaits ``wid``'s pseudo-gradient (wakes its long-poll)."""
@@ -249,7 +281,7 @@ class LocalServerMixin:
         return await self._count(mbs, ids, info)
 
     async def _local_pseudo(self, r: pb.GradPush, info) -> pb.PushReply:
-        round_v = self.step + 1
+        round_v = self.local_collect
         if r.worker in self.guard_banned:
             return pb.PushReply(accepted=False, reason=f"banned: {self.guard_banned[r.worker]}", gen=info.gen)
         if r.epoch == self.epoch and r.local_round == round_v and r.worker in self.local_got:
@@ -275,14 +307,14 @@ class LocalServerMixin:
             async with self.cond:
                 self.cond.notify_all()
             return pb.PushReply(accepted=False, reason=f"rejected: {exc}", gen=info.gen)
-        if r.epoch != self.epoch or r.local_round != self.step + 1 or not self._local_wants(r.worker):
+        if r.epoch != self.epoch or r.local_round != self.local_collect or not self._local_wants(r.worker):
             return pb.PushReply(accepted=False, reason="the merge moved on while it was checked", gen=info.gen)
         # The worker's own count can only lower the server's: a worker that missed a step's
         # decision dropped that gradient (its replica never took the step), so it covered
         # fewer micro-batches than it reported; one that covered none has nothing to merge
         # (a zero pseudo-gradient, not a suspect one).
-        covered = min(self.local_round_mbs.get(r.worker, 0), max(0, int(r.local_mbs)))
-        self.local_round_mbs[r.worker] = covered
+        covered = min(self.local_collect_mbs.get(r.worker, 0), max(0, int(r.local_mbs)))
+        self.local_collect_mbs[r.worker] = covered
         if covered == 0:
             if self.local_expect is not None:
                 self.local_expect.discard(r.worker)
@@ -303,10 +335,33 @@ class LocalServerMixin:
             self.cond.notify_all()
         return pb.PushReply(accepted=True, gen=info.gen)
 
+    @property
+    def local_overlap(self) -> bool:
+        """Delayed application: a round's merge runs while the next round's steps compute."""
+        return sync_of_spec(self.spec).overlap
+
     async def _local_commit(self, step: int, epoch: int, d: pb.StepDecision) -> bool | None:
         """After the coordinator's decision: publish it to the workers and, at the end of a
-        round, collect the pseudo-gradients and merge. True: merged; False: no merge this
-        step; None: the epoch moved on."""
+        round, collect the round's pseudo-gradients and merge them (:meth:`_local_round`).
+
+        Without overlap the step waits for that merge. With overlap (delayed application) it
+        first waits for the previous round's merge, started at the last round's end and run
+        while this round computed, so the workers find those merged weights published with
+        this decision; this round's merge then runs in the background while the next round
+        computes (the run's last round is merged before its step ends). True: merged weights
+        were published at this commit; False: none; None: the epoch moved on."""
+        sync_step = is_sync_step(step, self.spec.sync_every, self.spec.steps)
+        published = False
+        if sync_step and self.local_overlap and self.local_job is not None:
+            job, self.local_job = self.local_job, None
+            t0 = time.perf_counter()
+            published = await job
+            if published is None or self.epoch != epoch:
+                return None
+            waited = time.perf_counter() - t0
+            if waited > 0.001:
+                log.info("%s: the commit of step %d waited %.3f s for the merge of v%d (it outlasted the round after it)",
+                         self.name, step, waited, self.local_merged)
         self.local_decision = (step, d.lr, d.coef, bool(d.skip))
         if not d.skip:
             # every worker that reported micro-batches of this step takes an inner step at d.lr
@@ -314,14 +369,31 @@ class LocalServerMixin:
                 self.local_round_lr[w] = self.local_round_lr.get(w, 0.0) + d.lr
         self.local_sq = {}
         self.local_sq_parts = {}
-        self._local_reference_start(step, epoch)  # (once a round: the first step after a merge)
-        if not is_sync_step(step, self.spec.sync_every, self.spec.steps):
+        if sync_step or not self.local_overlap:
+            # once a round: the first step after a merge; with overlap the round's last step,
+            # where the previous round's merge is published (its weights never learned it)
+            self._local_reference_start(step, epoch)
+        if not sync_step:
             return False
-        self.local_expect = {w for w, n in self.local_round_mbs.items() if n > 0}
+        # The round's counts move to the merge; the next round counts afresh meanwhile.
+        self.local_collect = step + 1
+        self.local_collect_mbs, self.local_round_mbs = self.local_round_mbs, {}
+        self.local_collect_lr, self.local_round_lr = self.local_round_lr, {}
+        self.local_expect = {w for w, n in self.local_collect_mbs.items() if n > 0}
         self.local_got = self._new_round_pushes()
         self.local_replicas = {}
         async with self.cond:
             self.cond.notify_all()
+        job = asyncio.ensure_future(self._local_round(step, epoch))
+        if not self.local_overlap or step + 1 >= self.spec.steps:
+            return await job
+        self.local_job = job
+        return published
+
+    async def _local_round(self, step: int, epoch: int) -> bool | None:
+        """Collect the pseudo-gradients of the round that ends at ``step``, screen them and
+        merge them into the weights, published as version ``step + 1``. True: merged; None:
+        the epoch moved on."""
         since = time.monotonic()
         while self.local_expect - set(self.local_got):
             if self.epoch != epoch:
@@ -340,7 +412,10 @@ class LocalServerMixin:
         screened = await self._local_screen(step)
         if self.epoch != epoch:
             return None
-        counts = {w: self.local_round_mbs.get(w, 0) for w in self.local_got}
+        await self._ckpt_written()  # (overlap: the last commit's file holds the weights merged before)
+        if self.epoch != epoch:
+            return None
+        counts = {w: self.local_collect_mbs.get(w, 0) for w in self.local_got}
         replicas = None
         if self.spec.replica_stages:
             # A replica plan: this stage's part, merged per layer with the other replicas' parts.
@@ -351,6 +426,8 @@ class LocalServerMixin:
             shares = merge_weights({w: counts.get(w, 0) for w in self.local_got})
         else:
             async with self._wlock:
+                if self.epoch != epoch:
+                    return None
                 digest, shares = await asyncio.get_running_loop().run_in_executor(None, self._local_merge, counts,
                                                                                   step + 1)
                 self._wcache = None
@@ -360,14 +437,17 @@ class LocalServerMixin:
             "shares": {w: round(x, 9) for w, x in shares.items()}, "digest": digest, "screen": screened,
             "screen_sum": self.local_presum_taken,
             **({"framed": framed} if framed else {}), "merge_s": round(time.perf_counter() - merge_t0, 4),
+            **({"overlap": True} if self.local_overlap else {}),
             **({"replicas": replicas} if replicas is not None else {})}, sort_keys=True))
-        self.local_round_mbs = {}
-        for w, x in self.local_round_lr.items():
+        for w, x in self.local_collect_lr.items():
             self.local_lr_total[w] = self.local_lr_total.get(w, 0.0) + x
-        self.local_round_lr = {}
+        self.local_collect_mbs = {}
+        self.local_collect_lr = {}
         self.local_expect = None
         self.local_got = self._new_round_pushes()
         self.local_replicas = {}
+        async with self.cond:
+            self.cond.notify_all()
         return True
 
     async def _local_screen(self, step: int) -> dict[str, list]:
@@ -383,7 +463,7 @@ class LocalServerMixin:
         from shoal.runtime.safety.guard import direction_holds, screen_round
         from shoal.runtime.safety.verify import screen_measures
 
-        lrs = {w: self.local_round_lr.get(w, 0.0) for w in self.local_got}
+        lrs = {w: self.local_collect_lr.get(w, 0.0) for w in self.local_got}
         # The run's last round where replicas keep their residuals (dense_round) carries what
         # every earlier round left: its norms are per unit of the learning rate since the
         # worker's first round here, judged by the AdamW bound over that and by the round
@@ -395,7 +475,7 @@ class LocalServerMixin:
         # with the round's shares, its term of the merge's weighted sum (kept for the merge
         # where the screen leaves every contributor in: _presummed)
         ref = await self._local_reference(step, lrs)
-        shares = merge_weights({w: self.local_round_mbs.get(w, 0) for w in self.local_got})
+        shares = merge_weights({w: self.local_collect_mbs.get(w, 0) for w in self.local_got})
         norms, cosines, ref_cos, summed = await asyncio.get_running_loop().run_in_executor(
             None, functools.partial(screen_measures, self.local_got.snapshot(), per, self.guard_cfg.local_quorum,
                                     ref=ref, sum_weights=shares, seed=self.median_secret ^ step, pool=merge_pool()))
@@ -426,11 +506,12 @@ class LocalServerMixin:
     def _local_reference_start(self, step: int, epoch: int) -> None:
         """Start the screen's reference gradient at the merged weights, on ``step``'s micro-batches,
         unless one is running or done for these weights: the first step committed after a merge
-        starts it, and it runs in a thread while the round's other steps run (the weights change
-        only at the next merge, which waits for it; a load changes the epoch and its result is
-        dropped). A step of the round itself, not the one just merged: the merged weights have
-        learned that one, and honest replicas' cosines to its gradient fall to about 0
-        (bench/results/screen-reference.md). The planner prices it
+        starts it (with overlap, the last step of the round whose commit publishes the merge), and
+        it runs in a thread while the round's other steps run (the weights change only at the
+        next merge, which waits for it; a load changes the epoch and its result is dropped). A
+        step the merged weights have not learned: on the step just merged honest replicas'
+        cosines to its gradient fall to about 0 (bench/results/screen-reference.md). The
+        planner prices it
         (``shoal.plan.cost.reference_cpu_time``)."""
         cfg = self.guard_cfg
         key = (epoch, self.local_merged)
@@ -549,10 +630,10 @@ class LocalServerMixin:
     def _local_ckpt_due(self, merged: bool, decided: bool = False) -> bool:
         """Local mode checkpoints merged weights only, at the first merge past each K steps
         and at the merges the coordinator's time rule marks (``decided``)."""
-        k = self.spec.ckpt_every
-        if not merged or k <= 0 or (self.version // k <= self.local_ckpt_last // k and not decided):
+        k, v = self.spec.ckpt_every, self.local_merged
+        if not merged or k <= 0 or (v // k <= self.local_ckpt_last // k and not decided):
             return False
-        self.local_ckpt_last = self.version
+        self.local_ckpt_last = v
         return True
 
 
@@ -562,6 +643,11 @@ class LocalWorkerMixin:
     @property
     def local(self) -> bool:
         return sync_of_spec(self.spec).local
+
+    @property
+    def local_overlap(self) -> bool:
+        """Delayed application: the replica rebases onto a merge at the end of the next round."""
+        return sync_of_spec(self.spec).overlap
 
     def _local_reset(self) -> None:
         """A new stage: a fresh inner AdamW over the replica; nothing pending."""
@@ -583,6 +669,12 @@ class LocalWorkerMixin:
         # its push to re-weight to the share it was made at (residual_reweight)
         self.pseudo_carried: tuple[int, dict[str, torch.Tensor]] | None = None
         self.pseudo_reweight = 1.0  # the factor the last push re-weighted its kept residual by
+        # Delayed application (overlap): the merged weights pulled last, in host memory (the base
+        # of the next pull's delta), and the last round closed, as (epoch, version).
+        self.merged: dict[str, torch.Tensor] = {}
+        self.local_closed: tuple[int, int] | None = None
+        self.local_sending: asyncio.Future | None = None  # a closed round's pseudo-gradient on its way
+        self.local_fetch: asyncio.Future | None = None  # a merge published mid-round, pulled in the background
 
     def _hold_move(self) -> bool:
         """Whether to keep training on the current stage instead of moving to ``self.want`` now.
@@ -619,6 +711,11 @@ class LocalWorkerMixin:
         self.local_gen = rep.gen
 
     def _local_needs_pull(self, rep: pb.LeaseReply, task: pb.Task) -> bool:
+        """Whether the replica starts over from the merged weights before ``task``: without
+        overlap at every new merge; with overlap only when it holds none of this epoch (a
+        joiner, a resync, a roll-back): merges otherwise reach it at its rounds' ends."""
+        if self.local_overlap:
+            return self.version < 0 or self.weights_epoch != task.epoch
         return self.version < 0 or self.version != rep.local_merged or self.weights_epoch != task.epoch
 
     async def _local_pull(self) -> None:
@@ -630,6 +727,8 @@ class LocalWorkerMixin:
         """The weights just pulled become the anchor of the replica's round; the replica keeps
         what its push for that merge did not carry (keeps_residual)."""
         self.anchor = {n: p.detach().clone() for n, p in self.params.items()}
+        if self.local_overlap:
+            self.merged = {n: p.detach().to("cpu", copy=True) for n, p in self.params.items()}
         self.local_round_mbs = 0
         self.local_delivered = False
         self.pending = None
@@ -713,6 +812,10 @@ class LocalWorkerMixin:
                     None, self._inner_step, total, n, rep.local_lr, rep.local_coef, rep.local_skip)
                 self.local_round_mbs += n
                 self.graphs.clear()  # graphs of the old replica weights
+        if self.local_overlap:
+            self._local_prefetch(rep)
+            await self._local_close(rep)
+            return
         round_v = rep.local_step + 1
         if (rep.local_sync and self.pending is None and self.local_sent != (rep.epoch, round_v)
                 and self.version >= 0 and self.weights_epoch == rep.epoch and self.anchor):
@@ -733,6 +836,81 @@ class LocalWorkerMixin:
                 if self.pseudo_ef is not None:
                     self.pseudo_ef.reset()  # nothing of it was merged: its residual means nothing
 
+    async def _local_close(self, rep: pb.LeaseReply) -> None:
+        """Delayed application: once the decision of a round's last step is out (and applied),
+        close the round: frame its pseudo-gradient, rebase the replica onto the newest merge
+        (the previous round's, published with that decision), then send the pseudo-gradient
+        in the background while the next round computes. The pull comes before the send, so
+        the merge pulled never holds this round's own pseudo-gradient."""
+        v = round_closed_by(rep.local_step, self.spec.sync_every, self.spec.steps)
+        key = (rep.epoch, v)
+        if self.local_closed is None or self.local_closed[0] != rep.epoch or self.version < 0 or not self.anchor:
+            self.local_closed = key  # nothing trained on a replica of this epoch before this round
+            return
+        if self.local_closed[1] >= v or (self.pending is not None and self.pending[1] < v):
+            return  # closed already; or an inner step of the round still awaits its decision
+        self.local_closed = key
+        loop = asyncio.get_running_loop()
+        fetching, self.local_fetch = self.local_fetch, None
+        if fetching is not None:
+            with contextlib.suppress(Exception):  # (one that failed: pulled again below)
+                await fetching
+        msg = None
+        if self.local_round_mbs > 0:
+            msg, data = await loop.run_in_executor(None, self._pseudo_message, rep.epoch, rep.step, rep.gen, v)
+        if v < self.spec.steps:  # (after the run's last round there is nothing to train on)
+            if self.version != rep.local_merged or self.weights_epoch != rep.epoch:
+                await self._pull(merged_only=True)
+            await loop.run_in_executor(None, self._local_rebase)
+        if msg is not None:
+            self.local_delivered = True
+            self._local_send(msg, data, v)
+
+    def _local_prefetch(self, rep: pb.LeaseReply) -> None:
+        """Delayed application: a merge published mid-round is pulled in the background while
+        the round computes, ready for the rebase at its end (one pull at a time)."""
+        if (self.version < 0 or self.weights_epoch != rep.epoch or rep.local_merged <= self.version
+                or (self.local_fetch is not None and not self.local_fetch.done()) or self.opts.shadow
+                or self.local_closed is None
+                or self.local_closed[1] + self.spec.sync_every >= self.spec.steps):  # (no rebase after the last round)
+            return
+        self.local_fetch = asyncio.ensure_future(self._pull(merged_only=True))
+        # (awaited at the round's end; one left behind by a move must not log as never retrieved)
+        self.local_fetch.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    def _local_rebase(self) -> None:
+        """The replica's progress since its anchor, moved onto the merged weights just pulled:
+        ``w = w + (merged - anchor)``, and ``w`` (plus what its push left, keeps_residual)
+        becomes the anchor of the next round (in a thread)."""
+        kept, self.pseudo_kept = self.pseudo_kept, None
+        self.pseudo_carried = (kept[3], kept[2]) if kept is not None else None
+        rebase_replica(self.params, self.merged, self.anchor, None if kept is None else kept[2])
+        self.local_round_mbs = 0
+        self.graphs.clear()  # graphs of the replica before the rebase
+        log.info("%s pulled merged weights v%d digest %s (its replica rebased onto them)", self.opts.name,
+                 self.version, tensors_digest(self.merged))
+
+    def _local_send(self, msg: pb.GradPush, data: bytes, round_v: int) -> None:
+        """Send a closed round's pseudo-gradient in the background (to the server of the stage
+        it was made on); one not taken resyncs the replica, as without overlap."""
+        server, stage, n = self.server, self.stage, msg.local_mbs
+
+        async def go() -> None:
+            res = await self._send_push(msg, data, server=server)
+            if res is not None and res.accepted:
+                log.info("%s sent its pseudo-gradient for v%d covering %d micro-batches%s", self.opts.name, round_v,
+                         n, f" (kept residual x{self.pseudo_reweight:.3g})" if self.pseudo_reweight != 1.0 else "")
+                return
+            log.info("%s: pseudo-gradient for v%d not taken (%s); resyncing", self.opts.name, round_v,
+                     "lost" if res is None else res.reason)
+            if self.stage == stage:
+                self.version = -1
+                self.pseudo_kept = self.pseudo_carried = None
+                if self.pseudo_ef is not None:
+                    self.pseudo_ef.reset()
+
+        self.local_sending = asyncio.ensure_future(go())
+
     def _pseudo_message(self, epoch: int, step: int, gen: int, round_v: int) -> tuple[pb.GradPush, bytes]:
         """The replica's pseudo-gradient (anchor minus weights now), framed raw fp32 or with the run's
         push codec plus error feedback (``--compression push=...``)."""
@@ -744,7 +922,9 @@ class LocalWorkerMixin:
         if dense:
             codec = DENSE_ROUND_CODEC  # the run's last round: the whole pseudo-gradient, what the replica kept included
         # Raw pushes at outer lr 1, momentum 0: the weights themselves (the merge is their mean, exactly).
-        msg.local_weights = codec == "raw" and merges_weights(self.spec.outer_lr, self.spec.outer_momentum)
+        # (not with overlap: a replica's weights hold its previous round, which that merge lacks)
+        msg.local_weights = (codec == "raw" and merges_weights(self.spec.outer_lr, self.spec.outer_momentum)
+                             and not self.local_overlap)
         # The residual this replica carries was made at its last round's share: re-weighted to it.
         carried = self.pseudo_carried if keep else None
         self.pseudo_reweight = residual_reweight(carried[0], self.local_round_mbs) if carried is not None else 1.0
