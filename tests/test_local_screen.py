@@ -47,13 +47,13 @@ def test_poisoned_replica_is_banned_and_honest_run_bans_nobody(tmp_path):
     bound = min(_bounds(honest))
     assert all(norm < bound for s in screens for norm, *_ in s.values()), (bound, screens)
     print("honest screen figures (norm per unit of learning rate, cosine to the round's median):", screens)
-    # The server's own gradient is computed on the last step of each round, where the previous
-    # round's merge is published (delayed application; in threads while the next round runs),
+    # The server's own gradient is computed at each round's starting merge on the round's first
+    # step (in threads, once both are there: with delayed application the merge comes later),
     # on 4 micro-batches of 64 tokens (within SCREEN_REF_TOKENS).
     text = "".join(p.read_text() for p in sorted((honest / "logs").glob("server*.log")))
     refs = [(int(s), int(t)) for s, t in re.findall(r"reference gradient: step (\d+), (\d+) tokens", text)]
     h = RUN["sync_every"]
-    assert refs == [(s, 4 * 2 * 32) for s in range(h - 1, RUN["steps"], h)], refs
+    assert refs == [(s, 4 * 2 * 32) for s in range(0, RUN["steps"], h)], refs
 
     out = tmp_path / "poisoned"
     summary = launch(LaunchConfig(out=str(out), **RUN, faults=["poison:w1:scale=-20"]))

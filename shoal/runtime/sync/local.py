@@ -105,7 +105,7 @@ def rebase_replica(params: dict[str, torch.Tensor], merged: dict[str, torch.Tens
     with torch.no_grad():
         for n, p in params.items():
             a = anchor[n]
-            p.add_(merged[n].to(p.device, p.dtype) - a)
+            p.add_((merged[n] - a).to(p.device, p.dtype))
             a.copy_(p)
             if kept is not None:
                 a.add_(kept[n].to(a.device, a.dtype))
@@ -179,6 +179,7 @@ class LocalServerMixin:
         self.local_got = self._new_round_pushes()  # pseudo-gradients received
         self.local_ref_key: tuple[int, int] | None = None  # (epoch, merged version) of the reference gradient started
         self.local_ref_job: asyncio.Future | None = None  # that gradient: (grads, step, tokens, seconds)
+        self.local_ref_inputs: tuple | None = None  # (epoch, step, inputs, tokens) of a round's first step, kept for it
         if not hasattr(self, "median_secret"):  # seeds the screen's coordinate sample of a large stage
             self.median_secret = secrets.randbits(62)
         self.local_replicas: dict[str, dict[str, torch.Tensor]] = {}  # replicas' weights received (merges_weights)
@@ -369,10 +370,7 @@ class LocalServerMixin:
                 self.local_round_lr[w] = self.local_round_lr.get(w, 0.0) + d.lr
         self.local_sq = {}
         self.local_sq_parts = {}
-        if sync_step or not self.local_overlap:
-            # once a round: the first step after a merge; with overlap the round's last step,
-            # where the previous round's merge is published (its weights never learned it)
-            self._local_reference_start(step, epoch)
+        self._local_reference_keep(step, epoch)  # (a round's first step)
         if not sync_step:
             return False
         # The round's counts move to the merge; the next round counts afresh meanwhile.
@@ -439,6 +437,7 @@ class LocalServerMixin:
             **({"framed": framed} if framed else {}), "merge_s": round(time.perf_counter() - merge_t0, 4),
             **({"overlap": True} if self.local_overlap else {}),
             **({"replicas": replicas} if replicas is not None else {})}, sort_keys=True))
+        self._local_reference_start(epoch)  # (delayed application: the next round's first step may be in)
         for w, x in self.local_collect_lr.items():
             self.local_lr_total[w] = self.local_lr_total.get(w, 0.0) + x
         self.local_collect_mbs = {}
@@ -503,30 +502,45 @@ class LocalServerMixin:
         return {w: [round(norms[w], 8), None if cosines[w] is None else round(cosines[w], 4),
                     None if refs.get(w) is None else round(refs[w], 4)] for w in norms}
 
-    def _local_reference_start(self, step: int, epoch: int) -> None:
-        """Start the screen's reference gradient at the merged weights, on ``step``'s micro-batches,
-        unless one is running or done for these weights: the first step committed after a merge
-        starts it (with overlap, the last step of the round whose commit publishes the merge), and
-        it runs in a thread while the round's other steps run (the weights change only at the
-        next merge, which waits for it; a load changes the epoch and its result is dropped). A
-        step the merged weights have not learned: on the step just merged honest replicas'
-        cosines to its gradient fall to about 0 (bench/results/screen-reference.md). The
-        planner prices it
-        (``shoal.plan.cost.reference_cpu_time``)."""
+    def _local_reference_keep(self, step: int, epoch: int) -> None:
+        """At the commit of a round's first step, keep its micro-batches for the screen's
+        reference gradient, and start it if that round's starting merge is published
+        (:meth:`_local_reference_start`)."""
         cfg = self.guard_cfg
-        key = (epoch, self.local_merged)
-        if not cfg.enabled or cfg.local_ref_mbs <= 0 or cfg.local_ref_tokens <= 0 or self.local_ref_key == key:
+        if not cfg.enabled or cfg.local_ref_mbs <= 0 or cfg.local_ref_tokens <= 0:
             return
-        from shoal.runtime.safety.verify import reference_gradient, reference_inputs
+        if not (step == 0 or step == self.local_merged or is_sync_step(step - 1, self.spec.sync_every, self.spec.steps)):
+            return
+        from shoal.runtime.safety.verify import reference_inputs
 
         mbs = self.steps.get(step, {})
         held = [(mb, st.input, st.out_grad) for mb, st in sorted(mbs.items())
                 if (self.is_first or st.input is not None) and (self.is_last or st.out_grad is not None)]
         inputs = reference_inputs(held, self.spec.micro_batch_size, self.spec.seq_len, cfg.local_ref_mbs,
                                   cfg.local_ref_tokens)
-        if not inputs:
+        if inputs:
+            tokens = sum(self.spec.micro_batch_size * (self.spec.seq_len if p is None else p) for *_, p in inputs)
+            self.local_ref_inputs = (epoch, step, inputs, tokens)
+        self._local_reference_start(epoch)
+
+    def _local_reference_start(self, epoch: int) -> None:
+        """Start the screen's reference gradient at merged version ``v`` on step ``v``'s
+        micro-batches (the first step of the round that starts from those weights, kept by
+        :meth:`_local_reference_keep`) once both are there: at that step's commit, or with
+        delayed application where the merge is published later, at its publication. It runs
+        in threads while the round's other steps run (the weights change only at the next
+        merge, which waits for it; a load changes the epoch and its result is dropped). The
+        round's first step, not the one just merged, which the merged weights have learned
+        (honest replicas' cosines to its gradient fall to about 0), nor the round's last,
+        which the replicas took far from those weights (about 0.03 on the demo scenario,
+        0.1 on its first step). The planner prices it (``shoal.plan.cost.reference_cpu_time``)."""
+        kept, key = self.local_ref_inputs, (epoch, self.local_merged)
+        if kept is None or kept[:2] != key or self.local_ref_key == key:
             return
-        tokens = sum(self.spec.micro_batch_size * (self.spec.seq_len if p is None else p) for *_, p in inputs)
+        from shoal.runtime.safety.verify import reference_gradient
+
+        _, step, inputs, tokens = kept
+        self.local_ref_inputs = None
         part = functools.partial(reference_gradient, self.module, self.spec, step, first=self.is_first,
                                  last=self.is_last)
 
@@ -553,7 +567,7 @@ class LocalServerMixin:
         median, not this gradient."""
         if not any(lrs.get(w, 0.0) > 0 for w in self.local_got):
             return None
-        self._local_reference_start(step, self.epoch)  # (a round of one step: started now)
+        self._local_reference_start(self.epoch)  # (delayed application: a merge published just now)
         job = self.local_ref_job
         if job is None or self.local_ref_key != (self.epoch, self.local_merged):
             return None
@@ -652,8 +666,9 @@ class LocalWorkerMixin:
     def _local_reset(self) -> None:
         """A new stage: a fresh inner AdamW over the replica; nothing pending."""
         self.inner_opt = make_optimizer(self.module.named_parameters(), optim_config(self.spec)) if self.local else None
-        self.anchor: dict[str, torch.Tensor] = {}  # the merged weights the replica started the round from
+        self.anchor: dict[str, torch.Tensor] = {}  # the weights the replica started the round from (host memory)
         self.local_round_mbs = 0  # micro-batches applied to the replica since the anchor
+        self.local_reported = 0  # micro-batches the server counted for it since then (some may have missed their step)
         self.pending: tuple[int, int, dict[str, torch.Tensor], int] | None = None  # (epoch, step, sum, mbs)
         self.local_gen: int | None = None  # server generation the replica belongs to
         self.local_sent: tuple[int, int] | None = None  # (epoch, round) of the last pseudo-gradient sent
@@ -726,7 +741,10 @@ class LocalWorkerMixin:
     def _local_restart(self) -> None:
         """The weights just pulled become the anchor of the replica's round; the replica keeps
         what its push for that merge did not carry (keeps_residual)."""
-        self.anchor = {n: p.detach().clone() for n, p in self.params.items()}
+        # (in host memory: a device holds the replica, its gradients and its AdamW state, which is
+        # what the planner's memory need counts, shoal.plan.cost.stage_worker_memory)
+        self.anchor = {n: p.detach().to("cpu", copy=True) for n, p in self.params.items()}
+        self.local_reported = 0
         if self.local_overlap:
             self.merged = {n: p.detach().to("cpu", copy=True) for n, p in self.params.items()}
         self.local_round_mbs = 0
@@ -783,6 +801,7 @@ class LocalWorkerMixin:
                 await self._release(epoch, step, gen)
             elif rep.accepted:
                 self.pending = (epoch, step, total, n)
+                self.local_reported += len(mbs)
             else:
                 log.info("%s: local report refused: %s", self.opts.name, rep.reason)
         finally:
@@ -856,8 +875,11 @@ class LocalWorkerMixin:
             with contextlib.suppress(Exception):  # (one that failed: pulled again below)
                 await fetching
         msg = None
-        if self.local_round_mbs > 0:
+        if self.local_round_mbs > 0 or self.local_reported > 0:
+            # (also one that covers nothing: its steps missed their decisions, but the server
+            # counted them and its merge waits for it, as a request to push would without overlap)
             msg, data = await loop.run_in_executor(None, self._pseudo_message, rep.epoch, rep.step, rep.gen, v)
+        self.local_reported = 0
         if v < self.spec.steps:  # (after the run's last round there is nothing to train on)
             if self.version != rep.local_merged or self.weights_epoch != rep.epoch:
                 await self._pull(merged_only=True)
@@ -931,7 +953,8 @@ class LocalWorkerMixin:
         reweight = self.pseudo_reweight - 1.0
         deltas = {}
         for name, p in self.params.items():
-            delta = self.anchor[name] - p.detach()
+            w = p.detach().to("cpu")  # (the anchor is in host memory)
+            delta = self.anchor[name] - w
             if reweight:
                 delta.add_(carried[1][name].to(delta.device, delta.dtype), alpha=reweight)
             o = self.opts
@@ -939,7 +962,7 @@ class LocalWorkerMixin:
             if poisoned:
                 delta = poison(delta, name, step, o.fault_poison_kind, o.fault_poison)  # a dishonest replica
             if msg.local_weights:
-                delta = p.detach().clone() if not poisoned else self.anchor[name] - delta
+                delta = w.clone() if not poisoned else self.anchor[name] - delta
             deltas[name] = delta.cpu()
         if stage_codec(codec) and keep:
             # The pseudo-gradient already holds what the last push left (the replica kept it): no
