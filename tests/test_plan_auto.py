@@ -96,6 +96,23 @@ def test_auto_prefers_the_more_exact_policy_on_a_tie():
             assert c.predicted["expected_step_time_s"] > best / (1 - TIE) * (1 - 1e-9)
 
 
+def test_auto_weighs_delayed_application_and_takes_waiting_steps_on_a_tie():
+    """Every local candidate is also priced with the steps waiting for each round; where the
+    overlap buys no speed (two otherwise equal plans) the one that waits wins: delayed
+    application costs loss."""
+    from dataclasses import replace
+
+    s = load_scenario("demo")
+    cands = candidates(s, QualityBudget())
+    local = [c for c, _ in cands if c.sync.local]
+    keys = {(c.sync.sync_every, c.sync.push_codec, c.sync.pull_codec, c.sync.overlap, len(c.replicas)) for c in local}
+    assert all((h, a, b, False, r) in keys for h, a, b, _, r in keys)
+    plan = choose(cands, s)
+    assert plan.sync.local and plan.sync.overlap  # on the demo scenario overlap is priced faster
+    waits = replace(plan, sync=replace(plan.sync, overlap=False))  # the same prediction, waiting
+    assert choose([(plan, False), (waits, False)], s) is waits
+
+
 @pytest.mark.timeout(300)
 def test_gaming_world_auto_uses_replicas_and_most_devices():
     s = load_scenario("gaming-world")

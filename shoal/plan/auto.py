@@ -17,12 +17,13 @@ Candidates, each placed once by shoal's allocator and then priced by the cost mo
   Where the codec of fewest bytes for pushes or pulls is ``sparse`` or ``lowrank``, each allowed
   codec closer to exact training (``int8``, ``lowrank``: :data:`SYNC_CODEC_ORDER`) is also
   priced there (:func:`lighter`): where the links do not limit the step, fewer bytes buy no
-  speed and cost loss (bench/results/sparse-sync.md).
+  speed and cost loss (bench/results/sparse-sync.md). Each is also priced with the steps
+  waiting for every round (``overlap=False``): delayed application costs loss too.
 
 The choice is the candidate of most predicted tokens/s (long run, churn included where the
 scenario has churn); among those within ``TIE`` (0.1 %) of it, the one closest to exact
-training: exact sync first, then the smallest ``H``, then the push and pull codecs of least
-measured loss.
+training: exact sync first, then the smallest ``H``, then no delayed application, then the
+push and pull codecs of least measured loss.
 """
 
 from __future__ import annotations
@@ -200,24 +201,29 @@ def candidates(scenario: Scenario, budget: QualityBudget, seed: int = 0,
             p = placed if h == pol.sync_every else replace(placed, sync=replace(pol, sync_every=h), predicted={})
             if p is not placed:
                 predict(p, scenario, options)
-            out.append((p, reps))
-            for light in lighter(p.sync, budget):
-                q = replace(p, sync=light, predicted={})
-                predict(q, scenario, options)
-                out.append((q, reps))
+            # Delayed application costs loss too (a round applied a round late: 0.9-1.3 % at 24
+            # steps of the demo, bench/results/local-runtime.md): each policy is also priced
+            # with the steps waiting, which win where the overlap buys no speed (choose)
+            for sync in [p.sync, *lighter(p.sync, budget)]:
+                for q in (p if sync is p.sync else replace(p, sync=sync, predicted={}),
+                          replace(p, sync=replace(sync, overlap=False), predicted={})):
+                    if not q.predicted:
+                        predict(q, scenario, options)
+                    out.append((q, reps))
     return out
 
 
 def choose(cands: list[tuple[Plan, bool]], scenario: Scenario) -> Plan:
     """The candidate of most long-run tokens/s; within ``TIE`` of it, exact sync first, then the
-    smallest H, then the push and pull codecs closest to exact training (``SYNC_CODEC_ORDER``)."""
+    smallest H, then steps that wait for each round (no delayed application), then the push and
+    pull codecs closest to exact training (``SYNC_CODEC_ORDER``)."""
     scored = [(_long_run_tokens_per_s(p, scenario), p) for p, _ in cands]
     best = max(t for t, _ in scored)
     if best <= 0:
         raise ShoalError(f"no plan of scenario {scenario.name} trains at all")
     near = [p for t, p in scored if t >= (1.0 - TIE) * best]
-    return min(near, key=lambda p: (p.sync.local, p.sync.sync_every, _lossy_rank(p.sync),
-                                    -_long_run_tokens_per_s(p, scenario)))
+    return min(near, key=lambda p: (p.sync.local, p.sync.sync_every, p.sync.local and p.sync.overlap,
+                                    _lossy_rank(p.sync), -_long_run_tokens_per_s(p, scenario)))
 
 
 def plan_auto(scenario: Scenario, budget: QualityBudget | None = None, seed: int = 0,

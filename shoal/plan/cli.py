@@ -306,7 +306,8 @@ def print_replica_plan(console: Console, plan: Plan, scenario: Scenario) -> None
     console.print(table)
     pol = plan.sync
     console.print(f"sync: local, a round every {pol.sync_every} steps ({_fmt(pred.get('sync_round_s'))} s at full link "
-                  f"rate, of which the servers' outer merge {_fmt(pred.get('outer_merge_s'))} s); codecs "
+                  f"rate, of which the servers' outer merge {_fmt(pred.get('outer_merge_s'))} s; "
+                  f"{'overlapped with the next round' if pol.overlap else 'not overlapped'}); codecs "
                   f"act={pol.act_codec} grad={pol.grad_codec} push={pol.push_codec} pull={pol.pull_codec}")
     print_dense_round(console, plan, scenario)
     console.print(f"predicted step {_fmt(pred.get('step_time_s'))} s = pipeline {_fmt(pred.get('pipeline_s'))} s "

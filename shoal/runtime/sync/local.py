@@ -32,10 +32,12 @@ import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import torch
 
 from shoal.net import shoal_pb2 as pb
 from shoal.net.compress import ErrorFeedback
+from shoal.net.stream import StreamStalled
 from shoal.net.wire import WireError, encode_tensor
 from shoal.plan.compression import DENSE_ROUND_CODEC
 from shoal.plan.types import MERGE_THREADS, SCREEN_REF_MBS
@@ -532,8 +534,9 @@ class LocalServerMixin:
         merge, which waits for it; a load changes the epoch and its result is dropped). The
         round's first step, not the one just merged, which the merged weights have learned
         (honest replicas' cosines to its gradient fall to about 0), nor the round's last,
-        which the replicas took far from those weights (about 0.03 on the demo scenario,
-        0.1 on its first step). The planner prices it (``shoal.plan.cost.reference_cpu_time``)."""
+        which the replicas took far from those weights (-0.06..0.11 on the demo scenario
+        against 0.02..0.2 on its first step). The planner prices it
+        (``shoal.plan.cost.reference_cpu_time``)."""
         kept, key = self.local_ref_inputs, (epoch, self.local_merged)
         if kept is None or kept[:2] != key or self.local_ref_key == key:
             return
@@ -881,9 +884,17 @@ class LocalWorkerMixin:
             msg, data = await loop.run_in_executor(None, self._pseudo_message, rep.epoch, rep.step, rep.gen, v)
         self.local_reported = 0
         if v < self.spec.steps:  # (after the run's last round there is nothing to train on)
-            if self.version != rep.local_merged or self.weights_epoch != rep.epoch:
-                await self._pull(merged_only=True)
-            await loop.run_in_executor(None, self._local_rebase)
+            try:
+                if self.version != rep.local_merged or self.weights_epoch != rep.epoch:
+                    await self._pull(merged_only=True)
+                await loop.run_in_executor(None, self._local_rebase)
+            except (WireError, StreamStalled, grpc.aio.AioRpcError) as exc:
+                # The pseudo-gradient still goes (its round is in it once); the replica starts
+                # over from the newest merge at its next task, the rest of its progress lost.
+                log.info("%s: no merged weights to rebase onto at the end of round v%d (%s); resyncing",
+                         self.opts.name, v, exc)
+                self.version = -1
+                self.pseudo_kept = self.pseudo_carried = None
         if msg is not None:
             self.local_delivered = True
             self._local_send(msg, data, v)
