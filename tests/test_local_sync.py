@@ -15,7 +15,13 @@ import pytest
 import torch
 
 from shoal.errors import ShoalError
-from shoal.runtime.sync.local import bwd_owner_free, mean_scale, rebase_replica, replica_sq_norm
+from shoal.runtime.sync.local import (
+    add_residual,
+    bwd_owner_free,
+    mean_scale,
+    rebase_replica,
+    replica_sq_norm,
+)
 from shoal.train.outer import (
     SyncConfig,
     is_sync_step,
@@ -122,8 +128,10 @@ def test_delayed_application_by_hand():
     assert torch.equal(merged[3]["p"], expected)
     # what a push left (keeps_residual) goes on the anchor: the next pseudo-gradient carries it
     p, a, m = {"p": torch.tensor([1.0, 1.0])}, {"p": torch.tensor([2.0, 2.0])}, {"p": torch.tensor([4.0, 0.0])}
-    rebase_replica(p, m, a, {"p": torch.tensor([0.5, -0.5])})
+    rebase_replica(p, m, a)
+    add_residual(a, {"p": torch.tensor([0.5, -0.5])})
     assert torch.equal(p["p"], torch.tensor([3.0, -1.0])) and torch.equal(a["p"], torch.tensor([3.5, -1.5]))
+    assert torch.equal(a["p"] - p["p"], torch.tensor([0.5, -0.5]))
 
 
 @pytest.mark.parametrize("kw,msg", [

@@ -96,21 +96,26 @@ def bwd_owner_free(owner_known: bool, owner_gen_same: bool, owner_alive: bool) -
 _REF_POOL: ThreadPoolExecutor | None = None
 
 
-def rebase_replica(params: dict[str, torch.Tensor], merged: dict[str, torch.Tensor], anchor: dict[str, torch.Tensor],
-                   kept: dict[str, torch.Tensor] | None = None) -> None:
+def rebase_replica(params: dict[str, torch.Tensor], merged: dict[str, torch.Tensor],
+                   anchor: dict[str, torch.Tensor]) -> None:
     """Delayed application's rebase, in place (pure but for its arguments; tested directly):
     the replica ``params`` moved on from ``anchor`` by its progress ``anchor - params`` (the
-    pseudo-gradient it just framed); it keeps that progress on top of the ``merged`` weights
-    (``params + (merged - anchor)``, i.e. ``merged - progress``) and the result becomes the next
-    anchor, plus ``kept`` (what its push did not carry, keeps_residual), so that the next
-    pseudo-gradient, anchor minus replica, carries it."""
+    pseudo-gradient it just copied out); it keeps that progress on top of the ``merged``
+    weights (``params + (merged - anchor)``, i.e. ``merged - progress``) and the result becomes
+    the next anchor (what its push leaves is added to it once framed: :func:`add_residual`)."""
     with torch.no_grad():
         for n, p in params.items():
             a = anchor[n]
             p.add_((merged[n] - a).to(p.device, p.dtype))
             a.copy_(p)
-            if kept is not None:
-                a.add_(kept[n].to(a.device, a.dtype))
+
+
+def add_residual(anchor: dict[str, torch.Tensor], left: dict[str, torch.Tensor]) -> None:
+    """Put what a push left (keeps_residual) onto a replica's anchor, in place, so that the next
+    pseudo-gradient, anchor minus replica, carries it (in a thread)."""
+    with torch.no_grad():
+        for n, a in anchor.items():
+            a.add_(left[n].to(a.device, a.dtype))
 
 
 def reference_pool() -> ThreadPoolExecutor:
@@ -173,6 +178,7 @@ class LocalServerMixin:
         self.local_collect_mbs: dict[str, int] = {}  # that round's micro-batches per worker (the merge's counts)
         self.local_collect_lr: dict[str, float] = {}  # that round's learning-rate sums (the screen's)
         self.local_job: asyncio.Future | None = None  # overlap: the merge running while the next round computes
+        self.local_wait_since: float | None = None  # when a step began to wait for that merge (monotonic)
         self.local_lr_total: dict[str, float] = {}  # that sum over every earlier round since this load
         self.local_sq: dict[str, tuple[int, float]] = {}  # worker -> (mbs, squared norm) this step
         self.local_sq_parts: dict[str, list[float]] = {}  # worker -> its per-parameter squared norms this step
@@ -358,6 +364,7 @@ class LocalServerMixin:
         if sync_step and self.local_overlap and self.local_job is not None:
             job, self.local_job = self.local_job, None
             t0 = time.perf_counter()
+            self.local_wait_since = time.monotonic()  # (the flush grace runs from here: _local_round)
             published = await job
             if published is None or self.epoch != epoch:
                 return None
@@ -386,19 +393,26 @@ class LocalServerMixin:
             self.cond.notify_all()
         job = asyncio.ensure_future(self._local_round(step, epoch))
         if not self.local_overlap or step + 1 >= self.spec.steps:
+            self.local_wait_since = time.monotonic()
             return await job
+        self.local_wait_since = None
         self.local_job = job
         return published
 
     async def _local_round(self, step: int, epoch: int) -> bool | None:
         """Collect the pseudo-gradients of the round that ends at ``step``, screen them and
         merge them into the weights, published as version ``step + 1``. True: merged; None:
-        the epoch moved on."""
-        since = time.monotonic()
+        the epoch moved on.
+
+        A worker whose pseudo-gradient has not come within the flush grace of a step waiting for
+        this merge is voided (a dead one is voided sooner, by the reaper): with delayed
+        application none waits before the next round's end, so a push may take that long
+        (framed and sent beside the next round's compute)."""
         while self.local_expect - set(self.local_got):
             if self.epoch != epoch:
                 return None
-            if time.monotonic() - since > self.flush_grace_s:
+            since = self.local_wait_since
+            if since is not None and time.monotonic() - since > self.flush_grace_s:
                 for wid in sorted(self.local_expect - set(self.local_got)):
                     self._void_worker(wid, f"sent no pseudo-gradient {self.flush_grace_s:.0f} s into the merge")
                 break
@@ -693,6 +707,8 @@ class LocalWorkerMixin:
         self.local_closed: tuple[int, int] | None = None
         self.local_sending: asyncio.Future | None = None  # a closed round's pseudo-gradient on its way
         self.local_fetch: asyncio.Future | None = None  # a merge published mid-round, pulled in the background
+        self.local_framing: asyncio.Future | None = None  # done once the last pseudo-gradient sent is framed
+        self.local_close_t0 = 0.0  # when the round being closed began to close (perf_counter)
 
     def _hold_move(self) -> bool:
         """Whether to keep training on the current stage instead of moving to ``self.want`` now.
@@ -860,10 +876,10 @@ class LocalWorkerMixin:
 
     async def _local_close(self, rep: pb.LeaseReply) -> None:
         """Delayed application: once the decision of a round's last step is out (and applied),
-        close the round: frame its pseudo-gradient, rebase the replica onto the newest merge
-        (the previous round's, published with that decision), then send the pseudo-gradient
-        in the background while the next round computes. The pull comes before the send, so
-        the merge pulled never holds this round's own pseudo-gradient."""
+        close the round: copy its pseudo-gradient out, rebase the replica onto the newest merge
+        (the previous round's, published with that decision), then frame and send the
+        pseudo-gradient in the background while the next round computes. The pull comes
+        before the send, so the merge pulled never holds this round's own pseudo-gradient."""
         v = round_closed_by(rep.local_step, self.spec.sync_every, self.spec.steps)
         key = (rep.epoch, v)
         if self.local_closed is None or self.local_closed[0] != rep.epoch or self.version < 0 or not self.anchor:
@@ -873,15 +889,19 @@ class LocalWorkerMixin:
             return  # closed already; or an inner step of the round still awaits its decision
         self.local_closed = key
         loop = asyncio.get_running_loop()
+        self.local_close_t0 = time.perf_counter()
         fetching, self.local_fetch = self.local_fetch, None
         if fetching is not None:
             with contextlib.suppress(Exception):  # (one that failed: pulled again below)
                 await fetching
-        msg = None
+        snap = None
         if self.local_round_mbs > 0 or self.local_reported > 0:
             # (also one that covers nothing: its steps missed their decisions, but the server
             # counted them and its merge waits for it, as a request to push would without overlap)
-            msg, data = await loop.run_in_executor(None, self._pseudo_message, rep.epoch, rep.step, rep.gen, v)
+            framing = self.local_framing
+            if framing is not None and not framing.done():
+                await asyncio.wait([framing])  # the last round's framing first: its error feedback
+            snap = await loop.run_in_executor(None, self._pseudo_deltas, rep.epoch, rep.step, rep.gen, v)
         self.local_reported = 0
         if v < self.spec.steps:  # (after the run's last round there is nothing to train on)
             try:
@@ -895,9 +915,9 @@ class LocalWorkerMixin:
                          self.opts.name, v, exc)
                 self.version = -1
                 self.pseudo_kept = self.pseudo_carried = None
-        if msg is not None:
+        if snap is not None:
             self.local_delivered = True
-            self._local_send(msg, data, v)
+            self._local_send(snap, v)
 
     def _local_prefetch(self, rep: pb.LeaseReply) -> None:
         """Delayed application: a merge published mid-round is pulled in the background while
@@ -913,26 +933,55 @@ class LocalWorkerMixin:
 
     def _local_rebase(self) -> None:
         """The replica's progress since its anchor, moved onto the merged weights just pulled:
-        ``w = w + (merged - anchor)``, and ``w`` (plus what its push left, keeps_residual)
-        becomes the anchor of the next round (in a thread)."""
-        kept, self.pseudo_kept = self.pseudo_kept, None
-        self.pseudo_carried = (kept[3], kept[2]) if kept is not None else None
-        rebase_replica(self.params, self.merged, self.anchor, None if kept is None else kept[2])
+        ``w = w + (merged - anchor)``, and ``w`` becomes the anchor of the next round (in a
+        thread)."""
+        rebase_replica(self.params, self.merged, self.anchor)
         self.local_round_mbs = 0
         self.graphs.clear()  # graphs of the replica before the rebase
-        log.info("%s pulled merged weights v%d digest %s (its replica rebased onto them)", self.opts.name,
-                 self.version, tensors_digest(self.merged))
+        log.info("%s pulled merged weights v%d digest %s (its replica rebased onto them; the round's end took "
+                 "%.3f s)", self.opts.name, self.version, tensors_digest(self.merged),
+                 time.perf_counter() - self.local_close_t0)
 
-    def _local_send(self, msg: pb.GradPush, data: bytes, round_v: int) -> None:
-        """Send a closed round's pseudo-gradient in the background (to the server of the stage
-        it was made on); one not taken resyncs the replica, as without overlap."""
-        server, stage, n = self.server, self.stage, msg.local_mbs
+    def _local_send(self, snap: tuple, round_v: int) -> None:
+        """Frame and send a closed round's pseudo-gradient (:meth:`_pseudo_deltas`' ``snap``) in
+        the background, to the server of the stage it was made on; what a keeps_residual push
+        left goes onto the replica's new anchor (the next pseudo-gradient carries it). One not
+        taken resyncs the replica, as without overlap."""
+        server, stage, anchor, gen = self.server, self.stage, self.anchor, self.local_gen
+        msg, deltas, codec, keep, dense = snap
+        n = msg.local_mbs
+        loop = asyncio.get_running_loop()
+        framed = self.local_framing = loop.create_future()
 
         async def go() -> None:
+            t0 = time.perf_counter()
+            try:
+                try:
+                    data, kept = await loop.run_in_executor(None, self._pseudo_frames, msg, deltas, codec, keep,
+                                                            dense, round_v)
+                except Exception as exc:  # e.g. a non-finite replica: nothing of this round can be sent
+                    log.warning("%s: its pseudo-gradient for v%d cannot be framed (%s); resyncing", self.opts.name,
+                                round_v, exc)
+                    if self.stage == stage:
+                        self.version = -1
+                        self.pseudo_kept = self.pseudo_carried = None
+                        if self.pseudo_ef is not None:
+                            self.pseudo_ef.reset()
+                    return
+                took = time.perf_counter() - t0
+                if self.local_gen != gen and self.pseudo_ef is not None:
+                    self.pseudo_ef.reset()  # voided while it was framed: its residual means nothing
+                if self.anchor is anchor and self.stage == stage:  # (not after a resync or a move)
+                    if kept is not None:
+                        await loop.run_in_executor(None, add_residual, anchor, kept[2])
+                    self.pseudo_carried = None if kept is None else (kept[3], kept[2])
+            finally:
+                framed.set_result(None)
             res = await self._send_push(msg, data, server=server)
             if res is not None and res.accepted:
-                log.info("%s sent its pseudo-gradient for v%d covering %d micro-batches%s", self.opts.name, round_v,
-                         n, f" (kept residual x{self.pseudo_reweight:.3g})" if self.pseudo_reweight != 1.0 else "")
+                log.info("%s sent its pseudo-gradient for v%d covering %d micro-batches%s (framed in %.3f s beside "
+                         "the next round)", self.opts.name, round_v, n,
+                         f" (kept residual x{self.pseudo_reweight:.3g})" if self.pseudo_reweight != 1.0 else "", took)
                 return
             log.info("%s: pseudo-gradient for v%d not taken (%s); resyncing", self.opts.name, round_v,
                      "lost" if res is None else res.reason)
@@ -943,10 +992,28 @@ class LocalWorkerMixin:
                     self.pseudo_ef.reset()
 
         self.local_sending = asyncio.ensure_future(go())
+        self.local_sending.add_done_callback(self._local_sent)
+
+    def _local_sent(self, t: asyncio.Future) -> None:
+        """A background send that failed outside its retries (a refused credential): said here,
+        not lost; the merge goes on without it after its flush grace."""
+        if not t.cancelled() and t.exception() is not None:
+            log.warning("%s: a pseudo-gradient could not be sent: %s", self.opts.name, t.exception())
 
     def _pseudo_message(self, epoch: int, step: int, gen: int, round_v: int) -> tuple[pb.GradPush, bytes]:
         """The replica's pseudo-gradient (anchor minus weights now), framed raw fp32 or with the run's
         push codec plus error feedback (``--compression push=...``)."""
+        msg, deltas, codec, keep, dense = self._pseudo_deltas(epoch, step, gen, round_v)
+        data, kept = self._pseudo_frames(msg, deltas, codec, keep, dense, round_v)
+        if stage_codec(codec) and keep:
+            self.pseudo_kept = kept
+        return msg, data
+
+    def _pseudo_deltas(self, epoch: int, step: int, gen: int,
+                       round_v: int) -> tuple[pb.GradPush, dict[str, torch.Tensor], str, bool, bool]:
+        """The pseudo-gradient's head and tensors, a copy in host memory (the replica may train
+        on while they are framed), with its codec and whether it keeps a residual
+        (keeps_residual) or is the run's dense last round."""
         msg = pb.GradPush(worker=self.member_id, step=step, epoch=epoch, gen=gen, local_round=round_v,
                           local_mbs=self.local_round_mbs)
         codec = self.pseudo_ef.codec if self.pseudo_ef is not None else "raw"
@@ -975,17 +1042,24 @@ class LocalWorkerMixin:
             if msg.local_weights:
                 delta = w.clone() if not poisoned else self.anchor[name] - delta
             deltas[name] = delta.cpu()
+        return msg, deltas, codec, keep, dense
+
+    def _pseudo_frames(self, msg: pb.GradPush, deltas: dict[str, torch.Tensor], codec: str, keep: bool, dense: bool,
+                       round_v: int) -> tuple[bytes, tuple | None]:
+        """Frame :meth:`_pseudo_deltas`' tensors into ``msg`` (in a thread); its bytes, and with
+        a stage codec that keeps its residual, ``(epoch, round, {name: what the push left},
+        micro-batches)`` (None: nothing left)."""
+        kept = None
         if stage_codec(codec) and keep:
             # The pseudo-gradient already holds what the last push left (the replica kept it): no
             # residual is added; what this push leaves is taken off the replica at the pull.
             ef = ErrorFeedback(codec)
             msg.grads.append(stage_frame(deltas, codec, ef))
             left = ef.residual(STAGE_FRAME)
-            self.pseudo_kept = None if left is None else (epoch, round_v, split_flat(left, deltas),
-                                                          self.local_round_mbs)
+            kept = None if left is None else (msg.epoch, round_v, split_flat(left, deltas), msg.local_mbs)
         elif stage_codec(codec):  # the whole stage in one frame
             msg.grads.append(stage_frame(deltas, codec, self.pseudo_ef))
         else:
             for name, delta in deltas.items():
                 msg.grads.append(encode_tensor(name, delta, codec, ef=None if dense else self.pseudo_ef))
-        return msg, msg.SerializeToString()
+        return msg.SerializeToString(), kept
