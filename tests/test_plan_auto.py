@@ -133,6 +133,16 @@ def test_quality_note_names_the_measured_cost_of_sparse_sync():
 
 
 @pytest.mark.timeout(300)
+def test_overlap_note_names_the_measured_cost_of_delayed_application():
+    from shoal.plan.auto import OVERLAP_LOSS_COST, overlap_note
+
+    note = overlap_note(SyncPolicy(mode="local", sync_every=4))
+    lo, hi = OVERLAP_LOSS_COST
+    assert f"{lo:.1%}-{hi:.1%}" in note and "--no-overlap" in note and "local-runtime.md" in note
+    assert overlap_note(SyncPolicy(mode="local", sync_every=4, overlap=False)) is None
+    assert overlap_note(SyncPolicy()) is None  # exact sync
+
+
 def test_auto_on_gaming_eu_prints_the_quality_note_of_its_lossy_choice(capsys):
     """gpt-1.3b (width 2,048): lowrank is the fewest bytes and the least loss of the allowed
     push codecs; without it sparse, with its own note; without both none of them."""
@@ -148,7 +158,8 @@ def test_auto_on_gaming_eu_prints_the_quality_note_of_its_lossy_choice(capsys):
     assert main(["plan", "--scenario", "gaming-eu", "--allow-codecs", "none,int8"]) == 0
     out = capsys.readouterr().out.replace("\n", " ")
     head = out.split("(quality budget")[0]
-    assert "sparse" not in head and "lowrank" not in head and "quality: " not in out
+    assert "sparse" not in head and "lowrank" not in head and "pushes and pulls ended" not in out
+    assert "quality: rounds overlapped" in out  # (delayed application's own note)
 
 
 @pytest.mark.timeout(300)

@@ -541,10 +541,11 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
     asked, by_hand = cfg.sync, bool(cfg.replicas)
     plan, cfg = choose_sync(cfg, spec.emulated, stages)
     stages = cfg.stages
-    from shoal.plan.auto import quality_note
+    from shoal.plan.auto import overlap_note, quality_note
 
-    if (note := quality_note(plan.sync)) is not None:
-        notes.append(note)  # what the chosen codecs measurably cost
+    for note in (quality_note(plan.sync), overlap_note(plan.sync)):
+        if note is not None:
+            notes.append(note)  # what the chosen codecs and delayed application measurably cost
     if stages > len(sc.workers):
         raise ShoalError(f"the plan has {stages} stages and the scenario {len(sc.workers)} workers: every "
                          "stage needs a worker")

@@ -167,6 +167,24 @@ def quality_note(policy: SyncPolicy) -> str | None:
             "--allow-codecs none,int8 leaves them out")
 
 
+# What delayed application measurably costs (bench/results/local-runtime.md, 2026-12-04: the real
+# runtime, `tiny`, H = 4, int8, one seed): the loss at equal tokens above the same run with the
+# steps waiting for each round; shoal demo's two one-stage replicas at 24 steps, and 96 steps
+# of one stage x 4 replicas (2.7 %) and of two stages x 2 workers (3.7 %).
+OVERLAP_LOSS_COST = (0.009, 0.037)
+
+
+def overlap_note(policy: SyncPolicy) -> str | None:
+    """One line on the measured loss cost of delayed application where ``policy`` has it (pure);
+    None otherwise."""
+    if not (policy.local and policy.overlap):
+        return None
+    lo, hi = OVERLAP_LOSS_COST
+    return (f"quality: rounds overlapped with the next round (delayed application) ended {lo:.1%}-{hi:.1%} above "
+            "the same runs waiting for each round, at equal tokens (tiny, H=4, 24-96 steps: "
+            "bench/results/local-runtime.md); --no-overlap waits")
+
+
 def _lossy_rank(policy: SyncPolicy) -> int:
     """How far ``policy``'s push and pull codecs are from exact training (``SYNC_CODEC_ORDER``)."""
     return _loss_rank(policy.push_codec) + _loss_rank(policy.pull_codec)

@@ -15,6 +15,7 @@ from shoal.plan.auto import (
     DEFAULT_CODECS,
     DEFAULT_MAX_SYNC_EVERY,
     QualityBudget,
+    overlap_note,
     parse_allowed_codecs,
     plan_auto,
     quality_note,
@@ -180,9 +181,9 @@ def run(args: argparse.Namespace) -> int:
     if budget is not None and auto_applies(args):
         plan = plan_auto(scenario, budget, seed=args.seed)
         console.print(f"sync auto: {describe_policy(plan)} (quality budget: {describe_budget(budget)})")
-        note = quality_note(plan.sync)
-        if note:
-            console.print(note)
+        for note in (quality_note(plan.sync), overlap_note(plan.sync)):
+            if note:
+                console.print(note)
         print_plan(console, plan, scenario)
         if args.json_out:
             plan.to_json(args.json_out)
