@@ -551,7 +551,9 @@ def test_standby_takes_over_a_replicas_killed_stage_server(tmp_path):
     from shoal.runtime.processes.launch import LaunchConfig, Swarm
     from shoal.train.metrics import read_jsonl
 
-    steps, h = 6, 2
+    # With delayed application merge v is published (and its file written) at step v + h, so
+    # 10 steps leave steps 4..8 in which a copy of v >= 2 exists and the run has steps to go.
+    steps, h = 10, 2
     out = tmp_path / "run"
     cfg = LaunchConfig(out=str(out), **RUN, steps=steps, replicas="1,1", workers=2, dead_after_s=3.0, min_lease_s=1.5,
                        timeout_s=380, sync="local", sync_every=h, standbys=1, worker_args=[["--slow", "0.3"]] * 2)
