@@ -21,6 +21,7 @@ from shoal.runtime.sync.local import (
     mean_scale,
     rebase_replica,
     replica_sq_norm,
+    shift_replica,
 )
 from shoal.train.outer import (
     SyncConfig,
@@ -132,6 +133,45 @@ def test_delayed_application_by_hand():
     add_residual(a, {"p": torch.tensor([0.5, -0.5])})
     assert torch.equal(p["p"], torch.tensor([3.0, -1.0])) and torch.equal(a["p"], torch.tensor([3.5, -1.5]))
     assert torch.equal(a["p"] - p["p"], torch.tensor([0.5, -0.5]))
+
+
+def test_delayed_application_mid_round_by_hand():
+    """Delayed application as soon as the merge is pulled (``shift_replica``): two workers,
+    three rounds, each round's progress in two parts, before and after the previous round's
+    merge arrives. After the shift the replica is that merge plus its progress since its
+    round's end; each pseudo-gradient is still its own round's progress only; the merges hold
+    every round's mean progress exactly once (values exact in binary)."""
+    m0 = torch.tensor([1.0, -2.0, 4.0])
+    before = [[torch.tensor([0.5, 0.0, -1.0]), torch.tensor([0.25, 1.0, 0.0])],
+              [torch.tensor([-0.5, 0.5, 0.5]), torch.tensor([0.0, 0.25, 1.0])],
+              [torch.tensor([1.0, 1.0, 1.0]), torch.tensor([-1.0, 0.0, 0.5])]]
+    after = [[torch.tensor([0.25, 0.5, 0.0]), torch.tensor([0.0, -0.5, 0.25])],
+             [torch.tensor([1.0, 0.0, -0.5]), torch.tensor([0.5, 0.5, 0.5])],
+             [torch.tensor([0.0, 0.25, 0.0]), torch.tensor([-0.25, 0.0, 1.0])]]
+    merged = {0: m0.clone()}
+    params = [{"p": m0.clone()} for _ in range(2)]
+    anchors = [{"p": m0.clone()} for _ in range(2)]
+    for r in range(3):
+        pushes = []
+        for w in range(2):
+            params[w]["p"].sub_(before[r][w])
+            if r > 0:  # the previous round's merge arrives mid-round
+                shift_replica(params[w], {"p": merged[r].clone()}, anchors[w], None)
+                assert torch.equal(params[w]["p"], merged[r] - before[r][w])
+                assert torch.equal(anchors[w]["p"], merged[r])
+            params[w]["p"].sub_(after[r][w])
+            pushes.append(anchors[w]["p"] - params[w]["p"])  # closed: its pseudo-gradient
+            assert torch.equal(pushes[-1], before[r][w] + after[r][w])
+            anchors[w]["p"].copy_(params[w]["p"])  # the merge was applied already: only the anchor moves
+        mean = merge_pseudo_grads({"w0": {"p": pushes[0]}, "w1": {"p": pushes[1]}}, {"w0": 1, "w1": 1})
+        merged[r + 1] = merged[r] - mean["p"]
+    assert torch.equal(merged[3], m0 - sum((before[r][0] + after[r][0] + before[r][1] + after[r][1]) / 2
+                                          for r in range(3)))
+    # what the last push left (keeps_residual) is in the anchor: the shift keeps it there
+    p, a = {"p": torch.tensor([0.5, 2.0])}, {"p": torch.tensor([1.5, 0.5])}  # closed at [1, 1], left [0.5, -0.5]
+    shift_replica(p, {"p": torch.tensor([3.0, 0.0])}, a, {"p": torch.tensor([0.5, -0.5])})
+    assert torch.equal(p["p"], torch.tensor([2.5, 1.0]))  # the merge plus the progress since the close
+    assert torch.equal(a["p"], torch.tensor([3.5, -0.5]))  # the merge plus what the push left
 
 
 @pytest.mark.parametrize("kw,msg", [
@@ -249,13 +289,15 @@ def test_overlap_one_worker_per_stage_follows_exact(tmp_path):
     digests = {(m["stage"], m["version"]): m["digest"] for m in merges}
     for k in (0, 1):
         text = (out / "logs" / f"worker{k}.log").read_text()
-        # the order of one worker's round ends: rebase onto v - 2, then send round v (after the
-        # run's last round there is nothing to rebase for)
-        events = re.findall(r"(pulled merged weights v(\d+) digest (\w+) \(its replica rebased|"
+        # the order of one worker's rounds: merge v - 2 reaches the replica (mid-round, once
+        # pulled, or at the round's end), then round v is sent
+        events = re.findall(r"(pulled merged weights v(\d+) digest (\w+) \((?:its replica rebased|applied mid-round)|"
                             r"sent its pseudo-gradient for v(\d+))", text)
         seq = [("pull", int(v)) if v else ("send", int(s)) for _, v, _, s in events]
-        assert seq == [("pull", 0), ("send", 2), ("pull", 2), ("send", 4), ("send", 6)], seq
-        pulled = [d for _, v, d, _ in events if v and int(v) > 0]
+        # (merge v4 may reach it during the last round, if pulled before that round ends)
+        assert seq in ([("pull", 0), ("send", 2), ("pull", 2), ("send", 4), ("send", 6)],
+                       [("pull", 0), ("send", 2), ("pull", 2), ("send", 4), ("pull", 4), ("send", 6)]), seq
+        pulled = [d for _, v, d, _ in events if v and int(v) == 2]
         assert pulled in ([digests[(0, 2)]], [digests[(1, 2)]]), (pulled, digests)
 
 

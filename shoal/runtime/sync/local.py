@@ -110,6 +110,23 @@ def rebase_replica(params: dict[str, torch.Tensor], merged: dict[str, torch.Tens
             a.copy_(p)
 
 
+def shift_replica(params: dict[str, torch.Tensor], merged: dict[str, torch.Tensor],
+                  anchor: dict[str, torch.Tensor], left: dict[str, torch.Tensor] | None) -> None:
+    """Delayed application mid-round, in place (pure but for its arguments): the replica closed
+    its round at ``anchor - left`` (its anchor since, plus what its push left, ``left``); the
+    merge of that round replaces that point, so the replica and its anchor both move by
+    ``merged - (anchor - left)``: the replica keeps its progress since the round's end, and the
+    next pseudo-gradient (anchor minus replica) still carries ``left``."""
+    with torch.no_grad():
+        for n, p in params.items():
+            a = anchor[n]
+            d = merged[n] - a
+            if left is not None:
+                d.add_(left[n].to(d.device, d.dtype))
+            p.add_(d.to(p.device, p.dtype))
+            a.add_(d)
+
+
 def add_residual(anchor: dict[str, torch.Tensor], left: dict[str, torch.Tensor]) -> None:
     """Put what a push left (keeps_residual) onto a replica's anchor, in place, so that the next
     pseudo-gradient, anchor minus replica, carries it (in a thread)."""
@@ -705,6 +722,7 @@ class LocalWorkerMixin:
         # of the next pull's delta), and the last round closed, as (epoch, version).
         self.merged: dict[str, torch.Tensor] = {}
         self.local_closed: tuple[int, int] | None = None
+        self.local_applied: tuple[int, int] | None = None  # (epoch, version) of a merge applied mid-round
         self.local_sending: asyncio.Future | None = None  # a closed round's pseudo-gradient on its way
         self.local_fetch: asyncio.Future | None = None  # a merge published mid-round, pulled in the background
         self.local_framing: asyncio.Future | None = None  # done once the last pseudo-gradient sent is framed
@@ -850,6 +868,8 @@ class LocalWorkerMixin:
                     None, self._inner_step, total, n, rep.local_lr, rep.local_coef, rep.local_skip)
                 self.local_round_mbs += n
                 self.graphs.clear()  # graphs of the old replica weights
+                if self.local_overlap:
+                    await self._local_apply_arrived(rep)
         if self.local_overlap:
             self._local_prefetch(rep)
             await self._local_close(rep)
@@ -917,26 +937,50 @@ class LocalWorkerMixin:
                 self.pseudo_kept = self.pseudo_carried = None
         if snap is not None:
             self.local_delivered = True
+            self.local_sent = key  # (its merge is applied once pulled: _local_apply_arrived)
             self._local_send(snap, v)
 
     def _local_prefetch(self, rep: pb.LeaseReply) -> None:
         """Delayed application: a merge published mid-round is pulled in the background while
-        the round computes, ready for the rebase at its end (one pull at a time)."""
+        the round computes, applied after the next inner step (one pull at a time)."""
         if (self.version < 0 or self.weights_epoch != rep.epoch or rep.local_merged <= self.version
                 or (self.local_fetch is not None and not self.local_fetch.done()) or self.opts.shadow
-                or self.local_closed is None
-                or self.local_closed[1] + self.spec.sync_every >= self.spec.steps):  # (no rebase after the last round)
+                or self.local_closed is None or self.local_closed[1] >= self.spec.steps):  # (the run's rounds are over)
             return
         self.local_fetch = asyncio.ensure_future(self._pull(merged_only=True))
         # (awaited at the round's end; one left behind by a move must not log as never retrieved)
         self.local_fetch.add_done_callback(lambda t: t.cancelled() or t.exception())
 
+    async def _local_apply_arrived(self, rep: pb.LeaseReply) -> None:
+        """Delayed application as soon as the merge is here: right after an inner step, once the
+        merge of the round this replica closed last has been pulled (in the background), the
+        replica moves onto it (:func:`shift_replica`) instead of waiting for its round's end,
+        so it trains on its peers' last round for the rest of this one."""
+        key = (self.weights_epoch, self.version)
+        if (self.version < 0 or key != self.local_sent or self.local_applied == key or rep.epoch != key[0]
+                or not self.anchor or not self.merged):
+            return
+        self.local_applied = key
+        left = self.pseudo_carried[1] if self.pseudo_carried is not None else None
+        await asyncio.get_running_loop().run_in_executor(None, shift_replica, self.params, self.merged,
+                                                         self.anchor, left)
+        self.graphs.clear()  # graphs of the replica before the shift
+        log.info("%s pulled merged weights v%d digest %s (applied mid-round, after step %d)", self.opts.name,
+                 self.version, tensors_digest(self.merged), rep.local_step)
+
     def _local_rebase(self) -> None:
         """The replica's progress since its anchor, moved onto the merged weights just pulled:
         ``w = w + (merged - anchor)``, and ``w`` becomes the anchor of the next round (in a
-        thread)."""
-        rebase_replica(self.params, self.merged, self.anchor)
+        thread). Where that merge was applied mid-round already, ``w`` only becomes the anchor."""
         self.local_round_mbs = 0
+        if self.local_applied == (self.weights_epoch, self.version):
+            with torch.no_grad():
+                for n, a in self.anchor.items():
+                    a.copy_(self.params[n])
+            log.info("%s closed its round on merged weights v%d, applied mid-round (the round's end took %.3f s)",
+                     self.opts.name, self.version, time.perf_counter() - self.local_close_t0)
+            return
+        rebase_replica(self.params, self.merged, self.anchor)
         self.graphs.clear()  # graphs of the replica before the rebase
         log.info("%s pulled merged weights v%d digest %s (its replica rebased onto them; the round's end took "
                  "%.3f s)", self.opts.name, self.version, tensors_digest(self.merged),
