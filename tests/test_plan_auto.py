@@ -138,7 +138,7 @@ def test_overlap_note_names_the_measured_cost_of_delayed_application():
 
     note = overlap_note(SyncPolicy(mode="local", sync_every=4))
     lo, hi = OVERLAP_LOSS_COST
-    assert f"{lo:.1%}-{hi:.1%}" in note and "--no-overlap" in note and "local-runtime.md" in note
+    assert f"{lo:+.1%} to {hi:+.1%}" in note and "--no-overlap" in note and "local-runtime.md" in note
     assert overlap_note(SyncPolicy(mode="local", sync_every=4, overlap=False)) is None
     assert overlap_note(SyncPolicy()) is None  # exact sync
 

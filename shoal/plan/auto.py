@@ -168,10 +168,10 @@ def quality_note(policy: SyncPolicy) -> str | None:
 
 
 # What delayed application measurably costs (bench/results/local-runtime.md, 2026-12-04: the real
-# runtime, `tiny`, H = 4, int8, one seed): the loss at equal tokens above the same run with the
-# steps waiting for each round; shoal demo's two one-stage replicas at 24 steps, and 96 steps
-# of one stage x 4 replicas (2.7 %) and of two stages x 2 workers (3.7 %).
-OVERLAP_LOSS_COST = (0.009, 0.037)
+# runtime, `tiny`, H = 4, int8): the loss at equal tokens against the same runs with the steps
+# waiting for each round, the means of three runs each: 96 steps of one stage x 4 replicas
+# (+1.0 %; +1.2 % over seven), of two stages x 2 workers (-0.6 %); shoal demo's 24 steps +0.9-1.3 %.
+OVERLAP_LOSS_COST = (-0.006, 0.013)
 
 
 def overlap_note(policy: SyncPolicy) -> str | None:
@@ -180,8 +180,8 @@ def overlap_note(policy: SyncPolicy) -> str | None:
     if not (policy.local and policy.overlap):
         return None
     lo, hi = OVERLAP_LOSS_COST
-    return (f"quality: rounds overlapped with the next round (delayed application) ended {lo:.1%}-{hi:.1%} above "
-            "the same runs waiting for each round, at equal tokens (tiny, H=4, 24-96 steps: "
+    return (f"quality: rounds overlapped with the next round (delayed application) ended {lo:+.1%} to {hi:+.1%} "
+            "against the loss of the same runs waiting for each round, at equal tokens (tiny, H=4, 24-96 steps: "
             "bench/results/local-runtime.md); --no-overlap waits")
 
 

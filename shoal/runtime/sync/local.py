@@ -962,11 +962,15 @@ class LocalWorkerMixin:
             return
         self.local_applied = key
         left = self.pseudo_carried[1] if self.pseudo_carried is not None else None
-        await asyncio.get_running_loop().run_in_executor(None, shift_replica, self.params, self.merged,
-                                                         self.anchor, left)
+
+        def shift() -> str:  # (in a thread: a pass over the stage, and its digest for the log)
+            shift_replica(self.params, self.merged, self.anchor, left)
+            return tensors_digest(self.merged)
+
+        digest = await asyncio.get_running_loop().run_in_executor(None, shift)
         self.graphs.clear()  # graphs of the replica before the shift
         log.info("%s pulled merged weights v%d digest %s (applied mid-round, after step %d)", self.opts.name,
-                 self.version, tensors_digest(self.merged), rep.local_step)
+                 self.version, digest, rep.local_step)
 
     def _local_rebase(self) -> None:
         """The replica's progress since its anchor, moved onto the merged weights just pulled:
