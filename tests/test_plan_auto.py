@@ -20,6 +20,7 @@ BUDGETS = [
     QualityBudget(codecs=("none",), replicas=False),
     QualityBudget(max_sync_every=64, codecs=("int8", "topk-int8:0.05")),
     QualityBudget(pin_sync_every=4, pin_codecs=dict.fromkeys(KINDS, "int8")),
+    QualityBudget(overlap=False),  # --no-overlap: no delayed application
 ]
 
 
@@ -37,6 +38,8 @@ def test_auto_never_picks_a_policy_the_budget_excludes(name):
             assert not plan.sync.local and not plan.replicas
         if not budget.replicas:
             assert not plan.replicas
+        if not budget.overlap:
+            assert not any(p.sync.local and p.sync.overlap for p, _ in cands)
         if budget.pin_codecs:
             assert plan.sync.local is False or plan.sync.sync_every == 4 and plan.sync.push_codec == "int8"
         if plan.sync.local:
@@ -111,6 +114,30 @@ def test_auto_weighs_delayed_application_and_takes_waiting_steps_on_a_tie():
     assert plan.sync.local and plan.sync.overlap  # on the demo scenario overlap is priced faster
     waits = replace(plan, sync=replace(plan.sync, overlap=False))  # the same prediction, waiting
     assert choose([(plan, False), (waits, False)], s) is waits
+
+
+def test_no_overlap_is_a_budget_for_auto_in_plan_and_demo(capsys):
+    """``--no-overlap`` with ``--sync auto`` leaves delayed application out of the budget (the
+    demo scenario's choice overlaps without it); ``shoal demo`` runs the overlap its choice
+    has, and refuses ``--no-overlap`` only with exact sync."""
+    from dataclasses import replace
+
+    from shoal.cli import main
+    from shoal.demo.cli import DemoConfig, choose_sync
+
+    assert main(["plan", "--scenario", "demo"]) == 0
+    assert "overlapped with the next round" in capsys.readouterr().out
+    assert main(["plan", "--scenario", "demo", "--no-overlap"]) == 0
+    out = capsys.readouterr().out
+    assert "not overlapped" in out and "overlapped with the next round" not in out and "--no-overlap waits" not in out
+    s = load_scenario("demo")
+    cfg = DemoConfig()
+    plan, got = choose_sync(cfg, s, None)
+    assert plan.sync.local and plan.sync.overlap and got.overlap
+    plan, got = choose_sync(replace(cfg, overlap=False), s, None)
+    assert plan.sync.local and not plan.sync.overlap and not got.overlap
+    with pytest.raises(ShoalError, match="--no-overlap applies to --sync local or auto"):
+        DemoConfig(sync="exact", overlap=False).validate()
 
 
 @pytest.mark.timeout(300)

@@ -103,8 +103,8 @@ class DemoConfig:
             raise ShoalError("--sync-every only applies to --sync local or auto (exact sync syncs every step)")
         SyncConfig("local" if self.sync == "auto" else self.sync, self.sync_every or DEFAULT_SYNC_EVERY,
                    self.outer_lr, self.outer_momentum, self.overlap).validate()
-        if not self.overlap and self.sync != "local":
-            raise ShoalError("--no-overlap applies to --sync local (auto chooses delayed application)")
+        if not self.overlap and self.sync == "exact":
+            raise ShoalError("--no-overlap applies to --sync local or auto (exact sync has no rounds)")
         if self.replicas and self.sync == "exact":
             raise ShoalError("--replicas needs --sync local (replicas merge at the rounds of local mode)")
         if self.dashboard:
@@ -409,12 +409,12 @@ def choose_sync(cfg: DemoConfig, scenario, stages: int | None):
     pinned = cfg.compression.strip() not in ("", "none")
     budget = QualityBudget(max_sync_every=max(DEFAULT_MAX_SYNC_EVERY, cfg.sync_every or 0),
                            replicas=stages is None, pin_sync_every=cfg.sync_every,
-                           pin_codecs=parse_compression(cfg.compression) if pinned else None)
+                           pin_codecs=parse_compression(cfg.compression) if pinned else None, overlap=cfg.overlap)
     plan = plan_auto(scenario, budget, seed=cfg.seed, stages=stages)
     pol = plan.sync
     codecs = RunCompression(act=pol.act_codec, grad=pol.grad_codec, push=pol.push_codec, pull=pol.pull_codec)
     cfg = dc_replace(cfg, sync="local" if pol.local else "exact", sync_every=pol.sync_every if pol.local else None,
-                     compression=codecs.text(), stages=len(plan.stages))
+                     compression=codecs.text(), stages=len(plan.stages), overlap=pol.overlap or not pol.local)
     if len(plan.replicas) > 1:
         from shoal.model.config import get_preset
         from shoal.runtime.sync.replicas import replicas_of_plan

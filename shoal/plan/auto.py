@@ -2,8 +2,9 @@
 
 The budget (:class:`QualityBudget`) says what may change the training's result: the longest
 interval between merges ``H`` (``--max-sync-every``), the codecs allowed on pseudo-gradient
-pushes and pulls and on activations and their gradients (``--allow-codecs``), and whether
-local mode and pipeline replicas are allowed at all. Exact sync is always allowed.
+pushes and pulls and on activations and their gradients (``--allow-codecs``), whether local
+mode and pipeline replicas are allowed at all, and whether a round may be applied while the
+next computes (delayed application; ``--no-overlap``: not). Exact sync is always allowed.
 
 Candidates, each placed once by shoal's allocator and then priced by the cost model:
 
@@ -55,6 +56,7 @@ class QualityBudget:
     replicas: bool = True  # pipeline replicas inside network clusters allowed (local mode)
     pin_sync_every: int | None = None  # H pinned by the user (--sync-every): only this H
     pin_codecs: dict[str, str] | None = None  # codec per kind pinned by the user (--compression)
+    overlap: bool = True  # delayed application allowed (--no-overlap: local mode's steps wait for each round)
 
     def sync_every_choices(self) -> list[int]:
         """The H values the budget allows, smallest first."""
@@ -84,7 +86,7 @@ class QualityBudget:
             return not replicas
         if not self.local or (replicas and not self.replicas):
             return False
-        if policy.sync_every not in self.sync_every_choices():
+        if policy.sync_every not in self.sync_every_choices() or (policy.overlap and not self.overlap):
             return False
         codecs = {"act": policy.act_codec, "grad": policy.grad_codec, "push": policy.push_codec,
                   "pull": policy.pull_codec}
@@ -204,7 +206,7 @@ def candidates(scenario: Scenario, budget: QualityBudget, seed: int = 0,
     width = scenario_profile(scenario).act_shape[1]
     codecs = {k: budget.codec_for(k, db, width) for k in KINDS}
     base = SyncPolicy(mode="local", sync_every=max(hs), act_codec=codecs["act"], grad_codec=codecs["grad"],
-                      push_codec=codecs["push"], pull_codec=codecs["pull"], overlap=True)
+                      push_codec=codecs["push"], pull_codec=codecs["pull"], overlap=budget.overlap)
     shapes = [(replace(base, overlap_uploads=True), False)]
     if budget.replicas and stages is None:
         rep = replace(base, overlap_uploads=False)  # see shoal.plan.cli.policy_from_args
@@ -223,8 +225,8 @@ def candidates(scenario: Scenario, budget: QualityBudget, seed: int = 0,
             # steps of the demo, bench/results/local-runtime.md): each policy is also priced
             # with the steps waiting, which win where the overlap buys no speed (choose)
             for sync in [p.sync, *lighter(p.sync, budget)]:
-                for q in (p if sync is p.sync else replace(p, sync=sync, predicted={}),
-                          replace(p, sync=replace(sync, overlap=False), predicted={})):
+                waits = [replace(p, sync=replace(sync, overlap=False), predicted={})] if sync.overlap else []
+                for q in (p if sync is p.sync else replace(p, sync=sync, predicted={}), *waits):
                     if not q.predicted:
                         predict(q, scenario, options)
                     out.append((q, reps))

@@ -81,7 +81,8 @@ def add_sync_arguments(p) -> None:
                         "act/grad also tern: 9x fewer bytes than bf16; tern alone: act=tern,grad=tern; "
                         "act=quad,grad=tern-sr: 8.3x fewer, unbiased gradients; act=oct,grad=tern-dither: 8.1x fewer)")
     p.add_argument("--no-overlap", action="store_true",
-                   help="local mode: steps wait for each sync round instead of overlapping it with the next round")
+                   help="local mode: steps wait for each sync round instead of overlapping it with the next round "
+                        "(with --sync auto: a budget that leaves delayed application out)")
     p.add_argument("--replicas", action="store_true",
                    help="local mode: run several pipeline replicas, each inside one network cluster, of the "
                         "stage count each device's memory needs (see docs/planner.md)")
@@ -142,8 +143,8 @@ def budget_from_args(args: argparse.Namespace) -> QualityBudget | None:
         return None
     if getattr(args, "replicas", False):
         raise ShoalError("--replicas needs --sync local; --sync auto considers replicas by itself (--no-replicas: not)")
-    if getattr(args, "no_overlap", False) or (getattr(args, "overlap_io", "auto") or "auto") != "auto":
-        raise ShoalError("--no-overlap and --overlap-io apply to --sync local or exact; --sync auto chooses them")
+    if (getattr(args, "overlap_io", "auto") or "auto") != "auto":
+        raise ShoalError("--overlap-io applies to --sync local or exact; --sync auto chooses it")
     if top is not None and top < 1:
         raise ShoalError(f"--max-sync-every must be a positive number of steps, got {top}")
     every = getattr(args, "sync_every", None)
@@ -155,7 +156,8 @@ def budget_from_args(args: argparse.Namespace) -> QualityBudget | None:
     spec = getattr(args, "compression", "") or ""
     return QualityBudget(max_sync_every=top, codecs=parse_allowed_codecs(allow) if allow else DEFAULT_CODECS,
                          local=top > 1, replicas=not getattr(args, "no_replicas", False), pin_sync_every=every,
-                         pin_codecs=parse_compression(spec) if spec else None)
+                         pin_codecs=parse_compression(spec) if spec else None,
+                         overlap=not getattr(args, "no_overlap", False))
 
 
 def auto_applies(args: argparse.Namespace) -> bool:

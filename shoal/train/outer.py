@@ -254,7 +254,8 @@ def add_sync_args(p, auto: bool = False) -> None:
                    help="local: outer Nesterov momentum (0: plain weighted averaging)")
     g.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="local: the steps wait for each round's merge instead of running the next round while "
-                        "it is in flight (delayed application, the default)")
+                        "it is in flight (delayed application, the default; where --sync auto is taken, it may "
+                        "choose only waiting steps)")
 
 
 def sync_from_args(args, precision: str = "fp32") -> SyncConfig:
