@@ -172,7 +172,7 @@ def quality_note(policy: SyncPolicy) -> str | None:
 # What delayed application measurably costs (bench/results/local-runtime.md, 2026-12-04: the real
 # runtime, `tiny`, H = 4, int8): the loss at equal tokens against the same runs with the steps
 # waiting for each round, the means of three runs each: 96 steps of one stage x 4 replicas
-# (+1.0 %; +1.2 % over seven), of two stages x 2 workers (-0.6 %); shoal demo's 24 steps +0.9-1.3 %.
+# (+1.0 %; +1.3 % pooled over eight), of two stages x 2 workers (-0.6 %); shoal demo's 24 steps +0.9-1.3 %.
 OVERLAP_LOSS_COST = (-0.006, 0.013)
 
 
@@ -221,7 +221,7 @@ def candidates(scenario: Scenario, budget: QualityBudget, seed: int = 0,
             p = placed if h == pol.sync_every else replace(placed, sync=replace(pol, sync_every=h), predicted={})
             if p is not placed:
                 predict(p, scenario, options)
-            # Delayed application costs loss too (a round applied a round late: 0.9-1.3 % at 24
+            # Delayed application costs loss too (up to 1.3 % at 96 steps, 0.9-1.3 % at 24
             # steps of the demo, bench/results/local-runtime.md): each policy is also priced
             # with the steps waiting, which win where the overlap buys no speed (choose)
             for sync in [p.sync, *lighter(p.sync, budget)]:
