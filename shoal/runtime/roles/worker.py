@@ -549,8 +549,9 @@ class Worker(LocalWorkerMixin):
         """Fetch the server's weights in chunks; apply them only when all arrived and check out.
 
         ``merged_only`` (local mode with overlap): they become the merged weights the replica
-        rebases onto at its round's end, not the replica itself (dropped if the worker moved to
-        another stage meanwhile: it may run beside the stage's tasks)."""
+        moves onto (after its next inner step, or at its round's end), not the replica itself
+        (dropped if the worker moved to another stage meanwhile: it may run beside the stage's
+        tasks)."""
         server, stage = self.server, self.stage
         numel = sum(p.numel() for p in self.params.values())
         cap = 4 * numel + 512 * len(self.params) + CONTROL_SLACK
@@ -595,7 +596,7 @@ class Worker(LocalWorkerMixin):
         self.version, self.weights_epoch = rep.version, rep.epoch
         trace(self.opts.name, "applied", v=rep.version)
         if merged_only:
-            return  # (the replica's own weights and graphs are untouched until its rebase)
+            return  # (the replica's own weights and graphs are untouched until it moves onto them)
         self.graphs.clear()  # graphs of older weights must not be back-propagated
         self.shadow_fwd.clear()
 

@@ -694,7 +694,7 @@ class LocalWorkerMixin:
 
     @property
     def local_overlap(self) -> bool:
-        """Delayed application: the replica rebases onto a merge at the end of the next round."""
+        """Delayed application: the replica moves onto a merge while the next round computes."""
         return sync_of_spec(self.spec).overlap
 
     def _local_reset(self) -> None:
@@ -765,7 +765,7 @@ class LocalWorkerMixin:
     def _local_needs_pull(self, rep: pb.LeaseReply, task: pb.Task) -> bool:
         """Whether the replica starts over from the merged weights before ``task``: without
         overlap at every new merge; with overlap only when it holds none of this epoch (a
-        joiner, a resync, a roll-back): merges otherwise reach it at its rounds' ends."""
+        joiner, a resync, a roll-back): merges otherwise reach it mid-round or at its rounds' ends."""
         if self.local_overlap:
             return self.version < 0 or self.weights_epoch != task.epoch
         return self.version < 0 or self.version != rep.local_merged or self.weights_epoch != task.epoch
@@ -896,10 +896,11 @@ class LocalWorkerMixin:
 
     async def _local_close(self, rep: pb.LeaseReply) -> None:
         """Delayed application: once the decision of a round's last step is out (and applied),
-        close the round: copy its pseudo-gradient out, rebase the replica onto the newest merge
-        (the previous round's, published with that decision), then frame and send the
-        pseudo-gradient in the background while the next round computes. The pull comes
-        before the send, so the merge pulled never holds this round's own pseudo-gradient."""
+        close the round: copy its pseudo-gradient out, rebase the replica onto the previous
+        round's merge unless that reached it mid-round (:meth:`_local_apply_arrived`), then
+        frame and send the pseudo-gradient in the background while the next round computes. The
+        pull comes before the send, so the merge pulled never holds this round's own
+        pseudo-gradient."""
         v = round_closed_by(rep.local_step, self.spec.sync_every, self.spec.steps)
         key = (rep.epoch, v)
         if self.local_closed is None or self.local_closed[0] != rep.epoch or self.version < 0 or not self.anchor:
