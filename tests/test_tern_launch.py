@@ -28,8 +28,8 @@ def test_two_stage_launch_with_tern_activations(tmp_path, compression, codecs, r
     """Exact sync, S=2, W=2, 10 steps, ``--compression tern`` (act=tern, grad=tern),
     ``act=quad,grad=tern-sr`` or ``act=oct,grad=tern-dither``. Bounds that can fail: every activation and activation-gradient
     frame, sent by workers and relayed by servers, is in its kind's codec and its payload is
-    exactly ``act_nbytes`` of a (B, T, d) tensor (d channels); the payloads of the two kinds together are >= 16x
-    below fp32 (>= 8x below bf16), and so are the counted bytes, frame headers included (``oct`` with
+    exactly ``act_nbytes`` of a (B, T, d) tensor (d channels); a frame of each kind together is >= 16x
+    below fp32 in payload (>= 8x below bf16), and so are the counted bytes, frame headers included (``oct`` with
     ``tern-dither``: payloads 16.2x, >= 15.5x with the 60-80-byte headers of these 8,192-element
     frames, 3 % of their bytes; a real run's frames are larger); pushes and pulls stay
     raw; the last 3 steps' mean loss is within 5 % of the uncompressed local trainer's and
@@ -61,7 +61,9 @@ def test_two_stage_launch_with_tern_activations(tmp_path, compression, codecs, r
     assert abs(got - ref) * 3 < base - ref, (got, ref, base)
     by_codec = summary["bytes_by_codec"]
     numel = RUN["micro_batch_size"] * RUN["seq_len"] * 128  # tiny: d_model 128
-    raw = wire = payload = 0
+    # Per frame of each kind, not over all frames: how many activations a run sends beside
+    # their gradients (a re-leased task's are sent again) moves the mix, not the codecs.
+    raw = wire = payload = 0.0
     for kind, codec in zip(("activations", "activation_grads"), codecs, strict=True):
         assert set(by_codec[kind]) == {codec}, (kind, by_codec[kind])
         c = by_codec[kind][codec]
@@ -69,7 +71,7 @@ def test_two_stage_launch_with_tern_activations(tmp_path, compression, codecs, r
         assert c["messages"] > 0
         size = act_nbytes(codec, numel, 128)
         assert size * c["messages"] < c["wire"] < (size + 96) * c["messages"]
-        raw, wire, payload = raw + c["raw"], wire + c["wire"], payload + size * c["messages"]
+        raw, wire, payload = raw + c["raw"] / c["messages"], wire + c["wire"] / c["messages"], payload + size
         print(f"{kind}: {c['messages']} {codec} frames, {c['wire']} bytes (payload {size} each)")
     assert payload * payload_ratio <= raw and wire * ratio <= raw, (raw, wire, payload)
     for kind in ("grad_push", "weight_pull"):
