@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The device check: one prepared run on a lent accelerator machine (a CUDA GPU and its host's
+# cores), every part with its own time limit so that one hang cannot eat the lease.
+#
+#   bench/device_check.sh OUT           # on the device machine (wheels carried in .whl/)
+#   SMOKE=1 bench/device_check.sh OUT   # the same parts on tiny shapes on a CPU
+#
+# Parts, most important first, each writing OUT/<part>.md:
+#   gpu_runtime  shoal launch S=2 W=2 against train --local on the one GPU (gpt-125m bf16)
+#   shadow       shadow swarms of 16, 64 and 256 workers at time scale 1 on the host's cores
+#   gpu          bench_gpu.py: per-stage throughput and MFU, fp32 vs bf16 loss
+set -u
+OUT=${1:?usage: device_check.sh OUT}
+mkdir -p "$OUT"
+PY=${PY:-python3}
+if [ -z "${SMOKE:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+{ date -u; nproc; free -g | head -2; nvidia-smi -L 2>&1; $PY -c 'import torch, grpc, google.protobuf as p, shoal.cli
+print("torch", torch.__version__, "cuda", torch.cuda.is_available(), "grpc", grpc.__version__, "protobuf", p.__version__)'
+} 2>&1 | tee "$OUT/machine.txt"
+
+if [ -n "${SMOKE:-}" ]; then
+    rt=(--device cpu --smoke --precision fp32); sh=(--workers 16 --steps 3); gp=(--device cpu --smoke)
+else
+    rt=(--timeout 150); sh=(--workers 16,64,256 --steps 6); gp=(--loss-steps 30)
+fi
+if command -v nvidia-smi >/dev/null; then  # the GPU's busy share over the runtime bench, twice a second
+    nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -lms 500 > "$OUT/gpu_util.csv" &
+    smi=$!
+fi
+timeout 300 $PY bench/bench_gpu_runtime.py "${rt[@]}" --out /tmp/gpurt 2>&1 | tee "$OUT/gpu_runtime.md"
+[ -n "${smi:-}" ] && kill "$smi"
+# the runs' logs, events and metrics (no checkpoints): where a slow step went
+tar czf "$OUT/gpu_runtime_logs.tgz" -C /tmp/gpurt --exclude='*.safetensors' --exclude='*ckpt*' --exclude='*.pt' . 2>/dev/null
+timeout 140 $PY bench/bench_shadow.py --model tiny --micro-batches 8 --micro-batch-size 4 --seq-len 64 \
+    --speedup 1 --per-process 64 "${sh[@]}" 2>&1 | tee "$OUT/shadow.md"
+timeout 100 $PY bench/bench_gpu.py "${gp[@]}" 2>&1 | tee "$OUT/gpu.md"
+exit 0
