@@ -376,8 +376,9 @@ def test_worker_pseudo_gradients_carry_error_feedback_across_rounds():
         with torch.no_grad():
             for n, p in w.params.items():
                 p.sub_(moves[n])  # the replica moved by -move: its pseudo-gradient is +move
-        msg, data = w._pseudo_message(0, round_v - 1, 1, round_v)
-        assert pb.GradPush.FromString(data).local_round == round_v
+        _, data, _ = w._pseudo_message(0, round_v - 1, 1, round_v)
+        msg = pb.GradPush.FromString(data)  # the push as sent
+        assert msg.local_round == round_v
         for frame in msg.grads:
             assert frame.codec == "topk-int8"
             sent[frame.name] += decode_tensor(frame, dtype="float32").reshape(sent[frame.name].shape)

@@ -157,7 +157,7 @@ def test_replica_keeps_what_its_push_left_and_the_last_round_is_dense():
             p.add_(1e-3 * torch.randn_like(p))
     deltas = {n: w.anchor[n] - p.detach() for n, p in w.params.items()}
     for round_v in (4, 8):  # the second push again carries no residual of the first
-        msg, _ = w._pseudo_message(0, round_v - 1, 0, round_v)
+        msg = pb.GradPush.FromString(w._pseudo_message(0, round_v - 1, 0, round_v)[1])  # as sent
         assert [(f.name, f.codec) for f in msg.grads] == [(STAGE_FRAME, "sparse")] and not msg.local_weights
         sent = split_stage_frame(msg.grads[0], w.params)
         epoch, kept_round, kept, _ = w.pseudo_kept
@@ -165,7 +165,7 @@ def test_replica_keeps_what_its_push_left_and_the_last_round_is_dense():
         for n, d in deltas.items():
             assert torch.allclose(sent[n] + kept[n], d, atol=1e-7)
         assert sum(int((t != 0).sum()) for t in sent.values()) < sum(t.numel() for t in deltas.values()) // 50
-    msg, _ = w._pseudo_message(0, 39, 0, 40)  # steps=40: the last round
+    msg = pb.GradPush.FromString(w._pseudo_message(0, 39, 0, 40)[1])  # steps=40: the last round, as sent
     assert {f.codec for f in msg.grads} == {"int8"} and len(msg.grads) == len(deltas) and not msg.local_weights
     for f in msg.grads:  # the whole pseudo-gradient (what the replica kept included), int8's error only
         d = deltas[f.name]
@@ -201,7 +201,7 @@ def test_a_kept_residual_is_merged_at_the_share_it_was_made_at(codec):
             for n, p in w.params.items():
                 p.sub_(progress[n])  # the replica's inner steps: the pseudo-gradient grows by progress
         w.local_round_mbs = n_mbs
-        msg, _ = w._pseudo_message(0, round_v - 1, 0, round_v)
+        msg = pb.GradPush.FromString(w._pseudo_message(0, round_v - 1, 0, round_v)[1])  # as sent
         sent = split_stage_frame(msg.grads[0], w.params)
         share = n_mbs / 16
         for n in merged:

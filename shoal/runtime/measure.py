@@ -117,6 +117,29 @@ def available_ram() -> float:
         return 0.0
 
 
+def warm_device(device: str | torch.device | None = None) -> float:
+    """Start an accelerator's context and matrix library now; the seconds it took (0 on a CPU).
+
+    A member calls this before it joins a run, so that the first touch of its GPU (a CUDA
+    context, cuBLAS handles, the first kernels: seconds on an H200) falls before the
+    coordinator counts its heartbeats. On the first lent H200, workers that first touched the
+    GPU after joining fell silent for 3 s around their device measurement and were declared
+    dead (bench/results/gpu-runtime.md).
+    """
+    dev = resolve_device(device)
+    if dev.type != "cuda":
+        return 0.0
+    t0 = time.perf_counter()
+    torch.cuda.init()
+    dtypes = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_bf16_supported() else [])
+    with torch.cuda.device(dev):
+        for dtype in dtypes:
+            a = torch.ones(64, 64, device=dev, dtype=dtype)
+            (a @ a).sum().item()
+    torch.cuda.synchronize(dev)
+    return time.perf_counter() - t0
+
+
 def device_memory(device: str | torch.device | None = None) -> float:
     """Bytes of memory for training on ``device``: total accelerator memory, or available RAM."""
     dev = resolve_device(device)

@@ -323,8 +323,14 @@ class Worker(LocalWorkerMixin):
                            f"down {lf.down_bps / 1e6:.2f} MB/s" for lf in links))
 
     async def run(self) -> None:
+        from shoal.runtime.measure import warm_device
+
         set_threads()
         self.flops = self.opts.flops or 0.0
+        # Before joining: no heartbeat is due yet while the GPU's context starts.
+        warm = warm_device(self.torch_device)
+        if warm:
+            log.info("%s: %s ready in %.1f s", self.opts.name, self.torch_device, warm)
         async with self.join_gate or contextlib.nullcontext():
             # (Opening the channel makes an emulated link's relays: in a shadow group, a few
             # members at a time, so those joined keep heartbeating while the rest join.)

@@ -38,7 +38,7 @@ import torch
 from shoal.net import shoal_pb2 as pb
 from shoal.net.compress import ErrorFeedback
 from shoal.net.stream import StreamStalled
-from shoal.net.wire import WireError, encode_tensor
+from shoal.net.wire import WireError, encode_frame, serialize_framed
 from shoal.plan.compression import DENSE_ROUND_CODEC
 from shoal.plan.types import MERGE_THREADS, SCREEN_REF_MBS
 from shoal.runtime.common import optim_config, tensors_digest
@@ -878,9 +878,9 @@ class LocalWorkerMixin:
         if (rep.local_sync and self.pending is None and self.local_sent != (rep.epoch, round_v)
                 and self.version >= 0 and self.weights_epoch == rep.epoch and self.anchor):
             self.local_sent = (rep.epoch, round_v)
-            msg, data = await asyncio.get_running_loop().run_in_executor(
+            msg, data, frames = await asyncio.get_running_loop().run_in_executor(
                 None, self._pseudo_message, rep.epoch, rep.step, rep.gen, round_v)
-            res = await self._send_push(msg, data)
+            res = await self._send_push(msg, data, frames)
             if res is not None and res.accepted:
                 self.local_delivered = True
                 log.info("%s sent its pseudo-gradient for v%d covering %d micro-batches%s", self.opts.name, round_v,
@@ -1006,8 +1006,8 @@ class LocalWorkerMixin:
             t0 = time.perf_counter()
             try:
                 try:
-                    data, kept = await loop.run_in_executor(None, self._pseudo_frames, msg, deltas, codec, keep,
-                                                            dense, round_v)
+                    data, kept, frames = await loop.run_in_executor(None, self._pseudo_frames, msg, deltas, codec,
+                                                                    keep, dense, round_v)
                 except Exception as exc:  # e.g. a non-finite replica: nothing of this round can be sent
                     log.warning("%s: its pseudo-gradient for v%d cannot be framed (%s); resyncing", self.opts.name,
                                 round_v, exc)
@@ -1026,7 +1026,7 @@ class LocalWorkerMixin:
                     self.pseudo_carried = None if kept is None else (kept[3], kept[2])
             finally:
                 framed.set_result(None)
-            res = await self._send_push(msg, data, server=server)
+            res = await self._send_push(msg, data, frames, server=server)
             if res is not None and res.accepted:
                 log.info("%s sent its pseudo-gradient for v%d covering %d micro-batches%s (framed in %.3f s beside "
                          "the next round)", self.opts.name, round_v, n,
@@ -1049,14 +1049,14 @@ class LocalWorkerMixin:
         if not t.cancelled() and t.exception() is not None:
             log.warning("%s: a pseudo-gradient could not be sent: %s", self.opts.name, t.exception())
 
-    def _pseudo_message(self, epoch: int, step: int, gen: int, round_v: int) -> tuple[pb.GradPush, bytes]:
+    def _pseudo_message(self, epoch: int, step: int, gen: int, round_v: int) -> tuple[pb.GradPush, bytes, list]:
         """The replica's pseudo-gradient (anchor minus weights now), framed raw fp32 or with the run's
-        push codec plus error feedback (``--compression push=...``)."""
+        push codec plus error feedback (``--compression push=...``): its head, bytes and frames."""
         msg, deltas, codec, keep, dense = self._pseudo_deltas(epoch, step, gen, round_v)
-        data, kept = self._pseudo_frames(msg, deltas, codec, keep, dense, round_v)
+        data, kept, frames = self._pseudo_frames(msg, deltas, codec, keep, dense, round_v)
         if stage_codec(codec) and keep:
             self.pseudo_kept = kept
-        return msg, data
+        return msg, data, frames
 
     def _pseudo_deltas(self, epoch: int, step: int, gen: int,
                        round_v: int) -> tuple[pb.GradPush, dict[str, torch.Tensor], str, bool, bool]:
@@ -1094,21 +1094,26 @@ class LocalWorkerMixin:
         return msg, deltas, codec, keep, dense
 
     def _pseudo_frames(self, msg: pb.GradPush, deltas: dict[str, torch.Tensor], codec: str, keep: bool, dense: bool,
-                       round_v: int) -> tuple[bytes, tuple | None]:
-        """Frame :meth:`_pseudo_deltas`' tensors into ``msg`` (in a thread); its bytes, and with
-        a stage codec that keeps its residual, ``(epoch, round, {name: what the push left},
-        micro-batches)`` (None: nothing left)."""
+                       round_v: int) -> tuple[bytes, tuple | None, list]:
+        """Frame :meth:`_pseudo_deltas`' tensors (in a thread): the push serialised (``msg`` is its
+        head, the frames follow it), with a stage codec that keeps its residual ``(epoch, round,
+        {name: what the push left}, micro-batches)`` (None: nothing left), and the frames.
+
+        Serialised by concatenation (:func:`serialize_framed`), not by ``SerializeToString`` of
+        a message holding the frames: upb holds the interpreter lock for the whole of that, and
+        a 400 MB pseudo-gradient framed that way kept a worker's heartbeats from running for
+        over 3 s (bench/results/gpu-runtime.md)."""
         kept = None
         if stage_codec(codec) and keep:
             # The pseudo-gradient already holds what the last push left (the replica kept it): no
             # residual is added; what this push leaves is taken off the replica at the pull.
             ef = ErrorFeedback(codec)
-            msg.grads.append(stage_frame(deltas, codec, ef))
+            frames = [stage_frame(deltas, codec, ef)]
             left = ef.residual(STAGE_FRAME)
             kept = None if left is None else (msg.epoch, round_v, split_flat(left, deltas), msg.local_mbs)
         elif stage_codec(codec):  # the whole stage in one frame
-            msg.grads.append(stage_frame(deltas, codec, self.pseudo_ef))
+            frames = [stage_frame(deltas, codec, self.pseudo_ef)]
         else:
-            for name, delta in deltas.items():
-                msg.grads.append(encode_tensor(name, delta, codec, ef=None if dense else self.pseudo_ef))
-        return msg.SerializeToString(), kept
+            frames = [encode_frame(name, delta, codec, ef=None if dense else self.pseudo_ef)
+                      for name, delta in deltas.items()]
+        return serialize_framed(msg, pb.GradPush.DESCRIPTOR.fields_by_name["grads"].number, frames), kept, frames
