@@ -356,3 +356,55 @@ def test_a_large_message_parsed_in_pieces_equals_one_parse():
     asm.add(pb.Chunk(kind="GradPush", total=len(bad), offset=0, data=bad))
     with pytest.raises(WireError):
         asm.finish(pb.GradPush)
+
+
+def test_frames_split_from_the_received_bytes_equal_the_parsed_message():
+    """split_framed (what a worker's weight pull and a server's streamed push use): assembled
+    from chunks, the head is the message without its frames, each frame has the parsed frame's
+    fields, a raw payload is a view of the received buffer (not a copy) that decodes to the
+    same tensor, a codec frame decodes the same, its size is the bytes received, and the
+    traffic counters count the split message as the whole one. Bytes that are not a message
+    are refused."""
+    import numpy as np
+
+    from shoal.net.traffic import Traffic
+    from shoal.net.wire import Framed, decode_tensor, message_nbytes, serialize_framed, split_framed
+
+    g = torch.Generator().manual_seed(0)
+    pull = pb.WeightsReply(version=7, epoch=1, first=0, last=3, compress_chain="c", compress_base=6)
+    pull.params.extend([encode_tensor("a", torch.randn(3, 700, generator=g)),
+                        encode_tensor("b", torch.randn(5, generator=g).to(torch.bfloat16)),
+                        encode_tensor("c", torch.randn(40000, generator=g), "int8"),
+                        encode_tensor("d", torch.zeros(0))])
+    number = pb.WeightsReply.DESCRIPTOR.fields_by_name["params"].number
+    head = pb.WeightsReply()
+    head.CopyFrom(pull)
+    del head.params[:]
+    for data in (pull.SerializeToString(), serialize_framed(head, number, list(pull.params))):
+        asm = Assembler("WeightsReply", 1 << 30)
+        for c in split("WeightsReply", data, 1000):
+            asm.add(c)
+        buf = asm.buf
+        spans: list = []
+        got = asm.finish(pb.WeightsReply, spans, frames_field=number)
+        assert isinstance(got, Framed) and got.head == head and got.version == 7 and got.compress_chain == "c"
+        assert message_nbytes(got) == len(data) == message_nbytes(pull)
+        assert [(f.name, f.dtype, list(f.shape), f.codec or "raw") for f in got.params] == \
+            [(f.name, f.dtype, list(f.shape), f.codec or "raw") for f in pull.params]
+        raw_a = got.params[0].data
+        assert isinstance(raw_a, memoryview) and np.shares_memory(np.frombuffer(raw_a, np.uint8),
+                                                                   np.frombuffer(buf, np.uint8))
+        for mine, theirs in zip(got.params, pull.params, strict=True):
+            assert torch.equal(decode_tensor(mine), decode_tensor(theirs))
+        whole, parts = Traffic(), Traffic()
+        whole.count(pull, total=len(data), spans=spans)
+        parts.count(got, total=len(data), spans=spans)
+        assert parts.counter.as_dict() == whole.counter.as_dict()
+        assert set(parts.counter.as_dict()) == {"weight_pull/raw", "weight_pull/int8", "control/raw"}
+    for bad in (b"\x2a\x05abc", b"\x2a\x03\x22\x09x"):  # a frame past the end; a payload past its frame
+        with pytest.raises(ValueError):
+            split_framed(bad, pb.WeightsReply, number)
+    asm = Assembler("WeightsReply", 1 << 30)
+    asm.add(pb.Chunk(kind="WeightsReply", total=5, offset=0, data=b"\x2a\x05abc"))
+    with pytest.raises(WireError):
+        asm.finish(pb.WeightsReply, frames_field=number)

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 
 from shoal.net import shoal_pb2 as pb
 from shoal.net.auth import MAX_CHUNK_BYTES
-from shoal.net.wire import WireError, field_spans
+from shoal.net.wire import WireError, field_spans, split_framed
 
 DEFAULT_CHUNK_BYTES = 1024 * 1024  # 1 MB: on loopback a 5 MB transfer in 1 MB chunks takes a third of the time 4 MB chunks do
 MIN_CHUNK_BYTES = 4 * 1024  # smaller chunks only add per-message overhead
@@ -105,16 +105,23 @@ class Assembler:
             self.buf[self.got:self.got + n] = data
             self.got += n
 
-    def finish(self, msg_cls, spans: list | None = None):
+    def finish(self, msg_cls, spans: list | None = None, frames_field: int | None = None):
         """The whole message, parsed; raises :class:`WireError` if any byte is missing.
         ``spans``: a list to fill with the message's top-level fields
-        (:func:`shoal.net.wire.field_spans`: how large its frames are, read for free)."""
+        (:func:`shoal.net.wire.field_spans`: how large its frames are, read for free).
+        ``frames_field``: the number of its repeated Tensor field to keep out of protobuf: a
+        :class:`~shoal.net.wire.Framed` comes back (:func:`~shoal.net.wire.split_framed`)."""
         if self.total < 0:
             raise WireError(f"{self.kind}: the stream ended before its first chunk")
         if self.got != self.total:
             raise WireError(f"{self.kind}: transfer cut after {self.got} of {self.total} bytes")
         try:
-            msg = parse_in_pieces(self.buf, msg_cls) if self.total > PIECE_BYTES else msg_cls.FromString(self.buf)
+            if frames_field is not None:
+                msg = split_framed(self.buf, msg_cls, frames_field)
+            elif self.total > PIECE_BYTES:
+                msg = parse_in_pieces(self.buf, msg_cls)
+            else:
+                msg = msg_cls.FromString(self.buf)
             if spans is not None:
                 spans.extend(field_spans(memoryview(self.buf)))
         except Exception as exc:  # protobuf's DecodeError; never anything but parsing
@@ -161,14 +168,14 @@ PARSE_OFF_LOOP_BYTES = 1 << 20  # larger messages are parsed in a thread, off th
 
 
 async def receive(chunks: AsyncIterator[pb.Chunk], msg_cls, max_bytes: int, on_chunk=None,
-                  spans: list | None = None, progress: dict | None = None):
+                  spans: list | None = None, progress: dict | None = None, frames_field: int | None = None):
     """Assemble a message from an async stream of chunks (a gRPC request or reply stream).
 
     A broken call raises its gRPC error while iterating; a stream that ends short raises
     :class:`WireError`. Either way the caller gets no message and applies nothing.
     ``on_chunk(chunk)`` runs for every chunk (e.g. to keep its sender counted as alive);
-    ``spans``: see :meth:`Assembler.finish`; ``progress``: a dict whose ``got``, ``total``
-    and ``last`` (monotonic time) are set after every chunk.
+    ``spans`` and ``frames_field``: see :meth:`Assembler.finish`; ``progress``: a dict whose
+    ``got``, ``total`` and ``last`` (monotonic time) are set after every chunk.
     """
     asm = Assembler(msg_cls.__name__, max_bytes)
     async for c in chunks:
@@ -178,8 +185,8 @@ async def receive(chunks: AsyncIterator[pb.Chunk], msg_cls, max_bytes: int, on_c
         if on_chunk is not None:
             on_chunk(c)
     if asm.total > PARSE_OFF_LOOP_BYTES:
-        return await asyncio.get_running_loop().run_in_executor(None, asm.finish, msg_cls, spans)
-    return asm.finish(msg_cls, spans)
+        return await asyncio.get_running_loop().run_in_executor(None, asm.finish, msg_cls, spans, frames_field)
+    return asm.finish(msg_cls, spans, frames_field)
 
 
 def tensor_bytes(numel: int, itemsize: int = 4) -> int:
@@ -276,9 +283,9 @@ async def _await(call):
 
 
 async def fetch(method, request, msg_cls, max_bytes: int, *, timeout: float | None = None, traffic=None,
-                spans: list | None = None, stall_s: float | None = None):
+                spans: list | None = None, stall_s: float | None = None, frames_field: int | None = None):
     """Call the server-streaming ``method`` and assemble its ``msg_cls`` reply (checked).
-    ``spans``: a list to fill with the reply's top-level fields (see :meth:`Assembler.finish`).
+    ``spans``, ``frames_field``: see :meth:`Assembler.finish`.
     ``stall_s``: give up with :class:`~shoal.net.wire.WireError` once no chunk has come for
     that long while bytes are still due (a path that went silent: without it the call waits
     for its deadline, a minute plus the message at 1 MB/s); the parse after the last chunk
@@ -289,7 +296,7 @@ async def fetch(method, request, msg_cls, max_bytes: int, *, timeout: float | No
     progress = {"got": 0, "total": -1, "last": time.monotonic()}
     spans = [] if spans is None and traffic is not None else spans
     try:
-        receiving = receive(call, msg_cls, max_bytes, spans=spans, progress=progress)
+        receiving = receive(call, msg_cls, max_bytes, spans=spans, progress=progress, frames_field=frames_field)
         msg = await (receiving if stall_s is None else _watched(receiving, stall_s, progress, msg_cls.__name__))
     except BaseException:
         call.cancel()  # stop the sender; nothing received is used

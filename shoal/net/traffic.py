@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 from shoal.net import shoal_pb2 as pb
 from shoal.net.compress import WireCounter
-from shoal.net.wire import field_lengths, field_spans, frame_size
+from shoal.net.wire import Framed, field_lengths, field_spans, frame_size
 
 KINDS = ("activations", "activation_grads", "grad_push", "weight_pull", "replica_merge", "control")
 _FLOATS = ("float32", "float16", "bfloat16")
@@ -68,6 +68,9 @@ def frames_of(msg) -> list[tuple[str, pb.Tensor]]:
     return []
 
 
+# The traffic kind of the frames of a message type that holds one kind (see frames_of).
+FRAME_KINDS = {pb.GradPush: "grad_push", pb.WeightsReply: "weight_pull", pb.ReplicaPart: "replica_merge"}
+
 # Messages whose frames are one top-level field, by type: their frames' sizes can be read from
 # the serialised message (shoal.net.wire.field_spans) instead of each payload being copied out.
 FRAME_FIELDS = {cls: cls.DESCRIPTOR.fields_by_name[name].number for cls, name in
@@ -103,6 +106,10 @@ class Traffic:
         top-level fields): where the frames' sizes are read instead of copying each payload
         out of its frame to measure it (:func:`wire_frame_sizes`).
         """
+        if isinstance(msg, Framed):  # frames kept out of the message (shoal.net.wire.split_framed)
+            if frames is None:
+                frames = [(FRAME_KINDS[type(msg.head)], f) for f in msg.frames]
+            msg = msg.head
         frames = list(frames_of(msg) if frames is None else frames)
         if total is None:
             total = msg.ByteSize()

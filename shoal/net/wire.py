@@ -210,14 +210,13 @@ def _read_varint(buf, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def field_spans(buf) -> list[tuple[int, int, int]]:
-    """``(field number, start, end)`` of each top-level field of the serialised message
-    ``buf``, ``start`` where a length-delimited field's bytes begin (after its length), else
-    where its key begins (pure; reads only the keys and lengths, never a payload; a malformed
-    field raises ValueError)."""
+def _fields(buf) -> list[tuple[int, int, int, int]]:
+    """``(field number, key start, start, end)`` of each top-level field of the serialised
+    message ``buf``; ``start`` as in :func:`field_spans` (pure; a malformed field raises
+    ValueError)."""
     spans, pos, n = [], 0, len(buf)
     while pos < n:
-        at = pos
+        key_at = at = pos
         key, pos = _read_varint(buf, pos)
         wire = key & 7
         if wire == 0:
@@ -234,8 +233,71 @@ def field_spans(buf) -> list[tuple[int, int, int]]:
             raise ValueError(f"wire type {wire} not used by shoal's messages")
         if pos > n:
             raise ValueError("field runs past the message")
-        spans.append((key >> 3, at, pos))
+        spans.append((key >> 3, key_at, at, pos))
     return spans
+
+
+def field_spans(buf) -> list[tuple[int, int, int]]:
+    """``(field number, start, end)`` of each top-level field of the serialised message
+    ``buf``, ``start`` where a length-delimited field's bytes begin (after its length), else
+    where its key begins (pure; reads only the keys and lengths, never a payload; a malformed
+    field raises ValueError)."""
+    return [(number, at, end) for number, _, at, end in _fields(buf)]
+
+
+@dataclass(slots=True)
+class Framed:
+    """A received message whose tensor frames were not parsed into it (:func:`split_framed`):
+    reading the frames' field gives :class:`Frame` s whose raw payloads are views of the
+    received bytes; every other attribute is the head's (the message without its frames)."""
+
+    head: object  # the message without its frames
+    field: str  # the name of the frames' field
+    frames: list  # the frames, in order
+
+    def __getattr__(self, name: str):
+        if name == self.field:
+            return self.frames
+        return getattr(self.head, name)
+
+
+_TENSOR_DATA = 4  # pb.Tensor's payload field
+
+
+def message_nbytes(msg) -> int:
+    """Serialised size of a message, or of a :class:`Framed` one (its frames sized from their
+    lengths: no payload is copied to size it)."""
+    if not isinstance(msg, Framed):
+        return msg.ByteSize()
+    sizes = (frame_size(f) for f in msg.frames)
+    return msg.head.ByteSize() + sum(1 + len(_varint(n)) + n for n in sizes)
+
+
+def split_framed(buf, msg_cls, field_number: int) -> Framed:
+    """``msg_cls`` parsed from ``buf`` with its repeated Tensor field ``field_number`` kept out
+    of protobuf: each raw frame's payload stays a view of ``buf``, so a 400 MB weight pull is
+    not copied into the message and out again (upb copies a bytes field both ways, and holds
+    the interpreter lock while it does). Codec payloads (small) are copied out as bytes.
+    A malformed message raises ValueError or protobuf's DecodeError."""
+    view = memoryview(buf)
+    head, frames = [], []
+    for number, key_at, at, end in _fields(view):
+        if number != field_number:
+            head.append(view[key_at:end])
+            continue
+        small, data = [], b""
+        sub = view[at:end]
+        for n, k, a, e in _fields(sub):
+            if n == _TENSOR_DATA:
+                data = sub[a:e]
+            else:
+                small.append(sub[k:e])
+        t = pb.Tensor.FromString(b"".join(small))
+        codec = t.codec or "raw"
+        frames.append(Frame(name=t.name, dtype=t.dtype, shape=list(t.shape),
+                            data=data if codec == "raw" else bytes(data), codec=t.codec, meta=t.meta))
+    return Framed(msg_cls.FromString(b"".join(head)), msg_cls.DESCRIPTOR.fields_by_number[field_number].name,
+                  frames)
 
 
 def field_lengths(spans, number: int) -> list[int]:

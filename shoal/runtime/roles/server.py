@@ -138,6 +138,10 @@ from shoal.train.precision import unscale_grads, wire_dtype
 log = logging.getLogger("shoal.server")
 
 
+# GradPush's frames field: a streamed push's frames are read from the received bytes (split_framed).
+GRAD_FRAMES = pb.GradPush.DESCRIPTOR.fields_by_name["grads"].number
+
+
 class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantMixin, EndCheckMixin,
                   pbg.StageServerServicer):
     """State and RPC handlers of one stage server."""
@@ -1431,7 +1435,10 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
     async def PushGradsStream(self, request_iterator, context):
         trace(self.name, "push_begin")
         try:
-            msg = await receive(request_iterator, pb.GradPush, self.max_bytes("grads"), self._alive)
+            # Its frames stay views of the received bytes until decoded (split_framed): two
+            # fewer copies of a stage's gradients, and no long protobuf call holding the loop.
+            msg = await receive(request_iterator, pb.GradPush, self.max_bytes("grads"), self._alive,
+                                frames_field=GRAD_FRAMES)
         except WireError as exc:
             log.warning("%s refused a streamed gradient push: %s", self.name, exc)
             return pb.PushReply(accepted=False, reason=f"rejected: {exc}")

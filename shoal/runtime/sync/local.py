@@ -38,7 +38,7 @@ import torch
 from shoal.net import shoal_pb2 as pb
 from shoal.net.compress import ErrorFeedback
 from shoal.net.stream import StreamStalled
-from shoal.net.wire import WireError, encode_frame, serialize_framed
+from shoal.net.wire import WireError, encode_frame, message_nbytes, serialize_framed
 from shoal.plan.compression import DENSE_ROUND_CODEC
 from shoal.plan.types import MERGE_THREADS, SCREEN_REF_MBS
 from shoal.runtime.common import optim_config, tensors_digest
@@ -355,7 +355,7 @@ class LocalServerMixin:
             self.local_got.put(r.worker, deltas)
         else:
             # beyond the server's merge memory, kept as its frames and decoded again where read
-            self.local_got.put(r.worker, deltas, decode, r.ByteSize())
+            self.local_got.put(r.worker, deltas, decode, message_nbytes(r))
         del deltas
         async with self.cond:
             self.cond.notify_all()
