@@ -16,6 +16,7 @@ from shoal.net.wire import (
     WireError,
     all_finite,
     decode_tensor,
+    encode_frame,
     encode_tensor,
     frame_size,
     serialize_framed,
@@ -43,6 +44,27 @@ def test_serialize_framed_parses_to_the_same_message_at_the_same_size():
     assert [frame_size(f) for f in frames] == [f.ByteSize() for f in frames]
     back = decode_tensor(pb.GradPush.FromString(data).grads[0], shape=(300, 7), dtype="float32")
     assert torch.equal(back, decode_tensor(frames[0]))
+
+
+def test_view_frames_serialise_to_the_same_bytes_without_a_copy():
+    """encode_frame(view=True), what pushes and weight pulls are framed with: the raw payload is
+    a view of the tensor's memory (no copy), a codec payload is bytes as before, and the
+    serialised message is byte for byte the one built from copied payloads (fp32, bf16, empty,
+    0-d, int64, int8)."""
+    import numpy as np
+
+    tensors = {"a": torch.randn(300, 7), "b": torch.zeros(0, 3), "c": torch.randn(5).to(torch.bfloat16),
+               "d": torch.tensor(2.5), "e": torch.arange(200, dtype=torch.int64), "f": torch.randn(4, 4)}
+    codecs = {"f": "int8"}
+    copied = [encode_frame(n, t, codecs.get(n, "raw")) for n, t in tensors.items()]
+    viewed = [encode_frame(n, t, codecs.get(n, "raw"), view=True) for n, t in tensors.items()]
+    a = viewed[0].data
+    assert isinstance(a, memoryview) and np.shares_memory(np.frombuffer(a, np.uint8), tensors["a"].numpy())
+    assert isinstance(viewed[5].data, bytes) and viewed[1].data == b""
+    head = pb.WeightsReply(version=3)
+    field = pb.WeightsReply.DESCRIPTOR.fields_by_name["params"].number
+    assert serialize_framed(head, field, viewed) == serialize_framed(head, field, copied)
+    assert [frame_size(f) for f in viewed] == [frame_size(f) for f in copied]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])

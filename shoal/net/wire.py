@@ -47,7 +47,7 @@ class Frame:
     name: str
     dtype: str
     shape: list[int]
-    data: bytes
+    data: bytes | memoryview  # the payload; a view where split_framed or encode_frame(view=True) made it
     codec: str = "raw"
     meta: bytes = b""
 
@@ -64,8 +64,13 @@ def encode_tensor(name: str, tensor: torch.Tensor, codec: str = "raw", ef=None, 
 
 
 def encode_frame(name: str, tensor: torch.Tensor, codec: str = "raw", ef=None, key: int = 0,
-                 layout=None) -> Frame:
+                 layout=None, view: bool = False) -> Frame:
     """Frame ``tensor`` (any supported dtype) as a :class:`Frame`.
+
+    ``view``: a raw frame's payload is a view of the tensor's own bytes, not a copy (for
+    :func:`serialize_framed`, which copies it once into the message: a 400 MB stage then costs
+    half the CPU). Such a frame must be serialised before the tensor changes, and
+    :meth:`Frame.to_pb` does not take it.
 
     ``key``: the draw key of a stochastic codec (``tern-sr``, ``tern-dither``; see :func:`shoal.net.compress.encode`).
     ``layout``: the shapes a flat ``lowrank`` tensor holds (the receiver passes the same to
@@ -80,9 +85,10 @@ def encode_frame(name: str, tensor: torch.Tensor, codec: str = "raw", ef=None, k
     dtype = _NAMES[t.dtype]
     if codec == "raw":
         if t.dtype == torch.bfloat16:
-            data = t.view(torch.int16).numpy().astype("<i2").tobytes()
+            arr = t.view(torch.int16).numpy().astype("<i2", copy=False)
         else:
-            data = t.numpy().astype(_DTYPES[dtype][1], copy=False).tobytes()
+            arr = t.numpy().astype(_DTYPES[dtype][1], copy=False)
+        data = memoryview(arr.reshape(-1)).cast("B") if view and arr.size else arr.tobytes()
         return Frame(name=name, dtype=dtype, shape=list(t.shape), data=data, codec="raw")
     from shoal.net import compress  # lossy codecs live beside us, written separately
 

@@ -659,10 +659,11 @@ class Worker(LocalWorkerMixin):
                 self.inject.discard("nan_grad")
                 g = g.clone()
                 g.view(-1)[0] = float("nan")
+            # (views of the gradients' bytes: serialize_framed below copies each once)
             if check_id:
-                frames.append(encode_frame(name, to_host(g), "raw"))
+                frames.append(encode_frame(name, to_host(g), "raw", view=True))
             else:
-                frames.append(encode_frame(name, to_host(g), self._codec("push"), ef=self.ef))
+                frames.append(encode_frame(name, to_host(g), self._codec("push"), ef=self.ef, view=True))
         return msg, frames, serialize_framed(msg, pb.GradPush.DESCRIPTOR.fields_by_name["grads"].number, frames)
 
     async def _push(self) -> None:

@@ -1114,6 +1114,6 @@ class LocalWorkerMixin:
         elif stage_codec(codec):  # the whole stage in one frame
             frames = [stage_frame(deltas, codec, self.pseudo_ef)]
         else:
-            frames = [encode_frame(name, delta, codec, ef=None if dense else self.pseudo_ef)
+            frames = [encode_frame(name, delta, codec, ef=None if dense else self.pseudo_ef, view=True)
                       for name, delta in deltas.items()]
         return serialize_framed(msg, pb.GradPush.DESCRIPTOR.fields_by_name["grads"].number, frames), kept, frames

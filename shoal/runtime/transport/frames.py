@@ -16,7 +16,7 @@ from shoal.net.wire import WireError, decode_tensor, encode_frame, serialize_fra
 def serialise_weights(head: pb.WeightsReply, params: dict[str, torch.Tensor]) -> bytes:
     """``head`` with every parameter framed, serialised (runs in a thread)."""
     return serialize_framed(head, pb.WeightsReply.DESCRIPTOR.fields_by_name["params"].number,
-                            [encode_frame(name, p.detach()) for name, p in params.items()])
+                            [encode_frame(name, p.detach(), view=True) for name, p in params.items()])
 
 
 def decode_grads(r: pb.GradPush, params: dict[str, torch.Tensor], finite: bool = True) -> dict[str, torch.Tensor]:
