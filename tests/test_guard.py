@@ -32,6 +32,7 @@ from shoal.runtime.safety.guard import (
     robust_centre,
     screen,
     screen_round,
+    server_check_note,
     spot_pick,
 )
 from shoal.runtime.safety.verify import round_measures
@@ -483,3 +484,17 @@ def test_server_recomputes_a_push_of_several_micro_batches_in_threads(tmp_path):
     srv, rep = asyncio.run(run(True))
     assert not rep.accepted and "A" in srv.guard_banned and "recomputed" in rep.reason
     torch.set_grad_enabled(True)
+
+
+def test_server_check_note_only_where_servers_recompute_an_accelerators_pushes():
+    """The coordinator warns once when a worker on a GPU joins a run whose stage servers
+    recompute pushes on their CPUs: exact sync with spot checks on, or fp32 at any rate (first
+    pushes are recomputed even at --spot-check 0). CPU workers, local mode and bf16 at
+    --spot-check 0 get no warning. The note names the device and a way out that works."""
+    bf16 = server_check_note(False, 0.05, "bf16", "cuda: NVIDIA H200")
+    assert "NVIDIA H200" in bf16 and "give --spot-check 0," in bf16 and "--sync local" in bf16 and "\n" not in bf16
+    fp32 = server_check_note(False, 0.0, "fp32", "cuda: NVIDIA H200")
+    assert "--precision bf16 with --spot-check 0" in fp32
+    assert server_check_note(False, 0.05, "bf16", "cpu: AMD EPYC") == ""
+    assert server_check_note(True, 0.05, "fp32", "cuda: NVIDIA H200") == ""
+    assert server_check_note(False, 0.0, "bf16", "cuda: NVIDIA H200") == ""

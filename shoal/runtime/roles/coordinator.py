@@ -91,7 +91,7 @@ from shoal.runtime.roles.planning import (
     played_device,
     unplaced_reason,
 )
-from shoal.runtime.safety.guard import keep_version, undo_target
+from shoal.runtime.safety.guard import keep_version, server_check_note, undo_target
 from shoal.runtime.safety.journal import FINAL, JOURNAL, LINKED, Journal, point_link, run_dir
 from shoal.runtime.safety.standby import decisions_since, planned_standby_stages
 from shoal.runtime.sync.replicas import (
@@ -185,6 +185,7 @@ class Coordinator(pbg.CoordinatorServicer):
         self.server_token = server_token or secrets.token_hex(16)
         self.stall_fail_s = stall_fail_s  # fail the run after this long without a commit (0: never)
         self.stall_reported = False
+        self.check_noted = False  # the spot checks' cost beside a GPU worker was said (server_check_note)
         self.error = ""  # one line: why the run failed ("" while it has not)
         self.emulated = emulated  # the scaled scenario the processes emulate (None: plain run)
         self.cfg = model_config(spec)
@@ -602,6 +603,13 @@ class Coordinator(pbg.CoordinatorServicer):
         m.measure_gaps = 0
         again = m.measured_at is not None
         m.measured_at, m.measure_done = time.monotonic(), max(m.measure_done, request.request)
+        if m.role == "worker" and not self.check_noted:
+            note = server_check_note(sync_of_spec(self.spec).local, self.spec.guard_spot_check,
+                                     run_precision(self.spec), f.kind)
+            if note:
+                self.check_noted = True  # once a run: every GPU worker would say the same
+                log.warning("%s", note)
+                self.event("notice", why=note)
         self.event("measured", device=m.name, role=m.role, kind=f.kind, flops=f.flops, memory=f.memory,
                    seconds=round(request.measure_s, 3),
                    links={(self.names.get(p.dst, p.dst)): {"rtt_ms": round(p.rtt_s * 1e3, 3),

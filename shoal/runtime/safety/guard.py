@@ -254,6 +254,24 @@ def verify_rate(checked_ok: int, flags: int, floor: float, cfg: GuardConfig = DE
     return min(1.0, max(floor, rate))
 
 
+def server_check_note(local: bool, spot_check: float, precision: str, worker_kind: str) -> str:
+    """A warning for a run whose stage servers will recompute pushes of a worker on an
+    accelerator ("" : none; pure). A server recomputes on its CPU and holds the step meanwhile:
+    on the first lent H200 one gpt-125m push of 8 micro-batches took a server 37-70 s against
+    0.2 s on the GPU (bench/results/gpu-runtime.md). fp32 runs recompute first and flagged
+    pushes even at ``--spot-check 0``; bf16/fp16 runs only drawn ones (a new worker's first
+    pushes are drawn surely). Local mode screens rounds without recomputing."""
+    if local or not worker_kind.startswith(("cuda", "mps", "xpu")):
+        return ""
+    if precision != "fp32" and spot_check <= 0:
+        return ""
+    device = worker_kind.split(":", 1)[-1].strip()
+    way_out = ("--precision bf16 with --spot-check 0" if precision == "fp32" else "--spot-check 0")
+    return (f"spot checks: stage servers recompute pushes on their CPUs (a new worker's first ones, then drawn "
+            f"ones); beside {device} workers that can take a minute or more a push and holds the step: give "
+            f"{way_out}, or run --sync local (screened without recomputing)")
+
+
 def needs_verify(flag: str, first_push: bool, spot: bool, exact: bool, cfg: GuardConfig = DEFAULT) -> bool:
     """Whether the server recomputes a push: only in exact runs, when flagged, first or drawn."""
     return exact and (bool(flag) or (first_push and cfg.verify_first) or spot)
