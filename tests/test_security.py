@@ -346,9 +346,14 @@ def test_tls_run_resists_capture_impersonation_and_floods(tmp_path, tmp_path_fac
         return (tmp_path / f"{name}.log").read_text()[-3000:]
 
     try:
-        # Every member is told a proxy's address, so every connection passes the recorder.
-        cport, sports = _free_port(), [_free_port(), _free_port()]
-        cproxy, sproxies = rec.proxy(cport), [rec.proxy(p) for p in sports]
+        # Every member is told a proxy's address, so every connection passes the recorder. The
+        # listen ports are free only when picked, so a proxy may be given one of them (a CI run
+        # did: server 1 could not listen): picked again until all six differ.
+        while True:
+            cport, sports = _free_port(), [_free_port(), _free_port()]
+            cproxy, sproxies = rec.proxy(cport), [rec.proxy(p) for p in sports]
+            if len({cport, *sports, cproxy, *sproxies}) == 6:
+                break
         run = [f"--{k.replace('_', '-')}={v}" for k, v in RUN.items()]
         coord = start(["coordinator", "--listen", f"127.0.0.1:{cport}", "--advertise", f"127.0.0.1:{cproxy}",
                        "--stages", "2", "--min-workers", "2", "--dead-after", "3.0", "--min-lease", "1.5",
