@@ -11,13 +11,13 @@ where the launch's steps went (the runtime's own per-stage split: compute, trans
 waiting) and the CPU seconds each role spent per step and per micro-batch task (from /proc,
 between the commits of the first and the last step). The worker compute share is
 a worker's compute over its stage's step: what the framework leaves of the device.
+Every process, the local trainer's too, runs one CPU torch thread (as in ``bench_runtime.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -25,14 +25,8 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_runtime import _steady  # noqa: E402  (mean step, median step, tokens/s after the first step)
 from procstat import cpu_s  # noqa: E402
-
-
-def _steady(recs: list[dict]) -> tuple[float, float, list[dict]]:
-    """(mean step time, tokens/s, records) over every step after the first (warm-up)."""
-    rest = [r for r in recs if r["step"] >= 1] or recs
-    times = [r["step_time_s"] for r in rest]
-    return statistics.fmean(times), sum(r["tokens"] for r in rest) / sum(times), rest
 
 
 def local_run(run: dict, out: Path) -> tuple[float, float]:
@@ -41,7 +35,7 @@ def local_run(run: dict, out: Path) -> tuple[float, float]:
     from shoal.train.local import train_local
 
     res = train_local(TrainConfig(**run, out=str(out), eval_every=0, eval_batches=1), quiet=True)
-    mean, tps, _ = _steady(res.records)
+    mean, _, tps = _steady(res.records)
     return mean, tps
 
 
@@ -70,7 +64,9 @@ def launch_run(run: dict, out: Path, stages: int, workers: int, sync: str, sync_
         swarm.start()
         swarm.wait()
     wall = time.monotonic() - t0
-    mean, tps, rest = _steady(read_jsonl(out / "metrics.jsonl"))
+    recs = read_jsonl(out / "metrics.jsonl")
+    mean, _, tps = _steady(recs)
+    rest = [r for r in recs if r["step"] >= 1] or recs  # the steps _steady measured
     split: dict[str, float] = {}
     for r in rest:
         for st in r.get("split", {}).values():

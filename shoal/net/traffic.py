@@ -46,6 +46,12 @@ def _grad_or_act(direction: int) -> str:
     return "activations" if direction == pb.FWD else "activation_grads"
 
 
+# Messages whose repeated frames are all of one traffic kind: (that kind, their field's name).
+# A replica plan's per-layer merges between stage servers are ReplicaParts.
+FRAME_KINDS = {pb.GradPush: ("grad_push", "grads"), pb.WeightsReply: ("weight_pull", "params"),
+               pb.ReplicaPart: ("replica_merge", "tensors")}
+
+
 def frames_of(msg) -> list[tuple[str, pb.Tensor]]:
     """The tensor frames of a runtime message with their traffic kinds (pure)."""
     if isinstance(msg, pb.TaskResult):
@@ -57,19 +63,13 @@ def frames_of(msg) -> list[tuple[str, pb.Tensor]]:
         if msg.has_task and msg.task.HasField("out_grad"):
             out.append(("activation_grads", msg.task.out_grad))
         return out
-    if isinstance(msg, pb.GradPush):
-        return [("grad_push", g) for g in msg.grads]
-    if isinstance(msg, pb.WeightsReply):
-        return [("weight_pull", g) for g in msg.params]
     if isinstance(msg, pb.Relay):
         return [(_grad_or_act(msg.direction), msg.tensor)] if msg.HasField("tensor") else []
-    if isinstance(msg, pb.ReplicaPart):  # a replica plan's per-layer merge between stage servers
-        return [("replica_merge", t) for t in msg.tensors]
+    if type(msg) in FRAME_KINDS:
+        kind, field = FRAME_KINDS[type(msg)]
+        return [(kind, t) for t in getattr(msg, field)]
     return []
 
-
-# The traffic kind of the frames of a message type that holds one kind (see frames_of).
-FRAME_KINDS = {pb.GradPush: "grad_push", pb.WeightsReply: "weight_pull", pb.ReplicaPart: "replica_merge"}
 
 # Messages whose frames are one top-level field, by type: their frames' sizes can be read from
 # the serialised message (shoal.net.wire.field_spans) instead of each payload being copied out.
@@ -108,7 +108,7 @@ class Traffic:
         """
         if isinstance(msg, Framed):  # frames kept out of the message (shoal.net.wire.split_framed)
             if frames is None:
-                frames = [(FRAME_KINDS[type(msg.head)], f) for f in msg.frames]
+                frames = [(FRAME_KINDS[type(msg.head)][0], f) for f in msg.frames]
             msg = msg.head
         frames = list(frames_of(msg) if frames is None else frames)
         if total is None:

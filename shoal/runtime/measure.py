@@ -120,11 +120,9 @@ def available_ram() -> float:
 def warm_device(device: str | torch.device | None = None) -> float:
     """Start an accelerator's context and matrix library now; the seconds it took (0 on a CPU).
 
-    A member calls this before it joins a run, so that the first touch of its GPU (a CUDA
-    context, cuBLAS handles, the first kernels: seconds on an H200) falls before the
-    coordinator counts its heartbeats. On the first lent H200, workers that first touched the
-    GPU after joining fell silent for 3 s around their device measurement and were declared
-    dead (bench/results/gpu-runtime.md).
+    A worker calls this before it joins a run, so that the first touch of its GPU (a CUDA
+    context, cuBLAS handles, the first kernels: 0.4-0.5 s on an H200, longer on slower hosts)
+    falls before the coordinator counts its heartbeats and is not part of its device measurement.
     """
     dev = resolve_device(device)
     if dev.type != "cuda":
