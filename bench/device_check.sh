@@ -9,6 +9,9 @@
 #   gpu_runtime  shoal launch S=2 W=2 against train --local on the one GPU (gpt-125m bf16)
 #   shadow       shadow swarms of 16, 64 and 256 workers at time scale 1 on the host's cores
 #   gpu          bench_gpu.py: per-stage throughput and MFU, fp32 vs bf16 loss
+#   gpu_checks   the exact launch again at the default --spot-check: the servers' routine
+#                recomputations now run beside the steps (docs/poisoning.md, "Deferred checks");
+#                the last step's are still inline, so its steps' times are the figure, not the wall
 set -u
 OUT=${1:?usage: device_check.sh OUT}
 mkdir -p "$OUT"
@@ -25,10 +28,12 @@ print("torch", torch.__version__, "cuda", torch.cuda.is_available(), "grpc", grp
 
 if [ -n "${SMOKE:-}" ]; then
     rt=(--device cpu --smoke --precision fp32); sh=(--workers 16 --steps 3); gp=(--device cpu --smoke)
+    ck=(--device cpu --smoke --precision fp32 --sync exact)
 else
     # --spot-check 0: at the default a server recomputes a GPU worker's first pushes on its CPU,
     # a minute each for gpt-125m (bench/results/gpu-runtime.md), and the launch never ends in time.
     rt=(--timeout 150 --spot-check 0); sh=(--workers 16,64,256 --steps 6); gp=(--loss-steps 30)
+    ck=(--timeout 240 --sync exact --steps 10)
 fi
 if command -v nvidia-smi >/dev/null; then  # the GPU's busy share over the runtime bench, twice a second
     nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -lms 500 > "$OUT/gpu_util.csv" &
@@ -42,4 +47,7 @@ tar czf "$OUT/gpu_runtime_logs.tgz" -C "$runs" --exclude='*.safetensors' --exclu
 timeout 140 $PY bench/bench_shadow.py --model tiny --micro-batches 8 --micro-batch-size 4 --seq-len 64 \
     --speedup 1 --per-process 64 "${sh[@]}" 2>&1 | tee "$OUT/shadow.md"
 timeout 100 $PY bench/bench_gpu.py "${gp[@]}" 2>&1 | tee "$OUT/gpu.md"
+runs=$(mktemp -d /tmp/gpuck.XXXX)
+timeout 280 $PY bench/bench_gpu_runtime.py "${ck[@]}" --out "$runs" 2>&1 | tee "$OUT/gpu_checks.md"
+grep -h "recomputed the push" "$runs"/launch-exact/logs/server*.log > "$OUT/gpu_checks_recomputed.txt" 2>/dev/null
 exit 0

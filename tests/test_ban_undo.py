@@ -473,6 +473,8 @@ def test_a_rollback_during_a_recomputation_bans_nobody(tmp_path, monkeypatch):
 
     async def main():
         srv = await _old_epoch_server(tmp_path, "rollback-race")
+        # The inline recomputation (a flagged push's; a deferred one works on its own copy of the weights).
+        srv.guard_cfg = dataclasses.replace(srv.guard_cfg, deferred_checks=False)
         lock = srv._wlock = _SeenLock()
         old_module, loop = srv.module, asyncio.get_running_loop()
         done = []
@@ -657,7 +659,7 @@ def test_bf16_a_stages_only_worker_is_recomputed_by_the_server(tmp_path, monkeyp
     a worker was never checked and a bench run's x-2 went through unseen."""
     import asyncio
 
-    from test_guard import _compute, _grad_push, _one_stage_server
+    from test_guard import _compute, _grad_push, _one_stage_server, _settled
 
     from shoal.runtime.safety.guard import SPOT_RATE_ENV
     from shoal.runtime.safety.verify import recompute_grads
@@ -679,10 +681,13 @@ def test_bf16_a_stages_only_worker_is_recomputed_by_the_server(tmp_path, monkeyp
 
         (mb0, gen), (mb1, _) = done
         assert (await srv.PushGrads(_grad_push(srv, 0, mb0, "A", gen, bf16_grads(mb0)), None)).accepted
+        await _settled(srv)  # (drawn checks run beside the step: safety/deferred.py)
         assert srv.guard_checks == 1 and srv.guard_ok.get("A") == 1 and not srv.guard_banned
         lie = {n: -2 * g for n, g in bf16_grads(mb1).items()}
-        rep = await srv.PushGrads(_grad_push(srv, 0, mb1, "A", gen, lie), None)
-        assert not rep.accepted and srv.guard_checks == 2
+        assert (await srv.PushGrads(_grad_push(srv, 0, mb1, "A", gen, lie), None)).accepted
+        assert srv.step_unverified == {"A"}, "counted unverified until its check is judged"
+        await _settled(srv)
+        assert srv.guard_checks == 2 and not srv.pushes
         assert "differs from the recomputed one by 3" in srv.guard_banned["A"], srv.guard_banned
         assert "tolerance 0.25" in srv.guard_banned["A"]
 

@@ -291,6 +291,12 @@ async def _one_stage_server(tmp_path, run_id: str, **shape):
     return srv
 
 
+async def _settled(srv):
+    """Wait until the server's deferred checks (safety/deferred.py) are all judged."""
+    while srv.deferred_task is not None:
+        await srv.cond.wait(1.0)
+
+
 async def _compute(srv, worker):
     """Lease one task for ``worker`` and report it computed: ``(task, the result's reply)``."""
     from shoal.net import shoal_pb2 as pb
@@ -302,8 +308,9 @@ async def _compute(srv, worker):
 
 
 def test_server_bans_a_poisoned_push_and_redoes_its_work(tmp_path):
-    """A one-stage server: A's and B's honest pushes count (each a first push: recomputed);
-    B's next push, times -20, is flagged by its norm, recomputed and banned: both of B's
+    """A one-stage server: A's and B's honest pushes count (each a first push: recomputed
+    beside the step); B's next push, times -20, is flagged by its norm, recomputed before it
+    counts and banned: both of B's
     micro-batches go back to todo (its counted push is dropped) and A redoes them."""
     from shoal.net import shoal_pb2 as pb
     from shoal.runtime.safety.verify import recompute_grads
@@ -325,7 +332,9 @@ def test_server_bans_a_poisoned_push_and_redoes_its_work(tmp_path):
         assert rep.accepted
         mb_b1, gen_b, g_b1 = await compute("B")
         assert (await srv.PushGrads(_grad_push(srv, 0, mb_b1, "B", gen_b, g_b1), None)).accepted
-        assert srv.guard_checks == 2  # both first pushes were recomputed
+        await _settled(srv)
+        assert srv.guard_checks == 2  # both first pushes were recomputed (beside the step)
+        assert srv.guard_ok == {"A": 1, "B": 1} and srv.step_unverified == {"A", "B"}
         mb_b, gen_b, g_b = await compute("B")
         rep = await srv.PushGrads(_grad_push(srv, 0, mb_b, "B", gen_b, {n: -20 * g for n, g in g_b.items()}), None)
         assert not rep.accepted and "differs from the recomputed one" in rep.reason and "the stage's median" in rep.reason
@@ -454,8 +463,9 @@ def test_recompute_sum_in_threads_is_the_same_bits_as_one_at_a_time(first, last)
 
 def test_server_recomputes_a_push_of_several_micro_batches_in_threads(tmp_path):
     """The production path: a one-stage server recomputes a worker's first push, three
-    micro-batches in one push, on its recompute threads. The honest sum counts; the same push
-    with one micro-batch's gradient 1 % off is banned."""
+    micro-batches in one push, on its recompute threads (beside the step: the push counts at
+    once, unverified). The honest sum passes; the same push with one micro-batch's gradient
+    1 % off bans its worker, whose counted micro-batches go back to todo."""
     from shoal.net import shoal_pb2 as pb
     from shoal.net.wire import encode_tensor
     from shoal.runtime.safety.verify import recompute_grads
@@ -477,24 +487,31 @@ def test_server_recomputes_a_push_of_several_micro_batches_in_threads(tmp_path):
         push = pb.GradPush(worker="A", step=0, epoch=0, gen=gen, mbs=mbs,
                            grads=[encode_tensor(n, x, "raw") for n, x in total.items()])
         rep = await srv.PushGrads(push, None)
+        assert rep.accepted and srv.step_unverified == {"A"}
+        await _settled(srv)
         return srv, rep
 
     srv, rep = asyncio.run(run(False))
-    assert rep.accepted and srv.guard_checks == 1 and "A" not in srv.guard_banned
+    assert srv.guard_checks == 1 and srv.guard_ok == {"A": 1} and "A" not in srv.guard_banned
     srv, rep = asyncio.run(run(True))
-    assert not rep.accepted and "A" in srv.guard_banned and "recomputed" in rep.reason
+    assert "A" in srv.guard_banned and "deferred check" in srv.guard_banned["A"]
+    assert "differs from the recomputed one" in srv.guard_banned["A"]
+    assert not srv.pushes and all(st.grad == "todo" for st in srv.steps[0].values())
     torch.set_grad_enabled(True)
 
 
 def test_server_check_note_only_where_servers_recompute_an_accelerators_pushes():
-    """The coordinator warns once when a worker on a GPU joins a run whose stage servers
-    recompute pushes on their CPUs: exact sync with spot checks on, or fp32 at any rate (first
-    pushes are recomputed even at --spot-check 0). CPU workers, local mode and bf16 at
-    --spot-check 0 get no warning. The note names the device and a way out that works."""
+    """The coordinator warns once when a worker on a GPU joins a run whose stage servers hold
+    steps to recompute pushes on their CPUs: the last step's with spot checks on, and in fp32
+    flagged pushes at any rate (routine checks are deferred). CPU workers, local mode and bf16
+    at --spot-check 0 get no warning. The note names the device, what is held, and a way out
+    that works."""
     bf16 = server_check_note(False, 0.05, "bf16", "cuda: NVIDIA H200")
     assert "NVIDIA H200" in bf16 and "give --spot-check 0," in bf16 and "--sync local" in bf16 and "\n" not in bf16
+    assert "the last step's pushes are recomputed before they count" in bf16 and "flags" not in bf16
     fp32 = server_check_note(False, 0.0, "fp32", "cuda: NVIDIA H200")
-    assert "--precision bf16 with --spot-check 0" in fp32
+    assert "--precision bf16 with --spot-check 0" in fp32 and "flags are" in fp32 and "last step" not in fp32
+    assert "flags and the last step's" in server_check_note(False, 0.05, "fp32", "cuda: NVIDIA H200")
     assert server_check_note(False, 0.05, "bf16", "cpu: AMD EPYC") == ""
     assert server_check_note(True, 0.05, "fp32", "cuda: NVIDIA H200") == ""
     assert server_check_note(False, 0.0, "bf16", "cuda: NVIDIA H200") == ""

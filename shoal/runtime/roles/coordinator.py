@@ -91,7 +91,7 @@ from shoal.runtime.roles.planning import (
     played_device,
     unplaced_reason,
 )
-from shoal.runtime.safety.guard import keep_version, server_check_note, undo_target
+from shoal.runtime.safety.guard import ban_undo_cap, keep_version, server_check_note, undo_target
 from shoal.runtime.safety.journal import FINAL, JOURNAL, LINKED, Journal, point_link, run_dir
 from shoal.runtime.safety.standby import decisions_since, planned_standby_stages
 from shoal.runtime.sync.replicas import (
@@ -1048,9 +1048,9 @@ class Coordinator(pbg.CoordinatorServicer):
         firsts += [self.unverified[ban.worker]] if ban.worker in self.unverified else []
         # under its name too: pushes it made under an earlier member id, before a restart
         firsts += [self.unverified_names[name]] if name in self.unverified_names else []
-        if not firsts or min(firsts) >= self.committed:
+        cap = ban_undo_cap(firsts, self.committed)
+        if cap is None:
             return  # every committed push of it was recomputed: nothing to undo
-        cap = min(firsts)
         self.undo_cap = cap if self.undo_cap is None else min(self.undo_cap, cap)
         log.error("undoing worker %s's unverified pushes: every stage rolls back to v%d at most (committed: %d)",
                   name, self.undo_cap, self.committed)

@@ -97,11 +97,12 @@ from shoal.runtime.pool.pool import (
     wait_counts,
     yield_to_idle,
 )
+from shoal.runtime.safety.deferred import DeferredCheck, DeferredCheckMixin, defer_check
 from shoal.runtime.safety.endcheck import EndCheckMixin
-from shoal.runtime.safety.guard import DEFAULT as GUARD
 from shoal.runtime.safety.guard import (
     SPOT_RATE_ENV,
     ban_reason,
+    guard_config,
     keep_version,
     low_only,
     needs_verify,
@@ -143,7 +144,7 @@ GRAD_FRAMES = pb.GradPush.DESCRIPTOR.fields_by_name["grads"].number
 
 
 class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantMixin, EndCheckMixin,
-                  pbg.StageServerServicer):
+                  DeferredCheckMixin, pbg.StageServerServicer):
     """State and RPC handlers of one stage server."""
 
     def __init__(self, coord: str, listen: str, token: str, ckpt_root: str, *,
@@ -241,9 +242,10 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         # Spot-check draws also hash this server's own secret: a worker cannot predict them.
         self.guard_salt = os.urandom(8).hex()
         self.guard_keep: int | None = None  # the oldest version a ban may roll back to (from the coordinator)
-        self.guard_cfg = GUARD  # the screen's thresholds (shoal.runtime.safety.guard.GuardConfig)
+        self.guard_cfg = guard_config(os.environ)  # the screen's thresholds (safety.guard.GuardConfig)
         self._dup_init()  # redundant checks and the drift test (shoal.runtime.safety.redundant)
         self._end_init()  # the run's end check (shoal.runtime.safety.endcheck)
+        self._deferred_init()  # recomputations beside the steps (shoal.runtime.safety.deferred)
         self.standby = False  # a hot standby: copies a stage's checkpoints until promoted
         self.standby_copying = False  # a checkpoint copy is under way
         self.copy_failing: tuple | None = None  # (stage, source, why) of the failing copy already warned about
@@ -523,6 +525,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
             reaper.cancel()
             for t in list(self._bg):
                 t.cancel()
+            self._deferred_close()
             for link in self._links.values():
                 link.close()
             await server.stop(0.5)
@@ -1208,7 +1211,20 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         # only worker) is recomputed by the server in fp32 and judged within lowp_rel_tol.
         lowp = (run_precision(self.spec) == "bf16" and not self.local and all(g.codec in ("", "raw") for g in r.grads)
                 and compression_of_spec(self.spec).pull == "none")
-        if not checker and current and (needs_verify(flag, first, spot, exact, self.guard_cfg) or (lowp and spot)):
+        need = not checker and current and (needs_verify(flag, first, spot, exact, self.guard_cfg) or (lowp and spot))
+        deferred = False
+        # (A push flagged only as small is no sign of a lie: guard.low_only.)
+        small = bool(flag) and low_only(norm, cosine, centre, self.guard_cfg)
+        if need and defer_check(flag, small, last, suspect, self.guard_cfg):
+            # Routine: judged beside the steps (safety/deferred.py); the push counts unverified now.
+            mbs = self.steps[r.step]
+            deferred = await self._defer(DeferredCheck(
+                r.worker, r.step, r.epoch, tuple(ids), grads,
+                [(mb, mbs[mb].input, mbs[mb].out_grad) for mb in sorted(ids)], (self.stage, self.first, self.last),
+                (self.is_first, self.is_last), self.loss_scale, lowp,
+                "flagged as small" if flag else "its first" if first else f"spot check at rate {rate:.2f}"))
+            need = False
+        if need:
             self.guard_checks += 1
             mbs = self.steps[r.step]
             inputs = [(mb, mbs[mb].input, mbs[mb].out_grad) for mb in sorted(ids)]
@@ -1224,7 +1240,6 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
                      f", spot check at rate {rate:.2f}", err)
         # Consecutive flagged pushes (an unflagged one clears them): one odd micro-batch never adds up.
         # A push flagged only as small is no strike (guard.low_only).
-        small = bool(flag) and low_only(norm, cosine, centre, self.guard_cfg)
         strike = bool(flag) and not small
         self.guard_strikes[r.worker] = self.guard_strikes.get(r.worker, 0) + 1 if strike else 0
         if flag:
@@ -1234,7 +1249,8 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
             cleared = err is not None and ban_reason("", err, 0, self.guard_cfg, lowp) == ""
             log.log(logging.INFO if cleared or small else logging.WARNING,
                     "%s: push of %s (step %d mbs %s) flagged: %s; %s", self.name, r.worker, r.step, ids, flag,
-                    f"recomputed: relative error {err:.3g}" if err is not None else "not recomputed")
+                    f"recomputed: relative error {err:.3g}" if err is not None else
+                    "to be recomputed beside the steps" if deferred else "not recomputed")
         # Exact runs ban only on a failed recomputation, never on flags alone.
         reason = ban_reason(flag, err, 0 if exact else self.guard_strikes.get(r.worker, 0), self.guard_cfg, lowp)
         if reason:
@@ -1251,6 +1267,8 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
             # No push is verified here (bf16/fp16, lossy codecs): the undo record holds what the
             # screen flagged, and keeps it (an unflagged push after it takes nothing back).
             self.step_unverified.add(r.worker)
+        if deferred:
+            self.step_unverified.add(r.worker)  # until its deferred check clears it (or bans and undoes it)
         if err is not None or not exact:
             self.guard_seen.add(r.worker)  # else its first push is still to be recomputed
         if not flag or err is not None or small:
@@ -1798,13 +1816,15 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         trace(self.name, "commit_start", step=step)
         try:
             mbs = self.steps[step]
-            # Summed, unscaled and measured in a thread: a stage's gradients can be hundreds of MB.
-            parts = await asyncio.get_running_loop().run_in_executor(None, self._sum_pushes, sorted(
-                self.pushes, key=lambda x: x[0]))
+            pushes = sorted(self.pushes, key=lambda x: x[0])
             # Unverified pushes in this step: a later ban of their worker rolls back to version ``step``.
-            unverified = sorted({p[2] for p in self.pushes} & self.step_unverified)
+            # Recorded before the sum: a deferred check may ban while the sum runs, and its undo
+            # must then cover this step, whose sum holds the push.
+            unverified = sorted({p[2] for p in pushes} & self.step_unverified)
             for wid in unverified:
                 self.guard_unverified.setdefault(wid, step)
+            # Summed, unscaled and measured in a thread: a stage's gradients can be hundreds of MB.
+            parts = await asyncio.get_running_loop().run_in_executor(None, self._sum_pushes, pushes)
             report = pb.StepReport(member_id=self.member_id, stage=self.stage, step=step, epoch=epoch,
                                    sq_norm=self._local_sq_norm() if self.local else total_sq_norm(parts),
                                    requeues=self.requeues,
@@ -1816,6 +1836,10 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
                 report.tasks_per_worker[w] = n
             # Every standby of the stage logs the step before any decision on it can exist.
             await self.standby_send_step(step, epoch)
+            if step == self.spec.steps - 1:
+                await self._deferred_drain(epoch)  # no run ends with a deferred check undecided
+                if self.epoch != epoch:
+                    return
             if step == self.spec.steps - 1 and self._end_active():
                 # The newest unverified pushes of workers absent from the last step (safety/endcheck.py).
                 await self._end_checks(step, epoch)

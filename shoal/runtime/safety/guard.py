@@ -31,6 +31,7 @@ Everything here that decides is a small pure function, tested directly
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import statistics
@@ -167,6 +168,14 @@ class GuardConfig:
     # Pushes a worker needs in its record before its drift is judged (one deviation's
     # self-normalised sum carries no information: every coordinate's z is +-1).
     drift_min_pushes: int = 3
+    # Routine server recomputations (a worker's first pushes, random draws no other worker can
+    # check) run beside the steps on a thread of their own, the push counting as unverified
+    # until judged (safety/deferred.py): beside a GPU worker one took 37-70 s of server CPU and
+    # held up its step (bench/results/gpu-runtime.md). Flags, suspects and the last step stay inline.
+    deferred_checks: bool = True
+    # Deferred checks a server holds at once (each keeps the push and a copy of the stage's
+    # weights); a push drawn while they are full counts as unverified unchecked, like an undrawn one.
+    deferred_pending: int = 2
 
 
 DEFAULT = GuardConfig()
@@ -174,6 +183,14 @@ DEFAULT = GuardConfig()
 # (e.g. 0: only first, flagged and last-step pushes are recomputed, so poisoned pushes are
 # committed unverified and a ban must undo them). Members started by ``shoal launch`` inherit it.
 SPOT_RATE_ENV = "SHOAL_TEST_SPOT_RATE"
+# Bench hook: "0" judges every server recomputation before its push counts (the behaviour
+# before deferred checks), so a bench compares both in one run (bench/bench_deferred_checks.py).
+DEFERRED_ENV = "SHOAL_DEFERRED_CHECKS"
+
+
+def guard_config(env: dict[str, str]) -> GuardConfig:
+    """The stage servers' screen thresholds: the defaults, with the bench hook read from ``env``."""
+    return DEFAULT if env.get(DEFERRED_ENV, "1") != "0" else dataclasses.replace(DEFAULT, deferred_checks=False)
 
 
 def robust_centre(history: list[float]) -> float | None:
@@ -255,21 +272,23 @@ def verify_rate(checked_ok: int, flags: int, floor: float, cfg: GuardConfig = DE
 
 
 def server_check_note(local: bool, spot_check: float, precision: str, worker_kind: str) -> str:
-    """A warning for a run whose stage servers will recompute pushes of a worker on an
-    accelerator ("" : none; pure). A server recomputes on its CPU and holds the step meanwhile:
-    on the first lent H200 one gpt-125m push of 8 micro-batches took a server 37-70 s against
-    0.2 s on the GPU (bench/results/gpu-runtime.md). fp32 runs recompute first and flagged
-    pushes even at ``--spot-check 0``; bf16/fp16 runs only drawn ones (a new worker's first
-    pushes are drawn surely). Local mode screens rounds without recomputing."""
+    """A warning for a run whose stage servers will hold steps to recompute pushes of a worker
+    on an accelerator ("" : none; pure). A server recomputes on its CPU: on the first lent H200
+    one gpt-125m push of 8 micro-batches took a server 37-70 s against 0.2 s on the GPU
+    (bench/results/gpu-runtime.md). Routine checks (first pushes, draws) run beside the steps
+    (safety/deferred.py), but the last step's pushes (spot checks on) and, in fp32, pushes the
+    screen flags are recomputed before they count. Local mode screens rounds without recomputing."""
     if local or not worker_kind.startswith(("cuda", "mps", "xpu")):
         return ""
     if precision != "fp32" and spot_check <= 0:
         return ""
     device = worker_kind.split(":", 1)[-1].strip()
+    held = ("the pushes the screen flags and the last step's" if precision == "fp32" and spot_check > 0 else
+            "the pushes the screen flags" if precision == "fp32" else "the last step's pushes")
     way_out = ("--precision bf16 with --spot-check 0" if precision == "fp32" else "--spot-check 0")
-    return (f"spot checks: stage servers recompute pushes on their CPUs (a new worker's first ones, then drawn "
-            f"ones); beside {device} workers that can take a minute or more a push and holds the step: give "
-            f"{way_out}, or run --sync local (screened without recomputing)")
+    return (f"spot checks: stage servers recompute pushes on their CPUs; routine checks run beside the steps, but "
+            f"{held} are recomputed before they count, which beside {device} workers can take a minute or more "
+            f"a push: give {way_out}, or run --sync local (screened without recomputing)")
 
 
 def needs_verify(flag: str, first_push: bool, spot: bool, exact: bool, cfg: GuardConfig = DEFAULT) -> bool:
@@ -318,6 +337,17 @@ def keep_version(unverified_since: list[dict[str, int]], banned: set[str] = froz
     Each stage keeps a checkpoint at or before it (None: nothing unverified)."""
     steps = [s for rec in unverified_since for w, s in rec.items() if w not in banned]
     return min(steps) if steps else None
+
+
+def ban_undo_cap(firsts: list[int], committed: int) -> int | None:
+    """The version a ban rolls the run back to at most (pure; None: nothing to undo).
+
+    ``firsts``: the steps the records name (each the first step whose commit summed an
+    unverified push of the worker); ``committed``: the steps the coordinator has decided.
+    A step equal to ``committed`` is one being committed: a server summed the push into it
+    and its report may still come (a deferred check can ban that late), so that step is
+    rolled back too rather than decided with the push in it."""
+    return min(firsts) if firsts and min(firsts) <= committed else None
 
 
 def undo_target(cap: int, held: list[list[int]]) -> int:

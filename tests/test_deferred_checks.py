@@ -1,0 +1,94 @@
+"""Deferred checks (shoal.runtime.safety.deferred): a stage server's routine recomputations
+run beside the steps; the push counts as unverified until judged."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+from shoal.runtime.safety.deferred import defer_check, deferred_room
+from shoal.runtime.safety.guard import GuardConfig, ban_undo_cap
+
+
+def test_routine_checks_are_deferred_and_a_server_holds_few():
+    cfg = GuardConfig()
+    assert defer_check("", small=False, last=False, suspect=False, cfg=cfg)  # a first push, a random draw
+    large = "norm 9 is 20.0x the stage's median 0.45"
+    assert not defer_check(large, small=False, last=False, suspect=False, cfg=cfg)
+    # only too small (honest early in training, when norms fall fast): no sign of a lie
+    assert defer_check("norm 2.2 is 26.3x below the stage's median 58", small=True, last=False, suspect=False,
+                       cfg=cfg)
+    assert not defer_check("", small=False, last=True, suspect=False, cfg=cfg)  # the run's last step
+    assert not defer_check("", small=False, last=False, suspect=True, cfg=cfg)  # a drift suspect
+    assert not defer_check("", small=False, last=False, suspect=False,
+                           cfg=dataclasses.replace(cfg, deferred_checks=False))
+    assert [deferred_room(n, cfg) for n in range(4)] == [True, True, False, False]
+
+
+def test_a_ban_of_a_push_in_the_step_being_committed_rolls_that_step_back():
+    """A deferred check can ban after a server summed the push into the step it commits,
+    before the coordinator decides it (seen: bench_poison's x-20 from step 0 ended with the
+    poisoned weights, the ban's undo skipped as 'nothing committed'). That step is undone
+    too; steps after the decided ones are not in any record."""
+    assert ban_undo_cap([0], committed=0) == 0  # summed into step 0, not decided yet
+    assert ban_undo_cap([3, 5], committed=7) == 3
+    assert ban_undo_cap([], committed=4) is None  # every push of it was recomputed
+    assert ban_undo_cap([5], committed=4) is None  # (no server sums a step past the decided ones)
+
+
+@pytest.mark.timeout(120)
+def test_the_step_goes_on_during_a_check_and_a_rollback_meanwhile_bans_nobody(tmp_path, monkeypatch):
+    """A's first push counts at once, unverified, while the server recomputes it; meanwhile B
+    leases and completes a task of the same step (inline, the push's call would not return
+    before the recomputation), B's first push finds the checks full and counts unchecked (still
+    a first push: checked later), and a rollback loads other weights. The check is judged on
+    its own copy of the weights A computed on: A passes, nobody is banned."""
+    from test_ban_undo import _old_epoch_server
+    from test_guard import _compute, _grad_push, _settled
+
+    import shoal.runtime.safety.verify as verify
+    from shoal.net import shoal_pb2 as pb
+
+    real = verify.recompute_grads
+    started, release, modules = threading.Event(), threading.Event(), []
+
+    def held(*args, **kwargs):  # (on the check's thread)
+        modules.append(args[0])
+        started.set()
+        release.wait(60)
+        return real(*args, **kwargs)
+
+    async def main():
+        srv = await _old_epoch_server(tmp_path, "deferred", micro_batches=3)
+        srv.guard_cfg = dataclasses.replace(srv.guard_cfg, deferred_pending=1)
+        old_module = srv.module
+        t, ok = await _compute(srv, "A")
+        honest = real(old_module, srv.spec, 0, t.mb, first=True, last=True, inp=None, out_grad=None)
+        monkeypatch.setattr(verify, "recompute_grads", held)
+        rep = await srv.PushGrads(_grad_push(srv, 0, t.mb, "A", ok.gen, honest), None)
+        assert rep.accepted and srv.step_unverified == {"A"} and len(srv.deferred) == 1
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        tb, okb = await _compute(srv, "B")  # the step goes on
+        assert okb.accepted
+        gb = real(old_module, srv.spec, 0, tb.mb, first=True, last=True, inp=None, out_grad=None)
+        assert (await srv.PushGrads(_grad_push(srv, 0, tb.mb, "B", okb.gen, gb), None)).accepted
+        assert srv.deferred_skipped == 1 and srv.step_unverified == {"A", "B"} and "B" not in srv.guard_seen
+        srv._assigned(pb.Assignment(stage=0, first=0, last=6, epoch=1, restart_version=0))
+        while srv.module is old_module:
+            await asyncio.sleep(0.01)
+        release.set()
+        await _settled(srv)
+        assert not srv.guard_banned, srv.guard_banned
+        assert srv.guard_ok == {"A": 1} and srv.guard_checks == 1 and "A" in srv.guard_seen
+        assert modules and all(m is not old_module and m is not srv.module for m in modules)
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        torch.set_grad_enabled(True)
