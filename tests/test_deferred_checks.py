@@ -92,3 +92,40 @@ def test_the_step_goes_on_during_a_check_and_a_rollback_meanwhile_bans_nobody(tm
     finally:
         release.set()
         torch.set_grad_enabled(True)
+
+
+@pytest.mark.timeout(120)
+def test_checks_of_one_version_share_one_copy_of_the_weights(tmp_path, monkeypatch):
+    """Two workers' first pushes of one step are held together: one copy of the weights (a
+    copy per check would hold the stage's weights once per held check), and both pass."""
+    from test_ban_undo import _old_epoch_server
+    from test_guard import _compute, _grad_push, _settled
+
+    import shoal.runtime.safety.verify as verify
+
+    real = verify.recompute_grads
+    release = threading.Event()
+
+    def held(*args, **kwargs):
+        release.wait(60)
+        return real(*args, **kwargs)
+
+    async def main():
+        srv = await _old_epoch_server(tmp_path, "deferred-share", micro_batches=3)
+        monkeypatch.setattr(verify, "recompute_grads", held)
+        for w in ("A", "B"):
+            t, ok = await _compute(srv, w)
+            g = real(srv.module, srv.spec, 0, t.mb, first=True, last=True, inp=None, out_grad=None)
+            assert (await srv.PushGrads(_grad_push(srv, 0, t.mb, w, ok.gen, g), None)).accepted
+        assert [c.worker for c in srv.deferred] == ["A", "B"]
+        assert srv.deferred[0].weights is srv.deferred[1].weights
+        assert all(torch.equal(srv.deferred[0].weights[n], p) for n, p in srv.params.items())
+        release.set()
+        await _settled(srv)
+        assert srv.guard_ok == {"A": 1, "B": 1} and not srv.guard_banned
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        torch.set_grad_enabled(True)

@@ -522,6 +522,9 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         finally:
             log.info("%s took %d results on sessions and %d by call", self.name, self.stats["results_on_session"],
                      self.stats["results_by_call"])
+            if self.guard_checks or self.deferred_skipped:
+                log.info("%s recomputed %d pushes, %d of them beside the steps; %d drawn while its deferred checks "
+                         "were full", self.name, self.guard_checks, self.deferred_done, self.deferred_skipped)
             reaper.cancel()
             for t in list(self._bg):
                 t.cancel()

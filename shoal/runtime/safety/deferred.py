@@ -18,7 +18,8 @@ before they count); the last step's commit waits for the checks still under way,
 ends with a check undecided.
 
 The server checks as fast as its CPU allows, not faster: at most ``deferred_pending``
-checks are held (each holds the push and a copy of the stage's weights); a push that would
+checks are held (each holds the push, and a copy of the stage's weights shared by the checks
+of one version: at most twice the stage's weights and twice its gradient); a push that would
 be checked while they are full counts as unverified unchecked, like an undrawn push (the
 last step's full check, the run's end check and later draws still see its worker).
 """
@@ -78,6 +79,7 @@ class DeferredCheckMixin:
     def _deferred_init(self) -> None:
         self.deferred: list[DeferredCheck] = []  # held checks, the one under way first
         self.deferred_task: asyncio.Task | None = None  # the loop that works through them
+        self.deferred_done = 0  # checks judged beside the steps
         self.deferred_skipped = 0  # pushes that would have been checked while the checks were full
         # One thread of its own: a recomputation (tens of seconds beside a GPU) never holds up
         # the default executor's commits, sums and serialisations.
@@ -94,8 +96,12 @@ class DeferredCheckMixin:
         async with self._wlock:
             if self.version != chk.step or self.epoch != chk.epoch:
                 return False  # (a commit or rollback came first: the push is stale anyway)
+            # Checks of one version share one copy (a step's first pushes of several workers).
+            same = next((c.weights for c in self.deferred if (c.epoch, c.step, c.shape) == (chk.epoch, chk.step,
+                                                                                         chk.shape)), None)
             params = self.params
-            chk.weights = await loop.run_in_executor(None, lambda: {n: p.detach().clone() for n, p in params.items()})
+            chk.weights = same if same is not None else await loop.run_in_executor(
+                None, lambda: {n: p.detach().clone() for n, p in params.items()})
         self.deferred.append(chk)
         if self.deferred_task is None:
             self.deferred_task = asyncio.create_task(self._deferred_run())
@@ -145,6 +151,7 @@ class DeferredCheckMixin:
         if chk.worker in self.guard_banned:
             return
         self.guard_checks += 1
+        self.deferred_done += 1
         log.info("%s: recomputed the push of %s (step %d mbs %s, %s) beside the steps: relative error %.3g",
                  self.name, chk.worker, chk.step, list(chk.mbs), chk.why, err)
         reason = ban_reason("", err, 0, self.guard_cfg, chk.lowp)
