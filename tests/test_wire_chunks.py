@@ -208,7 +208,6 @@ def test_a_push_cut_mid_way_is_not_applied(tmp_path):
     asyncio.run(main())
 
 
-@pytest.mark.timeout(60)
 def _zeroed_worker(opts: WorkerOptions) -> Worker:
     """Worker "w" on stage 0 [0, 3) of the test spec, every weight zero (a pull must change them)."""
     w = Worker("127.0.0.1:9", TOKEN, opts)
@@ -221,6 +220,7 @@ def _zeroed_worker(opts: WorkerOptions) -> Worker:
     return w
 
 
+@pytest.mark.timeout(60)
 def test_a_weight_pull_cut_mid_way_leaves_the_worker_weights_alone(tmp_path):
     async def main():
         srv, rpc, addr = await _start(tmp_path)
