@@ -171,7 +171,8 @@ class GuardConfig:
     # Routine server recomputations (a worker's first pushes, random draws no other worker can
     # check) run beside the steps on a thread of their own, the push counting as unverified
     # until judged (safety/deferred.py): beside a GPU worker one took 37-70 s of server CPU and
-    # held up its step (bench/results/gpu-runtime.md). Flags, suspects and the last step stay inline.
+    # held up its step (bench/results/gpu-runtime.md). Flags (but a push flagged only as too
+    # small), drift suspects and the last step stay inline.
     deferred_checks: bool = True
     # Deferred checks a server holds at once (each keeps the push and a copy of the stage's
     # weights); a push drawn while they are full counts as unverified unchecked, like an undrawn one.
