@@ -180,9 +180,10 @@ def test_a_poisoner_that_turns_later_is_undone_bitwise(tmp_path, failure_free, m
     back, at every stage, to the version before its first unverified push and redoes the
     steps: the final weights are the failure-free run's, bit for bit."""
     from shoal.runtime.processes.launch import launch
-    from shoal.runtime.safety.guard import SPOT_RATE_ENV
+    from shoal.runtime.safety.guard import DEFERRED_ENV, SPOT_RATE_ENV
 
     monkeypatch.setenv(SPOT_RATE_ENV, "0")
+    monkeypatch.setenv(DEFERRED_ENV, "0")  # (its first pushes judged before it lies: see test_unverified_journal)
     # With random checks off only the last step's pushes are checked: the test needs a run in
     # which w1 gets a task of the last step (in a CI run w0 once took all four, and w1's lies
     # stood, as docs/poisoning.md says they do then), and one in which w1's first pushes are
@@ -226,9 +227,10 @@ def test_a_poisoner_that_takes_no_task_of_the_last_step_is_caught_by_the_end_che
     recomputes its newest unverified push, bans it, and the undo redoes its steps: the final
     weights are the failure-free run's, bit for bit."""
     from shoal.runtime.processes.launch import launch
-    from shoal.runtime.safety.guard import SPOT_RATE_ENV
+    from shoal.runtime.safety.guard import DEFERRED_ENV, SPOT_RATE_ENV
 
     monkeypatch.setenv(SPOT_RATE_ENV, "0")
+    monkeypatch.setenv(DEFERRED_ENV, "0")  # (its first pushes judged before it lies: see test_unverified_journal)
     last = RUN["steps"] - 1
     # The case needs w1 to commit a poisoned push unrecomputed: a task of a step in [2, last)
     # and a first push (always recomputed) before step 2. Other schedules are run again.

@@ -122,9 +122,14 @@ def test_a_poisoner_banned_after_a_total_stop_is_undone_bitwise(tmp_path, failur
     is banned at its first recomputed push; the run goes back to the version before its
     first unverified push and ends with the failure-free weights bit for bit. Without the journaled record the ban finds nothing to undo and step 3 stays."""
     from shoal.runtime.processes.launch import Swarm, launch
-    from shoal.runtime.safety.guard import SPOT_RATE_ENV
+    from shoal.runtime.safety.guard import DEFERRED_ENV, SPOT_RATE_ENV
 
     monkeypatch.setenv(SPOT_RATE_ENV, "0")
+    # Inline checks: the schedule needs w1's first pushes judged before it lies. Deferred, its
+    # record can still be short at step 3, its poisoned push is then drawn and checked by
+    # another worker, and it is banned before the stop (a fresh-clone CI run). The undo of a
+    # deferred check's ban is tested in test_deferred_checks.py and test_fault_inject.py.
+    monkeypatch.setenv(DEFERRED_ENV, "0")
     out = tmp_path / "run"
     faults = ["poison:w1:kind=noise:from=3"]
     import time

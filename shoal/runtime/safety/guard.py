@@ -184,8 +184,9 @@ DEFAULT = GuardConfig()
 # (e.g. 0: only first, flagged and last-step pushes are recomputed, so poisoned pushes are
 # committed unverified and a ban must undo them). Members started by ``shoal launch`` inherit it.
 SPOT_RATE_ENV = "SHOAL_TEST_SPOT_RATE"
-# Bench hook: "0" judges every server recomputation before its push counts (the behaviour
-# before deferred checks), so a bench compares both in one run (bench/bench_deferred_checks.py).
+# Bench and test hook: "0" judges every server recomputation before its push counts (the
+# behaviour before deferred checks), so a bench compares both in one run
+# (bench/bench_deferred_checks.py) and a test can fix when a worker's first pushes are judged.
 DEFERRED_ENV = "SHOAL_DEFERRED_CHECKS"
 
 
