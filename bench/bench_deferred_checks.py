@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -58,7 +59,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=1, help="inline/deferred pairs, alternating which goes first")
     ap.add_argument("--timeout", type=float, default=1500.0, help="seconds each launch may take")
-    ap.add_argument("--out", default=None, help="folder for the runs (default: a temp folder)")
+    ap.add_argument("--out", default=None, help="folder for the runs, kept (default: a temp folder, removed: a "
+                                                "gpt-125m run's checkpoints take about 5 GB)")
     args = ap.parse_args()
     run = dict(model=args.model, precision=args.precision, device=args.device, steps=args.steps,
                micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size, seq_len=args.seq_len,
@@ -70,13 +72,17 @@ def main() -> None:
     print("| pair | checks | step times (s) | middle steps mean (s) | wall (s) | recomputations (beside the steps) "
           "| final loss |")
     print("|---|---|---|---|---|---|---|")
-    for i in range(args.repeat):
-        for deferred in ((False, True) if i % 2 == 0 else (True, False)):
-            name = "deferred" if deferred else "inline"
-            r = one_run(run, root / f"{i}-{name}", args.stages, args.workers, args.timeout, deferred)
-            mid = r["steps"][1:-1] or r["steps"]
-            print(f"| {i} | {name} | {' '.join(f'{s:.1f}' for s in r['steps'])} | {sum(mid) / len(mid):.2f} "
-                  f"| {r['wall']:.0f} | {r['checks']} ({r['beside']}) | {r['loss']:.6f} |", flush=True)
+    try:
+        for i in range(args.repeat):
+            for deferred in ((False, True) if i % 2 == 0 else (True, False)):
+                name = "deferred" if deferred else "inline"
+                r = one_run(run, root / f"{i}-{name}", args.stages, args.workers, args.timeout, deferred)
+                mid = r["steps"][1:-1] or r["steps"]
+                print(f"| {i} | {name} | {' '.join(f'{s:.1f}' for s in r['steps'])} | {sum(mid) / len(mid):.2f} "
+                      f"| {r['wall']:.0f} | {r['checks']} ({r['beside']}) | {r['loss']:.6f} |", flush=True)
+    finally:
+        if args.out is None:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":
