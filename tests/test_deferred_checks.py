@@ -129,3 +129,15 @@ def test_checks_of_one_version_share_one_copy_of_the_weights(tmp_path, monkeypat
     finally:
         release.set()
         torch.set_grad_enabled(True)
+
+
+def test_a_server_reads_the_inline_hook_from_its_environment(tmp_path, monkeypatch):
+    """What a stage server started with SHOAL_DEFERRED_CHECKS=0 (the bench's baseline, and the
+    tests that need a worker's first pushes judged before it lies) really runs with."""
+    from shoal.runtime.roles.server import StageServer
+    from shoal.runtime.safety.guard import DEFERRED_ENV
+
+    assert StageServer("unused:0", "127.0.0.1:0", "tok", str(tmp_path), name="t").guard_cfg.deferred_checks
+    monkeypatch.setenv(DEFERRED_ENV, "0")
+    cfg = StageServer("unused:0", "127.0.0.1:0", "tok", str(tmp_path), name="t").guard_cfg
+    assert not cfg.deferred_checks and cfg.deferred_pending == GuardConfig().deferred_pending

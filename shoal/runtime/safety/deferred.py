@@ -2,10 +2,9 @@
 (the stage server's side, a mixin; docs/poisoning.md, "Deferred checks").
 
 A push the server recomputes (a worker's first pushes, a random draw that no other worker
-can check) used to be judged before it counted, so the step waited for the recomputation.
-The server computes on its CPU: beside a GPU worker that is 37-70 s for one push of
-gpt-125m that the GPU computed in 0.2 s (bench/results/gpu-runtime.md), and every step
-that drew a check waited that long.
+can check) would hold its step if it were judged before it counted: the server computes on
+its CPU, and beside a GPU worker that is 37-70 s for one push of gpt-125m that the GPU
+computed in 0.2 s (bench/results/gpu-runtime.md).
 
 So routine checks are deferred: the push counts at once as an *unverified* push (the undo
 record of docs/poisoning-undo.md holds its step), and the server recomputes it on a thread
@@ -35,7 +34,7 @@ import torch
 
 from shoal.model.transformer import build_stage
 from shoal.runtime.safety.guard import ban_reason, rel_error
-from shoal.runtime.safety.verify import recompute_sum, sq_diff, sq_norm
+from shoal.runtime.safety.verify import load_weights, recompute_sum, sq_diff, sq_norm
 
 log = logging.getLogger("shoal.server")
 
@@ -115,10 +114,7 @@ class DeferredCheckMixin:
         if cached is None or cached[0] != chk.shape:
             cached = self._deferred_module = (chk.shape, build_stage(self.cfg, chk.shape[1], chk.shape[2],
                                                                      seed=self.spec.seed))
-        module = cached[1]
-        with torch.no_grad():
-            for n, p in module.named_parameters():
-                p.copy_(chk.weights[n])
+        module = load_weights(cached[1], chk.weights)
         mine = recompute_sum(module, self.spec, chk.step, chk.inputs, first=chk.ends[0], last=chk.ends[1],
                              loss_scale=chk.loss_scale)
         return rel_error(sq_diff(chk.grads, mine), sq_norm(mine))

@@ -48,7 +48,7 @@ import torch
 
 from shoal.model.transformer import build_stage
 from shoal.runtime.safety.guard import ban_reason, rel_error
-from shoal.runtime.safety.verify import recompute_sum, sq_diff, sq_norm
+from shoal.runtime.safety.verify import load_weights, recompute_sum, sq_diff, sq_norm
 
 log = logging.getLogger("shoal.server")
 
@@ -195,10 +195,7 @@ class EndCheckMixin:
         loaded = None
         for wid, rec in recs:
             if loaded != rec.key:
-                weights = self.end_weights[rec.key]
-                with torch.no_grad():
-                    for n, p in module.named_parameters():
-                        p.copy_(weights[n])
+                load_weights(module, self.end_weights[rec.key])
                 loaded = rec.key
             mine = recompute_sum(module, self.spec, rec.key[4], rec.inputs, first=self.is_first, last=self.is_last,
                                  loss_scale=rec.loss_scale)

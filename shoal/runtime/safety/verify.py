@@ -172,6 +172,15 @@ def recompute_grads(module: torch.nn.Module, spec, step: int, mb: int, *, first:
     return {n: (torch.zeros_like(p) if g is None else g) for n, p, g in zip(names, params, grads, strict=True)}
 
 
+def load_weights(module: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+    """``module`` with its parameters set to ``weights`` (a copy of a stage's weights of some
+    version, by parameter name): what a check recomputes a past push on."""
+    with torch.no_grad():
+        for n, p in module.named_parameters():
+            p.copy_(weights[n])
+    return module
+
+
 def recompute_threads() -> int:
     """Threads a push's recomputation runs on: :data:`RECOMPUTE_THREADS`, at most this
     process's CPUs."""
