@@ -13,7 +13,7 @@ import networkx as nx
 ROOT = Path(__file__).resolve().parents[1] / "shoal"
 # Floors of shoal/runtime/: a room may import rooms on lower floors (or its own), never higher ones.
 FLOORS = {"processes": 5, "roles": 4, "sync": 3, "safety": 2, "pool": 2, "transport": 2, "ui": 2,
-          "common": 1, "measure": 1}
+          "common": 1, "measure": 1, "loopwatch": 0}
 
 
 def _module(path: Path) -> str:

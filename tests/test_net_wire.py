@@ -67,6 +67,26 @@ def test_view_frames_serialise_to_the_same_bytes_without_a_copy():
     assert [frame_size(f) for f in viewed] == [frame_size(f) for f in copied]
 
 
+def test_a_large_framed_message_is_the_same_bytes_joined_without_the_interpreter_lock():
+    """Above JOIN_RELEASE_BYTES serialize_framed joins by numpy copies (which let threads run)
+    into a read-only view: the same bytes as protobuf's own serialisation, parsed the same;
+    below it, plain bytes."""
+    from shoal.net.wire import JOIN_RELEASE_BYTES, join_pieces
+
+    tensors = {"emb": torch.randn(700, 512), "b": torch.randn(512), "h": torch.randn(3).to(torch.bfloat16)}
+    frames = [encode_frame(n, t, view=True) for n, t in tensors.items()]
+    head = pb.WeightsReply(version=7, epoch=1, first=0, last=2)
+    field = pb.WeightsReply.DESCRIPTOR.fields_by_name["params"].number
+    data = serialize_framed(head, field, frames)
+    assert len(data) > JOIN_RELEASE_BYTES and isinstance(data, memoryview) and data.readonly
+    whole = pb.WeightsReply(version=7, epoch=1, first=0, last=2, params=[encode_tensor(n, t) for n, t in tensors.items()])
+    assert data == whole.SerializeToString()
+    assert pb.WeightsReply.FromString(data) == whole
+    pieces = [b"ab", memoryview(torch.arange(5, dtype=torch.int32).numpy()), b"", bytearray(b"z")]
+    small = join_pieces(pieces)
+    assert isinstance(small, bytes) and small == b"".join(bytes(memoryview(p)) for p in pieces)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 def test_all_finite_agrees_with_torch(dtype):
     t = torch.randn(64, 9).to(dtype)

@@ -216,7 +216,7 @@ def test_a_kept_residual_is_merged_at_the_share_it_was_made_at(codec):
         with torch.no_grad():
             for n, p in w.params.items():
                 p.copy_(w.anchor[n])
-        w._local_restart()
+        w._local_restart(*w._anchor_copies())
         assert w.pseudo_carried[0] == n_mbs
     share, kept = kept_at[-1]
     miss = 0.0

@@ -92,7 +92,10 @@ class Assembler:
                 # The whole message in one chunk (most are): parsed from the chunk's own bytes.
                 self.buf, self.got = data, chunk.total
                 return
-            self.buf = bytearray(self.total)
+            # Grown chunk by chunk, not made whole at once: ``bytearray(n)`` zeroes all n bytes
+            # in one call, and for a 350 MB pull on a loaded 2-core box that held the event loop
+            # (and the heartbeats) for up to a second. Growing a large block is a remap, not a copy.
+            self.buf = bytearray()
         if chunk.total != self.total:
             raise WireError(f"{self.kind}: chunk says {chunk.total} bytes in all, first said {self.total}")
         data = chunk.data
@@ -102,7 +105,7 @@ class Assembler:
         if self.got + n > self.total:
             raise WireError(f"{self.kind}: chunks run past the announced {self.total} bytes")
         if n:
-            self.buf[self.got:self.got + n] = data
+            self.buf += data
             self.got += n
 
     def finish(self, msg_cls, spans: list | None = None, frames_field: int | None = None):
@@ -165,6 +168,7 @@ def assemble(chunks: Iterable[pb.Chunk], msg_cls, max_bytes: int):
 
 
 PARSE_OFF_LOOP_BYTES = 1 << 20  # larger messages are parsed in a thread, off the event loop
+YIELD_EVERY_S = 0.05  # a receive lets the event loop turn at least this often
 
 
 async def receive(chunks: AsyncIterator[pb.Chunk], msg_cls, max_bytes: int, on_chunk=None,
@@ -178,12 +182,19 @@ async def receive(chunks: AsyncIterator[pb.Chunk], msg_cls, max_bytes: int, on_c
     ``got``, ``total`` and ``last`` (monotonic time) are set after every chunk.
     """
     asm = Assembler(msg_cls.__name__, max_bytes)
+    turned = time.monotonic()
     async for c in chunks:
         asm.add(c)
+        now = time.monotonic()
         if progress is not None:
-            progress.update(got=asm.got, total=asm.total, last=time.monotonic())
+            progress.update(got=asm.got, total=asm.total, last=now)
         if on_chunk is not None:
             on_chunk(c)
+        if now - turned > YIELD_EVERY_S:
+            # Chunks gRPC has buffered come without a pause: a large transfer on a loaded
+            # box held the loop for 0.3 s at a time (shoal.runtime.loopwatch); let it turn.
+            await asyncio.sleep(0)
+            turned = time.monotonic()
     if asm.total > PARSE_OFF_LOOP_BYTES:
         return await asyncio.get_running_loop().run_in_executor(None, asm.finish, msg_cls, spans, frames_field)
     return asm.finish(msg_cls, spans, frames_field)

@@ -627,10 +627,13 @@ def finite(x: float) -> bool:
     return math.isfinite(x)
 
 
-def run_member(main: Coroutine, coord: str) -> None:
-    """Run a server's or worker's main loop; a refused join becomes a one-line error."""
+def run_member(main: Coroutine, coord: str, name: str = "") -> None:
+    """Run a server's or worker's main loop (``name`` in the loop watch's reports:
+    shoal.runtime.loopwatch); a refused join becomes a one-line error."""
+    from shoal.runtime.loopwatch import watched
+
     try:
-        asyncio.run(main)
+        asyncio.run(watched(main, name or "member"))
     except grpc.aio.AioRpcError as exc:
         if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION,
                           grpc.StatusCode.INVALID_ARGUMENT):

@@ -535,12 +535,14 @@ def run_coordinator_cmd(args) -> int:
     if getattr(args, "replica_workers", None):
         options["replica_workers"] = args.replica_workers  # the planner's placement of a replica plan file
     tls = _tls(args, args.listen, args.advertise)
-    summary = asyncio.run(run_coordinator(spec, _token(args), args.listen, min_workers=args.min_workers,
-                                          out=args.out, address_file=args.address_file,
-                                          emulated=_emulated_scenario(args), dashboard=_dashboard(args),
-                                          stall_fail_s=args.stall_timeout,
-                                          advertise=args.advertise, resume=state, options=options, tls=tls,
-                                          server_token=_server_token(args, required=False)))
+    from shoal.runtime.loopwatch import watched
+
+    summary = asyncio.run(watched(run_coordinator(spec, _token(args), args.listen, min_workers=args.min_workers,
+                                                  out=args.out, address_file=args.address_file,
+                                                  emulated=_emulated_scenario(args), dashboard=_dashboard(args),
+                                                  stall_fail_s=args.stall_timeout,
+                                                  advertise=args.advertise, resume=state, options=options, tls=tls,
+                                                  server_token=_server_token(args, required=False)), "coordinator"))
     print(json.dumps({k: summary[k] for k in ("steps", "final_loss", "requeues", "tokens_per_s")}))
     return 0
 

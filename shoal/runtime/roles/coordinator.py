@@ -101,6 +101,7 @@ from shoal.runtime.sync.replicas import (
     replica_regions,
     slots_of_spec,
 )
+from shoal.runtime.transport.frames import WEIGHT_FRAMES
 from shoal.train.metrics import JsonlWriter, step_record
 from shoal.train.optim import clip_coefficient, lr_at, total_sq_norm
 from shoal.train.outer import is_sync_step, sync_of_spec
@@ -1388,12 +1389,15 @@ class Coordinator(pbg.CoordinatorServicer):
                 for s in range(self.spec.stages):
                     stub = pbg.StageServerStub(channels.open(self._servers()[s]))
                     while True:
+                        # (frames kept as views of the received bytes, decoded in a thread: a
+                        # whole stage parsed or decoded on the loop held it for seconds)
                         rep = await fetch(stub.GetWeightsStream, pb.WeightsRequest(worker="coordinator"),
-                                          pb.WeightsReply, cap)
+                                          pb.WeightsReply, cap, frames_field=WEIGHT_FRAMES)
                         if rep.version >= self.spec.steps or self.error:
                             break
                         await asyncio.sleep(0.05)
-                    by_stage.append({f.name: decode_tensor(f, dtype="float32") for f in rep.params})
+                    by_stage.append(await asyncio.get_running_loop().run_in_executor(
+                        None, lambda r=rep: {f.name: decode_tensor(f, dtype="float32") for f in r.params}))
                     for name, t in by_stage[-1].items():
                         weights.setdefault(name, t)  # a replica plan: the first replica's copy
                 break
@@ -1411,14 +1415,17 @@ class Coordinator(pbg.CoordinatorServicer):
             # every replica's copy of each layer must be the first replica's, bit for bit
             import torch
 
-            differ = sorted({n for st in by_stage for n, t in st.items() if not torch.equal(t, weights[n])})
+            differ = await asyncio.get_running_loop().run_in_executor(None, lambda: sorted(
+                {n for st in by_stage for n, t in st.items() if not torch.equal(t, weights[n])}))
             self.replicas_differ = differ
             if differ:
                 log.error("the replicas' final weights differ in %d parameters (%s ...)", len(differ), differ[0])
         if self.out:
             from shoal.runtime.roles.artifacts import write_final
 
-            write_final(self.run_dir, weights, self.cfg, self.spec, self.summary())
+            # (in a thread: the members keep being answered while the whole model is written)
+            await asyncio.get_running_loop().run_in_executor(None, write_final, self.run_dir, weights, self.cfg,
+                                                             self.spec, self.summary())
             for name in FINAL:
                 if (self.run_dir / name).exists():
                     point_link(self.out, name, self.spec.run_id)

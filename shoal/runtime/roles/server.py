@@ -1970,4 +1970,4 @@ def serve(coord: str, listen: str, token: str, ckpt_root: str, name: str = "serv
                       merge_memory=merge_memory)
     srv.on_servers = on_servers
     srv.standby = standby
-    run_member(srv.run(), coord)
+    run_member(srv.run(), coord, name)

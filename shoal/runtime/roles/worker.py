@@ -64,7 +64,13 @@ from shoal.runtime.safety.faults import poison, poisons
 from shoal.runtime.sync.codecs import apply_pull, compression_of_spec
 from shoal.runtime.sync.local import LocalWorkerMixin
 from shoal.runtime.sync.ordered import PrefixFold
-from shoal.runtime.transport.frames import TRANSIENT_CODES, off_loop, payload_bytes, retry
+from shoal.runtime.transport.frames import (
+    TRANSIENT_CODES,
+    WEIGHT_FRAMES,
+    off_loop,
+    payload_bytes,
+    retry,
+)
 from shoal.runtime.transport.session import (
     SessionClient,
     result_on_session,
@@ -82,10 +88,6 @@ from shoal.train.precision import (
 )
 
 log = logging.getLogger("shoal.worker")
-
-
-# WeightsReply's frames field: a pull's frames are read from the received bytes (split_framed).
-WEIGHT_FRAMES = pb.WeightsReply.DESCRIPTOR.fields_by_name["params"].number
 
 
 @dataclass
@@ -592,15 +594,19 @@ class Worker(LocalWorkerMixin):
                 raise WireError(f"weights of stage [{rep.first},{rep.last}): not this stage's tensors")
         elif merged_only:
             base = self.merged if rep.compress_delta else None
+
+            def merged_copy() -> dict[str, torch.Tensor]:  # (a pass over the stage: off the loop)
+                new = apply_pull(rep, self.params, base, self.pull_held)
+                return {name: t.detach().to("cpu", torch.float32, copy=True) for name, t in new.items()}
+
             try:
-                new = await asyncio.get_running_loop().run_in_executor(
-                    None, apply_pull, rep, self.params, base, self.pull_held)
+                merged = await asyncio.get_running_loop().run_in_executor(None, merged_copy)
             except WireError:
                 self.pull_held = ("", -1)  # the next pull is a full one
                 raise
             if (self.stage, self.server) != (stage, server):
                 return
-            self.merged = {name: t.detach().to("cpu", torch.float32, copy=True) for name, t in new.items()}
+            self.merged = merged
             self.pull_held = (rep.compress_chain, rep.version) if rep.compress_chain else ("", -1)
         else:
             # Checked and copied in a thread: the loop keeps heartbeating meanwhile.
@@ -1343,7 +1349,7 @@ def work(coord: str, token: str, opts: WorkerOptions, *, dial=None, pacer=None, 
                 w.join_gate = gate
         await asyncio.gather(*(w.run() for w in workers))
 
-    run_member(all_of(), coord)
+    run_member(all_of(), coord, ",".join(w.opts.name for w in workers))
     fatal = [w.fatal for w in workers if w.fatal]
     if fatal:
         raise ShoalError(fatal[0])

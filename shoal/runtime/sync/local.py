@@ -584,10 +584,15 @@ class LocalServerMixin:
             t0 = time.perf_counter()
             loop = asyncio.get_running_loop()
             parts = await asyncio.gather(*(loop.run_in_executor(reference_pool(), part, [x]) for x in inputs))
-            ref = parts[0]
-            for g in parts[1:]:
-                for n, t in g.items():
-                    ref[n] = ref[n] + t
+
+            def total() -> dict[str, torch.Tensor]:  # (a pass over the stage per part: off the loop too)
+                ref = dict(parts[0])
+                for g in parts[1:]:
+                    for n, t in g.items():
+                        ref[n] = ref[n] + t
+                return ref
+
+            ref = await loop.run_in_executor(None, total)
             return ref, step, tokens, time.perf_counter() - t0
 
         self.local_ref_key = key
@@ -773,22 +778,32 @@ class LocalWorkerMixin:
     async def _local_pull(self) -> None:
         """Pull the merged weights; they become the anchor of the replica's round."""
         await self._pull()
-        self._local_restart()
+        # Copied and hashed in a thread: a whole stage (hundreds of MB at gpt-125m) held the
+        # event loop, and with it the heartbeats, for 0.3-0.5 s on a loaded 2-core box.
+        copies = await asyncio.get_running_loop().run_in_executor(None, self._anchor_copies)
+        self._local_restart(*copies)
 
-    def _local_restart(self) -> None:
-        """The weights just pulled become the anchor of the replica's round; the replica keeps
-        what its push for that merge did not carry (keeps_residual)."""
+    def _anchor_copies(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None, str]:
+        """Host copies of the weights just pulled (the anchor, and with overlap the merged weights)
+        and their digest (pure but for reading the parameters; runs in a thread)."""
         # (in host memory: a device holds the replica, its gradients and its AdamW state, which is
         # what the planner's memory need counts, shoal.plan.cost.stage_worker_memory)
-        self.anchor = {n: p.detach().to("cpu", copy=True) for n, p in self.params.items()}
+        anchor = {n: p.detach().to("cpu", copy=True) for n, p in self.params.items()}
+        merged = {n: p.detach().to("cpu", copy=True) for n, p in self.params.items()} if self.local_overlap else None
+        return anchor, merged, tensors_digest(anchor)
+
+    def _local_restart(self, anchor: dict[str, torch.Tensor], merged: dict[str, torch.Tensor] | None,
+                       digest: str) -> None:
+        """The weights just pulled (``anchor``: :meth:`_anchor_copies`) become the anchor of the
+        replica's round; the replica keeps what its push for that merge did not carry (keeps_residual)."""
+        self.anchor = anchor
         self.local_reported = 0
-        if self.local_overlap:
-            self.merged = {n: p.detach().to("cpu", copy=True) for n, p in self.params.items()}
+        if merged is not None:
+            self.merged = merged
         self.local_round_mbs = 0
         self.local_delivered = False
         self.pending = None
-        log.info("%s pulled merged weights v%d digest %s", self.opts.name, self.version,
-                 tensors_digest({n: t.cpu() for n, t in self.anchor.items()}))
+        log.info("%s pulled merged weights v%d digest %s", self.opts.name, self.version, digest)
         kept, self.pseudo_kept = self.pseudo_kept, None
         self.pseudo_carried = None
         if kept is not None and kept[:2] == (self.weights_epoch, self.version):

@@ -12,6 +12,9 @@ import torch
 from shoal.net import shoal_pb2 as pb
 from shoal.net.wire import WireError, decode_tensor, encode_frame, serialize_framed
 
+# The field of a weight pull whose frames stay views of the received bytes (split_framed).
+WEIGHT_FRAMES = pb.WeightsReply.DESCRIPTOR.fields_by_name["params"].number
+
 
 def serialise_weights(head: pb.WeightsReply, params: dict[str, torch.Tensor]) -> bytes:
     """``head`` with every parameter framed, serialised (runs in a thread)."""

@@ -1,0 +1,44 @@
+"""The loop watch names the line that holds a member's event loop (shoal.runtime.loopwatch)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from shoal.runtime.loopwatch import LOOP_WATCH_ENV, start_loop_watch, watch_threshold
+
+
+def test_the_threshold_comes_from_the_environment():
+    assert watch_threshold({}) == 0.0
+    assert watch_threshold({LOOP_WATCH_ENV: "0.25"}) == 0.25
+    assert watch_threshold({LOOP_WATCH_ENV: "0"}) == 0.0
+    assert watch_threshold({LOOP_WATCH_ENV: "-1"}) == 0.0
+    assert watch_threshold({LOOP_WATCH_ENV: "soon"}) == 0.0  # (logged, never raised: a diagnosis aid)
+
+
+def hold_the_loop_for_a_while() -> None:
+    time.sleep(1.0)
+
+
+def test_a_held_loop_is_reported_once_with_the_line_that_holds_it(caplog):
+    async def main():
+        start_loop_watch("w9", 0.2)
+        await asyncio.sleep(0.3)  # a loop that turns: nothing to report
+        hold_the_loop_for_a_while()
+        await asyncio.sleep(0.3)
+
+    with caplog.at_level(logging.WARNING, logger="shoal.loopwatch"):
+        asyncio.run(main())
+    held = [r.getMessage() for r in caplog.records if "event loop held" in r.getMessage()]
+    # (a loaded box may hold the loop elsewhere too: only this hold's reports are counted)
+    ours = [m for m in held if "hold_the_loop_for_a_while" in m]
+    assert len(ours) == 1, held
+    assert ours[0].startswith("w9: event loop held for")
+
+
+def test_off_it_starts_no_thread():
+    async def main():
+        return start_loop_watch("w9", 0.0)
+
+    assert asyncio.run(main()) is None
