@@ -28,13 +28,15 @@ def test_a_held_loop_is_reported_once_with_the_line_that_holds_it(caplog):
         hold_the_loop_for_a_while()
         await asyncio.sleep(0.3)
 
-    with caplog.at_level(logging.WARNING, logger="shoal.loopwatch"):
+    with caplog.at_level(logging.INFO, logger="shoal.loopwatch"):
         asyncio.run(main())
     held = [r.getMessage() for r in caplog.records if "event loop held" in r.getMessage()]
     # (a loaded box may hold the loop elsewhere too: only this hold's reports are counted)
     ours = [m for m in held if "hold_the_loop_for_a_while" in m]
     assert len(ours) == 1, held
     assert ours[0].startswith("w9: event loop held for")
+    ends = [float(m.split("held for ")[1].split(" s")[0]) for m in held if m.endswith("in all")]
+    assert any(0.9 <= t <= 3.0 for t in ends), ends  # the 1 s hold's whole length, once it ended
 
 
 def test_off_it_starts_no_thread():

@@ -8,7 +8,8 @@ it is busy. asyncio's debug mode names the task that held the loop, not the line
 With ``SHOAL_LOOP_WATCH=SECONDS`` (for example 0.25) in its environment, every member started
 by ``shoal launch`` (and any server, worker or coordinator started by hand) runs a watcher
 thread that logs a WARNING with the loop thread's stack once the loop has not turned for that
-long, once per hold: what to move off the loop. Off (unset or 0) it costs nothing.
+long, once per hold (what to move off the loop), and an INFO line with the hold's whole length
+once it turns again. Off (unset or 0) it costs nothing.
 """
 
 from __future__ import annotations
@@ -61,6 +62,10 @@ def start_loop_watch(name: str, threshold_s: float) -> threading.Thread | None:
         while not loop.is_closed():
             time.sleep(period)
             last, cpu = beat[0], beat[1]
+            if reported and last != reported:
+                # the loop turned again: the whole hold, less the tick's own period
+                log.info("%s: event loop held for %.2f s in all", name, max(0.0, last - reported - period))
+                reported = 0.0
             held = time.monotonic() - last
             if held > threshold_s and last != reported:
                 reported = last
