@@ -54,6 +54,28 @@ def test_split_and_assemble_round_trip(chunk):
     assert assemble(list(chunks_of(pb.GradPush(), chunk)), pb.GradPush, 10) == pb.GradPush()
 
 
+def test_a_large_message_is_assembled_in_an_uninitialised_buffer_and_framed_from_it():
+    """Above JOIN_RELEASE_BYTES the Assembler fills a numpy block chunk by chunk (no zeroing
+    of the whole message, no reallocation): the same message, parsed whole or split into
+    frames that are views of that block."""
+    import numpy as np
+
+    from shoal.net.wire import JOIN_RELEASE_BYTES, decode_tensor
+
+    g = torch.randn(700, 800)
+    msg = pb.WeightsReply(version=3, params=[encode_tensor("emb", g), encode_tensor("b", g[0])])
+    data = msg.SerializeToString()
+    assert len(data) > JOIN_RELEASE_BYTES
+    assert assemble(split("WeightsReply", data, 256 << 10), pb.WeightsReply, len(data)) == msg
+    asm = Assembler("WeightsReply", len(data))
+    for c in split("WeightsReply", data, 300_001):
+        asm.add(c)
+    block = asm.arr
+    got = asm.finish(pb.WeightsReply, frames_field=pb.WeightsReply.DESCRIPTOR.fields_by_name["params"].number)
+    assert np.shares_memory(np.frombuffer(got.params[0].data, np.uint8), block)
+    assert torch.equal(decode_tensor(got.params[0]), g) and got.version == 3
+
+
 def test_assembler_refuses_what_does_not_fit():
     msg = _msg()
     chunks = list(chunks_of(msg, 1000))

@@ -24,9 +24,12 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 
+import numpy as np
+import torch
+
 from shoal.net import shoal_pb2 as pb
 from shoal.net.auth import MAX_CHUNK_BYTES
-from shoal.net.wire import WireError, field_spans, split_framed
+from shoal.net.wire import JOIN_RELEASE_BYTES, WireError, field_spans, split_framed
 
 DEFAULT_CHUNK_BYTES = 1024 * 1024  # 1 MB: on loopback a 5 MB transfer in 1 MB chunks takes a third of the time 4 MB chunks do
 MIN_CHUNK_BYTES = 4 * 1024  # smaller chunks only add per-message overhead
@@ -76,7 +79,8 @@ class Assembler:
         self.kind, self.max_bytes = kind, int(max_bytes)
         self.total = -1
         self.got = 0
-        self.buf: bytearray | bytes | None = None
+        self.buf: bytearray | bytes | memoryview | None = None
+        self.arr: np.ndarray | None = None  # a large message's buffer (``buf`` is a view of it)
 
     def add(self, chunk: pb.Chunk) -> None:
         """Take the next chunk; raises :class:`WireError` if it does not fit the message."""
@@ -92,10 +96,16 @@ class Assembler:
                 # The whole message in one chunk (most are): parsed from the chunk's own bytes.
                 self.buf, self.got = data, chunk.total
                 return
-            # Grown chunk by chunk, not made whole at once: ``bytearray(n)`` zeroes all n bytes
-            # in one call, and for a 350 MB pull on a loaded 2-core box that held the event loop
-            # (and the heartbeats) for up to a second. Growing a large block is a remap, not a copy.
-            self.buf = bytearray()
+            if self.total < JOIN_RELEASE_BYTES:
+                self.buf = bytearray(self.total)
+            else:
+                # Not ``bytearray(n)``: that zeroes all n bytes in one call, and for a 350 MB pull
+                # on a loaded 2-core box it held the event loop (and the heartbeats) for up to a
+                # second; nor grown chunk by chunk (reallocations copy it below the mmap
+                # threshold). An uninitialised block from torch's allocator is touched only as
+                # each chunk's numpy copy (which lets go of the interpreter lock) fills it.
+                self.arr = torch.empty(self.total, dtype=torch.uint8).numpy()
+                self.buf = memoryview(self.arr)
         if chunk.total != self.total:
             raise WireError(f"{self.kind}: chunk says {chunk.total} bytes in all, first said {self.total}")
         data = chunk.data
@@ -105,7 +115,10 @@ class Assembler:
         if self.got + n > self.total:
             raise WireError(f"{self.kind}: chunks run past the announced {self.total} bytes")
         if n:
-            self.buf += data
+            if self.arr is not None:
+                self.arr[self.got:self.got + n] = np.frombuffer(data, dtype=np.uint8)
+            else:
+                self.buf[self.got:self.got + n] = data
             self.got += n
 
     def finish(self, msg_cls, spans: list | None = None, frames_field: int | None = None):
@@ -129,7 +142,7 @@ class Assembler:
                 spans.extend(field_spans(memoryview(self.buf)))
         except Exception as exc:  # protobuf's DecodeError; never anything but parsing
             raise WireError(f"{self.kind}: the assembled bytes do not parse: {exc}") from None
-        self.buf = None
+        self.buf = self.arr = None  # (a Framed message keeps its frames' bytes alive itself)
         return msg
 
 
