@@ -25,11 +25,10 @@ import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 
 import numpy as np
-import torch
 
 from shoal.net import shoal_pb2 as pb
 from shoal.net.auth import MAX_CHUNK_BYTES
-from shoal.net.wire import JOIN_RELEASE_BYTES, WireError, field_spans, split_framed
+from shoal.net.wire import JOIN_RELEASE_BYTES, WireError, empty_bytes, field_spans, split_framed
 
 DEFAULT_CHUNK_BYTES = 1024 * 1024  # 1 MB: on loopback a 5 MB transfer in 1 MB chunks takes a third of the time 4 MB chunks do
 MIN_CHUNK_BYTES = 4 * 1024  # smaller chunks only add per-message overhead
@@ -99,12 +98,9 @@ class Assembler:
             if self.total < JOIN_RELEASE_BYTES:
                 self.buf = bytearray(self.total)
             else:
-                # Not ``bytearray(n)``: that zeroes all n bytes in one call, and for a 350 MB pull
-                # on a loaded 2-core box it held the event loop (and the heartbeats) for up to a
-                # second; nor grown chunk by chunk (reallocations copy it below the mmap
-                # threshold). An uninitialised block from torch's allocator is touched only as
-                # each chunk's numpy copy (which lets go of the interpreter lock) fills it.
-                self.arr = torch.empty(self.total, dtype=torch.uint8).numpy()
+                # Not ``bytearray(n)``: zeroing a 350 MB pull in one call held the event loop
+                # (and the heartbeats) for up to a second on a loaded 2-core box.
+                self.arr = empty_bytes(self.total)
                 self.buf = memoryview(self.arr)
         if chunk.total != self.total:
             raise WireError(f"{self.kind}: chunk says {chunk.total} bytes in all, first said {self.total}")

@@ -313,7 +313,7 @@ def field_lengths(spans, number: int) -> list[int]:
     return [end - start for num, start, end in spans if num == number]
 
 
-def serialize_framed(head, field_number: int, frames: Sequence[pb.Tensor | Frame]) -> bytes:
+def serialize_framed(head, field_number: int, frames: Sequence[pb.Tensor | Frame]) -> bytes | memoryview:
     """``head`` serialised with ``frames`` as its repeated Tensor field ``field_number`` (< 16).
 
     Parses to the message ``head`` with the frames appended and has its serialised size
@@ -341,26 +341,32 @@ def serialize_framed(head, field_number: int, frames: Sequence[pb.Tensor | Frame
 JOIN_RELEASE_BYTES = 1 << 20
 
 
+def empty_bytes(n: int) -> np.ndarray:
+    """An uninitialised block of ``n`` bytes for a large message, filled by numpy copies (which
+    let go of the interpreter lock, where ``b"".join`` of views and ``bytearray(n)``'s zeroing
+    hold it). Its pages are touched only as it is filled. It comes from torch's allocator,
+    which does not ask for huge pages (numpy's does: a first touch of such a block can stall
+    for seconds in the kernel's compaction)."""
+    return torch.empty(n, dtype=torch.uint8).numpy()
+
+
 def join_pieces(pieces: Sequence) -> bytes | memoryview:
     """The concatenation of ``pieces`` (bytes or byte buffers): small ones as ``bytes``, large
-    ones as a read-only byte ``memoryview``. ``b"".join`` holds the interpreter lock for the
-    whole copy when any piece is a view (a frame's payload is one), so a thread framing a
-    350 MB stage held up its process's event loop, and with it the heartbeats, for 2.4 s on a
-    loaded 2-core box (shoal.runtime.loopwatch); numpy's copies let it go. The buffer comes
-    from torch's allocator, which does not ask for huge pages (numpy's does: a first touch
-    of such a block can stall for seconds in the kernel's compaction)."""
+    ones as a read-only byte ``memoryview`` of an :func:`empty_bytes` block. ``b"".join``
+    holds the interpreter lock for the whole copy when any piece is a view (a frame's payload
+    is one): a thread framing a 350 MB stage held its process's event loop, and with it the
+    heartbeats, for 2.4 s on a loaded 2-core box (shoal.runtime.loopwatch)."""
     sizes = [memoryview(p).nbytes for p in pieces]
     total = sum(sizes)
     if total < JOIN_RELEASE_BYTES:
         return b"".join(pieces)
-    out = torch.empty(total, dtype=torch.uint8).numpy()
+    out = empty_bytes(total)
     at = 0
     for p, n in zip(pieces, sizes, strict=True):
         if n:
             out[at:at + n] = np.frombuffer(p, dtype=np.uint8)
             at += n
-    view = memoryview(out)
-    return view.toreadonly()
+    return memoryview(out).toreadonly()
 
 
 def frame_nbytes(frame: pb.Tensor) -> int:

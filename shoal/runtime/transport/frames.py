@@ -16,8 +16,9 @@ from shoal.net.wire import WireError, decode_tensor, encode_frame, serialize_fra
 WEIGHT_FRAMES = pb.WeightsReply.DESCRIPTOR.fields_by_name["params"].number
 
 
-def serialise_weights(head: pb.WeightsReply, params: dict[str, torch.Tensor]) -> bytes:
-    """``head`` with every parameter framed, serialised (runs in a thread)."""
+def serialise_weights(head: pb.WeightsReply, params: dict[str, torch.Tensor]) -> bytes | memoryview:
+    """``head`` with every parameter framed, serialised (runs in a thread; a large stage comes
+    back as a read-only byte view: :func:`shoal.net.wire.join_pieces`)."""
     return serialize_framed(head, pb.WeightsReply.DESCRIPTOR.fields_by_name["params"].number,
                             [encode_frame(name, p.detach(), view=True) for name, p in params.items()])
 
