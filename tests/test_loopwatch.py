@@ -44,3 +44,21 @@ def test_off_it_starts_no_thread():
         return start_loop_watch("w9", 0.0)
 
     assert asyncio.run(main()) is None
+
+
+def test_a_member_s_main_gets_the_watch_from_its_environment(monkeypatch):
+    """What run_member and the coordinator's command wrap their main loops in: ``watched``
+    reads SHOAL_LOOP_WATCH from the process's environment and starts the watcher thread."""
+    import threading
+
+    from shoal.runtime.loopwatch import watched
+
+    async def watchers():
+        return {t for t in threading.enumerate() if t.name == "shoal-loop-watch"}
+
+    old = asyncio.run(watchers())  # (watchers of earlier tests' loops may still be winding down)
+    monkeypatch.setenv(LOOP_WATCH_ENV, "0.5")
+    new = asyncio.run(watched(watchers(), "s0")) - old
+    assert len(new) == 1
+    monkeypatch.delenv(LOOP_WATCH_ENV)
+    assert not asyncio.run(watched(watchers(), "s0")) - old - new  # off: none started
