@@ -499,7 +499,7 @@ class StandbyCkpt(_message.Message):
     def __init__(self, version: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("member_id", "stage", "step", "epoch", "sq_norm", "losses", "tasks_per_worker", "requeues", "param_sq_norms", "unverified")
+    __slots__ = ("member_id", "stage", "step", "epoch", "sq_norm", "losses", "tasks_per_worker", "requeues", "param_sq_norms", "unverified", "last_step")
     class TasksPerWorkerEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -517,6 +517,7 @@ class StepReport(_message.Message):
     REQUEUES_FIELD_NUMBER: _ClassVar[int]
     PARAM_SQ_NORMS_FIELD_NUMBER: _ClassVar[int]
     UNVERIFIED_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     stage: int
     step: int
@@ -527,7 +528,8 @@ class StepReport(_message.Message):
     requeues: int
     param_sq_norms: _containers.RepeatedScalarFieldContainer[float]
     unverified: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, member_id: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., epoch: _Optional[int] = ..., sq_norm: _Optional[float] = ..., losses: _Optional[_Iterable[float]] = ..., tasks_per_worker: _Optional[_Mapping[str, int]] = ..., requeues: _Optional[int] = ..., param_sq_norms: _Optional[_Iterable[float]] = ..., unverified: _Optional[_Iterable[str]] = ...) -> None: ...
+    last_step: StepSplit
+    def __init__(self, member_id: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., epoch: _Optional[int] = ..., sq_norm: _Optional[float] = ..., losses: _Optional[_Iterable[float]] = ..., tasks_per_worker: _Optional[_Mapping[str, int]] = ..., requeues: _Optional[int] = ..., param_sq_norms: _Optional[_Iterable[float]] = ..., unverified: _Optional[_Iterable[str]] = ..., last_step: _Optional[_Union[StepSplit, _Mapping]] = ...) -> None: ...
 
 class StepDecision(_message.Message):
     __slots__ = ("ready", "coef", "lr", "stale", "skip", "next_loss_scale", "checkpoint")

@@ -1246,6 +1246,11 @@ class Coordinator(pbg.CoordinatorServicer):
             self.fail(f"stage {r.stage} reported step {r.step} with {why}; the run cannot go on "
                       "(a non-finite loss or norm: lower the learning rate)")
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"ReportStep: {why}")
+        if r.HasField("last_step") and r.member_id in self.members:
+            m = self.members[r.member_id]  # (the step record's split: _step_figures)
+            if m.stats is None:
+                m.stats = pb.MemberStats()
+            m.stats.last_step.CopyFrom(r.last_step)
         key = (r.epoch, r.step)
         if key in self.decisions:
             return self.decisions[key]

@@ -1835,6 +1835,8 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
                                    unverified=unverified)  # journaled with the commit
             if self.is_last:
                 report.losses.extend(mbs[mb].loss for mb in sorted(mbs))
+            if self.last_split is not None:
+                report.last_step.CopyFrom(pb.StepSplit(**self.last_split))
             for w, n in self.tasks_per_worker.items():
                 report.tasks_per_worker[w] = n
             # Every standby of the stage logs the step before any decision on it can exist.
