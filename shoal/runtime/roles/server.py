@@ -196,6 +196,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         self.idle_asking: dict[str, int] = {}  # worker -> its lease requests parked while it has nothing to do
         self.grants = GrantBook()  # session grants made ahead, the workers' paces, take-backs
         self.sessions: dict[str, asyncio.Queue] = {}  # worker -> what its session stream sends next
+        self.relay_streams = 0  # peer servers' relay streams open into this one
         self.workers: dict[str, WorkerInfo] = {}
         self.left: set[str] = set()  # workers that left this server (Leave) and sent nothing since
         # worker -> (step, monotonic time) of its newest renewal that said it is pushing that step
@@ -531,7 +532,18 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
             self._deferred_close()
             for link in self._links.values():
                 link.close()
+            await self._end_streams(self.heartbeat_s + 1.0)
             await server.stop(0.5)
+
+    async def _end_streams(self, within_s: float) -> None:
+        """End the open worker sessions with an OK status and give the peer servers (told of the
+        run's end at their own next heartbeat) ``within_s`` to close their relay streams, so that
+        stopping the gRPC server aborts no stream (grpc logs each abort as a WARNING)."""
+        for out in list(self.sessions.values()):
+            out.put_nowait(None)
+        deadline = time.monotonic() + within_s
+        while (self.sessions or self.relay_streams) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
 
     def _join_request(self) -> pb.JoinRequest:
         return pb.JoinRequest(role="server", address=self.address, name=self.name, schema=SCHEMA_VERSION,
@@ -1469,6 +1481,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         """A peer server's relays on one stream (:mod:`shoal.runtime.transport.relays`), each
         answered in turn by :meth:`SubmitRelay`; its reply names the relay's ``relay_id``."""
         refused = ""
+        self.relay_streams += 1
         try:
             async for _, msg in read_messages(request_iterator, RELAY_KINDS, lambda _kind: self.max_bytes("act")):
                 rep = await self.SubmitRelay(msg, None)
@@ -1478,6 +1491,8 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         except WireError as exc:
             log.warning("%s refused a relay stream: %s", self.name, exc)
             refused = f"rejected: {exc}"
+        finally:
+            self.relay_streams -= 1
         if refused and context is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused)
 
