@@ -98,9 +98,10 @@ class QualityBudget:
 
 def parse_allowed_codecs(text: str) -> tuple[str, ...]:
     """``"none,int8,sparse:0.01:2"`` -> the codec names, each checked for the kinds it serves
-    (``tern``, ``quad`` and ``oct`` for activations, ``tern-sr`` and ``tern-dither`` for their gradients,
+    (``tern``, ``quad``, ``oct`` and ``quad-pc`` for activations, ``tern-sr`` and ``tern-dither`` for their gradients,
     the others for pushes, where they all are allowed)."""
-    kind = {"tern": "act", "quad": "act", "oct": "act", "tern-sr": "grad", "tern-dither": "grad"}  # a kind each may serve
+    kind = {"tern": "act", "quad": "act", "oct": "act", "quad-pc": "act", "tern-sr": "grad",
+            "tern-dither": "grad"}  # a kind each may serve
     out = tuple(parse_codec(c.strip(), kind.get(c.strip(), "push")) for c in text.split(",") if c.strip())
     if not out:
         raise ShoalError(f"--allow-codecs {text!r}: give at least one codec, e.g. none,int8,sparse")
