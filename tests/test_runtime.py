@@ -84,6 +84,14 @@ def test_parity_with_local_trainer(tmp_path, reference, stages, workers):
     assert all("tasks_per_worker" in r and "requeues" in r for r in recs)
     assert (tmp_path / "run" / "tokenizer.json").exists()
     assert (tmp_path / "run" / "summary.json").exists()
+    # every member's peak resident memory, as its heartbeats said: a process with torch
+    # loaded and a stage built (over 50 MB), under the box's RAM
+    from shoal.runtime.sync.held import host_memory_bytes
+
+    peaks = summary["peak_rss_bytes"]
+    assert {f"s{i}" for i in range(stages)} <= set(peaks), peaks
+    assert sum(1 for n in peaks if n.startswith("w")) == workers, peaks
+    assert all(50 * 2**20 < v < host_memory_bytes() for v in peaks.values()), peaks
     # measured bytes: every kind counted; raw fp32 frames are as big raw as on the wire
     b = summary["bytes"]
     assert set(b) == {"activations", "activation_grads", "grad_push", "weight_pull", "control"}

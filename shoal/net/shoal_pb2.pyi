@@ -247,7 +247,7 @@ class GuardUnverified(_message.Message):
     def __init__(self, worker: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class MemberStats(_message.Message):
-    __slots__ = ("stage", "tasks_done", "compute_s", "step", "pool_todo", "pool_waiting", "leases", "workers", "last_step", "standby_logging", "standby_lagging", "held", "wait_input", "wait_grad", "unpushed", "committing", "step_s")
+    __slots__ = ("stage", "tasks_done", "compute_s", "step", "pool_todo", "pool_waiting", "leases", "workers", "last_step", "standby_logging", "standby_lagging", "held", "wait_input", "wait_grad", "unpushed", "committing", "step_s", "peak_rss")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     TASKS_DONE_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +265,7 @@ class MemberStats(_message.Message):
     UNPUSHED_FIELD_NUMBER: _ClassVar[int]
     COMMITTING_FIELD_NUMBER: _ClassVar[int]
     STEP_S_FIELD_NUMBER: _ClassVar[int]
+    PEAK_RSS_FIELD_NUMBER: _ClassVar[int]
     stage: int
     tasks_done: int
     compute_s: float
@@ -282,7 +283,8 @@ class MemberStats(_message.Message):
     unpushed: _containers.RepeatedScalarFieldContainer[str]
     committing: bool
     step_s: float
-    def __init__(self, stage: _Optional[int] = ..., tasks_done: _Optional[int] = ..., compute_s: _Optional[float] = ..., step: _Optional[int] = ..., pool_todo: _Optional[int] = ..., pool_waiting: _Optional[int] = ..., leases: _Optional[int] = ..., workers: _Optional[int] = ..., last_step: _Optional[_Union[StepSplit, _Mapping]] = ..., standby_logging: _Optional[_Iterable[str]] = ..., standby_lagging: _Optional[_Iterable[str]] = ..., held: _Optional[_Iterable[_Union[HeldLease, _Mapping]]] = ..., wait_input: _Optional[int] = ..., wait_grad: _Optional[int] = ..., unpushed: _Optional[_Iterable[str]] = ..., committing: _Optional[bool] = ..., step_s: _Optional[float] = ...) -> None: ...
+    peak_rss: int
+    def __init__(self, stage: _Optional[int] = ..., tasks_done: _Optional[int] = ..., compute_s: _Optional[float] = ..., step: _Optional[int] = ..., pool_todo: _Optional[int] = ..., pool_waiting: _Optional[int] = ..., leases: _Optional[int] = ..., workers: _Optional[int] = ..., last_step: _Optional[_Union[StepSplit, _Mapping]] = ..., standby_logging: _Optional[_Iterable[str]] = ..., standby_lagging: _Optional[_Iterable[str]] = ..., held: _Optional[_Iterable[_Union[HeldLease, _Mapping]]] = ..., wait_input: _Optional[int] = ..., wait_grad: _Optional[int] = ..., unpushed: _Optional[_Iterable[str]] = ..., committing: _Optional[bool] = ..., step_s: _Optional[float] = ..., peak_rss: _Optional[int] = ...) -> None: ...
 
 class HeldLease(_message.Message):
     __slots__ = ("worker", "tasks", "oldest_s")

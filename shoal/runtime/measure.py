@@ -117,6 +117,20 @@ def available_ram() -> float:
         return 0.0
 
 
+def peak_rss_bytes(status: str = "/proc/self/status") -> int:
+    """This process's peak resident memory so far in bytes (``VmHWM``: since its own start or
+    fork, so a member forked from the fork server counts only itself); 0 where the system does
+    not say."""
+    try:
+        with open(status) as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def warm_device(device: str | torch.device | None = None) -> float:
     """Start an accelerator's context and matrix library now; the seconds it took (0 on a CPU).
 

@@ -238,6 +238,7 @@ class Coordinator(pbg.CoordinatorServicer):
         self.history: list[dict] = []
         self.total_requeues = 0
         self.tasks_per_worker: dict[str, int] = {}
+        self.peak_rss: dict[str, int] = {}  # member name -> the largest peak resident memory it reported (bytes)
         self.fixed_layers = False  # a resumed run keeps its layer ranges (its checkpoints hold them)
         self.resumed = False  # this coordinator took the run over from a journal
         self.banned_names: dict[str, str] = {}  # banned worker name -> why (journaled: kept across restarts)
@@ -954,6 +955,8 @@ class Coordinator(pbg.CoordinatorServicer):
         if request.HasField("stats"):
             m.stats = pb.MemberStats()
             m.stats.CopyFrom(request.stats)
+            if request.stats.peak_rss > self.peak_rss.get(m.name, 0):
+                self.peak_rss[m.name] = request.stats.peak_rss
         if request.fatal:
             self.fail(request.fatal)
         if m.role == "server":
@@ -1450,6 +1453,7 @@ class Coordinator(pbg.CoordinatorServicer):
             path = self.run_dir / "summary.json"
             summary = json.loads(path.read_text())
             summary.update(merge_traffic(self.traffic))
+            summary["peak_rss_bytes"] = dict(self.peak_rss)
             tmp = path.with_suffix(".json.tmp")
             tmp.write_text(json.dumps(summary, indent=1, sort_keys=True))
             tmp.replace(path)
@@ -1485,6 +1489,7 @@ class Coordinator(pbg.CoordinatorServicer):
             "wall_time_s": time.time() - self.t0,
             **merge_traffic(self.traffic),
             "bytes_method": BYTES_METHOD,
+            "peak_rss_bytes": dict(self.peak_rss),  # per member name, as its heartbeats last said
             **({"dashboard": "dashboard.html"} if self.run_dir is not None else {}),
             **({"replicas": {"stages": list(self.spec.replica_stages), "micro_batches": list(self.spec.replica_mbs),
                              "final_weights_differ": getattr(self, "replicas_differ", None)}}

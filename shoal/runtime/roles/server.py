@@ -80,6 +80,7 @@ from shoal.runtime.common import (
     token_window,
     trace,
 )
+from shoal.runtime.measure import peak_rss_bytes
 from shoal.runtime.pool.grants import GrantBook
 from shoal.runtime.pool.pool import (
     EMPTY_TALLY,
@@ -686,7 +687,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         live = self.spec.dead_after_s if self.spec else 3.0
         now = time.monotonic()
         s = pb.MemberStats(stage=self.stage, step=self.step, pool_todo=todo, pool_waiting=waiting,
-                           leases=len(self.leases),
+                           leases=len(self.leases), peak_rss=peak_rss_bytes(),
                            workers=sum(now - w.last_seen <= live for w in self.workers.values()))
         if self.last_split is not None:
             s.last_step.CopyFrom(pb.StepSplit(**self.last_split))

@@ -60,6 +60,7 @@ from shoal.runtime.common import (
     split_window,
     trace,
 )
+from shoal.runtime.measure import peak_rss_bytes
 from shoal.runtime.safety.faults import poison, poisons
 from shoal.runtime.sync.codecs import apply_pull, compression_of_spec
 from shoal.runtime.sync.local import LocalWorkerMixin
@@ -497,7 +498,8 @@ class Worker(LocalWorkerMixin):
 
     def stats_snapshot(self) -> pb.MemberStats:
         """What this worker reports for the dashboard: its stage and the work it got accepted."""
-        return pb.MemberStats(stage=self.stage, tasks_done=self.tasks_done, compute_s=self.compute_s)
+        return pb.MemberStats(stage=self.stage, tasks_done=self.tasks_done, compute_s=self.compute_s,
+                              peak_rss=peak_rss_bytes())
 
     async def _apply_assignment(self, stage: int, first: int, last: int, addr: str) -> None:
         self._drop_ahead()  # a task leased ahead from the old assignment runs out its lease there
