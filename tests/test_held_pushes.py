@@ -67,6 +67,21 @@ def test_pushes_past_the_budget_wait_as_frames_and_decode_to_the_same_bits():
     assert set(held.snapshot(only={"w1", "w9"})) == {"w1", "w9"}
 
 
+def test_a_push_is_held_as_frames_when_the_host_runs_short_of_ram_whatever_the_budget():
+    """Servers sharing a host each take a budget of what was free when their rounds began: a
+    push is kept decoded only while the host still has its reserve free beside it."""
+    nbytes = sum(t.numel() * 4 for t in _stage(0).values())
+    free = [10 * nbytes]
+    held = HeldPushes(1e18, available=lambda: free[0], ram=20 * nbytes)  # reserve: 4 pushes' bytes
+    d = _stage(1)
+    assert not held.put("w0", d, lambda: d, 10)
+    free[0] = 4.5 * nbytes  # another server on the host took memory meanwhile
+    assert held.put("w1", d, lambda: d, 10) and held.framed == 1
+    free[0] = 6 * nbytes
+    assert not held.put("w2", d, lambda: d, 10) and held.framed == 1
+    assert held.snapshot().reserve == held.reserve
+
+
 def test_the_merge_and_the_screen_read_the_same_from_frames_and_each_push_once():
     """weighted_sum of pushes held as frames is bitwise the merge of the decoded pushes;
     round_measures agrees; each reads every push exactly once."""

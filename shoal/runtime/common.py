@@ -457,6 +457,12 @@ def save_stage_ckpt(root: str | Path, stage: int, version: int, module: torch.nn
     sparse pulls' error feedback (``pull_ef/<name>``), so a resumed server sends what the
     updates before the stop still owe instead of dropping it.
 
+    The tensors are written from where they are, not copied first (a copy of a gpt-1.3b
+    stage's weights and AdamW state is 12 bytes a parameter, about 16 GB): the caller must not
+    change them until this returns. A stage server's next commit, merge and load wait for the
+    write (``StageServer._ckpt_written``); should they change anyway, the file's digest no
+    longer matches and a load falls back to the previous checkpoint.
+
     The file carries the run id, stage, layer range, version and a sha256 of its tensors
     (checked by :func:`load_stage_ckpt`); it is written to a temporary name, synced and
     renamed, so ``v<N>.safetensors`` exists only once complete. A disk that is full or
@@ -468,17 +474,17 @@ def save_stage_ckpt(root: str | Path, stage: int, version: int, module: torch.nn
     d = ckpt_dir(root, stage, run_id)
     tensors: dict[str, torch.Tensor] = {}
     for name, p in module.named_parameters():
-        tensors[f"param/{name}"] = p.detach().contiguous().clone()
+        tensors[f"param/{name}"] = p.detach().contiguous()
         st = optimizer.state.get(p, {})
         for k in ("exp_avg", "exp_avg_sq", "step"):
             if k in st:
                 v = st[k]
-                tensors[f"{k}/{name}"] = (v if torch.is_tensor(v) else torch.tensor(float(v))).detach().clone().reshape(
-                    v.shape if torch.is_tensor(v) else ())
+                tensors[f"{k}/{name}"] = (v.detach().contiguous() if torch.is_tensor(v) else
+                                          torch.tensor(float(v)))
     for name, m in (outer_m or {}).items():
-        tensors[f"outer_m/{name}"] = m.detach().contiguous().clone()
+        tensors[f"outer_m/{name}"] = m.detach().contiguous()
     for name, r in (pull_ef or {}).items():
-        tensors[f"pull_ef/{name}"] = r.detach().contiguous().clone()
+        tensors[f"pull_ef/{name}"] = r.detach().contiguous()
     meta = {"version": str(version), "stage": str(stage), "run_id": run_id, "first": str(layers[0]),
             "last": str(layers[1]), "sha256": tensors_digest(tensors), "loss_scale": repr(float(loss_scale))}
     # The writer's pid in the name: two servers writing one version (a stage that just moved)

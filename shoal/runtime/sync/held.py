@@ -23,6 +23,7 @@ from shoal.runtime.measure import available_ram
 
 DEFAULT_MERGE_MEMORY_SHARE = 0.25  # of the host's RAM a server's decoded pushes may take by default
 DEFAULT_AVAILABLE_SHARE = 0.5  # and at most this share of the RAM free when a round starts
+RESERVE_SHARE = 0.2  # a push is held decoded only while the host keeps this share of its RAM free after it
 
 
 def host_memory_bytes() -> int:
@@ -61,15 +62,19 @@ def tensors_nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
 class HeldPushes(Mapping[str, Mapping[str, torch.Tensor]]):
     """Contributor -> its pseudo-gradient ``{name: tensor}``, decoded or decoded where read.
 
-    :meth:`put` keeps ``dense`` while the decoded pushes held stay within ``budget`` bytes, and
-    otherwise keeps ``decode`` (a function of the push's frames that returns the same tensors)
-    when its frames are smaller than ``dense``. Reading a push held as frames decodes it for
+    :meth:`put` keeps ``dense`` while the decoded pushes held stay within ``budget`` bytes and
+    the host keeps :data:`RESERVE_SHARE` of its RAM available beside it (read at each push:
+    several stage servers may share a host and start their rounds at once, each with a budget
+    of what was free then), and otherwise keeps ``decode`` (a function of the push's frames
+    that returns the same tensors) when its frames are smaller than ``dense``. Reading a push held as frames decodes it for
     that read only, so a pass over the contributors (``items()``) holds one decoded push at a
     time. :meth:`snapshot` is a copy for a thread to read while the event loop edits this one.
     """
 
-    def __init__(self, budget: float):
+    def __init__(self, budget: float, available: Callable[[], float] = available_ram, ram: float | None = None):
         self.budget = budget  # bytes of decoded pushes to hold (beyond: frames)
+        self.available = available  # bytes of RAM the host has available now
+        self.reserve = RESERVE_SHARE * (host_memory_bytes() if ram is None else ram)  # what it must keep free
         self._dense: dict[str, dict[str, torch.Tensor]] = {}
         self._frames: dict[str, Callable[[], dict[str, torch.Tensor]]] = {}
         self._dense_bytes = 0
@@ -79,7 +84,8 @@ class HeldPushes(Mapping[str, Mapping[str, torch.Tensor]]):
         """Hold ``wid``'s push; True when it is held as frames (``decode``), False when decoded."""
         self.pop(wid, None)
         nbytes = tensors_nbytes(dense)
-        if decode is not None and self._dense_bytes + nbytes > self.budget and wire_bytes < nbytes:
+        if decode is not None and wire_bytes < nbytes and (self._dense_bytes + nbytes > self.budget
+                                                            or self.available() - nbytes < self.reserve):
             self._frames[wid] = decode
             return True
         self._dense[wid] = dense
@@ -115,7 +121,8 @@ class HeldPushes(Mapping[str, Mapping[str, torch.Tensor]]):
 
     def snapshot(self, only=None) -> HeldPushes:
         """A copy holding the same pushes (those of ``only`` where given), for a thread."""
-        out = HeldPushes(self.budget)
+        out = HeldPushes(self.budget, self.available)
+        out.reserve = self.reserve
         for w, d in self._dense.items():
             if only is None or w in only:
                 out._dense[w] = d
