@@ -172,8 +172,13 @@ def test_two_cluster_replicas_never_route_an_activation_across_clusters():
 
 
 @pytest.mark.timeout(120)
+def _roomy_hosts(s, gb: float = 1024):
+    """``s`` with every server host given ``gb`` GB of RAM: room for many replicas' stage servers."""
+    return replace(s, devices=[replace(d, host_memory=gb * 1e9) if d.can_host_server else d for d in s.devices])
+
+
 def test_planner_keeps_each_replica_inside_its_cluster():
-    s = load_scenario("gaming-world")
+    s = _roomy_hosts(load_scenario("gaming-world"))
     pol = SyncPolicy(mode="local", sync_every=32, act_codec="int8", grad_codec="int8", push_codec="sparse",
                      pull_codec="sparse")
     plan = make_plan(s, sync=pol, replicas=True)
@@ -190,6 +195,26 @@ def test_planner_keeps_each_replica_inside_its_cluster():
     assert plan.predicted["devices_used"] >= 80
     with pytest.raises(ShoalError, match="local"):
         make_plan(s, replicas=True)
+
+
+def test_replicas_place_no_more_stage_servers_on_a_host_than_its_memory_holds():
+    """gaming-world's four 128 GB hosts hold one whole-model gpt-1.3b stage server each (a
+    server needs SERVER_BYTES_PER_PARAM a parameter, measured): the replica plan keeps within
+    them, where hosts with room for more take more replicas."""
+    from shoal.plan.cost import scenario_profile
+    from shoal.plan.replicas import servers_memory
+
+    pol = SyncPolicy(mode="local", sync_every=32, act_codec="int8", grad_codec="int8", push_codec="lowrank",
+                     pull_codec="lowrank")
+    tight = load_scenario("gaming-world")
+    plan = make_plan(tight, sync=pol, replicas=True)
+    prof = scenario_profile(tight, plan.micro_batch_size)
+    need = servers_memory(plan.all_stages, prof)
+    hosts = {d.id: d.host_memory for d in tight.devices if d.can_host_server}
+    assert all(n <= hosts[h] for h, n in need.items()), (need, hosts)
+    assert prof.server_memory(0, len(prof.layers)) * 2 > max(hosts.values())  # two whole-model servers never share one
+    roomy = make_plan(_roomy_hosts(tight), sync=pol, replicas=True)
+    assert len(roomy.replicas) > len(plan.replicas)
 
 
 @pytest.mark.parametrize("inter_mbps,depths", [(1000, [1, 2]), (10, [1, 2]), (1, [1])])

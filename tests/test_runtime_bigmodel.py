@@ -38,6 +38,15 @@ def test_gpt125m_launch_equals_local_training(tmp_path):
     assert summary["steps"] == 2
     # The weights really crossed the wire in many chunks: one stage is far above 1 MB.
     assert summary["bytes"]["weight_pull"]["wire"] > 200 * 1024 * 1024
+    # Each stage server's peak resident memory, as it reported it, within what the planner
+    # sizes a server host for (ModelProfile.server_memory), and above its bare state.
+    from shoal.model.config import get_preset
+    from shoal.model.profile import profile_model
+
+    prof = profile_model(get_preset("gpt-125m"), FLAGS["seq_len"], FLAGS["micro_batch_size"])
+    for s, (a, b) in enumerate(summary["layers"]):
+        peak = summary["peak_rss_bytes"][f"s{s}"]
+        assert 16 * prof.params(a, b) < peak <= prof.server_memory(a, b), (s, a, b, peak, prof.server_memory(a, b))
 
     ref = train_local(TrainConfig(**FLAGS, out=str(tmp_path / "local"), eval_every=0, eval_batches=1), quiet=True)
     ref_losses = [r["loss"] for r in ref.records]

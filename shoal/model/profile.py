@@ -29,6 +29,17 @@ from shoal.errors import ShoalError
 from shoal.model.config import ModelConfig, layer_kind
 
 ADAMW_STATE_BYTES_PER_PARAM = 8  # two fp32 moments per parameter
+# What a stage server process really holds (peak resident memory, measured on real runs:
+# bench/bench_server_memory.py, bench/results/server-memory.md): beyond its fp32 weights,
+# summed gradient and AdamW state (16 bytes a parameter), the one shared serialisation of its
+# weights for pulls, the step's pushes held until the commit, the end check's copy of the
+# weights and, in local mode, the outer momentum, the screen's reference gradient, the merged
+# update and its pull codec's reconstruction. Measured on gpt-125m stages (2 workers, M = 2):
+# 55 bytes a parameter in exact sync (56.5 the most of one server), 20-30 in local mode and 28-55
+# with lowrank pulls, over a process of 0.35-0.5 GB; the figure leaves a margin over the largest
+# (the peaks move between runs with when pushes, pulls and checkpoints meet).
+SERVER_BYTES_PER_PARAM = 64
+SERVER_PROCESS_BYTES = 512 * 2**20  # the interpreter, torch, gRPC and their threads
 
 
 @dataclass(frozen=True)
@@ -123,9 +134,9 @@ class ModelProfile:
         return self._sum("worker", first, last)
 
     def server_memory(self, first: int, last: int) -> int:
-        """Bytes a stage server needs: fp32 master weights, summed gradients, AdamW state."""
-        p = self.params(first, last)
-        return p * (4 + 4 + ADAMW_STATE_BYTES_PER_PARAM)
+        """Bytes a stage server process of layers ``[first, last)`` needs at its peak
+        (:data:`SERVER_BYTES_PER_PARAM` a parameter, measured, and the process itself)."""
+        return SERVER_PROCESS_BYTES + self.params(first, last) * SERVER_BYTES_PER_PARAM
 
 
 def profile_model(

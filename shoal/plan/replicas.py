@@ -231,13 +231,24 @@ def speed_classes(devices: list[Device], tol: float = SPEED_CLASS, least: int = 
 
 
 def _sub_scenario(scenario: Scenario, devices: list[Device], hosts: tuple[str, ...], micro_batches: int,
-                  micro_batch_size: int) -> Scenario:
+                  micro_batch_size: int, host_left: dict[str, float] | None = None) -> Scenario:
     """``scenario`` restricted to ``devices`` and the server hosts ``hosts``, with a batch of
-    ``micro_batches`` micro-batches (one replica's share)."""
+    ``micro_batches`` micro-batches (one replica's share); ``host_left``: each host's memory
+    that earlier replicas' stage servers left (default: all of it)."""
     keep = {d.id for d in devices} | set(hosts)
     w = scenario.workload
-    return replace(scenario, devices=[d for d in scenario.devices if d.id in keep],
+    left = host_left or {}
+    return replace(scenario, devices=[replace(d, host_memory=left[d.id]) if d.id in left else d
+                                      for d in scenario.devices if d.id in keep],
                    workload=replace(w, global_batch=micro_batches * micro_batch_size))
+
+
+def servers_memory(stages, prof: ModelProfile) -> dict[str, float]:
+    """Bytes of host memory each server host gives the stage servers of ``stages`` (pure)."""
+    need: dict[str, float] = {}
+    for st in stages:
+        need[st.server] = need.get(st.server, 0.0) + prof.server_memory(*st.layers)
+    return need
 
 
 def equal_finish_split(pipes: list[float], rates: list[float], current: list[int], total: int) -> list[int]:
@@ -416,15 +427,28 @@ def plan_replicas(scenario: Scenario, seed: int = 0, sync: SyncPolicy | None = N
         """Each group's replica placed for its share of the micro-batches, then balanced; and
         the group each replica came from."""
         replicas, made = [], []
-        for g, ((c, k, devs), m_r) in enumerate(zip(groups, shares, strict=True)):
+        # Stage servers of several replicas share their cluster's hosts: each replica is planned
+        # in what the earlier ones left of that memory, and one whose servers no longer fit is
+        # left out. Every replica's servers hold the whole model whatever its depth, so the
+        # shallowest groups go first (no activation crosses a link there), the largest first
+        # among them.
+        left = {d.id: d.host_memory for d in scenario.devices if d.can_host_server}
+        order = sorted(range(len(groups)), key=lambda g: (groups[g][1], -sum(d.flops for d in groups[g][2])))
+        for g in order:
+            (c, k, devs), m_r = groups[g], shares[g]
             if m_r <= 0:
                 continue
-            sub = _sub_scenario(scenario, devs, c.hosts, m_r, w.micro_batch_size)
+            sub = _sub_scenario(scenario, devs, c.hosts, m_r, w.micro_batch_size, left)
             try:
                 p = plan_shoal(sub, seed=seed, stages=min(k, len(devs)), sync=sync, options=options,
                                max_evals=max_evals)
             except ShoalError:
                 continue
+            need = servers_memory(p.stages, prof)
+            if any(left.get(h, 0.0) < n for h, n in need.items()):
+                continue
+            for h, n in need.items():
+                left[h] -= n
             replicas.append(Replica(stages=p.stages, micro_batches=m_r, cluster=c.name))
             made.append(g)
         if not replicas:
@@ -456,7 +480,26 @@ def plan_replicas(scenario: Scenario, seed: int = 0, sync: SyncPolicy | None = N
         if again is not None and predict(again, scenario, judge)["tokens_per_s"] > \
                 predict(plan, scenario, judge)["tokens_per_s"]:
             plan = again
-    return drop_depths(plan, scenario, options)
+    best = drop_depths(plan, scenario, options)
+    # The replicas of a dropped depth held host memory that the others could not have: placed
+    # once more without those groups, the memory goes to replicas that stay.
+    gone = {len(r.stages) for r in plan.replicas} - {len(r.stages) for r in best.replicas}
+    keep = [g for g in range(len(groups)) if groups[g][1] not in gone]
+    if gone and keep:
+        judge = dataclasses.replace(options or CostOptions(), coordinator=True)
+        shares = [0] * len(groups)
+        for g, m_r in zip(keep, split_micro_batches([sum(d.flops for d in groups[g][2]) for g in keep], m_total),
+                          strict=True):
+            shares[g] = m_r
+        try:
+            third = drop_depths(place(shares)[0], scenario, options)
+        except ShoalError:
+            third = None
+        if third is not None and predict(third, scenario, judge)["tokens_per_s"] > \
+                predict(best, scenario, judge)["tokens_per_s"]:
+            best = third
+        predict(best, scenario, options)
+    return best
 
 
 def _balance(plan: Plan, scenario: Scenario, options: CostOptions | None) -> None:

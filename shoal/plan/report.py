@@ -107,11 +107,20 @@ class SwarmReport:
                 "cpu_bound": dict(self.cpu_bound)}
 
 
+def server_room(plan: Plan, scenario: Scenario, prof) -> float:
+    """The most host memory any server host has left beside the plan's stage servers (pure)."""
+    need: dict[str, float] = {}
+    for st in plan.all_stages:
+        need[st.server] = need.get(st.server, 0.0) + prof.server_memory(*st.layers)
+    return max((h.host_memory - need.get(h.id, 0.0) for h in scenario.devices if h.can_host_server), default=0.0)
+
+
 def idle_reason(d: Device, plan: Plan, scenario: Scenario, step_s: float,
                 cpu_bound: dict[str, str] | None = None) -> tuple[str, str]:
     """``(reason, one line)`` for a device the plan leaves idle.
 
-    * ``memory``: it cannot hold any of the plan's stages (under the plan's sync policy), nor,
+    * ``memory``: it cannot hold any of the plan's stages (under the plan's sync policy), or
+      the replica it could hold needs stage servers no server host has the memory left for, nor,
       in a replica plan, every stage of an even split into at most
       :data:`~shoal.plan.replicas.MAX_REPLICA_STAGES` (one that can is ``no benefit``: the
       planner could have built a replica of its depth);
@@ -134,6 +143,12 @@ def idle_reason(d: Device, plan: Plan, scenario: Scenario, step_s: float,
             from shoal.plan.replicas import stages_needed
 
             k = stages_needed(prof, d, plan.sync)
+            room = server_room(plan, scenario, prof)
+            whole = prof.server_memory(0, len(prof.layers))
+            if k and room < whole:  # a replica of its size needs servers no host has the memory for
+                return IDLE_MEMORY, (f"has {d.memory / 1e9:.1f} GB, enough for a {k}-stage replica, but the "
+                                     f"stage servers of another replica need {whole / 1e9:.0f} GB of host memory "
+                                     f"and the server hosts have at most {room / 1e9:.0f} GB left")
             if k:  # the planner could have built a replica of its size: it chose not to
                 return IDLE_NO_BENEFIT, (f"has {d.memory / 1e9:.1f} GB, too little for this plan's stages "
                                          f"(the smallest needs {need / 1e9:.1f} GB) but enough for a {k}-stage "

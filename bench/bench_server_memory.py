@@ -1,0 +1,96 @@
+"""What a stage server really holds, against what the planner sizes its host for.
+
+Runs ``shoal launch`` (2 stages, 2 workers) once per sync policy for each model, reads each
+member's peak resident memory from ``summary.json`` (``peak_rss_bytes``: VmHWM, which every
+member reports in its heartbeats) and prints, per stage server: its layers, parameters, peak
+RSS, and the planner's figure for it (``ModelProfile.server_memory``). With two
+models the table also fits ``peak = base + k x parameters`` per policy over all their servers
+(least squares), the bytes per parameter a server really needs.
+
+    PYTHONPATH=. python bench/bench_server_memory.py [--models tiny,gpt-125m] [--policies exact,local-lowrank]
+
+Policies: ``exact`` (the launch's default), ``local`` (``--sync local --sync-every 2``),
+``local-lowrank`` (the same with ``--compression lowrank``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+POLICIES = {
+    "exact": [],
+    "local": ["--sync", "local", "--sync-every", "2"],
+    "local-lowrank": ["--sync", "local", "--sync-every", "2", "--compression", "lowrank"],
+    # every pseudo-gradient held as its frames: what a server holds beside its merge memory
+    "local-lowrank-frames": ["--sync", "local", "--sync-every", "2", "--compression", "lowrank",
+                             "--merge-memory-gb", "0"],
+    "local-frames": ["--sync", "local", "--sync-every", "2", "--merge-memory-gb", "0"],
+}
+
+
+def run(model: str, policy: str, root: Path, steps: int) -> dict:
+    out = root / f"{model}-{policy}"
+    cmd = [sys.executable, "-m", "shoal.runtime.processes.cli", "launch", "--model", model, "--stages", "2",
+           "--workers", "2", "--steps", str(steps), "--micro-batches", "2", "--micro-batch-size", "1",
+           "--seq-len", "64", "--out", str(out), "--timeout", "3000", "--dead-after", "120",
+           "--min-lease", "120", "--spot-check", "0", *POLICIES[policy]]
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", SHOAL_TORCH_THREADS="1"))
+    if proc.returncode != 0:
+        sys.exit(f"{model} {policy}: launch failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    return {"summary": summary, "wall_s": time.time() - t0, "cmd": " ".join(cmd[2:])}
+
+
+def main() -> None:
+    from shoal.model.config import get_preset
+    from shoal.model.profile import profile_model
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="tiny,gpt-125m")
+    p.add_argument("--policies", default="exact,local-lowrank")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--keep", default=None, help="folder to keep the runs in (default: a temp folder, removed)")
+    args = p.parse_args()
+    root = Path(args.keep or tempfile.mkdtemp(prefix="shoal-srvmem-"))
+    rows = []
+    for policy in args.policies.split(","):
+        for model in args.models.split(","):
+            r = run(model, policy, root, args.steps)
+            print(f"# {r['cmd']}  ({r['wall_s']:.0f} s)", flush=True)
+            prof = profile_model(get_preset(model), 64, 1)
+            layers = r["summary"]["layers"]
+            peaks = r["summary"]["peak_rss_bytes"]
+            for s, (a, b) in enumerate(layers):
+                name = f"s{s}"
+                rows.append((policy, model, name, (a, b), prof.params(a, b), peaks.get(name, 0),
+                             prof.server_memory(a, b)))
+    print("| policy | model | server | layers | parameters | peak RSS MB | planned MB | planned / peak |")
+    print("|---|---|---|---|---|---|---|---|")
+    for policy, model, name, (a, b), n, peak, planned in rows:
+        print(f"| {policy} | {model} | {name} | [{a}, {b}) | {n / 1e6:.1f} M | {peak / 2**20:.0f} | "
+              f"{planned / 2**20:.0f} | {planned / peak if peak else float('nan'):.2f} |")
+    for policy in args.policies.split(","):
+        pts = [(n, peak) for pol, _m, _s, _l, n, peak, _p in rows if pol == policy and peak]
+        if len({n for n, _ in pts}) >= 2:
+            mx = sum(n for n, _ in pts) / len(pts)
+            my = sum(y for _, y in pts) / len(pts)
+            k = sum((n - mx) * (y - my) for n, y in pts) / sum((n - mx) ** 2 for n, _ in pts)
+            print(f"{policy}: peak RSS = {(my - k * mx) / 2**20:.0f} MB + {k:.1f} B x parameters "
+                  f"(least squares over {len(pts)} servers)")
+    if not args.keep:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
