@@ -11,7 +11,7 @@ import pytest
 from shoal.errors import ShoalError
 from shoal.plan import load_scenario, make_plan, predict, scenario_from_dict
 from shoal.plan.cluster import average_linkage
-from shoal.plan.cost import outer_merge_flows, scenario_profile
+from shoal.plan.cost import outer_merge_flows, scenario_profile, servers_memory
 from shoal.plan.replicas import (
     cut_clusters,
     drop_depths,
@@ -201,9 +201,6 @@ def test_replicas_place_no_more_stage_servers_on_a_host_than_its_memory_holds():
     """gaming-world's four 128 GB hosts hold one whole-model gpt-1.3b stage server each (a
     server needs SERVER_BYTES_PER_PARAM a parameter, measured): the replica plan keeps within
     them, where hosts with room for more take more replicas."""
-    from shoal.plan.cost import scenario_profile
-    from shoal.plan.replicas import servers_memory
-
     pol = SyncPolicy(mode="local", sync_every=32, act_codec="int8", grad_codec="int8", push_codec="lowrank",
                      pull_codec="lowrank")
     tight = load_scenario("gaming-world")

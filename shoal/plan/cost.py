@@ -1279,12 +1279,18 @@ def _fastest(times: list[float], m: int) -> list[int]:
     return order[:m] if len(order) > m else order
 
 
+def servers_memory(stages, prof: ModelProfile) -> dict[str, float]:
+    """Bytes of host memory each server host gives the stage servers of ``stages`` (pure)."""
+    need: dict[str, float] = {}
+    for st in stages:
+        need[st.server] = need.get(st.server, 0.0) + prof.server_memory(*st.layers)
+    return need
+
+
 def server_memory_headroom(plan: Plan, scenario: Scenario) -> float:
     """Min over server hosts of (host memory - servers' memory) / host memory."""
     prof = scenario_profile(scenario, plan.micro_batch_size)
-    need: dict[str, float] = {}
-    for st in plan.all_stages:
-        need[st.server] = need.get(st.server, 0.0) + prof.server_memory(*st.layers)
+    need = servers_memory(plan.all_stages, prof)
     headroom = math.inf
     dev = {d.id: d for d in scenario.devices if d.id in need}
     for h, n in need.items():

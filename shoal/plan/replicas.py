@@ -44,6 +44,7 @@ from shoal.plan.cost import (
     replica_plan,
     scenario_profile,
     server_cpu_caps,
+    servers_memory,
     stage_costs,
     stage_worker_memory,
 )
@@ -241,14 +242,6 @@ def _sub_scenario(scenario: Scenario, devices: list[Device], hosts: tuple[str, .
     return replace(scenario, devices=[replace(d, host_memory=left[d.id]) if d.id in left else d
                                       for d in scenario.devices if d.id in keep],
                    workload=replace(w, global_batch=micro_batches * micro_batch_size))
-
-
-def servers_memory(stages, prof: ModelProfile) -> dict[str, float]:
-    """Bytes of host memory each server host gives the stage servers of ``stages`` (pure)."""
-    need: dict[str, float] = {}
-    for st in stages:
-        need[st.server] = need.get(st.server, 0.0) + prof.server_memory(*st.layers)
-    return need
 
 
 def equal_finish_split(pipes: list[float], rates: list[float], current: list[int], total: int) -> list[int]:

@@ -22,6 +22,7 @@ from shoal.plan.cost import (
     scenario_profile,
     server_cpu_caps,
     server_cpu_per_step,
+    servers_memory,
     stage_costs,
     stage_worker_memory,
     swarm_flop_limit,
@@ -109,9 +110,7 @@ class SwarmReport:
 
 def server_room(plan: Plan, scenario: Scenario, prof) -> float:
     """The most host memory any server host has left beside the plan's stage servers (pure)."""
-    need: dict[str, float] = {}
-    for st in plan.all_stages:
-        need[st.server] = need.get(st.server, 0.0) + prof.server_memory(*st.layers)
+    need = servers_memory(plan.all_stages, prof)
     return max((h.host_memory - need.get(h.id, 0.0) for h in scenario.devices if h.can_host_server), default=0.0)
 
 
