@@ -455,6 +455,11 @@ def plan_replicas(scenario: Scenario, seed: int = 0, sync: SyncPolicy | None = N
         _balance(plan, scenario, options)  # (may drop replicas)
         return plan, [group.get(id(r), -1) for r in plan.replicas]
 
+    judge = dataclasses.replace(options or CostOptions(), coordinator=True)  # plans compared with every member served
+
+    def faster(a: Plan | None, b: Plan) -> bool:
+        return a is not None and predict(a, scenario, judge)["tokens_per_s"] > predict(b, scenario, judge)["tokens_per_s"]
+
     plan, made = place(split_micro_batches([sum(d.flops for d in g[2]) for g in groups], m_total))
     # A replica placed for its FLOP share of the micro-batches may run more or fewer after
     # balancing (links slow some groups). With a round's fixed costs (the merge, the screen's
@@ -465,13 +470,11 @@ def plan_replicas(scenario: Scenario, seed: int = 0, sync: SyncPolicy | None = N
         if g >= 0:
             shares[g] = r.micro_batches
     if any(x > 0 for x in shares):
-        judge = dataclasses.replace(options or CostOptions(), coordinator=True)
         try:
             again, _ = place(shares)
         except ShoalError:
             again = None
-        if again is not None and predict(again, scenario, judge)["tokens_per_s"] > \
-                predict(plan, scenario, judge)["tokens_per_s"]:
+        if faster(again, plan):
             plan = again
     best = drop_depths(plan, scenario, options)
     # The replicas of a dropped depth held host memory that the others could not have: placed
@@ -479,7 +482,6 @@ def plan_replicas(scenario: Scenario, seed: int = 0, sync: SyncPolicy | None = N
     gone = {len(r.stages) for r in plan.replicas} - {len(r.stages) for r in best.replicas}
     keep = [g for g in range(len(groups)) if groups[g][1] not in gone]
     if gone and keep:
-        judge = dataclasses.replace(options or CostOptions(), coordinator=True)
         shares = [0] * len(groups)
         for g, m_r in zip(keep, split_micro_batches([sum(d.flops for d in groups[g][2]) for g in keep], m_total),
                           strict=True):
@@ -488,8 +490,7 @@ def plan_replicas(scenario: Scenario, seed: int = 0, sync: SyncPolicy | None = N
             third = drop_depths(place(shares)[0], scenario, options)
         except ShoalError:
             third = None
-        if third is not None and predict(third, scenario, judge)["tokens_per_s"] > \
-                predict(best, scenario, judge)["tokens_per_s"]:
+        if faster(third, best):
             best = third
         predict(best, scenario, options)
     return best
