@@ -94,6 +94,23 @@ def test_merge_parts_by_hand_across_splits():
     assert not weights and torch.equal(got["layers.4.w"], torch.tensor([-1.0]))
 
 
+def test_merge_parts_folds_to_merge_per_layers_bits():
+    """The merge folds each part into the sum as it reads it: the same bits as the per-layer
+    merge over all parts at once, for pseudo-gradient parts of three splits and uneven counts."""
+    from shoal.train.outer import merge_per_layer
+
+    g = torch.Generator().manual_seed(7)
+    names = [f"layers.{i}.w" for i in range(6)]
+    anchor = {n: torch.randn(257, generator=g) for n in names}
+    holds = {0: names, 1: names[:2], 2: names[2:], 3: names[:4], 4: names[4:]}
+    counts = {0: 3, 1: 5, 2: 5, 3: 7, 4: 7}
+    parts = {k: {n: torch.randn(257, generator=g) for n in ns} for k, ns in holds.items()}
+    weights, got = merge_parts({k: (counts[k], False, t) for k, t in parts.items()}, anchor)
+    want = merge_per_layer(parts, counts)
+    assert not weights and set(got) == set(names)
+    assert all(torch.equal(got[n], want[n]) for n in names)
+
+
 def test_own_part_is_the_workers_weighted_mean():
     w1 = {"p": torch.tensor([1.0])}
     w2 = {"p": torch.tensor([4.0])}
@@ -456,7 +473,7 @@ def test_flush_part_adds_the_residual_to_a_pseudo_gradient_and_takes_it_off_weig
     assert torch.equal(flush_part(t, True, r)["b"], t["b"])  # no residual: as it was
 
 
-def test_a_part_is_taken_only_from_a_peer_stages_server_and_checked():
+def test_a_part_is_taken_only_from_a_peer_stages_server_and_checked(tmp_path):
     """The receiving side of ReplicaPartStream in process: a part from the server the
     coordinator named for a peer stage is kept; one naming another member, a stage of the
     same replica, a wrong shape or an old round is not."""
@@ -467,16 +484,22 @@ def test_a_part_is_taken_only_from_a_peer_stages_server_and_checked():
     from shoal.net.stream import split
     from shoal.net.wire import encode_tensor
     from shoal.runtime.common import Signal
-    from shoal.runtime.sync.replicas import ReplicaServerMixin
+    from shoal.runtime.sync.held import HeldPushes
+    from shoal.runtime.sync.replicas import FramedPart, ReplicaServerMixin, SpilledPart, merge_parts
 
     class Server(ReplicaServerMixin):
+        budget = 1e9  # bytes of decoded parts a round may hold (the server's merge memory)
+
         def max_bytes(self, _what):
             return 1 << 20
+
+        def _new_round_pushes(self):
+            return HeldPushes(self.budget, available=lambda: 1e12, ram=1e9)
 
     cfg = get_preset("tiny")
     srv = Server()
     srv.spec = pb.RunSpec(stages=3, micro_batches=4, replica_stages=[1, 2], replica_mbs=[2, 2], sync_mode="local")
-    srv.cfg, srv.name, srv.cond = cfg, "s2", Signal()
+    srv.cfg, srv.name, srv.cond, srv.ckpt_root = cfg, "s2", Signal(), str(tmp_path)
     srv.stage, srv.epoch, srv.version, srv.local_merged = 2, 0, 2, 2
     srv.server_ids = ["s-a", "s-b", "s-c"]
     srv.params = {"layers.5.w": torch.zeros(3)}
@@ -504,6 +527,50 @@ def test_a_part_is_taken_only_from_a_peer_stages_server_and_checked():
     assert rep.accepted and not rep.reason
     (n, weights, tensors), = srv.replica_parts[(0, 4)].values()
     assert (n, weights) == (4, True) and torch.equal(tensors["layers.5.w"], torch.ones(3))
+    assert isinstance(tensors, dict)  # held decoded: within the merge memory
+    # Beyond the merge memory a part is held as its frames, decoded where the merge reads it:
+    # the same bits (here an int8 pseudo-gradient part of a later round).
+    srv.budget = 0
+    srv.params = {"layers.5.w": torch.zeros(4096)}
+    g = torch.linspace(-1.0, 1.0, 4096)
+    msg_t = encode_tensor("layers.5.w", g, "int8")
+    from shoal.net.wire import decode_tensor
+
+    async def framed_part():
+        msg = pb.ReplicaPart(member_id="s-a", epoch=0, round=6, stage=0, mbs=3, weights=False)
+        msg.tensors.append(msg_t)
+
+        async def chunks():
+            for c in split("ReplicaPart", msg.SerializeToString(), 1 << 16):
+                yield c
+        return await srv.ReplicaPartStream(chunks(), None)
+
+    assert asyncio.run(framed_part()).accepted
+    (n, weights, held), = srv.replica_parts[(0, 6)].values()
+    assert isinstance(held, FramedPart) and (n, weights) == (3, False)
+    dense = decode_tensor(msg_t, shape=(4096,), dtype="float32", finite=True)
+    own = {"layers.5.w": torch.linspace(2.0, -0.5, 4096)}
+    anchor = {"layers.5.w": torch.zeros(4096)}
+    a = merge_parts({0: (3, False, held), 2: (1, False, own)}, anchor)
+    b = merge_parts({0: (3, False, {"layers.5.w": dense}), 2: (1, False, own)}, anchor)
+    assert a[0] is b[0] is False and torch.equal(a[1]["layers.5.w"], b[1]["layers.5.w"])
+    # A raw part (its frames no smaller than its tensors) beyond it goes to disk, read back once
+    # by the merge: the same bits; its file goes with it.
+    msg_t = encode_tensor("layers.5.w", g, "raw")
+    assert asyncio.run(framed_part()).accepted
+    (n, weights, spilled), = srv.replica_parts[(0, 6)].values()
+    assert isinstance(spilled, SpilledPart) and Path(spilled.path).is_file()
+    assert Path(spilled.path).parent == tmp_path / "replica-parts" / "s2"
+    a = merge_parts({0: (3, False, spilled), 2: (1, False, own)}, anchor)
+    b = merge_parts({0: (3, False, {"layers.5.w": g}), 2: (1, False, own)}, anchor)
+    assert torch.equal(a[1]["layers.5.w"], b[1]["layers.5.w"]) and spilled._part is None
+    path = spilled.path
+    del spilled, held
+    srv.replica_parts.clear()
+    import gc
+
+    gc.collect()
+    assert not Path(path).exists()
 
 
 @pytest.mark.integration

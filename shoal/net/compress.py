@@ -1211,14 +1211,21 @@ class ErrorFeedback:
         (``layout``: the shapes a flat ``lowrank`` tensor holds, see :func:`encode`)."""
         x = tensor.detach().to("cpu", torch.float32)
         with self._lock:
-            r = self._residual.get(name)
-            if r is not None and r.shape != x.shape:
-                r = None  # the tensor changed shape (e.g. after a re-plan): start afresh
-            corrected = x if r is None else x + r
-            payload, meta = encode(corrected, self.codec, self.block, layout=layout)
+            old = self._residual.pop(name, None)
+            try:
+                r = old if old is not None and old.shape == x.shape else None  # (a new shape: afresh)
+                corrected = x if r is None else x + r
+                del r  # (a whole stage's residual: not held beside the encode's work)
+                payload, meta = encode(corrected, self.codec, self.block, layout=layout)
+            except BaseException:
+                if old is not None:
+                    self._residual[name] = old
+                raise
+            del old
             if self.codec != "raw":
                 sent = decode(payload, meta, corrected.shape, torch.float32, layout=layout)
-                self._residual[name] = corrected - sent
+                # corrected - sent, in sent's memory (a + (-b) is a - b, bit for bit)
+                self._residual[name] = sent.neg_().add_(corrected)
             return payload, meta
 
     def residual(self, name: str) -> torch.Tensor | None:
@@ -1226,6 +1233,11 @@ class ErrorFeedback:
         with self._lock:
             r = self._residual.get(name)
             return None if r is None else r.clone()
+
+    def take(self, name: str) -> torch.Tensor | None:
+        """The residual kept for ``name``, forgotten here (None if none): no copy of it is made."""
+        with self._lock:
+            return self._residual.pop(name, None)
 
     def state(self) -> dict[str, torch.Tensor]:
         """Every residual kept, by name (a snapshot: later encodes replace, never modify, them)."""

@@ -326,10 +326,20 @@ class PullDeltas:
         else:
             head = pb.WeightsReply(version=version, epoch=epoch, first=first, last=last, compress_delta=True,
                                    compress_chain=self.chain, compress_base=self.key[0])
+            self.full_bytes = self.delta_bytes = None  # (the last version's pulls: not beside this one's work)
             if stage_codec(self.codec):
-                # One frame of the whole stage (as a sparse push): small tensors cost no chunk of their own.
-                frame = stage_frame({n: p.detach().to("cpu", torch.float32) - self.recon[n]
-                                     for n, p in params.items()}, self.codec)
+                # One frame of the whole stage (as a sparse push): small tensors cost no chunk of
+                # their own. W - R goes straight into stage_frame's flat layout (one copy of the stage).
+                names = sorted(params)
+                flat = torch.empty(sum(params[n].numel() for n in names))
+                at = 0
+                for n in names:
+                    k = params[n].numel()
+                    torch.sub(params[n].detach().to("cpu", torch.float32), self.recon[n],
+                              out=flat[at:at + k].view(self.recon[n].shape))
+                    at += k
+                frame = encode_tensor(STAGE_FRAME, flat, self.codec, layout=stage_layout(self.codec, params))
+                del flat
                 for name, d in split_stage_frame(frame, self.recon).items():
                     self.recon[name].add_(d)  # apply_pull's arithmetic: base + decoded
                 head.params.append(frame)
@@ -397,14 +407,21 @@ class UpdatePulls:
         import torch
 
         from shoal.net import shoal_pb2 as pb
+        from shoal.net.wire import encode_tensor
 
         self.sync(old, first, last)
+        self.full_bytes = None  # (the weights before this merge: made again on demand)
         head = pb.WeightsReply(version=new[0], epoch=new[1], first=first, last=last, compress_delta=True,
                                compress_chain=self.chain, compress_base=old[0])
         with torch.no_grad():
-            step = {n: torch.zeros(p.shape) if update is None else -update[n].detach().to("cpu", torch.float32)
-                    for n, p in params.items()}
-            frame = stage_frame(step, self.codec, self.ef)
+            # stage_frame's layout of -update, built flat (one copy of the stage, not two)
+            names = sorted(params)
+            if update is None:
+                flat = torch.zeros(sum(params[n].numel() for n in names))
+            else:
+                flat = torch.cat([update[n].detach().to("cpu", torch.float32).reshape(-1) for n in names]).neg_()
+            frame = encode_tensor(STAGE_FRAME, flat, self.codec, ef=self.ef, layout=stage_layout(self.codec, params))
+            del flat
             # The worker's arithmetic (apply_pull): its fp32 copy plus the decoded frame.
             for name, d in split_stage_frame(frame, params).items():
                 params[name].copy_(params[name].detach().to("cpu", torch.float32) + d)
@@ -417,11 +434,12 @@ class UpdatePulls:
         round) and end the chain: any later pull is the weights in fp32."""
         import torch
 
-        r = self.ef.residual(STAGE_FRAME)
+        r = self.ef.take(STAGE_FRAME)
         if r is not None:
             with torch.no_grad():
                 for name, d in split_flat(r, params).items():
                     params[name].copy_(params[name].detach().to("cpu", torch.float32) + d)
+        del r
         self.ef.reset()
         self.chain, self.base, self.delta_bytes, self.full_bytes = uuid.uuid4().hex, -1, None, None
 

@@ -84,13 +84,18 @@ class HeldPushes(Mapping[str, Mapping[str, torch.Tensor]]):
         """Hold ``wid``'s push; True when it is held as frames (``decode``), False when decoded."""
         self.pop(wid, None)
         nbytes = tensors_nbytes(dense)
-        if decode is not None and wire_bytes < nbytes and (self._dense_bytes + nbytes > self.budget
-                                                            or self.available() - nbytes < self.reserve):
+        if decode is not None and not self.room(nbytes, wire_bytes):
             self._frames[wid] = decode
             return True
         self._dense[wid] = dense
         self._dense_bytes += nbytes
         return False
+
+    def room(self, nbytes: int, wire_bytes: int) -> bool:
+        """Whether a push of ``nbytes`` decoded (``wire_bytes`` as frames) is held decoded now:
+        its frames are no smaller, or it fits the budget and the host's reserve."""
+        return wire_bytes >= nbytes or (self._dense_bytes + nbytes <= self.budget
+                                        and self.available() - nbytes >= self.reserve)
 
     @property
     def framed(self) -> int:

@@ -663,6 +663,7 @@ class LocalServerMixin:
         if self.update_pulls is not None and not last:
             update = None if delta is None else outer_nesterov_update(
                 delta, self.outer_m, self.spec.outer_lr, self.spec.outer_momentum)
+            delta = None  # (a copy of the stage the pull's encode need not sit beside)
             self.update_pulls.merge({n: p.data for n, p in self.params.items()}, update,
                                     (self.local_merged, self.epoch, self.stage), (version, self.epoch, self.stage),
                                     self.first, self.last)

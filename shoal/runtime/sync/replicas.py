@@ -20,12 +20,17 @@ The pure decisions are functions here; :class:`ReplicaServerMixin` is a mixin of
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
+import os
+import tempfile
 import time
+import weakref
 from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import torch
@@ -35,7 +40,7 @@ from shoal.net import shoal_pb2 as pb
 from shoal.net.stream import receive, send
 from shoal.net.wire import WireError, decode_tensor, encode_tensor
 from shoal.runtime.sync.codecs import dense_round
-from shoal.train.outer import merge_per_layer, merge_weights, merges_weights, weighted_sum
+from shoal.train.outer import merge_weights, merges_weights, weighted_sum
 
 log = logging.getLogger("shoal.replicas")
 
@@ -362,6 +367,73 @@ def place_replica_servers(current: list[str], server_region: Mapping[str, str], 
     return out
 
 
+class FramedPart(Mapping[str, torch.Tensor]):
+    """A peer's part kept as it came, its wire frames, each tensor decoded where it is read.
+
+    A server waits for the parts of every peer replica holding its layers before it merges:
+    decoded, that is one float32 copy of its stage per peer (nine for a stage ten replicas
+    share). Frames of a compressed part are a fraction of that (``lowrank`` about 1/1,000);
+    :func:`merge_parts` reads each tensor once, so a merge over framed parts holds one decoded
+    tensor beside its sum. A frame decodes to the same bits every time."""
+
+    def __init__(self, frames: Sequence[pb.Tensor], shapes: Mapping[str, tuple[int, ...]]):
+        self._frames = {t.name: t for t in frames}  # name -> its wire frame
+        self._shapes = {n: tuple(shapes[n]) for n in self._frames}  # name -> the receiver's shape of it
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return decode_tensor(self._frames[name], shape=self._shapes[name], dtype="float32", finite=True)
+
+    def __iter__(self):
+        return iter(self._frames)
+
+    def __len__(self) -> int:
+        return len(self._frames)
+
+
+class SpilledPart(Mapping[str, torch.Tensor]):
+    """A peer's part beyond the server's merge memory whose frames are no smaller than its
+    tensors (a raw part: the run's last, dense round, or weights): written to disk as it came,
+    read back once where the merge reads it, and released after (:meth:`release`). A server
+    then holds one such part at a time however many peers share its layers. The file goes
+    when the part does."""
+
+    def __init__(self, msg: pb.ReplicaPart, shapes: Mapping[str, tuple[int, ...]], folder: str | Path):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        fd, path = tempfile.mkstemp(prefix="part-", suffix=".pb", dir=folder)
+        with os.fdopen(fd, "wb") as f:
+            f.write(msg.SerializeToString())
+        self.path = path  # the part's message on disk
+        self._names = [t.name for t in msg.tensors]  # its tensors' names, in order
+        self._shapes = {n: tuple(shapes[n]) for n in self._names}
+        self._part: FramedPart | None = None  # read back while the merge reads it
+        weakref.finalize(self, _unlink, path)
+
+    def _read(self) -> FramedPart:
+        if self._part is None:
+            msg = pb.ReplicaPart()
+            msg.ParseFromString(Path(self.path).read_bytes())
+            self._part = FramedPart(msg.tensors, self._shapes)
+        return self._part
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._read()[name]
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def release(self) -> None:
+        """Drop what was read back (the file stays until the part goes)."""
+        self._part = None
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
 def merge_parts(parts: Mapping[int, tuple[int, bool, Mapping[str, torch.Tensor]]],
                 anchor: Mapping[str, torch.Tensor]) -> tuple[bool, dict[str, torch.Tensor]]:
     """The per-layer merge of the replicas' parts for the parameters in ``anchor`` (this stage's
@@ -371,21 +443,42 @@ def merge_parts(parts: Mapping[int, tuple[int, bool, Mapping[str, torch.Tensor]]
     When every part holds weights the result is their micro-batch-weighted mean per parameter
     (weights=True); else each weights part becomes the pseudo-gradient ``anchor - w`` and the
     result is the weighted mean of pseudo-gradients (weights=False), for the outer step. Parts
-    are added in stage order (:func:`shoal.train.outer.merge_per_layer`), so every server holding
-    a parameter computes the same bits. A parameter no part holds is left out.
+    are added in stage order, each weighted by its micro-batches over those of the parts holding
+    that parameter (:func:`shoal.train.outer.merge_per_layer`'s arithmetic, the same bits), so
+    every server holding a parameter computes the same bits. Each part's tensors are read once,
+    one at a time, and folded into the sum (a :class:`FramedPart` decodes only then). A
+    parameter no part holds is left out; a :class:`ShoalError` if a part's shape differs from
+    ``anchor``'s.
     """
     live = {k: p for k, p in sorted(parts.items()) if p[0] > 0}
     if not live:
         return True, {}
     all_weights = all(w for _, w, _ in live.values())
-    tensors = {}
+    holders: dict[str, dict[int, int]] = {}
+    for k, (n, _, t) in live.items():
+        for name in t:
+            if name in anchor:
+                holders.setdefault(name, {})[k] = n
+    shares = {name: merge_weights(h) for name, h in holders.items()}
+    out: dict[str, torch.Tensor] = {}
     for k, (_, w, t) in live.items():
-        t = {n: x for n, x in t.items() if n in anchor}
-        if w and not all_weights:
-            t = {n: anchor[n] - x for n, x in t.items()}
-        tensors[k] = t
-    merged = merge_per_layer(tensors, {k: p[0] for k, p in live.items()})
-    return all_weights, merged
+        for name in [x for x in t if x in anchor]:
+            x = t[name]
+            if tuple(x.shape) != tuple(anchor[name].shape):
+                raise ShoalError(f"parameter {name}: stage {k}'s part holds shape {tuple(x.shape)}, this stage "
+                                 f"{tuple(anchor[name].shape)}; replicas of different models cannot merge")
+            if w and not all_weights:
+                x = anchor[name] - x
+            share = shares[name][k]
+            term = x * share if share != 1.0 else x.clone()
+            if name in out:
+                out[name].add_(term)
+            else:
+                out[name] = term
+            del x, term
+        if hasattr(t, "release"):
+            t.release()  # (a spilled part read back: one in memory at a time)
+    return all_weights, out
 
 
 def flush_part(tensors: Mapping[str, torch.Tensor], weights: bool,
@@ -433,6 +526,8 @@ class ReplicaServerMixin:
     """Stage-server state and handlers of replica plans (no effect without replicas)."""
 
     replica_parts: dict | None = None
+    replica_held: dict | None = None
+    part_gate: asyncio.Semaphore | None = None  # one peer's part received at a time
     server_ids: list[str] | tuple = ()  # member id of each stage's server (the coordinator's heartbeats)
 
     @property
@@ -453,6 +548,11 @@ class ReplicaServerMixin:
 
         # (epoch, round) -> stage -> part received from a peer
         self.replica_parts = {}
+        # (epoch, round) -> the memory account of its parts held decoded (beyond it: frames)
+        self.replica_held = {}
+        import shutil
+
+        shutil.rmtree(self._parts_folder(), ignore_errors=True)  # (what an earlier process here left)
         # Pseudo-gradient parts go in the run's push codec, with error feedback kept here across
         # rounds (what a part did not carry goes with the next one), as the cost model prices them.
         codec = compression_of_spec(self.spec).wire("push") if self.spec is not None else "raw"
@@ -468,7 +568,16 @@ class ReplicaServerMixin:
         return frames, decoded
 
     async def ReplicaPartStream(self, request_iterator, context):
-        """A peer replica stage's part of a round's merge."""
+        """A peer replica stage's part of a round's merge, taken one at a time: a part being
+        received is its chunks, their join and the parsed message, and a dense round's raw
+        parts from every peer at once would hold that for each (the senders wait on their
+        streams meanwhile, and retry a call that times out)."""
+        if self.part_gate is None:
+            self.part_gate = asyncio.Semaphore(1)
+        async with self.part_gate:
+            return await self._take_part(request_iterator, context)
+
+    async def _take_part(self, request_iterator, context):
         try:
             msg = await receive(request_iterator, pb.ReplicaPart, self.max_bytes("grads"))
         except WireError as exc:
@@ -491,31 +600,57 @@ class ReplicaServerMixin:
             # Only the server the coordinator gave that stage (as our newest heartbeat says) speaks for it;
             # a replacement we have not heard of yet is retried.
             return pb.PushReply(accepted=False, reason="not ready")
+        key = (msg.epoch, msg.round)
+        held = self.replica_held.get(key)
+        if held is None:
+            held = self.replica_held[key] = self._new_round_pushes()
+        shapes = {t.name: tuple(self.params[t.name].shape) for t in msg.tensors if t.name in self.params}
+        nbytes = 4 * sum(self.params[n].numel() for n in shapes)
+        dense = held.room(nbytes, 0)  # within the merge memory and the host's reserve
+        # Beyond it: compressed frames stay in memory, raw ones go to disk (merge_parts reads them once).
+        spill = not dense and msg.ByteSize() >= nbytes // 2
+
+        def check() -> Mapping[str, torch.Tensor]:
+            tensors = self._decode_part(msg, dense)
+            if dense:
+                return tensors
+            return SpilledPart(msg, shapes, self._parts_folder()) if spill else FramedPart(msg.tensors, shapes)
+
         try:
-            tensors = await asyncio.get_running_loop().run_in_executor(None, self._decode_part, msg)
+            tensors = await asyncio.get_running_loop().run_in_executor(None, check)
         except WireError as exc:
             log.warning("%s rejected a replica part of stage %d: %s", self.name, msg.stage, exc)
             return pb.PushReply(accepted=False, reason=f"rejected: {exc}")
         if msg.epoch != self.epoch or msg.round <= self.local_merged:
             return pb.PushReply(accepted=True, reason="old; dropped")
-        self.replica_parts.setdefault((msg.epoch, msg.round), {})[msg.stage] = (int(msg.mbs), bool(msg.weights),
-                                                                              tensors)
+        if dense:
+            held.put(str(msg.stage), tensors)
+        self.replica_parts.setdefault(key, {})[msg.stage] = (int(msg.mbs), bool(msg.weights), tensors)
         async with self.cond:
             self.cond.notify_all()
         return pb.PushReply(accepted=True)
 
-    def _decode_part(self, msg: pb.ReplicaPart) -> dict[str, torch.Tensor]:
-        """A part's tensors, each checked against this stage's parameter of its name."""
-        out = {}
+    def _parts_folder(self) -> Path:
+        """Where this server spills peers' raw parts beyond its merge memory (its checkpoints' disk)."""
+        root = getattr(self, "ckpt_root", "") or tempfile.gettempdir()
+        return Path(root) / "replica-parts" / self.name
+
+    def _decode_part(self, msg: pb.ReplicaPart, keep: bool = True) -> dict[str, torch.Tensor]:
+        """A part's tensors, each checked against this stage's parameter of its name (``keep``
+        False: checked one at a time and dropped, for a part held as its frames)."""
+        out, seen = {}, set()
         for t in msg.tensors:
-            if t.name not in self.params or t.name in out:
+            if t.name not in self.params or t.name in seen:
                 raise WireError(f"unexpected tensor {t.name!r}")
-            out[t.name] = decode_tensor(t, shape=tuple(self.params[t.name].shape), dtype="float32", finite=True)
+            seen.add(t.name)
+            x = decode_tensor(t, shape=tuple(self.params[t.name].shape), dtype="float32", finite=True)
+            if keep:
+                out[t.name] = x
         return out
 
-    async def _send_part(self, peer: int, msg: pb.ReplicaPart, epoch: int) -> None:
-        """Send a part to stage ``peer``'s server until it is taken or the epoch moves on."""
-        data = msg.SerializeToString()
+    async def _send_part(self, peer: int, msg: pb.ReplicaPart, data: bytes, epoch: int) -> None:
+        """Send a part (``data``: ``msg`` serialised) to stage ``peer``'s server until it is taken
+        or the epoch moves on."""
         while self.epoch == epoch and not self.done:
             addr = self.servers[peer] if peer < len(self.servers) else ""
             if addr:
@@ -554,17 +689,28 @@ class ReplicaServerMixin:
         elif n > 0 and not weights and self.part_ef is not None:
             frames, tensors = await loop.run_in_executor(None, self._encode_part, tensors)
 
-        def framed(peer: int) -> pb.ReplicaPart:
-            held = stage_names(cfg, slots[peer].first, slots[peer].last)
-            msg = pb.ReplicaPart(member_id=self.member_id, epoch=epoch, round=version, stage=self.stage, mbs=n,
-                                 weights=weights)
-            for name in sorted(tensors):
-                if name in held:
-                    msg.tensors.append(frames[name] if frames is not None else encode_tensor(name, tensors[name], "raw"))
-            return msg
+        # One message, serialised once, for all the peers that hold the same layers (every peer,
+        # where the replicas split alike): a raw part is a float32 copy of the stage, and a dense
+        # round's would otherwise be two per peer.
+        wants: dict[frozenset, list[int]] = {}
+        for p in mine:
+            wants.setdefault(stage_names(cfg, slots[p].first, slots[p].last), []).append(p)
 
-        msgs = await loop.run_in_executor(None, lambda: [framed(p) for p in mine])
-        sends = [asyncio.ensure_future(self._send_part(p, m, epoch)) for p, m in zip(mine, msgs, strict=True)]
+        def framed() -> dict[frozenset, tuple[pb.ReplicaPart, bytes]]:
+            out = {}
+            for held in wants:
+                msg = pb.ReplicaPart(member_id=self.member_id, epoch=epoch, round=version, stage=self.stage, mbs=n,
+                                     weights=weights)
+                for name in sorted(tensors):
+                    if name in held:
+                        msg.tensors.append(frames[name] if frames is not None
+                                           else encode_tensor(name, tensors[name], "raw"))
+                out[held] = (msg, msg.SerializeToString())
+            return out
+
+        msgs = await loop.run_in_executor(None, framed)
+        sends = [asyncio.ensure_future(self._send_part(p, *msgs[held], epoch)) for held, ps in wants.items() for p in ps]
+        del msgs
         since, warned = time.monotonic(), False
         try:
             key = (epoch, version)
@@ -586,6 +732,7 @@ class ReplicaServerMixin:
         parts = dict(self.replica_parts.pop(key, {}))
         parts[self.stage] = (n, weights, tensors)
         self.replica_parts = {k: v for k, v in self.replica_parts.items() if k[1] > version}
+        self.replica_held = {k: v for k, v in self.replica_held.items() if k[1] > version}
 
         def apply() -> tuple[str, dict]:
             anchor = {name: p.detach() for name, p in self.params.items()}
