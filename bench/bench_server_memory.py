@@ -10,7 +10,9 @@ models the table also fits ``peak = base + k x parameters`` per policy over all 
     PYTHONPATH=. python bench/bench_server_memory.py [--models tiny,gpt-125m] [--policies exact,local-lowrank]
 
 Policies: ``exact`` (the launch's default), ``local`` (``--sync local --sync-every 2``),
-``local-lowrank`` (the same with ``--compression lowrank``).
+``local-lowrank`` (the same with ``--compression lowrank``), ``*-frames`` (``--merge-memory-gb
+0``: pushes and parts held as frames), ``local-lowrank-replicas`` and ``-replicas4`` (two or
+four one-stage replicas, a worker each: every server holds the whole model).
 """
 
 from __future__ import annotations
@@ -32,13 +34,24 @@ POLICIES = {
     "local-lowrank-frames": ["--sync", "local", "--sync-every", "2", "--compression", "lowrank",
                              "--merge-memory-gb", "0"],
     "local-frames": ["--sync", "local", "--sync-every", "2", "--merge-memory-gb", "0"],
+    # two one-stage replicas: each server holds the whole model and merges with its peer's part
+    "local-lowrank-replicas": ["--sync", "local", "--sync-every", "2", "--compression", "lowrank",
+                               "--replicas", "1,1"],
+    # four: each server waits for three peers' parts
+    "local-lowrank-replicas4": ["--sync", "local", "--sync-every", "2", "--compression", "lowrank",
+                                "--replicas", "1,1,1,1"],
+    "local-lowrank-replicas4-frames": ["--sync", "local", "--sync-every", "2", "--compression", "lowrank",
+                                       "--replicas", "1,1,1,1", "--merge-memory-gb", "0"],
 }
 
 
 def run(model: str, policy: str, root: Path, steps: int) -> dict:
     out = root / f"{model}-{policy}"
-    cmd = [sys.executable, "-m", "shoal.runtime.processes.cli", "launch", "--model", model, "--stages", "2",
-           "--workers", "2", "--steps", str(steps), "--micro-batches", "2", "--micro-batch-size", "1",
+    extra = POLICIES[policy]
+    # one worker a stage: a replica plan's stages are its replicas' (one each here)
+    n = len(extra[extra.index("--replicas") + 1].split(",")) if "--replicas" in extra else 2
+    cmd = [sys.executable, "-m", "shoal.runtime.processes.cli", "launch", "--model", model, "--stages", str(n),
+           "--workers", str(n), "--steps", str(steps), "--micro-batches", str(max(2, n)), "--micro-batch-size", "1",
            "--seq-len", "64", "--out", str(out), "--timeout", "3000", "--dead-after", "120",
            "--min-lease", "120", "--spot-check", "0", *POLICIES[policy]]
     t0 = time.time()
