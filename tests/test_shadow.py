@@ -91,6 +91,25 @@ def test_shadow_and_real_workers_make_the_same_plan_and_bytes(tmp_path):
 
 # ---------------------------------------------------------------- shadow processes' links and CPU
 
+def test_shadow_runs_refuse_local_mode_with_one_line(capsys):
+    """A shadow worker's stage is meta tensors (shapes only): local mode's replica cannot be
+    kept, so every entry refuses the pair up front instead of the workers dying mid-run."""
+    from shoal.demo.cli import DemoConfig
+    from shoal.errors import ShoalError
+    from shoal.runtime.processes.cli import main as cli_main
+    from shoal.runtime.processes.launch import LaunchConfig
+
+    with pytest.raises(ShoalError, match="--shadow runs exact sync only"):
+        LaunchConfig(out="x", shadow=True, scenario="demo", sync="local").validate()
+    with pytest.raises(ShoalError, match="--shadow runs exact sync only"):
+        DemoConfig(shadow=True, sync="local").validate()
+    DemoConfig(shadow=True, sync="exact").validate()
+    assert cli_main(["coordinator", "--model", "tiny", "--shadow", "--sync", "local", "--insecure",
+                     "--listen", "127.0.0.1:0"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --shadow runs exact sync only")
+
+
 def test_relay_read_size_follows_the_slowest_bucket():
     from shoal.emulate.links import CHUNK, MAX_CHUNK, PACE_S, read_size
 

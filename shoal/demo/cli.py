@@ -107,6 +107,9 @@ class DemoConfig:
             raise ShoalError("--no-overlap applies to --sync local or auto (exact sync has no rounds)")
         if self.replicas and self.sync == "exact":
             raise ShoalError("--replicas needs --sync local (replicas merge at the rounds of local mode)")
+        if self.shadow and self.sync == "local":
+            raise ShoalError("--shadow runs exact sync only: a shadow worker holds no weights (its stage is shapes "
+                             "only), so it cannot keep local mode's replica; drop --sync local or --shadow")
         if self.dashboard:
             from shoal.runtime.ui.dashboard import parse_bind
 
@@ -848,7 +851,10 @@ def run_demo_cmd(args: argparse.Namespace) -> int:
                      data=tuple(args.data or ("corpus",)), sync=args.sync, sync_every=args.sync_every,
                      outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, overlap=args.overlap,
                      tensorboard=args.tensorboard,
-                     shadow=args.shadow, replicas=args.replicas)
+                     shadow=args.shadow,
+                     replicas=args.replicas)
+    if cfg.shadow and cfg.sync == "auto":
+        cfg.sync = "exact"  # (shadow workers hold no weights to keep local mode's replicas)
     run_demo(cfg)
     sys.stdout.flush()
     return 0
