@@ -828,7 +828,7 @@ def register(subparsers) -> None:
                    help=f"multiply every scenario bandwidth by X (default {d.bandwidth_scale:g}: the tiny model's "
                         "weight sync over home uplinks in about a second; 1: the scenario's links as written)")
     p.add_argument("--shadow", action="store_true",
-                   help="shadow workers: run no model, wait each device's task time and send fixed tensors of the "
+                   help="shadow workers (exact sync; --sync auto becomes exact): run no model, wait each device's task time and send fixed tensors of the "
                         "true shapes (the servers and coordinator do their real work; losses are meaningless)")
     from shoal.train.outer import add_sync_args
 
