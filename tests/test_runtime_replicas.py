@@ -571,6 +571,12 @@ def test_a_part_is_taken_only_from_a_peer_stages_server_and_checked(tmp_path):
 
     gc.collect()
     assert not Path(path).exists()
+    # A disk that cannot take it (here the root is a file): the part stays in memory, the same bits.
+    (tmp_path / "not-a-folder").write_text("")
+    srv.ckpt_root = str(tmp_path / "not-a-folder")
+    assert asyncio.run(framed_part()).accepted
+    (n, weights, kept), = srv.replica_parts[(0, 6)].values()
+    assert isinstance(kept, FramedPart) and torch.equal(kept["layers.5.w"], g)
 
 
 @pytest.mark.integration

@@ -614,7 +614,13 @@ class ReplicaServerMixin:
             tensors = self._decode_part(msg, dense)
             if dense:
                 return tensors
-            return SpilledPart(msg, shapes, self._parts_folder()) if spill else FramedPart(msg.tensors, shapes)
+            if spill:
+                try:
+                    return SpilledPart(msg, shapes, self._parts_folder())
+                except OSError as exc:  # (a full or read-only disk: held in memory, as before)
+                    log.warning("%s keeps stage %d's part in memory: cannot write it to %s: %s", self.name,
+                                msg.stage, self._parts_folder(), exc)
+            return FramedPart(msg.tensors, shapes)
 
         try:
             tensors = await asyncio.get_running_loop().run_in_executor(None, check)
