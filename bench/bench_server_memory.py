@@ -46,11 +46,13 @@ POLICIES = {
 
 
 def run(model: str, policy: str, root: Path, steps: int) -> dict:
-    out = root / f"{model}-{policy}"
+    out = root / f"{Path(model).name}-{policy}"
     extra = POLICIES[policy]
     # one worker a stage: a replica plan's stages are its replicas' (one each here)
     n = len(extra[extra.index("--replicas") + 1].split(",")) if "--replicas" in extra else 2
-    cmd = [sys.executable, "-m", "shoal.runtime.processes.cli", "launch", "--model", model, "--stages", str(n),
+    # a model folder (a transformers-style checkpoint, shoal.hf) for sizes between the presets
+    what = ["--init-from", str(Path(model).resolve())] if Path(model).is_dir() else ["--model", model]
+    cmd = [sys.executable, "-m", "shoal.runtime.processes.cli", "launch", *what, "--stages", str(n),
            "--workers", str(n), "--steps", str(steps), "--micro-batches", str(max(2, n)), "--micro-batch-size", "1",
            "--seq-len", "64", "--out", str(out), "--timeout", "3000", "--dead-after", "120",
            "--min-lease", "120", "--spot-check", "0", *POLICIES[policy]]
@@ -64,11 +66,12 @@ def run(model: str, policy: str, root: Path, steps: int) -> dict:
 
 
 def main() -> None:
+    from shoal.hf.convert import read_hf_model_config
     from shoal.model.config import get_preset
     from shoal.model.profile import profile_model
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="tiny,gpt-125m")
+    p.add_argument("--models", default="tiny,gpt-125m", help="presets, or model folders (--init-from)")
     p.add_argument("--policies", default="exact,local-lowrank")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--keep", default=None, help="folder to keep the runs in (default: a temp folder, removed)")
@@ -79,12 +82,12 @@ def main() -> None:
         for model in args.models.split(","):
             r = run(model, policy, root, args.steps)
             print(f"# {r['cmd']}  ({r['wall_s']:.0f} s)", flush=True)
-            prof = profile_model(get_preset(model), 64, 1)
+            prof = profile_model(read_hf_model_config(model) if Path(model).is_dir() else get_preset(model), 64, 1)
             layers = r["summary"]["layers"]
             peaks = r["summary"]["peak_rss_bytes"]
             for s, (a, b) in enumerate(layers):
                 name = f"s{s}"
-                rows.append((policy, model, name, (a, b), prof.params(a, b), peaks.get(name, 0),
+                rows.append((policy, Path(model).name, name, (a, b), prof.params(a, b), peaks.get(name, 0),
                              prof.server_memory(a, b)))
     print("| policy | model | server | layers | parameters | peak RSS MB | planned MB | planned / peak |")
     print("|---|---|---|---|---|---|---|---|")
