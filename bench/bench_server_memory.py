@@ -45,6 +45,30 @@ POLICIES = {
 }
 
 
+def sized_model(spec: str, root: Path) -> str:
+    """A model folder for ``dWIDTHxLLAYERS`` (e.g. ``d768xL8``: tiny's vocabulary and
+    sequence, that width and depth; a size between the presets where whole-model replicas and
+    their workers fit one machine), made under ``root`` once; any other name is returned as is."""
+    import re
+
+    m = re.fullmatch(r"d(\d+)xL(\d+)", spec)
+    if not m:
+        return spec
+    out = root / spec
+    if not out.is_dir():
+        from dataclasses import replace
+
+        from shoal.hf.convert import write_hf_dir
+        from shoal.model.config import get_preset
+        from shoal.model.transformer import build_model
+
+        width, layers = int(m.group(1)), int(m.group(2))
+        cfg = replace(get_preset("tiny"), name="custom", d_model=width, n_layers=layers, n_heads=width // 64,
+                      ffn_hidden=8 * width // 3 // 64 * 64)
+        write_hf_dir(out, {n: p.detach() for n, p in build_model(cfg).named_parameters()}, cfg)
+    return str(out)
+
+
 def run(model: str, policy: str, root: Path, steps: int) -> dict:
     out = root / f"{Path(model).name}-{policy}"
     extra = POLICIES[policy]
@@ -71,15 +95,17 @@ def main() -> None:
     from shoal.model.profile import profile_model
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="tiny,gpt-125m", help="presets, or model folders (--init-from)")
+    p.add_argument("--models", default="tiny,gpt-125m",
+                   help="presets, model folders (--init-from), or dWIDTHxLLAYERS (a folder made for it)")
     p.add_argument("--policies", default="exact,local-lowrank")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--keep", default=None, help="folder to keep the runs in (default: a temp folder, removed)")
     args = p.parse_args()
     root = Path(args.keep or tempfile.mkdtemp(prefix="shoal-srvmem-"))
     rows = []
+    models = [sized_model(m, root) for m in args.models.split(",")]
     for policy in args.policies.split(","):
-        for model in args.models.split(","):
+        for model in models:
             r = run(model, policy, root, args.steps)
             print(f"# {r['cmd']}  ({r['wall_s']:.0f} s)", flush=True)
             prof = profile_model(read_hf_model_config(model) if Path(model).is_dir() else get_preset(model), 64, 1)

@@ -38,7 +38,8 @@ ADAMW_STATE_BYTES_PER_PARAM = 8  # two fp32 moments per parameter
 # 55-56 bytes a parameter in exact sync (57 the most of one server), 24 in local mode and 22-47
 # with lowrank pulls (the last stage, with the head, the most), over a process of 0.35-0.5 GB;
 # the figure leaves a margin over the largest (the peaks move between runs with when pushes,
-# pulls and checkpoints meet). A replica plan's servers were not measured at that size.
+# pulls and checkpoints meet). A replica plan's server: 51 bytes a parameter (two replicas of a
+# 31-60 M parameter model; its peers' parts beyond the merge memory held as frames or on disk).
 SERVER_BYTES_PER_PARAM = 64
 SERVER_PROCESS_BYTES = 512 * 2**20  # the interpreter, torch, gRPC and their threads
 
