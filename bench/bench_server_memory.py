@@ -112,7 +112,7 @@ def main() -> None:
             layers = r["summary"]["layers"]
             peaks = r["summary"]["peak_rss_bytes"]
             for s, (a, b) in enumerate(layers):
-                name = f"s{s}"
+                name = r["summary"]["stage_servers"][s]  # (server names need not follow stage order)
                 rows.append((policy, Path(model).name, name, (a, b), prof.params(a, b), peaks.get(name, 0),
                              prof.server_memory(a, b)))
     print("| policy | model | server | layers | parameters | peak RSS MB | planned MB | planned / peak |")

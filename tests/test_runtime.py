@@ -90,6 +90,8 @@ def test_parity_with_local_trainer(tmp_path, reference, stages, workers):
 
     peaks = summary["peak_rss_bytes"]
     assert {f"s{i}" for i in range(stages)} <= set(peaks), peaks
+    # each stage's server by name (its stage need not be its name's number)
+    assert sorted(summary["stage_servers"]) == [f"s{i}" for i in range(stages)], summary["stage_servers"]
     assert sum(1 for n in peaks if n.startswith("w")) == workers, peaks
     assert all(50 * 2**20 < v < host_memory_bytes() for v in peaks.values()), peaks
     # measured bytes: every kind counted; raw fp32 frames are as big raw as on the wire

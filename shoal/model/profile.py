@@ -35,8 +35,8 @@ ADAMW_STATE_BYTES_PER_PARAM = 8  # two fp32 moments per parameter
 # weights for pulls, the step's pushes held until the commit, the end check's copy of the
 # weights and, in local mode, the outer momentum, the screen's reference gradient, the merged
 # update and its pull codec's reconstruction. Measured on gpt-125m stages (2 workers, M = 2):
-# 55-56 bytes a parameter in exact sync (57 the most of one server), 24 in local mode and 22-47
-# with lowrank pulls (the last stage, with the head, the most), over a process of 0.35-0.5 GB;
+# 56 bytes a parameter in exact sync (57 the most of one server), 26 in local mode and 33.5
+# with lowrank pulls, over a process of 0.35-0.5 GB;
 # the figure leaves a margin over the largest (the peaks move between runs with when pushes,
 # pulls and checkpoints meet). A replica plan's server: 51 bytes a parameter (two replicas of a
 # 31-60 M parameter model; its peers' parts beyond the merge memory held as frames or on disk).

@@ -1490,6 +1490,8 @@ class Coordinator(pbg.CoordinatorServicer):
             **merge_traffic(self.traffic),
             "bytes_method": BYTES_METHOD,
             "peak_rss_bytes": dict(self.peak_rss),  # per member name, as its heartbeats last said
+            # the member name of each stage's server at the end (names need not follow stage order)
+            "stage_servers": [getattr(self.members.get(mid), "name", "") for mid in self.stage_server],
             **({"dashboard": "dashboard.html"} if self.run_dir is not None else {}),
             **({"replicas": {"stages": list(self.spec.replica_stages), "micro_batches": list(self.spec.replica_mbs),
                              "final_weights_differ": getattr(self, "replicas_differ", None)}}
