@@ -828,8 +828,8 @@ def register(subparsers) -> None:
                    help=f"multiply every scenario bandwidth by X (default {d.bandwidth_scale:g}: the tiny model's "
                         "weight sync over home uplinks in about a second; 1: the scenario's links as written)")
     p.add_argument("--shadow", action="store_true",
-                   help="shadow workers (exact sync; --sync auto becomes exact): run no model, wait each device's task time and send fixed tensors of the "
-                        "true shapes (the servers and coordinator do their real work; losses are meaningless)")
+                   help="shadow workers (exact sync; --sync auto becomes exact): run no model, wait each "
+                        "device's task time and send fixed tensors of the true shapes (the servers and coordinator do their real work; losses are meaningless)")
     from shoal.train.outer import add_sync_args
 
     add_sync_args(p, auto=True)
@@ -851,8 +851,7 @@ def run_demo_cmd(args: argparse.Namespace) -> int:
                      data=tuple(args.data or ("corpus",)), sync=args.sync, sync_every=args.sync_every,
                      outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, overlap=args.overlap,
                      tensorboard=args.tensorboard,
-                     shadow=args.shadow,
-                     replicas=args.replicas)
+                     shadow=args.shadow, replicas=args.replicas)
     if cfg.shadow and cfg.sync == "auto":
         cfg.sync = "exact"  # (shadow workers hold no weights to keep local mode's replicas)
     run_demo(cfg)

@@ -102,8 +102,8 @@ def _run_args(p: argparse.ArgumentParser, launch: bool = False) -> None:
                         "T s of committed work, or K steps if that is less, plus the step in flight")
     p.add_argument("--dead-after", type=float, default=3.0, help="seconds of silence before a member is dead")
     p.add_argument("--shadow", action="store_true",
-                   help="an emulation (exact sync only) whose workers run no model (shadow workers: each waits its emulated "
-                        "device's task time and sends fixed tensors of the true shapes); losses are meaningless")
+                   help="an emulation (exact sync only) whose workers run no model (shadow workers: each "
+                        "waits its emulated device's task time and sends fixed tensors of the true shapes); losses are meaningless")
     p.add_argument("--min-lease", type=float, default=2.0, help="shortest task lease in seconds")
     p.add_argument("--unordered-grads", action="store_true",
                    help="workers push one summed gradient per step (less traffic; parity only up to "

@@ -24,6 +24,7 @@ import contextlib
 import functools
 import logging
 import os
+import shutil
 import tempfile
 import time
 import weakref
@@ -550,8 +551,6 @@ class ReplicaServerMixin:
         self.replica_parts = {}
         # (epoch, round) -> the memory account of its parts held decoded (beyond it: frames)
         self.replica_held = {}
-        import shutil
-
         shutil.rmtree(self._parts_folder(), ignore_errors=True)  # (what an earlier process here left)
         # Pseudo-gradient parts go in the run's push codec, with error feedback kept here across
         # rounds (what a part did not carry goes with the next one), as the cost model prices them.
