@@ -100,7 +100,7 @@ def test_write_report_produces_every_file_with_matching_numbers(tmp_path):
     # step times: predicted from the plan, simulated from the summary, achieved = mean of steps 1..9
     assert rep["step_time"]["predicted_s"] == 0.8
     assert rep["step_time"]["achieved_s"] == pytest.approx(1.0)
-    assert "| cost model (predicted) | 0.800 s | 1.25 |" in md
+    assert "| cost model (predicted, no churn) | 0.800 s | 1.25 |" in md
     assert "| simulator | 0.900 s | 1.11 |" in md
     assert "| achieved (mean, step 0 excluded) | 1.000 s | 1.00 |" in md
     # plan table
@@ -129,6 +129,23 @@ def test_summary_overrides_and_runtime_keys(tmp_path):
     rep = build_report(*load_run(run))
     assert rep["tasks_requeued"] == 7 and rep["failures_survived"] == 5
     assert rep["step_time"]["achieved_over_simulated"] == pytest.approx(2.0 / 0.9)
+
+
+def test_simulated_over_predicted_leaves_the_replayed_churn_out(tmp_path):
+    """The cost model's step has no churn: the ratio sets it beside the simulator's step without
+    the churn, and the table names the simulation that replayed the run's churn as such."""
+    run = _make_run(tmp_path / "run")
+    s = json.loads((run / "summary.json").read_text())
+    s.update(simulated_step_time_s=1.2, simulated_no_churn_step_time_s=0.88)
+    (run / "summary.json").write_text(json.dumps(s))
+    folder = write_report(run)
+    rep = json.loads((folder / "report.json").read_text())
+    assert rep["step_time"]["simulated_over_predicted"] == pytest.approx(0.88 / 0.8)
+    assert rep["step_time"]["achieved_over_simulated"] == pytest.approx(1.0 / 1.2)
+    md = (folder / "report.md").read_text()
+    assert "| simulator, this run's churn replayed | 1.200 s | 0.83 |" in md
+    assert "| simulator, without the churn | 0.880 s | 1.14 |" in md
+    assert "simulated / predicted (both without the churn): 1.10" in md
 
 
 def test_report_of_an_almost_empty_run(tmp_path):
