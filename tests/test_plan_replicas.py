@@ -16,8 +16,10 @@ from shoal.plan.replicas import (
     cut_clusters,
     drop_depths,
     equal_finish_split,
+    fitted_classes,
     min_max_split,
     network_clusters,
+    replica_capacity,
     speed_classes,
     split_micro_batches,
 )
@@ -115,6 +117,46 @@ def test_speed_classes_split_a_single_stage_group_by_flops():
     assert len(speed_classes([dev(0, 57), dev(1, 132)], tol=0.6, least=1)) == 1
     assert [[d.id for d in c] for c in speed_classes([dev(7, 1)])] == [["d7"]]
     assert speed_classes([]) == []
+
+
+def test_speed_classes_are_cut_to_the_replicas_the_hosts_hold():
+    def dev(i, tflops, host_gb=0.0):
+        return Device(f"d{i}", "gpu", tflops * 1e12, 24e9, "a", 1e8, 1e8, host_memory=host_gb * 1e9)
+
+    classes = [[dev(0, 132), dev(1, 132)], [dev(2, 57)], [dev(3, 30), dev(4, 30)]]
+    # two replicas' servers fit: the slowest class joins the slowest one kept
+    assert [[d.id for d in c] for c in fitted_classes(classes, 2)] == [["d0", "d1"], ["d2", "d3", "d4"]]
+    assert [[d.id for d in c] for c in fitted_classes(classes, 1)] == [["d0", "d1", "d2", "d3", "d4"]]
+    assert fitted_classes(classes, 3) == classes and fitted_classes(classes, 9) == classes
+    assert fitted_classes([], 1) == []
+    # whole-model servers of 91 GB: a 128 GB host holds one, a 200 GB host two, at least one in all
+    assert replica_capacity([dev(5, 0, 128)], 91e9) == 1
+    assert replica_capacity([dev(5, 0, 128), dev(6, 0, 200)], 91e9) == 3
+    assert replica_capacity([dev(5, 0, 64)], 91e9) == 1
+
+
+def test_a_speed_class_without_host_memory_joins_the_replica_beside_it():
+    """One region, one host with room for one replica's servers, fast and slow 1-stage cards in
+    two speed classes: the slow class, which would find no host memory for a replica of its
+    own, trains in the fast class's replica instead of idling."""
+    fast = [{"id": f"f{i}", "tflops": 10, "memory_gb": 8, "region": "a", "up_mbps": 1000, "down_mbps": 1000}
+            for i in range(4)]
+    slow = [{"id": f"s{i}", "tflops": 6, "memory_gb": 8, "region": "a", "up_mbps": 1000, "down_mbps": 1000}
+            for i in range(4)]
+    host = {"id": "h", "tflops": 0, "memory_gb": 0, "region": "a", "up_gbps": 10, "down_gbps": 10,
+            "can_host_server": True}
+    d = {"name": "two-speeds", "devices": fast + slow + [host],
+         "workload": {"model": "tiny", "seq_len": 64, "global_batch": 64, "micro_batch_size": 2, "dtype": "fp32"},
+         "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}}}
+    whole = scenario_profile(scenario_from_dict(d), 2).server_memory(0, 6)
+    pol = SyncPolicy(mode="local", sync_every=8, push_codec="int8", pull_codec="int8")
+    host["host_memory_gb"] = 1.5 * whole / 1e9  # one replica's servers
+    plan = make_plan(scenario_from_dict(d), sync=pol, replicas=True)
+    used = {w for st in plan.all_stages for w in st.workers}
+    assert len(plan.all_stages) == 1 and any(w.startswith("s") for w in used), plan.all_stages
+    host["host_memory_gb"] = 2.5 * whole / 1e9  # room for both classes' replicas: apart as before
+    roomy = make_plan(scenario_from_dict(d), sync=pol, replicas=True)
+    assert sorted(sorted(w[0] for w in st.workers) for st in roomy.all_stages) == [["f"] * 4, ["s"] * 4]
 
 
 def test_validation_of_replica_plans():

@@ -231,6 +231,23 @@ def speed_classes(devices: list[Device], tol: float = SPEED_CLASS, least: int = 
     return out
 
 
+def replica_capacity(hosts: list[Device], whole: float) -> int:
+    """How many replicas' stage servers ``hosts`` hold, each replica's servers needing ``whole``
+    bytes (the whole model, whatever its depth) on one host: at least 1."""
+    return max(1, sum(int(h.host_memory // whole) for h in hosts)) if whole > 0 else len(hosts) or 1
+
+
+def fitted_classes(classes: list[list[Device]], most: int) -> list[list[Device]]:
+    """Speed ``classes`` (fastest first) cut to at most ``most``: the slower classes beyond
+    join the slowest one kept (their devices then share its replica's pool and server)."""
+    if most <= 0 or len(classes) <= most:
+        return classes
+    kept = [list(c) for c in classes[:most]]
+    for extra in classes[most:]:
+        kept[-1].extend(extra)
+    return kept
+
+
 def _sub_scenario(scenario: Scenario, devices: list[Device], hosts: tuple[str, ...], micro_batches: int,
                   micro_batch_size: int, host_left: dict[str, float] | None = None) -> Scenario:
     """``scenario`` restricted to ``devices`` and the server hosts ``hosts``, with a batch of
@@ -398,8 +415,6 @@ def plan_replicas(scenario: Scenario, seed: int = 0, sync: SyncPolicy | None = N
                   options: CostOptions | None = None, max_evals: int = REPLICA_EVALS) -> Plan:
     """shoal's replica plan for ``scenario`` under local-mode policy ``sync`` (see the module
     docstring); the plan is priced (``plan.predicted``) but not validated."""
-    from shoal.plan.allocator import plan_shoal  # the allocator plans each replica
-
     sync = sync or SyncPolicy(mode="local", sync_every=32)
     if not sync.local:
         raise ShoalError("pipeline replicas need local sync (--sync local or --sync auto)")
@@ -408,7 +423,43 @@ def plan_replicas(scenario: Scenario, seed: int = 0, sync: SyncPolicy | None = N
     push_bytes = prof.param_bytes(0, n) * sync.ratio("push", prof.dtype_bytes, *prof.act_shape)
     clusters = network_clusters(scenario, push_bytes, prof, sync)
     groups = device_groups(scenario, clusters, prof, sync)
-    groups = [(c, k, sub) for c, k, devs in groups for sub in (speed_classes(devs) if k == 1 else [devs])]
+    judge = dataclasses.replace(options or CostOptions(), coordinator=True)  # plans compared with every member served
+
+    def faster(a: Plan | None, b: Plan) -> bool:
+        return a is not None and predict(a, scenario, judge)["tokens_per_s"] > predict(b, scenario, judge)["tokens_per_s"]
+
+    # Single-stage groups are split into speed classes. Where the cluster's hosts hold fewer
+    # replicas' servers than there are classes, the classes beyond find no host memory and
+    # stay idle; cut to what the hosts hold (fitted_classes), their devices work in the
+    # slowest replica kept, but may slow it more than they add. Both are planned where they
+    # differ; the faster plan stays.
+    whole = prof.server_memory(0, n)
+    hosts = {d.id: d for d in scenario.server_hosts}
+    split = [(c, k, speed_classes(devs) if k == 1 else [devs]) for c, k, devs in groups]
+    apart = [(c, k, sub) for c, k, subs in split for sub in subs]
+    fitted = [(c, k, sub) for c, k, subs in split
+              for sub in (fitted_classes(subs, replica_capacity([hosts[h] for h in c.hosts], whole))
+                          if k == 1 else subs)]
+    best = _plan_groups(scenario, apart, seed, sync, options, max_evals, faster)
+    if len(fitted) < len(apart):
+        try:
+            other = _plan_groups(scenario, fitted, seed, sync, options, max_evals, faster)
+        except ShoalError:
+            other = None
+        if faster(other, best):
+            best = other
+            predict(best, scenario, options)
+    return best
+
+
+def _plan_groups(scenario: Scenario, groups: list[tuple[Cluster, int, list[Device]]], seed: int, sync: SyncPolicy,
+                 options: CostOptions | None, max_evals: int, faster: Callable[[Plan | None, Plan], bool]) -> Plan:
+    """The replica plan of ``groups`` (cluster, stage count, devices): each placed in what the
+    groups before it left of their hosts' memory, balanced, and its depths dropped where
+    that is faster (:func:`plan_replicas`)."""
+    from shoal.plan.allocator import plan_shoal  # the allocator plans each replica
+
+    prof = scenario_profile(scenario)
     if not groups:
         raise ShoalError(f"no device of scenario {scenario.name} holds the model in {MAX_REPLICA_STAGES} stages or fewer")
     w = scenario.workload
@@ -454,11 +505,6 @@ def plan_replicas(scenario: Scenario, seed: int = 0, sync: SyncPolicy | None = N
         group = {id(r): g for r, g in zip(replicas, made, strict=True)}
         _balance(plan, scenario, options)  # (may drop replicas)
         return plan, [group.get(id(r), -1) for r in plan.replicas]
-
-    judge = dataclasses.replace(options or CostOptions(), coordinator=True)  # plans compared with every member served
-
-    def faster(a: Plan | None, b: Plan) -> bool:
-        return a is not None and predict(a, scenario, judge)["tokens_per_s"] > predict(b, scenario, judge)["tokens_per_s"]
 
     plan, made = place(split_micro_batches([sum(d.flops for d in g[2]) for g in groups], m_total))
     # A replica placed for its FLOP share of the micro-batches may run more or fewer after
