@@ -6,7 +6,8 @@ The guide marks its blocks: ``<!-- run: HOST -->`` (run to completion), ``<!-- r
 background -->`` (a long-running role), ``<!-- run: HOST when-training -->`` (once a step is
 committed), ``<!-- copy: PATHS to HOSTS -->`` (the user's copy between machines; the test
 copies the folders itself) and ``<!-- check: HOST -->`` (after the run). The only change to
-the commands is ``--steps 200`` -> ``--steps 3``. Host C never gets the data. Needs root
+the commands is ``--steps 200`` -> ``--steps 12`` (enough steps left after the first for
+``shoal status`` to reach the running coordinator). Host C never gets the data. Needs root
 (``ip netns``); skipped, loudly, without.
 """
 
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parent.parent
 GUIDE = ROOT / "docs" / "real-machines.md"
 HOSTS = {"A": "10.77.0.1", "B": "10.77.0.2", "C": "10.77.0.3"}
-SHORTER = ("--steps 200", "--steps 3")  # the run the guide starts, cut to three steps
+SHORTER = ("--steps 200", "--steps 12")  # the run the guide starts, cut to twelve steps
 MARK = re.compile(r"<!-- (run|copy|check): ([^>]*?) -->\n```[a-z]*\n(.*?)```", re.S)
 
 
@@ -139,7 +140,7 @@ def test_real_machines_guide_runs_as_written(tmp_path):
                 res = net.run(arg, ["bash", "-e", "-c", block], timeout=60, cwd=home[arg], env=env)
                 assert res.returncode == 0, (block, res.stderr)
     out = home["A"] / "runs" / "multi"
-    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == list(range(12))
     assert not (home["C"] / "data").exists()  # the workers' host never held the data
     events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
     names = {e["device"] for e in events if e["event"] == "join"}

@@ -131,30 +131,44 @@ def test_a_poisoner_banned_after_a_total_stop_is_undone_bitwise(tmp_path, failur
     # another worker, and it is banned before the stop (a fresh-clone CI run). The undo of a
     # deferred check's ban is tested in test_deferred_checks.py and test_fault_inject.py.
     monkeypatch.setenv(DEFERRED_ENV, "0")
-    out = tmp_path / "run"
     faults = ["poison:w1:kind=noise:from=3"]
     import time
 
-    def poisoned_unverified(rid: str) -> bool:
+    def poisoned_unverified(out, rid: str) -> bool:
         """A commit of step 3 or later names w1 unverified: a poisoned push of it is in the weights."""
         path = run_dir(out, rid) / "journal.jsonl"
         return path.exists() and any(r["kind"] == "commit" and r["step"] >= 3 and "w1" in (r.get("unverified") or [])
                                      for r in read_journal(path))
 
-    with Swarm(launch_config(out, workers=3, faults=faults, worker_args=[["--slow", "0.1"]] * 3)) as sw:
-        sw.start()
-        deadline = time.time() + 400
-        # The stop waits for a state, not a step: w1 may take no micro-batch of step 3 (its
-        # stage's other worker leased both), and its first poisoned push then comes later.
-        while not (sw.run_id and poisoned_unverified(sw.run_id)):
-            assert sw.coord.poll() is None, "the coordinator exited early (w1's poison never committed unverified)"
-            assert time.time() < deadline, "no poisoned push of w1 committed unverified after 400 s"
-            time.sleep(0.05)
-        sw.stop()  # kill -9 every member and the coordinator
-        rid = sw.run_id
-    before = read_jsonl(run_dir(out, rid) / "events.jsonl")
-    if any(e["event"] == "ban" for e in before):
-        pytest.fail(f"w1 was banned before the stop (a flagged push): {[e for e in before if e['event'] == 'ban']}")
+    # A schedule in which w1's record was still short at its first poisoned push (it took no
+    # micro-batch in a step before 3) has that push checked: w1 is caught before the stop,
+    # rightly, but that is not the case under test (a fresh-clone CI run). It is run again.
+    for attempt in range(3):
+        out = tmp_path / f"run{attempt}"
+        ended = False
+        with Swarm(launch_config(out, workers=3, faults=faults, worker_args=[["--slow", "0.1"]] * 3)) as sw:
+            sw.start()
+            deadline = time.time() + 400
+            # The stop waits for a state, not a step: w1 may take no micro-batch of step 3 (its
+            # stage's other worker leased both), and its first poisoned push then comes later.
+            while not (sw.run_id and poisoned_unverified(out, sw.run_id)):
+                if sw.coord.poll() is not None:
+                    ended = True
+                    break
+                assert time.time() < deadline, "no poisoned push of w1 committed unverified after 400 s"
+                time.sleep(0.05)
+            if not ended:
+                sw.stop()  # kill -9 every member and the coordinator
+            rid = sw.run_id
+        before = read_jsonl(run_dir(out, rid) / "events.jsonl")
+        bans = [e for e in before if e["event"] == "ban"]
+        if bans and [b["device"] for b in bans] == ["w1"] and bans[0]["step"] >= 3:
+            continue  # a poisoned push checked before the stop (see above)
+        assert not bans, f"banned before the stop (an honest push): {bans}"
+        assert not ended, "the coordinator exited early (w1's poison never committed unverified)"
+        break
+    else:
+        pytest.fail("w1's first poisoned push was checked before the stop in 3 runs")
     st = resume_state(read_journal(run_dir(out, rid) / "journal.jsonl"))
     # w1's pushes not recomputed: from its first push past its checked ones, a poisoned one among them
     first = st.unverified.get("w1")
