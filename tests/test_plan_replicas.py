@@ -22,6 +22,7 @@ from shoal.plan.replicas import (
     replica_capacity,
     speed_classes,
     split_micro_batches,
+    trim_for_rounds,
 )
 from shoal.plan.types import Device, Plan, Replica, StagePlan, SyncPolicy
 from shoal.plan.validate import validate_plan
@@ -157,6 +158,36 @@ def test_a_speed_class_without_host_memory_joins_the_replica_beside_it():
     host["host_memory_gb"] = 2.5 * whole / 1e9  # room for both classes' replicas: apart as before
     roomy = make_plan(scenario_from_dict(d), sync=pol, replicas=True)
     assert sorted(sorted(w[0] for w in st.workers) for st in roomy.all_stages) == [["f"] * 4, ["s"] * 4]
+
+
+def test_workers_are_trimmed_while_the_round_is_exposed_and_the_plan_gets_faster():
+    """Two single-stage replicas of four workers on 100 Mbit/s server hosts, raw pushes every
+    step: the round (every worker's push and pull through its host) does not hide behind the
+    step, so workers are dropped while that is faster; with rounds every 64 steps over 1 Gbit/s
+    it hides and the plan is kept as it is."""
+    def plan_of(s, sync):
+        reps = [Replica([StagePlan((0, 6), f"h{r}", [f"{r}{i}" for i in range(4)])], 4, r) for r in ("a", "b")]
+        return Plan(s.name, "tiny", "test", reps[0].stages, micro_batch_size=2, micro_batches=8, sync=sync,
+                    replicas=reps)
+
+    def hosts_at(s, mbps):
+        return replace(s, devices=[replace(d, up=mbps * 1e6 / 8, down=mbps * 1e6 / 8) if d.can_host_server else d
+                                   for d in s.devices])
+
+    slow = hosts_at(_two_regions(), 100)
+    plan = plan_of(slow, SyncPolicy(mode="local", sync_every=1))
+    before = predict(plan, slow)
+    assert before["sync_s"] > 0
+    trimmed = trim_for_rounds(plan, slow)
+    after = predict(trimmed, slow)
+    assert after["tokens_per_s"] > before["tokens_per_s"] and after["sync_s"] < before["sync_s"]
+    assert all(1 <= len(r.stages[0].workers) < 4 for r in trimmed.replicas)
+    assert [len(r.stages[0].workers) for r in plan.replicas] == [4, 4]  # the plan given is not changed
+    validate_plan(trimmed, slow)
+    fast = hosts_at(_two_regions(), 1000)
+    hidden = plan_of(fast, SyncPolicy(mode="local", sync_every=64, push_codec="int8", pull_codec="int8"))
+    assert predict(hidden, fast)["sync_s"] == 0
+    assert [len(r.stages[0].workers) for r in trim_for_rounds(hidden, fast).replicas] == [4, 4]
 
 
 def test_validation_of_replica_plans():
