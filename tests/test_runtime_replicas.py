@@ -95,9 +95,10 @@ def test_merge_parts_by_hand_across_splits():
 
 
 def test_merge_parts_folds_to_merge_per_layers_bits():
-    """The merge folds each part into the sum as it reads it: the same bits as the per-layer
-    merge over all parts at once, for pseudo-gradient parts of three splits and uneven counts."""
-    from shoal.train.outer import merge_per_layer
+    """The merge folds each part into the sum as it reads it: the same bits as each parameter's
+    weighted mean over all its holders at once, for pseudo-gradient parts of three splits and
+    uneven counts."""
+    from shoal.train.outer import merge_pseudo_grads
 
     g = torch.Generator().manual_seed(7)
     names = [f"layers.{i}.w" for i in range(6)]
@@ -106,7 +107,8 @@ def test_merge_parts_folds_to_merge_per_layers_bits():
     counts = {0: 3, 1: 5, 2: 5, 3: 7, 4: 7}
     parts = {k: {n: torch.randn(257, generator=g) for n in ns} for k, ns in holds.items()}
     weights, got = merge_parts({k: (counts[k], False, t) for k, t in parts.items()}, anchor)
-    want = merge_per_layer(parts, counts)
+    # (the reference: each parameter merged over its holders on its own, all at once)
+    want = {n: merge_pseudo_grads({k: {n: t[n]} for k, t in parts.items() if n in t}, counts)[n] for n in names}
     assert not weights and set(got) == set(names)
     assert all(torch.equal(got[n], want[n]) for n in names)
 

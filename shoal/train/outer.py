@@ -11,7 +11,7 @@ These functions hold no state of their own so they can be tested by hand.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -146,31 +146,46 @@ def _add_chunk(src: torch.Tensor, dst: torch.Tensor, w: float, first: bool) -> N
         dst.add_(src * w if w != 1.0 else src)
 
 
-def merge_per_layer(deltas: Mapping[str, Mapping[str, torch.Tensor]],
-                    counts: Mapping[str, int]) -> dict[str, torch.Tensor]:
+def merge_per_layer(deltas: Mapping[Hashable, Mapping[str, torch.Tensor]], counts: Mapping[Hashable, int],
+                    release: Callable[[Hashable], None] | None = None) -> dict[str, torch.Tensor]:
     """Merge pseudo-gradients of replicas whose stages split the layers differently.
 
     ``deltas[replica][name]``: a replica stage's pseudo-gradient per parameter, named as the
     model names it (``layers.<i>.<...>``: global, the same in every split), ``counts[replica]``
     the micro-batches it covered. Each parameter is the micro-batch-weighted mean over the
-    replicas that hold it (:func:`merge_pseudo_grads` per parameter), so a replica of layers
-    ``[0, 6)`` and one split ``[0, 3)`` + ``[3, 6)`` merge layer by layer; a parameter only one
-    replica holds is its delta bit for bit. Returns every parameter any replica holds (take a
-    stage's own names from it); a :class:`ShoalError` if two replicas disagree on a shape.
+    replicas that hold it (:func:`merge_pseudo_grads`' arithmetic per parameter, replicas added
+    in sorted order), so a replica of layers ``[0, 6)`` and one split ``[0, 3)`` + ``[3, 6)``
+    merge layer by layer; a parameter only one replica holds is its delta bit for bit; a
+    replica of 0 micro-batches drops out. Returns every parameter a contributing replica holds
+    (take a stage's own names from it); a :class:`ShoalError` if two replicas disagree on a shape.
+
+    Each replica's tensors are read once, one at a time, and folded into the sum, so a replica
+    that decodes its tensors where they are read (a stage server's framed or spilled part) is
+    never whole in memory beside it; ``release(replica)`` is called once its tensors are read.
     """
-    holders: dict[str, dict[str, Mapping[str, torch.Tensor]]] = {}
-    for rid in sorted(deltas):
-        for name, d in deltas[rid].items():
-            first = next(iter(holders.get(name, {}).values()), None)
-            if first is not None and tuple(first[name].shape) != tuple(d.shape):
-                raise ShoalError(f"parameter {name}: replica {rid} holds shape {tuple(d.shape)}, others "
-                                 f"{tuple(first[name].shape)}; replicas of different models cannot merge")
-            holders.setdefault(name, {})[rid] = {name: d}
+    live = [k for k in sorted(deltas) if counts.get(k, 0) > 0]
+    holders: dict[str, dict[Hashable, int]] = {}
+    for k in live:
+        for name in deltas[k]:
+            holders.setdefault(name, {})[k] = counts[k]
+    shares = {name: merge_weights(h) for name, h in holders.items()}
     out: dict[str, torch.Tensor] = {}
-    for name, by_replica in holders.items():
-        merged = merge_pseudo_grads(by_replica, counts)
-        if merged is not None:
-            out[name] = merged[name]
+    for k in live:
+        d = deltas[k]
+        for name in d:
+            x = d[name]
+            if name in out and tuple(out[name].shape) != tuple(x.shape):
+                raise ShoalError(f"parameter {name}: replica {k} holds shape {tuple(x.shape)}, others "
+                                 f"{tuple(out[name].shape)}; replicas of different models cannot merge")
+            share = shares[name][k]
+            term = x * share if share != 1.0 else x.clone()
+            if name in out:
+                out[name].add_(term)
+            else:
+                out[name] = term
+            del x, term
+        if release is not None:
+            release(k)
     return out
 
 

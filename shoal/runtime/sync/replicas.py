@@ -10,8 +10,8 @@ merged weights (outer lr 1, momentum 0, raw pushes) or their merged pseudo-gradi
 micro-batches they covered. It sends the part's tensors to every stage server of another
 replica that holds any of its layers and waits for theirs; every server then computes the same
 per-layer merge over the parts of its layers (:func:`merge_parts`: the micro-batch-weighted
-mean over the replicas holding a parameter, :func:`shoal.train.outer.merge_per_layer`'s
-semantics, parts added in stage order), so every replica's copy of a layer is the same bits.
+mean over the replicas holding a parameter by :func:`shoal.train.outer.merge_per_layer`,
+parts added in stage order), so every replica's copy of a layer is the same bits.
 
 The pure decisions are functions here; :class:`ReplicaServerMixin` is a mixin of
 :class:`shoal.runtime.roles.server.StageServer`.
@@ -41,7 +41,7 @@ from shoal.net import shoal_pb2 as pb
 from shoal.net.stream import receive, send
 from shoal.net.wire import WireError, decode_tensor, encode_tensor
 from shoal.runtime.sync.codecs import dense_round
-from shoal.train.outer import merge_weights, merges_weights, weighted_sum
+from shoal.train.outer import merge_per_layer, merge_weights, merges_weights, weighted_sum
 
 log = logging.getLogger("shoal.replicas")
 
@@ -445,9 +445,9 @@ def merge_parts(parts: Mapping[int, tuple[int, bool, Mapping[str, torch.Tensor]]
     (weights=True); else each weights part becomes the pseudo-gradient ``anchor - w`` and the
     result is the weighted mean of pseudo-gradients (weights=False), for the outer step. Parts
     are added in stage order, each weighted by its micro-batches over those of the parts holding
-    that parameter (:func:`shoal.train.outer.merge_per_layer`'s arithmetic, the same bits), so
-    every server holding a parameter computes the same bits. Each part's tensors are read once,
-    one at a time, and folded into the sum (a :class:`FramedPart` decodes only then). A
+    that parameter (:func:`shoal.train.outer.merge_per_layer`), so every server holding a
+    parameter computes the same bits. Each part's tensors are read once, one at a time, and
+    folded into the sum (a :class:`FramedPart` decodes only then). A
     parameter no part holds is left out; a :class:`ShoalError` if a part's shape differs from
     ``anchor``'s.
     """
@@ -455,31 +455,34 @@ def merge_parts(parts: Mapping[int, tuple[int, bool, Mapping[str, torch.Tensor]]
     if not live:
         return True, {}
     all_weights = all(w for _, w, _ in live.values())
-    holders: dict[str, dict[int, int]] = {}
-    for k, (n, _, t) in live.items():
-        for name in t:
-            if name in anchor:
-                holders.setdefault(name, {})[k] = n
-    shares = {name: merge_weights(h) for name, h in holders.items()}
-    out: dict[str, torch.Tensor] = {}
-    for k, (_, w, t) in live.items():
-        for name in [x for x in t if x in anchor]:
-            x = t[name]
-            if tuple(x.shape) != tuple(anchor[name].shape):
-                raise ShoalError(f"parameter {name}: stage {k}'s part holds shape {tuple(x.shape)}, this stage "
-                                 f"{tuple(anchor[name].shape)}; replicas of different models cannot merge")
-            if w and not all_weights:
-                x = anchor[name] - x
-            share = shares[name][k]
-            term = x * share if share != 1.0 else x.clone()
-            if name in out:
-                out[name].add_(term)
-            else:
-                out[name] = term
-            del x, term
-        if hasattr(t, "release"):
-            t.release()  # (a spilled part read back: one in memory at a time)
-    return all_weights, out
+    views = {k: _PartView(t, anchor, w and not all_weights) for k, (_, w, t) in live.items()}
+
+    def release(k: int) -> None:
+        if hasattr(live[k][2], "release"):
+            live[k][2].release()  # (a spilled part read back: one in memory at a time)
+
+    return all_weights, merge_per_layer(views, {k: p[0] for k, p in live.items()}, release)
+
+
+class _PartView(Mapping[str, torch.Tensor]):
+    """A part's tensors of the parameters in ``anchor``, read where they are read, checked
+    against ``anchor``'s shapes and, ``as_delta``, turned from weights into ``anchor - w``."""
+
+    def __init__(self, part: Mapping[str, torch.Tensor], anchor: Mapping[str, torch.Tensor], as_delta: bool):
+        self._part, self._anchor, self._as_delta = part, anchor, as_delta
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        x, a = self._part[name], self._anchor[name]
+        if tuple(x.shape) != tuple(a.shape):
+            raise ShoalError(f"parameter {name}: a part holds shape {tuple(x.shape)}, this stage "
+                             f"{tuple(a.shape)}; replicas of different models cannot merge")
+        return a - x if self._as_delta else x
+
+    def __iter__(self):
+        return (name for name in self._part if name in self._anchor)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 def flush_part(tensors: Mapping[str, torch.Tensor], weights: bool,
