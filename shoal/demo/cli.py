@@ -107,9 +107,9 @@ class DemoConfig:
             raise ShoalError("--no-overlap applies to --sync local or auto (exact sync has no rounds)")
         if self.replicas and self.sync == "exact":
             raise ShoalError("--replicas needs --sync local (replicas merge at the rounds of local mode)")
-        if self.shadow and self.sync == "local":
-            raise ShoalError("--shadow runs exact sync only: a shadow worker holds no weights (its stage is shapes "
-                             "only), so it cannot keep local mode's replica; drop --sync local or --shadow")
+        from shoal.runtime.roles.shadow import check_shadow_sync
+
+        check_shadow_sync(self.shadow, self.sync == "local")
         if self.dashboard:
             from shoal.runtime.ui.dashboard import parse_bind
 

@@ -445,9 +445,9 @@ def _spec(args):
     from shoal.runtime.sync.codecs import parse_run_compression
 
     compression = parse_run_compression(args.compression)
-    if getattr(args, "shadow", False) and sync.local:
-        raise ShoalError("--shadow runs exact sync only: a shadow worker holds no weights (its stage is shapes "
-                         "only), so it cannot keep local mode's replica; drop --sync local or --shadow")
+    from shoal.runtime.roles.shadow import check_shadow_sync
+
+    check_shadow_sync(getattr(args, "shadow", False), sync.local)
     spec = pb.RunSpec(
         version=1, model=cfg.name if init_from else w.model, stages=args.stages, steps=w.steps, micro_batches=w.micro_batches,
         micro_batch_size=w.micro_batch_size, seq_len=w.seq_len, seed=w.seed, lr=w.lr,

@@ -149,9 +149,9 @@ class LaunchConfig:
             raise ShoalError(f"--spot-check must be a fraction between 0 and 1, got {self.spot_check}")
         if self.shadow and not self.scenario:
             raise ShoalError("--shadow workers wait their emulated device's task time: give --scenario")
-        if self.shadow and self.sync != "exact":
-            raise ShoalError("--shadow runs exact sync only: a shadow worker holds no weights (its stage is shapes "
-                             "only), so it cannot keep local mode's replica; drop --sync local or --shadow")
+        from shoal.runtime.roles.shadow import check_shadow_sync
+
+        check_shadow_sync(self.shadow, self.sync != "exact")
         from shoal.runtime.sync.held import merge_memory_bytes
 
         merge_memory_bytes(self.merge_memory_gb)

@@ -28,6 +28,15 @@ _FRAMES: dict[tuple, list] = {}
 SHADOW_VALUE = 1e-3  # every element of a shadow activation or gradient (finite, small)
 
 
+def check_shadow_sync(shadow: bool, local: bool) -> None:
+    """A one-line error for shadow workers in local mode (``launch``, ``coordinator``, ``demo``)."""
+    if shadow and local:
+        from shoal.errors import ShoalError
+
+        raise ShoalError("--shadow runs exact sync only: a shadow worker holds no weights (its stage is shapes "
+                         "only), so it cannot keep local mode's replica; drop --sync local or --shadow")
+
+
 def shadow_tensor(shape: tuple[int, ...], dtype: str) -> torch.Tensor:
     """A fixed tensor of ``shape`` in wire dtype ``dtype`` (shared: never written to)."""
     key = (tuple(shape), dtype)
