@@ -8,10 +8,13 @@ each configuration runs in a fresh process, which decodes each push as the serve
 arrival (:func:`shoal.runtime.sync.codecs.split_stage_frame`), holds it in
 :class:`shoal.runtime.sync.held.HeldPushes` within a merge memory budget, and then does what the
 merge does: the screen's measures (:func:`shoal.runtime.safety.verify.round_measures`, quorum 3)
-and the weighted sum (:func:`shoal.train.outer.weighted_sum`). Printed per budget: the process's
-peak memory above what it held before the first push (``ru_maxrss``), the seconds of the
-arrivals' decodes and of the merge, and the pushes held as frames. The baseline is a budget that
-holds every push decoded (what every server did before ``--merge-memory-gb``).
+and the weighted sum (:func:`shoal.train.outer.weighted_sum`). Large frames (``int8``, raw) that
+the budget does not hold go to disk as the server writes them (:class:`SpilledPush`), except in
+the row "frames in memory" (what a server did before). Printed per budget: the process's peak
+memory above what it held before the first push arrived (``ru_maxrss``; each push is read from
+its file when it arrives), the seconds of the arrivals' decodes and of the merge, and the pushes
+held as frames and on disk. The baseline is a budget that holds every push decoded (what every
+server did before ``--merge-memory-gb``).
 """
 
 from __future__ import annotations
@@ -53,22 +56,32 @@ def child(args) -> int:
     from shoal.net import shoal_pb2 as pb
     from shoal.runtime.safety.verify import round_measures
     from shoal.runtime.sync.codecs import split_stage_frame
-    from shoal.runtime.sync.held import HeldPushes
+    from shoal.runtime.sync.held import HeldPushes, SpilledPush
     from shoal.train.outer import merge_weights, weighted_sum
 
     torch.set_num_threads(1)
     shapes = _shapes(args.model, args.layers)
-    frames = [pb.Tensor.FromString(p.read_bytes()) for p in sorted(Path(args.frames).glob("w*.bin"))]
-    start = _rss()
+    files = sorted(Path(args.frames).glob("w*.bin"))
+    start = _rss()  # (each push is read when it arrives: what the server holds of it is counted)
     held = HeldPushes(args.budget)
     t0 = time.perf_counter()
-    for i, frame in enumerate(frames):
+    nbytes = 4 * sum(p.numel() for p in shapes.values())
+
+    def from_bytes(data):
+        return split_stage_frame(pb.Tensor.FromString(data), shapes)
+
+    for i, path in enumerate(files):
+        frame = pb.Tensor.FromString(path.read_bytes())
+
         def decode(frame=frame):
             return split_stage_frame(frame, shapes)
 
         dense = decode()
-        held.put(f"w{i:03d}", dense, decode, frame.ByteSize())
-        del dense
+        # as the server does: large frames the budget does not hold go to disk (--spill)
+        spilled = (SpilledPush(frame.SerializeToString(), from_bytes, args.spill)
+                   if args.spill and held.should_spill(nbytes, frame.ByteSize()) else None)
+        held.put(f"w{i:03d}", dense, decode, frame.ByteSize(), spilled)
+        del dense, spilled, frame
     t1 = time.perf_counter()
     counts = {w: 4 + (i % 3) for i, w in enumerate(held)}
     norms, cos = round_measures(held, dict.fromkeys(held, 1.0), 3, seed=1)
@@ -77,6 +90,7 @@ def child(args) -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - start
     digest = float(sum(float(t.double().abs().sum()) for t in merged.values()))
     print(json.dumps({"peak": peak, "arrive_s": t1 - t0, "merge_s": t2 - t1, "framed": held.framed,
+                      "spilled": held.spilled,
                       "cos_min": min(c for c in cos.values() if c is not None), "digest": digest}))
     return 0
 
@@ -90,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--frames", default="", help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=float, default=0.0, help=argparse.SUPPRESS)
+    ap.add_argument("--spill", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         return child(args)
@@ -114,18 +129,22 @@ def main(argv: list[str] | None = None) -> int:
             del d
         print(f"frame {wire / 1e6:.2f} MB a push", flush=True)
         rows = []
-        for name, budget in (("every push decoded (before)", float("inf")),
-                             ("half of them", dense_bytes * args.workers / 2), ("none (--merge-memory-gb 0)", 0.0)):
+        spill = str(Path(tmp, "spill"))
+        for name, budget, where in (("every push decoded (before)", float("inf"), ""),
+                                    ("half of them", dense_bytes * args.workers / 2, spill),
+                                    ("none, frames in memory", 0.0, ""),
+                                    ("none (--merge-memory-gb 0)", 0.0, spill)):
             cmd = [sys.executable, __file__, "--child", "--frames", tmp, "--budget", repr(budget),
-                   "--model", args.model, "--layers", str(args.layers)]
+                   "--model", args.model, "--layers", str(args.layers), "--spill", where]
             res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
             rows.append((name, res))
     base = rows[0][1]
-    print("\n| merge memory | pushes held as frames | peak memory above the start | vs before | arrivals' decodes s | "
-          "merge s | same merge |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| merge memory | pushes held as frames | of them on disk | peak memory above the start | vs before | "
+          "arrivals' decodes s | merge s | same merge |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, r in rows:
-        print(f"| {name} | {r['framed']} / {args.workers} | {r['peak'] / 1e9:.2f} GB | {r['peak'] / base['peak']:.2f}x | "
+        print(f"| {name} | {r['framed']} / {args.workers} | {r['spilled']} | {r['peak'] / 1e9:.2f} GB | "
+              f"{r['peak'] / base['peak']:.2f}x | "
               f"{r['arrive_s']:.1f} | {r['merge_s']:.1f} | {'yes' if r['digest'] == base['digest'] else 'NO'} |")
     return 0
 

@@ -34,9 +34,12 @@ POLICIES = {
     "local-lowrank-frames": ["--sync", "local", "--sync-every", "2", "--compression", "lowrank",
                              "--merge-memory-gb", "0"],
     "local-frames": ["--sync", "local", "--sync-every", "2", "--merge-memory-gb", "0"],
+    "local-int8-frames": ["--sync", "local", "--sync-every", "2", "--compression", "int8", "--merge-memory-gb", "0"],
     # two one-stage replicas: each server holds the whole model and merges with its peer's part
     "local-lowrank-replicas": ["--sync", "local", "--sync-every", "2", "--compression", "lowrank",
                                "--replicas", "1,1"],
+    "local-lowrank-replicas-frames": ["--sync", "local", "--sync-every", "2", "--compression", "lowrank",
+                                      "--replicas", "1,1", "--merge-memory-gb", "0"],
     # four: each server waits for three peers' parts
     "local-lowrank-replicas4": ["--sync", "local", "--sync-every", "2", "--compression", "lowrank",
                                 "--replicas", "1,1,1,1"],
@@ -69,15 +72,15 @@ def sized_model(spec: str, root: Path) -> str:
     return str(out)
 
 
-def run(model: str, policy: str, root: Path, steps: int) -> dict:
-    out = root / f"{Path(model).name}-{policy}"
+def run(model: str, policy: str, root: Path, steps: int, per_stage: int = 1) -> dict:
+    out = root / f"{Path(model).name}-{policy}-x{per_stage}"
     extra = POLICIES[policy]
     # one worker a stage: a replica plan's stages are its replicas' (one each here)
     n = len(extra[extra.index("--replicas") + 1].split(",")) if "--replicas" in extra else 2
     # a model folder (a transformers-style checkpoint, shoal.hf) for sizes between the presets
     what = ["--init-from", str(Path(model).resolve())] if Path(model).is_dir() else ["--model", model]
     cmd = [sys.executable, "-m", "shoal.runtime.processes.cli", "launch", *what, "--stages", str(n),
-           "--workers", str(n), "--steps", str(steps), "--micro-batches", str(max(2, n)), "--micro-batch-size", "1",
+           "--workers", str(n * per_stage), "--steps", str(steps), "--micro-batches", str(max(2, n * per_stage)), "--micro-batch-size", "1",
            "--seq-len", "64", "--out", str(out), "--timeout", "3000", "--dead-after", "120",
            "--min-lease", "120", "--spot-check", "0", *POLICIES[policy]]
     t0 = time.time()
@@ -99,21 +102,23 @@ def main() -> None:
                    help="presets, model folders (--init-from), or dWIDTHxLLAYERS (a folder made for it)")
     p.add_argument("--policies", default="exact,local-lowrank")
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--workers-per-stage", default="1",
+                   help="workers on each stage, or several (1,4): a run each (a server holds a round's pushes)")
     p.add_argument("--keep", default=None, help="folder to keep the runs in (default: a temp folder, removed)")
     args = p.parse_args()
     root = Path(args.keep or tempfile.mkdtemp(prefix="shoal-srvmem-"))
     rows = []
     models = [sized_model(m, root) for m in args.models.split(",")]
     for policy in args.policies.split(","):
-        for model in models:
-            r = run(model, policy, root, args.steps)
+        for model, per_stage in [(m, int(k)) for m in models for k in args.workers_per_stage.split(",")]:
+            r = run(model, policy, root, args.steps, per_stage)
             print(f"# {r['cmd']}  ({r['wall_s']:.0f} s)", flush=True)
             prof = profile_model(read_hf_model_config(model) if Path(model).is_dir() else get_preset(model), 64, 1)
             layers = r["summary"]["layers"]
             peaks = r["summary"]["peak_rss_bytes"]
             for s, (a, b) in enumerate(layers):
                 name = r["summary"]["stage_servers"][s]  # (server names need not follow stage order)
-                rows.append((policy, Path(model).name, name, (a, b), prof.params(a, b), peaks.get(name, 0),
+                rows.append((policy if per_stage == 1 else f"{policy} x{per_stage}", Path(model).name, name, (a, b), prof.params(a, b), peaks.get(name, 0),
                              prof.server_memory(a, b)))
     print("| policy | model | server | layers | parameters | peak RSS MB | planned MB | planned / peak |")
     print("|---|---|---|---|---|---|---|---|")
@@ -122,7 +127,7 @@ def main() -> None:
               f"{planned / 2**20:.0f} | {planned / peak if peak else float('nan'):.2f} |")
     for policy in args.policies.split(","):
         pts = [(n, peak) for pol, _m, _s, _l, n, peak, _p in rows if pol == policy and peak]
-        if len({n for n, _ in pts}) >= 2:
+        if pts and max(n for n, _ in pts) >= 1.5 * min(n for n, _ in pts):  # (two model sizes at least)
             mx = sum(n for n, _ in pts) / len(pts)
             my = sum(y for _, y in pts) / len(pts)
             k = sum((n - mx) * (y - my) for n, y in pts) / sum((n - mx) ** 2 for n, _ in pts)

@@ -331,3 +331,71 @@ def test_the_merge_on_threads_is_the_same_bits_and_reads_each_push_once():
     assert all(torch.equal(a[n], b[n]) for n in b) and calls == dict.fromkeys(calls, 1)
     lrs = dict.fromkeys(dense, 1.0)
     assert round_measures(framed, lrs, quorum=3, pool=pool) == round_measures(dense, lrs, quorum=3)
+
+
+def test_large_frames_past_the_budget_go_to_disk_and_decode_to_the_same_bits(tmp_path):
+    """int8 and raw frames that the budget holds neither decoded nor as frames are written to
+    disk (SpilledPush) and read back to the same bits; lowrank frames stay in memory; frames
+    the budget holds stay in memory and count against it; the file goes with the push."""
+    import gc
+
+    from shoal.net import shoal_pb2 as pb
+    from shoal.runtime.sync.held import SpilledPush
+
+    shapes = _stage(0)
+    nbytes = sum(t.numel() * 4 for t in shapes.values())
+
+    def spilled(frame):
+        def decode(data):
+            t = pb.Tensor()
+            t.ParseFromString(data)
+            return split_stage_frame(t, shapes)
+        return SpilledPush(frame.SerializeToString(), decode, tmp_path)
+
+    held = HeldPushes(0)
+    for i, codec in enumerate(["int8", "raw", "lowrank"]):
+        frame = stage_frame(_stage(10 + i), codec)
+        wire = frame.ByteSize()
+        assert held.should_spill(nbytes, wire) == (codec != "lowrank"), codec
+        dense = split_stage_frame(frame, shapes)
+        assert held.put(f"w{i}", dense, lambda f=frame: split_stage_frame(f, shapes), wire,
+                        spilled(frame) if codec != "lowrank" else None)
+        assert all(torch.equal(held[f"w{i}"][n], dense[n]) for n in dense)
+    assert held.spilled == 2 and held.framed == 3 and len(list(tmp_path.iterdir())) == 2
+    held.pop("w0")
+    gc.collect()
+    assert len(list(tmp_path.iterdir())) == 1
+    # raw frames without a spill: held decoded, as before (their frames are no smaller)
+    frame = stage_frame(_stage(20), "raw")
+    assert not held.put("w9", split_stage_frame(frame, shapes), lambda: split_stage_frame(frame, shapes),
+                        frame.ByteSize())
+    # a budget that holds int8 frames but not the decoded push: the frames stay in memory, counted
+    frame = stage_frame(_stage(30), "int8")
+    roomy = HeldPushes(1.5 * frame.ByteSize(), available=lambda: 1e18, ram=0)
+    assert not roomy.should_spill(nbytes, frame.ByteSize())
+    assert roomy.put("a", split_stage_frame(frame, shapes), lambda: split_stage_frame(frame, shapes), frame.ByteSize())
+    assert roomy.should_spill(nbytes, frame.ByteSize())  # a second one no longer fits beside it
+
+
+@pytest.mark.parametrize("codec", ["int8", "raw"])
+def test_a_received_push_spills_as_it_came_and_reads_back_to_the_same_bits(tmp_path, codec):
+    """The server's spill of a push as it received it (a Framed message: frames kept out of
+    protobuf): its pieces written to disk without a joined copy parse back to the same
+    message, and its decoder gives the same tensors as the received push's."""
+    from shoal.net import shoal_pb2 as pb
+    from shoal.net.wire import encode_tensor, serialize_framed, split_framed
+    from shoal.runtime.sync.held import SpilledPush
+    from shoal.runtime.sync.local import GRADS_FIELD, parse_push, push_decoder, push_pieces
+
+    params = _stage(0)
+    msg = pb.GradPush(worker="w1", step=3, local_round=4, local_mbs=2)
+    for n, t in sorted(_stage(5).items()):
+        msg.grads.append(encode_tensor(n, t, codec))
+    got = split_framed(msg.SerializeToString(), pb.GradPush, GRADS_FIELD)  # as the stream hands it over
+    pieces = push_pieces(got)
+    assert b"".join(bytes(p) for p in pieces) == bytes(serialize_framed(got.head, GRADS_FIELD, got.frames))
+    want = push_decoder(got, params)()
+    spilled = SpilledPush(pieces, lambda data: push_decoder(parse_push(data), params)(), tmp_path)
+    back = spilled()
+    assert back.keys() == want.keys() and all(torch.equal(back[n], want[n]) for n in want)
+    assert parse_push(bytes(b"".join(bytes(p) for p in pieces))).head == got.head

@@ -296,7 +296,8 @@ def test_local_sparse_swarm_replicas_equal_server_and_bytes(tmp_path, codec):
     worker's pulled weights after a merge have the digest the server logged for that merge
     (bitwise equal), pushes and post-start pulls are frames of the codec, and the loss goes down.
     The ``lowrank`` run gives its servers no merge memory (``--merge-memory-gb 0``): every push
-    waits as its frames and is decoded again where the screen and the merge read it."""
+    waits as its frames and is decoded again where the screen and the merge read it, those of
+    the dense last round (``int8``) on disk."""
     from shoal.runtime.processes.launch import LaunchConfig, launch
     from shoal.train.metrics import read_jsonl
 
@@ -320,8 +321,10 @@ def test_local_sparse_swarm_replicas_equal_server_and_bytes(tmp_path, codec):
     framed = [m.get("framed", 0) for m in merge_logs]
     if codec == "lowrank":  # every push received held as frames (the screen may leave one out of the merge)
         assert all(f >= max(1, len(m["contributors"])) for f, m in zip(framed, merge_logs, strict=True)), merge_logs
+        # the last round's dense (int8) pushes on disk, the rounds' lowrank frames in memory
+        assert all((m.get("spilled", 0) == m["framed"]) == (m["version"] == 8) for m in merge_logs), merge_logs
     else:
-        assert not any(framed), framed
+        assert not any(framed) and not any(m.get("spilled") for m in merge_logs), merge_logs
     merges, pulled = _digests(out)
     assert {v for _, v in merges} == {2, 4, 6, 8}
     server_digests = {v: {d for (s, vv), d in merges.items() if vv == v} for v in (2, 4, 6)}

@@ -290,8 +290,9 @@ def register(subparsers) -> None:
 
 def _merge_memory_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--merge-memory-gb", type=float, default=None, metavar="GB",
-                   help="GB of decoded pseudo-gradients a local-mode merge holds at a stage server; beyond it "
-                        "pushes wait as their compressed frames and are decoded again where read; a replica "
+                   help="GB of pseudo-gradients a local-mode merge holds in memory at a stage server; beyond it "
+                        "pushes wait as their compressed frames (large ones, int8 or raw, on disk) and are "
+                        "decoded again where read; a replica "
                         "plan's peer parts have as much again (beyond it: their frames, raw ones on disk) "
                         "(default: a quarter of the host's RAM, at most half of what is free)")
 

@@ -8,13 +8,24 @@ a quarter of float32). :class:`HeldPushes` keeps a push decoded while the round'
 fit the server's memory budget and keeps only its frames beyond it, decoding them again, one
 contributor at a time, where the screen and the merge read them; the merge's arithmetic is the
 same bits either way (a frame decodes to the same tensors every time).
+
+Large frames beyond the budget (``int8``, ``bf16`` or raw: the run's dense last round, or a
+policy without a sparse codec) go to disk (:class:`SpilledPush`): held in memory they would
+grow the server by a quarter to a whole copy of its stage per worker (34 workers of a
+scale-4096 replica: 44 GB of ``int8`` frames of gpt-1.3b), which the planner's figure for a
+server (:meth:`shoal.model.profile.ModelProfile.server_memory`) does not hold.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import os
+import tempfile
+import weakref
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 
 import torch
 
@@ -24,6 +35,9 @@ from shoal.runtime.measure import available_ram
 DEFAULT_MERGE_MEMORY_SHARE = 0.25  # of the host's RAM a server's decoded pushes may take by default
 DEFAULT_AVAILABLE_SHARE = 0.5  # and at most this share of the RAM free when a round starts
 RESERVE_SHARE = 0.2  # a push is held decoded only while the host keeps this share of its RAM free after it
+SPILL_SHARE = 1 / 16  # frames of at least this share of the decoded push's bytes go to disk beyond the budget
+
+log = logging.getLogger(__name__)
 
 
 def host_memory_bytes() -> int:
@@ -59,6 +73,36 @@ def tensors_nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+class SpilledPush:
+    """A push's serialised message on disk (``folder``), decoded by ``decode(data)`` where read:
+    calling it returns the push's tensors (the same bits every time). ``data``: the message's
+    bytes, or a list of pieces that concatenate to them (written one by one: no joined copy).
+    The file goes when this object does."""
+
+    def __init__(self, data: bytes | memoryview | list, decode: Callable[[bytes], dict[str, torch.Tensor]],
+                 folder: str | Path):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        fd, path = tempfile.mkstemp(prefix="push-", suffix=".pb", dir=folder)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                for piece in data if isinstance(data, list) else [data]:
+                    f.write(piece)
+        except BaseException:
+            _unlink(path)
+            raise
+        self.path = path  # the message on disk
+        self._decode = decode  # bytes -> tensors
+        weakref.finalize(self, _unlink, path)
+
+    def __call__(self) -> dict[str, torch.Tensor]:
+        return self._decode(Path(self.path).read_bytes())
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
 class HeldPushes(Mapping[str, Mapping[str, torch.Tensor]]):
     """Contributor -> its pseudo-gradient ``{name: tensor}``, decoded or decoded where read.
 
@@ -66,36 +110,59 @@ class HeldPushes(Mapping[str, Mapping[str, torch.Tensor]]):
     the host keeps :data:`RESERVE_SHARE` of its RAM available beside it (read at each push:
     several stage servers may share a host and start their rounds at once, each with a budget
     of what was free then), and otherwise keeps ``decode`` (a function of the push's frames
-    that returns the same tensors) when its frames are smaller than ``dense``. Reading a push held as frames decodes it for
-    that read only, so a pass over the contributors (``items()``) holds one decoded push at a
-    time. :meth:`snapshot` is a copy for a thread to read while the event loop edits this one.
+    that returns the same tensors) when its frames are smaller than ``dense``. Frames of at
+    least :data:`SPILL_SHARE` of ``dense``'s bytes that the budget does not hold either (decoded
+    and framed pushes counted together) go to disk where the caller writes them
+    (:meth:`should_spill`, :class:`SpilledPush`), raw frames included. Reading a push held as
+    frames decodes it for that read only, so a pass over the contributors (``items()``) holds
+    one decoded push at a time. :meth:`snapshot` is a copy for a thread to read while the event
+    loop edits this one.
     """
 
     def __init__(self, budget: float, available: Callable[[], float] = available_ram, ram: float | None = None):
-        self.budget = budget  # bytes of decoded pushes to hold (beyond: frames)
+        self.budget = budget  # bytes of pushes held in memory, decoded or as frames (beyond: frames, or disk)
         self.available = available  # bytes of RAM the host has available now
         self.reserve = RESERVE_SHARE * (host_memory_bytes() if ram is None else ram)  # what it must keep free
         self._dense: dict[str, dict[str, torch.Tensor]] = {}
         self._frames: dict[str, Callable[[], dict[str, torch.Tensor]]] = {}
+        self._frame_bytes: dict[str, int] = {}  # wid -> bytes of its frames held in memory
         self._dense_bytes = 0
+        self.spilled = 0  # pushes written to disk
 
     def put(self, wid: str, dense: dict[str, torch.Tensor], decode: Callable[[], dict[str, torch.Tensor]] | None = None,
-            wire_bytes: int = 0) -> bool:
-        """Hold ``wid``'s push; True when it is held as frames (``decode``), False when decoded."""
+            wire_bytes: int = 0, spilled: Callable[[], dict[str, torch.Tensor]] | None = None) -> bool:
+        """Hold ``wid``'s push; True when it is held as frames (``decode`` in memory, or
+        ``spilled``: the decoder of its frames on disk, see :meth:`should_spill`), False when decoded."""
         self.pop(wid, None)
         nbytes = tensors_nbytes(dense)
-        if decode is not None and not self.room(nbytes, wire_bytes):
-            self._frames[wid] = decode
-            return True
+        if decode is not None and not self._fits(nbytes):
+            if spilled is not None:
+                self._frames[wid] = spilled
+                self.spilled += 1
+                return True
+            if wire_bytes < nbytes:
+                self._frames[wid] = decode
+                self._frame_bytes[wid] = wire_bytes
+                return True
         self._dense[wid] = dense
         self._dense_bytes += nbytes
         return False
 
+    def should_spill(self, nbytes: int, wire_bytes: int) -> bool:
+        """Whether a push of ``nbytes`` decoded and ``wire_bytes`` as frames goes to disk: the
+        budget holds it neither decoded nor as frames, and its frames are large (at least
+        :data:`SPILL_SHARE` of ``nbytes``: ``int8``, ``bf16``, raw)."""
+        return wire_bytes >= SPILL_SHARE * nbytes and not self._fits(nbytes) and not self._fits(wire_bytes)
+
+    def _fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit the budget beside what is held in memory, with the host's reserve kept."""
+        held = self._dense_bytes + sum(self._frame_bytes.values())
+        return held + nbytes <= self.budget and self.available() - nbytes >= self.reserve
+
     def room(self, nbytes: int, wire_bytes: int) -> bool:
         """Whether a push of ``nbytes`` decoded (``wire_bytes`` as frames) is held decoded now:
         its frames are no smaller, or it fits the budget and the host's reserve."""
-        return wire_bytes >= nbytes or (self._dense_bytes + nbytes <= self.budget
-                                        and self.available() - nbytes >= self.reserve)
+        return wire_bytes >= nbytes or self._fits(nbytes)
 
     @property
     def framed(self) -> int:
@@ -122,6 +189,7 @@ class HeldPushes(Mapping[str, Mapping[str, torch.Tensor]]):
             d = self._dense.pop(wid)
             self._dense_bytes -= tensors_nbytes(d)
             return d
+        self._frame_bytes.pop(wid, None)
         return self._frames.pop(wid, default)
 
     def snapshot(self, only=None) -> HeldPushes:
@@ -133,4 +201,5 @@ class HeldPushes(Mapping[str, Mapping[str, torch.Tensor]]):
                 out._dense[w] = d
                 out._dense_bytes += tensors_nbytes(d)
         out._frames = {w: f for w, f in self._frames.items() if only is None or w in only}
+        out._frame_bytes = {w: b for w, b in self._frame_bytes.items() if w in out._frames}
         return out

@@ -29,8 +29,12 @@ import json
 import logging
 import math
 import secrets
+import shutil
+import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import torch
@@ -38,7 +42,15 @@ import torch
 from shoal.net import shoal_pb2 as pb
 from shoal.net.compress import ErrorFeedback
 from shoal.net.stream import StreamStalled
-from shoal.net.wire import WireError, encode_frame, message_nbytes, serialize_framed
+from shoal.net.wire import (
+    Framed,
+    WireError,
+    encode_frame,
+    framed_pieces,
+    message_nbytes,
+    serialize_framed,
+    split_framed,
+)
 from shoal.plan.compression import DENSE_ROUND_CODEC
 from shoal.plan.types import MERGE_THREADS, SCREEN_REF_MBS
 from shoal.runtime.common import optim_config, tensors_digest
@@ -57,7 +69,7 @@ from shoal.runtime.sync.codecs import (
     stage_frame,
     uses_update_pulls,
 )
-from shoal.runtime.sync.held import HeldPushes, default_merge_memory
+from shoal.runtime.sync.held import HeldPushes, SpilledPush, default_merge_memory
 from shoal.runtime.transport.frames import decode_grads
 from shoal.train.optim import apply_update, make_optimizer, total_sq_norm
 from shoal.train.outer import (
@@ -133,6 +145,30 @@ def add_residual(anchor: dict[str, torch.Tensor], left: dict[str, torch.Tensor])
     with torch.no_grad():
         for n, a in anchor.items():
             a.add_(left[n].to(a.device, a.dtype))
+
+
+def push_decoder(r, params: dict[str, torch.Tensor]) -> Callable[[], dict[str, torch.Tensor]]:
+    """The decoder of a pseudo-gradient push's frames against this stage's ``params``: the same
+    tensors at every call (``sparse``/``lowrank`` pushes are one frame of the whole stage)."""
+    if is_stage_frame(r.grads):
+        return lambda: split_stage_frame(r.grads[0], params, True)
+    return lambda: decode_grads(r, params, True)
+
+
+GRADS_FIELD = pb.GradPush.DESCRIPTOR.fields_by_name["grads"].number
+
+
+def push_pieces(r) -> list:
+    """A received push serialised again (a :class:`~shoal.net.wire.Framed` one with its frames),
+    as pieces for a spilled push's file (the frames' payloads not copied), for :func:`parse_push`."""
+    if isinstance(r, Framed):
+        return framed_pieces(r.head, GRADS_FIELD, r.frames)
+    return [r.SerializeToString()]
+
+
+def parse_push(data) -> Framed:
+    """A push read back from :func:`push_pieces` joined (its raw frames views of ``data``)."""
+    return split_framed(data, pb.GradPush, GRADS_FIELD)
 
 
 def reference_pool() -> ThreadPoolExecutor:
@@ -218,6 +254,15 @@ class LocalServerMixin:
         """An empty round of held pseudo-gradients, within this server's ``merge_memory``."""
         budget = getattr(self, "merge_memory", None)
         return HeldPushes(default_merge_memory() if budget is None else budget)
+
+    def _pushes_folder(self) -> Path:
+        """Where this server writes pseudo-gradients beyond its merge memory (its checkpoints'
+        disk); what an earlier process of its name left there goes at the first use."""
+        folder = Path(getattr(self, "ckpt_root", "") or tempfile.gettempdir()) / "pushes" / self.name
+        if not getattr(self, "_pushes_swept", False):
+            shutil.rmtree(folder, ignore_errors=True)
+            self._pushes_swept = True
+        return folder
 
     def published_version(self) -> int:
         """Version label of the weights this server serves (local: the last merge)."""
@@ -317,16 +362,26 @@ class LocalServerMixin:
                                                        "merged weights", gen=info.gen)
 
         params = dict(self.params)
-        if is_stage_frame(r.grads):  # sparse, lowrank: the whole stage in one frame
+        decode = push_decoder(r, params)
+        wire = message_nbytes(r)
+        # Large frames the merge memory does not hold go to disk (shoal.runtime.sync.held).
+        spill = not r.local_weights and self.local_got.should_spill(4 * sum(p.numel() for p in params.values()), wire)
+        folder = self._pushes_folder()
 
-            def decode():
-                return split_stage_frame(r.grads[0], params, True)
-        else:
+        def check():
+            deltas = decode()
+            if not spill:
+                return deltas, None
+            try:
+                return deltas, SpilledPush(push_pieces(r), lambda data: push_decoder(parse_push(data), params)(),
+                                           folder)
+            except OSError as exc:  # (a full or read-only disk: held in memory, as before)
+                log.warning("%s keeps %s's pseudo-gradient in memory: cannot write it to %s: %s", self.name,
+                            r.worker, folder, exc)
+                return deltas, None
 
-            def decode():
-                return decode_grads(r, params, True)
         try:
-            deltas = await asyncio.get_running_loop().run_in_executor(None, decode)
+            deltas, spilled = await asyncio.get_running_loop().run_in_executor(None, check)
         except WireError as exc:
             log.warning("%s rejected a pseudo-gradient of %s: %s", self.name, r.worker, exc)
             self._void_worker(r.worker, f"bad pseudo-gradient: {exc}")
@@ -354,8 +409,9 @@ class LocalServerMixin:
             deltas = await asyncio.get_running_loop().run_in_executor(None, self._anchor_minus, deltas)
             self.local_got.put(r.worker, deltas)
         else:
-            # beyond the server's merge memory, kept as its frames and decoded again where read
-            self.local_got.put(r.worker, deltas, decode, message_nbytes(r))
+            # beyond the server's merge memory, kept as its frames (in memory or on disk) and
+            # decoded again where read
+            self.local_got.put(r.worker, deltas, decode, wire, spilled)
         del deltas
         async with self.cond:
             self.cond.notify_all()
@@ -437,6 +493,7 @@ class LocalServerMixin:
         if self.epoch != epoch:
             return None
         framed = self.local_got.framed  # pushes held as frames (over the merge memory)
+        spilled = self.local_got.spilled  # of which on disk (large frames)
         # the screen and the merge (cost.merge_cpu_time prices them; a replica plan waits for its peers too)
         merge_t0 = time.perf_counter()
         self.local_presum_taken = False
@@ -467,7 +524,7 @@ class LocalServerMixin:
             "stage": self.stage, "version": step + 1, "epoch": epoch, "contributors": counts,
             "shares": {w: round(x, 9) for w, x in shares.items()}, "digest": digest, "screen": screened,
             "screen_sum": self.local_presum_taken,
-            **({"framed": framed} if framed else {}), "merge_s": round(time.perf_counter() - merge_t0, 4),
+            **({"framed": framed} if framed else {}), **({"spilled": spilled} if spilled else {}), "merge_s": round(time.perf_counter() - merge_t0, 4),
             **({"overlap": True} if self.local_overlap else {}),
             **({"replicas": replicas} if replicas is not None else {})}, sort_keys=True))
         self._local_reference_start(epoch)  # (delayed application: the next round's first step may be in)
