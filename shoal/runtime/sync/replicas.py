@@ -39,7 +39,17 @@ import torch
 from shoal.errors import ShoalError
 from shoal.net import shoal_pb2 as pb
 from shoal.net.stream import receive, send
-from shoal.net.wire import WireError, decode_tensor, encode_tensor
+from shoal.net.wire import (
+    Framed,
+    WireError,
+    decode_tensor,
+    encode_frame,
+    encode_tensor,
+    framed_pieces,
+    message_nbytes,
+    serialize_framed,
+    split_framed,
+)
 from shoal.runtime.sync.codecs import dense_round
 from shoal.train.outer import merge_per_layer, merge_weights, merges_weights, weighted_sum
 
@@ -368,6 +378,9 @@ def place_replica_servers(current: list[str], server_region: Mapping[str, str], 
     return out
 
 
+PART_TENSORS = pb.ReplicaPart.DESCRIPTOR.fields_by_name["tensors"].number  # (kept out of protobuf when received)
+
+
 class FramedPart(Mapping[str, torch.Tensor]):
     """A peer's part kept as it came, its wire frames, each tensor decoded where it is read.
 
@@ -377,7 +390,7 @@ class FramedPart(Mapping[str, torch.Tensor]):
     :func:`merge_parts` reads each tensor once, so a merge over framed parts holds one decoded
     tensor beside its sum. A frame decodes to the same bits every time."""
 
-    def __init__(self, frames: Sequence[pb.Tensor], shapes: Mapping[str, tuple[int, ...]]):
+    def __init__(self, frames: Sequence, shapes: Mapping[str, tuple[int, ...]]):
         self._frames = {t.name: t for t in frames}  # name -> its wire frame
         self._shapes = {n: tuple(shapes[n]) for n in self._frames}  # name -> the receiver's shape of it
 
@@ -398,11 +411,18 @@ class SpilledPart(Mapping[str, torch.Tensor]):
     then holds one such part at a time however many peers share its layers. The file goes
     when the part does."""
 
-    def __init__(self, msg: pb.ReplicaPart, shapes: Mapping[str, tuple[int, ...]], folder: str | Path):
+    def __init__(self, msg: pb.ReplicaPart | Framed, shapes: Mapping[str, tuple[int, ...]], folder: str | Path):
         Path(folder).mkdir(parents=True, exist_ok=True)
         fd, path = tempfile.mkstemp(prefix="part-", suffix=".pb", dir=folder)
-        with os.fdopen(fd, "wb") as f:
-            f.write(msg.SerializeToString())
+        try:
+            with os.fdopen(fd, "wb") as f:
+                # a received part's frames are views of the bytes that came: written as they are
+                for piece in (framed_pieces(msg.head, PART_TENSORS, msg.frames) if isinstance(msg, Framed)
+                              else [msg.SerializeToString()]):
+                    f.write(piece)
+        except BaseException:
+            _unlink(path)
+            raise
         self.path = path  # the part's message on disk
         self._names = [t.name for t in msg.tensors]  # its tensors' names, in order
         self._shapes = {n: tuple(shapes[n]) for n in self._names}
@@ -411,8 +431,7 @@ class SpilledPart(Mapping[str, torch.Tensor]):
 
     def _read(self) -> FramedPart:
         if self._part is None:
-            msg = pb.ReplicaPart()
-            msg.ParseFromString(Path(self.path).read_bytes())
+            msg = split_framed(Path(self.path).read_bytes(), pb.ReplicaPart, PART_TENSORS)
             self._part = FramedPart(msg.tensors, self._shapes)
         return self._part
 
@@ -581,7 +600,8 @@ class ReplicaServerMixin:
 
     async def _take_part(self, request_iterator, context):
         try:
-            msg = await receive(request_iterator, pb.ReplicaPart, self.max_bytes("grads"))
+            # (frames kept out of protobuf: a raw part's payloads stay views of the bytes received)
+            msg = await receive(request_iterator, pb.ReplicaPart, self.max_bytes("grads"), frames_field=PART_TENSORS)
         except WireError as exc:
             return pb.PushReply(accepted=False, reason=f"rejected: {exc}")
         if context is not None:
@@ -610,7 +630,7 @@ class ReplicaServerMixin:
         nbytes = 4 * sum(self.params[n].numel() for n in shapes)
         dense = held.room(nbytes, 0)  # within the merge memory and the host's reserve
         # Beyond it: compressed frames stay in memory, raw ones go to disk (merge_parts reads them once).
-        spill = not dense and msg.ByteSize() >= nbytes // 2
+        spill = not dense and message_nbytes(msg) >= nbytes // 2
 
         def check() -> Mapping[str, torch.Tensor]:
             tensors = self._decode_part(msg, dense)
@@ -656,15 +676,15 @@ class ReplicaServerMixin:
                 out[t.name] = x
         return out
 
-    async def _send_part(self, peer: int, msg: pb.ReplicaPart, data: bytes, epoch: int) -> None:
-        """Send a part (``data``: ``msg`` serialised) to stage ``peer``'s server until it is taken
-        or the epoch moves on."""
+    async def _send_part(self, peer: int, msg: pb.ReplicaPart, data: bytes, frames: list, epoch: int) -> None:
+        """Send a part (``data``: ``msg``, its head, serialised with ``frames``, its ``(kind,
+        frame)`` pairs) to stage ``peer``'s server until it is taken or the epoch moves on."""
         while self.epoch == epoch and not self.done:
             addr = self.servers[peer] if peer < len(self.servers) else ""
             if addr:
                 try:
                     rep = await send(self._stub(addr).ReplicaPartStream, msg, self.chunk_bytes, traffic=self.traffic,
-                                     data=data, sender=self.member_id)
+                                     data=data, sender=self.member_id, frames=frames)
                     if rep.accepted:
                         return
                     if rep.reason != "not ready":
@@ -704,16 +724,16 @@ class ReplicaServerMixin:
         for p in mine:
             wants.setdefault(stage_names(cfg, slots[p].first, slots[p].last), []).append(p)
 
-        def framed() -> dict[frozenset, tuple[pb.ReplicaPart, bytes]]:
+        def framed() -> dict[frozenset, tuple[pb.ReplicaPart, bytes, list]]:
             out = {}
             for held in wants:
-                msg = pb.ReplicaPart(member_id=self.member_id, epoch=epoch, round=version, stage=self.stage, mbs=n,
-                                     weights=weights)
-                for name in sorted(tensors):
-                    if name in held:
-                        msg.tensors.append(frames[name] if frames is not None
-                                           else encode_tensor(name, tensors[name], "raw"))
-                out[held] = (msg, msg.SerializeToString())
+                head = pb.ReplicaPart(member_id=self.member_id, epoch=epoch, round=version, stage=self.stage, mbs=n,
+                                      weights=weights)
+                # a raw part's payloads are views of its tensors, copied once into the message
+                items = [frames[name] if frames is not None else encode_frame(name, tensors[name], "raw", view=True)
+                         for name in sorted(tensors) if name in held]
+                out[held] = (head, serialize_framed(head, PART_TENSORS, items),
+                             [("replica_merge", f) for f in items])
             return out
 
         msgs = await loop.run_in_executor(None, framed)
