@@ -364,7 +364,7 @@ def test_large_frames_past_the_budget_go_to_disk_and_decode_to_the_same_bits(tmp
     assert held.spilled == 2 and held.framed == 3 and len(list(tmp_path.iterdir())) == 2
     held.pop("w0")
     gc.collect()
-    assert len(list(tmp_path.iterdir())) == 1
+    assert len(list(tmp_path.iterdir())) == 1 and held.spilled == 1 and held.snapshot().spilled == 1
     # raw frames without a spill: held decoded, as before (their frames are no smaller)
     frame = stage_frame(_stage(20), "raw")
     assert not held.put("w9", split_stage_frame(frame, shapes), lambda: split_stage_frame(frame, shapes),

@@ -127,7 +127,6 @@ class HeldPushes(Mapping[str, Mapping[str, torch.Tensor]]):
         self._frames: dict[str, Callable[[], dict[str, torch.Tensor]]] = {}
         self._frame_bytes: dict[str, int] = {}  # wid -> bytes of its frames held in memory
         self._dense_bytes = 0
-        self.spilled = 0  # pushes written to disk
 
     def put(self, wid: str, dense: dict[str, torch.Tensor], decode: Callable[[], dict[str, torch.Tensor]] | None = None,
             wire_bytes: int = 0, spilled: Callable[[], dict[str, torch.Tensor]] | None = None) -> bool:
@@ -138,7 +137,6 @@ class HeldPushes(Mapping[str, Mapping[str, torch.Tensor]]):
         if decode is not None and not self._fits(nbytes):
             if spilled is not None:
                 self._frames[wid] = spilled
-                self.spilled += 1
                 return True
             if wire_bytes < nbytes:
                 self._frames[wid] = decode
@@ -168,6 +166,11 @@ class HeldPushes(Mapping[str, Mapping[str, torch.Tensor]]):
     def framed(self) -> int:
         """How many pushes are held as frames."""
         return len(self._frames)
+
+    @property
+    def spilled(self) -> int:
+        """How many of them are on disk (:class:`SpilledPush`)."""
+        return sum(isinstance(f, SpilledPush) for f in self._frames.values())
 
     def __getitem__(self, wid: str) -> Mapping[str, torch.Tensor]:
         if wid in self._dense:

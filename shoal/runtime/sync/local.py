@@ -524,7 +524,8 @@ class LocalServerMixin:
             "stage": self.stage, "version": step + 1, "epoch": epoch, "contributors": counts,
             "shares": {w: round(x, 9) for w, x in shares.items()}, "digest": digest, "screen": screened,
             "screen_sum": self.local_presum_taken,
-            **({"framed": framed} if framed else {}), **({"spilled": spilled} if spilled else {}), "merge_s": round(time.perf_counter() - merge_t0, 4),
+            **({"framed": framed} if framed else {}), **({"spilled": spilled} if spilled else {}),
+            "merge_s": round(time.perf_counter() - merge_t0, 4),
             **({"overlap": True} if self.local_overlap else {}),
             **({"replicas": replicas} if replicas is not None else {})}, sort_keys=True))
         self._local_reference_start(epoch)  # (delayed application: the next round's first step may be in)
