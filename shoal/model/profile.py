@@ -38,8 +38,10 @@ ADAMW_STATE_BYTES_PER_PARAM = 8  # two fp32 moments per parameter
 # 56 bytes a parameter in exact sync (57 the most of one server), 26 in local mode and 33.5
 # with lowrank pulls, over a process of 0.35-0.5 GB;
 # the figure leaves a margin over the largest (the peaks move between runs with when pushes,
-# pulls and checkpoints meet). A replica plan's server: 51 bytes a parameter (two replicas of a
-# 31-60 M parameter model; its peers' parts beyond the merge memory held as frames or on disk).
+# pulls and checkpoints meet). A replica plan's server: 33 bytes a parameter with no merge
+# memory, 43 with the default (two replicas of a 60-116 M parameter model, 2026-12-05 18:05).
+# The figure keeps room for what is not bounded: in the dense last round every worker's int8
+# push (a quarter of the stage) may be received at once.
 SERVER_BYTES_PER_PARAM = 64
 SERVER_PROCESS_BYTES = 512 * 2**20  # the interpreter, torch, gRPC and their threads
 
