@@ -1,6 +1,7 @@
 """What a stage server really holds, against what the planner sizes its host for.
 
-Runs ``shoal launch`` (2 stages, 2 workers) once per sync policy for each model, reads each
+Runs ``shoal launch`` (2 stages, a worker each, or ``--workers-per-stage`` each) once per sync
+policy for each model, reads each
 member's peak resident memory from ``summary.json`` (``peak_rss_bytes``: VmHWM, which every
 member reports in its heartbeats) and prints, per stage server: its layers, parameters, peak
 RSS, and the planner's figure for it (``ModelProfile.server_memory``). With two
@@ -8,11 +9,13 @@ models the table also fits ``peak = base + k x parameters`` per policy over all 
 (least squares), the bytes per parameter a server really needs.
 
     PYTHONPATH=. python bench/bench_server_memory.py [--models tiny,gpt-125m] [--policies exact,local-lowrank]
+        [--workers-per-stage 1,4,8]
 
 Policies: ``exact`` (the launch's default), ``local`` (``--sync local --sync-every 2``),
-``local-lowrank`` (the same with ``--compression lowrank``), ``*-frames`` (``--merge-memory-gb
-0``: pushes and parts held as frames), ``local-lowrank-replicas`` and ``-replicas4`` (two or
-four one-stage replicas, a worker each: every server holds the whole model).
+``local-lowrank`` (the same with ``--compression lowrank``), ``local-int8-frames`` (``int8``),
+``*-frames`` (``--merge-memory-gb 0``: pushes and parts held as frames, large ones on disk),
+``local-lowrank-replicas`` and ``-replicas4`` (two or four one-stage replicas, a worker each:
+every server holds the whole model).
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ def sized_model(spec: str, root: Path) -> str:
 def run(model: str, policy: str, root: Path, steps: int, per_stage: int = 1) -> dict:
     out = root / f"{Path(model).name}-{policy}-x{per_stage}"
     extra = POLICIES[policy]
-    # one worker a stage: a replica plan's stages are its replicas' (one each here)
+    # per_stage workers a stage: a replica plan's stages are its replicas' (one each here)
     n = len(extra[extra.index("--replicas") + 1].split(",")) if "--replicas" in extra else 2
     # a model folder (a transformers-style checkpoint, shoal.hf) for sizes between the presets
     what = ["--init-from", str(Path(model).resolve())] if Path(model).is_dir() else ["--model", model]
