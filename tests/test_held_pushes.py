@@ -383,16 +383,16 @@ def test_a_received_push_spills_as_it_came_and_reads_back_to_the_same_bits(tmp_p
     protobuf): its pieces written to disk without a joined copy parse back to the same
     message, and its decoder gives the same tensors as the received push's."""
     from shoal.net import shoal_pb2 as pb
-    from shoal.net.wire import encode_tensor, serialize_framed, split_framed
+    from shoal.net.wire import encode_tensor, message_pieces, serialize_framed, split_framed
     from shoal.runtime.sync.held import SpilledPush
-    from shoal.runtime.sync.local import GRADS_FIELD, parse_push, push_decoder, push_pieces
+    from shoal.runtime.sync.local import GRADS_FIELD, parse_push, push_decoder
 
     params = _stage(0)
     msg = pb.GradPush(worker="w1", step=3, local_round=4, local_mbs=2)
     for n, t in sorted(_stage(5).items()):
         msg.grads.append(encode_tensor(n, t, codec))
     got = split_framed(msg.SerializeToString(), pb.GradPush, GRADS_FIELD)  # as the stream hands it over
-    pieces = push_pieces(got)
+    pieces = message_pieces(got, GRADS_FIELD)
     assert b"".join(bytes(p) for p in pieces) == bytes(serialize_framed(got.head, GRADS_FIELD, got.frames))
     want = push_decoder(got, params)()
     spilled = SpilledPush(pieces, lambda data: push_decoder(parse_push(data), params)(), tmp_path)

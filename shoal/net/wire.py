@@ -343,6 +343,15 @@ def framed_pieces(head, field_number: int, frames: Sequence[pb.Tensor | Frame]) 
     return pieces
 
 
+def message_pieces(msg, field_number: int) -> list:
+    """A message serialised as pieces whose concatenation parses back to it: a :class:`Framed`
+    one's frames not copied (:func:`framed_pieces`, ``field_number`` its frames' field), any
+    other whole."""
+    if isinstance(msg, Framed):
+        return framed_pieces(msg.head, field_number, msg.frames)
+    return [msg.SerializeToString()]
+
+
 # Above this a message is joined by copies that let go of the interpreter lock.
 JOIN_RELEASE_BYTES = 1 << 20
 

@@ -81,21 +81,27 @@ class SpilledPush:
 
     def __init__(self, data: bytes | memoryview | list, decode: Callable[[bytes], dict[str, torch.Tensor]],
                  folder: str | Path):
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        fd, path = tempfile.mkstemp(prefix="push-", suffix=".pb", dir=folder)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                for piece in data if isinstance(data, list) else [data]:
-                    f.write(piece)
-        except BaseException:
-            _unlink(path)
-            raise
-        self.path = path  # the message on disk
+        self.path = spill_file(self, data if isinstance(data, list) else [data], folder, "push-")  # the message
         self._decode = decode  # bytes -> tensors
-        weakref.finalize(self, _unlink, path)
 
     def __call__(self) -> dict[str, torch.Tensor]:
         return self._decode(Path(self.path).read_bytes())
+
+
+def spill_file(owner: object, pieces, folder: str | Path, prefix: str) -> str:
+    """Write ``pieces`` (bytes-like, in order) to a new file in ``folder`` and return its path;
+    the file goes when ``owner`` does (or now, if the write fails)."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    fd, path = tempfile.mkstemp(prefix=prefix, suffix=".pb", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for piece in pieces:
+                f.write(piece)
+    except BaseException:
+        _unlink(path)
+        raise
+    weakref.finalize(owner, _unlink, path)
+    return path
 
 
 def _unlink(path: str) -> None:

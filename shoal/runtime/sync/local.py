@@ -46,8 +46,8 @@ from shoal.net.wire import (
     Framed,
     WireError,
     encode_frame,
-    framed_pieces,
     message_nbytes,
+    message_pieces,
     serialize_framed,
     split_framed,
 )
@@ -158,16 +158,9 @@ def push_decoder(r, params: dict[str, torch.Tensor]) -> Callable[[], dict[str, t
 GRADS_FIELD = pb.GradPush.DESCRIPTOR.fields_by_name["grads"].number
 
 
-def push_pieces(r) -> list:
-    """A received push serialised again (a :class:`~shoal.net.wire.Framed` one with its frames),
-    as pieces for a spilled push's file (the frames' payloads not copied), for :func:`parse_push`."""
-    if isinstance(r, Framed):
-        return framed_pieces(r.head, GRADS_FIELD, r.frames)
-    return [r.SerializeToString()]
-
-
 def parse_push(data) -> Framed:
-    """A push read back from :func:`push_pieces` joined (its raw frames views of ``data``)."""
+    """A push read back from its spilled file (``message_pieces(push, GRADS_FIELD)`` joined; its
+    raw frames views of ``data``)."""
     return split_framed(data, pb.GradPush, GRADS_FIELD)
 
 
@@ -373,7 +366,7 @@ class LocalServerMixin:
             if not spill:
                 return deltas, None
             try:
-                return deltas, SpilledPush(push_pieces(r), lambda data: push_decoder(parse_push(data), params)(),
+                return deltas, SpilledPush(message_pieces(r, GRADS_FIELD), lambda data: push_decoder(parse_push(data), params)(),
                                            folder)
             except OSError as exc:  # (a full or read-only disk: held in memory, as before)
                 log.warning("%s keeps %s's pseudo-gradient in memory: cannot write it to %s: %s", self.name,

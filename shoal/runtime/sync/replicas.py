@@ -20,14 +20,11 @@ The pure decisions are functions here; :class:`ReplicaServerMixin` is a mixin of
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
-import os
 import shutil
 import tempfile
 import time
-import weakref
 from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -45,12 +42,13 @@ from shoal.net.wire import (
     decode_tensor,
     encode_frame,
     encode_tensor,
-    framed_pieces,
     message_nbytes,
+    message_pieces,
     serialize_framed,
     split_framed,
 )
 from shoal.runtime.sync.codecs import dense_round
+from shoal.runtime.sync.held import spill_file
 from shoal.train.outer import merge_per_layer, merge_weights, merges_weights, weighted_sum
 
 log = logging.getLogger("shoal.replicas")
@@ -412,22 +410,11 @@ class SpilledPart(Mapping[str, torch.Tensor]):
     when the part does."""
 
     def __init__(self, msg: pb.ReplicaPart | Framed, shapes: Mapping[str, tuple[int, ...]], folder: str | Path):
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        fd, path = tempfile.mkstemp(prefix="part-", suffix=".pb", dir=folder)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                # a received part's frames are views of the bytes that came: written as they are
-                for piece in (framed_pieces(msg.head, PART_TENSORS, msg.frames) if isinstance(msg, Framed)
-                              else [msg.SerializeToString()]):
-                    f.write(piece)
-        except BaseException:
-            _unlink(path)
-            raise
-        self.path = path  # the part's message on disk
+        # a received part's frames are views of the bytes that came: written as they are
+        self.path = spill_file(self, message_pieces(msg, PART_TENSORS), folder, "part-")  # the message on disk
         self._names = [t.name for t in msg.tensors]  # its tensors' names, in order
         self._shapes = {n: tuple(shapes[n]) for n in self._names}
         self._part: FramedPart | None = None  # read back while the merge reads it
-        weakref.finalize(self, _unlink, path)
 
     def _read(self) -> FramedPart:
         if self._part is None:
@@ -447,11 +434,6 @@ class SpilledPart(Mapping[str, torch.Tensor]):
     def release(self) -> None:
         """Drop what was read back (the file stays until the part goes)."""
         self._part = None
-
-
-def _unlink(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)
 
 
 def merge_parts(parts: Mapping[int, tuple[int, bool, Mapping[str, torch.Tensor]]],
