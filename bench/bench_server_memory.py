@@ -9,7 +9,7 @@ models the table also fits ``peak = base + k x parameters`` per policy over all 
 (least squares), the bytes per parameter a server really needs.
 
     PYTHONPATH=. python bench/bench_server_memory.py [--models tiny,gpt-125m] [--policies exact,local-lowrank]
-        [--workers-per-stage 1,4,8]
+        [--workers-per-stage 1,4,8] [--spool-mb 1]
 
 Policies: ``exact`` (the launch's default), ``local`` (``--sync local --sync-every 2``),
 ``local-lowrank`` (the same with ``--compression lowrank``), ``local-int8-frames`` (``int8``),
@@ -38,6 +38,7 @@ POLICIES = {
                              "--merge-memory-gb", "0"],
     "local-frames": ["--sync", "local", "--sync-every", "2", "--merge-memory-gb", "0"],
     "local-int8-frames": ["--sync", "local", "--sync-every", "2", "--compression", "int8", "--merge-memory-gb", "0"],
+    "local-int8": ["--sync", "local", "--sync-every", "2", "--compression", "int8"],
     # two one-stage replicas: each server holds the whole model and merges with its peer's part
     "local-lowrank-replicas": ["--sync", "local", "--sync-every", "2", "--compression", "lowrank",
                                "--replicas", "1,1"],
@@ -75,7 +76,7 @@ def sized_model(spec: str, root: Path) -> str:
     return str(out)
 
 
-def run(model: str, policy: str, root: Path, steps: int, per_stage: int = 1) -> dict:
+def run(model: str, policy: str, root: Path, steps: int, per_stage: int = 1, spool_mb: float | None = None) -> dict:
     out = root / f"{Path(model).name}-{policy}-x{per_stage}"
     extra = POLICIES[policy]
     # per_stage workers a stage: a replica plan's stages are its replicas' (one each here)
@@ -88,7 +89,8 @@ def run(model: str, policy: str, root: Path, steps: int, per_stage: int = 1) -> 
            "--min-lease", "120", "--spot-check", "0", *POLICIES[policy]]
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", SHOAL_TORCH_THREADS="1"))
+                          env=dict(os.environ, OMP_NUM_THREADS="1", SHOAL_TORCH_THREADS="1",
+                                   **({} if spool_mb is None else {"SHOAL_SPOOL_MB": str(spool_mb)})))
     if proc.returncode != 0:
         sys.exit(f"{model} {policy}: launch failed ({proc.returncode}): {proc.stderr[-2000:]}")
     summary = json.loads((out / "summary.json").read_text())
@@ -107,6 +109,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--workers-per-stage", default="1",
                    help="workers on each stage, or several (1,4): a run each (a server holds a round's pushes)")
+    p.add_argument("--spool-mb", type=float, default=None,
+                   help="servers receive pushes of this many MB or more into files (SHOAL_SPOOL_MB; "
+                        "default: shoal.net.stream.SPOOL_BYTES): a small model's pushes as a large one's")
     p.add_argument("--keep", default=None, help="folder to keep the runs in (default: a temp folder, removed)")
     args = p.parse_args()
     root = Path(args.keep or tempfile.mkdtemp(prefix="shoal-srvmem-"))
@@ -114,7 +119,7 @@ def main() -> None:
     models = [sized_model(m, root) for m in args.models.split(",")]
     for policy in args.policies.split(","):
         for model, per_stage in [(m, int(k)) for m in models for k in args.workers_per_stage.split(",")]:
-            r = run(model, policy, root, args.steps, per_stage)
+            r = run(model, policy, root, args.steps, per_stage, args.spool_mb)
             print(f"# {r['cmd']}  ({r['wall_s']:.0f} s)", flush=True)
             prof = profile_model(read_hf_model_config(model) if Path(model).is_dir() else get_preset(model), 64, 1)
             layers = r["summary"]["layers"]

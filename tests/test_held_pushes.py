@@ -399,3 +399,72 @@ def test_a_received_push_spills_as_it_came_and_reads_back_to_the_same_bits(tmp_p
     back = spilled()
     assert back.keys() == want.keys() and all(torch.equal(back[n], want[n]) for n in want)
     assert parse_push(bytes(b"".join(bytes(p) for p in pieces))).head == got.head
+
+
+@pytest.mark.parametrize("codec", ["int8", "raw"])
+def test_a_large_push_is_received_into_a_file_and_decodes_to_the_same_bits(tmp_path, monkeypatch, codec):
+    """A push of the spool's size or more, streamed in chunks, is received into an unlinked
+    file of the spool folder (page cache, not the process's memory: no named file is left, an
+    open one is); its frames are views of that file and decode to the same tensors as the
+    push sent; ``SpilledPush.received`` holds it without writing it again. A smaller push and a
+    receive without a spool folder come in memory."""
+    import asyncio
+    import os
+
+    from shoal.net import shoal_pb2 as pb
+    from shoal.net.stream import receive, split
+    from shoal.net.wire import encode_tensor
+    from shoal.runtime.sync.held import SpilledPush
+    from shoal.runtime.sync.local import GRADS_FIELD, push_decoder, released
+
+    params = _stage(0)
+    msg = pb.GradPush(worker="w1", step=3, local_round=4, local_mbs=2)
+    for n, t in sorted(_stage(5).items()):
+        msg.grads.append(encode_tensor(n, t, codec))
+    data = msg.SerializeToString()
+    want = push_decoder(msg, params)()
+    monkeypatch.setenv("SHOAL_SPOOL_MB", str(len(data) / 2**20))
+    folder = tmp_path / "pushes"
+
+    def fds_in_folder() -> int:
+        return sum(os.readlink(f"/proc/self/fd/{fd}").startswith(str(folder)) for fd in os.listdir("/proc/self/fd")
+                   if os.path.islink(f"/proc/self/fd/{fd}"))
+
+    def mapped_kb(folder) -> int:
+        """Resident kB of this process's mappings of files in ``folder`` (/proc/self/smaps)."""
+        kb, ours = 0, False
+        for line in open("/proc/self/smaps"):
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line
+                ours = len(head) >= 6 and head[5].startswith(str(folder))
+            elif ours and head[0] == "Rss:":
+                kb += int(head[1])
+        return kb
+
+    async def got(msg_bytes, spool):
+        async def chunks():
+            for c in split("GradPush", msg_bytes, 1000):
+                yield c
+        return await receive(chunks(), pb.GradPush, 10 * len(data), frames_field=GRADS_FIELD, spool=spool)
+
+    r = asyncio.run(got(data, folder))
+    assert r.spool is not None and fds_in_folder() == 1 and not list(folder.iterdir())
+    assert all(isinstance(f.data, memoryview) for f in r.grads)
+    push = SpilledPush.received(released(push_decoder(r, params), r.spool))
+    assert push.path is None and not list(folder.iterdir())
+    held = HeldPushes(0)
+    assert held.put("w1", want, push_decoder(r, params), len(data), push)
+    assert held.spilled == held.spooled == 1
+    back = held["w1"]
+    assert back.keys() == want.keys() and all(torch.equal(back[n], want[n]) for n in want)
+    assert mapped_kb(folder) == 0  # the read let go of the pages it mapped
+    r.grads[0].data[0]  # (a read of a view maps a page again)
+    assert mapped_kb(folder) > 0
+    del r, push, back, held
+    import gc
+
+    gc.collect()
+    assert fds_in_folder() == 0  # the file (and its bytes) went with the push
+    small = pb.GradPush(worker="w2", grads=[encode_tensor("b.bias", params["b.bias"], codec)]).SerializeToString()
+    assert asyncio.run(got(small, folder)).spool is None
+    assert asyncio.run(got(data, None)).spool is None

@@ -291,21 +291,25 @@ def _digests(out):
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("codec", ["sparse", "lowrank"])
-def test_local_sparse_swarm_replicas_equal_server_and_bytes(tmp_path, codec):
+def test_local_sparse_swarm_replicas_equal_server_and_bytes(tmp_path, monkeypatch, codec):
     """``--sync local --sync-every 2 --compression sparse`` (and ``lowrank``) on S=2, W=4: every
     worker's pulled weights after a merge have the digest the server logged for that merge
     (bitwise equal), pushes and post-start pulls are frames of the codec, and the loss goes down.
     The ``lowrank`` run gives its servers no merge memory (``--merge-memory-gb 0``): every push
     waits as its frames and is decoded again where the screen and the merge read it, those of
-    the dense last round (``int8``) on disk."""
+    the dense last round (``int8``) on disk: received into files (the spool, here from 0.25 MB
+    on, in chunks of that size), not written again."""
     from shoal.runtime.processes.launch import LaunchConfig, launch
     from shoal.train.metrics import read_jsonl
 
     run = dict(model="tiny", micro_batches=4, micro_batch_size=2, seq_len=32, seed=0, lr=3e-3, warmup=2)
     out = tmp_path / "run"
+    if codec == "lowrank":
+        monkeypatch.setenv("SHOAL_SPOOL_MB", "0.25")
     summary = launch(LaunchConfig(out=str(out), **run, steps=8, stages=2, workers=4, dead_after_s=3.0,
                                   min_lease_s=1.5, timeout_s=280, ckpt_every=0, sync="local", sync_every=2,
-                                  compression=codec, merge_memory_gb=0.0 if codec == "lowrank" else None))
+                                  compression=codec, merge_memory_gb=0.0 if codec == "lowrank" else None,
+                                  chunk_mb=0.25 if codec == "lowrank" else None))
     recs = read_jsonl(out / "metrics.jsonl")
     assert len(recs) == 8 and recs[-1]["loss"] < recs[0]["loss"]
     merge_logs = [json.loads(m) for p in (out / "logs").glob("server*.log")
@@ -323,6 +327,7 @@ def test_local_sparse_swarm_replicas_equal_server_and_bytes(tmp_path, codec):
         assert all(f >= max(1, len(m["contributors"])) for f, m in zip(framed, merge_logs, strict=True)), merge_logs
         # the last round's dense (int8) pushes on disk, the rounds' lowrank frames in memory
         assert all((m.get("spilled", 0) == m["framed"]) == (m["version"] == 8) for m in merge_logs), merge_logs
+        assert all(m.get("spooled", 0) == m.get("spilled", 0) for m in merge_logs), merge_logs
     else:
         assert not any(framed) and not any(m.get("spilled") for m in merge_logs), merge_logs
     merges, pulled = _digests(out)

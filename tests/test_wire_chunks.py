@@ -76,6 +76,39 @@ def test_a_large_message_is_assembled_in_an_uninitialised_buffer_and_framed_from
     assert torch.equal(decode_tensor(got.params[0]), g) and got.version == 3
 
 
+def test_a_spooled_message_goes_on_in_memory_when_its_disk_fills(tmp_path, monkeypatch):
+    """A message received into a file whose disk fills mid-way (a real 1 MB tmpfs, filled by
+    another file after the spool opened) goes on in memory with what the file held: the same
+    message, and the spool folder holds nothing of it."""
+    import subprocess
+
+    from shoal.net.wire import split_framed
+    from shoal.runtime.sync.local import GRADS_FIELD
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        msg = pb.GradPush(worker="w", grads=[encode_tensor("g", torch.randn(100_000))])  # 400 kB
+        data = msg.SerializeToString()
+        monkeypatch.setenv("SHOAL_SPOOL_MB", "0.1")
+        asm = Assembler("GradPush", 10 * len(data), spool=disk)
+        chunks = list(split("GradPush", data, 64 * 1024))
+        asm.add(chunks[0])
+        assert asm.file is not None
+        (disk / "filler").write_bytes(b"\0" * (1024 * 1024 - 128 * 1024))  # the disk is full after one more chunk
+        for c in chunks[1:]:
+            asm.add(c)
+        assert asm.file is None
+        got = asm.finish(pb.GradPush, frames_field=GRADS_FIELD)
+        assert got.spool is None and bytes(got.grads[0].data) == msg.grads[0].data
+        assert split_framed(data, pb.GradPush, GRADS_FIELD).head == got.head
+        assert sorted(p.name for p in disk.iterdir()) == ["filler"]
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
 def test_assembler_refuses_what_does_not_fit():
     msg = _msg()
     chunks = list(chunks_of(msg, 1000))

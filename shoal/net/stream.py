@@ -21,8 +21,15 @@ pulls cost one chunk each, not a copy of the weights each.
 from __future__ import annotations
 
 import asyncio
+import logging
+import mmap
+import os
+import shutil
+import tempfile
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 
@@ -33,6 +40,8 @@ from shoal.net.wire import JOIN_RELEASE_BYTES, WireError, empty_bytes, field_spa
 DEFAULT_CHUNK_BYTES = 1024 * 1024  # 1 MB: on loopback a 5 MB transfer in 1 MB chunks takes a third of the time 4 MB chunks do
 MIN_CHUNK_BYTES = 4 * 1024  # smaller chunks only add per-message overhead
 CONTROL_SLACK = 64 * 1024  # bytes of a message besides its tensor payloads (ids, names, shapes)
+
+log = logging.getLogger(__name__)
 
 
 def chunk_bytes_from_mb(mb: float | None, default: int = DEFAULT_CHUNK_BYTES) -> int:
@@ -74,12 +83,14 @@ def chunks_of(msg, chunk_bytes: int) -> Iterator[pb.Chunk]:
 class Assembler:
     """Puts the chunks of one message together, checking each against what is expected."""
 
-    def __init__(self, kind: str, max_bytes: int):
+    def __init__(self, kind: str, max_bytes: int, spool: str | Path | None = None):
         self.kind, self.max_bytes = kind, int(max_bytes)
+        self.spool = spool  # a folder a message of spool_bytes() or more is received into (None: memory)
         self.total = -1
         self.got = 0
         self.buf: bytearray | bytes | memoryview | None = None
         self.arr: np.ndarray | None = None  # a large message's buffer (``buf`` is a view of it)
+        self.file: Spool | None = None  # the file a spooled message is written to
 
     def add(self, chunk: pb.Chunk) -> None:
         """Take the next chunk; raises :class:`WireError` if it does not fit the message."""
@@ -95,9 +106,11 @@ class Assembler:
                 # The whole message in one chunk (most are): parsed from the chunk's own bytes.
                 self.buf, self.got = data, chunk.total
                 return
-            if self.total < JOIN_RELEASE_BYTES:
+            if self.spool is not None and self.total >= spool_bytes():
+                self.file = Spool.create(self.spool, self.total)
+            elif self.total < JOIN_RELEASE_BYTES:
                 self.buf = bytearray(self.total)
-            else:
+            if self.buf is None and self.file is None:
                 # Not ``bytearray(n)``: zeroing a 350 MB pull in one call held the event loop
                 # (and the heartbeats) for up to a second on a loaded 2-core box.
                 self.arr = empty_bytes(self.total)
@@ -111,7 +124,13 @@ class Assembler:
         if self.got + n > self.total:
             raise WireError(f"{self.kind}: chunks run past the announced {self.total} bytes")
         if n:
-            if self.arr is not None:
+            if self.file is not None:
+                try:
+                    self.file.write(data)
+                except OSError as exc:
+                    self._unspool(exc)
+                    self.arr[self.got:self.got + n] = np.frombuffer(data, dtype=np.uint8)
+            elif self.arr is not None:
                 self.arr[self.got:self.got + n] = np.frombuffer(data, dtype=np.uint8)
             else:
                 self.buf[self.got:self.got + n] = data
@@ -127,9 +146,15 @@ class Assembler:
             raise WireError(f"{self.kind}: the stream ended before its first chunk")
         if self.got != self.total:
             raise WireError(f"{self.kind}: transfer cut after {self.got} of {self.total} bytes")
+        if self.file is not None:
+            if frames_field is None:
+                raise ValueError("a spooled message is read with its frames kept out (frames_field)")
+            self.buf = self.file.mapped()
         try:
             if frames_field is not None:
                 msg = split_framed(self.buf, msg_cls, frames_field)
+                if self.file is not None:
+                    msg.spool = self.file  # (its frames are views of the file's mapping)
             elif self.total > PIECE_BYTES:
                 msg = parse_in_pieces(self.buf, msg_cls)
             else:
@@ -138,8 +163,81 @@ class Assembler:
                 spans.extend(field_spans(memoryview(self.buf)))
         except Exception as exc:  # protobuf's DecodeError; never anything but parsing
             raise WireError(f"{self.kind}: the assembled bytes do not parse: {exc}") from None
-        self.buf = self.arr = None  # (a Framed message keeps its frames' bytes alive itself)
+        self.buf = self.arr = self.file = None  # (a Framed message keeps its frames' bytes alive itself)
         return msg
+
+    def _unspool(self, exc: OSError) -> None:
+        """Go on in memory with what the spool file holds (a full or failing disk)."""
+        log.warning("%s of %d bytes received in memory: cannot write it to %s: %s", self.kind, self.total,
+                    self.spool, exc)
+        self.arr = empty_bytes(self.total)
+        self.buf = memoryview(self.arr)
+        self.arr[:self.got] = np.frombuffer(self.file.read(self.got), dtype=np.uint8)
+        self.file = None
+
+
+SPOOL_BYTES = 64 << 20  # a message at least this large is received into its spool folder, where given
+
+
+def spool_bytes() -> int:
+    """:data:`SPOOL_BYTES`, or ``SHOAL_SPOOL_MB`` MB where the environment sets it (tests spool
+    a small model's pushes with it)."""
+    mb = os.environ.get("SHOAL_SPOOL_MB")
+    return SPOOL_BYTES if not mb else int(float(mb) * 2**20)
+
+
+class Spool:
+    """A received message's bytes in a file of their own, written in order as the chunks come,
+    so that they take the host's page cache (which the kernel writes back and reclaims under
+    pressure) rather than the process's memory. The file is unlinked as soon as it is open:
+    nothing is left behind by a crash, and the bytes go when the last view of them does."""
+
+    def __init__(self, f, total: int):
+        self.f = f  # the open, already unlinked file
+        self.total = total  # bytes it will hold
+        self.nbytes = 0  # bytes written so far
+        self.map: mmap.mmap | None = None  # the file mapped, once the message is whole
+
+    @classmethod
+    def create(cls, folder: str | Path, total: int) -> Spool | None:
+        """A new spool of ``total`` bytes in ``folder``; None where the folder cannot take it
+        (not writable, or less than twice ``total`` free): the message is received in memory."""
+        try:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            if shutil.disk_usage(folder).free < 2 * total:
+                return None
+            f = tempfile.TemporaryFile(dir=folder, prefix="recv-")  # noqa: SIM115 (lives as long as the spool)
+        except OSError as exc:
+            log.warning("receiving a message of %d bytes in memory: cannot write to %s: %s", total, folder, exc)
+            return None
+        return cls(f, total)
+
+    def write(self, data) -> None:
+        """Append ``data`` (the next chunk's bytes)."""
+        self.f.write(data)
+        self.nbytes += len(data)
+
+    def read(self, n: int) -> bytes:
+        """The first ``n`` bytes written."""
+        self.f.flush()
+        return os.pread(self.f.fileno(), n, 0)
+
+    def mapped(self) -> memoryview:
+        """A read-only view of the whole file (page cache, not the process's memory); the file
+        is closed (the mapping keeps its bytes for as long as a view of them lives)."""
+        self.f.flush()
+        try:
+            if self.nbytes:
+                self.map = mmap.mmap(self.f.fileno(), 0, access=mmap.ACCESS_READ)
+            return memoryview(self.map if self.nbytes else b"")
+        finally:
+            self.f.close()
+
+    def release(self) -> None:
+        """Unmap the pages read so far: they stay in the page cache (read again from there, or
+        the disk, where next read), and leave this process's resident memory."""
+        if self.map is not None:
+            self.map.madvise(mmap.MADV_DONTNEED)
 
 
 PIECE_BYTES = 4 << 20  # a large message is parsed in pieces of about this size (one field at least)
@@ -181,19 +279,27 @@ YIELD_EVERY_S = 0.05  # a receive lets the event loop turn at least this often
 
 
 async def receive(chunks: AsyncIterator[pb.Chunk], msg_cls, max_bytes: int, on_chunk=None,
-                  spans: list | None = None, progress: dict | None = None, frames_field: int | None = None):
+                  spans: list | None = None, progress: dict | None = None, frames_field: int | None = None,
+                  spool: str | Path | None = None):
     """Assemble a message from an async stream of chunks (a gRPC request or reply stream).
 
     A broken call raises its gRPC error while iterating; a stream that ends short raises
     :class:`WireError`. Either way the caller gets no message and applies nothing.
     ``on_chunk(chunk)`` runs for every chunk (e.g. to keep its sender counted as alive);
     ``spans`` and ``frames_field``: see :meth:`Assembler.finish`; ``progress``: a dict whose
-    ``got``, ``total`` and ``last`` (monotonic time) are set after every chunk.
+    ``got``, ``total`` and ``last`` (monotonic time) are set after every chunk; ``spool``: a
+    folder a message of :func:`spool_bytes` or more is received into (:class:`Spool`; with
+    ``frames_field`` only), its frames views of the file.
     """
-    asm = Assembler(msg_cls.__name__, max_bytes)
+    asm = Assembler(msg_cls.__name__, max_bytes, spool)
     turned = time.monotonic()
+    loop = asyncio.get_running_loop()
     async for c in chunks:
-        asm.add(c)
+        if asm.file is not None:
+            # (a write to the page cache may wait for the disk when much is dirty: not on the loop)
+            await loop.run_in_executor(spool_pool(), asm.add, c)
+        else:
+            asm.add(c)
         now = time.monotonic()
         if progress is not None:
             progress.update(got=asm.got, total=asm.total, last=now)
@@ -207,6 +313,18 @@ async def receive(chunks: AsyncIterator[pb.Chunk], msg_cls, max_bytes: int, on_c
     if asm.total > PARSE_OFF_LOOP_BYTES:
         return await asyncio.get_running_loop().run_in_executor(None, asm.finish, msg_cls, spans, frames_field)
     return asm.finish(msg_cls, spans, frames_field)
+
+
+_SPOOL_POOL: ThreadPoolExecutor | None = None
+
+
+def spool_pool() -> ThreadPoolExecutor:
+    """The threads that write spooled chunks (apart from the loop's executor, where decodes
+    may keep every thread busy for seconds)."""
+    global _SPOOL_POOL
+    if _SPOOL_POOL is None:
+        _SPOOL_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="shoal-spool")
+    return _SPOOL_POOL
 
 
 def tensor_bytes(numel: int, itemsize: int = 4) -> int:

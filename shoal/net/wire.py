@@ -260,6 +260,7 @@ class Framed:
     head: object  # the message without its frames
     field: str  # the name of the frames' field
     frames: list  # the frames, in order
+    spool: object = None  # the file the frames' bytes are a mapping of (shoal.net.stream.Spool), if any
 
     def __getattr__(self, name: str):
         if name == self.field:
@@ -281,9 +282,10 @@ def message_nbytes(msg) -> int:
 
 def split_framed(buf, msg_cls, field_number: int) -> Framed:
     """``msg_cls`` parsed from ``buf`` with its repeated Tensor field ``field_number`` kept out
-    of protobuf: each raw frame's payload stays a view of ``buf``, so a 400 MB weight pull is
+    of protobuf: each frame's payload stays a view of ``buf``, so a 400 MB weight pull is
     not copied into the message and out again (upb copies a bytes field both ways, and holds
-    the interpreter lock while it does). Codec payloads (small) are copied out as bytes.
+    the interpreter lock while it does), nor a stage's ``int8`` push out of the file it was
+    received into (:class:`shoal.net.stream.Spool`).
     A malformed message raises ValueError or protobuf's DecodeError."""
     view = memoryview(buf)
     head, frames = [], []
@@ -299,9 +301,7 @@ def split_framed(buf, msg_cls, field_number: int) -> Framed:
             else:
                 small.append(sub[k:e])
         t = pb.Tensor.FromString(b"".join(small))
-        codec = t.codec or "raw"
-        frames.append(Frame(name=t.name, dtype=t.dtype, shape=list(t.shape),
-                            data=data if codec == "raw" else bytes(data), codec=t.codec, meta=t.meta))
+        frames.append(Frame(name=t.name, dtype=t.dtype, shape=list(t.shape), data=data, codec=t.codec, meta=t.meta))
     return Framed(msg_cls.FromString(b"".join(head)), msg_cls.DESCRIPTOR.fields_by_number[field_number].name,
                   frames)
 

@@ -1471,8 +1471,10 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         try:
             # Its frames stay views of the received bytes until decoded (split_framed): two
             # fewer copies of a stage's gradients, and no long protobuf call holding the loop.
+            # A local round's large pseudo-gradient is received into a file (page cache, not
+            # this process's memory): a dense round's pushes all arrive at once.
             msg = await receive(request_iterator, pb.GradPush, self.max_bytes("grads"), self._alive,
-                                frames_field=GRAD_FRAMES)
+                                frames_field=GRAD_FRAMES, spool=self._pushes_folder() if self.local else None)
         except WireError as exc:
             log.warning("%s refused a streamed gradient push: %s", self.name, exc)
             return pb.PushReply(accepted=False, reason=f"rejected: {exc}")

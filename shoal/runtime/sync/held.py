@@ -82,10 +82,20 @@ class SpilledPush:
     def __init__(self, data: bytes | memoryview | list, decode: Callable[[bytes], dict[str, torch.Tensor]],
                  folder: str | Path):
         self.path = spill_file(self, data if isinstance(data, list) else [data], folder, "push-")  # the message
-        self._decode = decode  # bytes -> tensors
+        path = self.path
+        self._read = lambda: decode(Path(path).read_bytes())  # () -> tensors
+
+    @classmethod
+    def received(cls, decode: Callable[[], dict[str, torch.Tensor]]) -> SpilledPush:
+        """A push already on disk: received into a file (:class:`shoal.net.stream.Spool`),
+        ``decode`` reading its frames there."""
+        out = cls.__new__(cls)
+        out.path = None
+        out._read = decode
+        return out
 
     def __call__(self) -> dict[str, torch.Tensor]:
-        return self._decode(Path(self.path).read_bytes())
+        return self._read()
 
 
 def spill_file(owner: object, pieces, folder: str | Path, prefix: str) -> str:
@@ -177,6 +187,11 @@ class HeldPushes(Mapping[str, Mapping[str, torch.Tensor]]):
     def spilled(self) -> int:
         """How many of them are on disk (:class:`SpilledPush`)."""
         return sum(isinstance(f, SpilledPush) for f in self._frames.values())
+
+    @property
+    def spooled(self) -> int:
+        """How many of those were received into a file (:meth:`SpilledPush.received`)."""
+        return sum(isinstance(f, SpilledPush) and f.path is None for f in self._frames.values())
 
     def __getitem__(self, wid: str) -> Mapping[str, torch.Tensor]:
         if wid in self._dense:

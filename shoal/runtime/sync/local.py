@@ -155,7 +155,19 @@ def push_decoder(r, params: dict[str, torch.Tensor]) -> Callable[[], dict[str, t
     return lambda: decode_grads(r, params, True)
 
 
+def released(decode: Callable[[], dict[str, torch.Tensor]], spool) -> Callable[[], dict[str, torch.Tensor]]:
+    """``decode`` of a push received into ``spool`` (:class:`shoal.net.stream.Spool`), letting
+    go of the file's pages it read once it is done (they stay in the page cache)."""
+    def read() -> dict[str, torch.Tensor]:
+        try:
+            return decode()
+        finally:
+            spool.release()
+    return read
+
+
 GRADS_FIELD = pb.GradPush.DESCRIPTOR.fields_by_name["grads"].number
+DECODE_SLOTS = 2  # pseudo-gradients a server decodes at once on arrival (each a float32 copy of its stage)
 
 
 def parse_push(data) -> Framed:
@@ -247,6 +259,15 @@ class LocalServerMixin:
         """An empty round of held pseudo-gradients, within this server's ``merge_memory``."""
         budget = getattr(self, "merge_memory", None)
         return HeldPushes(default_merge_memory() if budget is None else budget)
+
+    def _decode_slots(self) -> asyncio.Semaphore:
+        """Pseudo-gradients decoded at once as they arrive (:data:`DECODE_SLOTS`): each is the
+        whole stage in float32 until it is held or dropped, and a round's pushes may all arrive
+        together."""
+        slots = getattr(self, "_decode_sem", None)
+        if slots is None:
+            slots = self._decode_sem = asyncio.Semaphore(DECODE_SLOTS)
+        return slots
 
     def _pushes_folder(self) -> Path:
         """Where this server writes pseudo-gradients beyond its merge memory (its checkpoints'
@@ -356,6 +377,9 @@ class LocalServerMixin:
 
         params = dict(self.params)
         decode = push_decoder(r, params)
+        spool = getattr(r, "spool", None)  # the file it was received into, if any
+        if spool is not None:
+            decode = released(decode, spool)
         wire = message_nbytes(r)
         # Large frames the merge memory does not hold go to disk (shoal.runtime.sync.held).
         spill = not r.local_weights and self.local_got.should_spill(4 * sum(p.numel() for p in params.values()), wire)
@@ -365,6 +389,8 @@ class LocalServerMixin:
             deltas = decode()
             if not spill:
                 return deltas, None
+            if spool is not None:  # on disk already
+                return deltas, SpilledPush.received(decode, spool)
             try:
                 return deltas, SpilledPush(message_pieces(r, GRADS_FIELD), lambda data: push_decoder(parse_push(data), params)(),
                                            folder)
@@ -374,7 +400,8 @@ class LocalServerMixin:
                 return deltas, None
 
         try:
-            deltas, spilled = await asyncio.get_running_loop().run_in_executor(None, check)
+            async with self._decode_slots():
+                deltas, spilled = await asyncio.get_running_loop().run_in_executor(None, check)
         except WireError as exc:
             log.warning("%s rejected a pseudo-gradient of %s: %s", self.name, r.worker, exc)
             self._void_worker(r.worker, f"bad pseudo-gradient: {exc}")
@@ -487,6 +514,7 @@ class LocalServerMixin:
             return None
         framed = self.local_got.framed  # pushes held as frames (over the merge memory)
         spilled = self.local_got.spilled  # of which on disk (large frames)
+        spooled = self.local_got.spooled  # of which received into a file (not written again)
         # the screen and the merge (cost.merge_cpu_time prices them; a replica plan waits for its peers too)
         merge_t0 = time.perf_counter()
         self.local_presum_taken = False
@@ -518,6 +546,7 @@ class LocalServerMixin:
             "shares": {w: round(x, 9) for w, x in shares.items()}, "digest": digest, "screen": screened,
             "screen_sum": self.local_presum_taken,
             **({"framed": framed} if framed else {}), **({"spilled": spilled} if spilled else {}),
+            **({"spooled": spooled} if spooled else {}),
             "merge_s": round(time.perf_counter() - merge_t0, 4),
             **({"overlap": True} if self.local_overlap else {}),
             **({"replicas": replicas} if replicas is not None else {})}, sort_keys=True))
