@@ -390,7 +390,7 @@ class LocalServerMixin:
             if not spill:
                 return deltas, None
             if spool is not None:  # on disk already
-                return deltas, SpilledPush.received(decode, spool)
+                return deltas, SpilledPush.received(decode)
             try:
                 return deltas, SpilledPush(message_pieces(r, GRADS_FIELD), lambda data: push_decoder(parse_push(data), params)(),
                                            folder)
