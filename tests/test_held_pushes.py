@@ -36,7 +36,7 @@ def _round(budget: float, codec: str = "lowrank", n: int = 4):
     """``n`` contributors' pushes as a server holds them: each encoded with ``codec`` into one
     real stage frame, then decoded from it (the dense copy) with the frame's decoder beside."""
     shapes = _stage(0)
-    held, dense, calls = HeldPushes(budget), {}, {}
+    held, dense, calls = HeldPushes(budget, available=lambda: 1e18, ram=0), {}, {}  # (the budget alone decides)
     for i in range(n):
         frame = stage_frame(_stage(10 + i), codec)
 

@@ -173,10 +173,11 @@ class Assembler:
         self.arr = empty_bytes(self.total)
         self.buf = memoryview(self.arr)
         self.arr[:self.got] = np.frombuffer(self.file.read(self.got), dtype=np.uint8)
+        self.file.f.close()
         self.file = None
 
 
-SPOOL_BYTES = 64 << 20  # a message at least this large is received into its spool folder, where given
+SPOOL_BYTES = 16 << 20  # a message at least this large is received into its spool folder, where given
 
 
 def spool_bytes() -> int:
@@ -206,7 +207,8 @@ class Spool:
             Path(folder).mkdir(parents=True, exist_ok=True)
             if shutil.disk_usage(folder).free < 2 * total:
                 return None
-            f = tempfile.TemporaryFile(dir=folder, prefix="recv-")  # noqa: SIM115 (lives as long as the spool)
+            # (unbuffered: what a failed write leaves is exactly the chunks written before it)
+            f = tempfile.TemporaryFile(dir=folder, prefix="recv-", buffering=0)  # noqa: SIM115 (lives as long as the spool)
         except OSError as exc:
             log.warning("receiving a message of %d bytes in memory: cannot write to %s: %s", total, folder, exc)
             return None
@@ -214,18 +216,18 @@ class Spool:
 
     def write(self, data) -> None:
         """Append ``data`` (the next chunk's bytes)."""
-        self.f.write(data)
+        view = memoryview(data)
+        while view:
+            view = view[self.f.write(view):]
         self.nbytes += len(data)
 
     def read(self, n: int) -> bytes:
         """The first ``n`` bytes written."""
-        self.f.flush()
         return os.pread(self.f.fileno(), n, 0)
 
     def mapped(self) -> memoryview:
         """A read-only view of the whole file (page cache, not the process's memory); the file
         is closed (the mapping keeps its bytes for as long as a view of them lives)."""
-        self.f.flush()
         try:
             if self.nbytes:
                 self.map = mmap.mmap(self.f.fileno(), 0, access=mmap.ACCESS_READ)
