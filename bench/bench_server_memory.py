@@ -127,7 +127,7 @@ def main() -> None:
             for s, (a, b) in enumerate(layers):
                 name = r["summary"]["stage_servers"][s]  # (server names need not follow stage order)
                 rows.append((policy if per_stage == 1 else f"{policy} x{per_stage}", Path(model).name, name, (a, b), prof.params(a, b), peaks.get(name, 0),
-                             prof.server_memory(a, b)))
+                             prof.server_memory(a, b, local=policy.startswith("local"))))
     print("| policy | model | server | layers | parameters | peak RSS MB | planned MB | planned / peak |")
     print("|---|---|---|---|---|---|---|---|")
     for policy, model, name, (a, b), n, peak, planned in rows:

@@ -149,7 +149,7 @@ def test_a_speed_class_without_host_memory_joins_the_replica_beside_it():
     d = {"name": "two-speeds", "devices": fast + slow + [host],
          "workload": {"model": "tiny", "seq_len": 64, "global_batch": 64, "micro_batch_size": 2, "dtype": "fp32"},
          "network": {"intra": {"a": {"latency_ms": 5, "bandwidth_gbps": 1}}}}
-    whole = scenario_profile(scenario_from_dict(d), 2).server_memory(0, 6)
+    whole = scenario_profile(scenario_from_dict(d), 2).server_memory(0, 6, local=True)
     pol = SyncPolicy(mode="local", sync_every=8, push_codec="int8", pull_codec="int8")
     host["host_memory_gb"] = 1.5 * whole / 1e9  # one replica's servers
     plan = make_plan(scenario_from_dict(d), sync=pol, replicas=True)
@@ -271,18 +271,19 @@ def test_planner_keeps_each_replica_inside_its_cluster():
 
 
 def test_replicas_place_no_more_stage_servers_on_a_host_than_its_memory_holds():
-    """gaming-world's four 128 GB hosts hold one whole-model gpt-1.3b stage server each (a
-    server needs SERVER_BYTES_PER_PARAM a parameter, measured): the replica plan keeps within
-    them, where hosts with room for more take more replicas."""
+    """gaming-world's four 128 GB hosts hold two whole-model gpt-1.3b stage servers each (a
+    local-mode server needs LOCAL_SERVER_BYTES_PER_PARAM a parameter, measured), not three: the
+    replica plan keeps within them, where hosts with room for more take more replicas."""
     pol = SyncPolicy(mode="local", sync_every=32, act_codec="int8", grad_codec="int8", push_codec="lowrank",
                      pull_codec="lowrank")
     tight = load_scenario("gaming-world")
     plan = make_plan(tight, sync=pol, replicas=True)
     prof = scenario_profile(tight, plan.micro_batch_size)
-    need = servers_memory(plan.all_stages, prof)
+    need = servers_memory(plan.all_stages, prof, plan.sync)
     hosts = {d.id: d.host_memory for d in tight.devices if d.can_host_server}
     assert all(n <= hosts[h] for h, n in need.items()), (need, hosts)
-    assert prof.server_memory(0, len(prof.layers)) * 2 > max(hosts.values())  # two whole-model servers never share one
+    whole = prof.server_memory(0, len(prof.layers), local=True)
+    assert 2 * whole <= max(hosts.values()) < 3 * whole  # two whole-model servers share one, three never
     roomy = make_plan(_roomy_hosts(tight), sync=pol, replicas=True)
     assert len(roomy.replicas) > len(plan.replicas)
 

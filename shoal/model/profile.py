@@ -35,14 +35,18 @@ ADAMW_STATE_BYTES_PER_PARAM = 8  # two fp32 moments per parameter
 # weights for pulls, the step's pushes held until the commit, the end check's copy of the
 # weights and, in local mode, the outer momentum, the screen's reference gradient, the merged
 # update and its pull codec's reconstruction. Measured on gpt-125m stages (2 workers, M = 2):
-# 56 bytes a parameter in exact sync (57 the most of one server), 26 in local mode and 33.5
-# with lowrank pulls, over a process of 0.35-0.5 GB;
-# the figure leaves a margin over the largest (the peaks move between runs with when pushes,
-# pulls and checkpoints meet). A replica plan's server: 33 bytes a parameter with no merge
-# memory, 43 with the default (two replicas of a 60-116 M parameter model, 2026-12-05 18:05).
-# The figure keeps room for what is not bounded: in the dense last round every worker's int8
-# push (a quarter of the stage) may be received at once.
+# 56 bytes a parameter in exact sync (57 the most of one server); the figure leaves a margin
+# over the largest (the peaks move between runs with when pushes, pulls and checkpoints meet).
 SERVER_BYTES_PER_PARAM = 64
+# In local mode a server holds no AdamW state and no step's pushes: 26-33.5 bytes a parameter on
+# gpt-125m stages, 33 for a replica plan's server with no merge memory (two replicas of a 60-116 M
+# parameter model) and 36-37 at most of one. What grows with its workers is bounded: a push of
+# 16 MB or more is received into a file (shoal.net.stream.Spool: page cache, not the process),
+# two are decoded at once on arrival (shoal.runtime.sync.local.DECODE_SLOTS, 4 bytes a parameter
+# each), pushes beyond the merge memory wait as frames or on disk, replica parts come one at a
+# time, and the merge memory itself is what the host has free beyond a fifth of its RAM
+# (shoal.runtime.sync.held). 44 keeps one more decode and a margin of 3 over the largest peak.
+LOCAL_SERVER_BYTES_PER_PARAM = 44
 SERVER_PROCESS_BYTES = 512 * 2**20  # the interpreter, torch, gRPC and their threads
 
 
@@ -137,10 +141,12 @@ class ModelProfile:
         """Bytes a worker needs: weights, their gradients, saved activations of one micro-batch."""
         return self._sum("worker", first, last)
 
-    def server_memory(self, first: int, last: int) -> int:
+    def server_memory(self, first: int, last: int, local: bool = False) -> int:
         """Bytes a stage server process of layers ``[first, last)`` needs at its peak
-        (:data:`SERVER_BYTES_PER_PARAM` a parameter, measured, and the process itself)."""
-        return SERVER_PROCESS_BYTES + self.params(first, last) * SERVER_BYTES_PER_PARAM
+        (:data:`SERVER_BYTES_PER_PARAM` a parameter in exact sync,
+        :data:`LOCAL_SERVER_BYTES_PER_PARAM` in local mode, measured, and the process itself)."""
+        per = LOCAL_SERVER_BYTES_PER_PARAM if local else SERVER_BYTES_PER_PARAM
+        return SERVER_PROCESS_BYTES + self.params(first, last) * per
 
 
 def profile_model(

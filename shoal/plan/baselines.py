@@ -30,7 +30,7 @@ import numpy as np
 from shoal.errors import ShoalError
 from shoal.model.profile import ModelProfile
 from shoal.plan.common import build_plan, even_layer_split, place_servers, step_of
-from shoal.plan.cost import CostOptions, scenario_profile
+from shoal.plan.cost import CostOptions, scenario_profile, stage_server_memory
 from shoal.plan.types import Device, Plan, Scenario, StagePlan, SyncPolicy
 
 
@@ -359,7 +359,7 @@ def plan_dtfm(scenario: Scenario, seed: int = 0, stages: int | None = None, sync
     layers = even_layer_split(n_layers, s)
     groups = [[devs[i] for i in best[k]] for k in order]
     servers = place_servers(scenario, groups, [prof.param_bytes(*r) for r in layers],
-                            [prof.server_memory(*r) for r in layers])
+                            [stage_server_memory(prof, *r, sync) for r in layers])
     plan = _finish(scenario, "dtfm", layers, groups, servers, sync, prof)
     if plan is None:
         raise ShoalError(f"dtfm: equal stages of {n_layers}/{s} layers do not fit the devices of {scenario.name}")
@@ -428,7 +428,7 @@ def plan_exhaustive(scenario: Scenario, seed: int = 0, stages: int | None = None
                                       [StagePlan(r, h, list(g)) for r, h, g in zip(layers, hs, groups, strict=True)], sync)
                     host_need: dict[str, float] = {}
                     for r, h in zip(layers, hs, strict=True):
-                        host_need[h] = host_need.get(h, 0.0) + prof.server_memory(*r)
+                        host_need[h] = host_need.get(h, 0.0) + stage_server_memory(prof, *r, sync)
                     if any(scenario.device(h).host_memory < v for h, v in host_need.items()):
                         continue
                     t = step_of(plan, scenario, options)

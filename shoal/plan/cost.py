@@ -1279,18 +1279,24 @@ def _fastest(times: list[float], m: int) -> list[int]:
     return order[:m] if len(order) > m else order
 
 
-def servers_memory(stages, prof: ModelProfile) -> dict[str, float]:
-    """Bytes of host memory each server host gives the stage servers of ``stages`` (pure)."""
+def stage_server_memory(prof: ModelProfile, first: int, last: int, sync: SyncPolicy | None = None) -> float:
+    """Bytes of host memory a stage server of ``[first, last)`` needs under ``sync`` (None: exact)."""
+    return prof.server_memory(first, last, local=sync is not None and sync.local)
+
+
+def servers_memory(stages, prof: ModelProfile, sync: SyncPolicy | None = None) -> dict[str, float]:
+    """Bytes of host memory each server host gives the stage servers of ``stages`` under
+    ``sync`` (None: exact) (pure)."""
     need: dict[str, float] = {}
     for st in stages:
-        need[st.server] = need.get(st.server, 0.0) + prof.server_memory(*st.layers)
+        need[st.server] = need.get(st.server, 0.0) + stage_server_memory(prof, *st.layers, sync)
     return need
 
 
 def server_memory_headroom(plan: Plan, scenario: Scenario) -> float:
     """Min over server hosts of (host memory - servers' memory) / host memory."""
     prof = scenario_profile(scenario, plan.micro_batch_size)
-    need = servers_memory(plan.all_stages, prof)
+    need = servers_memory(plan.all_stages, prof, plan.sync)
     headroom = math.inf
     dev = {d.id: d for d in scenario.devices if d.id in need}
     for h, n in need.items():

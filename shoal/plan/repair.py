@@ -45,9 +45,9 @@ def _best_host(plan: Plan, i: int, scenario: Scenario) -> str | None:
     for j, st in enumerate(plan.stages):
         if j != i and st.server in dev:
             load[st.server] = load.get(st.server, 0) + len(st.workers)
-            mem[st.server] = mem.get(st.server, 0.0) + prof.server_memory(*st.layers)
+            mem[st.server] = mem.get(st.server, 0.0) + prof.server_memory(*st.layers, plan.sync.local)
     st = plan.stages[i]
-    need = prof.server_memory(*st.layers)
+    need = prof.server_memory(*st.layers, plan.sync.local)
     workers = [dev[w] for w in st.workers]
     pbytes = prof.param_bytes(*st.layers)
     best, best_c = None, math.inf

@@ -433,7 +433,7 @@ def plan_replicas(scenario: Scenario, seed: int = 0, sync: SyncPolicy | None = N
     # stay idle; cut to what the hosts hold (fitted_classes), their devices work in the
     # slowest replica kept, but may slow it more than they add. Both are planned where they
     # differ; the faster plan stays.
-    whole = prof.server_memory(0, n)
+    whole = prof.server_memory(0, n, sync.local)
     hosts = {d.id: d for d in scenario.server_hosts}
     split = [(c, k, speed_classes(devs) if k == 1 else [devs]) for c, k, devs in groups]
     apart = [(c, k, sub) for c, k, subs in split for sub in subs]
@@ -489,7 +489,7 @@ def _plan_groups(scenario: Scenario, groups: list[tuple[Cluster, int, list[Devic
                                max_evals=max_evals)
             except ShoalError:
                 continue
-            need = servers_memory(p.stages, prof)
+            need = servers_memory(p.stages, prof, p.sync)
             if any(left.get(h, 0.0) < n for h, n in need.items()):
                 continue
             for h, n in need.items():

@@ -110,7 +110,7 @@ class SwarmReport:
 
 def server_room(plan: Plan, scenario: Scenario, prof) -> float:
     """The most host memory any server host has left beside the plan's stage servers (pure)."""
-    need = servers_memory(plan.all_stages, prof)
+    need = servers_memory(plan.all_stages, prof, plan.sync)
     return max((h.host_memory - need.get(h.id, 0.0) for h in scenario.devices if h.can_host_server), default=0.0)
 
 
@@ -143,7 +143,7 @@ def idle_reason(d: Device, plan: Plan, scenario: Scenario, step_s: float,
 
             k = stages_needed(prof, d, plan.sync)
             room = server_room(plan, scenario, prof)
-            whole = prof.server_memory(0, len(prof.layers))
+            whole = prof.server_memory(0, len(prof.layers), plan.sync.local)
             if k and room < whole:  # a replica of its size needs servers no host has the memory for
                 return IDLE_MEMORY, (f"has {d.memory / 1e9:.1f} GB, enough for a {k}-stage replica, but the "
                                      f"stage servers of another replica need {whole / 1e9:.0f} GB of host memory "

@@ -320,7 +320,7 @@ def validate_scenario(s: Scenario) -> None:
             f"scenario {s.name}: model {w.model} needs {need / GB:.1f} GB of worker memory (largest layer {biggest_layer / GB:.2f} GB) "
             f"but the devices have {have / GB:.1f} GB in total; use a smaller model or micro-batch"
         )
-    server_need = prof.server_memory(0, n_layers)
+    server_need = prof.server_memory(0, n_layers, local=True)  # (the least a policy needs: local mode's)
     server_have = sum(d.host_memory for d in s.server_hosts)
     if server_have < server_need:
         raise ShoalError(

@@ -52,7 +52,7 @@ def validate_plan(plan: Plan, scenario: Scenario) -> None:
         host = devices[st.server]
         if not host.can_host_server:
             raise ShoalError(f"stage {i}'s server host {st.server} is not allowed to host servers (can_host_server is false)")
-        server_need[st.server] = server_need.get(st.server, 0.0) + prof.server_memory(*st.layers)
+        server_need[st.server] = server_need.get(st.server, 0.0) + prof.server_memory(*st.layers, plan.sync.local)
         need = stage_worker_memory(prof, *st.layers, plan.sync)
         for wid in st.workers:
             if wid not in devices:
@@ -112,7 +112,7 @@ def _validate_replicas(plan: Plan, scenario: Scenario) -> None:
     prof = scenario_profile(scenario, plan.micro_batch_size)
     need: dict[str, float] = {}
     for st in plan.all_stages:
-        need[st.server] = need.get(st.server, 0.0) + prof.server_memory(*st.layers)
+        need[st.server] = need.get(st.server, 0.0) + prof.server_memory(*st.layers, plan.sync.local)
     devices = {d.id: d for d in scenario.devices}
     for h, n in need.items():
         if devices[h].host_memory < n:
