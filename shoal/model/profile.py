@@ -40,14 +40,19 @@ ADAMW_STATE_BYTES_PER_PARAM = 8  # two fp32 moments per parameter
 SERVER_BYTES_PER_PARAM = 64
 # In local mode a server holds no AdamW state and no step's pushes: 26-33.5 bytes a parameter on
 # gpt-125m stages, 33 for a replica plan's server with no merge memory (two replicas of a 60-116 M
-# parameter model) and 36-37 at most of one. What grows with its workers is bounded: a push of
-# 16 MB or more is received into a file (shoal.net.stream.Spool: page cache, not the process),
-# two are decoded at once on arrival (shoal.runtime.sync.local.DECODE_SLOTS, 4 bytes a parameter
-# each), pushes beyond the merge memory wait as frames or on disk, replica parts come one at a
-# time, and the merge memory itself is what the host has free beyond a fifth of its RAM
-# (shoal.runtime.sync.held). 44 keeps one more decode and a margin of 3 over the largest peak.
-LOCAL_SERVER_BYTES_PER_PARAM = 44
-SERVER_PROCESS_BYTES = 512 * 2**20  # the interpreter, torch, gRPC and their threads
+# parameter model) and 36-37 at most of one, with one push decoded at a time. What grows with its
+# workers is bounded: a push of 16 MB or more is received into a file (shoal.net.stream.Spool:
+# page cache, not the process), two are decoded at once on arrival
+# (shoal.runtime.sync.local.DECODE_SLOTS: one more float32 copy of the stage, 4 bytes a
+# parameter), pushes beyond the merge memory wait as frames or on disk, replica parts come one at
+# a time, and the merge memory itself is what the host has free beyond a fifth of its RAM
+# (shoal.runtime.sync.held). 37 + 4 + 1 of margin.
+LOCAL_SERVER_BYTES_PER_PARAM = 42
+# The interpreter, torch, gRPC and their threads, and what a stage's workers hold on it at once
+# (their streams' buffers, the screen's samples of their pushes): 0.35-0.5 GB beside the
+# per-parameter figure with a worker a stage, up to 1 GB with 4 or 8 (d768xL4 and d768xL8
+# stages, bench_server_memory --workers-per-stage, 2026-12-05), the same for either size.
+SERVER_PROCESS_BYTES = 2**30
 
 
 @dataclass(frozen=True)
