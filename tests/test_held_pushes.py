@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -433,7 +434,7 @@ def test_a_large_push_is_received_into_a_file_and_decodes_to_the_same_bits(tmp_p
     def mapped_kb(folder) -> int:
         """Resident kB of this process's mappings of files in ``folder`` (/proc/self/smaps)."""
         kb, ours = 0, False
-        for line in open("/proc/self/smaps"):
+        for line in Path("/proc/self/smaps").read_text().splitlines():
             head = line.split()
             if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line
                 ours = len(head) >= 6 and head[5].startswith(str(folder))
