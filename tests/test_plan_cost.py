@@ -326,6 +326,32 @@ def test_two_servers_on_one_host_add_up_their_memory():
     assert server_memory_headroom(p, s) == pytest.approx((hm - need) / hm, rel=1e-12)
 
 
+def test_a_host_is_sized_for_its_servers_under_the_plans_sync_policy():
+    """A host with room for two stage servers in local mode but not in exact sync: the validator
+    takes the plan in local mode and refuses it in exact sync, naming the host."""
+    from dataclasses import replace
+
+    from shoal.errors import ShoalError
+    from shoal.model.config import get_preset
+    from shoal.model.profile import profile_model
+    from shoal.plan.cost import servers_memory
+    from shoal.plan.validate import validate_plan
+
+    s = scenario(2)
+    prof = profile_model(get_preset("tiny"), 64, 2, 4)
+    local, exact = SyncPolicy(mode="local", sync_every=4), SyncPolicy()
+    stages = [StagePlan((0, 3), "h", ["w0"]), StagePlan((3, 6), "h", ["w1"])]
+    need = {pol.mode: servers_memory(stages, prof, pol)["h"] for pol in (local, exact)}
+    assert need["local"] < need["sync"]
+    s.devices = [replace(d, host_memory=(need["local"] + need["sync"]) / 2) if d.id == "h" else d for d in s.devices]
+    p = plan(stages)
+    p.sync = local
+    validate_plan(p, s)
+    p.sync = exact
+    with pytest.raises(ShoalError, match="server host h has .* but its stage servers need"):
+        validate_plan(p, s)
+
+
 def test_share_counts_by_hand():
     """Who loads which server link: a stage's remote workers download from and upload to its
     host and sync with it; they also upload activations to the next stage's host and input
