@@ -83,6 +83,26 @@ def test_scenario_round_trip_through_json(tmp_path):
     assert scenario_to_dict(load_scenario(str(tmp_path / "s.json"))) == d
 
 
+def test_a_workload_of_a_model_folder_carries_its_shape():
+    """A workload whose model names no preset (a run from a model folder) carries the model's
+    shape: it round-trips through JSON, the planner's profile is that model's, and a shape that
+    is not a model's is a one-line error."""
+    from dataclasses import replace
+
+    from shoal.model.config import get_preset
+    from shoal.plan.cost import scenario_profile
+
+    d = small()
+    cfg = replace(get_preset("tiny"), name="custom", n_layers=6)
+    d["workload"] = {**d["workload"], "model": "hf", "config": cfg.to_dict()}
+    s = scenario_from_dict(d)
+    assert s.workload.model_config() == cfg and len(scenario_profile(s).layers) == 6 + 2
+    assert scenario_from_dict(json.loads(json.dumps(scenario_to_dict(s)))).workload.config == cfg
+    d["workload"]["config"] = {"d_model": 64}
+    with pytest.raises(ShoalError, match="workload config is not a model's shape"):
+        scenario_from_dict(d)
+
+
 @pytest.mark.parametrize("name", [n for n in BUILTIN_SCENARIOS if n != "scale-4096"])
 def test_builtins_load_and_document_their_sources(name):
     s = load_scenario(name)

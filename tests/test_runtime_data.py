@@ -76,7 +76,8 @@ def test_launch_on_prepared_data_equals_local_and_exports(tmp_path):
 
 @pytest.mark.timeout(600)
 def test_launch_raw_text_and_init_from(tmp_path):
-    """Raw text is prepared into RUN/data; every stage server starts from the HF weights."""
+    """Raw text is prepared into RUN/data; every stage server starts from the HF weights; the
+    coordinator plans the folder's model (not an even split for want of a preset's name)."""
     from shoal.hf.convert import write_hf_dir
     from shoal.model.config import get_preset
     from shoal.model.transformer import build_model
@@ -93,6 +94,10 @@ def test_launch_raw_text_and_init_from(tmp_path):
     recs = read_jsonl(out / "metrics.jsonl")
     for r, ref in zip(recs, local.records, strict=True):
         assert abs(r["loss"] - ref["loss"]) <= TOL, (r["loss"], ref["loss"])
+    plans = [e for e in read_jsonl(out / "journal.jsonl") if e.get("kind") == "plan"]
+    assert plans and plans[0]["method"] == "shoal", plans
+    planned = json.loads((out / "scenario.json").read_text())["workload"]
+    assert planned["config"]["d_model"] == cfg.d_model and planned["config"]["n_layers"] == cfg.n_layers
 
 
 def _start_coordinator(tmp_path, data, env, start):

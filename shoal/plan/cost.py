@@ -39,7 +39,7 @@ from functools import lru_cache
 import numpy as np
 
 from shoal.errors import ShoalError
-from shoal.model.config import get_preset
+from shoal.model.config import ModelConfig
 from shoal.model.profile import ModelProfile, profile_model
 from shoal.plan.compression import (
     DENSE_ROUND_CODEC,
@@ -74,14 +74,14 @@ class CostOptions:
 
 
 @lru_cache(maxsize=64)
-def _profile(model: str, seq_len: int, micro_batch_size: int, dtype_bytes: int) -> ModelProfile:
-    return profile_model(get_preset(model), seq_len, micro_batch_size, dtype_bytes)
+def _profile(cfg: ModelConfig, seq_len: int, micro_batch_size: int, dtype_bytes: int) -> ModelProfile:
+    return profile_model(cfg, seq_len, micro_batch_size, dtype_bytes)
 
 
 def scenario_profile(scenario: Scenario, micro_batch_size: int | None = None) -> ModelProfile:
     """The model profile of ``scenario``'s workload (cached)."""
     w = scenario.workload
-    return _profile(w.model, w.seq_len, micro_batch_size or w.micro_batch_size, w.dtype_bytes)
+    return _profile(w.model_config(), w.seq_len, micro_batch_size or w.micro_batch_size, w.dtype_bytes)
 
 
 # --------------------------------------------------------------------------- pure formulas

@@ -34,7 +34,7 @@ import random
 from pathlib import Path
 
 from shoal.errors import ShoalError
-from shoal.model.config import PRESETS, get_preset
+from shoal.model.config import PRESETS, ModelConfig
 from shoal.model.profile import profile_model
 from shoal.plan.types import ChurnModel, Device, FrameworkCpu, Link, Network, Scenario, Workload
 
@@ -200,8 +200,9 @@ def scenario_from_dict(d: dict) -> Scenario:
     for key in ("model", "seq_len", "global_batch", "micro_batch_size"):
         if key not in w:
             raise ShoalError(f"scenario {name}: workload is missing {key}")
-    if w["model"] not in PRESETS:
-        raise ShoalError(f"scenario {name}: unknown model preset {w['model']!r}; choose one of: {', '.join(PRESETS)}")
+    if w["model"] not in PRESETS and w.get("config") is None:
+        raise ShoalError(f"scenario {name}: unknown model preset {w['model']!r}; choose one of: {', '.join(PRESETS)} "
+                         "(or give the model's shape as workload.config)")
     dtype = w.get("dtype", "fp16")
     if dtype not in DTYPES:
         raise ShoalError(f"scenario {name}: dtype must be one of {list(DTYPES)}, got {dtype!r}")
@@ -212,9 +213,13 @@ def scenario_from_dict(d: dict) -> Scenario:
         raise ShoalError(
             f"scenario {name}: global_batch {w['global_batch']} is not a multiple of micro_batch_size {w['micro_batch_size']}"
         )
+    try:
+        config = ModelConfig.from_dict(dict(w["config"])) if w.get("config") is not None else None
+    except (TypeError, ValueError) as exc:
+        raise ShoalError(f"scenario {name}: workload config is not a model's shape: {exc}") from None
     workload = Workload(model=w["model"], seq_len=w["seq_len"], global_batch=w["global_batch"],
                         micro_batch_size=w["micro_batch_size"], dtype_bytes=DTYPES[dtype],
-                        optimizer=str(w.get("optimizer", "adamw")))
+                        optimizer=str(w.get("optimizer", "adamw")), config=config)
 
     devices = [_device(e, f"devices[{i}]") for i, e in enumerate(_expand_devices(list(d["devices"])))]
     n = d["network"]
@@ -268,7 +273,8 @@ def scenario_to_dict(s: Scenario) -> dict:
         "workload": {"model": s.workload.model, "seq_len": s.workload.seq_len,
                      "global_batch": s.workload.global_batch,
                      "micro_batch_size": s.workload.micro_batch_size, "dtype": dtype,
-                     "optimizer": s.workload.optimizer},
+                     "optimizer": s.workload.optimizer,
+                     **({"config": s.workload.config.to_dict()} if s.workload.config is not None else {})},
         "network": {
             "intra": {r: _link_dict(v) for r, v in sorted(s.network.intra.items())},
             "inter": [{"regions": list(k), **_link_dict(v)} for k, v in sorted(s.network.inter.items())],
@@ -307,7 +313,7 @@ def validate_scenario(s: Scenario) -> None:
         if event not in ("leave", "join"):
             raise ShoalError(f"scenario {s.name}: churn trace event must be 'leave' or 'join', got {event!r}")
     w = s.workload
-    cfg = get_preset(w.model)
+    cfg = w.model_config()
     if w.seq_len > cfg.max_seq_len:
         raise ShoalError(f"scenario {s.name}: seq_len {w.seq_len} exceeds model {w.model}'s max {cfg.max_seq_len}")
     prof = profile_model(cfg, w.seq_len, w.micro_batch_size, w.dtype_bytes)

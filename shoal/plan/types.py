@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from shoal.errors import ShoalError
+from shoal.model.config import ModelConfig, get_preset
 from shoal.plan.compression import wire_ratio
 
 
@@ -77,12 +78,17 @@ class Network:
 class Workload:
     """What is trained: model, batch shape, precision."""
 
-    model: str  # model preset name (see shoal.model.config.PRESETS)
+    model: str  # model preset name (see shoal.model.config.PRESETS), or a run's label for ``config``
     seq_len: int  # tokens per sequence
     global_batch: int  # sequences per optimizer step
     micro_batch_size: int  # sequences per micro-batch (task)
     dtype_bytes: int = 2  # bytes per element of weights/activations on devices (2 = fp16/bf16)
     optimizer: str = "adamw"  # optimizer on the stage servers
+    config: ModelConfig | None = None  # the model's shape where ``model`` names no preset (a model folder)
+
+    def model_config(self) -> ModelConfig:
+        """The model trained: ``config``, else the preset ``model`` names."""
+        return self.config if self.config is not None else get_preset(self.model)
 
     @property
     def micro_batches(self) -> int:

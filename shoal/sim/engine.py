@@ -35,7 +35,6 @@ import time
 from collections import deque
 
 from shoal.errors import ShoalError
-from shoal.model.config import get_preset
 from shoal.model.profile import profile_model
 from shoal.plan.compression import wire_ratio
 from shoal.plan.cost import (
@@ -277,7 +276,7 @@ class Simulator:
         self.S = len(self.flat)
         self.M = plan.micro_batches
         wl = scenario.workload
-        self.prof = profile_model(get_preset(plan.model), wl.seq_len, plan.micro_batch_size, wl.dtype_bytes)
+        self.prof = profile_model(wl.model_config(), wl.seq_len, plan.micro_batch_size, wl.dtype_bytes)
         self.heap: list = []
         self._seq = itertools.count()
         self.seq = self._seq.__next__

@@ -700,7 +700,8 @@ class Coordinator(pbg.CoordinatorServicer):
 
         workload = Workload(model=self.spec.model, seq_len=self.spec.seq_len,
                             global_batch=self.spec.micro_batches * self.spec.micro_batch_size,
-                            micro_batch_size=self.spec.micro_batch_size, dtype_bytes=4)
+                            micro_batch_size=self.spec.micro_batch_size, dtype_bytes=4,
+                            config=model_config(self.spec) if self.spec.model_config_json else None)
         # The members now and the devices of the plan being repaired (every member ever would
         # make each repair slower with every death and re-join).
         keep = self.planned | set(self.members)
