@@ -351,7 +351,7 @@ def test_large_frames_past_the_budget_go_to_disk_and_decode_to_the_same_bits(tmp
             t = pb.Tensor()
             t.ParseFromString(data)
             return split_stage_frame(t, shapes)
-        return SpilledPush(frame.SerializeToString(), decode, tmp_path)
+        return SpilledPush.written(frame.SerializeToString(), decode, tmp_path)
 
     held = HeldPushes(0)
     for i, codec in enumerate(["int8", "raw", "lowrank"]):
@@ -396,7 +396,7 @@ def test_a_received_push_spills_as_it_came_and_reads_back_to_the_same_bits(tmp_p
     pieces = message_pieces(got, GRADS_FIELD)
     assert b"".join(bytes(p) for p in pieces) == bytes(serialize_framed(got.head, GRADS_FIELD, got.frames))
     want = push_decoder(got, params)()
-    spilled = SpilledPush(pieces, lambda data: push_decoder(parse_push(data), params)(), tmp_path)
+    spilled = SpilledPush.written(pieces, lambda data: push_decoder(parse_push(data), params)(), tmp_path)
     back = spilled()
     assert back.keys() == want.keys() and all(torch.equal(back[n], want[n]) for n in want)
     assert parse_push(bytes(b"".join(bytes(p) for p in pieces))).head == got.head
@@ -407,7 +407,7 @@ def test_a_large_push_is_received_into_a_file_and_decodes_to_the_same_bits(tmp_p
     """A push of the spool's size or more, streamed in chunks, is received into an unlinked
     file of the spool folder (page cache, not the process's memory: no named file is left, an
     open one is); its frames are views of that file and decode to the same tensors as the
-    push sent; ``SpilledPush.received`` holds it without writing it again. A smaller push and a
+    push sent; a ``SpilledPush`` of its decoder holds it without writing it again. A smaller push and a
     receive without a spool folder come in memory."""
     import asyncio
     import os
@@ -451,7 +451,7 @@ def test_a_large_push_is_received_into_a_file_and_decodes_to_the_same_bits(tmp_p
     r = asyncio.run(got(data, folder))
     assert r.spool is not None and fds_in_folder() == 1 and not list(folder.iterdir())
     assert all(isinstance(f.data, memoryview) for f in r.grads)
-    push = SpilledPush.received(released(push_decoder(r, params), r.spool))
+    push = SpilledPush(released(push_decoder(r, params), r.spool))
     assert push.path is None and not list(folder.iterdir())
     held = HeldPushes(0)
     assert held.put("w1", want, push_decoder(r, params), len(data), push)

@@ -173,7 +173,7 @@ class Assembler:
         self.arr = empty_bytes(self.total)
         self.buf = memoryview(self.arr)
         self.arr[:self.got] = np.frombuffer(self.file.read(self.got), dtype=np.uint8)
-        self.file.f.close()
+        self.file.close()
         self.file = None
 
 
@@ -193,9 +193,8 @@ class Spool:
     pressure) rather than the process's memory. The file is unlinked as soon as it is open:
     nothing is left behind by a crash, and the bytes go when the last view of them does."""
 
-    def __init__(self, f, total: int):
+    def __init__(self, f):
         self.f = f  # the open, already unlinked file
-        self.total = total  # bytes it will hold
         self.nbytes = 0  # bytes written so far
         self.map: mmap.mmap | None = None  # the file mapped, once the message is whole
 
@@ -212,7 +211,7 @@ class Spool:
         except OSError as exc:
             log.warning("receiving a message of %d bytes in memory: cannot write to %s: %s", total, folder, exc)
             return None
-        return cls(f, total)
+        return cls(f)
 
     def write(self, data) -> None:
         """Append ``data`` (the next chunk's bytes)."""
@@ -233,7 +232,11 @@ class Spool:
                 self.map = mmap.mmap(self.f.fileno(), 0, access=mmap.ACCESS_READ)
             return memoryview(self.map if self.nbytes else b"")
         finally:
-            self.f.close()
+            self.close()
+
+    def close(self) -> None:
+        """Close the file (a mapping of it stays)."""
+        self.f.close()
 
     def release(self) -> None:
         """Unmap the pages read so far: they stay in the page cache (read again from there, or

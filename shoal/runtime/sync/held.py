@@ -74,24 +74,23 @@ def tensors_nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
 
 
 class SpilledPush:
-    """A push's serialised message on disk (``folder``), decoded by ``decode(data)`` where read:
-    calling it returns the push's tensors (the same bits every time). ``data``: the message's
-    bytes, or a list of pieces that concatenate to them (written one by one: no joined copy).
-    The file goes when this object does."""
+    """A push held on disk: calling it returns the push's tensors (the same bits every time),
+    ``read()`` decoding them from the file. ``path``: the file :meth:`written` wrote (it goes
+    when this object does); None for a push received into a file (:class:`shoal.net.stream.Spool`),
+    whose mapping ``read`` decodes."""
 
-    def __init__(self, data: bytes | memoryview | list, decode: Callable[[bytes], dict[str, torch.Tensor]],
-                 folder: str | Path):
-        self.path = spill_file(self, data if isinstance(data, list) else [data], folder, "push-")  # the message
-        path = self.path
-        self._read = lambda: decode(Path(path).read_bytes())  # () -> tensors
+    def __init__(self, read: Callable[[], dict[str, torch.Tensor]], path: str | None = None):
+        self._read = read  # () -> tensors
+        self.path = path  # the file this object wrote, if any
 
     @classmethod
-    def received(cls, decode: Callable[[], dict[str, torch.Tensor]]) -> SpilledPush:
-        """A push already on disk: received into a file (:class:`shoal.net.stream.Spool`),
-        ``decode`` reading its frames there."""
-        out = cls.__new__(cls)
-        out.path = None
-        out._read = decode
+    def written(cls, data: bytes | memoryview | list, decode: Callable[[bytes], dict[str, torch.Tensor]],
+                folder: str | Path) -> SpilledPush:
+        """A push's serialised message (``data``: its bytes, or a list of pieces that
+        concatenate to them, written one by one: no joined copy) written to a new file in
+        ``folder``, decoded by ``decode(bytes)`` where read."""
+        out = cls(lambda: decode(Path(path).read_bytes()))
+        path = out.path = spill_file(out, data if isinstance(data, list) else [data], folder, "push-")
         return out
 
     def __call__(self) -> dict[str, torch.Tensor]:
@@ -190,7 +189,7 @@ class HeldPushes(Mapping[str, Mapping[str, torch.Tensor]]):
 
     @property
     def spooled(self) -> int:
-        """How many of those were received into a file (:meth:`SpilledPush.received`)."""
+        """How many of those were received into a file (no file of their own written)."""
         return sum(isinstance(f, SpilledPush) and f.path is None for f in self._frames.values())
 
     def __getitem__(self, wid: str) -> Mapping[str, torch.Tensor]:

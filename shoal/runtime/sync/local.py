@@ -390,9 +390,10 @@ class LocalServerMixin:
             if not spill:
                 return deltas, None
             if spool is not None:  # on disk already
-                return deltas, SpilledPush.received(decode)
+                return deltas, SpilledPush(decode)
             try:
-                return deltas, SpilledPush(message_pieces(r, GRADS_FIELD), lambda data: push_decoder(parse_push(data), params)(),
+                return deltas, SpilledPush.written(message_pieces(r, GRADS_FIELD),
+                                                   lambda data: push_decoder(parse_push(data), params)(),
                                            folder)
             except OSError as exc:  # (a full or read-only disk: held in memory, as before)
                 log.warning("%s keeps %s's pseudo-gradient in memory: cannot write it to %s: %s", self.name,
