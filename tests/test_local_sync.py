@@ -301,6 +301,37 @@ def test_overlap_one_worker_per_stage_follows_exact(tmp_path):
         assert pulled in ([digests[(0, 2)]], [digests[(1, 2)]]), (pulled, digests)
 
 
+@pytest.mark.integration
+@pytest.mark.timeout(280)
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "waited"])
+def test_a_pseudo_gradient_that_cannot_land_is_withdrawn(tmp_path, overlap):
+    """Worker 0's first pseudo-gradient never leaves it (every attempt fails): it tells its
+    server that it will not come, so the merge goes on without it at once instead of waiting
+    out the flush grace (here 4 x 30 s) and voiding it, and the run ends. The grace is long
+    enough that a merge that waited for it would log the void this test refuses."""
+    from shoal.runtime.processes.launch import LaunchConfig, launch
+    from shoal.train.metrics import read_jsonl
+
+    out = tmp_path / "run"
+    summary = launch(LaunchConfig(out=str(out), **RUN, steps=4, stages=2, workers=2, dead_after_s=30.0,
+                                  min_lease_s=1.5, timeout_s=240, sync="local", sync_every=2, overlap=overlap,
+                                  worker_args=[["--inject", "pseudo_abandon"], []]))
+    assert summary["steps"] == 4 and len(read_jsonl(out / "metrics.jsonl")) == 4
+    logs = {p.name: p.read_text() for p in (out / "logs").glob("*.log")}
+    assert "attempt 5 of 5" in logs["worker0.log"]
+    assert "withdrew from the merge of v2 (withdrawn from the merge)" in logs["worker0.log"]
+    servers = "".join(v for k, v in logs.items() if k.startswith("server"))
+    assert re.search(r"withdrew from the merge of v2: it could not send its pseudo-gradient", servers)
+    assert "sent no pseudo-gradient" not in servers
+    # its stage merged v2 without it (the other stage's worker is in its own merge). Waiting for
+    # each round, it pulled v2 and was in v4; with delayed application its resync also gave up
+    # the replica's progress in the round that had gone on meanwhile: withdrawn from v4 too.
+    merged = {v: sorted(len(m["contributors"]) for m in _merges(out) if m["version"] == v) for v in (2, 4)}
+    assert merged == {2: [0, 1], 4: [0, 1] if overlap else [1, 1]}, merged
+    if overlap:
+        assert "withdrew from the merge of v4 (withdrawn from the merge)" in logs["worker0.log"]
+
+
 def _started_by_stage(sw) -> dict[int, list[str]]:
     """Start the swarm, wait for its first committed step, return its workers by stage."""
     sw.start()

@@ -628,6 +628,34 @@ def test_local_pseudo_gradient_covering_nothing_is_no_contribution(tmp_path):
     asyncio.run(main())
 
 
+def test_a_withdrawn_pseudo_gradient_is_no_longer_awaited(tmp_path):
+    """A worker whose pseudo-gradient cannot come withdraws it: the merge stops waiting for it
+    (it is neither voided nor banned and its count stays for the next round); one whose
+    pseudo-gradient landed (its reply lost) stays in the merge; a withdrawal for a merge that
+    does not await the worker changes nothing."""
+    async def main():
+        srv = await _local_server_in_round(tmp_path)
+        for w in ("A", "B"):
+            srv._worker(w)
+        srv.local_collect_mbs = {"A": 2, "B": 2}
+        srv.local_expect, srv.local_got = {"A", "B", "C"}, srv._new_round_pushes()
+        push = dict(step=1, epoch=0, local_round=2, local_mbs=2)
+        assert (await srv.PushGrads(pb.GradPush(worker="A", grads=_grads(srv, 0.5), **push), None)).accepted
+        withdraw = dict(step=1, epoch=0, local_round=2, local_withdraw=True)
+        a = await srv.PushGrads(pb.GradPush(worker="A", **withdraw), None)
+        assert a.accepted and a.reason == "duplicate pseudo-gradient" and "A" in srv.local_got
+        b = await srv.PushGrads(pb.GradPush(worker="B", **withdraw), None)
+        assert b.accepted and b.reason == "withdrawn from the merge"
+        assert srv.local_expect == {"A", "C"} and "B" not in srv.local_got and "B" in srv.workers
+        assert srv.local_collect_mbs == {"A": 2, "B": 2} and not srv.guard_banned
+        late = await srv.PushGrads(pb.GradPush(worker="B", grads=_grads(srv, 0.5), **push), None)
+        assert not late.accepted and "no merge awaits" in late.reason
+        stale = await srv.PushGrads(pb.GradPush(worker="C", **{**withdraw, "local_round": 4}), None)
+        assert not stale.accepted and srv.local_expect == {"A", "C"}
+
+    asyncio.run(main())
+
+
 def test_a_worker_leaving_after_its_pseudo_gradient_keeps_its_weight(tmp_path):
     """A worker moved to another stage at the round's end leaves right after sending its
     pseudo-gradient: voiding it then must not zero its count or learning-rate sum in the merge

@@ -678,7 +678,7 @@ class CompleteReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., gen: _Optional[int] = ..., lease_id: _Optional[int] = ...) -> None: ...
 
 class GradPush(_message.Message):
-    __slots__ = ("worker", "step", "epoch", "gen", "mbs", "grads", "local_done", "local_sq_norm", "local_round", "local_mbs", "local_weights", "local_param_sq", "check_id")
+    __slots__ = ("worker", "step", "epoch", "gen", "mbs", "grads", "local_done", "local_sq_norm", "local_round", "local_mbs", "local_weights", "local_param_sq", "local_withdraw", "check_id")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -691,6 +691,7 @@ class GradPush(_message.Message):
     LOCAL_MBS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PARAM_SQ_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_WITHDRAW_FIELD_NUMBER: _ClassVar[int]
     CHECK_ID_FIELD_NUMBER: _ClassVar[int]
     worker: str
     step: int
@@ -704,8 +705,9 @@ class GradPush(_message.Message):
     local_mbs: int
     local_weights: bool
     local_param_sq: _containers.RepeatedScalarFieldContainer[float]
+    local_withdraw: bool
     check_id: int
-    def __init__(self, worker: _Optional[str] = ..., step: _Optional[int] = ..., epoch: _Optional[int] = ..., gen: _Optional[int] = ..., mbs: _Optional[_Iterable[int]] = ..., grads: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., local_done: _Optional[bool] = ..., local_sq_norm: _Optional[float] = ..., local_round: _Optional[int] = ..., local_mbs: _Optional[int] = ..., local_weights: _Optional[bool] = ..., local_param_sq: _Optional[_Iterable[float]] = ..., check_id: _Optional[int] = ...) -> None: ...
+    def __init__(self, worker: _Optional[str] = ..., step: _Optional[int] = ..., epoch: _Optional[int] = ..., gen: _Optional[int] = ..., mbs: _Optional[_Iterable[int]] = ..., grads: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., local_done: _Optional[bool] = ..., local_sq_norm: _Optional[float] = ..., local_round: _Optional[int] = ..., local_mbs: _Optional[int] = ..., local_weights: _Optional[bool] = ..., local_param_sq: _Optional[_Iterable[float]] = ..., local_withdraw: _Optional[bool] = ..., check_id: _Optional[int] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("accepted", "reason", "gen")

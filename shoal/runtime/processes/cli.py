@@ -192,6 +192,7 @@ def register(subparsers) -> None:
     p.add_argument("--inject", default="",
                    help="test faults: nan_grad,bad_shape,oom (once each), push_fail (first push attempt lost), "
                         "push_lost (first push's reply lost), push_abandon (first push never lands), "
+                        "pseudo_abandon (first pseudo-gradient of a local round never lands), "
                         "hang_fwd|hang_bwd|hang_before_push|hang_mid_push[:step=N][:mark=PATH]")
     p.add_argument("--codec", default="raw", help="tensor codec: raw, fp16, int8")
     p.add_argument("--chunk-mb", type=float, default=None,

@@ -99,7 +99,7 @@ class WorkerOptions:
     flops: float | None = None  # FLOP/s to report (None: measure at start)
     heartbeat_s: float | None = None  # lease renewal / coordinator heartbeat period (None: heartbeat_period)
     lease_wait_s: float = 2.0  # long-poll time of one lease request (the server answers sooner on a task, flush or commit)
-    inject: str = ""  # test faults, comma-separated: nan_grad, bad_shape, oom, push_fail, push_lost, push_abandon (once each), hang_* (see parse_hangs)
+    inject: str = ""  # test faults, comma-separated: nan_grad, bad_shape, oom, push_fail, push_lost, push_abandon, pseudo_abandon (a local round's pseudo-gradient; once each), hang_* (see parse_hangs)
     codec: str = "raw"  # tensor codec for results and pushes
     graph_cache: bool = True  # keep forward graphs to skip the recompute in own backward tasks
     orphan_after_s: float = 120.0  # exit when the coordinator is unreachable this long
@@ -745,7 +745,7 @@ class Worker(LocalWorkerMixin):
         delay = 0.1
         for attempt in range(1, self.opts.push_attempts + 1):
             try:
-                if "push_abandon" in self.inject:
+                if "push_abandon" in self.inject or (msg.local_round and "pseudo_abandon" in self.inject):
                     raise _injected("push_abandon: this push never leaves the worker")
                 if "push_fail" in self.inject:
                     self.inject.discard("push_fail")
@@ -769,6 +769,8 @@ class Worker(LocalWorkerMixin):
                     await asyncio.sleep(delay)
                     delay = min(2 * delay, 2.0)
         self.inject.discard("push_abandon")
+        if msg.local_round:
+            self.inject.discard("pseudo_abandon")
         return None
 
     async def _release(self, epoch: int, step: int, gen: int) -> None:

@@ -374,6 +374,9 @@ class LocalServerMixin:
         if r.epoch != self.epoch or r.local_round != round_v or not self._local_wants(r.worker):
             return pb.PushReply(accepted=False, reason="no merge awaits this pseudo-gradient; pull the "
                                                        "merged weights", gen=info.gen)
+        if r.local_withdraw:
+            await self._local_withdraw(r.worker, round_v, "it could not send its pseudo-gradient")
+            return pb.PushReply(accepted=True, reason="withdrawn from the merge", gen=info.gen)
 
         params = dict(self.params)
         decode = push_decoder(r, params)
@@ -409,6 +412,12 @@ class LocalServerMixin:
             async with self.cond:
                 self.cond.notify_all()
             return pb.PushReply(accepted=False, reason=f"rejected: {exc}", gen=info.gen)
+        except Exception as exc:  # (a fault of this server's, not the push's: said, and the merge goes on)
+            log.error("%s could not take %s's pseudo-gradient for v%d", self.name, r.worker, round_v,
+                      exc_info=True)
+            await self._local_withdraw(r.worker, round_v, f"this server could not take it: {exc!r}")
+            return pb.PushReply(accepted=False, reason=f"the server could not take it ({exc!r}); pull the "
+                                                       "merged weights", gen=info.gen)
         if r.epoch != self.epoch or r.local_round != self.local_collect or not self._local_wants(r.worker):
             return pb.PushReply(accepted=False, reason="the merge moved on while it was checked", gen=info.gen)
         # The worker's own count can only lower the server's: a worker that missed a step's
@@ -437,6 +446,16 @@ class LocalServerMixin:
         async with self.cond:
             self.cond.notify_all()
         return pb.PushReply(accepted=True, gen=info.gen)
+
+    async def _local_withdraw(self, wid: str, round_v: int, why: str) -> None:
+        """The merge of ``round_v`` stops waiting for ``wid``'s pseudo-gradient, which will not
+        come (the worker resyncs from the merged weights; it is neither voided nor banned):
+        instead of the flush grace, the merge goes on at once without it."""
+        if self.local_expect is not None and wid in self.local_expect and wid not in self.local_got:
+            self.local_expect.discard(wid)
+            log.warning("%s: %s withdrew from the merge of v%d: %s", self.name, wid, round_v, why)
+        async with self.cond:
+            self.cond.notify_all()
 
     @property
     def local_overlap(self) -> bool:
@@ -972,6 +991,13 @@ class LocalWorkerMixin:
             await self._local_close(rep)
             return
         round_v = rep.local_step + 1
+        if (rep.local_sync and self.pending is None and self.local_sent != (rep.epoch, round_v) and self.version < 0
+                and self.local_reported > 0):
+            # the replica was given up mid-round (resynced): what the server counted of it is lost
+            self.local_sent = (rep.epoch, round_v)
+            self.local_reported = 0
+            await self._local_withdraw(pb.GradPush(step=rep.step, epoch=rep.epoch, gen=rep.gen, local_round=round_v),
+                                       self.server)
         if (rep.local_sync and self.pending is None and self.local_sent != (rep.epoch, round_v)
                 and self.version >= 0 and self.weights_epoch == rep.epoch and self.anchor):
             self.local_sent = (rep.epoch, round_v)
@@ -986,6 +1012,8 @@ class LocalWorkerMixin:
             else:
                 log.info("%s: pseudo-gradient for v%d not taken (%s); resyncing", self.opts.name, round_v,
                          "lost" if res is None else res.reason)
+                if res is None:
+                    await self._local_withdraw(msg, self.server)
                 self.version = -1
                 self.pseudo_kept = self.pseudo_carried = None
                 if self.pseudo_ef is not None:
@@ -1001,7 +1029,15 @@ class LocalWorkerMixin:
         v = round_closed_by(rep.local_step, self.spec.sync_every, self.spec.steps)
         key = (rep.epoch, v)
         if self.local_closed is None or self.local_closed[0] != rep.epoch or self.version < 0 or not self.anchor:
-            self.local_closed = key  # nothing trained on a replica of this epoch before this round
+            # nothing trained on a replica of this epoch before this round; or the replica was given
+            # up mid-round (resynced), its micro-batches the server counted lost with it: withdrawn
+            given_up = (self.version < 0 and self.local_reported > 0 and self.local_closed is not None
+                        and self.local_closed[0] == rep.epoch and self.local_closed[1] < v)
+            self.local_closed = key
+            if given_up:
+                self.local_reported = 0
+                await self._local_withdraw(pb.GradPush(step=rep.step, epoch=rep.epoch, gen=rep.gen, local_round=v),
+                                           self.server)
             return
         if self.local_closed[1] >= v or (self.pending is not None and self.pending[1] < v):
             return  # closed already; or an inner step of the round still awaits its decision
@@ -1113,16 +1149,20 @@ class LocalWorkerMixin:
                         self.pseudo_kept = self.pseudo_carried = None
                         if self.pseudo_ef is not None:
                             self.pseudo_ef.reset()
-                    return
-                took = time.perf_counter() - t0
-                if self.local_gen != gen and self.pseudo_ef is not None:
-                    self.pseudo_ef.reset()  # voided while it was framed: its residual means nothing
-                if self.anchor is anchor and self.stage == stage:  # (not after a resync or a move)
-                    if kept is not None:
-                        await loop.run_in_executor(None, add_residual, anchor, kept[2])
-                    self.pseudo_carried = None if kept is None else (kept[3], kept[2])
+                    data = None
+                else:
+                    took = time.perf_counter() - t0
+                    if self.local_gen != gen and self.pseudo_ef is not None:
+                        self.pseudo_ef.reset()  # voided while it was framed: its residual means nothing
+                    if self.anchor is anchor and self.stage == stage:  # (not after a resync or a move)
+                        if kept is not None:
+                            await loop.run_in_executor(None, add_residual, anchor, kept[2])
+                        self.pseudo_carried = None if kept is None else (kept[3], kept[2])
             finally:
                 framed.set_result(None)
+            if data is None:
+                await self._local_withdraw(msg, server)
+                return
             res = await self._send_push(msg, data, frames, server=server)
             if res is not None and res.accepted:
                 log.info("%s sent its pseudo-gradient for v%d covering %d micro-batches%s (framed in %.3f s beside "
@@ -1131,6 +1171,8 @@ class LocalWorkerMixin:
                 return
             log.info("%s: pseudo-gradient for v%d not taken (%s); resyncing", self.opts.name, round_v,
                      "lost" if res is None else res.reason)
+            if res is None:
+                await self._local_withdraw(msg, server)
             if self.stage == stage:
                 self.version = -1
                 self.pseudo_kept = self.pseudo_carried = None
@@ -1139,6 +1181,21 @@ class LocalWorkerMixin:
 
         self.local_sending = asyncio.ensure_future(go())
         self.local_sending.add_done_callback(self._local_sent)
+
+    async def _local_withdraw(self, msg: pb.GradPush, server) -> None:
+        """Tell ``server`` that the pseudo-gradient ``msg`` was for will not come (it was lost, could
+        not be framed, or the replica it was made on was given up), so that its merge goes on
+        without it now rather than after the flush grace (best effort: a server this cannot
+        reach waits the grace out, as it would have)."""
+        note = pb.GradPush(worker=self.member_id, step=msg.step, epoch=msg.epoch, gen=msg.gen,
+                           local_round=msg.local_round, local_withdraw=True)
+        try:
+            rep = await server.PushGrads(note, timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            log.info("%s: could not withdraw from the merge of v%d either (%s)", self.opts.name, msg.local_round,
+                     exc.code().name)
+            return
+        log.info("%s: withdrew from the merge of v%d (%s)", self.opts.name, msg.local_round, rep.reason)
 
     def _local_sent(self, t: asyncio.Future) -> None:
         """A background send that failed outside its retries (a refused credential): said here,
