@@ -76,7 +76,8 @@ def sized_model(spec: str, root: Path) -> str:
     return str(out)
 
 
-def run(model: str, policy: str, root: Path, steps: int, per_stage: int = 1, spool_mb: float | None = None) -> dict:
+def run(model: str, policy: str, root: Path, steps: int, per_stage: int = 1, spool_mb: float | None = None,
+        micro_batches: int | None = None) -> dict:
     out = root / f"{Path(model).name}-{policy}-x{per_stage}"
     extra = POLICIES[policy]
     # per_stage workers a stage: a replica plan's stages are its replicas' (one each here)
@@ -84,7 +85,7 @@ def run(model: str, policy: str, root: Path, steps: int, per_stage: int = 1, spo
     # a model folder (a transformers-style checkpoint, shoal.hf) for sizes between the presets
     what = ["--init-from", str(Path(model).resolve())] if Path(model).is_dir() else ["--model", model]
     cmd = [sys.executable, "-m", "shoal.runtime.processes.cli", "launch", *what, "--stages", str(n),
-           "--workers", str(n * per_stage), "--steps", str(steps), "--micro-batches", str(max(2, n * per_stage)), "--micro-batch-size", "1",
+           "--workers", str(n * per_stage), "--steps", str(steps), "--micro-batches", str(micro_batches or max(2, n * per_stage)), "--micro-batch-size", "1",
            "--seq-len", "64", "--out", str(out), "--timeout", "3000", "--dead-after", "120",
            "--min-lease", "120", "--spot-check", "0", *POLICIES[policy]]
     t0 = time.time()
@@ -112,6 +113,9 @@ def main() -> None:
     p.add_argument("--spool-mb", type=float, default=None,
                    help="servers receive pushes of this many MB or more into files (SHOAL_SPOOL_MB; "
                         "default: shoal.net.stream.SPOOL_BYTES): a small model's pushes as a large one's")
+    p.add_argument("--micro-batches", type=int, default=None,
+                   help="micro-batches a step (default: one a worker, at least 2); a local-mode server's "
+                        "screen computes its reference gradient on up to 4 of its own a step")
     p.add_argument("--keep", default=None, help="folder to keep the runs in (default: a temp folder, removed)")
     args = p.parse_args()
     root = Path(args.keep or tempfile.mkdtemp(prefix="shoal-srvmem-"))
@@ -119,7 +123,7 @@ def main() -> None:
     models = [sized_model(m, root) for m in args.models.split(",")]
     for policy in args.policies.split(","):
         for model, per_stage in [(m, int(k)) for m in models for k in args.workers_per_stage.split(",")]:
-            r = run(model, policy, root, args.steps, per_stage, args.spool_mb)
+            r = run(model, policy, root, args.steps, per_stage, args.spool_mb, args.micro_batches)
             print(f"# {r['cmd']}  ({r['wall_s']:.0f} s)", flush=True)
             prof = profile_model(read_hf_model_config(model) if Path(model).is_dir() else get_preset(model), 64, 1)
             layers = r["summary"]["layers"]

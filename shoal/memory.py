@@ -30,6 +30,26 @@ _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc's mallopt
 _DONE: list[bool] = []
 
 
+def release_free() -> bool:
+    """Give the free memory of every malloc arena back to the system now (glibc's
+    ``malloc_trim(0)``; elsewhere nothing): whether it ran. With blocks up to
+    :data:`MMAP_THRESHOLD` kept in the heap, a phase that made and dropped copies of a stage on
+    several threads (the screen's reference gradient, a round's merge) leaves them free but
+    resident in those threads' arenas, where the next phase's allocations on other threads do
+    not reuse them: a stage server's peak grew by those copies. Costs a pass over the arenas'
+    free chunks (milliseconds), once a phase."""
+    if os.environ.get(ENV, "") == "system" or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
+
+
 def tune_malloc() -> bool:
     """Apply the settings above to this process (glibc on Linux; elsewhere, or with
     ``SHOAL_MALLOC=system``, nothing); whether they are in force. Idempotent."""

@@ -46,7 +46,11 @@ SERVER_BYTES_PER_PARAM = 64
 # (shoal.runtime.sync.local.DECODE_SLOTS: one more float32 copy of the stage, 4 bytes a
 # parameter), pushes beyond the merge memory wait as frames or on disk, replica parts come one at
 # a time, and the merge memory itself is what the host has free beyond a fifth of its RAM
-# (shoal.runtime.sync.held). 37 + 4 + 1 of margin.
+# (shoal.runtime.sync.held). 37 + 4 + 1 of margin. With the screen's reference gradient on 4
+# micro-batches (4 threads: a real run's; the runs above had 1-2), 35 a parameter beyond 748 MB
+# (replica servers of 31-116 M parameters, M = 8): its parts are summed into the first part's
+# tensors, and what each round frees on its threads goes back to the system
+# (shoal.memory.release_free); before that change such servers took 56 and exceeded this figure.
 LOCAL_SERVER_BYTES_PER_PARAM = 42
 # The interpreter, torch, gRPC and their threads, and what a stage's workers hold on it at once
 # (their streams' buffers, the screen's samples of their pushes): 0.35-0.5 GB beside the

@@ -39,6 +39,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from shoal.memory import release_free
 from shoal.net import shoal_pb2 as pb
 from shoal.net.compress import ErrorFeedback
 from shoal.net.stream import StreamStalled
@@ -578,6 +579,7 @@ class LocalServerMixin:
         self.local_expect = None
         self.local_got = self._new_round_pushes()
         self.local_replicas = {}
+        await asyncio.get_running_loop().run_in_executor(None, release_free)  # (the merge's copies, freed in threads)
         async with self.cond:
             self.cond.notify_all()
         return True
@@ -686,10 +688,18 @@ class LocalServerMixin:
             parts = await asyncio.gather(*(loop.run_in_executor(reference_pool(), part, [x]) for x in inputs))
 
             def total() -> dict[str, torch.Tensor]:  # (a pass over the stage per part: off the loop too)
+                # summed into the first part's own tensors (fresh gradients), each part dropped once
+                # added: the same bits as ``a + b``, without one more copy of the stage beside the parts
                 ref = dict(parts[0])
-                for g in parts[1:]:
-                    for n, t in g.items():
-                        ref[n] = ref[n] + t
+                for i in range(1, len(parts)):
+                    for n, t in parts[i].items():
+                        if ref[n].is_contiguous():
+                            ref[n].add_(t)
+                        else:  # (a view autograd handed out, e.g. a broadcast: not written into)
+                            ref[n] = ref[n] + t
+                    parts[i] = None
+                parts.clear()
+                release_free()  # (the parts' copies, freed in the reference threads' arenas)
                 return ref
 
             ref = await loop.run_in_executor(None, total)
@@ -712,6 +722,8 @@ class LocalServerMixin:
             return None
         t0 = time.perf_counter()
         ref, ref_step, tokens, took = await job
+        # read once, by this round's screen: not kept through the merge (a float32 copy of the stage)
+        self.local_ref_job = None
         waited = time.perf_counter() - t0
         log.info("%s screen's reference gradient: step %d, %d tokens, %.3f s in threads (the merge waited %.3f s)",
                  self.name, ref_step, tokens, took, waited)

@@ -20,8 +20,10 @@ The pure decisions are functions here; :class:`ReplicaServerMixin` is a mixin of
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
+import mmap
 import shutil
 import tempfile
 import time
@@ -404,21 +406,37 @@ class FramedPart(Mapping[str, torch.Tensor]):
 
 class SpilledPart(Mapping[str, torch.Tensor]):
     """A peer's part beyond the server's merge memory whose frames are no smaller than its
-    tensors (a raw part: the run's last, dense round, or weights): written to disk as it came,
-    read back once where the merge reads it, and released after (:meth:`release`). A server
-    then holds one such part at a time however many peers share its layers. The file goes
-    when the part does."""
+    tensors (a raw part: the run's last, dense round, or weights), on disk: received into a
+    file (:meth:`spooled`, a large part) or written there as it came; mapped where the merge
+    reads it and let go after (:meth:`release`: its pages leave the process). A server then
+    holds one such part at a time however many peers share its layers. The file goes when the
+    part does."""
 
-    def __init__(self, msg: pb.ReplicaPart | Framed, shapes: Mapping[str, tuple[int, ...]], folder: str | Path):
+    def __init__(self, msg: pb.ReplicaPart | Framed, shapes: Mapping[str, tuple[int, ...]],
+                 folder: str | Path | None):
         # a received part's frames are views of the bytes that came: written as they are
-        self.path = spill_file(self, message_pieces(msg, PART_TENSORS), folder, "part-")  # the message on disk
+        self.path = None if folder is None else spill_file(self, message_pieces(msg, PART_TENSORS), folder, "part-")
         self._names = [t.name for t in msg.tensors]  # its tensors' names, in order
         self._shapes = {n: tuple(shapes[n]) for n in self._names}
         self._part: FramedPart | None = None  # read back while the merge reads it
+        self._map: mmap.mmap | None = None  # the written file, mapped while the merge reads it
+        self._received: Framed | None = None  # a spooled part: the message, its frames views of its file
+
+    @classmethod
+    def spooled(cls, msg: Framed, shapes: Mapping[str, tuple[int, ...]]) -> SpilledPart:
+        """A part received into a file (``msg.spool``): on disk already, not written again."""
+        part = cls(msg, shapes, None)
+        part._received = msg
+        return part
 
     def _read(self) -> FramedPart:
         if self._part is None:
-            msg = split_framed(Path(self.path).read_bytes(), pb.ReplicaPart, PART_TENSORS)
+            if self._received is not None:
+                msg = self._received
+            else:
+                with open(self.path, "rb") as f:
+                    self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                msg = split_framed(memoryview(self._map), pb.ReplicaPart, PART_TENSORS)
             self._part = FramedPart(msg.tensors, self._shapes)
         return self._part
 
@@ -432,8 +450,14 @@ class SpilledPart(Mapping[str, torch.Tensor]):
         return len(self._names)
 
     def release(self) -> None:
-        """Drop what was read back (the file stays until the part goes)."""
+        """Let go of the pages read (they stay in the page cache; the file stays until the part goes)."""
         self._part = None
+        if self._received is not None and self._received.spool is not None:
+            self._received.spool.release()
+        if self._map is not None:
+            with contextlib.suppress(BufferError, ValueError):  # (a view of it still alive: unmapped with it)
+                self._map.close()
+            self._map = None
 
 
 def merge_parts(parts: Mapping[int, tuple[int, bool, Mapping[str, torch.Tensor]]],
@@ -583,7 +607,9 @@ class ReplicaServerMixin:
     async def _take_part(self, request_iterator, context):
         try:
             # (frames kept out of protobuf: a raw part's payloads stay views of the bytes received)
-            msg = await receive(request_iterator, pb.ReplicaPart, self.max_bytes("grads"), frames_field=PART_TENSORS)
+            # a large part is received into a file of the parts' folder (page cache, not this process)
+            msg = await receive(request_iterator, pb.ReplicaPart, self.max_bytes("grads"), frames_field=PART_TENSORS,
+                                spool=self._parts_folder())
         except WireError as exc:
             return pb.PushReply(accepted=False, reason=f"rejected: {exc}")
         if context is not None:
@@ -619,6 +645,8 @@ class ReplicaServerMixin:
             if dense:
                 return tensors
             if spill:
+                if getattr(msg, "spool", None) is not None:
+                    return SpilledPart.spooled(msg, shapes)
                 try:
                     return SpilledPart(msg, shapes, self._parts_folder())
                 except OSError as exc:  # (a full or read-only disk: held in memory, as before)
@@ -688,6 +716,7 @@ class ReplicaServerMixin:
         n, weights, tensors = await loop.run_in_executor(
             None, own_part, self.local_got.snapshot(), dict(self.local_replicas), counts, self.spec.outer_lr,
             self.spec.outer_momentum, merge_pool(), presum)
+        del presum  # (the part itself, or summed again: not a second copy of the stage beside the part's)
         mine = peers(slots, self.stage)
         cfg = self.cfg
         frames = None
