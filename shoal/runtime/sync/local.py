@@ -1030,6 +1030,8 @@ class LocalWorkerMixin:
                 self.pseudo_kept = self.pseudo_carried = None
                 if self.pseudo_ef is not None:
                     self.pseudo_ef.reset()  # nothing of it was merged: its residual means nothing
+            del msg, data, frames
+            await asyncio.get_running_loop().run_in_executor(None, release_free)  # (as after an overlapped send)
 
     async def _local_close(self, rep: pb.LeaseReply) -> None:
         """Delayed application: once the decision of a round's last step is out (and applied),
@@ -1191,7 +1193,15 @@ class LocalWorkerMixin:
                 if self.pseudo_ef is not None:
                     self.pseudo_ef.reset()
 
-        self.local_sending = asyncio.ensure_future(go())
+        async def sent() -> None:
+            try:
+                await go()
+            finally:
+                # the round's copies of the stage (its pseudo-gradient, frames, residual), freed on
+                # threads, go back to the system before the next round makes them again
+                await loop.run_in_executor(None, release_free)
+
+        self.local_sending = asyncio.ensure_future(sent())
         self.local_sending.add_done_callback(self._local_sent)
 
     async def _local_withdraw(self, msg: pb.GradPush, server) -> None:
