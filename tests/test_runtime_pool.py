@@ -630,7 +630,7 @@ def test_local_pseudo_gradient_covering_nothing_is_no_contribution(tmp_path):
 
 def test_a_withdrawn_pseudo_gradient_is_no_longer_awaited(tmp_path):
     """A worker whose pseudo-gradient cannot come withdraws it: the merge stops waiting for it
-    (it is neither voided nor banned and its count stays for the next round); one whose
+    (it is neither voided nor banned, and the round's counts are left as they were); one whose
     pseudo-gradient landed (its reply lost) stays in the merge; a withdrawal for a merge that
     does not await the worker changes nothing."""
     async def main():

@@ -475,7 +475,7 @@ def test_flush_part_adds_the_residual_to_a_pseudo_gradient_and_takes_it_off_weig
     assert torch.equal(flush_part(t, True, r)["b"], t["b"])  # no residual: as it was
 
 
-def test_a_part_is_taken_only_from_a_peer_stages_server_and_checked(tmp_path):
+def test_a_part_is_taken_only_from_a_peer_stages_server_and_checked(tmp_path, monkeypatch):
     """The receiving side of ReplicaPartStream in process: a part from the server the
     coordinator named for a peer stage is kept; one naming another member, a stage of the
     same replica, a wrong shape or an old round is not."""
@@ -538,12 +538,12 @@ def test_a_part_is_taken_only_from_a_peer_stages_server_and_checked(tmp_path):
     msg_t = encode_tensor("layers.5.w", g, "int8")
     from shoal.net.wire import decode_tensor
 
-    async def framed_part():
+    async def framed_part(chunk_bytes=1 << 16):
         msg = pb.ReplicaPart(member_id="s-a", epoch=0, round=6, stage=0, mbs=3, weights=False)
         msg.tensors.append(msg_t)
 
         async def chunks():
-            for c in split("ReplicaPart", msg.SerializeToString(), 1 << 16):
+            for c in split("ReplicaPart", msg.SerializeToString(), chunk_bytes):
                 yield c
         return await srv.ReplicaPartStream(chunks(), None)
 
@@ -573,6 +573,17 @@ def test_a_part_is_taken_only_from_a_peer_stages_server_and_checked(tmp_path):
 
     gc.collect()
     assert not Path(path).exists()
+    # A large one is received into a file as it comes (here anything of 8 KB or more; the file
+    # unlinked at once) and not written again: the same bits, and the merge lets go of its pages.
+    monkeypatch.setenv("SHOAL_SPOOL_MB", str(8 / 1024))
+    assert asyncio.run(framed_part(4096)).accepted
+    (n, weights, spooled), = srv.replica_parts[(0, 6)].values()
+    assert isinstance(spooled, SpilledPart) and spooled.path is None and spooled._received.spool is not None
+    assert not list((tmp_path / "replica-parts" / "s2").iterdir())
+    a = merge_parts({0: (3, False, spooled), 2: (1, False, own)}, anchor)
+    assert torch.equal(a[1]["layers.5.w"], b[1]["layers.5.w"]) and spooled._part is None
+    monkeypatch.delenv("SHOAL_SPOOL_MB")
+    srv.replica_parts.clear()
     # A disk that cannot take it (here the root is a file): the part stays in memory, the same bits.
     (tmp_path / "not-a-folder").write_text("")
     srv.ckpt_root = str(tmp_path / "not-a-folder")
