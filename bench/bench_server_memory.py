@@ -1,6 +1,8 @@
 """What a stage server really holds, against what the planner sizes its host for.
 
-Runs ``shoal launch`` (2 stages, a worker each, or ``--workers-per-stage`` each) once per sync
+Runs ``shoal launch`` (2 stages, a worker each, or ``--workers-per-stage`` each; 4 micro-batches
+a stage, so that a local-mode server's reference gradient runs on as many threads as in a real
+run; runs at 2 missed that: bench/results/server-memory.md, 2026-12-05 22:47) once per sync
 policy for each model, reads each
 member's peak resident memory from ``summary.json`` (``peak_rss_bytes``: VmHWM, which every
 member reports in its heartbeats) and prints, per stage server: its layers, parameters, peak
@@ -9,7 +11,7 @@ models the table also fits ``peak = base + k x parameters`` per policy over all 
 (least squares), the bytes per parameter a server really needs.
 
     PYTHONPATH=. python bench/bench_server_memory.py [--models tiny,gpt-125m] [--policies exact,local-lowrank]
-        [--workers-per-stage 1,4,8] [--spool-mb 1]
+        [--workers-per-stage 1,4,8] [--spool-mb 1] [--micro-batches M]
 
 Policies: ``exact`` (the launch's default), ``local`` (``--sync local --sync-every 2``),
 ``local-lowrank`` (the same with ``--compression lowrank``), ``local-int8-frames`` (``int8``),
@@ -29,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+REFERENCE_MBS = 4  # shoal.plan.types.SCREEN_REF_MBS: a server's reference gradient takes this many of its micro-batches
 POLICIES = {
     "exact": [],
     "local": ["--sync", "local", "--sync-every", "2"],
@@ -85,7 +88,7 @@ def run(model: str, policy: str, root: Path, steps: int, per_stage: int = 1, spo
     # a model folder (a transformers-style checkpoint, shoal.hf) for sizes between the presets
     what = ["--init-from", str(Path(model).resolve())] if Path(model).is_dir() else ["--model", model]
     cmd = [sys.executable, "-m", "shoal.runtime.processes.cli", "launch", *what, "--stages", str(n),
-           "--workers", str(n * per_stage), "--steps", str(steps), "--micro-batches", str(micro_batches or max(2, n * per_stage)), "--micro-batch-size", "1",
+           "--workers", str(n * per_stage), "--steps", str(steps), "--micro-batches", str(micro_batches or max(REFERENCE_MBS * n, n * per_stage)), "--micro-batch-size", "1",
            "--seq-len", "64", "--out", str(out), "--timeout", "3000", "--dead-after", "120",
            "--min-lease", "120", "--spot-check", "0", *POLICIES[policy]]
     t0 = time.time()
@@ -114,8 +117,9 @@ def main() -> None:
                    help="servers receive pushes of this many MB or more into files (SHOAL_SPOOL_MB; "
                         "default: shoal.net.stream.SPOOL_BYTES): a small model's pushes as a large one's")
     p.add_argument("--micro-batches", type=int, default=None,
-                   help="micro-batches a step (default: one a worker, at least 2); a local-mode server's "
-                        "screen computes its reference gradient on up to 4 of its own a step")
+                   help="micro-batches a step (default: 4 a stage, or one a worker if more): a local-mode "
+                        "server's screen computes its reference gradient on up to 4 of its own a step, "
+                        "one thread each, as in a real run")
     p.add_argument("--keep", default=None, help="folder to keep the runs in (default: a temp folder, removed)")
     args = p.parse_args()
     root = Path(args.keep or tempfile.mkdtemp(prefix="shoal-srvmem-"))
