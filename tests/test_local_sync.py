@@ -324,12 +324,13 @@ def test_a_pseudo_gradient_that_cannot_land_is_withdrawn(tmp_path, overlap):
     assert re.search(r"withdrew from the merge of v2: it could not send its pseudo-gradient", servers)
     assert "sent no pseudo-gradient" not in servers
     # its stage merged v2 without it (the other stage's worker is in its own merge). Waiting for
-    # each round, it pulled v2 and was in v4; with delayed application its resync also gave up
-    # the replica's progress in the round that had gone on meanwhile: withdrawn from v4 too.
+    # each round, it pulled v2 and was in v4. With delayed application the send failed while
+    # round v4 went on: if the round had ended by the resync, its progress went with it and it
+    # withdrew from v4 too; if not, it pulled v2 and was in v4 (which depends on the box's speed)
     merged = {v: sorted(len(m["contributors"]) for m in _merges(out) if m["version"] == v) for v in (2, 4)}
-    assert merged == {2: [0, 1], 4: [0, 1] if overlap else [1, 1]}, merged
-    if overlap:
-        assert "withdrew from the merge of v4 (withdrawn from the merge)" in logs["worker0.log"]
+    gave_up = "withdrew from the merge of v4 (withdrawn from the merge)" in logs["worker0.log"]
+    assert merged == {2: [0, 1], 4: [0, 1] if gave_up else [1, 1]}, (merged, gave_up)
+    assert overlap or not gave_up
 
 
 def _started_by_stage(sw) -> dict[int, list[str]]:
