@@ -39,6 +39,8 @@ from shoal.plan.cost import (
     availability,
     compute_time,
     scenario_profile,
+    servers_memory,
+    stage_server_memory,
     stage_sync_time,
     stage_worker_memory,
     step_time,
@@ -261,7 +263,7 @@ def construct(scenario: Scenario, n_stages: int, sync: SyncPolicy, options: Cost
     act = prof.layers[0].out_act_bytes * sync.act_compression
     m = scenario.workload.micro_batches
     hosts = place_servers(scenario, groups, [prof.param_bytes(*r) for r in even],
-                          [prof.server_memory(*r, sync.local) for r in even], table, act if act_aware else 0.0, m)
+                          [stage_server_memory(prof, *r, sync) for r in even], table, act if act_aware else 0.0, m)
     share: dict[str, int] = {}
     for g, h in zip(groups, hosts, strict=True):
         share[h] = share.get(h, 0) + len(g)
@@ -304,7 +306,7 @@ def construct(scenario: Scenario, n_stages: int, sync: SyncPolicy, options: Cost
         # plus activation traffic; keep whichever placement predicts the shortest step.
         groups2 = [[dev[w] for w in st.workers] for st in stages]
         pb = [prof.param_bytes(*st.layers) for st in stages]
-        mem = [prof.server_memory(*st.layers, sync.local) for st in stages]
+        mem = [stage_server_memory(prof, *st.layers, sync) for st in stages]
         plans = [build_plan(scenario, "shoal", stages, sync)]
         for a_bytes in (0.0, act):
             hs = place_servers(scenario, groups2, pb, mem, table, a_bytes, m)
@@ -329,15 +331,13 @@ def _copy(plan: Plan) -> Plan:
 
 
 def _feasible(plan: Plan, scenario: Scenario, prof: ModelProfile, dev: dict[str, Device]) -> bool:
-    host_need: dict[str, float] = {}
     for st in plan.stages:
         if not st.workers or st.layers[1] <= st.layers[0]:
             return False
         need = stage_worker_memory(prof, *st.layers, plan.sync)
         if any(dev[w].memory < need for w in st.workers):
             return False
-        host_need[st.server] = host_need.get(st.server, 0.0) + prof.server_memory(*st.layers, plan.sync.local)
-    return all(dev[h].host_memory >= n for h, n in host_need.items())
+    return all(dev[h].host_memory >= n for h, n in servers_memory(plan.stages, prof, plan.sync).items())
 
 
 def _neighbours(plan: Plan, scenario: Scenario, rng: random.Random, unused: list[str], dev: dict[str, Device],

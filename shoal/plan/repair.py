@@ -26,7 +26,14 @@ from collections.abc import Iterable
 from shoal.errors import ShoalError
 from shoal.plan.allocator import _copy, _feasible, local_search, plan_shoal
 from shoal.plan.common import host_sync_cost, step_of
-from shoal.plan.cost import CostOptions, predict, scenario_profile, stage_costs, stage_worker_memory
+from shoal.plan.cost import (
+    CostOptions,
+    predict,
+    scenario_profile,
+    stage_costs,
+    stage_server_memory,
+    stage_worker_memory,
+)
 from shoal.plan.types import Plan, Scenario
 from shoal.plan.validate import validate_plan
 
@@ -45,9 +52,9 @@ def _best_host(plan: Plan, i: int, scenario: Scenario) -> str | None:
     for j, st in enumerate(plan.stages):
         if j != i and st.server in dev:
             load[st.server] = load.get(st.server, 0) + len(st.workers)
-            mem[st.server] = mem.get(st.server, 0.0) + prof.server_memory(*st.layers, plan.sync.local)
+            mem[st.server] = mem.get(st.server, 0.0) + stage_server_memory(prof, *st.layers, plan.sync)
     st = plan.stages[i]
-    need = prof.server_memory(*st.layers, plan.sync.local)
+    need = stage_server_memory(prof, *st.layers, plan.sync)
     workers = [dev[w] for w in st.workers]
     pbytes = prof.param_bytes(*st.layers)
     best, best_c = None, math.inf

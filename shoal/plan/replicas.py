@@ -46,6 +46,7 @@ from shoal.plan.cost import (
     server_cpu_caps,
     servers_memory,
     stage_costs,
+    stage_server_memory,
     stage_worker_memory,
 )
 from shoal.plan.types import Device, Plan, Replica, Scenario, SyncPolicy
@@ -433,7 +434,7 @@ def plan_replicas(scenario: Scenario, seed: int = 0, sync: SyncPolicy | None = N
     # stay idle; cut to what the hosts hold (fitted_classes), their devices work in the
     # slowest replica kept, but may slow it more than they add. Both are planned where they
     # differ; the faster plan stays.
-    whole = prof.server_memory(0, n, sync.local)
+    whole = stage_server_memory(prof, 0, n, sync)
     hosts = {d.id: d for d in scenario.server_hosts}
     split = [(c, k, speed_classes(devs) if k == 1 else [devs]) for c, k, devs in groups]
     apart = [(c, k, sub) for c, k, subs in split for sub in subs]

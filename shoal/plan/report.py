@@ -24,6 +24,7 @@ from shoal.plan.cost import (
     server_cpu_per_step,
     servers_memory,
     stage_costs,
+    stage_server_memory,
     stage_worker_memory,
     swarm_flop_limit,
 )
@@ -143,7 +144,7 @@ def idle_reason(d: Device, plan: Plan, scenario: Scenario, step_s: float,
 
             k = stages_needed(prof, d, plan.sync)
             room = server_room(plan, scenario, prof)
-            whole = prof.server_memory(0, len(prof.layers), plan.sync.local)
+            whole = stage_server_memory(prof, 0, len(prof.layers), plan.sync)
             if k and room < whole:  # a replica of its size needs servers no host has the memory for
                 return IDLE_MEMORY, (f"has {d.memory / 1e9:.1f} GB, enough for a {k}-stage replica, but the "
                                      f"stage servers of another replica need {whole / 1e9:.0f} GB of host memory "

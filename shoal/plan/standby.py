@@ -28,6 +28,7 @@ import math
 
 from shoal.errors import ShoalError
 from shoal.model.profile import ModelProfile
+from shoal.plan.cost import stage_server_memory
 from shoal.plan.types import Device, Plan, Scenario
 
 STATE_BYTES_PER_PARAM = 12  # fp32 weight + AdamW's fp32 first and second moments
@@ -64,13 +65,13 @@ def place_standbys(plan: Plan, scenario: Scenario, prof: ModelProfile, n: int) -
     used_mem: dict[str, float] = {}
     for st in plan.stages:
         load[st.server] = load.get(st.server, 0) + 1
-        used_mem[st.server] = used_mem.get(st.server, 0.0) + prof.server_memory(*st.layers, plan.sync.local)
+        used_mem[st.server] = used_mem.get(st.server, 0.0) + stage_server_memory(prof, *st.layers, plan.sync)
     out: list[list[str]] = [[] for _ in plan.stages]
     order = sorted(range(len(plan.stages)), key=lambda i: (-prof.params(*plan.stages[i].layers), i))
     for i in order:
         st = plan.stages[i]
         active = scenario.device(st.server)
-        need = prof.server_memory(*st.layers, plan.sync.local)
+        need = stage_server_memory(prof, *st.layers, plan.sync)
         for _ in range(n):
             cands = [h for h in hosts.values() if h.id != st.server and h.id not in out[i]
                      and h.host_memory - used_mem.get(h.id, 0.0) >= need]

@@ -5,7 +5,12 @@ from __future__ import annotations
 import dataclasses
 
 from shoal.errors import ShoalError
-from shoal.plan.cost import scenario_profile, stage_worker_memory
+from shoal.plan.cost import (
+    scenario_profile,
+    servers_memory,
+    stage_server_memory,
+    stage_worker_memory,
+)
 from shoal.plan.types import Plan, Scenario
 
 
@@ -52,7 +57,7 @@ def validate_plan(plan: Plan, scenario: Scenario) -> None:
         host = devices[st.server]
         if not host.can_host_server:
             raise ShoalError(f"stage {i}'s server host {st.server} is not allowed to host servers (can_host_server is false)")
-        server_need[st.server] = server_need.get(st.server, 0.0) + prof.server_memory(*st.layers, plan.sync.local)
+        server_need[st.server] = server_need.get(st.server, 0.0) + stage_server_memory(prof, *st.layers, plan.sync)
         need = stage_worker_memory(prof, *st.layers, plan.sync)
         for wid in st.workers:
             if wid not in devices:
@@ -110,9 +115,7 @@ def _validate_replicas(plan: Plan, scenario: Scenario) -> None:
                     raise ShoalError(f"device {wid} works for replicas {seen[wid]} and {i}; a device serves one stage")
                 seen[wid] = i
     prof = scenario_profile(scenario, plan.micro_batch_size)
-    need: dict[str, float] = {}
-    for st in plan.all_stages:
-        need[st.server] = need.get(st.server, 0.0) + prof.server_memory(*st.layers, plan.sync.local)
+    need = servers_memory(plan.all_stages, prof, plan.sync)
     devices = {d.id: d for d in scenario.devices}
     for h, n in need.items():
         if devices[h].host_memory < n:
