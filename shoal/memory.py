@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import sys
 
@@ -28,6 +29,12 @@ ENV = "SHOAL_MALLOC"  # "system": leave the C library's allocator settings alone
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc's mallopt parameters
 _DONE: list[bool] = []
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """The C library, loaded once (OSError where it cannot be)."""
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 
 
 def release_free() -> bool:
@@ -41,8 +48,7 @@ def release_free() -> bool:
     if os.environ.get(ENV, "") == "system" or not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
+        trim = _libc().malloc_trim
     except (OSError, AttributeError):  # not glibc
         return False
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
@@ -58,8 +64,7 @@ def tune_malloc() -> bool:
     ok = False
     if os.environ.get(ENV, "") != "system" and sys.platform.startswith("linux"):
         try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            mallopt = libc.mallopt
+            mallopt = _libc().mallopt
             mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
             ok = all([mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD), mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD),
                       mallopt(_M_TOP_PAD, TOP_PAD)])

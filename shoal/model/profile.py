@@ -50,7 +50,7 @@ SERVER_BYTES_PER_PARAM = 64
 # micro-batches (4 threads: a real run's; the runs above had 1-2), 35 a parameter beyond 748 MB
 # (replica servers of 31-116 M parameters, M = 8): its parts are summed into the first part's
 # tensors, and what each round frees on its threads goes back to the system
-# (shoal.memory.release_free); before that change such servers took 56 and exceeded this figure.
+# (shoal.memory.release_free); without those, such servers take 56 and exceed this figure.
 LOCAL_SERVER_BYTES_PER_PARAM = 42
 # The interpreter, torch, gRPC and their threads, and what a stage's workers hold on it at once
 # (their streams' buffers, the screen's samples of their pushes): 0.35-0.5 GB beside the
