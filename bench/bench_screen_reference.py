@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def speed(model: str) -> int:
     """The reference's FLOP rate on this host, as the server runs it: one thread, and one thread
-    a micro-batch (``shoal.runtime.sync.local.reference_pool``)."""
+    a micro-batch (``shoal.runtime.sync.local.reference_pool``), summed as autograd makes each
+    parameter's gradient."""
     import os
     from concurrent.futures import ThreadPoolExecutor
 
@@ -160,7 +161,7 @@ def speed(model: str) -> int:
             best = float("inf")
             for _ in range(3):
                 t0 = time.perf_counter()
-                list(pool.map(lambda x: reference_gradient(module, spec, 0, [x], first=False, last=False), inputs))
+                reference_gradient(module, spec, 0, inputs, first=False, last=False, pool=pool if threads > 1 else None)
                 best = min(best, time.perf_counter() - t0)
         base = base or best
         print(f"| {threads} | {best:.3f} | {flops / best / 1e9:.1f} | {base / best:.2f}x |")

@@ -461,6 +461,49 @@ def test_recompute_sum_in_threads_is_the_same_bits_as_one_at_a_time(first, last)
         assert all(torch.equal(got[n], one[n]) for n in one), threads
 
 
+@pytest.mark.parametrize("first,last", [(True, False), (False, True), (True, True)])
+def test_reference_gradient_in_threads_is_the_same_bits_and_survives_a_failing_micro_batch(first, last):
+    """The screen's reference gradient runs a micro-batch a thread and adds each parameter's
+    gradient into one sum as autograd makes it, in micro-batch order: the same bits as whole
+    gradients summed one at a time, with causal prefixes and a whole model (the head tied to the
+    embedding: one gradient from two uses). A micro-batch that fails fails the whole, without
+    leaving the others waiting for it, and leaves no hook on the weights."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from shoal.model.config import get_preset
+    from shoal.model.transformer import build_stage
+    from shoal.net import shoal_pb2 as pb
+    from shoal.runtime.safety.verify import recompute_grads, reference_gradient
+
+    cfg = get_preset("tiny")
+    lo, hi = (0, cfg.n_total_layers) if first and last else (0, 2) if first else (cfg.n_layers + 1, cfg.n_layers + 2)
+    torch.manual_seed(0)
+    module = build_stage(cfg, lo, hi)
+    spec = pb.RunSpec(model="tiny", micro_batches=4, micro_batch_size=2, seq_len=16, seed=3, data="synthetic")
+    gen = torch.Generator().manual_seed(1)
+    shape = (2, 16, cfg.d_model)
+    inputs = [(mb, None if first else torch.randn(shape, generator=gen),
+               None if last else torch.randn(shape, generator=gen), prefix)
+              for mb, prefix in ((2, None), (0, 5), (3, 16), (1, 1))]
+    one = {}
+    for mb, inp, og, prefix in inputs:
+        g = recompute_grads(module, spec, 5, mb, first=first, last=last, inp=inp, out_grad=og, prefix=prefix)
+        for n, t in g.items():
+            one[n] = t if n not in one else one[n] + t
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        for p in (None, pool):
+            got = reference_gradient(module, spec, 5, inputs, first=first, last=last, pool=p)
+            assert sorted(got) == sorted(one)
+            assert all(torch.equal(got[n], one[n]) for n in one), p
+            assert all(t.stride() != (0,) * t.dim() or t.numel() <= 1 for t in got.values())
+        if not (first and last):  # (a stage input or output gradient of a wrong shape fails its micro-batch)
+            bad = list(inputs)
+            bad[1] = (0, None, torch.zeros(1, 1), 5) if first else (0, torch.zeros(1, 1), None, 5)
+            with pytest.raises((RuntimeError, ValueError)):
+                reference_gradient(module, spec, 5, bad, first=first, last=last, pool=pool)
+    assert all(not p._backward_hooks for p in module.parameters())
+
+
 def test_server_recomputes_a_push_of_several_micro_batches_in_threads(tmp_path):
     """The production path: a one-stage server recomputes a worker's first push, three
     micro-batches in one push, on its recompute threads (beside the step: the push counts at

@@ -473,6 +473,13 @@ def test_flush_part_adds_the_residual_to_a_pseudo_gradient_and_takes_it_off_weig
     assert torch.equal(flush_part(t, False, r)["a"], torch.full((3,), 1.5))
     assert torch.equal(flush_part(t, True, r)["a"], torch.full((3,), 0.5))
     assert torch.equal(flush_part(t, True, r)["b"], t["b"])  # no residual: as it was
+    assert torch.equal(t["a"], torch.ones(3))  # (pure: the part as it was)
+    g = torch.Generator().manual_seed(0)
+    for weights in (False, True):  # in place: the same bits, in the part's own tensors
+        t, r = {"a": torch.randn(64, generator=g)}, {"a": torch.randn(64, generator=g)}
+        want, a = flush_part(t, weights, r)["a"], t["a"]
+        got = flush_part(t, weights, r, in_place=True)["a"]
+        assert got is a and torch.equal(got, want)
 
 
 def test_a_part_is_taken_only_from_a_peer_stages_server_and_checked(tmp_path, monkeypatch):

@@ -9,8 +9,9 @@ the workers use, and compares a push with it.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterable, Mapping
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -205,26 +206,20 @@ def recompute_sum(module: torch.nn.Module, spec, step: int,
     gradient; inputs and gradients taken in fp32, as a bf16 run's are recomputed), what a
     push of those micro-batches holds.
 
-    ``threads`` micro-batches at a time (default :func:`recompute_threads`) on
-    :func:`recompute_pool`, each summed in the order of ``inputs``: the same bits as one at a
-    time (each micro-batch's gradient is computed on its own). At most ``threads`` gradients
-    of the stage are held beside the sum."""
-    def one(item: tuple[int, torch.Tensor | None, torch.Tensor | None]) -> dict[str, torch.Tensor]:
-        mb, inp, out_grad = item
-        return recompute_grads(module, spec, step, mb, first=first, last=last,
-                               inp=None if inp is None else inp.float(),
-                               out_grad=None if out_grad is None else out_grad.float(), loss_scale=loss_scale)
-
-    items = list(inputs)
+    ``threads`` micro-batches at a time (default :func:`recompute_threads`, on
+    :func:`recompute_pool`), summed in the order of ``inputs`` as autograd makes each
+    parameter's gradient (:func:`summed_grads`): the same bits as one at a time, one float32
+    copy of the stage for the sum however many threads run."""
+    items = [(mb, None if inp is None else inp.float(), None if og is None else og.float(), None)
+             for mb, inp, og in inputs]
     width = recompute_threads() if threads is None else max(1, threads)
-    total: dict[str, torch.Tensor] = {}
-    for i in range(0, len(items), width):
-        chunk = items[i:i + width]
-        parts = [one(chunk[0])] if len(chunk) == 1 else list(recompute_pool().map(one, chunk))
-        for g in parts:
-            for n, t in g.items():
-                total[n] = t if n not in total else total[n] + t
-    return total
+    if width <= 1 or len(items) <= 1:
+        return summed_grads(module, spec, step, items, first=first, last=last, loss_scale=loss_scale)
+    if width == recompute_threads():
+        return summed_grads(module, spec, step, items, first=first, last=last, loss_scale=loss_scale,
+                            pool=recompute_pool())
+    with ThreadPoolExecutor(max_workers=width, thread_name_prefix="shoal-recompute") as pool:
+        return summed_grads(module, spec, step, items, first=first, last=last, loss_scale=loss_scale, pool=pool)
 
 
 def reference_inputs(inputs: list[tuple[int, torch.Tensor | None, torch.Tensor | None]], micro_batch_size: int,
@@ -256,18 +251,98 @@ def reference_inputs(inputs: list[tuple[int, torch.Tensor | None, torch.Tensor |
     return out
 
 
+class _OrderedSum:
+    """The sum of several micro-batches' gradients, taken a parameter at a time as autograd
+    makes each (a hook on every parameter, :func:`reference_gradient`), in micro-batch order
+    whichever thread gets there first: the same bits as summing whole gradients in order, but
+    no thread ever holds a whole gradient of the stage (one float32 copy for the sum, not one a
+    thread)."""
+
+    def __init__(self, count: int):
+        self.sum: dict[str, torch.Tensor] = {}
+        self.added: list[set[str]] = [set() for _ in range(count)]  # per micro-batch: parameters it added
+        self.finished = [False] * count  # per micro-batch: its backward has ended (a parameter it never added counts as 0)
+        self.cv = threading.Condition()
+
+    def add(self, i: int, name: str, g: torch.Tensor) -> None:
+        with self.cv:
+            # micro-batch i adds a parameter after every earlier micro-batch has added it or ended
+            self.cv.wait_for(lambda: all(name in self.added[j] or self.finished[j] for j in range(i)))
+            cur = self.sum.get(name)
+            if cur is None:
+                self.sum[name] = g
+            elif cur.is_contiguous():
+                cur.add_(g)
+            else:  # (a view autograd handed out, e.g. a broadcast: not written into)
+                self.sum[name] = cur + g
+            self.added[i].add(name)
+            self.cv.notify_all()
+
+    def finish(self, i: int) -> None:
+        with self.cv:
+            self.finished[i] = True
+            self.cv.notify_all()
+
+
+_SUMMING = threading.local()  # on a thread summing gradients: (its _OrderedSum, its micro-batch's index)
+
+
+def summed_grads(module: torch.nn.Module, spec, step: int,
+                 inputs: list[tuple[int, torch.Tensor | None, torch.Tensor | None, int | None]], *,
+                 first: bool, last: bool, loss_scale: float = 1.0, pool: Executor | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """The sum of :func:`recompute_grads` over ``inputs`` (micro-batch, stage input, output
+    gradient, causal prefix or None), in their order. Each micro-batch runs on a thread of
+    ``pool`` (torch releases the GIL in its kernels), or in turn on this thread without one;
+    either way each parameter's gradient is added into one sum as autograd makes it
+    (:class:`_OrderedSum`): the same bits as summing whole gradients in order, and one float32
+    copy of the stage however many threads run (not one a thread)."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    total = _OrderedSum(len(inputs))
+
+    def hook_for(name: str):
+        def hook(g: torch.Tensor) -> torch.Tensor:
+            job = getattr(_SUMMING, "job", None)
+            if job is None or job[0] is not total:  # (another computation on these weights: not ours)
+                return g
+            total.add(job[1], name, g)
+            return g.new_zeros(()).expand_as(g)  # what autograd hands back instead: no memory
+        return hook
+
+    def one(i: int) -> None:
+        mb, inp, out_grad, prefix = inputs[i]
+        _SUMMING.job = (total, i)
+        try:
+            recompute_grads(module, spec, step, mb, first=first, last=last, inp=inp, out_grad=out_grad,
+                            loss_scale=loss_scale, prefix=prefix)
+        finally:
+            _SUMMING.job = None
+            total.finish(i)
+
+    handles = [p.register_hook(hook_for(names[id(p)])) for p in module.parameters()]
+    try:
+        if pool is None or len(inputs) <= 1:
+            for i in range(len(inputs)):
+                one(i)
+        else:
+            futures = [pool.submit(one, i) for i in range(len(inputs))]
+            wait(futures)  # (all of them, even past a failure: none is left running on the module)
+            for f in futures:
+                f.result()
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: total.sum[n] if n in total.sum else torch.zeros_like(p) for n, p in module.named_parameters()}
+
+
 def reference_gradient(module: torch.nn.Module, spec, step: int,
                        inputs: list[tuple[int, torch.Tensor | None, torch.Tensor | None, int | None]], *,
-                       first: bool, last: bool) -> dict[str, torch.Tensor]:
+                       first: bool, last: bool, pool: Executor | None = None) -> dict[str, torch.Tensor]:
     """Local mode: the server's own gradient at the merged weights (``module``) on ``inputs``
-    (:func:`reference_inputs` of one step the server holds), with the workers' formula, summed."""
-    ref: dict[str, torch.Tensor] = {}
-    for mb, inp, out_grad, prefix in inputs:
-        g = recompute_grads(module, spec, step, mb, first=first, last=last, inp=inp, out_grad=out_grad,
-                            prefix=prefix)
-        for n, t in g.items():
-            ref[n] = t if n not in ref else ref[n] + t
-    return ref
+    (:func:`reference_inputs` of one step the server holds), with the workers' formula, summed
+    (:func:`summed_grads`; a micro-batch a thread of ``pool``, which the planner prices on as
+    many cores: ``shoal.plan.cost.reference_cores``)."""
+    return summed_grads(module, spec, step, inputs, first=first, last=last, pool=pool)
 
 
 def reference_cosines(ref: dict[str, torch.Tensor], deltas: dict[str, dict[str, torch.Tensor]],

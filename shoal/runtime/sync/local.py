@@ -677,32 +677,17 @@ class LocalServerMixin:
 
         _, step, inputs, tokens = kept
         self.local_ref_inputs = None
-        part = functools.partial(reference_gradient, self.module, self.spec, step, first=self.is_first,
-                                 last=self.is_last)
+
+        def reference() -> dict[str, torch.Tensor]:
+            # one thread a micro-batch, summed as autograd makes each parameter's gradient
+            ref = reference_gradient(self.module, self.spec, step, inputs, first=self.is_first, last=self.is_last,
+                                     pool=reference_pool())
+            release_free()  # (what the threads' autograd freed, kept in their malloc arenas)
+            return ref
 
         async def run():
-            # one thread a micro-batch (torch releases the GIL in its kernels): the planner prices
-            # them on as many of the host's cores (shoal.plan.cost.reference_cores)
             t0 = time.perf_counter()
-            loop = asyncio.get_running_loop()
-            parts = await asyncio.gather(*(loop.run_in_executor(reference_pool(), part, [x]) for x in inputs))
-
-            def total() -> dict[str, torch.Tensor]:  # (a pass over the stage per part: off the loop too)
-                # summed into the first part's own tensors (fresh gradients), each part dropped once
-                # added: the same bits as ``a + b``, without one more copy of the stage beside the parts
-                ref = dict(parts[0])
-                for i in range(1, len(parts)):
-                    for n, t in parts[i].items():
-                        if ref[n].is_contiguous():
-                            ref[n].add_(t)
-                        else:  # (a view autograd handed out, e.g. a broadcast: not written into)
-                            ref[n] = ref[n] + t
-                    parts[i] = None
-                parts.clear()
-                release_free()  # (the parts' copies, freed in the reference threads' arenas)
-                return ref
-
-            ref = await loop.run_in_executor(None, total)
+            ref = await asyncio.get_running_loop().run_in_executor(None, reference)
             return ref, step, tokens, time.perf_counter() - t0
 
         self.local_ref_key = key

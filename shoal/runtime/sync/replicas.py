@@ -511,14 +511,21 @@ class _PartView(Mapping[str, torch.Tensor]):
 
 
 def flush_part(tensors: Mapping[str, torch.Tensor], weights: bool,
-               residual: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+               residual: Mapping[str, torch.Tensor], in_place: bool = False) -> dict[str, torch.Tensor]:
     """A stage's part of the run's last, dense round with what its earlier compressed parts left
-    (``residual``, pseudo-gradient units: anchor minus weights) (pure): added to a
-    pseudo-gradient part, taken off a weights part (the weights it should have moved to)."""
+    (``residual``, pseudo-gradient units: anchor minus weights): added to a pseudo-gradient part,
+    taken off a weights part (the weights it should have moved to). Pure, unless ``in_place``:
+    then written into ``tensors``' own (contiguous) tensors, the same bits without one more
+    float32 copy of the stage beside the part (for a part this server summed itself)."""
     out = {}
     for name, t in tensors.items():
         r = residual.get(name)
-        out[name] = t if r is None else (t - r if weights else t + r)
+        if r is None:
+            out[name] = t
+        elif in_place and t.is_contiguous():
+            out[name] = t.sub_(r) if weights else t.add_(r)
+        else:
+            out[name] = t - r if weights else t + r
     return out
 
 
@@ -723,7 +730,8 @@ class ReplicaServerMixin:
         if self.part_ef is not None and dense_round(version, self.spec.steps, self.part_ef.codec):
             # The run's last round is dense: the part goes raw with what earlier parts left.
             if n > 0:
-                tensors = flush_part(tensors, weights, self.part_ef.state())
+                # (in place: the part is this merge's own sum, not a tensor anything else holds)
+                tensors = flush_part(tensors, weights, self.part_ef.state(), in_place=True)
             self.part_ef.reset()
         elif n > 0 and not weights and self.part_ef is not None:
             frames, tensors = await loop.run_in_executor(None, self._encode_part, tensors)
