@@ -433,24 +433,34 @@ def test_corrupt_ckpt_follows_the_time_rule_and_a_fault_that_never_fired_is_said
         Swarm(launch_config(tmp_path / "run2", ckpt_every=10, ckpt_every_s=0, faults=["corrupt-ckpt:1:step=2"]))
 
 
+def _tiny_stage_inputs(first: bool, last: bool, micro_batches: int, prefixes: list):
+    """A tiny model's stage at that position (whole where both), its run spec and inputs
+    (micro-batch, stage input, output gradient, prefix) for each of ``prefixes``' (mb, prefix)."""
+    from shoal.model.config import get_preset
+    from shoal.model.transformer import build_stage
+    from shoal.net import shoal_pb2 as pb
+
+    cfg = get_preset("tiny")
+    lo, hi = ((0, cfg.n_total_layers) if first and last else (0, 2) if first
+              else (cfg.n_layers + 1, cfg.n_layers + 2) if last else (2, 4))
+    torch.manual_seed(0)
+    module = build_stage(cfg, lo, hi)
+    spec = pb.RunSpec(model="tiny", micro_batches=micro_batches, micro_batch_size=2, seq_len=16, seed=3,
+                      data="synthetic")
+    gen = torch.Generator().manual_seed(1)
+    shape = (2, 16, cfg.d_model)
+    return module, spec, [(mb, None if first else torch.randn(shape, generator=gen),
+                           None if last else torch.randn(shape, generator=gen), prefix) for mb, prefix in prefixes]
+
+
 @pytest.mark.parametrize("first,last", [(True, False), (False, False), (False, True)])
 def test_recompute_sum_in_threads_is_the_same_bits_as_one_at_a_time(first, last):
     """A push's recomputation runs its micro-batches in threads: each summed in the push's
     order, so the sum is the same bits as the sequential loop, at any stage position."""
-    from shoal.model.config import get_preset
-    from shoal.model.transformer import build_stage
-    from shoal.net import shoal_pb2 as pb
     from shoal.runtime.safety.verify import recompute_grads, recompute_sum
 
-    cfg = get_preset("tiny")
-    lo, hi = (0, 2) if first else (cfg.n_layers + 1, cfg.n_layers + 2) if last else (2, 4)
-    torch.manual_seed(0)
-    module = build_stage(cfg, lo, hi)
-    spec = pb.RunSpec(model="tiny", micro_batches=5, micro_batch_size=2, seq_len=16, seed=3, data="synthetic")
-    gen = torch.Generator().manual_seed(1)
-    shape = (2, 16, cfg.d_model)
-    inputs = [(mb, None if first else torch.randn(shape, generator=gen),
-               None if last else torch.randn(shape, generator=gen)) for mb in (4, 0, 2, 3, 1)]
+    module, spec, inputs = _tiny_stage_inputs(first, last, 5, [(mb, None) for mb in (4, 0, 2, 3, 1)])
+    inputs = [x[:3] for x in inputs]
     one = {}
     for mb, inp, og in inputs:
         for n, t in recompute_grads(module, spec, 7, mb, first=first, last=last, inp=inp, out_grad=og).items():
@@ -470,21 +480,9 @@ def test_reference_gradient_in_threads_is_the_same_bits_and_survives_a_failing_m
     leaving the others waiting for it, and leaves no hook on the weights."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from shoal.model.config import get_preset
-    from shoal.model.transformer import build_stage
-    from shoal.net import shoal_pb2 as pb
     from shoal.runtime.safety.verify import recompute_grads, reference_gradient
 
-    cfg = get_preset("tiny")
-    lo, hi = (0, cfg.n_total_layers) if first and last else (0, 2) if first else (cfg.n_layers + 1, cfg.n_layers + 2)
-    torch.manual_seed(0)
-    module = build_stage(cfg, lo, hi)
-    spec = pb.RunSpec(model="tiny", micro_batches=4, micro_batch_size=2, seq_len=16, seed=3, data="synthetic")
-    gen = torch.Generator().manual_seed(1)
-    shape = (2, 16, cfg.d_model)
-    inputs = [(mb, None if first else torch.randn(shape, generator=gen),
-               None if last else torch.randn(shape, generator=gen), prefix)
-              for mb, prefix in ((2, None), (0, 5), (3, 16), (1, 1))]
+    module, spec, inputs = _tiny_stage_inputs(first, last, 4, [(2, None), (0, 5), (3, 16), (1, 1)])
     one = {}
     for mb, inp, og, prefix in inputs:
         g = recompute_grads(module, spec, 5, mb, first=first, last=last, inp=inp, out_grad=og, prefix=prefix)
