@@ -47,12 +47,12 @@ SERVER_BYTES_PER_PARAM = 64
 # parameter), pushes beyond the merge memory wait as frames or on disk, replica parts come one at
 # a time, and the merge memory itself is what the host has free beyond a fifth of its RAM
 # (shoal.runtime.sync.held). 37 + 4 + 1 of margin. With the screen's reference gradient on 4
-# micro-batches (4 threads: a real run's; the runs above had 1-2), 35 a parameter beyond 748 MB
-# (replica servers of 31-116 M parameters, M = 8); on the 31-60 M ones 43 beyond 414 MB, and 38
-# beyond 487 MB since the reference holds one copy of the stage, not one a thread (each
-# parameter's gradient added into one sum as autograd makes it). What each round frees on its
-# threads goes back to the system
-# (shoal.memory.release_free); without those, such servers take 56 and exceed this figure.
+# micro-batches (4 threads: a real run's; the runs above had 1-2), 31 a parameter beyond 553 MB
+# (replica servers of 31-116 M parameters, M = 8; the most of one 28.2 beyond 1 GiB): the
+# reference holds one copy of the stage however many threads compute it (each parameter's
+# gradient added into one sum as autograd makes it), and what each round frees on its threads
+# goes back to the system (shoal.memory.release_free). With a copy a thread the same servers
+# took 35 beyond 748 MB, and without the release 56, above this figure.
 LOCAL_SERVER_BYTES_PER_PARAM = 42
 # The interpreter, torch, gRPC and their threads, and what a stage's workers hold on it at once
 # (their streams' buffers, the screen's samples of their pushes): 0.35-0.5 GB beside the

@@ -253,7 +253,7 @@ def reference_inputs(inputs: list[tuple[int, torch.Tensor | None, torch.Tensor |
 
 class _OrderedSum:
     """The sum of several micro-batches' gradients, taken a parameter at a time as autograd
-    makes each (a hook on every parameter, :func:`reference_gradient`), in micro-batch order
+    makes each (a hook on every parameter, :func:`summed_grads`), in micro-batch order
     whichever thread gets there first: the same bits as summing whole gradients in order, but
     no thread ever holds a whole gradient of the stage (one float32 copy for the sum, not one a
     thread)."""
