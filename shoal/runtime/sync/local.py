@@ -990,11 +990,8 @@ class LocalWorkerMixin:
         round_v = rep.local_step + 1
         if (rep.local_sync and self.pending is None and self.local_sent != (rep.epoch, round_v) and self.version < 0
                 and self.local_reported > 0):
-            # the replica was given up mid-round (resynced): what the server counted of it is lost
             self.local_sent = (rep.epoch, round_v)
-            self.local_reported = 0
-            await self._local_withdraw(pb.GradPush(step=rep.step, epoch=rep.epoch, gen=rep.gen, local_round=round_v),
-                                       self.server)
+            await self._local_given_up(rep, round_v)
         if (rep.local_sync and self.pending is None and self.local_sent != (rep.epoch, round_v)
                 and self.version >= 0 and self.weights_epoch == rep.epoch and self.anchor):
             self.local_sent = (rep.epoch, round_v)
@@ -1034,9 +1031,7 @@ class LocalWorkerMixin:
                         and self.local_closed[0] == rep.epoch and self.local_closed[1] < v)
             self.local_closed = key
             if given_up:
-                self.local_reported = 0
-                await self._local_withdraw(pb.GradPush(step=rep.step, epoch=rep.epoch, gen=rep.gen, local_round=v),
-                                           self.server)
+                await self._local_given_up(rep, v)
             return
         if self.local_closed[1] >= v or (self.pending is not None and self.pending[1] < v):
             return  # closed already; or an inner step of the round still awaits its decision
@@ -1188,6 +1183,13 @@ class LocalWorkerMixin:
 
         self.local_sending = asyncio.ensure_future(sent())
         self.local_sending.add_done_callback(self._local_sent)
+
+    async def _local_given_up(self, rep: pb.LeaseReply, round_v: int) -> None:
+        """The replica was given up mid-round (resynced): what the server counted of it for the
+        merge of ``round_v`` is lost with it, so it withdraws from that merge."""
+        self.local_reported = 0
+        await self._local_withdraw(pb.GradPush(step=rep.step, epoch=rep.epoch, gen=rep.gen, local_round=round_v),
+                                   self.server)
 
     async def _local_withdraw(self, msg: pb.GradPush, server) -> None:
         """Tell ``server`` that the pseudo-gradient ``msg`` was for will not come (it was lost, could
