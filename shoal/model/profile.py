@@ -52,7 +52,10 @@ SERVER_BYTES_PER_PARAM = 64
 # reference holds one copy of the stage however many threads compute it (each parameter's
 # gradient added into one sum as autograd makes it), and what each round frees on its threads
 # goes back to the system (shoal.memory.release_free). With a copy a thread the same servers
-# took 35 beyond 748 MB, and without the release 56, above this figure.
+# took 35 beyond 748 MB, and without the release 56, above this figure. At gpt-1.3b's width
+# (d2048: its matrices above shoal.memory's heap threshold, so freed copies leave the process)
+# 25.4 beyond 568 MB, about 27 at most with two pushes decoding and a 512-token reference
+# (bench/results/server-memory.md, 2026-12-06 02:47): the figure keeps its margin at both widths.
 LOCAL_SERVER_BYTES_PER_PARAM = 42
 # The interpreter, torch, gRPC and their threads, and what a stage's workers hold on it at once
 # (their streams' buffers, the screen's samples of their pushes): 0.35-0.5 GB beside the
