@@ -9,6 +9,10 @@ previous commit: each stage server's milestones (first grant, last result, commi
 push counted, report, decision, commit), and the medians of the hops a step is made of:
 worker compute end -> server has the result, relay sent -> taken by the next server, lease
 reply -> pull done, push made -> push acknowledged. ``--events`` lists every event of the step.
+``--workers`` adds, per worker over every committed step from ``--from`` on: the steps it took
+a task in, its grants (checks included) and its pushes' made -> acknowledged times (in exact
+sync a step commits only once every worker that computed a gradient in it has pushed, so one
+slow uplink sets the step's end).
 """
 
 from __future__ import annotations
@@ -54,13 +58,46 @@ def hops(ev: list[dict]) -> dict[str, list[float]]:
     return out
 
 
+def workers(ev: list[dict], first_step: int = 0) -> dict[str, dict]:
+    """Per worker (its short name: the member id's last part), over the steps from
+    ``first_step`` on: ``steps`` (those it was granted a task in), ``grants`` and ``pushes``
+    (made -> acknowledged, seconds; a worker's acknowledgements matched to its pushes in order)."""
+    out: dict[str, dict] = defaultdict(lambda: {"steps": set(), "grants": 0, "pushes": []})
+    made: dict[str, list[tuple[float, int]]] = defaultdict(list)
+    for e in ev:
+        k = e["ev"]
+        if k == "grant" and e.get("step", -1) >= first_step:
+            w = out[e["w"].rsplit("-", 1)[-1]]
+            w["steps"].add(e["step"])
+            w["grants"] += 1
+        elif k == "push_make":
+            made[e["who"]].append((e["t"], e.get("step", -1)))
+        elif k == "push_ack" and made[e["who"]]:
+            t, s = made[e["who"]].pop(0)
+            if s >= first_step:
+                out[e["who"].rsplit("-", 1)[-1]]["pushes"].append(e["t"] - t)
+    return dict(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folder")
     ap.add_argument("--step", type=int, default=None)
     ap.add_argument("--events", action="store_true")
+    ap.add_argument("--workers", action="store_true", help="per worker: steps taken part in, grants, push times")
+    ap.add_argument("--from", dest="first", type=int, default=2,
+                    help="--workers: count from this step (default 2: weights pulled, graphs built)")
     args = ap.parse_args()
     ev = load(args.folder)
+    if args.workers:
+        per = workers(ev, args.first)
+        steps = sorted({s for w in per.values() for s in w["steps"]})
+        print(f"workers over steps {steps[0] if steps else '-'}-{steps[-1] if steps else '-'} ({len(steps)} steps):")
+        for name, w in sorted(per.items(), key=lambda kv: (len(kv[0]), kv[0])):
+            p = w["pushes"]
+            pushes = (f"median {1e3 * statistics.median(p):.0f} ms, max {1e3 * max(p):.0f} ms ({len(p)})"
+                      if p else "none")
+            print(f"  {name:8s} in {len(w['steps'])} steps, {w['grants']} grants; pushes made -> acknowledged: {pushes}")
     commits = defaultdict(list)
     for e in ev:
         if e["ev"] == "committed":
