@@ -23,7 +23,7 @@ def test_workers_counts_steps_grants_and_pairs_pushes_in_order():
         _ev(1.1, "s0", "grant", w="w-cd34-w5", step=2, mb=1, d=0),
         _ev(1.2, "s0", "grant", w="w-ab12-w0", step=3, mb=0, d=0),
         _ev(1.3, "w5", "push_make", step=2),
-        _ev(1.4, "w5", "push_make", step=2),  # a second push (a check's result) before the first is acknowledged
+        _ev(1.4, "w5", "push_make", step=2),  # a second push made before the first is acknowledged
         _ev(3.3, "w5", "push_ack", step=2),
         _ev(4.4, "w5", "push_ack", step=2),
         _ev(5.0, "w0", "push_ack", step=3),  # no push made: ignored
