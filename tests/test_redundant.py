@@ -347,6 +347,66 @@ def test_server_checks_pushes_by_another_worker_and_commits_once_decided(tmp_pat
     asyncio.run(main())
 
 
+def test_server_checks_flag_reaches_the_run_spec_through_launch(tmp_path):
+    """``shoal launch --server-checks`` hands the flag to its coordinator, whose run spec
+    carries it to every stage server (``guard_server_checks``); off by default."""
+    from shoal.cli import build_parser
+    from shoal.runtime.processes.cli import _spec
+    from shoal.runtime.processes.launch import LaunchConfig, Swarm
+
+    assert not _spec(build_parser().parse_args(["coordinator"])).guard_server_checks
+    assert build_parser().parse_args(["launch", "--out", "x", "--server-checks"]).server_checks
+    flags = Swarm(LaunchConfig(out=str(tmp_path / "run"), server_checks=True))._run_flags()
+    assert "--server-checks" in flags
+    assert _spec(build_parser().parse_args(["coordinator", *flags])).guard_server_checks
+    assert "--server-checks" not in Swarm(LaunchConfig(out=str(tmp_path / "other")))._run_flags()
+
+
+@pytest.mark.integration
+def test_with_server_checks_the_server_recomputes_drawn_pushes_and_no_worker_gets_a_check(tmp_path, monkeypatch):
+    """The same server and pushes as above with the run's ``guard_server_checks`` (what
+    ``--server-checks`` sets): every push drawn (the test hook), both workers past their first
+    checks, yet no push goes to the other worker as a check task. The server recomputes each one
+    beside the step (deferred), both pass, and the workers' next leases are ordinary tasks."""
+    from test_guard import _grad_push, _one_stage_server, _settled
+
+    from shoal.net import shoal_pb2 as pb
+    from shoal.runtime.safety.verify import recompute_grads
+
+    monkeypatch.setenv(SPOT_RATE_ENV, "1")
+
+    async def main():
+        srv = await _one_stage_server(tmp_path, "server-checks", micro_batches=3, micro_batch_size=2, seq_len=16)
+        srv.spec.guard_spot_check = 0.05
+        srv.spec.guard_server_checks = True
+        srv.guard_ok, srv.guard_seen = {"A": 5, "B": 5}, {"A", "B"}
+
+        def true_grads(mb):
+            return recompute_grads(srv.module, srv.spec, 0, mb, first=True, last=True, inp=None, out_grad=None)
+
+        async def compute(worker):
+            t = (await srv.Lease(pb.LeaseRequest(worker=worker, wait_s=0), None)).task
+            ok = await srv.Complete(pb.TaskResult(worker=worker, step=t.step, mb=t.mb, direction=t.direction,
+                                                  epoch=t.epoch, lease_id=t.lease_id, loss=1.0), None)
+            assert ok.accepted and not t.check_id
+            return t.mb, ok.gen
+
+        (a0, gen_a), (b0, gen_b) = await compute("A"), await compute("B")
+        assert (await srv.PushGrads(_grad_push(srv, 0, a0, "A", gen_a, true_grads(a0)), None)).accepted
+        assert (await srv.PushGrads(_grad_push(srv, 0, b0, "B", gen_b, true_grads(b0)), None)).accepted
+        assert not srv.dup_checks and srv.dup_counts["made"] == 0
+        async with srv.cond:
+            await _settled(srv)
+        assert srv.deferred_done == 2 and not srv.guard_banned
+        assert srv.guard_ok == {"A": 6, "B": 6}
+        t = (await srv.Lease(pb.LeaseRequest(worker="B", wait_s=0), None)).task
+        assert not t.check_id and t.mb not in (a0, b0)
+
+    import asyncio
+
+    asyncio.run(main())
+
+
 def test_a_check_abandoned_by_a_leaving_checker_lets_the_step_commit(tmp_path, monkeypatch):
     """As above: A's two pushes are checked by B, B's by A. A's answer agrees (bitwise), then
     B leaves without answering: its checks are abandoned and the step commits at once."""

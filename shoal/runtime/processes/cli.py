@@ -123,6 +123,11 @@ def _run_args(p: argparse.ArgumentParser, launch: bool = False) -> None:
                    help="least fraction of gradient pushes a stage server recomputes to catch poisoned work "
                         "(exact fp32 runs; new workers and workers with flagged pushes are checked more, the "
                         "last step whole; 0: only flagged and first pushes)")
+    p.add_argument("--server-checks", action="store_true",
+                   help="exact sync: the stage servers recompute the drawn pushes themselves, in the background, "
+                        "instead of drawing another worker to compute them again (whose result, a gradient of the "
+                        "stage a micro-batch, the step's commit waits for: minutes over a slow uplink for a large "
+                        "stage); fewer pushes get checked where the servers' CPUs are slow")
 
 
 _ADVERTISE_HELP = ("HOST:PORT other machines dial to reach this process (needed with --listen 0.0.0.0:PORT "
@@ -463,7 +468,8 @@ def _spec(args):
         init_from=init_from or "", model_config_json=json.dumps(cfg.to_dict()) if init_from else "",
         sync_mode=sync.mode, sync_every=sync.sync_every, outer_lr=sync.outer_lr, outer_momentum=sync.outer_momentum,
         sync_overlap=sync.overlap,
-        guard_spot_check=_spot_check(args.spot_check), shadow=bool(getattr(args, "shadow", False)))
+        guard_spot_check=_spot_check(args.spot_check), guard_server_checks=bool(getattr(args, "server_checks", False)),
+        shadow=bool(getattr(args, "shadow", False)))
     compression.to_spec(spec)
     if replicas is not None:
         from shoal.runtime.sync.replicas import check_replica_run
@@ -693,7 +699,8 @@ def run_launch_cmd(args) -> int:
         device=args.device or "auto", precision=args.precision or "fp32", loss_scale=args.loss_scale,
         sync=args.sync, sync_every=args.sync_every, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
         overlap=args.overlap,
-        compression=args.compression, faults=list(args.fault), spot_check=args.spot_check, standbys=args.standbys,
+        compression=args.compression, faults=list(args.fault), spot_check=args.spot_check,
+        server_checks=args.server_checks, standbys=args.standbys,
         tls=not args.insecure, fork_server=not args.no_fork_server, session=args.session,
         shadow=args.shadow, shadow_per_process=args.shadow_per_process, merge_memory_gb=args.merge_memory_gb)
     if cfg.dashboard:

@@ -117,6 +117,7 @@ class LaunchConfig:
     compression: str = "none"  # wire codecs per traffic kind (shoal.runtime.sync.codecs; none: uncompressed)
     faults: list[str] = field(default_factory=list)  # --fault SPECs (shoal.runtime.safety.faults grammar)
     spot_check: float = 0.05  # fraction of gradient pushes the stage servers recompute (exact runs)
+    server_checks: bool = False  # exact runs: the servers recompute drawn pushes themselves, no worker does (--server-checks)
     standbys: int = 0  # hot standby servers, each with its own empty checkpoint folder (stage k mod S)
     tls: bool = True  # mutual TLS with keys made in RUN/tls (False: plain text on loopback)
     fork_server: bool = True  # fork members from one warm process (shoal.runtime.processes.forkserver; False: spawn each)
@@ -369,7 +370,7 @@ class Swarm:
             "--precision", c.precision, *([] if c.loss_scale is None else ["--loss-scale", repr(c.loss_scale)]),
             "--sync", c.sync, "--sync-every", str(c.sync_every), "--outer-lr", repr(c.outer_lr),
             "--outer-momentum", repr(c.outer_momentum), *([] if c.overlap else ["--no-overlap"]),
-            "--spot-check", repr(c.spot_check),
+            "--spot-check", repr(c.spot_check), *(["--server-checks"] if c.server_checks else []),
             "--compression", c.compression, *(["--shadow"] if c.shadow else []),
             *self._coordinator_emulation()]
 

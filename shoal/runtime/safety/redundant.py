@@ -76,8 +76,9 @@ class RedundantMixin:
     # ------------------------------------------------------------------ redundant checks
     def _dup_able(self, r: pb.GradPush, raw_pulls: bool) -> bool:
         """Whether a push can be checked by another worker: raw frames, uncompressed weight pulls
-        (``raw_pulls``: both workers computed on the server's weights), fp32 or bf16."""
-        return (self.guard_cfg.redundant and not self.local and raw_pulls
+        (``raw_pulls``: both workers computed on the server's weights), fp32 or bf16, and the run
+        did not leave its checks to the servers (``--server-checks``)."""
+        return (self.guard_cfg.redundant and not self.spec.guard_server_checks and not self.local and raw_pulls
                 and run_precision(self.spec) in ("fp32", "bf16") and all(g.codec in ("", "raw") for g in r.grads))
 
     def _dup_start(self, r: pb.GradPush, ids: list[int], grads: dict[str, torch.Tensor], exact: bool) -> str:
