@@ -279,6 +279,35 @@ def test_random_order_of_checks_is_not_predictable_by_a_worker():
     assert len({pick_checker(live, "w0", 3, s, 2, 0) for s in salts}) >= 4
 
 
+async def _trusted_pair_server(tmp_path, run_id: str):
+    """test_guard's one-stage server, spot checks on, with workers A and B both past their first
+    checks (so their drawn pushes may go to each other)."""
+    from test_guard import _one_stage_server
+
+    srv = await _one_stage_server(tmp_path, run_id, micro_batches=3, micro_batch_size=2, seq_len=16)
+    srv.spec.guard_spot_check = 0.05
+    srv.guard_ok, srv.guard_seen = {"A": 5, "B": 5}, {"A", "B"}
+    return srv
+
+
+def _true_grads(srv, mb: int) -> dict:
+    """The stage's honest gradient of step 0's micro-batch ``mb``."""
+    from shoal.runtime.safety.verify import recompute_grads
+
+    return recompute_grads(srv.module, srv.spec, 0, mb, first=True, last=True, inp=None, out_grad=None)
+
+
+async def _lease_and_compute(srv, worker: str) -> tuple[int, int]:
+    """``worker`` leases an ordinary task (no check) and reports it computed: (its mb, the generation)."""
+    from shoal.net import shoal_pb2 as pb
+
+    t = (await srv.Lease(pb.LeaseRequest(worker=worker, wait_s=0), None)).task
+    ok = await srv.Complete(pb.TaskResult(worker=worker, step=t.step, mb=t.mb, direction=t.direction,
+                                          epoch=t.epoch, lease_id=t.lease_id, loss=1.0), None)
+    assert ok.accepted and not t.check_id
+    return t.mb, ok.gen
+
+
 def test_server_checks_pushes_by_another_worker_and_commits_once_decided(tmp_path, monkeypatch):
     """A one-stage server driven through its handlers, every push drawn (the test hook),
     workers A and B with a record: each push is given to the other worker as a check task,
@@ -286,17 +315,14 @@ def test_server_checks_pushes_by_another_worker_and_commits_once_decided(tmp_pat
     abandoned (the step does not wait for it); B's own push is checked by A, whose answer is
     times -2: A and B disagree, the server's recomputation names A, A is banned with the
     redundant computation as reason and its micro-batches go back to todo."""
-    from test_guard import _grad_push, _one_stage_server
+    from test_guard import _grad_push
 
     from shoal.net import shoal_pb2 as pb
-    from shoal.runtime.safety.verify import recompute_grads
 
     monkeypatch.setenv(SPOT_RATE_ENV, "1")
 
     async def main():
-        srv = await _one_stage_server(tmp_path, "dup-test", micro_batches=3, micro_batch_size=2, seq_len=16)
-        srv.spec.guard_spot_check = 0.05
-        srv.guard_ok, srv.guard_seen = {"A": 5, "B": 5}, {"A", "B"}  # both past their first checks
+        srv = await _trusted_pair_server(tmp_path, "dup-test")
         commits = []
 
         async def fake_commit(step, epoch):  # (no coordinator here: the commit's start is what counts)
@@ -304,14 +330,10 @@ def test_server_checks_pushes_by_another_worker_and_commits_once_decided(tmp_pat
         srv._commit = fake_commit
 
         def true_grads(mb):
-            return recompute_grads(srv.module, srv.spec, 0, mb, first=True, last=True, inp=None, out_grad=None)
+            return _true_grads(srv, mb)
 
         async def compute(worker):
-            t = (await srv.Lease(pb.LeaseRequest(worker=worker, wait_s=0), None)).task
-            ok = await srv.Complete(pb.TaskResult(worker=worker, step=t.step, mb=t.mb, direction=t.direction,
-                                                  epoch=t.epoch, lease_id=t.lease_id, loss=1.0), None)
-            assert ok.accepted and not t.check_id
-            return t.mb, ok.gen
+            return await _lease_and_compute(srv, worker)
 
         (a0, gen_a), (b0, gen_b), (a1, _) = await compute("A"), await compute("B"), await compute("A")
         assert (await srv.PushGrads(_grad_push(srv, 0, a0, "A", gen_a, true_grads(a0)), None)).accepted
@@ -362,38 +384,23 @@ def test_server_checks_flag_reaches_the_run_spec_through_launch(tmp_path):
     assert "--server-checks" not in Swarm(LaunchConfig(out=str(tmp_path / "other")))._run_flags()
 
 
-@pytest.mark.integration
 def test_with_server_checks_the_server_recomputes_drawn_pushes_and_no_worker_gets_a_check(tmp_path, monkeypatch):
     """The same server and pushes as above with the run's ``guard_server_checks`` (what
     ``--server-checks`` sets): every push drawn (the test hook), both workers past their first
     checks, yet no push goes to the other worker as a check task. The server recomputes each one
     beside the step (deferred), both pass, and the workers' next leases are ordinary tasks."""
-    from test_guard import _grad_push, _one_stage_server, _settled
+    from test_guard import _grad_push, _settled
 
     from shoal.net import shoal_pb2 as pb
-    from shoal.runtime.safety.verify import recompute_grads
 
     monkeypatch.setenv(SPOT_RATE_ENV, "1")
 
     async def main():
-        srv = await _one_stage_server(tmp_path, "server-checks", micro_batches=3, micro_batch_size=2, seq_len=16)
-        srv.spec.guard_spot_check = 0.05
+        srv = await _trusted_pair_server(tmp_path, "server-checks")
         srv.spec.guard_server_checks = True
-        srv.guard_ok, srv.guard_seen = {"A": 5, "B": 5}, {"A", "B"}
-
-        def true_grads(mb):
-            return recompute_grads(srv.module, srv.spec, 0, mb, first=True, last=True, inp=None, out_grad=None)
-
-        async def compute(worker):
-            t = (await srv.Lease(pb.LeaseRequest(worker=worker, wait_s=0), None)).task
-            ok = await srv.Complete(pb.TaskResult(worker=worker, step=t.step, mb=t.mb, direction=t.direction,
-                                                  epoch=t.epoch, lease_id=t.lease_id, loss=1.0), None)
-            assert ok.accepted and not t.check_id
-            return t.mb, ok.gen
-
-        (a0, gen_a), (b0, gen_b) = await compute("A"), await compute("B")
-        assert (await srv.PushGrads(_grad_push(srv, 0, a0, "A", gen_a, true_grads(a0)), None)).accepted
-        assert (await srv.PushGrads(_grad_push(srv, 0, b0, "B", gen_b, true_grads(b0)), None)).accepted
+        (a0, gen_a), (b0, gen_b) = await _lease_and_compute(srv, "A"), await _lease_and_compute(srv, "B")
+        assert (await srv.PushGrads(_grad_push(srv, 0, a0, "A", gen_a, _true_grads(srv, a0)), None)).accepted
+        assert (await srv.PushGrads(_grad_push(srv, 0, b0, "B", gen_b, _true_grads(srv, b0)), None)).accepted
         assert not srv.dup_checks and srv.dup_counts["made"] == 0
         async with srv.cond:
             await _settled(srv)
