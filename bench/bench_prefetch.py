@@ -43,9 +43,11 @@ def run(scenario: str | None, steps: int, prefetch: bool, sync: dict, loopback: 
     swarm = dict(scenario=scenario) if scenario else dict(stages=loopback, workers=loopback)
     with tempfile.TemporaryDirectory(prefix="shoal-prefetch-") as tmp:
         out = Path(tmp) / "run"
-        launch(LaunchConfig(out=str(out), steps=steps, timeout_s=900,
-                            worker_args=[["--prefetch"]] * n if prefetch else [], **swarm, **RUN, **sync))
-        os.environ.pop("SHOAL_TRACE", None)
+        try:
+            launch(LaunchConfig(out=str(out), steps=steps, timeout_s=900,
+                                worker_args=[["--prefetch"]] * n if prefetch else [], **swarm, **RUN, **sync))
+        finally:
+            os.environ.pop("SHOAL_TRACE", None)  # (the next run traces into its own folder, or not at all)
         times = [r["step_time_s"] for r in read_jsonl(out / "metrics.jsonl") if r["step"] >= 2]
     return statistics.fmean(times), statistics.median(times)
 
