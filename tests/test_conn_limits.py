@@ -26,6 +26,7 @@ import grpc
 import pytest
 
 from shoal.net.channel import HANDSHAKE_TIMEOUT_S, IDLE_CLOSE_S, connection_cap, server_options
+from shoal.train.metrics import read_jsonl
 
 FD_LIMIT = 1024
 # A TLS record header and the start of a ClientHello: a handshake that never goes on.
@@ -304,3 +305,7 @@ def test_run_under_fd_limit_1024_survives_a_connection_flood(tmp_path, tmp_path_
     assert all(n < FD_LIMIT for n in top.values()), top
     assert summary["steps"] == ref_summary["steps"] and summary["losses"] == ref_summary["losses"]
     assert_equal_weights(out, ref_weights)
+    # The end needed no new connection to the flooded server (one would wait for the flood's
+    # connections to time out): each server sent its final weights on its own connection.
+    done = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "done"]
+    assert done[0]["final_weights"] == {"sent": 2, "pulled": 0}, done

@@ -10,8 +10,10 @@ import time
 from shoal.net import shoal_pb2 as pb
 from shoal.runtime.roles.coordinator import (
     Coordinator,
+    asks_final,
     beat_floor_s,
     busy_excuse,
+    final_refusal,
     replan_wait,
     stage_without_worker,
 )
@@ -292,3 +294,96 @@ def test_a_tick_the_loop_spent_computing_is_not_the_members_silence():
     assert busy_excuse(cpu_s=0.05, wall_s=0.1) == 0.0  # half idle: it heard whoever beat
     assert busy_excuse(cpu_s=0.0, wall_s=0.0) == 0.0
     assert busy_excuse(cpu_s=0.085, wall_s=0.1, share=0.8) == 0.1
+
+
+def test_asks_final_after_the_last_commit_until_the_weights_are_in():
+    assert not asks_final(committed=2, steps=3, done=False, sent=False)
+    assert asks_final(committed=3, steps=3, done=False, sent=False)
+    assert not asks_final(committed=3, steps=3, done=False, sent=True)
+    assert not asks_final(committed=3, steps=3, done=True, sent=False)
+
+
+def test_final_refusal_names_what_is_wrong():
+    assert final_refusal(0, [0, 3], [0, 3], 1, 1, 5, 5) == ""
+    assert final_refusal(-1, None, [0, 3], 1, 1, 5, 5) == "the sender serves no stage"
+    assert "not its stage's [3, 6]" in final_refusal(1, [3, 6], [0, 3], 1, 1, 5, 5)
+    assert "epoch 0 is not the run's 1" in final_refusal(0, [0, 3], [0, 3], 0, 1, 5, 5)
+    assert "before the last step" in final_refusal(0, [0, 3], [0, 3], 1, 1, 4, 5)
+
+
+class _Caller:
+    """An in-process call's context: the member id the auth interceptor checked (what
+    ``shoal.net.auth.caller`` reads from the call's metadata)."""
+
+    def __init__(self, member: str):
+        self.member = member
+
+    def invocation_metadata(self):
+        from shoal.net.auth import MEMBER_HEADER, ROLE_HEADER
+
+        return [(MEMBER_HEADER, self.member), (ROLE_HEADER, "server")]
+
+
+def test_servers_send_their_final_weights_when_asked_and_the_run_ends_without_a_pull(tmp_path):
+    """After the last commit each stage server's heartbeat reply asks for its final weights;
+    weights of the wrong layers, epoch or version are refused with the reason; once both
+    stages' are in, the asks stop and the run ends with them (no pull: the servers'
+    addresses here accept no connection)."""
+    import torch
+
+    from shoal.model.transformer import build_stage
+    from shoal.net.stream import split
+    from shoal.runtime.common import model_config
+    from shoal.runtime.roles.artifacts import load_final_weights
+    from shoal.runtime.transport.frames import serialise_weights
+
+    async def chunks(head: pb.WeightsReply, params: dict):
+        for c in split("WeightsReply", serialise_weights(head, params), 1 << 16):
+            yield c
+
+    async def main():
+        c = Coordinator(SPEC, "tok", min_workers=2, out=str(tmp_path))
+        s0 = (await c.Join(pb.JoinRequest(role="server", address="127.0.0.1:1", name="s0"), None)).member_id
+        s1 = (await c.Join(pb.JoinRequest(role="server", address="127.0.0.1:2", name="s1"), None)).member_id
+        ws = [(await c.Join(pb.JoinRequest(role="worker", flops=1e9, name=f"w{i}"), None)).member_id
+              for i in range(2)]
+        hb = {m: await c.Heartbeat(pb.MemberRequest(member_id=m, ckpt_version=0), None) for m in (s0, s1, *ws)}
+        by_stage = {hb[m].stage: m for m in (s0, s1)}
+        layers = {s: [hb[m].first, hb[m].last] for s, m in by_stage.items()}
+        for step in range(SPEC.steps):
+            assert not any(h.send_final for h in hb.values())
+            await asyncio.gather(
+                c.ReportStep(pb.StepReport(member_id=by_stage[0], stage=0, step=step, epoch=0, sq_norm=1.0), None),
+                c.ReportStep(pb.StepReport(member_id=by_stage[1], stage=1, step=step, epoch=0, sq_norm=1.0,
+                                           losses=[2.0, 2.0]), None))
+            hb = {m: await c.Heartbeat(pb.MemberRequest(member_id=m, version=step + 1), None)
+                  for m in (s0, s1, *ws)}
+        assert [hb[m].send_final for m in (s0, s1, *ws)] == [True, True, False, False]
+
+        cfg = model_config(SPEC)
+        params = {s: dict(build_stage(cfg, *layers[s], seed=7).named_parameters()) for s in (0, 1)}
+        final = lambda s, **kw: pb.WeightsReply(**{"version": SPEC.steps, "epoch": 0,  # noqa: E731
+                                                   "first": layers[s][0], "last": layers[s][1], **kw})
+        refused = [await c.FinalWeights(chunks(final(1), params[1]), _Caller(by_stage[0])),
+                   await c.FinalWeights(chunks(final(0, epoch=1), params[0]), _Caller(by_stage[0])),
+                   await c.FinalWeights(chunks(final(0, version=SPEC.steps - 1), params[0]), _Caller(by_stage[0])),
+                   await c.FinalWeights(chunks(final(0), params[0]), _Caller(ws[0]))]
+        assert not any(r.accepted for r in refused)
+        assert [r.reason.split(" ")[0] for r in refused] == ["layers", "epoch", "version", "the"]
+        assert (await c.FinalWeights(chunks(final(0), params[0]), _Caller(by_stage[0]))).accepted
+        assert (await c.Heartbeat(pb.MemberRequest(member_id=by_stage[0]), None)).send_final is False
+        assert (await c.Heartbeat(pb.MemberRequest(member_id=by_stage[1]), None)).send_final is True
+        assert (await c.FinalWeights(chunks(final(1), params[1]), _Caller(by_stage[1]))).accepted
+        await asyncio.wait_for(_until_done(c), 60)
+        done = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "done"]
+        assert done and done[0]["final_weights"] == {"sent": 2, "pulled": 0}
+        got = load_final_weights(tmp_path)
+        sent = {**params[0], **params[1]}
+        assert set(got) == set(sent) and all(torch.equal(got[n], sent[n].detach()) for n in sent)
+
+    asyncio.run(main())
+
+
+async def _until_done(c) -> None:
+    while not c.done:
+        await asyncio.sleep(0.05)

@@ -54,6 +54,7 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
     "/shoal.v1.Coordinator/Leave": frozenset({"server", "worker"}),
     "/shoal.v1.Coordinator/Measured": frozenset({"server", "worker"}),
     "/shoal.v1.Coordinator/ReportStep": frozenset({"server"}),
+    "/shoal.v1.Coordinator/FinalWeights": frozenset({"server"}),
     "/shoal.v1.Coordinator/Probe": frozenset({ANY}),
     **{f"/shoal.v1.StageServer/{m}": frozenset({"worker"}) for m in (
         "LeaseStream", "Lease", "CompleteStream", "Complete", "PushGradsStream", "PushGrads", "Renew", "Leave",
@@ -76,7 +77,7 @@ REPORT_BYTES = 4 * MIB  # requests carrying per-run lists (losses per micro-batc
 PROBE_BYTES = 64 * MIB  # largest probe transfer (a timed link measurement; --probe-mb is at most 64)
 MAX_CHUNK_BYTES = 64 * MIB  # largest chunk of a streamed transfer (--chunk-mb is at most 64)
 CHUNK_MESSAGE_BYTES = MAX_CHUNK_BYTES + 64 * KIB  # one Chunk message: its data plus kind, offsets, sender
-GRADS = "grads"  # a size the stage server resolves: its stage's gradient (parameter bytes + slack)
+GRADS = "grads"  # a size the receiver resolves: a stage server its stage's gradient, the coordinator the model (bytes + slack)
 ACT = "act"  # a size the stage server resolves: one micro-batch's activation (or its gradient)
 
 
@@ -99,6 +100,8 @@ METHOD_LIMITS: dict[str, dict[str, SizeLimit]] = {
     "/shoal.v1.Coordinator/Leave": {"server": SizeLimit(CONTROL_BYTES), "worker": SizeLimit(CONTROL_BYTES)},
     "/shoal.v1.Coordinator/Measured": {"server": SizeLimit(REPORT_BYTES), "worker": SizeLimit(REPORT_BYTES)},
     "/shoal.v1.Coordinator/ReportStep": {"server": SizeLimit(REPORT_BYTES)},
+    # (GRADS at the coordinator: the whole model's float32 weights and slack)
+    "/shoal.v1.Coordinator/FinalWeights": {"server": _CHUNKED},
     "/shoal.v1.Coordinator/Probe": {ANY: SizeLimit(PROBE_BYTES + 64 * KIB)},
     **{f"/shoal.v1.StageServer/{m}": {"worker": SizeLimit(CONTROL_BYTES)} for m in (
         "LeaseStream", "Lease", "Renew", "Leave")},

@@ -393,7 +393,7 @@ class ByteCount(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., codec: _Optional[str] = ..., raw: _Optional[int] = ..., wire: _Optional[int] = ..., messages: _Optional[int] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("known", "stage", "first", "last", "servers", "ready", "epoch", "restart_version", "done", "measure", "move_now", "guard_banned", "guard_keep", "standby_for", "standby_first", "standby_last", "standby_source", "standby_decisions", "standby_peers", "forgotten", "beat_floor_s", "server_ids")
+    __slots__ = ("known", "stage", "first", "last", "servers", "ready", "epoch", "restart_version", "done", "measure", "move_now", "guard_banned", "guard_keep", "standby_for", "standby_first", "standby_last", "standby_source", "standby_decisions", "standby_peers", "forgotten", "beat_floor_s", "server_ids", "send_final")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     FIRST_FIELD_NUMBER: _ClassVar[int]
@@ -416,6 +416,7 @@ class Assignment(_message.Message):
     FORGOTTEN_FIELD_NUMBER: _ClassVar[int]
     BEAT_FLOOR_S_FIELD_NUMBER: _ClassVar[int]
     SERVER_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEND_FINAL_FIELD_NUMBER: _ClassVar[int]
     known: bool
     stage: int
     first: int
@@ -438,7 +439,8 @@ class Assignment(_message.Message):
     forgotten: str
     beat_floor_s: float
     server_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, known: _Optional[bool] = ..., stage: _Optional[int] = ..., first: _Optional[int] = ..., last: _Optional[int] = ..., servers: _Optional[_Iterable[str]] = ..., ready: _Optional[bool] = ..., epoch: _Optional[int] = ..., restart_version: _Optional[int] = ..., done: _Optional[bool] = ..., measure: _Optional[int] = ..., move_now: _Optional[bool] = ..., guard_banned: _Optional[str] = ..., guard_keep: _Optional[int] = ..., standby_for: _Optional[int] = ..., standby_first: _Optional[int] = ..., standby_last: _Optional[int] = ..., standby_source: _Optional[str] = ..., standby_decisions: _Optional[_Iterable[_Union[StandbyDecision, _Mapping]]] = ..., standby_peers: _Optional[_Iterable[str]] = ..., forgotten: _Optional[str] = ..., beat_floor_s: _Optional[float] = ..., server_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    send_final: bool
+    def __init__(self, known: _Optional[bool] = ..., stage: _Optional[int] = ..., first: _Optional[int] = ..., last: _Optional[int] = ..., servers: _Optional[_Iterable[str]] = ..., ready: _Optional[bool] = ..., epoch: _Optional[int] = ..., restart_version: _Optional[int] = ..., done: _Optional[bool] = ..., measure: _Optional[int] = ..., move_now: _Optional[bool] = ..., guard_banned: _Optional[str] = ..., guard_keep: _Optional[int] = ..., standby_for: _Optional[int] = ..., standby_first: _Optional[int] = ..., standby_last: _Optional[int] = ..., standby_source: _Optional[str] = ..., standby_decisions: _Optional[_Iterable[_Union[StandbyDecision, _Mapping]]] = ..., standby_peers: _Optional[_Iterable[str]] = ..., forgotten: _Optional[str] = ..., beat_floor_s: _Optional[float] = ..., server_ids: _Optional[_Iterable[str]] = ..., send_final: _Optional[bool] = ...) -> None: ...
 
 class StandbyDecision(_message.Message):
     __slots__ = ("epoch", "step", "lr", "coef", "skip", "next_loss_scale", "checkpoint")
@@ -562,6 +564,14 @@ class StatusReply(_message.Message):
 class Empty(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class FinalWeightsReply(_message.Message):
+    __slots__ = ("accepted", "reason")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Task(_message.Message):
     __slots__ = ("step", "mb", "stage", "direction", "epoch", "lease_id", "input", "out_grad", "deadline_s", "loss_scale", "tokens", "check_id")

@@ -69,6 +69,11 @@ class CoordinatorStub:
                 request_serializer=shoal__pb2.ProbeRequest.SerializeToString,
                 response_deserializer=shoal__pb2.ProbeReply.FromString,
                 _registered_method=True)
+        self.FinalWeights = channel.stream_unary(
+                '/shoal.v1.Coordinator/FinalWeights',
+                request_serializer=shoal__pb2.Chunk.SerializeToString,
+                response_deserializer=shoal__pb2.FinalWeightsReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -116,6 +121,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FinalWeights(self, request_iterator, context):
+        """A stage server's final weights (a WeightsReply in chunks) when its heartbeat reply asks
+        (Assignment.send_final): on the connection its heartbeats keep open, so the run's end
+        needs no new connection (one can wait out a flood at a connection cap).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -153,6 +167,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Probe,
                     request_deserializer=shoal__pb2.ProbeRequest.FromString,
                     response_serializer=shoal__pb2.ProbeReply.SerializeToString,
+            ),
+            'FinalWeights': grpc.stream_unary_rpc_method_handler(
+                    servicer.FinalWeights,
+                    request_deserializer=shoal__pb2.Chunk.FromString,
+                    response_serializer=shoal__pb2.FinalWeightsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -344,6 +363,33 @@ class Coordinator:
             '/shoal.v1.Coordinator/Probe',
             shoal__pb2.ProbeRequest.SerializeToString,
             shoal__pb2.ProbeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FinalWeights(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/shoal.v1.Coordinator/FinalWeights',
+            shoal__pb2.Chunk.SerializeToString,
+            shoal__pb2.FinalWeightsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -46,6 +46,7 @@ from shoal.model.profile import profile_model
 from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
 from shoal.net.auth import (
+    caller,
     check_caller,
     coordinator_identity,
     member_credential,
@@ -54,9 +55,9 @@ from shoal.net.auth import (
     server_token_ok,
 )
 from shoal.net.channel import ChannelFactory, advertised_address, bind, make_server
-from shoal.net.stream import CONTROL_SLACK, fetch
+from shoal.net.stream import CONTROL_SLACK, fetch, receive
 from shoal.net.traffic import BYTES_METHOD, merge_traffic
-from shoal.net.wire import decode_tensor
+from shoal.net.wire import WireError, decode_tensor
 from shoal.runtime.common import (
     DeafClock,
     Signal,
@@ -119,6 +120,9 @@ REPLAN_SHARE = 0.2
 BEATS_PER_S = 1000.0
 BUSY_SHARE = 0.9  # a reaper tick with the loop computing this share of it or more excuses members' silence
 FREE_REPLAN_S = 0.1  # a re-plan that took less than this is never put off (small swarms: at once)
+# How long the run's end waits for a stage server to start sending its final weights before
+# pulling them (it sends once its last checkpoint is written; one being received is waited for).
+FINAL_WAIT_S = 30.0
 
 
 @dataclass
@@ -227,6 +231,12 @@ class Coordinator(pbg.CoordinatorServicer):
         self.cond = Signal()  # notified when a step is decided
         self.done = False
         self.finished = asyncio.Event()
+        # The final weights each stage server sent when asked (Assignment.send_final), by member
+        # id; _finish pulls only a stage whose server has not sent them.
+        self.final_in: dict[str, pb.WeightsReply] = {}
+        self.final_signal = Signal()
+        self.final_receiving: set[str] = set()  # servers whose final weights are arriving now
+        self.final_how = {"sent": 0, "pulled": 0}  # how _finish got each stage's final weights
         self.out = Path(out) if out else None
         self.t0 = resume.t0 if resume is not None and resume.t0 else time.time()
         self.last_commit_t = time.time()
@@ -989,6 +999,9 @@ class Coordinator(pbg.CoordinatorServicer):
                           ready=self.ready and not self.pending_restore, epoch=self.epoch,
                           restart_version=self.restart_version, done=self.done, measure=m.measure_req,
                           beat_floor_s=beat_floor_s(len(self.members), self.spec.dead_after_s))
+        if m.role == "server" and stage >= 0:
+            a.send_final = asks_final(self.committed, self.spec.steps, self.done,
+                                      self._final_of(m.member_id) is not None)
         if stage >= 0:
             a.first, a.last = self.layers[stage]
             if m.role == "server" and self.slots is not None:
@@ -1011,6 +1024,43 @@ class Coordinator(pbg.CoordinatorServicer):
             a.standby_decisions.extend(decisions_since(self.decisions, self.epoch, self.committed,
                                                        request.standby_decisions_from - 1))
         return a
+
+    def _final_of(self, member_id: str) -> pb.WeightsReply | None:
+        """The final weights ``member_id`` sent, if they are of this epoch's last version."""
+        rep = self.final_in.get(member_id)
+        ok = rep is not None and rep.epoch == self.epoch and rep.version >= self.spec.steps
+        return rep if ok else None
+
+    def max_bytes(self, what: str) -> int:
+        """Request sizes the coordinator resolves (:data:`shoal.net.auth.GRADS`): a stage's final
+        weights are at most the whole model's float32 weights and a message's slack."""
+        return self._final_cap()
+
+    def _final_cap(self) -> int:
+        prof = profile_model(self.cfg, self.spec.seq_len, self.spec.micro_batch_size, 4)
+        # No stage holds more than the whole model: the most bytes a stage's final weights take.
+        return 4 * prof.params(0, self.cfg.n_total_layers) + 512 * 4096 + CONTROL_SLACK
+
+    async def FinalWeights(self, request_iterator, context):
+        member = caller(context)[0] if context is not None else ""
+        self.final_receiving.add(member)
+        try:
+            rep = await receive(request_iterator, pb.WeightsReply, self._final_cap(), frames_field=WEIGHT_FRAMES)
+        except WireError as exc:
+            log.warning("refused the final weights of %s: %s", self._name_of(member), exc)
+            return pb.FinalWeightsReply(accepted=False, reason=f"rejected: {exc}")
+        finally:
+            self.final_receiving.discard(member)
+            self.final_signal.notify_all()
+        m = self.members.get(member)
+        stage = self._stage_of(m) if m is not None and m.role == "server" else -1
+        why = final_refusal(stage, list(self.layers[stage]) if stage >= 0 else None, [rep.first, rep.last],
+                            rep.epoch, self.epoch, rep.version, self.spec.steps)
+        if why:
+            return pb.FinalWeightsReply(accepted=False, reason=why)
+        self.final_in[member] = rep
+        self.final_signal.notify_all()
+        return pb.FinalWeightsReply(accepted=True)
 
     def _stages_at_work(self) -> dict[str, int]:
         """Each live worker's stage as it last reported it (where it works, not where it is
@@ -1382,33 +1432,48 @@ class Coordinator(pbg.CoordinatorServicer):
             asyncio.get_running_loop().create_task(self._finish())
 
     async def _finish(self) -> None:
-        """Collect the final weights from every server, write them, then say done."""
-        from shoal.model.profile import profile_model
+        """Collect the final weights from every server, write them, then say done.
 
+        Each server sends its stage's when its heartbeat reply asks (``send_final``), on the
+        connection its heartbeats keep open; a stage whose weights have not come within
+        :data:`FINAL_WAIT_S` (a server that left, or a send that failed) is pulled instead,
+        on a new connection (which a flood at the server's connection cap can hold up until
+        the flood's connections time out)."""
         channels = ChannelFactory(self.token, tls=self.tls, identity=coordinator_identity(self.token, self.secret))
-        prof = profile_model(self.cfg, self.spec.seq_len, self.spec.micro_batch_size, 4)
-        # No stage holds more than the whole model: the most bytes a final pull may take.
-        cap = 4 * prof.params(0, self.cfg.n_total_layers) + 512 * 4096 + CONTROL_SLACK
+        cap = self._final_cap()
+        loop = asyncio.get_running_loop()
+        until = loop.time() + FINAL_WAIT_S
+        while not self.error and any(sid and sid in self.members and self._final_of(sid) is None
+                                     and (loop.time() < until or sid in self.final_receiving)
+                                     for sid in self.stage_server):
+            await self.final_signal.wait(0.5)
         weights = {}
         by_stage: list[dict] = []
         for _ in range(600):
             try:
                 weights = {}
                 by_stage = []
+                how = {"sent": 0, "pulled": 0}
                 for s in range(self.spec.stages):
-                    stub = pbg.StageServerStub(channels.open(self._servers()[s]))
-                    while True:
-                        # (frames kept as views of the received bytes, decoded in a thread: a
-                        # whole stage parsed or decoded on the loop held it for seconds)
-                        rep = await fetch(stub.GetWeightsStream, pb.WeightsRequest(worker="coordinator"),
-                                          pb.WeightsReply, cap, frames_field=WEIGHT_FRAMES)
-                        if rep.version >= self.spec.steps or self.error:
-                            break
-                        await asyncio.sleep(0.05)
-                    by_stage.append(await asyncio.get_running_loop().run_in_executor(
+                    rep = self._final_of(self.stage_server[s])
+                    if rep is not None:
+                        how["sent"] += 1
+                    else:
+                        how["pulled"] += 1
+                        stub = pbg.StageServerStub(channels.open(self._servers()[s]))
+                        while True:
+                            # (frames kept as views of the received bytes, decoded in a thread: a
+                            # whole stage parsed or decoded on the loop held it for seconds)
+                            rep = await fetch(stub.GetWeightsStream, pb.WeightsRequest(worker="coordinator"),
+                                              pb.WeightsReply, cap, frames_field=WEIGHT_FRAMES)
+                            if rep.version >= self.spec.steps or self.error:
+                                break
+                            await asyncio.sleep(0.05)
+                    by_stage.append(await loop.run_in_executor(
                         None, lambda r=rep: {f.name: decode_tensor(f, dtype="float32") for f in r.params}))
                     for name, t in by_stage[-1].items():
                         weights.setdefault(name, t)  # a replica plan: the first replica's copy
+                self.final_how = how
                 break
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # its last checkpoint write failed
@@ -1440,8 +1505,9 @@ class Coordinator(pbg.CoordinatorServicer):
                     point_link(self.out, name, self.spec.run_id)
         self.final_weights = weights
         self.done = True
+        self.final_in.clear()  # (decoded into final_weights: the received bytes are not needed)
         self._journal("done", epoch=self.epoch)
-        self.event("done", steps=self.committed)
+        self.event("done", steps=self.committed, final_weights=dict(self.final_how))
         # Let members see done in a heartbeat (servers beat every 0.2 s, workers every
         # heartbeat_period), which also brings their last byte counts: until each has been told,
         # or three of a worker's beat periods at most (a member that died meanwhile never beats).
@@ -1548,11 +1614,13 @@ async def run_coordinator(spec: pb.RunSpec, token: str, listen: str, *, min_work
     coord = Coordinator(spec, token, min_workers=min_workers, out=out, emulated=emulated,
                         stall_fail_s=stall_fail_s, resume=resume, options=options, tls=tls,
                         server_token=server_token)
-    # Only control messages and link probes reach the coordinator: a much smaller limit than
-    # a stage server's (the largest is a probe upload, at most MAX_PROBE_BYTES).
+    # Only control messages, link probes and stage servers' final weights (in chunks, each
+    # checked) reach the coordinator: replies much smaller than a stage server's (the largest is
+    # a probe's, at most MAX_PROBE_BYTES).
     from shoal.runtime.measure import MAX_PROBE_BYTES
 
-    server = make_server(token, max_message_bytes=MAX_PROBE_BYTES + (1 << 20), run_key=lambda: coord.run_key)
+    server = make_server(token, max_message_bytes=MAX_PROBE_BYTES + (1 << 20), run_key=lambda: coord.run_key,
+                         resolve=coord.max_bytes)
     pbg.add_CoordinatorServicer_to_server(coord, server)
     port = bind(server, listen, tls)
     address = advertised_address(listen, advertise, port)
@@ -1691,6 +1759,27 @@ def beat_floor_s(members: int, dead_after_s: float, beats_per_s: float = BEATS_P
     ``dead_after_s`` (pure; tested directly). A worker beats at the longer of this and its
     own period; a worker at work is also kept alive by its stage server's reports of its traffic."""
     return min(members / beats_per_s, dead_after_s / 3.0)
+
+
+def asks_final(committed: int, steps: int, done: bool, sent: bool) -> bool:
+    """Whether a stage server's heartbeat reply asks for its final weights (pure): the last
+    step is committed, the run not yet done, and this epoch's final weights not yet in."""
+    return committed >= steps and not done and not sent
+
+
+def final_refusal(stage: int, layers: list[int] | None, got_layers: list[int], epoch: int, run_epoch: int,
+                  version: int, steps: int) -> str:
+    """Why final weights a server sent are refused ("" if taken; pure): it serves no stage now,
+    they are of other layers, of a rolled-back epoch, or of a version before the last step."""
+    if stage < 0 or layers is None:
+        return "the sender serves no stage"
+    if list(got_layers) != list(layers):
+        return f"layers {list(got_layers)} are not its stage's {list(layers)}"
+    if epoch != run_epoch:
+        return f"epoch {epoch} is not the run's {run_epoch}"
+    if version < steps:
+        return f"version {version} is before the last step ({steps})"
+    return ""
 
 
 def stage_without_worker(assign: dict[str, int], stages: int) -> bool:

@@ -50,6 +50,7 @@ from shoal.net.stream import (
     chunks_of,
     fetch,
     receive,
+    send,
     split,
 )
 from shoal.net.traffic import Traffic
@@ -175,6 +176,8 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         self.probe_bytes = probe_bytes  # bytes of each timed link transfer when measuring
         self.measure_done = 0  # newest measurement request answered
         self.measuring = False  # a measurement is under way
+        self.final_sending = False  # the final weights are being sent to the coordinator
+        self.final_sent: tuple[int, int] | None = None  # (epoch, version) whose final weights it took
         self.orphan_after_s = 120.0  # exit when the coordinator is unreachable this long
         self.traffic = Traffic()  # bytes of every call this server makes (relays, coordinator)
         self.channels = ChannelFactory(token, dial=dial, traffic=self.traffic, tls=tls)
@@ -658,8 +661,37 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
             if gone:
                 log.info("%s removed checkpoints v%s of stage %d: the run restarted from v%d", self.name,
                          ",".join(map(str, gone)), self.stage, self.version)
+        if (a.send_final and not self.final_sending and self.version >= self.spec.steps
+                and self.final_sent != (self.epoch, self.version)):
+            self.final_sending = True
+            self._spawn(self._send_final())
         async with self.cond:
             self.cond.notify_all()
+
+    async def _send_final(self) -> None:
+        """Send this stage's final weights to the coordinator (its heartbeat reply asked), on the
+        channel the heartbeats keep open, once the last checkpoint is written: a run's end then
+        needs no new connection. A send that fails is tried again at the next ask."""
+        try:
+            await self._ckpt_written()
+            await asyncio.sleep(0)  # the write's done callback (_bg_done) sets self.fatal
+            if self.fatal:
+                return  # the heartbeats carry it: the run fails
+            key = (self.epoch, self.version)
+            data = await self._weights_bytes()
+            if data is None or (self.epoch, self.version) != key:
+                return
+            rep = await send(self.coord.FinalWeights, pb.WeightsReply(), self.chunk_bytes, data=data,
+                             sender=self.member_id)
+            if rep.accepted:
+                self.final_sent = key
+            else:
+                log.warning("%s: the coordinator refused its final weights: %s", self.name, rep.reason)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("%s: sending its final weights failed (%s); the coordinator asks again", self.name,
+                        exc.code())
+        finally:
+            self.final_sending = False
 
     def _assigned(self, a: pb.Assignment) -> None:
         """A new stage or epoch (a re-plan or a rollback): load it (a logging standby replays first)."""
