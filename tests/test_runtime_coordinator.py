@@ -324,62 +324,125 @@ class _Caller:
         return [(MEMBER_HEADER, self.member), (ROLE_HEADER, "server")]
 
 
+async def _final_chunks(head: pb.WeightsReply, params: dict):
+    """A stage server's final weights as it streams them (``head`` with ``params`` framed)."""
+    from shoal.net.stream import split
+    from shoal.runtime.transport.frames import serialise_weights
+
+    for c in split("WeightsReply", serialise_weights(head, params), 1 << 16):
+        yield c
+
+
+async def _run_to_the_end(c: Coordinator, addresses: list[str]) -> tuple[dict, dict, list, dict]:
+    """Two servers (at ``addresses``) and two workers join ``c`` and every step is committed;
+    returns (server member id by stage, layers by stage, worker ids, each stage's weights)."""
+    from shoal.model.transformer import build_stage
+    from shoal.runtime.common import model_config
+
+    servers = [(await c.Join(pb.JoinRequest(role="server", address=a, name=f"s{i}"), None)).member_id
+               for i, a in enumerate(addresses)]
+    ws = [(await c.Join(pb.JoinRequest(role="worker", flops=1e9, name=f"w{i}"), None)).member_id for i in range(2)]
+    hb = {m: await c.Heartbeat(pb.MemberRequest(member_id=m, ckpt_version=0), None) for m in (*servers, *ws)}
+    by_stage = {hb[m].stage: m for m in servers}
+    layers = {s: [hb[m].first, hb[m].last] for s, m in by_stage.items()}
+    for step in range(SPEC.steps):
+        assert not any(h.send_final for h in hb.values())
+        await asyncio.gather(
+            c.ReportStep(pb.StepReport(member_id=by_stage[0], stage=0, step=step, epoch=0, sq_norm=1.0), None),
+            c.ReportStep(pb.StepReport(member_id=by_stage[1], stage=1, step=step, epoch=0, sq_norm=1.0,
+                                       losses=[2.0, 2.0]), None))
+        hb = {m: await c.Heartbeat(pb.MemberRequest(member_id=m, version=step + 1), None) for m in (*servers, *ws)}
+    assert [hb[m].send_final for m in (*servers, *ws)] == [True, True, False, False]
+    cfg = model_config(SPEC)
+    params = {s: dict(build_stage(cfg, *layers[s], seed=7).named_parameters()) for s in (0, 1)}
+    return by_stage, layers, ws, params
+
+
+def _final_of(layers: dict, stage: int, **kw) -> pb.WeightsReply:
+    return pb.WeightsReply(**{"version": SPEC.steps, "epoch": 0, "first": layers[stage][0],
+                              "last": layers[stage][1], **kw})
+
+
+def _ended_with(tmp_path, params: dict, how: dict) -> None:
+    import torch
+
+    from shoal.runtime.roles.artifacts import load_final_weights
+
+    done = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "done"]
+    assert done and done[0]["final_weights"] == how
+    got = load_final_weights(tmp_path)
+    sent = {**params[0], **params[1]}
+    assert set(got) == set(sent) and all(torch.equal(got[n], sent[n].detach()) for n in sent)
+
+
 def test_servers_send_their_final_weights_when_asked_and_the_run_ends_without_a_pull(tmp_path):
     """After the last commit each stage server's heartbeat reply asks for its final weights;
     weights of the wrong layers, epoch or version are refused with the reason; once both
     stages' are in, the asks stop and the run ends with them (no pull: the servers'
     addresses here accept no connection)."""
-    import torch
-
-    from shoal.model.transformer import build_stage
-    from shoal.net.stream import split
-    from shoal.runtime.common import model_config
-    from shoal.runtime.roles.artifacts import load_final_weights
-    from shoal.runtime.transport.frames import serialise_weights
-
-    async def chunks(head: pb.WeightsReply, params: dict):
-        for c in split("WeightsReply", serialise_weights(head, params), 1 << 16):
-            yield c
-
     async def main():
         c = Coordinator(SPEC, "tok", min_workers=2, out=str(tmp_path))
-        s0 = (await c.Join(pb.JoinRequest(role="server", address="127.0.0.1:1", name="s0"), None)).member_id
-        s1 = (await c.Join(pb.JoinRequest(role="server", address="127.0.0.1:2", name="s1"), None)).member_id
-        ws = [(await c.Join(pb.JoinRequest(role="worker", flops=1e9, name=f"w{i}"), None)).member_id
-              for i in range(2)]
-        hb = {m: await c.Heartbeat(pb.MemberRequest(member_id=m, ckpt_version=0), None) for m in (s0, s1, *ws)}
-        by_stage = {hb[m].stage: m for m in (s0, s1)}
-        layers = {s: [hb[m].first, hb[m].last] for s, m in by_stage.items()}
-        for step in range(SPEC.steps):
-            assert not any(h.send_final for h in hb.values())
-            await asyncio.gather(
-                c.ReportStep(pb.StepReport(member_id=by_stage[0], stage=0, step=step, epoch=0, sq_norm=1.0), None),
-                c.ReportStep(pb.StepReport(member_id=by_stage[1], stage=1, step=step, epoch=0, sq_norm=1.0,
-                                           losses=[2.0, 2.0]), None))
-            hb = {m: await c.Heartbeat(pb.MemberRequest(member_id=m, version=step + 1), None)
-                  for m in (s0, s1, *ws)}
-        assert [hb[m].send_final for m in (s0, s1, *ws)] == [True, True, False, False]
-
-        cfg = model_config(SPEC)
-        params = {s: dict(build_stage(cfg, *layers[s], seed=7).named_parameters()) for s in (0, 1)}
-        final = lambda s, **kw: pb.WeightsReply(**{"version": SPEC.steps, "epoch": 0,  # noqa: E731
-                                                   "first": layers[s][0], "last": layers[s][1], **kw})
-        refused = [await c.FinalWeights(chunks(final(1), params[1]), _Caller(by_stage[0])),
-                   await c.FinalWeights(chunks(final(0, epoch=1), params[0]), _Caller(by_stage[0])),
-                   await c.FinalWeights(chunks(final(0, version=SPEC.steps - 1), params[0]), _Caller(by_stage[0])),
-                   await c.FinalWeights(chunks(final(0), params[0]), _Caller(ws[0]))]
+        by_stage, layers, ws, params = await _run_to_the_end(c, ["127.0.0.1:1", "127.0.0.1:2"])
+        s0, s1 = by_stage[0], by_stage[1]
+        refused = [await c.FinalWeights(_final_chunks(_final_of(layers, 1), params[1]), _Caller(s0)),
+                   await c.FinalWeights(_final_chunks(_final_of(layers, 0, epoch=1), params[0]), _Caller(s0)),
+                   await c.FinalWeights(_final_chunks(_final_of(layers, 0, version=SPEC.steps - 1), params[0]),
+                                        _Caller(s0)),
+                   await c.FinalWeights(_final_chunks(_final_of(layers, 0), params[0]), _Caller(ws[0]))]
         assert not any(r.accepted for r in refused)
         assert [r.reason.split(" ")[0] for r in refused] == ["layers", "epoch", "version", "the"]
-        assert (await c.FinalWeights(chunks(final(0), params[0]), _Caller(by_stage[0]))).accepted
-        assert (await c.Heartbeat(pb.MemberRequest(member_id=by_stage[0]), None)).send_final is False
-        assert (await c.Heartbeat(pb.MemberRequest(member_id=by_stage[1]), None)).send_final is True
-        assert (await c.FinalWeights(chunks(final(1), params[1]), _Caller(by_stage[1]))).accepted
+        assert (await c.FinalWeights(_final_chunks(_final_of(layers, 0), params[0]), _Caller(s0))).accepted
+        assert (await c.Heartbeat(pb.MemberRequest(member_id=s0), None)).send_final is False
+        assert (await c.Heartbeat(pb.MemberRequest(member_id=s1), None)).send_final is True
+        assert (await c.FinalWeights(_final_chunks(_final_of(layers, 1), params[1]), _Caller(s1))).accepted
         await asyncio.wait_for(_until_done(c), 60)
-        done = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "done"]
-        assert done and done[0]["final_weights"] == {"sent": 2, "pulled": 0}
-        got = load_final_weights(tmp_path)
-        sent = {**params[0], **params[1]}
-        assert set(got) == set(sent) and all(torch.equal(got[n], sent[n].detach()) for n in sent)
+        _ended_with(tmp_path, params, {"sent": 2, "pulled": 0})
+
+    asyncio.run(main())
+
+
+def test_a_stage_whose_server_sends_nothing_is_pulled_after_the_wait(tmp_path, monkeypatch):
+    """One server sends its final weights, the other never does: after FINAL_WAIT_S (0.5 s
+    here; the run must end well before the default 30 s) the coordinator pulls that stage over
+    gRPC from the server's address (a gRPC server in this process answering
+    ``GetWeightsStream`` with that stage's weights)."""
+    import grpc
+
+    from shoal.net import shoal_pb2_grpc as pbg
+    from shoal.net.stream import split
+    from shoal.runtime.roles import coordinator as coordinator_mod
+    from shoal.runtime.transport.frames import serialise_weights
+
+    monkeypatch.setattr(coordinator_mod, "FINAL_WAIT_S", 0.5)
+
+    class Stage(pbg.StageServerServicer):
+        data: bytes = b""
+        pulls = 0
+
+        async def GetWeightsStream(self, request, context):
+            assert request.worker == "coordinator"
+            Stage.pulls += 1
+            for chunk in split("WeightsReply", Stage.data, 1 << 16):
+                yield chunk
+
+    async def main():
+        srv = grpc.aio.server()
+        pbg.add_StageServerServicer_to_server(Stage(), srv)
+        port = srv.add_insecure_port("127.0.0.1:0")
+        await srv.start()
+        try:
+            c = Coordinator(SPEC, "tok", min_workers=2, out=str(tmp_path))
+            by_stage, layers, _, params = await _run_to_the_end(c, ["127.0.0.1:1", f"127.0.0.1:{port}"])
+            silent = next(s for s, m in by_stage.items() if c.members[m].address.endswith(f":{port}"))
+            Stage.data = bytes(serialise_weights(_final_of(layers, silent), params[silent]))
+            other = 1 - silent
+            assert (await c.FinalWeights(_final_chunks(_final_of(layers, other), params[other]),
+                                         _Caller(by_stage[other]))).accepted
+            await asyncio.wait_for(_until_done(c), 20)
+            assert Stage.pulls == 1
+            _ended_with(tmp_path, params, {"sent": 1, "pulled": 1})
+        finally:
+            await srv.stop(None)
 
     asyncio.run(main())
 

@@ -1447,19 +1447,16 @@ class Coordinator(pbg.CoordinatorServicer):
                                      and (loop.time() < until or sid in self.final_receiving)
                                      for sid in self.stage_server):
             await self.final_signal.wait(0.5)
-        weights = {}
-        by_stage: list[dict] = []
+        parts: dict[int, tuple[str, dict]] = {}  # stage -> (how its weights came, them decoded)
         for _ in range(600):
             try:
-                weights = {}
-                by_stage = []
-                how = {"sent": 0, "pulled": 0}
                 for s in range(self.spec.stages):
-                    rep = self._final_of(self.stage_server[s])
-                    if rep is not None:
-                        how["sent"] += 1
-                    else:
-                        how["pulled"] += 1
+                    if s in parts:
+                        continue
+                    sid = self.stage_server[s]
+                    rep = self._final_of(sid)
+                    how = "sent" if rep is not None else "pulled"
+                    if rep is None:
                         stub = pbg.StageServerStub(channels.open(self._servers()[s]))
                         while True:
                             # (frames kept as views of the received bytes, decoded in a thread: a
@@ -1469,11 +1466,12 @@ class Coordinator(pbg.CoordinatorServicer):
                             if rep.version >= self.spec.steps or self.error:
                                 break
                             await asyncio.sleep(0.05)
-                    by_stage.append(await loop.run_in_executor(
+                    parts[s] = (how, await loop.run_in_executor(
                         None, lambda r=rep: {f.name: decode_tensor(f, dtype="float32") for f in r.params}))
-                    for name, t in by_stage[-1].items():
-                        weights.setdefault(name, t)  # a replica plan: the first replica's copy
-                self.final_how = how
+                    if how == "sent":  # decoded: keep what the heartbeats' asks read, not the bytes
+                        self.final_in[sid] = pb.WeightsReply(version=rep.version, epoch=rep.epoch, first=rep.first,
+                                                             last=rep.last)
+                    del rep
                 break
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # its last checkpoint write failed
@@ -1483,8 +1481,18 @@ class Coordinator(pbg.CoordinatorServicer):
                 await asyncio.sleep(0.1)
             except (IndexError, ValueError):  # WireError is a ValueError
                 await asyncio.sleep(0.1)
+        missing = [s for s in range(self.spec.stages) if s not in parts]
+        if missing and not self.error:
+            # (every step is committed and checkpointed: `--resume` on the run folder finishes it)
+            self.fail(f"could not collect the final weights of stage(s) {missing}; resume the run to write them")
         if self.error:  # failed meanwhile (a member's fatal error): the journal says so, not "done"
             return
+        by_stage = [parts[s][1] for s in sorted(parts)]
+        weights: dict = {}
+        for stage_weights in by_stage:
+            for name, t in stage_weights.items():
+                weights.setdefault(name, t)  # a replica plan: the first replica's copy
+        self.final_how = {k: sum(how == k for how, _ in parts.values()) for k in ("sent", "pulled")}
         if self.slots is not None and by_stage:
             # every replica's copy of each layer must be the first replica's, bit for bit
             import torch

@@ -177,7 +177,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         self.measure_done = 0  # newest measurement request answered
         self.measuring = False  # a measurement is under way
         self.final_sending = False  # the final weights are being sent to the coordinator
-        self.final_sent: tuple[int, int] | None = None  # (epoch, version) whose final weights it took
+        self.final_sent: tuple | None = None  # (member id, epoch, published version) whose final weights were taken
         self.orphan_after_s = 120.0  # exit when the coordinator is unreachable this long
         self.traffic = Traffic()  # bytes of every call this server makes (relays, coordinator)
         self.channels = ChannelFactory(token, dial=dial, traffic=self.traffic, tls=tls)
@@ -661,8 +661,8 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
             if gone:
                 log.info("%s removed checkpoints v%s of stage %d: the run restarted from v%d", self.name,
                          ",".join(map(str, gone)), self.stage, self.version)
-        if (a.send_final and not self.final_sending and self.version >= self.spec.steps
-                and self.final_sent != (self.epoch, self.version)):
+        if (a.send_final and not self.final_sending and self.published_version() >= self.spec.steps
+                and self.final_sent != (self.member_id, self.epoch, self.published_version())):
             self.final_sending = True
             self._spawn(self._send_final())
         async with self.cond:
@@ -677,9 +677,11 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
             await asyncio.sleep(0)  # the write's done callback (_bg_done) sets self.fatal
             if self.fatal:
                 return  # the heartbeats carry it: the run fails
-            key = (self.epoch, self.version)
+            # (by member id too: a coordinator restarted after the last commit, which the server
+            # joins again, asks again)
+            key = (self.member_id, self.epoch, self.published_version())
             data = await self._weights_bytes()
-            if data is None or (self.epoch, self.version) != key:
+            if data is None or (self.member_id, self.epoch, self.published_version()) != key:
                 return
             rep = await send(self.coord.FinalWeights, pb.WeightsReply(), self.chunk_bytes, data=data,
                              sender=self.member_id)
