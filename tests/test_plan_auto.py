@@ -225,3 +225,12 @@ def test_cli_budget_flags(capsys):
     assert main(["plan", "--scenario", "demo", "--sync-every", "64", "--max-sync-every", "8"]) == 2
     assert main(["plan", "--scenario", "demo", "--allow-codecs", "none,zstd"]) == 2
     assert main(["plan", "--scenario", "demo", "--replicas"]) == 2  # replicas need --sync local
+
+
+def test_plan_auto_says_what_it_places_before_each_placement():
+    seen: list[str] = []
+    plan = plan_auto(load_scenario("hetero-network"), on_progress=seen.append)
+    assert seen == ["placing exact sync", "placing one pipeline in local mode",
+                    "placing pipeline replicas in local mode"]
+    again = plan_auto(load_scenario("hetero-network"))  # the same choice without it
+    assert (plan.sync, plan.stages, plan.predicted) == (again.sync, again.stages, again.predicted)

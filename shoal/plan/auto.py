@@ -30,6 +30,7 @@ push and pull codecs of least measured loss.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from shoal.errors import ShoalError
@@ -194,11 +195,15 @@ def _lossy_rank(policy: SyncPolicy) -> int:
 
 
 def candidates(scenario: Scenario, budget: QualityBudget, seed: int = 0,
-               options: CostOptions | None = None, stages: int | None = None) -> list[tuple[Plan, bool]]:
+               options: CostOptions | None = None, stages: int | None = None,
+               on_progress: Callable[[str], None] | None = None) -> list[tuple[Plan, bool]]:
     """Every plan ``--sync auto`` weighs: ``(plan, has replicas)``, each priced; ``stages``
-    forces that many stages (one pipeline: replicas choose their own shapes)."""
+    forces that many stages (one pipeline: replicas choose their own shapes); ``on_progress``
+    is told what is being planned before each placement (seconds each on a large swarm)."""
     from shoal.plan.api import make_plan
 
+    say = on_progress or (lambda _what: None)
+    say("placing exact sync")
     out: list[tuple[Plan, bool]] = [(make_plan(scenario, seed=seed, options=options, stages=stages), False)]
     hs = budget.sync_every_choices()
     if not budget.local or not hs:
@@ -214,6 +219,7 @@ def candidates(scenario: Scenario, budget: QualityBudget, seed: int = 0,
         if budget.allows(rep, replicas=True):
             shapes.append((rep, True))
     for pol, reps in shapes:
+        say("placing pipeline replicas in local mode" if reps else "placing one pipeline in local mode")
         try:
             placed = make_plan(scenario, seed=seed, sync=pol, options=options, replicas=reps, stages=stages)
         except ShoalError:
@@ -248,15 +254,16 @@ def choose(cands: list[tuple[Plan, bool]], scenario: Scenario) -> Plan:
 
 
 def plan_auto(scenario: Scenario, budget: QualityBudget | None = None, seed: int = 0,
-              options: CostOptions | None = None, stages: int | None = None) -> Plan:
+              options: CostOptions | None = None, stages: int | None = None,
+              on_progress: Callable[[str], None] | None = None) -> Plan:
     """The plan ``--sync auto`` picks (see the module docstring); it carries ``planning_time_s``
     of the whole search and its prediction. ``stages``: one pipeline of that many stages
-    (``shoal demo``'s ``--stages``)."""
+    (``shoal demo``'s ``--stages``); ``on_progress``: see :func:`candidates`."""
     import time
 
     t0 = time.perf_counter()
     budget = budget or QualityBudget()
-    plan = choose(candidates(scenario, budget, seed, options, stages), scenario)
+    plan = choose(candidates(scenario, budget, seed, options, stages, on_progress), scenario)
     predict(plan, scenario, options)
     plan.planning_time_s = time.perf_counter() - t0
     return plan

@@ -180,8 +180,12 @@ def run(args: argparse.Namespace) -> int:
     budget = budget_from_args(args)
     if args.compare:
         return _compare(console, scenario, args, policy, budget)
+    # (a spinner on a terminal, nothing otherwise: a large swarm takes a minute to plan)
+    what = f"planning {scenario.name} ({len(scenario.devices)} devices)"
     if budget is not None and auto_applies(args):
-        plan = plan_auto(scenario, budget, seed=args.seed)
+        with console.status(what) as status:
+            plan = plan_auto(scenario, budget, seed=args.seed,
+                             on_progress=lambda step: status.update(f"{what}: {step}"))
         console.print(f"sync auto: {describe_policy(plan)} (quality budget: {describe_budget(budget)})")
         for note in (quality_note(plan.sync), overlap_note(plan.sync)):
             if note:
@@ -191,9 +195,10 @@ def run(args: argparse.Namespace) -> int:
             plan.to_json(args.json_out)
             console.print(f"plan written to {args.json_out}")
         return 0
-    plan = make_plan(scenario, method=args.method, seed=args.seed, stages=args.stages,
-                     tune_micro_batch=args.tune_micro_batch, sync=policy, standbys=args.standbys,
-                     standby_every=args.ckpt_every, replicas=args.replicas)
+    with console.status(what):
+        plan = make_plan(scenario, method=args.method, seed=args.seed, stages=args.stages,
+                         tune_micro_batch=args.tune_micro_batch, sync=policy, standbys=args.standbys,
+                         standby_every=args.ckpt_every, replicas=args.replicas)
     print_plan(console, plan, scenario)
     if args.json_out:
         plan.to_json(args.json_out)
