@@ -443,9 +443,12 @@ def _compare(console: Console, scenario: Scenario, args: argparse.Namespace, pol
     simulate = _simulator()
     policy = policy or SyncPolicy()
     replicas = bool(getattr(args, "replicas", False))
+    what = f"comparing planners on {scenario.name} ({len(scenario.devices)} devices)"
     if budget is not None and args.stages is None:
         # --sync auto: shoal's choice is the second policy; the baselines run under it (one pipeline)
-        chosen = plan_auto(scenario, budget, seed=args.seed)
+        with console.status(what) as status:
+            chosen = plan_auto(scenario, budget, seed=args.seed,
+                               on_progress=lambda step: status.update(f"{what}: shoal's policy, {step}"))
         policy, replicas = chosen.sync, bool(chosen.replicas)
     exact = SyncPolicy(ordered=not getattr(args, "unordered_grads", False))  # as launch runs it
     policies = [("exact", exact)]
@@ -455,11 +458,13 @@ def _compare(console: Console, scenario: Scenario, args: argparse.Namespace, pol
             label += " replicas"
         policies.append((label, policy))
     rows = []
-    for method in COMPARE_METHODS:
-        for label, pol in policies:
-            row = _compare_row(method, scenario, args, pol, simulate, label, replicas=replicas and pol.local)
-            if row is not None:
-                rows.append(row)
+    with console.status(what) as status:
+        for method in COMPARE_METHODS:
+            for label, pol in policies:
+                status.update(f"{what}: {method} under {label}")
+                row = _compare_row(method, scenario, args, pol, simulate, label, replicas=replicas and pol.local)
+                if row is not None:
+                    rows.append(row)
     ok = [r for r in rows if "error" not in r]
     shoal_t = next((r["predicted_step_time_s"] for r in ok if r["method"] == "shoal" and r["policy"] == "exact"), None)
     if shoal_t is None:

@@ -82,11 +82,18 @@ def _load(args):
                              "pass the matching --scenario")
         if policy != SyncPolicy():
             plan.sync = policy  # the flags override the plan file's policy
-    elif budget is not None and auto_applies(args):
-        plan = plan_auto(scenario, budget, seed=args.seed)
     else:
-        plan = make_plan(scenario, method=args.method, seed=args.seed, sync=policy,
-                         replicas=getattr(args, "replicas", False))
+        from rich.console import Console
+
+        # (on a terminal, a status line on stderr while a large swarm is planned; nothing otherwise)
+        what = f"planning {scenario.name} ({len(scenario.devices)} devices)"
+        with Console(stderr=True).status(what) as status:
+            if budget is not None and auto_applies(args):
+                plan = plan_auto(scenario, budget, seed=args.seed,
+                                 on_progress=lambda step: status.update(f"{what}: {step}"))
+            else:
+                plan = make_plan(scenario, method=args.method, seed=args.seed, sync=policy,
+                                 replicas=getattr(args, "replicas", False))
     return scenario, plan
 
 
