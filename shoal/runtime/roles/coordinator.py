@@ -1483,8 +1483,10 @@ class Coordinator(pbg.CoordinatorServicer):
                 await asyncio.sleep(0.1)
         missing = [s for s in range(self.spec.stages) if s not in parts]
         if missing and not self.error:
-            # (every step is committed and checkpointed: `--resume` on the run folder finishes it)
-            self.fail(f"could not collect the final weights of stage(s) {missing}; resume the run to write them")
+            # (nothing committed is lost: `--resume` redoes the steps after the newest checkpoint and
+            # then collects and writes the final weights)
+            self.fail(f"could not collect the final weights of stage(s) {missing}; resume the run (--resume) "
+                      "to write them")
         if self.error:  # failed meanwhile (a member's fatal error): the journal says so, not "done"
             return
         by_stage = [parts[s][1] for s in sorted(parts)]
