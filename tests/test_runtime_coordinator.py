@@ -447,6 +447,29 @@ def test_a_stage_whose_server_sends_nothing_is_pulled_after_the_wait(tmp_path, m
     asyncio.run(main())
 
 
+def test_a_run_whose_final_weights_cannot_be_collected_fails_and_writes_none(tmp_path, monkeypatch):
+    """Neither server sends its final weights and neither address answers a pull: after the
+    tries the run fails with a line that says to resume it, and no final model is written."""
+    from shoal.runtime.roles import coordinator as coordinator_mod
+
+    monkeypatch.setattr(coordinator_mod, "FINAL_WAIT_S", 0.2)
+    monkeypatch.setattr(coordinator_mod, "FINAL_TRIES", 3)
+
+    async def main():
+        c = Coordinator(SPEC, "tok", min_workers=2, out=str(tmp_path))
+        await _run_to_the_end(c, ["127.0.0.1:1", "127.0.0.1:2"])  # (ports nobody listens on)
+        t0 = time.monotonic()
+        while not c.error and time.monotonic() - t0 < 20:
+            await asyncio.sleep(0.05)
+        assert c.error == ("could not collect the final weights of stage(s) [0, 1]; resume the run (--resume) "
+                           "to write them")
+        assert not (tmp_path / "checkpoint").exists() and not getattr(c, "final_weights", None)
+        events = [e["event"] for e in read_jsonl(tmp_path / "events.jsonl")]
+        assert events[-1] == "failed" and "done" not in events
+
+    asyncio.run(main())
+
+
 async def _until_done(c) -> None:
     while not c.done:
         await asyncio.sleep(0.05)

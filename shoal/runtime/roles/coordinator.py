@@ -123,6 +123,7 @@ FREE_REPLAN_S = 0.1  # a re-plan that took less than this is never put off (smal
 # How long the run's end waits for a stage server to start sending its final weights before
 # pulling them (it sends once its last checkpoint is written; one being received is waited for).
 FINAL_WAIT_S = 30.0
+FINAL_TRIES = 600  # pulls of a stage's final weights (0.1 s apart) before the run fails without them
 
 
 @dataclass
@@ -1448,7 +1449,7 @@ class Coordinator(pbg.CoordinatorServicer):
                                      for sid in self.stage_server):
             await self.final_signal.wait(0.5)
         parts: dict[int, tuple[str, dict]] = {}  # stage -> (how its weights came, them decoded)
-        for _ in range(600):
+        for _ in range(FINAL_TRIES):
             try:
                 for s in range(self.spec.stages):
                     if s in parts:
