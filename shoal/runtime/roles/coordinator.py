@@ -237,7 +237,7 @@ class Coordinator(pbg.CoordinatorServicer):
         self.final_in: dict[str, pb.WeightsReply] = {}
         self.final_signal = Signal()
         self.final_receiving: set[str] = set()  # servers whose final weights are arriving now
-        self.final_how = {"sent": 0, "pulled": 0}  # how _finish got each stage's final weights
+        self._final_bytes: int | None = None  # most bytes of a stage's final weights (max_bytes)
         self.out = Path(out) if out else None
         self.t0 = resume.t0 if resume is not None and resume.t0 else time.time()
         self.last_commit_t = time.time()
@@ -1032,21 +1032,20 @@ class Coordinator(pbg.CoordinatorServicer):
         ok = rep is not None and rep.epoch == self.epoch and rep.version >= self.spec.steps
         return rep if ok else None
 
-    def max_bytes(self, what: str) -> int:
+    def max_bytes(self, what: str = "grads") -> int:
         """Request sizes the coordinator resolves (:data:`shoal.net.auth.GRADS`): a stage's final
-        weights are at most the whole model's float32 weights and a message's slack."""
-        return self._final_cap()
-
-    def _final_cap(self) -> int:
-        prof = profile_model(self.cfg, self.spec.seq_len, self.spec.micro_batch_size, 4)
-        # No stage holds more than the whole model: the most bytes a stage's final weights take.
-        return 4 * prof.params(0, self.cfg.n_total_layers) + 512 * 4096 + CONTROL_SLACK
+        weights are at most the whole model's float32 weights and a message's slack (no stage
+        holds more than the whole model)."""
+        if self._final_bytes is None:
+            prof = profile_model(self.cfg, self.spec.seq_len, self.spec.micro_batch_size, 4)
+            self._final_bytes = 4 * prof.params(0, self.cfg.n_total_layers) + 512 * 4096 + CONTROL_SLACK
+        return self._final_bytes
 
     async def FinalWeights(self, request_iterator, context):
         member = caller(context)[0] if context is not None else ""
         self.final_receiving.add(member)
         try:
-            rep = await receive(request_iterator, pb.WeightsReply, self._final_cap(), frames_field=WEIGHT_FRAMES)
+            rep = await receive(request_iterator, pb.WeightsReply, self.max_bytes(), frames_field=WEIGHT_FRAMES)
         except WireError as exc:
             log.warning("refused the final weights of %s: %s", self._name_of(member), exc)
             return pb.FinalWeightsReply(accepted=False, reason=f"rejected: {exc}")
@@ -1441,7 +1440,7 @@ class Coordinator(pbg.CoordinatorServicer):
         on a new connection (which a flood at the server's connection cap can hold up until
         the flood's connections time out)."""
         channels = ChannelFactory(self.token, tls=self.tls, identity=coordinator_identity(self.token, self.secret))
-        cap = self._final_cap()
+        cap = self.max_bytes()
         loop = asyncio.get_running_loop()
         until = loop.time() + FINAL_WAIT_S
         while not self.error and any(sid and sid in self.members and self._final_of(sid) is None
@@ -1495,7 +1494,7 @@ class Coordinator(pbg.CoordinatorServicer):
         for stage_weights in by_stage:
             for name, t in stage_weights.items():
                 weights.setdefault(name, t)  # a replica plan: the first replica's copy
-        self.final_how = {k: sum(how == k for how, _ in parts.values()) for k in ("sent", "pulled")}
+        final_how = {k: sum(how == k for how, _ in parts.values()) for k in ("sent", "pulled")}
         if self.slots is not None and by_stage:
             # every replica's copy of each layer must be the first replica's, bit for bit
             import torch
@@ -1518,7 +1517,7 @@ class Coordinator(pbg.CoordinatorServicer):
         self.done = True
         self.final_in.clear()  # (decoded into final_weights: the received bytes are not needed)
         self._journal("done", epoch=self.epoch)
-        self.event("done", steps=self.committed, final_weights=dict(self.final_how))
+        self.event("done", steps=self.committed, final_weights=final_how)
         # Let members see done in a heartbeat (servers beat every 0.2 s, workers every
         # heartbeat_period), which also brings their last byte counts: until each has been told,
         # or three of a worker's beat periods at most (a member that died meanwhile never beats).

@@ -662,11 +662,17 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
                 log.info("%s removed checkpoints v%s of stage %d: the run restarted from v%d", self.name,
                          ",".join(map(str, gone)), self.stage, self.version)
         if (a.send_final and not self.final_sending and self.published_version() >= self.spec.steps
-                and self.final_sent != (self.member_id, self.epoch, self.published_version())):
+                and self.final_sent != self._final_key()):
             self.final_sending = True
             self._spawn(self._send_final())
         async with self.cond:
             self.cond.notify_all()
+
+    def _final_key(self) -> tuple[str, int, int]:
+        """What a sent copy of the final weights is of: (member id, epoch, published version); by
+        member id too, so a coordinator restarted after the last commit, which this server joins
+        again, is sent them again."""
+        return self.member_id, self.epoch, self.published_version()
 
     async def _send_final(self) -> None:
         """Send this stage's final weights to the coordinator (its heartbeat reply asked), on the
@@ -677,11 +683,9 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
             await asyncio.sleep(0)  # the write's done callback (_bg_done) sets self.fatal
             if self.fatal:
                 return  # the heartbeats carry it: the run fails
-            # (by member id too: a coordinator restarted after the last commit, which the server
-            # joins again, asks again)
-            key = (self.member_id, self.epoch, self.published_version())
+            key = self._final_key()
             data = await self._weights_bytes()
-            if data is None or (self.member_id, self.epoch, self.published_version()) != key:
+            if data is None or self._final_key() != key:
                 return
             rep = await send(self.coord.FinalWeights, pb.WeightsReply(), self.chunk_bytes, data=data,
                              sender=self.member_id)
