@@ -14,7 +14,7 @@ from shoal.cli import main as shoal_main
 from shoal.errors import ShoalError
 from shoal.model.config import PRESETS, get_preset
 from shoal.model.transformer import build_stage
-from shoal.runtime.roles.worker import oom_message
+from shoal.runtime.roles.worker import graph_room, oom_message
 from shoal.train.local import TrainConfig, train_local
 from shoal.train.precision import (
     LossScaleConfig,
@@ -125,6 +125,20 @@ LOCAL = dict(model="tiny", micro_batches=2, micro_batch_size=2, seq_len=32, seed
 
 
 @pytest.mark.timeout(120)
+def test_graph_room_keeps_forward_graphs_only_in_the_memory_beyond_the_plan_and_held_gradients():
+    gb = 1e9
+    # a 24 GB card whose stage needs 17 GB: 7 GB left, 1.2 GB a micro-batch's activations
+    assert graph_room(24 * gb, 17 * gb, 0.0, 1.2 * gb, most=64) == 5
+    # two whole-stage gradients held for the step (2.8 GB each) leave room for one graph
+    assert graph_room(24 * gb, 17 * gb, 5.6 * gb, 1.2 * gb, most=64) == 1
+    # no room (or less than a graph): none kept, every backward task recomputes its forward
+    assert graph_room(24 * gb, 23.5 * gb, 0.0, 1.2 * gb, most=64) == 0
+    assert graph_room(16 * gb, 17 * gb, 0.0, 1.2 * gb, most=64) == 0
+    # plenty (a CPU worker's RAM): at most `most` (twice the step's micro-batches)
+    assert graph_room(500 * gb, 1 * gb, 0.0, 0.01 * gb, most=16) == 16
+    assert graph_room(1 * gb, 2 * gb, 0.0, 0.0, most=16) == 16  # a stage that saves nothing
+
+
 def test_fp16_overflow_skips_the_step_and_halves_the_scale(tmp_path):
     # 2**40 overflows fp16 activation gradients at once: the first steps are skipped.
     res = train_local(TrainConfig(**LOCAL, steps=3, out=str(tmp_path / "a"), precision="fp16",

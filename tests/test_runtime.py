@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import sys
 import time
 
@@ -73,8 +74,27 @@ def test_parity_with_local_trainer(tmp_path, reference, stages, workers):
         assert "step 3" in proc.stdout
         summary = json.loads((out / "summary.json").read_text())
     else:
-        # workers asking for their next task while computing (--prefetch) stay bit-exact too
-        summary = launch(_cfg(tmp_path, stages=stages, workers=workers, worker_args=[["--prefetch"]] * workers))
+        # workers asking for their next task while computing (--prefetch) stay bit-exact too; so
+        # do workers whose memory (--memory-gb: 7.5 MB, each tiny stage needs at most 6.8) keeps
+        # few or no forward graphs, so that their backward tasks recompute the forward
+        memory = [["--memory-gb", "0.0075"]] * 2 + [[]] * (workers - 2)
+        summary = launch(_cfg(tmp_path, stages=stages, workers=workers,
+                              worker_args=[["--prefetch", *m] for m in memory]))
+        # each keeps what its 7.5 MB hold beyond its stage's planned need, fewer than the 8 graphs
+        # (2 M) it would keep otherwise (one on the last stage runs no forward task alone)
+        from shoal.model.profile import profile_model
+        from shoal.plan.cost import stage_worker_memory
+        from shoal.runtime.roles.worker import graph_room
+
+        prof = profile_model(get_preset("tiny"), RUN["seq_len"], RUN["micro_batch_size"], 4)
+        logs = "".join((tmp_path / "run" / "logs" / f"worker{k}.log").read_text() for k in range(2))
+        rooms = re.findall(r"keeps at most (\d+) forward graphs of stage \[(\d+), (\d+)\).*device memory 0\.0075 GB",
+                           logs)
+        assert rooms, logs[-2000:]
+        for n, a, b in rooms:
+            a, b = int(a), int(b)
+            saved = sum(layer.saved_act_bytes for layer in prof.layers[a:b])
+            assert int(n) == graph_room(7.5e6, stage_worker_memory(prof, a, b), 0.0, saved, 8) < 8, (n, a, b)
     recs = _assert_parity(tmp_path / "run", reference)
     assert summary["steps"] == STEPS and summary["stages"] == stages
     # every worker that took part is in the tasks table, and tasks add up

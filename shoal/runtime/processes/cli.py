@@ -218,6 +218,10 @@ def register(subparsers) -> None:
                    help="lossy --codec: do not carry each gradient push's quantisation error into the next")
     p.add_argument("--no-graph-cache", action="store_true",
                    help="always recompute the forward in backward tasks (saves activation memory)")
+    p.add_argument("--memory-gb", type=float, default=None, metavar="GB",
+                   help="memory of its device this worker may use (default: all of it; e.g. a GPU shared with "
+                        "other work): the planner places it by this, and it keeps forward graphs for its own "
+                        "backward tasks only within it")
     p.add_argument("--prefetch", action="store_true",
                    help="exact sync: ask for the next task while computing this one, so the lease round trip "
                         "and the next input overlap compute (on a session: within the server's credit window, and a "
@@ -583,6 +587,15 @@ def _emulated_scenario(args):
                              args.emulate_latency_scale, args.emulate_bandwidth_scale)
 
 
+def _memory_bytes(gb: float | None) -> float:
+    """``--memory-gb`` in bytes (0: the device's own figure)."""
+    if gb is None:
+        return 0.0
+    if not (math.isfinite(gb) and gb > 0):
+        raise ShoalError(f"--memory-gb must be a positive number of GB, got {gb}")
+    return gb * 1e9
+
+
 def _played_device(args) -> str:
     """The scenario device a server or worker plays (its ``--emulate-device``), or ""."""
     return (getattr(args, "emulate_device", None) or "") if getattr(args, "emulate_scenario", None) else ""
@@ -653,7 +666,7 @@ def run_worker_cmd(args) -> int:
                                                 torch_device=args.device or "auto",
                                                 precision=args.precision,
                                                 join_timeout_s=args.join_timeout,
-                                                chunk_bytes=chunk),
+                                                chunk_bytes=chunk, memory=_memory_bytes(args.memory_gb)),
          dial=dial, pacer=pacer, on_servers=on_servers, tls=tls, count=args.count)
     return 0
 

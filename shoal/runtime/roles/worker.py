@@ -64,7 +64,7 @@ from shoal.runtime.measure import peak_rss_bytes
 from shoal.runtime.safety.faults import poison, poisons
 from shoal.runtime.sync.codecs import apply_pull, compression_of_spec
 from shoal.runtime.sync.local import LocalWorkerMixin
-from shoal.runtime.sync.ordered import PrefixFold
+from shoal.runtime.sync.ordered import LocalFold, PrefixFold
 from shoal.runtime.transport.frames import (
     TRANSIENT_CODES,
     WEIGHT_FRAMES,
@@ -129,6 +129,7 @@ class WorkerOptions:
     prefetch: bool = False  # exact sync: ask for the next task while computing this one (on a session: within its credit)
     session: bool | None = None  # one session stream with the stage server (credit, take-backs); None: in exact sync (docs/runtime.md)
     shadow: bool = False  # emulation: run no model; wait the device's task time, send fixed tensors of true shapes
+    memory: float = 0.0  # --memory-gb: bytes of its device this worker may use (0: all it has); reported for planning, bounds its forward graphs
 
 
 SHADOW_JOINING = 8  # shadow workers of one process that join at once (the others wait their turn)
@@ -206,6 +207,21 @@ def oom_message(stage: int, first: int, last: int, micro_batch_size: int, seq_le
             f"re-queued; use a device with more memory, more --stages or a smaller --micro-batch-size")
 
 
+def graph_room(memory: float, need: float, held_bytes: float, per_graph: float, most: int) -> int:
+    """Forward graphs a worker may keep for its own backward tasks (pure; tested directly).
+
+    The planner gives a worker a stage whose weights, gradient and one micro-batch's saved
+    activations fit its device (``need``, :func:`shoal.plan.cost.stage_worker_memory`); each kept
+    graph is another micro-batch's activations (``per_graph``), and the gradients the worker
+    holds for its step (``held_bytes``: its folds') take room too. It keeps what the rest of
+    ``memory`` holds, at most ``most``: beyond, a backward task recomputes its forward (exact,
+    a third more compute) instead of running the device out of memory. ``per_graph`` 0: ``most``.
+    """
+    if per_graph <= 0:
+        return most
+    return max(0, min(most, int((memory - need - held_bytes) // per_graph)))
+
+
 def task_flops(direction: int, fwd: float, bwd: float, recomputed: bool) -> float:
     """FLOPs a task costs on a device: what the pacer pads it to.
 
@@ -246,8 +262,8 @@ class Worker(LocalWorkerMixin):
         self.acc_key: tuple[int, int, int] | None = None
         self.acc: dict[str, torch.Tensor] = {}
         self.acc_mbs: list[int] = []
-        self.acc_per_mb: dict[int, dict[str, torch.Tensor]] = {}  # ordered_grads, local mode: kept apart
         self.acc_fold = PrefixFold()  # ordered_grads, exact sync: the run from micro-batch 0 summed as it grows
+        self.acc_local = LocalFold()  # ordered_grads, local mode: the step's sum as it comes, in order where it can
         self.tasks_done = 0
         self.compute_s = 0.0  # compute seconds of the accepted tasks (dashboard)
         self.graphs: dict[tuple[int, int, int], tuple] = {}  # (epoch, step, mb) -> (input, output)
@@ -319,7 +335,7 @@ class Worker(LocalWorkerMixin):
         links = await probe_peers(self.channels, self.coord_addr, self.servers_seen, self.opts.probe_bytes)
         await self.coord.Measured(pb.MeasureReport(
             member_id=self.member_id, request=want, device_name=device_name(self.opts.compute_device),
-            memory=device_memory(self.opts.compute_device), flops=flops,
+            memory=self.opts.memory or device_memory(self.opts.compute_device), flops=flops,
             links=[lf.to_pb() for lf in links], measure_s=time.perf_counter() - t0), timeout=30)
         self.measure_done = want
         # each server's uplink rate, for which results fit on a session (result_on_session)
@@ -544,8 +560,9 @@ class Worker(LocalWorkerMixin):
             self.ef.reset()  # residuals of the old stage's parameters
 
     def _drop_acc(self) -> None:
-        self.acc_key, self.acc, self.acc_mbs, self.acc_per_mb = None, {}, [], {}
+        self.acc_key, self.acc, self.acc_mbs = None, {}, []
         self.acc_fold = PrefixFold()
+        self.acc_local = LocalFold()
 
     @property
     def chunk_bytes(self) -> int:
@@ -1106,13 +1123,13 @@ class Worker(LocalWorkerMixin):
                 self._drop_acc()
                 self.acc_key = key
             self.acc_mbs.append(task.mb)
-            if self.spec.ordered_grads and self.local:
-                self.acc_per_mb[task.mb] = grads  # (summed in order for the inner step: _local_sum)
-            elif self.spec.ordered_grads:
-                # one sum for a run from 0, not a copy a micro-batch; a large stage's sum in a
-                # thread (this upload ends after it, and a push drains the uploads first)
+            if self.spec.ordered_grads:
+                # one sum for a run from 0 (local mode: and one for the rest), not a copy a
+                # micro-batch; a large stage's sum in a thread (this upload ends after it, and a
+                # push or the step's report drains the uploads first)
                 nbytes = sum(g.numel() * g.element_size() for g in grads.values())
-                await off_loop(nbytes, self.acc_fold.add, task.mb, grads)
+                fold = self.acc_local if self.local else self.acc_fold
+                await off_loop(nbytes, fold.add, task.mb, grads)
             else:
                 for name, g in grads.items():
                     if name in self.acc:
@@ -1178,6 +1195,32 @@ class Worker(LocalWorkerMixin):
                                     "member_id": self.member_id, "secs": secs}))
             os.replace(mark + ".tmp", mark)
         spin(secs)
+
+    def _graph_room(self) -> int:
+        """Forward graphs this worker may keep now (:func:`graph_room`): its device memory
+        (``--memory-gb``, else what the device has) beyond its stage's planned need and the
+        gradients it holds (figures of its stage worked out once, in float32 as the planner's)."""
+        spec = self.spec
+        if getattr(self, "_room_for", None) != (self.first, self.last):
+            from shoal.model.profile import profile_model
+            from shoal.plan.cost import stage_worker_memory
+            from shoal.plan.types import SyncPolicy
+            from shoal.runtime.measure import device_memory
+
+            prof = profile_model(self.cfg, spec.seq_len, spec.micro_batch_size, 4)
+            a, b = self.first, self.last
+            self._room = (self.opts.memory or device_memory(self.opts.compute_device),
+                          stage_worker_memory(prof, a, b, SyncPolicy(mode="local") if self.local else None),
+                          float(sum(layer.saved_act_bytes for layer in prof.layers[a:b])), 4.0 * prof.params(a, b))
+            self._room_for = (a, b)
+            memory, need, per_graph, _ = self._room
+            log.info("%s keeps at most %d forward graphs of stage [%d, %d) (%.3g MB each; device memory %.3g GB, "
+                     "the stage's planned need %.3g GB)", self.opts.name,
+                     graph_room(memory, need, 0.0, per_graph, 2 * spec.micro_batches), a, b, per_graph / 1e6,
+                     memory / 1e9, need / 1e9)
+        memory, need, per_graph, grad = self._room
+        held = (self.acc_local if self.local else self.acc_fold).held() if spec.ordered_grads else (1 if self.acc else 0)
+        return graph_room(memory, need, held * grad, per_graph, 2 * spec.micro_batches)
 
     def _task_flops(self, direction: int, recomputed: bool) -> float:
         """FLOPs of one task from the analytic profile (see :func:`task_flops`)."""
@@ -1249,7 +1292,9 @@ class Worker(LocalWorkerMixin):
             while True:
                 time.sleep(3600)
         if task.direction == pb.FWD:
-            if not self.opts.graph_cache:
+            room = self._graph_room() if self.opts.graph_cache else 0
+            if room <= 0:
+                self.graphs.clear()  # (kept while there was room: the gradients held since take it)
                 with torch.no_grad(), autocast(dev, prec):
                     return to_host(self.module(x).contiguous()), 0.0, None, False
             # Keep the graph: if this worker also gets the micro-batch's backward, it skips
@@ -1259,7 +1304,7 @@ class Worker(LocalWorkerMixin):
             with autocast(dev, prec):
                 out = self.module(x)
             self.graphs[key] = (x, out)
-            while len(self.graphs) > 2 * spec.micro_batches:
+            while len(self.graphs) > room:
                 self.graphs.pop(next(iter(self.graphs)))
             return to_host(out.detach().contiguous()), 0.0, None, False
         for p in self.params.values():

@@ -914,16 +914,8 @@ class LocalWorkerMixin:
 
     def _local_sum(self) -> tuple[dict[str, torch.Tensor], int]:
         """The accumulated gradient of the step in micro-batch order (plus any earlier report)."""
-        if self.spec.ordered_grads:
-            total: dict[str, torch.Tensor] = {}
-            for mb in sorted(self.acc_per_mb):
-                for n, g in self.acc_per_mb[mb].items():
-                    if n in total:
-                        total[n].add_(g)
-                    else:
-                        total[n] = g.clone()
-        else:
-            total = self.acc
+        # (ordered: summed as the results were accepted, in micro-batch order where it can: LocalFold)
+        total = self.acc_local.total() if self.spec.ordered_grads else self.acc
         n = len(self.acc_mbs)
         epoch, step, _ = self.acc_key
         if self.pending is not None and self.pending[:2] == (epoch, step):

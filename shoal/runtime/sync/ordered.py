@@ -1,4 +1,5 @@
-"""Exact sync's ordered gradient pushes, as a worker holds them until the step's flush.
+"""A worker's gradients of one step, summed in micro-batch order: exact sync's ordered pushes,
+as a worker holds them until the step's flush, and local mode's sum for the inner step.
 
 In exact sync (``ordered_grads``, the default of ``shoal launch``) the stage server sums a
 step's parameter gradients in micro-batch order, ``((g_0 + g_1) + g_2) + ...``, what autograd
@@ -11,7 +12,8 @@ the worker ran: ``M`` copies on a stage's only worker (a gpt-1.3b stage of 4 at 
 85 GB). :class:`PrefixFold` adds each gradient of the run into the run's sum as it arrives, in
 order (one that comes out of order waits for the gap), so a stage's only worker holds one sum;
 a worker of a shared stage still holds one gradient per micro-batch outside the run, which it
-must push alone.
+must push alone. In local mode nothing is pushed per micro-batch: :class:`LocalFold` sums those
+too as they come, so a local-mode worker holds a few gradients whatever the step's size.
 """
 
 from __future__ import annotations
@@ -81,3 +83,77 @@ class PrefixFold:
             if self.total is not None:
                 out.append((list(range(self.run)), self.total))
             return out + [([mb], self.apart[mb]) for mb in sorted(self.apart)]
+
+
+# Gradients of micro-batches outside the run from 0 that a local-mode worker keeps apart before it
+# adds the smallest into its second sum: a result acknowledged before an earlier one of the same
+# worker (uploads run concurrently) waits for it within this window, and stays in order.
+LOCAL_APART = 2
+
+
+class LocalFold:
+    """One step's gradients of one local-mode worker, summed as the server accepts them: at most
+    ``apart + 2`` whole-stage gradients at any time, whatever the step's size.
+
+    The inner step takes the sum over the worker's own micro-batches. In micro-batch order it is
+    what autograd's accumulation gives ``shoal train --local``, which a stage's only worker
+    matches bit for bit at ``H = 1`` (docs/sync-runtime.md, "Exactness"): its micro-batches are
+    0, 1, 2, ..., summed as :class:`PrefixFold`'s run (one acknowledged early waits for the gap).
+    A worker of a shared stage runs some of them (0, 3, 5, ...): its run stops at the first gap,
+    so the others are kept apart until more than ``apart`` are, then the smallest goes into a
+    second sum (the rest, in the order they leave). The step's sum is the run's, then the
+    rest's, then those still apart in micro-batch order: deterministic for the order the server
+    accepted them in, which a shared stage's timing decides anyway.
+
+    (Each micro-batch's gradient kept to the step's end, as before, was ``k`` whole-stage
+    gradients on the device of a worker that ran ``k``: bench/results/worker-memory.md.)
+    """
+
+    def __init__(self, apart: int = LOCAL_APART) -> None:
+        self._lock = threading.Lock()
+        self.limit = max(0, apart)  # gradients kept apart before the smallest joins the rest
+        self.prefix = PrefixFold()  # the run from micro-batch 0, and what is kept apart
+        self.rest: Grads | None = None  # the sum of those that left the apart set (a fresh copy)
+        self.rest_mbs: list[int] = []  # their micro-batches, in the order they were added
+
+    def add(self, mb: int, grads: Grads) -> bool:
+        """Take micro-batch ``mb``'s gradient (any order); False if it is held already (the
+        first stays, as :meth:`PrefixFold.add`)."""
+        with self._lock:
+            if mb in self.rest_mbs or not self.prefix.add(mb, grads):
+                return False
+            apart = self.prefix.apart
+            while len(apart) > self.limit:
+                low = min(apart)
+                g = apart.pop(low)
+                if self.rest is None:
+                    self.rest = {n: t.clone() for n, t in g.items()}  # (shadow gradients are shared)
+                else:
+                    for n, t in g.items():
+                        self.rest[n].add_(t)
+                self.rest_mbs.append(low)
+            return True
+
+    def held(self) -> int:
+        """Whole-stage gradients held: the run's sum, the rest's and each one apart."""
+        with self._lock:
+            return self.prefix.held() + (self.rest is not None)
+
+    def total(self) -> Grads:
+        """The step's sum (empty: no gradient), which the caller may add into: it is built in
+        the fold's own sums, so the fold is spent (drop it after)."""
+        with self._lock:
+            groups = self.prefix.groups()
+            run = groups[:1] if self.prefix.run else []
+            parts = [g for _, g in run] + ([self.rest] if self.rest is not None else []) \
+                + [g for _, g in groups[len(run):]]
+            if not parts:
+                return {}
+            # the run's sum is the fold's own copy from its second gradient on, the rest's always;
+            # a lone gradient is the task's own (a shadow worker's is shared): copied
+            owned = self.prefix.run >= 2 if run else self.rest is not None
+            out = parts[0] if owned else {n: t.clone() for n, t in parts[0].items()}
+            for g in parts[1:]:
+                for n, t in g.items():
+                    out[n].add_(t)
+            return out
