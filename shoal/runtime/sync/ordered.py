@@ -86,9 +86,10 @@ class PrefixFold:
 
 
 # Gradients of micro-batches outside the run from 0 that a local-mode worker keeps apart before it
-# adds the smallest into its second sum: a result acknowledged before an earlier one of the same
-# worker (uploads run concurrently) waits for it within this window, and stays in order.
-LOCAL_APART = 2
+# adds the smallest into its second sum: a result acknowledged before the one just before it (a
+# worker has WorkerOptions.uploads_in_flight = 2 results in flight) waits for it here, and the
+# run stays in micro-batch order.
+LOCAL_APART = 1
 
 
 class LocalFold:
