@@ -99,3 +99,18 @@ def test_a_lone_gradient_is_copied_and_no_gradient_sums_to_nothing():
     for t in total.values():
         t.add_(1.0)  # the caller adds an earlier report into it: the task's tensors stay
     assert not _equal(total, g[3])
+
+
+def test_with_room_a_stalled_result_overtaken_by_several_still_sums_in_order():
+    # mb 2's upload stalls while 3, 4 and 5 land: with room for three apart (a worker whose
+    # device has it, Worker._apart_room) the run waits for 2 and stays in micro-batch order
+    g = _grads(range(7))
+    fold = LocalFold()
+    for mb in (0, 1, 3, 4, 5, 2, 6):
+        fold.add(mb, g[mb], room=3)
+    assert fold.rest is None and _equal(fold.total(), _in_order(g, list(range(7))))
+    # without the room the one kept apart leaves for the rest: the same gradients, other bits
+    tight = LocalFold()
+    for mb in (0, 1, 3, 4, 5, 2, 6):
+        tight.add(mb, g[mb])
+    assert tight.rest_mbs == [3, 4, 5] and tight.held() <= LOCAL_APART + 2

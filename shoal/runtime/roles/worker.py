@@ -1128,8 +1128,10 @@ class Worker(LocalWorkerMixin):
                 # micro-batch; a large stage's sum in a thread (this upload ends after it, and a
                 # push or the step's report drains the uploads first)
                 nbytes = sum(g.numel() * g.element_size() for g in grads.values())
-                fold = self.acc_local if self.local else self.acc_fold
-                await off_loop(nbytes, fold.add, task.mb, grads)
+                if self.local:
+                    await off_loop(nbytes, self.acc_local.add, task.mb, grads, self._apart_room())
+                else:
+                    await off_loop(nbytes, self.acc_fold.add, task.mb, grads)
             else:
                 for name, g in grads.items():
                     if name in self.acc:
@@ -1199,7 +1201,24 @@ class Worker(LocalWorkerMixin):
     def _graph_room(self) -> int:
         """Forward graphs this worker may keep now (:func:`graph_room`): its device memory
         (``--memory-gb``, else what the device has) beyond its stage's planned need and the
-        gradients it holds (figures of its stage worked out once, in float32 as the planner's)."""
+        gradients it holds."""
+        memory, need, per_graph, grad = self._stage_memory()
+        spec = self.spec
+        held = (self.acc_local if self.local else self.acc_fold).held() if spec.ordered_grads else (1 if self.acc else 0)
+        return graph_room(memory, need, held * grad, per_graph, 2 * spec.micro_batches)
+
+    def _apart_room(self) -> int:
+        """Local mode: gradients this worker may keep apart from its sums (:class:`LocalFold`):
+        the whole-stage gradients its device holds beyond its stage's planned need, the forward
+        graphs it keeps now and the two sums (:meth:`_graph_room` counts them in turn)."""
+        memory, need, per_graph, grad = self._stage_memory()
+        free = memory - need - len(self.graphs) * per_graph
+        return max(0, int(free // grad) - 2) if grad > 0 else 0
+
+    def _stage_memory(self) -> tuple[float, float, float, float]:
+        """(device memory, the stage's planned need, one forward graph, one gradient) in bytes:
+        worked out once a stage, in float32 as the planner's figures, and logged with the graphs
+        it may keep."""
         spec = self.spec
         if getattr(self, "_room_for", None) != (self.first, self.last):
             from shoal.model.profile import profile_model
@@ -1218,9 +1237,7 @@ class Worker(LocalWorkerMixin):
                      "the stage's planned need %.3g GB)", self.opts.name,
                      graph_room(memory, need, 0.0, per_graph, 2 * spec.micro_batches), a, b, per_graph / 1e6,
                      memory / 1e9, need / 1e9)
-        memory, need, per_graph, grad = self._room
-        held = (self.acc_local if self.local else self.acc_fold).held() if spec.ordered_grads else (1 if self.acc else 0)
-        return graph_room(memory, need, held * grad, per_graph, 2 * spec.micro_batches)
+        return self._room
 
     def _task_flops(self, direction: int, recomputed: bool) -> float:
         """FLOPs of one task from the analytic profile (see :func:`task_flops`)."""

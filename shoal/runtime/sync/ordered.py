@@ -85,16 +85,18 @@ class PrefixFold:
             return out + [([mb], self.apart[mb]) for mb in sorted(self.apart)]
 
 
-# Gradients of micro-batches outside the run from 0 that a local-mode worker keeps apart before it
-# adds the smallest into its second sum: a result acknowledged before the one just before it (a
-# worker has WorkerOptions.uploads_in_flight = 2 results in flight) waits for it here, and the
-# run stays in micro-batch order.
+# Gradients of micro-batches outside the run from 0 that a local-mode worker keeps apart, at least,
+# before it adds the smallest into its second sum: a result acknowledged before the one just
+# before it (a worker has WorkerOptions.uploads_in_flight = 2 results in flight) waits for it
+# here, and the run stays in micro-batch order. A worker keeps more while its device has room
+# (Worker._apart_room): a stalled upload overtaken by several others keeps the order too.
 LOCAL_APART = 1
 
 
 class LocalFold:
     """One step's gradients of one local-mode worker, summed as the server accepts them: at most
-    ``apart + 2`` whole-stage gradients at any time, whatever the step's size.
+    ``apart + 2`` whole-stage gradients at any time (``room + 2`` where :meth:`add` is given
+    more room), whatever the step's size.
 
     The inner step takes the sum over the worker's own micro-batches. In micro-batch order it is
     what autograd's accumulation gives ``shoal train --local``, which a stage's only worker
@@ -117,14 +119,14 @@ class LocalFold:
         self.rest: Grads | None = None  # the sum of those that left the apart set (a fresh copy)
         self.rest_mbs: list[int] = []  # their micro-batches, in the order they were added
 
-    def add(self, mb: int, grads: Grads) -> bool:
-        """Take micro-batch ``mb``'s gradient (any order); False if it is held already (the
-        first stays, as :meth:`PrefixFold.add`)."""
+    def add(self, mb: int, grads: Grads, room: int = 0) -> bool:
+        """Take micro-batch ``mb``'s gradient (any order), keeping up to ``max(apart, room)``
+        apart; False if it is held already (the first stays, as :meth:`PrefixFold.add`)."""
         with self._lock:
             if mb in self.rest_mbs or not self.prefix.add(mb, grads):
                 return False
             apart = self.prefix.apart
-            while len(apart) > self.limit:
+            while len(apart) > max(self.limit, room):
                 low = min(apart)
                 g = apart.pop(low)
                 if self.rest is None:
