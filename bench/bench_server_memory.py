@@ -93,7 +93,8 @@ def run(model: str, policy: str, root: Path, steps: int, per_stage: int = 1, spo
            "--min-lease", "120", "--spot-check", "0", *POLICIES[policy]]
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", SHOAL_TORCH_THREADS="1",
+                          # (PYTHONSAFEPATH: `-m` takes shoal from PYTHONPATH, not the working folder)
+                          env=dict(os.environ, OMP_NUM_THREADS="1", SHOAL_TORCH_THREADS="1", PYTHONSAFEPATH="1",
                                    **({} if spool_mb is None else {"SHOAL_SPOOL_MB": str(spool_mb)})))
     if proc.returncode != 0:
         sys.exit(f"{model} {policy}: launch failed ({proc.returncode}): {proc.stderr[-2000:]}")
