@@ -77,17 +77,16 @@ def test_parity_with_local_trainer(tmp_path, reference, stages, workers):
         # workers asking for their next task while computing (--prefetch) stay bit-exact too; so
         # do workers whose memory (--memory-gb: 7.5 MB, each tiny stage needs at most 6.8) keeps
         # few or no forward graphs, so that their backward tasks recompute the forward
-        memory = [["--memory-gb", "0.0075"]] * 2 + [[]] * (workers - 2)
         summary = launch(_cfg(tmp_path, stages=stages, workers=workers,
-                              worker_args=[["--prefetch", *m] for m in memory]))
+                              worker_args=[["--prefetch", "--memory-gb", "0.0075"]] * workers))
         # each keeps what its 7.5 MB hold beyond its stage's planned need, fewer than the 8 graphs
-        # (2 M) it would keep otherwise (one on the last stage runs no forward task alone)
+        # (2 M) it would keep otherwise (the first stage's run forward tasks; the last stage's none)
         from shoal.model.profile import profile_model
         from shoal.plan.cost import stage_worker_memory
         from shoal.runtime.roles.worker import graph_room
 
         prof = profile_model(get_preset("tiny"), RUN["seq_len"], RUN["micro_batch_size"], 4)
-        logs = "".join((tmp_path / "run" / "logs" / f"worker{k}.log").read_text() for k in range(2))
+        logs = "".join((tmp_path / "run" / "logs" / f"worker{k}.log").read_text() for k in range(workers))
         rooms = re.findall(r"keeps at most (\d+) forward graphs of stage \[(\d+), (\d+)\).*device memory 0\.0075 GB",
                            logs)
         assert rooms, logs[-2000:]
