@@ -127,22 +127,3 @@ def test_a_warm_parent_with_a_thread_is_refused(tmp_path):
     finally:
         server.close()
     assert server.proc.poll() is not None  # closing the control socket ends it
-
-
-@pytest.mark.timeout(120)
-def test_a_member_runs_the_launchers_shoal_from_a_folder_that_holds_another(tmp_path):
-    """``python -m`` puts the working folder first on ``sys.path``: from a folder holding another
-    ``shoal`` (another checkout of it) a member ran that copy's code. Launch's environment
-    (``member_pythonpath``) makes it import the launcher's, as the fork server's warm parent does."""
-    import sys
-
-    from shoal.runtime.processes.launch import _env
-
-    stray = tmp_path / "shoal"
-    stray.mkdir()
-    (stray / "__init__.py").write_text("raise ImportError('the stray copy in the working folder')\n")
-    cmd = [sys.executable, "-m", "shoal.runtime.processes.cli", "worker", "--help"]
-    plain = subprocess.run(cmd, cwd=tmp_path, env=dict(os.environ), capture_output=True, text=True, timeout=100)
-    assert plain.returncode != 0 and "the stray copy" in plain.stderr  # what a member did before
-    r = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=100)
-    assert r.returncode == 0 and "--memory-gb" in r.stdout, r.stderr[-2000:]

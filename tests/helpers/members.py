@@ -20,12 +20,7 @@ from shoal.runtime.processes.forkserver import get_fork_server, spawn_member
 
 def member_env(**extra: str) -> dict[str, str]:
     """The environment launch gives its members: one torch thread, unbuffered output, plus ``extra``."""
-    from shoal.runtime.processes.launch import member_pythonpath
-
-    env = dict(os.environ, OMP_NUM_THREADS="1", SHOAL_TORCH_THREADS="1", PYTHONUNBUFFERED="1")
-    env.update(member_pythonpath(os.environ.get("PYTHONPATH", "")))
-    env.update(extra)
-    return env
+    return dict(os.environ, OMP_NUM_THREADS="1", SHOAL_TORCH_THREADS="1", PYTHONUNBUFFERED="1", **extra)
 
 
 def start_member(args: list[str], log: str | Path, env: dict[str, str]):

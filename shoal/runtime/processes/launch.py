@@ -180,26 +180,11 @@ class LaunchConfig:
 
 
 def _env() -> dict[str, str]:
-    """The members' environment: one torch thread each, unbuffered output, and this process's
-    own ``shoal`` (see :func:`member_pythonpath`)."""
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
     env["SHOAL_TORCH_THREADS"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
-    env.update(member_pythonpath(env.get("PYTHONPATH", "")))
     return env
-
-
-def member_pythonpath(pythonpath: str) -> dict[str, str]:
-    """Environment that makes a ``python -m shoal...`` member import the ``shoal`` this process
-    runs: its folder first on ``PYTHONPATH``, and ``PYTHONSAFEPATH`` so that ``-m`` does not put
-    the working folder before it. Without them a launch from a folder that holds another ``shoal``
-    (another checkout of it) ran that one's code in every member, and the launcher's in itself."""
-    root = Path(__file__).resolve().parents[3]
-    parts = [p for p in pythonpath.split(os.pathsep) if p and p != str(root)]
-    if root.name not in ("site-packages", "dist-packages"):  # (an installed one is found as it was here)
-        parts.insert(0, str(root))
-    return {"PYTHONPATH": os.pathsep.join(parts), "PYTHONSAFEPATH": "1"}
 
 
 class Swarm:
