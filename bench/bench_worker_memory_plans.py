@@ -29,8 +29,7 @@ def worker_bytes(per_param: float | None):
     allocator._PAIR_CACHE.clear()  # (each layer range's worker memory, memoised per profile)
     if per_param is not None:
         def honest(self, first: int, last: int) -> int:
-            saved = sum(layer.saved_act_bytes for layer in self.layers[first:last])
-            return int(per_param * self.params(first, last) + saved)
+            return int(per_param * self.params(first, last) + self.saved_act_bytes(first, last))
 
         profile.ModelProfile.worker_memory = honest
     try:

@@ -110,7 +110,8 @@ class ModelProfile:
         out: dict[str, list[int]] = {}
         for name, value in (("params", lambda x: x.params), ("param_bytes", lambda x: x.param_bytes),
                             ("fwd", lambda x: x.fwd_flops_per_token), ("bwd", lambda x: x.bwd_flops_per_token),
-                            ("worker", lambda x: 2 * x.param_bytes + x.saved_act_bytes)):
+                            ("worker", lambda x: 2 * x.param_bytes + x.saved_act_bytes),
+                            ("saved", lambda x: x.saved_act_bytes)):
             acc = [0]
             for layer in self.layers:
                 acc.append(acc[-1] + value(layer))
@@ -150,6 +151,10 @@ class ModelProfile:
         if first == 0:
             return self.tokens_per_micro_batch * 8
         return self.layers[first - 1].out_act_bytes
+
+    def saved_act_bytes(self, first: int, last: int) -> int:
+        """Bytes autograd keeps for one micro-batch's backward through stage ``[first, last)``."""
+        return self._sum("saved", first, last)
 
     def worker_memory(self, first: int, last: int) -> int:
         """Bytes a worker needs: weights, their gradients, saved activations of one micro-batch."""

@@ -1230,7 +1230,7 @@ class Worker(LocalWorkerMixin):
             a, b = self.first, self.last
             self._room = (self.opts.memory or device_memory(self.opts.compute_device),
                           stage_worker_memory(prof, a, b, SyncPolicy(mode="local") if self.local else None),
-                          float(sum(layer.saved_act_bytes for layer in prof.layers[a:b])), 4.0 * prof.params(a, b))
+                          float(prof.saved_act_bytes(a, b)), 4.0 * prof.params(a, b))
             self._room_for = (a, b)
             memory, need, per_graph, _ = self._room
             log.info("%s keeps at most %d forward graphs of stage [%d, %d) (%.3g MB each; device memory %.3g GB, "

@@ -108,8 +108,8 @@ class LocalFold:
     rest's, then those still apart in micro-batch order: deterministic for the order the server
     accepted them in, which a shared stage's timing decides anyway.
 
-    (Each micro-batch's gradient kept to the step's end, as before, was ``k`` whole-stage
-    gradients on the device of a worker that ran ``k``: bench/results/worker-memory.md.)
+    (Keeping each micro-batch's gradient to the step's end would hold ``k`` whole-stage gradients
+    on the device of a worker that ran ``k``: bench/results/worker-memory.md.)
     """
 
     def __init__(self, apart: int = LOCAL_APART) -> None:
