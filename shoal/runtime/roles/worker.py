@@ -64,7 +64,7 @@ from shoal.runtime.measure import peak_rss_bytes
 from shoal.runtime.safety.faults import poison, poisons
 from shoal.runtime.sync.codecs import apply_pull, compression_of_spec
 from shoal.runtime.sync.local import LocalWorkerMixin
-from shoal.runtime.sync.ordered import LocalFold, PrefixFold
+from shoal.runtime.sync.ordered import EXACT_APART, LocalFold, PrefixFold
 from shoal.runtime.transport.frames import (
     TRANSIENT_CODES,
     WEIGHT_FRAMES,
@@ -262,8 +262,11 @@ class Worker(LocalWorkerMixin):
         self.acc_key: tuple[int, int, int] | None = None
         self.acc: dict[str, torch.Tensor] = {}
         self.acc_mbs: list[int] = []
-        self.acc_fold = PrefixFold()  # ordered_grads, exact sync: the run from micro-batch 0 summed as it grows
-        self.acc_local = LocalFold()  # ordered_grads, local mode: the step's sum as it comes, in order where it can
+        self.acc_pushed: set[int] = set()  # exact sync: micro-batches pushed alone before the flush (_push_apart)
+        self.grad_uploads = 0  # results carrying gradients on their way (_upload)
+        # (a real worker's task gradients are its own to add into; a shadow worker's are shared)
+        self.acc_fold = PrefixFold(not opts.shadow)  # ordered_grads, exact sync: the run from micro-batch 0 summed as it grows
+        self.acc_local = LocalFold(owned=not opts.shadow)  # ordered_grads, local mode: the step's sum as it comes
         self.tasks_done = 0
         self.compute_s = 0.0  # compute seconds of the accepted tasks (dashboard)
         self.graphs: dict[tuple[int, int, int], tuple] = {}  # (epoch, step, mb) -> (input, output)
@@ -561,8 +564,9 @@ class Worker(LocalWorkerMixin):
 
     def _drop_acc(self) -> None:
         self.acc_key, self.acc, self.acc_mbs = None, {}, []
-        self.acc_fold = PrefixFold()
-        self.acc_local = LocalFold()
+        self.acc_pushed = set()
+        self.acc_fold = PrefixFold(not self.opts.shadow)
+        self.acc_local = LocalFold(owned=not self.opts.shadow)
 
     @property
     def chunk_bytes(self) -> int:
@@ -711,7 +715,7 @@ class Worker(LocalWorkerMixin):
                 groups = self.acc_fold.groups()  # (the run from micro-batch 0 summed as its gradients came)
             else:
                 groups = [(self.acc_mbs, self.acc)]
-            done: set[int] = set()
+            done: set[int] = set(self.acc_pushed)
             for mbs, grads in groups:
                 self._do(f"pushing the gradients of step {step} mbs {mbs}")
                 done.update(mbs)
@@ -740,6 +744,38 @@ class Worker(LocalWorkerMixin):
         finally:
             self.pushing = 0
             self._drop_acc()
+
+    async def _push_apart(self, key: tuple[int, int, int]) -> None:
+        """Exact sync, ordered: push alone at once the gradients held apart from the run (a
+        shared stage's micro-batches after another worker's gap) that the device has no room
+        for beyond its plan (:meth:`_apart_room`), instead of holding one a micro-batch to the
+        step's flush. The server sums pushes in micro-batch order whenever they land, so the
+        step's bits are the same; a push that fails gives the step's gradients up as the flush's
+        push does (:meth:`_release`)."""
+        out = self.acc_fold.take_apart(max(EXACT_APART, self._apart_room() - self.grad_uploads))
+        if not out:
+            return
+        epoch, step, gen = key
+        loop = asyncio.get_running_loop()
+        for mb, grads in out:
+            if self.acc_key != key:
+                return  # given up meanwhile (a failed push, a new step or generation)
+            msg, frames, data = await loop.run_in_executor(None, self._push_message, epoch, step, gen, [mb], grads)
+            rep = await self._send_push(msg, data, frames)
+            log.info("%s pushed the gradient of step %d mb %d at once (no room beyond its plan to hold it)",
+                     self.opts.name, step, mb)
+            if rep is not None and rep.accepted and self.acc_key == key:
+                self.acc_pushed.add(mb)
+            if rep is None or not rep.accepted:
+                if rep is None:
+                    await self._release(epoch, step, gen)
+                else:
+                    log.info("%s: push refused: %s", self.opts.name, rep.reason)
+                    if self.ef is not None:
+                        self.ef.reset()  # (as the flush's push: the residual holds part of a voided gradient)
+                if self.acc_key == key:
+                    self._drop_acc()
+                return
 
     async def _send_check(self, task: pb.Task, grads: dict[str, torch.Tensor]) -> None:
         """Send the parameter gradient of a check task (a micro-batch another worker computed,
@@ -1039,10 +1075,13 @@ class Worker(LocalWorkerMixin):
         """Send a task's result: in the background while the next task is leased and computed.
 
         At most ``uploads_in_flight`` results are on their way at once (each holds one
-        activation-sized message and its gradients); with 0 the result is awaited here.
-        ``via``: the session the result's attached lease request belongs to.
+        activation-sized message and its gradients); with 0 the result is awaited here. A
+        result's parameter gradient stays on the device until the server accepts it (then it
+        joins the step's sum), so one that carries gradients goes in the background only while
+        the device has room for it beyond the plan (:meth:`_grad_upload_room`), else it is
+        awaited too. ``via``: the session the result's attached lease request belongs to.
         """
-        if self.opts.uploads_in_flight <= 0:
+        if self.opts.uploads_in_flight <= 0 or (grads is not None and self._grad_upload_room() < 1):
             await self._send_result(server, task, result, grads, via)
             return
         while len(self.uploads) >= self.opts.uploads_in_flight:
@@ -1050,6 +1089,20 @@ class Worker(LocalWorkerMixin):
         t = asyncio.create_task(self._send_result(server, task, result, grads, via))
         self.uploads.add(t)
         t.add_done_callback(self._upload_done)
+        if grads is not None:
+            self.grad_uploads += 1
+            t.add_done_callback(self._grad_upload_done)
+
+    def _grad_upload_done(self, _t: asyncio.Task) -> None:
+        self.grad_uploads -= 1
+
+    def _grad_upload_room(self) -> int:
+        """Results carrying gradients that may be on their way now: the gradients the device
+        holds beyond its plan (:meth:`_apart_room`) less those already on their way and those
+        waiting apart from the step's sum."""
+        fold = self.acc_local if self.local else self.acc_fold
+        apart = max(0, fold.held() - 1) if self.spec.ordered_grads else 0
+        return self._apart_room() - self.grad_uploads - apart
 
     def _upload_done(self, t: asyncio.Task) -> None:
         """An upload ended: an unexpected failure is logged here and raised by the task loop."""
@@ -1124,14 +1177,15 @@ class Worker(LocalWorkerMixin):
                 self.acc_key = key
             self.acc_mbs.append(task.mb)
             if self.spec.ordered_grads:
-                # one sum for a run from 0 (local mode: and one for the rest), not a copy a
-                # micro-batch; a large stage's sum in a thread (this upload ends after it, and a
+                # one sum for a run from 0 (local mode: one for all once the order is given up),
+                # not a copy a micro-batch; a large stage's sum in a thread (this upload ends after it, and a
                 # push or the step's report drains the uploads first)
                 nbytes = sum(g.numel() * g.element_size() for g in grads.values())
                 if self.local:
-                    await off_loop(nbytes, self.acc_local.add, task.mb, grads, self._apart_room())
+                    await off_loop(nbytes, self.acc_local.add, task.mb, grads, self._apart_room() - self.grad_uploads)
                 else:
                     await off_loop(nbytes, self.acc_fold.add, task.mb, grads)
+                    await self._push_apart(key)
             else:
                 for name, g in grads.items():
                     if name in self.acc:
@@ -1205,15 +1259,18 @@ class Worker(LocalWorkerMixin):
         memory, need, per_graph, grad = self._stage_memory()
         spec = self.spec
         held = (self.acc_local if self.local else self.acc_fold).held() if spec.ordered_grads else (1 if self.acc else 0)
-        return graph_room(memory, need, held * grad, per_graph, 2 * spec.micro_batches)
+        # (the planned need counts one sum of the step's gradients: WORKER_BYTES_PER_PARAM)
+        return graph_room(memory, need, max(0, held - 1) * grad, per_graph, 2 * spec.micro_batches)
 
     def _apart_room(self) -> int:
-        """Local mode: gradients this worker may keep apart from its sums (:class:`LocalFold`):
-        the whole-stage gradients its device holds beyond its stage's planned need, the forward
-        graphs it keeps now and the two sums (:meth:`_graph_room` counts them in turn)."""
+        """Gradients this worker may keep apart from its sum (local mode: :class:`LocalFold`;
+        exact sync: :meth:`_push_apart`):
+        the whole-stage gradients its device holds beyond its stage's planned need (which counts
+        the task's gradient and the sum) and the forward graphs it keeps now
+        (:meth:`_graph_room` counts the ones apart in turn)."""
         memory, need, per_graph, grad = self._stage_memory()
         free = memory - need - len(self.graphs) * per_graph
-        return max(0, int(free // grad) - 2) if grad > 0 else 0
+        return max(0, int(free // grad)) if grad > 0 else 0
 
     def _stage_memory(self) -> tuple[float, float, float, float]:
         """(device memory, the stage's planned need, one forward graph, one gradient) in bytes:

@@ -11,9 +11,9 @@ Kept apart until the flush, a step's gradients would be a whole-stage gradient p
 the worker ran: ``M`` copies on a stage's only worker (a gpt-1.3b stage of 4 at ``M = 64``:
 85 GB). :class:`PrefixFold` adds each gradient of the run into the run's sum as it arrives, in
 order (one that comes out of order waits for the gap), so a stage's only worker holds one sum;
-a worker of a shared stage still holds one gradient per micro-batch outside the run, which it
-must push alone. In local mode nothing is pushed per micro-batch: :class:`LocalFold` sums those
-too as they come, so a local-mode worker holds a few gradients whatever the step's size.
+a worker of a shared stage gets micro-batches outside the run, which it must push alone: it
+holds them to the flush while its device has room beyond the plan, else pushes them at once. In local mode nothing is pushed per micro-batch: :class:`LocalFold` sums those
+too as they come, so a local-mode worker on a tight device holds one sum whatever the step's size.
 """
 
 from __future__ import annotations
@@ -41,12 +41,15 @@ class PrefixFold:
     :meth:`add` takes each accepted micro-batch's gradient in any order; :meth:`groups` gives
     the pushes: the run's sum ``clone(g_0)``, then ``add_(g_1)``, ``add_(g_2)``, ... in order
     (whenever they arrived: the same bits), then every other micro-batch's gradient alone.
-    A gradient is never changed in place: the first of the run is cloned before anything is
-    added to it (a shadow worker's gradients are shared tensors).
+    A gradient is not changed in place unless ``owned`` (a real worker's task gradients are its
+    own): else the first of the run is cloned before anything is added to it (a shadow worker's
+    gradients are shared tensors). Owned, the run's sum is built in its first gradient: no copy
+    of the stage beyond the gradients themselves (``g_0 + g_1`` is the same bits either way).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, owned: bool = False) -> None:
         self._lock = threading.Lock()  # (a worker adds a large stage's gradients in threads)
+        self.owned = owned  # the gradients added are the fold's to add into
         self.run = 0  # micro-batches 0..run-1 are in the run's sum
         self.total: Grads | None = None  # their sum (g_0 itself while the run is one long)
         self.apart: dict[int, Grads] = {}  # every other micro-batch's gradient, by micro-batch
@@ -64,12 +67,22 @@ class PrefixFold:
                 if self.total is None:
                     self.total = g
                 else:
-                    if self.run == 1:
+                    if self.run == 1 and not self.owned:
                         self.total = {n: t.clone() for n, t in self.total.items()}
                     for n, t in g.items():
                         self.total[n].add_(t)
                 self.run += 1
             return True
+
+    def take_apart(self, keep: int) -> list[tuple[int, Grads]]:
+        """Remove and return the gradients apart beyond the ``keep`` smallest micro-batches,
+        largest first (exact sync pushes them alone at once: a worker whose device has no room
+        to hold them to the flush; the smallest are the likeliest to join the run)."""
+        with self._lock:
+            out = []
+            for mb in sorted(self.apart, reverse=True)[:max(0, len(self.apart) - max(0, keep))]:
+                out.append((mb, self.apart.pop(mb)))
+            return out
 
     def held(self) -> int:
         """Whole-stage gradients held: the run's sum and every micro-batch apart."""
@@ -85,78 +98,94 @@ class PrefixFold:
             return out + [([mb], self.apart[mb]) for mb in sorted(self.apart)]
 
 
-# Gradients of micro-batches outside the run from 0 that a local-mode worker keeps apart, at least,
-# before it adds the smallest into its second sum: a result acknowledged before the one just
-# before it (a worker has WorkerOptions.uploads_in_flight = 2 results in flight) waits for it
-# here, and the run stays in micro-batch order. A worker keeps more while its device has room
-# (Worker._apart_room): a stalled upload overtaken by several others keeps the order too.
-LOCAL_APART = 1
+# Gradients apart from the run that an exact-sync worker keeps to the flush, at least, before it
+# pushes them alone at once (Worker._push_apart): one, so that a backward task that comes before
+# the one just before it (the next stage's workers finish them out of order) waits for its gap
+# and the run goes on; without it a stage's only worker would push every later micro-batch of
+# the step alone (the server can only take a run from 0 pre-summed). One gradient beyond the plan.
+EXACT_APART = 1
+
+# Gradients of micro-batches outside the run from 0 that a local-mode worker keeps apart, at least:
+# none. A result acknowledged before the one just before it (a worker has
+# WorkerOptions.uploads_in_flight = 2 results in flight) waits for its gap only while the
+# worker's device has room beyond its plan (Worker._apart_room); on a tight device the step's
+# sum gives up the micro-batch order instead of holding a gradient the plan did not count.
+LOCAL_APART = 0
 
 
 class LocalFold:
-    """One step's gradients of one local-mode worker, summed as the server accepts them: at most
-    ``apart + 2`` whole-stage gradients at any time (``room + 2`` where :meth:`add` is given
-    more room), whatever the step's size.
+    """One step's gradients of one local-mode worker, summed as the server accepts them: the sum
+    and at most ``max(apart, room)`` gradients waiting for their gap (``room`` as :meth:`add`
+    is given it), whatever the step's size.
 
     The inner step takes the sum over the worker's own micro-batches. In micro-batch order it is
     what autograd's accumulation gives ``shoal train --local``, which a stage's only worker
     matches bit for bit at ``H = 1`` (docs/sync-runtime.md, "Exactness"): its micro-batches are
     0, 1, 2, ..., summed as :class:`PrefixFold`'s run (one acknowledged early waits for the gap).
     A worker of a shared stage runs some of them (0, 3, 5, ...): its run stops at the first gap,
-    so the others are kept apart until more than ``apart`` are, then the smallest goes into a
-    second sum (the rest, in the order they leave). The step's sum is the run's, then the
-    rest's, then those still apart in micro-batch order: deterministic for the order the server
-    accepted them in, which a shared stage's timing decides anyway.
+    so the others wait apart; once more wait than its device has room for, the order is given
+    up: the run's sum and those apart (in micro-batch order) become one sum, and every gradient
+    after them is added into it as it comes. Deterministic for the order the server accepted
+    them in, which a shared stage's timing decides anyway; a tight device holds one sum, what
+    the plan counts (:data:`shoal.model.profile.WORKER_BYTES_PER_PARAM`).
 
     (Keeping each micro-batch's gradient to the step's end would hold ``k`` whole-stage gradients
     on the device of a worker that ran ``k``: bench/results/worker-memory.md.)
     """
 
-    def __init__(self, apart: int = LOCAL_APART) -> None:
+    def __init__(self, apart: int = LOCAL_APART, owned: bool = False) -> None:
         self._lock = threading.Lock()
-        self.limit = max(0, apart)  # gradients kept apart before the smallest joins the rest
-        self.prefix = PrefixFold()  # the run from micro-batch 0, and what is kept apart
-        self.rest: Grads | None = None  # the sum of those that left the apart set (a fresh copy)
-        self.rest_mbs: list[int] = []  # their micro-batches, in the order they were added
+        self.limit = max(0, apart)  # gradients kept apart, at least, before the order is given up
+        self.owned = owned  # the gradients added are the fold's to add into (PrefixFold.owned)
+        self.prefix = PrefixFold(owned)  # the run from micro-batch 0, and what is kept apart
+        self.rest: Grads | None = None  # the one sum once the order is given up (then the prefix is empty)
+        self.rest_mbs: list[int] = []  # its micro-batches, in the order they were added
 
     def add(self, mb: int, grads: Grads, room: int = 0) -> bool:
         """Take micro-batch ``mb``'s gradient (any order), keeping up to ``max(apart, room)``
         apart; False if it is held already (the first stays, as :meth:`PrefixFold.add`)."""
         with self._lock:
-            if mb in self.rest_mbs or not self.prefix.add(mb, grads):
+            if self.rest is not None:
+                if mb in self.rest_mbs:
+                    return False
+                for n, t in grads.items():
+                    self.rest[n].add_(t)
+                self.rest_mbs.append(mb)
+                return True
+            if not self.prefix.add(mb, grads):
                 return False
-            apart = self.prefix.apart
-            while len(apart) > max(self.limit, room):
-                low = min(apart)
-                g = apart.pop(low)
-                if self.rest is None:
-                    self.rest = {n: t.clone() for n, t in g.items()}  # (shadow gradients are shared)
-                else:
+            if len(self.prefix.apart) > max(self.limit, room):
+                groups = self.prefix.groups()  # the run's sum first, then those apart in order
+                first = groups[0][1]
+                owned = self.owned or self.prefix.run >= 2  # (else the first is a task's own)
+                self.rest = first if owned else {n: t.clone() for n, t in first.items()}
+                for _, g in groups[1:]:
                     for n, t in g.items():
                         self.rest[n].add_(t)
-                self.rest_mbs.append(low)
+                self.rest_mbs = [m for mbs, _ in groups for m in mbs]
+                self.prefix = PrefixFold(self.owned)
             return True
 
     def held(self) -> int:
-        """Whole-stage gradients held: the run's sum, the rest's and each one apart."""
+        """Whole-stage gradients held: the sum, and each one apart while the order is kept."""
         with self._lock:
-            return self.prefix.held() + (self.rest is not None)
+            return 1 if self.rest is not None else self.prefix.held()
 
     def total(self) -> Grads:
         """The step's sum (empty: no gradient), which the caller may add into: it is built in
         the fold's own sums, so the fold is spent (drop it after)."""
         with self._lock:
+            if self.rest is not None:
+                return self.rest
             groups = self.prefix.groups()
-            run = groups[:1] if self.prefix.run else []
-            parts = [g for _, g in run] + ([self.rest] if self.rest is not None else []) \
-                + [g for _, g in groups[len(run):]]
-            if not parts:
+            if not groups:
                 return {}
-            # the run's sum is the fold's own copy from its second gradient on, the rest's always;
-            # a lone gradient is the task's own (a shadow worker's is shared): copied
-            owned = self.prefix.run >= 2 if run else self.rest is not None
-            out = parts[0] if owned else {n: t.clone() for n, t in parts[0].items()}
-            for g in parts[1:]:
+            # the run's sum is the fold's own from its second gradient on; a lone gradient is
+            # the task's own (a shadow worker's is shared): copied unless owned
+            first = groups[0][1]
+            owned = self.owned or (self.prefix.run >= 2)
+            out = first if owned else {n: t.clone() for n, t in first.items()}
+            for _, g in groups[1:]:
                 for n, t in g.items():
                     out[n].add_(t)
             return out
