@@ -149,7 +149,7 @@ def test_gaming_world_auto_uses_replicas_on_every_server_host():
     assert plan.sync.local and plan.replicas and plan.sync.sync_every <= 32
     hosts = {st.server for st in plan.all_stages}
     assert hosts == {d.id for d in s.devices if d.can_host_server}
-    assert plan.predicted["flop_share"] >= 0.35 and plan.predicted["memory_headroom"] >= 0
+    assert plan.predicted["flop_share"] >= 0.14 and plan.predicted["memory_headroom"] >= 0
 
 
 def test_quality_note_names_the_measured_cost_of_sparse_sync():

@@ -263,7 +263,9 @@ def test_planner_keeps_each_replica_inside_its_cluster():
             assert region[st.server] in clusters[r.cluster]
             assert all(region[w] in clusters[r.cluster] for w in st.workers)
         shapes.add(len(r.stages))
-    assert {1, 2} <= shapes  # 24 GB cards hold the model, 8-12 GB cards need two stages or more
+    # replicas of different shapes: 24 GB cards hold gpt-1.3b in two stages (20 bytes a
+    # parameter with the inner AdamW state), 8-12 GB cards need three or more
+    assert len(shapes) >= 2 and min(shapes) >= 2
     assert sum(r.micro_batches for r in plan.replicas) == plan.micro_batches
     assert plan.predicted["devices_used"] >= 80
     with pytest.raises(ShoalError, match="local"):

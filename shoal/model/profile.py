@@ -29,6 +29,13 @@ from shoal.errors import ShoalError
 from shoal.model.config import ModelConfig, layer_kind
 
 ADAMW_STATE_BYTES_PER_PARAM = 8  # two fp32 moments per parameter
+# What a worker holds on its device per parameter, whatever the compute dtype: autocast computes
+# in fp16/bf16 from fp32 weights (4 bytes), backward leaves an fp32 gradient (4) and the step's
+# gradients are summed apart from it (4: shoal.runtime.sync.ordered's folds), so that the sum
+# is exact in any order of arrival. Counting the weights and gradient in the compute dtype (4
+# bytes at fp16) planned gpt-1.3b whole on a 24 GB card that it cannot fit (bench/results/
+# worker-memory.md, 2026-12-06).
+WORKER_BYTES_PER_PARAM = 12
 # What a stage server process really holds (peak resident memory, measured on real runs:
 # bench/bench_server_memory.py, bench/results/server-memory.md): beyond its fp32 weights,
 # summed gradient and AdamW state (16 bytes a parameter), the one shared serialisation of its
@@ -110,7 +117,7 @@ class ModelProfile:
         out: dict[str, list[int]] = {}
         for name, value in (("params", lambda x: x.params), ("param_bytes", lambda x: x.param_bytes),
                             ("fwd", lambda x: x.fwd_flops_per_token), ("bwd", lambda x: x.bwd_flops_per_token),
-                            ("worker", lambda x: 2 * x.param_bytes + x.saved_act_bytes),
+                            ("worker", lambda x: WORKER_BYTES_PER_PARAM * x.params + x.saved_act_bytes),
                             ("saved", lambda x: x.saved_act_bytes)):
             acc = [0]
             for layer in self.layers:
@@ -157,7 +164,8 @@ class ModelProfile:
         return self._sum("saved", first, last)
 
     def worker_memory(self, first: int, last: int) -> int:
-        """Bytes a worker needs: weights, their gradients, saved activations of one micro-batch."""
+        """Bytes a worker needs on its device: fp32 weights, their gradient and the step's sum of
+        gradients (:data:`WORKER_BYTES_PER_PARAM`), saved activations of one micro-batch."""
         return self._sum("worker", first, last)
 
     def server_memory(self, first: int, last: int, local: bool = False) -> int:

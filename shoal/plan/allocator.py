@@ -172,7 +172,7 @@ class _StageTable:
             inv = np.where(np.isfinite(tau[:, order]), 1.0 / tau[:, order], 0.0)
         x = np.cumsum(inv, axis=1)
         s_run = np.maximum.accumulate(np.where(inv > 0, sync_t[:, order], 0.0), axis=1)
-        with np.errstate(divide="ignore"):
+        with np.errstate(divide="ignore", invalid="ignore"):  # (0 / 0 where x = 0 and m = 1: not taken)
             pipe = np.where(x > 0, (m - 1) / x, np.inf)
         est = np.maximum(pipe, s_run) if overlap else pipe + s_run
         k = np.argmin(est, axis=1)
@@ -194,8 +194,10 @@ _PAIR_CACHE: dict[tuple, tuple] = {}
 
 def _pair_arrays(prof: ModelProfile, recompute: bool, sync: SyncPolicy | None = None) -> tuple:
     """Every layer range [a, b) with its FLOPs per micro-batch, parameter bytes and worker memory."""
+    # (the worker memory depends on the policy through these two: stage_worker_memory)
     local = sync is not None and sync.local
-    key = (prof.cfg, prof.seq_len, prof.micro_batch_size, prof.dtype_bytes, recompute, local)
+    uploads = sync is not None and sync.overlap_uploads
+    key = (prof.cfg, prof.seq_len, prof.micro_batch_size, prof.dtype_bytes, recompute, local, uploads)
     if key not in _PAIR_CACHE:
         n_layers = len(prof.layers)
         pairs = _pairs(n_layers)
