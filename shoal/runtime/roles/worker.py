@@ -762,11 +762,12 @@ class Worker(LocalWorkerMixin):
                 return  # given up meanwhile (a failed push, a new step or generation)
             msg, frames, data = await loop.run_in_executor(None, self._push_message, epoch, step, gen, [mb], grads)
             rep = await self._send_push(msg, data, frames)
-            log.info("%s pushed the gradient of step %d mb %d at once (no room beyond its plan to hold it)",
-                     self.opts.name, step, mb)
-            if rep is not None and rep.accepted and self.acc_key == key:
-                self.acc_pushed.add(mb)
-            if rep is None or not rep.accepted:
+            if rep is not None and rep.accepted:
+                log.info("%s pushed the gradient of step %d mb %d at once (no room beyond its plan to hold it)",
+                         self.opts.name, step, mb)
+                if self.acc_key == key:
+                    self.acc_pushed.add(mb)
+            else:
                 if rep is None:
                     await self._release(epoch, step, gen)
                 else:
@@ -1178,8 +1179,8 @@ class Worker(LocalWorkerMixin):
             self.acc_mbs.append(task.mb)
             if self.spec.ordered_grads:
                 # one sum for a run from 0 (local mode: one for all once the order is given up),
-                # not a copy a micro-batch; a large stage's sum in a thread (this upload ends after it, and a
-                # push or the step's report drains the uploads first)
+                # not a copy a micro-batch; a large stage's sum in a thread (this upload ends
+                # after it, and a push or the step's report drains the uploads first)
                 nbytes = sum(g.numel() * g.element_size() for g in grads.values())
                 if self.local:
                     await off_loop(nbytes, self.acc_local.add, task.mb, grads, self._apart_room() - self.grad_uploads)

@@ -12,8 +12,9 @@ the worker ran: ``M`` copies on a stage's only worker (a gpt-1.3b stage of 4 at 
 85 GB). :class:`PrefixFold` adds each gradient of the run into the run's sum as it arrives, in
 order (one that comes out of order waits for the gap), so a stage's only worker holds one sum;
 a worker of a shared stage gets micro-batches outside the run, which it must push alone: it
-holds them to the flush while its device has room beyond the plan, else pushes them at once. In local mode nothing is pushed per micro-batch: :class:`LocalFold` sums those
-too as they come, so a local-mode worker on a tight device holds one sum whatever the step's size.
+holds them to the flush while its device has room beyond the plan, else pushes them at once. In
+local mode nothing is pushed per micro-batch: :class:`LocalFold` sums those too as they come, so
+a local-mode worker on a tight device holds one sum whatever the step's size.
 """
 
 from __future__ import annotations
