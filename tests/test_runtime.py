@@ -59,9 +59,22 @@ def _assert_parity(out, reference):
     return recs
 
 
+def _early_pushes(acked: list[int]) -> set[int]:
+    """The micro-batches an exact-sync worker with no room beyond its plan pushes alone at once,
+    given its gradients' micro-batches in the order the server accepted them: a PrefixFold that
+    keeps EXACT_APART apart after each add (Worker._push_apart)."""
+    from shoal.runtime.sync.ordered import EXACT_APART, PrefixFold
+
+    fold, out = PrefixFold(), set()
+    for mb in acked:
+        if fold.add(mb, {}):
+            out.update(m for m, _ in fold.take_apart(EXACT_APART))
+    return out
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("stages,workers", [(2, 5), (3, 4)])
-def test_parity_with_local_trainer(tmp_path, reference, stages, workers):
+def test_parity_with_local_trainer(tmp_path, reference, stages, workers, monkeypatch):
     if stages == 2:
         # the command line path: the `shoal launch` parser and handler
         out = tmp_path / "run"
@@ -75,11 +88,14 @@ def test_parity_with_local_trainer(tmp_path, reference, stages, workers):
         summary = json.loads((out / "summary.json").read_text())
     else:
         # workers asking for their next task while computing (--prefetch) stay bit-exact too; so
-        # do workers whose memory (--memory-gb: 8.5 MB, each tiny stage needs at most 6.9) keeps
-        # few or no forward graphs, so that their backward tasks recompute the forward
+        # do workers whose memory (--memory-gb: 7.5 MB; each tiny stage needs at most 6.9 and
+        # a gradient 1.6-1.9 more) keeps few or no forward graphs, so that their backward tasks
+        # recompute the forward, and no gradient beyond their plan, so that those of a shared
+        # stage outside the run from micro-batch 0 are pushed alone at once
+        monkeypatch.setenv("SHOAL_TRACE", str(tmp_path))
         summary = launch(_cfg(tmp_path, stages=stages, workers=workers,
-                              worker_args=[["--prefetch", "--memory-gb", "0.0085"]] * workers))
-        # each keeps what its 8.5 MB hold beyond its stage's planned need, fewer than the 8 graphs
+                              worker_args=[["--prefetch", "--memory-gb", "0.0075"]] * workers))
+        # each keeps what its 7.5 MB hold beyond its stage's planned need, fewer than the 8 graphs
         # (2 M) it would keep otherwise (the first stage's run forward tasks; the last stage's none)
         from shoal.model.profile import profile_model
         from shoal.plan.cost import stage_worker_memory
@@ -87,13 +103,28 @@ def test_parity_with_local_trainer(tmp_path, reference, stages, workers):
 
         prof = profile_model(get_preset("tiny"), RUN["seq_len"], RUN["micro_batch_size"], 4)
         logs = "".join((tmp_path / "run" / "logs" / f"worker{k}.log").read_text() for k in range(workers))
-        rooms = re.findall(r"keeps at most (\d+) forward graphs of stage \[(\d+), (\d+)\).*device memory 0\.0085 GB",
+        rooms = re.findall(r"keeps at most (\d+) forward graphs of stage \[(\d+), (\d+)\).*device memory 0\.0075 GB",
                            logs)
         assert rooms, logs[-2000:]
         for n, a, b in rooms:
             a, b = int(a), int(b)
             saved = prof.saved_act_bytes(a, b)
-            assert int(n) == graph_room(8.5e6, stage_worker_memory(prof, a, b), 0.0, saved, 8) < 8, (n, a, b)
+            assert int(n) == graph_room(7.5e6, stage_worker_memory(prof, a, b), 0.0, saved, 8) < 8, (n, a, b)
+        # Each worker pushed alone at once exactly the gradients a fold keeping one apart gives
+        # up, in the order the server accepted its results (traced; a result carrying gradients
+        # is awaited before the next task, so acceptance is the order they were summed in)
+        acked: dict[tuple[str, int], list[int]] = {}
+        for f in tmp_path.glob("trace-*.jsonl"):
+            for line in f.read_text().splitlines():
+                e = json.loads(line)
+                if e["ev"] == "result_ack" and e["ok"] and e["grads"]:
+                    acked.setdefault((e["who"], e["step"]), []).append(e["mb"])
+        early = {}
+        for w, step, mb in re.findall(r"(w\d+) pushed the gradient of step (\d+) mb (\d+) at once", logs):
+            early.setdefault((w, int(step)), set()).add(int(mb))
+        want = {k: _early_pushes(v) for k, v in acked.items()}
+        assert acked and early == {k: v for k, v in want.items() if v}, (early, acked)
+        assert early, acked  # a shared stage's worker got micro-batches outside its run
     recs = _assert_parity(tmp_path / "run", reference)
     assert summary["steps"] == STEPS and summary["stages"] == stages
     # every worker that took part is in the tasks table, and tasks add up

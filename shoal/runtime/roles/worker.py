@@ -1165,7 +1165,7 @@ class Worker(LocalWorkerMixin):
                     delay = min(2 * delay, 1.0)
         finally:
             self.held.discard(task.lease_id)
-        trace(self.opts.name, "result_ack", step=task.step, mb=task.mb, ok=done.accepted)
+        trace(self.opts.name, "result_ack", step=task.step, mb=task.mb, ok=done.accepted, grads=grads is not None)
         if not done.accepted:
             log.info("%s: result refused: %s", self.opts.name, done.reason)
             return
