@@ -1183,7 +1183,11 @@ class Worker(LocalWorkerMixin):
                 # after it, and a push or the step's report drains the uploads first)
                 nbytes = sum(g.numel() * g.element_size() for g in grads.values())
                 if self.local:
+                    ordered = self.acc_local.rest is None
                     await off_loop(nbytes, self.acc_local.add, task.mb, grads, self._apart_room() - self.grad_uploads)
+                    if ordered and self.acc_local.rest is not None:
+                        log.info("%s sums step %d's gradients as they are accepted from micro-batch %d on "
+                                 "(no room beyond its plan to keep them apart)", self.opts.name, task.step, task.mb)
                 else:
                     await off_loop(nbytes, self.acc_fold.add, task.mb, grads)
                     await self._push_apart(key)
