@@ -1,16 +1,16 @@
-"""What the planner's swarm figures become when a worker's memory is counted as the runtime holds it.
+"""What the planner's swarm figures become with another count of a worker's memory: what a runtime
+that held less (or more) per parameter would buy.
 
     PYTHONPATH=. python bench/bench_worker_memory_plans.py [--scenarios gaming-world,gaming-eu,scale-1024]
-        [--bytes 12]
+        [--bytes 8]
 
-The planner counts a worker's weights and gradient in the workload's dtype
-(``ModelProfile.worker_memory``: 2 x parameter bytes + one micro-batch's saved activations), while
-the runtime keeps parameters and gradients in fp32 under autocast and a sum of the step's
-gradients (``shoal.runtime.sync.ordered``): 12 bytes a parameter (docs/planner-cost-model.md,
-"Known gap"). For each scenario this plans ``--sync auto`` twice, as the planner does now and with
-``worker_memory`` = ``--bytes`` x parameters + saved activations (the inner AdamW state is added on
-top in local mode either way), and prints each plan's share of the swarm's FLOP limit, the devices
-it uses and its shape.
+The planner counts what a worker holds (``ModelProfile.worker_memory``: fp32 weights under
+autocast, the task's fp32 gradient and the step's sum, ``WORKER_BYTES_PER_PARAM`` = 12 bytes a
+parameter, + one micro-batch's saved activations; until 2026-12-06 it counted 4 at fp16, which
+is how bench/results/worker-memory.md's 09:29 table compares them). For each scenario this plans
+``--sync auto`` twice, as the planner does and with ``worker_memory`` = ``--bytes`` x parameters +
+saved activations (the inner AdamW state is added on top in local mode either way), and prints
+each plan's share of the swarm's FLOP limit, the devices it uses and its shape.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scenarios", default="gaming-world,gaming-eu,scale-1024")
-    ap.add_argument("--bytes", type=float, default=12.0, help="bytes a parameter a worker holds (the runtime: 12)")
+    ap.add_argument("--bytes", type=float, default=8.0, help="bytes a parameter a worker would hold (the runtime: 12)")
     args = ap.parse_args()
     print("| scenario | worker memory | share of the FLOP limit | devices used | replicas | stages a replica | sync |")
     print("|---|---|---|---|---|---|---|")
