@@ -8,6 +8,8 @@ import re
 
 import pytest
 
+from tests.helpers.traces import accepted_gradients
+
 RUN = dict(model="tiny", micro_batches=6, micro_batch_size=2, seq_len=32, seed=0, lr=3e-3, warmup=2)
 
 
@@ -46,12 +48,7 @@ def test_merge_weighs_contributors_by_their_micro_batches(tmp_path, monkeypatch)
                         # compute is small beside its calls, and a loaded CI box once gave
                         # both workers 6 of 12 micro-batches in both rounds at factor 3)
                         worker_args=[["--memory-gb", "0.032"], ["--slow", "0.25", "--memory-gb", "0.032"]]))
-    acked: dict[tuple[str, int], list[int]] = {}
-    for f in tmp_path.glob("trace-*.jsonl"):
-        for line in f.read_text().splitlines():
-            e = json.loads(line)
-            if e["ev"] == "result_ack" and e["ok"] and e["grads"]:
-                acked.setdefault((e["who"], e["step"]), []).append(e["mb"])
+    acked = accepted_gradients(tmp_path)
     logs = "".join((out / "logs" / f"worker{k}.log").read_text() for k in range(2))
     gave_up = {(w, int(step)): int(mb) for w, step, mb in
                re.findall(r"(w\d) sums step (\d+)'s gradients as they are accepted from micro-batch (\d+) on", logs)}

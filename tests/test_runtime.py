@@ -20,6 +20,7 @@ from shoal.runtime.roles.artifacts import load_final_weights
 from shoal.train.local import TrainConfig, train_local
 from shoal.train.metrics import read_jsonl
 from tests.helpers.members import run_cli, start_member
+from tests.helpers.traces import accepted_gradients
 
 pytestmark = pytest.mark.integration
 
@@ -113,12 +114,7 @@ def test_parity_with_local_trainer(tmp_path, reference, stages, workers, monkeyp
         # Each worker pushed alone at once exactly the gradients a fold keeping one apart gives
         # up, in the order the server accepted its results (traced; a result carrying gradients
         # is awaited before the next task, so acceptance is the order they were summed in)
-        acked: dict[tuple[str, int], list[int]] = {}
-        for f in tmp_path.glob("trace-*.jsonl"):
-            for line in f.read_text().splitlines():
-                e = json.loads(line)
-                if e["ev"] == "result_ack" and e["ok"] and e["grads"]:
-                    acked.setdefault((e["who"], e["step"]), []).append(e["mb"])
+        acked = accepted_gradients(tmp_path)
         early = {}
         for w, step, mb in re.findall(r"(w\d+) pushed the gradient of step (\d+) mb (\d+) at once", logs):
             early.setdefault((w, int(step)), set()).add(int(mb))

@@ -32,9 +32,9 @@ ADAMW_STATE_BYTES_PER_PARAM = 8  # two fp32 moments per parameter
 # What a worker holds on its device per parameter, whatever the compute dtype: autocast computes
 # in fp16/bf16 from fp32 weights (4 bytes), backward leaves an fp32 gradient (4) and the step's
 # gradients are summed apart from it (4: shoal.runtime.sync.ordered's folds), so that the sum
-# is exact in any order of arrival. Counting the weights and gradient in the compute dtype (4
-# bytes at fp16) planned gpt-1.3b whole on a 24 GB card that it cannot fit (bench/results/
-# worker-memory.md, 2026-12-06).
+# is exact in any order of arrival. Counted in the compute dtype (4 bytes at fp16) instead,
+# gpt-1.3b would seem to fit a 24 GB card whole in local mode; it needs 31 GB
+# (bench/results/worker-memory.md).
 WORKER_BYTES_PER_PARAM = 12
 # What a stage server process really holds (peak resident memory, measured on real runs:
 # bench/bench_server_memory.py, bench/results/server-memory.md): beyond its fp32 weights,
