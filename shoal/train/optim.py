@@ -53,13 +53,72 @@ def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def make_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over ``named_params`` with decay on matrices only.
+# Bytes a parameter of AdamW's two moments, by the dtype they are kept in (make_optimizer's `moments`).
+MOMENT_BYTES = {"fp32": 8, "bf16": 4}
+
+
+class LeanAdamW(torch.optim.Optimizer):
+    """AdamW whose two moments are kept in bfloat16: 4 bytes a parameter instead of 8.
+
+    A lean local-mode worker's inner optimizer (``--lean-workers``, shoal.runtime.sync.lean):
+    with fp32 weights and the step's gradient sum it holds 12 bytes a parameter, so a whole
+    gpt-1.3b fits a 24 GB card. The update rule is torch.optim.AdamW's (decoupled weight
+    decay ``p *= 1 - lr wd``, bias-corrected moments); each parameter's step is computed in
+    float32 from its upcast moments and written back rounded to bfloat16, one parameter at a
+    time, so the transient memory is one parameter's, never the model's. What the rounding
+    costs in loss is measured at equal tokens (bench/results/lean-workers.md).
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2) -> None:
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    def load_state_dict(self, state_dict) -> None:
+        """torch's loader casts a state's floating tensors to the parameter's dtype: the moments
+        go back to bfloat16 (exactly: they were bfloat16 values)."""
+        super().load_state_dict(state_dict)
+        for st in self.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in st:
+                    st[key] = st[key].to(torch.bfloat16)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: D102 (torch.optim.Optimizer.step)
+        for group in self.param_groups:
+            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["step"] = 0
+                    st["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.preserve_format)
+                st["step"] += 1
+                t = st["step"]
+                g = p.grad.float()
+                m = st["exp_avg"].float().lerp_(g, 1 - b1)
+                v = st["exp_avg_sq"].float().mul_(b2).addcmul_(g, g, value=1 - b2)
+                st["exp_avg"].copy_(m)
+                st["exp_avg_sq"].copy_(v)
+                if wd != 0:
+                    p.mul_(1 - lr * wd)
+                denom = (v.sqrt_() / math.sqrt(1 - b2 ** t)).add_(eps)
+                p.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
+        return None
+
+
+def make_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], cfg: OptimConfig,
+                   moments: str = "fp32") -> torch.optim.Optimizer:
+    """AdamW over ``named_params`` with decay on matrices only; ``moments="bf16"``: a
+    :class:`LeanAdamW` (the same rule, moments in bfloat16).
 
     The update of each parameter depends only on that parameter, its gradient and the
     step's learning rate, so a stage server holding a subset of the parameters performs
     the same update as a single process holding them all.
     """
+    if moments not in MOMENT_BYTES:
+        raise ShoalError(f"optimizer moments must be one of {', '.join(MOMENT_BYTES)}, got {moments!r}")
     decay, no_decay = [], []
     for _, p in sorted(named_params, key=lambda kv: kv[0]):
         (decay if p.ndim >= 2 else no_decay).append(p)
@@ -67,6 +126,8 @@ def make_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], cfg: 
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    if moments == "bf16":
+        return LeanAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     return torch.optim.AdamW(
         groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False, fused=False
     )
