@@ -12,6 +12,7 @@ from shoal.model.profile import WORKER_BYTES_PER_PARAM
 from shoal.plan import load_scenario, make_plan, predict, scenario_from_dict
 from shoal.plan.compression import bytes_per_element, parse_compression, wire_ratio
 from shoal.plan.cost import (
+    LEAN_WORKER_BYTES_PER_PARAM,
     LOCAL_OPTIMIZER_BYTES_PER_PARAM,
     UPLOADS_IN_FLIGHT,
     CostOptions,
@@ -185,6 +186,30 @@ def test_overlapped_uploads_count_the_gradients_on_their_way():
     *_, pm_up = _pair_arrays(prof, False, up)
     i = index[(0, 6)]
     assert pm_plain[i] == stage_worker_memory(prof, 0, 6, plain) and pm_up[i] == pm_plain[i] + extra
+
+
+def test_lean_workers_hold_twelve_bytes_a_parameter_whatever_their_uploads():
+    # fp32 weights, the step's sum in .grad, bf16 inner moments; no gradient apart or on its way
+    from shoal.plan.allocator import _pair_arrays
+
+    prof = scenario_profile(hand(1))
+    lean, lean_up = local(4, lean=True), local(4, lean=True, overlap_uploads=True)
+    want = LEAN_WORKER_BYTES_PER_PARAM * prof.params(0, 6) + prof.saved_act_bytes(0, 6)
+    assert stage_worker_memory(prof, 0, 6, lean) == stage_worker_memory(prof, 0, 6, lean_up) == want
+    assert want < stage_worker_memory(prof, 0, 6, local(4)) - 7 * prof.params(0, 6)  # 20 -> 12 bytes
+    # the allocator's table follows lean too, whichever policy was asked first
+    _, index, _, _, pm_plain = _pair_arrays(prof, False, local(4, overlap_uploads=True))
+    *_, pm_lean = _pair_arrays(prof, False, lean_up)
+    assert pm_lean[index[(0, 6)]] == want < pm_plain[index[(0, 6)]]
+
+
+def test_lean_workers_let_a_whole_gpt_1_3b_replica_onto_a_24_gb_card():
+    # gaming-world's 24 GB cards cannot hold gpt-1.3b whole at 20 bytes a parameter; lean, they do
+    s = load_scenario("gaming-world")
+    prof = scenario_profile(s)
+    n = len(prof.layers)
+    big = max(d.memory for d in s.workers)
+    assert stage_worker_memory(prof, 0, n, local(16)) > big >= stage_worker_memory(prof, 0, n, local(16, lean=True))
 
 
 def test_planner_uses_more_devices_when_sync_is_amortised():

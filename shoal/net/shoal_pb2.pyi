@@ -33,7 +33,7 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., codec: _Optional[str] = ..., meta: _Optional[bytes] = ...) -> None: ...
 
 class RunSpec(_message.Message):
-    __slots__ = ("version", "model", "stages", "steps", "micro_batches", "micro_batch_size", "seq_len", "seed", "lr", "min_lr", "warmup", "weight_decay", "grad_clip", "ckpt_every", "dead_after_s", "min_lease_s", "max_message_bytes", "data", "ordered_grads", "chunk_bytes", "run_id", "precision", "loss_scale_init", "init_from", "model_config_json", "sync_mode", "sync_every", "outer_lr", "outer_momentum", "sync_overlap", "guard_spot_check", "guard_server_checks", "shadow", "compress_act", "compress_grad", "compress_push", "compress_pull", "data_hash", "ckpt_every_s", "replica_stages", "replica_mbs", "replica_layers", "replica_regions")
+    __slots__ = ("version", "model", "stages", "steps", "micro_batches", "micro_batch_size", "seq_len", "seed", "lr", "min_lr", "warmup", "weight_decay", "grad_clip", "ckpt_every", "dead_after_s", "min_lease_s", "max_message_bytes", "data", "ordered_grads", "chunk_bytes", "run_id", "precision", "loss_scale_init", "init_from", "model_config_json", "sync_mode", "sync_every", "outer_lr", "outer_momentum", "sync_overlap", "sync_lean", "guard_spot_check", "guard_server_checks", "shadow", "compress_act", "compress_grad", "compress_push", "compress_pull", "data_hash", "ckpt_every_s", "replica_stages", "replica_mbs", "replica_layers", "replica_regions")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class RunSpec(_message.Message):
     OUTER_LR_FIELD_NUMBER: _ClassVar[int]
     OUTER_MOMENTUM_FIELD_NUMBER: _ClassVar[int]
     SYNC_OVERLAP_FIELD_NUMBER: _ClassVar[int]
+    SYNC_LEAN_FIELD_NUMBER: _ClassVar[int]
     GUARD_SPOT_CHECK_FIELD_NUMBER: _ClassVar[int]
     GUARD_SERVER_CHECKS_FIELD_NUMBER: _ClassVar[int]
     SHADOW_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +108,7 @@ class RunSpec(_message.Message):
     outer_lr: float
     outer_momentum: float
     sync_overlap: bool
+    sync_lean: bool
     guard_spot_check: float
     guard_server_checks: bool
     shadow: bool
@@ -120,7 +122,7 @@ class RunSpec(_message.Message):
     replica_mbs: _containers.RepeatedScalarFieldContainer[int]
     replica_layers: _containers.RepeatedScalarFieldContainer[int]
     replica_regions: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., stages: _Optional[int] = ..., steps: _Optional[int] = ..., micro_batches: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., seed: _Optional[int] = ..., lr: _Optional[float] = ..., min_lr: _Optional[float] = ..., warmup: _Optional[int] = ..., weight_decay: _Optional[float] = ..., grad_clip: _Optional[float] = ..., ckpt_every: _Optional[int] = ..., dead_after_s: _Optional[float] = ..., min_lease_s: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., data: _Optional[str] = ..., ordered_grads: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ..., run_id: _Optional[str] = ..., precision: _Optional[str] = ..., loss_scale_init: _Optional[float] = ..., init_from: _Optional[str] = ..., model_config_json: _Optional[str] = ..., sync_mode: _Optional[str] = ..., sync_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., sync_overlap: _Optional[bool] = ..., guard_spot_check: _Optional[float] = ..., guard_server_checks: _Optional[bool] = ..., shadow: _Optional[bool] = ..., compress_act: _Optional[str] = ..., compress_grad: _Optional[str] = ..., compress_push: _Optional[str] = ..., compress_pull: _Optional[str] = ..., data_hash: _Optional[str] = ..., ckpt_every_s: _Optional[float] = ..., replica_stages: _Optional[_Iterable[int]] = ..., replica_mbs: _Optional[_Iterable[int]] = ..., replica_layers: _Optional[_Iterable[int]] = ..., replica_regions: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., stages: _Optional[int] = ..., steps: _Optional[int] = ..., micro_batches: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., seed: _Optional[int] = ..., lr: _Optional[float] = ..., min_lr: _Optional[float] = ..., warmup: _Optional[int] = ..., weight_decay: _Optional[float] = ..., grad_clip: _Optional[float] = ..., ckpt_every: _Optional[int] = ..., dead_after_s: _Optional[float] = ..., min_lease_s: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., data: _Optional[str] = ..., ordered_grads: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ..., run_id: _Optional[str] = ..., precision: _Optional[str] = ..., loss_scale_init: _Optional[float] = ..., init_from: _Optional[str] = ..., model_config_json: _Optional[str] = ..., sync_mode: _Optional[str] = ..., sync_every: _Optional[int] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., sync_overlap: _Optional[bool] = ..., sync_lean: _Optional[bool] = ..., guard_spot_check: _Optional[float] = ..., guard_server_checks: _Optional[bool] = ..., shadow: _Optional[bool] = ..., compress_act: _Optional[str] = ..., compress_grad: _Optional[str] = ..., compress_push: _Optional[str] = ..., compress_pull: _Optional[str] = ..., data_hash: _Optional[str] = ..., ckpt_every_s: _Optional[float] = ..., replica_stages: _Optional[_Iterable[int]] = ..., replica_mbs: _Optional[_Iterable[int]] = ..., replica_layers: _Optional[_Iterable[int]] = ..., replica_regions: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("role", "address", "flops", "name", "ckpt_version", "ckpt_stage", "schema", "device", "will_measure", "region", "up_bps", "down_bps", "standby", "data_hash")

@@ -194,10 +194,11 @@ _PAIR_CACHE: dict[tuple, tuple] = {}
 
 def _pair_arrays(prof: ModelProfile, recompute: bool, sync: SyncPolicy | None = None) -> tuple:
     """Every layer range [a, b) with its FLOPs per micro-batch, parameter bytes and worker memory."""
-    # (the worker memory depends on the policy through these two: stage_worker_memory)
+    # (the worker memory depends on the policy through these three: stage_worker_memory)
     local = sync is not None and sync.local
     uploads = sync is not None and sync.overlap_uploads
-    key = (prof.cfg, prof.seq_len, prof.micro_batch_size, prof.dtype_bytes, recompute, local, uploads)
+    lean = local and sync.lean
+    key = (prof.cfg, prof.seq_len, prof.micro_batch_size, prof.dtype_bytes, recompute, local, uploads, lean)
     if key not in _PAIR_CACHE:
         n_layers = len(prof.layers)
         pairs = _pairs(n_layers)

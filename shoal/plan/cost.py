@@ -416,6 +416,10 @@ def step_time(pipeline: float, sync: float, overlap_sync: bool = False) -> float
 
 # Local mode: a worker's inner AdamW keeps two fp32 moments per parameter on the device.
 LOCAL_OPTIMIZER_BYTES_PER_PARAM = 8
+# A lean local-mode worker (SyncPolicy.lean, --lean-workers): fp32 weights (4), the step's gradient
+# summed in place by backward (4: no task gradient apart, none awaiting its upload's
+# acknowledgement) and bf16 inner moments (4: shoal.train.optim.LeanAdamW).
+LEAN_WORKER_BYTES_PER_PARAM = 12
 
 
 def stage_worker_memory(prof: ModelProfile, first: int, last: int, sync: SyncPolicy | None = None) -> float:
@@ -423,7 +427,11 @@ def stage_worker_memory(prof: ModelProfile, first: int, last: int, sync: SyncPol
     activations) plus, in local mode, its inner optimizer's state, and with overlapped uploads
     the fp32 gradients of the :data:`UPLOADS_IN_FLIGHT` results on their way (a result's
     gradient joins the step's sum once the server has accepted it; a worker without room for
-    them awaits each result that carries one: ``shoal.runtime.roles.worker.Worker._upload``)."""
+    them awaits each result that carries one: ``shoal.runtime.roles.worker.Worker._upload``).
+    A lean local-mode worker (``sync.lean``) holds :data:`LEAN_WORKER_BYTES_PER_PARAM` and its
+    saved activations, whatever its uploads."""
+    if sync is not None and sync.local and sync.lean:
+        return LEAN_WORKER_BYTES_PER_PARAM * prof.params(first, last) + prof.saved_act_bytes(first, last)
     need = prof.worker_memory(first, last)
     if sync is not None and sync.local:
         need += LOCAL_OPTIMIZER_BYTES_PER_PARAM * prof.params(first, last)

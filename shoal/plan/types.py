@@ -204,6 +204,7 @@ class SyncPolicy:
     overlap: bool = True  # local mode: round r's sync runs while round r+1 computes (delayed application)
     overlap_uploads: bool = False  # a worker leases and computes its next task while its output uploads
     prefetch: bool = False  # a worker asks for its next task when it starts computing (lease + input during compute)
+    lean: bool = False  # local mode: a worker holds 12 B a parameter (backward sums the step's gradients; bf16 inner moments): cost.stage_worker_memory
     ordered: bool = False  # exact sync: pushes as `shoal launch` sends them by default (ordered_grads, bitwise parity): a worker of a shared stage pushes each micro-batch's gradient alone (cost.ordered_push_count); False: one summed push a worker a step (--unordered-grads, shoal demo)
 
     @property

@@ -33,6 +33,7 @@ class SyncConfig:
     outer_lr: float = 1.0  # local mode: learning rate of the outer Nesterov step (1 with momentum 0: the replicas' mean)
     outer_momentum: float = 0.0  # local mode: momentum of the outer Nesterov step (0: plain averaging; see bench/results/sparse-sync.md)
     overlap: bool = True  # local mode: a round's merge runs while the next round computes (delayed application)
+    lean: bool = False  # local mode: workers hold 12 B a parameter (step's gradients summed by backward, bf16 inner moments)
 
     @property
     def local(self) -> bool:
@@ -49,6 +50,8 @@ class SyncConfig:
             raise ShoalError(f"--outer-lr must be a finite number > 0, got {self.outer_lr}")
         if not (math.isfinite(self.outer_momentum) and 0 <= self.outer_momentum < 1):
             raise ShoalError(f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.lean and not self.local:
+            raise ShoalError("--lean-workers applies to --sync local (exact sync's workers hold no optimizer)")
         if self.local and precision == "fp16":
             raise ShoalError("--sync local does not support --precision fp16 (no per-replica loss scaling); "
                              "use bf16 or fp32")
@@ -271,16 +274,21 @@ def add_sync_args(p, auto: bool = False) -> None:
                    help="local: the steps wait for each round's merge instead of running the next round while "
                         "it is in flight (delayed application, the default; where --sync auto is taken, it may "
                         "choose only waiting steps)")
+    g.add_argument("--lean-workers", dest="lean", action="store_true",
+                   help="local: each worker holds 12 bytes a parameter instead of 20 (backward sums the step's "
+                        "gradients in place, in the order the tasks come; the inner AdamW keeps bf16 moments), "
+                        "so a larger stage fits a card (docs/sync-policies.md)")
 
 
 def sync_from_args(args, precision: str = "fp32") -> SyncConfig:
     """The checked :class:`SyncConfig` of parsed ``--sync`` flags."""
     return SyncConfig(mode=args.sync, sync_every=args.sync_every, outer_lr=args.outer_lr,
-                      outer_momentum=args.outer_momentum, overlap=getattr(args, "overlap", True)).validate(precision)
+                      outer_momentum=args.outer_momentum, overlap=getattr(args, "overlap", True),
+                      lean=bool(getattr(args, "lean", False))).validate(precision)
 
 
 def sync_of_spec(spec) -> SyncConfig:
     """The :class:`SyncConfig` a run spec carries (an empty mode is exact)."""
     return SyncConfig(mode=spec.sync_mode or "exact", sync_every=spec.sync_every or 1,
                       outer_lr=spec.outer_lr or 1.0, outer_momentum=spec.outer_momentum,
-                      overlap=bool(spec.sync_overlap))
+                      overlap=bool(spec.sync_overlap), lean=bool(spec.sync_lean))

@@ -471,7 +471,7 @@ def _spec(args):
         precision=args.precision or "fp32", loss_scale_init=loss_scale,
         init_from=init_from or "", model_config_json=json.dumps(cfg.to_dict()) if init_from else "",
         sync_mode=sync.mode, sync_every=sync.sync_every, outer_lr=sync.outer_lr, outer_momentum=sync.outer_momentum,
-        sync_overlap=sync.overlap,
+        sync_overlap=sync.overlap, sync_lean=sync.lean,
         guard_spot_check=_spot_check(args.spot_check), guard_server_checks=bool(getattr(args, "server_checks", False)),
         shadow=bool(getattr(args, "shadow", False)))
     compression.to_spec(spec)
@@ -711,7 +711,7 @@ def run_launch_cmd(args) -> int:
         dashboard=None if args.no_dashboard else args.dashboard, chunk_mb=args.chunk_mb, tensorboard=args.tensorboard,
         device=args.device or "auto", precision=args.precision or "fp32", loss_scale=args.loss_scale,
         sync=args.sync, sync_every=args.sync_every, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
-        overlap=args.overlap,
+        overlap=args.overlap, lean=args.lean,
         compression=args.compression, faults=list(args.fault), spot_check=args.spot_check,
         server_checks=args.server_checks, standbys=args.standbys,
         tls=not args.insecure, fork_server=not args.no_fork_server, session=args.session,

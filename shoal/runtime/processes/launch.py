@@ -114,6 +114,7 @@ class LaunchConfig:
     outer_lr: float = 1.0  # local: outer Nesterov learning rate
     outer_momentum: float = 0.0  # local: outer Nesterov momentum
     overlap: bool = True  # local: a round's merge runs while the next round computes (False: the steps wait for it)
+    lean: bool = False  # local: workers hold 12 B a parameter (--lean-workers; shoal.runtime.sync.lean)
     compression: str = "none"  # wire codecs per traffic kind (shoal.runtime.sync.codecs; none: uncompressed)
     faults: list[str] = field(default_factory=list)  # --fault SPECs (shoal.runtime.safety.faults grammar)
     spot_check: float = 0.05  # fraction of gradient pushes the stage servers recompute (exact runs)
@@ -138,7 +139,8 @@ class LaunchConfig:
             raise ShoalError(f"--workers {self.workers} < --stages {self.stages}: every stage needs a worker")
         from shoal.train.outer import SyncConfig
 
-        SyncConfig(self.sync, self.sync_every, self.outer_lr, self.outer_momentum, self.overlap).validate(self.precision)
+        SyncConfig(self.sync, self.sync_every, self.outer_lr, self.outer_momentum, self.overlap,
+                   self.lean).validate(self.precision)
         from shoal.runtime.sync.codecs import parse_run_compression
 
         self.compression = parse_run_compression(self.compression).text()
@@ -370,6 +372,7 @@ class Swarm:
             "--precision", c.precision, *([] if c.loss_scale is None else ["--loss-scale", repr(c.loss_scale)]),
             "--sync", c.sync, "--sync-every", str(c.sync_every), "--outer-lr", repr(c.outer_lr),
             "--outer-momentum", repr(c.outer_momentum), *([] if c.overlap else ["--no-overlap"]),
+            *(["--lean-workers"] if c.lean else []),
             "--spot-check", repr(c.spot_check), *(["--server-checks"] if c.server_checks else []),
             "--compression", c.compression, *(["--shadow"] if c.shadow else []),
             *self._coordinator_emulation()]

@@ -63,6 +63,7 @@ from shoal.runtime.common import (
 from shoal.runtime.measure import peak_rss_bytes
 from shoal.runtime.safety.faults import poison, poisons
 from shoal.runtime.sync.codecs import apply_pull, compression_of_spec
+from shoal.runtime.sync.lean import LeanShare, LeanSum
 from shoal.runtime.sync.local import LocalWorkerMixin
 from shoal.runtime.sync.ordered import EXACT_APART, LocalFold, PrefixFold
 from shoal.runtime.transport.frames import (
@@ -267,6 +268,7 @@ class Worker(LocalWorkerMixin):
         # (a real worker's task gradients are its own to add into; a shadow worker's are shared)
         self.acc_fold = PrefixFold(not opts.shadow)  # ordered_grads, exact sync: the run from micro-batch 0 summed as it grows
         self.acc_local = LocalFold(owned=not opts.shadow)  # ordered_grads, local mode: the step's sum as it comes
+        self.lean_sum = LeanSum()  # lean local mode (--lean-workers): which results the .grad sum counts
         self.tasks_done = 0
         self.compute_s = 0.0  # compute seconds of the accepted tasks (dashboard)
         self.graphs: dict[tuple[int, int, int], tuple] = {}  # (epoch, step, mb) -> (input, output)
@@ -564,6 +566,7 @@ class Worker(LocalWorkerMixin):
 
     def _drop_acc(self) -> None:
         self.acc_key, self.acc, self.acc_mbs = None, {}, []
+        self.lean_sum.drop()  # (lean: the .grad sum is not to be reported)
         self.acc_pushed = set()
         self.acc_fold = PrefixFold(not self.opts.shadow)
         self.acc_local = LocalFold(owned=not self.opts.shadow)
@@ -960,6 +963,7 @@ class Worker(LocalWorkerMixin):
             # The server awaits gradients we do not hold (a push or a result reply was
             # lost): release them so they are redone rather than awaited forever.
             await self._release(rep.epoch, rep.step, rep.gen)
+            self.lean_sum.released(rep.epoch, rep.step)
         if self.local:
             await self._local_tick(rep)
         if not rep.has_task:
@@ -1082,7 +1086,8 @@ class Worker(LocalWorkerMixin):
         the device has room for it beyond the plan (:meth:`_grad_upload_room`), else it is
         awaited too. ``via``: the session the result's attached lease request belongs to.
         """
-        if self.opts.uploads_in_flight <= 0 or (grads is not None and self._grad_upload_room() < 1):
+        carries = grads is not None and not isinstance(grads, LeanShare)  # (a lean share is in .grad already)
+        if self.opts.uploads_in_flight <= 0 or (carries and self._grad_upload_room() < 1):
             await self._send_result(server, task, result, grads, via)
             return
         while len(self.uploads) >= self.opts.uploads_in_flight:
@@ -1090,7 +1095,7 @@ class Worker(LocalWorkerMixin):
         t = asyncio.create_task(self._send_result(server, task, result, grads, via))
         self.uploads.add(t)
         t.add_done_callback(self._upload_done)
-        if grads is not None:
+        if carries:
             self.grad_uploads += 1
             t.add_done_callback(self._grad_upload_done)
 
@@ -1122,6 +1127,28 @@ class Worker(LocalWorkerMixin):
 
     async def _send_result(self, server, task: pb.Task, result: pb.TaskResult, grads,
                            via: SessionClient | None = None) -> None:
+        """:meth:`_send_result_once`; a lean share whose result was never answered spoils its
+        step's sum (the server may count the task; the sum cannot say)."""
+        try:
+            await self._send_result_once(server, task, result, grads, via)
+        finally:
+            if isinstance(grads, LeanShare) and not grads.settled:
+                said = self.lean_sum.spoiled == (task.epoch, task.step)
+                self.lean_sum.spoil(task.epoch, task.step)
+                self._lean_spoiled(task, None if said else "its result got no answer")
+
+    def _lean_spoiled(self, task: pb.Task, why: str | None) -> None:
+        """A lean sum of ``task``'s step that may not be reported: said (unless ``why`` is None:
+        said already), and its bookkeeping dropped (the step's flush then releases what the
+        server holds of it: redone)."""
+        if why is not None:
+            log.info("%s drops its gradient sum of step %d (lean worker: %s); the step's micro-batches it ran "
+                     "are redone", self.opts.name, task.step, why)
+        if self.acc_key is not None and self.acc_key[:2] == (task.epoch, task.step):
+            self.acc_key, self.acc_mbs = None, []
+
+    async def _send_result_once(self, server, task: pb.Task, result: pb.TaskResult, grads,
+                                via: SessionClient | None = None) -> None:
         """Stream one result, retrying transport failures with the same lease id (the server
         acknowledges a retry whose first attempt landed); keep its gradients once accepted.
 
@@ -1166,6 +1193,9 @@ class Worker(LocalWorkerMixin):
         finally:
             self.held.discard(task.lease_id)
         trace(self.opts.name, "result_ack", step=task.step, mb=task.mb, ok=done.accepted, grads=grads is not None)
+        if isinstance(grads, LeanShare):
+            self._lean_answered(task, result, grads, done)
+            return
         if not done.accepted:
             log.info("%s: result refused: %s", self.opts.name, done.reason)
             return
@@ -1197,6 +1227,27 @@ class Worker(LocalWorkerMixin):
                         self.acc[name].add_(g)
                     else:
                         self.acc[name] = g.clone() if self.opts.shadow else g  # shadow tensors are shared
+
+    def _lean_answered(self, task: pb.Task, result: pb.TaskResult, share: LeanShare, done) -> None:
+        """A lean worker's result answered: its gradient, in the step's ``.grad`` sum already,
+        counts if the server accepted it and the sum is still the step's (:class:`LeanSum`)."""
+        if done.accepted:
+            self.tasks_done += 1
+            self.compute_s += result.compute_s
+        else:
+            log.info("%s: result refused: %s", self.opts.name, done.reason)
+        key = (task.epoch, task.step, done.gen)
+        said = self.lean_sum.spoiled == (task.epoch, task.step)  # (dropped already: said once)
+        if done.accepted and self.acc_key is not None and self.acc_key != key:
+            if self.acc_key[:2] == key[:2]:  # a new generation: the server dropped what we ran before
+                self.lean_sum.spoil(task.epoch, task.step)
+            self.acc_key, self.acc_mbs = None, []  # (an older step's leftovers: the server moved on)
+        if not self.lean_sum.settle(share, done.accepted):
+            self._lean_spoiled(task, None if said else "a result it holds was refused" if not done.accepted else
+                               "the server's generation or step changed under it")
+            return
+        self.acc_key = key
+        self.acc_mbs.append(task.mb)
 
     async def _out_of_memory(self) -> None:
         """Leave the run with a one-line error: the server re-queues our tasks at once."""
@@ -1291,7 +1342,7 @@ class Worker(LocalWorkerMixin):
             prof = profile_model(self.cfg, spec.seq_len, spec.micro_batch_size, 4)
             a, b = self.first, self.last
             self._room = (self.opts.memory or device_memory(self.opts.compute_device),
-                          stage_worker_memory(prof, a, b, SyncPolicy(mode="local") if self.local else None),
+                          stage_worker_memory(prof, a, b, SyncPolicy(mode="local", lean=self.lean) if self.local else None),
                           float(prof.saved_act_bytes(a, b)), 4.0 * prof.params(a, b))
             self._room_for = (a, b)
             memory, need, per_graph, _ = self._room
@@ -1386,8 +1437,16 @@ class Worker(LocalWorkerMixin):
             while len(self.graphs) > room:
                 self.graphs.pop(next(iter(self.graphs)))
             return to_host(out.detach().contiguous()), 0.0, None, False
-        for p in self.params.values():
-            p.grad = None
+        # A lean worker's backward adds into the step's sum in .grad (shoal.runtime.sync.lean);
+        # a redundant check's gradient goes alone, as ever.
+        share, kept = None, None
+        if self.lean and not task.check_id:
+            clear, share = self.lean_sum.begin(task.epoch, task.step)
+        elif self.lean:
+            kept = {n: p.grad for n, p in self.params.items()}  # the sum, back in place after the check
+        if share is None or clear:
+            for p in self.params.values():
+                p.grad = None
         cached = self.graphs.pop(key, None) if task.direction == pb.BWD else None
         if cached is not None:
             x = cached[0]
@@ -1408,9 +1467,12 @@ class Worker(LocalWorkerMixin):
             self.graph_hits += cached is not None
             out.backward(to_device(g, dev))
             loss_v = 0.0
-        grads = {n: p.grad for n, p in self.params.items()}
-        for p in self.params.values():
-            p.grad = None
+        if share is not None:
+            grads = share
+        else:
+            grads = {n: p.grad for n, p in self.params.items()}
+            for n, p in self.params.items():
+                p.grad = None if kept is None else kept[n]
         recomputed = task.direction == pb.BWD and cached is None
         return (None if first_stage else to_host(x.grad.contiguous())), loss_v, grads, recomputed
 

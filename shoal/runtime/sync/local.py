@@ -796,13 +796,23 @@ class LocalWorkerMixin:
         return sync_of_spec(self.spec).local
 
     @property
+    def lean(self) -> bool:
+        """A lean worker (``--lean-workers``): backward sums the step's gradients in ``.grad``
+        and the inner AdamW keeps bf16 moments (shoal.runtime.sync.lean)."""
+        return self.local and sync_of_spec(self.spec).lean and not self.opts.shadow
+
+    @property
     def local_overlap(self) -> bool:
         """Delayed application: the replica moves onto a merge while the next round computes."""
         return sync_of_spec(self.spec).overlap
 
     def _local_reset(self) -> None:
         """A new stage: a fresh inner AdamW over the replica; nothing pending."""
-        self.inner_opt = make_optimizer(self.module.named_parameters(), optim_config(self.spec)) if self.local else None
+        self.inner_opt = (make_optimizer(self.module.named_parameters(), optim_config(self.spec),
+                                         moments="bf16" if self.lean else "fp32") if self.local else None)
+        if self.lean:
+            log.info("%s is a lean worker: bf16 inner AdamW moments, each step's gradients summed by backward in "
+                     "the order its tasks come (12 bytes a parameter)", self.opts.name)
         self.anchor: dict[str, torch.Tensor] = {}  # the weights the replica started the round from (host memory)
         self.local_round_mbs = 0  # micro-batches applied to the replica since the anchor
         self.local_reported = 0  # micro-batches the server counted for it since then (some may have missed their step)
@@ -914,8 +924,12 @@ class LocalWorkerMixin:
 
     def _local_sum(self) -> tuple[dict[str, torch.Tensor], int]:
         """The accumulated gradient of the step in micro-batch order (plus any earlier report)."""
-        # (ordered: summed as the results were accepted, in micro-batch order where it can: LocalFold)
-        total = self.acc_local.total() if self.spec.ordered_grads else self.acc
+        # (ordered: summed as the results were accepted, in micro-batch order where it can: LocalFold;
+        # lean: summed by backward in .grad, the order the tasks came)
+        if self.lean:
+            total = {n: p.grad for n, p in self.params.items()}
+        else:
+            total = self.acc_local.total() if self.spec.ordered_grads else self.acc
         n = len(self.acc_mbs)
         epoch, step, _ = self.acc_key
         if self.pending is not None and self.pending[:2] == (epoch, step):
@@ -934,6 +948,12 @@ class LocalWorkerMixin:
         """Report the step's micro-batches (no tensors); keep the gradient for the inner step."""
         epoch, step, gen = self.acc_key
         mbs = sorted(self.acc_mbs)
+        if self.lean and not self.lean_sum.holds(epoch, step):
+            # (spoiled since: lean_sum drops the bookkeeping too, so this is a guard)
+            self._drop_acc()
+            await self._release(epoch, step, gen)
+            self.lean_sum.released(epoch, step)
+            return
         try:
             total, n, parts = await asyncio.get_running_loop().run_in_executor(None, self._local_report)
             msg = pb.GradPush(worker=self.member_id, step=step, epoch=epoch, gen=gen, mbs=mbs, local_done=True,
