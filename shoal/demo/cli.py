@@ -77,6 +77,7 @@ class DemoConfig:
     outer_lr: float = 1.0  # --outer-lr: local mode's outer Nesterov learning rate
     outer_momentum: float = 0.0  # --outer-momentum: local mode's outer Nesterov momentum
     overlap: bool = True  # --no-overlap (False): local mode's steps wait for each round's merge
+    lean: bool = False  # --lean-workers: local mode's workers hold 12 B a parameter (auto: the planner's choice)
     shadow: bool = False  # --shadow: workers run no model, only wait their device's task time (losses meaningless)
     replicas: str = ""  # --replicas: pipeline replicas given by hand (stages per replica; shoal.runtime.sync.replicas)
 
@@ -102,7 +103,11 @@ class DemoConfig:
         if self.sync == "exact" and self.sync_every not in (None, 1):
             raise ShoalError("--sync-every only applies to --sync local or auto (exact sync syncs every step)")
         SyncConfig("local" if self.sync == "auto" else self.sync, self.sync_every or DEFAULT_SYNC_EVERY,
-                   self.outer_lr, self.outer_momentum, self.overlap).validate()
+                   self.outer_lr, self.outer_momentum, self.overlap,
+                   self.lean and self.sync == "local").validate()
+        if self.lean and self.sync != "local":
+            raise ShoalError("--lean-workers applies to --sync local (exact sync's workers hold no optimizer; "
+                             "--sync auto weighs lean workers by itself)")
         if not self.overlap and self.sync == "exact":
             raise ShoalError("--no-overlap applies to --sync local or auto (exact sync has no rounds)")
         if self.replicas and self.sync == "exact":
@@ -366,7 +371,8 @@ def run_policy(cfg: DemoConfig, compression):
 
     pol = sync_policy(compression.wire("act"), compression)
     if cfg.sync == "local":
-        pol = dc_replace(pol, mode="local", sync_every=cfg.sync_every or DEFAULT_SYNC_EVERY, overlap=cfg.overlap)
+        pol = dc_replace(pol, mode="local", sync_every=cfg.sync_every or DEFAULT_SYNC_EVERY, overlap=cfg.overlap,
+                         lean=cfg.lean)
     return pol
 
 
@@ -417,7 +423,8 @@ def choose_sync(cfg: DemoConfig, scenario, stages: int | None):
     pol = plan.sync
     codecs = RunCompression(act=pol.act_codec, grad=pol.grad_codec, push=pol.push_codec, pull=pol.pull_codec)
     cfg = dc_replace(cfg, sync="local" if pol.local else "exact", sync_every=pol.sync_every if pol.local else None,
-                     compression=codecs.text(), stages=len(plan.stages), overlap=pol.overlap or not pol.local)
+                     compression=codecs.text(), stages=len(plan.stages), overlap=pol.overlap or not pol.local,
+                     lean=pol.local and pol.lean)
     if len(plan.replicas) > 1:
         from shoal.model.config import get_preset
         from shoal.runtime.sync.replicas import replicas_of_plan
@@ -577,7 +584,7 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
         emulate_speedup=spec.speedup, bandwidth_scale=cfg.bandwidth_scale, dashboard=cfg.dashboard,
         tensorboard=cfg.tensorboard,
         sync=cfg.sync, sync_every=cfg.sync_every or DEFAULT_SYNC_EVERY, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
-        overlap=cfg.overlap, shadow=cfg.shadow, replicas=_replica_plan_file(plan, out) if cfg.replicas else "")
+        overlap=cfg.overlap, lean=cfg.lean, shadow=cfg.shadow, replicas=_replica_plan_file(plan, out) if cfg.replicas else "")
     state = LiveState(total_steps=cfg.steps)
     display = _Display(state, console, cfg.quiet)
     if not cfg.churn:
@@ -850,7 +857,7 @@ def run_demo_cmd(args: argparse.Namespace) -> int:
                      dashboard=None if args.no_dashboard else args.dashboard,
                      data=tuple(args.data or ("corpus",)), sync=args.sync, sync_every=args.sync_every,
                      outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, overlap=args.overlap,
-                     tensorboard=args.tensorboard,
+                     lean=args.lean, tensorboard=args.tensorboard,
                      shadow=args.shadow, replicas=args.replicas)
     if cfg.shadow and cfg.sync == "auto":
         cfg.sync = "exact"  # (shadow workers hold no weights to keep local mode's replicas)

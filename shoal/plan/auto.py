@@ -58,6 +58,7 @@ class QualityBudget:
     pin_sync_every: int | None = None  # H pinned by the user (--sync-every): only this H
     pin_codecs: dict[str, str] | None = None  # codec per kind pinned by the user (--compression)
     overlap: bool = True  # delayed application allowed (--no-overlap: local mode's steps wait for each round)
+    lean: bool = True  # lean local-mode workers allowed (SyncPolicy.lean), chosen where they let more devices train
 
     def sync_every_choices(self) -> list[int]:
         """The H values the budget allows, smallest first."""
@@ -88,6 +89,8 @@ class QualityBudget:
         if not self.local or (replicas and not self.replicas):
             return False
         if policy.sync_every not in self.sync_every_choices() or (policy.overlap and not self.overlap):
+            return False
+        if policy.lean and not self.lean:
             return False
         codecs = {"act": policy.act_codec, "grad": policy.grad_codec, "push": policy.push_codec,
                   "pull": policy.pull_codec}
@@ -218,8 +221,11 @@ def candidates(scenario: Scenario, budget: QualityBudget, seed: int = 0,
         rep = replace(base, overlap_uploads=False)  # see shoal.plan.cli.policy_from_args
         if budget.allows(rep, replicas=True):
             shapes.append((rep, True))
+    if budget.lean:  # workers of 12 B a parameter: a stage of more layers fits a card
+        shapes += [(replace(pol, lean=True), reps) for pol, reps in shapes]
     for pol, reps in shapes:
-        say("placing pipeline replicas in local mode" if reps else "placing one pipeline in local mode")
+        say(("placing pipeline replicas" if reps else "placing one pipeline")
+            + (" of lean workers" if pol.lean else "") + " in local mode")
         try:
             placed = make_plan(scenario, seed=seed, sync=pol, options=options, replicas=reps, stages=stages)
         except ShoalError:
@@ -242,15 +248,17 @@ def candidates(scenario: Scenario, budget: QualityBudget, seed: int = 0,
 
 def choose(cands: list[tuple[Plan, bool]], scenario: Scenario) -> Plan:
     """The candidate of most long-run tokens/s; within ``TIE`` of it, exact sync first, then the
-    smallest H, then steps that wait for each round (no delayed application), then the push and
-    pull codecs closest to exact training (``SYNC_CODEC_ORDER``)."""
+    smallest H, then steps that wait for each round (no delayed application), then workers that
+    are not lean (``SyncPolicy.lean``), then the push and pull codecs closest to exact training
+    (``SYNC_CODEC_ORDER``)."""
     scored = [(_long_run_tokens_per_s(p, scenario), p) for p, _ in cands]
     best = max(t for t, _ in scored)
     if best <= 0:
         raise ShoalError(f"no plan of scenario {scenario.name} trains at all")
     near = [p for t, p in scored if t >= (1.0 - TIE) * best]
     return min(near, key=lambda p: (p.sync.local, p.sync.sync_every, p.sync.local and p.sync.overlap,
-                                    _lossy_rank(p.sync), -_long_run_tokens_per_s(p, scenario)))
+                                    p.sync.local and p.sync.lean, _lossy_rank(p.sync),
+                                    -_long_run_tokens_per_s(p, scenario)))
 
 
 def plan_auto(scenario: Scenario, budget: QualityBudget | None = None, seed: int = 0,

@@ -83,6 +83,11 @@ def add_sync_arguments(p) -> None:
     p.add_argument("--no-overlap", action="store_true",
                    help="local mode: steps wait for each sync round instead of overlapping it with the next round "
                         "(with --sync auto: a budget that leaves delayed application out)")
+    p.add_argument("--lean-workers", action="store_true",
+                   help="local mode: workers hold 12 bytes a parameter instead of 20 (backward sums the step's "
+                        "gradients; bf16 inner AdamW moments), as `shoal launch --lean-workers` runs them")
+    p.add_argument("--no-lean", action="store_true",
+                   help="--sync auto: do not consider lean local-mode workers (--lean-workers)")
     p.add_argument("--replicas", action="store_true",
                    help="local mode: run several pipeline replicas, each inside one network cluster, of the "
                         "stage count each device's memory needs (see docs/planner.md)")
@@ -115,6 +120,9 @@ def policy_from_args(args: argparse.Namespace) -> SyncPolicy:
     io = getattr(args, "overlap_io", "auto") or "auto"
     if getattr(args, "replicas", False) and mode != "local":
         raise ShoalError("--replicas needs --sync local (replicas merge every H steps)")
+    if getattr(args, "lean_workers", False) and mode != "local":
+        raise ShoalError("--lean-workers needs --sync local (exact sync's workers hold no optimizer; "
+                         "--sync auto weighs lean workers by itself, --no-lean: not)")
     if io == "auto":
         # replica pipelines are short and their workers few: a slow uplink that takes tasks while
         # its uploads queue ends the step late, so replicas keep uploads in line (measured:
@@ -125,6 +133,7 @@ def policy_from_args(args: argparse.Namespace) -> SyncPolicy:
                       act_codec=codecs["act"], grad_codec=codecs["grad"], push_codec=codecs["push"],
                       pull_codec=codecs["pull"], overlap=not getattr(args, "no_overlap", False),
                       overlap_uploads=io in ("uploads", "prefetch"), prefetch=io == "prefetch",
+                      lean=mode == "local" and getattr(args, "lean_workers", False),
                       ordered=mode == "exact" and not getattr(args, "unordered_grads", False))
 
 
@@ -137,12 +146,15 @@ def budget_from_args(args: argparse.Namespace) -> QualityBudget | None:
     top = getattr(args, "max_sync_every", None)
     allow = getattr(args, "allow_codecs", None)
     if mode != "auto":
-        if top is not None or allow is not None or getattr(args, "no_replicas", False):
-            raise ShoalError("--max-sync-every, --allow-codecs and --no-replicas are the budget of --sync auto; "
-                             f"drop them with --sync {mode}")
+        if (top is not None or allow is not None or getattr(args, "no_replicas", False)
+                or getattr(args, "no_lean", False)):
+            raise ShoalError("--max-sync-every, --allow-codecs, --no-replicas and --no-lean are the budget of "
+                             f"--sync auto; drop them with --sync {mode}")
         return None
     if getattr(args, "replicas", False):
         raise ShoalError("--replicas needs --sync local; --sync auto considers replicas by itself (--no-replicas: not)")
+    if getattr(args, "lean_workers", False):
+        raise ShoalError("--lean-workers needs --sync local; --sync auto weighs lean workers by itself (--no-lean: not)")
     if (getattr(args, "overlap_io", "auto") or "auto") != "auto":
         raise ShoalError("--overlap-io applies to --sync local or exact; --sync auto chooses it")
     if top is not None and top < 1:
@@ -157,7 +169,7 @@ def budget_from_args(args: argparse.Namespace) -> QualityBudget | None:
     return QualityBudget(max_sync_every=top, codecs=parse_allowed_codecs(allow) if allow else DEFAULT_CODECS,
                          local=top > 1, replicas=not getattr(args, "no_replicas", False), pin_sync_every=every,
                          pin_codecs=parse_compression(spec) if spec else None,
-                         overlap=not getattr(args, "no_overlap", False))
+                         overlap=not getattr(args, "no_overlap", False), lean=not getattr(args, "no_lean", False))
 
 
 def auto_applies(args: argparse.Namespace) -> bool:
@@ -281,7 +293,7 @@ def describe_policy(plan: Plan) -> str:
         return "exact sync"
     shape = f"{len(plan.replicas)} pipeline replicas" if plan.replicas else "one pipeline"
     return (f"local, H={pol.sync_every}, push={pol.push_codec} pull={pol.pull_codec} act={pol.act_codec} "
-            f"grad={pol.grad_codec}, {shape}")
+            f"grad={pol.grad_codec}, {shape}{' of lean workers' if pol.lean else ''}")
 
 
 def describe_budget(budget: QualityBudget) -> str:
@@ -292,7 +304,8 @@ def describe_budget(budget: QualityBudget) -> str:
     h = f"H in {hs}" if hs else "no H"
     codecs = (", ".join(f"{k}={v}" for k, v in budget.pin_codecs.items()) if budget.pin_codecs
               else "codecs " + ",".join(budget.codecs))
-    return f"{h}, {codecs}, replicas {'allowed' if budget.replicas else 'excluded'}"
+    return (f"{h}, {codecs}, replicas {'allowed' if budget.replicas else 'excluded'}, "
+            f"lean workers {'allowed' if budget.lean else 'excluded'}")
 
 
 def print_replica_plan(console: Console, plan: Plan, scenario: Scenario) -> None:
