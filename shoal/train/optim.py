@@ -55,6 +55,7 @@ def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
 
 # Bytes a parameter of AdamW's two moments, by the dtype they are kept in (make_optimizer's `moments`).
 MOMENT_BYTES = {"fp32": 8, "bf16": 4}
+_MOMENTS = ("exp_avg", "exp_avg_sq")  # LeanAdamW's bfloat16 state tensors
 
 
 class LeanAdamW(torch.optim.Optimizer):
@@ -63,27 +64,52 @@ class LeanAdamW(torch.optim.Optimizer):
     A lean local-mode worker's inner optimizer (``--lean-workers``, shoal.runtime.sync.lean):
     with fp32 weights and the step's gradient sum it holds 12 bytes a parameter, so a whole
     gpt-1.3b fits a 24 GB card. The update rule is torch.optim.AdamW's (decoupled weight
-    decay ``p *= 1 - lr wd``, bias-corrected moments); each parameter's step is computed in
-    float32 from its upcast moments and written back rounded to bfloat16, one parameter at a
-    time, so the transient memory is one parameter's, never the model's. What the rounding
-    costs in loss is measured at equal tokens (bench/results/lean-workers.md).
+    decay ``p *= 1 - lr wd``, bias-corrected moments, a step count per parameter; no amsgrad),
+    so the first step from a fresh state equals torch's bit for bit. Each parameter's step is
+    computed in float32 from its upcast moments and written back rounded to bfloat16, one
+    parameter at a time, so the transient memory is two fp32 copies of one parameter, never
+    the model's; parameters keep their own dtype. What the rounding costs in loss is measured
+    at equal tokens (bench/results/lean-workers.md).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2) -> None:
+        if not (lr >= 0.0 and eps >= 0.0 and weight_decay >= 0.0 and 0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"invalid LeanAdamW hyper-parameters: lr={lr}, betas={betas}, eps={eps}, "
+                             f"weight_decay={weight_decay}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
     def load_state_dict(self, state_dict) -> None:
-        """torch's loader casts a state's floating tensors to the parameter's dtype: the moments
-        go back to bfloat16 (exactly: they were bfloat16 values)."""
-        super().load_state_dict(state_dict)
-        for st in self.state.values():
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in st:
-                    st[key] = st[key].to(torch.bfloat16)
+        """Load a state (this class's or torch.optim.AdamW's) keeping the moments bfloat16.
+
+        torch's loader would cast every floating state tensor to the parameter's dtype: all
+        the moments at once in fp32, 8 bytes a parameter. Here it loads the state without
+        them, then copies each moment to bfloat16 on its parameter's device, one at a time
+        (a copy: the loaded optimizer never shares a tensor with the source), and the step
+        count becomes an int.
+        """
+        saved = state_dict["state"]
+        moments = {k: {key: v[key] for key in _MOMENTS if key in v} for k, v in saved.items()}
+        rest = {k: {key: x for key, x in v.items() if key not in _MOMENTS} for k, v in saved.items()}
+        super().load_state_dict({**state_dict, "state": rest})
+        by_id = dict(zip((i for g in state_dict["param_groups"] for i in g["params"]),
+                         (p for g in self.param_groups for p in g["params"]), strict=True))
+        for k, ms in moments.items():
+            p = by_id.get(k)
+            if p is None:
+                continue
+            st = self.state[p]
+            if "step" in st:
+                st["step"] = int(st["step"])
+            for key, x in ms.items():
+                st[key] = x.to(device=p.device, dtype=torch.bfloat16, copy=True)
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D102 (torch.optim.Optimizer.step)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         for group in self.param_groups:
             lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
@@ -98,14 +124,14 @@ class LeanAdamW(torch.optim.Optimizer):
                 t = st["step"]
                 g = p.grad.float()
                 m = st["exp_avg"].float().lerp_(g, 1 - b1)
-                v = st["exp_avg_sq"].float().mul_(b2).addcmul_(g, g, value=1 - b2)
                 st["exp_avg"].copy_(m)
+                v = st["exp_avg_sq"].float().mul_(b2).addcmul_(g, g, value=1 - b2)
                 st["exp_avg_sq"].copy_(v)
-                if wd != 0:
-                    p.mul_(1 - lr * wd)
-                denom = (v.sqrt_() / math.sqrt(1 - b2 ** t)).add_(eps)
+                p.mul_(1 - lr * wd)
+                # torch's order of operations, in place: (sqrt(v) / sqrt(1 - b2^t)) + eps
+                denom = v.sqrt_().div_((1 - b2 ** t) ** 0.5).add_(eps)
                 p.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
-        return None
+        return loss
 
 
 def make_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], cfg: OptimConfig,
