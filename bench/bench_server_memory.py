@@ -35,6 +35,7 @@ REFERENCE_MBS = 4  # shoal.plan.types.SCREEN_REF_MBS: a server's reference gradi
 POLICIES = {
     "exact": [],
     "local": ["--sync", "local", "--sync-every", "2"],
+    "local-lean": ["--sync", "local", "--sync-every", "2", "--lean-workers"],
     "local-lowrank": ["--sync", "local", "--sync-every", "2", "--compression", "lowrank"],
     # every pseudo-gradient held as its frames: what a server holds beside its merge memory
     "local-lowrank-frames": ["--sync", "local", "--sync-every", "2", "--compression", "lowrank",

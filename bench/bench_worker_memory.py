@@ -8,7 +8,8 @@ Runs ``shoal launch`` (2 stages, a worker each, 4 steps, sequence 64, one sequen
 ``bench_server_memory.run``) once per sync policy and step size, on the CPU, and prints each
 worker's peak RSS (``peak_rss_bytes`` of ``summary.json``, its heartbeats' ``VmHWM``) beside
 ``stage_worker_memory`` for its stage (weights, a gradient and one micro-batch's saved activations
-in float32; in local mode the inner AdamW state too). On a CPU the process holds the stage's
+in float32; in local mode the inner AdamW state too; ``local-lean``: a lean worker's 12 bytes a
+parameter, docs/lean-workers.md). On a CPU the process holds the stage's
 tensors, so what grows with the step's micro-batches beyond that figure is what a GPU worker
 would hold on its device beyond the plan: gradients kept per micro-batch, forward graphs kept
 for its own backward tasks.
@@ -46,7 +47,7 @@ def main() -> None:
     print("| policy | micro-batches | worker | layers | parameters | peak RSS MB | planned MB | peak - planned MB |")
     print("|---|---|---|---|---|---|---|---|")
     for policy in args.policies.split(","):
-        sync = SyncPolicy(mode="local") if policy.startswith("local") else None
+        sync = SyncPolicy(mode="local", lean="lean" in policy) if policy.startswith("local") else None
         for m in (int(x) for x in args.micro_batches.split(",")):
             sub = root / f"M{m}"
             sub.mkdir(parents=True, exist_ok=True)

@@ -56,3 +56,18 @@ def test_lean_workers_train_and_redo_a_refused_results_step(tmp_path):
     losses = [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
     assert len(losses) == steps and all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0], losses
+
+
+def test_the_run_spec_carries_lean_workers_to_every_role():
+    """--lean-workers travels in the run spec: the workers read it (sync_of_spec) and the
+    coordinator places them by it (spec_sync_policy: 12 bytes a parameter); exact sync refuses it."""
+    from shoal.errors import ShoalError
+    from shoal.net import shoal_pb2 as pb
+    from shoal.runtime.roles.planning import spec_sync_policy
+    from shoal.train.outer import SyncConfig, sync_of_spec
+
+    spec = pb.RunSpec(sync_mode="local", sync_every=4, sync_lean=True)
+    assert sync_of_spec(spec).lean and spec_sync_policy(spec).lean
+    assert not spec_sync_policy(pb.RunSpec(sync_mode="local", sync_every=4)).lean
+    with pytest.raises(ShoalError, match="--lean-workers applies to --sync local"):
+        SyncConfig(mode="exact", lean=True).validate()

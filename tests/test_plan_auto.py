@@ -183,6 +183,19 @@ def test_quality_note_names_the_measured_cost_of_sparse_sync():
     assert quality_note(SyncPolicy()) is None  # exact sync
 
 
+def test_lean_note_names_the_measured_cost_of_lean_workers(capsys):
+    from shoal.cli import main
+    from shoal.plan.auto import LEAN_LOSS_COST, lean_note
+
+    note = lean_note(SyncPolicy(mode="local", sync_every=4, lean=True))
+    lo, hi = LEAN_LOSS_COST
+    assert f"{lo:+.1%} to {hi:+.1%}" in note and "--no-lean" in note and "lean-workers.md" in note
+    assert lean_note(SyncPolicy(mode="local", sync_every=4)) is None and lean_note(SyncPolicy()) is None
+    # shoal plan says it when auto takes lean workers (gaming-world: whole-model replicas on 24 GB cards)
+    assert main(["plan", "--scenario", "gaming-world"]) == 0
+    assert "quality: lean workers" in capsys.readouterr().out.replace("\n", " ")
+
+
 @pytest.mark.timeout(300)
 def test_overlap_note_names_the_measured_cost_of_delayed_application():
     from shoal.plan.auto import OVERLAP_LOSS_COST, overlap_note

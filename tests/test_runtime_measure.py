@@ -522,6 +522,14 @@ def test_memory_fits_by_the_planners_rule():
     assert got == {"none": [], "one": [exact.index(small)], "both": [0, 1]}  # unknown: any stage
     # local mode adds the inner optimizer: the card that held one stage holds none
     assert memory_fits({"one": small}, layers, prof, local=True) == {"one": []}
+    # lean workers hold 12 bytes a parameter: a card that takes a stage of standard local mode
+    # with nothing to spare takes it lean too, and one that takes it lean only is told so
+    lean = [stage_worker_memory(prof, a, b, SyncPolicy(mode="local", lean=True)) for a, b in layers]
+    assert all(x < y for x, y in zip(lean, local, strict=True))
+    k = lean.index(min(lean))
+    assert memory_fits({"lean": lean[k]}, layers, prof, local=True, lean=True)["lean"] == [k]
+    assert memory_fits({"lean": lean[k]}, layers, prof, local=True) == {"lean": []}
+    assert f"needs {lean[k] / 1e9:.3g} GB" in unplaced_reason(lean[k] / 2, layers, prof, local=True, lean=True)
     why = unplaced_reason(small / 2, layers, prof, local=False)
     k = exact.index(small)
     assert f"stage {k} (layers {layers[k][0]}-{layers[k][1]})" in why and "\n" not in why

@@ -181,6 +181,24 @@ def quality_note(policy: SyncPolicy) -> str | None:
 OVERLAP_LOSS_COST = (-0.006, 0.013)
 
 
+# What lean workers measurably cost (bench/results/lean-workers.md, 2026-12-06: the real runtime,
+# the built-in corpus, H = 4, 60 steps): the validation loss of the final merged weights against
+# standard local-mode workers' at equal tokens, the lowest and highest of the seeds' ratios over
+# tiny on 1 stage x 2 workers and 2 stages x 4 workers (three seeds each) and small (two seeds).
+LEAN_LOSS_COST = (-0.002, 0.013)
+
+
+def lean_note(policy: SyncPolicy) -> str | None:
+    """One line on the measured loss cost of lean workers where ``policy`` has them (pure);
+    None otherwise."""
+    if not (policy.local and policy.lean):
+        return None
+    lo, hi = LEAN_LOSS_COST
+    return (f"quality: lean workers (12 bytes a parameter: bf16 inner moments, sums in arrival order) ended "
+            f"{lo:+.1%} to {hi:+.1%} against standard local-mode workers' loss at equal tokens (tiny and small, "
+            "60 steps: bench/results/lean-workers.md); --no-lean leaves them out")
+
+
 def overlap_note(policy: SyncPolicy) -> str | None:
     """One line on the measured loss cost of delayed application where ``policy`` has it (pure);
     None otherwise."""

@@ -15,6 +15,7 @@ from shoal.plan.auto import (
     DEFAULT_CODECS,
     DEFAULT_MAX_SYNC_EVERY,
     QualityBudget,
+    lean_note,
     overlap_note,
     parse_allowed_codecs,
     plan_auto,
@@ -199,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
             plan = plan_auto(scenario, budget, seed=args.seed,
                              on_progress=lambda step: status.update(f"{what}: {step}"))
         console.print(f"sync auto: {describe_policy(plan)} (quality budget: {describe_budget(budget)})")
-        for note in (quality_note(plan.sync), overlap_note(plan.sync)):
+        for note in (quality_note(plan.sync), lean_note(plan.sync), overlap_note(plan.sync)):
             if note:
                 console.print(note)
         print_plan(console, plan, scenario)

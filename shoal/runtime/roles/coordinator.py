@@ -894,12 +894,13 @@ class Coordinator(pbg.CoordinatorServicer):
                 memory[mid] = self.figures[mid].memory
         if self._profile is None:
             self._profile = profile_model(self.cfg, self.spec.seq_len, self.spec.micro_batch_size, 4)
-        prof, local = self._profile, sync_of_spec(self.spec).local
-        fits = memory_fits(memory, self.layers, prof, local)
+        prof, sync = self._profile, sync_of_spec(self.spec)
+        local, lean = sync.local, sync.local and sync.lean
+        fits = memory_fits(memory, self.layers, prof, local, lean)
         for mid, stages in sorted(fits.items()):
             if not stages and mid not in self.unplaced:
                 self.unplaced.add(mid)
-                why = unplaced_reason(memory[mid], self.layers, prof, local)
+                why = unplaced_reason(memory[mid], self.layers, prof, local, lean)
                 log.warning("%s: %s", self.members[mid].name, why)
                 self.event("unplaced", device=self.members[mid].name, why=why)
         return fits

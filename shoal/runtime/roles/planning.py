@@ -313,30 +313,30 @@ def spec_sync_policy(spec):
     sync, c = sync_of_spec(spec), compression_of_spec(spec)
     codecs = dict(act_codec=c.act, grad_codec=c.grad, push_codec=c.push, pull_codec=c.pull)
     if sync.local:
-        return SyncPolicy(mode="local", sync_every=sync.sync_every, overlap=sync.overlap, **codecs)
+        return SyncPolicy(mode="local", sync_every=sync.sync_every, overlap=sync.overlap, lean=sync.lean, **codecs)
     return SyncPolicy(ordered=bool(spec.ordered_grads), **codecs)
 
 
-def memory_fits(memory: Mapping[str, float], layers: Sequence[tuple[int, int]], prof, local: bool
-                ) -> dict[str, list[int]]:
+def memory_fits(memory: Mapping[str, float], layers: Sequence[tuple[int, int]], prof, local: bool,
+                lean: bool = False) -> dict[str, list[int]]:
     """The stages (indices of ``layers``) each worker's memory (bytes) can hold, by the planner's
     rule (:func:`shoal.plan.cost.stage_worker_memory`: weights, gradients, one micro-batch's
-    saved activations, and in local mode the inner optimizer's state) (pure). A worker with no
-    memory figure (0) is left out: it may take any stage."""
+    saved activations, and in local mode the inner optimizer's state; ``lean``: lean workers' 12
+    bytes a parameter) (pure). A worker with no memory figure (0) is left out: it may take any stage."""
     from shoal.plan.cost import stage_worker_memory
     from shoal.plan.types import SyncPolicy
 
-    sync = SyncPolicy(mode="local") if local else None
+    sync = SyncPolicy(mode="local", lean=lean) if local else None
     need = [stage_worker_memory(prof, a, b, sync) for a, b in layers]
     return {mid: [k for k, n in enumerate(need) if mem >= n] for mid, mem in memory.items() if mem > 0}
 
 
-def unplaced_reason(memory: float, layers: Sequence[tuple[int, int]], prof, local: bool) -> str:
+def unplaced_reason(memory: float, layers: Sequence[tuple[int, int]], prof, local: bool, lean: bool = False) -> str:
     """Why a worker of ``memory`` bytes holds no stage: one line naming the smallest stage's need."""
     from shoal.plan.cost import stage_worker_memory
     from shoal.plan.types import SyncPolicy
 
-    sync = SyncPolicy(mode="local") if local else None
+    sync = SyncPolicy(mode="local", lean=lean) if local else None
     k, need = min(((k, stage_worker_memory(prof, a, b, sync)) for k, (a, b) in enumerate(layers)),
                   key=lambda x: (x[1], x[0]))
     return (f"its {memory / 1e9:.3g} GB hold no stage: the smallest, stage {k} (layers {layers[k][0]}-"
