@@ -21,6 +21,8 @@ predicted / simulated step. Policies:
 * ``replicas sparse`` -- ``--replicas`` with the same codecs: pipeline replicas inside network
   clusters, of the stage count each device's memory needs;
 * ``local lowrank``, ``replicas lowrank`` -- the same with ``push=lowrank,pull=lowrank``;
+* ``replicas lean lowrank`` -- ``replicas lowrank`` with lean workers (``--lean-workers``: 12
+  bytes a parameter, docs/lean-workers.md);
 * ``auto`` -- ``--sync auto`` under the default quality budget (what ``shoal plan`` picks);
 * ``auto, rounds waited for`` -- the same plan with the steps waiting for each round
   (``overlap=False``, the runtime's ``--no-overlap``; by default it overlaps them,
@@ -32,8 +34,8 @@ the round's wait); with ``--rounds R`` > 1, R such rounds and the mean of the se
 steps (a round's merge cannot start before the screen's reference gradient, which the first step
 after the previous merge starts, so merges that take longer than a round drift later round by
 round before the steps wait for them); exact sync over 2 steps. Then the simulated tokens/s of scale-4096 over
-scale-1024 per policy. ``--agreement`` runs ``replicas sparse`` on every built-in scenario (the
-cost model against the simulator). Ratios within one run only: no timing is asserted anywhere.
+scale-1024 per policy. ``--agreement`` runs ``replicas sparse`` and ``replicas lean lowrank`` on
+every built-in scenario (the cost model against the simulator). Ratios within one run only: no timing is asserted anywhere.
 """
 
 from __future__ import annotations
@@ -59,10 +61,10 @@ TARGETS = ("gaming-world", "gaming-eu", "scale-1024", "scale-4096")
 H = 32
 
 
-def local(spec: str, uploads: bool = True) -> SyncPolicy:
+def local(spec: str, uploads: bool = True, lean: bool = False) -> SyncPolicy:
     c = parse_compression(spec)
     return SyncPolicy(mode="local", sync_every=H, act_codec=c["act"], grad_codec=c["grad"], push_codec=c["push"],
-                      pull_codec=c["pull"], overlap=True, overlap_uploads=uploads)
+                      pull_codec=c["pull"], overlap=True, overlap_uploads=uploads, lean=lean)
 
 
 SPARSE = "act=int8,grad=int8,push=sparse,pull=sparse"
@@ -77,7 +79,8 @@ def policies() -> list[tuple[str, SyncPolicy | str | None, bool]]:
             ("local int8", local("int8"), False),
             ("local sparse", local(SPARSE), False), ("replicas sparse", local(SPARSE, uploads=False), True),
             ("local lowrank", local(LOWRANK), False), ("replicas lowrank", local(LOWRANK, uploads=False), True),
-            ("replicas tern", local(TERN, uploads=False), True), ("auto", None, False),
+            ("replicas tern", local(TERN, uploads=False), True),
+            ("replicas lean lowrank", local(LOWRANK, uploads=False, lean=True), True), ("auto", None, False),
             ("auto, rounds waited for", "wait", False)]
 
 
@@ -107,7 +110,8 @@ def run_one(name: str, label: str, policy: SyncPolicy | str | None, replicas: bo
     sim = swarm_report(plan, scn, step_s=step_s, busy_share=res.mean_utilisation())
     shape = f"{len(plan.replicas)} replicas" if plan.replicas else f"S={plan.n_stages}"
     pol = plan.sync
-    desc = "exact" if not pol.local else f"local H={pol.sync_every} push={pol.push_codec} act={pol.act_codec}"
+    desc = "exact" if not pol.local else (f"local H={pol.sync_every} push={pol.push_codec} act={pol.act_codec}"
+                                          + (" lean" if pol.lean else ""))
     return {"scenario": name, "policy": label, "chosen": desc, "shape": shape, "used": pred.devices_used,
             "devices": pred.devices_available, "idle": pred.idle_counts(), "pred_tps": pred.tokens_per_s,
             "pred_share": pred.flop_share, "sim_tps": sim.tokens_per_s, "sim_share": sim.flop_share,
@@ -134,13 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenarios", nargs="+", default=list(TARGETS))
     ap.add_argument("--policies", nargs="+", default=None, help="labels to run (default: all)")
     ap.add_argument("--out", default=None, help="also write the markdown here")
-    ap.add_argument("--agreement", action="store_true", help="replicas sparse on every built-in scenario")
+    ap.add_argument("--agreement", action="store_true",
+                    help="replicas sparse and replicas lean lowrank on every built-in scenario")
     ap.add_argument("--rounds", type=int, default=1, help="compressed rounds a local policy is simulated for")
     args = ap.parse_args(argv)
     if args.agreement:
         from shoal.plan import BUILTIN_SCENARIOS
 
-        args.scenarios, args.policies = list(BUILTIN_SCENARIOS), ["replicas sparse"]
+        args.scenarios, args.policies = list(BUILTIN_SCENARIOS), ["replicas sparse", "replicas lean lowrank"]
     rows = []
     for name in args.scenarios:
         for label, pol, reps in policies():

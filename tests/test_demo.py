@@ -213,6 +213,13 @@ def test_auto_without_stages_runs_the_planners_shape(tmp_path):
     assert hand.stages == 3 and hand.sync == "local" and [len(r.stages) for r in hand_plan.replicas] == [1, 2]
     assert _sync_text(hand, "auto", by_hand=True).endswith("(replicas given by hand)")
     assert _sync_text(cfg, "auto").endswith("(auto: the planner's choice)") and cfg.replicas in _sync_text(cfg, "auto")
+    # lean workers: the planner's choice travels to the run's config; asked for, local mode prices them
+    assert cfg.lean == plan.sync.lean
+    lean_plan, lean_cfg = choose_sync(DemoConfig(sync="local", lean=True), em3, None)
+    assert lean_plan.sync.lean and lean_cfg.lean and "lean workers" in _sync_text(lean_cfg, "local")
+    for bad in (DemoConfig(sync="exact", lean=True), DemoConfig(lean=True)):
+        with pytest.raises(ShoalError, match="--lean-workers applies to --sync local"):
+            bad.validate()
 
 
 def test_auto_takes_int8_where_sparse_buys_no_speed(tmp_path):

@@ -676,6 +676,7 @@ def _sync_text(cfg: DemoConfig, asked: str, by_hand: bool = False) -> str:
     text = f"local H={cfg.sync_every or DEFAULT_SYNC_EVERY}" if cfg.sync == "local" else cfg.sync
     text += f", replicas {cfg.replicas}" if cfg.replicas else \
         f", one pipeline of {cfg.stages} stage{'s' if cfg.stages != 1 else ''}"
+    text += ", lean workers" if cfg.lean and cfg.sync == "local" else ""
     if by_hand:
         return f"{text} (replicas given by hand)"
     return f"{text} (auto: the planner's choice)" if asked == "auto" else text
