@@ -170,6 +170,11 @@ def test_gaming_world_auto_uses_replicas_on_every_server_host():
     hosts = {st.server for st in plan.all_stages}
     assert hosts == {d.id for d in s.devices if d.can_host_server}
     assert plan.predicted["flop_share"] >= 0.40 and plan.predicted["memory_headroom"] >= 0
+    # its whole-model replicas are lean workers on 24 GB cards, and shoal plan says what they cost
+    assert plan.sync.lean and min(len(r.stages) for r in plan.replicas) == 1
+    from shoal.plan.auto import lean_note
+
+    assert lean_note(plan.sync).startswith("quality: lean workers")
 
 
 def test_quality_note_names_the_measured_cost_of_sparse_sync():
@@ -183,17 +188,13 @@ def test_quality_note_names_the_measured_cost_of_sparse_sync():
     assert quality_note(SyncPolicy()) is None  # exact sync
 
 
-def test_lean_note_names_the_measured_cost_of_lean_workers(capsys):
-    from shoal.cli import main
+def test_lean_note_names_the_measured_cost_of_lean_workers():
     from shoal.plan.auto import LEAN_LOSS_COST, lean_note
 
     note = lean_note(SyncPolicy(mode="local", sync_every=4, lean=True))
     lo, hi = LEAN_LOSS_COST
     assert f"{lo:+.1%} to {hi:+.1%}" in note and "--no-lean" in note and "lean-workers.md" in note
     assert lean_note(SyncPolicy(mode="local", sync_every=4)) is None and lean_note(SyncPolicy()) is None
-    # shoal plan says it when auto takes lean workers (gaming-world: whole-model replicas on 24 GB cards)
-    assert main(["plan", "--scenario", "gaming-world"]) == 0
-    assert "quality: lean workers" in capsys.readouterr().out.replace("\n", " ")
 
 
 @pytest.mark.timeout(300)
