@@ -37,6 +37,7 @@ def test_lean_workers_train_and_redo_a_refused_results_step(tmp_path):
     assert "is a lean worker: bf16 inner AdamW moments" in every
     dropped = re.findall(r"drops its gradient sum of step (\d+) \(lean worker: a result it holds was refused\)", every)
     assert dropped, every[-3000:]
+    assert "dropped its lean sum of the gradients of step" in every  # released at the flush: redone
     servers = "".join(p.read_text() for p in (out / "logs").glob("server*.log"))
     assert "rejected a result" in servers
     for k in range(2):

@@ -830,15 +830,14 @@ class Worker(LocalWorkerMixin):
             self.inject.discard("pseudo_abandon")
         return None
 
-    async def _release(self, epoch: int, step: int, gen: int) -> None:
+    async def _release(self, epoch: int, step: int, gen: int, why: str = "could not push") -> None:
         """Tell the server we no longer hold our un-pushed gradients of ``step``.
 
         An empty push means "release": the server puts the micro-batches back to ``todo``.
         If even this cannot land, the server asks again: its next ``Lease`` reply says
         ``flush`` while we hold nothing, and :meth:`_one` releases then.
         """
-        log.warning("%s: could not push the gradients of step %d; releasing them to be redone",
-                    self.opts.name, step)
+        log.warning("%s: %s the gradients of step %d; releasing them to be redone", self.opts.name, why, step)
         if self.ef is not None:
             self.ef.reset()  # the residual of a push that never landed must not be carried on
         with contextlib.suppress(grpc.aio.AioRpcError):
@@ -962,7 +961,8 @@ class Worker(LocalWorkerMixin):
         elif rep.flush:
             # The server awaits gradients we do not hold (a push or a result reply was
             # lost): release them so they are redone rather than awaited forever.
-            await self._release(rep.epoch, rep.step, rep.gen)
+            spoiled = self.lean_sum.spoiled == (rep.epoch, rep.step)
+            await self._release(rep.epoch, rep.step, rep.gen, "dropped its lean sum of" if spoiled else "could not push")
             self.lean_sum.released(rep.epoch, rep.step)
         if self.local:
             await self._local_tick(rep)

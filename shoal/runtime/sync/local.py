@@ -951,7 +951,7 @@ class LocalWorkerMixin:
         if self.lean and not self.lean_sum.holds(epoch, step):
             # (spoiled since: lean_sum drops the bookkeeping too, so this is a guard)
             self._drop_acc()
-            await self._release(epoch, step, gen)
+            await self._release(epoch, step, gen, "dropped its lean sum of")
             self.lean_sum.released(epoch, step)
             return
         try:
