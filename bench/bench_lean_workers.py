@@ -12,8 +12,10 @@ loss (mean of the last 10 steps: the same batches in every run) and the validati
 run's final (merged) weights on 8 held-out micro-batches, and the lean row's ratio to local mode
 and to exact; then the mean ratios over the seeds. ``--again`` runs local mode a second time per
 seed: two runs of one policy differ too (which worker runs which micro-batch follows their
-timing), and their ratio is the noise the lean row's ratio sits in. Every number is from this
-one run on this machine.
+timing), and their ratio is the noise the lean row's ratio sits in. ``--compression SPEC`` adds
+a row of lean workers with those wire codecs (e.g. what ``--sync auto`` chooses for gaming-world:
+``act=int8,grad=int8,push=lowrank,pull=lowrank``), against the same local and exact rows. Every
+number is from this one run on this machine.
 """
 
 from __future__ import annotations
@@ -44,8 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="tiny", help="model preset")
     ap.add_argument("--out", default=None, help="folder for the runs (default: a temporary one)")
     ap.add_argument("--again", action="store_true", help="run local mode twice per seed (the runs' own spread)")
+    ap.add_argument("--compression", default=None, help="also a row of lean workers with these wire codecs")
     args = ap.parse_args(argv)
     rows = dict(ROWS, **({"local again": dict(sync="local")} if args.again else {}))
+    if args.compression:
+        rows["lean codecs"] = dict(sync="local", lean=True, compression=args.compression)
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_lean_"))
     sparse.SWEEP_RUN["model"] = args.model
     table: dict[str, dict[int, tuple[float, float]]] = {r: {} for r in rows}
@@ -75,6 +80,17 @@ def main(argv: list[str] | None = None) -> int:
     mean = [statistics.fmean(x[i] for x in ratios) for i in range(6)]
     print(f"| mean | | | | {mean[0]:.4f}, {mean[1]:.4f} | {mean[2]:.4f}, {mean[3]:.4f} |"
           + (f" {mean[4]:.4f}, {mean[5]:.4f} |" if again else ""))
+    if "lean codecs" in table:
+        print(f"\nlean workers with --compression {args.compression}:\n")
+        print("| seed | train / val | / local (train, val) | / exact (train, val) |")
+        print("|---|---|---|---|")
+        got = []
+        for seed, (ct, cv) in table["lean codecs"].items():
+            (et, ev), (lt, lv) = table["exact"][seed], table["local"][seed]
+            got.append((ct / lt, cv / lv, ct / et, cv / ev))
+            print(f"| {seed} | {ct:.4f} / {cv:.4f} | {ct / lt:.4f}, {cv / lv:.4f} | {ct / et:.4f}, {cv / ev:.4f} |")
+        m = [statistics.fmean(x[i] for x in got) for i in range(4)]
+        print(f"| mean | | {m[0]:.4f}, {m[1]:.4f} | {m[2]:.4f}, {m[3]:.4f} |")
     return 0
 
 
