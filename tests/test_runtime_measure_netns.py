@@ -81,8 +81,8 @@ def test_probe_measures_a_tbf_shaped_link_within_20_percent(tmp_path, rate_mbit)
     same = json.loads(local.stdout.strip().splitlines()[-1])
     assert same["same_host"] and same["up_bps"] == same["down_bps"] == 0, same  # loopback is no link
     figs = json.loads(proc.stdout.strip().splitlines()[-1])
-    # timed by the kernel's counters; under load a transfer they did not see (a connection
-    # re-opened between its snapshots) is timed by its call instead: "mixed", never "call" alone
+    # timed by the kernel's counters; under load a transfer whose counters did not add up
+    # (measure.kernel_rate: None) is timed by its call instead: "mixed", never "call" alone
     assert not figs["same_host"] and figs["method"] in ("kernel", "mixed"), figs
     rate = rate_mbit * 1e6 / 8
     print(f"tbf {rate_mbit:g} Mbit/s each way; measured up {figs['up_bps'] * 8 / 1e6:.1f}, "
