@@ -1437,13 +1437,11 @@ class Worker(LocalWorkerMixin):
             while len(self.graphs) > room:
                 self.graphs.pop(next(iter(self.graphs)))
             return to_host(out.detach().contiguous()), 0.0, None, False
-        # A lean worker's backward adds into the step's sum in .grad (shoal.runtime.sync.lean);
-        # a redundant check's gradient goes alone, as ever.
-        share, kept = None, None
-        if self.lean and not task.check_id:
+        # A lean worker's backward adds into the step's sum in .grad (shoal.runtime.sync.lean;
+        # redundant checks, whose gradient goes alone, are exact sync's: safety.redundant).
+        share = None
+        if self.lean:
             clear, share = self.lean_sum.begin(task.epoch, task.step)
-        elif self.lean:
-            kept = {n: p.grad for n, p in self.params.items()}  # the sum, back in place after the check
         if share is None or clear:
             for p in self.params.values():
                 p.grad = None
@@ -1471,8 +1469,8 @@ class Worker(LocalWorkerMixin):
             grads = share
         else:
             grads = {n: p.grad for n, p in self.params.items()}
-            for n, p in self.params.items():
-                p.grad = None if kept is None else kept[n]
+            for p in self.params.values():
+                p.grad = None
         recomputed = task.direction == pb.BWD and cached is None
         return (None if first_stage else to_host(x.grad.contiguous())), loss_v, grads, recomputed
 
