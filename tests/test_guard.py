@@ -30,6 +30,7 @@ from shoal.runtime.safety.guard import (
     push_spot_checked,
     rel_error,
     robust_centre,
+    round_verdict,
     screen,
     screen_round,
     server_check_note,
@@ -126,6 +127,32 @@ def test_screen_round_by_majority_and_by_history():
     assert screen_round({"a": 1.0, "c": 1.3}, {"a": None, "c": None}, [1.0], cfg) == {}
     assert screen_round({"a": 0.05, "c": 0.06}, {"a": None, "c": None}, [1.0], cfg) == {}  # small: no verdict
     assert set(screen_round({"a": float("nan")}, {"a": None}, [], cfg)) == {"a"}
+
+
+def test_round_verdict_holds_carried_pushes_until_strikes():
+    """Pushes that carry earlier rounds' residuals (sparse, lowrank): below a quorum a norm
+    flag against the history holds the push out of the merge; its worker is banned only at
+    its strikes_to_ban-th flagged round in a row. Other pushes are banned at the first flag,
+    and a quorum's verdict or a non-finite norm bans at once either way."""
+    cfg = GuardConfig()
+    two, cos, hist = {"a": 1.0, "c": 11.3}, {"a": None, "c": None}, [0.9, 1.1, 1.0]
+    bans, holds = round_verdict(two, cos, hist, cfg)
+    assert set(bans) == {"c"} and holds == {}
+    bans, holds = round_verdict(two, cos, hist, cfg, carried=True)
+    assert bans == {} and set(holds) == {"c"} and "x the stage's median" in holds["c"]
+    bans, holds = round_verdict(two, cos, hist, cfg, carried=True, strikes={"c": cfg.strikes_to_ban - 2, "a": 5})
+    assert bans == {} and set(holds) == {"c"}
+    bans, holds = round_verdict(two, cos, hist, cfg, carried=True, strikes={"c": cfg.strikes_to_ban - 1})
+    assert set(bans) == {"c"} and holds == {} and f"{cfg.strikes_to_ban} rounds in a row" in bans["c"]
+    bans, holds = round_verdict({"a": 1.0, "c": float("inf")}, cos, hist, cfg, carried=True)
+    assert set(bans) == {"c"} and holds == {}
+    # a quorum is a majority's verdict: banned at once, carried or not
+    three = {"a": 1.0, "b": 1.2, "c": 20.0}
+    bans, holds = round_verdict(three, {"a": 0.8, "b": 0.7, "c": 0.9}, [], cfg, carried=True)
+    assert set(bans) == {"c"} and holds == {}
+    # the server's own gradient and the AdamW bound still ban at once
+    bans, holds = round_verdict(two, cos, hist, cfg, ref_cosines={"a": 0.1, "c": -0.2}, carried=True)
+    assert set(bans) == {"c"} and holds == {}
 
 
 def _adam_moves(grads: list[float], beta1: float = 0.9, beta2: float = 0.95) -> list[float]:

@@ -104,3 +104,36 @@ def test_colluders_that_are_most_of_a_round_are_judged_by_the_servers_gradient(t
     assert {b["device"] for b in bans} <= {"w1", "w2"} and bans, bans
     assert merges and all(not any(mid.endswith(("-w1", "-w2")) for mid in m["contributors"]) for m in merges), [
         m["contributors"] for m in merges]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(400)
+def test_scaled_sparse_replica_is_held_out_then_banned(tmp_path):
+    """``sparse`` pushes carry what earlier rounds left, so below a quorum a norm flag against
+    the stage's history holds a push out of the merge and bans its worker only at its
+    strikes_to_ban-th flagged round in a row (guard.round_verdict): one stage, two workers,
+    w1 honest for two rounds, then sending its pseudo-gradients times 20. Each of its flagged
+    rounds is held out of the merge, the third bans it; w0 is never banned."""
+    from shoal.runtime.processes.launch import LaunchConfig, launch
+    from shoal.runtime.safety.guard import DEFAULT
+
+    run = {**RUN, "workers": 2, "micro_batches": 4, "sync_every": 2, "steps": 12, "compression": "sparse"}
+    out = tmp_path / "scaled"
+    summary = launch(LaunchConfig(out=str(out), **run, faults=["poison:w1:scale=20:from=4"]))
+    assert summary["steps"] == run["steps"]
+    bans = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "ban"]
+    assert [b["device"] for b in bans] == ["w1"], bans
+    assert f"{DEFAULT.strikes_to_ban} rounds in a row" in bans[0]["why"], bans
+    text = "".join(p.read_text() for p in (out / "logs").glob("server*.log"))
+    # (a merge's step is its round's last: the merge of step s makes version s + 1; w1 lies
+    # in the rounds that make version 4 and later)
+    holds = [int(s) for s in re.findall(r"holds \S+-w1's pseudo-gradient out of the merge of step (\d+): "
+                                        r"pseudo-gradient norm", text)]
+    assert len(holds) == DEFAULT.strikes_to_ban - 1 and all(s + 1 >= 4 for s in holds), (holds, bans)
+    assert bans[0]["step"] > max(holds), (holds, bans)
+    # no poisoned pseudo-gradient is in a merge: w1 contributes only to the round before
+    merges = [json.loads(m.group(1)) for m in re.finditer(r"local merge (\{.*\})$", text, re.M)]
+    late = [m for m in merges if m["version"] >= 4]
+    assert late and all(not any(mid.endswith("-w1") for mid in m["contributors"]) for m in late), [
+        (m["version"], m["contributors"]) for m in merges]
+    assert summary["final_loss"] < summary["losses"][0], summary["losses"]

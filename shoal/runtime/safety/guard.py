@@ -395,7 +395,16 @@ def adamw_move_bound(n_params: int, weight_norm: float, weight_decay: float, bet
 def screen_round(norms: dict[str, float], cosines: dict[str, float | None], history: list[float],
                  cfg: GuardConfig = DEFAULT, bounds: dict[str, float] | None = None,
                  ref_cosines: dict[str, float | None] | None = None, n_params: int = 1) -> dict[str, str]:
-    """Local mode: which contributors of one merge are banned, and why (pure).
+    """Local mode: which contributors of one merge are banned, and why (pure): the bans of
+    :func:`round_verdict` for pushes that carry nothing across rounds."""
+    return round_verdict(norms, cosines, history, cfg, bounds, ref_cosines, n_params)[0]
+
+
+def round_verdict(norms: dict[str, float], cosines: dict[str, float | None], history: list[float],
+                  cfg: GuardConfig = DEFAULT, bounds: dict[str, float] | None = None,
+                  ref_cosines: dict[str, float | None] | None = None, n_params: int = 1, carried: bool = False,
+                  strikes: dict[str, int] | None = None) -> tuple[dict[str, str], dict[str, str]]:
+    """Local mode: ``(bans, holds)`` of one merge's contributors, each with why (pure).
 
     ``norms``: each contributor's pseudo-gradient norm per unit of learning rate
     (:func:`shoal.runtime.safety.verify.round_measures`); ``cosines``: its cosine to the round's
@@ -417,6 +426,16 @@ def screen_round(norms: dict[str, float], cosines: dict[str, float | None], hist
     no majority: colluders that are most of a round set its median, not that gradient. For the
     same reason a contributor whose cosine to it is positive is not flagged for its direction
     to the median.
+
+    ``carried``: the pushes carry what earlier rounds left (``sparse`` and ``lowrank`` keep their
+    residuals, :func:`shoal.runtime.sync.codecs.keeps_residual`), so a push's norm is not made of
+    this round's learning rate alone: a round in which a replica stepped less, or its kept
+    residual was re-weighted up, reads several times its usual norm per unit of it (an honest
+    replica of the suite's sparse run read 11.3x the stage's history). Below a quorum such a
+    push's norm flag against ``history`` (no majority's verdict) then holds it out of the merge
+    and bans its worker only at its ``cfg.strikes_to_ban``-th flagged round in a row (``strikes``:
+    each contributor's flagged rounds in a row before this one): a scaled liar flags every
+    round, so it is held out of each merge until it is banned.
     """
     beyond = {}
     for w, n in norms.items():
@@ -431,7 +450,7 @@ def screen_round(norms: dict[str, float], cosines: dict[str, float | None], hist
     quorum = len(norms) >= cfg.local_quorum
     centre = robust_centre(list(norms.values())) if quorum else robust_centre(history)
     local_cfg = GuardConfig(norm_ratio=cfg.norm_ratio, min_cosine=cfg.local_min_cosine)
-    flags, against = {}, {}
+    flags, against, holds = {}, {}, {}
     least = cfg.local_ref_sigmas / math.sqrt(max(1, n_params))
     for w, n in norms.items():
         why = screen(n, cosines.get(w) if quorum else None, centre, local_cfg)
@@ -443,7 +462,10 @@ def screen_round(norms: dict[str, float], cosines: dict[str, float | None], hist
             # or banned by that gradient anyway.
             why = ""
         if why and (quorum or not math.isfinite(n) or n > centre):  # below a quorum: only too large
-            flags[w] = why
+            if carried and not quorum and math.isfinite(n) and (strikes or {}).get(w, 0) + 1 < cfg.strikes_to_ban:
+                holds[w] = why
+            else:
+                flags[w] = why if not carried or quorum else f"{why}, {cfg.strikes_to_ban} rounds in a row"
         if ref is not None and ref < min(least, -cfg.local_ref_ban):
             against[w] = f"direction: cosine {ref:.4f} to the server's own gradient at the round's start"
     if quorum and 2 * len(flags) >= len(norms):
@@ -452,7 +474,8 @@ def screen_round(norms: dict[str, float], cosines: dict[str, float | None], hist
     # most of a round's contributors set its median, not the server's gradient.
     flags.update({w: why for w, why in against.items() if w not in flags})
     flags.update(beyond)  # past the bound is no verdict of a majority: no replica can get there
-    return {w: f"pseudo-gradient {why}" for w, why in flags.items()}
+    return ({w: f"pseudo-gradient {why}" for w, why in flags.items()},
+            {w: f"pseudo-gradient {why}" for w, why in holds.items() if w not in flags})
 
 
 def direction_holds(ref_cosines: dict[str, float | None], n_contributors: int, cfg: GuardConfig = DEFAULT,

@@ -594,7 +594,7 @@ class LocalServerMixin:
         self.local_presum = None
         if not self.guard_cfg.enabled or not self.local_got:
             return {}
-        from shoal.runtime.safety.guard import direction_holds, screen_round
+        from shoal.runtime.safety.guard import direction_holds, round_verdict
         from shoal.runtime.safety.verify import screen_measures
 
         lrs = {w: self.local_collect_lr.get(w, 0.0) for w in self.local_got}
@@ -622,12 +622,19 @@ class LocalServerMixin:
             log.info("%s round screen: AdamW move bound %.6g per unit of learning rate (x%g flags)", self.name,
                      bound, self.guard_cfg.local_bound_margin)
         n_params = sum(p.numel() for p in self.params.values())
-        bans = screen_round(norms, cosines, history, self.guard_cfg, bounds, refs, n_params)
+        # (sparse and lowrank pushes carry what earlier rounds left: a norm flag below a quorum
+        # holds one out, and bans at the worker's strikes_to_ban-th flagged round in a row)
+        strikes = getattr(self, "local_norm_strikes", {})
+        carried = keeps_residual(compression_of_spec(self.spec).push) and not dense
+        bans, norm_held = round_verdict(norms, cosines, history, self.guard_cfg, bounds, refs, n_params,
+                                        carried=carried, strikes=strikes)
+        self.local_norm_strikes = {**{w: n for w, n in strikes.items() if w not in norms},
+                                   **{w: strikes.get(w, 0) + 1 for w in norm_held}}
         for wid, why in sorted(bans.items()):
             self.local_got.pop(wid, None)
             async with self.cond:
                 self._guard_ban(wid, step, why)
-        held = direction_holds(refs, len(norms), self.guard_cfg, n_params, banned=bans)
+        held = {**norm_held, **direction_holds(refs, len(norms), self.guard_cfg, n_params, banned=bans)}
         for wid, why in sorted(held.items()):
             self.local_got.pop(wid, None)
             log.info("%s holds %s's pseudo-gradient out of the merge of step %d: %s", self.name, wid, step, why)
