@@ -302,3 +302,32 @@ def test_a_depth_whose_merge_costs_more_than_it_computes_is_dropped(inter_mbps, 
     assert [len(r.stages) for r in got.replicas] == depths
     assert sum(r.micro_batches for r in got.replicas) == plan.micro_batches
     assert got.predicted["tokens_per_s"] >= before
+
+
+def test_gaming_worlds_idle_cards_are_not_idle_for_host_memory():
+    """gaming-world's 8 GB cards hold a 3-stage replica, and no 128 GB host has the memory left
+    for its servers; but with hosts of ample memory the planner still does not use them (each
+    such replica slows the plan it joins) and makes no faster plan: more host memory never
+    makes the planner's plan slower (each placement is judged with its unprofitable depths
+    dropped), and the report the CLIs print (judged_report) calls those cards idle for no
+    benefit, not for memory."""
+    from shoal.plan.auto import plan_auto
+    from shoal.plan.replicas import judged_report, memory_what_if
+    from shoal.plan.report import IDLE_MEMORY, IDLE_NO_BENEFIT, host_memory_idle, swarm_report
+
+    tight = load_scenario("gaming-world")
+    plan = plan_auto(tight)  # (what shoal plan prints: lean single-stage and 2-stage replicas)
+    assert plan.replicas and plan.sync.lean
+    alone = make_plan(tight, sync=plan.sync, replicas=True)
+    tps = {gb: predict(make_plan(_roomy_hosts(tight, gb), sync=plan.sync, replicas=True), tight)["tokens_per_s"]
+           for gb in (192, 512)}
+    assert all(t >= 0.999 * alone.predicted["tokens_per_s"] for t in tps.values()), (tps, alone.predicted)
+    bare = swarm_report(plan, tight)
+    small = host_memory_idle(bare)
+    assert small and all(d.memory <= 8e9 for d in tight.workers if d.id in small), small
+    what_if = memory_what_if(plan, tight)
+    assert not set(small) & what_if.used or what_if.tokens_per_s <= plan.predicted["tokens_per_s"]
+    rep, got = judged_report(plan, tight)
+    assert got == what_if
+    assert IDLE_MEMORY not in rep.idle.values(), rep.why
+    assert all(rep.idle[d] == IDLE_NO_BENEFIT and "no faster plan" in rep.why[d] for d in small), rep.why

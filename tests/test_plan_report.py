@@ -140,6 +140,27 @@ def test_a_card_that_would_hold_a_deeper_replica_is_idle_for_no_benefit_not_memo
                 replicas=[Replica(stages=rep_stages, micro_batches=4)])
     rep = swarm_report(plan, s)
     assert rep.idle["small"] == IDLE_NO_BENEFIT and "2-stage replica" in rep.why["small"]
+    # no server host with the memory for a second replica's servers: idle for host memory, unless
+    # the planner's plan with that memory (MemoryWhatIf) leaves it out too or is no faster
+    from shoal.plan.report import MemoryWhatIf, host_memory_idle
+
+    server = prof.server_memory(0, 6, local=True)
+    tight = scenario_to_dict(s)
+    for dev in tight["devices"]:
+        if dev["id"] == "h":
+            dev["host_memory_gb"] = 1.5 * server / 1e9
+    tight = scenario_from_dict(tight)
+    bare = swarm_report(plan, tight)
+    assert bare.idle["small"] == IDLE_MEMORY and "of host memory" in bare.why["small"]
+    assert host_memory_idle(bare) == ["small"]
+    mine = plan.predicted.get("tokens_per_s", 0.0)
+    uses = MemoryWhatIf(used=frozenset({"w0", "small"}), tokens_per_s=mine + 100.0, host_memory=1e15)
+    rep = swarm_report(plan, tight, what_if=uses)
+    assert rep.idle["small"] == IDLE_MEMORY and "the planner uses it" in rep.why["small"]
+    for other in (MemoryWhatIf(frozenset({"w0"}), mine + 100.0, 1e15), MemoryWhatIf(frozenset({"w0", "small"}),
+                                                                                     mine, 1e15)):
+        rep = swarm_report(plan, tight, what_if=other)
+        assert rep.idle["small"] == IDLE_NO_BENEFIT and "no faster plan" in rep.why["small"], rep.why
     # one pipeline, no replicas: the same card is idle for memory, as before
     one = Plan("hand-swarm", "tiny", "test", rep_stages, micro_batch_size=2, micro_batches=4, sync=pol)
     assert swarm_report(one, s).idle["small"] == IDLE_MEMORY

@@ -22,7 +22,8 @@ from shoal.plan.auto import (
     quality_note,
 )
 from shoal.plan.cost import stage_costs
-from shoal.plan.report import IDLE_REASONS, SwarmReport, swarm_report
+from shoal.plan.replicas import judged_report
+from shoal.plan.report import IDLE_REASONS, SwarmReport
 from shoal.plan.scenario import BUILTIN_SCENARIOS, builtin_description, load_scenario
 from shoal.plan.types import Plan, Scenario, SyncPolicy
 
@@ -281,7 +282,7 @@ def print_plan(console: Console, plan: Plan, scenario: Scenario) -> None:
         f"planned in {plan.planning_time_s:.2f} s   (* = bottleneck stage)"
     )
     print_cpu(console, pred)
-    print_swarm(console, swarm_report(plan, scenario))
+    print_swarm(console, judged_report(plan, scenario)[0])
     if pred.get("churn_s"):
         console.print(f"with churn (long run): expected step {_fmt(pred.get('expected_step_time_s'))} s, of which "
                       f"{_fmt(pred.get('churn_s'))} s per step lost to leaves (the rest: devices away)")
@@ -336,7 +337,7 @@ def print_replica_plan(console: Console, plan: Plan, scenario: Scenario) -> None
                   f"(the slowest replica) + sync {_fmt(pred.get('sync_s'))} s; memory headroom "
                   f"{pred.get('memory_headroom', 0):.0%}; planned in {plan.planning_time_s:.2f} s")
     print_cpu(console, pred)
-    print_swarm(console, swarm_report(plan, scenario))
+    print_swarm(console, judged_report(plan, scenario)[0])
     if pred.get("churn_s"):
         console.print(f"with churn (long run): expected step {_fmt(pred.get('expected_step_time_s'))} s")
 
@@ -407,7 +408,7 @@ def _compare_row(method: str, scenario: Scenario, args: argparse.Namespace, poli
         if method == "exhaustive":
             return None  # too big for exhaustive search
         return {"method": method, "policy": label, "error": str(exc)}
-    rep = swarm_report(plan, scenario)
+    rep = judged_report(plan, scenario)[0]
     row = {"method": method, "policy": label, "baseline": method != "shoal", "stages": plan.n_stages,
            "replicas": len(plan.pipelines),
            "devices_used": rep.devices_used, "devices_available": rep.devices_available,

@@ -115,15 +115,29 @@ def server_room(plan: Plan, scenario: Scenario, prof) -> float:
     return max((h.host_memory - need.get(h.id, 0.0) for h in scenario.devices if h.can_host_server), default=0.0)
 
 
+@dataclass(frozen=True)
+class MemoryWhatIf:
+    """The planner's replica plan for the same swarm with server hosts of ample memory
+    (:func:`shoal.plan.replicas.memory_what_if`): whether host memory is what keeps devices idle."""
+
+    used: frozenset[str]  # the devices that plan uses
+    tokens_per_s: float  # its predicted tokens/s
+    host_memory: float  # the bytes each server host had in it (a replica's servers per worker)
+
+
 def idle_reason(d: Device, plan: Plan, scenario: Scenario, step_s: float,
-                cpu_bound: dict[str, str] | None = None) -> tuple[str, str]:
+                cpu_bound: dict[str, str] | None = None, what_if: MemoryWhatIf | None = None,
+                tokens_per_s: float = 0.0) -> tuple[str, str]:
     """``(reason, one line)`` for a device the plan leaves idle.
 
     * ``memory``: it cannot hold any of the plan's stages (under the plan's sync policy), or
       the replica it could hold needs stage servers no server host has the memory left for, nor,
       in a replica plan, every stage of an even split into at most
       :data:`~shoal.plan.replicas.MAX_REPLICA_STAGES` (one that can is ``no benefit``: the
-      planner could have built a replica of its depth);
+      planner could have built a replica of its depth). With ``what_if`` (the planner's plan
+      where the hosts have that memory) a device it leaves idle there too, or one of a what-if
+      plan no faster than this one (``tokens_per_s``), is ``no benefit``: host memory is not
+      what keeps it out;
     * ``links``: on the stage it fits best, moving one micro-batch's bytes over its own access
       links (and its lease round trips) takes longer than computing it, or its share of the
       parameter sync (a step's in exact sync, a round's in local mode, at its own link rate)
@@ -146,9 +160,18 @@ def idle_reason(d: Device, plan: Plan, scenario: Scenario, step_s: float,
             room = server_room(plan, scenario, prof)
             whole = stage_server_memory(prof, 0, len(prof.layers), plan.sync)
             if k and room < whole:  # a replica of its size needs servers no host has the memory for
-                return IDLE_MEMORY, (f"has {d.memory / 1e9:.1f} GB, enough for a {k}-stage replica, but the "
-                                     f"stage servers of another replica need {whole / 1e9:.0f} GB of host memory "
-                                     f"and the server hosts have at most {room / 1e9:.0f} GB left")
+                lacks = (f"has {d.memory / 1e9:.1f} GB, enough for a {k}-stage replica, but the stage servers of "
+                         f"another replica need {whole / 1e9:.0f} GB of host memory and the server hosts have at "
+                         f"most {room / 1e9:.0f} GB left")
+                if what_if is None:
+                    return IDLE_MEMORY, lacks
+                ample = "with server hosts of ample memory"
+                if d.id in what_if.used and what_if.tokens_per_s > tokens_per_s:
+                    return IDLE_MEMORY, (f"{lacks}; {ample} the planner uses it, at {what_if.tokens_per_s:,.0f} "
+                                         f"tokens/s against {tokens_per_s:,.0f}")
+                return IDLE_NO_BENEFIT, (f"{lacks}; {ample} the planner still found no faster plan with it "
+                                         f"({what_if.tokens_per_s:,.0f} tokens/s against {tokens_per_s:,.0f}"
+                                         f"{'' if d.id in what_if.used else ', without it'})")
             if k:  # the planner could have built a replica of its size: it chose not to
                 return IDLE_NO_BENEFIT, (f"has {d.memory / 1e9:.1f} GB, too little for this plan's stages "
                                          f"(the smallest needs {need / 1e9:.1f} GB) but enough for a {k}-stage "
@@ -200,10 +223,18 @@ def idle_reason(d: Device, plan: Plan, scenario: Scenario, step_s: float,
                              "but the planner found no shorter step with it")
 
 
+def host_memory_idle(rep: SwarmReport) -> list[str]:
+    """The devices ``rep`` leaves idle because no server host has the memory for their replica's
+    servers (what :func:`shoal.plan.replicas.memory_what_if` puts to the test)."""
+    return sorted(d for d, r in rep.idle.items() if r == IDLE_MEMORY and "of host memory" in rep.why[d])
+
+
 def swarm_report(plan: Plan, scenario: Scenario, step_s: float | None = None,
-                 busy_share: float | None = None) -> SwarmReport:
+                 busy_share: float | None = None, what_if: MemoryWhatIf | None = None) -> SwarmReport:
     """The swarm figures of ``plan`` at step time ``step_s`` (default: the cost model's churn-free
-    ``step_time_s`` in ``plan.predicted``) and busy share (default: the cost model's ``utilisation``)."""
+    ``step_time_s`` in ``plan.predicted``) and busy share (default: the cost model's ``utilisation``);
+    ``what_if``: the planner's plan with ample server-host memory, which decides whether a device
+    without host memory for its replica is idle for ``memory`` or for ``no benefit``."""
     if step_s is None:
         step_s = plan.predicted.get("step_time_s", math.inf)
     if busy_share is None:
@@ -217,7 +248,8 @@ def swarm_report(plan: Plan, scenario: Scenario, step_s: float | None = None,
     for d in scenario.workers:
         if d.id in used:
             continue
-        idle[d.id], why[d.id] = idle_reason(d, plan, scenario, step_s, bound)
+        idle[d.id], why[d.id] = idle_reason(d, plan, scenario, step_s, bound, what_if,
+                                            plan.predicted.get("tokens_per_s", tps))
     return SwarmReport(tokens_per_s=tps, flop_limit_tokens_per_s=limit, flop_share=tps / limit if limit > 0 else 0.0,
                        devices_used=len(used), devices_available=len(scenario.workers), busy_share=busy_share,
                        idle=idle, why=why, cpu_bound=bound)

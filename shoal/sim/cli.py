@@ -125,10 +125,11 @@ def summary_lines(result, predicted: float | None) -> list[str]:
 def swarm_lines(plan, scenario, result) -> list[str]:
     """The swarm figures of the simulated run, then the cost model's: tokens/s as a share of the
     swarm's FLOP limit, devices used / available, and why the idle devices are idle."""
-    from shoal.plan.report import swarm_report
+    from shoal.plan.replicas import judged_report
 
-    sim = swarm_report(plan, scenario, step_s=result.mean_step_time_s, busy_share=result.mean_utilisation())
-    pred = swarm_report(plan, scenario)
+    pred, what_if = judged_report(plan, scenario)
+    sim = judged_report(plan, scenario, step_s=result.mean_step_time_s, busy_share=result.mean_utilisation(),
+                        what_if=what_if)[0]
     lines = [f"simulated:  {sim.summary()}", f"cost model: {pred.summary()}"]
     by_reason: dict[str, list[str]] = {}
     for dev, reason in sorted(sim.idle.items()):
