@@ -6,6 +6,7 @@ Run from the repository root (one process, one thread):
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_swarm_share.py --scenarios gaming-eu demo
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_swarm_share.py --out bench/results/swarm-share.md
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_swarm_share.py --agreement      # replicas on every built-in
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_swarm_share.py --policies auto --host-memory-gb 256  # what-if
 
 Per scenario and policy: devices used / available, idle devices by reason (memory / links / no
 benefit), the predicted and the simulated tokens/s and their share of the swarm's FLOP limit
@@ -53,7 +54,8 @@ from bench_local import compressed_round  # noqa: E402
 
 from shoal.plan import load_scenario, make_plan  # noqa: E402
 from shoal.plan.compression import parse_compression  # noqa: E402
-from shoal.plan.report import IDLE_REASONS, swarm_report  # noqa: E402
+from shoal.plan.replicas import judged_report  # noqa: E402
+from shoal.plan.report import IDLE_REASONS  # noqa: E402
 from shoal.plan.types import SyncPolicy  # noqa: E402
 from shoal.sim import simulate  # noqa: E402
 
@@ -85,8 +87,11 @@ def policies() -> list[tuple[str, SyncPolicy | str | None, bool]]:
 
 
 def run_one(name: str, label: str, policy: SyncPolicy | str | None, replicas: bool, sim_steps: int = 2,
-            rounds: int = 1) -> dict:
+            rounds: int = 1, host_memory_gb: float | None = None) -> dict:
     scn = load_scenario(name)
+    if host_memory_gb is not None:  # (what-if: every server host with this much RAM)
+        scn = replace(scn, devices=[replace(d, host_memory=host_memory_gb * 1e9) if d.can_host_server else d
+                                    for d in scn.devices])
     t0 = time.process_time()
     if policy is None or policy == "wait":
         from shoal.plan.auto import QualityBudget, plan_auto
@@ -99,7 +104,9 @@ def run_one(name: str, label: str, policy: SyncPolicy | str | None, replicas: bo
     else:
         plan = make_plan(scn, sync=policy, replicas=replicas)
     t_plan = time.process_time() - t0
-    pred = swarm_report(plan, scn)
+    # (devices no host has server memory for: idle for memory only if the planner's plan with
+    # that memory uses them and is faster, shoal.plan.replicas.memory_what_if)
+    pred, what_if = judged_report(plan, scn)
     t0 = time.process_time()
     sim_plan = replace(plan, sync=compressed_round(plan.sync, sim_steps)) if plan.sync.local else plan
     steps = sim_steps * rounds if plan.sync.local else sim_steps
@@ -107,7 +114,7 @@ def run_one(name: str, label: str, policy: SyncPolicy | str | None, replicas: bo
     t_sim = time.process_time() - t0
     late = res.step_times_s[steps // 2:] if plan.sync.local and rounds > 1 else res.step_times_s
     step_s = sum(late) / len(late)
-    sim = swarm_report(plan, scn, step_s=step_s, busy_share=res.mean_utilisation())
+    sim = judged_report(plan, scn, step_s=step_s, busy_share=res.mean_utilisation(), what_if=what_if)[0]
     shape = f"{len(plan.replicas)} replicas" if plan.replicas else f"S={plan.n_stages}"
     pol = plan.sync
     desc = "exact" if not pol.local else (f"local H={pol.sync_every} push={pol.push_codec} act={pol.act_codec}"
@@ -141,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--agreement", action="store_true",
                     help="replicas sparse and replicas lean lowrank on every built-in scenario")
     ap.add_argument("--rounds", type=int, default=1, help="compressed rounds a local policy is simulated for")
+    ap.add_argument("--host-memory-gb", type=float, default=None,
+                    help="give every server host this much RAM (default: the scenario's): is host memory what binds?")
     args = ap.parse_args(argv)
     if args.agreement:
         from shoal.plan import BUILTIN_SCENARIOS
@@ -151,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         for label, pol, reps in policies():
             if args.policies and label not in args.policies:
                 continue
-            r = run_one(name, label, pol, reps, rounds=args.rounds)
+            r = run_one(name, label, pol, reps, rounds=args.rounds, host_memory_gb=args.host_memory_gb)
             rows.append(r)
             print(table([r]).splitlines()[-1], flush=True)
     text = table(rows)

@@ -169,9 +169,11 @@ def idle_reason(d: Device, plan: Plan, scenario: Scenario, step_s: float,
                 if d.id in what_if.used and what_if.tokens_per_s > tokens_per_s:
                     return IDLE_MEMORY, (f"{lacks}; {ample} the planner uses it, at {what_if.tokens_per_s:,.0f} "
                                          f"tokens/s against {tokens_per_s:,.0f}")
-                return IDLE_NO_BENEFIT, (f"{lacks}; {ample} the planner still found no faster plan with it "
-                                         f"({what_if.tokens_per_s:,.0f} tokens/s against {tokens_per_s:,.0f}"
-                                         f"{'' if d.id in what_if.used else ', without it'})")
+                if d.id in what_if.used:
+                    return IDLE_NO_BENEFIT, (f"{lacks}; {ample} the planner's plan uses it but is no faster "
+                                             f"({what_if.tokens_per_s:,.0f} tokens/s against {tokens_per_s:,.0f})")
+                return IDLE_NO_BENEFIT, (f"{lacks}; {ample} the planner still leaves it idle (that plan: "
+                                         f"{what_if.tokens_per_s:,.0f} tokens/s against {tokens_per_s:,.0f})")
             if k:  # the planner could have built a replica of its size: it chose not to
                 return IDLE_NO_BENEFIT, (f"has {d.memory / 1e9:.1f} GB, too little for this plan's stages "
                                          f"(the smallest needs {need / 1e9:.1f} GB) but enough for a {k}-stage "
