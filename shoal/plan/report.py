@@ -165,7 +165,7 @@ def idle_reason(d: Device, plan: Plan, scenario: Scenario, step_s: float,
                          f"most {room / 1e9:.0f} GB left")
                 if what_if is None:
                     return IDLE_MEMORY, lacks
-                ample = "with server hosts of ample memory"
+                ample = "with server hosts of ample memory (this sync policy)"
                 if d.id in what_if.used and what_if.tokens_per_s > tokens_per_s:
                     return IDLE_MEMORY, (f"{lacks}; {ample} the planner uses it, at {what_if.tokens_per_s:,.0f} "
                                          f"tokens/s against {tokens_per_s:,.0f}")
