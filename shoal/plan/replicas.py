@@ -474,8 +474,10 @@ def memory_what_if(plan: Plan, scenario: Scenario, seed: int = 0,
     ample = max((d.host_memory for d in scenario.server_hosts), default=0.0) + whole * len(scenario.workers)
     roomy = replace(scenario, devices=[replace(d, host_memory=ample) if d.can_host_server else d
                                        for d in scenario.devices])
-    other = plan_replicas(roomy, seed=seed, sync=plan.sync, options=options)
-    tps = predict(other, roomy, options)["tokens_per_s"]
+    from shoal.plan.api import make_plan  # (api imports this module)
+
+    other = make_plan(roomy, seed=seed, sync=plan.sync, options=options, replicas=True)
+    tps = other.predicted["tokens_per_s"]
     return MemoryWhatIf(used=frozenset(w for st in other.all_stages for w in st.workers), tokens_per_s=tps,
                         host_memory=ample)
 
