@@ -92,6 +92,16 @@ def test_rates_from_timings():
     assert median([3.0, 1.0, 100.0]) == 3.0 and median([1.0, 2.0, 4.0, 100.0]) == 3.0
 
 
+def test_a_direction_counts_its_fastest_kernel_timed_transfer():
+    """Kernel-timed rates only read low (a starved process keeps data in flight slowly), so the
+    fastest counts; call-timed ones err either way and count by their median."""
+    from shoal.runtime.measure import transfer_rate
+
+    assert transfer_rate([(30e6, True), (50e6, True), (40e6, True)]) == (50e6, "kernel")
+    assert transfer_rate([(30e6, False), (90e6, False), (40e6, False)]) == (40e6, "call")
+    assert transfer_rate([(30e6, True), (90e6, False), (40e6, True)]) == (40e6, "mixed")
+
+
 def test_probe_sizes_grow_to_cover_the_bandwidth_delay_product():
     mib = 1 << 20
     assert next_probe_size(mib, 0.5, 0.001, 16 * mib) == mib  # lasted long enough
