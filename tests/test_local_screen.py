@@ -112,8 +112,8 @@ def test_scaled_sparse_replica_is_held_out_then_banned(tmp_path):
     """``sparse`` pushes carry what earlier rounds left, so below a quorum a norm flag against
     the stage's history holds a push out of the merge and bans its worker only at its
     strikes_to_ban-th flagged round in a row (guard.round_verdict): one stage, two workers,
-    w1 honest for two rounds, then sending its pseudo-gradients times 20. Each of its flagged
-    rounds is held out of the merge, the third bans it; w0 is never banned."""
+    w1 honest in its first round, then sending its pseudo-gradients times 20. Each of its
+    flagged rounds is held out of the merge, the third bans it; w0 is never banned."""
     from shoal.runtime.processes.launch import LaunchConfig, launch
     from shoal.runtime.safety.guard import DEFAULT
 

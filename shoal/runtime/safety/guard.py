@@ -462,10 +462,11 @@ def round_verdict(norms: dict[str, float], cosines: dict[str, float | None], his
             # or banned by that gradient anyway.
             why = ""
         if why and (quorum or not math.isfinite(n) or n > centre):  # below a quorum: only too large
-            if carried and not quorum and math.isfinite(n) and (strikes or {}).get(w, 0) + 1 < cfg.strikes_to_ban:
+            struck = carried and not quorum and math.isfinite(n)  # (a flag that holds before it bans)
+            if struck and (strikes or {}).get(w, 0) + 1 < cfg.strikes_to_ban:
                 holds[w] = why
             else:
-                flags[w] = why if not carried or quorum else f"{why}, {cfg.strikes_to_ban} rounds in a row"
+                flags[w] = f"{why}, {cfg.strikes_to_ban} rounds in a row" if struck else why
         if ref is not None and ref < min(least, -cfg.local_ref_ban):
             against[w] = f"direction: cosine {ref:.4f} to the server's own gradient at the round's start"
     if quorum and 2 * len(flags) >= len(norms):
