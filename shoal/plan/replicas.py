@@ -466,7 +466,8 @@ def memory_what_if(plan: Plan, scenario: Scenario, seed: int = 0,
     replica of 8 GB cards in three stages may slow the plan it joins (each replica adds
     servers to every merge, and its micro-batches cross two home uplinks), and the planner
     drops it when it has that memory (gaming-world, scale-1024: the same tokens/s with twice
-    the host memory). :func:`shoal.plan.report.swarm_report` takes the result to tell the two apart."""
+    the host memory). :func:`shoal.plan.report.swarm_report` takes the result to tell the two apart.
+    None also where no plan is made with that memory."""
     if not plan.replicas:
         return None
     prof = scenario_profile(scenario)
@@ -476,7 +477,10 @@ def memory_what_if(plan: Plan, scenario: Scenario, seed: int = 0,
                                        for d in scenario.devices])
     from shoal.plan.api import make_plan  # (api imports this module)
 
-    other = make_plan(roomy, seed=seed, sync=plan.sync, options=options, replicas=True)
+    try:
+        other = make_plan(roomy, seed=seed, sync=plan.sync, options=options, replicas=True)
+    except ShoalError:  # (no plan there: the report keeps its memory reasons as they are)
+        return None
     tps = other.predicted["tokens_per_s"]
     return MemoryWhatIf(used=frozenset(w for st in other.all_stages for w in st.workers), tokens_per_s=tps,
                         host_memory=ample)
