@@ -7,6 +7,7 @@ Run from the repository root (one process, one thread):
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_swarm_share.py --out bench/results/swarm-share.md
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_swarm_share.py --agreement      # replicas on every built-in
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_swarm_share.py --policies auto --host-memory-gb 256  # what-if
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_swarm_share.py --policies auto --host-cores-x 8  # what-if
 
 Per scenario and policy: devices used / available, idle devices by reason (memory / links / no
 benefit), the predicted and the simulated tokens/s and their share of the swarm's FLOP limit
@@ -87,11 +88,12 @@ def policies() -> list[tuple[str, SyncPolicy | str | None, bool]]:
 
 
 def run_one(name: str, label: str, policy: SyncPolicy | str | None, replicas: bool, sim_steps: int = 2,
-            rounds: int = 1, host_memory_gb: float | None = None) -> dict:
+            rounds: int = 1, host_memory_gb: float | None = None, host_cores_x: int = 1) -> dict:
     scn = load_scenario(name)
-    if host_memory_gb is not None:  # (what-if: every server host with this much RAM)
-        scn = replace(scn, devices=[replace(d, host_memory=host_memory_gb * 1e9) if d.can_host_server else d
-                                    for d in scn.devices])
+    if host_memory_gb is not None or host_cores_x != 1:  # (what-if: every server host with this much RAM, cores)
+        scn = replace(scn, devices=[
+            replace(d, host_memory=d.host_memory if host_memory_gb is None else host_memory_gb * 1e9,
+                    cores=d.cores * host_cores_x) if d.can_host_server else d for d in scn.devices])
     t0 = time.process_time()
     if policy is None or policy == "wait":
         from shoal.plan.auto import QualityBudget, plan_auto
@@ -150,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1, help="compressed rounds a local policy is simulated for")
     ap.add_argument("--host-memory-gb", type=float, default=None,
                     help="give every server host this much RAM (default: the scenario's): is host memory what binds?")
+    ap.add_argument("--host-cores-x", type=int, default=1,
+                    help="give every server host this many times its cores: is the servers' CPU what binds?")
     args = ap.parse_args(argv)
     if args.agreement:
         from shoal.plan import BUILTIN_SCENARIOS
@@ -160,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         for label, pol, reps in policies():
             if args.policies and label not in args.policies:
                 continue
-            r = run_one(name, label, pol, reps, rounds=args.rounds, host_memory_gb=args.host_memory_gb)
+            r = run_one(name, label, pol, reps, rounds=args.rounds, host_memory_gb=args.host_memory_gb,
+                        host_cores_x=args.host_cores_x)
             rows.append(r)
             print(table([r]).splitlines()[-1], flush=True)
     text = table(rows)

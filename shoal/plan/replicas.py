@@ -49,13 +49,7 @@ from shoal.plan.cost import (
     stage_server_memory,
     stage_worker_memory,
 )
-from shoal.plan.report import (
-    WHAT_IF_GAIN,
-    MemoryWhatIf,
-    SwarmReport,
-    host_memory_idle,
-    swarm_report,
-)
+from shoal.plan.report import MemoryWhatIf, SwarmReport, host_memory_idle, swarm_report
 from shoal.plan.types import Device, Plan, Replica, Scenario, SyncPolicy
 
 MAX_REPLICA_STAGES = 4  # deepest replica the planner builds (gpt-1.3b: 8 GB cards need 3)
@@ -461,63 +455,48 @@ def plan_replicas(scenario: Scenario, seed: int = 0, sync: SyncPolicy | None = N
     return best
 
 
-WHAT_IF_CORES = 8  # the what-if's server hosts have this many times their cores (memory_what_if)
-
-
-def memory_what_if(plan: Plan, scenario: Scenario, seed: int = 0, options: CostOptions | None = None,
-                   cores: bool = False) -> MemoryWhatIf | None:
+def memory_what_if(plan: Plan, scenario: Scenario, seed: int = 0,
+                   options: CostOptions | None = None) -> MemoryWhatIf | None:
     """The replica plan the planner makes for ``scenario`` under ``plan``'s sync policy when
     every server host has the memory for a replica's servers per worker (so none is left out
-    for host memory), and with ``cores`` also :data:`WHAT_IF_CORES` times its cores, as the
-    devices it uses and its predicted tokens/s; None for a plan without replicas, or where no
-    plan is made with them.
+    for host memory), as the devices it uses and its predicted tokens/s; None for a plan
+    without replicas.
 
     A device that no host has the server memory for is not therefore idle *for* memory: a
     replica of 8 GB cards in three stages may slow the plan it joins (each replica adds
     servers to every merge, and its micro-batches cross two home uplinks), and the planner
-    drops it when it has that memory. Or memory and the hosts' CPU bind together: on scale-1024
-    more stage servers a host share its cores, and their screens' reference gradients no longer
-    fit a round. :func:`shoal.plan.report.swarm_report` takes the results to tell these apart."""
+    drops it when it has that memory (gaming-world, scale-1024: the same tokens/s with twice
+    the host memory). :func:`shoal.plan.report.swarm_report` takes the result to tell the two apart.
+    None also where no plan is made with that memory."""
     if not plan.replicas:
         return None
-    from shoal.plan.api import make_plan  # (api imports this module)
-
     prof = scenario_profile(scenario)
     whole = stage_server_memory(prof, 0, len(prof.layers), plan.sync)
     ample = max((d.host_memory for d in scenario.server_hosts), default=0.0) + whole * len(scenario.workers)
-    roomy = replace(scenario, devices=[replace(d, host_memory=ample, cores=d.cores * WHAT_IF_CORES if cores else d.cores)
-                                       if d.can_host_server else d for d in scenario.devices])
+    roomy = replace(scenario, devices=[replace(d, host_memory=ample) if d.can_host_server else d
+                                       for d in scenario.devices])
+    from shoal.plan.api import make_plan  # (api imports this module)
+
     try:
         other = make_plan(roomy, seed=seed, sync=plan.sync, options=options, replicas=True)
     except ShoalError:  # (no plan there: the report keeps its memory reasons as they are)
         return None
-    return MemoryWhatIf(used=frozenset(w for st in other.all_stages for w in st.workers),
-                        tokens_per_s=other.predicted["tokens_per_s"], host_memory=ample,
-                        host_cores=max((d.cores for d in roomy.server_hosts), default=0) if cores else 0)
+    tps = other.predicted["tokens_per_s"]
+    return MemoryWhatIf(used=frozenset(w for st in other.all_stages for w in st.workers), tokens_per_s=tps,
+                        host_memory=ample)
 
 
 def judged_report(plan: Plan, scenario: Scenario, step_s: float | None = None, busy_share: float | None = None,
-                  seed: int = 0, what_if: tuple[MemoryWhatIf, ...] | None = None
-                  ) -> tuple[SwarmReport, tuple[MemoryWhatIf, ...]]:
+                  seed: int = 0, what_if: MemoryWhatIf | None = None) -> tuple[SwarmReport, MemoryWhatIf | None]:
     """:func:`shoal.plan.report.swarm_report` of ``plan``, with devices idle for lack of server-host
-    memory put to the test of :func:`memory_what_if`: planned with ample memory, and where that
-    leaves some of them idle, with ample memory and cores (only when there are such devices;
-    pass the returned what-ifs back to judge another step time of the same plan)."""
-    if what_if is not None:
-        return swarm_report(plan, scenario, step_s, busy_share, what_if), what_if
-    rep = swarm_report(plan, scenario, step_s, busy_share)
-    idle = host_memory_idle(rep)
-    found: tuple[MemoryWhatIf, ...] = ()
-    if idle:
-        mem = memory_what_if(plan, scenario, seed)
-        found = (mem,) if mem is not None else ()
-        tps = plan.predicted.get("tokens_per_s", 0.0)
-        if mem is not None and not (mem.tokens_per_s > (1 + WHAT_IF_GAIN) * tps and set(idle) <= mem.used):
-            both = memory_what_if(plan, scenario, seed, cores=True)
-            found += (both,) if both is not None else ()
-        if found:
-            rep = swarm_report(plan, scenario, step_s, busy_share, found)
-    return rep, found
+    memory put to the test of :func:`memory_what_if` (planned once, only when there are such
+    devices; pass the returned what-if back to judge another step time of the same plan)."""
+    rep = swarm_report(plan, scenario, step_s, busy_share, what_if)
+    if what_if is None and host_memory_idle(rep):
+        what_if = memory_what_if(plan, scenario, seed)
+        if what_if is not None:
+            rep = swarm_report(plan, scenario, step_s, busy_share, what_if)
+    return rep, what_if
 
 
 def _plan_groups(scenario: Scenario, groups: list[tuple[Cluster, int, list[Device]]], seed: int, sync: SyncPolicy,

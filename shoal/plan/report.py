@@ -116,29 +116,23 @@ def server_room(plan: Plan, scenario: Scenario, prof) -> float:
 
 
 # A what-if plan (MemoryWhatIf) counts as faster only by more than this share: the planner's own
-# search moves a plan's prediction by about that much (gaming-world with hosts of ample memory and
-# cores: +0.1 %, a plan no user would buy memory for).
+# search moves a plan's prediction by about that much (gaming-world with hosts of ample memory
+# and 8x their cores: +0.1 %, a plan no user would buy memory for).
 WHAT_IF_GAIN = 0.01
 
 
 @dataclass(frozen=True)
 class MemoryWhatIf:
-    """The planner's replica plan for the same swarm with server hosts of ample memory, and
-    possibly of ample cores too (:func:`shoal.plan.replicas.memory_what_if`): whether host
-    memory (alone, or with the hosts' CPU) is what keeps devices idle."""
+    """The planner's replica plan for the same swarm with server hosts of ample memory
+    (:func:`shoal.plan.replicas.memory_what_if`): whether host memory is what keeps devices idle."""
 
     used: frozenset[str]  # the devices that plan uses
     tokens_per_s: float  # its predicted tokens/s
     host_memory: float  # the bytes each server host had in it (a replica's servers per worker)
-    host_cores: int = 0  # the cores each server host had in it (0: the scenario's own)
-
-    def hosts(self) -> str:
-        """What the what-if's server hosts had, in words."""
-        return "server hosts of ample memory" + (" and cores" if self.host_cores else "")
 
 
 def idle_reason(d: Device, plan: Plan, scenario: Scenario, step_s: float,
-                cpu_bound: dict[str, str] | None = None, what_if: tuple[MemoryWhatIf, ...] = (),
+                cpu_bound: dict[str, str] | None = None, what_if: MemoryWhatIf | None = None,
                 tokens_per_s: float = 0.0) -> tuple[str, str]:
     """``(reason, one line)`` for a device the plan leaves idle.
 
@@ -146,10 +140,10 @@ def idle_reason(d: Device, plan: Plan, scenario: Scenario, step_s: float,
       the replica it could hold needs stage servers no server host has the memory left for, nor,
       in a replica plan, every stage of an even split into at most
       :data:`~shoal.plan.replicas.MAX_REPLICA_STAGES` (one that can is ``no benefit``: the
-      planner could have built a replica of its depth). With ``what_if`` (the planner's plans
-      where the hosts have that memory, then memory and cores) a device that none of them both
-      uses and is more than :data:`WHAT_IF_GAIN` faster with than this plan (``tokens_per_s``)
-      is ``no benefit``: host memory is not what keeps it out;
+      planner could have built a replica of its depth). With ``what_if`` (the planner's plan
+      where the hosts have that memory) a device it leaves idle there too, or one of a what-if
+      plan not :data:`WHAT_IF_GAIN` faster than this one (``tokens_per_s``), is ``no benefit``:
+      host memory is not what keeps it out;
     * ``links``: on the stage it fits best, moving one micro-batch's bytes over its own access
       links (and its lease round trips) takes longer than computing it, or its share of the
       parameter sync (a step's in exact sync, a round's in local mode, at its own link rate)
@@ -175,17 +169,18 @@ def idle_reason(d: Device, plan: Plan, scenario: Scenario, step_s: float,
                 lacks = (f"has {d.memory / 1e9:.1f} GB, enough for a {k}-stage replica, but the stage servers of "
                          f"another replica need {whole / 1e9:.0f} GB of host memory and the server hosts have at "
                          f"most {room / 1e9:.0f} GB left")
-                if not what_if:
+                if what_if is None:
                     return IDLE_MEMORY, lacks
-                for w in what_if:
-                    if d.id in w.used and w.tokens_per_s > (1 + WHAT_IF_GAIN) * tokens_per_s:
-                        alone = "" if w is what_if[0] else f" (with {what_if[0].hosts()} alone it stays idle)"
-                        return IDLE_MEMORY, (f"{lacks}; with {w.hosts()} (this sync policy) the planner uses it, at "
-                                             f"{w.tokens_per_s:,.0f} tokens/s against {tokens_per_s:,.0f}{alone}")
-                w = what_if[-1]
-                verdict = (f"uses it but is not {WHAT_IF_GAIN:.0%} faster" if d.id in w.used else "still leaves it idle")
-                return IDLE_NO_BENEFIT, (f"{lacks}; with {w.hosts()} (this sync policy) the planner's plan {verdict} "
-                                         f"({w.tokens_per_s:,.0f} tokens/s against {tokens_per_s:,.0f})")
+                ample = "with server hosts of ample memory (this sync policy)"
+                if d.id in what_if.used and what_if.tokens_per_s > (1 + WHAT_IF_GAIN) * tokens_per_s:
+                    return IDLE_MEMORY, (f"{lacks}; {ample} the planner uses it, at {what_if.tokens_per_s:,.0f} "
+                                         f"tokens/s against {tokens_per_s:,.0f}")
+                if d.id in what_if.used:
+                    return IDLE_NO_BENEFIT, (f"{lacks}; {ample} the planner's plan uses it but is not "
+                                             f"{WHAT_IF_GAIN:.0%} faster "
+                                             f"({what_if.tokens_per_s:,.0f} tokens/s against {tokens_per_s:,.0f})")
+                return IDLE_NO_BENEFIT, (f"{lacks}; {ample} the planner still leaves it idle (that plan: "
+                                         f"{what_if.tokens_per_s:,.0f} tokens/s against {tokens_per_s:,.0f})")
             if k:  # the planner could have built a replica of its size: it chose not to
                 return IDLE_NO_BENEFIT, (f"has {d.memory / 1e9:.1f} GB, too little for this plan's stages "
                                          f"(the smallest needs {need / 1e9:.1f} GB) but enough for a {k}-stage "
@@ -244,12 +239,11 @@ def host_memory_idle(rep: SwarmReport) -> list[str]:
 
 
 def swarm_report(plan: Plan, scenario: Scenario, step_s: float | None = None,
-                 busy_share: float | None = None, what_if: tuple[MemoryWhatIf, ...] = ()) -> SwarmReport:
+                 busy_share: float | None = None, what_if: MemoryWhatIf | None = None) -> SwarmReport:
     """The swarm figures of ``plan`` at step time ``step_s`` (default: the cost model's churn-free
     ``step_time_s`` in ``plan.predicted``) and busy share (default: the cost model's ``utilisation``);
-    ``what_if``: the planner's plans with ample server-host memory (then memory and cores), which
-    decide whether a device without host memory for its replica is idle for ``memory`` or for
-    ``no benefit``."""
+    ``what_if``: the planner's plan with ample server-host memory, which decides whether a device
+    without host memory for its replica is idle for ``memory`` or for ``no benefit``."""
     if step_s is None:
         step_s = plan.predicted.get("step_time_s", math.inf)
     if busy_share is None:
