@@ -8,6 +8,7 @@ Run from the repository root (one process, one thread):
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_swarm_share.py --agreement      # replicas on every built-in
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_swarm_share.py --policies auto --host-memory-gb 256  # what-if
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_swarm_share.py --policies auto --host-cores-x 8  # what-if
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_swarm_share.py --policies auto --no-reference --host-memory-gb 256
 
 Per scenario and policy: devices used / available, idle devices by reason (memory / links / no
 benefit), the predicted and the simulated tokens/s and their share of the swarm's FLOP limit
@@ -154,7 +155,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="give every server host this much RAM (default: the scenario's): is host memory what binds?")
     ap.add_argument("--host-cores-x", type=int, default=1,
                     help="give every server host this many times its cores: is the servers' CPU what binds?")
+    ap.add_argument("--no-reference", action="store_true",
+                    help="what-if: plan and simulate as if the screen's reference gradient cost nothing "
+                         "(shoal.plan.cost.SCREEN_REF_TOKENS = 0; the runtime still computes it)")
     args = ap.parse_args(argv)
+    if args.no_reference:
+        import shoal.plan.cost as cost
+
+        cost.SCREEN_REF_TOKENS = 0
     if args.agreement:
         from shoal.plan import BUILTIN_SCENARIOS
 
