@@ -564,8 +564,8 @@ def _plan_groups(scenario: Scenario, groups: list[tuple[Cluster, int, list[Devic
             shares[g] = r.micro_batches
     # Each placement is judged once its unprofitable depths are dropped: with host memory to
     # spare, 3-stage replicas of 8 GB cards are placed in both and slow both, and judged with
-    # them the first placement won while the second, without them, was the faster plan
-    # (gaming-world with 192 GB server hosts: 103 k tokens/s kept instead of 121 k).
+    # them a placement can win that is the slower without them (gaming-world with 192 GB server
+    # hosts: 103 k tokens/s against 121 k).
     best = drop_depths(plan, scenario, options)
     if any(x > 0 for x in shares):
         try:

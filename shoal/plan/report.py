@@ -84,6 +84,7 @@ class SwarmReport:
     idle: dict[str, str] = field(default_factory=dict)  # idle device id -> one of IDLE_REASONS
     why: dict[str, str] = field(default_factory=dict)  # idle device id -> one line with the figures behind it
     cpu_bound: dict[str, str] = field(default_factory=dict)  # CPU-bound server host id -> one line (cpu_bound_servers)
+    short_of_host_memory: list[str] = field(default_factory=list)  # idle devices no host has server memory for (host_short)
 
     def idle_counts(self) -> dict[str, int]:
         """Idle devices per reason (every reason listed, zeros included)."""
@@ -131,6 +132,23 @@ class MemoryWhatIf:
     host_memory: float  # the bytes each server host had in it (a replica's servers per worker)
 
 
+def host_short(d: Device, plan: Plan, scenario: Scenario) -> tuple[int, float, float] | None:
+    """``(k, room, whole)`` when ``d`` holds none of replica plan ``plan``'s stages but a
+    ``k``-stage replica of its own, whose stage servers need ``whole`` bytes while the server
+    hosts have at most ``room`` left; None otherwise (pure)."""
+    if not plan.replicas:
+        return None
+    prof = scenario_profile(scenario, plan.micro_batch_size)
+    if any(d.memory >= stage_worker_memory(prof, *st.layers, plan.sync) for st in plan.all_stages):
+        return None
+    from shoal.plan.replicas import stages_needed
+
+    k = stages_needed(prof, d, plan.sync)
+    room = server_room(plan, scenario, prof)
+    whole = stage_server_memory(prof, 0, len(prof.layers), plan.sync)
+    return (k, room, whole) if k and room < whole else None
+
+
 def idle_reason(d: Device, plan: Plan, scenario: Scenario, step_s: float,
                 cpu_bound: dict[str, str] | None = None, what_if: MemoryWhatIf | None = None,
                 tokens_per_s: float = 0.0) -> tuple[str, str]:
@@ -163,9 +181,9 @@ def idle_reason(d: Device, plan: Plan, scenario: Scenario, step_s: float,
             from shoal.plan.replicas import stages_needed
 
             k = stages_needed(prof, d, plan.sync)
-            room = server_room(plan, scenario, prof)
-            whole = stage_server_memory(prof, 0, len(prof.layers), plan.sync)
-            if k and room < whole:  # a replica of its size needs servers no host has the memory for
+            short = host_short(d, plan, scenario)
+            if short is not None:  # a replica of its size needs servers no host has the memory for
+                _, room, whole = short
                 lacks = (f"has {d.memory / 1e9:.1f} GB, enough for a {k}-stage replica, but the stage servers of "
                          f"another replica need {whole / 1e9:.0f} GB of host memory and the server hosts have at "
                          f"most {room / 1e9:.0f} GB left")
@@ -233,9 +251,10 @@ def idle_reason(d: Device, plan: Plan, scenario: Scenario, step_s: float,
 
 
 def host_memory_idle(rep: SwarmReport) -> list[str]:
-    """The devices ``rep`` leaves idle because no server host has the memory for their replica's
-    servers (what :func:`shoal.plan.replicas.memory_what_if` puts to the test)."""
-    return sorted(d for d, r in rep.idle.items() if r == IDLE_MEMORY and "of host memory" in rep.why[d])
+    """The devices ``rep`` leaves idle that no server host has the memory for their replica's
+    servers for (:func:`host_short`; what :func:`shoal.plan.replicas.memory_what_if` puts to the
+    test, whichever reason that gave them)."""
+    return rep.short_of_host_memory
 
 
 def swarm_report(plan: Plan, scenario: Scenario, step_s: float | None = None,
@@ -259,6 +278,7 @@ def swarm_report(plan: Plan, scenario: Scenario, step_s: float | None = None,
             continue
         idle[d.id], why[d.id] = idle_reason(d, plan, scenario, step_s, bound, what_if,
                                             plan.predicted.get("tokens_per_s", tps))
+    short = sorted(d.id for d in scenario.workers if d.id in idle and host_short(d, plan, scenario) is not None)
     return SwarmReport(tokens_per_s=tps, flop_limit_tokens_per_s=limit, flop_share=tps / limit if limit > 0 else 0.0,
                        devices_used=len(used), devices_available=len(scenario.workers), busy_share=busy_share,
-                       idle=idle, why=why, cpu_bound=bound)
+                       idle=idle, why=why, cpu_bound=bound, short_of_host_memory=short)
