@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_runtime_cpu.py [--stages 1,2] [--steps 8]
         [--micro-batches 4,16] [--calls] [--threads] [--profile DIR] [--chunk-mb MB] [--spot-check F]
+        [--models tiny,d128xL16] [--workers-per-stage 1]
 
 Runs bench_runtime's RUN (tiny, B=4 T=64, M=4 unless given) as ``launch`` S=W for each S
 given, reads every member's user+system CPU time from /proc when the first step is committed
@@ -15,7 +16,17 @@ work (the ordered sum, AdamW, serialising the weights, pulls and pushes). With t
 CPU over the difference in tasks; the workers' beyond the local trainer's own difference)
 and the per-step rest. ``--spot-check 0`` leaves the servers' recomputation of drawn pushes
 (compute, not framework) out of the measured steps: with the default rate a new worker's
-first pushes are all recomputed, which in an 8-step run is most of them.
+first pushes are all recomputed, which in an 8-step run is most of them. The servers' other
+recomputations (a worker's first push, pushes the screen flags: an early run's gradient norms
+fall fast, so many are flagged as small) are left out too (``SHOAL_BENCH_RECOMPUTE=0``) unless
+``--recompute`` is given.
+
+With several ``--models`` (presets or ``dWIDTHxLLAYERS``, as bench_server_memory makes them)
+or ``--workers-per-stage`` values it also fits the servers' CPU per step to what their exact
+sync handles (each push in, each pull out, the optimizer step and the new version once a step),
+by least squares over the runs: the basis of ``FrameworkCpu.server_step_param_s``,
+``server_push_param_s`` and ``server_pull_param_s``.
+
 
 With ``--profile DIR`` every member runs under cProfile (``SHOAL_PROFILE``, each thread's
 CPU time, all threads merged) and dumps ``DIR/S<S>/COMMAND-PID-1.prof`` at the first mark
@@ -26,6 +37,7 @@ what each function took between them); profiling roughly doubles the main thread
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -37,6 +49,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("SHOAL_TORCH_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_runtime import RUN  # noqa: E402
+from bench_server_memory import sized_model  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -99,9 +112,11 @@ def local_cpu(steps: int, run: dict) -> float:
 
 def swarm_cpu(stages: int, steps: int, profile: str | None, chunk_mb: float | None = None,
               spot_check: float | None = None, session: bool = True,
-              run: dict = RUN) -> tuple[dict[str, float], dict[str, float]]:
+              run: dict = RUN, per_stage: int = 1,
+              from_step: int = 0) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
     """CPU seconds per step of each role (coordinator, servers, workers; main thread and
-    others), steps 1..last, and the same by role and thread name."""
+    others), steps ``from_step + 1``..last, the same by role and thread name, and the run's
+    push and pull bytes a step (``grad_push``, ``weight_pull``: its byte counters over all steps)."""
     from shoal.runtime.processes.launch import LaunchConfig, Swarm
 
     with tempfile.TemporaryDirectory(prefix="shoal-cpu-") as tmp:
@@ -110,7 +125,7 @@ def swarm_cpu(stages: int, steps: int, profile: str | None, chunk_mb: float | No
             env_prof = str(Path(profile) / f"S{stages}")
             os.environ["SHOAL_PROFILE"] = env_prof
         try:
-            cfg = LaunchConfig(out=str(Path(tmp) / "run"), stages=stages, workers=stages, steps=steps,
+            cfg = LaunchConfig(out=str(Path(tmp) / "run"), stages=stages, workers=stages * per_stage, steps=steps,
                                timeout_s=600, chunk_mb=chunk_mb, session=session,
                                **({} if spot_check is None else {"spot_check": spot_check}), **run)
             marks: dict[int, dict[str, float]] = {}
@@ -127,7 +142,7 @@ def swarm_cpu(stages: int, steps: int, profile: str | None, chunk_mb: float | No
             def on_event(rec):
                 if rec.get("event") != "step" or not swarm_ref:
                     return
-                if rec["step"] in (0, steps - 1):
+                if rec["step"] in (from_step, steps - 1):
                     ms = members()
                     marks[rec["step"]] = {f"{k}/{kind}": sum(cpu_s(p)[kind] for p in v)
                                           for k, v in ms.items() for kind in ("main", "pool")}
@@ -147,13 +162,16 @@ def swarm_cpu(stages: int, steps: int, profile: str | None, chunk_mb: float | No
                 swarm_ref.append(swarm)
                 swarm.start()
                 swarm.wait()
+            counted = json.loads((Path(tmp) / "run" / "summary.json").read_text())["bytes"]
+            sync = {k: counted.get(k, {}).get("wire", 0) / steps for k in ("grad_push", "weight_pull")}
         finally:
             if env_prof:
                 os.environ.pop("SHOAL_PROFILE", None)
-    a, b = marks[0], marks[steps - 1]
-    ta, tb = threads[0], threads[steps - 1]
-    per_thread = {k: (tb[k] - ta.get(k, 0.0)) / (steps - 1) for k in tb}
-    return {k: (b[k] - a[k]) / (steps - 1) for k in a}, per_thread
+    a, b = marks[from_step], marks[steps - 1]
+    ta, tb = threads[from_step], threads[steps - 1]
+    n = steps - 1 - from_step
+    per_thread = {k: (tb[k] - ta.get(k, 0.0)) / n for k in tb}
+    return {k: (b[k] - a[k]) / n for k in a}, per_thread, sync
 
 
 def main() -> None:
@@ -172,33 +190,99 @@ def main() -> None:
     ap.add_argument("--micro-batches", default=str(RUN["micro_batches"]),
                     help="M of the run, or two values (4,16): then also the CPU each further task adds "
                          "(the difference over the difference in tasks), apart from the per-step part")
+    ap.add_argument("--models", default="tiny",
+                    help="presets or dWIDTHxLLAYERS (tiny's vocabulary, that width and depth); with several, "
+                         "the servers' CPU per step against a stage's parameters")
+    ap.add_argument("--workers-per-stage", default="1",
+                    help="workers a stage (W = S x this), or several values (1,2): each model runs with each")
+    ap.add_argument("--from-step", type=int, default=0,
+                    help="measure from this step's commit on (2: after the workers' first pushes)")
+    ap.add_argument("--recompute", action="store_true",
+                    help="let the servers recompute pushes (first, flagged): compute, not protocol, so off by default")
     args = ap.parse_args()
+    if not args.recompute:
+        from shoal.runtime.safety.guard import RECOMPUTE_ENV
+
+        os.environ[RECOMPUTE_ENV] = "0"  # the members started by launch inherit it
     ms = [int(x) for x in args.micro_batches.split(",")]
-    print(f"CPU time per step (tiny, M={args.micro_batches} B={RUN['micro_batch_size']} T={RUN['seq_len']}, "
-          f"{args.steps} steps, steps after the first)\n")
+    pers = [int(x) for x in args.workers_per_stage.split(",")]
+    print(f"CPU time per step ({args.models}, M={args.micro_batches} B={RUN['micro_batch_size']} T={RUN['seq_len']}, "
+          f"{args.steps} steps, measured after step {args.from_step}, {args.workers_per_stage} worker(s) a stage)\n")
     print("(each role: main thread / other threads, ms per step, summed over its members)\n")
     print("| run | coordinator | servers | workers | total | beyond local, per task | vs local |")
     print("|---|---|---|---|---|---|---|")
+    by_model: list[tuple] = []  # (model, S, W a stage, params a stage, servers' CPU s a step, push B, pull B a step)
+    root = Path(tempfile.mkdtemp(prefix="shoal-cpu-models-"))
+    for spec in args.models.split(","):
+        model = sized_model(spec, root)
+        base = {**RUN, "init_from": str(Path(model).resolve())} if Path(model).is_dir() else {**RUN, "model": model}
+        for per in pers:
+            _one_model(args, ms, per, spec, base, by_model)
+    if len(by_model) > 2:
+        sync_fit(by_model, ms[0])
+
+
+def sync_fit(rows: list[tuple], m: int) -> None:
+    """The servers' CPU a step against what their exact sync handles: least squares of a
+    server's CPU a step = fixed + a x its stage's parameters (once a step: the optimizer, the
+    new version serialised, the screen's sums) + b x parameters pushed to it (each push
+    received, decoded, checked, measured, summed) + c x parameters pulled from it."""
+    import numpy as np
+
+    print("\nServers' CPU per step against what their exact sync handles "
+          f"(M={m}; pushes and pulls from the byte counters, fp32):\n")
+    print("| model | S | workers a stage | parameters a stage | pushes a stage a step | pulls a stage a step "
+          "| CPU a server a step |")
+    print("|---|---|---|---|---|---|---|")
+    xs, ys = [], []
+    for spec, s, per, params, srv, push_b, pull_b in rows:
+        pushes, pulls = push_b / 4 / s / params, pull_b / 4 / s / params  # full-stage equivalents
+        print(f"| {spec} | {s} | {per} | {params / 1e6:.2f} M | {pushes:.2f} | {pulls:.2f} | {srv / s * 1e3:.0f} ms |")
+        xs.append([1.0, params, pushes * params, pulls * params])
+        ys.append(srv / s)
+    coef, *_ = np.linalg.lstsq(np.array(xs), np.array(ys), rcond=None)
+    fit = np.array(xs) @ coef
+    worst = max(abs(f / y - 1) for f, y in zip(fit, ys, strict=True))
+    print(f"\n- least squares over {len(ys)} runs: a server's CPU a step = {coef[0] * 1e3:.0f} ms "
+          f"+ {coef[1] * 1e9:.1f} ns x its stage's parameters + {coef[2] * 1e9:.1f} ns x each parameter pushed "
+          f"+ {coef[3] * 1e9:.1f} ns x each parameter pulled (worst run off by {worst * 100:.0f} %)")
+
+
+def stage_params(run: dict, stages: int) -> float:
+    """Parameters of a mean stage of ``run``'s model (all of them over ``stages``)."""
+    from shoal.hf.convert import read_hf_model_config
+    from shoal.model.config import get_preset
+    from shoal.model.transformer import build_model
+
+    cfg = read_hf_model_config(run["init_from"]) if run.get("init_from") else get_preset(run["model"])
+    return sum(p.numel() for p in build_model(cfg).parameters()) / stages
+
+
+def _one_model(args, ms: list[int], per: int, spec: str, base: dict, by_model: list) -> None:
+    """The CPU table's rows of one model (every M and S asked for)."""
     seen: dict[tuple, tuple[int, float, float, float]] = {}
     for m in ms:
-        run = {**RUN, "micro_batches": m}
+        run = {**base, "micro_batches": m}
         loc = local_cpu(args.steps, run)
         print(f"| train --local T=1, M={m} | | | | {loc * 1e3:.0f} ms | | 1.00x |")
         for s in (int(x) for x in args.stages.split(",")):
             for session in (True, False) if args.calls else (True,):
-                c, per_thread = swarm_cpu(s, args.steps, args.profile, args.chunk_mb, args.spot_check, session, run)
+                c, per_thread, sync = swarm_cpu(s, args.steps, args.profile, args.chunk_mb, args.spot_check,
+                                                session, run, per, args.from_step)
                 tot = sum(c.values())
 
                 def role(r, c=c):
                     return " / ".join(f"{c.get(f'{r}/{k}', 0) * 1e3:.0f}" for k in ("main", "pool"))
 
                 tag = "" if session else ", calls"
-                print(f"| launch S={s} W={s} M={m}{tag} | {role('coordinator')} | {role('servers')} | "
+                print(f"| {spec} launch S={s} W={s * per} M={m}{tag} | {role('coordinator')} | {role('servers')} | "
                       f"{role('workers')} | {tot * 1e3:.0f} ms | {(tot - loc) / m * 1e3:.1f} ms | {tot / loc:.2f}x |",
                       flush=True)
                 # Tasks per step: M on the last stage, 2M (forward and backward) on each other one.
                 tasks = m * (2 * s - 1)
                 srv = c.get("servers/main", 0) + c.get("servers/pool", 0)
+                if session and m == ms[0]:
+                    by_model.append((spec, s, per, stage_params(run, s), srv, sync["grad_push"], sync["weight_pull"]))
                 wrk = c.get("workers/main", 0) + c.get("workers/pool", 0)
                 print(f"|   per task ({tasks} a step) | | {srv / tasks * 1e3:.2f} ms | "
                       f"{max(0.0, wrk - loc) / tasks * 1e3:.2f} ms beyond compute | | | |", flush=True)

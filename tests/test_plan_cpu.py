@@ -15,6 +15,7 @@ from shoal.plan.cost import (
     coordinator_cores,
     coordinator_floor,
     coordinator_member_limit,
+    exact_server_cpu,
     server_cpu_caps,
     server_cpu_per_step,
     worker_task_compute,
@@ -230,16 +231,50 @@ def test_coordinator_membership_by_hand_and_the_issue_target():
     assert len(make_plan(s).workers) + 1 <= 9
 
 
-def test_default_figures_leave_a_builtin_plan_where_the_server_is_not_the_limit():
+def test_default_per_message_figures_leave_a_builtin_plan_where_they_are_not_the_limit():
     s = load_scenario("gaming-eu")
     plan = make_plan(s)
     pred = dict(plan.predicted)
     assert pred["server_cpu_share"] < 0.2 and pred["coordinator_cores"] < 0.1
-    free = dataclasses.replace(FrameworkCpu(), **{k: 0.0 for k in ("server_task_s", "worker_task_s", "server_sync_s",
-                                                                    "coordinator_member_s", "coordinator_report_s")})
+    free = dataclasses.replace(s.cpu, **{k: 0.0 for k in ("server_task_s", "worker_task_s", "server_sync_s",
+                                                           "coordinator_member_s", "coordinator_report_s")})
     s.cpu = free
     without = predict(plan, s)
     assert pred["step_time_s"] == pytest.approx(without["step_time_s"], rel=0.02)
+    # ... while what an exact step's pushes, pulls and update cost per parameter is not small there
+    # (gpt-1.3b stages of 300-400 M parameters: seconds of a server's CPU a worker)
+    s.cpu = dataclasses.replace(free, server_push_param_s=0.0, server_pull_param_s=0.0, server_step_param_s=0.0)
+    assert predict(plan, s)["step_time_s"] < 0.9 * without["step_time_s"]
+
+
+def test_exact_sync_server_cpu_per_parameter_by_hand():
+    cpu = dataclasses.replace(FrameworkCpu(), server_push_param_s=10e-9, server_pull_param_s=12e-9,
+                              server_step_param_s=9.5e-9)
+    p = 1e8
+    per = 22e-9 * p  # one worker's push and pull
+    assert exact_server_cpu(p, 1, cpu, 8) == pytest.approx(per + 9.5e-9 * p)
+    assert exact_server_cpu(p, 8, cpu, 8) == pytest.approx(per + 9.5e-9 * p)  # one each on 8 cores
+    assert exact_server_cpu(p, 9, cpu, 8) == pytest.approx(2 * per + 9.5e-9 * p)  # the ninth waits its turn
+    assert exact_server_cpu(p, 3, cpu, 1) == pytest.approx(3 * per + 9.5e-9 * p)
+    assert exact_server_cpu(0, 3, cpu, 1) == 0.0 and exact_server_cpu(p, 0, cpu, 1) == 0.0
+    # the cost model adds it to an exact step's sync; the simulator charges the same
+    s = _scenario(n_workers=4, cores=2, server_task_ms=0.0)
+    plan = Plan("cpu-hand", "tiny", "hand", [StagePlan((0, 6), "h", ["w0", "w1", "w2", "w3"])], 2, 8)
+    from shoal.plan.cost import scenario_profile
+
+    params = scenario_profile(s).params(0, 6)
+    base = predict(plan, s)
+    s.cpu = dataclasses.replace(s.cpu, server_push_param_s=1e-6, server_pull_param_s=2e-6, server_step_param_s=4e-6)
+    charged = predict(plan, s)
+    extra = 2 * 3e-6 * params + 4e-6 * params  # 4 workers on 2 cores: two turns, then the update
+    assert charged["sync_s"] - base["sync_s"] == pytest.approx(extra, rel=1e-6)
+    sim_base = simulate(plan, _scenario(n_workers=4, cores=2, server_task_ms=0.0), steps=3, seed=0)
+    sim = simulate(plan, s, steps=3, seed=0)
+    assert sim.mean_step_time_s - sim_base.mean_step_time_s == pytest.approx(extra, rel=0.1)
+    # a scenario file may set them (ms per million parameters)
+    d = scenario_to_dict(s)
+    assert d["framework_cpu"]["server_step_ms_per_mparam"] == pytest.approx(4000.0)  # 4 us = 4,000 ms a million
+    assert scenario_from_dict(d).cpu.server_pull_param_s == pytest.approx(2e-6)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -649,26 +649,45 @@ def ordered_pushes(mbs) -> int:
     return (1 if run else 0) + len(held) - run
 
 
+def exact_server_cpu(params: float, workers: int, cpu: FrameworkCpu, cores: float) -> float:
+    """Seconds an exact-sync step's pushes and pulls hold a stage server for (pure): one push and
+    one pull of the stage's ``params`` for each of its ``workers``
+    (``cpu.server_push_param_s``, ``server_pull_param_s`` a parameter, on the host's ``cores``:
+    decoded and sent in threads, each on one core: ``ceil(workers / cores)`` in turn), then the step itself on one core between the last push and the
+    pulls (``cpu.server_step_param_s``: the clipping norm, AdamW, the new version serialised).
+    A worker's further ordered pushes: :func:`ordered_sync_time`."""
+    if params <= 0 or workers <= 0:
+        return 0.0
+    per_worker = (cpu.server_push_param_s + cpu.server_pull_param_s) * params
+    # A burst: each worker's push and pull on one core, the host's cores taking them in turns.
+    return math.ceil(workers / max(1.0, cores)) * per_worker + cpu.server_step_param_s * params
+
+
 def ordered_sync_time(times: list[float], rates: list[float], pipe_rate: float, micro_batches: int,
-                      max_latency: float, max_pull_s: float, cpu_s: float, push_bytes: float) -> float:
+                      max_latency: float, max_pull_s: float, cpu_s: float, push_bytes: float,
+                      push_cpu_s: float = 0.0) -> float:
     """Per-step sync seconds of a shared stage in exact sync with ordered pushes (pure): each
     worker pushes once per micro-batch it ran (:func:`ordered_push_count`), one after another at
     its push rate (``rates``), then the slowest pull, as :func:`stage_sync_time` (plus the server's
     CPU ``cpu_s``). Worker ``d``'s share of the ``M`` micro-batches: ``M / ((tau_d + W) X)`` at
     the pipeline's rate ``X`` (:func:`idle_queue_wait`: a stage that waits for its tasks gives
     them out more evenly than by speed, so a slow uplink holds more of them than ``1 / tau_d``);
-    ``pipe_rate`` 0 (a stage whose tasks are all there at the start): by speed, ``1 / tau_d``."""
+    ``pipe_rate`` 0 (a stage whose tasks are all there at the start): by speed, ``1 / tau_d``.
+    ``push_cpu_s``: the server's CPU for each push beyond a worker's first (``cpu_s`` holds one a
+    worker: :func:`exact_server_cpu`)."""
     ts = [t for t in times if 0 < t < math.inf]
     if not ts:
         return stage_sync_time(max_latency, push_bytes / max(rates, default=math.inf), max_pull_s) + cpu_s
     total = sum(1.0 / t for t in ts)
     rate = pipe_rate if 0 < pipe_rate < total else total
     wait = idle_queue_wait(ts, rate)
-    push = 0.0
+    push = extra = 0.0
     for t, r in zip(times, rates, strict=True):
         if 0 < t < math.inf and r < math.inf:
-            push = max(push, ordered_push_count(micro_batches / ((t + wait) * rate), len(times)) * push_bytes / r)
-    return stage_sync_time(max_latency, push, max_pull_s) + cpu_s
+            count = ordered_push_count(micro_batches / ((t + wait) * rate), len(times))
+            push = max(push, count * push_bytes / r)
+            extra += count - 1.0
+    return stage_sync_time(max_latency, push, max_pull_s) + cpu_s + extra * push_cpu_s
 
 
 def worker_task_compute(fwd_s: float, bwd_s: float, last: bool, cpu_s: float) -> float:
@@ -938,13 +957,16 @@ def _stage_rows(st, first: bool, last: bool, nxt_id: str | None, prv_id: str | N
     else:
         sync_s = stage_sync_time(max_lat, max_push, max_pull, sync.sync_every)
         remote = sum(1 for wid in st.workers if wid != host.id)
-        cpu_s = 0.0
+        cpu_s = push_cpu = 0.0
         if sync_s > 0 and remote:
             # the server handles the pushes and pulls of a simultaneous burst on its cores
             cpu_s = remote * scenario.cpu.server_sync_s / host.cores / max(1, sync.sync_every)
-            sync_s += cpu_s
+        if st.workers:
+            cpu_s += exact_server_cpu(prof.params(a, b), len(st.workers), scenario.cpu, host.cores) / max(1, sync.sync_every)
+            push_cpu = scenario.cpu.server_push_param_s * prof.params(a, b) / host.cores / max(1, sync.sync_every)
+        sync_s += cpu_s
         if ordered and g_push > 0:
-            ordered_info = (max_lat, max_pull, cpu_s, g_push, ordered_rates)
+            ordered_info = (max_lat, max_pull, cpu_s, g_push, ordered_rates, push_cpu)
     return stage_rows, max_lat, sync_s, max_lat + max_pull, headroom, background, bg_rows, ordered_info
 
 
@@ -1201,7 +1223,7 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
             # (the first stage's forwards are all there when the step starts: its workers take
             # them as fast as they run, shares by speed, and each runs its own backwards)
             syncs[i] = ordered_sync_time([times[j] for j in finite], [ordered_push[i][4][j] for j in finite],
-                                         pipe_rate if i > 0 else 0.0, m, *ordered_push[i][:4])
+                                         pipe_rate if i > 0 else 0.0, m, *ordered_push[i][:4], ordered_push[i][5])
         task_times = {row[0]: t for row, t in zip(stage_rows, times, strict=True)}
         backlog = {}
         if overlap_up:

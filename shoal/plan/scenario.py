@@ -124,15 +124,17 @@ _CPU_KEYS = {"server_task_ms": "server_task_s", "worker_task_ms": "worker_task_s
              "coordinator_cores": "coordinator_cores", "server_merge_ms_per_mparam": "server_merge_param_s",
              "server_codec_scale": "server_codec_scale", "server_screen_ms_per_mcoord": "server_screen_sample_s",
              "server_gflops": "server_flops", "server_merge_speedup": "server_merge_speedup",
-             "server_codec_speedup": "server_codec_speedup"}
+             "server_codec_speedup": "server_codec_speedup", "server_push_ms_per_mparam": "server_push_param_s",
+             "server_pull_ms_per_mparam": "server_pull_param_s", "server_step_ms_per_mparam": "server_step_param_s"}
 _CPU_UNITS = {"coordinator_cores": 1.0, "server_merge_ms_per_mparam": MS / 1e6, "server_codec_scale": 1.0,
               "server_screen_ms_per_mcoord": MS / 1e6, "server_gflops": 1e9,
-              "server_merge_speedup": 1.0, "server_codec_speedup": 1.0}  # the rest: ms
+              "server_merge_speedup": 1.0, "server_codec_speedup": 1.0, "server_push_ms_per_mparam": MS / 1e6,
+              "server_pull_ms_per_mparam": MS / 1e6, "server_step_ms_per_mparam": MS / 1e6}  # the rest: ms
 
 
 def _framework_cpu(d: dict, name: str) -> FrameworkCpu:
     """The scenario's ``framework_cpu`` section (CPU-ms per message, per million parameters for
-    ``server_merge_ms_per_mparam``; absent keys keep the defaults)."""
+    the ``*_ms_per_mparam`` keys; absent keys keep the defaults)."""
     c = d.get("framework_cpu", {})
     if not isinstance(c, dict):
         raise ShoalError(f"scenario {name}: framework_cpu must be an object of CPU-ms figures")

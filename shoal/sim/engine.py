@@ -611,8 +611,10 @@ class Simulator:
             if not self._logged(st):
                 return
             st.phase = 1
-            if self.cfg.server_update_s > 0 and not self.local:
-                self._push(self.now + self.cfg.server_update_s, APPLY, st.idx)
+            # the step itself on one server core: clipping, AdamW, the new version serialised
+            update = self.cfg.server_update_s + (0.0 if self.local else self.fw_cpu.server_step_param_s * st.params)
+            if update > 0 and not self.local:
+                self._push(self.now + update, APPLY, st.idx)
             else:
                 self._applied(st)
 
@@ -878,9 +880,14 @@ class Simulator:
             st = self.stages[s]
             if step != self.step:
                 return
-            if not charged and not self.local and w.id != st.host.id and \
-                    self._server_cpu(st.host.id, self.fw_cpu.server_sync_s, kind, p):
-                return  # the server handles a remote push (and its pull) on its cores
+            if not charged and not self.local:
+                # the server handles a push (and its pull) on its cores: a remote one's calls, and
+                # every parameter of each push and pull (cost.exact_server_cpu)
+                n = float(ordered_pushes(mbs) if self.ordered else 1)
+                cost = ((self.fw_cpu.server_sync_s if w.id != st.host.id else 0.0)
+                        + (n * self.fw_cpu.server_push_param_s + self.fw_cpu.server_pull_param_s) * st.params)
+                if self._server_cpu(st.host.id, cost, kind, p):
+                    return
             c = st.contrib.get(w.id)
             mbs = mbs & c if c else frozenset()
             for m in mbs:

@@ -102,6 +102,7 @@ from shoal.runtime.pool.pool import (
 from shoal.runtime.safety.deferred import DeferredCheck, DeferredCheckMixin, defer_check
 from shoal.runtime.safety.endcheck import EndCheckMixin
 from shoal.runtime.safety.guard import (
+    RECOMPUTE_ENV,
     SPOT_RATE_ENV,
     ban_reason,
     guard_config,
@@ -248,6 +249,9 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         self.guard_salt = os.urandom(8).hex()
         self.guard_keep: int | None = None  # the oldest version a ban may roll back to (from the coordinator)
         self.guard_cfg = guard_config(os.environ)  # the screen's thresholds (safety.guard.GuardConfig)
+        if not self.guard_cfg.recompute:
+            log.warning("%s: %s=0: no push will be recomputed (a bench hook; never train this way)", name,
+                        RECOMPUTE_ENV)
         self._dup_init()  # redundant checks and the drift test (shoal.runtime.safety.redundant)
         self._end_init()  # the run's end check (shoal.runtime.safety.endcheck)
         self._deferred_init()  # recomputations beside the steps (shoal.runtime.safety.deferred)

@@ -177,6 +177,9 @@ class GuardConfig:
     # Deferred checks a server holds at once (each keeps the push and a copy of the stage's
     # weights); a push drawn while they are full counts as unverified unchecked, like an undrawn one.
     deferred_pending: int = 2
+    # Off only in benches that measure the framework's own CPU (RECOMPUTE_ENV): the servers then
+    # recompute no push (first, flagged or drawn), which are compute, not protocol.
+    recompute: bool = True
 
 
 DEFAULT = GuardConfig()
@@ -188,11 +191,18 @@ SPOT_RATE_ENV = "SHOAL_TEST_SPOT_RATE"
 # behaviour before deferred checks), so a bench compares both in one run
 # (bench/bench_deferred_checks.py) and a test can fix when a worker's first pushes are judged.
 DEFERRED_ENV = "SHOAL_DEFERRED_CHECKS"
+# Bench hook: "0" makes the stage servers recompute no push at all, so a bench of the
+# framework's CPU (bench/bench_runtime_cpu.py --models) does not count a screen's
+# recomputations of an early run's falling gradient norms as protocol. Never for training.
+RECOMPUTE_ENV = "SHOAL_BENCH_RECOMPUTE"
 
 
 def guard_config(env: dict[str, str]) -> GuardConfig:
-    """The stage servers' screen thresholds: the defaults, with the bench hook read from ``env``."""
-    return DEFAULT if env.get(DEFERRED_ENV, "1") != "0" else dataclasses.replace(DEFAULT, deferred_checks=False)
+    """The stage servers' screen thresholds: the defaults, with the bench hooks read from ``env``."""
+    cfg = DEFAULT if env.get(DEFERRED_ENV, "1") != "0" else dataclasses.replace(DEFAULT, deferred_checks=False)
+    if env.get(RECOMPUTE_ENV, "1") == "0":
+        cfg = dataclasses.replace(cfg, recompute=False)
+    return cfg
 
 
 def robust_centre(history: list[float]) -> float | None:
@@ -295,7 +305,7 @@ def server_check_note(local: bool, spot_check: float, precision: str, worker_kin
 
 def needs_verify(flag: str, first_push: bool, spot: bool, exact: bool, cfg: GuardConfig = DEFAULT) -> bool:
     """Whether the server recomputes a push: only in exact runs, when flagged, first or drawn."""
-    return exact and (bool(flag) or (first_push and cfg.verify_first) or spot)
+    return exact and cfg.recompute and (bool(flag) or (first_push and cfg.verify_first) or spot)
 
 
 def rel_error(sq_diff: float, sq_ref: float) -> float:
