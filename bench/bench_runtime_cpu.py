@@ -219,14 +219,49 @@ def main() -> None:
         for per in pers:
             _one_model(args, ms, per, spec, base, by_model)
     if len(by_model) > 2:
-        sync_fit(by_model, ms[0])
+        spec = args.models.split(",")[-1]
+        model = sized_model(spec, root)
+        base = {**RUN, "init_from": str(Path(model).resolve())} if Path(model).is_dir() else {**RUN, "model": model}
+        sync_fit(by_model, ms[0], step_cpu_per_param(base, by_model[-1][1]))
 
 
-def sync_fit(rows: list[tuple], m: int) -> None:
+def step_cpu_per_param(run: dict, stages: int, repeat: int = 3) -> float:
+    """CPU seconds per parameter of what a stage server does once an exact step, timed here on
+    one thread with the runtime's own functions: each gradient's squared norm (the clipping),
+    the scaled AdamW step (``apply_update``) and the new version serialised
+    (``serialise_weights``), on the mean stage of ``run``'s model (least of ``repeat``)."""
+    import torch
+
+    from shoal.hf.convert import read_hf_model_config
+    from shoal.model.config import get_preset
+    from shoal.model.transformer import build_model
+    from shoal.net import shoal_pb2 as pb
+    from shoal.runtime.transport.frames import serialise_weights
+    from shoal.train.optim import OptimConfig, apply_update, make_optimizer, param_sq_norms
+
+    torch.set_num_threads(1)
+    cfg = read_hf_model_config(run["init_from"]) if run.get("init_from") else get_preset(run["model"])
+    model = build_model(cfg)
+    params = list(model.named_parameters())[: max(1, len(list(model.parameters())) // stages)]
+    n = sum(p.numel() for _, p in params)
+    opt = make_optimizer(params, OptimConfig())
+    best = float("inf")
+    for _ in range(repeat + 1):
+        for _, p in params:
+            p.grad = torch.randn_like(p)
+        t0 = time.process_time()
+        param_sq_norms([p for _, p in params])
+        apply_update(opt, 1e-4, 0.5)
+        serialise_weights(pb.WeightsReply(), {k: p for k, p in params})
+        best = min(best, time.process_time() - t0)
+    return best / n
+
+
+def sync_fit(rows: list[tuple], m: int, step_s: float) -> None:
     """The servers' CPU a step against what their exact sync handles: least squares of a
-    server's CPU a step = fixed + a x its stage's parameters (once a step: the optimizer, the
-    new version serialised, the screen's sums) + b x parameters pushed to it (each push
-    received, decoded, checked, measured, summed) + c x parameters pulled from it."""
+    server's CPU a step - ``step_s`` x its stage's parameters (once a step, timed apart:
+    :func:`step_cpu_per_param`) = fixed + b x parameters pushed to it (each push received,
+    decoded, checked, measured, summed) + c x parameters pulled from it (each pull sent)."""
     import numpy as np
 
     print("\nServers' CPU per step against what their exact sync handles "
@@ -238,14 +273,16 @@ def sync_fit(rows: list[tuple], m: int) -> None:
     for spec, s, per, params, srv, push_b, pull_b in rows:
         pushes, pulls = push_b / 4 / s / params, pull_b / 4 / s / params  # full-stage equivalents
         print(f"| {spec} | {s} | {per} | {params / 1e6:.2f} M | {pushes:.2f} | {pulls:.2f} | {srv / s * 1e3:.0f} ms |")
-        xs.append([1.0, params, pushes * params, pulls * params])
-        ys.append(srv / s)
+        xs.append([1.0, pushes * params, pulls * params])
+        ys.append(srv / s - step_s * params)
     coef, *_ = np.linalg.lstsq(np.array(xs), np.array(ys), rcond=None)
-    fit = np.array(xs) @ coef
-    worst = max(abs(f / y - 1) for f, y in zip(fit, ys, strict=True))
-    print(f"\n- least squares over {len(ys)} runs: a server's CPU a step = {coef[0] * 1e3:.0f} ms "
-          f"+ {coef[1] * 1e9:.1f} ns x its stage's parameters + {coef[2] * 1e9:.1f} ns x each parameter pushed "
-          f"+ {coef[3] * 1e9:.1f} ns x each parameter pulled (worst run off by {worst * 100:.0f} %)")
+    fit = np.array(xs) @ coef + np.array([step_s * r[3] for r in rows])
+    worst = max(abs(f / (r[4] / r[1]) - 1) for f, r in zip(fit, rows, strict=True))
+    print(f"\n- once a step, timed apart (clipping norms, AdamW, the version serialised): {step_s * 1e9:.1f} ns a "
+          "parameter")
+    print(f"- least squares over {len(ys)} runs: a server's CPU a step = {coef[0] * 1e3:.0f} ms "
+          f"+ {step_s * 1e9:.1f} ns x its stage's parameters + {coef[1] * 1e9:.1f} ns x each parameter pushed "
+          f"+ {coef[2] * 1e9:.1f} ns x each parameter pulled (worst run off by {worst * 100:.0f} %)")
 
 
 def stage_params(run: dict, stages: int) -> float:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 
 import pytest
@@ -286,6 +287,13 @@ def test_verify_and_spot_check_draws():
     assert needs_verify("norm", False, False, exact=True)
     assert not needs_verify("", False, False, exact=True)
     assert not needs_verify("norm", True, True, exact=False)
+    # the CPU bench's hook turns every recomputation off (and nothing else); unset, the defaults hold
+    from shoal.runtime.safety.guard import DEFAULT, RECOMPUTE_ENV, guard_config
+
+    off = guard_config({RECOMPUTE_ENV: "0"})
+    assert not needs_verify("norm", True, True, exact=True, cfg=off)
+    assert off.enabled and dataclasses.replace(off, recompute=True) == DEFAULT
+    assert guard_config({}) == DEFAULT and guard_config({RECOMPUTE_ENV: "1"}) == DEFAULT
     draws = [spot_pick(3, "run", 1, step, mb, 0.25) for step in range(100) for mb in range(8)]
     assert draws == [spot_pick(3, "run", 1, step, mb, 0.25) for step in range(100) for mb in range(8)]  # seeded
     assert 0.18 < sum(draws) / len(draws) < 0.32

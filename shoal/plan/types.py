@@ -123,9 +123,9 @@ class FrameworkCpu:
     server_task_s: float = 5.5e-3  # stage server, per task through it (grant, input, result, relays): bench/results/stream.md 2026-12-02, bench_runtime_cpu.py --micro-batches 16, servers' CPU per further task, 4.7-5.6 CPU-ms
     worker_task_s: float = 3.5e-3  # worker, per task beyond its compute (lease, input, result): the same runs, workers' CPU beyond the local trainer's, 3.5 CPU-ms
     server_sync_s: float = 1.0e-3  # stage server, per worker per exact-sync step (its push and its pull): bench_rpc_cost.py server ends, 0.53 + 0.44 CPU-ms
-    server_push_param_s: float = 10e-9  # stage server, per parameter of each exact-sync push it takes (received, decoded, checked finite, measured by the screen, summed): bench/results/server-cpu.md 2026-12-06, 10.1 ns
-    server_pull_param_s: float = 12e-9  # stage server, per parameter of each exact-sync pull it serves (the version's bytes framed, encrypted and sent): the same fit, 12.2 ns
-    server_step_param_s: float = 9.5e-9  # stage server, per parameter once an exact-sync step, on one core between its last push and its pulls (clipping norm, AdamW, the new version serialised): the same runs' profiles, 9.5 ns
+    server_push_param_s: float = 15.5e-9  # stage server, per parameter of each exact-sync push it takes (received, decoded, checked finite, measured by the screen, summed): bench/results/server-cpu.md 2026-12-06, least squares of bench_runtime_cpu.py --models, 15.5 ns
+    server_pull_param_s: float = 5.2e-9  # stage server, per parameter of each exact-sync pull it serves (the version's bytes framed, encrypted and sent): the same fit, 5.2 ns
+    server_step_param_s: float = 7.7e-9  # stage server, per parameter once an exact-sync step, on one core between its last push and its pulls (clipping norms, AdamW, the new version serialised): the same bench, timed apart, 7.7 ns
     coordinator_member_s: float = 0.8e-3  # coordinator, per member per second (heartbeats, liveness): fit of stream.md's shadow swarms, 0.03 / 0.06 cores at 18 / 66 members
     coordinator_report_s: float = 14e-3  # coordinator, per stage server's step report: the same fit
     coordinator_cores: float = 1.0  # cores the coordinator can use (one Python event loop)
