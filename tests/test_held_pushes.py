@@ -208,6 +208,20 @@ def test_products_are_taken_a_block_at_a_time_within_float_rounding(n, dtype):
     assert sum_product(m, m) == sum_product(m.reshape(-1), m.reshape(-1))
 
 
+def test_a_push_is_measured_in_one_read_with_the_floats_of_two():
+    """The exact-sync screen's norm and product of a push in one read (push_norm_and_dot, as
+    StageServer._guard_measure takes them) are the bits of sq_norm and dot, also where the
+    reference lacks a tensor of the push."""
+    from shoal.runtime.safety.verify import dot, push_norm_and_dot, sq_norm
+
+    g = torch.Generator().manual_seed(3)
+    push = {"a": torch.randn(3 * PRODUCT_BLOCK + 5, generator=g), "b": torch.randn(17, 9, generator=g),
+            "c": torch.randn(40, generator=g)}
+    ref = {"a": torch.randn(3 * PRODUCT_BLOCK + 5, generator=g), "c": torch.randn(40, generator=g)}
+    assert push_norm_and_dot(push, ref) == (sq_norm(push), dot(push, ref))
+    assert push_norm_and_dot(push, None) == (sq_norm(push), 0.0)
+
+
 def test_a_large_stages_median_is_taken_over_a_secret_sample():
     """Over a sample of a stage larger than ``sample``, the cosines are the full ones within
     1/100, the sample is the same for one seed and another for another, and a flipped push is

@@ -1200,17 +1200,19 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
 
     def _guard_measure(self, grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor] | None
                        ) -> tuple[float, float | None]:
-        """A push's norm and its cosine to the last committed gradient (runs in a thread)."""
-        from shoal.runtime.safety.verify import dot, sq_norm
+        """A push's norm and its cosine to the last committed gradient (runs in a thread), in one
+        read of the push (``push_norm_and_dot``: the floats of ``sq_norm`` and ``dot``)."""
+        from shoal.runtime.safety.verify import push_norm_and_dot, sq_norm
 
-        norm = math.sqrt(sq_norm(grads))
+        sq, product = push_norm_and_dot(grads, ref or None)
+        norm = math.sqrt(sq)
         if not ref or norm == 0:
             return norm, None
         cached = self._guard_ref_norm
         if cached is None or cached[0] is not ref:  # the reference changes once a step
             cached = self._guard_ref_norm = (ref, math.sqrt(sq_norm(ref)))
         ref_norm = cached[1]
-        return norm, (dot(grads, ref) / (norm * ref_norm) if ref_norm > 0 else None)
+        return norm, (product / (norm * ref_norm) if ref_norm > 0 else None)
 
     def _guard_recompute(self, module: torch.nn.Module, step: int,
                          inputs: list[tuple[int, torch.Tensor | None, torch.Tensor | None]],
