@@ -651,11 +651,11 @@ def ordered_pushes(mbs) -> int:
 
 def exact_server_cpu(params: float, workers: int, cpu: FrameworkCpu, cores: float) -> float:
     """Seconds an exact-sync step's pushes and pulls hold a stage server for (pure): one push and
-    one pull of the stage's ``params`` for each of its ``workers``
-    (``cpu.server_push_param_s``, ``server_pull_param_s`` a parameter, on the host's ``cores``:
-    decoded and sent in threads, each on one core: ``ceil(workers / cores)`` in turn), then the step itself on one core between the last push and the
-    pulls (``cpu.server_step_param_s``: the clipping norm, AdamW, the new version serialised).
-    A worker's further ordered pushes: :func:`ordered_sync_time`."""
+    one pull of the stage's ``params`` for each of its ``workers`` (``cpu.server_push_param_s``
+    and ``server_pull_param_s`` a parameter; decoded and sent in threads, each on one core, so
+    ``ceil(workers / cores)`` of them in turn), then the step itself on one core between the last
+    push and the pulls (``cpu.server_step_param_s``: the clipping norms, AdamW, the new version
+    serialised). A worker's further ordered pushes: :func:`ordered_sync_time`."""
     if params <= 0 or workers <= 0:
         return 0.0
     per_worker = (cpu.server_push_param_s + cpu.server_pull_param_s) * params
