@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import math
 import os
 import re
@@ -229,7 +230,9 @@ _TRACE: list = []  # [pid, open file] of this process's trace (SHOAL_TRACE); [] 
 def trace(who: str, event: str, **fields) -> None:
     """With ``SHOAL_TRACE=DIR``: append one JSON line (wall clock ``t``, member ``who``,
     ``event``, ``fields``) to ``DIR/trace-PID.jsonl``, to follow a step across processes
-    (``bench/trace_step.py`` reads them). Without it: nothing (one dictionary lookup)."""
+    (``bench/trace_step.py`` reads them; the folder is made if missing). Without it: nothing (one
+    dictionary lookup). A trace that cannot be written is given up with one warning, never a
+    member's life."""
     folder = os.environ.get("SHOAL_TRACE")
     if not folder:
         return
@@ -237,8 +240,15 @@ def trace(who: str, event: str, **fields) -> None:
     import time
 
     if not _TRACE or _TRACE[0] != os.getpid():  # a forked member opens its own file
-        _TRACE[:] = [os.getpid(), open(Path(folder) / f"trace-{os.getpid()}.jsonl", "a", buffering=1)]  # noqa: SIM115
-    _TRACE[1].write(json.dumps({"t": time.time(), "who": who, "ev": event, **fields}) + "\n")
+        try:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            out = open(Path(folder) / f"trace-{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115
+        except OSError as exc:
+            logging.getLogger("shoal").warning("SHOAL_TRACE=%s: cannot write the trace (%s); not tracing", folder, exc)
+            out = None
+        _TRACE[:] = [os.getpid(), out]
+    if _TRACE[1] is not None:
+        _TRACE[1].write(json.dumps({"t": time.time(), "who": who, "ev": event, **fields}) + "\n")
 
 
 # ---------------------------------------------------------------------------- batches
