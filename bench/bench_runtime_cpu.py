@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_runtime_cpu.py [--stages 1,2] [--steps 8]
         [--micro-batches 4,16] [--calls] [--threads] [--profile DIR] [--chunk-mb MB] [--spot-check F]
-        [--models tiny,d128xL16] [--workers-per-stage 1]
+        [--models tiny,d128xL32] [--workers-per-stage 1,2] [--from-step 2] [--recompute]
 
 Runs bench_runtime's RUN (tiny, B=4 T=64, M=4 unless given) as ``launch`` S=W for each S
 given, reads every member's user+system CPU time from /proc when the first step is committed
@@ -26,7 +26,6 @@ or ``--workers-per-stage`` values it also fits the servers' CPU per step to what
 sync handles (each push in, each pull out, the optimizer step and the new version once a step),
 by least squares over the runs: the basis of ``FrameworkCpu.server_step_param_s``,
 ``server_push_param_s`` and ``server_pull_param_s``.
-
 
 With ``--profile DIR`` every member runs under cProfile (``SHOAL_PROFILE``, each thread's
 CPU time, all threads merged) and dumps ``DIR/S<S>/COMMAND-PID-1.prof`` at the first mark
@@ -212,17 +211,17 @@ def main() -> None:
     print("| run | coordinator | servers | workers | total | beyond local, per task | vs local |")
     print("|---|---|---|---|---|---|---|")
     by_model: list[tuple] = []  # (model, S, W a stage, params a stage, servers' CPU s a step, push B, pull B a step)
-    root = Path(tempfile.mkdtemp(prefix="shoal-cpu-models-"))
-    for spec in args.models.split(","):
-        model = sized_model(spec, root)
-        base = {**RUN, "init_from": str(Path(model).resolve())} if Path(model).is_dir() else {**RUN, "model": model}
-        for per in pers:
-            _one_model(args, ms, per, spec, base, by_model)
-    if len(by_model) > 2:
-        spec = args.models.split(",")[-1]
-        model = sized_model(spec, root)
-        base = {**RUN, "init_from": str(Path(model).resolve())} if Path(model).is_dir() else {**RUN, "model": model}
-        sync_fit(by_model, ms[0], step_cpu_per_param(base, by_model[-1][1]))
+    with tempfile.TemporaryDirectory(prefix="shoal-cpu-models-") as tmp:  # the dWIDTHxLLAYERS folders
+        bases = {}
+        for spec in args.models.split(","):
+            model = sized_model(spec, Path(tmp))
+            bases[spec] = ({**RUN, "init_from": str(Path(model).resolve())} if Path(model).is_dir()
+                           else {**RUN, "model": model})
+            for per in pers:
+                _one_model(args, ms, per, spec, bases[spec], by_model)
+        if len(by_model) > 2:
+            # the update timed on the last (largest) model's stage
+            sync_fit(by_model, ms[0], step_cpu_per_param(bases[by_model[-1][0]], by_model[-1][1]))
 
 
 def step_cpu_per_param(run: dict, stages: int, repeat: int = 3) -> float:
