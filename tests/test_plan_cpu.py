@@ -268,6 +268,8 @@ def test_exact_sync_server_cpu_per_parameter_by_hand():
     charged = predict(plan, s)
     extra = 2 * 3e-6 * params + 4e-6 * params  # 4 workers on 2 cores: two turns, then the update
     assert charged["sync_s"] - base["sync_s"] == pytest.approx(extra, rel=1e-6)
+    # ... and the report's busy share of the host counts all of it over its 2 cores
+    assert server_cpu_per_step(plan, s)["h"] == pytest.approx((4 * 3e-6 + 4e-6) * params / 2)
     sim_base = simulate(plan, _scenario(n_workers=4, cores=2, server_task_ms=0.0), steps=3, seed=0)
     sim = simulate(plan, s, steps=3, seed=0)
     assert sim.mean_step_time_s - sim_base.mean_step_time_s == pytest.approx(extra, rel=0.1)

@@ -730,14 +730,18 @@ def server_cpu_caps(plan: Plan, scenario: Scenario) -> list[list[float]]:
 def server_cpu_per_step(plan: Plan, scenario: Scenario) -> dict[str, float]:
     """Host id -> seconds per step its stage servers' framework CPU keeps all its cores busy:
     the tasks through it (:func:`server_task_demand`) plus, in exact sync, every remote worker's
-    push and pull (``cpu.server_sync_s`` each, per ``sync_every`` steps), over its cores. A step
-    shorter than this saturates the host."""
+    push and pull calls (``cpu.server_sync_s`` each) and every worker's push and pull and the
+    update by the parameter (:func:`exact_server_cpu` on one core: ``server_push_param_s``,
+    ``server_pull_param_s``, ``server_step_param_s``), per ``sync_every`` steps, over its cores.
+    A step shorter than this saturates the host."""
     cpu = scenario.cpu
     out = server_task_demand(plan, cpu)
     if not plan.sync.local:
+        prof = scenario_profile(scenario, plan.micro_batch_size)
         for st in plan.all_stages:
             remote = sum(1 for w in st.workers if w != st.server)
-            out[st.server] = out.get(st.server, 0.0) + remote * cpu.server_sync_s / max(1, plan.sync.sync_every)
+            busy = remote * cpu.server_sync_s + exact_server_cpu(prof.params(*st.layers), len(st.workers), cpu, 1.0)
+            out[st.server] = out.get(st.server, 0.0) + busy / max(1, plan.sync.sync_every)
     cores = {d.id: d.cores for d in scenario.devices if d.id in out}
     return {h: v / cores[h] for h, v in out.items()}
 
