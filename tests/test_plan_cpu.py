@@ -16,6 +16,7 @@ from shoal.plan.cost import (
     coordinator_floor,
     coordinator_member_limit,
     exact_server_cpu,
+    scenario_profile,
     server_cpu_caps,
     server_cpu_per_step,
     worker_task_compute,
@@ -260,8 +261,6 @@ def test_exact_sync_server_cpu_per_parameter_by_hand():
     # the cost model adds it to an exact step's sync; the simulator charges the same
     s = _scenario(n_workers=4, cores=2, server_task_ms=0.0)
     plan = Plan("cpu-hand", "tiny", "hand", [StagePlan((0, 6), "h", ["w0", "w1", "w2", "w3"])], 2, 8)
-    from shoal.plan.cost import scenario_profile
-
     params = scenario_profile(s).params(0, 6)
     base = predict(plan, s)
     s.cpu = dataclasses.replace(s.cpu, server_push_param_s=1e-6, server_pull_param_s=2e-6, server_step_param_s=4e-6)
