@@ -218,8 +218,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         self.ckpt_signal = Signal()  # notified when a checkpoint file is complete (standby long-polls)
         self.tasks_per_worker: dict[str, int] = {}
         self.requeues = 0
-        self.stats = {"messages": 0, "bytes_in": 0, "results_on_session": 0, "results_by_call": 0,
-                      "sums_folded": 0, "sums_anew": 0}  # exact steps summed by PushFold or at commit
+        self.stats = {"messages": 0, "bytes_in": 0, "results_on_session": 0, "results_by_call": 0}
         self._bg: set[asyncio.Task] = set()
         self.on_servers = None  # callback(list of stage server addresses), e.g. emulation
         self._stubs: dict[str, pbg.StageServerStub] = {}
@@ -536,9 +535,6 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         finally:
             log.info("%s took %d results on sessions and %d by call", self.name, self.stats["results_on_session"],
                      self.stats["results_by_call"])
-            if not self.local:
-                log.info("%s summed %d steps' pushes as they came and %d anew at commit", self.name,
-                         self.stats["sums_folded"], self.stats["sums_anew"])
             if self.guard_checks or self.deferred_skipped:
                 log.info("%s recomputed %d pushes, %d of them beside the steps; %d drawn while its deferred checks "
                          "were full", self.name, self.guard_checks, self.deferred_done, self.deferred_skipped)
@@ -1918,9 +1914,8 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
             # Most of the sum is made as the pushes came (PushFold); the rest is added now.
             fold = self.fold
             await self._fold_pushes()
-            summed = fold.result(pushes)
-            self.stats["sums_folded" if summed is not None else "sums_anew"] += 1
-            parts = await asyncio.get_running_loop().run_in_executor(None, self._sum_pushes, pushes, summed)
+            parts = await asyncio.get_running_loop().run_in_executor(None, self._sum_pushes, pushes,
+                                                                     fold.result(pushes))
             report = pb.StepReport(member_id=self.member_id, stage=self.stage, step=step, epoch=epoch,
                                    sq_norm=self._local_sq_norm() if self.local else total_sq_norm(parts),
                                    requeues=self.requeues,

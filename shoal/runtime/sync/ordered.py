@@ -212,9 +212,11 @@ class PushFold:
 
     def ready(self, pushes: list[tuple]) -> tuple | None:
         """The push of ``pushes`` (``(first micro-batch, grads, worker, micro-batches)``) that
-        comes next in the sum, if it is there (one added already covers its first micro-batch,
-        which ``next`` never is)."""
-        return next((p for p in pushes if p[0] == self.next), None)
+        comes next in the sum, if it is there."""
+        for p in pushes:
+            if p[0] == self.next and not any(p is q for q in self.taken):
+                return p
+        return None
 
     def take(self, push: tuple) -> None:
         """Add ``push`` (the one :meth:`ready` gave) into the sum."""
