@@ -140,6 +140,7 @@ import torch
 
 import shoal.plan.compression as _plan
 from shoal.errors import ShoalError
+from shoal.threads import compute_pool
 
 CODECS = ("raw", "fp16", "int8")  # dense codecs (any traffic kind)
 SPARSE_CODECS = ("topk-int8", "sparse", "lowrank")  # sparse and low-rank codecs (pushes and pulls with error feedback only)
@@ -638,7 +639,7 @@ def set_codec_threads(n: int) -> None:
     and the pull's encoding hold the merge: ``shoal.plan.cost.merge_cpu_time``)."""
     global _CODEC_POOL, _CODEC_THREADS
     with _CODEC_LOCK:
-        old, _CODEC_POOL = _CODEC_POOL, (ThreadPoolExecutor(max_workers=n, thread_name_prefix="shoal-codec")
+        old, _CODEC_POOL = _CODEC_POOL, (compute_pool(n, "shoal-codec")
                                          if n > 1 else None)
         _CODEC_THREADS = max(1, n)
     if old is not None:

@@ -100,6 +100,12 @@ def _stacks(loop_thread: int) -> str:
 
 
 async def watched(main: Coroutine, name: str):
-    """``await main``, with the loop watch on when ``SHOAL_LOOP_WATCH`` asks for it."""
+    """``await main`` (a member's whole life), with the loop watch on when ``SHOAL_LOOP_WATCH``
+    asks for it and the loop's default executor computing on the process's torch threads
+    (:func:`shoal.threads.use_compute_executor`: else an executor thread's products can differ
+    from ``shoal train --local``'s in the last bits)."""
+    from shoal.threads import use_compute_executor
+
+    use_compute_executor()
     start_loop_watch(name, watch_threshold(dict(os.environ)))
     return await main

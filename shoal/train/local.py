@@ -255,7 +255,7 @@ def _parallel_grads(model: torch.nn.Module, batches: list, m: int, scale: float,
     sequential one, at ``prec.parallel`` times the activation memory and up to
     ``prec.parallel + 1`` gradient sets held at once.
     """
-    from concurrent.futures import ThreadPoolExecutor
+    from shoal.threads import compute_pool
 
     params = [p for p in model.parameters() if p.requires_grad]
 
@@ -268,7 +268,7 @@ def _parallel_grads(model: torch.nn.Module, batches: list, m: int, scale: float,
 
     losses: list[float] = []
     total: list[torch.Tensor | None] = [None] * len(params)
-    with ThreadPoolExecutor(prec.parallel, thread_name_prefix="shoal-mb") as pool:
+    with compute_pool(prec.parallel, "shoal-mb") as pool:
         ahead = [pool.submit(one, xy) for xy in batches[:prec.parallel]]
         for i in range(len(batches)):
             loss, grads = ahead.pop(0).result()

@@ -35,6 +35,7 @@ import torch
 from shoal.model.transformer import build_stage
 from shoal.runtime.safety.guard import ban_reason, rel_error
 from shoal.runtime.safety.verify import load_weights, recompute_sum, sq_diff, sq_norm
+from shoal.threads import compute_pool
 
 log = logging.getLogger("shoal.server")
 
@@ -127,7 +128,7 @@ class DeferredCheckMixin:
                 chk = self.deferred[0]
                 if chk.worker not in self.guard_banned:
                     if self._deferred_pool is None:
-                        self._deferred_pool = ThreadPoolExecutor(1, thread_name_prefix="shoal-check")
+                        self._deferred_pool = compute_pool(1, "shoal-check")
                     try:
                         err = await loop.run_in_executor(self._deferred_pool, self._deferred_recompute, chk)
                     except Exception as exc:  # the push stays unverified (the end check may see it): no verdict

@@ -18,6 +18,7 @@ import torch
 
 from shoal.plan.types import SCREEN_SAMPLE
 from shoal.runtime.common import micro_batch
+from shoal.threads import compute_pool
 
 PRODUCT_BLOCK = 1 << 18  # elements sum_product multiplies at once (1 MB of products: in the cache)
 # Micro-batches a stage server recomputes at once at most, one thread each (torch releases the
@@ -195,7 +196,7 @@ def recompute_pool() -> ThreadPoolExecutor:
     loop's executor, whose thread waits for them."""
     global _RECOMPUTE_POOL
     if _RECOMPUTE_POOL is None:
-        _RECOMPUTE_POOL = ThreadPoolExecutor(max_workers=recompute_threads(), thread_name_prefix="shoal-recompute")
+        _RECOMPUTE_POOL = compute_pool(recompute_threads(), "shoal-recompute")
     return _RECOMPUTE_POOL
 
 
@@ -218,7 +219,7 @@ def recompute_sum(module: torch.nn.Module, spec, step: int,
     if width == recompute_threads():
         return summed_grads(module, spec, step, items, first=first, last=last, loss_scale=loss_scale,
                             pool=recompute_pool())
-    with ThreadPoolExecutor(max_workers=width, thread_name_prefix="shoal-recompute") as pool:
+    with compute_pool(width, "shoal-recompute") as pool:
         return summed_grads(module, spec, step, items, first=first, last=last, loss_scale=loss_scale, pool=pool)
 
 

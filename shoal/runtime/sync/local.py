@@ -72,6 +72,7 @@ from shoal.runtime.sync.codecs import (
 )
 from shoal.runtime.sync.held import HeldPushes, SpilledPush, default_merge_memory
 from shoal.runtime.transport.frames import decode_grads
+from shoal.threads import compute_pool
 from shoal.train.optim import apply_update, make_optimizer, total_sq_norm
 from shoal.train.outer import (
     is_sync_step,
@@ -183,7 +184,7 @@ def reference_pool() -> ThreadPoolExecutor:
     decodes and merges never queue behind them."""
     global _REF_POOL
     if _REF_POOL is None:
-        _REF_POOL = ThreadPoolExecutor(max_workers=SCREEN_REF_MBS, thread_name_prefix="shoal-reference")
+        _REF_POOL = compute_pool(SCREEN_REF_MBS, "shoal-reference")
     return _REF_POOL
 
 
@@ -203,7 +204,7 @@ def merge_pool() -> ThreadPoolExecutor:
     loop's executor, which the merge itself occupies."""
     global _MERGE_POOL
     if _MERGE_POOL is None:
-        _MERGE_POOL = ThreadPoolExecutor(max_workers=merge_threads(), thread_name_prefix="shoal-merge")
+        _MERGE_POOL = compute_pool(merge_threads(), "shoal-merge")
     return _MERGE_POOL
 
 
