@@ -140,9 +140,54 @@ def test_launch_equals_train_local_as_a_user_runs_them(tmp_path):
     swarm = load_final_weights(tmp_path / "swarm")
     assert set(local) == set(swarm)
     differ = [k for k in local if not torch.equal(local[k], swarm[k])]
-    assert not differ, (differ[:3], max(float((local[k] - swarm[k]).abs().max()) for k in local))
 
     def metrics(d: Path) -> list:
         return [(r["loss"], r["grad_norm"]) for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())]
 
+    # (Everything a rare mismatch needs to be traced: which layers, by how much, from which step.)
+    assert not differ, (sorted({k.split(".")[1] for k in differ}), len(differ), len(local),
+                        max(float((local[k] - swarm[k]).abs().max()) for k in local),
+                        metrics(tmp_path / "swarm"), metrics(tmp_path / "local"))
     assert metrics(tmp_path / "swarm") == metrics(tmp_path / "local")
+
+
+# Run in a user's environment (no OMP_NUM_THREADS before torch loads): a thread that has not set
+# its own torch thread count computes oneMKL products on every core, and a product whose sum is
+# long and whose result is small (a weight gradient: tokens x features) is split over them.
+_THREADS_PROBE = r"""
+import asyncio, sys, torch
+from concurrent.futures import ThreadPoolExecutor
+from shoal.runtime.loopwatch import watched
+from shoal.threads import compute_pool
+from shoal.train.local import set_torch_threads
+
+set_torch_threads()
+g = torch.Generator().manual_seed(0)
+shapes = [(64, 4096, 64), (128, 1024, 384), (352, 1024, 128)]
+pairs = [(torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)) for m, k, n in shapes]
+products = lambda: [a @ b for a, b in pairs]
+main = products()
+same = lambda got: all(torch.equal(x, y) for x, y in zip(got, main))
+with compute_pool(2, "probe") as pool:
+    pooled = same(pool.submit(products).result())
+async def member():
+    return same(await asyncio.get_running_loop().run_in_executor(None, products))
+executor = asyncio.run(watched(member(), "probe"))
+with ThreadPoolExecutor(1) as pool:
+    plain = same(pool.submit(products).result())
+print(pooled, executor, plain)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_compute_threads_multiply_as_the_process_does():
+    """In a user's environment, a product computed in a :func:`shoal.threads.compute_pool`
+    thread (the local trainer's micro-batches, a server's recomputations and merges) and in a
+    member's event-loop executor (a worker's tasks, a server's sums) has the main thread's bits
+    (the intra-op count the entry point set). A plain thread's, for contrast, is printed: on a
+    machine of one core it is the same, elsewhere not."""
+    p = subprocess.run([sys.executable, "-c", _THREADS_PROBE], env=_user_env(), capture_output=True, text=True,
+                       timeout=100)
+    assert p.returncode == 0, p.stderr[-2000:]
+    pooled, executor, plain = p.stdout.split()
+    assert (pooled, executor) == ("True", "True"), p.stdout
