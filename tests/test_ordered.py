@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from shoal.runtime.sync.ordered import PrefixFold, ordered_groups
+from shoal.runtime.sync.ordered import PrefixFold, PushFold, ordered_groups
 
 
 def _grads(n: int, seed: int = 0) -> dict[int, dict[str, torch.Tensor]]:
@@ -32,6 +32,49 @@ def test_the_fold_pushes_what_ordered_groups_pushes_in_every_arrival_order(held)
         for mb in order:
             fold.add(mb, g[mb])
         assert _same(fold.groups(), want), order
+
+
+def _commit_sum(pushes):
+    """The stage server's sum at commit without a fold (StageServer._sum_pushes): pushes by first
+    micro-batch, each tensor cloned from the first and added to in that order."""
+    out = {}
+    for _, grads, *_ in sorted(pushes, key=lambda p: p[0]):
+        for name, t in grads.items():
+            if name in out:
+                out[name].add_(t)
+            else:
+                out[name] = t.clone()
+    return out
+
+
+@pytest.mark.parametrize("groups", [[(0,), (1,), (2,), (3,), (4,)], [(0, 1, 2), (3,), (4,), (5,)],
+                                    [(0, 2), (1, 3), (4,), (5, 6)]])
+def test_the_servers_fold_sums_pushes_as_the_commit_would_in_every_arrival_order(groups):
+    """PushFold adds a push once every micro-batch before it is in: whatever order the pushes
+    arrive in, the sum is the commit's bit for bit, and all of it is made by the last push."""
+    g = _grads(8, seed=1)
+    pushes = []
+    for ids in groups:
+        summed = {k: sum((g[mb][k] for mb in ids[1:]), g[ids[0]][k].clone()) for k in ("w", "b")}
+        pushes.append((min(ids), summed, "w0", ids))
+    want = _commit_sum(pushes)
+    for s in range(12):
+        order = random.Random(s).sample(pushes, len(pushes))
+        fold, arrived = PushFold(), []
+        for p in order:
+            arrived.append(p)
+            while (nxt := fold.ready(arrived)) is not None:
+                fold.take(nxt)
+            # a push is taken only once every micro-batch before its first is covered
+            assert all(all(mb in {m for q in fold.taken for m in q[3]} for mb in range(q[0])) for q in fold.taken)
+        got = fold.result(sorted(arrived, key=lambda p: p[0]))
+        assert got is not None and got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    # a list other than the one summed (a push taken back by a ban): no sum, the commit sums anew
+    fold = PushFold()
+    while (nxt := fold.ready(pushes)) is not None:
+        fold.take(nxt)
+    assert fold.result(sorted(pushes[1:], key=lambda p: p[0])) is None
+    assert fold.result(sorted(pushes, key=lambda p: p[0])) is not None
 
 
 def test_a_stages_only_worker_holds_one_sum_and_its_gradients_stay_unchanged():

@@ -124,6 +124,11 @@ def test_parity_with_local_trainer(tmp_path, reference, stages, workers, monkeyp
         assert acked and early == {k: v for k, v in want.items() if v}, (early, acked)
     recs = _assert_parity(tmp_path / "run", reference)
     assert summary["steps"] == STEPS and summary["stages"] == stages
+    # ... with every step's sum made by the server's PushFold (none summed anew at commit)
+    sums = [tuple(map(int, m.groups())) for k in range(stages) for m in re.finditer(
+        r"summed (\d+) steps' pushes as they came and (\d+) anew",
+        (tmp_path / "run" / "logs" / f"server{k}.log").read_text())]
+    assert sums == [(STEPS, 0)] * stages, sums
     # every worker that took part is in the tasks table, and tasks add up
     total = sum(summary["tasks_per_worker"].values())
     per_step = 4 * (2 * stages - 1)  # FWD on S-1 stages, BWD on S-1, FWDBWD on the last

@@ -125,6 +125,7 @@ from shoal.runtime.sync.codecs import (
     relay_frame,
 )
 from shoal.runtime.sync.local import LocalServerMixin, merge_threads
+from shoal.runtime.sync.ordered import PushFold
 from shoal.runtime.sync.replicas import ReplicaServerMixin
 from shoal.runtime.transport.frames import (
     TRANSIENT_CODES,
@@ -197,6 +198,8 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         self.completed: dict[int, tuple[str, int, int, int]] = {}
         # accepted pushes of the step: (first micro-batch, gradients, worker, micro-batches)
         self.pushes: list[tuple[int, dict[str, torch.Tensor], str, tuple[int, ...]]] = []
+        self.fold = PushFold()  # their sum in the commit's order, made as they come (a new one with each list)
+        self._fold_lock = asyncio.Lock()  # one push added at a time
         self.leases = LeaseTable()  # lease id -> Lease (and each worker's count)
         self.idle_asking: dict[str, int] = {}  # worker -> its lease requests parked while it has nothing to do
         self.grants = GrantBook()  # session grants made ahead, the workers' paces, take-backs
@@ -215,7 +218,8 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         self.ckpt_signal = Signal()  # notified when a checkpoint file is complete (standby long-polls)
         self.tasks_per_worker: dict[str, int] = {}
         self.requeues = 0
-        self.stats = {"messages": 0, "bytes_in": 0, "results_on_session": 0, "results_by_call": 0}
+        self.stats = {"messages": 0, "bytes_in": 0, "results_on_session": 0, "results_by_call": 0,
+                      "sums_folded": 0, "sums_anew": 0}  # exact steps summed by PushFold or at commit
         self._bg: set[asyncio.Task] = set()
         self.on_servers = None  # callback(list of stage server addresses), e.g. emulation
         self._stubs: dict[str, pbg.StageServerStub] = {}
@@ -344,6 +348,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         self.todo.clear()
         self.completed.clear()
         self.pushes = []
+        self.fold = PushFold()
         self.committing = False
         self.leases.clear()
         for w in self.workers.values():
@@ -531,6 +536,9 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         finally:
             log.info("%s took %d results on sessions and %d by call", self.name, self.stats["results_on_session"],
                      self.stats["results_by_call"])
+            if not self.local:
+                log.info("%s summed %d steps' pushes as they came and %d anew at commit", self.name,
+                         self.stats["sums_folded"], self.stats["sums_anew"])
             if self.guard_checks or self.deferred_skipped:
                 log.info("%s recomputed %d pushes, %d of them beside the steps; %d drawn while its deferred checks "
                          "were full", self.name, self.guard_checks, self.deferred_done, self.deferred_skipped)
@@ -1169,7 +1177,19 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         # exactly the local trainer's sequential sum.
         self.pushes.append((min(ids), grads, r.worker, tuple(ids)))
         self.pushed.add(identity)
+        self._spawn(self._fold_pushes())  # summed now where its place in the order is sure
         return await self._count(self.steps[r.step], ids, info)
+
+    async def _fold_pushes(self) -> None:
+        """Add to the step's :class:`PushFold` every push whose place in the commit's order is
+        sure, one at a time in a thread (a stage's gradient can be hundreds of MB)."""
+        async with self._fold_lock:
+            fold = self.fold
+            while fold is self.fold:
+                push = fold.ready(self.pushes)
+                if push is None:
+                    return
+                await asyncio.get_running_loop().run_in_executor(None, fold.take, push)
 
     async def _count(self, mbs: dict, ids, info) -> pb.PushReply:
         """Mark ``ids`` counted; once the whole step is counted, start its commit."""
@@ -1343,6 +1363,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         mbs = self.steps.get(self.step, {})
         dropped = [mb for p in self.pushes if p[2] == wid for mb in p[3]]
         self.pushes = [p for p in self.pushes if p[2] != wid]
+        self.fold = PushFold()  # (its sum may hold a push taken back: the commit sums them anew)
         for mb in dropped:
             if mb in mbs and mbs[mb].grad == "counted":
                 mbs[mb].grad, mbs[mb].holder = "todo", ""
@@ -1852,22 +1873,27 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         if t is not None and not t.done():
             await asyncio.wait([t])
 
-    def _sum_pushes(self, pushes: list) -> list[float]:
+    def _sum_pushes(self, pushes: list, summed: dict[str, torch.Tensor] | None = None) -> list[float]:
         """Sum the step's pushes into the parameters' gradients in micro-batch order (``pushes``
-        sorted by first micro-batch: the local trainer's sum, bitwise), unscale them (fp16), keep
-        them as the screen's reference; returns each parameter's squared norm (exact sync; the
-        coordinator adds every stage's with math.fsum) (runs in a thread)."""
+        sorted by first micro-batch: the local trainer's sum, bitwise; ``summed``: that sum made
+        already, :class:`PushFold`), unscale them (fp16), keep them as the screen's reference;
+        returns each parameter's squared norm (exact sync; the coordinator adds every stage's
+        with math.fsum) (runs in a thread)."""
         # A rollback may load new parameters while this thread runs: it sums into the ones it began with.
         params = self.params
         for p in params.values():
             p.grad = None
-        for _, grads, *_ in pushes:
-            for name, g in grads.items():
-                p = params[name]
-                if p.grad is None:
-                    p.grad = g.clone()
-                else:
-                    p.grad.add_(g)
+        if summed is not None:
+            for name, g in summed.items():
+                params[name].grad = g
+        else:
+            for _, grads, *_ in pushes:
+                for name, g in grads.items():
+                    p = params[name]
+                    if p.grad is None:
+                        p.grad = g.clone()
+                    else:
+                        p.grad.add_(g)
         # The direction the screen compares the next step's pushes with (honest work only).
         if params is self.params:  # (not after a rollback loaded other weights: its history is gone)
             self.guard_ref = {n: p.grad for n, p in params.items() if p.grad is not None}
@@ -1889,7 +1915,12 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
             for wid in unverified:
                 self.guard_unverified.setdefault(wid, step)
             # Summed, unscaled and measured in a thread: a stage's gradients can be hundreds of MB.
-            parts = await asyncio.get_running_loop().run_in_executor(None, self._sum_pushes, pushes)
+            # Most of the sum is made as the pushes came (PushFold); the rest is added now.
+            fold = self.fold
+            await self._fold_pushes()
+            summed = fold.result(pushes)
+            self.stats["sums_folded" if summed is not None else "sums_anew"] += 1
+            parts = await asyncio.get_running_loop().run_in_executor(None, self._sum_pushes, pushes, summed)
             report = pb.StepReport(member_id=self.member_id, stage=self.stage, step=step, epoch=epoch,
                                    sq_norm=self._local_sq_norm() if self.local else total_sq_norm(parts),
                                    requeues=self.requeues,
@@ -1966,6 +1997,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
             self.steps.pop(step, None)
             self.todo.drop_step(step)
             self.pushes = []
+            self.fold = PushFold()
             self.step = step + 1
             if self.step < self.spec.steps:
                 self._open_step(self.step)
