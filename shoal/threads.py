@@ -40,7 +40,7 @@ def compute_pool(max_workers: int | None = None, thread_name_prefix: str = "shoa
                               initializer=pin_torch_threads)
 
 
-def use_compute_executor(loop: asyncio.AbstractEventLoop | None = None) -> None:
-    """Make a :func:`compute_pool` the default executor of ``loop`` (the running loop), which
+def use_compute_executor() -> None:
+    """Make a :func:`compute_pool` the running loop's default executor, the one
     ``run_in_executor(None, ...)`` uses."""
-    (loop or asyncio.get_running_loop()).set_default_executor(compute_pool(thread_name_prefix="shoal-executor"))
+    asyncio.get_running_loop().set_default_executor(compute_pool(thread_name_prefix="shoal-executor"))

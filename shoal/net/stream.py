@@ -36,7 +36,6 @@ import numpy as np
 from shoal.net import shoal_pb2 as pb
 from shoal.net.auth import MAX_CHUNK_BYTES
 from shoal.net.wire import JOIN_RELEASE_BYTES, WireError, empty_bytes, field_spans, split_framed
-from shoal.threads import compute_pool
 
 DEFAULT_CHUNK_BYTES = 1024 * 1024  # 1 MB: on loopback a 5 MB transfer in 1 MB chunks takes a third of the time 4 MB chunks do
 MIN_CHUNK_BYTES = 4 * 1024  # smaller chunks only add per-message overhead
@@ -329,7 +328,7 @@ def spool_pool() -> ThreadPoolExecutor:
     may keep every thread busy for seconds)."""
     global _SPOOL_POOL
     if _SPOOL_POOL is None:
-        _SPOOL_POOL = compute_pool(2, "shoal-spool")
+        _SPOOL_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="shoal-spool")
     return _SPOOL_POOL
 
 
