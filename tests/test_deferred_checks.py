@@ -95,6 +95,50 @@ def test_the_step_goes_on_during_a_check_and_a_rollback_meanwhile_bans_nobody(tm
 
 
 @pytest.mark.timeout(120)
+def test_a_push_while_the_workers_first_is_held_is_not_its_first_and_the_ban_drops_both(tmp_path, monkeypatch):
+    """While A's first push is recomputed beside the steps, A's next push is not "its first"
+    again (spot checks off here: it is not checked at all, where each push until the verdict
+    used to be recomputed as well); the held check fails (A's first push is 1 % off), and the
+    ban drops both pushes: their micro-batches go back to todo, nothing of A's is summed."""
+    from test_ban_undo import _old_epoch_server
+    from test_guard import _compute, _grad_push, _settled
+
+    import shoal.runtime.safety.verify as verify
+
+    real = verify.recompute_grads
+    release = threading.Event()
+
+    def held(*args, **kwargs):
+        release.wait(60)
+        return real(*args, **kwargs)
+
+    async def main():
+        srv = await _old_epoch_server(tmp_path, "deferred-held", micro_batches=3)
+        monkeypatch.setattr(verify, "recompute_grads", held)
+        mbs = []
+        for k in range(2):
+            t, ok = await _compute(srv, "A")
+            mbs.append(t.mb)
+            g = real(srv.module, srv.spec, 0, t.mb, first=True, last=True, inp=None, out_grad=None)
+            if k == 0:
+                g = {n: 1.01 * v for n, v in g.items()}
+            assert (await srv.PushGrads(_grad_push(srv, 0, t.mb, "A", ok.gen, g), None)).accepted
+        assert [(c.worker, c.mbs, c.why) for c in srv.deferred] == [("A", (mbs[0],), "its first")]
+        assert srv.step_unverified == {"A"} and "A" not in srv.guard_seen
+        release.set()
+        await _settled(srv)
+        assert "A" in srv.guard_banned and srv.guard_checks == 1
+        assert all(srv.steps[0][mb].grad == "todo" for mb in mbs), {mb: srv.steps[0][mb].grad for mb in mbs}
+        assert not [p for p in srv.pushes if p[2] == "A"]
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        torch.set_grad_enabled(True)
+
+
+@pytest.mark.timeout(120)
 def test_checks_of_one_version_share_one_copy_of_the_weights(tmp_path, monkeypatch):
     """Two workers' first pushes of one step are held together: one copy of the weights (a
     copy per check would hold the stage's weights once per held check), and both pass."""

@@ -1263,11 +1263,16 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         # Compressed pulls: the worker computed on the reconstruction, not these weights.
         exact = (run_precision(self.spec) == "fp32" and all(g.codec in ("", "raw") for g in r.grads)
                  and compression_of_spec(self.spec).pull == "none")
-        first = r.worker not in self.guard_seen
+        # A check of its pushes still held beside the steps (safety/deferred.py) counts as passed
+        # here, as an inline one would have: if it fails, the ban undoes every step from that
+        # push on, this push's included, so checking this one too would only spend the server's
+        # CPU on what the held check decides anyway.
+        held = self._deferred_held(r.worker)
+        first = r.worker not in self.guard_seen and not held
         # Adaptive spot checks: new workers and workers with flags in their record are drawn
         # more often (guard.verify_rate); the run's last step is recomputed whole.
         forced = os.environ.get(SPOT_RATE_ENV)
-        rate = verify_rate(self.guard_ok.get(r.worker, 0), self.guard_flags.get(r.worker, 0),
+        rate = verify_rate(self.guard_ok.get(r.worker, 0) + held, self.guard_flags.get(r.worker, 0),
                            self.spec.guard_spot_check, self.guard_cfg, float(forced) if forced else None)
         suspect = r.worker in self.drift_suspects
         if suspect and self.spec.guard_spot_check > 0:

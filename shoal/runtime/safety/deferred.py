@@ -109,6 +109,10 @@ class DeferredCheckMixin:
             self.deferred_task.add_done_callback(self._bg_done)  # a failure of its own is not lost
         return True
 
+    def _deferred_held(self, worker: str) -> int:
+        """How many of ``worker``'s pushes wait for their check here (the one under way included)."""
+        return sum(1 for c in self.deferred if c.worker == worker)
+
     def _deferred_recompute(self, chk: DeferredCheck) -> float:
         """Relative error of ``chk``'s push against this server's recomputation (on its thread)."""
         cached = self._deferred_module
