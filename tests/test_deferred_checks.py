@@ -94,6 +94,21 @@ def test_the_step_goes_on_during_a_check_and_a_rollback_meanwhile_bans_nobody(tm
         torch.set_grad_enabled(True)
 
 
+def _hold_checks(monkeypatch):
+    """Make every server recomputation wait for the returned event: ``(the real function, the event)``."""
+    import shoal.runtime.safety.verify as verify
+
+    real = verify.recompute_grads
+    release = threading.Event()
+
+    def held(*args, **kwargs):  # (on the check's thread)
+        release.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(verify, "recompute_grads", held)
+    return real, release
+
+
 @pytest.mark.timeout(120)
 def test_a_push_while_the_workers_first_is_held_is_not_its_first_and_the_ban_drops_both(tmp_path, monkeypatch):
     """While A's first push is recomputed beside the steps, A's next push is not "its first"
@@ -103,18 +118,10 @@ def test_a_push_while_the_workers_first_is_held_is_not_its_first_and_the_ban_dro
     from test_ban_undo import _old_epoch_server
     from test_guard import _compute, _grad_push, _settled
 
-    import shoal.runtime.safety.verify as verify
-
-    real = verify.recompute_grads
-    release = threading.Event()
-
-    def held(*args, **kwargs):
-        release.wait(60)
-        return real(*args, **kwargs)
+    real, release = _hold_checks(monkeypatch)
 
     async def main():
         srv = await _old_epoch_server(tmp_path, "deferred-held", micro_batches=3)
-        monkeypatch.setattr(verify, "recompute_grads", held)
         mbs = []
         for k in range(2):
             t, ok = await _compute(srv, "A")
@@ -145,18 +152,10 @@ def test_checks_of_one_version_share_one_copy_of_the_weights(tmp_path, monkeypat
     from test_ban_undo import _old_epoch_server
     from test_guard import _compute, _grad_push, _settled
 
-    import shoal.runtime.safety.verify as verify
-
-    real = verify.recompute_grads
-    release = threading.Event()
-
-    def held(*args, **kwargs):
-        release.wait(60)
-        return real(*args, **kwargs)
+    real, release = _hold_checks(monkeypatch)
 
     async def main():
         srv = await _old_epoch_server(tmp_path, "deferred-share", micro_batches=3)
-        monkeypatch.setattr(verify, "recompute_grads", held)
         for w in ("A", "B"):
             t, ok = await _compute(srv, w)
             g = real(srv.module, srv.spec, 0, t.mb, first=True, last=True, inp=None, out_grad=None)
