@@ -112,9 +112,9 @@ def _hold_checks(monkeypatch):
 @pytest.mark.timeout(120)
 def test_a_push_while_the_workers_first_is_held_is_not_its_first_and_the_ban_drops_both(tmp_path, monkeypatch):
     """While A's first push is recomputed beside the steps, A's next push is not "its first"
-    again (spot checks off here: it is not checked at all, where each push until the verdict
-    used to be recomputed as well); the held check fails (A's first push is 1 % off), and the
-    ban drops both pushes: their micro-batches go back to todo, nothing of A's is summed."""
+    again (spot checks off here: it is not checked at all); the held check fails (A's first
+    push is 1 % off), and the ban drops both pushes: their micro-batches go back to todo,
+    nothing of A's is summed."""
     from test_ban_undo import _old_epoch_server
     from test_guard import _compute, _grad_push, _settled
 
@@ -137,6 +137,45 @@ def test_a_push_while_the_workers_first_is_held_is_not_its_first_and_the_ban_dro
         assert "A" in srv.guard_banned and srv.guard_checks == 1
         assert all(srv.steps[0][mb].grad == "todo" for mb in mbs), {mb: srv.steps[0][mb].grad for mb in mbs}
         assert not [p for p in srv.pushes if p[2] == "A"]
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        torch.set_grad_enabled(True)
+
+
+@pytest.mark.timeout(120)
+def test_held_checks_count_toward_the_rate_a_workers_next_pushes_are_drawn_at(tmp_path, monkeypatch):
+    """Spot checks on: with A's first push held, its second is drawn at the rate one passed
+    check gives (still 1: the first ``verify_first_n`` pushes are all checked), and with two
+    held its third at the rate two give (``trust / (trust + 2)``), drawn as the server draws."""
+    from test_ban_undo import _old_epoch_server
+    from test_guard import _compute, _grad_push, _settled
+
+    from shoal.runtime.safety.guard import push_spot_checked, verify_rate
+
+    real, release = _hold_checks(monkeypatch)
+
+    async def main():
+        srv = await _old_epoch_server(tmp_path, "deferred-rate", micro_batches=3)
+        srv.spec.guard_spot_check = 0.05
+        srv.guard_cfg = dataclasses.replace(srv.guard_cfg, deferred_pending=3)
+        mbs = []
+        for _ in range(3):
+            t, ok = await _compute(srv, "A")
+            mbs.append(t.mb)
+            g = real(srv.module, srv.spec, 0, t.mb, first=True, last=True, inp=None, out_grad=None)
+            assert (await srv.PushGrads(_grad_push(srv, 0, t.mb, "A", ok.gen, g), None)).accepted
+        third = verify_rate(2, 0, 0.05, srv.guard_cfg)
+        assert third < 1
+        drawn = push_spot_checked(srv.spec.seed, f"{srv.spec.run_id}/{srv.guard_salt}", srv.stage, 0, [mbs[2]], third)
+        want = [("its first", mbs[0]), ("spot check at rate 1.00", mbs[1])]
+        want += [(f"spot check at rate {third:.2f}", mbs[2])] if drawn else []
+        assert [(c.why, c.mbs[0]) for c in srv.deferred] == want
+        release.set()
+        await _settled(srv)
+        assert not srv.guard_banned and srv.guard_ok == {"A": len(want)}
 
     try:
         asyncio.run(main())
