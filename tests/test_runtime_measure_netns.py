@@ -62,7 +62,9 @@ asyncio.run(main())
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("rate_mbit", [50.0, 400.0])  # 400: more than Python gRPC moves on a loaded core
+# At 400 a prober short of CPU beside the whole suite read 295-315 Mbit/s: what it measures
+# there is the CPU it got (docs/measurement.md, "Accuracy and cost here").
+@pytest.mark.parametrize("rate_mbit", [50.0, 200.0])
 def test_probe_measures_a_tbf_shaped_link_within_20_percent(tmp_path, rate_mbit):
     why = netns_available()
     if why:
