@@ -1,6 +1,8 @@
 """gpt-125m through the real runtime: its 2-stage weights (about 250 MB a stage at fp32) are
 far above the 1 MB chunks used here, so every weight pull, gradient push, result and
-relay is streamed, and the run still equals ``shoal train --local`` step for step."""
+relay is streamed, and the run still equals ``shoal train --local``: its loss, and its weights after the update.
+One step, since this test is the suite's longest; many-step exactness is tested on small
+models."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ pytestmark = pytest.mark.integration
 
 # Generous liveness limits: a 2-core box shared with other jobs can stall a process for
 # tens of seconds while it frames a 400 MB push; no member is killed in this test.
-FLAGS = dict(model="gpt-125m", steps=2, micro_batches=2, micro_batch_size=1, seq_len=64)
+FLAGS = dict(model="gpt-125m", steps=1, micro_batches=2, micro_batch_size=1, seq_len=64)
 TOL = 1e-5
 
 
@@ -35,7 +37,7 @@ def test_gpt125m_launch_equals_local_training(tmp_path):
                           env=dict(os.environ, OMP_NUM_THREADS="1", SHOAL_TORCH_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 2
+    assert summary["steps"] == 1
     # The weights really crossed the wire in many chunks: one stage is far above 1 MB.
     assert summary["bytes"]["weight_pull"]["wire"] > 200 * 1024 * 1024
     # Each stage server's peak resident memory, as it reported it, within what the planner
@@ -51,7 +53,7 @@ def test_gpt125m_launch_equals_local_training(tmp_path):
     ref = train_local(TrainConfig(**FLAGS, out=str(tmp_path / "local"), eval_every=0, eval_batches=1), quiet=True)
     ref_losses = [r["loss"] for r in ref.records]
     recs = read_jsonl(out / "metrics.jsonl")
-    assert [r["step"] for r in recs] == [0, 1]
+    assert [r["step"] for r in recs] == [0]
     for r, want in zip(recs, ref_losses, strict=True):
         assert abs(r["loss"] - want) <= TOL, (r["loss"], want)
     weights = load_final_weights(out)
