@@ -59,6 +59,32 @@ def test_parallel_micro_batches_equal_sequential_bitwise():
     assert all(torch.equal(w_par[k], w_seq[k]) for k in w_seq)
 
 
+def test_the_warm_up_before_the_first_threaded_step_changes_nothing(tmp_path, monkeypatch):
+    """``warm_kernels`` runs as ``train --local`` starts its threaded steps (and not with one
+    micro-batch thread), and leaves the weights, their gradients and the random state as
+    they were: the run's steps are those of a run without it."""
+    from shoal.model.transformer import build_stage
+    from shoal.train import local
+    from shoal.train.config import TrainConfig
+
+    mc = TrainConfig(**SMALL, steps=1).model_config()
+    model = build_stage(mc, 0, mc.n_total_layers, 0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    local.warm_kernels(model, Precision(CPU_FP32.device, parallel=2))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(rng, torch.get_rng_state())
+
+    calls = []
+    real = local.warm_kernels
+    monkeypatch.setattr(local, "warm_kernels", lambda m, prec: calls.append(prec.parallel) or real(m, prec))
+    for cores in (2, 1):
+        monkeypatch.setattr(local, "cpu_cores", lambda c=cores: c)
+        local.train_local(TrainConfig(**SMALL, steps=1, eval_every=0, out=str(tmp_path / f"c{cores}")), quiet=True)
+    assert calls == [2]
+
+
 def test_norm_does_not_depend_on_the_layer_split():
     """The coordinator's global norm from every stage's per-parameter norms equals the local
     trainer's, bit for bit, for every split into stages (a plain sum of stage sums does not,

@@ -245,6 +245,24 @@ def train_step(
     return StepOutcome(sum(losses) / m, None if skipped else math.sqrt(sq), lr, skipped, scale)
 
 
+def warm_kernels(model: torch.nn.Module, prec: Precision, tokens: int = 8) -> None:
+    """One forward and backward of a ``tokens``-long sequence of token 0 in the calling thread;
+    changes no weight, gradient or random state.
+
+    The local trainer calls it once before its first threaded step. Without it, the
+    micro-batch threads of a process's first step make the process's first products at
+    once, and sometimes (9 in 250 processes with four threads started together) one
+    thread's micro-batch, or rarely every product after it, comes out in another summation
+    order: other last bits than the same step computed one micro-batch at a time. After
+    this warm-up, 0 in 250 (bench/bench_first_products.py; bench/results/exact.md).
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    ids = torch.zeros((1, tokens), dtype=torch.long, device=prec.device)
+    with autocast(prec.device, prec.precision):
+        loss = model(ids, ids)
+    torch.autograd.grad(loss, params, allow_unused=True)
+
+
 def _parallel_grads(model: torch.nn.Module, batches: list, m: int, scale: float, prec: Precision) -> list[float]:
     """Gradients of one step into ``.grad``, ``prec.parallel`` micro-batches at a time.
 
@@ -395,6 +413,8 @@ def train_local(cfg: TrainConfig, resume: bool = False, quiet: bool = False,
     t0 = time.time() - (records[-1]["time_s"] if records else 0.0)
     progress = _Progress(cfg.steps, start, cfg.log_every, quiet)
     done = start
+    if prec.parallel > 1 and start < end:
+        warm_kernels(model, prec)
     try:
         with JsonlWriter(out / METRICS_FILE, t0=t0, tensorboard=tensorboard) as writer, _StopRequest() as stop:
             for step in range(start, end):
