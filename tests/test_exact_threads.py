@@ -78,7 +78,7 @@ def test_the_warm_up_before_the_first_threaded_step_changes_nothing(tmp_path, mo
 
     calls = []
     real = local.warm_kernels
-    monkeypatch.setattr(local, "warm_kernels", lambda m, prec: calls.append(prec.parallel) or real(m, prec))
+    monkeypatch.setattr(local, "warm_kernels", lambda m, prec, n: calls.append(prec.parallel) or real(m, prec, n))
     for cores in (2, 1):
         monkeypatch.setattr(local, "cpu_cores", lambda c=cores: c)
         local.train_local(TrainConfig(**SMALL, steps=1, eval_every=0, out=str(tmp_path / f"c{cores}")), quiet=True)

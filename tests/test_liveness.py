@@ -255,9 +255,9 @@ def test_traffic_at_a_server_keeps_a_worker_alive_and_a_death_says_why(tmp_path)
 @pytest.mark.timeout(600)
 def test_a_worker_busy_in_a_long_compute_is_not_declared_dead(tmp_path, failure_free):
     """At --dead-after 3, the stage-0 worker's first forward of step 1 and a gradient task of
-    step 2 each spin the CPU in Python for 6 s, twice the dead-after (holding the interpreter): no member is
-    declared dead or voided (a re-plan may still move a worker between stages, re-queueing what
-    it held), and the weights are the failure-free ones."""
+    step 2 each spin the CPU in Python for 6 s, twice the dead-after (holding the
+    interpreter): no member is declared dead or voided (a re-plan may still move a worker
+    between stages, re-queueing what it held), and the weights are the failure-free ones."""
     from shoal.runtime.processes.launch import launch
     from shoal.train.metrics import read_jsonl
 

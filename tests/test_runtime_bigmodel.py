@@ -1,8 +1,8 @@
 """gpt-125m through the real runtime: its 2-stage weights (about 250 MB a stage at fp32) are
 far above the 1 MB chunks used here, so every weight pull, gradient push, result and
-relay is streamed, and the run still equals ``shoal train --local``: its loss, and its weights after the update.
-One step, since this test is the suite's longest; many-step exactness is tested on small
-models."""
+relay is streamed, and the run still equals ``shoal train --local``: its loss, and its
+weights after the update. One step, since this is the suite's longest test; many-step
+exactness is tested on small models."""
 
 from __future__ import annotations
 

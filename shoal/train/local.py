@@ -414,7 +414,7 @@ def train_local(cfg: TrainConfig, resume: bool = False, quiet: bool = False,
     progress = _Progress(cfg.steps, start, cfg.log_every, quiet)
     done = start
     if prec.parallel > 1 and start < end:
-        warm_kernels(model, prec)
+        warm_kernels(model, prec, min(8, cfg.seq_len))  # --seq-len is at most the model's length
     try:
         with JsonlWriter(out / METRICS_FILE, t0=t0, tensorboard=tensorboard) as writer, _StopRequest() as stop:
             for step in range(start, end):
