@@ -1262,15 +1262,17 @@ class LocalWorkerMixin:
         self.pseudo_reweight = residual_reweight(carried[0], self.local_round_mbs) if carried is not None else 1.0
         reweight = self.pseudo_reweight - 1.0
         deltas = {}
+        # Fault injection keys on the round's last step, not on ``step`` (the server's step when
+        # it asked for the round: its last or the one after, as the timing fell).
+        last, o = round_v - 1, self.opts
+        poisoned = poisons(o.fault_poison_kind, o.fault_poison, o.fault_poison_from, last)
         for name, p in self.params.items():
             w = p.detach().to("cpu")  # (the anchor is in host memory)
             delta = self.anchor[name] - w
             if reweight:
                 delta.add_(carried[1][name].to(delta.device, delta.dtype), alpha=reweight)
-            o = self.opts
-            poisoned = poisons(o.fault_poison_kind, o.fault_poison, o.fault_poison_from, step)
             if poisoned:
-                delta = poison(delta, name, step, o.fault_poison_kind, o.fault_poison)  # a dishonest replica
+                delta = poison(delta, name, last, o.fault_poison_kind, o.fault_poison)  # a dishonest replica
             if msg.local_weights:
                 delta = w.clone() if not poisoned else self.anchor[name] - delta
             deltas[name] = delta.cpu()
