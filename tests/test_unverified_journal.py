@@ -16,6 +16,7 @@ import pytest
 from swarm_reference import RUN, assert_equal_weights, failure_free_weights, launch_config
 
 from shoal.net import shoal_pb2 as pb
+from shoal.runtime.common import ckpt_dir
 from shoal.runtime.safety.journal import load_resume, read_journal, resume_state, run_dir
 from shoal.train.metrics import read_jsonl
 
@@ -118,7 +119,8 @@ def test_a_poisoner_banned_after_a_total_stop_is_undone_bitwise(tmp_path, failur
     them, are committed unverified. (From step 3, not 2: a new worker's pushes are checked until
     two have passed, and when w1 shares its stage the leases may leave it without a micro-batch
     in a step; by step 3 it has had three steps to pass them.) Every process is killed (-9) once
-    a commit names a poisoned push of w1 unverified. After `launch --resume`, w1 (a new member
+    a commit names a poisoned push of w1 unverified and every stage's checkpoint of it is on
+    disk. After `launch --resume`, w1 (a new member
     id, fresh servers) is banned at its first recomputed push; the run goes back to the version
     before its first unverified push and ends with the failure-free weights bit for bit. Without
     the journaled record the ban finds nothing to undo and the poisoned steps stay."""
@@ -135,10 +137,16 @@ def test_a_poisoner_banned_after_a_total_stop_is_undone_bitwise(tmp_path, failur
     import time
 
     def poisoned_unverified(out, rid: str) -> bool:
-        """A commit of step 3 or later names w1 unverified: a poisoned push of it is in the weights."""
+        """A commit of step 3 or later names w1 unverified (a poisoned push of it is in the
+        weights), and every stage's newest checkpoint on disk is of that commit's version or
+        later: a resume restarts from the stages' oldest newest checkpoint, so a kill before
+        one of them is written would roll back past the push, leaving nothing to undo."""
         path = run_dir(out, rid) / "journal.jsonl"
-        return path.exists() and any(r["kind"] == "commit" and r["step"] >= 3 and "w1" in (r.get("unverified") or [])
-                                     for r in read_journal(path))
+        steps = [r["step"] for r in (read_journal(path) if path.exists() else [])
+                 if r["kind"] == "commit" and r["step"] >= 3 and "w1" in (r.get("unverified") or [])]
+        newest = [max((int(f.stem[1:]) for f in ckpt_dir(out / "server_ckpt", s, rid).glob("v*.safetensors")),
+                      default=-1) for s in range(2)]
+        return bool(steps) and min(newest) >= min(steps) + 1
 
     # A schedule in which w1's record was still short at its first poisoned push (it took no
     # micro-batch in a step before 3) has that push checked: w1 is caught before the stop,
