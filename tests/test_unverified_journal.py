@@ -120,10 +120,10 @@ def test_a_poisoner_banned_after_a_total_stop_is_undone_bitwise(tmp_path, failur
     two have passed, and when w1 shares its stage the leases may leave it without a micro-batch
     in a step; by step 3 it has had three steps to pass them.) Every process is killed (-9) once
     a commit names a poisoned push of w1 unverified and every stage's checkpoint of it is on
-    disk. After `launch --resume`, w1 (a new member
-    id, fresh servers) is banned at its first recomputed push; the run goes back to the version
-    before its first unverified push and ends with the failure-free weights bit for bit. Without
-    the journaled record the ban finds nothing to undo and the poisoned steps stay."""
+    disk. After `launch --resume`, w1 (a new member id, fresh servers) is banned at its first
+    recomputed push; the run goes back to the version before its first unverified push and ends
+    with the failure-free weights bit for bit. Without the journaled record the ban finds
+    nothing to undo and the poisoned steps stay."""
     from shoal.runtime.processes.launch import Swarm, launch
     from shoal.runtime.safety.guard import DEFERRED_ENV, SPOT_RATE_ENV
 
