@@ -10,7 +10,7 @@ logits and gradients equal the sequential ones bitwise, and the sum of the first
 micro-batch's logits (another value: the whole process computes other bits). Runs alternate
 ``cold`` (nothing computed before the threads start) and ``warm`` (``warm_kernels`` first, as
 ``shoal train --local`` does before its first threaded step), so both see the same load.
-Prints a markdown table of the runs whose bits differed.
+Prints a markdown table per mode: runs, runs whose threaded bits differed, distinct first-logit sums.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import pytest
 from swarm_reference import RUN, assert_equal_weights, failure_free_weights, launch_config
 
 from shoal.net import shoal_pb2 as pb
-from shoal.runtime.common import ckpt_dir
+from shoal.runtime.common import list_ckpts
 from shoal.runtime.safety.journal import load_resume, read_journal, resume_state, run_dir
 from shoal.train.metrics import read_jsonl
 
@@ -144,8 +144,7 @@ def test_a_poisoner_banned_after_a_total_stop_is_undone_bitwise(tmp_path, failur
         path = run_dir(out, rid) / "journal.jsonl"
         steps = [r["step"] for r in (read_journal(path) if path.exists() else [])
                  if r["kind"] == "commit" and r["step"] >= 3 and "w1" in (r.get("unverified") or [])]
-        newest = [max((int(f.stem[1:]) for f in ckpt_dir(out / "server_ckpt", s, rid).glob("v*.safetensors")),
-                      default=-1) for s in range(2)]
+        newest = [max(list_ckpts(out / "server_ckpt", s, rid), default=-1) for s in range(2)]
         return bool(steps) and min(newest) >= min(steps) + 1
 
     # A schedule in which w1's record was still short at its first poisoned push (it took no
