@@ -25,6 +25,7 @@ from shoal.train.optim import (
     grad_sq_norm,
     lr_at,
     make_optimizer,
+    sq_sum64,
 )
 
 # ---------------------------------------------------------------- schedule, by hand
@@ -119,6 +120,25 @@ def test_clipping_matches_torch_clip_grad_norm(scale, clip):
         p.grad.mul_(coef)
     for a, b in zip(ours, ref, strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=0)
+
+
+def test_squared_sums_in_fp64_by_chunks():
+    """A tensor up to SQ_CHUNK elements: one fp64 sum (the bits of squaring it whole); a larger
+    one: its chunks' fp64 sums added in order, within fp64 rounding of an exact sum."""
+    from shoal.train.optim import SQ_CHUNK
+
+    gen = torch.Generator().manual_seed(3)
+    small = torch.randn(SQ_CHUNK, generator=gen) * 3
+    assert sq_sum64(small) == float(small.double().pow(2).sum())
+    big = torch.randn(1031, 2057, generator=gen) * 1e-3  # a matrix of two chunks and a part
+    flat = big.reshape(-1)
+    by_chunks = 0.0
+    for c in range(0, flat.numel(), SQ_CHUNK):
+        by_chunks += float(flat[c:c + SQ_CHUNK].double().pow(2).sum())
+    assert sq_sum64(big) == by_chunks
+    assert sq_sum64(big) == pytest.approx(float(big.double().pow(2).sum()), rel=1e-12)
+    assert sq_sum64(big.to(torch.bfloat16)) == pytest.approx(float(big.to(torch.bfloat16).double().pow(2).sum()),
+                                                             rel=1e-12)
 
 
 # ---------------------------------------------------------------- one AdamW update

@@ -159,9 +159,30 @@ def make_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], cfg: 
     )
 
 
+SQ_CHUNK = 1 << 20  # elements squared and summed in fp64 at a time by sq_sum64
+
+
+def sq_sum64(t: torch.Tensor) -> float:
+    """The sum of ``t``'s squared entries, taken in fp64 (deterministic for a given tensor).
+
+    A tensor of up to :data:`SQ_CHUNK` elements in one sum; a larger one a chunk at a time, the
+    chunks' sums added in order. Squaring a whole large gradient at once made two fp64 copies of
+    it (16 bytes a parameter, fresh pages from the kernel above glibc's heap threshold): a stage
+    server spent 1.3 s on the clipping norms of an 85 M-parameter stage, on every exact step's
+    critical path, and its peak memory grew by them."""
+    flat = t.detach().reshape(-1)
+    if flat.numel() <= SQ_CHUNK:
+        return float(flat.double().pow(2).sum())
+    total = 0.0
+    for c in range(0, flat.numel(), SQ_CHUNK):
+        total += float(flat[c:c + SQ_CHUNK].double().pow(2).sum())
+    return total
+
+
 def param_sq_norms(params: Iterable[torch.nn.Parameter]) -> list[float]:
-    """Each parameter's sum of squared gradient entries (fp64), in ``params`` order (no grad: skipped)."""
-    return [float(p.grad.detach().double().pow(2).sum()) for p in params if p.grad is not None]
+    """Each parameter's sum of squared gradient entries (fp64, :func:`sq_sum64`), in ``params``
+    order (no grad: skipped)."""
+    return [sq_sum64(p.grad) for p in params if p.grad is not None]
 
 
 def grad_sq_norm(params: Iterable[torch.nn.Parameter]) -> float:

@@ -73,7 +73,7 @@ from shoal.runtime.sync.codecs import (
 from shoal.runtime.sync.held import HeldPushes, SpilledPush, default_merge_memory
 from shoal.runtime.transport.frames import decode_grads
 from shoal.threads import compute_pool
-from shoal.train.optim import apply_update, make_optimizer, total_sq_norm
+from shoal.train.optim import apply_update, make_optimizer, sq_sum64, total_sq_norm
 from shoal.train.outer import (
     is_sync_step,
     merge_weights,
@@ -949,7 +949,7 @@ class LocalWorkerMixin:
     def _local_report(self) -> tuple[dict[str, torch.Tensor], int, list[float]]:
         total, n = self._local_sum()
         scale = mean_scale(self.spec.micro_batches, n)
-        parts = [float((g * scale if scale != 1.0 else g).detach().double().pow(2).sum()) for g in total.values()]
+        parts = [sq_sum64(g * scale if scale != 1.0 else g) for g in total.values()]
         return total, n, parts
 
     async def _local_done(self) -> None:
