@@ -98,6 +98,36 @@ def test_all_finite_agrees_with_torch(dtype):
         assert not all_finite(u[17:18, 2:5])  # a non-contiguous view
 
 
+def test_all_finite_finds_a_bad_entry_in_any_block(monkeypatch):
+    import shoal.net.wire as wire
+
+    monkeypatch.setattr(wire, "FINITE_BLOCK", 7)  # many blocks and a short last one in 64 x 9
+    t = torch.randn(64, 9)
+    assert all_finite(t)
+    for at in (0, 6, 7, 300, 575):  # first, end of a block, start of one, middle, last element
+        u = t.clone().reshape(-1)
+        u[at] = float("nan")
+        assert not all_finite(u.reshape(64, 9)), at
+    assert all_finite(torch.empty(0))
+
+
+def test_a_raw_frame_decoded_without_a_copy_is_a_view_of_its_payload():
+    from shoal.net.wire import Frame
+
+    t = torch.randn(5, 7)
+    payload = bytearray(b"\0" * 3 + t.numpy().tobytes())  # at an odd offset, as in a received message
+    frame = Frame(name="w", dtype="float32", shape=[5, 7], data=memoryview(payload)[3:], codec="raw", meta=b"")
+    view = decode_tensor(frame, shape=(5, 7), dtype="float32", finite=True, copy=False)
+    assert torch.equal(view, t) and torch.equal(decode_tensor(frame, shape=(5, 7)), t)
+    payload[3:7] = torch.tensor([2.5]).numpy().tobytes()  # the view reads the payload's bytes
+    assert float(view[0, 0]) == 2.5 and float(decode_tensor(frame)[0, 0]) == 2.5
+    nan = bytearray(payload)
+    nan[3 + 4 * 9:3 + 4 * 10] = torch.tensor([float("nan")]).numpy().tobytes()
+    bad = Frame(name="w", dtype="float32", shape=[5, 7], data=memoryview(nan)[3:], codec="raw", meta=b"")
+    with pytest.raises(WireError, match="inf or NaN"):
+        decode_tensor(bad, finite=True, copy=False)
+
+
 def test_frame_checks_shape_dtype_length_and_finite():
     frame = encode_tensor("g", torch.ones(2, 3))
     with pytest.raises(WireError, match="shape"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -110,9 +111,15 @@ def decode_tensor(
     finite: bool = False,
     max_elements: int = 1 << 28,
     layout=None,
+    copy: bool = True,
 ) -> torch.Tensor:
     """Check ``frame`` against the expected ``shape``/``dtype`` and return a tensor
     (``layout``: the receiver's shapes of a flat ``lowrank`` frame's tensors).
+
+    ``copy=False``: a raw frame's tensor is a view of its payload (possibly read-only and not
+    aligned), for a caller that copies it before writing or keeping it: a weight pull's
+    tensors are copied into the parameters, so decoding them into fresh tensors first was a
+    second copy of the stage (and its pages faulted in afresh on every pull).
 
     Raises :class:`WireError` on an unknown dtype or codec, a shape or dtype other than
     the expected one, a payload of the wrong length, or (``finite=True``) inf/NaN.
@@ -138,8 +145,14 @@ def decode_tensor(
                 f"tensor {frame.name!r}: payload of {len(data)} bytes, expected "
                 f"{numel * npdtype.itemsize} for {frame.dtype}{list(got_shape)}"
             )
-        arr = np.frombuffer(data, dtype=npdtype).copy()
-        t = torch.from_numpy(arr)
+        arr = np.frombuffer(data, dtype=npdtype)
+        if copy:
+            arr = arr.copy()
+            t = torch.from_numpy(arr)
+        else:
+            with warnings.catch_warnings():  # (a read-only view: the caller copies it, see above)
+                warnings.simplefilter("ignore", UserWarning)
+                t = torch.from_numpy(arr)
         t = t.view(torch.bfloat16) if frame.dtype == "bfloat16" else t
         t = t.reshape(got_shape)
     else:
@@ -167,8 +180,13 @@ def all_finite(t: torch.Tensor) -> bool:
     ``torch.isfinite(t).all()`` at a fraction of the time (one pass, no bool tensor).
     """
     if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64, torch.float16):
-        return bool(np.isfinite(t.detach().numpy()).all())
+        flat = t.detach().reshape(-1).numpy()
+        # A block at a time: one bool array of a large tensor's size was fresh pages each call.
+        return all(bool(np.isfinite(flat[c:c + FINITE_BLOCK]).all()) for c in range(0, flat.size, FINITE_BLOCK))
     return bool(torch.isfinite(t).all())
+
+
+FINITE_BLOCK = 1 << 20  # elements all_finite checks at a time
 
 
 _DATA_TAG = b"\x22"  # Tensor.data: field 4, length-delimited

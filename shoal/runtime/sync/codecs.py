@@ -464,7 +464,9 @@ class UpdatePulls:
 
 def apply_pull(rep: pb.WeightsReply, params: dict[str, torch.Tensor], base: dict[str, torch.Tensor] | None,
                held: tuple[str, int]) -> dict[str, torch.Tensor]:
-    """The checked new weights of a pull: all frames or an error, nothing applied here.
+    """The checked new weights of a pull: all frames or an error, nothing applied here. A raw
+    frame's tensor is a view of the pull's bytes (``decode_tensor(copy=False)``): the caller
+    copies it into its own tensors, never writes it.
 
     ``base``: the reconstruction the worker holds (``held`` = (chain, version) of it) for a
     delta reply; a delta against anything else is a :class:`WireError` (the worker then asks
@@ -486,7 +488,7 @@ def apply_pull(rep: pb.WeightsReply, params: dict[str, torch.Tensor], base: dict
         p = params.get(frame.name)
         if p is None or frame.name in new:
             raise WireError(f"weights of stage [{rep.first},{rep.last}): unexpected tensor {frame.name!r}")
-        t = decode_tensor(frame, shape=tuple(p.shape), dtype="float32", finite=True)
+        t = decode_tensor(frame, shape=tuple(p.shape), dtype="float32", finite=True, copy=False)
         if rep.compress_delta:
             t = base[frame.name].to("cpu", torch.float32) + t
         new[frame.name] = t
