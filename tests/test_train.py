@@ -192,6 +192,22 @@ def test_checkpoint_round_trip_is_exact(tmp_path):
         assert n1 == n2 and torch.equal(p1, p2), n1
 
 
+def test_checkpoint_writes_tied_and_strided_tensors_and_copies_only_those(tmp_path):
+    from shoal.train.checkpoint import _plain
+
+    w = torch.randn(6, 4)
+    tensors = {"a": w, "tied": w, "half": w[:3], "t": w.t(), "b": torch.randn(5), "empty": torch.empty(0)}
+    plain = _plain(tensors)
+    assert plain["a"].data_ptr() == w.data_ptr() and plain["b"].data_ptr() == tensors["b"].data_ptr()
+    for k in ("tied", "half", "t"):  # the second name of a storage, and a transposed view: copies
+        assert plain[k].data_ptr() != w.data_ptr() and plain[k].is_contiguous()
+    save_checkpoint(tmp_path / "ck", tensors, {}, {"step": 0})
+    back = load_checkpoint(tmp_path / "ck").model_state
+    assert set(back) == set(tensors)
+    for k, v in tensors.items():
+        assert torch.equal(back[k], v), k
+
+
 def test_checkpoint_replace_and_recover(tmp_path):
     model, opt = _stepped_model()
     sd, os_ = model.state_dict(), optimizer_state_by_name(opt, model.named_parameters())

@@ -92,8 +92,22 @@ def load_optimizer_state_by_name(
 
 
 def _plain(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    # safetensors wants contiguous tensors that share no storage.
-    return {k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}
+    """``tensors`` as safetensors takes them: contiguous, on the CPU, no two sharing storage.
+
+    Only a tensor that is not so already is copied (a tied weight's second name, a view): the
+    callers write synchronously, so the others are written from where they are. Copying every
+    tensor was a transient copy of the weights and both AdamW moments (12 bytes a parameter) on
+    each checkpoint of the local trainer and on the launcher's final weights."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for k, v in tensors.items():
+        t = v.detach().cpu().contiguous()
+        if t.numel() and t.untyped_storage().data_ptr() in seen:
+            t = t.clone()
+        if t.numel():
+            seen.add(t.untyped_storage().data_ptr())
+        out[k] = t
+    return out
 
 
 def save_checkpoint(
