@@ -1467,8 +1467,9 @@ class Coordinator(pbg.CoordinatorServicer):
                             if rep.version >= self.spec.steps or self.error:
                                 break
                             await asyncio.sleep(0.05)
+                    # (views of the received bytes, copy=False: they are only compared and written)
                     parts[s] = (how, await loop.run_in_executor(
-                        None, lambda r=rep: {f.name: decode_tensor(f, dtype="float32") for f in r.params}))
+                        None, lambda r=rep: {f.name: decode_tensor(f, dtype="float32", copy=False) for f in r.params}))
                     if how == "sent":  # decoded: keep what the heartbeats' asks read, not the bytes
                         self.final_in[sid] = pb.WeightsReply(version=rep.version, epoch=rep.epoch, first=rep.first,
                                                              last=rep.last)
@@ -1516,7 +1517,7 @@ class Coordinator(pbg.CoordinatorServicer):
                     point_link(self.out, name, self.spec.run_id)
         self.final_weights = weights
         self.done = True
-        self.final_in.clear()  # (decoded into final_weights: the received bytes are not needed)
+        self.final_in.clear()  # (final_weights holds the frames' bytes it needs)
         self._journal("done", epoch=self.epoch)
         self.event("done", steps=self.committed, final_weights=final_how)
         # Let members see done in a heartbeat (servers beat every 0.2 s, workers every
