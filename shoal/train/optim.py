@@ -159,7 +159,7 @@ def make_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], cfg: 
     )
 
 
-SQ_CHUNK = 1 << 20  # elements squared and summed in fp64 at a time by sq_sum64
+SQ_CHUNK = 1 << 16  # elements squared and summed in fp64 at a time by sq_sum64 (512 KB of fp64: in cache)
 
 
 def sq_sum64(t: torch.Tensor) -> float:
