@@ -70,13 +70,13 @@ def local_run(out: Path, steps: int, threads: int = 1) -> tuple[float, float, fl
 
 
 def swarm_run(out: Path, steps: int, stages: int, workers: int,
-              session: bool = True) -> tuple[tuple[float, float, float], list]:
+              session: bool = True, spot_check: float | None = None) -> tuple[tuple[float, float, float], list]:
     """The swarm's (mean step, median step, tokens/s) and the layer split its planner chose."""
     from shoal.runtime.processes.launch import LaunchConfig, launch
     from shoal.train.metrics import read_jsonl
 
     launch(LaunchConfig(out=str(out), stages=stages, workers=workers, steps=steps, timeout_s=600,
-                        session=session, **RUN))
+                        session=session, **({} if spot_check is None else {"spot_check": spot_check}), **RUN))
     layers = [e["layers"] for e in read_jsonl(out / "events.jsonl") if e.get("event") == "replan"][-1]
     return _steady(read_jsonl(out / "metrics.jsonl")), layers
 
@@ -287,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="tokens per sequence (larger: longer tasks, the same number of calls per task)")
     ap.add_argument("--micro-batch-size", type=int, default=RUN["micro_batch_size"], help="sequences per micro-batch")
     ap.add_argument("--skip-relay", action="store_true", help="skip the stage-server relay and pull throughput tests")
+    ap.add_argument("--spot-check", type=float, default=None,
+                    help="the launches' --spot-check (default: launch's; 0: no push drawn for a recomputation)")
     ap.add_argument("--calls", action="store_true",
                     help="also run each swarm with a call per lease, result and renewal (--no-session)")
     args = ap.parse_args(argv)
@@ -310,11 +312,12 @@ def main(argv: list[str] | None = None) -> int:
             # Each swarm right after its local reference: load changes on a shared box hit both.
             local = local_run(root / f"local{n}-{rep}", args.steps, n)
             row(f"train --local T={n}{tag}", f"1 process, {n} torch threads", local, local[2])
-            swarm, layers = swarm_run(root / f"s{n}-{rep}", args.steps, n, n)
+            swarm, layers = swarm_run(root / f"s{n}-{rep}", args.steps, n, n, spot_check=args.spot_check)
             row(f"launch S={n} W={n}{tag}", f"{n} workers x 1 thread (+{n} servers, coordinator); vs local T={n}",
                 swarm, local[2])
             if args.calls:
-                calls, _ = swarm_run(root / f"s{n}-{rep}-calls", args.steps, n, n, session=False)
+                calls, _ = swarm_run(root / f"s{n}-{rep}-calls", args.steps, n, n, session=False,
+                                     spot_check=args.spot_check)
                 row(f"launch S={n} W={n}, calls{tag}", "the same with a call per lease, result and renewal "
                     f"(--no-session); vs local T={n}", calls, local[2])
             bound, _ = pipeline_bound(layers)
