@@ -130,7 +130,7 @@ def test_squared_sums_in_fp64_by_chunks():
     gen = torch.Generator().manual_seed(3)
     small = torch.randn(SQ_CHUNK, generator=gen) * 3
     assert sq_sum64(small) == float(small.double().pow(2).sum())
-    big = torch.randn(1031, 2057, generator=gen) * 1e-3  # a matrix of two chunks and a part
+    big = torch.randn(1031, 2057, generator=gen) * 1e-3  # a matrix of many chunks and a part
     flat = big.reshape(-1)
     by_chunks = 0.0
     for c in range(0, flat.numel(), SQ_CHUNK):
