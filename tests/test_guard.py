@@ -40,6 +40,19 @@ from shoal.runtime.safety.guard import (
 from shoal.runtime.safety.verify import round_measures
 
 
+def test_sq_diff_by_blocks_is_the_whole_difference_summed_as_sum_product():
+    from shoal.runtime.safety.verify import PRODUCT_BLOCK, sq_diff, sum_product
+
+    gen = torch.Generator().manual_seed(7)
+    a = {"big": torch.randn(1001, 787, generator=gen),  # three blocks and a part
+         "small": torch.randn(300, 5, generator=gen), "t": torch.randn(700, 900, generator=gen).t()}
+    assert a["big"].numel() > 3 * PRODUCT_BLOCK
+    b = {k: v + 1e-3 * torch.randn(v.shape, generator=gen) for k, v in a.items()}
+    whole = float(sum(sum_product(d, d) for d in (a[k].float() - b[k].float() for k in a)))
+    assert sq_diff(a, b) == whole  # the same bits as the difference taken whole
+    assert sq_diff(a, a) == 0.0
+
+
 def test_parse_fault_grammar():
     assert parse_fault("kill:worker:w1:step=3") == KillFault("worker", "w1", 3)
     assert parse_fault("kill:server:step=2") == KillFault("server", None, 2)

@@ -139,9 +139,31 @@ def dot(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def sq_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """Squared L2 norm of a - b (the difference taken in fp32; see :func:`sum_product`)."""
-    diffs = (a[k].detach().float() - b[k].detach().float() for k in a)
-    return float(sum(sum_product(d, d) for d in diffs))
+    """Squared L2 norm of a - b (the difference taken in fp32; see :func:`sum_product`).
+
+    A large tensor's difference is taken a :data:`PRODUCT_BLOCK` at a time, each block squared
+    and summed as :func:`sum_product` sums it: the same bits as the whole difference's
+    ``sum_product``, without a difference tensor of the push's size (fresh memory for every
+    recomputed push of a large stage)."""
+    total = 0.0
+    diff = sq = None
+    for k in a:
+        x, y = a[k].detach().reshape(-1), b[k].detach().reshape(-1)
+        if x.numel() <= PRODUCT_BLOCK:
+            d = x.float() - y.float()
+            total += sum_product(d, d)
+            continue
+        if diff is None:
+            diff, sq = torch.empty(PRODUCT_BLOCK, dtype=torch.float32), torch.empty(PRODUCT_BLOCK, dtype=torch.float32)
+        part = 0.0
+        for i in range(0, x.numel(), PRODUCT_BLOCK):
+            xs, ys = x[i:i + PRODUCT_BLOCK].float(), y[i:i + PRODUCT_BLOCK].float()
+            d, p = diff[:xs.numel()], sq[:xs.numel()]
+            torch.sub(xs, ys, out=d)
+            torch.mul(d, d, out=p)
+            part += float(p.sum())
+        total += part
+    return total
 
 
 def recompute_grads(module: torch.nn.Module, spec, step: int, mb: int, *, first: bool, last: bool,
