@@ -1470,7 +1470,7 @@ class Coordinator(pbg.CoordinatorServicer):
                     # (views of the received bytes, copy=False: they are only compared and written)
                     parts[s] = (how, await loop.run_in_executor(
                         None, lambda r=rep: {f.name: decode_tensor(f, dtype="float32", copy=False) for f in r.params}))
-                    if how == "sent":  # decoded: keep what the heartbeats' asks read, not the bytes
+                    if how == "sent":  # keep only the head the heartbeats' asks read (the frames live on in parts)
                         self.final_in[sid] = pb.WeightsReply(version=rep.version, epoch=rep.epoch, first=rep.first,
                                                              last=rep.last)
                     del rep
