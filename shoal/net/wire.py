@@ -58,6 +58,31 @@ class Frame:
                          meta=self.meta)
 
 
+def payload_frame(frame: pb.Tensor, name: str | None = None) -> Frame:
+    """A received raw ``frame`` as a :class:`Frame` under ``name`` (default: its own), its
+    payload read out of the message once (upb copies a bytes field on every read).
+
+    A server checks it with :func:`decode_tensor` (``copy=False``: the tensor is a view of that
+    one payload) and hands it on with :func:`put_frame`: the same bytes, without decoding and
+    encoding them again (each a copy of the tensor: about 0.3 ms a copy of a 4 MB activation)."""
+    return Frame(name=frame.name if name is None else name, dtype=frame.dtype, shape=list(frame.shape),
+                 data=frame.data, codec="raw")
+
+
+def put_frame(dst: pb.Tensor, src: pb.Tensor | Frame) -> None:
+    """Make the message field ``dst`` the frame ``src`` (as ``dst.CopyFrom(src)``; a
+    :class:`Frame`'s payload is copied in once, not through a :class:`pb.Tensor` of its own)."""
+    if not isinstance(src, Frame):
+        dst.CopyFrom(src)
+        return
+    dst.Clear()
+    dst.name, dst.dtype, dst.codec = src.name, src.dtype, src.codec
+    dst.shape.extend(src.shape)
+    dst.data = src.data if isinstance(src.data, bytes) else bytes(src.data)
+    if src.meta:
+        dst.meta = src.meta
+
+
 def encode_tensor(name: str, tensor: torch.Tensor, codec: str = "raw", ef=None, key: int = 0,
                   layout=None) -> pb.Tensor:
     """Frame ``tensor`` (any supported dtype) as a :class:`pb.Tensor` (see :func:`encode_frame`)."""
@@ -104,7 +129,7 @@ def encode_frame(name: str, tensor: torch.Tensor, codec: str = "raw", ef=None, k
 
 
 def decode_tensor(
-    frame: pb.Tensor,
+    frame: pb.Tensor | Frame,
     *,
     shape: Sequence[int] | None = None,
     dtype: str | None = None,

@@ -54,7 +54,7 @@ from shoal.net.stream import (
     split,
 )
 from shoal.net.traffic import Traffic
-from shoal.net.wire import WireError, decode_tensor, encode_tensor
+from shoal.net.wire import WireError, encode_frame, encode_tensor, put_frame
 from shoal.runtime.common import (
     SCHEMA_VERSION,
     DeafClock,
@@ -121,8 +121,7 @@ from shoal.runtime.safety.standby import StandbyMixin, kill_at_commit
 from shoal.runtime.sync.codecs import (
     compressed_pull,
     compression_of_spec,
-    frame_to_forward,
-    relay_frame,
+    received_activation,
 )
 from shoal.runtime.sync.local import LocalServerMixin, merge_threads
 from shoal.runtime.sync.ordered import PushFold
@@ -916,10 +915,10 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         task = pb.Task(step=self.step, mb=mb, stage=self.stage, direction=direction,
                        epoch=self.epoch, lease_id=lid, deadline_s=secs, loss_scale=self.loss_scale)
         if st.input is not None:
-            task.input.CopyFrom(st.input_frame if st.input_frame is not None else encode_tensor("input", st.input))
+            put_frame(task.input, st.input_frame if st.input_frame is not None else encode_frame("input", st.input))
         if direction == pb.BWD:
-            task.out_grad.CopyFrom(st.out_grad_frame if st.out_grad_frame is not None
-                                   else encode_tensor("grad", st.out_grad))
+            put_frame(task.out_grad, st.out_grad_frame if st.out_grad_frame is not None
+                      else encode_frame("grad", st.out_grad))
         if self.is_first or self.is_last:
             task.tokens.CopyFrom(self._window(self.step, mb))
         return task
@@ -1065,10 +1064,11 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         if lease is None:
             return pb.CompleteReply(accepted=False, reason=why, gen=info.gen)
         try:
-            out = None
+            kept = None
             if r.direction == pb.FWD or not self.is_first:
-                out = await off_loop(size, self._decode_act, r.output,
-                                     r.direction == pb.FWD or self.grads_finite)
+                _, kept = await off_loop(size, self._decode_act, r.output,
+                                         r.direction == pb.FWD or self.grads_finite,
+                                         "act" if r.direction == pb.FWD else "grad")
             if r.direction == pb.FWDBWD and not math.isfinite(r.loss):
                 raise WireError(f"loss {r.loss} is not finite")
         except WireError as exc:
@@ -1096,18 +1096,18 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         if r.direction == pb.FWD:
             st.fwd = "done"
             st.fwd_by, st.fwd_gen = r.worker, info.gen
-            self._spawn(self._relay(self.stage + 1, pb.Relay(
-                step=r.step, mb=r.mb, epoch=self.epoch, direction=pb.FWD,
-                tensor=relay_frame(r.output, "act", out))))
+            msg = pb.Relay(step=r.step, mb=r.mb, epoch=self.epoch, direction=pb.FWD)
+            put_frame(msg.tensor, kept)
+            self._spawn(self._relay(self.stage + 1, msg))
         else:
             st.grad, st.holder = "computed", r.worker
             if r.direction == pb.FWDBWD:
                 st.loss = r.loss
             if not self.is_first and not st.relayed_back:
                 st.relayed_back = True
-                self._spawn(self._relay(self.stage - 1, pb.Relay(
-                    step=r.step, mb=r.mb, epoch=self.epoch, direction=pb.BWD,
-                    tensor=relay_frame(r.output, "grad", out))))
+                msg = pb.Relay(step=r.step, mb=r.mb, epoch=self.epoch, direction=pb.BWD)
+                put_frame(msg.tensor, kept)
+                self._spawn(self._relay(self.stage - 1, msg))
             if self.timing.all_computed is None and self.steps[r.step].tally.all_in("computed", "counted"):
                 self.timing.all_computed = time.monotonic()
         trace(self.name, "result", w=r.worker, step=r.step, mb=r.mb, d=r.direction)
@@ -1115,9 +1115,10 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
             self.cond.notify_all()
         return pb.CompleteReply(accepted=True, gen=info.gen)
 
-    def _decode_act(self, frame: pb.Tensor, finite: bool) -> torch.Tensor:
-        """An activation or activation gradient, checked against this stage's shape and dtype."""
-        return decode_tensor(frame, shape=self.act_shape, dtype=self.act_dtype, finite=finite)
+    def _decode_act(self, frame: pb.Tensor, finite: bool, name: str):
+        """An activation or activation gradient checked against this stage's shape and dtype:
+        (its tensor, the frame to hand on as ``name``; sync.codecs.received_activation)."""
+        return received_activation(frame, name, shape=self.act_shape, dtype=self.act_dtype, finite=finite)
 
     async def PushGrads(self, request, context):
         r = request
@@ -1745,8 +1746,8 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         if verdict is not None:
             return verdict
         try:
-            t = await off_loop(size, self._decode_act, r.tensor,
-                               r.direction == pb.FWD or self.grads_finite)
+            t, kept = await off_loop(size, self._decode_act, r.tensor, r.direction == pb.FWD or self.grads_finite,
+                                     "input" if r.direction == pb.FWD else "grad")
         except WireError as exc:
             return pb.RelayReply(accepted=False, reason=f"rejected: {exc}")
         verdict = self._relay_verdict(r)  # checked in a thread: the step may have moved on meanwhile
@@ -1758,7 +1759,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         st = mbs.setdefault(r.mb, MbState())
         if r.direction == pb.FWD:
             if st.input is None:
-                st.input, st.input_frame = t, frame_to_forward(r.tensor)
+                st.input, st.input_frame = t, kept
                 if self.is_last:
                     if st.grad == "wait":
                         st.grad = "todo"
@@ -1768,7 +1769,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
                     self.todo.add(r.step, "fwd", r.mb)
         else:
             if st.out_grad is None:
-                st.out_grad, st.out_grad_frame = t, frame_to_forward(r.tensor)
+                st.out_grad, st.out_grad_frame = t, kept
                 if st.grad == "wait":
                     st.grad = "todo"
                     self.todo.add(r.step, "grad", r.mb)

@@ -1410,7 +1410,8 @@ class Worker(LocalWorkerMixin):
         if first_stage:
             x, targets = tokens
         else:
-            x = decode_tensor(task.input, shape=shape, dtype=self.act_dtype, finite=True)
+            # A view of the payload (read-only here: the forward and backward only read it).
+            x = decode_tensor(task.input, shape=shape, dtype=self.act_dtype, finite=True, copy=False)
             targets = tokens[1] if tokens is not None else None
         x = to_device(x, dev)
         targets = None if targets is None else to_device(targets, dev)
@@ -1456,7 +1457,7 @@ class Worker(LocalWorkerMixin):
             backward_loss(loss, spec.micro_batches, task.loss_scale or 1.0)
             loss_v = float(loss.detach())
         else:
-            g = decode_tensor(task.out_grad, shape=shape, dtype=self.act_dtype, finite=self.grads_finite)
+            g = decode_tensor(task.out_grad, shape=shape, dtype=self.act_dtype, finite=self.grads_finite, copy=False)
             if cached is not None:
                 out = cached[1]
             else:

@@ -32,7 +32,7 @@ import time
 import torch
 
 from shoal.net import shoal_pb2 as pb
-from shoal.net.wire import WireError, encode_tensor
+from shoal.net.wire import WireError, encode_frame, put_frame
 from shoal.runtime.common import lease_seconds, run_precision
 from shoal.runtime.safety.guard import (
     drift_suspect,
@@ -124,10 +124,10 @@ class RedundantMixin:
                            epoch=self.epoch, lease_id=lid, deadline_s=secs, loss_scale=self.loss_scale,
                            check_id=chk.check_id)
             if st.input is not None:
-                task.input.CopyFrom(st.input_frame if st.input_frame is not None else encode_tensor("input", st.input))
+                put_frame(task.input, st.input_frame if st.input_frame is not None else encode_frame("input", st.input))
             if not self.is_last:
-                task.out_grad.CopyFrom(st.out_grad_frame if st.out_grad_frame is not None
-                                       else encode_tensor("grad", st.out_grad))
+                put_frame(task.out_grad, st.out_grad_frame if st.out_grad_frame is not None
+                          else encode_frame("grad", st.out_grad))
             if self.is_first or self.is_last:
                 task.tokens.CopyFrom(self._window(chk.step, mb))
             return task
