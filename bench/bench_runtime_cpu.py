@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_runtime_cpu.py [--stages 1,2] [--steps 8]
         [--micro-batches 4,16] [--calls] [--threads] [--profile DIR] [--chunk-mb MB] [--spot-check F]
         [--models tiny,d128xL32] [--workers-per-stage 1,2] [--from-step 2] [--recompute]
+        [--micro-batch-size B] [--seq-len T]
 
 Runs bench_runtime's RUN (tiny, B=4 T=64, M=4 unless given) as ``launch`` S=W for each S
 given, reads every member's user+system CPU time from /proc when the first step is committed
@@ -196,9 +197,13 @@ def main() -> None:
                     help="workers a stage (W = S x this), or several values (1,2): each model runs with each")
     ap.add_argument("--from-step", type=int, default=0,
                     help="measure from this step's commit on (2: after the workers' first pushes)")
+    ap.add_argument("--micro-batch-size", type=int, default=RUN["micro_batch_size"],
+                    help="B of the run (with --seq-len and the width: the size of each activation a task carries)")
+    ap.add_argument("--seq-len", type=int, default=RUN["seq_len"], help="T of the run")
     ap.add_argument("--recompute", action="store_true",
                     help="let the servers recompute pushes (first, flagged): compute, not protocol, so off by default")
     args = ap.parse_args()
+    RUN.update(micro_batch_size=args.micro_batch_size, seq_len=args.seq_len)
     if not args.recompute:
         from shoal.runtime.safety.guard import RECOMPUTE_ENV
 
