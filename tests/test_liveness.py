@@ -347,16 +347,20 @@ async def _one_method_server(kind, behaviour, req_cls, rep_cls):
     ``*_rpc_method_handler`` maker), a channel to it and the method's client callable."""
     import grpc
 
+    from shoal.net.wire import parse_chunk, serialize_chunk
+
+    # shoal sends and reads chunks as views (shoal.net.wire.ChunkView), as its own servers do
+    serialize = serialize_chunk if req_cls is pb.Chunk else req_cls.SerializeToString
     handler = grpc.method_handlers_generic_handler("t.T", {"M": kind(
-        behaviour, request_deserializer=req_cls.FromString, response_serializer=rep_cls.SerializeToString)})
+        behaviour, request_deserializer=parse_chunk if req_cls is pb.Chunk else req_cls.FromString,
+        response_serializer=rep_cls.SerializeToString)})
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     make = channel.stream_unary if kind is grpc.stream_unary_rpc_method_handler else channel.unary_unary
-    return server, channel, make("/t.T/M", request_serializer=req_cls.SerializeToString,
-                                 response_deserializer=rep_cls.FromString)
+    return server, channel, make("/t.T/M", request_serializer=serialize, response_deserializer=rep_cls.FromString)
 
 
 @pytest.mark.timeout(120)

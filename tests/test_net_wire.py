@@ -282,3 +282,37 @@ def test_ordered_groups_presum_only_the_prefix_bitwise():
         seq += g[mb]["w"]
     assert torch.equal(groups[0][1]["w"], seq)
     assert [ids for ids, _ in ordered_groups({mb: g[mb] for mb in (1, 2, 5)})] == [[1], [2], [5]]
+
+
+# ---------------------------------------------------------------------------- chunks as views
+
+def test_a_chunk_view_serialises_to_the_chunk_and_parses_as_a_view_of_its_bytes():
+    from google.protobuf.message import DecodeError
+
+    from shoal.net.stream import split
+    from shoal.net.wire import ChunkView, parse_chunk, serialize_chunk
+
+    whole = bytes(range(256)) * 40  # 10240 bytes: three chunks of 4096
+    sent = list(split("Relay", whole, 4096, sender="s1"))
+    assert [type(c) for c in sent] == [ChunkView] * 3 and isinstance(sent[0].data, memoryview)
+    for c in sent:
+        wire = serialize_chunk(c)
+        ref = pb.Chunk.FromString(wire)  # what protobuf reads from the bytes shoal writes
+        assert (ref.kind, ref.total, ref.offset, ref.data, ref.sender) == ("Relay", len(whole), c.offset,
+                                                                           bytes(c.data), "s1")
+        got = parse_chunk(pb.Chunk(kind="Relay", total=len(whole), offset=c.offset, data=bytes(c.data),
+                                   sender="s1").SerializeToString())
+        assert (got.kind, got.total, got.offset, bytes(got.data), got.sender) == (ref.kind, ref.total, ref.offset,
+                                                                                 ref.data, ref.sender)
+        buf = bytearray(wire)
+        view = parse_chunk(buf)
+        buf[-1] ^= 0xFF  # the data is the received bytes themselves, not a copy of them
+        assert view.data[-1] == buf[-1]
+    assert b"".join(bytes(parse_chunk(serialize_chunk(c)).data) for c in sent) == whole
+    empty = list(split("Relay", b"", 4096))
+    assert len(empty) == 1 and serialize_chunk(empty[0]) == pb.Chunk(kind="Relay").SerializeToString()
+    assert serialize_chunk(pb.Chunk(kind="x", data=b"ab")) == pb.Chunk(kind="x", data=b"ab").SerializeToString()
+    with pytest.raises(DecodeError):
+        parse_chunk(serialize_chunk(sent[0])[:-10])  # cut inside the payload
+    with pytest.raises(DecodeError):
+        parse_chunk(b"\x0a\xff\xff")  # a string field whose length runs past the end

@@ -23,7 +23,14 @@ from shoal.net.compress import (
     topk_count,
     wire_fraction,
 )
-from shoal.net.wire import WireError, decode_tensor, encode_tensor, put_frame
+from shoal.net.wire import (
+    WireError,
+    decode_tensor,
+    encode_tensor,
+    frame_capacity,
+    payload_frame,
+    put_frame,
+)
 from shoal.runtime.sync.codecs import (
     PullDeltas,
     RunCompression,
@@ -279,27 +286,35 @@ def test_launch_cli_bad_compression_exits_2(tmp_path, capsys):
 def test_received_activation_hands_lossy_frames_on_and_raw_ones_as_their_bytes():
     """A lossy result or relay goes on as received; a raw one goes on as its own bytes under the
     server's name (byte for byte the frame that decoding and encoding it again made), and its
-    tensor is a view of those bytes, not a copy."""
+    tensor is a view of those bytes, not a copy. Its size for timeouts and threads is read from
+    its shape, not its payload."""
     t = torch.randn(2, 3, 4)
     lossy = encode_tensor("out", t, "int8")
-    got, kept = received_activation(lossy, "act", shape=(2, 3, 4), dtype="float32", finite=True)
-    assert kept is lossy and torch.equal(got, decode_tensor(lossy))
+    got, kept = received_activation(payload_frame(lossy), "act", shape=(2, 3, 4), dtype="float32", finite=True)
+    assert torch.equal(got, decode_tensor(lossy))
+    sent = pb.Relay()
+    put_frame(sent.tensor, kept)
+    assert sent.tensor == lossy  # as received, its own name included
+    assert frame_capacity(lossy) == 4 * t.numel() > len(lossy.data)
     for dtype, x in (("float32", t), ("bfloat16", t.bfloat16())):
         raw = encode_tensor("out", x)
-        got, kept = received_activation(raw, "act", shape=(2, 3, 4), dtype=dtype, finite=True)
+        assert frame_capacity(raw) == frame_capacity(payload_frame(raw)) == len(raw.data)
+        got, kept = received_activation(payload_frame(raw), "act", shape=(2, 3, 4), dtype=dtype, finite=True)
         assert torch.equal(got, x)
         assert got.data_ptr() == np.frombuffer(kept.data, dtype=np.uint8).ctypes.data  # a view of the kept bytes
         sent = pb.Relay()
         put_frame(sent.tensor, kept)
         assert sent.tensor.SerializeToString() == encode_tensor("act", x).SerializeToString()
     with pytest.raises(WireError, match="shape"):
-        received_activation(encode_tensor("out", t), "act", shape=(2, 3, 5), dtype="float32", finite=True)
+        received_activation(payload_frame(encode_tensor("out", t)), "act", shape=(2, 3, 5), dtype="float32",
+                            finite=True)
     bad = t.clone()
     bad[1, 2, 3] = float("nan")
     with pytest.raises(WireError, match="inf or NaN"):
-        received_activation(encode_tensor("out", bad), "act", shape=(2, 3, 4), dtype="float32", finite=True)
-    assert torch.isnan(received_activation(encode_tensor("out", bad), "grad", shape=(2, 3, 4), dtype="float32",
-                                           finite=False)[0]).any()
+        received_activation(payload_frame(encode_tensor("out", bad)), "act", shape=(2, 3, 4), dtype="float32",
+                            finite=True)
+    assert torch.isnan(received_activation(payload_frame(encode_tensor("out", bad)), "grad", shape=(2, 3, 4),
+                                           dtype="float32", finite=False)[0]).any()
     into = pb.Tensor(name="old", shape=[9])
     put_frame(into, lossy)
     assert into == lossy

@@ -423,7 +423,7 @@ def test_a_stage_whose_server_sends_nothing_is_pulled_after_the_wait(tmp_path, m
             assert request.worker == "coordinator"
             Stage.pulls += 1
             for chunk in split("WeightsReply", Stage.data, 1 << 16):
-                yield chunk
+                yield pb.Chunk(kind=chunk.kind, total=chunk.total, offset=chunk.offset, data=bytes(chunk.data))
 
     async def main():
         srv = grpc.aio.server()

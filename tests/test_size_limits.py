@@ -266,3 +266,51 @@ def test_member_flooding_huge_control_calls_leaves_server_memory_flat(tmp_path):
     finally:
         proc.kill()
         proc.wait(10)
+
+
+class _Views(pbg.StageServerServicer):
+    """Records what a chunk stream's handler gets and answers with chunks of its own."""
+
+    def __init__(self):
+        self.got: list = []
+
+    async def SubmitRelayStream(self, request_iterator, context):
+        async for c in request_iterator:
+            self.got.append((type(c).__name__, type(c.data).__name__, bytes(c.data)))
+        return pb.RelayReply(accepted=True)
+
+    async def LeaseStream(self, request, context):
+        for c in split("LeaseReply", pb.LeaseReply(has_task=True, task=pb.Task(input=pb.Tensor(data=b"r" * 70_000))).SerializeToString(), 65536):
+            yield c
+
+
+@pytest.mark.timeout(60)
+def test_chunk_streams_reach_handlers_and_callers_as_views_of_the_received_bytes():
+    """Through a real server's interceptor and a member's channel, a chunk's payload is a view of
+    what gRPC received at both ends (shoal.net.wire.ChunkView), and the bytes are the sender's."""
+    from shoal.net.stream import assemble
+
+    servicer = _Views()
+    relay = pb.Relay(step=3, mb=1, tensor=pb.Tensor(name="act", data=bytes(range(256)) * 160)).SerializeToString()
+
+    async def main():
+        server, addr = await _serve(servicer)
+        try:
+            ident = Identity.joined(TOKEN_VALUE, SECRET, "s1", "server")
+            async with open_channel(addr, TOKEN_VALUE, identity=ident) as ch:
+                stub = pbg.StageServerStub(ch)
+                rep = await stub.SubmitRelayStream(split("Relay", relay, 16384), timeout=10)
+            wident = Identity.joined(TOKEN_VALUE, SECRET, "w1", "worker")
+            async with open_channel(addr, TOKEN_VALUE, identity=wident) as ch:
+                down = [c async for c in pbg.StageServerStub(ch).LeaseStream(pb.LeaseRequest(worker="w1"),
+                                                                             timeout=10)]
+            return rep, down
+        finally:
+            await server.stop(0)
+
+    rep, down = asyncio.run(main())
+    assert rep.accepted
+    assert {(kind, data) for kind, data, _ in servicer.got} == {("ChunkView", "memoryview")}
+    assert b"".join(b for *_, b in servicer.got) == relay and len(servicer.got) == 3
+    assert {(type(c).__name__, type(c.data).__name__) for c in down} == {("ChunkView", "memoryview")}
+    assert assemble(down, pb.LeaseReply, 1 << 20) == pb.LeaseReply(has_task=True, task=pb.Task(input=pb.Tensor(data=b"r" * 70_000)))

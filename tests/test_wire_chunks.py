@@ -128,7 +128,7 @@ def test_assembler_refuses_what_does_not_fit():
     bad = pb.Chunk(kind="GradPush", total=total, offset=0, data=b"x" * (total + 1))
     with pytest.raises(WireError, match="run past"):
         assemble([bad], pb.GradPush, total)
-    changed = pb.Chunk(kind="GradPush", total=total + 5, offset=len(chunks[0].data), data=chunks[1].data)
+    changed = pb.Chunk(kind="GradPush", total=total + 5, offset=len(chunks[0].data), data=bytes(chunks[1].data))
     with pytest.raises(WireError, match="first said"):
         assemble([chunks[0], changed], pb.GradPush, total + 5)
     junk = list(split("GradPush", b"\xff" * 50, 16))

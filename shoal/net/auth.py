@@ -36,6 +36,9 @@ from dataclasses import dataclass
 import grpc
 from grpc import aio
 
+from shoal.net import shoal_pb2 as pb
+from shoal.net.wire import parse_chunk, serialize_chunk
+
 TOKEN_HEADER = "x-shoal-token"
 MEMBER_HEADER = "x-shoal-member"
 ROLE_HEADER = "x-shoal-role"
@@ -318,6 +321,11 @@ def _sized(handler, method: str, role: str, limits: tuple[int, int | None]):
     """
     per_msg, whole = limits
     deser = handler.request_deserializer
+    if deser == pb.Chunk.FromString:  # chunk streams: payloads as views (shoal.net.wire.ChunkView)
+        deser = parse_chunk
+    response_serializer = handler.response_serializer
+    if response_serializer == pb.Chunk.SerializeToString:
+        response_serializer = serialize_chunk
 
     def checked(data: bytes):
         if len(data) > per_msg:
@@ -334,7 +342,7 @@ def _sized(handler, method: str, role: str, limits: tuple[int, int | None]):
                 if isinstance(msg, _Oversize):
                     await refuse(context, msg.nbytes, per_msg, "chunk")
                 if whole is not None:
-                    carried += len(getattr(msg, "data", b""))
+                    carried += len(getattr(msg, "data", b""))  # (a ChunkView's: no copy)
                     announced = max(int(getattr(msg, "total", 0)), carried)
                     if announced > whole:
                         await refuse(context, announced, whole, "streamed message")
@@ -346,13 +354,13 @@ def _sized(handler, method: str, role: str, limits: tuple[int, int | None]):
                     yield item
 
             return grpc.stream_stream_rpc_method_handler(stream_stream, request_deserializer=checked,
-                                                         response_serializer=handler.response_serializer)
+                                                         response_serializer=response_serializer)
 
         async def stream_unary(request_iterator, context):
             return await handler.stream_unary(requests(request_iterator, context), context)
 
         return grpc.stream_unary_rpc_method_handler(stream_unary, request_deserializer=checked,
-                                                    response_serializer=handler.response_serializer)
+                                                    response_serializer=response_serializer)
     if handler.response_streaming:
         async def unary_stream(request, context):
             if isinstance(request, _Oversize):
@@ -365,7 +373,7 @@ def _sized(handler, method: str, role: str, limits: tuple[int, int | None]):
                 await out
 
         return grpc.unary_stream_rpc_method_handler(unary_stream, request_deserializer=checked,
-                                                    response_serializer=handler.response_serializer)
+                                                    response_serializer=response_serializer)
 
     async def unary_unary(request, context):
         if isinstance(request, _Oversize):
@@ -373,7 +381,7 @@ def _sized(handler, method: str, role: str, limits: tuple[int, int | None]):
         return await handler.unary_unary(request, context)
 
     return grpc.unary_unary_rpc_method_handler(unary_unary, request_deserializer=checked,
-                                               response_serializer=handler.response_serializer)
+                                               response_serializer=response_serializer)
 
 
 class AuthInterceptor(aio.ServerInterceptor):

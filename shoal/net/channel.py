@@ -21,8 +21,10 @@ from pathlib import Path
 from grpc import aio
 
 from shoal.errors import ShoalError
+from shoal.net import shoal_pb2 as pb
 from shoal.net.auth import REQUEST_CAP, TOKEN_HEADER, AuthInterceptor, Identity
 from shoal.net.tls import TlsConfig, check_plaintext
+from shoal.net.wire import parse_chunk, serialize_chunk
 
 __all__ = ["TOKEN_HEADER", "ChannelFactory", "bind", "load_token", "make_server", "open_channel"]
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # a gpt-125m stage of fp32 weights fits
@@ -174,7 +176,7 @@ class ChannelFactory:
         if self.identity is None:
             self.identity = Identity(self.token)
 
-    def open(self, address: str) -> aio.Channel:
+    def open(self, address: str) -> ChunkChannel:
         return open_channel(address, self.token, dial=self.dial, max_message_bytes=self.max_message_bytes,
                             traffic=self.traffic, tls=self.tls, identity=self.identity)
 
@@ -188,7 +190,7 @@ def open_channel(
     traffic=None,
     tls: TlsConfig | None = None,
     identity: Identity | None = None,
-) -> aio.Channel:
+) -> ChunkChannel:
     """An asyncio gRPC channel to ``address`` that sends ``token`` (and the member's
     credential, once ``identity`` has joined) with every call.
 
@@ -207,9 +209,51 @@ def open_channel(
     interceptors = [_AddIdentity(identity), _AddIdentityUnaryStream(identity),
                     _AddIdentityStreamUnary(identity), _AddIdentityStreamStream(identity)] + ([_Count(traffic)] if traffic is not None else [])
     if tls is None:
-        return aio.insecure_channel(target, options=grpc_options(max_message_bytes), interceptors=interceptors)
-    return aio.secure_channel(target, tls.channel_credentials(), options=grpc_options(max_message_bytes),
-                              interceptors=interceptors)
+        return ChunkChannel(aio.insecure_channel(target, options=grpc_options(max_message_bytes),
+                                                 interceptors=interceptors))
+    return ChunkChannel(aio.secure_channel(target, tls.channel_credentials(), options=grpc_options(max_message_bytes),
+                                           interceptors=interceptors))
+
+
+class ChunkChannel:
+    """An aio channel whose stubs send and read :class:`pb.Chunk` streams as
+    :class:`shoal.net.wire.ChunkView` s (payloads as views, copied once into gRPC's bytes),
+    as shoal's servers do (``shoal.net.auth``); everything else is the channel's own."""
+
+    __slots__ = ("_channel",)
+
+    def __init__(self, channel: aio.Channel):
+        self._channel = channel
+
+    def __getattr__(self, name: str):
+        return getattr(self._channel, name)
+
+    async def __aenter__(self):
+        await self._channel.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc):
+        return await self._channel.__aexit__(*exc)
+
+    @staticmethod
+    def _codec(kw: dict) -> dict:
+        if kw.get("request_serializer") == pb.Chunk.SerializeToString:
+            kw["request_serializer"] = serialize_chunk
+        if kw.get("response_deserializer") == pb.Chunk.FromString:
+            kw["response_deserializer"] = parse_chunk
+        return kw
+
+    def unary_unary(self, method, **kw):
+        return self._channel.unary_unary(method, **self._codec(kw))
+
+    def unary_stream(self, method, **kw):
+        return self._channel.unary_stream(method, **self._codec(kw))
+
+    def stream_unary(self, method, **kw):
+        return self._channel.stream_unary(method, **self._codec(kw))
+
+    def stream_stream(self, method, **kw):
+        return self._channel.stream_stream(method, **self._codec(kw))
 
 
 # Connection limits of every shoal server (docs/security.md, "Connection limits"): what a

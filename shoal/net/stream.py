@@ -35,7 +35,14 @@ import numpy as np
 
 from shoal.net import shoal_pb2 as pb
 from shoal.net.auth import MAX_CHUNK_BYTES
-from shoal.net.wire import JOIN_RELEASE_BYTES, WireError, empty_bytes, field_spans, split_framed
+from shoal.net.wire import (
+    JOIN_RELEASE_BYTES,
+    ChunkView,
+    WireError,
+    empty_bytes,
+    field_spans,
+    split_framed,
+)
 
 DEFAULT_CHUNK_BYTES = 1024 * 1024  # 1 MB: on loopback a 5 MB transfer in 1 MB chunks takes a third of the time 4 MB chunks do
 MIN_CHUNK_BYTES = 4 * 1024  # smaller chunks only add per-message overhead
@@ -60,22 +67,22 @@ def chunk_bytes_from_mb(mb: float | None, default: int = DEFAULT_CHUNK_BYTES) ->
     return max(MIN_CHUNK_BYTES, int(mb * 1024 * 1024))
 
 
-def split(kind: str, data: bytes, chunk_bytes: int, sender: str = "") -> Iterator[pb.Chunk]:
-    """The chunks of the serialised message ``data`` (one empty chunk for an empty message)."""
+def split(kind: str, data: bytes, chunk_bytes: int, sender: str = "") -> Iterator[ChunkView]:
+    """The chunks of the serialised message ``data`` (one empty chunk for an empty message),
+    each a view of ``data``: its bytes are copied once, when the chunk is serialised for gRPC
+    (:func:`shoal.net.wire.serialize_chunk`) as it is sent."""
     total = len(data)
     if chunk_bytes <= 0:
         raise ValueError("chunk_bytes must be positive")
     if total == 0:
-        yield pb.Chunk(kind=kind, total=0, offset=0, sender=sender)
+        yield ChunkView(kind, 0, 0, b"", sender)
         return
     view = memoryview(data)
     for off in range(0, total, chunk_bytes):
-        # bytes() copies one chunk: the only per-transfer copy the sender makes.
-        yield pb.Chunk(kind=kind, total=total, offset=off, data=bytes(view[off:off + chunk_bytes]),
-                       sender=sender)
+        yield ChunkView(kind, total, off, view[off:off + chunk_bytes], sender)
 
 
-def chunks_of(msg, chunk_bytes: int) -> Iterator[pb.Chunk]:
+def chunks_of(msg, chunk_bytes: int) -> Iterator[ChunkView]:
     """Serialise ``msg`` once and yield its chunks (kind: the message's type name)."""
     return split(type(msg).__name__, msg.SerializeToString(), chunk_bytes)
 

@@ -58,15 +58,24 @@ class Frame:
                          meta=self.meta)
 
 
-def payload_frame(frame: pb.Tensor, name: str | None = None) -> Frame:
-    """A received raw ``frame`` as a :class:`Frame` under ``name`` (default: its own), its
-    payload read out of the message once (upb copies a bytes field on every read).
+def payload_frame(frame: pb.Tensor) -> Frame:
+    """A received ``frame`` as a :class:`Frame`, its payload read out of the message once (upb
+    copies a bytes field on every read: a server that measured a result's length, checked it
+    and handed it on read 2 MB three times).
 
-    A server checks it with :func:`decode_tensor` (``copy=False``: the tensor is a view of that
+    A server checks it with :func:`decode_tensor` (raw: ``copy=False``, the tensor a view of that
     one payload) and hands it on with :func:`put_frame`: the same bytes, without decoding and
     encoding them again (each a copy of the tensor: about 0.3 ms a copy of a 4 MB activation)."""
-    return Frame(name=frame.name if name is None else name, dtype=frame.dtype, shape=list(frame.shape),
-                 data=frame.data, codec="raw")
+    return Frame(name=frame.name, dtype=frame.dtype, shape=list(frame.shape), data=frame.data,
+                 codec=frame.codec or "raw", meta=frame.meta)
+
+
+def frame_capacity(frame: pb.Tensor | Frame) -> int:
+    """The bytes ``frame``'s shape and dtype take raw, read without its payload (an upper bound
+    of a compressed frame's; 0 for an unknown dtype): what sizes a transfer's timeout or decides
+    whether its work goes to a thread, where reading ``len(frame.data)`` would copy the payload."""
+    known = _DTYPES.get(frame.dtype)
+    return math.prod(frame.shape) * known[1].itemsize if known else 0
 
 
 def put_frame(dst: pb.Tensor, src: pb.Tensor | Frame) -> None:
@@ -430,3 +439,56 @@ def join_pieces(pieces: Sequence) -> bytes | memoryview:
 def frame_nbytes(frame: pb.Tensor) -> int:
     """Bytes of payload carried by a frame (for traffic accounting)."""
     return len(frame.data) + len(frame.meta)
+
+
+# ---------------------------------------------------------------------------- chunks
+
+_CHUNK_DATA_KEY = 0x22  # pb.Chunk.data: field 4, length-delimited (one byte)
+
+
+class ChunkView:
+    """A :class:`pb.Chunk` whose payload is a view: of the whole serialised message a sender
+    slices (``shoal.net.stream.split``), or of the bytes gRPC received. Every shoal channel and
+    server reads and writes its chunk streams as these (:func:`parse_chunk`,
+    :func:`serialize_chunk`): upb copies a bytes field into a message and out of it again, three
+    copies of every byte of a transfer besides the one gRPC itself makes at each end."""
+
+    __slots__ = ("kind", "total", "offset", "data", "sender")
+
+    def __init__(self, kind: str, total: int, offset: int, data, sender: str = ""):
+        self.kind, self.total, self.offset, self.data, self.sender = kind, total, offset, data, sender
+
+    def SerializeToString(self) -> bytes:  # noqa: N802 (pb.Chunk's name)
+        return serialize_chunk(self)
+
+
+def parse_chunk(buf) -> ChunkView:
+    """The chunk serialised in ``buf``, its ``data`` a view of ``buf`` (the other fields parsed
+    by protobuf, so they are checked as ever). A malformed chunk raises protobuf's DecodeError,
+    as ``pb.Chunk.FromString`` does."""
+    from google.protobuf.message import DecodeError
+
+    view = memoryview(buf)
+    head, data = [], view[0:0]
+    try:
+        for number, key_at, at, end in _fields(view):
+            if number == 4 and view[key_at] == _CHUNK_DATA_KEY:
+                data = view[at:end]  # (a repeated field: the last one counts, as in protobuf)
+            else:
+                head.append(view[key_at:end])
+    except ValueError as exc:
+        raise DecodeError(f"malformed chunk: {exc}") from None
+    h = pb.Chunk.FromString(b"".join(head))
+    if h.data:  # the payload under a key protobuf allows but shoal never writes
+        data = memoryview(h.data)
+    return ChunkView(h.kind, h.total, h.offset, data, h.sender)
+
+
+def serialize_chunk(chunk) -> bytes:
+    """``chunk`` (a :class:`ChunkView` or a :class:`pb.Chunk`) serialised: a view's payload is
+    copied once, into the bytes handed to gRPC."""
+    if not isinstance(chunk, ChunkView):
+        return chunk.SerializeToString()
+    head = pb.Chunk(kind=chunk.kind, total=chunk.total, offset=chunk.offset, sender=chunk.sender).SerializeToString()
+    n = len(chunk.data)
+    return b"".join((head, _DATA_TAG, _varint(n), chunk.data)) if n else head

@@ -54,7 +54,7 @@ from shoal.net.stream import (
     split,
 )
 from shoal.net.traffic import Traffic
-from shoal.net.wire import WireError, encode_frame, encode_tensor, put_frame
+from shoal.net.wire import Frame, WireError, encode_frame, encode_tensor, payload_frame, put_frame
 from shoal.runtime.common import (
     SCHEMA_VERSION,
     DeafClock,
@@ -1051,7 +1051,8 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         await check_caller(context, r.worker)
         info = self._worker(r.worker)
         self.stats["messages"] += 1
-        size = len(r.output.data)  # (each read of a payload copies it: read once)
+        frame = payload_frame(r.output)  # (each read of a payload copies it: read once)
+        size = len(frame.data)
         self.stats["bytes_in"] += size
         self.stats["results_by_call" if context is not None else "results_on_session"] += 1
         prev = self.completed.get(r.lease_id)
@@ -1066,7 +1067,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         try:
             kept = None
             if r.direction == pb.FWD or not self.is_first:
-                _, kept = await off_loop(size, self._decode_act, r.output,
+                _, kept = await off_loop(size, self._decode_act, frame,
                                          r.direction == pb.FWD or self.grads_finite,
                                          "act" if r.direction == pb.FWD else "grad")
             if r.direction == pb.FWDBWD and not math.isfinite(r.loss):
@@ -1115,7 +1116,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
             self.cond.notify_all()
         return pb.CompleteReply(accepted=True, gen=info.gen)
 
-    def _decode_act(self, frame: pb.Tensor, finite: bool, name: str):
+    def _decode_act(self, frame: Frame, finite: bool, name: str):
         """An activation or activation gradient checked against this stage's shape and dtype:
         (its tensor, the frame to hand on as ``name``; sync.codecs.received_activation)."""
         return received_activation(frame, name, shape=self.act_shape, dtype=self.act_dtype, finite=finite)
@@ -1740,13 +1741,14 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
     async def SubmitRelay(self, request, context):
         r = request
         self.stats["messages"] += 1
-        size = len(r.tensor.data)  # (each read of a payload copies it: read once)
+        frame = payload_frame(r.tensor)  # (each read of a payload copies it: read once)
+        size = len(frame.data)
         self.stats["bytes_in"] += size
         verdict = self._relay_verdict(r)
         if verdict is not None:
             return verdict
         try:
-            t, kept = await off_loop(size, self._decode_act, r.tensor, r.direction == pb.FWD or self.grads_finite,
+            t, kept = await off_loop(size, self._decode_act, frame, r.direction == pb.FWD or self.grads_finite,
                                      "input" if r.direction == pb.FWD else "grad")
         except WireError as exc:
             return pb.RelayReply(accepted=False, reason=f"rejected: {exc}")

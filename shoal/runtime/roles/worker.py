@@ -46,6 +46,7 @@ from shoal.net.wire import (
     decode_tensor,
     encode_frame,
     encode_tensor,
+    frame_capacity,
     frame_size,
     serialize_framed,
 )
@@ -1062,7 +1063,7 @@ class Worker(LocalWorkerMixin):
             return None
         req = pb.LeaseRequest(worker=self.member_id, wait_s=self.opts.lease_wait_s)
         ask_id, fut = sess.ask_with(result, req)
-        timeout = 10 + transfer_timeout(len(result.output.data))  # the result goes up first
+        timeout = 10 + transfer_timeout(frame_capacity(result.output))  # the result goes up first
         self.ahead = (server, asyncio.create_task(self._next_reply(sess, ask_id, fut, timeout)))
         return sess
 

@@ -120,21 +120,22 @@ def add_compression_arg(p, default: str = "none") -> None:
                         "codecs make exact sync approximate (docs/sync-policies.md)")
 
 
-def received_activation(frame: pb.Tensor, name: str, *, shape, dtype: str, finite: bool):
+def received_activation(frame, name: str, *, shape, dtype: str, finite: bool):
     """An activation or activation gradient a stage server received (a worker's result or a
-    relay), checked against ``shape`` and ``dtype`` (and, ``finite``, for inf/NaN): ``(tensor,
-    frame to hand on)``, the frame for :func:`shoal.net.wire.put_frame`.
+    relay; a :class:`shoal.net.wire.Frame` of it, :func:`~shoal.net.wire.payload_frame`),
+    checked against ``shape`` and ``dtype`` (and, ``finite``, for inf/NaN): ``(tensor, frame to
+    hand on)``, the frame for :func:`shoal.net.wire.put_frame`.
 
-    A lossy frame is decoded and handed on as received. A raw one is read out of its message
-    once and handed on as those bytes under ``name``; its tensor is a view of them, not a copy
-    (only read: by recomputations and checks). The bits are those of decoding it and encoding
-    the tensor again, without the two copies each way (about 0.3 ms a copy of a 4 MB activation)."""
-    from shoal.net.wire import decode_tensor, payload_frame
+    A lossy frame is decoded and handed on as received. A raw one is handed on as its bytes
+    under ``name``; its tensor is a view of them, not a copy (only read: by recomputations and
+    checks). The bits are those of decoding it and encoding the tensor again, without the two
+    copies each way (about 0.3 ms a copy of a 4 MB activation)."""
+    from shoal.net.wire import decode_tensor
 
-    if (frame.codec or "raw") != "raw":
+    if frame.codec != "raw":
         return decode_tensor(frame, shape=shape, dtype=dtype, finite=finite), frame
-    kept = payload_frame(frame, name)
-    return decode_tensor(kept, shape=shape, dtype=dtype, finite=finite, copy=False), kept
+    frame.name = name
+    return decode_tensor(frame, shape=shape, dtype=dtype, finite=finite, copy=False), frame
 
 
 STAGE_FRAME = "*stage"  # name of a frame holding a whole stage's tensors (sparse: one chunking, one header)

@@ -10,7 +10,7 @@ import grpc
 import torch
 
 from shoal.net import shoal_pb2 as pb
-from shoal.net.wire import WireError, decode_tensor, encode_frame, serialize_framed
+from shoal.net.wire import WireError, decode_tensor, encode_frame, frame_capacity, serialize_framed
 
 # The field of a weight pull whose frames stay views of the received bytes (split_framed).
 WEIGHT_FRAMES = pb.WeightsReply.DESCRIPTOR.fields_by_name["params"].number
@@ -44,15 +44,16 @@ OFF_LOOP_BYTES = 512 * 1024
 
 def payload_bytes(msg) -> int:
     """About the serialised size of a runtime message, from the tensor payloads that make it
-    large (what :func:`off_loop` decides on): upb's ``ByteSize`` serialises the whole message
-    to size it, as dear as the serialisation it is asked for (80 us for a 128 KiB task)."""
+    large (what :func:`off_loop` decides on), read from their shapes: upb's ``ByteSize``
+    serialises the whole message to size it, as dear as the serialisation it is asked for (80 us
+    for a 128 KiB task), and ``len(frame.data)`` copies the payload."""
     if isinstance(msg, pb.Relay):
-        return len(msg.tensor.data)
+        return frame_capacity(msg.tensor)
     if isinstance(msg, pb.TaskResult):
-        return len(msg.output.data)
+        return frame_capacity(msg.output)
     if isinstance(msg, pb.LeaseReply):
         t = msg.task
-        return len(t.input.data) + len(t.out_grad.data) + len(t.tokens.data)
+        return frame_capacity(t.input) + frame_capacity(t.out_grad) + frame_capacity(t.tokens)
     return msg.ByteSize()
 
 
