@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_runtime_cpu.py [--stages 1,2] [--steps 8]
         [--micro-batches 4,16] [--calls] [--threads] [--profile DIR] [--chunk-mb MB] [--spot-check F]
         [--models tiny,d128xL32] [--workers-per-stage 1,2] [--from-step 2] [--recompute]
-        [--micro-batch-size B] [--seq-len T]
+        [--micro-batch-size B] [--seq-len T] [--insecure]
 
 Runs bench_runtime's RUN (tiny, B=4 T=64, M=4 unless given) as ``launch`` S=W for each S
 given, reads every member's user+system CPU time from /proc when the first step is committed
@@ -52,6 +52,7 @@ from bench_runtime import RUN  # noqa: E402
 from bench_server_memory import sized_model  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
+TLS = [True]  # the swarm's members talk mutual TLS, as shoal launch's (--insecure: plain text)
 
 
 def _stat(path: str) -> tuple[str, float]:
@@ -126,7 +127,7 @@ def swarm_cpu(stages: int, steps: int, profile: str | None, chunk_mb: float | No
             os.environ["SHOAL_PROFILE"] = env_prof
         try:
             cfg = LaunchConfig(out=str(Path(tmp) / "run"), stages=stages, workers=stages * per_stage, steps=steps,
-                               timeout_s=600, chunk_mb=chunk_mb, session=session,
+                               timeout_s=600, chunk_mb=chunk_mb, session=session, tls=TLS[0],
                                **({} if spot_check is None else {"spot_check": spot_check}), **run)
             marks: dict[int, dict[str, float]] = {}
             threads: dict[int, dict[str, float]] = {}
@@ -200,10 +201,13 @@ def main() -> None:
     ap.add_argument("--micro-batch-size", type=int, default=RUN["micro_batch_size"],
                     help="B of the run (with --seq-len and the width: the size of each activation a task carries)")
     ap.add_argument("--seq-len", type=int, default=RUN["seq_len"], help="T of the run")
+    ap.add_argument("--insecure", action="store_true",
+                    help="plain text between the members (default: mutual TLS, as shoal launch): what TLS costs")
     ap.add_argument("--recompute", action="store_true",
                     help="let the servers recompute pushes (first, flagged): compute, not protocol, so off by default")
     args = ap.parse_args()
     RUN.update(micro_batch_size=args.micro_batch_size, seq_len=args.seq_len)
+    TLS[0] = not args.insecure
     if not args.recompute:
         from shoal.runtime.safety.guard import RECOMPUTE_ENV
 
