@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shoal.net import shoal_pb2 as pb
 from shoal.plan.cost import FASTER_BY
 
 
@@ -75,7 +74,8 @@ class MbState:
                  "input_frame", "out_grad_frame", "_tally")
 
     def __init__(self) -> None:
-        self.input: torch.Tensor | None = None  # stage input (None at stage 0: tokens are rebuilt)
+        # stage input (None at stage 0: tokens are rebuilt); raw, a view of input_frame's bytes
+        self.input: torch.Tensor | None = None
         self.out_grad: torch.Tensor | None = None  # gradient of the stage output (non-last stages)
         self._fwd = "wait"  # wait | todo | leased | done  (non-last stages only)
         self._grad = "wait"  # wait | todo | leased | computed | counted
@@ -84,8 +84,8 @@ class MbState:
         self.relayed_back = False  # the input gradient went to the previous stage
         self.fwd_by = ""  # local mode: the worker whose replica ran the forward (gets the backward)
         self.fwd_gen = 0  # that worker's generation then
-        self.input_frame: pb.Tensor | None = None  # compressed runs: the input as received, handed on as is
-        self.out_grad_frame: pb.Tensor | None = None  # compressed runs: the output gradient as received
+        self.input_frame = None  # the input as received (a wire.Frame), handed on as is with each grant
+        self.out_grad_frame = None  # the output gradient as received (a wire.Frame)
         self._tally: StepTally | None = None  # the step's counts (set when put in a StepMbs)
 
     @property
