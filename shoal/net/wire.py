@@ -5,7 +5,8 @@ Nothing received is ever unpickled: a ``raw`` payload is read with
 receiver states the shape and dtype it expects (from its stage spec) so a peer cannot
 make it allocate or accept anything else. Gradients must also be finite.
 Lossy codecs (``fp16``, ``int8``, ``topk-int8``) are delegated to :mod:`shoal.net.compress`; their
-side data travels as a small JSON object in ``meta``.
+side data travels as a small JSON object in ``meta``. The chunks that carry streamed messages
+(:class:`ChunkView`) are read and written here too, their payloads as views.
 """
 
 from __future__ import annotations
