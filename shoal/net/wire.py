@@ -61,8 +61,8 @@ class Frame:
 
 def payload_frame(frame: pb.Tensor) -> Frame:
     """A received ``frame`` as a :class:`Frame`, its payload read out of the message once (upb
-    copies a bytes field on every read: a server that measured a result's length, checked it
-    and handed it on read 2 MB three times).
+    copies a bytes field on every read, so a server that sizes, checks and hands on a result
+    reads it once, here).
 
     A server checks it with :func:`decode_tensor` (raw: ``copy=False``, the tensor a view of that
     one payload) and hands it on with :func:`put_frame`: the same bytes, without decoding and
@@ -152,9 +152,9 @@ def decode_tensor(
     (``layout``: the receiver's shapes of a flat ``lowrank`` frame's tensors).
 
     ``copy=False``: a raw frame's tensor is a view of its payload (possibly read-only and not
-    aligned), for a caller that copies it before writing or keeping it: a weight pull's
-    tensors are copied into the parameters, so decoding them into fresh tensors first was a
-    second copy of the stage (and its pages faulted in afresh on every pull).
+    aligned), for a caller that only reads it or copies it before writing: a weight pull's
+    tensors are copied into the parameters, and a stage server keeps a relayed activation only
+    to read it, so a fresh tensor would be one more copy (its pages faulted in afresh each time).
 
     Raises :class:`WireError` on an unknown dtype or codec, a shape or dtype other than
     the expected one, a payload of the wrong length, or (``finite=True``) inf/NaN.
@@ -458,9 +458,6 @@ class ChunkView:
 
     def __init__(self, kind: str, total: int, offset: int, data, sender: str = ""):
         self.kind, self.total, self.offset, self.data, self.sender = kind, total, offset, data, sender
-
-    def SerializeToString(self) -> bytes:  # noqa: N802 (pb.Chunk's name)
-        return serialize_chunk(self)
 
 
 def parse_chunk(buf) -> ChunkView:

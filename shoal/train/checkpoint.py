@@ -96,8 +96,8 @@ def _plain(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
     Only a tensor that is not so already is copied (a tied weight's second name, a view): the
     callers write synchronously, so the others are written from where they are. Copying every
-    tensor was a transient copy of the weights and both AdamW moments (12 bytes a parameter) on
-    each checkpoint of the local trainer and on the launcher's final weights."""
+    tensor would be a transient copy of the weights and both AdamW moments (12 bytes a
+    parameter) on each checkpoint of the local trainer and on the launcher's final weights."""
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for k, v in tensors.items():
