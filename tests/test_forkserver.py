@@ -11,6 +11,7 @@ import subprocess
 
 import pytest
 
+from shoal.errors import ShoalError
 from shoal.runtime.processes.forkserver import (
     ForkServer,
     Member,
@@ -127,3 +128,46 @@ def test_a_warm_parent_with_a_thread_is_refused(tmp_path):
     finally:
         server.close()
     assert server.proc.poll() is not None  # closing the control socket ends it
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_ctrl_c_just_after_a_member_forks_leaves_no_member_behind(tmp_path, monkeypatch):
+    """Ctrl-C lands when the fork server has forked the coordinator but the swarm holds no
+    handle to it yet (where a `shoal demo` interrupted during its start can be): the interrupt
+    still unwinds the run, and the swarm's stop kills that member too."""
+    import shoal.runtime.processes.forkserver as fs
+    from shoal.runtime.processes.launch import LaunchConfig, Swarm
+
+    real, forked = fs.spawn_member, []
+
+    def spawn_then_ctrl_c(*args, **kw):
+        p = real(*args, **kw)
+        forked.append(p.pid)
+        os.kill(os.getpid(), signal.SIGINT)  # the member runs; its handle is not yet returned
+        return p
+
+    monkeypatch.setattr(fs, "spawn_member", spawn_then_ctrl_c)
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)  # as `shoal demo` sets it
+    try:
+        cfg = LaunchConfig(out=str(tmp_path / "run"), model="tiny", steps=2, micro_batches=2,
+                           micro_batch_size=2, seq_len=32, stages=1, workers=1, timeout_s=60)
+        with pytest.raises(KeyboardInterrupt), Swarm(cfg) as sw:
+            sw.start()
+        assert forked and not _alive(forked[0]), "the coordinator outlived the interrupted swarm"
+        with pytest.raises(ShoalError, match="this swarm has stopped"):
+            sw.start_worker(0)  # a churn thread's late start: refused, nothing left running
+        assert len(forked) == 1
+    finally:
+        signal.signal(signal.SIGINT, old)
+        for pid in forked:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -14,6 +14,7 @@ runs one to completion; ``LaunchConfig.resume`` continues a stopped run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -21,6 +22,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -257,6 +259,8 @@ class Swarm:
         self.coord: subprocess.Popen | None = None
         self.servers: list[subprocess.Popen] = []
         self.workers: list[subprocess.Popen | None] = []
+        self._members: list[subprocess.Popen] = []  # every member this swarm started, in start order
+        self._stopped = False  # set by stop(): no member starts after it
         self.address = ""
         self._seen = {"events.jsonl": 0, "metrics.jsonl": 0}
         self._n_server = 0
@@ -286,7 +290,17 @@ class Swarm:
         env = dict(env or self.env)
         if not self.cfg.fork_server:
             env["SHOAL_FORK_SERVER"] = "0"
-        return spawn_member([args[0], *security, *args[1:]], self.out / "logs" / f"{log_name}.log", env)
+        # A Ctrl-C between the fork and the handle's registration would leave a member no
+        # stop() can reach: interrupts wait until the handle is in self._members.
+        with _signals_deferred():
+            if self._stopped:
+                raise ShoalError(f"this swarm has stopped; no {args[0]} starts in {self.out}")
+            p = spawn_member([args[0], *security, *args[1:]], self.out / "logs" / f"{log_name}.log", env)
+            self._members.append(p)
+            if self._stopped:  # a churn thread's start raced stop(), whose list may lack it
+                p.kill()
+                raise ShoalError(f"this swarm has stopped; the {args[0]} just started in {self.out} was killed")
+        return p
 
     def _vocab(self) -> int:
         if self.cfg.init_from:
@@ -729,7 +743,9 @@ class Swarm:
 
     def stop(self) -> None:
         """Kill every process still running (and close the flap proxies)."""
+        self._stopped = True  # before the list is read: a start racing this kills its own member
         procs = [*[w for w in self.workers if w], *self.servers, *([self.coord] if self.coord else [])]
+        procs += [p for p in self._members if all(p is not q for q in procs)]
         # A second Ctrl-C (or a signal handler's exception) can land anywhere in here: every
         # member still gets its SIGKILL and is reaped, and the interrupt is raised afterwards.
         interrupt: BaseException | None = None
@@ -755,6 +771,35 @@ class Swarm:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def _signals_deferred(signums=(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)):
+    """Hold Ctrl-C, SIGTERM and SIGHUP while the block runs; then act on the first one caught
+    as its handler would have (the handler in place before the block runs once, afterwards).
+
+    A no-op outside the main thread, where Python never runs signal handlers. A signal whose
+    handler was not set from Python (``getsignal`` gives None) is left alone.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    old: dict[int, object] = {}
+    try:
+        for s in signums:
+            if signal.getsignal(s) is not None:
+                old[s] = signal.signal(s, lambda signum, _frame: caught.append(signum))
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        if caught:
+            handler = old[caught[0]]
+            if callable(handler):
+                handler(caught[0], None)  # e.g. default_int_handler raises KeyboardInterrupt
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), caught[0])
 
 
 def run_keys(folder: Path):
