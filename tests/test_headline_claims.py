@@ -67,7 +67,7 @@ def test_gaming_world_swarm_share_with_replicas():
     from shoal.plan.report import IDLE_SERVER_CPU, swarm_report
     from shoal.plan.types import FrameworkCpu
 
-    free = FrameworkCpu(server_task_s=0.0, worker_task_s=0.0, server_sync_s=0.0, coordinator_member_s=0.0,
+    free = FrameworkCpu(server_task_s=0.0, server_task_byte_s=0.0, worker_task_s=0.0, server_sync_s=0.0, coordinator_member_s=0.0,
                         coordinator_report_s=0.0, server_push_param_s=0.0, server_pull_param_s=0.0,
                         server_step_param_s=0.0)
     for cpu, share, agree in ((free, 0.40, 0.1), (FrameworkCpu(), 0.40, 0.1)):

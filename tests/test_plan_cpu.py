@@ -102,6 +102,46 @@ def test_server_cpu_caps_and_step_floor_by_hand():
     assert fast["step_time_s"] < 0.5 * demand and fast["server_cpu_share"] < 0.5
 
 
+def test_server_cpu_per_byte_of_activation_by_hand():
+    """A task's result costs its servers CPU per byte it carries (``server_task_byte_s``): the
+    forward output of every stage but the last, the input gradient of every stage but the first,
+    as sent (with the run's codecs). The model's host demand and step, and the simulator's step,
+    grow with it; a scenario file sets it in ns a byte."""
+    from shoal.plan.cost import micro_batch_handling, stage_result_bytes
+    from shoal.plan.types import SyncPolicy
+
+    s = _scenario(cores=1, server_task_ms=0.0)
+    prof = scenario_profile(s, 2)
+    hidden = prof.layers[0].out_act_bytes  # B x T x d x 4 bytes (fp32)
+    assert hidden == 2 * 64 * scenario_profile(s).cfg.d_model * 4
+    plain = SyncPolicy()
+    assert stage_result_bytes(prof, plain, True, False) == hidden  # first stage: its output only
+    assert stage_result_bytes(prof, plain, False, True) == hidden  # last stage: its input's gradient
+    assert stage_result_bytes(prof, plain, False, False) == 2 * hidden
+    assert stage_result_bytes(prof, plain, True, True) == 0.0  # one stage: nothing leaves it
+    int8 = SyncPolicy(act_codec="int8")
+    assert stage_result_bytes(prof, int8, True, False) == pytest.approx(
+        hidden * int8.ratio("act", prof.dtype_bytes, *prof.act_shape))
+    assert stage_result_bytes(prof, int8, True, False) < 0.3 * hidden
+    cpu = dataclasses.replace(s.cpu, server_task_s=1e-3, server_task_byte_s=2e-9)
+    assert micro_batch_handling(False, 1e6, cpu) == pytest.approx(2 * 1e-3 + 2e-3)  # 2 tasks + 1 MB
+    assert micro_batch_handling(True, 1e6, cpu) == pytest.approx(1e-3 + 2e-3)
+
+    plan = _two_stage_plan()
+    base_model, base_sim = predict(plan, s)["step_time_s"], simulate(plan, s, steps=3, seed=0).mean_step_time_s
+    per_byte = 0.05 / hidden  # 50 ms of one core for each hidden-sized result
+    s.cpu = dataclasses.replace(s.cpu, server_task_byte_s=per_byte)
+    demand = 8 * (hidden + hidden) * per_byte  # M = 8: stage 0's outputs and stage 1's input gradients
+    assert server_cpu_per_step(plan, s) == {"h": pytest.approx(demand)}
+    assert server_cpu_caps(plan, s) == [[pytest.approx(8 / demand), pytest.approx(8 / demand)]]
+    model, sim = predict(plan, s)["step_time_s"], simulate(plan, s, steps=3, seed=0).mean_step_time_s
+    assert model >= demand > 2 * base_model and sim >= demand > 2 * base_sim  # the host's CPU sets the step
+    assert sim == pytest.approx(model, rel=0.15)
+    d = scenario_to_dict(s)
+    assert d["framework_cpu"]["server_task_ns_per_byte"] == pytest.approx(per_byte * 1e9)
+    assert scenario_from_dict(d).cpu.server_task_byte_s == pytest.approx(per_byte)
+
+
 def test_simulator_step_grows_with_server_cpu_and_agrees_with_the_model():
     steps = []
     for ms in (0.0, 10.0, 50.0):
@@ -237,8 +277,9 @@ def test_default_per_message_figures_leave_a_builtin_plan_where_they_are_not_the
     plan = make_plan(s)
     pred = dict(plan.predicted)
     assert pred["server_cpu_share"] < 0.2 and pred["coordinator_cores"] < 0.1
-    free = dataclasses.replace(s.cpu, **{k: 0.0 for k in ("server_task_s", "worker_task_s", "server_sync_s",
-                                                           "coordinator_member_s", "coordinator_report_s")})
+    free = dataclasses.replace(s.cpu, **{k: 0.0 for k in ("server_task_s", "server_task_byte_s", "worker_task_s",
+                                                           "server_sync_s", "coordinator_member_s",
+                                                           "coordinator_report_s")})
     s.cpu = free
     without = predict(plan, s)
     assert pred["step_time_s"] == pytest.approx(without["step_time_s"], rel=0.02)

@@ -702,16 +702,39 @@ def worker_task_compute(fwd_s: float, bwd_s: float, last: bool, cpu_s: float) ->
     return max(fwd_s, cpu_s) + max(bwd_s, cpu_s)
 
 
-def server_task_demand(plan: Plan, cpu: FrameworkCpu) -> dict[str, float]:
+def stage_result_bytes(prof: ModelProfile, sync: SyncPolicy, first: bool, last: bool) -> float:
+    """Bytes the results of one micro-batch's tasks on a stage carry to stage servers, as sent
+    (pure): its forward output unless it is the last stage (``act`` codec) and the gradient of
+    its input unless it is the first (``grad`` codec)."""
+    hidden = prof.layers[0].out_act_bytes
+    out = 0.0 if last else hidden * sync.ratio("act", prof.dtype_bytes, *prof.act_shape)
+    back = 0.0 if first else hidden * sync.ratio("grad", prof.dtype_bytes, *prof.act_shape)
+    return out + back
+
+
+def micro_batch_handling(last: bool, result_bytes: float, cpu: FrameworkCpu) -> float:
+    """Server CPU seconds one micro-batch's tasks on a stage cost (pure): ``n_s c + b B`` with
+    ``n_s`` its tasks (:func:`tasks_per_micro_batch`), ``c`` = ``cpu.server_task_s``, ``B`` the
+    bytes their results carry (:func:`stage_result_bytes`) and ``b`` = ``cpu.server_task_byte_s``
+    (each such byte is received, checked and relayed by one server and received and granted by
+    the next: gRPC's own CPU per byte, ``bench/bench_grpc_bytes.py``). All of it is charged to
+    the stage's own server, as the per-task term is measured (both servers' CPU over the tasks)."""
+    return tasks_per_micro_batch(last) * cpu.server_task_s + result_bytes * cpu.server_task_byte_s
+
+
+def server_task_demand(plan: Plan, scenario: Scenario) -> dict[str, float]:
     """Host id -> framework CPU seconds per step of the tasks through its stage servers:
-    ``sum over its stages of M_r n_s c`` (every replica's stages, each with its replica's
-    micro-batches ``M_r``; ``c`` = ``cpu.server_task_s``)."""
+    ``sum over its stages of M_r h_s`` (every replica's stages, each with its replica's
+    micro-batches ``M_r``; ``h_s`` = :func:`micro_batch_handling`)."""
+    cpu = scenario.cpu
+    prof = scenario_profile(scenario, plan.micro_batch_size) if cpu.server_task_byte_s > 0 else None
     out: dict[str, float] = {}
     for r in plan.pipelines:
         n = len(r.stages)
         for i, st in enumerate(r.stages):
+            nbytes = stage_result_bytes(prof, plan.sync, i == 0, i == n - 1) if prof is not None else 0.0
             out[st.server] = out.get(st.server, 0.0) + \
-                r.micro_batches * tasks_per_micro_batch(i == n - 1) * cpu.server_task_s
+                r.micro_batches * micro_batch_handling(i == n - 1, nbytes, cpu)
     return out
 
 
@@ -721,7 +744,7 @@ def server_cpu_caps(plan: Plan, scenario: Scenario) -> list[list[float]]:
     step of ``T`` seconds and host ``h`` needs ``D_h / T`` cores (:func:`server_task_demand`);
     with ``cores_h`` of them, ``T >= D_h / cores_h``, i.e. stage ``s`` of replica ``r`` on ``h``
     runs at most ``M_r cores_h / D_h`` micro-batches per second (``inf`` without CPU cost)."""
-    demand = server_task_demand(plan, scenario.cpu)
+    demand = server_task_demand(plan, scenario)
     cores = {d.id: d.cores for d in scenario.devices if d.id in demand}
     return [[r.micro_batches * cores[st.server] / demand[st.server] if demand[st.server] > 0 else math.inf
              for st in r.stages] for r in plan.pipelines]
@@ -735,7 +758,7 @@ def server_cpu_per_step(plan: Plan, scenario: Scenario) -> dict[str, float]:
     ``server_pull_param_s``, ``server_step_param_s``), per ``sync_every`` steps, over its cores.
     A step shorter than this saturates the host."""
     cpu = scenario.cpu
-    out = server_task_demand(plan, cpu)
+    out = server_task_demand(plan, scenario)
     if not plan.sync.local:
         prof = scenario_profile(scenario, plan.micro_batch_size)
         for st in plan.all_stages:
@@ -817,7 +840,7 @@ class StageCost:
     fwd_share: float = 1.0  # forward FLOPs / (forward + backward FLOPs) of one micro-batch on this stage
     cpu_cap: float = math.inf  # micro-batches/s its server host's framework CPU lets through (server_cpu_caps)
     uncapped: float = 0.0  # its task pool's throughput before that cap (X_s of the workers alone)
-    task_handling: float = 0.0  # seconds a server's CPU takes to handle one task's result (on its micro-batch's path)
+    task_handling: float = 0.0  # seconds a server's CPU takes to handle one of its tasks' results, on average (on its micro-batch's path)
     upload_backlog: dict = field(default_factory=dict)  # worker id -> s its last output waits behind earlier uploads
     merge: float = 0.0  # local mode: seconds its server's merge CPU holds a round (merge_cpu_time)
     reference: float = 0.0  # local mode: seconds of a server core the screen's reference gradient takes a round (reference_cpu_time)
@@ -1239,7 +1262,8 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
         a, b = plan.stages[i].layers
         fwd = prof.fwd_flops(a, b)
         flops = fwd + prof.bwd_flops(a, b)
-        handling = tasks_per_micro_batch(i == n - 1) * scenario.cpu.server_task_s
+        handling = micro_batch_handling(i == n - 1, stage_result_bytes(prof, plan.sync, i == 0, i == n - 1),
+                                        scenario.cpu)
         merge = merge_cpu_time(prof.params(a, b), len(plan.stages[i].workers), plan.sync, scenario.cpu,
                                mrg_cores[i] if plan.sync.local else 1.0)
         ref = reference_cpu_time(flops / prof.tokens_per_micro_batch, prof.tokens_per_micro_batch, plan.sync,
@@ -1248,7 +1272,7 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
                              sync=syncs[i] + merge, merge=merge, task_times=task_times, memory_headroom=heads[i], pull=pulls[i],
                              compute_per_step=busy_step, round_links=tuple(links), round_latency=lats[i],
                              slowest=slow + handling, fwd_share=fwd / flops if flops > 0 else 1.0,
-                             cpu_cap=cpu_caps[i], uncapped=x, task_handling=scenario.cpu.server_task_s,
+                             cpu_cap=cpu_caps[i], uncapped=x, task_handling=handling / tasks_per_micro_batch(i == n - 1),
                              upload_backlog=backlog, reference=ref))
     return out
 

@@ -120,7 +120,8 @@ class FrameworkCpu:
     (``docs/planner-cost.md``, "Framework CPU").
     """
 
-    server_task_s: float = 5.5e-3  # stage server, per task through it (grant, input, result, relays): bench/results/stream.md 2026-12-02, bench_runtime_cpu.py --micro-batches 16, servers' CPU per further task, 4.7-5.6 CPU-ms
+    server_task_s: float = 2.0e-3  # stage server, per task through it (grant, input, result, relays), beside its bytes: bench/results/server-cpu.md 2026-12-07, bench_runtime_cpu.py's servers' CPU per further task at two activation sizes (tiny: 2.3-3.3 CPU-ms with 87 kB of results a task), less their bytes' share
+    server_task_byte_s: float = 12e-9  # stage server, per byte a task's result carries (activation or its gradient, as sent), received, checked and relayed by one server and received and granted by the next: the same runs (d512xL2 B=4 T=256, 1.4 MB a task: 15-25 CPU-ms), 10-16 ns; gRPC with mutual TLS alone takes 4 (bench_grpc_bytes.py)
     worker_task_s: float = 3.5e-3  # worker, per task beyond its compute (lease, input, result): the same runs, workers' CPU beyond the local trainer's, 3.5 CPU-ms
     server_sync_s: float = 1.0e-3  # stage server, per worker per exact-sync step (its push and its pull): bench_rpc_cost.py server ends, 0.53 + 0.44 CPU-ms
     server_push_param_s: float = 15.5e-9  # stage server, per parameter of each exact-sync push it takes (received, decoded, checked finite, measured by the screen, summed): bench/results/server-cpu.md 2026-12-06, least squares of bench_runtime_cpu.py --models, 15.5 ns

@@ -815,8 +815,11 @@ class Simulator:
                 w.held.remove(task)
             if not charged:
                 # the server the result goes to handles it before the next task exists
-                to = self.stages[st.prv if (task.bwd or st.last_stage) else st.nxt].host.id
-                if self._server_cpu(to, self.fw_cpu.server_task_s, kind, p):
+                back = task.bwd or st.last_stage
+                to = self.stages[st.prv if back else st.nxt].host.id
+                cost = self.fw_cpu.server_task_s + self.fw_cpu.server_task_byte_s * (
+                    st.ingrad_bytes if back else st.out_bytes)  # shoal.plan.cost.micro_batch_handling
+                if self._server_cpu(to, cost, kind, p):
                     return
             if task.bwd:
                 if self._accept_bwd(st, w, task):
