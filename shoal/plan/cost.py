@@ -717,8 +717,9 @@ def micro_batch_handling(last: bool, result_bytes: float, cpu: FrameworkCpu) -> 
     ``n_s`` its tasks (:func:`tasks_per_micro_batch`), ``c`` = ``cpu.server_task_s``, ``B`` the
     bytes their results carry (:func:`stage_result_bytes`) and ``b`` = ``cpu.server_task_byte_s``
     (each such byte is received, checked and relayed by one server and received and granted by
-    the next: gRPC's own CPU per byte, ``bench/bench_grpc_bytes.py``). All of it is charged to
-    the stage's own server, as the per-task term is measured (both servers' CPU over the tasks)."""
+    the next; both figures from ``bench_runtime_cpu.py`` at two activation sizes, of which gRPC
+    with TLS is a third: ``bench/results/server-cpu.md``). All of it is charged to the stage's
+    own server, as both terms are measured (both servers' CPU over the tasks)."""
     return tasks_per_micro_batch(last) * cpu.server_task_s + result_bytes * cpu.server_task_byte_s
 
 
