@@ -729,13 +729,16 @@ def server_task_demand(plan: Plan, scenario: Scenario) -> dict[str, float]:
     micro-batches ``M_r``; ``h_s`` = :func:`micro_batch_handling`)."""
     cpu = scenario.cpu
     prof = scenario_profile(scenario, plan.micro_batch_size) if cpu.server_task_byte_s > 0 else None
+    per: dict[tuple[bool, bool], float] = {}  # (first, last) -> h_s: the policy is the plan's, so four at most
     out: dict[str, float] = {}
     for r in plan.pipelines:
         n = len(r.stages)
         for i, st in enumerate(r.stages):
-            nbytes = stage_result_bytes(prof, plan.sync, i == 0, i == n - 1) if prof is not None else 0.0
-            out[st.server] = out.get(st.server, 0.0) + \
-                r.micro_batches * micro_batch_handling(i == n - 1, nbytes, cpu)
+            key = (i == 0, i == n - 1)
+            if key not in per:
+                nbytes = stage_result_bytes(prof, plan.sync, *key) if prof is not None else 0.0
+                per[key] = micro_batch_handling(key[1], nbytes, cpu)
+            out[st.server] = out.get(st.server, 0.0) + r.micro_batches * per[key]
     return out
 
 
