@@ -712,6 +712,12 @@ def stage_result_bytes(prof: ModelProfile, sync: SyncPolicy, first: bool, last: 
     return out + back
 
 
+def result_handling(result_bytes: float, cpu: FrameworkCpu) -> float:
+    """Server CPU seconds one task's result costs (pure): ``c + b B`` for a result of ``B``
+    bytes (what the simulator charges each result; :func:`micro_batch_handling` sums a stage's)."""
+    return cpu.server_task_s + result_bytes * cpu.server_task_byte_s
+
+
 def micro_batch_handling(last: bool, result_bytes: float, cpu: FrameworkCpu) -> float:
     """Server CPU seconds one micro-batch's tasks on a stage cost (pure): ``n_s c + b B`` with
     ``n_s`` its tasks (:func:`tasks_per_micro_batch`), ``c`` = ``cpu.server_task_s``, ``B`` the

@@ -48,6 +48,7 @@ from shoal.plan.cost import (
     ordered_pushes,
     reference_cores,
     reference_cpu_time,
+    result_handling,
 )
 from shoal.plan.standby import state_bytes, step_log_bytes
 from shoal.plan.types import Plan, Replica, Scenario, StagePlan
@@ -817,8 +818,7 @@ class Simulator:
                 # the server the result goes to handles it before the next task exists
                 back = task.bwd or st.last_stage
                 to = self.stages[st.prv if back else st.nxt].host.id
-                cost = self.fw_cpu.server_task_s + self.fw_cpu.server_task_byte_s * (
-                    st.ingrad_bytes if back else st.out_bytes)  # shoal.plan.cost.micro_batch_handling
+                cost = result_handling(st.ingrad_bytes if back else st.out_bytes, self.fw_cpu)
                 if self._server_cpu(to, cost, kind, p):
                     return
             if task.bwd:
