@@ -16,7 +16,7 @@ from shoal.net import shoal_pb2 as pb
 from shoal.net import shoal_pb2_grpc as pbg
 from shoal.net.auth import Identity, run_public_key
 from shoal.net.channel import open_channel
-from shoal.net.wire import encode_tensor
+from shoal.net.wire import decode_tensor, encode_tensor
 from shoal.runtime.roles.server import StageServer
 from shoal.runtime.safety.guard import GuardConfig
 from shoal.runtime.transport.relays import RelayLink
@@ -169,3 +169,102 @@ def test_payload_bytes_sizes_large_messages_without_serialising_them():
         assert n - 256 <= payload_bytes(msg) <= n
     small = pb.CompleteReply(accepted=True, reason="fine", lease_id=4)
     assert payload_bytes(small) == len(small.SerializeToString())
+
+
+class _Session:
+    """The gRPC context of a worker's session (in process): its member id."""
+
+    def __init__(self, wid: str) -> None:
+        self.wid = wid
+
+    def invocation_metadata(self):
+        from shoal.net.auth import MEMBER_HEADER
+
+        return [(MEMBER_HEADER, self.wid)]
+
+    async def abort(self, code, details):
+        raise AssertionError(f"session aborted: {code} {details}")
+
+
+@pytest.mark.timeout(60)
+def test_a_relayed_frame_is_kept_as_received_and_granted_bit_for_bit(tmp_path):
+    """The path an activation and its gradient take through a stage server, as members send
+    them: a worker's session sends results whose frame is a view of its tensor (``Framed``, no
+    copy into a message), a peer relays a gradient the same way over the relay stream; the
+    server keeps each frame as a view of the received bytes, not a copy; the worker is granted
+    the backward task with the relayed frame as its ``out_grad`` (a ``GrantReply``, the frame put
+    in as it is serialised), and so is a worker on the streamed lease call; both decode to the
+    relayed tensor bit for bit. A relay or result that carries its frame twice is refused with
+    a reason, and its lease stands."""
+    from shoal.net.stream import receive, split
+    from shoal.net.wire import Frame, Framed, encode_frame, serialize_message
+    from shoal.runtime.transport.session import DOWN_KINDS, read_messages
+
+    async def main():
+        srv, rpc = await _start(tmp_path)
+        try:
+            async with open_channel(srv.address, TOKEN, identity=PEER) as ch:
+                link = RelayLink(pbg.StageServerStub(ch).RelayStream, CHUNK)
+                for mb in (0, 1):
+                    relay = Framed(pb.Relay(step=0, mb=mb, epoch=0, direction=pb.BWD), "tensor",
+                                   [encode_frame("grad", _grad(mb), view=True)])
+                    assert (await link.relay(relay)).accepted
+                    assert relay.head.relay_id == mb + 1
+                link.close()
+            for mb in (0, 1):
+                kept = srv.steps[0][mb].out_grad_frame
+                assert isinstance(kept, Frame) and isinstance(kept.data, memoryview)  # a view, not a copy
+                assert torch.equal(srv.steps[0][mb].out_grad, _grad(mb))
+
+            up: asyncio.Queue = asyncio.Queue()
+
+            async def chunks():
+                while (msg := await up.get()) is not None:
+                    head = msg.head if isinstance(msg, Framed) else msg
+                    data = serialize_message(msg) if isinstance(msg, Framed) else msg.SerializeToString()
+                    for c in split(type(head).__name__, data, CHUNK, "w"):
+                        yield c
+
+            down = read_messages(srv.Session(chunks(), _Session("w")), DOWN_KINDS, lambda _kind: 1 << 26)
+
+            async def reply():
+                return (await asyncio.wait_for(down.__anext__(), 30))[1]
+
+            up.put_nowait(pb.LeaseRequest(worker="w", wait_s=0, ask_id=1))
+            task = (await reply()).task
+            for ask in (2, 3):  # the two forwards, each result carrying the next request
+                assert task.direction == pb.FWD
+                act = torch.full((1, 16, 128), float(task.mb))
+                res = Framed(pb.TaskResult(worker="w", step=0, mb=task.mb, direction=pb.FWD, epoch=0,
+                                           lease_id=task.lease_id, compute_s=0.01), "output",
+                             [encode_frame("out", act, view=True)])
+                res.next.CopyFrom(pb.LeaseRequest(worker="w", wait_s=0, ask_id=ask))
+                up.put_nowait(res)
+                rep = await reply()
+                assert rep.result.accepted, rep.result.reason
+                assert srv.steps[0][task.mb].fwd == "done"
+                task = rep.task
+            assert rep.has_task and task.direction == pb.BWD
+            assert task.tokens.dtype == "int32" and not task.HasField("input")  # stage 0: tokens, no input
+            assert torch.equal(decode_tensor(task.out_grad, shape=(1, 16, 128), dtype="float32"), _grad(task.mb))
+            up.put_nowait(None)
+
+            streamed = await receive(srv.LeaseStream(pb.LeaseRequest(worker="v", wait_s=0), None), pb.LeaseReply,
+                                     1 << 26)
+            assert streamed.has_task and streamed.task.direction == pb.BWD and streamed.task.mb != task.mb
+            assert torch.equal(decode_tensor(streamed.task.out_grad, shape=(1, 16, 128), dtype="float32"),
+                               _grad(streamed.task.mb))
+
+            frame = encode_frame("grad", _grad(0))
+            twice = await srv.SubmitRelay(Framed(pb.Relay(step=0, mb=0, epoch=0, direction=pb.BWD), "tensor",
+                                                 [frame, frame]), None)
+            assert not twice.accepted and "2 frames in the field 'tensor'" in twice.reason
+            res = Framed(pb.TaskResult(worker="w", step=0, mb=task.mb, direction=pb.BWD, epoch=0,
+                                       lease_id=task.lease_id), "output", [frame, frame])
+            verdict = await srv.Complete(res, None)
+            assert not verdict.accepted and "2 frames in the field 'output'" in verdict.reason
+            assert srv.steps[0][task.mb].grad == "leased"  # the lease still stands
+        finally:
+            await rpc.stop(0)
+
+    asyncio.run(main())

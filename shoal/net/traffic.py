@@ -71,6 +71,15 @@ def frames_of(msg) -> list[tuple[str, pb.Tensor]]:
     return []
 
 
+def framed_frames(msg: Framed) -> list[tuple[str, object]]:
+    """The frames of a :class:`~shoal.net.wire.Framed` message with their traffic kinds (pure;
+    as :func:`frames_of` for the message they were kept out of)."""
+    head = msg.head
+    if isinstance(head, (pb.Relay, pb.TaskResult)):
+        return [(_grad_or_act(head.direction), f) for f in msg.frames]
+    return [(FRAME_KINDS[type(head)][0], f) for f in msg.frames]
+
+
 # Messages whose frames are one top-level field, by type: their frames' sizes can be read from
 # the serialised message (shoal.net.wire.field_spans) instead of each payload being copied out.
 FRAME_FIELDS = {cls: cls.DESCRIPTOR.fields_by_name[name].number for cls, name in
@@ -108,7 +117,7 @@ class Traffic:
         """
         if isinstance(msg, Framed):  # frames kept out of the message (shoal.net.wire.split_framed)
             if frames is None:
-                frames = [(FRAME_KINDS[type(msg.head)][0], f) for f in msg.frames]
+                frames = framed_frames(msg)
             msg = msg.head
         frames = list(frames_of(msg) if frames is None else frames)
         if total is None:

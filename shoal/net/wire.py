@@ -71,6 +71,23 @@ def payload_frame(frame: pb.Tensor) -> Frame:
                  codec=frame.codec or "raw", meta=frame.meta)
 
 
+def one_frame(msg, field: str) -> Frame:
+    """The frame in ``msg``'s singular Tensor field ``field``, its payload read once: of a
+    :class:`Framed` message (:func:`split_framed`: a view of the received bytes, no copy) or
+    of a parsed one (:func:`payload_frame`). An absent field gives an empty frame, as reading
+    an unset field does; a :class:`Framed` message that carries the field more than once
+    (protobuf would merge them) raises :class:`WireError`."""
+    if not isinstance(msg, Framed):
+        return payload_frame(getattr(msg, field))
+    if len(msg.frames) > 1:
+        raise WireError(f"{len(msg.frames)} frames in the field {field!r}, which holds one")
+    if not msg.frames:
+        return Frame(name="", dtype="", shape=[], data=b"")
+    frame = msg.frames[0]
+    frame.codec = frame.codec or "raw"
+    return frame
+
+
 def frame_capacity(frame: pb.Tensor | Frame) -> int:
     """The bytes ``frame``'s shape and dtype take raw, read without its payload (an upper bound
     of a compressed frame's; 0 for an unknown dtype): what sizes a transfer's timeout or decides
@@ -377,6 +394,13 @@ def serialize_framed(head, field_number: int, frames: Sequence[pb.Tensor | Frame
     return join_pieces(framed_pieces(head, field_number, frames))
 
 
+def serialize_message(msg: Framed) -> bytes | memoryview:
+    """A :class:`Framed` message serialised: its head with its frames as the field they were
+    kept out of (:func:`serialize_framed`: one copy of each payload, where putting a frame
+    into a message and serialising that costs two)."""
+    return serialize_framed(msg.head, msg.head.DESCRIPTOR.fields_by_name[msg.field].number, msg.frames)
+
+
 def framed_pieces(head, field_number: int, frames: Sequence[pb.Tensor | Frame]) -> list:
     """The pieces whose concatenation is :func:`serialize_framed`'s bytes (payloads not copied:
     a file can take them one by one)."""
@@ -394,6 +418,16 @@ def framed_pieces(head, field_number: int, frames: Sequence[pb.Tensor | Frame]) 
             pieces += [_DATA_TAG, _varint(len(data)), data]
         pieces.append(after)
     return pieces
+
+
+def nested_pieces(head, field_number: int, pieces: Sequence) -> list:
+    """The pieces whose concatenation is ``head`` serialised with the message that ``pieces``
+    make (:func:`framed_pieces`) as its field ``field_number`` (< 16), which ``head`` must not
+    set itself: parses to ``head`` with that field set (payloads not copied)."""
+    if not 0 < field_number < 16:
+        raise ValueError("field_number must be 1..15")
+    n = sum(memoryview(p).nbytes for p in pieces)
+    return [head.SerializeToString(), bytes([(field_number << 3) | 2]), _varint(n), *pieces]
 
 
 def message_pieces(msg, field_number: int) -> list:

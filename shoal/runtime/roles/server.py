@@ -47,14 +47,20 @@ from shoal.net.compress import set_codec_threads
 from shoal.net.stream import (
     CONTROL_SLACK,
     DEFAULT_CHUNK_BYTES,
-    chunks_of,
     fetch,
     receive,
     send,
     split,
 )
 from shoal.net.traffic import Traffic
-from shoal.net.wire import Frame, WireError, encode_frame, encode_tensor, payload_frame, put_frame
+from shoal.net.wire import (
+    Frame,
+    Framed,
+    WireError,
+    encode_frame,
+    encode_tensor,
+    one_frame,
+)
 from shoal.runtime.common import (
     SCHEMA_VERSION,
     DeafClock,
@@ -127,14 +133,18 @@ from shoal.runtime.sync.local import LocalServerMixin, merge_threads
 from shoal.runtime.sync.ordered import PushFold
 from shoal.runtime.sync.replicas import ReplicaServerMixin
 from shoal.runtime.transport.frames import (
+    TASK_INPUT,
+    TASK_OUT_GRAD,
     TRANSIENT_CODES,
+    Grant,
+    GrantReply,
     decode_grads,
     off_loop,
     retry,
     serialise_weights,
 )
-from shoal.runtime.transport.relays import RELAY_KINDS, RelayLink
-from shoal.runtime.transport.session import UP_KINDS, read_messages, serialised
+from shoal.runtime.transport.relays import RELAY_FRAMES, RELAY_KINDS, RelayLink
+from shoal.runtime.transport.session import UP_KINDS, message_kind, read_messages, serialised
 from shoal.runtime.ui.stats import StepTiming
 from shoal.train.optim import apply_update, make_optimizer, param_sq_norms, total_sq_norm
 from shoal.train.precision import unscale_grads, wire_dtype
@@ -144,6 +154,9 @@ log = logging.getLogger("shoal.server")
 
 # GradPush's frames field: a streamed push's frames are read from the received bytes (split_framed).
 GRAD_FRAMES = pb.GradPush.DESCRIPTOR.fields_by_name["grads"].number
+# A streamed result's frame stays a view of the received bytes: checked, then handed on in a
+# relay as it came (one copy of it per server where a parsed message costs three).
+RESULT_FRAME = pb.TaskResult.DESCRIPTOR.fields_by_name["output"].number
 
 
 class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantMixin, EndCheckMixin,
@@ -875,7 +888,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         idle = {w: (self.workers[w].ewma_s if w in self.workers else None) for w in self.idle_asking}
         return leave_to_faster(idle, wid, self._open_tasks())
 
-    def _pick(self, wid: str, open_ok: bool = True) -> pb.Task | None:
+    def _pick(self, wid: str, open_ok: bool = True) -> Grant | None:
         """Lease the next task of the current step to ``wid``: forwards first (see :func:`pick_order`);
         ``open_ok`` False: only a task no other worker may take (local mode's own gradients)."""
         if not self.ready or self.committing or self.version != self.step:
@@ -914,14 +927,20 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
             st.grad, st.holder = "leased", wid
         task = pb.Task(step=self.step, mb=mb, stage=self.stage, direction=direction,
                        epoch=self.epoch, lease_id=lid, deadline_s=secs, loss_scale=self.loss_scale)
-        if st.input is not None:
-            put_frame(task.input, st.input_frame if st.input_frame is not None else encode_frame("input", st.input))
-        if direction == pb.BWD:
-            put_frame(task.out_grad, st.out_grad_frame if st.out_grad_frame is not None
-                      else encode_frame("grad", st.out_grad))
         if self.is_first or self.is_last:
             task.tokens.CopyFrom(self._window(self.step, mb))
-        return task
+        return Grant(task, self._task_frames(st, out_grad=direction == pb.BWD))
+
+    def _task_frames(self, st: MbState, out_grad: bool) -> dict:
+        """A granted task's input (where the stage has one) and, ``out_grad``, its output
+        gradient: the frames as this server received them (:class:`Grant`)."""
+        frames = {}
+        if st.input is not None:
+            frames[TASK_INPUT] = st.input_frame if st.input_frame is not None else encode_frame("input", st.input)
+        if out_grad:
+            frames[TASK_OUT_GRAD] = (st.out_grad_frame if st.out_grad_frame is not None
+                                     else encode_frame("grad", st.out_grad))
+        return frames
 
     def _window(self, step: int, mb: int) -> pb.Tensor:
         """The token windows of micro-batch ``mb`` (inputs and targets; workers hold no data),
@@ -942,7 +961,8 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
     # ------------------------------------------------------------------ RPCs from workers
     async def Lease(self, request, context):
         await check_caller(context, request.worker)
-        return await self._lease_reply(request, session=False)
+        reply = await self._lease_reply(request, session=False)
+        return reply.message() if isinstance(reply, GrantReply) else reply
 
     def _may_grant(self, wid: str, ahead: bool, session: bool) -> bool:
         """Whether a request may take a task now: one made ahead (during a compute) never takes
@@ -979,7 +999,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
                  pb.Direction.Name(lease.direction), lease.step, lease.mb, lease.worker, wid)
         return True
 
-    async def _lease_reply(self, request: pb.LeaseRequest, session: bool, on_wait=None) -> pb.LeaseReply:
+    async def _lease_reply(self, request: pb.LeaseRequest, session: bool, on_wait=None) -> pb.LeaseReply | GrantReply:
         """The reply to one lease request (long-polled up to its ``wait_s``, 2 s at most).
 
         ``on_wait()``: called once if the request has to wait (a session then sends the
@@ -1031,12 +1051,12 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
                               flush=flush, epoch=self.epoch, step=self.step, ask_id=request.ask_id,
                               credit=self.grants.credit(wid, self.local) if session else 0)
         if task is not None:
-            reply.task.CopyFrom(task)
+            reply.task.CopyFrom(task.task)
             trace(self.name, "grant", w=wid, step=task.step, mb=task.mb, d=task.direction)
         elif flush:
             trace(self.name, "flush", w=wid, step=self.step)
         self._local_fill(reply, request.worker)
-        return reply
+        return GrantReply(reply, task.frames) if task is not None and task.frames else reply
 
     def _check_lease(self, r) -> tuple[Lease | None, str]:
         lease = self.leases.get(r.lease_id)
@@ -1051,7 +1071,10 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         await check_caller(context, r.worker)
         info = self._worker(r.worker)
         self.stats["messages"] += 1
-        frame = payload_frame(r.output)  # (each read of a payload copies it: read once)
+        try:
+            frame = one_frame(r, "output")  # (each read of a parsed payload copies it: read once)
+        except WireError as exc:
+            return pb.CompleteReply(accepted=False, reason=f"rejected: {exc}", gen=info.gen)
         size = len(frame.data)
         self.stats["bytes_in"] += size
         self.stats["results_by_call" if context is not None else "results_on_session"] += 1
@@ -1097,8 +1120,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         if r.direction == pb.FWD:
             st.fwd = "done"
             st.fwd_by, st.fwd_gen = r.worker, info.gen
-            msg = pb.Relay(step=r.step, mb=r.mb, epoch=self.epoch, direction=pb.FWD)
-            put_frame(msg.tensor, kept)
+            msg = Framed(pb.Relay(step=r.step, mb=r.mb, epoch=self.epoch, direction=pb.FWD), "tensor", [kept])
             self._spawn(self._relay(self.stage + 1, msg))
         else:
             st.grad, st.holder = "computed", r.worker
@@ -1106,8 +1128,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
                 st.loss = r.loss
             if not self.is_first and not st.relayed_back:
                 st.relayed_back = True
-                msg = pb.Relay(step=r.step, mb=r.mb, epoch=self.epoch, direction=pb.BWD)
-                put_frame(msg.tensor, kept)
+                msg = Framed(pb.Relay(step=r.step, mb=r.mb, epoch=self.epoch, direction=pb.BWD), "tensor", [kept])
                 self._spawn(self._relay(self.stage - 1, msg))
             if self.timing.all_computed is None and self.steps[r.step].tally.all_in("computed", "counted"):
                 self.timing.all_computed = time.monotonic()
@@ -1454,7 +1475,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
                 if msg is None:
                     break
                 data = await serialised(msg)
-                for chunk in split(type(msg).__name__, data, self.chunk_bytes):
+                for chunk in split(message_kind(msg), data, self.chunk_bytes):
                     yield chunk
         finally:
             reader.cancel()
@@ -1472,7 +1493,8 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         """Read a session's messages and answer each (in its own task: a lease request
         long-polls while results keep coming)."""
         try:
-            async for kind, msg in read_messages(chunks, UP_KINDS, self._session_limit, self._alive):
+            async for kind, msg in read_messages(chunks, UP_KINDS, self._session_limit, self._alive,
+                                                 frames={"TaskResult": RESULT_FRAME}):
                 if msg.worker != member:
                     refused.append((grpc.StatusCode.PERMISSION_DENIED,
                                     f"session message names member {msg.worker!r}, but the caller is {member!r}"))
@@ -1520,8 +1542,9 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
             out.put_nowait(None)
 
     async def LeaseStream(self, request, context):
-        reply = await self.Lease(request, context)
-        for chunk in chunks_of(reply, self.chunk_bytes):
+        await check_caller(context, request.worker)
+        reply = await self._lease_reply(request, session=False)
+        for chunk in split("LeaseReply", await serialised(reply), self.chunk_bytes):
             yield chunk
 
     def _alive(self, chunk: pb.Chunk) -> None:
@@ -1532,7 +1555,8 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
 
     async def CompleteStream(self, request_iterator, context):
         try:
-            msg = await receive(request_iterator, pb.TaskResult, self.max_bytes("act"), self._alive)
+            msg = await receive(request_iterator, pb.TaskResult, self.max_bytes("act"), self._alive,
+                                frames_field=RESULT_FRAME)
         except WireError as exc:
             log.warning("%s refused a streamed result: %s", self.name, exc)
             return pb.CompleteReply(accepted=False, reason=f"rejected: {exc}")
@@ -1558,7 +1582,8 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         refused = ""
         self.relay_streams += 1
         try:
-            async for _, msg in read_messages(request_iterator, RELAY_KINDS, lambda _kind: self.max_bytes("act")):
+            async for _, msg in read_messages(request_iterator, RELAY_KINDS, lambda _kind: self.max_bytes("act"),
+                                              frames=RELAY_FRAMES):
                 rep = await self.SubmitRelay(msg, None)
                 rep.relay_id = msg.relay_id
                 for chunk in split("RelayReply", rep.SerializeToString(), self.chunk_bytes):
@@ -1573,7 +1598,8 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
 
     async def SubmitRelayStream(self, request_iterator, context):
         try:
-            msg = await receive(request_iterator, pb.Relay, self.max_bytes("act"))
+            msg = await receive(request_iterator, pb.Relay, self.max_bytes("act"),
+                                frames_field=RELAY_FRAMES["Relay"])
         except WireError as exc:
             return pb.RelayReply(accepted=False, reason=f"rejected: {exc}")
         return await self.SubmitRelay(msg, context)
@@ -1741,7 +1767,10 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
     async def SubmitRelay(self, request, context):
         r = request
         self.stats["messages"] += 1
-        frame = payload_frame(r.tensor)  # (each read of a payload copies it: read once)
+        try:
+            frame = one_frame(r, "tensor")  # (each read of a parsed payload copies it: read once)
+        except WireError as exc:
+            return pb.RelayReply(accepted=False, reason=f"rejected: {exc}")
         size = len(frame.data)
         self.stats["bytes_in"] += size
         verdict = self._relay_verdict(r)
@@ -1814,7 +1843,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
                                                  traffic=self.traffic)
         return link
 
-    async def _relay(self, stage: int, msg: pb.Relay) -> None:
+    async def _relay(self, stage: int, msg: pb.Relay | Framed) -> None:
         """Send ``msg`` to ``stage``'s server until it is taken or the epoch moves on."""
         trace(self.name, "relay_out", step=msg.step, mb=msg.mb, d=msg.direction)
         while msg.epoch == self.epoch and not self.done:

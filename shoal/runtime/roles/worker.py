@@ -39,14 +39,13 @@ from shoal.net.stream import (
     send,
     transfer_timeout,
 )
-from shoal.net.traffic import Traffic, wire_frame_sizes
+from shoal.net.traffic import Traffic, framed_frames, wire_frame_sizes
 from shoal.net.wire import (
     Frame,
+    Framed,
     WireError,
     decode_tensor,
     encode_frame,
-    encode_tensor,
-    frame_capacity,
     frame_size,
     serialize_framed,
 )
@@ -1037,8 +1036,11 @@ class Worker(LocalWorkerMixin):
                 codec = self._codec("act" if task.direction == pb.FWD else "grad")
                 # a stochastic codec's rounding: fixed by the task, so a retried task sends the same bytes
                 key = sr_key(self.spec.seed, self.stage, task.step, task.mb, task.direction)
-                frame = await off_loop(out.numel() * out.element_size(), encode_tensor, "out", out, codec, None, key)
-                result.output.CopyFrom(frame)
+                # the frame a view of the output's bytes, copied once into the message as it is
+                # serialised (put into a TaskResult and serialised, it was copied three times)
+                frame = await off_loop(out.numel() * out.element_size(), encode_frame, "out", out, codec, None, key,
+                                       None, True)
+                result = Framed(result, "output", [frame])
             if self.upload_error is not None:
                 raise self.upload_error
             handed = True
@@ -1063,7 +1065,7 @@ class Worker(LocalWorkerMixin):
             return None
         req = pb.LeaseRequest(worker=self.member_id, wait_s=self.opts.lease_wait_s)
         ask_id, fut = sess.ask_with(result, req)
-        timeout = 10 + transfer_timeout(frame_capacity(result.output))  # the result goes up first
+        timeout = 10 + transfer_timeout(payload_bytes(result))  # the result goes up first
         self.ahead = (server, asyncio.create_task(self._next_reply(sess, ask_id, fut, timeout)))
         return sess
 
@@ -1174,7 +1176,11 @@ class Worker(LocalWorkerMixin):
                         done = await sess.complete(result, data, timeout=transfer_timeout(len(data)))
                     elif len(data) <= self.chunk_bytes:
                         # One chunk's worth: a unary call (about half the CPU of a streamed one).
-                        done = await server.Complete(result, timeout=transfer_timeout(len(data)))
+                        msg = pb.TaskResult.FromString(data) if isinstance(result, Framed) else result
+                        done = await server.Complete(msg, timeout=transfer_timeout(len(data)))
+                    elif isinstance(result, Framed):
+                        done = await send(server.CompleteStream, result.head, self.chunk_bytes, traffic=self.traffic,
+                                          sender=self.member_id, data=data, frames=framed_frames(result))
                     else:
                         done = await send(server.CompleteStream, result, self.chunk_bytes, traffic=self.traffic,
                                           sender=self.member_id, data=data)

@@ -32,7 +32,7 @@ import time
 import torch
 
 from shoal.net import shoal_pb2 as pb
-from shoal.net.wire import WireError, encode_frame, put_frame
+from shoal.net.wire import WireError
 from shoal.runtime.common import lease_seconds, run_precision
 from shoal.runtime.safety.guard import (
     drift_suspect,
@@ -53,6 +53,7 @@ from shoal.runtime.safety.verify import (
     sq_norm,
     sum_in_order,
 )
+from shoal.runtime.transport.frames import Grant
 
 log = logging.getLogger("shoal.server")
 
@@ -104,7 +105,7 @@ class RedundantMixin:
     def _dup_pending(self) -> bool:
         return bool(self.dup_checks)
 
-    def _dup_pick(self, wid: str) -> pb.Task | None:
+    def _dup_pick(self, wid: str) -> Grant | None:
         """A check task for ``wid`` (its next micro-batch of a check it was drawn for), or None."""
         for chk in self.dup_checks.values():
             if chk.checker != wid or not chk.todo or chk.step != self.step or chk.epoch != self.epoch:
@@ -123,14 +124,9 @@ class RedundantMixin:
             task = pb.Task(step=chk.step, mb=mb, stage=self.stage, direction=pb.FWDBWD if self.is_last else pb.BWD,
                            epoch=self.epoch, lease_id=lid, deadline_s=secs, loss_scale=self.loss_scale,
                            check_id=chk.check_id)
-            if st.input is not None:
-                put_frame(task.input, st.input_frame if st.input_frame is not None else encode_frame("input", st.input))
-            if not self.is_last:
-                put_frame(task.out_grad, st.out_grad_frame if st.out_grad_frame is not None
-                          else encode_frame("grad", st.out_grad))
             if self.is_first or self.is_last:
                 task.tokens.CopyFrom(self._window(chk.step, mb))
-            return task
+            return Grant(task, self._task_frames(st, out_grad=not self.is_last))
         return None
 
     def _dup_renew(self, wid: str, lid: int, secs: float) -> None:

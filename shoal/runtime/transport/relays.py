@@ -23,7 +23,7 @@ import grpc
 
 from shoal.net import shoal_pb2 as pb
 from shoal.net.stream import CONTROL_SLACK, transfer_timeout
-from shoal.net.wire import WireError
+from shoal.net.wire import Framed, WireError
 from shoal.runtime.transport.session import (
     StreamEnd,
     read_messages,
@@ -33,6 +33,9 @@ from shoal.runtime.transport.session import (
 )
 
 RELAY_KINDS = {"Relay": pb.Relay}  # what the receiver reads on the stream
+# A relay's frame stays a view of the received bytes (shoal.net.wire.split_framed): the
+# receiver checks it and hands it on with each grant without copying it out of a message.
+RELAY_FRAMES = {"Relay": pb.Relay.DESCRIPTOR.fields_by_name["tensor"].number}
 REPLY_KINDS = {"RelayReply": pb.RelayReply}  # what the sender reads back
 
 
@@ -67,12 +70,13 @@ class RelayLink(StreamEnd):
                     fut.set_exception(self.error)
             self.waiting.clear()
 
-    async def relay(self, msg: pb.Relay) -> pb.RelayReply:
-        """Send ``msg`` (its ``relay_id`` is set here) and wait for the peer's verdict; raises
-        the link's gRPC error when it breaks (or DEADLINE_EXCEEDED after the transfer's time)."""
+    async def relay(self, msg: pb.Relay | Framed) -> pb.RelayReply:
+        """Send ``msg`` (its ``relay_id`` is set here; a :class:`~shoal.net.wire.Framed` relay:
+        the received frame handed on as it is) and wait for the peer's verdict; raises the
+        link's gRPC error when it breaks (or DEADLINE_EXCEEDED after the transfer's time)."""
         if self.error is not None:
             raise self.error
-        msg.relay_id = self.next_id
+        (msg.head if isinstance(msg, Framed) else msg).relay_id = self.next_id
         self.next_id += 1
         fut = self.waiting[msg.relay_id] = asyncio.get_running_loop().create_future()
         data = await serialised(msg)

@@ -25,8 +25,8 @@ import grpc
 
 from shoal.net import shoal_pb2 as pb
 from shoal.net.stream import CONTROL_SLACK, Assembler, split
-from shoal.net.wire import WireError
-from shoal.runtime.transport.frames import off_loop, payload_bytes
+from shoal.net.wire import Framed, WireError, serialize_message
+from shoal.runtime.transport.frames import GrantReply, grant_reply_bytes, off_loop, payload_bytes
 
 # The largest result a worker sends on its session. A session is one stream: a message
 # queued behind a large result (the next lease request, a renewal) waits for all of it, which
@@ -62,13 +62,17 @@ def unavailable(details: str) -> grpc.aio.AioRpcError:
                                 details=details)
 
 
-async def read_messages(chunks, kinds: dict[str, type], limit, on_chunk=None, sizes: list | None = None):
+async def read_messages(chunks, kinds: dict[str, type], limit, on_chunk=None, sizes: list | None = None,
+                        frames: dict[str, int] | None = None):
     """Yield ``(kind, message)`` from a stream of chunks that carries whole messages one after
     another. ``kinds``: the message types allowed; ``limit(kind)``: most bytes of one; a
     chunk of another type, a message over its limit or chunks out of order raise
     :class:`WireError`. Large messages are parsed in a thread. ``sizes``: a one-item list
     that holds the serialised size of the message just yielded (for traffic counts: sizing
-    a parsed message costs as much as serialising it)."""
+    a parsed message costs as much as serialising it). ``frames``: kind -> the number of its
+    Tensor field to keep out of protobuf: such a message comes as a
+    :class:`~shoal.net.wire.Framed`, its frames views of the received bytes."""
+    fields = frames or {}
     asm: Assembler | None = None
     cls = None
     async for c in chunks:
@@ -81,7 +85,7 @@ async def read_messages(chunks, kinds: dict[str, type], limit, on_chunk=None, si
         if on_chunk is not None:
             on_chunk(c)
         if asm.got >= asm.total:
-            msg = await off_loop(asm.total, asm.finish, cls)
+            msg = await off_loop(asm.total, asm.finish, cls, None, fields.get(c.kind))
             if sizes is not None:
                 sizes[0] = asm.total
             asm = None
@@ -106,9 +110,20 @@ async def reply_within(fut: asyncio.Future, timeout: float, details: str):
         timer.cancel()
 
 
-async def serialised(msg) -> bytes:
-    """``msg``'s bytes, made in a thread when large (a task's input, a result)."""
+async def serialised(msg) -> bytes | memoryview:
+    """``msg``'s bytes, made in a thread when large (a task's input, a result); a
+    :class:`~shoal.net.wire.Framed` one (a result, a relay handing on the frame a server received) with
+    its frames put in as they are serialised (:func:`~shoal.net.wire.serialize_message`)."""
+    if isinstance(msg, Framed):
+        return await off_loop(payload_bytes(msg), serialize_message, msg)
+    if isinstance(msg, GrantReply):
+        return await off_loop(payload_bytes(msg), grant_reply_bytes, msg)
     return await off_loop(payload_bytes(msg), msg.SerializeToString)
+
+
+def message_kind(msg) -> str:
+    """The type name a message travels under (a wrapper's: its head's)."""
+    return type(msg.head if isinstance(msg, (Framed, GrantReply)) else msg).__name__
 
 
 class StreamEnd:
@@ -199,7 +214,7 @@ class SessionClient(StreamEnd):
             data = msg.SerializeToString()
         if self.traffic is not None:
             self.traffic.count(msg, total=len(data), data=data)
-        self.out.put_nowait((type(msg).__name__, data))
+        self.out.put_nowait((message_kind(msg), data))
 
     async def _await(self, table: dict, key: int, timeout: float):
         fut = table.get(key)
