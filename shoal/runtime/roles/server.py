@@ -929,18 +929,18 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
                        epoch=self.epoch, lease_id=lid, deadline_s=secs, loss_scale=self.loss_scale)
         if self.is_first or self.is_last:
             task.tokens.CopyFrom(self._window(self.step, mb))
-        return Grant(task, self._task_frames(st, out_grad=direction == pb.BWD))
+        return self._granted(task, st, out_grad=direction == pb.BWD)
 
-    def _task_frames(self, st: MbState, out_grad: bool) -> dict:
-        """A granted task's input (where the stage has one) and, ``out_grad``, its output
-        gradient: the frames as this server received them (:class:`Grant`)."""
+    def _granted(self, task: pb.Task, st: MbState, out_grad: bool) -> Grant:
+        """``task`` as granted: with micro-batch ``st``'s input (where the stage has one) and,
+        ``out_grad``, its output gradient, the frames as this server received them."""
         frames = {}
         if st.input is not None:
             frames[TASK_INPUT] = st.input_frame if st.input_frame is not None else encode_frame("input", st.input)
         if out_grad:
             frames[TASK_OUT_GRAD] = (st.out_grad_frame if st.out_grad_frame is not None
                                      else encode_frame("grad", st.out_grad))
-        return frames
+        return Grant(task, frames)
 
     def _window(self, step: int, mb: int) -> pb.Tensor:
         """The token windows of micro-batch ``mb`` (inputs and targets; workers hold no data),

@@ -53,7 +53,6 @@ from shoal.runtime.safety.verify import (
     sq_norm,
     sum_in_order,
 )
-from shoal.runtime.transport.frames import Grant
 
 log = logging.getLogger("shoal.server")
 
@@ -105,8 +104,9 @@ class RedundantMixin:
     def _dup_pending(self) -> bool:
         return bool(self.dup_checks)
 
-    def _dup_pick(self, wid: str) -> Grant | None:
-        """A check task for ``wid`` (its next micro-batch of a check it was drawn for), or None."""
+    def _dup_pick(self, wid: str):
+        """A check task for ``wid`` (its next micro-batch of a check it was drawn for), as the
+        server grants it (``StageServer._granted``), or None."""
         for chk in self.dup_checks.values():
             if chk.checker != wid or not chk.todo or chk.step != self.step or chk.epoch != self.epoch:
                 continue
@@ -126,7 +126,7 @@ class RedundantMixin:
                            check_id=chk.check_id)
             if self.is_first or self.is_last:
                 task.tokens.CopyFrom(self._window(chk.step, mb))
-            return Grant(task, self._task_frames(st, out_grad=not self.is_last))
+            return self._granted(task, st, out_grad=not self.is_last)
         return None
 
     def _dup_renew(self, wid: str, lid: int, secs: float) -> None:
