@@ -187,15 +187,22 @@ class _Session:
 
 
 @pytest.mark.timeout(60)
-def test_a_relayed_frame_is_kept_as_received_and_granted_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("framed", [True, False])
+def test_a_relayed_frame_is_kept_as_received_and_granted_bit_for_bit(tmp_path, monkeypatch, framed):
     """The path an activation and its gradient take through a stage server, as members send
     them: a worker's session sends results whose frame is a view of its tensor (``Framed``, no
     copy into a message), a peer relays a gradient the same way over the relay stream; the
     server keeps each frame as a view of the received bytes, not a copy; the worker is granted
     the backward task with the relayed frame as its ``out_grad`` (a ``GrantReply``, the frame put
     in as it is serialised), and so is a worker on the streamed lease call; both decode to the
-    relayed tensor bit for bit. A relay or result that carries its frame twice is refused with
-    a reason, and its lease stands."""
+    relayed tensor bit for bit. This run's 8 KiB tensors go so with the size from which that
+    holds set to 0 (``framed``); with the default, they go as parsed messages, to the same
+    bits. A relay or result that carries its frame twice is refused with a reason, and its
+    lease stands."""
+    from shoal.net import wire
+
+    if framed:
+        monkeypatch.setattr(wire, "FRAMED_MIN_BYTES", 0)
     from shoal.net.stream import receive, split
     from shoal.net.wire import Frame, Framed, encode_frame, serialize_message
     from shoal.runtime.transport.session import DOWN_KINDS, read_messages
@@ -213,7 +220,7 @@ def test_a_relayed_frame_is_kept_as_received_and_granted_bit_for_bit(tmp_path):
                 link.close()
             for mb in (0, 1):
                 kept = srv.steps[0][mb].out_grad_frame
-                assert isinstance(kept, Frame) and isinstance(kept.data, memoryview)  # a view, not a copy
+                assert isinstance(kept, Frame) and isinstance(kept.data, memoryview) == framed  # a view, not a copy
                 assert torch.equal(srv.steps[0][mb].out_grad, _grad(mb))
 
             up: asyncio.Queue = asyncio.Queue()

@@ -71,6 +71,28 @@ def payload_frame(frame: pb.Tensor) -> Frame:
                  codec=frame.codec or "raw", meta=frame.meta)
 
 
+# Below this many payload bytes a result, relay or grant is parsed and built by protobuf: its
+# compiled code then beats a Framed message's steps in Python, above it the copies into and out of
+# a message cost more (bench/bench_result_copies.py: the two ways cross near 0.2 MB).
+FRAMED_MIN_BYTES = 256 * 1024
+
+
+def goes_framed(nbytes: int) -> bool:
+    """Whether a result, relay or grant of ``nbytes`` of payload travels as a :class:`Framed`
+    message (:data:`FRAMED_MIN_BYTES`)."""
+    return nbytes >= FRAMED_MIN_BYTES
+
+
+def with_frame(head, field: str, frame: Frame):
+    """``head`` with ``frame`` as its singular Tensor field ``field``: a :class:`Framed` message
+    (the payload copied once, as it is serialised) for a payload of :data:`FRAMED_MIN_BYTES`
+    or more, else ``head`` with the frame put in (:func:`put_frame`)."""
+    if goes_framed(len(frame.data)):
+        return Framed(head, field, [frame])
+    put_frame(getattr(head, field), frame)
+    return head
+
+
 def one_frame(msg, field: str) -> Frame:
     """The frame in ``msg``'s singular Tensor field ``field``, its payload read once: of a
     :class:`Framed` message (:func:`split_framed`: a view of the received bytes, no copy) or

@@ -59,7 +59,9 @@ from shoal.net.wire import (
     WireError,
     encode_frame,
     encode_tensor,
+    goes_framed,
     one_frame,
+    with_frame,
 )
 from shoal.runtime.common import (
     SCHEMA_VERSION,
@@ -1056,7 +1058,10 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         elif flush:
             trace(self.name, "flush", w=wid, step=self.step)
         self._local_fill(reply, request.worker)
-        return GrantReply(reply, task.frames) if task is not None and task.frames else reply
+        if task is None or not task.frames:
+            return reply
+        grant = GrantReply(reply, task.frames)
+        return grant if goes_framed(sum(len(f.data) for f in task.frames.values())) else grant.message()
 
     def _check_lease(self, r) -> tuple[Lease | None, str]:
         lease = self.leases.get(r.lease_id)
@@ -1120,7 +1125,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
         if r.direction == pb.FWD:
             st.fwd = "done"
             st.fwd_by, st.fwd_gen = r.worker, info.gen
-            msg = Framed(pb.Relay(step=r.step, mb=r.mb, epoch=self.epoch, direction=pb.FWD), "tensor", [kept])
+            msg = with_frame(pb.Relay(step=r.step, mb=r.mb, epoch=self.epoch, direction=pb.FWD), "tensor", kept)
             self._spawn(self._relay(self.stage + 1, msg))
         else:
             st.grad, st.holder = "computed", r.worker
@@ -1128,7 +1133,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
                 st.loss = r.loss
             if not self.is_first and not st.relayed_back:
                 st.relayed_back = True
-                msg = Framed(pb.Relay(step=r.step, mb=r.mb, epoch=self.epoch, direction=pb.BWD), "tensor", [kept])
+                msg = with_frame(pb.Relay(step=r.step, mb=r.mb, epoch=self.epoch, direction=pb.BWD), "tensor", kept)
                 self._spawn(self._relay(self.stage - 1, msg))
             if self.timing.all_computed is None and self.steps[r.step].tally.all_in("computed", "counted"):
                 self.timing.all_computed = time.monotonic()

@@ -48,6 +48,7 @@ from shoal.net.wire import (
     encode_frame,
     frame_size,
     serialize_framed,
+    with_frame,
 )
 from shoal.runtime.common import (
     SCHEMA_VERSION,
@@ -1036,11 +1037,12 @@ class Worker(LocalWorkerMixin):
                 codec = self._codec("act" if task.direction == pb.FWD else "grad")
                 # a stochastic codec's rounding: fixed by the task, so a retried task sends the same bytes
                 key = sr_key(self.spec.seed, self.stage, task.step, task.mb, task.direction)
-                # the frame a view of the output's bytes, copied once into the message as it is
-                # serialised (put into a TaskResult and serialised, it was copied three times)
+                # a large output's frame is a view of its bytes, copied once into the message as it
+                # is serialised (put into a TaskResult and serialised, it was copied three times;
+                # a small one goes into the message, faster there: wire.with_frame)
                 frame = await off_loop(out.numel() * out.element_size(), encode_frame, "out", out, codec, None, key,
                                        None, True)
-                result = Framed(result, "output", [frame])
+                result = with_frame(result, "output", frame)
             if self.upload_error is not None:
                 raise self.upload_error
             handed = True

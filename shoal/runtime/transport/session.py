@@ -25,7 +25,7 @@ import grpc
 
 from shoal.net import shoal_pb2 as pb
 from shoal.net.stream import CONTROL_SLACK, Assembler, split
-from shoal.net.wire import Framed, WireError, serialize_message
+from shoal.net.wire import Framed, WireError, goes_framed, serialize_message
 from shoal.runtime.transport.frames import GrantReply, grant_reply_bytes, off_loop, payload_bytes
 
 # The largest result a worker sends on its session. A session is one stream: a message
@@ -71,7 +71,8 @@ async def read_messages(chunks, kinds: dict[str, type], limit, on_chunk=None, si
     that holds the serialised size of the message just yielded (for traffic counts: sizing
     a parsed message costs as much as serialising it). ``frames``: kind -> the number of its
     Tensor field to keep out of protobuf: such a message comes as a
-    :class:`~shoal.net.wire.Framed`, its frames views of the received bytes."""
+    :class:`~shoal.net.wire.Framed`, its frames views of the received bytes, when it is
+    :data:`~shoal.net.wire.FRAMED_MIN_BYTES` or more (a smaller one is parsed whole, faster)."""
     fields = frames or {}
     asm: Assembler | None = None
     cls = None
@@ -85,7 +86,8 @@ async def read_messages(chunks, kinds: dict[str, type], limit, on_chunk=None, si
         if on_chunk is not None:
             on_chunk(c)
         if asm.got >= asm.total:
-            msg = await off_loop(asm.total, asm.finish, cls, None, fields.get(c.kind))
+            field = fields.get(c.kind) if goes_framed(asm.total) else None
+            msg = await off_loop(asm.total, asm.finish, cls, None, field)
             if sizes is not None:
                 sizes[0] = asm.total
             asm = None
