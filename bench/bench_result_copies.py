@@ -12,7 +12,10 @@ the payload read out, put into a ``Relay``, serialised; ``FromString``, read out
 each server splits the message with its frame a view of the received bytes and serialises
 the relay, and the grant (``shoal.runtime.transport.frames.GrantReply``), with one copy).
 Chunking and gRPC, the same either way, are left out. Prints the process CPU per result
-(the messages are checked equal between the two ways).
+(the messages are checked equal between the two ways), with the allocator settings shoal's
+processes run with (``shoal.memory.tune_malloc``; ``SHOAL_MALLOC=system``: the C library's
+defaults, under which each copy of a large payload faults in fresh pages). The runtime takes
+the second way from ``shoal.net.wire.FRAMED_MIN_BYTES`` (256 KiB) on, where it is the faster.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from shoal.memory import tune_malloc  # noqa: E402
 from shoal.net import shoal_pb2 as pb  # noqa: E402
 from shoal.net.wire import (  # noqa: E402
     Framed,
@@ -102,14 +106,15 @@ def cpu_per_call(fn, out: torch.Tensor, reps: int) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mb", type=float, nargs="+", default=[0.13, 1.4, 4.0], help="result sizes, MB")
+    ap.add_argument("--mb", type=float, nargs="+", default=[0.13, 0.25, 0.5, 1.4, 4.0], help="result sizes, MB")
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of the two ways")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    tuned = tune_malloc()
     print(f"a result through a worker, its server's relay and the next server's grant, {args.reps} results a "
           f"round, {args.rounds} rounds alternating; CPU ms per result, the least round (chunking and gRPC left "
-          "out)\n")
+          f"out); {'shoal' if tuned else 'the C library'}'s allocator settings\n")
     print("| result | parsed messages | Framed (now) | ratio |")
     print("|---|---|---|---|")
     for mb in args.mb:
