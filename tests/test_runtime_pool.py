@@ -28,6 +28,7 @@ from shoal.runtime.pool.pool import (
 )
 from shoal.runtime.roles.server import StageServer
 from shoal.runtime.safety.guard import GuardConfig
+from tests.helpers.contexts import MemberCall
 
 M, B, T = 3, 2, 16
 
@@ -767,21 +768,6 @@ def test_an_open_task_goes_to_the_fastest_idle_worker(tmp_path):
     asyncio.run(main())
 
 
-class _Caller:
-    """The gRPC context of a session opened by member ``wid`` (in process: no sockets)."""
-
-    def __init__(self, wid: str) -> None:
-        self.wid = wid
-
-    def invocation_metadata(self):
-        from shoal.net.auth import MEMBER_HEADER
-
-        return [(MEMBER_HEADER, self.wid)]
-
-    async def abort(self, code, details):
-        raise AssertionError(f"session aborted: {code} {details}")
-
-
 def test_a_result_carrying_the_next_lease_request_is_answered_in_one_message(tmp_path):
     """On a worker's session a result may carry its next lease request (the worker is idle
     once its result is out): the server answers both with one LeaseReply that holds the
@@ -802,7 +788,7 @@ def test_a_result_carrying_the_next_lease_request_is_answered_in_one_message(tmp
                 for c in split(type(msg).__name__, msg.SerializeToString(), 1 << 20, "A"):
                     yield c
 
-        down = read_messages(srv.Session(chunks(), _Caller("A")), DOWN_KINDS, lambda _kind: 1 << 26)
+        down = read_messages(srv.Session(chunks(), MemberCall("A")), DOWN_KINDS, lambda _kind: 1 << 26)
 
         async def next_msg():
             kind, msg = await asyncio.wait_for(down.__anext__(), 30)

@@ -20,6 +20,7 @@ from shoal.net.wire import decode_tensor, encode_tensor
 from shoal.runtime.roles.server import StageServer
 from shoal.runtime.safety.guard import GuardConfig
 from shoal.runtime.transport.relays import RelayLink
+from tests.helpers.contexts import MemberCall
 
 TOKEN = "relay-test-token"
 SECRET = b"relay-test-secret"
@@ -171,21 +172,6 @@ def test_payload_bytes_sizes_large_messages_without_serialising_them():
     assert payload_bytes(small) == len(small.SerializeToString())
 
 
-class _Session:
-    """The gRPC context of a worker's session (in process): its member id."""
-
-    def __init__(self, wid: str) -> None:
-        self.wid = wid
-
-    def invocation_metadata(self):
-        from shoal.net.auth import MEMBER_HEADER
-
-        return [(MEMBER_HEADER, self.wid)]
-
-    async def abort(self, code, details):
-        raise AssertionError(f"session aborted: {code} {details}")
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("framed", [True, False])
 def test_a_relayed_frame_is_kept_as_received_and_granted_bit_for_bit(tmp_path, monkeypatch, framed):
@@ -232,7 +218,7 @@ def test_a_relayed_frame_is_kept_as_received_and_granted_bit_for_bit(tmp_path, m
                     for c in split(type(head).__name__, data, CHUNK, "w"):
                         yield c
 
-            down = read_messages(srv.Session(chunks(), _Session("w")), DOWN_KINDS, lambda _kind: 1 << 26)
+            down = read_messages(srv.Session(chunks(), MemberCall("w")), DOWN_KINDS, lambda _kind: 1 << 26)
 
             async def reply():
                 return (await asyncio.wait_for(down.__anext__(), 30))[1]
