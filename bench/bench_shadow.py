@@ -3,10 +3,10 @@ coordinator's CPU, with N shadow workers (shoal.runtime.roles.shadow) playing N 
 
     PYTHONPATH=. python bench/bench_shadow.py [--workers 16,64,256] [--model gpt-350m]
         [--gpu rtx4090] [--stages 2] [--steps 4] [--micro-batches 16] [--micro-batch-size 4]
-        [--seq-len 256] [--speedup 1] [--per-process 64] [--sync local --sync-every 4]
+        [--seq-len 256] [--speedup 1] [--per-process 64] [--sync local --sync-every 4] [--host-cores 8]
 
 For each N: a scenario of N ``--gpu`` devices (one region, 1 Gb/s links) and two server
-hosts (10 Gb/s) with the run's workload; ``shoal launch --shadow --scenario`` at
+hosts (10 Gb/s, ``--host-cores`` cores each: the simulator's server CPU) with the run's workload; ``shoal launch --shadow --scenario`` at
 ``--emulate-speedup`` (1: real GPU time), its workers grouped ``--per-process`` to a process.
 Prints per N: the simulator's step time for the planner's plan of that scenario (steps
 after the first, as measured), the achieved step time (metrics, steps after the first),
@@ -39,7 +39,7 @@ def scenario_dict(n: int, gpu: str, args) -> dict:
     dev = {"kind": gpu, "tflops": round(peak * EFFICIENCY, 2), "memory_gb": mem, "region": "dc",
            "up_mbps": 1000, "down_mbps": 1000}
     host = {"kind": "server", "tflops": 0, "memory_gb": 0, "region": "dc", "up_gbps": 10, "down_gbps": 10,
-            "can_host_server": True, "host_memory_gb": 128}
+            "can_host_server": True, "host_memory_gb": 128, "cores": args.host_cores}
     return {"name": f"shadow-{n}", "description": f"{n} x {gpu}, two server hosts, one region",
             "workload": {"model": args.model, "seq_len": args.seq_len,
                          "global_batch": args.micro_batches * args.micro_batch_size,
@@ -123,13 +123,15 @@ def main() -> int:
     ap.add_argument("--sync-every", type=int, default=4)
     ap.add_argument("--dead-after", type=float, default=10.0)
     ap.add_argument("--timeout", type=float, default=1800.0)
+    ap.add_argument("--host-cores", type=int, default=8,
+                    help="cores of each server host in the simulated scenario (the box's: its cores shared)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     root = Path(args.out or tempfile.mkdtemp(prefix="bench_shadow_"))
     root.mkdir(parents=True, exist_ok=True)
     print(f"shadow swarms: {args.model}, {args.stages} stages, M={args.micro_batches} B={args.micro_batch_size} "
           f"T={args.seq_len}, {args.gpu} x N at time scale {args.speedup:g}, sync {args.sync}, "
-          f"{os.cpu_count()} cores\n")
+          f"{os.cpu_count()} cores; simulated server hosts of {args.host_cores} cores\n")
     print("| workers | simulated step | achieved step | achieved / simulated | tasks/s per server | "
           "coordinator CPU | server CPU | worker processes' CPU |")
     print("|---|---|---|---|---|---|---|---|")
