@@ -6,8 +6,9 @@ coordinator's CPU, with N shadow workers (shoal.runtime.roles.shadow) playing N 
         [--seq-len 256] [--speedup 1] [--per-process 64] [--sync local --sync-every 4] [--host-cores 8]
 
 For each N: a scenario of N ``--gpu`` devices (one region, 1 Gb/s links) and two server
-hosts (10 Gb/s, ``--host-cores`` cores each: the simulator's server CPU) with the run's workload; ``shoal launch --shadow --scenario`` at
-``--emulate-speedup`` (1: real GPU time), its workers grouped ``--per-process`` to a process.
+hosts (10 Gb/s, ``--host-cores`` cores each: the simulator's server CPU) with the run's
+workload; ``shoal launch --shadow --scenario`` at ``--emulate-speedup`` (1: real GPU time),
+its workers grouped ``--per-process`` to a process.
 Prints per N: the simulator's step time for the planner's plan of that scenario (steps
 after the first, as measured), the achieved step time (metrics, steps after the first),
 their ratio, the stage servers' tasks per second, and the CPU seconds per wall second of
