@@ -1037,9 +1037,9 @@ class Worker(LocalWorkerMixin):
                 codec = self._codec("act" if task.direction == pb.FWD else "grad")
                 # a stochastic codec's rounding: fixed by the task, so a retried task sends the same bytes
                 key = sr_key(self.spec.seed, self.stage, task.step, task.mb, task.direction)
-                # a large output's frame is a view of its bytes, copied once into the message as it
-                # is serialised (put into a TaskResult and serialised, it was copied three times;
-                # a small one goes into the message, faster there: wire.with_frame)
+                # a large output's frame is a view of its bytes, copied once, as the message is
+                # serialised; a small one goes into the message, where protobuf is faster
+                # (wire.with_frame)
                 frame = await off_loop(out.numel() * out.element_size(), encode_frame, "out", out, codec, None, key,
                                        None, True)
                 result = with_frame(result, "output", frame)

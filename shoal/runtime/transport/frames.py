@@ -48,9 +48,9 @@ class Grant:
 @dataclass(slots=True)
 class GrantReply:
     """A :class:`pb.LeaseReply` whose task's frames are kept out of it (:class:`Grant`): put
-    into the reply as it is serialised (:func:`grant_reply_bytes`), each payload copied once,
-    where setting them in the task and copying that into the reply cost two more copies (about
-    1.3 ms each at 8 MB: bench/bench_result_copies.py). Other attributes are the reply's."""
+    into the reply as it is serialised (:func:`grant_reply_bytes`), each payload copied once;
+    put into the task and that into the reply, each would be copied twice more (about 1.3 ms a
+    copy at 8 MB: bench/bench_result_copies.py). Other attributes are the reply's."""
 
     head: pb.LeaseReply  # the reply, its task without frames
     frames: dict  # as Grant.frames
