@@ -69,7 +69,9 @@ def test_budget_allows():
     assert QualityBudget().allows(SyncPolicy(mode="local", sync_every=8, lean=True))
     # the fewest bytes the budget allows, per kind (sparse is never used for activations); lowrank's
     # bytes per weight fall with the model's width: sparse's fewer at 128, lowrank's at 768
-    assert QualityBudget().codec_for("push", 2, 128) == "sparse" and QualityBudget().codec_for("act", 2) == "int8"
+    assert QualityBudget().codec_for("push", 2, 128) == "sparse" and QualityBudget().codec_for("act", 2) == "quad-pc"
+    assert QualityBudget().codec_for("grad", 2) == "tern-dither"  # (gradients only)
+    assert QualityBudget(codecs=("none", "int8", "sparse")).codec_for("act", 2) == "int8"
     assert QualityBudget().codec_for("push", 2, 768) == "lowrank"
     assert QualityBudget(codecs=("none", "int8", "lowrank:2:8")).codec_for("push", 2, 2048) == "lowrank:2:8"
     assert QualityBudget(codecs=("none",)).codec_for("push", 2) == "none"
@@ -188,6 +190,28 @@ def test_quality_note_names_the_measured_cost_of_sparse_sync():
     assert quality_note(SyncPolicy()) is None  # exact sync
 
 
+def test_lighter_prices_int8_activations_where_theirs_are_lossier():
+    """Where the budget's activation codecs of fewest bytes (quad-pc, tern-dither) are used,
+    auto also prices int8 ones on the same placement (with every lighter push/pull codec), and
+    among equally fast candidates takes the closer to exact training."""
+    from dataclasses import replace
+
+    from shoal.plan.auto import _lossy_rank, act_note, lighter
+
+    q = SyncPolicy(mode="local", sync_every=4, push_codec="lowrank", pull_codec="lowrank", act_codec="quad-pc",
+                   grad_codec="tern-dither")
+    got = lighter(q, QualityBudget())
+    i8 = dict(act_codec="int8", grad_codec="int8")
+    assert got == [replace(q, push_codec="int8", pull_codec="int8"), replace(q, **i8),
+                   replace(q, push_codec="int8", pull_codec="int8", **i8)]
+    assert lighter(q, QualityBudget(codecs=("none", "lowrank", "quad-pc", "tern-dither"))) == []  # no int8 allowed
+    assert lighter(replace(q, **i8), QualityBudget()) == [replace(q, push_codec="int8", pull_codec="int8", **i8)]
+    assert _lossy_rank(replace(q, **i8)) < _lossy_rank(q)
+    note = act_note(q)
+    assert note and "compress_bench.md" in note and "+0.4% to +1.0%" in note
+    assert act_note(replace(q, **i8)) is None and act_note(SyncPolicy()) is None
+
+
 def test_lean_note_names_the_measured_cost_of_lean_workers():
     from shoal.plan.auto import LEAN_LOSS_COST, lean_note
 
@@ -263,7 +287,7 @@ def test_cli_budget_flags(capsys):
     assert main(["plan", "--scenario", "demo", "--sync", "exact", "--no-lean"]) == 2  # auto's budget only
     capsys.readouterr()
     assert main(["plan", "--scenario", "demo", "--no-lean"]) == 0
-    assert "lean workers excluded" in capsys.readouterr().out.replace("\n", " ")
+    assert "lean workers excluded" in " ".join(capsys.readouterr().out.split())
 
 
 def test_plan_auto_says_what_it_places_before_each_placement():

@@ -551,9 +551,9 @@ def run_demo(cfg: DemoConfig, console=None) -> Path:
     asked, by_hand = cfg.sync, bool(cfg.replicas)
     plan, cfg = choose_sync(cfg, spec.emulated, stages)
     stages = cfg.stages
-    from shoal.plan.auto import lean_note, overlap_note, quality_note
+    from shoal.plan.auto import act_note, lean_note, overlap_note, quality_note
 
-    for note in (quality_note(plan.sync), lean_note(plan.sync), overlap_note(plan.sync)):
+    for note in (quality_note(plan.sync), act_note(plan.sync), lean_note(plan.sync), overlap_note(plan.sync)):
         if note is not None:
             notes.append(note)  # what the chosen codecs and delayed application measurably cost
     if stages > len(sc.workers):

@@ -17,14 +17,17 @@ Candidates, each placed once by shoal's allocator and then priced by the cost mo
 
   Where the codec of fewest bytes for pushes or pulls is ``sparse`` or ``lowrank``, each allowed
   codec closer to exact training (``int8``, ``lowrank``: :data:`SYNC_CODEC_ORDER`) is also
-  priced there (:func:`lighter`): where the links do not limit the step, fewer bytes buy no
-  speed and cost loss (bench/results/sparse-sync.md). Each is also priced with the steps
-  waiting for every round (``overlap=False``): delayed application costs loss too.
+  priced there (:func:`lighter`), and so are ``int8`` activations and gradients where theirs
+  are lossier (``quad-pc``, ``tern-dither``: :data:`ACT_CODEC_ORDER`): where the links do not
+  limit the step, fewer bytes buy no speed and cost loss (bench/results/sparse-sync.md,
+  compress_bench.md), and the lossier activation codecs cost the workers' and servers' CPU.
+  Each is also priced with the steps waiting for every round (``overlap=False``): delayed
+  application costs loss too.
 
 The choice is the candidate of most predicted tokens/s (long run, churn included where the
 scenario has churn); among those within ``TIE`` (0.1 %) of it, the one closest to exact
 training: exact sync first, then the smallest ``H``, then no delayed application, then the
-push and pull codecs of least measured loss.
+codecs of least measured loss.
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ from shoal.plan.types import Plan, Scenario, SyncPolicy
 
 SYNC_EVERY_CHOICES = (4, 8, 16, 32, 64, 128)  # the H values auto considers (up to the budget's maximum)
 DEFAULT_MAX_SYNC_EVERY = 32  # the budget's default largest H (local mode's default H)
-DEFAULT_CODECS = ("none", "int8", "sparse", "lowrank")  # codecs the default budget allows (sparse, lowrank: push and pull only)
+# codecs the default budget allows (sparse, lowrank: push and pull only; quad-pc: activations,
+# tern-dither: their gradients, the pair measured within 1 % of raw activations: ACT_LOSS_COST)
+DEFAULT_CODECS = ("none", "int8", "sparse", "lowrank", "quad-pc", "tern-dither")
 # candidates within this share of the best tokens/s count as equal and the more exact one wins: only
 # rounding, since the cost model's differences between H values are small but real (a round in
 # flight slows the activations on the workers' links, cost.round_chunk_delays)
@@ -126,11 +131,22 @@ def _long_run_tokens_per_s(plan: Plan, scenario: Scenario) -> float:
 SYNC_CODEC_ORDER = ("none", "int8", "lowrank", "sparse")
 
 
+# Activation and activation-gradient codecs closest to exact training first: the rest (quad-pc,
+# tern-dither, ...) are lossier (bench/results/compress_bench.md).
+ACT_CODEC_ORDER = ("none", "fp16", "int8")
+
+
+def _act_rank(codec: str) -> int:
+    name = codec.split(":")[0]
+    return ACT_CODEC_ORDER.index(name) if name in ACT_CODEC_ORDER else len(ACT_CODEC_ORDER)
+
+
 def lighter(policy: SyncPolicy, budget: QualityBudget) -> list[SyncPolicy]:
     """``policy`` with each allowed push/pull codec closer to exact training than its own
     (``SYNC_CODEC_ORDER``) on the kinds whose codec is lossier (``lowrank``, ``sparse``,
-    ``topk-int8``), where the budget pins no codec: where the links do not limit the step, fewer
-    bytes buy no speed and cost loss."""
+    ``topk-int8``), and each of these (and ``policy``) with ``int8`` activations and gradients
+    where theirs are lossier and the budget allows ``int8``; none where the budget pins the
+    codecs: where the links do not limit the step, fewer bytes buy no speed and cost loss."""
     if budget.pin_codecs is not None:
         return []
     allowed = {c.split(":")[0]: c for c in budget.codecs}
@@ -143,6 +159,11 @@ def lighter(policy: SyncPolicy, budget: QualityBudget) -> list[SyncPolicy]:
         pull = c if _loss_rank(policy.pull_codec) > _loss_rank(c) >= 1 else policy.pull_codec
         if (push, pull) != (policy.push_codec, policy.pull_codec):
             out.append(replace(policy, push_codec=push, pull_codec=pull))
+    if "int8" in allowed:
+        act = "int8" if _act_rank(policy.act_codec) > _act_rank("int8") else policy.act_codec
+        grad = "int8" if _act_rank(policy.grad_codec) > _act_rank("int8") else policy.grad_codec
+        if (act, grad) != (policy.act_codec, policy.grad_codec):
+            out += [replace(p, act_codec=act, grad_codec=grad) for p in (policy, *out)]
     return out
 
 
@@ -172,6 +193,24 @@ def quality_note(policy: SyncPolicy) -> str | None:
     return (f"quality: {name} pushes and pulls ended {lo:.1%}-{hi:.1%} above uncompressed local mode's loss at equal "
             "tokens in measured runs (tiny, 120 steps, the mean over seeds: bench/results/sparse-sync.md); "
             "--allow-codecs none,int8 leaves them out")
+
+
+# What the lossy activation codecs measurably cost (bench/results/compress_bench.md, 2026-12-02:
+# tiny, a two-stage pipeline, 150 steps, quad-pc activations with tern-dither gradients): the
+# final loss above raw activations' at equal tokens, the mean over seeds 0-4 and over seeds 0-9.
+ACT_LOSS_COST = (0.0041, 0.0099)
+
+
+def act_note(policy: SyncPolicy) -> str | None:
+    """One line on the measured loss cost of ``policy``'s activation codecs where they are lossier
+    than ``int8`` (pure); None otherwise."""
+    if max(_act_rank(policy.act_codec), _act_rank(policy.grad_codec)) <= _act_rank("int8"):
+        return None
+    lo, hi = ACT_LOSS_COST
+    return (f"quality: act={policy.act_codec},grad={policy.grad_codec} (quad-pc with tern-dither measured) ended "
+            f"{lo:+.1%} to {hi:+.1%} above raw activations' loss at equal tokens (tiny, two stages, 150 steps, the "
+            "mean over 5 and 10 seeds: bench/results/compress_bench.md); --allow-codecs none,int8,sparse,lowrank "
+            "leaves them out")
 
 
 # What delayed application measurably costs (bench/results/local-runtime.md, 2026-12-04: the real
@@ -212,8 +251,10 @@ def overlap_note(policy: SyncPolicy) -> str | None:
 
 
 def _lossy_rank(policy: SyncPolicy) -> int:
-    """How far ``policy``'s push and pull codecs are from exact training (``SYNC_CODEC_ORDER``)."""
-    return _loss_rank(policy.push_codec) + _loss_rank(policy.pull_codec)
+    """How far ``policy``'s codecs are from exact training (``SYNC_CODEC_ORDER`` for pushes and
+    pulls, ``ACT_CODEC_ORDER`` for activations and their gradients)."""
+    return (_loss_rank(policy.push_codec) + _loss_rank(policy.pull_codec) + _act_rank(policy.act_codec)
+            + _act_rank(policy.grad_codec))
 
 
 def candidates(scenario: Scenario, budget: QualityBudget, seed: int = 0,

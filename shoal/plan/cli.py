@@ -15,6 +15,7 @@ from shoal.plan.auto import (
     DEFAULT_CODECS,
     DEFAULT_MAX_SYNC_EVERY,
     QualityBudget,
+    act_note,
     lean_note,
     overlap_note,
     parse_allowed_codecs,
@@ -73,7 +74,7 @@ def add_sync_arguments(p) -> None:
                         f"(default {DEFAULT_MAX_SYNC_EVERY}; 1: exact sync only)")
     p.add_argument("--allow-codecs", default=None, metavar="LIST",
                    help=f"--sync auto: codecs the planner may use, e.g. none,int8 (default "
-                        f"{','.join(DEFAULT_CODECS)}; sparse and lowrank only on pushes and pulls, tern, quad and oct only on activations, "
+                        f"{','.join(DEFAULT_CODECS)}; sparse and lowrank only on pushes and pulls, tern, quad, oct and quad-pc only on activations, "
                         "tern-sr and tern-dither only on their gradients)")
     p.add_argument("--no-replicas", action="store_true",
                    help="--sync auto: do not consider pipeline replicas (one pipeline only)")
@@ -201,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
             plan = plan_auto(scenario, budget, seed=args.seed,
                              on_progress=lambda step: status.update(f"{what}: {step}"))
         console.print(f"sync auto: {describe_policy(plan)} (quality budget: {describe_budget(budget)})")
-        for note in (quality_note(plan.sync), lean_note(plan.sync), overlap_note(plan.sync)):
+        for note in (quality_note(plan.sync), act_note(plan.sync), lean_note(plan.sync), overlap_note(plan.sync)):
             if note:
                 console.print(note)
         print_plan(console, plan, scenario)
