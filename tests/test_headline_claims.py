@@ -53,7 +53,9 @@ def test_simulate_exit_status_on_stall(tmp_path, capsys):
 @pytest.mark.timeout(300)
 def test_gaming_world_swarm_share_with_replicas():
     """docs/planner.md and bench/results/swarm-share.md: on gaming-world, --sync auto's plan
-    (pipeline replicas inside network clusters of lean workers, low-rank pseudo-gradients) turns
+    (pipeline replicas inside network clusters of lean workers, low-rank pseudo-gradients;
+    activations in quad-pc and their gradients in tern-dither where they save time, their CPU
+    charged to the workers and servers) turns
     at least 40 % of the swarm's FLOP limit into training in the simulator with at least 68 of
     its 92 GPUs, in at least seven replicas, some of them one stage of the whole gpt-1.3b on a
     24 GB card (a lean worker holds 12 bytes a parameter; at 20 it fits no gaming card whole;
@@ -67,7 +69,7 @@ def test_gaming_world_swarm_share_with_replicas():
     from shoal.plan.report import IDLE_SERVER_CPU, swarm_report
     from shoal.plan.types import FrameworkCpu
 
-    free = FrameworkCpu(server_task_s=0.0, server_task_byte_s=0.0, worker_task_s=0.0, server_sync_s=0.0, coordinator_member_s=0.0,
+    free = FrameworkCpu(server_task_s=0.0, server_task_byte_s=0.0, worker_task_s=0.0, server_sync_s=0.0, coordinator_member_s=0.0, act_codec_scale=0.0,
                         coordinator_report_s=0.0, server_push_param_s=0.0, server_pull_param_s=0.0,
                         server_step_param_s=0.0)
     for cpu, share, agree in ((free, 0.40, 0.1), (FrameworkCpu(), 0.40, 0.1)):

@@ -39,7 +39,7 @@ def gpu(i: int, flops: float = 1e12, up: float = 1e7, down: float = 1e7, session
 
 # A frictionless framework: the closed forms here are the network's and the compute's;
 # tests/test_plan_cpu.py charges shoal's own CPU per message.
-FREE = FrameworkCpu(server_task_s=0.0, server_task_byte_s=0.0, worker_task_s=0.0, server_sync_s=0.0, coordinator_member_s=0.0,
+FREE = FrameworkCpu(server_task_s=0.0, server_task_byte_s=0.0, worker_task_s=0.0, server_sync_s=0.0, coordinator_member_s=0.0, act_codec_scale=0.0,
                     coordinator_report_s=0.0, server_push_param_s=0.0, server_pull_param_s=0.0,
                     server_step_param_s=0.0)
 

@@ -224,6 +224,24 @@ def codec_cpu_s(codec: str) -> tuple[float, float]:
     return CODEC_CPU_S.get("none" if name in ("raw", "fp32") else name, CODEC_CPU_S["int8"])
 
 
+# Seconds of one core per element to (encode, decode) an activation or its gradient with the codec:
+# a worker encodes its output after its compute and decodes its input (checked finite) before it;
+# a stage server decodes each lossy result and relay it takes to check it. One torch thread on the
+# 2-core box, a gpt-1.3b boundary tensor (1,024 rows of 2,048 bf16 channels):
+# bench/results/act-codec-cpu.md (2026-12-07, bench_act_codec_cpu.py). Names not listed cost
+# what int8 does.
+ACT_CODEC_CPU_S = {"none": (0.0, 2.9e-9), "fp16": (2.7e-9, 4.4e-9), "int8": (3.1e-9, 3.5e-9),
+                   "tern": (15.1e-9, 11.4e-9), "tern-sr": (16.4e-9, 11.7e-9), "quad": (16.3e-9, 14.3e-9),
+                   "oct": (23.5e-9, 21.0e-9), "quad-pc": (42.3e-9, 20.2e-9), "tern-dither": (47.0e-9, 47.5e-9)}
+
+
+def act_codec_cpu_s(codec: str) -> tuple[float, float]:
+    """``(encode, decode)`` seconds of one core per element of an activation or activation
+    gradient sent with ``codec`` (pure; ``ACT_CODEC_CPU_S``)."""
+    name = codec.split(":")[0]
+    return ACT_CODEC_CPU_S.get("none" if name in ("raw", "fp32") else name, ACT_CODEC_CPU_S["int8"])
+
+
 def codec_threaded(codec: str) -> bool:
     """Whether a stage server encodes and decodes ``codec``'s frames on its merge threads (pure):
     ``lowrank``, one matrix a thread (``shoal.net.compress.set_codec_threads``)."""

@@ -43,6 +43,7 @@ from shoal.model.config import ModelConfig
 from shoal.model.profile import ModelProfile, profile_model
 from shoal.plan.compression import (
     DENSE_ROUND_CODEC,
+    act_codec_cpu_s,
     bytes_per_element,
     codec_cpu_s,
     codec_threaded,
@@ -712,21 +713,65 @@ def stage_result_bytes(prof: ModelProfile, sync: SyncPolicy, first: bool, last: 
     return out + back
 
 
-def result_handling(result_bytes: float, cpu: FrameworkCpu) -> float:
+def act_elements(prof: ModelProfile) -> float:
+    """Elements of one micro-batch's activation between stages (pure)."""
+    return prof.layers[0].out_act_bytes / prof.dtype_bytes
+
+
+def stage_codec_cpu(prof: ModelProfile, sync: SyncPolicy, first: bool, last: bool,
+                    cpu: FrameworkCpu) -> tuple[float, float]:
+    """Seconds of a worker's CPU the activation codecs add to one micro-batch's (forward,
+    backward) task on a stage (pure; ``compression.ACT_CODEC_CPU_S`` times
+    ``cpu.act_codec_scale``), in series with its compute as the runtime runs them: a forward
+    task decodes its input (``act`` codec; stage 0's are token ids) and encodes its output; a
+    backward one decodes its output's gradient (``grad`` codec) and encodes its input's (none on
+    stage 0). The last stage's one task decodes its input and encodes its input's gradient
+    (backward: 0). A one-stage pipeline sends no activation: (0, 0)."""
+    n = act_elements(prof) * cpu.act_codec_scale
+    if n <= 0:
+        return 0.0, 0.0
+    act_enc, act_dec = act_codec_cpu_s(sync.act_codec)
+    grad_enc, grad_dec = act_codec_cpu_s(sync.grad_codec)
+    if last:
+        return (0.0 if first else n * (act_dec + grad_enc)), 0.0
+    return n * ((0.0 if first else act_dec) + act_enc), n * (grad_dec + (0.0 if first else grad_enc))
+
+
+def _decoded_by_servers(codec: str) -> bool:
+    """Whether a stage server decodes an activation frame of ``codec`` to check it (pure): every
+    codec but raw, whose check reads the received bytes as they are (``server_task_byte_s``)."""
+    return codec.split(":")[0] not in ("none", "raw")
+
+
+def stage_result_decode(prof: ModelProfile, sync: SyncPolicy, first: bool, last: bool,
+                        cpu: FrameworkCpu) -> float:
+    """Stage-server CPU seconds the decoding of one micro-batch's results on a stage takes (pure):
+    a lossy activation or gradient is decoded to be checked by the server it is sent to and
+    again by the one it is relayed to (``sync.codecs.received_activation``), each at the
+    codec's decode rate (``compression.ACT_CODEC_CPU_S`` times ``cpu.act_codec_scale``)."""
+    n = act_elements(prof) * cpu.act_codec_scale
+    out = 0.0 if last or not _decoded_by_servers(sync.act_codec) else 2 * n * act_codec_cpu_s(sync.act_codec)[1]
+    back = 0.0 if first or not _decoded_by_servers(sync.grad_codec) else 2 * n * act_codec_cpu_s(sync.grad_codec)[1]
+    return out + back
+
+
+def result_handling(result_bytes: float, cpu: FrameworkCpu, decode_s: float = 0.0) -> float:
     """Server CPU seconds one task's result costs (pure): ``c + b B`` for a result of ``B``
-    bytes (what the simulator charges each result; :func:`micro_batch_handling` sums a stage's)."""
-    return cpu.server_task_s + result_bytes * cpu.server_task_byte_s
+    bytes, plus ``decode_s`` where its servers decode it (:func:`stage_result_decode`; what the
+    simulator charges each result; :func:`micro_batch_handling` sums a stage's)."""
+    return cpu.server_task_s + result_bytes * cpu.server_task_byte_s + decode_s
 
 
-def micro_batch_handling(last: bool, result_bytes: float, cpu: FrameworkCpu) -> float:
+def micro_batch_handling(last: bool, result_bytes: float, cpu: FrameworkCpu, decode_s: float = 0.0) -> float:
     """Server CPU seconds one micro-batch's tasks on a stage cost (pure): ``n_s c + b B`` with
     ``n_s`` its tasks (:func:`tasks_per_micro_batch`), ``c`` = ``cpu.server_task_s``, ``B`` the
     bytes their results carry (:func:`stage_result_bytes`) and ``b`` = ``cpu.server_task_byte_s``
     (each such byte is received, checked and relayed by one server and received and granted by
     the next; both figures from ``bench_runtime_cpu.py`` at two activation sizes, of which gRPC
     with TLS is a third: ``bench/results/server-cpu.md``). All of it is charged to the stage's
-    own server, as both terms are measured (both servers' CPU over the tasks)."""
-    return tasks_per_micro_batch(last) * cpu.server_task_s + result_bytes * cpu.server_task_byte_s
+    own server, as both terms are measured (both servers' CPU over the tasks); so is
+    ``decode_s``, the decoding of its lossy results (:func:`stage_result_decode`)."""
+    return tasks_per_micro_batch(last) * cpu.server_task_s + result_bytes * cpu.server_task_byte_s + decode_s
 
 
 def server_task_demand(plan: Plan, scenario: Scenario) -> dict[str, float]:
@@ -734,7 +779,8 @@ def server_task_demand(plan: Plan, scenario: Scenario) -> dict[str, float]:
     ``sum over its stages of M_r h_s`` (every replica's stages, each with its replica's
     micro-batches ``M_r``; ``h_s`` = :func:`micro_batch_handling`)."""
     cpu = scenario.cpu
-    prof = scenario_profile(scenario, plan.micro_batch_size) if cpu.server_task_byte_s > 0 else None
+    prof = (scenario_profile(scenario, plan.micro_batch_size)
+            if cpu.server_task_byte_s > 0 or cpu.act_codec_scale > 0 else None)
     per: dict[tuple[bool, bool], float] = {}  # (first, last) -> h_s: the policy is the plan's, so four at most
     out: dict[str, float] = {}
     for r in plan.pipelines:
@@ -743,7 +789,8 @@ def server_task_demand(plan: Plan, scenario: Scenario) -> dict[str, float]:
             key = (i == 0, i == n - 1)
             if key not in per:
                 nbytes = stage_result_bytes(prof, plan.sync, *key) if prof is not None else 0.0
-                per[key] = micro_batch_handling(key[1], nbytes, cpu)
+                dec = stage_result_decode(prof, plan.sync, *key, cpu) if prof is not None else 0.0
+                per[key] = micro_batch_handling(key[1], nbytes, cpu, dec)
             out[st.server] = out.get(st.server, 0.0) + r.micro_batches * per[key]
     return out
 
@@ -944,6 +991,7 @@ def _stage_rows(st, first: bool, last: bool, nxt_id: str | None, prv_id: str | N
     bg_rows = []  # per row: (push bytes, its own push rate, pull bytes, its own pull rate); zeros on loopback
     stage_rows = []
     wcpu = scenario.cpu.worker_task_s
+    codec_f, codec_b = stage_codec_cpu(prof, sync, first, last, scenario.cpu)  # in series with the compute
     # exact sync, ordered pushes: a worker of a shared stage pushes once per micro-batch it takes
     ordered = sync.ordered and not sync.local and len(st.workers) > 1
     ordered_rates = []  # per row: its push rate (the server host's own worker: loopback)
@@ -951,9 +999,11 @@ def _stage_rows(st, first: bool, last: bool, nxt_id: str | None, prv_id: str | N
     for wid in st.workers:
         d = dev[wid]
         c = compute_time(flops, d.flops)
+        if d.flops > 0:
+            c += codec_f + codec_b
         if wcpu > 0 and d.flops > 0:
             # each task also costs the worker's framework CPU, beside its compute (off the event loop)
-            f_s, b_s = fwd / d.flops, bwd / d.flops
+            f_s, b_s = fwd / d.flops + codec_f, bwd / d.flops + codec_b
             if (c < wcpu) if last else (min(f_s, b_s) < wcpu):
                 c = worker_task_compute(f_s, b_s, last, wcpu)
         fixed, dlb, dlbw = c, 0.0, math.inf
@@ -1273,7 +1323,8 @@ def stage_costs(plan: Plan, scenario: Scenario, options: CostOptions | None = No
         fwd = prof.fwd_flops(a, b)
         flops = fwd + prof.bwd_flops(a, b)
         handling = micro_batch_handling(i == n - 1, stage_result_bytes(prof, plan.sync, i == 0, i == n - 1),
-                                        scenario.cpu)
+                                        scenario.cpu, stage_result_decode(prof, plan.sync, i == 0, i == n - 1,
+                                                                          scenario.cpu))
         merge = merge_cpu_time(prof.params(a, b), len(plan.stages[i].workers), plan.sync, scenario.cpu,
                                mrg_cores[i] if plan.sync.local else 1.0)
         ref = reference_cpu_time(flops / prof.tokens_per_micro_batch, prof.tokens_per_micro_batch, plan.sync,

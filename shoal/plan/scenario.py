@@ -122,11 +122,12 @@ def _cores(d: dict, where: str) -> int:
 _CPU_KEYS = {"server_task_ms": "server_task_s", "server_task_ns_per_byte": "server_task_byte_s", "worker_task_ms": "worker_task_s", "server_sync_ms": "server_sync_s",
              "coordinator_member_ms": "coordinator_member_s", "coordinator_report_ms": "coordinator_report_s",
              "coordinator_cores": "coordinator_cores", "server_merge_ms_per_mparam": "server_merge_param_s",
-             "server_codec_scale": "server_codec_scale", "server_screen_ms_per_mcoord": "server_screen_sample_s",
+             "server_codec_scale": "server_codec_scale", "act_codec_scale": "act_codec_scale",
+             "server_screen_ms_per_mcoord": "server_screen_sample_s",
              "server_gflops": "server_flops", "server_merge_speedup": "server_merge_speedup",
              "server_codec_speedup": "server_codec_speedup", "server_push_ms_per_mparam": "server_push_param_s",
              "server_pull_ms_per_mparam": "server_pull_param_s", "server_step_ms_per_mparam": "server_step_param_s"}
-_CPU_UNITS = {"coordinator_cores": 1.0, "server_task_ns_per_byte": 1e-9, "server_merge_ms_per_mparam": MS / 1e6, "server_codec_scale": 1.0,
+_CPU_UNITS = {"coordinator_cores": 1.0, "server_task_ns_per_byte": 1e-9, "server_merge_ms_per_mparam": MS / 1e6, "server_codec_scale": 1.0, "act_codec_scale": 1.0,
               "server_screen_ms_per_mcoord": MS / 1e6, "server_gflops": 1e9,
               "server_merge_speedup": 1.0, "server_codec_speedup": 1.0, "server_push_ms_per_mparam": MS / 1e6,
               "server_pull_ms_per_mparam": MS / 1e6, "server_step_ms_per_mparam": MS / 1e6}  # the rest: ms

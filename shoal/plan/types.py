@@ -131,6 +131,7 @@ class FrameworkCpu:
     coordinator_report_s: float = 14e-3  # coordinator, per stage server's step report: the same fit
     coordinator_cores: float = 1.0  # cores the coordinator can use (one Python event loop)
     server_codec_scale: float = 1.0  # stage server: multiplies the per-element encode/decode CPU of a local-mode round's codecs (shoal.plan.compression.CODEC_CPU_S)
+    act_codec_scale: float = 1.0  # worker and stage server: multiplies the per-element encode/decode CPU of activations and their gradients (shoal.plan.compression.ACT_CODEC_CPU_S; 0: free)
     server_merge_param_s: float = 1.2e-9  # stage server, per parameter of each local-mode pseudo-gradient: the screen's norm, its cosine to the reference gradient and its weighted-sum term (one read), on one merge thread after the round's last push (bench/results/merge-threads.md 2026-12-04 09:03: 0.91-1.10 ns)
     server_merge_speedup: float = 1.4  # stage server: how much faster the merge's norms, cosines and weighted sum run on its threads (>= 2 cores) than on one (bench/results/merge-threads.md 2026-12-04 09:03: 1.32-1.57x on 2 cores; more threads not counted)
     server_codec_speedup: float = 1.4  # stage server: the same for a lowrank frame's encode and decode (bench/results/codec-threads.md 2026-12-04: 1.33-1.55x on 2 cores)

@@ -49,6 +49,8 @@ from shoal.plan.cost import (
     reference_cores,
     reference_cpu_time,
     result_handling,
+    stage_codec_cpu,
+    stage_result_decode,
 )
 from shoal.plan.standby import state_bytes, step_log_bytes
 from shoal.plan.types import Plan, Replica, Scenario, StagePlan
@@ -338,6 +340,12 @@ class Simulator:
             st.ingrad_bytes = 0.0 if a == 0 else self.prof.in_act_bytes(a, b) * gc  # gradient sent back
             st.fwd_flops = self.prof.fwd_flops(a, b)
             st.bwd_flops = self.prof.bwd_flops(a, b)
+            first, last = st.prv is None, st.nxt is None
+            # a worker's activation codecs, in series with its compute; its servers' decoding of a
+            # lossy result (both halves charged where the result lands, as the cost model's are)
+            st.fwd_codec_s, st.bwd_codec_s = stage_codec_cpu(self.prof, pol, first, last, self.fw_cpu)
+            st.out_decode_s = stage_result_decode(self.prof, pol, True, last, self.fw_cpu)
+            st.ingrad_decode_s = stage_result_decode(self.prof, pol, first, True, self.fw_cpu)
             pb = self.prof.param_bytes(a, b)
             st.params = self.prof.params(a, b)
             st.reference = reference_cpu_time((st.fwd_flops + st.bwd_flops) / self.prof.tokens_per_micro_batch,
@@ -818,7 +826,8 @@ class Simulator:
                 # the server the result goes to handles it before the next task exists
                 back = task.bwd or st.last_stage
                 to = self.stages[st.prv if back else st.nxt].host.id
-                cost = result_handling(st.ingrad_bytes if back else st.out_bytes, self.fw_cpu)
+                cost = result_handling(st.ingrad_bytes if back else st.out_bytes, self.fw_cpu,
+                                       st.ingrad_decode_s if back else st.out_decode_s)
                 if self._server_cpu(to, cost, kind, p):
                     return
             if task.bwd:
@@ -964,6 +973,7 @@ class Simulator:
         dt = flops / w.dev.flops
         if w.slow:
             dt *= self._factor(w)
+        dt += st.bwd_codec_s if task.bwd else st.fwd_codec_s
         if dt < self.fw_cpu.worker_task_s:
             dt = self.fw_cpu.worker_task_s  # its framework CPU per task runs beside the compute
         w.compute_t0 = self.now

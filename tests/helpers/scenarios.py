@@ -8,7 +8,7 @@ from shoal.plan.types import Scenario
 # A frictionless framework (scenario ``framework_cpu``): hand computations of the network and
 # compute model leave shoal's own CPU per message out; tests/test_plan_cpu.py charges it.
 FREE_CPU = {"server_task_ms": 0, "server_task_ns_per_byte": 0, "worker_task_ms": 0, "server_sync_ms": 0, "coordinator_member_ms": 0,
-            "coordinator_report_ms": 0, "server_merge_ms_per_mparam": 0, "server_codec_scale": 0,
+            "coordinator_report_ms": 0, "server_merge_ms_per_mparam": 0, "server_codec_scale": 0, "act_codec_scale": 0,
             "server_screen_ms_per_mcoord": 0, "server_push_ms_per_mparam": 0, "server_pull_ms_per_mparam": 0,
             "server_step_ms_per_mparam": 0}
 
