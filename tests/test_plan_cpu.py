@@ -142,6 +142,66 @@ def test_server_cpu_per_byte_of_activation_by_hand():
     assert scenario_from_dict(d).cpu.server_task_byte_s == pytest.approx(per_byte)
 
 
+def test_activation_codec_cpu_by_hand_in_the_model_and_the_simulator():
+    """The activation codecs' CPU (``compression.ACT_CODEC_CPU_S`` per element, times
+    ``act_codec_scale``): a worker decodes its input and encodes its output in series with its
+    compute (``stage_codec_cpu``: forward and backward of a first stage, the last stage's one
+    task), each lossy result is decoded by two servers (``stage_result_decode``; raw is checked
+    as received); the model's task times and host demand and the simulator's step grow with it."""
+    from shoal.plan.compression import ACT_CODEC_CPU_S
+    from shoal.plan.cost import (
+        server_task_demand,
+        stage_codec_cpu,
+        stage_costs,
+        stage_result_decode,
+    )
+    from shoal.plan.types import SyncPolicy
+
+    s = _scenario(cores=64, server_task_ms=0.0)  # (cores to spare: the workers' codecs set the step)
+    s.cpu = dataclasses.replace(s.cpu, act_codec_scale=1.0)
+    prof = scenario_profile(s, 2)
+    n = 2 * 64 * prof.cfg.d_model  # one micro-batch's activation: B x T x d elements
+    (ae, ad), (ge, gd) = ACT_CODEC_CPU_S["quad-pc"], ACT_CODEC_CPU_S["tern-dither"]
+    q = SyncPolicy(act_codec="quad-pc", grad_codec="tern-dither")
+    assert stage_codec_cpu(prof, q, True, False, s.cpu) == pytest.approx((n * ae, n * gd))
+    assert stage_codec_cpu(prof, q, False, False, s.cpu) == pytest.approx((n * (ad + ae), n * (gd + ge)))
+    assert stage_codec_cpu(prof, q, False, True, s.cpu) == pytest.approx((n * (ad + ge), 0.0))
+    assert stage_codec_cpu(prof, q, True, True, s.cpu) == (0.0, 0.0)  # one stage: nothing leaves it
+    assert stage_result_decode(prof, q, True, False, s.cpu) == pytest.approx(2 * n * ad)
+    assert stage_result_decode(prof, q, False, True, s.cpu) == pytest.approx(2 * n * gd)
+    assert stage_result_decode(prof, SyncPolicy(), False, False, s.cpu) == 0.0  # raw: checked as received
+    assert stage_codec_cpu(prof, q, False, True, dataclasses.replace(s.cpu, act_codec_scale=0.0)) == (0.0, 0.0)
+
+    # the production path: a plan's task times, its host's demand and the simulated step
+    plan = _two_stage_plan(workers=("w0", "w1"))  # one worker a stage: M = 8 tasks each in series
+    plan.sync = q
+    s.cpu = dataclasses.replace(s.cpu, act_codec_scale=0.0)
+    free_times = [dict(c.task_times) for c in stage_costs(plan, s)]
+    free_sim = simulate(plan, s, steps=3, seed=0).mean_step_time_s
+    scale = 40.0  # tiny's activations are small: scaled up until the codecs are most of a task
+    s.cpu = dataclasses.replace(s.cpu, act_codec_scale=scale)
+    for i, c in enumerate(stage_costs(plan, s)):
+        extra = sum(stage_codec_cpu(prof, q, i == 0, i == 1, s.cpu))
+        assert extra > 0
+        for w, t in c.task_times.items():
+            assert t == pytest.approx(free_times[i][w] + extra, rel=0.02)
+    decode = 8 * (stage_result_decode(prof, q, True, False, s.cpu) + stage_result_decode(prof, q, False, True, s.cpu))
+    assert server_task_demand(plan, s) == {"h": pytest.approx(decode)}
+    model, sim = predict(plan, s)["step_time_s"], simulate(plan, s, steps=3, seed=0).mean_step_time_s
+    # each worker runs all 8 micro-batches of its stage, each its codecs longer
+    assert sim > free_sim + 7 * min(sum(stage_codec_cpu(prof, q, i == 0, i == 1, s.cpu)) for i in (0, 1))
+    assert sim == pytest.approx(model, rel=0.15)
+    # four workers a stage on a one-core host: the servers' decoding sets the step
+    s = _scenario(n_workers=8, cores=1, server_task_ms=0.0)
+    s.cpu = dataclasses.replace(s.cpu, act_codec_scale=scale)
+    plan = _two_stage_plan(workers=tuple(f"w{i}" for i in range(8)))
+    plan.sync = q
+    model, sim = predict(plan, s)["step_time_s"], simulate(plan, s, steps=3, seed=0).mean_step_time_s
+    assert server_task_demand(plan, s) == {"h": pytest.approx(decode)}
+    assert decode > 1.5 * free_sim and model >= decode and sim >= decode
+    assert sim == pytest.approx(model, rel=0.15)
+
+
 def test_simulator_step_grows_with_server_cpu_and_agrees_with_the_model():
     steps = []
     for ms in (0.0, 10.0, 50.0):
