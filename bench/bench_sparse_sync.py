@@ -18,7 +18,8 @@ uncompressed and local mode with each ``--codecs`` entry, for each H (``--hs``) 
 setting (``--outer LR/MU``). Prints final loss (mean of the last 10 steps) and its ratio to
 local-uncompressed with the same H and outer setting and to exact, and writes
 ``sparse_sweep.png`` (loss against tokens and against wall time) into ``--out``. Runs already
-in ``--out``'s ``sweep.json`` are read back, not run again. ``--replicas SPEC`` runs local mode
+in ``--out``'s ``sweep.json`` are read back, not run again. ``--no-overlap`` makes the local rows wait for each
+round (no delayed application). ``--replicas SPEC`` runs local mode
 as pipeline replicas (``shoal launch --replicas``) instead of one stage's W workers (their
 micro-batches fixed per replica: a run is the same from run to run); ``--model`` and ``--seed``
 change the model preset and the seed of every run.
@@ -122,17 +123,18 @@ def bytes_main(args) -> int:
     return 0
 
 
-def sweep_rows(hs: list[int], codecs: list[str], outers: list[str], replicas: str | None = None) -> dict[str, dict]:
+def sweep_rows(hs: list[int], codecs: list[str], outers: list[str], replicas: str | None = None,
+               overlap: bool = True) -> dict[str, dict]:
     """Row name -> LaunchConfig fields: exact, then per outer setting (``lr/mu``; the default
     1/0 unnamed) and H local mode uncompressed and with each codec (as pipeline replicas
-    ``replicas`` when given)."""
+    ``replicas`` when given; ``overlap=False``: the steps wait for each round, ``--no-overlap``)."""
     rows = {"exact": {}}
     for o in outers:
         lr, mu = (float(x) for x in o.split("/"))
         tag = "" if (lr, mu) == (1.0, 0.0) else f" outer {o}"
         for h in hs:
             base = dict(sync="local", sync_every=h, outer_lr=lr, outer_momentum=mu,
-                        **({"replicas": replicas} if replicas else {}))
+                        **({"replicas": replicas} if replicas else {}), **({} if overlap else {"overlap": False}))
             rows[f"local H={h}{tag}"] = base
             for c in codecs:
                 rows[f"local H={h} {c}{tag}"] = dict(base, compression=c)
@@ -198,7 +200,7 @@ def sweep_main(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     sep = ";" if ";" in args.codecs or ";" in (args.runs or "") else ","  # ";" lets a codec hold ","
     rows = sweep_rows([int(h) for h in args.hs.split(",")], args.codecs.split(sep), args.outer.split(","),
-                      args.replicas)
+                      args.replicas, not args.no_overlap)
     names = args.runs.split(sep) if args.runs else list(rows)
     results = {}
     done = out / "sweep.json"
@@ -252,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--outer", default="1/0", help="sweep: outer LR/momentum settings, comma-separated")
     ap.add_argument("--replicas", default=None, help="run local mode as these pipeline replicas "
                     "(a --replicas SPEC, e.g. 1,1: two one-stage replicas; --workers workers)")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="sweep: local rows wait for each round (no delayed application)")
     ap.add_argument("--model", default=SWEEP_RUN["model"], help="sweep: the model preset (tiny, small, ...)")
     ap.add_argument("--seed", type=int, default=SWEEP_RUN["seed"], help="sweep: the runs' seed (init, data order)")
     ap.add_argument("--runs", default=None, help="sweep: comma-separated rows (default all)")

@@ -156,7 +156,7 @@ def test_delayed_application_mid_round_by_hand():
         for w in range(2):
             params[w]["p"].sub_(before[r][w])
             if r > 0:  # the previous round's merge arrives mid-round
-                shift_replica(params[w], {"p": merged[r].clone()}, anchors[w], None)
+                shift_replica(params[w], {"p": merged[r].clone()}, anchors[w])
                 assert torch.equal(params[w]["p"], merged[r] - before[r][w])
                 assert torch.equal(anchors[w]["p"], merged[r])
             params[w]["p"].sub_(after[r][w])
@@ -167,11 +167,18 @@ def test_delayed_application_mid_round_by_hand():
         merged[r + 1] = merged[r] - mean["p"]
     assert torch.equal(merged[3], m0 - sum((before[r][0] + after[r][0] + before[r][1] + after[r][1]) / 2
                                           for r in range(3)))
-    # what the last push left (keeps_residual) is in the anchor: the shift keeps it there
+    # what the last push left (keeps_residual) is in the anchor: after the shift the replica is
+    # the merge less what the push left and less its progress since the close (where a merge
+    # pulled at the round's end puts it: rebase_replica), and the next pseudo-gradient still
+    # carries what was left
     p, a = {"p": torch.tensor([0.5, 2.0])}, {"p": torch.tensor([1.5, 0.5])}  # closed at [1, 1], left [0.5, -0.5]
-    shift_replica(p, {"p": torch.tensor([3.0, 0.0])}, a, {"p": torch.tensor([0.5, -0.5])})
-    assert torch.equal(p["p"], torch.tensor([2.5, 1.0]))  # the merge plus the progress since the close
-    assert torch.equal(a["p"], torch.tensor([3.5, -0.5]))  # the merge plus what the push left
+    shift_replica(p, {"p": torch.tensor([3.0, 0.0])}, a)
+    assert torch.equal(p["p"], torch.tensor([2.0, 1.5]))  # [3, 0] - [0.5, -0.5] - ([1, 1] - [0.5, 2])
+    assert torch.equal(a["p"], torch.tensor([3.0, 0.0]))  # the merge
+    assert torch.equal(a["p"] - p["p"], torch.tensor([1.0, -1.5]))  # what was left plus the progress
+    p2, a2 = {"p": torch.tensor([0.5, 2.0])}, {"p": torch.tensor([1.5, 0.5])}
+    rebase_replica(p2, {"p": torch.tensor([3.0, 0.0])}, a2)  # the same merge taken at the round's end
+    assert torch.equal(p2["p"], p["p"])
 
 
 @pytest.mark.parametrize("kw,msg", [

@@ -223,14 +223,11 @@ def test_lean_note_names_the_measured_cost_of_lean_workers():
 
 @pytest.mark.timeout(300)
 def test_overlap_note_names_the_measured_cost_of_delayed_application():
-    from shoal.plan.auto import OVERLAP_LOSS_COST, OVERLAP_LOWRANK_LOSS_COST, overlap_note
+    from shoal.plan.auto import OVERLAP_LOSS_COST, overlap_note
 
     note = overlap_note(SyncPolicy(mode="local", sync_every=4))
     lo, hi = OVERLAP_LOSS_COST
     assert f"{lo:+.1%} to {hi:+.1%}" in note and "--no-overlap" in note and "local-runtime.md" in note
-    note = overlap_note(SyncPolicy(mode="local", sync_every=16, push_codec="lowrank", pull_codec="lowrank"))
-    lo, hi = OVERLAP_LOWRANK_LOSS_COST
-    assert f"{lo:+.1%} to {hi:+.1%}" in note and "lowrank" in note and "sparse-sync.md" in note
     assert overlap_note(SyncPolicy(mode="local", sync_every=4, overlap=False)) is None
     assert overlap_note(SyncPolicy()) is None  # exact sync
 

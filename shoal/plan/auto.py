@@ -176,10 +176,11 @@ def _loss_rank(codec: str) -> int:
 # `tiny`, H = 4, 120 steps, the mean over seeds): the final weights' validation loss above
 # uncompressed local mode's at equal tokens, (pipeline replicas, one pipeline); lowrank's one
 # pipeline: 1.0 % over 22 runs before kept residuals were re-weighted, 0.81 % over 10 after;
-# 2026-12-07, H = 16, the steps waiting for each round (three seeds each): replicas of one stage
-# +0.59 to +1.23 %, of two stages (int8 activations) +0.42 to +0.68 %.
+# 2026-12-07, H = 16, three seeds each: replicas of one stage +0.59 to +1.23 % with the steps
+# waiting for each round, +0.31 to +0.86 % with delayed application; of two stages (int8
+# activations) +0.42 to +0.68 % and +0.15 to +1.88 %.
 SPARSE_LOSS_COST = (0.031, 0.033)
-LOWRANK_LOSS_COST = (0.004, 0.012)
+LOWRANK_LOSS_COST = (0.002, 0.019)
 
 
 def quality_note(policy: SyncPolicy) -> str | None:
@@ -220,11 +221,6 @@ def act_note(policy: SyncPolicy) -> str | None:
 # waiting for each round, the means of three runs each: 96 steps of one stage x 4 replicas
 # (+1.0 %; +1.3 % pooled over eight), of two stages x 2 workers (-0.6 %); shoal demo's 24 steps +0.9-1.3 %.
 OVERLAP_LOSS_COST = (-0.006, 0.013)
-# ... and with lowrank pushes and pulls (bench/results/sparse-sync.md, 2026-12-07: H = 16, 120
-# steps, three seeds each, the final weights' validation loss): replicas of one stage +2.2 to
-# +3.3 %, of two stages with int8 activations +3.7 to +4.0 % (the pushes' kept residuals and a
-# merge applied mid-round together; sparse not measured).
-OVERLAP_LOWRANK_LOSS_COST = (0.022, 0.040)
 
 
 # What lean workers measurably cost (bench/results/lean-workers.md, 2026-12-06: the real runtime,
@@ -251,11 +247,6 @@ def overlap_note(policy: SyncPolicy) -> str | None:
     None otherwise."""
     if not (policy.local and policy.overlap):
         return None
-    if "lowrank" in (policy.push_codec.split(":")[0], policy.pull_codec.split(":")[0]):
-        lo, hi = OVERLAP_LOWRANK_LOSS_COST
-        return (f"quality: rounds overlapped with the next round (delayed application) with lowrank pushes ended "
-                f"{lo:+.1%} to {hi:+.1%} against the loss of the same runs waiting for each round, at equal tokens "
-                "(tiny, H=16, 120 steps: bench/results/sparse-sync.md); --no-overlap waits")
     lo, hi = OVERLAP_LOSS_COST
     return (f"quality: rounds overlapped with the next round (delayed application) ended {lo:+.1%} to {hi:+.1%} "
             "against the loss of the same runs waiting for each round, at equal tokens (tiny, H=4, 24-96 steps: "

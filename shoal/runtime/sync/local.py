@@ -125,18 +125,21 @@ def rebase_replica(params: dict[str, torch.Tensor], merged: dict[str, torch.Tens
 
 
 def shift_replica(params: dict[str, torch.Tensor], merged: dict[str, torch.Tensor],
-                  anchor: dict[str, torch.Tensor], left: dict[str, torch.Tensor] | None) -> None:
-    """Delayed application mid-round, in place (pure but for its arguments): the replica closed
-    its round at ``anchor - left`` (its anchor since, plus what its push left, ``left``); the
-    merge of that round replaces that point, so the replica and its anchor both move by
-    ``merged - (anchor - left)``: the replica keeps its progress since the round's end, and the
-    next pseudo-gradient (anchor minus replica) still carries ``left``."""
+                  anchor: dict[str, torch.Tensor]) -> None:
+    """Delayed application mid-round, in place (pure but for its arguments): the replica and its
+    anchor both move by ``merged - anchor``, so the anchor becomes the merge and the replica
+    the merge less its pseudo-gradient since (``anchor - params``: its progress since the
+    round's end and, where its push kept a residual, what the push left, which
+    :func:`add_residual` put on the anchor). That is where a merge pulled at the round's end
+    leaves a replica (:func:`rebase_replica`; and the steps that wait for the round: the merge
+    less what the push left): the replica keeps training on what its push did not carry, and
+    the next pseudo-gradient still carries it. (Moving the replica onto the merge plus its
+    progress alone, dropping what the push left from its weights, cost ``lowrank`` runs 2-4 %
+    of loss at H = 16: bench/results/sparse-sync.md.)"""
     with torch.no_grad():
         for n, p in params.items():
             a = anchor[n]
             d = merged[n] - a
-            if left is not None:
-                d.add_(left[n].to(d.device, d.dtype))
             p.add_(d.to(p.device, p.dtype))
             a.add_(d)
 
@@ -1109,10 +1112,9 @@ class LocalWorkerMixin:
                 or not self.anchor or not self.merged):
             return
         self.local_applied = key
-        left = self.pseudo_carried[1] if self.pseudo_carried is not None else None
 
         def shift() -> str:  # (in a thread: a pass over the stage, and its digest for the log)
-            shift_replica(self.params, self.merged, self.anchor, left)
+            shift_replica(self.params, self.merged, self.anchor)
             return tensors_digest(self.merged)
 
         digest = await asyncio.get_running_loop().run_in_executor(None, shift)
