@@ -44,10 +44,11 @@ from shoal.net.wire import (  # noqa: E402
     serialize_message,
     split_framed,
 )
+from shoal.runtime.roles.server import RESULT_FRAME as OUTPUT  # noqa: E402
 from shoal.runtime.transport.frames import TASK_INPUT, GrantReply, grant_reply_bytes  # noqa: E402
+from shoal.runtime.transport.relays import RELAY_FRAMES  # noqa: E402
 
-OUTPUT = pb.TaskResult.DESCRIPTOR.fields_by_name["output"].number
-TENSOR = pb.Relay.DESCRIPTOR.fields_by_name["tensor"].number
+TENSOR = RELAY_FRAMES["Relay"]
 
 
 def _grant_head() -> pb.LeaseReply:

@@ -342,7 +342,7 @@ class Simulator:
             st.bwd_flops = self.prof.bwd_flops(a, b)
             first, last = st.prv is None, st.nxt is None
             # a worker's activation codecs, in series with its compute; its servers' decoding of a
-            # lossy result (both halves charged where the result lands, as the cost model's are)
+            # lossy result (both decodes charged to the host it lands on, as its bytes are)
             st.fwd_codec_s, st.bwd_codec_s = stage_codec_cpu(self.prof, pol, first, last, self.fw_cpu)
             st.out_decode_s = stage_result_decode(self.prof, pol, True, last, self.fw_cpu)
             st.ingrad_decode_s = stage_result_decode(self.prof, pol, first, True, self.fw_cpu)
