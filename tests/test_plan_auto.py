@@ -180,12 +180,18 @@ def test_gaming_world_auto_uses_replicas_on_every_server_host():
 
 
 def test_quality_note_names_the_measured_cost_of_sparse_sync():
-    from shoal.plan.auto import LOWRANK_LOSS_COST, SPARSE_LOSS_COST, quality_note
+    from shoal.plan.auto import (
+        LOWRANK_LONG_LOSS_COST,
+        LOWRANK_LOSS_COST,
+        SPARSE_LOSS_COST,
+        quality_note,
+    )
 
     note = quality_note(SyncPolicy(mode="local", sync_every=4, push_codec="sparse", pull_codec="int8"))
     assert note and f"{SPARSE_LOSS_COST[1]:.1%}" in note and "--allow-codecs none,int8" in note
     note = quality_note(SyncPolicy(mode="local", sync_every=4, push_codec="lowrank", pull_codec="lowrank"))
     assert note and note.startswith("quality: lowrank") and f"{LOWRANK_LOSS_COST[1]:.1%}" in note
+    assert f"{LOWRANK_LONG_LOSS_COST[1]:.1%} after 600 steps" in note  # longer runs cost more
     assert quality_note(SyncPolicy(mode="local", sync_every=4, push_codec="int8", pull_codec="int8")) is None
     assert quality_note(SyncPolicy()) is None  # exact sync
 
