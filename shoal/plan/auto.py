@@ -180,7 +180,8 @@ def _loss_rank(codec: str) -> int:
 # waiting for each round, +0.31 to +0.86 % with delayed application; of two stages (int8
 # activations) +0.42 to +0.68 % and +0.15 to +1.88 %. Longer runs cost more: 600 steps of
 # two-stage replicas at H = 16 with quad-pc activations and tern-dither gradients (gaming-world's
-# choice) ended +3.3 to +4.5 % (three seeds; quad-pc alone: +0.5 %), LOWRANK_LONG_LOSS_COST.
+# choice) ended +3.3 to +4.5 % (three seeds; the activation pair alone +1.3 to +1.9 %, lowrank
+# alone with int8 activations +1.3 to +2.5 %), LOWRANK_LONG_LOSS_COST.
 SPARSE_LOSS_COST = (0.031, 0.033)
 LOWRANK_LOSS_COST = (0.002, 0.019)
 LOWRANK_LONG_LOSS_COST = (0.033, 0.045)
@@ -209,6 +210,9 @@ def quality_note(policy: SyncPolicy) -> str | None:
 # tiny, a two-stage pipeline, 150 steps, quad-pc activations with tern-dither gradients): the
 # final loss above raw activations' at equal tokens, the mean over seeds 0-4 and over seeds 0-9.
 ACT_LOSS_COST = (0.0041, 0.0099)
+# The same pair over 600 steps of two-stage replicas at H = 16 (bench/results/sparse-sync.md,
+# 2026-12-07): +1.3 to +1.9 % over uncompressed local mode, three seeds.
+ACT_LONG_LOSS_COST = (0.013, 0.019)
 
 
 def act_note(policy: SyncPolicy) -> str | None:
@@ -217,10 +221,11 @@ def act_note(policy: SyncPolicy) -> str | None:
     if max(_act_rank(policy.act_codec), _act_rank(policy.grad_codec)) <= _act_rank("int8"):
         return None
     lo, hi = ACT_LOSS_COST
+    a, b = ACT_LONG_LOSS_COST
     return (f"quality: act={policy.act_codec},grad={policy.grad_codec} (quad-pc with tern-dither measured) ended "
             f"{lo:+.1%} to {hi:+.1%} above raw activations' loss at equal tokens (tiny, two stages, 150 steps, the "
-            "mean over 5 and 10 seeds: bench/results/compress_bench.md); --allow-codecs none,int8,sparse,lowrank "
-            "leaves them out")
+            f"mean over 5 and 10 seeds: bench/results/compress_bench.md), {a:+.1%} to {b:+.1%} after 600 steps "
+            "(sparse-sync.md); --allow-codecs none,int8,sparse,lowrank leaves them out")
 
 
 # What delayed application measurably costs (bench/results/local-runtime.md, 2026-12-04: the real
