@@ -179,12 +179,12 @@ def _loss_rank(codec: str) -> int:
 # 2026-12-07, H = 16, three seeds each: replicas of one stage +0.59 to +1.23 % with the steps
 # waiting for each round, +0.31 to +0.86 % with delayed application; of two stages (int8
 # activations) +0.42 to +0.68 % and +0.15 to +1.88 %. Longer runs cost more: 600 steps of
-# two-stage replicas at H = 16 with quad-pc activations and tern-dither gradients (gaming-world's
-# choice) ended +3.3 to +4.5 % (three seeds; the activation pair alone +1.3 to +1.9 %, lowrank
-# alone with int8 activations +1.3 to +2.5 %), LOWRANK_LONG_LOSS_COST.
+# two-stage replicas at H = 16 with int8 activations ended +1.3 to +2.5 % (three seeds),
+# LOWRANK_LONG_LOSS_COST; with quad-pc activations and tern-dither gradients (gaming-world's
+# choice) +3.3 to +4.5 % (the activation pair alone +1.3 to +1.9 %, ACT_LONG_LOSS_COST).
 SPARSE_LOSS_COST = (0.031, 0.033)
 LOWRANK_LOSS_COST = (0.002, 0.019)
-LOWRANK_LONG_LOSS_COST = (0.033, 0.045)
+LOWRANK_LONG_LOSS_COST = (0.013, 0.025)
 
 
 def quality_note(policy: SyncPolicy) -> str | None:
