@@ -18,9 +18,9 @@ uncompressed and local mode with each ``--codecs`` entry, for each H (``--hs``) 
 setting (``--outer LR/MU``). Prints final loss (mean of the last 10 steps) and its ratio to
 local-uncompressed with the same H and outer setting and to exact, and writes
 ``sparse_sweep.png`` (loss against tokens and against wall time) into ``--out``. Runs already
-in ``--out``'s ``sweep.json`` are read back, not run again. ``--no-overlap`` makes the local rows wait for each
-round (no delayed application). ``--replicas SPEC`` runs local mode
-as pipeline replicas (``shoal launch --replicas``) instead of one stage's W workers (their
+in ``--out``'s ``sweep.json`` are read back, not run again. ``--no-overlap`` makes the local
+rows wait for each round (no delayed application). ``--replicas SPEC`` runs local mode as
+pipeline replicas (``shoal launch --replicas``) instead of one stage's W workers (their
 micro-batches fixed per replica: a run is the same from run to run); ``--model`` and ``--seed``
 change the model preset and the seed of every run.
 """
