@@ -165,3 +165,23 @@ def test_exact_syncs_fold_gives_up_the_largest_apart_first_and_keeps_the_run():
     assert fold.take_apart(1) == [] and [mb for mb, _ in fold.take_apart(0)] == [3]
     # the pushes left are the run's sum in order: what the server sums first
     assert [mbs for mbs, _ in fold.groups()] == [[0, 1]] and _equal(fold.groups()[0][1], _in_order(g, [0, 1]))
+
+
+def test_exact_syncs_fold_without_a_prefix_keeps_every_micro_batch_apart():
+    # armed with the test fault hang_mid_push a worker sums no run: two micro-batches are two
+    # pushes, and the server's ordered sum of them is the run's sum, bit for bit
+    g = _grads([0, 1, 2])
+    fold = PrefixFold(prefix=False)
+    for mb in (1, 0, 2):
+        fold.add(mb, g[mb])
+    groups = fold.groups()
+    assert [mbs for mbs, _ in groups] == [[0], [1], [2]] and fold.held() == 3
+    assert all(grads is g[mb] for (mb,), grads in groups)
+    summed = PrefixFold()
+    for mb in (1, 0, 2):
+        summed.add(mb, g[mb])
+    server = {n: t.clone() for n, t in groups[0][1].items()}
+    for _, grads in groups[1:]:
+        for n, t in grads.items():
+            server[n].add_(t)
+    assert _equal(server, summed.groups()[0][1])

@@ -139,12 +139,12 @@ def test_kill9_lone_worker_mid_task_forces_a_replan(tmp_path, reference):
 def test_kill9_holding_unpushed_gradients_then_between_pushes(tmp_path, reference):
     """Step 1: a worker dies holding accepted gradients it never pushed; step 2: another
     dies after one of its pushes was accepted, the rest unsent. Both are restarted."""
-    # On calls: "mid push" needs a worker holding micro-batches that are not 0..k (two pushes),
-    # and on sessions a worker's result brings it the stage's next task, so with M=4 one worker
-    # often takes them all or 0..k (a fresh-clone suite saw no such worker in steps 2-5). The
-    # server's side of both states is the same on either transport.
+    # "Mid push" needs a push still to come: armed with hang_mid_push a worker sums no run from
+    # micro-batch 0 (Worker._new_fold), so any worker holding two of a step's micro-batches gets
+    # there, and with 4 micro-batches on at most 2 workers a stage one always does (a pre-summed
+    # run 0..k would be one push: a fresh-clone suite once saw no such worker in steps 2-3).
     reports, events, recs, summary = _run_with_hangs(
-        tmp_path, [["hang_before_push:step=1"], ["hang_mid_push:step=2"]], workers=4, restart=True, session=False)
+        tmp_path, [["hang_before_push:step=1"], ["hang_mid_push:step=2"]], workers=4, restart=True)
     push, mid = reports
     assert push["held"] and mid["pushed"], reports
     _assert_outcome(tmp_path, reference, reports, events, recs, summary, [len(push["held"]), len(mid["unpushed"])])

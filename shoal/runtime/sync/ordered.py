@@ -46,11 +46,15 @@ class PrefixFold:
     own): else the first of the run is cloned before anything is added to it (a shadow worker's
     gradients are shared tensors). Owned, the run's sum is built in its first gradient: no copy
     of the stage beyond the gradients themselves (``g_0 + g_1`` is the same bits either way).
+    With ``prefix=False`` no run is summed: every micro-batch is pushed alone (the server's sum
+    is the same bits); a test's ``hang_mid_push`` fault uses it so that any worker holding two
+    micro-batches of a step has a second push to come.
     """
 
-    def __init__(self, owned: bool = False) -> None:
+    def __init__(self, owned: bool = False, prefix: bool = True) -> None:
         self._lock = threading.Lock()  # (a worker adds a large stage's gradients in threads)
         self.owned = owned  # the gradients added are the fold's to add into
+        self.prefix = prefix  # the run from micro-batch 0 is summed into one push (else all apart)
         self.run = 0  # micro-batches 0..run-1 are in the run's sum
         self.total: Grads | None = None  # their sum (g_0 itself while the run is one long)
         self.apart: dict[int, Grads] = {}  # every other micro-batch's gradient, by micro-batch
@@ -63,7 +67,7 @@ class PrefixFold:
             if mb < self.run or mb in self.apart:
                 return False
             self.apart[mb] = grads
-            while self.run in self.apart:
+            while self.prefix and self.run in self.apart:
                 g = self.apart.pop(self.run)
                 if self.total is None:
                     self.total = g
