@@ -320,6 +320,31 @@ def test_received_activation_hands_lossy_frames_on_and_raw_ones_as_their_bytes()
     assert into == lossy
 
 
+def test_a_lossy_relay_is_kept_undecoded_until_a_check_reads_it():
+    """A peer server's relay (``checked``) of a lossy frame has only its header checked: the
+    server hands the bytes on as received and decodes them only for a check's recomputation
+    (wire.tensor_of, once, the same bits as decoding on arrival); a wrong shape or dtype is
+    still refused at once. Raw relays are unchanged (a view of their bytes)."""
+    from shoal.net.wire import Undecoded, tensor_of
+
+    t = torch.randn(2, 3, 4)
+    lossy = encode_tensor("out", t, "int8")
+    got, kept = received_activation(payload_frame(lossy), "input", shape=(2, 3, 4), dtype="float32", finite=True,
+                                    checked=True)
+    assert isinstance(got, Undecoded) and got._tensor is None  # nothing decoded on arrival
+    sent = pb.Relay()
+    put_frame(sent.tensor, kept)
+    assert sent.tensor == lossy
+    once = tensor_of(got)
+    assert torch.equal(once, decode_tensor(lossy)) and tensor_of(got) is once
+    for shape, dtype, what in (((2, 3, 5), "float32", "shape"), ((2, 3, 4), "bfloat16", "dtype")):
+        with pytest.raises(WireError, match=what):
+            received_activation(payload_frame(lossy), "input", shape=shape, dtype=dtype, finite=True, checked=True)
+    raw, _ = received_activation(payload_frame(encode_tensor("out", t)), "input", shape=(2, 3, 4), dtype="float32",
+                                 finite=True, checked=True)
+    assert isinstance(raw, torch.Tensor) and torch.equal(raw, t) and tensor_of(raw) is raw and tensor_of(None) is None
+
+
 # ---------------------------------------------------------------------------- a real swarm
 
 RUN = dict(model="tiny", micro_batches=4, micro_batch_size=2, seq_len=32, seed=0, lr=3e-3, warmup=2)

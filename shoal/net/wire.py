@@ -110,6 +110,51 @@ def one_frame(msg, field: str) -> Frame:
     return frame
 
 
+class Undecoded:
+    """A lossy tensor frame kept as received and decoded on first use (:func:`tensor_of`), from
+    any thread, once: what a stage server holds of a lossy activation or activation gradient
+    relayed by a peer server, which decoded and checked the same bytes when its worker's
+    result came (``shoal.runtime.sync.codecs.received_activation``). Only a check that
+    recomputes a task reads it; decoding every relay again would only spend the receiver's
+    CPU (a gpt-1.3b activation in ``quad-pc``: about 42 ms) and hold the decoded copy."""
+
+    __slots__ = ("frame", "shape", "dtype", "_tensor", "_lock")
+
+    def __init__(self, frame: pb.Tensor | Frame, shape: Sequence[int], dtype: str) -> None:
+        import threading
+
+        self.frame = frame  # as received (and handed on with every grant)
+        self.shape = tuple(shape)  # the receiver's expected shape and dtype, checked when decoded
+        self.dtype = dtype
+        self._tensor: torch.Tensor | None = None
+        self._lock = threading.Lock()
+
+    def tensor(self) -> torch.Tensor:
+        """The decoded tensor (decoded on the first call, checked against shape and dtype)."""
+        with self._lock:
+            if self._tensor is None:
+                self._tensor = decode_tensor(self.frame, shape=self.shape, dtype=self.dtype)
+            return self._tensor
+
+
+def tensor_of(x: torch.Tensor | Undecoded | None) -> torch.Tensor | None:
+    """``x`` as a tensor: an :class:`Undecoded` frame decoded (on the caller's thread, once)."""
+    return x.tensor() if isinstance(x, Undecoded) else x
+
+
+def check_header(frame: pb.Tensor | Frame, *, shape: Sequence[int], dtype: str) -> None:
+    """Check ``frame``'s dtype, shape and codec against the receiver's, without its payload:
+    :class:`WireError` on a mismatch, as :func:`decode_tensor` raises."""
+    if tuple(int(d) for d in frame.shape) != tuple(shape):
+        raise WireError(f"tensor {frame.name!r}: shape {tuple(frame.shape)}, expected {tuple(shape)}")
+    if frame.dtype != dtype:
+        raise WireError(f"tensor {frame.name!r}: dtype {frame.dtype}, expected {dtype}")
+    from shoal.net import compress
+
+    if (frame.codec or "raw") not in compress.ALL_CODECS:
+        raise WireError(f"tensor {frame.name!r}: unknown codec {frame.codec!r}")
+
+
 def frame_capacity(frame: pb.Tensor | Frame) -> int:
     """The bytes ``frame``'s shape and dtype take raw, read without its payload (an upper bound
     of a compressed frame's; 0 for an unknown dtype): what sizes a transfer's timeout or decides

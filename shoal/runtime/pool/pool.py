@@ -74,9 +74,10 @@ class MbState:
                  "input_frame", "out_grad_frame", "_tally")
 
     def __init__(self) -> None:
-        # stage input (None at stage 0: tokens are rebuilt); raw, a view of input_frame's bytes
+        # stage input (None at stage 0: tokens are rebuilt); raw, a view of input_frame's bytes;
+        # a lossy relay, a wire.Undecoded (decoded only by a check: wire.tensor_of)
         self.input: torch.Tensor | None = None
-        self.out_grad: torch.Tensor | None = None  # gradient of the stage output (non-last stages)
+        self.out_grad: torch.Tensor | None = None  # gradient of the stage output (non-last stages); as input
         self._fwd = "wait"  # wait | todo | leased | done  (non-last stages only)
         self._grad = "wait"  # wait | todo | leased | computed | counted
         self._holder = ""  # worker holding the grad lease or the computed gradient

@@ -1142,10 +1142,12 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
             self.cond.notify_all()
         return pb.CompleteReply(accepted=True, gen=info.gen)
 
-    def _decode_act(self, frame: Frame, finite: bool, name: str):
+    def _decode_act(self, frame: Frame, finite: bool, name: str, checked: bool = False):
         """An activation or activation gradient checked against this stage's shape and dtype:
-        (its tensor, the frame to hand on as ``name``; sync.codecs.received_activation)."""
-        return received_activation(frame, name, shape=self.act_shape, dtype=self.act_dtype, finite=finite)
+        (its tensor, the frame to hand on as ``name``; sync.codecs.received_activation; ``checked``:
+        a peer server's relay, a lossy one kept undecoded)."""
+        return received_activation(frame, name, shape=self.act_shape, dtype=self.act_dtype, finite=finite,
+                                   checked=checked)
 
     async def PushGrads(self, request, context):
         r = request
@@ -1783,7 +1785,7 @@ class StageServer(LocalServerMixin, ReplicaServerMixin, StandbyMixin, RedundantM
             return verdict
         try:
             t, kept = await off_loop(size, self._decode_act, frame, r.direction == pb.FWD or self.grads_finite,
-                                     "input" if r.direction == pb.FWD else "grad")
+                                     "input" if r.direction == pb.FWD else "grad", True)
         except WireError as exc:
             return pb.RelayReply(accepted=False, reason=f"rejected: {exc}")
         verdict = self._relay_verdict(r)  # checked in a thread: the step may have moved on meanwhile

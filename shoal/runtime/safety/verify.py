@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shoal.net.wire import tensor_of
 from shoal.plan.types import SCREEN_SAMPLE
 from shoal.runtime.common import micro_batch
 from shoal.threads import compute_pool
@@ -178,6 +179,7 @@ def recompute_grads(module: torch.nn.Module, spec, step: int, mb: int, *, first:
     """
     names = [n for n, _ in module.named_parameters()]
     params = [p for _, p in module.named_parameters()]
+    inp, out_grad = tensor_of(inp), tensor_of(out_grad)  # (a relay kept undecoded is decoded here, in a thread)
     tokens, targets = micro_batch(spec, step, mb)
     if prefix is not None:
         tokens, targets = tokens[:, :prefix], targets[:, :prefix]
@@ -233,7 +235,7 @@ def recompute_sum(module: torch.nn.Module, spec, step: int,
     :func:`recompute_pool`), summed in the order of ``inputs`` as autograd makes each
     parameter's gradient (:func:`summed_grads`): the same bits as one at a time, one float32
     copy of the stage for the sum however many threads run."""
-    items = [(mb, None if inp is None else inp.float(), None if og is None else og.float(), None)
+    items = [(mb, None if inp is None else tensor_of(inp).float(), None if og is None else tensor_of(og).float(), None)
              for mb, inp, og in inputs]
     width = recompute_threads() if threads is None else max(1, threads)
     if width <= 1 or len(items) <= 1:

@@ -120,19 +120,25 @@ def add_compression_arg(p, default: str = "none") -> None:
                         "codecs make exact sync approximate (docs/sync-policies.md)")
 
 
-def received_activation(frame, name: str, *, shape, dtype: str, finite: bool):
+def received_activation(frame, name: str, *, shape, dtype: str, finite: bool, checked: bool = False):
     """An activation or activation gradient a stage server received (a worker's result or a
     relay; a :class:`shoal.net.wire.Frame` of it, :func:`~shoal.net.wire.payload_frame`),
     checked against ``shape`` and ``dtype`` (and, ``finite``, for inf/NaN): ``(tensor, frame to
     hand on)``, the frame for :func:`shoal.net.wire.put_frame`.
 
-    A lossy frame is decoded and handed on as received. A raw one is handed on as its bytes
-    under ``name``; its tensor is a view of them, not a copy (only read: by recomputations and
-    checks). The bits are those of decoding it and encoding the tensor again, without the two
-    copies each way (about 0.3 ms a copy of a 4 MB activation)."""
-    from shoal.net.wire import decode_tensor
+    A lossy frame is decoded and handed on as received; with ``checked`` (a relay: the peer
+    server that sends it decoded and checked these bytes when its worker's result came) only
+    its header is checked and the tensor is a :class:`shoal.net.wire.Undecoded`, decoded if a
+    check recomputes with it (:func:`shoal.net.wire.tensor_of`). A raw one is handed on as its
+    bytes under ``name``; its tensor is a view of them, not a copy (only read: by recomputations
+    and checks). The bits are those of decoding it and encoding the tensor again, without the
+    two copies each way (about 0.3 ms a copy of a 4 MB activation)."""
+    from shoal.net.wire import Undecoded, check_header, decode_tensor
 
     if frame.codec != "raw":
+        if checked:
+            check_header(frame, shape=shape, dtype=dtype)
+            return Undecoded(frame, shape, dtype), frame
         return decode_tensor(frame, shape=shape, dtype=dtype, finite=finite), frame
     frame.name = name
     return decode_tensor(frame, shape=shape, dtype=dtype, finite=finite, copy=False), frame
