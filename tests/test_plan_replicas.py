@@ -304,6 +304,20 @@ def test_a_depth_whose_merge_costs_more_than_it_computes_is_dropped(inter_mbps, 
     assert got.predicted["tokens_per_s"] >= before
 
 
+def test_more_host_memory_never_makes_scale_1024s_replica_plan_slower():
+    """scale-1024's 128 GB hosts hold two whole-model servers each, 192 GB ones three: the third
+    goes to a 2-stage replica of 8-16 GB cards, which slows the plan and is dropped. The plan
+    of the replicas that stay is made again without the dropped groups (placed for their FLOP
+    shares, then for their balanced ones), so it is no slower than the tighter hosts' plan
+    (placed once for the shares the dropped groups had: 1.00 M tokens/s against 1.07 M)."""
+    pol = SyncPolicy(mode="local", sync_every=32, act_codec="int8", grad_codec="int8", push_codec="lowrank",
+                     pull_codec="lowrank", lean=True)
+    tight = load_scenario("scale-1024")
+    tps = {gb: predict(make_plan(_roomy_hosts(tight, gb), sync=pol, replicas=True), tight)["tokens_per_s"]
+           for gb in (128, 192)}
+    assert tps[192] >= 0.999 * tps[128], tps
+
+
 def test_gaming_worlds_idle_cards_are_not_idle_for_host_memory():
     """gaming-world's 8 GB cards hold a 3-stage replica, and no 128 GB host has the memory left
     for its servers; but with hosts of ample memory the planner still does not use them (each
