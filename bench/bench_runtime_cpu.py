@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_runtime_cpu.py [--stages 1,2] [--steps 8]
         [--micro-batches 4,16] [--calls] [--threads] [--profile DIR] [--chunk-mb MB] [--spot-check F]
         [--models tiny,d128xL32] [--workers-per-stage 1,2] [--from-step 2] [--recompute]
-        [--micro-batch-size B] [--seq-len T] [--insecure]
+        [--micro-batch-size B] [--seq-len T] [--insecure] [--compression SPEC]
 
 Runs bench_runtime's RUN (tiny, B=4 T=64, M=4 unless given) as ``launch`` S=W for each S
 given, reads every member's user+system CPU time from /proc when the first step is committed
@@ -105,7 +105,8 @@ def local_cpu(steps: int, run: dict) -> float:
     for n in (1, 1, steps):  # the first run pays the imports
         with tempfile.TemporaryDirectory(prefix="shoal-cpu-") as tmp:
             t0 = time.process_time()
-            train_local(TrainConfig(**run, steps=n, out=str(Path(tmp) / "r"), eval_every=0, eval_batches=1),
+            local = {k: v for k, v in run.items() if k != "compression"}  # (the trainer sends nothing)
+            train_local(TrainConfig(**local, steps=n, out=str(Path(tmp) / "r"), eval_every=0, eval_batches=1),
                         quiet=True)
             used.append(time.process_time() - t0)
     return (used[2] - used[1]) / (steps - 1)
@@ -205,8 +206,13 @@ def main() -> None:
                     help="plain text between the members (default: mutual TLS, as shoal launch): what TLS costs")
     ap.add_argument("--recompute", action="store_true",
                     help="let the servers recompute pushes (first, flagged): compute, not protocol, so off by default")
+    ap.add_argument("--compression", default=None, metavar="SPEC",
+                    help="the swarm's --compression (e.g. act=quad-pc,grad=tern-dither: what the activation "
+                         "codecs cost at each end; default: none)")
     args = ap.parse_args()
     RUN.update(micro_batch_size=args.micro_batch_size, seq_len=args.seq_len)
+    if args.compression:
+        RUN["compression"] = args.compression
     TLS[0] = not args.insecure
     if not args.recompute:
         from shoal.runtime.safety.guard import RECOMPUTE_ENV

@@ -146,8 +146,8 @@ def test_activation_codec_cpu_by_hand_in_the_model_and_the_simulator():
     """The activation codecs' CPU (``compression.ACT_CODEC_CPU_S`` per element, times
     ``act_codec_scale``): a worker decodes its input and encodes its output in series with its
     compute (``stage_codec_cpu``: forward and backward of a first stage, the last stage's one
-    task), each lossy result is decoded by two servers (``stage_result_decode``; raw is checked
-    as received); the model's task times and host demand and the simulator's step grow with it."""
+    task), each lossy result is decoded once, by the server it is sent to (``stage_result_decode``;
+    the next server keeps the relay undecoded; raw is checked as received); the model's task times and host demand and the simulator's step grow with it."""
     from shoal.plan.compression import ACT_CODEC_CPU_S
     from shoal.plan.cost import (
         server_task_demand,
@@ -167,8 +167,8 @@ def test_activation_codec_cpu_by_hand_in_the_model_and_the_simulator():
     assert stage_codec_cpu(prof, q, False, False, s.cpu) == pytest.approx((n * (ad + ae), n * (gd + ge)))
     assert stage_codec_cpu(prof, q, False, True, s.cpu) == pytest.approx((n * (ad + ge), 0.0))
     assert stage_codec_cpu(prof, q, True, True, s.cpu) == (0.0, 0.0)  # one stage: nothing leaves it
-    assert stage_result_decode(prof, q, True, False, s.cpu) == pytest.approx(2 * n * ad)
-    assert stage_result_decode(prof, q, False, True, s.cpu) == pytest.approx(2 * n * gd)
+    assert stage_result_decode(prof, q, True, False, s.cpu) == pytest.approx(n * ad)
+    assert stage_result_decode(prof, q, False, True, s.cpu) == pytest.approx(n * gd)
     assert stage_result_decode(prof, SyncPolicy(), False, False, s.cpu) == 0.0  # raw: checked as received
     assert stage_codec_cpu(prof, q, False, True, dataclasses.replace(s.cpu, act_codec_scale=0.0)) == (0.0, 0.0)
 
@@ -193,7 +193,8 @@ def test_activation_codec_cpu_by_hand_in_the_model_and_the_simulator():
     assert sim == pytest.approx(model, rel=0.15)
     # four workers a stage on a one-core host: the servers' decoding sets the step
     s = _scenario(n_workers=8, cores=1, server_task_ms=0.0)
-    s.cpu = dataclasses.replace(s.cpu, act_codec_scale=scale)
+    s.cpu = dataclasses.replace(s.cpu, act_codec_scale=2 * scale)
+    decode *= 2
     plan = _two_stage_plan(workers=tuple(f"w{i}" for i in range(8)))
     plan.sync = q
     model, sim = predict(plan, s)["step_time_s"], simulate(plan, s, steps=3, seed=0).mean_step_time_s

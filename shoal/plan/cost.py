@@ -746,12 +746,13 @@ def _decoded_by_servers(codec: str) -> bool:
 def stage_result_decode(prof: ModelProfile, sync: SyncPolicy, first: bool, last: bool,
                         cpu: FrameworkCpu) -> float:
     """Stage-server CPU seconds the decoding of one micro-batch's results on a stage takes (pure):
-    a lossy activation or gradient is decoded to be checked by the server it is sent to and
-    again by the one it is relayed to (``sync.codecs.received_activation``), each at the
-    codec's decode rate (``compression.ACT_CODEC_CPU_S`` times ``cpu.act_codec_scale``)."""
+    a lossy activation or gradient is decoded once, to be checked by the server it is sent to,
+    at the codec's decode rate (``compression.ACT_CODEC_CPU_S`` times ``cpu.act_codec_scale``);
+    the server it is relayed to keeps it undecoded (``sync.codecs.received_activation``,
+    ``checked``) unless a check recomputes with it (the checks' own CPU is priced apart)."""
     n = act_elements(prof) * cpu.act_codec_scale
-    out = 0.0 if last or not _decoded_by_servers(sync.act_codec) else 2 * n * act_codec_cpu_s(sync.act_codec)[1]
-    back = 0.0 if first or not _decoded_by_servers(sync.grad_codec) else 2 * n * act_codec_cpu_s(sync.grad_codec)[1]
+    out = 0.0 if last or not _decoded_by_servers(sync.act_codec) else n * act_codec_cpu_s(sync.act_codec)[1]
+    back = 0.0 if first or not _decoded_by_servers(sync.grad_codec) else n * act_codec_cpu_s(sync.grad_codec)[1]
     return out + back
 
 
