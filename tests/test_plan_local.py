@@ -397,7 +397,6 @@ def test_gaming_eu_local_sparse_prediction_matches_the_simulator():
     # stages turns on milliseconds, so the activation codecs' CPU scaled by 0.9 / 1.0 / 1.1
     # gives simulated steps of 30.5 / 32.2 / 29.5 s (model 27.6-28.1 s). The model is held to the
     # mean of the ratios over such a spread, not to one draw of the tail.
-    import dataclasses
     from dataclasses import replace
 
     s0 = load_scenario("gaming-eu")
@@ -408,7 +407,7 @@ def test_gaming_eu_local_sparse_prediction_matches_the_simulator():
     sim_pol = replace(p.sync, sync_every=2, grad_compression=p.sync.grad_compression * 2 / 32)
     ratios = []
     for f in (0.75, 0.9, 1.0, 1.1, 1.25):
-        s = replace(s0, cpu=dataclasses.replace(s0.cpu, act_codec_scale=s0.cpu.act_codec_scale * f))
+        s = replace(s0, cpu=replace(s0.cpu, act_codec_scale=s0.cpu.act_codec_scale * f))
         res = simulate(replace(p, sync=sim_pol), s, steps=2, churn=False, seed=0)
         ratios.append(predict(p, s)["step_time_s"] / res.mean_step_time_s)
     assert 0.9 <= sum(ratios) / len(ratios) <= 1.1, ratios

@@ -168,6 +168,33 @@ def test_relay_is_checked_and_idempotent(tmp_path):
     asyncio.run(main())
 
 
+def test_a_lossy_relay_is_kept_as_received_and_granted_undecoded(tmp_path):
+    """A stage server's SubmitRelay (a peer server's relay) of an int8 activation: its header is
+    checked (a wrong shape is refused), the micro-batch's input is a wire.Undecoded of the
+    received frame, granted to the next worker byte for byte, and decoded only when read."""
+    from shoal.net.wire import Undecoded, decode_tensor, tensor_of
+
+    async def main():
+        srv = _server(tmp_path)
+        srv.first, srv.last, srv.stage = 3, 6, 1
+        await srv._load(1, 3, 6, 0, 0)
+        srv.ready = True
+        act = torch.randn(B, T, 128)
+        bad = await srv.SubmitRelay(pb.Relay(step=0, mb=0, epoch=0, direction=pb.FWD,
+                                             tensor=encode_tensor("act", act[:, :-1], "int8")), None)
+        assert not bad.accepted and "shape" in bad.reason
+        sent = encode_tensor("act", act, "int8")
+        rep = await srv.SubmitRelay(pb.Relay(step=0, mb=0, epoch=0, direction=pb.FWD, tensor=sent), None)
+        assert rep.accepted
+        kept = srv.steps[0][0].input
+        assert isinstance(kept, Undecoded) and kept._tensor is None
+        lease = await srv.Lease(pb.LeaseRequest(worker="A", wait_s=0), None)
+        assert lease.task.direction == pb.FWDBWD and lease.task.input == sent and kept._tensor is None
+        assert torch.equal(tensor_of(kept), decode_tensor(sent))
+
+    asyncio.run(main())
+
+
 def test_expired_lease_goes_back_to_the_pool(tmp_path):
     """A live worker (it keeps renewing, but not its lease) lets its lease run out: the task
     is re-queued, counted as a re-queue, and another worker gets it."""

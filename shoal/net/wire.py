@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -121,8 +122,6 @@ class Undecoded:
     __slots__ = ("frame", "shape", "dtype", "_tensor", "_lock")
 
     def __init__(self, frame: pb.Tensor | Frame, shape: Sequence[int], dtype: str) -> None:
-        import threading
-
         self.frame = frame  # as received (and handed on with every grant)
         self.shape = tuple(shape)  # the receiver's expected shape and dtype, checked when decoded
         self.dtype = dtype
@@ -142,17 +141,30 @@ def tensor_of(x: torch.Tensor | Undecoded | None) -> torch.Tensor | None:
     return x.tensor() if isinstance(x, Undecoded) else x
 
 
-def check_header(frame: pb.Tensor | Frame, *, shape: Sequence[int], dtype: str) -> None:
-    """Check ``frame``'s dtype, shape and codec against the receiver's, without its payload:
-    :class:`WireError` on a mismatch, as :func:`decode_tensor` raises."""
-    if tuple(int(d) for d in frame.shape) != tuple(shape):
-        raise WireError(f"tensor {frame.name!r}: shape {tuple(frame.shape)}, expected {tuple(shape)}")
-    if frame.dtype != dtype:
+def check_header(frame: pb.Tensor | Frame, *, shape: Sequence[int] | None = None, dtype: str | None = None,
+                 max_elements: int = 1 << 28) -> tuple[int, ...]:
+    """Check ``frame``'s header without its payload: a known dtype and codec, no negative
+    dimension, the expected ``shape`` and ``dtype`` (where given), at most ``max_elements``.
+    Returns its shape; raises :class:`WireError` (what :func:`decode_tensor` checks first)."""
+    if frame.dtype not in _DTYPES:
+        raise WireError(f"tensor {frame.name!r}: unknown dtype {frame.dtype!r}")
+    got_shape = tuple(int(d) for d in frame.shape)
+    if any(d < 0 for d in got_shape):
+        raise WireError(f"tensor {frame.name!r}: negative dimension in {got_shape}")
+    if shape is not None and got_shape != tuple(shape):
+        raise WireError(f"tensor {frame.name!r}: shape {got_shape}, expected {tuple(shape)}")
+    if dtype is not None and frame.dtype != dtype:
         raise WireError(f"tensor {frame.name!r}: dtype {frame.dtype}, expected {dtype}")
-    from shoal.net import compress
+    numel = math.prod(got_shape)
+    if numel > max_elements:
+        raise WireError(f"tensor {frame.name!r}: {numel} elements exceed the limit {max_elements}")
+    codec = frame.codec or "raw"
+    if codec != "raw":
+        from shoal.net import compress  # (lossy codecs live beside us)
 
-    if (frame.codec or "raw") not in compress.ALL_CODECS:
-        raise WireError(f"tensor {frame.name!r}: unknown codec {frame.codec!r}")
+        if codec not in compress.ALL_CODECS:
+            raise WireError(f"tensor {frame.name!r}: unknown codec {codec!r}")
+    return got_shape
 
 
 def frame_capacity(frame: pb.Tensor | Frame) -> int:
@@ -243,18 +255,8 @@ def decode_tensor(
     Raises :class:`WireError` on an unknown dtype or codec, a shape or dtype other than
     the expected one, a payload of the wrong length, or (``finite=True``) inf/NaN.
     """
-    if frame.dtype not in _DTYPES:
-        raise WireError(f"tensor {frame.name!r}: unknown dtype {frame.dtype!r}")
-    got_shape = tuple(int(d) for d in frame.shape)
-    if any(d < 0 for d in got_shape):
-        raise WireError(f"tensor {frame.name!r}: negative dimension in {got_shape}")
-    if shape is not None and got_shape != tuple(shape):
-        raise WireError(f"tensor {frame.name!r}: shape {got_shape}, expected {tuple(shape)}")
-    if dtype is not None and frame.dtype != dtype:
-        raise WireError(f"tensor {frame.name!r}: dtype {frame.dtype}, expected {dtype}")
+    got_shape = check_header(frame, shape=shape, dtype=dtype, max_elements=max_elements)
     numel = math.prod(got_shape)
-    if numel > max_elements:
-        raise WireError(f"tensor {frame.name!r}: {numel} elements exceed the limit {max_elements}")
     tdtype, npdtype = _DTYPES[frame.dtype]
     codec = frame.codec or "raw"
     if codec == "raw":
@@ -275,10 +277,8 @@ def decode_tensor(
         t = t.view(torch.bfloat16) if frame.dtype == "bfloat16" else t
         t = t.reshape(got_shape)
     else:
-        from shoal.net import compress
+        from shoal.net import compress  # (a known codec: check_header)
 
-        if codec not in compress.ALL_CODECS:
-            raise WireError(f"tensor {frame.name!r}: unknown codec {codec!r}")
         try:
             meta = json.loads(frame.meta.decode() or "{}")
             if not isinstance(meta, dict):
