@@ -143,13 +143,18 @@ def test_pool_leases_duplicates_pushes_and_voiding(tmp_path):
     asyncio.run(main())
 
 
+async def _last_stage_server(tmp_path) -> tuple[StageServer, torch.Tensor]:
+    """A ready server of stage 1 (layers [3, 6), the last) and an activation it takes."""
+    srv = _server(tmp_path)
+    srv.first, srv.last, srv.stage = 3, 6, 1
+    await srv._load(1, 3, 6, 0, 0)
+    srv.ready = True
+    return srv, torch.randn(B, T, 128)
+
+
 def test_relay_is_checked_and_idempotent(tmp_path):
     async def main():
-        srv = _server(tmp_path)
-        srv.first, srv.last, srv.stage = 3, 6, 1
-        await srv._load(1, 3, 6, 0, 0)
-        srv.ready = True
-        act = torch.randn(B, T, 128)
+        srv, act = await _last_stage_server(tmp_path)
         bad = await srv.SubmitRelay(pb.Relay(step=0, mb=0, epoch=0, direction=pb.FWD,
                                              tensor=encode_tensor("act", act[:, :-1])), None)
         assert not bad.accepted and "shape" in bad.reason
@@ -175,11 +180,7 @@ def test_a_lossy_relay_is_kept_as_received_and_granted_undecoded(tmp_path):
     from shoal.net.wire import Undecoded, decode_tensor, tensor_of
 
     async def main():
-        srv = _server(tmp_path)
-        srv.first, srv.last, srv.stage = 3, 6, 1
-        await srv._load(1, 3, 6, 0, 0)
-        srv.ready = True
-        act = torch.randn(B, T, 128)
+        srv, act = await _last_stage_server(tmp_path)
         bad = await srv.SubmitRelay(pb.Relay(step=0, mb=0, epoch=0, direction=pb.FWD,
                                              tensor=encode_tensor("act", act[:, :-1], "int8")), None)
         assert not bad.accepted and "shape" in bad.reason
