@@ -35,3 +35,52 @@ def _session_tokenizer_cache(tmp_path_factory):
         yield
     finally:
         os.environ.pop("SHOAL_CACHE_DIR", None)
+
+
+# ---------------------------------------------------------------------- longest tests first
+# Two xdist processes share the suite. With tests in file order, a 60 s test that happens to
+# come last runs alone while the other process idles; started longest first (and handed out
+# one at a time: `--maxschedchunk 1` in pyproject.toml) the short tests fill the end. The
+# durations come from a recorded run (tests/durations.json; a test not in it counts as
+# short). Re-record after adding a slow test:
+#     SHOAL_RECORD_DURATIONS=tests/durations.json .venv/bin/python -m pytest
+DURATIONS_FILE = os.path.join(os.path.dirname(__file__), "durations.json")
+_recorded: dict[str, float] = {}
+
+
+def _known_durations() -> dict[str, float]:
+    import json
+
+    try:
+        with open(DURATIONS_FILE) as f:
+            return {str(k): float(v) for k, v in json.load(f).items()}
+    except (OSError, ValueError):
+        return {}  # no file or a damaged one: file order, as pytest's own
+
+
+def pytest_collection_modifyitems(config, items):
+    """Order the collected tests by their recorded duration, longest first (a stable sort:
+    tests of equal or unknown duration keep pytest's order). Every xdist process sorts the
+    same collection the same way, as xdist requires."""
+    known = _known_durations()
+    if known:
+        items.sort(key=lambda it: -known.get(it.nodeid, 0.0))
+
+
+def pytest_runtest_logreport(report):
+    if os.environ.get("SHOAL_RECORD_DURATIONS"):
+        _recorded[report.nodeid] = _recorded.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """With ``$SHOAL_RECORD_DURATIONS`` set, the controlling process writes every test's
+    set-up + call + tear-down seconds (tests of 1 s or more) to that file."""
+    path = os.environ.get("SHOAL_RECORD_DURATIONS")
+    if not path or os.environ.get("PYTEST_XDIST_WORKER") or not _recorded:
+        return
+    import json
+
+    slow = {k: round(v, 1) for k, v in sorted(_recorded.items(), key=lambda kv: -kv[1]) if v >= 1.0}
+    with open(path, "w") as f:
+        json.dump(slow, f, indent=0)
+        f.write("\n")
