@@ -280,8 +280,12 @@ def test_pinned_pipeline_by_hand():
     # task plus 0.5 / (1/3) = 1.5 s (the wait and the backlog), the last of two ends 2/3 of 2.5 s
     # later; then the earlier stages' fill (0.2)
     assert pinned_pipeline_time(10, 2.0, [1.0, 1.0], 0.5, 1 / 3, 0.2) == pytest.approx(4.5 + 2 / 3 * 2.5 + 0.2)
-    # only the M fastest take tasks: M = 1, one 1 s worker: 0.5 + 0.5 * (1 + 1 / 0.5)
-    assert pinned_pipeline_time(1, 1.0, [1.0, 5.0], 1.0, 0.5, 0.0) == pytest.approx(2.0)
+    # only the M fastest take tasks: M = 1, one 1 s worker; its backlog is its one forward's
+    # backward (0.5 s), not the 1 / 0.5 = 2 forwards a round trip would hold: 0.5 + 0.5 * (1 + 1 + 0.5)
+    assert pinned_pipeline_time(1, 1.0, [1.0, 5.0], 1.0, 0.5, 0.0) == pytest.approx(1.75)
+    # a short step: M = 4 on two 1 s workers (X = 2), a 3 s round trip that would hold 3 / 0.5 = 6
+    # forwards; each runs only 2 of the step's: commitment 1 + 3 + 2 * 0.5 = 5, ends 1.5 + 2.5 * 2 / 3
+    assert pinned_pipeline_time(4, 2.0, [1.0, 1.0], 3.0, 0.5, 0.0) == pytest.approx(1.5 + 2 / 3 * 5)
     assert pinned_pipeline_time(4, 0.0, [1.0], 1.0, 0.5, 0.0) == float("inf")
     assert pinned_pipeline_time(4, 1.0, [float("inf")], 1.0, 0.5, 0.0) == float("inf")
     assert pinned_pipeline_time(4, 1.0, [1.0], 1.0, 0.0, 0.0) == float("inf")

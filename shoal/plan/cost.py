@@ -358,8 +358,12 @@ def pinned_pipeline_time(micro_batches: int, throughput: float, stage_times: lis
     used = sorted(t for t in stage_times if 0 < t < math.inf)[:micro_batches]
     if throughput <= 0 or not used or fwd_share <= 0:
         return math.inf
-    extra = round_trip / fwd_share
-    return (micro_batches - len(used) / 2) / throughput + expected_max_residual([t + extra for t in used]) + before
+    # The backlog is at most the forwards the worker runs in the whole step, its 1 / tau_d share
+    # of M: a short step (a deep replica's few micro-batches) has them all in one convoy.
+    rate = sum(1.0 / t for t in used)
+    ends = [t + round_trip + min(round_trip / (fwd_share * t), micro_batches / (t * rate)) * (1.0 - fwd_share) * t
+            for t in used]
+    return (micro_batches - len(used) / 2) / throughput + expected_max_residual(ends) + before
 
 
 def idle_queue_wait(times: list[float], rate: float) -> float:
