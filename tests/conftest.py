@@ -68,6 +68,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_runtest_logreport(report):
+    """With ``$SHOAL_RECORD_DURATIONS`` set, add up each test's phases (the controlling
+    process receives every xdist process's reports)."""
     if os.environ.get("SHOAL_RECORD_DURATIONS"):
         _recorded[report.nodeid] = _recorded.get(report.nodeid, 0.0) + report.duration
 

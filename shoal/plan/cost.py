@@ -352,8 +352,9 @@ def pinned_pipeline_time(micro_batches: int, throughput: float, stage_times: lis
     backward tasks that only it may run. When the stage's forward pool empties, at
     ``(M - n / 2) / X`` as in :func:`tail_pipeline_time`, each worker is somewhere in such a
     commitment: its task, the wait for the round trip and the backlog (``RT / c_f`` backward
-    tasks of ``c_b``), ``tau_d + RT (c_f + c_b) / c_f = tau_d + RT / fwd_share``; the stage ends
-    when the last commitment does (:func:`expected_max_residual`), and its last gradient still
+    tasks of ``c_b``, ``tau_d + RT / fwd_share`` in all, but never more backward tasks than
+    the ``M (1 / tau_d) / sum_j (1 / tau_j)`` forwards the worker runs in the whole step); the
+    stage ends when the last commitment does (:func:`expected_max_residual`), and its last gradient still
     goes back through the earlier stages (``before``, their fill)."""
     used = sorted(t for t in stage_times if 0 < t < math.inf)[:micro_batches]
     if throughput <= 0 or not used or fwd_share <= 0:
