@@ -170,3 +170,41 @@ def test_a_card_that_would_hold_a_deeper_replica_is_idle_for_no_benefit_not_memo
         if dev["id"] == "small":
             dev["memory_gb"] = 0.001
     assert swarm_report(plan, scenario_from_dict(d)).idle["small"] == IDLE_MEMORY
+
+
+def test_host_memory_counts_only_the_hosts_of_the_devices_own_cluster():
+    """A replica's stage servers live in its network cluster: a card of region a, whose host is
+    full, is short of host memory however much room region b's host has (scale-1024: one of 16
+    hosts had room for a replica, and every other region's 8-16 GB cards were called idle for
+    "no benefit" with a made-up reason instead of being put to the host-memory what-if)."""
+    from shoal.plan.cost import stage_worker_memory
+    from shoal.plan.report import host_short, server_room
+    from shoal.plan.scenario import scenario_to_dict
+    from shoal.plan.types import Replica, SyncPolicy
+
+    pol = SyncPolicy(mode="local", sync_every=4)
+    d = scenario_to_dict(_scenario())
+    prof = scenario_profile(_scenario())
+    server = prof.server_memory(0, 6, local=True)
+    whole = stage_worker_memory(prof, 0, 6, pol)
+    half = max(stage_worker_memory(prof, 0, 3, pol), stage_worker_memory(prof, 3, 6, pol))
+    for dev in d["devices"]:
+        if dev["id"] == "h":
+            dev["host_memory_gb"] = 1.5 * server / 1e9  # room for one replica's servers
+        if dev["id"] == "small":  # a 2-stage split fits it, the whole model does not
+            dev["memory_gb"] = (half + whole) / 2 / 1e9
+    d["devices"].append({"id": "hb", "tflops": 0, "memory_gb": 0, "region": "b", "up_gbps": 10, "down_gbps": 10,
+                         "can_host_server": True, "host_memory_gb": 10 * server / 1e9})
+    d["devices"].append({"id": "wb", "tflops": 1, "memory_gb": 8, "region": "b", "up_mbps": 20, "down_mbps": 200})
+    d["network"]["intra"]["b"] = {"latency_ms": 5, "bandwidth_gbps": 1}
+    d["network"]["inter"] = [{"regions": ["a", "b"], "latency_ms": 150, "bandwidth_mbps": 10}]
+    s = scenario_from_dict(d)
+    ra, rb = [StagePlan((0, 6), "h", ["w0"])], [StagePlan((0, 6), "hb", ["wb"])]
+    plan = Plan("hand-swarm", "tiny", "test", ra, micro_batch_size=2, micro_batches=4, sync=pol,
+                replicas=[Replica(stages=ra, micro_batches=2, cluster="a"), Replica(stages=rb, micro_batches=2, cluster="b")])
+    small = next(x for x in s.devices if x.id == "small")
+    assert server_room(plan, s, prof) == pytest.approx(9 * server)  # region b's host
+    assert server_room(plan, s, prof, small) == pytest.approx(0.5 * server)  # its own region's
+    k, room, whole = host_short(small, plan, s)
+    assert k == 2 and room < whole
+    assert "network cluster have at most" in swarm_report(plan, s).why["small"]

@@ -110,10 +110,17 @@ class SwarmReport:
                 "cpu_bound": dict(self.cpu_bound)}
 
 
-def server_room(plan: Plan, scenario: Scenario, prof) -> float:
-    """The most host memory any server host has left beside the plan's stage servers (pure)."""
+def server_room(plan: Plan, scenario: Scenario, prof, device: Device | None = None) -> float:
+    """The most host memory a server host has left beside the plan's stage servers (pure). With
+    ``device``, only the hosts of its network cluster count (a replica's servers live in its
+    cluster: the plan's replicas name theirs), unless no replica's cluster holds its region."""
     need = servers_memory(plan.all_stages, prof, plan.sync)
-    return max((h.host_memory - need.get(h.id, 0.0) for h in scenario.devices if h.can_host_server), default=0.0)
+    hosts = [h for h in scenario.devices if h.can_host_server]
+    if device is not None:
+        mine = {region for r in plan.replicas for region in r.cluster.split("+") if device.region in r.cluster.split("+")}
+        if mine:
+            hosts = [h for h in hosts if h.region in mine]
+    return max((h.host_memory - need.get(h.id, 0.0) for h in hosts), default=0.0)
 
 
 # A what-if plan (MemoryWhatIf) counts as faster only by more than this share: the planner's own
@@ -135,7 +142,7 @@ class MemoryWhatIf:
 def host_short(d: Device, plan: Plan, scenario: Scenario) -> tuple[int, float, float] | None:
     """``(k, room, whole)`` when ``d`` holds none of replica plan ``plan``'s stages but a
     ``k``-stage replica of its own, whose stage servers need ``whole`` bytes while the server
-    hosts have at most ``room`` left; None otherwise (pure)."""
+    hosts of its network cluster have at most ``room`` left; None otherwise (pure)."""
     if not plan.replicas:
         return None
     prof = scenario_profile(scenario, plan.micro_batch_size)
@@ -144,7 +151,7 @@ def host_short(d: Device, plan: Plan, scenario: Scenario) -> tuple[int, float, f
     from shoal.plan.replicas import stages_needed
 
     k = stages_needed(prof, d, plan.sync)
-    room = server_room(plan, scenario, prof)
+    room = server_room(plan, scenario, prof, d)
     whole = stage_server_memory(prof, 0, len(prof.layers), plan.sync)
     return (k, room, whole) if k and room < whole else None
 
@@ -155,7 +162,7 @@ def idle_reason(d: Device, plan: Plan, scenario: Scenario, step_s: float,
     """``(reason, one line)`` for a device the plan leaves idle.
 
     * ``memory``: it cannot hold any of the plan's stages (under the plan's sync policy), or
-      the replica it could hold needs stage servers no server host has the memory left for, nor,
+      the replica it could hold needs stage servers no server host of its cluster has the memory left for, nor,
       in a replica plan, every stage of an even split into at most
       :data:`~shoal.plan.replicas.MAX_REPLICA_STAGES` (one that can is ``no benefit``: the
       planner could have built a replica of its depth). With ``what_if`` (the planner's plan
@@ -185,8 +192,8 @@ def idle_reason(d: Device, plan: Plan, scenario: Scenario, step_s: float,
             if short is not None:  # a replica of its size needs servers no host has the memory for
                 _, room, whole = short
                 lacks = (f"has {d.memory / 1e9:.1f} GB, enough for a {k}-stage replica, but the stage servers of "
-                         f"another replica need {whole / 1e9:.0f} GB of host memory and the server hosts have at "
-                         f"most {room / 1e9:.0f} GB left")
+                         f"another replica need {whole / 1e9:.0f} GB of host memory and the server hosts of its "
+                         f"network cluster have at most {room / 1e9:.0f} GB left")
                 if what_if is None:
                     return IDLE_MEMORY, lacks
                 ample = "with server hosts of ample memory (this sync policy)"
@@ -251,7 +258,7 @@ def idle_reason(d: Device, plan: Plan, scenario: Scenario, step_s: float,
 
 
 def host_memory_idle(rep: SwarmReport) -> list[str]:
-    """The devices ``rep`` leaves idle that no server host has the memory for their replica's
+    """The devices ``rep`` leaves idle that no server host of their cluster has the memory for their replica's
     servers for (:func:`host_short`; what :func:`shoal.plan.replicas.memory_what_if` puts to the
     test, whichever reason that gave them)."""
     return rep.short_of_host_memory
