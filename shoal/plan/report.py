@@ -117,7 +117,8 @@ def server_room(plan: Plan, scenario: Scenario, prof, device: Device | None = No
     need = servers_memory(plan.all_stages, prof, plan.sync)
     hosts = [h for h in scenario.devices if h.can_host_server]
     if device is not None:
-        mine = {region for r in plan.replicas for region in r.cluster.split("+") if device.region in r.cluster.split("+")}
+        clusters = [set(r.cluster.split("+")) for r in plan.replicas]
+        mine = set().union(*(c for c in clusters if device.region in c))
         if mine:
             hosts = [h for h in hosts if h.region in mine]
     return max((h.host_memory - need.get(h.id, 0.0) for h in hosts), default=0.0)
@@ -162,8 +163,8 @@ def idle_reason(d: Device, plan: Plan, scenario: Scenario, step_s: float,
     """``(reason, one line)`` for a device the plan leaves idle.
 
     * ``memory``: it cannot hold any of the plan's stages (under the plan's sync policy), or
-      the replica it could hold needs stage servers no server host of its cluster has the memory left for, nor,
-      in a replica plan, every stage of an even split into at most
+      the replica it could hold needs stage servers no server host of its cluster has the
+      memory left for, nor, in a replica plan, every stage of an even split into at most
       :data:`~shoal.plan.replicas.MAX_REPLICA_STAGES` (one that can is ``no benefit``: the
       planner could have built a replica of its depth). With ``what_if`` (the planner's plan
       where the hosts have that memory) a device it leaves idle there too, or one of a what-if
@@ -258,9 +259,9 @@ def idle_reason(d: Device, plan: Plan, scenario: Scenario, step_s: float,
 
 
 def host_memory_idle(rep: SwarmReport) -> list[str]:
-    """The devices ``rep`` leaves idle that no server host of their cluster has the memory for their replica's
-    servers for (:func:`host_short`; what :func:`shoal.plan.replicas.memory_what_if` puts to the
-    test, whichever reason that gave them)."""
+    """The devices ``rep`` leaves idle that no server host of their cluster has the memory for
+    their replica's servers for (:func:`host_short`; what
+    :func:`shoal.plan.replicas.memory_what_if` puts to the test, whichever reason that gave them)."""
     return rep.short_of_host_memory
 
 
